@@ -1,0 +1,96 @@
+package cpu
+
+/*
+#cgo LDFLAGS: -lopenblas
+#include <cblas.h>
+*/
+import "C"
+
+import (
+	"runtime"
+	"sync"
+	"unsafe"
+)
+
+// OpenBLAS runs single-threaded under us: this package splits work across
+// cores itself (row slabs of a GEMM, heads of attention), so BLAS threads
+// would only oversubscribe the cores and fight the Go scheduler.
+var blasInit sync.Once
+
+func initBLAS() { blasInit.Do(func() { C.openblas_set_num_threads(1) }) }
+
+// Threads is the number of worker goroutines the CPU kernels split into.
+var Threads = runtime.NumCPU()
+
+// Sgemm computes C = alpha·op(A)·op(B) + beta·C on row-major matrices, on
+// the calling goroutine only: op(A) is (m,k), op(B) is (k,n), C is (m,n);
+// transA/transB select Aᵀ/Bᵀ; lda/ldb/ldc are row strides in elements.
+func Sgemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
+	if m == 0 || n == 0 {
+		return
+	}
+	initBLAS()
+	ta, tb := uint32(C.CblasNoTrans), uint32(C.CblasNoTrans)
+	if transA {
+		ta = C.CblasTrans
+	}
+	if transB {
+		tb = C.CblasTrans
+	}
+	var pa, pb *float32
+	if k > 0 {
+		pa, pb = &a[0], &b[0]
+	}
+	C.cblas_sgemm(C.CblasRowMajor, C.enum_CBLAS_TRANSPOSE(ta), C.enum_CBLAS_TRANSPOSE(tb),
+		C.blasint(m), C.blasint(n), C.blasint(k), C.float(alpha),
+		(*C.float)(unsafe.Pointer(pa)), C.blasint(lda),
+		(*C.float)(unsafe.Pointer(pb)), C.blasint(ldb), C.float(beta),
+		(*C.float)(unsafe.Pointer(&c[0])), C.blasint(ldc))
+}
+
+// SgemmPar is Sgemm split over Threads goroutines by row slabs of C (or by
+// column slabs when m is small), for GEMMs big enough to pay for it.
+func SgemmPar(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
+	t := Threads
+	if t <= 1 || int64(m)*int64(n)*int64(k) < 1<<18 {
+		Sgemm(transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+		return
+	}
+	var wg sync.WaitGroup
+	if m >= 8*t || m >= n {
+		// Row slabs: rows [lo,hi) of C need rows [lo,hi) of op(A).
+		for i := 0; i < t; i++ {
+			lo, hi := m*i/t, m*(i+1)/t
+			if lo == hi {
+				continue
+			}
+			wg.Add(1)
+			go func(lo, hi int) {
+				defer wg.Done()
+				aoff := lo * lda
+				if transA {
+					aoff = lo
+				}
+				Sgemm(transA, transB, hi-lo, n, k, alpha, a[aoff:], lda, b, ldb, beta, c[lo*ldc:], ldc)
+			}(lo, hi)
+		}
+	} else {
+		// Column slabs: columns [lo,hi) of C need columns [lo,hi) of op(B).
+		for i := 0; i < t; i++ {
+			lo, hi := n*i/t, n*(i+1)/t
+			if lo == hi {
+				continue
+			}
+			wg.Add(1)
+			go func(lo, hi int) {
+				defer wg.Done()
+				boff := lo
+				if transB {
+					boff = lo * ldb
+				}
+				Sgemm(transA, transB, m, hi-lo, k, alpha, a, lda, b[boff:], ldb, beta, c[lo:], ldc)
+			}(lo, hi)
+		}
+	}
+	wg.Wait()
+}

