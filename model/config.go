@@ -1,0 +1,445 @@
+// Package model holds what describes a transformer checkpoint: the HF
+// config.json of the supported architectures, the safetensors format (read,
+// memory-mapped, and write), the table of tensors each architecture expects,
+// and random initialization of new checkpoints.
+//
+// Semantics follow HF transformers' modeling files (LlamaForCausalLM,
+// Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM). Anything in a
+// config.json that would change the math and that this package does not
+// implement is an error naming the field, never a silent default.
+package model
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+)
+
+// ErrConfig marks an unsupported or inconsistent config.json.
+var ErrConfig = errors.New("model: config")
+
+// Arch names an architecture family.
+type Arch string
+
+// Supported architectures (HF model_type values).
+const (
+	ArchLlama    Arch = "llama"
+	ArchQwen2    Arch = "qwen2"
+	ArchQwen3    Arch = "qwen3"
+	ArchQwen3MoE Arch = "qwen3_moe"
+)
+
+// hfClass maps an architecture to its HF class name in "architectures".
+var hfClass = map[Arch]string{
+	ArchLlama:    "LlamaForCausalLM",
+	ArchQwen2:    "Qwen2ForCausalLM",
+	ArchQwen3:    "Qwen3ForCausalLM",
+	ArchQwen3MoE: "Qwen3MoeForCausalLM",
+}
+
+// RopeScaling is rope_scaling with rope_type "llama3" (the only scaled rope
+// supported; others are a config error).
+type RopeScaling struct {
+	Factor          float64
+	LowFreqFactor   float64
+	HighFreqFactor  float64
+	OriginalMaxPos  int
+}
+
+// Config is the architecture of a checkpoint, resolved from config.json with
+// HF's per-class defaults applied.
+type Config struct {
+	Arch          Arch
+	VocabSize     int
+	Hidden        int
+	Layers        int
+	Heads         int
+	KVHeads       int
+	HeadDim       int
+	Intermediate  int
+	MaxPositions  int
+	RMSNormEps    float32
+	RopeTheta     float64
+	RopeScaling   *RopeScaling
+	TieEmbeddings bool
+	AttentionBias bool // bias on q,k,v (always for Qwen2) and, except Qwen2, on o
+	QKNorm        bool // per-head RMSNorm of q and k before RoPE (Qwen3)
+
+	// Qwen3-MoE.
+	NumExperts        int
+	ExpertsPerTok     int
+	MoEIntermediate   int
+	DecoderSparseStep int
+	NormTopKProb      bool
+	MLPOnlyLayers     []int
+
+	BOSTokenID, EOSTokenID int // -1 when absent
+}
+
+// IsMoE reports whether layer i has a sparse MoE block instead of a dense
+// MLP, with Qwen3-MoE's rule: not in mlp_only_layers, and
+// (i+1) % decoder_sparse_step == 0.
+func (c *Config) IsMoE(i int) bool {
+	if c.NumExperts == 0 {
+		return false
+	}
+	for _, l := range c.MLPOnlyLayers {
+		if l == i {
+			return false
+		}
+	}
+	return (i+1)%c.DecoderSparseStep == 0
+}
+
+// InvFreq returns RoPE's inverse frequencies (HeadDim/2), with llama3
+// scaling applied as transformers' _compute_llama3_parameters does.
+func (c *Config) InvFreq() []float32 {
+	half := c.HeadDim / 2
+	out := make([]float32, half)
+	for i := range out {
+		// torch: 1 / base**(arange(0,dim,2).float()/dim), in fp32.
+		exp := float32(2*i) / float32(c.HeadDim)
+		inv := 1 / math.Pow(c.RopeTheta, float64(exp))
+		if s := c.RopeScaling; s != nil {
+			lowWav := float64(s.OriginalMaxPos) / s.LowFreqFactor
+			highWav := float64(s.OriginalMaxPos) / s.HighFreqFactor
+			wav := 2 * math.Pi / inv
+			switch {
+			case wav > lowWav:
+				inv /= s.Factor
+			case wav >= highWav: // medium: interpolate
+				smooth := (float64(s.OriginalMaxPos)/wav - s.LowFreqFactor) / (s.HighFreqFactor - s.LowFreqFactor)
+				inv = (1-smooth)*inv/s.Factor + smooth*inv
+			}
+		}
+		out[i] = float32(inv)
+	}
+	return out
+}
+
+// Params returns the number of parameters of the checkpoint.
+func (c *Config) Params() int64 {
+	var n int64
+	for _, s := range c.Tensors() {
+		p := int64(1)
+		for _, d := range s.Shape {
+			p *= int64(d)
+		}
+		n += p
+	}
+	return n
+}
+
+// LoadConfig reads dir/config.json.
+func LoadConfig(dir string) (*Config, error) {
+	path := filepath.Join(dir, "config.json")
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v (a checkpoint directory needs config.json)", ErrConfig, err)
+	}
+	c, err := ParseConfig(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return c, nil
+}
+
+// rawConfig holds the config.json fields read; pointers tell absent from zero.
+type rawConfig struct {
+	Architectures         []string        `json:"architectures"`
+	ModelType             string          `json:"model_type"`
+	VocabSize             *int            `json:"vocab_size"`
+	HiddenSize            *int            `json:"hidden_size"`
+	NumHiddenLayers       *int            `json:"num_hidden_layers"`
+	NumAttentionHeads     *int            `json:"num_attention_heads"`
+	NumKeyValueHeads      *int            `json:"num_key_value_heads"`
+	HeadDim               *int            `json:"head_dim"`
+	IntermediateSize      *int            `json:"intermediate_size"`
+	MaxPositionEmbeddings *int            `json:"max_position_embeddings"`
+	RMSNormEps            *float64        `json:"rms_norm_eps"`
+	RopeTheta             *float64        `json:"rope_theta"`
+	RopeScaling           json.RawMessage `json:"rope_scaling"`
+	TieWordEmbeddings     *bool           `json:"tie_word_embeddings"`
+	AttentionBias         *bool           `json:"attention_bias"`
+	MLPBias               *bool           `json:"mlp_bias"`
+	HiddenAct             *string         `json:"hidden_act"`
+	UseSlidingWindow      *bool           `json:"use_sliding_window"`
+	PretrainingTP         *int            `json:"pretraining_tp"`
+	NumExperts            *int            `json:"num_experts"`
+	NumExpertsPerTok      *int            `json:"num_experts_per_tok"`
+	MoEIntermediateSize   *int            `json:"moe_intermediate_size"`
+	DecoderSparseStep     *int            `json:"decoder_sparse_step"`
+	NormTopKProb          *bool           `json:"norm_topk_prob"`
+	MLPOnlyLayers         []int           `json:"mlp_only_layers"`
+	BOSTokenID            json.RawMessage `json:"bos_token_id"`
+	EOSTokenID            json.RawMessage `json:"eos_token_id"`
+}
+
+// ParseConfig parses and validates an HF config.json.
+func ParseConfig(b []byte) (*Config, error) {
+	var r rawConfig
+	if err := json.Unmarshal(b, &r); err != nil {
+		return nil, fmt.Errorf("%w: not valid JSON: %v", ErrConfig, err)
+	}
+	arch := Arch(r.ModelType)
+	cls, ok := hfClass[arch]
+	if !ok {
+		return nil, fmt.Errorf("%w: unsupported model_type %q (supported: llama, qwen2, qwen3, qwen3_moe)", ErrConfig, r.ModelType)
+	}
+	if len(r.Architectures) > 0 && r.Architectures[0] != cls {
+		return nil, fmt.Errorf("%w: architectures %q does not match model_type %q (want %s)", ErrConfig, r.Architectures, r.ModelType, cls)
+	}
+	c := &Config{Arch: arch, BOSTokenID: firstID(r.BOSTokenID), EOSTokenID: firstID(r.EOSTokenID)}
+
+	req := func(name string, p *int, dst *int) error {
+		if p == nil {
+			return fmt.Errorf("%w: missing %s", ErrConfig, name)
+		}
+		if *p <= 0 {
+			return fmt.Errorf("%w: %s = %d, must be positive", ErrConfig, name, *p)
+		}
+		*dst = *p
+		return nil
+	}
+	for _, f := range []struct {
+		name string
+		p    *int
+		dst  *int
+	}{
+		{"vocab_size", r.VocabSize, &c.VocabSize},
+		{"hidden_size", r.HiddenSize, &c.Hidden},
+		{"num_hidden_layers", r.NumHiddenLayers, &c.Layers},
+		{"num_attention_heads", r.NumAttentionHeads, &c.Heads},
+		{"intermediate_size", r.IntermediateSize, &c.Intermediate},
+		{"max_position_embeddings", r.MaxPositionEmbeddings, &c.MaxPositions},
+	} {
+		if err := req(f.name, f.p, f.dst); err != nil {
+			return nil, err
+		}
+	}
+	c.KVHeads = c.Heads
+	if r.NumKeyValueHeads != nil {
+		c.KVHeads = *r.NumKeyValueHeads
+	}
+	if c.KVHeads <= 0 || c.Heads%c.KVHeads != 0 {
+		return nil, fmt.Errorf("%w: num_attention_heads %d is not a multiple of num_key_value_heads %d", ErrConfig, c.Heads, c.KVHeads)
+	}
+	// head_dim: explicit in Qwen3 (class default 128); Llama reads it when
+	// present; Qwen2 always derives it.
+	switch {
+	case r.HeadDim != nil && arch != ArchQwen2:
+		c.HeadDim = *r.HeadDim
+	case arch == ArchQwen3 || arch == ArchQwen3MoE:
+		c.HeadDim = 128
+	default:
+		if c.Hidden%c.Heads != 0 {
+			return nil, fmt.Errorf("%w: hidden_size %d is not divisible by num_attention_heads %d", ErrConfig, c.Hidden, c.Heads)
+		}
+		c.HeadDim = c.Hidden / c.Heads
+	}
+	if c.HeadDim <= 0 || c.HeadDim%2 != 0 {
+		return nil, fmt.Errorf("%w: head_dim %d must be positive and even (RoPE rotates pairs)", ErrConfig, c.HeadDim)
+	}
+
+	c.RMSNormEps = 1e-6
+	if arch == ArchLlama {
+		c.RMSNormEps = 1e-6 // LlamaConfig default
+	}
+	if r.RMSNormEps != nil {
+		c.RMSNormEps = float32(*r.RMSNormEps)
+	}
+	c.RopeTheta = 10000
+	if r.RopeTheta != nil {
+		c.RopeTheta = *r.RopeTheta
+	}
+	if c.RopeTheta <= 0 {
+		return nil, fmt.Errorf("%w: rope_theta %v must be positive", ErrConfig, c.RopeTheta)
+	}
+	if err := c.parseRopeScaling(r.RopeScaling); err != nil {
+		return nil, err
+	}
+	// tie_word_embeddings: PretrainedConfig default is true, but the Llama,
+	// Qwen2, Qwen3 and Qwen3-MoE configs default it to false.
+	if r.TieWordEmbeddings != nil {
+		c.TieEmbeddings = *r.TieWordEmbeddings
+	}
+	switch arch {
+	case ArchQwen2:
+		c.AttentionBias = true
+		if r.UseSlidingWindow != nil && *r.UseSlidingWindow {
+			return nil, fmt.Errorf("%w: use_sliding_window=true is not supported", ErrConfig)
+		}
+	case ArchLlama, ArchQwen3, ArchQwen3MoE:
+		if r.AttentionBias != nil {
+			c.AttentionBias = *r.AttentionBias
+		}
+	}
+	if arch == ArchQwen3 || arch == ArchQwen3MoE {
+		c.QKNorm = true
+	}
+	if r.MLPBias != nil && *r.MLPBias {
+		return nil, fmt.Errorf("%w: mlp_bias=true is not supported", ErrConfig)
+	}
+	if r.HiddenAct != nil && *r.HiddenAct != "silu" {
+		return nil, fmt.Errorf("%w: hidden_act %q is not supported (only silu)", ErrConfig, *r.HiddenAct)
+	}
+	if r.PretrainingTP != nil && *r.PretrainingTP > 1 {
+		return nil, fmt.Errorf("%w: pretraining_tp=%d is not supported (only 1)", ErrConfig, *r.PretrainingTP)
+	}
+
+	if arch == ArchQwen3MoE {
+		for _, f := range []struct {
+			name string
+			p    *int
+			dst  *int
+		}{
+			{"num_experts", r.NumExperts, &c.NumExperts},
+			{"num_experts_per_tok", r.NumExpertsPerTok, &c.ExpertsPerTok},
+			{"moe_intermediate_size", r.MoEIntermediateSize, &c.MoEIntermediate},
+		} {
+			if err := req(f.name, f.p, f.dst); err != nil {
+				return nil, err
+			}
+		}
+		c.DecoderSparseStep = 1
+		if r.DecoderSparseStep != nil {
+			c.DecoderSparseStep = *r.DecoderSparseStep
+		}
+		if c.DecoderSparseStep <= 0 {
+			return nil, fmt.Errorf("%w: decoder_sparse_step %d must be positive", ErrConfig, c.DecoderSparseStep)
+		}
+		if c.ExpertsPerTok > c.NumExperts {
+			return nil, fmt.Errorf("%w: num_experts_per_tok %d exceeds num_experts %d", ErrConfig, c.ExpertsPerTok, c.NumExperts)
+		}
+		c.NormTopKProb = false // Qwen3MoeConfig default
+		if r.NormTopKProb != nil {
+			c.NormTopKProb = *r.NormTopKProb
+		}
+		for _, l := range r.MLPOnlyLayers {
+			if l < 0 || l >= c.Layers {
+				return nil, fmt.Errorf("%w: mlp_only_layers entry %d outside [0,%d)", ErrConfig, l, c.Layers)
+			}
+		}
+		c.MLPOnlyLayers = r.MLPOnlyLayers
+	} else if r.NumExperts != nil && *r.NumExperts > 0 {
+		return nil, fmt.Errorf("%w: num_experts set for model_type %q, which has no MoE", ErrConfig, arch)
+	}
+	return c, nil
+}
+
+func (c *Config) parseRopeScaling(raw json.RawMessage) error {
+	if len(raw) == 0 || string(raw) == "null" {
+		return nil
+	}
+	var rs struct {
+		RopeType string   `json:"rope_type"`
+		Type     string   `json:"type"`
+		Factor   *float64 `json:"factor"`
+		Low      *float64 `json:"low_freq_factor"`
+		High     *float64 `json:"high_freq_factor"`
+		Orig     *int     `json:"original_max_position_embeddings"`
+	}
+	if err := json.Unmarshal(raw, &rs); err != nil {
+		return fmt.Errorf("%w: rope_scaling: %v", ErrConfig, err)
+	}
+	t := rs.RopeType
+	if t == "" {
+		t = rs.Type
+	}
+	switch t {
+	case "default", "":
+		return nil
+	case "llama3":
+	default:
+		return fmt.Errorf("%w: rope_scaling rope_type %q is not supported (only llama3)", ErrConfig, t)
+	}
+	if rs.Factor == nil || rs.Low == nil || rs.High == nil || rs.Orig == nil {
+		return fmt.Errorf("%w: rope_scaling llama3 needs factor, low_freq_factor, high_freq_factor and original_max_position_embeddings", ErrConfig)
+	}
+	if *rs.Factor <= 0 || *rs.Low <= 0 || *rs.High <= *rs.Low || *rs.Orig <= 0 {
+		return fmt.Errorf("%w: rope_scaling llama3 needs factor>0, 0<low_freq_factor<high_freq_factor, original_max_position_embeddings>0", ErrConfig)
+	}
+	c.RopeScaling = &RopeScaling{Factor: *rs.Factor, LowFreqFactor: *rs.Low, HighFreqFactor: *rs.High, OriginalMaxPos: *rs.Orig}
+	return nil
+}
+
+// firstID reads a token id that may be an int, a list of ints or null.
+func firstID(raw json.RawMessage) int {
+	var one int
+	if json.Unmarshal(raw, &one) == nil {
+		return one
+	}
+	var many []int
+	if json.Unmarshal(raw, &many) == nil && len(many) > 0 {
+		return many[0]
+	}
+	return -1
+}
+
+// JSON renders the config as an HF config.json that transformers loads.
+func (c *Config) JSON() ([]byte, error) {
+	m := map[string]any{
+		"architectures":           []string{hfClass[c.Arch]},
+		"model_type":              string(c.Arch),
+		"vocab_size":              c.VocabSize,
+		"hidden_size":             c.Hidden,
+		"num_hidden_layers":       c.Layers,
+		"num_attention_heads":     c.Heads,
+		"num_key_value_heads":     c.KVHeads,
+		"head_dim":                c.HeadDim,
+		"intermediate_size":       c.Intermediate,
+		"max_position_embeddings": c.MaxPositions,
+		"rms_norm_eps":            c.RMSNormEps,
+		"rope_theta":              c.RopeTheta,
+		"tie_word_embeddings":     c.TieEmbeddings,
+		"hidden_act":              "silu",
+		"torch_dtype":             "bfloat16",
+		"attention_dropout":       0.0,
+		"initializer_range":       0.02,
+		"use_cache":               true,
+	}
+	if c.BOSTokenID >= 0 {
+		m["bos_token_id"] = c.BOSTokenID
+	}
+	if c.EOSTokenID >= 0 {
+		m["eos_token_id"] = c.EOSTokenID
+	}
+	switch c.Arch {
+	case ArchLlama:
+		m["attention_bias"] = c.AttentionBias
+		m["mlp_bias"] = false
+		m["pretraining_tp"] = 1
+	case ArchQwen2:
+		m["use_sliding_window"] = false
+		m["sliding_window"] = nil
+		m["max_window_layers"] = c.Layers
+	case ArchQwen3, ArchQwen3MoE:
+		m["attention_bias"] = c.AttentionBias
+		m["use_sliding_window"] = false
+		m["sliding_window"] = nil
+		m["max_window_layers"] = c.Layers
+	}
+	if c.Arch == ArchQwen3MoE {
+		m["num_experts"] = c.NumExperts
+		m["num_experts_per_tok"] = c.ExpertsPerTok
+		m["moe_intermediate_size"] = c.MoEIntermediate
+		m["decoder_sparse_step"] = c.DecoderSparseStep
+		m["norm_topk_prob"] = c.NormTopKProb
+		m["mlp_only_layers"] = append([]int{}, c.MLPOnlyLayers...)
+		m["output_router_logits"] = false
+		m["router_aux_loss_coef"] = 0.001
+	}
+	if s := c.RopeScaling; s != nil {
+		m["rope_scaling"] = map[string]any{
+			"rope_type":                        "llama3",
+			"factor":                           s.Factor,
+			"low_freq_factor":                  s.LowFreqFactor,
+			"high_freq_factor":                 s.HighFreqFactor,
+			"original_max_position_embeddings": s.OriginalMaxPos,
+		}
+	}
+	return json.MarshalIndent(m, "", "  ")
+}

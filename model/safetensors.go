@@ -1,0 +1,462 @@
+package model
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"sort"
+	"syscall"
+	"unsafe"
+
+	"distill/compute"
+)
+
+// Safetensors layout (huggingface/safetensors):
+//
+//	u64 little-endian N | N bytes JSON header | data
+//
+// The header maps tensor names to {"dtype","shape","data_offsets":[b,e]}
+// with offsets relative to the start of data, plus an optional
+// "__metadata__" map of strings. A sharded checkpoint has
+// model.safetensors.index.json: {"weight_map": {name: file}}.
+
+// ErrSafetensors marks a malformed or inconsistent safetensors file.
+var ErrSafetensors = errors.New("model: safetensors")
+
+// maxHeader bounds the JSON header; real ones are well under 10 MB.
+const maxHeader = 100 << 20
+
+var dtypeSize = map[string]int{"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+// TensorInfo describes one stored tensor.
+type TensorInfo struct {
+	Name  string
+	DType string // "BF16", "F16", "F32", ...
+	Shape []int
+	File  string
+}
+
+// Numel is the element count.
+func (t TensorInfo) Numel() int {
+	n := 1
+	for _, d := range t.Shape {
+		n *= d
+	}
+	return n
+}
+
+type stFile struct {
+	path string
+	data []byte // the whole mmap'd file
+	base int    // offset of the data section
+}
+
+type stTensor struct {
+	info TensorInfo
+	f    *stFile
+	b, e int // absolute byte range in f.data
+}
+
+// Weights is a read-only, memory-mapped set of safetensors files.
+type Weights struct {
+	files   []*stFile
+	tensors map[string]*stTensor
+}
+
+// OpenWeights memory-maps the checkpoint in dir: model.safetensors, or the
+// shards named by model.safetensors.index.json, or (failing both) every
+// *.safetensors file in dir.
+func OpenWeights(dir string) (*Weights, error) {
+	w := &Weights{tensors: map[string]*stTensor{}}
+	idxPath := filepath.Join(dir, "model.safetensors.index.json")
+	var files []string
+	var weightMap map[string]string
+	if b, err := os.ReadFile(idxPath); err == nil {
+		var idx struct {
+			WeightMap map[string]string `json:"weight_map"`
+		}
+		if err := json.Unmarshal(b, &idx); err != nil {
+			return nil, fmt.Errorf("%w: %s: %v", ErrSafetensors, idxPath, err)
+		}
+		if len(idx.WeightMap) == 0 {
+			return nil, fmt.Errorf("%w: %s: empty weight_map", ErrSafetensors, idxPath)
+		}
+		weightMap = idx.WeightMap
+		seen := map[string]bool{}
+		for _, f := range idx.WeightMap {
+			if !seen[f] {
+				seen[f] = true
+				files = append(files, f)
+			}
+		}
+		sort.Strings(files)
+	} else if _, err := os.Stat(filepath.Join(dir, "model.safetensors")); err == nil {
+		files = []string{"model.safetensors"}
+	} else {
+		m, _ := filepath.Glob(filepath.Join(dir, "*.safetensors"))
+		for _, p := range m {
+			files = append(files, filepath.Base(p))
+		}
+		if len(files) == 0 {
+			return nil, fmt.Errorf("%w: no model.safetensors, model.safetensors.index.json or *.safetensors in %s", ErrSafetensors, dir)
+		}
+	}
+	for _, name := range files {
+		f, infos, err := openSafetensors(filepath.Join(dir, name))
+		if err != nil {
+			w.Close()
+			return nil, err
+		}
+		w.files = append(w.files, f)
+		for _, t := range infos {
+			if _, dup := w.tensors[t.info.Name]; dup {
+				w.Close()
+				return nil, fmt.Errorf("%w: tensor %s appears in two files (second: %s)", ErrSafetensors, t.info.Name, f.path)
+			}
+			if weightMap != nil && weightMap[t.info.Name] != name {
+				w.Close()
+				return nil, fmt.Errorf("%w: tensor %s is in %s but the index maps it to %q", ErrSafetensors, t.info.Name, name, weightMap[t.info.Name])
+			}
+			w.tensors[t.info.Name] = t
+		}
+	}
+	for name, file := range weightMap {
+		if _, ok := w.tensors[name]; !ok {
+			w.Close()
+			return nil, fmt.Errorf("%w: index maps tensor %s to %s, which does not hold it", ErrSafetensors, name, file)
+		}
+	}
+	return w, nil
+}
+
+func openSafetensors(path string) (*stFile, []*stTensor, error) {
+	fail := func(format string, a ...any) error {
+		return fmt.Errorf("%w: %s: %s", ErrSafetensors, path, fmt.Sprintf(format, a...))
+	}
+	fd, err := os.Open(path)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: %v", ErrSafetensors, err)
+	}
+	defer fd.Close()
+	st, err := fd.Stat()
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: %v", ErrSafetensors, err)
+	}
+	size := st.Size()
+	if size < 8 {
+		return nil, nil, fail("file is %d bytes, too short for a header (truncated?)", size)
+	}
+	data, err := syscall.Mmap(int(fd.Fd()), 0, int(size), syscall.PROT_READ, syscall.MAP_SHARED)
+	if err != nil {
+		return nil, nil, fail("mmap: %v", err)
+	}
+	f := &stFile{path: path, data: data}
+	ok := false
+	defer func() {
+		if !ok {
+			syscall.Munmap(data)
+		}
+	}()
+	n := binary.LittleEndian.Uint64(data[:8])
+	if n > maxHeader || int64(n) > size-8 {
+		return nil, nil, fail("header length %d overruns the %d-byte file (truncated or not safetensors)", n, size)
+	}
+	f.base = 8 + int(n)
+	var hdr map[string]json.RawMessage
+	if err := json.Unmarshal(data[8:f.base], &hdr); err != nil {
+		return nil, nil, fail("header is not valid JSON: %v", err)
+	}
+	dataLen := int(size) - f.base
+	var ts []*stTensor
+	for name, raw := range hdr {
+		if name == "__metadata__" {
+			continue
+		}
+		var e struct {
+			DType   string `json:"dtype"`
+			Shape   []int  `json:"shape"`
+			Offsets []int  `json:"data_offsets"`
+		}
+		if err := json.Unmarshal(raw, &e); err != nil {
+			return nil, nil, fail("tensor %s: bad header entry: %v", name, err)
+		}
+		es, known := dtypeSize[e.DType]
+		if !known {
+			return nil, nil, fail("tensor %s: unknown dtype %q", name, e.DType)
+		}
+		if len(e.Offsets) != 2 {
+			return nil, nil, fail("tensor %s: data_offsets must have 2 entries", name)
+		}
+		numel := 1
+		for _, d := range e.Shape {
+			if d < 0 {
+				return nil, nil, fail("tensor %s: negative dimension in shape %v", name, e.Shape)
+			}
+			numel *= d
+		}
+		b, en := e.Offsets[0], e.Offsets[1]
+		if b < 0 || en < b || en > dataLen {
+			return nil, nil, fail("tensor %s: data_offsets [%d,%d) overrun the %d data bytes (truncated file?)", name, b, en, dataLen)
+		}
+		if en-b != numel*es {
+			return nil, nil, fail("tensor %s: %s%v needs %d bytes, data_offsets give %d", name, e.DType, e.Shape, numel*es, en-b)
+		}
+		ts = append(ts, &stTensor{info: TensorInfo{Name: name, DType: e.DType, Shape: e.Shape, File: path}, f: f, b: f.base + b, e: f.base + en})
+	}
+	sort.Slice(ts, func(i, j int) bool { return ts[i].b < ts[j].b })
+	for i := 1; i < len(ts); i++ {
+		if ts[i].b < ts[i-1].e {
+			return nil, nil, fail("tensors %s and %s overlap", ts[i-1].info.Name, ts[i].info.Name)
+		}
+	}
+	ok = true
+	return f, ts, nil
+}
+
+// Close unmaps the files; tensors read before stay valid (they are copies).
+func (w *Weights) Close() error {
+	for _, f := range w.files {
+		if f.data != nil {
+			syscall.Munmap(f.data)
+			f.data = nil
+		}
+	}
+	return nil
+}
+
+// Names lists the stored tensor names, sorted.
+func (w *Weights) Names() []string {
+	out := make([]string, 0, len(w.tensors))
+	for n := range w.tensors {
+		out = append(out, n)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// Info describes tensor name.
+func (w *Weights) Info(name string) (TensorInfo, bool) {
+	t, ok := w.tensors[name]
+	if !ok {
+		return TensorInfo{}, false
+	}
+	return t.info, true
+}
+
+// Raw returns the stored bytes of name, aliasing the mapping (valid until
+// Close).
+func (w *Weights) Raw(name string) ([]byte, TensorInfo, error) {
+	t, ok := w.tensors[name]
+	if !ok {
+		return nil, TensorInfo{}, fmt.Errorf("%w: missing tensor %s", ErrSafetensors, name)
+	}
+	return t.f.data[t.b:t.e], t.info, nil
+}
+
+// F32 returns a float32 copy of a BF16, F16 or F32 tensor.
+func (w *Weights) F32(name string) ([]float32, error) {
+	raw, info, err := w.Raw(name)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]float32, info.Numel())
+	switch info.DType {
+	case "F32":
+		for i := range out {
+			out[i] = math.Float32frombits(binary.LittleEndian.Uint32(raw[4*i:]))
+		}
+	case "BF16":
+		for i := range out {
+			out[i] = compute.BF16ToF32(binary.LittleEndian.Uint16(raw[2*i:]))
+		}
+	case "F16":
+		for i := range out {
+			out[i] = compute.F16ToF32(binary.LittleEndian.Uint16(raw[2*i:]))
+		}
+	default:
+		return nil, fmt.Errorf("%w: tensor %s has dtype %s; want BF16, F16 or F32", ErrSafetensors, name, info.DType)
+	}
+	return out, nil
+}
+
+// BF16 returns the tensor as bfloat16 bits: the stored bits for BF16, and
+// F16/F32 rounded to nearest even.
+func (w *Weights) BF16(name string) ([]uint16, error) {
+	raw, info, err := w.Raw(name)
+	if err != nil {
+		return nil, err
+	}
+	if info.DType == "BF16" {
+		out := make([]uint16, info.Numel())
+		for i := range out {
+			out[i] = binary.LittleEndian.Uint16(raw[2*i:])
+		}
+		return out, nil
+	}
+	f, err := w.F32(name)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]uint16, len(f))
+	compute.NarrowBF16(out, f)
+	return out, nil
+}
+
+// Check verifies that the stored tensors are exactly those of cfg, with the
+// right shapes and a float dtype: a missing, extra or mis-shaped tensor is
+// an error naming it.
+func (w *Weights) Check(cfg *Config) error {
+	want := map[string]bool{}
+	var errs []error
+	for _, s := range cfg.Tensors() {
+		want[s.Name] = true
+		info, ok := w.Info(s.Name)
+		if !ok {
+			errs = append(errs, fmt.Errorf("missing tensor %s %v", s.Name, s.Shape))
+			continue
+		}
+		if !equalShape(info.Shape, s.Shape) {
+			errs = append(errs, fmt.Errorf("tensor %s has shape %v, config.json implies %v", s.Name, info.Shape, s.Shape))
+		}
+		if info.DType != "BF16" && info.DType != "F16" && info.DType != "F32" {
+			errs = append(errs, fmt.Errorf("tensor %s has dtype %s; want BF16, F16 or F32", s.Name, info.DType))
+		}
+	}
+	for _, n := range w.Names() {
+		if want[n] {
+			continue
+		}
+		if n == "lm_head.weight" && cfg.TieEmbeddings {
+			// Some exporters store the tied head anyway; it must equal the
+			// embedding, which we use.
+			continue
+		}
+		errs = append(errs, fmt.Errorf("unexpected tensor %s (not in a %s checkpoint of this config)", n, cfg.Arch))
+	}
+	if len(errs) > 0 {
+		if len(errs) > 8 {
+			errs = append(errs[:8], fmt.Errorf("... and %d more", len(errs)-8))
+		}
+		return fmt.Errorf("%w: checkpoint does not match config.json: %w", ErrSafetensors, errors.Join(errs...))
+	}
+	return nil
+}
+
+func equalShape(a, b []int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// Tensor is a tensor to write.
+type Tensor struct {
+	Name  string
+	DType string // "BF16", "F32", "U8", "F8_E4M3", ...
+	Shape []int
+	Data  []byte // little-endian
+}
+
+// F32Tensor packs float32 values as an F32 tensor.
+func F32Tensor(name string, shape []int, v []float32) Tensor {
+	b := make([]byte, 4*len(v))
+	for i, f := range v {
+		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(f))
+	}
+	return Tensor{Name: name, DType: "F32", Shape: shape, Data: b}
+}
+
+// BF16Tensor rounds float32 values to BF16 (nearest even).
+func BF16Tensor(name string, shape []int, v []float32) Tensor {
+	b := make([]byte, 2*len(v))
+	for i, f := range v {
+		binary.LittleEndian.PutUint16(b[2*i:], compute.F32ToBF16(f))
+	}
+	return Tensor{Name: name, DType: "BF16", Shape: shape, Data: b}
+}
+
+// WriteSafetensors writes ts to path atomically (temp file, fsync, rename),
+// in the given order, with 8-byte aligned data as the format recommends.
+func WriteSafetensors(path string, ts []Tensor, meta map[string]string) error {
+	hdr := map[string]any{}
+	if len(meta) > 0 {
+		hdr["__metadata__"] = meta
+	}
+	off := 0
+	for _, t := range ts {
+		es, ok := dtypeSize[t.DType]
+		if !ok {
+			return fmt.Errorf("%w: tensor %s: unknown dtype %q", ErrSafetensors, t.Name, t.DType)
+		}
+		n := 1
+		for _, d := range t.Shape {
+			n *= d
+		}
+		if n*es != len(t.Data) {
+			return fmt.Errorf("%w: tensor %s: %s%v needs %d bytes, got %d", ErrSafetensors, t.Name, t.DType, t.Shape, n*es, len(t.Data))
+		}
+		if _, dup := hdr[t.Name]; dup {
+			return fmt.Errorf("%w: tensor %s given twice", ErrSafetensors, t.Name)
+		}
+		shape := t.Shape
+		if shape == nil {
+			shape = []int{}
+		}
+		hdr[t.Name] = map[string]any{"dtype": t.DType, "shape": shape, "data_offsets": []int{off, off + len(t.Data)}}
+		off += len(t.Data)
+	}
+	hb, err := json.Marshal(hdr)
+	if err != nil {
+		return err
+	}
+	for len(hb)%8 != 0 {
+		hb = append(hb, ' ')
+	}
+	tmp := path + ".tmp"
+	f, err := os.Create(tmp)
+	if err != nil {
+		return err
+	}
+	var lenb [8]byte
+	binary.LittleEndian.PutUint64(lenb[:], uint64(len(hb)))
+	werr := func() error {
+		if _, err := f.Write(lenb[:]); err != nil {
+			return err
+		}
+		if _, err := f.Write(hb); err != nil {
+			return err
+		}
+		for _, t := range ts {
+			if _, err := f.Write(t.Data); err != nil {
+				return err
+			}
+		}
+		return f.Sync()
+	}()
+	if cerr := f.Close(); werr == nil {
+		werr = cerr
+	}
+	if werr != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("model: writing %s: %w", path, werr)
+	}
+	return os.Rename(tmp, path)
+}
+
+// float32Bytes views v as bytes (little-endian hosts only, which is all we
+// build for: amd64 and arm64).
+func float32Bytes(v []float32) []byte {
+	if len(v) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*len(v))
+}
