@@ -1,7 +1,8 @@
 package cpu
 
 /*
-#cgo LDFLAGS: -lopenblas
+#cgo LDFLAGS: -lopenblas -lm
+#cgo CFLAGS: -O3 -fopenmp-simd -Wall
 #include <cblas.h>
 */
 import "C"

@@ -1,0 +1,12 @@
+// Hot loops of the CPU backend. Each is compiled for x86-64-v4 (AVX-512),
+// v3 (AVX2+FMA) and baseline, picked at load time (gcc target_clones), so one
+// binary runs fast everywhere. Reductions use `omp simd` (no -ffast-math).
+#include <stdint.h>
+
+void k_rmsnorm(float *out, const float *x, const float *w, long rows, long dim, float eps);
+void k_swiglu(float *out, const float *g, const float *u, long n);
+void k_add(float *a, const float *b, long n);
+void k_softmax_causal(float *s, long rows, long ld, long first_len);
+void k_expf(float *out, const float *x, long n);
+void k_lse_topk(const float *logits, long rows, long ncols, long ld, long col0,
+                float *rmax, double *rsum, int k, float *hv, int32_t *hi, int32_t *hn);
