@@ -121,9 +121,9 @@ type Backend interface {
 
 // MoEWeights are the tensors of one Qwen3-MoE sparse block.
 type MoEWeights struct {
-	Router             Tensor   // (numExperts, hidden)
-	Gate, Up, Down     []Tensor // per expert: (inter,hidden), (inter,hidden), (hidden,inter)
-	NumExperts, TopK   int
-	Hidden, Inter      int
-	NormTopK           bool
+	Router           Tensor   // (numExperts, hidden)
+	Gate, Up, Down   []Tensor // per expert: (inter,hidden), (inter,hidden), (hidden,inter)
+	NumExperts, TopK int
+	Hidden, Inter    int
+	NormTopK         bool
 }

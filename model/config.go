@@ -43,10 +43,10 @@ var hfClass = map[Arch]string{
 // RopeScaling is rope_scaling with rope_type "llama3" (the only scaled rope
 // supported; others are a config error).
 type RopeScaling struct {
-	Factor          float64
-	LowFreqFactor   float64
-	HighFreqFactor  float64
-	OriginalMaxPos  int
+	Factor         float64
+	LowFreqFactor  float64
+	HighFreqFactor float64
+	OriginalMaxPos int
 }
 
 // Config is the architecture of a checkpoint, resolved from config.json with
