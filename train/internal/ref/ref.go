@@ -155,3 +155,107 @@ func Grad(f func() float64, x []float64, idx []int, h float64) []float64 {
 	}
 	return g
 }
+
+// KDOpts mirror loss.Options with plain types, so that this oracle does
+// not import the package it checks.
+type KDOpts struct {
+	Kind           string // fwd_kl, rev_kl, jsd
+	Beta           float64
+	Tail           string // renormalize, bucket
+	T, Tc          float64
+	ScaleT2        bool
+	KDWeight, SFTW float64
+}
+
+// KDLoss computes the mean KD+SFT loss of DESIGN.md from the full logits
+// z = x·Wᵀ held in float64: every position t with t+1 in its sample and
+// mask[t+1] = 1, student log-probs over the whole vocabulary, the teacher
+// renormalized over K (at temperature T from capture temperature Tc) or
+// given a tail bucket 1 - Σ_K p (the student's tail is 1 - Σ_K q here, a
+// different formula from the fp32 code's direct tail sum). Returns the
+// total, the mean divergence and the mean CE.
+func KDLoss(x, W []float64, C, V int, tokens, starts []int32, mask []uint8, K int, ids []int32, lps []float32, o KDOpts) (total, kd, ce float64) {
+	count := 0
+	for s := 0; s+1 < len(starts); s++ {
+		for t := int(starts[s]); t+1 < int(starts[s+1]); t++ {
+			if mask[t+1] == 0 {
+				continue
+			}
+			count++
+			z := make([]float64, V)
+			for v := 0; v < V; v++ {
+				for i := 0; i < C; i++ {
+					z[v] += x[t*C+i] * W[v*C+i]
+				}
+			}
+			lse := func(f float64) float64 {
+				m := math.Inf(-1)
+				for _, v := range z {
+					m = math.Max(m, v*f)
+				}
+				var s float64
+				for _, v := range z {
+					s += math.Exp(v*f - m)
+				}
+				return m + math.Log(s)
+			}
+			ce += lse(1) - z[tokens[t+1]]
+			if K == 0 {
+				continue
+			}
+			lT := lse(1 / o.T)
+			var p, q []float64
+			var qs, ps float64
+			for j := 0; j < K; j++ {
+				q = append(q, math.Exp(z[ids[t*K+j]]/o.T-lT))
+				qs += q[j]
+				p = append(p, math.Exp(float64(lps[t*K+j])))
+				ps += p[j]
+			}
+			if o.Tail == "renormalize" {
+				var zs float64
+				for j := range p {
+					p[j] = math.Pow(p[j], o.Tc/o.T)
+					zs += p[j]
+				}
+				for j := range p {
+					p[j] /= zs
+				}
+			} else {
+				p = append(p, math.Max(1-ps, 1e-30))
+				q = append(q, math.Max(1-qs, 1e-30))
+			}
+			kl := func(a, b []float64) float64 {
+				var s float64
+				for e := range a {
+					if a[e] > 0 {
+						s += a[e] * math.Log(a[e]/b[e])
+					}
+				}
+				return s
+			}
+			switch {
+			case o.Kind == "fwd_kl" || (o.Kind == "jsd" && o.Beta == 0):
+				kd += kl(p, q)
+			case o.Kind == "rev_kl" || (o.Kind == "jsd" && o.Beta == 1):
+				kd += kl(q, p)
+			default:
+				m := make([]float64, len(p))
+				for e := range p {
+					m[e] = o.Beta*p[e] + (1-o.Beta)*q[e]
+				}
+				kd += o.Beta*kl(p, m) + (1-o.Beta)*kl(q, m)
+			}
+		}
+	}
+	if count == 0 {
+		return 0, 0, 0
+	}
+	kd /= float64(count)
+	ce /= float64(count)
+	w := o.KDWeight
+	if o.ScaleT2 {
+		w *= o.T * o.T
+	}
+	return w*kd + o.SFTW*ce, kd, ce
+}

@@ -1,0 +1,638 @@
+// Package loss computes the student's KD + SFT loss and its gradient with
+// the LM head fused in: logits are produced in vocabulary tiles
+// (tokens x TileCols), reduced with an online log-sum-exp, and recomputed
+// tile by tile in the backward pass, so [tokens x vocab] is never held
+// (Qwen3's V = 151936 at 8k tokens would be 5 GB in fp32).
+//
+// # Definitions (DESIGN.md "Losses")
+//
+// Position t of a packed batch predicts token t+1. It counts when t+1 is
+// in the same sample and Mask[t+1] = 1 (the label is a training target);
+// the teacher's top-k at t (ids K_t, log-probs lp normalized over the full
+// vocabulary at the capture temperature) describe the distribution of t+1.
+// With student logits z and temperature T, the student log-probs are over
+// the FULL vocabulary: lq = z/T - logsumexp_V(z/T).
+//
+// Tail handling (how the mass outside K_t is treated):
+//
+//   - renormalize: the teacher is renormalized over K_t,
+//     p̃ = softmax_K(lp·Tc/T) (exact for a teacher tempered from capture
+//     temperature Tc to T, because lp differs from the teacher logits/Tc by
+//     a constant), and the student keeps its full-vocabulary lq restricted
+//     to K_t. We never renormalize the student over K_t: a student
+//     renormalized over K_t could leak any amount of probability outside
+//     the teacher's top-k at zero cost (the loss would not see it), while
+//     with full-vocabulary lq the gradient on every v outside K_t is +q_v,
+//     pushing that mass back into K_t, as the renormalized teacher asks.
+//     With k = V this is the exact full-vocabulary divergence.
+//   - bucket: a (k+1)-th bucket holds the tail, 1 - Σ_K p for the teacher
+//     and 1 - Σ_K q for the student (Megatron-LM's offline KD), so both
+//     sides are proper distributions over k+1 outcomes. The student's tail
+//     is accumulated directly as Σ_{v∉K} exp(z_v/T - m) in float64, not as
+//     1 - Σ_K q, so it keeps its digits when the top-k holds most of the
+//     mass. The teacher's tail at a temperature other than Tc is not known
+//     from a top-k, so bucket requires T = Tc.
+//
+// Divergences over the entries e (K_t, plus the tail bucket):
+//
+//   - fwd_kl = Σ p_e (log p_e - log q_e)
+//   - rev_kl = Σ q_e (log q_e - log p_e)
+//   - jsd    = β·KL(p‖m) + (1-β)·KL(q‖m), m = β·p + (1-β)·q: the
+//     generalized JSD of GKD (Agarwal et al. 2023, Eq. 1) exactly as TRL's
+//     GKDTrainer.generalized_jsd_loss computes it, including its endpoints:
+//     β = 0 is fwd_kl and β = 1 is rev_kl (the formula itself would be 0
+//     there; TRL special-cases them and so do we).
+//
+// Zero probabilities: a term p·log p with p = 0 is 0; logs of a tail bucket
+// are floored at log(1e-30) so that a rounding-level tail (teacher top-k
+// summing to 1 ± 1e-7) cannot produce an infinite loss.
+//
+// Total = KDWeight·(T² if ScaleT2)·KD + SFTWeight·CE, where CE is the
+// cross-entropy of the untempered student (T = 1) on the label, and both
+// are means over the counted positions (or divided by Options.Normalizer
+// when gradient accumulation needs a global count).
+//
+// # Gradient
+//
+// Every divergence depends on the student only through lq_e, so with
+// h_e = ∂L/∂lq_e and H = Σ_e h_e, the gradient on the tempered logits is
+// ∂L/∂s_v = h_v·[v∈K] + h_tail·q_v/q_tail·[v∉K] - q_v·H (renormalize has no
+// tail term). The backward pass needs only h and H per position, and q_v,
+// recomputed in each tile from the saved log-sum-exp.
+package loss
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"sort"
+
+	"distill/compute/cpu"
+	"distill/train/internal/fmath"
+	"distill/train/internal/par"
+)
+
+// ErrInvalid is wrapped by every error about bad options or bad targets.
+var ErrInvalid = errors.New("loss: invalid input")
+
+// Divergence selects the KD divergence (config key kd_loss).
+type Divergence string
+
+// KD divergences.
+const (
+	FwdKL Divergence = "fwd_kl"
+	RevKL Divergence = "rev_kl"
+	JSD   Divergence = "jsd"
+)
+
+// Tail selects how the teacher mass outside its top-k is handled (config
+// key tail).
+type Tail string
+
+// Tail handlings, see the package doc.
+const (
+	Renormalize Tail = "renormalize"
+	Bucket      Tail = "bucket"
+)
+
+// Options configure the loss. The zero value is not valid; see Validate.
+type Options struct {
+	KD   Divergence
+	Beta float64 // jsd interpolation in [0,1]: 0 = fwd_kl, 1 = rev_kl
+	Tail Tail
+	// Temperature T divides the student logits for the KD term (CE always
+	// uses T = 1). TeacherTemperature is the temperature the teacher's
+	// log-probs were captured at (the cache manifest's); 0 means 1.
+	Temperature, TeacherTemperature float64
+	ScaleT2                         bool // multiply KD by T², as Hinton et al.
+	KDWeight, SFTWeight             float64
+}
+
+// Validate reports the first bad option, naming the config key.
+func (o *Options) Validate() error {
+	switch o.KD {
+	case FwdKL, RevKL, JSD:
+	default:
+		return fmt.Errorf("%w: kd_loss %q: want fwd_kl, rev_kl or jsd", ErrInvalid, o.KD)
+	}
+	switch o.Tail {
+	case Renormalize, Bucket:
+	default:
+		return fmt.Errorf("%w: tail %q: want renormalize or bucket", ErrInvalid, o.Tail)
+	}
+	if o.KD == JSD && !(o.Beta >= 0 && o.Beta <= 1) {
+		return fmt.Errorf("%w: jsd beta %g: want 0 <= beta <= 1", ErrInvalid, o.Beta)
+	}
+	if !(o.Temperature > 0) || math.IsInf(o.Temperature, 0) {
+		return fmt.Errorf("%w: temperature %g: want a finite value > 0", ErrInvalid, o.Temperature)
+	}
+	if !(o.TeacherTemperature >= 0) || math.IsInf(o.TeacherTemperature, 0) {
+		return fmt.Errorf("%w: teacher temperature %g: want a finite value > 0 (0 means 1)", ErrInvalid, o.TeacherTemperature)
+	}
+	if o.Tail == Bucket && o.teacherT() != o.Temperature {
+		return fmt.Errorf("%w: tail=bucket with temperature %g but the teacher was captured at %g: the teacher's tail mass at another temperature is unknown from a top-k; use tail=renormalize or capture the teacher at temperature %g",
+			ErrInvalid, o.Temperature, o.teacherT(), o.Temperature)
+	}
+	if !(o.KDWeight >= 0) || !(o.SFTWeight >= 0) || math.IsInf(o.KDWeight, 0) || math.IsInf(o.SFTWeight, 0) {
+		return fmt.Errorf("%w: kd_weight %g, sft_weight %g: want finite values >= 0", ErrInvalid, o.KDWeight, o.SFTWeight)
+	}
+	if o.KDWeight == 0 && o.SFTWeight == 0 {
+		return fmt.Errorf("%w: kd_weight and sft_weight are both 0: nothing to train on", ErrInvalid)
+	}
+	return nil
+}
+
+func (o *Options) teacherT() float64 {
+	if o.TeacherTemperature == 0 {
+		return 1
+	}
+	return o.TeacherTemperature
+}
+
+// Targets are one packed batch's labels and teacher top-k.
+type Targets struct {
+	Tokens []int32 // (N) the packed token ids
+	Starts []int32 // (nSeq+1) sample boundaries, 0 = Starts[0] < ... < Starts[nSeq] = N
+	Mask   []uint8 // (N) 1 where the token is a training target
+	K      int     // teacher top-k per position (0 for SFT only)
+	TopIDs []int32 // (N, K) teacher ids at each position, distinct per row
+	TopLP  []float32
+	// TopLP (N, K): teacher log-probs normalized over the full vocabulary.
+}
+
+// Stats are one batch's loss values, means over the counted positions.
+type Stats struct {
+	Loss   float64 // the weighted total that the gradient is of
+	KD     float64 // the divergence, before KDWeight and T²
+	CE     float64 // cross-entropy on the labels
+	Tokens int     // counted positions
+}
+
+// Head is the fused LM head + loss. It keeps its scratch between calls.
+type Head struct {
+	V, C int // vocabulary and hidden sizes
+	// TileCols is the vocabulary tile width; 0 picks it so that one
+	// (tokens x tile) fp32 block fits in TileBytes (default 64 MiB).
+	TileCols  int
+	TileBytes int
+
+	// Per counted position (M of them), reused across calls.
+	rows          []int32   // (M) index into the batch
+	xc, dxc       []float32 // (M,C) gathered hidden states and their grads
+	tile          []float32 // (M, tile) logits / dlogits
+	mT, sT, sTail []float64 // running max (as float64), sum, non-K sum of exp(z/T - m)
+	m1, s1        []float64 // the same for T = 1 (CE), when T != 1
+	zK            []float32 // (M,K) gathered student logits at the teacher ids
+	zLab          []float32 // (M) student logit of the label
+	order         []int32   // (M,K) j indices sorted by teacher id
+	cur           []int32   // (M) cursor into order while tiles advance
+	lseT, lse1    []float32 // (M)
+	aT            []float32 // (M) coefficient of q_v for v outside K
+	cK            []float32 // (M,K) dL/dz at the teacher ids (KD part)
+	labs          []int32   // (M) label ids
+	stamp         []int32   // (V) duplicate-id detector
+}
+
+// Validate checks targets against the head and the options, naming the
+// position and the field at fault.
+func (h *Head) validate(x []float32, tg *Targets, opt *Options) error {
+	N := len(tg.Tokens)
+	if len(x) != N*h.C {
+		return fmt.Errorf("%w: hidden states have %d values, want tokens %d x hidden %d", ErrInvalid, len(x), N, h.C)
+	}
+	if len(tg.Mask) != N {
+		return fmt.Errorf("%w: mask has %d entries for %d tokens", ErrInvalid, len(tg.Mask), N)
+	}
+	if len(tg.Starts) < 2 || tg.Starts[0] != 0 || int(tg.Starts[len(tg.Starts)-1]) != N {
+		return fmt.Errorf("%w: sample starts %v must begin at 0 and end at the token count %d", ErrInvalid, head(tg.Starts), N)
+	}
+	for s := 0; s+1 < len(tg.Starts); s++ {
+		if tg.Starts[s+1] <= tg.Starts[s] {
+			return fmt.Errorf("%w: sample %d is empty or out of order (starts %d, %d)", ErrInvalid, s, tg.Starts[s], tg.Starts[s+1])
+		}
+	}
+	for t, id := range tg.Tokens {
+		if id < 0 || int(id) >= h.V {
+			return fmt.Errorf("%w: token %d has id %d outside the vocabulary [0,%d)", ErrInvalid, t, id, h.V)
+		}
+	}
+	if opt.KDWeight > 0 {
+		if tg.K <= 0 || tg.K > h.V {
+			return fmt.Errorf("%w: teacher k = %d: want 1 <= k <= vocab %d (kd_weight > 0 needs teacher top-k)", ErrInvalid, tg.K, h.V)
+		}
+		if len(tg.TopIDs) != N*tg.K || len(tg.TopLP) != N*tg.K {
+			return fmt.Errorf("%w: teacher top-k has %d ids and %d log-probs, want tokens %d x k %d", ErrInvalid, len(tg.TopIDs), len(tg.TopLP), N, tg.K)
+		}
+	}
+	return nil
+}
+
+func head(s []int32) []int32 {
+	if len(s) > 8 {
+		return s[:8]
+	}
+	return s
+}
+
+func grow32(b []float32, n int) []float32 {
+	if cap(b) < n {
+		return make([]float32, n)
+	}
+	return b[:n]
+}
+func grow64(b []float64, n int) []float64 {
+	if cap(b) < n {
+		return make([]float64, n)
+	}
+	return b[:n]
+}
+func growI(b []int32, n int) []int32 {
+	if cap(b) < n {
+		return make([]int32, n)
+	}
+	return b[:n]
+}
+
+// Forward computes the loss without gradients (evaluation).
+func (h *Head) Forward(x, w []float32, tg *Targets, opt *Options) (Stats, error) {
+	return h.run(x, w, nil, nil, tg, opt, 0)
+}
+
+// ForwardBackward computes the loss and ADDS its gradient to dx (N,C) and
+// dw (V,C). x (N,C) are the final hidden states, w (V,C) the LM head (the
+// embedding table when tied). The gradient is of Stats.Loss, or of
+// Stats.Loss·Tokens/normalizer when normalizer > 0 (gradient accumulation
+// over micro-batches divides by the global count instead).
+func (h *Head) ForwardBackward(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer float64) (Stats, error) {
+	return h.run(x, w, dx, dw, tg, opt, normalizer)
+}
+
+func (h *Head) tileCols(M int) int {
+	if h.TileCols > 0 {
+		return min(h.TileCols, h.V)
+	}
+	b := h.TileBytes
+	if b <= 0 {
+		b = 64 << 20
+	}
+	vt := b / (4 * max(M, 1))
+	vt = max(vt/64*64, 64)
+	return min(vt, h.V)
+}
+
+func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer float64) (Stats, error) {
+	if err := opt.Validate(); err != nil {
+		return Stats{}, err
+	}
+	if len(w) != h.V*h.C {
+		return Stats{}, fmt.Errorf("%w: lm_head has %d values, want vocab %d x hidden %d", ErrInvalid, len(w), h.V, h.C)
+	}
+	if err := h.validate(x, tg, opt); err != nil {
+		return Stats{}, err
+	}
+	C, V := h.C, h.V
+	useKD := opt.KDWeight > 0
+	K := 0
+	if useKD {
+		K = tg.K
+	}
+	// Counted positions: t -> label t+1 in the same sample, masked in.
+	h.rows = h.rows[:0]
+	for s := 0; s+1 < len(tg.Starts); s++ {
+		for t := tg.Starts[s]; t+1 < tg.Starts[s+1]; t++ {
+			if tg.Mask[t+1] != 0 {
+				h.rows = append(h.rows, t)
+			}
+		}
+	}
+	M := len(h.rows)
+	if M == 0 {
+		return Stats{}, nil
+	}
+	// Teacher rows of counted positions: distinct ids in range, finite
+	// log-probs <= 0 (a small positive slack absorbs cache quantization).
+	if useKD {
+		h.stamp = growI(h.stamp, V)
+		clear(h.stamp)
+		for n, t := range h.rows {
+			for j := 0; j < K; j++ {
+				id, lp := tg.TopIDs[int(t)*K+j], tg.TopLP[int(t)*K+j]
+				if id < 0 || int(id) >= V {
+					return Stats{}, fmt.Errorf("%w: teacher top-k at token %d, rank %d: id %d outside the vocabulary [0,%d)", ErrInvalid, t, j, id, V)
+				}
+				if h.stamp[id] == int32(n+1) {
+					return Stats{}, fmt.Errorf("%w: teacher top-k at token %d lists id %d twice", ErrInvalid, t, id)
+				}
+				h.stamp[id] = int32(n + 1)
+				if !(lp <= 1e-3) || math.IsInf(float64(lp), 0) {
+					return Stats{}, fmt.Errorf("%w: teacher log-prob at token %d, rank %d is %g: want a finite log-probability <= 0", ErrInvalid, t, j, lp)
+				}
+			}
+		}
+	}
+	// CE needs the untempered log-sum-exp, tracked apart when T != 1 (the
+	// CE statistic is reported even when sft_weight = 0).
+	sepCE := opt.Temperature != 1
+	invT := float32(1 / opt.Temperature)
+	h.xc = grow32(h.xc, M*C)
+	h.labs = growI(h.labs, M)
+	for n, t := range h.rows {
+		copy(h.xc[n*C:(n+1)*C], x[int(t)*C:int(t+1)*C])
+		h.labs[n] = tg.Tokens[t+1]
+	}
+	h.mT, h.sT, h.sTail = grow64(h.mT, M), grow64(h.sT, M), grow64(h.sTail, M)
+	h.m1, h.s1 = grow64(h.m1, M), grow64(h.s1, M)
+	h.zK, h.zLab = grow32(h.zK, M*K), grow32(h.zLab, M)
+	h.order, h.cur = growI(h.order, M*K), growI(h.cur, M)
+	for n := 0; n < M; n++ {
+		h.mT[n], h.m1[n] = math.Inf(-1), math.Inf(-1)
+		h.sT[n], h.sTail[n], h.s1[n] = 0, 0, 0
+		h.cur[n] = 0
+		if K > 0 {
+			o := h.order[n*K : (n+1)*K]
+			ids := tg.TopIDs[int(h.rows[n])*K:]
+			for j := range o {
+				o[j] = int32(j)
+			}
+			sort.Slice(o, func(a, b int) bool { return ids[o[a]] < ids[o[b]] })
+		}
+	}
+	vt := h.tileCols(M)
+	h.tile = grow32(h.tile, M*vt)
+
+	// Pass 1: logits tile by tile; online log-sum-exp, tail sums, gathers.
+	for v0 := 0; v0 < V; v0 += vt {
+		v1 := min(v0+vt, V)
+		n := v1 - v0
+		L := h.tile[:M*n]
+		cpu.SgemmPar(false, true, M, n, C, 1, h.xc, C, w[v0*C:], C, 0, L, n)
+		par.Rows(M, n*3, func(_, lo, hi int) {
+			for r := lo; r < hi; r++ {
+				row := L[r*n : (r+1)*n]
+				mx := float32(math.Inf(-1))
+				for _, z := range row {
+					mx = max(mx, z)
+				}
+				// T-scaled sums: m is the running max of z/T.
+				m := max(h.mT[r], float64(mx*invT))
+				if m > h.mT[r] && h.sT[r] > 0 {
+					f := math.Exp(h.mT[r] - m)
+					h.sT[r] *= f
+					h.sTail[r] *= f
+				}
+				h.mT[r] = m
+				mf := float32(m)
+				var sum float64
+				for _, z := range row {
+					sum += float64(fmath.Exp(z*invT - mf))
+				}
+				sumK := 0.0
+				if K > 0 {
+					ids := tg.TopIDs[int(h.rows[r])*K:]
+					o := h.order[r*K : (r+1)*K]
+					c := h.cur[r]
+					for ; c < int32(K) && int(ids[o[c]]) < v1; c++ {
+						j := o[c]
+						z := row[int(ids[j])-v0]
+						h.zK[r*K+int(j)] = z
+						sumK += float64(fmath.Exp(z*invT - mf))
+					}
+					h.cur[r] = c
+				}
+				h.sT[r] += sum
+				h.sTail[r] += sum - sumK
+				if lab := int(h.labs[r]); lab >= v0 && lab < v1 {
+					h.zLab[r] = row[lab-v0]
+				}
+				if sepCE {
+					m1 := max(h.m1[r], float64(mx))
+					if m1 > h.m1[r] && h.s1[r] > 0 {
+						h.s1[r] *= math.Exp(h.m1[r] - m1)
+					}
+					h.m1[r] = m1
+					m1f := float32(m1)
+					var s1 float64
+					for _, z := range row {
+						s1 += float64(fmath.Exp(z - m1f))
+					}
+					h.s1[r] += s1
+				}
+			}
+		})
+	}
+
+	// Per-position loss and gradient coefficients, in float64.
+	wkd := opt.KDWeight
+	if opt.ScaleT2 {
+		wkd *= opt.Temperature * opt.Temperature
+	}
+	norm := float64(M)
+	if normalizer > 0 {
+		norm = normalizer
+	}
+	h.lseT, h.lse1 = grow32(h.lseT, M), grow32(h.lse1, M)
+	h.aT, h.cK = grow32(h.aT, M), grow32(h.cK, M*K)
+	kdSum, ceSum := make([]float64, par.Workers()), make([]float64, par.Workers())
+	tc := opt.teacherT()
+	par.Rows(M, K*20+20, func(wk, lo, hi int) {
+		lq := make([]float64, K+1)
+		lp := make([]float64, K+1)
+		hh := make([]float64, K+1)
+		for r := lo; r < hi; r++ {
+			lseT := h.mT[r] + math.Log(h.sT[r])
+			h.lseT[r] = float32(lseT)
+			lse1 := lseT
+			if sepCE {
+				lse1 = h.m1[r] + math.Log(h.s1[r])
+			}
+			h.lse1[r] = float32(lse1)
+			ceSum[wk] += lse1 - float64(h.zLab[r])
+			if K == 0 {
+				continue
+			}
+			t := int(h.rows[r])
+			for j := 0; j < K; j++ {
+				lq[j] = float64(h.zK[r*K+j])*float64(invT) - lseT
+			}
+			n := K
+			qTail := 0.0
+			if opt.Tail == Renormalize {
+				a := lp[:K]
+				mx := math.Inf(-1)
+				for j := 0; j < K; j++ {
+					a[j] = float64(tg.TopLP[t*K+j]) * tc / opt.Temperature
+					mx = math.Max(mx, a[j])
+				}
+				var s float64
+				for j := 0; j < K; j++ {
+					s += math.Exp(a[j] - mx)
+				}
+				ls := mx + math.Log(s)
+				for j := 0; j < K; j++ {
+					a[j] -= ls
+				}
+			} else {
+				var ps float64
+				for j := 0; j < K; j++ {
+					lp[j] = float64(tg.TopLP[t*K+j])
+					ps += math.Exp(lp[j])
+				}
+				lp[K] = math.Log(math.Max(1-ps, tailFloor))
+				qTail = h.sTail[r] / h.sT[r]
+				lq[K] = math.Log(math.Max(qTail, tailFloor))
+				n = K + 1
+			}
+			kdSum[wk] += divergence(opt, lp[:n], lq[:n], hh[:n])
+			H := 0.0
+			for _, v := range hh[:n] {
+				H += v
+			}
+			c := wkd / norm * float64(invT)
+			for j := 0; j < K; j++ {
+				h.cK[r*K+j] = float32(c * (hh[j] - math.Exp(lq[j])*H))
+			}
+			a := -H
+			if n == K+1 {
+				if qTail > tailFloor {
+					a += hh[K] / qTail
+				}
+			}
+			h.aT[r] = float32(math.Max(-1e30, math.Min(1e30, c*a)))
+		}
+	})
+	var kd, ce float64
+	for i := range kdSum {
+		kd += kdSum[i]
+		ce += ceSum[i]
+	}
+	st := Stats{KD: kd / float64(M), CE: ce / float64(M), Tokens: M}
+	if !useKD {
+		st.KD = 0
+	}
+	st.Loss = wkd*st.KD + opt.SFTWeight*st.CE
+	if dx == nil {
+		return st, nil
+	}
+
+	// Pass 2: recompute each logits tile, turn it into dlogits in place,
+	// then dxc += dL·W_tile and dW_tile += dLᵀ·xc.
+	wsft := float32(opt.SFTWeight / norm)
+	sepCE = sepCE && wsft != 0
+	h.dxc = grow32(h.dxc, M*C)
+	clear(h.dxc)
+	for r := 0; r < M; r++ {
+		h.cur[r] = 0
+	}
+	for v0 := 0; v0 < V; v0 += vt {
+		v1 := min(v0+vt, V)
+		n := v1 - v0
+		L := h.tile[:M*n]
+		cpu.SgemmPar(false, true, M, n, C, 1, h.xc, C, w[v0*C:], C, 0, L, n)
+		par.Rows(M, n*4, func(_, lo, hi int) {
+			for r := lo; r < hi; r++ {
+				row := L[r*n : (r+1)*n]
+				lseT, lse1, a := h.lseT[r], h.lse1[r], h.aT[r]
+				p1 := func(z float32) float32 {
+					if sepCE {
+						return fmath.Exp(z - lse1)
+					}
+					return fmath.Exp(z*invT - lseT)
+				}
+				if K > 0 && wsft != 0 {
+					for i, z := range row {
+						q := fmath.Exp(z*invT - lseT)
+						if sepCE {
+							row[i] = a*q + wsft*fmath.Exp(z-lse1)
+						} else {
+							row[i] = (a + wsft) * q
+						}
+					}
+				} else if K > 0 {
+					for i, z := range row {
+						row[i] = a * fmath.Exp(z*invT-lseT)
+					}
+				} else {
+					for i, z := range row {
+						row[i] = wsft * p1(z)
+					}
+				}
+				if K > 0 {
+					ids := tg.TopIDs[int(h.rows[r])*K:]
+					o := h.order[r*K : (r+1)*K]
+					c := h.cur[r]
+					for ; c < int32(K) && int(ids[o[c]]) < v1; c++ {
+						j := o[c]
+						i := int(ids[j]) - v0
+						z := h.zK[r*K+int(j)]
+						row[i] = h.cK[r*K+int(j)]
+						if wsft != 0 {
+							row[i] += wsft * p1(z)
+						}
+					}
+					h.cur[r] = c
+				}
+				if lab := int(h.labs[r]); lab >= v0 && lab < v1 {
+					row[lab-v0] -= wsft
+				}
+			}
+		})
+		cpu.SgemmPar(false, false, M, C, n, 1, L, n, w[v0*C:], C, 1, h.dxc, C)
+		cpu.SgemmPar(true, false, n, C, M, 1, L, n, h.xc, C, 1, dw[v0*C:], C)
+	}
+	for n, t := range h.rows {
+		d, s := dx[int(t)*C:int(t+1)*C], h.dxc[n*C:(n+1)*C]
+		for i := range d {
+			d[i] += s[i]
+		}
+	}
+	return st, nil
+}
+
+// tailFloor bounds the tail buckets' probabilities from below inside logs.
+const tailFloor = 1e-30
+
+// divergence returns the divergence between teacher log-probs lp and
+// student log-probs lq over the same entries, and writes h_e = ∂/∂lq_e.
+func divergence(opt *Options, lp, lq, h []float64) float64 {
+	beta := opt.Beta
+	kind := opt.KD
+	if kind == JSD && beta == 0 {
+		kind = FwdKL
+	}
+	if kind == JSD && beta == 1 {
+		kind = RevKL
+	}
+	var L float64
+	switch kind {
+	case FwdKL:
+		for e := range lp {
+			p := math.Exp(lp[e])
+			h[e] = -p
+			if p > 0 {
+				L += p * (lp[e] - lq[e])
+			}
+		}
+	case RevKL:
+		for e := range lp {
+			q := math.Exp(lq[e])
+			L += q * (lq[e] - lp[e])
+			h[e] = q * (lq[e] - lp[e] + 1)
+		}
+	case JSD:
+		for e := range lp {
+			p, q := math.Exp(lp[e]), math.Exp(lq[e])
+			m := beta*p + (1-beta)*q
+			if m <= 0 {
+				h[e] = 0
+				continue
+			}
+			lm := math.Log(m)
+			if p > 0 {
+				L += beta * p * (lp[e] - lm)
+			}
+			L += (1 - beta) * q * (lq[e] - lm)
+			h[e] = (1 - beta) * q * (lq[e] - lm)
+		}
+	}
+	return L
+}
