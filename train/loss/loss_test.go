@@ -16,7 +16,7 @@ import (
 // gradients vs central finite differences of the reference (h = 1e-5) at
 // |got-want| <= 2e-6 + 2e-3·|want| (fp32 logits, fast exp with 2 ulp).
 const (
-	lossRtol          = 1e-5
+	lossRtol           = 1e-5
 	gradAtol, gradRtol = 2e-6, 2e-3
 )
 
