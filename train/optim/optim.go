@@ -1,0 +1,200 @@
+// Package optim holds the student's optimizer: AdamW with decoupled weight
+// decay exactly as torch.optim.AdamW (non-amsgrad), learning-rate schedules
+// (constant, cosine, linear; linear warmup; floor at a minimum LR), and
+// global-norm gradient clipping as torch.nn.utils.clip_grad_norm_.
+// Master weights and both moments are fp32.
+package optim
+
+import (
+	"errors"
+	"fmt"
+	"math"
+
+	"distill/train/internal/par"
+)
+
+// ErrInvalid is wrapped by every configuration error of this package.
+var ErrInvalid = errors.New("optim: invalid configuration")
+
+// Group is one parameter tensor (a view into the parameter arena) and its
+// gradient. Decay is false for norms and biases, which are not decayed
+// (the usual LLM recipe: decay only matrices and embeddings).
+type Group struct {
+	Name          string
+	Params, Grads []float32
+	Decay         bool
+}
+
+// AdamWConfig are the hyper-parameters (torch names: betas, eps,
+// weight_decay).
+type AdamWConfig struct {
+	Beta1, Beta2, Eps, WeightDecay float64
+}
+
+// Validate names the first bad hyper-parameter.
+func (c AdamWConfig) Validate() error {
+	if !(c.Beta1 >= 0 && c.Beta1 < 1) || !(c.Beta2 >= 0 && c.Beta2 < 1) {
+		return fmt.Errorf("%w: adam betas (%g, %g): want each in [0, 1)", ErrInvalid, c.Beta1, c.Beta2)
+	}
+	if !(c.Eps > 0) {
+		return fmt.Errorf("%w: adam eps %g: want > 0 (e.g. 1e-8)", ErrInvalid, c.Eps)
+	}
+	if !(c.WeightDecay >= 0) {
+		return fmt.Errorf("%w: weight_decay %g: want >= 0", ErrInvalid, c.WeightDecay)
+	}
+	return nil
+}
+
+// AdamW keeps the moments m and v (fp32, one per parameter) and the step
+// count that the bias corrections use.
+type AdamW struct {
+	Cfg    AdamWConfig
+	Groups []Group
+	M, V   [][]float32 // per group, same length as Params
+	Steps  int         // updates applied so far
+}
+
+// NewAdamW returns an optimizer over groups with zeroed moments.
+func NewAdamW(cfg AdamWConfig, groups []Group) (*AdamW, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	a := &AdamW{Cfg: cfg, Groups: groups}
+	for _, g := range groups {
+		if len(g.Params) != len(g.Grads) {
+			return nil, fmt.Errorf("%w: group %s has %d params but %d grads", ErrInvalid, g.Name, len(g.Params), len(g.Grads))
+		}
+		a.M = append(a.M, make([]float32, len(g.Params)))
+		a.V = append(a.V, make([]float32, len(g.Params)))
+	}
+	return a, nil
+}
+
+// Step applies one update at learning rate lr, as torch.optim.AdamW:
+//
+//	p ← p·(1 - lr·wd)                      (decoupled decay, Decay groups only)
+//	m ← β1·m + (1-β1)·g ;  v ← β2·v + (1-β2)·g²
+//	p ← p - lr/(1-β1ᵗ) · m / (sqrt(v)/sqrt(1-β2ᵗ) + eps)
+func (a *AdamW) Step(lr float64) {
+	a.Steps++
+	t := float64(a.Steps)
+	b1, b2 := float32(a.Cfg.Beta1), float32(a.Cfg.Beta2)
+	stepSize := float32(lr / (1 - math.Pow(a.Cfg.Beta1, t)))
+	bc2Sqrt := float32(math.Sqrt(1 - math.Pow(a.Cfg.Beta2, t)))
+	eps := float32(a.Cfg.Eps)
+	for gi, g := range a.Groups {
+		decay := float32(1)
+		if g.Decay {
+			decay = float32(1 - lr*a.Cfg.WeightDecay)
+		}
+		p, gr, m, v := g.Params, g.Grads, a.M[gi], a.V[gi]
+		par.Rows(len(p), 8, func(_, lo, hi int) {
+			for i := lo; i < hi; i++ {
+				x := gr[i]
+				p[i] *= decay
+				m[i] = b1*m[i] + (1-b1)*x
+				v[i] = b2*v[i] + (1-b2)*x*x
+				denom := float32(math.Sqrt(float64(v[i])))/bc2Sqrt + eps
+				p[i] -= stepSize * m[i] / denom
+			}
+		})
+	}
+}
+
+// ClipGradNorm scales every gradient by maxNorm/(norm+1e-6) when the global
+// L2 norm over all groups exceeds maxNorm (torch.nn.utils.clip_grad_norm_),
+// and returns the norm before clipping. maxNorm <= 0 only measures. A
+// non-finite norm is returned as is and nothing is scaled: the caller
+// should skip the step and say which loss produced it.
+func ClipGradNorm(groups []Group, maxNorm float64) float64 {
+	var ss float64
+	for _, g := range groups {
+		part := make([]float64, par.Workers())
+		par.Rows(len(g.Grads), 2, func(w, lo, hi int) {
+			var s float64
+			for _, x := range g.Grads[lo:hi] {
+				s += float64(x) * float64(x)
+			}
+			part[w] += s
+		})
+		for _, s := range part {
+			ss += s
+		}
+	}
+	norm := math.Sqrt(ss)
+	if maxNorm <= 0 || math.IsNaN(norm) || math.IsInf(norm, 0) {
+		return norm
+	}
+	coef := maxNorm / (norm + 1e-6)
+	if coef >= 1 {
+		return norm
+	}
+	c := float32(coef)
+	for _, g := range groups {
+		gr := g.Grads
+		par.Rows(len(gr), 1, func(_, lo, hi int) {
+			for i := lo; i < hi; i++ {
+				gr[i] *= c
+			}
+		})
+	}
+	return norm
+}
+
+// ScheduleKind names an LR schedule (config key lr_schedule).
+type ScheduleKind string
+
+// LR schedules.
+const (
+	Constant ScheduleKind = "constant"
+	Cosine   ScheduleKind = "cosine"
+	Linear   ScheduleKind = "linear"
+)
+
+// Schedule maps the 1-based update number to a learning rate: a linear
+// warmup from Peak/Warmup to Peak over the first Warmup updates (so the
+// first update already moves, unlike a warmup that starts at 0), then
+// constant, or a cosine or linear decay from Peak to Min reached at update
+// Total, and Min after that.
+type Schedule struct {
+	Kind          ScheduleKind
+	Peak, Min     float64
+	Warmup, Total int
+}
+
+// Validate names the first bad field.
+func (s Schedule) Validate() error {
+	switch s.Kind {
+	case Constant, Cosine, Linear:
+	default:
+		return fmt.Errorf("%w: lr_schedule %q: want constant, cosine or linear", ErrInvalid, s.Kind)
+	}
+	if !(s.Peak > 0) || !(s.Min >= 0) || s.Min > s.Peak {
+		return fmt.Errorf("%w: lr %g, min_lr %g: want 0 <= min_lr <= lr and lr > 0", ErrInvalid, s.Peak, s.Min)
+	}
+	if s.Warmup < 0 {
+		return fmt.Errorf("%w: warmup_steps %d: want >= 0", ErrInvalid, s.Warmup)
+	}
+	if s.Kind != Constant && s.Total <= s.Warmup {
+		return fmt.Errorf("%w: %s schedule needs total steps (%d) > warmup_steps (%d)", ErrInvalid, s.Kind, s.Total, s.Warmup)
+	}
+	return nil
+}
+
+// LR is the learning rate of update number step (1-based).
+func (s Schedule) LR(step int) float64 {
+	if step <= s.Warmup {
+		return s.Peak * float64(step) / float64(s.Warmup)
+	}
+	if s.Kind == Constant {
+		return s.Peak
+	}
+	if step >= s.Total {
+		return s.Min
+	}
+	prog := float64(step-s.Warmup) / float64(s.Total-s.Warmup)
+	if s.Kind == Cosine {
+		return s.Min + (s.Peak-s.Min)*0.5*(1+math.Cos(math.Pi*prog))
+	}
+	return s.Peak - (s.Peak-s.Min)*prog
+}
