@@ -1,0 +1,227 @@
+package cache
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"syscall"
+	"time"
+
+	badger "github.com/dgraph-io/badger/v4"
+)
+
+// Index key layout (format).
+const (
+	keyManifest    = 'm' // "m" -> manifest JSON
+	keyRangePrefix = 'r' // "r" + be64(start) -> ChunkInfo JSON
+	keySamplePref  = 's' // "s" + be64(index) -> be64(chunk start) + be32(row)
+)
+
+// MaxChunkSamples bounds the samples of one chunk so that its index entries
+// fit in one Badger transaction (atomic commit) under the memory cap.
+const MaxChunkSamples = 16384
+
+// Paths inside a cache directory (format).
+const (
+	lockName   = "LOCK"
+	indexDir   = "index"
+	chunksDir  = "chunks"
+	tmpDir     = "tmp"
+	ownerLock  = "owner.lock"
+	chunkExt   = ".arrow"
+	tmpFileExt = ".tmp"
+)
+
+func rangeKey(start int64) []byte {
+	k := make([]byte, 9)
+	k[0] = keyRangePrefix
+	binary.BigEndian.PutUint64(k[1:], uint64(start))
+	return k
+}
+
+func sampleKey(i int64) []byte {
+	k := make([]byte, 9)
+	k[0] = keySamplePref
+	binary.BigEndian.PutUint64(k[1:], uint64(i))
+	return k
+}
+
+func sampleValue(start int64, row uint32) []byte {
+	v := make([]byte, 12)
+	binary.BigEndian.PutUint64(v, uint64(start))
+	binary.BigEndian.PutUint32(v[8:], row)
+	return v
+}
+
+// chunkFileName is the name of the chunk covering r inside chunks/.
+func chunkFileName(r Range) string {
+	return fmt.Sprintf("%012d-%012d%s", r.Start, r.End, chunkExt)
+}
+
+// badgerOptions caps Badger's memory: one 16 MiB memtable arena (plus one
+// being flushed), 8 MiB block cache, 8 MiB index cache, 2 MiB tables, so an
+// open index stays under about 50 MiB of Go heap regardless of its size; the
+// defaults (64 MiB x 5 memtables, 256 MiB block cache) would use ~600 MiB.
+func badgerOptions(dir string, readOnly bool) badger.Options {
+	o := badger.DefaultOptions(filepath.Join(dir, indexDir))
+	o.Logger = nil
+	o.MemTableSize = 16 << 20
+	o.NumMemtables = 2
+	o.BlockCacheSize = 8 << 20
+	o.IndexCacheSize = 8 << 20
+	o.BaseTableSize = 2 << 20
+	o.ValueLogFileSize = 16 << 20
+	o.NumCompactors = 2
+	o.NumLevelZeroTables = 4
+	o.SyncWrites = true
+	o.ReadOnly = readOnly
+	o.DetectConflicts = false
+	return o
+}
+
+// dirLock is a held flock on DIR/LOCK. Writers hold it exclusively for the
+// duration of one index update (a few milliseconds per commit); readers hold
+// it shared while they load the manifest and range table. Nobody keeps the
+// Badger index open longer than that, which is how a reader can open a cache
+// while another process is filling it: Badger lets only one process open a
+// directory read-write, and its read-only mode refuses a directory whose
+// write-ahead log is live.
+type dirLock struct{ f *os.File }
+
+func lockDir(dir string, exclusive bool, timeout time.Duration) (*dirLock, error) {
+	f, err := os.OpenFile(filepath.Join(dir, lockName), os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("cache: %s: opening lock file: %w", dir, err)
+	}
+	how := syscall.LOCK_SH
+	if exclusive {
+		how = syscall.LOCK_EX
+	}
+	deadline := time.Now().Add(timeout)
+	wait := time.Millisecond
+	for {
+		err = syscall.Flock(int(f.Fd()), how|syscall.LOCK_NB)
+		if err == nil {
+			return &dirLock{f: f}, nil
+		}
+		if !errors.Is(err, syscall.EWOULDBLOCK) || time.Now().After(deadline) {
+			f.Close()
+			if errors.Is(err, syscall.EWOULDBLOCK) {
+				return nil, fmt.Errorf("%w: %s/%s held by another process for more than %v (raise Options.LockTimeout)", ErrLocked, dir, lockName, timeout)
+			}
+			return nil, fmt.Errorf("cache: %s: flock: %w", dir, err)
+		}
+		time.Sleep(wait)
+		wait = min(2*wait, 50*time.Millisecond)
+	}
+}
+
+func (l *dirLock) unlock() { l.f.Close() } // closing the fd drops the flock
+
+// indexSession is the index open under the directory lock.
+type indexSession struct {
+	lock *dirLock
+	db   *badger.DB
+}
+
+// openIndex takes the lock and opens Badger. A read-only open of an index
+// whose last writer crashed fails with badger.ErrTruncateNeeded (its log
+// has a torn tail); then we recover it once with a read-write open.
+func openIndex(dir string, write bool, timeout time.Duration) (*indexSession, error) {
+	if _, err := os.Stat(filepath.Join(dir, indexDir)); err != nil {
+		if errors.Is(err, os.ErrNotExist) && !write {
+			return nil, fmt.Errorf("%w: %s has no %s/ (create the cache with a fill first)", ErrNotCache, dir, indexDir)
+		}
+		if !errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("cache: %s: %w", dir, err)
+		}
+	}
+	for attempt := 0; ; attempt++ {
+		l, err := lockDir(dir, write, timeout)
+		if err != nil {
+			return nil, err
+		}
+		db, err := badger.Open(badgerOptions(dir, !write))
+		if err == nil {
+			return &indexSession{lock: l, db: db}, nil
+		}
+		l.unlock()
+		if !write && attempt == 0 && errors.Is(err, badger.ErrTruncateNeeded) {
+			rw, rerr := openIndex(dir, true, timeout)
+			if rerr != nil {
+				return nil, fmt.Errorf("cache: %s: index needs recovery after a crashed writer, and recovering it failed: %w", dir, rerr)
+			}
+			if rerr = rw.close(); rerr != nil {
+				return nil, rerr
+			}
+			continue
+		}
+		return nil, fmt.Errorf("cache: %s: opening index: %w", dir, err)
+	}
+}
+
+func (s *indexSession) close() error {
+	err := s.db.Close()
+	s.lock.unlock()
+	if err != nil {
+		return fmt.Errorf("cache: closing index: %w", err)
+	}
+	return nil
+}
+
+// manifest reads the manifest record (ok=false if the index has none).
+func (s *indexSession) manifest() (m Manifest, ok bool, err error) {
+	err = s.db.View(func(txn *badger.Txn) error {
+		it, err := txn.Get([]byte{keyManifest})
+		if errors.Is(err, badger.ErrKeyNotFound) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		ok = true
+		return it.Value(func(v []byte) error {
+			m, err = unmarshalManifest(v)
+			return err
+		})
+	})
+	return m, ok, err
+}
+
+// ranges returns every committed chunk sorted by start.
+func (s *indexSession) ranges() ([]ChunkInfo, error) {
+	var out []ChunkInfo
+	err := s.db.View(func(txn *badger.Txn) error {
+		o := badger.DefaultIteratorOptions
+		o.Prefix = []byte{keyRangePrefix}
+		it := txn.NewIterator(o)
+		defer it.Close()
+		for it.Rewind(); it.Valid(); it.Next() {
+			item := it.Item()
+			k := item.Key()
+			var ci ChunkInfo
+			err := item.Value(func(v []byte) error { return json.Unmarshal(v, &ci) })
+			if err != nil || len(k) != 9 || int64(binary.BigEndian.Uint64(k[1:])) != ci.Start || ci.End <= ci.Start {
+				return fmt.Errorf("%w: index range record %x: %v (value does not match key)", ErrCorrupt, k, err)
+			}
+			out = append(out, ci)
+		}
+		return nil
+	})
+	sort.Slice(out, func(a, b int) bool { return out[a].Start < out[b].Start })
+	return out, err
+}
+
+// findOverlap returns the index of the chunk in sorted rs that overlaps r,
+// or -1.
+func findOverlap(rs []ChunkInfo, r Range) int {
+	i := sort.Search(len(rs), func(i int) bool { return rs[i].End > r.Start })
+	if i < len(rs) && rs[i].Start < r.End {
+		return i
+	}
+	return -1
+}
