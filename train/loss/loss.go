@@ -193,13 +193,11 @@ type Head struct {
 	stamp         []int32   // (V) duplicate-id detector
 }
 
-// Validate checks targets against the head and the options, naming the
-// position and the field at fault.
-func (h *Head) validate(x []float32, tg *Targets, opt *Options) error {
+// Check validates the packing and the token ids of a batch for a
+// vocabulary of V (the teacher top-k is checked by the loss, per counted
+// position), naming the sample or token at fault.
+func (tg *Targets) Check(V int) error {
 	N := len(tg.Tokens)
-	if len(x) != N*h.C {
-		return fmt.Errorf("%w: hidden states have %d values, want tokens %d x hidden %d", ErrInvalid, len(x), N, h.C)
-	}
 	if len(tg.Mask) != N {
 		return fmt.Errorf("%w: mask has %d entries for %d tokens", ErrInvalid, len(tg.Mask), N)
 	}
@@ -212,9 +210,22 @@ func (h *Head) validate(x []float32, tg *Targets, opt *Options) error {
 		}
 	}
 	for t, id := range tg.Tokens {
-		if id < 0 || int(id) >= h.V {
-			return fmt.Errorf("%w: token %d has id %d outside the vocabulary [0,%d)", ErrInvalid, t, id, h.V)
+		if id < 0 || int(id) >= V {
+			return fmt.Errorf("%w: token %d has id %d outside the vocabulary [0,%d)", ErrInvalid, t, id, V)
 		}
+	}
+	return nil
+}
+
+// Validate checks targets against the head and the options, naming the
+// position and the field at fault.
+func (h *Head) validate(x []float32, tg *Targets, opt *Options) error {
+	N := len(tg.Tokens)
+	if len(x) != N*h.C {
+		return fmt.Errorf("%w: hidden states have %d values, want tokens %d x hidden %d", ErrInvalid, len(x), N, h.C)
+	}
+	if err := tg.Check(h.V); err != nil {
+		return err
 	}
 	if opt.KDWeight > 0 {
 		if tg.K <= 0 || tg.K > h.V {

@@ -4,7 +4,10 @@
 // finite differences. It is slow by design and only imported by tests.
 package ref
 
-import "math"
+import (
+	"fmt"
+	"math"
+)
 
 // F64 widens a float32 slice.
 func F64(x []float32) []float64 {
@@ -258,4 +261,59 @@ func KDLoss(x, W []float64, C, V int, tokens, starts []int32, mask []uint8, K in
 		w *= o.T * o.T
 	}
 	return w*kd + o.SFTW*ce, kd, ce
+}
+
+// ModelSpec is what the reference model needs from model.Config, as plain
+// values (this package stays free of the code under test).
+type ModelSpec struct {
+	V, C, Layers, H, KV, D, I int
+	Eps                       float64
+	QKNorm, Tied              bool
+	InvFreq                   []float32
+}
+
+// ModelLoss runs a dense Llama/Qwen2/Qwen3 decoder in float64 from HF-named
+// tensors (a missing bias or q/k norm is simply absent) and returns the
+// KD+SFT loss of KDLoss on its final hidden states.
+func ModelLoss(m ModelSpec, p map[string][]float64, tokens, starts []int32, mask []uint8, K int, ids []int32, lps []float32, o KDOpts) float64 {
+	N := len(tokens)
+	pos := make([]int32, N)
+	for s := 0; s+1 < len(starts); s++ {
+		for t := starts[s]; t < starts[s+1]; t++ {
+			pos[t] = t - starts[s]
+		}
+	}
+	x := Embedding(p["model.embed_tokens.weight"], tokens, m.C)
+	for l := 0; l < m.Layers; l++ {
+		pre := fmt.Sprintf("model.layers.%d.", l)
+		ln := RMSNorm(x, p[pre+"input_layernorm.weight"], m.C, m.Eps)
+		q := Linear(ln, p[pre+"self_attn.q_proj.weight"], p[pre+"self_attn.q_proj.bias"], m.C, m.H*m.D)
+		k := Linear(ln, p[pre+"self_attn.k_proj.weight"], p[pre+"self_attn.k_proj.bias"], m.C, m.KV*m.D)
+		v := Linear(ln, p[pre+"self_attn.v_proj.weight"], p[pre+"self_attn.v_proj.bias"], m.C, m.KV*m.D)
+		if m.QKNorm {
+			q = RMSNorm(q, p[pre+"self_attn.q_norm.weight"], m.D, m.Eps)
+			k = RMSNorm(k, p[pre+"self_attn.k_norm.weight"], m.D, m.Eps)
+		}
+		q = Rope(q, pos, m.InvFreq, m.H, m.D)
+		k = Rope(k, pos, m.InvFreq, m.KV, m.D)
+		a := Attention(q, k, v, starts, m.H, m.KV, m.D, 1/math.Sqrt(float64(m.D)))
+		o := Linear(a, p[pre+"self_attn.o_proj.weight"], p[pre+"self_attn.o_proj.bias"], m.H*m.D, m.C)
+		for i := range x {
+			x[i] += o[i]
+		}
+		ln = RMSNorm(x, p[pre+"post_attention_layernorm.weight"], m.C, m.Eps)
+		g := Linear(ln, p[pre+"mlp.gate_proj.weight"], nil, m.C, m.I)
+		u := Linear(ln, p[pre+"mlp.up_proj.weight"], nil, m.C, m.I)
+		d := Linear(SwiGLU(g, u), p[pre+"mlp.down_proj.weight"], nil, m.I, m.C)
+		for i := range x {
+			x[i] += d[i]
+		}
+	}
+	x = RMSNorm(x, p["model.norm.weight"], m.C, m.Eps)
+	head := p["lm_head.weight"]
+	if m.Tied {
+		head = p["model.embed_tokens.weight"]
+	}
+	l, _, _ := KDLoss(x, head, m.C, m.V, tokens, starts, mask, K, ids, lps, o)
+	return l
 }
