@@ -119,6 +119,14 @@ func init() {
 			if err != nil {
 				return nil, err
 			}
+			// jinja2's do_attr is a plain getattr: unlike obj.name it never
+			// falls back to obj["name"], so a dict key is not found.
+			if d, ok := v.(*Dict); ok {
+				if m, ok := method(d, name); ok {
+					return m, nil
+				}
+				return Undefined{hint: fmt.Sprintf("'dict object' has no attribute '%s'", name)}, nil
+			}
 			return getAttr(v, name)
 		},
 		"capitalize": strFilter(func(s string) string {

@@ -401,3 +401,66 @@ func convertInput(v any, path string) (any, error) {
 	}
 	return nil, bad("unsupported Go type %T; pass strings, numbers, bools, nil, slices, map[string]any, *chattmpl.Dict or values from ParseJSON", v)
 }
+
+// ParseMessages decodes a JSON array of OpenAI-style chat messages
+// ([{"role": ..., "content": ...}, ...]) into Messages, keeping the key order
+// of nested objects (tool call arguments) as Python's json.loads would.
+func ParseMessages(data []byte) ([]Message, error) {
+	v, err := ParseJSON(data)
+	if err != nil {
+		return nil, err
+	}
+	return MessagesFromValue(v)
+}
+
+// MessagesFromValue converts a value from ParseJSON (a list of dicts) into
+// Messages. A string content goes to Content; null or structured content
+// (multimodal parts) goes to Extra["content"] so the template sees it as is.
+func MessagesFromValue(v any) ([]Message, error) {
+	list, ok := v.([]any)
+	if !ok {
+		return nil, &Error{Kind: ErrInput, Msg: fmt.Sprintf("messages: expected a JSON array of message objects, got %s", typeName(v))}
+	}
+	out := make([]Message, len(list))
+	for i, e := range list {
+		d, ok := e.(*Dict)
+		if !ok {
+			return nil, &Error{Kind: ErrInput, Msg: fmt.Sprintf("messages[%d]: expected an object, got %s", i, typeName(e))}
+		}
+		m := &out[i]
+		for j, k := range d.keys {
+			key, ok := k.(string)
+			if !ok {
+				return nil, &Error{Kind: ErrInput, Msg: fmt.Sprintf("messages[%d]: non-string key %s", i, repr(k))}
+			}
+			val := d.vals[j]
+			s, isStr := val.(string)
+			switch {
+			case key == "role":
+				if !isStr {
+					return nil, &Error{Kind: ErrInput, Msg: fmt.Sprintf("messages[%d].role: expected a string, got %s", i, typeName(val))}
+				}
+				m.Role = s
+			case key == "content" && isStr:
+				m.Content = s
+			case key == "reasoning_content" && isStr && s != "":
+				m.ReasoningContent = s
+			case key == "tool_calls" && val != nil:
+				tc, ok := val.([]any)
+				if !ok {
+					return nil, &Error{Kind: ErrInput, Msg: fmt.Sprintf("messages[%d].tool_calls: expected an array, got %s", i, typeName(val))}
+				}
+				m.ToolCalls = tc
+			default:
+				if m.Extra == nil {
+					m.Extra = map[string]any{}
+				}
+				m.Extra[key] = val
+			}
+		}
+		if _, ok := d.Get("role"); !ok {
+			return nil, &Error{Kind: ErrInput, Msg: fmt.Sprintf("messages[%d]: missing \"role\"", i)}
+		}
+	}
+	return out, nil
+}
