@@ -104,9 +104,12 @@ func (r *parquetReader) open(cols ColumnMap) error {
 	return nil
 }
 
+// collectLeaves appends the parquet leaf columns under sf. (Nested fields
+// carry ColIndex 0, not -1, so IsLeaf cannot be trusted; childlessness can.)
 func collectLeaves(sf *pqarrow.SchemaField, out *[]int) {
-	if sf.IsLeaf() {
+	if len(sf.Children) == 0 {
 		*out = append(*out, sf.ColIndex)
+		return
 	}
 	for i := range sf.Children {
 		collectLeaves(&sf.Children[i], out)
@@ -131,7 +134,13 @@ func (r *parquetReader) rowGroup(g int) (*rowGroup, error) {
 		return nil, fmt.Errorf("%w: %s: row group %d: %v", ErrSource, r.path, g, err)
 	}
 	rg := &rowGroup{idx: g}
+	if int(tbl.NumCols()) != len(r.names) {
+		return nil, fmt.Errorf("%w: %s: row group %d: read %d columns, want %d", ErrSource, r.path, g, tbl.NumCols(), len(r.names))
+	}
 	for c := 0; c < int(tbl.NumCols()); c++ {
+		if got := tbl.Schema().Field(c).Name; got != r.names[c] {
+			return nil, fmt.Errorf("%w: %s: row group %d: column %d is %q, want %q", ErrSource, r.path, g, c, got, r.names[c])
+		}
 		ch := tbl.Column(c).Data().Chunks()
 		ends := make([]int64, len(ch))
 		var n int64
