@@ -865,6 +865,9 @@ func sameAs(a, b any) bool {
 	case *Namespace:
 		y, ok := b.(*Namespace)
 		return ok && x == y
+	case []any:
+		y, ok := b.([]any)
+		return ok && len(x) == len(y) && (len(x) == 0 || &x[0] == &y[0])
 	}
 	return false
 }

@@ -319,6 +319,10 @@ func formatSpec(v any, spec string) (string, error) {
 		prec, _ = strconv.Atoi(spec[1:k])
 		spec = spec[k:]
 	}
+	group := ""
+	if len(spec) > 0 && (spec[0] == ',' || spec[0] == '_') {
+		group, spec = spec[:1], spec[1:]
+	}
 	typ := byte(0)
 	if len(spec) == 1 {
 		typ = spec[0]
@@ -371,6 +375,9 @@ func formatSpec(v any, spec string) (string, error) {
 		}
 	default:
 		return "", fmt.Errorf("unsupported format type '%c'", typ)
+	}
+	if group != "" && numeric {
+		s = groupDigits(s, group)
 	}
 	if numeric && sign != "" && sign != "-" && !strings.HasPrefix(s, "-") {
 		if sign == "+" {
@@ -471,4 +478,30 @@ func strftime(f string, t time.Time) (string, error) {
 		}
 	}
 	return b.String(), nil
+}
+
+// groupDigits inserts a thousands separator into the integer part of a
+// formatted number ("{:,}").
+func groupDigits(s, sep string) string {
+	neg := strings.HasPrefix(s, "-")
+	if neg {
+		s = s[1:]
+	}
+	end := strings.IndexAny(s, ".eE%")
+	if end < 0 {
+		end = len(s)
+	}
+	intPart, rest := s[:end], s[end:]
+	var b strings.Builder
+	for i, c := range intPart {
+		if i > 0 && (len(intPart)-i)%3 == 0 {
+			b.WriteString(sep)
+		}
+		b.WriteRune(c)
+	}
+	out := b.String() + rest
+	if neg {
+		out = "-" + out
+	}
+	return out
 }
