@@ -93,7 +93,11 @@ def linear(x, W, name):
 
 
 def forward(cfg, W, ids):
-    T = len(ids)
+    """ids: one sample (list) or a batch of equal-length samples (B,T)."""
+    ids = torch.as_tensor(ids)
+    if ids.dim() == 1:
+        ids = ids[None]
+    B, T = ids.shape
     H, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     eps = cfg["rms_norm_eps"]
     inv, hd = inv_freq(cfg)
@@ -102,15 +106,15 @@ def forward(cfg, W, ids):
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos()[:, None], emb.sin()[:, None]  # (1,1,T,hd)
     mask = torch.full((T, T), float("-inf")).triu(1)
-    x = W["model.embed_tokens.weight"][torch.tensor(ids)][None]  # (1,T,H)
+    x = W["model.embed_tokens.weight"][ids]  # (B,T,H)
     qk_norm = cfg["model_type"] in ("qwen3", "qwen3_moe")
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         res = x
         h = RMSNorm(W[p + "input_layernorm.weight"], eps)(x)
-        q = linear(h, W, p + "self_attn.q_proj").view(1, T, nh, hd)
-        k = linear(h, W, p + "self_attn.k_proj").view(1, T, nkv, hd)
-        v = linear(h, W, p + "self_attn.v_proj").view(1, T, nkv, hd)
+        q = linear(h, W, p + "self_attn.q_proj").view(B, T, nh, hd)
+        k = linear(h, W, p + "self_attn.k_proj").view(B, T, nkv, hd)
+        v = linear(h, W, p + "self_attn.v_proj").view(B, T, nkv, hd)
         if qk_norm:
             q = RMSNorm(W[p + "self_attn.q_norm.weight"], eps)(q)
             k = RMSNorm(W[p + "self_attn.k_norm.weight"], eps)(k)
@@ -118,22 +122,23 @@ def forward(cfg, W, ids):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         rep = nh // nkv  # repeat_kv
-        k = k[:, :, None].expand(1, nkv, rep, T, hd).reshape(1, nh, T, hd)
-        v = v[:, :, None].expand(1, nkv, rep, T, hd).reshape(1, nh, T, hd)
+        k = k[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
+        v = v[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
         a = q @ k.transpose(2, 3) * hd**-0.5 + mask
         a = torch.softmax(a, dim=-1, dtype=torch.float32)
-        o = (a @ v).transpose(1, 2).reshape(1, T, nh * hd)
+        o = (a @ v).transpose(1, 2).reshape(B, T, nh * hd)
         x = res + linear(o, W, p + "self_attn.o_proj")
         res = x
         h = RMSNorm(W[p + "post_attention_layernorm.weight"], eps)(x)
         if p + "mlp.gate.weight" in W:
-            x = res + moe_block(cfg, W, p + "mlp.", h[0])[None]
+            x = res + moe_block(cfg, W, p + "mlp.", h.reshape(B * T, H)).view(B, T, H)
         else:
             g = linear(h, W, p + "mlp.gate_proj")
             x = res + linear(torch.nn.functional.silu(g) * linear(h, W, p + "mlp.up_proj"), W, p + "mlp.down_proj")
     x = RMSNorm(W["model.norm.weight"], eps)(x)
     head = W.get("lm_head.weight", W["model.embed_tokens.weight"])
-    return (x @ head.T)[0].float()  # (T, vocab)
+    logits = (x @ head.T).float()  # (B, T, vocab)
+    return logits[0] if B == 1 else logits
 
 
 def moe_block(cfg, W, p, h):  # Qwen3MoeSparseMoeBlock.forward

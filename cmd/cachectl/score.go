@@ -1,0 +1,68 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+
+	"distill/compute/cpu"
+	"distill/infer"
+)
+
+func init() {
+	register(&command{name: "score", summary: "print a teacher's top-k next tokens for token ids (in-process, CPU)", run: runScore})
+}
+
+func runScore(args []string) error {
+	fs := flag.NewFlagSet("cachectl score", flag.ContinueOnError)
+	modelDir := fs.String("model", "", "HF checkpoint directory (required)")
+	ids := fs.String("ids", "", `token ids: "1,2,3"; several samples separated by ";" (required)`)
+	k := fs.Int("k", 5, "top-k tokens to print per position")
+	temp := fs.Float64("temperature", 1, "capture temperature")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *modelDir == "" || *ids == "" {
+		fs.Usage()
+		return fmt.Errorf("--model and --ids are required")
+	}
+	var samples [][]int32
+	for i, part := range strings.Split(*ids, ";") {
+		var s []int32
+		for _, f := range strings.Split(part, ",") {
+			f = strings.TrimSpace(f)
+			if f == "" {
+				continue
+			}
+			v, err := strconv.ParseInt(f, 10, 32)
+			if err != nil {
+				return fmt.Errorf("--ids: sample %d: %q is not a token id", i, f)
+			}
+			s = append(s, int32(v))
+		}
+		samples = append(samples, s)
+	}
+	m, err := infer.Load(*modelDir, cpu.New())
+	if err != nil {
+		return err
+	}
+	res, err := m.TopK(samples, infer.Options{K: *k, Temperature: float32(*temp)})
+	if err != nil {
+		return err
+	}
+	fmt.Printf("teacher %s (%s, %.2fM params, vocab %d), fingerprint %.12s\n", *modelDir, m.Cfg.Arch, float64(m.Cfg.Params())/1e6, m.Cfg.VocabSize, m.Fingerprint())
+	for i, s := range samples {
+		fmt.Printf("sample %d:\n", i)
+		for p, tok := range s {
+			var b strings.Builder
+			for j := 0; j < *k; j++ {
+				e := p**k + j
+				fmt.Fprintf(&b, " %d:%.4f", res[i].IDs[e], math.Exp(float64(res[i].LogProbs[e])))
+			}
+			fmt.Printf("  pos %d token %d -> top-%d (id:prob)%s\n", p, tok, *k, b.String())
+		}
+	}
+	return nil
+}
