@@ -189,7 +189,8 @@ func (e *encoder) withBOS(text string, ids []int32, mask []uint8) ([]int32, []ui
 // assistant turn. Turn i spans from where the rendering of messages[:i] with
 // the generation prompt ends, through the end-of-turn marker that follows the
 // turn's content. Both ends are found in the full rendering, so the tokens
-// are those of one tokenization of the whole conversation.
+// are those of one tokenization of the whole conversation. Templates that
+// mark assistant output with {% generation %} give the spans directly.
 func (e *encoder) encodeChat(msgs []Message, tools any) ([]int32, []uint8, error) {
 	if e.tmpl == nil {
 		return nil, nil, tmplf("no chat template", "the tokenizer has no chat template; give one (--chat-template) or use prompt/response or text records")
@@ -202,29 +203,23 @@ func (e *encoder) encodeChat(msgs []Message, tools any) ([]int32, []uint8, error
 		}
 		vars["tools"] = tools
 	}
-	full, err := e.tmpl.Render(msgs, false, vars)
+	var (
+		full  string
+		spans [][2]int
+		err   error
+	)
+	if sr, ok := e.tmpl.(spanRenderer); ok {
+		full, spans, err = sr.RenderSpans(msgs, false, vars)
+	} else {
+		full, err = e.tmpl.Render(msgs, false, vars)
+	}
 	if err != nil {
 		return nil, nil, tmplf("render failed", "%v", err)
 	}
-	var spans [][2]int
-	prevEnd := 0
-	for i, m := range msgs {
-		if m.Role != "assistant" {
-			continue
-		}
-		start, err := e.turnStart(msgs, i, full, vars)
-		if err != nil {
+	if len(spans) == 0 {
+		if spans, err = e.assistantSpans(msgs, full, vars); err != nil {
 			return nil, nil, err
 		}
-		if start < prevEnd {
-			return nil, nil, tmplf("overlapping turns", "assistant message %d starts at byte %d, before the previous assistant turn ends (%d)", i, start, prevEnd)
-		}
-		end, err := e.turnEnd(full, start, m)
-		if err != nil {
-			return nil, nil, prefixField(err, fmt.Sprintf("messages[%d]", i))
-		}
-		spans = append(spans, [2]int{start, end})
-		prevEnd = end
 	}
 	ids, offs := e.tok.EncodeOffsets(full)
 	mask := make([]uint8, len(ids))
@@ -241,6 +236,38 @@ func (e *encoder) encodeChat(msgs []Message, tools any) ([]int32, []uint8, error
 	}
 	ids, mask = e.withBOS(full, ids, mask)
 	return ids, mask, nil
+}
+
+// spanRenderer is a Renderer that can report the spans a template marks
+// with {% generation %} itself; those are used as the assistant spans.
+type spanRenderer interface {
+	RenderSpans(msgs []Message, gen bool, vars map[string]any) (string, [][2]int, error)
+}
+
+// assistantSpans locates the assistant turns in the rendered conversation
+// full, for templates without {% generation %} markers.
+func (e *encoder) assistantSpans(msgs []Message, full string, vars map[string]any) ([][2]int, error) {
+	var spans [][2]int
+	prevEnd := 0
+	for i, m := range msgs {
+		if m.Role != "assistant" {
+			continue
+		}
+		start, err := e.turnStart(msgs, i, full, vars)
+		if err != nil {
+			return nil, err
+		}
+		if start < prevEnd {
+			return nil, tmplf("overlapping turns", "assistant message %d starts at byte %d, before the previous assistant turn ends (%d)", i, start, prevEnd)
+		}
+		end, err := e.turnEnd(full, start, m)
+		if err != nil {
+			return nil, prefixField(err, fmt.Sprintf("messages[%d]", i))
+		}
+		spans = append(spans, [2]int{start, end})
+		prevEnd = end
+	}
+	return spans, nil
 }
 
 // turnStart finds where assistant message i begins in the full rendering.

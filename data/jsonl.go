@@ -10,6 +10,8 @@ import (
 	"os"
 	"sort"
 	"unicode/utf8"
+
+	"distill/data/chattmpl"
 )
 
 // reader gives random access to the raw records of one source file. All
@@ -164,6 +166,9 @@ func (r *jsonlReader) read(rec int64) (map[string]any, string, error) {
 	}
 	buf = bytes.TrimSpace(buf)
 	obj, err := decodeJSONObject(buf)
+	if err == nil && (bytes.Contains(buf, []byte(`"tool_calls"`)) || bytes.Contains(buf, []byte(`"tools"`))) {
+		obj, err = decodeOrdered(buf)
+	}
 	return obj, loc, withLoc(err, loc)
 }
 
@@ -178,6 +183,21 @@ func decodeJSONObject(b []byte) (map[string]any, error) {
 	obj, ok := v.(map[string]any)
 	if !ok {
 		return nil, badf("", "malformed JSON", "want a JSON object per line, found %s", typeName(v))
+	}
+	return obj, nil
+}
+
+// decodeOrdered decodes a valid JSON object keeping the key order of nested
+// objects (*chattmpl.Dict), which tool calls and tool schemas need: the
+// template's tojson prints keys in the order Python's json.loads keeps.
+func decodeOrdered(b []byte) (map[string]any, error) {
+	v, err := chattmpl.ParseJSON(b)
+	if err != nil {
+		return nil, badf("", "malformed JSON", "%v", err)
+	}
+	obj, ok := asMap(v)
+	if !ok {
+		return nil, badf("", "malformed JSON", "want a JSON object per line")
 	}
 	return obj, nil
 }

@@ -7,6 +7,8 @@ import (
 	"sort"
 	"strings"
 	"unicode/utf8"
+
+	"distill/data/chattmpl"
 )
 
 // Message is one chat turn as read from a dataset. It mirrors
@@ -14,9 +16,9 @@ import (
 type Message struct {
 	Role             string
 	Content          string
-	ReasoningContent string           // "reasoning_content", used by Qwen3-style templates
-	ToolCalls        []map[string]any // "tool_calls" of an assistant turn
-	Extra            map[string]any   // every other key of the message (name, tool_call_id, ...)
+	ReasoningContent string         // "reasoning_content", used by Qwen3-style templates
+	ToolCalls        []any          // "tool_calls" of an assistant turn: objects (map or *chattmpl.Dict)
+	Extra            map[string]any // every other key of the message (name, tool_call_id, ...)
 }
 
 // ColumnMap renames the fields a source's records are read from. Empty
@@ -157,7 +159,7 @@ func parseChat(obj map[string]any, c ColumnMap) (*record, error) {
 	assistant := false
 	for i, v := range list {
 		field := fmt.Sprintf("%s[%d]", c.Messages, i)
-		m, ok := v.(map[string]any)
+		m, ok := asMap(v)
 		if !ok {
 			return nil, badf(field, "wrong type", "want a {%q, %q} object, found %s", c.Role, c.Content, typeName(v))
 		}
@@ -193,12 +195,11 @@ func parseChat(obj map[string]any, c ColumnMap) (*record, error) {
 					return nil, badf(field+".tool_calls", "wrong type", "want a list of objects, found %s", typeName(x))
 				}
 				for j, cv := range calls {
-					cm, ok := cv.(map[string]any)
-					if !ok {
+					if !isObject(cv) {
 						return nil, badf(fmt.Sprintf("%s.tool_calls[%d]", field, j), "wrong type", "want an object, found %s", typeName(cv))
 					}
-					msg.ToolCalls = append(msg.ToolCalls, cm)
 				}
+				msg.ToolCalls = calls
 			default:
 				if msg.Extra == nil {
 					msg.Extra = map[string]any{}
@@ -219,6 +220,35 @@ func parseChat(obj map[string]any, c ColumnMap) (*record, error) {
 			"the conversation has no assistant message, so completion-only loss has no targets")
 	}
 	return r, nil
+}
+
+// asMap returns an object as map[string]any; ordered objects (*chattmpl.Dict,
+// used when key order matters to tojson) are flattened one level, keeping
+// their nested values ordered.
+func asMap(v any) (map[string]any, bool) {
+	switch t := v.(type) {
+	case map[string]any:
+		return t, true
+	case *chattmpl.Dict:
+		m := make(map[string]any, t.Len())
+		for _, k := range t.Keys() {
+			ks, ok := k.(string)
+			if !ok {
+				return nil, false
+			}
+			m[ks], _ = t.Get(k)
+		}
+		return m, true
+	}
+	return nil, false
+}
+
+func isObject(v any) bool {
+	switch v.(type) {
+	case map[string]any, *chattmpl.Dict:
+		return true
+	}
+	return false
 }
 
 func prefixField(err error, field string) error {
@@ -315,7 +345,7 @@ func typeName(v any) string {
 		return "a boolean"
 	case []any:
 		return "a list"
-	case map[string]any:
+	case map[string]any, *chattmpl.Dict:
 		return "an object"
 	}
 	return fmt.Sprintf("%T", v)
