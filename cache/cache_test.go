@@ -1,0 +1,379 @@
+package cache
+
+import (
+	"errors"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"distill/cache/cachetest"
+)
+
+// Small caches for the behaviour tests: deterministic content per index so
+// that a reopened cache can be compared with what was written.
+const (
+	tV = 3000
+	tK = 8
+)
+
+func testManifest(samples int64, enc Encoding) Manifest {
+	return Manifest{TeacherFingerprint: "teacher-A", TokenizerFingerprint: "tok-A", DatasetFingerprint: "data-A",
+		VocabSize: tV, K: tK, Temperature: 1, Samples: samples, Encoding: enc}
+}
+
+func testSample(i int64) Sample {
+	g := cachetest.New(tV, tK, "bpe", uint64(i)+100)
+	g.Exact = 600 // fast; the tail still enters the log-sum-exp
+	gs := g.Sample(3 + int(i%11))
+	return Sample{Index: i, Tokens: gs.Tokens, Mask: gs.Mask, TopKIDs: gs.TopKIDs, TopKLogProbs: gs.TopKLogProbs}
+}
+
+func fillRange(t testing.TB, c *Cache, a, b int64) {
+	t.Helper()
+	w, err := c.BeginChunk(a, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := a; i < b; i++ {
+		if err := w.Add(testSample(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := w.Commit(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func sameSample(t testing.TB, got, want Sample) {
+	t.Helper()
+	if got.Index != want.Index || len(got.Tokens) != len(want.Tokens) || len(got.TopKIDs) != len(want.TopKIDs) {
+		t.Fatalf("sample %d: got index %d, %d tokens, %d entries; want %d tokens, %d entries", want.Index, got.Index, len(got.Tokens), len(got.TopKIDs), len(want.Tokens), len(want.TopKIDs))
+	}
+	for p := range want.Tokens {
+		if got.Tokens[p] != want.Tokens[p] || got.Mask[p] != want.Mask[p] {
+			t.Fatalf("sample %d position %d: token/mask (%d,%d), want (%d,%d)", want.Index, p, got.Tokens[p], got.Mask[p], want.Tokens[p], want.Mask[p])
+		}
+	}
+	for e := range want.TopKIDs {
+		if got.TopKIDs[e] != want.TopKIDs[e] || math.Float32bits(got.TopKLogProbs[e]) != math.Float32bits(want.TopKLogProbs[e]) {
+			t.Fatalf("sample %d entry %d: (%d, %v), want (%d, %v)", want.Index, e, got.TopKIDs[e], got.TopKLogProbs[e], want.TopKIDs[e], want.TopKLogProbs[e])
+		}
+	}
+}
+
+func mustCheck(t testing.TB, dir string) *CheckReport {
+	t.Helper()
+	rep, err := Check(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !rep.OK() {
+		t.Fatalf("check %s: %d problems:\n%s", dir, len(rep.Problems), strings.Join(rep.Problems, "\n"))
+	}
+	return rep
+}
+
+func TestWriteReadMissingRefill(t *testing.T) {
+	dir := t.TempDir()
+	c, err := Create(dir, testManifest(50, EncodingLossless), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fillRange(t, c, 0, 10)
+	fillRange(t, c, 10, 25)
+	fillRange(t, c, 30, 40)
+	miss, err := c.Missing(0, 50)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []Range{{25, 30}, {40, 50}}; len(miss) != 2 || miss[0] != want[0] || miss[1] != want[1] {
+		t.Fatalf("Missing = %v, want %v", miss, want)
+	}
+	if _, err := c.BeginChunk(10, 25); !errors.Is(err, ErrRangeDone) {
+		t.Fatalf("re-filling a done range: err %v, want ErrRangeDone", err)
+	}
+	if _, err := c.BeginChunk(20, 30); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "[10, 25)") {
+		t.Fatalf("partly overlapping range: err %v, want ErrInvalid naming [10, 25)", err)
+	}
+	if _, err := c.BeginChunk(45, 51); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("range past samples: err %v", err)
+	}
+	// A second writer that races for the same range: the later commit is a
+	// no-op and the range exists once.
+	w1, err := c.BeginChunk(25, 30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w2, _ := c.BeginChunk(25, 30)
+	for i := int64(25); i < 30; i++ {
+		w1.Add(testSample(i))
+		w2.Add(testSample(i))
+	}
+	if err := w1.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if err := w2.Commit(); err != nil {
+		t.Fatalf("second commit of the same range: %v, want a no-op", err)
+	}
+	rep := mustCheck(t, dir)
+	if rep.Chunks != 4 || rep.Samples != 40 {
+		t.Fatalf("check: %d chunks %d samples, want 4 and 40", rep.Chunks, rep.Samples)
+	}
+	r, err := OpenReader(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(0); i < 50; i++ {
+		s, err := r.Get(i)
+		if (i >= 30 && i < 40) || i < 30 {
+			if err != nil {
+				t.Fatal(err)
+			}
+			sameSample(t, s, testSample(i))
+		} else if !errors.Is(err, ErrNotFound) {
+			t.Fatalf("Get(%d) of a missing sample: %v, want ErrNotFound", i, err)
+		}
+	}
+}
+
+func TestAddRejectsBadSamples(t *testing.T) {
+	c, err := Create(t.TempDir(), testManifest(10, EncodingCompact), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	cases := []struct {
+		name string
+		edit func(s *Sample)
+		want string
+	}{
+		{"index", func(s *Sample) { s.Index = 3 }, "want 0"},
+		{"mask", func(s *Sample) { s.Mask = s.Mask[1:] }, "loss mask has"},
+		{"ids", func(s *Sample) { s.TopKIDs = s.TopKIDs[1:] }, "want T*K"},
+		{"vocab", func(s *Sample) { s.TopKIDs[5] = tV }, "outside vocab"},
+		{"token", func(s *Sample) { s.Tokens[1] = -1 }, "token -1 at position 1"},
+		{"dup", func(s *Sample) { s.TopKIDs[1] = s.TopKIDs[0] }, "appears in slots 0 and 1"},
+		{"nan", func(s *Sample) { s.TopKLogProbs[2] = float32(math.NaN()) }, "NaN"},
+		{"order", func(s *Sample) { s.TopKLogProbs[0], s.TopKLogProbs[1] = s.TopKLogProbs[1], s.TopKLogProbs[0] }, "not sorted"},
+		{"mass", func(s *Sample) {
+			for j := 0; j < tK; j++ {
+				s.TopKLogProbs[j] = -0.5
+			}
+		}, "sum to"},
+	}
+	for _, tc := range cases {
+		w, err := c.BeginChunk(0, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := testSample(0)
+		tc.edit(&s)
+		err = w.Add(s)
+		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "sample") {
+			t.Errorf("%s: err %v, want ErrInvalid containing %q", tc.name, err, tc.want)
+		}
+		w.Abort()
+	}
+}
+
+func TestManifestMismatchAndMultiDir(t *testing.T) {
+	a, b, bad := t.TempDir(), t.TempDir(), t.TempDir()
+	ca, err := Create(a, testManifest(40, EncodingLossless), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fillRange(t, ca, 0, 10)
+	ca.Close()
+	cb, err := Create(b, testManifest(40, EncodingLossless), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fillRange(t, cb, 10, 20)
+	fillRange(t, cb, 0, 10) // the same range in both directories: allowed
+	cb.Close()
+	for _, tc := range []struct {
+		edit  func(m *Manifest)
+		field string
+	}{
+		{func(m *Manifest) { m.K = 16 }, "field k "},
+		{func(m *Manifest) { m.TokenizerFingerprint = "tok-B" }, "field tokenizer_fingerprint"},
+		{func(m *Manifest) { m.VocabSize = 5000 }, "field vocab_size"},
+	} {
+		m := testManifest(40, EncodingLossless)
+		tc.edit(&m)
+		_, err := Create(a, m, nil)
+		if !errors.Is(err, ErrManifestMismatch) || !strings.Contains(err.Error(), tc.field) {
+			t.Errorf("Create on a cache with another manifest: %v, want ErrManifestMismatch naming %q", err, tc.field)
+		}
+		m2 := testManifest(40, EncodingLossless)
+		tc.edit(&m2)
+		d := filepath.Join(bad, m2.TokenizerFingerprint+"-"+string(rune('a'+m2.K)))
+		cx, err := Create(d, m2, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cx.Close()
+		_, err = OpenReader(a, d)
+		if !errors.Is(err, ErrManifestMismatch) || !strings.Contains(err.Error(), tc.field) || !strings.Contains(err.Error(), d) {
+			t.Errorf("OpenReader of disagreeing dirs: %v, want ErrManifestMismatch naming %q and %s", err, tc.field, d)
+		}
+	}
+	r, err := OpenReader(a, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Samples() != 20 || len(r.Chunks()) != 2 {
+		t.Fatalf("two dirs as one: %d samples in %d chunks, want 20 in 2", r.Samples(), len(r.Chunks()))
+	}
+	for i := int64(0); i < 20; i++ {
+		s, err := r.Get(i)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sameSample(t, s, testSample(i))
+	}
+	if miss := r.Missing(); len(miss) != 1 || miss[0] != (Range{20, 40}) {
+		t.Fatalf("Missing = %v", miss)
+	}
+}
+
+func TestIterShardedShuffled(t *testing.T) {
+	dir := t.TempDir()
+	c, err := Create(dir, testManifest(64, EncodingCompact), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for a := int64(0); a < 61; a += 7 {
+		fillRange(t, c, a, min(a+7, 61))
+	}
+	c.Close()
+	r, err := OpenReader(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	order := func(seed uint64, rank, world int) []int64 {
+		it, err := r.Iter(IterOptions{Seed: seed, Rank: rank, World: world, Window: 2, ReadAhead: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer it.Close()
+		var out []int64
+		for it.Next() {
+			s := it.Sample()
+			if len(s.TopKIDs) != len(s.Tokens)*tK {
+				t.Fatalf("sample %d: %d entries for %d tokens", s.Index, len(s.TopKIDs), len(s.Tokens))
+			}
+			out = append(out, s.Index)
+		}
+		if it.Err() != nil {
+			t.Fatal(it.Err())
+		}
+		return out
+	}
+	seen := map[int64]int{}
+	for rank := 0; rank < 3; rank++ {
+		o := order(5, rank, 3)
+		if len(o) != 61/3 {
+			t.Fatalf("rank %d got %d samples, want %d", rank, len(o), 61/3)
+		}
+		for _, i := range o {
+			seen[i]++
+		}
+	}
+	if len(seen) != 60 {
+		t.Fatalf("3 ranks saw %d distinct samples, want 60 (61 minus the remainder)", len(seen))
+	}
+	for i, n := range seen {
+		if n != 1 || i < 0 || i >= 61 {
+			t.Fatalf("sample %d seen %d times", i, n)
+		}
+	}
+	all1, all2, other := order(5, 0, 1), order(5, 0, 1), order(6, 0, 1)
+	if len(all1) != 61 || strings.Join(fmtInts(all1), ",") != strings.Join(fmtInts(all2), ",") {
+		t.Fatal("same seed gave a different order")
+	}
+	if strings.Join(fmtInts(all1), ",") == strings.Join(fmtInts(other), ",") {
+		t.Fatal("another seed gave the same order")
+	}
+	inOrder := 0
+	for i := 1; i < len(all1); i++ {
+		if all1[i] == all1[i-1]+1 {
+			inOrder++
+		}
+	}
+	if inOrder > len(all1)/3 {
+		t.Fatalf("order barely shuffled: %v", all1)
+	}
+	seq, err := r.Iter(IterOptions{Sequential: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(0); seq.Next(); i++ {
+		if seq.Sample().Index != i {
+			t.Fatalf("sequential: got %d at %d", seq.Sample().Index, i)
+		}
+	}
+	seq.Close()
+}
+
+func fmtInts(v []int64) []string {
+	s := make([]string, len(v))
+	for i, x := range v {
+		s[i] = string(rune('0' + x%64))
+	}
+	return s
+}
+
+func TestCorruptionIsReported(t *testing.T) {
+	for _, kind := range []string{"flip", "truncate", "missing"} {
+		t.Run(kind, func(t *testing.T) {
+			dir := t.TempDir()
+			c, err := Create(dir, testManifest(20, EncodingCompact), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			fillRange(t, c, 0, 10)
+			fillRange(t, c, 10, 20)
+			c.Close()
+			path := filepath.Join(dir, chunksDir, chunkFileName(Range{10, 20}))
+			data, _ := os.ReadFile(path)
+			switch kind {
+			case "flip":
+				data[len(data)/2] ^= 0x10
+				os.WriteFile(path, data, 0o644)
+			case "truncate":
+				os.WriteFile(path, data[:len(data)-100], 0o644)
+			case "missing":
+				os.Remove(path)
+			}
+			r, err := OpenReader(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := r.Get(3); err != nil {
+				t.Fatalf("the intact chunk must stay readable: %v", err)
+			}
+			_, err = r.Get(15)
+			if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), chunkFileName(Range{10, 20})) || !strings.Contains(err.Error(), "[10, 20)") {
+				t.Fatalf("Get from a %s chunk: %v, want ErrCorrupt naming the chunk and its samples", kind, err)
+			}
+			it, _ := r.Iter(IterOptions{Seed: 1})
+			for it.Next() {
+			}
+			if !errors.Is(it.Err(), ErrCorrupt) {
+				t.Fatalf("Iter over a %s chunk: %v, want ErrCorrupt", kind, it.Err())
+			}
+			it.Close()
+			rep, err := Check(dir, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if rep.OK() || !strings.Contains(strings.Join(rep.Problems, "\n"), chunkFileName(Range{10, 20})) {
+				t.Fatalf("Check of a %s chunk: problems %q", kind, rep.Problems)
+			}
+		})
+	}
+}
