@@ -1,0 +1,150 @@
+// Package cache is the on-disk cache of teacher top-k distributions used
+// for offline knowledge distillation, and this comment is its format spec.
+//
+// # What is stored
+//
+// A dataset has Manifest.Samples samples, indexed [0, Samples). Sample i
+// has T tokens; for every position t in [0, T) the cache holds the
+// teacher's top-K next-token distribution after reading tokens[0..t] (the
+// prediction of token t+1): K token ids sorted by descending probability
+// and their log-probs normalized over the full vocabulary, so the tail mass
+// 1 - sum_K exp(lp) is known. It also holds the tokens and the loss mask
+// (mask[t] = 1: token t is a training target).
+//
+// # Directory layout
+//
+//	DIR/
+//	  LOCK                       flock: exclusive while the index is written,
+//	                             shared while it is read (see below)
+//	  index/                     Badger v4 database (keys below)
+//	  chunks/AAAAAAAAAAAA-BBBBBBBBBBBB.arrow
+//	                             immutable Arrow IPC file of samples [A, B),
+//	                             A and B zero-padded to 12 digits
+//	  tmp/<pid>-<hex>/           a live writer's private directory:
+//	    owner.lock               flocked by that writer while it lives
+//	    <chunk name>.tmp         a chunk being written
+//
+// Nothing else in DIR matters; a cache directory can be copied with cp -r
+// or rsync when no writer runs.
+//
+// # Index key layout (Badger)
+//
+//	"m"                 -> manifest, JSON (Manifest)
+//	"r" + be64(A)       -> chunk record, JSON (ChunkInfo): start A, end B,
+//	                       file name, byte size, CRC-32C (Castagnoli) of the
+//	                       whole file, token count
+//	"s" + be64(i)       -> be64(A) + be32(i - A): sample i lives in the
+//	                       chunk starting at A, row i - A
+//
+// A range is "done" exactly when its "r" record exists; the per-chunk
+// checksums of the manifest are the CRC-32C fields of the "r" records.
+//
+// # Chunk files
+//
+// One Arrow IPC file (format version 1 of this package, Arrow IPC file
+// format, buffers zstd-compressed where that saves at least 5%) with one
+// record batch, one row per sample in index order, and schema metadata
+// distill.format_version, distill.encoding, distill.k, distill.vocab_size,
+// distill.range_start, distill.range_end. All columns are plain Arrow types
+// that pyarrow reads (pyarrow.ipc.open_file). With T the row's token count
+// and K the manifest's k, the columns are:
+//
+//	index       int64         sample index
+//	input_ids   list<int32>   (T) token ids
+//	loss_mask   list<uint8>   (T) 0 or 1
+//	id_dict     list<int32>   the chunk's id dictionary in row 0, empty in
+//	                          the other rows: the distinct top-k ids of the
+//	                          chunk by descending frequency
+//	id_code0..2 list<uint8>   (T*K) byte planes of the dictionary code
+//
+//	topk_ids[t,j] = id_dict[0][id_code0[t*K+j] + 256*id_code1[t*K+j] + 65536*id_code2[t*K+j]]
+//
+// Byte planes and the frequency-ordered dictionary make zstd see small,
+// skewed bytes; ids are always exact. The log-probs depend on the encoding.
+//
+// Lossless (Manifest.Encoding "lossless"):
+//
+//	lp_bits0..3 list<uint8>   (T*K) byte planes of the float32 bits
+//	topk_logprobs[t,j] = float32frombits(b0 + b1<<8 + b2<<16 + b3<<24)
+//
+// Compact (Manifest.Encoding "compact"), an integer closed-loop delta code
+// in units of 1/4096 nat:
+//
+//	lp_top      list<uint16>  (T)       -lp[t,0] * 4096, rounded
+//	lp_delta0,1 list<uint8>   (T*(K-1)) byte planes of d[t,j], j = 1..K-1
+//	acc[t,0] = lp_top[t]; acc[t,j] = acc[t,j-1] + 64 * d[t,j]
+//	topk_logprobs[t,j] = -acc[t,j] / 4096   (computed in float32)
+//
+// The encoder picks d[t,j] from the reconstructed previous value, so
+// errors do not accumulate: |error| <= 1/8192 nat for j = 0 and <= 1/128
+// nat for j >= 1 (relative probability error <= 0.8%), down to log-probs
+// of about -1000 (lower ones, -Inf included, saturate there). Decoded
+// values stay sorted; their sum may exceed the true top-k mass by that
+// relative error, so consumers clamp the tail mass at 0.
+//
+// Format constants (changing any needs a FormatVersion bump): the key
+// layout and prefixes above, the column names and their order, the
+// metadata keys, lpTopScale = 4096, lpDeltaUnit = 64, the file naming,
+// CRC-32C as checksum, and MaxChunkSamples (16384, bounds an index
+// transaction).
+//
+// # Sizes (BenchmarkEncodingSize, k = 64, V = 151936)
+//
+// On the synthetic teacher of package cachetest (Zipf ranks, peaked
+// contexts, mean top-1 probability 0.58): compact 1.87 bytes per
+// (position, k) entry including ids (120 B/token), KD loss (forward KL
+// with a tail bucket, float64) from decoded values within 1e-4 relative of
+// the exact one; lossless 3.98 bytes per entry (255 B/token). The figures
+// are the same with randomly permuted ids thanks to the dictionary. For
+// scale: Megatron-LM's offline KD stores ~528 B/token before zstd at
+// k = 128, DistillKit quotes ~300 B/token at k = 128.
+//
+// # Writing and crash safety
+//
+// A writer (Create/Open, one Cache per process, any number of processes)
+// fills ranges: BeginChunk(A, B), Add each sample in order, Commit. Commit
+// encodes the chunk, writes it to tmp/<writer>/, fsyncs and closes it;
+// then, holding LOCK exclusively, re-reads the chunk records, renames the
+// file into chunks/, fsyncs chunks/, and writes the "r" record and the "s"
+// keys in one Badger transaction with SyncWrites. A range is therefore
+// visible only after its file is complete, synced and in place, and a
+// crash at any instant leaves either nothing or the whole range. A range
+// committed meanwhile by another writer makes Commit a no-op (the copy is
+// dropped), and BeginChunk of a done range returns ErrRangeDone, so
+// re-filling is a no-op and each range is recorded exactly once. A range
+// in flight when its process dies is simply missing (Cache.Missing) and is
+// redone from scratch. GC (run by Create/Open and `cachectl gc`) removes
+// chunk files no record references (a crash between rename and index
+// write) and the tmp directories whose owner.lock is not held (dead
+// writers); it runs under the exclusive lock, so it never races a commit.
+//
+// # Readers while a writer runs
+//
+// Badger lets one process open a directory read-write, and its read-only
+// mode refuses a directory whose write-ahead log is live. So no process
+// keeps the index open: a writer opens it for one commit (10-200 ms on a
+// loaded machine, small next to the teacher time of a chunk), a reader
+// opens it read-only under the shared lock just long enough to load the
+// manifest and the chunk records (a few hundred bytes per chunk, so ~1 MB
+// for 10M samples in 1000-sample chunks), then reads chunk files only.
+// A Reader thus sees every range committed before it opened. If the last
+// writer crashed, the read-only open reports a torn log; the reader then
+// recovers the index once with a read-write open.
+//
+// Badger's memory is capped by badgerOptions: 16 MiB memtables (2), 8 MiB
+// block cache, 8 MiB index cache, 2 MiB tables; about 50 MiB per open
+// index at most instead of the ~600 MiB of Badger's defaults.
+//
+// # Reading
+//
+// OpenReader(dirs...) opens one or more directories as one cache (their
+// manifests must agree field by field; the error names the field). Get(i)
+// is random access (it keeps the last two decoded chunks). Iter yields a
+// seeded, sharded, block-shuffled order with read-ahead: the chunk order
+// is shuffled, the samples of each window of IterOptions.Window chunks are
+// shuffled together, and rank r of World takes the r-th of World equal
+// contiguous slices of that sequence, so ranks read disjoint chunks.
+// Every chunk read is checked against its size and CRC-32C and its
+// structure against the record; any mismatch is ErrCorrupt naming the
+// chunk file and its samples.
+package cache
