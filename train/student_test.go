@@ -105,7 +105,9 @@ func TestStudentGradients(t *testing.T) {
 			}
 			ro := ref.KDOpts{Kind: string(c.opt.KD), Beta: c.opt.Beta, Tail: string(c.opt.Tail), T: c.opt.Temperature, Tc: 1,
 				ScaleT2: c.opt.ScaleT2, KDWeight: c.opt.KDWeight, SFTW: c.opt.SFTWeight}
-			f := func() float64 { return ref.ModelLoss(spec(cfg), p, b.Tokens, b.Starts, b.Mask, b.K, b.TopIDs, b.TopLP, ro) }
+			f := func() float64 {
+				return ref.ModelLoss(spec(cfg), p, b.Tokens, b.Starts, b.Mask, b.K, b.TopIDs, b.TopLP, ro)
+			}
 			if want := f(); math.Abs(st.Loss-want) > 1e-5*math.Abs(want) {
 				t.Fatalf("loss %.10g, reference %.10g", st.Loss, want)
 			}
