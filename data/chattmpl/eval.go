@@ -51,6 +51,9 @@ const maxSteps = 50_000_000
 func (r *renderer) rtErr(line int, err error) error {
 	var e *Error
 	if errors.As(err, &e) {
+		if e.Line == 0 {
+			e.Line = line // e.g. raise_exception(): locate the call
+		}
 		return err
 	}
 	if _, ok := err.(errLoopCtl); ok {
