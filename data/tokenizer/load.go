@@ -130,9 +130,7 @@ func parse(raw []byte, path string) (*Tokenizer, error) {
 	if t.templateBOS, err = parsePostProcessor(f.PostProcessor, path); err != nil {
 		return nil, err
 	}
-	if err := t.parseAdded(f.AddedTokens, path); err != nil {
-		return nil, err
-	}
+	t.parseAdded(f.AddedTokens)
 	return t, nil
 }
 
@@ -427,34 +425,63 @@ func parsePostProcessor(raw json.RawMessage, path string) (string, error) {
 	return first, walk(c)
 }
 
-func (t *Tokenizer) parseAdded(toks []addedToken, path string) error {
+// parseAdded registers the added tokens the way HF tokenizers does when it
+// reads tokenizer.json: the ids written in the file are not used (HF only
+// warns when they disagree); a token whose content is already known keeps
+// that id (an earlier added token, then the model vocabulary), any other
+// gets the next free id after the vocabulary. For the files of real models
+// both agree. Empty contents are ignored, as in HF.
+func (t *Tokenizer) parseAdded(toks []addedToken) {
 	t.added = make(map[string]int32, len(toks))
 	t.addedByID = make(map[int32]string, len(toks))
-	var rawToks, normToks []addedToken
-	var rawPat, normPat []string
-	for i, a := range toks {
+	byID := map[int32]addedToken{}
+	nextID := int32(len(t.model.vocab)) // HF: model.get_vocab_size(), the number of entries
+	for _, a := range toks {
 		if a.Content == "" {
-			return fmt.Errorf("%w: %s: added_tokens[%d] (id %d) has empty content", ErrInvalid, path, i, a.ID)
+			continue
 		}
-		if a.ID < 0 {
-			return fmt.Errorf("%w: %s: added_tokens[%d] %q has negative id %d", ErrInvalid, path, i, a.Content, a.ID)
+		if id, ok := t.added[a.Content]; ok {
+			a.ID = id
+		} else if id, ok := t.vocabID(a.Content); ok {
+			a.ID = id
+		} else {
+			a.ID = nextID
+			nextID++
 		}
 		t.added[a.Content] = a.ID
-		t.addedByID[a.ID] = a.Content
-		if a.Normalized && t.nfc {
-			n, _ := normalizeNFC(a.Content)
-			normToks, normPat = append(normToks, a), append(normPat, n)
-		} else if a.Normalized {
-			normToks, normPat = append(normToks, a), append(normPat, a.Content)
-		} else {
-			rawToks, rawPat = append(rawToks, a), append(rawPat, a.Content)
-		}
+		byID[a.ID] = a
 	}
-	t.addedList = append([]addedToken(nil), toks...)
+	var rawToks, normToks []addedToken
+	var rawPat, normPat []string
+	for _, a := range byID {
+		t.addedList = append(t.addedList, a)
+	}
 	sort.Slice(t.addedList, func(i, j int) bool { return t.addedList[i].ID < t.addedList[j].ID })
+	for _, a := range t.addedList {
+		content := a.Content
+		if a.Normalized {
+			if t.nfc {
+				content, _ = normalizeNFC(content)
+			}
+			normToks, normPat = append(normToks, a), append(normPat, content)
+		} else {
+			rawToks, rawPat = append(rawToks, a), append(rawPat, content)
+		}
+		// Decode gives what HF's decoder is handed: the normalized form.
+		t.addedByID[a.ID] = content
+	}
 	t.rawMatcher = newMatcher(rawToks, rawPat)
 	t.normMatcher = newMatcher(normToks, normPat)
-	return nil
+}
+
+// vocabID looks a token up in the model vocabulary by its byte-level form.
+func (t *Tokenizer) vocabID(tok string) (int32, bool) {
+	raw, ok := byteLevelDecode(tok)
+	if !ok {
+		return 0, false
+	}
+	id, ok := t.model.vocab[raw]
+	return id, ok
 }
 
 // tokenString reads bos_token/eos_token: a string, an AddedToken object

@@ -176,12 +176,7 @@ func (t *Tokenizer) TokenID(tok string) (int32, bool) {
 	if id, ok := t.added[tok]; ok {
 		return id, true
 	}
-	raw, ok := byteLevelDecode(tok)
-	if !ok {
-		return 0, false
-	}
-	id, ok := t.model.vocab[raw]
-	return id, ok
+	return t.vocabID(tok)
 }
 
 // Token returns the token of id as written in tokenizer.json.
