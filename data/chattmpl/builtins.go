@@ -2,8 +2,8 @@ package chattmpl
 
 import (
 	"fmt"
-	"html"
 	"math"
+	"math/big"
 	"regexp"
 	"sort"
 	"strconv"
@@ -467,11 +467,11 @@ func strFilter(f func(string) string) filterFunc {
 	}
 }
 
+// htmlEscape follows markupsafe's entity choice (&#34; &#39;), which differs
+// from html.EscapeString's.
 func htmlEscape(s string) string {
 	return strings.NewReplacer("&", "&amp;", "<", "&lt;", ">", "&gt;", `"`, "&#34;", "'", "&#39;").Replace(s)
 }
-
-var _ = html.EscapeString // html escaping follows markupsafe's entity choice (&#34; &#39;), not html's
 
 func filterDefault(_ *renderer, v any, a []any, k []kwval) (any, error) {
 	p, err := params("default", a, k, []string{"default_value", "boolean"}, []any{"", false})
@@ -814,8 +814,8 @@ func init() {
 		"true":    typeTest(func(v any) bool { return v == true }),
 		"none":    typeTest(func(v any) bool { return v == nil }),
 		"float":   typeTest(func(v any) bool { _, ok := v.(float64); return ok }),
-		"integer": typeTest(func(v any) bool { _, ok := v.(int64); return ok }),
-		"number":  typeTest(isNumber),
+		"integer": typeTest(func(v any) bool { _, ok := v.(int64); _, big := v.(*big.Int); return ok || big }),
+		"number":  typeTest(func(v any) bool { _, big := v.(*big.Int); return isNumber(v) || big }),
 		"string":  typeTest(func(v any) bool { _, ok := v.(string); return ok }),
 		"mapping": typeTest(func(v any) bool { _, ok := v.(*Dict); return ok }),
 		"iterable": typeTest(func(v any) bool {

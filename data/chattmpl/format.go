@@ -115,13 +115,13 @@ func formatOne(verb byte, flags, width, prec string, arg any) (string, error) {
 				s = string(rs[:n])
 			}
 		}
-		return pad(s, flags, width, false), nil
+		return pad(s, flags, width), nil
 	case 'c':
 		if i, ok := asInt(arg); ok {
-			return pad(string(rune(i)), flags, width, false), nil
+			return pad(string(rune(i)), flags, width), nil
 		}
 		if str, ok := arg.(string); ok && utf8.RuneCountInString(str) == 1 {
-			return pad(str, flags, width, false), nil
+			return pad(str, flags, width), nil
 		}
 		return "", fmt.Errorf("%%c requires int or char")
 	case 'd', 'i', 'x', 'X', 'o':
@@ -143,14 +143,14 @@ func formatOne(verb byte, flags, width, prec string, arg any) (string, error) {
 		}
 		x := asFloat(arg)
 		if math.IsInf(x, 0) || math.IsNaN(x) {
-			return pad(strings.ToLower(formatFloat(x)), flags, width, false), nil
+			return pad(strings.ToLower(formatFloat(x)), flags, width), nil
 		}
 		return fmt.Sprintf("%"+flags+width+prec+string(verb), x), nil
 	}
 	return "", fmt.Errorf("unsupported format character '%c'", verb)
 }
 
-func pad(s, flags, width string, _ bool) string {
+func pad(s, flags, width string) string {
 	w, _ := strconv.Atoi(width)
 	n := utf8.RuneCountInString(s)
 	if n >= w {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"math/big"
 	"strconv"
 	"strings"
 	"unicode/utf8"
@@ -80,6 +81,8 @@ func (e *jsonEnc) encode(b *strings.Builder, v any, level int) error {
 		}
 	case int64:
 		b.WriteString(strconv.FormatInt(x, 10))
+	case *big.Int:
+		b.WriteString(x.String())
 	case float64:
 		b.WriteString(jsonFloat(x))
 	case string:
@@ -284,7 +287,13 @@ func parseJSONNumber(s string) (any, error) {
 	if !strings.ContainsAny(s, ".eE") {
 		i, err := strconv.ParseInt(s, 10, 64)
 		if err != nil {
-			return nil, fmt.Errorf("integer %s does not fit in 64 bits", s)
+			// Python ints are unbounded (Llama 3's tokenizer_config.json has
+			// model_max_length = 1000000000000000019884624838656).
+			b, ok := new(big.Int).SetString(s, 10)
+			if !ok {
+				return nil, fmt.Errorf("bad integer %s", s)
+			}
+			return b, nil
 		}
 		return i, nil
 	}

@@ -3,7 +3,6 @@ package chattmpl
 import (
 	"bytes"
 	"encoding/json"
-	"fmt"
 	"math/rand"
 	"os"
 	"os/exec"
@@ -260,5 +259,3 @@ func TestLiveRandomConversations(t *testing.T) {
 	}
 	compareLive(t, reqs)
 }
-
-var _ = fmt.Sprint

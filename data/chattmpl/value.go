@@ -3,6 +3,7 @@ package chattmpl
 import (
 	"fmt"
 	"math"
+	"math/big"
 	"sort"
 	"strconv"
 	"strings"
@@ -15,7 +16,9 @@ import (
 //
 //	nil        None
 //	bool       bool
-//	int64      int (arbitrary precision in Python; overflow is an error here)
+//	int64      int (Python ints are unbounded: arithmetic overflow is an error)
+//	*big.Int   int beyond 64 bits from input data; printable, comparable with
+//	           ==, serializable, but arithmetic on it is an error
 //	float64    float
 //	string     str
 //	[]any      list
@@ -118,6 +121,8 @@ func truthy(v any) bool {
 		return x
 	case int64:
 		return x != 0
+	case *big.Int:
+		return x.Sign() != 0
 	case float64:
 		return x != 0
 	case string:
@@ -142,7 +147,7 @@ func typeName(v any) string {
 		return "NoneType"
 	case bool:
 		return "bool"
-	case int64:
+	case int64, *big.Int:
 		return "int"
 	case float64:
 		return "float"
@@ -198,6 +203,8 @@ func writeRepr(b *strings.Builder, v any, quote bool) {
 		}
 	case int64:
 		b.WriteString(strconv.FormatInt(x, 10))
+	case *big.Int:
+		b.WriteString(x.String())
 	case float64:
 		b.WriteString(formatFloat(x))
 	case string:
@@ -413,6 +420,9 @@ func pyEqual(a, b any) bool {
 	switch x := a.(type) {
 	case nil:
 		return b == nil
+	case *big.Int:
+		y, ok := b.(*big.Int)
+		return ok && x.Cmp(y) == 0
 	case string:
 		y, ok := b.(string)
 		return ok && x == y
