@@ -1,10 +1,17 @@
 package cache
 
 import (
+	"encoding/json"
+	"flag"
 	"fmt"
 	"math"
+	"os"
+	"path/filepath"
+	"runtime"
 	"sort"
+	"strings"
 	"testing"
+	"time"
 )
 
 // BenchmarkEncodingSize measures the chunk size per (position, k) entry at
@@ -46,4 +53,159 @@ func BenchmarkEncodingSize(b *testing.B) {
 			})
 		}
 	}
+}
+
+// BenchmarkReadThroughput measures Iter (read, CRC check, zstd, decode) on a
+// compact cache with k=64, V=151936: 8 chunks of 16 samples x 512 tokens of
+// the synthetic teacher. Reported as positions/s. Run:
+//
+//	go test ./cache -run '^$' -bench ReadThroughput -benchtime 5x
+func BenchmarkReadThroughput(b *testing.B) {
+	gc := makeChunk(b, EncodingCompact, "bpe", qwenVocab, 64, 16, 512, 9)
+	dir := b.TempDir()
+	m := gc.m
+	m.Samples = 8 * 16
+	c, err := Create(dir, m, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for k := int64(0); k < 8; k++ {
+		w, err := c.BeginChunk(k*16, k*16+16)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for i, s := range gc.samples {
+			s.Index = k*16 + int64(i)
+			if err := w.Add(s); err != nil {
+				b.Fatal(err)
+			}
+		}
+		if err := w.Commit(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	c.Close()
+	r, err := OpenReader(dir)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var positions int64
+	b.ResetTimer()
+	for n := 0; n < b.N; n++ {
+		it, err := r.Iter(IterOptions{Seed: uint64(n), Window: 2, ReadAhead: 2})
+		if err != nil {
+			b.Fatal(err)
+		}
+		for it.Next() {
+			positions += int64(len(it.Sample().Tokens))
+		}
+		if it.Err() != nil {
+			b.Fatal(it.Err())
+		}
+		it.Close()
+	}
+	b.ReportMetric(float64(positions)/b.Elapsed().Seconds(), "positions/s")
+}
+
+var bigIndex = flag.Bool("cache.big", false, "BenchmarkIndexOpen: 10M samples instead of 1M")
+
+// BenchmarkIndexOpen builds an index of 1M (10M with -cache.big) samples in
+// 1000-sample chunks (index only, no chunk files) and measures how long
+// OpenReader takes and the Go heap it keeps, and a writer-side index open.
+// Run:
+//
+//	go test ./cache -run '^$' -bench IndexOpen -benchtime 3x -cache.big
+func BenchmarkIndexOpen(b *testing.B) {
+	n := int64(1_000_000)
+	if *bigIndex {
+		n = 10_000_000
+	}
+	const per = 1000
+	dir := b.TempDir()
+	c, err := Create(dir, testManifest(n, EncodingCompact), nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	c.Close()
+	s, err := openIndex(dir, true, time.Minute)
+	if err != nil {
+		b.Fatal(err)
+	}
+	wb := s.db.NewWriteBatch()
+	for a := int64(0); a < n; a += per {
+		r := Range{a, a + per}
+		for i := a; i < r.End; i++ {
+			if err := wb.Set(sampleKey(i), sampleValue(a, uint32(i-a))); err != nil {
+				b.Fatal(err)
+			}
+		}
+		rec, _ := json.Marshal(ChunkInfo{Range: r, File: chunkFileName(r), Bytes: 1 << 28, CRC32C: uint32(a), Tokens: per * 2048})
+		if err := wb.Set(rangeKey(a), rec); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if err := wb.Flush(); err != nil {
+		b.Fatal(err)
+	}
+	if err := s.close(); err != nil {
+		b.Fatal(err)
+	}
+	var disk int64
+	filepath.Walk(filepath.Join(dir, indexDir), func(_ string, fi os.FileInfo, _ error) error {
+		if fi != nil && !fi.IsDir() {
+			disk += fi.Size()
+		}
+		return nil
+	})
+	runtime.GC()
+	var m0, m1 runtime.MemStats
+	runtime.ReadMemStats(&m0)
+	b.ResetTimer()
+	var r *Reader
+	for i := 0; i < b.N; i++ {
+		r, err = OpenReader(dir)
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.StopTimer()
+	runtime.GC()
+	runtime.ReadMemStats(&m1)
+	if r.Samples() != n {
+		b.Fatalf("reader sees %d samples, want %d", r.Samples(), n)
+	}
+	b.ReportMetric(float64(b.Elapsed().Seconds())/float64(b.N), "open-s")
+	b.ReportMetric(float64(int64(m1.HeapInuse)-int64(m0.HeapInuse))/(1<<20), "reader-heap-MB")
+	b.ReportMetric(float64(disk)/(1<<20), "index-disk-MB")
+	runtime.GC()
+	rss0 := vmRSS()
+	runtime.ReadMemStats(&m0)
+	t0 := time.Now()
+	ws, err := openIndex(dir, true, time.Minute)
+	if err != nil {
+		b.Fatal(err)
+	}
+	runtime.ReadMemStats(&m1)
+	rss1 := vmRSS()
+	ws.close()
+	b.ReportMetric(time.Since(t0).Seconds(), "writer-open-close-s")
+	b.ReportMetric(float64(int64(m1.HeapInuse)-int64(m0.HeapInuse))/(1<<20), "writer-heap-MB")
+	b.ReportMetric(float64(rss1-rss0)/(1<<20), "writer-rss-MB")
+	runtime.KeepAlive(r)
+}
+
+// vmRSS returns the resident set size of this process in bytes (Linux).
+func vmRSS() int64 {
+	data, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return 0
+	}
+	for _, l := range strings.Split(string(data), "\n") {
+		if strings.HasPrefix(l, "VmRSS:") {
+			var kb int64
+			fmt.Sscanf(strings.TrimSpace(strings.TrimPrefix(l, "VmRSS:")), "%d", &kb)
+			return kb << 10
+		}
+	}
+	return 0
 }
