@@ -43,7 +43,7 @@ type modelJSON struct {
 	EndOfWordSuffix         *string          `json:"end_of_word_suffix"`
 	ByteFallback            bool             `json:"byte_fallback"`
 	IgnoreMerges            bool             `json:"ignore_merges"`
-	Vocab                   map[string]int32 `json:"vocab"`
+	Vocab                   json.RawMessage  `json:"vocab"` // decoded once the type is known to be BPE
 	Merges                  json.RawMessage  `json:"merges"`
 }
 
@@ -171,13 +171,17 @@ func (t *Tokenizer) parseModel(m *modelJSON, path string) error {
 	if m.EndOfWordSuffix != nil && *m.EndOfWordSuffix != "" {
 		return fmt.Errorf("%w: %s: BPE end_of_word_suffix %q", ErrUnsupported, path, *m.EndOfWordSuffix)
 	}
-	if len(m.Vocab) == 0 {
+	var vocab map[string]int32
+	if err := json.Unmarshal(m.Vocab, &vocab); err != nil {
+		return fmt.Errorf("%w: %s: model.vocab: %v (want an object of token: id)", ErrInvalid, path, err)
+	}
+	if len(vocab) == 0 {
 		return fmt.Errorf("%w: %s: model.vocab is empty or missing", ErrInvalid, path)
 	}
-	b := &bpe{vocab: make(map[string]int32, len(m.Vocab)), ignoreMerges: m.IgnoreMerges}
+	b := &bpe{vocab: make(map[string]int32, len(vocab)), ignoreMerges: m.IgnoreMerges}
 	b.cache.init()
 	maxID := int32(-1)
-	for tok, id := range m.Vocab {
+	for tok, id := range vocab {
 		if id < 0 {
 			return fmt.Errorf("%w: %s: vocab token %q has negative id %d", ErrInvalid, path, tok, id)
 		}

@@ -99,7 +99,9 @@ func TestVariantAddedTokenFlags(t *testing.T) {
 func TestVariantBOSTemplate(t *testing.T) {
 	dir := writeVariant(t, "llama3", func(m map[string]any) {
 		bos := map[string]any{"SpecialToken": map[string]any{"id": "<|begin_of_text|>", "type_id": 0}}
-		seq := func(id string) map[string]any { return map[string]any{"Sequence": map[string]any{"id": id, "type_id": 0}} }
+		seq := func(id string) map[string]any {
+			return map[string]any{"Sequence": map[string]any{"id": id, "type_id": 0}}
+		}
 		m["post_processor"] = map[string]any{"type": "Sequence", "processors": []any{
 			map[string]any{"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
 			map[string]any{"type": "TemplateProcessing",
