@@ -91,14 +91,19 @@ func (t *Template) Execute(vars map[string]any) (string, error) {
 	return s, err
 }
 
-func (t *Template) execute(vars map[string]any, now func() time.Time) (string, []Span, error) {
-	root := &scope{vars: make(map[string]any, len(vars))}
+// execute renders with vars; converted says they already hold only the
+// evaluator's value types (Render builds them that way), saving a deep copy.
+func (t *Template) execute(vars map[string]any, now func() time.Time, converted ...bool) (string, []Span, error) {
+	root := &scope{vars: make([]binding, 0, len(vars))}
 	for _, k := range sortedKeys(vars) {
-		v, err := convertInput(vars[k], k)
-		if err != nil {
-			return "", nil, err
+		v := vars[k]
+		if len(converted) == 0 || !converted[0] {
+			var err error
+			if v, err = convertInput(v, k); err != nil {
+				return "", nil, err
+			}
 		}
-		root.vars[k] = v
+		root.set(k, v)
 	}
 	var b strings.Builder
 	var spans []Span
@@ -182,7 +187,7 @@ func (t *Template) RenderSpans(msgs []Message, opts Options) (string, []Span, er
 	if !opts.Now.IsZero() {
 		now = func() time.Time { return opts.Now }
 	}
-	out, spans, err := t.execute(vars, now)
+	out, spans, err := t.execute(vars, now, true)
 	if err != nil {
 		return "", nil, err
 	}
@@ -206,6 +211,9 @@ func chatVars(msgs []Message, opts Options) (map[string]any, error) {
 	list := make([]any, len(msgs))
 	for i, m := range msgs {
 		d := NewDict()
+		if !utf8.ValidString(m.Role) || !utf8.ValidString(m.Content) || !utf8.ValidString(m.ReasoningContent) {
+			return nil, &Error{Kind: ErrInput, Msg: fmt.Sprintf("messages[%d]: text is not valid UTF-8", i)}
+		}
 		d.Set("role", m.Role)
 		d.Set("content", m.Content)
 		if m.ReasoningContent != "" {
@@ -234,10 +242,18 @@ func chatVars(msgs []Message, opts Options) (map[string]any, error) {
 		"documents":             nil,
 	}
 	if opts.Tools != nil {
-		vars["tools"] = opts.Tools
+		v, err := convertInput(opts.Tools, "tools")
+		if err != nil {
+			return nil, err
+		}
+		vars["tools"] = v
 	}
 	if opts.Documents != nil {
-		vars["documents"] = opts.Documents
+		v, err := convertInput(opts.Documents, "documents")
+		if err != nil {
+			return nil, err
+		}
+		vars["documents"] = v
 	}
 	if opts.BOSToken != "" {
 		vars["bos_token"] = opts.BOSToken
@@ -246,7 +262,11 @@ func chatVars(msgs []Message, opts Options) (map[string]any, error) {
 		vars["eos_token"] = opts.EOSToken
 	}
 	for k, v := range opts.Extra {
-		vars[k] = v
+		c, err := convertInput(v, k)
+		if err != nil {
+			return nil, err
+		}
+		vars[k] = c
 	}
 	return vars, nil
 }

@@ -11,25 +11,46 @@ import (
 // scope is one level of variable bindings. jinja2 gives every for-loop
 // iteration and every macro call a fresh scope whose lookups fall through to
 // the enclosing one; {% if %} and {% set %} do not open scopes.
+//
+// Scopes hold a handful of names each, so a slice beats a map here.
 type scope struct {
-	vars   map[string]any
+	vars   []binding
 	parent *scope
+}
+
+type binding struct {
+	name string
+	v    any
 }
 
 func (s *scope) lookup(name string) (any, bool) {
 	for ; s != nil; s = s.parent {
-		if v, ok := s.vars[name]; ok {
-			return v, true
+		for i := len(s.vars) - 1; i >= 0; i-- {
+			if s.vars[i].name == name {
+				return s.vars[i].v, true
+			}
 		}
 	}
 	return nil, false
 }
 
-func (s *scope) set(name string, v any) {
-	if s.vars == nil {
-		s.vars = map[string]any{}
+func (s *scope) local(name string) bool {
+	for _, b := range s.vars {
+		if b.name == name {
+			return true
+		}
 	}
-	s.vars[name] = v
+	return false
+}
+
+func (s *scope) set(name string, v any) {
+	for i := range s.vars {
+		if s.vars[i].name == name {
+			s.vars[i].v = v
+			return
+		}
+	}
+	s.vars = append(s.vars, binding{name, v})
 }
 
 // renderer holds the state of one Execute call.
@@ -230,7 +251,8 @@ func (r *renderer) execFor(n *forNode, sc *scope) error {
 	loop := &loopObj{items: items}
 	for i, item := range items {
 		loop.index0 = i
-		iter := &scope{parent: sc, vars: map[string]any{"loop": loop}}
+		iter := &scope{parent: sc, vars: make([]binding, 1, 4)}
+		iter.vars[0] = binding{"loop", loop}
 		if err := r.assign(n.targets, n.unpack, item, iter, n.line); err != nil {
 			return err
 		}
@@ -341,11 +363,11 @@ func (r *renderer) call(fn any, args []any, kwargs []kwval, line int) (any, erro
 
 func (r *renderer) callMacro(m *macro, args []any, kwargs []kwval, line int) (any, error) {
 	n := m.node
-	sc := &scope{parent: m.defScope, vars: map[string]any{}}
+	sc := &scope{parent: m.defScope}
 	var extra []any
 	for i, a := range args {
 		if i < len(n.params) {
-			sc.vars[n.params[i]] = a
+			sc.set(n.params[i], a)
 		} else {
 			extra = append(extra, a)
 		}
@@ -355,10 +377,10 @@ func (r *renderer) callMacro(m *macro, args []any, kwargs []kwval, line int) (an
 		found := false
 		for _, p := range n.params {
 			if p == k.name {
-				if _, dup := sc.vars[p]; dup {
+				if sc.local(p) {
 					return nil, &Error{Kind: ErrRender, Line: line, Msg: fmt.Sprintf("macro '%s' got multiple values for argument '%s'", n.name, p)}
 				}
-				sc.vars[p] = k.v
+				sc.set(p, k.v)
 				found = true
 			}
 		}
@@ -367,7 +389,7 @@ func (r *renderer) callMacro(m *macro, args []any, kwargs []kwval, line int) (an
 		}
 	}
 	for i, p := range n.params {
-		if _, ok := sc.vars[p]; ok {
+		if sc.local(p) {
 			continue
 		}
 		if n.defaults[i] != nil {
@@ -375,13 +397,13 @@ func (r *renderer) callMacro(m *macro, args []any, kwargs []kwval, line int) (an
 			if err != nil {
 				return nil, err
 			}
-			sc.vars[p] = v
+			sc.set(p, v)
 		} else {
-			sc.vars[p] = Undefined{hint: fmt.Sprintf("parameter '%s' was not provided", p)}
+			sc.set(p, Undefined{hint: fmt.Sprintf("parameter '%s' was not provided", p)})
 		}
 	}
-	sc.vars["varargs"] = Tuple(extra)
-	sc.vars["kwargs"] = kw
+	sc.set("varargs", Tuple(extra))
+	sc.set("kwargs", kw)
 	s, err := r.capture(n.body, sc)
 	if err != nil {
 		if _, ok := err.(errLoopCtl); ok {

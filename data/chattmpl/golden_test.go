@@ -180,3 +180,47 @@ func TestGoldenFixedStrings(t *testing.T) {
 		t.Errorf("qwen3/think_inline: earlier-turn reasoning should be dropped")
 	}
 }
+
+// TestGenerationSpansGolden: on a Qwen2.5 variant with {% generation %}
+// around assistant replies, the spans cover exactly "<reply><|im_end|>" of
+// every tool-free assistant turn of the jinja2-rendered text.
+func TestGenerationSpansGolden(t *testing.T) {
+	corpus, golden := loadCorpus(t)
+	templates := dget(corpus, "templates").(*Dict)
+	tcfg := dget(templates, "qwen2_5_generation").(*Dict)
+	tmpl := loadTemplate(t, "qwen2_5_generation.jinja")
+	checked := 0
+	for _, c := range dget(corpus, "conversations").([]any) {
+		conv := c.(*Dict)
+		key := "qwen2_5_generation/" + dget(conv, "name").(string)
+		want := golden[key]
+		if want.Out == nil {
+			continue
+		}
+		msgs, opts := convOptions(t, conv, tcfg, time.Time{})
+		out, spans, err := tmpl.RenderSpans(msgs, opts)
+		if err != nil || out != *want.Out {
+			t.Errorf("%s: render differs from jinja2 (%v)", key, err)
+			continue
+		}
+		var wantSpans []string
+		for _, m := range msgs {
+			if m.Role == "assistant" && len(m.ToolCalls) == 0 {
+				wantSpans = append(wantSpans, m.Content+"<|im_end|>")
+			}
+		}
+		if len(spans) != len(wantSpans) {
+			t.Errorf("%s: %d spans, want %d", key, len(spans), len(wantSpans))
+			continue
+		}
+		for i, s := range spans {
+			if out[s.Start:s.End] != wantSpans[i] || out[s.Start-len("<|im_start|>assistant\n"):s.Start] != "<|im_start|>assistant\n" {
+				t.Errorf("%s: span %d = %q, want %q", key, i, out[s.Start:s.End], wantSpans[i])
+			}
+		}
+		checked += len(spans)
+	}
+	if checked < 10 {
+		t.Fatalf("only %d spans checked", checked)
+	}
+}
