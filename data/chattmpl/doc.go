@@ -59,4 +59,14 @@
 // range() returns a lazily printed range like Python but is materialized when
 // iterated. String methods take only the argument forms listed in their
 // errors.
+//
+// # Verification
+//
+// testdata/jinja_ref.py renders with Python's jinja2 in transformers'
+// environment. testdata/golden.json (7 templates x 25 conversations:
+// Qwen3, Qwen2.5, Llama 3, 3.1, 3.2, a {% generation %} variant and a
+// synthetic construct-heavy template) is regenerated with
+// "/usr/bin/python3 testdata/jinja_ref.py golden"; the live tests call the
+// same script on freshly generated templates (expressions, whitespace-control
+// fuzz, random conversations).
 package chattmpl
