@@ -8,14 +8,16 @@
 #define CLONES
 #endif
 
-// fexp: exp for float32 to about 1 ulp: x = n ln2 + r, |r| <= ln2/2, degree-7
+// fexp: exp for float32 to about 1 ulp: x = n ln2 + r, |r| <= ln2/2 (+ rounding), degree-7
 // Taylor for e^r (truncation < 6e-9), times 2^n by exponent bits. Inputs are
 // clamped to [-87, 88], so exp(-inf) gives ~1.6e-38, not 0: callers that need
 // exact zeros (masked attention) write them.
 static inline float fexp(float x) {
 	x = x < -87.0f ? -87.0f : x;
 	x = x > 88.0f ? 88.0f : x;
-	float n = floorf(x * 1.44269504088896341f + 0.5f);
+	// n = round(x/ln2) by the 1.5·2^23 trick: pure arithmetic, so it
+	// vectorizes (floorf is a libc call unless -ffast-math).
+	float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
 	float r = x - n * 0.693145751953125f;
 	r = r - n * 1.42860682030941723212e-6f;
 	float p = 1.0f / 5040.0f;
@@ -26,10 +28,8 @@ static inline float fexp(float x) {
 	p = p * r + 0.5f;
 	p = p * r + 1.0f;
 	p = p * r + 1.0f;
-	int32_t bits = ((int32_t)n + 127) << 23;
-	float s;
-	memcpy(&s, &bits, 4);
-	return p * s;
+	union { int32_t i; float f; } s = {.i = ((int32_t)n + 127) << 23};
+	return p * s.f;
 }
 
 CLONES void k_expf(float *out, const float *x, long n) {
@@ -145,17 +145,28 @@ CLONES void k_lse_topk(const float *logits, long rows, long ncols, long ld, long
 		float *v = hv + r * (long)k;
 		int32_t *id = hi + r * (long)k;
 		int n = hn[r];
-		for (long i = 0; i < ncols; i++) {
-			float x = row[i];
-			if (n < k) {
-				v[n] = x;
-				id[n] = (int32_t)(col0 + i);
-				sift_up(v, id, n);
-				n++;
-			} else if (x > v[0]) {
-				v[0] = x;
-				id[0] = (int32_t)(col0 + i);
-				sift_down(v, id, k, 0);
+		for (long b = 0; b < ncols; b += 16) {
+			long e = b + 16 < ncols ? b + 16 : ncols;
+			if (n == k) {
+				// Most blocks hold nothing better than the heap's worst:
+				// one vector max decides that for 16 logits.
+				float bm = -INFINITY;
+#pragma omp simd reduction(max : bm)
+				for (long i = b; i < e; i++) bm = row[i] > bm ? row[i] : bm;
+				if (!(bm > v[0])) continue;
+			}
+			for (long i = b; i < e; i++) {
+				float x = row[i];
+				if (n < k) {
+					v[n] = x;
+					id[n] = (int32_t)(col0 + i);
+					sift_up(v, id, n);
+					n++;
+				} else if (x > v[0]) {
+					v[0] = x;
+					id[0] = (int32_t)(col0 + i);
+					sift_down(v, id, k, 0);
+				}
 			}
 		}
 		hn[r] = n;
