@@ -212,19 +212,10 @@ func (s *Student) FinishCalibration() error {
 	if !s.calibrating {
 		return fmt.Errorf("%w: FinishCalibration without EnableQAD", ErrInvalid)
 	}
-	n := 0
-	for i := range s.Layers {
-		for _, l := range s.Layers[i].linears() {
-			n += len(l.W)
-		}
-	}
-	s.qadArena = make([]float32, n)
-	off := 0
+	s.allocFakeQuant()
 	for i := range s.Layers {
 		L := &s.Layers[i]
 		for _, l := range L.linears() {
-			l.Wfq = s.qadArena[off : off+len(l.W) : off+len(l.W)]
-			off += len(l.W)
 			l.WQ.Observe(l.W)
 			if err := l.WQ.Freeze(l.Name + ".weight"); err != nil {
 				return err
@@ -242,6 +233,25 @@ func (s *Student) FinishCalibration() error {
 	}
 	s.calibrating = false
 	return nil
+}
+
+// allocFakeQuant carves the fake-quantized weights of every Linear out of
+// one arena.
+func (s *Student) allocFakeQuant() {
+	n := 0
+	for i := range s.Layers {
+		for _, l := range s.Layers[i].linears() {
+			n += len(l.W)
+		}
+	}
+	s.qadArena = make([]float32, n)
+	off := 0
+	for i := range s.Layers {
+		for _, l := range s.Layers[i].linears() {
+			l.Wfq = s.qadArena[off : off+len(l.W) : off+len(l.W)]
+			off += len(l.W)
+		}
+	}
 }
 
 // quantizeWeights refreshes the fake-quantized weights from the master

@@ -1,0 +1,304 @@
+package train
+
+import (
+	"encoding/json"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+
+	"distill/model"
+	"distill/train/nn"
+	"distill/train/nvfp4"
+)
+
+// LoadHF builds a student from an HF checkpoint directory (config.json and
+// safetensors in BF16, F16 or F32). A missing, extra or mis-shaped tensor
+// is an error naming it and the directory.
+func LoadHF(dir string) (*Student, error) {
+	cfg, err := model.LoadConfig(dir)
+	if err != nil {
+		return nil, err
+	}
+	s, err := NewStudent(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", dir, err)
+	}
+	w, err := model.OpenWeights(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer w.Close()
+	if err := w.Check(cfg); err != nil {
+		return nil, fmt.Errorf("%s: %w", dir, err)
+	}
+	for _, t := range s.Tensors {
+		v, err := w.F32(t.Name)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", dir, err)
+		}
+		copy(s.Params[t.Off:t.Off+t.N], v)
+	}
+	return s, nil
+}
+
+// Weights returns the master weights by HF name (views into Params, not
+// copies: valid until the next optimizer step).
+func (s *Student) Weights() map[string][]float32 {
+	w := make(map[string][]float32, len(s.Tensors))
+	for _, t := range s.Tensors {
+		w[t.Name] = s.Params[t.Off : t.Off+t.N : t.Off+t.N]
+	}
+	return w
+}
+
+// WriteHF writes the student as an HF checkpoint directory (config.json +
+// model.safetensors) in dtype "BF16" (round to nearest even, what
+// `student export` ships) or "F32" (the exact master weights, what training
+// checkpoints hold).
+func (s *Student) WriteHF(dir, dtype string) error {
+	return model.WriteCheckpoint(dir, s.Cfg, s.Weights(), dtype)
+}
+
+// QuantAmax returns the calibrated amax of every quantizer in a fixed
+// order (per layer: the weights of q, k, v, o, gate, up, down, then the
+// inputs of qkv, o, gate/up, down), for training checkpoints. It is nil
+// unless QAD is on and calibrated.
+func (s *Student) QuantAmax() []float32 {
+	if !s.QAD || s.calibrating {
+		return nil
+	}
+	var out []float32
+	for i := range s.Layers {
+		for _, q := range s.Layers[i].quantizers() {
+			out = append(out, q.Amax)
+		}
+	}
+	return out
+}
+
+// quantizers lists a layer's quantizers in QuantAmax order.
+func (L *Layer) quantizers() []*nvfp4.Quantizer {
+	return []*nvfp4.Quantizer{&L.Q.WQ, &L.K.WQ, &L.V.WQ, &L.O.WQ, &L.Gate.WQ, &L.Up.WQ, &L.Down.WQ, &L.InQKV, &L.InO, &L.InGateUp, &L.InDown}
+}
+
+// RestoreQAD switches QAD on with frozen amax values saved by QuantAmax
+// (resuming a QAD run: calibration is not repeated, and the weight amax
+// stays the one calibrated at the start, not the max of the moved weights).
+func (s *Student) RestoreQAD(amax []float32) error {
+	if err := s.EnableQAD(); err != nil {
+		return err
+	}
+	if want := 11 * len(s.Layers); len(amax) != want {
+		return fmt.Errorf("%w: QAD state has %d amax values, want %d (11 per layer x %d layers): the checkpoint is of another model", ErrInvalid, len(amax), want, len(s.Layers))
+	}
+	k := 0
+	for i := range s.Layers {
+		for _, q := range s.Layers[i].quantizers() {
+			*q = nvfp4.Quantizer{Amax: amax[k]}
+			k++
+			if err := q.Freeze(fmt.Sprintf("model.layers.%d quantizer %d", i, k%11)); err != nil {
+				return err
+			}
+		}
+	}
+	s.allocFakeQuant()
+	s.calibrating = false
+	return nil
+}
+
+// Calibrating reports whether NVFP4 calibration is running (EnableQAD
+// called, FinishCalibration not yet).
+func (s *Student) Calibrating() bool { return s.calibrating }
+
+// ModelOptVersion is the Model-Optimizer version named as the producer of
+// NVFP4 exports: the layout below is that of its unified HF export
+// (modelopt.torch.export.unified_export_hf) in the 0.2x-0.3x releases.
+const ModelOptVersion = "0.31.0"
+
+// WriteNVFP4 writes the QAD student as an NVFP4 checkpoint in
+// Model-Optimizer's unified HF layout, which vLLM, SGLang and TensorRT-LLM
+// load ("modelopt_fp4"):
+//
+//	<linear>.weight          U8 (out, in/2)  E2M1 codes, element 2i in the low nibble
+//	<linear>.weight_scale    F8_E4M3 (out, in/16) block scales
+//	<linear>.weight_scale_2  F32 scalar: weight amax / (6·448)
+//	<linear>.input_scale     F32 scalar: input amax / (6·448)
+//	everything else          BF16 (embeddings, norms, biases, lm_head)
+//
+// plus config.json with a quantization_config and hf_quant_config.json
+// (quant_algo NVFP4, group_size 16, exclude_modules [lm_head]). The
+// dequantized weights equal the fake-quantized weights of the training
+// forward bit for bit (nvfp4.Pack).
+func (s *Student) WriteNVFP4(dir string) error {
+	packed, inScale, err := s.ExportNVFP4()
+	if err != nil {
+		return err
+	}
+	var ts []model.Tensor
+	for _, spec := range s.Cfg.Tensors() {
+		v := s.Weights()[spec.Name]
+		lin := spec.Name[:max(len(spec.Name)-len(".weight"), 0)]
+		p, ok := packed[lin]
+		if !ok || lin+".weight" != spec.Name {
+			ts = append(ts, model.BF16Tensor(spec.Name, spec.Shape, v))
+			continue
+		}
+		ts = append(ts,
+			model.Tensor{Name: spec.Name, DType: "U8", Shape: []int{p.Rows, p.Cols / 2}, Data: p.Weight},
+			model.Tensor{Name: lin + ".weight_scale", DType: "F8_E4M3", Shape: []int{p.Rows, p.Cols / nvfp4.BlockSize}, Data: p.WeightScale},
+			scalarF32(lin+".weight_scale_2", p.WeightScale2),
+			scalarF32(lin+".input_scale", inScale[lin]),
+		)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	if err := model.WriteSafetensors(filepath.Join(dir, "model.safetensors"), ts, map[string]string{"format": "pt"}); err != nil {
+		return err
+	}
+	producer := map[string]any{"name": "modelopt", "version": ModelOptVersion}
+	quant := map[string]any{
+		"quant_algo":          "NVFP4",
+		"kv_cache_quant_algo": nil,
+		"group_size":          nvfp4.BlockSize,
+		"exclude_modules":     []string{"lm_head"},
+	}
+	hfq, _ := json.MarshalIndent(map[string]any{"producer": producer, "quantization": quant}, "", "  ")
+	cj, err := s.Cfg.JSON()
+	if err != nil {
+		return err
+	}
+	var cfg map[string]any
+	if err := json.Unmarshal(cj, &cfg); err != nil {
+		return err
+	}
+	// quantization_config as ModelOpt's convert_hf_quant_config_format
+	// writes it: the legacy fields (quant_algo, group_size,
+	// exclude_modules) and the compressed-tensors-style config_groups /
+	// ignore that newer loaders read.
+	fp4 := map[string]any{"num_bits": 4, "type": "float", "group_size": nvfp4.BlockSize, "dynamic": false}
+	cfg["quantization_config"] = map[string]any{
+		"quant_method":        "modelopt",
+		"quant_algo":          "NVFP4",
+		"kv_cache_quant_algo": nil,
+		"group_size":          nvfp4.BlockSize,
+		"exclude_modules":     []string{"lm_head"},
+		"ignore":              []string{"lm_head"},
+		"config_groups":       map[string]any{"group_0": map[string]any{"targets": []string{"Linear"}, "weights": fp4, "input_activations": fp4}},
+		"producer":            producer,
+	}
+	cjq, _ := json.MarshalIndent(cfg, "", "  ")
+	for name, b := range map[string][]byte{"config.json": cjq, "hf_quant_config.json": hfq} {
+		if err := writeFileAtomic(filepath.Join(dir, name), append(b, '\n')); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func scalarF32(name string, v float32) model.Tensor {
+	t := model.F32Tensor(name, nil, []float32{v})
+	t.Shape = []int{}
+	return t
+}
+
+// writeFileAtomic writes data to path through a synced temporary file and a
+// rename, so a crash leaves the old file or the new one, never a torn one.
+func writeFileAtomic(path string, data []byte) error {
+	tmp := path + ".tmp"
+	f, err := os.Create(tmp)
+	if err != nil {
+		return err
+	}
+	_, err = f.Write(data)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("train: writing %s: %w", path, err)
+	}
+	return os.Rename(tmp, path)
+}
+
+// logitsRows runs the LM head on the final hidden states of the given
+// positions of the last forward: dst (len(rows), V). Call after forward.
+func (s *Student) logitsRows(dst []float32, rows []int32) {
+	C := s.Cfg.Hidden
+	x := make([]float32, len(rows)*C)
+	for i, r := range rows {
+		copy(x[i*C:(i+1)*C], s.acts.lnf[int(r)*C:(int(r)+1)*C])
+	}
+	nn.LinearForward(dst, x, s.Head, nil, len(rows), C, s.Cfg.VocabSize)
+}
+
+// LogProbs runs the forward over b (its teacher fields are ignored) and
+// returns the student's next-token log-probs (N, V), normalized over the
+// full vocabulary, the quantity the teacher's top-k caches. Memory is N·V
+// floats: for tests and small batches (Predict tiles instead).
+func (s *Student) LogProbs(b *Batch) ([]float32, error) {
+	if err := s.prepare(b); err != nil {
+		return nil, err
+	}
+	s.forward(b)
+	N, V := len(b.Tokens), s.Cfg.VocabSize
+	rows := make([]int32, N)
+	for i := range rows {
+		rows[i] = int32(i)
+	}
+	out := make([]float32, N*V)
+	s.logitsRows(out, rows)
+	for t := 0; t < N; t++ {
+		z := out[t*V : (t+1)*V]
+		m := z[0]
+		for _, v := range z {
+			m = max(m, v)
+		}
+		var sum float64
+		for _, v := range z {
+			sum += math.Exp(float64(v - m))
+		}
+		lse := float64(m) + math.Log(sum)
+		for i, v := range z {
+			z[i] = float32(float64(v) - lse)
+		}
+	}
+	return out, nil
+}
+
+// Predict runs the forward over b and returns the student's most likely
+// next token at every position (N), ties to the lowest id, computing the
+// logits in tiles of rows so that (N, V) is never held.
+func (s *Student) Predict(b *Batch) ([]int32, error) {
+	if err := s.prepare(b); err != nil {
+		return nil, err
+	}
+	s.forward(b)
+	N, V := len(b.Tokens), s.Cfg.VocabSize
+	const tile = 64
+	out := make([]int32, N)
+	rows := make([]int32, 0, tile)
+	buf := make([]float32, tile*V)
+	for lo := 0; lo < N; lo += tile {
+		rows = rows[:0]
+		for t := lo; t < min(lo+tile, N); t++ {
+			rows = append(rows, int32(t))
+		}
+		s.logitsRows(buf[:len(rows)*V], rows)
+		for i, r := range rows {
+			z := buf[i*V : (i+1)*V]
+			best := 0
+			for v := 1; v < V; v++ {
+				if z[v] > z[best] {
+					best = v
+				}
+			}
+			out[r] = int32(best)
+		}
+	}
+	return out, nil
+}
