@@ -3,6 +3,7 @@ package tokenizer
 import (
 	"bufio"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -160,6 +161,19 @@ func (r *refServer) call(tb testing.TB, reqs []refRequest) []refResponse {
 }
 
 func TestMain(m *testing.M) {
+	flag.Parse()
+	if f := flag.Lookup("test.fuzzworker"); f != nil && f.Value.String() == "true" {
+		// A fuzz worker must answer its first input within seconds; loading
+		// the tokenizers (slow under coverage instrumentation) and starting
+		// node happen here instead.
+		tb := &testing.B{}
+		for _, name := range []string{"qwen3", "llama3"} {
+			if t, err := Load(modelDir(tb, name)); err == nil {
+				models[name] = t
+			}
+		}
+		reference(tb)
+	}
 	code := m.Run()
 	if ref != nil {
 		ref.in.Close()

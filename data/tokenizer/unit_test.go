@@ -32,7 +32,7 @@ func TestSplitHandDerived(t *testing.T) {
 		{patQwen2, "  !?", []string{" ", " !?"}},
 		{patQwen2, "don't", []string{"don", "'t"}},
 		{patQwen2, "DON'T", []string{"DON", "'T"}},
-		{patQwen2, "x'ſa", []string{"x", "'ſ", "a"}}, // (?i) folds ſ to s
+		{patQwen2, "x'ſa", []string{"x", "'ſ", "a"}},  // (?i) folds ſ to s
 		{patGPT2, "DON'T", []string{"DON", "'", "T"}}, // GPT-2's contractions are case-sensitive
 		{patQwen2, "'abc", []string{"'abc"}},
 		{patQwen2, "a\u0085b", []string{"a", "\u0085b"}}, // NEL is \s but not [\r\n]
