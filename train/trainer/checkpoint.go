@@ -1,0 +1,239 @@
+package trainer
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+
+	"distill/model"
+	"distill/train"
+	"distill/train/optim"
+)
+
+// State is what a checkpoint holds beside the weights and the optimizer
+// moments (state.json).
+type State struct {
+	Step     int   `json:"step"`      // optimizer steps done
+	OptSteps int   `json:"opt_steps"` // AdamW's bias-correction count (steps skipped for a non-finite norm excluded)
+	Tokens   int64 `json:"tokens"`    // training tokens consumed
+	// Data position: the epoch and how many samples its iterator yielded.
+	// The data order is the RNG state of this trainer (nothing else in a
+	// step draws random numbers: no dropout), a pure function of
+	// (DataSeed + Epoch).
+	Epoch    int    `json:"epoch"`
+	EpochPos int64  `json:"epoch_pos"`
+	DataSeed uint64 `json:"data_seed"`
+	// Schedule in force (resuming with another one is refused).
+	LRSchedule string  `json:"lr_schedule"`
+	LR         float64 `json:"lr_peak"`
+	MaxSteps   int     `json:"max_steps"`
+	// QuantAmax is the frozen NVFP4 amax of every quantizer (QAD runs).
+	QuantAmax            []float32 `json:"quant_amax,omitempty"`
+	TokenizerFingerprint string    `json:"tokenizer_fingerprint"`
+}
+
+const ckptPrefix = "step-"
+
+// checkpointDir is RUN_DIR/checkpoints/step-NNNNNNNN.
+func checkpointDir(runDir string, step int) string {
+	return filepath.Join(runDir, "checkpoints", fmt.Sprintf("%s%08d", ckptPrefix, step))
+}
+
+// LatestCheckpoint returns the newest complete checkpoint under runDir, or
+// "" if there is none. Incomplete ones cannot exist under their final
+// name: a checkpoint is renamed into place only after all of it is synced.
+func LatestCheckpoint(runDir string) (string, error) {
+	steps, err := listCheckpoints(runDir)
+	if err != nil || len(steps) == 0 {
+		return "", err
+	}
+	return checkpointDir(runDir, steps[len(steps)-1]), nil
+}
+
+func listCheckpoints(runDir string) ([]int, error) {
+	ents, err := os.ReadDir(filepath.Join(runDir, "checkpoints"))
+	if os.IsNotExist(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var steps []int
+	for _, e := range ents {
+		if n, ok := strings.CutPrefix(e.Name(), ckptPrefix); ok && e.IsDir() {
+			if s, err := strconv.Atoi(n); err == nil {
+				steps = append(steps, s)
+			}
+		}
+	}
+	sort.Ints(steps)
+	return steps, nil
+}
+
+// saveCheckpoint writes the student (F32 master weights as an HF
+// directory, so `student export` and infer.Load read it), the AdamW
+// moments and st into a temporary directory, syncs every file and the
+// directory, renames it to step-NNNNNNNN and syncs the parent: a crash at
+// any point leaves the previous checkpoints intact and no partial one
+// under a final name. Then it deletes all but the newest keep.
+func saveCheckpoint(runDir string, s *train.Student, ad *optim.AdamW, st *State, keep int) (string, error) {
+	parent := filepath.Join(runDir, "checkpoints")
+	if err := os.MkdirAll(parent, 0o755); err != nil {
+		return "", err
+	}
+	final := checkpointDir(runDir, st.Step)
+	tmp := filepath.Join(parent, fmt.Sprintf(".tmp-%s%08d-%d", ckptPrefix, st.Step, os.Getpid()))
+	os.RemoveAll(tmp)
+	if err := os.MkdirAll(tmp, 0o755); err != nil {
+		return "", err
+	}
+	err := func() error {
+		var ts []model.Tensor
+		for _, t := range s.Tensors {
+			ts = append(ts, model.F32Tensor(t.Name, t.Shape, s.Params[t.Off:t.Off+t.N]))
+		}
+		if err := model.WriteSafetensors(filepath.Join(tmp, "model.safetensors"), ts, map[string]string{"format": "pt"}); err != nil {
+			return err
+		}
+		ts = ts[:0]
+		for i, g := range ad.Groups {
+			shape := s.Tensors[i].Shape
+			ts = append(ts, model.F32Tensor("exp_avg."+g.Name, shape, ad.M[i]), model.F32Tensor("exp_avg_sq."+g.Name, shape, ad.V[i]))
+		}
+		if err := model.WriteSafetensors(filepath.Join(tmp, "optimizer.safetensors"), ts, nil); err != nil {
+			return err
+		}
+		cj, err := s.Cfg.JSON()
+		if err != nil {
+			return err
+		}
+		if err := writeFileSync(filepath.Join(tmp, "config.json"), append(cj, '\n')); err != nil {
+			return err
+		}
+		sj, _ := json.MarshalIndent(st, "", "  ")
+		if err := writeFileSync(filepath.Join(tmp, "state.json"), append(sj, '\n')); err != nil {
+			return err
+		}
+		if err := syncDir(tmp); err != nil {
+			return err
+		}
+		os.RemoveAll(final) // a step re-saved after a resume from an older checkpoint
+		if err := os.Rename(tmp, final); err != nil {
+			return err
+		}
+		return syncDir(parent)
+	}()
+	if err != nil {
+		os.RemoveAll(tmp)
+		return "", fmt.Errorf("trainer: saving checkpoint of step %d: %w", st.Step, err)
+	}
+	steps, err := listCheckpoints(runDir)
+	if err != nil {
+		return final, err
+	}
+	for len(steps) > keep {
+		os.RemoveAll(checkpointDir(runDir, steps[0]))
+		steps = steps[1:]
+	}
+	return final, nil
+}
+
+// loadCheckpoint reads a checkpoint written by saveCheckpoint.
+func loadCheckpoint(dir string) (*train.Student, *State, error) {
+	var st State
+	b, err := os.ReadFile(filepath.Join(dir, "state.json"))
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: %s: %v", ErrResume, dir, err)
+	}
+	if err := json.Unmarshal(b, &st); err != nil {
+		return nil, nil, fmt.Errorf("%w: %s/state.json: %v", ErrResume, dir, err)
+	}
+	s, err := train.LoadHF(dir)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: %w", ErrResume, err)
+	}
+	if st.QuantAmax != nil {
+		if err := s.RestoreQAD(st.QuantAmax); err != nil {
+			return nil, nil, fmt.Errorf("%w: %s: %w", ErrResume, dir, err)
+		}
+	}
+	return s, &st, nil
+}
+
+// loadMoments fills the AdamW moments from a checkpoint.
+func loadMoments(dir string, ad *optim.AdamW, steps int) error {
+	// OpenWeights reads a directory's model.safetensors; give it the
+	// optimizer file alone.
+	ow, err := openFile(filepath.Join(dir, "optimizer.safetensors"))
+	if err != nil {
+		return err
+	}
+	defer ow.Close()
+	for i, g := range ad.Groups {
+		for _, mv := range []struct {
+			name string
+			dst  []float32
+		}{{"exp_avg." + g.Name, ad.M[i]}, {"exp_avg_sq." + g.Name, ad.V[i]}} {
+			v, err := ow.F32(mv.name)
+			if err != nil {
+				return fmt.Errorf("%w: %s/optimizer.safetensors: %w", ErrResume, dir, err)
+			}
+			if len(v) != len(mv.dst) {
+				return fmt.Errorf("%w: %s/optimizer.safetensors: %s has %d values, want %d", ErrResume, dir, mv.name, len(v), len(mv.dst))
+			}
+			copy(mv.dst, v)
+		}
+	}
+	ad.Steps = steps
+	return nil
+}
+
+// openFile opens one safetensors file through OpenWeights on a private
+// directory holding only a link to it.
+func openFile(path string) (*model.Weights, error) {
+	d, err := os.MkdirTemp("", "distill-opt-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(d)
+	abs, _ := filepath.Abs(path)
+	if err := os.Symlink(abs, filepath.Join(d, "model.safetensors")); err != nil {
+		return nil, err
+	}
+	w, err := model.OpenWeights(d)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrResume, err)
+	}
+	return w, nil
+}
+
+func writeFileSync(path string, data []byte) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	_, err = f.Write(data)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+func syncDir(dir string) error {
+	f, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	err = f.Sync()
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}

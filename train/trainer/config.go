@@ -1,0 +1,368 @@
+package trainer
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"strings"
+
+	"gopkg.in/yaml.v3"
+
+	"distill/model"
+	"distill/train/loss"
+	"distill/train/optim"
+)
+
+// Config is a training run, read from YAML (see train/testdata/tiny.yaml
+// for every key with a comment). Names follow DistillKit / NeMo where they
+// have one (kd_loss, temperature, kd_weight, lr, min_lr, warmup_steps,
+// max_steps, global_batch_tokens, seq_len).
+type Config struct {
+	// RunDir holds config.yaml (the resolved config), metrics.jsonl, the
+	// TensorBoard events under tb/, and checkpoints/step-NNNNNNNN.
+	RunDir string `yaml:"run_dir"`
+	// Seed selects the data order (epoch e uses seed+e).
+	Seed       uint64           `yaml:"seed"`
+	Model      ModelConfig      `yaml:"model"`
+	Data       DataConfig       `yaml:"data"`
+	Distill    DistillConfig    `yaml:"distill"`
+	Optim      OptimConfig      `yaml:"optim"`
+	Train      TrainConfig      `yaml:"train"`
+	Eval       EvalConfig       `yaml:"eval"`
+	Checkpoint CheckpointConfig `yaml:"checkpoint"`
+	Log        LogConfig        `yaml:"log"`
+	// Quant is "none" or "nvfp4" (quantization-aware distillation).
+	Quant string `yaml:"quant"`
+	// CalibBatches is how many packed rows calibrate the NVFP4 amax
+	// before it is frozen (quant: nvfp4 only).
+	CalibBatches int `yaml:"calib_batches"`
+}
+
+// ModelConfig says where the student comes from.
+type ModelConfig struct {
+	// InitFrom is an HF checkpoint directory to start from; else Random.
+	InitFrom string       `yaml:"init_from"`
+	Random   *RandomModel `yaml:"random"`
+	// Tokenizer is a directory with tokenizer.json whose fingerprint must
+	// equal the cache's; TokenizerFingerprint gives the fingerprint
+	// directly. With neither, init_from's directory is tried.
+	Tokenizer            string `yaml:"tokenizer"`
+	TokenizerFingerprint string `yaml:"tokenizer_fingerprint"`
+}
+
+// RandomModel is the architecture of a randomly initialized student (HF
+// config.json names).
+type RandomModel struct {
+	Arch          string  `yaml:"arch"`
+	VocabSize     int     `yaml:"vocab_size"`
+	Hidden        int     `yaml:"hidden_size"`
+	Layers        int     `yaml:"num_hidden_layers"`
+	Heads         int     `yaml:"num_attention_heads"`
+	KVHeads       int     `yaml:"num_key_value_heads"`
+	HeadDim       int     `yaml:"head_dim"`
+	Intermediate  int     `yaml:"intermediate_size"`
+	MaxPositions  int     `yaml:"max_position_embeddings"`
+	TieEmbeddings bool    `yaml:"tie_word_embeddings"`
+	AttentionBias bool    `yaml:"attention_bias"`
+	RopeTheta     float64 `yaml:"rope_theta"`
+	RMSNormEps    float64 `yaml:"rms_norm_eps"`
+	InitStd       float64 `yaml:"init_std"`
+	InitSeed      uint64  `yaml:"init_seed"`
+}
+
+// DataConfig is the cache and how samples become packed rows.
+type DataConfig struct {
+	Cache []string `yaml:"cache"`
+	// SeqLen is the packed row length in tokens: samples are concatenated
+	// into rows of at most SeqLen tokens, never split.
+	SeqLen int `yaml:"seq_len"`
+	// GlobalBatchTokens: an optimizer step accumulates rows until this
+	// many tokens were consumed.
+	GlobalBatchTokens int `yaml:"global_batch_tokens"`
+	// Truncate cuts samples longer than SeqLen; else they are an error.
+	Truncate bool `yaml:"truncate"`
+	// EvalRange [start, end) of sample indices is held out of training.
+	EvalRange []int64 `yaml:"eval_range"`
+	// ShuffleWindow is how many cache chunks are shuffled together.
+	ShuffleWindow int `yaml:"shuffle_window"`
+}
+
+// DistillConfig is the loss (package train/loss).
+type DistillConfig struct {
+	KDLoss      string  `yaml:"kd_loss"`
+	JSDBeta     float64 `yaml:"jsd_beta"`
+	Tail        string  `yaml:"tail"`
+	Temperature float64 `yaml:"temperature"`
+	ScaleT2     bool    `yaml:"scale_t2"`
+	KDWeight    float64 `yaml:"kd_weight"`
+	SFTWeight   float64 `yaml:"sft_weight"`
+}
+
+// OptimConfig is AdamW, the LR schedule and clipping (package train/optim).
+type OptimConfig struct {
+	LR          float64 `yaml:"lr"`
+	MinLR       float64 `yaml:"min_lr"`
+	Schedule    string  `yaml:"lr_schedule"`
+	WarmupSteps int     `yaml:"warmup_steps"`
+	WeightDecay float64 `yaml:"weight_decay"`
+	Beta1       float64 `yaml:"beta1"`
+	Beta2       float64 `yaml:"beta2"`
+	Eps         float64 `yaml:"eps"`
+	MaxGradNorm float64 `yaml:"max_grad_norm"`
+}
+
+// TrainConfig bounds the run.
+type TrainConfig struct {
+	MaxSteps int `yaml:"max_steps"`
+	// Threads fixes the CPU worker count (0: all cores). Results are
+	// bit-identical only between runs with the same count.
+	Threads int `yaml:"threads"`
+}
+
+// EvalConfig is the periodic evaluation on data.eval_range.
+type EvalConfig struct {
+	Every      int `yaml:"every"`       // steps between evals; 0 = only at the end
+	MaxSamples int `yaml:"max_samples"` // 0 = the whole range
+}
+
+// CheckpointConfig is the checkpoint cadence.
+type CheckpointConfig struct {
+	Every int `yaml:"every"` // steps between checkpoints; the last step always saves
+	Keep  int `yaml:"keep"`  // newest checkpoints kept
+}
+
+// LogConfig is where metrics go.
+type LogConfig struct {
+	Every       int    `yaml:"every"`       // steps between log lines when not on a terminal
+	TensorBoard bool   `yaml:"tensorboard"` // write tb/events.out.tfevents.*
+	Progress    string `yaml:"progress"`    // auto, on, off: the terminal progress bar
+}
+
+// Defaults returns a config with every default filled in.
+func Defaults() Config {
+	return Config{
+		Seed: 1,
+		Data: DataConfig{SeqLen: 2048, GlobalBatchTokens: 65536, ShuffleWindow: 4},
+		Distill: DistillConfig{KDLoss: string(loss.FwdKL), JSDBeta: 0.5, Tail: string(loss.Bucket), Temperature: 1,
+			KDWeight: 1},
+		Optim: OptimConfig{LR: 1e-4, MinLR: 1e-5, Schedule: string(optim.Cosine), WarmupSteps: 0, WeightDecay: 0.01,
+			Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, MaxGradNorm: 1},
+		Train:        TrainConfig{MaxSteps: 1000},
+		Eval:         EvalConfig{Every: 100},
+		Checkpoint:   CheckpointConfig{Every: 100, Keep: 3},
+		Log:          LogConfig{Every: 10, TensorBoard: true, Progress: "auto"},
+		Quant:        "none",
+		CalibBatches: 8,
+	}
+}
+
+// LoadConfig reads a YAML config over the defaults, applies overrides
+// ("key.path=value", the value parsed as YAML), and validates it. An
+// unknown key is an error naming the file and line.
+func LoadConfig(path string, overrides []string) (*Config, error) {
+	var root yaml.Node
+	if path != "" {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrConfig, err)
+		}
+		if err := yaml.Unmarshal(b, &root); err != nil {
+			return nil, fmt.Errorf("%w: %s: %v", ErrConfig, path, err)
+		}
+	} else {
+		path = "(flags)"
+	}
+	if root.Kind == 0 {
+		root = yaml.Node{Kind: yaml.DocumentNode, Content: []*yaml.Node{{Kind: yaml.MappingNode, Tag: "!!map"}}}
+	}
+	if root.Kind != yaml.DocumentNode || root.Content[0].Kind != yaml.MappingNode {
+		return nil, fmt.Errorf("%w: %s: the top level must be a mapping of keys", ErrConfig, path)
+	}
+	for _, o := range overrides {
+		if err := setKey(root.Content[0], o); err != nil {
+			return nil, err
+		}
+	}
+	b, err := yaml.Marshal(&root)
+	if err != nil {
+		return nil, err
+	}
+	c := Defaults()
+	dec := yaml.NewDecoder(bytes.NewReader(b))
+	dec.KnownFields(true)
+	if err := dec.Decode(&c); err != nil {
+		return nil, fmt.Errorf("%w: %s: %v (keys are listed in train/testdata/tiny.yaml)", ErrConfig, path, err)
+	}
+	if err := c.Validate(); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return &c, nil
+}
+
+// setKey applies one "a.b.c=value" override to a YAML mapping, creating
+// intermediate mappings as needed.
+func setKey(m *yaml.Node, kv string) error {
+	key, val, ok := strings.Cut(kv, "=")
+	if !ok || key == "" {
+		return fmt.Errorf("%w: override %q: want key.path=value, e.g. optim.lr=3e-4", ErrConfig, kv)
+	}
+	var v yaml.Node
+	if err := yaml.Unmarshal([]byte(val), &v); err != nil {
+		return fmt.Errorf("%w: override %s: value %q is not YAML: %v", ErrConfig, key, val, err)
+	}
+	vn := &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!null", Value: ""}
+	if v.Kind == yaml.DocumentNode && len(v.Content) == 1 {
+		vn = v.Content[0]
+	}
+	parts := strings.Split(key, ".")
+	for i, p := range parts {
+		var found *yaml.Node
+		for j := 0; j+1 < len(m.Content); j += 2 {
+			if m.Content[j].Value == p {
+				found = m.Content[j+1]
+				if i == len(parts)-1 {
+					m.Content[j+1] = vn
+				}
+				break
+			}
+		}
+		if i == len(parts)-1 {
+			if found == nil {
+				m.Content = append(m.Content, &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!str", Value: p}, vn)
+			}
+			return nil
+		}
+		if found == nil {
+			found = &yaml.Node{Kind: yaml.MappingNode, Tag: "!!map"}
+			m.Content = append(m.Content, &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!str", Value: p}, found)
+		}
+		if found.Kind != yaml.MappingNode {
+			return fmt.Errorf("%w: override %s: %s is not a mapping", ErrConfig, key, strings.Join(parts[:i+1], "."))
+		}
+		m = found
+	}
+	return nil
+}
+
+// LossOptions are the loss options of the config for a cache captured at
+// teacherT.
+func (c *Config) LossOptions(teacherT float64) loss.Options {
+	d := c.Distill
+	return loss.Options{KD: loss.Divergence(d.KDLoss), Beta: d.JSDBeta, Tail: loss.Tail(d.Tail), Temperature: d.Temperature,
+		TeacherTemperature: teacherT, ScaleT2: d.ScaleT2, KDWeight: d.KDWeight, SFTWeight: d.SFTWeight}
+}
+
+// Schedule is the LR schedule of the config.
+func (c *Config) Schedule() optim.Schedule {
+	return optim.Schedule{Kind: optim.ScheduleKind(c.Optim.Schedule), Peak: c.Optim.LR, Min: c.Optim.MinLR,
+		Warmup: c.Optim.WarmupSteps, Total: c.Train.MaxSteps}
+}
+
+// AdamW is the optimizer config.
+func (c *Config) AdamW() optim.AdamWConfig {
+	return optim.AdamWConfig{Beta1: c.Optim.Beta1, Beta2: c.Optim.Beta2, Eps: c.Optim.Eps, WeightDecay: c.Optim.WeightDecay}
+}
+
+// Validate names the first bad key. Checks that need the cache or the
+// model (vocab, tokenizer, temperatures) happen when the run opens them.
+func (c *Config) Validate() error {
+	bad := func(key string, format string, a ...any) error {
+		return fmt.Errorf("%w: %s: %s", ErrConfig, key, fmt.Sprintf(format, a...))
+	}
+	switch {
+	case c.RunDir == "":
+		return bad("run_dir", "required (where checkpoints and metrics go)")
+	case c.Model.InitFrom == "" && c.Model.Random == nil:
+		return bad("model", "set model.init_from (an HF checkpoint directory) or model.random (an architecture)")
+	case c.Model.InitFrom != "" && c.Model.Random != nil:
+		return bad("model", "set only one of model.init_from and model.random")
+	case len(c.Data.Cache) == 0:
+		return bad("data.cache", "required: one or more cache directories")
+	case c.Data.SeqLen <= 0:
+		return bad("data.seq_len", "%d: want > 0", c.Data.SeqLen)
+	case c.Data.GlobalBatchTokens <= 0:
+		return bad("data.global_batch_tokens", "%d: want > 0", c.Data.GlobalBatchTokens)
+	case len(c.Data.EvalRange) != 0 && (len(c.Data.EvalRange) != 2 || c.Data.EvalRange[0] < 0 || c.Data.EvalRange[1] <= c.Data.EvalRange[0]):
+		return bad("data.eval_range", "%v: want [start, end) with 0 <= start < end", c.Data.EvalRange)
+	case c.Train.MaxSteps <= 0:
+		return bad("train.max_steps", "%d: want > 0", c.Train.MaxSteps)
+	case c.Train.Threads < 0:
+		return bad("train.threads", "%d: want >= 0", c.Train.Threads)
+	case c.Eval.Every < 0 || c.Eval.MaxSamples < 0:
+		return bad("eval", "every %d, max_samples %d: want >= 0", c.Eval.Every, c.Eval.MaxSamples)
+	case c.Checkpoint.Every < 0 || c.Checkpoint.Keep < 1:
+		return bad("checkpoint", "every %d, keep %d: want every >= 0 and keep >= 1", c.Checkpoint.Every, c.Checkpoint.Keep)
+	case c.Log.Every <= 0:
+		return bad("log.every", "%d: want > 0", c.Log.Every)
+	case c.Log.Progress != "auto" && c.Log.Progress != "on" && c.Log.Progress != "off":
+		return bad("log.progress", "%q: want auto, on or off", c.Log.Progress)
+	case c.Quant != "none" && c.Quant != "nvfp4":
+		return bad("quant", "%q: want none or nvfp4", c.Quant)
+	case c.Quant == "nvfp4" && c.CalibBatches <= 0:
+		return bad("calib_batches", "%d: want > 0 with quant: nvfp4", c.CalibBatches)
+	case c.Optim.MaxGradNorm < 0:
+		return bad("optim.max_grad_norm", "%g: want >= 0 (0 = no clipping)", c.Optim.MaxGradNorm)
+	}
+	if err := c.AdamW().Validate(); err != nil {
+		return fmt.Errorf("%w: optim: %w", ErrConfig, err)
+	}
+	if err := c.Schedule().Validate(); err != nil {
+		return fmt.Errorf("%w: optim: %w", ErrConfig, err)
+	}
+	lo := c.LossOptions(c.Distill.Temperature) // the teacher's T is checked against the cache later
+	if err := lo.Validate(); err != nil {
+		return fmt.Errorf("%w: distill: %w", ErrConfig, err)
+	}
+	if r := c.Model.Random; r != nil {
+		if _, err := r.ModelConfig(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ModelConfig resolves the random architecture over model.Preset(arch).
+func (r *RandomModel) ModelConfig() (*model.Config, error) {
+	if r.Arch == "" {
+		r.Arch = "qwen3"
+	}
+	cfg, err := model.Preset(model.Arch(r.Arch))
+	if err != nil {
+		return nil, fmt.Errorf("%w: model.random.arch: %w", ErrConfig, err)
+	}
+	set := func(dst *int, v int) {
+		if v > 0 {
+			*dst = v
+		}
+	}
+	set(&cfg.VocabSize, r.VocabSize)
+	set(&cfg.Hidden, r.Hidden)
+	set(&cfg.Layers, r.Layers)
+	set(&cfg.Heads, r.Heads)
+	set(&cfg.KVHeads, r.KVHeads)
+	set(&cfg.Intermediate, r.Intermediate)
+	set(&cfg.MaxPositions, r.MaxPositions)
+	if r.HeadDim > 0 {
+		cfg.HeadDim = r.HeadDim
+	} else if cfg.Arch != model.ArchQwen3 {
+		cfg.HeadDim = cfg.Hidden / cfg.Heads
+	}
+	cfg.TieEmbeddings = r.TieEmbeddings
+	cfg.AttentionBias = r.AttentionBias || cfg.Arch == model.ArchQwen2
+	if r.RopeTheta > 0 {
+		cfg.RopeTheta = r.RopeTheta
+	}
+	if r.RMSNormEps > 0 {
+		cfg.RMSNormEps = float32(r.RMSNormEps)
+	}
+	cfg.RopeScaling = nil
+	js, err := cfg.JSON()
+	if err != nil {
+		return nil, fmt.Errorf("%w: model.random: %w", ErrConfig, err)
+	}
+	out, err := model.ParseConfig(js)
+	if err != nil {
+		return nil, fmt.Errorf("%w: model.random: %w", ErrConfig, err)
+	}
+	return out, nil
+}

@@ -1,0 +1,184 @@
+package trainer
+
+import (
+	"fmt"
+
+	"distill/cache"
+	"distill/train"
+)
+
+// stream yields training samples in the cache's seeded order, epoch after
+// epoch, skipping the held-out range. Its position (epoch, samples pulled
+// from the epoch's iterator) is all a checkpoint needs to resume it: the
+// order of an epoch is a pure function of (seed+epoch, cache chunks).
+type stream struct {
+	rd     *cache.Reader
+	seed   uint64
+	window int
+	held   cache.Range
+	epoch  int
+	pos    int64 // samples pulled from the current epoch's iterator
+	it     *cache.Iterator
+	seen   bool // the current epoch yielded at least one sample
+}
+
+func newStream(rd *cache.Reader, seed uint64, window int, held cache.Range, epoch int, pos int64) (*stream, error) {
+	st := &stream{rd: rd, seed: seed, window: window, held: held, epoch: epoch}
+	if err := st.open(); err != nil {
+		return nil, err
+	}
+	for st.pos < pos { // resume: replay the order up to where the checkpoint was
+		if !st.it.Next() {
+			if err := st.it.Err(); err != nil {
+				return nil, err
+			}
+			return nil, fmt.Errorf("%w: checkpoint data position (epoch %d, sample %d) is past the end of the cache's epoch (%d samples): was the cache changed?", ErrResume, epoch, pos, st.pos)
+		}
+		st.pos++
+	}
+	return st, nil
+}
+
+func (st *stream) open() error {
+	it, err := st.rd.Iter(cache.IterOptions{Seed: st.seed + uint64(st.epoch), Window: st.window})
+	if err != nil {
+		return err
+	}
+	st.it, st.pos, st.seen = it, 0, false
+	return nil
+}
+
+func (st *stream) close() {
+	if st.it != nil {
+		st.it.Close()
+	}
+}
+
+// next returns the next training sample, starting a new epoch when one
+// ends.
+func (st *stream) next() (cache.Sample, error) {
+	for {
+		if !st.it.Next() {
+			if err := st.it.Err(); err != nil {
+				return cache.Sample{}, err
+			}
+			if !st.seen {
+				return cache.Sample{}, fmt.Errorf("%w: the cache has no training samples outside data.eval_range %v", ErrData, st.held)
+			}
+			st.it.Close()
+			st.epoch++
+			if err := st.open(); err != nil {
+				return cache.Sample{}, err
+			}
+			continue
+		}
+		st.pos++
+		s := st.it.Sample()
+		if s.Index >= st.held.Start && s.Index < st.held.End {
+			continue
+		}
+		st.seen = true
+		return s, nil
+	}
+}
+
+// packer concatenates samples into rows of at most seqLen tokens, never
+// splitting a sample: block-diagonal attention and per-sample positions
+// come from the row's Starts, and a row is as long as its samples (no
+// padding is computed).
+type packer struct {
+	seqLen   int
+	truncate bool
+	k        int
+}
+
+// fit returns s cut to seqLen, or an error if it is longer and truncation
+// is off.
+func (p *packer) fit(s cache.Sample) (cache.Sample, error) {
+	T := len(s.Tokens)
+	if T <= p.seqLen {
+		return s, nil
+	}
+	if !p.truncate {
+		return s, fmt.Errorf("%w: sample %d has %d tokens, more than data.seq_len %d: raise seq_len or set data.truncate: true", ErrData, s.Index, T, p.seqLen)
+	}
+	n := p.seqLen
+	return cache.Sample{Index: s.Index, Tokens: s.Tokens[:n], Mask: s.Mask[:n], TopKIDs: s.TopKIDs[:n*p.k], TopKLogProbs: s.TopKLogProbs[:n*p.k]}, nil
+}
+
+// appendSample adds s to row b (which has room).
+func (p *packer) appendSample(b *train.Batch, s cache.Sample) {
+	if len(b.Starts) == 0 {
+		b.Starts = []int32{0}
+	}
+	b.K = p.k
+	b.Tokens = append(b.Tokens, s.Tokens...)
+	b.Mask = append(b.Mask, s.Mask...)
+	b.TopIDs = append(b.TopIDs, s.TopKIDs...)
+	b.TopLP = append(b.TopLP, s.TopKLogProbs...)
+	b.Starts = append(b.Starts, int32(len(b.Tokens)))
+}
+
+// counted is the number of loss positions of a row (t -> t+1 in the same
+// sample with Mask[t+1] = 1), the loss package's definition.
+func counted(b *train.Batch) int {
+	n := 0
+	for s := 0; s+1 < len(b.Starts); s++ {
+		for t := b.Starts[s] + 1; t < b.Starts[s+1]; t++ {
+			if b.Mask[t] != 0 {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+// nextStep pulls samples until at least tokens tokens are gathered and
+// packs them into rows.
+func (p *packer) nextStep(st *stream, tokens int) ([]*train.Batch, error) {
+	var rows []*train.Batch
+	cur := &train.Batch{}
+	n := 0
+	for n < tokens {
+		s, err := st.next()
+		if err != nil {
+			return nil, err
+		}
+		if s, err = p.fit(s); err != nil {
+			return nil, err
+		}
+		if len(cur.Tokens)+len(s.Tokens) > p.seqLen {
+			rows = append(rows, cur)
+			cur = &train.Batch{}
+		}
+		p.appendSample(cur, s)
+		n += len(s.Tokens)
+	}
+	return append(rows, cur), nil
+}
+
+// evalRows packs the held-out samples [r.Start, r.End) in index order.
+func (p *packer) evalRows(rd *cache.Reader, r cache.Range) ([]*train.Batch, int, error) {
+	var rows []*train.Batch
+	cur := &train.Batch{}
+	n := 0
+	for i := r.Start; i < r.End; i++ {
+		s, err := rd.Get(i)
+		if err != nil {
+			return nil, 0, fmt.Errorf("eval sample %d: %w", i, err)
+		}
+		if s, err = p.fit(s); err != nil {
+			return nil, 0, err
+		}
+		if len(cur.Tokens)+len(s.Tokens) > p.seqLen {
+			rows = append(rows, cur)
+			cur = &train.Batch{}
+		}
+		p.appendSample(cur, s)
+		n++
+	}
+	if len(cur.Tokens) > 0 {
+		rows = append(rows, cur)
+	}
+	return rows, n, nil
+}

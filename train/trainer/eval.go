@@ -1,0 +1,69 @@
+package trainer
+
+import (
+	"distill/cache"
+	"distill/train"
+	"distill/train/loss"
+)
+
+// EvalStats are the evaluation metrics over the counted positions of the
+// held-out samples.
+type EvalStats struct {
+	Loss float64 `json:"loss"` // the weighted training objective
+	KD   float64 `json:"kd"`   // the divergence to the teacher's top-k
+	CE   float64 `json:"ce"`   // cross-entropy on the labels
+	// TokenAccuracy is how often the student's argmax is the label.
+	TokenAccuracy float64 `json:"token_accuracy"`
+	// Top1Agreement is how often the student's argmax is the teacher's.
+	Top1Agreement float64 `json:"top1_agreement"`
+	Tokens        int     `json:"tokens"`
+	Samples       int     `json:"samples"`
+}
+
+// Evaluate runs the student over samples [r.Start, r.End) of rd, packed
+// into rows of seqLen tokens, and averages the metrics over every counted
+// position (so the result does not depend on the packing).
+func Evaluate(s *train.Student, rd *cache.Reader, r cache.Range, seqLen int, truncate bool, opt *loss.Options) (EvalStats, error) {
+	p := &packer{seqLen: seqLen, truncate: truncate, k: rd.Manifest().K}
+	rows, n, err := p.evalRows(rd, r)
+	if err != nil {
+		return EvalStats{}, err
+	}
+	var es EvalStats
+	es.Samples = n
+	var acc, agree int
+	for _, b := range rows {
+		st, err := s.Forward(b, opt)
+		if err != nil {
+			return es, err
+		}
+		w := float64(st.Tokens)
+		es.Loss += st.Loss * w
+		es.KD += st.KD * w
+		es.CE += st.CE * w
+		es.Tokens += st.Tokens
+		pred, err := s.Predict(b)
+		if err != nil {
+			return es, err
+		}
+		for q := 0; q+1 < len(b.Starts); q++ {
+			for t := b.Starts[q]; t+1 < b.Starts[q+1]; t++ {
+				if b.Mask[t+1] == 0 {
+					continue
+				}
+				if pred[t] == b.Tokens[t+1] {
+					acc++
+				}
+				if pred[t] == b.TopIDs[int(t)*b.K] {
+					agree++
+				}
+			}
+		}
+	}
+	if es.Tokens > 0 {
+		w := float64(es.Tokens)
+		es.Loss, es.KD, es.CE = es.Loss/w, es.KD/w, es.CE/w
+		es.TokenAccuracy, es.Top1Agreement = float64(acc)/w, float64(agree)/w
+	}
+	return es, nil
+}
