@@ -30,6 +30,9 @@ func (t *fakeTok) EncodeOffsets(s string) ([]int32, [][2]int) {
 	for i := 0; i < len(s); {
 		matched := false
 		for k, sp := range t.specials {
+			if s[i] != '<' {
+				break
+			}
 			if strings.HasPrefix(s[i:], sp) {
 				ids = append(ids, int32(256+k))
 				offs = append(offs, [2]int{i, i + len(sp)})
