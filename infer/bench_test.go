@@ -95,6 +95,9 @@ func BenchmarkTeacherForward(b *testing.B) {
 	b.ReportMetric(tps, "tokens/s")
 	b.ReportMetric(tps*flops/1e9, "GFLOP/s")
 	b.ReportMetric(peakRSSMB(), "peakRSS_MB")
+	// The documented bound: fp32 weights + ActivationBytes (the mmap'd BF16
+	// file is also resident while loading).
+	b.ReportMetric(float64(4*m.Cfg.Params()+m.ActivationBytes(B*T, T, K))/(1<<20), "boundRSS_MB")
 	b.ReportMetric(float64(m.Cfg.Params())/1e6, "Mparams")
 	fmt.Fprintf(os.Stderr, "teacher: %d samples x %d tokens, k=%d, %.1fM params\n", B, T, K, float64(m.Cfg.Params())/1e6)
 }

@@ -12,16 +12,13 @@
 //
 // # Memory
 //
-// A forward over n tokens holds, beside the weights, these fp32 activations:
-//
-//	x, xn, attn-out, o:      4·n·max(H, Hq) floats      (H hidden, Hq = heads·head_dim)
-//	q, k, v:                 n·(Hq + 2·Hkv)             (Hkv = kv_heads·head_dim)
-//	gate, up, down:          n·(2·I + H)                (I intermediate; MoE: the routed rows)
-//	attention scores:        threads·128·maxLen
-//	LM-head tiles and heaps: threads·256·2048 + n·k·2 (ids and log-probs)
-//
-// so peak activation bytes are about 4·n·(4·max(H,Hq) + Hq + 2·Hkv + 2·I + H +
-// 2k) + 4·threads·(128·maxLen + 524288). TopK cuts its input into forward
+// Beside the weights (fp32 on the CPU: 4 bytes a parameter), a forward over
+// n tokens holds fp32 activations of about n·(4H + 2Hq + 2Hkv + 2I + 4k)
+// floats (H hidden, Hq = heads·head_dim, Hkv = kv_heads·head_dim, I
+// intermediate, k the top-k) plus per-core scratch: attention scores for 128
+// queries x the longest sample, and one 256 x 2048 LM-head tile. The
+// [tokens x vocab] logits are never held. ActivationBytes gives the exact
+// bound (a test holds Forward to it); TopK cuts its input into forward
 // passes of at most Options.TokenBudget tokens, which bounds n.
 package infer
 

@@ -38,8 +38,14 @@ func (t *tensor) Len() int {
 	return len(t.f32)
 }
 
-// Backend is the CPU backend. The zero value is not usable; call New.
-type Backend struct{}
+// Backend is the CPU backend; safe for concurrent use. Kernel scratch
+// (attention scores, LM-head tiles, MoE rows) is reused across calls from a
+// free list, so a forward's memory is its activations plus one set of
+// scratch, not one per layer.
+type Backend struct {
+	mu   sync.Mutex
+	free [][]float32
+}
 
 // New returns the CPU backend.
 func New() *Backend {
@@ -47,7 +53,34 @@ func New() *Backend {
 	return &Backend{}
 }
 
+// scratch returns a zeroed-or-dirty buffer of n floats from the free list
+// (the smallest that fits), or a new one.
+func (b *Backend) scratch(n int) []float32 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	best := -1
+	for i, f := range b.free {
+		if cap(f) >= n && (best < 0 || cap(f) < cap(b.free[best])) {
+			best = i
+		}
+	}
+	if best < 0 {
+		return make([]float32, n)
+	}
+	f := b.free[best]
+	b.free = append(b.free[:best], b.free[best+1:]...)
+	return f[:n]
+}
+
+// release returns buffers to the free list.
+func (b *Backend) release(bufs ...[]float32) {
+	b.mu.Lock()
+	b.free = append(b.free, bufs...)
+	b.mu.Unlock()
+}
+
 var _ compute.Backend = (*Backend)(nil)
+
 
 // Name implements compute.Backend.
 func (*Backend) Name() string { return "cpu" }
@@ -249,7 +282,7 @@ const attnBlock = 128
 // block); each computes S = Q·Kᵀ·scale over the keys up to the block's last
 // query, a causal fp32 softmax, and O = P·V, with single-threaded GEMMs
 // running concurrently on all cores.
-func (*Backend) Attention(out, q, k, v, starts compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
+func (be *Backend) Attention(out, q, k, v, starts compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
 	o, qs, ks, vs, st := f32(out), f32(q), f32(k), f32(v), i32(starts)
 	type item struct{ s, h, q0 int }
 	var items []item
@@ -264,6 +297,13 @@ func (*Backend) Attention(out, q, k, v, starts compute.Tensor, nSeq, maxLen, tok
 	// Longest first: balances the tail of the queue.
 	sort.SliceStable(items, func(i, j int) bool { return items[i].q0 > items[j].q0 })
 	scratch := make([][]float32, Threads)
+	defer func() {
+		for _, sc := range scratch {
+			if sc != nil {
+				be.release(sc)
+			}
+		}
+	}()
 	group := nHead / nKV
 	ldq, ldk := nHead*hd, nKV*hd
 	workQueue(len(items), func(w, i int) {
@@ -272,8 +312,8 @@ func (*Backend) Attention(out, q, k, v, starts compute.Tensor, nSeq, maxLen, tok
 		L := int(st[it.s+1]) - a
 		q1 := min(it.q0+attnBlock, L)
 		nq, nk := q1-it.q0, q1
-		if len(scratch[w]) < attnBlock*maxLen {
-			scratch[w] = make([]float32, attnBlock*maxLen)
+		if scratch[w] == nil {
+			scratch[w] = be.scratch(attnBlock * maxLen)
 		}
 		sc := scratch[w][:nq*nk]
 		g := it.h / group
@@ -309,7 +349,7 @@ func (*Backend) Add(a, b compute.Tensor, n int) {
 // like torch.topk on CPU), optional renormalization, then for each expert
 // in index order the SwiGLU MLP of its tokens, scaled by the routing weight
 // and added into out.
-func (*Backend) MoE(out, x compute.Tensor, m *compute.MoEWeights, tokens int) {
+func (be *Backend) MoE(out, x compute.Tensor, m *compute.MoEWeights, tokens int) {
 	o, xs := f32(out), f32(x)
 	E, K, H, I := m.NumExperts, m.TopK, m.Hidden, m.Inter
 	logits := make([]float32, tokens*E)
@@ -349,9 +389,20 @@ func (*Backend) MoE(out, x compute.Tensor, m *compute.MoEWeights, tokens int) {
 			}
 		}
 	})
-	// Group tokens by expert.
+	// Group tokens by expert: counts first, so the row lists and the
+	// buffers of the busiest expert are allocated once.
+	count := make([]int, E)
+	for _, e := range sel {
+		count[e]++
+	}
 	rows := make([][]int32, E)
 	rw := make([][]float32, E)
+	maxRows := 0
+	for e := range rows {
+		rows[e] = make([]int32, 0, count[e])
+		rw[e] = make([]float32, 0, count[e])
+		maxRows = max(maxRows, count[e])
+	}
 	for t := 0; t < tokens; t++ {
 		for j := 0; j < K; j++ {
 			e := sel[t*K+j]
@@ -360,14 +411,13 @@ func (*Backend) MoE(out, x compute.Tensor, m *compute.MoEWeights, tokens int) {
 		}
 	}
 	clear(o[:tokens*H])
-	var xin, gate, up, y []float32
+	xin, gate, up, y := be.scratch(maxRows*H), be.scratch(maxRows*I), be.scratch(maxRows*I), be.scratch(maxRows*H)
+	defer be.release(xin, gate, up, y)
 	for e := 0; e < E; e++ {
 		n := len(rows[e])
 		if n == 0 {
 			continue
 		}
-		xin = grow(xin, n*H)
-		gate, up, y = grow(gate, n*I), grow(up, n*I), grow(y, n*H)
 		for i, t := range rows[e] {
 			copy(xin[i*H:(i+1)*H], xs[int(t)*H:])
 		}
@@ -385,13 +435,6 @@ func (*Backend) MoE(out, x compute.Tensor, m *compute.MoEWeights, tokens int) {
 	}
 }
 
-func grow(s []float32, n int) []float32 {
-	if cap(s) < n {
-		return make([]float32, n)
-	}
-	return s[:n]
-}
-
 // lmTile is the vocab tile of the LM head: logits for rows x lmTile are
 // held at a time per worker.
 const lmTile = 2048
@@ -399,25 +442,53 @@ const lmTile = 2048
 // lmRows is the token slab a worker scores against each vocab tile.
 const lmRows = 256
 
+// LMHeadScratchBytes is what LMHeadTopK allocates beside its outputs.
+func LMHeadScratchBytes(k int) int64 {
+	return int64(Threads) * (4*lmRows*lmTile + lmRows*(4+8+4) + int64(lmRows)*int64(k)*(4+4+8))
+}
+
+// AttentionScratchBytes is what Attention allocates beside its output for
+// samples of at most maxLen tokens.
+func AttentionScratchBytes(maxLen int) int64 {
+	return int64(Threads) * 4 * attnBlock * int64(maxLen)
+}
+
 // LMHeadTopK implements compute.Backend. Each worker takes a slab of up to
 // lmRows tokens and walks the vocabulary in lmTile tiles: one SGEMM per tile,
 // then k_lse_topk folds the tile into the running log-sum-exp and top-k
-// heaps. Peak scratch is Threads·lmRows·lmTile floats (4 MiB at 2 threads)
-// plus the heaps (tokens·k).
-func (*Backend) LMHeadTopK(ids, logprobs, x, w compute.Tensor, tokens, hidden, vocab, k int) {
+// heaps. Scratch, per worker: the tile (lmRows·lmTile floats, 2 MiB) and
+// the heaps (lmRows·k ids and values): LMHeadScratchBytes.
+func (be *Backend) LMHeadTopK(ids, logprobs, x, w compute.Tensor, tokens, hidden, vocab, k int) {
 	idOut, lpOut, xs, ws := i32(ids), f32(logprobs), f32(x), f32(w)
 	nSlab := (tokens + lmRows - 1) / lmRows
-	workQueue(nSlab, func(_, s int) {
+	type scratch struct {
+		tile, rmax, hv []float32
+		rsum           []float64
+		hi, hn         []int32
+		ord            []int
+	}
+	scr := make([]*scratch, Threads)
+	defer func() {
+		for _, sc := range scr {
+			if sc != nil {
+				be.release(sc.tile)
+			}
+		}
+	}()
+	workQueue(nSlab, func(wk, s int) {
+		if scr[wk] == nil {
+			scr[wk] = &scratch{tile: be.scratch(lmRows * lmTile), rmax: make([]float32, lmRows),
+				hv: make([]float32, lmRows*k), rsum: make([]float64, lmRows), hi: make([]int32, lmRows*k),
+				hn: make([]int32, lmRows), ord: make([]int, k)}
+		}
+		sc := scr[wk]
 		r0 := s * lmRows
 		nr := min(lmRows, tokens-r0)
-		tile := make([]float32, nr*lmTile)
-		rmax := make([]float32, nr)
-		rsum := make([]float64, nr)
-		hv := make([]float32, nr*k)
-		hi := make([]int32, nr*k)
-		hn := make([]int32, nr)
+		tile, rmax, rsum, hv, hi, hn := sc.tile, sc.rmax[:nr], sc.rsum[:nr], sc.hv, sc.hi, sc.hn[:nr]
 		for i := range rmax {
 			rmax[i] = float32(math.Inf(-1))
+			rsum[i] = 0
+			hn[i] = 0
 		}
 		for c0 := 0; c0 < vocab; c0 += lmTile {
 			nc := min(lmTile, vocab-c0)
@@ -430,7 +501,7 @@ func (*Backend) LMHeadTopK(ids, logprobs, x, w compute.Tensor, tokens, hidden, v
 			lse := float64(rmax[r]) + math.Log(rsum[r])
 			v, id := hv[r*k:(r+1)*k], hi[r*k:(r+1)*k]
 			// Heap -> sorted by descending logit, ascending id on ties.
-			ord := make([]int, k)
+			ord := sc.ord
 			for i := range ord {
 				ord[i] = i
 			}
