@@ -55,6 +55,8 @@ type Cache struct {
 	// any process can tell a live writer's files from a dead one's.
 	tmp   string
 	owner *os.File
+	// opened is what the GC run by Create/Open removed.
+	opened GCReport
 }
 
 // Create opens dir for filling, creating the cache with manifest m if the
@@ -119,7 +121,7 @@ func open(dir string, want *Manifest, opts *Options) (*Cache, error) {
 		c.Close()
 		return nil, err
 	}
-	if _, err := c.GC(); err != nil {
+	if c.opened, err = c.GC(); err != nil {
 		c.Close()
 		return nil, err
 	}
@@ -144,6 +146,10 @@ func (c *Cache) makeTmp() error {
 	c.owner = f
 	return nil
 }
+
+// OpenGC returns what the GC run by Create or Open removed: the debris of
+// writers that died.
+func (c *Cache) OpenGC() GCReport { return c.opened }
 
 // Manifest returns the cache's manifest.
 func (c *Cache) Manifest() Manifest { return c.m }

@@ -1,0 +1,49 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+
+	"distill/cache"
+)
+
+// cacheDirs is a repeatable --cache flag; several directories filled by
+// different teachers open as one cache.
+type cacheDirs []string
+
+func (d *cacheDirs) String() string { return strings.Join(*d, ",") }
+
+func (d *cacheDirs) Set(s string) error {
+	for _, p := range strings.Split(s, ",") {
+		if p != "" {
+			*d = append(*d, p)
+		}
+	}
+	return nil
+}
+
+func openCacheReader(dirs cacheDirs) (*cache.Reader, error) {
+	if len(dirs) == 0 {
+		return nil, fmt.Errorf("--cache DIR is required (repeat it to read several directories as one cache)")
+	}
+	return cache.OpenReader(dirs...)
+}
+
+// formatRanges prints ranges compactly, at most limit of them.
+func formatRanges(rs []cache.Range, limit int) string {
+	if len(rs) == 0 {
+		return "none"
+	}
+	var b strings.Builder
+	for i, r := range rs {
+		if i == limit {
+			fmt.Fprintf(&b, " ... (%d more)", len(rs)-limit)
+			break
+		}
+		if i > 0 {
+			b.WriteString(" ")
+		}
+		b.WriteString(r.String())
+	}
+	return b.String()
+}

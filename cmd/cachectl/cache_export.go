@@ -1,0 +1,211 @@
+package main
+
+import (
+	"bufio"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"strconv"
+
+	"github.com/apache/arrow/go/v17/arrow"
+	"github.com/apache/arrow/go/v17/arrow/array"
+	"github.com/apache/arrow/go/v17/arrow/memory"
+	"github.com/apache/arrow/go/v17/parquet"
+	"github.com/apache/arrow/go/v17/parquet/compress"
+	"github.com/apache/arrow/go/v17/parquet/pqarrow"
+
+	"distill/cache"
+)
+
+func init() {
+	register(&command{name: "export", summary: "export a cache as JSONL or Parquet, one decoded record per sample", run: func(args []string) error {
+		return exportMain(args, os.Stdout, os.Stderr)
+	}})
+}
+
+// exportBatch is how many samples go into one Parquet row group batch.
+const exportBatch = 64
+
+func exportMain(args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("cachectl export", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var dirs cacheDirs
+	fs.Var(&dirs, "cache", "cache directory (repeatable)")
+	format := fs.String("format", "jsonl", "jsonl or parquet")
+	out := fs.String("out", "", "output file (default: stdout)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *format != "jsonl" && *format != "parquet" {
+		return fmt.Errorf("--format %q: want jsonl or parquet", *format)
+	}
+	r, err := openCacheReader(dirs)
+	if err != nil {
+		return err
+	}
+	w := stdout
+	var f *os.File
+	if *out != "" {
+		if f, err = os.Create(*out); err != nil {
+			return err
+		}
+		defer f.Close()
+		w = f
+	}
+	it, err := r.Iter(cache.IterOptions{Sequential: true, ReadAhead: 2})
+	if err != nil {
+		return err
+	}
+	defer it.Close()
+	K := r.Manifest().K
+	if *format == "jsonl" {
+		err = exportJSONL(it, K, w)
+	} else {
+		err = exportParquet(it, K, w)
+	}
+	if err != nil {
+		return err
+	}
+	if f != nil {
+		return f.Close()
+	}
+	return nil
+}
+
+// exportJSONL writes {"index", "input_ids", "loss_mask", "topk_ids",
+// "topk_logprobs"} per line; log-probs are the shortest decimal that reads
+// back as the same float32; a non-finite log-prob (possible only in the
+// lossless encoding) is written as null.
+func exportJSONL(it *cache.Iterator, K int, w io.Writer) error {
+	bw := bufio.NewWriterSize(w, 1<<20)
+	var b []byte
+	for it.Next() {
+		s := it.Sample()
+		b = append(b[:0], `{"index":`...)
+		b = strconv.AppendInt(b, s.Index, 10)
+		b = append(b, `,"input_ids":[`...)
+		for i, v := range s.Tokens {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = strconv.AppendInt(b, int64(v), 10)
+		}
+		b = append(b, `],"loss_mask":[`...)
+		for i, v := range s.Mask {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = strconv.AppendInt(b, int64(v), 10)
+		}
+		b = append(b, `],"topk_ids":[`...)
+		T := len(s.Tokens)
+		for t := 0; t < T; t++ {
+			if t > 0 {
+				b = append(b, ',')
+			}
+			b = append(b, '[')
+			for j := 0; j < K; j++ {
+				if j > 0 {
+					b = append(b, ',')
+				}
+				b = strconv.AppendInt(b, int64(s.TopKIDs[t*K+j]), 10)
+			}
+			b = append(b, ']')
+		}
+		b = append(b, `],"topk_logprobs":[`...)
+		for t := 0; t < T; t++ {
+			if t > 0 {
+				b = append(b, ',')
+			}
+			b = append(b, '[')
+			for j := 0; j < K; j++ {
+				if j > 0 {
+					b = append(b, ',')
+				}
+				v := s.TopKLogProbs[t*K+j]
+				if math.IsInf(float64(v), 0) || math.IsNaN(float64(v)) {
+					b = append(b, "null"...)
+				} else {
+					b = strconv.AppendFloat(b, float64(v), 'g', -1, 32)
+				}
+			}
+			b = append(b, ']')
+		}
+		b = append(b, "]}\n"...)
+		if _, err := bw.Write(b); err != nil {
+			return err
+		}
+	}
+	if err := it.Err(); err != nil {
+		return err
+	}
+	return bw.Flush()
+}
+
+// exportSchema is the Parquet export schema: topk_* are [positions][k].
+var exportSchema = arrow.NewSchema([]arrow.Field{
+	{Name: "index", Type: arrow.PrimitiveTypes.Int64},
+	{Name: "input_ids", Type: arrow.ListOf(arrow.PrimitiveTypes.Int32)},
+	{Name: "loss_mask", Type: arrow.ListOf(arrow.PrimitiveTypes.Uint8)},
+	{Name: "topk_ids", Type: arrow.ListOf(arrow.ListOf(arrow.PrimitiveTypes.Int32))},
+	{Name: "topk_logprobs", Type: arrow.ListOf(arrow.ListOf(arrow.PrimitiveTypes.Float32))},
+}, nil)
+
+func exportParquet(it *cache.Iterator, K int, w io.Writer) error {
+	props := parquet.NewWriterProperties(parquet.WithCompression(compress.Codecs.Zstd))
+	// The struct hides w's Close: pqarrow closes a writer that has one, and
+	// w may be stdout or a file the caller closes and checks.
+	pw, err := pqarrow.NewFileWriter(exportSchema, struct{ io.Writer }{w}, props, pqarrow.DefaultWriterProps())
+	if err != nil {
+		return fmt.Errorf("parquet writer: %w", err)
+	}
+	b := array.NewRecordBuilder(memory.DefaultAllocator, exportSchema)
+	defer b.Release()
+	rows := 0
+	flush := func() error {
+		if rows == 0 {
+			return nil
+		}
+		rec := b.NewRecord()
+		defer rec.Release()
+		rows = 0
+		return pw.Write(rec)
+	}
+	for it.Next() {
+		s := it.Sample()
+		T := len(s.Tokens)
+		b.Field(0).(*array.Int64Builder).Append(s.Index)
+		lb := b.Field(1).(*array.ListBuilder)
+		lb.Append(true)
+		lb.ValueBuilder().(*array.Int32Builder).AppendValues(s.Tokens, nil)
+		mb := b.Field(2).(*array.ListBuilder)
+		mb.Append(true)
+		mb.ValueBuilder().(*array.Uint8Builder).AppendValues(s.Mask, nil)
+		ib := b.Field(3).(*array.ListBuilder)
+		ib.Append(true)
+		iib := ib.ValueBuilder().(*array.ListBuilder)
+		pb := b.Field(4).(*array.ListBuilder)
+		pb.Append(true)
+		ppb := pb.ValueBuilder().(*array.ListBuilder)
+		for t := 0; t < T; t++ {
+			iib.Append(true)
+			iib.ValueBuilder().(*array.Int32Builder).AppendValues(s.TopKIDs[t*K:(t+1)*K], nil)
+			ppb.Append(true)
+			ppb.ValueBuilder().(*array.Float32Builder).AppendValues(s.TopKLogProbs[t*K:(t+1)*K], nil)
+		}
+		if rows++; rows == exportBatch {
+			if err := flush(); err != nil {
+				return err
+			}
+		}
+	}
+	if err := it.Err(); err != nil {
+		return err
+	}
+	if err := flush(); err != nil {
+		return err
+	}
+	return pw.Close()
+}

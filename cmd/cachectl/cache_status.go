@@ -1,0 +1,71 @@
+package main
+
+import (
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+
+	"distill/cache"
+)
+
+func init() {
+	register(&command{name: "status", summary: "show a cache: manifest, ranges done/missing, samples, tokens, bytes, bytes/token", run: func(args []string) error {
+		return statusMain(args, os.Stdout, os.Stderr)
+	}})
+}
+
+// cacheStatus is the --json form of `cachectl status`.
+type cacheStatus struct {
+	Manifest      cache.Manifest `json:"manifest"`
+	Dirs          []string       `json:"dirs"`
+	Chunks        int            `json:"chunks"`
+	SamplesDone   int64          `json:"samples_done"`
+	Missing       []cache.Range  `json:"missing"`
+	Tokens        int64          `json:"tokens"`
+	Bytes         int64          `json:"bytes"`
+	BytesPerToken float64        `json:"bytes_per_token"`
+	BytesPerEntry float64        `json:"bytes_per_entry"`
+}
+
+func statusMain(args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("cachectl status", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var dirs cacheDirs
+	fs.Var(&dirs, "cache", "cache directory (repeat or comma-separate to read several as one)")
+	asJSON := fs.Bool("json", false, "print JSON")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	r, err := openCacheReader(dirs)
+	if err != nil {
+		return err
+	}
+	st := cacheStatus{Manifest: r.Manifest(), Dirs: dirs, Chunks: len(r.Chunks()), SamplesDone: r.Samples(), Missing: r.Missing()}
+	for _, c := range r.Chunks() {
+		st.Tokens += c.Tokens
+		st.Bytes += c.Bytes
+	}
+	if st.Tokens > 0 {
+		st.BytesPerToken = float64(st.Bytes) / float64(st.Tokens)
+		st.BytesPerEntry = st.BytesPerToken / float64(st.Manifest.K)
+	}
+	if st.Missing == nil {
+		st.Missing = []cache.Range{}
+	}
+	if *asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(st)
+	}
+	m := st.Manifest
+	fmt.Fprintf(stdout, "cache      %v\n", dirs)
+	fmt.Fprintf(stdout, "format     v%d, encoding %s, k %d, vocab %d, temperature %g\n", m.FormatVersion, m.Encoding, m.K, m.VocabSize, m.Temperature)
+	fmt.Fprintf(stdout, "teacher    %s\ntokenizer  %s\ndataset    %s\n", m.TeacherFingerprint, m.TokenizerFingerprint, m.DatasetFingerprint)
+	fmt.Fprintf(stdout, "samples    %d of %d done (%.1f%%) in %d chunks\n", st.SamplesDone, m.Samples, 100*float64(st.SamplesDone)/float64(m.Samples), st.Chunks)
+	fmt.Fprintf(stdout, "missing    %s\n", formatRanges(st.Missing, 20))
+	fmt.Fprintf(stdout, "tokens     %d\n", st.Tokens)
+	fmt.Fprintf(stdout, "bytes      %d (%.1f B/token, %.3f B per top-k entry)\n", st.Bytes, st.BytesPerToken, st.BytesPerEntry)
+	return nil
+}
