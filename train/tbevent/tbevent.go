@@ -71,6 +71,12 @@ func Create(dir string) (*Writer, error) {
 	name := fmt.Sprintf("events.out.tfevents.%d.%s.%d", time.Now().Unix(), host, os.Getpid())
 	path := filepath.Join(dir, name)
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o644)
+	for i := 1; os.IsExist(err) && i < 1000; i++ {
+		// A second writer in the same second and process (a resumed run
+		// in tests): a suffix keeps both files, which TensorBoard merges.
+		path = filepath.Join(dir, fmt.Sprintf("%s.%d", name, i))
+		f, err = os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o644)
+	}
 	if err != nil {
 		return nil, err
 	}

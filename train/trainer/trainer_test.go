@@ -1,0 +1,408 @@
+package trainer
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"distill/cache"
+	"distill/train"
+	"distill/train/internal/testcache"
+	"distill/train/tbevent"
+)
+
+var (
+	buildOnce sync.Once
+	built     *testcache.Built
+	buildErr  error
+)
+
+// testCache is a real cache (a tiny teacher's top-k over random tokens),
+// built once per test binary: 96 samples of 6..40 tokens, V = 97, k = 8.
+func testCache(t *testing.T) *testcache.Built {
+	buildOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "trainer-cache-")
+		if err != nil {
+			buildErr = err
+			return
+		}
+		built, buildErr = testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 96, Chunk: 16, MinLen: 6, MaxLen: 40, Seed: 5})
+	})
+	if buildErr != nil {
+		t.Fatal(buildErr)
+	}
+	return built
+}
+
+func TestMain(m *testing.M) {
+	if os.Getenv("TRAINER_CHILD_CONFIG") != "" {
+		child()
+		return
+	}
+	code := m.Run()
+	if built != nil {
+		os.RemoveAll(filepath.Dir(built.CacheDir))
+	}
+	os.Exit(code)
+}
+
+// child runs a training process for TestResumeAfterSIGKILL.
+func child() {
+	cfg, err := LoadConfig(os.Getenv("TRAINER_CHILD_CONFIG"), nil)
+	if err == nil {
+		_, err = Run(cfg, Options{Log: io.Discard})
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+func tinyConfig(t *testing.T, b *testcache.Built, runDir string, over ...string) *Config {
+	y := fmt.Sprintf(`run_dir: %s
+seed: 3
+model:
+  random: {arch: qwen3, vocab_size: 97, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4,
+           num_key_value_heads: 2, head_dim: 8, intermediate_size: 64, max_position_embeddings: 256, init_seed: 1}
+  tokenizer_fingerprint: testcache-tokenizer
+data:
+  cache: [%s]
+  seq_len: 64
+  global_batch_tokens: 150
+  eval_range: [0, 16]
+distill: {kd_loss: fwd_kl, tail: bucket, kd_weight: 1, sft_weight: 0.1}
+optim: {lr: 3e-3, min_lr: 3e-4, lr_schedule: cosine, warmup_steps: 2, max_grad_norm: 1}
+train: {max_steps: 12, threads: 2}
+eval: {every: 6}
+checkpoint: {every: 4, keep: 2}
+log: {every: 4, progress: "off"}
+`, runDir, b.CacheDir)
+	p := filepath.Join(t.TempDir(), "cfg.yaml")
+	if err := os.WriteFile(p, []byte(y), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := LoadConfig(p, over)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cfg
+}
+
+func losses(r *Result) []float64 {
+	var out []float64
+	for _, s := range r.Steps {
+		out = append(out, s.Loss)
+	}
+	return out
+}
+
+// TestTrainResume: 12 steps straight, versus 6 steps abandoned after the
+// checkpoint at step 4 (steps 5 and 6 are lost) and a resume: the resumed
+// steps 5..12 give bit-identical losses, grad norms and final weights.
+// Also checks that training lowers the eval loss, that every step used the
+// global batch, and what the run directory holds.
+func TestTrainResume(t *testing.T) {
+	b := testCache(t)
+	full, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "full")), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(full.Steps) != 12 || len(full.Evals) != 2 {
+		t.Fatalf("steps %d evals %d", len(full.Steps), len(full.Evals))
+	}
+	for _, s := range full.Steps {
+		if s.Tokens < 150 || s.LossTokens == 0 || s.LossTokens >= s.Tokens || !(s.GradNorm > 0) || s.PeakMemBytes <= 0 || !(s.GFLOPs > 0) {
+			t.Fatalf("step %+v", s)
+		}
+	}
+	if ls := losses(full); !(ls[11] < ls[0]) {
+		t.Fatalf("training loss did not fall: %v", ls)
+	}
+
+	runDir := filepath.Join(t.TempDir(), "resumed")
+	part, err := Run(tinyConfig(t, b, runDir), Options{Log: io.Discard, StopAfter: 6})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(part.Steps) != 6 || !strings.HasSuffix(part.Checkpoint, "step-00000004") {
+		t.Fatalf("partial run: %d steps, checkpoint %q", len(part.Steps), part.Checkpoint)
+	}
+	var log strings.Builder
+	rest, err := Run(tinyConfig(t, b, runDir), Options{Log: &log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasSuffix(rest.Resumed, "step-00000004") || len(rest.Steps) != 8 {
+		t.Fatalf("resumed from %q, ran %d steps\n%s", rest.Resumed, len(rest.Steps), log.String())
+	}
+	for i, s := range rest.Steps {
+		w := full.Steps[4+i]
+		if s.Step != w.Step || s.Loss != w.Loss || s.GradNorm != w.GradNorm || s.KD != w.KD || s.LR != w.LR || s.Tokens != w.Tokens {
+			t.Fatalf("step %d after resume: loss %.17g |g| %.17g, uninterrupted %.17g %.17g", s.Step, s.Loss, s.GradNorm, w.Loss, w.GradNorm)
+		}
+	}
+	for i, e := range rest.Evals {
+		if e != full.Evals[i] {
+			t.Fatalf("eval %d: %+v vs %+v", i, e, full.Evals[i])
+		}
+	}
+	a, _ := os.ReadFile(filepath.Join(full.Checkpoint, "model.safetensors"))
+	c, _ := os.ReadFile(filepath.Join(rest.Checkpoint, "model.safetensors"))
+	if len(a) == 0 || string(a) != string(c) {
+		t.Fatal("final weights differ between the straight and the resumed run")
+	}
+	// metrics.jsonl holds each step once, in order, despite the lost steps
+	// 5 and 6 of the first process; keep: 2 left two checkpoints.
+	steps := metricSteps(t, runDir)
+	if len(steps) != 12 || steps[0] != 1 || steps[11] != 12 {
+		t.Fatalf("metrics.jsonl steps %v", steps)
+	}
+	ents, _ := os.ReadDir(filepath.Join(runDir, "checkpoints"))
+	if len(ents) != 2 || ents[0].Name() != "step-00000008" || ents[1].Name() != "step-00000012" {
+		t.Fatalf("checkpoints %v", ents)
+	}
+	if _, err := LoadConfig(filepath.Join(runDir, "config.yaml"), nil); err != nil {
+		t.Fatalf("resolved config does not load back: %v", err)
+	}
+	tbs, _ := filepath.Glob(filepath.Join(runDir, "tb", "events.out.tfevents.*"))
+	if len(tbs) != 2 {
+		t.Fatalf("event files %v", tbs)
+	}
+	evs, err := tbevent.Read(tbs[0])
+	if err != nil || len(evs) < 6 || evs[1].Scalars["train/loss"] != float32(full.Steps[0].Loss) {
+		t.Fatalf("tensorboard: %v %+v", err, evs)
+	}
+	// Training moves the student toward the teacher on held-out samples.
+	if !(full.Evals[1].KD < full.Evals[0].KD) {
+		t.Fatalf("eval kd %g -> %g", full.Evals[0].KD, full.Evals[1].KD)
+	}
+	// Nothing left to do: a rerun is a no-op.
+	again, err := Run(tinyConfig(t, b, runDir), Options{Log: io.Discard})
+	if err != nil || len(again.Steps) != 0 {
+		t.Fatalf("rerun: %v, %d steps", err, len(again.Steps))
+	}
+}
+
+func metricSteps(t *testing.T, runDir string) []int {
+	f, err := os.Open(filepath.Join(runDir, "metrics.jsonl"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var steps []int
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		var l struct {
+			Type string `json:"type"`
+			Step int    `json:"step"`
+		}
+		if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
+			t.Fatalf("metrics line %q: %v", sc.Text(), err)
+		}
+		if l.Type == "train" {
+			steps = append(steps, l.Step)
+		}
+	}
+	return steps
+}
+
+// TestResumeAfterSIGKILL: a child process trains and is SIGKILLed as soon
+// as its second checkpoint exists (mid-step, possibly mid-save); a resumed
+// run then reproduces the uninterrupted loss curve exactly.
+func TestResumeAfterSIGKILL(t *testing.T) {
+	b := testCache(t)
+	full, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "full"), "checkpoint.every=2"), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runDir := filepath.Join(t.TempDir(), "killed")
+	cfg := tinyConfig(t, b, runDir, "checkpoint.every=2")
+	cfgPath := filepath.Join(t.TempDir(), "child.yaml")
+	writeResolvedTo(t, cfg, cfgPath)
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "TRAINER_CHILD_CONFIG="+cfgPath)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		if _, err := os.Stat(checkpointDir(runDir, 4)); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			cmd.Process.Kill()
+			t.Fatalf("child made no checkpoint in 60s: %s", stderr.String())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	cmd.Process.Signal(syscall.SIGKILL)
+	err = cmd.Wait()
+	if ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus); !ok || !ws.Signaled() {
+		t.Fatalf("child was not killed (it finished first?): %v %s", err, stderr.String())
+	}
+	ck, _ := LatestCheckpoint(runDir)
+	rest, err := Run(tinyConfig(t, b, runDir, "checkpoint.every=2"), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rest.Resumed != ck || len(rest.Steps) == 0 {
+		t.Fatalf("resumed from %q (latest %q), %d steps", rest.Resumed, ck, len(rest.Steps))
+	}
+	for _, s := range rest.Steps {
+		w := full.Steps[s.Step-1]
+		if s.Loss != w.Loss || s.GradNorm != w.GradNorm {
+			t.Fatalf("step %d after SIGKILL+resume: loss %.17g, uninterrupted %.17g", s.Step, s.Loss, w.Loss)
+		}
+	}
+	if steps := metricSteps(t, runDir); len(steps) != 12 {
+		t.Fatalf("metrics steps %v", steps)
+	}
+}
+
+func writeResolvedTo(t *testing.T, cfg *Config, path string) {
+	c := *cfg
+	dir := t.TempDir()
+	c.RunDir = dir
+	if err := writeResolved(&c); err != nil {
+		t.Fatal(err)
+	}
+	b, _ := os.ReadFile(filepath.Join(dir, "config.yaml"))
+	b = []byte(strings.Replace(string(b), "run_dir: "+dir, "run_dir: "+cfg.RunDir, 1))
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestMismatch: a cache of another tokenizer or vocabulary is refused,
+// naming both sides.
+func TestMismatch(t *testing.T) {
+	b := testCache(t)
+	_, err := Run(tinyConfig(t, b, t.TempDir(), "model.tokenizer_fingerprint=abc123"), Options{Log: io.Discard})
+	if !errors.Is(err, ErrMismatch) || !strings.Contains(err.Error(), "abc123") || !strings.Contains(err.Error(), "testcache-tokenizer") {
+		t.Fatalf("tokenizer mismatch: %v", err)
+	}
+	_, err = Run(tinyConfig(t, b, t.TempDir(), "model.random.vocab_size=128"), Options{Log: io.Discard})
+	if !errors.Is(err, ErrMismatch) || !strings.Contains(err.Error(), "vocab_size 97") || !strings.Contains(err.Error(), "128") {
+		t.Fatalf("vocab mismatch: %v", err)
+	}
+	_, err = Run(tinyConfig(t, b, t.TempDir(), "data.seq_len=20"), Options{Log: io.Discard})
+	if !errors.Is(err, ErrData) || !strings.Contains(err.Error(), "data.truncate") {
+		t.Fatalf("long sample: %v", err)
+	}
+}
+
+// TestConfigErrors: unknown keys name the line, bad values name the key,
+// overrides reach nested keys.
+func TestConfigErrors(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(p, []byte("run_dir: x\nmodel:\n  init_from: y\ndata:\n  cache: [z]\n  seq_lenn: 5\n"), 0o644)
+	if _, err := LoadConfig(p, nil); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "line 6") || !strings.Contains(err.Error(), "seq_lenn") {
+		t.Fatalf("unknown key: %v", err)
+	}
+	os.WriteFile(p, []byte("run_dir: x\nmodel:\n  init_from: y\ndata:\n  cache: [z]\n"), 0o644)
+	for over, want := range map[string]string{
+		"optim.lr_schedule=cosinus": "lr_schedule",
+		"distill.kd_loss=kl":        "kd_loss",
+		"quant=int4":                "quant",
+		"data.eval_range=[5,2]":     "data.eval_range",
+		"optim.beta1=1":             "betas",
+		"lr":                        "key.path=value",
+	} {
+		if _, err := LoadConfig(p, []string{over}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: %v", over, err)
+		}
+	}
+	c, err := LoadConfig(p, []string{"optim.lr=0.5", "train.max_steps=7", "data.eval_range=[0, 3]"})
+	if err != nil || c.Optim.LR != 0.5 || c.Train.MaxSteps != 7 || c.Data.EvalRange[1] != 3 || c.Optim.Beta2 != 0.95 {
+		t.Fatalf("overrides: %v %+v", err, c)
+	}
+}
+
+// TestEvalPackingInvariant: eval metrics are means over loss positions, so
+// the row length does not change them; the position count matches the
+// samples as written, and token accuracy / top-1 agreement match a direct
+// count from each sample's full log-probs run alone (Student.LogProbs, no
+// packing, no tiling).
+func TestEvalPackingInvariant(t *testing.T) {
+	b := testCache(t)
+	cfg := tinyConfig(t, b, t.TempDir())
+	s, err := initStudent(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rd, err := cache.OpenReader(b.CacheDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lo := cfg.LossOptions(1)
+	r := cache.Range{Start: 0, End: 24}
+	// Row length must not change the metrics (means over positions), up
+	// to float32 summation order.
+	a, err := Evaluate(s, rd, r, 40, false, &lo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := Evaluate(s, rd, r, 256, false, &lo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.Tokens != c.Tokens || a.Samples != 24 || math.Abs(a.KD-c.KD) > 1e-5*a.KD || a.TokenAccuracy != c.TokenAccuracy || a.Top1Agreement != c.Top1Agreement {
+		t.Fatalf("seq_len 40: %+v\nseq_len 256: %+v", a, c)
+	}
+	// Direct count of the loss positions from the samples as written.
+	n := 0
+	for _, smp := range b.Samples[:24] {
+		for t := 1; t < len(smp.Tokens); t++ {
+			n += int(smp.Mask[t])
+		}
+	}
+	if a.Tokens != n {
+		t.Fatalf("eval counted %d positions, the samples have %d", a.Tokens, n)
+	}
+	acc, agree := 0, 0
+	for _, smp := range b.Samples[:24] {
+		T := len(smp.Tokens)
+		lp, err := s.LogProbs(&train.Batch{Tokens: smp.Tokens, Starts: []int32{0, int32(T)}, Mask: smp.Mask})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for t := 0; t+1 < T; t++ {
+			if smp.Mask[t+1] == 0 {
+				continue
+			}
+			row := lp[t*97 : (t+1)*97]
+			best := 0
+			for v := range row {
+				if row[v] > row[best] {
+					best = v
+				}
+			}
+			if int32(best) == smp.Tokens[t+1] {
+				acc++
+			}
+			if int32(best) == smp.TopKIDs[t*b.Manifest.K] {
+				agree++
+			}
+		}
+	}
+	if a.TokenAccuracy != float64(acc)/float64(n) || a.Top1Agreement != float64(agree)/float64(n) {
+		t.Fatalf("accuracy %g agreement %g, direct count %d/%d %d/%d", a.TokenAccuracy, a.Top1Agreement, acc, n, agree, n)
+	}
+	if agree == 0 {
+		t.Fatal("a random student never agrees with the teacher's top-1: the check is vacuous")
+	}
+}
