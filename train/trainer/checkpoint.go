@@ -237,3 +237,26 @@ func syncDir(dir string) error {
 	}
 	return err
 }
+
+// LoadStudent opens a trained student for eval and export: path is a run
+// directory (its newest checkpoint), a checkpoint directory, or any HF
+// checkpoint directory. A checkpoint's state.json, when present, restores
+// the NVFP4 QAD state, so the student runs fake-quantized as in training;
+// the returned State is nil for a plain HF directory.
+func LoadStudent(path string) (*train.Student, *State, error) {
+	if _, err := os.Stat(filepath.Join(path, "checkpoints")); err == nil {
+		ck, err := LatestCheckpoint(path)
+		if err != nil {
+			return nil, nil, err
+		}
+		if ck == "" {
+			return nil, nil, fmt.Errorf("%w: run directory %s has no checkpoint yet", ErrResume, path)
+		}
+		path = ck
+	}
+	if _, err := os.Stat(filepath.Join(path, "state.json")); err == nil {
+		return loadCheckpoint(path)
+	}
+	s, err := train.LoadHF(path)
+	return s, nil, err
+}

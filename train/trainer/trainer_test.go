@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"sync"
 	"syscall"
@@ -18,8 +19,8 @@ import (
 
 	"distill/cache"
 	"distill/train"
-	"distill/train/internal/testcache"
 	"distill/train/tbevent"
+	"distill/train/testcache"
 )
 
 var (
@@ -405,4 +406,75 @@ func TestEvalPackingInvariant(t *testing.T) {
 	if agree == 0 {
 		t.Fatal("a random student never agrees with the teacher's top-1: the check is vacuous")
 	}
+}
+
+// TestQADRun: quant: nvfp4 calibrates, freezes the amax, trains, saves the
+// amax in the checkpoint, and resumes bit-identically; its losses differ
+// from the unquantized run's (the fake quantization is really on).
+func TestQADRun(t *testing.T) {
+	b := testCache(t)
+	over := []string{"quant=nvfp4", "calib_batches=2", "train.max_steps=8", "eval.every=0", "model.random.hidden_size=32", "model.random.intermediate_size=64"}
+	full, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "full"), over...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	plain, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "plain"), "train.max_steps=8", "eval.every=0"), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if full.Steps[0].Loss == plain.Steps[0].Loss || full.Steps[0].Tokens != plain.Steps[0].Tokens {
+		t.Fatalf("QAD step 1 %+v vs plain %+v: same loss (quantization off?) or different data", full.Steps[0], plain.Steps[0])
+	}
+	runDir := filepath.Join(t.TempDir(), "qad")
+	if _, err := Run(tinyConfig(t, b, runDir, over...), Options{Log: io.Discard, StopAfter: 5}); err != nil {
+		t.Fatal(err)
+	}
+	var st State
+	sb, _ := os.ReadFile(filepath.Join(checkpointDir(runDir, 4), "state.json"))
+	if err := json.Unmarshal(sb, &st); err != nil || len(st.QuantAmax) != 2*11 {
+		t.Fatalf("state.json: %v, %d amax values", err, len(st.QuantAmax))
+	}
+	rest, err := Run(tinyConfig(t, b, runDir, over...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range rest.Steps {
+		if w := full.Steps[s.Step-1]; s.Loss != w.Loss || s.GradNorm != w.GradNorm {
+			t.Fatalf("QAD step %d after resume: loss %.17g, uninterrupted %.17g", s.Step, s.Loss, w.Loss)
+		}
+	}
+	if _, err := Run(tinyConfig(t, b, runDir, "train.max_steps=9", "eval.every=0"), Options{Log: io.Discard}); !errors.Is(err, ErrResume) {
+		t.Fatalf("resuming a QAD run without quant: %v", err)
+	}
+}
+
+// TestTinyYAMLDocumentsEveryKey: train/testdata/tiny.yaml loads, and every
+// key of Config appears in it (it is the reference of the config keys).
+func TestTinyYAMLDocumentsEveryKey(t *testing.T) {
+	p := "../testdata/tiny.yaml"
+	if _, err := LoadConfig(p, nil); err != nil {
+		t.Fatal(err)
+	}
+	b, _ := os.ReadFile(p)
+	var walk func(rt reflect.Type, prefix string)
+	walk = func(rt reflect.Type, prefix string) {
+		for rt.Kind() == reflect.Pointer {
+			rt = rt.Elem()
+		}
+		for i := 0; i < rt.NumField(); i++ {
+			f := rt.Field(i)
+			tag := strings.Split(f.Tag.Get("yaml"), ",")[0]
+			if !strings.Contains(string(b), tag+":") {
+				t.Errorf("key %s%s is not in %s", prefix, tag, p)
+			}
+			ft := f.Type
+			for ft.Kind() == reflect.Pointer {
+				ft = ft.Elem()
+			}
+			if ft.Kind() == reflect.Struct {
+				walk(ft, prefix+tag+".")
+			}
+		}
+	}
+	walk(reflect.TypeOf(Config{}), "")
 }

@@ -1,0 +1,91 @@
+package main
+
+import (
+	"errors"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"distill/cache"
+	"distill/compute/cpu"
+	"distill/infer"
+	"distill/train/testcache"
+	"distill/train/trainer"
+)
+
+// TestTrainEvalExport drives the three subcommands on a real cache: train
+// from a config with flag overrides (QAD on), eval the run, export BF16 and
+// NVFP4 (files in place; their numerics are tested in package train); the
+// BF16 export loads into the teacher forward and scores a cached sample.
+func TestTrainEvalExport(t *testing.T) {
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(dir, "run.yaml")
+	os.WriteFile(cfg, []byte(`run_dir: unused
+model:
+  random: {arch: qwen3, vocab_size: 97, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,
+           num_key_value_heads: 1, head_dim: 16, intermediate_size: 64, max_position_embeddings: 128}
+  tokenizer_fingerprint: testcache-tokenizer
+data: {cache: [nowhere], seq_len: 64, global_batch_tokens: 128, eval_range: [0, 8]}
+optim: {lr: 3e-3, min_lr: 3e-4, warmup_steps: 1}
+train: {max_steps: 6, threads: 2}
+checkpoint: {every: 3}
+log: {progress: "off"}
+quant: nvfp4
+calib_batches: 2
+`), 0o644)
+	run := filepath.Join(dir, "run")
+	if err := runTrain([]string{"--config", cfg, "--run-dir", run, "--cache", b.CacheDir, "--set", "eval.every=3"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := runTrain([]string{"--config", cfg, "--run-dir", run, "--cache", b.CacheDir, "--resume", "never"}); !errors.Is(err, trainer.ErrResume) {
+		t.Fatalf("--resume never on a finished run: %v", err)
+	}
+	if err := runEval([]string{"--checkpoint", run, "--config", cfg, "--cache", b.CacheDir, "--range", "0:8"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := runEval([]string{"--checkpoint", run, "--cache", b.CacheDir, "--tokenizer-fingerprint", "other"}); err == nil || !strings.Contains(err.Error(), "other") {
+		t.Fatalf("eval with another tokenizer: %v", err)
+	}
+	bf := filepath.Join(dir, "bf16")
+	if err := runExport([]string{"--checkpoint", run, "--out", bf}); err != nil {
+		t.Fatal(err)
+	}
+	fp4 := filepath.Join(dir, "nvfp4")
+	if err := runExport([]string{"--checkpoint", run, "--out", fp4, "--format", "nvfp4"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{"model.safetensors", "config.json", "hf_quant_config.json"} {
+		if _, err := os.Stat(filepath.Join(fp4, f)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The BF16 export is a teacher checkpoint: its log-probs are finite and
+	// normalized, and it scores the cache's samples.
+	tm, err := infer.Load(bf, cpu.New())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rd, _ := cache.OpenReader(b.CacheDir)
+	smp, _ := rd.Get(3)
+	res, err := tm.TopK([][]int32{smp.Tokens}, infer.Options{K: 97})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var z float64
+	for _, lp := range res[0].LogProbs[:97] {
+		z += math.Exp(float64(lp))
+	}
+	if math.Abs(z-1) > 1e-4 {
+		t.Fatalf("exported model's probabilities sum to %g", z)
+	}
+	// A plain (non-QAD) student cannot be exported as NVFP4.
+	if err := runExport([]string{"--checkpoint", bf, "--out", filepath.Join(dir, "x"), "--format", "nvfp4"}); err == nil || !strings.Contains(err.Error(), "quant: nvfp4") {
+		t.Fatalf("nvfp4 export of a BF16 model: %v", err)
+	}
+}
