@@ -1,0 +1,149 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"distill/data/tokenizer"
+	pb "distill/proto/distill/v1"
+	"distill/serve"
+)
+
+func init() {
+	register(&command{name: "fill", summary: "fill the cache over a sample range, through teacherd daemons or an in-process teacher",
+		run: func(args []string) error {
+			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+			defer stop()
+			return fillMain(ctx, args, os.Stdout, os.Stderr)
+		}})
+}
+
+func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("cachectl fill", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	teachers := fs.String("teacher", "", "teacherd addresses ADDR[,ADDR...]; each writes the cache directory it was started with")
+	modelDir := fs.String("model", "", "run the teacher in this process from this HF checkpoint (instead of --teacher)")
+	cacheDir := fs.String("cache", "", "with --model: the cache directory to write")
+	tokDir := fs.String("tokenizer", "", "tokenizer directory: with --model, the tokenizer to use (default: the model's); with --teacher, checked against the daemons'")
+	device := fs.String("device", "auto", "with --model: auto or cpu")
+	budget := fs.Int("token-budget", 0, "with --model: tokens per forward pass (default 8192)")
+	dataPaths := fs.String("data", "", "dataset files PATH[,PATH...] (JSONL, CSV, Parquet), as the teachers see them")
+	weights := fs.String("weights", "", "blend weights W[,W...], one per --data file (default: concatenate)")
+	pretok := fs.Bool("pretokenized", false, "records hold input_ids (and loss_mask): no tokenizer, ids checked against the vocab")
+	maxLen := fs.Int("max-len", 0, "longest sample in tokens (0: none)")
+	policy := fs.String("policy", "truncate", "samples over --max-len: truncate or drop")
+	numSamples := fs.Int64("num-samples", 0, "samples in the index (0: all records)")
+	shuffle := fs.Bool("shuffle", false, "permute the records")
+	seed := fs.Uint64("seed", 0, "permutation seed")
+	noEOS := fs.Bool("no-eos", false, "do not append EOS to text records")
+	tmplFile := fs.String("chat-template", "", "file with a Jinja chat template overriding the tokenizer's")
+	tmplVars := fs.String("template-vars", "", `extra chat-template variables as JSON, e.g. {"enable_thinking":false}`)
+	start := fs.Int64("start", 0, "first sample")
+	end := fs.Int64("end", 0, "one past the last sample (0: the dataset's length)")
+	chunk := fs.Int64("chunk", serve.DefaultChunkSamples, "samples per chunk (the unit of work and of crash recovery)")
+	k := fs.Int("k", 0, "top-k entries per position (0: the teacher's default)")
+	temp := fs.Float64("temperature", 0, "capture temperature (0: 1)")
+	encoding := fs.String("encoding", "", "log-prob encoding: compact (default) or lossless")
+	token := fs.String("token", os.Getenv("DISTILL_TOKEN"), "bearer token for the daemons (default $DISTILL_TOKEN)")
+	tlsCA := fs.String("tls-ca", "", "PEM CA file: connect with TLS, trusting it")
+	perTeacher := fs.Int("per-teacher", 2, "chunks in flight per teacher")
+	retryFor := fs.Duration("retry-for", 2*time.Minute, "how long an unreachable teacher is retried before its work goes to the others only")
+	logEvery := fs.Duration("log-every", 10*time.Second, "progress line interval when stderr is not a terminal")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if (*teachers == "") == (*modelDir == "") {
+		return fmt.Errorf("give exactly one of --teacher ADDR[,ADDR...] (daemons) and --model DIR (in-process)")
+	}
+	if *dataPaths == "" {
+		return fmt.Errorf("--data is required")
+	}
+	ds := &pb.Dataset{Pretokenized: *pretok, MaxLen: int32(*maxLen), Policy: *policy, NumSamples: *numSamples, Shuffle: *shuffle,
+		Seed: *seed, NoEos: *noEOS, TemplateVarsJson: *tmplVars}
+	paths := strings.Split(*dataPaths, ",")
+	var ws []string
+	if *weights != "" {
+		if ws = strings.Split(*weights, ","); len(ws) != len(paths) {
+			return fmt.Errorf("--weights has %d values for %d --data files", len(ws), len(paths))
+		}
+	}
+	for i, p := range paths {
+		src := &pb.DataSource{Path: p}
+		if ws != nil {
+			w, err := strconv.ParseFloat(ws[i], 64)
+			if err != nil {
+				return fmt.Errorf("--weights: %q is not a number", ws[i])
+			}
+			src.Weight = w
+		}
+		ds.Sources = append(ds.Sources, src)
+	}
+	if *tmplFile != "" {
+		b, err := os.ReadFile(*tmplFile)
+		if err != nil {
+			return fmt.Errorf("--chat-template: %v", err)
+		}
+		ds.ChatTemplate = string(b)
+	}
+	plan := serve.FillPlan{Dataset: ds, Start: *start, End: *end, ChunkSamples: *chunk, K: int32(*k), Temperature: float32(*temp),
+		Encoding: *encoding, PerWorker: *perTeacher, RetryFor: *retryFor, Out: stderr, Terminal: isTerminal(stderr), LogEvery: *logEvery}
+	var workers []serve.Worker
+	defer func() {
+		for _, w := range workers {
+			w.Close()
+		}
+	}()
+	if *modelDir != "" {
+		if *cacheDir == "" {
+			return fmt.Errorf("--model needs --cache DIR (the cache directory to write)")
+		}
+		fmt.Fprintf(stderr, "fill: loading teacher %s in-process\n", *modelDir)
+		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, TokenBudget: *budget})
+		if err != nil {
+			return err
+		}
+		workers = append(workers, serve.Local(core))
+	} else {
+		if *cacheDir != "" {
+			return fmt.Errorf("--cache is for --model; each daemon writes the cache directory it was started with (teacherd --cache)")
+		}
+		if *tokDir != "" {
+			tok, err := tokenizer.Load(*tokDir)
+			if err != nil {
+				return fmt.Errorf("--tokenizer: %w", err)
+			}
+			plan.TokenizerFingerprint = tok.Fingerprint()
+		}
+		for _, addr := range strings.Split(*teachers, ",") {
+			w, err := serve.Dial(strings.TrimSpace(addr), serve.DialOptions{Token: *token, CAFile: *tlsCA})
+			if err != nil {
+				return err
+			}
+			workers = append(workers, w)
+		}
+	}
+	_, err := serve.RunFill(ctx, workers, plan)
+	return err
+}
+
+// isTerminal reports whether w is a character device (a progress bar is
+// drawn there; elsewhere, periodic log lines).
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}

@@ -1,0 +1,134 @@
+// Command teacherd is the teacher daemon: it loads an HF checkpoint once
+// and serves the distill.v1.Teacher gRPC API (top-k scoring, cache fills,
+// status), with gRPC health and reflection, Prometheus metrics on
+// /metrics, structured logs, and a graceful drain on SIGTERM.
+//
+//	teacherd --model /ckpt/Qwen3-8B --cache /data/cache-a --listen 0.0.0.0:7070
+//	teacherd --config teacherd.yaml
+//
+// Flags override the YAML config (keys: see serve.Config).
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"go.uber.org/zap"
+
+	"distill/serve"
+)
+
+func main() {
+	if err := run(os.Args[1:]); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			os.Exit(2)
+		}
+		fmt.Fprintln(os.Stderr, "teacherd:", err)
+		os.Exit(1)
+	}
+}
+
+func run(args []string) error {
+	fs := flag.NewFlagSet("teacherd", flag.ContinueOnError)
+	config := fs.String("config", "", "YAML config file (flags override it)")
+	var f serve.Config
+	fs.StringVar(&f.Model, "model", "", "HF checkpoint directory (config.json + *.safetensors)")
+	fs.StringVar(&f.Tokenizer, "tokenizer", "", "tokenizer directory (default: the model directory; without tokenizer.json only pre-tokenized data)")
+	fs.StringVar(&f.Listen, "listen", "", "gRPC listen address (default 127.0.0.1:7070)")
+	fs.StringVar(&f.Metrics, "metrics", "", `Prometheus /metrics address (default 127.0.0.1:9090, "off" to disable)`)
+	fs.StringVar(&f.Cache, "cache", "", "cache directory fills write (empty: Fill disabled)")
+	fs.StringVar(&f.Device, "device", "", "compute device: auto or cpu (cuda: not in this build)")
+	fs.IntVar(&f.TokenBudget, "token-budget", 0, "tokens per forward pass (default 8192)")
+	fs.IntVar(&f.MaxConcurrent, "max-concurrent", 0, "concurrent RPCs before ResourceExhausted (default 64)")
+	fs.IntVar(&f.QueueSamples, "queue-samples", 0, "queued samples before ResourceExhausted (default 1024)")
+	fs.IntVar(&f.QueueTokens, "queue-tokens", 0, "queued tokens before ResourceExhausted (default 8 token budgets)")
+	fs.IntVar(&f.KDefault, "k-default", 0, "k of requests that give none (default 64)")
+	fs.IntVar(&f.KMax, "k-max", 0, "largest k accepted (default min(vocab, 4096))")
+	fs.StringVar(&f.TLSCert, "tls-cert", "", "TLS certificate (PEM); with --tls-key enables TLS")
+	fs.StringVar(&f.TLSKey, "tls-key", "", "TLS private key (PEM)")
+	fs.StringVar(&f.TokenFile, "token-file", "", "file holding the bearer token clients must send (empty: no auth)")
+	fs.DurationVar(&f.DrainTimeout, "drain-timeout", 0, "graceful shutdown: time in-flight requests get to finish (default 30s)")
+	logJSON := fs.Bool("log-json", false, "JSON logs (default: console)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	cfg := f
+	if *config != "" {
+		var err error
+		if cfg, err = serve.LoadConfig(*config); err != nil {
+			return err
+		}
+		// Flags given explicitly win over the file.
+		fs.Visit(func(fl *flag.Flag) { overrideFlag(&cfg, &f, fl.Name) })
+	}
+	zc := zap.NewProductionConfig()
+	if !*logJSON {
+		zc = zap.NewDevelopmentConfig()
+		zc.DisableStacktrace = true
+	}
+	log, err := zc.Build()
+	if err != nil {
+		return err
+	}
+	defer log.Sync()
+	d, err := serve.Start(cfg, log)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	<-ctx.Done()
+	log.Info("signal received: draining")
+	if err := d.Shutdown(context.Background()); err != nil {
+		return err
+	}
+	log.Info("stopped")
+	return nil
+}
+
+// overrideFlag copies the flag named name from f into cfg.
+func overrideFlag(cfg, f *serve.Config, name string) {
+	switch name {
+	case "model":
+		cfg.Model = f.Model
+	case "tokenizer":
+		cfg.Tokenizer = f.Tokenizer
+	case "listen":
+		cfg.Listen = f.Listen
+	case "metrics":
+		cfg.Metrics = f.Metrics
+	case "cache":
+		cfg.Cache = f.Cache
+	case "device":
+		cfg.Device = f.Device
+	case "token-budget":
+		cfg.TokenBudget = f.TokenBudget
+	case "max-concurrent":
+		cfg.MaxConcurrent = f.MaxConcurrent
+	case "queue-samples":
+		cfg.QueueSamples = f.QueueSamples
+	case "queue-tokens":
+		cfg.QueueTokens = f.QueueTokens
+	case "k-default":
+		cfg.KDefault = f.KDefault
+	case "k-max":
+		cfg.KMax = f.KMax
+	case "tls-cert":
+		cfg.TLSCert = f.TLSCert
+	case "tls-key":
+		cfg.TLSKey = f.TLSKey
+	case "token-file":
+		cfg.TokenFile = f.TokenFile
+	case "drain-timeout":
+		cfg.DrainTimeout = f.DrainTimeout
+	}
+}
+

@@ -1,0 +1,286 @@
+package serve
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// forwardFunc runs one packed forward pass: samples (total n tokens) ->
+// ids (n,k), log-probs (n,k). It is (*infer.Model).Forward in the daemon.
+type forwardFunc func(samples [][]int32, k int, temperature float32) (ids []int32, logprobs []float32)
+
+// job is one unit of queued work. A Score sample is a shared job: the
+// batcher packs it with other shared jobs of the same temperature. A fill
+// forward group is exclusive: it runs as one forward on its own, so the
+// cache holds exactly what infer.Model.TopK gives for that chunk, whatever
+// else the daemon serves (GEMM rounding depends on the batch shape).
+type job struct {
+	ctx       context.Context
+	samples   [][]int32
+	tokens    int
+	k         int
+	temp      float32
+	exclusive bool
+	enq       time.Time
+	done      chan jobResult // buffered 1
+}
+
+type jobResult struct {
+	ids []int32 // (tokens, k)
+	lps []float32
+	err error
+}
+
+// batcherStats is what the batcher reports per forward pass.
+type batcherStats interface {
+	forward(tokens, budget, jobs int, d time.Duration)
+	queued(jobs, tokens int)
+	waited(d time.Duration)
+}
+
+// batcher packs queued jobs into forward passes of at most budget tokens,
+// one forward at a time (a forward uses every core or the whole device).
+// The queue is bounded in jobs and tokens: trySubmit fails with
+// ErrOverloaded when full, submit waits for room.
+type batcher struct {
+	fwd       forwardFunc
+	budget    int
+	maxJobs   int
+	maxTokens int
+	stats     batcherStats
+
+	mu     sync.Mutex
+	queue  []*job
+	qTok   int
+	room   chan struct{} // closed and replaced when room frees up
+	work   chan struct{} // buffered 1: the worker has something to look at
+	closed bool
+	wg     sync.WaitGroup
+}
+
+func newBatcher(fwd forwardFunc, budget, maxJobs, maxTokens int, st batcherStats) *batcher {
+	b := &batcher{fwd: fwd, budget: budget, maxJobs: maxJobs, maxTokens: maxTokens, stats: st,
+		room: make(chan struct{}), work: make(chan struct{}, 1)}
+	b.wg.Add(1)
+	go b.loop()
+	return b
+}
+
+func newJob(ctx context.Context, samples [][]int32, k int, temp float32, exclusive bool) *job {
+	n := 0
+	for _, s := range samples {
+		n += len(s)
+	}
+	return &job{ctx: ctx, samples: samples, tokens: n, k: k, temp: temp, exclusive: exclusive, enq: time.Now(), done: make(chan jobResult, 1)}
+}
+
+// fits reports whether j can be queued now; b.mu held.
+func (b *batcher) fits(j *job) bool {
+	if len(b.queue) == 0 {
+		return true // a job larger than the bound alone must still run
+	}
+	return len(b.queue) < b.maxJobs && b.qTok+j.tokens <= b.maxTokens
+}
+
+func (b *batcher) enqueue(j *job) {
+	b.queue = append(b.queue, j)
+	b.qTok += j.tokens
+	b.stats.queued(len(b.queue), b.qTok)
+	select {
+	case b.work <- struct{}{}:
+	default:
+	}
+}
+
+// trySubmit queues j or fails at once with ErrOverloaded (Score requests:
+// the client sees RESOURCE_EXHAUSTED and backs off).
+func (b *batcher) trySubmit(j *job) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return fmt.Errorf("%w: not accepting work", ErrShutdown)
+	}
+	if !b.fits(j) {
+		return fmt.Errorf("%w: work queue full (%d samples, %d tokens queued; limits %d and %d): retry later", ErrOverloaded, len(b.queue), b.qTok, b.maxJobs, b.maxTokens)
+	}
+	b.enqueue(j)
+	return nil
+}
+
+// submit queues j, waiting for room (fill work: it is paced by the queue
+// instead of failing).
+func (b *batcher) submit(j *job) error {
+	for {
+		b.mu.Lock()
+		if b.closed {
+			b.mu.Unlock()
+			return fmt.Errorf("%w: not accepting work", ErrShutdown)
+		}
+		if b.fits(j) {
+			b.enqueue(j)
+			b.mu.Unlock()
+			return nil
+		}
+		room := b.room
+		b.mu.Unlock()
+		select {
+		case <-room:
+		case <-j.ctx.Done():
+			return j.ctx.Err()
+		}
+	}
+}
+
+// wait returns j's result or the context's error.
+func (j *job) wait() jobResult {
+	select {
+	case r := <-j.done:
+		return r
+	case <-j.ctx.Done():
+		return jobResult{err: j.ctx.Err()}
+	}
+}
+
+// take removes the next batch from the queue; b.mu held. The head job
+// decides: exclusive -> alone; shared -> every shared job of the same
+// temperature that still fits the budget, in queue order.
+func (b *batcher) take() []*job {
+	var batch []*job
+	keep := b.queue[:0]
+	n := 0
+	for i, j := range b.queue {
+		switch {
+		case j.ctx.Err() != nil:
+			j.done <- jobResult{err: j.ctx.Err()}
+			b.qTok -= j.tokens
+			continue
+		case len(batch) == 0:
+			batch, n = append(batch, j), j.tokens
+		case batch[0].exclusive || j.exclusive || j.temp != batch[0].temp || n+j.tokens > b.budget:
+			keep = append(keep, j)
+		default:
+			batch, n = append(batch, j), n+j.tokens
+		}
+		if len(batch) > 0 && batch[0].exclusive {
+			keep = append(keep, b.queue[i+1:]...)
+			break
+		}
+	}
+	clear(b.queue[len(keep):])
+	b.queue = keep
+	for _, j := range batch {
+		b.qTok -= j.tokens
+	}
+	b.stats.queued(len(b.queue), b.qTok)
+	close(b.room)
+	b.room = make(chan struct{})
+	return batch
+}
+
+func (b *batcher) loop() {
+	defer b.wg.Done()
+	for {
+		b.mu.Lock()
+		for len(b.queue) == 0 {
+			if b.closed {
+				b.mu.Unlock()
+				return
+			}
+			b.mu.Unlock()
+			<-b.work
+			b.mu.Lock()
+		}
+		batch := b.take()
+		b.mu.Unlock()
+		if len(batch) > 0 {
+			b.run(batch)
+		}
+		// Another round may be due without a new signal.
+		select {
+		case b.work <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// run does one forward over batch and hands each job its rows.
+func (b *batcher) run(batch []*job) {
+	k, n := 0, 0
+	var samples [][]int32
+	now := time.Now()
+	for _, j := range batch {
+		k = max(k, j.k)
+		n += j.tokens
+		samples = append(samples, j.samples...)
+		b.stats.waited(now.Sub(j.enq))
+	}
+	ids, lps, err := b.forward(samples, k, batch[0].temp)
+	b.stats.forward(n, b.budget, len(batch), time.Since(now))
+	off := 0
+	for _, j := range batch {
+		if err != nil {
+			j.done <- jobResult{err: err}
+			continue
+		}
+		r := jobResult{ids: ids[off*k : (off+j.tokens)*k], lps: lps[off*k : (off+j.tokens)*k]}
+		if j.k != k {
+			// The top-k of a larger k is a prefix-extension of the smaller
+			// one (same full-vocab log-probs, same order): cut each row.
+			r = cutK(r, j.tokens, k, j.k)
+		}
+		off += j.tokens
+		j.done <- r
+	}
+}
+
+// forward calls fwd, turning a panic (a bug: inputs are validated) into
+// an error so one bad batch does not take the daemon down.
+func (b *batcher) forward(samples [][]int32, k int, temp float32) (ids []int32, lps []float32, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("serve: forward pass panicked: %v", r)
+		}
+	}()
+	ids, lps = b.fwd(samples, k, temp)
+	return ids, lps, nil
+}
+
+// cutK keeps the first k2 of every row of k entries: (n,k) -> (n,k2).
+func cutK(r jobResult, n, k, k2 int) jobResult {
+	out := jobResult{ids: make([]int32, n*k2), lps: make([]float32, n*k2)}
+	for t := 0; t < n; t++ {
+		copy(out.ids[t*k2:(t+1)*k2], r.ids[t*k:t*k+k2])
+		copy(out.lps[t*k2:(t+1)*k2], r.lps[t*k:t*k+k2])
+	}
+	return out
+}
+
+// close stops accepting work, fails what is queued with ErrShutdown and
+// waits for the forward in progress.
+func (b *batcher) close() {
+	b.mu.Lock()
+	if !b.closed {
+		b.closed = true
+		for _, j := range b.queue {
+			j.done <- jobResult{err: fmt.Errorf("%w: queued work dropped", ErrShutdown)}
+		}
+		b.queue, b.qTok = nil, 0
+		close(b.room)
+		b.room = make(chan struct{})
+	}
+	b.mu.Unlock()
+	select {
+	case b.work <- struct{}{}:
+	default:
+	}
+	b.wg.Wait()
+}
+
+// depth returns the queued jobs and tokens.
+func (b *batcher) depth() (int, int) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return len(b.queue), b.qTok
+}

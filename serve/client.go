@@ -1,0 +1,137 @@
+package serve
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
+	"os"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+
+	pb "distill/proto/distill/v1"
+)
+
+// Worker is one teacher a fill drives: a daemon over gRPC (Dial) or a Core
+// in this process (Local). Errors are gRPC status errors either way, so
+// the driver classifies them the same.
+type Worker interface {
+	// Name identifies the worker in messages (its address, or "in-process").
+	Name() string
+	Info(ctx context.Context) (*pb.InfoResponse, error)
+	Describe(ctx context.Context, d *pb.Dataset) (*pb.DescribeDatasetResponse, error)
+	Status(ctx context.Context, r *pb.StatusRequest) (*pb.StatusResponse, error)
+	Fill(ctx context.Context, r *pb.FillRequest, onChunk func(*pb.FillResponse) error) error
+	Close() error
+}
+
+// DialOptions configure Dial.
+type DialOptions struct {
+	// Token is sent as "authorization: Bearer <token>" when set.
+	Token string
+	// CAFile enables TLS, trusting the PEM certificates in it.
+	CAFile string
+	// ServerName overrides the TLS server name (default: the address host).
+	ServerName string
+}
+
+// tokenCreds sends the bearer token. It does not insist on TLS so that a
+// token also guards a loopback daemon; over a network, use TLS.
+type tokenCreds string
+
+func (t tokenCreds) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(t)}, nil
+}
+func (tokenCreds) RequireTransportSecurity() bool { return false }
+
+// remote is a Worker over a gRPC connection.
+type remote struct {
+	addr string
+	conn *grpc.ClientConn
+	c    pb.TeacherClient
+}
+
+// Dial returns a Worker for the daemon at addr. The connection is lazy:
+// errors show up on the first call.
+func Dial(addr string, o DialOptions) (Worker, error) {
+	creds := insecure.NewCredentials()
+	if o.CAFile != "" {
+		pem, err := os.ReadFile(o.CAFile)
+		if err != nil {
+			return nil, fmt.Errorf("%w: TLS CA file: %v", ErrInvalid, err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("%w: TLS CA file %s holds no PEM certificate", ErrInvalid, o.CAFile)
+		}
+		creds = credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: o.ServerName, MinVersion: tls.VersionTLS12})
+	}
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(creds), grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(256 << 20))}
+	if o.Token != "" {
+		opts = append(opts, grpc.WithPerRPCCredentials(tokenCreds(o.Token)))
+	}
+	conn, err := grpc.NewClient(addr, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("%w: teacher address %q: %v", ErrInvalid, addr, err)
+	}
+	return &remote{addr: addr, conn: conn, c: pb.NewTeacherClient(conn)}, nil
+}
+
+func (r *remote) Name() string { return r.addr }
+func (r *remote) Info(ctx context.Context) (*pb.InfoResponse, error) {
+	return r.c.Info(ctx, &pb.InfoRequest{})
+}
+func (r *remote) Describe(ctx context.Context, d *pb.Dataset) (*pb.DescribeDatasetResponse, error) {
+	return r.c.DescribeDataset(ctx, &pb.DescribeDatasetRequest{Dataset: d})
+}
+func (r *remote) Status(ctx context.Context, q *pb.StatusRequest) (*pb.StatusResponse, error) {
+	return r.c.Status(ctx, q)
+}
+func (r *remote) Fill(ctx context.Context, q *pb.FillRequest, on func(*pb.FillResponse) error) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	st, err := r.c.Fill(ctx, q)
+	if err != nil {
+		return err
+	}
+	for {
+		m, err := st.Recv()
+		if err != nil {
+			if isEOF(err) {
+				return nil
+			}
+			return err
+		}
+		if err := on(m); err != nil {
+			return err
+		}
+	}
+}
+func (r *remote) Close() error { return r.conn.Close() }
+
+// local is a Worker over a Core in this process.
+type local struct {
+	c   *Core
+	log *zap.Logger
+}
+
+// Local returns a Worker over c (`cachectl fill --model`); Close closes c.
+func Local(c *Core) Worker { return &local{c: c, log: c.log} }
+
+func (l *local) Name() string                                        { return "in-process" }
+func (l *local) Info(ctx context.Context) (*pb.InfoResponse, error) { return l.c.Info(), nil }
+func (l *local) Describe(ctx context.Context, d *pb.Dataset) (*pb.DescribeDatasetResponse, error) {
+	r, err := l.c.DescribeDataset(d)
+	return r, toStatus(l.log, err)
+}
+func (l *local) Status(ctx context.Context, q *pb.StatusRequest) (*pb.StatusResponse, error) {
+	r, err := l.c.Status(q)
+	return r, toStatus(l.log, err)
+}
+func (l *local) Fill(ctx context.Context, q *pb.FillRequest, on func(*pb.FillResponse) error) error {
+	return toStatus(l.log, l.c.Fill(ctx, q, on))
+}
+func (l *local) Close() error { return l.c.Close() }

@@ -1,0 +1,587 @@
+package serve
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/protobuf/proto"
+
+	"distill/cache"
+	"distill/compute/cpu"
+	"distill/data"
+	"distill/data/tokenizer"
+	"distill/infer"
+	pb "distill/proto/distill/v1"
+)
+
+// Defaults of CoreOptions.
+const (
+	// DefaultChunkSamples is the chunk size of a Fill that gives none.
+	DefaultChunkSamples = 256
+	// DefaultKDefault is the k of a request that gives none.
+	DefaultKDefault = 64
+	// DefaultQueueSamples bounds the queued Score samples and fill groups.
+	DefaultQueueSamples = 1024
+	// maxCachedDatasets bounds the opened datasets a core keeps.
+	maxCachedDatasets = 8
+)
+
+// CoreOptions configure a Core. ModelDir is required.
+type CoreOptions struct {
+	// ModelDir is the HF checkpoint directory of the teacher.
+	ModelDir string
+	// TokenizerDir holds tokenizer.json; empty means ModelDir, where a
+	// missing tokenizer.json is allowed (only pre-tokenized data then).
+	TokenizerDir string
+	// CacheDir is the cache fills write; empty disables Fill.
+	CacheDir string
+	// Device is auto or cpu (cuda: a later backend; refused clearly).
+	Device string
+	// TokenBudget is the tokens of one forward pass (default infer.DefaultTokenBudget).
+	TokenBudget int
+	// KDefault replaces k = 0 (default 64, at most KMax); KMax caps k
+	// (default min(vocab, 4096): the cache's format limit).
+	KDefault, KMax int
+	// QueueSamples and QueueTokens bound the work queue (defaults 1024
+	// samples, 8 token budgets); Score requests beyond get ResourceExhausted.
+	QueueSamples, QueueTokens int
+	// FillChunksInFlight is the chunks one Fill works on at once (default
+	// 2: one tokenizes or commits while the other computes).
+	FillChunksInFlight int
+	// Logger receives structured logs; nil means zap.NewNop.
+	Logger *zap.Logger
+
+	// forwardDelay slows every forward pass (crash tests only).
+	forwardDelay time.Duration
+}
+
+// Core is the daemon without its transport: the loaded teacher, the
+// batcher that packs all work into forward passes, the dataset and cache
+// handling of fills. The gRPC server and `cachectl fill --model` (the
+// in-process teacher) both drive it.
+type Core struct {
+	opt     CoreOptions
+	model   *infer.Model
+	tok     *tokenizer.Tokenizer // nil: pre-tokenized data only
+	lim     Limits
+	budget  int
+	b       *batcher
+	met     *metrics
+	log     *zap.Logger
+	started time.Time
+
+	dsMu     sync.Mutex
+	datasets map[string]*data.Dataset
+
+	cacheMu sync.Mutex
+	cw      *cache.Cache
+
+	flightMu sync.Mutex
+	inflight map[cache.Range]int
+}
+
+// NewCore loads the teacher (and tokenizer) and starts the batcher.
+func NewCore(o CoreOptions) (*Core, error) {
+	if o.Logger == nil {
+		o.Logger = zap.NewNop()
+	}
+	switch o.Device {
+	case "", "auto", "cpu":
+		o.Device = "cpu"
+	case "cuda":
+		return nil, fmt.Errorf("%w: --device cuda: this build has no CUDA backend yet; use --device cpu (or auto)", ErrInvalid)
+	default:
+		return nil, fmt.Errorf("%w: --device %q: want auto, cpu or cuda", ErrInvalid, o.Device)
+	}
+	if o.ModelDir == "" {
+		return nil, fmt.Errorf("%w: no model directory: give --model DIR (an HF checkpoint)", ErrInvalid)
+	}
+	if o.TokenBudget == 0 {
+		o.TokenBudget = infer.DefaultTokenBudget
+	}
+	if o.TokenBudget < 1 {
+		return nil, fmt.Errorf("%w: token budget %d must be positive", ErrInvalid, o.TokenBudget)
+	}
+	if o.FillChunksInFlight <= 0 {
+		o.FillChunksInFlight = 2
+	}
+	if o.QueueSamples <= 0 {
+		o.QueueSamples = DefaultQueueSamples
+	}
+	if o.QueueTokens <= 0 {
+		o.QueueTokens = 8 * o.TokenBudget
+	}
+	t0 := time.Now()
+	m, err := infer.Load(o.ModelDir, cpu.New())
+	if err != nil {
+		return nil, fmt.Errorf("loading teacher %s: %w", o.ModelDir, err)
+	}
+	V := m.Cfg.VocabSize
+	if o.KMax == 0 {
+		o.KMax = min(V, 4096)
+	}
+	if o.KDefault == 0 {
+		o.KDefault = min(DefaultKDefault, o.KMax)
+	}
+	if o.KMax < 1 || o.KMax > V || o.KDefault < 1 || o.KDefault > o.KMax {
+		return nil, fmt.Errorf("%w: k default %d and k max %d: want 1 <= default <= max <= vocab size %d", ErrInvalid, o.KDefault, o.KMax, V)
+	}
+	c := &Core{opt: o, model: m, budget: o.TokenBudget, met: newMetrics(), log: o.Logger, started: time.Now(),
+		datasets: map[string]*data.Dataset{}, inflight: map[cache.Range]int{}}
+	c.lim = Limits{VocabSize: V, MaxLen: min(m.Cfg.MaxPositions, o.TokenBudget), KDefault: o.KDefault, KMax: o.KMax}
+	tdir := o.TokenizerDir
+	if tdir == "" {
+		tdir = o.ModelDir
+	}
+	if _, err := os.Stat(filepath.Join(tdir, "tokenizer.json")); err == nil || o.TokenizerDir != "" {
+		if c.tok, err = tokenizer.Load(tdir); err != nil {
+			return nil, fmt.Errorf("%w: tokenizer %s: %v", ErrPrecondition, tdir, err)
+		}
+		if c.tok.VocabSize() > V {
+			return nil, fmt.Errorf("%w: the tokenizer in %s has %d tokens but the model in %s has vocab_size %d: its ids would be out of range; use the model's own tokenizer (--tokenizer)",
+				ErrPrecondition, tdir, c.tok.VocabSize(), o.ModelDir, V)
+		}
+	}
+	fwd := m.Forward
+	if o.forwardDelay > 0 {
+		fwd = func(s [][]int32, k int, t float32) ([]int32, []float32) {
+			time.Sleep(o.forwardDelay)
+			return m.Forward(s, k, t)
+		}
+	}
+	c.b = newBatcher(fwd, o.TokenBudget, o.QueueSamples, o.QueueTokens, c.met)
+	c.log.Info("teacher loaded", zap.String("model", o.ModelDir), zap.String("arch", string(m.Cfg.Arch)),
+		zap.Int("vocab", V), zap.Int64("params", m.Cfg.Params()), zap.String("fingerprint", m.Fingerprint()),
+		zap.Bool("tokenizer", c.tok != nil), zap.Duration("took", time.Since(t0)))
+	return c, nil
+}
+
+// Close stops the batcher (queued work fails with ErrShutdown, the forward
+// in progress finishes) and releases the cache and datasets.
+func (c *Core) Close() error {
+	c.b.close()
+	c.dsMu.Lock()
+	for k, d := range c.datasets {
+		d.Close()
+		delete(c.datasets, k)
+	}
+	c.dsMu.Unlock()
+	c.cacheMu.Lock()
+	defer c.cacheMu.Unlock()
+	if c.cw != nil {
+		err := c.cw.Close()
+		c.cw = nil
+		return err
+	}
+	return nil
+}
+
+// Model returns the loaded teacher.
+func (c *Core) Model() *infer.Model { return c.model }
+
+// Limits returns what requests are validated against.
+func (c *Core) Limits() Limits { return c.lim }
+
+// Info describes the daemon.
+func (c *Core) Info() *pb.InfoResponse {
+	cfg := c.model.Cfg
+	r := &pb.InfoResponse{Architecture: string(cfg.Arch), VocabSize: int32(cfg.VocabSize), TeacherFingerprint: c.model.Fingerprint(),
+		MaxPositions: int32(cfg.MaxPositions), Device: c.opt.Device, KDefault: int32(c.lim.KDefault), KMax: int32(c.lim.KMax),
+		TokenBudget: int32(c.budget), CacheDir: c.opt.CacheDir, Params: cfg.Params(), ModelDir: c.opt.ModelDir}
+	if c.tok != nil {
+		r.TokenizerFingerprint, r.TokenizerVocabSize = c.tok.Fingerprint(), int32(c.tok.VocabSize())
+	}
+	return r
+}
+
+// submitScore validates r and queues it, failing with ErrOverloaded when
+// the queue is full.
+func (c *Core) submitScore(ctx context.Context, r *pb.ScoreRequest) (*job, error) {
+	if err := ValidateScore(r, c.lim); err != nil {
+		return nil, err
+	}
+	k, temp := c.defaults(r.GetK(), r.GetTemperature())
+	j := newJob(ctx, [][]int32{r.GetTokens()}, k, temp, false)
+	if err := c.b.trySubmit(j); err != nil {
+		return nil, err
+	}
+	return j, nil
+}
+
+func (c *Core) defaults(k int32, temp float32) (int, float32) {
+	if k == 0 {
+		k = int32(c.lim.KDefault)
+	}
+	if temp == 0 {
+		temp = 1
+	}
+	return int(k), temp
+}
+
+// idsOnly is the data.Tokenizer of pre-tokenized datasets: no text can be
+// encoded (a text record yields no tokens, which fill reports), ids are
+// checked against the model's vocabulary by package data.
+type idsOnly struct{ vocab int }
+
+func (t idsOnly) Encode(string) []int32                   { return nil }
+func (t idsOnly) EncodeOffsets(string) ([]int32, [][2]int) { return nil, nil }
+func (t idsOnly) VocabSize() int                          { return t.vocab }
+func (t idsOnly) TokenID(string) (int32, bool)            { return 0, false }
+func (t idsOnly) Fingerprint() string                     { return fmt.Sprintf("pretokenized:vocab=%d", t.vocab) }
+func (t idsOnly) ChatTemplate() string                    { return "" }
+func (t idsOnly) BOS() string                             { return "" }
+func (t idsOnly) EOS() string                             { return "" }
+func (t idsOnly) AddBOS() bool                            { return false }
+
+// dataset opens (or returns the already opened) dataset of spec.
+func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, error) {
+	if err := ValidateDataset(spec); err != nil {
+		return nil, err
+	}
+	key, err := proto.MarshalOptions{Deterministic: true}.Marshal(spec)
+	if err != nil {
+		return nil, fmt.Errorf("%w: dataset spec: %v", ErrInvalid, err)
+	}
+	c.dsMu.Lock()
+	defer c.dsMu.Unlock()
+	if d, ok := c.datasets[string(key)]; ok {
+		return d, nil
+	}
+	var srcs []data.Source
+	for i, s := range spec.GetSources() {
+		if _, err := os.Stat(s.GetPath()); err != nil {
+			if errors.Is(err, os.ErrNotExist) {
+				return nil, fmt.Errorf("%w: dataset source %d: %s does not exist on the daemon's machine (paths are the daemon's, not the client's)", ErrNotFound, i, s.GetPath())
+			}
+			return nil, fmt.Errorf("%w: dataset source %d: %v", ErrPrecondition, i, err)
+		}
+		srcs = append(srcs, data.Source{Path: s.GetPath(), Weight: s.GetWeight(), Format: s.GetFormat()})
+	}
+	opts := data.Options{MaxLen: int(spec.GetMaxLen()), Policy: data.Policy(spec.GetPolicy()), NumSamples: spec.GetNumSamples(),
+		Shuffle: spec.GetShuffle(), Seed: spec.GetSeed(), NoEOS: spec.GetNoEos(), ChatTemplate: spec.GetChatTemplate()}
+	if v := spec.GetTemplateVarsJson(); v != "" {
+		if err := json.Unmarshal([]byte(v), &opts.TemplateVars); err != nil {
+			return nil, fmt.Errorf("%w: template_vars_json: %v", ErrInvalid, err)
+		}
+	}
+	var tok data.Tokenizer = idsOnly{c.model.Cfg.VocabSize}
+	if !spec.GetPretokenized() {
+		if c.tok == nil {
+			return nil, fmt.Errorf("%w: the dataset is not marked pre-tokenized but the daemon has no tokenizer: start it with --tokenizer DIR, or mark the dataset pre-tokenized (input_ids records)", ErrPrecondition)
+		}
+		tok = c.tok
+	}
+	d, err := data.Open(srcs, tok, opts)
+	if err != nil {
+		return nil, err
+	}
+	if len(c.datasets) >= maxCachedDatasets {
+		// Forget one; a fill still using it keeps its reference. Its
+		// files stay open until the process ends (rare: many datasets).
+		for k := range c.datasets {
+			delete(c.datasets, k)
+			break
+		}
+	}
+	c.datasets[string(key)] = d
+	return d, nil
+}
+
+// DescribeDataset opens spec and reports its length and fingerprints.
+func (c *Core) DescribeDataset(spec *pb.Dataset) (*pb.DescribeDatasetResponse, error) {
+	d, err := c.dataset(spec)
+	if err != nil {
+		return nil, err
+	}
+	tfp := idsOnly{c.model.Cfg.VocabSize}.Fingerprint()
+	if !spec.GetPretokenized() {
+		tfp = c.tok.Fingerprint()
+	}
+	return &pb.DescribeDatasetResponse{Samples: d.Len(), Fingerprint: d.Fingerprint(), TokenizerFingerprint: tfp}, nil
+}
+
+// openCache returns the daemon's cache, creating it with m or checking
+// that the existing one agrees with m.
+func (c *Core) openCache(m cache.Manifest) (*cache.Cache, error) {
+	c.cacheMu.Lock()
+	defer c.cacheMu.Unlock()
+	if c.opt.CacheDir == "" {
+		return nil, fmt.Errorf("%w: this daemon has no cache directory: start it with --cache DIR to fill", ErrPrecondition)
+	}
+	if c.cw == nil {
+		cw, err := cache.Create(c.opt.CacheDir, m, nil)
+		if err != nil {
+			if errors.Is(err, cache.ErrManifestMismatch) {
+				return nil, fmt.Errorf("%w; the cache directory holds another fill (dataset, teacher, k, temperature or encoding): use another --cache directory", err)
+			}
+			return nil, err
+		}
+		c.cw = cw
+		return cw, nil
+	}
+	have := c.cw.Manifest()
+	m.FormatVersion = have.FormatVersion
+	if err := have.Agree(&m, c.opt.CacheDir, "this fill request"); err != nil {
+		return nil, fmt.Errorf("%w; the cache directory holds another fill: use another --cache directory", err)
+	}
+	return c.cw, nil
+}
+
+// existingCache opens the cache directory if it holds a cache (Status
+// after a restart), or returns nil.
+func (c *Core) existingCache() *cache.Cache {
+	c.cacheMu.Lock()
+	defer c.cacheMu.Unlock()
+	if c.cw == nil && c.opt.CacheDir != "" {
+		if cw, err := cache.Open(c.opt.CacheDir, nil); err == nil {
+			c.cw = cw
+		}
+	}
+	return c.cw
+}
+
+// Status reports work in flight, throughput and done ranges.
+func (c *Core) Status(r *pb.StatusRequest) (*pb.StatusResponse, error) {
+	jobs, _ := c.b.depth()
+	out := &pb.StatusResponse{TokensTotal: c.met.nTokens.Load(), TokensPerSecond: c.met.rate(), QueueDepth: int32(jobs),
+		ForwardsTotal: c.met.nForwards.Load(), UptimeSeconds: time.Since(c.started).Seconds(), CacheDir: c.opt.CacheDir}
+	c.flightMu.Lock()
+	for rg := range c.inflight {
+		out.InFlight = append(out.InFlight, &pb.Range{Start: rg.Start, End: rg.End})
+	}
+	c.flightMu.Unlock()
+	sort.Slice(out.InFlight, func(i, j int) bool { return out.InFlight[i].Start < out.InFlight[j].Start })
+	if fp := r.GetDatasetFingerprint(); fp != "" {
+		if cw := c.existingCache(); cw != nil && cw.Manifest().DatasetFingerprint == fp {
+			rs, err := cw.Chunks()
+			if err != nil {
+				return nil, err
+			}
+			out.DatasetKnown = true
+			for _, ch := range rs {
+				out.Done = append(out.Done, &pb.Range{Start: ch.Start, End: ch.End})
+			}
+		}
+	}
+	return out, nil
+}
+
+func (c *Core) flight(r cache.Range, d int) {
+	c.flightMu.Lock()
+	c.inflight[r] += d
+	if c.inflight[r] <= 0 {
+		delete(c.inflight, r)
+	}
+	c.flightMu.Unlock()
+}
+
+// Fill computes samples [start, end) of the dataset into the cache, chunk
+// by chunk (FillChunksInFlight at once), calling emit once per chunk (never
+// concurrently). Done chunks are reported as skipped. On error or
+// cancellation the chunks in flight are aborted: nothing partial is
+// visible.
+func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillResponse) error) error {
+	if err := ValidateFill(r, c.lim); err != nil {
+		return err
+	}
+	d, err := c.dataset(r.GetDataset())
+	if err != nil {
+		return err
+	}
+	if exp := r.GetExpectDatasetFingerprint(); exp != "" && exp != d.Fingerprint() {
+		return fmt.Errorf("%w: the dataset as this daemon reads it has fingerprint %.16s, the client expects %.16s: its files, tokenizer or options differ", ErrPrecondition, d.Fingerprint(), exp)
+	}
+	if r.GetEnd() > d.Len() {
+		return fmt.Errorf("%w: range [%d, %d) goes beyond the dataset's %d samples (valid: [0, %d))", ErrOutOfRange, r.GetStart(), r.GetEnd(), d.Len(), d.Len())
+	}
+	k, temp := c.defaults(r.GetK(), r.GetTemperature())
+	enc := cache.Encoding(r.GetEncoding())
+	if enc == "" {
+		enc = cache.EncodingCompact
+	}
+	tfp := idsOnly{c.model.Cfg.VocabSize}.Fingerprint()
+	if !r.GetDataset().GetPretokenized() {
+		tfp = c.tok.Fingerprint()
+	}
+	cw, err := c.openCache(cache.Manifest{TeacherFingerprint: c.model.Fingerprint(), TokenizerFingerprint: tfp,
+		DatasetFingerprint: d.Fingerprint(), VocabSize: c.model.Cfg.VocabSize, K: k, Temperature: temp, Samples: d.Len(), Encoding: enc})
+	if err != nil {
+		return err
+	}
+	size := r.GetChunkSamples()
+	if size == 0 {
+		size = DefaultChunkSamples
+	}
+	var mu sync.Mutex // serializes emit
+	send := func(x *pb.FillResponse) error {
+		mu.Lock()
+		defer mu.Unlock()
+		x.CacheDir = c.opt.CacheDir
+		return emit(x)
+	}
+	done, err := cw.Chunks()
+	if err != nil {
+		return err
+	}
+	want := cache.Range{Start: r.GetStart(), End: r.GetEnd()}
+	for _, ch := range done {
+		if ch.Start < want.End && ch.End > want.Start {
+			c.met.chunks.WithLabelValues("skipped").Inc()
+			if err := send(&pb.FillResponse{Start: ch.Start, End: ch.End, Skipped: true, Tokens: 0}); err != nil {
+				return err
+			}
+		}
+	}
+	miss, err := cw.Missing(want.Start, want.End)
+	if err != nil {
+		return err
+	}
+	var todo []cache.Range
+	for _, g := range miss {
+		for a := g.Start; a < g.End; a += size {
+			todo = append(todo, cache.Range{Start: a, End: min(a+size, g.End)})
+		}
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var (
+		wg       sync.WaitGroup
+		errMu    sync.Mutex
+		firstErr error
+		next     = make(chan cache.Range)
+	)
+	fail := func(err error) {
+		errMu.Lock()
+		if firstErr == nil {
+			firstErr = err
+			cancel()
+		}
+		errMu.Unlock()
+	}
+	for w := 0; w < min(c.opt.FillChunksInFlight, len(todo)); w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for rg := range next {
+				tokens, skipped, err := c.fillChunk(ctx, cw, d, rg, k, temp)
+				if err != nil {
+					c.met.chunks.WithLabelValues("failed").Inc()
+					fail(err)
+					continue
+				}
+				outcome := "committed"
+				if skipped {
+					outcome = "skipped"
+				}
+				c.met.chunks.WithLabelValues(outcome).Inc()
+				if err := send(&pb.FillResponse{Start: rg.Start, End: rg.End, Tokens: tokens, Skipped: skipped}); err != nil {
+					fail(err)
+				}
+			}
+		}()
+	}
+feed:
+	for _, rg := range todo {
+		select {
+		case next <- rg:
+		case <-ctx.Done():
+			break feed
+		}
+	}
+	close(next)
+	wg.Wait()
+	if firstErr != nil {
+		return firstErr
+	}
+	return ctx.Err()
+}
+
+// fillChunk computes and commits one chunk.
+func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, rg cache.Range, k int, temp float32) (int64, bool, error) {
+	w, err := cw.BeginChunk(rg.Start, rg.End)
+	if errors.Is(err, cache.ErrRangeDone) {
+		return 0, true, nil
+	}
+	if err != nil {
+		return 0, false, err
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			w.Abort()
+		}
+	}()
+	c.flight(rg, 1)
+	defer c.flight(rg, -1)
+	samples, err := d.Range(ctx, rg.Start, rg.End)
+	if err != nil {
+		return 0, false, err
+	}
+	var tokens int64
+	for i := range samples {
+		s := &samples[i]
+		switch {
+		case s.Status == data.Dropped || s.Status == data.Skipped:
+			return 0, false, fmt.Errorf("%w: sample %d (%s) was %s (%s): the cache holds no empty samples; raise max_len, use policy truncate, or fix the record",
+				ErrPrecondition, s.Index, s.Loc, s.Status, s.Reason)
+		case len(s.IDs) == 0:
+			return 0, false, fmt.Errorf("%w: sample %d (%s) has no tokens: a pre-tokenized dataset needs input_ids in every record (text records need a tokenizer: do not mark the dataset pre-tokenized)",
+				ErrInvalid, s.Index, s.Loc)
+		case len(s.IDs) > c.lim.MaxLen:
+			return 0, false, fmt.Errorf("%w: sample %d (%s) has %d tokens, more than the daemon's limit %d (min of max_position_embeddings and the token budget): set the dataset's max_len",
+				ErrInvalid, s.Index, s.Loc, len(s.IDs), c.lim.MaxLen)
+		}
+		tokens += int64(len(s.IDs))
+	}
+	// Pack exactly as infer.Model.TopK does: in order, greedily up to the
+	// budget, each group an exclusive forward.
+	var jobs []*job
+	for a := 0; a < len(samples); {
+		b, n := a, 0
+		var group [][]int32
+		for b < len(samples) && n+len(samples[b].IDs) <= c.budget {
+			n += len(samples[b].IDs)
+			group = append(group, samples[b].IDs)
+			b++
+		}
+		j := newJob(ctx, group, k, temp, true)
+		if err := c.b.submit(j); err != nil {
+			return 0, false, err
+		}
+		jobs = append(jobs, j)
+		a = b
+	}
+	si := 0
+	for _, j := range jobs {
+		res := j.wait()
+		if res.err != nil {
+			return 0, false, res.err
+		}
+		off := 0
+		for range j.samples {
+			s := &samples[si]
+			sz := len(s.IDs) * k
+			if err := w.Add(cache.Sample{Index: s.Index, Tokens: s.IDs, Mask: s.Mask, TopKIDs: res.ids[off : off+sz], TopKLogProbs: res.lps[off : off+sz]}); err != nil {
+				return 0, false, err
+			}
+			off += sz
+			si++
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return 0, false, err
+	}
+	committed = true
+	if err := w.Commit(); err != nil {
+		return 0, false, err
+	}
+	return tokens, false, nil
+}

@@ -1,0 +1,211 @@
+package serve
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"gopkg.in/yaml.v3"
+)
+
+// Config is teacherd's configuration, from flags and/or a YAML file (the
+// yaml keys below; flags override the file).
+type Config struct {
+	// Model is the HF checkpoint directory (required).
+	Model string `yaml:"model"`
+	// Tokenizer is the tokenizer directory; empty: the model directory.
+	Tokenizer string `yaml:"tokenizer"`
+	// Listen is the gRPC address (default 127.0.0.1:7070).
+	Listen string `yaml:"listen"`
+	// Metrics is the address of the Prometheus /metrics endpoint (default
+	// 127.0.0.1:9090; "off" disables it).
+	Metrics string `yaml:"metrics"`
+	// Cache is the cache directory fills write (empty: Fill disabled).
+	Cache string `yaml:"cache"`
+	// Device is auto or cpu (cuda is refused until that backend exists).
+	Device string `yaml:"device"`
+	// TokenBudget is the tokens of one forward pass.
+	TokenBudget int `yaml:"token_budget"`
+	// MaxConcurrent bounds concurrent RPCs (default 64).
+	MaxConcurrent int `yaml:"max_concurrent"`
+	// QueueSamples and QueueTokens bound the work queue.
+	QueueSamples int `yaml:"queue_samples"`
+	QueueTokens  int `yaml:"queue_tokens"`
+	// KDefault and KMax: the k of requests that give none, and the largest.
+	KDefault int `yaml:"k_default"`
+	KMax     int `yaml:"k_max"`
+	// TLSCert and TLSKey enable TLS (both or neither).
+	TLSCert string `yaml:"tls_cert"`
+	TLSKey  string `yaml:"tls_key"`
+	// TokenFile holds the bearer token clients must send (empty: no auth).
+	TokenFile string `yaml:"token_file"`
+	// DrainTimeout bounds the graceful shutdown: in-flight RPCs get this
+	// long to finish, then fills are cancelled and their chunks aborted.
+	DrainTimeout time.Duration `yaml:"drain_timeout"`
+
+	// forwardDelay slows each forward (crash tests only; not in YAML).
+	forwardDelay time.Duration
+}
+
+// LoadConfig reads a YAML config file; unknown keys are an error naming them.
+func LoadConfig(path string) (Config, error) {
+	var c Config
+	f, err := os.Open(path)
+	if err != nil {
+		return c, fmt.Errorf("%w: config: %v", ErrInvalid, err)
+	}
+	defer f.Close()
+	dec := yaml.NewDecoder(f)
+	dec.KnownFields(true)
+	if err := dec.Decode(&c); err != nil {
+		return c, fmt.Errorf("%w: config %s: %v", ErrInvalid, path, err)
+	}
+	return c, nil
+}
+
+func (c *Config) defaults() {
+	if c.Listen == "" {
+		c.Listen = "127.0.0.1:7070"
+	}
+	if c.Metrics == "" {
+		c.Metrics = "127.0.0.1:9090"
+	}
+	if c.MaxConcurrent == 0 {
+		c.MaxConcurrent = 64
+	}
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = 30 * time.Second
+	}
+}
+
+// Daemon is a running teacherd: gRPC listener, metrics endpoint, core.
+type Daemon struct {
+	cfg     Config
+	log     *zap.Logger
+	gs      *grpc.Server
+	srv     *Server
+	lis     net.Listener
+	mlis    net.Listener
+	metrics *http.Server
+	core    *Core
+}
+
+// Addr is the gRPC listen address (useful with port 0).
+func (d *Daemon) Addr() string { return d.lis.Addr().String() }
+
+// MetricsAddr is the /metrics listen address, "" when disabled.
+func (d *Daemon) MetricsAddr() string {
+	if d.mlis == nil {
+		return ""
+	}
+	return d.mlis.Addr().String()
+}
+
+// Core returns the loaded core (nil while loading).
+func (d *Daemon) Core() *Core { return d.core }
+
+// Start listens, then loads the model (health NOT_SERVING meanwhile) and
+// serves. It returns once the model is loaded and the daemon serves.
+func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
+	cfg.defaults()
+	if log == nil {
+		log = zap.NewNop()
+	}
+	if cfg.Model == "" {
+		return nil, fmt.Errorf("%w: no model: give --model DIR or model: in the config", ErrInvalid)
+	}
+	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
+		return nil, fmt.Errorf("%w: TLS needs both --tls-cert and --tls-key", ErrInvalid)
+	}
+	so := ServerOptions{MaxConcurrent: cfg.MaxConcurrent, Logger: log}
+	if cfg.TokenFile != "" {
+		b, err := os.ReadFile(cfg.TokenFile)
+		if err != nil {
+			return nil, fmt.Errorf("%w: token file: %v", ErrInvalid, err)
+		}
+		so.Token = string(trimSpace(b))
+		if so.Token == "" {
+			return nil, fmt.Errorf("%w: token file %s is empty", ErrInvalid, cfg.TokenFile)
+		}
+	}
+	if cfg.TLSCert != "" {
+		cert, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey)
+		if err != nil {
+			return nil, fmt.Errorf("%w: TLS key pair: %v", ErrInvalid, err)
+		}
+		so.Extra = append(so.Extra, grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12})))
+	}
+	d := &Daemon{cfg: cfg, log: log}
+	var err error
+	if d.lis, err = net.Listen("tcp", cfg.Listen); err != nil {
+		return nil, fmt.Errorf("listen %s: %w", cfg.Listen, err)
+	}
+	d.gs, d.srv = NewGRPCServer(so)
+	go d.gs.Serve(d.lis)
+	log.Info("listening (loading the model: health NOT_SERVING)", zap.String("addr", d.Addr()), zap.Bool("tls", cfg.TLSCert != ""), zap.Bool("auth", so.Token != ""))
+	core, err := NewCore(CoreOptions{ModelDir: cfg.Model, TokenizerDir: cfg.Tokenizer, CacheDir: cfg.Cache, Device: cfg.Device,
+		TokenBudget: cfg.TokenBudget, KDefault: cfg.KDefault, KMax: cfg.KMax, QueueSamples: cfg.QueueSamples, QueueTokens: cfg.QueueTokens,
+		Logger: log, forwardDelay: cfg.forwardDelay})
+	if err != nil {
+		d.gs.Stop()
+		return nil, err
+	}
+	d.core = core
+	if cfg.Metrics != "off" {
+		if d.mlis, err = net.Listen("tcp", cfg.Metrics); err != nil {
+			d.gs.Stop()
+			core.Close()
+			return nil, fmt.Errorf("metrics listen %s: %w", cfg.Metrics, err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(core.met.reg, promhttp.HandlerOpts{}))
+		d.metrics = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		go d.metrics.Serve(d.mlis)
+		log.Info("metrics", zap.String("addr", "http://"+d.MetricsAddr()+"/metrics"))
+	}
+	d.srv.SetCore(core)
+	log.Info("serving", zap.String("addr", d.Addr()))
+	return d, nil
+}
+
+// Shutdown drains: health goes NOT_SERVING, no new RPCs are accepted,
+// in-flight RPCs get DrainTimeout (or until ctx ends) to finish; then the
+// rest are cancelled, which aborts their chunks (nothing partial becomes
+// visible), and the batcher and cache are closed.
+func (d *Daemon) Shutdown(ctx context.Context) error {
+	d.srv.Draining()
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.DrainTimeout)
+	defer cancel()
+	stopped := make(chan struct{})
+	go func() { d.gs.GracefulStop(); close(stopped) }()
+	select {
+	case <-stopped:
+		d.log.Info("drained: all in-flight requests finished")
+	case <-ctx.Done():
+		d.log.Warn("drain timeout: cancelling in-flight requests (their chunks are aborted)")
+		d.gs.Stop()
+		<-stopped
+	}
+	var errs []error
+	if d.metrics != nil {
+		errs = append(errs, d.metrics.Close())
+	}
+	errs = append(errs, d.core.Close())
+	return errors.Join(errs...)
+}
+
+func trimSpace(b []byte) []byte {
+	for len(b) > 0 && (b[len(b)-1] == '\n' || b[len(b)-1] == '\r' || b[len(b)-1] == ' ') {
+		b = b[:len(b)-1]
+	}
+	return b
+}

@@ -1,0 +1,165 @@
+package serve
+
+import (
+	"context"
+	"math"
+	"strings"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"distill/cache"
+	"distill/compute/cpu"
+	"distill/infer"
+	pb "distill/proto/distill/v1"
+)
+
+// checkAgainstForward opens dirs as one cache, checks that it covers
+// exactly [0, n) and that every chunk holds bit for bit what the
+// in-process infer.Model.TopK gives for that chunk's samples (lossless
+// encoding): the daemon path adds nothing and loses nothing.
+func checkAgainstForward(t *testing.T, m *infer.Model, samples [][]int32, k, budget int, dirs ...string) {
+	t.Helper()
+	for _, d := range dirs {
+		rep, err := cache.Check(d, nil)
+		if err != nil {
+			t.Fatalf("check %s: %v", d, err)
+		}
+		if !rep.OK() {
+			t.Fatalf("check %s: %v", d, rep.Problems)
+		}
+	}
+	r, err := cache.OpenReader(dirs...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if miss := r.Missing(); len(miss) > 0 {
+		t.Fatalf("missing ranges %v", miss)
+	}
+	var covered int64
+	for _, ch := range r.Chunks() {
+		covered += ch.Len()
+		want, err := m.TopK(samples[ch.Start:ch.End], infer.Options{K: k, TokenBudget: budget})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := ch.Start; i < ch.End; i++ {
+			got, err := r.Get(i)
+			if err != nil {
+				t.Fatal(err)
+			}
+			w := want[i-ch.Start]
+			if len(got.Tokens) != len(samples[i]) {
+				t.Fatalf("sample %d: %d tokens, want %d", i, len(got.Tokens), len(samples[i]))
+			}
+			for j := range w.IDs {
+				if got.TopKIDs[j] != w.IDs[j] || math.Float32bits(got.TopKLogProbs[j]) != math.Float32bits(w.LogProbs[j]) {
+					t.Fatalf("sample %d entry %d: cache (%d, %v), in-process forward (%d, %v)", i, j, got.TopKIDs[j], got.TopKLogProbs[j], w.IDs[j], w.LogProbs[j])
+				}
+			}
+		}
+	}
+	if covered != int64(len(samples)) {
+		t.Fatalf("chunks cover %d samples, want %d (each exactly once)", covered, len(samples))
+	}
+}
+
+func TestFillTwoDaemonsMatchesInProcess(t *testing.T) {
+	mdir := tinyModel(t)
+	tmp := t.TempDir()
+	path, samples := writeIDsDataset(t, tmp, 90, 40, 512, 1)
+	const budget = 300
+	dA, dB := t.TempDir(), t.TempDir()
+	a := startDaemon(t, Config{Model: mdir, Cache: dA, TokenBudget: budget})
+	b := startDaemon(t, Config{Model: mdir, Cache: dB, TokenBudget: budget})
+	var ws []Worker
+	for _, d := range []*Daemon{a, b} {
+		w, err := Dial(d.Addr(), DialOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer w.Close()
+		ws = append(ws, w)
+	}
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	var out strings.Builder
+	perDaemon := map[string]int{}
+	plan := FillPlan{Dataset: ds, ChunkSamples: 16, K: 8, Encoding: "lossless", Out: &out,
+		onChunk: func(w Worker, r *pb.FillResponse) { perDaemon[r.GetCacheDir()]++ }}
+	sum, err := RunFill(context.Background(), ws, plan)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sum.Samples != 90 || sum.Chunks != 6 || len(sum.Dirs) != 2 {
+		t.Fatalf("summary %+v", sum)
+	}
+	if perDaemon[dA] == 0 || perDaemon[dB] == 0 {
+		t.Errorf("both daemons should have worked: %v", perDaemon)
+	}
+	m := a.Core().Model()
+	checkAgainstForward(t, m, samples, 8, budget, dA, dB)
+	if !strings.Contains(out.String(), dA) || !strings.Contains(out.String(), "90 samples") {
+		t.Errorf("summary does not say where: %s", out.String())
+	}
+
+	// Re-running is a no-op: every chunk is found done.
+	sum, err = RunFill(context.Background(), ws, plan)
+	if err != nil || sum.Chunks != 0 || sum.Samples != 0 {
+		t.Fatalf("re-run: %+v, %v", sum, err)
+	}
+
+	// The in-process teacher (cachectl fill --model) writes the same bytes
+	// of top-k when the chunks are the same.
+	dC := t.TempDir()
+	core, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: dC, TokenBudget: budget})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lw := Local(core)
+	defer lw.Close()
+	if _, err := RunFill(context.Background(), []Worker{lw}, plan); err != nil {
+		t.Fatal(err)
+	}
+	checkAgainstForward(t, m, samples, 8, budget, dC)
+}
+
+func TestScoreMatchesForward(t *testing.T) {
+	mdir := tinyModel(t)
+	d := startDaemon(t, Config{Model: mdir})
+	cl, conn := dialTeacher(t, d.Addr(), "")
+	defer conn.Close()
+	st, err := cl.Score(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := infer.Load(mdir, cpu.New())
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, samples := writeIDsDataset(t, t.TempDir(), 5, 30, 512, 3)
+	for i, s := range samples {
+		// One sample at a time on an idle daemon: a forward of that sample
+		// alone, so bit-identical to the in-process forward.
+		if err := st.Send(&pb.ScoreRequest{Id: int64(100 + i), Tokens: s, K: 5}); err != nil {
+			t.Fatal(err)
+		}
+		r, err := st.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		want, _ := m.TopK([][]int32{s}, infer.Options{K: 5})
+		if r.GetId() != int64(100+i) || r.GetK() != 5 || len(r.GetIds()) != len(s)*5 {
+			t.Fatalf("response id %d k %d len %d", r.GetId(), r.GetK(), len(r.GetIds()))
+		}
+		for j := range want[0].IDs {
+			if r.GetIds()[j] != want[0].IDs[j] || r.GetLogprobs()[j] != want[0].LogProbs[j] {
+				t.Fatalf("sample %d entry %d: got (%d,%v) want (%d,%v)", i, j, r.GetIds()[j], r.GetLogprobs()[j], want[0].IDs[j], want[0].LogProbs[j])
+			}
+		}
+	}
+	st.CloseSend()
+	if _, err := st.Recv(); status.Code(err) != codes.OK && err.Error() != "EOF" {
+		t.Fatalf("end of stream: %v", err)
+	}
+}

@@ -1,0 +1,175 @@
+package serve
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+
+	pb "distill/proto/distill/v1"
+)
+
+func dialTeacher(t testing.TB, addr, token string) (pb.TeacherClient, *grpc.ClientConn) {
+	t.Helper()
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+	if token != "" {
+		opts = append(opts, grpc.WithPerRPCCredentials(tokenCreds(token)))
+	}
+	conn, err := grpc.NewClient(addr, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pb.NewTeacherClient(conn), conn
+}
+
+// scoreOnce sends one request on a fresh stream and returns the error.
+func scoreOnce(cl pb.TeacherClient, r *pb.ScoreRequest) error {
+	st, err := cl.Score(context.Background())
+	if err != nil {
+		return err
+	}
+	if err := st.Send(r); err != nil {
+		return err
+	}
+	_, err = st.Recv()
+	return err
+}
+
+func wantCode(t *testing.T, what string, err error, code codes.Code, sub string) {
+	t.Helper()
+	if status.Code(err) != code || !strings.Contains(status.Convert(err).Message(), sub) {
+		t.Errorf("%s: got %v, want %s containing %q", what, err, code, sub)
+	}
+}
+
+func TestBadRequests(t *testing.T) {
+	mdir := tinyModel(t)
+	tmp := t.TempDir()
+	path, _ := writeIDsDataset(t, tmp, 10, 10, 512, 2)
+	d := startDaemon(t, Config{Model: mdir, Cache: t.TempDir(), TokenBudget: 100})
+	cl, conn := dialTeacher(t, d.Addr(), "")
+	defer conn.Close()
+
+	wantCode(t, "id out of range", scoreOnce(cl, &pb.ScoreRequest{Id: 7, Tokens: []int32{1, 512}}), codes.InvalidArgument, "sample id 7 position 1: token id 512 out of range [0, 512)")
+	wantCode(t, "negative id", scoreOnce(cl, &pb.ScoreRequest{Tokens: []int32{-1}}), codes.InvalidArgument, "token id -1 out of range")
+	wantCode(t, "empty", scoreOnce(cl, &pb.ScoreRequest{Id: 3}), codes.InvalidArgument, "sample id 3 is empty")
+	wantCode(t, "over-long", scoreOnce(cl, &pb.ScoreRequest{Tokens: make([]int32, 101)}), codes.InvalidArgument, "101 tokens, more than the daemon's limit 100")
+	wantCode(t, "k < 0", scoreOnce(cl, &pb.ScoreRequest{Tokens: []int32{1}, K: -1}), codes.InvalidArgument, "k=-1 out of range: want 1..512")
+	wantCode(t, "k > vocab", scoreOnce(cl, &pb.ScoreRequest{Tokens: []int32{1}, K: 513}), codes.InvalidArgument, "k=513 out of range")
+	wantCode(t, "temperature", scoreOnce(cl, &pb.ScoreRequest{Tokens: []int32{1}, Temperature: -2}), codes.InvalidArgument, "temperature -2")
+
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	fill := func(r *pb.FillRequest) error {
+		st, err := cl.Fill(context.Background(), r)
+		if err != nil {
+			return err
+		}
+		for {
+			if _, err := st.Recv(); err != nil {
+				if isEOF(err) {
+					return nil
+				}
+				return err
+			}
+		}
+	}
+	missing := filepath.Join(tmp, "nope.jsonl")
+	wantCode(t, "unknown dataset", fill(&pb.FillRequest{Dataset: &pb.Dataset{Sources: []*pb.DataSource{{Path: missing}}, Pretokenized: true}, Start: 0, End: 1}),
+		codes.NotFound, missing+" does not exist on the daemon's machine")
+	wantCode(t, "range beyond", fill(&pb.FillRequest{Dataset: ds, Start: 5, End: 11}), codes.OutOfRange, "range [5, 11) goes beyond the dataset's 10 samples")
+	wantCode(t, "empty range", fill(&pb.FillRequest{Dataset: ds, Start: 5, End: 5}), codes.InvalidArgument, "range [5, 5)")
+	wantCode(t, "fill k", fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 1, K: 600}), codes.InvalidArgument, "k=600")
+	wantCode(t, "no sources", fill(&pb.FillRequest{Dataset: &pb.Dataset{}, Start: 0, End: 1}), codes.InvalidArgument, "no sources")
+	wantCode(t, "encoding", fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 1, Encoding: "zip"}), codes.InvalidArgument, `encoding "zip"`)
+	wantCode(t, "no tokenizer", fill(&pb.FillRequest{Dataset: &pb.Dataset{Sources: ds.Sources}, Start: 0, End: 1}), codes.FailedPrecondition, "no tokenizer")
+	wantCode(t, "fingerprint", fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 1, ExpectDatasetFingerprint: "abc"}), codes.FailedPrecondition, "the client expects abc")
+
+	// Out-of-vocab ids in a pre-tokenized file name the file and line.
+	bad := filepath.Join(tmp, "bad.jsonl")
+	os.WriteFile(bad, []byte("{\"input_ids\": [1, 2]}\n{\"input_ids\": [3, 9999]}\n"), 0o644)
+	wantCode(t, "bad ids in data", fill(&pb.FillRequest{Dataset: &pb.Dataset{Sources: []*pb.DataSource{{Path: bad}}, Pretokenized: true}, Start: 0, End: 2}),
+		codes.InvalidArgument, "bad.jsonl:2")
+
+	// A fill with another k than the cache holds: the field is named.
+	if err := fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 2, K: 4}); err != nil {
+		t.Fatal(err)
+	}
+	wantCode(t, "cache mismatch", fill(&pb.FillRequest{Dataset: ds, Start: 2, End: 4, K: 5}), codes.FailedPrecondition, "field k differs")
+
+	// Without a cache directory Fill is refused.
+	d2 := startDaemon(t, Config{Model: mdir})
+	cl2, conn2 := dialTeacher(t, d2.Addr(), "")
+	defer conn2.Close()
+	st, _ := cl2.Fill(context.Background(), &pb.FillRequest{Dataset: ds, Start: 0, End: 1})
+	_, err := st.Recv()
+	wantCode(t, "no cache", err, codes.FailedPrecondition, "--cache DIR")
+}
+
+func TestAuthHealthInfoAndDevice(t *testing.T) {
+	mdir := tinyModel(t)
+	tf := filepath.Join(t.TempDir(), "token")
+	os.WriteFile(tf, []byte("s3cret\n"), 0o600)
+	d := startDaemon(t, Config{Model: mdir, TokenFile: tf})
+	cl, conn := dialTeacher(t, d.Addr(), "")
+	defer conn.Close()
+	_, err := cl.Info(context.Background(), &pb.InfoRequest{})
+	wantCode(t, "no token", err, codes.Unauthenticated, "bearer token")
+	// Health stays open (probes carry no token) and says SERVING.
+	h, err := healthpb.NewHealthClient(conn).Check(context.Background(), &healthpb.HealthCheckRequest{Service: "distill.v1.Teacher"})
+	if err != nil || h.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Fatalf("health: %v %v", h, err)
+	}
+	cl2, conn2 := dialTeacher(t, d.Addr(), "wrong")
+	defer conn2.Close()
+	_, err = cl2.Info(context.Background(), &pb.InfoRequest{})
+	wantCode(t, "wrong token", err, codes.Unauthenticated, "bearer token")
+	cl3, conn3 := dialTeacher(t, d.Addr(), "s3cret")
+	defer conn3.Close()
+	info, err := cl3.Info(context.Background(), &pb.InfoRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.GetVocabSize() != 512 || info.GetArchitecture() != "qwen3" || info.GetDevice() != "cpu" || info.GetKMax() != 512 ||
+		info.GetMaxPositions() != 256 || len(info.GetTeacherFingerprint()) != 64 {
+		t.Errorf("info %v", info)
+	}
+
+	_, err = Start(Config{Model: mdir, Device: "cuda", Listen: "127.0.0.1:0", Metrics: "off"}, nil)
+	if err == nil || !strings.Contains(err.Error(), "no CUDA backend") {
+		t.Errorf("--device cuda: %v", err)
+	}
+}
+
+func TestQueueFullIsResourceExhausted(t *testing.T) {
+	mdir := tinyModel(t)
+	cfg := Config{Model: mdir, QueueSamples: 2, forwardDelay: 300 * time.Millisecond}
+	d := startDaemon(t, cfg)
+	cl, conn := dialTeacher(t, d.Addr(), "")
+	defer conn.Close()
+	st, err := cl.Score(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// One sample computes (300 ms), two wait, the fourth finds the queue full.
+	for i := 0; i < 6; i++ {
+		if err := st.Send(&pb.ScoreRequest{Id: int64(i), Tokens: []int32{1, 2, 3}}); err != nil {
+			break
+		}
+	}
+	var last error
+	for {
+		if _, err := st.Recv(); err != nil {
+			last = err
+			break
+		}
+	}
+	wantCode(t, "full queue", last, codes.ResourceExhausted, "work queue full")
+}

@@ -1,0 +1,445 @@
+package serve
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"distill/cache"
+	pb "distill/proto/distill/v1"
+)
+
+// ErrFill marks a fill the driver could not complete; the message says
+// which teacher, chunk or check failed and what to do.
+var ErrFill = errors.New("fill")
+
+// FillPlan is what `cachectl fill` asks for.
+type FillPlan struct {
+	// Dataset is read by every teacher with its own files and tokenizer.
+	Dataset *pb.Dataset
+	// Start and End bound the samples; End 0 means the dataset's length.
+	Start, End int64
+	// ChunkSamples is the unit of work and of crash recovery (default 256).
+	ChunkSamples int64
+	// K, Temperature and Encoding of the cache (0/"" : the daemons' defaults).
+	K           int32
+	Temperature float32
+	Encoding    string
+	// TokenizerFingerprint, when set, must equal the teachers' tokenizer.
+	TokenizerFingerprint string
+	// PerWorker is the chunks in flight per teacher (default 2).
+	PerWorker int
+	// RetryFor is how long an unreachable teacher is retried before the
+	// driver gives up on it (default 2m). Its chunks go to the others.
+	RetryFor time.Duration
+	// MaxChunkFailures aborts the fill when one chunk failed this often
+	// (default 5).
+	MaxChunkFailures int
+	// Out receives progress and the summary (nil: none). Terminal draws a
+	// progress bar; otherwise a log line every LogEvery (default 10s).
+	Out      io.Writer
+	Terminal bool
+	LogEvery time.Duration
+	// onChunk is called after each chunk a worker reports (tests).
+	onChunk func(w Worker, r *pb.FillResponse)
+}
+
+// FillSummary is what a fill did.
+type FillSummary struct {
+	// Samples and Tokens computed in this run (skipped chunks excluded).
+	Samples, Tokens int64
+	// Chunks computed and Skipped (already in a cache) in this run.
+	Chunks, Skipped int
+	// Retries counts chunks handed out again after a teacher failed.
+	Retries int
+	// Elapsed is the wall time of the run.
+	Elapsed time.Duration
+	// Dirs maps each cache directory to the teachers writing it; read
+	// them together (cache.OpenReader(dirs...)).
+	Dirs map[string][]string
+	// DatasetFingerprint and DatasetSamples describe the dataset.
+	DatasetFingerprint string
+	DatasetSamples     int64
+}
+
+func fillErr(format string, a ...any) error {
+	return fmt.Errorf("%w: "+format, append([]any{ErrFill}, a...)...)
+}
+
+func msg(err error) string { return status.Convert(err).Message() }
+
+// permanent reports whether a failed Fill would fail again anywhere: the
+// request or the data is wrong, not the teacher's health.
+func permanent(err error) bool {
+	switch status.Code(err) {
+	case codes.InvalidArgument, codes.FailedPrecondition, codes.NotFound, codes.OutOfRange,
+		codes.Unauthenticated, codes.PermissionDenied, codes.Unimplemented, codes.AlreadyExists:
+		return true
+	}
+	return false
+}
+
+// RunFill fills [Start, End) of the dataset through the workers over
+// disjoint chunks. Before any work it checks that the teachers agree with
+// each other (teacher, vocab size, tokenizer) and on the dataset (length,
+// fingerprint); it asks every teacher which ranges its cache already holds
+// and hands out only the missing chunks, so a re-run resumes and an
+// interrupted chunk is redone. A teacher that fails is retried for
+// RetryFor while the others take over its chunks. At the end it checks
+// that every sample of the range is in exactly one cache directory.
+func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, error) {
+	if len(workers) == 0 {
+		return nil, fillErr("no teacher: give --teacher ADDR[,ADDR...] or --model DIR")
+	}
+	if p.ChunkSamples == 0 {
+		p.ChunkSamples = DefaultChunkSamples
+	}
+	if p.ChunkSamples < 0 || p.ChunkSamples > cache.MaxChunkSamples {
+		return nil, fillErr("--chunk %d: want 1..%d", p.ChunkSamples, cache.MaxChunkSamples)
+	}
+	if p.PerWorker <= 0 {
+		p.PerWorker = 2
+	}
+	if p.RetryFor == 0 {
+		p.RetryFor = 2 * time.Minute
+	}
+	if p.MaxChunkFailures == 0 {
+		p.MaxChunkFailures = 5
+	}
+	if p.LogEvery == 0 {
+		p.LogEvery = 10 * time.Second
+	}
+	if err := ValidateDataset(p.Dataset); err != nil {
+		return nil, fillErr("%s", msg(err))
+	}
+	t0 := time.Now()
+	sum := &FillSummary{Dirs: map[string][]string{}}
+
+	// 1. The teachers agree with each other and with the dataset.
+	infos := make([]*pb.InfoResponse, len(workers))
+	descs := make([]*pb.DescribeDatasetResponse, len(workers))
+	for i, w := range workers {
+		var err error
+		if infos[i], err = w.Info(ctx); err != nil {
+			return nil, fillErr("teacher %s: Info: %s (is it running? check the address, --token and TLS)", w.Name(), msg(err))
+		}
+		if infos[i].GetCacheDir() == "" {
+			return nil, fillErr("teacher %s has no cache directory: start it with --cache DIR", w.Name())
+		}
+		if descs[i], err = w.Describe(ctx, p.Dataset); err != nil {
+			return nil, fillErr("teacher %s: dataset: %s", w.Name(), msg(err))
+		}
+	}
+	a := infos[0]
+	for i := 1; i < len(workers); i++ {
+		b := infos[i]
+		for _, f := range []struct {
+			name string
+			x, y any
+		}{
+			{"teacher fingerprint (checkpoint)", a.GetTeacherFingerprint(), b.GetTeacherFingerprint()},
+			{"vocab size", a.GetVocabSize(), b.GetVocabSize()},
+			{"tokenizer fingerprint", descs[0].GetTokenizerFingerprint(), descs[i].GetTokenizerFingerprint()},
+			{"dataset samples", descs[0].GetSamples(), descs[i].GetSamples()},
+			{"dataset fingerprint (files, tokenizer, options)", descs[0].GetFingerprint(), descs[i].GetFingerprint()},
+		} {
+			if f.x != f.y {
+				return nil, fillErr("teachers disagree on the %s: %v on %s, %v on %s; every teacher must run the same checkpoint, tokenizer and dataset files",
+					f.name, f.x, workers[0].Name(), f.y, workers[i].Name())
+			}
+		}
+	}
+	if p.TokenizerFingerprint != "" && !p.Dataset.GetPretokenized() && p.TokenizerFingerprint != descs[0].GetTokenizerFingerprint() {
+		return nil, fillErr("tokenizer mismatch: --tokenizer has fingerprint %.16s, teacher %s tokenizes with %.16s; give the daemon the same tokenizer (teacherd --tokenizer)",
+			p.TokenizerFingerprint, workers[0].Name(), descs[0].GetTokenizerFingerprint())
+	}
+	n, fp := descs[0].GetSamples(), descs[0].GetFingerprint()
+	sum.DatasetFingerprint, sum.DatasetSamples = fp, n
+	if p.End == 0 {
+		p.End = n
+	}
+	if p.Start < 0 || p.Start >= p.End {
+		return nil, fillErr("range [%d, %d): want 0 <= start < end", p.Start, p.End)
+	}
+	if p.End > n {
+		return nil, fillErr("range [%d, %d) goes beyond the dataset's %d samples: lower --end", p.Start, p.End, n)
+	}
+	dirOf := map[Worker]string{}
+	for i, w := range workers {
+		d := infos[i].GetCacheDir()
+		dirOf[w] = d
+		sum.Dirs[d] = append(sum.Dirs[d], w.Name())
+	}
+
+	// 2. What is done already, in any of the directories.
+	done, err := doneRanges(ctx, workers, dirOf, fp)
+	if err != nil {
+		return nil, err
+	}
+	var todo []cache.Range
+	for _, g := range missingOf(done, cache.Range{Start: p.Start, End: p.End}) {
+		for a := g.Start; a < g.End; a += p.ChunkSamples {
+			todo = append(todo, cache.Range{Start: a, End: min(a+p.ChunkSamples, g.End)})
+		}
+	}
+	total := p.End - p.Start
+	var already int64
+	for _, r := range done {
+		already += max(0, min(r.End, p.End)-max(r.Start, p.Start))
+	}
+	sum.Skipped = len(done)
+
+	// 3. Hand out the chunks.
+	var (
+		queue     = make(chan cache.Range, len(todo))
+		remaining atomic.Int64
+		samples   atomic.Int64
+		tokens    atomic.Int64
+		retries   atomic.Int64
+		chunks    atomic.Int64
+		failMu    sync.Mutex
+		failures  = map[cache.Range]int{}
+		fatal     error
+		lastErr   = map[string]string{}
+	)
+	for _, r := range todo {
+		queue <- r
+	}
+	remaining.Store(int64(len(todo)))
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	abort := func(err error) {
+		failMu.Lock()
+		if fatal == nil {
+			fatal = err
+		}
+		failMu.Unlock()
+		cancel()
+	}
+	var wg sync.WaitGroup
+	for _, w := range workers {
+		var down atomic.Int64 // unix nanos since the worker is failing, 0: up
+		for g := 0; g < p.PerWorker && len(todo) > 0; g++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				backoff := 200 * time.Millisecond
+				for {
+					var r cache.Range
+					select {
+					case r = <-queue:
+					case <-ctx.Done():
+						return
+					}
+					err := w.Fill(ctx, &pb.FillRequest{Dataset: p.Dataset, Start: r.Start, End: r.End, ChunkSamples: r.Len(),
+						K: p.K, Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp},
+						func(m *pb.FillResponse) error {
+							if !m.GetSkipped() {
+								samples.Add(m.GetEnd() - m.GetStart())
+								tokens.Add(m.GetTokens())
+								chunks.Add(1)
+							}
+							if p.onChunk != nil {
+								p.onChunk(w, m)
+							}
+							return nil
+						})
+					if err == nil {
+						down.Store(0)
+						backoff = 200 * time.Millisecond
+						if remaining.Add(-1) == 0 {
+							cancel()
+						}
+						continue
+					}
+					if ctx.Err() != nil {
+						return
+					}
+					if permanent(err) {
+						abort(fillErr("teacher %s, chunk [%d, %d): %s: %s", w.Name(), r.Start, r.End, status.Code(err), msg(err)))
+						return
+					}
+					// The teacher is unhealthy (dead, restarting, overloaded):
+					// the chunk goes back for anyone, this worker backs off.
+					failMu.Lock()
+					failures[r]++
+					nf := failures[r]
+					lastErr[w.Name()] = fmt.Sprintf("%s: %s", status.Code(err), msg(err))
+					failMu.Unlock()
+					retries.Add(1)
+					queue <- r
+					if nf >= p.MaxChunkFailures {
+						abort(fillErr("chunk [%d, %d) failed %d times, last on teacher %s: %s", r.Start, r.End, nf, w.Name(), msg(err)))
+						return
+					}
+					now := time.Now().UnixNano()
+					down.CompareAndSwap(0, now)
+					if since := time.Duration(now - down.Load()); since > p.RetryFor {
+						return // give up on this teacher; the others carry on
+					}
+					select {
+					case <-time.After(backoff):
+					case <-ctx.Done():
+						return
+					}
+					backoff = min(2*backoff, 5*time.Second)
+				}
+			}()
+		}
+	}
+	stopProgress := startProgress(&p, total, already, &samples, &tokens, t0)
+	wg.Wait()
+	stopProgress()
+	sum.Samples, sum.Tokens, sum.Chunks, sum.Retries = samples.Load(), tokens.Load(), int(chunks.Load()), int(retries.Load())
+	sum.Elapsed = time.Since(t0)
+	if fatal != nil {
+		return sum, fatal
+	}
+	if left := remaining.Load(); left > 0 {
+		if err := context.Cause(ctx); ctx.Err() != nil && !errors.Is(err, context.Canceled) {
+			return sum, err
+		}
+		var why []string
+		for k, v := range lastErr {
+			why = append(why, k+": "+v)
+		}
+		sort.Strings(why)
+		return sum, fillErr("%d chunks left undone: no teacher could take them (%s); re-run the same command to resume", left, strings.Join(why, "; "))
+	}
+
+	// 4. Every sample of the range is in exactly one directory.
+	done, err = doneRanges(context.Background(), workers, dirOf, fp)
+	if err != nil {
+		return sum, err
+	}
+	if gaps := missingOf(done, cache.Range{Start: p.Start, End: p.End}); len(gaps) > 0 {
+		return sum, fillErr("after the fill, %v are still missing from the caches; re-run to fill them", gaps)
+	}
+	if p.Out != nil {
+		fmt.Fprintf(p.Out, "fill: %d samples, %d tokens in %d chunks in %s (%.0f tokens/s); %d chunks were already done; %d retries\n",
+			sum.Samples, sum.Tokens, sum.Chunks, sum.Elapsed.Round(time.Millisecond), float64(sum.Tokens)/sum.Elapsed.Seconds(), sum.Skipped, sum.Retries)
+		dirs := make([]string, 0, len(sum.Dirs))
+		for d := range sum.Dirs {
+			dirs = append(dirs, d)
+		}
+		sort.Strings(dirs)
+		for _, d := range dirs {
+			fmt.Fprintf(p.Out, "fill: cache directory %s (written by %s)\n", d, strings.Join(sum.Dirs[d], ", "))
+		}
+		if len(dirs) > 1 {
+			fmt.Fprintf(p.Out, "fill: read the directories together as one cache (e.g. cachectl verify %s)\n", strings.Join(dirs, " "))
+		}
+	}
+	return sum, nil
+}
+
+// doneRanges collects the committed ranges of dataset fp from every
+// distinct cache directory and fails if two directories hold overlapping
+// ranges (a reader of them as one cache would see a sample twice).
+func doneRanges(ctx context.Context, workers []Worker, dirOf map[Worker]string, fp string) ([]cache.Range, error) {
+	type owned struct {
+		cache.Range
+		dir string
+	}
+	var all []owned
+	seen := map[string]bool{}
+	for _, w := range workers {
+		d := dirOf[w]
+		if seen[d] {
+			continue
+		}
+		st, err := w.Status(ctx, &pb.StatusRequest{DatasetFingerprint: fp})
+		if err != nil {
+			return nil, fillErr("teacher %s: Status: %s", w.Name(), msg(err))
+		}
+		seen[d] = true
+		for _, r := range st.GetDone() {
+			all = append(all, owned{cache.Range{Start: r.GetStart(), End: r.GetEnd()}, d})
+		}
+	}
+	sort.Slice(all, func(i, j int) bool { return all[i].Start < all[j].Start })
+	out := make([]cache.Range, 0, len(all))
+	for i, r := range all {
+		if i > 0 && r.Start < all[i-1].End {
+			return nil, fillErr("samples %v are in two cache directories (%s and %s): a teacher committed a chunk and died before reporting it, and another redid it; keep one copy (remove the other directory's chunk with cachectl) before reading them together",
+				cache.Range{Start: r.Start, End: min(r.End, all[i-1].End)}, all[i-1].dir, r.dir)
+		}
+		out = append(out, r.Range)
+	}
+	return out, nil
+}
+
+// missingOf returns the parts of want not covered by the sorted ranges.
+func missingOf(done []cache.Range, want cache.Range) []cache.Range {
+	var out []cache.Range
+	at := want.Start
+	for _, r := range done {
+		if r.End <= at || r.Start >= want.End {
+			continue
+		}
+		if r.Start > at {
+			out = append(out, cache.Range{Start: at, End: r.Start})
+		}
+		at = max(at, r.End)
+	}
+	if at < want.End {
+		out = append(out, cache.Range{Start: at, End: want.End})
+	}
+	return out
+}
+
+// startProgress draws a bar on a terminal or logs a line every LogEvery;
+// the returned func stops it and finishes the line.
+func startProgress(p *FillPlan, total, already int64, samples, tokens *atomic.Int64, t0 time.Time) func() {
+	if p.Out == nil {
+		return func() {}
+	}
+	every := p.LogEvery
+	if p.Terminal {
+		every = 500 * time.Millisecond
+	}
+	stop, done := make(chan struct{}), make(chan struct{})
+	line := func() string {
+		s, tok := samples.Load(), tokens.Load()
+		el := time.Since(t0).Seconds()
+		doneN := already + s
+		rate := float64(tok) / max(el, 1e-9)
+		eta := "?"
+		if s > 0 {
+			eta = (time.Duration(float64(total-doneN) * el / float64(s) * float64(time.Second))).Round(time.Second).String()
+		}
+		frac := float64(doneN) / float64(total)
+		if p.Terminal {
+			const w = 30
+			bar := strings.Repeat("=", int(frac*w)) + strings.Repeat(" ", w-int(frac*w))
+			return fmt.Sprintf("\r[%s] %d/%d samples %5.1f%%  %.0f tokens/s  ETA %s   ", bar, doneN, total, 100*frac, rate, eta)
+		}
+		return fmt.Sprintf("fill: %d/%d samples (%.1f%%), %.0f tokens/s, ETA %s\n", doneN, total, 100*frac, rate, eta)
+	}
+	go func() {
+		defer close(done)
+		t := time.NewTicker(every)
+		defer t.Stop()
+		for {
+			select {
+			case <-t.C:
+				fmt.Fprint(p.Out, line())
+			case <-stop:
+				if p.Terminal {
+					fmt.Fprint(p.Out, line()+"\n")
+				}
+				return
+			}
+		}
+	}()
+	return func() { close(stop); <-done }
+}

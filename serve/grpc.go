@@ -1,0 +1,281 @@
+package serve
+
+import (
+	"context"
+	"errors"
+	"io"
+	"crypto/subtle"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/reflection"
+	"google.golang.org/grpc/status"
+
+	pb "distill/proto/distill/v1"
+)
+
+// scoreWindow is how many samples of one Score stream may be in flight
+// (queued or computing) before the stream stops reading: it pipelines a
+// stream without letting one client hold the whole queue.
+const scoreWindow = 64
+
+// Server implements the Teacher gRPC service over a Core. Its handlers are
+// thin: validate, call the core, map the error with toStatus. Until the
+// core is set (model loading) every RPC answers Unavailable and the health
+// service reports NOT_SERVING.
+type Server struct {
+	pb.UnimplementedTeacherServer
+	core   atomic.Pointer[Core]
+	log    *zap.Logger
+	health *health.Server
+}
+
+func (s *Server) ready() (*Core, error) {
+	c := s.core.Load()
+	if c == nil {
+		return nil, status.Error(codes.Unavailable, "teacher model still loading: retry when the health check reports SERVING")
+	}
+	return c, nil
+}
+
+// Info implements pb.TeacherServer.
+func (s *Server) Info(ctx context.Context, _ *pb.InfoRequest) (*pb.InfoResponse, error) {
+	c, err := s.ready()
+	if err != nil {
+		return nil, err
+	}
+	return c.Info(), nil
+}
+
+// DescribeDataset implements pb.TeacherServer.
+func (s *Server) DescribeDataset(ctx context.Context, r *pb.DescribeDatasetRequest) (*pb.DescribeDatasetResponse, error) {
+	c, err := s.ready()
+	if err != nil {
+		return nil, err
+	}
+	out, err := c.DescribeDataset(r.GetDataset())
+	return out, toStatus(s.log, err)
+}
+
+// Status implements pb.TeacherServer.
+func (s *Server) Status(ctx context.Context, r *pb.StatusRequest) (*pb.StatusResponse, error) {
+	c, err := s.ready()
+	if err != nil {
+		return nil, err
+	}
+	out, err := c.Status(r)
+	return out, toStatus(s.log, err)
+}
+
+// Fill implements pb.TeacherServer.
+func (s *Server) Fill(r *pb.FillRequest, stream grpc.ServerStreamingServer[pb.FillResponse]) error {
+	c, err := s.ready()
+	if err != nil {
+		return err
+	}
+	return toStatus(s.log, c.Fill(stream.Context(), r, stream.Send))
+}
+
+// Score implements pb.TeacherServer: a reader goroutine validates and
+// queues each sample (at most scoreWindow in flight), the handler sends
+// results in request order. The first error ends the stream.
+func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.ScoreResponse]) error {
+	c, err := s.ready()
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(stream.Context())
+	defer cancel()
+	type pending struct {
+		id  int64
+		j   *job
+		k   int
+		t0  time.Time
+		err error
+	}
+	q := make(chan pending, scoreWindow)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer close(q)
+		for {
+			r, err := stream.Recv()
+			if err != nil {
+				if ctx.Err() == nil && !isEOF(err) {
+					q <- pending{err: err}
+				}
+				return
+			}
+			t0 := time.Now()
+			j, err := c.submitScore(ctx, r)
+			k, _ := c.defaults(r.GetK(), r.GetTemperature())
+			select {
+			case q <- pending{id: r.GetId(), j: j, k: k, t0: t0, err: err}:
+			case <-ctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	defer wg.Wait()
+	defer cancel()
+	for p := range q {
+		if p.err != nil {
+			return toStatus(s.log, p.err)
+		}
+		res := p.j.wait()
+		if res.err != nil {
+			return toStatus(s.log, res.err)
+		}
+		c.met.latency.WithLabelValues("Score.sample").Observe(time.Since(p.t0).Seconds())
+		if err := stream.Send(&pb.ScoreResponse{Id: p.id, K: int32(p.k), Ids: res.ids, Logprobs: res.lps}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func isEOF(err error) bool { return errors.Is(err, io.EOF) }
+
+// Auth and limits live in interceptors, not handlers.
+
+// unprotected are the methods open without a token: health checks and
+// reflection, so probes and grpcurl list work.
+func unprotected(method string) bool {
+	return strings.HasPrefix(method, "/grpc.health.v1.Health/") || strings.HasPrefix(method, "/grpc.reflection.")
+}
+
+func checkToken(ctx context.Context, token, method string) error {
+	if token == "" || unprotected(method) {
+		return nil
+	}
+	md, _ := metadata.FromIncomingContext(ctx)
+	for _, v := range md.Get("authorization") {
+		if got, ok := strings.CutPrefix(v, "Bearer "); ok && subtle.ConstantTimeCompare([]byte(got), []byte(token)) == 1 {
+			return nil
+		}
+	}
+	return status.Error(codes.Unauthenticated, "missing or wrong bearer token: send metadata \"authorization: Bearer <token>\" (cachectl fill --token)")
+}
+
+// limiter counts concurrent RPCs of the Teacher service.
+type limiter struct {
+	max int64
+	n   atomic.Int64
+}
+
+func (l *limiter) acquire(method string) error {
+	if l.max <= 0 || unprotected(method) {
+		return nil
+	}
+	if l.n.Add(1) > l.max {
+		l.n.Add(-1)
+		return status.Errorf(codes.ResourceExhausted, "too many concurrent requests (limit %d, --max-concurrent): retry later", l.max)
+	}
+	return nil
+}
+
+func (l *limiter) release(method string) {
+	if l.max > 0 && !unprotected(method) {
+		l.n.Add(-1)
+	}
+}
+
+func (s *Server) observe(method string, t0 time.Time, err error) {
+	c := s.core.Load()
+	code := status.Code(err)
+	if c != nil {
+		name := method[strings.LastIndexByte(method, '/')+1:]
+		c.met.codes.WithLabelValues(name, code.String()).Inc()
+		c.met.latency.WithLabelValues(name).Observe(time.Since(t0).Seconds())
+	}
+	if code != codes.OK && code != codes.ResourceExhausted && code != codes.Canceled {
+		s.log.Info("rpc failed", zap.String("method", method), zap.String("code", code.String()), zap.String("msg", status.Convert(err).Message()))
+	}
+}
+
+// ServerOptions configure NewGRPCServer.
+type ServerOptions struct {
+	// Token, when set, is the bearer token every Teacher RPC must carry.
+	Token string
+	// MaxConcurrent bounds concurrent Teacher RPCs (0: no bound); more get
+	// ResourceExhausted.
+	MaxConcurrent int
+	// MaxRecvBytes bounds one request message (default 16 MiB).
+	MaxRecvBytes int
+	// Extra are more grpc.ServerOptions (TLS credentials).
+	Extra []grpc.ServerOption
+	// Logger receives structured logs; nil means zap.NewNop.
+	Logger *zap.Logger
+}
+
+// NewGRPCServer returns a gRPC server with the Teacher service, standard
+// health checking (NOT_SERVING until SetCore) and server reflection, and
+// the Server to hand the core to once it is loaded.
+func NewGRPCServer(o ServerOptions) (*grpc.Server, *Server) {
+	if o.Logger == nil {
+		o.Logger = zap.NewNop()
+	}
+	if o.MaxRecvBytes == 0 {
+		o.MaxRecvBytes = 16 << 20
+	}
+	s := &Server{log: o.Logger, health: health.NewServer()}
+	lim := &limiter{max: int64(o.MaxConcurrent)}
+	unary := func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+		if err := checkToken(ctx, o.Token, info.FullMethod); err != nil {
+			return nil, err
+		}
+		if err := lim.acquire(info.FullMethod); err != nil {
+			return nil, err
+		}
+		defer lim.release(info.FullMethod)
+		t0 := time.Now()
+		resp, err := h(ctx, req)
+		s.observe(info.FullMethod, t0, err)
+		return resp, err
+	}
+	streamI := func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		if err := checkToken(ss.Context(), o.Token, info.FullMethod); err != nil {
+			return err
+		}
+		if err := lim.acquire(info.FullMethod); err != nil {
+			return err
+		}
+		defer lim.release(info.FullMethod)
+		t0 := time.Now()
+		err := h(srv, ss)
+		s.observe(info.FullMethod, t0, err)
+		return err
+	}
+	opts := append([]grpc.ServerOption{grpc.MaxRecvMsgSize(o.MaxRecvBytes), grpc.ChainUnaryInterceptor(unary), grpc.ChainStreamInterceptor(streamI)}, o.Extra...)
+	gs := grpc.NewServer(opts...)
+	pb.RegisterTeacherServer(gs, s)
+	healthpb.RegisterHealthServer(gs, s.health)
+	reflection.Register(gs)
+	s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	s.health.SetServingStatus(pb.Teacher_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_NOT_SERVING)
+	return gs, s
+}
+
+// SetCore makes the server serve c and reports SERVING.
+func (s *Server) SetCore(c *Core) {
+	s.core.Store(c)
+	s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	s.health.SetServingStatus(pb.Teacher_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
+}
+
+// Draining reports NOT_SERVING so load balancers stop sending work.
+func (s *Server) Draining() {
+	s.health.Shutdown()
+}

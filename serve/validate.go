@@ -1,0 +1,139 @@
+package serve
+
+import (
+	"encoding/json"
+	"fmt"
+	"math"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"distill/cache"
+	pb "distill/proto/distill/v1"
+)
+
+// Limits are what a request is validated against: the model's vocabulary
+// and positions, the token budget of a forward pass and the k range.
+type Limits struct {
+	// VocabSize is the model's V: ids must be in [0, V).
+	VocabSize int
+	// MaxLen is the longest sample: min(max_position_embeddings, token budget).
+	MaxLen int
+	// KDefault replaces k = 0; KMax is the largest k accepted.
+	KDefault, KMax int
+}
+
+// ValidateScore checks one Score request; the status names the sample (by
+// its id), the position and the limit broken.
+func ValidateScore(r *pb.ScoreRequest, lim Limits) error {
+	if r == nil {
+		return status.Error(codes.InvalidArgument, "empty request")
+	}
+	if err := validateK(r.GetK(), lim); err != nil {
+		return status.Errorf(codes.InvalidArgument, "sample id %d: %v", r.GetId(), err)
+	}
+	if err := validateTemperature(r.GetTemperature()); err != nil {
+		return status.Errorf(codes.InvalidArgument, "sample id %d: %v", r.GetId(), err)
+	}
+	toks := r.GetTokens()
+	switch {
+	case len(toks) == 0:
+		return status.Errorf(codes.InvalidArgument, "sample id %d is empty: send at least one token id", r.GetId())
+	case len(toks) > lim.MaxLen:
+		return status.Errorf(codes.InvalidArgument, "sample id %d has %d tokens, more than the daemon's limit %d (min of max_position_embeddings and the token budget): truncate it or raise --token-budget", r.GetId(), len(toks), lim.MaxLen)
+	}
+	for p, id := range toks {
+		if id < 0 || int(id) >= lim.VocabSize {
+			return status.Errorf(codes.InvalidArgument, "sample id %d position %d: token id %d out of range [0, %d) (the model's vocab size)", r.GetId(), p, id, lim.VocabSize)
+		}
+	}
+	return nil
+}
+
+func validateK(k int32, lim Limits) error {
+	if k == 0 {
+		return nil // KDefault
+	}
+	if k < 0 || int(k) > lim.KMax || int(k) > lim.VocabSize {
+		return fmt.Errorf("k=%d out of range: want 1..%d (0 means the default %d)", k, min(lim.KMax, lim.VocabSize), lim.KDefault)
+	}
+	return nil
+}
+
+func validateTemperature(t float32) error {
+	if t == 0 {
+		return nil // 1
+	}
+	if !(t > 0) || math.IsInf(float64(t), 0) {
+		return fmt.Errorf("temperature %v must be a positive finite number (0 means 1)", t)
+	}
+	return nil
+}
+
+// ValidateDataset checks a dataset spec for what can be checked without
+// opening files.
+func ValidateDataset(d *pb.Dataset) error {
+	if d == nil || len(d.GetSources()) == 0 {
+		return status.Error(codes.InvalidArgument, "dataset: no sources: give at least one file path")
+	}
+	for i, s := range d.GetSources() {
+		if s.GetPath() == "" {
+			return status.Errorf(codes.InvalidArgument, "dataset source %d: empty path", i)
+		}
+		if w := s.GetWeight(); w < 0 || math.IsNaN(w) || math.IsInf(w, 0) {
+			return status.Errorf(codes.InvalidArgument, "dataset source %d (%s): weight %v must be a finite number >= 0", i, s.GetPath(), w)
+		}
+		switch s.GetFormat() {
+		case "", "jsonl", "csv", "parquet":
+		default:
+			return status.Errorf(codes.InvalidArgument, "dataset source %d (%s): format %q: want jsonl, csv or parquet (or empty: from the extension)", i, s.GetPath(), s.GetFormat())
+		}
+	}
+	if d.GetMaxLen() < 0 {
+		return status.Errorf(codes.InvalidArgument, "dataset max_len %d must be >= 0", d.GetMaxLen())
+	}
+	if d.GetNumSamples() < 0 {
+		return status.Errorf(codes.InvalidArgument, "dataset num_samples %d must be >= 0", d.GetNumSamples())
+	}
+	switch d.GetPolicy() {
+	case "", "truncate", "drop":
+	default:
+		return status.Errorf(codes.InvalidArgument, "dataset policy %q: want truncate or drop", d.GetPolicy())
+	}
+	if v := d.GetTemplateVarsJson(); v != "" {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(v), &m); err != nil {
+			return status.Errorf(codes.InvalidArgument, "dataset template_vars_json: not a JSON object: %v", err)
+		}
+	}
+	return nil
+}
+
+// ValidateFill checks a Fill request for what can be checked without
+// opening the dataset (the range against its length is checked after).
+func ValidateFill(r *pb.FillRequest, lim Limits) error {
+	if r == nil {
+		return status.Error(codes.InvalidArgument, "empty request")
+	}
+	if err := ValidateDataset(r.GetDataset()); err != nil {
+		return err
+	}
+	if r.GetStart() < 0 || r.GetEnd() <= r.GetStart() {
+		return status.Errorf(codes.InvalidArgument, "range [%d, %d): want 0 <= start < end", r.GetStart(), r.GetEnd())
+	}
+	if c := r.GetChunkSamples(); c < 0 || c > cache.MaxChunkSamples {
+		return status.Errorf(codes.InvalidArgument, "chunk_samples %d: want 1..%d (0 means %d)", c, cache.MaxChunkSamples, DefaultChunkSamples)
+	}
+	if err := validateK(r.GetK(), lim); err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	if err := validateTemperature(r.GetTemperature()); err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	switch r.GetEncoding() {
+	case "", string(cache.EncodingCompact), string(cache.EncodingLossless):
+	default:
+		return status.Errorf(codes.InvalidArgument, "encoding %q: want %q or %q", r.GetEncoding(), cache.EncodingCompact, cache.EncodingLossless)
+	}
+	return nil
+}
