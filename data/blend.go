@@ -161,10 +161,13 @@ func (b *blend) locate(i int64) (int, int64) {
 	return int(d), p*b.shares[d] + b.rank[o]
 }
 
-// concat maps sample i of concatenated sources to (source, record).
+// concat maps sample i of concatenated sources to (source, position in the
+// source's stream). Past the total, the concatenation repeats (epochs).
 type concat struct{ starts []int64 } // starts[d] = first sample of source d; starts[len] = total
 
 func (c concat) locate(i int64) (int, int64) {
-	d := sort.Search(len(c.starts)-1, func(k int) bool { return c.starts[k+1] > i })
-	return d, i - c.starts[d]
+	total := c.starts[len(c.starts)-1]
+	epoch, r := i/total, i%total
+	d := sort.Search(len(c.starts)-1, func(k int) bool { return c.starts[k+1] > r })
+	return d, epoch*(c.starts[d+1]-c.starts[d]) + r - c.starts[d]
 }

@@ -122,6 +122,19 @@ func TestBlendedDataset(t *testing.T) {
 	if got := strings.Join(texts(Options{NoEOS: true}, Source{Path: pa}, Source{Path: pb}), " "); got != "a0 a1 a2 a3 a4 a5 a6 a7 a8 a9 b0 b1 b2" {
 		t.Errorf("concat = %s", got)
 	}
+	// Past the total, the concatenation repeats.
+	if got := strings.Join(texts(Options{NoEOS: true, NumSamples: 15}, Source{Path: pa}, Source{Path: pb}), " "); got != "a0 a1 a2 a3 a4 a5 a6 a7 a8 a9 b0 b1 b2 a0 a1" {
+		t.Errorf("concat of 15 = %s", got)
+	}
+	// Shuffled concatenation: every record once, sources mixed.
+	mixed := texts(Options{NoEOS: true, Shuffle: true, Seed: 3}, Source{Path: pa}, Source{Path: pb})
+	seenAll := map[string]bool{}
+	for _, s := range mixed {
+		seenAll[s] = true
+	}
+	if len(seenAll) != 13 || strings.Join(mixed[10:], " ") == "b0 b1 b2" {
+		t.Errorf("shuffled concat = %v", mixed)
+	}
 	// 1:1 blend of 12 samples: b is repeated (4 epochs of 3), a is read in order.
 	got := texts(Options{NoEOS: true, NumSamples: 12}, Source{Path: pa, Weight: 1}, Source{Path: pb, Weight: 1})
 	if strings.Join(got, " ") != "a0 b0 a1 b1 a2 b2 a3 b0 a4 b1 a5 b2" {

@@ -123,6 +123,7 @@ type Dataset struct {
 	n       int64
 	locate  func(i int64) (int, int64) // sample -> (source, position in source stream)
 	perms   []uint64                   // per-source permutation keys (Shuffle)
+	mix     *permutation               // Shuffle of concatenated sources: interleaves them
 	fp      string
 
 	mu    sync.Mutex
@@ -199,6 +200,10 @@ func open(sources []Source, tok Tokenizer, tmpl Renderer, opts Options) (*Datase
 			c.starts[i+1] = c.starts[i] + r.numRecords()
 		}
 		d.locate = c.locate
+		if opts.Shuffle && len(sources) > 1 {
+			p := newPermutation(uint64(d.n), splitmix64(opts.Seed^0x6d6978))
+			d.mix = &p
+		}
 	case len(sources):
 		w := make([]float64, len(sources))
 		for i, s := range sources {
@@ -322,6 +327,9 @@ func (d *Dataset) Close() error {
 
 // record returns the source and record number of sample i.
 func (d *Dataset) record(i int64) (int, int64) {
+	if d.mix != nil {
+		i = int64(d.mix.apply(uint64(i)))
+	}
 	s, j := d.locate(i)
 	n := d.sources[s].numRecords()
 	epoch, r := j/n, j%n

@@ -70,7 +70,8 @@
 // A source that runs out starts a new epoch. Shuffle permutes each epoch of
 // each source with a keyed Feistel permutation (seeded by Seed, the source
 // number and the epoch): O(1) memory, random access, integer-only so it is
-// identical everywhere. Sample i is located in O(1) (blend) or O(log S)
+// identical everywhere. Concatenated sources are, in addition, mixed by one
+// such permutation over the whole index. Sample i is located in O(1) (blend) or O(log S)
 // (concatenation) without materializing the index.
 //
 // # Random access and streaming
