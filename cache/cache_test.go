@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	"distill/cache/cachetest"
@@ -375,5 +376,94 @@ func TestCorruptionIsReported(t *testing.T) {
 				t.Fatalf("Check of a %s chunk: problems %q", kind, rep.Problems)
 			}
 		})
+	}
+}
+
+// TestConcurrentWritersInProcess: goroutines fill ranges of one Cache at
+// once (two of them race for every range) while readers open and iterate;
+// every range ends up committed exactly once. Run with -race.
+func TestConcurrentWritersInProcess(t *testing.T) {
+	dir := t.TempDir()
+	const n, chunk = 24, 3
+	c, err := Create(dir, testManifest(n, EncodingCompact), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	var wg sync.WaitGroup
+	errs := make(chan error, 100)
+	for g := 0; g < 4; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			for a := int64(g%2) * chunk; a < n; a += 2 * chunk { // goroutines g and g+2 race
+				w, err := c.BeginChunk(a, a+chunk)
+				if errors.Is(err, ErrRangeDone) {
+					continue
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+				for i := a; i < a+chunk; i++ {
+					if err := w.Add(testSample(i)); err != nil {
+						errs <- err
+						return
+					}
+				}
+				if err := w.Commit(); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}(g)
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for k := 0; k < 5; k++ {
+			r, err := OpenReader(dir)
+			if err != nil {
+				errs <- err
+				return
+			}
+			it, err := r.Iter(IterOptions{Seed: uint64(k)})
+			if err != nil {
+				errs <- err
+				return
+			}
+			for it.Next() {
+			}
+			if it.Err() != nil {
+				errs <- it.Err()
+			}
+			it.Close()
+		}
+	}()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	rep := mustCheck(t, dir)
+	if rep.Chunks != n/chunk || rep.Samples != n {
+		t.Fatalf("%d chunks, %d samples; want %d, %d", rep.Chunks, rep.Samples, n/chunk, n)
+	}
+}
+
+func TestOpenNonCache(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := OpenReader(dir); !errors.Is(err, ErrNotCache) || !strings.Contains(err.Error(), dir) {
+		t.Fatalf("OpenReader of an empty dir: %v, want ErrNotCache naming it", err)
+	}
+	if _, err := Open(filepath.Join(dir, "nope"), nil); !errors.Is(err, ErrNotCache) {
+		t.Fatalf("Open of a missing dir: %v, want ErrNotCache", err)
+	}
+	if _, err := Check(dir, nil); !errors.Is(err, ErrNotCache) {
+		t.Fatalf("Check of an empty dir: %v, want ErrNotCache", err)
+	}
+	m := testManifest(10, "fancy")
+	if _, err := Create(dir, m, nil); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "encoding") {
+		t.Fatalf("Create with a bad encoding: %v", err)
 	}
 }

@@ -22,7 +22,7 @@
 //	                             A and B zero-padded to 12 digits
 //	  tmp/<pid>-<hex>/           a live writer's private directory:
 //	    owner.lock               flocked by that writer while it lives
-//	    <chunk name>.tmp         a chunk being written
+//	    <chunk name>.<n>.tmp     a chunk being written
 //
 // Nothing else in DIR matters; a cache directory can be copied with cp -r
 // or rsync when no writer runs.

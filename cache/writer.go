@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -55,6 +56,7 @@ type Cache struct {
 	// any process can tell a live writer's files from a dead one's.
 	tmp   string
 	owner *os.File
+	seq   atomic.Int64 // names temporary files
 	// opened is what the GC run by Create/Open removed.
 	opened GCReport
 }
@@ -311,7 +313,8 @@ func (w *ChunkWriter) Commit() error {
 		return err
 	}
 	info := ChunkInfo{Range: w.r, File: chunkFileName(w.r), Bytes: int64(len(data)), CRC32C: crc32.Checksum(data, castagnoli)}
-	tmp := filepath.Join(c.tmp, info.File+tmpFileExt)
+	// Unique per commit: goroutines of one Cache may race for one range.
+	tmp := filepath.Join(c.tmp, fmt.Sprintf("%s.%d%s", info.File, c.seq.Add(1), tmpFileExt))
 	if err := writeFileSync(fs, tmp, data); err != nil {
 		fs.Remove(tmp)
 		return fmt.Errorf("cache: writing chunk %v to %s: %w", w.r, tmp, err)
