@@ -478,3 +478,61 @@ func TestTinyYAMLDocumentsEveryKey(t *testing.T) {
 	}
 	walk(reflect.TypeOf(Config{}), "")
 }
+
+// TestPacking: a step's rows hold the samples of the seeded order (minus
+// the held-out range) back to back, never split, each row within seq_len,
+// with Starts at the sample boundaries, and at least the token budget.
+func TestPacking(t *testing.T) {
+	b := testCache(t)
+	rd, err := cache.OpenReader(b.CacheDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := cache.Range{Start: 0, End: 16}
+	st, err := newStream(rd, 9, 4, held, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.close()
+	it, _ := rd.Iter(cache.IterOptions{Seed: 9, Window: 4})
+	defer it.Close()
+	p := &packer{seqLen: 64, k: 8}
+	for step := 0; step < 5; step++ {
+		rows, err := p.nextStep(st, 150)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for ri, r := range rows {
+			if len(r.Tokens) > 64 || len(r.Tokens) == 0 || int(r.Starts[len(r.Starts)-1]) != len(r.Tokens) {
+				t.Fatalf("step %d row %d: %d tokens, starts %v", step, ri, len(r.Tokens), r.Starts)
+			}
+			if err := r.Check(97); err != nil {
+				t.Fatal(err)
+			}
+			for q := 0; q+1 < len(r.Starts); q++ {
+				var want cache.Sample
+				for it.Next() {
+					if want = it.Sample(); want.Index >= 16 {
+						break
+					}
+				}
+				got := r.Tokens[r.Starts[q]:r.Starts[q+1]]
+				if len(got) != len(want.Tokens) || got[0] != want.Tokens[0] || got[len(got)-1] != want.Tokens[len(want.Tokens)-1] {
+					t.Fatalf("step %d row %d sample %d: not sample %d of the order", step, ri, q, want.Index)
+				}
+				if r.TopIDs[int(r.Starts[q])*8] != want.TopKIDs[0] {
+					t.Fatalf("teacher ids misaligned with tokens")
+				}
+			}
+			n += len(r.Tokens)
+			// A row is closed only when the next sample would not fit.
+			if ri+1 < len(rows) && len(r.Tokens)+int(rows[ri+1].Starts[1]) <= 64 {
+				t.Fatalf("step %d row %d closed with room for the next sample", step, ri)
+			}
+		}
+		if n < 150 || n-int(rows[len(rows)-1].Starts[len(rows[len(rows)-1].Starts)-1]-rows[len(rows)-1].Starts[len(rows[len(rows)-1].Starts)-2]) >= 150 {
+			t.Fatalf("step %d: %d tokens for a budget of 150 (the last sample should cross it)", step, n)
+		}
+	}
+}
