@@ -73,10 +73,10 @@ func TestBatcherPacking(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	jobs := []*job{
-		newJob(ctx, [][]int32{{10, 11, 12}}, 3, 1, false),        // shared, T=1
-		newJob(ctx, [][]int32{{20, 21}}, 1, 2, false),            // other temperature: own batch
-		newJob(ctx, [][]int32{{30, 31, 32, 33}}, 2, 1, false),    // joins the first shared batch (k cut from 3)
-		newJob(ctx, [][]int32{{40, 41}, {42}}, 2, 1, true),       // exclusive: alone
+		newJob(ctx, [][]int32{{10, 11, 12}}, 3, 1, false),         // shared, T=1
+		newJob(ctx, [][]int32{{20, 21}}, 1, 2, false),             // other temperature: own batch
+		newJob(ctx, [][]int32{{30, 31, 32, 33}}, 2, 1, false),     // joins the first shared batch (k cut from 3)
+		newJob(ctx, [][]int32{{40, 41}, {42}}, 2, 1, true),        // exclusive: alone
 		newJob(ctx, [][]int32{{50, 51, 52, 53, 54}}, 2, 1, false), // would exceed 10 with 10..33: next batch
 	}
 	for _, j := range jobs {

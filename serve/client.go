@@ -121,7 +121,7 @@ type local struct {
 // Local returns a Worker over c (`cachectl fill --model`); Close closes c.
 func Local(c *Core) Worker { return &local{c: c, log: c.log} }
 
-func (l *local) Name() string                                        { return "in-process" }
+func (l *local) Name() string                                       { return "in-process" }
 func (l *local) Info(ctx context.Context) (*pb.InfoResponse, error) { return l.c.Info(), nil }
 func (l *local) Describe(ctx context.Context, d *pb.Dataset) (*pb.DescribeDatasetResponse, error) {
 	r, err := l.c.DescribeDataset(d)

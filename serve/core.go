@@ -231,15 +231,15 @@ func (c *Core) defaults(k int32, temp float32) (int, float32) {
 // checked against the model's vocabulary by package data.
 type idsOnly struct{ vocab int }
 
-func (t idsOnly) Encode(string) []int32                   { return nil }
+func (t idsOnly) Encode(string) []int32                    { return nil }
 func (t idsOnly) EncodeOffsets(string) ([]int32, [][2]int) { return nil, nil }
-func (t idsOnly) VocabSize() int                          { return t.vocab }
-func (t idsOnly) TokenID(string) (int32, bool)            { return 0, false }
-func (t idsOnly) Fingerprint() string                     { return fmt.Sprintf("pretokenized:vocab=%d", t.vocab) }
-func (t idsOnly) ChatTemplate() string                    { return "" }
-func (t idsOnly) BOS() string                             { return "" }
-func (t idsOnly) EOS() string                             { return "" }
-func (t idsOnly) AddBOS() bool                            { return false }
+func (t idsOnly) VocabSize() int                           { return t.vocab }
+func (t idsOnly) TokenID(string) (int32, bool)             { return 0, false }
+func (t idsOnly) Fingerprint() string                      { return fmt.Sprintf("pretokenized:vocab=%d", t.vocab) }
+func (t idsOnly) ChatTemplate() string                     { return "" }
+func (t idsOnly) BOS() string                              { return "" }
+func (t idsOnly) EOS() string                              { return "" }
+func (t idsOnly) AddBOS() bool                             { return false }
 
 // dataset opens (or returns the already opened) dataset of spec.
 func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, error) {

@@ -92,17 +92,30 @@ func TestBadRequests(t *testing.T) {
 	wantCode(t, "no tokenizer", fill(&pb.FillRequest{Dataset: &pb.Dataset{Sources: ds.Sources}, Start: 0, End: 1}), codes.FailedPrecondition, "no tokenizer")
 	wantCode(t, "fingerprint", fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 1, ExpectDatasetFingerprint: "abc"}), codes.FailedPrecondition, "the client expects abc")
 
-	// Out-of-vocab ids in a pre-tokenized file name the file and line.
-	bad := filepath.Join(tmp, "bad.jsonl")
-	os.WriteFile(bad, []byte("{\"input_ids\": [1, 2]}\n{\"input_ids\": [3, 9999]}\n"), 0o644)
-	wantCode(t, "bad ids in data", fill(&pb.FillRequest{Dataset: &pb.Dataset{Sources: []*pb.DataSource{{Path: bad}}, Pretokenized: true}, Start: 0, End: 2}),
-		codes.InvalidArgument, "bad.jsonl:2")
-
 	// A fill with another k than the cache holds: the field is named.
 	if err := fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 2, K: 4}); err != nil {
 		t.Fatal(err)
 	}
 	wantCode(t, "cache mismatch", fill(&pb.FillRequest{Dataset: ds, Start: 2, End: 4, K: 5}), codes.FailedPrecondition, "field k differs")
+
+	// A daemon of its own: a failed fill still binds its cache directory
+	// to the dataset it was asked for.
+	d3 := startDaemon(t, Config{Model: mdir, Cache: t.TempDir()})
+	cl3, conn3 := dialTeacher(t, d3.Addr(), "")
+	defer conn3.Close()
+	fill3 := func(r *pb.FillRequest) error {
+		st, err := cl3.Fill(context.Background(), r)
+		if err != nil {
+			return err
+		}
+		_, err = st.Recv()
+		return err
+	}
+	// Out-of-vocab ids in a pre-tokenized file name the file and line.
+	bad := filepath.Join(tmp, "bad.jsonl")
+	os.WriteFile(bad, []byte("{\"input_ids\": [1, 2]}\n{\"input_ids\": [3, 9999]}\n"), 0o644)
+	wantCode(t, "bad ids in data", fill3(&pb.FillRequest{Dataset: &pb.Dataset{Sources: []*pb.DataSource{{Path: bad}}, Pretokenized: true}, Start: 0, End: 2}),
+		codes.InvalidArgument, "bad.jsonl:2")
 
 	// Without a cache directory Fill is refused.
 	d2 := startDaemon(t, Config{Model: mdir})

@@ -181,7 +181,11 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 	}
 
 	// 2. What is done already, in any of the directories.
-	done, err := doneRanges(ctx, workers, dirOf, fp)
+	byDir, err := dirRanges(ctx, workers, dirOf, fp, false)
+	if err != nil {
+		return nil, err
+	}
+	done, err := combine(byDir)
 	if err != nil {
 		return nil, err
 	}
@@ -244,6 +248,9 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 						K: p.K, Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp},
 						func(m *pb.FillResponse) error {
 							if !m.GetSkipped() {
+								failMu.Lock()
+								byDir[dirOf[w]] = append(byDir[dirOf[w]], cache.Range{Start: m.GetStart(), End: m.GetEnd()})
+								failMu.Unlock()
 								samples.Add(m.GetEnd() - m.GetStart())
 								tokens.Add(m.GetTokens())
 								chunks.Add(1)
@@ -316,9 +323,21 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 		return sum, fillErr("%d chunks left undone: no teacher could take them (%s); re-run the same command to resume", left, strings.Join(why, "; "))
 	}
 
-	// 4. Every sample of the range is in exactly one directory.
-	done, err = doneRanges(context.Background(), workers, dirOf, fp)
+	// 4. Every sample of the range is in exactly one directory: ask the
+	// teachers again; for one that is gone, use what it reported.
+	fresh, err := dirRanges(context.Background(), workers, dirOf, fp, true)
 	if err != nil {
+		return sum, err
+	}
+	for d, rs := range fresh {
+		byDir[d] = rs
+	}
+	for d := range byDir {
+		if _, ok := fresh[d]; !ok && p.Out != nil {
+			fmt.Fprintf(p.Out, "fill: the teacher of %s is unreachable now; checked with the chunks it reported\n", d)
+		}
+	}
+	if done, err = combine(byDir); err != nil {
 		return sum, err
 	}
 	if gaps := missingOf(done, cache.Range{Start: p.Start, End: p.End}); len(gaps) > 0 {
@@ -342,35 +361,53 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 	return sum, nil
 }
 
-// doneRanges collects the committed ranges of dataset fp from every
-// distinct cache directory and fails if two directories hold overlapping
-// ranges (a reader of them as one cache would see a sample twice).
-func doneRanges(ctx context.Context, workers []Worker, dirOf map[Worker]string, fp string) ([]cache.Range, error) {
+// dirRanges asks one teacher per distinct cache directory for the
+// committed ranges of dataset fp. With lenient, an unreachable teacher is
+// left out (the caller keeps what it knew) instead of failing.
+func dirRanges(ctx context.Context, workers []Worker, dirOf map[Worker]string, fp string, lenient bool) (map[string][]cache.Range, error) {
+	out := map[string][]cache.Range{}
+	for _, w := range workers {
+		d := dirOf[w]
+		if _, ok := out[d]; ok {
+			continue
+		}
+		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		st, err := w.Status(cctx, &pb.StatusRequest{DatasetFingerprint: fp})
+		cancel()
+		if err != nil {
+			if lenient {
+				continue
+			}
+			return nil, fillErr("teacher %s: Status: %s", w.Name(), msg(err))
+		}
+		rs := []cache.Range{}
+		for _, r := range st.GetDone() {
+			rs = append(rs, cache.Range{Start: r.GetStart(), End: r.GetEnd()})
+		}
+		out[d] = rs
+	}
+	return out, nil
+}
+
+// combine merges the ranges of all directories into one sorted list and
+// fails if two directories hold overlapping ranges (a reader of them as
+// one cache would see a sample twice).
+func combine(byDir map[string][]cache.Range) ([]cache.Range, error) {
 	type owned struct {
 		cache.Range
 		dir string
 	}
 	var all []owned
-	seen := map[string]bool{}
-	for _, w := range workers {
-		d := dirOf[w]
-		if seen[d] {
-			continue
-		}
-		st, err := w.Status(ctx, &pb.StatusRequest{DatasetFingerprint: fp})
-		if err != nil {
-			return nil, fillErr("teacher %s: Status: %s", w.Name(), msg(err))
-		}
-		seen[d] = true
-		for _, r := range st.GetDone() {
-			all = append(all, owned{cache.Range{Start: r.GetStart(), End: r.GetEnd()}, d})
+	for d, rs := range byDir {
+		for _, r := range rs {
+			all = append(all, owned{r, d})
 		}
 	}
 	sort.Slice(all, func(i, j int) bool { return all[i].Start < all[j].Start })
 	out := make([]cache.Range, 0, len(all))
 	for i, r := range all {
 		if i > 0 && r.Start < all[i-1].End {
-			return nil, fillErr("samples %v are in two cache directories (%s and %s): a teacher committed a chunk and died before reporting it, and another redid it; keep one copy (remove the other directory's chunk with cachectl) before reading them together",
+			return nil, fillErr("samples %v are in two cache directories (%s and %s): a teacher committed a chunk and died before reporting it, and another redid it; keep one copy before reading the directories together",
 				cache.Range{Start: r.Start, End: min(r.End, all[i-1].End)}, all[i-1].dir, r.dir)
 		}
 		out = append(out, r.Range)

@@ -2,9 +2,9 @@ package serve
 
 import (
 	"context"
+	"crypto/subtle"
 	"errors"
 	"io"
-	"crypto/subtle"
 	"strings"
 	"sync"
 	"sync/atomic"

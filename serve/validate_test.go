@@ -1,8 +1,8 @@
 package serve
 
 import (
-	"encoding/json"
 	"encoding/binary"
+	"encoding/json"
 	"math"
 	"strings"
 	"testing"
