@@ -147,6 +147,11 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		return nil, err
 	}
 	res := &Result{}
+	// Checkpoints a crashed process was writing: never complete, never read.
+	stale, _ := filepath.Glob(filepath.Join(cfg.RunDir, "checkpoints", ".tmp-*"))
+	for _, d := range stale {
+		os.RemoveAll(d)
+	}
 	ckpt, err := LatestCheckpoint(cfg.RunDir)
 	if err != nil {
 		return nil, err

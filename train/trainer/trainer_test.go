@@ -140,6 +140,11 @@ func TestTrainResume(t *testing.T) {
 	if len(part.Steps) != 6 || !strings.HasSuffix(part.Checkpoint, "step-00000004") {
 		t.Fatalf("partial run: %d steps, checkpoint %q", len(part.Steps), part.Checkpoint)
 	}
+	// A checkpoint a crash left half-written (a newer step, a truncated
+	// file) is neither resumed from nor kept.
+	torn := filepath.Join(runDir, "checkpoints", ".tmp-step-00000006-999")
+	os.MkdirAll(torn, 0o755)
+	os.WriteFile(filepath.Join(torn, "model.safetensors"), []byte("\x08\x00"), 0o644)
 	var log strings.Builder
 	rest, err := Run(tinyConfig(t, b, runDir), Options{Log: &log})
 	if err != nil {
@@ -169,6 +174,9 @@ func TestTrainResume(t *testing.T) {
 	steps := metricSteps(t, runDir)
 	if len(steps) != 12 || steps[0] != 1 || steps[11] != 12 {
 		t.Fatalf("metrics.jsonl steps %v", steps)
+	}
+	if _, err := os.Stat(torn); !os.IsNotExist(err) {
+		t.Fatalf("stale %s not removed: %v", torn, err)
 	}
 	ents, _ := os.ReadDir(filepath.Join(runDir, "checkpoints"))
 	if len(ents) != 2 || ents[0].Name() != "step-00000008" || ents[1].Name() != "step-00000012" {
