@@ -46,8 +46,10 @@
 // record batch, one row per sample in index order, and schema metadata
 // distill.format_version, distill.encoding, distill.k, distill.vocab_size,
 // distill.range_start, distill.range_end. All columns are plain Arrow types
-// that pyarrow reads (pyarrow.ipc.open_file). With T the row's token count
-// and K the manifest's k, the columns are:
+// that any Arrow IPC reader with zstd support opens (pyarrow.ipc.open_file;
+// TestChunkReadableByArrowJS reads chunks with Apache Arrow's JavaScript
+// implementation and applies the formulas below written in JavaScript).
+// With T the row's token count and K the manifest's k, the columns are:
 //
 //	index       int64         sample index
 //	input_ids   list<int32>   (T) token ids
@@ -81,6 +83,18 @@
 // of about -1000 (lower ones, -Inf included, saturate there). Decoded
 // values stay sorted; their sum may exceed the true top-k mass by that
 // relative error, so consumers clamp the tail mass at 0.
+//
+// In Python (numpy, pyarrow), for row r of a compact chunk:
+//
+//	t = pyarrow.ipc.open_file(path).read_all()
+//	K = int(t.schema.metadata[b"distill.k"])
+//	col = lambda name: np.asarray(t[name][r].values).astype(np.int64)
+//	code = col("id_code0") | col("id_code1") << 8 | col("id_code2") << 16
+//	ids = np.asarray(t["id_dict"][0].values)[code].reshape(-1, K)
+//	top = col("lp_top")[:, None]
+//	d = (col("lp_delta0") | col("lp_delta1") << 8).reshape(-1, K - 1)
+//	acc = np.concatenate([top, top + 64 * np.cumsum(d, axis=1)], axis=1)
+//	logprobs = -acc.astype(np.float32) / 4096
 //
 // Format constants (changing any needs a FormatVersion bump): the key
 // layout and prefixes above, the column names and their order, the

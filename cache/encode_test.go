@@ -156,3 +156,45 @@ func TestCompactKDLoss(t *testing.T) {
 		t.Fatalf("KD loss from compact values off by %.3f%% (> 0.5%%)", 100*rel)
 	}
 }
+
+// TestEncodingEdges: a chunk with more than 65536 distinct ids (the third
+// code plane), K = 1 (no deltas), and compact saturation of -Inf and very
+// low log-probs.
+func TestEncodingEdges(t *testing.T) {
+	const K, T = 64, 1100 // 70400 distinct ids
+	m := Manifest{FormatVersion: FormatVersion, TeacherFingerprint: "t", TokenizerFingerprint: "tok", DatasetFingerprint: "d",
+		VocabSize: qwenVocab, K: K, Temperature: 1, Samples: 1, Encoding: EncodingCompact}
+	s := Sample{Tokens: make([]int32, T), Mask: make([]uint8, T), TopKIDs: make([]int32, T*K), TopKLogProbs: make([]float32, T*K)}
+	for e := range s.TopKIDs {
+		s.TopKIDs[e] = int32((e * 2) % qwenVocab)
+		s.TopKLogProbs[e] = -5 - 0.25*float32(e%K)
+	}
+	s.TopKLogProbs[K-1] = float32(math.Inf(-1))
+	s.TopKLogProbs[2*K-1] = -3000
+	for _, enc := range []Encoding{EncodingCompact, EncodingLossless} {
+		m.Encoding = enc
+		if err := validateSample(&m, &s); err != nil {
+			t.Fatal(err)
+		}
+		_, out := roundTrip(t, genChunk{m: m, samples: []Sample{s}})
+		for e := range s.TopKIDs {
+			if out[0].TopKIDs[e] != s.TopKIDs[e] {
+				t.Fatalf("%s: entry %d: id %d, want %d", enc, e, out[0].TopKIDs[e], s.TopKIDs[e])
+			}
+		}
+		got := out[0].TopKLogProbs
+		if enc == EncodingCompact {
+			if math.Abs(float64(got[K-2]-s.TopKLogProbs[K-2])) > 1.0/128 || got[K-1] > -1000 || got[2*K-1] > -1000 {
+				t.Fatalf("compact saturation: %v %v %v", got[K-2], got[K-1], got[2*K-1])
+			}
+		} else if !math.IsInf(float64(got[K-1]), -1) || got[2*K-1] != -3000 {
+			t.Fatalf("lossless: %v %v", got[K-1], got[2*K-1])
+		}
+	}
+	m.K, m.Encoding = 1, EncodingCompact
+	one := Sample{Tokens: []int32{1, 2}, Mask: []uint8{0, 1}, TopKIDs: []int32{7, 9}, TopKLogProbs: []float32{-0.5, -0.25}}
+	_, out := roundTrip(t, genChunk{m: m, samples: []Sample{one}})
+	if out[0].TopKIDs[1] != 9 || math.Abs(float64(out[0].TopKLogProbs[1]+0.25)) > 1.0/8192 {
+		t.Fatalf("K=1: %v %v", out[0].TopKIDs, out[0].TopKLogProbs)
+	}
+}
