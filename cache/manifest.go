@@ -169,6 +169,7 @@ type Range struct {
 // Len returns End - Start.
 func (r Range) Len() int64 { return r.End - r.Start }
 
+// String formats r as "[start, end)".
 func (r Range) String() string { return fmt.Sprintf("[%d, %d)", r.Start, r.End) }
 
 // ChunkInfo is the index record of one committed chunk.

@@ -33,8 +33,12 @@ import (
 
 // Gen generates positions; it is not safe for concurrent use.
 type Gen struct {
-	V, K    int
-	Exact   int
+	// V and K are the vocabulary size and the top-k.
+	V, K int
+	// Exact is how many of the most frequent tokens get explicit noisy
+	// logits (the rest enter only the log-sum-exp); lower is faster.
+	Exact int
+	// Alpha is the Zipf exponent of the base logits.
 	Alpha   float64
 	idOf    []int32 // rank -> token id
 	base    []float64
@@ -196,12 +200,12 @@ func (g *Gen) topK() []int32 {
 // student's log-probs at the teacher's top-k ids, (T, K), and the
 // student's log tail mass, (T).
 type Sample struct {
-	Tokens       []int32
-	Mask         []uint8
-	TopKIDs      []int32
-	TopKLogProbs []float32
-	LQ           []float64
-	LQTail       []float64
+	Tokens       []int32   // (T) token ids; each next token is drawn from the teacher
+	Mask         []uint8   // (T) 0 for the first 30% (the "prompt"), then 1
+	TopKIDs      []int32   // (T, K) teacher top-k ids
+	TopKLogProbs []float32 // (T, K) teacher log-probs over the full vocab
+	LQ           []float64 // (T, K) student log-probs at TopKIDs
+	LQTail       []float64 // (T) student log of the mass outside TopKIDs
 }
 
 // Sample generates a sample of T positions.
