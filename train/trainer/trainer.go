@@ -163,7 +163,8 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		return nil, fmt.Errorf("%w: %s has no checkpoint to resume from", ErrResume, cfg.RunDir)
 	}
 	var s *train.Student
-	st := &State{DataSeed: cfg.Seed, LRSchedule: cfg.Optim.Schedule, LR: cfg.Optim.LR, MaxSteps: cfg.Train.MaxSteps}
+	st := &State{DataSeed: cfg.Seed, LRSchedule: cfg.Optim.Schedule, LR: cfg.Optim.LR, MaxSteps: cfg.Train.MaxSteps,
+		CacheTeacher: m.TeacherFingerprint, CacheDataset: m.DatasetFingerprint}
 	if ckpt != "" {
 		s, st, err = loadCheckpoint(ckpt)
 		if err != nil {
@@ -175,6 +176,10 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		}
 		if (st.QuantAmax != nil) != (cfg.Quant == "nvfp4") {
 			return nil, fmt.Errorf("%w: %s has NVFP4 state %v but the config says quant: %s", ErrResume, ckpt, st.QuantAmax != nil, cfg.Quant)
+		}
+		if st.CacheTeacher != m.TeacherFingerprint || st.CacheDataset != m.DatasetFingerprint {
+			return nil, fmt.Errorf("%w: %s was trained on the cache of teacher %.12s / dataset %.12s, data.cache is teacher %.12s / dataset %.12s: resume on the same cache or start a new run_dir",
+				ErrResume, ckpt, st.CacheTeacher, st.CacheDataset, m.TeacherFingerprint, m.DatasetFingerprint)
 		}
 		if cfg.Model.TokenizerFingerprint == "" {
 			cfg.Model.TokenizerFingerprint = st.TokenizerFingerprint

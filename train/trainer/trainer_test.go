@@ -308,6 +308,19 @@ func TestMismatch(t *testing.T) {
 	if !errors.Is(err, ErrMismatch) || !strings.Contains(err.Error(), "vocab_size 97") || !strings.Contains(err.Error(), "128") {
 		t.Fatalf("vocab mismatch: %v", err)
 	}
+	// Resuming on another cache (same tokenizer and vocabulary) is refused.
+	other, err := testcache.Build(testcache.Options{Dir: t.TempDir(), Vocab: 97, K: 8, Samples: 32, Chunk: 16, MinLen: 6, MaxLen: 40, Seed: 6})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runDir := t.TempDir()
+	if _, err := Run(tinyConfig(t, b, runDir, "train.max_steps=2"), Options{Log: io.Discard}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = Run(tinyConfig(t, b, runDir, "train.max_steps=4", "data.cache=["+other.CacheDir+"]"), Options{Log: io.Discard})
+	if !errors.Is(err, ErrResume) || !strings.Contains(err.Error(), "dataset") {
+		t.Fatalf("resume on another cache: %v", err)
+	}
 	_, err = Run(tinyConfig(t, b, t.TempDir(), "data.seq_len=20"), Options{Log: io.Discard})
 	if !errors.Is(err, ErrData) || !strings.Contains(err.Error(), "data.truncate") {
 		t.Fatalf("long sample: %v", err)
