@@ -32,12 +32,12 @@ type State struct {
 	LR         float64 `json:"lr_peak"`
 	MaxSteps   int     `json:"max_steps"`
 	// QuantAmax is the frozen NVFP4 amax of every quantizer (QAD runs).
-	QuantAmax            []float32 `json:"quant_amax,omitempty"`
+	QuantAmax []float32 `json:"quant_amax,omitempty"`
 	// The cache trained on: resuming on another one would replay the data
 	// position into a different order.
-	CacheTeacher string `json:"cache_teacher_fingerprint"`
-	CacheDataset string `json:"cache_dataset_fingerprint"`
-	TokenizerFingerprint string    `json:"tokenizer_fingerprint"`
+	CacheTeacher         string `json:"cache_teacher_fingerprint"`
+	CacheDataset         string `json:"cache_dataset_fingerprint"`
+	TokenizerFingerprint string `json:"tokenizer_fingerprint"`
 }
 
 const ckptPrefix = "step-"

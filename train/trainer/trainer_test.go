@@ -314,7 +314,7 @@ func TestMismatch(t *testing.T) {
 		t.Fatal(err)
 	}
 	runDir := t.TempDir()
-	if _, err := Run(tinyConfig(t, b, runDir, "train.max_steps=2"), Options{Log: io.Discard}); err != nil {
+	if _, err := Run(tinyConfig(t, b, runDir, "train.max_steps=3"), Options{Log: io.Discard}); err != nil {
 		t.Fatal(err)
 	}
 	_, err = Run(tinyConfig(t, b, runDir, "train.max_steps=4", "data.cache=["+other.CacheDir+"]"), Options{Log: io.Discard})
