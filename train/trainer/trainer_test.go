@@ -150,6 +150,9 @@ func TestTrainResume(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if l := log.String(); !strings.Contains(l, "resumed from") || !strings.Contains(l, "step 8/12 loss") || !strings.Contains(l, "eval step 12:") || strings.Contains(l, "\r") {
+		t.Fatalf("log of the resumed run (progress off: plain lines every 4 steps):\n%s", l)
+	}
 	if !strings.HasSuffix(rest.Resumed, "step-00000004") || len(rest.Steps) != 8 {
 		t.Fatalf("resumed from %q, ran %d steps\n%s", rest.Resumed, len(rest.Steps), log.String())
 	}
