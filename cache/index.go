@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -122,6 +124,9 @@ func lockDir(dir string, exclusive bool, timeout time.Duration) (*dirLock, error
 
 func (l *dirLock) unlock() { l.f.Close() } // closing the fd drops the flock
 
+// indexRecoveries counts read-write recoveries of crashed indexes (tests).
+var indexRecoveries atomic.Int64
+
 // indexSession is the index open under the directory lock.
 type indexSession struct {
 	lock *dirLock
@@ -150,7 +155,8 @@ func openIndex(dir string, write bool, timeout time.Duration) (*indexSession, er
 			return &indexSession{lock: l, db: db}, nil
 		}
 		l.unlock()
-		if !write && attempt == 0 && errors.Is(err, badger.ErrTruncateNeeded) {
+		if !write && attempt == 0 && isTruncateNeeded(err) {
+			indexRecoveries.Add(1)
 			rw, rerr := openIndex(dir, true, timeout)
 			if rerr != nil {
 				return nil, fmt.Errorf("cache: %s: index needs recovery after a crashed writer, and recovering it failed: %w", dir, rerr)
@@ -162,6 +168,12 @@ func openIndex(dir string, write bool, timeout time.Duration) (*indexSession, er
 		}
 		return nil, fmt.Errorf("cache: %s: opening index: %w", dir, err)
 	}
+}
+
+// isTruncateNeeded matches badger.ErrTruncateNeeded, which Badger wraps
+// without %w, so errors.Is alone does not see it.
+func isTruncateNeeded(err error) bool {
+	return errors.Is(err, badger.ErrTruncateNeeded) || strings.Contains(err.Error(), badger.ErrTruncateNeeded.Error())
 }
 
 func (s *indexSession) close() error {
