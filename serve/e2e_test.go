@@ -4,6 +4,7 @@ import (
 	"context"
 	"math"
 	"strings"
+	"sync"
 	"testing"
 
 	"google.golang.org/grpc/codes"
@@ -85,8 +86,9 @@ func TestFillTwoDaemonsMatchesInProcess(t *testing.T) {
 	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
 	var out strings.Builder
 	perDaemon := map[string]int{}
+	var mu sync.Mutex
 	plan := FillPlan{Dataset: ds, ChunkSamples: 16, K: 8, Encoding: "lossless", Out: &out,
-		onChunk: func(w Worker, r *pb.FillResponse) { perDaemon[r.GetCacheDir()]++ }}
+		onChunk: func(w Worker, r *pb.FillResponse) { mu.Lock(); perDaemon[r.GetCacheDir()]++; mu.Unlock() }}
 	sum, err := RunFill(context.Background(), ws, plan)
 	if err != nil {
 		t.Fatal(err)

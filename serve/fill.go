@@ -49,7 +49,8 @@ type FillPlan struct {
 	Out      io.Writer
 	Terminal bool
 	LogEvery time.Duration
-	// onChunk is called after each chunk a worker reports (tests).
+	// onChunk is called after each chunk a worker reports, from the
+	// workers' goroutines concurrently (tests).
 	onChunk func(w Worker, r *pb.FillResponse)
 }
 

