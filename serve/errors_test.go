@@ -2,6 +2,8 @@ package serve
 
 import (
 	"context"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -12,6 +14,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	reflectpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 	"google.golang.org/grpc/status"
 
 	pb "distill/proto/distill/v1"
@@ -185,4 +188,81 @@ func TestQueueFullIsResourceExhausted(t *testing.T) {
 		}
 	}
 	wantCode(t, "full queue", last, codes.ResourceExhausted, "work queue full")
+}
+
+func TestFillRefusesDisagreeingTeachers(t *testing.T) {
+	mdir := tinyModel(t)
+	// Another checkpoint: same shape, other weights.
+	other := t.TempDir()
+	for _, f := range []string{"config.json", "model.safetensors"} {
+		b, err := os.ReadFile(filepath.Join(mdir, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if f == "model.safetensors" {
+			b[len(b)-1] ^= 1
+		}
+		os.WriteFile(filepath.Join(other, f), b, 0o644)
+	}
+	path, _ := writeIDsDataset(t, t.TempDir(), 10, 10, 512, 2)
+	a := startDaemon(t, Config{Model: mdir, Cache: t.TempDir()})
+	b := startDaemon(t, Config{Model: other, Cache: t.TempDir()})
+	wa, _ := Dial(a.Addr(), DialOptions{})
+	wb, _ := Dial(b.Addr(), DialOptions{})
+	defer wa.Close()
+	defer wb.Close()
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	_, err := RunFill(context.Background(), []Worker{wa, wb}, FillPlan{Dataset: ds})
+	if err == nil || !strings.Contains(err.Error(), "teachers disagree on the teacher fingerprint") || !strings.Contains(err.Error(), b.Addr()) {
+		t.Fatalf("different checkpoints: %v", err)
+	}
+	_, err = RunFill(context.Background(), []Worker{wa}, FillPlan{Dataset: &pb.Dataset{Sources: ds.Sources}, TokenizerFingerprint: "abc"})
+	if err == nil || !strings.Contains(err.Error(), "no tokenizer") {
+		t.Fatalf("text dataset on a daemon without tokenizer: %v", err)
+	}
+	// Nothing was written: the refusal came before any work.
+	st, _ := wa.Status(context.Background(), &pb.StatusRequest{})
+	if st.GetTokensTotal() != 0 {
+		t.Errorf("work was done before the refusal: %v", st)
+	}
+}
+
+func TestMetricsAndReflection(t *testing.T) {
+	mdir := tinyModel(t)
+	d := startDaemon(t, Config{Model: mdir})
+	cl, conn := dialTeacher(t, d.Addr(), "")
+	defer conn.Close()
+	if err := scoreOnce(cl, &pb.ScoreRequest{Tokens: []int32{1, 2, 3}}); err != nil {
+		t.Fatal(err)
+	}
+	scoreOnce(cl, &pb.ScoreRequest{Tokens: []int32{9999}})
+	resp, err := http.Get("http://" + d.MetricsAddr() + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{"teacherd_tokens_total 3", "teacherd_batch_fill_ratio_bucket", "teacherd_queue_depth",
+		`teacherd_requests_total{code="InvalidArgument",method="Score"} 1`, `teacherd_request_seconds_bucket{method="Score.sample"`} {
+		if !strings.Contains(string(body), want) {
+			t.Errorf("/metrics lacks %q", want)
+		}
+	}
+	// Reflection lists the service, as grpcurl list does.
+	rc, err := reflectpb.NewServerReflectionClient(conn).ServerReflectionInfo(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc.Send(&reflectpb.ServerReflectionRequest{MessageRequest: &reflectpb.ServerReflectionRequest_ListServices{}})
+	r, err := rc.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, s := range r.GetListServicesResponse().GetService() {
+		names = append(names, s.GetName())
+	}
+	if !strings.Contains(strings.Join(names, " "), "distill.v1.Teacher") || !strings.Contains(strings.Join(names, " "), "grpc.health.v1.Health") {
+		t.Errorf("reflection lists %v", names)
+	}
 }

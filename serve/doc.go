@@ -1,0 +1,50 @@
+// Package serve is the teacher daemon's core and transport: it serves a
+// loaded teacher (package infer) over the distill.v1.Teacher gRPC API
+// (proto/distill/v1) and drives cache fills (package cache) over datasets
+// (package data), in a daemon (teacherd) or in-process (cachectl fill
+// --model).
+//
+// # Pieces
+//
+//	Core      the loaded model and tokenizer, the batcher, datasets and
+//	          the cache directory; Info, Score, DescribeDataset, Fill, Status
+//	Server    thin gRPC handlers over a Core: validate -> core -> toStatus;
+//	          auth (bearer token) and the concurrency limit are interceptors
+//	Daemon    listener, health (NOT_SERVING until the model is loaded),
+//	          reflection, Prometheus /metrics, graceful drain (Start, Shutdown)
+//	RunFill   the fill driver: several Workers (daemons via Dial, or a Core
+//	          via Local) over disjoint chunks, resumable and retried
+//
+// # Batching
+//
+// One goroutine runs forward passes one at a time (a forward uses every
+// core). Work waits in a queue bounded in items and tokens: Score samples
+// that find it full fail with ErrOverloaded (RESOURCE_EXHAUSTED), fill work
+// waits for room. Score samples from all streams are packed together, in
+// queue order, up to the token budget (same temperature; the largest k,
+// rows cut for smaller ones). A fill chunk is packed on its own, greedily
+// in order exactly as infer.Model.TopK packs it, and each of its forward
+// groups runs alone: GEMM rounding depends on the batch shape, and this way
+// a chunk's cached top-k is bit for bit what the in-process forward gives,
+// whatever else the daemon serves at the time.
+//
+// # Fill and crash safety
+//
+// A Fill request covers [start, end); the daemon skips the chunks its
+// cache has, computes the missing ones FillChunksInFlight at a time, and
+// commits each chunk atomically (package cache), so a daemon killed at
+// any instant leaves whole chunks or nothing. RunFill asks every teacher
+// which ranges its cache directory holds, hands out only missing chunks,
+// gives a failed teacher's chunks to the others, and checks at the end that
+// every sample of the range is in exactly one directory. One window is
+// left: a teacher that commits a chunk and dies before reporting it has
+// its chunk redone elsewhere; the final check then reports the overlap and
+// the two directories involved.
+//
+// # Errors
+//
+// Errors wrap the sentinels of this package or of packages infer, cache
+// and data; toStatus maps them with errors.Is (InvalidArgument, OutOfRange,
+// NotFound, FailedPrecondition, ResourceExhausted, Unavailable), context
+// errors pass through, anything else is logged and becomes Internal.
+package serve
