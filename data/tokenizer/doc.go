@@ -45,8 +45,9 @@
 //     could split differently; the random tests draw from characters
 //     assigned in Unicode 15.0 and have found no difference.
 //
-// transformers.js, by contrast, is not exact: its JavaScript regex \s counts
-// U+FEFF and not U+0085, and it does not fold "'ſ" into a contraction.
+// transformers.js, by contrast, cannot be exact: it runs the regexes as
+// JavaScript regexes, whose \s counts U+FEFF and not U+0085, and it rewrites
+// (?i:'s|...) as [sS]-style classes, which do not match "'ſ".
 //
 // # Fingerprint (format)
 //
