@@ -4,6 +4,7 @@ import (
 	"context"
 	"testing"
 
+	"distill/model"
 	pb "distill/proto/distill/v1"
 )
 
@@ -13,8 +14,15 @@ import (
 //
 //	go test ./serve -run '^$' -bench BenchmarkFill -benchtime 3x
 func BenchmarkFill(b *testing.B) {
-	mdir := tinyModel(b)
-	path, all := writeIDsDataset(b, b.TempDir(), 256, 128, 512, 9)
+	// Big enough that the forward, not the commit, dominates a chunk:
+	// hidden 256, 2 layers, vocab 8192 (~5M parameters).
+	mdir := b.TempDir()
+	cfg, _ := model.Preset(model.ArchQwen3)
+	cfg.VocabSize, cfg.Hidden, cfg.Layers, cfg.Intermediate, cfg.Heads, cfg.KVHeads = 8192, 256, 2, 512, 8, 4
+	if err := model.WriteCheckpoint(mdir, cfg, model.Init(cfg, model.InitOptions{Seed: 1}), "BF16"); err != nil {
+		b.Fatal(err)
+	}
+	path, all := writeIDsDataset(b, b.TempDir(), 256, 128, 8192, 9)
 	var tokens int64
 	for _, s := range all {
 		tokens += int64(len(s))

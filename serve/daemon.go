@@ -123,6 +123,14 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if cfg.Model == "" {
 		return nil, fmt.Errorf("%w: no model: give --model DIR or model: in the config", ErrInvalid)
 	}
+	switch cfg.Device {
+	case "", "auto", "cpu":
+	case "cuda":
+		// Refused before listening: a probe must not see a half-started daemon.
+		return nil, fmt.Errorf("%w: --device cuda: this build has no CUDA backend yet; use --device cpu (or auto)", ErrInvalid)
+	default:
+		return nil, fmt.Errorf("%w: --device %q: want auto, cpu or cuda", ErrInvalid, cfg.Device)
+	}
 	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
 		return nil, fmt.Errorf("%w: TLS needs both --tls-cert and --tls-key", ErrInvalid)
 	}

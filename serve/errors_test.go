@@ -2,7 +2,15 @@ package serve
 
 import (
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
 	"io"
+	"math/big"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -264,5 +272,63 @@ func TestMetricsAndReflection(t *testing.T) {
 	}
 	if !strings.Contains(strings.Join(names, " "), "distill.v1.Teacher") || !strings.Contains(strings.Join(names, " "), "grpc.health.v1.Health") {
 		t.Errorf("reflection lists %v", names)
+	}
+}
+
+// selfSigned writes a certificate for 127.0.0.1 and its key.
+func selfSigned(t *testing.T, dir string) (certFile, keyFile string) {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "teacherd-test"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
+		KeyUsage: x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}, IsCA: true, BasicConstraintsValid: true}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kb, _ := x509.MarshalECPrivateKey(key)
+	certFile, keyFile = filepath.Join(dir, "cert.pem"), filepath.Join(dir, "key.pem")
+	os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o644)
+	os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb}), 0o600)
+	return certFile, keyFile
+}
+
+func TestTLSAndConcurrencyLimit(t *testing.T) {
+	mdir := tinyModel(t)
+	cert, key := selfSigned(t, t.TempDir())
+	d := startDaemon(t, Config{Model: mdir, TLSCert: cert, TLSKey: key, MaxConcurrent: 1})
+	w, err := Dial(d.Addr(), DialOptions{CAFile: cert})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	if _, err := w.Info(context.Background()); err != nil {
+		t.Fatalf("Info over TLS: %v", err)
+	}
+	plain, _ := Dial(d.Addr(), DialOptions{})
+	defer plain.Close()
+	if _, err := plain.Info(context.Background()); status.Code(err) != codes.Unavailable {
+		t.Errorf("plaintext to a TLS daemon: %v", err)
+	}
+	// One open Score stream holds the only slot: the next RPC is refused.
+	conn := w.(*remote).conn
+	st, err := pb.NewTeacherClient(conn).Score(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.Send(&pb.ScoreRequest{Tokens: []int32{1}})
+	if _, err := st.Recv(); err != nil {
+		t.Fatal(err)
+	}
+	_, err = w.Info(context.Background())
+	wantCode(t, "over the concurrency limit", err, codes.ResourceExhausted, "too many concurrent requests (limit 1")
+	st.CloseSend()
+	st.Recv()
+	time.Sleep(50 * time.Millisecond)
+	if _, err := w.Info(context.Background()); err != nil {
+		t.Errorf("after the stream ended: %v", err)
 	}
 }
