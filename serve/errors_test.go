@@ -332,3 +332,33 @@ func TestTLSAndConcurrencyLimit(t *testing.T) {
 		t.Errorf("after the stream ended: %v", err)
 	}
 }
+
+// TestNotServingWhileLoading: before the core is set the health service
+// says NOT_SERVING and the Teacher RPCs answer Unavailable.
+func TestNotServingWhileLoading(t *testing.T) {
+	gs, srv := NewGRPCServer(ServerOptions{})
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go gs.Serve(lis)
+	defer gs.Stop()
+	cl, conn := dialTeacher(t, lis.Addr().String(), "")
+	defer conn.Close()
+	h, err := healthpb.NewHealthClient(conn).Check(context.Background(), &healthpb.HealthCheckRequest{})
+	if err != nil || h.GetStatus() != healthpb.HealthCheckResponse_NOT_SERVING {
+		t.Fatalf("health while loading: %v %v", h, err)
+	}
+	_, err = cl.Info(context.Background(), &pb.InfoRequest{})
+	wantCode(t, "Info while loading", err, codes.Unavailable, "still loading")
+	c, err := NewCore(CoreOptions{ModelDir: tinyModel(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	srv.SetCore(c)
+	h, err = healthpb.NewHealthClient(conn).Check(context.Background(), &healthpb.HealthCheckRequest{})
+	if err != nil || h.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Fatalf("health once loaded: %v %v", h, err)
+	}
+}

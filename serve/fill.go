@@ -279,7 +279,11 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 					// The teacher is unhealthy (dead, restarting, overloaded):
 					// the chunk goes back for anyone, this worker backs off.
 					failMu.Lock()
-					failures[r]++
+					// A teacher that is down (Unavailable) or busy says
+					// nothing about the chunk; other errors count against it.
+					if c := status.Code(err); c != codes.Unavailable && c != codes.ResourceExhausted {
+						failures[r]++
+					}
 					nf := failures[r]
 					lastErr[w.Name()] = fmt.Sprintf("%s: %s", status.Code(err), msg(err))
 					failMu.Unlock()

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"io"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -102,10 +101,10 @@ func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.Score
 		err error
 	}
 	q := make(chan pending, scoreWindow)
-	var wg sync.WaitGroup
-	wg.Add(1)
+	// The reader is not waited for: on an early return it may sit in
+	// Recv, which returns once the handler has returned and the stream's
+	// context ends.
 	go func() {
-		defer wg.Done()
 		defer close(q)
 		for {
 			r, err := stream.Recv()
@@ -128,8 +127,6 @@ func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.Score
 			}
 		}
 	}()
-	defer wg.Wait()
-	defer cancel()
 	for p := range q {
 		if p.err != nil {
 			return toStatus(s.log, p.err)
