@@ -154,20 +154,53 @@ func openIndex(dir string, write bool, timeout time.Duration) (*indexSession, er
 		if err == nil {
 			return &indexSession{lock: l, db: db}, nil
 		}
-		l.unlock()
-		if !write && attempt == 0 && isTruncateNeeded(err) {
-			indexRecoveries.Add(1)
-			rw, rerr := openIndex(dir, true, timeout)
-			if rerr != nil {
-				return nil, fmt.Errorf("cache: %s: index needs recovery after a crashed writer, and recovering it failed: %w", dir, rerr)
+		debris := attempt < 2 && (isTruncateNeeded(err) || isEmptyLog(err))
+		if debris && write {
+			// Killed while Badger created a log file: it is empty (Badger
+			// sizes a new file before writing it), holds no data, and
+			// Badger refuses to reopen it. Remove it under the lock.
+			if rerr := removeEmptyLogs(dir); rerr != nil {
+				l.unlock()
+				return nil, fmt.Errorf("cache: %s: opening index: %w (and removing empty logs failed: %v)", dir, err, rerr)
 			}
-			if rerr = rw.close(); rerr != nil {
-				return nil, rerr
+		}
+		l.unlock()
+		if debris {
+			indexRecoveries.Add(1)
+			if !write {
+				rw, rerr := openIndex(dir, true, timeout)
+				if rerr != nil {
+					return nil, fmt.Errorf("cache: %s: index needs recovery after a crashed writer, and recovering it failed: %w", dir, rerr)
+				}
+				if rerr = rw.close(); rerr != nil {
+					return nil, rerr
+				}
 			}
 			continue
 		}
 		return nil, fmt.Errorf("cache: %s: opening index: %w", dir, err)
 	}
+}
+
+// isEmptyLog matches Badger's refusal to open an empty memtable or value
+// log file (ristretto's z.NewFile, wrapped without %w).
+func isEmptyLog(err error) bool { return strings.Contains(err.Error(), "Create a new file") }
+
+func removeEmptyLogs(dir string) error {
+	ents, err := os.ReadDir(filepath.Join(dir, indexDir))
+	if err != nil {
+		return err
+	}
+	for _, e := range ents {
+		if n := e.Name(); strings.HasSuffix(n, ".mem") || strings.HasSuffix(n, ".vlog") {
+			if fi, err := e.Info(); err == nil && fi.Size() == 0 {
+				if err := os.Remove(filepath.Join(dir, indexDir, n)); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
 }
 
 // isTruncateNeeded matches badger.ErrTruncateNeeded, which Badger wraps
