@@ -141,9 +141,16 @@
 // opens it read-only under the shared lock just long enough to load the
 // manifest and the chunk records (a few hundred bytes per chunk, so ~1 MB
 // for 10M samples in 1000-sample chunks), then reads chunk files only.
-// A Reader thus sees every range committed before it opened. If the last
-// writer crashed, the read-only open reports a torn log; the reader then
-// recovers the index once with a read-write open.
+// A Reader thus sees every range committed before it opened. If a writer
+// died inside an index session, Badger's read-only open refuses the torn
+// log; the reader then recovers the index with a read-write open (which
+// also removes the empty log files a writer killed while Badger created
+// them leaves, and which Badger would refuse), so it needs write
+// permission once after such a crash.
+//
+// Index figures (BenchmarkIndexOpen, 10M samples in 1000-sample chunks,
+// under load on 2 cores): 141 MB on disk, OpenReader 0.21 s keeping 1.1 MB
+// of heap, a writer's open+close 0.12 s with 22 MB of heap.
 //
 // Badger's memory is capped by badgerOptions: 16 MiB memtables (2), 8 MiB
 // block cache, 8 MiB index cache, 2 MiB tables; about 50 MiB per open
