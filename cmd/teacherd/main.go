@@ -34,43 +34,12 @@ func main() {
 }
 
 func run(args []string) error {
-	fs := flag.NewFlagSet("teacherd", flag.ContinueOnError)
-	config := fs.String("config", "", "YAML config file (flags override it)")
-	var f serve.Config
-	fs.StringVar(&f.Model, "model", "", "HF checkpoint directory (config.json + *.safetensors)")
-	fs.StringVar(&f.Tokenizer, "tokenizer", "", "tokenizer directory (default: the model directory; without tokenizer.json only pre-tokenized data)")
-	fs.StringVar(&f.Listen, "listen", "", "gRPC listen address (default 127.0.0.1:7070)")
-	fs.StringVar(&f.Metrics, "metrics", "", `Prometheus /metrics address (default 127.0.0.1:9090, "off" to disable)`)
-	fs.StringVar(&f.Cache, "cache", "", "cache directory fills write (empty: Fill disabled)")
-	fs.StringVar(&f.Device, "device", "", "compute device: auto or cpu (cuda: not in this build)")
-	fs.IntVar(&f.TokenBudget, "token-budget", 0, "tokens per forward pass (default 8192)")
-	fs.IntVar(&f.MaxConcurrent, "max-concurrent", 0, "concurrent RPCs before ResourceExhausted (default 64)")
-	fs.IntVar(&f.QueueSamples, "queue-samples", 0, "queued samples before ResourceExhausted (default 1024)")
-	fs.IntVar(&f.QueueTokens, "queue-tokens", 0, "queued tokens before ResourceExhausted (default 8 token budgets)")
-	fs.IntVar(&f.KDefault, "k-default", 0, "k of requests that give none (default 64)")
-	fs.IntVar(&f.KMax, "k-max", 0, "largest k accepted (default min(vocab, 4096))")
-	fs.StringVar(&f.TLSCert, "tls-cert", "", "TLS certificate (PEM); with --tls-key enables TLS")
-	fs.StringVar(&f.TLSKey, "tls-key", "", "TLS private key (PEM)")
-	fs.StringVar(&f.TokenFile, "token-file", "", "file holding the bearer token clients must send (empty: no auth)")
-	fs.DurationVar(&f.DrainTimeout, "drain-timeout", 0, "graceful shutdown: time in-flight requests get to finish (default 30s)")
-	logJSON := fs.Bool("log-json", false, "JSON logs (default: console)")
-	if err := fs.Parse(args); err != nil {
+	cfg, logJSON, err := parseConfig(args)
+	if err != nil {
 		return err
 	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %q", fs.Args())
-	}
-	cfg := f
-	if *config != "" {
-		var err error
-		if cfg, err = serve.LoadConfig(*config); err != nil {
-			return err
-		}
-		// Flags given explicitly win over the file.
-		fs.Visit(func(fl *flag.Flag) { overrideFlag(&cfg, &f, fl.Name) })
-	}
 	zc := zap.NewProductionConfig()
-	if !*logJSON {
+	if !logJSON {
 		zc = zap.NewDevelopmentConfig()
 		zc.DisableStacktrace = true
 	}
@@ -92,6 +61,46 @@ func run(args []string) error {
 	}
 	log.Info("stopped")
 	return nil
+}
+
+// parseConfig reads the flags and the YAML file they name; flags given
+// explicitly override the file.
+func parseConfig(args []string) (serve.Config, bool, error) {
+	fs := flag.NewFlagSet("teacherd", flag.ContinueOnError)
+	config := fs.String("config", "", "YAML config file (flags override it)")
+	var f serve.Config
+	fs.StringVar(&f.Model, "model", "", "HF checkpoint directory (config.json + *.safetensors)")
+	fs.StringVar(&f.Tokenizer, "tokenizer", "", "tokenizer directory (default: the model directory; without tokenizer.json only pre-tokenized data)")
+	fs.StringVar(&f.Listen, "listen", "", "gRPC listen address (default 127.0.0.1:7070)")
+	fs.StringVar(&f.Metrics, "metrics", "", `Prometheus /metrics address (default 127.0.0.1:9090, "off" to disable)`)
+	fs.StringVar(&f.Cache, "cache", "", "cache directory fills write (empty: Fill disabled)")
+	fs.StringVar(&f.Device, "device", "", "compute device: auto or cpu (cuda: not in this build)")
+	fs.IntVar(&f.TokenBudget, "token-budget", 0, "tokens per forward pass (default 8192)")
+	fs.IntVar(&f.MaxConcurrent, "max-concurrent", 0, "concurrent RPCs before ResourceExhausted (default 64)")
+	fs.IntVar(&f.QueueSamples, "queue-samples", 0, "queued samples before ResourceExhausted (default 1024)")
+	fs.IntVar(&f.QueueTokens, "queue-tokens", 0, "queued tokens before ResourceExhausted (default 8 token budgets)")
+	fs.IntVar(&f.KDefault, "k-default", 0, "k of requests that give none (default 64)")
+	fs.IntVar(&f.KMax, "k-max", 0, "largest k accepted (default min(vocab, 4096))")
+	fs.StringVar(&f.TLSCert, "tls-cert", "", "TLS certificate (PEM); with --tls-key enables TLS")
+	fs.StringVar(&f.TLSKey, "tls-key", "", "TLS private key (PEM)")
+	fs.StringVar(&f.TokenFile, "token-file", "", "file holding the bearer token clients must send (empty: no auth)")
+	fs.DurationVar(&f.DrainTimeout, "drain-timeout", 0, "graceful shutdown: time in-flight requests get to finish (default 30s)")
+	logJSON := fs.Bool("log-json", false, "JSON logs (default: console)")
+	if err := fs.Parse(args); err != nil {
+		return f, false, err
+	}
+	if fs.NArg() > 0 {
+		return f, false, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	cfg := f
+	if *config != "" {
+		var err error
+		if cfg, err = serve.LoadConfig(*config); err != nil {
+			return cfg, false, err
+		}
+		fs.Visit(func(fl *flag.Flag) { overrideFlag(&cfg, &f, fl.Name) })
+	}
+	return cfg, *logJSON, nil
 }
 
 // overrideFlag copies the flag named name from f into cfg.
@@ -131,4 +140,3 @@ func overrideFlag(cfg, f *serve.Config, name string) {
 		cfg.DrainTimeout = f.DrainTimeout
 	}
 }
-

@@ -1,0 +1,34 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseConfigFlagsOverrideYAML(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "t.yaml")
+	os.WriteFile(p, []byte("model: /m\nlisten: 0.0.0.0:1\ncache: /c\ntoken_budget: 512\ndrain_timeout: 5s\nk_max: 100\n"), 0o644)
+	cfg, _, err := parseConfig([]string{"--config", p, "--listen", "127.0.0.1:2", "--k-max", "7"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Model != "/m" || cfg.Cache != "/c" || cfg.TokenBudget != 512 || cfg.DrainTimeout != 5*time.Second {
+		t.Errorf("file values lost: %+v", cfg)
+	}
+	if cfg.Listen != "127.0.0.1:2" || cfg.KMax != 7 {
+		t.Errorf("flags did not override the file: %+v", cfg)
+	}
+	os.WriteFile(p, []byte("model: /m\ntokenbudget: 3\n"), 0o644)
+	if _, _, err := parseConfig([]string{"--config", p}); err == nil || !strings.Contains(err.Error(), "field tokenbudget not found") {
+		t.Errorf("unknown key: %v", err)
+	}
+	if err := run([]string{"--model", "/m", "--device", "cuda"}); err == nil || !strings.Contains(err.Error(), "no CUDA backend") {
+		t.Errorf("--device cuda: %v", err)
+	}
+	if err := run([]string{"--listen", "127.0.0.1:0"}); err == nil || !strings.Contains(err.Error(), "no model") {
+		t.Errorf("no model: %v", err)
+	}
+}
