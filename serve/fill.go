@@ -199,9 +199,11 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 	total := p.End - p.Start
 	var already int64
 	for _, r := range done {
-		already += max(0, min(r.End, p.End)-max(r.Start, p.Start))
+		if in := min(r.End, p.End) - max(r.Start, p.Start); in > 0 {
+			already += in
+			sum.Skipped++
+		}
 	}
-	sum.Skipped = len(done)
 
 	// 3. Hand out the chunks.
 	var (
