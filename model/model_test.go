@@ -13,7 +13,7 @@ import (
 func TestSafetensorsRoundTripAndDTypes(t *testing.T) {
 	dir := t.TempDir()
 	v := []float32{1, -2.5, 3.140625, 1e-3, 65504, float32(math.Copysign(0, -1))} // Go constants have no -0
-	f16 := make([]byte, 2*len(v)) // IEEE half encodings of v, by hand
+	f16 := make([]byte, 2*len(v))                                                 // IEEE half encodings of v, by hand
 	for i, h := range []uint16{0x3c00, 0xc100, 0x4248, 0x1419, 0x7bff, 0x8000} {
 		binary.LittleEndian.PutUint16(f16[2*i:], h)
 	}
@@ -32,7 +32,7 @@ func TestSafetensorsRoundTripAndDTypes(t *testing.T) {
 			t.Fatalf("F32 a[%d] = %v, want %v", i, a[i], v[i])
 		}
 	}
-	b, _ := w.F32("b") // BF16 of these values: exact except 1e-3 and 65504
+	b, _ := w.F32("b")                                                           // BF16 of these values: exact except 1e-3 and 65504
 	for i, want := range []float32{1, -2.5, 3.140625, 0.00099945068, 65536, 0} { // 1e-3 = 0x3A83126F rounds down to 0x3A83
 		if b[i] != want {
 			t.Fatalf("BF16 b[%d] = %v, want %v", i, b[i], want)

@@ -81,7 +81,6 @@ func (b *Backend) release(bufs ...[]float32) {
 
 var _ compute.Backend = (*Backend)(nil)
 
-
 // Name implements compute.Backend.
 func (*Backend) Name() string { return "cpu" }
 
