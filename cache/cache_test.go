@@ -467,3 +467,55 @@ func TestOpenNonCache(t *testing.T) {
 		t.Fatalf("Create with a bad encoding: %v", err)
 	}
 }
+
+// TestEmptySamplesRoundTrip: a sample with no tokens (a record the data
+// layer dropped or skipped) is stored as an empty row, anywhere in a chunk,
+// in both encodings, and reads back empty; verify accepts it.
+func TestEmptySamplesRoundTrip(t *testing.T) {
+	for _, enc := range []Encoding{EncodingCompact, EncodingLossless} {
+		dir := t.TempDir()
+		c, err := Create(dir, testManifest(7, enc), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		empty := map[int64]bool{0: true, 3: true, 4: true, 6: true}
+		w, err := c.BeginChunk(0, 7)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := int64(0); i < 7; i++ {
+			s := testSample(i)
+			if empty[i] {
+				s = Sample{Index: i}
+			}
+			if err := w.Add(s); err != nil {
+				t.Fatalf("%s: add sample %d: %v", enc, i, err)
+			}
+		}
+		if err := w.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		c.Close()
+		mustCheck(t, dir)
+		r, err := OpenReader(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := int64(0); i < 7; i++ {
+			got, err := r.Get(i)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if empty[i] {
+				if len(got.Tokens)+len(got.Mask)+len(got.TopKIDs)+len(got.TopKLogProbs) != 0 || got.Index != i {
+					t.Fatalf("%s: sample %d should be empty, got %+v", enc, i, got)
+				}
+				continue
+			}
+			want := testSample(i)
+			if len(got.Tokens) != len(want.Tokens) || got.Tokens[0] != want.Tokens[0] || got.TopKIDs[len(got.TopKIDs)-1] != want.TopKIDs[len(want.TopKIDs)-1] {
+				t.Fatalf("%s: sample %d differs after empty neighbours", enc, i)
+			}
+		}
+	}
+}

@@ -9,7 +9,10 @@
 // prediction of token t+1): K token ids sorted by descending probability
 // and their log-probs normalized over the full vocabulary, so the tail mass
 // 1 - sum_K exp(lp) is known. It also holds the tokens and the loss mask
-// (mask[t] = 1: token t is a training target).
+// (mask[t] = 1: token t is a training target). T may be 0: an empty row
+// stands for a dataset record that the data layer dropped (over max_len
+// with policy drop) or skipped (--skip-bad), so that cache indexes stay the
+// dataset's; readers return it with no tokens and trainers skip it.
 //
 // # Directory layout
 //

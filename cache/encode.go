@@ -87,9 +87,8 @@ func chunkSchema(m *Manifest, r Range) *arrow.Schema {
 func validateSample(m *Manifest, s *Sample) error {
 	T, K := len(s.Tokens), m.K
 	where := fmt.Sprintf("sample %d", s.Index)
-	if T == 0 {
-		return fmt.Errorf("%w: %s: no tokens", ErrInvalid, where)
-	}
+	// T == 0 is allowed: it records a dataset record that the data layer
+	// dropped or skipped, so cache indexes stay the dataset's.
 	if len(s.Mask) != T {
 		return fmt.Errorf("%w: %s: loss mask has %d entries, tokens %d", ErrInvalid, where, len(s.Mask), T)
 	}

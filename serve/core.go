@@ -530,8 +530,10 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 		s := &samples[i]
 		switch {
 		case s.Status == data.Dropped || s.Status == data.Skipped:
-			return 0, false, fmt.Errorf("%w: sample %d (%s) was %s (%s): the cache holds no empty samples; raise max_len, use policy truncate, or fix the record",
-				ErrPrecondition, s.Index, s.Loc, s.Status, s.Reason)
+			// Kept as an empty row, so indexes stay those of the dataset;
+			// the trainer skips samples without tokens.
+			s.IDs, s.Mask = nil, nil
+			continue
 		case len(s.IDs) == 0:
 			return 0, false, fmt.Errorf("%w: sample %d (%s) has no tokens: a pre-tokenized dataset needs input_ids in every record (text records need a tokenizer: do not mark the dataset pre-tokenized)",
 				ErrInvalid, s.Index, s.Loc)
@@ -543,13 +545,19 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 	}
 	// Pack exactly as infer.Model.TopK does: in order, greedily up to the
 	// budget, each group an exclusive forward.
+	var live []*data.Sample // the samples with tokens, in order
+	for i := range samples {
+		if len(samples[i].IDs) > 0 {
+			live = append(live, &samples[i])
+		}
+	}
 	var jobs []*job
-	for a := 0; a < len(samples); {
+	for a := 0; a < len(live); {
 		b, n := a, 0
 		var group [][]int32
-		for b < len(samples) && n+len(samples[b].IDs) <= c.budget {
-			n += len(samples[b].IDs)
-			group = append(group, samples[b].IDs)
+		for b < len(live) && n+len(live[b].IDs) <= c.budget {
+			n += len(live[b].IDs)
+			group = append(group, live[b].IDs)
 			b++
 		}
 		j := newJob(ctx, group, k, temp, true)
@@ -559,7 +567,18 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 		jobs = append(jobs, j)
 		a = b
 	}
+	// Rows go into the chunk in index order: empty ones as they come, the
+	// others from their forward's results.
 	si := 0
+	addEmpty := func() error {
+		for si < len(samples) && len(samples[si].IDs) == 0 {
+			if err := w.Add(cache.Sample{Index: samples[si].Index}); err != nil {
+				return err
+			}
+			si++
+		}
+		return nil
+	}
 	for _, j := range jobs {
 		res := j.wait()
 		if res.err != nil {
@@ -567,6 +586,9 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 		}
 		off := 0
 		for range j.samples {
+			if err := addEmpty(); err != nil {
+				return 0, false, err
+			}
 			s := &samples[si]
 			sz := len(s.IDs) * k
 			if err := w.Add(cache.Sample{Index: s.Index, Tokens: s.IDs, Mask: s.Mask, TopKIDs: res.ids[off : off+sz], TopKLogProbs: res.lps[off : off+sz]}); err != nil {
@@ -575,6 +597,9 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 			off += sz
 			si++
 		}
+	}
+	if err := addEmpty(); err != nil {
+		return 0, false, err
 	}
 	if err := ctx.Err(); err != nil {
 		return 0, false, err

@@ -165,3 +165,71 @@ func TestScoreMatchesForward(t *testing.T) {
 		t.Fatalf("end of stream: %v", err)
 	}
 }
+
+// TestFillKeepsDroppedRecordsEmpty: with max_len and policy drop, the
+// records the data layer drops become empty rows at their own indexes, and
+// every other sample holds what the forward gives for the chunk's remaining
+// samples packed the same way.
+func TestFillKeepsDroppedRecordsEmpty(t *testing.T) {
+	mdir := tinyModel(t)
+	tmp := t.TempDir()
+	path, samples := writeIDsDataset(t, tmp, 40, 40, 512, 3)
+	const budget, maxLen = 300, 20
+	dir := t.TempDir()
+	core, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: dir, TokenBudget: budget})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lw := Local(core)
+	defer lw.Close()
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true, MaxLen: maxLen, Policy: "drop"}
+	var out strings.Builder
+	if _, err := RunFill(context.Background(), []Worker{lw}, FillPlan{Dataset: ds, ChunkSamples: 16, K: 8, Encoding: "lossless", Out: &out}); err != nil {
+		t.Fatal(err)
+	}
+	r, err := cache.OpenReader(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := core.Model()
+	dropped := 0
+	for _, ch := range r.Chunks() {
+		var live [][]int32
+		for i := ch.Start; i < ch.End; i++ {
+			if len(samples[i]) <= maxLen {
+				live = append(live, samples[i])
+			}
+		}
+		want, err := m.TopK(live, infer.Options{K: 8, TokenBudget: budget})
+		if err != nil {
+			t.Fatal(err)
+		}
+		li := 0
+		for i := ch.Start; i < ch.End; i++ {
+			got, err := r.Get(i)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(samples[i]) > maxLen {
+				dropped++
+				if len(got.Tokens) != 0 {
+					t.Fatalf("sample %d (%d tokens > max_len %d) should be an empty row, has %d tokens", i, len(samples[i]), maxLen, len(got.Tokens))
+				}
+				continue
+			}
+			w := want[li]
+			li++
+			if len(got.Tokens) != len(samples[i]) {
+				t.Fatalf("sample %d: %d tokens, want %d", i, len(got.Tokens), len(samples[i]))
+			}
+			for j := range w.IDs {
+				if got.TopKIDs[j] != w.IDs[j] || math.Float32bits(got.TopKLogProbs[j]) != math.Float32bits(w.LogProbs[j]) {
+					t.Fatalf("sample %d entry %d: cache (%d, %v), forward (%d, %v)", i, j, got.TopKIDs[j], got.TopKLogProbs[j], w.IDs[j], w.LogProbs[j])
+				}
+			}
+		}
+	}
+	if dropped == 0 {
+		t.Fatal("test setup: no sample exceeds max_len")
+	}
+}

@@ -144,6 +144,9 @@ func (p *packer) nextStep(st *stream, tokens int) ([]*train.Batch, error) {
 		if err != nil {
 			return nil, err
 		}
+		if len(s.Tokens) == 0 {
+			continue // a record the data layer dropped or skipped
+		}
 		if s, err = p.fit(s); err != nil {
 			return nil, err
 		}
@@ -166,6 +169,9 @@ func (p *packer) evalRows(rd *cache.Reader, r cache.Range) ([]*train.Batch, int,
 		s, err := rd.Get(i)
 		if err != nil {
 			return nil, 0, fmt.Errorf("eval sample %d: %w", i, err)
+		}
+		if len(s.Tokens) == 0 {
+			continue // a record the data layer dropped or skipped
 		}
 		if s, err = p.fit(s); err != nil {
 			return nil, 0, err

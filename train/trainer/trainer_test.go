@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"distill/cache"
+	"distill/cache/cachetest"
 	"distill/train"
 	"distill/train/tbevent"
 	"distill/train/testcache"
@@ -558,5 +559,72 @@ func TestPacking(t *testing.T) {
 		if n < 150 || n-int(rows[len(rows)-1].Starts[len(rows[len(rows)-1].Starts)-1]-rows[len(rows)-1].Starts[len(rows[len(rows)-1].Starts)-2]) >= 150 {
 			t.Fatalf("step %d: %d tokens for a budget of 150 (the last sample should cross it)", step, n)
 		}
+	}
+}
+
+// TestPackingSkipsEmptySamples: samples with no tokens (records the data
+// layer dropped) are skipped by training rows and eval rows alike.
+func TestPackingSkipsEmptySamples(t *testing.T) {
+	dir := t.TempDir()
+	const V, K = 97, 8
+	c, err := cache.Create(dir, cache.Manifest{TeacherFingerprint: "t", TokenizerFingerprint: "tok", DatasetFingerprint: "d",
+		VocabSize: V, K: K, Temperature: 1, Samples: 12, Encoding: cache.EncodingLossless}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := c.BeginChunk(0, 12)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(0); i < 12; i++ {
+		s := cache.Sample{Index: i}
+		if i%3 != 1 { // samples 1, 4, 7, 10 are empty
+			g := cachetest.New(V, K, "bpe", uint64(i))
+			gs := g.Sample(5)
+			s = cache.Sample{Index: i, Tokens: gs.Tokens, Mask: gs.Mask, TopKIDs: gs.TopKIDs, TopKLogProbs: gs.TopKLogProbs}
+		}
+		if err := w.Add(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := w.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	rd, err := cache.OpenReader(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &packer{seqLen: 64, k: K}
+	rows, n, err := p.evalRows(rd, cache.Range{Start: 0, End: 12})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkRows := func(what string, rows []*train.Batch) int {
+		segs := 0
+		for _, r := range rows {
+			for q := 0; q+1 < len(r.Starts); q++ {
+				if r.Starts[q+1] <= r.Starts[q] {
+					t.Fatalf("%s: empty segment at %d in starts %v", what, q, r.Starts)
+				}
+				segs++
+			}
+		}
+		return segs
+	}
+	if segs := checkRows("eval", rows); n != 8 || segs != 8 {
+		t.Fatalf("eval rows: %d samples, %d segments; want the 8 non-empty samples", n, segs)
+	}
+	st, err := newStream(rd, 1, 1, cache.Range{}, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.close()
+	rows, err = p.nextStep(st, 40)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if segs := checkRows("train", rows); segs != 8 {
+		t.Fatalf("train rows: %d segments for 40 tokens of 5-token samples, want 8", segs)
 	}
 }
