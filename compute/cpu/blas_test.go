@@ -42,7 +42,9 @@ func randSlice(r *rand.Rand, n int) []float32 {
 
 func TestSgemmAllTransposes(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
-	for _, sz := range [][3]int{{1, 1, 1}, {3, 5, 7}, {37, 65, 129}, {130, 3, 200}, {2, 300, 64}} {
+	// Sizes cover each SgemmPar path: plain (< 2^18 multiply-adds), goroutine
+	// slabs by rows and by columns (< parThreshold), and OpenBLAS threads.
+	for _, sz := range [][3]int{{1, 1, 1}, {3, 5, 7}, {37, 65, 129}, {130, 3, 200}, {2, 300, 64}, {200, 90, 100}, {9, 700, 100}, {520, 517, 500}} {
 		m, n, k := sz[0], sz[1], sz[2]
 		for _, ta := range []bool{false, true} {
 			for _, tb := range []bool{false, true} {
@@ -75,7 +77,7 @@ func TestSgemmAllTransposes(t *testing.T) {
 
 // BenchmarkSgemm reports GFLOP/s of the multithreaded fp32 GEMM.
 func BenchmarkSgemm(b *testing.B) {
-	for _, s := range []int{256, 1024, 2048} {
+	for _, s := range []int{256, 512, 1024, 2048} {
 		b.Run(fmt.Sprint(s), func(b *testing.B) {
 			r := rand.New(rand.NewPCG(1, 2))
 			x, w, c := randSlice(r, s*s), randSlice(r, s*s), make([]float32, s*s)
