@@ -17,10 +17,11 @@ import (
 	"github.com/apache/arrow/go/v17/parquet/pqarrow"
 
 	"distill/cache"
+	"distill/internal/cli"
 )
 
 func init() {
-	register(&command{name: "export", summary: "export a cache as JSONL or Parquet, one decoded record per sample", run: func(args []string) error {
+	commands.Register(&cli.Command{Name: "export", Summary: "export a cache as JSONL or Parquet, one decoded record per sample", Run: func(args []string) error {
 		return exportMain(args, os.Stdout, os.Stderr)
 	}})
 }

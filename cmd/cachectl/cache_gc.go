@@ -7,10 +7,11 @@ import (
 	"os"
 
 	"distill/cache"
+	"distill/internal/cli"
 )
 
 func init() {
-	register(&command{name: "gc", summary: "remove chunk files and temporary files left by crashed writers", run: func(args []string) error {
+	commands.Register(&cli.Command{Name: "gc", Summary: "remove chunk files and temporary files left by crashed writers", Run: func(args []string) error {
 		return gcMain(args, os.Stdout, os.Stderr)
 	}})
 }

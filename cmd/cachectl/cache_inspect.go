@@ -9,10 +9,11 @@ import (
 	"strconv"
 
 	"distill/data/tokenizer"
+	"distill/internal/cli"
 )
 
 func init() {
-	register(&command{name: "inspect", summary: "print one cached sample: tokens, loss mask, top-k ids and probabilities", run: func(args []string) error {
+	commands.Register(&cli.Command{Name: "inspect", Summary: "print one cached sample: tokens, loss mask, top-k ids and probabilities", Run: func(args []string) error {
 		return inspectMain(args, os.Stdout, os.Stderr)
 	}})
 }

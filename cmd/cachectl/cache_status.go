@@ -8,10 +8,11 @@ import (
 	"os"
 
 	"distill/cache"
+	"distill/internal/cli"
 )
 
 func init() {
-	register(&command{name: "status", summary: "show a cache: manifest, ranges done/missing, samples, tokens, bytes, bytes/token", run: func(args []string) error {
+	commands.Register(&cli.Command{Name: "status", Summary: "show a cache: manifest, ranges done/missing, samples, tokens, bytes, bytes/token", Run: func(args []string) error {
 		return statusMain(args, os.Stdout, os.Stderr)
 	}})
 }

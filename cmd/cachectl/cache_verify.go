@@ -7,10 +7,11 @@ import (
 	"os"
 
 	"distill/cache"
+	"distill/internal/cli"
 )
 
 func init() {
-	register(&command{name: "verify", summary: "fsck a cache: every index entry points at a complete chunk with matching checksum and rows", run: func(args []string) error {
+	commands.Register(&cli.Command{Name: "verify", Summary: "fsck a cache: every index entry points at a complete chunk with matching checksum and rows", Run: func(args []string) error {
 		return verifyMain(args, os.Stdout, os.Stderr)
 	}})
 }

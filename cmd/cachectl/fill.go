@@ -13,13 +13,14 @@ import (
 	"time"
 
 	"distill/data/tokenizer"
+	"distill/internal/cli"
 	pb "distill/proto/distill/v1"
 	"distill/serve"
 )
 
 func init() {
-	register(&command{name: "fill", summary: "fill the cache over a sample range, through teacherd daemons or an in-process teacher",
-		run: func(args []string) error {
+	commands.Register(&cli.Command{Name: "fill", Summary: "fill the cache over a sample range, through teacherd daemons or an in-process teacher",
+		Run: func(args []string) error {
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 			defer stop()
 			return fillMain(ctx, args, os.Stdout, os.Stderr)

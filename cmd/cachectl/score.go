@@ -9,10 +9,11 @@ import (
 
 	"distill/compute/cpu"
 	"distill/infer"
+	"distill/internal/cli"
 )
 
 func init() {
-	register(&command{name: "score", summary: "print a teacher's top-k next tokens for token ids (in-process, CPU)", run: runScore})
+	commands.Register(&cli.Command{Name: "score", Summary: "print a teacher's top-k next tokens for token ids (in-process, CPU)", Run: runScore})
 }
 
 func runScore(args []string) error {

@@ -13,10 +13,11 @@ import (
 
 	"distill/data"
 	"distill/data/tokenizer"
+	"distill/internal/cli"
 )
 
 func init() {
-	register(&command{name: "tokenize", summary: "tokenize a dataset and print one JSON line per sample (ids, loss mask)", run: runTokenize})
+	commands.Register(&cli.Command{Name: "tokenize", Summary: "tokenize a dataset and print one JSON line per sample (ids, loss mask)", Run: runTokenize})
 }
 
 // listFlag is a repeatable string flag.

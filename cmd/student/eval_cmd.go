@@ -10,11 +10,12 @@ import (
 
 	"distill/cache"
 	"distill/data/tokenizer"
+	"distill/internal/cli"
 	"distill/train/trainer"
 )
 
 func init() {
-	register(&command{name: "eval", summary: "evaluate a student on cached samples: KD, CE, token accuracy, top-1 agreement", run: runEval})
+	commands.Register(&cli.Command{Name: "eval", Summary: "evaluate a student on cached samples: KD, CE, token accuracy, top-1 agreement", Run: runEval})
 }
 
 func runEval(args []string) error {

@@ -4,11 +4,12 @@ import (
 	"flag"
 	"fmt"
 
+	"distill/internal/cli"
 	"distill/train/trainer"
 )
 
 func init() {
-	register(&command{name: "export", summary: "export a trained student as an HF checkpoint (bf16) or NVFP4 (Model-Optimizer layout)", run: runExport})
+	commands.Register(&cli.Command{Name: "export", Summary: "export a trained student as an HF checkpoint (bf16) or NVFP4 (Model-Optimizer layout)", Run: runExport})
 }
 
 func runExport(args []string) error {

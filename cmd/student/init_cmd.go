@@ -6,11 +6,12 @@ import (
 	"strconv"
 	"strings"
 
+	"distill/internal/cli"
 	"distill/model"
 )
 
 func init() {
-	register(&command{name: "init", summary: "write a random-initialized HF checkpoint directory", run: runInit})
+	commands.Register(&cli.Command{Name: "init", Summary: "write a random-initialized HF checkpoint directory", Run: runInit})
 }
 
 func runInit(args []string) error {

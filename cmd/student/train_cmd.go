@@ -5,11 +5,12 @@ import (
 	"fmt"
 	"strings"
 
+	"distill/internal/cli"
 	"distill/train/trainer"
 )
 
 func init() {
-	register(&command{name: "train", summary: "train a student on a teacher cache (KD + SFT, optional NVFP4 QAD)", run: runTrain})
+	commands.Register(&cli.Command{Name: "train", Summary: "train a student on a teacher cache (KD + SFT, optional NVFP4 QAD)", Run: runTrain})
 }
 
 // multiFlag collects a repeatable string flag.
