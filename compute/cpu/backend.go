@@ -183,13 +183,12 @@ func parallel(n int, fn func(lo, hi int)) {
 	wg.Wait()
 }
 
-// workQueue runs fn(i) for i in [0,n) on Threads goroutines pulling items
-// from a shared counter: for uneven work items (attention blocks).
-func workQueue(n int, fn func(worker, i int)) {
-	t := Threads
-	if t > n {
-		t = n
-	}
+// WorkQueue runs fn(w, i) for every i in [0,n) on up to Threads goroutines
+// that pull items from a shared counter (dynamic scheduling, for uneven
+// items such as attention blocks); w in [0, workers) names the goroutine, so
+// fn can keep per-worker scratch.
+func WorkQueue(n int, fn func(w, i int)) {
+	t := max(min(Threads, n), 1)
 	var next atomic.Int64
 	var wg sync.WaitGroup
 	for w := 0; w < t; w++ {
@@ -305,7 +304,7 @@ func (be *Backend) Attention(out, q, k, v, starts compute.Tensor, nSeq, maxLen, 
 	}()
 	group := nHead / nKV
 	ldq, ldk := nHead*hd, nKV*hd
-	workQueue(len(items), func(w, i int) {
+	WorkQueue(len(items), func(w, i int) {
 		it := items[i]
 		a := int(st[it.s])
 		L := int(st[it.s+1]) - a
@@ -474,7 +473,7 @@ func (be *Backend) LMHeadTopK(ids, logprobs, x, w compute.Tensor, tokens, hidden
 			}
 		}
 	}()
-	workQueue(nSlab, func(wk, s int) {
+	WorkQueue(nSlab, func(wk, s int) {
 		if scr[wk] == nil {
 			scr[wk] = &scratch{tile: be.scratch(lmRows * lmTile), rmax: make([]float32, lmRows),
 				hv: make([]float32, lmRows*k), rsum: make([]float64, lmRows), hi: make([]int32, lmRows*k),

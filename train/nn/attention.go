@@ -2,8 +2,6 @@ package nn
 
 import (
 	"math"
-	"sync"
-	"sync/atomic"
 
 	"distill/compute/cpu"
 	"distill/train/internal/fmath"
@@ -13,31 +11,6 @@ import (
 // query rows against all keys up to the block's last row, so scratch is
 // attnBlock x (longest sample) per worker and never (sample x sample).
 const attnBlock = 64
-
-// runItems hands items 0..n-1 to cpu.Threads workers (dynamic scheduling:
-// samples differ in length); worker w gets its own scratch index w.
-func runItems(n int, fn func(w, item int)) {
-	t := workers()
-	if t > n {
-		t = n
-	}
-	var next atomic.Int64
-	var wg sync.WaitGroup
-	for w := 0; w < t; w++ {
-		wg.Add(1)
-		go func(w int) {
-			defer wg.Done()
-			for {
-				i := int(next.Add(1) - 1)
-				if i >= n {
-					return
-				}
-				fn(w, i)
-			}
-		}(w)
-	}
-	wg.Wait()
-}
 
 // maxSample is the longest sample of starts (nSeq+1).
 func maxSample(starts []int32) int {
@@ -71,7 +44,7 @@ func AttentionForward(out, lse, q, k, v []float32, starts []int32, H, KV, D int,
 	scratch := make([][]float32, workers())
 	group := H / KV
 	qs, ks := H*D, KV*D // row strides
-	runItems(len(items), func(w, n int) {
+	cpu.WorkQueue(len(items), func(w, n int) {
 		it := items[n]
 		if scratch[w] == nil {
 			scratch[w] = make([]float32, attnBlock*L)
@@ -124,7 +97,7 @@ func AttentionBackward(dq, dk, dv, dout, q, k, v, lse []float32, starts []int32,
 	scratch := make([]scr, workers())
 	group := H / KV
 	qs, ks := H*D, KV*D
-	runItems(nSeq*KV, func(w, n int) {
+	cpu.WorkQueue(nSeq*KV, func(w, n int) {
 		s, kh := n/KV, n%KV
 		st, l := int(starts[s]), int(starts[s+1]-starts[s])
 		if scratch[w].P == nil {
