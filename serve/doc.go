@@ -36,10 +36,12 @@
 // any instant leaves whole chunks or nothing. RunFill asks every teacher
 // which ranges its cache directory holds, hands out only missing chunks,
 // gives a failed teacher's chunks to the others, and checks at the end that
-// every sample of the range is in exactly one directory. One window is
-// left: a teacher that commits a chunk and dies before reporting it has
-// its chunk redone elsewhere; the final check then reports the overlap and
-// the two directories involved.
+// every sample of the range is covered. One window is left: a teacher that
+// commits a chunk and dies before reporting it has its chunk redone
+// elsewhere, so two directories hold the same range. Both copies are whole
+// chunks of the same teacher and a reader of the directories as one cache
+// uses one of them, so the fill reports the duplicate and succeeds; ranges
+// that overlap without being equal (different --chunk) are an error.
 //
 // # Errors
 //

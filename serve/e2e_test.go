@@ -233,3 +233,29 @@ func TestFillKeepsDroppedRecordsEmpty(t *testing.T) {
 		t.Fatal("test setup: no sample exceeds max_len")
 	}
 }
+
+// TestCombineDuplicates: the same range in two directories (a chunk
+// committed by a teacher that died before reporting it, then redone) is
+// reported, not fatal, and counted once; a partial overlap is an error.
+func TestCombineDuplicates(t *testing.T) {
+	done, dups, err := combine(map[string][]cache.Range{
+		"/a": {{Start: 0, End: 16}, {Start: 16, End: 32}},
+		"/b": {{Start: 16, End: 32}, {Start: 32, End: 40}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(done) != 3 || done[1] != (cache.Range{Start: 16, End: 32}) || done[2] != (cache.Range{Start: 32, End: 40}) {
+		t.Fatalf("done = %v", done)
+	}
+	if len(dups) != 1 || !strings.Contains(dups[0], "[16, 32) in /a and /b") {
+		t.Fatalf("dups = %v", dups)
+	}
+	if miss := missingOf(done, cache.Range{Start: 0, End: 40}); len(miss) != 0 {
+		t.Fatalf("missing %v", miss)
+	}
+	_, _, err = combine(map[string][]cache.Range{"/a": {{Start: 0, End: 16}}, "/b": {{Start: 8, End: 24}}})
+	if err == nil || !strings.Contains(err.Error(), "different chunk boundaries") || !strings.Contains(err.Error(), "[8, 16)") {
+		t.Fatalf("partial overlap: err = %v", err)
+	}
+}

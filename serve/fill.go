@@ -96,7 +96,8 @@ func permanent(err error) bool {
 // and hands out only the missing chunks, so a re-run resumes and an
 // interrupted chunk is redone. A teacher that fails is retried for
 // RetryFor while the others take over its chunks. At the end it checks
-// that every sample of the range is in exactly one cache directory.
+// that every sample of the range is covered, by one chunk or by identical
+// copies of it (see combine).
 func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, error) {
 	if len(workers) == 0 {
 		return nil, fillErr("no teacher: give --teacher ADDR[,ADDR...] or --model DIR")
@@ -186,7 +187,7 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 	if err != nil {
 		return nil, err
 	}
-	done, err := combine(byDir)
+	done, _, err := combine(byDir)
 	if err != nil {
 		return nil, err
 	}
@@ -344,8 +345,15 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 			fmt.Fprintf(p.Out, "fill: the teacher of %s is unreachable now; checked with the chunks it reported\n", d)
 		}
 	}
-	if done, err = combine(byDir); err != nil {
+	done, dups, err := combine(byDir)
+	if err != nil {
 		return sum, err
+	}
+	for _, d := range dups {
+		// Not an error: readers of the directories as one cache use one copy.
+		if p.Out != nil {
+			fmt.Fprintf(p.Out, "fill: chunk %s: a teacher committed it and died before reporting, and it was redone; readers use one copy, and the other can be deleted with its chunk file\n", d)
+		}
 	}
 	if gaps := missingOf(done, cache.Range{Start: p.Start, End: p.End}); len(gaps) > 0 {
 		return sum, fillErr("after the fill, %v are still missing from the caches; re-run to fill them", gaps)
@@ -396,10 +404,14 @@ func dirRanges(ctx context.Context, workers []Worker, dirOf map[Worker]string, f
 	return out, nil
 }
 
-// combine merges the ranges of all directories into one sorted list and
-// fails if two directories hold overlapping ranges (a reader of them as
-// one cache would see a sample twice).
-func combine(byDir map[string][]cache.Range) ([]cache.Range, error) {
+// combine merges the ranges of all directories into one sorted list. The
+// same range in two directories is the one window of RunFill (a teacher
+// committed a chunk and died before reporting it, and another redid it):
+// both copies are whole chunks of the same teacher, and readers of the
+// directories as one cache use one of them, so it is returned in dups, not
+// failed. Ranges that overlap without being equal (directories filled with
+// different chunk boundaries) are an error: no reader can use them together.
+func combine(byDir map[string][]cache.Range) (done []cache.Range, dups []string, err error) {
 	type owned struct {
 		cache.Range
 		dir string
@@ -410,16 +422,26 @@ func combine(byDir map[string][]cache.Range) ([]cache.Range, error) {
 			all = append(all, owned{r, d})
 		}
 	}
-	sort.Slice(all, func(i, j int) bool { return all[i].Start < all[j].Start })
-	out := make([]cache.Range, 0, len(all))
-	for i, r := range all {
-		if i > 0 && r.Start < all[i-1].End {
-			return nil, fillErr("samples %v are in two cache directories (%s and %s): a teacher committed a chunk and died before reporting it, and another redid it; keep one copy before reading the directories together",
-				cache.Range{Start: r.Start, End: min(r.End, all[i-1].End)}, all[i-1].dir, r.dir)
+	sort.Slice(all, func(i, j int) bool {
+		if all[i].Start != all[j].Start {
+			return all[i].Start < all[j].Start
 		}
-		out = append(out, r.Range)
+		return all[i].dir < all[j].dir
+	})
+	var prev owned
+	for i, r := range all {
+		if i > 0 && r.Start < prev.End {
+			if r.Range == prev.Range {
+				dups = append(dups, fmt.Sprintf("%v in %s and %s", r.Range, prev.dir, r.dir))
+				continue
+			}
+			return nil, nil, fillErr("samples %v are in two cache directories (%s and %s) with different chunk boundaries: fill them with the same --chunk, or keep one directory",
+				cache.Range{Start: r.Start, End: min(r.End, prev.End)}, prev.dir, r.dir)
+		}
+		done = append(done, r.Range)
+		prev = r
 	}
-	return out, nil
+	return done, dups, nil
 }
 
 // missingOf returns the parts of want not covered by the sorted ranges.
