@@ -27,10 +27,18 @@ type State struct {
 	Epoch    int    `json:"epoch"`
 	EpochPos int64  `json:"epoch_pos"`
 	DataSeed uint64 `json:"data_seed"`
-	// Schedule in force (resuming with another one is refused).
+	// Schedule in force: a resume may change it (to train longer, say),
+	// and is told that the loss curve then leaves the uninterrupted one's.
 	LRSchedule string  `json:"lr_schedule"`
 	LR         float64 `json:"lr_peak"`
 	MaxSteps   int     `json:"max_steps"`
+	// Batching: the data position replays only with the same rows, so a
+	// resume that changes any of these is refused.
+	SeqLen            int     `json:"seq_len,omitempty"`
+	GlobalBatchTokens int     `json:"global_batch_tokens,omitempty"`
+	ShuffleWindow     int     `json:"shuffle_window,omitempty"`
+	Truncate          bool    `json:"truncate,omitempty"`
+	EvalRange         []int64 `json:"eval_range,omitempty"`
 	// QuantAmax is the frozen NVFP4 amax of every quantizer (QAD runs).
 	QuantAmax []float32 `json:"quant_amax,omitempty"`
 	// The cache trained on: resuming on another one would replay the data
@@ -38,6 +46,40 @@ type State struct {
 	CacheTeacher         string `json:"cache_teacher_fingerprint"`
 	CacheDataset         string `json:"cache_dataset_fingerprint"`
 	TokenizerFingerprint string `json:"tokenizer_fingerprint"`
+}
+
+// setBatching records the batching settings of cfg.
+func (st *State) setBatching(cfg *Config) {
+	d := cfg.Data
+	st.SeqLen, st.GlobalBatchTokens, st.ShuffleWindow, st.Truncate = d.SeqLen, d.GlobalBatchTokens, d.ShuffleWindow, d.Truncate
+	st.EvalRange = append([]int64(nil), d.EvalRange...)
+}
+
+// checkBatching refuses a resume whose batching differs from the
+// checkpoint's: the saved data position would replay into other rows.
+// Checkpoints written before these fields existed (SeqLen 0) are not
+// checked.
+func (st *State) checkBatching(cfg *Config, ckpt string) error {
+	if st.SeqLen == 0 {
+		return nil
+	}
+	d := cfg.Data
+	for _, f := range []struct {
+		key      string
+		old, new any
+	}{
+		{"data.seq_len", st.SeqLen, d.SeqLen},
+		{"data.global_batch_tokens", st.GlobalBatchTokens, d.GlobalBatchTokens},
+		{"data.shuffle_window", st.ShuffleWindow, d.ShuffleWindow},
+		{"data.truncate", st.Truncate, d.Truncate},
+		{"data.eval_range", fmt.Sprint(st.EvalRange), fmt.Sprint(d.EvalRange)},
+	} {
+		if fmt.Sprint(f.old) != fmt.Sprint(f.new) {
+			return fmt.Errorf("%w: %s was trained with %s = %v, the config says %v: the saved data position replays only with the same batching; restore it or start a new run_dir",
+				ErrResume, ckpt, f.key, f.old, f.new)
+		}
+	}
+	return nil
 }
 
 const ckptPrefix = "step-"

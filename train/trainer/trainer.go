@@ -165,6 +165,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	var s *train.Student
 	st := &State{DataSeed: cfg.Seed, LRSchedule: cfg.Optim.Schedule, LR: cfg.Optim.LR, MaxSteps: cfg.Train.MaxSteps,
 		CacheTeacher: m.TeacherFingerprint, CacheDataset: m.DatasetFingerprint}
+	st.setBatching(cfg)
 	if ckpt != "" {
 		s, st, err = loadCheckpoint(ckpt)
 		if err != nil {
@@ -181,8 +182,15 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			return nil, fmt.Errorf("%w: %s was trained on the cache of teacher %.12s / dataset %.12s, data.cache is teacher %.12s / dataset %.12s: resume on the same cache or start a new run_dir",
 				ErrResume, ckpt, st.CacheTeacher, st.CacheDataset, m.TeacherFingerprint, m.DatasetFingerprint)
 		}
+		if err := st.checkBatching(cfg, ckpt); err != nil {
+			return nil, err
+		}
 		if cfg.Model.TokenizerFingerprint == "" {
 			cfg.Model.TokenizerFingerprint = st.TokenizerFingerprint
+		}
+		if st.LRSchedule != cfg.Optim.Schedule || st.LR != cfg.Optim.LR || st.MaxSteps != cfg.Train.MaxSteps {
+			fmt.Fprintf(o.Log, "resume: the schedule changed (%s lr %g over %d steps -> %s lr %g over %d steps): the loss curve leaves the uninterrupted run's from here\n",
+				st.LRSchedule, st.LR, st.MaxSteps, cfg.Optim.Schedule, cfg.Optim.LR, cfg.Train.MaxSteps)
 		}
 		st.LRSchedule, st.LR, st.MaxSteps = cfg.Optim.Schedule, cfg.Optim.LR, cfg.Train.MaxSteps
 	} else if s, err = initStudent(cfg); err != nil {

@@ -329,6 +329,25 @@ func TestMismatch(t *testing.T) {
 	if !errors.Is(err, ErrData) || !strings.Contains(err.Error(), "data.truncate") {
 		t.Fatalf("long sample: %v", err)
 	}
+	// Resuming with other batching is refused, naming the key and both
+	// values; a changed schedule resumes with a warning.
+	for _, c := range []struct{ set, want string }{
+		{"data.global_batch_tokens=999", "data.global_batch_tokens = "},
+		{"data.shuffle_window=7", "data.shuffle_window = "},
+		{"data.eval_range=[0,5]", "data.eval_range = "},
+	} {
+		_, err = Run(tinyConfig(t, b, runDir, "train.max_steps=4", c.set), Options{Log: io.Discard})
+		if !errors.Is(err, ErrResume) || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "the config says") {
+			t.Fatalf("resume with %s: %v", c.set, err)
+		}
+	}
+	var log strings.Builder
+	if _, err := Run(tinyConfig(t, b, runDir, "train.max_steps=4"), Options{Log: &log}); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(log.String(), "the schedule changed") || !strings.Contains(log.String(), "over 3 steps -> ") {
+		t.Fatalf("resume with a longer schedule should warn: %s", log.String())
+	}
 }
 
 // TestConfigErrors: unknown keys name the line, bad values name the key,
