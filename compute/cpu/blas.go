@@ -13,19 +13,16 @@ import (
 	"unsafe"
 )
 
-// OpenBLAS's thread count is one global setting. Kernels that run many
-// small GEMMs at once (attention blocks, LM-head slabs) call Sgemm from
-// several goroutines and need it at 1, or the cores are oversubscribed; a
-// single large GEMM (SgemmPar) is fastest with OpenBLAS's own threads, which
-// share the packed panels: 1024³ runs at ~215 GFLOP/s that way on 2 cores,
-// against ~160 for two concurrent single-threaded halves (OpenBLAS
-// serializes part of concurrent calls). So the setting is 1, and SgemmPar
-// raises it for the length of its call under blasMode's write lock, which
-// Sgemm callers hold for reading.
-var (
-	blasInit sync.Once
-	blasMode sync.RWMutex
-)
+// OpenBLAS runs single-threaded under us: this package splits work across
+// cores itself (row slabs of a GEMM, attention blocks, LM-head slabs).
+// OpenBLAS's own threads are faster on a lone large GEMM (1024³: ~215
+// against ~160 GFLOP/s for two concurrent single-threaded halves, which it
+// partly serializes), but after each call they spin-wait for their next job
+// (OPENBLAS_THREAD_TIMEOUT, read before main runs) and steal the cores from
+// the Go kernels in between: with them, a training step ran at 570-640
+// tokens/s against 820-840 without, and the teacher forward at 1442 against
+// 1503 tokens/s (BenchmarkTrainStep, BenchmarkTeacherForward).
+var blasInit sync.Once
 
 func initBLAS() { blasInit.Do(func() { C.openblas_set_num_threads(1) }) }
 
@@ -40,12 +37,6 @@ func Sgemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int
 		return
 	}
 	initBLAS()
-	blasMode.RLock()
-	defer blasMode.RUnlock()
-	sgemm(transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
-}
-
-func sgemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
 	ta, tb := uint32(C.CblasNoTrans), uint32(C.CblasNoTrans)
 	if transA {
 		ta = C.CblasTrans
@@ -64,30 +55,15 @@ func sgemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int
 		(*C.float)(unsafe.Pointer(&c[0])), C.blasint(ldc))
 }
 
-// SgemmPar is Sgemm on all Threads cores: OpenBLAS's own threads for large
-// GEMMs; below parThreshold multiply-adds, where they pay less than they
-// cost, row (or column) slabs on goroutines with single-threaded calls.
+// SgemmPar is Sgemm split over Threads goroutines by row slabs of C (or by
+// column slabs when m is small), for GEMMs big enough to pay for it.
 func SgemmPar(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
-	size := int64(m) * int64(n) * int64(k)
-	switch {
-	case Threads <= 1 || size < 1<<18:
+	if Threads <= 1 || int64(m)*int64(n)*int64(k) < 1<<18 {
 		Sgemm(transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
-	case size < parThreshold:
-		sgemmSlabs(transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
-	default:
-		initBLAS()
-		blasMode.Lock()
-		defer blasMode.Unlock()
-		C.openblas_set_num_threads(C.int(Threads))
-		defer C.openblas_set_num_threads(1)
-		sgemm(transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+		return
 	}
+	sgemmSlabs(transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
 }
-
-// parThreshold (multiply-adds) is where OpenBLAS's threading overtakes
-// goroutine slabs on the 2-core dev machine (BenchmarkSgemm: 256³ slabs 147
-// vs threads 103 GFLOP/s; 1024³ slabs 157 vs threads 195).
-const parThreshold = 1 << 27
 
 // sgemmSlabs splits C into Threads row slabs (or column slabs when m is
 // small) computed concurrently by single-threaded calls.

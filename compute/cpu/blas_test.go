@@ -42,8 +42,8 @@ func randSlice(r *rand.Rand, n int) []float32 {
 
 func TestSgemmAllTransposes(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
-	// Sizes cover each SgemmPar path: plain (< 2^18 multiply-adds), goroutine
-	// slabs by rows and by columns (< parThreshold), and OpenBLAS threads.
+	// Sizes cover each SgemmPar path: plain (< 2^18 multiply-adds), and
+	// goroutine slabs by rows and by columns.
 	for _, sz := range [][3]int{{1, 1, 1}, {3, 5, 7}, {37, 65, 129}, {130, 3, 200}, {2, 300, 64}, {200, 90, 100}, {9, 700, 100}, {520, 517, 500}} {
 		m, n, k := sz[0], sz[1], sz[2]
 		for _, ta := range []bool{false, true} {
