@@ -172,3 +172,35 @@ CLONES void k_lse_topk(const float *logits, long rows, long ncols, long ld, long
 		hn[r] = n;
 	}
 }
+
+// k_sumexp returns sum_i exp(x[i]*scale - shift), accumulated in double.
+CLONES double k_sumexp(const float *x, long n, float scale, float shift) {
+	double s = 0;
+#pragma omp simd reduction(+ : s)
+	for (long i = 0; i < n; i++) s += (double)fexp(x[i] * scale - shift);
+	return s;
+}
+
+// k_scaled_exp: out[i] = mul * exp(x[i]*scale - shift); out may alias x.
+CLONES void k_scaled_exp(float *out, const float *x, long n, float scale, float shift, float mul) {
+	for (long i = 0; i < n; i++) out[i] = mul * fexp(x[i] * scale - shift);
+}
+
+// k_exp_mix: out[i] = a*exp(x[i]*s1 - h1) + b*exp(x[i] - h2); out may alias x.
+CLONES void k_exp_mix(float *out, const float *x, long n, float s1, float h1, float a, float h2, float b) {
+	for (long i = 0; i < n; i++) {
+		float z = x[i];
+		out[i] = a * fexp(z * s1 - h1) + b * fexp(z - h2);
+	}
+}
+
+// k_swiglu_bwd accumulates the gradients of out = silu(g)·u:
+// du += dout·silu(g), dg += dout·u·σ(g)·(1 + g·(1-σ(g))).
+CLONES void k_swiglu_bwd(float *dg, float *du, const float *dout, const float *g, const float *u, long n) {
+	for (long i = 0; i < n; i++) {
+		float gv = g[i];
+		float sg = 1.0f / (1.0f + fexp(-gv));
+		du[i] += dout[i] * gv * sg;
+		dg[i] += dout[i] * u[i] * sg * (1.0f + gv * (1.0f - sg));
+	}
+}

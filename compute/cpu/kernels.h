@@ -10,3 +10,7 @@ void k_softmax_causal(float *s, long rows, long ld, long first_len);
 void k_expf(float *out, const float *x, long n);
 void k_lse_topk(const float *logits, long rows, long ncols, long ld, long col0,
                 float *rmax, double *rsum, int k, float *hv, int32_t *hi, int32_t *hn);
+double k_sumexp(const float *x, long n, float scale, float shift);
+void k_scaled_exp(float *out, const float *x, long n, float scale, float shift, float mul);
+void k_exp_mix(float *out, const float *x, long n, float s1, float h1, float a, float h2, float b);
+void k_swiglu_bwd(float *dg, float *du, const float *dout, const float *g, const float *u, long n);

@@ -393,10 +393,7 @@ func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer
 				}
 				h.mT[r] = m
 				mf := float32(m)
-				var sum float64
-				for _, z := range row {
-					sum += float64(fmath.Exp(z*invT - mf))
-				}
+				sum := cpu.SumExp(row, invT, mf)
 				sumK := 0.0
 				if K > 0 {
 					ids := tg.TopIDs[int(h.rows[r])*K:]
@@ -421,12 +418,7 @@ func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer
 						h.s1[r] *= math.Exp(h.m1[r] - m1)
 					}
 					h.m1[r] = m1
-					m1f := float32(m1)
-					var s1 float64
-					for _, z := range row {
-						s1 += float64(fmath.Exp(z - m1f))
-					}
-					h.s1[r] += s1
+					h.s1[r] += cpu.SumExp(row, 1, float32(m1))
 				}
 			}
 		})
@@ -543,29 +535,25 @@ func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer
 			for r := lo; r < hi; r++ {
 				row := L[r*n : (r+1)*n]
 				lseT, lse1, a := h.lseT[r], h.lse1[r], h.aT[r]
-				p1 := func(z float32) float32 {
+				p1 := func(z float32) float32 { // the CE part's p_v, K entries only
 					if sepCE {
 						return fmath.Exp(z - lse1)
 					}
 					return fmath.Exp(z*invT - lseT)
 				}
-				if K > 0 && wsft != 0 {
-					for i, z := range row {
-						q := fmath.Exp(z*invT - lseT)
-						if sepCE {
-							row[i] = a*q + wsft*fmath.Exp(z-lse1)
-						} else {
-							row[i] = (a + wsft) * q
-						}
-					}
-				} else if K > 0 {
-					for i, z := range row {
-						row[i] = a * fmath.Exp(z*invT-lseT)
-					}
-				} else {
-					for i, z := range row {
-						row[i] = wsft * p1(z)
-					}
+				// The tile's logits become dL/dz: the teacher part a·q_v
+				// (corrected on K below) plus the CE part wsft·p_v.
+				switch {
+				case K > 0 && wsft != 0 && sepCE:
+					cpu.ExpMix(row, row, invT, lseT, a, lse1, wsft)
+				case K > 0 && wsft != 0:
+					cpu.ScaledExp(row, row, invT, lseT, a+wsft)
+				case K > 0:
+					cpu.ScaledExp(row, row, invT, lseT, a)
+				case sepCE:
+					cpu.ScaledExp(row, row, 1, lse1, wsft)
+				default:
+					cpu.ScaledExp(row, row, invT, lseT, wsft)
 				}
 				if K > 0 {
 					ids := tg.TopIDs[int(h.rows[r])*K:]

@@ -254,10 +254,7 @@ func RopeBackward(dx, cos, sin []float32, N, H, D int) {
 // SwiGLUForward: gate, up (N*I) -> out (N*I) = silu(gate)·up.
 func SwiGLUForward(out, gate, up []float32, n int) {
 	parallelRows(n, 20, func(_, lo, hi int) {
-		for i := lo; i < hi; i++ {
-			g := gate[i]
-			out[i] = g / (1 + exp32(-g)) * up[i]
-		}
+		cpu.SwiGLUSlice(out[lo:hi], gate[lo:hi], up[lo:hi])
 	})
 }
 
@@ -265,12 +262,7 @@ func SwiGLUForward(out, gate, up []float32, n int) {
 // silu'(g) = σ(g)·(1 + g·(1-σ(g))).
 func SwiGLUBackward(dgate, dup, dout, gate, up []float32, n int) {
 	parallelRows(n, 25, func(_, lo, hi int) {
-		for i := lo; i < hi; i++ {
-			g := gate[i]
-			sg := 1 / (1 + exp32(-g))
-			dup[i] += dout[i] * g * sg
-			dgate[i] += dout[i] * up[i] * sg * (1 + g*(1-sg))
-		}
+		cpu.SwiGLUBackwardSlice(dgate[lo:hi], dup[lo:hi], dout[lo:hi], gate[lo:hi], up[lo:hi])
 	})
 }
 
@@ -284,6 +276,3 @@ func Add(a, b []float32) {
 	})
 }
 
-// exp32 is exp in float32 via float64 math.Exp: exact to fp32 rounding,
-// and only used where n is O(N*I), not O(N*V).
-func exp32(x float32) float32 { return float32(math.Exp(float64(x))) }
