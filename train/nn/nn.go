@@ -275,4 +275,3 @@ func Add(a, b []float32) {
 		}
 	})
 }
-
