@@ -222,11 +222,10 @@ func encodeChunk(m *Manifest, r Range, samples []Sample) ([]byte, error) {
 					// Closed loop: quantize the step from the reconstructed
 					// previous value, so errors do not accumulate along K.
 					want := -float64(lps[j]) * lpTopScale
-					d := int64(math.Round((want - float64(acc)) / lpDeltaUnit))
-					if math.IsInf(want, 1) {
-						d = math.MaxUint16
-					}
-					d = min(max(d, 0), math.MaxUint16)
+					// Clamp in float64 before converting: a huge finite step
+					// (lp = -1e30) would overflow int64 and wrap to a small d.
+					step := math.Round((want - float64(acc)) / lpDeltaUnit)
+					d := int64(min(max(step, 0), math.MaxUint16)) // +Inf saturates too
 					acc += d * lpDeltaUnit
 					e := t*(K-1) + j - 1
 					p0[e], p1[e] = uint8(d), uint8(d>>8)

@@ -198,3 +198,22 @@ func TestEncodingEdges(t *testing.T) {
 		t.Fatalf("K=1: %v %v", out[0].TopKIDs, out[0].TopKLogProbs)
 	}
 }
+
+// TestCompactSaturatesHugeLogProbs: finite log-probs far below -1000 (a
+// teacher masking logits with -1e30 or -FLT_MAX) saturate like -Inf; they
+// must not wrap around in the float-to-int conversion and decode as the
+// previous entry.
+func TestCompactSaturatesHugeLogProbs(t *testing.T) {
+	m := Manifest{FormatVersion: FormatVersion, TeacherFingerprint: "t", TokenizerFingerprint: "tok", DatasetFingerprint: "d",
+		VocabSize: 16, K: 4, Temperature: 1, Samples: 1, Encoding: EncodingCompact}
+	s := Sample{Tokens: []int32{1}, Mask: []uint8{1}, TopKIDs: []int32{3, 5, 7, 9},
+		TopKLogProbs: []float32{-0.1, -2.5, -1e30, -math.MaxFloat32}}
+	if err := validateSample(&m, &s); err != nil {
+		t.Fatal(err)
+	}
+	_, out := roundTrip(t, genChunk{m: m, samples: []Sample{s}})
+	got := out[0].TopKLogProbs
+	if math.Abs(float64(got[1]+2.5)) > 1.0/128 || got[2] > -1000 || got[3] > -1000 {
+		t.Fatalf("decoded %v, want ~[-0.1 -2.5 <=-1000 <=-1000]", got)
+	}
+}
