@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"distill/cache/cachetest"
 )
@@ -518,4 +519,64 @@ func TestEmptySamplesRoundTrip(t *testing.T) {
 			}
 		}
 	}
+}
+
+// commitDuringReadDir is an FS for Check whose ReadDir of chunks/ first lets
+// a writer commit a chunk (waiting for it at most a while): a commit that
+// lands between Check's index read and its directory listing.
+type commitDuringReadDir struct {
+	FS
+	commit func() error
+	errs   chan error
+}
+
+func (f *commitDuringReadDir) ReadDir(d string) ([]string, error) {
+	if f.commit != nil && filepath.Base(d) == chunksDir {
+		commit := f.commit
+		f.commit = nil
+		done := make(chan error, 1)
+		go func() { done <- commit() }()
+		select {
+		case err := <-done:
+			f.errs <- err
+		case <-time.After(2 * time.Second): // blocked on the lock Check holds
+			go func() { f.errs <- <-done }()
+		}
+	}
+	return f.FS.ReadDir(d)
+}
+
+// TestCheckWhileFilling: verify run while a fill commits must not report the
+// newly committed chunk as an unreferenced file.
+func TestCheckWhileFilling(t *testing.T) {
+	dir := t.TempDir()
+	c, err := Create(dir, testManifest(10, EncodingCompact), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fillRange(t, c, 0, 5)
+	fs := &commitDuringReadDir{FS: OSFS, errs: make(chan error, 1), commit: func() error {
+		w, err := c.BeginChunk(5, 10)
+		if err != nil {
+			return err
+		}
+		for i := int64(5); i < 10; i++ {
+			if err := w.Add(testSample(i)); err != nil {
+				return err
+			}
+		}
+		return w.Commit()
+	}}
+	rep, err := Check(dir, &Options{FS: fs, LockTimeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := <-fs.errs; err != nil {
+		t.Fatal(err)
+	}
+	if !rep.OK() {
+		t.Fatalf("check during a fill reported:\n%s", strings.Join(rep.Problems, "\n"))
+	}
+	mustCheck(t, dir)
 }

@@ -85,6 +85,9 @@ func Check(dir string, opts *Options) (*CheckReport, error) {
 		}
 		return nil
 	})
+	// List chunks/ while the shared lock still excludes commits: a chunk
+	// renamed in after the index was read would look unreferenced.
+	names, lerr := o.FS.ReadDir(filepath.Join(dir, chunksDir))
 	s.close()
 	if err != nil {
 		return nil, fmt.Errorf("cache: %s: reading index: %w", dir, err)
@@ -126,9 +129,8 @@ func Check(dir string, opts *Options) (*CheckReport, error) {
 			problem("chunk %s: %d tokens, the index says %d", info.File, tokens, info.Tokens)
 		}
 	}
-	names, err := o.FS.ReadDir(filepath.Join(dir, chunksDir))
-	if err != nil {
-		problem("listing %s: %v", filepath.Join(dir, chunksDir), err)
+	if lerr != nil {
+		problem("listing %s: %v", filepath.Join(dir, chunksDir), lerr)
 	}
 	for _, n := range names {
 		if !ref[n] {
