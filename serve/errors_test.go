@@ -362,3 +362,32 @@ func TestNotServingWhileLoading(t *testing.T) {
 		t.Fatalf("health once loaded: %v %v", h, err)
 	}
 }
+
+// Teachers with different --k-default and a fill without --k: the
+// directories would get different k and could not be read as one cache;
+// the fill must refuse before any work.
+func TestFillRefusesDifferentDefaultK(t *testing.T) {
+	mdir := tinyModel(t)
+	path, _ := writeIDsDataset(t, t.TempDir(), 8, 10, 512, 3)
+	var ws []Worker
+	for _, kd := range []int{4, 8} {
+		c, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: t.TempDir(), KDefault: kd})
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := Local(c)
+		defer w.Close()
+		ws = append(ws, w)
+	}
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	_, err := RunFill(context.Background(), ws, FillPlan{Dataset: ds, ChunkSamples: 2})
+	if err == nil || !strings.Contains(err.Error(), "k") {
+		t.Fatalf("fill over teachers with k defaults 4 and 8: %v", err)
+	}
+	for _, w := range ws {
+		st, _ := w.Status(context.Background(), &pb.StatusRequest{})
+		if st.GetTokensTotal() != 0 {
+			t.Errorf("work was done before the refusal")
+		}
+	}
+}

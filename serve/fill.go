@@ -160,6 +160,17 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 			}
 		}
 	}
+	if p.K == 0 {
+		// Each teacher would use its own --k-default: they must agree, and
+		// the k is pinned so that every chunk of this run gets the same.
+		for i := 1; i < len(workers); i++ {
+			if x, y := a.GetKDefault(), infos[i].GetKDefault(); x != y {
+				return nil, fillErr("teachers disagree on the default k (teacherd --k-default): %d on %s, %d on %s; give --k or start them alike",
+					x, workers[0].Name(), y, workers[i].Name())
+			}
+		}
+		p.K = a.GetKDefault()
+	}
 	if p.TokenizerFingerprint != "" && !p.Dataset.GetPretokenized() && p.TokenizerFingerprint != descs[0].GetTokenizerFingerprint() {
 		return nil, fillErr("tokenizer mismatch: --tokenizer has fingerprint %.16s, teacher %s tokenizes with %.16s; give the daemon the same tokenizer (teacherd --tokenizer)",
 			p.TokenizerFingerprint, workers[0].Name(), descs[0].GetTokenizerFingerprint())
