@@ -35,6 +35,11 @@ func newStream(rd *cache.Reader, seed uint64, window int, held cache.Range, epoc
 			return nil, fmt.Errorf("%w: checkpoint data position (epoch %d, sample %d) is past the end of the cache's epoch (%d samples): was the cache changed?", ErrResume, epoch, pos, st.pos)
 		}
 		st.pos++
+		// The replayed part counts for "this epoch has training samples":
+		// a position at the very end of an epoch must roll into the next.
+		if st.usable(st.it.Sample()) {
+			st.seen = true
+		}
 	}
 	return st, nil
 }
@@ -63,7 +68,7 @@ func (st *stream) next() (cache.Sample, error) {
 				return cache.Sample{}, err
 			}
 			if !st.seen {
-				return cache.Sample{}, fmt.Errorf("%w: the cache has no training samples outside data.eval_range %v", ErrData, st.held)
+				return cache.Sample{}, fmt.Errorf("%w: the cache has no non-empty training samples outside data.eval_range %v", ErrData, st.held)
 			}
 			st.it.Close()
 			st.epoch++
@@ -74,12 +79,19 @@ func (st *stream) next() (cache.Sample, error) {
 		}
 		st.pos++
 		s := st.it.Sample()
-		if s.Index >= st.held.Start && s.Index < st.held.End {
+		if !st.usable(s) {
 			continue
 		}
 		st.seen = true
 		return s, nil
 	}
+}
+
+// usable reports whether s is a training sample: outside the held-out
+// range and not an empty record (one the data layer dropped or skipped;
+// a cache of nothing else must be an error, not an endless loop).
+func (st *stream) usable(s cache.Sample) bool {
+	return len(s.Tokens) > 0 && !(s.Index >= st.held.Start && s.Index < st.held.End)
 }
 
 // packer concatenates samples into rows of at most seqLen tokens, never

@@ -647,3 +647,74 @@ func TestPackingSkipsEmptySamples(t *testing.T) {
 		t.Fatalf("train rows: %d segments for 40 tokens of 5-token samples, want 8", segs)
 	}
 }
+
+// TestStreamResumeAtEpochEnd: a checkpoint taken when a step consumed the
+// last sample of an epoch stores EpochPos = the epoch's length; resuming
+// there must go on into the next epoch, not report that the cache has no
+// training samples.
+func TestStreamResumeAtEpochEnd(t *testing.T) {
+	b := testCache(t)
+	rd, err := cache.OpenReader(b.CacheDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := cache.Range{Start: 0, End: 16}
+	st, err := newStream(rd, 9, 4, held, 0, 96)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.close()
+	s, err := st.next()
+	if err != nil {
+		t.Fatalf("resume at the end of epoch 0: %v", err)
+	}
+	if st.epoch != 1 || s.Index < 16 {
+		t.Fatalf("got sample %d of epoch %d, want a training sample of epoch 1", s.Index, st.epoch)
+	}
+}
+
+// TestStreamAllEmpty: a cache whose training samples are all empty
+// records is an error, not an endless loop over epochs.
+func TestStreamAllEmpty(t *testing.T) {
+	dir := t.TempDir()
+	c, err := cache.Create(dir, cache.Manifest{TeacherFingerprint: "t", TokenizerFingerprint: "tok", DatasetFingerprint: "d",
+		VocabSize: 97, K: 8, Temperature: 1, Samples: 4, Encoding: cache.EncodingLossless}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := c.BeginChunk(0, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(0); i < 4; i++ {
+		if err := w.Add(cache.Sample{Index: i}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := w.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	rd, err := cache.OpenReader(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := newStream(rd, 1, 1, cache.Range{Start: -1, End: -1}, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.close()
+	done := make(chan error, 1)
+	go func() {
+		_, err := (&packer{seqLen: 64, k: 8}).nextStep(st, 40)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if !errors.Is(err, ErrData) {
+			t.Fatalf("got %v, want ErrData", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("nextStep loops forever on a cache of empty samples")
+	}
+}
