@@ -391,3 +391,24 @@ func TestFillRefusesDifferentDefaultK(t *testing.T) {
 		}
 	}
 }
+
+// A fill interrupted by its caller (Ctrl-C in cachectl) says so, not that
+// no teacher could take the chunks.
+func TestFillInterruptedSaysSo(t *testing.T) {
+	mdir := tinyModel(t)
+	path, _ := writeIDsDataset(t, t.TempDir(), 12, 10, 512, 4)
+	c, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := Local(c)
+	defer w.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	_, err = RunFill(ctx, []Worker{w}, FillPlan{Dataset: ds, ChunkSamples: 1, PerWorker: 1,
+		onChunk: func(Worker, *pb.FillResponse) { cancel() }})
+	if err == nil || strings.Contains(err.Error(), "no teacher could take them") || !strings.Contains(err.Error(), "interrupted") {
+		t.Fatalf("interrupted fill: %v", err)
+	}
+}

@@ -331,8 +331,10 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 		return sum, fatal
 	}
 	if left := remaining.Load(); left > 0 {
-		if err := context.Cause(ctx); ctx.Err() != nil && !errors.Is(err, context.Canceled) {
-			return sum, err
+		if ctx.Err() != nil {
+			// Not our cancel (that comes only with nothing left or with
+			// fatal set): the caller's context ended (Ctrl-C, deadline).
+			return sum, fmt.Errorf("%w: interrupted (%w) with %d chunks left undone; re-run the same command to resume", ErrFill, context.Cause(ctx), left)
 		}
 		var why []string
 		for k, v := range lastErr {
