@@ -17,6 +17,8 @@ import (
 	"github.com/apache/arrow/go/v17/arrow/memory"
 	"github.com/apache/arrow/go/v17/parquet/file"
 	"github.com/apache/arrow/go/v17/parquet/pqarrow"
+
+	"distill/data/chattmpl"
 )
 
 // parquetReader reads rows of a Parquet file (the format of HF datasets).
@@ -242,14 +244,16 @@ func arrowValue(a arrow.Array, i int) (any, error) {
 		}
 		return out, nil
 	case *array.Struct:
+		// An ordered dict, as HF datasets gives Python: the template's
+		// tojson prints the fields in schema order (asMap reads it).
 		st := t.DataType().(*arrow.StructType)
-		out := make(map[string]any, st.NumFields())
+		out := chattmpl.NewDict()
 		for f := 0; f < st.NumFields(); f++ {
 			v, err := arrowValue(t.Field(f), i)
 			if err != nil {
 				return nil, prefixField(err, st.Field(f).Name)
 			}
-			out[st.Field(f).Name] = v
+			out.Set(st.Field(f).Name, v)
 		}
 		return out, nil
 	}

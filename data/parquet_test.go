@@ -13,6 +13,8 @@ import (
 	"github.com/apache/arrow/go/v17/arrow/memory"
 	"github.com/apache/arrow/go/v17/parquet"
 	"github.com/apache/arrow/go/v17/parquet/pqarrow"
+
+	"distill/data/chattmpl"
 )
 
 // writeParquet writes rows in the HF datasets layout: messages as
@@ -133,5 +135,34 @@ func TestParquetWithoutUsableColumns(t *testing.T) {
 	_, err := open([]Source{{Path: p, Columns: ColumnMap{Messages: "m", Text: "body", InputIDs: "ids"}}}, newFakeTok(), nil, Options{})
 	if !errors.Is(err, ErrSource) || !strings.Contains(err.Error(), "no usable column (have id, messages, text, input_ids") {
 		t.Errorf("got %v", err)
+	}
+}
+
+// TestParquetStructKeepsFieldOrder: a Parquet struct (tool call arguments,
+// say) reaches the template with its fields in schema order, as HF datasets
+// gives Python dicts, so tojson prints them in that order (package doc).
+func TestParquetStructKeepsFieldOrder(t *testing.T) {
+	st := arrow.StructOf(arrow.Field{Name: "zeta", Type: arrow.PrimitiveTypes.Int64}, arrow.Field{Name: "alpha", Type: arrow.BinaryTypes.String})
+	b := array.NewStructBuilder(memory.DefaultAllocator, st)
+	defer b.Release()
+	b.Append(true)
+	b.FieldBuilder(0).(*array.Int64Builder).Append(1)
+	b.FieldBuilder(1).(*array.StringBuilder).Append("a")
+	a := b.NewArray()
+	defer a.Release()
+	v, err := arrowValue(a, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl, err := chattmpl.Compile("{{ messages[0].tool_calls[0] | tojson }}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := tmpl.Render([]chattmpl.Message{{Role: "assistant", ToolCalls: []any{v}}}, chattmpl.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := `{"zeta": 1, "alpha": "a"}`; out != want {
+		t.Fatalf("tojson of a Parquet struct: %s, want %s (schema field order)", out, want)
 	}
 }
