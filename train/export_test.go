@@ -270,3 +270,48 @@ func TestQADStateRoundTrip(t *testing.T) {
 		t.Fatal("short amax list accepted")
 	}
 }
+
+// TestNVFP4FusedShardsShareScale2: serving engines (vLLM, SGLang,
+// TensorRT-LLM) fuse q/k/v and gate/up into one GEMM with ONE global scale,
+// the max of the shards' weight_scale_2 (and input_scale); ModelOpt's export
+// therefore unifies the weight amax of those shards (preprocess_linear_fusion).
+// A shard exported with its own, smaller weight_scale_2 would be decoded
+// with the max and come out scaled wrong.
+func TestNVFP4FusedShardsShareScale2(t *testing.T) {
+	cfg := tinyConfig(model.ArchQwen3, false)
+	s, _ := NewStudent(cfg)
+	if err := s.Load(model.Init(cfg, model.InitOptions{Seed: 2, Std: 0.2, Perturb: true})); err != nil {
+		t.Fatal(err)
+	}
+	// Make the shards' max |w| differ.
+	for i := range s.Layers {
+		L := &s.Layers[i]
+		L.K.W[0], L.Up.W[0] = 3, 5
+	}
+	if err := s.EnableQAD(); err != nil {
+		t.Fatal(err)
+	}
+	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1}
+	if _, err := s.Forward(testBatch(3, cfg.VocabSize, 4), &opt); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.FinishCalibration(); err != nil {
+		t.Fatal(err)
+	}
+	packed, in, err := s.ExportNVFP4()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range s.Layers {
+		p := fmt.Sprintf("model.layers.%d.", i)
+		for _, group := range [][]string{{"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}, {"mlp.gate_proj", "mlp.up_proj"}} {
+			g2, is := packed[p+group[0]].WeightScale2, in[p+group[0]]
+			for _, n := range group[1:] {
+				if packed[p+n].WeightScale2 != g2 || in[p+n] != is {
+					t.Fatalf("%s%s: weight_scale_2 %g input_scale %g, but %s has %g, %g: fused shards need one scale",
+						p, n, packed[p+n].WeightScale2, in[p+n], group[0], g2, is)
+				}
+			}
+		}
+	}
+}

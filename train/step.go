@@ -205,8 +205,9 @@ func (s *Student) EnableQAD() error {
 	return nil
 }
 
-// FinishCalibration freezes every amax: weights at their current max |w|,
-// inputs at the max seen during calibration. A quantizer that saw only
+// FinishCalibration freezes every amax: weights at their current max |w|
+// (shared by q/k/v and by gate/up, see below), inputs at the max seen
+// during calibration. A quantizer that saw only
 // zeros is an error naming it.
 func (s *Student) FinishCalibration() error {
 	if !s.calibrating {
@@ -219,6 +220,21 @@ func (s *Student) FinishCalibration() error {
 			l.WQ.Observe(l.W)
 			if err := l.WQ.Freeze(l.Name + ".weight"); err != nil {
 				return err
+			}
+		}
+		// Shards that serving engines fuse into one GEMM (q/k/v, gate/up)
+		// share one weight amax, the max of theirs: vLLM, SGLang and
+		// TensorRT-LLM apply a single weight_scale_2 (the max) to the fused
+		// weight, and ModelOpt's export unifies the amax the same way
+		// (preprocess_linear_fusion). Unifying here, before training, keeps
+		// the export equal to the fake-quantized weights trained on.
+		for _, g := range [][]*Linear{{&L.Q, &L.K, &L.V}, {&L.Gate, &L.Up}} {
+			var m float32
+			for _, l := range g {
+				m = max(m, l.WQ.Amax)
+			}
+			for _, l := range g {
+				l.WQ.Amax = m
 			}
 		}
 		p := fmt.Sprintf("model.layers.%d.", i)
