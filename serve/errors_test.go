@@ -412,3 +412,27 @@ func TestFillInterruptedSaysSo(t *testing.T) {
 		t.Fatalf("interrupted fill: %v", err)
 	}
 }
+
+// A re-run asking for another k (or temperature, encoding) than the
+// complete cache holds must not report success: the cache does not hold
+// what was asked for.
+func TestFillRerunWithOtherKRefused(t *testing.T) {
+	mdir := tinyModel(t)
+	path, _ := writeIDsDataset(t, t.TempDir(), 6, 10, 512, 5)
+	c, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := Local(c)
+	defer w.Close()
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	if _, err := RunFill(context.Background(), []Worker{w}, FillPlan{Dataset: ds, ChunkSamples: 3, K: 4}); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []FillPlan{{K: 8}, {K: 4, Temperature: 2}, {K: 4, Encoding: "lossless"}} {
+		p.Dataset, p.ChunkSamples = ds, 3
+		if _, err := RunFill(context.Background(), []Worker{w}, p); err == nil || !strings.Contains(err.Error(), "differs") {
+			t.Errorf("re-run with k %d, temperature %v, encoding %q over a complete cache: %v", p.K, p.Temperature, p.Encoding, err)
+		}
+	}
+}

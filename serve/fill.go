@@ -202,6 +202,23 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 	if err != nil {
 		return nil, err
 	}
+	// Status knows the dataset only: a directory holding it with another
+	// k, temperature or encoding would pass for done. A Fill of one of
+	// its done chunks costs nothing and checks the directory's manifest
+	// against this request.
+	probed := map[string]bool{}
+	for _, w := range workers {
+		d := dirOf[w]
+		if rs := byDir[d]; len(rs) > 0 && !probed[d] {
+			probed[d] = true
+			r := rs[0]
+			err := w.Fill(ctx, &pb.FillRequest{Dataset: p.Dataset, Start: r.Start, End: r.End, ChunkSamples: r.Len(),
+				K: p.K, Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp}, func(*pb.FillResponse) error { return nil })
+			if err != nil {
+				return nil, fillErr("teacher %s (cache %s): %s", w.Name(), d, msg(err))
+			}
+		}
+	}
 	var todo []cache.Range
 	for _, g := range missingOf(done, cache.Range{Start: p.Start, End: p.End}) {
 		for a := g.Start; a < g.End; a += p.ChunkSamples {
