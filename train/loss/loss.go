@@ -28,9 +28,10 @@
 //   - bucket: a (k+1)-th bucket holds the tail, 1 - Σ_K p for the teacher
 //     and 1 - Σ_K q for the student (Megatron-LM's offline KD), so both
 //     sides are proper distributions over k+1 outcomes. The student's tail
-//     is accumulated directly as Σ_{v∉K} exp(z_v/T - m) in float64, not as
-//     1 - Σ_K q, so it keeps its digits when the top-k holds most of the
-//     mass. The teacher's tail at a temperature other than Tc is not known
+//     is accumulated directly as Σ_{v∉K} exp(z_v/T - m) in float64 (the
+//     K entries are masked out of each logits tile first), not as
+//     1 - Σ_K q or Σ_V - Σ_K, so it keeps its digits when the top-k holds
+//     all but a tiny part of the mass. The teacher's tail at a temperature other than Tc is not known
 //     from a top-k, so bucket requires T = Tc.
 //
 // Divergences over the entries e (K_t, plus the tail bucket):
@@ -393,22 +394,6 @@ func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer
 				}
 				h.mT[r] = m
 				mf := float32(m)
-				sum := cpu.SumExp(row, invT, mf)
-				sumK := 0.0
-				if K > 0 {
-					ids := tg.TopIDs[int(h.rows[r])*K:]
-					o := h.order[r*K : (r+1)*K]
-					c := h.cur[r]
-					for ; c < int32(K) && int(ids[o[c]]) < v1; c++ {
-						j := o[c]
-						z := row[int(ids[j])-v0]
-						h.zK[r*K+int(j)] = z
-						sumK += float64(fmath.Exp(z*invT - mf))
-					}
-					h.cur[r] = c
-				}
-				h.sT[r] += sum
-				h.sTail[r] += sum - sumK
 				if lab := int(h.labs[r]); lab >= v0 && lab < v1 {
 					h.zLab[r] = row[lab-v0]
 				}
@@ -420,6 +405,28 @@ func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer
 					h.m1[r] = m1
 					h.s1[r] += cpu.SumExp(row, 1, float32(m1))
 				}
+				// The teacher's ids are gathered, then masked out of the row,
+				// so that the tail is summed directly over v ∉ K (not as
+				// all - K, which cancels to noise, even to a negative value,
+				// when K holds all but ~1e-7 of the mass).
+				sumK := 0.0
+				if K > 0 {
+					ids := tg.TopIDs[int(h.rows[r])*K:]
+					o := h.order[r*K : (r+1)*K]
+					c := h.cur[r]
+					for ; c < int32(K) && int(ids[o[c]]) < v1; c++ {
+						j := o[c]
+						i := int(ids[j]) - v0
+						z := row[i]
+						h.zK[r*K+int(j)] = z
+						sumK += float64(fmath.Exp(z*invT - mf))
+						row[i] = float32(math.Inf(-1))
+					}
+					h.cur[r] = c
+				}
+				tail := cpu.SumExp(row, invT, mf)
+				h.sT[r] += tail + sumK
+				h.sTail[r] += tail
 			}
 		})
 	}

@@ -320,3 +320,55 @@ func TestInvalid(t *testing.T) {
 		}
 	}
 }
+
+// TestTailPrecisionManyK: a student whose top-64 holds all but 1.5e-10 of
+// its mass, with varied logits on K (so the K-sum carries rounding far
+// larger than the tail): the bucket loss and the gradient on a tail logit,
+// which must pull it UP (the teacher's tail is 1e-3), match float64.
+func TestTailPrecisionManyK(t *testing.T) {
+	C, V, K := 1, 2000, 64
+	rng := rand.New(rand.NewSource(1))
+	x := []float32{1, 1}
+	w := make([]float32, V)
+	for v := range w {
+		w[v] = -22
+	}
+	perm := rng.Perm(V)
+	ids, lp := make([]int32, K), make([]float32, K)
+	in := map[int]bool{}
+	var ps float64
+	for j := 0; j < K; j++ {
+		w[perm[j]] = float32(rng.Float64() * 6)
+		ids[j], in[perm[j]] = int32(perm[j]), true
+		lp[j] = float32(math.Log(0.999 / float64(K)))
+		ps += math.Exp(float64(lp[j]))
+	}
+	tg := Targets{Tokens: []int32{0, 3}, Starts: []int32{0, 2}, Mask: []uint8{0, 1}, K: K,
+		TopIDs: append(ids, ids...), TopLP: append(lp, lp...)}
+	o := Options{KD: FwdKL, Tail: Bucket, Temperature: 1, KDWeight: 1}
+	dx, dw := make([]float32, 2), make([]float32, V)
+	st, err := (&Head{V: V, C: C}).ForwardBackward(x, w, dx, dw, &tg, &o, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var Z, tail float64
+	for v := range w {
+		e := math.Exp(float64(w[v]))
+		Z += e
+		if !in[v] {
+			tail += e
+		}
+	}
+	var want float64
+	for j := range ids {
+		p := math.Exp(float64(lp[j]))
+		want += p * (float64(lp[j]) - (float64(w[ids[j]]) - math.Log(Z)))
+	}
+	pt, qt := 1-ps, tail/Z
+	want += pt * math.Log(pt/qt)
+	closeRel(t, "kd", st.KD, want, 0, 1e-5)
+	// dL/dz_v for v outside K: q_v·(1 - p_tail/q_tail) (fwd_kl, T = 1).
+	v := perm[K]
+	qv := math.Exp(float64(w[v])) / Z
+	closeRel(t, "dlogit of a tail token", float64(dw[v]), qv*(1-pt/qt), 0, 1e-3)
+}
