@@ -241,7 +241,7 @@ func TestCombineDuplicates(t *testing.T) {
 	done, dups, err := combine(map[string][]cache.Range{
 		"/a": {{Start: 0, End: 16}, {Start: 16, End: 32}},
 		"/b": {{Start: 16, End: 32}, {Start: 32, End: 40}},
-	})
+	}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -254,7 +254,7 @@ func TestCombineDuplicates(t *testing.T) {
 	if miss := missingOf(done, cache.Range{Start: 0, End: 40}); len(miss) != 0 {
 		t.Fatalf("missing %v", miss)
 	}
-	_, _, err = combine(map[string][]cache.Range{"/a": {{Start: 0, End: 16}}, "/b": {{Start: 8, End: 24}}})
+	_, _, err = combine(map[string][]cache.Range{"/a": {{Start: 0, End: 16}}, "/b": {{Start: 8, End: 24}}}, nil)
 	if err == nil || !strings.Contains(err.Error(), "different chunk boundaries") || !strings.Contains(err.Error(), "[8, 16)") {
 		t.Fatalf("partial overlap: err = %v", err)
 	}

@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"fmt"
 	"io"
 	"math/big"
 	"net"
@@ -435,4 +436,79 @@ func TestFillRerunWithOtherKRefused(t *testing.T) {
 			t.Errorf("re-run with k %d, temperature %v, encoding %q over a complete cache: %v", p.K, p.Temperature, p.Encoding, err)
 		}
 	}
+}
+
+// samePath is a teacher on another machine whose cache directory has the
+// same path as another teacher's (--cache /data/cache on every node).
+type samePath struct {
+	Worker
+	name string
+}
+
+func (s samePath) Name() string { return s.name }
+func (s samePath) Info(ctx context.Context) (*pb.InfoResponse, error) {
+	r, err := s.Worker.Info(ctx)
+	if r != nil {
+		r.CacheDir = "/data/cache"
+	}
+	return r, err
+}
+
+// Two teachers on two machines, each with --cache /data/cache: their
+// directories are two caches, and the fill must not take one for the other.
+func TestFillTwoMachinesSameCachePath(t *testing.T) {
+	mdir := tinyModel(t)
+	path, samples := writeIDsDataset(t, t.TempDir(), 40, 10, 512, 6)
+	dirs := []string{t.TempDir(), t.TempDir()}
+	var ws []Worker
+	for i, d := range dirs {
+		c, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: d, TokenBudget: 100})
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := samePath{Local(c), fmt.Sprintf("node%d:7070", i)}
+		defer w.Close()
+		ws = append(ws, w)
+	}
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	plan := FillPlan{Dataset: ds, ChunkSamples: 4, K: 4, Encoding: "lossless", PerWorker: 1}
+	if _, err := RunFill(context.Background(), ws, plan); err != nil {
+		t.Fatal(err)
+	}
+	sum, err := RunFill(context.Background(), ws, plan)
+	if err != nil || sum.Chunks != 0 {
+		t.Fatalf("re-run: %+v, %v", sum, err)
+	}
+	checkAgainstForward(t, ws[0].(samePath).Worker.(*local).c.Model(), samples, 4, 100, dirs...)
+}
+
+// Two teachers sharing one directory on one machine: every chunk is seen
+// through both, which is not a duplicate.
+func TestFillSharedDirectoryNoDuplicates(t *testing.T) {
+	mdir := tinyModel(t)
+	path, samples := writeIDsDataset(t, t.TempDir(), 24, 10, 512, 7)
+	dir := t.TempDir()
+	var ws []Worker
+	for i := 0; i < 2; i++ {
+		c, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: dir, TokenBudget: 100})
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := samePath{Local(c), fmt.Sprintf("local%d", i)}
+		defer w.Close()
+		ws = append(ws, w)
+	}
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	var out strings.Builder
+	plan := FillPlan{Dataset: ds, ChunkSamples: 4, K: 4, Encoding: "lossless", PerWorker: 1, Out: &out}
+	if _, err := RunFill(context.Background(), ws, plan); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := RunFill(context.Background(), ws, plan); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(out.String(), "died before reporting") {
+		t.Errorf("shared directory reported as duplicates:\n%s", out.String())
+	}
+	checkAgainstForward(t, ws[0].(samePath).Worker.(*local).c.Model(), samples, 4, 100, dir)
 }

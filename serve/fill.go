@@ -186,10 +186,15 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 	if p.End > n {
 		return nil, fillErr("range [%d, %d) goes beyond the dataset's %d samples: lower --end", p.Start, p.End, n)
 	}
-	dirOf := map[Worker]string{}
+	// Each teacher's view of its directory is asked and kept apart: the
+	// same path on two machines (--cache /data/cache on every node) is two
+	// caches; two teachers sharing one directory on one machine report the
+	// same chunks, which combine merges silently (same path).
+	dirOf, pathOf := map[Worker]string{}, map[string]string{}
 	for i, w := range workers {
 		d := infos[i].GetCacheDir()
-		dirOf[w] = d
+		key := d + " on " + w.Name()
+		dirOf[w], pathOf[key] = key, d
 		sum.Dirs[d] = append(sum.Dirs[d], w.Name())
 	}
 
@@ -198,7 +203,7 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 	if err != nil {
 		return nil, err
 	}
-	done, _, err := combine(byDir)
+	done, _, err := combine(byDir, pathOf)
 	if err != nil {
 		return nil, err
 	}
@@ -375,7 +380,7 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 			fmt.Fprintf(p.Out, "fill: the teacher of %s is unreachable now; checked with the chunks it reported\n", d)
 		}
 	}
-	done, dups, err := combine(byDir)
+	done, dups, err := combine(byDir, pathOf)
 	if err != nil {
 		return sum, err
 	}
@@ -406,8 +411,8 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 	return sum, nil
 }
 
-// dirRanges asks one teacher per distinct cache directory for the
-// committed ranges of dataset fp. With lenient, an unreachable teacher is
+// dirRanges asks each teacher (one per distinct dirOf key) for the
+// committed ranges of dataset fp in its cache directory. With lenient, an unreachable teacher is
 // left out (the caller keeps what it knew) instead of failing.
 func dirRanges(ctx context.Context, workers []Worker, dirOf map[Worker]string, fp string, lenient bool) (map[string][]cache.Range, error) {
 	out := map[string][]cache.Range{}
@@ -441,7 +446,10 @@ func dirRanges(ctx context.Context, workers []Worker, dirOf map[Worker]string, f
 // directories as one cache use one of them, so it is returned in dups, not
 // failed. Ranges that overlap without being equal (directories filled with
 // different chunk boundaries) are an error: no reader can use them together.
-func combine(byDir map[string][]cache.Range) (done []cache.Range, dups []string, err error) {
+// Keys with the same pathOf are one directory seen by two teachers on one
+// machine (or the same path on two machines, which cannot be told apart):
+// their identical ranges are merged without a report.
+func combine(byDir map[string][]cache.Range, pathOf map[string]string) (done []cache.Range, dups []string, err error) {
 	type owned struct {
 		cache.Range
 		dir string
@@ -462,6 +470,9 @@ func combine(byDir map[string][]cache.Range) (done []cache.Range, dups []string,
 	for i, r := range all {
 		if i > 0 && r.Start < prev.End {
 			if r.Range == prev.Range {
+				if p, ok := pathOf[r.dir]; ok && p == pathOf[prev.dir] {
+					continue
+				}
 				dups = append(dups, fmt.Sprintf("%v in %s and %s", r.Range, prev.dir, r.dir))
 				continue
 			}
