@@ -23,8 +23,11 @@ type job struct {
 	k         int
 	temp      float32
 	exclusive bool
-	enq       time.Time
-	done      chan jobResult // buffered 1
+	// background marks work queued by submit (fills): it may hold at most
+	// half of the queue, so Score requests keep room.
+	background bool
+	enq        time.Time
+	done       chan jobResult // buffered 1
 }
 
 type jobResult struct {
@@ -42,8 +45,9 @@ type batcherStats interface {
 
 // batcher packs queued jobs into forward passes of at most budget tokens,
 // one forward at a time (a forward uses every core or the whole device).
-// The queue is bounded in jobs and tokens: trySubmit fails with
-// ErrOverloaded when full, submit waits for room.
+// The queue is bounded in jobs and tokens: trySubmit (Score) fails with
+// ErrOverloaded when full; submit (fill work) waits for room, and may hold
+// at most half of the queue, so Score is still served during a fill.
 type batcher struct {
 	fwd       forwardFunc
 	budget    int
@@ -54,6 +58,8 @@ type batcher struct {
 	mu     sync.Mutex
 	queue  []*job
 	qTok   int
+	bJobs  int // background jobs queued, and their tokens
+	bTok   int
 	room   chan struct{} // closed and replaced when room frees up
 	work   chan struct{} // buffered 1: the worker has something to look at
 	closed bool
@@ -84,9 +90,24 @@ func (b *batcher) fits(j *job) bool {
 	return len(b.queue) < b.maxJobs && b.qTok+j.tokens <= b.maxTokens
 }
 
+// fitsBackground is fits for submit's work, which may hold at most half of
+// the queue's jobs and tokens: without that share, a fill keeps the queue
+// full (it takes every slot as it frees up) and every Score request is
+// refused. One background job may always wait, however large.
+func (b *batcher) fitsBackground(j *job) bool {
+	if !b.fits(j) {
+		return false
+	}
+	return b.bJobs == 0 || (b.bJobs < max(1, b.maxJobs/2) && b.bTok+j.tokens <= b.maxTokens/2)
+}
+
 func (b *batcher) enqueue(j *job) {
 	b.queue = append(b.queue, j)
 	b.qTok += j.tokens
+	if j.background {
+		b.bJobs++
+		b.bTok += j.tokens
+	}
 	b.stats.queued(len(b.queue), b.qTok)
 	select {
 	case b.work <- struct{}{}:
@@ -112,13 +133,14 @@ func (b *batcher) trySubmit(j *job) error {
 // submit queues j, waiting for room (fill work: it is paced by the queue
 // instead of failing).
 func (b *batcher) submit(j *job) error {
+	j.background = true
 	for {
 		b.mu.Lock()
 		if b.closed {
 			b.mu.Unlock()
 			return fmt.Errorf("%w: not accepting work", ErrShutdown)
 		}
-		if b.fits(j) {
+		if b.fitsBackground(j) {
 			b.enqueue(j)
 			b.mu.Unlock()
 			return nil
@@ -143,6 +165,15 @@ func (j *job) wait() jobResult {
 	}
 }
 
+// unqueued accounts for j leaving the queue; b.mu held.
+func (b *batcher) unqueued(j *job) {
+	b.qTok -= j.tokens
+	if j.background {
+		b.bJobs--
+		b.bTok -= j.tokens
+	}
+}
+
 // take removes the next batch from the queue; b.mu held. The head job
 // decides: exclusive -> alone; shared -> every shared job of the same
 // temperature that still fits the budget, in queue order.
@@ -154,7 +185,7 @@ func (b *batcher) take() []*job {
 		switch {
 		case j.ctx.Err() != nil:
 			j.done <- jobResult{err: j.ctx.Err()}
-			b.qTok -= j.tokens
+			b.unqueued(j)
 			continue
 		case len(batch) == 0:
 			batch, n = append(batch, j), j.tokens
@@ -171,7 +202,7 @@ func (b *batcher) take() []*job {
 	clear(b.queue[len(keep):])
 	b.queue = keep
 	for _, j := range batch {
-		b.qTok -= j.tokens
+		b.unqueued(j)
 	}
 	b.stats.queued(len(b.queue), b.qTok)
 	close(b.room)
@@ -266,7 +297,7 @@ func (b *batcher) close() {
 		for _, j := range b.queue {
 			j.done <- jobResult{err: fmt.Errorf("%w: queued work dropped", ErrShutdown)}
 		}
-		b.queue, b.qTok = nil, 0
+		b.queue, b.qTok, b.bJobs, b.bTok = nil, 0, 0, 0
 		close(b.room)
 		b.room = make(chan struct{})
 	}

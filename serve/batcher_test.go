@@ -167,3 +167,53 @@ func TestBatcherBackpressureAndClose(t *testing.T) {
 		t.Fatalf("after close: %v", err)
 	}
 }
+
+// TestBatcherFillLeavesRoomForScore: fill work (submit) that keeps the
+// queue busy holds at most half of it, so Score requests (trySubmit) still
+// get in; before, the fill took every slot as it freed up and every Score
+// request was refused.
+func TestBatcherFillLeavesRoomForScore(t *testing.T) {
+	f := &fakeForward{gate: make(chan struct{})}
+	b := newBatcher(f.fwd, 64, 4, 1000, nopStats{})
+	defer func() {
+		go func() {
+			for range 100 {
+				select {
+				case f.gate <- struct{}{}:
+				case <-time.After(time.Second):
+					return
+				}
+			}
+		}()
+		b.close()
+	}()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// Six fill jobs from six goroutines: one runs (blocked in the forward),
+	// at most two may wait in the queue, the rest wait in submit.
+	for i := range 6 {
+		go b.submit(newJob(ctx, [][]int32{{int32(10 + i)}}, 1, 1, true))
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		b.mu.Lock()
+		bj := b.bJobs
+		b.mu.Unlock()
+		if bj == 2 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond) // give the other submits a chance to (wrongly) get in
+	if n, _ := b.depth(); n != 2 {
+		t.Fatalf("fill jobs queued: %d, want 2 (half of the 4-job queue)", n)
+	}
+	for i := 0; i < 2; i++ {
+		if err := b.trySubmit(newJob(ctx, [][]int32{{int32(100 + i)}}, 1, 1, false)); err != nil {
+			t.Fatalf("Score request %d during a fill: %v", i, err)
+		}
+	}
+	if err := b.trySubmit(newJob(ctx, [][]int32{{200}}, 1, 1, false)); !errors.Is(err, ErrOverloaded) {
+		t.Fatalf("a full queue still refuses Score: %v", err)
+	}
+}
