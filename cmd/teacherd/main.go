@@ -48,14 +48,19 @@ func run(args []string) error {
 		return err
 	}
 	defer log.Sync()
+	// Signals are caught before the model loads, so a SIGTERM during
+	// loading still ends in a clean shutdown (exit 0) once Start returns.
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
 	d, err := serve.Start(cfg, log)
 	if err != nil {
 		return err
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
 	<-ctx.Done()
-	log.Info("signal received: draining")
+	// A second signal during the drain gets Go's default action and ends
+	// the process at once, for an operator who cannot wait.
+	stop()
+	log.Info("signal received: draining (a second signal exits immediately)")
 	if err := d.Shutdown(context.Background()); err != nil {
 		return err
 	}
