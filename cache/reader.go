@@ -241,6 +241,11 @@ type window struct {
 // sharded by rank. Every rank gets the same number of samples,
 // floor(committed/World); the remainder (< World samples) is dropped.
 // The order of a (Seed, World) pair is the same on every run and rank.
+//
+// The order is built from the chunks this Reader saw when it opened. Ranks
+// partition it exactly (each sample to one rank per epoch) only if every
+// rank's Reader saw the same chunks: open them after the fill has finished,
+// not while chunks are still being committed.
 func (r *Reader) Iter(o IterOptions) (*Iterator, error) {
 	if o.World == 0 {
 		o.World = 1
