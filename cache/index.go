@@ -154,7 +154,7 @@ func openIndex(dir string, write bool, timeout time.Duration) (*indexSession, er
 		if err == nil {
 			return &indexSession{lock: l, db: db}, nil
 		}
-		debris := attempt < 2 && (isTruncateNeeded(err) || isEmptyLog(err))
+		debris := attempt < 2 && (isTruncateNeeded(err) || isEmptyLog(err) || hasEmptyLogs(dir))
 		if debris && write {
 			// Killed while Badger created a log file: it is empty (Badger
 			// sizes a new file before writing it), holds no data, and
@@ -185,6 +185,25 @@ func openIndex(dir string, write bool, timeout time.Duration) (*indexSession, er
 // isEmptyLog matches Badger's refusal to open an empty memtable or value
 // log file (ristretto's z.NewFile, wrapped without %w).
 func isEmptyLog(err error) bool { return strings.Contains(err.Error(), "Create a new file") }
+
+// hasEmptyLogs reports whether the index holds 0-byte .mem or .vlog files,
+// the debris of a writer killed while Badger created one. Badger's errors
+// about them vary (a read-only open fails truncating one with EINVAL), so
+// the files themselves decide, not the message.
+func hasEmptyLogs(dir string) bool {
+	ents, err := os.ReadDir(filepath.Join(dir, indexDir))
+	if err != nil {
+		return false
+	}
+	for _, e := range ents {
+		if n := e.Name(); strings.HasSuffix(n, ".mem") || strings.HasSuffix(n, ".vlog") {
+			if fi, err := e.Info(); err == nil && fi.Size() == 0 {
+				return true
+			}
+		}
+	}
+	return false
+}
 
 func removeEmptyLogs(dir string) error {
 	ents, err := os.ReadDir(filepath.Join(dir, indexDir))
