@@ -208,7 +208,7 @@ func (c *Core) submitScore(ctx context.Context, r *pb.ScoreRequest) (*job, error
 	if err := ValidateScore(r, c.lim); err != nil {
 		return nil, err
 	}
-	k, temp := c.defaults(r.GetK(), r.GetTemperature())
+	k, temp := c.defaults(r.K, r.GetTemperature())
 	j := newJob(ctx, [][]int32{r.GetTokens()}, k, temp, false)
 	if err := c.b.trySubmit(j); err != nil {
 		return nil, err
@@ -216,9 +216,10 @@ func (c *Core) submitScore(ctx context.Context, r *pb.ScoreRequest) (*job, error
 	return j, nil
 }
 
-func (c *Core) defaults(k int32, temp float32) (int, float32) {
-	if k == 0 {
-		k = int32(c.lim.KDefault)
+func (c *Core) defaults(kp *int32, temp float32) (int, float32) {
+	k := int32(c.lim.KDefault)
+	if kp != nil {
+		k = *kp
 	}
 	if temp == 0 {
 		temp = 1
@@ -402,7 +403,7 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 	if r.GetEnd() > d.Len() {
 		return fmt.Errorf("%w: range [%d, %d) goes beyond the dataset's %d samples (valid: [0, %d))", ErrOutOfRange, r.GetStart(), r.GetEnd(), d.Len(), d.Len())
 	}
-	k, temp := c.defaults(r.GetK(), r.GetTemperature())
+	k, temp := c.defaults(r.K, r.GetTemperature())
 	enc := cache.Encoding(r.GetEncoding())
 	if enc == "" {
 		enc = cache.EncodingCompact

@@ -14,6 +14,7 @@ import (
 	"distill/compute/cpu"
 	"distill/infer"
 	pb "distill/proto/distill/v1"
+	"google.golang.org/protobuf/proto"
 )
 
 // checkAgainstForward opens dirs as one cache, checks that it covers
@@ -143,7 +144,7 @@ func TestScoreMatchesForward(t *testing.T) {
 	for i, s := range samples {
 		// One sample at a time on an idle daemon: a forward of that sample
 		// alone, so bit-identical to the in-process forward.
-		if err := st.Send(&pb.ScoreRequest{Id: int64(100 + i), Tokens: s, K: 5}); err != nil {
+		if err := st.Send(&pb.ScoreRequest{Id: int64(100 + i), Tokens: s, K: proto.Int32(5)}); err != nil {
 			t.Fatal(err)
 		}
 		r, err := st.Recv()

@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	pb "distill/proto/distill/v1"
+	"google.golang.org/protobuf/proto"
 )
 
 func dialTeacher(t testing.TB, addr, token string) (pb.TeacherClient, *grpc.ClientConn) {
@@ -74,8 +75,9 @@ func TestBadRequests(t *testing.T) {
 	wantCode(t, "negative id", scoreOnce(cl, &pb.ScoreRequest{Tokens: []int32{-1}}), codes.InvalidArgument, "token id -1 out of range")
 	wantCode(t, "empty", scoreOnce(cl, &pb.ScoreRequest{Id: 3}), codes.InvalidArgument, "sample id 3 is empty")
 	wantCode(t, "over-long", scoreOnce(cl, &pb.ScoreRequest{Tokens: make([]int32, 101)}), codes.InvalidArgument, "101 tokens, more than the daemon's limit 100")
-	wantCode(t, "k < 0", scoreOnce(cl, &pb.ScoreRequest{Tokens: []int32{1}, K: -1}), codes.InvalidArgument, "k=-1 out of range: want 1..512")
-	wantCode(t, "k > vocab", scoreOnce(cl, &pb.ScoreRequest{Tokens: []int32{1}, K: 513}), codes.InvalidArgument, "k=513 out of range")
+	wantCode(t, "k = 0", scoreOnce(cl, &pb.ScoreRequest{Tokens: []int32{1}, K: proto.Int32(0)}), codes.InvalidArgument, "k=0 out of range: want 1..512 (leave k unset for the default")
+	wantCode(t, "k < 0", scoreOnce(cl, &pb.ScoreRequest{Tokens: []int32{1}, K: proto.Int32(-1)}), codes.InvalidArgument, "k=-1 out of range: want 1..512")
+	wantCode(t, "k > vocab", scoreOnce(cl, &pb.ScoreRequest{Tokens: []int32{1}, K: proto.Int32(513)}), codes.InvalidArgument, "k=513 out of range")
 	wantCode(t, "temperature", scoreOnce(cl, &pb.ScoreRequest{Tokens: []int32{1}, Temperature: -2}), codes.InvalidArgument, "temperature -2")
 
 	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
@@ -98,17 +100,18 @@ func TestBadRequests(t *testing.T) {
 		codes.NotFound, missing+" does not exist on the daemon's machine")
 	wantCode(t, "range beyond", fill(&pb.FillRequest{Dataset: ds, Start: 5, End: 11}), codes.OutOfRange, "range [5, 11) goes beyond the dataset's 10 samples")
 	wantCode(t, "empty range", fill(&pb.FillRequest{Dataset: ds, Start: 5, End: 5}), codes.InvalidArgument, "range [5, 5)")
-	wantCode(t, "fill k", fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 1, K: 600}), codes.InvalidArgument, "k=600")
+	wantCode(t, "fill k = 0", fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 1, K: proto.Int32(0)}), codes.InvalidArgument, "k=0")
+	wantCode(t, "fill k", fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 1, K: proto.Int32(600)}), codes.InvalidArgument, "k=600")
 	wantCode(t, "no sources", fill(&pb.FillRequest{Dataset: &pb.Dataset{}, Start: 0, End: 1}), codes.InvalidArgument, "no sources")
 	wantCode(t, "encoding", fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 1, Encoding: "zip"}), codes.InvalidArgument, `encoding "zip"`)
 	wantCode(t, "no tokenizer", fill(&pb.FillRequest{Dataset: &pb.Dataset{Sources: ds.Sources}, Start: 0, End: 1}), codes.FailedPrecondition, "no tokenizer")
 	wantCode(t, "fingerprint", fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 1, ExpectDatasetFingerprint: "abc"}), codes.FailedPrecondition, "the client expects abc")
 
 	// A fill with another k than the cache holds: the field is named.
-	if err := fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 2, K: 4}); err != nil {
+	if err := fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 2, K: proto.Int32(4)}); err != nil {
 		t.Fatal(err)
 	}
-	wantCode(t, "cache mismatch", fill(&pb.FillRequest{Dataset: ds, Start: 2, End: 4, K: 5}), codes.FailedPrecondition, "field k differs")
+	wantCode(t, "cache mismatch", fill(&pb.FillRequest{Dataset: ds, Start: 2, End: 4, K: proto.Int32(5)}), codes.FailedPrecondition, "field k differs")
 
 	// A daemon of its own: a failed fill still binds its cache directory
 	// to the dataset it was asked for.

@@ -218,7 +218,7 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 			probed[d] = true
 			r := rs[0]
 			err := w.Fill(ctx, &pb.FillRequest{Dataset: p.Dataset, Start: r.Start, End: r.End, ChunkSamples: r.Len(),
-				K: p.K, Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp}, func(*pb.FillResponse) error { return nil })
+				K: optK(p.K), Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp}, func(*pb.FillResponse) error { return nil })
 			if err != nil {
 				return nil, fillErr("teacher %s (cache %s): %s", w.Name(), d, msg(err))
 			}
@@ -282,7 +282,7 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 						return
 					}
 					err := w.Fill(ctx, &pb.FillRequest{Dataset: p.Dataset, Start: r.Start, End: r.End, ChunkSamples: r.Len(),
-						K: p.K, Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp},
+						K: optK(p.K), Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp},
 						func(m *pb.FillResponse) error {
 							if !m.GetSkipped() {
 								failMu.Lock()
@@ -549,4 +549,13 @@ func startProgress(p *FillPlan, total, already int64, samples, tokens *atomic.In
 		}
 	}()
 	return func() { close(stop); <-done }
+}
+
+// optK is FillPlan.K as the request field: 0 (the teacher's default) is
+// absent.
+func optK(k int32) *int32 {
+	if k == 0 {
+		return nil
+	}
+	return &k
 }

@@ -116,7 +116,7 @@ func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.Score
 			}
 			t0 := time.Now()
 			j, err := c.submitScore(ctx, r)
-			k, _ := c.defaults(r.GetK(), r.GetTemperature())
+			k, _ := c.defaults(r.K, r.GetTemperature())
 			select {
 			case q <- pending{id: r.GetId(), j: j, k: k, t0: t0, err: err}:
 			case <-ctx.Done():

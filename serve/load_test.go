@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	pb "distill/proto/distill/v1"
+	"google.golang.org/protobuf/proto"
 )
 
 // loadRound runs streams concurrent Score streams against addr for dur,
@@ -48,7 +49,7 @@ func loadRound(t testing.TB, addr string, streams int, dur time.Duration) ([]tim
 						toks[i] = int32(r.Intn(512))
 					}
 					t0 := time.Now()
-					if err = st.Send(&pb.ScoreRequest{Tokens: toks, K: 8}); err == nil {
+					if err = st.Send(&pb.ScoreRequest{Tokens: toks, K: proto.Int32(8)}); err == nil {
 						_, err = st.Recv()
 					}
 					if err != nil {

@@ -29,7 +29,7 @@ func ValidateScore(r *pb.ScoreRequest, lim Limits) error {
 	if r == nil {
 		return status.Error(codes.InvalidArgument, "empty request")
 	}
-	if err := validateK(r.GetK(), lim); err != nil {
+	if err := validateK(r.K, lim); err != nil {
 		return status.Errorf(codes.InvalidArgument, "sample id %d: %v", r.GetId(), err)
 	}
 	if err := validateTemperature(r.GetTemperature()); err != nil {
@@ -50,12 +50,12 @@ func ValidateScore(r *pb.ScoreRequest, lim Limits) error {
 	return nil
 }
 
-func validateK(k int32, lim Limits) error {
-	if k == 0 {
-		return nil // KDefault
+func validateK(kp *int32, lim Limits) error {
+	if kp == nil {
+		return nil // absent: KDefault
 	}
-	if k < 0 || int(k) > lim.KMax || int(k) > lim.VocabSize {
-		return fmt.Errorf("k=%d out of range: want 1..%d (0 means the default %d)", k, min(lim.KMax, lim.VocabSize), lim.KDefault)
+	if k := *kp; k <= 0 || int(k) > lim.KMax || int(k) > lim.VocabSize {
+		return fmt.Errorf("k=%d out of range: want 1..%d (leave k unset for the default %d)", k, min(lim.KMax, lim.VocabSize), lim.KDefault)
 	}
 	return nil
 }
@@ -124,7 +124,7 @@ func ValidateFill(r *pb.FillRequest, lim Limits) error {
 	if c := r.GetChunkSamples(); c < 0 || c > cache.MaxChunkSamples {
 		return status.Errorf(codes.InvalidArgument, "chunk_samples %d: want 1..%d (0 means %d)", c, cache.MaxChunkSamples, DefaultChunkSamples)
 	}
-	if err := validateK(r.GetK(), lim); err != nil {
+	if err := validateK(r.K, lim); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	if err := validateTemperature(r.GetTemperature()); err != nil {

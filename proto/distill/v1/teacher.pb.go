@@ -224,8 +224,9 @@ type ScoreRequest struct {
 	Id int64 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
 	// Token ids, each in [0, vocab_size); 1..min(max_positions, token_budget) of them.
 	Tokens []int32 `protobuf:"varint,2,rep,packed,name=tokens,proto3" json:"tokens,omitempty"`
-	// Entries kept per position; 0 means k_default; at most k_max.
-	K int32 `protobuf:"varint,3,opt,name=k,proto3" json:"k,omitempty"`
+	// Entries kept per position, 1..k_max; absent means k_default (0 or a
+	// negative k is InvalidArgument).
+	K *int32 `protobuf:"varint,3,opt,name=k,proto3,oneof" json:"k,omitempty"`
 	// Logits are divided by it before the softmax; 0 means 1.
 	Temperature   float32 `protobuf:"fixed32,4,opt,name=temperature,proto3" json:"temperature,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -277,8 +278,8 @@ func (x *ScoreRequest) GetTokens() []int32 {
 }
 
 func (x *ScoreRequest) GetK() int32 {
-	if x != nil {
-		return x.K
+	if x != nil && x.K != nil {
+		return *x.K
 	}
 	return 0
 }
@@ -677,8 +678,9 @@ type FillRequest struct {
 	End int64 `protobuf:"varint,3,opt,name=end,proto3" json:"end,omitempty"`
 	// Samples per chunk (the unit of work and of crash recovery); 0: 256.
 	ChunkSamples int64 `protobuf:"varint,4,opt,name=chunk_samples,json=chunkSamples,proto3" json:"chunk_samples,omitempty"`
-	// Entries kept per position; 0: k_default.
-	K int32 `protobuf:"varint,5,opt,name=k,proto3" json:"k,omitempty"`
+	// Entries kept per position, 1..k_max; absent means k_default (0 or a
+	// negative k is InvalidArgument).
+	K *int32 `protobuf:"varint,5,opt,name=k,proto3,oneof" json:"k,omitempty"`
 	// Capture temperature; 0: 1.
 	Temperature float32 `protobuf:"fixed32,6,opt,name=temperature,proto3" json:"temperature,omitempty"`
 	// "compact" (default) or "lossless" log-prob encoding.
@@ -749,8 +751,8 @@ func (x *FillRequest) GetChunkSamples() int64 {
 }
 
 func (x *FillRequest) GetK() int32 {
-	if x != nil {
-		return x.K
+	if x != nil && x.K != nil {
+		return *x.K
 	}
 	return 0
 }
@@ -1100,12 +1102,13 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	" \x01(\x05R\vtokenBudget\x12\x1b\n" +
 	"\tcache_dir\x18\v \x01(\tR\bcacheDir\x12\x16\n" +
 	"\x06params\x18\f \x01(\x03R\x06params\x12\x1b\n" +
-	"\tmodel_dir\x18\r \x01(\tR\bmodelDir\"f\n" +
+	"\tmodel_dir\x18\r \x01(\tR\bmodelDir\"q\n" +
 	"\fScoreRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x03R\x02id\x12\x16\n" +
-	"\x06tokens\x18\x02 \x03(\x05R\x06tokens\x12\f\n" +
-	"\x01k\x18\x03 \x01(\x05R\x01k\x12 \n" +
-	"\vtemperature\x18\x04 \x01(\x02R\vtemperature\"[\n" +
+	"\x06tokens\x18\x02 \x03(\x05R\x06tokens\x12\x11\n" +
+	"\x01k\x18\x03 \x01(\x05H\x00R\x01k\x88\x01\x01\x12 \n" +
+	"\vtemperature\x18\x04 \x01(\x02R\vtemperatureB\x04\n" +
+	"\x02_k\"[\n" +
 	"\rScoreResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x03R\x02id\x12\f\n" +
 	"\x01k\x18\x02 \x01(\x05R\x01k\x12\x10\n" +
@@ -1134,16 +1137,17 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	"\x17DescribeDatasetResponse\x12\x18\n" +
 	"\asamples\x18\x01 \x01(\x03R\asamples\x12 \n" +
 	"\vfingerprint\x18\x02 \x01(\tR\vfingerprint\x123\n" +
-	"\x15tokenizer_fingerprint\x18\x03 \x01(\tR\x14tokenizerFingerprint\"\x93\x02\n" +
+	"\x15tokenizer_fingerprint\x18\x03 \x01(\tR\x14tokenizerFingerprint\"\x9e\x02\n" +
 	"\vFillRequest\x12-\n" +
 	"\adataset\x18\x01 \x01(\v2\x13.distill.v1.DatasetR\adataset\x12\x14\n" +
 	"\x05start\x18\x02 \x01(\x03R\x05start\x12\x10\n" +
 	"\x03end\x18\x03 \x01(\x03R\x03end\x12#\n" +
-	"\rchunk_samples\x18\x04 \x01(\x03R\fchunkSamples\x12\f\n" +
-	"\x01k\x18\x05 \x01(\x05R\x01k\x12 \n" +
+	"\rchunk_samples\x18\x04 \x01(\x03R\fchunkSamples\x12\x11\n" +
+	"\x01k\x18\x05 \x01(\x05H\x00R\x01k\x88\x01\x01\x12 \n" +
 	"\vtemperature\x18\x06 \x01(\x02R\vtemperature\x12\x1a\n" +
 	"\bencoding\x18\a \x01(\tR\bencoding\x12<\n" +
-	"\x1aexpect_dataset_fingerprint\x18\b \x01(\tR\x18expectDatasetFingerprint\"\x85\x01\n" +
+	"\x1aexpect_dataset_fingerprint\x18\b \x01(\tR\x18expectDatasetFingerprintB\x04\n" +
+	"\x02_k\"\x85\x01\n" +
 	"\fFillResponse\x12\x14\n" +
 	"\x05start\x18\x01 \x01(\x03R\x05start\x12\x10\n" +
 	"\x03end\x18\x02 \x01(\x03R\x03end\x12\x16\n" +
@@ -1229,6 +1233,8 @@ func file_distill_v1_teacher_proto_init() {
 	if File_distill_v1_teacher_proto != nil {
 		return
 	}
+	file_distill_v1_teacher_proto_msgTypes[2].OneofWrappers = []any{}
+	file_distill_v1_teacher_proto_msgTypes[8].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
