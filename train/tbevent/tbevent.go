@@ -20,7 +20,9 @@
 // The protobuf messages (tensorflow/core/util/event.proto and
 // tensorflow/core/framework/summary.proto), written with protowire:
 //
-//	Event   { double wall_time = 1; int64 step = 2; string file_version = 3; Summary summary = 5; }
+//	Event   { double wall_time = 1; int64 step = 2; string file_version = 3; Summary summary = 5;
+//	          SessionLog session_log = 7; }
+//	SessionLog { SessionStatus status = 1; }  // START = 1
 //	Summary { repeated Value value = 1; }
 //	Value   { string tag = 1; float simple_value = 2; }
 package tbevent
@@ -140,6 +142,28 @@ func (w *Writer) Scalars(step int64, wall time.Time, values map[string]float64) 
 	return w.record(ev)
 }
 
+// SessionStart appends a SessionLog START event at step. A resumed run
+// writes one with its first new step: TensorBoard (purge_orphaned_data, on
+// by default) then drops the events of earlier files at steps >= step,
+// which the crashed run logged past its last checkpoint and the resumed
+// run logs again.
+func (w *Writer) SessionStart(step int64, wall time.Time) error {
+	var sl []byte
+	sl = protowire.AppendTag(sl, 1, protowire.VarintType)
+	sl = protowire.AppendVarint(sl, sessionStart)
+	var ev []byte
+	ev = protowire.AppendTag(ev, 1, protowire.Fixed64Type)
+	ev = protowire.AppendFixed64(ev, math.Float64bits(float64(wall.UnixNano())/1e9))
+	ev = protowire.AppendTag(ev, 2, protowire.VarintType)
+	ev = protowire.AppendVarint(ev, uint64(step))
+	ev = protowire.AppendTag(ev, 7, protowire.BytesType)
+	ev = protowire.AppendBytes(ev, sl)
+	return w.record(ev)
+}
+
+// sessionStart is SessionLog.SessionStatus START.
+const sessionStart = 1
+
 // Flush writes buffered events to the file (TensorBoard sees them then).
 func (w *Writer) Flush() error { return w.w.Flush() }
 
@@ -161,6 +185,8 @@ type Event struct {
 	Step        int64
 	FileVersion string
 	Scalars     map[string]float32
+	// SessionStart marks a SessionLog START event.
+	SessionStart bool
 }
 
 // Read decodes every event of an event file, checking both CRCs of every
@@ -242,6 +268,13 @@ func decodeEvent(b []byte) (Event, error) {
 			ev.Step = int64(v)
 		case num == 3 && typ == protowire.BytesType:
 			ev.FileVersion = string(p)
+		case num == 7 && typ == protowire.BytesType:
+			return fields(p, func(num protowire.Number, typ protowire.Type, v uint64, _ []byte) error {
+				if num == 1 && typ == protowire.VarintType && v == sessionStart {
+					ev.SessionStart = true
+				}
+				return nil
+			})
 		case num == 5 && typ == protowire.BytesType:
 			if ev.Scalars == nil {
 				ev.Scalars = map[string]float32{}

@@ -533,6 +533,15 @@ func openMetrics(cfg *Config, step int) (*metrics, error) {
 			f.Close()
 			return nil, err
 		}
+		if step > 0 {
+			// Resumed: TensorBoard drops what the earlier run logged past
+			// its checkpoint, as metrics.jsonl was trimmed above.
+			if err := m.tb.SessionStart(int64(step+1), time.Now()); err != nil {
+				m.tb.Close()
+				f.Close()
+				return nil, err
+			}
+		}
 	}
 	return m, nil
 }

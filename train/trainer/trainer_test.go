@@ -197,6 +197,39 @@ func TestTrainResume(t *testing.T) {
 	if err != nil || len(evs) < 6 || evs[1].Scalars["train/loss"] != float32(full.Steps[0].Loss) {
 		t.Fatalf("tensorboard: %v %+v", err, evs)
 	}
+	// The resumed run's file starts (after file_version) with a SessionLog
+	// START at step 5. Replaying both files as TensorBoard does (in file
+	// order; a START drops earlier events at steps >= its step) leaves
+	// each training step once, with the resumed run's values.
+	evs2, err := tbevent.Read(tbs[1])
+	if err != nil || len(evs2) < 2 || !evs2[1].SessionStart || evs2[1].Step != 5 {
+		t.Fatalf("resumed event file should start with SessionLog START at step 5: %v %+v", err, evs2[:min(2, len(evs2))])
+	}
+	var seen []tbevent.Event
+	for _, ev := range append(evs, evs2...) {
+		if ev.SessionStart {
+			kept := seen[:0]
+			for _, e := range seen {
+				if e.Step < ev.Step {
+					kept = append(kept, e)
+				}
+			}
+			seen = kept
+		}
+		seen = append(seen, ev)
+	}
+	var lossSteps []int64
+	for _, e := range seen {
+		if v, ok := e.Scalars["train/loss"]; ok {
+			lossSteps = append(lossSteps, e.Step)
+			if v != float32(full.Steps[e.Step-1].Loss) {
+				t.Fatalf("tensorboard step %d loss %v, uninterrupted run %v", e.Step, v, full.Steps[e.Step-1].Loss)
+			}
+		}
+	}
+	if len(lossSteps) != 12 || lossSteps[0] != 1 || lossSteps[11] != 12 {
+		t.Fatalf("tensorboard train/loss steps after purge: %v, want 1..12 once", lossSteps)
+	}
 	// Training moves the student toward the teacher on held-out samples.
 	if !(full.Evals[1].KD < full.Evals[0].KD) {
 		t.Fatalf("eval kd %g -> %g", full.Evals[0].KD, full.Evals[1].KD)
