@@ -136,15 +136,9 @@ func (r *renderer) exec(n node, sc *scope) error {
 		}
 		return r.assign(n.targets, n.unpack, v, sc, n.line)
 	case *setBlockNode:
-		s, err := r.capture(n.body, sc)
+		v, err := r.captureFiltered(n.body, n.filters, sc)
 		if err != nil {
 			return err
-		}
-		var v any = s
-		for _, f := range n.filters {
-			if v, err = r.applyFilter(f, v, sc); err != nil {
-				return err
-			}
 		}
 		sc.set(n.name, v)
 	case *macroNode:
@@ -162,15 +156,9 @@ func (r *renderer) exec(n node, sc *scope) error {
 			r.genOn(false, r.out.Len())
 		}
 	case *filterBlockNode:
-		s, err := r.capture(n.body, sc)
+		v, err := r.captureFiltered(n.body, n.filters, sc)
 		if err != nil {
 			return err
-		}
-		var v any = s
-		for _, f := range n.filters {
-			if v, err = r.applyFilter(f, v, sc); err != nil {
-				return err
-			}
 		}
 		r.out.WriteString(toStr(v))
 	case *withNode:
@@ -190,6 +178,23 @@ func (r *renderer) exec(n node, sc *scope) error {
 }
 
 // capture renders body into a string instead of the output.
+// captureFiltered renders body into a string and runs it through filters
+// in order: the value of a {% set x | f %} block and of a {% filter f %}
+// block.
+func (r *renderer) captureFiltered(body []node, filters []*filterExpr, sc *scope) (any, error) {
+	s, err := r.capture(body, sc)
+	if err != nil {
+		return nil, err
+	}
+	var v any = s
+	for _, f := range filters {
+		if v, err = r.applyFilter(f, v, sc); err != nil {
+			return nil, err
+		}
+	}
+	return v, nil
+}
+
 func (r *renderer) capture(body []node, sc *scope) (string, error) {
 	saved := r.out
 	var b strings.Builder
