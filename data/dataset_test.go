@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -37,8 +38,10 @@ func all(t testing.TB, d *Dataset) []Sample {
 	return s
 }
 
-// targets returns the text of each maximal run of target tokens.
-func targets(tok *fakeTok, s Sample) []string {
+// maskedRuns returns the text of each maximal run of target tokens,
+// decoded with decode (the fake tokenizer's here, a real one's in
+// real_test.go).
+func maskedRuns(s Sample, decode func([]int32) string) []string {
 	var runs []string
 	for t := 0; t < len(s.IDs); {
 		if s.Mask[t] == 0 {
@@ -49,23 +52,14 @@ func targets(tok *fakeTok, s Sample) []string {
 		for u < len(s.IDs) && s.Mask[u] == 1 {
 			u++
 		}
-		runs = append(runs, tok.decode(s.IDs[t:u]))
+		runs = append(runs, decode(s.IDs[t:u]))
 		t = u
 	}
 	return runs
 }
 
-func eqStrings(a, b []string) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
-}
+// targets is maskedRuns with the fake tokenizer.
+func targets(tok *fakeTok, s Sample) []string { return maskedRuns(s, tok.decode) }
 
 func TestChatMaskCoversAssistantTurns(t *testing.T) {
 	dir := t.TempDir()
@@ -86,7 +80,7 @@ func TestChatMaskCoversAssistantTurns(t *testing.T) {
 			tok := newFakeTok()
 			d := openFake(t, tok, tc.tmpl, Options{}, Source{Path: p})
 			s := all(t, d)[0]
-			if got := targets(tok, s); !eqStrings(got, tc.want) {
+			if got := targets(tok, s); !slices.Equal(got, tc.want) {
 				t.Errorf("targets %q, want %q", got, tc.want)
 			}
 			full, _ := tc.tmpl.Render([]Message{{Role: "system", Content: "Be brief."}, {Role: "user", Content: "Hi"}, {Role: "assistant", Content: "Hello!"}, {Role: "user", Content: "2+2?"}, {Role: "assistant", Content: "4"}}, false, nil)
@@ -138,7 +132,7 @@ func TestPromptResponseAndText(t *testing.T) {
 	if got := tok.decode(s[0].IDs); got != "<s><|im_start|>user\nQ: 1+1\n<|im_end|>\n<|im_start|>assistant\nA: 2<|im_end|>\n" {
 		t.Errorf("templated prompt/response = %q", got)
 	}
-	if got := targets(tok, s[2]); !eqStrings(got, []string{"R<|im_end|>"}) {
+	if got := targets(tok, s[2]); !slices.Equal(got, []string{"R<|im_end|>"}) {
 		t.Errorf("templated targets %q", got)
 	}
 	if got := tok.decode(s[1].IDs); got != "<s>plain text" {
@@ -305,7 +299,7 @@ func TestPreTokenizedAndColumnMap(t *testing.T) {
 	if got := s[1]; len(got.Mask) != 2 || got.Mask[0] != 1 || got.Mask[1] != 1 {
 		t.Errorf("pre-tokenized without mask: %+v", got)
 	}
-	if got := targets(tok, s[2]); !eqStrings(got, []string{"a<|im_end|>"}) {
+	if got := targets(tok, s[2]); !slices.Equal(got, []string{"a<|im_end|>"}) {
 		t.Errorf("ShareGPT columns: %q", got)
 	}
 }

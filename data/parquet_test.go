@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -96,7 +97,7 @@ func TestParquet(t *testing.T) {
 		t.Fatalf("Len = %d, want 7", d.Len())
 	}
 	s := all(t, d)
-	if got := targets(tok, s[0]); !eqStrings(got, []string{"yo<|im_end|>"}) {
+	if got := targets(tok, s[0]); !slices.Equal(got, []string{"yo<|im_end|>"}) {
 		t.Errorf("row 0 targets %q", got)
 	}
 	if got := tok.decode(s[1].IDs); got != "plain" {
@@ -105,7 +106,7 @@ func TestParquet(t *testing.T) {
 	if len(s[2].IDs) != 3 || s[2].IDs[0] != 5 || s[2].IDs[2] != 7 {
 		t.Errorf("row 2 ids %v", s[2].IDs)
 	}
-	if got := targets(tok, s[3]); !eqStrings(got, []string{"a1<|im_end|>", "a2<|im_end|>"}) {
+	if got := targets(tok, s[3]); !slices.Equal(got, []string{"a1<|im_end|>", "a2<|im_end|>"}) {
 		t.Errorf("row 3 targets %q", got)
 	}
 	if s[4].Status != Skipped || !strings.Contains(s[4].Reason, "train.parquet:row 4: text: invalid UTF-8") {

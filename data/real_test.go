@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -65,35 +66,6 @@ func loadRefs(t *testing.T) map[string]refCase {
 	return m
 }
 
-func realTargets(tok *tokenizer.Tokenizer, s Sample) []string {
-	var runs []string
-	for t := 0; t < len(s.IDs); {
-		if s.Mask[t] == 0 {
-			t++
-			continue
-		}
-		u := t
-		for u < len(s.IDs) && s.Mask[u] == 1 {
-			u++
-		}
-		runs = append(runs, tok.Decode(s.IDs[t:u]))
-		t = u
-	}
-	return runs
-}
-
-func eqIDs(a, b []int32) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
-}
-
 // TestRealTokenizers runs whole records through the real Qwen3 and Llama 3
 // tokenizers and chat templates. The ids must equal transformers.js's
 // tokenization of the hand-written rendering, and the targets must be
@@ -144,10 +116,10 @@ func TestRealTokenizers(t *testing.T) {
 			defer d.Close()
 			s := all(t, d)[0]
 			want := append(append(append([]int32{}, tc.pre...), ref.IDs...), tc.post...)
-			if !eqIDs(s.IDs, want) {
+			if !slices.Equal(s.IDs, want) {
 				t.Errorf("ids differ from transformers.js on %q:\n got %v\nwant %v", ref.Text, s.IDs, want)
 			}
-			if got := realTargets(tok, s); !eqStrings(got, tc.targets) {
+			if got := maskedRuns(s, tok.Decode); !slices.Equal(got, tc.targets) {
 				t.Errorf("targets %q, want %q", got, tc.targets)
 			}
 		})
@@ -173,7 +145,7 @@ func TestQwen3ToolsAndNoThinking(t *testing.T) {
 	defer d.Close()
 	s := all(t, d)[0]
 	want := []string{"<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>", "<think>\n\n</think>\n\n20 degrees.<|im_end|>"}
-	if got := realTargets(tok, s); !eqStrings(got, want) {
+	if got := maskedRuns(s, tok.Decode); !slices.Equal(got, want) {
 		t.Errorf("tool-call targets %q, want %q", got, want)
 	}
 	if full := tok.Decode(s.IDs); !strings.Contains(full, `{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"`) {
@@ -187,7 +159,7 @@ func TestQwen3ToolsAndNoThinking(t *testing.T) {
 	}
 	defer d.Close()
 	s = all(t, d)[0]
-	if got, want := realTargets(tok, s), []string{"Hello!<|im_end|>", "4<|im_end|>"}; !eqStrings(got, want) {
+	if got, want := maskedRuns(s, tok.Decode), []string{"Hello!<|im_end|>", "4<|im_end|>"}; !slices.Equal(got, want) {
 		t.Errorf("enable_thinking=false targets %q, want %q", got, want)
 	}
 }
