@@ -136,7 +136,7 @@ func TestScoreMatchesForward(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := infer.Load(mdir, cpu.New())
+	m, err := infer.Load(mdir, cpu.New(0))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -7,20 +7,25 @@ import (
 	"os"
 	"path/filepath"
 
+	"distill/compute"
+	"distill/compute/device"
 	"distill/model"
-	"distill/train/nn"
 	"distill/train/nvfp4"
 )
 
 // LoadHF builds a student from an HF checkpoint directory (config.json and
-// safetensors in BF16, F16 or F32). A missing, extra or mis-shaped tensor
-// is an error naming it and the directory.
-func LoadHF(dir string) (*Student, error) {
+// safetensors in BF16, F16 or F32) on the CPU backend with one worker per
+// core. A missing, extra or mis-shaped tensor is an error naming it and
+// the directory.
+func LoadHF(dir string) (*Student, error) { return LoadHFOn(dir, device.CPU(0)) }
+
+// LoadHFOn is LoadHF onto the backend be.
+func LoadHFOn(dir string, be compute.Backend) (*Student, error) {
 	cfg, err := model.LoadConfig(dir)
 	if err != nil {
 		return nil, err
 	}
-	s, err := NewStudent(cfg)
+	s, err := NewStudentOn(cfg, be)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
@@ -37,17 +42,23 @@ func LoadHF(dir string) (*Student, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", dir, err)
 		}
-		copy(s.Params[t.Off:t.Off+t.N], v)
+		s.be.WriteF32(s.be.View(s.params, t.Off, t.N), v)
 	}
 	return s, nil
 }
 
-// Weights returns the master weights by HF name (views into Params, not
-// copies: valid until the next optimizer step).
+// Weights returns the master weights by HF name: views into Params on a
+// host backend (valid until the next optimizer step), copies otherwise.
 func (s *Student) Weights() map[string][]float32 {
 	w := make(map[string][]float32, len(s.Tensors))
 	for _, t := range s.Tensors {
-		w[t.Name] = s.Params[t.Off : t.Off+t.N : t.Off+t.N]
+		if s.Params != nil {
+			w[t.Name] = s.Params[t.Off : t.Off+t.N : t.Off+t.N]
+			continue
+		}
+		v := make([]float32, t.N)
+		s.be.ReadF32(s.be.View(s.params, t.Off, t.N), v)
+		w[t.Name] = v
 	}
 	return w
 }
@@ -64,52 +75,22 @@ func (s *Student) WriteHF(dir, dtype string) error {
 // order (per layer: the weights of q, k, v, o, gate, up, down, then the
 // inputs of qkv, o, gate/up, down), for training checkpoints. It is nil
 // unless QAD is on and calibrated.
-func (s *Student) QuantAmax() []float32 {
-	if !s.QAD || s.calibrating {
-		return nil
-	}
-	var out []float32
-	for i := range s.Layers {
-		for _, q := range s.Layers[i].quantizers() {
-			out = append(out, q.Amax)
-		}
-	}
-	return out
-}
-
-// quantizers lists a layer's quantizers in QuantAmax order.
-func (L *Layer) quantizers() []*nvfp4.Quantizer {
-	return []*nvfp4.Quantizer{&L.Q.WQ, &L.K.WQ, &L.V.WQ, &L.O.WQ, &L.Gate.WQ, &L.Up.WQ, &L.Down.WQ, &L.InQKV, &L.InO, &L.InGateUp, &L.InDown}
-}
+func (s *Student) QuantAmax() []float32 { return s.Model.QuantAmax() }
 
 // RestoreQAD switches QAD on with frozen amax values saved by QuantAmax
 // (resuming a QAD run: calibration is not repeated, and the weight amax
 // stays the one calibrated at the start, not the max of the moved weights).
 func (s *Student) RestoreQAD(amax []float32) error {
-	if err := s.EnableQAD(); err != nil {
-		return err
+	if err := s.Model.RestoreQAD(amax); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
-	if want := 11 * len(s.Layers); len(amax) != want {
-		return fmt.Errorf("%w: QAD state has %d amax values, want %d (11 per layer x %d layers): the checkpoint is of another model", ErrInvalid, len(amax), want, len(s.Layers))
-	}
-	k := 0
-	for i := range s.Layers {
-		for _, q := range s.Layers[i].quantizers() {
-			*q = nvfp4.Quantizer{Amax: amax[k]}
-			k++
-			if err := q.Freeze(fmt.Sprintf("model.layers.%d quantizer %d", i, k%11)); err != nil {
-				return err
-			}
-		}
-	}
-	s.allocFakeQuant()
-	s.calibrating = false
+	s.QAD = true
 	return nil
 }
 
 // Calibrating reports whether NVFP4 calibration is running (EnableQAD
 // called, FinishCalibration not yet).
-func (s *Student) Calibrating() bool { return s.calibrating }
+func (s *Student) Calibrating() bool { return s.Model.Calibrating() }
 
 // ModelOptVersion is the Model-Optimizer version named as the producer of
 // NVFP4 exports: the layout below is that of its unified HF export
@@ -225,15 +206,19 @@ func writeFileAtomic(path string, data []byte) error {
 	return os.Rename(tmp, path)
 }
 
-// logitsRows runs the LM head on the final hidden states of the given
-// positions of the last forward: dst (len(rows), V). Call after forward.
-func (s *Student) logitsRows(dst []float32, rows []int32) {
-	C := s.Cfg.Hidden
-	x := make([]float32, len(rows)*C)
-	for i, r := range rows {
-		copy(x[i*C:(i+1)*C], s.acts.lnf[int(r)*C:(int(r)+1)*C])
+// logitsRows runs the LM head on the final hidden states of positions
+// [lo, hi) of the last forward into tile (at least (hi-lo)·V floats) and
+// returns them on the host: (hi-lo, V), a view of tile on a host backend.
+// Call after forward.
+func (s *Student) logitsRows(tile compute.Tensor, lo, hi int) []float32 {
+	n := (hi - lo) * s.Cfg.VocabSize
+	s.Model.Logits(tile, lo, hi)
+	if h, ok := s.be.(compute.Host); ok {
+		return h.HostF32(tile)[:n]
 	}
-	nn.LinearForward(dst, x, s.Head, nil, len(rows), C, s.Cfg.VocabSize)
+	out := make([]float32, n)
+	s.be.ReadF32(tile, out)
+	return out
 }
 
 // LogProbs runs the forward over b (its teacher fields are ignored) and
@@ -241,17 +226,13 @@ func (s *Student) logitsRows(dst []float32, rows []int32) {
 // full vocabulary, the quantity the teacher's top-k caches. Memory is N·V
 // floats: for tests and small batches (Predict tiles instead).
 func (s *Student) LogProbs(b *Batch) ([]float32, error) {
-	if err := s.prepare(b); err != nil {
+	if _, err := s.forward(b); err != nil {
 		return nil, err
 	}
-	s.forward(b)
 	N, V := len(b.Tokens), s.Cfg.VocabSize
-	rows := make([]int32, N)
-	for i := range rows {
-		rows[i] = int32(i)
-	}
-	out := make([]float32, N*V)
-	s.logitsRows(out, rows)
+	tile := s.be.New(compute.F32, N*V)
+	defer s.be.Free(tile)
+	out := append([]float32(nil), s.logitsRows(tile, 0, N)...)
 	for t := 0; t < N; t++ {
 		z := out[t*V : (t+1)*V]
 		m := z[0]
@@ -274,22 +255,19 @@ func (s *Student) LogProbs(b *Batch) ([]float32, error) {
 // next token at every position (N), ties to the lowest id, computing the
 // logits in tiles of rows so that (N, V) is never held.
 func (s *Student) Predict(b *Batch) ([]int32, error) {
-	if err := s.prepare(b); err != nil {
+	if _, err := s.forward(b); err != nil {
 		return nil, err
 	}
-	s.forward(b)
 	N, V := len(b.Tokens), s.Cfg.VocabSize
 	const tile = 64
 	out := make([]int32, N)
-	rows := make([]int32, 0, tile)
-	buf := make([]float32, tile*V)
+	scratch := s.be.New(compute.F32, min(tile, N)*V)
+	defer s.be.Free(scratch)
 	for lo := 0; lo < N; lo += tile {
-		rows = rows[:0]
-		for t := lo; t < min(lo+tile, N); t++ {
-			rows = append(rows, int32(t))
-		}
-		s.logitsRows(buf[:len(rows)*V], rows)
-		for i, r := range rows {
+		hi := min(lo+tile, N)
+		buf := s.logitsRows(scratch, lo, hi)
+		for i := 0; i < hi-lo; i++ {
+			r := lo + i
 			z := buf[i*V : (i+1)*V]
 			best := 0
 			for v := 1; v < V; v++ {

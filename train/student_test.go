@@ -187,15 +187,19 @@ func TestStudentTrains(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			s.quantizeWeights()
-			l := &s.Layers[1].Down
+			s.Model.QuantizeWeights()
+			l := &s.Model.Blocks[1].MLP.Down
 			d := packed[l.Name].Dequantize()
+			wfq, err := s.host(l.Wfq)
+			if err != nil {
+				t.Fatal(err)
+			}
 			for i := range d {
-				if d[i] != l.Wfq[i] {
-					t.Fatalf("%s[%d]: export %g, fake quant %g", l.Name, i, d[i], l.Wfq[i])
+				if d[i] != wfq[i] {
+					t.Fatalf("%s[%d]: export %g, fake quant %g", l.Name, i, d[i], wfq[i])
 				}
 			}
-			if in[l.Name] != s.Layers[1].InDown.Amax/2688 {
+			if in[l.Name] != s.Model.Blocks[1].InDown.Amax/2688 {
 				t.Fatalf("input_scale %g", in[l.Name])
 			}
 		}

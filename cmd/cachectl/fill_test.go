@@ -74,7 +74,7 @@ func TestFillCommandInProcess(t *testing.T) {
 	if err := verifyMain([]string{"--cache", cdir}, &vout, &verr); err != nil {
 		t.Fatalf("verify: %v\n%s%s", err, vout.String(), verr.String())
 	}
-	m, err := infer.Load(mdir, cpu.New())
+	m, err := infer.Load(mdir, cpu.New(0))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -26,7 +26,10 @@ var blasInit sync.Once
 
 func initBLAS() { blasInit.Do(func() { C.openblas_set_num_threads(1) }) }
 
-// Threads is the number of worker goroutines the CPU kernels split into.
+// Threads is the worker count of SgemmPar, the GEMM that package
+// train/loss calls directly until its fused head becomes a backend kernel.
+// Every kernel of a Backend uses that backend's own thread count instead
+// (New).
 var Threads = runtime.NumCPU()
 
 // Sgemm computes C = alpha·op(A)·op(B) + beta·C on row-major matrices, on
@@ -55,20 +58,18 @@ func Sgemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int
 		(*C.float)(unsafe.Pointer(&c[0])), C.blasint(ldc))
 }
 
-// SgemmPar is Sgemm split over Threads goroutines by row slabs of C (or by
-// column slabs when m is small), for GEMMs big enough to pay for it.
+// SgemmPar is Sgemm split over Threads goroutines (see sgemmSlabs).
 func SgemmPar(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
-	if Threads <= 1 || int64(m)*int64(n)*int64(k) < 1<<18 {
+	sgemmPar(Threads, transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+}
+
+// sgemmPar is Sgemm split over t goroutines by row slabs of C (or by
+// column slabs when m is small), for GEMMs big enough to pay for it.
+func sgemmPar(t int, transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
+	if t <= 1 || int64(m)*int64(n)*int64(k) < 1<<18 {
 		Sgemm(transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
 		return
 	}
-	sgemmSlabs(transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
-}
-
-// sgemmSlabs splits C into Threads row slabs (or column slabs when m is
-// small) computed concurrently by single-threaded calls.
-func sgemmSlabs(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
-	t := Threads
 	var wg sync.WaitGroup
 	if m >= 8*t || m >= n {
 		for i := 0; i < t; i++ {

@@ -42,30 +42,3 @@ func TestVecMathAgainstFloat64(t *testing.T) {
 		}
 	}
 }
-
-func TestSwiGLUSlicesAgainstFloat64(t *testing.T) {
-	r := rand.New(rand.NewPCG(23, 24))
-	n := 1037
-	g, u, dout := randSlice(r, n), randSlice(r, n), randSlice(r, n)
-	g[0], g[1] = -95, 95 // saturated exp arguments
-	out := make([]float32, n)
-	SwiGLUSlice(out, g, u)
-	dg, du := make([]float32, n), make([]float32, n)
-	for i := range dg {
-		dg[i], du[i] = 1, -1 // += semantics
-	}
-	SwiGLUBackwardSlice(dg, du, dout, g, u)
-	for i := 0; i < n; i++ {
-		gv, uv, d := float64(g[i]), float64(u[i]), float64(dout[i])
-		sg := 1 / (1 + math.Exp(-gv))
-		want := gv * sg * uv
-		if math.Abs(float64(out[i])-want) > 1e-6*(1+math.Abs(want)) {
-			t.Fatalf("out[%d] = %v, want %v", i, out[i], want)
-		}
-		wdu := -1 + d*gv*sg
-		wdg := 1 + d*uv*sg*(1+gv*(1-sg))
-		if math.Abs(float64(du[i])-wdu) > 1e-5*(1+math.Abs(wdu)) || math.Abs(float64(dg[i])-wdg) > 1e-5*(1+math.Abs(wdg)) {
-			t.Fatalf("grad[%d] = (%v, %v), want (%v, %v)", i, dg[i], du[i], wdg, wdu)
-		}
-	}
-}

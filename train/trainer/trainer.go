@@ -64,7 +64,9 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"distill/cache"
+	"distill/compute"
 	"distill/compute/cpu"
+	"distill/compute/device"
 	"distill/data/tokenizer"
 	"distill/model"
 	"distill/train"
@@ -136,6 +138,8 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		o.Resume = "auto"
 	}
 	if cfg.Train.Threads > 0 {
+		// The loss head's GEMMs (train/loss) until it runs on the backend;
+		// every other kernel uses the student's backend (backend(cfg)).
 		cpu.Threads = cfg.Train.Threads
 	}
 	rd, err := cache.OpenReader(cfg.Data.Cache...)
@@ -167,7 +171,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		CacheTeacher: m.TeacherFingerprint, CacheDataset: m.DatasetFingerprint}
 	st.setBatching(cfg)
 	if ckpt != "" {
-		s, st, err = loadCheckpoint(ckpt)
+		s, st, err = loadCheckpoint(ckpt, backend(cfg))
 		if err != nil {
 			return nil, err
 		}
@@ -363,16 +367,20 @@ func CheckCache(cfg *model.Config, tokFP string, m *cache.Manifest, where string
 	return nil
 }
 
+// backend is the compute backend a run trains on: the CPU with
+// train.threads workers (0: one per core).
+func backend(cfg *Config) compute.Backend { return device.CPU(cfg.Train.Threads) }
+
 // initStudent builds a fresh student as the config says.
 func initStudent(cfg *Config) (*train.Student, error) {
 	if cfg.Model.InitFrom != "" {
-		return train.LoadHF(cfg.Model.InitFrom)
+		return train.LoadHFOn(cfg.Model.InitFrom, backend(cfg))
 	}
 	mc, err := cfg.Model.Random.ModelConfig()
 	if err != nil {
 		return nil, err
 	}
-	s, err := train.NewStudent(mc)
+	s, err := train.NewStudentOn(mc, backend(cfg))
 	if err != nil {
 		return nil, err
 	}
