@@ -319,13 +319,13 @@ func TestIntegerKeysAreStrict(t *testing.T) {
 	}
 	os.WriteFile(p, []byte("run_dir: x\nmodel:\n  init_from: y\ndata:\n  cache: [z]\n"), 0o644)
 	for over, want := range map[string]string{
-		"data.seq_len=1e3":                  "data.seq_len",
-		"data.eval_range=[0, 2.5]":          "data.eval_range[1]",
-		"seed=1.5":                          "seed",
-		"checkpoint.every=true":             "checkpoint.every",
-		"train.max_steps=-5":                "train.max_steps",
-		"train.max_skipped_steps=-1":        "train.max_skipped_steps",
-		"model.init_from=":                  "model",
+		"data.seq_len=1e3":           "data.seq_len",
+		"data.eval_range=[0, 2.5]":   "data.eval_range[1]",
+		"seed=1.5":                   "seed",
+		"checkpoint.every=true":      "checkpoint.every",
+		"train.max_steps=-5":         "train.max_steps",
+		"train.max_skipped_steps=-1": "train.max_skipped_steps",
+		"model.init_from=":           "model",
 	} {
 		if _, err := LoadConfig(p, []string{over}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), want) {
 			t.Errorf("%s: %v", over, err)
