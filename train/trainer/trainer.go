@@ -8,8 +8,10 @@
 // # Run directory
 //
 //	RUN_DIR/
+//	  train.lock                    flock held by the one trainer using the directory (its pid, host, command)
 //	  config.yaml                   the resolved config (defaults, overrides, tokenizer fingerprint)
-//	  metrics.jsonl                 one JSON object per step ("type":"train") and per eval ("type":"eval")
+//	  metrics.jsonl                 one JSON object per step ("type":"train") and per eval ("type":"eval");
+//	                                NaN and Inf are written as null (a skipped step has "skipped": true)
 //	  tb/events.out.tfevents.*      the same scalars for TensorBoard (package tbevent)
 //	  checkpoints/step-NNNNNNNN/    the newest checkpoint.keep checkpoints:
 //	    config.json                 HF config of the student
@@ -17,6 +19,23 @@
 //	    optimizer.safetensors       AdamW moments: exp_avg.<tensor>, exp_avg_sq.<tensor>
 //	    state.json                  step, data position, schedule, NVFP4 amax (State)
 //	  checkpoints/.tmp-step-*       a checkpoint being written (never read; removed on save)
+//
+// A run that has nothing left to do (resumed at train.max_steps) changes
+// nothing in the run directory.
+//
+// # Stopping and failing
+//
+// Options.Stop (SIGTERM and Ctrl-C in `student train`) ends the run at
+// the next step boundary: a step in progress is abandoned, having changed
+// neither weights nor moments nor data position, and a checkpoint of the
+// last finished step is written. A data error in the middle of a run (a
+// sample longer than seq_len, an unreadable chunk, a failed eval) writes a
+// checkpoint of the last finished step before the error is returned, so
+// no work is lost; data.eval_range is checked against the cache's filled
+// samples before the first step. A step with a non-finite gradient norm
+// skips its update; train.max_skipped_steps consecutive ones end the run
+// with ErrDiverged naming the last good checkpoint, which checkpoint
+// retention keeps meanwhile.
 //
 // # Data
 //
