@@ -15,6 +15,7 @@ import (
 
 	"distill/cache"
 	"distill/cache/cachetest"
+	"distill/model"
 	"distill/train/testcache"
 )
 
@@ -371,6 +372,27 @@ func TestResumeRefusesOtherArchitecture(t *testing.T) {
 	// The same architecture resumes (init_seed and init_std do not change it).
 	if _, err := Run(tinyConfig(t, b, runDir, "train.max_steps=4", "model.random.init_seed=9"), Options{Log: io.Discard}); err != nil {
 		t.Fatal(err)
+	}
+	// init_from: the directory's config.json is compared.
+	initDir := t.TempDir()
+	mc, err := tinyConfig(t, b, runDir).Model.Random.ModelConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := model.WriteCheckpoint(initDir, mc, model.Init(mc, model.InitOptions{Seed: 1}), "F32"); err != nil {
+		t.Fatal(err)
+	}
+	runDir = t.TempDir()
+	if _, err := Run(tinyConfig(t, b, runDir, "train.max_steps=3", "model.random=null", "model.init_from="+initDir), Options{Log: io.Discard}); err != nil {
+		t.Fatal(err)
+	}
+	mc.Intermediate = 96
+	if err := model.WriteCheckpoint(initDir, mc, model.Init(mc, model.InitOptions{Seed: 1}), "F32"); err != nil {
+		t.Fatal(err)
+	}
+	_, err = Run(tinyConfig(t, b, runDir, "train.max_steps=4", "model.random=null", "model.init_from="+initDir), Options{Log: io.Discard})
+	if !errors.Is(err, ErrResume) || !strings.Contains(err.Error(), "model.init_from") || !strings.Contains(err.Error(), "intermediate_size = 96") {
+		t.Fatalf("resume after init_from's architecture changed: %v", err)
 	}
 }
 
