@@ -81,8 +81,14 @@ func WriteDir(dir string, force bool, write func(tmp string) error) error {
 				return err
 			}
 			os.RemoveAll(old)
-		} else if err := os.Rename(tmp, dir); err != nil { // replaces an empty dir
-			return err
+		} else {
+			// os.Rename never replaces a directory, even an empty one.
+			if err := os.Remove(dir); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				return err
+			}
+			if err := os.Rename(tmp, dir); err != nil {
+				return err
+			}
 		}
 		return syncPath(parent)
 	}()
