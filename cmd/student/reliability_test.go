@@ -125,7 +125,8 @@ func TestSIGTERMCheckpointsAndResumes(t *testing.T) {
 	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	stoppedLine := p.waitLine(t, "stopped by terminated after step ")
+	stoppedLine := p.waitLine(t, "stopped by SIGTERM after step ")
+	defer func() { t.Logf("stderr of the stopped run:\n%s", p.stderr.String()) }()
 	resumeLine := p.waitLine(t, "resume with: ")
 	if rc := p.wait(t); rc != 0 {
 		t.Fatalf("exit code %d after SIGTERM, want 0:\n%s", rc, p.stderr.String())
@@ -216,7 +217,7 @@ func TestSecondSignalExitsAtOnce(t *testing.T) {
 	p.cmd.Process.Signal(syscall.SIGTERM)
 	p.waitLine(t, "send it again to exit at once")
 	p.cmd.Process.Signal(syscall.SIGTERM)
-	p.waitLine(t, "second terminated: exiting now")
+	p.waitLine(t, "second SIGTERM: exiting now")
 	if rc := p.wait(t); rc != 128+int(syscall.SIGTERM) {
 		t.Fatalf("exit code %d, want %d:\n%s", rc, 128+int(syscall.SIGTERM), p.stderr.String())
 	}

@@ -76,14 +76,14 @@ func runTrain(args []string) error {
 			mu.Lock()
 			caught = sig
 			mu.Unlock()
-			fmt.Fprintf(os.Stderr, "student train: %v: stopping at the end of this step and writing a checkpoint (send it again to exit at once, without one)\n", sig)
+			fmt.Fprintf(os.Stderr, "student train: %s: stopping at the end of this step and writing a checkpoint (send it again to exit at once, without one)\n", sigName(sig))
 			close(stop)
 		case <-done:
 			return
 		}
 		select {
 		case sig := <-sigs:
-			fmt.Fprintf(os.Stderr, "student train: second %v: exiting now, without a checkpoint\n", sig)
+			fmt.Fprintf(os.Stderr, "student train: second %s: exiting now, without a checkpoint\n", sigName(sig))
 			os.Exit(128 + int(sig.(syscall.Signal)))
 		case <-done:
 		}
@@ -104,12 +104,22 @@ func runTrain(args []string) error {
 	sig := caught
 	mu.Unlock()
 	if res.Checkpoint == "" {
-		fmt.Fprintf(os.Stderr, "student train: stopped by %v before the first step: nothing saved\nstart again with: %s\n", sig, resumeCommand(os.Args, ""))
+		fmt.Fprintf(os.Stderr, "student train: stopped by %s before the first step: nothing saved\nstart again with: %s\n", sigName(sig), resumeCommand(os.Args, ""))
 		return nil
 	}
-	fmt.Fprintf(os.Stderr, "student train: stopped by %v after step %d of %d; checkpoint %s\n", sig, res.Step, cfg.Train.MaxSteps, res.Checkpoint)
+	fmt.Fprintf(os.Stderr, "student train: stopped by %s after step %d of %d; checkpoint %s\n", sigName(sig), res.Step, cfg.Train.MaxSteps, res.Checkpoint)
 	fmt.Fprintf(os.Stderr, "resume with: %s\n", resumeCommand(os.Args, "must"))
 	return nil
+}
+
+func sigName(sig os.Signal) string {
+	switch sig {
+	case syscall.SIGTERM:
+		return "SIGTERM"
+	case syscall.SIGINT:
+		return "SIGINT"
+	}
+	return fmt.Sprint(sig)
 }
 
 // resumeCommand is this command line, each word quoted for a POSIX shell

@@ -400,12 +400,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 				return res, err
 			}
 		}
-		if res.Checkpoint == "" {
-			fmt.Fprintf(o.Log, "stopped before the first step: nothing to save\n")
-		} else {
-			fmt.Fprintf(o.Log, "stopped at step %d of %d: checkpoint %s\n", st.Step, cfg.Train.MaxSteps, res.Checkpoint)
-		}
-		return res, nil
+		return res, nil // the caller says why it stopped and how to resume
 	}
 	ran := 0
 	for step := st.Step + 1; step <= cfg.Train.MaxSteps; step++ {
