@@ -58,6 +58,9 @@ type CoreOptions struct {
 	FillChunksInFlight int
 	// Logger receives structured logs; nil means zap.NewNop.
 	Logger *zap.Logger
+	// InProcess says the core is the teacher of `cachectl fill --model`
+	// in this process, not a daemon's: its errors speak to that user.
+	InProcess bool
 
 	// forwardDelay slows every forward pass (crash tests only).
 	forwardDelay time.Duration
@@ -260,13 +263,13 @@ func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, error) {
 	for i, s := range spec.GetSources() {
 		if _, err := os.Stat(s.GetPath()); err != nil {
 			if errors.Is(err, os.ErrNotExist) {
-				return nil, fmt.Errorf("%w: dataset source %d: %s does not exist on the daemon's machine (paths are the daemon's, not the client's)", ErrNotFound, i, s.GetPath())
+				return nil, fmt.Errorf("%w: dataset source %d: %s does not exist%s", ErrNotFound, i, s.GetPath(), c.say(" on the daemon's machine (paths are the daemon's, not the client's)", ""))
 			}
 			return nil, fmt.Errorf("%w: dataset source %d: %v", ErrPrecondition, i, err)
 		}
-		srcs = append(srcs, data.Source{Path: s.GetPath(), Weight: s.GetWeight(), Format: s.GetFormat()})
+		srcs = append(srcs, data.Source{Path: s.GetPath(), Weight: s.GetWeight(), Format: s.GetFormat(), Columns: columnMap(s.GetColumns())})
 	}
-	opts := data.Options{MaxLen: int(spec.GetMaxLen()), Policy: data.Policy(spec.GetPolicy()), NumSamples: spec.GetNumSamples(),
+	opts := data.Options{MaxLen: int(spec.GetMaxLen()), Policy: data.Policy(spec.GetPolicy()), SkipBad: spec.GetSkipBad(), NumSamples: spec.GetNumSamples(),
 		Shuffle: spec.GetShuffle(), Seed: spec.GetSeed(), NoEOS: spec.GetNoEos(), ChatTemplate: spec.GetChatTemplate()}
 	if v := spec.GetTemplateVarsJson(); v != "" {
 		if err := json.Unmarshal([]byte(v), &opts.TemplateVars); err != nil {
@@ -276,7 +279,9 @@ func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, error) {
 	var tok data.Tokenizer = idsOnly{c.model.Cfg.VocabSize}
 	if !spec.GetPretokenized() {
 		if c.tok == nil {
-			return nil, fmt.Errorf("%w: the dataset is not marked pre-tokenized but the daemon has no tokenizer: start it with --tokenizer DIR, or mark the dataset pre-tokenized (input_ids records)", ErrPrecondition)
+			return nil, fmt.Errorf("%w: the dataset is not marked pre-tokenized but %s", ErrPrecondition, c.say(
+				"the daemon has no tokenizer: start it with --tokenizer DIR, or mark the dataset pre-tokenized (input_ids records)",
+				"the model directory has no tokenizer.json: give --tokenizer DIR, or --pretokenized for input_ids records"))
 		}
 		tok = c.tok
 	}
@@ -315,7 +320,7 @@ func (c *Core) openCache(m cache.Manifest) (*cache.Cache, error) {
 	c.cacheMu.Lock()
 	defer c.cacheMu.Unlock()
 	if c.opt.CacheDir == "" {
-		return nil, fmt.Errorf("%w: this daemon has no cache directory: start it with --cache DIR to fill", ErrPrecondition)
+		return nil, fmt.Errorf("%w: %s --cache DIR to fill", ErrPrecondition, c.say("this daemon has no cache directory: start it with", "no cache directory: give"))
 	}
 	if c.cw == nil {
 		cw, err := cache.Create(c.opt.CacheDir, m, nil)
@@ -398,7 +403,7 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 		return err
 	}
 	if exp := r.GetExpectDatasetFingerprint(); exp != "" && exp != d.Fingerprint() {
-		return fmt.Errorf("%w: the dataset as this daemon reads it has fingerprint %.16s, the client expects %.16s: its files, tokenizer or options differ", ErrPrecondition, d.Fingerprint(), exp)
+		return fmt.Errorf("%w: the dataset as %s reads it has fingerprint %.16s, the client expects %.16s: its files, tokenizer or options differ", ErrPrecondition, c.say("this daemon", "the teacher"), d.Fingerprint(), exp)
 	}
 	if r.GetEnd() > d.Len() {
 		return fmt.Errorf("%w: range [%d, %d) goes beyond the dataset's %d samples (valid: [0, %d))", ErrOutOfRange, r.GetStart(), r.GetEnd(), d.Len(), d.Len())
@@ -472,7 +477,8 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 		go func() {
 			defer wg.Done()
 			for rg := range next {
-				tokens, skipped, err := c.fillChunk(ctx, cw, d, rg, k, temp)
+				var st data.Stats
+				_, skipped, err := c.fillChunk(ctx, cw, d, rg, k, temp, &st)
 				if err != nil {
 					c.met.chunks.WithLabelValues("failed").Inc()
 					fail(err)
@@ -483,7 +489,7 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 					outcome = "skipped"
 				}
 				c.met.chunks.WithLabelValues(outcome).Inc()
-				if err := send(&pb.FillResponse{Start: rg.Start, End: rg.End, Tokens: tokens, Skipped: skipped}); err != nil {
+				if err := send(chunkResponse(rg, st, skipped)); err != nil {
 					fail(err)
 				}
 			}
@@ -505,8 +511,8 @@ feed:
 	return ctx.Err()
 }
 
-// fillChunk computes and commits one chunk.
-func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, rg cache.Range, k int, temp float32) (int64, bool, error) {
+// fillChunk computes and commits one chunk, counting its samples into st.
+func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, rg cache.Range, k int, temp float32, st *data.Stats) (int64, bool, error) {
 	w, err := cw.BeginChunk(rg.Start, rg.End)
 	if errors.Is(err, cache.ErrRangeDone) {
 		return 0, true, nil
@@ -529,6 +535,7 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 	var tokens int64
 	for i := range samples {
 		s := &samples[i]
+		st.Add(*s)
 		switch {
 		case s.Status == data.Dropped || s.Status == data.Skipped:
 			// Kept as an empty row, so indexes stay those of the dataset;
@@ -539,8 +546,8 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 			return 0, false, fmt.Errorf("%w: sample %d (%s) has no tokens: a pre-tokenized dataset needs input_ids in every record (text records need a tokenizer: do not mark the dataset pre-tokenized)",
 				ErrInvalid, s.Index, s.Loc)
 		case len(s.IDs) > c.lim.MaxLen:
-			return 0, false, fmt.Errorf("%w: sample %d (%s) has %d tokens, more than the daemon's limit %d (min of max_position_embeddings and the token budget): set the dataset's max_len",
-				ErrInvalid, s.Index, s.Loc, len(s.IDs), c.lim.MaxLen)
+			return 0, false, fmt.Errorf("%w: sample %d (%s) has %d tokens, more than the %s limit %d (min of max_position_embeddings and the token budget): set %s",
+				ErrInvalid, s.Index, s.Loc, len(s.IDs), c.say("daemon's", "teacher's"), c.lim.MaxLen, c.say("the dataset's max_len", "--max-len, or raise --token-budget"))
 		}
 		tokens += int64(len(s.IDs))
 	}
