@@ -5,6 +5,8 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+
+	"distill/internal/atomicfile"
 )
 
 // InitOptions control random initialization.
@@ -86,11 +88,7 @@ func WriteCheckpoint(dir string, cfg *Config, tensors map[string][]float32, dtyp
 	if err != nil {
 		return err
 	}
-	tmp := filepath.Join(dir, "config.json.tmp")
-	if err := os.WriteFile(tmp, append(cj, '\n'), 0o644); err != nil {
-		return err
-	}
-	return os.Rename(tmp, filepath.Join(dir, "config.json"))
+	return atomicfile.WriteFile(filepath.Join(dir, "config.json"), append(cj, '\n'), 0o644)
 }
 
 // Preset returns a small config of an architecture for tests and demos;
