@@ -613,3 +613,56 @@ func TestEmptyMemtableDebris(t *testing.T) {
 	c.Close()
 	mustCheck(t, dir)
 }
+
+// TestChunkEntriesBounded: a chunk whose positions x k would pass the
+// int32 offsets of its Arrow list columns is refused at the Add that
+// crosses the limit (lowered here), with an error naming the sample and
+// the fix; nothing is committed, and smaller chunks of the same range fill.
+func TestChunkEntriesBounded(t *testing.T) {
+	defer func(v int64) { MaxChunkEntries = v }(MaxChunkEntries)
+	MaxChunkEntries = 45 * tK // samples 0..6 have 3..9 tokens: 42 positions; sample 7 (10) brings 52
+	dir := t.TempDir()
+	c, err := Create(dir, testManifest(10, EncodingLossless), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	w, err := c.BeginChunk(0, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var addErr error
+	for i := int64(0); i < 10 && addErr == nil; i++ {
+		addErr = w.Add(testSample(i))
+	}
+	if !errors.Is(addErr, ErrInvalid) || !strings.Contains(addErr.Error(), "sample 7") || !strings.Contains(addErr.Error(), "--chunk") {
+		t.Fatalf("Add past the entry limit: %v, want ErrInvalid naming sample 7 and --chunk", addErr)
+	}
+	w.Abort()
+	var samples []Sample
+	for i := int64(0); i < 10; i++ {
+		samples = append(samples, testSample(i))
+	}
+	m := c.Manifest()
+	if _, err := encodeChunk(&m, Range{0, 10}, samples); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("encodeChunk past the entry limit: %v, want ErrInvalid", err)
+	}
+	if rs, _ := c.Chunks(); len(rs) != 0 {
+		t.Fatalf("committed after a refused chunk: %v", rs)
+	}
+	fillRange(t, c, 0, 5)
+	fillRange(t, c, 5, 8)
+	fillRange(t, c, 8, 10)
+	mustCheck(t, dir)
+	r, err := OpenReader(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(0); i < 10; i++ {
+		s, err := r.Get(i)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sameSample(t, s, testSample(i))
+	}
+}

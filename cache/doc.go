@@ -64,6 +64,12 @@
 //
 //	topk_ids[t,j] = id_dict[0][id_code0[t*K+j] + 256*id_code1[t*K+j] + 65536*id_code2[t*K+j]]
 //
+// List offsets are int32 (plain Arrow lists, not large lists), so a chunk
+// holds at most MaxChunkEntries = 2^31-1 (position, k) entries in all:
+// ChunkWriter.Add refuses the sample that would cross it (ErrInvalid,
+// naming the sample; fill that range with fewer samples per chunk) rather
+// than write a file no reader can open.
+//
 // Byte planes and the frequency-ordered dictionary make zstd see small,
 // skewed bytes; ids are always exact. The log-probs depend on the encoding.
 //

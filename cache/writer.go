@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -234,6 +235,21 @@ func conflict(rs []ChunkInfo, r Range) error {
 	return fmt.Errorf("%w: range %v overlaps committed chunk %v (%s); fill ranges must follow the committed chunk boundaries", ErrInvalid, r, rs[i].Range, rs[i].File)
 }
 
+// MaxChunkEntries bounds the (position, k) entries of one chunk: its
+// per-entry list columns (id_code*, lp_*) have int32 Arrow offsets, so a
+// chunk past 2^31-1 entries could be written but not read back. A variable
+// so that tests can lower it.
+var MaxChunkEntries int64 = math.MaxInt32
+
+// checkEntries refuses a chunk that would reach positions*k entries over
+// MaxChunkEntries, naming the sample that crosses the limit and the fix.
+func checkEntries(r Range, sample, positions int64, k int) error {
+	if n := positions * int64(k); n > MaxChunkEntries {
+		return fmt.Errorf("%w: chunk %v: sample %d brings it to %d positions x k %d = %d top-k entries, over the %d one Arrow chunk file can index (int32 list offsets); fill with fewer samples per chunk (cachectl fill --chunk, FillRequest.chunk_samples)", ErrInvalid, r, sample, positions, k, n, MaxChunkEntries)
+	}
+	return nil
+}
+
 // ChunkWriter collects the samples of one range [start, end) and commits
 // them as one chunk. Samples must be added in index order.
 type ChunkWriter struct {
@@ -276,6 +292,9 @@ func (w *ChunkWriter) Add(s Sample) error {
 		return fmt.Errorf("%w: chunk %v: got sample %d, want %d (add samples in index order)", ErrInvalid, w.r, s.Index, next)
 	}
 	if err := validateSample(&w.c.m, &s); err != nil {
+		return err
+	}
+	if err := checkEntries(w.r, s.Index, w.tokens+int64(len(s.Tokens)), w.c.m.K); err != nil {
 		return err
 	}
 	w.tokens += int64(len(s.Tokens))
