@@ -666,3 +666,130 @@ func TestChunkEntriesBounded(t *testing.T) {
 		sameSample(t, s, testSample(i))
 	}
 }
+
+// TestFailedFirstFillDoesNotBindManifest: a fill that fails before its
+// first commit leaves the directory free for a fill of another dataset
+// (before the fix: "manifest mismatch: dataset_fingerprint" forever, with
+// 0 chunks written). From the first committed chunk on, the manifest is
+// fixed, and of two writers racing on an empty cache the first to commit
+// wins.
+func TestFailedFirstFillDoesNotBindManifest(t *testing.T) {
+	mA := testManifest(12, EncodingLossless)
+	mB := testManifest(20, EncodingLossless)
+	mB.DatasetFingerprint, mB.K = "data-B", tK
+	dir := t.TempDir()
+	c, err := Create(dir, mA, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := c.BeginChunk(0, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.Add(testSample(0))
+	w.Abort() // the fill failed on a bad record
+	c.Close()
+
+	c, err = Create(dir, mB, nil) // the fixed dataset: another fingerprint
+	if err != nil {
+		t.Fatalf("Create after a fill that committed nothing: %v (the empty cache must take the new manifest)", err)
+	}
+	fillRange(t, c, 0, 4)
+	c.Close()
+	if r, err := OpenReader(dir); err != nil || r.Manifest() != withVersion(mB) {
+		t.Fatalf("reader after the second fill: %v, manifest %+v", err, r.Manifest())
+	}
+	_, err = Create(dir, mA, nil)
+	if !errors.Is(err, ErrManifestMismatch) || !strings.Contains(err.Error(), "dataset_fingerprint") || !strings.Contains(err.Error(), "1 committed chunks") {
+		t.Fatalf("Create with another dataset after a commit: %v, want ErrManifestMismatch naming dataset_fingerprint and the committed chunk", err)
+	}
+
+	// Two writers on an empty cache: both open, the first commit wins.
+	dir = t.TempDir()
+	cA, err := Create(dir, mA, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cA.Close()
+	cB, err := Create(dir, mB, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cB.Close()
+	wA, err := cA.BeginChunk(0, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wB, err := cB.BeginChunk(2, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(0); i < 2; i++ {
+		wA.Add(testSample(i))
+		wB.Add(testSample(i + 2))
+	}
+	if err := wA.Commit(); err != nil {
+		t.Fatalf("first commit, under a manifest another writer replaced since: %v", err)
+	}
+	if err := wB.Commit(); !errors.Is(err, ErrManifestMismatch) {
+		t.Fatalf("commit under a manifest the first commit overruled: %v, want ErrManifestMismatch", err)
+	}
+	if _, err := cB.BeginChunk(4, 6); !errors.Is(err, ErrManifestMismatch) {
+		t.Fatalf("BeginChunk under an overruled manifest: %v, want ErrManifestMismatch before any work", err)
+	}
+	r, err := OpenReader(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Manifest() != withVersion(mA) || r.Samples() != 2 {
+		t.Fatalf("after the race: manifest %+v, %d samples; want A's, 2", r.Manifest(), r.Samples())
+	}
+	mustCheck(t, dir)
+}
+
+// TestUseSwitchesEmptyCache: a daemon keeps one Cache open and calls Use
+// per request; a request that failed before committing does not lock the
+// directory to its manifest.
+func TestUseSwitchesEmptyCache(t *testing.T) {
+	mA := testManifest(12, EncodingLossless)
+	mB := testManifest(20, EncodingLossless)
+	mB.DatasetFingerprint = "data-B"
+	dir := t.TempDir()
+	root, err := Create(dir, mA, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h, err := root.Use(mA); err != nil || h != root {
+		t.Fatalf("Use of the same manifest: %v, %p want the root %p", err, h, root)
+	}
+	hB, err := root.Use(mB) // request A failed: B may take the directory
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m, _, err := root.Current(); err != nil || m.DatasetFingerprint != "data-B" {
+		t.Fatalf("Current after Use(B): %+v, %v", m, err)
+	}
+	fillRange(t, hB, 0, 3)
+	hB.Close() // a no-op: the root owns the temporary directory
+	if _, err := root.Use(mA); !errors.Is(err, ErrManifestMismatch) || !strings.Contains(err.Error(), "dataset_fingerprint") {
+		t.Fatalf("Use of A after B committed: %v, want ErrManifestMismatch naming dataset_fingerprint", err)
+	}
+	fillRange(t, hB, 3, 6)
+	tmp := root.ws.tmp
+	if err := root.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(tmp); !os.IsNotExist(err) {
+		t.Fatalf("root Close left its temporary directory: %v", err)
+	}
+	r, err := OpenReader(dir)
+	if err != nil || r.Samples() != 6 || r.Manifest().DatasetFingerprint != "data-B" {
+		t.Fatalf("reader: %v", err)
+	}
+	mustCheck(t, dir)
+}
+
+func withVersion(m Manifest) Manifest {
+	m.FormatVersion = FormatVersion
+	return m
+}

@@ -460,7 +460,7 @@ func TestFaultInjection(t *testing.T) {
 			if len(miss) != 1 || miss[0] != (Range{5, 10}) {
 				t.Fatalf("failing op %d (%s): Missing = %v, the failed range must stay missing", at, what, miss)
 			}
-			if ents, _ := os.ReadDir(c.tmp); len(ents) != 1 { // owner.lock only
+			if ents, _ := os.ReadDir(c.ws.tmp); len(ents) != 1 { // owner.lock only
 				t.Fatalf("failing op %d (%s): %d files left in the writer's tmp dir", at, what, len(ents))
 			}
 		}
