@@ -557,15 +557,20 @@ type GCReport struct {
 // writers that no longer run. It holds the exclusive lock, so it never
 // races with a commit.
 func (c *Cache) GC() (GCReport, error) {
-	var rep GCReport
-	fs := c.opts.FS
 	c.ws.mu.Lock()
 	defer c.ws.mu.Unlock()
 	s, err := openIndex(c.dir, true, c.opts.LockTimeout)
 	if err != nil {
-		return rep, err
+		return GCReport{}, err
 	}
 	defer s.close()
+	return gc(s, c.dir, c.opts.FS, c.ws.tmp)
+}
+
+// gc is GC under the exclusive lock held by s; self is the caller's own
+// temporary directory (kept), if any.
+func gc(s *indexSession, dir string, fs FS, self string) (GCReport, error) {
+	var rep GCReport
 	rs, err := s.ranges()
 	if err != nil {
 		return rep, err
@@ -574,7 +579,7 @@ func (c *Cache) GC() (GCReport, error) {
 	for _, r := range rs {
 		ref[r.File] = true
 	}
-	names, err := fs.ReadDir(filepath.Join(c.dir, chunksDir))
+	names, err := fs.ReadDir(filepath.Join(dir, chunksDir))
 	if err != nil {
 		return rep, fmt.Errorf("cache: gc: %w", err)
 	}
@@ -583,18 +588,18 @@ func (c *Cache) GC() (GCReport, error) {
 			continue
 		}
 		p := filepath.Join(chunksDir, n)
-		if err := fs.Remove(filepath.Join(c.dir, p)); err != nil {
+		if err := fs.Remove(filepath.Join(dir, p)); err != nil {
 			return rep, fmt.Errorf("cache: gc: %w", err)
 		}
 		rep.Files = append(rep.Files, p)
 	}
-	names, err = fs.ReadDir(filepath.Join(c.dir, tmpDir))
+	names, err = fs.ReadDir(filepath.Join(dir, tmpDir))
 	if err != nil {
 		return rep, fmt.Errorf("cache: gc: %w", err)
 	}
 	for _, n := range names {
-		p := filepath.Join(c.dir, tmpDir, n)
-		if p == c.ws.tmp || !ownerDead(p) {
+		p := filepath.Join(dir, tmpDir, n)
+		if p == self || !ownerDead(p) {
 			continue
 		}
 		if err := fs.RemoveAll(p); err != nil {
