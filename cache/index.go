@@ -227,6 +227,10 @@ func openIndex(dir string, write bool, timeout time.Duration) (*indexSession, er
 			}
 			continue
 		}
+		// Badger wraps without %w: the message decides too.
+		if !write && (errors.Is(err, fs.ErrPermission) || strings.Contains(err.Error(), syscall.EACCES.Error())) {
+			return nil, fmt.Errorf("cache: %s: opening index: %w (a reader needs read permission on %s/ and its files; a writer of this build widens them at its next commit, or run chmod -R a+rX %s)", dir, err, indexDir, dir)
+		}
 		return nil, fmt.Errorf("cache: %s: opening index: %w", dir, err)
 	}
 }
