@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+
+	"distill/internal/atomicfile"
 )
 
 // ErrNotEmpty marks an output directory that already holds files.
@@ -203,11 +205,7 @@ func WriteCheckpoint(dir string, cfg *Config, tensors map[string][]float32, dtyp
 	if err != nil {
 		return err
 	}
-	tmp := filepath.Join(dir, "config.json.tmp")
-	if err := os.WriteFile(tmp, append(cj, '\n'), 0o644); err != nil {
-		return err
-	}
-	return os.Rename(tmp, filepath.Join(dir, "config.json"))
+	return atomicfile.WriteFile(filepath.Join(dir, "config.json"), append(cj, '\n'), 0o644)
 }
 
 // Preset returns a small config of an architecture for tests and demos;

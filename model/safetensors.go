@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"os"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 	"unsafe"
 
 	"distill/compute"
+	"distill/internal/atomicfile"
 )
 
 // Safetensors layout (huggingface/safetensors):
@@ -429,8 +431,9 @@ func BF16Tensor(name string, shape []int, v []float32) Tensor {
 	return Tensor{Name: name, DType: "BF16", Shape: shape, Data: b}
 }
 
-// WriteSafetensors writes ts to path atomically (temp file, fsync, rename),
-// in the given order, with 8-byte aligned data as the format recommends.
+// WriteSafetensors writes ts to path atomically (internal/atomicfile: temp
+// file, fsync, rename, directory fsync), in the given order, with 8-byte
+// aligned data as the format recommends.
 func WriteSafetensors(path string, ts []Tensor, meta map[string]string) error {
 	hdr := map[string]any{}
 	if len(meta) > 0 {
@@ -466,35 +469,26 @@ func WriteSafetensors(path string, ts []Tensor, meta map[string]string) error {
 	for len(hb)%8 != 0 {
 		hb = append(hb, ' ')
 	}
-	tmp := path + ".tmp"
-	f, err := os.Create(tmp)
-	if err != nil {
-		return err
-	}
 	var lenb [8]byte
 	binary.LittleEndian.PutUint64(lenb[:], uint64(len(hb)))
-	werr := func() error {
-		if _, err := f.Write(lenb[:]); err != nil {
+	err = atomicfile.Write(path, 0o644, func(w io.Writer) error {
+		if _, err := w.Write(lenb[:]); err != nil {
 			return err
 		}
-		if _, err := f.Write(hb); err != nil {
+		if _, err := w.Write(hb); err != nil {
 			return err
 		}
 		for _, t := range ts {
-			if _, err := f.Write(t.Data); err != nil {
+			if _, err := w.Write(t.Data); err != nil {
 				return err
 			}
 		}
-		return f.Sync()
-	}()
-	if cerr := f.Close(); werr == nil {
-		werr = cerr
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("model: %w", err)
 	}
-	if werr != nil {
-		os.Remove(tmp)
-		return fmt.Errorf("model: writing %s: %w", path, werr)
-	}
-	return os.Rename(tmp, path)
+	return nil
 }
 
 // float32Bytes views v as bytes (little-endian hosts only, which is all we

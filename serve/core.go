@@ -314,8 +314,11 @@ func (c *Core) DescribeDataset(spec *pb.Dataset) (*pb.DescribeDatasetResponse, e
 	return &pb.DescribeDatasetResponse{Samples: d.Len(), Fingerprint: d.Fingerprint(), TokenizerFingerprint: tfp}, nil
 }
 
-// openCache returns the daemon's cache, creating it with m or checking
-// that the existing one agrees with m.
+// openCache returns a handle on the daemon's cache that fills under m,
+// creating the cache with m or checking that the existing one agrees with
+// m. A cache with no committed chunk takes m (cache.Cache.Use), so a
+// request that failed before its first commit does not lock the daemon's
+// cache to its dataset.
 func (c *Core) openCache(m cache.Manifest) (*cache.Cache, error) {
 	c.cacheMu.Lock()
 	defer c.cacheMu.Unlock()
@@ -333,12 +336,14 @@ func (c *Core) openCache(m cache.Manifest) (*cache.Cache, error) {
 		c.cw = cw
 		return cw, nil
 	}
-	have := c.cw.Manifest()
-	m.FormatVersion = have.FormatVersion
-	if err := have.Agree(&m, c.opt.CacheDir, "this fill request"); err != nil {
-		return nil, fmt.Errorf("%w; the cache directory holds another fill: use another --cache directory", err)
+	cw, err := c.cw.Use(m)
+	if err != nil {
+		if errors.Is(err, cache.ErrManifestMismatch) {
+			return nil, fmt.Errorf("%w; the cache directory holds another fill: use another --cache directory", err)
+		}
+		return nil, err
 	}
-	return c.cw, nil
+	return cw, nil
 }
 
 // existingCache opens the cache directory if it holds a cache (Status
@@ -366,14 +371,16 @@ func (c *Core) Status(r *pb.StatusRequest) (*pb.StatusResponse, error) {
 	c.flightMu.Unlock()
 	sort.Slice(out.InFlight, func(i, j int) bool { return out.InFlight[i].Start < out.InFlight[j].Start })
 	if fp := r.GetDatasetFingerprint(); fp != "" {
-		if cw := c.existingCache(); cw != nil && cw.Manifest().DatasetFingerprint == fp {
-			rs, err := cw.Chunks()
+		if cw := c.existingCache(); cw != nil {
+			m, rs, err := cw.Current() // the index's manifest: a fill may have replaced an empty cache's
 			if err != nil {
 				return nil, err
 			}
-			out.DatasetKnown = true
-			for _, ch := range rs {
-				out.Done = append(out.Done, &pb.Range{Start: ch.Start, End: ch.End})
+			if m.DatasetFingerprint == fp {
+				out.DatasetKnown = true
+				for _, ch := range rs {
+					out.Done = append(out.Done, &pb.Range{Start: ch.Start, End: ch.End})
+				}
 			}
 		}
 	}

@@ -515,3 +515,37 @@ func TestFillSharedDirectoryNoDuplicates(t *testing.T) {
 	}
 	checkAgainstForward(t, ws[0].(samePath).Worker.(*local).c.Model(), samples, 4, 100, dir)
 }
+
+// A Fill that fails before its first commit (a record with an id outside
+// the vocabulary) must not lock the daemon's cache to its dataset: the
+// next request, for another dataset, fills (before the fix: "manifest
+// mismatch: dataset_fingerprint" until the daemon's cache was deleted).
+func TestFailedFillDoesNotLockDaemonCache(t *testing.T) {
+	mdir := tinyModel(t)
+	tmp := t.TempDir()
+	bad := filepath.Join(tmp, "bad.jsonl")
+	os.WriteFile(bad, []byte("{\"input_ids\":[1,2,3]}\n{\"input_ids\":[4,9999,6]}\n{\"input_ids\":[7,8,9]}\n"), 0o644)
+	good, _ := writeIDsDataset(t, tmp, 6, 10, 512, 6)
+	c, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: filepath.Join(tmp, "cache")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := Local(c)
+	defer w.Close()
+	plan := func(path string) FillPlan {
+		return FillPlan{Dataset: &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}, ChunkSamples: 3, K: 4}
+	}
+	if _, err := RunFill(context.Background(), []Worker{w}, plan(bad)); err == nil || !strings.Contains(err.Error(), "9999") {
+		t.Fatalf("fill of a dataset with a bad id: %v, want an error naming it", err)
+	}
+	sum, err := RunFill(context.Background(), []Worker{w}, plan(good))
+	if err != nil {
+		t.Fatalf("fill of another dataset after a fill that committed nothing: %v", err)
+	}
+	if sum.Samples != 6 {
+		t.Fatalf("second fill: %d samples, want 6", sum.Samples)
+	}
+	if _, err := RunFill(context.Background(), []Worker{w}, plan(bad)); err == nil || !strings.Contains(err.Error(), "dataset_fingerprint") {
+		t.Fatalf("a fill of another dataset once chunks are committed: %v, want a manifest mismatch", err)
+	}
+}

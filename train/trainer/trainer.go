@@ -87,6 +87,7 @@ import (
 	"distill/cache"
 	"distill/compute/cpu"
 	"distill/data/tokenizer"
+	"distill/internal/atomicfile"
 	"distill/model"
 	"distill/train"
 	"distill/train/loss"
@@ -788,10 +789,7 @@ func openMetrics(cfg *Config, step int) (*metrics, error) {
 				keep.Write(line)
 			}
 		}
-		if err := writeFileSync(path+".tmp", keep.Bytes()); err != nil {
-			return nil, err
-		}
-		if err := os.Rename(path+".tmp", path); err != nil {
+		if err := atomicfile.WriteFile(path, keep.Bytes(), 0o644); err != nil {
 			return nil, err
 		}
 	}
