@@ -82,13 +82,42 @@ type Core struct {
 	started time.Time
 
 	dsMu     sync.Mutex
-	datasets map[string]*data.Dataset
+	datasets map[string]*openDataset
+	dsUses   uint64 // bumped on every use: the least recently used is evicted
 
 	cacheMu sync.Mutex
 	cw      *cache.Cache
 
 	flightMu sync.Mutex
 	inflight map[cache.Range]int
+}
+
+// openDataset is a dataset the core keeps open, with the calls using it.
+// An evicted dataset is closed when its last user releases it.
+type openDataset struct {
+	d       *data.Dataset
+	refs    int
+	lastUse uint64
+	evicted bool
+}
+
+// checkCacheDir refuses a cache path that cannot be a directory, so that
+// the daemon fails at startup rather than at its first Fill. A missing
+// directory is fine: the first fill creates it.
+func checkCacheDir(dir string) error {
+	if dir == "" {
+		return nil
+	}
+	st, err := os.Stat(dir)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return nil
+	case err != nil:
+		return fmt.Errorf("%w: --cache %s: %v", ErrInvalid, dir, err)
+	case !st.IsDir():
+		return fmt.Errorf("%w: --cache %s is a file, not a directory: give a directory (a missing one is created at the first fill)", ErrInvalid, dir)
+	}
+	return nil
 }
 
 // NewCore loads the teacher (and tokenizer) and starts the batcher.
@@ -106,6 +135,9 @@ func NewCore(o CoreOptions) (*Core, error) {
 	}
 	if o.ModelDir == "" {
 		return nil, fmt.Errorf("%w: no model directory: give --model DIR (an HF checkpoint)", ErrInvalid)
+	}
+	if err := checkCacheDir(o.CacheDir); err != nil {
+		return nil, err
 	}
 	if o.TokenBudget == 0 {
 		o.TokenBudget = infer.DefaultTokenBudget
@@ -138,7 +170,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		return nil, fmt.Errorf("%w: k default %d and k max %d: want 1 <= default <= max <= vocab size %d", ErrInvalid, o.KDefault, o.KMax, V)
 	}
 	c := &Core{opt: o, model: m, budget: o.TokenBudget, met: newMetrics(), log: o.Logger, started: time.Now(),
-		datasets: map[string]*data.Dataset{}, inflight: map[cache.Range]int{}}
+		datasets: map[string]*openDataset{}, inflight: map[cache.Range]int{}}
 	c.lim = Limits{VocabSize: V, MaxLen: min(m.Cfg.MaxPositions, o.TokenBudget), KDefault: o.KDefault, KMax: o.KMax}
 	tdir := o.TokenizerDir
 	if tdir == "" {
@@ -161,6 +193,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		}
 	}
 	c.b = newBatcher(fwd, o.TokenBudget, o.QueueSamples, o.QueueTokens, c.met)
+	c.b.log = o.Logger
 	c.log.Info("teacher loaded", zap.String("model", o.ModelDir), zap.String("arch", string(m.Cfg.Arch)),
 		zap.Int("vocab", V), zap.Int64("params", m.Cfg.Params()), zap.String("fingerprint", m.Fingerprint()),
 		zap.Bool("tokenizer", c.tok != nil), zap.Duration("took", time.Since(t0)))
@@ -172,9 +205,8 @@ func NewCore(o CoreOptions) (*Core, error) {
 func (c *Core) Close() error {
 	c.b.close()
 	c.dsMu.Lock()
-	for k, d := range c.datasets {
-		d.Close()
-		delete(c.datasets, k)
+	for k, od := range c.datasets {
+		c.evict(k, od)
 	}
 	c.dsMu.Unlock()
 	c.cacheMu.Lock()
@@ -245,27 +277,30 @@ func (t idsOnly) BOS() string                              { return "" }
 func (t idsOnly) EOS() string                              { return "" }
 func (t idsOnly) AddBOS() bool                             { return false }
 
-// dataset opens (or returns the already opened) dataset of spec.
-func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, error) {
+// dataset opens (or returns the already opened) dataset of spec, and a
+// func the caller calls once done with it. The core keeps at most
+// maxCachedDatasets open; beyond, the least recently used is forgotten,
+// and its files are closed as soon as no call uses it.
+func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, func(), error) {
 	if err := ValidateDataset(spec); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	key, err := proto.MarshalOptions{Deterministic: true}.Marshal(spec)
 	if err != nil {
-		return nil, fmt.Errorf("%w: dataset spec: %v", ErrInvalid, err)
+		return nil, nil, fmt.Errorf("%w: dataset spec: %v", ErrInvalid, err)
 	}
 	c.dsMu.Lock()
 	defer c.dsMu.Unlock()
-	if d, ok := c.datasets[string(key)]; ok {
-		return d, nil
+	if od, ok := c.datasets[string(key)]; ok {
+		return od.d, c.use(od), nil
 	}
 	var srcs []data.Source
 	for i, s := range spec.GetSources() {
 		if _, err := os.Stat(s.GetPath()); err != nil {
 			if errors.Is(err, os.ErrNotExist) {
-				return nil, fmt.Errorf("%w: dataset source %d: %s does not exist%s", ErrNotFound, i, s.GetPath(), c.say(" on the daemon's machine (paths are the daemon's, not the client's)", ""))
+				return nil, nil, fmt.Errorf("%w: dataset source %d: %s does not exist%s", ErrNotFound, i, s.GetPath(), c.say(" on the daemon's machine (paths are the daemon's, not the client's)", ""))
 			}
-			return nil, fmt.Errorf("%w: dataset source %d: %v", ErrPrecondition, i, err)
+			return nil, nil, fmt.Errorf("%w: dataset source %d: %v", ErrPrecondition, i, err)
 		}
 		srcs = append(srcs, data.Source{Path: s.GetPath(), Weight: s.GetWeight(), Format: s.GetFormat(), Columns: columnMap(s.GetColumns())})
 	}
@@ -273,13 +308,13 @@ func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, error) {
 		Shuffle: spec.GetShuffle(), Seed: spec.GetSeed(), NoEOS: spec.GetNoEos(), ChatTemplate: spec.GetChatTemplate()}
 	if v := spec.GetTemplateVarsJson(); v != "" {
 		if err := json.Unmarshal([]byte(v), &opts.TemplateVars); err != nil {
-			return nil, fmt.Errorf("%w: template_vars_json: %v", ErrInvalid, err)
+			return nil, nil, fmt.Errorf("%w: template_vars_json: %v", ErrInvalid, err)
 		}
 	}
 	var tok data.Tokenizer = idsOnly{c.model.Cfg.VocabSize}
 	if !spec.GetPretokenized() {
 		if c.tok == nil {
-			return nil, fmt.Errorf("%w: the dataset is not marked pre-tokenized but %s", ErrPrecondition, c.say(
+			return nil, nil, fmt.Errorf("%w: the dataset is not marked pre-tokenized but %s", ErrPrecondition, c.say(
 				"the daemon has no tokenizer: start it with --tokenizer DIR, or mark the dataset pre-tokenized (input_ids records)",
 				"the model directory has no tokenizer.json: give --tokenizer DIR, or --pretokenized for input_ids records"))
 		}
@@ -287,26 +322,57 @@ func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, error) {
 	}
 	d, err := data.Open(srcs, tok, opts)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if len(c.datasets) >= maxCachedDatasets {
-		// Forget one; a fill still using it keeps its reference. Its
-		// files stay open until the process ends (rare: many datasets).
-		for k := range c.datasets {
-			delete(c.datasets, k)
-			break
+		lk, lru := "", (*openDataset)(nil)
+		for k, od := range c.datasets {
+			if lru == nil || od.lastUse < lru.lastUse {
+				lk, lru = k, od
+			}
 		}
+		c.evict(lk, lru)
 	}
-	c.datasets[string(key)] = d
-	return d, nil
+	od := &openDataset{d: d}
+	c.datasets[string(key)] = od
+	return d, c.use(od), nil
+}
+
+// use counts a user of od (under dsMu) and returns its release.
+func (c *Core) use(od *openDataset) func() {
+	c.dsUses++
+	od.lastUse = c.dsUses
+	od.refs++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			c.dsMu.Lock()
+			defer c.dsMu.Unlock()
+			od.refs--
+			if od.evicted && od.refs == 0 {
+				od.d.Close()
+			}
+		})
+	}
+}
+
+// evict forgets the dataset under key (under dsMu); its files are closed
+// now, or by the release of its last user.
+func (c *Core) evict(key string, od *openDataset) {
+	delete(c.datasets, key)
+	od.evicted = true
+	if od.refs == 0 {
+		od.d.Close()
+	}
 }
 
 // DescribeDataset opens spec and reports its length and fingerprints.
 func (c *Core) DescribeDataset(spec *pb.Dataset) (*pb.DescribeDatasetResponse, error) {
-	d, err := c.dataset(spec)
+	d, release, err := c.dataset(spec)
 	if err != nil {
 		return nil, err
 	}
+	defer release()
 	tfp := idsOnly{c.model.Cfg.VocabSize}.Fingerprint()
 	if !spec.GetPretokenized() {
 		tfp = c.tok.Fingerprint()
@@ -405,10 +471,11 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 	if err := ValidateFill(r, c.lim); err != nil {
 		return err
 	}
-	d, err := c.dataset(r.GetDataset())
+	d, release, err := c.dataset(r.GetDataset())
 	if err != nil {
 		return err
 	}
+	defer release()
 	if exp := r.GetExpectDatasetFingerprint(); exp != "" && exp != d.Fingerprint() {
 		return fmt.Errorf("%w: the dataset as %s reads it has fingerprint %.16s, the client expects %.16s: its files, tokenizer or options differ", ErrPrecondition, c.say("this daemon", "the teacher"), d.Fingerprint(), exp)
 	}

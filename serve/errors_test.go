@@ -67,7 +67,7 @@ func TestBadRequests(t *testing.T) {
 	mdir := tinyModel(t)
 	tmp := t.TempDir()
 	path, _ := writeIDsDataset(t, tmp, 10, 10, 512, 2)
-	d := startDaemon(t, Config{Model: mdir, Cache: t.TempDir(), TokenBudget: 100})
+	d := startDaemon(t, Config{Model: mdir, Cache: t.TempDir(), TokenBudget: 100, DataRoots: []string{tmp}})
 	cl, conn := dialTeacher(t, d.Addr(), "")
 	defer conn.Close()
 
@@ -115,7 +115,7 @@ func TestBadRequests(t *testing.T) {
 
 	// A daemon of its own: a failed fill still binds its cache directory
 	// to the dataset it was asked for.
-	d3 := startDaemon(t, Config{Model: mdir, Cache: t.TempDir()})
+	d3 := startDaemon(t, Config{Model: mdir, Cache: t.TempDir(), DataRoots: []string{tmp}})
 	cl3, conn3 := dialTeacher(t, d3.Addr(), "")
 	defer conn3.Close()
 	fill3 := func(r *pb.FillRequest) error {
@@ -133,7 +133,7 @@ func TestBadRequests(t *testing.T) {
 		codes.InvalidArgument, "bad.jsonl:2")
 
 	// Without a cache directory Fill is refused.
-	d2 := startDaemon(t, Config{Model: mdir})
+	d2 := startDaemon(t, Config{Model: mdir, DataRoots: []string{tmp}})
 	cl2, conn2 := dialTeacher(t, d2.Addr(), "")
 	defer conn2.Close()
 	st, _ := cl2.Fill(context.Background(), &pb.FillRequest{Dataset: ds, Start: 0, End: 1})
@@ -216,9 +216,10 @@ func TestFillRefusesDisagreeingTeachers(t *testing.T) {
 		}
 		os.WriteFile(filepath.Join(other, f), b, 0o644)
 	}
-	path, _ := writeIDsDataset(t, t.TempDir(), 10, 10, 512, 2)
-	a := startDaemon(t, Config{Model: mdir, Cache: t.TempDir()})
-	b := startDaemon(t, Config{Model: other, Cache: t.TempDir()})
+	root := t.TempDir()
+	path, _ := writeIDsDataset(t, root, 10, 10, 512, 2)
+	a := startDaemon(t, Config{Model: mdir, Cache: t.TempDir(), DataRoots: []string{root}})
+	b := startDaemon(t, Config{Model: other, Cache: t.TempDir(), DataRoots: []string{root}})
 	wa, _ := Dial(a.Addr(), DialOptions{})
 	wb, _ := Dial(b.Addr(), DialOptions{})
 	defer wa.Close()

@@ -608,21 +608,7 @@ func startProgress(p *FillPlan, total, already int64, samples, tokens *atomic.In
 	}
 	stop, done := make(chan struct{}), make(chan struct{})
 	line := func() string {
-		s, tok := samples.Load(), tokens.Load()
-		el := time.Since(t0).Seconds()
-		doneN := already + s
-		rate := float64(tok) / max(el, 1e-9)
-		eta := "?"
-		if s > 0 {
-			eta = (time.Duration(float64(total-doneN) * el / float64(s) * float64(time.Second))).Round(time.Second).String()
-		}
-		frac := float64(doneN) / float64(total)
-		if p.Terminal {
-			const w = 30
-			bar := strings.Repeat("=", int(frac*w)) + strings.Repeat(" ", w-int(frac*w))
-			return fmt.Sprintf("\r[%s] %d/%d samples %5.1f%%  %.0f tokens/s  ETA %s   ", bar, doneN, total, 100*frac, rate, eta)
-		}
-		return fmt.Sprintf("fill: %d/%d samples (%.1f%%), %.0f tokens/s, ETA %s\n", doneN, total, 100*frac, rate, eta)
+		return progressLine(p.Terminal, total, already, samples.Load(), tokens.Load(), time.Since(t0).Seconds())
 	}
 	go func() {
 		defer close(done)
@@ -641,6 +627,32 @@ func startProgress(p *FillPlan, total, already int64, samples, tokens *atomic.In
 		}
 	}()
 	return func() { close(stop); <-done }
+}
+
+// progressLine is one progress report: done of total samples (already
+// done before this run, plus s computed in it), tok tokens in el seconds.
+// The counts are clamped to [0, total]: a chunk counted twice (a teacher
+// that reported it and failed, then another redid it) or a range already
+// done that reaches past the fill's would otherwise draw more than a full
+// bar, and strings.Repeat panics on the negative rest.
+func progressLine(terminal bool, total, already, s, tok int64, el float64) string {
+	doneN := min(max(already+s, 0), total)
+	rate := float64(tok) / max(el, 1e-9)
+	eta := "?"
+	if s > 0 {
+		eta = (time.Duration(float64(total-doneN) * el / float64(s) * float64(time.Second))).Round(time.Second).String()
+	}
+	frac := 1.0
+	if total > 0 {
+		frac = float64(doneN) / float64(total)
+	}
+	if terminal {
+		const w = 30
+		n := min(max(int(frac*w), 0), w)
+		bar := strings.Repeat("=", n) + strings.Repeat(" ", w-n)
+		return fmt.Sprintf("\r[%s] %d/%d samples %5.1f%%  %.0f tokens/s  ETA %s   ", bar, doneN, total, 100*frac, rate, eta)
+	}
+	return fmt.Sprintf("fill: %d/%d samples (%.1f%%), %.0f tokens/s, ETA %s\n", doneN, total, 100*frac, rate, eta)
 }
 
 // optK is FillPlan.K as the request field: 0 (the teacher's default) is

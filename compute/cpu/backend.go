@@ -159,7 +159,8 @@ func (*Backend) Free(t compute.Tensor) {
 	}
 }
 
-// parallel runs fn over [0,n) split into Threads contiguous ranges.
+// parallel runs fn over [0,n) split into Threads contiguous ranges. A
+// panic in fn reaches the caller as a *WorkerPanic (see group).
 func parallel(n int, fn func(lo, hi int)) {
 	t := Threads
 	if t > n {
@@ -171,30 +172,25 @@ func parallel(n int, fn func(lo, hi int)) {
 		}
 		return
 	}
-	var wg sync.WaitGroup
+	var g group
 	for i := 0; i < t; i++ {
 		lo, hi := n*i/t, n*(i+1)/t
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			fn(lo, hi)
-		}()
+		g.Go(func() { fn(lo, hi) })
 	}
-	wg.Wait()
+	g.Wait()
 }
 
 // WorkQueue runs fn(w, i) for every i in [0,n) on up to Threads goroutines
 // that pull items from a shared counter (dynamic scheduling, for uneven
 // items such as attention blocks); w in [0, workers) names the goroutine, so
-// fn can keep per-worker scratch.
+// fn can keep per-worker scratch. A panic in fn reaches the caller as a
+// *WorkerPanic once every worker has stopped.
 func WorkQueue(n int, fn func(w, i int)) {
 	t := max(min(Threads, n), 1)
 	var next atomic.Int64
-	var wg sync.WaitGroup
+	var g group
 	for w := 0; w < t; w++ {
-		wg.Add(1)
-		go func(w int) {
-			defer wg.Done()
+		g.Go(func() {
 			for {
 				i := int(next.Add(1) - 1)
 				if i >= n {
@@ -202,9 +198,9 @@ func WorkQueue(n int, fn func(w, i int)) {
 				}
 				fn(w, i)
 			}
-		}(w)
+		})
 	}
-	wg.Wait()
+	g.Wait()
 }
 
 func fp(s []float32) *C.float {
