@@ -2,6 +2,7 @@ package cache
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -11,6 +12,8 @@ import (
 	"time"
 
 	"distill/cache/cachetest"
+
+	badger "github.com/dgraph-io/badger/v4"
 )
 
 // Small caches for the behaviour tests: deterministic content per index so
@@ -612,4 +615,332 @@ func TestEmptyMemtableDebris(t *testing.T) {
 	fillRange(t, c, 16, 32)
 	c.Close()
 	mustCheck(t, dir)
+}
+
+// TestChunkEntriesBounded: a chunk whose positions x k would pass the
+// int32 offsets of its Arrow list columns is refused at the Add that
+// crosses the limit (lowered here), with an error naming the sample and
+// the fix; nothing is committed, and smaller chunks of the same range fill.
+func TestChunkEntriesBounded(t *testing.T) {
+	defer func(v int64) { MaxChunkEntries = v }(MaxChunkEntries)
+	MaxChunkEntries = 45 * tK // samples 0..6 have 3..9 tokens: 42 positions; sample 7 (10) brings 52
+	dir := t.TempDir()
+	c, err := Create(dir, testManifest(10, EncodingLossless), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	w, err := c.BeginChunk(0, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var addErr error
+	for i := int64(0); i < 10 && addErr == nil; i++ {
+		addErr = w.Add(testSample(i))
+	}
+	if !errors.Is(addErr, ErrInvalid) || !strings.Contains(addErr.Error(), "sample 7") || !strings.Contains(addErr.Error(), "--chunk") {
+		t.Fatalf("Add past the entry limit: %v, want ErrInvalid naming sample 7 and --chunk", addErr)
+	}
+	w.Abort()
+	var samples []Sample
+	for i := int64(0); i < 10; i++ {
+		samples = append(samples, testSample(i))
+	}
+	m := c.Manifest()
+	if _, err := encodeChunk(&m, Range{0, 10}, samples); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("encodeChunk past the entry limit: %v, want ErrInvalid", err)
+	}
+	if rs, _ := c.Chunks(); len(rs) != 0 {
+		t.Fatalf("committed after a refused chunk: %v", rs)
+	}
+	fillRange(t, c, 0, 5)
+	fillRange(t, c, 5, 8)
+	fillRange(t, c, 8, 10)
+	mustCheck(t, dir)
+	r, err := OpenReader(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(0); i < 10; i++ {
+		s, err := r.Get(i)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sameSample(t, s, testSample(i))
+	}
+}
+
+// TestFailedFirstFillDoesNotBindManifest: a fill that fails before its
+// first commit leaves the directory free for a fill of another dataset
+// (before the fix: "manifest mismatch: dataset_fingerprint" forever, with
+// 0 chunks written). From the first committed chunk on, the manifest is
+// fixed, and of two writers racing on an empty cache the first to commit
+// wins.
+func TestFailedFirstFillDoesNotBindManifest(t *testing.T) {
+	mA := testManifest(12, EncodingLossless)
+	mB := testManifest(20, EncodingLossless)
+	mB.DatasetFingerprint, mB.K = "data-B", tK
+	dir := t.TempDir()
+	c, err := Create(dir, mA, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := c.BeginChunk(0, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.Add(testSample(0))
+	w.Abort() // the fill failed on a bad record
+	c.Close()
+
+	c, err = Create(dir, mB, nil) // the fixed dataset: another fingerprint
+	if err != nil {
+		t.Fatalf("Create after a fill that committed nothing: %v (the empty cache must take the new manifest)", err)
+	}
+	fillRange(t, c, 0, 4)
+	c.Close()
+	if r, err := OpenReader(dir); err != nil || r.Manifest() != withVersion(mB) {
+		t.Fatalf("reader after the second fill: %v, manifest %+v", err, r.Manifest())
+	}
+	_, err = Create(dir, mA, nil)
+	if !errors.Is(err, ErrManifestMismatch) || !strings.Contains(err.Error(), "dataset_fingerprint") || !strings.Contains(err.Error(), "1 committed chunks") {
+		t.Fatalf("Create with another dataset after a commit: %v, want ErrManifestMismatch naming dataset_fingerprint and the committed chunk", err)
+	}
+
+	// Two writers on an empty cache: both open, the first commit wins.
+	dir = t.TempDir()
+	cA, err := Create(dir, mA, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cA.Close()
+	cB, err := Create(dir, mB, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cB.Close()
+	wA, err := cA.BeginChunk(0, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wB, err := cB.BeginChunk(2, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(0); i < 2; i++ {
+		wA.Add(testSample(i))
+		wB.Add(testSample(i + 2))
+	}
+	if err := wA.Commit(); err != nil {
+		t.Fatalf("first commit, under a manifest another writer replaced since: %v", err)
+	}
+	if err := wB.Commit(); !errors.Is(err, ErrManifestMismatch) {
+		t.Fatalf("commit under a manifest the first commit overruled: %v, want ErrManifestMismatch", err)
+	}
+	if _, err := cB.BeginChunk(4, 6); !errors.Is(err, ErrManifestMismatch) {
+		t.Fatalf("BeginChunk under an overruled manifest: %v, want ErrManifestMismatch before any work", err)
+	}
+	r, err := OpenReader(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Manifest() != withVersion(mA) || r.Samples() != 2 {
+		t.Fatalf("after the race: manifest %+v, %d samples; want A's, 2", r.Manifest(), r.Samples())
+	}
+	mustCheck(t, dir)
+}
+
+// TestUseSwitchesEmptyCache: a daemon keeps one Cache open and calls Use
+// per request; a request that failed before committing does not lock the
+// directory to its manifest.
+func TestUseSwitchesEmptyCache(t *testing.T) {
+	mA := testManifest(12, EncodingLossless)
+	mB := testManifest(20, EncodingLossless)
+	mB.DatasetFingerprint = "data-B"
+	dir := t.TempDir()
+	root, err := Create(dir, mA, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h, err := root.Use(mA); err != nil || h != root {
+		t.Fatalf("Use of the same manifest: %v, %p want the root %p", err, h, root)
+	}
+	hB, err := root.Use(mB) // request A failed: B may take the directory
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m, _, err := root.Current(); err != nil || m.DatasetFingerprint != "data-B" {
+		t.Fatalf("Current after Use(B): %+v, %v", m, err)
+	}
+	fillRange(t, hB, 0, 3)
+	hB.Close() // a no-op: the root owns the temporary directory
+	if _, err := root.Use(mA); !errors.Is(err, ErrManifestMismatch) || !strings.Contains(err.Error(), "dataset_fingerprint") {
+		t.Fatalf("Use of A after B committed: %v, want ErrManifestMismatch naming dataset_fingerprint", err)
+	}
+	fillRange(t, hB, 3, 6)
+	tmp := root.ws.tmp
+	if err := root.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(tmp); !os.IsNotExist(err) {
+		t.Fatalf("root Close left its temporary directory: %v", err)
+	}
+	r, err := OpenReader(dir)
+	if err != nil || r.Samples() != 6 || r.Manifest().DatasetFingerprint != "data-B" {
+		t.Fatalf("reader: %v", err)
+	}
+	mustCheck(t, dir)
+}
+
+func withVersion(m Manifest) Manifest {
+	m.FormatVersion = FormatVersion
+	return m
+}
+
+// TestReset: an empty cache resets and takes any manifest after; a cache
+// with committed chunks is refused unless forced, and nothing of it is
+// lost; a cache open by a writer is refused.
+func TestReset(t *testing.T) {
+	if _, err := Reset(t.TempDir(), false, nil); !errors.Is(err, ErrNotCache) {
+		t.Fatalf("Reset of a plain directory: %v, want ErrNotCache", err)
+	}
+	dir := t.TempDir()
+	c, err := Create(dir, testManifest(12, EncodingLossless), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Reset(dir, true, nil); !errors.Is(err, ErrLocked) || !strings.Contains(err.Error(), "open by a writer") {
+		t.Fatalf("Reset while a writer has the cache open: %v, want ErrLocked", err)
+	}
+	c.Close()
+	rep, err := Reset(dir, false, nil)
+	if err != nil || rep.Manifest.DatasetFingerprint != "data-A" || rep.Chunks != 0 {
+		t.Fatalf("Reset of an empty cache: %+v, %v", rep, err)
+	}
+	if _, err := OpenReader(dir); !errors.Is(err, ErrNotCache) {
+		t.Fatalf("OpenReader after Reset: %v, want ErrNotCache", err)
+	}
+
+	m := testManifest(12, EncodingLossless)
+	m.DatasetFingerprint = "data-B"
+	c, err = Create(dir, m, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fillRange(t, c, 0, 4)
+	c.Close()
+	_, err = Reset(dir, false, nil)
+	if !errors.Is(err, ErrCommitted) || !strings.Contains(err.Error(), "1 committed chunks (4 samples") || !strings.Contains(err.Error(), "--force") {
+		t.Fatalf("Reset of a cache with chunks: %v, want ErrCommitted naming them and --force", err)
+	}
+	if rep := mustCheck(t, dir); rep.Samples != 4 {
+		t.Fatalf("after a refused Reset: %d samples, want 4", rep.Samples)
+	}
+	rep, err = Reset(dir, true, nil)
+	if err != nil || rep.Chunks != 1 || rep.Samples != 4 || len(rep.Files) != 2 {
+		t.Fatalf("forced Reset: %+v, %v", rep, err)
+	}
+	for _, sub := range []string{indexDir, chunksDir, tmpDir} {
+		ents, _ := os.ReadDir(filepath.Join(dir, sub))
+		if len(ents) != 0 {
+			t.Fatalf("%s/ after a forced Reset: %d entries", sub, len(ents))
+		}
+	}
+}
+
+// TestRepair: Check finds a damaged chunk, a missing one, missing sample
+// keys and a stray one; a fill cannot redo the bad ranges (they are
+// "done"); Repair drops exactly the bad chunks and fixes the keys; Check
+// is clean; a fill recomputes exactly the dropped ranges; the content is
+// the original one. An unreadable (not corrupt) chunk stops Repair with
+// nothing dropped.
+func TestRepair(t *testing.T) {
+	dir := t.TempDir()
+	c, err := Create(dir, testManifest(40, EncodingLossless), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for a := int64(0); a < 20; a += 5 {
+		fillRange(t, c, a, a+5)
+	}
+	c.Close()
+	flip := filepath.Join(dir, chunksDir, chunkFileName(Range{5, 10}))
+	data, _ := os.ReadFile(flip)
+	data[len(data)/2] ^= 0x10
+	os.WriteFile(flip, data, 0o644)
+	os.Remove(filepath.Join(dir, chunksDir, chunkFileName(Range{15, 20})))
+	s, err := openIndex(dir, true, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = s.db.Update(func(txn *badger.Txn) error {
+		if err := txn.Delete(sampleKey(2)); err != nil {
+			return err
+		}
+		return txn.Set(sampleKey(30), sampleValue(30, 0))
+	})
+	s.close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep, err := Check(dir, nil); err != nil || len(rep.Problems) != 4 {
+		t.Fatalf("Check of the damaged cache: %v, problems %q; want 4", err, rep.Problems)
+	}
+	c, err = Open(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.BeginChunk(5, 10); !errors.Is(err, ErrRangeDone) {
+		t.Fatalf("BeginChunk of a damaged range before repair: %v (the bug: fill skips it as done)", err)
+	}
+
+	// A read error that is not corruption drops nothing.
+	ffs := &faultFS{}
+	ffs.arm(0, errInjected)
+	if _, err := Repair(dir, &Options{FS: ffs}); !errors.Is(err, errInjected) || !strings.Contains(err.Error(), "nothing was changed") {
+		t.Fatalf("Repair with an unreadable chunk: %v, want the read error and nothing changed", err)
+	}
+	if rs, _ := c.Chunks(); len(rs) != 4 {
+		t.Fatalf("a failed Repair dropped records: %d left, want 4", len(rs))
+	}
+
+	rep, err := Repair(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dropped []Range
+	for _, d := range rep.Dropped {
+		dropped = append(dropped, d.Range)
+	}
+	if fmt.Sprint(dropped) != "[[5, 10) [15, 20)]" || rep.Rekeyed != 1 || rep.StrayKeys != 1 || rep.Checked != 4 {
+		t.Fatalf("Repair: dropped %v, rekeyed %d, stray %d, checked %d; want [5,10) [15,20), 1, 1, 4", dropped, rep.Rekeyed, rep.StrayKeys, rep.Checked)
+	}
+	if !strings.Contains(strings.Join(rep.Problems, "\n"), "checksum") || !strings.Contains(strings.Join(rep.Problems, "\n"), "missing") {
+		t.Fatalf("Repair problems %q: want the checksum and the missing file", rep.Problems)
+	}
+	if fmt.Sprint(rep.Files) != "["+filepath.Join(chunksDir, chunkFileName(Range{5, 10}))+"]" {
+		t.Fatalf("Repair removed %q, want the damaged chunk's file", rep.Files)
+	}
+	mustCheck(t, dir)
+	miss, err := c.Missing(0, 40)
+	if err != nil || fmt.Sprint(miss) != "[[5, 10) [15, 40)]" {
+		t.Fatalf("Missing after repair: %v, %v", miss, err)
+	}
+	fillRange(t, c, 5, 10)
+	fillRange(t, c, 15, 20)
+	if rep := mustCheck(t, dir); rep.Samples != 20 {
+		t.Fatalf("after refill: %d samples, want 20", rep.Samples)
+	}
+	r, err := OpenReader(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(0); i < 20; i++ {
+		got, err := r.Get(i)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sameSample(t, got, testSample(i))
+	}
 }

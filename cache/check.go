@@ -111,22 +111,8 @@ func Check(dir string, opts *Options) (*CheckReport, error) {
 		if keyed[ci] != info.Len() {
 			problem("chunk %s: %d of its %d samples have index entries", info.File, keyed[ci], info.Len())
 		}
-		c, err := loadChunkFile(o.FS, filepath.Join(dir, chunksDir, info.File), &m, info)
-		if err != nil {
+		if err := checkChunk(o.FS, dir, &m, info); err != nil {
 			problem("%v", err)
-			continue
-		}
-		var tokens int64
-		var smp Sample
-		for row := range c.index {
-			if err := c.sample(row, &smp); err != nil {
-				problem("%v", err)
-				break
-			}
-			tokens += int64(len(smp.Tokens))
-		}
-		if tokens != info.Tokens {
-			problem("chunk %s: %d tokens, the index says %d", info.File, tokens, info.Tokens)
 		}
 	}
 	if lerr != nil {
@@ -138,4 +124,28 @@ func Check(dir string, opts *Options) (*CheckReport, error) {
 		}
 	}
 	return rep, nil
+}
+
+// checkChunk reads the chunk file of info, checks its size, CRC-32C and
+// structure against the record, decodes every sample and checks the token
+// count. Whatever is wrong with the file wraps ErrCorrupt; an error that
+// does not is an I/O error (permission, EIO) that says nothing about the
+// chunk's content.
+func checkChunk(fs FS, dir string, m *Manifest, info ChunkInfo) error {
+	c, err := loadChunkFile(fs, filepath.Join(dir, chunksDir, info.File), m, info)
+	if err != nil {
+		return err
+	}
+	var tokens int64
+	var smp Sample
+	for row := range c.index {
+		if err := c.sample(row, &smp); err != nil {
+			return err
+		}
+		tokens += int64(len(smp.Tokens))
+	}
+	if tokens != info.Tokens {
+		return fmt.Errorf("%w: chunk %s: %d tokens, the index says %d", ErrCorrupt, info.File, tokens, info.Tokens)
+	}
+	return nil
 }

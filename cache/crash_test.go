@@ -19,8 +19,16 @@ import (
 
 // TestMain doubles as the helper process of the multi-process tests: when
 // CACHE_TEST_HELPER is set, the test binary fills a cache instead of
-// running tests (re-exec of os.Args[0], the usual Go pattern).
+// running tests (re-exec of os.Args[0], the usual Go pattern); when
+// CACHE_TEST_READONLY is set, it runs readOnlyChecks on that directory.
 func TestMain(m *testing.M) {
+	if dir := os.Getenv("CACHE_TEST_READONLY"); dir != "" {
+		if err := readOnlyChecks(dir); err != nil {
+			fmt.Fprintln(os.Stderr, "read-only helper:", err)
+			os.Exit(3)
+		}
+		os.Exit(0)
+	}
 	if spec := os.Getenv("CACHE_TEST_HELPER"); spec != "" {
 		if err := helperFill(spec); err != nil {
 			fmt.Fprintln(os.Stderr, "helper:", err)
@@ -460,7 +468,7 @@ func TestFaultInjection(t *testing.T) {
 			if len(miss) != 1 || miss[0] != (Range{5, 10}) {
 				t.Fatalf("failing op %d (%s): Missing = %v, the failed range must stay missing", at, what, miss)
 			}
-			if ents, _ := os.ReadDir(c.tmp); len(ents) != 1 { // owner.lock only
+			if ents, _ := os.ReadDir(c.ws.tmp); len(ents) != 1 { // owner.lock only
 				t.Fatalf("failing op %d (%s): %d files left in the writer's tmp dir", at, what, len(ents))
 			}
 		}

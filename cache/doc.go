@@ -20,12 +20,14 @@
 //	  LOCK                       flock: exclusive while the index is written,
 //	                             shared while it is read (see below)
 //	  index/                     Badger v4 database (keys below)
+//	    LOCK                     Badger's own flock on index/ (not ours)
 //	  chunks/AAAAAAAAAAAA-BBBBBBBBBBBB.arrow
 //	                             immutable Arrow IPC file of samples [A, B),
 //	                             A and B zero-padded to 12 digits
 //	  tmp/<pid>-<hex>/           a live writer's private directory:
 //	    owner.lock               flocked by that writer while it lives
 //	    <chunk name>.<n>.tmp     a chunk being written
+//	  tmp/reset-<hex>.tmp/       an index being deleted by Reset
 //
 // Nothing else in DIR matters; a cache directory can be copied with cp -r
 // or rsync when no writer runs.
@@ -41,6 +43,16 @@
 //
 // A range is "done" exactly when its "r" record exists; the per-chunk
 // checksums of the manifest are the CRC-32C fields of the "r" records.
+//
+// The "m" record is provisional until the first "r" record exists: Create
+// (and Cache.Use, which teacherd calls per Fill request) replaces the
+// manifest of a cache with no committed chunk, so a fill that failed
+// before its first commit does not bind the directory to its dataset,
+// teacher, k, temperature or encoding. Commit re-reads "m" under the
+// exclusive lock and, while no chunk is committed, writes its own
+// manifest in the same transaction as its "r" record; once a chunk is
+// committed every writer must agree with "m" field by field
+// (ErrManifestMismatch, naming the field and the committed chunks).
 //
 // # Chunk files
 //
@@ -63,6 +75,12 @@
 //	id_code0..2 list<uint8>   (T*K) byte planes of the dictionary code
 //
 //	topk_ids[t,j] = id_dict[0][id_code0[t*K+j] + 256*id_code1[t*K+j] + 65536*id_code2[t*K+j]]
+//
+// List offsets are int32 (plain Arrow lists, not large lists), so a chunk
+// holds at most MaxChunkEntries = 2^31-1 (position, k) entries in all:
+// ChunkWriter.Add refuses the sample that would cross it (ErrInvalid,
+// naming the sample; fill that range with fewer samples per chunk) rather
+// than write a file no reader can open.
 //
 // Byte planes and the frequency-ordered dictionary make zstd see small,
 // skewed bytes; ids are always exact. The log-probs depend on the encoding.
@@ -102,8 +120,8 @@
 // Format constants (changing any needs a FormatVersion bump): the key
 // layout and prefixes above, the column names and their order, the
 // metadata keys, lpTopScale = 4096, lpDeltaUnit = 64, the file naming,
-// CRC-32C as checksum, and MaxChunkSamples (16384, bounds an index
-// transaction).
+// CRC-32C as checksum, MaxChunkSamples (16384, bounds an index
+// transaction) and MaxChunkEntries (2^31-1, the int32 list offsets).
 //
 // # Sizes (BenchmarkEncodingSize, k = 64, V = 151936)
 //
@@ -134,6 +152,47 @@
 // chunk files no record references (a crash between rename and index
 // write) and the tmp directories whose owner.lock is not held (dead
 // writers); it runs under the exclusive lock, so it never races a commit.
+//
+// # Repair and reset
+//
+// Repair (cachectl repair) makes the index agree with the chunk files: it
+// verifies every chunk as Check does, without a lock (chunk files are
+// immutable), then under the exclusive lock deletes, in one transaction
+// per chunk, the "r" record and the "s" keys of each chunk whose file is
+// missing or fails a check, rewrites missing or wrong "s" keys of good
+// chunks, deletes "s" keys that point at no chunk, and runs GC (which
+// removes the dropped chunks' files). The dropped ranges are missing
+// then, so the same fill recomputes exactly them. A chunk that cannot be
+// read for a reason other than corruption (permission, EIO) stops Repair
+// before it changes anything.
+//
+// Reset (cachectl reset) moves index/ into tmp/ (one rename: the directory
+// stops being a cache), then deletes it, every chunk file and the
+// temporary directories of dead writers, under the exclusive lock. It
+// refuses a cache with committed chunks unless forced (ErrCommitted:
+// committed data is never discarded by accident) and a cache that a live
+// writer has open (ErrLocked). A crash in the middle leaves unreferenced
+// chunk files, which the next Create's GC removes.
+//
+// # Permissions and read-only caches
+//
+// Reading needs only read permission on DIR, index/ and its files, and
+// chunks/: a cache on a read-only mount, or owned by another user, opens
+// for status, verify, inspect, export, train and eval. Readers open LOCK
+// read-only and take the shared flock on that descriptor. If LOCK does not
+// exist and cannot be created (EROFS, EACCES), no writer has opened this
+// copy of the cache, and the reader reads without a lock; it does the same
+// where the file system has no flock (ENOLCK, EOPNOTSUPP). Badger's
+// read-only mode needs no write permission either: it flocks index/
+// shared through a read-only descriptor and opens its files O_RDONLY.
+// The one exception is recovery after a writer died inside an index
+// session (below), which needs write permission once.
+//
+// Writers create directories 0755 and files 0644, less the umask. Badger
+// makes index/ 0700 and MANIFEST and KEYREGISTRY 0600; after each index
+// session the writer widens index/ and its files to the permission bits
+// of DIR itself (adding bits only, so a cache in a 0700 directory stays
+// private). Writing needs write permission on all of the cache.
 //
 // # Readers while a writer runs
 //

@@ -151,6 +151,13 @@ func (w *countWriter) Seek(off int64, whence int) (int64, error) {
 // Arrow IPC file with zstd-compressed buffers.
 func encodeChunk(m *Manifest, r Range, samples []Sample) ([]byte, error) {
 	K := m.K
+	var positions int64
+	for i := range samples {
+		positions += int64(len(samples[i].Tokens))
+		if err := checkEntries(r, samples[i].Index, positions, K); err != nil {
+			return nil, err // ChunkWriter.Add refuses it first; a guard for other callers
+		}
+	}
 	// Chunk dictionary: distinct top-k ids by descending count, so frequent
 	// ids get small codes and the high code planes are mostly zero.
 	count := make([]int32, m.VocabSize)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"sort"
@@ -92,12 +93,36 @@ func badgerOptions(dir string, readOnly bool) badger.Options {
 // while another process is filling it: Badger lets only one process open a
 // directory read-write, and its read-only mode refuses a directory whose
 // write-ahead log is live.
+//
+// Readers need only read permission: they open LOCK read-only (flock works
+// on any open file). If LOCK does not exist and cannot be created (a
+// read-only mount, a directory of another user), no writer has ever opened
+// this copy of the cache, and the reader proceeds without a lock; it does
+// the same where the file system has no flock (ENOLCK, EOPNOTSUPP). f is
+// nil then.
 type dirLock struct{ f *os.File }
 
+// lockFreeReads counts reader sessions that ran without a lock (tests).
+var lockFreeReads atomic.Int64
+
 func lockDir(dir string, exclusive bool, timeout time.Duration) (*dirLock, error) {
-	f, err := os.OpenFile(filepath.Join(dir, lockName), os.O_RDWR|os.O_CREATE, 0o644)
+	path := filepath.Join(dir, lockName)
+	var f *os.File
+	var err error
+	if exclusive {
+		f, err = os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+	} else {
+		f, err = os.Open(path)
+		if errors.Is(err, os.ErrNotExist) {
+			f, err = os.OpenFile(path, os.O_RDONLY|os.O_CREATE, 0o644)
+			if isReadOnlyErr(err) {
+				lockFreeReads.Add(1)
+				return &dirLock{}, nil
+			}
+		}
+	}
 	if err != nil {
-		return nil, fmt.Errorf("cache: %s: opening lock file: %w", dir, err)
+		return nil, fmt.Errorf("cache: %s: opening lock file: %w (readers need read permission on it, writers write permission)", dir, err)
 	}
 	how := syscall.LOCK_SH
 	if exclusive {
@@ -109,6 +134,11 @@ func lockDir(dir string, exclusive bool, timeout time.Duration) (*dirLock, error
 		err = syscall.Flock(int(f.Fd()), how|syscall.LOCK_NB)
 		if err == nil {
 			return &dirLock{f: f}, nil
+		}
+		if !exclusive && (errors.Is(err, syscall.ENOLCK) || errors.Is(err, syscall.EOPNOTSUPP)) {
+			f.Close()
+			lockFreeReads.Add(1)
+			return &dirLock{}, nil
 		}
 		if !errors.Is(err, syscall.EWOULDBLOCK) || time.Now().After(deadline) {
 			f.Close()
@@ -122,15 +152,27 @@ func lockDir(dir string, exclusive bool, timeout time.Duration) (*dirLock, error
 	}
 }
 
-func (l *dirLock) unlock() { l.f.Close() } // closing the fd drops the flock
+// isReadOnlyErr reports whether err says we may not create or change a
+// file: a read-only file system or a permission refusal.
+func isReadOnlyErr(err error) bool {
+	return errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EACCES) || errors.Is(err, syscall.EPERM)
+}
+
+func (l *dirLock) unlock() {
+	if l.f != nil {
+		l.f.Close() // closing the fd drops the flock
+	}
+}
 
 // indexRecoveries counts read-write recoveries of crashed indexes (tests).
 var indexRecoveries atomic.Int64
 
 // indexSession is the index open under the directory lock.
 type indexSession struct {
-	lock *dirLock
-	db   *badger.DB
+	lock  *dirLock
+	db    *badger.DB
+	dir   string
+	write bool
 }
 
 // openIndex takes the lock and opens Badger. A read-only open of an index
@@ -145,6 +187,13 @@ func openIndex(dir string, write bool, timeout time.Duration) (*indexSession, er
 			return nil, fmt.Errorf("cache: %s: %w", dir, err)
 		}
 	}
+	if write {
+		// Badger would create it 0700; 0755 less the umask lets other
+		// users read the cache (shareIndex widens what Badger makes inside).
+		if err := os.MkdirAll(filepath.Join(dir, indexDir), 0o755); err != nil {
+			return nil, fmt.Errorf("cache: %s: %w", dir, err)
+		}
+	}
 	for attempt := 0; ; attempt++ {
 		l, err := lockDir(dir, write, timeout)
 		if err != nil {
@@ -152,7 +201,7 @@ func openIndex(dir string, write bool, timeout time.Duration) (*indexSession, er
 		}
 		db, err := badger.Open(badgerOptions(dir, !write))
 		if err == nil {
-			return &indexSession{lock: l, db: db}, nil
+			return &indexSession{lock: l, db: db, dir: dir, write: write}, nil
 		}
 		debris := attempt < 2 && (isTruncateNeeded(err) || isEmptyLog(err) || hasEmptyLogs(dir))
 		if debris && write {
@@ -170,13 +219,17 @@ func openIndex(dir string, write bool, timeout time.Duration) (*indexSession, er
 			if !write {
 				rw, rerr := openIndex(dir, true, timeout)
 				if rerr != nil {
-					return nil, fmt.Errorf("cache: %s: index needs recovery after a crashed writer, and recovering it failed: %w", dir, rerr)
+					return nil, fmt.Errorf("cache: %s: index needs recovery after a crashed writer, and recovering it failed: %w (open the cache once with write permission, e.g. cachectl status as its owner)", dir, rerr)
 				}
 				if rerr = rw.close(); rerr != nil {
 					return nil, rerr
 				}
 			}
 			continue
+		}
+		// Badger wraps without %w: the message decides too.
+		if !write && (errors.Is(err, fs.ErrPermission) || strings.Contains(err.Error(), syscall.EACCES.Error())) {
+			return nil, fmt.Errorf("cache: %s: opening index: %w (a reader needs read permission on %s/ and its files; a writer of this build widens them at its next commit, or run chmod -R a+rX %s)", dir, err, indexDir, dir)
 		}
 		return nil, fmt.Errorf("cache: %s: opening index: %w", dir, err)
 	}
@@ -230,11 +283,45 @@ func isTruncateNeeded(err error) bool {
 
 func (s *indexSession) close() error {
 	err := s.db.Close()
+	if s.write {
+		shareIndex(s.dir)
+	}
 	s.lock.unlock()
 	if err != nil {
 		return fmt.Errorf("cache: closing index: %w", err)
 	}
 	return nil
+}
+
+// shareIndex gives index/ and the files in it the permission bits of the
+// cache directory itself, which Badger does not: it makes index/ 0700 and
+// MANIFEST and KEYREGISTRY 0600, so another user could not read the cache.
+// Bits are only added, never removed, so a private cache (DIR 0700) stays
+// private; DIR's own mode went through the umask when it was made. Best
+// effort: a writer that does not own a file (a group member) cannot chmod
+// it, and readers then get a permission error naming the file.
+func shareIndex(dir string) {
+	st, err := os.Stat(dir)
+	if err != nil {
+		return
+	}
+	perm := st.Mode().Perm()
+	widen := func(p string, want fs.FileMode) {
+		if fi, err := os.Lstat(p); err == nil && fi.Mode().Perm()&want != want && fi.Mode()&fs.ModeSymlink == 0 {
+			os.Chmod(p, fi.Mode().Perm()|want)
+		}
+	}
+	idx := filepath.Join(dir, indexDir)
+	widen(idx, perm)
+	ents, err := os.ReadDir(idx)
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		if e.Type().IsRegular() {
+			widen(filepath.Join(idx, e.Name()), perm&0o666)
+		}
+	}
 }
 
 // manifest reads the manifest record (ok=false if the index has none).

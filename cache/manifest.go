@@ -32,6 +32,9 @@ var (
 	ErrLocked = errors.New("cache: index locked")
 	// ErrNotCache is returned when a directory holds no cache index.
 	ErrNotCache = errors.New("cache: not a cache directory")
+	// ErrCommitted is returned by Reset for a cache that holds committed
+	// chunks when it was not told to discard them.
+	ErrCommitted = errors.New("cache: committed chunks present")
 )
 
 // Encoding selects how top-k log-probs are stored (token ids are always

@@ -183,7 +183,7 @@ func (r *Reader) loadChunk(k int) (*chunk, error) {
 func loadChunkFile(fs FS, path string, m *Manifest, info ChunkInfo) (*chunk, error) {
 	data, err := fs.ReadFile(path)
 	if errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("%w: chunk file %s of samples %v is missing (restore it or refill the range)", ErrCorrupt, path, info.Range)
+		return nil, fmt.Errorf("%w: chunk file %s of samples %v is missing (restore it, or run cachectl repair and fill again to recompute the range)", ErrCorrupt, path, info.Range)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("cache: reading chunk %s: %w", path, err)

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -42,15 +43,30 @@ func (o *Options) withDefaults() Options {
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
-// Cache is a cache directory opened for filling. It is safe for concurrent
-// use by several goroutines (one ChunkWriter each), and several processes
-// may fill the same directory at once: index updates are serialized by the
-// directory lock and a range is recorded at most once.
+// Cache is a cache directory opened for filling under one manifest. It is
+// safe for concurrent use by several goroutines (one ChunkWriter each), and
+// several processes may fill the same directory at once: index updates are
+// serialized by the directory lock and a range is recorded at most once.
+//
+// The manifest of a cache is provisional until its first chunk is
+// committed: a fill that failed before committing anything does not bind
+// the directory, and the next Create (or Use) with another manifest
+// replaces it. From the first committed chunk on, every writer's manifest
+// must agree with it field by field; Commit checks this under the lock, so
+// of two writers with different manifests racing on an empty cache, the
+// first to commit wins and the other gets ErrManifestMismatch.
 type Cache struct {
 	dir  string
 	opts Options
 	m    Manifest
-	mu   sync.Mutex
+	ws   *writerState // shared by the handles Use derives
+	root bool         // Close releases ws only from the root handle
+}
+
+// writerState is one writer instance's temporary directory and commit
+// serialization, shared by the handles of one Create/Open.
+type writerState struct {
+	mu sync.Mutex
 	// tmp is this instance's private directory under tmp/, locked by an
 	// flock on tmp/<id>/owner.lock for the instance's lifetime so that GC in
 	// any process can tell a live writer's files from a dead one's.
@@ -61,10 +77,11 @@ type Cache struct {
 	opened GCReport
 }
 
-// Create opens dir for filling, creating the cache with manifest m if the
-// directory holds none. If it holds one, it must agree with m field by field
-// (the error names the first field that differs). Create then runs GC to
-// remove what a crashed writer left behind.
+// Create opens dir for filling with manifest m, creating the cache if the
+// directory holds none. If it holds a cache with committed chunks, m must
+// agree with its manifest field by field (the error names the first field
+// that differs); a cache with no committed chunk takes m. Create then runs
+// GC to remove what a crashed writer left behind.
 func Create(dir string, m Manifest, opts *Options) (*Cache, error) {
 	if m.FormatVersion == 0 {
 		m.FormatVersion = FormatVersion
@@ -75,7 +92,8 @@ func Create(dir string, m Manifest, opts *Options) (*Cache, error) {
 	return open(dir, &m, opts)
 }
 
-// Open opens an existing cache for filling (see Create).
+// Open opens an existing cache for filling with the manifest it holds (see
+// Create).
 func Open(dir string, opts *Options) (*Cache, error) { return open(dir, nil, opts) }
 
 func open(dir string, want *Manifest, opts *Options) (*Cache, error) {
@@ -94,23 +112,22 @@ func open(dir string, want *Manifest, opts *Options) (*Cache, error) {
 	if err != nil {
 		return nil, err
 	}
-	have, ok, err := s.manifest()
-	if err == nil && !ok && want == nil {
-		err = fmt.Errorf("%w: %s: index has no manifest", ErrNotCache, dir)
-	}
-	if err == nil && ok {
-		if err = have.Validate(); err != nil {
-			err = fmt.Errorf("%s: %w", dir, err)
+	c := &Cache{dir: dir, opts: o, ws: &writerState{}, root: true}
+	if want == nil {
+		var ok bool
+		c.m, ok, err = s.manifest()
+		if err == nil && !ok {
+			err = fmt.Errorf("%w: %s: index has no manifest", ErrNotCache, dir)
 		}
+		if err == nil {
+			if err = c.m.Validate(); err != nil {
+				err = fmt.Errorf("%s: %w", dir, err)
+			}
+		}
+	} else {
+		c.m = *want
+		err = adopt(s, dir, want)
 	}
-	if err == nil && ok && want != nil {
-		err = want.Agree(&have, "the requested manifest", dir)
-	}
-	if err == nil && !ok {
-		err = s.db.Update(func(txn *badger.Txn) error { return txn.Set([]byte{keyManifest}, want.marshal()) })
-		have = *want
-	}
-	c := &Cache{dir: dir, opts: o, m: have}
 	if err == nil {
 		// Made under the directory lock, which GC also holds: GC never sees
 		// this directory before its owner lock is held.
@@ -123,51 +140,146 @@ func open(dir string, want *Manifest, opts *Options) (*Cache, error) {
 		c.Close()
 		return nil, err
 	}
-	if c.opened, err = c.GC(); err != nil {
+	if c.ws.opened, err = c.GC(); err != nil {
 		c.Close()
 		return nil, err
 	}
 	return c, nil
 }
 
+// adopt makes want the index's manifest, under the exclusive lock of s:
+// it agrees with the manifest there, or no chunk is committed yet (then
+// want replaces it). Otherwise the error names the first differing field.
+func adopt(s *indexSession, dir string, want *Manifest) error {
+	have, ok, err := s.manifest()
+	if err != nil {
+		return fmt.Errorf("%s: %w", dir, err)
+	}
+	if ok && want.Agree(&have, "the requested manifest", dir) == nil {
+		return nil
+	}
+	rs, err := s.ranges()
+	if err != nil {
+		return fmt.Errorf("%s: %w", dir, err)
+	}
+	if ok && len(rs) > 0 {
+		if err := have.Validate(); err != nil {
+			return fmt.Errorf("%s: %w", dir, err)
+		}
+		return bound(want.Agree(&have, "the requested manifest", dir), dir, rs)
+	}
+	return s.db.Update(func(txn *badger.Txn) error { return txn.Set([]byte{keyManifest}, want.marshal()) })
+}
+
+// bound adds to a manifest mismatch what binds the directory to its
+// manifest: its committed chunks.
+func bound(err error, dir string, rs []ChunkInfo) error {
+	var n int64
+	for _, r := range rs {
+		n += r.Len()
+	}
+	return fmt.Errorf("%w (%s holds %d committed chunks, %d samples, made under its manifest)", err, dir, len(rs), n)
+}
+
+// Use returns a handle that fills c's directory under manifest m: m must
+// agree with the manifest in the index, or the index must hold no
+// committed chunk, and then m replaces it (see Cache). A daemon serving
+// fills of any dataset calls it per request, so a request that failed
+// before committing anything leaves the directory free for the next one.
+// The handle shares c's temporary directory: it is valid while c is open,
+// and its Close does nothing. If m agrees with c's manifest, Use returns c.
+func (c *Cache) Use(m Manifest) (*Cache, error) {
+	if m.FormatVersion == 0 {
+		m.FormatVersion = FormatVersion
+	}
+	if err := m.Validate(); err != nil {
+		return nil, err
+	}
+	c.ws.mu.Lock()
+	defer c.ws.mu.Unlock()
+	s, err := openIndex(c.dir, true, c.opts.LockTimeout)
+	if err != nil {
+		return nil, err
+	}
+	err = adopt(s, c.dir, &m)
+	if cerr := s.close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return nil, err
+	}
+	if m.Agree(&c.m, "", "") == nil {
+		return c, nil
+	}
+	return &Cache{dir: c.dir, opts: c.opts, m: m, ws: c.ws}, nil
+}
+
 func (c *Cache) makeTmp() error {
 	var id [6]byte
 	rand.Read(id[:])
-	c.tmp = filepath.Join(c.dir, tmpDir, fmt.Sprintf("%d-%s", os.Getpid(), hex.EncodeToString(id[:])))
-	if err := c.opts.FS.MkdirAll(c.tmp); err != nil {
-		return fmt.Errorf("cache: creating %s: %w", c.tmp, err)
+	ws := c.ws
+	ws.tmp = filepath.Join(c.dir, tmpDir, fmt.Sprintf("%d-%s", os.Getpid(), hex.EncodeToString(id[:])))
+	if err := c.opts.FS.MkdirAll(ws.tmp); err != nil {
+		return fmt.Errorf("cache: creating %s: %w", ws.tmp, err)
 	}
-	f, err := os.OpenFile(filepath.Join(c.tmp, ownerLock), os.O_RDWR|os.O_CREATE, 0o644)
+	f, err := os.OpenFile(filepath.Join(ws.tmp, ownerLock), os.O_RDWR|os.O_CREATE, 0o644)
 	if err != nil {
-		return fmt.Errorf("cache: creating %s: %w", c.tmp, err)
+		return fmt.Errorf("cache: creating %s: %w", ws.tmp, err)
 	}
 	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
 		f.Close()
-		return fmt.Errorf("cache: locking %s: %w", c.tmp, err)
+		return fmt.Errorf("cache: locking %s: %w", ws.tmp, err)
 	}
-	c.owner = f
+	ws.owner = f
 	return nil
 }
 
 // OpenGC returns what the GC run by Create or Open removed: the debris of
 // writers that died.
-func (c *Cache) OpenGC() GCReport { return c.opened }
+func (c *Cache) OpenGC() GCReport { return c.ws.opened }
 
-// Manifest returns the cache's manifest.
+// Manifest returns the manifest this handle fills under.
 func (c *Cache) Manifest() Manifest { return c.m }
 
 // Dir returns the cache directory.
 func (c *Cache) Dir() string { return c.dir }
 
-// Close releases the instance's temporary directory.
+// Close releases the instance's temporary directory. On a handle from Use
+// it does nothing.
 func (c *Cache) Close() error {
-	if c.owner == nil {
+	if !c.root {
 		return nil
 	}
-	err := c.opts.FS.RemoveAll(c.tmp)
-	c.owner.Close()
-	c.owner = nil
+	ws := c.ws
+	ws.mu.Lock()
+	defer ws.mu.Unlock()
+	if ws.owner == nil {
+		return nil
+	}
+	err := c.opts.FS.RemoveAll(ws.tmp)
+	ws.owner.Close()
+	ws.owner = nil
 	return err
+}
+
+// Current returns the manifest recorded in the index and the committed
+// chunks sorted by start, as of now. The manifest may differ from this
+// handle's while no chunk is committed (see Cache), or once another
+// writer's first commit bound the directory to its own.
+func (c *Cache) Current() (Manifest, []ChunkInfo, error) {
+	s, err := openIndex(c.dir, false, c.opts.LockTimeout)
+	if err != nil {
+		return Manifest{}, nil, err
+	}
+	m, _, err := s.manifest()
+	var rs []ChunkInfo
+	if err == nil {
+		rs, err = s.ranges()
+	}
+	if cerr := s.close(); err == nil {
+		err = cerr
+	}
+	return m, rs, err
 }
 
 // Chunks returns the committed chunks sorted by start, as of now.
@@ -234,6 +346,21 @@ func conflict(rs []ChunkInfo, r Range) error {
 	return fmt.Errorf("%w: range %v overlaps committed chunk %v (%s); fill ranges must follow the committed chunk boundaries", ErrInvalid, r, rs[i].Range, rs[i].File)
 }
 
+// MaxChunkEntries bounds the (position, k) entries of one chunk: its
+// per-entry list columns (id_code*, lp_*) have int32 Arrow offsets, so a
+// chunk past 2^31-1 entries could be written but not read back. A variable
+// so that tests can lower it.
+var MaxChunkEntries int64 = math.MaxInt32
+
+// checkEntries refuses a chunk that would reach positions*k entries over
+// MaxChunkEntries, naming the sample that crosses the limit and the fix.
+func checkEntries(r Range, sample, positions int64, k int) error {
+	if n := positions * int64(k); n > MaxChunkEntries {
+		return fmt.Errorf("%w: chunk %v: sample %d brings it to %d positions x k %d = %d top-k entries, over the %d one Arrow chunk file can index (int32 list offsets); fill with fewer samples per chunk (cachectl fill --chunk, FillRequest.chunk_samples)", ErrInvalid, r, sample, positions, k, n, MaxChunkEntries)
+	}
+	return nil
+}
+
 // ChunkWriter collects the samples of one range [start, end) and commits
 // them as one chunk. Samples must be added in index order.
 type ChunkWriter struct {
@@ -252,12 +379,17 @@ func (c *Cache) BeginChunk(start, end int64) (*ChunkWriter, error) {
 	if err := c.checkRange(r); err != nil {
 		return nil, err
 	}
-	rs, err := c.Chunks()
+	have, rs, err := c.Current()
 	if err != nil {
 		return nil, err
 	}
 	if err := conflict(rs, r); err != nil {
 		return nil, err
+	}
+	if len(rs) > 0 {
+		if err := c.m.Agree(&have, "this writer's manifest", c.dir); err != nil {
+			return nil, bound(err, c.dir, rs)
+		}
 	}
 	return &ChunkWriter{c: c, r: r, samples: make([]Sample, 0, r.Len())}, nil
 }
@@ -276,6 +408,9 @@ func (w *ChunkWriter) Add(s Sample) error {
 		return fmt.Errorf("%w: chunk %v: got sample %d, want %d (add samples in index order)", ErrInvalid, w.r, s.Index, next)
 	}
 	if err := validateSample(&w.c.m, &s); err != nil {
+		return err
+	}
+	if err := checkEntries(w.r, s.Index, w.tokens+int64(len(s.Tokens)), w.c.m.K); err != nil {
 		return err
 	}
 	w.tokens += int64(len(s.Tokens))
@@ -314,15 +449,15 @@ func (w *ChunkWriter) Commit() error {
 	}
 	info := ChunkInfo{Range: w.r, File: chunkFileName(w.r), Bytes: int64(len(data)), CRC32C: crc32.Checksum(data, castagnoli)}
 	// Unique per commit: goroutines of one Cache may race for one range.
-	tmp := filepath.Join(c.tmp, fmt.Sprintf("%s.%d%s", info.File, c.seq.Add(1), tmpFileExt))
+	tmp := filepath.Join(c.ws.tmp, fmt.Sprintf("%s.%d%s", info.File, c.ws.seq.Add(1), tmpFileExt))
 	if err := writeFileSync(fs, tmp, data); err != nil {
 		fs.Remove(tmp)
 		return fmt.Errorf("cache: writing chunk %v to %s: %w", w.r, tmp, err)
 	}
 	data = nil
 	info.Tokens = w.tokens
-	c.mu.Lock()
-	defer c.mu.Unlock()
+	c.ws.mu.Lock()
+	defer c.ws.mu.Unlock()
 	s, err := openIndex(c.dir, true, c.opts.LockTimeout)
 	if err != nil {
 		fs.Remove(tmp)
@@ -350,6 +485,20 @@ func (w *ChunkWriter) publish(s *indexSession, tmp string, info ChunkInfo) error
 		}
 		return err
 	}
+	// The first committed chunk fixes the manifest: until then another
+	// writer may have replaced it (see Cache), and this commit puts ours
+	// back in the same transaction as the chunk record.
+	have, ok, err := s.manifest()
+	if err != nil {
+		return err
+	}
+	setManifest := !ok || c.m.Agree(&have, "", "") != nil
+	if !ok && len(rs) > 0 {
+		return fmt.Errorf("%w: %s: the index holds %d chunk records but no manifest", ErrCorrupt, c.dir, len(rs))
+	}
+	if setManifest && len(rs) > 0 {
+		return bound(c.m.Agree(&have, "this writer's manifest", c.dir), c.dir, rs)
+	}
 	final := filepath.Join(c.dir, chunksDir, info.File)
 	if err := fs.Rename(tmp, final); err != nil {
 		return fmt.Errorf("cache: publishing chunk %v: %w", w.r, err)
@@ -365,6 +514,11 @@ func (w *ChunkWriter) publish(s *indexSession, tmp string, info ChunkInfo) error
 	err = s.db.Update(func(txn *badger.Txn) error {
 		for i := w.r.Start; i < w.r.End; i++ {
 			if err := txn.Set(sampleKey(i), sampleValue(w.r.Start, uint32(i-w.r.Start))); err != nil {
+				return err
+			}
+		}
+		if setManifest {
+			if err := txn.Set([]byte{keyManifest}, c.m.marshal()); err != nil {
 				return err
 			}
 		}
@@ -403,15 +557,20 @@ type GCReport struct {
 // writers that no longer run. It holds the exclusive lock, so it never
 // races with a commit.
 func (c *Cache) GC() (GCReport, error) {
-	var rep GCReport
-	fs := c.opts.FS
-	c.mu.Lock()
-	defer c.mu.Unlock()
+	c.ws.mu.Lock()
+	defer c.ws.mu.Unlock()
 	s, err := openIndex(c.dir, true, c.opts.LockTimeout)
 	if err != nil {
-		return rep, err
+		return GCReport{}, err
 	}
 	defer s.close()
+	return gc(s, c.dir, c.opts.FS, c.ws.tmp)
+}
+
+// gc is GC under the exclusive lock held by s; self is the caller's own
+// temporary directory (kept), if any.
+func gc(s *indexSession, dir string, fs FS, self string) (GCReport, error) {
+	var rep GCReport
 	rs, err := s.ranges()
 	if err != nil {
 		return rep, err
@@ -420,7 +579,7 @@ func (c *Cache) GC() (GCReport, error) {
 	for _, r := range rs {
 		ref[r.File] = true
 	}
-	names, err := fs.ReadDir(filepath.Join(c.dir, chunksDir))
+	names, err := fs.ReadDir(filepath.Join(dir, chunksDir))
 	if err != nil {
 		return rep, fmt.Errorf("cache: gc: %w", err)
 	}
@@ -429,18 +588,18 @@ func (c *Cache) GC() (GCReport, error) {
 			continue
 		}
 		p := filepath.Join(chunksDir, n)
-		if err := fs.Remove(filepath.Join(c.dir, p)); err != nil {
+		if err := fs.Remove(filepath.Join(dir, p)); err != nil {
 			return rep, fmt.Errorf("cache: gc: %w", err)
 		}
 		rep.Files = append(rep.Files, p)
 	}
-	names, err = fs.ReadDir(filepath.Join(c.dir, tmpDir))
+	names, err = fs.ReadDir(filepath.Join(dir, tmpDir))
 	if err != nil {
 		return rep, fmt.Errorf("cache: gc: %w", err)
 	}
 	for _, n := range names {
-		p := filepath.Join(c.dir, tmpDir, n)
-		if p == c.tmp || !ownerDead(p) {
+		p := filepath.Join(dir, tmpDir, n)
+		if p == self || !ownerDead(p) {
 			continue
 		}
 		if err := fs.RemoveAll(p); err != nil {

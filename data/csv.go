@@ -1,6 +1,7 @@
 package data
 
 import (
+	"bufio"
 	"bytes"
 	"crypto/sha256"
 	"encoding/csv"
@@ -9,7 +10,6 @@ import (
 	"hash"
 	"io"
 	"os"
-	"strings"
 	"unicode/utf8"
 )
 
@@ -56,7 +56,15 @@ func openCSV(path string, cols ColumnMap) (*csvReader, error) {
 
 func (r *csvReader) index() error {
 	hr := &hashingReader{r: r.f, h: sha256.New()}
-	cr := csv.NewReader(hr)
+	br := bufio.NewReaderSize(hr, indexChunk)
+	// A byte order mark (Excel writes one) is not part of the first column
+	// name, and would make a quoted one malformed; it stays in the hash.
+	var skip int64
+	if b, _ := br.Peek(len(utf8BOM)); bytes.Equal(b, utf8BOM) {
+		br.Discard(len(utf8BOM))
+		skip = int64(len(utf8BOM))
+	}
+	cr := csv.NewReader(br)
 	cr.ReuseRecord = true
 	cr.FieldsPerRecord = -1 // a short row is one bad record, not a bad file
 	head, err := cr.Read()
@@ -67,9 +75,6 @@ func (r *csvReader) index() error {
 		return fmt.Errorf("%w: %s: header: %v", ErrSource, r.path, err)
 	}
 	r.header = append([]string(nil), head...)
-	if len(r.header) > 0 {
-		r.header[0] = strings.TrimPrefix(r.header[0], "\ufeff") // Excel's BOM
-	}
 	seen := map[string]bool{}
 	for _, h := range r.header {
 		if seen[h] {
@@ -77,7 +82,7 @@ func (r *csvReader) index() error {
 		}
 		seen[h] = true
 	}
-	off := cr.InputOffset()
+	off := skip + cr.InputOffset()
 	line, _ := cr.FieldPos(0)
 	r.lines.base = int64(line) + 1
 	for {
@@ -98,7 +103,7 @@ func (r *csvReader) index() error {
 		l, _ := cr.FieldPos(0)
 		r.lines.add(rec, int64(l)-(rec+r.lines.base))
 		r.offsets = append(r.offsets, off)
-		off = cr.InputOffset()
+		off = skip + cr.InputOffset()
 	}
 	if len(r.offsets) == 0 {
 		return fmt.Errorf("%w: %s: no data rows after the header", ErrSource, r.path)

@@ -174,6 +174,10 @@ func open(sources []Source, tok Tokenizer, tmpl Renderer, opts Options) (*Datase
 	d := &Dataset{enc: enc, opts: opts, srcs: sources, stats: Stats{Reasons: map[string]int64{}}}
 	weighted := 0
 	for i, s := range sources {
+		if err := s.Columns.Check(); err != nil {
+			d.Close()
+			return nil, fmt.Errorf("%s: %w", s.Path, err)
+		}
 		r, err := openSource(s)
 		if err != nil {
 			d.Close()
@@ -439,27 +443,35 @@ func (d *Dataset) tokenize(s int, r int64) ([]int32, []uint8, string, error) {
 func (d *Dataset) count(out []Sample) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	st := &d.stats
 	for _, s := range out {
-		st.Samples++
-		switch s.Status {
-		case Truncated:
-			st.Truncated++
-		case Dropped, Skipped:
-			if s.Status == Dropped {
-				st.Dropped++
-			} else {
-				st.Skipped++
-			}
-			st.Reasons[s.why]++
-			if len(st.Examples) < maxExamples {
-				st.Examples = append(st.Examples, s.Reason)
-			}
+		d.stats.Add(s)
+	}
+}
+
+// Add counts sample s: Range's accounting, for callers that count a part
+// of the samples (a fill counts each chunk it computes).
+func (st *Stats) Add(s Sample) {
+	st.Samples++
+	switch s.Status {
+	case Truncated:
+		st.Truncated++
+	case Dropped, Skipped:
+		if s.Status == Dropped {
+			st.Dropped++
+		} else {
+			st.Skipped++
 		}
-		st.Tokens += int64(len(s.IDs))
-		for _, m := range s.Mask {
-			st.Targets += int64(m)
+		if st.Reasons == nil {
+			st.Reasons = map[string]int64{}
 		}
+		st.Reasons[s.why]++
+		if len(st.Examples) < maxExamples {
+			st.Examples = append(st.Examples, s.Reason)
+		}
+	}
+	st.Tokens += int64(len(s.IDs))
+	for _, m := range s.Mask {
+		st.Targets += int64(m)
 	}
 }
 

@@ -374,3 +374,44 @@ func TestRangeParallelMatchesSequential(t *testing.T) {
 		}
 	}
 }
+
+// TestUTF8BOM reads real files that start with a UTF-8 byte order mark
+// (as Windows editors and Excel save them): the mark is not part of the
+// first record or of the first column name, and line numbers are unchanged.
+func TestUTF8BOM(t *testing.T) {
+	tok := newFakeTok()
+	for _, tc := range []struct {
+		file string
+		want []string
+		locs []string
+	}{
+		{"bom.jsonl", []string{"hiyo", "second"}, []string{":1", ":2"}},
+		{"bom.csv", []string{"hiyo", "qr"}, []string{":2", ":3"}},
+	} {
+		path := filepath.Join("testdata", tc.file)
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.HasPrefix(string(b), "\ufeff") {
+			t.Fatalf("%s does not start with a BOM", path)
+		}
+		d, err := open([]Source{{Path: path}}, tok, nil, Options{NoEOS: true})
+		if err != nil {
+			t.Fatalf("%s: %v", tc.file, err)
+		}
+		defer d.Close()
+		s, err := d.Range(context.Background(), 0, d.Len())
+		if err != nil {
+			t.Fatalf("%s: %v", tc.file, err)
+		}
+		if len(s) != len(tc.want) {
+			t.Fatalf("%s: %d samples, want %d", tc.file, len(s), len(tc.want))
+		}
+		for i := range s {
+			if got := tok.decode(s[i].IDs); got != tc.want[i] || !strings.HasSuffix(s[i].Loc, tc.locs[i]) {
+				t.Errorf("%s record %d: %q at %s, want %q at %s", tc.file, i, got, s[i].Loc, tc.want[i], tc.locs[i])
+			}
+		}
+	}
+}

@@ -64,6 +64,10 @@ type jsonlReader struct {
 	hash    [32]byte
 }
 
+// utf8BOM is the byte order mark some editors put at the start of UTF-8
+// files; JSONL and CSV readers skip it.
+var utf8BOM = []byte("\ufeff")
+
 // indexChunk is the read size of the indexing pass: large enough that
 // syscalls are negligible, small enough to keep memory bounded.
 const indexChunk = 1 << 20
@@ -99,6 +103,12 @@ func (r *jsonlReader) index() error {
 			h.Write(buf[:n])
 			b := buf[:n]
 			i := 0
+			if pos == 0 && bytes.HasPrefix(b, utf8BOM) {
+				// A byte order mark (Windows editors write one) is not part
+				// of the first record; it stays in the content hash.
+				i = len(utf8BOM)
+				lineStart = int64(i)
+			}
 			for i < len(b) {
 				if !inContent {
 					c := b[i]

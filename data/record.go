@@ -58,6 +58,19 @@ func (c ColumnMap) withDefaults() ColumnMap {
 	return c
 }
 
+// Check reports a role mapping that no record could satisfy: an empty
+// dataset role, or a target that is not system, user, assistant or tool.
+// Open checks every source's mapping; commands call it to fail before the
+// tokenizer loads.
+func (c ColumnMap) Check() error {
+	for from, to := range c.Roles {
+		if from == "" || !knownRoles[to] {
+			return fmt.Errorf("%w: role mapping %q -> %q: want DATASET_ROLE -> one of system, user, assistant, tool (e.g. human -> user)", ErrOptions, from, to)
+		}
+	}
+	return nil
+}
+
 // knownRoles are the roles every HF chat template understands.
 var knownRoles = map[string]bool{"system": true, "user": true, "assistant": true, "tool": true}
 

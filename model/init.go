@@ -1,11 +1,130 @@
 package model
 
 import (
+	"errors"
 	"fmt"
+	"io/fs"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"sort"
+	"strings"
+
+	"distill/internal/atomicfile"
 )
+
+// ErrNotEmpty marks an output directory that already holds files.
+var ErrNotEmpty = errors.New("model: output directory is not empty")
+
+// WriteDir makes dir hold exactly the files write puts into the empty
+// directory it is given, never a mix of old and new files: write fills a
+// temporary directory next to dir, every file in it is synced, and it is
+// renamed to dir. A dir that exists and is not empty is refused
+// (ErrNotEmpty, naming some of its files) unless force; with force, the
+// old dir is renamed aside, the new one into place, and the old one
+// removed. A crash leaves dir whole (old or new) or, in the instant
+// between the two renames of a forced replace, absent with both versions
+// beside it as .old-* and .tmp-*. A failed write leaves dir untouched.
+func WriteDir(dir string, force bool, write func(tmp string) error) error {
+	dir = filepath.Clean(dir)
+	exists := false
+	switch fi, err := os.Stat(dir); {
+	case err == nil && !fi.IsDir():
+		return fmt.Errorf("model: %s exists and is not a directory", dir)
+	case err == nil:
+		ents, err := os.ReadDir(dir)
+		if err != nil {
+			return err
+		}
+		exists = len(ents) > 0
+		if exists && !force {
+			var names []string
+			for _, e := range ents {
+				names = append(names, e.Name())
+			}
+			sort.Strings(names)
+			more := ""
+			if len(names) > 5 {
+				names, more = names[:5], ", ..."
+			}
+			return fmt.Errorf("%w: %s holds %s%s: give --force to replace it (its files are all removed), or choose another directory",
+				ErrNotEmpty, dir, strings.Join(names, ", "), more)
+		}
+	case !errors.Is(err, fs.ErrNotExist):
+		return err
+	}
+	parent, base := filepath.Split(dir)
+	if parent == "" {
+		parent = "."
+	}
+	if err := os.MkdirAll(parent, 0o755); err != nil {
+		return err
+	}
+	tmp := filepath.Join(parent, fmt.Sprintf(".tmp-%s-%d", base, os.Getpid()))
+	os.RemoveAll(tmp)
+	if err := os.Mkdir(tmp, 0o755); err != nil {
+		return err
+	}
+	err := func() error {
+		if err := write(tmp); err != nil {
+			return err
+		}
+		if err := syncTree(tmp); err != nil {
+			return err
+		}
+		if exists {
+			old := filepath.Join(parent, fmt.Sprintf(".old-%s-%d", base, os.Getpid()))
+			os.RemoveAll(old)
+			if err := os.Rename(dir, old); err != nil {
+				return err
+			}
+			if err := os.Rename(tmp, dir); err != nil {
+				os.Rename(old, dir)
+				return err
+			}
+			os.RemoveAll(old)
+		} else {
+			// os.Rename never replaces a directory, even an empty one.
+			if err := os.Remove(dir); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				return err
+			}
+			if err := os.Rename(tmp, dir); err != nil {
+				return err
+			}
+		}
+		return syncPath(parent)
+	}()
+	if err != nil {
+		os.RemoveAll(tmp)
+		return fmt.Errorf("model: writing %s: %w", dir, err)
+	}
+	return nil
+}
+
+// syncTree syncs every file and directory under root.
+func syncTree(root string) error {
+	return filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.Type()&fs.ModeSymlink != 0 {
+			return nil
+		}
+		return syncPath(p)
+	})
+}
+
+func syncPath(p string) error {
+	f, err := os.Open(p)
+	if err != nil {
+		return err
+	}
+	err = f.Sync()
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
 
 // InitOptions control random initialization.
 type InitOptions struct {
@@ -86,11 +205,7 @@ func WriteCheckpoint(dir string, cfg *Config, tensors map[string][]float32, dtyp
 	if err != nil {
 		return err
 	}
-	tmp := filepath.Join(dir, "config.json.tmp")
-	if err := os.WriteFile(tmp, append(cj, '\n'), 0o644); err != nil {
-		return err
-	}
-	return os.Rename(tmp, filepath.Join(dir, "config.json"))
+	return atomicfile.WriteFile(filepath.Join(dir, "config.json"), append(cj, '\n'), 0o644)
 }
 
 // Preset returns a small config of an architecture for tests and demos;

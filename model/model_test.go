@@ -3,6 +3,7 @@ package model
 import (
 	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"math"
 	"os"
 	"path/filepath"
@@ -174,5 +175,54 @@ func TestLlama3InvFreq(t *testing.T) {
 	want := (1-smooth)*base(30)/8 + smooth*base(30)
 	if got := float64(inv[30]); math.Abs(got-want)/want > 1e-6 {
 		t.Fatalf("inv[30] = %v, want %v (medium: interpolated)", got, want)
+	}
+}
+
+// TestNonFiniteWeightsRefused: a tensor holding NaN or ±Inf, in any stored
+// dtype, fails F32 and BF16 with an error naming the tensor and its file;
+// finite tensors of the same file load.
+func TestNonFiniteWeightsRefused(t *testing.T) {
+	dir := t.TempDir()
+	nan, inf := float32(math.NaN()), float32(math.Inf(1))
+	f16 := make([]byte, 8) // 1, 2, +Inf, -Inf as IEEE half
+	for i, h := range []uint16{0x3c00, 0x4000, 0x7c00, 0xfc00} {
+		binary.LittleEndian.PutUint16(f16[2*i:], h)
+	}
+	ts := []Tensor{
+		F32Tensor("ok", []int{2}, []float32{1, 2}),
+		F32Tensor("f32.nan", []int{3}, []float32{1, nan, 2}),
+		F32Tensor("f32.inf", []int{2}, []float32{-inf, 2}),
+		BF16Tensor("bf16.nan", []int{4}, []float32{0, 0, 0, nan}),
+		BF16Tensor("bf16.inf", []int{2}, []float32{inf, 1}),
+		{Name: "f16.inf", DType: "F16", Shape: []int{4}, Data: f16},
+	}
+	if err := WriteSafetensors(filepath.Join(dir, "model.safetensors"), ts, nil); err != nil {
+		t.Fatal(err)
+	}
+	w, err := OpenWeights(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	if _, err := w.F32("ok"); err != nil {
+		t.Fatalf("finite tensor: %v", err)
+	}
+	if _, err := w.BF16("ok"); err != nil {
+		t.Fatalf("finite tensor as BF16: %v", err)
+	}
+	for _, tc := range []struct{ name, first string }{
+		{"f32.nan", "element 1, is NaN"}, {"f32.inf", "element 0, is -Inf"}, {"bf16.nan", "element 3, is NaN"},
+		{"bf16.inf", "element 0, is +Inf"}, {"f16.inf", "2 non-finite values of 4 (the first, element 2, is +Inf)"},
+	} {
+		for get, load := range map[string]func(string) error{
+			"F32":  func(n string) error { _, err := w.F32(n); return err },
+			"BF16": func(n string) error { _, err := w.BF16(n); return err },
+		} {
+			err := load(tc.name)
+			if !errors.Is(err, ErrNonFinite) || !errors.Is(err, ErrSafetensors) || !strings.Contains(err.Error(), "tensor "+tc.name+" ") ||
+				!strings.Contains(err.Error(), "model.safetensors") || !strings.Contains(err.Error(), tc.first) {
+				t.Errorf("%s(%s): %v", get, tc.name, err)
+			}
+		}
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"os"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 	"unsafe"
 
 	"distill/compute"
+	"distill/internal/atomicfile"
 )
 
 // Safetensors layout (huggingface/safetensors):
@@ -26,6 +28,9 @@ import (
 
 // ErrSafetensors marks a malformed or inconsistent safetensors file.
 var ErrSafetensors = errors.New("model: safetensors")
+
+// ErrNonFinite marks a stored tensor holding NaN or infinite values.
+var ErrNonFinite = fmt.Errorf("%w: non-finite weights", ErrSafetensors)
 
 // maxHeader bounds the JSON header; real ones are well under 10 MB.
 const maxHeader = 100 << 20
@@ -257,34 +262,52 @@ func (w *Weights) Raw(name string) ([]byte, TensorInfo, error) {
 	return t.f.data[t.b:t.e], t.info, nil
 }
 
-// F32 returns a float32 copy of a BF16, F16 or F32 tensor.
+// F32 returns a float32 copy of a BF16, F16 or F32 tensor. A NaN or
+// infinite value is an error naming the tensor: no loader computes with
+// a corrupt or diverged checkpoint.
 func (w *Weights) F32(name string) ([]float32, error) {
 	raw, info, err := w.Raw(name)
 	if err != nil {
 		return nil, err
 	}
 	out := make([]float32, info.Numel())
+	bad := 0 // non-finite values seen
 	switch info.DType {
 	case "F32":
 		for i := range out {
-			out[i] = math.Float32frombits(binary.LittleEndian.Uint32(raw[4*i:]))
+			u := binary.LittleEndian.Uint32(raw[4*i:])
+			if u&0x7f800000 == 0x7f800000 {
+				bad++
+			}
+			out[i] = math.Float32frombits(u)
 		}
 	case "BF16":
 		for i := range out {
-			out[i] = compute.BF16ToF32(binary.LittleEndian.Uint16(raw[2*i:]))
+			u := binary.LittleEndian.Uint16(raw[2*i:])
+			if u&0x7f80 == 0x7f80 {
+				bad++
+			}
+			out[i] = compute.BF16ToF32(u)
 		}
 	case "F16":
 		for i := range out {
-			out[i] = compute.F16ToF32(binary.LittleEndian.Uint16(raw[2*i:]))
+			u := binary.LittleEndian.Uint16(raw[2*i:])
+			if u&0x7c00 == 0x7c00 {
+				bad++
+			}
+			out[i] = compute.F16ToF32(u)
 		}
 	default:
 		return nil, fmt.Errorf("%w: tensor %s has dtype %s; want BF16, F16 or F32", ErrSafetensors, name, info.DType)
+	}
+	if bad > 0 {
+		return nil, nonFinite(info, out, bad)
 	}
 	return out, nil
 }
 
 // BF16 returns the tensor as bfloat16 bits: the stored bits for BF16, and
-// F16/F32 rounded to nearest even.
+// F16/F32 rounded to nearest even. Non-finite values are an error, as in F32.
 func (w *Weights) BF16(name string) ([]uint16, error) {
 	raw, info, err := w.Raw(name)
 	if err != nil {
@@ -292,8 +315,20 @@ func (w *Weights) BF16(name string) ([]uint16, error) {
 	}
 	if info.DType == "BF16" {
 		out := make([]uint16, info.Numel())
+		bad := 0
 		for i := range out {
-			out[i] = binary.LittleEndian.Uint16(raw[2*i:])
+			u := binary.LittleEndian.Uint16(raw[2*i:])
+			if u&0x7f80 == 0x7f80 {
+				bad++
+			}
+			out[i] = u
+		}
+		if bad > 0 {
+			f := make([]float32, len(out))
+			for i, u := range out {
+				f[i] = compute.BF16ToF32(u)
+			}
+			return nil, nonFinite(info, f, bad)
 		}
 		return out, nil
 	}
@@ -304,6 +339,18 @@ func (w *Weights) BF16(name string) ([]uint16, error) {
 	out := make([]uint16, len(f))
 	compute.NarrowBF16(out, f)
 	return out, nil
+}
+
+// nonFinite is the error for a tensor holding NaN or infinite values
+// (v is the tensor as float32): it names the tensor, its file and the
+// first bad element.
+func nonFinite(info TensorInfo, v []float32, bad int) error {
+	first := 0
+	for first < len(v) && !math.IsNaN(float64(v[first])) && !math.IsInf(float64(v[first]), 0) {
+		first++
+	}
+	return fmt.Errorf("%w: tensor %s (%s) holds %d non-finite values of %d (the first, element %d, is %v): the checkpoint is corrupt or its training diverged; use an earlier checkpoint",
+		ErrNonFinite, info.Name, info.File, bad, len(v), first, v[first])
 }
 
 // Check verifies that the stored tensors are exactly those of cfg, with the
@@ -384,8 +431,9 @@ func BF16Tensor(name string, shape []int, v []float32) Tensor {
 	return Tensor{Name: name, DType: "BF16", Shape: shape, Data: b}
 }
 
-// WriteSafetensors writes ts to path atomically (temp file, fsync, rename),
-// in the given order, with 8-byte aligned data as the format recommends.
+// WriteSafetensors writes ts to path atomically (internal/atomicfile: temp
+// file, fsync, rename, directory fsync), in the given order, with 8-byte
+// aligned data as the format recommends.
 func WriteSafetensors(path string, ts []Tensor, meta map[string]string) error {
 	hdr := map[string]any{}
 	if len(meta) > 0 {
@@ -421,35 +469,26 @@ func WriteSafetensors(path string, ts []Tensor, meta map[string]string) error {
 	for len(hb)%8 != 0 {
 		hb = append(hb, ' ')
 	}
-	tmp := path + ".tmp"
-	f, err := os.Create(tmp)
-	if err != nil {
-		return err
-	}
 	var lenb [8]byte
 	binary.LittleEndian.PutUint64(lenb[:], uint64(len(hb)))
-	werr := func() error {
-		if _, err := f.Write(lenb[:]); err != nil {
+	err = atomicfile.Write(path, 0o644, func(w io.Writer) error {
+		if _, err := w.Write(lenb[:]); err != nil {
 			return err
 		}
-		if _, err := f.Write(hb); err != nil {
+		if _, err := w.Write(hb); err != nil {
 			return err
 		}
 		for _, t := range ts {
-			if _, err := f.Write(t.Data); err != nil {
+			if _, err := w.Write(t.Data); err != nil {
 				return err
 			}
 		}
-		return f.Sync()
-	}()
-	if cerr := f.Close(); werr == nil {
-		werr = cerr
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("model: %w", err)
 	}
-	if werr != nil {
-		os.Remove(tmp)
-		return fmt.Errorf("model: writing %s: %w", path, werr)
-	}
-	return os.Rename(tmp, path)
+	return nil
 }
 
 // float32Bytes views v as bytes (little-endian hosts only, which is all we

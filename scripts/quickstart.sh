@@ -52,6 +52,6 @@ bin/student train --config examples/quickstart/train.yaml --resume never --run-d
 
 echo "== 6. student export + eval"
 run=$(ls -d $Q/run-* | sort | tail -1)
-bin/student export --checkpoint "$run" --out $Q/student-bf16 --format bf16
+bin/student export --checkpoint "$run" --out $Q/student-bf16 --format bf16 --force
 bin/student eval --checkpoint $Q/student-bf16 --tokenizer $Q/tokenizer --cache $Q/cache --range 0:16 --seq-len 512
 echo "== done: teacher $Q/teacher, cache $Q/cache, run $run, student $Q/student-bf16"

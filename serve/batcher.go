@@ -3,8 +3,13 @@ package serve
 import (
 	"context"
 	"fmt"
+	"runtime/debug"
 	"sync"
 	"time"
+
+	"go.uber.org/zap"
+
+	"distill/compute"
 )
 
 // forwardFunc runs one packed forward pass: samples (total n tokens) ->
@@ -54,6 +59,7 @@ type batcher struct {
 	maxJobs   int
 	maxTokens int
 	stats     batcherStats
+	log       *zap.Logger // nil: panics are not logged (the error still says)
 
 	mu     sync.Mutex
 	queue  []*job
@@ -267,10 +273,19 @@ func (b *batcher) run(batch []*job) {
 }
 
 // forward calls fwd, turning a panic (a bug: inputs are validated) into
-// an error so one bad batch does not take the daemon down.
+// an error so one bad batch does not take the daemon down. A panic in a
+// kernel's worker goroutine arrives here too: the backend carries it to
+// the goroutine that called the kernel (compute.WorkerPanic).
 func (b *batcher) forward(samples [][]int32, k int, temp float32) (ids []int32, lps []float32, err error) {
 	defer func() {
 		if r := recover(); r != nil {
+			stack := debug.Stack()
+			if wp, ok := r.(*compute.WorkerPanic); ok {
+				stack = wp.Stack
+			}
+			if b.log != nil {
+				b.log.Error("forward pass panicked (a bug): its requests fail, the daemon goes on", zap.Any("panic", r), zap.ByteString("stack", stack))
+			}
 			err = fmt.Errorf("serve: forward pass panicked: %v", r)
 		}
 	}()

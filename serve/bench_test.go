@@ -2,6 +2,7 @@ package serve
 
 import (
 	"context"
+	"path/filepath"
 	"testing"
 
 	"distill/model"
@@ -55,7 +56,7 @@ func BenchmarkFill(b *testing.B) {
 	})
 	b.Run("daemon", func(b *testing.B) {
 		run(b, func(dir string) (Worker, func()) {
-			d, err := Start(Config{Model: mdir, Cache: dir, TokenBudget: 2048, Listen: "127.0.0.1:0", Metrics: "off"}, nil)
+			d, err := Start(Config{Model: mdir, Cache: dir, TokenBudget: 2048, Listen: "127.0.0.1:0", Metrics: "off", DataRoots: []string{filepath.Dir(path)}}, nil)
 			if err != nil {
 				b.Fatal(err)
 			}

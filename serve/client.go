@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	pb "distill/proto/distill/v1"
 )
@@ -114,24 +115,47 @@ func (r *remote) Close() error { return r.conn.Close() }
 
 // local is a Worker over a Core in this process.
 type local struct {
-	c   *Core
-	log *zap.Logger
+	c *Core
 }
 
 // Local returns a Worker over c (`cachectl fill --model`); Close closes c.
-func Local(c *Core) Worker { return &local{c: c, log: c.log} }
+// Its errors carry the gRPC code a daemon would answer with, so that the
+// driver classifies them alike, but their full text: the user is the
+// operator, and there is no daemon log to point to.
+func Local(c *Core) Worker { return &local{c: c} }
 
 func (l *local) Name() string                                       { return "in-process" }
 func (l *local) Info(ctx context.Context) (*pb.InfoResponse, error) { return l.c.Info(), nil }
 func (l *local) Describe(ctx context.Context, d *pb.Dataset) (*pb.DescribeDatasetResponse, error) {
 	r, err := l.c.DescribeDataset(d)
-	return r, toStatus(l.log, err)
+	return r, localStatus(err)
 }
 func (l *local) Status(ctx context.Context, q *pb.StatusRequest) (*pb.StatusResponse, error) {
 	r, err := l.c.Status(q)
-	return r, toStatus(l.log, err)
+	return r, localStatus(err)
 }
 func (l *local) Fill(ctx context.Context, q *pb.FillRequest, on func(*pb.FillResponse) error) error {
-	return toStatus(l.log, l.c.Fill(ctx, q, on))
+	return localStatus(l.c.Fill(ctx, q, on))
 }
 func (l *local) Close() error { return l.c.Close() }
+
+// localStatus is err as a status with toStatus's code and err's own text
+// (toStatus keeps internal detail from a daemon's clients).
+func localStatus(err error) error {
+	if err == nil {
+		return nil
+	}
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	return status.Error(status.Code(toStatus(zap.NewNop(), err)), err.Error())
+}
+
+// say picks a message's wording: for a daemon's clients, or for the user
+// of an in-process core (CoreOptions.InProcess), who started no daemon.
+func (c *Core) say(daemon, inProcess string) string {
+	if c.opt.InProcess {
+		return inProcess
+	}
+	return daemon
+}

@@ -58,6 +58,9 @@ type CoreOptions struct {
 	FillChunksInFlight int
 	// Logger receives structured logs; nil means zap.NewNop.
 	Logger *zap.Logger
+	// InProcess says the core is the teacher of `cachectl fill --model`
+	// in this process, not a daemon's: its errors speak to that user.
+	InProcess bool
 
 	// forwardDelay slows every forward pass (crash tests only).
 	forwardDelay time.Duration
@@ -79,13 +82,42 @@ type Core struct {
 	started time.Time
 
 	dsMu     sync.Mutex
-	datasets map[string]*data.Dataset
+	datasets map[string]*openDataset
+	dsUses   uint64 // bumped on every use: the least recently used is evicted
 
 	cacheMu sync.Mutex
 	cw      *cache.Cache
 
 	flightMu sync.Mutex
 	inflight map[cache.Range]int
+}
+
+// openDataset is a dataset the core keeps open, with the calls using it.
+// An evicted dataset is closed when its last user releases it.
+type openDataset struct {
+	d       *data.Dataset
+	refs    int
+	lastUse uint64
+	evicted bool
+}
+
+// checkCacheDir refuses a cache path that cannot be a directory, so that
+// the daemon fails at startup rather than at its first Fill. A missing
+// directory is fine: the first fill creates it.
+func checkCacheDir(dir string) error {
+	if dir == "" {
+		return nil
+	}
+	st, err := os.Stat(dir)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return nil
+	case err != nil:
+		return fmt.Errorf("%w: --cache %s: %v", ErrInvalid, dir, err)
+	case !st.IsDir():
+		return fmt.Errorf("%w: --cache %s is a file, not a directory: give a directory (a missing one is created at the first fill)", ErrInvalid, dir)
+	}
+	return nil
 }
 
 // NewCore loads the teacher (and tokenizer) and starts the batcher.
@@ -100,6 +132,9 @@ func NewCore(o CoreOptions) (*Core, error) {
 	o.Device = be.Name()
 	if o.ModelDir == "" {
 		return nil, fmt.Errorf("%w: no model directory: give --model DIR (an HF checkpoint)", ErrInvalid)
+	}
+	if err := checkCacheDir(o.CacheDir); err != nil {
+		return nil, err
 	}
 	if o.TokenBudget == 0 {
 		o.TokenBudget = infer.DefaultTokenBudget
@@ -132,7 +167,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		return nil, fmt.Errorf("%w: k default %d and k max %d: want 1 <= default <= max <= vocab size %d", ErrInvalid, o.KDefault, o.KMax, V)
 	}
 	c := &Core{opt: o, model: m, budget: o.TokenBudget, met: newMetrics(), log: o.Logger, started: time.Now(),
-		datasets: map[string]*data.Dataset{}, inflight: map[cache.Range]int{}}
+		datasets: map[string]*openDataset{}, inflight: map[cache.Range]int{}}
 	c.lim = Limits{VocabSize: V, MaxLen: min(m.Cfg.MaxPositions, o.TokenBudget), KDefault: o.KDefault, KMax: o.KMax}
 	tdir := o.TokenizerDir
 	if tdir == "" {
@@ -155,6 +190,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		}
 	}
 	c.b = newBatcher(fwd, o.TokenBudget, o.QueueSamples, o.QueueTokens, c.met)
+	c.b.log = o.Logger
 	c.log.Info("teacher loaded", zap.String("model", o.ModelDir), zap.String("arch", string(m.Cfg.Arch)),
 		zap.Int("vocab", V), zap.Int64("params", m.Cfg.Params()), zap.String("fingerprint", m.Fingerprint()),
 		zap.Bool("tokenizer", c.tok != nil), zap.Duration("took", time.Since(t0)))
@@ -166,9 +202,8 @@ func NewCore(o CoreOptions) (*Core, error) {
 func (c *Core) Close() error {
 	c.b.close()
 	c.dsMu.Lock()
-	for k, d := range c.datasets {
-		d.Close()
-		delete(c.datasets, k)
+	for k, od := range c.datasets {
+		c.evict(k, od)
 	}
 	c.dsMu.Unlock()
 	c.cacheMu.Lock()
@@ -239,66 +274,102 @@ func (t idsOnly) BOS() string                              { return "" }
 func (t idsOnly) EOS() string                              { return "" }
 func (t idsOnly) AddBOS() bool                             { return false }
 
-// dataset opens (or returns the already opened) dataset of spec.
-func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, error) {
+// dataset opens (or returns the already opened) dataset of spec, and a
+// func the caller calls once done with it. The core keeps at most
+// maxCachedDatasets open; beyond, the least recently used is forgotten,
+// and its files are closed as soon as no call uses it.
+func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, func(), error) {
 	if err := ValidateDataset(spec); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	key, err := proto.MarshalOptions{Deterministic: true}.Marshal(spec)
 	if err != nil {
-		return nil, fmt.Errorf("%w: dataset spec: %v", ErrInvalid, err)
+		return nil, nil, fmt.Errorf("%w: dataset spec: %v", ErrInvalid, err)
 	}
 	c.dsMu.Lock()
 	defer c.dsMu.Unlock()
-	if d, ok := c.datasets[string(key)]; ok {
-		return d, nil
+	if od, ok := c.datasets[string(key)]; ok {
+		return od.d, c.use(od), nil
 	}
 	var srcs []data.Source
 	for i, s := range spec.GetSources() {
 		if _, err := os.Stat(s.GetPath()); err != nil {
 			if errors.Is(err, os.ErrNotExist) {
-				return nil, fmt.Errorf("%w: dataset source %d: %s does not exist on the daemon's machine (paths are the daemon's, not the client's)", ErrNotFound, i, s.GetPath())
+				return nil, nil, fmt.Errorf("%w: dataset source %d: %s does not exist%s", ErrNotFound, i, s.GetPath(), c.say(" on the daemon's machine (paths are the daemon's, not the client's)", ""))
 			}
-			return nil, fmt.Errorf("%w: dataset source %d: %v", ErrPrecondition, i, err)
+			return nil, nil, fmt.Errorf("%w: dataset source %d: %v", ErrPrecondition, i, err)
 		}
-		srcs = append(srcs, data.Source{Path: s.GetPath(), Weight: s.GetWeight(), Format: s.GetFormat()})
+		srcs = append(srcs, data.Source{Path: s.GetPath(), Weight: s.GetWeight(), Format: s.GetFormat(), Columns: columnMap(s.GetColumns())})
 	}
-	opts := data.Options{MaxLen: int(spec.GetMaxLen()), Policy: data.Policy(spec.GetPolicy()), NumSamples: spec.GetNumSamples(),
+	opts := data.Options{MaxLen: int(spec.GetMaxLen()), Policy: data.Policy(spec.GetPolicy()), SkipBad: spec.GetSkipBad(), NumSamples: spec.GetNumSamples(),
 		Shuffle: spec.GetShuffle(), Seed: spec.GetSeed(), NoEOS: spec.GetNoEos(), ChatTemplate: spec.GetChatTemplate()}
 	if v := spec.GetTemplateVarsJson(); v != "" {
 		if err := json.Unmarshal([]byte(v), &opts.TemplateVars); err != nil {
-			return nil, fmt.Errorf("%w: template_vars_json: %v", ErrInvalid, err)
+			return nil, nil, fmt.Errorf("%w: template_vars_json: %v", ErrInvalid, err)
 		}
 	}
 	var tok data.Tokenizer = idsOnly{c.model.Cfg.VocabSize}
 	if !spec.GetPretokenized() {
 		if c.tok == nil {
-			return nil, fmt.Errorf("%w: the dataset is not marked pre-tokenized but the daemon has no tokenizer: start it with --tokenizer DIR, or mark the dataset pre-tokenized (input_ids records)", ErrPrecondition)
+			return nil, nil, fmt.Errorf("%w: the dataset is not marked pre-tokenized but %s", ErrPrecondition, c.say(
+				"the daemon has no tokenizer: start it with --tokenizer DIR, or mark the dataset pre-tokenized (input_ids records)",
+				"the model directory has no tokenizer.json: give --tokenizer DIR, or --pretokenized for input_ids records"))
 		}
 		tok = c.tok
 	}
 	d, err := data.Open(srcs, tok, opts)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if len(c.datasets) >= maxCachedDatasets {
-		// Forget one; a fill still using it keeps its reference. Its
-		// files stay open until the process ends (rare: many datasets).
-		for k := range c.datasets {
-			delete(c.datasets, k)
-			break
+		lk, lru := "", (*openDataset)(nil)
+		for k, od := range c.datasets {
+			if lru == nil || od.lastUse < lru.lastUse {
+				lk, lru = k, od
+			}
 		}
+		c.evict(lk, lru)
 	}
-	c.datasets[string(key)] = d
-	return d, nil
+	od := &openDataset{d: d}
+	c.datasets[string(key)] = od
+	return d, c.use(od), nil
+}
+
+// use counts a user of od (under dsMu) and returns its release.
+func (c *Core) use(od *openDataset) func() {
+	c.dsUses++
+	od.lastUse = c.dsUses
+	od.refs++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			c.dsMu.Lock()
+			defer c.dsMu.Unlock()
+			od.refs--
+			if od.evicted && od.refs == 0 {
+				od.d.Close()
+			}
+		})
+	}
+}
+
+// evict forgets the dataset under key (under dsMu); its files are closed
+// now, or by the release of its last user.
+func (c *Core) evict(key string, od *openDataset) {
+	delete(c.datasets, key)
+	od.evicted = true
+	if od.refs == 0 {
+		od.d.Close()
+	}
 }
 
 // DescribeDataset opens spec and reports its length and fingerprints.
 func (c *Core) DescribeDataset(spec *pb.Dataset) (*pb.DescribeDatasetResponse, error) {
-	d, err := c.dataset(spec)
+	d, release, err := c.dataset(spec)
 	if err != nil {
 		return nil, err
 	}
+	defer release()
 	tfp := idsOnly{c.model.Cfg.VocabSize}.Fingerprint()
 	if !spec.GetPretokenized() {
 		tfp = c.tok.Fingerprint()
@@ -306,13 +377,16 @@ func (c *Core) DescribeDataset(spec *pb.Dataset) (*pb.DescribeDatasetResponse, e
 	return &pb.DescribeDatasetResponse{Samples: d.Len(), Fingerprint: d.Fingerprint(), TokenizerFingerprint: tfp}, nil
 }
 
-// openCache returns the daemon's cache, creating it with m or checking
-// that the existing one agrees with m.
+// openCache returns a handle on the daemon's cache that fills under m,
+// creating the cache with m or checking that the existing one agrees with
+// m. A cache with no committed chunk takes m (cache.Cache.Use), so a
+// request that failed before its first commit does not lock the daemon's
+// cache to its dataset.
 func (c *Core) openCache(m cache.Manifest) (*cache.Cache, error) {
 	c.cacheMu.Lock()
 	defer c.cacheMu.Unlock()
 	if c.opt.CacheDir == "" {
-		return nil, fmt.Errorf("%w: this daemon has no cache directory: start it with --cache DIR to fill", ErrPrecondition)
+		return nil, fmt.Errorf("%w: %s --cache DIR to fill", ErrPrecondition, c.say("this daemon has no cache directory: start it with", "no cache directory: give"))
 	}
 	if c.cw == nil {
 		cw, err := cache.Create(c.opt.CacheDir, m, nil)
@@ -325,12 +399,14 @@ func (c *Core) openCache(m cache.Manifest) (*cache.Cache, error) {
 		c.cw = cw
 		return cw, nil
 	}
-	have := c.cw.Manifest()
-	m.FormatVersion = have.FormatVersion
-	if err := have.Agree(&m, c.opt.CacheDir, "this fill request"); err != nil {
-		return nil, fmt.Errorf("%w; the cache directory holds another fill: use another --cache directory", err)
+	cw, err := c.cw.Use(m)
+	if err != nil {
+		if errors.Is(err, cache.ErrManifestMismatch) {
+			return nil, fmt.Errorf("%w; the cache directory holds another fill: use another --cache directory", err)
+		}
+		return nil, err
 	}
-	return c.cw, nil
+	return cw, nil
 }
 
 // existingCache opens the cache directory if it holds a cache (Status
@@ -358,14 +434,16 @@ func (c *Core) Status(r *pb.StatusRequest) (*pb.StatusResponse, error) {
 	c.flightMu.Unlock()
 	sort.Slice(out.InFlight, func(i, j int) bool { return out.InFlight[i].Start < out.InFlight[j].Start })
 	if fp := r.GetDatasetFingerprint(); fp != "" {
-		if cw := c.existingCache(); cw != nil && cw.Manifest().DatasetFingerprint == fp {
-			rs, err := cw.Chunks()
+		if cw := c.existingCache(); cw != nil {
+			m, rs, err := cw.Current() // the index's manifest: a fill may have replaced an empty cache's
 			if err != nil {
 				return nil, err
 			}
-			out.DatasetKnown = true
-			for _, ch := range rs {
-				out.Done = append(out.Done, &pb.Range{Start: ch.Start, End: ch.End})
+			if m.DatasetFingerprint == fp {
+				out.DatasetKnown = true
+				for _, ch := range rs {
+					out.Done = append(out.Done, &pb.Range{Start: ch.Start, End: ch.End})
+				}
 			}
 		}
 	}
@@ -390,12 +468,13 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 	if err := ValidateFill(r, c.lim); err != nil {
 		return err
 	}
-	d, err := c.dataset(r.GetDataset())
+	d, release, err := c.dataset(r.GetDataset())
 	if err != nil {
 		return err
 	}
+	defer release()
 	if exp := r.GetExpectDatasetFingerprint(); exp != "" && exp != d.Fingerprint() {
-		return fmt.Errorf("%w: the dataset as this daemon reads it has fingerprint %.16s, the client expects %.16s: its files, tokenizer or options differ", ErrPrecondition, d.Fingerprint(), exp)
+		return fmt.Errorf("%w: the dataset as %s reads it has fingerprint %.16s, the client expects %.16s: its files, tokenizer or options differ", ErrPrecondition, c.say("this daemon", "the teacher"), d.Fingerprint(), exp)
 	}
 	if r.GetEnd() > d.Len() {
 		return fmt.Errorf("%w: range [%d, %d) goes beyond the dataset's %d samples (valid: [0, %d))", ErrOutOfRange, r.GetStart(), r.GetEnd(), d.Len(), d.Len())
@@ -469,7 +548,8 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 		go func() {
 			defer wg.Done()
 			for rg := range next {
-				tokens, skipped, err := c.fillChunk(ctx, cw, d, rg, k, temp)
+				var st data.Stats
+				_, skipped, err := c.fillChunk(ctx, cw, d, rg, k, temp, &st)
 				if err != nil {
 					c.met.chunks.WithLabelValues("failed").Inc()
 					fail(err)
@@ -480,7 +560,7 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 					outcome = "skipped"
 				}
 				c.met.chunks.WithLabelValues(outcome).Inc()
-				if err := send(&pb.FillResponse{Start: rg.Start, End: rg.End, Tokens: tokens, Skipped: skipped}); err != nil {
+				if err := send(chunkResponse(rg, st, skipped)); err != nil {
 					fail(err)
 				}
 			}
@@ -502,8 +582,8 @@ feed:
 	return ctx.Err()
 }
 
-// fillChunk computes and commits one chunk.
-func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, rg cache.Range, k int, temp float32) (int64, bool, error) {
+// fillChunk computes and commits one chunk, counting its samples into st.
+func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, rg cache.Range, k int, temp float32, st *data.Stats) (int64, bool, error) {
 	w, err := cw.BeginChunk(rg.Start, rg.End)
 	if errors.Is(err, cache.ErrRangeDone) {
 		return 0, true, nil
@@ -526,6 +606,7 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 	var tokens int64
 	for i := range samples {
 		s := &samples[i]
+		st.Add(*s)
 		switch {
 		case s.Status == data.Dropped || s.Status == data.Skipped:
 			// Kept as an empty row, so indexes stay those of the dataset;
@@ -536,8 +617,8 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 			return 0, false, fmt.Errorf("%w: sample %d (%s) has no tokens: a pre-tokenized dataset needs input_ids in every record (text records need a tokenizer: do not mark the dataset pre-tokenized)",
 				ErrInvalid, s.Index, s.Loc)
 		case len(s.IDs) > c.lim.MaxLen:
-			return 0, false, fmt.Errorf("%w: sample %d (%s) has %d tokens, more than the daemon's limit %d (min of max_position_embeddings and the token budget): set the dataset's max_len",
-				ErrInvalid, s.Index, s.Loc, len(s.IDs), c.lim.MaxLen)
+			return 0, false, fmt.Errorf("%w: sample %d (%s) has %d tokens, more than the %s limit %d (min of max_position_embeddings and the token budget): set %s",
+				ErrInvalid, s.Index, s.Loc, len(s.IDs), c.say("daemon's", "teacher's"), c.lim.MaxLen, c.say("the dataset's max_len", "--max-len, or raise --token-budget"))
 		}
 		tokens += int64(len(s.IDs))
 	}

@@ -30,7 +30,8 @@ func spawnDaemon(t *testing.T, mdir, cacheDir, listen string, delay time.Duratio
 	addrFile := filepath.Join(t.TempDir(), "addr")
 	cmd := exec.Command(exe, "-test.run=^$")
 	cmd.Env = append(os.Environ(), "SERVE_TEST_DAEMON=1", "SERVE_TEST_MODEL="+mdir, "SERVE_TEST_CACHE="+cacheDir,
-		"SERVE_TEST_LISTEN="+listen, "SERVE_TEST_ADDRFILE="+addrFile, "SERVE_TEST_DELAY="+delay.String(), "SERVE_TEST_BUDGET=200")
+		"SERVE_TEST_LISTEN="+listen, "SERVE_TEST_ADDRFILE="+addrFile, "SERVE_TEST_DELAY="+delay.String(), "SERVE_TEST_BUDGET=200",
+		"SERVE_TEST_DATA_ROOT="+os.TempDir())
 	var log strings.Builder
 	cmd.Stderr = &log
 	if err := cmd.Start(); err != nil {

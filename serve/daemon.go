@@ -24,13 +24,19 @@ type Config struct {
 	Model string `yaml:"model"`
 	// Tokenizer is the tokenizer directory; empty: the model directory.
 	Tokenizer string `yaml:"tokenizer"`
-	// Listen is the gRPC address (default 127.0.0.1:7070).
+	// Listen is the gRPC address (default 127.0.0.1:7070: loopback only).
+	// An address other machines can reach needs TokenFile or TLS, or
+	// Insecure.
 	Listen string `yaml:"listen"`
 	// Metrics is the address of the Prometheus /metrics endpoint (default
 	// 127.0.0.1:9090; "off" disables it).
 	Metrics string `yaml:"metrics"`
 	// Cache is the cache directory fills write (empty: Fill disabled).
 	Cache string `yaml:"cache"`
+	// DataRoots are the directories whose files clients may name as
+	// datasets (--data-root, repeatable); none: no dataset file is
+	// readable, so Fill and DescribeDataset are refused.
+	DataRoots []string `yaml:"data_roots"`
 	// Device is auto or cpu (cuda is refused until that backend exists).
 	Device string `yaml:"device"`
 	// TokenBudget is the tokens of one forward pass.
@@ -48,6 +54,9 @@ type Config struct {
 	TLSKey  string `yaml:"tls_key"`
 	// TokenFile holds the bearer token clients must send (empty: no auth).
 	TokenFile string `yaml:"token_file"`
+	// Insecure allows a non-loopback Listen without a token or TLS (a
+	// trusted network). Without it such a daemon refuses to start.
+	Insecure bool `yaml:"insecure"`
 	// DrainTimeout bounds the graceful shutdown: in-flight RPCs get this
 	// long to finish, then fills are cancelled and their chunks aborted.
 	DrainTimeout time.Duration `yaml:"drain_timeout"`
@@ -134,7 +143,17 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
 		return nil, fmt.Errorf("%w: TLS needs both --tls-cert and --tls-key", ErrInvalid)
 	}
-	so := ServerOptions{MaxConcurrent: cfg.MaxConcurrent, Logger: log}
+	if err := checkCacheDir(cfg.Cache); err != nil {
+		return nil, err
+	}
+	roots, err := NewDataRoots(cfg.DataRoots)
+	if err != nil {
+		return nil, err
+	}
+	if len(roots.Dirs()) == 0 {
+		log.Warn("no --data-root: clients can name no dataset file, so Fill and DescribeDataset are refused; Score works")
+	}
+	so := ServerOptions{MaxConcurrent: cfg.MaxConcurrent, Logger: log, DataRoots: roots}
 	if cfg.TokenFile != "" {
 		b, err := os.ReadFile(cfg.TokenFile)
 		if err != nil {
@@ -153,13 +172,25 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 		so.Extra = append(so.Extra, grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12})))
 	}
 	d := &Daemon{cfg: cfg, log: log}
-	var err error
 	if d.lis, err = net.Listen("tcp", cfg.Listen); err != nil {
 		return nil, fmt.Errorf("listen %s: %w", cfg.Listen, err)
 	}
+	// Checked on the bound address: a host name or an empty host ("":7070,
+	// every interface) is judged by what the socket really listens on.
+	if ta, ok := d.lis.Addr().(*net.TCPAddr); !ok || !ta.IP.IsLoopback() {
+		if so.Token == "" && cfg.TLSCert == "" && !cfg.Insecure {
+			d.lis.Close()
+			return nil, fmt.Errorf("%w: --listen %s is reachable from other machines (%s), and the daemon has no --token-file and no TLS: anyone who reaches it could use the teacher; "+
+				"give --token-file FILE (and TLS: --tls-cert, --tls-key), listen on loopback (127.0.0.1), or pass --insecure on a trusted network", ErrInvalid, cfg.Listen, d.lis.Addr())
+		}
+		if so.Token == "" {
+			log.Warn("listening beyond loopback without a bearer token", zap.String("addr", d.lis.Addr().String()), zap.Bool("tls", cfg.TLSCert != ""), zap.Bool("insecure", cfg.Insecure))
+		}
+	}
 	d.gs, d.srv = NewGRPCServer(so)
 	go d.gs.Serve(d.lis)
-	log.Info("listening (loading the model: health NOT_SERVING)", zap.String("addr", d.Addr()), zap.Bool("tls", cfg.TLSCert != ""), zap.Bool("auth", so.Token != ""))
+	log.Info("listening (loading the model: health NOT_SERVING)", zap.String("addr", d.Addr()), zap.Bool("tls", cfg.TLSCert != ""), zap.Bool("auth", so.Token != ""),
+		zap.Strings("data_roots", roots.Dirs()))
 	core, err := NewCore(CoreOptions{ModelDir: cfg.Model, TokenizerDir: cfg.Tokenizer, CacheDir: cfg.Cache, Device: cfg.Device,
 		TokenBudget: cfg.TokenBudget, KDefault: cfg.KDefault, KMax: cfg.KMax, QueueSamples: cfg.QueueSamples, QueueTokens: cfg.QueueTokens,
 		Logger: log, forwardDelay: cfg.forwardDelay})

@@ -8,8 +8,10 @@
 //
 //	Core      the loaded model and tokenizer, the batcher, datasets and
 //	          the cache directory; Info, Score, DescribeDataset, Fill, Status
-//	Server    thin gRPC handlers over a Core: validate -> core -> toStatus;
-//	          auth (bearer token) and the concurrency limit are interceptors
+//	Server    thin gRPC handlers over a Core: validate -> confine the
+//	          dataset paths to the data roots -> core -> clientStatus;
+//	          auth (bearer token), request ids and the concurrency limit
+//	          are interceptors
 //	Daemon    listener, health (NOT_SERVING until the model is loaded),
 //	          reflection, Prometheus /metrics, graceful drain (Start, Shutdown)
 //	RunFill   the fill driver: several Workers (daemons via Dial, or a Core
@@ -43,10 +45,29 @@
 // uses one of them, so the fill reports the duplicate and succeeds; ranges
 // that overlap without being equal (different --chunk) are an error.
 //
+// # Security
+//
+// A client names dataset files on the daemon's machine, so the Server
+// reads only files under its DataRoots (teacherd --data-root; none: no
+// file), after resolving symlinks and "..", and its refusals do not tell a
+// file outside the roots from a missing one. The daemon listens on
+// loopback unless told otherwise, and refuses an address other machines
+// can reach without a token or TLS unless Config.Insecure; refused calls
+// count in teacherd_auth_failures_total. The in-process teacher (Local) is
+// the user's own process and is not confined.
+//
 // # Errors
 //
 // Errors wrap the sentinels of this package or of packages infer, cache
-// and data; toStatus maps them with errors.Is (InvalidArgument, OutOfRange,
+// and data; code maps them with errors.Is (InvalidArgument, OutOfRange,
 // NotFound, FailedPrecondition, ResourceExhausted, Unavailable), context
-// errors pass through, anything else is logged and becomes Internal.
+// errors pass through, anything else is Internal. A remote client's
+// message (clientStatus) leaks neither internals nor file content: an
+// internal error, the detail of a bad record and the text of an
+// unreadable dataset file are logged under the call's request id, and the
+// client gets the code, what can be said safely, and that id. The
+// in-process teacher (toStatus) keeps every detail. A panic in a forward
+// pass, in the batcher's goroutine or in a kernel's worker goroutine
+// (package cpu carries it back), fails that pass's requests with Internal;
+// the daemon goes on.
 package serve

@@ -73,8 +73,8 @@ func TestFillTwoDaemonsMatchesInProcess(t *testing.T) {
 	path, samples := writeIDsDataset(t, tmp, 90, 40, 512, 1)
 	const budget = 300
 	dA, dB := t.TempDir(), t.TempDir()
-	a := startDaemon(t, Config{Model: mdir, Cache: dA, TokenBudget: budget})
-	b := startDaemon(t, Config{Model: mdir, Cache: dB, TokenBudget: budget})
+	a := startDaemon(t, Config{Model: mdir, Cache: dA, TokenBudget: budget, DataRoots: []string{tmp}})
+	b := startDaemon(t, Config{Model: mdir, Cache: dB, TokenBudget: budget, DataRoots: []string{tmp}})
 	var ws []Worker
 	for _, d := range []*Daemon{a, b} {
 		w, err := Dial(d.Addr(), DialOptions{})

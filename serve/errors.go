@@ -3,6 +3,7 @@ package serve
 import (
 	"context"
 	"errors"
+	"strings"
 
 	"go.uber.org/zap"
 	"google.golang.org/grpc/codes"
@@ -38,10 +39,38 @@ var (
 	ErrShutdown = errors.New("serve: shutting down")
 )
 
-// toStatus maps a core error to a gRPC status error: errors.Is picks the
-// code, the message is the error's text; context errors pass through as
-// Canceled / DeadlineExceeded; anything unknown is logged and becomes
-// Internal, so no internal detail is mistaken for a user error.
+// code picks the gRPC code of a core error with errors.Is; Internal
+// for anything unknown (a bug, an I/O failure).
+func code(err error) codes.Code {
+	switch {
+	case errors.Is(err, context.Canceled):
+		return codes.Canceled
+	case errors.Is(err, context.DeadlineExceeded):
+		return codes.DeadlineExceeded
+	case errors.Is(err, ErrInvalid), errors.Is(err, infer.ErrInput),
+		errors.Is(err, data.ErrBadRecord), errors.Is(err, data.ErrTemplate),
+		errors.Is(err, data.ErrOptions), errors.Is(err, data.ErrSource),
+		errors.Is(err, cache.ErrInvalid):
+		return codes.InvalidArgument
+	case errors.Is(err, ErrOutOfRange):
+		return codes.OutOfRange
+	case errors.Is(err, ErrNotFound):
+		return codes.NotFound
+	case errors.Is(err, ErrPrecondition), errors.Is(err, cache.ErrManifestMismatch),
+		errors.Is(err, cache.ErrCorrupt), errors.Is(err, cache.ErrNotCache):
+		return codes.FailedPrecondition
+	case errors.Is(err, ErrOverloaded):
+		return codes.ResourceExhausted
+	case errors.Is(err, ErrShutdown), errors.Is(err, cache.ErrLocked):
+		return codes.Unavailable
+	}
+	return codes.Internal
+}
+
+// toStatus maps a core error to a gRPC status error for the in-process
+// teacher (cachectl fill --model): the user's own process, so the message
+// is the error's full text, internal errors included. Errors for remote
+// clients go through clientStatus instead.
 func toStatus(log *zap.Logger, err error) error {
 	if err == nil {
 		return nil
@@ -49,31 +78,59 @@ func toStatus(log *zap.Logger, err error) error {
 	if _, ok := status.FromError(err); ok {
 		return err // already a status (validators)
 	}
-	code := codes.Unknown
-	switch {
-	case errors.Is(err, context.Canceled):
-		code = codes.Canceled
-	case errors.Is(err, context.DeadlineExceeded):
-		code = codes.DeadlineExceeded
-	case errors.Is(err, ErrInvalid), errors.Is(err, infer.ErrInput),
-		errors.Is(err, data.ErrBadRecord), errors.Is(err, data.ErrTemplate),
-		errors.Is(err, data.ErrOptions), errors.Is(err, data.ErrSource),
-		errors.Is(err, cache.ErrInvalid):
-		code = codes.InvalidArgument
-	case errors.Is(err, ErrOutOfRange):
-		code = codes.OutOfRange
-	case errors.Is(err, ErrNotFound):
-		code = codes.NotFound
-	case errors.Is(err, ErrPrecondition), errors.Is(err, cache.ErrManifestMismatch),
-		errors.Is(err, cache.ErrCorrupt), errors.Is(err, cache.ErrNotCache):
-		code = codes.FailedPrecondition
-	case errors.Is(err, ErrOverloaded):
-		code = codes.ResourceExhausted
-	case errors.Is(err, ErrShutdown), errors.Is(err, cache.ErrLocked):
-		code = codes.Unavailable
-	default:
+	c := code(err)
+	if c == codes.Internal {
 		log.Error("internal error", zap.Error(err))
-		return status.Error(codes.Internal, "internal error (see the daemon log): "+err.Error())
+		return status.Error(codes.Internal, "internal error: "+err.Error())
 	}
-	return status.Error(code, err.Error())
+	return status.Error(c, err.Error())
+}
+
+// clientStatus maps a core error to the status a remote client gets. The
+// code is toStatus's; the message leaks neither internals nor file
+// content:
+//   - an internal error (a bug, an I/O failure: its text may hold paths,
+//     values, stack traces) is logged with the request id, and the client
+//     gets a generic message carrying that id;
+//   - a bad record keeps its location, field and reason, but its detail
+//     (which quotes the record: field names, CSV header cells, values) is
+//     only logged;
+//   - a dataset file that cannot be opened or indexed, or a chat template
+//     that cannot be used, is named by category only: the message of
+//     package data can quote the file (a CSV header, Parquet columns).
+func clientStatus(log *zap.Logger, id string, err error) error {
+	if err == nil {
+		return nil
+	}
+	if _, ok := status.FromError(err); ok {
+		return err // validators and the data-root check: written for clients
+	}
+	c := code(err)
+	var re *data.RecordError
+	switch {
+	case c == codes.Internal:
+		log.Error("internal error", zap.String("request_id", id), zap.Error(err))
+		return status.Errorf(codes.Internal, "internal error (request id %s): the daemon's log has the detail under that id", id)
+	case errors.As(err, &re):
+		log.Info("bad record", zap.String("request_id", id), zap.Error(err))
+		short := re.Loc + ": "
+		if re.Field != "" {
+			short += re.Field + ": "
+		}
+		short += re.Reason + " (the detail can quote the file, so only the daemon's log has it, under request id " + id +
+			"; `cachectl tokenize --data FILE` on the same file shows it)"
+		msg := strings.Replace(err.Error(), re.Error(), short, 1)
+		if msg == err.Error() {
+			msg = short
+		}
+		return status.Error(c, msg)
+	case errors.Is(err, data.ErrSource), errors.Is(err, data.ErrTemplate):
+		what := "a dataset source cannot be opened or indexed: check the path, the format (jsonl, csv or parquet; from the extension unless given) and that the file is not compressed"
+		if errors.Is(err, data.ErrTemplate) {
+			what = "the chat template cannot be used (the request's chat_template, or the tokenizer's)"
+		}
+		log.Info("dataset refused", zap.String("request_id", id), zap.Error(err))
+		return status.Errorf(c, "%s (request id %s: the detail can quote the file, so only the daemon's log has it; `cachectl tokenize --data FILE` on the same file shows it)", what, id)
+	}
+	return status.Error(c, err.Error())
 }

@@ -67,7 +67,7 @@ func TestBadRequests(t *testing.T) {
 	mdir := tinyModel(t)
 	tmp := t.TempDir()
 	path, _ := writeIDsDataset(t, tmp, 10, 10, 512, 2)
-	d := startDaemon(t, Config{Model: mdir, Cache: t.TempDir(), TokenBudget: 100})
+	d := startDaemon(t, Config{Model: mdir, Cache: t.TempDir(), TokenBudget: 100, DataRoots: []string{tmp}})
 	cl, conn := dialTeacher(t, d.Addr(), "")
 	defer conn.Close()
 
@@ -115,7 +115,7 @@ func TestBadRequests(t *testing.T) {
 
 	// A daemon of its own: a failed fill still binds its cache directory
 	// to the dataset it was asked for.
-	d3 := startDaemon(t, Config{Model: mdir, Cache: t.TempDir()})
+	d3 := startDaemon(t, Config{Model: mdir, Cache: t.TempDir(), DataRoots: []string{tmp}})
 	cl3, conn3 := dialTeacher(t, d3.Addr(), "")
 	defer conn3.Close()
 	fill3 := func(r *pb.FillRequest) error {
@@ -133,7 +133,7 @@ func TestBadRequests(t *testing.T) {
 		codes.InvalidArgument, "bad.jsonl:2")
 
 	// Without a cache directory Fill is refused.
-	d2 := startDaemon(t, Config{Model: mdir})
+	d2 := startDaemon(t, Config{Model: mdir, DataRoots: []string{tmp}})
 	cl2, conn2 := dialTeacher(t, d2.Addr(), "")
 	defer conn2.Close()
 	st, _ := cl2.Fill(context.Background(), &pb.FillRequest{Dataset: ds, Start: 0, End: 1})
@@ -216,9 +216,10 @@ func TestFillRefusesDisagreeingTeachers(t *testing.T) {
 		}
 		os.WriteFile(filepath.Join(other, f), b, 0o644)
 	}
-	path, _ := writeIDsDataset(t, t.TempDir(), 10, 10, 512, 2)
-	a := startDaemon(t, Config{Model: mdir, Cache: t.TempDir()})
-	b := startDaemon(t, Config{Model: other, Cache: t.TempDir()})
+	root := t.TempDir()
+	path, _ := writeIDsDataset(t, root, 10, 10, 512, 2)
+	a := startDaemon(t, Config{Model: mdir, Cache: t.TempDir(), DataRoots: []string{root}})
+	b := startDaemon(t, Config{Model: other, Cache: t.TempDir(), DataRoots: []string{root}})
 	wa, _ := Dial(a.Addr(), DialOptions{})
 	wb, _ := Dial(b.Addr(), DialOptions{})
 	defer wa.Close()
@@ -514,4 +515,38 @@ func TestFillSharedDirectoryNoDuplicates(t *testing.T) {
 		t.Errorf("shared directory reported as duplicates:\n%s", out.String())
 	}
 	checkAgainstForward(t, ws[0].(samePath).Worker.(*local).c.Model(), samples, 4, 100, dir)
+}
+
+// A Fill that fails before its first commit (a record with an id outside
+// the vocabulary) must not lock the daemon's cache to its dataset: the
+// next request, for another dataset, fills (before the fix: "manifest
+// mismatch: dataset_fingerprint" until the daemon's cache was deleted).
+func TestFailedFillDoesNotLockDaemonCache(t *testing.T) {
+	mdir := tinyModel(t)
+	tmp := t.TempDir()
+	bad := filepath.Join(tmp, "bad.jsonl")
+	os.WriteFile(bad, []byte("{\"input_ids\":[1,2,3]}\n{\"input_ids\":[4,9999,6]}\n{\"input_ids\":[7,8,9]}\n"), 0o644)
+	good, _ := writeIDsDataset(t, tmp, 6, 10, 512, 6)
+	c, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: filepath.Join(tmp, "cache")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := Local(c)
+	defer w.Close()
+	plan := func(path string) FillPlan {
+		return FillPlan{Dataset: &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}, ChunkSamples: 3, K: 4}
+	}
+	if _, err := RunFill(context.Background(), []Worker{w}, plan(bad)); err == nil || !strings.Contains(err.Error(), "9999") {
+		t.Fatalf("fill of a dataset with a bad id: %v, want an error naming it", err)
+	}
+	sum, err := RunFill(context.Background(), []Worker{w}, plan(good))
+	if err != nil {
+		t.Fatalf("fill of another dataset after a fill that committed nothing: %v", err)
+	}
+	if sum.Samples != 6 {
+		t.Fatalf("second fill: %d samples, want 6", sum.Samples)
+	}
+	if _, err := RunFill(context.Background(), []Worker{w}, plan(bad)); err == nil || !strings.Contains(err.Error(), "dataset_fingerprint") {
+		t.Fatalf("a fill of another dataset once chunks are committed: %v, want a manifest mismatch", err)
+	}
 }

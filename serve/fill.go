@@ -58,6 +58,15 @@ type FillPlan struct {
 type FillSummary struct {
 	// Samples and Tokens computed in this run (skipped chunks excluded).
 	Samples, Tokens int64
+	// Targets are the positions of those samples training learns from
+	// (loss mask 1). Truncated samples were cut to max_len; Dropped and
+	// BadSkipped ones are stored empty (no target within max_len, over
+	// max_len under policy drop, or a bad record under skip_bad), with
+	// their counts per reason and the first few messages in Examples.
+	Targets                        int64
+	Truncated, Dropped, BadSkipped int64
+	Reasons                        map[string]int64
+	Examples                       []string
 	// Chunks computed and Skipped (already in a cache) in this run.
 	Chunks, Skipped int
 	// Retries counts chunks handed out again after a teacher failed.
@@ -79,14 +88,36 @@ func fillErr(format string, a ...any) error {
 func msg(err error) string { return status.Convert(err).Message() }
 
 // permanent reports whether a failed Fill would fail again anywhere: the
-// request or the data is wrong, not the teacher's health.
-func permanent(err error) bool {
+// request or the data is wrong, not the teacher's health. Every error of
+// the in-process teacher is: it is the only teacher and runs in this
+// process, so no retry or other teacher can do better (its Internal errors
+// are the cache directory's or the machine's, e.g. a full disk).
+func permanent(w Worker, err error) bool {
+	if isLocal(w) {
+		return true
+	}
 	switch status.Code(err) {
 	case codes.InvalidArgument, codes.FailedPrecondition, codes.NotFound, codes.OutOfRange,
 		codes.Unauthenticated, codes.PermissionDenied, codes.Unimplemented, codes.AlreadyExists:
 		return true
 	}
 	return false
+}
+
+// isLocal reports whether w is the in-process teacher (Local).
+func isLocal(w Worker) bool {
+	_, ok := w.(*local)
+	return ok
+}
+
+// failure says what went wrong with w in an error message: the teacher
+// and the gRPC code for a daemon, only the message in-process (where
+// there is one teacher, and the user is its operator).
+func failure(w Worker, what string, err error) string {
+	if isLocal(w) {
+		return fmt.Sprintf("%s: %s", what, msg(err))
+	}
+	return fmt.Sprintf("teacher %s, %s: %s: %s", w.Name(), what, status.Code(err), msg(err))
 }
 
 // RunFill fills [Start, End) of the dataset through the workers over
@@ -124,7 +155,7 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 		return nil, fillErr("%s", msg(err))
 	}
 	t0 := time.Now()
-	sum := &FillSummary{Dirs: map[string][]string{}}
+	sum := &FillSummary{Dirs: map[string][]string{}, Reasons: map[string]int64{}}
 
 	// 1. The teachers agree with each other and with the dataset.
 	infos := make([]*pb.InfoResponse, len(workers))
@@ -138,7 +169,7 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 			return nil, fillErr("teacher %s has no cache directory: start it with --cache DIR", w.Name())
 		}
 		if descs[i], err = w.Describe(ctx, p.Dataset); err != nil {
-			return nil, fillErr("teacher %s: dataset: %s", w.Name(), msg(err))
+			return nil, fillErr("%s", failure(w, "dataset", err))
 		}
 	}
 	a := infos[0]
@@ -194,6 +225,9 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 	for i, w := range workers {
 		d := infos[i].GetCacheDir()
 		key := d + " on " + w.Name()
+		if isLocal(w) {
+			key = d
+		}
 		dirOf[w], pathOf[key] = key, d
 		sum.Dirs[d] = append(sum.Dirs[d], w.Name())
 	}
@@ -220,7 +254,7 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 			err := w.Fill(ctx, &pb.FillRequest{Dataset: p.Dataset, Start: r.Start, End: r.End, ChunkSamples: r.Len(),
 				K: optK(p.K), Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp}, func(*pb.FillResponse) error { return nil })
 			if err != nil {
-				return nil, fillErr("teacher %s (cache %s): %s", w.Name(), d, msg(err))
+				return nil, fillErr("%s", failure(w, "cache "+d, err))
 			}
 		}
 	}
@@ -291,6 +325,9 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 								samples.Add(m.GetEnd() - m.GetStart())
 								tokens.Add(m.GetTokens())
 								chunks.Add(1)
+								failMu.Lock()
+								sum.addCounts(m)
+								failMu.Unlock()
 							}
 							if p.onChunk != nil {
 								p.onChunk(w, m)
@@ -308,8 +345,8 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 					if ctx.Err() != nil {
 						return
 					}
-					if permanent(err) {
-						abort(fillErr("teacher %s, chunk [%d, %d): %s: %s", w.Name(), r.Start, r.End, status.Code(err), msg(err)))
+					if permanent(w, err) {
+						abort(fillErr("%s", failure(w, fmt.Sprintf("chunk [%d, %d)", r.Start, r.End), err)))
 						return
 					}
 					// The teacher is unhealthy (dead, restarting, overloaded):
@@ -394,8 +431,9 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 		return sum, fillErr("after the fill, %v are still missing from the caches; re-run to fill them", gaps)
 	}
 	if p.Out != nil {
-		fmt.Fprintf(p.Out, "fill: %d samples, %d tokens in %d chunks in %s (%.0f tokens/s); %d chunks were already done; %d retries\n",
-			sum.Samples, sum.Tokens, sum.Chunks, sum.Elapsed.Round(time.Millisecond), float64(sum.Tokens)/sum.Elapsed.Seconds(), sum.Skipped, sum.Retries)
+		fmt.Fprintf(p.Out, "fill: %d samples, %d tokens, %d targets in %d chunks in %s (%.0f tokens/s); %d chunks were already done; %d retries\n",
+			sum.Samples, sum.Tokens, sum.Targets, sum.Chunks, sum.Elapsed.Round(time.Millisecond), float64(sum.Tokens)/sum.Elapsed.Seconds(), sum.Skipped, sum.Retries)
+		sum.printCounts(p.Out)
 		dirs := make([]string, 0, len(sum.Dirs))
 		for d := range sum.Dirs {
 			dirs = append(dirs, d)
@@ -408,7 +446,61 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 			fmt.Fprintf(p.Out, "fill: read the directories together as one cache (e.g. cachectl verify %s)\n", strings.Join(dirs, " "))
 		}
 	}
+	if sum.Samples > 0 && sum.Targets == 0 {
+		return sum, fillErr("every one of the %d samples filled is empty (%s): the cache holds nothing to train on. "+
+			"Check the dataset options (raise --max-len, set --columns or --roles to your field names, drop --skip-bad to see the first bad record), "+
+			"then fill into a new cache directory: this one is bound to the dataset as read now", sum.Samples, sum.countsLine())
+	}
 	return sum, nil
+}
+
+// addCounts adds a computed chunk's sample counts (caller holds the lock).
+func (s *FillSummary) addCounts(m *pb.FillResponse) {
+	s.Targets += m.GetTargets()
+	s.Truncated += m.GetTruncated()
+	s.Dropped += m.GetDropped()
+	s.BadSkipped += m.GetBadSkipped()
+	for r, n := range m.GetReasons() {
+		s.Reasons[r] += n
+	}
+	for _, e := range m.GetExamples() {
+		if len(s.Examples) < maxFillExamples {
+			s.Examples = append(s.Examples, e)
+		}
+	}
+}
+
+// maxFillExamples is how many drop or skip messages a fill prints.
+const maxFillExamples = 5
+
+// countsLine says what became of the samples that are not whole.
+func (s *FillSummary) countsLine() string {
+	return fmt.Sprintf("%d truncated to --max-len, %d dropped, %d bad records skipped", s.Truncated, s.Dropped, s.BadSkipped)
+}
+
+// printCounts writes the truncated, dropped and skipped counts, the
+// reasons and a few examples, when there are any.
+func (s *FillSummary) printCounts(w io.Writer) {
+	if s.Truncated == 0 && s.Dropped == 0 && s.BadSkipped == 0 {
+		return
+	}
+	fmt.Fprintf(w, "fill: %s\n", s.countsLine())
+	rs := make([]string, 0, len(s.Reasons))
+	for r := range s.Reasons {
+		rs = append(rs, r)
+	}
+	sort.Slice(rs, func(i, j int) bool {
+		if s.Reasons[rs[i]] != s.Reasons[rs[j]] {
+			return s.Reasons[rs[i]] > s.Reasons[rs[j]]
+		}
+		return rs[i] < rs[j]
+	})
+	for _, r := range rs {
+		fmt.Fprintf(w, "  %6d  %s\n", s.Reasons[r], r)
+	}
+	for _, e := range s.Examples {
+		fmt.Fprintf(w, "  e.g. %s\n", e)
+	}
 }
 
 // dirRanges asks each teacher (one per distinct dirOf key) for the
@@ -428,7 +520,7 @@ func dirRanges(ctx context.Context, workers []Worker, dirOf map[Worker]string, f
 			if lenient {
 				continue
 			}
-			return nil, fillErr("teacher %s: Status: %s", w.Name(), msg(err))
+			return nil, fillErr("%s", failure(w, "cache status", err))
 		}
 		rs := []cache.Range{}
 		for _, r := range st.GetDone() {
@@ -516,21 +608,7 @@ func startProgress(p *FillPlan, total, already int64, samples, tokens *atomic.In
 	}
 	stop, done := make(chan struct{}), make(chan struct{})
 	line := func() string {
-		s, tok := samples.Load(), tokens.Load()
-		el := time.Since(t0).Seconds()
-		doneN := already + s
-		rate := float64(tok) / max(el, 1e-9)
-		eta := "?"
-		if s > 0 {
-			eta = (time.Duration(float64(total-doneN) * el / float64(s) * float64(time.Second))).Round(time.Second).String()
-		}
-		frac := float64(doneN) / float64(total)
-		if p.Terminal {
-			const w = 30
-			bar := strings.Repeat("=", int(frac*w)) + strings.Repeat(" ", w-int(frac*w))
-			return fmt.Sprintf("\r[%s] %d/%d samples %5.1f%%  %.0f tokens/s  ETA %s   ", bar, doneN, total, 100*frac, rate, eta)
-		}
-		return fmt.Sprintf("fill: %d/%d samples (%.1f%%), %.0f tokens/s, ETA %s\n", doneN, total, 100*frac, rate, eta)
+		return progressLine(p.Terminal, total, already, samples.Load(), tokens.Load(), time.Since(t0).Seconds())
 	}
 	go func() {
 		defer close(done)
@@ -549,6 +627,32 @@ func startProgress(p *FillPlan, total, already int64, samples, tokens *atomic.In
 		}
 	}()
 	return func() { close(stop); <-done }
+}
+
+// progressLine is one progress report: done of total samples (already
+// done before this run, plus s computed in it), tok tokens in el seconds.
+// The counts are clamped to [0, total]: a chunk counted twice (a teacher
+// that reported it and failed, then another redid it) or a range already
+// done that reaches past the fill's would otherwise draw more than a full
+// bar, and strings.Repeat panics on the negative rest.
+func progressLine(terminal bool, total, already, s, tok int64, el float64) string {
+	doneN := min(max(already+s, 0), total)
+	rate := float64(tok) / max(el, 1e-9)
+	eta := "?"
+	if s > 0 {
+		eta = (time.Duration(float64(total-doneN) * el / float64(s) * float64(time.Second))).Round(time.Second).String()
+	}
+	frac := 1.0
+	if total > 0 {
+		frac = float64(doneN) / float64(total)
+	}
+	if terminal {
+		const w = 30
+		n := min(max(int(frac*w), 0), w)
+		bar := strings.Repeat("=", n) + strings.Repeat(" ", w-n)
+		return fmt.Sprintf("\r[%s] %d/%d samples %5.1f%%  %.0f tokens/s  ETA %s   ", bar, doneN, total, 100*frac, rate, eta)
+	}
+	return fmt.Sprintf("fill: %d/%d samples (%.1f%%), %.0f tokens/s, ETA %s\n", doneN, total, 100*frac, rate, eta)
 }
 
 // optK is FillPlan.K as the request field: 0 (the teacher's default) is

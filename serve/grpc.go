@@ -2,21 +2,26 @@ package serve
 
 import (
 	"context"
+	"crypto/rand"
 	"crypto/subtle"
+	"encoding/hex"
 	"errors"
 	"io"
 	"strings"
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	pb "distill/proto/distill/v1"
 )
@@ -35,6 +40,42 @@ type Server struct {
 	core   atomic.Pointer[Core]
 	log    *zap.Logger
 	health *health.Server
+	roots  *DataRoots
+	// authFailures counts calls refused for a missing or wrong token; it
+	// joins the core's registry in SetCore.
+	authFailures prometheus.Counter
+}
+
+// requestIDKey is the context key of the id the interceptors give every
+// call: the client's error messages carry it, the log lines too.
+type requestIDKey struct{}
+
+func newRequestID() string {
+	var b [6]byte
+	rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+func requestID(ctx context.Context) string {
+	id, _ := ctx.Value(requestIDKey{}).(string)
+	if id == "" {
+		return "none"
+	}
+	return id
+}
+
+// toClient maps a core error for the client of the call in ctx.
+func (s *Server) toClient(ctx context.Context, err error) error {
+	return clientStatus(s.log, requestID(ctx), err)
+}
+
+// confine checks the dataset's paths against the data roots: Fill and
+// DescribeDataset are the RPCs that name files.
+func (s *Server) confine(spec *pb.Dataset) (*pb.Dataset, error) {
+	if err := ValidateDataset(spec); err != nil {
+		return nil, err
+	}
+	return s.roots.Confine(spec)
 }
 
 func (s *Server) ready() (*Core, error) {
@@ -60,8 +101,12 @@ func (s *Server) DescribeDataset(ctx context.Context, r *pb.DescribeDatasetReque
 	if err != nil {
 		return nil, err
 	}
-	out, err := c.DescribeDataset(r.GetDataset())
-	return out, toStatus(s.log, err)
+	spec, err := s.confine(r.GetDataset())
+	if err != nil {
+		return nil, err
+	}
+	out, err := c.DescribeDataset(spec)
+	return out, s.toClient(ctx, err)
 }
 
 // Status implements pb.TeacherServer.
@@ -71,7 +116,7 @@ func (s *Server) Status(ctx context.Context, r *pb.StatusRequest) (*pb.StatusRes
 		return nil, err
 	}
 	out, err := c.Status(r)
-	return out, toStatus(s.log, err)
+	return out, s.toClient(ctx, err)
 }
 
 // Fill implements pb.TeacherServer.
@@ -80,7 +125,16 @@ func (s *Server) Fill(r *pb.FillRequest, stream grpc.ServerStreamingServer[pb.Fi
 	if err != nil {
 		return err
 	}
-	return toStatus(s.log, c.Fill(stream.Context(), r, stream.Send))
+	if err := ValidateFill(r, c.Limits()); err != nil {
+		return err
+	}
+	spec, err := s.confine(r.GetDataset())
+	if err != nil {
+		return err
+	}
+	r = proto.Clone(r).(*pb.FillRequest)
+	r.Dataset = spec
+	return s.toClient(stream.Context(), c.Fill(stream.Context(), r, stream.Send))
 }
 
 // Score implements pb.TeacherServer: a reader goroutine validates and
@@ -129,11 +183,11 @@ func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.Score
 	}()
 	for p := range q {
 		if p.err != nil {
-			return toStatus(s.log, p.err)
+			return s.toClient(ctx, p.err)
 		}
 		res := p.j.wait()
 		if res.err != nil {
-			return toStatus(s.log, res.err)
+			return s.toClient(ctx, res.err)
 		}
 		c.met.latency.WithLabelValues("Score.sample").Observe(time.Since(p.t0).Seconds())
 		if err := stream.Send(&pb.ScoreResponse{Id: p.id, K: int32(p.k), Ids: res.ids, Logprobs: res.lps}); err != nil {
@@ -166,6 +220,24 @@ func checkToken(ctx context.Context, token, method string) error {
 	return status.Error(codes.Unauthenticated, "missing or wrong bearer token: send metadata \"authorization: Bearer <token>\" (cachectl fill --token)")
 }
 
+// authFailed counts and logs a refused call (who tried what).
+func (s *Server) authFailed(ctx context.Context, method string) {
+	s.authFailures.Inc()
+	from := "unknown"
+	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+		from = p.Addr.String()
+	}
+	s.log.Warn("call refused: missing or wrong bearer token", zap.String("method", method), zap.String("peer", from))
+}
+
+// idStream is a ServerStream whose context carries the request id.
+type idStream struct {
+	grpc.ServerStream
+	ctx context.Context
+}
+
+func (s idStream) Context() context.Context { return s.ctx }
+
 // limiter counts concurrent RPCs of the Teacher service.
 type limiter struct {
 	max int64
@@ -189,7 +261,7 @@ func (l *limiter) release(method string) {
 	}
 }
 
-func (s *Server) observe(method string, t0 time.Time, err error) {
+func (s *Server) observe(method, id string, t0 time.Time, err error) {
 	c := s.core.Load()
 	code := status.Code(err)
 	if c != nil {
@@ -198,7 +270,7 @@ func (s *Server) observe(method string, t0 time.Time, err error) {
 		c.met.latency.WithLabelValues(name).Observe(time.Since(t0).Seconds())
 	}
 	if code != codes.OK && code != codes.ResourceExhausted && code != codes.Canceled {
-		s.log.Info("rpc failed", zap.String("method", method), zap.String("code", code.String()), zap.String("msg", status.Convert(err).Message()))
+		s.log.Info("rpc failed", zap.String("method", method), zap.String("request_id", id), zap.String("code", code.String()), zap.String("msg", status.Convert(err).Message()))
 	}
 }
 
@@ -211,6 +283,10 @@ type ServerOptions struct {
 	MaxConcurrent int
 	// MaxRecvBytes bounds one request message (default 16 MiB).
 	MaxRecvBytes int
+	// DataRoots are the directories whose files clients may name as
+	// datasets; nil or empty: none (every Fill and DescribeDataset is
+	// refused).
+	DataRoots *DataRoots
 	// Extra are more grpc.ServerOptions (TLS credentials).
 	Extra []grpc.ServerOption
 	// Logger receives structured logs; nil means zap.NewNop.
@@ -227,32 +303,40 @@ func NewGRPCServer(o ServerOptions) (*grpc.Server, *Server) {
 	if o.MaxRecvBytes == 0 {
 		o.MaxRecvBytes = 16 << 20
 	}
-	s := &Server{log: o.Logger, health: health.NewServer()}
+	s := &Server{log: o.Logger, health: health.NewServer(), roots: o.DataRoots,
+		authFailures: prometheus.NewCounter(prometheus.CounterOpts{Name: "teacherd_auth_failures_total",
+			Help: "Calls refused for a missing or wrong bearer token."})}
 	lim := &limiter{max: int64(o.MaxConcurrent)}
 	unary := func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
 		if err := checkToken(ctx, o.Token, info.FullMethod); err != nil {
+			s.authFailed(ctx, info.FullMethod)
 			return nil, err
 		}
 		if err := lim.acquire(info.FullMethod); err != nil {
 			return nil, err
 		}
 		defer lim.release(info.FullMethod)
+		id := newRequestID()
+		grpc.SetHeader(ctx, metadata.Pairs("x-request-id", id))
 		t0 := time.Now()
-		resp, err := h(ctx, req)
-		s.observe(info.FullMethod, t0, err)
+		resp, err := h(context.WithValue(ctx, requestIDKey{}, id), req)
+		s.observe(info.FullMethod, id, t0, err)
 		return resp, err
 	}
 	streamI := func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
 		if err := checkToken(ss.Context(), o.Token, info.FullMethod); err != nil {
+			s.authFailed(ss.Context(), info.FullMethod)
 			return err
 		}
 		if err := lim.acquire(info.FullMethod); err != nil {
 			return err
 		}
 		defer lim.release(info.FullMethod)
+		id := newRequestID()
+		ss.SetHeader(metadata.Pairs("x-request-id", id))
 		t0 := time.Now()
-		err := h(srv, ss)
-		s.observe(info.FullMethod, t0, err)
+		err := h(srv, idStream{ss, context.WithValue(ss.Context(), requestIDKey{}, id)})
+		s.observe(info.FullMethod, id, t0, err)
 		return err
 	}
 	opts := append([]grpc.ServerOption{grpc.MaxRecvMsgSize(o.MaxRecvBytes), grpc.ChainUnaryInterceptor(unary), grpc.ChainStreamInterceptor(streamI)}, o.Extra...)
@@ -267,6 +351,9 @@ func NewGRPCServer(o ServerOptions) (*grpc.Server, *Server) {
 
 // SetCore makes the server serve c and reports SERVING.
 func (s *Server) SetCore(c *Core) {
+	if err := c.met.reg.Register(s.authFailures); err != nil {
+		s.log.Warn("auth failure counter not registered", zap.Error(err))
+	}
 	s.core.Store(c)
 	s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	s.health.SetServingStatus(pb.Teacher_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)

@@ -88,6 +88,9 @@ func ValidateDataset(d *pb.Dataset) error {
 		default:
 			return status.Errorf(codes.InvalidArgument, "dataset source %d (%s): format %q: want jsonl, csv or parquet (or empty: from the extension)", i, s.GetPath(), s.GetFormat())
 		}
+		if err := columnMap(s.GetColumns()).Check(); err != nil {
+			return status.Errorf(codes.InvalidArgument, "dataset source %d (%s): columns: %v", i, s.GetPath(), err)
+		}
 	}
 	if d.GetMaxLen() < 0 {
 		return status.Errorf(codes.InvalidArgument, "dataset max_len %d must be >= 0", d.GetMaxLen())

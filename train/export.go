@@ -9,6 +9,7 @@ import (
 
 	"distill/compute"
 	"distill/compute/device"
+	"distill/internal/atomicfile"
 	"distill/model"
 	"distill/train/nvfp4"
 )
@@ -184,26 +185,13 @@ func scalarF32(name string, v float32) model.Tensor {
 	return t
 }
 
-// writeFileAtomic writes data to path through a synced temporary file and a
-// rename, so a crash leaves the old file or the new one, never a torn one.
+// writeFileAtomic writes data to path through internal/atomicfile, so a
+// crash leaves the old file or the new one, never a torn one.
 func writeFileAtomic(path string, data []byte) error {
-	tmp := path + ".tmp"
-	f, err := os.Create(tmp)
-	if err != nil {
-		return err
+	if err := atomicfile.WriteFile(path, data, 0o644); err != nil {
+		return fmt.Errorf("train: %w", err)
 	}
-	_, err = f.Write(data)
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		os.Remove(tmp)
-		return fmt.Errorf("train: writing %s: %w", path, err)
-	}
-	return os.Rename(tmp, path)
+	return nil
 }
 
 // logitsRows runs the LM head on the final hidden states of positions

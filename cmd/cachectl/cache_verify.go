@@ -46,7 +46,7 @@ func verifyMain(args []string, stdout, stderr io.Writer) error {
 		}
 	}
 	if problems > 0 {
-		return fmt.Errorf("%d problems found", problems)
+		return fmt.Errorf("%d problems found; cachectl repair --cache DIR drops the records of missing or corrupt chunks, then the same fill recomputes those ranges", problems)
 	}
 	return nil
 }

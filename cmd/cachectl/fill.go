@@ -7,14 +7,12 @@ import (
 	"io"
 	"os"
 	"os/signal"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
 	"distill/data/tokenizer"
 	"distill/internal/cli"
-	pb "distill/proto/distill/v1"
 	"distill/serve"
 )
 
@@ -36,17 +34,9 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	tokDir := fs.String("tokenizer", "", "tokenizer directory: with --model, the tokenizer to use (default: the model's); with --teacher, checked against the daemons'")
 	device := fs.String("device", "auto", "with --model: auto or cpu")
 	budget := fs.Int("token-budget", 0, "with --model: tokens per forward pass (default 8192)")
-	dataPaths := fs.String("data", "", "dataset files PATH[,PATH...] (JSONL, CSV, Parquet), as the teachers see them")
-	weights := fs.String("weights", "", "blend weights W[,W...], one per --data file (default: concatenate)")
 	pretok := fs.Bool("pretokenized", false, "records hold input_ids (and loss_mask): no tokenizer, ids checked against the vocab")
-	maxLen := fs.Int("max-len", 0, "longest sample in tokens (0: none)")
-	policy := fs.String("policy", "truncate", "samples over --max-len: truncate or drop")
-	numSamples := fs.Int64("num-samples", 0, "samples in the index (0: all records)")
-	shuffle := fs.Bool("shuffle", false, "permute the records")
-	seed := fs.Uint64("seed", 0, "permutation seed")
-	noEOS := fs.Bool("no-eos", false, "do not append EOS to text records")
-	tmplFile := fs.String("chat-template", "", "file with a Jinja chat template overriding the tokenizer's")
-	tmplVars := fs.String("template-vars", "", `extra chat-template variables as JSON, e.g. {"enable_thinking":false}`)
+	var df datasetFlags
+	df.register(fs, "as the teachers see them (with --model: as this machine does)")
 	start := fs.Int64("start", 0, "first sample")
 	end := fs.Int64("end", 0, "one past the last sample (0: the dataset's length)")
 	chunk := fs.Int64("chunk", serve.DefaultChunkSamples, "samples per chunk (the unit of work and of crash recovery)")
@@ -62,40 +52,18 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %q", fs.Args())
+		return fmt.Errorf("unexpected arguments %q (flags come as --name value)", fs.Args())
 	}
 	if (*teachers == "") == (*modelDir == "") {
 		return fmt.Errorf("give exactly one of --teacher ADDR[,ADDR...] (daemons) and --model DIR (in-process)")
 	}
-	if *dataPaths == "" {
-		return fmt.Errorf("--data is required")
+	srcs, opts, err := df.dataset()
+	if err != nil {
+		return err
 	}
-	ds := &pb.Dataset{Pretokenized: *pretok, MaxLen: int32(*maxLen), Policy: *policy, NumSamples: *numSamples, Shuffle: *shuffle,
-		Seed: *seed, NoEos: *noEOS, TemplateVarsJson: *tmplVars}
-	paths := strings.Split(*dataPaths, ",")
-	var ws []string
-	if *weights != "" {
-		if ws = strings.Split(*weights, ","); len(ws) != len(paths) {
-			return fmt.Errorf("--weights has %d values for %d --data files", len(ws), len(paths))
-		}
-	}
-	for i, p := range paths {
-		src := &pb.DataSource{Path: p}
-		if ws != nil {
-			w, err := strconv.ParseFloat(ws[i], 64)
-			if err != nil {
-				return fmt.Errorf("--weights: %q is not a number", ws[i])
-			}
-			src.Weight = w
-		}
-		ds.Sources = append(ds.Sources, src)
-	}
-	if *tmplFile != "" {
-		b, err := os.ReadFile(*tmplFile)
-		if err != nil {
-			return fmt.Errorf("--chat-template: %v", err)
-		}
-		ds.ChatTemplate = string(b)
+	ds, err := serve.DatasetSpec(srcs, opts, *pretok)
+	if err != nil {
+		return err
 	}
 	plan := serve.FillPlan{Dataset: ds, Start: *start, End: *end, ChunkSamples: *chunk, K: int32(*k), Temperature: float32(*temp),
 		Encoding: *encoding, PerWorker: *perTeacher, RetryFor: *retryFor, Out: stderr, Terminal: isTerminal(stderr), LogEvery: *logEvery}
@@ -110,7 +78,7 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			return fmt.Errorf("--model needs --cache DIR (the cache directory to write)")
 		}
 		fmt.Fprintf(stderr, "fill: loading teacher %s in-process\n", *modelDir)
-		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, TokenBudget: *budget})
+		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, TokenBudget: *budget, InProcess: true})
 		if err != nil {
 			return err
 		}
@@ -134,7 +102,7 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			workers = append(workers, w)
 		}
 	}
-	_, err := serve.RunFill(ctx, workers, plan)
+	_, err = serve.RunFill(ctx, workers, plan)
 	return err
 }
 

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"os"
@@ -165,5 +166,121 @@ func TestFillCommandRealTokenizer(t *testing.T) {
 		if fmt.Sprint(got.Tokens) != fmt.Sprint(want) {
 			t.Errorf("sample %d: cached tokens %v, tokenizer gives %v", i, got.Tokens, want)
 		}
+	}
+}
+
+// writeIDs writes pre-tokenized records, one {"input_ids": ...} per line.
+func writeIDs(t *testing.T, path string, samples [][]int32) {
+	t.Helper()
+	var b strings.Builder
+	for _, s := range samples {
+		j, _ := json.Marshal(map[string]any{"input_ids": s})
+		b.Write(j)
+		b.WriteByte('\n')
+	}
+	if err := os.WriteFile(path, []byte(b.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func idSamples(n, vocab int) [][]int32 {
+	var out [][]int32
+	for i := 0; i < n; i++ {
+		s := make([]int32, 3+i%9)
+		for j := range s {
+			s[j] = int32((i*31 + j*7) % vocab)
+		}
+		out = append(out, s)
+	}
+	return out
+}
+
+// TestFillAfterFailedFillWithFixedData is the user's path of issue 11
+// item 4: a fill fails on a bad record before committing anything, the
+// user fixes the line, the same command fills (before the fix: "manifest
+// mismatch: dataset_fingerprint" with 0 chunks written). Then reset: it
+// refuses a cache with chunks unless --force, and leaves no cache.
+func TestFillAfterFailedFillWithFixedData(t *testing.T) {
+	mdir := fillModel(t, 300)
+	tmp := t.TempDir()
+	samples := idSamples(10, 300)
+	dpath, cdir := filepath.Join(tmp, "d.jsonl"), filepath.Join(tmp, "cache")
+	bad := append([][]int32(nil), samples...)
+	bad[1] = []int32{5, 4000, 6}
+	writeIDs(t, dpath, bad)
+	args := []string{"--model", mdir, "--cache", cdir, "--data", dpath, "--pretokenized", "--chunk", "5", "--k", "4"}
+	if out, err := runFill(t, args...); err == nil || !strings.Contains(err.Error(), "4000") {
+		t.Fatalf("fill with an id outside the vocab: %v\n%s", err, out)
+	}
+	writeIDs(t, dpath, samples) // the user fixes the line
+	if out, err := runFill(t, args...); err != nil || !strings.Contains(out, "fill: 10 samples") {
+		t.Fatalf("fill after fixing the bad line: %v\n%s", err, out)
+	}
+	if out, err := run(t, wrap(verifyMain), "--cache", cdir); err != nil {
+		t.Fatalf("verify: %v\n%s", err, out)
+	}
+
+	out, err := run(t, wrap(resetMain), "--cache", cdir)
+	if err == nil || !strings.Contains(err.Error(), "2 committed chunks (10 samples") || !strings.Contains(err.Error(), "--force") {
+		t.Fatalf("reset of a filled cache without --force: %v\n%s", err, out)
+	}
+	if out, err := run(t, wrap(verifyMain), "--cache", cdir); err != nil {
+		t.Fatalf("verify after a refused reset: %v\n%s", err, out)
+	}
+	out, err = run(t, wrap(resetMain), "--cache", cdir, "--force")
+	if err != nil || !strings.Contains(out, "2 committed chunks, 10 samples discarded") {
+		t.Fatalf("reset --force: %v\n%s", err, out)
+	}
+	if _, err := run(t, wrap(statusMain), "--cache", cdir); !errors.Is(err, cache.ErrNotCache) {
+		t.Fatalf("status after reset: %v, want ErrNotCache", err)
+	}
+}
+
+// TestRepairThenFillRecomputesOnlyDropped is issue 11 item 5 end to end:
+// a chunk damaged and one deleted; verify fails and a fill skips both as
+// done; repair drops exactly them; the fill recomputes exactly those two
+// ranges; verify is clean and the export is byte for byte the original.
+func TestRepairThenFillRecomputesOnlyDropped(t *testing.T) {
+	mdir := fillModel(t, 300)
+	tmp := t.TempDir()
+	dpath, cdir := filepath.Join(tmp, "d.jsonl"), filepath.Join(tmp, "cache")
+	writeIDs(t, dpath, idSamples(23, 300))
+	args := []string{"--model", mdir, "--cache", cdir, "--data", dpath, "--pretokenized", "--chunk", "7", "--k", "4", "--encoding", "lossless"}
+	if out, err := runFill(t, args...); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	before, err := run(t, wrap(exportMain), "--cache", cdir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	flip := filepath.Join(cdir, "chunks", "000000000007-000000000014.arrow")
+	data, err := os.ReadFile(flip)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data[len(data)/3] ^= 0x01
+	os.WriteFile(flip, data, 0o644)
+	os.Remove(filepath.Join(cdir, "chunks", "000000000021-000000000023.arrow"))
+	out, err := run(t, wrap(verifyMain), "--cache", cdir)
+	if err == nil || !strings.Contains(err.Error(), "cachectl repair") {
+		t.Fatalf("verify of a damaged cache: %v, want problems and the repair hint\n%s", err, out)
+	}
+	if out, err := runFill(t, args...); err != nil || !strings.Contains(out, "fill: 0 samples") {
+		t.Fatalf("fill before repair (skips the damaged ranges as done): %v\n%s", err, out)
+	}
+	out, err = run(t, wrap(repairMain), "--cache", cdir)
+	if err != nil || !strings.Contains(out, "dropped [7, 14)") || !strings.Contains(out, "dropped [21, 23)") || !strings.Contains(out, "4 chunks checked, 2 dropped (9 samples)") {
+		t.Fatalf("repair: %v\n%s", err, out)
+	}
+	out, err = runFill(t, args...)
+	if err != nil || !strings.Contains(out, "fill: 9 samples") || !strings.Contains(out, "in 2 chunks") || !strings.Contains(out, "2 chunks were already done") {
+		t.Fatalf("fill after repair: %v\n%s", err, out)
+	}
+	if out, err := run(t, wrap(verifyMain), "--cache", cdir); err != nil {
+		t.Fatalf("verify after repair and fill: %v\n%s", err, out)
+	}
+	after, err := run(t, wrap(exportMain), "--cache", cdir)
+	if err != nil || after != before {
+		t.Fatalf("export after repair and refill differs from the original (%v)", err)
 	}
 }

@@ -124,7 +124,7 @@ func TestTokenizeCommandErrors(t *testing.T) {
 		want string
 		is   error
 	}{
-		{[]string{"--data", p}, "--tokenizer and --data are required", nil},
+		{[]string{"--data", p}, "--tokenizer is required", nil},
 		{[]string{"--tokenizer", bad, "--data", p}, "WordPiece", tokenizer.ErrUnsupported},
 		{[]string{"--tokenizer", qwen3Dir, "--data", p, "--policy", "cut"}, `--policy "cut"`, data.ErrOptions},
 		{[]string{"--tokenizer", qwen3Dir, "--data", p, "--weights", "1,2"}, "2 values for 1", nil},

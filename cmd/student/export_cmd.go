@@ -3,6 +3,7 @@ package main
 import (
 	"flag"
 	"fmt"
+	"strings"
 
 	"distill/internal/cli"
 	"distill/train/trainer"
@@ -15,34 +16,29 @@ func init() {
 func runExport(args []string) error {
 	fs := flag.NewFlagSet("student export", flag.ContinueOnError)
 	ckpt := fs.String("checkpoint", "", "run directory (newest checkpoint) or checkpoint directory (required)")
-	out := fs.String("out", "", "output directory (required)")
+	out := fs.String("out", "", "output directory (required; written whole through a temporary directory)")
 	format := fs.String("format", "bf16", "bf16: HF BF16 checkpoint; f32: exact master weights; nvfp4: Model-Optimizer NVFP4 (needs a quant: nvfp4 run)")
+	force := fs.Bool("force", false, "replace --out if it is not empty (all its files are removed)")
+	noTok := fs.Bool("no-tokenizer", false, "do not copy the run's tokenizer files and generation_config.json")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
 	}
 	if *ckpt == "" || *out == "" {
 		return fmt.Errorf("--checkpoint and --out are required")
 	}
-	s, _, err := trainer.LoadStudent(*ckpt)
+	rep, err := trainer.Export(*ckpt, *out, trainer.ExportOptions{Format: *format, Force: *force, NoTokenizer: *noTok})
 	if err != nil {
 		return err
 	}
-	switch *format {
-	case "bf16", "f32":
-		dt := map[string]string{"bf16": "BF16", "f32": "F32"}[*format]
-		if err := s.WriteHF(*out, dt); err != nil {
-			return err
-		}
-	case "nvfp4":
-		if !s.QAD {
-			return fmt.Errorf("--format nvfp4: %s was not trained with quant: nvfp4 (no calibrated amax); train with QAD or export bf16", *ckpt)
-		}
-		if err := s.WriteNVFP4(*out); err != nil {
-			return err
-		}
-	default:
-		return fmt.Errorf("--format %q: want bf16, f32 or nvfp4", *format)
+	fmt.Printf("wrote %s (%s): %s\n", *out, *format, strings.Join(rep.Files, ", "))
+	if rep.TokenizerFrom != "" {
+		fmt.Printf("tokenizer files from %s\n", rep.TokenizerFrom)
 	}
-	fmt.Printf("wrote %s (%s)\n", *out, *format)
+	if rep.Note != "" {
+		fmt.Printf("note: %s\n", rep.Note)
+	}
 	return nil
 }

@@ -36,11 +36,36 @@ func runInit(args []string) error {
 	std := fs.Float64("std", 0.02, "normal init std of matrices")
 	perturb := fs.Bool("perturb", false, "random norm weights and biases too (for tests)")
 	dtype := fs.String("dtype", "BF16", "stored dtype: BF16 or F32")
+	force := fs.Bool("force", false, "replace --out if it is not empty (all its files are removed)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
+	}
 	if *out == "" {
 		return fmt.Errorf("--out is required")
+	}
+	// A size flag given must be a size: 0 or a negative number is an
+	// error, not "the preset's value" (leave the flag out for that).
+	var bad []string
+	fs.Visit(func(f *flag.Flag) {
+		switch f.Name {
+		case "layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "max-pos", "experts", "experts-per-tok", "moe-intermediate":
+			if v, _ := strconv.Atoi(f.Value.String()); v <= 0 {
+				bad = append(bad, fmt.Sprintf("--%s %s", f.Name, f.Value))
+			}
+		case "std":
+			if v, _ := strconv.ParseFloat(f.Value.String(), 64); !(v > 0) {
+				bad = append(bad, fmt.Sprintf("--std %s", f.Value))
+			}
+		}
+	})
+	if len(bad) > 0 {
+		return fmt.Errorf("%s: want positive numbers (leave a size flag out for the preset's value)", strings.Join(bad, ", "))
+	}
+	if dt := strings.ToUpper(*dtype); dt != "BF16" && dt != "F32" {
+		return fmt.Errorf("--dtype %q: want BF16 or F32", *dtype)
 	}
 	cfg, err := model.Preset(model.Arch(*arch))
 	if err != nil {
@@ -104,7 +129,10 @@ func runInit(args []string) error {
 		return fmt.Errorf("--hidden %d is not divisible by --heads %d", cfg.Hidden, cfg.Heads)
 	}
 	t := model.Init(cfg, model.InitOptions{Seed: *seed, Std: *std, Perturb: *perturb})
-	if err := model.WriteCheckpoint(*out, cfg, t, strings.ToUpper(*dtype)); err != nil {
+	err = model.WriteDir(*out, *force, func(tmp string) error {
+		return model.WriteCheckpoint(tmp, cfg, t, strings.ToUpper(*dtype))
+	})
+	if err != nil {
 		return err
 	}
 	fmt.Printf("wrote %s: %s, %d layers, hidden %d, vocab %d, %.2fM parameters\n", *out, cfg.Arch, cfg.Layers, cfg.Hidden, cfg.VocabSize, float64(cfg.Params())/1e6)

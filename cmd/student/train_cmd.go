@@ -3,7 +3,11 @@ package main
 import (
 	"flag"
 	"fmt"
+	"os"
+	"os/signal"
 	"strings"
+	"sync"
+	"syscall"
 
 	"distill/internal/cli"
 	"distill/train/trainer"
@@ -38,23 +42,105 @@ func runTrain(args []string) error {
 	if *resume != "auto" && *resume != "never" && *resume != "must" {
 		return fmt.Errorf("--resume %q: want auto, never or must", *resume)
 	}
-	// Dedicated flags are sugar for --set and apply after it.
-	if *runDir != "" {
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	// Dedicated flags are sugar for --set and apply after it; a value
+	// given is passed on whatever it is, so that the config's validation
+	// refuses --max-steps -5 instead of ignoring it.
+	if given["run-dir"] {
 		sets = append(sets, "run_dir="+*runDir)
 	}
-	if *cacheDirs != "" {
+	if given["cache"] {
 		sets = append(sets, "data.cache=["+*cacheDirs+"]")
 	}
-	if *maxSteps > 0 {
+	if given["max-steps"] {
 		sets = append(sets, fmt.Sprintf("train.max_steps=%d", *maxSteps))
 	}
-	if *threads > 0 {
+	if given["threads"] {
 		sets = append(sets, fmt.Sprintf("train.threads=%d", *threads))
 	}
+	// SIGTERM (preemption) or Ctrl-C: finish or abandon the step, write a
+	// checkpoint, exit 0 saying how to resume. A second signal exits at
+	// once. The handler is in place before anything slow happens.
+	stop := make(chan struct{})
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	done := make(chan struct{})
+	var (
+		mu     sync.Mutex
+		caught os.Signal
+	)
+	go func() {
+		select {
+		case sig := <-sigs:
+			mu.Lock()
+			caught = sig
+			mu.Unlock()
+			fmt.Fprintf(os.Stderr, "student train: %s: stopping at the end of this step and writing a checkpoint (send it again to exit at once, without one)\n", sigName(sig))
+			close(stop)
+		case <-done:
+			return
+		}
+		select {
+		case sig := <-sigs:
+			fmt.Fprintf(os.Stderr, "student train: second %s: exiting now, without a checkpoint\n", sigName(sig))
+			os.Exit(128 + int(sig.(syscall.Signal)))
+		case <-done:
+		}
+	}()
+	defer func() {
+		signal.Stop(sigs)
+		close(done)
+	}()
 	cfg, err := trainer.LoadConfig(*config, sets)
 	if err != nil {
 		return err
 	}
-	_, err = trainer.Run(cfg, trainer.Options{Resume: *resume})
-	return err
+	res, err := trainer.Run(cfg, trainer.Options{Resume: *resume, Stop: stop})
+	if err != nil || !res.Interrupted {
+		return err
+	}
+	mu.Lock()
+	sig := caught
+	mu.Unlock()
+	if res.Checkpoint == "" {
+		fmt.Fprintf(os.Stderr, "student train: stopped by %s before the first step: nothing saved\nstart again with: %s\n", sigName(sig), resumeCommand(os.Args, ""))
+		return nil
+	}
+	fmt.Fprintf(os.Stderr, "student train: stopped by %s after step %d of %d; checkpoint %s\n", sigName(sig), res.Step, cfg.Train.MaxSteps, res.Checkpoint)
+	fmt.Fprintf(os.Stderr, "resume with: %s\n", resumeCommand(os.Args, "must"))
+	return nil
+}
+
+func sigName(sig os.Signal) string {
+	switch sig {
+	case syscall.SIGTERM:
+		return "SIGTERM"
+	case syscall.SIGINT:
+		return "SIGINT"
+	}
+	return fmt.Sprint(sig)
+}
+
+// resumeCommand is this command line, each word quoted for a POSIX shell
+// where needed, with --resume set to resume when not "" (a last --resume
+// wins: "must" continues from the checkpoint just written, and refuses to
+// start over should it be gone). Relative paths in it are relative to
+// the directory the run was started in.
+func resumeCommand(argv []string, resume string) string {
+	words := make([]string, 0, len(argv)+2)
+	for _, a := range argv {
+		words = append(words, shellQuote(a))
+	}
+	if resume != "" {
+		words = append(words, "--resume", resume)
+	}
+	return strings.Join(words, " ")
+}
+
+func shellQuote(s string) string {
+	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./=:,@%+") == "" {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }

@@ -3,8 +3,15 @@
 // status), with gRPC health and reflection, Prometheus metrics on
 // /metrics, structured logs, and a graceful drain on SIGTERM.
 //
-//	teacherd --model /ckpt/Qwen3-8B --cache /data/cache-a --listen 0.0.0.0:7070
+//	teacherd --model /ckpt/Qwen3-8B --cache /data/cache-a --data-root /data/sets
+//	teacherd --model /ckpt/Qwen3-8B --cache /data/cache-a --data-root /data/sets \
+//	    --listen 0.0.0.0:7070 --token-file /etc/teacherd/token --tls-cert c.pem --tls-key k.pem
 //	teacherd --config teacherd.yaml
+//
+// Clients name dataset files on the daemon's machine: only files under a
+// --data-root are readable (none: no file). The daemon listens on
+// loopback unless told otherwise, and refuses an address other machines
+// can reach without --token-file or TLS, unless --insecure.
 //
 // Flags override the YAML config (keys: see serve.Config).
 package main
@@ -16,6 +23,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"go.uber.org/zap"
@@ -72,13 +80,18 @@ func run(args []string) error {
 // explicitly override the file.
 func parseConfig(args []string) (serve.Config, bool, error) {
 	fs := flag.NewFlagSet("teacherd", flag.ContinueOnError)
+	fs.Usage = func() {
+		fmt.Fprint(fs.Output(), usage)
+		fs.PrintDefaults()
+	}
 	config := fs.String("config", "", "YAML config file (flags override it)")
 	var f serve.Config
 	fs.StringVar(&f.Model, "model", "", "HF checkpoint directory (config.json + *.safetensors)")
 	fs.StringVar(&f.Tokenizer, "tokenizer", "", "tokenizer directory (default: the model directory; without tokenizer.json only pre-tokenized data)")
 	fs.StringVar(&f.Listen, "listen", "", "gRPC listen address (default 127.0.0.1:7070)")
 	fs.StringVar(&f.Metrics, "metrics", "", `Prometheus /metrics address (default 127.0.0.1:9090, "off" to disable)`)
-	fs.StringVar(&f.Cache, "cache", "", "cache directory fills write (empty: Fill disabled)")
+	fs.StringVar(&f.Cache, "cache", "", "cache directory fills write, created if missing (empty: Fill disabled)")
+	fs.Var((*stringList)(&f.DataRoots), "data-root", "directory `DIR` whose files clients may name as datasets (repeatable; none: Fill and DescribeDataset are refused)")
 	fs.StringVar(&f.Device, "device", "", "compute device: auto or cpu (cuda: not in this build)")
 	fs.IntVar(&f.TokenBudget, "token-budget", 0, "tokens per forward pass (default 8192)")
 	fs.IntVar(&f.MaxConcurrent, "max-concurrent", 0, "concurrent RPCs before ResourceExhausted (default 64)")
@@ -89,6 +102,7 @@ func parseConfig(args []string) (serve.Config, bool, error) {
 	fs.StringVar(&f.TLSCert, "tls-cert", "", "TLS certificate (PEM); with --tls-key enables TLS")
 	fs.StringVar(&f.TLSKey, "tls-key", "", "TLS private key (PEM)")
 	fs.StringVar(&f.TokenFile, "token-file", "", "file holding the bearer token clients must send (empty: no auth)")
+	fs.BoolVar(&f.Insecure, "insecure", false, "allow a --listen address other machines can reach without --token-file or TLS (a trusted network only)")
 	fs.DurationVar(&f.DrainTimeout, "drain-timeout", 0, "graceful shutdown: time in-flight requests get to finish (default 30s)")
 	logJSON := fs.Bool("log-json", false, "JSON logs (default: console)")
 	if err := fs.Parse(args); err != nil {
@@ -141,7 +155,34 @@ func overrideFlag(cfg, f *serve.Config, name string) {
 		cfg.TLSKey = f.TLSKey
 	case "token-file":
 		cfg.TokenFile = f.TokenFile
+	case "data-root":
+		cfg.DataRoots = f.DataRoots
+	case "insecure":
+		cfg.Insecure = f.Insecure
 	case "drain-timeout":
 		cfg.DrainTimeout = f.DrainTimeout
 	}
+}
+
+const usage = `teacherd serves a teacher model over gRPC (distill.v1.Teacher).
+
+  teacherd --model DIR --cache DIR --data-root DIR [flags]
+  teacherd --config teacherd.yaml [flags]
+
+Security: clients name dataset files on this machine, and only files under
+a --data-root are readable (no --data-root: none). The daemon listens on
+127.0.0.1 by default; an address other machines can reach needs
+--token-file (and TLS: --tls-cert, --tls-key), or --insecure.
+
+Flags (they override the config file):
+`
+
+// stringList is a repeatable string flag.
+type stringList []string
+
+func (l *stringList) String() string { return strings.Join(*l, ",") }
+
+func (l *stringList) Set(v string) error {
+	*l = append(*l, v)
+	return nil
 }

@@ -32,3 +32,39 @@ func TestParseConfigFlagsOverrideYAML(t *testing.T) {
 		t.Errorf("no model: %v", err)
 	}
 }
+
+// TestSecurityFlags: --data-root repeats and replaces the file's
+// data_roots, --insecure is read from both, and the daemon refuses at
+// startup what it cannot serve safely: --cache naming a file, a listen
+// address beyond loopback without auth.
+func TestSecurityFlags(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "t.yaml")
+	os.WriteFile(p, []byte("model: /m\ndata_roots: [/a, /b]\ninsecure: true\n"), 0o644)
+	cfg, _, err := parseConfig([]string{"--config", p})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cfg.DataRoots) != 2 || cfg.DataRoots[1] != "/b" || !cfg.Insecure {
+		t.Errorf("file values lost: %+v", cfg)
+	}
+	cfg, _, err = parseConfig([]string{"--config", p, "--data-root", "/c", "--data-root", "/d", "--insecure=false"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(cfg.DataRoots, ",") != "/c,/d" || cfg.Insecure {
+		t.Errorf("flags did not override the file: %+v", cfg)
+	}
+
+	file := filepath.Join(dir, "cache")
+	os.WriteFile(file, []byte("x"), 0o644)
+	if err := run([]string{"--model", "/m", "--cache", file, "--listen", "127.0.0.1:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), "is a file, not a directory") {
+		t.Errorf("--cache FILE: %v", err)
+	}
+	if err := run([]string{"--model", "/m", "--listen", "0.0.0.0:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), "--insecure") {
+		t.Errorf("--listen 0.0.0.0 without auth: %v", err)
+	}
+	if err := run([]string{"--model", "/m", "--data-root", file, "--listen", "127.0.0.1:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), "is not a directory") {
+		t.Errorf("--data-root FILE: %v", err)
+	}
+}

@@ -220,7 +220,7 @@ func (*Backend) Free(t compute.Tensor) {
 }
 
 // parallel runs fn over [0,n) split into the backend's threads contiguous
-// ranges.
+// ranges. A panic in fn reaches the caller as a *WorkerPanic (see group).
 func (b *Backend) parallel(n int, fn func(lo, hi int)) {
 	b.rows(n, 1<<14, func(_, lo, hi int) { fn(lo, hi) })
 }
@@ -229,7 +229,7 @@ func (b *Backend) parallel(n int, fn func(lo, hi int)) {
 // inline when n·costPerRow is too small to pay for goroutines. The worker
 // index w (below b.threads) lets callers keep per-worker partial sums,
 // summed afterwards in worker order so results are deterministic for a
-// given thread count.
+// given thread count. A panic in fn reaches the caller as a *WorkerPanic.
 func (b *Backend) rows(n, costPerRow int, fn func(w, lo, hi int)) {
 	t := min(b.threads, n)
 	if t <= 1 || n*costPerRow < 1<<14 {
@@ -238,29 +238,25 @@ func (b *Backend) rows(n, costPerRow int, fn func(w, lo, hi int)) {
 		}
 		return
 	}
-	var wg sync.WaitGroup
+	var g group
 	for w := 0; w < t; w++ {
-		wg.Add(1)
-		go func(w, lo, hi int) {
-			defer wg.Done()
-			fn(w, lo, hi)
-		}(w, n*w/t, n*(w+1)/t)
+		lo, hi := n*w/t, n*(w+1)/t
+		g.Go(func() { fn(w, lo, hi) })
 	}
-	wg.Wait()
+	g.Wait()
 }
 
 // workQueue runs fn(w, i) for every i in [0,n) on up to b.threads
 // goroutines that pull items from a shared counter (dynamic scheduling, for
 // uneven items such as attention blocks); w in [0, b.threads) names the
-// goroutine, so fn can keep per-worker scratch.
+// goroutine, so fn can keep per-worker scratch. A panic in fn reaches the
+// caller as a *WorkerPanic once every worker has stopped.
 func (b *Backend) workQueue(n int, fn func(w, i int)) {
 	t := max(min(b.threads, n), 1)
 	var next atomic.Int64
-	var wg sync.WaitGroup
+	var g group
 	for w := 0; w < t; w++ {
-		wg.Add(1)
-		go func(w int) {
-			defer wg.Done()
+		g.Go(func() {
 			for {
 				i := int(next.Add(1) - 1)
 				if i >= n {
@@ -268,9 +264,9 @@ func (b *Backend) workQueue(n int, fn func(w, i int)) {
 				}
 				fn(w, i)
 			}
-		}(w)
+		})
 	}
-	wg.Wait()
+	g.Wait()
 }
 
 // sgemm is the backend's multi-threaded GEMM.

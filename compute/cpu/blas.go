@@ -8,6 +8,7 @@ package cpu
 import "C"
 
 import (
+	"fmt"
 	"runtime"
 	"sync"
 	"unsafe"
@@ -35,7 +36,11 @@ var Threads = runtime.NumCPU()
 // Sgemm computes C = alpha·op(A)·op(B) + beta·C on row-major matrices, on
 // the calling goroutine only: op(A) is (m,k), op(B) is (k,n), C is (m,n);
 // transA/transB select Aᵀ/Bᵀ; lda/ldb/ldc are row strides in elements.
+// OpenBLAS gets raw pointers, so the shapes are checked against the slices
+// first: a mismatch panics with what is wrong (a caller's bug), instead of
+// reading or writing memory past a slice.
 func Sgemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
+	checkGemm(transA, transB, m, n, k, len(a), lda, len(b), ldb, len(c), ldc)
 	if m == 0 || n == 0 {
 		return
 	}
@@ -58,7 +63,40 @@ func Sgemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int
 		(*C.float)(unsafe.Pointer(&c[0])), C.blasint(ldc))
 }
 
-// SgemmPar is Sgemm split over Threads goroutines (see sgemmSlabs).
+// checkGemm panics unless the slices of a row-major Sgemm hold its
+// matrices: a stored (rows, cols) with row stride ld needs ld >= cols and
+// (rows-1)·ld + cols elements. A and B are not read when k = 0.
+func checkGemm(transA, transB bool, m, n, k, na, lda, nb, ldb, nc, ldc int) {
+	if m < 0 || n < 0 || k < 0 {
+		panic(fmt.Sprintf("cpu.Sgemm: negative shape m=%d n=%d k=%d", m, n, k))
+	}
+	check := func(name string, rows, cols, have, ld int) {
+		if rows == 0 || cols == 0 {
+			return
+		}
+		if ld < cols {
+			panic(fmt.Sprintf("cpu.Sgemm: %s is stored (%d,%d) but its row stride is %d, want >= %d", name, rows, cols, ld, cols))
+		}
+		if need := (rows-1)*ld + cols; have < need {
+			panic(fmt.Sprintf("cpu.Sgemm: %s is stored (%d,%d) with row stride %d, which needs %d elements; the slice has %d", name, rows, cols, ld, need, have))
+		}
+	}
+	if k > 0 {
+		if transA {
+			check("A (transposed)", k, m, na, lda)
+		} else {
+			check("A", m, k, na, lda)
+		}
+		if transB {
+			check("B (transposed)", n, k, nb, ldb)
+		} else {
+			check("B", k, n, nb, ldb)
+		}
+	}
+	check("C", m, n, nc, ldc)
+}
+
+// SgemmPar is Sgemm split over Threads goroutines (see sgemmPar).
 func SgemmPar(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
 	sgemmPar(Threads, transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
 }
@@ -70,22 +108,23 @@ func sgemmPar(t int, transA, transB bool, m, n, k int, alpha float32, a []float3
 		Sgemm(transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
 		return
 	}
-	var wg sync.WaitGroup
+	// The whole GEMM is checked here: a slab's check alone could let a
+	// short slice through as a smaller, wrong product.
+	checkGemm(transA, transB, m, n, k, len(a), lda, len(b), ldb, len(c), ldc)
+	var g group
 	if m >= 8*t || m >= n {
 		for i := 0; i < t; i++ {
 			lo, hi := m*i/t, m*(i+1)/t
 			if lo == hi {
 				continue
 			}
-			wg.Add(1)
-			go func(lo, hi int) {
-				defer wg.Done()
+			g.Go(func() {
 				aoff := lo * lda
 				if transA {
 					aoff = lo
 				}
 				Sgemm(transA, transB, hi-lo, n, k, alpha, a[aoff:], lda, b, ldb, beta, c[lo*ldc:], ldc)
-			}(lo, hi)
+			})
 		}
 	} else {
 		for i := 0; i < t; i++ {
@@ -93,16 +132,14 @@ func sgemmPar(t int, transA, transB bool, m, n, k int, alpha float32, a []float3
 			if lo == hi {
 				continue
 			}
-			wg.Add(1)
-			go func(lo, hi int) {
-				defer wg.Done()
+			g.Go(func() {
 				boff := lo
 				if transB {
 					boff = lo * ldb
 				}
 				Sgemm(transA, transB, m, hi-lo, k, alpha, a, lda, b[boff:], ldb, beta, c[lo:], ldc)
-			}(lo, hi)
+			})
 		}
 	}
-	wg.Wait()
+	g.Wait()
 }

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"sort"
 )
@@ -35,38 +36,53 @@ func (r *Registry) Register(c *Command) {
 	r.commands[c.Name] = c
 }
 
-func (r *Registry) usage() {
-	fmt.Fprintf(os.Stderr, "usage: %s COMMAND [flags]\n\ncommands:\n", r.prog)
+func (r *Registry) usage(w io.Writer) {
+	fmt.Fprintf(w, "usage: %s COMMAND [flags]\n\ncommands:\n", r.prog)
 	names := make([]string, 0, len(r.commands))
 	for n := range r.commands {
 		names = append(names, n)
 	}
 	sort.Strings(names)
 	for _, n := range names {
-		fmt.Fprintf(os.Stderr, "  %-10s %s\n", n, r.commands[n].Summary)
+		fmt.Fprintf(w, "  %-10s %s\n", n, r.commands[n].Summary)
 	}
-	fmt.Fprintf(os.Stderr, "\nRun '%s COMMAND -h' for a command's flags.\n", r.prog)
+	fmt.Fprintf(w, "\nRun '%s COMMAND -h' for a command's flags.\n", r.prog)
 }
 
-// Main dispatches args (os.Args[1:]) and exits: 0 on success, 1 when the
-// command fails (its error printed with the program and command name), 2 on
-// usage errors.
-func (r *Registry) Main(args []string) {
-	if len(args) < 1 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
-		r.usage()
-		os.Exit(2)
+// Main dispatches args (os.Args[1:]) and exits with Run's status.
+func (r *Registry) Main(args []string) { os.Exit(r.Run(args, os.Stdout, os.Stderr)) }
+
+// Run dispatches args and returns the exit status: 0 on success and when
+// help was asked for (-h, --help, help: the usage goes to stdout), 1 when
+// the command fails (its error printed to stderr with the program and
+// command name), 2 on usage errors (no or an unknown command; the usage
+// goes to stderr).
+func (r *Registry) Run(args []string, stdout, stderr io.Writer) int {
+	if len(args) < 1 {
+		r.usage(stderr)
+		return 2
+	}
+	switch args[0] {
+	case "-h", "-help", "--help", "help":
+		if len(args) > 1 && r.commands[args[1]] != nil {
+			// "help CMD" is "CMD -h".
+			return r.Run([]string{args[1], "-h"}, stdout, stderr)
+		}
+		r.usage(stdout)
+		return 0
 	}
 	c, ok := r.commands[args[0]]
 	if !ok {
-		fmt.Fprintf(os.Stderr, "%s: unknown command %q\n", r.prog, args[0])
-		r.usage()
-		os.Exit(2)
+		fmt.Fprintf(stderr, "%s: unknown command %q\n", r.prog, args[0])
+		r.usage(stderr)
+		return 2
 	}
 	if err := c.Run(args[1:]); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			os.Exit(2)
+			return 0 // the flag set printed the command's flags
 		}
-		fmt.Fprintf(os.Stderr, "%s %s: %v\n", r.prog, c.Name, err)
-		os.Exit(1)
+		fmt.Fprintf(stderr, "%s %s: %v\n", r.prog, c.Name, err)
+		return 1
 	}
+	return 0
 }

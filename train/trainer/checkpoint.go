@@ -8,6 +8,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"syscall"
+	"time"
 
 	"distill/compute"
 	"distill/compute/device"
@@ -48,6 +50,11 @@ type State struct {
 	CacheTeacher         string `json:"cache_teacher_fingerprint"`
 	CacheDataset         string `json:"cache_dataset_fingerprint"`
 	TokenizerFingerprint string `json:"tokenizer_fingerprint"`
+	// Where the student's tokenizer and initial weights came from
+	// (absolute paths, when the run knew them): `student export` copies
+	// the tokenizer files and generation_config.json from there.
+	TokenizerDir string `json:"tokenizer_dir,omitempty"`
+	InitFrom     string `json:"init_from,omitempty"`
 }
 
 // setBatching records the batching settings of cfg.
@@ -127,8 +134,10 @@ func listCheckpoints(runDir string) ([]int, error) {
 // moments and st into a temporary directory, syncs every file and the
 // directory, renames it to step-NNNNNNNN and syncs the parent: a crash at
 // any point leaves the previous checkpoints intact and no partial one
-// under a final name. Then it deletes all but the newest keep.
-func saveCheckpoint(runDir string, s *train.Student, ad *optim.AdamW, st *State, keep int) (string, error) {
+// under a final name. Then it deletes all but the newest keep, and the
+// one of step protect (the last good checkpoint while updates are being
+// skipped; -1 for none).
+func saveCheckpoint(runDir string, s *train.Student, ad *optim.AdamW, st *State, keep, protect int) (string, error) {
 	parent := filepath.Join(runDir, "checkpoints")
 	if err := os.MkdirAll(parent, 0o755); err != nil {
 		return "", err
@@ -183,9 +192,11 @@ func saveCheckpoint(runDir string, s *train.Student, ad *optim.AdamW, st *State,
 	if err != nil {
 		return final, err
 	}
-	for len(steps) > keep {
-		os.RemoveAll(checkpointDir(runDir, steps[0]))
-		steps = steps[1:]
+	for i, n := 0, len(steps); n > keep && i < len(steps); i++ {
+		if steps[i] != protect {
+			os.RemoveAll(checkpointDir(runDir, steps[i]))
+			n--
+		}
 	}
 	return final, nil
 }
@@ -257,6 +268,52 @@ func openFile(path string) (*model.Weights, error) {
 		return nil, fmt.Errorf("%w: %w", ErrResume, err)
 	}
 	return w, nil
+}
+
+// runLock is a held flock on RUN_DIR/train.lock.
+type runLock struct{ f *os.File }
+
+// lockRunDir takes the run directory's exclusive lock, or says who holds
+// it. The kernel drops the lock when its holder exits, however it exits,
+// so a killed trainer never leaves the directory locked.
+func lockRunDir(dir string) (*runLock, error) {
+	path := filepath.Join(dir, "train.lock")
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("trainer: locking run_dir: %w", err)
+	}
+	for {
+		err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err != syscall.EINTR {
+			break
+		}
+	}
+	if err != nil {
+		f.Close()
+		if err == syscall.EWOULDBLOCK {
+			holder, _ := os.ReadFile(path)
+			who := strings.TrimSpace(string(holder))
+			if who == "" {
+				who = "another process"
+			}
+			return nil, fmt.Errorf("%w: %s is locked by %s (%s): two trainers must not share a run_dir; wait for it to end, stop it, or use another run_dir",
+				ErrLocked, dir, who, path)
+		}
+		return nil, fmt.Errorf("trainer: locking %s: %w", path, err)
+	}
+	host, _ := os.Hostname()
+	who := fmt.Sprintf("pid %d on %s since %s: %s", os.Getpid(), host, time.Now().Format(time.RFC3339), strings.Join(os.Args, " "))
+	if err := f.Truncate(0); err == nil {
+		f.WriteAt([]byte(who+"\n"), 0)
+	}
+	return &runLock{f: f}, nil
+}
+
+// unlock releases the lock (closing the file drops the flock). The file
+// stays: removing it would race with a trainer that just opened it.
+func (l *runLock) unlock() {
+	l.f.Truncate(0)
+	l.f.Close()
 }
 
 func writeFileSync(path string, data []byte) error {

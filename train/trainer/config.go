@@ -3,7 +3,9 @@ package trainer
 import (
 	"bytes"
 	"fmt"
+	"math"
 	"os"
+	"reflect"
 	"strings"
 
 	"gopkg.in/yaml.v3"
@@ -117,6 +119,10 @@ type TrainConfig struct {
 	// Threads fixes the CPU worker count (0: all cores). Results are
 	// bit-identical only between runs with the same count.
 	Threads int `yaml:"threads"`
+	// MaxSkippedSteps stops the run with an error after this many
+	// consecutive steps whose update was skipped for a non-finite
+	// gradient norm (0: never stop).
+	MaxSkippedSteps int `yaml:"max_skipped_steps"`
 }
 
 // EvalConfig is the periodic evaluation on data.eval_range.
@@ -147,7 +153,7 @@ func Defaults() Config {
 			KDWeight: 1},
 		Optim: OptimConfig{LR: 1e-4, MinLR: 1e-5, Schedule: string(optim.Cosine), WarmupSteps: 0, WeightDecay: 0.01,
 			Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, MaxGradNorm: 1},
-		Train:        TrainConfig{MaxSteps: 1000},
+		Train:        TrainConfig{MaxSteps: 1000, MaxSkippedSteps: 10},
 		Eval:         EvalConfig{Every: 100},
 		Checkpoint:   CheckpointConfig{Every: 100, Keep: 3},
 		Log:          LogConfig{Every: 10, TensorBoard: true, Progress: "auto"},
@@ -188,6 +194,9 @@ func LoadConfig(path string, overrides []string) (*Config, error) {
 		return nil, err
 	}
 	c := Defaults()
+	if err := checkInts(root.Content[0], reflect.TypeOf(c), ""); err != nil {
+		return nil, fmt.Errorf("%w: %s: %w", ErrConfig, path, err)
+	}
 	dec := yaml.NewDecoder(bytes.NewReader(b))
 	dec.KnownFields(true)
 	if err := dec.Decode(&c); err != nil {
@@ -197,6 +206,61 @@ func LoadConfig(path string, overrides []string) (*Config, error) {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return &c, nil
+}
+
+// checkInts refuses a non-integer YAML value for an integer key: yaml.v3
+// would silently truncate max_steps: 40.5 to 40. It walks the mapping n
+// along the struct type t; keys unknown to t are left to the decoder's
+// KnownFields check.
+func checkInts(n *yaml.Node, t reflect.Type, prefix string) error {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch {
+	case n.Kind == yaml.AliasNode:
+		return checkInts(n.Alias, t, prefix)
+	case t.Kind() == reflect.Struct && n.Kind == yaml.MappingNode:
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			key := n.Content[i].Value
+			for j := 0; j < t.NumField(); j++ {
+				if f := t.Field(j); strings.Split(f.Tag.Get("yaml"), ",")[0] == key {
+					if err := checkInts(n.Content[i+1], f.Type, dotted(prefix, key)); err != nil {
+						return err
+					}
+				}
+			}
+		}
+		return nil
+	case t.Kind() == reflect.Slice && n.Kind == yaml.SequenceNode:
+		for i, e := range n.Content {
+			if err := checkInts(e, t.Elem(), fmt.Sprintf("%s[%d]", prefix, i)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	if n.Kind != yaml.ScalarNode {
+		return nil // a type mismatch the decoder reports
+	}
+	switch t.Kind() {
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		if tag := n.ShortTag(); tag != "!!int" && tag != "!!null" {
+			at := ""
+			if n.Line > 0 {
+				at = fmt.Sprintf(" (line %d)", n.Line)
+			}
+			return fmt.Errorf("%s: %q is not an integer%s: write a whole number", prefix, n.Value, at)
+		}
+	}
+	return nil
+}
+
+func dotted(prefix, key string) string {
+	if prefix == "" {
+		return key
+	}
+	return prefix + "." + key
 }
 
 // setKey applies one "a.b.c=value" override to a YAML mapping, creating
@@ -214,6 +278,15 @@ func setKey(m *yaml.Node, kv string) error {
 	if v.Kind == yaml.DocumentNode && len(v.Content) == 1 {
 		vn = v.Content[0]
 	}
+	// Line 0: errors about an override name the key, not a line of the file.
+	var unline func(n *yaml.Node)
+	unline = func(n *yaml.Node) {
+		n.Line, n.Column = 0, 0
+		for _, c := range n.Content {
+			unline(c)
+		}
+	}
+	unline(vn)
 	parts := strings.Split(key, ".")
 	for i, p := range parts {
 		var found *yaml.Node
@@ -288,6 +361,8 @@ func (c *Config) Validate() error {
 		return bad("train.max_steps", "%d: want > 0", c.Train.MaxSteps)
 	case c.Train.Threads < 0:
 		return bad("train.threads", "%d: want >= 0", c.Train.Threads)
+	case c.Train.MaxSkippedSteps < 0:
+		return bad("train.max_skipped_steps", "%d: want >= 0 (0 = never stop for skipped steps)", c.Train.MaxSkippedSteps)
 	case c.Eval.Every < 0 || c.Eval.MaxSamples < 0:
 		return bad("eval", "every %d, max_samples %d: want >= 0", c.Eval.Every, c.Eval.MaxSamples)
 	case c.Checkpoint.Every < 0 || c.Checkpoint.Keep < 1:
@@ -329,6 +404,19 @@ func (r *RandomModel) ModelConfig() (*model.Config, error) {
 	cfg, err := model.Preset(model.Arch(r.Arch))
 	if err != nil {
 		return nil, fmt.Errorf("%w: model.random.arch: %w", ErrConfig, err)
+	}
+	for _, f := range []struct {
+		key string
+		v   float64
+	}{
+		{"vocab_size", float64(r.VocabSize)}, {"hidden_size", float64(r.Hidden)}, {"num_hidden_layers", float64(r.Layers)},
+		{"num_attention_heads", float64(r.Heads)}, {"num_key_value_heads", float64(r.KVHeads)}, {"head_dim", float64(r.HeadDim)},
+		{"intermediate_size", float64(r.Intermediate)}, {"max_position_embeddings", float64(r.MaxPositions)},
+		{"rope_theta", r.RopeTheta}, {"rms_norm_eps", r.RMSNormEps}, {"init_std", r.InitStd},
+	} {
+		if f.v < 0 || math.IsNaN(f.v) {
+			return nil, fmt.Errorf("%w: model.random.%s: %g: want > 0 (or leave it out for the preset's value)", ErrConfig, f.key, f.v)
+		}
 	}
 	set := func(dst *int, v int) {
 		if v > 0 {

@@ -24,6 +24,12 @@ type EvalStats struct {
 // into rows of seqLen tokens, and averages the metrics over every counted
 // position (so the result does not depend on the packing).
 func Evaluate(s *train.Student, rd *cache.Reader, r cache.Range, seqLen int, truncate bool, opt *loss.Options) (EvalStats, error) {
+	return evaluate(s, rd, r, seqLen, truncate, opt, nil)
+}
+
+// evaluate is Evaluate that gives up with errStopped between rows once
+// stop (if not nil) reports true.
+func evaluate(s *train.Student, rd *cache.Reader, r cache.Range, seqLen int, truncate bool, opt *loss.Options, stop func() bool) (EvalStats, error) {
 	p := &packer{seqLen: seqLen, truncate: truncate, k: rd.Manifest().K}
 	rows, n, err := p.evalRows(rd, r)
 	if err != nil {
@@ -33,6 +39,9 @@ func Evaluate(s *train.Student, rd *cache.Reader, r cache.Range, seqLen int, tru
 	es.Samples = n
 	var acc, agree int
 	for _, b := range rows {
+		if stop != nil && stop() {
+			return es, errStopped
+		}
 		st, err := s.Forward(b, opt)
 		if err != nil {
 			return es, err

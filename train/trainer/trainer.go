@@ -8,8 +8,10 @@
 // # Run directory
 //
 //	RUN_DIR/
+//	  train.lock                    flock held by the one trainer using the directory (its pid, host, command)
 //	  config.yaml                   the resolved config (defaults, overrides, tokenizer fingerprint)
-//	  metrics.jsonl                 one JSON object per step ("type":"train") and per eval ("type":"eval")
+//	  metrics.jsonl                 one JSON object per step ("type":"train") and per eval ("type":"eval");
+//	                                NaN and Inf are written as null (a skipped step has "skipped": true)
 //	  tb/events.out.tfevents.*      the same scalars for TensorBoard (package tbevent)
 //	  checkpoints/step-NNNNNNNN/    the newest checkpoint.keep checkpoints:
 //	    config.json                 HF config of the student
@@ -17,6 +19,23 @@
 //	    optimizer.safetensors       AdamW moments: exp_avg.<tensor>, exp_avg_sq.<tensor>
 //	    state.json                  step, data position, schedule, NVFP4 amax (State)
 //	  checkpoints/.tmp-step-*       a checkpoint being written (never read; removed on save)
+//
+// A run that has nothing left to do (resumed at train.max_steps) changes
+// nothing in the run directory.
+//
+// # Stopping and failing
+//
+// Options.Stop (SIGTERM and Ctrl-C in `student train`) ends the run at
+// the next step boundary: a step in progress is abandoned, having changed
+// neither weights nor moments nor data position, and a checkpoint of the
+// last finished step is written. A data error in the middle of a run (a
+// sample longer than seq_len, an unreadable chunk, a failed eval) writes a
+// checkpoint of the last finished step before the error is returned, so
+// no work is lost; data.eval_range is checked against the cache's filled
+// samples before the first step. A step with a non-finite gradient norm
+// skips its update; train.max_skipped_steps consecutive ones end the run
+// with ErrDiverged naming the last good checkpoint, which checkpoint
+// retention keeps meanwhile.
 //
 // # Data
 //
@@ -56,7 +75,9 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"reflect"
 	"runtime"
+	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -68,6 +89,7 @@ import (
 	"distill/compute/cpu"
 	"distill/compute/device"
 	"distill/data/tokenizer"
+	"distill/internal/atomicfile"
 	"distill/model"
 	"distill/train"
 	"distill/train/loss"
@@ -86,6 +108,11 @@ var (
 	ErrMismatch = errors.New("trainer: cache does not match the student")
 	// ErrResume marks a checkpoint that cannot be resumed by this config.
 	ErrResume = errors.New("trainer: cannot resume")
+	// ErrDiverged marks a run stopped after train.max_skipped_steps
+	// consecutive non-finite steps.
+	ErrDiverged = errors.New("trainer: training diverged")
+	// ErrLocked marks a run directory another trainer is using.
+	ErrLocked = errors.New("trainer: run directory in use")
 )
 
 // Options control a run beyond its config.
@@ -99,9 +126,16 @@ type Options struct {
 	// StopAfter > 0 ends Run after that many steps of this process without
 	// a final checkpoint, as a crash would (tests of resume).
 	StopAfter int
+	// Stop, when closed, ends the run at the next step boundary: a step
+	// in progress is abandoned (its update is not applied), a checkpoint
+	// of the last finished step is written, and Run returns with
+	// Result.Interrupted set and no error (SIGTERM, Ctrl-C).
+	Stop <-chan struct{}
 }
 
 // StepMetrics are one optimizer step's metrics (a metrics.jsonl line).
+// Non-finite values (a skipped step's loss and gradient norm) are written
+// as null.
 type StepMetrics struct {
 	Type         string  `json:"type"` // "train"
 	Step         int     `json:"step"`
@@ -125,9 +159,16 @@ type StepMetrics struct {
 type Result struct {
 	Steps      []StepMetrics // the steps run by this call
 	Evals      []EvalStats
-	Checkpoint string // the newest checkpoint written
+	Checkpoint string // the newest checkpoint written (or resumed from)
 	Resumed    string // the checkpoint resumed from, if any
+	// Interrupted: Options.Stop ended the run before train.max_steps;
+	// Step is the last finished step, saved in Checkpoint.
+	Interrupted bool
+	Step        int
 }
+
+// errStopped ends a step or an eval that Options.Stop abandoned.
+var errStopped = errors.New("trainer: stopped")
 
 // Run trains as cfg says and returns the metrics of the steps it ran.
 func Run(cfg *Config, o Options) (*Result, error) {
@@ -136,6 +177,14 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	}
 	if o.Resume == "" {
 		o.Resume = "auto"
+	}
+	stopped := func() bool {
+		select {
+		case <-o.Stop:
+			return true
+		default:
+			return false
+		}
 	}
 	if cfg.Train.Threads > 0 {
 		// The loss head's GEMMs (train/loss) until it runs on the backend;
@@ -150,6 +199,13 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	if err := os.MkdirAll(cfg.RunDir, 0o755); err != nil {
 		return nil, err
 	}
+	// One trainer per run directory: a second one would resume from the
+	// first's live checkpoints and remove its checkpoint in progress.
+	lock, err := lockRunDir(cfg.RunDir)
+	if err != nil {
+		return nil, err
+	}
+	defer lock.unlock()
 	res := &Result{}
 	// Checkpoints a crashed process was writing: never complete, never read.
 	stale, _ := filepath.Glob(filepath.Join(cfg.RunDir, "checkpoints", ".tmp-*"))
@@ -175,7 +231,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		if err != nil {
 			return nil, err
 		}
-		res.Resumed = ckpt
+		res.Resumed, res.Checkpoint, res.Step = ckpt, ckpt, st.Step
 		if st.DataSeed != cfg.Seed {
 			return nil, fmt.Errorf("%w: %s was trained with seed %d, the config says %d", ErrResume, ckpt, st.DataSeed, cfg.Seed)
 		}
@@ -189,6 +245,9 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		if err := st.checkBatching(cfg, ckpt); err != nil {
 			return nil, err
 		}
+		if err := checkArchitecture(cfg, s.Cfg, ckpt); err != nil {
+			return nil, err
+		}
 		if cfg.Model.TokenizerFingerprint == "" {
 			cfg.Model.TokenizerFingerprint = st.TokenizerFingerprint
 		}
@@ -200,11 +259,19 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	} else if s, err = initStudent(cfg); err != nil {
 		return nil, err
 	}
-	fp, err := tokenizerFingerprint(cfg)
+	fp, tokDir, err := tokenizerFingerprint(cfg)
 	if err != nil {
 		return nil, err
 	}
 	cfg.Model.TokenizerFingerprint, st.TokenizerFingerprint = fp, fp
+	if tokDir != "" {
+		st.TokenizerDir = tokDir
+	}
+	if cfg.Model.InitFrom != "" {
+		if abs, err := filepath.Abs(cfg.Model.InitFrom); err == nil {
+			st.InitFrom = abs
+		}
+	}
 	if err := CheckCache(s.Cfg, fp, &m, strings.Join(cfg.Data.Cache, ",")); err != nil {
 		return nil, err
 	}
@@ -216,11 +283,28 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		return nil, fmt.Errorf("%w: distill (cache captured at temperature %g): %w", ErrConfig, m.Temperature, err)
 	}
 	held := cache.Range{Start: -1, End: -1}
+	evalRange := held
 	if len(cfg.Data.EvalRange) == 2 {
 		held = cache.Range{Start: cfg.Data.EvalRange[0], End: cfg.Data.EvalRange[1]}
 		if held.End > m.Samples {
 			return nil, fmt.Errorf("%w: data.eval_range %v is past the cache's %d samples", ErrConfig, cfg.Data.EvalRange, m.Samples)
 		}
+		evalRange = held
+		if cfg.Eval.MaxSamples > 0 {
+			evalRange.End = min(evalRange.End, evalRange.Start+int64(cfg.Eval.MaxSamples))
+		}
+		// Every eval reads all of evalRange: a sample the cache lacks
+		// would fail the first eval, after the run's first steps and
+		// possibly before any checkpoint.
+		if err := checkFilled(rd, evalRange, strings.Join(cfg.Data.Cache, ",")); err != nil {
+			return nil, err
+		}
+	}
+	if st.Step >= cfg.Train.MaxSteps {
+		// A no-op run leaves the run directory as it is: its config.yaml
+		// still describes the run that made its checkpoints.
+		fmt.Fprintf(o.Log, "nothing to do: %s is at step %d of train.max_steps %d\n", cfg.RunDir, st.Step, cfg.Train.MaxSteps)
+		return res, nil
 	}
 	ad, err := optim.NewAdamW(cfg.AdamW(), s.Groups())
 	if err != nil {
@@ -257,14 +341,10 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	prog := newProgress(o.Log, cfg.Log.Progress, cfg.Log.Every, cfg.Train.MaxSteps)
 	sched := cfg.Schedule()
 	doEval := func(step int) error {
-		if held.Start < 0 {
+		if evalRange.Start < 0 {
 			return nil
 		}
-		r := held
-		if cfg.Eval.MaxSamples > 0 {
-			r.End = min(r.End, r.Start+int64(cfg.Eval.MaxSamples))
-		}
-		es, err := Evaluate(s, rd, r, cfg.Data.SeqLen, cfg.Data.Truncate, &lopt)
+		es, err := evaluate(s, rd, evalRange, cfg.Data.SeqLen, cfg.Data.Truncate, &lopt, stopped)
 		if err != nil {
 			return err
 		}
@@ -273,12 +353,69 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		fmt.Fprintf(o.Log, "eval step %d: loss %.4f kd %.4f ce %.4f token_acc %.4f top1_agree %.4f (%d tokens)\n", step, es.Loss, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement, es.Tokens)
 		return mw.eval(step, es)
 	}
+	// saved is the step of the newest checkpoint on disk; good the step of
+	// the newest one not taken in a run of skipped updates (checkpoint
+	// retention keeps it, so the error of max_skipped_steps can name it).
+	saved, good := st.Step, st.Step
+	if ckpt == "" {
+		good = -1
+	}
+	lastGood, skipRun := st.Step, 0
+	save := func() error {
+		// Metrics first: a checkpoint never refers to lines not on disk.
+		if err := mw.flush(); err != nil {
+			return err
+		}
+		protect := -1
+		if good >= 0 {
+			protect = good
+		}
+		if skipRun == 0 {
+			protect = st.Step
+		}
+		p, err := saveCheckpoint(cfg.RunDir, s, ad, st, cfg.Checkpoint.Keep, protect)
+		if err != nil {
+			return err
+		}
+		res.Checkpoint, saved = p, st.Step
+		if skipRun == 0 {
+			good = st.Step
+		}
+		return nil
+	}
+	// fail ends the run on err after a checkpoint of the last finished
+	// step, when there is one to write: the weights, moments and data
+	// position of st are consistent at every point where fail is called
+	// (an abandoned step has changed none of them).
+	fail := func(err error) (*Result, error) {
+		prog.clear()
+		if st.Step > saved {
+			if serr := save(); serr != nil {
+				return res, fmt.Errorf("%w (and the checkpoint of step %d failed: %v)", err, st.Step, serr)
+			}
+			return res, fmt.Errorf("%w\n(step %d saved in %s: fix the cause, then rerun the same command to resume)", err, st.Step, res.Checkpoint)
+		}
+		return res, err
+	}
+	interrupt := func() (*Result, error) {
+		prog.clear()
+		res.Interrupted, res.Step = true, st.Step
+		if st.Step > saved {
+			if err := save(); err != nil {
+				return res, err
+			}
+		}
+		return res, nil // the caller says why it stopped and how to resume
+	}
 	ran := 0
 	for step := st.Step + 1; step <= cfg.Train.MaxSteps; step++ {
+		if stopped() {
+			return interrupt()
+		}
 		t0 := time.Now()
 		rows, err := pk.nextStep(stream, cfg.Data.GlobalBatchTokens)
 		if err != nil {
-			return res, fmt.Errorf("step %d: %w", step, err)
+			return fail(fmt.Errorf("step %d: %w", step, err))
 		}
 		total, tokens := 0, 0
 		for _, b := range rows {
@@ -287,10 +424,17 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		}
 		s.ZeroGrad()
 		var sm StepMetrics
-		for _, b := range rows {
+		for i, b := range rows {
+			if testHookRow != nil {
+				testHookRow(step, i)
+			}
+			if stopped() {
+				fmt.Fprintf(o.Log, "step %d abandoned (row %d of %d)\n", step, i, len(rows))
+				return interrupt()
+			}
 			bs, err := s.ForwardBackward(b, &lopt, float64(total))
 			if err != nil {
-				return res, fmt.Errorf("step %d: %w", step, err)
+				return fail(fmt.Errorf("step %d: %w", step, err))
 			}
 			w := float64(bs.Tokens)
 			sm.Loss += bs.Loss * w
@@ -306,10 +450,12 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			// One bad batch must not poison the weights: skip the update,
 			// say so, and let the run go on (the moments are untouched).
 			sm.Skipped = true
+			skipRun++
 			prog.clear()
 			fmt.Fprintf(o.Log, "step %d: gradient norm %g (loss %g, kd %g, ce %g): update skipped\n", step, sm.GradNorm, sm.Loss, sm.KD, sm.CE)
 		} else {
 			ad.Step(sm.LR)
+			skipRun, lastGood = 0, step
 		}
 		st.Step, st.OptSteps, st.Tokens = step, ad.Steps, st.Tokens+int64(tokens)
 		st.Epoch, st.EpochPos = stream.epoch, stream.pos
@@ -320,40 +466,50 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		sm.PeakMemBytes = peakMem()
 		sm.WallTime = float64(time.Now().UnixNano()) / 1e9
 		res.Steps = append(res.Steps, sm)
+		res.Step = step
 		if err := mw.train(sm); err != nil {
-			return res, err
+			return fail(err)
 		}
 		prog.step(sm)
 		ran++
 		if o.StopAfter > 0 && ran == o.StopAfter {
 			return res, nil
 		}
-		last := step == cfg.Train.MaxSteps
-		if (cfg.Eval.Every > 0 && step%cfg.Eval.Every == 0) || last {
-			if err := doEval(step); err != nil {
-				return res, err
-			}
-		}
-		if (cfg.Checkpoint.Every > 0 && step%cfg.Checkpoint.Every == 0) || last {
-			// Metrics first: a checkpoint never refers to lines not on disk.
+		if limit := cfg.Train.MaxSkippedSteps; limit > 0 && skipRun >= limit {
+			prog.clear()
 			if err := mw.flush(); err != nil {
 				return res, err
 			}
-			p, err := saveCheckpoint(cfg.RunDir, s, ad, st, cfg.Checkpoint.Keep)
-			if err != nil {
+			where := "there is no checkpoint before them: start a new run"
+			if good >= 0 {
+				where = fmt.Sprintf("the last good checkpoint is %s (newer ones hold the same weights at a later data position)", checkpointDir(cfg.RunDir, good))
+			}
+			return res, fmt.Errorf("%w: steps %d to %d: %d consecutive updates skipped for a non-finite gradient norm (train.max_skipped_steps %d); the weights are those of step %d, and %s; lower optim.lr, set optim.max_grad_norm, or check the data of these steps",
+				ErrDiverged, step-skipRun+1, step, skipRun, limit, lastGood, where)
+		}
+		last := step == cfg.Train.MaxSteps
+		if (cfg.Eval.Every > 0 && step%cfg.Eval.Every == 0) || last {
+			if err := doEval(step); err != nil {
+				if errors.Is(err, errStopped) {
+					fmt.Fprintf(o.Log, "eval of step %d abandoned\n", step)
+					return interrupt()
+				}
+				return fail(fmt.Errorf("eval at step %d: %w", step, err))
+			}
+		}
+		if (cfg.Checkpoint.Every > 0 && step%cfg.Checkpoint.Every == 0) || last {
+			if err := save(); err != nil {
 				return res, err
 			}
-			res.Checkpoint = p
 		}
 	}
 	prog.clear()
-	if len(res.Steps) == 0 {
-		fmt.Fprintf(o.Log, "nothing to do: %s is at step %d of train.max_steps %d\n", cfg.RunDir, st.Step, cfg.Train.MaxSteps)
-	} else {
-		fmt.Fprintf(o.Log, "done: step %d, checkpoint %s\n", st.Step, res.Checkpoint)
-	}
+	fmt.Fprintf(o.Log, "done: step %d, checkpoint %s\n", st.Step, res.Checkpoint)
 	return res, nil
 }
+
+// testHookRow, when set (tests), runs before each row of a step.
+var testHookRow func(step, row int)
 
 // CheckCache refuses a cache made with another tokenizer or vocabulary
 // than the student's, naming both values.
@@ -392,25 +548,142 @@ func initStudent(cfg *Config) (*train.Student, error) {
 }
 
 // tokenizerFingerprint resolves the student's tokenizer fingerprint (see
-// the package doc).
-func tokenizerFingerprint(cfg *Config) (string, error) {
-	if fp := cfg.Model.TokenizerFingerprint; fp != "" {
-		return fp, nil
-	}
-	dir := cfg.Model.Tokenizer
+// the package doc) and the directory of its tokenizer.json, absolute ("" if
+// only the fingerprint is known). model.tokenizer and
+// model.tokenizer_fingerprint, when both are set, must agree.
+func tokenizerFingerprint(cfg *Config) (fp, dir string, err error) {
+	dir = cfg.Model.Tokenizer
 	if dir == "" && cfg.Model.InitFrom != "" {
 		if _, err := os.Stat(filepath.Join(cfg.Model.InitFrom, "tokenizer.json")); err == nil {
 			dir = cfg.Model.InitFrom
 		}
 	}
+	fp = cfg.Model.TokenizerFingerprint
 	if dir == "" {
-		return "", fmt.Errorf("%w: model: the student's tokenizer is unknown; set model.tokenizer (a directory with tokenizer.json) or model.tokenizer_fingerprint (the cache's is printed by `cachectl status`)", ErrConfig)
+		if fp == "" {
+			return "", "", fmt.Errorf("%w: model: the student's tokenizer is unknown; set model.tokenizer (a directory with tokenizer.json) or model.tokenizer_fingerprint (the cache's is printed by `cachectl status`)", ErrConfig)
+		}
+		return fp, "", nil
+	}
+	key := "model.tokenizer"
+	if cfg.Model.Tokenizer == "" {
+		key = "model.init_from"
 	}
 	tk, err := tokenizer.Load(dir)
 	if err != nil {
-		return "", fmt.Errorf("%w: model.tokenizer %s: %w", ErrConfig, dir, err)
+		return "", "", fmt.Errorf("%w: %s %s: %w", ErrConfig, key, dir, err)
 	}
-	return tk.Fingerprint(), nil
+	if fp != "" && fp != tk.Fingerprint() {
+		return "", "", fmt.Errorf("%w: %s %s has tokenizer fingerprint %s but model.tokenizer_fingerprint (given, or recorded by the resumed checkpoint) is %s: they must name the same tokenizer; drop one of them or fix it",
+			ErrConfig, key, dir, tk.Fingerprint(), fp)
+	}
+	if abs, err := filepath.Abs(dir); err == nil {
+		dir = abs
+	}
+	return tk.Fingerprint(), dir, nil
+}
+
+// checkFilled refuses an eval range that is not all committed in the
+// cache, naming the missing samples.
+func checkFilled(rd *cache.Reader, r cache.Range, where string) error {
+	for _, g := range rd.Missing() {
+		lo, hi := max(g.Start, r.Start), min(g.End, r.End)
+		if lo < hi {
+			return fmt.Errorf("%w: data.eval_range: the eval reads samples %v, but samples %v are not in cache %s (not filled yet: `cachectl status` lists the missing ranges): fill them, or move data.eval_range (or lower eval.max_samples) into the filled samples",
+				ErrConfig, r, cache.Range{Start: lo, End: hi}, where)
+		}
+	}
+	return nil
+}
+
+// checkArchitecture refuses a resume whose configured architecture
+// differs from the checkpoint's (a resume keeps the checkpoint's weights,
+// so it would silently train another model than the config says), naming
+// the key. An init_from directory that no longer exists is not checked.
+func checkArchitecture(cfg *Config, have *model.Config, ckpt string) error {
+	var want *model.Config
+	prefix := "model.random."
+	switch {
+	case cfg.Model.Random != nil:
+		mc, err := cfg.Model.Random.ModelConfig()
+		if err != nil {
+			return err
+		}
+		want = mc
+	case cfg.Model.InitFrom != "":
+		mc, err := model.LoadConfig(cfg.Model.InitFrom)
+		if err != nil {
+			return nil
+		}
+		want, prefix = mc, "model.init_from "+filepath.Join(cfg.Model.InitFrom, "config.json")+": "
+	default:
+		return nil
+	}
+	a, err := configMap(have)
+	if err != nil {
+		return err
+	}
+	b, err := configMap(want)
+	if err != nil {
+		return err
+	}
+	keys := make([]string, 0, len(a))
+	for k := range a {
+		keys = append(keys, k)
+	}
+	for k := range b {
+		if _, ok := a[k]; !ok {
+			keys = append(keys, k)
+		}
+	}
+	// Keys of the YAML first: a derived config.json key (max_window_layers)
+	// is named only when nothing the user wrote differs.
+	yamlKey := map[string]bool{}
+	rt := reflect.TypeOf(RandomModel{})
+	for i := 0; i < rt.NumField(); i++ {
+		yamlKey[strings.Split(rt.Field(i).Tag.Get("yaml"), ",")[0]] = true
+	}
+	sort.Slice(keys, func(i, j int) bool {
+		if yamlKey[keys[i]] != yamlKey[keys[j]] {
+			return yamlKey[keys[i]]
+		}
+		return keys[i] < keys[j]
+	})
+	if have.Arch != want.Arch {
+		keys = []string{"model_type"}
+	}
+	for _, k := range keys {
+		if reflect.DeepEqual(a[k], b[k]) {
+			continue
+		}
+		key := prefix + k
+		if k == "model_type" || k == "architectures" {
+			key = prefix + "arch"
+			if cfg.Model.Random == nil {
+				key = prefix + k
+			}
+		}
+		return fmt.Errorf("%w: %s has %s = %v, the config says %s = %v: a resume keeps the checkpoint's architecture; restore the key or start a new run_dir",
+			ErrResume, ckpt, k, jsonText(a[k]), key, jsonText(b[k]))
+	}
+	return nil
+}
+
+func configMap(c *model.Config) (map[string]any, error) {
+	js, err := c.JSON()
+	if err != nil {
+		return nil, err
+	}
+	var m map[string]any
+	return m, json.Unmarshal(js, &m)
+}
+
+func jsonText(v any) string {
+	if v == nil {
+		return "(unset)"
+	}
+	b, _ := json.Marshal(v)
+	return string(b)
 }
 
 // calibrate switches NVFP4 QAD on and calibrates the amax on the first
@@ -524,10 +797,7 @@ func openMetrics(cfg *Config, step int) (*metrics, error) {
 				keep.Write(line)
 			}
 		}
-		if err := writeFileSync(path+".tmp", keep.Bytes()); err != nil {
-			return nil, err
-		}
-		if err := os.Rename(path+".tmp", path); err != nil {
+		if err := atomicfile.WriteFile(path, keep.Bytes(), 0o644); err != nil {
 			return nil, err
 		}
 	}
@@ -555,8 +825,13 @@ func openMetrics(cfg *Config, step int) (*metrics, error) {
 }
 
 func (m *metrics) train(sm StepMetrics) error {
-	b, _ := json.Marshal(sm)
-	m.w.Write(append(b, '\n'))
+	b, err := marshalFinite(sm)
+	if err != nil {
+		return fmt.Errorf("trainer: metrics of step %d: %w", sm.Step, err)
+	}
+	if _, err := m.w.Write(append(b, '\n')); err != nil {
+		return fmt.Errorf("trainer: writing metrics.jsonl: %w", err)
+	}
 	if m.tb != nil {
 		return m.tb.Scalars(int64(sm.Step), time.Now(), map[string]float64{
 			"train/loss": sm.Loss, "train/kd": sm.KD, "train/ce": sm.CE, "train/lr": sm.LR, "train/grad_norm": sm.GradNorm,
@@ -567,18 +842,80 @@ func (m *metrics) train(sm StepMetrics) error {
 }
 
 func (m *metrics) eval(step int, es EvalStats) error {
-	b, _ := json.Marshal(struct {
+	b, err := marshalFinite(struct {
 		Type string `json:"type"`
 		Step int    `json:"step"`
 		EvalStats
 	}{"eval", step, es})
-	m.w.Write(append(b, '\n'))
+	if err != nil {
+		return fmt.Errorf("trainer: eval metrics of step %d: %w", step, err)
+	}
+	if _, err := m.w.Write(append(b, '\n')); err != nil {
+		return fmt.Errorf("trainer: writing metrics.jsonl: %w", err)
+	}
 	if m.tb != nil {
 		return m.tb.Scalars(int64(step), time.Now(), map[string]float64{
 			"eval/loss": es.Loss, "eval/kd": es.KD, "eval/ce": es.CE, "eval/token_accuracy": es.TokenAccuracy, "eval/top1_agreement": es.Top1Agreement,
 		})
 	}
 	return nil
+}
+
+// marshalFinite encodes a struct of scalars as encoding/json does (field
+// order, json tags, omitempty, embedded structs flattened), except that a
+// NaN or infinite float becomes null, which JSON can hold and json.Marshal
+// refuses.
+func marshalFinite(v any) ([]byte, error) {
+	var buf bytes.Buffer
+	buf.WriteByte('{')
+	first := true
+	var walk func(rv reflect.Value) error
+	walk = func(rv reflect.Value) error {
+		rt := rv.Type()
+		for i := 0; i < rt.NumField(); i++ {
+			f, fv := rt.Field(i), rv.Field(i)
+			tag := f.Tag.Get("json")
+			if f.Anonymous && f.Type.Kind() == reflect.Struct && tag == "" {
+				if err := walk(fv); err != nil {
+					return err
+				}
+				continue
+			}
+			name, opts, _ := strings.Cut(tag, ",")
+			if !f.IsExported() || name == "-" {
+				continue
+			}
+			if name == "" {
+				name = f.Name
+			}
+			if strings.Contains(opts, "omitempty") && fv.IsZero() {
+				continue
+			}
+			var b []byte
+			if k := fv.Kind(); (k == reflect.Float64 || k == reflect.Float32) && (math.IsNaN(fv.Float()) || math.IsInf(fv.Float(), 0)) {
+				b = []byte("null")
+			} else {
+				var err error
+				if b, err = json.Marshal(fv.Interface()); err != nil {
+					return fmt.Errorf("%s: %w", name, err)
+				}
+			}
+			if !first {
+				buf.WriteByte(',')
+			}
+			first = false
+			nb, _ := json.Marshal(name)
+			buf.Write(nb)
+			buf.WriteByte(':')
+			buf.Write(b)
+		}
+		return nil
+	}
+	if err := walk(reflect.ValueOf(v)); err != nil {
+		return nil, err
+	}
+	buf.WriteByte('}')
+	return buf.Bytes(), nil
 }
 
 func (m *metrics) flush() error {

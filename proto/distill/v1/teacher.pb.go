@@ -373,7 +373,9 @@ type DataSource struct {
 	// Share of the blend; leave all weights 0 to concatenate the sources.
 	Weight float64 `protobuf:"fixed64,2,opt,name=weight,proto3" json:"weight,omitempty"`
 	// "jsonl", "csv" or "parquet"; empty: from the file extension.
-	Format        string `protobuf:"bytes,3,opt,name=format,proto3" json:"format,omitempty"`
+	Format string `protobuf:"bytes,3,opt,name=format,proto3" json:"format,omitempty"`
+	// Field names of the records when they differ from the defaults.
+	Columns       *Columns `protobuf:"bytes,4,opt,name=columns,proto3" json:"columns,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -429,6 +431,142 @@ func (x *DataSource) GetFormat() string {
 	return ""
 }
 
+func (x *DataSource) GetColumns() *Columns {
+	if x != nil {
+		return x.Columns
+	}
+	return nil
+}
+
+// Columns renames the fields records are read from (package distill/data
+// ColumnMap); an empty field keeps its default name, given in its comment.
+type Columns struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "messages": a list of {role, content} objects (chat).
+	Messages string `protobuf:"bytes,1,opt,name=messages,proto3" json:"messages,omitempty"`
+	// "prompt" (prompt/response records).
+	Prompt string `protobuf:"bytes,2,opt,name=prompt,proto3" json:"prompt,omitempty"`
+	// "response" (prompt/response records).
+	Response string `protobuf:"bytes,3,opt,name=response,proto3" json:"response,omitempty"`
+	// "system": optional system prompt of a prompt/response record.
+	System string `protobuf:"bytes,4,opt,name=system,proto3" json:"system,omitempty"`
+	// "text" (plain text, every token a target).
+	Text string `protobuf:"bytes,5,opt,name=text,proto3" json:"text,omitempty"`
+	// "input_ids": pre-tokenized ids.
+	InputIds string `protobuf:"bytes,6,opt,name=input_ids,json=inputIds,proto3" json:"input_ids,omitempty"`
+	// "loss_mask": optional 0/1 per id of a pre-tokenized record.
+	LossMask string `protobuf:"bytes,7,opt,name=loss_mask,json=lossMask,proto3" json:"loss_mask,omitempty"`
+	// "role": key of the role inside each message.
+	Role string `protobuf:"bytes,8,opt,name=role,proto3" json:"role,omitempty"`
+	// "content": key of the content inside each message.
+	Content string `protobuf:"bytes,9,opt,name=content,proto3" json:"content,omitempty"`
+	// Dataset role names mapped to template roles (system, user, assistant
+	// or tool), e.g. human: user, gpt: assistant.
+	Roles         map[string]string `protobuf:"bytes,10,rep,name=roles,proto3" json:"roles,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Columns) Reset() {
+	*x = Columns{}
+	mi := &file_distill_v1_teacher_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Columns) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Columns) ProtoMessage() {}
+
+func (x *Columns) ProtoReflect() protoreflect.Message {
+	mi := &file_distill_v1_teacher_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Columns.ProtoReflect.Descriptor instead.
+func (*Columns) Descriptor() ([]byte, []int) {
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *Columns) GetMessages() string {
+	if x != nil {
+		return x.Messages
+	}
+	return ""
+}
+
+func (x *Columns) GetPrompt() string {
+	if x != nil {
+		return x.Prompt
+	}
+	return ""
+}
+
+func (x *Columns) GetResponse() string {
+	if x != nil {
+		return x.Response
+	}
+	return ""
+}
+
+func (x *Columns) GetSystem() string {
+	if x != nil {
+		return x.System
+	}
+	return ""
+}
+
+func (x *Columns) GetText() string {
+	if x != nil {
+		return x.Text
+	}
+	return ""
+}
+
+func (x *Columns) GetInputIds() string {
+	if x != nil {
+		return x.InputIds
+	}
+	return ""
+}
+
+func (x *Columns) GetLossMask() string {
+	if x != nil {
+		return x.LossMask
+	}
+	return ""
+}
+
+func (x *Columns) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *Columns) GetContent() string {
+	if x != nil {
+		return x.Content
+	}
+	return ""
+}
+
+func (x *Columns) GetRoles() map[string]string {
+	if x != nil {
+		return x.Roles
+	}
+	return nil
+}
+
 // Dataset says how to read and tokenize a dataset (package distill/data).
 type Dataset struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -453,13 +591,16 @@ type Dataset struct {
 	ChatTemplate string `protobuf:"bytes,9,opt,name=chat_template,json=chatTemplate,proto3" json:"chat_template,omitempty"`
 	// Extra template variables as a JSON object.
 	TemplateVarsJson string `protobuf:"bytes,10,opt,name=template_vars_json,json=templateVarsJson,proto3" json:"template_vars_json,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// A bad record (malformed, unknown role, no targets) becomes an empty
+	// sample that is counted, instead of failing the request.
+	SkipBad       bool `protobuf:"varint,11,opt,name=skip_bad,json=skipBad,proto3" json:"skip_bad,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Dataset) Reset() {
 	*x = Dataset{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[5]
+	mi := &file_distill_v1_teacher_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -471,7 +612,7 @@ func (x *Dataset) String() string {
 func (*Dataset) ProtoMessage() {}
 
 func (x *Dataset) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[5]
+	mi := &file_distill_v1_teacher_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -484,7 +625,7 @@ func (x *Dataset) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Dataset.ProtoReflect.Descriptor instead.
 func (*Dataset) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{5}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Dataset) GetSources() []*DataSource {
@@ -557,6 +698,13 @@ func (x *Dataset) GetTemplateVarsJson() string {
 	return ""
 }
 
+func (x *Dataset) GetSkipBad() bool {
+	if x != nil {
+		return x.SkipBad
+	}
+	return false
+}
+
 // DescribeDatasetRequest names a dataset.
 type DescribeDatasetRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -568,7 +716,7 @@ type DescribeDatasetRequest struct {
 
 func (x *DescribeDatasetRequest) Reset() {
 	*x = DescribeDatasetRequest{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[6]
+	mi := &file_distill_v1_teacher_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -580,7 +728,7 @@ func (x *DescribeDatasetRequest) String() string {
 func (*DescribeDatasetRequest) ProtoMessage() {}
 
 func (x *DescribeDatasetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[6]
+	mi := &file_distill_v1_teacher_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -593,7 +741,7 @@ func (x *DescribeDatasetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DescribeDatasetRequest.ProtoReflect.Descriptor instead.
 func (*DescribeDatasetRequest) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{6}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *DescribeDatasetRequest) GetDataset() *Dataset {
@@ -618,7 +766,7 @@ type DescribeDatasetResponse struct {
 
 func (x *DescribeDatasetResponse) Reset() {
 	*x = DescribeDatasetResponse{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[7]
+	mi := &file_distill_v1_teacher_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -630,7 +778,7 @@ func (x *DescribeDatasetResponse) String() string {
 func (*DescribeDatasetResponse) ProtoMessage() {}
 
 func (x *DescribeDatasetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[7]
+	mi := &file_distill_v1_teacher_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -643,7 +791,7 @@ func (x *DescribeDatasetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DescribeDatasetResponse.ProtoReflect.Descriptor instead.
 func (*DescribeDatasetResponse) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{7}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *DescribeDatasetResponse) GetSamples() int64 {
@@ -694,7 +842,7 @@ type FillRequest struct {
 
 func (x *FillRequest) Reset() {
 	*x = FillRequest{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[8]
+	mi := &file_distill_v1_teacher_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -706,7 +854,7 @@ func (x *FillRequest) String() string {
 func (*FillRequest) ProtoMessage() {}
 
 func (x *FillRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[8]
+	mi := &file_distill_v1_teacher_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -719,7 +867,7 @@ func (x *FillRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FillRequest.ProtoReflect.Descriptor instead.
 func (*FillRequest) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{8}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *FillRequest) GetDataset() *Dataset {
@@ -790,14 +938,27 @@ type FillResponse struct {
 	// The chunk was already in the cache.
 	Skipped bool `protobuf:"varint,4,opt,name=skipped,proto3" json:"skipped,omitempty"`
 	// Cache directory the chunk is in.
-	CacheDir      string `protobuf:"bytes,5,opt,name=cache_dir,json=cacheDir,proto3" json:"cache_dir,omitempty"`
+	CacheDir string `protobuf:"bytes,5,opt,name=cache_dir,json=cacheDir,proto3" json:"cache_dir,omitempty"`
+	// Samples of the chunk that were cut to max_len (0 when skipped).
+	Truncated int64 `protobuf:"varint,6,opt,name=truncated,proto3" json:"truncated,omitempty"`
+	// Samples stored empty because they had no target token within max_len
+	// or exceeded it under policy drop (0 when skipped).
+	Dropped int64 `protobuf:"varint,7,opt,name=dropped,proto3" json:"dropped,omitempty"`
+	// Records stored empty because they were bad and skip_bad was set.
+	BadSkipped int64 `protobuf:"varint,8,opt,name=bad_skipped,json=badSkipped,proto3" json:"bad_skipped,omitempty"`
+	// Target positions (loss mask 1) of the chunk: what training learns from.
+	Targets int64 `protobuf:"varint,9,opt,name=targets,proto3" json:"targets,omitempty"`
+	// Dropped and bad_skipped samples per reason (e.g. "longer than max-len").
+	Reasons map[string]int64 `protobuf:"bytes,10,rep,name=reasons,proto3" json:"reasons,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	// The first few drop or skip messages, with file:line.
+	Examples      []string `protobuf:"bytes,11,rep,name=examples,proto3" json:"examples,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *FillResponse) Reset() {
 	*x = FillResponse{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[9]
+	mi := &file_distill_v1_teacher_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -809,7 +970,7 @@ func (x *FillResponse) String() string {
 func (*FillResponse) ProtoMessage() {}
 
 func (x *FillResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[9]
+	mi := &file_distill_v1_teacher_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -822,7 +983,7 @@ func (x *FillResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FillResponse.ProtoReflect.Descriptor instead.
 func (*FillResponse) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{9}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *FillResponse) GetStart() int64 {
@@ -860,6 +1021,48 @@ func (x *FillResponse) GetCacheDir() string {
 	return ""
 }
 
+func (x *FillResponse) GetTruncated() int64 {
+	if x != nil {
+		return x.Truncated
+	}
+	return 0
+}
+
+func (x *FillResponse) GetDropped() int64 {
+	if x != nil {
+		return x.Dropped
+	}
+	return 0
+}
+
+func (x *FillResponse) GetBadSkipped() int64 {
+	if x != nil {
+		return x.BadSkipped
+	}
+	return 0
+}
+
+func (x *FillResponse) GetTargets() int64 {
+	if x != nil {
+		return x.Targets
+	}
+	return 0
+}
+
+func (x *FillResponse) GetReasons() map[string]int64 {
+	if x != nil {
+		return x.Reasons
+	}
+	return nil
+}
+
+func (x *FillResponse) GetExamples() []string {
+	if x != nil {
+		return x.Examples
+	}
+	return nil
+}
+
 // StatusRequest may name a dataset to list its done ranges.
 type StatusRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -871,7 +1074,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[10]
+	mi := &file_distill_v1_teacher_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -883,7 +1086,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[10]
+	mi := &file_distill_v1_teacher_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -896,7 +1099,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{10}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *StatusRequest) GetDatasetFingerprint() string {
@@ -919,7 +1122,7 @@ type Range struct {
 
 func (x *Range) Reset() {
 	*x = Range{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[11]
+	mi := &file_distill_v1_teacher_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -931,7 +1134,7 @@ func (x *Range) String() string {
 func (*Range) ProtoMessage() {}
 
 func (x *Range) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[11]
+	mi := &file_distill_v1_teacher_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -944,7 +1147,7 @@ func (x *Range) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Range.ProtoReflect.Descriptor instead.
 func (*Range) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{11}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Range) GetStart() int64 {
@@ -989,7 +1192,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[12]
+	mi := &file_distill_v1_teacher_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1001,7 +1204,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[12]
+	mi := &file_distill_v1_teacher_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1014,7 +1217,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{12}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *StatusResponse) GetInFlight() []*Range {
@@ -1113,12 +1316,29 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	"\x02id\x18\x01 \x01(\x03R\x02id\x12\f\n" +
 	"\x01k\x18\x02 \x01(\x05R\x01k\x12\x10\n" +
 	"\x03ids\x18\x03 \x03(\x05R\x03ids\x12\x1a\n" +
-	"\blogprobs\x18\x04 \x03(\x02R\blogprobs\"P\n" +
+	"\blogprobs\x18\x04 \x03(\x02R\blogprobs\"\x7f\n" +
 	"\n" +
 	"DataSource\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x16\n" +
 	"\x06weight\x18\x02 \x01(\x01R\x06weight\x12\x16\n" +
-	"\x06format\x18\x03 \x01(\tR\x06format\"\xc9\x02\n" +
+	"\x06format\x18\x03 \x01(\tR\x06format\x12-\n" +
+	"\acolumns\x18\x04 \x01(\v2\x13.distill.v1.ColumnsR\acolumns\"\xdd\x02\n" +
+	"\aColumns\x12\x1a\n" +
+	"\bmessages\x18\x01 \x01(\tR\bmessages\x12\x16\n" +
+	"\x06prompt\x18\x02 \x01(\tR\x06prompt\x12\x1a\n" +
+	"\bresponse\x18\x03 \x01(\tR\bresponse\x12\x16\n" +
+	"\x06system\x18\x04 \x01(\tR\x06system\x12\x12\n" +
+	"\x04text\x18\x05 \x01(\tR\x04text\x12\x1b\n" +
+	"\tinput_ids\x18\x06 \x01(\tR\binputIds\x12\x1b\n" +
+	"\tloss_mask\x18\a \x01(\tR\blossMask\x12\x12\n" +
+	"\x04role\x18\b \x01(\tR\x04role\x12\x18\n" +
+	"\acontent\x18\t \x01(\tR\acontent\x124\n" +
+	"\x05roles\x18\n" +
+	" \x03(\v2\x1e.distill.v1.Columns.RolesEntryR\x05roles\x1a8\n" +
+	"\n" +
+	"RolesEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe4\x02\n" +
 	"\aDataset\x120\n" +
 	"\asources\x18\x01 \x03(\v2\x16.distill.v1.DataSourceR\asources\x12\"\n" +
 	"\fpretokenized\x18\x02 \x01(\bR\fpretokenized\x12\x17\n" +
@@ -1131,7 +1351,8 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	"\x06no_eos\x18\b \x01(\bR\x05noEos\x12#\n" +
 	"\rchat_template\x18\t \x01(\tR\fchatTemplate\x12,\n" +
 	"\x12template_vars_json\x18\n" +
-	" \x01(\tR\x10templateVarsJson\"G\n" +
+	" \x01(\tR\x10templateVarsJson\x12\x19\n" +
+	"\bskip_bad\x18\v \x01(\bR\askipBad\"G\n" +
 	"\x16DescribeDatasetRequest\x12-\n" +
 	"\adataset\x18\x01 \x01(\v2\x13.distill.v1.DatasetR\adataset\"\x8a\x01\n" +
 	"\x17DescribeDatasetResponse\x12\x18\n" +
@@ -1147,13 +1368,24 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	"\vtemperature\x18\x06 \x01(\x02R\vtemperature\x12\x1a\n" +
 	"\bencoding\x18\a \x01(\tR\bencoding\x12<\n" +
 	"\x1aexpect_dataset_fingerprint\x18\b \x01(\tR\x18expectDatasetFingerprintB\x04\n" +
-	"\x02_k\"\x85\x01\n" +
+	"\x02_k\"\x91\x03\n" +
 	"\fFillResponse\x12\x14\n" +
 	"\x05start\x18\x01 \x01(\x03R\x05start\x12\x10\n" +
 	"\x03end\x18\x02 \x01(\x03R\x03end\x12\x16\n" +
 	"\x06tokens\x18\x03 \x01(\x03R\x06tokens\x12\x18\n" +
 	"\askipped\x18\x04 \x01(\bR\askipped\x12\x1b\n" +
-	"\tcache_dir\x18\x05 \x01(\tR\bcacheDir\"@\n" +
+	"\tcache_dir\x18\x05 \x01(\tR\bcacheDir\x12\x1c\n" +
+	"\ttruncated\x18\x06 \x01(\x03R\ttruncated\x12\x18\n" +
+	"\adropped\x18\a \x01(\x03R\adropped\x12\x1f\n" +
+	"\vbad_skipped\x18\b \x01(\x03R\n" +
+	"badSkipped\x12\x18\n" +
+	"\atargets\x18\t \x01(\x03R\atargets\x12?\n" +
+	"\areasons\x18\n" +
+	" \x03(\v2%.distill.v1.FillResponse.ReasonsEntryR\areasons\x12\x1a\n" +
+	"\bexamples\x18\v \x03(\tR\bexamples\x1a:\n" +
+	"\fReasonsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"@\n" +
 	"\rStatusRequest\x12/\n" +
 	"\x13dataset_fingerprint\x18\x01 \x01(\tR\x12datasetFingerprint\"/\n" +
 	"\x05Range\x12\x14\n" +
@@ -1189,43 +1421,49 @@ func file_distill_v1_teacher_proto_rawDescGZIP() []byte {
 	return file_distill_v1_teacher_proto_rawDescData
 }
 
-var file_distill_v1_teacher_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_distill_v1_teacher_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_distill_v1_teacher_proto_goTypes = []any{
 	(*InfoRequest)(nil),             // 0: distill.v1.InfoRequest
 	(*InfoResponse)(nil),            // 1: distill.v1.InfoResponse
 	(*ScoreRequest)(nil),            // 2: distill.v1.ScoreRequest
 	(*ScoreResponse)(nil),           // 3: distill.v1.ScoreResponse
 	(*DataSource)(nil),              // 4: distill.v1.DataSource
-	(*Dataset)(nil),                 // 5: distill.v1.Dataset
-	(*DescribeDatasetRequest)(nil),  // 6: distill.v1.DescribeDatasetRequest
-	(*DescribeDatasetResponse)(nil), // 7: distill.v1.DescribeDatasetResponse
-	(*FillRequest)(nil),             // 8: distill.v1.FillRequest
-	(*FillResponse)(nil),            // 9: distill.v1.FillResponse
-	(*StatusRequest)(nil),           // 10: distill.v1.StatusRequest
-	(*Range)(nil),                   // 11: distill.v1.Range
-	(*StatusResponse)(nil),          // 12: distill.v1.StatusResponse
+	(*Columns)(nil),                 // 5: distill.v1.Columns
+	(*Dataset)(nil),                 // 6: distill.v1.Dataset
+	(*DescribeDatasetRequest)(nil),  // 7: distill.v1.DescribeDatasetRequest
+	(*DescribeDatasetResponse)(nil), // 8: distill.v1.DescribeDatasetResponse
+	(*FillRequest)(nil),             // 9: distill.v1.FillRequest
+	(*FillResponse)(nil),            // 10: distill.v1.FillResponse
+	(*StatusRequest)(nil),           // 11: distill.v1.StatusRequest
+	(*Range)(nil),                   // 12: distill.v1.Range
+	(*StatusResponse)(nil),          // 13: distill.v1.StatusResponse
+	nil,                             // 14: distill.v1.Columns.RolesEntry
+	nil,                             // 15: distill.v1.FillResponse.ReasonsEntry
 }
 var file_distill_v1_teacher_proto_depIdxs = []int32{
-	4,  // 0: distill.v1.Dataset.sources:type_name -> distill.v1.DataSource
-	5,  // 1: distill.v1.DescribeDatasetRequest.dataset:type_name -> distill.v1.Dataset
-	5,  // 2: distill.v1.FillRequest.dataset:type_name -> distill.v1.Dataset
-	11, // 3: distill.v1.StatusResponse.in_flight:type_name -> distill.v1.Range
-	11, // 4: distill.v1.StatusResponse.done:type_name -> distill.v1.Range
-	0,  // 5: distill.v1.Teacher.Info:input_type -> distill.v1.InfoRequest
-	2,  // 6: distill.v1.Teacher.Score:input_type -> distill.v1.ScoreRequest
-	6,  // 7: distill.v1.Teacher.DescribeDataset:input_type -> distill.v1.DescribeDatasetRequest
-	8,  // 8: distill.v1.Teacher.Fill:input_type -> distill.v1.FillRequest
-	10, // 9: distill.v1.Teacher.Status:input_type -> distill.v1.StatusRequest
-	1,  // 10: distill.v1.Teacher.Info:output_type -> distill.v1.InfoResponse
-	3,  // 11: distill.v1.Teacher.Score:output_type -> distill.v1.ScoreResponse
-	7,  // 12: distill.v1.Teacher.DescribeDataset:output_type -> distill.v1.DescribeDatasetResponse
-	9,  // 13: distill.v1.Teacher.Fill:output_type -> distill.v1.FillResponse
-	12, // 14: distill.v1.Teacher.Status:output_type -> distill.v1.StatusResponse
-	10, // [10:15] is the sub-list for method output_type
-	5,  // [5:10] is the sub-list for method input_type
-	5,  // [5:5] is the sub-list for extension type_name
-	5,  // [5:5] is the sub-list for extension extendee
-	0,  // [0:5] is the sub-list for field type_name
+	5,  // 0: distill.v1.DataSource.columns:type_name -> distill.v1.Columns
+	14, // 1: distill.v1.Columns.roles:type_name -> distill.v1.Columns.RolesEntry
+	4,  // 2: distill.v1.Dataset.sources:type_name -> distill.v1.DataSource
+	6,  // 3: distill.v1.DescribeDatasetRequest.dataset:type_name -> distill.v1.Dataset
+	6,  // 4: distill.v1.FillRequest.dataset:type_name -> distill.v1.Dataset
+	15, // 5: distill.v1.FillResponse.reasons:type_name -> distill.v1.FillResponse.ReasonsEntry
+	12, // 6: distill.v1.StatusResponse.in_flight:type_name -> distill.v1.Range
+	12, // 7: distill.v1.StatusResponse.done:type_name -> distill.v1.Range
+	0,  // 8: distill.v1.Teacher.Info:input_type -> distill.v1.InfoRequest
+	2,  // 9: distill.v1.Teacher.Score:input_type -> distill.v1.ScoreRequest
+	7,  // 10: distill.v1.Teacher.DescribeDataset:input_type -> distill.v1.DescribeDatasetRequest
+	9,  // 11: distill.v1.Teacher.Fill:input_type -> distill.v1.FillRequest
+	11, // 12: distill.v1.Teacher.Status:input_type -> distill.v1.StatusRequest
+	1,  // 13: distill.v1.Teacher.Info:output_type -> distill.v1.InfoResponse
+	3,  // 14: distill.v1.Teacher.Score:output_type -> distill.v1.ScoreResponse
+	8,  // 15: distill.v1.Teacher.DescribeDataset:output_type -> distill.v1.DescribeDatasetResponse
+	10, // 16: distill.v1.Teacher.Fill:output_type -> distill.v1.FillResponse
+	13, // 17: distill.v1.Teacher.Status:output_type -> distill.v1.StatusResponse
+	13, // [13:18] is the sub-list for method output_type
+	8,  // [8:13] is the sub-list for method input_type
+	8,  // [8:8] is the sub-list for extension type_name
+	8,  // [8:8] is the sub-list for extension extendee
+	0,  // [0:8] is the sub-list for field type_name
 }
 
 func init() { file_distill_v1_teacher_proto_init() }
@@ -1234,14 +1472,14 @@ func file_distill_v1_teacher_proto_init() {
 		return
 	}
 	file_distill_v1_teacher_proto_msgTypes[2].OneofWrappers = []any{}
-	file_distill_v1_teacher_proto_msgTypes[8].OneofWrappers = []any{}
+	file_distill_v1_teacher_proto_msgTypes[9].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_distill_v1_teacher_proto_rawDesc), len(file_distill_v1_teacher_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   13,
+			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -1,0 +1,41 @@
+package serve
+
+import (
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// TestProgressBarDoubleCountedChunk: a chunk counted twice (a teacher
+// reported it and failed, another redid it) makes the computed samples
+// exceed the range; the bar used to ask strings.Repeat for a negative
+// count and panic. It is clamped to a full bar.
+func TestProgressBarDoubleCountedChunk(t *testing.T) {
+	var samples, tokens atomic.Int64
+	samples.Store(12) // a 10-sample range, one 2-sample chunk counted twice
+	tokens.Store(300)
+	var out strings.Builder
+	p := &FillPlan{Out: &out, Terminal: true}
+	stop := startProgress(p, 10, 0, &samples, &tokens, time.Now())
+	stop() // draws the last line at once, whatever the ticker did
+	last := out.String()[strings.LastIndex(out.String(), "\r"):]
+	if !strings.Contains(last, "["+strings.Repeat("=", 30)+"] 10/10 samples 100.0%") {
+		t.Errorf("last line %q, want a full bar at 10/10", last)
+	}
+	for _, c := range []struct {
+		total, already, s int64
+		want              string
+	}{
+		{10, 8, 4, "fill: 10/10 samples (100.0%)"}, // already done + recomputed
+		{10, 0, -3, "fill: 0/10 samples (0.0%)"},   // never negative
+		{10, 5, 0, "fill: 5/10 samples (50.0%)"},   // normal
+	} {
+		if got := progressLine(false, c.total, c.already, c.s, 0, 1); !strings.HasPrefix(got, c.want) {
+			t.Errorf("progressLine(%d, %d, %d) = %q, want %q", c.total, c.already, c.s, got, c.want)
+		}
+		if got := progressLine(true, c.total, c.already, c.s, 0, 1); strings.Count(got, "=")+strings.Count(got[:strings.Index(got, "]")], " ") != 30 {
+			t.Errorf("terminal bar for (%d, %d, %d) is not 30 wide: %q", c.total, c.already, c.s, got)
+		}
+	}
+}
