@@ -166,6 +166,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	st := &State{DataSeed: cfg.Seed, LRSchedule: cfg.Optim.Schedule, LR: cfg.Optim.LR, MaxSteps: cfg.Train.MaxSteps,
 		CacheTeacher: m.TeacherFingerprint, CacheDataset: m.DatasetFingerprint}
 	st.setBatching(cfg)
+	st.setLoss(cfg)
 	if ckpt != "" {
 		s, st, err = loadCheckpoint(ckpt)
 		if err != nil {
@@ -185,6 +186,10 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		if err := st.checkBatching(cfg, ckpt); err != nil {
 			return nil, err
 		}
+		if err := st.checkLoss(cfg, ckpt, o.Log); err != nil {
+			return nil, err
+		}
+		st.setLoss(cfg)
 		if cfg.Model.TokenizerFingerprint == "" {
 			cfg.Model.TokenizerFingerprint = st.TokenizerFingerprint
 		}
