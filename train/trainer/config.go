@@ -89,13 +89,13 @@ type DataConfig struct {
 
 // DistillConfig is the loss (package train/loss).
 type DistillConfig struct {
-	KDLoss      string  `yaml:"kd_loss"`
-	JSDBeta     float64 `yaml:"jsd_beta"`
-	Tail        string  `yaml:"tail"`
-	Temperature float64 `yaml:"temperature"`
-	ScaleT2     bool    `yaml:"scale_t2"`
-	KDWeight    float64 `yaml:"kd_weight"`
-	SFTWeight   float64 `yaml:"sft_weight"`
+	KDLoss      string  `yaml:"kd_loss" json:"kd_loss"`
+	JSDBeta     float64 `yaml:"jsd_beta" json:"jsd_beta"`
+	Tail        string  `yaml:"tail" json:"tail"` // bucket, renormalize or zero (package loss)
+	Temperature float64 `yaml:"temperature" json:"temperature"`
+	ScaleT2     bool    `yaml:"scale_t2" json:"scale_t2"`
+	KDWeight    float64 `yaml:"kd_weight" json:"kd_weight"`
+	SFTWeight   float64 `yaml:"sft_weight" json:"sft_weight"`
 }
 
 // OptimConfig is AdamW, the LR schedule and clipping (package train/optim).
