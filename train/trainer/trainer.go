@@ -15,7 +15,7 @@
 //	    config.json                 HF config of the student
 //	    model.safetensors           F32 master weights (an HF checkpoint: export and infer read it)
 //	    optimizer.safetensors       AdamW moments: exp_avg.<tensor>, exp_avg_sq.<tensor>
-//	    state.json                  step, data position, schedule, NVFP4 amax (State)
+//	    state.json                  step, data position, schedule, NVFP4 amax, loss definition (State)
 //	  checkpoints/.tmp-step-*       a checkpoint being written (never read; removed on save)
 //
 // # Data
