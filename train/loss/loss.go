@@ -4,14 +4,15 @@
 // tile by tile in the backward pass, so [tokens x vocab] is never held
 // (Qwen3's V = 151936 at 8k tokens would be 5 GB in fp32).
 //
-// # Definitions (DESIGN.md "Losses")
+// # Definitions
 //
 // Position t of a packed batch predicts token t+1. It counts when t+1 is
 // in the same sample and Mask[t+1] = 1 (the label is a training target);
 // the teacher's top-k at t (ids K_t, log-probs lp normalized over the full
 // vocabulary at the capture temperature) describe the distribution of t+1.
-// With student logits z and temperature T, the student log-probs are over
-// the FULL vocabulary: lq = z/T - logsumexp_V(z/T).
+// With student logits z and temperature T, the student log-probs are first
+// computed over the FULL vocabulary, lq = z/T - logsumexp_V(z/T); what a
+// tail mode does with them is below.
 //
 // Tail modes (config key tail): how the mass outside K_t is treated. The
 // teacher renormalized over K_t at the KD temperature is
@@ -43,12 +44,14 @@
 //     that mass back into K_t; the optimum puts all of the student's mass on
 //     K_t in p̃'s proportions. rev_kl against a teacher that is 0 outside
 //     K_t is infinite whenever the student has mass there, so rev_kl and jsd
-//     (which runs up to rev_kl at β = 1) with tail zero are a config error. (Before Definition 2 this mode was
-//     called renormalize.)
+//     (which runs up to rev_kl at β = 1) with tail zero are a config error.
+//     Before Definition 2 this mode was called renormalize.
 //
 // With k = V every mode is the exact full-vocabulary divergence.
 //
-// Divergences over the entries e (K_t, plus the tail bucket):
+// Divergences over the entries e (K_t, plus the tail bucket under bucket),
+// with p and q the two sides as the tail mode defines them (p̃ and q̃ under
+// renormalize):
 //
 //   - fwd_kl = Σ p_e (log p_e - log q_e)
 //   - rev_kl = Σ q_e (log q_e - log p_e)

@@ -1,6 +1,6 @@
 // Package ref is the float64 oracle for the student's numerics tests: naive
-// loops written directly from the formulas (HF modeling files, DESIGN.md
-// "Losses"), sharing no code with the fp32 kernels they check, plus central
+// loops written directly from the formulas (HF modeling files, the loss
+// package doc), sharing no code with the fp32 kernels they check, plus central
 // finite differences. It is slow by design and only imported by tests.
 package ref
 
@@ -170,7 +170,7 @@ type KDOpts struct {
 	KDWeight, SFTW float64
 }
 
-// KDLoss computes the mean KD+SFT loss of DESIGN.md from the full logits
+// KDLoss computes the mean KD+SFT loss of package loss from the full logits
 // z = x·Wᵀ held in float64: every position t with t+1 in its sample and
 // mask[t+1] = 1, student probabilities q over the whole vocabulary, and
 // per tail mode:
