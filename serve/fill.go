@@ -67,6 +67,9 @@ type FillSummary struct {
 	Truncated, Dropped, BadSkipped int64
 	Reasons                        map[string]int64
 	Examples                       []string
+	// examples are every chunk's messages with its start, so that the
+	// printed ones are the first in sample order, not in arrival order.
+	examples []fillExample
 	// Chunks computed and Skipped (already in a cache) in this run.
 	Chunks, Skipped int
 	// Retries counts chunks handed out again after a teacher failed.
@@ -463,11 +466,27 @@ func (s *FillSummary) addCounts(m *pb.FillResponse) {
 	for r, n := range m.GetReasons() {
 		s.Reasons[r] += n
 	}
-	for _, e := range m.GetExamples() {
-		if len(s.Examples) < maxFillExamples {
-			s.Examples = append(s.Examples, e)
-		}
+	for i, e := range m.GetExamples() {
+		s.examples = append(s.examples, fillExample{m.GetStart(), i, e})
 	}
+	sort.Slice(s.examples, func(i, j int) bool {
+		a, b := s.examples[i], s.examples[j]
+		return a.start < b.start || a.start == b.start && a.i < b.i
+	})
+	if len(s.examples) > maxFillExamples {
+		s.examples = s.examples[:maxFillExamples]
+	}
+	s.Examples = s.Examples[:0]
+	for _, e := range s.examples {
+		s.Examples = append(s.Examples, e.msg)
+	}
+}
+
+// fillExample is one drop or skip message of the chunk starting at start.
+type fillExample struct {
+	start int64
+	i     int
+	msg   string
 }
 
 // maxFillExamples is how many drop or skip messages a fill prints.

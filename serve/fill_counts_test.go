@@ -112,7 +112,7 @@ func TestFillCountsReachTheClient(t *testing.T) {
 			t.Fatalf("test setup: %+v", want)
 		}
 
-		daemon := startDaemon(t, Config{Model: mdir, Cache: t.TempDir(), TokenBudget: 300})
+		daemon := startDaemon(t, Config{Model: mdir, Cache: t.TempDir(), TokenBudget: 300, DataRoots: []string{tmp}})
 		remote, err := Dial(daemon.Addr(), DialOptions{})
 		if err != nil {
 			t.Fatal(err)
@@ -133,14 +133,18 @@ func TestFillCountsReachTheClient(t *testing.T) {
 				t.Errorf("%s, %s: summary %+v; package data counts %+v", policy, w.Name(), sum, want)
 			}
 			line := fmt.Sprintf("fill: %d truncated to --max-len, %d dropped, 1 bad records skipped", want.Truncated, want.Dropped)
-			if !strings.Contains(out.String(), line) || !strings.Contains(out.String(), "counts.jsonl:14") {
-				t.Errorf("%s, %s: output lacks %q or the bad record's line:\n%s", policy, w.Name(), line, out.String())
+			// The examples are the first messages in sample order: under
+			// truncate the bad record (line 14) comes first, under drop
+			// the first over-long record (line 3).
+			first := map[string]string{"truncate": "counts.jsonl:14", "drop": "counts.jsonl:3:"}[policy]
+			if !strings.Contains(out.String(), line) || !strings.Contains(out.String(), first) {
+				t.Errorf("%s, %s: output lacks %q or the first message's line %q:\n%s", policy, w.Name(), line, first, out.String())
 			}
 		}
 	}
 
 	// Every sample empty: an error, over gRPC too.
-	daemon := startDaemon(t, Config{Model: mdir, Cache: t.TempDir(), TokenBudget: 300})
+	daemon := startDaemon(t, Config{Model: mdir, Cache: t.TempDir(), TokenBudget: 300, DataRoots: []string{tmp}})
 	remote, err := Dial(daemon.Addr(), DialOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -154,13 +158,15 @@ func TestFillCountsReachTheClient(t *testing.T) {
 }
 
 // TestInProcessErrorsNotRetried: an error of the in-process teacher is
-// reported once, with its own text (a cache directory that is a file is
+// reported once, with its own text (a cache whose chunks/ is a file is
 // not an "internal error (see the daemon log)" retried five times).
 func TestInProcessErrorsNotRetried(t *testing.T) {
 	tmp := t.TempDir()
 	path, _ := writeIDsDataset(t, tmp, 10, 20, 512, 1)
-	notDir := filepath.Join(tmp, "file")
-	os.WriteFile(notDir, nil, 0o644)
+	// A cache directory whose chunks/ is a file: the first commit fails.
+	notDir := filepath.Join(tmp, "cache")
+	os.MkdirAll(notDir, 0o755)
+	os.WriteFile(filepath.Join(notDir, "chunks"), nil, 0o644)
 	core, err := NewCore(CoreOptions{ModelDir: tinyModel(t), CacheDir: notDir, TokenBudget: 300, InProcess: true})
 	if err != nil {
 		t.Fatal(err)

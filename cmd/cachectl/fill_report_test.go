@@ -74,8 +74,10 @@ func TestFillInProcessErrorsAreLocal(t *testing.T) {
 	os.WriteFile(longPath, append(long, '\n'), 0o644)
 	text := filepath.Join(tmp, "text.jsonl")
 	os.WriteFile(text, []byte(`{"text":"hello"}`+"\n"), 0o644)
-	notDir := filepath.Join(tmp, "file")
-	os.WriteFile(notDir, []byte("x"), 0o644)
+	// A cache directory whose chunks/ is a file: the first commit fails.
+	notDir := filepath.Join(tmp, "c0")
+	os.MkdirAll(notDir, 0o755)
+	os.WriteFile(filepath.Join(notDir, "chunks"), []byte("x"), 0o644)
 
 	for _, tc := range []struct {
 		args []string

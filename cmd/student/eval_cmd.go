@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"strconv"
 	"strings"
@@ -21,27 +22,52 @@ func init() {
 func runEval(args []string) error {
 	fs := flag.NewFlagSet("student eval", flag.ContinueOnError)
 	ckpt := fs.String("checkpoint", "", "run directory (newest checkpoint), checkpoint directory or HF checkpoint (required)")
-	config := fs.String("config", "", "training config whose distill section, data.seq_len and data.eval_range are used (optional)")
+	config := fs.String("config", "", "config whose distill section, data.cache, data.seq_len and data.eval_range are used: a training config, or one with only distill: (and data:) (optional)")
 	cacheDirs := fs.String("cache", "", "cache directories, comma-separated (default: the config's data.cache)")
 	rng := fs.String("range", "", "sample range START:END (default: the config's data.eval_range, else every sample)")
 	seqLen := fs.Int("seq-len", 0, "packed row length (default: the config's data.seq_len, else 2048)")
 	tokFP := fs.String("tokenizer-fingerprint", "", "the student's tokenizer fingerprint (default: the checkpoint's, the config's)")
 	tokDir := fs.String("tokenizer", "", "directory with the student's tokenizer.json (alternative to --tokenizer-fingerprint)")
-	asJSON := fs.Bool("json", false, "print the metrics as JSON")
+	asJSON := fs.Bool("json", false, "print every metric and the loss settings as one JSON object")
+	// The loss, over the config's distill section (or the defaults).
+	// Each sets distill.<key>; read back through fs.Visit below.
+	lossFlags := map[string]string{"kd-loss": "kd_loss", "tail": "tail", "temperature": "temperature", "jsd-beta": "jsd_beta",
+		"sft-weight": "sft_weight", "kd-weight": "kd_weight", "scale-t2": "scale_t2"}
+	fs.String("kd-loss", "", "distill.kd_loss: fwd_kl, rev_kl or jsd (default: the config's, else fwd_kl)")
+	fs.String("tail", "", "distill.tail: bucket, renormalize or zero (default: the config's, else bucket)")
+	fs.Float64("temperature", 0, "distill.temperature (default: the config's, else 1)")
+	fs.Float64("jsd-beta", 0, "distill.jsd_beta, jsd only: 0 = fwd_kl, 1 = rev_kl (default: the config's, else 0.5)")
+	fs.Float64("sft-weight", 0, "distill.sft_weight (default: the config's, else 0)")
+	fs.Float64("kd-weight", 0, "distill.kd_weight (default: the config's, else 1)")
+	fs.Bool("scale-t2", false, "distill.scale_t2: multiply KD by T^2 (default: the config's, else false)")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
 	}
 	if *ckpt == "" {
 		return fmt.Errorf("--checkpoint is required")
 	}
-	cfg := trainer.Defaults()
-	if *config != "" {
-		c, err := trainer.LoadConfig(*config, nil)
-		if err != nil {
-			return err
+	// Loss flags are sugar for config overrides, so they are validated with
+	// the config and their errors name the key.
+	var sets []string
+	fs.Visit(func(f *flag.Flag) {
+		key := lossFlags[f.Name]
+		if key == "" {
+			return
 		}
-		cfg = *c
+		v := f.Value.String()
+		if f.Name == "kd-loss" || f.Name == "tail" {
+			v = strconv.Quote(v)
+		}
+		sets = append(sets, "distill."+key+"="+v)
+	})
+	c, err := trainer.LoadEvalConfig(*config, sets)
+	if err != nil {
+		return err
 	}
+	cfg := *c
 	s, st, err := trainer.LoadStudent(*ckpt)
 	if err != nil {
 		return err
@@ -95,16 +121,31 @@ func runEval(args []string) error {
 	}
 	lo := cfg.LossOptions(float64(m.Temperature))
 	if err := lo.Validate(); err != nil {
-		return err
+		return fmt.Errorf("distill (cache captured at temperature %g): %w", m.Temperature, err)
 	}
 	es, err := trainer.Evaluate(s, rd, r, cfg.Data.SeqLen, cfg.Data.Truncate, &lo)
 	if err != nil {
 		return err
 	}
 	if *asJSON {
-		return json.NewEncoder(os.Stdout).Encode(es)
+		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, Loss: cfg.Distill,
+			TeacherTemperature: float64(m.Temperature)})
 	}
-	fmt.Printf("samples %v (%d), %d loss positions\nloss %.5f  kd(%s) %.5f  ce %.5f  token_accuracy %.4f  top1_agreement %.4f\n",
-		r, es.Samples, es.Tokens, es.Loss, lo.KD, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement)
+	d := cfg.Distill
+	fmt.Fprintf(stdout, "samples %v (%d), %d loss positions\nloss %.5f  kd(%s, tail %s, T %g) %.5f  ce %.5f  token_accuracy %.4f  top1_agreement %.4f\n",
+		r, es.Samples, es.Tokens, es.Loss, d.KDLoss, d.Tail, d.Temperature, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement)
 	return nil
+}
+
+// stdout is where eval prints its result (tests capture it).
+var stdout io.Writer = os.Stdout
+
+// evalReport is `student eval --json`: every metric of trainer.EvalStats
+// at the top level, the sample range, and the loss they were measured
+// under.
+type evalReport struct {
+	trainer.EvalStats
+	Range              [2]int64              `json:"range"`
+	Loss               trainer.DistillConfig `json:"distill"`
+	TeacherTemperature float64               `json:"teacher_temperature"`
 }

@@ -4,37 +4,54 @@
 // tile by tile in the backward pass, so [tokens x vocab] is never held
 // (Qwen3's V = 151936 at 8k tokens would be 5 GB in fp32).
 //
-// # Definitions (DESIGN.md "Losses")
+// # Definitions
 //
 // Position t of a packed batch predicts token t+1. It counts when t+1 is
 // in the same sample and Mask[t+1] = 1 (the label is a training target);
 // the teacher's top-k at t (ids K_t, log-probs lp normalized over the full
 // vocabulary at the capture temperature) describe the distribution of t+1.
-// With student logits z and temperature T, the student log-probs are over
-// the FULL vocabulary: lq = z/T - logsumexp_V(z/T).
+// With student logits z and temperature T, the student log-probs are first
+// computed over the FULL vocabulary, lq = z/T - logsumexp_V(z/T); what a
+// tail mode does with them is below.
 //
-// Tail handling (how the mass outside K_t is treated):
+// Tail modes (config key tail): how the mass outside K_t is treated. The
+// teacher renormalized over K_t at the KD temperature is
+// p̃ = softmax_K(lp·Tc/T), exact for a teacher tempered from capture
+// temperature Tc to T, because lp differs from the teacher's logits/Tc by a
+// constant.
 //
-//   - renormalize: the teacher is renormalized over K_t,
-//     p̃ = softmax_K(lp·Tc/T) (exact for a teacher tempered from capture
-//     temperature Tc to T, because lp differs from the teacher logits/Tc by
-//     a constant), and the student keeps its full-vocabulary lq restricted
-//     to K_t. We never renormalize the student over K_t: a student
-//     renormalized over K_t could leak any amount of probability outside
-//     the teacher's top-k at zero cost (the loss would not see it), while
-//     with full-vocabulary lq the gradient on every v outside K_t is +q_v,
-//     pushing that mass back into K_t, as the renormalized teacher asks.
-//     With k = V this is the exact full-vocabulary divergence.
-//   - bucket: a (k+1)-th bucket holds the tail, 1 - Σ_K p for the teacher
-//     and 1 - Σ_K q for the student (Megatron-LM's offline KD), so both
-//     sides are proper distributions over k+1 outcomes. The student's tail
-//     is accumulated directly as Σ_{v∉K} exp(z_v/T - m) in float64 (the
-//     K entries are masked out of each logits tile first), not as
-//     1 - Σ_K q or Σ_V - Σ_K, so it keeps its digits when the top-k holds
-//     all but a tiny part of the mass. The teacher's tail at a temperature other than Tc is not known
-//     from a top-k, so bucket requires T = Tc.
+//   - bucket (default, Megatron-LM's offline KD): a (k+1)-th bucket holds
+//     the tail, 1 - Σ_K p for the teacher and 1 - Σ_K q for the student, so
+//     both sides are proper distributions over k+1 outcomes, normalized over
+//     the full vocabulary. The student's tail is accumulated directly as
+//     Σ_{v∉K} exp(z_v/T - m) in float64 (the K entries are masked out of
+//     each logits tile first), not as 1 - Σ_K q or Σ_V - Σ_K, so it keeps
+//     its digits when the top-k holds all but a tiny part of the mass. The
+//     teacher's tail at a temperature other than Tc is not known from a
+//     top-k, so bucket requires T = Tc. Optimum: q_e = p_e on K and on the
+//     tail (how the student spreads its tail inside it is free).
+//   - renormalize (NeMo-Aligner's top-k KD): both sides are renormalized
+//     over K_t, p̃ as above and q̃ = softmax_K(z_K/T), and the divergence is
+//     between these two distributions over k outcomes. Every divergence is
+//     proper on it; the optimum is q̃ = p̃. It does not see the student's
+//     mass outside K_t at all (its gradient there is 0): sft_weight (the
+//     cross-entropy on the labels) or tail bucket is what controls that
+//     mass.
+//   - zero (DistillKit's "missing mass is zero"): the teacher is p̃ on K_t
+//     and 0 elsewhere; the student keeps its full-vocabulary lq. Defined for
+//     fwd_kl only, where it is cross-entropy against p̃ (plus a constant):
+//     Σ_K p̃ (log p̃ - lq), whose gradient +q_v on every v outside K_t pushes
+//     that mass back into K_t; the optimum puts all of the student's mass on
+//     K_t in p̃'s proportions. rev_kl against a teacher that is 0 outside
+//     K_t is infinite whenever the student has mass there, so rev_kl and jsd
+//     (which runs up to rev_kl at β = 1) with tail zero are a config error.
+//     Before Definition 2 this mode was called renormalize.
 //
-// Divergences over the entries e (K_t, plus the tail bucket):
+// With k = V every mode is the exact full-vocabulary divergence.
+//
+// Divergences over the entries e (K_t, plus the tail bucket under bucket),
+// with p and q the two sides as the tail mode defines them (p̃ and q̃ under
+// renormalize):
 //
 //   - fwd_kl = Σ p_e (log p_e - log q_e)
 //   - rev_kl = Σ q_e (log q_e - log p_e)
@@ -57,9 +74,11 @@
 //
 // Every divergence depends on the student only through lq_e, so with
 // h_e = ∂L/∂lq_e and H = Σ_e h_e, the gradient on the tempered logits is
-// ∂L/∂s_v = h_v·[v∈K] + h_tail·q_v/q_tail·[v∉K] - q_v·H (renormalize has no
-// tail term). The backward pass needs only h and H per position, and q_v,
-// recomputed in each tile from the saved log-sum-exp.
+// ∂L/∂s_v = h_v·[v∈K] + h_tail·q_v/q_tail·[v∉K] - q_v·H (zero has no tail
+// term). Under renormalize the divergence depends on lq̃_e = s_e - lse_K(s),
+// so ∂L/∂s_v = (h_v - q̃_v·H)·[v∈K] and nothing outside K. The backward
+// pass needs only h and H per position (and the K entries' coefficients),
+// and q_v, recomputed in each tile from the saved log-sum-exp.
 package loss
 
 import (
@@ -90,11 +109,24 @@ const (
 // key tail).
 type Tail string
 
-// Tail handlings, see the package doc.
+// Tail modes, see the package doc.
 const (
-	Renormalize Tail = "renormalize"
 	Bucket      Tail = "bucket"
+	Renormalize Tail = "renormalize"
+	Zero        Tail = "zero"
 )
+
+// Definition numbers the meaning of the (kd_loss, tail) objectives. It is
+// recorded in training checkpoints so that a resume can tell when a tail
+// name has changed meaning since the checkpoint was written. Bump it with
+// any such change and say here what changed:
+//
+//   - 1 (checkpoints without a number): renormalize renormalized the
+//     teacher only, with the student's full-vocabulary log-probs (what zero
+//     is now; for rev_kl and jsd that was no proper divergence).
+//   - 2: renormalize renormalizes both sides over K_t; zero is the old
+//     fwd_kl renormalize; bucket is unchanged.
+const Definition = 2
 
 // Options configure the loss. The zero value is not valid; see Validate.
 type Options struct {
@@ -117,9 +149,17 @@ func (o *Options) Validate() error {
 		return fmt.Errorf("%w: kd_loss %q: want fwd_kl, rev_kl or jsd", ErrInvalid, o.KD)
 	}
 	switch o.Tail {
-	case Renormalize, Bucket:
+	case Bucket, Renormalize, Zero:
 	default:
-		return fmt.Errorf("%w: tail %q: want renormalize or bucket", ErrInvalid, o.Tail)
+		return fmt.Errorf("%w: tail %q: want bucket, renormalize or zero", ErrInvalid, o.Tail)
+	}
+	if o.Tail == Zero && o.KD != FwdKL {
+		why := "rev_kl against it is infinite whenever the student has mass outside the top-k"
+		if o.KD == JSD {
+			why = "jsd runs up to rev_kl (jsd_beta 1), which against it is infinite whenever the student has mass outside the top-k"
+		}
+		return fmt.Errorf("%w: kd_loss %s with tail zero: tail zero (the teacher is 0 outside its top-k) is defined for kd_loss fwd_kl only; %s; use tail renormalize or bucket, or kd_loss fwd_kl",
+			ErrInvalid, o.KD, why)
 	}
 	if o.KD == JSD && !(o.Beta >= 0 && o.Beta <= 1) {
 		return fmt.Errorf("%w: jsd beta %g: want 0 <= beta <= 1", ErrInvalid, o.Beta)
@@ -131,7 +171,7 @@ func (o *Options) Validate() error {
 		return fmt.Errorf("%w: teacher temperature %g: want a finite value > 0 (0 means 1)", ErrInvalid, o.TeacherTemperature)
 	}
 	if o.Tail == Bucket && o.teacherT() != o.Temperature {
-		return fmt.Errorf("%w: tail=bucket with temperature %g but the teacher was captured at %g: the teacher's tail mass at another temperature is unknown from a top-k; use tail=renormalize or capture the teacher at temperature %g",
+		return fmt.Errorf("%w: tail=bucket with temperature %g but the teacher was captured at %g: the teacher's tail mass at another temperature is unknown from a top-k; use tail=renormalize (or zero) or capture the teacher at temperature %g",
 			ErrInvalid, o.Temperature, o.teacherT(), o.Temperature)
 	}
 	if !(o.KDWeight >= 0) || !(o.SFTWeight >= 0) || math.IsInf(o.KDWeight, 0) || math.IsInf(o.SFTWeight, 0) {
@@ -461,29 +501,29 @@ func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer
 				continue
 			}
 			t := int(h.rows[r])
-			for j := 0; j < K; j++ {
-				lq[j] = float64(h.zK[r*K+j])*float64(invT) - lseT
-			}
 			n := K
 			qTail := 0.0
-			if opt.Tail == Renormalize {
-				a := lp[:K]
-				mx := math.Inf(-1)
-				for j := 0; j < K; j++ {
-					a[j] = float64(tg.TopLP[t*K+j]) * tc / opt.Temperature
-					mx = math.Max(mx, a[j])
+			switch opt.Tail {
+			case Renormalize, Zero:
+				logSoftmaxK(lp[:K], tg.TopLP[t*K:(t+1)*K], tc/opt.Temperature)
+				if opt.Tail == Renormalize {
+					// q̃ = softmax_K(z_K/T), straight from the gathered logits.
+					for j := 0; j < K; j++ {
+						lq[j] = float64(h.zK[r*K+j]) * float64(invT)
+					}
+					lseK := logSumExp(lq[:K])
+					for j := 0; j < K; j++ {
+						lq[j] -= lseK
+					}
+				} else {
+					for j := 0; j < K; j++ {
+						lq[j] = float64(h.zK[r*K+j])*float64(invT) - lseT
+					}
 				}
-				var s float64
-				for j := 0; j < K; j++ {
-					s += math.Exp(a[j] - mx)
-				}
-				ls := mx + math.Log(s)
-				for j := 0; j < K; j++ {
-					a[j] -= ls
-				}
-			} else {
+			default: // Bucket
 				var ps float64
 				for j := 0; j < K; j++ {
+					lq[j] = float64(h.zK[r*K+j])*float64(invT) - lseT
 					lp[j] = float64(tg.TopLP[t*K+j])
 					ps += math.Exp(lp[j])
 				}
@@ -501,11 +541,14 @@ func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer
 			for j := 0; j < K; j++ {
 				h.cK[r*K+j] = float32(c * (hh[j] - math.Exp(lq[j])*H))
 			}
+			// The coefficient of q_v on v outside K (see the package doc's
+			// Gradient): renormalize has none.
 			a := -H
-			if n == K+1 {
-				if qTail > tailFloor {
-					a += hh[K] / qTail
-				}
+			switch {
+			case opt.Tail == Renormalize:
+				a = 0
+			case opt.Tail == Bucket && qTail > tailFloor:
+				a += hh[K] / qTail
 			}
 			h.aT[r] = float32(math.Max(-1e30, math.Min(1e30, c*a)))
 		}
@@ -592,6 +635,30 @@ func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer
 		}
 	}
 	return st, nil
+}
+
+// logSoftmaxK writes log softmax(lp·f) over the k entries of lp to out.
+func logSoftmaxK(out []float64, lp []float32, f float64) {
+	for j, v := range lp {
+		out[j] = float64(v) * f
+	}
+	ls := logSumExp(out)
+	for j := range out {
+		out[j] -= ls
+	}
+}
+
+// logSumExp is log Σ exp(a_j), shifted by the maximum.
+func logSumExp(a []float64) float64 {
+	mx := math.Inf(-1)
+	for _, v := range a {
+		mx = math.Max(mx, v)
+	}
+	var s float64
+	for _, v := range a {
+		s += math.Exp(v - mx)
+	}
+	return mx + math.Log(s)
 }
 
 // tailFloor bounds the tail buckets' probabilities from below inside logs.

@@ -94,7 +94,8 @@ func closeRel(t *testing.T, name string, got, want, atol, rtol float64) {
 }
 
 // TestLossAndGradients checks every divergence x tail x temperature x SFT
-// combination against the float64 reference and its finite differences,
+// combination (tail zero with fwd_kl only, the others with every
+// divergence) against the float64 reference and its finite differences,
 // with a vocabulary tile (7) that does not divide V (50), so that teacher
 // ids, labels and maxima fall in every tile position.
 func TestLossAndGradients(t *testing.T) {
@@ -114,11 +115,18 @@ func TestLossAndGradients(t *testing.T) {
 		cases = append(cases,
 			cfg{d.kd, d.beta, Renormalize, 1, 1, false, 1, 0},
 			cfg{d.kd, d.beta, Renormalize, 2, 1, true, 0.7, 0.4},
+			cfg{d.kd, d.beta, Renormalize, 0.5, 1.5, false, 1, 0},
 			cfg{d.kd, d.beta, Bucket, 1, 1, false, 1, 0.5},
 			cfg{d.kd, d.beta, Bucket, 1.5, 1.5, true, 1, 0},
 		)
 	}
-	cases = append(cases, cfg{FwdKL, 0, Renormalize, 1, 1, false, 0, 1}, cfg{FwdKL, 0, Bucket, 3, 3, false, 0, 1})
+	cases = append(cases,
+		cfg{FwdKL, 0, Zero, 1, 1, false, 1, 0},
+		cfg{FwdKL, 0, Zero, 2, 1, true, 0.7, 0.4},
+		cfg{FwdKL, 0, Zero, 0.5, 1.5, false, 1, 0},
+		cfg{FwdKL, 0, Renormalize, 1, 1, false, 0, 1},
+		cfg{FwdKL, 0, Zero, 1, 1, false, 0, 1},
+		cfg{FwdKL, 0, Bucket, 3, 3, false, 0, 1})
 	for _, c := range cases {
 		name := fmt.Sprintf("%s(%g)/%s/T=%g/Tc=%g/t2=%v/kd=%g/sft=%g", c.kd, c.beta, c.tail, c.T, c.Tc, c.t2, c.kdw, c.sw)
 		t.Run(name, func(t *testing.T) {
@@ -202,57 +210,85 @@ func TestCountedPositions(t *testing.T) {
 	}
 }
 
-// TestExactKLWithFullVocab: with k = V and renormalize, fwd_kl is the exact
-// KL(p‖q) over the vocabulary, computed here directly from the teacher's
-// full distribution (not through the reference package).
+// TestExactKLWithFullVocab: with k = V every tail mode is the exact
+// divergence between the teacher and the student over the whole
+// vocabulary at temperature T, computed here directly from the teacher's
+// full distribution (not through the reference package): fwd_kl, rev_kl
+// and jsd under renormalize and bucket (at T = Tc), fwd_kl under zero.
 func TestExactKLWithFullVocab(t *testing.T) {
 	C, V := 8, 40
-	for _, T := range []float64{1, 2} {
-		b := newBatch(5, C, V, V)
-		o := Options{KD: FwdKL, Tail: Renormalize, Temperature: T, KDWeight: 1}
-		st, err := (&Head{V: V, C: C, TileCols: 16}).Forward(b.x, b.w, &b.tg, &o)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var sum float64
-		n := 0
-		for s := 0; s+1 < len(b.tg.Starts); s++ {
-			for tt := int(b.tg.Starts[s]); tt+1 < int(b.tg.Starts[s+1]); tt++ {
-				if b.tg.Mask[tt+1] == 0 {
-					continue
-				}
-				n++
-				p := make([]float64, V)
-				var zp float64
-				for j := 0; j < V; j++ {
-					p[b.tg.TopIDs[tt*V+j]] = math.Exp(float64(b.tg.TopLP[tt*V+j]) / T)
-					zp += p[b.tg.TopIDs[tt*V+j]]
-				}
-				z := make([]float64, V)
-				var zq float64
-				for v := 0; v < V; v++ {
-					for i := 0; i < C; i++ {
-						z[v] += float64(b.x[tt*C+i]) * float64(b.w[v*C+i])
-					}
-					zq += math.Exp(z[v] / T)
-				}
-				for v := 0; v < V; v++ {
-					pv, qv := p[v]/zp, math.Exp(z[v]/T)/zq
-					sum += pv * math.Log(pv/qv)
-				}
+	b := newBatch(5, C, V, V)
+	for _, d := range []struct {
+		kd   Divergence
+		beta float64
+	}{{FwdKL, 0}, {RevKL, 0}, {JSD, 0.3}} {
+		for _, tail := range []Tail{Renormalize, Zero, Bucket} {
+			if tail == Zero && d.kd != FwdKL {
+				continue
 			}
-		}
-		closeRel(t, fmt.Sprintf("T=%g exact KL", T), st.KD, sum/float64(n), 1e-7, 1e-5)
-		// Bucket with k = V: the tail is empty on both sides.
-		o.Tail, o.TeacherTemperature = Bucket, T
-		if T == 1 {
-			st2, err := (&Head{V: V, C: C}).Forward(b.x, b.w, &b.tg, &o)
-			if err != nil {
-				t.Fatal(err)
+			for _, T := range []float64{1, 2} {
+				// The cache holds the teacher at Tc = 1; bucket needs T = Tc,
+				// so it reads the same log-probs as captured at T.
+				Tc := 1.0
+				if tail == Bucket {
+					Tc = T
+				}
+				o := Options{KD: d.kd, Beta: d.beta, Tail: tail, Temperature: T, TeacherTemperature: Tc, KDWeight: 1}
+				st, err := (&Head{V: V, C: C, TileCols: 16}).Forward(b.x, b.w, &b.tg, &o)
+				if err != nil {
+					t.Fatal(err)
+				}
+				want := exactDivergence(b, d.kd, d.beta, T, Tc)
+				closeRel(t, fmt.Sprintf("%s(%g)/%s/T=%g exact", d.kd, d.beta, tail, T), st.KD, want, 1e-7, 1e-5)
 			}
-			closeRel(t, "bucket k=V", st2.KD, sum/float64(n), 1e-6, 1e-5)
 		}
 	}
+}
+
+// exactDivergence is the mean over counted positions of the divergence
+// between the teacher tempered from Tc to T, p ∝ exp(lp·Tc/T) over all of
+// the vocabulary (b.K = V), and the student softmax(z/T).
+func exactDivergence(b *batch, kd Divergence, beta, T, Tc float64) float64 {
+	C, V := b.C, b.V
+	var sum float64
+	n := 0
+	for s := 0; s+1 < len(b.tg.Starts); s++ {
+		for tt := int(b.tg.Starts[s]); tt+1 < int(b.tg.Starts[s+1]); tt++ {
+			if b.tg.Mask[tt+1] == 0 {
+				continue
+			}
+			n++
+			p := make([]float64, V)
+			var zp float64
+			for j := 0; j < V; j++ {
+				p[b.tg.TopIDs[tt*V+j]] = math.Exp(float64(b.tg.TopLP[tt*V+j]) * Tc / T)
+				zp += p[b.tg.TopIDs[tt*V+j]]
+			}
+			q := make([]float64, V)
+			var zq float64
+			for v := 0; v < V; v++ {
+				var z float64
+				for i := 0; i < C; i++ {
+					z += float64(b.x[tt*C+i]) * float64(b.w[v*C+i])
+				}
+				q[v] = math.Exp(z / T)
+				zq += q[v]
+			}
+			for v := 0; v < V; v++ {
+				pv, qv := p[v]/zp, q[v]/zq
+				switch kd {
+				case FwdKL:
+					sum += pv * math.Log(pv/qv)
+				case RevKL:
+					sum += qv * math.Log(qv/pv)
+				case JSD:
+					m := beta*pv + (1-beta)*qv
+					sum += beta*pv*math.Log(pv/m) + (1-beta)*qv*math.Log(qv/m)
+				}
+			}
+		}
+	}
+	return sum / float64(n)
 }
 
 // TestTailPrecision: when the top-k holds all but 1e-9 of the student's
@@ -297,7 +333,9 @@ func TestInvalid(t *testing.T) {
 		want string
 	}{
 		{"kd", func(o *Options, _ *Targets) { o.KD = "kl" }, "kd_loss"},
-		{"tail", func(o *Options, _ *Targets) { o.Tail = "" }, "tail"},
+		{"tail", func(o *Options, _ *Targets) { o.Tail = "" }, "want bucket, renormalize or zero"},
+		{"zeroRev", func(o *Options, _ *Targets) { o.KD, o.Tail = RevKL, Zero }, "kd_loss rev_kl with tail zero"},
+		{"zeroJSD", func(o *Options, _ *Targets) { o.KD, o.Beta, o.Tail = JSD, 0.5, Zero }, "kd_loss jsd with tail zero"},
 		{"beta", func(o *Options, _ *Targets) { o.KD, o.Beta = JSD, 1.5 }, "beta"},
 		{"temp", func(o *Options, _ *Targets) { o.Temperature = 0 }, "temperature"},
 		{"bucketT", func(o *Options, _ *Targets) { o.Tail, o.Temperature = Bucket, 2 }, "teacher was captured at 1"},

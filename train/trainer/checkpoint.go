@@ -3,6 +3,7 @@ package trainer
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"sort"
@@ -15,6 +16,7 @@ import (
 	"distill/compute/device"
 	"distill/model"
 	"distill/train"
+	"distill/train/loss"
 	"distill/train/optim"
 )
 
@@ -55,6 +57,40 @@ type State struct {
 	// the tokenizer files and generation_config.json from there.
 	TokenizerDir string `json:"tokenizer_dir,omitempty"`
 	InitFrom     string `json:"init_from,omitempty"`
+	// The objective: loss.Definition numbers what each (kd_loss, tail)
+	// meant when the checkpoint was written (absent: 1, before tail zero
+	// existed), so a resume under a tail whose meaning changed since is
+	// refused rather than silently training something else.
+	LossDefinition int    `json:"loss_definition,omitempty"`
+	KDLoss         string `json:"kd_loss,omitempty"`
+	Tail           string `json:"tail,omitempty"`
+}
+
+// setLoss records the objective of cfg under this build's definitions.
+func (st *State) setLoss(cfg *Config) {
+	st.LossDefinition, st.KDLoss, st.Tail = loss.Definition, cfg.Distill.KDLoss, cfg.Distill.Tail
+}
+
+// checkLoss refuses a resume whose distill.tail names an objective other
+// than the one the checkpoint was trained under, and notes on log a
+// deliberate change of kd_loss or tail (allowed, like a schedule change).
+func (st *State) checkLoss(cfg *Config, ckpt string, log io.Writer) error {
+	d := cfg.Distill
+	switch {
+	case st.LossDefinition > loss.Definition:
+		return fmt.Errorf("%w: %s was written under loss definition %d, newer than this build's %d: its distill.tail %q may mean something this build does not compute; resume it with the build that wrote it",
+			ErrResume, ckpt, st.LossDefinition, loss.Definition, st.Tail)
+	case st.LossDefinition < 2 && d.Tail == string(loss.Renormalize):
+		return fmt.Errorf("%w: %s was written before distill.tail: renormalize changed meaning: it then renormalized only the teacher over its top-k "+
+			"(with kd_loss fwd_kl that is what tail: zero means now; with rev_kl or jsd it was no proper divergence), and now it renormalizes the student as well. "+
+			"To continue the old fwd_kl objective set distill.tail: zero; to train under the new renormalize start a new run_dir from these weights (model.init_from: %s)",
+			ErrResume, ckpt, ckpt)
+	}
+	if st.Tail != "" && (st.Tail != d.Tail || st.KDLoss != d.KDLoss) {
+		fmt.Fprintf(log, "resume: the objective changed (kd_loss %s, tail %s -> kd_loss %s, tail %s): the loss curve leaves the uninterrupted run's from here\n",
+			st.KDLoss, st.Tail, d.KDLoss, d.Tail)
+	}
+	return nil
 }
 
 // setBatching records the batching settings of cfg.

@@ -91,13 +91,13 @@ type DataConfig struct {
 
 // DistillConfig is the loss (package train/loss).
 type DistillConfig struct {
-	KDLoss      string  `yaml:"kd_loss"`
-	JSDBeta     float64 `yaml:"jsd_beta"`
-	Tail        string  `yaml:"tail"`
-	Temperature float64 `yaml:"temperature"`
-	ScaleT2     bool    `yaml:"scale_t2"`
-	KDWeight    float64 `yaml:"kd_weight"`
-	SFTWeight   float64 `yaml:"sft_weight"`
+	KDLoss      string  `yaml:"kd_loss" json:"kd_loss"`
+	JSDBeta     float64 `yaml:"jsd_beta" json:"jsd_beta"`
+	Tail        string  `yaml:"tail" json:"tail"` // bucket, renormalize or zero (package loss)
+	Temperature float64 `yaml:"temperature" json:"temperature"`
+	ScaleT2     bool    `yaml:"scale_t2" json:"scale_t2"`
+	KDWeight    float64 `yaml:"kd_weight" json:"kd_weight"`
+	SFTWeight   float64 `yaml:"sft_weight" json:"sft_weight"`
 }
 
 // OptimConfig is AdamW, the LR schedule and clipping (package train/optim).
@@ -166,6 +166,20 @@ func Defaults() Config {
 // ("key.path=value", the value parsed as YAML), and validates it. An
 // unknown key is an error naming the file and line.
 func LoadConfig(path string, overrides []string) (*Config, error) {
+	return loadConfig(path, overrides, (*Config).Validate)
+}
+
+// LoadEvalConfig reads a config for evaluating a checkpoint (`student
+// eval`): as LoadConfig, but only the parts evaluation uses are required
+// and validated, the distill section and data's cache, seq_len, truncate
+// and eval_range. A file holding only `distill:` (and `data:`) is enough,
+// a whole training config works too, and with no file (path "") the
+// overrides alone are applied over the defaults.
+func LoadEvalConfig(path string, overrides []string) (*Config, error) {
+	return loadConfig(path, overrides, (*Config).ValidateEval)
+}
+
+func loadConfig(path string, overrides []string, validate func(*Config) error) (*Config, error) {
 	var root yaml.Node
 	if path != "" {
 		b, err := os.ReadFile(path)
@@ -202,7 +216,7 @@ func LoadConfig(path string, overrides []string) (*Config, error) {
 	if err := dec.Decode(&c); err != nil {
 		return nil, fmt.Errorf("%w: %s: %v (keys are listed in train/testdata/tiny.yaml)", ErrConfig, path, err)
 	}
-	if err := c.Validate(); err != nil {
+	if err := validate(&c); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return &c, nil
@@ -384,9 +398,8 @@ func (c *Config) Validate() error {
 	if err := c.Schedule().Validate(); err != nil {
 		return fmt.Errorf("%w: optim: %w", ErrConfig, err)
 	}
-	lo := c.LossOptions(c.Distill.Temperature) // the teacher's T is checked against the cache later
-	if err := lo.Validate(); err != nil {
-		return fmt.Errorf("%w: distill: %w", ErrConfig, err)
+	if err := c.validateDistill(); err != nil {
+		return err
 	}
 	if r := c.Model.Random; r != nil {
 		if _, err := r.ModelConfig(); err != nil {
@@ -394,6 +407,29 @@ func (c *Config) Validate() error {
 		}
 	}
 	return nil
+}
+
+// validateDistill checks the distill section on its own. The teacher's
+// capture temperature (bucket needs it equal to distill.temperature) is
+// checked when the cache is opened.
+func (c *Config) validateDistill() error {
+	lo := c.LossOptions(c.Distill.Temperature)
+	if err := lo.Validate(); err != nil {
+		return fmt.Errorf("%w: distill: %w", ErrConfig, err)
+	}
+	return nil
+}
+
+// ValidateEval names the first bad key among those evaluation uses: the
+// distill section, data.seq_len and data.eval_range.
+func (c *Config) ValidateEval() error {
+	switch d := c.Data; {
+	case d.SeqLen <= 0:
+		return fmt.Errorf("%w: data.seq_len: %d: want > 0", ErrConfig, d.SeqLen)
+	case len(d.EvalRange) != 0 && (len(d.EvalRange) != 2 || d.EvalRange[0] < 0 || d.EvalRange[1] <= d.EvalRange[0]):
+		return fmt.Errorf("%w: data.eval_range: %v: want [start, end) with 0 <= start < end", ErrConfig, d.EvalRange)
+	}
+	return c.validateDistill()
 }
 
 // ModelConfig resolves the random architecture over model.Preset(arch).

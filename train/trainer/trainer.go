@@ -17,7 +17,7 @@
 //	    config.json                 HF config of the student
 //	    model.safetensors           F32 master weights (an HF checkpoint: export and infer read it)
 //	    optimizer.safetensors       AdamW moments: exp_avg.<tensor>, exp_avg_sq.<tensor>
-//	    state.json                  step, data position, schedule, NVFP4 amax (State)
+//	    state.json                  step, data position, schedule, NVFP4 amax, loss definition (State)
 //	  checkpoints/.tmp-step-*       a checkpoint being written (never read; removed on save)
 //
 // A run that has nothing left to do (resumed at train.max_steps) changes
@@ -226,6 +226,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	st := &State{DataSeed: cfg.Seed, LRSchedule: cfg.Optim.Schedule, LR: cfg.Optim.LR, MaxSteps: cfg.Train.MaxSteps,
 		CacheTeacher: m.TeacherFingerprint, CacheDataset: m.DatasetFingerprint}
 	st.setBatching(cfg)
+	st.setLoss(cfg)
 	if ckpt != "" {
 		s, st, err = loadCheckpoint(ckpt, backend(cfg))
 		if err != nil {
@@ -248,6 +249,10 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		if err := checkArchitecture(cfg, s.Cfg, ckpt); err != nil {
 			return nil, err
 		}
+		if err := st.checkLoss(cfg, ckpt, o.Log); err != nil {
+			return nil, err
+		}
+		st.setLoss(cfg)
 		if cfg.Model.TokenizerFingerprint == "" {
 			cfg.Model.TokenizerFingerprint = st.TokenizerFingerprint
 		}

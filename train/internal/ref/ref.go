@@ -1,6 +1,6 @@
 // Package ref is the float64 oracle for the student's numerics tests: naive
-// loops written directly from the formulas (HF modeling files, DESIGN.md
-// "Losses"), sharing no code with the fp32 kernels they check, plus central
+// loops written directly from the formulas (HF modeling files, the loss
+// package doc), sharing no code with the fp32 kernels they check, plus central
 // finite differences. It is slow by design and only imported by tests.
 package ref
 
@@ -164,19 +164,25 @@ func Grad(f func() float64, x []float64, idx []int, h float64) []float64 {
 type KDOpts struct {
 	Kind           string // fwd_kl, rev_kl, jsd
 	Beta           float64
-	Tail           string // renormalize, bucket
+	Tail           string // bucket, renormalize, zero
 	T, Tc          float64
 	ScaleT2        bool
 	KDWeight, SFTW float64
 }
 
-// KDLoss computes the mean KD+SFT loss of DESIGN.md from the full logits
+// KDLoss computes the mean KD+SFT loss of package loss from the full logits
 // z = x·Wᵀ held in float64: every position t with t+1 in its sample and
-// mask[t+1] = 1, student log-probs over the whole vocabulary, the teacher
-// renormalized over K (at temperature T from capture temperature Tc) or
-// given a tail bucket 1 - Σ_K p (the student's tail is 1 - Σ_K q here, a
-// different formula from the fp32 code's direct tail sum). Returns the
-// total, the mean divergence and the mean CE.
+// mask[t+1] = 1, student probabilities q over the whole vocabulary, and
+// per tail mode:
+//   - bucket: teacher p_K plus a tail bucket 1 - Σ_K p, student q_K plus
+//     1 - Σ_K q (a different formula from the fp32 code's direct tail sum);
+//   - renormalize: teacher p̃ = p_K^(Tc/T) / Σ_K p_K^(Tc/T) (tempered from
+//     capture temperature Tc to T), student q_K / Σ_K q (from the
+//     full-vocabulary q, where the fp32 code uses softmax_K(z_K/T));
+//   - zero: teacher p̃, student q_K as it is (not summing to 1; the
+//     teacher's 0 outside K contributes nothing to fwd_kl).
+//
+// Returns the total, the mean divergence and the mean CE.
 func KDLoss(x, W []float64, C, V int, tokens, starts []int32, mask []uint8, K int, ids []int32, lps []float32, o KDOpts) (total, kd, ce float64) {
 	count := 0
 	for s := 0; s+1 < len(starts); s++ {
@@ -215,7 +221,8 @@ func KDLoss(x, W []float64, C, V int, tokens, starts []int32, mask []uint8, K in
 				p = append(p, math.Exp(float64(lps[t*K+j])))
 				ps += p[j]
 			}
-			if o.Tail == "renormalize" {
+			switch o.Tail {
+			case "renormalize", "zero":
 				var zs float64
 				for j := range p {
 					p[j] = math.Pow(p[j], o.Tc/o.T)
@@ -224,9 +231,16 @@ func KDLoss(x, W []float64, C, V int, tokens, starts []int32, mask []uint8, K in
 				for j := range p {
 					p[j] /= zs
 				}
-			} else {
+				if o.Tail == "renormalize" {
+					for j := range q {
+						q[j] /= qs
+					}
+				}
+			case "bucket":
 				p = append(p, math.Max(1-ps, 1e-30))
 				q = append(q, math.Max(1-qs, 1e-30))
+			default:
+				panic("ref: unknown tail " + o.Tail)
 			}
 			kl := func(a, b []float64) float64 {
 				var s float64

@@ -1,0 +1,47 @@
+package loss
+
+import (
+	"math/rand"
+	"testing"
+)
+
+// BenchmarkHead is the fused LM head + KD loss alone, forward and backward,
+// on 1024 tokens with hidden 256, vocabulary 32000 and k = 64, for each tail
+// mode: the modes differ only in O(k) work per position, so their figures
+// should agree within noise.
+//
+//	go test ./train/loss -run '^$' -bench Head -benchtime 5x
+func BenchmarkHead(b *testing.B) {
+	const N, C, V, K = 1024, 256, 32000, 64
+	rng := rand.New(rand.NewSource(1))
+	x, w := make([]float32, N*C), make([]float32, V*C)
+	for i := range x {
+		x[i] = float32(rng.NormFloat64())
+	}
+	for i := range w {
+		w[i] = float32(rng.NormFloat64() * 0.05)
+	}
+	tg := Targets{Tokens: make([]int32, N), Starts: []int32{0, 300, 500, 900, N}, Mask: make([]uint8, N), K: K,
+		TopIDs: make([]int32, N*K), TopLP: make([]float32, N*K)}
+	for t := 0; t < N; t++ {
+		tg.Tokens[t] = int32(rng.Intn(V))
+		tg.Mask[t] = 1
+		for j, v := range rng.Perm(V)[:K] {
+			tg.TopIDs[t*K+j] = int32(v)
+			tg.TopLP[t*K+j] = float32(-2 - j)
+		}
+	}
+	dx, dw := make([]float32, N*C), make([]float32, V*C)
+	for _, tail := range []Tail{Bucket, Renormalize, Zero} {
+		b.Run(string(tail), func(b *testing.B) {
+			opt := Options{KD: FwdKL, Tail: tail, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+			h := &Head{V: V, C: C}
+			for i := 0; i < b.N; i++ {
+				if _, err := h.ForwardBackward(x, w, dx, dw, &tg, &opt, 0); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(N)*float64(b.N)/b.Elapsed().Seconds(), "tokens/s")
+		})
+	}
+}
