@@ -15,6 +15,8 @@
 //     save the statistics their backward needs (rstd, log-sum-exp);
 //   - backward: one per layer kernel (MatMul, Embed, RMSNorm, RoPE,
 //     Attention, SwiGLU);
+//   - the fused LM-head loss, forward and backward (LossHeadForward,
+//     LossHeadBackward: the logits exist one vocabulary tile at a time);
 //   - the optimizer: the AdamW update, the gradient sum of squares (global
 //     norm, NaN check) and scaling;
 //   - NVFP4 quantization-aware training: absmax and fake quantization.
@@ -30,7 +32,8 @@
 //     Per-batch integer metadata (token ids, positions, sample offsets) is
 //     uploaded once as I32 tensors.
 //   - Kernels may run asynchronously in issue order. Only the methods that
-//     return host values synchronize: Read*, SumSquares and AbsMax. They return after every kernel issued before
+//     return host values synchronize: Read*, SumSquares, AbsMax and
+//     LossHeadForward. They return after every kernel issued before
 //     them has finished.
 //   - Outputs never alias inputs unless a method says so (RoPE,
 //     RoPEBackward and Add work in place by design).
@@ -215,6 +218,63 @@ type Backend interface {
 	// backward is the identity (straight-through): callers use dst as the
 	// forward input and its gradient as the gradient of src.
 	FakeQuantNVFP4(dst, src Tensor, rows, cols int, amax float32)
+
+	// --- Fused LM-head loss (see LossHead for the definitions).
+
+	// LossHeadForward is pass 1: the logits z = x·wᵀ of the counted
+	// positions, one vocabulary tile at a time, reduced to each position's
+	// statistics. It synchronizes.
+	LossHeadForward(h *LossHead) LossStats
+	// LossHeadBackward is pass 2: it recomputes the logits tile by tile,
+	// turns them into dL/dz with c, and accumulates dx (N,C) += dz·w at the
+	// counted rows and dw (V,C) += dzᵀ·x.
+	LossHeadBackward(h *LossHead, c *LossCoef, dx, dw Tensor)
+}
+
+// LossHead is one call of the fused LM-head loss kernels over the M
+// counted positions of a packed batch. [M x V] logits are never held: a
+// backend holds M x TileCols of them at a time.
+type LossHead struct {
+	X, W       Tensor // (N,C) final hidden states, (V,C) LM head
+	Rows       Tensor // (M) I32: the counted positions, rows of X
+	Labels     Tensor // (M) I32: each position's label id
+	TopIDs     Tensor // (M,K) I32: each position's teacher ids, ascending, distinct; nil when K = 0
+	M, C, V, K int
+	// InvT is 1/T, the KD temperature's inverse; the CE statistics are
+	// untempered.
+	InvT float32
+	// TileCols is the vocabulary tile width; 0 lets the backend choose.
+	TileCols int
+}
+
+// LossStats are pass 1's statistics of each counted position, with
+// z = x·wᵀ its logits over the whole vocabulary:
+//
+//	LseT = logsumexp_v(z_v·InvT)
+//	Lse1 = logsumexp_v(z_v)                  (= LseT when InvT = 1)
+//	Tail = Σ_{v∉K} exp(z_v·InvT - LseT)      summed directly over v outside
+//	                                         TopIDs, never as 1 - Σ_K, so it
+//	                                         keeps its digits when K holds
+//	                                         all but a sliver of the mass
+//	ZK   = z at TopIDs (M,K), ZLab = z at Labels (M)
+//
+// The sums are accumulated in float64.
+type LossStats struct {
+	LseT, Lse1, Tail []float64
+	ZK, ZLab         []float32
+}
+
+// LossCoef are the coefficients of pass 2: for counted position r, with
+// q_v = exp(z_v·InvT - LseT[r]) and p_v = exp(z_v - Lse1[r]),
+//
+//	dL/dz_v = A[r]·q_v       (v ∉ TopIDs[r])
+//	        = CK[r,j]        (v = TopIDs[r,j])
+//	        + WSFT·(p_v - [v = Labels[r]])   for every v (the CE part)
+//
+// LseT, Lse1, A (M) and CK (M,K) are F32 tensors.
+type LossCoef struct {
+	LseT, Lse1, A, CK Tensor
+	WSFT              float32
 }
 
 // MoEWeights are the tensors of one Qwen3-MoE sparse block.

@@ -13,19 +13,9 @@ import (
 // teacher's top-k (see loss.Targets for the conventions).
 type Batch = loss.Targets
 
-// host returns the host view of a tensor for the loss head, which still
-// runs its tiles on host memory (package train/loss).
-func (s *Student) host(t compute.Tensor) ([]float32, error) {
-	h, ok := s.be.(compute.Host)
-	if !ok {
-		return nil, fmt.Errorf("%w: the loss head runs on host memory and backend %s is not host memory", ErrInvalid, s.be.Name())
-	}
-	return h.HostF32(t), nil
-}
-
 // forward checks the batch and runs the decoder, returning the LM head's
-// input (host view).
-func (s *Student) forward(b *Batch) ([]float32, error) {
+// input (N, hidden).
+func (s *Student) forward(b *Batch) (compute.Tensor, error) {
 	if err := b.Check(s.Cfg.VocabSize); err != nil {
 		return nil, err
 	}
@@ -33,7 +23,7 @@ func (s *Student) forward(b *Batch) ([]float32, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
-	return s.host(lnf)
+	return lnf, nil
 }
 
 // Forward computes the loss of a batch without gradients (evaluation; also
@@ -46,17 +36,13 @@ func (s *Student) Forward(b *Batch, opt *loss.Options) (loss.Stats, error) {
 	if err != nil {
 		return loss.Stats{}, err
 	}
-	w, err := s.host(s.Model.Head.W)
-	if err != nil {
-		return loss.Stats{}, err
-	}
-	return s.head.Forward(x, w, b, opt)
+	return s.head.Forward(x, s.Model.Head.W, b, opt)
 }
 
 // ForwardBackward computes the loss of a batch and ADDS its gradient to
-// s.Grads (call ZeroGrad first; several calls accumulate micro-batches,
-// with normalizer > 0 the global count of counted positions, see
-// loss.Head.ForwardBackward).
+// the gradient arena (call ZeroGrad first; several calls accumulate
+// micro-batches, with normalizer > 0 the global count of counted
+// positions, see loss.Head.ForwardBackward).
 func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float64) (loss.Stats, error) {
 	if s.Model.Calibrating() {
 		return loss.Stats{}, fmt.Errorf("%w: NVFP4 calibration is running: call Forward on the calibration batches, then FinishCalibration", ErrInvalid)
@@ -70,13 +56,7 @@ func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float6
 	}
 	dlnf := s.Model.HiddenGrad()
 	s.be.Zero(dlnf)
-	var hs [3][]float32
-	for i, t := range []compute.Tensor{s.Model.Head.W, dlnf, s.Model.Head.DW} {
-		if hs[i], err = s.host(t); err != nil {
-			return loss.Stats{}, err
-		}
-	}
-	st, err := s.head.ForwardBackward(x, hs[0], hs[1], hs[2], b, opt, normalizer)
+	st, err := s.head.ForwardBackward(x, s.Model.Head.W, dlnf, s.Model.Head.DW, b, opt, normalizer)
 	if err != nil {
 		return st, err
 	}

@@ -104,7 +104,7 @@ func NewStudentOn(cfg *model.Config, be compute.Backend) (*Student, error) {
 		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	s.Model = m
-	s.head = &loss.Head{V: cfg.VocabSize, C: cfg.Hidden}
+	s.head = &loss.Head{Backend: be, V: cfg.VocabSize, C: cfg.Hidden}
 	return s, nil
 }
 

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"distill/compute"
 	"distill/model"
 	"distill/train/internal/ref"
 	"distill/train/loss"
@@ -234,4 +235,13 @@ func TestStudentErrors(t *testing.T) {
 	if _, err := NewStudent(moe); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("moe: %v", err)
 	}
+}
+
+// host is the host view of a tensor of a student on a host backend.
+func (s *Student) host(t compute.Tensor) ([]float32, error) {
+	h, ok := s.be.(compute.Host)
+	if !ok {
+		return nil, fmt.Errorf("backend %s is not host memory", s.be.Name())
+	}
+	return h.HostF32(t), nil
 }

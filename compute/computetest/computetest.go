@@ -64,6 +64,8 @@ func Run(t *testing.T, be compute.Backend, tol Tolerances) {
 		{"SumSquaresScale", s.sumSquaresScale},
 		{"AbsMax", s.absMax},
 		{"FakeQuantNVFP4", s.fakeQuant},
+		{"LossHeadForward", s.lossHeadForward},
+		{"LossHeadBackward", s.lossHeadBackward},
 	} {
 		t.Run(c.name, c.fn)
 	}

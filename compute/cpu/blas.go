@@ -9,7 +9,6 @@ import "C"
 
 import (
 	"fmt"
-	"runtime"
 	"sync"
 	"unsafe"
 )
@@ -26,12 +25,6 @@ import (
 var blasInit sync.Once
 
 func initBLAS() { blasInit.Do(func() { C.openblas_set_num_threads(1) }) }
-
-// Threads is the worker count of SgemmPar, the GEMM that package
-// train/loss calls directly until its fused head becomes a backend kernel.
-// Every kernel of a Backend uses that backend's own thread count instead
-// (New).
-var Threads = runtime.NumCPU()
 
 // Sgemm computes C = alpha·op(A)·op(B) + beta·C on row-major matrices, on
 // the calling goroutine only: op(A) is (m,k), op(B) is (k,n), C is (m,n);
@@ -94,11 +87,6 @@ func checkGemm(transA, transB bool, m, n, k, na, lda, nb, ldb, nc, ldc int) {
 		}
 	}
 	check("C", m, n, nc, ldc)
-}
-
-// SgemmPar is Sgemm split over Threads goroutines (see sgemmPar).
-func SgemmPar(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
-	sgemmPar(Threads, transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
 }
 
 // sgemmPar is Sgemm split over t goroutines by row slabs of C (or by

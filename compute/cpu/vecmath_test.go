@@ -17,11 +17,11 @@ func TestVecMathAgainstFloat64(t *testing.T) {
 		for _, v := range x {
 			want += math.Exp(float64(v)*0.7 - 1.5)
 		}
-		if got := SumExp(x, 0.7, 1.5); math.Abs(got-want) > 1e-6*want+1e-12 {
+		if got := sumExp(x, 0.7, 1.5); math.Abs(got-want) > 1e-6*want+1e-12 {
 			t.Fatalf("n=%d SumExp = %v, want %v", n, got, want)
 		}
 		out := make([]float32, n)
-		ScaledExp(out, x, 0.7, 1.5, 3)
+		scaledExp(out, x, 0.7, 1.5, 3)
 		for i, v := range x {
 			// The float32 argument carries |arg|·2^-24 of rounding, which
 			// exp turns into that much relative error, beside its own.
@@ -31,7 +31,7 @@ func TestVecMathAgainstFloat64(t *testing.T) {
 				t.Fatalf("n=%d ScaledExp[%d] = %v, want %v", n, i, out[i], w)
 			}
 		}
-		ExpMix(out, x, 0.5, 2, 0.25, 1, -2)
+		expMix(out, x, 0.5, 2, 0.25, 1, -2)
 		for i, v := range x {
 			w := 0.25*math.Exp(float64(v)*0.5-2) - 2*math.Exp(float64(v)-1)
 			tol := (3e-7 + 1.2e-7*math.Abs(float64(v)*0.5-2)) * 0.25 * math.Exp(float64(v)*0.5-2)

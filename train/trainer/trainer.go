@@ -86,7 +86,6 @@ import (
 
 	"distill/cache"
 	"distill/compute"
-	"distill/compute/cpu"
 	"distill/compute/device"
 	"distill/data/tokenizer"
 	"distill/internal/atomicfile"
@@ -185,11 +184,6 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		default:
 			return false
 		}
-	}
-	if cfg.Train.Threads > 0 {
-		// The loss head's GEMMs (train/loss) until it runs on the backend;
-		// every other kernel uses the student's backend (backend(cfg)).
-		cpu.Threads = cfg.Train.Threads
 	}
 	rd, err := cache.OpenReader(cfg.Data.Cache...)
 	if err != nil {
