@@ -5,7 +5,7 @@ import (
 	"runtime"
 	"testing"
 
-	"distill/compute/cpu"
+	"distill/compute/device"
 )
 
 // TestActivationBound: the bytes one Forward allocates (runtime.MemStats
@@ -13,7 +13,7 @@ import (
 // stay within ActivationBytes, and the bound is not loose by more than 2x.
 func TestActivationBound(t *testing.T) {
 	for _, arch := range []string{"qwen3", "qwen2", "qwen3_moe"} {
-		m, err := Load(filepath.Join("testdata/golden", arch), cpu.New(0))
+		m, err := Load(filepath.Join("testdata/golden", arch), device.CPU(0))
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -17,7 +17,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"distill/compute"
-	"distill/compute/cpu"
+	"distill/compute/device"
 	pb "distill/proto/distill/v1"
 )
 
@@ -235,7 +235,7 @@ func TestKernelPanicIsInternalAndDaemonLives(t *testing.T) {
 		if len(s[0]) == 3 {
 			// A kernel bug: an embedding row past the table, hit in a
 			// worker goroutine of the CPU backend.
-			be := cpu.New(4)
+			be := device.CPU(4)
 			be.Embed(be.New(compute.F32, 1<<16), be.New(compute.F32, 16), be.FromI32(make([]int32, 1<<12-1)), 1<<12, 16)
 		}
 		return real(s, k, temp)

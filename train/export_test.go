@@ -10,7 +10,7 @@ import (
 	"testing"
 
 	"distill/compute"
-	"distill/compute/cpu"
+	"distill/compute/device"
 	"distill/infer"
 	"distill/model"
 	"distill/model/decoder"
@@ -47,7 +47,7 @@ func TestExportBF16(t *testing.T) {
 				if err := s.WriteHF(dir, "BF16"); err != nil {
 					t.Fatal(err)
 				}
-				tm, err := infer.Load(dir, cpu.New(0))
+				tm, err := infer.Load(dir, device.CPU(0))
 				if err != nil {
 					t.Fatal(err)
 				}

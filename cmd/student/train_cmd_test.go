@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"distill/cache"
-	"distill/compute/cpu"
+	"distill/compute/device"
 	"distill/infer"
 	"distill/train/testcache"
 	"distill/train/trainer"
@@ -67,7 +67,7 @@ calib_batches: 2
 	}
 	// The BF16 export is a teacher checkpoint: its log-probs are finite and
 	// normalized, and it scores the cache's samples.
-	tm, err := infer.Load(bf, cpu.New(0))
+	tm, err := infer.Load(bf, device.CPU(0))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"distill/compute"
-	"distill/compute/cpu"
+	"distill/compute/device"
 	"distill/model"
 )
 
@@ -49,7 +49,7 @@ func TestInferenceMatchesTraining(t *testing.T) {
 	for _, arch := range []model.Arch{model.ArchLlama, model.ArchQwen2, model.ArchQwen3} {
 		t.Run(string(arch), func(t *testing.T) {
 			cfg := tinyConfig(arch)
-			be := cpu.New(3)
+			be := device.CPU(3)
 			m := build(t, cfg, be)
 			samples := [][]int32{{1, 5, 9, 13, 2, 7, 7, 3, 0}, {4}, {96, 50, 20, 10, 11, 12, 13, 14, 15, 16, 17}}
 			var tokens []int32
@@ -66,7 +66,7 @@ func TestInferenceMatchesTraining(t *testing.T) {
 			N, V := len(tokens), cfg.VocabSize
 			out := be.New(compute.F32, N*V)
 			m.Logits(out, 0, N)
-			z := cpu.F32(out)
+			z := be.(compute.Host).HostF32(out)
 			for i := 0; i < N; i++ {
 				row := z[i*V : (i+1)*V]
 				mx := math.Inf(-1)
@@ -98,7 +98,7 @@ func TestInferenceMatchesTraining(t *testing.T) {
 }
 
 func TestTrainForwardErrors(t *testing.T) {
-	m := build(t, tinyConfig(model.ArchLlama), cpu.New(1))
+	m := build(t, tinyConfig(model.ArchLlama), device.CPU(1))
 	if _, err := m.TrainForward([]int32{1, 2, 3}, []int32{0, 2}); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("starts ending before the tokens: %v", err)
 	}
@@ -107,10 +107,10 @@ func TestTrainForwardErrors(t *testing.T) {
 	}
 	cfg := tinyConfig(model.ArchLlama)
 	cfg.HeadDim = 7
-	if _, err := New(cfg, cpu.New(1), nil); !errors.Is(err, ErrInvalid) {
+	if _, err := New(cfg, device.CPU(1), nil); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("odd head_dim: %v", err)
 	}
-	_, err := New(tinyConfig(model.ArchQwen3), cpu.New(1), func(name string) (compute.Tensor, compute.Tensor, error) {
+	_, err := New(tinyConfig(model.ArchQwen3), device.CPU(1), func(name string) (compute.Tensor, compute.Tensor, error) {
 		return nil, nil, fmt.Errorf("missing %s", name)
 	})
 	if err == nil || !strings.Contains(err.Error(), "missing model.layers.1.self_attn.k_norm.weight") {

@@ -1,10 +1,10 @@
 package loss
 
-import "distill/compute/cpu"
+import "distill/compute/device"
 
 // testBE is the backend of the tests: the CPU reference with 3 workers, so
 // the parallel loops split unevenly.
-var testBE = cpu.New(3)
+var testBE = device.CPU(3)
 
 // fwd is Forward on host slices through testBE.
 func (h *Head) fwd(x, w []float32, tg *Targets, opt *Options) (Stats, error) {
@@ -22,7 +22,7 @@ func (h *Head) fwdBwd(x, w, dx, dw []float32, tg *Targets, opt *Options, normali
 	}
 	dxt, dwt := testBE.FromF32(dx), testBE.FromF32(dw)
 	st, err := h.ForwardBackward(testBE.FromF32(x), testBE.FromF32(w), dxt, dwt, tg, opt, normalizer)
-	copy(dx, cpu.F32(dxt))
-	copy(dw, cpu.F32(dwt))
+	testBE.ReadF32(dxt, dx)
+	testBE.ReadF32(dwt, dw)
 	return st, err
 }

@@ -5,15 +5,15 @@ import (
 	"testing"
 
 	"distill/compute"
-	"distill/compute/cpu"
+	"distill/compute/device"
 )
 
 // hostGroup puts params p and grads g on a CPU backend and returns the
 // group with p and g rebound to the backend's memory (host views), so the
 // test reads and writes them directly.
-func hostGroup(be *cpu.Backend, name string, p, g *[]float32, decay bool) Group {
+func hostGroup(be compute.Backend, name string, p, g *[]float32, decay bool) Group {
 	pt, gt := be.New(compute.F32, len(*p)), be.New(compute.F32, len(*g))
-	hp, hg := be.HostF32(pt), be.HostF32(gt)
+	hp, hg := be.(compute.Host).HostF32(pt), be.(compute.Host).HostF32(gt)
 	copy(hp, *p)
 	copy(hg, *g)
 	*p, *g = hp, hg
@@ -29,7 +29,7 @@ func TestAdamWHand(t *testing.T) {
 	p2 := []float32{0.25}
 	g1 := make([]float32, 3)
 	g2 := make([]float32, 1)
-	be := cpu.New(2)
+	be := device.CPU(2)
 	a, err := NewAdamW(cfg, []Group{hostGroup(be, "w", &p1, &g1, true), hostGroup(be, "norm", &p2, &g2, false)})
 	if err != nil {
 		t.Fatal(err)
@@ -79,7 +79,7 @@ func TestAdamWHand(t *testing.T) {
 func TestClip(t *testing.T) {
 	g1, g2 := []float32{3, 0}, []float32{4}
 	p1, p2 := make([]float32, 2), make([]float32, 1)
-	be := cpu.New(2)
+	be := device.CPU(2)
 	gs := []Group{hostGroup(be, "a", &p1, &g1, true), hostGroup(be, "b", &p2, &g2, false)}
 	if n := ClipGradNorm(gs, 10); n != 5 || g1[0] != 3 {
 		t.Fatalf("no-clip: norm %v grads %v", n, g1)
