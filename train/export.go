@@ -3,7 +3,6 @@ package train
 import (
 	"encoding/json"
 	"fmt"
-	"math"
 	"os"
 	"path/filepath"
 
@@ -194,77 +193,51 @@ func writeFileAtomic(path string, data []byte) error {
 	return nil
 }
 
-// logitsRows runs the LM head on the final hidden states of positions
-// [lo, hi) of the last forward into tile (at least (hi-lo)·V floats) and
-// returns them on the host: (hi-lo, V), a view of tile on a host backend.
-// Call after forward.
-func (s *Student) logitsRows(tile compute.Tensor, lo, hi int) []float32 {
-	n := (hi - lo) * s.Cfg.VocabSize
-	s.Model.Logits(tile, lo, hi)
-	if h, ok := s.be.(compute.Host); ok {
-		return h.HostF32(tile)[:n]
-	}
-	out := make([]float32, n)
-	s.be.ReadF32(tile, out)
-	return out
+// headTopK runs the teacher's streaming LM head (compute.Backend's
+// LMHeadTopK) on the final hidden states lnf (N, hidden) of a forward:
+// each position's top-k ids, by descending logit with ties to the lower
+// id, and their log-probs normalized over the full vocabulary.
+func (s *Student) headTopK(lnf compute.Tensor, N, k int) ([]int32, []float32) {
+	be := s.be
+	idT, lpT := be.New(compute.I32, N*k), be.New(compute.F32, N*k)
+	defer be.Free(idT)
+	defer be.Free(lpT)
+	be.LMHeadTopK(idT, lpT, lnf, s.Model.Head.W, N, s.Cfg.Hidden, s.Cfg.VocabSize, k)
+	ids, lps := make([]int32, N*k), make([]float32, N*k)
+	be.ReadI32(idT, ids)
+	be.ReadF32(lpT, lps)
+	return ids, lps
 }
 
 // LogProbs runs the forward over b (its teacher fields are ignored) and
 // returns the student's next-token log-probs (N, V), normalized over the
-// full vocabulary, the quantity the teacher's top-k caches. Memory is N·V
-// floats: for tests and small batches (Predict tiles instead).
+// full vocabulary, the quantity the teacher's top-k caches, through the
+// teacher's own LM-head kernel with k = V. Memory is N·V floats and time
+// O(N·V·log V): for tests and small batches (Predict uses k = 1).
 func (s *Student) LogProbs(b *Batch) ([]float32, error) {
-	if _, err := s.forward(b); err != nil {
+	lnf, err := s.forward(b)
+	if err != nil {
 		return nil, err
 	}
 	N, V := len(b.Tokens), s.Cfg.VocabSize
-	tile := s.be.New(compute.F32, N*V)
-	defer s.be.Free(tile)
-	out := append([]float32(nil), s.logitsRows(tile, 0, N)...)
+	ids, lps := s.headTopK(lnf, N, V)
+	out := make([]float32, N*V)
 	for t := 0; t < N; t++ {
-		z := out[t*V : (t+1)*V]
-		m := z[0]
-		for _, v := range z {
-			m = max(m, v)
-		}
-		var sum float64
-		for _, v := range z {
-			sum += math.Exp(float64(v - m))
-		}
-		lse := float64(m) + math.Log(sum)
-		for i, v := range z {
-			z[i] = float32(float64(v) - lse)
+		for j := 0; j < V; j++ {
+			out[t*V+int(ids[t*V+j])] = lps[t*V+j]
 		}
 	}
 	return out, nil
 }
 
 // Predict runs the forward over b and returns the student's most likely
-// next token at every position (N), ties to the lowest id, computing the
-// logits in tiles of rows so that (N, V) is never held.
+// next token at every position (N), ties to the lowest id: the LM head's
+// top-1, so (N, V) logits are never held.
 func (s *Student) Predict(b *Batch) ([]int32, error) {
-	if _, err := s.forward(b); err != nil {
+	lnf, err := s.forward(b)
+	if err != nil {
 		return nil, err
 	}
-	N, V := len(b.Tokens), s.Cfg.VocabSize
-	const tile = 64
-	out := make([]int32, N)
-	scratch := s.be.New(compute.F32, min(tile, N)*V)
-	defer s.be.Free(scratch)
-	for lo := 0; lo < N; lo += tile {
-		hi := min(lo+tile, N)
-		buf := s.logitsRows(scratch, lo, hi)
-		for i := 0; i < hi-lo; i++ {
-			r := lo + i
-			z := buf[i*V : (i+1)*V]
-			best := 0
-			for v := 1; v < V; v++ {
-				if z[v] > z[best] {
-					best = v
-				}
-			}
-			out[r] = int32(best)
-		}
-	}
-	return out, nil
+	ids, _ := s.headTopK(lnf, len(b.Tokens), 1)
+	return ids, nil
 }

@@ -70,18 +70,6 @@ func dotSelf(x []float32) float64 {
 	return s
 }
 
-func lse64(z []float64, f float64) float64 {
-	m := math.Inf(-1)
-	for _, v := range z {
-		m = math.Max(m, v*f)
-	}
-	var s float64
-	for _, v := range z {
-		s += math.Exp(v*f - m)
-	}
-	return m + math.Log(s)
-}
-
 func (s *suite) lossHead(c *lossCase, invT float32, tileCols int) *compute.LossHead {
 	be := s.be
 	h := &compute.LossHead{X: be.FromF32(c.x), W: be.FromF32(c.w), Rows: be.FromI32(c.rows), Labels: be.FromI32(c.labels),
@@ -105,7 +93,7 @@ func (s *suite) lossHeadForward(t *testing.T) {
 					st := s.be.LossHeadForward(s.lossHead(c, invT, tc))
 					for m := 0; m < c.M; m++ {
 						z := c.z[m]
-						lseT, lse1 := lse64(z, float64(invT)), lse64(z, 1)
+						lseT, lse1 := logSumExp(z, float64(invT)), logSumExp(z, 1)
 						inK := map[int]bool{}
 						for j := 0; j < K; j++ {
 							inK[int(c.ids[m*K+j])] = true
@@ -156,7 +144,7 @@ func (s *suite) lossHeadBackward(t *testing.T) {
 						M, C, V := c.M, c.C, c.V
 						lseT, lse1, a, cK := make([]float32, M), make([]float32, M), randn(r, M, 1), randn(r, M*K, 0.1)
 						for m := 0; m < M; m++ {
-							lseT[m], lse1[m] = float32(lse64(c.z[m], float64(invT))), float32(lse64(c.z[m], 1))
+							lseT[m], lse1[m] = float32(logSumExp(c.z[m], float64(invT))), float32(logSumExp(c.z[m], 1))
 						}
 						coef := &compute.LossCoef{LseT: be.FromF32(lseT), Lse1: be.FromF32(lse1), A: be.FromF32(a), WSFT: wsft}
 						if K > 0 {

@@ -12,6 +12,7 @@ var (
 	attentionLSE = ref.AttentionLSE
 	swiGLU       = ref.SwiGLU
 	dot          = ref.Dot
+	logSumExp    = ref.LogSumExp
 )
 
 // gradFD is the central finite-difference gradient of f w.r.t. all of x.

@@ -33,6 +33,34 @@ func (b *Backend) lossGather(h *compute.LossHead) (xc []float32, rows []int32) {
 	return xc, rows
 }
 
+// lossTiles walks the vocabulary in tiles of vt columns: one SGEMM gives
+// the logits of every counted row for the tile (the tile buffer L, M x n),
+// then row runs on the workers for each row r with its logits (ids
+// [v0, v1)) and a per-worker scratch zk of K floats; after, when set, runs
+// on the caller once the tile's rows are done.
+func (b *Backend) lossTiles(h *compute.LossHead, xc, tile []float32, vt, cost int,
+	row func(zk []float32, r, v0, v1 int, logits []float32), after func(L []float32, v0, n int)) {
+	M, C, w := h.M, h.C, f32(h.W)
+	tmp := make([][]float32, b.threads)
+	for v0 := 0; v0 < h.V; v0 += vt {
+		v1 := min(v0+vt, h.V)
+		n := v1 - v0
+		L := tile[:M*n]
+		b.sgemm(false, true, M, n, C, 1, xc, C, w[v0*C:], C, 0, L, n)
+		b.rows(M, n*cost, func(wk, lo, hi int) {
+			if tmp[wk] == nil {
+				tmp[wk] = make([]float32, h.K)
+			}
+			for r := lo; r < hi; r++ {
+				row(tmp[wk], r, v0, v1, L[r*n:(r+1)*n])
+			}
+		})
+		if after != nil {
+			after(L, v0, n)
+		}
+	}
+}
+
 // LossHeadForward implements compute.Backend. Each tile of logits (one
 // SGEMM over all counted rows) is folded row by row into an online
 // log-sum-exp at 1/T (and at 1 when T != 1) kept in float64; the teacher's
@@ -40,13 +68,13 @@ func (b *Backend) lossGather(h *compute.LossHead) (xc []float32, rows []int32) {
 // then masked out of the tile, so that the tail is summed directly over
 // v ∉ K.
 func (b *Backend) LossHeadForward(h *compute.LossHead) compute.LossStats {
-	M, C, V, K := h.M, h.C, h.V, h.K
+	M, K := h.M, h.K
 	st := compute.LossStats{LseT: make([]float64, M), Lse1: make([]float64, M), Tail: make([]float64, M),
 		ZK: make([]float32, M*K), ZLab: make([]float32, M)}
 	if M == 0 {
 		return st
 	}
-	w, labs := f32(h.W), i32(h.Labels)
+	labs := i32(h.Labels)
 	var ids []int32
 	if K > 0 {
 		ids = i32(h.TopIDs)
@@ -63,62 +91,48 @@ func (b *Backend) LossHeadForward(h *compute.LossHead) compute.LossStats {
 	for r := range mT {
 		mT[r], m1[r] = math.Inf(-1), math.Inf(-1)
 	}
-	tmp := make([][]float32, b.threads)
-	for v0 := 0; v0 < V; v0 += vt {
-		v1 := min(v0+vt, V)
-		n := v1 - v0
-		L := tile[:M*n]
-		b.sgemm(false, true, M, n, C, 1, xc, C, w[v0*C:], C, 0, L, n)
-		b.rows(M, n*3, func(wk, lo, hi int) {
-			if tmp[wk] == nil {
-				tmp[wk] = make([]float32, K)
+	b.lossTiles(h, xc, tile, vt, 3, func(zk []float32, r, v0, v1 int, row []float32) {
+		mx := float32(math.Inf(-1))
+		for _, z := range row {
+			mx = max(mx, z)
+		}
+		// T-scaled sums: m is the running max of z/T.
+		m := max(mT[r], float64(mx*invT))
+		if m > mT[r] && sT[r] > 0 {
+			f := math.Exp(mT[r] - m)
+			sT[r] *= f
+			sTail[r] *= f
+		}
+		mT[r] = m
+		mf := float32(m)
+		if lab := int(labs[r]); lab >= v0 && lab < v1 {
+			st.ZLab[r] = row[lab-v0]
+		}
+		if sepCE {
+			mm := max(m1[r], float64(mx))
+			if mm > m1[r] && s1[r] > 0 {
+				s1[r] *= math.Exp(m1[r] - mm)
 			}
-			zk := tmp[wk]
-			for r := lo; r < hi; r++ {
-				row := L[r*n : (r+1)*n]
-				mx := float32(math.Inf(-1))
-				for _, z := range row {
-					mx = max(mx, z)
-				}
-				// T-scaled sums: m is the running max of z/T.
-				m := max(mT[r], float64(mx*invT))
-				if m > mT[r] && sT[r] > 0 {
-					f := math.Exp(mT[r] - m)
-					sT[r] *= f
-					sTail[r] *= f
-				}
-				mT[r] = m
-				mf := float32(m)
-				if lab := int(labs[r]); lab >= v0 && lab < v1 {
-					st.ZLab[r] = row[lab-v0]
-				}
-				if sepCE {
-					mm := max(m1[r], float64(mx))
-					if mm > m1[r] && s1[r] > 0 {
-						s1[r] *= math.Exp(m1[r] - mm)
-					}
-					m1[r] = mm
-					s1[r] += sumExp(row, 1, float32(mm))
-				}
-				nk := 0
-				if K > 0 {
-					rid := ids[r*K : (r+1)*K]
-					c := cur[r]
-					for ; c < int32(K) && int(rid[c]) < v1; c++ {
-						i := int(rid[c]) - v0
-						st.ZK[r*K+int(c)] = row[i]
-						zk[nk] = row[i]
-						nk++
-						row[i] = float32(math.Inf(-1))
-					}
-					cur[r] = c
-				}
-				tail := sumExp(row, invT, mf)
-				sT[r] += tail + sumExp(zk[:nk], invT, mf)
-				sTail[r] += tail
+			m1[r] = mm
+			s1[r] += sumExp(row, 1, float32(mm))
+		}
+		nk := 0
+		if K > 0 {
+			rid := ids[r*K : (r+1)*K]
+			c := cur[r]
+			for ; c < int32(K) && int(rid[c]) < v1; c++ {
+				i := int(rid[c]) - v0
+				st.ZK[r*K+int(c)] = row[i]
+				zk[nk] = row[i]
+				nk++
+				row[i] = float32(math.Inf(-1))
 			}
-		})
-	}
+			cur[r] = c
+		}
+		tail := sumExp(row, invT, mf)
+		sT[r] += tail + sumExp(zk[:nk], invT, mf)
+		sTail[r] += tail
+	}, nil)
 	for r := 0; r < M; r++ {
 		st.LseT[r] = mT[r] + math.Log(sT[r])
 		st.Lse1[r] = st.LseT[r]
@@ -135,7 +149,7 @@ func (b *Backend) LossHeadForward(h *compute.LossHead) compute.LossStats {
 // teacher's ids and the label corrected), then dxc += dz·W_tile and
 // dW_tile += dzᵀ·xc; dxc is added into dx at the counted rows last.
 func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dx, dw compute.Tensor) {
-	M, C, V, K := h.M, h.C, h.V, h.K
+	M, C, K := h.M, h.C, h.K
 	if M == 0 {
 		return
 	}
@@ -155,64 +169,51 @@ func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dx,
 	invT, wsft := h.InvT, c.WSFT
 	sepCE := invT != 1 && wsft != 0
 	cur := make([]int32, M)
-	tmp := make([][]float32, b.threads)
-	for v0 := 0; v0 < V; v0 += vt {
-		v1 := min(v0+vt, V)
-		n := v1 - v0
-		L := tile[:M*n]
-		b.sgemm(false, true, M, n, C, 1, xc, C, w[v0*C:], C, 0, L, n)
-		b.rows(M, n*4, func(wk, lo, hi int) {
-			if tmp[wk] == nil {
-				tmp[wk] = make([]float32, K)
+	b.lossTiles(h, xc, tile, vt, 4, func(zk []float32, r, v0, v1 int, row []float32) {
+		lseT, lse1, a := lseTs[r], lse1s[r], as[r]
+		// The teacher's ids' logits, before the row is overwritten.
+		var rid []int32
+		c0, c1 := cur[r], cur[r]
+		if K > 0 {
+			rid = ids[r*K : (r+1)*K]
+			for ; c1 < int32(K) && int(rid[c1]) < v1; c1++ {
+				zk[c1-c0] = row[int(rid[c1])-v0]
 			}
-			zk := tmp[wk]
-			for r := lo; r < hi; r++ {
-				row := L[r*n : (r+1)*n]
-				lseT, lse1, a := lseTs[r], lse1s[r], as[r]
-				// The teacher's ids' logits, before the row is overwritten.
-				var rid []int32
-				c0, c1 := cur[r], cur[r]
-				if K > 0 {
-					rid = ids[r*K : (r+1)*K]
-					for ; c1 < int32(K) && int(rid[c1]) < v1; c1++ {
-						zk[c1-c0] = row[int(rid[c1])-v0]
-					}
-					cur[r] = c1
+			cur[r] = c1
+		}
+		// The tile's logits become dL/dz: the teacher part a·q_v
+		// (corrected on K below) plus the CE part wsft·p_v, which is
+		// wsft·q_v when T = 1.
+		switch {
+		case sepCE && a == 0:
+			scaledExp(row, row, 1, lse1, wsft)
+		case sepCE:
+			expMix(row, row, invT, lseT, a, lse1, wsft)
+		default:
+			scaledExp(row, row, invT, lseT, a+wsft)
+		}
+		if c1 > c0 {
+			z := zk[:c1-c0]
+			if wsft != 0 { // the CE part's p_v on the teacher's ids
+				if sepCE {
+					scaledExp(z, z, 1, lse1, wsft)
+				} else {
+					scaledExp(z, z, invT, lseT, wsft)
 				}
-				// The tile's logits become dL/dz: the teacher part a·q_v
-				// (corrected on K below) plus the CE part wsft·p_v, which
-				// is wsft·q_v when T = 1.
-				switch {
-				case sepCE && a == 0:
-					scaledExp(row, row, 1, lse1, wsft)
-				case sepCE:
-					expMix(row, row, invT, lseT, a, lse1, wsft)
-				default:
-					scaledExp(row, row, invT, lseT, a+wsft)
-				}
-				if c1 > c0 {
-					z := zk[:c1-c0]
-					if wsft != 0 { // the CE part's p_v on the teacher's ids
-						if sepCE {
-							scaledExp(z, z, 1, lse1, wsft)
-						} else {
-							scaledExp(z, z, invT, lseT, wsft)
-						}
-					} else {
-						clear(z)
-					}
-					for j := c0; j < c1; j++ {
-						row[int(rid[j])-v0] = cK[r*K+int(j)] + z[j-c0]
-					}
-				}
-				if lab := int(labs[r]); lab >= v0 && lab < v1 {
-					row[lab-v0] -= wsft
-				}
+			} else {
+				clear(z)
 			}
-		})
+			for j := c0; j < c1; j++ {
+				row[int(rid[j])-v0] = cK[r*K+int(j)] + z[j-c0]
+			}
+		}
+		if lab := int(labs[r]); lab >= v0 && lab < v1 {
+			row[lab-v0] -= wsft
+		}
+	}, func(L []float32, v0, n int) {
 		b.sgemm(false, false, M, C, n, 1, L, n, w[v0*C:], C, 1, dxc, C)
 		b.sgemm(true, false, n, C, M, 1, L, n, xc, C, 1, dws[v0*C:], C)
-	}
+	})
 	// Rows are distinct positions, so the scatter-add cannot race.
 	b.rows(M, C, func(_, lo, hi int) {
 		for r := lo; r < hi; r++ {

@@ -187,3 +187,16 @@ func AttentionLSE(q, k []float64, starts []int32, H, KV, D int, scale float64) [
 	}
 	return out
 }
+
+// LogSumExp is log Σ_v exp(z_v·f), shifted by the maximum.
+func LogSumExp(z []float64, f float64) float64 {
+	m := math.Inf(-1)
+	for _, v := range z {
+		m = math.Max(m, v*f)
+	}
+	var s float64
+	for _, v := range z {
+		s += math.Exp(v*f - m)
+	}
+	return m + math.Log(s)
+}

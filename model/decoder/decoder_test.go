@@ -60,12 +60,13 @@ func TestInferenceMatchesTraining(t *testing.T) {
 			}
 			const k = 5
 			ids, lps := m.TopK(samples, k, 1)
-			if _, err := m.TrainForward(tokens, starts); err != nil {
+			lnf, err := m.TrainForward(tokens, starts)
+			if err != nil {
 				t.Fatal(err)
 			}
 			N, V := len(tokens), cfg.VocabSize
 			out := be.New(compute.F32, N*V)
-			m.Logits(out, 0, N)
+			be.MatMul(out, lnf, m.Head.W, nil, N, V, cfg.Hidden)
 			z := be.(compute.Host).HostF32(out)
 			for i := 0; i < N; i++ {
 				row := z[i*V : (i+1)*V]

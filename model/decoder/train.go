@@ -194,11 +194,3 @@ func (m *Model) Backward() {
 	}
 	be.EmbedBackward(m.Embed.DW, a.dres, b.tokens, N, C)
 }
-
-// Logits writes the LM head's logits of positions [lo, hi) of the last
-// TrainForward into out (hi-lo, vocab).
-func (m *Model) Logits(out compute.Tensor, lo, hi int) {
-	C := m.Cfg.Hidden
-	lnf := m.be.View(m.train.acts.lnf, lo*C, (hi-lo)*C)
-	m.be.MatMul(out, lnf, m.Head.W, nil, hi-lo, m.Cfg.VocabSize, C)
-}

@@ -56,17 +56,7 @@ func KDLoss(x, W []float64, C, V int, tokens, starts []int32, mask []uint8, K in
 					z[v] += x[t*C+i] * W[v*C+i]
 				}
 			}
-			lse := func(f float64) float64 {
-				m := math.Inf(-1)
-				for _, v := range z {
-					m = math.Max(m, v*f)
-				}
-				var s float64
-				for _, v := range z {
-					s += math.Exp(v*f - m)
-				}
-				return m + math.Log(s)
-			}
+			lse := func(f float64) float64 { return cref.LogSumExp(z, f) }
 			ce += lse(1) - z[tokens[t+1]]
 			if K == 0 {
 				continue
