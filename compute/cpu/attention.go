@@ -12,8 +12,22 @@ import (
 )
 
 // attnBlock is the query-block size of the attention forward: scores are
-// held for attnBlock queries x sample length at a time per worker.
-const attnBlock = 128
+// held for attnBlock queries x sample length at a time per worker. Samples
+// longer than attnLongLen use half that height, so a worker's scores stay
+// within 2 MiB however long a training row is.
+const (
+	attnBlock   = 128
+	attnLongLen = 4096
+)
+
+// attnFwdBlock is the forward's query-block height for samples of at most
+// maxLen tokens.
+func attnFwdBlock(maxLen int) int {
+	if maxLen > attnLongLen {
+		return attnBlock / 2
+	}
+	return attnBlock
+}
 
 // attnBwdBlock is the query-block size of the attention backward, which
 // holds two such blocks (probabilities and their gradient) per worker.
@@ -22,7 +36,7 @@ const attnBwdBlock = 64
 // AttentionScratchBytes implements compute.ScratchReporter: what Attention
 // allocates beside its output for samples of at most maxLen tokens.
 func (be *Backend) AttentionScratchBytes(maxLen int) int64 {
-	return int64(be.threads) * 4 * attnBlock * int64(maxLen)
+	return int64(be.threads) * 4 * int64(attnFwdBlock(maxLen)) * int64(maxLen)
 }
 
 // Attention implements compute.Backend. Work items are (sample, head, query
@@ -32,12 +46,13 @@ func (be *Backend) AttentionScratchBytes(maxLen int) int64 {
 // all cores.
 func (be *Backend) Attention(out, lse, q, k, v, starts compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
 	o, qs, ks, vs, st, ls := f32(out), f32(q), f32(k), f32(v), i32(starts), f32(lse)
+	blk := attnFwdBlock(maxLen)
 	type item struct{ s, h, q0 int }
 	var items []item
 	for s := 0; s < nSeq; s++ {
 		L := int(st[s+1] - st[s])
 		for h := 0; h < nHead; h++ {
-			for q0 := 0; q0 < L; q0 += attnBlock {
+			for q0 := 0; q0 < L; q0 += blk {
 				items = append(items, item{s, h, q0})
 			}
 		}
@@ -58,10 +73,10 @@ func (be *Backend) Attention(out, lse, q, k, v, starts compute.Tensor, nSeq, max
 		it := items[i]
 		a := int(st[it.s])
 		L := int(st[it.s+1]) - a
-		q1 := min(it.q0+attnBlock, L)
+		q1 := min(it.q0+blk, L)
 		nq, nk := q1-it.q0, q1
 		if scratch[w] == nil {
-			scratch[w] = be.scratch(attnBlock * maxLen)
+			scratch[w] = be.scratch(blk * maxLen)
 		}
 		sc := scratch[w][:nq*nk]
 		g := it.h / group

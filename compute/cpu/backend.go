@@ -68,13 +68,15 @@ func New(threads int) *Backend {
 func (b *Backend) Threads() int { return b.threads }
 
 // scratch returns a zeroed-or-dirty buffer of n floats from the free list
-// (the smallest that fits), or a new one.
+// (the smallest that fits, if it is at most twice as large: a small
+// request must not take the loss head's 64 MiB tile, which the next
+// request for a tile would then allocate again), or a new one.
 func (b *Backend) scratch(n int) []float32 {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	best := -1
 	for i, f := range b.free {
-		if cap(f) >= n && (best < 0 || cap(f) < cap(b.free[best])) {
+		if cap(f) >= n && cap(f) <= 2*n && (best < 0 || cap(f) < cap(b.free[best])) {
 			best = i
 		}
 	}
