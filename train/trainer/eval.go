@@ -14,7 +14,8 @@ type EvalStats struct {
 	CE   float64 `json:"ce"`   // cross-entropy on the labels
 	// TokenAccuracy is how often the student's argmax is the label.
 	TokenAccuracy float64 `json:"token_accuracy"`
-	// Top1Agreement is how often the student's argmax is the teacher's.
+	// Top1Agreement is how often the student's argmax is the teacher's
+	// (0 on a dataset: there is no teacher).
 	Top1Agreement float64 `json:"top1_agreement"`
 	Tokens        int     `json:"tokens"`
 	Samples       int     `json:"samples"`
@@ -35,6 +36,12 @@ func evaluate(s *train.Student, rd *cache.Reader, r cache.Range, seqLen int, tru
 	if err != nil {
 		return EvalStats{}, err
 	}
+	return evaluateRows(s, rows, n, opt, stop)
+}
+
+// evaluateRows evaluates packed rows holding n samples. Rows without a
+// teacher (K = 0, a dataset's) have no top-1 agreement: it stays 0.
+func evaluateRows(s *train.Student, rows []*train.Batch, n int, opt *loss.Options, stop func() bool) (EvalStats, error) {
 	var es EvalStats
 	es.Samples = n
 	var acc, agree int
@@ -63,7 +70,7 @@ func evaluate(s *train.Student, rd *cache.Reader, r cache.Range, seqLen int, tru
 				if pred[t] == b.Tokens[t+1] {
 					acc++
 				}
-				if pred[t] == b.TopIDs[int(t)*b.K] {
+				if b.K > 0 && pred[t] == b.TopIDs[int(t)*b.K] {
 					agree++
 				}
 			}
