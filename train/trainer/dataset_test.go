@@ -430,3 +430,109 @@ func TestDatasetSFTResume(t *testing.T) {
 		t.Fatalf("resume on a changed dataset: %v", err)
 	}
 }
+
+// TestDatasetSFTQwen3: SFT of a small random student on a chat dataset
+// through the real Qwen3 tokenizer and chat template lowers the held-out
+// CE; the eval reads exactly the held-out samples as data tokenizes them,
+// and the loss counts only the assistant turns' tokens (completion-only:
+// the targets of sample 0 decode to its answer and <|im_end|>).
+func TestDatasetSFTQwen3(t *testing.T) {
+	needQwen3(t)
+	dir := t.TempDir()
+	file := filepath.Join(dir, "chat.jsonl")
+	writeJSONL(t, file, chatRecords(200, 1))
+	y := fmt.Sprintf(`run_dir: %s
+seed: 1
+model:
+  random: {arch: qwen3, vocab_size: 151936, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,
+           num_key_value_heads: 1, head_dim: 16, intermediate_size: 64, max_position_embeddings: 512,
+           tie_word_embeddings: true, init_seed: 1}
+  tokenizer: %s
+data:
+  dataset:
+    files: [%s]
+    template_vars: {enable_thinking: false}
+  seq_len: 256
+  global_batch_tokens: 512
+  eval_range: [0, 16]
+optim: {lr: 1e-2, min_lr: 1e-3, lr_schedule: cosine, warmup_steps: 2, max_grad_norm: 1}
+train: {max_steps: 8, threads: 2}
+eval: {every: 0}
+checkpoint: {every: 0, keep: 1}
+log: {every: 4, progress: "off", tensorboard: false}
+`, filepath.Join(dir, "run"), qwen3Dir, file)
+	p := filepath.Join(dir, "sft.yaml")
+	os.WriteFile(p, []byte(y), 0o644)
+	cfg, err := LoadConfig(p, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The held-out samples as data tokenizes them with these options.
+	tok, err := tokenizer.Load(qwen3Dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts, err := cfg.Data.Dataset.options(cfg.Data.SeqLen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ds, err := data.Open(cfg.Data.Dataset.sources(), tok, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ds.Close()
+	held, err := dsEvalSamples(ds, cache.Range{Start: 0, End: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	targets := 0
+	for _, s := range held {
+		for i := 1; i < len(s.Mask); i++ {
+			targets += int(s.Mask[i])
+		}
+	}
+	var ans []int32
+	for i, m := range held[0].Mask {
+		if m != 0 {
+			ans = append(ans, held[0].Tokens[i])
+		}
+	}
+	rec := chatRecords(1, 1)[0]["messages"].([]map[string]string)[1]["content"]
+	if got := tok.Decode(ans); !strings.HasSuffix(got, rec+"<|im_end|>") || strings.Contains(got, "user") || len(ans) > len(tok.Encode(rec))+8 {
+		t.Fatalf("targets of sample 0 decode to %q: want the assistant turn %q and <|im_end|> only", got, rec)
+	}
+	// The untrained student's held-out CE, as the trainer evaluates.
+	s0, err := initStudent(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pk := &packer{seqLen: cfg.Data.SeqLen}
+	rows, n, err := pk.packRows(len(held), func(k int) (cache.Sample, error) { return held[k], nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	lo := cfg.LossOptions(1)
+	before, err := evaluateRows(s0, rows, n, &lo, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	var log strings.Builder
+	res, err := Run(cfg, Options{Log: &log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	after := res.Evals[len(res.Evals)-1]
+	t.Logf("held-out CE %.4f -> %.4f after %d steps (token accuracy %.3f -> %.3f)", before.CE, after.CE, len(res.Steps), before.TokenAccuracy, after.TokenAccuracy)
+	if after.Samples != 16 || after.Tokens != targets || before.Tokens != targets {
+		t.Fatalf("eval over %d samples, %d positions; the held-out samples have 16 and %d targets", after.Samples, after.Tokens, targets)
+	}
+	if !(after.CE < before.CE-1) {
+		t.Fatalf("held-out CE %g -> %g: SFT did not learn\n%s", before.CE, after.CE, log.String())
+	}
+	for _, st := range res.Steps {
+		if st.KD != 0 || st.LossTokens == 0 || st.LossTokens*2 > st.Tokens {
+			t.Fatalf("step %+v: want CE only over the assistant targets (under half of a chat's tokens)", st)
+		}
+	}
+}
