@@ -2,6 +2,7 @@ package main
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -87,5 +88,54 @@ calib_batches: 2
 	// A plain (non-QAD) student cannot be exported as NVFP4.
 	if err := runExport([]string{"--checkpoint", bf, "--out", filepath.Join(dir, "x"), "--format", "nvfp4"}); err == nil || !strings.Contains(err.Error(), "quant: nvfp4") {
 		t.Fatalf("nvfp4 export of a BF16 model: %v", err)
+	}
+}
+
+// TestTrainDatasetExport: `student train --dataset` fine-tunes on a
+// JSONL file with the student's tokenizer (no teacher, no cache), and the
+// run exports to an HF checkpoint with that tokenizer, which the teacher
+// code loads.
+func TestTrainDatasetExport(t *testing.T) {
+	dir := t.TempDir()
+	tok := filepath.Join(dir, "tok")
+	os.MkdirAll(tok, 0o755)
+	writeByteTokenizer(t, tok)
+	file := filepath.Join(dir, "sft.jsonl")
+	var recs strings.Builder
+	for i := 0; i < 40; i++ {
+		fmt.Fprintf(&recs, "{\"prompt\": \"What is %d plus %d?\", \"response\": \"%d.\"}\n", i, 2*i, 3*i)
+	}
+	os.WriteFile(file, []byte(recs.String()), 0o644)
+	cfg := filepath.Join(dir, "sft.yaml")
+	os.WriteFile(cfg, []byte(`run_dir: unused
+model:
+  random: {arch: qwen3, vocab_size: 257, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,
+           num_key_value_heads: 1, head_dim: 16, intermediate_size: 64, max_position_embeddings: 128}
+  tokenizer: `+tok+`
+data: {dataset: {files: [nowhere.jsonl]}, seq_len: 64, global_batch_tokens: 128, eval_range: [0, 8]}
+optim: {lr: 3e-3, min_lr: 3e-4, warmup_steps: 1}
+train: {max_steps: 4, threads: 2}
+log: {progress: "off"}
+`), 0o644)
+	run := filepath.Join(dir, "run")
+	if err := runTrain([]string{"--config", cfg, "--run-dir", run, "--cache", dir}); err == nil || !strings.Contains(err.Error(), "set only one of data.cache") {
+		t.Fatalf("--cache over a dataset config: %v", err)
+	}
+	if err := runTrain([]string{"--config", cfg, "--run-dir", run, "--dataset", file}); err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(dir, "bf16")
+	if err := runExport([]string{"--checkpoint", run, "--out", out}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(out, "tokenizer.json")); err != nil {
+		t.Fatalf("export lacks the run's tokenizer: %v", err)
+	}
+	tm, err := infer.Load(out, cpu.New())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tm.TopK([][]int32{{87, 104, 97}}, infer.Options{K: 4}); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -536,3 +536,46 @@ log: {every: 4, progress: "off", tensorboard: false}
 		}
 	}
 }
+
+// TestDatasetDocs: examples/sft.yaml loads, and tiny.yaml's commented
+// data.dataset block, uncommented in place of data.cache, loads too (its
+// keys are spelled as the config reads them).
+func TestDatasetDocs(t *testing.T) {
+	c, err := LoadConfig("../../examples/sft.yaml", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Data.Dataset == nil || len(c.Data.Dataset.Files) != 2 || c.Distill.KDWeight != 0 {
+		t.Fatalf("examples/sft.yaml: %+v", c.Data)
+	}
+	b, err := os.ReadFile("../testdata/tiny.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	in := false
+	for _, line := range strings.Split(string(b), "\n") {
+		switch {
+		case strings.HasPrefix(line, "  cache:"):
+			continue
+		case strings.HasPrefix(line, "  # dataset:"):
+			in = true
+		case in && !strings.HasPrefix(line, "  #   "):
+			in = false
+		}
+		if in {
+			line = "  " + strings.TrimPrefix(line, "  # ")
+		}
+		out = append(out, line)
+	}
+	p := filepath.Join(t.TempDir(), "tiny-sft.yaml")
+	os.WriteFile(p, []byte(strings.Join(out, "\n")), 0o644)
+	c, err = LoadConfig(p, []string{"distill.kd_weight=0"})
+	if err != nil {
+		t.Fatalf("tiny.yaml's data.dataset block: %v", err)
+	}
+	d := c.Data.Dataset
+	if d == nil || len(d.Files) != 2 || d.Columns.Content != "value" || d.Roles["gpt"] != "assistant" || d.Workers != 0 || d.TemplateVars["enable_thinking"] != false {
+		t.Fatalf("tiny.yaml's data.dataset block read as %+v", d)
+	}
+}
