@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -92,9 +93,10 @@ calib_batches: 2
 }
 
 // TestTrainDatasetExport: `student train --dataset` fine-tunes on a
-// JSONL file with the student's tokenizer (no teacher, no cache), and the
-// run exports to an HF checkpoint with that tokenizer, which the teacher
-// code loads.
+// JSONL file with the student's tokenizer (no teacher, no cache);
+// `student eval --config` on the run's config scores the held-out dataset
+// samples as the run's own eval did; the run exports to an HF checkpoint
+// with that tokenizer, which the teacher code loads.
 func TestTrainDatasetExport(t *testing.T) {
 	dir := t.TempDir()
 	tok := filepath.Join(dir, "tok")
@@ -123,6 +125,22 @@ log: {progress: "off"}
 	}
 	if err := runTrain([]string{"--config", cfg, "--run-dir", run, "--dataset", file}); err != nil {
 		t.Fatal(err)
+	}
+	// `student eval` on the config's dataset scores the held-out samples
+	// exactly as the run's final eval did.
+	var evalLine struct {
+		CE     float64 `json:"ce"`
+		Tokens int     `json:"tokens"`
+	}
+	mj, _ := os.ReadFile(filepath.Join(run, "metrics.jsonl"))
+	for _, l := range strings.Split(string(mj), "\n") {
+		if strings.Contains(l, `"type":"eval"`) {
+			json.Unmarshal([]byte(l), &evalLine)
+		}
+	}
+	m, _ := evalJSON(t, "--checkpoint", run, "--config", filepath.Join(run, "config.yaml"))
+	if m["ce"] != evalLine.CE || int(m["tokens"].(float64)) != evalLine.Tokens || evalLine.Tokens == 0 || m["samples"] != 8.0 || m["kd"] != 0.0 {
+		t.Fatalf("student eval on the dataset: %v; the run's final eval: %+v", m, evalLine)
 	}
 	out := filepath.Join(dir, "bf16")
 	if err := runExport([]string{"--checkpoint", run, "--out", out}); err != nil {

@@ -656,13 +656,18 @@ func (c *Config) validateDistill() error {
 }
 
 // ValidateEval names the first bad key among those evaluation uses: the
-// distill section, data.seq_len and data.eval_range.
+// distill section, data.seq_len, data.eval_range and data.dataset.
 func (c *Config) ValidateEval() error {
 	switch d := c.Data; {
 	case d.SeqLen <= 0:
 		return fmt.Errorf("%w: data.seq_len: %d: want > 0", ErrConfig, d.SeqLen)
 	case len(d.EvalRange) != 0 && (len(d.EvalRange) != 2 || d.EvalRange[0] < 0 || d.EvalRange[1] <= d.EvalRange[0]):
 		return fmt.Errorf("%w: data.eval_range: %v: want [start, end) with 0 <= start < end", ErrConfig, d.EvalRange)
+	}
+	if c.Data.Dataset != nil {
+		if err := c.validateDataset(); err != nil {
+			return err
+		}
 	}
 	return c.validateDistill()
 }
