@@ -25,7 +25,7 @@ func (m *multiFlag) Set(v string) error { *m = append(*m, v); return nil }
 
 func runTrain(args []string) error {
 	fs := flag.NewFlagSet("student train", flag.ContinueOnError)
-	config := fs.String("config", "", "YAML config file (see train/testdata/tiny.yaml for every key)")
+	config := fs.String("config", "", "YAML config file (see examples/train.yaml for every key)")
 	var sets multiFlag
 	fs.Var(&sets, "set", "override a config key, key.path=value (repeatable), e.g. --set optim.lr=3e-4")
 	runDir := fs.String("run-dir", "", "override run_dir")

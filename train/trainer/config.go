@@ -17,7 +17,7 @@ import (
 	"distill/train/optim"
 )
 
-// Config is a training run, read from YAML (see train/testdata/tiny.yaml
+// Config is a training run, read from YAML (see examples/train.yaml
 // for every key with a comment). Names follow DistillKit / NeMo where they
 // have one (kd_loss, temperature, kd_weight, lr, min_lr, warmup_steps,
 // max_steps, global_batch_tokens, seq_len).
@@ -280,7 +280,7 @@ func loadConfig(path string, overrides []string, validate func(*Config) error) (
 	dec := yaml.NewDecoder(bytes.NewReader(b))
 	dec.KnownFields(true)
 	if err := dec.Decode(&c); err != nil {
-		return nil, fmt.Errorf("%w: %s: %v (keys are listed in train/testdata/tiny.yaml)", ErrConfig, path, err)
+		return nil, fmt.Errorf("%w: %s: %v (keys are listed in examples/train.yaml)", ErrConfig, path, err)
 	}
 	if c.Data.Dataset != nil {
 		// SFT on a dataset: the loss weights default to CE alone (a

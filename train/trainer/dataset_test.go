@@ -537,7 +537,7 @@ log: {every: 4, progress: "off", tensorboard: false}
 	}
 }
 
-// TestDatasetDocs: examples/sft.yaml loads, and tiny.yaml's commented
+// TestDatasetDocs: examples/sft.yaml loads, and examples/train.yaml's commented
 // data.dataset block, uncommented in place of data.cache, loads too (its
 // keys are spelled as the config reads them).
 func TestDatasetDocs(t *testing.T) {
@@ -548,7 +548,7 @@ func TestDatasetDocs(t *testing.T) {
 	if c.Data.Dataset == nil || len(c.Data.Dataset.Files) != 2 || c.Distill.KDWeight != 0 {
 		t.Fatalf("examples/sft.yaml: %+v", c.Data)
 	}
-	b, err := os.ReadFile("../testdata/tiny.yaml")
+	b, err := os.ReadFile("../../examples/train.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -572,11 +572,11 @@ func TestDatasetDocs(t *testing.T) {
 	os.WriteFile(p, []byte(strings.Join(out, "\n")), 0o644)
 	c, err = LoadConfig(p, []string{"distill.kd_weight=0"})
 	if err != nil {
-		t.Fatalf("tiny.yaml's data.dataset block: %v", err)
+		t.Fatalf("examples/train.yaml's data.dataset block: %v", err)
 	}
 	d := c.Data.Dataset
 	if d == nil || len(d.Files) != 2 || d.Columns.Content != "value" || d.Roles["gpt"] != "assistant" || d.Workers != 0 || d.TemplateVars["enable_thinking"] != false {
-		t.Fatalf("tiny.yaml's data.dataset block read as %+v", d)
+		t.Fatalf("examples/train.yaml's data.dataset block read as %+v", d)
 	}
 }
 

@@ -539,10 +539,10 @@ func TestQADRun(t *testing.T) {
 	}
 }
 
-// TestTinyYAMLDocumentsEveryKey: train/testdata/tiny.yaml loads, and every
+// TestTrainExampleDocumentsEveryKey: examples/train.yaml loads, and every
 // key of Config appears in it (it is the reference of the config keys).
-func TestTinyYAMLDocumentsEveryKey(t *testing.T) {
-	p := "../testdata/tiny.yaml"
+func TestTrainExampleDocumentsEveryKey(t *testing.T) {
+	p := "../../examples/train.yaml"
 	if _, err := LoadConfig(p, nil); err != nil {
 		t.Fatal(err)
 	}
