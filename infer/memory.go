@@ -9,7 +9,9 @@ import "distill/compute"
 // reports it (compute.ScratchReporter; the CPU backend does). TopK never
 // forwards more than Options.TokenBudget tokens at once, so with n =
 // TokenBudget and maxLen = min(TokenBudget, MaxPositions), peak RSS <=
-// weights + ActivationBytes.
+// weights + ActivationBytes. The kernel scratch terms are per worker: a
+// backend allocates them in its first forward and reuses them after, so
+// only that first forward reaches the bound's scratch share.
 func (m *Model) ActivationBytes(tokens, maxLen, k int) int64 {
 	c := m.Cfg
 	n := int64(tokens)
