@@ -8,6 +8,10 @@
 // Each check is |got-want| <= atol + rtol·|want|. Backward kernels start
 // from non-zero gradients, so the suite also checks the += rule of the
 // package doc; forward kernels start from garbage outputs, checking =.
+// The shapes are large enough to cross the CPU backend's parallel
+// thresholds (rows x cost >= 2^14 over at least 16 rows, GEMMs >= 2^18
+// multiply-adds), so a backend run with several workers splits every loop;
+// finite differences run on strided subsets to stay affordable.
 package computetest
 
 import (
@@ -217,8 +221,7 @@ func (s *suite) matMul(t *testing.T) {
 	be := s.be
 	for _, bias := range []bool{false, true} {
 		r := rand.New(rand.NewPCG(3, 4))
-		// Big enough (m·n·k >= 2^18) for the multi-threaded GEMM paths.
-		m, n, k := 70, 65, 64
+		m, n, k := 256, 65, 32
 		x, w, R := randn(r, m*k, 1), randn(r, n*k, 0.3), randn(r, m*n, 1)
 		var b []float32
 		var bd []float64
@@ -240,7 +243,7 @@ func (s *suite) matMul(t *testing.T) {
 			db = be.FromF32(db0)
 		}
 		be.MatMulBackward(dx, dw, db, be.FromF32(R), xt, wt, m, n, k)
-		s.bwdStrided(t, "dx", s.read(dx, m*k), dx0, f, xd, 17)
+		s.bwdStrided(t, "dx", s.read(dx, m*k), dx0, f, xd, 61)
 		s.bwdStrided(t, "dw", s.read(dw, n*k), dw0, f, wd, 17)
 		if bias {
 			s.bwd(t, "dbias", s.read(db, n), plus(gradFD(f, bd, s.tol.FDStep), db0))
@@ -248,16 +251,18 @@ func (s *suite) matMul(t *testing.T) {
 		// dx and dbias are optional.
 		dw2 := be.FromF32(dw0)
 		be.MatMulBackward(nil, dw2, nil, be.FromF32(R), xt, wt, m, n, k)
-		s.bwdStrided(t, "dw (no dx)", s.read(dw2, n*k), dw0, f, wd, 31)
+		s.bwdStrided(t, "dw (no dx)", s.read(dw2, n*k), dw0, f, wd, 37)
 	}
 }
 
 func (s *suite) embed(t *testing.T) {
 	be := s.be
 	r := rand.New(rand.NewPCG(5, 6))
-	V, C := 9, 5
-	ids := []int32{3, 0, 3, 8, 1}
-	N := len(ids)
+	V, C, N := 40, 64, 300
+	ids := make([]int32, N) // repeated ids: their rows' gradients add up
+	for i := range ids {
+		ids[i] = int32(r.IntN(V))
+	}
 	wte, R := randn(r, V*C, 1), randn(r, N*C, 1)
 	idt := be.FromI32(ids)
 	out := s.garbage(N * C)
@@ -274,7 +279,7 @@ func (s *suite) embed(t *testing.T) {
 func (s *suite) rmsNorm(t *testing.T) {
 	be := s.be
 	r := rand.New(rand.NewPCG(7, 8))
-	N, C := 37, 129
+	N, C := 150, 129
 	x, w, R := randn(r, N*C, 1), randn(r, C, 1), randn(r, N*C, 1)
 	const eps = 1e-5
 	xt, wt := be.FromF32(x), be.FromF32(w)
@@ -300,7 +305,7 @@ func (s *suite) rmsNorm(t *testing.T) {
 	dx0, dw0 := randn(r, N*C, 1), randn(r, C, 1)
 	dx, dw := be.FromF32(dx0), be.FromF32(dw0)
 	be.RMSNormBackward(dx, dw, be.FromF32(R), xt, wt, rstd, N, C)
-	s.bwd(t, "dx", s.read(dx, N*C), plus(gradFD(f, xd, s.tol.FDStep), dx0))
+	s.bwdStrided(t, "dx", s.read(dx, N*C), dx0, f, xd, 29)
 	s.bwd(t, "dw", s.read(dw, C), plus(gradFD(f, wd, s.tol.FDStep), dw0))
 }
 
@@ -320,8 +325,11 @@ func ropeTable(pos []int32, inv []float32) (cos, sin []float32) {
 func (s *suite) rope(t *testing.T) {
 	be := s.be
 	r := rand.New(rand.NewPCG(9, 10))
-	H, D := 3, 8
+	H, D := 4, 48
 	pos := []int32{0, 1, 2, 3, 0, 1, 500, 1000, 4095, 7, 2}
+	for len(pos) < 100 {
+		pos = append(pos, int32(r.IntN(8192)))
+	}
 	N := len(pos)
 	inv := make([]float32, D/2)
 	for i := range inv {
@@ -337,7 +345,7 @@ func (s *suite) rope(t *testing.T) {
 	f := func() float64 { return dot(rope(xd, pos, inv, H, D), Rd) }
 	d := be.FromF32(R)
 	be.RoPEBackward(d, ct, st, N, H, D)
-	s.bwd(t, "dx (in place)", s.read(d, N*H*D), gradFD(f, xd, s.tol.FDStep))
+	s.bwdStrided(t, "dx (in place)", s.read(d, N*H*D), make([]float32, N*H*D), f, xd, 13)
 }
 
 // attention covers GQA (4 query heads on 2 kv heads), samples of lengths
@@ -442,6 +450,26 @@ func (s *suite) adamW(t *testing.T) {
 		closeTo(t, "m", s.read(mt, 4), m, 1e-7, 1e-6)
 		closeTo(t, "v", s.read(vt, 4), v, 1e-9, 1e-6)
 	}
+	// One step over many elements (the parallel path), from random state.
+	r := rand.New(rand.NewPCG(31, 32))
+	n := 10007
+	p, g, m0, v0 := randn(r, n, 1), randn(r, n, 1), randn(r, n, 0.1), randn(r, n, 0.1)
+	for i := range v0 {
+		v0[i] *= v0[i]
+	}
+	pt, gt, mt, vt = be.FromF32(p), be.FromF32(g), be.FromF32(m0), be.FromF32(v0)
+	st := compute.AdamWStep{Beta1: b1, Beta2: b2, Eps: eps, StepSize: 0.01, BC2Sqrt: 0.5, Decay: 0.999}
+	be.AdamW(pt, gt, mt, vt, n, st)
+	wp, wm, wv := make([]float64, n), make([]float64, n), make([]float64, n)
+	for i := range wp {
+		gi := float64(g[i])
+		wm[i] = b1*float64(m0[i]) + (1-b1)*gi
+		wv[i] = b2*float64(v0[i]) + (1-b2)*gi*gi
+		wp[i] = float64(p[i])*float64(st.Decay) - float64(st.StepSize)*wm[i]/(math.Sqrt(wv[i])/float64(st.BC2Sqrt)+eps)
+	}
+	closeTo(t, "p (n=10007)", s.read(pt, n), wp, 1e-6, 1e-5)
+	closeTo(t, "m (n=10007)", s.read(mt, n), wm, 1e-7, 1e-6)
+	closeTo(t, "v (n=10007)", s.read(vt, n), wv, 1e-9, 1e-6)
 }
 
 func (s *suite) sumSquaresScale(t *testing.T) {

@@ -214,7 +214,7 @@ func (s *suite) fakeQuant(t *testing.T) {
 
 	// Random rows against the scalar definition, bit for bit.
 	r := rand.New(rand.NewPCG(25, 26))
-	rows, cols := 33, 80
+	rows, cols := 64, 80
 	w := randn(r, rows*cols, 0.05)
 	var amax float32
 	for _, v := range w {

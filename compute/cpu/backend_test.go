@@ -9,9 +9,11 @@ import (
 )
 
 // TestConformance runs the contract's conformance suite on the CPU backend
-// with one worker and with three (uneven splits of every parallel loop).
+// with one worker, three (uneven splits of every parallel loop) and 16 (a
+// many-core machine, emulated: the suite's shapes cross every parallel
+// threshold, see package computetest).
 func TestConformance(t *testing.T) {
-	for _, threads := range []int{1, 3} {
+	for _, threads := range []int{1, 3, 16} {
 		t.Run(fmt.Sprintf("threads=%d", threads), func(t *testing.T) {
 			computetest.Run(t, New(threads), computetest.FP32)
 		})
