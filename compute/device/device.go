@@ -29,13 +29,22 @@ func Open(name string, threads int) (compute.Backend, error) {
 	if threads < 0 {
 		return nil, fmt.Errorf("%w: %d threads: want 0 (all cores) or more", ErrDevice, threads)
 	}
+	if err := Check(name); err != nil {
+		return nil, err
+	}
+	return cpu.New(threads), nil
+}
+
+// Check reports whether Open accepts name (a config's validation, before
+// anything is opened).
+func Check(name string) error {
 	switch name {
 	case "", "auto", "cpu":
-		return cpu.New(threads), nil
+		return nil
 	case "cuda":
-		return nil, fmt.Errorf("%w: --device cuda: this build has no CUDA backend yet; use --device cpu (or auto)", ErrDevice)
+		return fmt.Errorf("%w: --device cuda: this build has no CUDA backend yet; use --device cpu (or auto)", ErrDevice)
 	}
-	return nil, fmt.Errorf("%w: --device %q: want %s", ErrDevice, name, Names)
+	return fmt.Errorf("%w: --device %q: want %s", ErrDevice, name, Names)
 }
 
 // CPU returns the CPU backend with threads workers (0: one per core), for

@@ -262,8 +262,11 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	st.setBatching(cfg)
 	st.setLoss(cfg)
 	if ckpt != "" {
-		s, st, err = loadCheckpoint(ckpt, backend(cfg))
+		be, err := backend(cfg)
 		if err != nil {
+			return nil, err
+		}
+		if s, st, err = loadCheckpoint(ckpt, be); err != nil {
 			return nil, err
 		}
 		res.Resumed, res.Checkpoint, res.Step = ckpt, ckpt, st.Step
@@ -632,20 +635,30 @@ func CheckCache(cfg *model.Config, tokFP string, m *cache.Manifest, where string
 	return nil
 }
 
-// backend is the compute backend a run trains on: the CPU with
-// train.threads workers (0: one per core).
-func backend(cfg *Config) compute.Backend { return device.CPU(cfg.Train.Threads) }
+// backend opens the compute backend a run trains on: train.device, with
+// train.threads CPU workers (0: one per core).
+func backend(cfg *Config) (compute.Backend, error) {
+	be, err := device.Open(cfg.Train.Device, cfg.Train.Threads)
+	if err != nil {
+		return nil, fmt.Errorf("%w: train.device: %w", ErrConfig, err)
+	}
+	return be, nil
+}
 
 // initStudent builds a fresh student as the config says.
 func initStudent(cfg *Config) (*train.Student, error) {
+	be, err := backend(cfg)
+	if err != nil {
+		return nil, err
+	}
 	if cfg.Model.InitFrom != "" {
-		return train.LoadHFOn(cfg.Model.InitFrom, backend(cfg))
+		return train.LoadHFOn(cfg.Model.InitFrom, be)
 	}
 	mc, err := cfg.Model.Random.ModelConfig()
 	if err != nil {
 		return nil, err
 	}
-	s, err := train.NewStudentOn(mc, backend(cfg))
+	s, err := train.NewStudentOn(mc, be)
 	if err != nil {
 		return nil, err
 	}
