@@ -1,14 +1,28 @@
 // Package compute holds the backend contract that the models run on, and the
-// dtype helpers shared by every backend.
+// dtype helpers shared by every backend (BF16, F16, and the NVFP4 pieces
+// E2M1 and E4M3).
 //
 // # The contract
 //
 // A Backend owns memory (Tensor handles) and runs the few kernels that the
-// teacher forward needs: a GEMM against a weight matrix, embedding gather,
-// RMSNorm, RoPE, packed causal attention, SwiGLU, residual add, the Qwen3-MoE
-// expert FFN and the streaming LM-head top-k. Nothing else: architectures
-// are assembled from these in package infer, which never learns which
-// backend runs.
+// decoder (package model/decoder) calls, for the teacher's forward and for
+// the student's training step:
+//
+//   - memory: tensors, views of one arena, zero, copy, upload, download;
+//   - forward: a GEMM against a weight matrix, embedding gather, RMSNorm,
+//     RoPE, packed causal attention, SwiGLU, residual add, the Qwen3-MoE
+//     expert FFN and the streaming LM-head top-k; RMSNorm and attention can
+//     save the statistics their backward needs (rstd, log-sum-exp);
+//   - backward: one per layer kernel (MatMul, Embed, RMSNorm, RoPE,
+//     Attention, SwiGLU);
+//   - the fused LM-head loss, forward and backward (LossHeadForward,
+//     LossHeadBackward: the logits exist one vocabulary tile at a time);
+//   - the optimizer: the AdamW update, the gradient sum of squares (global
+//     norm, NaN check) and scaling;
+//   - NVFP4 quantization-aware training: absmax and fake quantization.
+//
+// Nothing else: architectures are assembled from these in the decoder,
+// which never learns which backend runs.
 //
 // The contract is written so that a device backend (CUDA) can keep every
 // tensor resident on the device and enqueue kernels without synchronizing
@@ -17,19 +31,32 @@
 //   - Kernels take Tensors and integer shapes, never host slices of data.
 //     Per-batch integer metadata (token ids, positions, sample offsets) is
 //     uploaded once as I32 tensors.
-//   - Kernels may run asynchronously in issue order. Only the Read* methods
-//     synchronize: they return after every kernel issued before them has
-//     finished. The teacher reads once per batch (the top-k).
-//   - Outputs never alias inputs unless a method says so (RoPE and Add work
-//     in place by design).
+//   - Kernels may run asynchronously in issue order. Only the methods that
+//     return host values synchronize: Read*, SumSquares, AbsMax and
+//     LossHeadForward. They return after every kernel issued before
+//     them has finished.
+//   - Outputs never alias inputs unless a method says so (RoPE,
+//     RoPEBackward and Add work in place by design).
 //   - A Tensor belongs to the backend that made it; passing it to another
 //     backend panics.
 //
-// Shapes are row-major and given in comments as (rows, cols). Every kernel
-// overwrites its output (=), none accumulates (+=) unless it says so.
+// Shapes are row-major and given in comments as (rows, cols).
+//
+// Two rules say what a kernel does to its outputs, and every method states
+// which applies:
+//
+//   - Forward kernels OVERWRITE (=) their outputs.
+//   - Backward kernels ACCUMULATE (+=) into every gradient they produce,
+//     for parameters and inputs alike (as llm.c does). A tensor read by two
+//     consumers (the residual stream, the shared input of q/k/v, a tied
+//     embedding) gets the sum of both contributions for free; the caller
+//     zeroes a gradient arena with one Zero before a backward pass.
+//     RoPEBackward is the one exception: it rotates its gradient in place.
 //
 // The CPU backend (package compute/cpu) is the reference: every other backend
-// is tested against it on the same inputs with |got-want| <= atol+rtol*|want|.
+// is tested against float64 formulas and finite differences by the same
+// conformance suite (package compute/computetest), with tolerances of its
+// own, |got-want| <= atol+rtol*|want|.
 package compute
 
 import "fmt"
@@ -63,48 +90,71 @@ type Tensor interface {
 }
 
 // Backend is the set of kernels the models call. See the package doc for the
-// synchronization and aliasing contract.
+// synchronization, aliasing and overwrite/accumulate rules.
 type Backend interface {
 	// Name is "cpu" or "cuda".
 	Name() string
 
+	// --- Memory.
+
 	// New returns a zeroed tensor of n elements.
 	New(dt DType, n int) Tensor
-	// FromF32 uploads host data as an F32 tensor.
+	// FromF32 uploads host data as a new F32 tensor.
 	FromF32(src []float32) Tensor
-	// FromI32 uploads host data as an I32 tensor.
+	// FromI32 uploads host data as a new I32 tensor.
 	FromI32(src []int32) Tensor
 	// Weight uploads a weight matrix given in BF16 or F32 host form; the
 	// backend picks its storage (the CPU backend widens BF16 to F32, a GPU
 	// backend keeps BF16 for its GEMMs). src is []uint16 (BF16) or []float32.
 	Weight(src any) (Tensor, error)
-	// ReadF32 and ReadI32 copy a tensor to the host, after all issued work.
+	// View returns elements [off, off+n) of t as a tensor that shares t's
+	// memory: parameters, gradients and activations are views carved out
+	// of a few arenas. A view is valid while t is; freeing a view is a
+	// no-op.
+	View(t Tensor, off, n int) Tensor
+	// Zero sets every element of t to 0.
+	Zero(t Tensor)
+	// Copy: dst[0:src.Len()) = src, same dtype; they must not overlap.
+	Copy(dst, src Tensor)
+	// WriteF32 copies host data into t[0:len(src)) (t is F32).
+	WriteF32(t Tensor, src []float32)
+	// ReadF32 and ReadI32 copy t[0:len(dst)) to the host, after all issued
+	// work.
 	ReadF32(t Tensor, dst []float32)
 	ReadI32(t Tensor, dst []int32)
-	// Free releases a tensor; using it afterwards is an error.
+	// Free releases a tensor; using it (or a view of it) afterwards is an
+	// error.
 	Free(t Tensor)
+
+	// --- Forward kernels (=).
 
 	// MatMul: x (m,k), w (n,k), bias (n) or nil -> out (m,n) = x·wᵀ + bias.
 	// This is the layout of torch.nn.Linear weights.
 	MatMul(out, x, w, bias Tensor, m, n, k int)
-	// Embed: table (vocab,dim), ids (n) I32 -> out (n,dim).
+	// Embed: table (vocab,dim), ids (n) I32 -> out (n,dim). Ids are
+	// trusted: callers validate them against the vocabulary.
 	Embed(out, table, ids Tensor, n, dim int)
-	// RMSNorm: x (rows,dim), w (dim) -> out (rows,dim), in fp32:
-	// out = x / sqrt(mean(x²)+eps) * w. out may alias x.
-	RMSNorm(out, x, w Tensor, rows, dim int, eps float32)
+	// RMSNorm: x (rows,dim), w (dim) -> out (rows,dim) in fp32 (HF's
+	// LlamaRMSNorm): out = x·rstd·w, rstd = 1/sqrt(mean(x²)+eps), the mean
+	// of squares accumulated in float64 and rounded to fp32. rstd (rows)
+	// receives the statistics for the backward, or is nil. out may alias x.
+	RMSNorm(out, rstd, x, w Tensor, rows, dim int, eps float32)
 	// RoPE rotates x (tokens, heads, headDim) in place, rotate-half
-	// convention, angle = pos[t] * invFreq[i] for i < headDim/2.
-	// pos (tokens) I32, invFreq (headDim/2) F32.
-	RoPE(x, pos, invFreq Tensor, tokens, heads, headDim int)
+	// convention (HF apply_rotary_pos_emb): for i < headDim/2, with
+	// c, s = cos, sin (tokens, headDim/2) at the token,
+	// x[i], x[i+hd/2] = x[i]·c - x[i+hd/2]·s, x[i+hd/2]·c + x[i]·s.
+	RoPE(x, cos, sin Tensor, tokens, heads, headDim int)
 	// Attention: packed variable-length causal attention with GQA.
 	// q (tokens, nHead, hd), k and v (tokens, nKV, hd); the samples are the
 	// token ranges [starts[i], starts[i+1]) of starts (nSeq+1) I32; a token
-	// attends to itself and earlier tokens of its own sample only.
-	// out (tokens, nHead, hd). maxLen is the longest sample.
-	Attention(out, q, k, v, starts Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32)
+	// attends to itself and earlier tokens of its own sample only; query
+	// head h reads kv head h/(nHead/nKV). out (tokens, nHead, hd). maxLen
+	// is the longest sample. lse (tokens, nHead) receives the log-sum-exp
+	// of each query row's scaled scores, for the backward, or is nil.
+	Attention(out, lse, q, k, v, starts Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32)
 	// SwiGLU: out (n) = silu(gate)·up. out may alias gate.
 	SwiGLU(out, gate, up Tensor, n int)
-	// Add: a (n) += b (n).
+	// Add: a (n) += b (n), the residual connection.
 	Add(a, b Tensor, n int)
 	// MoE runs a Qwen3-MoE sparse FFN: router logits = x·routerᵀ, softmax
 	// over experts in fp32, top-k experts per token (renormalized when
@@ -117,6 +167,114 @@ type Backend interface {
 	// by descending logit (ties: lower id first) and logprobs (tokens,k) F32
 	// = logit - logsumexp(all logits). [tokens x vocab] is never held.
 	LMHeadTopK(ids, logprobs, x, w Tensor, tokens, hidden, vocab, k int)
+
+	// --- Backward kernels (+=; dX is the gradient of the loss w.r.t. X).
+
+	// MatMulBackward of out = x·wᵀ + bias: dout (m,n), x (m,k), w (n,k) ->
+	// dx (m,k) += dout·w, dw (n,k) += doutᵀ·x, dbias (n) += Σ_rows dout.
+	// dx and dbias may be nil (not needed). x and w must be what the
+	// forward multiplied (under NVFP4 fake quantization, the quantized
+	// copies: the straight-through estimator).
+	MatMulBackward(dx, dw, dbias, dout, x, w Tensor, m, n, k int)
+	// EmbedBackward: dout (n,dim), ids (n) -> dtable (vocab,dim) +=, each
+	// row of dout added to the row of its id.
+	EmbedBackward(dtable, dout, ids Tensor, n, dim int)
+	// RMSNormBackward: dout, x (rows,dim), w (dim), rstd (rows) saved by
+	// the forward -> dx (rows,dim) +=, dw (dim) +=. With xh = x·rstd:
+	// dw += Σ_rows dout·xh; dx += rstd·(dout·w - xh·mean(dout·w·xh)).
+	// dx must not alias dout.
+	RMSNormBackward(dx, dw, dout, x, w, rstd Tensor, rows, dim int)
+	// RoPEBackward turns dout (tokens, heads, headDim) into dx in place:
+	// the rotation is orthogonal, so its backward is the rotation by
+	// -angle. It overwrites, the one exception to +=.
+	RoPEBackward(dx, cos, sin Tensor, tokens, heads, headDim int)
+	// AttentionBackward: dout (tokens,nHead,hd), q, k, v, starts and lse as
+	// in the forward -> dq (tokens,nHead,hd) +=, dk, dv (tokens,nKV,hd) +=.
+	// The probabilities are recomputed from lse, never stored.
+	AttentionBackward(dq, dk, dv, dout, q, k, v, lse, starts Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32)
+	// SwiGLUBackward: dout, gate, up (n) -> dgate (n) +=, dup (n) +=, with
+	// silu'(g) = σ(g)·(1 + g·(1-σ(g))).
+	SwiGLUBackward(dgate, dup, dout, gate, up Tensor, n int)
+
+	// --- Optimizer.
+
+	// AdamW applies one torch.optim.AdamW update to p (n) with gradient g
+	// and moments m, v (n), all F32, in place (see AdamWStep).
+	AdamW(p, g, m, v Tensor, n int, s AdamWStep)
+	// SumSquares returns Σ x² over x[0:n) accumulated in float64 (the
+	// squared global gradient norm; NaN or Inf in x make it NaN or Inf).
+	// It synchronizes.
+	SumSquares(x Tensor, n int) float64
+	// Scale: x (n) *= c (gradient clipping).
+	Scale(x Tensor, n int, c float32)
+
+	// --- NVFP4 quantization-aware training.
+
+	// AbsMax returns max |x| over x[0:n) (calibration). It synchronizes.
+	AbsMax(x Tensor, n int) float32
+	// FakeQuantNVFP4: src (rows,cols) -> dst (rows,cols), NVFP4 fake
+	// quantization with the per-tensor amax, 16-element blocks along each
+	// row, exactly as NVFP4FakeQuant defines it. dst may alias src. Its
+	// backward is the identity (straight-through): callers use dst as the
+	// forward input and its gradient as the gradient of src.
+	FakeQuantNVFP4(dst, src Tensor, rows, cols int, amax float32)
+
+	// --- Fused LM-head loss (see LossHead for the definitions).
+
+	// LossHeadForward is pass 1: the logits z = x·wᵀ of the counted
+	// positions, one vocabulary tile at a time, reduced to each position's
+	// statistics. It synchronizes.
+	LossHeadForward(h *LossHead) LossStats
+	// LossHeadBackward is pass 2: it recomputes the logits tile by tile,
+	// turns them into dL/dz with c, and accumulates dx (N,C) += dz·w at the
+	// counted rows and dw (V,C) += dzᵀ·x.
+	LossHeadBackward(h *LossHead, c *LossCoef, dx, dw Tensor)
+}
+
+// LossHead is one call of the fused LM-head loss kernels over the M
+// counted positions of a packed batch. [M x V] logits are never held: a
+// backend holds M x TileCols of them at a time.
+type LossHead struct {
+	X, W       Tensor // (N,C) final hidden states, (V,C) LM head
+	Rows       Tensor // (M) I32: the counted positions, rows of X
+	Labels     Tensor // (M) I32: each position's label id
+	TopIDs     Tensor // (M,K) I32: each position's teacher ids, ascending, distinct; nil when K = 0
+	M, C, V, K int
+	// InvT is 1/T, the KD temperature's inverse; the CE statistics are
+	// untempered.
+	InvT float32
+	// TileCols is the vocabulary tile width; 0 lets the backend choose.
+	TileCols int
+}
+
+// LossStats are pass 1's statistics of each counted position, with
+// z = x·wᵀ its logits over the whole vocabulary:
+//
+//	LseT = logsumexp_v(z_v·InvT)
+//	Lse1 = logsumexp_v(z_v)                  (= LseT when InvT = 1)
+//	Tail = Σ_{v∉K} exp(z_v·InvT - LseT)      summed directly over v outside
+//	                                         TopIDs, never as 1 - Σ_K, so it
+//	                                         keeps its digits when K holds
+//	                                         all but a sliver of the mass
+//	ZK   = z at TopIDs (M,K), ZLab = z at Labels (M)
+//
+// The sums are accumulated in float64.
+type LossStats struct {
+	LseT, Lse1, Tail []float64
+	ZK, ZLab         []float32
+}
+
+// LossCoef are the coefficients of pass 2: for counted position r, with
+// q_v = exp(z_v·InvT - LseT[r]) and p_v = exp(z_v - Lse1[r]),
+//
+//	dL/dz_v = A[r]·q_v       (v ∉ TopIDs[r])
+//	        = CK[r,j]        (v = TopIDs[r,j])
+//	        + WSFT·(p_v - [v = Labels[r]])   for every v (the CE part)
+//
+// LseT, Lse1, A (M) and CK (M,K) are F32 tensors.
+type LossCoef struct {
+	LseT, Lse1, A, CK Tensor
+	WSFT              float32
 }
 
 // MoEWeights are the tensors of one Qwen3-MoE sparse block.
@@ -126,4 +284,37 @@ type MoEWeights struct {
 	NumExperts, TopK int
 	Hidden, Inter    int
 	NormTopK         bool
+}
+
+// AdamWStep is one AdamW update's scalars, in fp32, as torch.optim.AdamW
+// (non-amsgrad) computes them at step t with learning rate lr:
+//
+//	p ← p·Decay                            Decay = 1 - lr·weight_decay (1: no decay)
+//	m ← β1·m + (1-β1)·g ;  v ← β2·v + (1-β2)·g²
+//	p ← p - StepSize · m / (sqrt(v)/BC2Sqrt + Eps)
+//
+// with StepSize = lr/(1-β1ᵗ) and BC2Sqrt = sqrt(1-β2ᵗ).
+type AdamWStep struct {
+	Beta1, Beta2, Eps float32
+	StepSize, BC2Sqrt float32
+	Decay             float32
+}
+
+// Host is implemented by backends whose tensors are host memory (the CPU
+// backend). HostF32 returns an F32 tensor's elements without a copy; the
+// student uses it to expose its parameters and AdamW moments as host
+// slices (checkpoints, export) without a download.
+type Host interface {
+	HostF32(t Tensor) []float32
+}
+
+// ScratchReporter is implemented by backends that can bound the scratch
+// their kernels allocate beside their outputs (package infer's memory
+// bound).
+type ScratchReporter interface {
+	// AttentionScratchBytes bounds Attention's scratch for samples of at
+	// most maxLen tokens.
+	AttentionScratchBytes(maxLen int) int64
+	// LMHeadScratchBytes bounds LMHeadTopK's scratch for top-k.
+	LMHeadScratchBytes(k int) int64
 }

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"distill/compute/cpu"
+	"distill/compute/device"
 	"distill/model"
 )
 
@@ -62,7 +62,7 @@ func peakRSSMB() float64 {
 // of 512, and the process's peak RSS. scripts/bench-teacher-cpu.sh runs it
 // beside PyTorch on the same checkpoint and prints the ratio.
 func BenchmarkTeacherForward(b *testing.B) {
-	m, err := Load(benchCheckpoint(b), cpu.New())
+	m, err := Load(benchCheckpoint(b), device.CPU(0))
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"distill/compute/cpu"
+	"distill/compute/device"
 	"distill/model"
 )
 
@@ -36,7 +36,7 @@ func TestGoldensHFSemantics(t *testing.T) {
 	if len(dirs) < 5 {
 		t.Fatalf("found %d golden checkpoints under testdata/golden, want 5 (run infer/testdata/make_goldens.sh)", len(dirs))
 	}
-	be := cpu.New()
+	be := device.CPU(0)
 	for _, dir := range dirs {
 		t.Run(filepath.Base(dir), func(t *testing.T) {
 			var g golden
@@ -90,7 +90,7 @@ func nearTie(lp []float64, j int) bool {
 // budget, give each sample's outputs alone (bit-for-bit: per-sample work is
 // the same arithmetic in the same order).
 func TestPackingInvariance(t *testing.T) {
-	be := cpu.New()
+	be := device.CPU(0)
 	for _, arch := range []string{"qwen3", "qwen3_moe", "llama"} {
 		m, err := Load(filepath.Join("testdata/golden", arch), be)
 		if err != nil {
@@ -136,7 +136,7 @@ func nearTie64(lp []float32, j, k int) bool {
 }
 
 func TestBadInputs(t *testing.T) {
-	be := cpu.New()
+	be := device.CPU(0)
 	m, err := Load("testdata/golden/qwen3", be)
 	if err != nil {
 		t.Fatal(err)
@@ -182,7 +182,7 @@ func TestBadInputs(t *testing.T) {
 // TestBadCheckpoints: every broken checkpoint is an error naming the file or
 // tensor, never a crash or a silent zero.
 func TestBadCheckpoints(t *testing.T) {
-	be := cpu.New()
+	be := device.CPU(0)
 	src := "testdata/golden/qwen3"
 	cfgJSON, _ := os.ReadFile(filepath.Join(src, "config.json"))
 	weights, _ := os.ReadFile(filepath.Join(src, "model.safetensors"))

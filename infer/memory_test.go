@@ -7,7 +7,7 @@ import (
 	"slices"
 	"testing"
 
-	"distill/compute/cpu"
+	"distill/compute/device"
 )
 
 // allocated is what f allocates: runtime.MemStats.TotalAlloc counts every
@@ -22,7 +22,7 @@ func allocated(f func()) int64 {
 }
 
 // TestActivationBound holds Forward to ActivationBytes at several worker
-// counts: cpu.Threads = 1, 2, 6, 16 and the machine's own, so a 2-core CI
+// counts: backends of 1, 2, 6, 16 workers and the machine's own, so a 2-core CI
 // box checks what a many-core server runs.
 //
 // The bound is the activations (fixed by the token count) plus one set of
@@ -39,22 +39,20 @@ func allocated(f func()) int64 {
 // there could fail for the wrong reason; the one-worker check catches any
 // growth of the activations themselves, which do not depend on the count.
 func TestActivationBound(t *testing.T) {
-	old := cpu.Threads
-	defer func() { cpu.Threads = old }()
 	threads := []int{1, 2, 6, 16}
 	if !slices.Contains(threads, runtime.NumCPU()) {
 		threads = append(threads, runtime.NumCPU())
 	}
 	for _, arch := range []string{"qwen3", "qwen2", "qwen3_moe"} {
 		dir := filepath.Join("testdata/golden", arch)
-		load := func() *Model {
-			m, err := Load(dir, cpu.New())
+		load := func(threads int) *Model {
+			m, err := Load(dir, device.CPU(threads))
 			if err != nil {
 				t.Fatal(err)
 			}
 			return m
 		}
-		warmup := load()
+		warmup := load(0)
 		samples := make([][]int32, 7)
 		n, maxLen := 0, 0
 		for i := range samples {
@@ -70,8 +68,7 @@ func TestActivationBound(t *testing.T) {
 		warmup.Forward(samples, k, 0.5)
 		for _, th := range threads {
 			t.Run(fmt.Sprintf("%s/threads=%d", arch, th), func(t *testing.T) {
-				cpu.Threads = th
-				m := load()
+				m := load(th)
 				cold := allocated(func() { m.Forward(samples, k, 0.5) })
 				warm := allocated(func() { m.Forward(samples, k, 0.5) })
 				bound := m.ActivationBytes(n, maxLen, k)

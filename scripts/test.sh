@@ -17,9 +17,9 @@ buf generate --template buf.gen.yaml -o "$gen"
 diff -r "$gen/proto" proto --exclude='*.proto' || { echo "generated code is stale: run buf generate"; exit 1; }
 go test -count=1 -timeout 40m ./... "$@"
 # The packages that run goroutines (the batcher and fills, the CPU worker
-# pools and the student kernels on them, the cache's writers and readers,
+# pools and every kernel on them, the decoder, the cache's writers and readers,
 # dataset loading) once more under the race detector: about 3 minutes on
 # 2 busy cores. cmd/cachectl repeats serve's fills in-process and is left out
 # (a minute more under -race).
 go test -race -count=1 -timeout 30m ./serve/ ./cache/ ./compute/cpu/ ./infer/ ./data/ \
-  ./train/ ./train/nn/ ./train/loss/ ./train/optim/ ./train/trainer/ "$@"
+  ./model/decoder/ ./train/ ./train/loss/ ./train/optim/ ./train/trainer/ "$@"

@@ -9,7 +9,7 @@ import (
 
 	"go.uber.org/zap"
 
-	"distill/compute/cpu"
+	"distill/compute"
 )
 
 // forwardFunc runs one packed forward pass: samples (total n tokens) ->
@@ -279,13 +279,13 @@ func (b *batcher) run(batch []*job) {
 
 // forward calls fwd, turning a panic (a bug: inputs are validated) into
 // an error so one bad batch does not take the daemon down. A panic in a
-// kernel's worker goroutine arrives here too: package cpu carries it to
-// the goroutine that called the kernel (cpu.WorkerPanic).
+// kernel's worker goroutine arrives here too: the backend carries it to
+// the goroutine that called the kernel (compute.WorkerPanic).
 func (b *batcher) forward(samples [][]int32, k int, temp float32) (ids []int32, lps []float32, err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			stack := debug.Stack()
-			if wp, ok := r.(*cpu.WorkerPanic); ok {
+			if wp, ok := r.(*compute.WorkerPanic); ok {
 				stack = wp.Stack
 			}
 			if b.log != nil {

@@ -15,7 +15,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"distill/cache"
-	"distill/compute/cpu"
+	"distill/compute/device"
 	"distill/data"
 	"distill/data/tokenizer"
 	"distill/infer"
@@ -125,14 +125,11 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if o.Logger == nil {
 		o.Logger = zap.NewNop()
 	}
-	switch o.Device {
-	case "", "auto", "cpu":
-		o.Device = "cpu"
-	case "cuda":
-		return nil, fmt.Errorf("%w: --device cuda: this build has no CUDA backend yet; use --device cpu (or auto)", ErrInvalid)
-	default:
-		return nil, fmt.Errorf("%w: --device %q: want auto, cpu or cuda", ErrInvalid, o.Device)
+	be, err := device.Open(o.Device, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
+	o.Device = be.Name()
 	if o.ModelDir == "" {
 		return nil, fmt.Errorf("%w: no model directory: give --model DIR (an HF checkpoint)", ErrInvalid)
 	}
@@ -155,7 +152,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		o.QueueTokens = 8 * o.TokenBudget
 	}
 	t0 := time.Now()
-	m, err := infer.Load(o.ModelDir, cpu.New())
+	m, err := infer.Load(o.ModelDir, be)
 	if err != nil {
 		return nil, fmt.Errorf("loading teacher %s: %w", o.ModelDir, err)
 	}

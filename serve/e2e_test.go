@@ -11,7 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"distill/cache"
-	"distill/compute/cpu"
+	"distill/compute/device"
 	"distill/infer"
 	pb "distill/proto/distill/v1"
 	"google.golang.org/protobuf/proto"
@@ -136,7 +136,7 @@ func TestScoreMatchesForward(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := infer.Load(mdir, cpu.New())
+	m, err := infer.Load(mdir, device.CPU(0))
 	if err != nil {
 		t.Fatal(err)
 	}

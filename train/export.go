@@ -3,25 +3,29 @@ package train
 import (
 	"encoding/json"
 	"fmt"
-	"math"
 	"os"
 	"path/filepath"
 
+	"distill/compute"
+	"distill/compute/device"
 	"distill/internal/atomicfile"
 	"distill/model"
-	"distill/train/nn"
 	"distill/train/nvfp4"
 )
 
 // LoadHF builds a student from an HF checkpoint directory (config.json and
-// safetensors in BF16, F16 or F32). A missing, extra or mis-shaped tensor
-// is an error naming it and the directory.
-func LoadHF(dir string) (*Student, error) {
+// safetensors in BF16, F16 or F32) on the CPU backend with one worker per
+// core. A missing, extra or mis-shaped tensor is an error naming it and
+// the directory.
+func LoadHF(dir string) (*Student, error) { return LoadHFOn(dir, device.CPU(0)) }
+
+// LoadHFOn is LoadHF onto the backend be.
+func LoadHFOn(dir string, be compute.Backend) (*Student, error) {
 	cfg, err := model.LoadConfig(dir)
 	if err != nil {
 		return nil, err
 	}
-	s, err := NewStudent(cfg)
+	s, err := NewStudentOn(cfg, be)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
@@ -38,17 +42,23 @@ func LoadHF(dir string) (*Student, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", dir, err)
 		}
-		copy(s.Params[t.Off:t.Off+t.N], v)
+		s.be.WriteF32(s.be.View(s.params, t.Off, t.N), v)
 	}
 	return s, nil
 }
 
-// Weights returns the master weights by HF name (views into Params, not
-// copies: valid until the next optimizer step).
+// Weights returns the master weights by HF name: views into Params on a
+// host backend (valid until the next optimizer step), copies otherwise.
 func (s *Student) Weights() map[string][]float32 {
 	w := make(map[string][]float32, len(s.Tensors))
 	for _, t := range s.Tensors {
-		w[t.Name] = s.Params[t.Off : t.Off+t.N : t.Off+t.N]
+		if s.Params != nil {
+			w[t.Name] = s.Params[t.Off : t.Off+t.N : t.Off+t.N]
+			continue
+		}
+		v := make([]float32, t.N)
+		s.be.ReadF32(s.be.View(s.params, t.Off, t.N), v)
+		w[t.Name] = v
 	}
 	return w
 }
@@ -65,52 +75,22 @@ func (s *Student) WriteHF(dir, dtype string) error {
 // order (per layer: the weights of q, k, v, o, gate, up, down, then the
 // inputs of qkv, o, gate/up, down), for training checkpoints. It is nil
 // unless QAD is on and calibrated.
-func (s *Student) QuantAmax() []float32 {
-	if !s.QAD || s.calibrating {
-		return nil
-	}
-	var out []float32
-	for i := range s.Layers {
-		for _, q := range s.Layers[i].quantizers() {
-			out = append(out, q.Amax)
-		}
-	}
-	return out
-}
-
-// quantizers lists a layer's quantizers in QuantAmax order.
-func (L *Layer) quantizers() []*nvfp4.Quantizer {
-	return []*nvfp4.Quantizer{&L.Q.WQ, &L.K.WQ, &L.V.WQ, &L.O.WQ, &L.Gate.WQ, &L.Up.WQ, &L.Down.WQ, &L.InQKV, &L.InO, &L.InGateUp, &L.InDown}
-}
+func (s *Student) QuantAmax() []float32 { return s.Model.QuantAmax() }
 
 // RestoreQAD switches QAD on with frozen amax values saved by QuantAmax
 // (resuming a QAD run: calibration is not repeated, and the weight amax
 // stays the one calibrated at the start, not the max of the moved weights).
 func (s *Student) RestoreQAD(amax []float32) error {
-	if err := s.EnableQAD(); err != nil {
-		return err
+	if err := s.Model.RestoreQAD(amax); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
-	if want := 11 * len(s.Layers); len(amax) != want {
-		return fmt.Errorf("%w: QAD state has %d amax values, want %d (11 per layer x %d layers): the checkpoint is of another model", ErrInvalid, len(amax), want, len(s.Layers))
-	}
-	k := 0
-	for i := range s.Layers {
-		for _, q := range s.Layers[i].quantizers() {
-			*q = nvfp4.Quantizer{Amax: amax[k]}
-			k++
-			if err := q.Freeze(fmt.Sprintf("model.layers.%d quantizer %d", i, k%11)); err != nil {
-				return err
-			}
-		}
-	}
-	s.allocFakeQuant()
-	s.calibrating = false
+	s.QAD = true
 	return nil
 }
 
 // Calibrating reports whether NVFP4 calibration is running (EnableQAD
 // called, FinishCalibration not yet).
-func (s *Student) Calibrating() bool { return s.calibrating }
+func (s *Student) Calibrating() bool { return s.Model.Calibrating() }
 
 // ModelOptVersion is the Model-Optimizer version named as the producer of
 // NVFP4 exports: the layout below is that of its unified HF export
@@ -213,80 +193,51 @@ func writeFileAtomic(path string, data []byte) error {
 	return nil
 }
 
-// logitsRows runs the LM head on the final hidden states of the given
-// positions of the last forward: dst (len(rows), V). Call after forward.
-func (s *Student) logitsRows(dst []float32, rows []int32) {
-	C := s.Cfg.Hidden
-	x := make([]float32, len(rows)*C)
-	for i, r := range rows {
-		copy(x[i*C:(i+1)*C], s.acts.lnf[int(r)*C:(int(r)+1)*C])
-	}
-	nn.LinearForward(dst, x, s.Head, nil, len(rows), C, s.Cfg.VocabSize)
+// headTopK runs the teacher's streaming LM head (compute.Backend's
+// LMHeadTopK) on the final hidden states lnf (N, hidden) of a forward:
+// each position's top-k ids, by descending logit with ties to the lower
+// id, and their log-probs normalized over the full vocabulary.
+func (s *Student) headTopK(lnf compute.Tensor, N, k int) ([]int32, []float32) {
+	be := s.be
+	idT, lpT := be.New(compute.I32, N*k), be.New(compute.F32, N*k)
+	defer be.Free(idT)
+	defer be.Free(lpT)
+	be.LMHeadTopK(idT, lpT, lnf, s.Model.Head.W, N, s.Cfg.Hidden, s.Cfg.VocabSize, k)
+	ids, lps := make([]int32, N*k), make([]float32, N*k)
+	be.ReadI32(idT, ids)
+	be.ReadF32(lpT, lps)
+	return ids, lps
 }
 
 // LogProbs runs the forward over b (its teacher fields are ignored) and
 // returns the student's next-token log-probs (N, V), normalized over the
-// full vocabulary, the quantity the teacher's top-k caches. Memory is N·V
-// floats: for tests and small batches (Predict tiles instead).
+// full vocabulary, the quantity the teacher's top-k caches, through the
+// teacher's own LM-head kernel with k = V. Memory is N·V floats and time
+// O(N·V·log V): for tests and small batches (Predict uses k = 1).
 func (s *Student) LogProbs(b *Batch) ([]float32, error) {
-	if err := s.prepare(b); err != nil {
+	lnf, err := s.forward(b)
+	if err != nil {
 		return nil, err
 	}
-	s.forward(b)
 	N, V := len(b.Tokens), s.Cfg.VocabSize
-	rows := make([]int32, N)
-	for i := range rows {
-		rows[i] = int32(i)
-	}
+	ids, lps := s.headTopK(lnf, N, V)
 	out := make([]float32, N*V)
-	s.logitsRows(out, rows)
 	for t := 0; t < N; t++ {
-		z := out[t*V : (t+1)*V]
-		m := z[0]
-		for _, v := range z {
-			m = max(m, v)
-		}
-		var sum float64
-		for _, v := range z {
-			sum += math.Exp(float64(v - m))
-		}
-		lse := float64(m) + math.Log(sum)
-		for i, v := range z {
-			z[i] = float32(float64(v) - lse)
+		for j := 0; j < V; j++ {
+			out[t*V+int(ids[t*V+j])] = lps[t*V+j]
 		}
 	}
 	return out, nil
 }
 
 // Predict runs the forward over b and returns the student's most likely
-// next token at every position (N), ties to the lowest id, computing the
-// logits in tiles of rows so that (N, V) is never held.
+// next token at every position (N), ties to the lowest id: the LM head's
+// top-1, so (N, V) logits are never held.
 func (s *Student) Predict(b *Batch) ([]int32, error) {
-	if err := s.prepare(b); err != nil {
+	lnf, err := s.forward(b)
+	if err != nil {
 		return nil, err
 	}
-	s.forward(b)
-	N, V := len(b.Tokens), s.Cfg.VocabSize
-	const tile = 64
-	out := make([]int32, N)
-	rows := make([]int32, 0, tile)
-	buf := make([]float32, tile*V)
-	for lo := 0; lo < N; lo += tile {
-		rows = rows[:0]
-		for t := lo; t < min(lo+tile, N); t++ {
-			rows = append(rows, int32(t))
-		}
-		s.logitsRows(buf[:len(rows)*V], rows)
-		for i, r := range rows {
-			z := buf[i*V : (i+1)*V]
-			best := 0
-			for v := 1; v < V; v++ {
-				if z[v] > z[best] {
-					best = v
-				}
-			}
-			out[r] = int32(best)
-		}
-	}
-	return out, nil
+	ids, _ := s.headTopK(lnf, len(b.Tokens), 1)
+	return ids, nil
 }

@@ -10,9 +10,10 @@ import (
 	"testing"
 
 	"distill/compute"
-	"distill/compute/cpu"
+	"distill/compute/device"
 	"distill/infer"
 	"distill/model"
+	"distill/model/decoder"
 	"distill/train/loss"
 )
 
@@ -46,7 +47,7 @@ func TestExportBF16(t *testing.T) {
 				if err := s.WriteHF(dir, "BF16"); err != nil {
 					t.Fatal(err)
 				}
-				tm, err := infer.Load(dir, cpu.New())
+				tm, err := infer.Load(dir, device.CPU(0))
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -148,17 +149,22 @@ func TestExportNVFP4(t *testing.T) {
 	if err := s.WriteNVFP4(dir); err != nil {
 		t.Fatal(err)
 	}
-	s.quantizeWeights()
+	s.Model.QuantizeWeights()
 	w, err := model.OpenWeights(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer w.Close()
 	nq := 0
-	for i := range s.Layers {
-		L := &s.Layers[i]
-		inAmax := map[*Linear]float32{&L.Q: L.InQKV.Amax, &L.K: L.InQKV.Amax, &L.V: L.InQKV.Amax, &L.O: L.InO.Amax, &L.Gate: L.InGateUp.Amax, &L.Up: L.InGateUp.Amax, &L.Down: L.InDown.Amax}
-		for _, l := range L.linears() {
+	for i := range s.Model.Blocks {
+		L := &s.Model.Blocks[i]
+		a, f := &L.Attn, L.MLP
+		inAmax := map[*decoder.Linear]float32{&a.Q: L.InQKV.Amax, &a.K: L.InQKV.Amax, &a.V: L.InQKV.Amax, &a.O: L.InO.Amax, &f.Gate: L.InGateUp.Amax, &f.Up: L.InGateUp.Amax, &f.Down: L.InDown.Amax}
+		for _, l := range L.Linears() {
+			wfq, err := s.host(l.Wfq)
+			if err != nil {
+				t.Fatal(err)
+			}
 			raw, info, err := w.Raw(l.Name + ".weight")
 			if err != nil || info.DType != "U8" || info.Shape[0] != l.Out || info.Shape[1] != l.In/2 {
 				t.Fatalf("%s.weight: %v %+v", l.Name, err, info)
@@ -191,7 +197,7 @@ func TestExportNVFP4(t *testing.T) {
 					}
 					scale := float32(e4m3(sc[r*(l.In/16)+c/16])) * g2 // fp32 product, as ModelOpt's dequantize
 					got := float32(e2m1(code)) * scale
-					if want := l.Wfq[r*l.In+c]; got != want && !(got == 0 && want == 0) {
+					if want := wfq[r*l.In+c]; got != want && !(got == 0 && want == 0) {
 						t.Fatalf("%s[%d,%d]: export decodes to %g, training used %g", l.Name, r, c, got, want)
 					}
 				}
@@ -284,9 +290,10 @@ func TestNVFP4FusedShardsShareScale2(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Make the shards' max |w| differ.
-	for i := range s.Layers {
-		L := &s.Layers[i]
-		L.K.W[0], L.Up.W[0] = 3, 5
+	w := s.Weights()
+	for i := range cfg.Layers {
+		p := fmt.Sprintf("model.layers.%d.", i)
+		w[p+"self_attn.k_proj.weight"][0], w[p+"mlp.up_proj.weight"][0] = 3, 5
 	}
 	if err := s.EnableQAD(); err != nil {
 		t.Fatal(err)
@@ -302,7 +309,7 @@ func TestNVFP4FusedShardsShareScale2(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for i := range s.Layers {
+	for i := range cfg.Layers {
 		p := fmt.Sprintf("model.layers.%d.", i)
 		for _, group := range [][]string{{"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}, {"mlp.gate_proj", "mlp.up_proj"}} {
 			g2, is := packed[p+group[0]].WeightScale2, in[p+group[0]]

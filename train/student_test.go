@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"distill/compute"
 	"distill/model"
 	"distill/train/internal/ref"
 	"distill/train/loss"
@@ -187,15 +188,19 @@ func TestStudentTrains(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			s.quantizeWeights()
-			l := &s.Layers[1].Down
+			s.Model.QuantizeWeights()
+			l := &s.Model.Blocks[1].MLP.Down
 			d := packed[l.Name].Dequantize()
+			wfq, err := s.host(l.Wfq)
+			if err != nil {
+				t.Fatal(err)
+			}
 			for i := range d {
-				if d[i] != l.Wfq[i] {
-					t.Fatalf("%s[%d]: export %g, fake quant %g", l.Name, i, d[i], l.Wfq[i])
+				if d[i] != wfq[i] {
+					t.Fatalf("%s[%d]: export %g, fake quant %g", l.Name, i, d[i], wfq[i])
 				}
 			}
-			if in[l.Name] != s.Layers[1].InDown.Amax/2688 {
+			if in[l.Name] != s.Model.Blocks[1].InDown.Amax/2688 {
 				t.Fatalf("input_scale %g", in[l.Name])
 			}
 		}
@@ -230,4 +235,13 @@ func TestStudentErrors(t *testing.T) {
 	if _, err := NewStudent(moe); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("moe: %v", err)
 	}
+}
+
+// host is the host view of a tensor of a student on a host backend.
+func (s *Student) host(t compute.Tensor) ([]float32, error) {
+	h, ok := s.be.(compute.Host)
+	if !ok {
+		return nil, fmt.Errorf("backend %s is not host memory", s.be.Name())
+	}
+	return h.HostF32(t), nil
 }

@@ -13,7 +13,7 @@ import (
 	"testing"
 
 	"distill/cache"
-	"distill/compute/cpu"
+	"distill/compute/device"
 	"distill/data/tokenizer"
 	"distill/infer"
 	"distill/model"
@@ -75,7 +75,7 @@ func TestFillCommandInProcess(t *testing.T) {
 	if err := verifyMain([]string{"--cache", cdir}, &vout, &verr); err != nil {
 		t.Fatalf("verify: %v\n%s%s", err, vout.String(), verr.String())
 	}
-	m, err := infer.Load(mdir, cpu.New())
+	m, err := infer.Load(mdir, device.CPU(0))
 	if err != nil {
 		t.Fatal(err)
 	}

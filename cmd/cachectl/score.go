@@ -7,7 +7,7 @@ import (
 	"strconv"
 	"strings"
 
-	"distill/compute/cpu"
+	"distill/compute/device"
 	"distill/infer"
 	"distill/internal/cli"
 )
@@ -45,7 +45,7 @@ func runScore(args []string) error {
 		}
 		samples = append(samples, s)
 	}
-	m, err := infer.Load(*modelDir, cpu.New())
+	m, err := infer.Load(*modelDir, device.CPU(0))
 	if err != nil {
 		return err
 	}

@@ -33,6 +33,7 @@ func runTrain(args []string) error {
 	datasetFiles := fs.String("dataset", "", "override data.dataset.files (comma-separated .jsonl, .csv or .parquet files): SFT on a dataset, no teacher")
 	maxSteps := fs.Int("max-steps", 0, "override train.max_steps")
 	threads := fs.Int("threads", 0, "override train.threads")
+	dev := fs.String("device", "", "override train.device: auto, cpu or cuda (cuda: not in this build)")
 	resume := fs.String("resume", "auto", "auto: continue from the run directory's newest checkpoint if any; never; must")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -62,6 +63,9 @@ func runTrain(args []string) error {
 	}
 	if given["threads"] {
 		sets = append(sets, fmt.Sprintf("train.threads=%d", *threads))
+	}
+	if given["device"] {
+		sets = append(sets, "train.device="+*dev)
 	}
 	// SIGTERM (preemption) or Ctrl-C: finish or abandon the step, write a
 	// checkpoint, exit 0 saying how to resume. A second signal exits at

@@ -11,7 +11,7 @@ import (
 	"testing"
 
 	"distill/cache"
-	"distill/compute/cpu"
+	"distill/compute/device"
 	"distill/infer"
 	"distill/train/testcache"
 	"distill/train/trainer"
@@ -69,7 +69,7 @@ calib_batches: 2
 	}
 	// The BF16 export is a teacher checkpoint: its log-probs are finite and
 	// normalized, and it scores the cache's samples.
-	tm, err := infer.Load(bf, cpu.New())
+	tm, err := infer.Load(bf, device.CPU(0))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -149,7 +149,7 @@ log: {progress: "off"}
 	if _, err := os.Stat(filepath.Join(out, "tokenizer.json")); err != nil {
 		t.Fatalf("export lacks the run's tokenizer: %v", err)
 	}
-	tm, err := infer.Load(out, cpu.New())
+	tm, err := infer.Load(out, device.CPU(0))
 	if err != nil {
 		t.Fatal(err)
 	}

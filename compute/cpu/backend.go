@@ -1,10 +1,14 @@
 // Package cpu is the reference backend of package compute: fp32 everywhere,
 // OpenBLAS SGEMM for matrix products, C loops (kernels.c) for the
-// elementwise and reduction work, and goroutines splitting both across cores.
+// elementwise and reduction work, and goroutines splitting both across the
+// backend's worker count (New(threads)). It runs the conformance suite
+// (compute/computetest) with FP32 tolerances; every other backend is held
+// to the same float64 formulas.
 //
 // Weights given in BF16 are widened to F32 at upload, so the CPU path holds
 // weights at 4 bytes a parameter; activations are bounded by the token budget
-// of each call (see package infer).
+// of each call (see package infer). Tensors are host memory: the backend
+// implements compute.Host, and a view is a sub-slice of its parent.
 package cpu
 
 /*
@@ -15,6 +19,7 @@ import "C"
 import (
 	"fmt"
 	"math"
+	"runtime"
 	"slices"
 	"sort"
 	"sync"
@@ -24,7 +29,7 @@ import (
 	"distill/compute"
 )
 
-// tensor is the CPU Tensor: a host slice.
+// tensor is the CPU Tensor: a host slice (a view shares its parent's).
 type tensor struct {
 	dt  compute.DType
 	f32 []float32
@@ -44,24 +49,35 @@ func (t *tensor) Len() int {
 // free list, so a forward's memory is its activations plus one set of
 // scratch, not one per layer.
 type Backend struct {
-	mu   sync.Mutex
-	free [][]float32
+	threads int
+	mu      sync.Mutex
+	free    [][]float32
 }
 
-// New returns the CPU backend.
-func New() *Backend {
+// New returns a CPU backend whose kernels split their work over threads
+// goroutines (0 or less: one per core). Results are deterministic for a
+// given thread count.
+func New(threads int) *Backend {
 	initBLAS()
-	return &Backend{}
+	if threads <= 0 {
+		threads = runtime.NumCPU()
+	}
+	return &Backend{threads: threads}
 }
+
+// Threads is the backend's worker count.
+func (b *Backend) Threads() int { return b.threads }
 
 // scratch returns a zeroed-or-dirty buffer of n floats from the free list
-// (the smallest that fits), or a new one.
+// (the smallest that fits, if it is at most twice as large: a small
+// request must not take the loss head's 64 MiB tile, which the next
+// request for a tile would then allocate again), or a new one.
 func (b *Backend) scratch(n int) []float32 {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	best := -1
 	for i, f := range b.free {
-		if cap(f) >= n && (best < 0 || cap(f) < cap(b.free[best])) {
+		if cap(f) >= n && cap(f) <= 2*n && (best < 0 || cap(f) < cap(b.free[best])) {
 			best = i
 		}
 	}
@@ -80,19 +96,28 @@ func (b *Backend) release(bufs ...[]float32) {
 	b.mu.Unlock()
 }
 
-var _ compute.Backend = (*Backend)(nil)
+var (
+	_ compute.Backend         = (*Backend)(nil)
+	_ compute.Host            = (*Backend)(nil)
+	_ compute.ScratchReporter = (*Backend)(nil)
+)
 
 // Name implements compute.Backend.
 func (*Backend) Name() string { return "cpu" }
+
+func cput(t compute.Tensor) *tensor {
+	ct, ok := t.(*tensor)
+	if !ok {
+		panic(fmt.Sprintf("cpu: tensor of another backend (%T)", t))
+	}
+	return ct
+}
 
 func f32(t compute.Tensor) []float32 {
 	if t == nil {
 		return nil
 	}
-	ct, ok := t.(*tensor)
-	if !ok {
-		panic(fmt.Sprintf("cpu: tensor of another backend (%T)", t))
-	}
+	ct := cput(t)
 	if ct.dt != compute.F32 {
 		panic(fmt.Sprintf("cpu: want an f32 tensor, got %v", ct.dt))
 	}
@@ -100,19 +125,18 @@ func f32(t compute.Tensor) []float32 {
 }
 
 func i32(t compute.Tensor) []int32 {
-	ct, ok := t.(*tensor)
-	if !ok {
-		panic(fmt.Sprintf("cpu: tensor of another backend (%T)", t))
-	}
+	ct := cput(t)
 	if ct.dt != compute.I32 {
 		panic(fmt.Sprintf("cpu: want an i32 tensor, got %v", ct.dt))
 	}
 	return ct.i32
 }
 
-// F32 exposes the host slice of a CPU F32 tensor (tests and callers that
-// know they run on the CPU).
+// F32 exposes the host slice of a CPU F32 tensor (tests).
 func F32(t compute.Tensor) []float32 { return f32(t) }
+
+// HostF32 implements compute.Host.
+func (*Backend) HostF32(t compute.Tensor) []float32 { return f32(t) }
 
 // New implements compute.Backend. BF16 tensors are stored widened.
 func (*Backend) New(dt compute.DType, n int) compute.Tensor {
@@ -147,6 +171,44 @@ func (*Backend) Weight(src any) (compute.Tensor, error) {
 	return nil, fmt.Errorf("cpu: weight of type %T; want []float32 or []uint16 (bf16)", src)
 }
 
+// View implements compute.Backend.
+func (*Backend) View(t compute.Tensor, off, n int) compute.Tensor {
+	ct := cput(t)
+	if ct.dt == compute.I32 {
+		return &tensor{dt: ct.dt, i32: ct.i32[off : off+n : off+n]}
+	}
+	return &tensor{dt: ct.dt, f32: ct.f32[off : off+n : off+n]}
+}
+
+// Zero implements compute.Backend.
+func (b *Backend) Zero(t compute.Tensor) {
+	ct := cput(t)
+	if ct.dt == compute.I32 {
+		clear(ct.i32)
+		return
+	}
+	x := ct.f32
+	b.parallel((len(x)+1<<16-1)>>16, func(lo, hi int) {
+		clear(x[lo<<16 : min(hi<<16, len(x))])
+	})
+}
+
+// Copy implements compute.Backend.
+func (*Backend) Copy(dst, src compute.Tensor) {
+	d, s := cput(dst), cput(src)
+	if d.dt != s.dt {
+		panic(fmt.Sprintf("cpu: copy of %v into %v", s.dt, d.dt))
+	}
+	if s.dt == compute.I32 {
+		copy(d.i32[:len(s.i32)], s.i32)
+		return
+	}
+	copy(d.f32[:len(s.f32)], s.f32)
+}
+
+// WriteF32 implements compute.Backend.
+func (*Backend) WriteF32(t compute.Tensor, src []float32) { copy(f32(t)[:len(src)], src) }
+
 // ReadF32 implements compute.Backend.
 func (*Backend) ReadF32(t compute.Tensor, dst []float32) { copy(dst, f32(t)) }
 
@@ -160,34 +222,40 @@ func (*Backend) Free(t compute.Tensor) {
 	}
 }
 
-// parallel runs fn over [0,n) split into Threads contiguous ranges. A
-// panic in fn reaches the caller as a *WorkerPanic (see group).
-func parallel(n int, fn func(lo, hi int)) {
-	t := Threads
-	if t > n {
-		t = n
-	}
-	if t <= 1 {
+// parallel runs fn over [0,n) split into the backend's threads contiguous
+// ranges. A panic in fn reaches the caller as a *WorkerPanic (see group).
+func (b *Backend) parallel(n int, fn func(lo, hi int)) {
+	b.rows(n, 1<<14, func(_, lo, hi int) { fn(lo, hi) })
+}
+
+// rows runs fn over [0,n) split into at most b.threads contiguous ranges,
+// inline when n·costPerRow is too small to pay for goroutines. The worker
+// index w (below b.threads) lets callers keep per-worker partial sums,
+// summed afterwards in worker order so results are deterministic for a
+// given thread count. A panic in fn reaches the caller as a *WorkerPanic.
+func (b *Backend) rows(n, costPerRow int, fn func(w, lo, hi int)) {
+	t := min(b.threads, n)
+	if t <= 1 || n*costPerRow < 1<<14 {
 		if n > 0 {
-			fn(0, n)
+			fn(0, 0, n)
 		}
 		return
 	}
 	var g group
-	for i := 0; i < t; i++ {
-		lo, hi := n*i/t, n*(i+1)/t
-		g.Go(func() { fn(lo, hi) })
+	for w := 0; w < t; w++ {
+		lo, hi := n*w/t, n*(w+1)/t
+		g.Go(func() { fn(w, lo, hi) })
 	}
 	g.Wait()
 }
 
-// WorkQueue runs fn(w, i) for every i in [0,n) on up to Threads goroutines
-// that pull items from a shared counter (dynamic scheduling, for uneven
-// items such as attention blocks); w in [0, workers) names the goroutine, so
-// fn can keep per-worker scratch. A panic in fn reaches the caller as a
-// *WorkerPanic once every worker has stopped.
-func WorkQueue(n int, fn func(w, i int)) {
-	t := max(min(Threads, n), 1)
+// workQueue runs fn(w, i) for every i in [0,n) on up to b.threads
+// goroutines that pull items from a shared counter (dynamic scheduling, for
+// uneven items such as attention blocks); w in [0, b.threads) names the
+// goroutine, so fn can keep per-worker scratch. A panic in fn reaches the
+// caller as a *WorkerPanic once every worker has stopped.
+func (b *Backend) workQueue(n int, fn func(w, i int)) {
+	t := max(min(b.threads, n), 1)
 	var next atomic.Int64
 	var g group
 	for w := 0; w < t; w++ {
@@ -204,6 +272,11 @@ func WorkQueue(n int, fn func(w, i int)) {
 	g.Wait()
 }
 
+// sgemm is the backend's multi-threaded GEMM.
+func (b *Backend) sgemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, bm []float32, ldb int, beta float32, c []float32, ldc int) {
+	sgemmPar(b.threads, transA, transB, m, n, k, alpha, a, lda, bm, ldb, beta, c, ldc)
+}
+
 func fp(s []float32) *C.float {
 	if len(s) == 0 {
 		return nil
@@ -212,128 +285,83 @@ func fp(s []float32) *C.float {
 }
 
 // MatMul implements compute.Backend: out (m,n) = x (m,k) · w (n,k)ᵀ + bias.
-func (*Backend) MatMul(out, x, w, bias compute.Tensor, m, n, k int) {
+func (b *Backend) MatMul(out, x, w, bias compute.Tensor, m, n, k int) {
 	o, xs, ws := f32(out), f32(x), f32(w)
-	SgemmPar(false, true, m, n, k, 1, xs, k, ws, k, 0, o, n)
+	b.sgemm(false, true, m, n, k, 1, xs, k, ws, k, 0, o, n)
 	if bias != nil {
-		b := f32(bias)
-		parallel(m, func(lo, hi int) {
+		bs := f32(bias)
+		b.parallel(m, func(lo, hi int) {
 			for r := lo; r < hi; r++ {
-				C.k_add(fp(o[r*n:]), fp(b), C.long(n))
+				C.k_add(fp(o[r*n:]), fp(bs), C.long(n))
 			}
 		})
 	}
 }
 
-// Embed implements compute.Backend. Ids are trusted: callers validate them
-// against the vocabulary before the forward.
-func (*Backend) Embed(out, table, ids compute.Tensor, n, dim int) {
+// Embed implements compute.Backend.
+func (b *Backend) Embed(out, table, ids compute.Tensor, n, dim int) {
 	o, tb, id := f32(out), f32(table), i32(ids)
-	for i := 0; i < n; i++ {
-		copy(o[i*dim:(i+1)*dim], tb[int(id[i])*dim:])
-	}
-}
-
-// RMSNorm implements compute.Backend.
-func (*Backend) RMSNorm(out, x, w compute.Tensor, rows, dim int, eps float32) {
-	o, xs, ws := f32(out), f32(x), f32(w)
-	parallel(rows, func(lo, hi int) {
-		C.k_rmsnorm(fp(o[lo*dim:]), fp(xs[lo*dim:]), fp(ws), C.long(hi-lo), C.long(dim), C.float(eps))
+	b.rows(n, dim, func(_, lo, hi int) {
+		for i := lo; i < hi; i++ {
+			copy(o[i*dim:(i+1)*dim], tb[int(id[i])*dim:])
+		}
 	})
 }
 
-// RoPE implements compute.Backend (rotate-half): for i < hd/2,
-// x[i], x[i+hd/2] = x[i]·cos - x[i+hd/2]·sin, x[i+hd/2]·cos + x[i]·sin with
-// angle = float32(pos)·invFreq[i] in fp32, as HF's rotary embedding.
-func (*Backend) RoPE(x, pos, invFreq compute.Tensor, tokens, heads, headDim int) {
-	xs, ps, inv := f32(x), i32(pos), f32(invFreq)
+// RMSNorm implements compute.Backend.
+func (b *Backend) RMSNorm(out, rstd, x, w compute.Tensor, rows, dim int, eps float32) {
+	o, xs, ws, rs := f32(out), f32(x), f32(w), f32(rstd)
+	b.parallel(rows, func(lo, hi int) {
+		var rp *C.float
+		if rs != nil {
+			rp = fp(rs[lo:])
+		}
+		C.k_rmsnorm(fp(o[lo*dim:]), rp, fp(xs[lo*dim:]), fp(ws), C.long(hi-lo), C.long(dim), C.float(eps))
+	})
+}
+
+// RoPE implements compute.Backend.
+func (b *Backend) RoPE(x, cos, sin compute.Tensor, tokens, heads, headDim int) {
+	b.rotate(f32(x), f32(cos), f32(sin), tokens, heads, headDim, 1)
+}
+
+// RoPEBackward implements compute.Backend: the rotation by -angle.
+func (b *Backend) RoPEBackward(dx, cos, sin compute.Tensor, tokens, heads, headDim int) {
+	b.rotate(f32(dx), f32(cos), f32(sin), tokens, heads, headDim, -1)
+}
+
+// rotate applies the rotate-half rotation by sign·angle in place.
+func (b *Backend) rotate(xs, cs, ss []float32, tokens, heads, headDim int, sign float32) {
 	half := headDim / 2
-	parallel(tokens, func(lo, hi int) {
-		cos := make([]float32, half)
-		sin := make([]float32, half)
+	b.rows(tokens, heads*headDim, func(_, lo, hi int) {
 		for t := lo; t < hi; t++ {
-			p := float32(ps[t])
-			for i := 0; i < half; i++ {
-				a := float64(p * inv[i])
-				cos[i], sin[i] = float32(math.Cos(a)), float32(math.Sin(a))
-			}
+			c, s := cs[t*half:(t+1)*half], ss[t*half:(t+1)*half]
 			for h := 0; h < heads; h++ {
 				v := xs[(t*heads+h)*headDim : (t*heads+h+1)*headDim]
 				for i := 0; i < half; i++ {
-					a, b := v[i], v[i+half]
-					v[i] = a*cos[i] - b*sin[i]
-					v[i+half] = b*cos[i] + a*sin[i]
+					si := sign * s[i]
+					x1, x2 := v[i], v[i+half]
+					v[i] = x1*c[i] - x2*si
+					v[i+half] = x2*c[i] + x1*si
 				}
 			}
 		}
 	})
 }
 
-// attnBlock is the query-block size of attention: scores are held for
-// attnBlock queries x sample length at a time per worker.
-const attnBlock = 128
-
-// Attention implements compute.Backend. Work items are (sample, head, query
-// block); each computes S = Q·Kᵀ·scale over the keys up to the block's last
-// query, a causal fp32 softmax, and O = P·V, with single-threaded GEMMs
-// running concurrently on all cores.
-func (be *Backend) Attention(out, q, k, v, starts compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
-	o, qs, ks, vs, st := f32(out), f32(q), f32(k), f32(v), i32(starts)
-	type item struct{ s, h, q0 int }
-	var items []item
-	for s := 0; s < nSeq; s++ {
-		L := int(st[s+1] - st[s])
-		for h := 0; h < nHead; h++ {
-			for q0 := 0; q0 < L; q0 += attnBlock {
-				items = append(items, item{s, h, q0})
-			}
-		}
-	}
-	// Longest first: balances the tail of the queue.
-	sort.SliceStable(items, func(i, j int) bool { return items[i].q0 > items[j].q0 })
-	scratch := make([][]float32, Threads)
-	defer func() {
-		for _, sc := range scratch {
-			if sc != nil {
-				be.release(sc)
-			}
-		}
-	}()
-	group := nHead / nKV
-	ldq, ldk := nHead*hd, nKV*hd
-	WorkQueue(len(items), func(w, i int) {
-		it := items[i]
-		a := int(st[it.s])
-		L := int(st[it.s+1]) - a
-		q1 := min(it.q0+attnBlock, L)
-		nq, nk := q1-it.q0, q1
-		if scratch[w] == nil {
-			scratch[w] = be.scratch(attnBlock * maxLen)
-		}
-		sc := scratch[w][:nq*nk]
-		g := it.h / group
-		qp := qs[(a+it.q0)*ldq+it.h*hd:]
-		kp := ks[a*ldk+g*hd:]
-		vp := vs[a*ldk+g*hd:]
-		Sgemm(false, true, nq, nk, hd, scale, qp, ldq, kp, ldk, 0, sc, nk)
-		C.k_softmax_causal(fp(sc), C.long(nq), C.long(nk), C.long(it.q0+1))
-		Sgemm(false, false, nq, hd, nk, 1, sc, nk, vp, ldk, 0, o[(a+it.q0)*ldq+it.h*hd:], ldq)
-	})
-}
-
 // SwiGLU implements compute.Backend.
-func (*Backend) SwiGLU(out, gate, up compute.Tensor, n int) {
+func (b *Backend) SwiGLU(out, gate, up compute.Tensor, n int) {
 	o, g, u := f32(out), f32(gate), f32(up)
-	parallel((n+4095)/4096, func(lo, hi int) {
+	b.parallel((n+4095)/4096, func(lo, hi int) {
 		a, b := lo*4096, min(hi*4096, n)
 		C.k_swiglu(fp(o[a:]), fp(g[a:]), fp(u[a:]), C.long(b-a))
 	})
 }
 
 // Add implements compute.Backend.
-func (*Backend) Add(a, b compute.Tensor, n int) {
+func (be *Backend) Add(a, b compute.Tensor, n int) {
 	as, bs := f32(a), f32(b)
-	parallel((n+4095)/4096, func(lo, hi int) {
+	be.parallel((n+4095)/4096, func(lo, hi int) {
 		x, y := lo*4096, min(hi*4096, n)
 		C.k_add(fp(as[x:]), fp(bs[x:]), C.long(y-x))
 	})
@@ -348,10 +376,10 @@ func (be *Backend) MoE(out, x compute.Tensor, m *compute.MoEWeights, tokens int)
 	o, xs := f32(out), f32(x)
 	E, K, H, I := m.NumExperts, m.TopK, m.Hidden, m.Inter
 	logits := make([]float32, tokens*E)
-	SgemmPar(false, true, tokens, E, H, 1, xs, H, f32(m.Router), H, 0, logits, E)
+	be.sgemm(false, true, tokens, E, H, 1, xs, H, f32(m.Router), H, 0, logits, E)
 	sel := make([]int32, tokens*K)
 	wts := make([]float32, tokens*K)
-	parallel(tokens, func(lo, hi int) {
+	be.parallel(tokens, func(lo, hi int) {
 		p := make([]float32, E)
 		idx := make([]int, E)
 		for t := lo; t < hi; t++ {
@@ -416,10 +444,10 @@ func (be *Backend) MoE(out, x compute.Tensor, m *compute.MoEWeights, tokens int)
 		for i, t := range rows[e] {
 			copy(xin[i*H:(i+1)*H], xs[int(t)*H:])
 		}
-		SgemmPar(false, true, n, I, H, 1, xin, H, f32(m.Gate[e]), H, 0, gate, I)
-		SgemmPar(false, true, n, I, H, 1, xin, H, f32(m.Up[e]), H, 0, up, I)
+		be.sgemm(false, true, n, I, H, 1, xin, H, f32(m.Gate[e]), H, 0, gate, I)
+		be.sgemm(false, true, n, I, H, 1, xin, H, f32(m.Up[e]), H, 0, up, I)
 		C.k_swiglu(fp(gate), fp(gate), fp(up), C.long(n*I))
-		SgemmPar(false, true, n, H, I, 1, gate, I, f32(m.Down[e]), I, 0, y, H)
+		be.sgemm(false, true, n, H, I, 1, gate, I, f32(m.Down[e]), I, 0, y, H)
 		for i, t := range rows[e] {
 			w := rw[e][i]
 			dst := o[int(t)*H : (int(t)+1)*H]
@@ -437,15 +465,10 @@ const lmTile = 2048
 // lmRows is the token slab a worker scores against each vocab tile.
 const lmRows = 256
 
-// LMHeadScratchBytes is what LMHeadTopK allocates beside its outputs.
-func LMHeadScratchBytes(k int) int64 {
-	return int64(Threads) * (4*lmRows*lmTile + lmRows*(4+8+4) + int64(lmRows)*int64(k)*(4+4+8))
-}
-
-// AttentionScratchBytes is what Attention allocates beside its output for
-// samples of at most maxLen tokens.
-func AttentionScratchBytes(maxLen int) int64 {
-	return int64(Threads) * 4 * attnBlock * int64(maxLen)
+// LMHeadScratchBytes implements compute.ScratchReporter: what LMHeadTopK
+// allocates beside its outputs.
+func (be *Backend) LMHeadScratchBytes(k int) int64 {
+	return int64(be.threads) * (4*lmRows*lmTile + lmRows*(4+8+4) + int64(lmRows)*int64(k)*(4+4+8))
 }
 
 // LMHeadTopK implements compute.Backend. Each worker takes a slab of up to
@@ -462,7 +485,7 @@ func (be *Backend) LMHeadTopK(ids, logprobs, x, w compute.Tensor, tokens, hidden
 		hi, hn         []int32
 		ord            []int
 	}
-	scr := make([]*scratch, Threads)
+	scr := make([]*scratch, be.threads)
 	defer func() {
 		for _, sc := range scr {
 			if sc != nil {
@@ -470,7 +493,7 @@ func (be *Backend) LMHeadTopK(ids, logprobs, x, w compute.Tensor, tokens, hidden
 			}
 		}
 	}()
-	WorkQueue(nSlab, func(wk, s int) {
+	be.workQueue(nSlab, func(wk, s int) {
 		if scr[wk] == nil {
 			scr[wk] = &scratch{tile: be.scratch(lmRows * lmTile), rmax: make([]float32, lmRows),
 				hv: make([]float32, lmRows*k), rsum: make([]float64, lmRows), hi: make([]int32, lmRows*k),

@@ -9,7 +9,6 @@ import "C"
 
 import (
 	"fmt"
-	"runtime"
 	"sync"
 	"unsafe"
 )
@@ -26,9 +25,6 @@ import (
 var blasInit sync.Once
 
 func initBLAS() { blasInit.Do(func() { C.openblas_set_num_threads(1) }) }
-
-// Threads is the number of worker goroutines the CPU kernels split into.
-var Threads = runtime.NumCPU()
 
 // Sgemm computes C = alpha·op(A)·op(B) + beta·C on row-major matrices, on
 // the calling goroutine only: op(A) is (m,k), op(B) is (k,n), C is (m,n);
@@ -93,20 +89,13 @@ func checkGemm(transA, transB bool, m, n, k, na, lda, nb, ldb, nc, ldc int) {
 	check("C", m, n, nc, ldc)
 }
 
-// SgemmPar is Sgemm split over Threads goroutines by row slabs of C (or by
+// sgemmPar is Sgemm split over t goroutines by row slabs of C (or by
 // column slabs when m is small), for GEMMs big enough to pay for it.
-func SgemmPar(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
-	if Threads <= 1 || int64(m)*int64(n)*int64(k) < 1<<18 {
+func sgemmPar(t int, transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
+	if t <= 1 || int64(m)*int64(n)*int64(k) < 1<<18 {
 		Sgemm(transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
 		return
 	}
-	sgemmSlabs(transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
-}
-
-// sgemmSlabs splits C into Threads row slabs (or column slabs when m is
-// small) computed concurrently by single-threaded calls.
-func sgemmSlabs(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
-	t := Threads
 	// The whole GEMM is checked here: a slab's check alone could let a
 	// short slice through as a smaller, wrong product.
 	checkGemm(transA, transB, m, n, k, len(a), lda, len(b), ldb, len(c), ldc)

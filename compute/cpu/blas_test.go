@@ -3,6 +3,7 @@ package cpu
 import (
 	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"testing"
 )
 
@@ -42,12 +43,8 @@ func randSlice(r *rand.Rand, n int) []float32 {
 
 func TestSgemmAllTransposes(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
-	// Sizes cover each SgemmPar path: plain (< 2^18 multiply-adds), and
-	// goroutine slabs by rows and by columns. Three workers, whatever the
-	// machine (a 1-core one would never split), and uneven slabs.
-	old := Threads
-	defer func() { Threads = old }()
-	Threads = 3
+	// Sizes cover each sgemmPar path: plain (< 2^18 multiply-adds), and
+	// goroutine slabs by rows and by columns (3 workers: uneven slabs).
 	for _, sz := range [][3]int{{1, 1, 1}, {3, 5, 7}, {37, 65, 129}, {130, 3, 200}, {2, 300, 64}, {200, 90, 100}, {9, 700, 100}, {520, 517, 500}} {
 		m, n, k := sz[0], sz[1], sz[2]
 		for _, ta := range []bool{false, true} {
@@ -64,7 +61,7 @@ func TestSgemmAllTransposes(t *testing.T) {
 				for _, par := range []bool{false, true} {
 					c := make([]float32, m*n)
 					if par {
-						SgemmPar(ta, tb, m, n, k, 1, a, lda, b, ldb, 0, c, n)
+						sgemmPar(3, ta, tb, m, n, k, 1, a, lda, b, ldb, 0, c, n)
 					} else {
 						Sgemm(ta, tb, m, n, k, 1, a, lda, b, ldb, 0, c, n)
 					}
@@ -87,7 +84,7 @@ func BenchmarkSgemm(b *testing.B) {
 			x, w, c := randSlice(r, s*s), randSlice(r, s*s), make([]float32, s*s)
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
-				SgemmPar(false, true, s, s, s, 1, x, s, w, s, 0, c, s)
+				sgemmPar(runtime.NumCPU(), false, true, s, s, s, 1, x, s, w, s, 0, c, s)
 			}
 			b.ReportMetric(2*float64(s)*float64(s)*float64(s)*float64(b.N)/b.Elapsed().Seconds()/1e9, "GFLOP/s")
 		})

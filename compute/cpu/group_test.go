@@ -8,15 +8,6 @@ import (
 	"testing"
 )
 
-// withWorkers sets Threads for one test, so the kernels start worker
-// goroutines whatever the machine's core count.
-func withWorkers(t *testing.T, n int) {
-	t.Helper()
-	old := Threads
-	Threads = n
-	t.Cleanup(func() { Threads = old })
-}
-
 // recovered runs fn and returns what it panicked with (nil: no panic).
 func recovered(fn func()) (r any) {
 	defer func() { r = recover() }()
@@ -29,7 +20,8 @@ func recovered(fn func()) (r any) {
 // kernel, where a recover (the daemon's forward pass) catches it. Before,
 // it ended the process.
 func TestWorkerPanicReachesCaller(t *testing.T) {
-	withWorkers(t, 4)
+	be := New(4)
+	parallel, WorkQueue := be.parallel, be.workQueue
 	var oob []int
 	cases := map[string]func(){
 		"parallel": func() {
@@ -92,8 +84,7 @@ func (s *atomicSum) add(d int) { s.n.Add(int64(d)) }
 // panic with what is wrong instead of reading or writing past the slice.
 // A mismatch inside a parallel GEMM's slab reaches the caller too.
 func TestSgemmChecksLengths(t *testing.T) {
-	withWorkers(t, 4)
-	const m, n, k = 64, 64, 128 // big enough for SgemmPar to split
+	const m, n, k = 64, 64, 128 // big enough for sgemmPar to split
 	a, b, c := make([]float32, m*k), make([]float32, k*n), make([]float32, m*n)
 	for _, tc := range []struct {
 		name string
@@ -107,7 +98,7 @@ func TestSgemmChecksLengths(t *testing.T) {
 		{"short C", func() { Sgemm(false, false, m, n, k, 1, a, k, b, n, 0, c[:m*n-1], n) }, "C is stored (64,64)"},
 		{"stride", func() { Sgemm(false, false, m, n, k, 1, a, k-1, b, n, 0, c, n) }, "row stride is 127, want >= 128"},
 		{"negative", func() { Sgemm(false, false, -1, n, k, 1, a, k, b, n, 0, c, n) }, "negative shape"},
-		{"parallel short C", func() { SgemmPar(false, true, m, n, k, 1, a, k, b, k, 0, c[:m*n-1], n) }, "C is stored (64,64)"},
+		{"parallel short C", func() { sgemmPar(4, false, true, m, n, k, 1, a, k, b, k, 0, c[:m*n-1], n) }, "C is stored (64,64)"},
 	} {
 		r := recovered(tc.run)
 		msg := ""
@@ -123,6 +114,6 @@ func TestSgemmChecksLengths(t *testing.T) {
 	}
 	// The exact sizes pass, and k = 0 reads neither A nor B.
 	Sgemm(false, false, m, n, k, 1, a, k, b, n, 0, c, n)
-	SgemmPar(false, true, m, n, k, 1, a, k, b, k, 0, c, n)
+	sgemmPar(4, false, true, m, n, k, 1, a, k, b, k, 0, c, n)
 	Sgemm(false, false, m, n, 0, 1, nil, 1, nil, n, 0, c, n)
 }

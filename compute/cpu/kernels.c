@@ -36,17 +36,43 @@ CLONES void k_expf(float *out, const float *x, long n) {
 	for (long i = 0; i < n; i++) out[i] = fexp(x[i]);
 }
 
-// out (rows,dim) = x / sqrt(mean(x^2) + eps) * w, in fp32 like HF's
-// LlamaRMSNorm (hidden_states.to(float32); variance = pow(2).mean(-1)).
-CLONES void k_rmsnorm(float *out, const float *x, const float *w, long rows, long dim, float eps) {
+// out (rows,dim) = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps), in fp32
+// like HF's LlamaRMSNorm (hidden_states.to(float32); variance =
+// pow(2).mean(-1)); the mean of squares is accumulated in double (as
+// torch's fp32 reduction, it keeps its digits over long rows) and rounded
+// to fp32. rstd (rows) receives the statistics, or is NULL.
+CLONES void k_rmsnorm(float *out, float *rstd, const float *x, const float *w, long rows, long dim, float eps) {
 	for (long r = 0; r < rows; r++) {
 		const float *xr = x + r * dim;
 		float *o = out + r * dim;
-		float ss = 0;
+		double ss = 0;
 #pragma omp simd reduction(+ : ss)
-		for (long i = 0; i < dim; i++) ss += xr[i] * xr[i];
-		float rstd = 1.0f / sqrtf(ss / (float)dim + eps);
-		for (long i = 0; i < dim; i++) o[i] = (xr[i] * rstd) * w[i];
+		for (long i = 0; i < dim; i++) ss += (double)xr[i] * (double)xr[i];
+		float ms = (float)(ss / (double)dim);
+		float rs = (float)(1.0 / sqrt((double)(ms + eps)));
+		if (rstd) rstd[r] = rs;
+		for (long i = 0; i < dim; i++) o[i] = (xr[i] * rs) * w[i];
+	}
+}
+
+// k_rmsnorm_bwd: dout, x (rows,dim), w (dim), rstd (rows) -> dx (rows,dim)
+// +=, dw_acc (dim, double) +=. With xh = x*rstd:
+// dw += dout*xh; dx += rstd*(dout*w - xh*mean(dout*w*xh)).
+CLONES void k_rmsnorm_bwd(float *dx, double *dw_acc, const float *dout, const float *x, const float *w,
+                          const float *rstd, long rows, long dim) {
+	for (long r = 0; r < rows; r++) {
+		const float *xr = x + r * dim, *d = dout + r * dim;
+		float *dxr = dx + r * dim;
+		float rs = rstd[r];
+		double dot = 0;
+#pragma omp simd reduction(+ : dot)
+		for (long i = 0; i < dim; i++) {
+			float xh = xr[i] * rs;
+			dot += (double)(d[i] * w[i] * xh);
+			dw_acc[i] += (double)(d[i] * xh);
+		}
+		float m = (float)(dot / (double)dim);
+		for (long i = 0; i < dim; i++) dxr[i] += rs * (d[i] * w[i] - xr[i] * rs * m);
 	}
 }
 
@@ -64,8 +90,9 @@ CLONES void k_add(float *a, const float *b, long n) {
 
 // Row-wise causal softmax in place on s (rows, ld): row i keeps its first
 // first_len+i entries, softmaxed in fp32; the entries after them up to ld
-// become 0.
-CLONES void k_softmax_causal(float *s, long rows, long ld, long first_len) {
+// become 0. lse (row i at lse[i*lse_stride]) receives the log-sum-exp of
+// the kept entries, or is NULL.
+CLONES void k_softmax_causal(float *s, long rows, long ld, long first_len, float *lse, long lse_stride) {
 	for (long r = 0; r < rows; r++) {
 		float *row = s + r * ld;
 		long n = first_len + r;
@@ -83,6 +110,38 @@ CLONES void k_softmax_causal(float *s, long rows, long ld, long first_len) {
 		float inv = 1.0f / sum;
 		for (long i = 0; i < n; i++) row[i] *= inv;
 		for (long i = n; i < ld; i++) row[i] = 0;
+		if (lse) lse[r * lse_stride] = m + (float)log((double)sum);
+	}
+}
+
+// k_softmax_recompute turns scores s (rows, ld) into the probabilities of
+// k_softmax_causal from its saved lse: p = exp(s - lse) on the first
+// first_len+i entries of row i, 0 after.
+CLONES void k_softmax_recompute(float *s, long rows, long ld, long first_len, const float *lse, long lse_stride) {
+	for (long r = 0; r < rows; r++) {
+		float *row = s + r * ld;
+		long n = first_len + r;
+		if (n > ld) n = ld;
+		float l = lse[r * lse_stride];
+		for (long i = 0; i < n; i++) row[i] = fexp(row[i] - l);
+		for (long i = n; i < ld; i++) row[i] = 0;
+	}
+}
+
+// k_softmax_bwd turns dp (rows, ld), the gradient w.r.t. the probabilities
+// p of k_softmax_causal, into the gradient w.r.t. the scores in place:
+// ds = p*(dp - sum(p*dp)) on the kept entries, 0 after.
+CLONES void k_softmax_bwd(float *dp, const float *p, long rows, long ld, long first_len) {
+	for (long r = 0; r < rows; r++) {
+		float *d = dp + r * ld;
+		const float *pr = p + r * ld;
+		long n = first_len + r;
+		if (n > ld) n = ld;
+		float dot = 0;
+#pragma omp simd reduction(+ : dot)
+		for (long i = 0; i < n; i++) dot += pr[i] * d[i];
+		for (long i = 0; i < n; i++) d[i] = pr[i] * (d[i] - dot);
+		for (long i = n; i < ld; i++) d[i] = 0;
 	}
 }
 
@@ -203,4 +262,45 @@ CLONES void k_swiglu_bwd(float *dg, float *du, const float *dout, const float *g
 		du[i] += dout[i] * gv * sg;
 		dg[i] += dout[i] * u[i] * sg * (1.0f + gv * (1.0f - sg));
 	}
+}
+
+// k_adamw: one torch.optim.AdamW update in place (compute.AdamWStep).
+CLONES void k_adamw(float *p, const float *g, float *m, float *v, long n, float b1, float b2, float eps,
+                    float step, float bc2, float decay) {
+	for (long i = 0; i < n; i++) {
+		float x = g[i];
+		float pi = p[i] * decay;
+		float mi = b1 * m[i] + (1 - b1) * x;
+		float vi = b2 * v[i] + (1 - b2) * x * x;
+		m[i] = mi;
+		v[i] = vi;
+		p[i] = pi - step * mi / (sqrtf(vi) / bc2 + eps);
+	}
+}
+
+// k_sumsq returns sum x[i]^2 accumulated in double.
+CLONES double k_sumsq(const float *x, long n) {
+	double s = 0;
+#pragma omp simd reduction(+ : s)
+	for (long i = 0; i < n; i++) s += (double)x[i] * (double)x[i];
+	return s;
+}
+
+// k_scale: x *= c.
+CLONES void k_scale(float *x, long n, float c) {
+	for (long i = 0; i < n; i++) x[i] *= c;
+}
+
+// k_absmax returns max |x[i]|, or NaN when x holds a NaN (as Go's max and
+// torch's amax do), so that a calibration that saw NaN fails loudly.
+CLONES float k_absmax(const float *x, long n) {
+	float m = 0;
+	int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+	for (long i = 0; i < n; i++) {
+		float a = fabsf(x[i]);
+		nan |= a != a;
+		m = a > m ? a : m;
+	}
+	return nan ? NAN : m;
 }

@@ -3,10 +3,14 @@
 // binary runs fast everywhere. Reductions use `omp simd` (no -ffast-math).
 #include <stdint.h>
 
-void k_rmsnorm(float *out, const float *x, const float *w, long rows, long dim, float eps);
+void k_rmsnorm(float *out, float *rstd, const float *x, const float *w, long rows, long dim, float eps);
+void k_rmsnorm_bwd(float *dx, double *dw_acc, const float *dout, const float *x, const float *w,
+                   const float *rstd, long rows, long dim);
 void k_swiglu(float *out, const float *g, const float *u, long n);
 void k_add(float *a, const float *b, long n);
-void k_softmax_causal(float *s, long rows, long ld, long first_len);
+void k_softmax_causal(float *s, long rows, long ld, long first_len, float *lse, long lse_stride);
+void k_softmax_recompute(float *s, long rows, long ld, long first_len, const float *lse, long lse_stride);
+void k_softmax_bwd(float *dp, const float *p, long rows, long ld, long first_len);
 void k_expf(float *out, const float *x, long n);
 void k_lse_topk(const float *logits, long rows, long ncols, long ld, long col0,
                 float *rmax, double *rsum, int k, float *hv, int32_t *hi, int32_t *hn);
@@ -14,3 +18,8 @@ double k_sumexp(const float *x, long n, float scale, float shift);
 void k_scaled_exp(float *out, const float *x, long n, float scale, float shift, float mul);
 void k_exp_mix(float *out, const float *x, long n, float s1, float h1, float a, float h2, float b);
 void k_swiglu_bwd(float *dg, float *du, const float *dout, const float *g, const float *u, long n);
+void k_adamw(float *p, const float *g, float *m, float *v, long n, float b1, float b2, float eps,
+             float step, float bc2, float decay);
+double k_sumsq(const float *x, long n);
+void k_scale(float *x, long n, float c);
+float k_absmax(const float *x, long n);

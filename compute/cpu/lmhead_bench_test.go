@@ -10,7 +10,7 @@ import (
 // BenchmarkLMHeadTopK: the streaming LM head of a Qwen3-vocab teacher
 // (hidden 256, vocab 151936, k=64) over 512 tokens; GFLOP/s counts the GEMM.
 func BenchmarkLMHeadTopK(b *testing.B) {
-	be := New()
+	be := New(0)
 	r := rand.New(rand.NewPCG(1, 1))
 	tokens, hidden, vocab, k := 512, 256, 151936, 64
 	x, w := be.FromF32(randSlice(r, tokens*hidden)), be.FromF32(randSlice(r, vocab*hidden))

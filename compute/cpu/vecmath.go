@@ -5,20 +5,20 @@ package cpu
 */
 import "C"
 
-// Vectorized exp-based loops for callers outside the backend (the student's
-// loss tiles), on the calling goroutine. exp is the kernels' float32
+// Vectorized exp-based loops of the loss head's tiles, on the calling
+// goroutine. exp is the kernels' float32
 // polynomial (about 1 ulp; TestFastExp), inputs clamped to [-87, 88].
 
-// SumExp returns Σ exp(x[i]·scale - shift), accumulated in float64.
-func SumExp(x []float32, scale, shift float32) float64 {
+// sumExp returns Σ exp(x[i]·scale - shift), accumulated in float64.
+func sumExp(x []float32, scale, shift float32) float64 {
 	if len(x) == 0 {
 		return 0
 	}
 	return float64(C.k_sumexp(fp(x), C.long(len(x)), C.float(scale), C.float(shift)))
 }
 
-// ScaledExp sets out[i] = mul·exp(x[i]·scale - shift); out may alias x.
-func ScaledExp(out, x []float32, scale, shift, mul float32) {
+// scaledExp sets out[i] = mul·exp(x[i]·scale - shift); out may alias x.
+func scaledExp(out, x []float32, scale, shift, mul float32) {
 	if len(x) == 0 {
 		return
 	}
@@ -26,32 +26,12 @@ func ScaledExp(out, x []float32, scale, shift, mul float32) {
 	C.k_scaled_exp(fp(out), fp(x), C.long(len(x)), C.float(scale), C.float(shift), C.float(mul))
 }
 
-// ExpMix sets out[i] = a·exp(x[i]·s1 - h1) + b·exp(x[i] - h2); out may
+// expMix sets out[i] = a·exp(x[i]·s1 - h1) + b·exp(x[i] - h2); out may
 // alias x.
-func ExpMix(out, x []float32, s1, h1, a, h2, b float32) {
+func expMix(out, x []float32, s1, h1, a, h2, b float32) {
 	if len(x) == 0 {
 		return
 	}
 	_ = out[len(x)-1]
 	C.k_exp_mix(fp(out), fp(x), C.long(len(x)), C.float(s1), C.float(h1), C.float(a), C.float(h2), C.float(b))
-}
-
-// SwiGLUSlice sets out[i] = silu(gate[i])·up[i] on the calling goroutine.
-func SwiGLUSlice(out, gate, up []float32) {
-	if len(gate) == 0 {
-		return
-	}
-	_, _ = out[len(gate)-1], up[len(gate)-1]
-	C.k_swiglu(fp(out), fp(gate), fp(up), C.long(len(gate)))
-}
-
-// SwiGLUBackwardSlice accumulates the gradients of out = silu(gate)·up:
-// dup += dout·silu(gate), dgate += dout·up·σ(gate)·(1 + gate·(1-σ(gate))).
-func SwiGLUBackwardSlice(dgate, dup, dout, gate, up []float32) {
-	n := len(gate)
-	if n == 0 {
-		return
-	}
-	_, _, _, _ = dgate[n-1], dup[n-1], dout[n-1], up[n-1]
-	C.k_swiglu_bwd(fp(dgate), fp(dup), fp(dout), fp(gate), fp(up), C.long(n))
 }

@@ -3,6 +3,8 @@ package loss
 import (
 	"math/rand"
 	"testing"
+
+	"distill/compute"
 )
 
 // BenchmarkHead is the fused LM head + KD loss alone, forward and backward,
@@ -31,13 +33,14 @@ func BenchmarkHead(b *testing.B) {
 			tg.TopLP[t*K+j] = float32(-2 - j)
 		}
 	}
-	dx, dw := make([]float32, N*C), make([]float32, V*C)
+	xt, wt := testBE.FromF32(x), testBE.FromF32(w)
+	dx, dw := testBE.New(compute.F32, N*C), testBE.New(compute.F32, V*C)
 	for _, tail := range []Tail{Bucket, Renormalize, Zero} {
 		b.Run(string(tail), func(b *testing.B) {
 			opt := Options{KD: FwdKL, Tail: tail, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
-			h := &Head{V: V, C: C}
+			h := &Head{Backend: testBE, V: V, C: C}
 			for i := 0; i < b.N; i++ {
-				if _, err := h.ForwardBackward(x, w, dx, dw, &tg, &opt, 0); err != nil {
+				if _, err := h.ForwardBackward(xt, wt, dx, dw, &tg, &opt, 0); err != nil {
 					b.Fatal(err)
 				}
 			}

@@ -1,8 +1,13 @@
 // Package loss computes the student's KD + SFT loss and its gradient with
-// the LM head fused in: logits are produced in vocabulary tiles
-// (tokens x TileCols), reduced with an online log-sum-exp, and recomputed
-// tile by tile in the backward pass, so [tokens x vocab] is never held
-// (Qwen3's V = 151936 at 8k tokens would be 5 GB in fp32).
+// the LM head fused in: the backend's LossHeadForward produces the logits
+// in vocabulary tiles (tokens x TileCols), reduced with an online
+// log-sum-exp, and its LossHeadBackward recomputes them tile by tile, so
+// [tokens x vocab] is never held (Qwen3's V = 151936 at 8k tokens would be
+// 5 GB in fp32). This package validates the batch, picks the counted
+// positions and computes, in float64 on the host, each one's divergence
+// and the gradient coefficients (compute.LossCoef) from the statistics of
+// pass 1 (compute.LossStats): the definitions below live here once, for
+// every backend.
 //
 // # Definitions
 //
@@ -87,9 +92,7 @@ import (
 	"math"
 	"sort"
 
-	"distill/compute/cpu"
-	"distill/train/internal/fmath"
-	"distill/train/internal/par"
+	"distill/compute"
 )
 
 // ErrInvalid is wrapped by every error about bad options or bad targets.
@@ -209,29 +212,20 @@ type Stats struct {
 	Tokens int     // counted positions
 }
 
-// Head is the fused LM head + loss. It keeps its scratch between calls.
+// Head is the fused LM head + loss on a backend. It keeps its host
+// scratch between calls.
 type Head struct {
-	V, C int // vocabulary and hidden sizes
-	// TileCols is the vocabulary tile width; 0 picks it so that one
-	// (tokens x tile) fp32 block fits in TileBytes (default 64 MiB).
-	TileCols  int
-	TileBytes int
+	Backend compute.Backend
+	V, C    int // vocabulary and hidden sizes
+	// TileCols is the vocabulary tile width; 0 lets the backend choose
+	// (the CPU backend: one (tokens x tile) fp32 block of 64 MiB).
+	TileCols int
 
 	// Per counted position (M of them), reused across calls.
-	rows          []int32   // (M) index into the batch
-	xc, dxc       []float32 // (M,C) gathered hidden states and their grads
-	tile          []float32 // (M, tile) logits / dlogits
-	mT, sT, sTail []float64 // running max (as float64), sum, non-K sum of exp(z/T - m)
-	m1, s1        []float64 // the same for T = 1 (CE), when T != 1
-	zK            []float32 // (M,K) gathered student logits at the teacher ids
-	zLab          []float32 // (M) student logit of the label
-	order         []int32   // (M,K) j indices sorted by teacher id
-	cur           []int32   // (M) cursor into order while tiles advance
-	lseT, lse1    []float32 // (M)
-	aT            []float32 // (M) coefficient of q_v for v outside K
-	cK            []float32 // (M,K) dL/dz at the teacher ids (KD part)
-	labs          []int32   // (M) label ids
-	stamp         []int32   // (V) duplicate-id detector
+	rows, labs []int32 // (M) index into the batch, label id
+	ids        []int32 // (M,K) teacher ids in ascending order
+	order      []int32 // (M,K) rank j of the c-th ascending id
+	stamp      []int32 // (V) duplicate-id detector
 }
 
 // Check validates the packing and the token ids of a batch for a
@@ -260,10 +254,10 @@ func (tg *Targets) Check(V int) error {
 
 // Validate checks targets against the head and the options, naming the
 // position and the field at fault.
-func (h *Head) validate(x []float32, tg *Targets, opt *Options) error {
+func (h *Head) validate(x compute.Tensor, tg *Targets, opt *Options) error {
 	N := len(tg.Tokens)
-	if len(x) != N*h.C {
-		return fmt.Errorf("%w: hidden states have %d values, want tokens %d x hidden %d", ErrInvalid, len(x), N, h.C)
+	if x.Len() < N*h.C {
+		return fmt.Errorf("%w: hidden states have %d values, want tokens %d x hidden %d", ErrInvalid, x.Len(), N, h.C)
 	}
 	if err := tg.Check(h.V); err != nil {
 		return err
@@ -286,18 +280,6 @@ func head(s []int32) []int32 {
 	return s
 }
 
-func grow32(b []float32, n int) []float32 {
-	if cap(b) < n {
-		return make([]float32, n)
-	}
-	return b[:n]
-}
-func grow64(b []float64, n int) []float64 {
-	if cap(b) < n {
-		return make([]float64, n)
-	}
-	return b[:n]
-}
 func growI(b []int32, n int) []int32 {
 	if cap(b) < n {
 		return make([]int32, n)
@@ -305,55 +287,47 @@ func growI(b []int32, n int) []int32 {
 	return b[:n]
 }
 
-// Forward computes the loss without gradients (evaluation).
-func (h *Head) Forward(x, w []float32, tg *Targets, opt *Options) (Stats, error) {
+// Forward computes the loss without gradients (evaluation). x (N,C) are
+// the final hidden states, w (V,C) the LM head (the embedding table when
+// tied), tensors of h.Backend.
+func (h *Head) Forward(x, w compute.Tensor, tg *Targets, opt *Options) (Stats, error) {
 	return h.run(x, w, nil, nil, tg, opt, 0)
 }
 
 // ForwardBackward computes the loss and ADDS its gradient to dx (N,C) and
-// dw (V,C). x (N,C) are the final hidden states, w (V,C) the LM head (the
-// embedding table when tied). The gradient is of Stats.Loss, or of
-// Stats.Loss·Tokens/normalizer when normalizer > 0 (gradient accumulation
-// over micro-batches divides by the global count instead).
-func (h *Head) ForwardBackward(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer float64) (Stats, error) {
+// dw (V,C). The gradient is of Stats.Loss, or of Stats.Loss·Tokens/
+// normalizer when normalizer > 0 (gradient accumulation over micro-batches
+// divides by the global count instead).
+func (h *Head) ForwardBackward(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, normalizer float64) (Stats, error) {
 	return h.run(x, w, dx, dw, tg, opt, normalizer)
 }
 
-func (h *Head) tileCols(M int) int {
-	if h.TileCols > 0 {
-		return min(h.TileCols, h.V)
-	}
-	b := h.TileBytes
-	if b <= 0 {
-		b = 64 << 20
-	}
-	vt := b / (4 * max(M, 1))
-	vt = max(vt/64*64, 64)
-	return min(vt, h.V)
-}
-
-func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer float64) (Stats, error) {
+func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, normalizer float64) (Stats, error) {
 	if err := opt.Validate(); err != nil {
 		return Stats{}, err
 	}
-	if len(w) != h.V*h.C {
-		return Stats{}, fmt.Errorf("%w: lm_head has %d values, want vocab %d x hidden %d", ErrInvalid, len(w), h.V, h.C)
+	if h.Backend == nil {
+		return Stats{}, fmt.Errorf("%w: the loss head has no backend", ErrInvalid)
+	}
+	if w.Len() != h.V*h.C {
+		return Stats{}, fmt.Errorf("%w: lm_head has %d values, want vocab %d x hidden %d", ErrInvalid, w.Len(), h.V, h.C)
 	}
 	if err := h.validate(x, tg, opt); err != nil {
 		return Stats{}, err
 	}
-	C, V := h.C, h.V
+	V := h.V
 	useKD := opt.KDWeight > 0
 	K := 0
 	if useKD {
 		K = tg.K
 	}
 	// Counted positions: t -> label t+1 in the same sample, masked in.
-	h.rows = h.rows[:0]
+	h.rows, h.labs = h.rows[:0], h.labs[:0]
 	for s := 0; s+1 < len(tg.Starts); s++ {
 		for t := tg.Starts[s]; t+1 < tg.Starts[s+1]; t++ {
 			if tg.Mask[t+1] != 0 {
 				h.rows = append(h.rows, t)
+				h.labs = append(h.labs, tg.Tokens[t+1])
 			}
 		}
 	}
@@ -363,12 +337,15 @@ func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer
 	}
 	// Teacher rows of counted positions: distinct ids in range, finite
 	// log-probs <= 0 (a small positive slack absorbs cache quantization).
+	// The backend walks each row's ids in ascending order.
+	h.ids, h.order = growI(h.ids, M*K), growI(h.order, M*K)
 	if useKD {
 		h.stamp = growI(h.stamp, V)
 		clear(h.stamp)
 		for n, t := range h.rows {
+			row := tg.TopIDs[int(t)*K : int(t+1)*K]
 			for j := 0; j < K; j++ {
-				id, lp := tg.TopIDs[int(t)*K+j], tg.TopLP[int(t)*K+j]
+				id, lp := row[j], tg.TopLP[int(t)*K+j]
 				if id < 0 || int(id) >= V {
 					return Stats{}, fmt.Errorf("%w: teacher top-k at token %d, rank %d: id %d outside the vocabulary [0,%d)", ErrInvalid, t, j, id, V)
 				}
@@ -380,96 +357,30 @@ func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer
 					return Stats{}, fmt.Errorf("%w: teacher log-prob at token %d, rank %d is %g: want a finite log-probability <= 0", ErrInvalid, t, j, lp)
 				}
 			}
-		}
-	}
-	// CE needs the untempered log-sum-exp, tracked apart when T != 1 (the
-	// CE statistic is reported even when sft_weight = 0).
-	sepCE := opt.Temperature != 1
-	invT := float32(1 / opt.Temperature)
-	h.xc = grow32(h.xc, M*C)
-	h.labs = growI(h.labs, M)
-	for n, t := range h.rows {
-		copy(h.xc[n*C:(n+1)*C], x[int(t)*C:int(t+1)*C])
-		h.labs[n] = tg.Tokens[t+1]
-	}
-	h.mT, h.sT, h.sTail = grow64(h.mT, M), grow64(h.sT, M), grow64(h.sTail, M)
-	h.m1, h.s1 = grow64(h.m1, M), grow64(h.s1, M)
-	h.zK, h.zLab = grow32(h.zK, M*K), grow32(h.zLab, M)
-	h.order, h.cur = growI(h.order, M*K), growI(h.cur, M)
-	for n := 0; n < M; n++ {
-		h.mT[n], h.m1[n] = math.Inf(-1), math.Inf(-1)
-		h.sT[n], h.sTail[n], h.s1[n] = 0, 0, 0
-		h.cur[n] = 0
-		if K > 0 {
 			o := h.order[n*K : (n+1)*K]
-			ids := tg.TopIDs[int(h.rows[n])*K:]
 			for j := range o {
 				o[j] = int32(j)
 			}
-			sort.Slice(o, func(a, b int) bool { return ids[o[a]] < ids[o[b]] })
+			sort.Slice(o, func(a, b int) bool { return row[o[a]] < row[o[b]] })
+			for c, j := range o {
+				h.ids[n*K+c] = row[j]
+			}
 		}
 	}
-	vt := h.tileCols(M)
-	h.tile = grow32(h.tile, M*vt)
-
-	// Pass 1: logits tile by tile; online log-sum-exp, tail sums, gathers.
-	for v0 := 0; v0 < V; v0 += vt {
-		v1 := min(v0+vt, V)
-		n := v1 - v0
-		L := h.tile[:M*n]
-		cpu.SgemmPar(false, true, M, n, C, 1, h.xc, C, w[v0*C:], C, 0, L, n)
-		par.Rows(M, n*3, func(_, lo, hi int) {
-			for r := lo; r < hi; r++ {
-				row := L[r*n : (r+1)*n]
-				mx := float32(math.Inf(-1))
-				for _, z := range row {
-					mx = max(mx, z)
-				}
-				// T-scaled sums: m is the running max of z/T.
-				m := max(h.mT[r], float64(mx*invT))
-				if m > h.mT[r] && h.sT[r] > 0 {
-					f := math.Exp(h.mT[r] - m)
-					h.sT[r] *= f
-					h.sTail[r] *= f
-				}
-				h.mT[r] = m
-				mf := float32(m)
-				if lab := int(h.labs[r]); lab >= v0 && lab < v1 {
-					h.zLab[r] = row[lab-v0]
-				}
-				if sepCE {
-					m1 := max(h.m1[r], float64(mx))
-					if m1 > h.m1[r] && h.s1[r] > 0 {
-						h.s1[r] *= math.Exp(h.m1[r] - m1)
-					}
-					h.m1[r] = m1
-					h.s1[r] += cpu.SumExp(row, 1, float32(m1))
-				}
-				// The teacher's ids are gathered, then masked out of the row,
-				// so that the tail is summed directly over v ∉ K (not as
-				// all - K, which cancels to noise, even to a negative value,
-				// when K holds all but ~1e-7 of the mass).
-				sumK := 0.0
-				if K > 0 {
-					ids := tg.TopIDs[int(h.rows[r])*K:]
-					o := h.order[r*K : (r+1)*K]
-					c := h.cur[r]
-					for ; c < int32(K) && int(ids[o[c]]) < v1; c++ {
-						j := o[c]
-						i := int(ids[j]) - v0
-						z := row[i]
-						h.zK[r*K+int(j)] = z
-						sumK += float64(fmath.Exp(z*invT - mf))
-						row[i] = float32(math.Inf(-1))
-					}
-					h.cur[r] = c
-				}
-				tail := cpu.SumExp(row, invT, mf)
-				h.sT[r] += tail + sumK
-				h.sTail[r] += tail
-			}
-		})
+	be := h.Backend
+	lh := &compute.LossHead{X: x, W: w, Rows: be.FromI32(h.rows), Labels: be.FromI32(h.labs),
+		M: M, C: h.C, V: V, K: K, InvT: float32(1 / opt.Temperature), TileCols: h.TileCols}
+	uploads := []compute.Tensor{lh.Rows, lh.Labels}
+	defer func() {
+		for _, t := range uploads {
+			be.Free(t)
+		}
+	}()
+	if K > 0 {
+		lh.TopIDs = be.FromI32(h.ids)
+		uploads = append(uploads, lh.TopIDs)
 	}
+	ps := be.LossHeadForward(lh)
 
 	// Per-position loss and gradient coefficients, in float64.
 	wkd := opt.KDWeight
@@ -480,83 +391,74 @@ func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer
 	if normalizer > 0 {
 		norm = normalizer
 	}
-	h.lseT, h.lse1 = grow32(h.lseT, M), grow32(h.lse1, M)
-	h.aT, h.cK = grow32(h.aT, M), grow32(h.cK, M*K)
-	kdSum, ceSum := make([]float64, par.Workers()), make([]float64, par.Workers())
-	tc := opt.teacherT()
-	par.Rows(M, K*20+20, func(wk, lo, hi int) {
-		lq := make([]float64, K+1)
-		lp := make([]float64, K+1)
-		hh := make([]float64, K+1)
-		for r := lo; r < hi; r++ {
-			lseT := h.mT[r] + math.Log(h.sT[r])
-			h.lseT[r] = float32(lseT)
-			lse1 := lseT
-			if sepCE {
-				lse1 = h.m1[r] + math.Log(h.s1[r])
-			}
-			h.lse1[r] = float32(lse1)
-			ceSum[wk] += lse1 - float64(h.zLab[r])
-			if K == 0 {
-				continue
-			}
-			t := int(h.rows[r])
-			n := K
-			qTail := 0.0
-			switch opt.Tail {
-			case Renormalize, Zero:
-				logSoftmaxK(lp[:K], tg.TopLP[t*K:(t+1)*K], tc/opt.Temperature)
-				if opt.Tail == Renormalize {
-					// q̃ = softmax_K(z_K/T), straight from the gathered logits.
-					for j := 0; j < K; j++ {
-						lq[j] = float64(h.zK[r*K+j]) * float64(invT)
-					}
-					lseK := logSumExp(lq[:K])
-					for j := 0; j < K; j++ {
-						lq[j] -= lseK
-					}
-				} else {
-					for j := 0; j < K; j++ {
-						lq[j] = float64(h.zK[r*K+j])*float64(invT) - lseT
-					}
-				}
-			default: // Bucket
-				var ps float64
-				for j := 0; j < K; j++ {
-					lq[j] = float64(h.zK[r*K+j])*float64(invT) - lseT
-					lp[j] = float64(tg.TopLP[t*K+j])
-					ps += math.Exp(lp[j])
-				}
-				lp[K] = math.Log(math.Max(1-ps, tailFloor))
-				qTail = h.sTail[r] / h.sT[r]
-				lq[K] = math.Log(math.Max(qTail, tailFloor))
-				n = K + 1
-			}
-			kdSum[wk] += divergence(opt, lp[:n], lq[:n], hh[:n])
-			H := 0.0
-			for _, v := range hh[:n] {
-				H += v
-			}
-			c := wkd / norm * float64(invT)
-			for j := 0; j < K; j++ {
-				h.cK[r*K+j] = float32(c * (hh[j] - math.Exp(lq[j])*H))
-			}
-			// The coefficient of q_v on v outside K (see the package doc's
-			// Gradient): renormalize has none.
-			a := -H
-			switch {
-			case opt.Tail == Renormalize:
-				a = 0
-			case opt.Tail == Bucket && qTail > tailFloor:
-				a += hh[K] / qTail
-			}
-			h.aT[r] = float32(math.Max(-1e30, math.Min(1e30, c*a)))
-		}
-	})
+	lseT32, lse132, aT, cK := make([]float32, M), make([]float32, M), make([]float32, M), make([]float32, M*K)
 	var kd, ce float64
-	for i := range kdSum {
-		kd += kdSum[i]
-		ce += ceSum[i]
+	// invT is the fp32 1/T the backend scales the logits by.
+	tc, invT := opt.teacherT(), float64(float32(1/opt.Temperature))
+	lq, lp, hh := make([]float64, K+1), make([]float64, K+1), make([]float64, K+1)
+	zK := make([]float64, K) // z at the teacher ids, in rank order
+	for r := 0; r < M; r++ {
+		lseT, lse1 := ps.LseT[r], ps.Lse1[r]
+		lseT32[r], lse132[r] = float32(lseT), float32(lse1)
+		ce += lse1 - float64(ps.ZLab[r])
+		if K == 0 {
+			continue
+		}
+		t := int(h.rows[r])
+		o := h.order[r*K : (r+1)*K]
+		for c, j := range o {
+			zK[j] = float64(ps.ZK[r*K+c])
+		}
+		n := K
+		qTail := 0.0
+		switch opt.Tail {
+		case Renormalize, Zero:
+			logSoftmaxK(lp[:K], tg.TopLP[t*K:(t+1)*K], tc/opt.Temperature)
+			if opt.Tail == Renormalize {
+				// q̃ = softmax_K(z_K/T), straight from the gathered logits.
+				for j := 0; j < K; j++ {
+					lq[j] = zK[j] * invT
+				}
+				lseK := logSumExp(lq[:K])
+				for j := 0; j < K; j++ {
+					lq[j] -= lseK
+				}
+			} else {
+				for j := 0; j < K; j++ {
+					lq[j] = zK[j]*invT - lseT
+				}
+			}
+		default: // Bucket
+			var psum float64
+			for j := 0; j < K; j++ {
+				lq[j] = zK[j]*invT - lseT
+				lp[j] = float64(tg.TopLP[t*K+j])
+				psum += math.Exp(lp[j])
+			}
+			lp[K] = math.Log(math.Max(1-psum, tailFloor))
+			qTail = ps.Tail[r]
+			lq[K] = math.Log(math.Max(qTail, tailFloor))
+			n = K + 1
+		}
+		kd += divergence(opt, lp[:n], lq[:n], hh[:n])
+		H := 0.0
+		for _, v := range hh[:n] {
+			H += v
+		}
+		c := wkd / norm * invT
+		for ci, j := range o {
+			cK[r*K+ci] = float32(c * (hh[j] - math.Exp(lq[j])*H))
+		}
+		// The coefficient of q_v on v outside K (see the package doc's
+		// Gradient): renormalize has none.
+		a := -H
+		switch {
+		case opt.Tail == Renormalize:
+			a = 0
+		case opt.Tail == Bucket && qTail > tailFloor:
+			a += hh[K] / qTail
+		}
+		aT[r] = float32(math.Max(-1e30, math.Min(1e30, c*a)))
 	}
 	st := Stats{KD: kd / float64(M), CE: ce / float64(M), Tokens: M}
 	if !useKD {
@@ -566,74 +468,14 @@ func (h *Head) run(x, w, dx, dw []float32, tg *Targets, opt *Options, normalizer
 	if dx == nil {
 		return st, nil
 	}
-
-	// Pass 2: recompute each logits tile, turn it into dlogits in place,
-	// then dxc += dL·W_tile and dW_tile += dLᵀ·xc.
-	wsft := float32(opt.SFTWeight / norm)
-	sepCE = sepCE && wsft != 0
-	h.dxc = grow32(h.dxc, M*C)
-	clear(h.dxc)
-	for r := 0; r < M; r++ {
-		h.cur[r] = 0
+	coef := &compute.LossCoef{LseT: be.FromF32(lseT32), Lse1: be.FromF32(lse132), A: be.FromF32(aT),
+		WSFT: float32(opt.SFTWeight / norm)}
+	uploads = append(uploads, coef.LseT, coef.Lse1, coef.A)
+	if K > 0 {
+		coef.CK = be.FromF32(cK)
+		uploads = append(uploads, coef.CK)
 	}
-	for v0 := 0; v0 < V; v0 += vt {
-		v1 := min(v0+vt, V)
-		n := v1 - v0
-		L := h.tile[:M*n]
-		cpu.SgemmPar(false, true, M, n, C, 1, h.xc, C, w[v0*C:], C, 0, L, n)
-		par.Rows(M, n*4, func(_, lo, hi int) {
-			for r := lo; r < hi; r++ {
-				row := L[r*n : (r+1)*n]
-				lseT, lse1, a := h.lseT[r], h.lse1[r], h.aT[r]
-				p1 := func(z float32) float32 { // the CE part's p_v, K entries only
-					if sepCE {
-						return fmath.Exp(z - lse1)
-					}
-					return fmath.Exp(z*invT - lseT)
-				}
-				// The tile's logits become dL/dz: the teacher part a·q_v
-				// (corrected on K below) plus the CE part wsft·p_v.
-				switch {
-				case K > 0 && wsft != 0 && sepCE:
-					cpu.ExpMix(row, row, invT, lseT, a, lse1, wsft)
-				case K > 0 && wsft != 0:
-					cpu.ScaledExp(row, row, invT, lseT, a+wsft)
-				case K > 0:
-					cpu.ScaledExp(row, row, invT, lseT, a)
-				case sepCE:
-					cpu.ScaledExp(row, row, 1, lse1, wsft)
-				default:
-					cpu.ScaledExp(row, row, invT, lseT, wsft)
-				}
-				if K > 0 {
-					ids := tg.TopIDs[int(h.rows[r])*K:]
-					o := h.order[r*K : (r+1)*K]
-					c := h.cur[r]
-					for ; c < int32(K) && int(ids[o[c]]) < v1; c++ {
-						j := o[c]
-						i := int(ids[j]) - v0
-						z := h.zK[r*K+int(j)]
-						row[i] = h.cK[r*K+int(j)]
-						if wsft != 0 {
-							row[i] += wsft * p1(z)
-						}
-					}
-					h.cur[r] = c
-				}
-				if lab := int(h.labs[r]); lab >= v0 && lab < v1 {
-					row[lab-v0] -= wsft
-				}
-			}
-		})
-		cpu.SgemmPar(false, false, M, C, n, 1, L, n, w[v0*C:], C, 1, h.dxc, C)
-		cpu.SgemmPar(true, false, n, C, M, 1, L, n, h.xc, C, 1, dw[v0*C:], C)
-	}
-	for n, t := range h.rows {
-		d, s := dx[int(t)*C:int(t+1)*C], h.dxc[n*C:(n+1)*C]
-		for i := range d {
-			d[i] += s[i]
-		}
-	}
+	be.LossHeadBackward(lh, coef, dx, dw)
 	return st, nil
 }
 

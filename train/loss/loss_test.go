@@ -136,7 +136,7 @@ func TestLossAndGradients(t *testing.T) {
 				ScaleT2: c.t2, KDWeight: c.kdw, SFTWeight: c.sw}
 			h := &Head{V: V, C: C, TileCols: 7}
 			dx, dw := make([]float32, len(b.x)), make([]float32, len(b.w))
-			st, err := h.ForwardBackward(b.x, b.w, dx, dw, &b.tg, &o, 0)
+			st, err := h.fwdBwd(b.x, b.w, dx, dw, &b.tg, &o, 0)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -157,7 +157,7 @@ func TestLossAndGradients(t *testing.T) {
 				t.Fatalf("counted %d positions, want %d", st.Tokens, want)
 			}
 			// The forward-only path must agree.
-			st2, err := (&Head{V: V, C: C}).Forward(b.x, b.w, &b.tg, &o)
+			st2, err := (&Head{V: V, C: C}).fwd(b.x, b.w, &b.tg, &o)
 			if err != nil || math.Abs(st2.Loss-st.Loss) > 1e-6*math.Abs(st.Loss)+1e-7 {
 				t.Fatalf("Forward = %v, %v; ForwardBackward gave %v", st2, err, st)
 			}
@@ -194,7 +194,7 @@ func TestCountedPositions(t *testing.T) {
 	}
 	o := Options{KD: FwdKL, Tail: Renormalize, Temperature: 1, KDWeight: 1}
 	h := &Head{V: 20, C: 4}
-	st, err := h.Forward(b.x, b.w, &b.tg, &o)
+	st, err := h.fwd(b.x, b.w, &b.tg, &o)
 	if err != nil || st.Tokens != want {
 		t.Fatalf("tokens %d err %v, want %d", st.Tokens, err, want)
 	}
@@ -204,7 +204,7 @@ func TestCountedPositions(t *testing.T) {
 	for j := 0; j < b.K; j++ {
 		b.tg.TopLP[last*b.K+j] = -50
 	}
-	st2, _ := h.Forward(b.x, b.w, &b.tg, &o)
+	st2, _ := h.fwd(b.x, b.w, &b.tg, &o)
 	if st2.Loss != st.Loss {
 		t.Fatalf("loss changed from %v to %v with the teacher row of a sample's last token", st.Loss, st2.Loss)
 	}
@@ -234,7 +234,7 @@ func TestExactKLWithFullVocab(t *testing.T) {
 					Tc = T
 				}
 				o := Options{KD: d.kd, Beta: d.beta, Tail: tail, Temperature: T, TeacherTemperature: Tc, KDWeight: 1}
-				st, err := (&Head{V: V, C: C, TileCols: 16}).Forward(b.x, b.w, &b.tg, &o)
+				st, err := (&Head{V: V, C: C, TileCols: 16}).fwd(b.x, b.w, &b.tg, &o)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -307,7 +307,7 @@ func TestTailPrecision(t *testing.T) {
 	tg := Targets{Tokens: []int32{0, 3}, Starts: []int32{0, 2}, Mask: []uint8{0, 1}, K: K,
 		TopIDs: []int32{3, 7, 3, 7}, TopLP: append(lp, lp...)}
 	o := Options{KD: FwdKL, Tail: Bucket, Temperature: 1, KDWeight: 1}
-	st, err := (&Head{V: V, C: C}).Forward(x, w, &tg, &o)
+	st, err := (&Head{V: V, C: C}).fwd(x, w, &tg, &o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -352,7 +352,7 @@ func TestInvalid(t *testing.T) {
 		tg.TopIDs = append([]int32(nil), b.tg.TopIDs...)
 		tg.TopLP = append([]float32(nil), b.tg.TopLP...)
 		c.edit(&o, &tg)
-		_, err := h.Forward(b.x, b.w, &tg, &o)
+		_, err := h.fwd(b.x, b.w, &tg, &o)
 		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s: err = %v, want ErrInvalid mentioning %q", c.name, err, c.want)
 		}
@@ -385,7 +385,7 @@ func TestTailPrecisionManyK(t *testing.T) {
 		TopIDs: append(ids, ids...), TopLP: append(lp, lp...)}
 	o := Options{KD: FwdKL, Tail: Bucket, Temperature: 1, KDWeight: 1}
 	dx, dw := make([]float32, 2), make([]float32, V)
-	st, err := (&Head{V: V, C: C}).ForwardBackward(x, w, dx, dw, &tg, &o, 0)
+	st, err := (&Head{V: V, C: C}).fwdBwd(x, w, dx, dw, &tg, &o, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -149,7 +149,7 @@ func optimum(t *testing.T, V, k int, g []float64, o Options) {
 	for step := 0; step <= steps; step++ {
 		clear(dz)
 		var err error
-		st, err = h.ForwardBackward(x, z, dx, dz, &tg, &o, 0)
+		st, err = h.fwdBwd(x, z, dx, dz, &tg, &o, 0)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -2,7 +2,8 @@
 // decay exactly as torch.optim.AdamW (non-amsgrad), learning-rate schedules
 // (constant, cosine, linear; linear warmup; floor at a minimum LR), and
 // global-norm gradient clipping as torch.nn.utils.clip_grad_norm_.
-// Master weights and both moments are fp32.
+// Master weights and both moments are fp32. The arithmetic runs on the
+// parameters' backend (compute.Backend's AdamW, SumSquares and Scale).
 package optim
 
 import (
@@ -10,19 +11,22 @@ import (
 	"fmt"
 	"math"
 
-	"distill/train/internal/par"
+	"distill/compute"
 )
 
 // ErrInvalid is wrapped by every configuration error of this package.
 var ErrInvalid = errors.New("optim: invalid configuration")
 
 // Group is one parameter tensor (a view into the parameter arena) and its
-// gradient. Decay is false for norms and biases, which are not decayed
-// (the usual LLM recipe: decay only matrices and embeddings).
+// gradient, on Backend. Decay is false for norms and biases, which are not
+// decayed (the usual LLM recipe: decay only matrices and embeddings).
 type Group struct {
-	Name          string
+	Name  string
+	Decay bool
+	// Params and Grads are host views of P and G (a host backend), or nil.
 	Params, Grads []float32
-	Decay         bool
+	Backend       compute.Backend
+	P, G          compute.Tensor
 }
 
 // AdamWConfig are the hyper-parameters (torch names: betas, eps,
@@ -45,27 +49,42 @@ func (c AdamWConfig) Validate() error {
 	return nil
 }
 
-// AdamW keeps the moments m and v (fp32, one per parameter) and the step
-// count that the bias corrections use.
+// AdamW keeps the moments m and v (fp32, one per parameter, on the
+// groups' backend) and the step count that the bias corrections use.
 type AdamW struct {
 	Cfg    AdamWConfig
 	Groups []Group
-	M, V   [][]float32 // per group, same length as Params
-	Steps  int         // updates applied so far
+	// M and V are host views of the moments, per group (checkpoints write
+	// and read them): they alias the backend's memory on a host backend
+	// (compute.Host) and are nil otherwise.
+	M, V  [][]float32
+	Steps int // updates applied so far
+
+	m, v []compute.Tensor
 }
 
-// NewAdamW returns an optimizer over groups with zeroed moments.
+// NewAdamW returns an optimizer over groups with zeroed moments. Every
+// group needs its backend tensors (P, G).
 func NewAdamW(cfg AdamWConfig, groups []Group) (*AdamW, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
 	a := &AdamW{Cfg: cfg, Groups: groups}
 	for _, g := range groups {
-		if len(g.Params) != len(g.Grads) {
-			return nil, fmt.Errorf("%w: group %s has %d params but %d grads", ErrInvalid, g.Name, len(g.Params), len(g.Grads))
+		if g.Backend == nil || g.P == nil || g.G == nil {
+			return nil, fmt.Errorf("%w: group %s has no backend tensors", ErrInvalid, g.Name)
 		}
-		a.M = append(a.M, make([]float32, len(g.Params)))
-		a.V = append(a.V, make([]float32, len(g.Params)))
+		if g.P.Len() != g.G.Len() {
+			return nil, fmt.Errorf("%w: group %s has %d params but %d grads", ErrInvalid, g.Name, g.P.Len(), g.G.Len())
+		}
+		m, v := g.Backend.New(compute.F32, g.P.Len()), g.Backend.New(compute.F32, g.P.Len())
+		a.m, a.v = append(a.m, m), append(a.v, v)
+		if h, ok := g.Backend.(compute.Host); ok {
+			a.M, a.V = append(a.M, h.HostF32(m)), append(a.V, h.HostF32(v))
+		}
+	}
+	if len(a.M) != len(groups) {
+		a.M, a.V = nil, nil
 	}
 	return a, nil
 }
@@ -78,26 +97,14 @@ func NewAdamW(cfg AdamWConfig, groups []Group) (*AdamW, error) {
 func (a *AdamW) Step(lr float64) {
 	a.Steps++
 	t := float64(a.Steps)
-	b1, b2 := float32(a.Cfg.Beta1), float32(a.Cfg.Beta2)
-	stepSize := float32(lr / (1 - math.Pow(a.Cfg.Beta1, t)))
-	bc2Sqrt := float32(math.Sqrt(1 - math.Pow(a.Cfg.Beta2, t)))
-	eps := float32(a.Cfg.Eps)
+	st := compute.AdamWStep{Beta1: float32(a.Cfg.Beta1), Beta2: float32(a.Cfg.Beta2), Eps: float32(a.Cfg.Eps),
+		StepSize: float32(lr / (1 - math.Pow(a.Cfg.Beta1, t))), BC2Sqrt: float32(math.Sqrt(1 - math.Pow(a.Cfg.Beta2, t)))}
 	for gi, g := range a.Groups {
-		decay := float32(1)
+		st.Decay = 1
 		if g.Decay {
-			decay = float32(1 - lr*a.Cfg.WeightDecay)
+			st.Decay = float32(1 - lr*a.Cfg.WeightDecay)
 		}
-		p, gr, m, v := g.Params, g.Grads, a.M[gi], a.V[gi]
-		par.Rows(len(p), 8, func(_, lo, hi int) {
-			for i := lo; i < hi; i++ {
-				x := gr[i]
-				p[i] *= decay
-				m[i] = b1*m[i] + (1-b1)*x
-				v[i] = b2*v[i] + (1-b2)*x*x
-				denom := float32(math.Sqrt(float64(v[i])))/bc2Sqrt + eps
-				p[i] -= stepSize * m[i] / denom
-			}
-		})
+		g.Backend.AdamW(g.P, g.G, a.m[gi], a.v[gi], g.P.Len(), st)
 	}
 }
 
@@ -109,17 +116,7 @@ func (a *AdamW) Step(lr float64) {
 func ClipGradNorm(groups []Group, maxNorm float64) float64 {
 	var ss float64
 	for _, g := range groups {
-		part := make([]float64, par.Workers())
-		par.Rows(len(g.Grads), 2, func(w, lo, hi int) {
-			var s float64
-			for _, x := range g.Grads[lo:hi] {
-				s += float64(x) * float64(x)
-			}
-			part[w] += s
-		})
-		for _, s := range part {
-			ss += s
-		}
+		ss += g.Backend.SumSquares(g.G, g.G.Len())
 	}
 	norm := math.Sqrt(ss)
 	if maxNorm <= 0 || math.IsNaN(norm) || math.IsInf(norm, 0) {
@@ -129,14 +126,8 @@ func ClipGradNorm(groups []Group, maxNorm float64) float64 {
 	if coef >= 1 {
 		return norm
 	}
-	c := float32(coef)
 	for _, g := range groups {
-		gr := g.Grads
-		par.Rows(len(gr), 1, func(_, lo, hi int) {
-			for i := lo; i < hi; i++ {
-				gr[i] *= c
-			}
-		})
+		g.Backend.Scale(g.G, g.G.Len(), float32(coef))
 	}
 	return norm
 }

@@ -3,7 +3,22 @@ package optim
 import (
 	"math"
 	"testing"
+
+	"distill/compute"
+	"distill/compute/device"
 )
+
+// hostGroup puts params p and grads g on a CPU backend and returns the
+// group with p and g rebound to the backend's memory (host views), so the
+// test reads and writes them directly.
+func hostGroup(be compute.Backend, name string, p, g *[]float32, decay bool) Group {
+	pt, gt := be.New(compute.F32, len(*p)), be.New(compute.F32, len(*g))
+	hp, hg := be.(compute.Host).HostF32(pt), be.(compute.Host).HostF32(gt)
+	copy(hp, *p)
+	copy(hg, *g)
+	*p, *g = hp, hg
+	return Group{Name: name, Decay: decay, Params: hp, Grads: hg, Backend: be, P: pt, G: gt}
+}
 
 // TestAdamWHand runs four AdamW steps on three parameters (one group with
 // decay, one without) and compares with the torch.optim.AdamW formula
@@ -14,7 +29,8 @@ func TestAdamWHand(t *testing.T) {
 	p2 := []float32{0.25}
 	g1 := make([]float32, 3)
 	g2 := make([]float32, 1)
-	a, err := NewAdamW(cfg, []Group{{"w", p1, g1, true}, {"norm", p2, g2, false}})
+	be := device.CPU(2)
+	a, err := NewAdamW(cfg, []Group{hostGroup(be, "w", &p1, &g1, true), hostGroup(be, "norm", &p2, &g2, false)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -53,7 +69,7 @@ func TestAdamWHand(t *testing.T) {
 	// (m̂/sqrt(v̂) = sign(g)), so p = 1·(1-1e-3) - 1e-2 = 0.989.
 	q := []float32{1}
 	gq := []float32{0.1}
-	b, _ := NewAdamW(cfg, []Group{{"q", q, gq, true}})
+	b, _ := NewAdamW(cfg, []Group{hostGroup(be, "q", &q, &gq, true)})
 	b.Step(1e-2)
 	if math.Abs(float64(q[0])-0.989) > 1e-6 {
 		t.Fatalf("first step: %v, want 0.989", q[0])
@@ -62,7 +78,9 @@ func TestAdamWHand(t *testing.T) {
 
 func TestClip(t *testing.T) {
 	g1, g2 := []float32{3, 0}, []float32{4}
-	gs := []Group{{"a", make([]float32, 2), g1, true}, {"b", make([]float32, 1), g2, false}}
+	p1, p2 := make([]float32, 2), make([]float32, 1)
+	be := device.CPU(2)
+	gs := []Group{hostGroup(be, "a", &p1, &g1, true), hostGroup(be, "b", &p2, &g2, false)}
 	if n := ClipGradNorm(gs, 10); n != 5 || g1[0] != 3 {
 		t.Fatalf("no-clip: norm %v grads %v", n, g1)
 	}

@@ -11,7 +11,7 @@ import (
 	"path/filepath"
 
 	"distill/cache"
-	"distill/compute/cpu"
+	"distill/compute/device"
 	"distill/infer"
 	"distill/model"
 )
@@ -54,7 +54,7 @@ func Build(o Options) (*Built, error) {
 	if err := model.WriteCheckpoint(b.TeacherDir, cfg, model.Init(cfg, model.InitOptions{Seed: o.Seed, Std: 0.3}), "BF16"); err != nil {
 		return nil, err
 	}
-	tm, err := infer.Load(b.TeacherDir, cpu.New())
+	tm, err := infer.Load(b.TeacherDir, device.CPU(0))
 	if err != nil {
 		return nil, err
 	}

@@ -12,6 +12,8 @@ import (
 	"syscall"
 	"time"
 
+	"distill/compute"
+	"distill/compute/device"
 	"distill/model"
 	"distill/train"
 	"distill/train/loss"
@@ -237,8 +239,8 @@ func saveCheckpoint(runDir string, s *train.Student, ad *optim.AdamW, st *State,
 	return final, nil
 }
 
-// loadCheckpoint reads a checkpoint written by saveCheckpoint.
-func loadCheckpoint(dir string) (*train.Student, *State, error) {
+// loadCheckpoint reads a checkpoint written by saveCheckpoint onto be.
+func loadCheckpoint(dir string, be compute.Backend) (*train.Student, *State, error) {
 	var st State
 	b, err := os.ReadFile(filepath.Join(dir, "state.json"))
 	if err != nil {
@@ -247,7 +249,7 @@ func loadCheckpoint(dir string) (*train.Student, *State, error) {
 	if err := json.Unmarshal(b, &st); err != nil {
 		return nil, nil, fmt.Errorf("%w: %s/state.json: %v", ErrResume, dir, err)
 	}
-	s, err := train.LoadHF(dir)
+	s, err := train.LoadHFOn(dir, be)
 	if err != nil {
 		return nil, nil, fmt.Errorf("%w: %w", ErrResume, err)
 	}
@@ -396,7 +398,7 @@ func LoadStudent(path string) (*train.Student, *State, error) {
 		path = ck
 	}
 	if _, err := os.Stat(filepath.Join(path, "state.json")); err == nil {
-		return loadCheckpoint(path)
+		return loadCheckpoint(path, device.CPU(0))
 	}
 	s, err := train.LoadHF(path)
 	return s, nil, err

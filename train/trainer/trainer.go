@@ -107,7 +107,8 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"distill/cache"
-	"distill/compute/cpu"
+	"distill/compute"
+	"distill/compute/device"
 	"distill/data"
 	"distill/data/tokenizer"
 	"distill/internal/atomicfile"
@@ -211,9 +212,6 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			return false
 		}
 	}
-	if cfg.Train.Threads > 0 {
-		cpu.Threads = cfg.Train.Threads
-	}
 	// The data source: a cache is opened now (a missing one fails before
 	// anything is written); a dataset once its tokenizer is known.
 	var (
@@ -264,8 +262,11 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	st.setBatching(cfg)
 	st.setLoss(cfg)
 	if ckpt != "" {
-		s, st, err = loadCheckpoint(ckpt)
+		be, err := backend(cfg)
 		if err != nil {
+			return nil, err
+		}
+		if s, st, err = loadCheckpoint(ckpt, be); err != nil {
 			return nil, err
 		}
 		res.Resumed, res.Checkpoint, res.Step = ckpt, ckpt, st.Step
@@ -634,16 +635,30 @@ func CheckCache(cfg *model.Config, tokFP string, m *cache.Manifest, where string
 	return nil
 }
 
+// backend opens the compute backend a run trains on: train.device, with
+// train.threads CPU workers (0: one per core).
+func backend(cfg *Config) (compute.Backend, error) {
+	be, err := device.Open(cfg.Train.Device, cfg.Train.Threads)
+	if err != nil {
+		return nil, fmt.Errorf("%w: train.device: %w", ErrConfig, err)
+	}
+	return be, nil
+}
+
 // initStudent builds a fresh student as the config says.
 func initStudent(cfg *Config) (*train.Student, error) {
+	be, err := backend(cfg)
+	if err != nil {
+		return nil, err
+	}
 	if cfg.Model.InitFrom != "" {
-		return train.LoadHF(cfg.Model.InitFrom)
+		return train.LoadHFOn(cfg.Model.InitFrom, be)
 	}
 	mc, err := cfg.Model.Random.ModelConfig()
 	if err != nil {
 		return nil, err
 	}
-	s, err := train.NewStudent(mc)
+	s, err := train.NewStudentOn(mc, be)
 	if err != nil {
 		return nil, err
 	}

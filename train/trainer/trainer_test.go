@@ -413,13 +413,15 @@ func TestConfigErrors(t *testing.T) {
 		"data.eval_range=[5,2]":     "data.eval_range",
 		"optim.beta1=1":             "betas",
 		"lr":                        "key.path=value",
+		"train.device=cuda":         "train.device: device: unavailable: --device cuda: this build has no CUDA backend yet",
+		"train.device=tpu":          `train.device: device: unavailable: --device "tpu": want auto, cpu or cuda`,
 	} {
 		if _, err := LoadConfig(p, []string{over}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), want) {
 			t.Errorf("%s: %v", over, err)
 		}
 	}
-	c, err := LoadConfig(p, []string{"optim.lr=0.5", "train.max_steps=7", "data.eval_range=[0, 3]"})
-	if err != nil || c.Optim.LR != 0.5 || c.Train.MaxSteps != 7 || c.Data.EvalRange[1] != 3 || c.Optim.Beta2 != 0.95 {
+	c, err := LoadConfig(p, []string{"optim.lr=0.5", "train.max_steps=7", "data.eval_range=[0, 3]", "train.device=cpu"})
+	if err != nil || c.Optim.LR != 0.5 || c.Train.MaxSteps != 7 || c.Data.EvalRange[1] != 3 || c.Optim.Beta2 != 0.95 || c.Train.Device != "cpu" {
 		t.Fatalf("overrides: %v %+v", err, c)
 	}
 }

@@ -7,157 +7,16 @@ package ref
 import (
 	"fmt"
 	"math"
+
+	cref "distill/compute/ref"
 )
 
-// F64 widens a float32 slice.
-func F64(x []float32) []float64 {
-	y := make([]float64, len(x))
-	for i, v := range x {
-		y[i] = float64(v)
-	}
-	return y
-}
-
-// Embedding: wte (V,C), ids (N) -> (N,C).
-func Embedding(wte []float64, ids []int32, C int) []float64 {
-	out := make([]float64, len(ids)*C)
-	for t, id := range ids {
-		copy(out[t*C:], wte[int(id)*C:int(id+1)*C])
-	}
-	return out
-}
-
-// RMSNorm: x (N,C), w (C) -> x / sqrt(mean(x²)+eps) * w.
-func RMSNorm(x, w []float64, C int, eps float64) []float64 {
-	out := make([]float64, len(x))
-	for t := 0; t < len(x)/C; t++ {
-		var ss float64
-		for i := 0; i < C; i++ {
-			ss += x[t*C+i] * x[t*C+i]
-		}
-		r := 1 / math.Sqrt(ss/float64(C)+eps)
-		for i := 0; i < C; i++ {
-			out[t*C+i] = x[t*C+i] * r * w[i]
-		}
-	}
-	return out
-}
-
-// Linear: x (N,C), w (OC,C), b (OC) or nil -> (N,OC).
-func Linear(x, w, b []float64, C, OC int) []float64 {
-	N := len(x) / C
-	out := make([]float64, N*OC)
-	for t := 0; t < N; t++ {
-		for o := 0; o < OC; o++ {
-			var s float64
-			if b != nil {
-				s = b[o]
-			}
-			for i := 0; i < C; i++ {
-				s += x[t*C+i] * w[o*C+i]
-			}
-			out[t*OC+o] = s
-		}
-	}
-	return out
-}
-
-// Rope rotates x (N,H,D), rotate-half, angle = float32(pos·invFreq[i])
-// (HF computes the product in fp32), cos/sin in float64.
-func Rope(x []float64, pos []int32, invFreq []float32, H, D int) []float64 {
-	out := append([]float64(nil), x...)
-	half := D / 2
-	for t := range pos {
-		for h := 0; h < H; h++ {
-			for i := 0; i < half; i++ {
-				a := float64(float32(pos[t]) * invFreq[i])
-				c, s := math.Cos(a), math.Sin(a)
-				o := (t*H + h) * D
-				x1, x2 := x[o+i], x[o+i+half]
-				out[o+i] = x1*c - x2*s
-				out[o+i+half] = x2*c + x1*s
-			}
-		}
-	}
-	return out
-}
-
-// Attention: q (N,H,D), k,v (N,KV,D), samples [starts[s], starts[s+1]),
-// causal inside each sample -> (N,H,D).
-func Attention(q, k, v []float64, starts []int32, H, KV, D int, scale float64) []float64 {
-	N := len(q) / (H * D)
-	out := make([]float64, N*H*D)
-	for s := 0; s+1 < len(starts); s++ {
-		st, en := int(starts[s]), int(starts[s+1])
-		for i := st; i < en; i++ {
-			for h := 0; h < H; h++ {
-				kh := h / (H / KV)
-				sc := make([]float64, i-st+1)
-				m := math.Inf(-1)
-				for j := st; j <= i; j++ {
-					var d float64
-					for x := 0; x < D; x++ {
-						d += q[(i*H+h)*D+x] * k[(j*KV+kh)*D+x]
-					}
-					sc[j-st] = d * scale
-					m = math.Max(m, sc[j-st])
-				}
-				var z float64
-				for j := range sc {
-					sc[j] = math.Exp(sc[j] - m)
-					z += sc[j]
-				}
-				for j := st; j <= i; j++ {
-					for x := 0; x < D; x++ {
-						out[(i*H+h)*D+x] += sc[j-st] / z * v[(j*KV+kh)*D+x]
-					}
-				}
-			}
-		}
-	}
-	return out
-}
-
-// SwiGLU: silu(g)·u.
-func SwiGLU(g, u []float64) []float64 {
-	out := make([]float64, len(g))
-	for i := range g {
-		out[i] = g[i] / (1 + math.Exp(-g[i])) * u[i]
-	}
-	return out
-}
-
-// Dot is Σ a·b, used to turn a tensor output into a scalar loss with random
-// weights so that every output element is checked by the gradient.
-func Dot(a, b []float64) float64 {
-	var s float64
-	for i := range a {
-		s += a[i] * b[i]
-	}
-	return s
-}
-
-// Grad returns the central finite-difference gradient of f with respect to
-// the elements idx of x (all of x when idx is nil), step h. f must read x.
-func Grad(f func() float64, x []float64, idx []int, h float64) []float64 {
-	if idx == nil {
-		idx = make([]int, len(x))
-		for i := range idx {
-			idx[i] = i
-		}
-	}
-	g := make([]float64, len(idx))
-	for n, i := range idx {
-		old := x[i]
-		x[i] = old + h
-		fp := f()
-		x[i] = old - h
-		fm := f()
-		x[i] = old
-		g[n] = (fp - fm) / (2 * h)
-	}
-	return g
-}
+// The layer oracles are compute/ref's, shared with the backends'
+// conformance suite; F64 and Grad are re-exported for the tests here.
+var (
+	F64  = cref.F64
+	Grad = cref.Grad
+)
 
 // KDOpts mirror loss.Options with plain types, so that this oracle does
 // not import the package it checks.
@@ -197,17 +56,7 @@ func KDLoss(x, W []float64, C, V int, tokens, starts []int32, mask []uint8, K in
 					z[v] += x[t*C+i] * W[v*C+i]
 				}
 			}
-			lse := func(f float64) float64 {
-				m := math.Inf(-1)
-				for _, v := range z {
-					m = math.Max(m, v*f)
-				}
-				var s float64
-				for _, v := range z {
-					s += math.Exp(v*f - m)
-				}
-				return m + math.Log(s)
-			}
+			lse := func(f float64) float64 { return cref.LogSumExp(z, f) }
 			ce += lse(1) - z[tokens[t+1]]
 			if K == 0 {
 				continue
@@ -297,33 +146,33 @@ func ModelLoss(m ModelSpec, p map[string][]float64, tokens, starts []int32, mask
 			pos[t] = t - starts[s]
 		}
 	}
-	x := Embedding(p["model.embed_tokens.weight"], tokens, m.C)
+	x := cref.Embedding(p["model.embed_tokens.weight"], tokens, m.C)
 	for l := 0; l < m.Layers; l++ {
 		pre := fmt.Sprintf("model.layers.%d.", l)
-		ln := RMSNorm(x, p[pre+"input_layernorm.weight"], m.C, m.Eps)
-		q := Linear(ln, p[pre+"self_attn.q_proj.weight"], p[pre+"self_attn.q_proj.bias"], m.C, m.H*m.D)
-		k := Linear(ln, p[pre+"self_attn.k_proj.weight"], p[pre+"self_attn.k_proj.bias"], m.C, m.KV*m.D)
-		v := Linear(ln, p[pre+"self_attn.v_proj.weight"], p[pre+"self_attn.v_proj.bias"], m.C, m.KV*m.D)
+		ln := cref.RMSNorm(x, p[pre+"input_layernorm.weight"], m.C, m.Eps)
+		q := cref.Linear(ln, p[pre+"self_attn.q_proj.weight"], p[pre+"self_attn.q_proj.bias"], m.C, m.H*m.D)
+		k := cref.Linear(ln, p[pre+"self_attn.k_proj.weight"], p[pre+"self_attn.k_proj.bias"], m.C, m.KV*m.D)
+		v := cref.Linear(ln, p[pre+"self_attn.v_proj.weight"], p[pre+"self_attn.v_proj.bias"], m.C, m.KV*m.D)
 		if m.QKNorm {
-			q = RMSNorm(q, p[pre+"self_attn.q_norm.weight"], m.D, m.Eps)
-			k = RMSNorm(k, p[pre+"self_attn.k_norm.weight"], m.D, m.Eps)
+			q = cref.RMSNorm(q, p[pre+"self_attn.q_norm.weight"], m.D, m.Eps)
+			k = cref.RMSNorm(k, p[pre+"self_attn.k_norm.weight"], m.D, m.Eps)
 		}
-		q = Rope(q, pos, m.InvFreq, m.H, m.D)
-		k = Rope(k, pos, m.InvFreq, m.KV, m.D)
-		a := Attention(q, k, v, starts, m.H, m.KV, m.D, 1/math.Sqrt(float64(m.D)))
-		o := Linear(a, p[pre+"self_attn.o_proj.weight"], p[pre+"self_attn.o_proj.bias"], m.H*m.D, m.C)
+		q = cref.Rope(q, pos, m.InvFreq, m.H, m.D)
+		k = cref.Rope(k, pos, m.InvFreq, m.KV, m.D)
+		a := cref.Attention(q, k, v, starts, m.H, m.KV, m.D, 1/math.Sqrt(float64(m.D)))
+		o := cref.Linear(a, p[pre+"self_attn.o_proj.weight"], p[pre+"self_attn.o_proj.bias"], m.H*m.D, m.C)
 		for i := range x {
 			x[i] += o[i]
 		}
-		ln = RMSNorm(x, p[pre+"post_attention_layernorm.weight"], m.C, m.Eps)
-		g := Linear(ln, p[pre+"mlp.gate_proj.weight"], nil, m.C, m.I)
-		u := Linear(ln, p[pre+"mlp.up_proj.weight"], nil, m.C, m.I)
-		d := Linear(SwiGLU(g, u), p[pre+"mlp.down_proj.weight"], nil, m.I, m.C)
+		ln = cref.RMSNorm(x, p[pre+"post_attention_layernorm.weight"], m.C, m.Eps)
+		g := cref.Linear(ln, p[pre+"mlp.gate_proj.weight"], nil, m.C, m.I)
+		u := cref.Linear(ln, p[pre+"mlp.up_proj.weight"], nil, m.C, m.I)
+		d := cref.Linear(cref.SwiGLU(g, u), p[pre+"mlp.down_proj.weight"], nil, m.I, m.C)
 		for i := range x {
 			x[i] += d[i]
 		}
 	}
-	x = RMSNorm(x, p["model.norm.weight"], m.C, m.Eps)
+	x = cref.RMSNorm(x, p["model.norm.weight"], m.C, m.Eps)
 	head := p["lm_head.weight"]
 	if m.Tied {
 		head = p["model.embed_tokens.weight"]

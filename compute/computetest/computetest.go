@@ -1,0 +1,524 @@
+// Package computetest is the conformance suite of the compute contract:
+// Run checks every kernel of a compute.Backend against float64 formulas
+// (package compute/ref) and, for the backward kernels, against central
+// finite differences of those formulas. Every backend runs it from its own
+// tests with tolerances of its own: the CPU backend with FP32, a GPU
+// backend with looser BF16 ones.
+//
+// Each check is |got-want| <= atol + rtol·|want|. Backward kernels start
+// from non-zero gradients, so the suite also checks the += rule of the
+// package doc; forward kernels start from garbage outputs, checking =.
+// The shapes are large enough to cross the CPU backend's parallel
+// thresholds (rows x cost >= 2^14 over at least 16 rows, GEMMs >= 2^18
+// multiply-adds), so a backend run with several workers splits every loop;
+// finite differences run on strided subsets to stay affordable.
+package computetest
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"distill/compute"
+)
+
+// Tolerances are one backend's error bounds.
+type Tolerances struct {
+	// Forward kernels against float64 formulas.
+	FwdAtol, FwdRtol float64
+	// Backward kernels against central finite differences (step FDStep)
+	// of the float64 formulas.
+	BwdAtol, BwdRtol float64
+	FDStep           float64
+	// LogProbAtol bounds the LM-head top-k log-probs.
+	LogProbAtol float64
+	// TieGap: top-k ids may differ from the float64 order only where two
+	// logits are within TieGap of each other.
+	TieGap float64
+}
+
+// FP32 are the tolerances of an fp32 backend (the CPU reference). The
+// shapes are small (values O(1), at most a few hundred terms per sum), so
+// fp32 rounding stays near 1e-6.
+var FP32 = Tolerances{
+	FwdAtol: 2e-5, FwdRtol: 2e-4,
+	BwdAtol: 5e-5, BwdRtol: 1e-3, FDStep: 1e-5,
+	LogProbAtol: 1e-4, TieGap: 1e-5,
+}
+
+// Run runs the whole suite on be, each kernel a subtest.
+func Run(t *testing.T, be compute.Backend, tol Tolerances) {
+	s := &suite{be: be, tol: tol}
+	for _, c := range []struct {
+		name string
+		fn   func(t *testing.T)
+	}{
+		{"Memory", s.memory},
+		{"MatMul", s.matMul},
+		{"Embed", s.embed},
+		{"RMSNorm", s.rmsNorm},
+		{"RoPE", s.rope},
+		{"Attention", s.attention},
+		{"SwiGLU", s.swiGLU},
+		{"Add", s.add},
+		{"MoE", s.moe},
+		{"LMHeadTopK", s.lmHeadTopK},
+		{"LMHeadTopKTies", s.lmHeadTopKTies},
+		{"AdamW", s.adamW},
+		{"SumSquaresScale", s.sumSquaresScale},
+		{"AbsMax", s.absMax},
+		{"FakeQuantNVFP4", s.fakeQuant},
+		{"LossHeadForward", s.lossHeadForward},
+		{"LossHeadBackward", s.lossHeadBackward},
+	} {
+		t.Run(c.name, c.fn)
+	}
+}
+
+type suite struct {
+	be  compute.Backend
+	tol Tolerances
+}
+
+func randn(r *rand.Rand, n int, sd float64) []float32 {
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = float32(r.NormFloat64() * sd)
+	}
+	return x
+}
+
+// read downloads an F32 tensor of n elements.
+func (s *suite) read(t compute.Tensor, n int) []float32 {
+	out := make([]float32, n)
+	s.be.ReadF32(t, out)
+	return out
+}
+
+// garbage returns an F32 tensor of n elements filled with a value no
+// kernel produces, to check that forward outputs are overwritten.
+func (s *suite) garbage(n int) compute.Tensor {
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = 1234.5
+	}
+	return s.be.FromF32(x)
+}
+
+func closeTo(t *testing.T, name string, got []float32, want []float64, atol, rtol float64) {
+	t.Helper()
+	if len(got) != len(want) {
+		t.Fatalf("%s: %d values, want %d", name, len(got), len(want))
+	}
+	for i := range got {
+		if d := math.Abs(float64(got[i]) - want[i]); !(d <= atol+rtol*math.Abs(want[i])) {
+			t.Fatalf("%s[%d] = %.8g, want %.8g (|diff| %.3g > %.3g + %.3g·|want|)", name, i, got[i], want[i], d, atol, rtol)
+		}
+	}
+}
+
+func (s *suite) fwd(t *testing.T, name string, got []float32, want []float64) {
+	t.Helper()
+	closeTo(t, name, got, want, s.tol.FwdAtol, s.tol.FwdRtol)
+}
+
+func (s *suite) bwd(t *testing.T, name string, got []float32, want []float64) {
+	t.Helper()
+	closeTo(t, name, got, want, s.tol.BwdAtol, s.tol.BwdRtol)
+}
+
+// bwdStrided checks a gradient that started at init against the finite
+// differences of f w.r.t. every stride-th element of x (a strided subset
+// keeps O(n²) references affordable while touching every row and column
+// class when the stride is prime to the shapes).
+func (s *suite) bwdStrided(t *testing.T, name string, got, init []float32, f func() float64, x []float64, stride int) {
+	t.Helper()
+	var idx []int
+	for i := 0; i < len(x); i += stride {
+		idx = append(idx, i)
+	}
+	g := gradFDAt(f, x, idx, s.tol.FDStep)
+	sub, want := make([]float32, len(idx)), make([]float64, len(idx))
+	for n, i := range idx {
+		sub[n], want[n] = got[i], g[n]+float64(init[i])
+	}
+	s.bwd(t, name, sub, want)
+}
+
+// plus returns want + init elementwise: what a += kernel must leave in a
+// gradient that started at init.
+func plus(want []float64, init []float32) []float64 {
+	out := make([]float64, len(want))
+	for i := range want {
+		out[i] = want[i] + float64(init[i])
+	}
+	return out
+}
+
+func f64(x []float32) []float64 {
+	y := make([]float64, len(x))
+	for i, v := range x {
+		y[i] = float64(v)
+	}
+	return y
+}
+
+func (s *suite) memory(t *testing.T) {
+	be := s.be
+	z := be.New(compute.F32, 5)
+	if z.Len() != 5 || z.DType() != compute.F32 {
+		t.Fatalf("New: len %d dtype %v", z.Len(), z.DType())
+	}
+	for i, v := range s.read(z, 5) {
+		if v != 0 {
+			t.Fatalf("New: element %d = %g, want 0", i, v)
+		}
+	}
+	arena := be.FromF32([]float32{0, 1, 2, 3, 4, 5, 6, 7})
+	v := be.View(arena, 2, 4)
+	if v.Len() != 4 {
+		t.Fatalf("View len %d, want 4", v.Len())
+	}
+	if got := s.read(v, 4); got[0] != 2 || got[3] != 5 {
+		t.Fatalf("View reads %v, want [2 3 4 5]", got)
+	}
+	be.WriteF32(v, []float32{-1, -2})
+	be.Zero(be.View(arena, 5, 2))
+	be.Copy(be.View(arena, 0, 2), be.FromF32([]float32{9, 8}))
+	want := []float32{9, 8, -1, -2, 4, 0, 0, 7}
+	got := s.read(arena, 8)
+	for i := range want {
+		if got[i] != want[i] {
+			t.Fatalf("arena after view writes = %v, want %v", got, want)
+		}
+	}
+	be.Zero(arena)
+	for i, x := range s.read(arena, 8) {
+		if x != 0 {
+			t.Fatalf("Zero: element %d = %g", i, x)
+		}
+	}
+	ids := be.FromI32([]int32{3, -1, 7})
+	iv := be.View(ids, 1, 2)
+	gi := make([]int32, 2)
+	be.ReadI32(iv, gi)
+	if gi[0] != -1 || gi[1] != 7 || iv.DType() != compute.I32 {
+		t.Fatalf("I32 view %v %v", gi, iv.DType())
+	}
+	w, err := be.Weight([]uint16{0x3f80, 0xc000}) // bf16 1, -2
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := s.read(w, 2); got[0] != 1 || got[1] != -2 {
+		t.Fatalf("Weight(bf16) reads %v, want [1 -2]", got)
+	}
+	if _, err := be.Weight([]int8{1}); err == nil {
+		t.Fatal("Weight([]int8): want an error")
+	}
+}
+
+func (s *suite) matMul(t *testing.T) {
+	be := s.be
+	for _, bias := range []bool{false, true} {
+		r := rand.New(rand.NewPCG(3, 4))
+		m, n, k := 256, 65, 32
+		x, w, R := randn(r, m*k, 1), randn(r, n*k, 0.3), randn(r, m*n, 1)
+		var b []float32
+		var bd []float64
+		var bt compute.Tensor
+		if bias {
+			b = randn(r, n, 1)
+			bd, bt = f64(b), be.FromF32(b)
+		}
+		xt, wt := be.FromF32(x), be.FromF32(w)
+		out := s.garbage(m * n)
+		be.MatMul(out, xt, wt, bt, m, n, k)
+		xd, wd, Rd := f64(x), f64(w), f64(R)
+		s.fwd(t, "out", s.read(out, m*n), linear(xd, wd, bd, k, n))
+		f := func() float64 { return dot(linear(xd, wd, bd, k, n), Rd) }
+		dx0, dw0, db0 := randn(r, m*k, 1), randn(r, n*k, 1), randn(r, n, 1)
+		dx, dw := be.FromF32(dx0), be.FromF32(dw0)
+		var db compute.Tensor
+		if bias {
+			db = be.FromF32(db0)
+		}
+		be.MatMulBackward(dx, dw, db, be.FromF32(R), xt, wt, m, n, k)
+		s.bwdStrided(t, "dx", s.read(dx, m*k), dx0, f, xd, 61)
+		s.bwdStrided(t, "dw", s.read(dw, n*k), dw0, f, wd, 17)
+		if bias {
+			s.bwd(t, "dbias", s.read(db, n), plus(gradFD(f, bd, s.tol.FDStep), db0))
+		}
+		// dx and dbias are optional.
+		dw2 := be.FromF32(dw0)
+		be.MatMulBackward(nil, dw2, nil, be.FromF32(R), xt, wt, m, n, k)
+		s.bwdStrided(t, "dw (no dx)", s.read(dw2, n*k), dw0, f, wd, 37)
+	}
+}
+
+func (s *suite) embed(t *testing.T) {
+	be := s.be
+	r := rand.New(rand.NewPCG(5, 6))
+	V, C, N := 40, 64, 300
+	ids := make([]int32, N) // repeated ids: their rows' gradients add up
+	for i := range ids {
+		ids[i] = int32(r.IntN(V))
+	}
+	wte, R := randn(r, V*C, 1), randn(r, N*C, 1)
+	idt := be.FromI32(ids)
+	out := s.garbage(N * C)
+	be.Embed(out, be.FromF32(wte), idt, N, C)
+	wd, Rd := f64(wte), f64(R)
+	closeTo(t, "out", s.read(out, N*C), embedding(wd, ids, C), 0, 0)
+	f := func() float64 { return dot(embedding(wd, ids, C), Rd) }
+	d0 := randn(r, V*C, 1)
+	dw := be.FromF32(d0)
+	be.EmbedBackward(dw, be.FromF32(R), idt, N, C)
+	s.bwd(t, "dtable", s.read(dw, V*C), plus(gradFD(f, wd, s.tol.FDStep), d0))
+}
+
+func (s *suite) rmsNorm(t *testing.T) {
+	be := s.be
+	r := rand.New(rand.NewPCG(7, 8))
+	N, C := 150, 129
+	x, w, R := randn(r, N*C, 1), randn(r, C, 1), randn(r, N*C, 1)
+	const eps = 1e-5
+	xt, wt := be.FromF32(x), be.FromF32(w)
+	out, rstd := s.garbage(N*C), s.garbage(N)
+	be.RMSNorm(out, rstd, xt, wt, N, C, eps)
+	xd, wd, Rd := f64(x), f64(w), f64(R)
+	s.fwd(t, "out", s.read(out, N*C), rmsNorm(xd, wd, C, eps))
+	wantR := make([]float64, N)
+	for i := range wantR {
+		var ss float64
+		for j := 0; j < C; j++ {
+			ss += xd[i*C+j] * xd[i*C+j]
+		}
+		wantR[i] = 1 / math.Sqrt(ss/float64(C)+eps)
+	}
+	s.fwd(t, "rstd", s.read(rstd, N), wantR)
+	// In place (out = x) and without statistics.
+	y := be.FromF32(x)
+	be.RMSNorm(y, nil, y, wt, N, C, eps)
+	s.fwd(t, "out in place", s.read(y, N*C), rmsNorm(xd, wd, C, eps))
+
+	f := func() float64 { return dot(rmsNorm(xd, wd, C, eps), Rd) }
+	dx0, dw0 := randn(r, N*C, 1), randn(r, C, 1)
+	dx, dw := be.FromF32(dx0), be.FromF32(dw0)
+	be.RMSNormBackward(dx, dw, be.FromF32(R), xt, wt, rstd, N, C)
+	s.bwdStrided(t, "dx", s.read(dx, N*C), dx0, f, xd, 29)
+	s.bwd(t, "dw", s.read(dw, C), plus(gradFD(f, wd, s.tol.FDStep), dw0))
+}
+
+// ropeTable is the (tokens, hd/2) cos/sin table of the angles
+// float32(pos·invFreq[i]), as the decoder builds it.
+func ropeTable(pos []int32, inv []float32) (cos, sin []float32) {
+	for _, p := range pos {
+		for _, f := range inv {
+			a := float64(float32(p) * f)
+			cos = append(cos, float32(math.Cos(a)))
+			sin = append(sin, float32(math.Sin(a)))
+		}
+	}
+	return cos, sin
+}
+
+func (s *suite) rope(t *testing.T) {
+	be := s.be
+	r := rand.New(rand.NewPCG(9, 10))
+	H, D := 4, 48
+	pos := []int32{0, 1, 2, 3, 0, 1, 500, 1000, 4095, 7, 2}
+	for len(pos) < 100 {
+		pos = append(pos, int32(r.IntN(8192)))
+	}
+	N := len(pos)
+	inv := make([]float32, D/2)
+	for i := range inv {
+		inv[i] = float32(1 / math.Pow(10000, float64(2*i)/float64(D)))
+	}
+	cos, sin := ropeTable(pos, inv)
+	ct, st := be.FromF32(cos), be.FromF32(sin)
+	x, R := randn(r, N*H*D, 1), randn(r, N*H*D, 1)
+	y := be.FromF32(x)
+	be.RoPE(y, ct, st, N, H, D)
+	xd, Rd := f64(x), f64(R)
+	s.fwd(t, "out", s.read(y, N*H*D), rope(xd, pos, inv, H, D))
+	f := func() float64 { return dot(rope(xd, pos, inv, H, D), Rd) }
+	d := be.FromF32(R)
+	be.RoPEBackward(d, ct, st, N, H, D)
+	s.bwdStrided(t, "dx (in place)", s.read(d, N*H*D), make([]float32, N*H*D), f, xd, 13)
+}
+
+// attention covers GQA (4 query heads on 2 kv heads), samples of lengths
+// that straddle the query blocks of the CPU kernels (64 and 128), and a
+// one-token sample.
+func (s *suite) attention(t *testing.T) {
+	be := s.be
+	r := rand.New(rand.NewPCG(11, 12))
+	lens := []int{1, 70, 4, 129, 2}
+	starts := []int32{0}
+	maxLen := 0
+	for _, l := range lens {
+		starts = append(starts, starts[len(starts)-1]+int32(l))
+		maxLen = max(maxLen, l)
+	}
+	N := int(starts[len(starts)-1])
+	H, KV, D := 4, 2, 8
+	q, k, v := randn(r, N*H*D, 1), randn(r, N*KV*D, 1), randn(r, N*KV*D, 1)
+	R := randn(r, N*H*D, 1)
+	scale := 1 / math.Sqrt(float64(D))
+	qt, kt, vt, stt := be.FromF32(q), be.FromF32(k), be.FromF32(v), be.FromI32(starts)
+	out, lse := s.garbage(N*H*D), s.garbage(N*H)
+	be.Attention(out, lse, qt, kt, vt, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
+	qd, kd, vd, Rd := f64(q), f64(k), f64(v), f64(R)
+	s.fwd(t, "out", s.read(out, N*H*D), attention(qd, kd, vd, starts, H, KV, D, scale))
+	s.fwd(t, "lse", s.read(lse, N*H), attentionLSE(qd, kd, starts, H, KV, D, scale))
+	out2 := s.garbage(N * H * D)
+	be.Attention(out2, nil, qt, kt, vt, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
+	s.fwd(t, "out (no lse)", s.read(out2, N*H*D), attention(qd, kd, vd, starts, H, KV, D, scale))
+
+	dq0, dk0, dv0 := randn(r, N*H*D, 1), randn(r, N*KV*D, 1), randn(r, N*KV*D, 1)
+	dq, dk, dv := be.FromF32(dq0), be.FromF32(dk0), be.FromF32(dv0)
+	be.AttentionBackward(dq, dk, dv, be.FromF32(R), qt, kt, vt, lse, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
+	f := func() float64 { return dot(attention(qd, kd, vd, starts, H, KV, D, scale), Rd) }
+	s.bwdStrided(t, "dq", s.read(dq, N*H*D), dq0, f, qd, 29)
+	s.bwdStrided(t, "dk", s.read(dk, N*KV*D), dk0, f, kd, 23)
+	s.bwdStrided(t, "dv", s.read(dv, N*KV*D), dv0, f, vd, 23)
+}
+
+func (s *suite) swiGLU(t *testing.T) {
+	be := s.be
+	r := rand.New(rand.NewPCG(13, 14))
+	n := 10007
+	g, u, R := randn(r, n, 2), randn(r, n, 1), randn(r, n, 1)
+	for i := 0; i < 20; i++ {
+		g[i] = float32(-90 + 9*i) // saturating inputs
+	}
+	gt, ut := be.FromF32(g), be.FromF32(u)
+	out := s.garbage(n)
+	be.SwiGLU(out, gt, ut, n)
+	gd, ud, Rd := f64(g), f64(u), f64(R)
+	s.fwd(t, "out", s.read(out, n), swiGLU(gd, ud))
+	in := be.FromF32(g)
+	be.SwiGLU(in, in, ut, n)
+	s.fwd(t, "out in place", s.read(in, n), swiGLU(gd, ud))
+	// The finite differences run on a prefix (each costs a pass over n).
+	m := 60
+	f := func() float64 { return dot(swiGLU(gd[:m], ud[:m]), Rd[:m]) }
+	dg0, du0 := randn(r, n, 1), randn(r, n, 1)
+	dg, du := be.FromF32(dg0), be.FromF32(du0)
+	be.SwiGLUBackward(dg, du, be.FromF32(R), gt, ut, n)
+	s.bwd(t, "dgate", s.read(dg, n)[:m], plus(gradFD(f, gd[:m], s.tol.FDStep), dg0[:m]))
+	s.bwd(t, "dup", s.read(du, n)[:m], plus(gradFD(f, ud[:m], s.tol.FDStep), du0[:m]))
+}
+
+func (s *suite) add(t *testing.T) {
+	be := s.be
+	r := rand.New(rand.NewPCG(15, 16))
+	n := 10007
+	a, b := randn(r, n, 1), randn(r, n, 1)
+	at := be.FromF32(a)
+	be.Add(at, be.FromF32(b), n)
+	want := make([]float64, n)
+	for i := range want {
+		want[i] = float64(a[i] + b[i])
+	}
+	closeTo(t, "a+b", s.read(at, n), want, 0, 0)
+}
+
+func (s *suite) adamW(t *testing.T) {
+	be := s.be
+	const b1, b2, eps, wd = 0.9, 0.95, 1e-8, 0.1
+	p0 := []float32{1, -2, 0.5, 0.25}
+	grads := [][]float32{{0.1, -0.3, 0.0, 2}, {-0.2, 0.1, 1e-3, -1}, {0.05, 0.05, -0.5, 0.5}, {1, -1, 0.2, 0}}
+	lrs := []float64{1e-2, 2e-2, 5e-3, 1e-2}
+	pt, gt, mt, vt := be.FromF32(p0), be.New(compute.F32, 4), be.New(compute.F32, 4), be.New(compute.F32, 4)
+	want, m, v := f64(p0), make([]float64, 4), make([]float64, 4)
+	for st, g := range grads {
+		be.WriteF32(gt, g)
+		lr, tt := lrs[st], float64(st+1)
+		be.AdamW(pt, gt, mt, vt, 4, compute.AdamWStep{Beta1: b1, Beta2: b2, Eps: eps,
+			StepSize: float32(lr / (1 - math.Pow(b1, tt))), BC2Sqrt: float32(math.Sqrt(1 - math.Pow(b2, tt))), Decay: float32(1 - lr*wd)})
+		for i := range want {
+			gi := float64(g[i])
+			want[i] *= 1 - lr*wd
+			m[i] = b1*m[i] + (1-b1)*gi
+			v[i] = b2*v[i] + (1-b2)*gi*gi
+			mh, vh := m[i]/(1-math.Pow(b1, tt)), v[i]/(1-math.Pow(b2, tt))
+			want[i] -= lr * mh / (math.Sqrt(vh) + eps)
+		}
+		closeTo(t, "p", s.read(pt, 4), want, 1e-7, 1e-6)
+		closeTo(t, "m", s.read(mt, 4), m, 1e-7, 1e-6)
+		closeTo(t, "v", s.read(vt, 4), v, 1e-9, 1e-6)
+	}
+	// One step over many elements (the parallel path), from random state.
+	r := rand.New(rand.NewPCG(31, 32))
+	n := 10007
+	p, g, m0, v0 := randn(r, n, 1), randn(r, n, 1), randn(r, n, 0.1), randn(r, n, 0.1)
+	for i := range v0 {
+		v0[i] *= v0[i]
+	}
+	pt, gt, mt, vt = be.FromF32(p), be.FromF32(g), be.FromF32(m0), be.FromF32(v0)
+	st := compute.AdamWStep{Beta1: b1, Beta2: b2, Eps: eps, StepSize: 0.01, BC2Sqrt: 0.5, Decay: 0.999}
+	be.AdamW(pt, gt, mt, vt, n, st)
+	wp, wm, wv := make([]float64, n), make([]float64, n), make([]float64, n)
+	for i := range wp {
+		gi := float64(g[i])
+		wm[i] = b1*float64(m0[i]) + (1-b1)*gi
+		wv[i] = b2*float64(v0[i]) + (1-b2)*gi*gi
+		wp[i] = float64(p[i])*float64(st.Decay) - float64(st.StepSize)*wm[i]/(math.Sqrt(wv[i])/float64(st.BC2Sqrt)+eps)
+	}
+	closeTo(t, "p (n=10007)", s.read(pt, n), wp, 1e-6, 1e-5)
+	closeTo(t, "m (n=10007)", s.read(mt, n), wm, 1e-7, 1e-6)
+	closeTo(t, "v (n=10007)", s.read(vt, n), wv, 1e-9, 1e-6)
+}
+
+func (s *suite) sumSquaresScale(t *testing.T) {
+	be := s.be
+	r := rand.New(rand.NewPCG(17, 18))
+	n := 100003
+	x := randn(r, n, 1)
+	xt := be.FromF32(x)
+	var want float64
+	for _, v := range x {
+		want += float64(v) * float64(v)
+	}
+	if got := be.SumSquares(xt, n); math.Abs(got-want) > 1e-9*want {
+		t.Fatalf("SumSquares = %.12g, want %.12g", got, want)
+	}
+	if got := be.SumSquares(be.View(xt, 0, 1), 1); got != float64(x[0])*float64(x[0]) {
+		t.Fatalf("SumSquares of one = %g", got)
+	}
+	be.Scale(xt, n, 0.5)
+	got := s.read(xt, n)
+	for i := range x {
+		if got[i] != x[i]*0.5 {
+			t.Fatalf("Scale[%d] = %g, want %g", i, got[i], x[i]*0.5)
+		}
+	}
+	x[n/2] = float32(math.NaN())
+	if got := be.SumSquares(be.FromF32(x), n); !math.IsNaN(got) {
+		t.Fatalf("SumSquares with a NaN = %g, want NaN", got)
+	}
+	x[n/2] = float32(math.Inf(-1))
+	if got := be.SumSquares(be.FromF32(x), n); !math.IsInf(got, 1) {
+		t.Fatalf("SumSquares with -Inf = %g, want +Inf", got)
+	}
+}
+
+func (s *suite) absMax(t *testing.T) {
+	be := s.be
+	r := rand.New(rand.NewPCG(19, 20))
+	n := 50001
+	x := randn(r, n, 1)
+	x[777] = -9.5
+	if got := be.AbsMax(be.FromF32(x), n); got != 9.5 {
+		t.Fatalf("AbsMax = %g, want 9.5", got)
+	}
+	if got := be.AbsMax(be.New(compute.F32, 7), 7); got != 0 {
+		t.Fatalf("AbsMax of zeros = %g", got)
+	}
+	x[n-1] = float32(math.NaN())
+	if got := be.AbsMax(be.FromF32(x), n); !math.IsNaN(float64(got)) {
+		t.Fatalf("AbsMax with a NaN = %g, want NaN (calibration must fail loudly)", got)
+	}
+}

@@ -1,0 +1,239 @@
+// Package decoder is the Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder, defined
+// once over compute.Backend for both sides of distillation:
+//
+//   - the teacher (package infer) calls TopK: a forward over a packed batch
+//     whose activations are reused layer to layer, ending in the streaming
+//     LM-head top-k;
+//   - the student (package train) calls TrainForward, which saves every
+//     activation the backward needs in one arena of views, then the fused
+//     loss head, then Backward, which accumulates every parameter gradient.
+//
+// Architecture differences are fields that are nil or set, not copied
+// models: Qwen2's q/k/v biases (and Llama's attention_bias on o_proj too)
+// are Linear.B, Qwen3's per-head q/k norms are Attention.QNorm/KNorm, and a
+// block holds either a dense MLP or a Qwen3-MoE sparse block (inference
+// only: the MoE backward is not part of the contract yet). Semantics are
+// those of HF transformers' modeling files: RMSNorm in fp32, RoPE
+// rotate-half with per-sample positions, GQA, causal attention inside each
+// sample of a packed batch, SiLU-gated MLP.
+//
+// One block forward (blockForward) serves both uses: inference hands every
+// layer the same few buffers, training hands each layer its own views of
+// the activation arena, where the statistics (RMSNorm rstd, attention
+// log-sum-exp) are kept for the backward.
+//
+// NVFP4 quantization-aware training (EnableQAD): every Linear's weight and
+// input is fake-quantized in the training forward (not the LM head, not
+// the embeddings), with amax calibrated and then frozen (see Quantizer).
+// The backward is straight-through: it uses the quantized tensors as what
+// the forward multiplied, and their gradients as the originals'.
+package decoder
+
+import (
+	"errors"
+	"fmt"
+	"math"
+
+	"distill/compute"
+	"distill/model"
+)
+
+// ErrInvalid is wrapped by errors about unsupported models, bad batches
+// and quantizer states.
+var ErrInvalid = errors.New("decoder: invalid input")
+
+// Param is one parameter tensor and its gradient (nil when not training).
+type Param struct {
+	W, DW compute.Tensor
+}
+
+// Linear is a torch.nn.Linear: W (Out,In), optional B (Out), their
+// gradients, and under QAD the weight quantizer and the fake-quantized
+// weight the forward multiplies by.
+type Linear struct {
+	Name    string // HF prefix, e.g. "model.layers.0.self_attn.q_proj"
+	W, B    compute.Tensor
+	DW, DB  compute.Tensor
+	Out, In int
+	WQ      Quantizer
+	Wfq     compute.Tensor // fake-quantized W (QAD, once calibrated), else nil
+}
+
+// weight is what the forward multiplies by: the fake-quantized copy under
+// QAD, the weight otherwise.
+func (l *Linear) weight() compute.Tensor {
+	if l.Wfq != nil {
+		return l.Wfq
+	}
+	return l.W
+}
+
+// Attention is one self-attention block; QNorm/KNorm are nil except for
+// Qwen3.
+type Attention struct {
+	Q, K, V, O   Linear
+	QNorm, KNorm *Param
+}
+
+// MLP is the SiLU-gated feed-forward block.
+type MLP struct{ Gate, Up, Down Linear }
+
+// Block is one decoder layer: exactly one of MLP and MoE is set.
+type Block struct {
+	InNorm, PostNorm Param
+	Attn             Attention
+	MLP              *MLP
+	MoE              *compute.MoEWeights
+	// Input quantizers (QAD): q/k/v share one input, as do gate/up; their
+	// calibrated amax would be identical, so one quantizer serves each.
+	InQKV, InO, InGateUp, InDown Quantizer
+}
+
+// Linears lists the block's dense Linear layers in a fixed order (q, k, v,
+// o, gate, up, down); the MLP's are absent for an MoE block.
+func (b *Block) Linears() []*Linear {
+	ls := []*Linear{&b.Attn.Q, &b.Attn.K, &b.Attn.V, &b.Attn.O}
+	if b.MLP != nil {
+		ls = append(ls, &b.MLP.Gate, &b.MLP.Up, &b.MLP.Down)
+	}
+	return ls
+}
+
+// Model is a decoder bound to its tensors on one backend.
+type Model struct {
+	Cfg    *model.Config
+	Embed  Param // (vocab, hidden)
+	Blocks []Block
+	Norm   Param // final norm (hidden)
+	Head   Param // (vocab, hidden); the Embed tensors when tied
+
+	be compute.Backend
+	// qad: Linears are fake-quantized; calibrating: their amax are being
+	// observed (quantization off meanwhile, as ModelOpt calibrates).
+	qad, calibrating bool
+	qadArena         compute.Tensor
+	train            trainState
+}
+
+// Backend returns the backend the model runs on.
+func (m *Model) Backend() compute.Backend { return m.be }
+
+// Binder returns the tensor named name (an HF name of cfg.Tensors()) and,
+// for training, its gradient (nil otherwise).
+type Binder func(name string) (w, grad compute.Tensor, err error)
+
+// New builds the decoder of cfg from the tensors bind returns. Every
+// tensor of cfg.Tensors() is asked for once; the errors name the tensors.
+func New(cfg *model.Config, be compute.Backend, bind Binder) (*Model, error) {
+	if cfg.Heads <= 0 || cfg.KVHeads <= 0 || cfg.Heads%cfg.KVHeads != 0 || cfg.HeadDim <= 0 || cfg.HeadDim%2 != 0 {
+		return nil, fmt.Errorf("%w: heads %d, kv heads %d, head_dim %d: want heads a multiple of kv heads and an even head_dim", ErrInvalid, cfg.Heads, cfg.KVHeads, cfg.HeadDim)
+	}
+	var errs []error
+	param := func(name string) Param {
+		w, g, err := bind(name)
+		if err != nil {
+			errs = append(errs, err)
+		}
+		return Param{W: w, DW: g}
+	}
+	lin := func(prefix string, out, in int, bias bool) Linear {
+		l := Linear{Name: prefix, Out: out, In: in}
+		w := param(prefix + ".weight")
+		l.W, l.DW = w.W, w.DW
+		if bias {
+			b := param(prefix + ".bias")
+			l.B, l.DB = b.W, b.DW
+		}
+		return l
+	}
+	h, q, kv := cfg.Hidden, cfg.Heads*cfg.HeadDim, cfg.KVHeads*cfg.HeadDim
+	m := &Model{Cfg: cfg, be: be, Embed: param("model.embed_tokens.weight")}
+	oBias := cfg.AttentionBias && cfg.Arch != model.ArchQwen2
+	for i := 0; i < cfg.Layers; i++ {
+		p := fmt.Sprintf("model.layers.%d.", i)
+		b := Block{
+			InNorm: param(p + "input_layernorm.weight"),
+			Attn: Attention{
+				Q: lin(p+"self_attn.q_proj", q, h, cfg.AttentionBias),
+				K: lin(p+"self_attn.k_proj", kv, h, cfg.AttentionBias),
+				V: lin(p+"self_attn.v_proj", kv, h, cfg.AttentionBias),
+				O: lin(p+"self_attn.o_proj", h, q, oBias),
+			},
+		}
+		if cfg.QKNorm {
+			qn, kn := param(p+"self_attn.q_norm.weight"), param(p+"self_attn.k_norm.weight")
+			b.Attn.QNorm, b.Attn.KNorm = &qn, &kn
+		}
+		b.PostNorm = param(p + "post_attention_layernorm.weight")
+		if cfg.IsMoE(i) {
+			moe := &compute.MoEWeights{Router: param(p + "mlp.gate.weight").W, NumExperts: cfg.NumExperts,
+				TopK: cfg.ExpertsPerTok, Hidden: h, Inter: cfg.MoEIntermediate, NormTopK: cfg.NormTopKProb}
+			for e := 0; e < cfg.NumExperts; e++ {
+				ep := fmt.Sprintf("%smlp.experts.%d.", p, e)
+				moe.Gate = append(moe.Gate, param(ep+"gate_proj.weight").W)
+				moe.Up = append(moe.Up, param(ep+"up_proj.weight").W)
+				moe.Down = append(moe.Down, param(ep+"down_proj.weight").W)
+			}
+			b.MoE = moe
+		} else {
+			b.MLP = &MLP{
+				Gate: lin(p+"mlp.gate_proj", cfg.Intermediate, h, false),
+				Up:   lin(p+"mlp.up_proj", cfg.Intermediate, h, false),
+				Down: lin(p+"mlp.down_proj", h, cfg.Intermediate, false),
+			}
+		}
+		m.Blocks = append(m.Blocks, b)
+	}
+	m.Norm = param("model.norm.weight")
+	m.Head = m.Embed
+	if !cfg.TieEmbeddings {
+		m.Head = param("lm_head.weight")
+	}
+	if len(errs) > 0 {
+		return nil, errors.Join(errs...)
+	}
+	return m, nil
+}
+
+// batch is one packed batch on the backend: token ids, sample starts and
+// the RoPE table of every token's position.
+type batch struct {
+	n, nSeq, maxLen int
+	tokens, starts  compute.Tensor // (n), (nSeq+1) I32
+	cos, sin        compute.Tensor // (n, headDim/2)
+}
+
+// ropeTable fills cos and sin (n, half) for the positions of the packed
+// samples (restarting at 0 in each sample), with the angle pos·invFreq[i]
+// rounded to fp32 first, as HF computes it (an fp32 product of position and
+// inverse frequency, then cos/sin of that fp32 value).
+func ropeTable(cos, sin []float32, starts []int32, invFreq []float32) {
+	half := len(invFreq)
+	for s := 0; s+1 < len(starts); s++ {
+		for t := starts[s]; t < starts[s+1]; t++ {
+			p := float32(t - starts[s])
+			for i, f := range invFreq {
+				a := float64(p * f)
+				cos[int(t)*half+i], sin[int(t)*half+i] = float32(math.Cos(a)), float32(math.Sin(a))
+			}
+		}
+	}
+}
+
+// checkStarts validates the packing of n tokens, naming the sample at
+// fault.
+func checkStarts(starts []int32, n int) error {
+	if len(starts) < 2 || starts[0] != 0 || int(starts[len(starts)-1]) != n {
+		h := starts
+		if len(h) > 8 {
+			h = h[:8]
+		}
+		return fmt.Errorf("%w: sample starts %v must begin at 0 and end at the token count %d", ErrInvalid, h, n)
+	}
+	for s := 0; s+1 < len(starts); s++ {
+		if starts[s+1] <= starts[s] {
+			return fmt.Errorf("%w: sample %d is empty or out of order (starts %d, %d)", ErrInvalid, s, starts[s], starts[s+1])
+		}
+	}
+	return nil
+}

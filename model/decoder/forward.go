@@ -1,0 +1,177 @@
+package decoder
+
+import (
+	"math"
+
+	"distill/compute"
+)
+
+// blockActs are the tensors one block's forward reads and writes. Training
+// gives every layer its own views of the activation arena; inference gives
+// every layer the same buffers, aliased where a value is not needed later
+// (see TopK), and nil statistics.
+type blockActs struct {
+	xin                      compute.Tensor // (N,C) the block's input, read only
+	ln1, rstd1               compute.Tensor // (N,C), (N)
+	ln1q                     compute.Tensor // QAD: ln1 quantized; else ln1
+	qpre, qrstd, kpre, krstd compute.Tensor // q/k before their norms (Qwen3); else q, nil, k, nil
+	q, k, v                  compute.Tensor // (N,H,D), (N,KV,D), (N,KV,D)
+	att, lse                 compute.Tensor // (N,H,D), (N,H)
+	attq                     compute.Tensor // QAD: att quantized; else att
+	xmid                     compute.Tensor // (N,C) residual after attention
+	ln2, rstd2, ln2q         compute.Tensor // (N,C), (N), (N,C)
+	gate, up, h, hq          compute.Tensor // (N,I); h may alias gate; hq: QAD h quantized
+	out                      compute.Tensor // (N,C) the block's output; may alias xin
+}
+
+// blockForward runs one decoder layer:
+//
+//	xmid = xin + o(attn(rope(norm_q(q(ln1))), rope(norm_k(k(ln1))), v(ln1)))   ln1 = rmsnorm(xin)
+//	out  = xmid + down(silu(gate(ln2))·up(ln2))                               ln2 = rmsnorm(xmid)
+//
+// (or out = xmid + moe(ln2)), saving what a's statistics tensors ask for.
+func (m *Model) blockForward(L *Block, a *blockActs, b *batch) {
+	be, c := m.be, m.Cfg
+	N, C, H, KV, D := b.n, c.Hidden, c.Heads, c.KVHeads, c.HeadDim
+	eps := c.RMSNormEps
+	be.RMSNorm(a.ln1, a.rstd1, a.xin, L.InNorm.W, N, C, eps)
+	m.quantInput(&L.InQKV, a.ln1q, a.ln1, N, C)
+	at := &L.Attn
+	be.MatMul(a.qpre, a.ln1q, at.Q.weight(), at.Q.B, N, H*D, C)
+	be.MatMul(a.kpre, a.ln1q, at.K.weight(), at.K.B, N, KV*D, C)
+	be.MatMul(a.v, a.ln1q, at.V.weight(), at.V.B, N, KV*D, C)
+	if at.QNorm != nil {
+		be.RMSNorm(a.q, a.qrstd, a.qpre, at.QNorm.W, N*H, D, eps)
+		be.RMSNorm(a.k, a.krstd, a.kpre, at.KNorm.W, N*KV, D, eps)
+	}
+	be.RoPE(a.q, b.cos, b.sin, N, H, D)
+	be.RoPE(a.k, b.cos, b.sin, N, KV, D)
+	be.Attention(a.att, a.lse, a.q, a.k, a.v, b.starts, b.nSeq, b.maxLen, N, H, KV, D, attnScale(D))
+	m.quantInput(&L.InO, a.attq, a.att, N, H*D)
+	be.MatMul(a.xmid, a.attq, at.O.weight(), at.O.B, N, C, H*D)
+	be.Add(a.xmid, a.xin, N*C)
+	be.RMSNorm(a.ln2, a.rstd2, a.xmid, L.PostNorm.W, N, C, eps)
+	if L.MoE != nil {
+		be.MoE(a.out, a.ln2, L.MoE, N)
+	} else {
+		f := L.MLP
+		I := f.Gate.Out
+		m.quantInput(&L.InGateUp, a.ln2q, a.ln2, N, C)
+		be.MatMul(a.gate, a.ln2q, f.Gate.weight(), nil, N, I, C)
+		be.MatMul(a.up, a.ln2q, f.Up.weight(), nil, N, I, C)
+		be.SwiGLU(a.h, a.gate, a.up, N*I)
+		m.quantInput(&L.InDown, a.hq, a.h, N, I)
+		be.MatMul(a.out, a.hq, f.Down.weight(), nil, N, C, I)
+	}
+	be.Add(a.out, a.xmid, N*C)
+}
+
+func attnScale(d int) float32 { return float32(1 / math.Sqrt(float64(d))) }
+
+// upload puts a packed batch on the backend. The caller frees tokens and
+// starts (freeBatch); cos and sin go to the given tensors, or to new ones.
+func (m *Model) upload(tokens, starts []int32, cos, sin compute.Tensor) *batch {
+	be, c := m.be, m.Cfg
+	b := &batch{n: len(tokens), nSeq: len(starts) - 1}
+	for s := 0; s+1 < len(starts); s++ {
+		b.maxLen = max(b.maxLen, int(starts[s+1]-starts[s]))
+	}
+	half := c.HeadDim / 2
+	hc, hs := make([]float32, b.n*half), make([]float32, b.n*half)
+	ropeTable(hc, hs, starts, c.InvFreq())
+	if cos == nil {
+		b.cos, b.sin = be.FromF32(hc), be.FromF32(hs)
+	} else {
+		be.WriteF32(cos, hc)
+		be.WriteF32(sin, hs)
+		b.cos, b.sin = cos, sin
+	}
+	b.tokens, b.starts = be.FromI32(tokens), be.FromI32(starts)
+	return b
+}
+
+// TopK runs the decoder over one packed batch and returns each position's
+// top-k: ids (n,k) and log-probs (n,k) normalized over the full vocabulary,
+// n the total tokens. samples must be valid (non-empty, ids in the
+// vocabulary: package infer validates them); temperature divides the
+// logits (1: none).
+//
+//	tokens (n) -> embed (n,H) -> blocks -> norm (n,H) -> LM-head top-k (n,k)
+//
+// Activations are reused layer to layer: x and y hold the residual stream
+// (a block reads x, writes xmid to y and its output back to x), ln both
+// norms' outputs, q/k are normed in place, and the MLP's h overwrites gate.
+// Memory beyond the weights is ActivationFloats floats plus the backend's
+// kernel scratch.
+func (m *Model) TopK(samples [][]int32, k int, temperature float32) (ids []int32, logprobs []float32) {
+	be, c := m.be, m.Cfg
+	n := 0
+	for _, s := range samples {
+		n += len(s)
+	}
+	flat := make([]int32, 0, n)
+	starts := []int32{0}
+	for _, s := range samples {
+		flat = append(flat, s...)
+		starts = append(starts, int32(len(flat)))
+	}
+	b := m.upload(flat, starts, nil, nil)
+	C, Hq, Hkv := c.Hidden, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
+	var tmp []compute.Tensor
+	alloc := func(dt compute.DType, size int) compute.Tensor {
+		t := be.New(dt, size)
+		tmp = append(tmp, t)
+		return t
+	}
+	tmp = append(tmp, b.tokens, b.starts, b.cos, b.sin)
+	x, y, ln := alloc(compute.F32, n*C), alloc(compute.F32, n*C), alloc(compute.F32, n*C)
+	q, kk, v := alloc(compute.F32, n*Hq), alloc(compute.F32, n*Hkv), alloc(compute.F32, n*Hkv)
+	a := blockActs{xin: x, ln1: ln, ln1q: ln, qpre: q, q: q, kpre: kk, k: kk, v: v,
+		att: alloc(compute.F32, n*Hq), xmid: y, ln2: ln, ln2q: ln, out: x}
+	a.attq = a.att
+	if c.Intermediate > 0 {
+		a.gate, a.up = alloc(compute.F32, n*c.Intermediate), alloc(compute.F32, n*c.Intermediate)
+		a.h, a.hq = a.gate, a.gate
+	}
+	be.Embed(x, m.Embed.W, b.tokens, n, C)
+	for i := range m.Blocks {
+		m.blockForward(&m.Blocks[i], &a, b)
+	}
+	normW := m.Norm.W
+	if temperature != 1 {
+		// logits/T = (x·Wᵀ)/T = (x·(w/T))·Wᵀ: fold 1/T into the final norm
+		// weight instead of scaling [n x vocab] logits.
+		w := make([]float32, C)
+		be.ReadF32(m.Norm.W, w)
+		for j := range w {
+			w[j] /= temperature
+		}
+		normW = be.FromF32(w)
+		tmp = append(tmp, normW)
+	}
+	be.RMSNorm(ln, nil, x, normW, n, C, c.RMSNormEps)
+	idT, lpT := alloc(compute.I32, n*k), alloc(compute.F32, n*k)
+	be.LMHeadTopK(idT, lpT, ln, m.Head.W, n, C, c.VocabSize, k)
+	ids, logprobs = make([]int32, n*k), make([]float32, n*k)
+	be.ReadI32(idT, ids)
+	be.ReadF32(lpT, logprobs)
+	for _, t := range tmp {
+		be.Free(t)
+	}
+	return ids, logprobs
+}
+
+// ActivationFloats is what TopK holds on the backend for n tokens at top-k
+// beside the weights and the kernels' scratch, in 4-byte elements: x, y,
+// ln, q, k, v, attention output, gate and up, the top-k ids and log-probs,
+// the RoPE table, the token ids and sample starts (at most n+1 samples), and
+// the temperature-scaled norm weight.
+func (m *Model) ActivationFloats(n, k int) int64 {
+	c := m.Cfg
+	N := int64(n)
+	C, Hq, Hkv, I := int64(c.Hidden), int64(c.Heads*c.HeadDim), int64(c.KVHeads*c.HeadDim), int64(c.Intermediate)
+	f := N*(3*C+2*Hq+2*Hkv) + 2*N*I + 2*N*int64(k)
+	f += N * int64(c.HeadDim) // cos, sin
+	f += N + N + 1            // tokens, starts
+	return f + C
+}

@@ -1,0 +1,235 @@
+package decoder
+
+import (
+	"fmt"
+	"math"
+
+	"distill/compute"
+)
+
+// Quantizer holds one tensor's NVFP4 amax. While calibrating, Observe
+// raises Amax to the max |x| seen (ModelOpt's max calibrator); Freeze ends
+// calibration and Amax stays fixed for the rest of training. When weights
+// or activations later grow past it, block scales saturate at 448 and
+// values clip to ±6·s: the behaviour of a stale amax in ModelOpt too.
+type Quantizer struct {
+	Amax        float32
+	Calibrating bool
+}
+
+// Observe records absmax, the max |x| of one calibration tensor; a no-op
+// once frozen. A NaN poisons Amax, so that Freeze refuses it.
+func (q *Quantizer) Observe(absmax float32) {
+	if q.Calibrating {
+		q.Amax = max(q.Amax, absmax)
+	}
+}
+
+// Freeze ends calibration. An amax of 0 (a tensor that was all zeros
+// through calibration), NaN or Inf is an error naming the tensor: every
+// value would quantize to zero (or NaN) forever, and the export's scales
+// would be 0.
+func (q *Quantizer) Freeze(name string) error {
+	q.Calibrating = false
+	if !(q.Amax > 0) || math.IsInf(float64(q.Amax), 0) {
+		return fmt.Errorf("%w: %s: calibrated amax is %g; calibrate on batches where this tensor is non-zero and finite", ErrInvalid, name, q.Amax)
+	}
+	return nil
+}
+
+// QAD reports whether NVFP4 quantization-aware training is on (EnableQAD
+// or RestoreQAD ran).
+func (m *Model) QAD() bool { return m.qad }
+
+// Calibrating reports whether NVFP4 calibration is running (EnableQAD
+// called, FinishCalibration not yet).
+func (m *Model) Calibrating() bool { return m.calibrating }
+
+// quantInput fake-quantizes x (rows, cols) into dst under QAD, observing
+// it instead while calibrating (ModelOpt calibrates with quantization
+// off). Without QAD dst is x and nothing happens.
+func (m *Model) quantInput(q *Quantizer, dst, x compute.Tensor, rows, cols int) {
+	switch {
+	case !m.qad || dst == x:
+	case m.calibrating:
+		q.Observe(m.be.AbsMax(x, rows*cols))
+		m.be.Copy(dst, m.be.View(x, 0, rows*cols))
+	default:
+		m.be.FakeQuantNVFP4(dst, x, rows, cols, q.Amax)
+	}
+}
+
+// EnableQAD switches on NVFP4 fake quantization of every Linear's weight
+// and input (not the LM head, not the embeddings) and starts calibration:
+// run TrainForward over the calibration batches, then FinishCalibration.
+// Hidden and intermediate sizes must be multiples of the 16-element block.
+func (m *Model) EnableQAD() error {
+	cfg := m.Cfg
+	for _, d := range []struct {
+		name string
+		v    int
+	}{{"hidden_size", cfg.Hidden}, {"intermediate_size", cfg.Intermediate}, {"heads x head_dim", cfg.Heads * cfg.HeadDim}} {
+		if d.v%compute.NVFP4BlockSize != 0 {
+			return fmt.Errorf("%w: NVFP4 needs %s (%d) to be a multiple of %d", ErrInvalid, d.name, d.v, compute.NVFP4BlockSize)
+		}
+	}
+	for i := range m.Blocks {
+		if m.Blocks[i].MoE != nil {
+			return fmt.Errorf("%w: NVFP4 QAD of MoE layer %d is not supported", ErrInvalid, i)
+		}
+	}
+	for i := range m.Blocks {
+		L := &m.Blocks[i]
+		for _, l := range L.Linears() {
+			l.Wfq = nil // set by FinishCalibration; calibration runs unquantized
+			l.WQ = Quantizer{Calibrating: true}
+		}
+		for _, q := range L.inputQuantizers() {
+			*q = Quantizer{Calibrating: true}
+		}
+	}
+	m.qad, m.calibrating = true, true
+	m.train.arenaN = -1 // the activation arena gains the quantized inputs
+	return nil
+}
+
+func (L *Block) inputQuantizers() []*Quantizer {
+	return []*Quantizer{&L.InQKV, &L.InO, &L.InGateUp, &L.InDown}
+}
+
+// FinishCalibration freezes every amax: weights at their current max |w|
+// (shared by q/k/v and by gate/up, see below), inputs at the max seen
+// during calibration. A quantizer that saw only zeros is an error naming
+// it.
+func (m *Model) FinishCalibration() error {
+	if !m.calibrating {
+		return fmt.Errorf("%w: FinishCalibration without EnableQAD", ErrInvalid)
+	}
+	for i := range m.Blocks {
+		L := &m.Blocks[i]
+		for _, l := range L.Linears() {
+			l.WQ.Observe(m.be.AbsMax(l.W, l.Out*l.In))
+			if err := l.WQ.Freeze(l.Name + ".weight"); err != nil {
+				return err
+			}
+		}
+		// Shards that serving engines fuse into one GEMM (q/k/v, gate/up)
+		// share one weight amax, the max of theirs: vLLM, SGLang and
+		// TensorRT-LLM apply a single weight_scale_2 (the max) to the fused
+		// weight, and ModelOpt's export unifies the amax the same way
+		// (preprocess_linear_fusion). Unifying here, before training, keeps
+		// the export equal to the fake-quantized weights trained on.
+		for _, g := range [][]*Linear{{&L.Attn.Q, &L.Attn.K, &L.Attn.V}, {&L.MLP.Gate, &L.MLP.Up}} {
+			var mx float32
+			for _, l := range g {
+				mx = max(mx, l.WQ.Amax)
+			}
+			for _, l := range g {
+				l.WQ.Amax = mx
+			}
+		}
+		p := fmt.Sprintf("model.layers.%d.", i)
+		for j, name := range []string{"self_attn.{q,k,v}_proj input", "self_attn.o_proj input", "mlp.{gate,up}_proj input", "mlp.down_proj input"} {
+			if err := L.inputQuantizers()[j].Freeze(p + name); err != nil {
+				return err
+			}
+		}
+	}
+	m.allocFakeQuant()
+	m.calibrating = false
+	return nil
+}
+
+// quantizers lists a block's quantizers in QuantAmax order: the weights of
+// q, k, v, o, gate, up, down, then the inputs of qkv, o, gate/up, down.
+func (L *Block) quantizers() []*Quantizer {
+	var qs []*Quantizer
+	for _, l := range L.Linears() {
+		qs = append(qs, &l.WQ)
+	}
+	return append(qs, L.inputQuantizers()...)
+}
+
+// QuantsPerBlock is the number of amax values QuantAmax holds per block.
+const QuantsPerBlock = 11
+
+// QuantAmax returns the calibrated amax of every quantizer in a fixed
+// order (per block, see quantizers), for training checkpoints. It is nil
+// unless QAD is on and calibrated.
+func (m *Model) QuantAmax() []float32 {
+	if !m.qad || m.calibrating {
+		return nil
+	}
+	var out []float32
+	for i := range m.Blocks {
+		for _, q := range m.Blocks[i].quantizers() {
+			out = append(out, q.Amax)
+		}
+	}
+	return out
+}
+
+// RestoreQAD switches QAD on with frozen amax values saved by QuantAmax
+// (resuming a QAD run: calibration is not repeated, and the weight amax
+// stays the one calibrated at the start, not the max of the moved weights).
+func (m *Model) RestoreQAD(amax []float32) error {
+	if err := m.EnableQAD(); err != nil {
+		return err
+	}
+	if want := QuantsPerBlock * len(m.Blocks); len(amax) != want {
+		return fmt.Errorf("%w: QAD state has %d amax values, want %d (%d per layer x %d layers): the checkpoint is of another model", ErrInvalid, len(amax), want, QuantsPerBlock, len(m.Blocks))
+	}
+	k := 0
+	for i := range m.Blocks {
+		for _, q := range m.Blocks[i].quantizers() {
+			*q = Quantizer{Amax: amax[k]}
+			k++
+			if err := q.Freeze(fmt.Sprintf("model.layers.%d quantizer %d", i, k%QuantsPerBlock)); err != nil {
+				return err
+			}
+		}
+	}
+	m.allocFakeQuant()
+	m.calibrating = false
+	return nil
+}
+
+// allocFakeQuant carves the fake-quantized weights of every Linear out of
+// one arena.
+func (m *Model) allocFakeQuant() {
+	n := 0
+	for i := range m.Blocks {
+		for _, l := range m.Blocks[i].Linears() {
+			n += l.Out * l.In
+		}
+	}
+	if m.qadArena != nil {
+		m.be.Free(m.qadArena)
+	}
+	m.qadArena = m.be.New(compute.F32, n)
+	off := 0
+	for i := range m.Blocks {
+		for _, l := range m.Blocks[i].Linears() {
+			l.Wfq = m.be.View(m.qadArena, off, l.Out*l.In)
+			off += l.Out * l.In
+		}
+	}
+}
+
+// quantizeWeights refreshes the fake-quantized weights from the weights
+// (after every optimizer step the masters moved).
+func (m *Model) quantizeWeights() {
+	for i := range m.Blocks {
+		for _, l := range m.Blocks[i].Linears() {
+			m.be.FakeQuantNVFP4(l.Wfq, l.W, l.Out, l.In, l.WQ.Amax)
+		}
+	}
+}
+
+// QuantizeWeights refreshes the fake-quantized weights now (TrainForward
+// does it on every call under QAD); for tests and export checks.
+func (m *Model) QuantizeWeights() {
+	if m.qad && !m.calibrating {
+		m.quantizeWeights()
+	}
+}
