@@ -3,6 +3,8 @@ package cache
 import (
 	"io"
 	"os"
+
+	"distill/internal/atomicfile"
 )
 
 // FS is the file-system surface the cache uses for chunk files and their
@@ -62,17 +64,7 @@ func (osFS) Rename(o, n string) error    { return os.Rename(o, n) }
 func (osFS) Remove(name string) error    { return os.Remove(name) }
 func (osFS) RemoveAll(name string) error { return os.RemoveAll(name) }
 func (osFS) MkdirAll(dir string) error   { return os.MkdirAll(dir, 0o755) }
-func (osFS) SyncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	err = d.Sync()
-	if cerr := d.Close(); err == nil {
-		err = cerr
-	}
-	return err
-}
+func (osFS) SyncDir(dir string) error    { return atomicfile.Sync(dir) }
 
 func (osFS) ReadDir(dir string) ([]string, error) {
 	ents, err := os.ReadDir(dir)

@@ -92,7 +92,7 @@ func WriteDir(dir string, force bool, write func(tmp string) error) error {
 				return err
 			}
 		}
-		return syncPath(parent)
+		return atomicfile.Sync(parent)
 	}()
 	if err != nil {
 		os.RemoveAll(tmp)
@@ -110,20 +110,8 @@ func syncTree(root string) error {
 		if d.Type()&fs.ModeSymlink != 0 {
 			return nil
 		}
-		return syncPath(p)
+		return atomicfile.Sync(p)
 	})
-}
-
-func syncPath(p string) error {
-	f, err := os.Open(p)
-	if err != nil {
-		return err
-	}
-	err = f.Sync()
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	return err
 }
 
 // InitOptions control random initialization.

@@ -1,7 +1,9 @@
 package main
 
 import (
+	"flag"
 	"fmt"
+	"io"
 	"strings"
 
 	"distill/cache"
@@ -46,4 +48,26 @@ func formatRanges(rs []cache.Range, limit int) string {
 		b.WriteString(r.String())
 	}
 	return b.String()
+}
+
+// parseOneCache parses the flags of a command that changes one cache
+// directory (gc, repair, reset): --cache DIR is required, and extra
+// registers the command's other flags.
+func parseOneCache(name string, args []string, stderr io.Writer, extra func(*flag.FlagSet)) (string, error) {
+	fs := flag.NewFlagSet("cachectl "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	dir := fs.String("cache", "", "cache directory (required)")
+	if extra != nil {
+		extra(fs)
+	}
+	if err := fs.Parse(args); err != nil {
+		return "", err
+	}
+	if *dir == "" {
+		return "", fmt.Errorf("--cache DIR is required")
+	}
+	if fs.NArg() > 0 {
+		return "", fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	return *dir, nil
 }

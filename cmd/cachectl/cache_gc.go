@@ -1,7 +1,6 @@
 package main
 
 import (
-	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -17,16 +16,11 @@ func init() {
 }
 
 func gcMain(args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("cachectl gc", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	dir := fs.String("cache", "", "cache directory (required)")
-	if err := fs.Parse(args); err != nil {
+	dir, err := parseOneCache("gc", args, stderr, nil)
+	if err != nil {
 		return err
 	}
-	if *dir == "" {
-		return fmt.Errorf("--cache DIR is required")
-	}
-	c, err := cache.Open(*dir, nil) // Open runs GC under the exclusive lock
+	c, err := cache.Open(dir, nil) // Open runs GC under the exclusive lock
 	if err != nil {
 		return err
 	}
@@ -35,6 +29,6 @@ func gcMain(args []string, stdout, stderr io.Writer) error {
 	for _, f := range rep.Files {
 		fmt.Fprintf(stdout, "removed %s\n", f)
 	}
-	fmt.Fprintf(stdout, "%s: removed %d files\n", *dir, len(rep.Files))
+	fmt.Fprintf(stdout, "%s: removed %d files\n", dir, len(rep.Files))
 	return nil
 }

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -17,19 +16,11 @@ func init() {
 }
 
 func repairMain(args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("cachectl repair", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	dir := fs.String("cache", "", "cache directory (required)")
-	if err := fs.Parse(args); err != nil {
+	dir, err := parseOneCache("repair", args, stderr, nil)
+	if err != nil {
 		return err
 	}
-	if *dir == "" {
-		return fmt.Errorf("--cache DIR is required")
-	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %q", fs.Args())
-	}
-	rep, err := cache.Repair(*dir, nil)
+	rep, err := cache.Repair(dir, nil)
 	if rep != nil {
 		for i, d := range rep.Dropped {
 			fmt.Fprintf(stdout, "dropped %v (%s): %s\n", d.Range, d.File, rep.Problems[i])
@@ -46,7 +37,7 @@ func repairMain(args []string, stdout, stderr io.Writer) error {
 		samples += d.Len()
 	}
 	fmt.Fprintf(stdout, "%s: %d chunks checked, %d dropped (%d samples), %d rekeyed, %d stray sample keys removed\n",
-		*dir, rep.Checked, len(rep.Dropped), samples, rep.Rekeyed, rep.StrayKeys)
+		dir, rep.Checked, len(rep.Dropped), samples, rep.Rekeyed, rep.StrayKeys)
 	if len(rep.Dropped) > 0 {
 		fmt.Fprintf(stdout, "run the same fill again: it recomputes exactly the dropped ranges\n")
 	}

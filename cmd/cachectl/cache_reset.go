@@ -17,20 +17,14 @@ func init() {
 }
 
 func resetMain(args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("cachectl reset", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	dir := fs.String("cache", "", "cache directory (required)")
-	force := fs.Bool("force", false, "also delete the committed chunks (their data is lost)")
-	if err := fs.Parse(args); err != nil {
+	var force bool
+	dir, err := parseOneCache("reset", args, stderr, func(fs *flag.FlagSet) {
+		fs.BoolVar(&force, "force", false, "also delete the committed chunks (their data is lost)")
+	})
+	if err != nil {
 		return err
 	}
-	if *dir == "" {
-		return fmt.Errorf("--cache DIR is required")
-	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %q", fs.Args())
-	}
-	rep, err := cache.Reset(*dir, *force, nil)
+	rep, err := cache.Reset(dir, force, nil)
 	for _, f := range rep.Files {
 		fmt.Fprintf(stdout, "removed %s\n", f)
 	}
@@ -38,6 +32,6 @@ func resetMain(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	fmt.Fprintf(stdout, "%s: reset (manifest of dataset %s removed; %d committed chunks, %d samples discarded); the next fill creates the cache anew\n",
-		*dir, rep.Manifest.DatasetFingerprint, rep.Chunks, rep.Samples)
+		dir, rep.Manifest.DatasetFingerprint, rep.Chunks, rep.Samples)
 	return nil
 }

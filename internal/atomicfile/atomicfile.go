@@ -24,19 +24,23 @@ import (
 // recognizable.
 const TempSuffix = ".tmp"
 
-// syncDir makes the entries of dir durable; a variable so that tests can
-// check it is called and can fail it.
-var syncDir = func(dir string) error {
-	d, err := os.Open(dir)
+// Sync fsyncs the file or directory at path: for a directory, that makes
+// its entries (a rename, a new file) durable.
+func Sync(path string) error {
+	f, err := os.Open(path)
 	if err != nil {
 		return err
 	}
-	err = d.Sync()
-	if cerr := d.Close(); err == nil {
+	err = f.Sync()
+	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
 	return err
 }
+
+// syncDir makes the entries of dir durable; a variable so that tests can
+// check it is called and can fail it.
+var syncDir = Sync
 
 // WriteFile atomically replaces path with data. perm is the mode of a new
 // file before the umask (0o644 is usual).

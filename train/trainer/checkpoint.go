@@ -14,6 +14,7 @@ import (
 
 	"distill/compute"
 	"distill/compute/device"
+	"distill/internal/atomicfile"
 	"distill/model"
 	"distill/train"
 	"distill/train/loss"
@@ -213,14 +214,14 @@ func saveCheckpoint(runDir string, s *train.Student, ad *optim.AdamW, st *State,
 		if err := writeFileSync(filepath.Join(tmp, "state.json"), append(sj, '\n')); err != nil {
 			return err
 		}
-		if err := syncDir(tmp); err != nil {
+		if err := atomicfile.Sync(tmp); err != nil {
 			return err
 		}
 		os.RemoveAll(final) // a step re-saved after a resume from an older checkpoint
 		if err := os.Rename(tmp, final); err != nil {
 			return err
 		}
-		return syncDir(parent)
+		return atomicfile.Sync(parent)
 	}()
 	if err != nil {
 		os.RemoveAll(tmp)
@@ -363,18 +364,6 @@ func writeFileSync(path string, data []byte) error {
 	if err == nil {
 		err = f.Sync()
 	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	return err
-}
-
-func syncDir(dir string) error {
-	f, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	err = f.Sync()
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
