@@ -174,4 +174,11 @@ static inline cublasStatus_t call_cublasLtMatmul(void *f, cublasLtHandle_t h, cu
 	    algo ? (const void *)algo->algo : NULL, (void *)ws, wsSize, s);
 }
 
+// --- The CPU emulator's extra hook (testdata/emu): it checks a launch's
+// parameter sizes against the kernel's C++ signature. Absent from the real
+// driver.
+static inline const char *call_distill_emu_check_params(void *f, CUfunction fn, const int *sizes, int n) {
+	return ((const char *(*)(CUfunction, const int *, int))f)(fn, sizes, n);
+}
+
 #endif
