@@ -85,11 +85,16 @@ func attentionLaunch(mode attnMode, tokens, nSeq, nHead, nKV, hd int) (plan, att
 // The LM head (lmhead.cu): cuBLASLt writes a (rows x cols) F32 logit tile,
 // which k_lm_fold folds in lmTile-column pieces.
 const (
-	lmTile        = 4096 // LM_TILE
-	lmMaxCols     = 4 * lmTile
+	lmTile        = 4096      // LM_TILE
 	lmTileBudget  = 256 << 20 // bytes of logits a GEMM tile may take
-	lmMaxRows     = 8192
 	lmFoldThreads = 256
+)
+
+// The most vocab columns and token rows of one LM-head GEMM: variables so
+// that tests can force several slabs and tiles on small shapes.
+var (
+	lmMaxCols = 4 * lmTile
+	lmMaxRows = 8192
 )
 
 // lmPlan is the tiling of one LMHeadTopK call.
