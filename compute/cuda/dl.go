@@ -84,7 +84,9 @@ func (s libSpec) candidates() []string {
 // library, every file tried, the loader's last complaint, and what to do.
 func openLibrary(s libSpec) (*library, error) {
 	cands := s.candidates()
-	var last string
+	// Report the first failure, unless a later file was found but failed to
+	// load (wrong architecture, missing dependency): that one says more.
+	var why string
 	for _, p := range cands {
 		cs := C.CString(p)
 		h := C.distill_dlopen(cs)
@@ -93,14 +95,17 @@ func openLibrary(s libSpec) (*library, error) {
 			return &library{what: s.what, path: p, h: h}, nil
 		}
 		if e := C.distill_dlerror(); e != nil {
-			last = C.GoString(e)
+			msg := C.GoString(e)
+			if why == "" || !strings.Contains(msg, "No such file") && strings.Contains(why, "No such file") {
+				why = msg
+			}
 		}
 	}
 	tried := strings.Join(s.names, ", ")
 	if p := os.Getenv(s.env); p != "" {
 		tried = p + " (from " + s.env + ")"
 	}
-	return nil, fmt.Errorf("cuda: cannot load %s: tried %s: %s; %s", s.what, tried, last, s.hint)
+	return nil, fmt.Errorf("cuda: cannot load %s: tried %s (%s); %s", s.what, tried, why, s.hint)
 }
 
 // sym returns the address of one exported function, or an error naming it.
