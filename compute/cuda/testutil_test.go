@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -96,3 +97,5 @@ func closeTo(t testing.TB, what string, got, want []float32, atol, rtol float64)
 }
 
 var oracle = cpu.New()
+
+func fmtf(format string, args ...any) string { return fmt.Sprintf(format, args...) }
