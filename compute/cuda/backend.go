@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -31,6 +32,9 @@ type Options struct {
 	// Logf, if set, receives one line per notable event (kernels compiled
 	// or read from the cache, the device found).
 	Logf func(format string, args ...any)
+	// Profile times every kernel and GEMM (synchronizing around each, so
+	// it slows the whole); Profile() reports the totals. For benchmarks.
+	Profile bool
 }
 
 // Backend is the CUDA backend. It is safe for concurrent use, one call at
@@ -54,6 +58,9 @@ type Backend struct {
 	plans  map[gemmShape]*gemmPlan
 	attn   attnMode
 	logf   func(string, ...any)
+
+	prof  map[string]*ProfileEntry // nil unless Options.Profile
+	label string                   // the running method, for the profile
 
 	args        unsafe.Pointer // C memory: argument slots and the pointers to them
 	checkParams unsafe.Pointer // the emulator's launch check; nil on a real driver
@@ -155,6 +162,9 @@ func Open(opt Options) (*Backend, error) {
 		return nil, err
 	}
 	b.args = C.malloc(C.size_t(maxArgs * 16))
+	if opt.Profile {
+		b.prof = map[string]*ProfileEntry{}
+	}
 	b.attn = attnMode(opt.Attention)
 	if b.attn == "" {
 		b.attn = attnMode(os.Getenv("DISTILL_CUDA_ATTN"))
@@ -361,9 +371,63 @@ func (b *Backend) launchKernel(l launch, args ...any) {
 		b.must(b.drv.check("cuFuncSetAttribute("+l.kernel+")", C.call_cuFuncSetAttribute(b.drv.cuFuncSetAttribute, fn, funcAttrMaxDynamicShared, C.int(l.smem))))
 		b.smem[l.kernel] = l.smem
 	}
+	defer b.timed(l.kernel)()
 	b.must(b.drv.check("cuLaunchKernel("+l.kernel+")", C.call_cuLaunchKernel(b.drv.cuLaunchKernel, fn,
 		C.uint(l.grid[0]), C.uint(l.grid[1]), C.uint(l.grid[2]), C.uint(l.block), 1, 1, C.uint(l.smem), b.stream,
 		(*unsafe.Pointer)(unsafe.Add(b.args, maxArgs*8)))))
+}
+
+// ProfileEntry is one kernel's (or one caller's GEMMs') total under
+// Options.Profile.
+type ProfileEntry struct {
+	Name  string
+	Calls int
+	Time  time.Duration
+}
+
+// timed, under Options.Profile, waits for the work issued so far, and
+// returns a function that waits for what name issued and adds the time.
+func (b *Backend) timed(name string) func() {
+	if b.prof == nil {
+		return func() {}
+	}
+	b.sync()
+	t0 := time.Now()
+	return func() {
+		b.sync()
+		e := b.prof[name]
+		if e == nil {
+			e = &ProfileEntry{Name: name}
+			b.prof[name] = e
+		}
+		e.Calls++
+		e.Time += time.Since(t0)
+	}
+}
+
+// Profile returns the time spent per kernel (GEMMs per calling method),
+// the largest first, and resets the counters. Empty unless
+// Options.Profile.
+func (b *Backend) Profile() []ProfileEntry {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var out []ProfileEntry
+	for _, e := range b.prof {
+		out = append(out, *e)
+	}
+	clear(b.prof)
+	sort.Slice(out, func(i, j int) bool { return out[i].Time > out[j].Time })
+	return out
+}
+
+// MemInfo returns the device's free and total memory (the stream-ordered
+// pool keeps what was freed, so total - free is the high-water mark of
+// this process's use, plus other processes').
+func (b *Backend) MemInfo() (free, total int64) {
+	defer b.enter()()
+	var f, t C.size_t
+	b.must(b.drv.check("cuMemGetInfo", C.call_cuMemGetInfo(b.drv.cuMemGetInfo, &f, &t)))
+	return int64(f), int64(t)
 }
 
 // --- Memory.

@@ -68,6 +68,7 @@ func (b *Backend) gemm(out, x, w uint64, m, n, k int, in int) {
 		b.must(err)
 		b.plans[s] = p
 	}
+	defer b.timed("cublasLt GEMM (" + b.label + ")")()
 	b.must(b.lt.run(b.ltH, p, out, x, w, b.ws, b.stream))
 }
 
@@ -75,6 +76,7 @@ func (b *Backend) gemm(out, x, w uint64, m, n, k int, in int) {
 // BF16 operands (x rounded, w as stored) with fp32 accumulation.
 func (b *Backend) MatMul(outT, xT, wT, biasT compute.Tensor, m, n, k int) {
 	defer b.enter()()
+	b.label = "MatMul"
 	out, x, w := b.ten(outT, "MatMul out"), b.ten(xT, "MatMul x"), b.ten(wT, "MatMul w")
 	need(out, "MatMul out", m*n, compute.F32)
 	need(x, "MatMul x", m*k, compute.F32, compute.BF16)
@@ -212,6 +214,7 @@ func (b *Backend) f32Operand(t *tensor) (p uint64, scratch uint64) {
 // once per call (E integers) to size the experts' GEMMs.
 func (b *Backend) MoE(outT, xT compute.Tensor, mw *compute.MoEWeights, tokens int) {
 	defer b.enter()()
+	b.label = "MoE"
 	out, x := b.ten(outT, "MoE out"), b.ten(xT, "MoE x")
 	E, K, H, I := mw.NumExperts, mw.TopK, mw.Hidden, mw.Inter
 	switch {
@@ -293,6 +296,7 @@ func (b *Backend) MoE(outT, xT compute.Tensor, mw *compute.MoEWeights, tokens in
 // lmhead.cu for the fold).
 func (b *Backend) LMHeadTopK(idsT, lpT, xT, wT compute.Tensor, tokens, hidden, vocab, k int) {
 	defer b.enter()()
+	b.label = "LMHeadTopK"
 	ids, lp, x, w := b.ten(idsT, "LMHeadTopK ids"), b.ten(lpT, "LMHeadTopK logprobs"), b.ten(xT, "LMHeadTopK x"), b.ten(wT, "LMHeadTopK w")
 	need(ids, "LMHeadTopK ids", tokens*k, compute.I32)
 	need(lp, "LMHeadTopK logprobs", tokens*k, compute.F32)
