@@ -691,3 +691,30 @@ func (b *Backend) WriteF32(x compute.Tensor, src []float32) {
 
 // unsafePtr is the address of a non-empty slice's first element.
 func unsafePtr[T any](s []T) unsafe.Pointer { return unsafe.Pointer(&s[0]) }
+
+// Probe reports whether a CUDA GPU is usable without compiling anything:
+// the driver loads and sees a device of compute capability 8.0 or newer.
+// A device chooser (--device auto) calls it to decide, and logs the error
+// when it falls back to the CPU.
+func Probe() (DeviceInfo, error) {
+	drv, err := loadDriver()
+	if err != nil {
+		return DeviceInfo{}, err
+	}
+	defer drv.lib.close()
+	if err := drv.check("cuInit", C.call_cuInit(drv.cuInit, 0)); err != nil {
+		return DeviceInfo{}, err
+	}
+	var count C.int
+	if err := drv.check("cuDeviceGetCount", C.call_cuDeviceGetCount(drv.cuDeviceGetCount, &count)); err != nil {
+		return DeviceInfo{}, err
+	}
+	if count == 0 {
+		return DeviceInfo{}, fmt.Errorf("cuda: the driver (%s) sees no GPU", drv.lib.path)
+	}
+	info, err := drv.deviceInfo(0)
+	if err == nil && info.Major < 8 {
+		err = fmt.Errorf("cuda: %s has compute capability %d.%d; this backend needs 8.0 (Ampere) or newer", info.Name, info.Major, info.Minor)
+	}
+	return info, err
+}
