@@ -124,13 +124,13 @@ s_env() {
 
 s_test() {
   step test 420 "$T" -test.v -test.count=1 -test.timeout=400s \
-    -test.run 'Conformance|Ties|KernelsCompile|NVRTCCompiles|AttnPlanKernel|RoPETableKernel|BenchModel|ForwardGoldens|Launch|Plan|Cache|Arch'
+    -test.run 'Conformance|Ties|KernelsCompile|NVRTCCompiles|AttnPlanKernel|RoPETableKernel|BenchModel|ForwardGoldens|MemoryOps|Probe|Launch|Plan|Cache|Arch'
 }
 
 s_memcheck() {
   if ! command -v compute-sanitizer >/dev/null; then echo "no compute-sanitizer" >"$OUT/memcheck.log"; status memcheck skipped; return; fi
   step memcheck 420 compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 50 \
-    "$T" -test.count=1 -test.timeout=400s -test.run 'Conformance|Ties|AttnPlanKernel|RoPETableKernel|BenchModel'
+    "$T" -test.count=1 -test.timeout=400s -test.run 'Conformance|Ties|AttnPlanKernel|RoPETableKernel|BenchModel|MemoryOps|ForwardGoldens'
 }
 
 s_racecheck() {

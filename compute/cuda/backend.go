@@ -470,8 +470,7 @@ func (b *Backend) ten(x compute.Tensor, what string) *tensor {
 	return t
 }
 
-// need checks that t holds at least n elements of type dt (dt < 0: F32 or
-// BF16).
+// need checks that t holds at least n elements, of one of the types dts.
 func need(t *tensor, what string, n int, dts ...compute.DType) {
 	okType := false
 	for _, dt := range dts {

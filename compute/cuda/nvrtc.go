@@ -83,7 +83,7 @@ func (e *CompileError) Error() string {
 // --use_fast_math: the CPU backend is the oracle), line info for
 // compute-sanitizer and profilers.
 func compileOptions(arch string) []string {
-	return []string{"--gpu-architecture=" + arch, "-lineinfo", "--std=c++14"}
+	return []string{"--gpu-architecture=" + arch, "-lineinfo", "--std=c++17"}
 }
 
 // compile builds src (named name in diagnostics) to a cubin for arch. It

@@ -204,13 +204,18 @@ static std::string state_name(State s) {
 	return "?";
 }
 
-// run_block runs every thread of the current block to completion.
+// run_block runs every thread of the current block to completion. Threads
+// run in index order, or in reverse order with DISTILL_EMU_REVERSE=1: a
+// missing barrier shows up in one order or the other (a thread reading
+// what a later, or an earlier, thread has not written yet).
+static bool g_reverse;
 static bool run_block(unsigned nthreads) {
 	for (unsigned i = 0; i < nthreads; i++) fiber_init(g_fib[i], i);
 	unsigned nwarps = nthreads / 32;
 	for (;;) {
 		bool any = false;
-		for (unsigned i = 0; i < nthreads; i++) {
+		for (unsigned j = 0; j < nthreads; j++) {
+			unsigned i = g_reverse ? nthreads - 1 - j : j;
 			if (g_fib[i].state != READY) continue;
 			g_cur = (int)i;
 			set_thread(g_fib[i].tid);
@@ -450,6 +455,8 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
 		return fail(E_LAUNCH_OUT_OF_RESOURCES, buf);
 	}
 	if (g_fib.size() < nt) g_fib.resize(nt);
+	const char *rev = getenv("DISTILL_EMU_REVERSE");
+	g_reverse = rev && rev[0] == '1';
 	gridDim = {gx, gy, gz};
 	blockDim = {bx, by, bz};
 	g_kernel = k;
