@@ -342,8 +342,9 @@ func BenchmarkForward(b *testing.B) {
 	wl := benchWorkloads(tokens)
 	outDir := os.Getenv("DISTILL_BENCH_OUT")
 	if outDir != "" {
-		j, _ := json.MarshalIndent(map[string]any{"tokens": tokens, "k": 64, "workloads": wl, "shapes": benchShapes}, "", " ")
-		os.WriteFile(filepath.Join(outDir, "workloads.json"), j, 0o644)
+		if err := writeWorkloads(outDir, tokens, wl); err != nil {
+			b.Fatal(err)
+		}
 	}
 	only := os.Getenv("DISTILL_BENCH_SHAPES") // e.g. "qwen3-0.6b,qwen3-8b"
 	be := benchBackend(b, false)
@@ -406,6 +407,44 @@ func BenchmarkForward(b *testing.B) {
 			})
 		}
 		freeBenchModel(be, m)
+	}
+}
+
+// writeWorkloads writes dir/workloads.json for scripts/gpu/hf_bench.py.
+func writeWorkloads(dir string, tokens int, wl map[string][]int) error {
+	j, err := json.MarshalIndent(map[string]any{"tokens": tokens, "k": 64, "workloads": wl, "shapes": benchShapes}, "", " ")
+	if err == nil {
+		err = os.WriteFile(filepath.Join(dir, "workloads.json"), j, 0o644)
+	}
+	return err
+}
+
+// TestWriteWorkloads writes the benchmark's workloads to
+// $DISTILL_BENCH_OUT/workloads.json without running anything (the GPU
+// suite's peer step, when the bench step ran in another call); it checks
+// the workloads' sizes either way.
+func TestWriteWorkloads(t *testing.T) {
+	tokens := 16384
+	if v, err := strconv.Atoi(os.Getenv("DISTILL_BENCH_TOKENS")); err == nil {
+		tokens = v
+	}
+	wl := benchWorkloads(tokens)
+	for name, lens := range wl {
+		n := 0
+		for _, l := range lens {
+			if l < 64 || l > 4096 {
+				t.Fatalf("workload %s: a sample of %d tokens", name, l)
+			}
+			n += l
+		}
+		if n > tokens || n < tokens-4096 {
+			t.Fatalf("workload %s: %d tokens, want at most %d and within one sample of it", name, n, tokens)
+		}
+	}
+	if dir := os.Getenv("DISTILL_BENCH_OUT"); dir != "" {
+		if err := writeWorkloads(dir, tokens, wl); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 
