@@ -364,7 +364,9 @@ func (b *Backend) launchKernel(l launch, args ...any) {
 			panic(fmt.Sprintf("cuda: launching %s: %s", l.kernel, C.GoString(msg)))
 		}
 	}
-	if l.smem > 48<<10 && b.smem[l.kernel] < l.smem {
+	// Opt in to the dynamic shared memory whenever there is any: the 48 KB a
+	// block gets by default counts static shared memory too.
+	if l.smem > 0 && b.smem[l.kernel] < l.smem {
 		if l.smem > b.info.SharedOptinBytes {
 			panic(fmt.Sprintf("cuda: %s needs %d bytes of shared memory; %s allows a block %d", l.kernel, l.smem, b.info.Name, b.info.SharedOptinBytes))
 		}
