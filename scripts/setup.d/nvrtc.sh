@@ -4,14 +4,21 @@
 # NVRTC 11.8 in its non-free component: package libnvrtc11.2 (soname
 # libnvrtc.so.11.2, about 16 MB, with libnvrtc-builtins11.8). This adds the
 # component (a sources file of its own; the main one is left alone) and
-# installs the package. Idempotent. scripts/test.sh sets
-# DISTILL_REQUIRE_NVRTC=1, so a missing NVRTC fails that test.
+# installs the package. The package's other tests run the backend on a CPU
+# emulator of the GPU that they build with g++ (compute/cuda/testdata/emu),
+# so g++ is installed too. Idempotent. scripts/test.sh sets
+# DISTILL_REQUIRE_NVRTC=1, so a missing NVRTC or g++ fails those tests.
 set -euo pipefail
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+if ! command -v g++ >/dev/null 2>&1; then
+  echo "setup (nvrtc): apt-get install g++ (compute/cuda's GPU emulator)"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq g++ >/dev/null
+fi
 if dpkg -s libnvrtc11.2 >/dev/null 2>&1; then
   exit 0
 fi
-SUDO=""
-[ "$(id -u)" -ne 0 ] && SUDO="sudo"
 src=/etc/apt/sources.list.d/distill-nonfree.sources
 if ! grep -rqs 'non-free\( \|$\)' /etc/apt/sources.list /etc/apt/sources.list.d/; then
   . /etc/os-release
