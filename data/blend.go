@@ -171,3 +171,17 @@ func (c concat) locate(i int64) (int, int64) {
 	d := sort.Search(len(c.starts)-1, func(k int) bool { return c.starts[k+1] > r })
 	return d, epoch*(c.starts[d+1]-c.starts[d]) + r - c.starts[d]
 }
+
+// Order is a seeded pseudo-random permutation of [0, n), evaluated in O(1)
+// time and memory: the keyed Feistel permutation that Options.Shuffle uses.
+// The student trainer visits a dataset's index in a new Order every epoch
+// without materializing it.
+type Order struct{ p permutation }
+
+// NewOrder returns the permutation of [0, n) that seed selects.
+func NewOrder(n int64, seed uint64) Order {
+	return Order{newPermutation(uint64(max(n, 0)), splitmix64(seed^0x6f72646572))}
+}
+
+// At returns the i-th element of the order, for 0 <= i < n.
+func (o Order) At(i int64) int64 { return int64(o.p.apply(uint64(i))) }

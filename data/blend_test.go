@@ -42,6 +42,32 @@ func TestPermutationIsBijection(t *testing.T) {
 	}
 }
 
+// TestOrder: the exported Order is a bijection of [0, n) that differs
+// between seeds (the trainer's per-epoch dataset order).
+func TestOrder(t *testing.T) {
+	for _, n := range []int64{1, 5, 96, 1000} {
+		o := NewOrder(n, 7)
+		seen := make([]bool, n)
+		for i := int64(0); i < n; i++ {
+			j := o.At(i)
+			if j < 0 || j >= n || seen[j] {
+				t.Fatalf("n=%d: %d -> %d is not a bijection", n, i, j)
+			}
+			seen[j] = true
+		}
+	}
+	a, b := NewOrder(1000, 1), NewOrder(1000, 2)
+	same := 0
+	for i := int64(0); i < 1000; i++ {
+		if a.At(i) == b.At(i) {
+			same++
+		}
+	}
+	if same > 50 {
+		t.Errorf("seeds 1 and 2 agree on %d of 1000 positions", same)
+	}
+}
+
 func TestQuantizeWeights(t *testing.T) {
 	for _, tc := range []struct {
 		w    []float64

@@ -7,6 +7,9 @@ import "distill/compute/cpu"
 // package doc's formula, term by term. TopK never forwards more than
 // Options.TokenBudget tokens at once, so with n = TokenBudget and maxLen =
 // min(TokenBudget, MaxPositions), peak RSS <= weights + ActivationBytes.
+// The kernel scratch terms are per worker (cpu.Threads of them): a backend
+// allocates them in its first forward and reuses them after, so only that
+// first forward reaches the bound's scratch share.
 func (m *Model) ActivationBytes(tokens, maxLen, k int) int64 {
 	c := m.Cfg
 	n := int64(tokens)

@@ -1,48 +1,91 @@
 package infer
 
 import (
+	"fmt"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"testing"
 
 	"distill/compute/cpu"
 )
 
-// TestActivationBound: the bytes one Forward allocates (runtime.MemStats
-// TotalAlloc, counting everything, even what the GC frees during the call)
-// stay within ActivationBytes, and the bound is not loose by more than 2x.
+// allocated is what f allocates: runtime.MemStats.TotalAlloc counts every
+// allocation, even what the GC frees during f, so it is at least f's peak.
+func allocated(f func()) int64 {
+	var a, b runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&a)
+	f()
+	runtime.ReadMemStats(&b)
+	return int64(b.TotalAlloc - a.TotalAlloc)
+}
+
+// TestActivationBound holds Forward to ActivationBytes at several worker
+// counts: cpu.Threads = 1, 2, 6, 16 and the machine's own, so a 2-core CI
+// box checks what a many-core server runs.
+//
+// The bound is the activations (fixed by the token count) plus one set of
+// kernel scratch per worker (attention scores, LM-head tile and heaps). The
+// backend pools that scratch: a forward on a fresh backend allocates it
+// ("cold"), later forwards reuse it ("warm"), so only a cold forward shows
+// the peak the bound describes. Each worker count gets a fresh backend:
+//   - cold and warm forwards stay within the bound, at every count;
+//   - with one worker every allocation is deterministic, and the bound is
+//     not loose by more than 2x.
+//
+// With more workers the cold forward's scratch depends on how many workers
+// got work before the queue ran dry (scheduling), so a looseness check
+// there could fail for the wrong reason; the one-worker check catches any
+// growth of the activations themselves, which do not depend on the count.
 func TestActivationBound(t *testing.T) {
+	old := cpu.Threads
+	defer func() { cpu.Threads = old }()
+	threads := []int{1, 2, 6, 16}
+	if !slices.Contains(threads, runtime.NumCPU()) {
+		threads = append(threads, runtime.NumCPU())
+	}
 	for _, arch := range []string{"qwen3", "qwen2", "qwen3_moe"} {
-		m, err := Load(filepath.Join("testdata/golden", arch), cpu.New())
-		if err != nil {
-			t.Fatal(err)
+		dir := filepath.Join("testdata/golden", arch)
+		load := func() *Model {
+			m, err := Load(dir, cpu.New())
+			if err != nil {
+				t.Fatal(err)
+			}
+			return m
 		}
+		warmup := load()
 		samples := make([][]int32, 7)
+		n, maxLen := 0, 0
 		for i := range samples {
 			samples[i] = make([]int32, 100+90*i)
 			for j := range samples[i] {
-				samples[i][j] = int32((i*31 + j*7) % m.Cfg.VocabSize)
+				samples[i][j] = int32((i*31 + j*7) % warmup.Cfg.VocabSize)
 			}
-		}
-		n, maxLen := 0, 0
-		for _, s := range samples {
-			n += len(s)
-			maxLen = max(maxLen, len(s))
+			n += len(samples[i])
+			maxLen = max(maxLen, len(samples[i]))
 		}
 		const k = 32
-		m.Forward(samples, k, 0.5) // warm up: lazily-made package state
-		var a, b runtime.MemStats
-		runtime.GC()
-		runtime.ReadMemStats(&a)
-		m.Forward(samples, k, 0.5)
-		runtime.ReadMemStats(&b)
-		got, bound := int64(b.TotalAlloc-a.TotalAlloc), m.ActivationBytes(n, maxLen, k)
-		t.Logf("%s: %d tokens: allocated %d bytes, bound %d", arch, n, got, bound)
-		if got > bound {
-			t.Errorf("%s: Forward allocated %d bytes > documented bound %d", arch, got, bound)
-		}
-		if got < bound/2 {
-			t.Errorf("%s: bound %d is more than 2x the %d bytes allocated: tighten it", arch, bound, got)
+		// Lazily-made package state (BLAS setup) is not the forward's.
+		warmup.Forward(samples, k, 0.5)
+		for _, th := range threads {
+			t.Run(fmt.Sprintf("%s/threads=%d", arch, th), func(t *testing.T) {
+				cpu.Threads = th
+				m := load()
+				cold := allocated(func() { m.Forward(samples, k, 0.5) })
+				warm := allocated(func() { m.Forward(samples, k, 0.5) })
+				bound := m.ActivationBytes(n, maxLen, k)
+				t.Logf("%d tokens: cold forward allocated %d bytes, warm %d, bound %d", n, cold, warm, bound)
+				if cold > bound {
+					t.Errorf("a forward on a fresh backend allocated %d bytes > documented bound %d", cold, bound)
+				}
+				if warm > bound {
+					t.Errorf("a forward with the scratch pooled allocated %d bytes > documented bound %d", warm, bound)
+				}
+				if th == 1 && cold < bound/2 {
+					t.Errorf("bound %d is more than 2x the %d bytes allocated: tighten it", bound, cold)
+				}
+			})
 		}
 	}
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command of the README: installs the test prerequisites, then runs
-# gofmt, go vet and the whole test suite.
+# gofmt, go vet, the whole test suite, and the concurrent packages again
+# under -race.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-test.sh
@@ -18,3 +19,10 @@ diff -r "$gen/proto" proto --exclude='*.proto' || { echo "generated code is stal
 # installs it): fail, do not skip, when it is missing.
 export DISTILL_REQUIRE_NVRTC=1
 go test -count=1 -timeout 40m ./... "$@"
+# The packages that run goroutines (the batcher and fills, the CPU worker
+# pools and the student kernels on them, the cache's writers and readers,
+# dataset loading) once more under the race detector: about 3 minutes on
+# 2 busy cores. cmd/cachectl repeats serve's fills in-process and is left out
+# (a minute more under -race).
+go test -race -count=1 -timeout 30m ./serve/ ./cache/ ./compute/cpu/ ./infer/ ./data/ \
+  ./train/ ./train/nn/ ./train/loss/ ./train/optim/ ./train/trainer/ "$@"

@@ -70,6 +70,8 @@ type batcher struct {
 	work   chan struct{} // buffered 1: the worker has something to look at
 	closed bool
 	wg     sync.WaitGroup
+
+	waiting func(*job) // tests: called when submit finds no room and waits
 }
 
 func newBatcher(fwd forwardFunc, budget, maxJobs, maxTokens int, st batcherStats) *batcher {
@@ -153,6 +155,9 @@ func (b *batcher) submit(j *job) error {
 		}
 		room := b.room
 		b.mu.Unlock()
+		if b.waiting != nil {
+			b.waiting(j)
+		}
 		select {
 		case <-room:
 		case <-j.ctx.Done():

@@ -16,14 +16,54 @@ func (nopStats) waited(time.Duration)                 {}
 
 // fakeForward records each forward's samples and answers, for position t
 // of the packed batch, ids (tok, tok+1, ...) and log-probs (-j - temp):
-// every row is checkable from the input alone.
+// every row is checkable from the input alone. A gated fake (gatedForward)
+// is a blocking backend: each forward first reports its samples on entered,
+// then waits for one value on gate, so a test knows which batch is in the
+// forward and holds the queue still while it looks.
 type fakeForward struct {
 	mu      sync.Mutex
 	batches [][][]int32
-	gate    chan struct{} // when set, each forward waits for a value
+	entered chan [][]int32 // when set: each forward's samples, as it starts
+	gate    chan struct{}  // when set: each forward waits for a value (or the close)
+	open    sync.Once
+}
+
+// gatedForward is a blocking fake.
+func gatedForward() *fakeForward {
+	return &fakeForward{entered: make(chan [][]int32, 64), gate: make(chan struct{})}
+}
+
+// startBatcher starts a batcher over f; the test's cleanup opens f's gate
+// for good, then closes the batcher, so no forward outlives the test even
+// when it fails half-way.
+func startBatcher(t *testing.T, f *fakeForward, budget, maxJobs, maxTokens int) *batcher {
+	b := newBatcher(f.fwd, budget, maxJobs, maxTokens, nopStats{})
+	t.Cleanup(func() {
+		if f.gate != nil {
+			f.openGate()
+		}
+		b.close()
+	})
+	return b
+}
+
+// openGate lets every forward through, now and later.
+func (f *fakeForward) openGate() { f.open.Do(func() { close(f.gate) }) }
+
+// inForward waits until a forward has started and returns its samples'
+// first tokens.
+func (f *fakeForward) inForward() []int32 {
+	var firsts []int32
+	for _, s := range <-f.entered {
+		firsts = append(firsts, s[0])
+	}
+	return firsts
 }
 
 func (f *fakeForward) fwd(samples [][]int32, k int, temp float32) ([]int32, []float32) {
+	if f.entered != nil {
+		f.entered <- samples
+	}
 	if f.gate != nil {
 		<-f.gate
 	}
@@ -41,6 +81,35 @@ func (f *fakeForward) fwd(samples [][]int32, k int, temp float32) ([]int32, []fl
 		}
 	}
 	return ids, lps
+}
+
+// watchWaits makes b report on the returned channel every job that submit
+// parks for lack of room.
+func watchWaits(b *batcher) <-chan *job {
+	waits := make(chan *job, 64)
+	b.waiting = func(j *job) { waits <- j }
+	return waits
+}
+
+// submitStep starts b.submit(j) on a goroutine and returns once submit has
+// either queued j (queued true) or parked it for lack of room (false; its
+// result comes on res later). Nothing else may be submitting meanwhile.
+func submitStep(t *testing.T, b *batcher, waits <-chan *job, j *job) (queued bool, res <-chan error) {
+	t.Helper()
+	c := make(chan error, 1)
+	go func() { c <- b.submit(j) }()
+	select {
+	case err := <-c:
+		if err != nil {
+			t.Fatalf("submit: %v", err)
+		}
+		return true, c
+	case w := <-waits:
+		if w != j {
+			t.Fatalf("another job reported waiting")
+		}
+		return false, c
+	}
 }
 
 func checkRows(t *testing.T, j *job, r jobResult) {
@@ -62,16 +131,15 @@ func checkRows(t *testing.T, j *job, r jobResult) {
 }
 
 func TestBatcherPacking(t *testing.T) {
-	f := &fakeForward{gate: make(chan struct{})}
-	b := newBatcher(f.fwd, 10, 100, 1000, nopStats{})
-	defer b.close()
+	f := gatedForward()
+	b := startBatcher(t, f, 10, 100, 1000)
 	ctx := context.Background()
 	// The first job blocks the worker in its forward while the rest queue.
 	first := newJob(ctx, [][]int32{{1}}, 2, 1, false)
-	b.trySubmit(first)
-	for !queueEmpty(b) {
-		time.Sleep(time.Millisecond)
+	if err := b.trySubmit(first); err != nil {
+		t.Fatal(err)
 	}
+	f.inForward()
 	jobs := []*job{
 		newJob(ctx, [][]int32{{10, 11, 12}}, 3, 1, false),         // shared, T=1
 		newJob(ctx, [][]int32{{20, 21}}, 1, 2, false),             // other temperature: own batch
@@ -84,11 +152,7 @@ func TestBatcherPacking(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	go func() {
-		for i := 0; i < 10; i++ {
-			f.gate <- struct{}{}
-		}
-	}()
+	f.openGate()
 	checkRows(t, first, first.wait())
 	for _, j := range jobs {
 		checkRows(t, j, j.wait())
@@ -119,16 +183,22 @@ func TestBatcherPacking(t *testing.T) {
 	}
 }
 
-func queueEmpty(b *batcher) bool { n, _ := b.depth(); return n == 0 }
-
+// TestBatcherBackpressureAndClose: with one job in its forward (a blocking
+// fake backend), a queue of two takes two; trySubmit then fails with
+// ErrOverloaded at once, submit parks until room frees or its context ends.
+// close fails what is queued with ErrShutdown, lets the forward in progress
+// finish, and refuses later work.
 func TestBatcherBackpressureAndClose(t *testing.T) {
-	f := &fakeForward{gate: make(chan struct{})}
-	b := newBatcher(f.fwd, 8, 2, 100, nopStats{})
+	f := gatedForward()
+	b := startBatcher(t, f, 8, 2, 100)
+	waits := watchWaits(b)
 	ctx := context.Background()
 	running := newJob(ctx, [][]int32{{1}}, 1, 1, false)
-	b.trySubmit(running)
-	for !queueEmpty(b) {
-		time.Sleep(time.Millisecond)
+	if err := b.trySubmit(running); err != nil {
+		t.Fatal(err)
+	}
+	if got := f.inForward(); got[0] != 1 {
+		t.Fatalf("in the forward: %v, want [1]", got)
 	}
 	q1, q2 := newJob(ctx, [][]int32{{2}}, 1, 1, true), newJob(ctx, [][]int32{{3}}, 1, 1, true)
 	if b.trySubmit(q1) != nil || b.trySubmit(q2) != nil {
@@ -138,75 +208,76 @@ func TestBatcherBackpressureAndClose(t *testing.T) {
 		t.Fatalf("full queue: %v", err)
 	}
 	// submit waits for room instead, and gives up with its context.
-	cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
-	defer cancel()
-	if err := b.submit(newJob(cctx, [][]int32{{5}}, 1, 1, true)); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("submit on a full queue: %v", err)
+	cctx, cancel := context.WithCancel(ctx)
+	if queued, res := submitStep(t, b, waits, newJob(cctx, [][]int32{{5}}, 1, 1, true)); queued {
+		t.Fatal("submit queued a job on a full queue")
+	} else {
+		cancel()
+		if err := <-res; !errors.Is(err, context.Canceled) {
+			t.Fatalf("submit on a full queue, context cancelled: %v", err)
+		}
 	}
-	waiter := make(chan error, 1)
 	w := newJob(ctx, [][]int32{{6}}, 1, 1, true)
-	go func() { waiter <- b.submit(w) }()
+	queued, waiter := submitStep(t, b, waits, w)
+	if queued {
+		t.Fatal("submit queued a job on a full queue")
+	}
 	f.gate <- struct{}{} // finish "running": q1 starts, room for w
+	if got := f.inForward(); got[0] != 2 {
+		t.Fatalf("in the forward: %v, want [2] (q1)", got)
+	}
 	if err := <-waiter; err != nil {
 		t.Fatal(err)
 	}
 	checkRows(t, running, running.wait())
-	// close: q1 is in its forward and finishes; q2 and w fail with ErrShutdown.
+	// close: q1 is in its forward and finishes; q2 and w fail with
+	// ErrShutdown. q1's forward is let go only once close has dropped the
+	// queue (q2's result says so): otherwise the worker could start q2.
 	done := make(chan struct{})
 	go func() { b.close(); close(done) }()
-	time.Sleep(20 * time.Millisecond)
-	f.gate <- struct{}{}
-	<-done
-	checkRows(t, q1, q1.wait())
 	for _, j := range []*job{q2, w} {
 		if r := j.wait(); !errors.Is(r.err, ErrShutdown) {
 			t.Fatalf("queued at close: %v", r.err)
 		}
 	}
+	f.gate <- struct{}{}
+	<-done
+	checkRows(t, q1, q1.wait())
 	if err := b.trySubmit(newJob(ctx, [][]int32{{7}}, 1, 1, false)); !errors.Is(err, ErrShutdown) {
 		t.Fatalf("after close: %v", err)
+	}
+	if err := b.submit(newJob(ctx, [][]int32{{8}}, 1, 1, true)); !errors.Is(err, ErrShutdown) {
+		t.Fatalf("submit after close: %v", err)
 	}
 }
 
 // TestBatcherFillLeavesRoomForScore: fill work (submit) that keeps the
 // queue busy holds at most half of it, so Score requests (trySubmit) still
 // get in; before, the fill took every slot as it freed up and every Score
-// request was refused.
+// request was refused. A blocking fake backend holds the queue still, and
+// the batcher's waiting hook says when a submit is parked, so every step
+// is known: nothing here waits on time.
 func TestBatcherFillLeavesRoomForScore(t *testing.T) {
-	f := &fakeForward{gate: make(chan struct{})}
-	b := newBatcher(f.fwd, 64, 4, 1000, nopStats{})
-	defer func() {
-		go func() {
-			for range 100 {
-				select {
-				case f.gate <- struct{}{}:
-				case <-time.After(time.Second):
-					return
-				}
-			}
-		}()
-		b.close()
-	}()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	// Six fill jobs from six goroutines: one runs (blocked in the forward),
-	// at most two may wait in the queue, the rest wait in submit.
-	for i := range 6 {
-		go b.submit(newJob(ctx, [][]int32{{int32(10 + i)}}, 1, 1, true))
+	f := gatedForward()
+	b := startBatcher(t, f, 64, 4, 1000)
+	waits := watchWaits(b)
+	ctx := context.Background()
+	fill := func(i int) *job { return newJob(ctx, [][]int32{{int32(10 + i)}}, 1, 1, true) }
+	if queued, _ := submitStep(t, b, waits, fill(0)); !queued {
+		t.Fatal("the first fill job waits on an empty queue")
 	}
-	deadline := time.Now().Add(2 * time.Second)
-	for {
-		b.mu.Lock()
-		bj := b.bJobs
-		b.mu.Unlock()
-		if bj == 2 || time.Now().After(deadline) {
-			break
+	f.inForward() // fill job 0 computes; the queue is empty and stays put
+	// Fill jobs 1 and 2 take their half of the 4-job queue; 3 and 4 wait.
+	var parked []<-chan error
+	for i := 1; i <= 4; i++ {
+		queued, res := submitStep(t, b, waits, fill(i))
+		if queued != (i <= 2) {
+			n, _ := b.depth()
+			t.Fatalf("fill job %d: queued %v with %d jobs queued; want fill work to hold at most 2 of the 4 slots", i, queued, n)
 		}
-		time.Sleep(time.Millisecond)
-	}
-	time.Sleep(20 * time.Millisecond) // give the other submits a chance to (wrongly) get in
-	if n, _ := b.depth(); n != 2 {
-		t.Fatalf("fill jobs queued: %d, want 2 (half of the 4-job queue)", n)
+		if !queued {
+			parked = append(parked, res)
+		}
 	}
 	for i := 0; i < 2; i++ {
 		if err := b.trySubmit(newJob(ctx, [][]int32{{int32(100 + i)}}, 1, 1, false)); err != nil {
@@ -215,5 +286,34 @@ func TestBatcherFillLeavesRoomForScore(t *testing.T) {
 	}
 	if err := b.trySubmit(newJob(ctx, [][]int32{{200}}, 1, 1, false)); !errors.Is(err, ErrOverloaded) {
 		t.Fatalf("a full queue still refuses Score: %v", err)
+	}
+	// A slot frees (fill job 1 starts): of the two parked fill jobs exactly
+	// one takes it, bringing the fill back to its half; the other waits on.
+	f.gate <- struct{}{}
+	if got := f.inForward(); got[0] != 11 {
+		t.Fatalf("in the forward: %v, want [11] (fill job 1)", got)
+	}
+	queued, waiting := 0, 0
+	for queued+waiting < 2 {
+		select {
+		case err := <-parked[0]:
+			if err != nil {
+				t.Fatal(err)
+			}
+			queued, parked[0] = queued+1, nil
+		case err := <-parked[1]:
+			if err != nil {
+				t.Fatal(err)
+			}
+			queued, parked[1] = queued+1, nil
+		case <-waits:
+			waiting++
+		}
+	}
+	b.mu.Lock()
+	n, bj := len(b.queue), b.bJobs
+	b.mu.Unlock()
+	if queued != 1 || waiting != 1 || n != 4 || bj != 2 {
+		t.Fatalf("after a slot freed: %d parked fill jobs queued, %d wait again, %d jobs queued of which %d fill; want 1, 1, 4, 2", queued, waiting, n, bj)
 	}
 }

@@ -176,30 +176,97 @@ func TestAuthHealthInfoAndDevice(t *testing.T) {
 	}
 }
 
+// statsTap passes the batcher's stats on and reports each queue depth it
+// is told on depths (dropped when nobody listens).
+type statsTap struct {
+	batcherStats
+	depths chan int
+}
+
+func (s statsTap) queued(jobs, tokens int) {
+	s.batcherStats.queued(jobs, tokens)
+	select {
+	case s.depths <- jobs:
+	default:
+	}
+}
+
+// gateDaemon puts a blocking gate in front of every forward of d's batcher
+// (see gatedForward) and taps its queue depth; the test's cleanup opens
+// the gate before the daemon shuts down.
+func gateDaemon(t *testing.T, d *Daemon) (*fakeForward, <-chan int) {
+	f := gatedForward()
+	depths := make(chan int, 64)
+	b := d.Core().b
+	b.mu.Lock() // the worker reads fwd and stats after taking b.mu
+	real := b.fwd
+	b.fwd = func(s [][]int32, k int, temp float32) ([]int32, []float32) {
+		f.entered <- s
+		<-f.gate
+		return real(s, k, temp)
+	}
+	b.stats = statsTap{b.stats, depths}
+	b.mu.Unlock()
+	t.Cleanup(f.openGate)
+	return f, depths
+}
+
+// TestQueueFullIsResourceExhausted: one sample computes (held in its
+// forward by a gate), two fill the 2-sample queue, and a Score sample sent
+// then is refused at once with ResourceExhausted; the queued ones are
+// served when the forward goes on.
 func TestQueueFullIsResourceExhausted(t *testing.T) {
 	mdir := tinyModel(t)
-	cfg := Config{Model: mdir, QueueSamples: 2, forwardDelay: 300 * time.Millisecond}
-	d := startDaemon(t, cfg)
+	d := startDaemon(t, Config{Model: mdir, QueueSamples: 2})
+	f, depths := gateDaemon(t, d)
 	cl, conn := dialTeacher(t, d.Addr(), "")
 	defer conn.Close()
-	st, err := cl.Score(context.Background())
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	st, err := cl.Score(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	// One sample computes (300 ms), two wait, the fourth finds the queue full.
-	for i := 0; i < 6; i++ {
+	if err := st.Send(&pb.ScoreRequest{Id: 0, Tokens: []int32{1, 2, 3}}); err != nil {
+		t.Fatal(err)
+	}
+	f.inForward()
+	for i := 1; i <= 2; i++ {
 		if err := st.Send(&pb.ScoreRequest{Id: int64(i), Tokens: []int32{1, 2, 3}}); err != nil {
-			break
+			t.Fatal(err)
 		}
 	}
-	var last error
+	for n := 0; n != 2; n = <-depths {
+	}
+	// The queue is full and stays so while the gate is shut.
+	st2, err := cl.Score(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st2.Send(&pb.ScoreRequest{Id: 3, Tokens: []int32{1, 2, 3}}); err != nil {
+		t.Fatal(err)
+	}
+	refused := make(chan error, 1)
+	go func() { _, err := st2.Recv(); refused <- err }()
 	for {
-		if _, err := st.Recv(); err != nil {
-			last = err
-			break
+		select {
+		case err = <-refused:
+			wantCode(t, "full queue", err, codes.ResourceExhausted, "work queue full")
+		case n := <-depths:
+			if n > 2 {
+				t.Fatalf("a 2-sample queue took sample 3: %d queued", n)
+			}
+			continue
+		}
+		break
+	}
+	f.openGate()
+	for i := 0; i <= 2; i++ {
+		r, err := st.Recv()
+		if err != nil || r.GetId() != int64(i) {
+			t.Fatalf("queued sample %d after the gate opened: %v, %v", i, r, err)
 		}
 	}
-	wantCode(t, "full queue", last, codes.ResourceExhausted, "work queue full")
 }
 
 func TestFillRefusesDisagreeingTeachers(t *testing.T) {
@@ -330,9 +397,12 @@ func TestTLSAndConcurrencyLimit(t *testing.T) {
 	}
 	_, err = w.Info(context.Background())
 	wantCode(t, "over the concurrency limit", err, codes.ResourceExhausted, "too many concurrent requests (limit 1")
+	// The interceptor frees the slot before the server sends the stream's
+	// status, so once Recv has it the next RPC fits: no waiting.
 	st.CloseSend()
-	st.Recv()
-	time.Sleep(50 * time.Millisecond)
+	if _, err := st.Recv(); err != io.EOF {
+		t.Fatalf("end of the Score stream: %v", err)
+	}
 	if _, err := w.Info(context.Background()); err != nil {
 		t.Errorf("after the stream ended: %v", err)
 	}

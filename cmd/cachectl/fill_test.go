@@ -206,13 +206,17 @@ func TestFillAfterFailedFillWithFixedData(t *testing.T) {
 	samples := idSamples(10, 300)
 	dpath, cdir := filepath.Join(tmp, "d.jsonl"), filepath.Join(tmp, "cache")
 	bad := append([][]int32(nil), samples...)
+	// A bad record in each of the two chunks, so that no chunk commits
+	// whichever order the fill runs them in (a committed chunk binds the
+	// cache to the dataset as read then).
 	bad[1] = []int32{5, 4000, 6}
+	bad[6] = []int32{7, 4000, 8}
 	writeIDs(t, dpath, bad)
 	args := []string{"--model", mdir, "--cache", cdir, "--data", dpath, "--pretokenized", "--chunk", "5", "--k", "4"}
 	if out, err := runFill(t, args...); err == nil || !strings.Contains(err.Error(), "4000") {
 		t.Fatalf("fill with an id outside the vocab: %v\n%s", err, out)
 	}
-	writeIDs(t, dpath, samples) // the user fixes the line
+	writeIDs(t, dpath, samples) // the user fixes the lines
 	if out, err := runFill(t, args...); err != nil || !strings.Contains(out, "fill: 10 samples") {
 		t.Fatalf("fill after fixing the bad line: %v\n%s", err, out)
 	}

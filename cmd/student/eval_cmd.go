@@ -12,6 +12,7 @@ import (
 	"distill/cache"
 	"distill/data/tokenizer"
 	"distill/internal/cli"
+	"distill/train"
 	"distill/train/trainer"
 )
 
@@ -22,7 +23,7 @@ func init() {
 func runEval(args []string) error {
 	fs := flag.NewFlagSet("student eval", flag.ContinueOnError)
 	ckpt := fs.String("checkpoint", "", "run directory (newest checkpoint), checkpoint directory or HF checkpoint (required)")
-	config := fs.String("config", "", "config whose distill section, data.cache, data.seq_len and data.eval_range are used: a training config, or one with only distill: (and data:) (optional)")
+	config := fs.String("config", "", "config whose distill section, data.cache (or data.dataset), data.seq_len and data.eval_range are used: a training config, or one with only distill: (and data:) (optional)")
 	cacheDirs := fs.String("cache", "", "cache directories, comma-separated (default: the config's data.cache)")
 	rng := fs.String("range", "", "sample range START:END (default: the config's data.eval_range, else every sample)")
 	seqLen := fs.Int("seq-len", 0, "packed row length (default: the config's data.seq_len, else 2048)")
@@ -71,6 +72,9 @@ func runEval(args []string) error {
 	s, st, err := trainer.LoadStudent(*ckpt)
 	if err != nil {
 		return err
+	}
+	if cfg.Data.Dataset != nil && *cacheDirs == "" {
+		return evalDataset(s, st, &cfg, *tokDir, *rng, *seqLen, *asJSON)
 	}
 	dirs := cfg.Data.Cache
 	if *cacheDirs != "" {
@@ -134,6 +138,67 @@ func runEval(args []string) error {
 	d := cfg.Distill
 	fmt.Fprintf(stdout, "samples %v (%d), %d loss positions\nloss %.5f  kd(%s, tail %s, T %g) %.5f  ce %.5f  token_accuracy %.4f  top1_agreement %.4f\n",
 		r, es.Samples, es.Tokens, es.Loss, d.KDLoss, d.Tail, d.Temperature, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement)
+	return nil
+}
+
+// evalDataset is `student eval` on the config's data.dataset (no
+// --cache): the samples are tokenized with the student's tokenizer as
+// the training run read them, and scored on CE and token accuracy (no
+// teacher, so no KD).
+func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, tokDir, rng string, seqLen int, asJSON bool) error {
+	dir := tokDir
+	switch {
+	case dir != "":
+	case st != nil && st.TokenizerDir != "":
+		dir = st.TokenizerDir
+	case cfg.Model.Tokenizer != "":
+		dir = cfg.Model.Tokenizer
+	case cfg.Model.InitFrom != "":
+		dir = cfg.Model.InitFrom
+	default:
+		return fmt.Errorf("data.dataset: tokenizing the dataset needs the student's tokenizer: give --tokenizer DIR (a directory with tokenizer.json)")
+	}
+	tok, err := tokenizer.Load(dir)
+	if err != nil {
+		return fmt.Errorf("tokenizer %s: %w", dir, err)
+	}
+	if st != nil && st.TokenizerFingerprint != "" && st.TokenizerFingerprint != tok.Fingerprint() {
+		return fmt.Errorf("the tokenizer in %s (fingerprint %s) is not the one the student was trained with (%s): give --tokenizer with the run's tokenizer", dir, tok.Fingerprint(), st.TokenizerFingerprint)
+	}
+	var r cache.Range
+	if len(cfg.Data.EvalRange) == 2 {
+		r = cache.Range{Start: cfg.Data.EvalRange[0], End: cfg.Data.EvalRange[1]}
+	}
+	if rng != "" {
+		a, b, ok := strings.Cut(rng, ":")
+		x, err1 := strconv.ParseInt(a, 10, 64)
+		y, err2 := strconv.ParseInt(b, 10, 64)
+		if !ok || err1 != nil || err2 != nil || x < 0 || y <= x {
+			return fmt.Errorf("--range %q: want START:END with 0 <= START < END (dataset sample indices)", rng)
+		}
+		r = cache.Range{Start: x, End: y}
+	}
+	// The samples as training cut them (max_len 0 is the config's
+	// seq_len), packed into rows of --seq-len when given.
+	dc := *cfg.Data.Dataset
+	if dc.MaxLen == 0 {
+		dc.MaxLen = cfg.Data.SeqLen
+	}
+	if seqLen > 0 {
+		cfg.Data.SeqLen = seqLen
+	}
+	lo := cfg.LossOptions(cfg.Distill.Temperature)
+	if err := lo.Validate(); err != nil {
+		return fmt.Errorf("distill: %w", err)
+	}
+	es, r, err := trainer.EvaluateDataset(s, &dc, tok, cfg.Data.SeqLen, r, &lo)
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, Loss: cfg.Distill})
+	}
+	fmt.Fprintf(stdout, "dataset samples %v (%d), %d loss positions\nce %.5f  token_accuracy %.4f  (no teacher: no KD)\n", r, es.Samples, es.Tokens, es.CE, es.TokenAccuracy)
 	return nil
 }
 

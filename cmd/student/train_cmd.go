@@ -14,7 +14,7 @@ import (
 )
 
 func init() {
-	commands.Register(&cli.Command{Name: "train", Summary: "train a student on a teacher cache (KD + SFT, optional NVFP4 QAD)", Run: runTrain})
+	commands.Register(&cli.Command{Name: "train", Summary: "train a student on a teacher cache (KD + SFT), or fine-tune it on a dataset (SFT); optional NVFP4 QAD", Run: runTrain})
 }
 
 // multiFlag collects a repeatable string flag.
@@ -25,11 +25,12 @@ func (m *multiFlag) Set(v string) error { *m = append(*m, v); return nil }
 
 func runTrain(args []string) error {
 	fs := flag.NewFlagSet("student train", flag.ContinueOnError)
-	config := fs.String("config", "", "YAML config file (see train/testdata/tiny.yaml for every key)")
+	config := fs.String("config", "", "YAML config file (see examples/train.yaml for every key)")
 	var sets multiFlag
 	fs.Var(&sets, "set", "override a config key, key.path=value (repeatable), e.g. --set optim.lr=3e-4")
 	runDir := fs.String("run-dir", "", "override run_dir")
 	cacheDirs := fs.String("cache", "", "override data.cache (comma-separated directories)")
+	datasetFiles := fs.String("dataset", "", "override data.dataset.files (comma-separated .jsonl, .csv or .parquet files): SFT on a dataset, no teacher")
 	maxSteps := fs.Int("max-steps", 0, "override train.max_steps")
 	threads := fs.Int("threads", 0, "override train.threads")
 	resume := fs.String("resume", "auto", "auto: continue from the run directory's newest checkpoint if any; never; must")
@@ -52,6 +53,9 @@ func runTrain(args []string) error {
 	}
 	if given["cache"] {
 		sets = append(sets, "data.cache=["+*cacheDirs+"]")
+	}
+	if given["dataset"] {
+		sets = append(sets, "data.dataset.files=["+*datasetFiles+"]")
 	}
 	if given["max-steps"] {
 		sets = append(sets, fmt.Sprintf("train.max_steps=%d", *maxSteps))

@@ -1,7 +1,9 @@
 package main
 
 import (
+	"encoding/json"
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -87,5 +89,71 @@ calib_batches: 2
 	// A plain (non-QAD) student cannot be exported as NVFP4.
 	if err := runExport([]string{"--checkpoint", bf, "--out", filepath.Join(dir, "x"), "--format", "nvfp4"}); err == nil || !strings.Contains(err.Error(), "quant: nvfp4") {
 		t.Fatalf("nvfp4 export of a BF16 model: %v", err)
+	}
+}
+
+// TestTrainDatasetExport: `student train --dataset` fine-tunes on a
+// JSONL file with the student's tokenizer (no teacher, no cache);
+// `student eval --config` on the run's config scores the held-out dataset
+// samples as the run's own eval did; the run exports to an HF checkpoint
+// with that tokenizer, which the teacher code loads.
+func TestTrainDatasetExport(t *testing.T) {
+	dir := t.TempDir()
+	tok := filepath.Join(dir, "tok")
+	os.MkdirAll(tok, 0o755)
+	writeByteTokenizer(t, tok)
+	file := filepath.Join(dir, "sft.jsonl")
+	var recs strings.Builder
+	for i := 0; i < 40; i++ {
+		fmt.Fprintf(&recs, "{\"prompt\": \"What is %d plus %d?\", \"response\": \"%d.\"}\n", i, 2*i, 3*i)
+	}
+	os.WriteFile(file, []byte(recs.String()), 0o644)
+	cfg := filepath.Join(dir, "sft.yaml")
+	os.WriteFile(cfg, []byte(`run_dir: unused
+model:
+  random: {arch: qwen3, vocab_size: 257, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,
+           num_key_value_heads: 1, head_dim: 16, intermediate_size: 64, max_position_embeddings: 128}
+  tokenizer: `+tok+`
+data: {dataset: {files: [nowhere.jsonl]}, seq_len: 64, global_batch_tokens: 128, eval_range: [0, 8]}
+optim: {lr: 3e-3, min_lr: 3e-4, warmup_steps: 1}
+train: {max_steps: 4, threads: 2}
+log: {progress: "off"}
+`), 0o644)
+	run := filepath.Join(dir, "run")
+	if err := runTrain([]string{"--config", cfg, "--run-dir", run, "--cache", dir}); err == nil || !strings.Contains(err.Error(), "set only one of data.cache") {
+		t.Fatalf("--cache over a dataset config: %v", err)
+	}
+	if err := runTrain([]string{"--config", cfg, "--run-dir", run, "--dataset", file}); err != nil {
+		t.Fatal(err)
+	}
+	// `student eval` on the config's dataset scores the held-out samples
+	// exactly as the run's final eval did.
+	var evalLine struct {
+		CE     float64 `json:"ce"`
+		Tokens int     `json:"tokens"`
+	}
+	mj, _ := os.ReadFile(filepath.Join(run, "metrics.jsonl"))
+	for _, l := range strings.Split(string(mj), "\n") {
+		if strings.Contains(l, `"type":"eval"`) {
+			json.Unmarshal([]byte(l), &evalLine)
+		}
+	}
+	m, _ := evalJSON(t, "--checkpoint", run, "--config", filepath.Join(run, "config.yaml"))
+	if m["ce"] != evalLine.CE || int(m["tokens"].(float64)) != evalLine.Tokens || evalLine.Tokens == 0 || m["samples"] != 8.0 || m["kd"] != 0.0 {
+		t.Fatalf("student eval on the dataset: %v; the run's final eval: %+v", m, evalLine)
+	}
+	out := filepath.Join(dir, "bf16")
+	if err := runExport([]string{"--checkpoint", run, "--out", out}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(out, "tokenizer.json")); err != nil {
+		t.Fatalf("export lacks the run's tokenizer: %v", err)
+	}
+	tm, err := infer.Load(out, cpu.New())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tm.TopK([][]int32{{87, 104, 97}}, infer.Options{K: 4}); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -3,9 +3,13 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"reflect"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
+
+	"distill/serve"
 )
 
 func TestParseConfigFlagsOverrideYAML(t *testing.T) {
@@ -66,5 +70,33 @@ func TestSecurityFlags(t *testing.T) {
 	}
 	if err := run([]string{"--model", "/m", "--data-root", file, "--listen", "127.0.0.1:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), "is not a directory") {
 		t.Errorf("--data-root FILE: %v", err)
+	}
+}
+
+// TestExampleConfigDocumentsEveryKey: examples/teacherd.yaml loads, and
+// every yaml key of serve.Config appears in it, so the reference cannot
+// fall behind the daemon.
+func TestExampleConfigDocumentsEveryKey(t *testing.T) {
+	p := "../../examples/teacherd.yaml"
+	cfg, err := serve.LoadConfig(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Model == "" || len(cfg.DataRoots) == 0 || cfg.Listen != "127.0.0.1:7070" {
+		t.Errorf("example values not read: %+v", cfg)
+	}
+	text, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	typ := reflect.TypeOf(serve.Config{})
+	for i := 0; i < typ.NumField(); i++ {
+		key, _, _ := strings.Cut(typ.Field(i).Tag.Get("yaml"), ",")
+		if key == "" || key == "-" {
+			continue
+		}
+		if !regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(key) + `:`).Match(text) {
+			t.Errorf("%s does not document the key %q", p, key)
+		}
 	}
 }

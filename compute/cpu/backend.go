@@ -15,6 +15,7 @@ import "C"
 import (
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -499,9 +500,15 @@ func (be *Backend) LMHeadTopK(ids, logprobs, x, w compute.Tensor, tokens, hidden
 			for i := range ord {
 				ord[i] = i
 			}
-			sort.Slice(ord, func(a, b int) bool {
-				va, vb := v[ord[a]], v[ord[b]]
-				return va > vb || (va == vb && id[ord[a]] < id[ord[b]])
+			// slices.SortFunc: sort.Slice would allocate per row.
+			slices.SortFunc(ord, func(a, b int) int {
+				switch {
+				case v[a] > v[b] || (v[a] == v[b] && id[a] < id[b]):
+					return -1
+				case v[b] > v[a] || (v[a] == v[b] && id[b] < id[a]):
+					return 1
+				}
+				return 0
 			})
 			dst := (r0 + r) * k
 			for j, o := range ord {

@@ -43,7 +43,11 @@ func randSlice(r *rand.Rand, n int) []float32 {
 func TestSgemmAllTransposes(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
 	// Sizes cover each SgemmPar path: plain (< 2^18 multiply-adds), and
-	// goroutine slabs by rows and by columns.
+	// goroutine slabs by rows and by columns. Three workers, whatever the
+	// machine (a 1-core one would never split), and uneven slabs.
+	old := Threads
+	defer func() { Threads = old }()
+	Threads = 3
 	for _, sz := range [][3]int{{1, 1, 1}, {3, 5, 7}, {37, 65, 129}, {130, 3, 200}, {2, 300, 64}, {200, 90, 100}, {9, 700, 100}, {520, 517, 500}} {
 		m, n, k := sz[0], sz[1], sz[2]
 		for _, ta := range []bool{false, true} {

@@ -28,6 +28,10 @@ import (
 	"distill/compute/cpu"
 )
 
+// minParallelWork is the work (rows x cost per row) below which
+// parallelRows runs inline: less does not pay for goroutines.
+const minParallelWork = 1 << 14
+
 // parallelRows runs fn over [0,n) split into at most cpu.Threads contiguous
 // ranges; it runs inline when the work is too small to pay for goroutines.
 // The worker index w lets callers keep per-worker partial sums.
@@ -36,7 +40,7 @@ func parallelRows(n, costPerRow int, fn func(w, lo, hi int)) {
 	if t > n {
 		t = n
 	}
-	if t <= 1 || n*costPerRow < 1<<14 {
+	if t <= 1 || n*costPerRow < minParallelWork {
 		if n > 0 {
 			fn(0, 0, n)
 		}

@@ -41,21 +41,63 @@ func closeTo(t *testing.T, name string, got []float32, want []float64, atol, rto
 	}
 }
 
-// withThreads runs f with cpu.Threads = 1 and = 3 so that the parallel
-// splits (including uneven ones) are exercised.
+// withThreads runs f with cpu.Threads = 1, 3 (uneven splits) and 16 (a
+// many-core machine, emulated): the test sizes cross the thresholds (see
+// splits), so with more than one thread the parallel paths really run.
 func withThreads(t *testing.T, f func(t *testing.T)) {
 	old := cpu.Threads
 	defer func() { cpu.Threads = old }()
-	for _, th := range []int{1, 3} {
+	for _, th := range []int{1, 3, 16} {
 		cpu.Threads = th
 		t.Run(fmt.Sprintf("threads=%d", th), f)
 	}
 }
 
+// splits fails t unless parallelRows(n, cost) splits over the current
+// cpu.Threads, so that a test meant to cover the parallel path does.
+func splits(t *testing.T, n, cost int) {
+	t.Helper()
+	if cpu.Threads > 1 && (n < 2 || n*cost < minParallelWork) {
+		t.Fatalf("parallelRows(%d rows, cost %d) runs inline (threshold %d): grow the test", n, cost, minParallelWork)
+	}
+}
+
+// sgemmParMin is where cpu.SgemmPar starts splitting (m·n·k >= 2^18).
+const sgemmParMin = 1 << 18
+
+// strided is every step-th index below n, and the last one: a subset that
+// keeps finite differences affordable at sizes that go parallel.
+func strided(n, step int) []int {
+	var s []int
+	for i := 0; i < n; i += step {
+		s = append(s, i)
+	}
+	if s[len(s)-1] != n-1 {
+		s = append(s, n-1)
+	}
+	return s
+}
+
+// gradAt checks got (minus its starting values base, for the += contract;
+// nil: zero) at the indices idx against the finite differences of f in x.
+func gradAt(t *testing.T, name string, got, base []float32, f func() float64, x []float64, idx []int) {
+	t.Helper()
+	g := ref.Grad(f, x, idx, fdStep)
+	sub := make([]float32, len(idx))
+	for n, i := range idx {
+		sub[n] = got[i]
+		if base != nil {
+			sub[n] -= base[i]
+		}
+	}
+	closeTo(t, name, sub, g, bwdAtol, bwdRtol)
+}
+
 func TestRMSNorm(t *testing.T) {
 	withThreads(t, func(t *testing.T) {
 		rng := rand.New(rand.NewSource(2))
-		N, C := 5, 24
+		N, C := 700, 24
+		splits(t, N, C)
 		x, w, R := randn(rng, N*C, 1), randn(rng, C, 1), randn(rng, N*C, 1)
 		eps := float32(1e-6)
 		out, rstd := make([]float32, N*C), make([]float32, N)
@@ -63,10 +105,12 @@ func TestRMSNorm(t *testing.T) {
 		xd, wd, Rd := ref.F64(x), ref.F64(w), ref.F64(R)
 		f := func() float64 { return ref.Dot(ref.RMSNorm(xd, wd, C, float64(eps)), Rd) }
 		closeTo(t, "out", out, ref.RMSNorm(xd, wd, C, float64(eps)), fwdAtol, fwdRtol)
-		dx, dw := make([]float32, N*C), make([]float32, C)
+		// Start gradients non-zero to check the += contract.
+		dx0, dw0 := randn(rng, N*C, 1), randn(rng, C, 1)
+		dx, dw := append([]float32(nil), dx0...), append([]float32(nil), dw0...)
 		RMSNormBackward(dx, dw, R, x, w, rstd, N, C)
-		closeTo(t, "dx", dx, ref.Grad(f, xd, nil, fdStep), bwdAtol, bwdRtol)
-		closeTo(t, "dw", dw, ref.Grad(f, wd, nil, fdStep), bwdAtol, bwdRtol)
+		gradAt(t, "dx", dx, dx0, f, xd, strided(N*C, 53))
+		gradAt(t, "dw", dw, dw0, f, wd, strided(C, 1))
 	})
 }
 
@@ -74,7 +118,11 @@ func TestLinear(t *testing.T) {
 	withThreads(t, func(t *testing.T) {
 		for _, bias := range []bool{false, true} {
 			rng := rand.New(rand.NewSource(3))
-			N, C, OC := 7, 16, 12
+			N, C, OC := 256, 16, 64
+			splits(t, N, OC) // bias rows
+			if N*C*OC < sgemmParMin {
+				t.Fatalf("%dx%dx%d GEMMs do not split", N, C, OC)
+			}
 			x, w, R := randn(rng, N*C, 1), randn(rng, OC*C, 0.3), randn(rng, N*OC, 1)
 			var b []float32
 			var bd []float64
@@ -88,23 +136,18 @@ func TestLinear(t *testing.T) {
 			f := func() float64 { return ref.Dot(ref.Linear(xd, wd, bd, C, OC), Rd) }
 			closeTo(t, "out", out, ref.Linear(xd, wd, bd, C, OC), fwdAtol, fwdRtol)
 			// Start gradients non-zero to check the += contract.
-			dx, dw := make([]float32, N*C), make([]float32, OC*C)
-			dx[3], dw[5] = 1, -2
-			var db []float32
+			dx0, dw0 := randn(rng, N*C, 1), randn(rng, OC*C, 1)
+			dx, dw := append([]float32(nil), dx0...), append([]float32(nil), dw0...)
+			var db0, db []float32
 			if bias {
-				db = make([]float32, OC)
-				db[1] = 0.5
+				db0 = randn(rng, OC, 1)
+				db = append([]float32(nil), db0...)
 			}
 			LinearBackward(dx, dw, db, R, x, w, N, C, OC)
-			gx, gw := ref.Grad(f, xd, nil, fdStep), ref.Grad(f, wd, nil, fdStep)
-			gx[3]++
-			gw[5] -= 2
-			closeTo(t, "dx", dx, gx, bwdAtol, bwdRtol)
-			closeTo(t, "dw", dw, gw, bwdAtol, bwdRtol)
+			gradAt(t, "dx", dx, dx0, f, xd, strided(N*C, 29))
+			gradAt(t, "dw", dw, dw0, f, wd, strided(OC*C, 7))
 			if bias {
-				gb := ref.Grad(f, bd, nil, fdStep)
-				gb[1] += 0.5
-				closeTo(t, "db", db, gb, bwdAtol, bwdRtol)
+				gradAt(t, "db", db, db0, f, bd, strided(OC, 1))
 			}
 		}
 	})
@@ -114,12 +157,14 @@ func TestRope(t *testing.T) {
 	withThreads(t, func(t *testing.T) {
 		rng := rand.New(rand.NewSource(4))
 		H, D := 3, 8
-		starts := []int32{0, 4, 5, 11}
-		N := 11
+		starts := []int32{0, 4, 5, 11, 700}
+		N := 700
+		splits(t, N, H*D)    // RopeForward, RopeBackward
+		splits(t, N, D/2*40) // RopeTable
 		pos := make([]int32, N)
 		Positions(pos, starts)
-		if pos[4] != 0 || pos[10] != 5 || pos[3] != 3 {
-			t.Fatalf("positions %v", pos)
+		if pos[4] != 0 || pos[10] != 5 || pos[3] != 3 || pos[699] != 688 {
+			t.Fatalf("positions %v", pos[:12])
 		}
 		inv := make([]float32, D/2)
 		for i := range inv {
@@ -135,24 +180,27 @@ func TestRope(t *testing.T) {
 		f := func() float64 { return ref.Dot(ref.Rope(xd, pos, inv, H, D), Rd) }
 		d := append([]float32(nil), R...)
 		RopeBackward(d, cos, sin, N, H, D)
-		closeTo(t, "dx", d, ref.Grad(f, xd, nil, fdStep), bwdAtol, bwdRtol)
+		gradAt(t, "dx", d, nil, f, xd, strided(N*H*D, 37))
 	})
 }
 
 func TestSwiGLU(t *testing.T) {
 	withThreads(t, func(t *testing.T) {
 		rng := rand.New(rand.NewSource(5))
-		n := 50
+		n := 1000
+		splits(t, n, 20) // forward
+		splits(t, n, 25) // backward
 		g, u, R := randn(rng, n, 2), randn(rng, n, 1), randn(rng, n, 1)
 		out := make([]float32, n)
 		SwiGLUForward(out, g, u, n)
 		gd, ud, Rd := ref.F64(g), ref.F64(u), ref.F64(R)
 		closeTo(t, "out", out, ref.SwiGLU(gd, ud), fwdAtol, fwdRtol)
 		f := func() float64 { return ref.Dot(ref.SwiGLU(gd, ud), Rd) }
-		dg, du := make([]float32, n), make([]float32, n)
+		dg0, du0 := randn(rng, n, 1), randn(rng, n, 1)
+		dg, du := append([]float32(nil), dg0...), append([]float32(nil), du0...)
 		SwiGLUBackward(dg, du, R, g, u, n)
-		closeTo(t, "dgate", dg, ref.Grad(f, gd, nil, fdStep), bwdAtol, bwdRtol)
-		closeTo(t, "dup", du, ref.Grad(f, ud, nil, fdStep), bwdAtol, bwdRtol)
+		gradAt(t, "dgate", dg, dg0, f, gd, strided(n, 1))
+		gradAt(t, "dup", du, du0, f, ud, strided(n, 1))
 	})
 }
 

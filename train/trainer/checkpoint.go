@@ -45,8 +45,10 @@ type State struct {
 	EvalRange         []int64 `json:"eval_range,omitempty"`
 	// QuantAmax is the frozen NVFP4 amax of every quantizer (QAD runs).
 	QuantAmax []float32 `json:"quant_amax,omitempty"`
-	// The cache trained on: resuming on another one would replay the data
-	// position into a different order.
+	// The data trained on: resuming on other data would replay the data
+	// position into a different order. A dataset run (data.dataset) has
+	// no teacher (CacheTeacher is empty) and CacheDataset is the
+	// dataset's fingerprint (package data).
 	CacheTeacher         string `json:"cache_teacher_fingerprint"`
 	CacheDataset         string `json:"cache_dataset_fingerprint"`
 	TokenizerFingerprint string `json:"tokenizer_fingerprint"`

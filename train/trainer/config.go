@@ -2,6 +2,7 @@ package trainer
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"math"
 	"os"
@@ -10,12 +11,13 @@ import (
 
 	"gopkg.in/yaml.v3"
 
+	"distill/data"
 	"distill/model"
 	"distill/train/loss"
 	"distill/train/optim"
 )
 
-// Config is a training run, read from YAML (see train/testdata/tiny.yaml
+// Config is a training run, read from YAML (see examples/train.yaml
 // for every key with a comment). Names follow DistillKit / NeMo where they
 // have one (kd_loss, temperature, kd_weight, lr, min_lr, warmup_steps,
 // max_steps, global_batch_tokens, seq_len).
@@ -72,21 +74,85 @@ type RandomModel struct {
 	InitSeed      uint64  `yaml:"init_seed"`
 }
 
-// DataConfig is the cache and how samples become packed rows.
+// DataConfig is where samples come from (a teacher cache, or a dataset
+// for plain SFT) and how they become packed rows.
 type DataConfig struct {
 	Cache []string `yaml:"cache"`
+	// Dataset trains on a dataset instead of a cache: supervised
+	// fine-tuning with no teacher (distill.kd_weight must be 0).
+	Dataset *DatasetConfig `yaml:"dataset"`
 	// SeqLen is the packed row length in tokens: samples are concatenated
 	// into rows of at most SeqLen tokens, never split.
 	SeqLen int `yaml:"seq_len"`
 	// GlobalBatchTokens: an optimizer step accumulates rows until this
 	// many tokens were consumed.
 	GlobalBatchTokens int `yaml:"global_batch_tokens"`
-	// Truncate cuts samples longer than SeqLen; else they are an error.
+	// Truncate cuts cached samples longer than SeqLen; else they are an
+	// error (a dataset's samples are cut by Dataset.MaxLen and Policy).
 	Truncate bool `yaml:"truncate"`
 	// EvalRange [start, end) of sample indices is held out of training.
 	EvalRange []int64 `yaml:"eval_range"`
 	// ShuffleWindow is how many cache chunks are shuffled together.
 	ShuffleWindow int `yaml:"shuffle_window"`
+}
+
+// DatasetConfig is a dataset that package data reads and tokenizes as
+// `cachectl fill` does; each key is the fill flag of the same name
+// (files is --data). Sample i of the dataset is the sample i that a fill
+// with the same options would cache.
+type DatasetConfig struct {
+	// Files are .jsonl, .csv or .parquet files (relative paths are
+	// relative to the working directory).
+	Files []string `yaml:"files"`
+	// Weights blend the files (one per file, any positive scale); none
+	// concatenates them.
+	Weights []float64 `yaml:"weights"`
+	// Format of every file: jsonl, csv or parquet ("": from the extension).
+	Format  string        `yaml:"format"`
+	Columns ColumnsConfig `yaml:"columns"`
+	// Roles renames the dataset's roles, e.g. {human: user, gpt: assistant}.
+	Roles map[string]string `yaml:"roles"`
+	// ChatTemplate is a file with a Jinja chat template overriding the
+	// tokenizer's ("": the tokenizer's, from tokenizer_config.json).
+	ChatTemplate string `yaml:"chat_template"`
+	// TemplateVars are extra chat-template variables, e.g.
+	// {enable_thinking: false}.
+	TemplateVars map[string]any `yaml:"template_vars"`
+	// MaxLen is the longest sample in tokens (0: data.seq_len); Policy
+	// says what happens to a longer one: truncate or drop.
+	MaxLen int    `yaml:"max_len"`
+	Policy string `yaml:"policy"`
+	// SkipBad trains past bad records (counted and reported) instead of
+	// failing on the first.
+	SkipBad bool `yaml:"skip_bad"`
+	// NumSamples is the length of the index (0: all records); a weighted
+	// blend repeats a file it exhausts.
+	NumSamples int64 `yaml:"num_samples"`
+	// Shuffle and Seed permute the records inside the index (which
+	// records eval_range holds out); the training order is shuffled
+	// anew every epoch by the top-level seed either way.
+	Shuffle bool   `yaml:"shuffle"`
+	Seed    uint64 `yaml:"seed"`
+	// NoEOS stops appending EOS to text and template-less
+	// prompt/response records.
+	NoEOS bool `yaml:"no_eos"`
+	// Workers is the number of tokenization goroutines reading ahead of
+	// the step (0: 2); the samples do not depend on it.
+	Workers int `yaml:"workers"`
+}
+
+// ColumnsConfig renames the fields records are read from (fill's
+// --columns); empty keeps the default name.
+type ColumnsConfig struct {
+	Messages string `yaml:"messages"`
+	Prompt   string `yaml:"prompt"`
+	Response string `yaml:"response"`
+	System   string `yaml:"system"`
+	Text     string `yaml:"text"`
+	InputIDs string `yaml:"input_ids"`
+	LossMask string `yaml:"loss_mask"`
+	Role     string `yaml:"role"`
+	Content  string `yaml:"content"`
 }
 
 // DistillConfig is the loss (package train/loss).
@@ -214,7 +280,17 @@ func loadConfig(path string, overrides []string, validate func(*Config) error) (
 	dec := yaml.NewDecoder(bytes.NewReader(b))
 	dec.KnownFields(true)
 	if err := dec.Decode(&c); err != nil {
-		return nil, fmt.Errorf("%w: %s: %v (keys are listed in train/testdata/tiny.yaml)", ErrConfig, path, err)
+		return nil, fmt.Errorf("%w: %s: %v (keys are listed in examples/train.yaml)", ErrConfig, path, err)
+	}
+	if c.Data.Dataset != nil {
+		// SFT on a dataset: the loss weights default to CE alone (a
+		// kd_weight the file gives is checked by Validate).
+		if !hasKey(root.Content[0], "distill", "kd_weight") {
+			c.Distill.KDWeight = 0
+		}
+		if !hasKey(root.Content[0], "distill", "sft_weight") {
+			c.Distill.SFTWeight = 1
+		}
 	}
 	if err := validate(&c); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
@@ -268,6 +344,30 @@ func checkInts(n *yaml.Node, t reflect.Type, prefix string) error {
 		}
 	}
 	return nil
+}
+
+// hasKey reports whether the mapping m holds the key path (a null value
+// counts as absent).
+func hasKey(m *yaml.Node, path ...string) bool {
+	for _, p := range path {
+		for m.Kind == yaml.AliasNode {
+			m = m.Alias
+		}
+		if m.Kind != yaml.MappingNode {
+			return false
+		}
+		var found *yaml.Node
+		for i := 0; i+1 < len(m.Content); i += 2 {
+			if m.Content[i].Value == p {
+				found = m.Content[i+1]
+			}
+		}
+		if found == nil {
+			return false
+		}
+		m = found
+	}
+	return m.ShortTag() != "!!null"
 }
 
 func dotted(prefix, key string) string {
@@ -363,8 +463,10 @@ func (c *Config) Validate() error {
 		return bad("model", "set model.init_from (an HF checkpoint directory) or model.random (an architecture)")
 	case c.Model.InitFrom != "" && c.Model.Random != nil:
 		return bad("model", "set only one of model.init_from and model.random")
-	case len(c.Data.Cache) == 0:
-		return bad("data.cache", "required: one or more cache directories")
+	case len(c.Data.Cache) == 0 && c.Data.Dataset == nil:
+		return bad("data.cache", "required: one or more cache directories (or data.dataset, to fine-tune on a dataset without a teacher)")
+	case len(c.Data.Cache) > 0 && c.Data.Dataset != nil:
+		return bad("data", "set only one of data.cache (distillation from a teacher's cache) and data.dataset (SFT on a dataset, no teacher)")
 	case c.Data.SeqLen <= 0:
 		return bad("data.seq_len", "%d: want > 0", c.Data.SeqLen)
 	case c.Data.GlobalBatchTokens <= 0:
@@ -398,6 +500,11 @@ func (c *Config) Validate() error {
 	if err := c.Schedule().Validate(); err != nil {
 		return fmt.Errorf("%w: optim: %w", ErrConfig, err)
 	}
+	if c.Data.Dataset != nil {
+		if err := c.validateDataset(); err != nil {
+			return err
+		}
+	}
 	if err := c.validateDistill(); err != nil {
 		return err
 	}
@@ -407,6 +514,134 @@ func (c *Config) Validate() error {
 		}
 	}
 	return nil
+}
+
+// validateDataset checks data.dataset and what SFT on it excludes: a KD
+// term (there is no teacher) and data.truncate (max_len cuts samples).
+func (c *Config) validateDataset() error {
+	bad := func(key string, format string, a ...any) error {
+		return fmt.Errorf("%w: %s: %s", ErrConfig, key, fmt.Sprintf(format, a...))
+	}
+	d := c.Data.Dataset
+	switch {
+	case c.Distill.KDWeight != 0:
+		return bad("distill.kd_weight", "%g with data.dataset: a dataset has no teacher, so there is no KD term to weigh; "+
+			"set distill.kd_weight: 0 (or leave it out) to fine-tune on the dataset's labels, or fill a cache from a teacher (`cachectl fill`) and train on data.cache to distill",
+			c.Distill.KDWeight)
+	case !(c.Distill.SFTWeight > 0) || math.IsInf(c.Distill.SFTWeight, 0):
+		return bad("distill.sft_weight", "%g with data.dataset: SFT trains on the labels' cross-entropy alone, so it needs a finite sft_weight > 0 (leave it out for 1)", c.Distill.SFTWeight)
+	case c.Data.Truncate:
+		return bad("data.truncate", "is for cached samples; a dataset's samples are cut at data.dataset.max_len (policy: truncate or drop): remove data.truncate")
+	case len(d.Files) == 0:
+		return bad("data.dataset.files", "required: one or more .jsonl, .csv or .parquet files")
+	case len(d.Weights) != 0 && len(d.Weights) != len(d.Files):
+		return bad("data.dataset.weights", "%d weights for %d files: give one per file (a blend), or none (the files concatenated)", len(d.Weights), len(d.Files))
+	case d.Format != "" && d.Format != "jsonl" && d.Format != "csv" && d.Format != "parquet":
+		return bad("data.dataset.format", "%q: want jsonl, csv or parquet (or leave it out: from each file's extension)", d.Format)
+	case d.Policy != "" && d.Policy != string(data.Truncate) && d.Policy != string(data.Drop):
+		return bad("data.dataset.policy", "%q: want truncate or drop", d.Policy)
+	case d.MaxLen < 0:
+		return bad("data.dataset.max_len", "%d: want 0 (data.seq_len) or a positive token count", d.MaxLen)
+	case d.MaxLen > c.Data.SeqLen:
+		return bad("data.dataset.max_len", "%d exceeds data.seq_len %d: a sample that long never fits a packed row; lower max_len or raise seq_len (0: seq_len)", d.MaxLen, c.Data.SeqLen)
+	case d.NumSamples < 0:
+		return bad("data.dataset.num_samples", "%d: want 0 (all records) or a positive count", d.NumSamples)
+	case d.Workers < 0:
+		return bad("data.dataset.workers", "%d: want >= 0 (0: 2)", d.Workers)
+	}
+	for i, f := range d.Files {
+		if strings.TrimSpace(f) == "" {
+			return bad(fmt.Sprintf("data.dataset.files[%d]", i), "empty path")
+		}
+	}
+	for i, w := range d.Weights {
+		if !(w > 0) || math.IsInf(w, 0) {
+			return bad(fmt.Sprintf("data.dataset.weights[%d]", i), "%g: want a positive number", w)
+		}
+	}
+	cm := d.columnMap()
+	for from, to := range d.Roles {
+		if strings.TrimSpace(from) == "" || strings.TrimSpace(to) == "" {
+			return bad("data.dataset.roles", "%q: %q: want DATASET_ROLE: ROLE, e.g. human: user", from, to)
+		}
+	}
+	if err := cm.Check(); err != nil {
+		return fmt.Errorf("%w: data.dataset.roles: %w", ErrConfig, err)
+	}
+	if _, err := d.templateVars(); err != nil {
+		return err
+	}
+	return nil
+}
+
+// columnMap is the dataset's column and role mapping for package data.
+func (d *DatasetConfig) columnMap() data.ColumnMap {
+	c := d.Columns
+	cm := data.ColumnMap{Messages: c.Messages, Prompt: c.Prompt, Response: c.Response, System: c.System, Text: c.Text,
+		InputIDs: c.InputIDs, LossMask: c.LossMask, Role: c.Role, Content: c.Content}
+	if len(d.Roles) > 0 { // "roles: {}" (a resolved config.yaml) is no mapping, as for fill: same fingerprint
+		cm.Roles = d.Roles
+	}
+	return cm
+}
+
+// templateVars are the template variables as `cachectl fill
+// --template-var NAME=JSON` gives them: JSON values (numbers are
+// float64), so both render and fingerprint alike.
+func (d *DatasetConfig) templateVars() (map[string]any, error) {
+	if len(d.TemplateVars) == 0 {
+		return nil, nil
+	}
+	b, err := json.Marshal(d.TemplateVars)
+	var vars map[string]any
+	if err == nil {
+		err = json.Unmarshal(b, &vars)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%w: data.dataset.template_vars: %v: want values JSON can hold (strings, numbers, booleans, lists, mappings with string keys)", ErrConfig, err)
+	}
+	return vars, nil
+}
+
+// options are the data.Options of the dataset for rows of seqLen tokens
+// (Workers from the config, default 2).
+func (d *DatasetConfig) options(seqLen int) (data.Options, error) {
+	vars, err := d.templateVars()
+	if err != nil {
+		return data.Options{}, err
+	}
+	o := data.Options{MaxLen: d.MaxLen, Policy: data.Policy(d.Policy), SkipBad: d.SkipBad, NumSamples: d.NumSamples,
+		Shuffle: d.Shuffle, Seed: d.Seed, NoEOS: d.NoEOS, TemplateVars: vars, Workers: d.Workers}
+	if o.MaxLen == 0 {
+		o.MaxLen = seqLen
+	}
+	if o.Policy == "" {
+		o.Policy = data.Truncate
+	}
+	if o.Workers == 0 {
+		o.Workers = 2
+	}
+	if d.ChatTemplate != "" {
+		b, err := os.ReadFile(d.ChatTemplate)
+		if err != nil {
+			return data.Options{}, fmt.Errorf("%w: data.dataset.chat_template: %v", ErrConfig, err)
+		}
+		o.ChatTemplate = string(b)
+	}
+	return o, nil
+}
+
+// sources are the dataset's files for package data.
+func (d *DatasetConfig) sources() []data.Source {
+	cm := d.columnMap()
+	out := make([]data.Source, len(d.Files))
+	for i, f := range d.Files {
+		out[i] = data.Source{Path: f, Format: d.Format, Columns: cm}
+		if len(d.Weights) > 0 {
+			out[i].Weight = d.Weights[i]
+		}
+	}
+	return out
 }
 
 // validateDistill checks the distill section on its own. The teacher's
@@ -421,13 +656,18 @@ func (c *Config) validateDistill() error {
 }
 
 // ValidateEval names the first bad key among those evaluation uses: the
-// distill section, data.seq_len and data.eval_range.
+// distill section, data.seq_len, data.eval_range and data.dataset.
 func (c *Config) ValidateEval() error {
 	switch d := c.Data; {
 	case d.SeqLen <= 0:
 		return fmt.Errorf("%w: data.seq_len: %d: want > 0", ErrConfig, d.SeqLen)
 	case len(d.EvalRange) != 0 && (len(d.EvalRange) != 2 || d.EvalRange[0] < 0 || d.EvalRange[1] <= d.EvalRange[0]):
 		return fmt.Errorf("%w: data.eval_range: %v: want [start, end) with 0 <= start < end", ErrConfig, d.EvalRange)
+	}
+	if c.Data.Dataset != nil {
+		if err := c.validateDataset(); err != nil {
+			return err
+		}
 	}
 	return c.validateDistill()
 }

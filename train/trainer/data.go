@@ -7,6 +7,18 @@ import (
 	"distill/train"
 )
 
+// sampleStream is the training order of a data source: a cache's
+// (stream) or a dataset's (dsStream).
+type sampleStream interface {
+	// next returns the next training sample, starting a new epoch when
+	// one ends.
+	next() (cache.Sample, error)
+	// position is the data position after the last sample next
+	// returned: what a checkpoint stores to resume there.
+	position() (epoch int, pos int64)
+	close()
+}
+
 // stream yields training samples in the cache's seeded order, epoch after
 // epoch, skipping the held-out range. Its position (epoch, samples pulled
 // from the epoch's iterator) is all a checkpoint needs to resume it: the
@@ -52,6 +64,8 @@ func (st *stream) open() error {
 	st.it, st.pos, st.seen = it, 0, false
 	return nil
 }
+
+func (st *stream) position() (int, int64) { return st.epoch, st.pos }
 
 func (st *stream) close() {
 	if st.it != nil {
@@ -147,7 +161,7 @@ func counted(b *train.Batch) int {
 
 // nextStep pulls samples until at least tokens tokens are gathered and
 // packs them into rows.
-func (p *packer) nextStep(st *stream, tokens int) ([]*train.Batch, error) {
+func (p *packer) nextStep(st sampleStream, tokens int) ([]*train.Batch, error) {
 	var rows []*train.Batch
 	cur := &train.Batch{}
 	n := 0
@@ -172,15 +186,30 @@ func (p *packer) nextStep(st *stream, tokens int) ([]*train.Batch, error) {
 	return append(rows, cur), nil
 }
 
-// evalRows packs the held-out samples [r.Start, r.End) in index order.
+// evalRows packs the held-out samples [r.Start, r.End) of a cache in
+// index order.
 func (p *packer) evalRows(rd *cache.Reader, r cache.Range) ([]*train.Batch, int, error) {
-	var rows []*train.Batch
-	cur := &train.Batch{}
-	n := 0
-	for i := r.Start; i < r.End; i++ {
+	return p.packRows(int(r.End-r.Start), func(k int) (cache.Sample, error) {
+		i := r.Start + int64(k)
 		s, err := rd.Get(i)
 		if err != nil {
-			return nil, 0, fmt.Errorf("eval sample %d: %w", i, err)
+			return s, fmt.Errorf("eval sample %d: %w", i, err)
+		}
+		return s, nil
+	})
+}
+
+// packRows packs samples get(0..n-1) in that order into rows (eval),
+// skipping empty ones, and returns the rows and the number of samples in
+// them.
+func (p *packer) packRows(n int, get func(k int) (cache.Sample, error)) ([]*train.Batch, int, error) {
+	var rows []*train.Batch
+	cur := &train.Batch{}
+	used := 0
+	for k := 0; k < n; k++ {
+		s, err := get(k)
+		if err != nil {
+			return nil, 0, err
 		}
 		if len(s.Tokens) == 0 {
 			continue // a record the data layer dropped or skipped
@@ -193,10 +222,10 @@ func (p *packer) evalRows(rd *cache.Reader, r cache.Range) ([]*train.Batch, int,
 			cur = &train.Batch{}
 		}
 		p.appendSample(cur, s)
-		n++
+		used++
 	}
 	if len(cur.Tokens) > 0 {
 		rows = append(rows, cur)
 	}
-	return rows, n, nil
+	return rows, used, nil
 }

@@ -1,7 +1,11 @@
 package trainer
 
 import (
+	"fmt"
+
 	"distill/cache"
+	"distill/data"
+	"distill/data/tokenizer"
 	"distill/train"
 	"distill/train/loss"
 )
@@ -14,7 +18,8 @@ type EvalStats struct {
 	CE   float64 `json:"ce"`   // cross-entropy on the labels
 	// TokenAccuracy is how often the student's argmax is the label.
 	TokenAccuracy float64 `json:"token_accuracy"`
-	// Top1Agreement is how often the student's argmax is the teacher's.
+	// Top1Agreement is how often the student's argmax is the teacher's
+	// (0 on a dataset: there is no teacher).
 	Top1Agreement float64 `json:"top1_agreement"`
 	Tokens        int     `json:"tokens"`
 	Samples       int     `json:"samples"`
@@ -35,6 +40,12 @@ func evaluate(s *train.Student, rd *cache.Reader, r cache.Range, seqLen int, tru
 	if err != nil {
 		return EvalStats{}, err
 	}
+	return evaluateRows(s, rows, n, opt, stop)
+}
+
+// evaluateRows evaluates packed rows holding n samples. Rows without a
+// teacher (K = 0, a dataset's) have no top-1 agreement: it stays 0.
+func evaluateRows(s *train.Student, rows []*train.Batch, n int, opt *loss.Options, stop func() bool) (EvalStats, error) {
 	var es EvalStats
 	es.Samples = n
 	var acc, agree int
@@ -63,7 +74,7 @@ func evaluate(s *train.Student, rd *cache.Reader, r cache.Range, seqLen int, tru
 				if pred[t] == b.Tokens[t+1] {
 					acc++
 				}
-				if pred[t] == b.TopIDs[int(t)*b.K] {
+				if b.K > 0 && pred[t] == b.TopIDs[int(t)*b.K] {
 					agree++
 				}
 			}
@@ -75,4 +86,41 @@ func evaluate(s *train.Student, rd *cache.Reader, r cache.Range, seqLen int, tru
 		es.TokenAccuracy, es.Top1Agreement = float64(acc)/w, float64(agree)/w
 	}
 	return es, nil
+}
+
+// EvaluateDataset runs the student over samples [r.Start, r.End) of the
+// dataset dc (r.End 0: to the dataset's end), tokenized with tok and
+// packed into rows of seqLen tokens exactly as a training run on dc reads
+// its eval_range. It returns the range evaluated. There is no teacher:
+// KD and top-1 agreement are 0.
+func EvaluateDataset(s *train.Student, dc *DatasetConfig, tok *tokenizer.Tokenizer, seqLen int, r cache.Range, opt *loss.Options) (EvalStats, cache.Range, error) {
+	if tok.VocabSize() > s.Cfg.VocabSize {
+		return EvalStats{}, r, fmt.Errorf("%w: the tokenizer has %d tokens but the student's vocab_size is %d", ErrMismatch, tok.VocabSize(), s.Cfg.VocabSize)
+	}
+	opts, err := dc.options(seqLen)
+	if err != nil {
+		return EvalStats{}, r, err
+	}
+	ds, err := data.Open(dc.sources(), tok, opts)
+	if err != nil {
+		return EvalStats{}, r, fmt.Errorf("data.dataset: %w", err)
+	}
+	defer ds.Close()
+	if r.End == 0 {
+		r.End = ds.Len()
+	}
+	if r.Start < 0 || r.End <= r.Start || r.End > ds.Len() {
+		return EvalStats{}, r, fmt.Errorf("%w: sample range %v: want 0 <= start < end <= %d (the dataset's samples)", ErrConfig, r, ds.Len())
+	}
+	ss, err := dsEvalSamples(ds, r)
+	if err != nil {
+		return EvalStats{}, r, err
+	}
+	pk := &packer{seqLen: seqLen}
+	rows, n, err := pk.packRows(len(ss), func(k int) (cache.Sample, error) { return ss[k], nil })
+	if err != nil {
+		return EvalStats{}, r, err
+	}
+	es, err := evaluateRows(s, rows, n, opt, nil)
+	return es, r, err
 }

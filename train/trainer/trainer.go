@@ -1,9 +1,10 @@
-// Package trainer runs student training from a teacher cache: it builds
-// the student (from an HF checkpoint or a random architecture), packs the
-// cache's samples into rows, accumulates gradients to a global batch in
-// tokens, steps AdamW on a schedule, evaluates on a held-out sample range,
-// writes metrics (JSONL and TensorBoard) and atomic checkpoints, and
-// resumes from them bit for bit.
+// Package trainer runs student training from a teacher cache (KD + SFT),
+// or supervised fine-tuning from a dataset with no teacher: it builds the
+// student (from an HF checkpoint or a random architecture), packs the
+// samples into rows, accumulates gradients to a global batch in tokens,
+// steps AdamW on a schedule, evaluates on a held-out sample range, writes
+// metrics (JSONL and TensorBoard) and atomic checkpoints, and resumes from
+// them bit for bit.
 //
 // # Run directory
 //
@@ -49,6 +50,27 @@
 // packing. The position in the order is (epoch, samples pulled), which a
 // checkpoint stores; resuming replays the order to it.
 //
+// # Datasets (SFT)
+//
+// data.dataset names files that package data reads and tokenizes exactly
+// as `cachectl fill` does (blend weights, column and role mappings, the
+// tokenizer's chat template or a file, template variables, max_len with
+// truncate or drop, skip_bad), with the student's tokenizer (model.tokenizer
+// or model.init_from). There is no teacher: distill.kd_weight must be 0
+// (its default with a dataset) and the loss is the cross-entropy on the
+// targets of data's masks (assistant turns, responses; completion-only),
+// distill.sft_weight defaulting to 1. Epoch e visits the dataset's index in
+// the order data.NewOrder(samples, seed+e), skipping data.eval_range and
+// the samples data dropped or skipped; the samples are packed into rows as
+// a cache's are. A goroutine tokenizes ahead of the step on
+// data.dataset.workers goroutines, at most two global batches ahead. The
+// checkpoint's data position is (epoch, positions of the order consumed),
+// from which a resume starts directly, and the dataset's fingerprint (its
+// files' contents, the tokenizer, the template and every option that
+// changes tokens), which a resume must match. Evaluation reads
+// data.eval_range of the dataset; it has CE and token accuracy, and no
+// KD or top-1 agreement.
+//
 // # Determinism
 //
 // With the same train.threads, a resumed run reproduces the uninterrupted
@@ -86,6 +108,7 @@ import (
 
 	"distill/cache"
 	"distill/compute/cpu"
+	"distill/data"
 	"distill/data/tokenizer"
 	"distill/internal/atomicfile"
 	"distill/model"
@@ -146,6 +169,10 @@ type StepMetrics struct {
 	LossTokens   int     `json:"loss_tokens"` // positions the loss counted
 	Rows         int     `json:"rows"`        // packed rows (micro-batches)
 	TokensPerSec float64 `json:"tokens_per_s"`
+	// DataSeconds is the part of the step spent getting its samples
+	// (reading and decoding the cache, or waiting for the dataset's
+	// tokenization read-ahead) and packing them.
+	DataSeconds  float64 `json:"data_s"`
 	GFLOPs       float64 `json:"gflop_per_s"` // achieved, model FLOPs (see stepFLOPs)
 	PeakMemBytes int64   `json:"peak_mem_bytes"`
 	Skipped      bool    `json:"skipped,omitempty"` // non-finite gradient: no update
@@ -187,11 +214,25 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	if cfg.Train.Threads > 0 {
 		cpu.Threads = cfg.Train.Threads
 	}
-	rd, err := cache.OpenReader(cfg.Data.Cache...)
-	if err != nil {
-		return nil, err
+	// The data source: a cache is opened now (a missing one fails before
+	// anything is written); a dataset once its tokenizer is known.
+	var (
+		rd *cache.Reader
+		m  cache.Manifest
+	)
+	if cfg.Data.Dataset == nil {
+		var err error
+		if rd, err = cache.OpenReader(cfg.Data.Cache...); err != nil {
+			return nil, err
+		}
+		m = rd.Manifest()
+	} else {
+		for i, f := range cfg.Data.Dataset.Files {
+			if _, err := os.Stat(f); err != nil {
+				return nil, fmt.Errorf("%w: data.dataset.files[%d]: %v", ErrConfig, i, err)
+			}
+		}
 	}
-	m := rd.Manifest()
 	if err := os.MkdirAll(cfg.RunDir, 0o755); err != nil {
 		return nil, err
 	}
@@ -219,8 +260,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		return nil, fmt.Errorf("%w: %s has no checkpoint to resume from", ErrResume, cfg.RunDir)
 	}
 	var s *train.Student
-	st := &State{DataSeed: cfg.Seed, LRSchedule: cfg.Optim.Schedule, LR: cfg.Optim.LR, MaxSteps: cfg.Train.MaxSteps,
-		CacheTeacher: m.TeacherFingerprint, CacheDataset: m.DatasetFingerprint}
+	st := &State{DataSeed: cfg.Seed, LRSchedule: cfg.Optim.Schedule, LR: cfg.Optim.LR, MaxSteps: cfg.Train.MaxSteps}
 	st.setBatching(cfg)
 	st.setLoss(cfg)
 	if ckpt != "" {
@@ -234,10 +274,6 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		}
 		if (st.QuantAmax != nil) != (cfg.Quant == "nvfp4") {
 			return nil, fmt.Errorf("%w: %s has NVFP4 state %v but the config says quant: %s", ErrResume, ckpt, st.QuantAmax != nil, cfg.Quant)
-		}
-		if st.CacheTeacher != m.TeacherFingerprint || st.CacheDataset != m.DatasetFingerprint {
-			return nil, fmt.Errorf("%w: %s was trained on the cache of teacher %.12s / dataset %.12s, data.cache is teacher %.12s / dataset %.12s: resume on the same cache or start a new run_dir",
-				ErrResume, ckpt, st.CacheTeacher, st.CacheDataset, m.TeacherFingerprint, m.DatasetFingerprint)
 		}
 		if err := st.checkBatching(cfg, ckpt); err != nil {
 			return nil, err
@@ -260,9 +296,39 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	} else if s, err = initStudent(cfg); err != nil {
 		return nil, err
 	}
-	fp, tokDir, err := tokenizerFingerprint(cfg)
+	fp, tokDir, tok, err := tokenizerFingerprint(cfg)
 	if err != nil {
 		return nil, err
+	}
+	var (
+		ds        *data.Dataset
+		dsWorkers int
+	)
+	if dc := cfg.Data.Dataset; dc != nil {
+		if tok == nil {
+			return nil, fmt.Errorf("%w: data.dataset: tokenizing the dataset needs the student's tokenizer: set model.tokenizer (a directory with tokenizer.json and tokenizer_config.json), or model.init_from a directory that has them", ErrConfig)
+		}
+		if tok.VocabSize() > s.Cfg.VocabSize {
+			return nil, fmt.Errorf("%w: the tokenizer %s has %d tokens but the student's vocab_size is %d: token ids past it have no embedding; use a student with vocab_size >= %d",
+				ErrMismatch, tokDir, tok.VocabSize(), s.Cfg.VocabSize, tok.VocabSize())
+		}
+		opts, err := dc.options(cfg.Data.SeqLen)
+		if err != nil {
+			return nil, err
+		}
+		dsWorkers = opts.Workers
+		if ds, err = data.Open(dc.sources(), tok, opts); err != nil {
+			return nil, fmt.Errorf("data.dataset: %w", err)
+		}
+		defer ds.Close()
+		m = cache.Manifest{DatasetFingerprint: ds.Fingerprint(), Samples: ds.Len(), VocabSize: s.Cfg.VocabSize, TokenizerFingerprint: fp}
+		fmt.Fprintf(o.Log, "dataset: %d samples from %s (fingerprint %.12s)\n", ds.Len(), strings.Join(dc.Files, ", "), ds.Fingerprint())
+	}
+	if ckpt == "" {
+		st.CacheTeacher, st.CacheDataset = m.TeacherFingerprint, m.DatasetFingerprint
+	} else if st.CacheTeacher != m.TeacherFingerprint || st.CacheDataset != m.DatasetFingerprint {
+		return nil, fmt.Errorf("%w: %s was trained on %s, %s: resume on the same data or start a new run_dir",
+			ErrResume, ckpt, dataName(st.CacheTeacher, st.CacheDataset), configData(cfg, &m))
 	}
 	cfg.Model.TokenizerFingerprint, st.TokenizerFingerprint = fp, fp
 	if tokDir != "" {
@@ -273,13 +339,19 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			st.InitFrom = abs
 		}
 	}
-	if err := CheckCache(s.Cfg, fp, &m, strings.Join(cfg.Data.Cache, ",")); err != nil {
-		return nil, err
+	if rd != nil {
+		if err := CheckCache(s.Cfg, fp, &m, strings.Join(cfg.Data.Cache, ",")); err != nil {
+			return nil, err
+		}
 	}
 	if cfg.Data.SeqLen > s.Cfg.MaxPositions {
 		return nil, fmt.Errorf("%w: data.seq_len %d exceeds the student's max_position_embeddings %d", ErrConfig, cfg.Data.SeqLen, s.Cfg.MaxPositions)
 	}
-	lopt := cfg.LossOptions(float64(m.Temperature))
+	teacherT := float64(m.Temperature)
+	if ds != nil {
+		teacherT = cfg.Distill.Temperature // no teacher: only CE counts
+	}
+	lopt := cfg.LossOptions(teacherT)
 	if err := lopt.Validate(); err != nil {
 		return nil, fmt.Errorf("%w: distill (cache captured at temperature %g): %w", ErrConfig, m.Temperature, err)
 	}
@@ -288,7 +360,11 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	if len(cfg.Data.EvalRange) == 2 {
 		held = cache.Range{Start: cfg.Data.EvalRange[0], End: cfg.Data.EvalRange[1]}
 		if held.End > m.Samples {
-			return nil, fmt.Errorf("%w: data.eval_range %v is past the cache's %d samples", ErrConfig, cfg.Data.EvalRange, m.Samples)
+			what := "cache's"
+			if ds != nil {
+				what = "dataset's"
+			}
+			return nil, fmt.Errorf("%w: data.eval_range %v is past the %s %d samples", ErrConfig, cfg.Data.EvalRange, what, m.Samples)
 		}
 		evalRange = held
 		if cfg.Eval.MaxSamples > 0 {
@@ -297,9 +373,20 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		// Every eval reads all of evalRange: a sample the cache lacks
 		// would fail the first eval, after the run's first steps and
 		// possibly before any checkpoint.
-		if err := checkFilled(rd, evalRange, strings.Join(cfg.Data.Cache, ",")); err != nil {
-			return nil, err
+		if rd != nil {
+			if err := checkFilled(rd, evalRange, strings.Join(cfg.Data.Cache, ",")); err != nil {
+				return nil, err
+			}
 		}
+	}
+	// openStream starts the training order at a data position.
+	openStream := func(epoch int, pos int64) (sampleStream, error) {
+		if ds != nil {
+			// Read ahead two global batches (at least two rows).
+			limit := max(2*cfg.Data.GlobalBatchTokens, 2*cfg.Data.SeqLen)
+			return newDSStream(ds, cfg.Seed, held, dsWorkers, limit, epoch, pos)
+		}
+		return newStream(rd, cfg.Seed, cfg.Data.ShuffleWindow, held, epoch, pos)
 	}
 	if st.Step >= cfg.Train.MaxSteps {
 		// A no-op run leaves the run directory as it is: its config.yaml
@@ -318,7 +405,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	}
 	pk := &packer{seqLen: cfg.Data.SeqLen, truncate: cfg.Data.Truncate, k: m.K}
 	if ckpt == "" && cfg.Quant == "nvfp4" {
-		if err := calibrate(s, cfg, rd, held, pk, &lopt, o.Log); err != nil {
+		if err := calibrate(s, cfg, openStream, pk, &lopt, o.Log); err != nil {
 			return nil, err
 		}
 		st.QuantAmax = s.QuantAmax()
@@ -331,11 +418,16 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		return nil, err
 	}
 	defer mw.close()
-	stream, err := newStream(rd, cfg.Seed, cfg.Data.ShuffleWindow, held, st.Epoch, st.EpochPos)
+	stream, err := openStream(st.Epoch, st.EpochPos)
 	if err != nil {
 		return nil, err
 	}
 	defer stream.close()
+	if ds != nil {
+		defer func() {
+			fmt.Fprintf(o.Log, "dataset: tokenized %s (training read-ahead and evals together)\n", statsLine(ds.Stats()))
+		}()
+	}
 	if ckpt != "" {
 		fmt.Fprintf(o.Log, "resumed from %s at step %d (epoch %d, sample %d of its order)\n", ckpt, st.Step, st.Epoch, st.EpochPos)
 	}
@@ -345,13 +437,29 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		if evalRange.Start < 0 {
 			return nil
 		}
-		es, err := evaluate(s, rd, evalRange, cfg.Data.SeqLen, cfg.Data.Truncate, &lopt, stopped)
-		if err != nil {
+		var es EvalStats
+		if ds != nil {
+			ss, err := dsEvalSamples(ds, evalRange)
+			if err != nil {
+				return err
+			}
+			rows, n, err := pk.packRows(len(ss), func(k int) (cache.Sample, error) { return ss[k], nil })
+			if err != nil {
+				return err
+			}
+			if es, err = evaluateRows(s, rows, n, &lopt, stopped); err != nil {
+				return err
+			}
+		} else if es, err = evaluate(s, rd, evalRange, cfg.Data.SeqLen, cfg.Data.Truncate, &lopt, stopped); err != nil {
 			return err
 		}
 		res.Evals = append(res.Evals, es)
 		prog.clear()
-		fmt.Fprintf(o.Log, "eval step %d: loss %.4f kd %.4f ce %.4f token_acc %.4f top1_agree %.4f (%d tokens)\n", step, es.Loss, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement, es.Tokens)
+		if ds != nil {
+			fmt.Fprintf(o.Log, "eval step %d: ce %.4f token_acc %.4f (%d tokens, %d samples)\n", step, es.CE, es.TokenAccuracy, es.Tokens, es.Samples)
+		} else {
+			fmt.Fprintf(o.Log, "eval step %d: loss %.4f kd %.4f ce %.4f token_acc %.4f top1_agree %.4f (%d tokens)\n", step, es.Loss, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement, es.Tokens)
+		}
 		return mw.eval(step, es)
 	}
 	// saved is the step of the newest checkpoint on disk; good the step of
@@ -418,6 +526,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		if err != nil {
 			return fail(fmt.Errorf("step %d: %w", step, err))
 		}
+		dataT := time.Since(t0).Seconds()
 		total, tokens := 0, 0
 		for _, b := range rows {
 			total += counted(b)
@@ -459,9 +568,10 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			skipRun, lastGood = 0, step
 		}
 		st.Step, st.OptSteps, st.Tokens = step, ad.Steps, st.Tokens+int64(tokens)
-		st.Epoch, st.EpochPos = stream.epoch, stream.pos
+		st.Epoch, st.EpochPos = stream.position()
 		dt := time.Since(t0).Seconds()
-		sm.Type, sm.Step, sm.Tokens, sm.LossTokens, sm.Rows, sm.Epoch = "train", step, tokens, total, len(rows), stream.epoch
+		sm.Type, sm.Step, sm.Tokens, sm.LossTokens, sm.Rows, sm.Epoch = "train", step, tokens, total, len(rows), st.Epoch
+		sm.DataSeconds = dataT
 		sm.TokensPerSec = float64(tokens) / dt
 		sm.GFLOPs = stepFLOPs(s.Cfg, rows, total) / dt / 1e9
 		sm.PeakMemBytes = peakMem()
@@ -548,7 +658,7 @@ func initStudent(cfg *Config) (*train.Student, error) {
 // the package doc) and the directory of its tokenizer.json, absolute ("" if
 // only the fingerprint is known). model.tokenizer and
 // model.tokenizer_fingerprint, when both are set, must agree.
-func tokenizerFingerprint(cfg *Config) (fp, dir string, err error) {
+func tokenizerFingerprint(cfg *Config) (fp, dir string, tok *tokenizer.Tokenizer, err error) {
 	dir = cfg.Model.Tokenizer
 	if dir == "" && cfg.Model.InitFrom != "" {
 		if _, err := os.Stat(filepath.Join(cfg.Model.InitFrom, "tokenizer.json")); err == nil {
@@ -558,9 +668,9 @@ func tokenizerFingerprint(cfg *Config) (fp, dir string, err error) {
 	fp = cfg.Model.TokenizerFingerprint
 	if dir == "" {
 		if fp == "" {
-			return "", "", fmt.Errorf("%w: model: the student's tokenizer is unknown; set model.tokenizer (a directory with tokenizer.json) or model.tokenizer_fingerprint (the cache's is printed by `cachectl status`)", ErrConfig)
+			return "", "", nil, fmt.Errorf("%w: model: the student's tokenizer is unknown; set model.tokenizer (a directory with tokenizer.json) or model.tokenizer_fingerprint (the cache's is printed by `cachectl status`)", ErrConfig)
 		}
-		return fp, "", nil
+		return fp, "", nil, nil
 	}
 	key := "model.tokenizer"
 	if cfg.Model.Tokenizer == "" {
@@ -568,16 +678,34 @@ func tokenizerFingerprint(cfg *Config) (fp, dir string, err error) {
 	}
 	tk, err := tokenizer.Load(dir)
 	if err != nil {
-		return "", "", fmt.Errorf("%w: %s %s: %w", ErrConfig, key, dir, err)
+		return "", "", nil, fmt.Errorf("%w: %s %s: %w", ErrConfig, key, dir, err)
 	}
 	if fp != "" && fp != tk.Fingerprint() {
-		return "", "", fmt.Errorf("%w: %s %s has tokenizer fingerprint %s but model.tokenizer_fingerprint (given, or recorded by the resumed checkpoint) is %s: they must name the same tokenizer; drop one of them or fix it",
+		return "", "", nil, fmt.Errorf("%w: %s %s has tokenizer fingerprint %s but model.tokenizer_fingerprint (given, or recorded by the resumed checkpoint) is %s: they must name the same tokenizer; drop one of them or fix it",
 			ErrConfig, key, dir, tk.Fingerprint(), fp)
 	}
 	if abs, err := filepath.Abs(dir); err == nil {
 		dir = abs
 	}
-	return tk.Fingerprint(), dir, nil
+	return tk.Fingerprint(), dir, tk, nil
+}
+
+// dataName describes the data a checkpoint was trained on (a dataset
+// has no teacher).
+func dataName(teacher, dataset string) string {
+	if teacher == "" {
+		return fmt.Sprintf("dataset %.12s (no teacher)", dataset)
+	}
+	return fmt.Sprintf("the cache of teacher %.12s / dataset %.12s", teacher, dataset)
+}
+
+// configData describes the data the config names, whose manifest (or a
+// dataset's stand-in) is m.
+func configData(cfg *Config, m *cache.Manifest) string {
+	if cfg.Data.Dataset != nil {
+		return fmt.Sprintf("data.dataset is dataset %.12s (its files, the tokenizer, the chat template or an option that changes the tokens differ)", m.DatasetFingerprint)
+	}
+	return fmt.Sprintf("data.cache is teacher %.12s / dataset %.12s", m.TeacherFingerprint, m.DatasetFingerprint)
 }
 
 // checkFilled refuses an eval range that is not all committed in the
@@ -686,11 +814,11 @@ func jsonText(v any) string {
 // calibrate switches NVFP4 QAD on and calibrates the amax on the first
 // calib_batches packed rows of the training order (a separate pass over
 // the order, so training then sees the same data with or without QAD).
-func calibrate(s *train.Student, cfg *Config, rd *cache.Reader, held cache.Range, pk *packer, lopt *loss.Options, log io.Writer) error {
+func calibrate(s *train.Student, cfg *Config, open func(epoch int, pos int64) (sampleStream, error), pk *packer, lopt *loss.Options, log io.Writer) error {
 	if err := s.EnableQAD(); err != nil {
 		return err
 	}
-	cs, err := newStream(rd, cfg.Seed, cfg.Data.ShuffleWindow, held, 0, 0)
+	cs, err := open(0, 0)
 	if err != nil {
 		return err
 	}
@@ -832,7 +960,7 @@ func (m *metrics) train(sm StepMetrics) error {
 	if m.tb != nil {
 		return m.tb.Scalars(int64(sm.Step), time.Now(), map[string]float64{
 			"train/loss": sm.Loss, "train/kd": sm.KD, "train/ce": sm.CE, "train/lr": sm.LR, "train/grad_norm": sm.GradNorm,
-			"perf/tokens_per_s": sm.TokensPerSec, "perf/gflop_per_s": sm.GFLOPs, "perf/peak_mem_gib": float64(sm.PeakMemBytes) / (1 << 30),
+			"perf/tokens_per_s": sm.TokensPerSec, "perf/data_s": sm.DataSeconds, "perf/gflop_per_s": sm.GFLOPs, "perf/peak_mem_gib": float64(sm.PeakMemBytes) / (1 << 30),
 		})
 	}
 	return nil

@@ -59,8 +59,22 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// child runs a training process for TestResumeAfterSIGKILL.
+// child runs a training process for TestResumeAfterSIGKILL. With
+// TRAINER_CHILD_HOLD=STEP:FILE it creates FILE when step STEP begins its
+// first row and then waits there forever, so that the parent kills it at
+// a known point, whatever the speed of the machine.
 func child() {
+	if hold := os.Getenv("TRAINER_CHILD_HOLD"); hold != "" {
+		n, file, _ := strings.Cut(hold, ":")
+		var at int
+		fmt.Sscan(n, &at)
+		testHookRow = func(step, row int) {
+			if step == at && row == 0 {
+				os.WriteFile(file, nil, 0o644)
+				select {}
+			}
+		}
+	}
 	cfg, err := LoadConfig(os.Getenv("TRAINER_CHILD_CONFIG"), nil)
 	if err == nil {
 		_, err = Run(cfg, Options{Log: io.Discard})
@@ -525,10 +539,10 @@ func TestQADRun(t *testing.T) {
 	}
 }
 
-// TestTinyYAMLDocumentsEveryKey: train/testdata/tiny.yaml loads, and every
+// TestTrainExampleDocumentsEveryKey: examples/train.yaml loads, and every
 // key of Config appears in it (it is the reference of the config keys).
-func TestTinyYAMLDocumentsEveryKey(t *testing.T) {
-	p := "../testdata/tiny.yaml"
+func TestTrainExampleDocumentsEveryKey(t *testing.T) {
+	p := "../../examples/train.yaml"
 	if _, err := LoadConfig(p, nil); err != nil {
 		t.Fatal(err)
 	}
