@@ -12,6 +12,8 @@ import (
 	"testing"
 
 	"distill/compute"
+	"distill/model"
+	"distill/model/decoder"
 )
 
 // Benchmarks need a GPU (DISTILL_CUDA_TEST=gpu, as scripts/gpu-suite.sh
@@ -121,11 +123,11 @@ func BenchmarkAttention(b *testing.B) {
 			b.Run(fmt.Sprintf("%s_len%d_16k_h32_kv8_hd128", mode, L), func(b *testing.B) {
 				be.attn = mode
 				defer func() { be.attn = "" }()
-				be.Attention(out, q, k, v, st, len(lens), L, c.tokens, 32, 8, 128, 0.088)
+				be.Attention(out, nil, q, k, v, st, len(lens), L, c.tokens, 32, 8, 128, 0.088)
 				be.wait()
 				b.ResetTimer()
 				for i := 0; i < b.N; i++ {
-					be.Attention(out, q, k, v, st, len(lens), L, c.tokens, 32, 8, 128, 0.088)
+					be.Attention(out, nil, q, k, v, st, len(lens), L, c.tokens, 32, 8, 128, 0.088)
 				}
 				be.wait()
 				b.ReportMetric(flops*float64(b.N)/b.Elapsed().Seconds()/1e12, "TFLOP/s")
@@ -185,125 +187,71 @@ func (s benchShape) matmulParams() float64 {
 	return float64(s.Layers*layer + s.Vocab*s.Hidden + s.Hidden)
 }
 
-// benchLayer holds one layer's weights on the device.
-type benchLayer struct {
-	inNorm, postNorm, q, k, v, o, qn, kn, gate, up, down compute.Tensor
+// config is s as a Qwen3 model.Config.
+func (s benchShape) config() *model.Config {
+	return &model.Config{Arch: model.ArchQwen3, VocabSize: s.Vocab, Hidden: s.Hidden, Layers: s.Layers,
+		Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HD, Intermediate: s.Inter, MaxPositions: 40960,
+		RMSNormEps: 1e-6, RopeTheta: 1e6, TieEmbeddings: s.Tied, QKNorm: true, BOSTokenID: -1, EOSTokenID: -1}
 }
 
+// benchModel is the teacher's decoder (package model/decoder, the code
+// package infer runs) over random BF16 weights of a shape, and the
+// weights it holds on the backend.
 type benchModel struct {
-	s                 benchShape
-	embed, norm, head compute.Tensor
-	layers            []benchLayer
-	invFreq           compute.Tensor
+	*decoder.Model
+	weights []compute.Tensor
 }
 
-// newBenchModel uploads random BF16 weights of shape s: one random host
-// buffer per distinct shape, uploaded for every layer (the device holds
-// every layer's own copy, as a real checkpoint would).
+// newBenchModel uploads random BF16 weights of shape s (norm weights one):
+// one random host buffer per distinct size, uploaded for every tensor of
+// that size (the device holds every layer's own copy, as a real checkpoint
+// would).
 func newBenchModel(be compute.Backend, s benchShape) *benchModel {
+	cfg := s.config()
 	r := rand.New(rand.NewPCG(4, 4))
 	bufs := map[int][]uint16{}
-	w := func(n int, std float64) compute.Tensor {
-		h, ok := bufs[n]
+	specs := map[string]model.TensorSpec{}
+	for _, ts := range cfg.Tensors() {
+		specs[ts.Name] = ts
+	}
+	bm := &benchModel{}
+	m, err := decoder.New(cfg, be, func(name string) (compute.Tensor, compute.Tensor, error) {
+		ts, ok := specs[name]
 		if !ok {
-			h = randBF16(r, n, std)
+			return nil, nil, fmt.Errorf("no tensor %s in the bench shape %s", name, s.Name)
+		}
+		n := 1
+		for _, d := range ts.Shape {
+			n *= d
+		}
+		var h []uint16
+		if ts.Norm {
+			h = make([]uint16, n)
+			for i := range h {
+				h[i] = compute.F32ToBF16(1)
+			}
+		} else if h = bufs[n]; h == nil {
+			h = randBF16(r, n, 0.02)
 			bufs[n] = h
 		}
-		t, err := be.Weight(h)
-		if err != nil {
-			panic(err)
+		w, err := be.Weight(h)
+		if err == nil {
+			bm.weights = append(bm.weights, w)
 		}
-		return t
+		return w, nil, err
+	})
+	if err != nil {
+		panic(err)
 	}
-	ones := func(n int) compute.Tensor {
-		h := make([]uint16, n)
-		for i := range h {
-			h[i] = compute.F32ToBF16(1)
-		}
-		t, _ := be.Weight(h)
-		return t
-	}
-	hq, hkv := s.Heads*s.HD, s.KVHeads*s.HD
-	m := &benchModel{s: s, embed: w(s.Vocab*s.Hidden, 0.02), norm: ones(s.Hidden)}
-	m.head = m.embed
-	if !s.Tied {
-		m.head = w(s.Vocab*s.Hidden+1, 0.02) // +1: a buffer of its own
-	}
-	for i := 0; i < s.Layers; i++ {
-		m.layers = append(m.layers, benchLayer{inNorm: ones(s.Hidden), postNorm: ones(s.Hidden),
-			q: w(hq*s.Hidden, 0.02), k: w(hkv*s.Hidden, 0.02), v: w(hkv*s.Hidden+2, 0.02), o: w(s.Hidden*hq+3, 0.02),
-			qn: ones(s.HD), kn: ones(s.HD), gate: w(s.Inter*s.Hidden, 0.02), up: w(s.Inter*s.Hidden+4, 0.02), down: w(s.Hidden*s.Inter+5, 0.02)})
-	}
-	inv := make([]float32, s.HD/2)
-	for i := range inv {
-		inv[i] = float32(1 / math.Pow(1e6, float64(2*i)/float64(s.HD)))
-	}
-	m.invFreq = be.FromF32(inv)
-	return m
+	bm.Model = m
+	return bm
 }
 
-// forward is infer.Model.Forward's sequence of backend calls (Qwen3: q/k
-// norms, dense MLP), k = 64, temperature 1, including the activations'
-// allocation and the host copy of the top-k.
+// forward is the teacher's forward over one packed batch (decoder.TopK:
+// activations allocated and freed, the RoPE table built and uploaded, the
+// top-k copied to the host), temperature 1.
 func (m *benchModel) forward(be compute.Backend, samples [][]int32, k int) ([]int32, []float32) {
-	s := m.s
-	n, maxLen := 0, 0
-	var flat, pos, starts []int32
-	starts = append(starts, 0)
-	for _, smp := range samples {
-		n += len(smp)
-		maxLen = max(maxLen, len(smp))
-		flat = append(flat, smp...)
-		for p := range smp {
-			pos = append(pos, int32(p))
-		}
-		starts = append(starts, int32(len(flat)))
-	}
-	H, Hq, Hkv, hd := s.Hidden, s.Heads*s.HD, s.KVHeads*s.HD, s.HD
-	var tmp []compute.Tensor
-	alloc := func(dt compute.DType, size int) compute.Tensor {
-		t := be.New(dt, size)
-		tmp = append(tmp, t)
-		return t
-	}
-	tokT, posT, startT := be.FromI32(flat), be.FromI32(pos), be.FromI32(starts)
-	tmp = append(tmp, tokT, posT, startT)
-	x, xn := alloc(compute.F32, n*H), alloc(compute.F32, n*H)
-	q, kk, v := alloc(compute.F32, n*Hq), alloc(compute.F32, n*Hkv), alloc(compute.F32, n*Hkv)
-	att, o := alloc(compute.F32, n*Hq), alloc(compute.F32, n*H)
-	gate, up := alloc(compute.F32, n*s.Inter), alloc(compute.F32, n*s.Inter)
-	scale := float32(1 / math.Sqrt(float64(hd)))
-	be.Embed(x, m.embed, tokT, n, H)
-	for i := range m.layers {
-		L := &m.layers[i]
-		be.RMSNorm(xn, x, L.inNorm, n, H, 1e-6)
-		be.MatMul(q, xn, L.q, nil, n, Hq, H)
-		be.MatMul(kk, xn, L.k, nil, n, Hkv, H)
-		be.MatMul(v, xn, L.v, nil, n, Hkv, H)
-		be.RMSNorm(q, q, L.qn, n*s.Heads, hd, 1e-6)
-		be.RMSNorm(kk, kk, L.kn, n*s.KVHeads, hd, 1e-6)
-		be.RoPE(q, posT, m.invFreq, n, s.Heads, hd)
-		be.RoPE(kk, posT, m.invFreq, n, s.KVHeads, hd)
-		be.Attention(att, q, kk, v, startT, len(samples), maxLen, n, s.Heads, s.KVHeads, hd, scale)
-		be.MatMul(o, att, L.o, nil, n, H, Hq)
-		be.Add(x, o, n*H)
-		be.RMSNorm(xn, x, L.postNorm, n, H, 1e-6)
-		be.MatMul(gate, xn, L.gate, nil, n, s.Inter, H)
-		be.MatMul(up, xn, L.up, nil, n, s.Inter, H)
-		be.SwiGLU(gate, gate, up, n*s.Inter)
-		be.MatMul(o, gate, L.down, nil, n, H, s.Inter)
-		be.Add(x, o, n*H)
-	}
-	be.RMSNorm(xn, x, m.norm, n, H, 1e-6)
-	idT, lpT := alloc(compute.I32, n*k), alloc(compute.F32, n*k)
-	be.LMHeadTopK(idT, lpT, xn, m.head, n, H, s.Vocab, k)
-	ids, lps := make([]int32, n*k), make([]float32, n*k)
-	be.ReadI32(idT, ids)
-	be.ReadF32(lpT, lps)
-	for _, t := range tmp {
-		be.Free(t)
-	}
-	return ids, lps
+	return m.TopK(samples, k, 1)
 }
 
 // benchWorkloads are the two workloads at about tokens tokens a
@@ -449,22 +397,15 @@ func TestWriteWorkloads(t *testing.T) {
 }
 
 func freeBenchModel(be compute.Backend, m *benchModel) {
-	ts := []compute.Tensor{m.embed, m.norm, m.invFreq}
-	if !m.s.Tied {
-		ts = append(ts, m.head)
-	}
-	for _, L := range m.layers {
-		ts = append(ts, L.inNorm, L.postNorm, L.q, L.k, L.v, L.o, L.qn, L.kn, L.gate, L.up, L.down)
-	}
-	for _, t := range ts {
+	for _, t := range m.weights {
 		be.Free(t)
 	}
 }
 
-// TestBenchModel runs the benchmark's forward (a small Qwen3 shape with
-// head_dim 64, so attention takes the tensor-core kernel) on the CUDA
-// backend and on the CPU, which must agree as the goldens do: the
-// benchmark measures a forward that computes the right thing.
+// TestBenchModel runs the benchmark's forward (the decoder on a small
+// Qwen3 shape with head_dim 64, so attention takes the tensor-core kernel)
+// on the CUDA backend and on the CPU, which must agree as the goldens do:
+// the benchmark measures a forward that computes the right thing.
 func TestBenchModel(t *testing.T) {
 	be := testBackend(t)
 	s := benchShape{"tiny", 5000, 128, 2, 4, 2, 64, 256, false}

@@ -115,25 +115,44 @@ func TestRMSNormConformance(t *testing.T) {
 			x[i] *= 3
 		}
 		wr, wh := roundBF16(randF32(r, dim))
-		want := oracle.New(compute.F32, rows*dim)
-		oracle.RMSNorm(want, oracle.FromF32(x), oracle.FromF32(wr), rows, dim, 1e-6)
-		wantV := readF32(oracle, want, rows*dim)
+		want, wantR := oracle.New(compute.F32, rows*dim), oracle.New(compute.F32, rows)
+		oracle.RMSNorm(want, wantR, oracle.FromF32(x), oracle.FromF32(wr), rows, dim, 1e-6)
+		wantV, wantRV := readF32(oracle, want, rows*dim), readF32(oracle, wantR, rows)
 		gw, _ := be.Weight(wh)
 		for _, w := range []compute.Tensor{gw, be.FromF32(wr)} {
-			out := be.New(compute.F32, rows*dim)
-			be.RMSNorm(out, be.FromF32(x), w, rows, dim, 1e-6)
+			out, rstd := be.New(compute.F32, rows*dim), be.FromF32(make([]float32, rows+1))
+			be.WriteF32(be.View(rstd, rows, 1), []float32{-7}) // past the rows: must stay
+			be.RMSNorm(out, rstd, be.FromF32(x), w, rows, dim, 1e-6)
 			closeTo(t, fmt.Sprintf("rmsnorm %dx%d", rows, dim), readF32(be, out, rows*dim), wantV, 1e-6, 1e-5)
-			xt := be.FromF32(x) // in place: out aliases x
-			be.RMSNorm(xt, xt, w, rows, dim, 1e-6)
+			gotR := readF32(be, rstd, rows+1)
+			closeTo(t, fmt.Sprintf("rmsnorm rstd %dx%d", rows, dim), gotR[:rows], wantRV, 1e-6, 1e-5)
+			if gotR[rows] != -7 {
+				t.Fatalf("rmsnorm %dx%d wrote rstd[%d] = %v past its rows", rows, dim, rows, gotR[rows])
+			}
+			xt := be.FromF32(x) // in place (out aliases x), no statistics
+			be.RMSNorm(xt, nil, xt, w, rows, dim, 1e-6)
 			closeTo(t, fmt.Sprintf("rmsnorm in place %dx%d", rows, dim), readF32(be, xt, rows*dim), wantV, 1e-6, 1e-5)
 		}
 	}
 }
 
+// ropeTable is the (tokens, hd/2) cos/sin table of the fp32 angles
+// pos·inv, cos and sin taken in float64 (as model/decoder builds it).
+func ropeTable(pos []int32, inv []float32) (cos, sin []float32) {
+	for _, p := range pos {
+		for _, f := range inv {
+			a := float64(float32(p) * f)
+			cos = append(cos, float32(math.Cos(a)))
+			sin = append(sin, float32(math.Sin(a)))
+		}
+	}
+	return cos, sin
+}
+
 func TestRoPEConformance(t *testing.T) {
 	be := testBackend(t)
 	r := rand.New(rand.NewPCG(7, 8))
-	for _, hd := range []int{8, 128, 64} {
+	for _, hd := range []int{8, 128, 64, 2} {
 		tokens, heads := 9, 3
 		x := randF32(r, tokens*heads*hd)
 		pos := []int32{0, 1, 2, 3, 0, 1, 500, 4095, 30000}
@@ -141,10 +160,11 @@ func TestRoPEConformance(t *testing.T) {
 		for i := range inv {
 			inv[i] = float32(1 / math.Pow(500000, float64(2*i)/float64(hd)))
 		}
+		cs, sn := ropeTable(pos, inv)
 		want := oracle.FromF32(x)
-		oracle.RoPE(want, oracle.FromI32(pos), oracle.FromF32(inv), tokens, heads, hd)
+		oracle.RoPE(want, oracle.FromF32(cs), oracle.FromF32(sn), tokens, heads, hd)
 		got := be.FromF32(x)
-		be.RoPE(got, be.FromI32(pos), be.FromF32(inv), tokens, heads, hd)
+		be.RoPE(got, be.FromF32(cs), be.FromF32(sn), tokens, heads, hd)
 		closeTo(t, fmt.Sprintf("rope hd=%d", hd), readF32(be, got, len(x)), readF32(oracle, want, len(x)), 1e-6, 1e-5)
 	}
 }
@@ -192,11 +212,12 @@ func newAttnCase(r *rand.Rand, lens []int, nHead, nKV, hd int) *attnCase {
 	return c
 }
 
-func (c *attnCase) run(be compute.Backend, q, k, v []float32) []float32 {
-	out := be.New(compute.F32, c.tokens*c.nHead*c.hd)
+// run returns the attention output and the log-sum-exp of each query row.
+func (c *attnCase) run(be compute.Backend, q, k, v []float32) (out, lse []float32) {
+	o, l := be.New(compute.F32, c.tokens*c.nHead*c.hd), be.New(compute.F32, c.tokens*c.nHead)
 	scale := float32(1 / math.Sqrt(float64(c.hd)))
-	be.Attention(out, be.FromF32(q), be.FromF32(k), be.FromF32(v), be.FromI32(c.starts), len(c.lens), c.maxLen, c.tokens, c.nHead, c.nKV, c.hd, scale)
-	return readF32(be, out, c.tokens*c.nHead*c.hd)
+	be.Attention(o, l, be.FromF32(q), be.FromF32(k), be.FromF32(v), be.FromI32(c.starts), len(c.lens), c.maxLen, c.tokens, c.nHead, c.nKV, c.hd, scale)
+	return readF32(be, o, c.tokens*c.nHead*c.hd), readF32(be, l, c.tokens*c.nHead)
 }
 
 // TestAttentionConformance runs both attention kernels on ragged packed
@@ -219,17 +240,23 @@ func TestAttentionConformance(t *testing.T) {
 			ac := newAttnCase(r, lens, c.nHead, c.nKV, c.hd)
 			be.attn = c.mode
 			defer func() { be.attn = "" }()
-			got := ac.run(be, ac.q, ac.k, ac.v)
+			got, gotL := ac.run(be, ac.q, ac.k, ac.v)
+			want, wantL := ac.run(oracle, ac.q, ac.k, ac.v)
 			if c.mode == "simt" {
-				closeTo(t, "attention simt vs cpu", got, ac.run(oracle, ac.q, ac.k, ac.v), 1e-5, 1e-4)
+				closeTo(t, "attention simt vs cpu", got, want, 1e-5, 1e-4)
+				closeTo(t, "attention simt lse vs cpu", gotL, wantL, 1e-5, 1e-5)
 				return
 			}
 			// Tensor cores: Q, K, V rounded to BF16, and P too before P·V.
+			// The log-sum-exp sees only the rounding of Q and K (|s| <= 4·hd^½).
 			qr, _ := roundBF16(ac.q)
 			kr, _ := roundBF16(ac.k)
 			vr, _ := roundBF16(ac.v)
-			closeTo(t, "attention mma vs cpu(bf16 q,k,v)", got, ac.run(oracle, qr, kr, vr), 8e-3, 2e-2)
-			closeTo(t, "attention mma vs cpu(f32)", got, ac.run(oracle, ac.q, ac.k, ac.v), 4e-2, 4e-2)
+			wantR, wantRL := ac.run(oracle, qr, kr, vr)
+			closeTo(t, "attention mma vs cpu(bf16 q,k,v)", got, wantR, 8e-3, 2e-2)
+			closeTo(t, "attention mma lse vs cpu(bf16 q,k)", gotL, wantRL, 1e-4, 1e-5)
+			closeTo(t, "attention mma vs cpu(f32)", got, want, 4e-2, 4e-2)
+			closeTo(t, "attention mma lse vs cpu(f32)", gotL, wantL, 4e-2, 1e-2)
 		})
 	}
 }

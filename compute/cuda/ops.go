@@ -112,42 +112,58 @@ func (b *Backend) Embed(outT, tableT, idsT compute.Tensor, n, dim int) {
 	b.ew("k_embed", int64(n)*int64(dim), dptr(out.p), tp, tb, dptr(ids.p), int64(n), int32(dim))
 }
 
-// RMSNorm implements compute.Backend. out may alias x.
-func (b *Backend) RMSNorm(outT, xT, wT compute.Tensor, rows, dim int, eps float32) {
+// RMSNorm implements compute.Backend. out may alias x; rstd (rows), when
+// not nil, receives each row's 1/rms for the backward.
+func (b *Backend) RMSNorm(outT, rstdT, xT, wT compute.Tensor, rows, dim int, eps float32) {
 	defer b.enter()()
 	out, x, w := b.ten(outT, "RMSNorm out"), b.ten(xT, "RMSNorm x"), b.ten(wT, "RMSNorm w")
 	need(out, "RMSNorm out", rows*dim, compute.F32)
 	need(x, "RMSNorm x", rows*dim, compute.F32)
 	need(w, "RMSNorm w", dim, compute.F32, compute.BF16)
+	var rp dptr
+	if rstdT != nil {
+		rstd := b.ten(rstdT, "RMSNorm rstd")
+		need(rstd, "RMSNorm rstd", rows, compute.F32)
+		rp = dptr(rstd.p)
+	}
 	wp, wb := weightArg(w)
-	b.launchKernel(rmsnormLaunch(rows, dim), dptr(out.p), dptr(0), dptr(x.p), wp, wb, int64(rows), int32(dim), eps)
+	b.launchKernel(rmsnormLaunch(rows, dim), dptr(out.p), rp, dptr(x.p), wp, wb, int64(rows), int32(dim), eps)
 }
 
-// RoPE implements compute.Backend.
-func (b *Backend) RoPE(xT, posT, invT compute.Tensor, tokens, heads, headDim int) {
+// RoPE implements compute.Backend: x (tokens, heads, headDim) rotated in
+// place by the angles whose cos and sin (tokens, headDim/2) the caller
+// tabulated.
+func (b *Backend) RoPE(xT, cosT, sinT compute.Tensor, tokens, heads, headDim int) {
 	defer b.enter()()
-	x, pos, inv := b.ten(xT, "RoPE x"), b.ten(posT, "RoPE pos"), b.ten(invT, "RoPE invFreq")
+	x, cs, sn := b.ten(xT, "RoPE x"), b.ten(cosT, "RoPE cos"), b.ten(sinT, "RoPE sin")
 	need(x, "RoPE x", tokens*heads*headDim, compute.F32)
-	need(pos, "RoPE pos", tokens, compute.I32)
-	need(inv, "RoPE invFreq", headDim/2, compute.F32)
+	need(cs, "RoPE cos", tokens*(headDim/2), compute.F32)
+	need(sn, "RoPE sin", tokens*(headDim/2), compute.F32)
 	l, err := ropeLaunch(tokens, heads, headDim)
 	b.must(err)
-	b.launchKernel(l, dptr(x.p), dptr(pos.p), dptr(inv.p), int64(tokens), int32(heads), int32(headDim))
+	b.launchKernel(l, dptr(x.p), dptr(cs.p), dptr(sn.p), int64(tokens), int32(heads), int32(headDim))
 }
 
-// Attention implements compute.Backend.
-func (b *Backend) Attention(outT, qT, kT, vT, startsT compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
+// Attention implements compute.Backend. lse (tokens, nHead), when not
+// nil, receives each query row's log-sum-exp of its scaled scores.
+func (b *Backend) Attention(outT, lseT, qT, kT, vT, startsT compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
 	defer b.enter()()
-	b.attention(b.attn, outT, qT, kT, vT, startsT, nSeq, tokens, nHead, nKV, hd, scale)
+	b.attention(b.attn, outT, lseT, qT, kT, vT, startsT, nSeq, tokens, nHead, nKV, hd, scale)
 }
 
-func (b *Backend) attention(mode attnMode, outT, qT, kT, vT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int, scale float32) {
+func (b *Backend) attention(mode attnMode, outT, lseT, qT, kT, vT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int, scale float32) {
 	out, q, k, v, st := b.ten(outT, "Attention out"), b.ten(qT, "Attention q"), b.ten(kT, "Attention k"), b.ten(vT, "Attention v"), b.ten(startsT, "Attention starts")
 	need(out, "Attention out", tokens*nHead*hd, compute.F32)
 	need(q, "Attention q", tokens*nHead*hd, compute.F32)
 	need(k, "Attention k", tokens*nKV*hd, compute.F32)
 	need(v, "Attention v", tokens*nKV*hd, compute.F32)
 	need(st, "Attention starts", nSeq+1, compute.I32)
+	var lp dptr
+	if lseT != nil {
+		lse := b.ten(lseT, "Attention lse")
+		need(lse, "Attention lse", tokens*nHead, compute.F32)
+		lp = dptr(lse.p)
+	}
 	if tokens == 0 {
 		return
 	}
@@ -160,10 +176,10 @@ func (b *Backend) attention(mode attnMode, outT, qT, kT, vT, startsT compute.Ten
 	}
 	b.launchKernel(plan, dptr(tiles), dptr(st.p), int32(nSeq), bq)
 	if attn.kernel == "k_attn_simt" {
-		b.launchKernel(attn, dptr(out.p), dptr(0), dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
+		b.launchKernel(attn, dptr(out.p), lp, dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
 	} else {
-		b.launchKernel(attn, dptr(out.p), dptr(0), dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
+		b.launchKernel(attn, dptr(out.p), lp, dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), scale)
 	}
 	b.free(tiles)

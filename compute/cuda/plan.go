@@ -34,12 +34,13 @@ func rmsnormLaunch(rows, dim int) launch {
 	return launch{kernel: "k_rmsnorm_block", grid: [3]int{rows, 1, 1}, block: 256}
 }
 
-// ropeLaunch: one block per token; hd/2 <= 512 (k_rope's cos/sin arrays).
+// ropeLaunch: one block per token, its threads over the token's
+// heads·hd/2 rotations (k_rope_table).
 func ropeLaunch(tokens, heads, hd int) (launch, error) {
-	if hd%2 != 0 || hd > 1024 {
-		return launch{}, fmt.Errorf("cuda: RoPE head_dim %d: want an even head_dim <= 1024", hd)
+	if hd%2 != 0 || hd < 2 {
+		return launch{}, fmt.Errorf("cuda: RoPE head_dim %d: want an even head_dim >= 2", hd)
 	}
-	return launch{kernel: "k_rope", grid: [3]int{tokens, 1, 1}, block: min(256, max(32, (heads*hd/2+31)/32*32))}, nil
+	return launch{kernel: "k_rope_table", grid: [3]int{tokens, 1, 1}, block: min(256, max(32, (heads*hd/2+31)/32*32))}, nil
 }
 
 // Attention kernels (attention.cu).

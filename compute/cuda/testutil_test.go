@@ -96,6 +96,8 @@ func closeTo(t testing.TB, what string, got, want []float32, atol, rtol float64)
 	}
 }
 
-var oracle = cpu.New()
+// oracle is the CPU reference; two workers (its results do not depend on
+// the count).
+var oracle = cpu.New(2)
 
 func fmtf(format string, args ...any) string { return fmt.Sprintf(format, args...) }

@@ -44,36 +44,11 @@ DK_KERNEL void k_rmsnorm_block(float *out, float *rstd, const float *x, const vo
 	rms_row(out + row * dim, rstd ? rstd + row : 0, x + row * dim, w, w_bf16, dim, eps, threadIdx.x, blockDim.x, red);
 }
 
-// RoPE, rotate-half, in place on x (tokens, heads, hd): for i < hd/2 with
-// angle a = float(pos[t])·inv_freq[i] rounded to fp32 (as HF computes it)
-// and cos/sin of that fp32 angle taken in float64 (as compute/cpu):
+// RoPE, rotate-half, in place on x (tokens, heads, hd), with the angles'
+// cos and sin given per token, cos/sin (tokens, hd/2), as the decoder
+// tabulates them (float64 cos and sin of the fp32 angle pos·inv_freq):
 //   x[i], x[i+hd/2] = x[i]·c - x[i+hd/2]·s, x[i+hd/2]·c + x[i]·s.
-// One block per token: the block's threads first fill cos/sin (hd/2 <= 512
-// floats each) in shared memory, then rotate every head.
-DK_KERNEL void k_rope(float *x, const i32 *__restrict__ pos, const float *__restrict__ inv_freq, i64 tokens, int heads, int hd) {
-	__shared__ float cs[512], sn[512];
-	i64 t = blockIdx.x;
-	int half = hd / 2;
-	float p = (float)pos[t];
-	for (int i = threadIdx.x; i < half; i += blockDim.x) {
-		double s, c;
-		sincos((double)(p * inv_freq[i]), &s, &c);
-		cs[i] = (float)c;
-		sn[i] = (float)s;
-	}
-	__syncthreads();
-	float *xt = x + t * (i64)heads * hd;
-	for (int j = threadIdx.x; j < heads * half; j += blockDim.x) {
-		int h = j / half, i = j - h * half;
-		float *v = xt + (i64)h * hd;
-		float a = v[i], b = v[i + half];
-		v[i] = a * cs[i] - b * sn[i];
-		v[i + half] = b * cs[i] + a * sn[i];
-	}
-}
-
-// The same rotation with the angles' cos and sin given per token,
-// cos/sin (tokens, hd/2): the form the training contract passes.
+// One block per token; its threads stride over the heads·hd/2 pairs.
 DK_KERNEL void k_rope_table(float *x, const float *__restrict__ cosv, const float *__restrict__ sinv, i64 tokens, int heads, int hd) {
 	i64 t = blockIdx.x;
 	int half = hd / 2;
@@ -90,5 +65,4 @@ DK_KERNEL void k_rope_table(float *x, const float *__restrict__ cosv, const floa
 
 DK_REGISTER(k_rmsnorm_warp)
 DK_REGISTER(k_rmsnorm_block)
-DK_REGISTER(k_rope)
 DK_REGISTER(k_rope_table)
