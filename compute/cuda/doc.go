@@ -2,6 +2,22 @@
 // on NVIDIA GPUs (compute capability 8.0 and newer), with BF16 weights on
 // the device and fp32 accumulation.
 //
+// # What it implements
+//
+// The memory methods and every forward kernel of compute.Backend, with the
+// statistics the training contract asks of them (RMSNorm's rstd,
+// Attention's log-sum-exp): everything the teacher (teacherd, cachectl
+// fill and score) runs. The training methods (the backward kernels,
+// AdamW, SumSquares, Scale, AbsMax, FakeQuantNVFP4 and the fused loss head)
+// have no CUDA kernels yet: each panics with ErrNoTraining,
+//
+//	cuda: <Method> is not implemented yet (GPU training backend, issue 16); use --device cpu for training
+//
+// and compute/device never hands this backend to a training run: student
+// train --device cuda fails before it starts, and --device auto trains on
+// the CPU. In the conformance suite this backend runs
+// computetest.RunForward, the forward half.
+//
 // # Build and load
 //
 // Building needs cgo and gcc only: no CUDA header, no toolkit. The driver
@@ -23,7 +39,7 @@
 // # Execution
 //
 // Everything is enqueued on one stream. Tensors are device memory from the
-// driver's stream-ordered pool (cuMemAllocAsync), so Forward's per-batch
+// driver's stream-ordered pool (cuMemAllocAsync), so the decoder's per-batch
 // allocations cost no synchronization. The host waits only in ReadF32 and
 // ReadI32 (once per batch for the top-k), and in MoE, which reads each
 // layer's per-expert row counts (E integers) to size the experts' GEMMs.
@@ -33,13 +49,15 @@
 //   - MatMul: cuBLASLt, BF16 operands (activations rounded at the GEMM's
 //     input, weights as stored), fp32 accumulation and output.
 //   - RMSNorm (and the q/k norm, as RMSNorm over heads): sum of squares in
-//     float64, the rest in fp32.
-//   - RoPE: angle = pos·inv_freq in fp32, its cos and sin in float64; the
-//     llama3 inverse frequencies come from the host (model.Config.InvFreq).
+//     float64, the rest in fp32; rstd saved on request.
+//   - RoPE: fp32, from the cos/sin table the decoder builds on the host
+//     (float64 cos and sin of the fp32 angle pos·inv_freq, llama3 scaling
+//     included) and uploads once per batch.
 //   - Attention: packed varlen causal GQA, flash-style (online softmax,
 //     memory linear in tokens). head_dim 64 and 128 run on tensor cores
 //     (mma.sync m16n8k16, BF16 Q, K, V and P, fp32 accumulators); other
-//     head dims on an fp32 kernel.
+//     head dims on an fp32 kernel. Both save each query row's log-sum-exp
+//     on request (fp32).
 //   - SwiGLU, residual add, embedding: fp32.
 //   - MoE: router GEMM in fp32 (a discrete choice: BF16 logits would flip
 //     near-ties), softmax and top-k on the device, rows grouped by expert,
@@ -56,7 +74,10 @@
 // variables at it, so the backend's Go code, its launches and its kernels
 // run against compute/cpu on any linux/amd64 machine: one fiber per CUDA
 // thread, switching at barriers, with launch limits, shared-memory sizes,
-// parameter sizes and copies checked. With DISTILL_CUDA_TEST=gpu the same
+// parameter sizes and copies checked: the package's own conformance tests
+// against compute/cpu, computetest.RunForward against float64 formulas,
+// and the whole teacher against the golden checkpoints (TestForwardGoldens).
+// With DISTILL_CUDA_TEST=gpu the same
 // tests run on a real GPU; scripts/gpu-suite.sh runs them there, with
 // compute-sanitizer, HF goldens and the benchmarks.
 package cuda
