@@ -5,10 +5,12 @@
 #
 #   bash scripts/gpu-suite.sh build
 #
-# which runs `go test -c -o .gpu/cuda.test ./compute/cuda` and copies the
-# shared libraries the binary needs beyond glibc (OpenBLAS and its Fortran
+# which builds the test binaries of compute/cuda (.gpu/cuda.test) and of
+# the --device chooser, compute/device (.gpu/device.test), and copies the
+# shared libraries they need beyond glibc (OpenBLAS and its Fortran
 # runtime, for the CPU oracle) into .gpu/lib. .gpu/ is git-ignored; it is
-# about 45 MB. Then, through the device tool:
+# about 50 MB (the device tool carries at most 64 MiB). Then, through the
+# device tool:
 #
 #   run(command="bash scripts/gpu-suite.sh run", carry=[".gpu"])
 #
@@ -19,10 +21,15 @@
 # time limit, in order:
 #
 #   env        nvidia-smi, the CUDA libraries found, Python package versions
-#   test       the conformance suite against the real GPU (DISTILL_CUDA_TEST=gpu):
-#              every kernel vs compute/cpu on ragged shapes, the kernels
-#              compiled by the device's NVRTC (sm_90a on Hopper), the
-#              golden checkpoints through package infer
+#   test       the conformance tests against the real GPU (DISTILL_CUDA_TEST=gpu):
+#              every forward kernel vs compute/cpu on ragged shapes, the
+#              contract's suite (computetest.RunForward: the forward half,
+#              vs float64 formulas), the kernels compiled by the device's
+#              NVRTC (sm_90a on Hopper), the golden checkpoints through
+#              package infer (model/decoder's forward), the training
+#              methods' refusal (issue 16)
+#   device     the --device chooser on the real GPU: cuda and auto open it
+#              for the teacher, training gets the CPU
 #   goldens    HF transformers BF16 goldens (scripts/gpu/hf_goldens.py) and
 #              the CUDA and CPU teachers compared with them
 #   memcheck   compute-sanitizer --tool memcheck on the conformance tests
@@ -47,8 +54,11 @@ build() {
   set -e
   mkdir -p .gpu/lib
   go test -c -o .gpu/cuda.test ./compute/cuda
-  # Libraries beyond glibc and libgcc that the binary links (OpenBLAS ...).
-  ldd .gpu/cuda.test | awk '/=> \// {print $3}' | while read -r lib; do
+  go test -c -o .gpu/device.test ./compute/device
+  # Libraries beyond glibc and libgcc that the binaries link (OpenBLAS ...).
+  # (A rebuild finds the copies already in .gpu/lib, on LD_LIBRARY_PATH.)
+  ldd .gpu/cuda.test .gpu/device.test | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
+    case "$lib" in "$root"/.gpu/lib/*) continue ;; esac
     case "$(basename "$lib")" in
       libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|libgcc_s.so*|ld-linux*) ;;
       *) cp -L "$lib" .gpu/lib/ ;;
@@ -59,7 +69,6 @@ build() {
 }
 
 OUT=${OUT:-$root/gpu-out}
-mkdir -p "$OUT"
 export LD_LIBRARY_PATH="$root/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export DISTILL_CUDA_TEST=gpu DISTILL_REQUIRE_NVRTC=1
 export DISTILL_KERNEL_CACHE=${DISTILL_KERNEL_CACHE:-/tmp/distill-kernel-cache}
@@ -97,9 +106,9 @@ status() { echo "$1 $2" >>"$OUT/status.txt"; }
 start=$(date +%s)
 deadline=$((start + ${SUITE_BUDGET:-560}))
 
-# step NAME LIMIT_S CMD...: runs CMD in compute/cuda (where the tests find
-# their testdata) with a time limit (LIMIT_S, or less when the suite's
-# budget is running out), logging to $OUT/NAME.log.
+# step NAME LIMIT_S CMD...: runs CMD in $STEP_DIR (default compute/cuda,
+# where its tests find their testdata) with a time limit (LIMIT_S, or less
+# when the suite's budget is running out), logging to $OUT/NAME.log.
 step() {
   local name=$1 limit=$2; shift 2
   local left=$((deadline - $(date +%s) - 10))
@@ -110,7 +119,7 @@ step() {
   fi
   [ "$left" -lt "$limit" ] && limit=$left
   echo "== $name ($(date -u +%T), limit ${limit}s): $*" | tee -a "$OUT/steps.txt"
-  ( cd "$root/compute/cuda" && timeout --signal=INT --kill-after=20 "$limit" "$@" ) >"$OUT/$name.log" 2>&1
+  ( cd "$root/${STEP_DIR:-compute/cuda}" && timeout --signal=INT --kill-after=20 "$limit" "$@" ) >"$OUT/$name.log" 2>&1
   local rc=$?
   status "$name" "$rc"
   echo "   rc=$rc" | tee -a "$OUT/steps.txt"
@@ -138,13 +147,17 @@ s_env() {
 
 s_test() {
   step test 180 "$T" -test.v -test.count=1 -test.timeout=170s \
-    -test.run 'Conformance|Ties|KernelsCompile|NVRTCCompiles|AttnPlanKernel|RoPETableKernel|BenchModel|ForwardGoldens|MemoryOps|Probe|Launch|Plan|Cache|Arch'
+    -test.run 'Conformance|Ties|SuiteForward|TrainingNotImplemented|KernelsCompile|NVRTCCompiles|AttnPlanKernel|BenchModel|ForwardGoldens|MemoryOps|Probe|Launch|Plan|Cache|Arch'
+}
+
+s_device() {
+  STEP_DIR=compute/device step device 60 "$root/.gpu/device.test" -test.v -test.count=1 -test.timeout=50s
 }
 
 s_memcheck() {
   if ! command -v compute-sanitizer >/dev/null; then echo "no compute-sanitizer" >"$OUT/memcheck.log"; status memcheck skipped; return; fi
   step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 50 \
-    "$T" -test.count=1 -test.timeout=140s -test.run 'Conformance|Ties|AttnPlanKernel|RoPETableKernel|BenchModel|MemoryOps|ForwardGoldens'
+    "$T" -test.count=1 -test.timeout=140s -test.run 'Conformance|Ties|SuiteForward|AttnPlanKernel|BenchModel|MemoryOps|ForwardGoldens'
 }
 
 s_racecheck() {
@@ -178,13 +191,15 @@ summary() {
     grep -m1 -E 'NVIDIA|H100|H200' "$OUT/env.log" 2>/dev/null
     echo "-- steps (rc 0 = passed; 124 = its time limit; skipped = run it in another call)"
     cat "$OUT/status.txt" 2>/dev/null
-    for f in test goldens memcheck racecheck; do
+    for f in test device goldens memcheck racecheck; do
       [ -f "$OUT/$f.log" ] || continue
       echo "-- $f: failures"
       grep -E '^\s*--- FAIL|^FAIL|panic:|ERROR SUMMARY|========= (Invalid|Race|Error)' "$OUT/$f.log" | head -20
     done
     echo "-- agreement with goldens"
     grep -hE 'vs HF BF16|T=[0-9.]+: top-1' "$OUT/goldens.log" 2>/dev/null | sed 's/^ *//' | head -40
+    echo "-- device chooser"
+    grep -hE 'device auto|--- (PASS|FAIL)' "$OUT/device.log" 2>/dev/null | head -10
     echo "-- largest errors of the conformance tests"
     grep -hE 'max \|Δ\| = .* of the tolerance' "$OUT/test.log" 2>/dev/null |
       sed -E 's/^ *[a-z_]+\.go:[0-9]+: (.*): max \|Δ\| = ([^ ]+) over ([0-9]+) values \(([0-9.]+) of the tolerance (.*)\)$/\4 of tolerance: \1: max |Δ| \2 over \3 values, \5/' |
@@ -204,13 +219,14 @@ case "${1:-}" in
   run)
     shift
     [ -x "$T" ] || { echo "no $T: run 'bash scripts/gpu-suite.sh build' first and carry .gpu"; exit 2; }
+    mkdir -p "$OUT"
     : >"$OUT/status.txt"
     libs
     steps=("$@")
-    [ ${#steps[@]} -eq 0 ] && steps=(env test goldens memcheck bench peer racecheck)
+    [ ${#steps[@]} -eq 0 ] && steps=(env test device goldens memcheck bench peer racecheck)
     for s in "${steps[@]}"; do
       case "$s" in
-        env|test|memcheck|racecheck|goldens|bench|peer) "s_$s" ;;
+        env|test|device|memcheck|racecheck|goldens|bench|peer) "s_$s" ;;
         *) echo "unknown step $s"; exit 2 ;;
       esac
     done

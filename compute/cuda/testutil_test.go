@@ -9,6 +9,7 @@ import (
 
 	"distill/compute"
 	"distill/compute/cpu"
+	"distill/compute/cuda/cudaemu"
 )
 
 // The conformance tests run compute/cuda and compute/cpu (the oracle) on
@@ -18,7 +19,7 @@ import (
 // suite, scripts/gpu-suite.sh, sets it).
 
 // onGPU reports whether the tests target a real GPU.
-func onGPU() bool { return os.Getenv("DISTILL_CUDA_TEST") == "gpu" }
+func onGPU() bool { return cudaemu.OnGPU() }
 
 // testBackend opens the backend under test and closes it when t ends.
 func testBackend(t testing.TB) *Backend {

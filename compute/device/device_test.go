@@ -95,8 +95,9 @@ func TestOpenWithoutGPU(t *testing.T) {
 }
 
 // TestOpenWithGPU runs the chooser against the CPU emulator of CUDA (a GPU
-// as far as this process can tell): cuda and auto open the CUDA backend
-// for inference; training still gets the CPU from auto, and an error from
+// as far as this process can tell; the real GPU under DISTILL_CUDA_TEST=gpu,
+// in scripts/gpu-suite.sh): cuda and auto open the CUDA backend for
+// inference; training still gets the CPU from auto, and an error from
 // cuda, before anything runs.
 func TestOpenWithGPU(t *testing.T) {
 	cudaemu.Use(t)

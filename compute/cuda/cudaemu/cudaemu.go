@@ -10,7 +10,9 @@
 // tensor-core and cuBLASLt numerics, speed. Those need the GPU suite
 // (scripts/gpu-suite.sh).
 //
-// It is for tests only: it builds from the source tree.
+// It is for tests only: it builds from the source tree. With
+// DISTILL_CUDA_TEST=gpu (scripts/gpu-suite.sh sets it) the same tests run
+// on the machine's real GPU instead.
 package cudaemu
 
 import (
@@ -42,12 +44,20 @@ func Library() (string, error) {
 	return libPath, libErr
 }
 
+// OnGPU reports whether the tests target a real GPU: DISTILL_CUDA_TEST=gpu.
+func OnGPU() bool { return os.Getenv("DISTILL_CUDA_TEST") == "gpu" }
+
 // Use points DISTILL_LIBCUDA, DISTILL_LIBNVRTC and DISTILL_LIBCUBLASLT at
-// the emulator for the rest of t. Without a way to build it (no g++, not
-// linux/amd64) the test is skipped, or fails where DISTILL_REQUIRE_NVRTC=1
-// (CI, where scripts/setup.d/nvrtc.sh installs the toolchain).
+// the emulator for the rest of t, unless OnGPU: then the test runs on the
+// real GPU and its libraries. Without a way to build the emulator (no
+// g++, not linux/amd64) the test is skipped, or fails where
+// DISTILL_REQUIRE_NVRTC=1 (CI, where scripts/setup.d/nvrtc.sh installs
+// the toolchain).
 func Use(t testing.TB) {
 	t.Helper()
+	if OnGPU() {
+		return
+	}
 	lib, err := Library()
 	if err != nil {
 		if os.Getenv("DISTILL_REQUIRE_NVRTC") == "1" {
@@ -60,17 +70,38 @@ func Use(t testing.TB) {
 	}
 }
 
-// cudaDir is compute/cuda in the source tree this package was built from.
+// cudaDir is compute/cuda in the source tree: where this file was
+// compiled, or else (a binary built elsewhere or with -trimpath) under
+// the module root above the working directory.
 func cudaDir() (string, error) {
-	_, file, _, ok := runtime.Caller(0)
-	if !ok || !filepath.IsAbs(file) {
-		return "", fmt.Errorf("cannot locate compute/cuda's sources (built with -trimpath?)")
+	has := func(dir string) bool {
+		_, err := os.Stat(filepath.Join(dir, "testdata", "emu", "emu.cpp"))
+		return err == nil
 	}
-	dir := filepath.Dir(filepath.Dir(file))
-	if _, err := os.Stat(filepath.Join(dir, "testdata", "emu", "emu.cpp")); err != nil {
-		return "", fmt.Errorf("the emulator's sources are not in %s: %v", dir, err)
+	var tried []string
+	if _, file, _, ok := runtime.Caller(0); ok && filepath.IsAbs(file) {
+		dir := filepath.Dir(filepath.Dir(file))
+		if has(dir) {
+			return dir, nil
+		}
+		tried = append(tried, dir)
 	}
-	return dir, nil
+	if wd, err := os.Getwd(); err == nil {
+		for d := wd; ; d = filepath.Dir(d) {
+			if _, err := os.Stat(filepath.Join(d, "go.mod")); err == nil {
+				dir := filepath.Join(d, "compute", "cuda")
+				if has(dir) {
+					return dir, nil
+				}
+				tried = append(tried, dir)
+				break
+			}
+			if filepath.Dir(d) == d {
+				break
+			}
+		}
+	}
+	return "", fmt.Errorf("the emulator's sources (compute/cuda/testdata/emu) are not found: tried %q and the module root above the working directory", tried)
 }
 
 // build compiles the emulator library into the user cache directory,
