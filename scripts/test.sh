@@ -15,6 +15,9 @@ buf lint
 gen=$(mktemp -d); trap 'rm -rf "$gen"' EXIT
 buf generate --template buf.gen.yaml -o "$gen"
 diff -r "$gen/proto" proto --exclude='*.proto' || { echo "generated code is stale: run buf generate"; exit 1; }
+# compute/cuda's kernels must compile with NVRTC (scripts/setup.d/nvrtc.sh
+# installs it): fail, do not skip, when it is missing.
+export DISTILL_REQUIRE_NVRTC=1
 go test -count=1 -timeout 40m ./... "$@"
 # The packages that run goroutines (the batcher and fills, the CPU worker
 # pools and every kernel on them, the decoder, the cache's writers and readers,

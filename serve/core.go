@@ -43,8 +43,12 @@ type CoreOptions struct {
 	TokenizerDir string
 	// CacheDir is the cache fills write; empty disables Fill.
 	CacheDir string
-	// Device is auto or cpu (cuda: a later backend; refused clearly).
+	// Device is auto, cpu or cuda (package compute/device, for inference:
+	// auto takes the GPU when its backend opens, else the CPU).
 	Device string
+	// DeviceLogf receives the device chooser's lines (which backend auto
+	// took and why, the GPU's kernels); nil sends them to Logger.
+	DeviceLogf func(format string, args ...any)
 	// TokenBudget is the tokens of one forward pass (default infer.DefaultTokenBudget).
 	TokenBudget int
 	// KDefault replaces k = 0 (default 64, at most KMax); KMax caps k
@@ -125,7 +129,10 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if o.Logger == nil {
 		o.Logger = zap.NewNop()
 	}
-	be, err := device.Open(o.Device, 0)
+	if o.DeviceLogf == nil {
+		o.DeviceLogf = o.Logger.Sugar().Infof
+	}
+	be, err := device.Open(o.Device, device.Options{Purpose: device.Inference, Logf: o.DeviceLogf})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
@@ -191,7 +198,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 	}
 	c.b = newBatcher(fwd, o.TokenBudget, o.QueueSamples, o.QueueTokens, c.met)
 	c.b.log = o.Logger
-	c.log.Info("teacher loaded", zap.String("model", o.ModelDir), zap.String("arch", string(m.Cfg.Arch)),
+	c.log.Info("teacher loaded", zap.String("model", o.ModelDir), zap.String("device", o.Device), zap.String("arch", string(m.Cfg.Arch)),
 		zap.Int("vocab", V), zap.Int64("params", m.Cfg.Params()), zap.String("fingerprint", m.Fingerprint()),
 		zap.Bool("tokenizer", c.tok != nil), zap.Duration("took", time.Since(t0)))
 	return c, nil

@@ -15,6 +15,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"gopkg.in/yaml.v3"
+
+	"distill/compute/device"
 )
 
 // Config is teacherd's configuration, from flags and/or a YAML file (the
@@ -37,7 +39,7 @@ type Config struct {
 	// datasets (--data-root, repeatable); none: no dataset file is
 	// readable, so Fill and DescribeDataset are refused.
 	DataRoots []string `yaml:"data_roots"`
-	// Device is auto or cpu (cuda is refused until that backend exists).
+	// Device is auto, cpu or cuda (package compute/device).
 	Device string `yaml:"device"`
 	// TokenBudget is the tokens of one forward pass.
 	TokenBudget int `yaml:"token_budget"`
@@ -132,13 +134,11 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if cfg.Model == "" {
 		return nil, fmt.Errorf("%w: no model: give --model DIR or model: in the config", ErrInvalid)
 	}
-	switch cfg.Device {
-	case "", "auto", "cpu":
-	case "cuda":
-		// Refused before listening: a probe must not see a half-started daemon.
-		return nil, fmt.Errorf("%w: --device cuda: this build has no CUDA backend yet; use --device cpu (or auto)", ErrInvalid)
-	default:
-		return nil, fmt.Errorf("%w: --device %q: want auto, cpu or cuda", ErrInvalid, cfg.Device)
+	// A bad name is refused before listening: a probe must not see a
+	// half-started daemon. A device that does not open (no driver) fails
+	// in NewCore, before the daemon serves.
+	if err := device.Check(cfg.Device, device.Inference); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
 		return nil, fmt.Errorf("%w: TLS needs both --tls-cert and --tls-key", ErrInvalid)

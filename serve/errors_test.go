@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"io"
 	"math/big"
@@ -170,9 +171,17 @@ func TestAuthHealthInfoAndDevice(t *testing.T) {
 		t.Errorf("info %v", info)
 	}
 
+	// --device cuda where there is no driver (forced: the driver's library
+	// is a missing file): the daemon does not start, and says what is
+	// missing. A bad name is refused before listening.
+	t.Setenv("DISTILL_LIBCUDA", filepath.Join(t.TempDir(), "libcuda.so.1"))
 	_, err = Start(Config{Model: mdir, Device: "cuda", Listen: "127.0.0.1:0", Metrics: "off"}, nil)
-	if err == nil || !strings.Contains(err.Error(), "no CUDA backend") {
-		t.Errorf("--device cuda: %v", err)
+	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "DISTILL_LIBCUDA") || !strings.Contains(err.Error(), "--device cuda") {
+		t.Errorf("--device cuda without a driver: %v", err)
+	}
+	_, err = Start(Config{Model: mdir, Device: "tpu", Listen: "127.0.0.1:0", Metrics: "off"}, nil)
+	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "want auto, cpu or cuda") {
+		t.Errorf("--device tpu: %v", err)
 	}
 }
 

@@ -32,7 +32,7 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	modelDir := fs.String("model", "", "run the teacher in this process from this HF checkpoint (instead of --teacher)")
 	cacheDir := fs.String("cache", "", "with --model: the cache directory to write")
 	tokDir := fs.String("tokenizer", "", "tokenizer directory: with --model, the tokenizer to use (default: the model's); with --teacher, checked against the daemons'")
-	device := fs.String("device", "auto", "with --model: auto or cpu")
+	device := fs.String("device", "auto", "with --model: auto (a GPU when one opens, else the CPU), cpu or cuda")
 	budget := fs.Int("token-budget", 0, "with --model: tokens per forward pass (default 8192)")
 	pretok := fs.Bool("pretokenized", false, "records hold input_ids (and loss_mask): no tokenizer, ids checked against the vocab")
 	var df datasetFlags
@@ -78,7 +78,8 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			return fmt.Errorf("--model needs --cache DIR (the cache directory to write)")
 		}
 		fmt.Fprintf(stderr, "fill: loading teacher %s in-process\n", *modelDir)
-		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, TokenBudget: *budget, InProcess: true})
+		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, TokenBudget: *budget, InProcess: true,
+			DeviceLogf: func(format string, args ...any) { fmt.Fprintf(stderr, "fill: "+format+"\n", args...) }})
 		if err != nil {
 			return err
 		}

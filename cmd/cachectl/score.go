@@ -4,6 +4,7 @@ import (
 	"flag"
 	"fmt"
 	"math"
+	"os"
 	"strconv"
 	"strings"
 
@@ -13,7 +14,7 @@ import (
 )
 
 func init() {
-	commands.Register(&cli.Command{Name: "score", Summary: "print a teacher's top-k next tokens for token ids (in-process, CPU)", Run: runScore})
+	commands.Register(&cli.Command{Name: "score", Summary: "print a teacher's top-k next tokens for token ids (in-process)", Run: runScore})
 }
 
 func runScore(args []string) error {
@@ -22,6 +23,7 @@ func runScore(args []string) error {
 	ids := fs.String("ids", "", `token ids: "1,2,3"; several samples separated by ";" (required)`)
 	k := fs.Int("k", 5, "top-k tokens to print per position")
 	temp := fs.Float64("temperature", 1, "capture temperature")
+	dev := fs.String("device", "auto", "compute device: auto (a GPU when one opens, else the CPU), cpu or cuda")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -45,7 +47,13 @@ func runScore(args []string) error {
 		}
 		samples = append(samples, s)
 	}
-	m, err := infer.Load(*modelDir, device.CPU(0))
+	be, err := device.Open(*dev, device.Options{Purpose: device.Inference,
+		Logf: func(format string, args ...any) { fmt.Fprintf(os.Stderr, "score: "+format+"\n", args...) }})
+	if err != nil {
+		return err
+	}
+	defer device.Close(be)
+	m, err := infer.Load(*modelDir, be)
 	if err != nil {
 		return err
 	}
@@ -53,7 +61,7 @@ func runScore(args []string) error {
 	if err != nil {
 		return err
 	}
-	fmt.Printf("teacher %s (%s, %.2fM params, vocab %d), fingerprint %.12s\n", *modelDir, m.Cfg.Arch, float64(m.Cfg.Params())/1e6, m.Cfg.VocabSize, m.Fingerprint())
+	fmt.Printf("teacher %s (%s, %.2fM params, vocab %d), fingerprint %.12s, on %s\n", *modelDir, m.Cfg.Arch, float64(m.Cfg.Params())/1e6, m.Cfg.VocabSize, m.Fingerprint(), be.Name())
 	for i, s := range samples {
 		fmt.Printf("sample %d:\n", i)
 		for p, tok := range s {

@@ -29,8 +29,14 @@ func TestParseConfigFlagsOverrideYAML(t *testing.T) {
 	if _, _, err := parseConfig([]string{"--config", p}); err == nil || !strings.Contains(err.Error(), "field tokenbudget not found") {
 		t.Errorf("unknown key: %v", err)
 	}
-	if err := run([]string{"--model", "/m", "--device", "cuda"}); err == nil || !strings.Contains(err.Error(), "no CUDA backend") {
-		t.Errorf("--device cuda: %v", err)
+	// --device cuda without a driver (forced, on any machine): an error
+	// naming the missing library, before the daemon serves.
+	t.Setenv("DISTILL_LIBCUDA", filepath.Join(t.TempDir(), "libcuda.so.1"))
+	if err := run([]string{"--model", "/m", "--device", "cuda", "--listen", "127.0.0.1:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), "DISTILL_LIBCUDA") {
+		t.Errorf("--device cuda without a driver: %v", err)
+	}
+	if err := run([]string{"--model", "/m", "--device", "tpu"}); err == nil || !strings.Contains(err.Error(), "want auto, cpu or cuda") {
+		t.Errorf("--device tpu: %v", err)
 	}
 	if err := run([]string{"--listen", "127.0.0.1:0"}); err == nil || !strings.Contains(err.Error(), "no model") {
 		t.Errorf("no model: %v", err)

@@ -12,6 +12,11 @@
 // thresholds (rows x cost >= 2^14 over at least 16 rows, GEMMs >= 2^18
 // multiply-adds), so a backend run with several workers splits every loop;
 // finite differences run on strided subsets to stay affordable.
+//
+// A backend that implements only the teacher's forward (the CUDA backend,
+// until its training kernels exist) runs RunForward: the memory methods
+// and the forward kernels with the statistics they save, and nothing of
+// the backward, optimizer, NVFP4 or loss-head kernels.
 package computetest
 
 import (
@@ -35,6 +40,16 @@ type Tolerances struct {
 	// TieGap: top-k ids may differ from the float64 order only where two
 	// logits are within TieGap of each other.
 	TieGap float64
+	// MoEAtol, MoERtol bound the MoE block's output, a sum of SwiGLU
+	// experts with O(10) values.
+	MoEAtol, MoERtol float64
+	// BF16GEMM says that the backend rounds the operands of its GEMMs
+	// (MatMul, the MoE experts' projections, the LM head) to BF16 and
+	// accumulates in fp32, as a GPU backend does; the forward references
+	// then round the same operands (x, w, and the experts' SwiGLU
+	// activations; the MoE router stays fp32), so the tolerances cover the
+	// accumulation order and the rounding of intermediates only.
+	BF16GEMM bool
 }
 
 // FP32 are the tolerances of an fp32 backend (the CPU reference). The
@@ -44,40 +59,72 @@ var FP32 = Tolerances{
 	FwdAtol: 2e-5, FwdRtol: 2e-4,
 	BwdAtol: 5e-5, BwdRtol: 1e-3, FDStep: 1e-5,
 	LogProbAtol: 1e-4, TieGap: 1e-5,
+	MoEAtol: 1e-4, MoERtol: 1e-4,
 }
 
 // Run runs the whole suite on be, each kernel a subtest.
 func Run(t *testing.T, be compute.Backend, tol Tolerances) {
-	s := &suite{be: be, tol: tol}
+	(&suite{be: be, tol: tol}).run(t)
+}
+
+// RunForward runs the part of the suite that a forward-only backend
+// implements: the memory methods and the forward kernels, with the
+// statistics RMSNorm and Attention save (rstd, lse). The backward checks
+// of the kernels that have both halves are left out, and so are the
+// training-only kernels (AdamW, SumSquares, Scale, AbsMax,
+// FakeQuantNVFP4, the loss head).
+func RunForward(t *testing.T, be compute.Backend, tol Tolerances) {
+	(&suite{be: be, tol: tol, forwardOnly: true}).run(t)
+}
+
+func (s *suite) run(t *testing.T) {
 	for _, c := range []struct {
-		name string
-		fn   func(t *testing.T)
+		name  string
+		fn    func(t *testing.T)
+		train bool // a training-only kernel
 	}{
-		{"Memory", s.memory},
-		{"MatMul", s.matMul},
-		{"Embed", s.embed},
-		{"RMSNorm", s.rmsNorm},
-		{"RoPE", s.rope},
-		{"Attention", s.attention},
-		{"SwiGLU", s.swiGLU},
-		{"Add", s.add},
-		{"MoE", s.moe},
-		{"LMHeadTopK", s.lmHeadTopK},
-		{"LMHeadTopKTies", s.lmHeadTopKTies},
-		{"AdamW", s.adamW},
-		{"SumSquaresScale", s.sumSquaresScale},
-		{"AbsMax", s.absMax},
-		{"FakeQuantNVFP4", s.fakeQuant},
-		{"LossHeadForward", s.lossHeadForward},
-		{"LossHeadBackward", s.lossHeadBackward},
+		{"Memory", s.memory, false},
+		{"MatMul", s.matMul, false},
+		{"Embed", s.embed, false},
+		{"RMSNorm", s.rmsNorm, false},
+		{"RoPE", s.rope, false},
+		{"Attention", s.attention, false},
+		{"SwiGLU", s.swiGLU, false},
+		{"Add", s.add, false},
+		{"MoE", s.moe, false},
+		{"LMHeadTopK", s.lmHeadTopK, false},
+		{"LMHeadTopKTies", s.lmHeadTopKTies, false},
+		{"AdamW", s.adamW, true},
+		{"SumSquaresScale", s.sumSquaresScale, true},
+		{"AbsMax", s.absMax, true},
+		{"FakeQuantNVFP4", s.fakeQuant, true},
+		{"LossHeadForward", s.lossHeadForward, true},
+		{"LossHeadBackward", s.lossHeadBackward, true},
 	} {
+		if c.train && s.forwardOnly {
+			continue
+		}
 		t.Run(c.name, c.fn)
 	}
 }
 
 type suite struct {
-	be  compute.Backend
-	tol Tolerances
+	be          compute.Backend
+	tol         Tolerances
+	forwardOnly bool // RunForward: skip every backward check
+}
+
+// gemmIn is a GEMM operand as the backend multiplies it: rounded to BF16
+// under Tolerances.BF16GEMM, else x itself.
+func (s *suite) gemmIn(x []float32) []float32 {
+	if !s.tol.BF16GEMM {
+		return x
+	}
+	h := make([]uint16, len(x))
+	compute.NarrowBF16(h, x)
+	out := make([]float32, len(x))
+	compute.WidenBF16(out, h)
+	return out
 }
 
 func randn(r *rand.Rand, n int, sd float64) []float32 {
@@ -233,8 +280,11 @@ func (s *suite) matMul(t *testing.T) {
 		xt, wt := be.FromF32(x), be.FromF32(w)
 		out := s.garbage(m * n)
 		be.MatMul(out, xt, wt, bt, m, n, k)
+		s.fwd(t, "out", s.read(out, m*n), linear(f64(s.gemmIn(x)), f64(s.gemmIn(w)), bd, k, n))
+		if s.forwardOnly {
+			continue
+		}
 		xd, wd, Rd := f64(x), f64(w), f64(R)
-		s.fwd(t, "out", s.read(out, m*n), linear(xd, wd, bd, k, n))
 		f := func() float64 { return dot(linear(xd, wd, bd, k, n), Rd) }
 		dx0, dw0, db0 := randn(r, m*k, 1), randn(r, n*k, 1), randn(r, n, 1)
 		dx, dw := be.FromF32(dx0), be.FromF32(dw0)
@@ -269,6 +319,9 @@ func (s *suite) embed(t *testing.T) {
 	be.Embed(out, be.FromF32(wte), idt, N, C)
 	wd, Rd := f64(wte), f64(R)
 	closeTo(t, "out", s.read(out, N*C), embedding(wd, ids, C), 0, 0)
+	if s.forwardOnly {
+		return
+	}
 	f := func() float64 { return dot(embedding(wd, ids, C), Rd) }
 	d0 := randn(r, V*C, 1)
 	dw := be.FromF32(d0)
@@ -300,6 +353,9 @@ func (s *suite) rmsNorm(t *testing.T) {
 	y := be.FromF32(x)
 	be.RMSNorm(y, nil, y, wt, N, C, eps)
 	s.fwd(t, "out in place", s.read(y, N*C), rmsNorm(xd, wd, C, eps))
+	if s.forwardOnly {
+		return
+	}
 
 	f := func() float64 { return dot(rmsNorm(xd, wd, C, eps), Rd) }
 	dx0, dw0 := randn(r, N*C, 1), randn(r, C, 1)
@@ -342,6 +398,9 @@ func (s *suite) rope(t *testing.T) {
 	be.RoPE(y, ct, st, N, H, D)
 	xd, Rd := f64(x), f64(R)
 	s.fwd(t, "out", s.read(y, N*H*D), rope(xd, pos, inv, H, D))
+	if s.forwardOnly {
+		return
+	}
 	f := func() float64 { return dot(rope(xd, pos, inv, H, D), Rd) }
 	d := be.FromF32(R)
 	be.RoPEBackward(d, ct, st, N, H, D)
@@ -375,6 +434,9 @@ func (s *suite) attention(t *testing.T) {
 	out2 := s.garbage(N * H * D)
 	be.Attention(out2, nil, qt, kt, vt, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
 	s.fwd(t, "out (no lse)", s.read(out2, N*H*D), attention(qd, kd, vd, starts, H, KV, D, scale))
+	if s.forwardOnly {
+		return
+	}
 
 	dq0, dk0, dv0 := randn(r, N*H*D, 1), randn(r, N*KV*D, 1), randn(r, N*KV*D, 1)
 	dq, dk, dv := be.FromF32(dq0), be.FromF32(dk0), be.FromF32(dv0)
@@ -401,6 +463,9 @@ func (s *suite) swiGLU(t *testing.T) {
 	in := be.FromF32(g)
 	be.SwiGLU(in, in, ut, n)
 	s.fwd(t, "out in place", s.read(in, n), swiGLU(gd, ud))
+	if s.forwardOnly {
+		return
+	}
 	// The finite differences run on a prefix (each costs a pass over n).
 	m := 60
 	f := func() float64 { return dot(swiGLU(gd[:m], ud[:m]), Rd[:m]) }

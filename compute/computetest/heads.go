@@ -27,9 +27,15 @@ func (s *suite) moe(t *testing.T) {
 		}
 		out := s.garbage(tokens * H)
 		be.MoE(out, be.FromF32(x), mw, tokens)
+		// The experts multiply x, their weights and their activations as
+		// the backend does (BF16GEMM); the router sees x as it is.
+		xe := s.gemmIn(x)
+		for e := 0; e < E; e++ {
+			gs[e], us[e], ds[e] = s.gemmIn(gs[e]), s.gemmIn(us[e]), s.gemmIn(ds[e])
+		}
 		want := make([]float64, tokens*H)
 		for ti := 0; ti < tokens; ti++ {
-			xr := x[ti*H : (ti+1)*H]
+			xr, xer := x[ti*H:(ti+1)*H], xe[ti*H:(ti+1)*H]
 			p := make([]float64, E)
 			var sum float64
 			for e := 0; e < E; e++ {
@@ -55,10 +61,13 @@ func (s *suite) moe(t *testing.T) {
 				for i := 0; i < I; i++ {
 					var g, u float64
 					for j := 0; j < H; j++ {
-						g += float64(xr[j]) * float64(gs[e][i*H+j])
-						u += float64(xr[j]) * float64(us[e][i*H+j])
+						g += float64(xer[j]) * float64(gs[e][i*H+j])
+						u += float64(xer[j]) * float64(us[e][i*H+j])
 					}
 					act[i] = g / (1 + math.Exp(-g)) * u
+					if s.tol.BF16GEMM {
+						act[i] = float64(compute.BF16ToF32(compute.F32ToBF16(float32(act[i]))))
+					}
 				}
 				for j := 0; j < H; j++ {
 					var y float64
@@ -69,7 +78,7 @@ func (s *suite) moe(t *testing.T) {
 				}
 			}
 		}
-		closeTo(t, "moe", s.read(out, tokens*H), want, 1e-4, 1e-4)
+		closeTo(t, "moe", s.read(out, tokens*H), want, s.tol.MoEAtol, s.tol.MoERtol)
 	}
 }
 
@@ -79,6 +88,7 @@ func (s *suite) lmHeadTopK(t *testing.T) {
 	tokens, hidden, vocab := 300, 24, 5000 // vocab not a multiple of the tile
 	x, w := randn(r, tokens*hidden, 1), randn(r, vocab*hidden, 1)
 	xt, wt := be.FromF32(x), be.FromF32(w)
+	x, w = s.gemmIn(x), s.gemmIn(w) // the logits' operands as the backend multiplies them
 	for _, k := range []int{1, 7, 64, vocab} {
 		ids, lps := be.New(compute.I32, tokens*k), s.garbage(tokens*k)
 		be.LMHeadTopK(ids, lps, xt, wt, tokens, hidden, vocab, k)

@@ -2,32 +2,141 @@ package device
 
 import (
 	"errors"
+	"fmt"
+	"path/filepath"
 	"strings"
 	"testing"
+
+	"distill/compute/cuda/cudaemu"
 )
 
-func TestOpen(t *testing.T) {
+// logLines collects Options.Logf's lines.
+type logLines []string
+
+func (l *logLines) logf(format string, args ...any) { *l = append(*l, fmt.Sprintf(format, args...)) }
+
+func (l logLines) has(t *testing.T, want string) {
+	t.Helper()
+	for _, s := range l {
+		if strings.Contains(s, want) {
+			return
+		}
+	}
+	t.Errorf("no log line mentions %q: %q", want, []string(l))
+}
+
+// noDriver makes this process see no NVIDIA driver, on any machine: the
+// driver's library is a file that does not exist.
+func noDriver(t *testing.T) string {
+	missing := filepath.Join(t.TempDir(), "libcuda.so.1")
+	t.Setenv("DISTILL_LIBCUDA", missing)
+	return missing
+}
+
+func TestCheck(t *testing.T) {
+	for _, p := range []Purpose{Inference, Training} {
+		for _, name := range []string{"", "auto", "cpu"} {
+			if err := Check(name, p); err != nil {
+				t.Errorf("Check(%q, %v): %v", name, p, err)
+			}
+		}
+		if err := Check("tpu", p); !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), `"tpu"`) {
+			t.Errorf("Check(tpu, %v): %v", p, err)
+		}
+	}
+	if err := Check("cuda", Inference); err != nil {
+		t.Errorf("Check(cuda, inference): %v", err)
+	}
+	err := Check("cuda", Training)
+	for _, want := range []string{"issue 16", "--device cpu", "not implemented yet"} {
+		if !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), want) {
+			t.Errorf("Check(cuda, training) = %v, want ErrDevice mentioning %q", err, want)
+		}
+	}
+}
+
+// TestOpenWithoutGPU is this machine's case: no driver. cuda fails naming
+// the missing library; auto falls back to the CPU and says why.
+func TestOpenWithoutGPU(t *testing.T) {
+	missing := noDriver(t)
 	for _, name := range []string{"", "auto", "cpu"} {
-		be, err := Open(name, 2)
+		var log logLines
+		be, err := Open(name, Options{Threads: 2, Logf: log.logf})
 		if err != nil || be.Name() != "cpu" {
 			t.Fatalf("Open(%q): %v %v", name, be, err)
 		}
-	}
-	if _, err := Open("cuda", 0); !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), "no CUDA backend") {
-		t.Fatalf("cuda: %v", err)
-	}
-	if _, err := Open("tpu", 0); !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), `"tpu"`) {
-		t.Fatalf("tpu: %v", err)
-	}
-	for _, name := range []string{"", "auto", "cpu"} {
-		if err := Check(name); err != nil {
-			t.Fatalf("Check(%q): %v", name, err)
+		if name != "cpu" {
+			log.has(t, "no usable GPU")
+			log.has(t, missing) // why: the driver's library is not there
+			log.has(t, "using the CPU")
 		}
 	}
-	if err := Check("cuda"); !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), "no CUDA backend") {
-		t.Fatalf("Check(cuda): %v", err)
+	_, err := Open("cuda", Options{})
+	for _, want := range []string{missing, "DISTILL_LIBCUDA", "--device cuda"} {
+		if !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), want) {
+			t.Errorf("Open(cuda) without a driver = %v, want ErrDevice mentioning %q", err, want)
+		}
 	}
-	if _, err := Open("cpu", -1); !errors.Is(err, ErrDevice) {
-		t.Fatalf("threads -1: %v", err)
+	var log logLines
+	be, err := Open("auto", Options{Purpose: Training, Logf: log.logf})
+	if err != nil || be.Name() != "cpu" {
+		t.Fatalf("Open(auto, training): %v %v", be, err)
+	}
+	log.has(t, "training on the CPU")
+	if _, err := Open("cuda", Options{Purpose: Training}); !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), "issue 16") {
+		t.Errorf("Open(cuda, training): %v", err)
+	}
+	if _, err := Open("tpu", Options{}); !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), `"tpu"`) {
+		t.Errorf("Open(tpu): %v", err)
+	}
+	if _, err := Open("cpu", Options{Threads: -1}); !errors.Is(err, ErrDevice) {
+		t.Errorf("threads -1: %v", err)
+	}
+}
+
+// TestOpenWithGPU runs the chooser against the CPU emulator of CUDA (a GPU
+// as far as this process can tell; the real GPU under DISTILL_CUDA_TEST=gpu,
+// in scripts/gpu-suite.sh): cuda and auto open the CUDA backend for
+// inference; training still gets the CPU from auto, and an error from
+// cuda, before anything runs.
+func TestOpenWithGPU(t *testing.T) {
+	cudaemu.Use(t)
+	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
+	for _, name := range []string{"cuda", "auto", ""} {
+		var log logLines
+		be, err := Open(name, Options{Logf: log.logf})
+		if err != nil || be.Name() != "cuda" {
+			t.Fatalf("Open(%q) with a GPU: %v %v", name, be, err)
+		}
+		if name != "cuda" {
+			log.has(t, "device auto: using")
+		}
+		if err := Close(be); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var log logLines
+	be, err := Open("auto", Options{Purpose: Training, Logf: log.logf})
+	if err != nil || be.Name() != "cpu" {
+		t.Fatalf("Open(auto, training) with a GPU: %v %v", be, err)
+	}
+	log.has(t, "cannot train yet (issue 16): training on the CPU")
+	if _, err := Open("cuda", Options{Purpose: Training}); !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), "issue 16") {
+		t.Errorf("Open(cuda, training) with a GPU: %v", err)
+	}
+
+	// A GPU whose backend does not open (no NVRTC): auto falls back to the
+	// CPU naming what is missing; cuda fails with it.
+	missing := filepath.Join(t.TempDir(), "libnvrtc.so")
+	t.Setenv("DISTILL_LIBNVRTC", missing)
+	log = nil
+	be, err = Open("auto", Options{Logf: log.logf})
+	if err != nil || be.Name() != "cpu" {
+		t.Fatalf("Open(auto) without NVRTC: %v %v", be, err)
+	}
+	log.has(t, "does not open")
+	log.has(t, missing)
+	if _, err := Open("cuda", Options{}); !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), missing) {
+		t.Errorf("Open(cuda) without NVRTC: %v", err)
 	}
 }

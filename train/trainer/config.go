@@ -184,7 +184,8 @@ type OptimConfig struct {
 type TrainConfig struct {
 	MaxSteps int `yaml:"max_steps"`
 	// Device is the compute backend, as the binaries' --device: auto
-	// (default), cpu or cuda (refused: not in this build).
+	// (default) or cpu; both train on the CPU. cuda is refused before the
+	// run starts: the CUDA backend has no training kernels yet (issue 16).
 	Device string `yaml:"device"`
 	// Threads fixes the CPU worker count (0: all cores). Results are
 	// bit-identical only between runs with the same count.
@@ -481,8 +482,8 @@ func (c *Config) Validate() error {
 		return bad("train.max_steps", "%d: want > 0", c.Train.MaxSteps)
 	case c.Train.Threads < 0:
 		return bad("train.threads", "%d: want >= 0", c.Train.Threads)
-	case device.Check(c.Train.Device) != nil:
-		return bad("train.device", "%v", device.Check(c.Train.Device))
+	case device.Check(c.Train.Device, device.Training) != nil:
+		return bad("train.device", "%v", device.Check(c.Train.Device, device.Training))
 	case c.Train.MaxSkippedSteps < 0:
 		return bad("train.max_skipped_steps", "%d: want >= 0 (0 = never stop for skipped steps)", c.Train.MaxSkippedSteps)
 	case c.Eval.Every < 0 || c.Eval.MaxSamples < 0:

@@ -262,7 +262,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	st.setBatching(cfg)
 	st.setLoss(cfg)
 	if ckpt != "" {
-		be, err := backend(cfg)
+		be, err := backend(cfg, o.Log)
 		if err != nil {
 			return nil, err
 		}
@@ -294,7 +294,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 				st.LRSchedule, st.LR, st.MaxSteps, cfg.Optim.Schedule, cfg.Optim.LR, cfg.Train.MaxSteps)
 		}
 		st.LRSchedule, st.LR, st.MaxSteps = cfg.Optim.Schedule, cfg.Optim.LR, cfg.Train.MaxSteps
-	} else if s, err = initStudent(cfg); err != nil {
+	} else if s, err = initStudent(cfg, o.Log); err != nil {
 		return nil, err
 	}
 	fp, tokDir, tok, err := tokenizerFingerprint(cfg)
@@ -636,9 +636,11 @@ func CheckCache(cfg *model.Config, tokFP string, m *cache.Manifest, where string
 }
 
 // backend opens the compute backend a run trains on: train.device, with
-// train.threads CPU workers (0: one per core).
-func backend(cfg *Config) (compute.Backend, error) {
-	be, err := device.Open(cfg.Train.Device, cfg.Train.Threads)
+// train.threads CPU workers (0: one per core). The device chooser's line
+// (what auto took, and why) goes to log.
+func backend(cfg *Config, log io.Writer) (compute.Backend, error) {
+	be, err := device.Open(cfg.Train.Device, device.Options{Purpose: device.Training, Threads: cfg.Train.Threads,
+		Logf: func(format string, args ...any) { fmt.Fprintf(log, format+"\n", args...) }})
 	if err != nil {
 		return nil, fmt.Errorf("%w: train.device: %w", ErrConfig, err)
 	}
@@ -646,8 +648,8 @@ func backend(cfg *Config) (compute.Backend, error) {
 }
 
 // initStudent builds a fresh student as the config says.
-func initStudent(cfg *Config) (*train.Student, error) {
-	be, err := backend(cfg)
+func initStudent(cfg *Config, log io.Writer) (*train.Student, error) {
+	be, err := backend(cfg, log)
 	if err != nil {
 		return nil, err
 	}

@@ -1,0 +1,721 @@
+package cuda
+
+/*
+#include "capi.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"os"
+	"runtime"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+	"unsafe"
+
+	"distill/compute"
+)
+
+// Options configure Open.
+type Options struct {
+	// Device is the GPU's ordinal (0: the first).
+	Device int
+	// KernelCache is the directory of compiled kernels; "" picks
+	// $DISTILL_KERNEL_CACHE or the user cache directory, "off" disables it.
+	KernelCache string
+	// Attention forces an attention kernel: "simt" (fp32) or "mma" (tensor
+	// cores, head_dim 64 or 128); "" or "auto" picks mma where it applies.
+	// $DISTILL_CUDA_ATTN sets it too.
+	Attention string
+	// Logf, if set, receives one line per notable event (kernels compiled
+	// or read from the cache, the device found).
+	Logf func(format string, args ...any)
+	// Profile times every kernel and GEMM (synchronizing around each, so
+	// it slows the whole); Profile() reports the totals. For benchmarks.
+	Profile bool
+}
+
+// Backend is the CUDA backend. It is safe for concurrent use, one call at
+// a time: calls hold a mutex and run on the calling goroutine's OS thread,
+// locked for the call, with the device's primary context current.
+type Backend struct {
+	mu     sync.Mutex
+	drv    *driver
+	nv     *nvrtc
+	lt     *cublasLt
+	info   DeviceInfo
+	arch   string
+	dev    C.CUdevice
+	ctx    C.CUcontext
+	stream C.CUstream
+	ltH    C.cublasLtHandle_t
+	ws     uint64 // cuBLASLt workspace
+	mods   []C.CUmodule
+	fns    map[string]C.CUfunction
+	smem   map[string]int // dynamic shared memory each kernel opted in to
+	plans  map[gemmShape]*gemmPlan
+	attn   attnMode
+	logf   func(string, ...any)
+
+	prof  map[string]*ProfileEntry // nil unless Options.Profile
+	label string                   // the running method, for the profile
+
+	args        unsafe.Pointer // C memory: argument slots and the pointers to them
+	checkParams unsafe.Pointer // the emulator's launch check; nil on a real driver
+
+	// Copies of weights in the form a kernel needs, made once: BF16 copies
+	// of F32 weights (GEMM operands) and F32 copies of BF16 MoE routers.
+	bf16Of, f32Of map[*tensor]*tensor
+
+	closed bool
+}
+
+var _ compute.Backend = (*Backend)(nil)
+
+const maxArgs = 32
+
+// Open loads the CUDA driver, NVRTC and cuBLASLt, creates a stream on the
+// device's primary context and compiles (or reads from the kernel cache)
+// every kernel. Each failure names what is missing: libcuda.so.1 on a
+// machine without the NVIDIA driver, a library or a symbol, no device, a
+// GPU older than compute capability 8.0.
+func Open(opt Options) (*Backend, error) {
+	logf := opt.Logf
+	if logf == nil {
+		logf = func(string, ...any) {}
+	}
+	drv, err := loadDriver()
+	if err != nil {
+		return nil, err
+	}
+	b := &Backend{drv: drv, logf: logf, fns: map[string]C.CUfunction{}, smem: map[string]int{},
+		plans: map[gemmShape]*gemmPlan{}, bf16Of: map[*tensor]*tensor{}, f32Of: map[*tensor]*tensor{}}
+	ok := false
+	defer func() {
+		if !ok {
+			b.release()
+		}
+	}()
+	if err := drv.check("cuInit", C.call_cuInit(drv.cuInit, 0)); err != nil {
+		return nil, fmt.Errorf("%w (is an NVIDIA GPU visible to this process?)", err)
+	}
+	var count C.int
+	if err := drv.check("cuDeviceGetCount", C.call_cuDeviceGetCount(drv.cuDeviceGetCount, &count)); err != nil {
+		return nil, err
+	}
+	if int(count) == 0 {
+		return nil, fmt.Errorf("cuda: the driver (%s) sees no GPU", drv.lib.path)
+	}
+	if opt.Device < 0 || opt.Device >= int(count) {
+		return nil, fmt.Errorf("cuda: device %d does not exist: the driver sees %d GPU(s), ordinals 0..%d", opt.Device, int(count), int(count)-1)
+	}
+	if b.info, err = drv.deviceInfo(opt.Device); err != nil {
+		return nil, err
+	}
+	if b.info.Major < 8 {
+		return nil, fmt.Errorf("cuda: %s has compute capability %d.%d; this backend needs 8.0 (Ampere) or newer for BF16 tensor cores", b.info.Name, b.info.Major, b.info.Minor)
+	}
+	if b.nv, err = loadNVRTC(); err != nil {
+		return nil, err
+	}
+	b.arch = b.info.Arch()
+	if !b.nv.supportsArch(b.arch) {
+		b.arch = strings.TrimSuffix(b.arch, "a") // NVRTC 11 knows sm_90, not sm_90a
+		logf("cuda: NVRTC %s cannot target %sa; compiling for %s (no wgmma)", b.nv.Version(), b.arch, b.arch)
+	}
+	if b.lt, err = loadCublasLt(); err != nil {
+		return nil, err
+	}
+	if p, err := drv.lib.sym("distill_emu_check_params"); err == nil {
+		b.checkParams = p
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if err := drv.check("cuDeviceGet", C.call_cuDeviceGet(drv.cuDeviceGet, &b.dev, C.int(opt.Device))); err != nil {
+		return nil, err
+	}
+	if err := drv.check("cuDevicePrimaryCtxRetain", C.call_cuDevicePrimaryCtxRetain(drv.cuDevicePrimaryCtxRetain, &b.ctx, b.dev)); err != nil {
+		return nil, err
+	}
+	if err := drv.check("cuCtxSetCurrent", C.call_cuCtxSetCurrent(drv.cuCtxSetCurrent, b.ctx)); err != nil {
+		return nil, err
+	}
+	if err := drv.check("cuStreamCreate", C.call_cuStreamCreate(drv.cuStreamCreate, &b.stream, streamNonBlocking)); err != nil {
+		return nil, err
+	}
+	// Keep freed memory in the pool: Forward frees and reallocates the same
+	// activation sizes every batch.
+	var pool C.CUmemoryPool
+	if err := drv.check("cuDeviceGetDefaultMemPool", C.call_cuDeviceGetDefaultMemPool(drv.cuDeviceGetDefaultMemPool, &pool, b.dev)); err != nil {
+		return nil, err
+	}
+	thr := C.uint64_t(^uint64(0))
+	if err := drv.check("cuMemPoolSetAttribute", C.call_cuMemPoolSetAttribute(drv.cuMemPoolSetAttribute, pool, mempoolAttrReleaseThreshold, unsafe.Pointer(&thr))); err != nil {
+		return nil, err
+	}
+	if err := b.lt.check("cublasLtCreate", C.call_cublasLtCreate(b.lt.create, &b.ltH)); err != nil {
+		return nil, err
+	}
+	if err := drv.check("cuMemAlloc(cuBLASLt workspace)", C.call_cuMemAlloc(drv.cuMemAlloc, (*C.CUdeviceptr)(&b.ws), gemmWorkspaceBytes)); err != nil {
+		return nil, err
+	}
+	b.args = C.malloc(C.size_t(maxArgs * 16))
+	if opt.Profile {
+		b.prof = map[string]*ProfileEntry{}
+	}
+	b.attn = attnMode(opt.Attention)
+	if b.attn == "" {
+		b.attn = attnMode(os.Getenv("DISTILL_CUDA_ATTN"))
+	}
+	switch b.attn {
+	case "", "auto", "simt", "mma":
+	default:
+		return nil, fmt.Errorf("cuda: attention kernel %q: want auto, simt or mma", b.attn)
+	}
+	dir := opt.KernelCache
+	if dir == "" {
+		dir = defaultCacheDir()
+	} else if dir == "off" {
+		dir = ""
+	}
+	if err := b.loadKernels(&kernelCache{dir: dir}); err != nil {
+		return nil, err
+	}
+	logf("cuda: %s (sm_%d%d, %d SMs, %.1f GiB), driver %d, NVRTC %s, cuBLASLt %d, kernels for %s",
+		b.info.Name, b.info.Major, b.info.Minor, b.info.SMs, float64(b.info.TotalMem)/(1<<30), b.info.DriverVersion,
+		b.nv.Version(), b.lt.version, b.arch)
+	ok = true
+	return b, nil
+}
+
+// loadKernels compiles (or reads from the cache) every kernel file and
+// looks up its kernels.
+func (b *Backend) loadKernels(kc *kernelCache) error {
+	for _, f := range kernelFiles() {
+		t0 := time.Now()
+		cubin, cached, cacheErr, err := kc.cubin(b.nv, string(f), f.source(), b.arch)
+		if err != nil {
+			return err
+		}
+		if cacheErr != nil {
+			b.logf("cuda: %v (kernels will be recompiled next time)", cacheErr)
+		}
+		if !cached {
+			b.logf("cuda: compiled %s for %s in %v", f, b.arch, time.Since(t0).Round(time.Millisecond))
+		}
+		cb := C.CBytes(cubin)
+		var mod C.CUmodule
+		err = b.drv.check("cuModuleLoadData("+string(f)+")", C.call_cuModuleLoadData(b.drv.cuModuleLoadData, &mod, cb))
+		C.free(cb)
+		if err != nil {
+			return err
+		}
+		b.mods = append(b.mods, mod)
+		for _, k := range f.kernels() {
+			var fn C.CUfunction
+			ck := C.CString(k)
+			err := b.drv.check("cuModuleGetFunction("+k+")", C.call_cuModuleGetFunction(b.drv.cuModuleGetFunction, &fn, mod, ck))
+			C.free(unsafe.Pointer(ck))
+			if err != nil {
+				return err
+			}
+			b.fns[k] = fn
+		}
+	}
+	return nil
+}
+
+// Info describes the device.
+func (b *Backend) Info() DeviceInfo { return b.info }
+
+// Arch is the target the kernels were compiled for (sm_90a on Hopper).
+func (b *Backend) Arch() string { return b.arch }
+
+// Name implements compute.Backend.
+func (*Backend) Name() string { return "cuda" }
+
+// Close releases the device memory of the backend itself (tensors are the
+// caller's), its stream and its libraries' handles.
+func (b *Backend) Close() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return nil
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if b.ctx != nil {
+		C.call_cuCtxSetCurrent(b.drv.cuCtxSetCurrent, b.ctx)
+	}
+	b.release()
+	b.closed = true
+	return nil
+}
+
+// release frees what Open made, in reverse; it tolerates a partial Open.
+func (b *Backend) release() {
+	d := b.drv
+	if b.stream != nil {
+		C.call_cuStreamSynchronize(d.cuStreamSynchronize, b.stream)
+	}
+	for _, p := range b.plans {
+		b.lt.destroyPlan(p)
+	}
+	b.plans = nil
+	for _, m := range b.mods {
+		C.call_cuModuleUnload(d.cuModuleUnload, m)
+	}
+	b.mods = nil
+	if b.ws != 0 {
+		C.call_cuMemFree(d.cuMemFree, C.CUdeviceptr(b.ws))
+		b.ws = 0
+	}
+	if b.ltH != nil {
+		C.call_cublasLtDestroy(b.lt.destroy, b.ltH)
+		b.ltH = nil
+	}
+	if b.stream != nil {
+		C.call_cuStreamDestroy(d.cuStreamDestroy, b.stream)
+		b.stream = nil
+	}
+	if b.ctx != nil {
+		C.call_cuDevicePrimaryCtxRelease(d.cuDevicePrimaryCtxRelease, b.dev)
+		b.ctx = nil
+	}
+	if b.args != nil {
+		C.free(b.args)
+		b.args = nil
+	}
+}
+
+// enter starts a call: the mutex, the OS thread, the context. The returned
+// function ends it.
+func (b *Backend) enter() func() {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		panic("cuda: backend used after Close")
+	}
+	runtime.LockOSThread()
+	b.must(b.drv.check("cuCtxSetCurrent", C.call_cuCtxSetCurrent(b.drv.cuCtxSetCurrent, b.ctx)))
+	return func() {
+		runtime.UnlockOSThread()
+		b.mu.Unlock()
+	}
+}
+
+// must panics with err: the contract's kernels return no errors, and a
+// failed CUDA call leaves nothing to continue with (serve recovers kernel
+// panics into an error for the request).
+func (b *Backend) must(err error) {
+	if err != nil {
+		panic(err)
+	}
+}
+
+// sync waits for every issued kernel; errors of earlier asynchronous work
+// surface here.
+func (b *Backend) sync() {
+	b.must(b.drv.check("cuStreamSynchronize", C.call_cuStreamSynchronize(b.drv.cuStreamSynchronize, b.stream)))
+}
+
+// dptr is a device address, as a kernel argument.
+type dptr uint64
+
+// launchKernel enqueues kernel l.kernel with args, each a dptr, int32, int64
+// or float32, matching the kernel's C++ parameters (i64 for int64, int for
+// int32, pointers for dptr).
+func (b *Backend) launchKernel(l launch, args ...any) {
+	fn, ok := b.fns[l.kernel]
+	if !ok {
+		panic(fmt.Sprintf("cuda: no kernel %s", l.kernel))
+	}
+	if len(args) > maxArgs {
+		panic(fmt.Sprintf("cuda: %s: %d arguments, at most %d", l.kernel, len(args), maxArgs))
+	}
+	if l.grid[0] == 0 || l.grid[1] == 0 || l.grid[2] == 0 {
+		return // nothing to do
+	}
+	slots := unsafe.Slice((*uint64)(b.args), maxArgs)
+	ptrs := unsafe.Slice((*unsafe.Pointer)(unsafe.Add(b.args, maxArgs*8)), maxArgs)
+	var sizes [maxArgs]C.int
+	for i, a := range args {
+		slots[i] = 0
+		switch v := a.(type) {
+		case dptr:
+			slots[i], sizes[i] = uint64(v), 8
+		case int64:
+			slots[i], sizes[i] = uint64(v), 8
+		case int32:
+			*(*int32)(unsafe.Pointer(&slots[i])) = v
+			sizes[i] = 4
+		case float32:
+			*(*float32)(unsafe.Pointer(&slots[i])) = v
+			sizes[i] = 4
+		default:
+			panic(fmt.Sprintf("cuda: %s argument %d has type %T; want dptr, int32, int64 or float32", l.kernel, i, a))
+		}
+		ptrs[i] = unsafe.Pointer(&slots[i])
+	}
+	if b.checkParams != nil {
+		if msg := C.call_distill_emu_check_params(b.checkParams, fn, &sizes[0], C.int(len(args))); msg != nil {
+			panic(fmt.Sprintf("cuda: launching %s: %s", l.kernel, C.GoString(msg)))
+		}
+	}
+	// Opt in to the dynamic shared memory whenever there is any: the 48 KB a
+	// block gets by default counts static shared memory too.
+	if l.smem > 0 && b.smem[l.kernel] < l.smem {
+		if l.smem > b.info.SharedOptinBytes {
+			panic(fmt.Sprintf("cuda: %s needs %d bytes of shared memory; %s allows a block %d", l.kernel, l.smem, b.info.Name, b.info.SharedOptinBytes))
+		}
+		b.must(b.drv.check("cuFuncSetAttribute("+l.kernel+")", C.call_cuFuncSetAttribute(b.drv.cuFuncSetAttribute, fn, funcAttrMaxDynamicShared, C.int(l.smem))))
+		b.smem[l.kernel] = l.smem
+	}
+	defer b.timed(l.kernel)()
+	b.must(b.drv.check("cuLaunchKernel("+l.kernel+")", C.call_cuLaunchKernel(b.drv.cuLaunchKernel, fn,
+		C.uint(l.grid[0]), C.uint(l.grid[1]), C.uint(l.grid[2]), C.uint(l.block), 1, 1, C.uint(l.smem), b.stream,
+		(*unsafe.Pointer)(unsafe.Add(b.args, maxArgs*8)))))
+}
+
+// ProfileEntry is one kernel's (or one caller's GEMMs') total under
+// Options.Profile.
+type ProfileEntry struct {
+	Name  string
+	Calls int
+	Time  time.Duration
+}
+
+// timed, under Options.Profile, waits for the work issued so far, and
+// returns a function that waits for what name issued and adds the time.
+func (b *Backend) timed(name string) func() {
+	if b.prof == nil {
+		return func() {}
+	}
+	b.sync()
+	t0 := time.Now()
+	return func() {
+		b.sync()
+		e := b.prof[name]
+		if e == nil {
+			e = &ProfileEntry{Name: name}
+			b.prof[name] = e
+		}
+		e.Calls++
+		e.Time += time.Since(t0)
+	}
+}
+
+// Profile returns the time spent per kernel (GEMMs per calling method),
+// the largest first, and resets the counters. Empty unless
+// Options.Profile.
+func (b *Backend) Profile() []ProfileEntry {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var out []ProfileEntry
+	for _, e := range b.prof {
+		out = append(out, *e)
+	}
+	clear(b.prof)
+	sort.Slice(out, func(i, j int) bool { return out[i].Time > out[j].Time })
+	return out
+}
+
+// MemInfo returns the device's free and total memory (the stream-ordered
+// pool keeps what was freed, so total - free is the high-water mark of
+// this process's use, plus other processes').
+func (b *Backend) MemInfo() (free, total int64) {
+	defer b.enter()()
+	var f, t C.size_t
+	b.must(b.drv.check("cuMemGetInfo", C.call_cuMemGetInfo(b.drv.cuMemGetInfo, &f, &t)))
+	return int64(f), int64(t)
+}
+
+// --- Memory.
+
+// tensor is the CUDA Tensor: device memory of n elements.
+type tensor struct {
+	b      *Backend
+	dt     compute.DType
+	n      int
+	p      uint64
+	weight bool // made by Weight: immutable, so derived copies may be cached
+	view   bool // shares another tensor's memory; Free is a no-op
+	freed  bool
+}
+
+func (t *tensor) DType() compute.DType { return t.dt }
+func (t *tensor) Len() int             { return t.n }
+
+func elemSize(dt compute.DType) int {
+	if dt == compute.BF16 {
+		return 2
+	}
+	return 4
+}
+
+func (t *tensor) bytes() int64 { return int64(t.n) * int64(elemSize(t.dt)) }
+
+// ten unwraps a Tensor of this backend; anything else is a caller's bug.
+func (b *Backend) ten(x compute.Tensor, what string) *tensor {
+	t, ok := x.(*tensor)
+	if !ok || t == nil {
+		panic(fmt.Sprintf("cuda: %s is a tensor of another backend (%T)", what, x))
+	}
+	if t.b != b {
+		panic(fmt.Sprintf("cuda: %s belongs to another CUDA backend", what))
+	}
+	if t.freed {
+		panic(fmt.Sprintf("cuda: %s was freed", what))
+	}
+	return t
+}
+
+// need checks that t holds at least n elements, of one of the types dts.
+func need(t *tensor, what string, n int, dts ...compute.DType) {
+	okType := false
+	for _, dt := range dts {
+		okType = okType || t.dt == dt
+	}
+	if !okType {
+		panic(fmt.Sprintf("cuda: %s is %v, want %v", what, t.dt, dts))
+	}
+	if t.n < n {
+		panic(fmt.Sprintf("cuda: %s has %d elements, the call needs %d", what, t.n, n))
+	}
+}
+
+// alloc returns n bytes of device memory from the stream-ordered pool.
+func (b *Backend) alloc(n int64) uint64 {
+	if n <= 0 {
+		return 0
+	}
+	var p C.CUdeviceptr
+	b.must(b.drv.check(fmt.Sprintf("cuMemAllocAsync(%d bytes)", n), C.call_cuMemAllocAsync(b.drv.cuMemAllocAsync, &p, C.size_t(n), b.stream)))
+	return uint64(p)
+}
+
+// free returns device memory to the pool once the stream's work so far
+// is done.
+func (b *Backend) free(p uint64) {
+	if p != 0 {
+		b.must(b.drv.check("cuMemFreeAsync", C.call_cuMemFreeAsync(b.drv.cuMemFreeAsync, C.CUdeviceptr(p), b.stream)))
+	}
+}
+
+func (b *Backend) newTensor(dt compute.DType, n int) *tensor {
+	if n < 0 {
+		panic(fmt.Sprintf("cuda: tensor of %d elements", n))
+	}
+	t := &tensor{b: b, dt: dt, n: n}
+	t.p = b.alloc(t.bytes())
+	return t
+}
+
+func (b *Backend) memset0(p uint64, n int64) {
+	if n > 0 {
+		b.must(b.drv.check("cuMemsetD8Async", C.call_cuMemsetD8Async(b.drv.cuMemsetD8Async, C.CUdeviceptr(p), 0, C.size_t(n), b.stream)))
+	}
+}
+
+// upload copies n bytes at src to device address p. The source may be
+// reused when it returns: the driver stages pageable memory before that.
+func (b *Backend) upload(p uint64, src unsafe.Pointer, n int64) {
+	if n > 0 {
+		b.must(b.drv.check("cuMemcpyHtoDAsync", C.call_cuMemcpyHtoDAsync(b.drv.cuMemcpyHtoDAsync, C.CUdeviceptr(p), src, C.size_t(n), b.stream)))
+	}
+}
+
+// download copies n bytes from p to dst after all issued work, and waits.
+func (b *Backend) download(dst unsafe.Pointer, p uint64, n int64) {
+	if n > 0 {
+		b.must(b.drv.check("cuMemcpyDtoHAsync", C.call_cuMemcpyDtoHAsync(b.drv.cuMemcpyDtoHAsync, dst, C.CUdeviceptr(p), C.size_t(n), b.stream)))
+	}
+	b.sync()
+}
+
+// New implements compute.Backend: a zeroed tensor.
+func (b *Backend) New(dt compute.DType, n int) compute.Tensor {
+	defer b.enter()()
+	t := b.newTensor(dt, n)
+	b.memset0(t.p, t.bytes())
+	return t
+}
+
+// FromF32 implements compute.Backend.
+func (b *Backend) FromF32(src []float32) compute.Tensor {
+	defer b.enter()()
+	t := b.newTensor(compute.F32, len(src))
+	if len(src) > 0 {
+		b.upload(t.p, unsafe.Pointer(&src[0]), t.bytes())
+	}
+	return t
+}
+
+// FromI32 implements compute.Backend.
+func (b *Backend) FromI32(src []int32) compute.Tensor {
+	defer b.enter()()
+	t := b.newTensor(compute.I32, len(src))
+	if len(src) > 0 {
+		b.upload(t.p, unsafe.Pointer(&src[0]), t.bytes())
+	}
+	return t
+}
+
+// Weight implements compute.Backend: BF16 stays BF16 on the device (the
+// GEMMs' operand type); F32 stays F32 (norm weights keep their digits) and
+// gets a BF16 copy the first time a GEMM needs one.
+func (b *Backend) Weight(src any) (compute.Tensor, error) {
+	defer b.enter()()
+	var t *tensor
+	switch s := src.(type) {
+	case []uint16:
+		t = b.newTensor(compute.BF16, len(s))
+		if len(s) > 0 {
+			b.upload(t.p, unsafe.Pointer(&s[0]), t.bytes())
+		}
+	case []float32:
+		t = b.newTensor(compute.F32, len(s))
+		if len(s) > 0 {
+			b.upload(t.p, unsafe.Pointer(&s[0]), t.bytes())
+		}
+	default:
+		return nil, fmt.Errorf("cuda: weight of type %T; want []float32 or []uint16 (bf16)", src)
+	}
+	t.weight = true
+	return t, nil
+}
+
+// ReadF32 implements compute.Backend: min(len(dst), t.Len()) elements of an
+// F32 tensor, or of a BF16 one widened.
+func (b *Backend) ReadF32(x compute.Tensor, dst []float32) {
+	defer b.enter()()
+	t := b.ten(x, "ReadF32 source")
+	n := min(len(dst), t.n)
+	switch t.dt {
+	case compute.F32:
+		if n == 0 {
+			b.sync()
+			return
+		}
+		b.download(unsafe.Pointer(&dst[0]), t.p, int64(n)*4)
+	case compute.BF16:
+		h := make([]uint16, n)
+		if n == 0 {
+			b.sync()
+			return
+		}
+		b.download(unsafe.Pointer(&h[0]), t.p, int64(n)*2)
+		compute.WidenBF16(dst, h)
+	default:
+		panic(fmt.Sprintf("cuda: ReadF32 of an %v tensor", t.dt))
+	}
+}
+
+// ReadI32 implements compute.Backend.
+func (b *Backend) ReadI32(x compute.Tensor, dst []int32) {
+	defer b.enter()()
+	t := b.ten(x, "ReadI32 source")
+	if t.dt != compute.I32 {
+		panic(fmt.Sprintf("cuda: ReadI32 of an %v tensor", t.dt))
+	}
+	n := min(len(dst), t.n)
+	if n == 0 {
+		b.sync()
+		return
+	}
+	b.download(unsafe.Pointer(&dst[0]), t.p, int64(n)*4)
+}
+
+// Free implements compute.Backend. Freeing twice is a no-op; using a freed
+// tensor panics.
+func (b *Backend) Free(x compute.Tensor) {
+	defer b.enter()()
+	t, ok := x.(*tensor)
+	if !ok || t == nil || t.freed || t.b != b {
+		return
+	}
+	t.freed = true
+	if t.view {
+		return
+	}
+	for _, m := range []map[*tensor]*tensor{b.bf16Of, b.f32Of} {
+		if c, ok := m[t]; ok {
+			b.free(c.p)
+			delete(m, t)
+		}
+	}
+	b.free(t.p)
+	t.p = 0
+}
+
+// View returns elements [off, off+n) of t sharing its memory; freeing a
+// view is a no-op, and it is valid while t is.
+func (b *Backend) View(x compute.Tensor, off, n int) compute.Tensor {
+	defer b.enter()()
+	t := b.ten(x, "View source")
+	if off < 0 || n < 0 || off+n > t.n {
+		panic(fmt.Sprintf("cuda: View [%d, %d) of a tensor of %d elements", off, off+n, t.n))
+	}
+	return &tensor{b: b, dt: t.dt, n: n, p: t.p + uint64(off*elemSize(t.dt)), view: true}
+}
+
+// Zero sets every element of t to 0.
+func (b *Backend) Zero(x compute.Tensor) {
+	defer b.enter()()
+	t := b.ten(x, "Zero target")
+	b.memset0(t.p, t.bytes())
+}
+
+// Copy: dst[0:src.Len()) = src, same dtype, not overlapping.
+func (b *Backend) Copy(dstT, srcT compute.Tensor) {
+	defer b.enter()()
+	dst, src := b.ten(dstT, "Copy destination"), b.ten(srcT, "Copy source")
+	if dst.dt != src.dt || dst.n < src.n {
+		panic(fmt.Sprintf("cuda: Copy of %d %v elements into %d %v", src.n, src.dt, dst.n, dst.dt))
+	}
+	if src.n > 0 {
+		b.must(b.drv.check("cuMemcpyDtoDAsync", C.call_cuMemcpyDtoDAsync(b.drv.cuMemcpyDtoDAsync, C.CUdeviceptr(dst.p), C.CUdeviceptr(src.p), C.size_t(src.bytes()), b.stream)))
+	}
+}
+
+// WriteF32 copies host data into t[0:len(src)) (t is F32).
+func (b *Backend) WriteF32(x compute.Tensor, src []float32) {
+	defer b.enter()()
+	t := b.ten(x, "WriteF32 target")
+	need(t, "WriteF32 target", len(src), compute.F32)
+	if len(src) > 0 {
+		b.upload(t.p, unsafe.Pointer(&src[0]), int64(len(src))*4)
+	}
+}
+
+// unsafePtr is the address of a non-empty slice's first element.
+func unsafePtr[T any](s []T) unsafe.Pointer { return unsafe.Pointer(&s[0]) }
+
+// Probe reports whether a CUDA GPU is usable without compiling anything:
+// the driver loads and sees a device of compute capability 8.0 or newer.
+// A device chooser (--device auto) calls it to decide, and logs the error
+// when it falls back to the CPU.
+func Probe() (DeviceInfo, error) {
+	drv, err := loadDriver()
+	if err != nil {
+		return DeviceInfo{}, err
+	}
+	defer drv.lib.close()
+	if err := drv.check("cuInit", C.call_cuInit(drv.cuInit, 0)); err != nil {
+		return DeviceInfo{}, err
+	}
+	var count C.int
+	if err := drv.check("cuDeviceGetCount", C.call_cuDeviceGetCount(drv.cuDeviceGetCount, &count)); err != nil {
+		return DeviceInfo{}, err
+	}
+	if count == 0 {
+		return DeviceInfo{}, fmt.Errorf("cuda: the driver (%s) sees no GPU", drv.lib.path)
+	}
+	info, err := drv.deviceInfo(0)
+	if err == nil && info.Major < 8 {
+		err = fmt.Errorf("cuda: %s has compute capability %d.%d; this backend needs 8.0 (Ampere) or newer", info.Name, info.Major, info.Minor)
+	}
+	return info, err
+}

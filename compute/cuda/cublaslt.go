@@ -1,0 +1,200 @@
+package cuda
+
+/*
+#include "capi.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"unsafe"
+)
+
+// cuBLASLt constants (cublasLt.h, library_types.h), declared by hand.
+const (
+	computeF32 = 68 // CUBLAS_COMPUTE_32F: fp32 accumulation, no TF32
+
+	dataF32  = 0  // CUDA_R_32F
+	dataBF16 = 14 // CUDA_R_16BF
+
+	opN = 0 // CUBLAS_OP_N
+	opT = 1 // CUBLAS_OP_T
+
+	descTransA = 3 // CUBLASLT_MATMUL_DESC_TRANSA
+	descTransB = 4 // CUBLASLT_MATMUL_DESC_TRANSB
+
+	prefMaxWorkspace = 1 // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
+	prefMinAlignA    = 5 // CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES (B, C, D follow)
+
+	gemmWorkspaceBytes = 32 << 20 // cuBLASLt's advice for Hopper
+)
+
+// cublasLt is the cuBLASLt library, reached through function pointers.
+type cublasLt struct {
+	lib     *library
+	version int
+
+	create, destroy, getVersion, getStatusString                  unsafe.Pointer
+	descCreate, descDestroy, descSetAttr                          unsafe.Pointer
+	layoutCreate, layoutDestroy, prefCreate, prefDestroy, prefSet unsafe.Pointer
+	heuristic, matmul                                             unsafe.Pointer
+}
+
+// loadCublasLt opens libcublasLt (newest soname first) and binds its entry
+// points; a missing library or symbol is an error naming it.
+func loadCublasLt() (*cublasLt, error) {
+	lib, err := openLibrary(specCublasLt)
+	if err != nil {
+		return nil, err
+	}
+	l := &cublasLt{lib: lib}
+	if err := lib.bind(map[string]*unsafe.Pointer{
+		"cublasLtCreate":                       &l.create,
+		"cublasLtDestroy":                      &l.destroy,
+		"cublasLtGetVersion":                   &l.getVersion,
+		"cublasLtGetStatusString":              &l.getStatusString,
+		"cublasLtMatmulDescCreate":             &l.descCreate,
+		"cublasLtMatmulDescDestroy":            &l.descDestroy,
+		"cublasLtMatmulDescSetAttribute":       &l.descSetAttr,
+		"cublasLtMatrixLayoutCreate":           &l.layoutCreate,
+		"cublasLtMatrixLayoutDestroy":          &l.layoutDestroy,
+		"cublasLtMatmulPreferenceCreate":       &l.prefCreate,
+		"cublasLtMatmulPreferenceDestroy":      &l.prefDestroy,
+		"cublasLtMatmulPreferenceSetAttribute": &l.prefSet,
+		"cublasLtMatmulAlgoGetHeuristic":       &l.heuristic,
+		"cublasLtMatmul":                       &l.matmul,
+	}); err != nil {
+		lib.close()
+		return nil, err
+	}
+	l.version = int(C.call_cublasLtGetVersion(l.getVersion))
+	return l, nil
+}
+
+func (l *cublasLt) check(call string, s C.cublasStatus_t) error {
+	if s == 0 {
+		return nil
+	}
+	msg := "unknown status"
+	if p := C.call_cublasLtGetStatusString(l.getStatusString, s); p != nil {
+		msg = C.GoString(p)
+	}
+	return fmt.Errorf("cuda: %s failed: %s (%d)", call, msg, int(s))
+}
+
+// gemmShape is one row-major product out (m,n) F32 = x (m,k) · w (n,k)ᵀ
+// with x and w of type in (dataBF16 or dataF32), and the alignment in bytes
+// (a power of two, at most 256) of its pointers, which cuBLASLt's choice of
+// algorithm depends on.
+type gemmShape struct {
+	m, n, k int
+	in      int
+	align   [4]int // A (w), B (x), C, D (out)
+}
+
+// gemmPlan is a cuBLASLt descriptor set with its chosen algorithm.
+type gemmPlan struct {
+	desc       C.cublasLtMatmulDesc_t
+	la, lb, lc C.cublasLtMatrixLayout_t
+	algo       C.distill_heuristic
+}
+
+// The mapping from row-major to cuBLASLt's column-major: out (m,n) row-major
+// is D (n,m) column-major with ld n; w (n,k) row-major is A (k,n)
+// column-major with ld k, used transposed; x (m,k) row-major is B (k,m)
+// column-major with ld k. So D = Aᵀ·B, the "TN" GEMM tensor cores like.
+func (l *cublasLt) plan(h C.cublasLtHandle_t, s gemmShape) (*gemmPlan, error) {
+	p := &gemmPlan{}
+	ok := false
+	defer func() {
+		if !ok {
+			l.destroyPlan(p)
+		}
+	}()
+	if err := l.check("cublasLtMatmulDescCreate", C.call_cublasLtMatmulDescCreate(l.descCreate, &p.desc, computeF32, dataF32)); err != nil {
+		return nil, err
+	}
+	ta, tb := C.int(opT), C.int(opN)
+	if err := l.check("cublasLtMatmulDescSetAttribute(TRANSA)", C.call_cublasLtSetAttribute(l.descSetAttr, unsafe.Pointer(p.desc), descTransA, unsafe.Pointer(&ta), 4)); err != nil {
+		return nil, err
+	}
+	if err := l.check("cublasLtMatmulDescSetAttribute(TRANSB)", C.call_cublasLtSetAttribute(l.descSetAttr, unsafe.Pointer(p.desc), descTransB, unsafe.Pointer(&tb), 4)); err != nil {
+		return nil, err
+	}
+	mk := func(dst *C.cublasLtMatrixLayout_t, typ, rows, cols, ld int) error {
+		return l.check("cublasLtMatrixLayoutCreate", C.call_cublasLtMatrixLayoutCreate(l.layoutCreate, dst, C.int(typ), C.uint64_t(rows), C.uint64_t(cols), C.int64_t(ld)))
+	}
+	if err := mk(&p.la, s.in, s.k, s.n, s.k); err != nil {
+		return nil, err
+	}
+	if err := mk(&p.lb, s.in, s.k, s.m, s.k); err != nil {
+		return nil, err
+	}
+	if err := mk(&p.lc, dataF32, s.n, s.m, s.n); err != nil {
+		return nil, err
+	}
+	var pref C.cublasLtMatmulPreference_t
+	if err := l.check("cublasLtMatmulPreferenceCreate", C.call_cublasLtMatmulPreferenceCreate(l.prefCreate, &pref)); err != nil {
+		return nil, err
+	}
+	defer C.call_cublasLtDestroyDesc(l.prefDestroy, unsafe.Pointer(pref))
+	ws := C.uint64_t(gemmWorkspaceBytes)
+	if err := l.check("cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)", C.call_cublasLtSetAttribute(l.prefSet, unsafe.Pointer(pref), prefMaxWorkspace, unsafe.Pointer(&ws), 8)); err != nil {
+		return nil, err
+	}
+	// The operands' real alignments, so that the heuristic does not pick an
+	// algorithm that assumes 256 bytes for an offset pointer. Best effort: a
+	// cuBLASLt without these attributes chooses as it would anyway.
+	for i, a := range s.align {
+		v := C.uint32_t(a)
+		C.call_cublasLtSetAttribute(l.prefSet, unsafe.Pointer(pref), C.int(prefMinAlignA+i), unsafe.Pointer(&v), 4)
+	}
+	var got C.int
+	if err := l.check("cublasLtMatmulAlgoGetHeuristic", C.call_cublasLtMatmulAlgoGetHeuristic(l.heuristic, h, p.desc, p.la, p.lb, p.lc, p.lc, pref, 1, &p.algo, &got)); err != nil {
+		return nil, fmt.Errorf("%w (GEMM m=%d n=%d k=%d, %s inputs)", err, s.m, s.n, s.k, typeName(s.in))
+	}
+	if got < 1 {
+		return nil, fmt.Errorf("cuda: cuBLASLt has no algorithm for the GEMM m=%d n=%d k=%d with %s inputs and alignments %v", s.m, s.n, s.k, typeName(s.in), s.align)
+	}
+	ok = true
+	return p, nil
+}
+
+func (l *cublasLt) destroyPlan(p *gemmPlan) {
+	if p.desc != nil {
+		C.call_cublasLtDestroyDesc(l.descDestroy, unsafe.Pointer(p.desc))
+	}
+	for _, x := range []C.cublasLtMatrixLayout_t{p.la, p.lb, p.lc} {
+		if x != nil {
+			C.call_cublasLtDestroyDesc(l.layoutDestroy, unsafe.Pointer(x))
+		}
+	}
+	*p = gemmPlan{}
+}
+
+// run enqueues out = x·wᵀ on stream with plan p.
+func (l *cublasLt) run(h C.cublasLtHandle_t, p *gemmPlan, out, x, w, ws uint64, stream C.CUstream) error {
+	alpha, beta := C.float(1), C.float(0)
+	return l.check("cublasLtMatmul", C.call_cublasLtMatmul(l.matmul, h, p.desc, unsafe.Pointer(&alpha), C.CUdeviceptr(w), p.la,
+		C.CUdeviceptr(x), p.lb, unsafe.Pointer(&beta), C.CUdeviceptr(out), p.lc, C.CUdeviceptr(out), p.lc, &p.algo,
+		C.CUdeviceptr(ws), gemmWorkspaceBytes, stream))
+}
+
+func typeName(t int) string {
+	switch t {
+	case dataBF16:
+		return "bf16"
+	case dataF32:
+		return "f32"
+	}
+	return fmt.Sprintf("cudaDataType(%d)", t)
+}
+
+// alignOf is the largest power of two (at most 256) dividing p.
+func alignOf(p uint64) int {
+	a := 256
+	for a > 1 && p%uint64(a) != 0 {
+		a /= 2
+	}
+	return a
+}

@@ -1,0 +1,298 @@
+// Packed variable-length causal attention with GQA, flash-style: each block
+// owns a tile of queries of one sample and one head, walks that sample's
+// keys in tiles with an online softmax, and never holds a score matrix, so
+// memory is linear in tokens.
+//
+// q (tokens, nHead, hd), k and v (tokens, nKV, hd), out (tokens, nHead, hd),
+// all F32; samples are the token ranges [starts[s], starts[s+1]); query
+// head h reads kv head h / (nHead/nKV). lse (tokens, nHead), when not null,
+// receives each query row's log-sum-exp of its scaled scores.
+//
+// Blocks map to query tiles through tile_start (nSeq+1), the exclusive
+// prefix sum of ceil(len_s / BQ) written by k_attn_plan: block b of the grid
+// serves sample s with tile_start[s] <= b < tile_start[s+1], queries from
+// (b - tile_start[s])·BQ. The grid is the host's upper bound
+// (tokens + nSeq·(BQ-1)) / BQ; blocks past the last tile return at once.
+
+// k_attn_plan: one block. tile_start[s] = sum over s' < s of
+// ceil(len_s' / bq), tile_start[nSeq] = the number of tiles.
+DK_KERNEL void k_attn_plan(i32 *__restrict__ tile_start, const i32 *__restrict__ starts, int nseq, int bq) {
+	__shared__ i32 sc[1024];
+	__shared__ i32 carry;
+	if (threadIdx.x == 0) carry = 0;
+	__syncthreads();
+	for (int base = 0; base < nseq; base += blockDim.x) {
+		int s = base + threadIdx.x;
+		i32 c = 0;
+		if (s < nseq) {
+			i32 len = starts[s + 1] - starts[s];
+			c = (len + bq - 1) / bq;
+		}
+		sc[threadIdx.x] = c;
+		__syncthreads();
+		// Inclusive scan (Hillis-Steele) over the block's counts.
+		for (int off = 1; off < (int)blockDim.x; off <<= 1) {
+			i32 add = threadIdx.x >= (unsigned)off ? sc[threadIdx.x - off] : 0;
+			__syncthreads();
+			sc[threadIdx.x] += add;
+			__syncthreads();
+		}
+		if (s < nseq) tile_start[s] = carry + sc[threadIdx.x] - c;
+		__syncthreads();
+		if (threadIdx.x == blockDim.x - 1) carry += sc[threadIdx.x];
+		__syncthreads();
+	}
+	if (threadIdx.x == 0) tile_start[nseq] = carry;
+}
+
+// tile_of finds the sample s and first query q0 (within the sample) of
+// block b, or returns false when b is past the last tile.
+DK_DEV bool tile_of(const i32 *tile_start, int nseq, int b, int bq, int *s, int *q0) {
+	if (b >= tile_start[nseq]) return false;
+	int lo = 0, hi = nseq - 1; // the last s with tile_start[s] <= b
+	while (lo < hi) {
+		int mid = (lo + hi + 1) / 2;
+		if (tile_start[mid] <= b) lo = mid;
+		else hi = mid - 1;
+	}
+	*s = lo;
+	*q0 = (b - tile_start[lo]) * bq;
+	return true;
+}
+
+// --- The reference kernel: fp32 throughout, any head_dim <= 256.
+// 4 warps a block, BQ = 16 queries a block; each warp takes every 4th query
+// of the tile and walks its keys 32 at a time: lane j scores key j0+j, the
+// warp updates the running max m, sum l and output o (lane holds dims
+// lane, lane+32, ...).
+
+#define SIMT_BQ 16
+#define SIMT_MAXD 256
+
+DK_KERNEL __launch_bounds__(128) void k_attn_simt(float *__restrict__ out, float *__restrict__ lse, const float *__restrict__ q,
+                                                  const float *__restrict__ k, const float *__restrict__ v,
+                                                  const i32 *__restrict__ starts, const i32 *__restrict__ tile_start, int nseq,
+                                                  int nhead, int nkv, int hd, float scale) {
+	__shared__ float qs[4][SIMT_MAXD];
+	int s, q0;
+	if (!tile_of(tile_start, nseq, blockIdx.x, SIMT_BQ, &s, &q0)) return;
+	int h = blockIdx.y, g = h / (nhead / nkv);
+	int warp = threadIdx.x / DK_WARP, lane = threadIdx.x % DK_WARP;
+	i64 a = starts[s];
+	int L = starts[s + 1] - starts[s];
+	i64 ldq = (i64)nhead * hd, ldk = (i64)nkv * hd;
+	const float *kb = k + a * ldk + (i64)g * hd;
+	const float *vb = v + a * ldk + (i64)g * hd;
+	for (int qi = q0 + warp; qi < imin(q0 + SIMT_BQ, L); qi += 4) {
+		const float *qr = q + (a + qi) * ldq + (i64)h * hd;
+		for (int d = lane; d < hd; d += DK_WARP) qs[warp][d] = qr[d];
+		__syncwarp();
+		float m = -DK_INF, l = 0;
+		float o[SIMT_MAXD / DK_WARP];
+		for (int r = 0; r < SIMT_MAXD / DK_WARP; r++) o[r] = 0;
+		for (int j0 = 0; j0 <= qi; j0 += DK_WARP) {
+			int j = j0 + lane;
+			float sc = -DK_INF;
+			if (j <= qi) {
+				const float *kr = kb + (i64)j * ldk;
+				float dot = 0;
+				for (int d = 0; d < hd; d++) dot += qs[warp][d] * kr[d];
+				sc = dot * scale;
+			}
+			float mn = fmaxf(m, warp_max(sc)); // finite: key j0 <= qi is always valid
+			float p = j <= qi ? expf(sc - mn) : 0.0f;
+			float corr = expf(m - mn);
+			l = l * corr + warp_sum(p);
+			for (int r = 0; r < SIMT_MAXD / DK_WARP; r++) o[r] *= corr;
+			int nj = imin(DK_WARP, qi - j0 + 1);
+			for (int jj = 0; jj < nj; jj++) {
+				float pj = __shfl_sync(DK_FULL, p, jj);
+				const float *vr = vb + (i64)(j0 + jj) * ldk;
+				for (int r = 0; r < SIMT_MAXD / DK_WARP; r++) {
+					int d = lane + r * DK_WARP;
+					if (d < hd) o[r] += pj * vr[d];
+				}
+			}
+			m = mn;
+		}
+		float *orow = out + (a + qi) * ldq + (i64)h * hd;
+		float inv = 1.0f / l;
+		for (int r = 0; r < SIMT_MAXD / DK_WARP; r++) {
+			int d = lane + r * DK_WARP;
+			if (d < hd) orow[d] = o[r] * inv;
+		}
+		if (lse && lane == 0) lse[(a + qi) * nhead + h] = m + logf(l);
+		__syncwarp();
+	}
+}
+
+// --- The tensor-core kernel: head_dim HD in {64, 128}, BQ = 64 queries a
+// block (4 warps x 16 rows), BK = 64 keys a step. Q·Kᵀ and P·V run on
+// mma.sync m16n8k16 with BF16 operands and FP32 accumulators (FlashAttention
+// 2's register layout: the S accumulators of two 8-key tiles are the A
+// fragment of P for 16 keys). Q stays in registers as A fragments, read
+// straight from global memory; K and V tiles are rounded to BF16 into
+// shared memory, V transposed so that its B fragments are 32-bit loads.
+// Rows are padded by 8 BF16 (16 bytes) against bank conflicts.
+
+#define MMA_BQ 64
+#define MMA_BK 64
+
+template <int HD>
+DK_DEV void attn_mma(float *__restrict__ out, float *__restrict__ lse, const float *__restrict__ q, const float *__restrict__ k,
+                     const float *__restrict__ v, const i32 *__restrict__ starts, const i32 *__restrict__ tile_start, int nseq,
+                     int nhead, int nkv, float scale) {
+	__shared__ __align__(16) u16 ks[MMA_BK][HD + 8];
+	__shared__ __align__(16) u16 vt[HD][MMA_BK + 8];
+	int s, q0;
+	if (!tile_of(tile_start, nseq, blockIdx.x, MMA_BQ, &s, &q0)) return;
+	int h = blockIdx.y, kvh = h / (nhead / nkv);
+	int warp = threadIdx.x / DK_WARP, lane = threadIdx.x % DK_WARP;
+	int gr = lane / 4, tq = lane % 4; // the fragment's group (row) and thread-in-group
+	i64 a = starts[s];
+	int L = starts[s + 1] - starts[s];
+	i64 ldq = (i64)nhead * HD, ldk = (i64)nkv * HD;
+	const float *kb = k + a * ldk + (i64)kvh * HD;
+	const float *vb = v + a * ldk + (i64)kvh * HD;
+
+	// This thread's two query rows (local to the sample). Rows past the
+	// sample's end are computed as if they were its last row, and not
+	// stored, so every row has at least one visible key.
+	int r0 = q0 + warp * 16 + gr, r1 = r0 + 8;
+	int c0 = imin(r0, L - 1), c1 = imin(r1, L - 1);
+
+	u32 qa[HD / 16][4];
+	{
+		const float *q0p = q + (a + c0) * ldq + (i64)h * HD;
+		const float *q1p = q + (a + c1) * ldq + (i64)h * HD;
+		for (int kk = 0; kk < HD / 16; kk++) {
+			int d = kk * 16 + 2 * tq;
+			qa[kk][0] = pack_bf16x2(q0p[d], q0p[d + 1]);
+			qa[kk][1] = pack_bf16x2(q1p[d], q1p[d + 1]);
+			qa[kk][2] = pack_bf16x2(q0p[d + 8], q0p[d + 9]);
+			qa[kk][3] = pack_bf16x2(q1p[d + 8], q1p[d + 9]);
+		}
+	}
+	float oacc[HD / 8][4];
+	for (int nb = 0; nb < HD / 8; nb++)
+		for (int e = 0; e < 4; e++) oacc[nb][e] = 0;
+	float m0 = -DK_INF, m1 = -DK_INF, l0 = 0, l1 = 0; // l: this thread's partial sums
+
+	int nk = imin(q0 + MMA_BQ, L); // keys any row of the tile can see
+	int wlast = imin(q0 + warp * 16 + 15, L - 1); // the warp's last visible row
+	for (int k0 = 0; k0 < nk; k0 += MMA_BK) {
+		__syncthreads(); // the previous tile's readers are done
+		for (int idx = threadIdx.x; idx < MMA_BK * HD; idx += blockDim.x) {
+			int r = idx / HD, c = idx - r * HD;
+			float kv = 0, vv = 0;
+			if (k0 + r < nk) {
+				kv = kb[(i64)(k0 + r) * ldk + c];
+				vv = vb[(i64)(k0 + r) * ldk + c];
+			}
+			ks[r][c] = f2bf(kv);
+			vt[c][r] = f2bf(vv);
+		}
+		__syncthreads();
+		if (k0 > wlast) continue; // every key of the tile is in this warp's future
+
+		float sacc[MMA_BK / 8][4];
+		for (int nt = 0; nt < MMA_BK / 8; nt++) {
+			for (int e = 0; e < 4; e++) sacc[nt][e] = 0;
+			for (int kk = 0; kk < HD / 16; kk++) {
+				u32 b[2];
+				b[0] = *(const u32 *)&ks[nt * 8 + gr][kk * 16 + 2 * tq];
+				b[1] = *(const u32 *)&ks[nt * 8 + gr][kk * 16 + 2 * tq + 8];
+				mma_bf16_16816(sacc[nt], qa[kk], b);
+			}
+		}
+		// Scale, mask (causal and the sample's end), row max.
+		float mx0 = -DK_INF, mx1 = -DK_INF;
+		for (int nt = 0; nt < MMA_BK / 8; nt++) {
+			for (int e = 0; e < 4; e++) {
+				int key = k0 + nt * 8 + 2 * tq + (e & 1);
+				int row = e < 2 ? c0 : c1;
+				float sv = key <= row ? sacc[nt][e] * scale : -DK_INF;
+				sacc[nt][e] = sv;
+				if (e < 2) mx0 = fmaxf(mx0, sv);
+				else mx1 = fmaxf(mx1, sv);
+			}
+		}
+		for (int msk = 1; msk < 4; msk <<= 1) {
+			mx0 = fmaxf(mx0, __shfl_xor_sync(DK_FULL, mx0, msk));
+			mx1 = fmaxf(mx1, __shfl_xor_sync(DK_FULL, mx1, msk));
+		}
+		float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+		float cr0 = expf(m0 - mn0), cr1 = expf(m1 - mn1);
+		m0 = mn0;
+		m1 = mn1;
+		l0 *= cr0;
+		l1 *= cr1;
+		for (int nb = 0; nb < HD / 8; nb++) {
+			oacc[nb][0] *= cr0;
+			oacc[nb][1] *= cr0;
+			oacc[nb][2] *= cr1;
+			oacc[nb][3] *= cr1;
+		}
+		for (int nt = 0; nt < MMA_BK / 8; nt++) {
+			for (int e = 0; e < 4; e++) {
+				float p = expf(sacc[nt][e] - (e < 2 ? mn0 : mn1));
+				sacc[nt][e] = p;
+				if (e < 2) l0 += p;
+				else l1 += p;
+			}
+		}
+		// O += P·V, 16 keys at a time.
+		for (int kk = 0; kk < MMA_BK / 16; kk++) {
+			u32 pa[4];
+			pa[0] = pack_bf16x2(sacc[2 * kk][0], sacc[2 * kk][1]);
+			pa[1] = pack_bf16x2(sacc[2 * kk][2], sacc[2 * kk][3]);
+			pa[2] = pack_bf16x2(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
+			pa[3] = pack_bf16x2(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+			for (int nb = 0; nb < HD / 8; nb++) {
+				u32 b[2];
+				b[0] = *(const u32 *)&vt[nb * 8 + gr][kk * 16 + 2 * tq];
+				b[1] = *(const u32 *)&vt[nb * 8 + gr][kk * 16 + 2 * tq + 8];
+				mma_bf16_16816(oacc[nb], pa, b);
+			}
+		}
+	}
+	for (int msk = 1; msk < 4; msk <<= 1) {
+		l0 += __shfl_xor_sync(DK_FULL, l0, msk);
+		l1 += __shfl_xor_sync(DK_FULL, l1, msk);
+	}
+	float i0 = 1.0f / l0, i1 = 1.0f / l1;
+	float *o0 = out + (a + r0) * ldq + (i64)h * HD;
+	float *o1 = out + (a + r1) * ldq + (i64)h * HD;
+	for (int nb = 0; nb < HD / 8; nb++) {
+		int d = nb * 8 + 2 * tq;
+		if (r0 < L) {
+			o0[d] = oacc[nb][0] * i0;
+			o0[d + 1] = oacc[nb][1] * i0;
+		}
+		if (r1 < L) {
+			o1[d] = oacc[nb][2] * i1;
+			o1[d + 1] = oacc[nb][3] * i1;
+		}
+	}
+	if (lse && tq == 0) {
+		if (r0 < L) lse[(a + r0) * nhead + h] = m0 + logf(l0);
+		if (r1 < L) lse[(a + r1) * nhead + h] = m1 + logf(l1);
+	}
+}
+
+DK_KERNEL __launch_bounds__(128) void k_attn_mma64(float *out, float *lse, const float *q, const float *k, const float *v,
+                                                   const i32 *starts, const i32 *tile_start, int nseq, int nhead, int nkv,
+                                                   float scale) {
+	attn_mma<64>(out, lse, q, k, v, starts, tile_start, nseq, nhead, nkv, scale);
+}
+
+DK_KERNEL __launch_bounds__(128) void k_attn_mma128(float *out, float *lse, const float *q, const float *k, const float *v,
+                                                    const i32 *starts, const i32 *tile_start, int nseq, int nhead, int nkv,
+                                                    float scale) {
+	attn_mma<128>(out, lse, q, k, v, starts, tile_start, nseq, nhead, nkv, scale);
+}
+
+DK_REGISTER(k_attn_plan)
+DK_REGISTER(k_attn_simt)
+DK_REGISTER(k_attn_mma64)
+DK_REGISTER(k_attn_mma128)

@@ -1,0 +1,61 @@
+// Elementwise kernels: dtype conversion, SwiGLU, residual add, bias, the
+// embedding gather. All are grid-stride loops over a flat index; the host
+// picks the grid (geometry.go: elementwiseGrid).
+
+// out (n) BF16 = round(in (n) F32): the activations a cuBLASLt GEMM reads.
+DK_KERNEL void k_f32_to_bf16(u16 *__restrict__ out, const float *__restrict__ in, i64 n) {
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) out[i] = f2bf(in[i]);
+}
+
+// out (n) F32 = in (n) BF16, exactly.
+DK_KERNEL void k_bf16_to_f32(float *__restrict__ out, const u16 *__restrict__ in, i64 n) {
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) out[i] = bf2f(in[i]);
+}
+
+// silu(g)·u with silu(g) = g / (1 + exp(-g)), as compute/cpu.
+DK_DEV float swiglu1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// out (n) = silu(gate)·up. out may alias gate.
+DK_KERNEL void k_swiglu(float *out, const float *gate, const float *__restrict__ up, i64 n) {
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+		out[i] = swiglu1(gate[i], up[i]);
+}
+
+// out (n) BF16 = silu(gate)·up: the MoE expert activations, rounded for the
+// down projection's GEMM.
+DK_KERNEL void k_swiglu_bf16(u16 *__restrict__ out, const float *__restrict__ gate, const float *__restrict__ up, i64 n) {
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+		out[i] = f2bf(swiglu1(gate[i], up[i]));
+}
+
+// a (n) += b (n).
+DK_KERNEL void k_add(float *a, const float *b, i64 n) {
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) a[i] += b[i];
+}
+
+// out (rows, n) += bias (n), bias BF16 or F32.
+DK_KERNEL void k_add_bias(float *__restrict__ out, const void *__restrict__ bias, int bias_bf16, i64 rows, int n) {
+	i64 total = rows * (i64)n;
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x)
+		out[i] += load_w(bias, bias_bf16, i % n);
+}
+
+// out (n, dim) F32 = table[ids[i]] (vocab, dim), table BF16 or F32. Ids are
+// trusted (the caller validated them against the vocabulary).
+DK_KERNEL void k_embed(float *__restrict__ out, const void *__restrict__ table, int table_bf16, const i32 *__restrict__ ids, i64 n,
+                       int dim) {
+	i64 total = n * (i64)dim;
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+		i64 r = i / dim;
+		int c = (int)(i - r * dim);
+		out[i] = load_w(table, table_bf16, (i64)ids[r] * dim + c);
+	}
+}
+
+DK_REGISTER(k_f32_to_bf16)
+DK_REGISTER(k_bf16_to_f32)
+DK_REGISTER(k_swiglu)
+DK_REGISTER(k_swiglu_bf16)
+DK_REGISTER(k_add)
+DK_REGISTER(k_add_bias)
+DK_REGISTER(k_embed)

@@ -1,0 +1,100 @@
+// prelude.cuh: what every kernel file starts with. NVRTC compiles each .cu
+// file of this directory with this prelude in front of it, and nothing else:
+// no CUDA header is included (Debian's NVRTC 11.8 ships none, and the
+// toolkit's may not be installed where the binary runs). So the fixed-width
+// types, the BF16 conversions and the tensor-core mma are our own.
+//
+// The same sources also build as C++ on the host, with DISTILL_EMU defined
+// and testdata/emu/emu.h included first: a CPU emulator runs the kernels
+// with one fiber per CUDA thread, so their logic is tested on machines with
+// no GPU. Code that differs between the two (inline PTX, warp collectives)
+// lives only in this prelude, behind DISTILL_EMU.
+
+#ifndef DISTILL_EMU
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+#define DK_DEV static __device__ __forceinline__
+#define DK_KERNEL extern "C" __global__
+#define DK_REGISTER(name)
+// DK_DYN_SMEM declares name as a T* to the block's dynamic shared memory.
+#define DK_DYN_SMEM(T, name)                                  \
+	extern __shared__ __align__(16) unsigned char dk_smem_[]; \
+	T *name = reinterpret_cast<T *>(dk_smem_)
+#define DK_INF __int_as_float(0x7f800000)
+#endif
+
+#define DK_WARP 32
+#define DK_FULL 0xffffffffu
+
+DK_DEV int imin(int a, int b) { return a < b ? a : b; }
+DK_DEV int imax(int a, int b) { return a > b ? a : b; }
+DK_DEV i64 lmin(i64 a, i64 b) { return a < b ? a : b; }
+
+// --- BF16: the high half of a float32.
+
+// bf2f widens a bfloat16 exactly.
+DK_DEV float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+// f2bf rounds to the nearest bfloat16, ties to even, as torch does; NaN
+// stays a quiet NaN. Same bits as compute.F32ToBF16 on the host.
+DK_DEV u16 f2bf(float f) {
+	u32 b = __float_as_uint(f);
+	if ((b & 0x7fffffffu) > 0x7f800000u) return (u16)((b >> 16) | 0x40u);
+	b += 0x7fffu + ((b >> 16) & 1u);
+	return (u16)(b >> 16);
+}
+
+// pack_bf16x2 rounds lo and hi to bfloat16 and packs them into one register,
+// lo in the low half: the operand layout of mma's .bf16x2 registers.
+DK_DEV u32 pack_bf16x2(float lo, float hi) {
+#ifdef DISTILL_EMU
+	return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+#else
+	u32 r;
+	asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+	return r;
+#endif
+}
+
+// load_w reads element i of a weight vector stored as BF16 (bf16 != 0) or
+// F32: norm weights and biases come either way (checkpoint or host upload).
+DK_DEV float load_w(const void *w, int bf16, i64 i) {
+	return bf16 ? bf2f(((const u16 *)w)[i]) : ((const float *)w)[i];
+}
+
+// --- Warp reductions (all 32 lanes take part).
+
+DK_DEV float warp_sum(float v) {
+	for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(DK_FULL, v, m);
+	return v;
+}
+DK_DEV double warp_sum_d(double v) {
+	for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(DK_FULL, v, m);
+	return v;
+}
+DK_DEV float warp_max(float v) {
+	for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(DK_FULL, v, m));
+	return v;
+}
+
+// --- Tensor cores: D = A·B + D for a 16x16 (row) by 16x8 (col) BF16
+// product with FP32 accumulators (mma.sync.m16n8k16, sm_80+). Fragments,
+// with g = lane/4 and t = lane%4 (PTX ISA, "Matrix Fragments for
+// mma.m16n8k16 with floating point type"):
+//   a[0] = A[g][2t..2t+1]    a[1] = A[g+8][2t..2t+1]
+//   a[2] = A[g][2t+8..+9]    a[3] = A[g+8][2t+8..+9]
+//   b[0] = B[2t..2t+1][g]    b[1] = B[2t+8..2t+9][g]
+//   d[0..1] = D[g][2t..2t+1] d[2..3] = D[g+8][2t..2t+1]
+// each .bf16x2 register holding the lower column (or row, for B) in its low
+// half.
+#ifndef DISTILL_EMU
+DK_DEV void mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]) {
+	asm volatile(
+	    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+	    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+	    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif

@@ -1,0 +1,348 @@
+package cuda
+
+import (
+	"fmt"
+
+	"distill/compute"
+)
+
+// The kernels of compute.Backend. Each mirrors compute/cpu's method of the
+// same name (the oracle in the tests) and enqueues work on the stream
+// without waiting for it; shapes are checked against the tensors first, so
+// a caller's mistake panics with what is wrong instead of reading or
+// writing past a buffer on the device.
+
+func boolArg(v bool) int32 {
+	if v {
+		return 1
+	}
+	return 0
+}
+
+// weightArg is a weight-like vector operand (norm weight, bias, table) as
+// the kernels take it: the address and whether it is BF16.
+func weightArg(t *tensor) (dptr, int32) { return dptr(t.p), boolArg(t.dt == compute.BF16) }
+
+func (b *Backend) ew(kernel string, n int64, args ...any) {
+	b.launchKernel(launch{kernel: kernel, grid: elementwiseGrid(n), block: ewThreads}, args...)
+}
+
+// bf16Operand returns a BF16 copy of a GEMM operand t (n elements): t
+// itself when BF16; for an F32 weight, a copy made once and kept; for
+// other F32 tensors a scratch copy the caller frees (scratch != 0).
+func (b *Backend) bf16Operand(t *tensor, n int) (p uint64, scratch uint64) {
+	switch {
+	case t.dt == compute.BF16:
+		return t.p, 0
+	case t.weight:
+		c, ok := b.bf16Of[t]
+		if !ok {
+			c = b.newTensor(compute.BF16, t.n)
+			b.ew("k_f32_to_bf16", int64(t.n), dptr(c.p), dptr(t.p), int64(t.n))
+			b.bf16Of[t] = c
+		}
+		return c.p, 0
+	}
+	s := b.alloc(int64(n) * 2)
+	b.ew("k_f32_to_bf16", int64(n), dptr(s), dptr(t.p), int64(n))
+	return s, s
+}
+
+// gemm enqueues out (m,n) F32 = x (m,k) · w (n,k)ᵀ with x and w of cuBLASLt
+// type in, through a plan cached per shape and alignment.
+func (b *Backend) gemm(out, x, w uint64, m, n, k int, in int) {
+	if m == 0 || n == 0 {
+		return
+	}
+	s := gemmShape{m: m, n: n, k: k, in: in, align: [4]int{alignOf(w), alignOf(x), alignOf(out), alignOf(out)}}
+	p, ok := b.plans[s]
+	if !ok {
+		if len(b.plans) >= 1024 { // shapes vary with the batch: bound the cache
+			for _, q := range b.plans {
+				b.lt.destroyPlan(q)
+			}
+			clear(b.plans)
+		}
+		var err error
+		p, err = b.lt.plan(b.ltH, s)
+		b.must(err)
+		b.plans[s] = p
+	}
+	defer b.timed("cublasLt GEMM (" + b.label + ")")()
+	b.must(b.lt.run(b.ltH, p, out, x, w, b.ws, b.stream))
+}
+
+// MatMul implements compute.Backend: out (m,n) = x (m,k)·w (n,k)ᵀ + bias,
+// BF16 operands (x rounded, w as stored) with fp32 accumulation.
+func (b *Backend) MatMul(outT, xT, wT, biasT compute.Tensor, m, n, k int) {
+	defer b.enter()()
+	b.label = "MatMul"
+	out, x, w := b.ten(outT, "MatMul out"), b.ten(xT, "MatMul x"), b.ten(wT, "MatMul w")
+	need(out, "MatMul out", m*n, compute.F32)
+	need(x, "MatMul x", m*k, compute.F32, compute.BF16)
+	need(w, "MatMul w", n*k, compute.F32, compute.BF16)
+	if m == 0 || n == 0 {
+		return
+	}
+	if k == 0 {
+		b.memset0(out.p, int64(m)*int64(n)*4)
+	} else {
+		xp, xs := b.bf16Operand(x, m*k)
+		wp, ws := b.bf16Operand(w, n*k)
+		b.gemm(out.p, xp, wp, m, n, k, dataBF16)
+		b.free(xs)
+		b.free(ws)
+	}
+	if biasT != nil {
+		bias := b.ten(biasT, "MatMul bias")
+		need(bias, "MatMul bias", n, compute.F32, compute.BF16)
+		bp, bf := weightArg(bias)
+		b.ew("k_add_bias", int64(m)*int64(n), dptr(out.p), bp, bf, int64(m), int32(n))
+	}
+}
+
+// Embed implements compute.Backend.
+func (b *Backend) Embed(outT, tableT, idsT compute.Tensor, n, dim int) {
+	defer b.enter()()
+	out, table, ids := b.ten(outT, "Embed out"), b.ten(tableT, "Embed table"), b.ten(idsT, "Embed ids")
+	need(out, "Embed out", n*dim, compute.F32)
+	need(table, "Embed table", dim, compute.F32, compute.BF16)
+	need(ids, "Embed ids", n, compute.I32)
+	tp, tb := weightArg(table)
+	b.ew("k_embed", int64(n)*int64(dim), dptr(out.p), tp, tb, dptr(ids.p), int64(n), int32(dim))
+}
+
+// RMSNorm implements compute.Backend. out may alias x; rstd (rows), when
+// not nil, receives each row's 1/rms for the backward.
+func (b *Backend) RMSNorm(outT, rstdT, xT, wT compute.Tensor, rows, dim int, eps float32) {
+	defer b.enter()()
+	out, x, w := b.ten(outT, "RMSNorm out"), b.ten(xT, "RMSNorm x"), b.ten(wT, "RMSNorm w")
+	need(out, "RMSNorm out", rows*dim, compute.F32)
+	need(x, "RMSNorm x", rows*dim, compute.F32)
+	need(w, "RMSNorm w", dim, compute.F32, compute.BF16)
+	var rp dptr
+	if rstdT != nil {
+		rstd := b.ten(rstdT, "RMSNorm rstd")
+		need(rstd, "RMSNorm rstd", rows, compute.F32)
+		rp = dptr(rstd.p)
+	}
+	wp, wb := weightArg(w)
+	b.launchKernel(rmsnormLaunch(rows, dim), dptr(out.p), rp, dptr(x.p), wp, wb, int64(rows), int32(dim), eps)
+}
+
+// RoPE implements compute.Backend: x (tokens, heads, headDim) rotated in
+// place by the angles whose cos and sin (tokens, headDim/2) the caller
+// tabulated.
+func (b *Backend) RoPE(xT, cosT, sinT compute.Tensor, tokens, heads, headDim int) {
+	defer b.enter()()
+	x, cs, sn := b.ten(xT, "RoPE x"), b.ten(cosT, "RoPE cos"), b.ten(sinT, "RoPE sin")
+	need(x, "RoPE x", tokens*heads*headDim, compute.F32)
+	need(cs, "RoPE cos", tokens*(headDim/2), compute.F32)
+	need(sn, "RoPE sin", tokens*(headDim/2), compute.F32)
+	l, err := ropeLaunch(tokens, heads, headDim)
+	b.must(err)
+	b.launchKernel(l, dptr(x.p), dptr(cs.p), dptr(sn.p), int64(tokens), int32(heads), int32(headDim))
+}
+
+// Attention implements compute.Backend. lse (tokens, nHead), when not
+// nil, receives each query row's log-sum-exp of its scaled scores.
+func (b *Backend) Attention(outT, lseT, qT, kT, vT, startsT compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
+	defer b.enter()()
+	b.attention(b.attn, outT, lseT, qT, kT, vT, startsT, nSeq, tokens, nHead, nKV, hd, scale)
+}
+
+func (b *Backend) attention(mode attnMode, outT, lseT, qT, kT, vT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int, scale float32) {
+	out, q, k, v, st := b.ten(outT, "Attention out"), b.ten(qT, "Attention q"), b.ten(kT, "Attention k"), b.ten(vT, "Attention v"), b.ten(startsT, "Attention starts")
+	need(out, "Attention out", tokens*nHead*hd, compute.F32)
+	need(q, "Attention q", tokens*nHead*hd, compute.F32)
+	need(k, "Attention k", tokens*nKV*hd, compute.F32)
+	need(v, "Attention v", tokens*nKV*hd, compute.F32)
+	need(st, "Attention starts", nSeq+1, compute.I32)
+	var lp dptr
+	if lseT != nil {
+		lse := b.ten(lseT, "Attention lse")
+		need(lse, "Attention lse", tokens*nHead, compute.F32)
+		lp = dptr(lse.p)
+	}
+	if tokens == 0 {
+		return
+	}
+	plan, attn, err := attentionLaunch(mode, tokens, nSeq, nHead, nKV, hd)
+	b.must(err)
+	tiles := b.alloc(int64(nSeq+1) * 4)
+	bq := int32(simtBQ)
+	if attn.kernel != "k_attn_simt" {
+		bq = mmaBQ
+	}
+	b.launchKernel(plan, dptr(tiles), dptr(st.p), int32(nSeq), bq)
+	if attn.kernel == "k_attn_simt" {
+		b.launchKernel(attn, dptr(out.p), lp, dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
+			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
+	} else {
+		b.launchKernel(attn, dptr(out.p), lp, dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
+			int32(nSeq), int32(nHead), int32(nKV), scale)
+	}
+	b.free(tiles)
+}
+
+// SwiGLU implements compute.Backend. out may alias gate.
+func (b *Backend) SwiGLU(outT, gateT, upT compute.Tensor, n int) {
+	defer b.enter()()
+	out, g, u := b.ten(outT, "SwiGLU out"), b.ten(gateT, "SwiGLU gate"), b.ten(upT, "SwiGLU up")
+	need(out, "SwiGLU out", n, compute.F32)
+	need(g, "SwiGLU gate", n, compute.F32)
+	need(u, "SwiGLU up", n, compute.F32)
+	b.ew("k_swiglu", int64(n), dptr(out.p), dptr(g.p), dptr(u.p), int64(n))
+}
+
+// Add implements compute.Backend.
+func (b *Backend) Add(aT, bT compute.Tensor, n int) {
+	defer b.enter()()
+	a, c := b.ten(aT, "Add a"), b.ten(bT, "Add b")
+	need(a, "Add a", n, compute.F32)
+	need(c, "Add b", n, compute.F32)
+	b.ew("k_add", int64(n), dptr(a.p), dptr(c.p), int64(n))
+}
+
+// f32Weight returns an F32 copy of a weight t (made once for weights, a
+// scratch copy the caller frees otherwise).
+func (b *Backend) f32Operand(t *tensor) (p uint64, scratch uint64) {
+	switch {
+	case t.dt == compute.F32:
+		return t.p, 0
+	case t.weight:
+		c, ok := b.f32Of[t]
+		if !ok {
+			c = b.newTensor(compute.F32, t.n)
+			b.ew("k_bf16_to_f32", int64(t.n), dptr(c.p), dptr(t.p), int64(t.n))
+			b.f32Of[t] = c
+		}
+		return c.p, 0
+	}
+	s := b.alloc(int64(t.n) * 4)
+	b.ew("k_bf16_to_f32", int64(t.n), dptr(s), dptr(t.p), int64(t.n))
+	return s, s
+}
+
+// MoE implements compute.Backend. The router GEMM runs in fp32 (routing is
+// a discrete choice: BF16 logits would flip near-ties against the CPU);
+// the experts' GEMMs in BF16. The host reads the per-expert row counts
+// once per call (E integers) to size the experts' GEMMs.
+func (b *Backend) MoE(outT, xT compute.Tensor, mw *compute.MoEWeights, tokens int) {
+	defer b.enter()()
+	b.label = "MoE"
+	out, x := b.ten(outT, "MoE out"), b.ten(xT, "MoE x")
+	E, K, H, I := mw.NumExperts, mw.TopK, mw.Hidden, mw.Inter
+	switch {
+	case E < 1 || E > 512:
+		panic(fmt.Sprintf("cuda: MoE with %d experts: the routing kernel handles 1..512", E))
+	case K < 1 || K > min(E, 32):
+		panic(fmt.Sprintf("cuda: MoE top-%d of %d experts: want 1..min(experts, 32)", K, E))
+	case len(mw.Gate) != E || len(mw.Up) != E || len(mw.Down) != E:
+		panic(fmt.Sprintf("cuda: MoE with %d experts has %d/%d/%d gate/up/down weights", E, len(mw.Gate), len(mw.Up), len(mw.Down)))
+	}
+	need(out, "MoE out", tokens*H, compute.F32)
+	need(x, "MoE x", tokens*H, compute.F32)
+	if tokens == 0 {
+		return
+	}
+	router := b.ten(mw.Router, "MoE router")
+	need(router, "MoE router", E*H, compute.F32, compute.BF16)
+	rp, rs := b.f32Operand(router)
+	logits := b.alloc(int64(tokens) * int64(E) * 4)
+	b.gemm(logits, x.p, rp, tokens, E, H, dataF32)
+	b.free(rs)
+
+	pairs := tokens * K
+	sel, wts, rowpos := b.alloc(int64(pairs)*4), b.alloc(int64(pairs)*4), b.alloc(int64(pairs)*4)
+	counts := b.alloc(int64(E) * 4 * 2) // counts, then the scatter cursors
+	cursor := counts + uint64(E)*4
+	b.memset0(counts, int64(E)*8)
+	b.launchKernel(launch{kernel: "k_moe_route", grid: [3]int{(tokens + 7) / 8, 1, 1}, block: 256},
+		dptr(logits), int64(tokens), int32(E), int32(K), boolArg(mw.NormTopK), dptr(sel), dptr(wts), dptr(counts))
+	b.free(logits)
+	hc := make([]int32, E)
+	b.download(unsafePtr(hc), counts, int64(E)*4)
+	plan, err := planMoE(hc, tokens, K)
+	b.must(err)
+	offsets := b.alloc(int64(E+1) * 4)
+	b.upload(offsets, unsafePtr(plan.offsets), int64(E+1)*4)
+	xg := b.alloc(int64(pairs) * int64(H) * 2)
+	b.launchKernel(launch{kernel: "k_moe_scatter", grid: [3]int{pairs, 1, 1}, block: 256},
+		dptr(sel), dptr(offsets), dptr(cursor), dptr(rowpos), dptr(x.p), dptr(xg), int32(K), int32(H))
+
+	gate, up := b.alloc(int64(pairs)*int64(I)*4), b.alloc(int64(pairs)*int64(I)*4)
+	act := b.alloc(int64(pairs) * int64(I) * 2)
+	y := b.alloc(int64(pairs) * int64(H) * 4)
+	var scratch []uint64
+	weight := func(t compute.Tensor, what string, e, n int) uint64 {
+		w := b.ten(t, fmt.Sprintf("MoE expert %d %s", e, what))
+		need(w, fmt.Sprintf("MoE expert %d %s", e, what), n, compute.F32, compute.BF16)
+		p, s := b.bf16Operand(w, n)
+		if s != 0 {
+			scratch = append(scratch, s)
+		}
+		return p
+	}
+	for e := 0; e < E; e++ {
+		off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
+		if cnt == 0 {
+			continue
+		}
+		xe := xg + off*uint64(H)*2
+		b.gemm(gate+off*uint64(I)*4, xe, weight(mw.Gate[e], "gate", e, I*H), cnt, I, H, dataBF16)
+		b.gemm(up+off*uint64(I)*4, xe, weight(mw.Up[e], "up", e, I*H), cnt, I, H, dataBF16)
+	}
+	b.ew("k_swiglu_bf16", int64(pairs)*int64(I), dptr(act), dptr(gate), dptr(up), int64(pairs)*int64(I))
+	for e := 0; e < E; e++ {
+		off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
+		if cnt == 0 {
+			continue
+		}
+		b.gemm(y+off*uint64(H)*4, act+off*uint64(I)*2, weight(mw.Down[e], "down", e, H*I), cnt, H, I, dataBF16)
+	}
+	b.launchKernel(launch{kernel: "k_moe_combine", grid: [3]int{tokens, 1, 1}, block: 256},
+		dptr(out.p), dptr(y), dptr(sel), dptr(wts), dptr(rowpos), int32(K), int32(H))
+	for _, p := range append(scratch, sel, wts, rowpos, counts, offsets, xg, gate, up, act, y) {
+		b.free(p)
+	}
+}
+
+// LMHeadTopK implements compute.Backend (see planLMHead for the tiling and
+// lmhead.cu for the fold).
+func (b *Backend) LMHeadTopK(idsT, lpT, xT, wT compute.Tensor, tokens, hidden, vocab, k int) {
+	defer b.enter()()
+	b.label = "LMHeadTopK"
+	ids, lp, x, w := b.ten(idsT, "LMHeadTopK ids"), b.ten(lpT, "LMHeadTopK logprobs"), b.ten(xT, "LMHeadTopK x"), b.ten(wT, "LMHeadTopK w")
+	need(ids, "LMHeadTopK ids", tokens*k, compute.I32)
+	need(lp, "LMHeadTopK logprobs", tokens*k, compute.F32)
+	need(x, "LMHeadTopK x", tokens*hidden, compute.F32)
+	need(w, "LMHeadTopK w", vocab*hidden, compute.F32, compute.BF16)
+	if tokens == 0 {
+		return
+	}
+	p, err := planLMHead(tokens, hidden, vocab, k)
+	b.must(err)
+	rmax, rsum, cnt := b.alloc(int64(tokens)*4), b.alloc(int64(tokens)*8), b.alloc(int64(tokens)*4)
+	b.ew("k_lm_init", int64(tokens), dptr(rmax), dptr(rsum), dptr(cnt), int64(tokens))
+	wp, ws := b.bf16Operand(w, vocab*hidden)
+	xb := b.alloc(int64(p.rows) * int64(hidden) * 2)
+	tile := b.alloc(int64(p.rows) * int64(p.cols) * 4)
+	for r0 := 0; r0 < tokens; r0 += p.rows {
+		nr := min(p.rows, tokens-r0)
+		b.ew("k_f32_to_bf16", int64(nr)*int64(hidden), dptr(xb), dptr(x.p+uint64(r0)*uint64(hidden)*4), int64(nr)*int64(hidden))
+		for c0 := 0; c0 < vocab; c0 += p.cols {
+			nc := min(p.cols, vocab-c0)
+			b.gemm(tile, xb, wp+uint64(c0)*uint64(hidden)*2, nr, nc, hidden, dataBF16)
+			for t0 := 0; t0 < nc; t0 += lmTile {
+				b.launchKernel(launch{kernel: "k_lm_fold", grid: [3]int{nr, 1, 1}, block: lmFoldThreads, smem: p.foldSmem},
+					dptr(tile+uint64(t0)*4), int64(nc), int32(min(lmTile, nc-t0)), int32(c0+t0), int64(r0),
+					dptr(rmax), dptr(rsum), dptr(cnt), dptr(lp.p), dptr(ids.p), int32(k))
+			}
+		}
+	}
+	b.ew("k_lm_finish", int64(tokens)*int64(k), dptr(lp.p), dptr(rmax), dptr(rsum), int64(tokens), int32(k))
+	for _, q := range []uint64{rmax, rsum, cnt, ws, xb, tile} {
+		b.free(q)
+	}
+}

@@ -1,0 +1,159 @@
+package cuda
+
+import "fmt"
+
+// Launch geometry and memory planning: pure functions of the shapes, so
+// they are unit-tested on any machine. The kernels' side of each contract
+// is in the comment of the kernel named.
+
+// launch is one kernel launch's geometry.
+type launch struct {
+	kernel string
+	grid   [3]int
+	block  int
+	smem   int // dynamic shared memory, bytes
+}
+
+const (
+	ewThreads   = 256
+	ewMaxBlocks = 1 << 16 // grid-stride loops cover the rest
+)
+
+// elementwiseGrid is the grid of a grid-stride loop over n elements.
+func elementwiseGrid(n int64) [3]int {
+	b := (n + ewThreads - 1) / ewThreads
+	return [3]int{int(max(1, min(b, ewMaxBlocks))), 1, 1}
+}
+
+// rmsnormLaunch: one warp per row (8 rows a block) when dim <= 1024, else
+// one 256-thread block per row (k_rmsnorm_warp, k_rmsnorm_block).
+func rmsnormLaunch(rows, dim int) launch {
+	if dim <= 1024 {
+		return launch{kernel: "k_rmsnorm_warp", grid: [3]int{(rows + 7) / 8, 1, 1}, block: 256}
+	}
+	return launch{kernel: "k_rmsnorm_block", grid: [3]int{rows, 1, 1}, block: 256}
+}
+
+// ropeLaunch: one block per token, its threads over the token's
+// heads·hd/2 rotations (k_rope_table).
+func ropeLaunch(tokens, heads, hd int) (launch, error) {
+	if hd%2 != 0 || hd < 2 {
+		return launch{}, fmt.Errorf("cuda: RoPE head_dim %d: want an even head_dim >= 2", hd)
+	}
+	return launch{kernel: "k_rope_table", grid: [3]int{tokens, 1, 1}, block: min(256, max(32, (heads*hd/2+31)/32*32))}, nil
+}
+
+// Attention kernels (attention.cu).
+const (
+	simtBQ = 16 // SIMT_BQ
+	mmaBQ  = 64 // MMA_BQ
+)
+
+// attnMode picks the attention kernel: "mma" (tensor cores, head_dim 64 or
+// 128), "simt" (fp32, head_dim <= 256), or "auto" (mma when it applies).
+type attnMode string
+
+// attentionLaunch plans Attention for nSeq packed samples of tokens tokens:
+// the plan kernel's geometry, and the attention kernel's, whose grid.x is
+// an upper bound on the query tiles, sum over samples of ceil(len/BQ)
+// <= (tokens + nSeq·(BQ-1)) / BQ, and grid.y the query heads.
+func attentionLaunch(mode attnMode, tokens, nSeq, nHead, nKV, hd int) (plan, attn launch, err error) {
+	switch {
+	case nHead <= 0 || nKV <= 0 || nHead%nKV != 0:
+		return plan, attn, fmt.Errorf("cuda: attention with %d query heads and %d kv heads: want kv heads dividing query heads", nHead, nKV)
+	case nSeq <= 0 || tokens < nSeq:
+		return plan, attn, fmt.Errorf("cuda: attention over %d samples of %d tokens: want 1 <= samples <= tokens", nSeq, tokens)
+	}
+	kernel, bq := "", 0
+	switch {
+	case mode != "simt" && hd == 64:
+		kernel, bq = "k_attn_mma64", mmaBQ
+	case mode != "simt" && hd == 128:
+		kernel, bq = "k_attn_mma128", mmaBQ
+	case mode == "mma":
+		return plan, attn, fmt.Errorf("cuda: the tensor-core attention kernel needs head_dim 64 or 128, not %d", hd)
+	case hd <= 256 && hd > 0:
+		kernel, bq = "k_attn_simt", simtBQ
+	default:
+		return plan, attn, fmt.Errorf("cuda: attention head_dim %d: want 1..256", hd)
+	}
+	tiles := (tokens + nSeq*(bq-1)) / bq
+	plan = launch{kernel: "k_attn_plan", grid: [3]int{1, 1, 1}, block: 1024}
+	attn = launch{kernel: kernel, grid: [3]int{tiles, nHead, 1}, block: 128}
+	return plan, attn, nil
+}
+
+// The LM head (lmhead.cu): cuBLASLt writes a (rows x cols) F32 logit tile,
+// which k_lm_fold folds in lmTile-column pieces.
+const (
+	lmTile        = 4096      // LM_TILE
+	lmTileBudget  = 256 << 20 // bytes of logits a GEMM tile may take
+	lmFoldThreads = 256
+)
+
+// The most vocab columns and token rows of one LM-head GEMM: variables so
+// that tests can force several slabs and tiles on small shapes.
+var (
+	lmMaxCols = 4 * lmTile
+	lmMaxRows = 8192
+)
+
+// lmPlan is the tiling of one LMHeadTopK call.
+type lmPlan struct {
+	rows, cols int   // one GEMM's logit tile: slab rows x vocab columns
+	foldSmem   int   // k_lm_fold's dynamic shared memory
+	scratch    int64 // device bytes beside the outputs
+}
+
+// planLMHead tiles tokens x vocab: the vocabulary in GEMMs of up to
+// lmMaxCols columns (a multiple of lmTile, so every tile's weight pointer
+// stays 16-byte aligned), the tokens in slabs whose logit tile fits
+// lmTileBudget. Scratch: the logit tile, the slab's BF16 activations and
+// the running statistics (rmax f32, rsum f64, cnt i32 per token).
+func planLMHead(tokens, hidden, vocab, k int) (lmPlan, error) {
+	if k < 1 || k > vocab {
+		return lmPlan{}, fmt.Errorf("cuda: LM-head top-k %d: want 1..vocab (%d)", k, vocab)
+	}
+	cols := min((vocab+lmTile-1)/lmTile*lmTile, lmMaxCols)
+	rows := min(tokens, lmMaxRows, max(1, lmTileBudget/(4*cols)))
+	p := lmPlan{rows: rows, cols: cols, foldSmem: 8 * (lmTile + k)}
+	p.scratch = int64(rows)*int64(cols)*4 + int64(rows)*int64(hidden)*2 + int64(tokens)*16
+	return p, nil
+}
+
+// moePlan lays the (token, expert) pairs of a MoE layer out by expert:
+// expert e's rows are [offsets[e], offsets[e+1]) of the grouped
+// activations, rows = the number of pairs (tokens·K).
+type moePlan struct {
+	offsets []int32 // E+1
+	rows    int
+	busiest int // the most rows of one expert
+}
+
+// planMoE turns per-expert row counts (from k_moe_route) into the layout,
+// checking that they add up to tokens·K (a mismatch means the routing
+// kernel failed).
+func planMoE(counts []int32, tokens, K int) (moePlan, error) {
+	p := moePlan{offsets: make([]int32, len(counts)+1)}
+	for e, c := range counts {
+		if c < 0 || int(c) > tokens {
+			return p, fmt.Errorf("cuda: MoE routing gave expert %d %d rows of %d tokens", e, c, tokens)
+		}
+		p.offsets[e+1] = p.offsets[e] + c
+		p.busiest = max(p.busiest, int(c))
+	}
+	p.rows = int(p.offsets[len(counts)])
+	if p.rows != tokens*K {
+		return p, fmt.Errorf("cuda: MoE routing assigned %d rows, want tokens·top_k = %d·%d = %d", p.rows, tokens, K, tokens*K)
+	}
+	return p, nil
+}
+
+// moeScratchBytes is what one MoE call allocates beside its output: router
+// logits, the choices, the grouped BF16 inputs, gate and up (F32), the BF16
+// activations and the down projections (F32).
+func moeScratchBytes(tokens, hidden, inter, experts, K int) int64 {
+	n, r := int64(tokens), int64(tokens)*int64(K)
+	H, I, E := int64(hidden), int64(inter), int64(experts)
+	return 4*n*E + 12*r + 12*(E+1) + 2*r*H + 8*r*I + 2*r*I + 4*r*H + 2*n*H + 4*E*H
+}

@@ -1,0 +1,696 @@
+// emu.cpp: a CPU stand-in for the CUDA driver, NVRTC and cuBLASLt, exported
+// under their real names, for the tests of package compute/cuda on machines
+// without a GPU. It runs the kernels (compiled for the host from the same
+// .cu files, see emu.h) one block at a time, one fiber per CUDA thread:
+// a fiber runs until it reaches a barrier (__syncthreads, __syncwarp, a
+// shuffle, an mma), so the kernels' use of barriers, shared memory and warp
+// collectives is exercised as written. It checks what it can: launch
+// limits, dynamic shared memory against the opted-in size, parameter sizes
+// against the kernel's signature, copies against allocations, barriers
+// that not every thread reaches. The cuBLASLt stand-in computes the GEMM
+// its descriptors describe, column-major as cuBLASLt defines it.
+#include "emu.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <sys/mman.h>
+#include <vector>
+
+typedef int CUresult;
+typedef void *CUfunction;
+
+// ---------------------------------------------------------------- errors
+
+static std::string g_err; // the last failure, in words
+static CUresult fail(CUresult code, const std::string &msg) {
+	g_err = msg;
+	fprintf(stderr, "emu: %s\n", msg.c_str());
+	return code;
+}
+enum {
+	E_INVALID_VALUE = 1,
+	E_OUT_OF_MEMORY = 2,
+	E_INVALID_IMAGE = 200,
+	E_NOT_FOUND = 500,
+	E_LAUNCH_OUT_OF_RESOURCES = 701,
+	E_LAUNCH_FAILED = 719,
+};
+
+// ---------------------------------------------------------------- kernels
+
+struct Kernel {
+	std::string name;
+	void *fn;
+	emu_tramp tramp;
+	std::vector<int> sizes;
+	int maxDynSmem = 48 << 10;
+};
+static std::map<std::string, Kernel> &registry() {
+	static std::map<std::string, Kernel> r;
+	return r;
+}
+int emu_register(const char *name, void *fn, emu_tramp tramp, const int *sizes, int n) {
+	Kernel k;
+	k.name = name;
+	k.fn = fn;
+	k.tramp = tramp;
+	k.sizes.assign(sizes, sizes + n);
+	registry()[name] = k;
+	return 0;
+}
+
+// ---------------------------------------------------------------- fibers
+
+emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+enum State { READY, AT_BLOCK, AT_WARP, DONE };
+struct Fiber {
+	void *sp = nullptr; // saved stack pointer
+	char *stack = nullptr;
+	State state = READY;
+	unsigned tid = 0;
+};
+static const size_t kStack = 256 << 10;
+static std::vector<Fiber> g_fib;
+static void *g_sched_sp;
+static int g_cur;
+static Kernel *g_kernel;
+static void **g_params;
+static std::vector<unsigned char> g_dyn;
+static std::string g_fault; // a kernel-side error found during the block
+
+// emu_switch saves the callee-saved registers and the stack pointer in
+// *save, then resumes the context whose stack pointer is next.
+extern "C" void emu_switch(void **save, void *next);
+asm(R"(
+.pushsection .text
+.globl emu_switch
+.type emu_switch,@function
+emu_switch:
+	pushq %rbp
+	pushq %rbx
+	pushq %r12
+	pushq %r13
+	pushq %r14
+	pushq %r15
+	movq %rsp, (%rdi)
+	movq %rsi, %rsp
+	popq %r15
+	popq %r14
+	popq %r13
+	popq %r12
+	popq %rbx
+	popq %rbp
+	ret
+.size emu_switch,.-emu_switch
+.popsection
+)");
+
+static void set_thread(unsigned tid) {
+	threadIdx.x = tid % blockDim.x;
+	threadIdx.y = (tid / blockDim.x) % blockDim.y;
+	threadIdx.z = tid / (blockDim.x * blockDim.y);
+}
+
+[[noreturn]] static void fiber_main() {
+	g_kernel->tramp(g_kernel->fn, g_params);
+	g_fib[g_cur].state = DONE;
+	emu_switch(&g_fib[g_cur].sp, g_sched_sp);
+	abort(); // never resumed
+}
+
+static void fiber_init(Fiber &f, unsigned tid) {
+	if (!f.stack) {
+		// A guard page below the stack turns an overflow into a fault.
+		char *m = (char *)mmap(nullptr, kStack + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+		if (m == MAP_FAILED) abort();
+		mprotect(m, 4096, PROT_NONE);
+		f.stack = m + 4096;
+	}
+	uintptr_t top = ((uintptr_t)(f.stack + kStack)) & ~(uintptr_t)15;
+	void **sp = (void **)top;
+	*--sp = nullptr;              // fiber_main's "return address": never used
+	*--sp = (void *)&fiber_main; // where emu_switch's ret goes
+	for (int i = 0; i < 6; i++) *--sp = nullptr; // rbp rbx r12..r15
+	f.sp = sp;
+	f.state = READY;
+	f.tid = tid;
+}
+
+static void block_yield(State s) {
+	Fiber &f = g_fib[g_cur];
+	f.state = s;
+	emu_switch(&f.sp, g_sched_sp);
+	set_thread(g_fib[g_cur].tid);
+}
+
+void __syncthreads() { block_yield(AT_BLOCK); }
+void __syncwarp() { block_yield(AT_WARP); }
+
+// Warp exchange: publish, barrier, read, barrier (so that no lane
+// overwrites its slot before every lane has read it).
+static u64 g_slots[32][32][16];
+void emu_warp_exchange(const void *mine, void *theirs, size_t n, int src) {
+	unsigned tid = g_fib[g_cur].tid, w = tid / 32, lane = tid % 32;
+	memcpy(g_slots[w][lane], mine, n);
+	__syncwarp();
+	memcpy(theirs, g_slots[w][src], n);
+	__syncwarp();
+}
+
+void *emu_dyn_smem() { return g_dyn.data(); }
+
+static float bf(u32 reg, int hi) { return __uint_as_float((hi ? reg >> 16 : reg & 0xffffu) << 16); }
+
+// mma.sync.m16n8k16 row.col f32.bf16.bf16.f32 with the PTX ISA's fragment
+// layouts (see prelude.cuh): every lane publishes its fragments, then
+// computes its own four outputs from the whole warp's.
+void emu_mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]) {
+	unsigned tid = g_fib[g_cur].tid, w = tid / 32, lane = tid % 32;
+	u32 *mine = (u32 *)g_slots[w][lane];
+	for (int i = 0; i < 4; i++) mine[i] = a[i];
+	mine[4] = b[0];
+	mine[5] = b[1];
+	__syncwarp();
+	int g = lane / 4, t = lane % 4;
+	float out[4];
+	for (int e = 0; e < 4; e++) {
+		int r = e < 2 ? g : g + 8, c = 2 * t + (e & 1);
+		float acc = d[e];
+		for (int kk = 0; kk < 16; kk++) {
+			// A[r][kk]: lane (r%8)*4 + (kk%8)/2, register (r>=8) + 2*(kk>=8).
+			const u32 *la = (const u32 *)g_slots[w][(r % 8) * 4 + (kk % 8) / 2];
+			float av = bf(la[(r >= 8 ? 1 : 0) + (kk >= 8 ? 2 : 0)], kk & 1);
+			// B[kk][c]: lane c*4 + (kk%8)/2, register 4 + (kk>=8).
+			const u32 *lb = (const u32 *)g_slots[w][c * 4 + (kk % 8) / 2];
+			float bv = bf(lb[4 + (kk >= 8 ? 1 : 0)], kk & 1);
+			acc = fmaf(av, bv, acc);
+		}
+		out[e] = acc;
+	}
+	__syncwarp();
+	for (int e = 0; e < 4; e++) d[e] = out[e];
+}
+
+static std::string state_name(State s) {
+	switch (s) {
+	case READY: return "running";
+	case AT_BLOCK: return "at __syncthreads";
+	case AT_WARP: return "at a warp collective";
+	case DONE: return "exited";
+	}
+	return "?";
+}
+
+// run_block runs every thread of the current block to completion. Threads
+// run in index order, or in reverse order with DISTILL_EMU_REVERSE=1: a
+// missing barrier shows up in one order or the other (a thread reading
+// what a later, or an earlier, thread has not written yet).
+static bool g_reverse;
+static bool run_block(unsigned nthreads) {
+	for (unsigned i = 0; i < nthreads; i++) fiber_init(g_fib[i], i);
+	unsigned nwarps = nthreads / 32;
+	for (;;) {
+		bool any = false;
+		for (unsigned j = 0; j < nthreads; j++) {
+			unsigned i = g_reverse ? nthreads - 1 - j : j;
+			if (g_fib[i].state != READY) continue;
+			g_cur = (int)i;
+			set_thread(g_fib[i].tid);
+			emu_switch(&g_sched_sp, g_fib[i].sp);
+			any = true;
+		}
+		// Release warps whose 32 lanes all wait at a warp collective.
+		bool released = false;
+		unsigned done = 0, atBlock = 0;
+		for (unsigned w = 0; w < nwarps; w++) {
+			unsigned atWarp = 0, wdone = 0;
+			for (unsigned l = 0; l < 32; l++) {
+				State s = g_fib[w * 32 + l].state;
+				atWarp += s == AT_WARP;
+				wdone += s == DONE;
+			}
+			if (atWarp == 32) {
+				for (unsigned l = 0; l < 32; l++) g_fib[w * 32 + l].state = READY;
+				released = true;
+			} else if (atWarp > 0 && wdone > 0) {
+				char buf[200];
+				snprintf(buf, sizeof buf, "warp %u: %u lanes wait at a warp collective that %u exited lanes never reach", w, atWarp, wdone);
+				g_fault = buf;
+				return false;
+			}
+		}
+		for (unsigned i = 0; i < nthreads; i++) {
+			done += g_fib[i].state == DONE;
+			atBlock += g_fib[i].state == AT_BLOCK;
+		}
+		if (done == nthreads) return true;
+		if (released) continue;
+		if (atBlock + done == nthreads) {
+			if (done > 0) {
+				char buf[200];
+				snprintf(buf, sizeof buf, "__syncthreads reached by %u threads while %u have exited (a barrier after an early return)", atBlock, done);
+				g_fault = buf;
+				return false;
+			}
+			for (unsigned i = 0; i < nthreads; i++) g_fib[i].state = READY;
+			continue;
+		}
+		if (!any) {
+			std::string msg = "deadlock:";
+			for (unsigned i = 0; i < nthreads && i < 64; i += 32) {
+				char buf[100];
+				snprintf(buf, sizeof buf, " thread %u %s;", i, state_name(g_fib[i].state).c_str());
+				msg += buf;
+			}
+			msg += " (threads wait at different barriers)";
+			g_fault = msg;
+			return false;
+		}
+	}
+}
+
+// ---------------------------------------------------------------- memory
+
+static std::map<u64, size_t> g_allocs; // device pointer -> size
+
+static bool in_alloc(u64 p, size_t n) {
+	auto it = g_allocs.upper_bound(p);
+	if (it == g_allocs.begin()) return false;
+	--it;
+	return p >= it->first && p + n <= it->first + it->second;
+}
+
+static u64 emu_alloc(size_t n) {
+	size_t sz = (n + 255) / 256 * 256;
+	void *p = aligned_alloc(256, sz ? sz : 256);
+	if (!p) return 0;
+	memset(p, 0xff, sz); // device memory is not zeroed: poison it
+	g_allocs[(u64)p] = n;
+	return (u64)p;
+}
+
+static CUresult emu_free(u64 p, const char *who) {
+	if (!p) return 0;
+	auto it = g_allocs.find(p);
+	if (it == g_allocs.end()) {
+		char buf[120];
+		snprintf(buf, sizeof buf, "%s of 0x%llx, which is not an allocation", who, (unsigned long long)p);
+		return fail(E_INVALID_VALUE, buf);
+	}
+	free((void *)p);
+	g_allocs.erase(it);
+	return 0;
+}
+
+static CUresult check_range(u64 p, size_t n, const char *who) {
+	if (n == 0 || in_alloc(p, n)) return 0;
+	char buf[160];
+	snprintf(buf, sizeof buf, "%s: %zu bytes at 0x%llx are not inside one allocation", who, n, (unsigned long long)p);
+	return fail(E_INVALID_VALUE, buf);
+}
+
+// ---------------------------------------------------------------- driver API
+
+static int g_ctx_dummy, g_stream_dummy, g_pool_dummy;
+static const int kOptinSmem = 232448; // H100's 227 KB
+
+extern "C" {
+
+CUresult cuInit(unsigned) { return 0; }
+CUresult cuDriverGetVersion(int *v) {
+	*v = 99000;
+	return 0;
+}
+CUresult cuDeviceGetCount(int *n) {
+	*n = 1;
+	return 0;
+}
+CUresult cuDeviceGet(int *d, int ord) {
+	if (ord != 0) return fail(E_INVALID_VALUE, "no such device");
+	*d = 0;
+	return 0;
+}
+CUresult cuDeviceGetName(char *name, int len, int) {
+	snprintf(name, len, "distill CPU emulator");
+	return 0;
+}
+CUresult cuDeviceGetAttribute(int *v, int attr, int) {
+	switch (attr) {
+	case 1: *v = 1024; break;       // max threads per block
+	case 16: *v = 132; break;       // SMs
+	case 38: *v = 50 << 20; break;  // L2
+	case 75: *v = 9; break;         // compute capability
+	case 76: *v = 0; break;
+	case 97: *v = kOptinSmem; break;
+	default: return fail(E_INVALID_VALUE, "unknown device attribute " + std::to_string(attr));
+	}
+	return 0;
+}
+CUresult cuDeviceTotalMem_v2(size_t *b, int) {
+	*b = (size_t)16 << 30;
+	return 0;
+}
+CUresult cuDevicePrimaryCtxRetain(void **c, int) {
+	*c = &g_ctx_dummy;
+	return 0;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(int) { return 0; }
+CUresult cuCtxSetCurrent(void *) { return 0; }
+CUresult cuCtxSynchronize() { return 0; }
+CUresult cuStreamCreate(void **s, unsigned) {
+	*s = &g_stream_dummy;
+	return 0;
+}
+CUresult cuStreamDestroy_v2(void *) { return 0; }
+CUresult cuStreamSynchronize(void *) { return 0; }
+CUresult cuMemAlloc_v2(u64 *p, size_t n) {
+	*p = emu_alloc(n);
+	return *p ? 0 : fail(E_OUT_OF_MEMORY, "out of memory");
+}
+CUresult cuMemFree_v2(u64 p) { return emu_free(p, "cuMemFree"); }
+CUresult cuMemAllocAsync(u64 *p, size_t n, void *) { return cuMemAlloc_v2(p, n); }
+CUresult cuMemFreeAsync(u64 p, void *) { return emu_free(p, "cuMemFreeAsync"); }
+CUresult cuDeviceGetDefaultMemPool(void **p, int) {
+	*p = &g_pool_dummy;
+	return 0;
+}
+CUresult cuMemPoolSetAttribute(void *, int, void *) { return 0; }
+CUresult cuMemGetInfo_v2(size_t *f, size_t *t) {
+	*f = *t = (size_t)16 << 30;
+	return 0;
+}
+CUresult cuMemcpyHtoDAsync_v2(u64 dst, const void *src, size_t n, void *) {
+	if (CUresult r = check_range(dst, n, "cuMemcpyHtoDAsync")) return r;
+	memcpy((void *)dst, src, n);
+	return 0;
+}
+CUresult cuMemcpyDtoHAsync_v2(void *dst, u64 src, size_t n, void *) {
+	if (CUresult r = check_range(src, n, "cuMemcpyDtoHAsync")) return r;
+	memcpy(dst, (void *)src, n);
+	return 0;
+}
+CUresult cuMemcpyDtoDAsync_v2(u64 dst, u64 src, size_t n, void *) {
+	if (CUresult r = check_range(dst, n, "cuMemcpyDtoDAsync destination")) return r;
+	if (CUresult r = check_range(src, n, "cuMemcpyDtoDAsync source")) return r;
+	memmove((void *)dst, (void *)src, n);
+	return 0;
+}
+CUresult cuMemsetD8Async(u64 dst, unsigned char v, size_t n, void *) {
+	if (CUresult r = check_range(dst, n, "cuMemsetD8Async")) return r;
+	memset((void *)dst, v, n);
+	return 0;
+}
+
+struct Module {
+	std::string src;
+};
+static const char kImageMagic[] = "DISTILL-EMU-CUBIN\n";
+
+CUresult cuModuleLoadData(void **m, const void *image) {
+	const char *s = (const char *)image;
+	if (strncmp(s, kImageMagic, strlen(kImageMagic)) != 0) return fail(E_INVALID_IMAGE, "cuModuleLoadData: not an emulator image");
+	*m = new Module{std::string(s + strlen(kImageMagic))};
+	return 0;
+}
+CUresult cuModuleUnload(void *m) {
+	delete (Module *)m;
+	return 0;
+}
+CUresult cuModuleGetFunction(CUfunction *f, void *m, const char *name) {
+	Module *mod = (Module *)m;
+	auto it = registry().find(name);
+	if (it == registry().end() || mod->src.find(std::string("DK_REGISTER(") + name + ")") == std::string::npos)
+		return fail(E_NOT_FOUND, std::string("cuModuleGetFunction: no kernel ") + name + " in this module");
+	*f = &it->second;
+	return 0;
+}
+CUresult cuFuncSetAttribute(CUfunction f, int attr, int v) {
+	Kernel *k = (Kernel *)f;
+	if (attr != 8) return fail(E_INVALID_VALUE, "cuFuncSetAttribute: attribute " + std::to_string(attr));
+	if (v > kOptinSmem) return fail(E_INVALID_VALUE, "cuFuncSetAttribute: " + std::to_string(v) + " bytes of shared memory");
+	k->maxDynSmem = v;
+	return 0;
+}
+
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned smem,
+                        void *, void **params, void **extra) {
+	Kernel *k = (Kernel *)f;
+	unsigned nt = bx * by * bz;
+	char buf[300];
+	if (extra) return fail(E_INVALID_VALUE, k->name + ": extra launch options are not emulated");
+	if (nt == 0 || nt > 1024 || nt % 32 != 0) {
+		snprintf(buf, sizeof buf, "%s: block of %u threads: want a multiple of 32, at most 1024", k->name.c_str(), nt);
+		return fail(E_INVALID_VALUE, buf);
+	}
+	if (gx == 0 || gy == 0 || gz == 0 || gy > 65535 || gz > 65535 || gx > 0x7fffffffu) {
+		snprintf(buf, sizeof buf, "%s: grid (%u,%u,%u) out of range", k->name.c_str(), gx, gy, gz);
+		return fail(E_INVALID_VALUE, buf);
+	}
+	if ((int)smem > k->maxDynSmem) {
+		snprintf(buf, sizeof buf, "%s: %u bytes of dynamic shared memory, but the kernel allows %d (cuFuncSetAttribute)", k->name.c_str(),
+		         smem, k->maxDynSmem);
+		return fail(E_LAUNCH_OUT_OF_RESOURCES, buf);
+	}
+	if (g_fib.size() < nt) g_fib.resize(nt);
+	const char *rev = getenv("DISTILL_EMU_REVERSE");
+	g_reverse = rev && rev[0] == '1';
+	gridDim = {gx, gy, gz};
+	blockDim = {bx, by, bz};
+	g_kernel = k;
+	g_params = params;
+	for (unsigned z = 0; z < gz; z++)
+		for (unsigned y = 0; y < gy; y++)
+			for (unsigned x = 0; x < gx; x++) {
+				blockIdx = {x, y, z};
+				g_dyn.assign(smem + 16, 0xff); // poisoned: shared memory starts undefined
+				g_fault.clear();
+				if (!run_block(nt)) {
+					snprintf(buf, sizeof buf, "%s: block (%u,%u,%u): ", k->name.c_str(), x, y, z);
+					return fail(E_LAUNCH_FAILED, buf + g_fault);
+				}
+			}
+	return 0;
+}
+
+CUresult cuGetErrorName(CUresult r, const char **s) {
+	switch (r) {
+	case 1: *s = "CUDA_ERROR_INVALID_VALUE"; break;
+	case 2: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+	case 200: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
+	case 500: *s = "CUDA_ERROR_NOT_FOUND"; break;
+	case 701: *s = "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"; break;
+	case 719: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
+	default: *s = "CUDA_ERROR_UNKNOWN";
+	}
+	return 0;
+}
+CUresult cuGetErrorString(CUresult, const char **s) {
+	*s = g_err.c_str();
+	return 0;
+}
+struct Event {
+	int dummy;
+};
+CUresult cuEventCreate(void **e, unsigned) {
+	*e = new Event{0};
+	return 0;
+}
+CUresult cuEventRecord(void *, void *) { return 0; }
+CUresult cuEventSynchronize(void *) { return 0; }
+CUresult cuEventElapsedTime(float *ms, void *, void *) {
+	*ms = 0;
+	return 0;
+}
+CUresult cuEventDestroy_v2(void *e) {
+	delete (Event *)e;
+	return 0;
+}
+
+// distill_emu_check_params compares a launch's parameter sizes with the
+// kernel's C++ signature; nil when they match.
+const char *distill_emu_check_params(CUfunction f, const int *sizes, int n) {
+	Kernel *k = (Kernel *)f;
+	static std::string msg;
+	bool ok = n == (int)k->sizes.size();
+	for (int i = 0; ok && i < n; i++) ok = sizes[i] == k->sizes[i];
+	if (ok) return nullptr;
+	msg = "parameter sizes (";
+	for (int i = 0; i < n; i++) msg += (i ? "," : "") + std::to_string(sizes[i]);
+	msg += ") do not match the kernel's signature (";
+	for (size_t i = 0; i < k->sizes.size(); i++) msg += (i ? "," : "") + std::to_string(k->sizes[i]);
+	msg += ")";
+	return msg.c_str();
+}
+
+// ---------------------------------------------------------------- NVRTC
+
+struct Program {
+	std::string src, name, image;
+};
+const char *nvrtcGetErrorString(int r) { return r ? "NVRTC_ERROR (emulator)" : "NVRTC_SUCCESS"; }
+int nvrtcVersion(int *maj, int *min) {
+	*maj = 99;
+	*min = 0;
+	return 0;
+}
+int nvrtcCreateProgram(void **p, const char *src, const char *name, int, const char *const *, const char *const *) {
+	*p = new Program{src, name ? name : "", ""};
+	return 0;
+}
+int nvrtcDestroyProgram(void **p) {
+	delete (Program *)*p;
+	*p = nullptr;
+	return 0;
+}
+// The emulator's "cubin" is the source itself: the kernels it can run are
+// the ones compiled into it, and cuModuleGetFunction checks that the
+// source registers the one asked for.
+int nvrtcCompileProgram(void *p, int, const char *const *) {
+	Program *pr = (Program *)p;
+	pr->image = std::string(kImageMagic) + pr->src;
+	return 0;
+}
+int nvrtcGetProgramLogSize(void *, size_t *n) {
+	*n = 1;
+	return 0;
+}
+int nvrtcGetProgramLog(void *, char *buf) {
+	buf[0] = 0;
+	return 0;
+}
+int nvrtcGetCUBINSize(void *p, size_t *n) {
+	*n = ((Program *)p)->image.size() + 1;
+	return 0;
+}
+int nvrtcGetCUBIN(void *p, char *buf) {
+	const std::string &s = ((Program *)p)->image;
+	memcpy(buf, s.c_str(), s.size() + 1);
+	return 0;
+}
+int nvrtcGetPTXSize(void *p, size_t *n) { return nvrtcGetCUBINSize(p, n); }
+int nvrtcGetPTX(void *p, char *buf) { return nvrtcGetCUBIN(p, buf); }
+
+// ---------------------------------------------------------------- cuBLASLt
+
+struct Desc {
+	int compute, scale, transa = 0, transb = 0;
+};
+struct Layout {
+	int type;
+	u64 rows, cols;
+	i64 ld;
+};
+struct Pref {
+	u64 ws = 0;
+};
+static int g_lt_dummy;
+
+int cublasLtCreate(void **h) {
+	*h = &g_lt_dummy;
+	return 0;
+}
+int cublasLtDestroy(void *) { return 0; }
+size_t cublasLtGetVersion() { return 990000; }
+const char *cublasLtGetStatusString(int s) { return s ? g_err.c_str() : "CUBLAS_STATUS_SUCCESS"; }
+int cublasLtMatmulDescCreate(void **d, int compute, int scale) {
+	if (compute != 68 || scale != 0) {
+		fail(E_INVALID_VALUE, "cublasLtMatmulDescCreate: only CUBLAS_COMPUTE_32F with CUDA_R_32F scale is emulated");
+		return 7; // CUBLAS_STATUS_INVALID_VALUE
+	}
+	*d = new Desc{compute, scale};
+	return 0;
+}
+int cublasLtMatmulDescDestroy(void *d) {
+	delete (Desc *)d;
+	return 0;
+}
+int cublasLtMatmulDescSetAttribute(void *d, int attr, const void *buf, size_t n) {
+	Desc *ds = (Desc *)d;
+	if ((attr == 3 || attr == 4) && n == 4) {
+		int v = *(const int *)buf;
+		if (v != 0 && v != 1) return 7;
+		(attr == 3 ? ds->transa : ds->transb) = v;
+		return 0;
+	}
+	fail(E_INVALID_VALUE, "cublasLtMatmulDescSetAttribute: attribute " + std::to_string(attr) + " is not emulated");
+	return 7;
+}
+int cublasLtMatrixLayoutCreate(void **l, int type, u64 rows, u64 cols, i64 ld) {
+	if ((type != 0 && type != 14) || ld < (i64)rows) {
+		fail(E_INVALID_VALUE, "cublasLtMatrixLayoutCreate: type " + std::to_string(type) + " rows " + std::to_string(rows) + " ld " +
+		                          std::to_string(ld));
+		return 7;
+	}
+	*l = new Layout{type, rows, cols, ld};
+	return 0;
+}
+int cublasLtMatrixLayoutDestroy(void *l) {
+	delete (Layout *)l;
+	return 0;
+}
+int cublasLtMatmulPreferenceCreate(void **p) {
+	*p = new Pref{};
+	return 0;
+}
+int cublasLtMatmulPreferenceDestroy(void *p) {
+	delete (Pref *)p;
+	return 0;
+}
+int cublasLtMatmulPreferenceSetAttribute(void *p, int attr, const void *buf, size_t n) {
+	if (attr == 1 && n == 8) ((Pref *)p)->ws = *(const u64 *)buf;
+	else if (attr >= 5 && attr <= 8 && n == 4) {
+		u32 a = *(const u32 *)buf;
+		if (a == 0 || (a & (a - 1)) != 0) return 7;
+	} else return 7;
+	return 0;
+}
+int cublasLtMatmulAlgoGetHeuristic(void *, void *d, void *a, void *b, void *c, void *dd, void *, int req, void *res, int *got) {
+	Desc *ds = (Desc *)d;
+	Layout *la = (Layout *)a, *lb = (Layout *)b, *lc = (Layout *)c, *ld = (Layout *)dd;
+	u64 m = ds->transa ? la->cols : la->rows, k = ds->transa ? la->rows : la->cols;
+	u64 kb = ds->transb ? lb->cols : lb->rows, n = ds->transb ? lb->rows : lb->cols;
+	if (req < 1 || k != kb || lc->rows != m || lc->cols != n || ld->rows != m || ld->cols != n || la->type != lb->type || lc->type != 0) {
+		fail(E_INVALID_VALUE, "cublasLtMatmulAlgoGetHeuristic: inconsistent shapes or types");
+		return 7;
+	}
+	memset(res, 0, 96);
+	*got = 1;
+	return 0;
+}
+
+static float load_el(const void *p, int type, i64 i) {
+	if (type == 14) return __uint_as_float((u32)((const u16 *)p)[i] << 16);
+	return ((const float *)p)[i];
+}
+
+// D = alpha·op(A)·op(B) + beta·C, column-major: op(A) (m,k), op(B) (k,n),
+// D (m,n), element (i,j) of a stored matrix at i + j·ld. Accumulated in
+// fp32 in k order (no more accurate than the GPU's).
+int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_, const void *B, void *lb_, const void *beta, const void *C,
+                   void *lc_, void *D, void *ld_, const void *, void *, size_t, void *) {
+	Desc *ds = (Desc *)d;
+	Layout *la = (Layout *)la_, *lb = (Layout *)lb_, *lc = (Layout *)lc_, *ld = (Layout *)ld_;
+	i64 m = ds->transa ? la->cols : la->rows, k = ds->transa ? la->rows : la->cols, n = ds->transb ? lb->rows : lb->cols;
+	size_t esz = la->type == 14 ? 2 : 4;
+	if (check_range((u64)A, (size_t)((la->cols - 1) * la->ld + la->rows) * esz, "cublasLtMatmul A") ||
+	    check_range((u64)B, (size_t)((lb->cols - 1) * lb->ld + lb->rows) * esz, "cublasLtMatmul B") ||
+	    check_range((u64)D, (size_t)((ld->cols - 1) * ld->ld + ld->rows) * 4, "cublasLtMatmul D"))
+		return 14; // CUBLAS_STATUS_INTERNAL_ERROR
+	float al = *(const float *)alpha, be = *(const float *)beta;
+	std::vector<float> col(k);
+	for (i64 j = 0; j < n; j++) {
+		for (i64 p = 0; p < k; p++) col[p] = load_el(B, lb->type, ds->transb ? j + p * lb->ld : p + j * lb->ld);
+		for (i64 i = 0; i < m; i++) {
+			float acc = 0;
+			for (i64 p = 0; p < k; p++) acc = fmaf(load_el(A, la->type, ds->transa ? p + i * la->ld : i + p * la->ld), col[p], acc);
+			float cv = be != 0 ? ((const float *)C)[i + j * lc->ld] : 0;
+			((float *)D)[i + j * ld->ld] = al * acc + be * cv;
+		}
+	}
+	return 0;
+}
+
+} // extern "C"

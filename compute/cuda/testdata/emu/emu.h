@@ -1,0 +1,95 @@
+// emu.h: the host side of the kernels' dialect, for the CPU emulator. Each
+// kernel file is compiled as C++ with this header first and DISTILL_EMU
+// defined; emu.cpp runs the kernels, one fiber per CUDA thread, and also
+// stands in for libcuda, libnvrtc and libcublasLt, so the backend's Go code
+// runs unchanged against it (see emu_test.go).
+#pragma once
+#define DISTILL_EMU 1
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+typedef uint16_t u16;
+typedef uint32_t u32;
+typedef int32_t i32;
+typedef uint64_t u64;
+typedef int64_t i64;
+
+struct emu_dim3 {
+	unsigned x, y, z;
+};
+extern emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+// Barriers: the block's, and the calling thread's warp's.
+void __syncthreads();
+void __syncwarp();
+// emu_warp_exchange publishes this lane's bytes and returns lane src's (the
+// warp-collective core of the shuffles).
+void emu_warp_exchange(const void *mine, void *theirs, size_t n, int src);
+void *emu_dyn_smem();
+void emu_mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]);
+
+template <class T> T __shfl_xor_sync(unsigned, T v, int m) {
+	T r;
+	emu_warp_exchange(&v, &r, sizeof(T), (int)((threadIdx.x % 32) ^ (unsigned)m));
+	return r;
+}
+template <class T> T __shfl_sync(unsigned, T v, int src) {
+	T r;
+	emu_warp_exchange(&v, &r, sizeof(T), src & 31);
+	return r;
+}
+
+// Fibers switch only at barriers, so plain read-modify-writes are atomic.
+static inline int atomicAdd(int *p, int v) {
+	int o = *p;
+	*p = o + v;
+	return o;
+}
+static inline float atomicAdd(float *p, float v) {
+	float o = *p;
+	*p = o + v;
+	return o;
+}
+
+static inline float __uint_as_float(u32 u) {
+	float f;
+	memcpy(&f, &u, 4);
+	return f;
+}
+static inline u32 __float_as_uint(float f) {
+	u32 u;
+	memcpy(&u, &f, 4);
+	return u;
+}
+static inline float __int_as_float(int i) { return __uint_as_float((u32)i); }
+static inline int __float_as_int(float f) { return (int)__float_as_uint(f); }
+
+#define DK_DEV static inline
+#define DK_KERNEL static
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+#define DK_DYN_SMEM(T, name) T *name = reinterpret_cast<T *>(emu_dyn_smem())
+#define DK_INF INFINITY
+
+// Kernel registration: the trampoline unpacks cuLaunchKernel's void**
+// parameters with the kernel's own parameter types.
+typedef void (*emu_tramp)(void *fn, void **params);
+int emu_register(const char *name, void *fn, emu_tramp tramp, const int *sizes, int n);
+
+template <class... A, size_t... I> static void emu_call(void (*f)(A...), void **p, std::index_sequence<I...>) {
+	f(*reinterpret_cast<A *>(p[I])...);
+}
+template <class... A> static void emu_tramp_for(void *fn, void **p) {
+	emu_call(reinterpret_cast<void (*)(A...)>(fn), p, std::index_sequence_for<A...>{});
+}
+template <class... A> static int emu_register_fn(const char *name, void (*f)(A...)) {
+	static const int sizes[sizeof...(A) + 1] = {(int)sizeof(A)..., 0};
+	return emu_register(name, reinterpret_cast<void *>(f), &emu_tramp_for<A...>, sizes, (int)sizeof...(A));
+}
+#define DK_REGISTER(name) __attribute__((used)) static int emu_reg_##name = emu_register_fn(#name, name);
+
+#define mma_bf16_16816 emu_mma_bf16_16816
