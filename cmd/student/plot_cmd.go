@@ -1,0 +1,81 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"os"
+	"strings"
+
+	"distill/internal/cli"
+	"distill/internal/runplot"
+)
+
+func init() {
+	commands.Register(&cli.Command{Name: "plot", Summary: "draw the train and eval curves of runs (metrics.jsonl) into a PNG: loss, KD, CE, LR, grad norm", Run: runPlot})
+}
+
+// listFlag is a repeatable string flag.
+type listFlag []string
+
+func (l *listFlag) String() string     { return strings.Join(*l, ",") }
+func (l *listFlag) Set(s string) error { *l = append(*l, s); return nil }
+
+func runPlot(args []string) error {
+	fs := flag.NewFlagSet("student plot", flag.ContinueOnError)
+	var runs, hlines listFlag
+	fs.Var(&runs, "run", "run directory of `student train` ([LABEL=]DIR; repeatable: runs are overlaid; the label defaults to the directory's name)")
+	fs.Var(&hlines, "hline", "horizontal reference line [PANEL:]LABEL=VALUE, e.g. 'teacher CE=1.23' (panel ce unless named: "+strings.Join(runplot.PanelNames(), ", ")+"; repeatable)")
+	out := fs.String("out", "", "output image: FILE.png (or .svg, .pdf); replaced atomically (required)")
+	title := fs.String("title", "", "title above the panels")
+	width := fs.Int("width", 1500, "image width in pixels")
+	height := fs.Int("height", 900, "image height in pixels")
+	cols := fs.Int("cols", 3, "panels per row")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
+	}
+	if len(runs) == 0 {
+		return fmt.Errorf("--run DIR is required (a `student train` run directory; repeat it to overlay runs)")
+	}
+	if *out == "" {
+		return fmt.Errorf("--out FILE.png is required")
+	}
+	if *cols < 1 {
+		return fmt.Errorf("--cols %d: want at least 1", *cols)
+	}
+	var rs []*runplot.Run
+	for _, a := range runs {
+		label, dir := "", a
+		// LABEL=DIR, unless the whole argument is an existing path.
+		if l, d, ok := strings.Cut(a, "="); ok {
+			if _, err := os.Stat(a); err != nil {
+				label, dir = l, d
+			}
+		}
+		r, err := runplot.Load(dir, label)
+		if err != nil {
+			return err
+		}
+		rs = append(rs, r)
+	}
+	var hs []runplot.HLine
+	for _, s := range hlines {
+		h, err := runplot.ParseHLine(s)
+		if err != nil {
+			return err
+		}
+		hs = append(hs, h)
+	}
+	ps, err := runplot.Write(*out, rs, hs, runplot.Options{Width: *width, Height: *height, Title: *title, Cols: *cols})
+	if err != nil {
+		return err
+	}
+	names := make([]string, len(ps))
+	for i, p := range ps {
+		names[i] = p.Name
+	}
+	fmt.Fprintf(stdout, "wrote %s: %d runs, panels %s\n", *out, len(rs), strings.Join(names, ", "))
+	return nil
+}
