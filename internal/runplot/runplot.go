@@ -13,7 +13,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"image"
 	"image/color"
+	"image/color/palette"
+	xdraw "image/draw"
+	"image/png"
 	"io"
 	"math"
 	"os"
@@ -392,6 +396,32 @@ func scaleY(p *plot.Plot, name string, vals []float64) {
 	}
 }
 
+// palettedPNG writes its canvas as a paletted PNG: lines on white
+// need few colours, and the nearest of Plan 9's 256 keeps antialiased
+// edges smooth while the file is about a quarter of an RGBA one's
+// (~45 KB for a 1400x900 figure instead of ~190 KB).
+type palettedPNG struct{ *vgimg.Canvas }
+
+func (c palettedPNG) WriteTo(w io.Writer) (int64, error) {
+	img := c.Image()
+	p := image.NewPaletted(img.Bounds(), palette.Plan9)
+	xdraw.Draw(p, p.Rect, img, img.Bounds().Min, xdraw.Src)
+	cw := &countWriter{w: w}
+	err := (&png.Encoder{CompressionLevel: png.BestCompression}).Encode(cw, p)
+	return cw.n, err
+}
+
+type countWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (c *countWriter) Write(b []byte) (int, error) {
+	n, err := c.w.Write(b)
+	c.n += int64(n)
+	return n, err
+}
+
 // logTicks labels 1, 2 and 5 times each power of ten (gonum's LogTicks
 // labels only the powers, which leaves a loss falling from 12 to 0.8
 // with two labels).
@@ -453,7 +483,7 @@ func Write(path string, runs []*Run, hlines []HLine, o Options) ([]Panel, error)
 	var cw vg.CanvasWriterTo
 	switch format {
 	case "png":
-		cw = vgimg.PngCanvas{Canvas: vgimg.NewWith(vgimg.UseWH(w, h), vgimg.UseDPI(dpi), vgimg.UseBackgroundColor(color.White))}
+		cw = palettedPNG{vgimg.NewWith(vgimg.UseWH(w, h), vgimg.UseDPI(dpi), vgimg.UseBackgroundColor(color.White))}
 	case "svg":
 		cw = vgsvg.New(w, h)
 	case "pdf":

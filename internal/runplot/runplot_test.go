@@ -207,7 +207,13 @@ func TestWritePNG(t *testing.T) {
 	}
 	// Panels are laid out 3 per row: tile (i%3, i/3). Each must hold the
 	// colour of every run drawn in it, and of no run left out of it.
-	c0, c1 := plotutil.Color(0), plotutil.Color(1)
+	// The PNG is paletted: a run's colour is drawn as its nearest in the
+	// palette.
+	pal := img.ColorModel().(color.Palette)
+	c0, c1 := pal.Convert(plotutil.Color(0)), pal.Convert(plotutil.Color(1))
+	if c0 == c1 {
+		t.Fatalf("the two runs' colours are one palette entry %v", c0)
+	}
 	for i, name := range names {
 		b := img.Bounds()
 		tw, th := b.Dx()/3, (b.Dy()-40)/2
