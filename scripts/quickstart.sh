@@ -74,6 +74,7 @@ for m in teacher:"$Q/teacher" kd:"$Q/student-kd" sft:"$Q/student-sft"; do
   bin/student eval --checkpoint "${m#*:}" --tokenizer "$Q/tokenizer" --cache "$Q/cache" --range 0:200 --seq-len 256 --json > "$Q/eval-${m%%:*}.json"
 done
 field() { sed -n "s/.*\"$2\":\([-0-9.eE+]*\).*/\1/p" "$Q/eval-$1.json"; }
+floor=$(sed -n 's/.*"heldout_entropy": *\([-0-9.eE+]*\).*/\1/p' "$Q/data/stats.json")
 {
   echo "| model | held-out CE | token accuracy | top-1 agreement with the teacher | KD to the teacher |"
   echo "| --- | --- | --- | --- | --- |"
@@ -81,12 +82,14 @@ field() { sed -n "s/.*\"$2\":\([-0-9.eE+]*\).*/\1/p" "$Q/eval-$1.json"; }
     k=${m%%:*}
     printf "| %s | %.4f | %.4f | %.4f | %.4f |\n" "${m#*:}" "$(field "$k" ce)" "$(field "$k" token_accuracy)" "$(field "$k" top1_agreement)" "$(field "$k" kd)"
   done
+  printf "| the language itself (the floor: its entropy per token) | %.4f | | | |\n" "$floor"
 } | tee "$Q/table.md"
 tce=$(field teacher ce)
 awk -v a="$(field sft ce)" -v b="$(field kd ce)" 'BEGIN { printf("KD margin on held-out CE (SFT only - KD + SFT): %+.4f\n", a - b) }' | tee -a "$Q/table.md"
 
 stage "6. student plot"
-bin/student plot --run "KD + SFT=$Q/student-kd" --run "SFT only=$Q/student-sft" \
-  --hline "$(printf 'teacher held-out CE=%.4f' "$tce")" \
-  --title "quick start: 10M students on the teacher's cache vs on the labels (seed $S)" --out "$Q/quickstart.png"
+bin/student plot --run "KD + SFT=$Q/student-kd" --run "SFT only=$Q/student-sft" --panels loss,ce,kd,accuracy --cols 2 --from 50 \
+  --hline "$(printf 'teacher held-out CE=%.4f' "$tce")" --hline "$(printf 'floor (entropy)=%.4f' "$floor")" \
+  --title "KD + SFT from the teacher's cache vs SFT only: 10M students, same steps, same samples (seed $S)" \
+  --width 1400 --height 900 --out "$Q/quickstart.png"
 stage "done: teacher $Q/teacher, cache $Q/cache, students $Q/student-kd and $Q/student-sft, table $Q/table.md, plot $Q/quickstart.png"

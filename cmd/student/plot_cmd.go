@@ -23,13 +23,15 @@ func (l *listFlag) Set(s string) error { *l = append(*l, s); return nil }
 func runPlot(args []string) error {
 	fs := flag.NewFlagSet("student plot", flag.ContinueOnError)
 	var runs, hlines listFlag
-	fs.Var(&runs, "run", "run directory of `student train` ([LABEL=]DIR; repeatable: runs are overlaid; the label defaults to the directory's name)")
-	fs.Var(&hlines, "hline", "horizontal reference line [PANEL:]LABEL=VALUE, e.g. 'teacher CE=1.23' (panel ce unless named: "+strings.Join(runplot.PanelNames(), ", ")+"; repeatable)")
-	out := fs.String("out", "", "output image: FILE.png (or .svg, .pdf); replaced atomically (required)")
+	fs.Var(&runs, "run", "a run directory of student train, `[LABEL=]DIR` (repeatable: runs are overlaid; the label defaults to the directory's name)")
+	fs.Var(&hlines, "hline", "a horizontal reference line, `[PANEL:]LABEL=VALUE`, e.g. 'teacher CE=1.23' (panel ce unless named: "+strings.Join(runplot.PanelNames(), ", ")+"; repeatable)")
+	out := fs.String("out", "", "output image, `FILE.png` (or .svg, .pdf); replaced atomically (required)")
 	title := fs.String("title", "", "title above the panels")
 	width := fs.Int("width", 1500, "image width in pixels")
 	height := fs.Int("height", 900, "image height in pixels")
 	cols := fs.Int("cols", 3, "panels per row")
+	panelList := fs.String("panels", "", "panels to draw, in this order, `NAME[,NAME...]` (default: all of "+strings.Join(runplot.PanelNames(), ", ")+")")
+	from := fs.Int("from", 0, "leave out the steps before `STEP` (the first steps' large losses flatten the rest)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -68,7 +70,11 @@ func runPlot(args []string) error {
 		}
 		hs = append(hs, h)
 	}
-	ps, err := runplot.Write(*out, rs, hs, runplot.Options{Width: *width, Height: *height, Title: *title, Cols: *cols})
+	sel := runplot.Select{From: *from}
+	if *panelList != "" {
+		sel.Panels = strings.Split(*panelList, ",")
+	}
+	ps, err := runplot.Write(*out, rs, hs, runplot.Options{Width: *width, Height: *height, Title: *title, Cols: *cols, Select: sel})
 	if err != nil {
 		return err
 	}

@@ -55,6 +55,18 @@ log: {progress: "off", tensorboard: false}
 	if want := "wrote " + png1 + ": 2 runs, panels loss, kd, ce, lr, grad_norm, accuracy\n"; out.String() != want {
 		t.Errorf("printed %q, want %q", out.String(), want)
 	}
+	out.Reset()
+	if err := runPlot([]string{"--run", kd, "--run", sft, "--panels", "kd,ce", "--from", "3", "--out", png1}); err != nil {
+		t.Fatal(err)
+	}
+	if want := "wrote " + png1 + ": 2 runs, panels kd, ce\n"; out.String() != want {
+		t.Errorf("printed %q, want %q", out.String(), want)
+	}
+	out.Reset()
+	if err := runPlot([]string{"--run", "KD run=" + kd, "--run", sft, "--hline", "teacher CE=2.5", "--hline", "loss:floor=1",
+		"--out", png1, "--width", "900", "--height", "600", "--title", "two runs"}); err != nil {
+		t.Fatal(err)
+	}
 	f, err := os.Open(png1)
 	if err != nil {
 		t.Fatal(err)
@@ -81,6 +93,8 @@ log: {progress: "off", tensorboard: false}
 		{[]string{"--run", filepath.Join(dir, "nope"), "--out", png1}, "nope"},
 		{[]string{"--run", kd, "--out", filepath.Join(dir, "c.gif")}, ".png, .svg or .pdf"},
 		{[]string{"--run", kd, "--out", png1, "extra"}, "unexpected arguments"},
+		{[]string{"--run", kd, "--out", png1, "--panels", "ce,speed"}, `unknown panel "speed"`},
+		{[]string{"--run", kd, "--out", png1, "--from", "1000"}, "nothing to draw"},
 	} {
 		err := runPlot(c.args)
 		if c.want == "" {

@@ -207,7 +207,13 @@ func TestWritePNG(t *testing.T) {
 	}
 	// Panels are laid out 3 per row: tile (i%3, i/3). Each must hold the
 	// colour of every run drawn in it, and of no run left out of it.
-	c0, c1 := plotutil.Color(0), plotutil.Color(1)
+	// The PNG is paletted: a run's colour is drawn as its nearest in the
+	// palette.
+	pal := img.ColorModel().(color.Palette)
+	c0, c1 := pal.Convert(plotutil.Color(0)), pal.Convert(plotutil.Color(1))
+	if c0 == c1 {
+		t.Fatalf("the two runs' colours are one palette entry %v", c0)
+	}
 	for i, name := range names {
 		b := img.Bounds()
 		tw, th := b.Dx()/3, (b.Dy()-40)/2
@@ -285,6 +291,9 @@ func TestWriteErrors(t *testing.T) {
 		{"no runs", nil, nil, Options{}, out, "give --run DIR"},
 		{"unknown panel", []*Run{r}, []HLine{{Panel: "speed", Label: "x", Value: 1}}, Options{}, out, `unknown panel "speed"`},
 		{"tiny", []*Run{r}, nil, Options{Width: 10, Height: 10}, out, "size 10x10"},
+		{"unknown chosen panel", []*Run{r}, nil, Options{Select: Select{Panels: []string{"ce", "speed"}}}, out, `unknown panel "speed"`},
+		{"no chosen panel", []*Run{r}, nil, Options{Select: Select{Panels: []string{}}}, out, "no panels chosen"},
+		{"from past the end", []*Run{r}, nil, Options{Select: Select{From: 11}}, out, "nothing to draw"},
 		{"no dir", []*Run{r}, nil, Options{}, filepath.Join(dir, "missing", "c.png"), "missing"},
 	} {
 		_, err := Write(c.path, c.runs, c.hlines, c.o)
@@ -294,6 +303,36 @@ func TestWriteErrors(t *testing.T) {
 	}
 	if ents, _ := os.ReadDir(dir); len(ents) != 0 {
 		t.Errorf("left behind: %v", ents)
+	}
+}
+
+// TestSelect: chosen panels come in the order asked for; From leaves out
+// the points of earlier steps, train and eval alike, and a run left
+// with none in a panel is not in its legend.
+func TestSelect(t *testing.T) {
+	long, err := Load(writeRun(t, "long", metricsOf(40, true, 0)), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	short, err := Load(writeRun(t, "short", metricsOf(12, false, 0)), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ps, err := Panels([]*Run{long, short}, nil, Select{Panels: []string{"ce", "lr"}, From: 15})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ps) != 2 || ps[0].Name != "ce" || ps[1].Name != "lr" {
+		t.Fatalf("panels %+v", ps)
+	}
+	if !reflect.DeepEqual(ps[0].Series, []string{"long", "long eval"}) {
+		t.Errorf("ce series %v: the short run ends at step 12", ps[0].Series)
+	}
+	// The plotted data: the first x of every line is >= 15.
+	for _, p := range ps {
+		if p.Plot.X.Min < 15 {
+			t.Errorf("panel %s starts at step %g", p.Name, p.Plot.X.Min)
+		}
 	}
 }
 
