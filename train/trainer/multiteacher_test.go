@@ -373,3 +373,46 @@ func TestMultiTeacherConfig(t *testing.T) {
 		t.Fatalf("caches %+v", got)
 	}
 }
+
+// TestMultiTeacherDocs: examples/multiteacher.yaml loads with its two
+// teachers, and examples/train.yaml's commented data.caches block,
+// uncommented in place of data.cache, loads too (its keys are spelled as
+// the config reads them).
+func TestMultiTeacherDocs(t *testing.T) {
+	c, err := LoadConfig("../../examples/multiteacher.yaml", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cs := c.Data.Caches; len(cs) != 2 || cs[0].teacherName(0) != "general" || cs[1].weight() != 0.3 {
+		t.Fatalf("examples/multiteacher.yaml: %+v", c.Data)
+	}
+	b, err := os.ReadFile("../../examples/train.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	in := false
+	for _, line := range strings.Split(string(b), "\n") {
+		switch {
+		case strings.HasPrefix(line, "  cache:"):
+			continue
+		case strings.HasPrefix(line, "  # caches:"):
+			in = true
+		case in && !strings.HasPrefix(line, "  #   "):
+			in = false
+		}
+		if in {
+			line = "  " + strings.TrimPrefix(line, "  # ")
+		}
+		out = append(out, line)
+	}
+	p := filepath.Join(t.TempDir(), "multi.yaml")
+	os.WriteFile(p, []byte(strings.Join(out, "\n")), 0o644)
+	c, err = LoadConfig(p, nil)
+	if err != nil {
+		t.Fatalf("examples/train.yaml's data.caches block: %v", err)
+	}
+	if cs := c.Data.Caches; len(cs) != 2 || cs[0].teacherName(0) != "a" || cs[0].weight() != 0.7 || len(cs[1].Dir) != 2 || cs[1].weight() != 0.3 {
+		t.Fatalf("examples/train.yaml's data.caches block read as %+v", cs)
+	}
+}

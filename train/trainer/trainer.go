@@ -50,6 +50,24 @@
 // packing. The position in the order is (epoch, samples pulled), which a
 // checkpoint stores; resuming replays the order to it.
 //
+// # Several teachers
+//
+// data.caches names several teachers' caches over the same samples, each
+// with a name and a weight: multi-teacher KD, whose KD term is the weighted
+// sum of the teachers' divergences (package loss, Multi-teacher KD). Before
+// step 1 every cache is checked against the student (vocabulary,
+// tokenizer) and against the first (dataset fingerprint, sample count,
+// capture temperature, and every sample the first holds is committed in
+// it); each sample's tokens and mask are compared with the first cache's
+// as they are read, and a difference is an error naming the sample, the
+// position and both caches. The first cache's shuffled order is the
+// training order and the data position; the others are read by index.
+// The per-teacher KD and top-1 agreement go to metrics.jsonl ("teachers"),
+// TensorBoard (train/kd/NAME, train/top1_agreement/NAME, and eval/...) and
+// the log lines. A checkpoint records the teachers (name, fingerprint,
+// weight): a resume with other teachers or another number of them is
+// refused; new weights are allowed and said.
+//
 // # Datasets (SFT)
 //
 // data.dataset names files that package data reads and tokenizes exactly
