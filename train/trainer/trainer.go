@@ -785,6 +785,9 @@ func configData(cfg *Config, m *cache.Manifest) string {
 	if cfg.Data.Dataset != nil {
 		return fmt.Sprintf("data.dataset is dataset %.12s (its files, the tokenizer, the chat template or an option that changes the tokens differ)", m.DatasetFingerprint)
 	}
+	if len(cfg.Data.Caches) > 0 {
+		return fmt.Sprintf("data.caches[0] is teacher %.12s / dataset %.12s", m.TeacherFingerprint, m.DatasetFingerprint)
+	}
 	return fmt.Sprintf("data.cache is teacher %.12s / dataset %.12s", m.TeacherFingerprint, m.DatasetFingerprint)
 }
 
