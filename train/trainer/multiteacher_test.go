@@ -416,3 +416,29 @@ func TestMultiTeacherDocs(t *testing.T) {
 		t.Fatalf("examples/train.yaml's data.caches block read as %+v", cs)
 	}
 }
+
+// TestMultiTeacherTruncate: with data.truncate, a sample cut to seq_len
+// has every teacher's top-k cut alike (else the row's teachers would not
+// match its tokens and the loss would refuse it), and two identical
+// teachers at 0.5/0.5 still equal the single teacher.
+func TestMultiTeacherTruncate(t *testing.T) {
+	a := mtCache(t, teacherSpec{teacher: 1, k: 8, chunk: 16})
+	b := mtCache(t, teacherSpec{teacher: 2, k: 3, chunk: 16})
+	over := []string{"data.seq_len=20", "data.truncate=true", "train.max_steps=3", "eval.every=0", "checkpoint.every=0"}
+	single, err := Run(mtConfig(t, filepath.Join(t.TempDir(), "single"), a, over...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	halves, err := Run(mtConfig(t, filepath.Join(t.TempDir(), "halves"), fmt.Sprintf("[{dir: %s, weight: 0.5}, {dir: %s, weight: 0.5}]", a, a), over...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, s := range halves.Steps {
+		if w := single.Steps[i]; s.Loss != w.Loss || s.GradNorm != w.GradNorm || s.Tokens != w.Tokens {
+			t.Fatalf("step %d: halves loss %.17g |g| %.17g tokens %d, single %.17g %.17g %d", s.Step, s.Loss, s.GradNorm, s.Tokens, w.Loss, w.GradNorm, w.Tokens)
+		}
+	}
+	if _, err := Run(mtConfig(t, filepath.Join(t.TempDir(), "two"), fmt.Sprintf("[{dir: %s}, {dir: %s}]", a, b), over...), Options{Log: io.Discard}); err != nil {
+		t.Fatalf("two teachers with truncated samples: %v", err)
+	}
+}
