@@ -87,8 +87,9 @@
 //
 // # Multi-teacher KD
 //
-// With several teachers (Targets.Teachers: teacher t's top-k K_t,t and a
-// weight w_t >= 0), KD = Σ_t w_t·D_t, where D_t is teacher t's divergence
+// With several teachers (Targets.Teachers: teacher t's top-k ids K^t at
+// each position, k may differ, and a weight w_t >= 0; at least one
+// weight > 0), KD = Σ_t w_t·D_t, where D_t is teacher t's divergence
 // exactly as above under the configured tail mode, and Total is as above
 // with this KD. The kernels are unchanged: pass 1 runs with, per counted
 // position, the union U of the teachers' ids, padded to the batch's widest
@@ -105,10 +106,10 @@
 // each teacher's top-1 agreement: the student's argmax over U is its
 // argmax over the vocabulary when its probability exceeds the mass
 // outside U; the positions where that does not decide it run the LM
-// head's streaming top-1 on their hidden states. One teacher through
-// Teachers gives the single-teacher loss (to float rounding: its ids'
-// coefficients are computed on the host instead of in the kernel only
-// when padding is added, which one teacher never needs).
+// head's streaming top-1 on their hidden states (one more LM-head
+// forward at most, over those positions only). One teacher of weight 1,
+// or two identical teachers at 0.5/0.5, give the single-teacher loss and
+// gradient bit for bit. With KDWeight 0 the teachers are not read.
 package loss
 
 import (
