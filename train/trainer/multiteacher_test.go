@@ -173,6 +173,14 @@ func TestMultiTeacherHalvesEqualSingle(t *testing.T) {
 	if lines != 12+2 {
 		t.Fatalf("metrics.jsonl has %d lines, want 12 steps + 2 evals", lines)
 	}
+	// The resolved config.yaml loads back with the same teachers.
+	rc, err := LoadConfig(filepath.Join(runDir, "config.yaml"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cs := rc.Data.Caches; len(cs) != 2 || cs[0].Name != "a" || cs[1].weight() != 0.5 || len(cs[1].Dir) != 1 || cs[1].Dir[0] != a {
+		t.Fatalf("resolved config.yaml: data.caches %+v", cs)
+	}
 	if l := log.String(); !strings.Contains(l, "step 4/12 loss") || !strings.Contains(l, "[a kd ") || !strings.Contains(l, ", t1 kd ") ||
 		!strings.Contains(l, " top1 ") || !strings.Contains(l, "eval step 12:") {
 		t.Fatalf("log lines without the per-teacher numbers:\n%s", l)
