@@ -20,8 +20,9 @@ type Reader struct {
 	fs     FS
 	chunks []ReaderChunk
 
-	mu  sync.Mutex
-	lru []*chunk // most recently used last; for Get
+	mu        sync.Mutex
+	lru       []*chunk // most recently used last; for Get
+	getChunks int      // lru's capacity; 0: getCacheChunks
 }
 
 // ReaderChunk is a committed chunk and the directory holding it.
@@ -34,7 +35,20 @@ type ReaderChunk struct {
 // Path returns the chunk file's path.
 func (rc *ReaderChunk) Path() string { return filepath.Join(rc.Dir, chunksDir, rc.File) }
 
-const getCacheChunks = 2 // decoded chunks Get keeps for locality
+const getCacheChunks = 2 // decoded chunks Get keeps for locality, by default
+
+// SetGetCache sets how many decoded chunks Get keeps (default 2): a
+// caller reading samples in another cache's shuffled order (several
+// teachers' caches over the same samples) needs as many as that order
+// touches at a time, or every Get decodes a chunk again.
+func (r *Reader) SetGetCache(chunks int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.getChunks = max(chunks, 1)
+	for len(r.lru) > r.getChunks {
+		r.lru = r.lru[1:]
+	}
+}
 
 // OpenReader opens dirs as one cache. Every directory must hold a cache
 // whose manifest agrees with the first one's (the error names the field and
@@ -166,7 +180,11 @@ func (r *Reader) getChunk(k int) (*chunk, error) {
 	if err != nil {
 		return nil, err
 	}
-	if len(r.lru) == getCacheChunks {
+	n := r.getChunks
+	if n == 0 {
+		n = getCacheChunks
+	}
+	if len(r.lru) >= n {
 		r.lru = r.lru[1:]
 	}
 	r.lru = append(r.lru, c)

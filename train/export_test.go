@@ -7,6 +7,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"reflect"
 	"testing"
 
 	"distill/compute"
@@ -264,7 +265,7 @@ func TestQADStateRoundTrip(t *testing.T) {
 		t.Fatal(err)
 	}
 	got, _ := r.Forward(b, &opt)
-	if got != want {
+	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("restored QAD forward %+v, calibrated %+v", got, want)
 	}
 	plain, _ := NewStudent(cfg)

@@ -25,6 +25,7 @@ func runEval(args []string) error {
 	ckpt := fs.String("checkpoint", "", "run directory (newest checkpoint), checkpoint directory or HF checkpoint (required)")
 	config := fs.String("config", "", "config whose distill section, data.cache (or data.dataset), data.seq_len and data.eval_range are used: a training config, or one with only distill: (and data:) (optional)")
 	cacheDirs := fs.String("cache", "", "cache directories, comma-separated (default: the config's data.cache)")
+	cachesFlag := fs.String("caches", "", "several teachers' caches over the same samples, comma-separated, each DIR or NAME=DIR (names t0, t1, ... by default; weights 1): KD and top-1 agreement per teacher (default: the config's data.caches, with its names and weights)")
 	rng := fs.String("range", "", "sample range START:END (default: the config's data.eval_range, else every sample)")
 	seqLen := fs.Int("seq-len", 0, "packed row length (default: the config's data.seq_len, else 2048)")
 	tokFP := fs.String("tokenizer-fingerprint", "", "the student's tokenizer fingerprint (default: the checkpoint's, the config's)")
@@ -73,8 +74,32 @@ func runEval(args []string) error {
 	if err != nil {
 		return err
 	}
-	if cfg.Data.Dataset != nil && *cacheDirs == "" {
+	if *cacheDirs != "" && *cachesFlag != "" {
+		return fmt.Errorf("give only one of --cache (one teacher's cache) and --caches (several teachers' caches)")
+	}
+	tcs := cfg.Data.Caches
+	if *cachesFlag != "" {
+		tcs = nil
+		for _, e := range strings.Split(*cachesFlag, ",") {
+			name, dir, ok := strings.Cut(e, "=")
+			if !ok {
+				name, dir = "", e
+			}
+			if dir == "" {
+				return fmt.Errorf("--caches %q: an empty entry: want DIR or NAME=DIR, comma-separated", *cachesFlag)
+			}
+			tcs = append(tcs, trainer.TeacherCache{Dir: trainer.Dirs{dir}, Name: name})
+		}
+		cfg.Data.Caches = tcs
+		if err := cfg.ValidateEval(); err != nil {
+			return fmt.Errorf("--caches: %w", err)
+		}
+	}
+	if cfg.Data.Dataset != nil && *cacheDirs == "" && len(tcs) == 0 {
 		return evalDataset(s, st, &cfg, *tokDir, *rng, *seqLen, *asJSON)
+	}
+	if len(tcs) > 0 && *cacheDirs == "" {
+		return evalTeachers(s, st, &cfg, tcs, *tokFP, *tokDir, *rng, *seqLen, *asJSON)
 	}
 	dirs := cfg.Data.Cache
 	if *cacheDirs != "" {
@@ -88,21 +113,9 @@ func runEval(args []string) error {
 		return err
 	}
 	m := rd.Manifest()
-	fp := *tokFP
-	switch {
-	case fp != "":
-	case *tokDir != "":
-		tk, err := tokenizer.Load(*tokDir)
-		if err != nil {
-			return err
-		}
-		fp = tk.Fingerprint()
-	case st != nil && st.TokenizerFingerprint != "":
-		fp = st.TokenizerFingerprint
-	case cfg.Model.TokenizerFingerprint != "":
-		fp = cfg.Model.TokenizerFingerprint
-	default:
-		return fmt.Errorf("the student's tokenizer is unknown: give --tokenizer DIR or --tokenizer-fingerprint (a trainer checkpoint records it)")
+	fp, err := studentTokenizer(st, &cfg, *tokFP, *tokDir)
+	if err != nil {
+		return err
 	}
 	if err := trainer.CheckCache(s.Cfg, fp, &m, strings.Join(dirs, ",")); err != nil {
 		return err
@@ -138,6 +151,79 @@ func runEval(args []string) error {
 	d := cfg.Distill
 	fmt.Fprintf(stdout, "samples %v (%d), %d loss positions\nloss %.5f  kd(%s, tail %s, T %g) %.5f  ce %.5f  token_accuracy %.4f  top1_agreement %.4f\n",
 		r, es.Samples, es.Tokens, es.Loss, d.KDLoss, d.Tail, d.Temperature, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement)
+	return nil
+}
+
+// studentTokenizer is the student's tokenizer fingerprint: --tokenizer-fingerprint,
+// --tokenizer's, the checkpoint's, or the config's.
+func studentTokenizer(st *trainer.State, cfg *trainer.Config, tokFP, tokDir string) (string, error) {
+	switch {
+	case tokFP != "":
+		return tokFP, nil
+	case tokDir != "":
+		tk, err := tokenizer.Load(tokDir)
+		if err != nil {
+			return "", err
+		}
+		return tk.Fingerprint(), nil
+	case st != nil && st.TokenizerFingerprint != "":
+		return st.TokenizerFingerprint, nil
+	case cfg.Model.TokenizerFingerprint != "":
+		return cfg.Model.TokenizerFingerprint, nil
+	}
+	return "", fmt.Errorf("the student's tokenizer is unknown: give --tokenizer DIR or --tokenizer-fingerprint (a trainer checkpoint records it)")
+}
+
+// evalTeachers is `student eval` on several teachers' caches (--caches or
+// the config's data.caches): the objective's KD is the weighted sum of the
+// teachers' divergences, and each teacher's KD and top-1 agreement are
+// printed beside it.
+func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, tcs []trainer.TeacherCache, tokFP, tokDir, rng string, seqLen int, asJSON bool) error {
+	fp, err := studentTokenizer(st, cfg, tokFP, tokDir)
+	if err != nil {
+		return err
+	}
+	// Teacher 0's manifest: the capture temperature the loss needs (the
+	// others must agree, which EvaluateTeachers checks) and the samples.
+	rd, err := cache.OpenReader(tcs[0].Dir...)
+	if err != nil {
+		return err
+	}
+	m := rd.Manifest()
+	r := cache.Range{Start: 0, End: m.Samples}
+	if len(cfg.Data.EvalRange) == 2 {
+		r = cache.Range{Start: cfg.Data.EvalRange[0], End: cfg.Data.EvalRange[1]}
+	}
+	if rng != "" {
+		a, b, ok := strings.Cut(rng, ":")
+		x, err1 := strconv.ParseInt(a, 10, 64)
+		y, err2 := strconv.ParseInt(b, 10, 64)
+		if !ok || err1 != nil || err2 != nil || x < 0 || y <= x || y > m.Samples {
+			return fmt.Errorf("--range %q: want START:END with 0 <= START < END <= %d (the caches' samples)", rng, m.Samples)
+		}
+		r = cache.Range{Start: x, End: y}
+	}
+	if seqLen > 0 {
+		cfg.Data.SeqLen = seqLen
+	}
+	lo := cfg.LossOptions(float64(m.Temperature))
+	if err := lo.Validate(); err != nil {
+		return fmt.Errorf("distill (caches captured at temperature %g): %w", m.Temperature, err)
+	}
+	es, err := trainer.EvaluateTeachers(s, fp, tcs, r, cfg.Data.SeqLen, cfg.Data.Truncate, &lo)
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, Loss: cfg.Distill,
+			TeacherTemperature: float64(m.Temperature)})
+	}
+	d := cfg.Distill
+	fmt.Fprintf(stdout, "samples %v (%d), %d loss positions, %d teachers\nloss %.5f  kd(%s, tail %s, T %g; weighted sum) %.5f  ce %.5f  token_accuracy %.4f  top1_agreement %.4f (weighted mean)\n",
+		r, es.Samples, es.Tokens, len(es.Teachers), es.Loss, d.KDLoss, d.Tail, d.Temperature, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement)
+	for _, t := range es.Teachers {
+		fmt.Fprintf(stdout, "teacher %s (weight %g): kd %.5f  top1_agreement %.4f\n", t.Name, t.Weight, t.KD, t.Top1)
+	}
 	return nil
 }
 

@@ -84,6 +84,32 @@
 // so ∂L/∂s_v = (h_v - q̃_v·H)·[v∈K] and nothing outside K. The backward
 // pass needs only h and H per position (and the K entries' coefficients),
 // and q_v, recomputed in each tile from the saved log-sum-exp.
+//
+// # Multi-teacher KD
+//
+// With several teachers (Targets.Teachers: teacher t's top-k ids K^t at
+// each position, k may differ, and a weight w_t >= 0; at least one
+// weight > 0), KD = Σ_t w_t·D_t, where D_t is teacher t's divergence
+// exactly as above under the configured tail mode, and Total is as above
+// with this KD. The kernels are unchanged: pass 1 runs with, per counted
+// position, the union U of the teachers' ids, padded to the batch's widest
+// union with further distinct ids (the kernels take one K per call), so it
+// returns z at every teacher's ids and the tail outside U. Teacher t's
+// tail is that tail plus q_v over the columns of U outside its set,
+// summed term by term (never 1 - Σ q), so it keeps its digits as the
+// single-teacher tail does. The gradient is the weighted sum of the
+// teachers' gradients above: explicit coefficients on the columns of U
+// (a teacher's term on a column outside its set is its tail coefficient
+// times q_v, or 0 under renormalize) and Σ_t w_t·(h_tail,t/q_tail,t - H_t)·q_v
+// (bucket; -H_t under zero, 0 under renormalize) on every v outside U,
+// the form LossHeadBackward takes. Stats.Teachers reports each D_t and
+// each teacher's top-1 agreement: the student's argmax over U is its
+// argmax over the vocabulary when its probability exceeds the mass
+// outside U; the positions where that does not decide it run the LM
+// head's streaming top-1 on their hidden states (one more LM-head
+// forward at most, over those positions only). One teacher of weight 1,
+// or two identical teachers at 0.5/0.5, give the single-teacher loss and
+// gradient bit for bit. With KDWeight 0 the teachers are not read.
 package loss
 
 import (
@@ -202,6 +228,34 @@ type Targets struct {
 	TopIDs []int32 // (N, K) teacher ids at each position, distinct per row
 	TopLP  []float32
 	// TopLP (N, K): teacher log-probs normalized over the full vocabulary.
+
+	// Teachers, when set, replace K, TopIDs and TopLP (which must then be
+	// unset): several teachers' top-k over the same tokens, and the KD
+	// term is the weighted sum of their divergences (see Multi-teacher KD
+	// in the package doc).
+	Teachers []Teacher
+}
+
+// Teacher is one teacher's top-k over a packed batch, for multi-teacher
+// KD (Targets.Teachers).
+type Teacher struct {
+	// Weight w_t of this teacher's divergence in the KD term (>= 0).
+	Weight float64
+	K      int       // its top-k per position
+	TopIDs []int32   // (N, K) ids, distinct per row, by descending probability
+	TopLP  []float32 // (N, K) log-probs normalized over the full vocabulary
+}
+
+// TeacherStats are one teacher's numbers over a batch's counted
+// positions (multi-teacher KD).
+type TeacherStats struct {
+	// KD is the teacher's divergence D_t, a mean over the counted
+	// positions, before its weight, KDWeight and T².
+	KD float64
+	// Top1 is the fraction of counted positions where the student's
+	// argmax over the whole vocabulary (ties: lowest id) is the teacher's
+	// top-1 (its rank 0).
+	Top1 float64
 }
 
 // Stats are one batch's loss values, means over the counted positions.
@@ -210,6 +264,9 @@ type Stats struct {
 	KD     float64 // the divergence, before KDWeight and T²
 	CE     float64 // cross-entropy on the labels
 	Tokens int     // counted positions
+	// Teachers are the per-teacher numbers of a multi-teacher batch
+	// (Targets.Teachers), in its order; KD is then Σ_t w_t·Teachers[t].KD.
+	Teachers []TeacherStats
 }
 
 // Head is the fused LM head + loss on a backend. It keeps its host
@@ -226,6 +283,10 @@ type Head struct {
 	ids        []int32 // (M,K) teacher ids in ascending order
 	order      []int32 // (M,K) rank j of the c-th ascending id
 	stamp      []int32 // (V) duplicate-id detector
+
+	// Multi-teacher scratch (multi.go).
+	ustamp, slot []int32 // (V) union membership of the row, column of an id
+	topkRows     int     // positions of the last call whose argmax needed the LM head's top-1
 }
 
 // Check validates the packing and the token ids of a batch for a
@@ -312,6 +373,14 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 	if w.Len() != h.V*h.C {
 		return Stats{}, fmt.Errorf("%w: lm_head has %d values, want vocab %d x hidden %d", ErrInvalid, w.Len(), h.V, h.C)
 	}
+	if len(tg.Teachers) > 0 {
+		if tg.K != 0 || tg.TopIDs != nil || tg.TopLP != nil {
+			return Stats{}, fmt.Errorf("%w: the targets set both one teacher's top-k (K, TopIDs, TopLP) and Teachers: set only Teachers for several teachers", ErrInvalid)
+		}
+		if opt.KDWeight > 0 {
+			return h.runMulti(x, w, dx, dw, tg, opt, normalizer)
+		}
+	}
 	if err := h.validate(x, tg, opt); err != nil {
 		return Stats{}, err
 	}
@@ -321,16 +390,7 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 	if useKD {
 		K = tg.K
 	}
-	// Counted positions: t -> label t+1 in the same sample, masked in.
-	h.rows, h.labs = h.rows[:0], h.labs[:0]
-	for s := 0; s+1 < len(tg.Starts); s++ {
-		for t := tg.Starts[s]; t+1 < tg.Starts[s+1]; t++ {
-			if tg.Mask[t+1] != 0 {
-				h.rows = append(h.rows, t)
-				h.labs = append(h.labs, tg.Tokens[t+1])
-			}
-		}
-	}
+	h.countRows(tg)
 	M := len(h.rows)
 	if M == 0 {
 		return Stats{}, nil
@@ -477,6 +537,20 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 	}
 	be.LossHeadBackward(lh, coef, dx, dw)
 	return st, nil
+}
+
+// countRows sets h.rows and h.labs to the counted positions: t -> label
+// t+1 in the same sample, masked in.
+func (h *Head) countRows(tg *Targets) {
+	h.rows, h.labs = h.rows[:0], h.labs[:0]
+	for s := 0; s+1 < len(tg.Starts); s++ {
+		for t := tg.Starts[s]; t+1 < tg.Starts[s+1]; t++ {
+			if tg.Mask[t+1] != 0 {
+				h.rows = append(h.rows, t)
+				h.labs = append(h.labs, tg.Tokens[t+1])
+			}
+		}
+	}
 }
 
 // logSoftmaxK writes log softmax(lp·f) over the k entries of lp to out.

@@ -18,11 +18,16 @@ import (
 
 // Options describe the cache to build.
 type Options struct {
-	Dir                  string // the cache goes to Dir/cache, the teacher to Dir/teacher
-	Vocab, K             int
-	Samples, Chunk       int // sample count and samples per chunk
-	MinLen, MaxLen       int // sample lengths, uniform in [MinLen, MaxLen]
-	Seed                 uint64
+	Dir            string // the cache goes to Dir/cache, the teacher to Dir/teacher
+	Vocab, K       int
+	Samples, Chunk int // sample count and samples per chunk
+	MinLen, MaxLen int // sample lengths, uniform in [MinLen, MaxLen]
+	Seed           uint64
+	// TeacherSeed seeds the teacher's weights (0: Seed). The tokens,
+	// masks and dataset fingerprint do not depend on it, so caches built
+	// with the same options but TeacherSeed (and K) cover the same
+	// samples: several teachers, for multi-teacher KD.
+	TeacherSeed          uint64
 	TokenizerFingerprint string  // default "testcache-tokenizer"
 	Temperature          float32 // capture temperature, default 1
 	Lossless             bool
@@ -43,6 +48,10 @@ func Build(o Options) (*Built, error) {
 	if o.Temperature == 0 {
 		o.Temperature = 1
 	}
+	teacherSeed := o.TeacherSeed
+	if teacherSeed == 0 {
+		teacherSeed = o.Seed
+	}
 	b := &Built{CacheDir: filepath.Join(o.Dir, "cache"), TeacherDir: filepath.Join(o.Dir, "teacher")}
 	cfg, err := model.Preset(model.ArchQwen3)
 	if err != nil {
@@ -51,7 +60,7 @@ func Build(o Options) (*Built, error) {
 	cfg.VocabSize, cfg.Hidden, cfg.Heads, cfg.KVHeads, cfg.HeadDim, cfg.Intermediate = o.Vocab, 32, 4, 2, 8, 64
 	// A larger init std than HF's 0.02 gives the teacher peaked, varied
 	// distributions, so a student has something to learn.
-	if err := model.WriteCheckpoint(b.TeacherDir, cfg, model.Init(cfg, model.InitOptions{Seed: o.Seed, Std: 0.3}), "BF16"); err != nil {
+	if err := model.WriteCheckpoint(b.TeacherDir, cfg, model.Init(cfg, model.InitOptions{Seed: teacherSeed, Std: 0.3}), "BF16"); err != nil {
 		return nil, err
 	}
 	tm, err := infer.Load(b.TeacherDir, device.CPU(0))

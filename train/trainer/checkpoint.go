@@ -67,6 +67,65 @@ type State struct {
 	LossDefinition int    `json:"loss_definition,omitempty"`
 	KDLoss         string `json:"kd_loss,omitempty"`
 	Tail           string `json:"tail,omitempty"`
+	// Teachers of multi-teacher KD (data.caches), in order; absent with
+	// one teacher (data.cache) or none (data.dataset).
+	Teachers []TeacherState `json:"teachers,omitempty"`
+}
+
+// TeacherState is one teacher of a multi-teacher run, as a checkpoint
+// records it.
+type TeacherState struct {
+	Name        string  `json:"name"`
+	Fingerprint string  `json:"teacher_fingerprint"`
+	Weight      float64 `json:"weight"`
+}
+
+// setTeachers records the teachers of ts (nil: one teacher or none).
+func (st *State) setTeachers(ts *teacherSet) {
+	st.Teachers = nil
+	if ts == nil {
+		return
+	}
+	for i := range ts.rds {
+		st.Teachers = append(st.Teachers, TeacherState{Name: ts.names[i], Fingerprint: ts.ms[i].TeacherFingerprint, Weight: ts.weights[i]})
+	}
+}
+
+// checkTeachers refuses a resume whose teachers differ from the
+// checkpoint's (another number of teachers, or another teacher's cache at
+// a position): the KD term would be another objective under the same
+// name. A change of weights is allowed and noted on log, like a change of
+// kd_loss.
+func (st *State) checkTeachers(ts *teacherSet, ckpt string, log io.Writer) error {
+	n := 0
+	if ts != nil {
+		n = len(ts.rds)
+	}
+	fresh := fmt.Sprintf("restore the config's data section, or start a new run_dir from these weights (model.init_from: %s)", ckpt)
+	switch {
+	case len(st.Teachers) == 0 && n == 0:
+		return nil
+	case len(st.Teachers) == 0:
+		return fmt.Errorf("%w: %s was trained with one teacher (data.cache) but the config has %d teachers in data.caches: %s", ErrResume, ckpt, n, fresh)
+	case n == 0:
+		return fmt.Errorf("%w: %s was trained with %d teachers (data.caches) but the config has none there: %s", ErrResume, ckpt, len(st.Teachers), fresh)
+	case n != len(st.Teachers):
+		return fmt.Errorf("%w: %s was trained with %d teachers in data.caches, the config has %d: %s", ErrResume, ckpt, len(st.Teachers), n, fresh)
+	}
+	var changed []string
+	for i, t := range st.Teachers {
+		if fp := ts.ms[i].TeacherFingerprint; fp != t.Fingerprint {
+			return fmt.Errorf("%w: %s was trained with teacher %.12s (%s) as data.caches[%d], the config has %s with teacher %.12s: %s",
+				ErrResume, ckpt, t.Fingerprint, t.Name, i, ts.where(i), fp, fresh)
+		}
+		if w := ts.weights[i]; w != t.Weight {
+			changed = append(changed, fmt.Sprintf("%s %g -> %g", ts.names[i], t.Weight, w))
+		}
+	}
+	if len(changed) > 0 {
+		fmt.Fprintf(log, "resume: teacher weights changed (%s): the loss curve leaves the uninterrupted run's from here\n", strings.Join(changed, ", "))
+	}
+	return nil
 }
 
 // setLoss records the objective of cfg under this build's definitions.

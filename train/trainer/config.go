@@ -79,6 +79,11 @@ type RandomModel struct {
 // for plain SFT) and how they become packed rows.
 type DataConfig struct {
 	Cache []string `yaml:"cache"`
+	// Caches are several teachers' caches over the same samples (the
+	// same dataset, tokens and masks, checked sample by sample), for
+	// multi-teacher KD: the KD term is Σ weight·KD of each teacher.
+	// Instead of Cache; the first one's order is the training order.
+	Caches []TeacherCache `yaml:"caches"`
 	// Dataset trains on a dataset instead of a cache: supervised
 	// fine-tuning with no teacher (distill.kd_weight must be 0).
 	Dataset *DatasetConfig `yaml:"dataset"`
@@ -95,6 +100,97 @@ type DataConfig struct {
 	EvalRange []int64 `yaml:"eval_range"`
 	// ShuffleWindow is how many cache chunks are shuffled together.
 	ShuffleWindow int `yaml:"shuffle_window"`
+}
+
+// TeacherCache is one teacher of data.caches.
+type TeacherCache struct {
+	// Dir is the teacher's cache: one directory, or a list of directories
+	// that form one cache (as data.cache).
+	Dir Dirs `yaml:"dir"`
+	// Name names the teacher in metrics and logs (default t0, t1, ...).
+	Name string `yaml:"name"`
+	// Weight of its divergence in the KD term (default 1; 0 keeps it in
+	// the metrics only).
+	Weight *float64 `yaml:"weight"`
+}
+
+// Dirs are cache directories: a YAML string (one) or a list.
+type Dirs []string
+
+// UnmarshalYAML accepts `dir: DIR` and `dir: [DIR, ...]`.
+func (d *Dirs) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind == yaml.ScalarNode {
+		var s string
+		if err := n.Decode(&s); err != nil {
+			return err
+		}
+		*d = Dirs{s}
+		return nil
+	}
+	var l []string
+	if err := n.Decode(&l); err != nil {
+		return err
+	}
+	*d = l
+	return nil
+}
+
+// teacherName is the name data.caches[i] goes by.
+func (t *TeacherCache) teacherName(i int) string {
+	if t.Name != "" {
+		return t.Name
+	}
+	return fmt.Sprintf("t%d", i)
+}
+
+// weight is data.caches[i].weight, default 1.
+func (t *TeacherCache) weight() float64 {
+	if t.Weight == nil {
+		return 1
+	}
+	return *t.Weight
+}
+
+// validateCaches checks data.caches on its own: each entry's directory,
+// name (unique, usable as a metric key) and weight; the caches themselves
+// are checked against each other and the student when the run opens them.
+func (c *Config) validateCaches() error {
+	bad := func(key string, format string, a ...any) error {
+		return fmt.Errorf("%w: %s: %s", ErrConfig, key, fmt.Sprintf(format, a...))
+	}
+	seen := map[string]int{}
+	var wsum float64
+	for i := range c.Data.Caches {
+		t := &c.Data.Caches[i]
+		key := fmt.Sprintf("data.caches[%d]", i)
+		if len(t.Dir) == 0 {
+			return bad(key+".dir", "required: the teacher's cache directory")
+		}
+		for _, d := range t.Dir {
+			if strings.TrimSpace(d) == "" {
+				return bad(key+".dir", "empty path")
+			}
+		}
+		name := t.teacherName(i)
+		for _, r := range name {
+			if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '-' || r == '.') {
+				return bad(key+".name", "%q: use letters, digits, '_', '-' and '.' only (it becomes a metrics key)", name)
+			}
+		}
+		if j, ok := seen[name]; ok {
+			return bad(key+".name", "%q is also the name of data.caches[%d] (a default name is t<index>): give every teacher its own name", name, j)
+		}
+		seen[name] = i
+		w := t.weight()
+		if !(w >= 0) || math.IsInf(w, 0) {
+			return bad(key+".weight", "%g: want a finite number >= 0 (default 1)", w)
+		}
+		wsum += w
+	}
+	if len(c.Data.Caches) > 0 && wsum == 0 && c.Distill.KDWeight > 0 {
+		return bad("data.caches", "every teacher's weight is 0 with distill.kd_weight %g: there is nothing to distill from; give a teacher a weight > 0 (or set distill.kd_weight: 0)", c.Distill.KDWeight)
+	}
+	return nil
 }
 
 // DatasetConfig is a dataset that package data reads and tokenizes as
@@ -468,10 +564,12 @@ func (c *Config) Validate() error {
 		return bad("model", "set model.init_from (an HF checkpoint directory) or model.random (an architecture)")
 	case c.Model.InitFrom != "" && c.Model.Random != nil:
 		return bad("model", "set only one of model.init_from and model.random")
-	case len(c.Data.Cache) == 0 && c.Data.Dataset == nil:
-		return bad("data.cache", "required: one or more cache directories (or data.dataset, to fine-tune on a dataset without a teacher)")
-	case len(c.Data.Cache) > 0 && c.Data.Dataset != nil:
-		return bad("data", "set only one of data.cache (distillation from a teacher's cache) and data.dataset (SFT on a dataset, no teacher)")
+	case len(c.Data.Cache) == 0 && len(c.Data.Caches) == 0 && c.Data.Dataset == nil:
+		return bad("data.cache", "required: one or more cache directories (or data.caches, several teachers' caches; or data.dataset, to fine-tune on a dataset without a teacher)")
+	case len(c.Data.Cache) > 0 && len(c.Data.Caches) > 0:
+		return bad("data", "set only one of data.cache (one teacher's cache) and data.caches (several teachers' caches, each with its dir): move the directory into data.caches")
+	case (len(c.Data.Cache) > 0 || len(c.Data.Caches) > 0) && c.Data.Dataset != nil:
+		return bad("data", "set only one of data.cache or data.caches (distillation from teachers' caches) and data.dataset (SFT on a dataset, no teacher)")
 	case c.Data.SeqLen <= 0:
 		return bad("data.seq_len", "%d: want > 0", c.Data.SeqLen)
 	case c.Data.GlobalBatchTokens <= 0:
@@ -513,6 +611,9 @@ func (c *Config) Validate() error {
 		}
 	}
 	if err := c.validateDistill(); err != nil {
+		return err
+	}
+	if err := c.validateCaches(); err != nil {
 		return err
 	}
 	if r := c.Model.Random; r != nil {
@@ -675,6 +776,9 @@ func (c *Config) ValidateEval() error {
 		if err := c.validateDataset(); err != nil {
 			return err
 		}
+	}
+	if err := c.validateCaches(); err != nil {
+		return err
 	}
 	return c.validateDistill()
 }

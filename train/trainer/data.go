@@ -2,9 +2,11 @@ package trainer
 
 import (
 	"fmt"
+	"slices"
 
 	"distill/cache"
 	"distill/train"
+	"distill/train/loss"
 )
 
 // sampleStream is the training order of a data source: a cache's
@@ -116,6 +118,11 @@ type packer struct {
 	seqLen   int
 	truncate bool
 	k        int
+	// Multi-teacher KD (data.caches): multi are the rows' Teachers
+	// (weight and k; teacher 0's top-k is the sample's own), and more
+	// returns the other teachers' top-k of a sample. nil: one teacher.
+	multi []loss.Teacher
+	more  func(cache.Sample) ([]teacherTopK, error)
 }
 
 // fit returns s cut to seqLen, or an error if it is longer and truncation
@@ -132,17 +139,41 @@ func (p *packer) fit(s cache.Sample) (cache.Sample, error) {
 	return cache.Sample{Index: s.Index, Tokens: s.Tokens[:n], Mask: s.Mask[:n], TopKIDs: s.TopKIDs[:n*p.k], TopKLogProbs: s.TopKLogProbs[:n*p.k]}, nil
 }
 
-// appendSample adds s to row b (which has room).
-func (p *packer) appendSample(b *train.Batch, s cache.Sample) {
+// appendSample adds s to row b (which has room), with the other teachers'
+// top-k of s under multi-teacher KD (more is nil otherwise).
+func (p *packer) appendSample(b *train.Batch, s cache.Sample, more []teacherTopK) {
 	if len(b.Starts) == 0 {
 		b.Starts = []int32{0}
 	}
-	b.K = p.k
 	b.Tokens = append(b.Tokens, s.Tokens...)
 	b.Mask = append(b.Mask, s.Mask...)
-	b.TopIDs = append(b.TopIDs, s.TopKIDs...)
-	b.TopLP = append(b.TopLP, s.TopKLogProbs...)
+	if p.multi != nil {
+		if b.Teachers == nil {
+			b.Teachers = slices.Clone(p.multi)
+		}
+		t0 := &b.Teachers[0]
+		t0.TopIDs = append(t0.TopIDs, s.TopKIDs...)
+		t0.TopLP = append(t0.TopLP, s.TopKLogProbs...)
+		n := len(s.Tokens) // fit may have cut s: cut the others alike
+		for i, m := range more {
+			t, k := &b.Teachers[i+1], b.Teachers[i+1].K
+			t.TopIDs = append(t.TopIDs, m.IDs[:n*k]...)
+			t.TopLP = append(t.TopLP, m.LPs[:n*k]...)
+		}
+	} else {
+		b.K = p.k
+		b.TopIDs = append(b.TopIDs, s.TopKIDs...)
+		b.TopLP = append(b.TopLP, s.TopKLogProbs...)
+	}
 	b.Starts = append(b.Starts, int32(len(b.Tokens)))
+}
+
+// moreOf returns the other teachers' top-k of s (nil with one teacher).
+func (p *packer) moreOf(s cache.Sample) ([]teacherTopK, error) {
+	if p.more == nil {
+		return nil, nil
+	}
+	return p.more(s)
 }
 
 // counted is the number of loss positions of a row (t -> t+1 in the same
@@ -173,6 +204,10 @@ func (p *packer) nextStep(st sampleStream, tokens int) ([]*train.Batch, error) {
 		if len(s.Tokens) == 0 {
 			continue // a record the data layer dropped or skipped
 		}
+		more, err := p.moreOf(s)
+		if err != nil {
+			return nil, err
+		}
 		if s, err = p.fit(s); err != nil {
 			return nil, err
 		}
@@ -180,7 +215,7 @@ func (p *packer) nextStep(st sampleStream, tokens int) ([]*train.Batch, error) {
 			rows = append(rows, cur)
 			cur = &train.Batch{}
 		}
-		p.appendSample(cur, s)
+		p.appendSample(cur, s, more)
 		n += len(s.Tokens)
 	}
 	return append(rows, cur), nil
@@ -214,6 +249,10 @@ func (p *packer) packRows(n int, get func(k int) (cache.Sample, error)) ([]*trai
 		if len(s.Tokens) == 0 {
 			continue // a record the data layer dropped or skipped
 		}
+		more, err := p.moreOf(s)
+		if err != nil {
+			return nil, 0, err
+		}
 		if s, err = p.fit(s); err != nil {
 			return nil, 0, err
 		}
@@ -221,7 +260,7 @@ func (p *packer) packRows(n int, get func(k int) (cache.Sample, error)) ([]*trai
 			rows = append(rows, cur)
 			cur = &train.Batch{}
 		}
-		p.appendSample(cur, s)
+		p.appendSample(cur, s, more)
 		used++
 	}
 	if len(cur.Tokens) > 0 {

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"syscall"
 	"testing"
@@ -338,7 +339,7 @@ func TestDatasetSFTResume(t *testing.T) {
 			}
 		}
 		for i, e := range rest.Evals {
-			if e != full.Evals[len(full.Evals)-len(rest.Evals)+i] {
+			if !reflect.DeepEqual(e, full.Evals[len(full.Evals)-len(rest.Evals)+i]) {
 				t.Fatalf("%s: eval %+v vs %+v", what, e, full.Evals[len(full.Evals)-len(rest.Evals)+i])
 			}
 		}

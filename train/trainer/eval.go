@@ -23,6 +23,10 @@ type EvalStats struct {
 	Top1Agreement float64 `json:"top1_agreement"`
 	Tokens        int     `json:"tokens"`
 	Samples       int     `json:"samples"`
+	// Teachers are the per-teacher numbers of multi-teacher KD
+	// (data.caches), in its order; Top1Agreement is then their
+	// weight-averaged agreement and KD the weighted sum of theirs.
+	Teachers []TeacherMetrics `json:"teachers,omitempty"`
 }
 
 // Evaluate runs the student over samples [r.Start, r.End) of rd, packed
@@ -43,12 +47,49 @@ func evaluate(s *train.Student, rd *cache.Reader, r cache.Range, seqLen int, tru
 	return evaluateRows(s, rows, n, opt, stop)
 }
 
+// evaluateTeachers is evaluate over several teachers' caches (data.caches).
+func evaluateTeachers(s *train.Student, ts *teacherSet, r cache.Range, seqLen int, truncate bool, opt *loss.Options, stop func() bool) (EvalStats, error) {
+	p := &packer{seqLen: seqLen, truncate: truncate, k: ts.ms[0].K, multi: ts.teachers(), more: ts.more}
+	rows, n, err := p.evalRows(ts.rds[0], r)
+	if err != nil {
+		return EvalStats{}, err
+	}
+	es, err := evaluateRows(s, rows, n, opt, stop)
+	for i := range es.Teachers {
+		es.Teachers[i].Name, es.Teachers[i].Weight = ts.names[i], ts.weights[i]
+	}
+	return es, err
+}
+
+// EvaluateTeachers is Evaluate with several teachers' caches over the same
+// samples (a config's data.caches, resolved names and weights default), with
+// each teacher's KD and top-1 agreement in EvalStats.Teachers. The caches
+// are checked against each other and the student (tokFP: its tokenizer
+// fingerprint).
+func EvaluateTeachers(s *train.Student, tokFP string, tcs []TeacherCache, r cache.Range, seqLen int, truncate bool, opt *loss.Options) (EvalStats, error) {
+	ts, err := openTeachers(tcs, 1)
+	if err != nil {
+		return EvalStats{}, err
+	}
+	if err := ts.check(s.Cfg, tokFP); err != nil {
+		return EvalStats{}, err
+	}
+	if r.End == 0 {
+		r.End = ts.ms[0].Samples
+	}
+	if r.Start < 0 || r.End <= r.Start || r.End > ts.ms[0].Samples {
+		return EvalStats{}, fmt.Errorf("%w: sample range %v: want 0 <= start < end <= %d (the caches' samples)", ErrConfig, r, ts.ms[0].Samples)
+	}
+	return evaluateTeachers(s, ts, r, seqLen, truncate, opt, nil)
+}
+
 // evaluateRows evaluates packed rows holding n samples. Rows without a
 // teacher (K = 0, a dataset's) have no top-1 agreement: it stays 0.
 func evaluateRows(s *train.Student, rows []*train.Batch, n int, opt *loss.Options, stop func() bool) (EvalStats, error) {
 	var es EvalStats
 	es.Samples = n
 	var acc, agree int
+	var tAgree []int
 	for _, b := range rows {
 		if stop != nil && stop() {
 			return es, errStopped
@@ -62,6 +103,16 @@ func evaluateRows(s *train.Student, rows []*train.Batch, n int, opt *loss.Option
 		es.KD += st.KD * w
 		es.CE += st.CE * w
 		es.Tokens += st.Tokens
+		if len(b.Teachers) > 0 && es.Teachers == nil {
+			es.Teachers = make([]TeacherMetrics, len(b.Teachers))
+			tAgree = make([]int, len(b.Teachers))
+			for i, te := range b.Teachers {
+				es.Teachers[i].Weight = te.Weight
+			}
+		}
+		for i, ts := range st.Teachers {
+			es.Teachers[i].KD += ts.KD * w
+		}
 		pred, err := s.Predict(b)
 		if err != nil {
 			return es, err
@@ -77,6 +128,11 @@ func evaluateRows(s *train.Student, rows []*train.Batch, n int, opt *loss.Option
 				if b.K > 0 && pred[t] == b.TopIDs[int(t)*b.K] {
 					agree++
 				}
+				for i, te := range b.Teachers {
+					if pred[t] == te.TopIDs[int(t)*te.K] {
+						tAgree[i]++
+					}
+				}
 			}
 		}
 	}
@@ -84,6 +140,19 @@ func evaluateRows(s *train.Student, rows []*train.Batch, n int, opt *loss.Option
 		w := float64(es.Tokens)
 		es.Loss, es.KD, es.CE = es.Loss/w, es.KD/w, es.CE/w
 		es.TokenAccuracy, es.Top1Agreement = float64(acc)/w, float64(agree)/w
+		if len(es.Teachers) > 0 {
+			var a, ws float64
+			for i := range es.Teachers {
+				te := &es.Teachers[i]
+				te.KD /= w
+				te.Top1 = float64(tAgree[i]) / w
+				a += te.Weight * te.Top1
+				ws += te.Weight
+			}
+			if ws > 0 {
+				es.Top1Agreement = a / ws
+			}
+		}
 	}
 	return es, nil
 }

@@ -55,8 +55,8 @@ func (p *progress) step(sm StepMetrics) {
 		return
 	}
 	if sm.Step%p.every == 0 || sm.Step == p.total {
-		fmt.Fprintf(p.w, "step %d/%d loss %.4f kd %.4f ce %.4f lr %.3e grad_norm %.4f %.0f tok/s %.2f GFLOP/s peak %.0f MiB eta %s\n",
-			sm.Step, p.total, sm.Loss, sm.KD, sm.CE, sm.LR, sm.GradNorm, tps, sm.GFLOPs, float64(sm.PeakMemBytes)/(1<<20), eta)
+		fmt.Fprintf(p.w, "step %d/%d loss %.4f kd %.4f ce %.4f%s lr %.3e grad_norm %.4f %.0f tok/s %.2f GFLOP/s peak %.0f MiB eta %s\n",
+			sm.Step, p.total, sm.Loss, sm.KD, sm.CE, teachersLine(sm.Teachers), sm.LR, sm.GradNorm, tps, sm.GFLOPs, float64(sm.PeakMemBytes)/(1<<20), eta)
 	}
 }
 

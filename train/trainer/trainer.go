@@ -50,6 +50,24 @@
 // packing. The position in the order is (epoch, samples pulled), which a
 // checkpoint stores; resuming replays the order to it.
 //
+// # Several teachers
+//
+// data.caches names several teachers' caches over the same samples, each
+// with a name and a weight: multi-teacher KD, whose KD term is the weighted
+// sum of the teachers' divergences (package loss, Multi-teacher KD). Before
+// step 1 every cache is checked against the student (vocabulary,
+// tokenizer) and against the first (dataset fingerprint, sample count,
+// capture temperature, and every sample the first holds is committed in
+// it); each sample's tokens and mask are compared with the first cache's
+// as they are read, and a difference is an error naming the sample, the
+// position and both caches. The first cache's shuffled order is the
+// training order and the data position; the others are read by index.
+// The per-teacher KD and top-1 agreement go to metrics.jsonl ("teachers"),
+// TensorBoard (train/kd/NAME, train/top1_agreement/NAME, and eval/...) and
+// the log lines. A checkpoint records the teachers (name, fingerprint,
+// weight): a resume with other teachers or another number of them is
+// refused; new weights are allowed and said.
+//
 // # Datasets (SFT)
 //
 // data.dataset names files that package data reads and tokenizes exactly
@@ -179,6 +197,9 @@ type StepMetrics struct {
 	Skipped      bool    `json:"skipped,omitempty"` // non-finite gradient: no update
 	Epoch        int     `json:"epoch"`
 	WallTime     float64 `json:"wall_time"`
+	// Teachers are the per-teacher KD and top-1 agreement of
+	// multi-teacher KD (data.caches), in its order.
+	Teachers []TeacherMetrics `json:"teachers,omitempty"`
 }
 
 // Result summarizes a Run.
@@ -217,8 +238,15 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	var (
 		rd *cache.Reader
 		m  cache.Manifest
+		ts *teacherSet // data.caches: several teachers; rd is teacher 0's
 	)
-	if cfg.Data.Dataset == nil {
+	if len(cfg.Data.Caches) > 0 {
+		var err error
+		if ts, err = openTeachers(cfg.Data.Caches, cfg.Data.ShuffleWindow); err != nil {
+			return nil, err
+		}
+		rd, m = ts.rds[0], ts.ms[0]
+	} else if cfg.Data.Dataset == nil {
 		var err error
 		if rd, err = cache.OpenReader(cfg.Data.Cache...); err != nil {
 			return nil, err
@@ -285,6 +313,9 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		if err := st.checkLoss(cfg, ckpt, o.Log); err != nil {
 			return nil, err
 		}
+		if err := st.checkTeachers(ts, ckpt, o.Log); err != nil {
+			return nil, err
+		}
 		st.setLoss(cfg)
 		if cfg.Model.TokenizerFingerprint == "" {
 			cfg.Model.TokenizerFingerprint = st.TokenizerFingerprint
@@ -325,6 +356,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		m = cache.Manifest{DatasetFingerprint: ds.Fingerprint(), Samples: ds.Len(), VocabSize: s.Cfg.VocabSize, TokenizerFingerprint: fp}
 		fmt.Fprintf(o.Log, "dataset: %d samples from %s (fingerprint %.12s)\n", ds.Len(), strings.Join(dc.Files, ", "), ds.Fingerprint())
 	}
+	st.setTeachers(ts)
 	if ckpt == "" {
 		st.CacheTeacher, st.CacheDataset = m.TeacherFingerprint, m.DatasetFingerprint
 	} else if st.CacheTeacher != m.TeacherFingerprint || st.CacheDataset != m.DatasetFingerprint {
@@ -340,7 +372,11 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			st.InitFrom = abs
 		}
 	}
-	if rd != nil {
+	if ts != nil {
+		if err := ts.check(s.Cfg, fp); err != nil {
+			return nil, err
+		}
+	} else if rd != nil {
 		if err := CheckCache(s.Cfg, fp, &m, strings.Join(cfg.Data.Cache, ",")); err != nil {
 			return nil, err
 		}
@@ -374,7 +410,13 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		// Every eval reads all of evalRange: a sample the cache lacks
 		// would fail the first eval, after the run's first steps and
 		// possibly before any checkpoint.
-		if rd != nil {
+		if ts != nil {
+			for i, r := range ts.rds {
+				if err := checkFilled(r, evalRange, ts.where(i)); err != nil {
+					return nil, err
+				}
+			}
+		} else if rd != nil {
 			if err := checkFilled(rd, evalRange, strings.Join(cfg.Data.Cache, ",")); err != nil {
 				return nil, err
 			}
@@ -405,6 +447,9 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		}
 	}
 	pk := &packer{seqLen: cfg.Data.SeqLen, truncate: cfg.Data.Truncate, k: m.K}
+	if ts != nil {
+		pk.multi, pk.more = ts.teachers(), ts.more
+	}
 	if ckpt == "" && cfg.Quant == "nvfp4" {
 		if err := calibrate(s, cfg, openStream, pk, &lopt, o.Log); err != nil {
 			return nil, err
@@ -451,6 +496,10 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			if es, err = evaluateRows(s, rows, n, &lopt, stopped); err != nil {
 				return err
 			}
+		} else if ts != nil {
+			if es, err = evaluateTeachers(s, ts, evalRange, cfg.Data.SeqLen, cfg.Data.Truncate, &lopt, stopped); err != nil {
+				return err
+			}
 		} else if es, err = evaluate(s, rd, evalRange, cfg.Data.SeqLen, cfg.Data.Truncate, &lopt, stopped); err != nil {
 			return err
 		}
@@ -459,7 +508,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		if ds != nil {
 			fmt.Fprintf(o.Log, "eval step %d: ce %.4f token_acc %.4f (%d tokens, %d samples)\n", step, es.CE, es.TokenAccuracy, es.Tokens, es.Samples)
 		} else {
-			fmt.Fprintf(o.Log, "eval step %d: loss %.4f kd %.4f ce %.4f token_acc %.4f top1_agree %.4f (%d tokens)\n", step, es.Loss, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement, es.Tokens)
+			fmt.Fprintf(o.Log, "eval step %d: loss %.4f kd %.4f ce %.4f token_acc %.4f top1_agree %.4f%s (%d tokens)\n", step, es.Loss, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement, teachersLine(es.Teachers), es.Tokens)
 		}
 		return mw.eval(step, es)
 	}
@@ -551,9 +600,23 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			sm.Loss += bs.Loss * w
 			sm.KD += bs.KD * w
 			sm.CE += bs.CE * w
+			if ts != nil && sm.Teachers == nil {
+				sm.Teachers = make([]TeacherMetrics, len(ts.names))
+			}
+			for i, t := range bs.Teachers {
+				sm.Teachers[i].KD += t.KD * w
+				sm.Teachers[i].Top1 += t.Top1 * w
+			}
 		}
 		if total > 0 {
 			sm.Loss, sm.KD, sm.CE = sm.Loss/float64(total), sm.KD/float64(total), sm.CE/float64(total)
+			for i := range sm.Teachers {
+				sm.Teachers[i].KD /= float64(total)
+				sm.Teachers[i].Top1 /= float64(total)
+			}
+		}
+		for i := range sm.Teachers {
+			sm.Teachers[i].Name, sm.Teachers[i].Weight = ts.names[i], ts.weights[i]
 		}
 		sm.GradNorm = optim.ClipGradNorm(ad.Groups, cfg.Optim.MaxGradNorm)
 		sm.LR = sched.LR(step)
@@ -721,6 +784,9 @@ func dataName(teacher, dataset string) string {
 func configData(cfg *Config, m *cache.Manifest) string {
 	if cfg.Data.Dataset != nil {
 		return fmt.Sprintf("data.dataset is dataset %.12s (its files, the tokenizer, the chat template or an option that changes the tokens differ)", m.DatasetFingerprint)
+	}
+	if len(cfg.Data.Caches) > 0 {
+		return fmt.Sprintf("data.caches[0] is teacher %.12s / dataset %.12s", m.TeacherFingerprint, m.DatasetFingerprint)
 	}
 	return fmt.Sprintf("data.cache is teacher %.12s / dataset %.12s", m.TeacherFingerprint, m.DatasetFingerprint)
 }
@@ -975,10 +1041,12 @@ func (m *metrics) train(sm StepMetrics) error {
 		return fmt.Errorf("trainer: writing metrics.jsonl: %w", err)
 	}
 	if m.tb != nil {
-		return m.tb.Scalars(int64(sm.Step), time.Now(), map[string]float64{
+		sc := map[string]float64{
 			"train/loss": sm.Loss, "train/kd": sm.KD, "train/ce": sm.CE, "train/lr": sm.LR, "train/grad_norm": sm.GradNorm,
 			"perf/tokens_per_s": sm.TokensPerSec, "perf/data_s": sm.DataSeconds, "perf/gflop_per_s": sm.GFLOPs, "perf/peak_mem_gib": float64(sm.PeakMemBytes) / (1 << 30),
-		})
+		}
+		teacherScalars(sc, "train", sm.Teachers)
+		return m.tb.Scalars(int64(sm.Step), time.Now(), sc)
 	}
 	return nil
 }
@@ -996,17 +1064,19 @@ func (m *metrics) eval(step int, es EvalStats) error {
 		return fmt.Errorf("trainer: writing metrics.jsonl: %w", err)
 	}
 	if m.tb != nil {
-		return m.tb.Scalars(int64(step), time.Now(), map[string]float64{
+		sc := map[string]float64{
 			"eval/loss": es.Loss, "eval/kd": es.KD, "eval/ce": es.CE, "eval/token_accuracy": es.TokenAccuracy, "eval/top1_agreement": es.Top1Agreement,
-		})
+		}
+		teacherScalars(sc, "eval", es.Teachers)
+		return m.tb.Scalars(int64(step), time.Now(), sc)
 	}
 	return nil
 }
 
-// marshalFinite encodes a struct of scalars as encoding/json does (field
-// order, json tags, omitempty, embedded structs flattened), except that a
-// NaN or infinite float becomes null, which JSON can hold and json.Marshal
-// refuses.
+// marshalFinite encodes a struct of scalars (and lists of such structs)
+// as encoding/json does (field order, json tags, omitempty, embedded
+// structs flattened), except that a NaN or infinite float becomes null,
+// which JSON can hold and json.Marshal refuses.
 func marshalFinite(v any) ([]byte, error) {
 	var buf bytes.Buffer
 	buf.WriteByte('{')
@@ -1036,6 +1106,21 @@ func marshalFinite(v any) ([]byte, error) {
 			var b []byte
 			if k := fv.Kind(); (k == reflect.Float64 || k == reflect.Float32) && (math.IsNaN(fv.Float()) || math.IsInf(fv.Float(), 0)) {
 				b = []byte("null")
+			} else if k == reflect.Slice && fv.Type().Elem().Kind() == reflect.Struct {
+				// A list of structs of scalars (the per-teacher metrics):
+				// each element as this function writes a struct.
+				b = []byte{'['}
+				for j := 0; j < fv.Len(); j++ {
+					e, err := marshalFinite(fv.Index(j).Interface())
+					if err != nil {
+						return fmt.Errorf("%s[%d]: %w", name, j, err)
+					}
+					if j > 0 {
+						b = append(b, ',')
+					}
+					b = append(b, e...)
+				}
+				b = append(b, ']')
 			} else {
 				var err error
 				if b, err = json.Marshal(fv.Interface()); err != nil {

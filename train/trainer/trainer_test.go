@@ -178,7 +178,7 @@ func TestTrainResume(t *testing.T) {
 		}
 	}
 	for i, e := range rest.Evals {
-		if e != full.Evals[i] {
+		if !reflect.DeepEqual(e, full.Evals[i]) {
 			t.Fatalf("eval %d: %+v vs %+v", i, e, full.Evals[i])
 		}
 	}
