@@ -165,6 +165,8 @@ type DistillConfig struct {
 	ScaleT2     bool    `yaml:"scale_t2" json:"scale_t2"`
 	KDWeight    float64 `yaml:"kd_weight" json:"kd_weight"`
 	SFTWeight   float64 `yaml:"sft_weight" json:"sft_weight"`
+	// Online KD against live teacherd daemons (online_config.go).
+	OnlineConfig `yaml:",inline" json:"-"`
 }
 
 // OptimConfig is AdamW, the LR schedule and clipping (package train/optim).
@@ -287,9 +289,10 @@ func loadConfig(path string, overrides []string, validate func(*Config) error) (
 	if err := dec.Decode(&c); err != nil {
 		return nil, fmt.Errorf("%w: %s: %v (keys are listed in examples/train.yaml)", ErrConfig, path, err)
 	}
-	if c.Data.Dataset != nil {
+	if c.Data.Dataset != nil && len(c.Distill.Teachers) == 0 {
 		// SFT on a dataset: the loss weights default to CE alone (a
-		// kd_weight the file gives is checked by Validate).
+		// kd_weight the file gives is checked by Validate). Online KD
+		// (distill.teachers) keeps the KD defaults.
 		if !hasKey(root.Content[0], "distill", "kd_weight") {
 			c.Distill.KDWeight = 0
 		}
@@ -318,7 +321,12 @@ func checkInts(n *yaml.Node, t reflect.Type, prefix string) error {
 		for i := 0; i+1 < len(n.Content); i += 2 {
 			key := n.Content[i].Value
 			for j := 0; j < t.NumField(); j++ {
-				if f := t.Field(j); strings.Split(f.Tag.Get("yaml"), ",")[0] == key {
+				if f := t.Field(j); strings.HasSuffix(f.Tag.Get("yaml"), ",inline") {
+					// An inlined struct's keys sit in this mapping.
+					if err := checkInts(&yaml.Node{Kind: yaml.MappingNode, Content: n.Content[i : i+2]}, f.Type, prefix); err != nil {
+						return err
+					}
+				} else if strings.Split(f.Tag.Get("yaml"), ",")[0] == key {
 					if err := checkInts(n.Content[i+1], f.Type, dotted(prefix, key)); err != nil {
 						return err
 					}
@@ -515,6 +523,9 @@ func (c *Config) Validate() error {
 	if err := c.validateDistill(); err != nil {
 		return err
 	}
+	if err := c.validateOnline(); err != nil {
+		return err
+	}
 	if r := c.Model.Random; r != nil {
 		if _, err := r.ModelConfig(); err != nil {
 			return err
@@ -530,12 +541,13 @@ func (c *Config) validateDataset() error {
 		return fmt.Errorf("%w: %s: %s", ErrConfig, key, fmt.Sprintf(format, a...))
 	}
 	d := c.Data.Dataset
+	online := len(c.Distill.Teachers) > 0
 	switch {
-	case c.Distill.KDWeight != 0:
+	case c.Distill.KDWeight != 0 && !online:
 		return bad("distill.kd_weight", "%g with data.dataset: a dataset has no teacher, so there is no KD term to weigh; "+
 			"set distill.kd_weight: 0 (or leave it out) to fine-tune on the dataset's labels, or fill a cache from a teacher (`cachectl fill`) and train on data.cache to distill",
 			c.Distill.KDWeight)
-	case !(c.Distill.SFTWeight > 0) || math.IsInf(c.Distill.SFTWeight, 0):
+	case !online && (!(c.Distill.SFTWeight > 0) || math.IsInf(c.Distill.SFTWeight, 0)):
 		return bad("distill.sft_weight", "%g with data.dataset: SFT trains on the labels' cross-entropy alone, so it needs a finite sft_weight > 0 (leave it out for 1)", c.Distill.SFTWeight)
 	case c.Data.Truncate:
 		return bad("data.truncate", "is for cached samples; a dataset's samples are cut at data.dataset.max_len (policy: truncate or drop): remove data.truncate")
