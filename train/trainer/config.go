@@ -8,6 +8,7 @@ import (
 	"os"
 	"reflect"
 	"strings"
+	"time"
 
 	"gopkg.in/yaml.v3"
 
@@ -344,6 +345,9 @@ func checkInts(n *yaml.Node, t reflect.Type, prefix string) error {
 	}
 	if n.Kind != yaml.ScalarNode {
 		return nil // a type mismatch the decoder reports
+	}
+	if t == reflect.TypeOf(time.Duration(0)) {
+		return nil // a duration is written "10m"; the decoder parses it
 	}
 	switch t.Kind() {
 	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
