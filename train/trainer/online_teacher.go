@@ -33,10 +33,10 @@ var (
 	retryMax = 5 * time.Second
 )
 
-// replicaWindow is how many samples one replica's Score stream has in
+// replicaWindow bounds the samples one replica's Score stream has in
 // flight: enough to keep a daemon's batcher fed, well under its
 // per-stream window.
-const replicaWindow = 16
+const replicaWindow = 64
 
 // Test hooks (nil in production). testHookAnswer runs on a replica's
 // receiving goroutine after its n-th answer; testHookPause runs when
@@ -74,6 +74,7 @@ type replica struct {
 // pool fails with ErrTeachers.
 type teacherPool struct {
 	name    string
+	window  int   // samples in flight per replica
 	k       int32 // asked per position (0 until Info: the teacher's default)
 	temp    float32
 	timeout time.Duration
@@ -118,6 +119,9 @@ func newTeacherPool(t TeacherConfig, o *OnlineConfig, want infoWant, log io.Writ
 	p := &teacherPool{name: t.Name, k: int32(o.K), temp: float32(o.CaptureTemperature), timeout: o.TeacherTimeout, log: log, want: want}
 	p.cond = sync.NewCond(&p.mu)
 	p.ctx, p.cancel = context.WithCancel(context.Background())
+	// A replica takes at most its share of the prefetch: the replicas
+	// share the work even when the step outruns them all.
+	p.window = max(1, min(replicaWindow, o.Prefetch/len(t.Addrs)))
 	for _, a := range t.Addrs {
 		conn, err := teacherdial.Dial(a, teacherdial.Options{Token: token, CAFile: o.TLSCA, ServerName: o.TLSServerName})
 		if err != nil {
@@ -429,7 +433,7 @@ func (p *teacherPool) session(r *replica) (progress bool, err error) {
 		inflight []*scoreJob
 		sendErr  error
 	)
-	slots := make(chan struct{}, replicaWindow)
+	slots := make(chan struct{}, p.window)
 	wake := context.AfterFunc(ctx, func() { p.mu.Lock(); p.cond.Broadcast(); p.mu.Unlock() })
 	defer wake()
 	var swg sync.WaitGroup
