@@ -480,6 +480,8 @@ func (c *Config) Validate() error {
 		return bad("model", "set model.init_from (an HF checkpoint directory) or model.random (an architecture)")
 	case c.Model.InitFrom != "" && c.Model.Random != nil:
 		return bad("model", "set only one of model.init_from and model.random")
+	case len(c.Data.Cache) == 0 && c.Data.Dataset == nil && c.online():
+		return bad("distill.teachers", "online KD needs data.dataset: the samples the teachers score (the dataset a cache would be filled from)")
 	case len(c.Data.Cache) == 0 && c.Data.Dataset == nil:
 		return bad("data.cache", "required: one or more cache directories (or data.dataset, to fine-tune on a dataset without a teacher)")
 	case len(c.Data.Cache) > 0 && c.Data.Dataset != nil:

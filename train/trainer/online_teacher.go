@@ -316,7 +316,11 @@ func (p *teacherPool) setDown(r *replica, err error, retry time.Duration) {
 // retryable reports whether err is a teacher that may come back (down,
 // restarting, draining, overloaded) rather than one refusing the run.
 func retryable(err error) bool {
-	switch status.Code(err) {
+	st, ok := status.FromError(err)
+	if !ok {
+		return false // ours: a mismatch or a refusal, named
+	}
+	switch st.Code() {
 	case codes.Unavailable, codes.ResourceExhausted, codes.Aborted, codes.DeadlineExceeded, codes.Canceled, codes.Unknown:
 		return true
 	}

@@ -399,3 +399,117 @@ func TestOnlineWriteCache(t *testing.T) {
 	}
 	sameLosses(t, "from the write cache vs asking", res, ref)
 }
+
+// TestOnlineConfig: distill.teachers in both forms, the defaults, and
+// the errors naming the key: two teacher entries (not supported on this
+// branch), teachers with data.cache or without data.dataset, online keys
+// without teachers, bad values.
+func TestOnlineConfig(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "c.yaml")
+	os.WriteFile(p, []byte("run_dir: x\nmodel:\n  init_from: y\ndata:\n  seq_len: 64\n  dataset:\n    files: [a.jsonl]\ndistill:\n  teachers: [h1:7070, h2:7070]\n"), 0o644)
+	c, err := LoadConfig(p, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := c.Distill.OnlineConfig
+	if len(o.Teachers) != 1 || strings.Join(o.Teachers[0].Addrs, ",") != "h1:7070,h2:7070" || o.Teachers[0].Name != "t0" || o.Teachers[0].Weight != 1 {
+		t.Fatalf("shorthand: %+v", o.Teachers)
+	}
+	if o.Prefetch != defaultPrefetch || o.ChunkSamples != 256 || o.TeacherTimeout != 10*time.Minute || o.WriteEncoding != "compact" || o.CaptureTemperature != 1 {
+		t.Fatalf("defaults: %+v", o)
+	}
+	if c.Distill.KDWeight != 1 || c.Distill.SFTWeight != 0 {
+		t.Fatalf("online KD keeps the KD loss defaults: kd_weight %g sft_weight %g", c.Distill.KDWeight, c.Distill.SFTWeight)
+	}
+	c, err = LoadConfig(p, []string{"distill.teachers=[{addrs: [h:1], name: big, weight: 2}]", "distill.teacher_timeout=30s"})
+	if err != nil || c.Distill.Teachers[0].Name != "big" || c.Distill.Teachers[0].Weight != 2 || c.Distill.TeacherTimeout != 30*time.Second {
+		t.Fatalf("long form: %+v %v", c, err)
+	}
+	for over, want := range map[string][]string{
+		"distill.teachers=[{addrs: [a:1]}, {addrs: [b:1]}]": {"distill.teachers", "2 teachers (t0, t1)", "multi-teacher online KD is not supported yet on this branch"},
+		"distill.teachers=[{addrs: []}]":                    {"distill.teachers[0].addrs", "empty"},
+		"distill.teachers=['a:1,b:1']":                      {"distill.teachers[0].addrs[0]", "one address per list item"},
+		"distill.teachers=[a:1, {addrs: [b:1]}]":            {"do not mix"},
+		"distill.teachers=a:1":                              {"want a list"},
+		"data.cache=[c]":                                    {"only one of data.cache"},
+		"distill.prefetch=-1":                               {"distill.prefetch", "-1"},
+		"distill.k=-2":                                      {"distill.k"},
+		"distill.write_encoding=zip":                        {"distill.write_encoding", "compact or lossless"},
+		"distill.teacher_timeout=-1s":                       {"distill.teacher_timeout"},
+		"distill.capture_temperature=-1":                    {"distill.capture_temperature"},
+	} {
+		_, err := LoadConfig(p, []string{over})
+		if !errors.Is(err, ErrConfig) {
+			t.Errorf("%s: want ErrConfig, got %v", over, err)
+			continue
+		}
+		for _, w := range want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("%s: error %q lacks %q", over, err, w)
+			}
+		}
+	}
+	os.WriteFile(p, []byte("run_dir: x\nmodel:\n  init_from: y\ndata:\n  cache: [c]\ndistill:\n  teachers: [h1:7070]\n"), 0o644)
+	if _, err := LoadConfig(p, nil); err == nil || !strings.Contains(err.Error(), "reads no cache: remove data.cache") {
+		t.Errorf("teachers with data.cache: %v", err)
+	}
+	if _, err := LoadConfig(p, []string{"distill.teachers=null", "distill.write_cache=w"}); err == nil || !strings.Contains(err.Error(), "distill.write_cache: is for online KD and needs distill.teachers") {
+		t.Errorf("write_cache without teachers: %v", err)
+	}
+	os.WriteFile(p, []byte("run_dir: x\nmodel:\n  init_from: y\ndata:\n  cache: []\ndistill:\n  teachers: [h1:7070]\n"), 0o644)
+	if _, err := LoadConfig(p, nil); err == nil || !strings.Contains(err.Error(), "needs data.dataset") {
+		t.Errorf("teachers without a dataset: %v", err)
+	}
+}
+
+// TestOnlineInfoChecks: before step 1 every replica's Info is checked
+// against the student, and a mismatch is an error naming it: vocab,
+// tokenizer, k beyond k_max, two replicas serving different models, and
+// a replica that never answers (past teacher_timeout). Nothing is
+// trained.
+func TestOnlineInfoChecks(t *testing.T) {
+	fastRetry(t)
+	f := newOnlineFixture(t, 20)
+	good := startTeacherd(t, f.teacher, f.tokDir, "", "")
+	// A teacher with another vocabulary, one with another tokenizer, one
+	// with other weights.
+	bigVocab := t.TempDir()
+	cfg, _ := model.Preset(model.ArchQwen3)
+	cfg.VocabSize, cfg.Hidden, cfg.Layers, cfg.Intermediate, cfg.MaxPositions, cfg.Heads, cfg.KVHeads, cfg.HeadDim = 300, 32, 1, 64, 256, 4, 2, 8
+	model.WriteCheckpoint(bigVocab, cfg, model.Init(cfg, model.InitOptions{Seed: 5}), "BF16")
+	wrongVocab := startTeacherd(t, bigVocab, f.tokDir, "", "")
+	otherTok := filepath.Join(t.TempDir(), "tok2")
+	os.MkdirAll(otherTok, 0o755)
+	b, _ := os.ReadFile(filepath.Join(f.tokDir, "tokenizer.json"))
+	os.WriteFile(filepath.Join(otherTok, "tokenizer.json"), bytes.Replace(bytes.Replace(b, []byte(`"a b"`), []byte(`"b a"`), 1), []byte(`"ab"`), []byte(`"ba"`), 1), 0o644)
+	wrongTok := startTeacherd(t, f.teacher, otherTok, "", "")
+	otherModel := startTeacherd(t, teacherModel(t, 64, 1), f.tokDir, "", "")
+	for _, c := range []struct {
+		addrs []string
+		over  []string
+		want  []string
+	}{
+		{[]string{wrongVocab.addr()}, nil, []string{"teacher t0 at " + wrongVocab.addr(), "vocab_size 300, but the student has 260"}},
+		{[]string{wrongTok.addr()}, nil, []string{"teacher t0 at " + wrongTok.addr(), "tokenizer", "must share a tokenizer"}},
+		{[]string{good.addr()}, []string{"distill.k=32"}, []string{"distill.k 32 exceeds the daemon's k_max 16"}},
+		{[]string{good.addr(), otherModel.addr()}, nil, []string{"teacher fingerprint", "must serve the same model"}},
+		{[]string{good.addr(), "127.0.0.1:1"}, []string{"distill.teacher_timeout=20ms"}, []string{"127.0.0.1:1", "did not answer Info within distill.teacher_timeout 20ms"}},
+	} {
+		cfg := onlineConfig(t, f.tokDir, f.file, filepath.Join(t.TempDir(), "run"), "", c.addrs, c.over...)
+		var log bytes.Buffer
+		res, err := Run(cfg, Options{Log: &log})
+		if err == nil {
+			t.Errorf("%v %v: no error", c.addrs, c.over)
+			continue
+		}
+		for _, w := range c.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("%v %v: error %q lacks %q", c.addrs, c.over, err, w)
+			}
+		}
+		if res != nil && len(res.Steps) > 0 {
+			t.Errorf("%v: trained %d steps before the check failed", c.addrs, len(res.Steps))
+		}
+	}
+}
