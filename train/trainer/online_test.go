@@ -47,8 +47,14 @@ type teacherd struct {
 }
 
 func startTeacherd(t testing.TB, modelDir, tokDir, cacheDir, dataRoot string) *teacherd {
+	return startTeacherdBudget(t, modelDir, tokDir, cacheDir, dataRoot, 256)
+}
+
+// startTeacherdBudget starts a daemon with a forward pass of budget
+// tokens (startTeacherd: 256, one sample of the fixtures per pass).
+func startTeacherdBudget(t testing.TB, modelDir, tokDir, cacheDir, dataRoot string, budget int) *teacherd {
 	t.Helper()
-	td := &teacherd{t: t, cfg: serve.Config{Model: modelDir, Tokenizer: tokDir, Cache: cacheDir, Listen: "127.0.0.1:0", Metrics: "off", Device: "cpu", KMax: 16, TokenBudget: 256}}
+	td := &teacherd{t: t, cfg: serve.Config{Model: modelDir, Tokenizer: tokDir, Cache: cacheDir, Listen: "127.0.0.1:0", Metrics: "off", Device: "cpu", KMax: 16, TokenBudget: budget}}
 	if dataRoot != "" {
 		td.cfg.DataRoots = []string{dataRoot}
 	}
@@ -162,7 +168,7 @@ func newOnlineFixture(t *testing.T, n int) onlineFixture {
 
 // fillCache fills a lossless cache of the whole dataset through the
 // daemon's Fill, chunked as the online configs are (8 samples).
-func (f onlineFixture) fillCache(t *testing.T, td *teacherd, cfg *Config) string {
+func (f onlineFixture) fillCache(t testing.TB, td *teacherd, cfg *Config) string {
 	t.Helper()
 	opts, err := cfg.Data.Dataset.options(cfg.Data.SeqLen)
 	if err != nil {
@@ -177,7 +183,7 @@ func (f onlineFixture) fillCache(t *testing.T, td *teacherd, cfg *Config) string
 		t.Fatal(err)
 	}
 	defer w.Close()
-	if _, err := serve.RunFill(context.Background(), []serve.Worker{w}, serve.FillPlan{Dataset: spec, ChunkSamples: 8, K: 4, Encoding: "lossless"}); err != nil {
+	if _, err := serve.RunFill(context.Background(), []serve.Worker{w}, serve.FillPlan{Dataset: spec, ChunkSamples: cfg.Distill.ChunkSamples, K: int32(cfg.Distill.K), Encoding: "lossless"}); err != nil {
 		t.Fatal(err)
 	}
 	return td.cfg.Cache
