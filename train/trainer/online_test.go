@@ -519,3 +519,16 @@ func TestOnlineInfoChecks(t *testing.T) {
 		}
 	}
 }
+
+// TestOnlineDocs: examples/online.yaml loads as one teacher of two
+// replicas with a write cache.
+func TestOnlineDocs(t *testing.T) {
+	c, err := LoadConfig("../../examples/online.yaml", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := c.Distill.OnlineConfig
+	if len(o.Teachers) != 1 || len(o.Teachers[0].Addrs) != 2 || o.Teachers[0].Name != "qwen3-8b" || o.WriteCache == "" || o.K != 64 || c.Distill.KDWeight != 1 {
+		t.Fatalf("examples/online.yaml read as %+v", c.Distill)
+	}
+}
