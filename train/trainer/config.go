@@ -551,7 +551,7 @@ func (c *Config) validateDataset() error {
 	switch {
 	case c.Distill.KDWeight != 0 && !online:
 		return bad("distill.kd_weight", "%g with data.dataset: a dataset has no teacher, so there is no KD term to weigh; "+
-			"set distill.kd_weight: 0 (or leave it out) to fine-tune on the dataset's labels, or fill a cache from a teacher (`cachectl fill`) and train on data.cache to distill",
+			"set distill.kd_weight: 0 (or leave it out) to fine-tune on the dataset's labels, or fill a cache from a teacher (`cachectl fill`) and train on data.cache to distill, or set distill.teachers to distill online from live teachers",
 			c.Distill.KDWeight)
 	case !online && (!(c.Distill.SFTWeight > 0) || math.IsInf(c.Distill.SFTWeight, 0)):
 		return bad("distill.sft_weight", "%g with data.dataset: SFT trains on the labels' cross-entropy alone, so it needs a finite sft_weight > 0 (leave it out for 1)", c.Distill.SFTWeight)
