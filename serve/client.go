@@ -2,17 +2,13 @@ package serve
 
 import (
 	"context"
-	"crypto/tls"
-	"crypto/x509"
 	"fmt"
-	"os"
 
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
+	"distill/internal/teacherdial"
 	pb "distill/proto/distill/v1"
 )
 
@@ -29,24 +25,8 @@ type Worker interface {
 	Close() error
 }
 
-// DialOptions configure Dial.
-type DialOptions struct {
-	// Token is sent as "authorization: Bearer <token>" when set.
-	Token string
-	// CAFile enables TLS, trusting the PEM certificates in it.
-	CAFile string
-	// ServerName overrides the TLS server name (default: the address host).
-	ServerName string
-}
-
-// tokenCreds sends the bearer token. It does not insist on TLS so that a
-// token also guards a loopback daemon; over a network, use TLS.
-type tokenCreds string
-
-func (t tokenCreds) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	return map[string]string{"authorization": "Bearer " + string(t)}, nil
-}
-func (tokenCreds) RequireTransportSecurity() bool { return false }
+// DialOptions configure Dial (package teacherdial's options).
+type DialOptions = teacherdial.Options
 
 // remote is a Worker over a gRPC connection.
 type remote struct {
@@ -58,25 +38,9 @@ type remote struct {
 // Dial returns a Worker for the daemon at addr. The connection is lazy:
 // errors show up on the first call.
 func Dial(addr string, o DialOptions) (Worker, error) {
-	creds := insecure.NewCredentials()
-	if o.CAFile != "" {
-		pem, err := os.ReadFile(o.CAFile)
-		if err != nil {
-			return nil, fmt.Errorf("%w: TLS CA file: %v", ErrInvalid, err)
-		}
-		pool := x509.NewCertPool()
-		if !pool.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("%w: TLS CA file %s holds no PEM certificate", ErrInvalid, o.CAFile)
-		}
-		creds = credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: o.ServerName, MinVersion: tls.VersionTLS12})
-	}
-	opts := []grpc.DialOption{grpc.WithTransportCredentials(creds), grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(256 << 20))}
-	if o.Token != "" {
-		opts = append(opts, grpc.WithPerRPCCredentials(tokenCreds(o.Token)))
-	}
-	conn, err := grpc.NewClient(addr, opts...)
+	conn, err := teacherdial.Dial(addr, o)
 	if err != nil {
-		return nil, fmt.Errorf("%w: teacher address %q: %v", ErrInvalid, addr, err)
+		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	return &remote{addr: addr, conn: conn, c: pb.NewTeacherClient(conn)}, nil
 }

@@ -22,22 +22,18 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	reflectpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 	"google.golang.org/grpc/status"
 
+	"distill/internal/teacherdial"
 	pb "distill/proto/distill/v1"
 	"google.golang.org/protobuf/proto"
 )
 
 func dialTeacher(t testing.TB, addr, token string) (pb.TeacherClient, *grpc.ClientConn) {
 	t.Helper()
-	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
-	if token != "" {
-		opts = append(opts, grpc.WithPerRPCCredentials(tokenCreds(token)))
-	}
-	conn, err := grpc.NewClient(addr, opts...)
+	conn, err := teacherdial.Dial(addr, teacherdial.Options{Token: token})
 	if err != nil {
 		t.Fatal(err)
 	}

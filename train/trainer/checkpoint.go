@@ -46,6 +46,9 @@ type State struct {
 	ShuffleWindow     int     `json:"shuffle_window,omitempty"`
 	Truncate          bool    `json:"truncate,omitempty"`
 	EvalRange         []int64 `json:"eval_range,omitempty"`
+	// ChunkSamples is distill.chunk_samples of an online run: the
+	// chunking its order is made of.
+	ChunkSamples int64 `json:"online_chunk_samples,omitempty"`
 	// QuantAmax is the frozen NVFP4 amax of every quantizer (QAD runs).
 	QuantAmax []float32 `json:"quant_amax,omitempty"`
 	// The data trained on: resuming on other data would replay the data
@@ -160,6 +163,10 @@ func (st *State) setBatching(cfg *Config) {
 	d := cfg.Data
 	st.SeqLen, st.GlobalBatchTokens, st.ShuffleWindow, st.Truncate = d.SeqLen, d.GlobalBatchTokens, d.ShuffleWindow, d.Truncate
 	st.EvalRange = append([]int64(nil), d.EvalRange...)
+	st.ChunkSamples = 0
+	if cfg.online() {
+		st.ChunkSamples = cfg.Distill.ChunkSamples
+	}
 }
 
 // checkBatching refuses a resume whose batching differs from the
@@ -180,6 +187,7 @@ func (st *State) checkBatching(cfg *Config, ckpt string) error {
 		{"data.shuffle_window", st.ShuffleWindow, d.ShuffleWindow},
 		{"data.truncate", st.Truncate, d.Truncate},
 		{"data.eval_range", fmt.Sprint(st.EvalRange), fmt.Sprint(d.EvalRange)},
+		{"distill.chunk_samples", st.ChunkSamples, onlineChunks(cfg)},
 	} {
 		if fmt.Sprint(f.old) != fmt.Sprint(f.new) {
 			return fmt.Errorf("%w: %s was trained with %s = %v, the config says %v: the saved data position replays only with the same batching; restore it or start a new run_dir",
@@ -450,4 +458,12 @@ func LoadStudent(path string) (*train.Student, *State, error) {
 	}
 	s, err := train.LoadHF(path)
 	return s, nil, err
+}
+
+// onlineChunks is distill.chunk_samples of an online run, 0 otherwise.
+func onlineChunks(cfg *Config) int64 {
+	if cfg.online() {
+		return cfg.Distill.ChunkSamples
+	}
+	return 0
 }

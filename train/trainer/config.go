@@ -8,6 +8,7 @@ import (
 	"os"
 	"reflect"
 	"strings"
+	"time"
 
 	"gopkg.in/yaml.v3"
 
@@ -261,6 +262,8 @@ type DistillConfig struct {
 	ScaleT2     bool    `yaml:"scale_t2" json:"scale_t2"`
 	KDWeight    float64 `yaml:"kd_weight" json:"kd_weight"`
 	SFTWeight   float64 `yaml:"sft_weight" json:"sft_weight"`
+	// Online KD against live teacherd daemons (online_config.go).
+	OnlineConfig `yaml:",inline" json:"-"`
 }
 
 // OptimConfig is AdamW, the LR schedule and clipping (package train/optim).
@@ -383,9 +386,10 @@ func loadConfig(path string, overrides []string, validate func(*Config) error) (
 	if err := dec.Decode(&c); err != nil {
 		return nil, fmt.Errorf("%w: %s: %v (keys are listed in examples/train.yaml)", ErrConfig, path, err)
 	}
-	if c.Data.Dataset != nil {
+	if c.Data.Dataset != nil && len(c.Distill.Teachers) == 0 {
 		// SFT on a dataset: the loss weights default to CE alone (a
-		// kd_weight the file gives is checked by Validate).
+		// kd_weight the file gives is checked by Validate). Online KD
+		// (distill.teachers) keeps the KD defaults.
 		if !hasKey(root.Content[0], "distill", "kd_weight") {
 			c.Distill.KDWeight = 0
 		}
@@ -414,7 +418,12 @@ func checkInts(n *yaml.Node, t reflect.Type, prefix string) error {
 		for i := 0; i+1 < len(n.Content); i += 2 {
 			key := n.Content[i].Value
 			for j := 0; j < t.NumField(); j++ {
-				if f := t.Field(j); strings.Split(f.Tag.Get("yaml"), ",")[0] == key {
+				if f := t.Field(j); strings.HasSuffix(f.Tag.Get("yaml"), ",inline") {
+					// An inlined struct's keys sit in this mapping.
+					if err := checkInts(&yaml.Node{Kind: yaml.MappingNode, Content: n.Content[i : i+2]}, f.Type, prefix); err != nil {
+						return err
+					}
+				} else if strings.Split(f.Tag.Get("yaml"), ",")[0] == key {
 					if err := checkInts(n.Content[i+1], f.Type, dotted(prefix, key)); err != nil {
 						return err
 					}
@@ -432,6 +441,9 @@ func checkInts(n *yaml.Node, t reflect.Type, prefix string) error {
 	}
 	if n.Kind != yaml.ScalarNode {
 		return nil // a type mismatch the decoder reports
+	}
+	if t == reflect.TypeOf(time.Duration(0)) {
+		return nil // a duration is written "10m"; the decoder parses it
 	}
 	switch t.Kind() {
 	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
@@ -564,6 +576,8 @@ func (c *Config) Validate() error {
 		return bad("model", "set model.init_from (an HF checkpoint directory) or model.random (an architecture)")
 	case c.Model.InitFrom != "" && c.Model.Random != nil:
 		return bad("model", "set only one of model.init_from and model.random")
+	case len(c.Data.Cache) == 0 && len(c.Data.Caches) == 0 && c.Data.Dataset == nil && c.online():
+		return bad("distill.teachers", "online KD needs data.dataset: the samples the teachers score (the dataset a cache would be filled from)")
 	case len(c.Data.Cache) == 0 && len(c.Data.Caches) == 0 && c.Data.Dataset == nil:
 		return bad("data.cache", "required: one or more cache directories (or data.caches, several teachers' caches; or data.dataset, to fine-tune on a dataset without a teacher)")
 	case len(c.Data.Cache) > 0 && len(c.Data.Caches) > 0:
@@ -616,6 +630,9 @@ func (c *Config) Validate() error {
 	if err := c.validateCaches(); err != nil {
 		return err
 	}
+	if err := c.validateOnline(); err != nil {
+		return err
+	}
 	if r := c.Model.Random; r != nil {
 		if _, err := r.ModelConfig(); err != nil {
 			return err
@@ -631,12 +648,13 @@ func (c *Config) validateDataset() error {
 		return fmt.Errorf("%w: %s: %s", ErrConfig, key, fmt.Sprintf(format, a...))
 	}
 	d := c.Data.Dataset
+	online := len(c.Distill.Teachers) > 0
 	switch {
-	case c.Distill.KDWeight != 0:
+	case c.Distill.KDWeight != 0 && !online:
 		return bad("distill.kd_weight", "%g with data.dataset: a dataset has no teacher, so there is no KD term to weigh; "+
-			"set distill.kd_weight: 0 (or leave it out) to fine-tune on the dataset's labels, or fill a cache from a teacher (`cachectl fill`) and train on data.cache to distill",
+			"set distill.kd_weight: 0 (or leave it out) to fine-tune on the dataset's labels, or fill a cache from a teacher (`cachectl fill`) and train on data.cache to distill, or set distill.teachers to distill online from live teachers",
 			c.Distill.KDWeight)
-	case !(c.Distill.SFTWeight > 0) || math.IsInf(c.Distill.SFTWeight, 0):
+	case !online && (!(c.Distill.SFTWeight > 0) || math.IsInf(c.Distill.SFTWeight, 0)):
 		return bad("distill.sft_weight", "%g with data.dataset: SFT trains on the labels' cross-entropy alone, so it needs a finite sft_weight > 0 (leave it out for 1)", c.Distill.SFTWeight)
 	case c.Data.Truncate:
 		return bad("data.truncate", "is for cached samples; a dataset's samples are cut at data.dataset.max_len (policy: truncate or drop): remove data.truncate")

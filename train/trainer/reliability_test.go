@@ -447,7 +447,7 @@ func TestTokenizerDirMustMatchFingerprint(t *testing.T) {
 
 // writeByteTokenizer writes a byte-level BPE tokenizer.json of the 256
 // byte tokens (GPT-2's byte-to-unicode map) and one merge.
-func writeByteTokenizer(t *testing.T, dir string) {
+func writeByteTokenizer(t testing.TB, dir string) {
 	t.Helper()
 	vocab := map[string]int{}
 	n := 0

@@ -190,13 +190,19 @@ type StepMetrics struct {
 	TokensPerSec float64 `json:"tokens_per_s"`
 	// DataSeconds is the part of the step spent getting its samples
 	// (reading and decoding the cache, or waiting for the dataset's
-	// tokenization read-ahead) and packing them.
-	DataSeconds  float64 `json:"data_s"`
-	GFLOPs       float64 `json:"gflop_per_s"` // achieved, model FLOPs (see stepFLOPs)
-	PeakMemBytes int64   `json:"peak_mem_bytes"`
-	Skipped      bool    `json:"skipped,omitempty"` // non-finite gradient: no update
-	Epoch        int     `json:"epoch"`
-	WallTime     float64 `json:"wall_time"`
+	// tokenization read-ahead, or for the teachers) and packing them.
+	DataSeconds float64 `json:"data_s"`
+	// Online KD (distill.teachers): TeacherWaitSeconds is the part of
+	// DataSeconds spent waiting for the teachers' answers; QueueDepth
+	// the samples in flight ahead of the step (asked or answered) when
+	// the step's samples were in.
+	TeacherWaitSeconds float64 `json:"teacher_wait_s"`
+	QueueDepth         int     `json:"queue_depth"`
+	GFLOPs             float64 `json:"gflop_per_s"` // achieved, model FLOPs (see stepFLOPs)
+	PeakMemBytes       int64   `json:"peak_mem_bytes"`
+	Skipped            bool    `json:"skipped,omitempty"` // non-finite gradient: no update
+	Epoch              int     `json:"epoch"`
+	WallTime           float64 `json:"wall_time"`
 	// Teachers are the per-teacher KD and top-1 agreement of
 	// multi-teacher KD (data.caches), in its order.
 	Teachers []TeacherMetrics `json:"teachers,omitempty"`
@@ -335,6 +341,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	var (
 		ds        *data.Dataset
 		dsWorkers int
+		on        *online // distill.teachers: the live teachers
 	)
 	if dc := cfg.Data.Dataset; dc != nil {
 		if tok == nil {
@@ -355,6 +362,14 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		defer ds.Close()
 		m = cache.Manifest{DatasetFingerprint: ds.Fingerprint(), Samples: ds.Len(), VocabSize: s.Cfg.VocabSize, TokenizerFingerprint: fp}
 		fmt.Fprintf(o.Log, "dataset: %d samples from %s (fingerprint %.12s)\n", ds.Len(), strings.Join(dc.Files, ", "), ds.Fingerprint())
+		if cfg.online() {
+			// Online KD: every replica's Info is checked before step 1;
+			// the teacher then stands where a cache's manifest would.
+			if on, err = startOnline(cfg, s.Cfg, fp, opts.MaxLen, &m, o.Log); err != nil {
+				return nil, err
+			}
+			defer on.close()
+		}
 	}
 	st.setTeachers(ts)
 	if ckpt == "" {
@@ -385,7 +400,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		return nil, fmt.Errorf("%w: data.seq_len %d exceeds the student's max_position_embeddings %d", ErrConfig, cfg.Data.SeqLen, s.Cfg.MaxPositions)
 	}
 	teacherT := float64(m.Temperature)
-	if ds != nil {
+	if ds != nil && on == nil {
 		teacherT = cfg.Distill.Temperature // no teacher: only CE counts
 	}
 	lopt := cfg.LossOptions(teacherT)
@@ -424,6 +439,9 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	}
 	// openStream starts the training order at a data position.
 	openStream := func(epoch int, pos int64) (sampleStream, error) {
+		if on != nil {
+			return on.stream(ds, cfg, held, dsWorkers, epoch, pos)
+		}
 		if ds != nil {
 			// Read ahead two global batches (at least two rows).
 			limit := max(2*cfg.Data.GlobalBatchTokens, 2*cfg.Data.SeqLen)
@@ -486,6 +504,9 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		var es EvalStats
 		if ds != nil {
 			ss, err := dsEvalSamples(ds, evalRange)
+			if err == nil && on != nil {
+				ss, err = on.evalSamples(ss)
+			}
 			if err != nil {
 				return err
 			}
@@ -505,7 +526,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		}
 		res.Evals = append(res.Evals, es)
 		prog.clear()
-		if ds != nil {
+		if ds != nil && on == nil {
 			fmt.Fprintf(o.Log, "eval step %d: ce %.4f token_acc %.4f (%d tokens, %d samples)\n", step, es.CE, es.TokenAccuracy, es.Tokens, es.Samples)
 		} else {
 			fmt.Fprintf(o.Log, "eval step %d: loss %.4f kd %.4f ce %.4f token_acc %.4f top1_agree %.4f%s (%d tokens)\n", step, es.Loss, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement, teachersLine(es.Teachers), es.Tokens)
@@ -577,13 +598,17 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			return fail(fmt.Errorf("step %d: %w", step, err))
 		}
 		dataT := time.Since(t0).Seconds()
+		var sm StepMetrics
+		if ost, ok := stream.(*onlineStream); ok {
+			w, depth := ost.stats()
+			sm.TeacherWaitSeconds, sm.QueueDepth = w.Seconds(), depth
+		}
 		total, tokens := 0, 0
 		for _, b := range rows {
 			total += counted(b)
 			tokens += len(b.Tokens)
 		}
 		s.ZeroGrad()
-		var sm StepMetrics
 		for i, b := range rows {
 			if testHookRow != nil {
 				testHookRow(step, i)

@@ -1,0 +1,206 @@
+package trainer
+
+import (
+	"fmt"
+	"math"
+	"strings"
+	"time"
+
+	"gopkg.in/yaml.v3"
+
+	"distill/cache"
+)
+
+// OnlineConfig is the part of the distill section that trains against
+// live teachers (online KD): the trainer asks teacherd daemons for the
+// top-k of every sample through Score instead of reading a cache. It
+// needs data.dataset and excludes data.cache.
+type OnlineConfig struct {
+	// Teachers are the teachers asked; each entry is one teacher, whose
+	// addresses are replicas sharing the work. The shorthand
+	// `teachers: [host:7070, host2:7070]` is one teacher with these
+	// replicas. Only one entry is supported on this branch.
+	Teachers TeacherList `yaml:"teachers,omitempty"`
+	// Prefetch is how many samples are in flight ahead of the step
+	// (asked, or answered and waiting to be packed); 0: 64.
+	Prefetch int `yaml:"prefetch,omitempty"`
+	// WriteCache is a cache directory every answer also goes into, in
+	// the normal format, whole chunks only; a later run (and the next
+	// epoch) reads the chunks there instead of asking again.
+	WriteCache string `yaml:"write_cache,omitempty"`
+	// WriteEncoding is the write cache's log-prob encoding: compact
+	// (default, as cachectl fill) or lossless.
+	WriteEncoding string `yaml:"write_encoding,omitempty"`
+	// ChunkSamples is the samples of a write-cache chunk, and the chunking
+	// of the training order (as cachectl fill --chunk; 0: 256): an online
+	// run visits the samples in the order an offline run visits a cache
+	// filled with these chunks.
+	ChunkSamples int64 `yaml:"chunk_samples,omitempty"`
+	// K is the top-k entries asked per position (0: the teacher's
+	// default), as cachectl fill --k.
+	K int `yaml:"k,omitempty"`
+	// CaptureTemperature is the temperature the teacher's log-probs are
+	// computed at (0: 1), as cachectl fill --temperature.
+	CaptureTemperature float64 `yaml:"capture_temperature,omitempty"`
+	// TeacherTimeout: when no teacher has been reachable this long, the
+	// run checkpoints and exits with an error (0: 10m).
+	TeacherTimeout time.Duration `yaml:"teacher_timeout,omitempty"`
+	// TokenFile holds the daemons' bearer token (teacherd --token-file);
+	// empty: $DISTILL_TOKEN if set, else none.
+	TokenFile string `yaml:"token_file,omitempty"`
+	// TLSCA is a PEM CA file: connect with TLS, trusting it (as cachectl
+	// fill --tls-ca). TLSServerName overrides the name checked.
+	TLSCA         string `yaml:"tls_ca,omitempty"`
+	TLSServerName string `yaml:"tls_server_name,omitempty"`
+}
+
+// TeacherConfig is one teacher of distill.teachers.
+type TeacherConfig struct {
+	// Addrs are the replicas of this teacher (host:port): they share the
+	// work, and a replica that fails has its samples sent to the others.
+	Addrs []string `yaml:"addrs"`
+	// Name names the teacher in metrics and logs (default t0, t1, ...).
+	Name string `yaml:"name,omitempty"`
+	// Weight weighs the teacher's KD term (multi-teacher; default 1).
+	Weight float64 `yaml:"weight,omitempty"`
+}
+
+// TeacherList is distill.teachers: a list of teacher entries, or a list
+// of addresses (the replicas of one teacher).
+type TeacherList []TeacherConfig
+
+// UnmarshalYAML reads either form.
+func (l *TeacherList) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind != yaml.SequenceNode {
+		return fmt.Errorf("distill.teachers (line %d): want a list: [host:7070, ...] (the replicas of one teacher) or a list of {addrs: [...], name: ..., weight: ...}", n.Line)
+	}
+	short := len(n.Content) > 0
+	for _, e := range n.Content {
+		if e.Kind != yaml.ScalarNode {
+			short = false
+		}
+	}
+	if short {
+		var t TeacherConfig
+		for _, e := range n.Content {
+			t.Addrs = append(t.Addrs, e.Value)
+		}
+		*l = TeacherList{t}
+		return nil
+	}
+	var out []TeacherConfig
+	for i, e := range n.Content {
+		if e.Kind != yaml.MappingNode {
+			return fmt.Errorf("distill.teachers[%d] (line %d): want {addrs: [host:7070, ...], name: ..., weight: ...}; do not mix addresses and entries", i, e.Line)
+		}
+		var t TeacherConfig
+		if err := e.Decode(&t); err != nil {
+			return fmt.Errorf("distill.teachers[%d]: %w", i, err)
+		}
+		out = append(out, t)
+	}
+	*l = out
+	return nil
+}
+
+// Online defaults.
+const (
+	defaultPrefetch       = 64
+	defaultChunkSamples   = 256 // as serve.DefaultChunkSamples: cachectl fill's --chunk
+	defaultTeacherTimeout = 10 * time.Minute
+)
+
+// withDefaults fills in the online defaults (names t0, t1, ..., weight 1).
+func (o *OnlineConfig) withDefaults() {
+	for i := range o.Teachers {
+		t := &o.Teachers[i]
+		if t.Name == "" {
+			t.Name = fmt.Sprintf("t%d", i)
+		}
+		if t.Weight == 0 {
+			t.Weight = 1
+		}
+	}
+	if o.Prefetch == 0 {
+		o.Prefetch = defaultPrefetch
+	}
+	if o.ChunkSamples == 0 {
+		o.ChunkSamples = defaultChunkSamples
+	}
+	if o.TeacherTimeout == 0 {
+		o.TeacherTimeout = defaultTeacherTimeout
+	}
+	if o.WriteEncoding == "" {
+		o.WriteEncoding = string(cache.EncodingCompact)
+	}
+	if o.CaptureTemperature == 0 {
+		o.CaptureTemperature = 1
+	}
+}
+
+// online reports whether the run asks live teachers.
+func (c *Config) online() bool { return len(c.Distill.Teachers) > 0 }
+
+// validateOnline checks distill.teachers and its companions, naming the
+// key: online KD needs data.dataset and excludes data.cache; one teacher
+// entry is supported.
+func (c *Config) validateOnline() error {
+	bad := func(key string, format string, a ...any) error {
+		return fmt.Errorf("%w: %s: %s", ErrConfig, key, fmt.Sprintf(format, a...))
+	}
+	o := &c.Distill.OnlineConfig
+	if !c.online() {
+		for _, k := range []struct {
+			key string
+			set bool
+		}{
+			{"prefetch", o.Prefetch != 0}, {"write_cache", o.WriteCache != ""}, {"write_encoding", o.WriteEncoding != ""}, {"chunk_samples", o.ChunkSamples != 0},
+			{"k", o.K != 0}, {"capture_temperature", o.CaptureTemperature != 0}, {"teacher_timeout", o.TeacherTimeout != 0},
+			{"token_file", o.TokenFile != ""}, {"tls_ca", o.TLSCA != ""}, {"tls_server_name", o.TLSServerName != ""},
+		} {
+			if k.set {
+				return bad("distill."+k.key, "is for online KD and needs distill.teachers (the teacherd addresses to ask); set them, or remove distill.%s", k.key)
+			}
+		}
+		return nil
+	}
+	o.withDefaults()
+	switch {
+	case len(c.Data.Cache) > 0 || len(c.Data.Caches) > 0:
+		return bad("distill.teachers", "online KD asks live teachers and reads no cache: remove data.cache or data.caches (to train from a cache) or distill.teachers (to ask the teachers), and give data.dataset")
+	case c.Data.Dataset == nil:
+		return bad("distill.teachers", "online KD needs data.dataset: the samples the teachers score (the dataset a cache would be filled from)")
+	case len(o.Teachers) > 1:
+		names := make([]string, len(o.Teachers))
+		for i, t := range o.Teachers {
+			names[i] = t.Name
+		}
+		return bad("distill.teachers", "%d teachers (%s): multi-teacher online KD is not supported yet (multi-teacher KD reads data.caches); give one teacher (its replicas in one entry's addrs), or fill a cache per teacher", len(o.Teachers), strings.Join(names, ", "))
+	case o.Prefetch < 0:
+		return bad("distill.prefetch", "%d: want > 0 samples in flight ahead of the step (0: %d)", o.Prefetch, defaultPrefetch)
+	case o.ChunkSamples < 0:
+		return bad("distill.chunk_samples", "%d: want > 0 (0: %d, cachectl fill's default)", o.ChunkSamples, defaultChunkSamples)
+	case o.K < 0:
+		return bad("distill.k", "%d: want > 0 (0: the teacher's default k)", o.K)
+	case !(o.CaptureTemperature > 0) || math.IsInf(o.CaptureTemperature, 0):
+		return bad("distill.capture_temperature", "%g: want a positive finite temperature (0: 1)", o.CaptureTemperature)
+	case o.TeacherTimeout < 0:
+		return bad("distill.teacher_timeout", "%v: want a positive duration such as 10m", o.TeacherTimeout)
+	case o.WriteEncoding != string(cache.EncodingCompact) && o.WriteEncoding != string(cache.EncodingLossless):
+		return bad("distill.write_encoding", "%q: want compact or lossless", o.WriteEncoding)
+	}
+	for i, t := range o.Teachers {
+		if len(t.Addrs) == 0 {
+			return bad(fmt.Sprintf("distill.teachers[%d].addrs", i), "empty: give the teacher's teacherd addresses (host:port)")
+		}
+		for j, a := range t.Addrs {
+			if strings.TrimSpace(a) == "" || strings.ContainsAny(a, " ,") {
+				return bad(fmt.Sprintf("distill.teachers[%d].addrs[%d]", i, j), "%q: want host:port (one address per list item)", a)
+			}
+		}
+		if !(t.Weight > 0) || math.IsInf(t.Weight, 0) {
+			return bad(fmt.Sprintf("distill.teachers[%d].weight", i), "%g: want a positive weight", t.Weight)
+		}
+	}
+	return nil
+}

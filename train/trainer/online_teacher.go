@@ -1,0 +1,560 @@
+package trainer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"distill/cache"
+	"distill/internal/teacherdial"
+	pb "distill/proto/distill/v1"
+)
+
+// ErrTeachers marks a run that lost its teachers: none was reachable for
+// distill.teacher_timeout, or one refused the run's samples or
+// credentials.
+var ErrTeachers = errors.New("trainer: teachers")
+
+// Retry pacing of a replica that failed: the first retry after
+// retryMin, doubling up to retryMax. Variables so that tests of faults
+// need not wait (they synchronize on hooks, never on these).
+var (
+	retryMin = 200 * time.Millisecond
+	retryMax = 5 * time.Second
+)
+
+// replicaWindow bounds the samples one replica's Score stream has in
+// flight: enough to keep a daemon's batcher fed, well under its
+// per-stream window.
+const replicaWindow = 64
+
+// Test hooks (nil in production). testHookAnswer runs on a replica's
+// receiving goroutine after its n-th answer; testHookPause runs when
+// training pauses for want of a reachable teacher.
+var (
+	testHookAnswer func(addr string, n int64)
+	testHookPause  func()
+)
+
+// scoreJob is one sample to score; done is closed once s holds the
+// teacher's top-k.
+type scoreJob struct {
+	s    *cache.Sample
+	done chan struct{}
+	// then, if set, runs once the answer is in (before done is closed).
+	then func(*scoreJob)
+}
+
+// replica is one address of a teacher.
+type replica struct {
+	addr    string
+	conn    *grpc.ClientConn
+	cl      pb.TeacherClient
+	up      bool  // a Score stream is open
+	checked bool  // Info matched at least once
+	lastErr error // why it is down
+	answers atomic.Int64
+}
+
+// teacherPool asks the replicas of one teacher for top-k through Score.
+// Jobs wait in one queue that every replica's stream takes from, so a
+// fast replica takes more; the jobs in flight on a replica that fails
+// go back to the front of the queue for the others (and for it, once it
+// is back). When no replica is up, training waits; after timeout the
+// pool fails with ErrTeachers.
+type teacherPool struct {
+	name    string
+	window  int   // samples in flight per replica
+	k       int32 // asked per position (0 until Info: the teacher's default)
+	temp    float32
+	timeout time.Duration
+	log     io.Writer
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	mu        sync.Mutex
+	cond      *sync.Cond
+	reps      []*replica
+	queue     []*scoreJob
+	info      *pb.InfoResponse // the first replica's answer: the reference
+	want      infoWant
+	up        int
+	started   bool // ready returned: every replica was checked
+	paused    bool
+	downSince time.Time
+	err       error // fatal: the pool stopped
+	asked     int64 // samples answered by the teachers
+}
+
+// infoWant is what every replica's Info must show.
+type infoWant struct {
+	tokenizer string
+	vocab     int
+	k         int32 // asked (0: the teacher's default)
+	maxLen    int   // the longest sample the run sends
+}
+
+// newTeacherPool dials the replicas of teacher t (lazily) and starts
+// their loops; ready waits for their Info checks.
+func newTeacherPool(t TeacherConfig, o *OnlineConfig, want infoWant, log io.Writer) (*teacherPool, error) {
+	token := os.Getenv("DISTILL_TOKEN")
+	if o.TokenFile != "" {
+		var err error
+		if token, err = teacherdial.ReadToken(o.TokenFile); err != nil {
+			return nil, fmt.Errorf("%w: distill.token_file: %w", ErrConfig, err)
+		}
+	}
+	p := &teacherPool{name: t.Name, k: int32(o.K), temp: float32(o.CaptureTemperature), timeout: o.TeacherTimeout, log: log, want: want}
+	p.cond = sync.NewCond(&p.mu)
+	p.ctx, p.cancel = context.WithCancel(context.Background())
+	// A replica takes at most its share of the prefetch: the replicas
+	// share the work even when the step outruns them all.
+	p.window = max(1, min(replicaWindow, o.Prefetch/len(t.Addrs)))
+	for _, a := range t.Addrs {
+		conn, err := teacherdial.Dial(a, teacherdial.Options{Token: token, CAFile: o.TLSCA, ServerName: o.TLSServerName})
+		if err != nil {
+			p.close()
+			return nil, fmt.Errorf("%w: distill.teachers %s: %w", ErrConfig, a, err)
+		}
+		p.reps = append(p.reps, &replica{addr: a, conn: conn, cl: pb.NewTeacherClient(conn)})
+	}
+	// Every replica must pass its Info check within teacher_timeout: the
+	// run fails before step 1 otherwise.
+	time.AfterFunc(p.timeout, func() {
+		p.mu.Lock()
+		var why []string
+		for _, r := range p.reps {
+			if !r.checked {
+				w := "no answer yet"
+				if r.lastErr != nil {
+					w = r.lastErr.Error()
+				}
+				why = append(why, fmt.Sprintf("%s: %s", r.addr, w))
+			}
+		}
+		late := !p.started && len(why) > 0
+		p.mu.Unlock()
+		if late {
+			p.fail(fmt.Errorf("%w: teacher %s: replicas did not answer Info within distill.teacher_timeout %v (%s): start them, fix distill.teachers, or raise teacher_timeout",
+				ErrTeachers, p.name, p.timeout, strings.Join(why, "; ")))
+		}
+	})
+	for _, r := range p.reps {
+		p.wg.Add(1)
+		go p.loop(r)
+	}
+	return p, nil
+}
+
+// ready waits until every replica answered Info and matched: the checks
+// before step 1. It returns the teacher's Info.
+func (p *teacherPool) ready() (*pb.InfoResponse, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for p.err == nil {
+		all := true
+		for _, r := range p.reps {
+			all = all && r.checked
+		}
+		if all {
+			p.started = true
+			return p.info, nil
+		}
+		p.cond.Wait()
+	}
+	return nil, p.err
+}
+
+// close stops the replicas' loops (their streams are cancelled) and
+// closes the connections.
+func (p *teacherPool) close() {
+	p.cancel()
+	p.mu.Lock()
+	if p.err == nil {
+		p.err = fmt.Errorf("%w: closed", ErrTeachers)
+	}
+	p.cond.Broadcast()
+	p.mu.Unlock()
+	p.wg.Wait()
+	for _, r := range p.reps {
+		r.conn.Close()
+	}
+}
+
+// failed returns the pool's fatal error, nil while it works.
+func (p *teacherPool) failed() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.err
+}
+
+// submit queues j.
+func (p *teacherPool) submit(j *scoreJob) {
+	p.mu.Lock()
+	p.queue = append(p.queue, j)
+	p.cond.Broadcast()
+	p.mu.Unlock()
+}
+
+// score asks for ss and waits for the answers (eval samples).
+func (p *teacherPool) score(ss []*cache.Sample) error {
+	jobs := make([]*scoreJob, 0, len(ss))
+	for _, s := range ss {
+		j := &scoreJob{s: s, done: make(chan struct{})}
+		jobs = append(jobs, j)
+		p.submit(j)
+	}
+	for _, j := range jobs {
+		if err := p.wait(j); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// wait waits for j's answer, or the pool's failure.
+func (p *teacherPool) wait(j *scoreJob) error {
+	select {
+	case <-j.done:
+		return nil
+	case <-p.ctx.Done():
+		select {
+		case <-j.done:
+			return nil
+		default:
+		}
+		return p.failed()
+	}
+}
+
+// fail stops the pool with err (the first error wins).
+func (p *teacherPool) fail(err error) {
+	p.mu.Lock()
+	if p.err == nil {
+		p.err = err
+	}
+	p.cond.Broadcast()
+	p.mu.Unlock()
+	p.cancel()
+}
+
+// startPause records that no replica is up (p.mu held). The run fails
+// if none comes back within the timeout.
+func (p *teacherPool) startPause() {
+	p.paused, p.downSince = true, time.Now()
+	since := p.downSince
+	time.AfterFunc(p.timeout, func() {
+		p.mu.Lock()
+		still := p.paused && p.downSince == since && p.err == nil
+		var why []string
+		for _, r := range p.reps {
+			if r.lastErr != nil {
+				why = append(why, fmt.Sprintf("%s: %v", r.addr, r.lastErr))
+			} else if !r.checked {
+				why = append(why, fmt.Sprintf("%s: no answer", r.addr))
+			}
+		}
+		p.mu.Unlock()
+		if still {
+			p.fail(fmt.Errorf("%w: no replica of teacher %s was reachable for distill.teacher_timeout %v (%s): start or fix the teachers, then rerun the same command to resume",
+				ErrTeachers, p.name, p.timeout, strings.Join(why, "; ")))
+		}
+	})
+	{
+		var why []string
+		for _, r := range p.reps {
+			why = append(why, fmt.Sprintf("%s: %v", r.addr, r.lastErr))
+		}
+		fmt.Fprintf(p.log, "teachers: no replica of teacher %s is reachable (%s): training paused; retrying, and giving up after distill.teacher_timeout %v\n",
+			p.name, strings.Join(why, "; "), p.timeout)
+		if testHookPause != nil {
+			testHookPause()
+		}
+	}
+}
+
+// setUp marks r up (p.mu held).
+func (p *teacherPool) setUp(r *replica) {
+	if r.up {
+		return
+	}
+	r.up, r.lastErr = true, nil
+	p.up++
+	if p.paused {
+		fmt.Fprintf(p.log, "teachers: teacher %s is reachable again at %s after %v: training resumes\n", p.name, r.addr, time.Since(p.downSince).Round(time.Millisecond))
+		p.paused = false
+	}
+}
+
+// setDown marks r down after err (p.mu held).
+func (p *teacherPool) setDown(r *replica, err error, retry time.Duration) {
+	r.lastErr = err
+	if !r.up {
+		return
+	}
+	r.up = false
+	p.up--
+	if p.up > 0 {
+		fmt.Fprintf(p.log, "teachers: teacher %s replica %s failed (%v): its samples go to the other replicas; retrying it in %v\n", p.name, r.addr, err, retry)
+		return
+	}
+	p.startPause()
+}
+
+// retryable reports whether err is a teacher that may come back (down,
+// restarting, draining, overloaded) rather than one refusing the run.
+func retryable(err error) bool {
+	st, ok := status.FromError(err)
+	if !ok {
+		return false // ours: a mismatch or a refusal, named
+	}
+	switch st.Code() {
+	case codes.Unavailable, codes.ResourceExhausted, codes.Aborted, codes.DeadlineExceeded, codes.Canceled, codes.Unknown:
+		return true
+	}
+	return false
+}
+
+// loop runs replica r: a session (Info check, then a Score stream) until
+// it fails, then a retry after a growing pause, until the pool closes.
+func (p *teacherPool) loop(r *replica) {
+	defer p.wg.Done()
+	wait := retryMin
+	for p.ctx.Err() == nil {
+		progress, err := p.session(r)
+		if p.ctx.Err() != nil {
+			return
+		}
+		if !retryable(err) {
+			p.fail(err)
+			return
+		}
+		if progress {
+			wait = retryMin
+		}
+		p.mu.Lock()
+		p.setDown(r, err, wait)
+		p.mu.Unlock()
+		t := time.NewTimer(wait)
+		select {
+		case <-p.ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		wait = min(2*wait, retryMax)
+	}
+}
+
+// checkInfo compares a replica's Info with the run's needs and the other
+// replicas' (p.mu held), naming the mismatch.
+func (p *teacherPool) checkInfo(r *replica, in *pb.InfoResponse) error {
+	bad := func(format string, a ...any) error {
+		return fmt.Errorf("%w: teacher %s at %s: %s", ErrMismatch, p.name, r.addr, fmt.Sprintf(format, a...))
+	}
+	w := p.want
+	switch {
+	case in.GetTokenizerFingerprint() == "":
+		return bad("the daemon has no tokenizer, so the student's tokenizer (%.12s) cannot be checked against it: start teacherd with --tokenizer (the student's tokenizer directory)", w.tokenizer)
+	case in.GetTokenizerFingerprint() != w.tokenizer:
+		return bad("tokenizer %s, but the student's tokenizer is %s: teacher and student must share a tokenizer; start teacherd with the student's --tokenizer, or train a student with the teacher's tokenizer", in.GetTokenizerFingerprint(), w.tokenizer)
+	case int(in.GetVocabSize()) != w.vocab:
+		return bad("vocab_size %d, but the student has %d: the teacher and student must share a vocabulary", in.GetVocabSize(), w.vocab)
+	case w.k > in.GetKMax():
+		return bad("distill.k %d exceeds the daemon's k_max %d: lower distill.k, or start teacherd with --k-max %d", w.k, in.GetKMax(), w.k)
+	case w.k == 0 && in.GetKDefault() <= 0:
+		return bad("the daemon has no default k: set distill.k")
+	case int(min(in.GetMaxPositions(), in.GetTokenBudget())) < w.maxLen:
+		return bad("accepts samples of at most %d tokens (max_positions %d, token_budget %d), but the run's samples may have %d (data.seq_len / data.dataset.max_len): lower max_len, or start teacherd with a larger --token-budget",
+			min(in.GetMaxPositions(), in.GetTokenBudget()), in.GetMaxPositions(), in.GetTokenBudget(), w.maxLen)
+	}
+	if ref := p.info; ref != nil {
+		kr, ki := w.k, w.k
+		if w.k == 0 {
+			kr, ki = ref.GetKDefault(), in.GetKDefault()
+		}
+		switch {
+		case in.GetTeacherFingerprint() != ref.GetTeacherFingerprint():
+			return bad("teacher fingerprint %.12s, but the other replicas serve %.12s: the addresses of one teacher must serve the same model (%s): give each model its own teachers entry",
+				in.GetTeacherFingerprint(), ref.GetTeacherFingerprint(), in.GetModelDir())
+		case kr != ki:
+			return bad("default k %d, but the other replicas use %d: set distill.k", ki, kr)
+		}
+	}
+	return nil
+}
+
+// session checks r's Info, opens a Score stream and scores queued jobs
+// on it until the stream fails; the jobs in flight then go back to the
+// front of the queue. progress reports whether any job was answered.
+func (p *teacherPool) session(r *replica) (progress bool, err error) {
+	ctx, cancel := context.WithCancel(p.ctx)
+	defer cancel()
+	ictx, icancel := context.WithTimeout(ctx, 30*time.Second)
+	in, err := r.cl.Info(ictx, &pb.InfoRequest{})
+	icancel()
+	if err != nil {
+		return false, err
+	}
+	p.mu.Lock()
+	if err := p.checkInfo(r, in); err != nil {
+		p.mu.Unlock()
+		return false, err
+	}
+	if p.info == nil {
+		p.info = in
+		if p.k == 0 {
+			p.k = in.GetKDefault()
+		}
+	}
+	r.checked = true
+	p.cond.Broadcast()
+	p.mu.Unlock()
+	stream, err := r.cl.Score(ctx)
+	if err != nil {
+		return false, err
+	}
+	p.mu.Lock()
+	p.setUp(r)
+	p.mu.Unlock()
+
+	// The sender takes jobs while fewer than replicaWindow are in flight;
+	// this goroutine receives the answers in order.
+	var (
+		fmu      sync.Mutex
+		inflight []*scoreJob
+		sendErr  error
+	)
+	slots := make(chan struct{}, p.window)
+	wake := context.AfterFunc(ctx, func() { p.mu.Lock(); p.cond.Broadcast(); p.mu.Unlock() })
+	defer wake()
+	var swg sync.WaitGroup
+	swg.Add(1)
+	go func() {
+		defer swg.Done()
+		var id int64
+		for {
+			select {
+			case slots <- struct{}{}:
+			case <-ctx.Done():
+				return
+			}
+			p.mu.Lock()
+			for len(p.queue) == 0 && ctx.Err() == nil {
+				p.cond.Wait()
+			}
+			if ctx.Err() != nil {
+				p.mu.Unlock()
+				return
+			}
+			j := p.queue[0]
+			p.queue[0] = nil
+			p.queue = p.queue[1:]
+			fmu.Lock()
+			inflight = append(inflight, j)
+			fmu.Unlock()
+			p.mu.Unlock()
+			k := p.k
+			if err := stream.Send(&pb.ScoreRequest{Id: id, Tokens: j.s.Tokens, K: &k, Temperature: p.temp}); err != nil {
+				fmu.Lock()
+				sendErr = err
+				fmu.Unlock()
+				cancel()
+				return
+			}
+			id++
+		}
+	}()
+	var recvID int64
+	for {
+		res, rerr := stream.Recv()
+		if rerr == nil {
+			var j *scoreJob
+			fmu.Lock()
+			if len(inflight) == 0 {
+				rerr = status.Errorf(codes.Internal, "teacher %s at %s answered sample id %d that was not asked", p.name, r.addr, res.GetId())
+			} else if verr := checkAnswer(inflight[0].s, res, recvID, p.k); verr != nil {
+				rerr = status.Errorf(codes.Internal, "teacher %s at %s: %v", p.name, r.addr, verr)
+			} else {
+				j = inflight[0]
+				inflight = inflight[1:]
+			}
+			fmu.Unlock()
+			if rerr == nil {
+				j.s.TopKIDs, j.s.TopKLogProbs = res.GetIds(), res.GetLogprobs()
+				recvID++
+				progress = true
+				p.mu.Lock()
+				p.asked++
+				p.mu.Unlock()
+				if j.then != nil {
+					j.then(j)
+				}
+				close(j.done)
+				<-slots
+				n := r.answers.Add(1)
+				if testHookAnswer != nil {
+					testHookAnswer(r.addr, n)
+				}
+				continue
+			}
+		}
+		cancel()
+		swg.Wait()
+		fmu.Lock()
+		if sendErr != nil && (rerr == nil || errors.Is(rerr, io.EOF)) {
+			rerr = sendErr
+		}
+		back := inflight
+		inflight = nil
+		fmu.Unlock()
+		p.mu.Lock()
+		p.queue = append(back, p.queue...)
+		p.cond.Broadcast()
+		p.mu.Unlock()
+		if errors.Is(rerr, io.EOF) {
+			rerr = status.Error(codes.Unavailable, "the daemon ended the Score stream")
+		}
+		if status.Code(rerr) == codes.InvalidArgument && len(back) > 0 {
+			s := back[0].s
+			return progress, fmt.Errorf("%w: teacher %s at %s refused sample %d (%d tokens): %v", ErrTeachers, p.name, r.addr, s.Index, len(s.Tokens), status.Convert(rerr).Message())
+		}
+		if c := status.Code(rerr); c == codes.Unauthenticated || c == codes.PermissionDenied {
+			return progress, fmt.Errorf("%w: teacher %s at %s: %v: give the daemon's bearer token in distill.token_file (or $DISTILL_TOKEN)", ErrTeachers, p.name, r.addr, status.Convert(rerr).Message())
+		}
+		return progress, rerr
+	}
+}
+
+// checkAnswer checks a Score response against its request.
+func checkAnswer(s *cache.Sample, res *pb.ScoreResponse, id int64, k int32) error {
+	T := len(s.Tokens)
+	switch {
+	case res.GetId() != id:
+		return fmt.Errorf("answer id %d, want %d (answers out of order)", res.GetId(), id)
+	case res.GetK() != k:
+		return fmt.Errorf("sample %d: answer has k %d, asked %d", s.Index, res.GetK(), k)
+	case len(res.GetIds()) != T*int(k) || len(res.GetLogprobs()) != T*int(k):
+		return fmt.Errorf("sample %d: answer has %d ids and %d log-probs, want %d x %d", s.Index, len(res.GetIds()), len(res.GetLogprobs()), T, k)
+	}
+	return nil
+}
+
+// asked returns the samples the teachers have answered.
+func (p *teacherPool) answered() int64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.asked
+}
