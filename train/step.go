@@ -14,7 +14,7 @@ import (
 type Batch = loss.Targets
 
 // forward checks the batch and runs the decoder, returning the LM head's
-// input (N, hidden).
+// input (N, hidden). An MoE student's routing statistics are read (s.routing).
 func (s *Student) forward(b *Batch) (compute.Tensor, error) {
 	if err := b.Check(s.Cfg.VocabSize); err != nil {
 		return nil, err
@@ -23,7 +23,30 @@ func (s *Student) forward(b *Batch) (compute.Tensor, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
+	s.routing = decoder.RouterStats{}
+	if s.Cfg.NumExperts > 0 {
+		s.routing = s.Model.Routing()
+	}
 	return lnf, nil
+}
+
+// auxCoef is the weight of the load-balancing loss in the loss (HF adds
+// router_aux_loss_coef·aux when output_router_logits), 0 when off.
+func (s *Student) auxCoef() float64 {
+	if s.Cfg.NumExperts == 0 || !s.Cfg.OutputRouterLogits {
+		return 0
+	}
+	return s.Cfg.RouterAuxLossCoef
+}
+
+// addAux adds the load-balancing loss of the last forward to st: Aux
+// always (MoE students), coef·Aux into Loss when it is on.
+func (s *Student) addAux(st *loss.Stats) {
+	if s.Cfg.NumExperts == 0 {
+		return
+	}
+	st.Aux = s.routing.Aux()
+	st.Loss += s.auxCoef() * st.Aux
 }
 
 // Forward computes the loss of a batch without gradients (evaluation; also
@@ -36,13 +59,21 @@ func (s *Student) Forward(b *Batch, opt *loss.Options) (loss.Stats, error) {
 	if err != nil {
 		return loss.Stats{}, err
 	}
-	return s.head.Forward(x, s.Model.Head.W, b, opt)
+	st, err := s.head.Forward(x, s.Model.Head.W, b, opt)
+	if err == nil {
+		s.addAux(&st)
+	}
+	return st, err
 }
 
 // ForwardBackward computes the loss of a batch and ADDS its gradient to
 // the gradient arena (call ZeroGrad first; several calls accumulate
 // micro-batches, with normalizer > 0 the global count of counted
-// positions, see loss.Head.ForwardBackward).
+// positions, see loss.Head.ForwardBackward). An MoE student with
+// output_router_logits adds router_aux_loss_coef times HF's
+// load-balancing loss of this batch, weighted like the batch's loss
+// (its counted positions over normalizer), so that the micro-batches'
+// losses sum to the token-weighted mean the trainer logs.
 func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float64) (loss.Stats, error) {
 	if s.Model.Calibrating() {
 		return loss.Stats{}, fmt.Errorf("%w: NVFP4 calibration is running: call Forward on the calibration batches, then FinishCalibration", ErrInvalid)
@@ -60,6 +91,14 @@ func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float6
 	if err != nil {
 		return st, err
 	}
+	if coef := s.auxCoef(); coef != 0 {
+		w := 1.0
+		if normalizer > 0 {
+			w = float64(st.Tokens) / normalizer
+		}
+		s.Model.SetRouterAux(coef*w, s.routing)
+	}
+	s.addAux(&st)
 	s.Model.Backward()
 	return st, nil
 }

@@ -210,6 +210,10 @@ type Stats struct {
 	KD     float64 // the divergence, before KDWeight and T²
 	CE     float64 // cross-entropy on the labels
 	Tokens int     // counted positions
+	// Aux is an MoE student's load-balancing loss (HF Qwen3-MoE's,
+	// before router_aux_loss_coef); Loss includes coef·Aux when the
+	// config's output_router_logits is on. 0 for dense students.
+	Aux float64
 }
 
 // Head is the fused LM head + loss on a backend. It keeps its host

@@ -179,6 +179,43 @@ type StepMetrics struct {
 	Skipped      bool    `json:"skipped,omitempty"` // non-finite gradient: no update
 	Epoch        int     `json:"epoch"`
 	WallTime     float64 `json:"wall_time"`
+	// MoE students: AuxLoss is HF Qwen3-MoE's load-balancing loss
+	// (before router_aux_loss_coef; Loss includes coef·AuxLoss when the
+	// student's config has output_router_logits), token-weighted over the
+	// step's rows like Loss. ExpertShare is each expert's share of the
+	// step's routed (token, slot) choices, pooled over the MoE layers (it
+	// sums to 1; 1/num_experts each when balanced), ExpertShareByLayer the
+	// same per MoE layer, in layer order.
+	AuxLoss            float64     `json:"aux_loss,omitempty"`
+	ExpertShare        []float64   `json:"expert_share,omitempty"`
+	ExpertShareByLayer [][]float64 `json:"expert_share_by_layer,omitempty"`
+}
+
+// expertShares turns summed routing counts (per MoE layer, per expert)
+// into StepMetrics' shares.
+func expertShares(counts [][]int) (pooled []float64, byLayer [][]float64) {
+	if len(counts) == 0 {
+		return nil, nil
+	}
+	pooled = make([]float64, len(counts[0]))
+	var all float64
+	for _, c := range counts {
+		row := make([]float64, len(c))
+		var n float64
+		for _, v := range c {
+			n += float64(v)
+		}
+		for e, v := range c {
+			row[e] = float64(v) / n
+			pooled[e] += float64(v)
+		}
+		all += n
+		byLayer = append(byLayer, row)
+	}
+	for e := range pooled {
+		pooled[e] /= all
+	}
+	return pooled, byLayer
 }
 
 // Result summarizes a Run.
@@ -535,6 +572,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		}
 		s.ZeroGrad()
 		var sm StepMetrics
+		var routed [][]int // MoE: per layer and expert, the step's choices
 		for i, b := range rows {
 			if testHookRow != nil {
 				testHookRow(step, i)
@@ -551,10 +589,21 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			sm.Loss += bs.Loss * w
 			sm.KD += bs.KD * w
 			sm.CE += bs.CE * w
+			sm.AuxLoss += bs.Aux * w
+			for l, c := range s.Routing().Counts {
+				if l == len(routed) {
+					routed = append(routed, make([]int, len(c)))
+				}
+				for e, v := range c {
+					routed[l][e] += v
+				}
+			}
 		}
 		if total > 0 {
 			sm.Loss, sm.KD, sm.CE = sm.Loss/float64(total), sm.KD/float64(total), sm.CE/float64(total)
+			sm.AuxLoss /= float64(total)
 		}
+		sm.ExpertShare, sm.ExpertShareByLayer = expertShares(routed)
 		sm.GradNorm = optim.ClipGradNorm(ad.Groups, cfg.Optim.MaxGradNorm)
 		sm.LR = sched.LR(step)
 		if math.IsNaN(sm.GradNorm) || math.IsInf(sm.GradNorm, 0) {
@@ -880,10 +929,20 @@ func writeResolved(cfg *Config) error {
 // 2 FLOPs per multiply-add, backward twice the forward).
 func stepFLOPs(c *model.Config, rows []*train.Batch, counted int) float64 {
 	C, q, kv := float64(c.Hidden), float64(c.Heads*c.HeadDim), float64(c.KVHeads*c.HeadDim)
-	perLayer := C*(q+2*kv) + q*C + 3*C*float64(c.Intermediate)
+	// Multiply-adds per token of all layers: an MoE layer runs its router
+	// and top-k experts (active parameters), a dense one its MLP.
+	var perTok float64
+	for i := 0; i < c.Layers; i++ {
+		perTok += C*(q+2*kv) + q*C
+		if c.IsMoE(i) {
+			perTok += C*float64(c.NumExperts) + 3*C*float64(c.MoEIntermediate*c.ExpertsPerTok)
+		} else {
+			perTok += 3 * C * float64(c.Intermediate)
+		}
+	}
 	var f, att float64
 	for _, b := range rows {
-		f += 6 * perLayer * float64(c.Layers) * float64(len(b.Tokens))
+		f += 6 * perTok * float64(len(b.Tokens))
 		for s := 0; s+1 < len(b.Starts); s++ {
 			l := float64(b.Starts[s+1] - b.Starts[s])
 			att += l * l / 2
@@ -975,10 +1034,17 @@ func (m *metrics) train(sm StepMetrics) error {
 		return fmt.Errorf("trainer: writing metrics.jsonl: %w", err)
 	}
 	if m.tb != nil {
-		return m.tb.Scalars(int64(sm.Step), time.Now(), map[string]float64{
+		sc := map[string]float64{
 			"train/loss": sm.Loss, "train/kd": sm.KD, "train/ce": sm.CE, "train/lr": sm.LR, "train/grad_norm": sm.GradNorm,
 			"perf/tokens_per_s": sm.TokensPerSec, "perf/data_s": sm.DataSeconds, "perf/gflop_per_s": sm.GFLOPs, "perf/peak_mem_gib": float64(sm.PeakMemBytes) / (1 << 30),
-		})
+		}
+		if sm.ExpertShare != nil {
+			sc["moe/aux_loss"] = sm.AuxLoss
+			for e, v := range sm.ExpertShare {
+				sc[fmt.Sprintf("moe/expert_share/%d", e)] = v
+			}
+		}
+		return m.tb.Scalars(int64(sm.Step), time.Now(), sc)
 	}
 	return nil
 }
