@@ -104,7 +104,8 @@ func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float6
 }
 
 // EnableQAD switches on NVFP4 fake quantization of every Linear's weight
-// and input (not lm_head, not the embeddings) and starts calibration: run
+// and input, MoE experts included (not lm_head, not the embeddings, not
+// the MoE routers) and starts calibration: run
 // Forward over the calibration batches, then FinishCalibration. Hidden and
 // intermediate sizes must be multiples of the 16-element block.
 func (s *Student) EnableQAD() error {
@@ -125,8 +126,9 @@ func (s *Student) FinishCalibration() error {
 }
 
 // ExportNVFP4 packs every quantized Linear in ModelOpt's layout, keyed by
-// the HF tensor prefix (e.g. "model.layers.0.self_attn.q_proj"), with the
-// input_scale of each.
+// the HF tensor prefix (e.g. "model.layers.0.self_attn.q_proj",
+// "model.layers.0.mlp.experts.3.down_proj"), with the input_scale of each.
+// MoE routers are not quantized.
 func (s *Student) ExportNVFP4() (map[string]*nvfp4.Packed, map[string]float32, error) {
 	if !s.QAD || s.Model.Calibrating() {
 		return nil, nil, fmt.Errorf("%w: NVFP4 export needs QAD enabled and calibrated", ErrInvalid)
@@ -135,9 +137,20 @@ func (s *Student) ExportNVFP4() (map[string]*nvfp4.Packed, map[string]float32, e
 	packed, inScale := map[string]*nvfp4.Packed{}, map[string]float32{}
 	for i := range s.Model.Blocks {
 		L := &s.Model.Blocks[i]
-		a, f := &L.Attn, L.MLP
-		in := map[*decoder.Linear]float32{&a.Q: L.InQKV.Amax, &a.K: L.InQKV.Amax, &a.V: L.InQKV.Amax, &a.O: L.InO.Amax,
-			&f.Gate: L.InGateUp.Amax, &f.Up: L.InGateUp.Amax, &f.Down: L.InDown.Amax}
+		a := &L.Attn
+		in := map[*decoder.Linear]float32{&a.Q: L.InQKV.Amax, &a.K: L.InQKV.Amax, &a.V: L.InQKV.Amax, &a.O: L.InO.Amax}
+		// The MLP, or every expert: an MoE block's experts share its two
+		// input quantizers, so each expert's input_scale is the same.
+		var mlps []*decoder.MLP
+		if L.MLP != nil {
+			mlps = append(mlps, L.MLP)
+		}
+		for e := range L.Experts {
+			mlps = append(mlps, &L.Experts[e])
+		}
+		for _, f := range mlps {
+			in[&f.Gate], in[&f.Up], in[&f.Down] = L.InGateUp.Amax, L.InGateUp.Amax, L.InDown.Amax
+		}
 		for _, l := range L.Linears() {
 			p, err := nvfp4.Pack(l.Name+".weight", w[l.Name+".weight"], l.Out, l.In, l.WQ.Amax)
 			if err != nil {

@@ -258,9 +258,15 @@ func TestStudentErrors(t *testing.T) {
 	if _, err := s.ForwardBackward(b, &opt, 0); !errors.Is(err, loss.ErrInvalid) || !strings.Contains(err.Error(), "token 3") {
 		t.Fatalf("bad token: %v", err)
 	}
-	moe := tinyConfig(model.ArchQwen3MoE, false)
-	if _, err := NewStudent(moe); !errors.Is(err, ErrInvalid) {
-		t.Fatalf("moe: %v", err)
+	// MoE students train; NVFP4 needs their experts' width in 16-blocks.
+	moe := tinyMoEConfig(false, 1)
+	moe.MoEIntermediate = 24
+	ms, err := NewStudent(moe)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ms.EnableQAD(); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "moe_intermediate_size (24)") {
+		t.Fatalf("QAD of experts 24 wide: %v", err)
 	}
 }
 

@@ -24,8 +24,11 @@
 // log-sum-exp) are kept for the backward.
 //
 // NVFP4 quantization-aware training (EnableQAD): every Linear's weight and
-// input is fake-quantized in the training forward (not the LM head, not
-// the embeddings), with amax calibrated and then frozen (see Quantizer).
+// input is fake-quantized in the training forward, the MoE experts'
+// included (not the LM head, not the embeddings, not the MoE routers, as
+// Model-Optimizer does), with amax calibrated and then frozen (see
+// Quantizer); an MoE block's experts share one input quantizer for
+// gate/up and one for down.
 // The backward is straight-through: it uses the quantized tensors as what
 // the forward multiplied, and their gradients as the originals'.
 package decoder

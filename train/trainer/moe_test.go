@@ -130,6 +130,24 @@ func TestMoERun(t *testing.T) {
 			t.Fatalf("step %d after resume: loss %.17g, uninterrupted %.17g", s.Step, s.Loss, w.Loss)
 		}
 	}
+	// NVFP4 QAD of the MoE student (experts and attention quantized):
+	// step 1 differs from the unquantized run on the same data, and the
+	// checkpoint holds every quantizer's amax (2 MoE layers of 4 experts:
+	// 4+12+4 each, the dense layer 11).
+	qdir := filepath.Join(t.TempDir(), "qad")
+	qad, err := Run(moeConfig(t, b, qdir, "quant=nvfp4", "calib_batches=2", "train.max_steps=4", "eval.every=0"), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if qad.Steps[0].Loss == full.Steps[0].Loss || qad.Steps[0].Tokens != full.Steps[0].Tokens || !(qad.Steps[3].Loss < qad.Steps[0].Loss) {
+		t.Fatalf("QAD steps %+v vs plain step 1 %+v", qad.Steps, full.Steps[0])
+	}
+	var st State
+	sb, _ := os.ReadFile(filepath.Join(checkpointDir(qdir, 4), "state.json"))
+	if err := json.Unmarshal(sb, &st); err != nil || len(st.QuantAmax) != 2*20+11 {
+		t.Fatalf("state.json: %v, %d amax values", err, len(st.QuantAmax))
+	}
+
 	cfg, err := model.LoadConfig(full.Checkpoint)
 	if err != nil || cfg.Arch != model.ArchQwen3MoE || cfg.NumExperts != 4 || !cfg.IsMoE(2) || cfg.IsMoE(1) {
 		t.Fatalf("final checkpoint config %+v: %v", cfg, err)
