@@ -13,6 +13,11 @@
 // multiply-adds), so a backend run with several workers splits every loop;
 // finite differences run on strided subsets to stay affordable.
 //
+// MoEBackward checks MoEForward and MoEBackward (the Qwen3-MoE block's
+// training pair) against float64 formulas and finite differences, router
+// and load-balancing gradient included; a backend that trains but has no
+// MoE kernels yet passes "MoEBackward" in Run's skip list.
+//
 // A backend that implements only the teacher's forward (the CUDA backend,
 // until its training kernels exist) runs RunForward: the memory methods
 // and the forward kernels with the statistics they save, and nothing of
