@@ -14,7 +14,7 @@
 //     expert FFN and the streaming LM-head top-k; RMSNorm and attention can
 //     save the statistics their backward needs (rstd, log-sum-exp);
 //   - backward: one per layer kernel (MatMul, Embed, RMSNorm, RoPE,
-//     Attention, SwiGLU);
+//     Attention, SwiGLU, MoE: MoEForward saves what MoEBackward needs);
 //   - the fused LM-head loss, forward and backward (LossHeadForward,
 //     LossHeadBackward: the logits exist one vocabulary tile at a time);
 //   - the optimizer: the AdamW update, the gradient sum of squares (global
@@ -161,6 +161,16 @@ type Backend interface {
 	// m.NormTopK), each expert a SwiGLU MLP, outputs summed with the
 	// routing weights. x (tokens, hidden) -> out (tokens, hidden).
 	MoE(out, x Tensor, m *MoEWeights, tokens int)
+	// MoEForward is MoE for training: the same output, and s (sized by
+	// NewMoESaved) receives what MoEBackward needs: the router
+	// probabilities, the top-k choice and routing weights, the grouping of
+	// the (token, slot) pairs by expert, and each expert's projections and
+	// output over its rows. Like MoE it computes the experts by grouping:
+	// the pairs sorted by expert (stable: ascending token within an
+	// expert), one GEMM per expert over its contiguous rows, the outputs
+	// scattered back. Under NVFP4 QAD (m.InAmax > 0, m.HAmax > 0) the
+	// experts' inputs are fake-quantized, the router's are not.
+	MoEForward(out, x Tensor, m *MoEWeights, s *MoESaved, tokens int)
 	// LMHeadTopK: x (tokens, hidden), w (vocab, hidden). For each token it
 	// computes the logits over the whole vocabulary in tiles, keeping a
 	// running top-k and log-sum-exp, and writes ids (tokens,k) I32 sorted
@@ -195,6 +205,20 @@ type Backend interface {
 	// SwiGLUBackward: dout, gate, up (n) -> dgate (n) +=, dup (n) +=, with
 	// silu'(g) = σ(g)·(1 + g·(1-σ(g))).
 	SwiGLUBackward(dgate, dup, dout, gate, up Tensor, n int)
+	// MoEBackward of MoEForward: dout (tokens,hidden), x, m and s as the
+	// forward left them -> dx (tokens,hidden) +=, and in dm (the weights'
+	// layout, gradients in place of weights) dm.Router += , dm.Gate[e],
+	// dm.Up[e], dm.Down[e] +=. The gradient reaches x through the experts
+	// and through the router: routing weight w = p_e (or p_e/Σ_topk p
+	// under NormTopK), p = softmax(x·routerᵀ). dprob (numExperts) F32 or
+	// nil is an extra gradient of the loss w.r.t. every router
+	// probability p[t,e], the same for every token t (the load-balancing
+	// loss's, see MoEAuxGrad), added before the softmax backward. Under
+	// QAD the backward is straight-through: the experts' weight gradients
+	// use the quantized inputs, and dx gets the gradient of the quantized
+	// input as that of x. The top-k choice is piecewise constant: it has
+	// no gradient.
+	MoEBackward(dx Tensor, dm *MoEWeights, dout, x Tensor, m *MoEWeights, s *MoESaved, dprob Tensor, tokens int)
 
 	// --- Optimizer.
 
@@ -284,6 +308,63 @@ type MoEWeights struct {
 	NumExperts, TopK int
 	Hidden, Inter    int
 	NormTopK         bool
+	// InAmax and HAmax, when positive, switch on NVFP4 fake quantization
+	// (FakeQuantNVFP4 with this per-tensor amax) of the experts' inputs:
+	// x as gate_proj and up_proj read it, and silu(gate)·up as down_proj
+	// reads it. One amax serves every expert of the block (the maximum
+	// over the experts, which is what deployments load into fused MoE
+	// kernels). The router always reads x unquantized. 0: off.
+	InAmax, HAmax float32
+}
+
+// MoESaved are the tensors MoEForward fills for MoEBackward, for a batch of
+// T tokens with E experts and top-k K; rows "in grouped order" are the T·K
+// (token, slot) pairs sorted by expert, expert e owning rows
+// [Offsets[e], Offsets[e+1]).
+type MoESaved struct {
+	Probs   Tensor // (T,E) F32: softmax of the router logits, fp32
+	Sel     Tensor // (T,K) I32: the chosen experts, descending probability (ties: lower index)
+	Wts     Tensor // (T,K) F32: their routing weights (renormalized under NormTopK)
+	Order   Tensor // (T·K) I32: the pair t·K+j of each grouped row
+	Offsets Tensor // (E+1) I32: expert e's grouped rows start at Offsets[e]
+	Gate    Tensor // (T·K, inter) F32, grouped: gate_proj outputs
+	Up      Tensor // (T·K, inter) F32, grouped: up_proj outputs
+	Y       Tensor // (T·K, hidden) F32, grouped: each expert's output before its routing weight
+}
+
+// NewMoESaved carves the MoESaved of T tokens out of farena (F32) and
+// iarena (I32), of the sizes MoESavedSizes returns.
+func NewMoESaved(be Backend, farena, iarena Tensor, T, E, K, hidden, inter int) *MoESaved {
+	fo, io := 0, 0
+	f := func(n int) Tensor { fo += n; return be.View(farena, fo-n, n) }
+	i := func(n int) Tensor { io += n; return be.View(iarena, io-n, n) }
+	return &MoESaved{Probs: f(T * E), Sel: i(T * K), Wts: f(T * K), Order: i(T * K), Offsets: i(E + 1),
+		Gate: f(T * K * inter), Up: f(T * K * inter), Y: f(T * K * hidden)}
+}
+
+// MoESavedSizes returns the F32 and I32 element counts NewMoESaved carves.
+func MoESavedSizes(T, E, K, hidden, inter int) (f32, i32 int) {
+	return T*E + T*K + 2*T*K*inter + T*K*hidden, 2*T*K + E + 1
+}
+
+// MoEAuxGrad is the gradient of coef·aux w.r.t. each router probability
+// p[t,e] of one MoE layer, where aux is the load-balancing loss of HF's
+// Qwen3-MoE (load_balancing_loss_func, with every token counted):
+//
+//	aux = E · Σ_e f_e · P_e,  f_e = count_e / (L·T),  P_e = Σ_{l,t} p[l,t,e] / (L·T)
+//
+// with the L MoE layers' T tokens each pooled (HF concatenates the
+// layers' router logits) and count_e the number of (layer, token, slot)
+// choices of expert e. The counts are piecewise constant, so
+// d aux/d p[l,t,e] = E·f_e/(L·T), the same for every layer and token.
+func MoEAuxGrad(coef float64, counts []int, L, T int) []float32 {
+	E := len(counts)
+	n := float64(L * T)
+	g := make([]float32, E)
+	for e, c := range counts {
+		g[e] = float32(coef * float64(E) * float64(c) / n / n)
+	}
+	return g
 }
 
 // AdamWStep is one AdamW update's scalars, in fp32, as torch.optim.AdamW

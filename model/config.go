@@ -75,6 +75,11 @@ type Config struct {
 	DecoderSparseStep int
 	NormTopKProb      bool
 	MLPOnlyLayers     []int
+	// OutputRouterLogits switches on the load-balancing auxiliary loss in
+	// training, weighted by RouterAuxLossCoef (HF: output_router_logits,
+	// router_aux_loss_coef; defaults false and 0.001).
+	OutputRouterLogits bool
+	RouterAuxLossCoef  float64
 
 	BOSTokenID, EOSTokenID int // -1 when absent
 }
@@ -174,6 +179,8 @@ type rawConfig struct {
 	DecoderSparseStep     *int            `json:"decoder_sparse_step"`
 	NormTopKProb          *bool           `json:"norm_topk_prob"`
 	MLPOnlyLayers         []int           `json:"mlp_only_layers"`
+	OutputRouterLogits    *bool           `json:"output_router_logits"`
+	RouterAuxLossCoef     *float64        `json:"router_aux_loss_coef"`
 	BOSTokenID            json.RawMessage `json:"bos_token_id"`
 	EOSTokenID            json.RawMessage `json:"eos_token_id"`
 }
@@ -324,6 +331,16 @@ func ParseConfig(b []byte) (*Config, error) {
 			}
 		}
 		c.MLPOnlyLayers = r.MLPOnlyLayers
+		c.RouterAuxLossCoef = 0.001 // Qwen3MoeConfig defaults
+		if r.RouterAuxLossCoef != nil {
+			c.RouterAuxLossCoef = *r.RouterAuxLossCoef
+		}
+		if c.RouterAuxLossCoef < 0 || math.IsNaN(c.RouterAuxLossCoef) || math.IsInf(c.RouterAuxLossCoef, 0) {
+			return nil, fmt.Errorf("%w: router_aux_loss_coef %g must be a finite number >= 0", ErrConfig, c.RouterAuxLossCoef)
+		}
+		if r.OutputRouterLogits != nil {
+			c.OutputRouterLogits = *r.OutputRouterLogits
+		}
 	} else if r.NumExperts != nil && *r.NumExperts > 0 {
 		return nil, fmt.Errorf("%w: num_experts set for model_type %q, which has no MoE", ErrConfig, arch)
 	}
@@ -429,8 +446,8 @@ func (c *Config) JSON() ([]byte, error) {
 		m["decoder_sparse_step"] = c.DecoderSparseStep
 		m["norm_topk_prob"] = c.NormTopKProb
 		m["mlp_only_layers"] = append([]int{}, c.MLPOnlyLayers...)
-		m["output_router_logits"] = false
-		m["router_aux_loss_coef"] = 0.001
+		m["output_router_logits"] = c.OutputRouterLogits
+		m["router_aux_loss_coef"] = c.RouterAuxLossCoef
 	}
 	if s := c.RopeScaling; s != nil {
 		m["rope_scaling"] = map[string]any{

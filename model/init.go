@@ -221,6 +221,7 @@ func Preset(arch Arch) (*Config, error) {
 		c.NumExperts, c.ExpertsPerTok, c.MoEIntermediate, c.DecoderSparseStep = 8, 2, 32, 1
 		c.NormTopKProb = true
 		c.MLPOnlyLayers = []int{1}
+		c.RouterAuxLossCoef = 0.001
 	default:
 		return nil, fmt.Errorf("%w: unknown architecture %q", ErrConfig, arch)
 	}

@@ -6,20 +6,29 @@
 # scale. ITERS (default 3) steps each. Both use every core (the Go kernels
 # split over runtime.NumCPU() workers; torch gets set_num_threads(nproc)).
 #
+# MOE=1 benchmarks the Qwen3-MoE student instead (every MLP 8 experts,
+# top-2, 512 wide, load-balancing loss on: BenchmarkTrainStepMoE against
+# bench_torch.py's HF-eager Qwen3MoeSparseMoeBlock).
+#
 #   scripts/bench-train-cpu.sh
+#   MOE=1 scripts/bench-train-cpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iters=${ITERS:-3}
 threads=$(nproc)
 if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
-  echo "bench-train-cpu: /usr/bin/python3 has no torch; apt-get install python3-torch" >&2
+  echo "bench-train-cpu: /usr/bin/python3 has no torch; apt-get install python3-torch libopenblas0-pthread" >&2
   exit 1
 fi
-gout=$(go test ./train/ -run '^$' -bench '^BenchmarkTrainStep$' -benchtime ${iters}x 2>&1 | grep '^BenchmarkTrainStep')
+bench=BenchmarkTrainStep pyarg=
+if [ "${MOE:-0}" = 1 ]; then
+  bench=BenchmarkTrainStepMoE pyarg=moe
+fi
+gout=$(go test ./train/ -run '^$' -bench "^${bench}\$" -benchtime ${iters}x 2>&1 | grep "^${bench}-")
 go_tps=$(echo "$gout" | grep -o '[0-9.]* tokens/s' | cut -d' ' -f1)
 go_gf=$(echo "$gout" | grep -o '[0-9.]* GFLOP/s' | cut -d' ' -f1)
-py=$(/usr/bin/python3 train/testdata/bench_torch.py "$threads")
-echo "go:    $go_tps tokens/s, $go_gf GFLOP/s ($threads threads)"
+py=$(/usr/bin/python3 train/testdata/bench_torch.py "$threads" $pyarg)
+echo "go:    $bench $go_tps tokens/s, $go_gf GFLOP/s ($threads threads)"
 echo "torch: $py"
 python3 - "$go_tps" "$py" <<'PY'
 import re, sys

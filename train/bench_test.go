@@ -19,6 +19,28 @@ import (
 func BenchmarkTrainStep(b *testing.B) {
 	cfg := &model.Config{Arch: model.ArchQwen3, VocabSize: 32000, Hidden: 256, Layers: 8, Heads: 4, KVHeads: 2, HeadDim: 64,
 		Intermediate: 1024, MaxPositions: 4096, RMSNormEps: 1e-6, RopeTheta: 1e6, QKNorm: true}
+	benchTrainStep(b, cfg)
+}
+
+// BenchmarkTrainStepMoE is BenchmarkTrainStep with every MLP a Qwen3-MoE
+// block of 8 experts, top-2, 512 wide (so the active MLP width, 2x512,
+// equals the dense student's 1024), norm_topk_prob, and the
+// load-balancing loss on (router_aux_loss_coef 0.001). GFLOP/s counts the
+// active parameters (the router and the 2 chosen experts per token).
+// train/testdata/bench_torch_moe.py is the same step in PyTorch, with HF's
+// Qwen3MoeSparseMoeBlock (eager: per expert, index the tokens, index_add
+// back); scripts/bench-train-cpu.sh runs both.
+//
+//	go test ./train -run '^$' -bench TrainStepMoE -benchtime 3x
+func BenchmarkTrainStepMoE(b *testing.B) {
+	cfg := &model.Config{Arch: model.ArchQwen3MoE, VocabSize: 32000, Hidden: 256, Layers: 8, Heads: 4, KVHeads: 2, HeadDim: 64,
+		Intermediate: 1024, MaxPositions: 4096, RMSNormEps: 1e-6, RopeTheta: 1e6, QKNorm: true,
+		NumExperts: 8, ExpertsPerTok: 2, MoEIntermediate: 512, DecoderSparseStep: 1, NormTopKProb: true,
+		OutputRouterLogits: true, RouterAuxLossCoef: 0.001}
+	benchTrainStep(b, cfg)
+}
+
+func benchTrainStep(b *testing.B, cfg *model.Config) {
 	s, err := NewStudent(cfg)
 	if err != nil {
 		b.Fatal(err)
@@ -48,6 +70,11 @@ func BenchmarkTrainStep(b *testing.B) {
 	matmulParams := params - V*C // the embedding lookup is not a matmul; the head is counted below
 	if cfg.TieEmbeddings {
 		matmulParams += V * C
+	}
+	for i := 0; i < cfg.Layers; i++ {
+		if cfg.IsMoE(i) { // only the top-k experts run for a token
+			matmulParams -= int64(cfg.NumExperts-cfg.ExpertsPerTok) * 3 * C * int64(cfg.MoEIntermediate)
+		}
 	}
 	flops := 6*float64(matmulParams)*N + 2*float64(V*C)*N // + the recomputed head logits
 	var att float64

@@ -105,10 +105,15 @@ const ModelOptVersion = "0.31.0"
 //	<linear>.weight_scale    F8_E4M3 (out, in/16) block scales
 //	<linear>.weight_scale_2  F32 scalar: weight amax / (6·448)
 //	<linear>.input_scale     F32 scalar: input amax / (6·448)
-//	everything else          BF16 (embeddings, norms, biases, lm_head)
+//	everything else          BF16 (embeddings, norms, biases, lm_head, MoE routers)
 //
-// plus config.json with a quantization_config and hf_quant_config.json
-// (quant_algo NVFP4, group_size 16, exclude_modules [lm_head]). The
+// Every expert of an MoE block is its own Linear
+// (model.layers.N.mlp.experts.E.{gate,up,down}_proj), with the dense
+// rules: gate/up share one weight_scale_2 per expert (fused as w13 by the
+// serving engines), and the block's experts share their input_scales.
+// Also config.json with a quantization_config and hf_quant_config.json
+// (quant_algo NVFP4, group_size 16, exclude_modules: lm_head and the MoE
+// routers). The
 // dequantized weights equal the fake-quantized weights of the training
 // forward bit for bit (nvfp4.Pack).
 func (s *Student) WriteNVFP4(dir string) error {
@@ -138,12 +143,20 @@ func (s *Student) WriteNVFP4(dir string) error {
 	if err := model.WriteSafetensors(filepath.Join(dir, "model.safetensors"), ts, map[string]string{"format": "pt"}); err != nil {
 		return err
 	}
+	// Excluded: the LM head and, as ModelOpt lists them for Qwen3-MoE,
+	// every MoE router (model.layers.N.mlp.gate).
+	exclude := []string{"lm_head"}
+	for i := range s.Model.Blocks {
+		if s.Model.Blocks[i].Router != nil {
+			exclude = append(exclude, s.Model.Blocks[i].Router.Name)
+		}
+	}
 	producer := map[string]any{"name": "modelopt", "version": ModelOptVersion}
 	quant := map[string]any{
 		"quant_algo":          "NVFP4",
 		"kv_cache_quant_algo": nil,
 		"group_size":          nvfp4.BlockSize,
-		"exclude_modules":     []string{"lm_head"},
+		"exclude_modules":     exclude,
 	}
 	hfq, _ := json.MarshalIndent(map[string]any{"producer": producer, "quantization": quant}, "", "  ")
 	cj, err := s.Cfg.JSON()
@@ -164,8 +177,8 @@ func (s *Student) WriteNVFP4(dir string) error {
 		"quant_algo":          "NVFP4",
 		"kv_cache_quant_algo": nil,
 		"group_size":          nvfp4.BlockSize,
-		"exclude_modules":     []string{"lm_head"},
-		"ignore":              []string{"lm_head"},
+		"exclude_modules":     exclude,
+		"ignore":              exclude,
 		"config_groups":       map[string]any{"group_0": map[string]any{"targets": []string{"Linear"}, "weights": fp4, "input_activations": fp4}},
 		"producer":            producer,
 	}

@@ -28,10 +28,15 @@ func TestExportBF16(t *testing.T) {
 	for _, c := range []struct {
 		arch model.Arch
 		tied bool
-	}{{model.ArchQwen3, false}, {model.ArchQwen2, true}, {model.ArchLlama, false}} {
+	}{{model.ArchQwen3, false}, {model.ArchQwen2, true}, {model.ArchLlama, false}, {model.ArchQwen3MoE, false}} {
 		for _, onGrid := range []bool{true, false} {
 			t.Run(fmt.Sprintf("%s/tied=%v/bf16grid=%v", c.arch, c.tied, onGrid), func(t *testing.T) {
 				cfg := tinyConfig(c.arch, c.tied)
+				if c.arch == model.ArchQwen3MoE {
+					// Experts as model.layers.N.mlp.experts.E.*_proj,
+					// routers as mlp.gate: what infer.Load reads.
+					cfg = tinyMoEConfig(c.tied, 1)
+				}
 				s, _ := NewStudent(cfg)
 				if err := s.Load(model.Init(cfg, model.InitOptions{Seed: 4, Std: 0.3, Perturb: true})); err != nil {
 					t.Fatal(err)

@@ -14,7 +14,7 @@ import (
 type Batch = loss.Targets
 
 // forward checks the batch and runs the decoder, returning the LM head's
-// input (N, hidden).
+// input (N, hidden). An MoE student's routing statistics are read (s.routing).
 func (s *Student) forward(b *Batch) (compute.Tensor, error) {
 	if err := b.Check(s.Cfg.VocabSize); err != nil {
 		return nil, err
@@ -23,7 +23,30 @@ func (s *Student) forward(b *Batch) (compute.Tensor, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
+	s.routing = decoder.RouterStats{}
+	if s.Cfg.NumExperts > 0 {
+		s.routing = s.Model.Routing()
+	}
 	return lnf, nil
+}
+
+// auxCoef is the weight of the load-balancing loss in the loss (HF adds
+// router_aux_loss_coef·aux when output_router_logits), 0 when off.
+func (s *Student) auxCoef() float64 {
+	if s.Cfg.NumExperts == 0 || !s.Cfg.OutputRouterLogits {
+		return 0
+	}
+	return s.Cfg.RouterAuxLossCoef
+}
+
+// addAux adds the load-balancing loss of the last forward to st: Aux
+// always (MoE students), coef·Aux into Loss when it is on.
+func (s *Student) addAux(st *loss.Stats) {
+	if s.Cfg.NumExperts == 0 {
+		return
+	}
+	st.Aux = s.routing.Aux()
+	st.Loss += s.auxCoef() * st.Aux
 }
 
 // Forward computes the loss of a batch without gradients (evaluation; also
@@ -36,13 +59,21 @@ func (s *Student) Forward(b *Batch, opt *loss.Options) (loss.Stats, error) {
 	if err != nil {
 		return loss.Stats{}, err
 	}
-	return s.head.Forward(x, s.Model.Head.W, b, opt)
+	st, err := s.head.Forward(x, s.Model.Head.W, b, opt)
+	if err == nil {
+		s.addAux(&st)
+	}
+	return st, err
 }
 
 // ForwardBackward computes the loss of a batch and ADDS its gradient to
 // the gradient arena (call ZeroGrad first; several calls accumulate
 // micro-batches, with normalizer > 0 the global count of counted
-// positions, see loss.Head.ForwardBackward).
+// positions, see loss.Head.ForwardBackward). An MoE student with
+// output_router_logits adds router_aux_loss_coef times HF's
+// load-balancing loss of this batch, weighted like the batch's loss
+// (its counted positions over normalizer), so that the micro-batches'
+// losses sum to the token-weighted mean the trainer logs.
 func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float64) (loss.Stats, error) {
 	if s.Model.Calibrating() {
 		return loss.Stats{}, fmt.Errorf("%w: NVFP4 calibration is running: call Forward on the calibration batches, then FinishCalibration", ErrInvalid)
@@ -60,12 +91,21 @@ func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float6
 	if err != nil {
 		return st, err
 	}
+	if coef := s.auxCoef(); coef != 0 {
+		w := 1.0
+		if normalizer > 0 {
+			w = float64(st.Tokens) / normalizer
+		}
+		s.Model.SetRouterAux(coef*w, s.routing)
+	}
+	s.addAux(&st)
 	s.Model.Backward()
 	return st, nil
 }
 
 // EnableQAD switches on NVFP4 fake quantization of every Linear's weight
-// and input (not lm_head, not the embeddings) and starts calibration: run
+// and input, MoE experts included (not lm_head, not the embeddings, not
+// the MoE routers) and starts calibration: run
 // Forward over the calibration batches, then FinishCalibration. Hidden and
 // intermediate sizes must be multiples of the 16-element block.
 func (s *Student) EnableQAD() error {
@@ -86,8 +126,9 @@ func (s *Student) FinishCalibration() error {
 }
 
 // ExportNVFP4 packs every quantized Linear in ModelOpt's layout, keyed by
-// the HF tensor prefix (e.g. "model.layers.0.self_attn.q_proj"), with the
-// input_scale of each.
+// the HF tensor prefix (e.g. "model.layers.0.self_attn.q_proj",
+// "model.layers.0.mlp.experts.3.down_proj"), with the input_scale of each.
+// MoE routers are not quantized.
 func (s *Student) ExportNVFP4() (map[string]*nvfp4.Packed, map[string]float32, error) {
 	if !s.QAD || s.Model.Calibrating() {
 		return nil, nil, fmt.Errorf("%w: NVFP4 export needs QAD enabled and calibrated", ErrInvalid)
@@ -96,9 +137,20 @@ func (s *Student) ExportNVFP4() (map[string]*nvfp4.Packed, map[string]float32, e
 	packed, inScale := map[string]*nvfp4.Packed{}, map[string]float32{}
 	for i := range s.Model.Blocks {
 		L := &s.Model.Blocks[i]
-		a, f := &L.Attn, L.MLP
-		in := map[*decoder.Linear]float32{&a.Q: L.InQKV.Amax, &a.K: L.InQKV.Amax, &a.V: L.InQKV.Amax, &a.O: L.InO.Amax,
-			&f.Gate: L.InGateUp.Amax, &f.Up: L.InGateUp.Amax, &f.Down: L.InDown.Amax}
+		a := &L.Attn
+		in := map[*decoder.Linear]float32{&a.Q: L.InQKV.Amax, &a.K: L.InQKV.Amax, &a.V: L.InQKV.Amax, &a.O: L.InO.Amax}
+		// The MLP, or every expert: an MoE block's experts share its two
+		// input quantizers, so each expert's input_scale is the same.
+		var mlps []*decoder.MLP
+		if L.MLP != nil {
+			mlps = append(mlps, L.MLP)
+		}
+		for e := range L.Experts {
+			mlps = append(mlps, &L.Experts[e])
+		}
+		for _, f := range mlps {
+			in[&f.Gate], in[&f.Up], in[&f.Down] = L.InGateUp.Amax, L.InGateUp.Amax, L.InDown.Amax
+		}
 		for _, l := range L.Linears() {
 			p, err := nvfp4.Pack(l.Name+".weight", w[l.Name+".weight"], l.Out, l.In, l.WQ.Amax)
 			if err != nil {

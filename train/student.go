@@ -1,5 +1,5 @@
 // Package train is the student side of distillation: the Student model
-// (Llama, Qwen2, Qwen3 dense) trained on a packed batch through the decoder
+// (Llama, Qwen2, Qwen3, Qwen3-MoE) trained on a packed batch through the decoder
 // of package model/decoder, the one the teacher runs, on any
 // compute.Backend: forward saving activations, the fused KD+SFT loss
 // (train/loss), backward, AdamW (train/optim) and optional NVFP4
@@ -36,7 +36,7 @@ type Tensor struct {
 	Decay  bool // weight decay applies (not norms, not biases)
 }
 
-// Student is a dense decoder-only model being trained.
+// Student is a decoder-only model being trained (dense or Qwen3-MoE).
 type Student struct {
 	Cfg     *model.Config
 	Tensors []Tensor
@@ -56,7 +56,12 @@ type Student struct {
 	be            compute.Backend
 	params, grads compute.Tensor
 	head          *loss.Head
+	routing       decoder.RouterStats // of the last forward (MoE students)
 }
+
+// Routing returns the MoE routing statistics of the last Forward or
+// ForwardBackward (empty for a dense student).
+func (s *Student) Routing() decoder.RouterStats { return s.routing }
 
 // NewStudent allocates a model of cfg with zero parameters (Load or
 // LoadHF fill them) on the CPU backend with one worker per core; see
@@ -65,16 +70,13 @@ func NewStudent(cfg *model.Config) (*Student, error) {
 	return NewStudentOn(cfg, device.CPU(0))
 }
 
-// NewStudentOn allocates a model of cfg with zero parameters on be. Only
-// dense Llama, Qwen2 and Qwen3 are supported.
+// NewStudentOn allocates a model of cfg with zero parameters on be:
+// Llama, Qwen2, Qwen3 or Qwen3-MoE.
 func NewStudentOn(cfg *model.Config, be compute.Backend) (*Student, error) {
 	switch cfg.Arch {
-	case model.ArchLlama, model.ArchQwen2, model.ArchQwen3:
+	case model.ArchLlama, model.ArchQwen2, model.ArchQwen3, model.ArchQwen3MoE:
 	default:
-		return nil, fmt.Errorf("%w: student architecture %q: want llama, qwen2 or qwen3 (dense)", ErrInvalid, cfg.Arch)
-	}
-	if cfg.NumExperts > 0 {
-		return nil, fmt.Errorf("%w: student with %d experts: MoE students are not supported", ErrInvalid, cfg.NumExperts)
+		return nil, fmt.Errorf("%w: student architecture %q: want llama, qwen2, qwen3 or qwen3_moe", ErrInvalid, cfg.Arch)
 	}
 	s := &Student{Cfg: cfg, be: be}
 	off := 0

@@ -60,9 +60,30 @@ func testBatch(seed int64, V, K int) *Batch {
 	return b
 }
 
+// tinyMoEConfig is a Qwen3-MoE of three layers: with sparseStep 1 layers 0
+// and 2 are sparse (layer 1 is in mlp_only_layers), with sparseStep 2
+// only layer 1 is. The load-balancing loss is on, with a large
+// coefficient so that its gradient is visible.
+func tinyMoEConfig(tied bool, sparseStep int) *model.Config {
+	c := tinyConfig(model.ArchQwen3, tied)
+	c.Arch, c.Layers = model.ArchQwen3MoE, 3
+	c.NumExperts, c.ExpertsPerTok, c.MoEIntermediate, c.DecoderSparseStep = 4, 2, 16, sparseStep
+	c.NormTopKProb = sparseStep == 1
+	if sparseStep == 1 {
+		c.MLPOnlyLayers = []int{1}
+	}
+	c.OutputRouterLogits, c.RouterAuxLossCoef = true, 0.3
+	return c
+}
+
 func spec(c *model.Config) ref.ModelSpec {
-	return ref.ModelSpec{V: c.VocabSize, C: c.Hidden, Layers: c.Layers, H: c.Heads, KV: c.KVHeads, D: c.HeadDim,
-		I: c.Intermediate, Eps: float64(c.RMSNormEps), QKNorm: c.QKNorm, Tied: c.TieEmbeddings, InvFreq: c.InvFreq()}
+	sp := ref.ModelSpec{V: c.VocabSize, C: c.Hidden, Layers: c.Layers, H: c.Heads, KV: c.KVHeads, D: c.HeadDim,
+		I: c.Intermediate, Eps: float64(c.RMSNormEps), QKNorm: c.QKNorm, Tied: c.TieEmbeddings, InvFreq: c.InvFreq(),
+		E: c.NumExperts, TopK: c.ExpertsPerTok, MoEI: c.MoEIntermediate, NormTopK: c.NormTopKProb}
+	if c.OutputRouterLogits {
+		sp.AuxCoef = c.RouterAuxLossCoef
+	}
+	return sp
 }
 
 // TestStudentGradients: the whole model's loss matches the float64
@@ -76,16 +97,22 @@ func TestStudentGradients(t *testing.T) {
 		arch model.Arch
 		tied bool
 		opt  loss.Options
+		cfg  *model.Config // nil: tinyConfig(arch, tied)
 	}{
-		{model.ArchLlama, true, loss.Options{KD: loss.FwdKL, Tail: loss.Renormalize, Temperature: 1, KDWeight: 1, SFTWeight: 0.5}},
-		{model.ArchLlama, false, loss.Options{KD: loss.RevKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1}},
-		{model.ArchQwen2, false, loss.Options{KD: loss.JSD, Beta: 0.5, Tail: loss.Renormalize, Temperature: 2, ScaleT2: true, KDWeight: 1, SFTWeight: 0.2}},
-		{model.ArchQwen3, true, loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 1}},
-		{model.ArchQwen3, false, loss.Options{KD: loss.FwdKL, Tail: loss.Zero, Temperature: 1, KDWeight: 1}},
+		{model.ArchQwen3MoE, false, loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.5}, tinyMoEConfig(false, 1)},
+		{model.ArchQwen3MoE, true, loss.Options{KD: loss.FwdKL, Tail: loss.Renormalize, Temperature: 1, KDWeight: 1}, tinyMoEConfig(true, 2)},
+		{model.ArchLlama, true, loss.Options{KD: loss.FwdKL, Tail: loss.Renormalize, Temperature: 1, KDWeight: 1, SFTWeight: 0.5}, nil},
+		{model.ArchLlama, false, loss.Options{KD: loss.RevKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1}, nil},
+		{model.ArchQwen2, false, loss.Options{KD: loss.JSD, Beta: 0.5, Tail: loss.Renormalize, Temperature: 2, ScaleT2: true, KDWeight: 1, SFTWeight: 0.2}, nil},
+		{model.ArchQwen3, true, loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 1}, nil},
+		{model.ArchQwen3, false, loss.Options{KD: loss.FwdKL, Tail: loss.Zero, Temperature: 1, KDWeight: 1}, nil},
 	}
 	for _, c := range cases {
 		t.Run(fmt.Sprintf("%s/tied=%v/%s", c.arch, c.tied, c.opt.KD), func(t *testing.T) {
-			cfg := tinyConfig(c.arch, c.tied)
+			cfg := c.cfg
+			if cfg == nil {
+				cfg = tinyConfig(c.arch, c.tied)
+			}
 			s, err := NewStudent(cfg)
 			if err != nil {
 				t.Fatal(err)
@@ -231,9 +258,15 @@ func TestStudentErrors(t *testing.T) {
 	if _, err := s.ForwardBackward(b, &opt, 0); !errors.Is(err, loss.ErrInvalid) || !strings.Contains(err.Error(), "token 3") {
 		t.Fatalf("bad token: %v", err)
 	}
-	moe := tinyConfig(model.ArchQwen3MoE, false)
-	if _, err := NewStudent(moe); !errors.Is(err, ErrInvalid) {
-		t.Fatalf("moe: %v", err)
+	// MoE students train; NVFP4 needs their experts' width in 16-blocks.
+	moe := tinyMoEConfig(false, 1)
+	moe.MoEIntermediate = 24
+	ms, err := NewStudent(moe)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ms.EnableQAD(); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "moe_intermediate_size (24)") {
+		t.Fatalf("QAD of experts 24 wide: %v", err)
 	}
 }
 

@@ -29,7 +29,11 @@ func runInit(args []string) error {
 	experts := fs.Int("experts", 0, "num_experts (qwen3_moe)")
 	topk := fs.Int("experts-per-tok", 0, "num_experts_per_tok (qwen3_moe)")
 	moeInter := fs.Int("moe-intermediate", 0, "moe_intermediate_size (qwen3_moe)")
-	mlpOnly := fs.String("mlp-only-layers", "", "comma-separated dense layers (qwen3_moe)")
+	mlpOnly := fs.String("mlp-only-layers", "", "comma-separated dense layers (qwen3_moe; \"none\": every layer sparse)")
+	sparseStep := fs.Int("decoder-sparse-step", 0, "decoder_sparse_step: every n-th layer is sparse (qwen3_moe)")
+	normTopK := fs.String("norm-topk-prob", "", "norm_topk_prob: true or false (qwen3_moe; default: the preset's, true)")
+	routerLogits := fs.String("output-router-logits", "", "output_router_logits: true adds the load-balancing loss in training (qwen3_moe; default false)")
+	auxCoef := fs.Float64("router-aux-loss-coef", -1, "router_aux_loss_coef (qwen3_moe; default 0.001)")
 	tie := fs.String("tie", "", "tie_word_embeddings: true or false (default: the preset's)")
 	bias := fs.String("attention-bias", "", "attention_bias: true or false (llama, qwen3)")
 	seed := fs.Uint64("seed", 1, "random seed")
@@ -51,7 +55,7 @@ func runInit(args []string) error {
 	var bad []string
 	fs.Visit(func(f *flag.Flag) {
 		switch f.Name {
-		case "layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "max-pos", "experts", "experts-per-tok", "moe-intermediate":
+		case "layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "max-pos", "experts", "experts-per-tok", "moe-intermediate", "decoder-sparse-step":
 			if v, _ := strconv.Atoi(f.Value.String()); v <= 0 {
 				bad = append(bad, fmt.Sprintf("--%s %s", f.Name, f.Value))
 			}
@@ -63,6 +67,18 @@ func runInit(args []string) error {
 	})
 	if len(bad) > 0 {
 		return fmt.Errorf("%s: want positive numbers (leave a size flag out for the preset's value)", strings.Join(bad, ", "))
+	}
+	if *arch != string(model.ArchQwen3MoE) {
+		var moeFlags []string
+		fs.Visit(func(f *flag.Flag) {
+			switch f.Name {
+			case "experts", "experts-per-tok", "moe-intermediate", "mlp-only-layers", "decoder-sparse-step", "norm-topk-prob", "output-router-logits", "router-aux-loss-coef":
+				moeFlags = append(moeFlags, "--"+f.Name)
+			}
+		})
+		if len(moeFlags) > 0 {
+			return fmt.Errorf("%s: MoE flags need --arch qwen3_moe (got --arch %s)", strings.Join(moeFlags, ", "), *arch)
+		}
 	}
 	if dt := strings.ToUpper(*dtype); dt != "BF16" && dt != "F32" {
 		return fmt.Errorf("--dtype %q: want BF16 or F32", *dtype)
@@ -87,7 +103,16 @@ func runInit(args []string) error {
 	set(&cfg.NumExperts, *experts)
 	set(&cfg.ExpertsPerTok, *topk)
 	set(&cfg.MoEIntermediate, *moeInter)
-	if *mlpOnly != "" {
+	set(&cfg.DecoderSparseStep, *sparseStep)
+	if *auxCoef != -1 {
+		if !(*auxCoef >= 0) {
+			return fmt.Errorf("--router-aux-loss-coef %g: want a number >= 0", *auxCoef)
+		}
+		cfg.RouterAuxLossCoef = *auxCoef
+	}
+	if *mlpOnly == "none" {
+		cfg.MLPOnlyLayers = nil
+	} else if *mlpOnly != "" {
 		cfg.MLPOnlyLayers = nil
 		for _, f := range strings.Split(*mlpOnly, ",") {
 			l, err := strconv.Atoi(strings.TrimSpace(f))
@@ -100,7 +125,8 @@ func runInit(args []string) error {
 	for _, b := range []struct {
 		flag, v string
 		dst     *bool
-	}{{"tie", *tie, &cfg.TieEmbeddings}, {"attention-bias", *bias, &cfg.AttentionBias}} {
+	}{{"tie", *tie, &cfg.TieEmbeddings}, {"attention-bias", *bias, &cfg.AttentionBias},
+		{"norm-topk-prob", *normTopK, &cfg.NormTopKProb}, {"output-router-logits", *routerLogits, &cfg.OutputRouterLogits}} {
 		if b.v == "" {
 			continue
 		}
@@ -136,5 +162,15 @@ func runInit(args []string) error {
 		return err
 	}
 	fmt.Printf("wrote %s: %s, %d layers, hidden %d, vocab %d, %.2fM parameters\n", *out, cfg.Arch, cfg.Layers, cfg.Hidden, cfg.VocabSize, float64(cfg.Params())/1e6)
+	if cfg.NumExperts > 0 {
+		var sparse []string
+		for i := 0; i < cfg.Layers; i++ {
+			if cfg.IsMoE(i) {
+				sparse = append(sparse, strconv.Itoa(i))
+			}
+		}
+		fmt.Printf("  %d experts, top-%d, moe_intermediate_size %d; sparse layers [%s]; load-balancing loss %s\n", cfg.NumExperts, cfg.ExpertsPerTok,
+			cfg.MoEIntermediate, strings.Join(sparse, ","), map[bool]string{true: fmt.Sprintf("on (coef %g)", cfg.RouterAuxLossCoef), false: "off (--output-router-logits true turns it on)"}[cfg.OutputRouterLogits])
+	}
 	return nil
 }

@@ -21,7 +21,6 @@ import (
 	"math"
 	"runtime"
 	"slices"
-	"sort"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -365,97 +364,6 @@ func (be *Backend) Add(a, b compute.Tensor, n int) {
 		x, y := lo*4096, min(hi*4096, n)
 		C.k_add(fp(as[x:]), fp(bs[x:]), C.long(y-x))
 	})
-}
-
-// MoE implements compute.Backend, as Qwen3MoeSparseMoeBlock: fp32 softmax
-// over router logits, top-k experts per token (ties: lower expert index,
-// like torch.topk on CPU), optional renormalization, then for each expert
-// in index order the SwiGLU MLP of its tokens, scaled by the routing weight
-// and added into out.
-func (be *Backend) MoE(out, x compute.Tensor, m *compute.MoEWeights, tokens int) {
-	o, xs := f32(out), f32(x)
-	E, K, H, I := m.NumExperts, m.TopK, m.Hidden, m.Inter
-	logits := make([]float32, tokens*E)
-	be.sgemm(false, true, tokens, E, H, 1, xs, H, f32(m.Router), H, 0, logits, E)
-	sel := make([]int32, tokens*K)
-	wts := make([]float32, tokens*K)
-	be.parallel(tokens, func(lo, hi int) {
-		p := make([]float32, E)
-		idx := make([]int, E)
-		for t := lo; t < hi; t++ {
-			row := logits[t*E : (t+1)*E]
-			mx := row[0]
-			for _, v := range row {
-				mx = max(mx, v)
-			}
-			var sum float32
-			for e, v := range row {
-				p[e] = float32(math.Exp(float64(v - mx)))
-				sum += p[e]
-			}
-			for e := range p {
-				p[e] /= sum
-				idx[e] = e
-			}
-			sort.SliceStable(idx, func(i, j int) bool { return p[idx[i]] > p[idx[j]] })
-			var ks float32
-			for j := 0; j < K; j++ {
-				ks += p[idx[j]]
-			}
-			for j := 0; j < K; j++ {
-				sel[t*K+j] = int32(idx[j])
-				w := p[idx[j]]
-				if m.NormTopK {
-					w /= ks
-				}
-				wts[t*K+j] = w
-			}
-		}
-	})
-	// Group tokens by expert: counts first, so the row lists and the
-	// buffers of the busiest expert are allocated once.
-	count := make([]int, E)
-	for _, e := range sel {
-		count[e]++
-	}
-	rows := make([][]int32, E)
-	rw := make([][]float32, E)
-	maxRows := 0
-	for e := range rows {
-		rows[e] = make([]int32, 0, count[e])
-		rw[e] = make([]float32, 0, count[e])
-		maxRows = max(maxRows, count[e])
-	}
-	for t := 0; t < tokens; t++ {
-		for j := 0; j < K; j++ {
-			e := sel[t*K+j]
-			rows[e] = append(rows[e], int32(t))
-			rw[e] = append(rw[e], wts[t*K+j])
-		}
-	}
-	clear(o[:tokens*H])
-	xin, gate, up, y := be.scratch(maxRows*H), be.scratch(maxRows*I), be.scratch(maxRows*I), be.scratch(maxRows*H)
-	defer be.release(xin, gate, up, y)
-	for e := 0; e < E; e++ {
-		n := len(rows[e])
-		if n == 0 {
-			continue
-		}
-		for i, t := range rows[e] {
-			copy(xin[i*H:(i+1)*H], xs[int(t)*H:])
-		}
-		be.sgemm(false, true, n, I, H, 1, xin, H, f32(m.Gate[e]), H, 0, gate, I)
-		be.sgemm(false, true, n, I, H, 1, xin, H, f32(m.Up[e]), H, 0, up, I)
-		C.k_swiglu(fp(gate), fp(gate), fp(up), C.long(n*I))
-		be.sgemm(false, true, n, H, I, 1, gate, I, f32(m.Down[e]), I, 0, y, H)
-		for i, t := range rows[e] {
-			w := rw[e][i]
-			dst := o[int(t)*H : (int(t)+1)*H]
-			for j, v := range y[i*H : (i+1)*H] {
-				dst[j] += v * w
-			}
-		}
-	}
 }
 
 // lmTile is the vocab tile of the LM head: logits for rows x lmTile are

@@ -200,3 +200,103 @@ func LogSumExp(z []float64, f float64) float64 {
 	}
 	return m + math.Log(s)
 }
+
+// MoEProbs: x (T,H), router (E,H) -> the router's softmax (T,E).
+func MoEProbs(x, router []float64, E, H int) []float64 {
+	T := len(x) / H
+	p := Linear(x, router, nil, H, E)
+	for t := 0; t < T; t++ {
+		row := p[t*E : (t+1)*E]
+		lse := LogSumExp(row, 1)
+		for e := range row {
+			row[e] = math.Exp(row[e] - lse)
+		}
+	}
+	return p
+}
+
+// TopK returns the indices of the k largest values of p, descending (ties:
+// lower index first, as torch.topk on CPU).
+func TopK(p []float64, k int) []int {
+	sel := make([]int, 0, k)
+	for len(sel) < k {
+		best := -1
+		for e, v := range p {
+			used := false
+			for _, s := range sel {
+				used = used || s == e
+			}
+			if !used && (best < 0 || v > p[best]) {
+				best = e
+			}
+		}
+		sel = append(sel, best)
+	}
+	return sel
+}
+
+// MoE is HF's Qwen3MoeSparseMoeBlock: the router reads x (T,H), the experts
+// read xe (T,H) (x itself, or its fake-quantized copy under QAD); per token
+// the top-k of the router's softmax, renormalized when norm, weight the
+// experts' SwiGLU MLPs: gate[e], up[e] (I,H), down[e] (H,I).
+func MoE(x, xe, router []float64, gate, up, down [][]float64, E, K, H, I int, norm bool) []float64 {
+	T := len(x) / H
+	p := MoEProbs(x, router, E, H)
+	out := make([]float64, T*H)
+	for t := 0; t < T; t++ {
+		pt := p[t*E : (t+1)*E]
+		sel := TopK(pt, K)
+		var ks float64
+		for _, e := range sel {
+			ks += pt[e]
+		}
+		xt := xe[t*H : (t+1)*H]
+		for _, e := range sel {
+			w := pt[e]
+			if norm {
+				w /= ks
+			}
+			g, u := Linear(xt, gate[e], nil, H, I), Linear(xt, up[e], nil, H, I)
+			y := Linear(SwiGLU(g, u), down[e], nil, I, H)
+			for j := range y {
+				out[t*H+j] += w * y[j]
+			}
+		}
+	}
+	return out
+}
+
+// LoadBalancingLoss is HF's load_balancing_loss_func (Qwen3-MoE) with no
+// attention mask, written the way HF writes it: the layers' router logits
+// (T,E each) concatenated, softmax, top-k, one-hot (tokens, K, E), then
+// tokens_per_expert = mean over tokens (K,E), router_prob_per_expert =
+// mean over tokens (E), loss = E · Σ_{k,e} tokens_per_expert ·
+// router_prob_per_expert.
+func LoadBalancingLoss(logits [][]float64, E, K int) float64 {
+	var cat []float64
+	for _, l := range logits {
+		cat = append(cat, l...)
+	}
+	n := len(cat) / E
+	tpe := make([]float64, K*E)
+	ppe := make([]float64, E)
+	for t := 0; t < n; t++ {
+		row := cat[t*E : (t+1)*E]
+		lse := LogSumExp(row, 1)
+		p := make([]float64, E)
+		for e := range row {
+			p[e] = math.Exp(row[e] - lse)
+			ppe[e] += p[e] / float64(n)
+		}
+		for k, e := range TopK(p, K) {
+			tpe[k*E+e] += 1 / float64(n)
+		}
+	}
+	var s float64
+	for k := 0; k < K; k++ {
+		for e := 0; e < E; e++ {
+			s += tpe[k*E+e] * ppe[e]
+		}
+	}
+	return s * float64(E)
+}

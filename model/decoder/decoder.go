@@ -11,8 +11,9 @@
 // Architecture differences are fields that are nil or set, not copied
 // models: Qwen2's q/k/v biases (and Llama's attention_bias on o_proj too)
 // are Linear.B, Qwen3's per-head q/k norms are Attention.QNorm/KNorm, and a
-// block holds either a dense MLP or a Qwen3-MoE sparse block (inference
-// only: the MoE backward is not part of the contract yet). Semantics are
+// block holds either a dense MLP or a Qwen3-MoE sparse block (router,
+// top-k experts; trained through the backend's MoEForward/MoEBackward,
+// with HF's load-balancing loss, see RouterStats). Semantics are
 // those of HF transformers' modeling files: RMSNorm in fp32, RoPE
 // rotate-half with per-sample positions, GQA, causal attention inside each
 // sample of a packed batch, SiLU-gated MLP.
@@ -23,8 +24,11 @@
 // log-sum-exp) are kept for the backward.
 //
 // NVFP4 quantization-aware training (EnableQAD): every Linear's weight and
-// input is fake-quantized in the training forward (not the LM head, not
-// the embeddings), with amax calibrated and then frozen (see Quantizer).
+// input is fake-quantized in the training forward, the MoE experts'
+// included (not the LM head, not the embeddings, not the MoE routers, as
+// Model-Optimizer does), with amax calibrated and then frozen (see
+// Quantizer); an MoE block's experts share one input quantizer for
+// gate/up and one for down.
 // The backward is straight-through: it uses the quantized tensors as what
 // the forward multiplied, and their gradients as the originals'.
 package decoder
@@ -78,25 +82,64 @@ type Attention struct {
 // MLP is the SiLU-gated feed-forward block.
 type MLP struct{ Gate, Up, Down Linear }
 
-// Block is one decoder layer: exactly one of MLP and MoE is set.
+// Block is one decoder layer: exactly one of MLP and MoE is set. An MoE
+// block's router and experts are also Linears (Router, Experts: their
+// gradients, QAD quantizers and names); MoE holds their weights in the
+// form the backend's MoE kernels take.
 type Block struct {
 	InNorm, PostNorm Param
 	Attn             Attention
 	MLP              *MLP
 	MoE              *compute.MoEWeights
+	Router           *Linear // mlp.gate (numExperts, hidden): never quantized
+	Experts          []MLP   // mlp.experts.E.{gate,up,down}_proj
 	// Input quantizers (QAD): q/k/v share one input, as do gate/up; their
 	// calibrated amax would be identical, so one quantizer serves each.
 	InQKV, InO, InGateUp, InDown Quantizer
 }
 
-// Linears lists the block's dense Linear layers in a fixed order (q, k, v,
-// o, gate, up, down); the MLP's are absent for an MoE block.
+// Linears lists the block's quantizable Linear layers in a fixed order:
+// q, k, v, o, then gate, up, down of the MLP, or of every expert in
+// expert order. The MoE router is not one of them (NVFP4 QAD leaves it in
+// full precision, as Model-Optimizer does).
 func (b *Block) Linears() []*Linear {
 	ls := []*Linear{&b.Attn.Q, &b.Attn.K, &b.Attn.V, &b.Attn.O}
 	if b.MLP != nil {
 		ls = append(ls, &b.MLP.Gate, &b.MLP.Up, &b.MLP.Down)
 	}
+	for e := range b.Experts {
+		x := &b.Experts[e]
+		ls = append(ls, &x.Gate, &x.Up, &x.Down)
+	}
 	return ls
+}
+
+// moeGrads is an MoE block's gradients in the MoE kernels' layout.
+func (b *Block) moeGrads() *compute.MoEWeights {
+	g := *b.MoE
+	g.Router, g.Gate, g.Up, g.Down = b.Router.DW, nil, nil, nil
+	for e := range b.Experts {
+		x := &b.Experts[e]
+		g.Gate, g.Up, g.Down = append(g.Gate, x.Gate.DW), append(g.Up, x.Up.DW), append(g.Down, x.Down.DW)
+	}
+	return &g
+}
+
+// moeWeights is what an MoE block's training forward multiplies by: under
+// QAD (calibrated) the experts' fake-quantized weights and the input
+// quantizers' amax, else the weights.
+func (m *Model) moeWeights(b *Block) *compute.MoEWeights {
+	if !m.qad || m.calibrating {
+		return b.MoE
+	}
+	w := *b.MoE
+	w.Gate, w.Up, w.Down = nil, nil, nil
+	for e := range b.Experts {
+		x := &b.Experts[e]
+		w.Gate, w.Up, w.Down = append(w.Gate, x.Gate.weight()), append(w.Up, x.Up.weight()), append(w.Down, x.Down.weight())
+	}
+	w.InAmax, w.HAmax = b.InGateUp.Amax, b.InDown.Amax
+	return &w
 }
 
 // Model is a decoder bound to its tensors on one backend.
@@ -166,13 +209,19 @@ func New(cfg *model.Config, be compute.Backend, bind Binder) (*Model, error) {
 		}
 		b.PostNorm = param(p + "post_attention_layernorm.weight")
 		if cfg.IsMoE(i) {
-			moe := &compute.MoEWeights{Router: param(p + "mlp.gate.weight").W, NumExperts: cfg.NumExperts,
+			router := lin(p+"mlp.gate", cfg.NumExperts, h, false)
+			b.Router = &router
+			moe := &compute.MoEWeights{Router: router.W, NumExperts: cfg.NumExperts,
 				TopK: cfg.ExpertsPerTok, Hidden: h, Inter: cfg.MoEIntermediate, NormTopK: cfg.NormTopKProb}
 			for e := 0; e < cfg.NumExperts; e++ {
 				ep := fmt.Sprintf("%smlp.experts.%d.", p, e)
-				moe.Gate = append(moe.Gate, param(ep+"gate_proj.weight").W)
-				moe.Up = append(moe.Up, param(ep+"up_proj.weight").W)
-				moe.Down = append(moe.Down, param(ep+"down_proj.weight").W)
+				x := MLP{
+					Gate: lin(ep+"gate_proj", cfg.MoEIntermediate, h, false),
+					Up:   lin(ep+"up_proj", cfg.MoEIntermediate, h, false),
+					Down: lin(ep+"down_proj", h, cfg.MoEIntermediate, false),
+				}
+				b.Experts = append(b.Experts, x)
+				moe.Gate, moe.Up, moe.Down = append(moe.Gate, x.Gate.W), append(moe.Up, x.Up.W), append(moe.Down, x.Down.W)
 			}
 			b.MoE = moe
 		} else {

@@ -21,6 +21,10 @@ func tinyConfig(arch model.Arch) *model.Config {
 		c.AttentionBias = true
 	case model.ArchQwen3:
 		c.QKNorm = true
+	case model.ArchQwen3MoE:
+		c.QKNorm, c.Layers = true, 3
+		c.NumExperts, c.ExpertsPerTok, c.MoEIntermediate, c.DecoderSparseStep = 4, 2, 16, 1
+		c.NormTopKProb, c.MLPOnlyLayers = true, []int{1}
 	}
 	return c
 }
@@ -46,7 +50,7 @@ func build(t *testing.T, cfg *model.Config, be compute.Backend) *Model {
 // saved activations, explicit logits) run the same blocks, so their top-k
 // log-probs agree to fp32 rounding, and so do their ids.
 func TestInferenceMatchesTraining(t *testing.T) {
-	for _, arch := range []model.Arch{model.ArchLlama, model.ArchQwen2, model.ArchQwen3} {
+	for _, arch := range []model.Arch{model.ArchLlama, model.ArchQwen2, model.ArchQwen3, model.ArchQwen3MoE} {
 		t.Run(string(arch), func(t *testing.T) {
 			cfg := tinyConfig(arch)
 			be := device.CPU(3)

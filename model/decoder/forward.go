@@ -11,17 +11,18 @@ import (
 // every layer the same buffers, aliased where a value is not needed later
 // (see TopK), and nil statistics.
 type blockActs struct {
-	xin                      compute.Tensor // (N,C) the block's input, read only
-	ln1, rstd1               compute.Tensor // (N,C), (N)
-	ln1q                     compute.Tensor // QAD: ln1 quantized; else ln1
-	qpre, qrstd, kpre, krstd compute.Tensor // q/k before their norms (Qwen3); else q, nil, k, nil
-	q, k, v                  compute.Tensor // (N,H,D), (N,KV,D), (N,KV,D)
-	att, lse                 compute.Tensor // (N,H,D), (N,H)
-	attq                     compute.Tensor // QAD: att quantized; else att
-	xmid                     compute.Tensor // (N,C) residual after attention
-	ln2, rstd2, ln2q         compute.Tensor // (N,C), (N), (N,C)
-	gate, up, h, hq          compute.Tensor // (N,I); h may alias gate; hq: QAD h quantized
-	out                      compute.Tensor // (N,C) the block's output; may alias xin
+	xin                      compute.Tensor    // (N,C) the block's input, read only
+	ln1, rstd1               compute.Tensor    // (N,C), (N)
+	ln1q                     compute.Tensor    // QAD: ln1 quantized; else ln1
+	qpre, qrstd, kpre, krstd compute.Tensor    // q/k before their norms (Qwen3); else q, nil, k, nil
+	q, k, v                  compute.Tensor    // (N,H,D), (N,KV,D), (N,KV,D)
+	att, lse                 compute.Tensor    // (N,H,D), (N,H)
+	attq                     compute.Tensor    // QAD: att quantized; else att
+	xmid                     compute.Tensor    // (N,C) residual after attention
+	ln2, rstd2, ln2q         compute.Tensor    // (N,C), (N), (N,C)
+	gate, up, h, hq          compute.Tensor    // (N,I); h may alias gate; hq: QAD h quantized
+	moe                      *compute.MoESaved // training an MoE block: what MoEBackward needs; else nil
+	out                      compute.Tensor    // (N,C) the block's output; may alias xin
 }
 
 // blockForward runs one decoder layer:
@@ -29,7 +30,8 @@ type blockActs struct {
 //	xmid = xin + o(attn(rope(norm_q(q(ln1))), rope(norm_k(k(ln1))), v(ln1)))   ln1 = rmsnorm(xin)
 //	out  = xmid + down(silu(gate(ln2))·up(ln2))                               ln2 = rmsnorm(xmid)
 //
-// (or out = xmid + moe(ln2)), saving what a's statistics tensors ask for.
+// (or out = xmid + moe(ln2)), saving what a's statistics tensors (and,
+// for an MoE block in training, a.moe) ask for.
 func (m *Model) blockForward(L *Block, a *blockActs, b *batch) {
 	be, c := m.be, m.Cfg
 	N, C, H, KV, D := b.n, c.Hidden, c.Heads, c.KVHeads, c.HeadDim
@@ -51,8 +53,13 @@ func (m *Model) blockForward(L *Block, a *blockActs, b *batch) {
 	be.MatMul(a.xmid, a.attq, at.O.weight(), at.O.B, N, C, H*D)
 	be.Add(a.xmid, a.xin, N*C)
 	be.RMSNorm(a.ln2, a.rstd2, a.xmid, L.PostNorm.W, N, C, eps)
-	if L.MoE != nil {
+	if L.MoE != nil && a.moe == nil {
 		be.MoE(a.out, a.ln2, L.MoE, N)
+	} else if L.MoE != nil {
+		be.MoEForward(a.out, a.ln2, m.moeWeights(L), a.moe, N)
+		if m.qad && m.calibrating {
+			m.observeMoE(L, a, N)
+		}
 	} else {
 		f := L.MLP
 		I := f.Gate.Out

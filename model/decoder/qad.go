@@ -68,14 +68,10 @@ func (m *Model) EnableQAD() error {
 	for _, d := range []struct {
 		name string
 		v    int
-	}{{"hidden_size", cfg.Hidden}, {"intermediate_size", cfg.Intermediate}, {"heads x head_dim", cfg.Heads * cfg.HeadDim}} {
+	}{{"hidden_size", cfg.Hidden}, {"intermediate_size", cfg.Intermediate}, {"heads x head_dim", cfg.Heads * cfg.HeadDim},
+		{"moe_intermediate_size", cfg.MoEIntermediate}} {
 		if d.v%compute.NVFP4BlockSize != 0 {
 			return fmt.Errorf("%w: NVFP4 needs %s (%d) to be a multiple of %d", ErrInvalid, d.name, d.v, compute.NVFP4BlockSize)
-		}
-	}
-	for i := range m.Blocks {
-		if m.Blocks[i].MoE != nil {
-			return fmt.Errorf("%w: NVFP4 QAD of MoE layer %d is not supported", ErrInvalid, i)
 		}
 	}
 	for i := range m.Blocks {
@@ -91,6 +87,21 @@ func (m *Model) EnableQAD() error {
 	m.qad, m.calibrating = true, true
 	m.train.arenaN = -1 // the activation arena gains the quantized inputs
 	return nil
+}
+
+// observeMoE calibrates an MoE block's input quantizers: the experts'
+// input is ln2 (every token reaches K >= 1 experts, so its amax is the
+// max over the experts' inputs), the down projections' input is
+// silu(gate)·up over every expert's rows, recomputed from the saved
+// projections.
+func (m *Model) observeMoE(L *Block, a *blockActs, N int) {
+	be := m.be
+	L.InGateUp.Observe(be.AbsMax(a.ln2, N*m.Cfg.Hidden))
+	n := N * L.MoE.TopK * L.MoE.Inter
+	h := be.New(compute.F32, n)
+	be.SwiGLU(h, a.moe.Gate, a.moe.Up, n)
+	L.InDown.Observe(be.AbsMax(h, n))
+	be.Free(h)
 }
 
 func (L *Block) inputQuantizers() []*Quantizer {
@@ -119,7 +130,16 @@ func (m *Model) FinishCalibration() error {
 		// weight, and ModelOpt's export unifies the amax the same way
 		// (preprocess_linear_fusion). Unifying here, before training, keeps
 		// the export equal to the fake-quantized weights trained on.
-		for _, g := range [][]*Linear{{&L.Attn.Q, &L.Attn.K, &L.Attn.V}, {&L.MLP.Gate, &L.MLP.Up}} {
+		// An MoE block's experts each fuse their own gate/up (w13, one
+		// weight_scale_2 per expert).
+		groups := [][]*Linear{{&L.Attn.Q, &L.Attn.K, &L.Attn.V}}
+		if L.MLP != nil {
+			groups = append(groups, []*Linear{&L.MLP.Gate, &L.MLP.Up})
+		}
+		for e := range L.Experts {
+			groups = append(groups, []*Linear{&L.Experts[e].Gate, &L.Experts[e].Up})
+		}
+		for _, g := range groups {
 			var mx float32
 			for _, l := range g {
 				mx = max(mx, l.WQ.Amax)
@@ -129,7 +149,11 @@ func (m *Model) FinishCalibration() error {
 			}
 		}
 		p := fmt.Sprintf("model.layers.%d.", i)
-		for j, name := range []string{"self_attn.{q,k,v}_proj input", "self_attn.o_proj input", "mlp.{gate,up}_proj input", "mlp.down_proj input"} {
+		names := []string{"self_attn.{q,k,v}_proj input", "self_attn.o_proj input", "mlp.{gate,up}_proj input", "mlp.down_proj input"}
+		if L.MoE != nil {
+			names[2], names[3] = "mlp.experts.*.{gate,up}_proj input", "mlp.experts.*.down_proj input"
+		}
+		for j, name := range names {
 			if err := L.inputQuantizers()[j].Freeze(p + name); err != nil {
 				return err
 			}
@@ -150,8 +174,18 @@ func (L *Block) quantizers() []*Quantizer {
 	return append(qs, L.inputQuantizers()...)
 }
 
-// QuantsPerBlock is the number of amax values QuantAmax holds per block.
+// QuantsPerBlock is the number of amax values QuantAmax holds for a dense
+// block; an MoE block holds 4 + 3·experts + 4.
 const QuantsPerBlock = 11
+
+// quantCount is the number of amax values QuantAmax holds for the model.
+func (m *Model) quantCount() int {
+	n := 0
+	for i := range m.Blocks {
+		n += len(m.Blocks[i].quantizers())
+	}
+	return n
+}
 
 // QuantAmax returns the calibrated amax of every quantizer in a fixed
 // order (per block, see quantizers), for training checkpoints. It is nil
@@ -176,15 +210,15 @@ func (m *Model) RestoreQAD(amax []float32) error {
 	if err := m.EnableQAD(); err != nil {
 		return err
 	}
-	if want := QuantsPerBlock * len(m.Blocks); len(amax) != want {
-		return fmt.Errorf("%w: QAD state has %d amax values, want %d (%d per layer x %d layers): the checkpoint is of another model", ErrInvalid, len(amax), want, QuantsPerBlock, len(m.Blocks))
+	if want := m.quantCount(); len(amax) != want {
+		return fmt.Errorf("%w: QAD state has %d amax values, want %d for %d layers (%d per dense layer, 8 + 3 per expert for an MoE layer): the checkpoint is of another model", ErrInvalid, len(amax), want, len(m.Blocks), QuantsPerBlock)
 	}
 	k := 0
 	for i := range m.Blocks {
-		for _, q := range m.Blocks[i].quantizers() {
+		for j, q := range m.Blocks[i].quantizers() {
 			*q = Quantizer{Amax: amax[k]}
 			k++
-			if err := q.Freeze(fmt.Sprintf("model.layers.%d quantizer %d", i, k%QuantsPerBlock)); err != nil {
+			if err := q.Freeze(fmt.Sprintf("model.layers.%d quantizer %d", i, j)); err != nil {
 				return err
 			}
 		}

@@ -1,18 +1,20 @@
 package decoder
 
 import (
-	"fmt"
-
 	"distill/compute"
 )
 
 // trainState is the activation arena of the last training batch and the
 // batch itself (kept for the backward).
 type trainState struct {
-	arena  compute.Tensor
-	arenaN int // tokens the arena is laid out for; -1: re-carve
-	acts   trainActs
-	b      *batch
+	arena, iarena compute.Tensor // F32 and I32 (MoE routing) activations
+	arenaN        int            // tokens the arena is laid out for; -1: re-carve
+	acts          trainActs
+	b             *batch
+	// dprob (numExperts) is the load-balancing loss's gradient w.r.t. the
+	// router probabilities (SetRouterAux); nil: no aux loss.
+	dprob compute.Tensor
+	auxOn bool
 }
 
 // trainActs are the views of one batch's activation arena.
@@ -28,19 +30,27 @@ type trainActs struct {
 	dres, dln, dq, dk, dv, datt, dqpre, dkpre, dgate, dup, dh compute.Tensor
 }
 
-// carve lays out the activations of an N-token batch in arena, or only
-// counts them when arena is nil; it returns the size in floats. Sizes and
-// views come from this one function so they cannot drift apart.
-func (m *Model) carve(a *trainActs, N int, arena compute.Tensor) int {
+// carve lays out the activations of an N-token batch in arena (F32) and
+// iarena (I32, the MoE routing), or only counts them when arena is nil;
+// it returns their sizes in elements. Sizes and views come from this one
+// function so they cannot drift apart.
+func (m *Model) carve(a *trainActs, N int, arena, iarena compute.Tensor) (int, int) {
 	cfg := m.Cfg
 	C, H, KV, D, I := cfg.Hidden, cfg.Heads, cfg.KVHeads, cfg.HeadDim, cfg.Intermediate
-	off := 0
+	off, ioff := 0, 0
 	take := func(n int) compute.Tensor {
 		off += n
 		if arena == nil {
 			return nil
 		}
 		return m.be.View(arena, off-n, n)
+	}
+	itake := func(n int) compute.Tensor {
+		ioff += n
+		if arena == nil {
+			return nil
+		}
+		return m.be.View(iarena, ioff-n, n)
 	}
 	a.cos, a.sin = take(N*D/2), take(N*D/2)
 	a.x0 = take(N * C)
@@ -60,10 +70,24 @@ func (m *Model) carve(a *trainActs, N int, arena compute.Tensor) int {
 			l.qpre, l.kpre = l.q, l.k
 		}
 		l.xmid, l.ln2, l.rstd2 = take(N*C), take(N*C), take(N)
-		l.gate, l.up, l.h = take(N*I), take(N*I), take(N*I)
-		l.ln1q, l.attq, l.ln2q, l.hq = l.ln1, l.att, l.ln2, l.h
+		l.ln1q, l.attq, l.ln2q = l.ln1, l.att, l.ln2
 		if m.qad {
-			l.ln1q, l.attq, l.ln2q, l.hq = take(N*C), take(N*H*D), take(N*C), take(N*I)
+			l.ln1q, l.attq = take(N*C), take(N*H*D)
+		}
+		if cfg.IsMoE(i) {
+			// The experts quantize their inputs inside the MoE kernels.
+			E, K, IM := cfg.NumExperts, cfg.ExpertsPerTok, cfg.MoEIntermediate
+			nf, ni := compute.MoESavedSizes(N, E, K, C, IM)
+			fa, ia := take(nf), itake(ni)
+			if arena != nil {
+				l.moe = compute.NewMoESaved(m.be, fa, ia, N, E, K, C, IM)
+			}
+		} else {
+			l.gate, l.up, l.h = take(N*I), take(N*I), take(N*I)
+			l.hq = l.h
+			if m.qad {
+				l.ln2q, l.hq = take(N*C), take(N*I)
+			}
 		}
 		l.out = take(N * C)
 	}
@@ -78,14 +102,15 @@ func (m *Model) carve(a *trainActs, N int, arena compute.Tensor) int {
 		a.dqpre, a.dkpre = take(N*H*D), take(N*KV*D)
 	}
 	a.dgate, a.dup, a.dh = take(N*I), take(N*I), take(N*I)
-	return off
+	return off, ioff
 }
 
-// TrainActivationFloats is the size of the training activation arena for
-// an N-token batch, in floats.
+// TrainActivationFloats is the size of the training activation arenas for
+// an N-token batch, in 4-byte elements (F32 and the MoE routing's I32).
 func (m *Model) TrainActivationFloats(N int) int {
 	var a trainActs
-	return m.carve(&a, N, nil)
+	f, i := m.carve(&a, N, nil, nil)
+	return f + i
 }
 
 // prepare sizes the activation arena for N tokens (growing it only when
@@ -96,14 +121,20 @@ func (m *Model) prepare(N int) {
 		return
 	}
 	var a trainActs
-	n := m.carve(&a, N, nil)
+	n, ni := m.carve(&a, N, nil, nil)
 	if st.arena == nil || st.arena.Len() < n {
 		if st.arena != nil {
 			m.be.Free(st.arena)
 		}
 		st.arena = m.be.New(compute.F32, n)
 	}
-	m.carve(&st.acts, N, st.arena)
+	if ni > 0 && (st.iarena == nil || st.iarena.Len() < ni) {
+		if st.iarena != nil {
+			m.be.Free(st.iarena)
+		}
+		st.iarena = m.be.New(compute.I32, ni)
+	}
+	m.carve(&st.acts, N, st.arena, st.iarena)
 	st.arenaN = N
 }
 
@@ -111,17 +142,14 @@ func (m *Model) prepare(N int) {
 // vocabulary, sample boundaries starts (nSeq+1), 0 = starts[0] < ... <
 // starts[nSeq] = N), saving every activation the backward needs, and
 // returns the final normed hidden states (N, hidden), the LM head's input:
-// a view valid until the next TrainForward. Dense models only.
+// a view valid until the next TrainForward. It turns the load-balancing
+// loss off until SetRouterAux.
 func (m *Model) TrainForward(tokens, starts []int32) (compute.Tensor, error) {
 	N := len(tokens)
 	if err := checkStarts(starts, N); err != nil {
 		return nil, err
 	}
-	for i := range m.Blocks {
-		if m.Blocks[i].MoE != nil {
-			return nil, fmt.Errorf("%w: layer %d is a sparse MoE block: training runs dense models only", ErrInvalid, i)
-		}
-	}
+	m.train.auxOn = false
 	m.prepare(N)
 	st := &m.train
 	a := &st.acts
@@ -154,20 +182,30 @@ func (m *Model) Backward() {
 	N, C, H, KV, D := b.n, c.Hidden, c.Heads, c.KVHeads, c.HeadDim
 	be.Zero(a.dres)
 	be.RMSNormBackward(a.dres, m.Norm.DW, a.dln, a.xL, m.Norm.W, a.rstdf, N, C)
+	var dprob compute.Tensor
+	if m.train.auxOn {
+		dprob = m.train.dprob
+	}
 	for i := len(m.Blocks) - 1; i >= 0; i-- {
 		L, l := &m.Blocks[i], &a.layers[i]
 		f, at := L.MLP, &L.Attn
-		I := f.Gate.Out
-		// MLP: out = xmid + down(swiglu(gate(ln2), up(ln2))); dres flows to
-		// xmid unchanged (+=).
-		be.Zero(a.dh)
-		be.MatMulBackward(a.dh, f.Down.DW, nil, a.dres, l.hq, f.Down.weight(), N, C, I)
-		be.Zero(a.dgate)
-		be.Zero(a.dup)
-		be.SwiGLUBackward(a.dgate, a.dup, a.dh, l.gate, l.up, N*I)
-		be.Zero(a.dln)
-		be.MatMulBackward(a.dln, f.Gate.DW, nil, a.dgate, l.ln2q, f.Gate.weight(), N, I, C)
-		be.MatMulBackward(a.dln, f.Up.DW, nil, a.dup, l.ln2q, f.Up.weight(), N, I, C)
+		if L.MoE != nil {
+			// out = xmid + moe(ln2): the experts and the router.
+			be.Zero(a.dln)
+			be.MoEBackward(a.dln, L.moeGrads(), a.dres, l.ln2, m.moeWeights(L), l.moe, dprob, N)
+		} else {
+			I := f.Gate.Out
+			// MLP: out = xmid + down(swiglu(gate(ln2), up(ln2))); dres
+			// flows to xmid unchanged (+=).
+			be.Zero(a.dh)
+			be.MatMulBackward(a.dh, f.Down.DW, nil, a.dres, l.hq, f.Down.weight(), N, C, I)
+			be.Zero(a.dgate)
+			be.Zero(a.dup)
+			be.SwiGLUBackward(a.dgate, a.dup, a.dh, l.gate, l.up, N*I)
+			be.Zero(a.dln)
+			be.MatMulBackward(a.dln, f.Gate.DW, nil, a.dgate, l.ln2q, f.Gate.weight(), N, I, C)
+			be.MatMulBackward(a.dln, f.Up.DW, nil, a.dup, l.ln2q, f.Up.weight(), N, I, C)
+		}
 		be.RMSNormBackward(a.dres, L.PostNorm.DW, a.dln, l.xmid, L.PostNorm.W, l.rstd2, N, C)
 		// Attention: xmid = xin + o(attn(rope(q), rope(k), v)).
 		be.Zero(a.datt)
@@ -193,4 +231,95 @@ func (m *Model) Backward() {
 		be.RMSNormBackward(a.dres, L.InNorm.DW, a.dln, l.xin, L.InNorm.W, l.rstd1, N, C)
 	}
 	be.EmbedBackward(m.Embed.DW, a.dres, b.tokens, N, C)
+}
+
+// RouterStats are the routing statistics of the last TrainForward's MoE
+// layers, in layer order.
+type RouterStats struct {
+	Layers   []int       // the MoE layers' indices
+	Counts   [][]int     // per MoE layer and expert: (token, slot) choices
+	ProbSums [][]float64 // per MoE layer and expert: Σ_t p[t,e]
+	Tokens   int         // tokens of the batch (T)
+	TopK     int
+}
+
+// Routing reads the routing statistics of the last TrainForward (it
+// synchronizes); empty for a dense model.
+func (m *Model) Routing() RouterStats {
+	be, a, c := m.be, &m.train.acts, m.Cfg
+	rs := RouterStats{Tokens: m.train.b.n, TopK: c.ExpertsPerTok}
+	E, T := c.NumExperts, rs.Tokens
+	for i := range m.Blocks {
+		if m.Blocks[i].MoE == nil {
+			continue
+		}
+		s := a.layers[i].moe
+		off := make([]int32, E+1)
+		be.ReadI32(s.Offsets, off)
+		p := make([]float32, T*E)
+		be.ReadF32(s.Probs, p)
+		cnt, ps := make([]int, E), make([]float64, E)
+		for e := 0; e < E; e++ {
+			cnt[e] = int(off[e+1] - off[e])
+		}
+		for t := 0; t < T; t++ {
+			for e := 0; e < E; e++ {
+				ps[e] += float64(p[t*E+e])
+			}
+		}
+		rs.Layers, rs.Counts, rs.ProbSums = append(rs.Layers, i), append(rs.Counts, cnt), append(rs.ProbSums, ps)
+	}
+	return rs
+}
+
+// Totals are the counts summed over the MoE layers.
+func (rs RouterStats) Totals() []int {
+	if len(rs.Counts) == 0 {
+		return nil
+	}
+	tot := make([]int, len(rs.Counts[0]))
+	for _, c := range rs.Counts {
+		for e, v := range c {
+			tot[e] += v
+		}
+	}
+	return tot
+}
+
+// Aux is HF Qwen3-MoE's load-balancing loss (load_balancing_loss_func with
+// every token counted) of these statistics: the MoE layers' tokens
+// pooled, aux = E·Σ_e f_e·P_e with f_e the share of the (layer, token,
+// slot) choices that picked expert e and P_e the mean router probability
+// of e over the (layer, token) rows; 0 for a dense model. A perfectly
+// balanced router gives K (top-k).
+func (rs RouterStats) Aux() float64 {
+	if len(rs.Counts) == 0 || rs.Tokens == 0 {
+		return 0
+	}
+	n := float64(len(rs.Counts) * rs.Tokens)
+	tot := rs.Totals()
+	var s float64
+	for e := range tot {
+		var p float64
+		for _, ps := range rs.ProbSums {
+			p += ps[e]
+		}
+		s += float64(tot[e]) / n * p / n
+	}
+	return s * float64(len(tot))
+}
+
+// SetRouterAux adds coef·aux (the load-balancing loss of rs, the
+// statistics of the last TrainForward) to what the next Backward
+// differentiates; coef 0 leaves it out. TrainForward resets it.
+func (m *Model) SetRouterAux(coef float64, rs RouterStats) {
+	m.train.auxOn = coef != 0 && len(rs.Counts) > 0
+	if !m.train.auxOn {
+		return
+	}
+	g := compute.MoEAuxGrad(coef, rs.Totals(), len(rs.Counts), rs.Tokens)
+	if m.train.dprob == nil {
+		m.train.dprob = m.be.New(compute.F32, len(g))
+	}
+	m.be.WriteF32(m.train.dprob, g)
 }

@@ -267,6 +267,10 @@ type Stats struct {
 	// Teachers are the per-teacher numbers of a multi-teacher batch
 	// (Targets.Teachers), in its order; KD is then Σ_t w_t·Teachers[t].KD.
 	Teachers []TeacherStats
+	// Aux is an MoE student's load-balancing loss (HF Qwen3-MoE's,
+	// before router_aux_loss_coef); Loss includes coef·Aux when the
+	// config's output_router_logits is on. 0 for dense students.
+	Aux float64
 }
 
 // Head is the fused LM head + loss on a backend. It keeps its host

@@ -74,6 +74,15 @@ type RandomModel struct {
 	RMSNormEps    float64 `yaml:"rms_norm_eps"`
 	InitStd       float64 `yaml:"init_std"`
 	InitSeed      uint64  `yaml:"init_seed"`
+	// Qwen3-MoE (arch qwen3_moe); absent: the preset's values.
+	NumExperts         int      `yaml:"num_experts"`
+	ExpertsPerTok      int      `yaml:"num_experts_per_tok"`
+	MoEIntermediate    int      `yaml:"moe_intermediate_size"`
+	DecoderSparseStep  int      `yaml:"decoder_sparse_step"`
+	NormTopKProb       *bool    `yaml:"norm_topk_prob"`
+	MLPOnlyLayers      *[]int   `yaml:"mlp_only_layers"`
+	OutputRouterLogits bool     `yaml:"output_router_logits"`
+	RouterAuxLossCoef  *float64 `yaml:"router_aux_loss_coef"`
 }
 
 // DataConfig is where samples come from (a teacher cache, or a dataset
@@ -818,6 +827,8 @@ func (r *RandomModel) ModelConfig() (*model.Config, error) {
 		{"num_attention_heads", float64(r.Heads)}, {"num_key_value_heads", float64(r.KVHeads)}, {"head_dim", float64(r.HeadDim)},
 		{"intermediate_size", float64(r.Intermediate)}, {"max_position_embeddings", float64(r.MaxPositions)},
 		{"rope_theta", r.RopeTheta}, {"rms_norm_eps", r.RMSNormEps}, {"init_std", r.InitStd},
+		{"num_experts", float64(r.NumExperts)}, {"num_experts_per_tok", float64(r.ExpertsPerTok)},
+		{"moe_intermediate_size", float64(r.MoEIntermediate)}, {"decoder_sparse_step", float64(r.DecoderSparseStep)},
 	} {
 		if f.v < 0 || math.IsNaN(f.v) {
 			return nil, fmt.Errorf("%w: model.random.%s: %g: want > 0 (or leave it out for the preset's value)", ErrConfig, f.key, f.v)
@@ -835,9 +846,29 @@ func (r *RandomModel) ModelConfig() (*model.Config, error) {
 	set(&cfg.KVHeads, r.KVHeads)
 	set(&cfg.Intermediate, r.Intermediate)
 	set(&cfg.MaxPositions, r.MaxPositions)
+	if cfg.Arch != model.ArchQwen3MoE && (r.NumExperts != 0 || r.ExpertsPerTok != 0 || r.MoEIntermediate != 0 || r.DecoderSparseStep != 0 ||
+		r.NormTopKProb != nil || r.MLPOnlyLayers != nil || r.OutputRouterLogits || r.RouterAuxLossCoef != nil) {
+		return nil, fmt.Errorf("%w: model.random: MoE keys (num_experts, ..., router_aux_loss_coef) need arch: qwen3_moe, not %s", ErrConfig, cfg.Arch)
+	}
+	set(&cfg.NumExperts, r.NumExperts)
+	set(&cfg.ExpertsPerTok, r.ExpertsPerTok)
+	set(&cfg.MoEIntermediate, r.MoEIntermediate)
+	set(&cfg.DecoderSparseStep, r.DecoderSparseStep)
+	if r.NormTopKProb != nil {
+		cfg.NormTopKProb = *r.NormTopKProb
+	}
+	if r.MLPOnlyLayers != nil {
+		cfg.MLPOnlyLayers = *r.MLPOnlyLayers
+	}
+	if cfg.Arch == model.ArchQwen3MoE {
+		cfg.OutputRouterLogits = r.OutputRouterLogits
+	}
+	if r.RouterAuxLossCoef != nil {
+		cfg.RouterAuxLossCoef = *r.RouterAuxLossCoef
+	}
 	if r.HeadDim > 0 {
 		cfg.HeadDim = r.HeadDim
-	} else if cfg.Arch != model.ArchQwen3 {
+	} else if cfg.Arch != model.ArchQwen3 && cfg.Arch != model.ArchQwen3MoE {
 		cfg.HeadDim = cfg.Hidden / cfg.Heads
 	}
 	cfg.TieEmbeddings = r.TieEmbeddings

@@ -206,6 +206,43 @@ type StepMetrics struct {
 	// Teachers are the per-teacher KD and top-1 agreement of
 	// multi-teacher KD (data.caches), in its order.
 	Teachers []TeacherMetrics `json:"teachers,omitempty"`
+	// MoE students: AuxLoss is HF Qwen3-MoE's load-balancing loss
+	// (before router_aux_loss_coef; Loss includes coef·AuxLoss when the
+	// student's config has output_router_logits), token-weighted over the
+	// step's rows like Loss. ExpertShare is each expert's share of the
+	// step's routed (token, slot) choices, pooled over the MoE layers (it
+	// sums to 1; 1/num_experts each when balanced), ExpertShareByLayer the
+	// same per MoE layer, in layer order.
+	AuxLoss            float64     `json:"aux_loss,omitempty"`
+	ExpertShare        []float64   `json:"expert_share,omitempty"`
+	ExpertShareByLayer [][]float64 `json:"expert_share_by_layer,omitempty"`
+}
+
+// expertShares turns summed routing counts (per MoE layer, per expert)
+// into StepMetrics' shares.
+func expertShares(counts [][]int) (pooled []float64, byLayer [][]float64) {
+	if len(counts) == 0 {
+		return nil, nil
+	}
+	pooled = make([]float64, len(counts[0]))
+	var all float64
+	for _, c := range counts {
+		row := make([]float64, len(c))
+		var n float64
+		for _, v := range c {
+			n += float64(v)
+		}
+		for e, v := range c {
+			row[e] = float64(v) / n
+			pooled[e] += float64(v)
+		}
+		all += n
+		byLayer = append(byLayer, row)
+	}
+	for e := range pooled {
+		pooled[e] /= all
+	}
+	return pooled, byLayer
 }
 
 // Result summarizes a Run.
@@ -609,6 +646,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			tokens += len(b.Tokens)
 		}
 		s.ZeroGrad()
+		var routed [][]int // MoE: per layer and expert, the step's choices
 		for i, b := range rows {
 			if testHookRow != nil {
 				testHookRow(step, i)
@@ -632,9 +670,19 @@ func Run(cfg *Config, o Options) (*Result, error) {
 				sm.Teachers[i].KD += t.KD * w
 				sm.Teachers[i].Top1 += t.Top1 * w
 			}
+			sm.AuxLoss += bs.Aux * w
+			for l, c := range s.Routing().Counts {
+				if l == len(routed) {
+					routed = append(routed, make([]int, len(c)))
+				}
+				for e, v := range c {
+					routed[l][e] += v
+				}
+			}
 		}
 		if total > 0 {
 			sm.Loss, sm.KD, sm.CE = sm.Loss/float64(total), sm.KD/float64(total), sm.CE/float64(total)
+			sm.AuxLoss /= float64(total)
 			for i := range sm.Teachers {
 				sm.Teachers[i].KD /= float64(total)
 				sm.Teachers[i].Top1 /= float64(total)
@@ -643,6 +691,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		for i := range sm.Teachers {
 			sm.Teachers[i].Name, sm.Teachers[i].Weight = ts.names[i], ts.weights[i]
 		}
+		sm.ExpertShare, sm.ExpertShareByLayer = expertShares(routed)
 		sm.GradNorm = optim.ClipGradNorm(ad.Groups, cfg.Optim.MaxGradNorm)
 		sm.LR = sched.LR(step)
 		if math.IsNaN(sm.GradNorm) || math.IsInf(sm.GradNorm, 0) {
@@ -971,10 +1020,20 @@ func writeResolved(cfg *Config) error {
 // 2 FLOPs per multiply-add, backward twice the forward).
 func stepFLOPs(c *model.Config, rows []*train.Batch, counted int) float64 {
 	C, q, kv := float64(c.Hidden), float64(c.Heads*c.HeadDim), float64(c.KVHeads*c.HeadDim)
-	perLayer := C*(q+2*kv) + q*C + 3*C*float64(c.Intermediate)
+	// Multiply-adds per token of all layers: an MoE layer runs its router
+	// and top-k experts (active parameters), a dense one its MLP.
+	var perTok float64
+	for i := 0; i < c.Layers; i++ {
+		perTok += C*(q+2*kv) + q*C
+		if c.IsMoE(i) {
+			perTok += C*float64(c.NumExperts) + 3*C*float64(c.MoEIntermediate*c.ExpertsPerTok)
+		} else {
+			perTok += 3 * C * float64(c.Intermediate)
+		}
+	}
 	var f, att float64
 	for _, b := range rows {
-		f += 6 * perLayer * float64(c.Layers) * float64(len(b.Tokens))
+		f += 6 * perTok * float64(len(b.Tokens))
 		for s := 0; s+1 < len(b.Starts); s++ {
 			l := float64(b.Starts[s+1] - b.Starts[s])
 			att += l * l / 2
@@ -1071,6 +1130,12 @@ func (m *metrics) train(sm StepMetrics) error {
 			"perf/tokens_per_s": sm.TokensPerSec, "perf/data_s": sm.DataSeconds, "perf/gflop_per_s": sm.GFLOPs, "perf/peak_mem_gib": float64(sm.PeakMemBytes) / (1 << 30),
 		}
 		teacherScalars(sc, "train", sm.Teachers)
+		if sm.ExpertShare != nil {
+			sc["moe/aux_loss"] = sm.AuxLoss
+			for e, v := range sm.ExpertShare {
+				sc[fmt.Sprintf("moe/expert_share/%d", e)] = v
+			}
+		}
 		return m.tb.Scalars(int64(sm.Step), time.Now(), sc)
 	}
 	return nil

@@ -133,11 +133,18 @@ type ModelSpec struct {
 	Eps                       float64
 	QKNorm, Tied              bool
 	InvFreq                   []float32
+	// Qwen3-MoE: a layer with mlp.gate.weight is a sparse block of E
+	// experts (MoEI wide), top-k TopK; AuxCoef weighs HF's load-balancing
+	// loss (0: off).
+	E, TopK, MoEI int
+	NormTopK      bool
+	AuxCoef       float64
 }
 
-// ModelLoss runs a dense Llama/Qwen2/Qwen3 decoder in float64 from HF-named
-// tensors (a missing bias or q/k norm is simply absent) and returns the
-// KD+SFT loss of KDLoss on its final hidden states.
+// ModelLoss runs a Llama/Qwen2/Qwen3/Qwen3-MoE decoder in float64 from
+// HF-named tensors (a missing bias or q/k norm is simply absent) and returns
+// the KD+SFT loss of KDLoss on its final hidden states, plus AuxCoef times
+// HF's load-balancing loss of the MoE layers' router logits.
 func ModelLoss(m ModelSpec, p map[string][]float64, tokens, starts []int32, mask []uint8, K int, ids []int32, lps []float32, o KDOpts) float64 {
 	N := len(tokens)
 	pos := make([]int32, N)
@@ -147,6 +154,7 @@ func ModelLoss(m ModelSpec, p map[string][]float64, tokens, starts []int32, mask
 		}
 	}
 	x := cref.Embedding(p["model.embed_tokens.weight"], tokens, m.C)
+	var logits [][]float64 // the MoE layers' router logits
 	for l := 0; l < m.Layers; l++ {
 		pre := fmt.Sprintf("model.layers.%d.", l)
 		ln := cref.RMSNorm(x, p[pre+"input_layernorm.weight"], m.C, m.Eps)
@@ -165,6 +173,19 @@ func ModelLoss(m ModelSpec, p map[string][]float64, tokens, starts []int32, mask
 			x[i] += o[i]
 		}
 		ln = cref.RMSNorm(x, p[pre+"post_attention_layernorm.weight"], m.C, m.Eps)
+		if r, ok := p[pre+"mlp.gate.weight"]; ok {
+			logits = append(logits, cref.Linear(ln, r, nil, m.C, m.E))
+			var gs, us, ds [][]float64
+			for e := 0; e < m.E; e++ {
+				ep := fmt.Sprintf("%smlp.experts.%d.", pre, e)
+				gs, us, ds = append(gs, p[ep+"gate_proj.weight"]), append(us, p[ep+"up_proj.weight"]), append(ds, p[ep+"down_proj.weight"])
+			}
+			d := cref.MoE(ln, ln, r, gs, us, ds, m.E, m.TopK, m.C, m.MoEI, m.NormTopK)
+			for i := range x {
+				x[i] += d[i]
+			}
+			continue
+		}
 		g := cref.Linear(ln, p[pre+"mlp.gate_proj.weight"], nil, m.C, m.I)
 		u := cref.Linear(ln, p[pre+"mlp.up_proj.weight"], nil, m.C, m.I)
 		d := cref.Linear(cref.SwiGLU(g, u), p[pre+"mlp.down_proj.weight"], nil, m.I, m.C)
@@ -178,5 +199,8 @@ func ModelLoss(m ModelSpec, p map[string][]float64, tokens, starts []int32, mask
 		head = p["model.embed_tokens.weight"]
 	}
 	l, _, _ := KDLoss(x, head, m.C, m.V, tokens, starts, mask, K, ids, lps, o)
+	if m.AuxCoef != 0 && len(logits) > 0 {
+		l += m.AuxCoef * cref.LoadBalancingLoss(logits, m.E, m.TopK)
+	}
 	return l
 }
