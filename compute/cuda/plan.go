@@ -157,3 +157,26 @@ func moeScratchBytes(tokens, hidden, inter, experts, K int) int64 {
 	H, I, E := int64(hidden), int64(inter), int64(experts)
 	return 4*n*E + 12*r + 12*(E+1) + 2*r*H + 8*r*I + 2*r*I + 4*r*H + 2*n*H + 4*E*H
 }
+
+// The attention backward's tiles (attention.cu: BWD_BQ queries or keys a
+// block).
+const bwdBQ = 16
+
+// attentionBackwardLaunch plans AttentionBackward: the plan kernel (tiles
+// of bwdBQ rows per sample), k_attn_bwd_dq over (query tiles, query heads)
+// and k_attn_bwd_dkv over (key tiles, kv heads), 128 threads a block.
+func attentionBackwardLaunch(tokens, nSeq, nHead, nKV, hd int) (plan, dq, dkv launch, err error) {
+	switch {
+	case nHead <= 0 || nKV <= 0 || nHead%nKV != 0:
+		return plan, dq, dkv, fmt.Errorf("cuda: attention backward with %d query heads and %d kv heads: want kv heads dividing query heads", nHead, nKV)
+	case nSeq <= 0 || tokens < nSeq:
+		return plan, dq, dkv, fmt.Errorf("cuda: attention backward over %d samples of %d tokens: want 1 <= samples <= tokens", nSeq, tokens)
+	case hd <= 0 || hd > 256:
+		return plan, dq, dkv, fmt.Errorf("cuda: attention backward head_dim %d: want 1..256", hd)
+	}
+	tiles := (tokens + nSeq*(bwdBQ-1)) / bwdBQ
+	plan = launch{kernel: "k_attn_plan", grid: [3]int{1, 1, 1}, block: 1024}
+	dq = launch{kernel: "k_attn_bwd_dq", grid: [3]int{tiles, nHead, 1}, block: 128}
+	dkv = launch{kernel: "k_attn_bwd_dkv", grid: [3]int{tiles, nKV, 1}, block: 128}
+	return plan, dq, dkv, nil
+}

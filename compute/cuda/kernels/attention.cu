@@ -296,3 +296,165 @@ DK_REGISTER(k_attn_plan)
 DK_REGISTER(k_attn_simt)
 DK_REGISTER(k_attn_mma64)
 DK_REGISTER(k_attn_mma128)
+
+// ======================================================================
+// The backward of packed varlen causal GQA attention (attention.cu),
+// flash-style: the probabilities are recomputed from the forward's saved
+// log-sum-exp, p_ij = exp(scale·q_i·k_j - lse_i), never stored. With
+// dp_ij = dout_i·v_j and D_i = Σ_j p_ij·dp_ij:
+//
+//   dq_i += scale·Σ_j p_ij·(dp_ij - D_i)·k_j
+//   dk_j += scale·Σ_i p_ij·(dp_ij - D_i)·q_i     (over the group's heads)
+//   dv_j += Σ_i p_ij·dout_i
+//
+// Two kernels, each the sole writer of the rows it produces, so there are
+// no atomics and the sums run in a fixed order (deterministic):
+//
+//   k_attn_bwd_dq   one warp per query row (a block: 16 rows of one head),
+//                   keys walked 32 at a time as in k_attn_simt; one pass
+//                   accumulates A = Σ p·dp·k, B = Σ p·k and D, then
+//                   dq += scale·(A - D·B), and D is saved for the next kernel;
+//   k_attn_bwd_dkv  one warp per key row (a block: 16 keys of one kv head),
+//                   the group's heads and the later queries of the sample
+//                   walked 32 at a time.
+//
+// fp32 throughout, head_dim <= 256; blocks map to tiles through k_attn_plan
+// (tile_start), the same geometry as the forward's SIMT kernel.
+
+#define BWD_BQ 16
+#define BWD_MAXD 256
+
+// k_attn_bwd_dq: dq (tokens, nhead, hd) +=; dsum (tokens, nhead) = D.
+DK_KERNEL __launch_bounds__(128) void k_attn_bwd_dq(float *__restrict__ dq, float *__restrict__ dsum, const float *__restrict__ dout,
+                                                    const float *__restrict__ q, const float *__restrict__ k,
+                                                    const float *__restrict__ v, const float *__restrict__ lse,
+                                                    const i32 *__restrict__ starts, const i32 *__restrict__ tile_start, int nseq,
+                                                    int nhead, int nkv, int hd, float scale) {
+	__shared__ float qs[4][BWD_MAXD];
+	__shared__ float ds[4][BWD_MAXD];
+	int s, q0;
+	if (!tile_of(tile_start, nseq, blockIdx.x, BWD_BQ, &s, &q0)) return;
+	int h = blockIdx.y, g = h / (nhead / nkv);
+	int warp = threadIdx.x / DK_WARP, lane = threadIdx.x % DK_WARP;
+	i64 a = starts[s];
+	int L = starts[s + 1] - starts[s];
+	i64 ldq = (i64)nhead * hd, ldk = (i64)nkv * hd;
+	const float *kb = k + a * ldk + (i64)g * hd;
+	const float *vb = v + a * ldk + (i64)g * hd;
+	for (int qi = q0 + warp; qi < imin(q0 + BWD_BQ, L); qi += 4) {
+		i64 row = (a + qi) * ldq + (i64)h * hd;
+		for (int d = lane; d < hd; d += DK_WARP) {
+			qs[warp][d] = q[row + d];
+			ds[warp][d] = dout[row + d];
+		}
+		__syncwarp();
+		float l = lse[(a + qi) * nhead + h];
+		float A[BWD_MAXD / DK_WARP], B[BWD_MAXD / DK_WARP];
+		for (int r = 0; r < BWD_MAXD / DK_WARP; r++) A[r] = B[r] = 0;
+		float D = 0;
+		for (int j0 = 0; j0 <= qi; j0 += DK_WARP) {
+			int j = j0 + lane;
+			float p = 0, pdp = 0;
+			if (j <= qi) {
+				const float *kr = kb + (i64)j * ldk, *vr = vb + (i64)j * ldk;
+				float sc = 0, dp = 0;
+				for (int d = 0; d < hd; d++) {
+					sc += qs[warp][d] * kr[d];
+					dp += ds[warp][d] * vr[d];
+				}
+				p = expf(sc * scale - l);
+				pdp = p * dp;
+			}
+			D += pdp;
+			int nj = imin(DK_WARP, qi - j0 + 1);
+			for (int jj = 0; jj < nj; jj++) {
+				float pj = __shfl_sync(DK_FULL, p, jj), pdpj = __shfl_sync(DK_FULL, pdp, jj);
+				const float *kr = kb + (i64)(j0 + jj) * ldk;
+				for (int r = 0; r < BWD_MAXD / DK_WARP; r++) {
+					int d = lane + r * DK_WARP;
+					if (d < hd) {
+						float kv = kr[d];
+						A[r] += pdpj * kv;
+						B[r] += pj * kv;
+					}
+				}
+			}
+		}
+		D = warp_sum(D);
+		for (int r = 0; r < BWD_MAXD / DK_WARP; r++) {
+			int d = lane + r * DK_WARP;
+			if (d < hd) dq[row + d] += scale * (A[r] - D * B[r]);
+		}
+		if (lane == 0) dsum[(a + qi) * nhead + h] = D;
+		__syncwarp();
+	}
+}
+
+// k_attn_bwd_dkv: dk, dv (tokens, nkv, hd) +=, from dsum (k_attn_bwd_dq's
+// D). blockIdx.y is the kv head.
+DK_KERNEL __launch_bounds__(128) void k_attn_bwd_dkv(float *__restrict__ dk, float *__restrict__ dv, const float *__restrict__ dout,
+                                                     const float *__restrict__ q, const float *__restrict__ k,
+                                                     const float *__restrict__ v, const float *__restrict__ lse,
+                                                     const float *__restrict__ dsum, const i32 *__restrict__ starts,
+                                                     const i32 *__restrict__ tile_start, int nseq, int nhead, int nkv, int hd,
+                                                     float scale) {
+	__shared__ float ks[4][BWD_MAXD];
+	__shared__ float vs[4][BWD_MAXD];
+	int s, k0;
+	if (!tile_of(tile_start, nseq, blockIdx.x, BWD_BQ, &s, &k0)) return;
+	int g = blockIdx.y, group = nhead / nkv;
+	int warp = threadIdx.x / DK_WARP, lane = threadIdx.x % DK_WARP;
+	i64 a = starts[s];
+	int L = starts[s + 1] - starts[s];
+	i64 ldq = (i64)nhead * hd, ldk = (i64)nkv * hd;
+	for (int kj = k0 + warp; kj < imin(k0 + BWD_BQ, L); kj += 4) {
+		i64 krow = (a + kj) * ldk + (i64)g * hd;
+		for (int d = lane; d < hd; d += DK_WARP) {
+			ks[warp][d] = k[krow + d];
+			vs[warp][d] = v[krow + d];
+		}
+		__syncwarp();
+		float KA[BWD_MAXD / DK_WARP], VA[BWD_MAXD / DK_WARP];
+		for (int r = 0; r < BWD_MAXD / DK_WARP; r++) KA[r] = VA[r] = 0;
+		for (int h = g * group; h < (g + 1) * group; h++) {
+			const float *qb = q + a * ldq + (i64)h * hd, *db = dout + a * ldq + (i64)h * hd;
+			for (int i0 = kj; i0 < L; i0 += DK_WARP) {
+				int i = i0 + lane;
+				float p = 0, dsc = 0;
+				if (i < L) {
+					const float *qr = qb + (i64)i * ldq, *dr = db + (i64)i * ldq;
+					float sc = 0, dp = 0;
+					for (int d = 0; d < hd; d++) {
+						sc += qr[d] * ks[warp][d];
+						dp += dr[d] * vs[warp][d];
+					}
+					p = expf(sc * scale - lse[(a + i) * nhead + h]);
+					dsc = p * (dp - dsum[(a + i) * nhead + h]);
+				}
+				int ni = imin(DK_WARP, L - i0);
+				for (int ii = 0; ii < ni; ii++) {
+					float pi = __shfl_sync(DK_FULL, p, ii), dsi = __shfl_sync(DK_FULL, dsc, ii);
+					const float *qr = qb + (i64)(i0 + ii) * ldq, *dr = db + (i64)(i0 + ii) * ldq;
+					for (int r = 0; r < BWD_MAXD / DK_WARP; r++) {
+						int d = lane + r * DK_WARP;
+						if (d < hd) {
+							VA[r] += pi * dr[d];
+							KA[r] += dsi * qr[d];
+						}
+					}
+				}
+			}
+		}
+		for (int r = 0; r < BWD_MAXD / DK_WARP; r++) {
+			int d = lane + r * DK_WARP;
+			if (d < hd) {
+				dk[krow + d] += scale * KA[r];
+				dv[krow + d] += VA[r];
+			}
+		}
+		__syncwarp();
+	}
+}
+
+DK_REGISTER(k_attn_bwd_dq)
+DK_REGISTER(k_attn_bwd_dkv)
