@@ -154,7 +154,6 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 					return st.Loss
 				}
 				step() // warm up: kernels, plans, the memory pool
-				step()
 				b.ResetTimer()
 				t0 := time.Now()
 				var lossV float64
