@@ -53,6 +53,9 @@
 #                   the CPU from the same weights and cache: the GPU's loss
 #                   curve within 1% of the CPU's at every step; both curves
 #                   to $OUT/curve-qwen3.jsonl and curve-qwen2.jsonl
+#   train-qad       a student trained with NVFP4 QAD on the GPU exports NVFP4
+#                   weights that decode to the GPU's fake-quantized ones bit
+#                   for bit
 #   train-resume    on the GPU: a run stopped after a checkpoint and resumed,
 #                   and a run SIGKILLed mid-training and resumed, repeat the
 #                   uninterrupted run's losses bit for bit; the GPU's
@@ -87,6 +90,7 @@ build() {
   go test -c -ldflags='-s -w' -o "$stage/cuda.test" ./compute/cuda
   go test -c -ldflags='-s -w' -o "$stage/device.test" ./compute/device
   go test -c -ldflags='-s -w' -o "$stage/trainer.test" ./train/trainer
+  go test -c -ldflags='-s -w' -o "$stage/train.test" ./train
   # Libraries beyond glibc and libgcc that the binaries link (OpenBLAS ...).
   ldd "$stage"/*.test | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
     case "$(basename "$lib")" in
@@ -212,28 +216,32 @@ s_train-test() {
 
 s_train-memcheck() {
   if ! command -v compute-sanitizer >/dev/null; then echo "no compute-sanitizer" >"$OUT/train-memcheck.log"; status train-memcheck skipped; return; fi
-  step train-memcheck 80 compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 50 \
-    "$T" -test.count=1 -test.timeout=75s -test.run "${train_tests%|KernelsCompile}"
+  step train-memcheck 70 compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 50 \
+    "$T" -test.count=1 -test.timeout=65s -test.run "${train_tests%|KernelsCompile}"
 }
 
 s_train-curve() {
-  DISTILL_BENCH_OUT="$OUT" STEP_DIR=train/trainer step train-curve 60 "$TT" -test.v -test.count=1 -test.timeout=55s \
+  DISTILL_BENCH_OUT="$OUT" STEP_DIR=train/trainer step train-curve 50 "$TT" -test.v -test.count=1 -test.timeout=45s \
     -test.run 'TestCUDALossCurve|TestTrainingDevice'
 }
 
+s_train-qad() {
+  STEP_DIR=train step train-qad 30 "$BIN/train.test" -test.v -test.count=1 -test.timeout=25s -test.run 'TestCUDAQADExport'
+}
+
 s_train-resume() {
-  STEP_DIR=train/trainer step train-resume 60 "$TT" -test.v -test.count=1 -test.timeout=55s -test.run 'TestCUDAResume'
+  STEP_DIR=train/trainer step train-resume 50 "$TT" -test.v -test.count=1 -test.timeout=45s -test.run 'TestCUDAResume'
 }
 
 s_train-bench() {
-  DISTILL_BENCH_OUT="$OUT" STEP_DIR=train/trainer step train-bench 180 "$TT" -test.run '^$' -test.bench 'CUDATrainStep' \
-    -test.benchtime 1x -test.timeout 175s
+  DISTILL_BENCH_OUT="$OUT" STEP_DIR=train/trainer step train-bench 170 "$TT" -test.run '^$' -test.bench 'CUDATrainStep' \
+    -test.benchtime 1x -test.timeout 165s
 }
 
 s_train-peer() {
   local shapes=()
   [ -n "${DISTILL_BENCH_SHAPES:-}" ] && IFS=, read -r -a shapes <<<"$DISTILL_BENCH_SHAPES"
-  step train-peer 110 $PY "$root/scripts/gpu/hf_train_bench.py" "${shapes[@]}"
+  step train-peer 100 $PY "$root/scripts/gpu/hf_train_bench.py" "${shapes[@]}"
 }
 
 s_memcheck() {
@@ -273,7 +281,7 @@ summary() {
     grep -m1 -E 'NVIDIA|H100|H200' "$OUT/env.log" 2>/dev/null
     echo "-- steps (rc 0 = passed; 124 = its time limit; skipped = run it in another call)"
     cat "$OUT/status.txt" 2>/dev/null
-    for f in test device goldens memcheck racecheck train-test train-memcheck train-curve train-resume; do
+    for f in test device goldens memcheck racecheck train-test train-memcheck train-curve train-qad train-resume; do
       [ -f "$OUT/$f.log" ] || continue
       echo "-- $f: failures"
       grep -E '^\s*--- FAIL|^FAIL|panic:|ERROR SUMMARY|========= (Invalid|Race|Error)' "$OUT/$f.log" | head -20
@@ -292,6 +300,8 @@ summary() {
     cat "$OUT/peer.log" 2>/dev/null | grep '^{'
     echo "-- training: loss curves, GPU vs CPU (worst relative difference)"
     grep -hE 'steps: loss .* worst relative difference' "$OUT/train-curve.log" 2>/dev/null | sed 's/^ *//'
+    echo "-- training: NVFP4 export of a GPU run"
+    grep -hE 'bit for bit|--- (PASS|FAIL): TestCUDAQADExport' "$OUT/train-qad.log" 2>/dev/null | sed 's/^ *//'
     echo "-- training: resume exactness"
     grep -hE -- '--- (PASS|FAIL): TestCUDAResume' "$OUT/train-resume.log" 2>/dev/null
     echo "-- training benchmark (ours, then the PyTorch peer)"
@@ -318,15 +328,15 @@ case "${1:-}" in
     steps=()
     for s in "$@"; do
       case "$s" in
-        all) steps+=(env test device goldens memcheck bench peer racecheck train-test train-memcheck train-curve train-resume train-bench train-peer) ;;
-        train) steps+=(env train-test train-curve train-resume train-memcheck train-bench train-peer) ;;
+        all) steps+=(env test device goldens memcheck bench peer racecheck train-test train-memcheck train-curve train-qad train-resume train-bench train-peer) ;;
+        train) steps+=(env train-test train-curve train-qad train-resume train-memcheck train-bench train-peer) ;;
         *) steps+=("$s") ;;
       esac
     done
     [ ${#steps[@]} -eq 0 ] && steps=(env test device goldens memcheck bench peer racecheck)
     for s in "${steps[@]}"; do
       case "$s" in
-        env|test|device|memcheck|racecheck|goldens|bench|peer|train-test|train-memcheck|train-curve|train-resume|train-bench|train-peer) "s_$s" ;;
+        env|test|device|memcheck|racecheck|goldens|bench|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|train-peer) "s_$s" ;;
         *) echo "unknown step $s"; exit 2 ;;
       esac
     done
