@@ -223,12 +223,20 @@ func (b *Backend) SwiGLUBackward(dgT, duT, doutT, gT, uT compute.Tensor, n int) 
 	b.ew("k_swiglu_bwd", int64(n), dptr(dg.p), dptr(du.p), dptr(dout.p), dptr(g.p), dptr(u.p), int64(n))
 }
 
-// AttentionBackward implements compute.Backend (attention.cu: the
-// probabilities recomputed from lse; k_attn_bwd_dq writes dq and each
-// query row's D = Σ p·dp, then k_attn_bwd_dkv writes dk and dv; each
-// kernel is the only writer of its rows: no atomics, deterministic).
+// AttentionBackward implements compute.Backend (attention.cu), the
+// probabilities recomputed from lse. For head_dim 64 and 128 the
+// tensor-core chain (BF16 operands, fp32 accumulators): O recomputed by
+// the forward kernel, D = dout·O (k_attn_dsum), dq (k_attn_bwd_dq_mma),
+// then dk and dv (k_attn_bwd_dkv_mma). Other head dims (or Options.Attention
+// "simt"): the fp32 kernels, k_attn_bwd_dq (dq, and D = Σ p·dp) then
+// k_attn_bwd_dkv. Each kernel is the only writer of its rows: no atomics,
+// deterministic.
 func (b *Backend) AttentionBackward(dqT, dkT, dvT, doutT, qT, kT, vT, lseT, startsT compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
 	defer b.enter()()
+	b.attentionBackward(b.attn, dqT, dkT, dvT, doutT, qT, kT, vT, lseT, startsT, nSeq, tokens, nHead, nKV, hd, scale)
+}
+
+func (b *Backend) attentionBackward(mode attnMode, dqT, dkT, dvT, doutT, qT, kT, vT, lseT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int, scale float32) {
 	dq, dk, dv := b.ten(dqT, "AttentionBackward dq"), b.ten(dkT, "AttentionBackward dk"), b.ten(dvT, "AttentionBackward dv")
 	dout, q, k, v := b.ten(doutT, "AttentionBackward dout"), b.ten(qT, "AttentionBackward q"), b.ten(kT, "AttentionBackward k"), b.ten(vT, "AttentionBackward v")
 	lse, st := b.ten(lseT, "AttentionBackward lse"), b.ten(startsT, "AttentionBackward starts")
@@ -244,15 +252,27 @@ func (b *Backend) AttentionBackward(dqT, dkT, dvT, doutT, qT, kT, vT, lseT, star
 	if tokens == 0 {
 		return
 	}
-	plan, dqL, dkvL, err := attentionBackwardLaunch(tokens, nSeq, nHead, nKV, hd)
+	p, err := attentionBackwardLaunch(mode, tokens, nSeq, nHead, nKV, hd)
 	b.must(err)
 	tiles := b.alloc(int64(nSeq+1) * 4)
 	dsum := b.alloc(int64(tokens) * int64(nHead) * 4)
-	b.launchKernel(plan, dptr(tiles), dptr(st.p), int32(nSeq), int32(bwdBQ))
-	b.launchKernel(dqL, dptr(dq.p), dptr(dsum), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(st.p), dptr(tiles),
-		int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
-	b.launchKernel(dkvL, dptr(dk.p), dptr(dv.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
-		int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
+	b.launchKernel(p.plan, dptr(tiles), dptr(st.p), int32(nSeq), int32(p.bq))
+	if !p.mma {
+		b.launchKernel(p.dq, dptr(dq.p), dptr(dsum), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(st.p), dptr(tiles),
+			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
+		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
+			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
+	} else {
+		o := b.alloc(int64(tokens) * int64(nHead) * int64(hd) * 4)
+		b.launchKernel(p.fwd, dptr(o), dptr(0), dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
+			int32(nSeq), int32(nHead), int32(nKV), scale)
+		b.launchKernel(p.dsum, dptr(dsum), dptr(dout.p), dptr(o), int64(tokens)*int64(nHead), int32(hd))
+		b.free(o)
+		b.launchKernel(p.dq, dptr(dq.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
+			int32(nSeq), int32(nHead), int32(nKV), scale)
+		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
+			int32(nSeq), int32(nHead), int32(nKV), scale)
+	}
 	b.free(tiles)
 	b.free(dsum)
 }
