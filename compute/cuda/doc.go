@@ -87,11 +87,14 @@
 //     order (repeated ids add up in a fixed order; bit-identical to the CPU).
 //   - RoPEBackward, SwiGLUBackward: fp32, elementwise.
 //   - AttentionBackward: flash-style, the probabilities recomputed from the
-//     forward's log-sum-exp, fp32 SIMT kernels for head_dim <= 256:
-//     k_attn_bwd_dq (a warp per query row: dq, and D = Σ p·dp) then
-//     k_attn_bwd_dkv (a warp per key row: dk, dv over the group's heads).
-//     Each is the sole writer of its rows: no atomics. No tensor-core
-//     version yet: the backward is the training step's slowest kernel.
+//     forward's log-sum-exp. head_dim 64 and 128 on tensor cores
+//     (FlashAttention 2's backward, mma.sync with BF16 Q, K, V, dout, P and
+//     dS, fp32 accumulators): O recomputed by the forward kernel for
+//     D = dout·O (the contract passes no O), then k_attn_bwd_dq_mma (a
+//     block per 64 queries) and k_attn_bwd_dkv_mma (a block per 64 keys,
+//     over the group's heads). Other head dims on fp32 SIMT kernels
+//     (k_attn_bwd_dq, k_attn_bwd_dkv). Each kernel is the sole writer of
+//     its rows: no atomics.
 //   - LossHeadForward/Backward: the vocabulary in tiles of the counted rows
 //     (M x cols fp32 logits, at most 256 MiB); cuBLASLt writes a tile's
 //     logits from BF16 operands; k_loss_fwd_tile folds it into each row's
@@ -112,7 +115,8 @@
 //
 // Performance notes, to be measured by the GPU suite: the BF16 copies of
 // parameter views are made per GEMM call (not cached: the parameters change
-// every step), and the attention backward runs on SIMT cores.
+// every step); the tensor-core attention backward uses mma.sync, not
+// Hopper's wgmma/TMA, and recomputes O once for D.
 //
 // # Testing without a GPU
 //
