@@ -399,3 +399,26 @@ type ScratchReporter interface {
 	// LMHeadScratchBytes bounds LMHeadTopK's scratch for top-k.
 	LMHeadScratchBytes(k int) int64
 }
+
+// Partial is implemented by a backend that does not yet implement every
+// method of the contract (the CUDA backend has no MoE training kernels).
+// Callers ask before they build on it, so that a missing kernel is a
+// clear error before anything runs rather than a panic mid-step.
+type Partial interface {
+	// Lacks returns an error naming what is missing for feature, or nil
+	// when the backend runs it. Features: FeatureMoETraining.
+	Lacks(feature string) error
+}
+
+// FeatureMoETraining is MoEForward + MoEBackward: training a Qwen3-MoE
+// student.
+const FeatureMoETraining = "moe-training"
+
+// Lacks asks be (see Partial); a backend that is not Partial runs
+// everything.
+func Lacks(be Backend, feature string) error {
+	if p, ok := be.(Partial); ok {
+		return p.Lacks(feature)
+	}
+	return nil
+}

@@ -1,35 +1,39 @@
 #!/usr/bin/env bash
-# The GPU suite of compute/cuda (issue 15), in one command on a GPU machine.
+# The GPU suite of compute/cuda (issues 15 and 16), in one command on a GPU
+# machine.
 #
-# The GPU machine has no Go toolchain, so the test binary is built here first:
+# The GPU machine has no Go toolchain, so the test binaries are built here
+# first:
 #
 #   bash scripts/gpu-suite.sh build
 #
-# which builds the test binaries of compute/cuda (.gpu/cuda.test) and of
-# the --device chooser, compute/device (.gpu/device.test), and copies the
-# shared libraries they need beyond glibc (OpenBLAS and its Fortran
-# runtime, for the CPU oracle) into .gpu/lib. .gpu/ is git-ignored; it is
-# about 50 MB (the device tool carries at most 64 MiB). Then, through the
-# device tool:
+# which builds the test binaries of compute/cuda (cuda.test), of the
+# --device chooser, compute/device (device.test), and of the student's
+# trainer, train/trainer (trainer.test: training on the GPU end to end),
+# stripped, with the shared libraries they need beyond glibc (OpenBLAS and
+# its Fortran runtime, for the CPU oracle), and packs them into
+# .gpu/bundle.tar.gz (git-ignored; the device tool carries at most 64 MiB,
+# which the unpacked files exceed). `run` unpacks it on the GPU machine.
+# Then, through the device tool:
 #
-#   run(command="bash scripts/gpu-suite.sh run", carry=[".gpu"])
+#   run(command="bash scripts/gpu-suite.sh run", carry=[".gpu"])          the teacher (issue 15)
+#   run(command="bash scripts/gpu-suite.sh run train", carry=[".gpu"])    the student (issue 16)
 #
-# (one call; the tracked files, checkpoints and goldens included, travel
-# with the working tree). Every step writes its log to $OUT (./gpu-out when
-# $OUT is unset); a step's failure does not stop the others; the last lines
-# printed are the summary ($OUT/summary.txt). Steps, each under its own
-# time limit, in order:
+# (one call each; the tracked files, checkpoints and goldens included,
+# travel with the working tree). Every step writes its log to $OUT
+# (./gpu-out when $OUT is unset); a step's failure does not stop the
+# others; the last lines printed are the summary ($OUT/summary.txt). Steps,
+# each under its own time limit, in order:
 #
 #   env        nvidia-smi, the CUDA libraries found, Python package versions
 #   test       the conformance tests against the real GPU (DISTILL_CUDA_TEST=gpu):
 #              every forward kernel vs compute/cpu on ragged shapes, the
-#              contract's suite (computetest.RunForward: the forward half,
-#              vs float64 formulas), the kernels compiled by the device's
-#              NVRTC (sm_90a on Hopper), the golden checkpoints through
-#              package infer (model/decoder's forward), the training
-#              methods' refusal (issue 16)
+#              contract's suite (computetest.Run: forward and training, vs
+#              float64 formulas and finite differences), the kernels
+#              compiled by the device's NVRTC (sm_90a on Hopper), the golden
+#              checkpoints through package infer (model/decoder's forward)
 #   device     the --device chooser on the real GPU: cuda and auto open it
-#              for the teacher, training gets the CPU
+#              for the teacher; training: cuda opens it, auto keeps the CPU
 #   goldens    HF transformers BF16 goldens (scripts/gpu/hf_goldens.py) and
 #              the CUDA and CPU teachers compared with them
 #   memcheck   compute-sanitizer --tool memcheck on the conformance tests
@@ -39,40 +43,89 @@
 #   peer       HF transformers on the same workloads (scripts/gpu/hf_bench.py)
 #   racecheck  compute-sanitizer --tool racecheck on attention and the LM head
 #
+# and the student's (`run train` runs these, within the same budget):
+#
+#   train-test      the training kernels vs compute/cpu (ragged attention
+#                   backward, loss head, NVFP4 bit for bit, deterministic
+#                   reductions: twice the same bits) and the contract's suite
+#   train-memcheck  compute-sanitizer --tool memcheck on the training kernels
+#   train-curve     tiny qwen3 and qwen2 students, 50 steps on the GPU and on
+#                   the CPU from the same weights and cache: the GPU's loss
+#                   curve within 1% of the CPU's at every step; both curves
+#                   to $OUT/curve-qwen3.jsonl and curve-qwen2.jsonl
+#   train-qad       a student trained with NVFP4 QAD on the GPU exports NVFP4
+#                   weights that decode to the GPU's fake-quantized ones bit
+#                   for bit
+#   train-resume    on the GPU: a run stopped after a checkpoint and resumed,
+#                   and a run SIGKILLed mid-training and resumed, repeat the
+#                   uninterrupted run's losses bit for bit; the GPU's
+#                   checkpoint resumes on the CPU
+#   train-bench     training steps of Qwen3-0.6B- and 1.7B-shaped students,
+#                   rows of 8192 tokens, vocab 151936, k = 64, with and
+#                   without NVFP4 QAD: tokens/s, MFU, device memory
+#                   ($OUT/train-bench.jsonl) and the top kernels of one step
+#                   ($OUT/profile-train-*.txt)
+#   train-peer      PyTorch on the same step (scripts/gpu/hf_train_bench.py:
+#                   HF transformers, sdpa, bf16 autocast, fused AdamW,
+#                   DistillKit's sparse top-k KL on full logits) at the
+#                   largest batch that fits, with its peak memory
+#
 # A device command may run 10 minutes: the suite keeps to SUITE_BUDGET
 # seconds (default 560) in all, giving each step what is left up to its own
 # limit and skipping the steps that no longer fit; the summary lists them.
 # `run STEP...` runs only those steps, in the order given: a second call
-# such as `run racecheck peer` picks up what the first one skipped.
-# Knobs: SUITE_BUDGET, DISTILL_BENCH_TOKENS (batch tokens, default 16384),
-# DISTILL_BENCH_SHAPES (e.g. qwen3-0.6b,qwen3-8b), DISTILL_PEAK_TFLOPS.
+# such as `run racecheck peer` picks up what the first one skipped; `all`
+# is every step, `train` the student's.
+# Knobs: SUITE_BUDGET, DISTILL_GPU_SUITE_EMU (below), DISTILL_BENCH_TOKENS (batch tokens, default 16384),
+# DISTILL_BENCH_SHAPES (e.g. qwen3-0.6b,qwen3-8b), DISTILL_PEAK_TFLOPS,
+# DISTILL_TRAIN_ROWS (8192-token rows a training step, default 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 
 build() {
   set -e
-  mkdir -p .gpu/lib
-  go test -c -o .gpu/cuda.test ./compute/cuda
-  go test -c -o .gpu/device.test ./compute/device
+  local stage=.gpu/stage
+  rm -rf .gpu && mkdir -p "$stage/lib"
+  go test -c -ldflags='-s -w' -o "$stage/cuda.test" ./compute/cuda
+  go test -c -ldflags='-s -w' -o "$stage/device.test" ./compute/device
+  go test -c -ldflags='-s -w' -o "$stage/trainer.test" ./train/trainer
+  go test -c -ldflags='-s -w' -o "$stage/train.test" ./train
   # Libraries beyond glibc and libgcc that the binaries link (OpenBLAS ...).
-  # (A rebuild finds the copies already in .gpu/lib, on LD_LIBRARY_PATH.)
-  ldd .gpu/cuda.test .gpu/device.test | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
-    case "$lib" in "$root"/.gpu/lib/*) continue ;; esac
+  ldd "$stage"/*.test | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
     case "$(basename "$lib")" in
       libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|libgcc_s.so*|ld-linux*) ;;
-      *) cp -L "$lib" .gpu/lib/ ;;
+      *) cp -L "$lib" "$stage/lib/" ;;
     esac
   done
-  du -sh .gpu
-  echo "now: run(command=\"bash scripts/gpu-suite.sh run\", carry=[\".gpu\"])"
+  du -sh "$stage"
+  tar -C "$stage" -czf .gpu/bundle.tar.gz .
+  rm -rf "$stage"
+  du -sh .gpu/bundle.tar.gz
+  local size
+  size=$(stat -c %s .gpu/bundle.tar.gz)
+  if [ "$size" -gt $((60 << 20)) ]; then
+    echo "gpu-suite: .gpu/bundle.tar.gz is $((size >> 20)) MiB; the device tool carries at most 64 MiB" >&2
+    exit 1
+  fi
+  echo "now: run(command=\"bash scripts/gpu-suite.sh run\", carry=[\".gpu\"])  (or: run train)"
 }
 
 OUT=${OUT:-$root/gpu-out}
-export LD_LIBRARY_PATH="$root/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export DISTILL_CUDA_TEST=gpu DISTILL_REQUIRE_NVRTC=1
+BIN=${DISTILL_GPU_BIN:-/tmp/distill-gpu-bin} # where run unpacks .gpu/bundle.tar.gz
+export LD_LIBRARY_PATH="$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export DISTILL_REQUIRE_NVRTC=1
+# DISTILL_GPU_SUITE_EMU=1 dry-runs the suite without a GPU: the tests run
+# on the CPU emulator of CUDA (they need g++ and this source tree), the
+# training benchmark on a tiny shape; the GPU-only steps fail or skip.
+if [ "${DISTILL_GPU_SUITE_EMU:-}" = 1 ]; then
+  export DISTILL_TRAIN_BENCH_DRYRUN=1
+else
+  export DISTILL_CUDA_TEST=gpu
+fi
 export DISTILL_KERNEL_CACHE=${DISTILL_KERNEL_CACHE:-/tmp/distill-kernel-cache}
-T="$root/.gpu/cuda.test"
+T="$BIN/cuda.test"
+TT="$BIN/trainer.test"
 PY=${PYTHON:-python3}
 
 # first_file prints the first existing file among the globs.
@@ -139,7 +192,7 @@ s_env() {
     echo "--- python"
     $PY -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, torch.cuda.get_device_name())' 2>&1
     echo "--- binary"
-    ls -la "$root/.gpu" "$root/.gpu/lib" 2>&1
+    ls -la "$root/.gpu" "$BIN" "$BIN/lib" 2>&1
     ldd "$T" 2>&1
   } >"$OUT/env.log" 2>&1
   status env 0
@@ -147,23 +200,60 @@ s_env() {
 
 s_test() {
   step test 180 "$T" -test.v -test.count=1 -test.timeout=170s \
-    -test.run 'Conformance|Ties|SuiteForward|TrainingNotImplemented|KernelsCompile|NVRTCCompiles|AttnPlanKernel|BenchModel|ForwardGoldens|MemoryOps|Probe|Launch|Plan|Cache|Arch'
+    -test.run 'Conformance|Ties|TestSuite$|Exact|KernelsCompile|NVRTCCompiles|AttnPlanKernel|BenchModel|ForwardGoldens|MemoryOps|Probe|Launch|Plan|Cache|Arch'
 }
 
 s_device() {
-  STEP_DIR=compute/device step device 60 "$root/.gpu/device.test" -test.v -test.count=1 -test.timeout=50s
+  STEP_DIR=compute/device step device 60 "$BIN/device.test" -test.v -test.count=1 -test.timeout=50s
+}
+
+# The training kernels' tests (train_test.go) and the contract's suite.
+train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|LossHeadConformance|KernelsCompile'
+
+s_train-test() {
+  step train-test 80 "$T" -test.v -test.count=1 -test.timeout=75s -test.run "$train_tests"
+}
+
+s_train-memcheck() {
+  if ! command -v compute-sanitizer >/dev/null; then echo "no compute-sanitizer" >"$OUT/train-memcheck.log"; status train-memcheck skipped; return; fi
+  step train-memcheck 70 compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 50 \
+    "$T" -test.count=1 -test.timeout=65s -test.run "${train_tests%|KernelsCompile}"
+}
+
+s_train-curve() {
+  DISTILL_BENCH_OUT="$OUT" STEP_DIR=train/trainer step train-curve 50 "$TT" -test.v -test.count=1 -test.timeout=45s \
+    -test.run 'TestCUDALossCurve|TestTrainingDevice'
+}
+
+s_train-qad() {
+  STEP_DIR=train step train-qad 30 "$BIN/train.test" -test.v -test.count=1 -test.timeout=25s -test.run 'TestCUDAQADExport'
+}
+
+s_train-resume() {
+  STEP_DIR=train/trainer step train-resume 50 "$TT" -test.v -test.count=1 -test.timeout=45s -test.run 'TestCUDAResume'
+}
+
+s_train-bench() {
+  DISTILL_BENCH_OUT="$OUT" STEP_DIR=train/trainer step train-bench 170 "$TT" -test.run '^$' -test.bench 'CUDATrainStep' \
+    -test.benchtime 1x -test.timeout 165s
+}
+
+s_train-peer() {
+  local shapes=()
+  [ -n "${DISTILL_BENCH_SHAPES:-}" ] && IFS=, read -r -a shapes <<<"$DISTILL_BENCH_SHAPES"
+  step train-peer 100 $PY "$root/scripts/gpu/hf_train_bench.py" "${shapes[@]}"
 }
 
 s_memcheck() {
   if ! command -v compute-sanitizer >/dev/null; then echo "no compute-sanitizer" >"$OUT/memcheck.log"; status memcheck skipped; return; fi
   step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 50 \
-    "$T" -test.count=1 -test.timeout=140s -test.run 'Conformance|Ties|SuiteForward|AttnPlanKernel|BenchModel|MemoryOps|ForwardGoldens'
+    "$T" -test.count=1 -test.timeout=140s -test.run 'Conformance|Ties|TestSuite$|Exact|AttnPlanKernel|BenchModel|MemoryOps|ForwardGoldens'
 }
 
 s_racecheck() {
   if ! command -v compute-sanitizer >/dev/null; then echo "no compute-sanitizer" >"$OUT/racecheck.log"; status racecheck skipped; return; fi
   step racecheck 150 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 3 --print-limit 50 \
-    "$T" -test.count=1 -test.timeout=140s -test.run 'TestAttentionConformance|TestLMHeadTopKTies|TestAttnPlanKernel|TestMoERoutingTies'
+    "$T" -test.count=1 -test.timeout=140s -test.run 'TestAttentionConformance|TestLMHeadTopKTies|TestAttnPlanKernel|TestMoERoutingTies|TestAttentionBackwardConformance|TestLossHeadConformance|TestReductionsConformance'
 }
 
 s_goldens() {
@@ -191,7 +281,7 @@ summary() {
     grep -m1 -E 'NVIDIA|H100|H200' "$OUT/env.log" 2>/dev/null
     echo "-- steps (rc 0 = passed; 124 = its time limit; skipped = run it in another call)"
     cat "$OUT/status.txt" 2>/dev/null
-    for f in test device goldens memcheck racecheck; do
+    for f in test device goldens memcheck racecheck train-test train-memcheck train-curve train-qad train-resume; do
       [ -f "$OUT/$f.log" ] || continue
       echo "-- $f: failures"
       grep -E '^\s*--- FAIL|^FAIL|panic:|ERROR SUMMARY|========= (Invalid|Race|Error)' "$OUT/$f.log" | head -20
@@ -208,8 +298,18 @@ summary() {
     grep -E '^Benchmark' "$OUT/bench.log" 2>/dev/null
     echo "-- HF peer"
     cat "$OUT/peer.log" 2>/dev/null | grep '^{'
+    echo "-- training: loss curves, GPU vs CPU (worst relative difference)"
+    grep -hE 'steps: loss .* worst relative difference' "$OUT/train-curve.log" 2>/dev/null | sed 's/^ *//'
+    echo "-- training: NVFP4 export of a GPU run"
+    grep -hE 'bit for bit|--- (PASS|FAIL): TestCUDAQADExport' "$OUT/train-qad.log" 2>/dev/null | sed 's/^ *//'
+    echo "-- training: resume exactness"
+    grep -hE -- '--- (PASS|FAIL): TestCUDAResume' "$OUT/train-resume.log" 2>/dev/null
+    echo "-- training benchmark (ours, then the PyTorch peer)"
+    grep -E '^BenchmarkCUDATrainStep' "$OUT/train-bench.log" 2>/dev/null
+    cat "$OUT/train-bench.jsonl" 2>/dev/null
+    grep '^{' "$OUT/train-peer.log" 2>/dev/null
     echo "-- top kernels"
-    cat "$OUT"/profile-*.txt 2>/dev/null | head -80
+    cat "$OUT"/profile-*.txt 2>/dev/null | head -120
   } >"$OUT/summary.txt" 2>&1
   cat "$OUT/summary.txt"
 }
@@ -218,19 +318,29 @@ case "${1:-}" in
   build) build ;;
   run)
     shift
-    [ -x "$T" ] || { echo "no $T: run 'bash scripts/gpu-suite.sh build' first and carry .gpu"; exit 2; }
+    if [ ! -x "$T" ]; then
+      [ -f "$root/.gpu/bundle.tar.gz" ] || { echo "no .gpu/bundle.tar.gz: run 'bash scripts/gpu-suite.sh build' first and carry .gpu"; exit 2; }
+      mkdir -p "$BIN" && tar -C "$BIN" -xzf "$root/.gpu/bundle.tar.gz" || { echo "cannot unpack .gpu/bundle.tar.gz into $BIN"; exit 2; }
+    fi
     mkdir -p "$OUT"
     : >"$OUT/status.txt"
     libs
-    steps=("$@")
+    steps=()
+    for s in "$@"; do
+      case "$s" in
+        all) steps+=(env test device goldens memcheck bench peer racecheck train-test train-memcheck train-curve train-qad train-resume train-bench train-peer) ;;
+        train) steps+=(env train-test train-curve train-qad train-resume train-memcheck train-bench train-peer) ;;
+        *) steps+=("$s") ;;
+      esac
+    done
     [ ${#steps[@]} -eq 0 ] && steps=(env test device goldens memcheck bench peer racecheck)
     for s in "${steps[@]}"; do
       case "$s" in
-        env|test|device|memcheck|racecheck|goldens|bench|peer) "s_$s" ;;
+        env|test|device|memcheck|racecheck|goldens|bench|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|train-peer) "s_$s" ;;
         *) echo "unknown step $s"; exit 2 ;;
       esac
     done
     summary
     ;;
-  *) sed -n '2,40p' "$0"; exit 2 ;;
+  *) sed -n '2,75p' "$0"; exit 2 ;;
 esac

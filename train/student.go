@@ -78,6 +78,11 @@ func NewStudentOn(cfg *model.Config, be compute.Backend) (*Student, error) {
 	default:
 		return nil, fmt.Errorf("%w: student architecture %q: want llama, qwen2, qwen3 or qwen3_moe", ErrInvalid, cfg.Arch)
 	}
+	if cfg.Arch == model.ArchQwen3MoE {
+		if err := compute.Lacks(be, compute.FeatureMoETraining); err != nil {
+			return nil, fmt.Errorf("%w: a %s student on the %s backend: %w", ErrInvalid, cfg.Arch, be.Name(), err)
+		}
+	}
 	s := &Student{Cfg: cfg, be: be}
 	off := 0
 	byName := map[string]int{}

@@ -33,7 +33,7 @@ func runTrain(args []string) error {
 	datasetFiles := fs.String("dataset", "", "override data.dataset.files (comma-separated .jsonl, .csv or .parquet files): SFT on a dataset, no teacher")
 	maxSteps := fs.Int("max-steps", 0, "override train.max_steps")
 	threads := fs.Int("threads", 0, "override train.threads")
-	dev := fs.String("device", "", "override train.device: auto or cpu (auto trains on the CPU; cuda: the GPU backend cannot train yet, issue 16)")
+	dev := fs.String("device", "", "override train.device: auto, cpu or cuda (auto trains on the CPU; cuda trains on the GPU, not yet verified on one, issue 16)")
 	resume := fs.String("resume", "auto", "auto: continue from the run directory's newest checkpoint if any; never; must")
 	if err := fs.Parse(args); err != nil {
 		return err

@@ -49,15 +49,33 @@ func newLossCase(r *rand.Rand, N, C, V, K int) *lossCase {
 			}
 		}
 	}
+	c.logits(c.x, c.w)
+	return c
+}
+
+// logits sets c.z from x and w (c's own, or their BF16 roundings when the
+// backend's GEMMs round them).
+func (c *lossCase) logits(x, w []float32) {
+	C, V := c.C, c.V
+	c.z = c.z[:0]
 	for m := 0; m < c.M; m++ {
 		z := make([]float64, V)
-		xr := c.x[int(c.rows[m])*C : int(c.rows[m]+1)*C]
+		xr := x[int(c.rows[m])*C : int(c.rows[m]+1)*C]
 		for v := 0; v < V; v++ {
 			for i := 0; i < C; i++ {
-				z[v] += float64(xr[i]) * float64(c.w[v*C+i])
+				z[v] += float64(xr[i]) * float64(w[v*C+i])
 			}
 		}
 		c.z = append(c.z, z)
+	}
+}
+
+// newLossCase draws a lossCase whose float64 logits are those of the
+// operands as the backend multiplies them (Tolerances.BF16GEMM).
+func (s *suite) newLossCase(r *rand.Rand, N, C, V, K int) *lossCase {
+	c := newLossCase(r, N, C, V, K)
+	if s.tol.BF16GEMM {
+		c.logits(s.gemmIn(c.x), s.gemmIn(c.w))
 	}
 	return c
 }
@@ -86,7 +104,7 @@ func (s *suite) lossHead(c *lossCase, invT float32, tileCols int) *compute.LossH
 func (s *suite) lossHeadForward(t *testing.T) {
 	r := rand.New(rand.NewPCG(27, 28))
 	for _, K := range []int{5, 0} {
-		c := newLossCase(r, 40, 16, 301, K)
+		c := s.newLossCase(r, 40, 16, 301, K)
 		for _, invT := range []float32{1, 0.5} {
 			for _, tc := range []int{0, 7, 64} {
 				t.Run(fmt.Sprintf("K=%d/invT=%g/tile=%d", K, invT, tc), func(t *testing.T) {
@@ -133,7 +151,13 @@ func (s *suite) lossHeadBackward(t *testing.T) {
 	be := s.be
 	r := rand.New(rand.NewPCG(29, 30))
 	for _, K := range []int{5, 0} {
-		c := newLossCase(r, 40, 16, 301, K)
+		c := s.newLossCase(r, 40, 16, 301, K)
+		// Under BF16GEMM the backend rounds x, w and dL/dz for the
+		// gradient GEMMs; the reference rounds the same.
+		xg, wg := c.x, c.w
+		if s.tol.BF16GEMM {
+			xg, wg = s.gemmIn(c.x), s.gemmIn(c.w)
+		}
 		for _, invT := range []float32{1, 0.5} {
 			for _, wsft := range []float32{0, 0.3} {
 				if K == 0 && wsft == 0 {
@@ -167,10 +191,15 @@ func (s *suite) lossHeadBackward(t *testing.T) {
 								dz[v] += float64(wsft) * math.Exp(z[v]-float64(lse1[m]))
 							}
 							dz[c.labels[m]] -= float64(wsft)
-							xr := c.x[int(c.rows[m])*C:]
+							if s.tol.BF16GEMM {
+								for v := range dz {
+									dz[v] = float64(compute.BF16ToF32(compute.F32ToBF16(float32(dz[v]))))
+								}
+							}
+							xr := xg[int(c.rows[m])*C:]
 							for v := 0; v < V; v++ {
 								for i := 0; i < C; i++ {
-									wantDX[int(c.rows[m])*C+i] += dz[v] * float64(c.w[v*C+i])
+									wantDX[int(c.rows[m])*C+i] += dz[v] * float64(wg[v*C+i])
 									wantDW[v*C+i] += dz[v] * float64(xr[i])
 								}
 							}

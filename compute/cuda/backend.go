@@ -719,3 +719,14 @@ func Probe() (DeviceInfo, error) {
 	}
 	return info, err
 }
+
+// SetProfile switches kernel timing (Options.Profile) on or off, clearing
+// the counters: a benchmark times its steps unprofiled, then profiles one.
+func (b *Backend) SetProfile(on bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.prof = nil
+	if on {
+		b.prof = map[string]*ProfileEntry{}
+	}
+}

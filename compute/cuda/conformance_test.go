@@ -5,6 +5,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"sort"
+	"strings"
 	"testing"
 
 	"distill/compute"
@@ -38,20 +39,37 @@ func bf16DotTol(k int) float64 { return 8 * math.Ldexp(1, -9) / math.Sqrt(3) * m
 // activations), that activation differs by one BF16 ulp and moves its
 // outputs by up to 2⁻⁸·|act|·|w_down| (about 0.5 on the suite's outputs
 // of magnitude 50). On the emulator the worst is 1.6e-5 relative, no flip.
+//
+// The training kernels are held to the FP32 tolerances as well: the
+// suite's references round what this backend's GEMMs round (dout, x and w
+// of MatMul's backward; x, w and dL/dz of the loss head), and the rest is
+// fp32 with float64 sums, as on the CPU.
 var suiteTol = func() computetest.Tolerances {
 	tol := computetest.FP32
 	tol.BF16GEMM = true
 	tol.MoEAtol, tol.MoERtol = 5e-2, 2e-2
+	tol.Skip = skipMoETraining
 	return tol
 }()
 
-// TestSuiteForward runs the forward half of the backend contract's
-// conformance suite (compute/computetest.RunForward) against float64
-// formulas: the memory methods and every forward kernel, with the rstd and
-// lse statistics. The backward, optimizer, NVFP4 and loss-head kernels
-// are issue 16 (ErrNoTraining).
-func TestSuiteForward(t *testing.T) {
-	computetest.RunForward(t, testBackend(t), suiteTol)
+// skipMoETraining skips the suite's MoE training subtests (names with
+// "moe" in them other than the MoE forward, "MoE"): this backend has no
+// MoE backward (students are dense; the MoE backward is another issue).
+func skipMoETraining(name string) string {
+	if name != "MoE" && strings.Contains(strings.ToLower(name), "moe") {
+		return "the CUDA backend has no MoE training kernels yet (MoEForward/MoEBackward panic ErrNoTraining); MoE students train on the CPU"
+	}
+	return ""
+}
+
+// TestSuite runs the backend contract's whole conformance suite
+// (compute/computetest.Run) against float64 formulas and finite
+// differences: the memory methods, every forward kernel with the rstd and
+// lse statistics, every backward kernel, AdamW, the gradient norm, NVFP4
+// and the fused loss head; MoE training subtests are skipped, with the
+// reason logged (skipMoETraining).
+func TestSuite(t *testing.T) {
+	computetest.Run(t, testBackend(t), suiteTol)
 }
 
 func TestMatMulConformance(t *testing.T) {

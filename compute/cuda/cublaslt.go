@@ -82,14 +82,17 @@ func (l *cublasLt) check(call string, s C.cublasStatus_t) error {
 	return fmt.Errorf("cuda: %s failed: %s (%d)", call, msg, int(s))
 }
 
-// gemmShape is one row-major product out (m,n) F32 = x (m,k) · w (n,k)ᵀ
-// with x and w of type in (dataBF16 or dataF32), and the alignment in bytes
-// (a power of two, at most 256) of its pointers, which cuBLASLt's choice of
-// algorithm depends on.
+// gemmShape is one row-major product out (m,n) F32 = op(a) (m,k) ·
+// op(b) (k,n) with a and b of type in (dataBF16 or dataF32), op(a) = aᵀ
+// when ta (a stored (k,m)), op(b) = bᵀ when tb (b stored (n,k)), and the
+// alignment in bytes (a power of two, at most 256) of its pointers, which
+// cuBLASLt's choice of algorithm depends on. The forward's x·wᵀ is
+// ta = false, tb = true.
 type gemmShape struct {
 	m, n, k int
 	in      int
-	align   [4]int // A (w), B (x), C, D (out)
+	ta, tb  bool
+	align   [4]int // A (b), B (a), C, D (out)
 }
 
 // gemmPlan is a cuBLASLt descriptor set with its chosen algorithm.
@@ -100,9 +103,13 @@ type gemmPlan struct {
 }
 
 // The mapping from row-major to cuBLASLt's column-major: out (m,n) row-major
-// is D (n,m) column-major with ld n; w (n,k) row-major is A (k,n)
-// column-major with ld k, used transposed; x (m,k) row-major is B (k,m)
-// column-major with ld k. So D = Aᵀ·B, the "TN" GEMM tensor cores like.
+// is D (n,m) column-major with ld n, and D = op(b)ᵀ·op(a)ᵀ, so cuBLASLt's A
+// is b and its B is a. b stored (n,k) (tb) is A (k,n) column-major with ld
+// k, used transposed; b stored (k,n) is A (n,k) with ld n, used as is. a
+// stored (m,k) is B (k,m) with ld k, used as is; a stored (k,m) (ta) is B
+// (m,k) with ld m, used transposed. The forward's x·wᵀ is D = Aᵀ·B, the
+// "TN" GEMM tensor cores like; the backward's dx = dout·w is "NN" and
+// dw = doutᵀ·x is "NT".
 func (l *cublasLt) plan(h C.cublasLtHandle_t, s gemmShape) (*gemmPlan, error) {
 	p := &gemmPlan{}
 	ok := false
@@ -114,7 +121,13 @@ func (l *cublasLt) plan(h C.cublasLtHandle_t, s gemmShape) (*gemmPlan, error) {
 	if err := l.check("cublasLtMatmulDescCreate", C.call_cublasLtMatmulDescCreate(l.descCreate, &p.desc, computeF32, dataF32)); err != nil {
 		return nil, err
 	}
-	ta, tb := C.int(opT), C.int(opN)
+	ta, tb := C.int(opN), C.int(opN)
+	if s.tb {
+		ta = opT
+	}
+	if s.ta {
+		tb = opT
+	}
 	if err := l.check("cublasLtMatmulDescSetAttribute(TRANSA)", C.call_cublasLtSetAttribute(l.descSetAttr, unsafe.Pointer(p.desc), descTransA, unsafe.Pointer(&ta), 4)); err != nil {
 		return nil, err
 	}
@@ -124,10 +137,18 @@ func (l *cublasLt) plan(h C.cublasLtHandle_t, s gemmShape) (*gemmPlan, error) {
 	mk := func(dst *C.cublasLtMatrixLayout_t, typ, rows, cols, ld int) error {
 		return l.check("cublasLtMatrixLayoutCreate", C.call_cublasLtMatrixLayoutCreate(l.layoutCreate, dst, C.int(typ), C.uint64_t(rows), C.uint64_t(cols), C.int64_t(ld)))
 	}
-	if err := mk(&p.la, s.in, s.k, s.n, s.k); err != nil {
+	ar, ac := s.n, s.k // b stored (k,n)
+	if s.tb {
+		ar, ac = s.k, s.n // b stored (n,k)
+	}
+	br, bc := s.k, s.m // a stored (m,k)
+	if s.ta {
+		br, bc = s.m, s.k // a stored (k,m)
+	}
+	if err := mk(&p.la, s.in, ar, ac, ar); err != nil {
 		return nil, err
 	}
-	if err := mk(&p.lb, s.in, s.k, s.m, s.k); err != nil {
+	if err := mk(&p.lb, s.in, br, bc, br); err != nil {
 		return nil, err
 	}
 	if err := mk(&p.lc, dataF32, s.n, s.m, s.n); err != nil {
@@ -172,11 +193,11 @@ func (l *cublasLt) destroyPlan(p *gemmPlan) {
 	*p = gemmPlan{}
 }
 
-// run enqueues out = x·wᵀ on stream with plan p.
-func (l *cublasLt) run(h C.cublasLtHandle_t, p *gemmPlan, out, x, w, ws uint64, stream C.CUstream) error {
-	alpha, beta := C.float(1), C.float(0)
+// run enqueues out = op(a)·op(b) + beta·out on stream with plan p.
+func (l *cublasLt) run(h C.cublasLtHandle_t, p *gemmPlan, out, x, w, ws uint64, beta float32, stream C.CUstream) error {
+	alpha, cbeta := C.float(1), C.float(beta)
 	return l.check("cublasLtMatmul", C.call_cublasLtMatmul(l.matmul, h, p.desc, unsafe.Pointer(&alpha), C.CUdeviceptr(w), p.la,
-		C.CUdeviceptr(x), p.lb, unsafe.Pointer(&beta), C.CUdeviceptr(out), p.lc, C.CUdeviceptr(out), p.lc, &p.algo,
+		C.CUdeviceptr(x), p.lb, unsafe.Pointer(&cbeta), C.CUdeviceptr(out), p.lc, C.CUdeviceptr(out), p.lc, &p.algo,
 		C.CUdeviceptr(ws), gemmWorkspaceBytes, stream))
 }
 

@@ -1,22 +1,27 @@
-// Package cuda is the GPU backend of package compute: the teacher's forward
-// on NVIDIA GPUs (compute capability 8.0 and newer), with BF16 weights on
-// the device and fp32 accumulation.
+// Package cuda is the GPU backend of package compute, for NVIDIA GPUs of
+// compute capability 8.0 and newer: the teacher's forward, with BF16
+// weights on the device and fp32 accumulation, and the student's training
+// step, in BF16 mixed precision.
 //
-// # What it implements
+// # What it implements, and what has been verified
 //
-// The memory methods and every forward kernel of compute.Backend, with the
-// statistics the training contract asks of them (RMSNorm's rstd,
-// Attention's log-sum-exp): everything the teacher (teacherd, cachectl
-// fill and score) runs. The training methods (the backward kernels,
-// AdamW, SumSquares, Scale, AbsMax, FakeQuantNVFP4 and the fused loss head)
-// have no CUDA kernels yet: each panics with ErrNoTraining,
+// The whole compute.Backend contract, MoE's backward aside (the contract's
+// students are dense): the memory methods, every forward kernel with the
+// statistics the backward needs (RMSNorm's rstd, Attention's
+// log-sum-exp), every backward kernel, the fused LM-head loss (both
+// passes), AdamW, the gradient's sum of squares, scaling, absmax and NVFP4
+// fake quantization.
 //
-//	cuda: <Method> is not implemented yet (GPU training backend, issue 16); use --device cpu for training
-//
-// and compute/device never hands this backend to a training run: student
-// train --device cuda fails before it starts, and --device auto trains on
-// the CPU. In the conformance suite this backend runs
-// computetest.RunForward, the forward half.
+// Every kernel is compiled by NVRTC for sm_80 and sm_90 in CI
+// (TestKernelsCompile) and passes the contract's whole conformance suite
+// (computetest.Run) and this package's tests against compute/cpu on the
+// CPU emulator (below). Neither half has run on a GPU yet: issues 15
+// (forward) and 16 (training) are resolved only when scripts/gpu-suite.sh
+// has passed on one.
+// Hence compute/device's policy: student train --device cuda trains here
+// (an explicit opt-in, with a log line saying that the GPU training path is
+// unverified), and --device auto keeps training on the CPU until the GPU
+// suite has passed.
 //
 // # Build and load
 //
@@ -67,6 +72,52 @@
 //     logits, k_lm_fold folds them into each row's running log-sum-exp
 //     (float64) and running top-k (exact, ties by lower id).
 //
+// Training (train.go; kernels in optim.cu, backward.cu, losshead.cu and
+// the end of attention.cu). Backward kernels accumulate (+=), as the
+// contract says. Mixed precision as Megatron-LM trains: the parameters,
+// their gradients and the AdamW moments are the caller's fp32 tensors (the
+// decoder sees no BF16 copy); each GEMM reads BF16 roundings of its
+// operands, made as it reads them, and accumulates in fp32 into fp32.
+//
+//   - MatMulBackward: cuBLASLt GEMMs dx += dout·w ("NN") and dw += doutᵀ·x
+//     ("NT") with beta = 1, BF16 operands; dbias by column sums (float64).
+//   - RMSNormBackward: dx per row (the forward's geometry, float64 dot);
+//     dw by column sums over fixed row chunks, then the chunks in order.
+//   - EmbedBackward: one thread per column adds the rows of dout in token
+//     order (repeated ids add up in a fixed order; bit-identical to the CPU).
+//   - RoPEBackward, SwiGLUBackward: fp32, elementwise.
+//   - AttentionBackward: flash-style, the probabilities recomputed from the
+//     forward's log-sum-exp. head_dim 64 and 128 on tensor cores
+//     (FlashAttention 2's backward, mma.sync with BF16 Q, K, V, dout, P and
+//     dS, fp32 accumulators): O recomputed by the forward kernel for
+//     D = dout·O (the contract passes no O), then k_attn_bwd_dq_mma (a
+//     block per 64 queries) and k_attn_bwd_dkv_mma (a block per 64 keys,
+//     over the group's heads). Other head dims on fp32 SIMT kernels
+//     (k_attn_bwd_dq, k_attn_bwd_dkv). Each kernel is the sole writer of
+//     its rows: no atomics.
+//   - LossHeadForward/Backward: the vocabulary in tiles of the counted rows
+//     (M x cols fp32 logits, at most 256 MiB); cuBLASLt writes a tile's
+//     logits from BF16 operands; k_loss_fwd_tile folds it into each row's
+//     online log-sum-exps (float64), its tail summed directly over v ∉ K
+//     (the teacher's ids found by binary search) and the logits at the ids
+//     and the label; k_loss_bwd_tile turns a recomputed tile into dL/dz in
+//     BF16, and two GEMMs accumulate dx and dW. [M x V] never exists.
+//   - AdamW (fp32, elementwise), Scale; SumSquares and AbsMax as two-stage
+//     reductions of a fixed shape (a grid that depends on n only, fixed
+//     trees); FakeQuantNVFP4 bit for bit compute/fp4.go's definitions.
+//
+// Determinism: no reduction uses atomics, and every summation order is a
+// function of the shapes, so a run resumed after SIGKILL repeats the
+// uninterrupted run's losses bit for bit on the same GPU (cuBLASLt is
+// deterministic for the fixed algorithm a plan holds); the emulator checks
+// it (train/trainer: TestCUDAResume, TestCUDAResumeAfterSIGKILL), the GPU
+// suite checks it on the GPU.
+//
+// Performance notes, to be measured by the GPU suite: the BF16 copies of
+// parameter views are made per GEMM call (not cached: the parameters change
+// every step); the tensor-core attention backward uses mma.sync, not
+// Hopper's wgmma/TMA, and recomputes O once for D.
+//
 // # Testing without a GPU
 //
 // testdata/emu is a CPU stand-in for the three libraries. The tests build
@@ -75,8 +126,10 @@
 // run against compute/cpu on any linux/amd64 machine: one fiber per CUDA
 // thread, switching at barriers, with launch limits, shared-memory sizes,
 // parameter sizes and copies checked: the package's own conformance tests
-// against compute/cpu, computetest.RunForward against float64 formulas,
-// and the whole teacher against the golden checkpoints (TestForwardGoldens).
+// against compute/cpu, computetest.Run against float64 formulas and finite
+// differences, the whole teacher against the golden checkpoints
+// (TestForwardGoldens), and the student's training step end to end
+// (train/trainer: TestCUDALossCurve, TestCUDAResume).
 // With DISTILL_CUDA_TEST=gpu the same
 // tests run on a real GPU; scripts/gpu-suite.sh runs them there, with
 // compute-sanitizer, HF goldens and the benchmarks.

@@ -26,4 +26,8 @@ func TestEmuReverseOrder(t *testing.T) {
 	t.Run("rope", TestRoPEConformance)
 	t.Run("moe", TestMoEConformance)
 	t.Run("attn_plan", TestAttnPlanKernel)
+	t.Run("reductions", TestReductionsConformance)
+	t.Run("layer_backward", TestLayerBackwardConformance)
+	t.Run("attention_backward", TestAttentionBackwardConformance)
+	t.Run("loss_head", TestLossHeadConformance)
 }

@@ -51,10 +51,25 @@ func (b *Backend) bf16Operand(t *tensor, n int) (p uint64, scratch uint64) {
 // gemm enqueues out (m,n) F32 = x (m,k) · w (n,k)ᵀ with x and w of cuBLASLt
 // type in, through a plan cached per shape and alignment.
 func (b *Backend) gemm(out, x, w uint64, m, n, k int, in int) {
+	b.gemmEx(out, x, w, m, n, k, false, true, in, 0)
+}
+
+// gemmEx enqueues out (m,n) F32 = op(a) (m,k) · op(b) (k,n) + beta·out,
+// row-major, with op(a) = aᵀ when ta (a stored (k,m)) and op(b) = bᵀ when
+// tb (b stored (n,k)); a and b of cuBLASLt type in. beta = 1 accumulates
+// (the backward's += rule). k = 0 leaves beta·out.
+func (b *Backend) gemmEx(out, a, bm uint64, m, n, k int, ta, tb bool, in int, beta float32) {
 	if m == 0 || n == 0 {
 		return
 	}
-	s := gemmShape{m: m, n: n, k: k, in: in, align: [4]int{alignOf(w), alignOf(x), alignOf(out), alignOf(out)}}
+	if k == 0 {
+		if beta == 0 {
+			b.memset0(out, int64(m)*int64(n)*4)
+		}
+		return
+	}
+	x, w := a, bm
+	s := gemmShape{m: m, n: n, k: k, in: in, ta: ta, tb: tb, align: [4]int{alignOf(w), alignOf(x), alignOf(out), alignOf(out)}}
 	p, ok := b.plans[s]
 	if !ok {
 		if len(b.plans) >= 1024 { // shapes vary with the batch: bound the cache
@@ -69,7 +84,7 @@ func (b *Backend) gemm(out, x, w uint64, m, n, k int, in int) {
 		b.plans[s] = p
 	}
 	defer b.timed("cublasLt GEMM (" + b.label + ")")()
-	b.must(b.lt.run(b.ltH, p, out, x, w, b.ws, b.stream))
+	b.must(b.lt.run(b.ltH, p, out, x, w, b.ws, beta, b.stream))
 }
 
 // MatMul implements compute.Backend: out (m,n) = x (m,k)·w (n,k)ᵀ + bias,

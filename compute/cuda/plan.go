@@ -157,3 +157,61 @@ func moeScratchBytes(tokens, hidden, inter, experts, K int) int64 {
 	H, I, E := int64(hidden), int64(inter), int64(experts)
 	return 4*n*E + 12*r + 12*(E+1) + 2*r*H + 8*r*I + 2*r*I + 4*r*H + 2*n*H + 4*E*H
 }
+
+// The attention backward's tiles (attention.cu: BWD_BQ queries or keys a
+// block of the SIMT kernels; the tensor-core ones use MMA_BQ = 64).
+const bwdBQ = 16
+
+// attnBwdPlan is the geometry of one AttentionBackward: the plan kernel's
+// tile size bq, and either the SIMT pair (dq, dkv) or the tensor-core
+// chain (fwd recomputes O for D, dsum, dq, dkv).
+type attnBwdPlan struct {
+	bq              int
+	mma             bool
+	plan, fwd, dsum launch
+	dq, dkv         launch
+}
+
+// mmaBwdSmem is the dynamic shared memory of k_attn_bwd_dq_mma and
+// k_attn_bwd_dkv_mma for head_dim hd (BF16 tiles of 64 rows padded by 8,
+// transposes of hd rows of 72, and the dkv kernel's 64 lse and D floats).
+func mmaBwdSmem(hd int) (dq, dkv int) {
+	tile, tr := 64*(hd+8)*2, hd*72*2
+	return 2*tile + tr, 4*tile + 2*tr + 2*64*4
+}
+
+// attentionBackwardLaunch plans AttentionBackward for nSeq packed samples
+// of tokens tokens: the tensor-core kernels for head_dim 64 and 128 (unless
+// mode is "simt"), else the fp32 SIMT kernels (head_dim <= 256), each over
+// (tiles, heads) with grid.x the upper bound on the tiles as in
+// attentionLaunch, 128 threads a block.
+func attentionBackwardLaunch(mode attnMode, tokens, nSeq, nHead, nKV, hd int) (attnBwdPlan, error) {
+	var p attnBwdPlan
+	switch {
+	case nHead <= 0 || nKV <= 0 || nHead%nKV != 0:
+		return p, fmt.Errorf("cuda: attention backward with %d query heads and %d kv heads: want kv heads dividing query heads", nHead, nKV)
+	case nSeq <= 0 || tokens < nSeq:
+		return p, fmt.Errorf("cuda: attention backward over %d samples of %d tokens: want 1 <= samples <= tokens", nSeq, tokens)
+	case hd <= 0 || hd > 256:
+		return p, fmt.Errorf("cuda: attention backward head_dim %d: want 1..256", hd)
+	case mode == "mma" && hd != 64 && hd != 128:
+		return p, fmt.Errorf("cuda: the tensor-core attention backward needs head_dim 64 or 128, not %d", hd)
+	}
+	p.plan = launch{kernel: "k_attn_plan", grid: [3]int{1, 1, 1}, block: 1024}
+	p.mma = mode != "simt" && (hd == 64 || hd == 128)
+	if !p.mma {
+		p.bq = bwdBQ
+		tiles := (tokens + nSeq*(bwdBQ-1)) / bwdBQ
+		p.dq = launch{kernel: "k_attn_bwd_dq", grid: [3]int{tiles, nHead, 1}, block: 128}
+		p.dkv = launch{kernel: "k_attn_bwd_dkv", grid: [3]int{tiles, nKV, 1}, block: 128}
+		return p, nil
+	}
+	p.bq = mmaBQ
+	tiles := (tokens + nSeq*(mmaBQ-1)) / mmaBQ
+	dqSmem, dkvSmem := mmaBwdSmem(hd)
+	p.fwd = launch{kernel: fmt.Sprintf("k_attn_mma%d", hd), grid: [3]int{tiles, nHead, 1}, block: 128}
+	p.dsum = launch{kernel: "k_attn_dsum", grid: [3]int{(tokens*nHead + 7) / 8, 1, 1}, block: 256}
+	p.dq = launch{kernel: fmt.Sprintf("k_attn_bwd_dq_mma%d", hd), grid: [3]int{tiles, nHead, 1}, block: 128, smem: dqSmem}
+	p.dkv = launch{kernel: fmt.Sprintf("k_attn_bwd_dkv_mma%d", hd), grid: [3]int{tiles, nKV, 1}, block: 128, smem: dkvSmem}
+	return p, nil
+}

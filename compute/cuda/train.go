@@ -1,90 +1,422 @@
 package cuda
 
 import (
-	"errors"
 	"fmt"
+	"unsafe"
 
 	"distill/compute"
 )
 
-// ErrNoTraining is what the training methods of compute.Backend panic with
-// (wrapped, naming the method): this backend runs the teacher's forward
-// only. The GPU training kernels are issue 16; until then the student
-// trains on the CPU, and compute/device refuses --device cuda for training
-// before anything runs.
-var ErrNoTraining = errors.New("not implemented yet (GPU training backend, issue 16); use --device cpu for training")
+// The training half of compute.Backend: the layers' backward kernels, the
+// fused LM-head loss, AdamW, the gradient norm and NVFP4 fake quantization.
+// Each mirrors compute/cpu's method of the same name (the oracle of the
+// tests) and, like the forward kernels, enqueues work without waiting,
+// except the methods that return host values (SumSquares, AbsMax,
+// LossHeadForward), which synchronize once.
+//
+// Precision (mixed, as Megatron-LM trains): the GEMMs (MatMul's backward,
+// the loss head's logits and gradients) take BF16 operands, rounded from
+// the fp32 activations, master weights and gradients when they are read,
+// and accumulate in fp32 into fp32 outputs; everything else is fp32, with
+// float64 sums where compute/cpu has them. Parameters, their gradients and
+// the AdamW moments are fp32 tensors of the caller: the decoder does not
+// know about the BF16 copies.
+//
+// Determinism: no reduction uses atomics. Sums over rows (RMSNorm's dw,
+// a bias's gradient), the gradient's sum of squares, absmax, the loss
+// head's per-row statistics and the embedding's scatter-add run in an order
+// fixed by the shapes alone, so a run repeats bit for bit on one GPU (the
+// resume test). cuBLASLt's GEMMs are deterministic for a fixed algorithm,
+// which a plan fixes per shape.
 
-// noTraining panics with ErrNoTraining for method. The contract's kernels
-// return no errors; compute/device keeps a training run off this backend,
-// so reaching here is a caller's bug.
-func noTraining(method string) {
-	panic(fmt.Errorf("cuda: %s is %w", method, ErrNoTraining))
+// reduceGrid is the grid of a two-stage reduction over n elements: at most
+// 1024 blocks of 256 threads (RED_BLOCKS, RED_THREADS in optim.cu), a
+// function of n only, so the summation order is too.
+func reduceGrid(n int) int { return max(1, min((n+255)/256, 1024)) }
+
+// colChunk is the row chunk of k_colsum_part: a function of rows only.
+func colChunk(rows int) int { return max(64, (rows+255)/256) }
+
+// AdamW implements compute.Backend: one fp32 torch.optim.AdamW update of
+// p with gradient g and moments m, v, in place.
+func (b *Backend) AdamW(pT, gT, mT, vT compute.Tensor, n int, s compute.AdamWStep) {
+	defer b.enter()()
+	p, g, m, v := b.ten(pT, "AdamW p"), b.ten(gT, "AdamW g"), b.ten(mT, "AdamW m"), b.ten(vT, "AdamW v")
+	for _, x := range []struct {
+		t    *tensor
+		what string
+	}{{p, "AdamW p"}, {g, "AdamW g"}, {m, "AdamW m"}, {v, "AdamW v"}} {
+		need(x.t, x.what, n, compute.F32)
+	}
+	b.ew("k_adamw", int64(n), dptr(p.p), dptr(g.p), dptr(m.p), dptr(v.p), int64(n), s.Beta1, s.Beta2, s.Eps, s.StepSize, s.BC2Sqrt, s.Decay)
 }
 
-// MatMulBackward implements compute.Backend: not yet (ErrNoTraining).
-func (b *Backend) MatMulBackward(dx, dw, dbias, dout, x, w compute.Tensor, m, n, k int) {
-	noTraining("MatMulBackward")
+// SumSquares implements compute.Backend: Σ x² in float64, deterministic
+// (fixed grid, fixed trees). It synchronizes.
+func (b *Backend) SumSquares(xT compute.Tensor, n int) float64 {
+	defer b.enter()()
+	x := b.ten(xT, "SumSquares x")
+	need(x, "SumSquares x", n, compute.F32)
+	if n == 0 {
+		b.sync()
+		return 0
+	}
+	nb := reduceGrid(n)
+	part := b.alloc(int64(nb+1) * 8)
+	b.launchKernel(launch{kernel: "k_sumsq_part", grid: [3]int{nb, 1, 1}, block: 256}, dptr(part+8), dptr(x.p), int64(n))
+	b.launchKernel(launch{kernel: "k_sum_finish", grid: [3]int{1, 1, 1}, block: 256}, dptr(part), dptr(part+8), int32(nb))
+	var out float64
+	b.download(unsafe.Pointer(&out), part, 8)
+	b.free(part)
+	return out
 }
 
-// EmbedBackward implements compute.Backend: not yet (ErrNoTraining).
-func (b *Backend) EmbedBackward(dtable, dout, ids compute.Tensor, n, dim int) {
-	noTraining("EmbedBackward")
+// Scale implements compute.Backend: x *= c.
+func (b *Backend) Scale(xT compute.Tensor, n int, c float32) {
+	defer b.enter()()
+	x := b.ten(xT, "Scale x")
+	need(x, "Scale x", n, compute.F32)
+	b.ew("k_scale", int64(n), dptr(x.p), int64(n), c)
 }
 
-// RMSNormBackward implements compute.Backend: not yet (ErrNoTraining).
-func (b *Backend) RMSNormBackward(dx, dw, dout, x, w, rstd compute.Tensor, rows, dim int) {
-	noTraining("RMSNormBackward")
+// AbsMax implements compute.Backend: max |x|, NaN when x holds one. It
+// synchronizes.
+func (b *Backend) AbsMax(xT compute.Tensor, n int) float32 {
+	defer b.enter()()
+	x := b.ten(xT, "AbsMax x")
+	need(x, "AbsMax x", n, compute.F32)
+	if n == 0 {
+		b.sync()
+		return 0
+	}
+	nb := reduceGrid(n)
+	part := b.alloc(int64(nb+1) * 4)
+	b.launchKernel(launch{kernel: "k_absmax_part", grid: [3]int{nb, 1, 1}, block: 256}, dptr(part+4), dptr(x.p), int64(n))
+	b.launchKernel(launch{kernel: "k_max_finish", grid: [3]int{1, 1, 1}, block: 256}, dptr(part), dptr(part+4), int32(nb))
+	var out float32
+	b.download(unsafe.Pointer(&out), part, 4)
+	b.free(part)
+	return out
 }
 
-// RoPEBackward implements compute.Backend: not yet (ErrNoTraining).
-func (b *Backend) RoPEBackward(dx, cos, sin compute.Tensor, tokens, heads, headDim int) {
-	noTraining("RoPEBackward")
+// FakeQuantNVFP4 implements compute.Backend: bit for bit compute's scalar
+// NVFP4 definitions (k_fakequant_nvfp4), the per-tensor scale computed
+// here as compute.NVFP4GlobalScale does. dst may alias src.
+func (b *Backend) FakeQuantNVFP4(dstT, srcT compute.Tensor, rows, cols int, amax float32) {
+	defer b.enter()()
+	dst, src := b.ten(dstT, "FakeQuantNVFP4 dst"), b.ten(srcT, "FakeQuantNVFP4 src")
+	need(dst, "FakeQuantNVFP4 dst", rows*cols, compute.F32)
+	need(src, "FakeQuantNVFP4 src", rows*cols, compute.F32)
+	nb := int64(rows) * int64((cols+15)/16)
+	b.ew("k_fakequant_nvfp4", nb, dptr(dst.p), dptr(src.p), int64(rows), int32(cols), compute.NVFP4GlobalScale(amax))
 }
 
-// AttentionBackward implements compute.Backend: not yet (ErrNoTraining).
-func (b *Backend) AttentionBackward(dq, dk, dv, dout, q, k, v, lse, starts compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
-	noTraining("AttentionBackward")
+// MatMulBackward implements compute.Backend: dx (m,k) += dout·w ("NN"),
+// dw (n,k) += doutᵀ·x ("NT"), both cuBLASLt GEMMs with BF16 operands
+// (dout, x and w rounded as read) accumulating in fp32 into the fp32
+// gradients (beta = 1); dbias (n) += the column sums of dout in float64,
+// deterministic.
+func (b *Backend) MatMulBackward(dxT, dwT, dbiasT, doutT, xT, wT compute.Tensor, m, n, k int) {
+	defer b.enter()()
+	b.label = "MatMulBackward"
+	dw, dout, x, w := b.ten(dwT, "MatMulBackward dw"), b.ten(doutT, "MatMulBackward dout"), b.ten(xT, "MatMulBackward x"), b.ten(wT, "MatMulBackward w")
+	need(dw, "MatMulBackward dw", n*k, compute.F32)
+	need(dout, "MatMulBackward dout", m*n, compute.F32)
+	need(x, "MatMulBackward x", m*k, compute.F32, compute.BF16)
+	need(w, "MatMulBackward w", n*k, compute.F32, compute.BF16)
+	if m == 0 || n == 0 || k == 0 {
+		return
+	}
+	dp, ds := b.bf16Operand(dout, m*n)
+	defer b.free(ds)
+	if dxT != nil {
+		dx := b.ten(dxT, "MatMulBackward dx")
+		need(dx, "MatMulBackward dx", m*k, compute.F32)
+		wp, ws := b.bf16Operand(w, n*k)
+		b.gemmEx(dx.p, dp, wp, m, k, n, false, false, dataBF16, 1)
+		b.free(ws)
+	}
+	xp, xs := b.bf16Operand(x, m*k)
+	b.gemmEx(dw.p, dp, xp, n, k, m, true, false, dataBF16, 1)
+	b.free(xs)
+	if dbiasT != nil {
+		db := b.ten(dbiasT, "MatMulBackward dbias")
+		need(db, "MatMulBackward dbias", n, compute.F32)
+		b.colSum(db.p, dout.p, 0, 0, m, n)
+	}
 }
 
-// SwiGLUBackward implements compute.Backend: not yet (ErrNoTraining).
-func (b *Backend) SwiGLUBackward(dgate, dup, dout, gate, up compute.Tensor, n int) {
-	noTraining("SwiGLUBackward")
+// colSum adds to dst (cols) the column sums of src (rows, cols), or of
+// src·x·rstd[row] when x is set (RMSNorm's dw), in float64: chunks of rows
+// in parallel (k_colsum_part), then the chunks in order (k_colsum_finish).
+func (b *Backend) colSum(dst, src, x, rstd uint64, rows, cols int) {
+	chunk := colChunk(rows)
+	np := (rows + chunk - 1) / chunk
+	part := b.alloc(int64(np) * int64(cols) * 8)
+	b.launchKernel(launch{kernel: "k_colsum_part", grid: [3]int{(cols + 255) / 256, np, 1}, block: 256},
+		dptr(part), dptr(src), dptr(x), dptr(rstd), int64(rows), int32(cols), int32(chunk))
+	b.ew("k_colsum_finish", int64(cols), dptr(dst), dptr(part), int32(np), int32(cols))
+	b.free(part)
 }
 
-// AdamW implements compute.Backend: not yet (ErrNoTraining).
-func (b *Backend) AdamW(p, g, m, v compute.Tensor, n int, s compute.AdamWStep) {
-	noTraining("AdamW")
+// EmbedBackward implements compute.Backend: dtable += the rows of dout at
+// ids, in token order (deterministic, no atomics).
+func (b *Backend) EmbedBackward(dtableT, doutT, idsT compute.Tensor, n, dim int) {
+	defer b.enter()()
+	dt, dout, ids := b.ten(dtableT, "EmbedBackward dtable"), b.ten(doutT, "EmbedBackward dout"), b.ten(idsT, "EmbedBackward ids")
+	need(dt, "EmbedBackward dtable", dim, compute.F32)
+	need(dout, "EmbedBackward dout", n*dim, compute.F32)
+	need(ids, "EmbedBackward ids", n, compute.I32)
+	if n == 0 || dim == 0 {
+		return
+	}
+	b.launchKernel(launch{kernel: "k_embed_bwd", grid: [3]int{(dim + 127) / 128, 1, 1}, block: 128},
+		dptr(dt.p), dptr(dout.p), dptr(ids.p), int64(n), int32(dim))
 }
 
-// SumSquares implements compute.Backend: not yet (ErrNoTraining).
-func (b *Backend) SumSquares(x compute.Tensor, n int) float64 {
-	noTraining("SumSquares")
-	return 0
+// RMSNormBackward implements compute.Backend: dx += per row (the forward's
+// geometry), dw += Σ_rows dout·x·rstd (deterministic column sums).
+func (b *Backend) RMSNormBackward(dxT, dwT, doutT, xT, wT, rstdT compute.Tensor, rows, dim int) {
+	defer b.enter()()
+	dx, dw, dout := b.ten(dxT, "RMSNormBackward dx"), b.ten(dwT, "RMSNormBackward dw"), b.ten(doutT, "RMSNormBackward dout")
+	x, w, rstd := b.ten(xT, "RMSNormBackward x"), b.ten(wT, "RMSNormBackward w"), b.ten(rstdT, "RMSNormBackward rstd")
+	need(dx, "RMSNormBackward dx", rows*dim, compute.F32)
+	need(dw, "RMSNormBackward dw", dim, compute.F32)
+	need(dout, "RMSNormBackward dout", rows*dim, compute.F32)
+	need(x, "RMSNormBackward x", rows*dim, compute.F32)
+	need(w, "RMSNormBackward w", dim, compute.F32, compute.BF16)
+	need(rstd, "RMSNormBackward rstd", rows, compute.F32)
+	if rows == 0 || dim == 0 {
+		return
+	}
+	l := rmsnormLaunch(rows, dim)
+	l.kernel = map[string]string{"k_rmsnorm_warp": "k_rmsnorm_bwd_warp", "k_rmsnorm_block": "k_rmsnorm_bwd_block"}[l.kernel]
+	wp, wb := weightArg(w)
+	b.launchKernel(l, dptr(dx.p), dptr(dout.p), dptr(x.p), wp, wb, dptr(rstd.p), int64(rows), int32(dim))
+	b.colSum(dw.p, dout.p, x.p, rstd.p, rows, dim)
 }
 
-// Scale implements compute.Backend: not yet (ErrNoTraining).
-func (b *Backend) Scale(x compute.Tensor, n int, c float32) {
-	noTraining("Scale")
+// RoPEBackward implements compute.Backend: dx rotated by -angle in place.
+func (b *Backend) RoPEBackward(dxT, cosT, sinT compute.Tensor, tokens, heads, headDim int) {
+	defer b.enter()()
+	x, cs, sn := b.ten(dxT, "RoPEBackward dx"), b.ten(cosT, "RoPEBackward cos"), b.ten(sinT, "RoPEBackward sin")
+	need(x, "RoPEBackward dx", tokens*heads*headDim, compute.F32)
+	need(cs, "RoPEBackward cos", tokens*(headDim/2), compute.F32)
+	need(sn, "RoPEBackward sin", tokens*(headDim/2), compute.F32)
+	l, err := ropeLaunch(tokens, heads, headDim)
+	b.must(err)
+	l.kernel = "k_rope_table_bwd"
+	b.launchKernel(l, dptr(x.p), dptr(cs.p), dptr(sn.p), int64(tokens), int32(heads), int32(headDim))
 }
 
-// AbsMax implements compute.Backend: not yet (ErrNoTraining).
-func (b *Backend) AbsMax(x compute.Tensor, n int) float32 {
-	noTraining("AbsMax")
-	return 0
+// SwiGLUBackward implements compute.Backend.
+func (b *Backend) SwiGLUBackward(dgT, duT, doutT, gT, uT compute.Tensor, n int) {
+	defer b.enter()()
+	dg, du, dout := b.ten(dgT, "SwiGLUBackward dgate"), b.ten(duT, "SwiGLUBackward dup"), b.ten(doutT, "SwiGLUBackward dout")
+	g, u := b.ten(gT, "SwiGLUBackward gate"), b.ten(uT, "SwiGLUBackward up")
+	for _, x := range []struct {
+		t    *tensor
+		what string
+	}{{dg, "SwiGLUBackward dgate"}, {du, "SwiGLUBackward dup"}, {dout, "SwiGLUBackward dout"}, {g, "SwiGLUBackward gate"}, {u, "SwiGLUBackward up"}} {
+		need(x.t, x.what, n, compute.F32)
+	}
+	b.ew("k_swiglu_bwd", int64(n), dptr(dg.p), dptr(du.p), dptr(dout.p), dptr(g.p), dptr(u.p), int64(n))
 }
 
-// FakeQuantNVFP4 implements compute.Backend: not yet (ErrNoTraining).
-func (b *Backend) FakeQuantNVFP4(dst, src compute.Tensor, rows, cols int, amax float32) {
-	noTraining("FakeQuantNVFP4")
+// AttentionBackward implements compute.Backend (attention.cu), the
+// probabilities recomputed from lse. For head_dim 64 and 128 the
+// tensor-core chain (BF16 operands, fp32 accumulators): O recomputed by
+// the forward kernel, D = dout·O (k_attn_dsum), dq (k_attn_bwd_dq_mma),
+// then dk and dv (k_attn_bwd_dkv_mma). Other head dims (or Options.Attention
+// "simt"): the fp32 kernels, k_attn_bwd_dq (dq, and D = Σ p·dp) then
+// k_attn_bwd_dkv. Each kernel is the only writer of its rows: no atomics,
+// deterministic.
+func (b *Backend) AttentionBackward(dqT, dkT, dvT, doutT, qT, kT, vT, lseT, startsT compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
+	defer b.enter()()
+	b.attentionBackward(b.attn, dqT, dkT, dvT, doutT, qT, kT, vT, lseT, startsT, nSeq, tokens, nHead, nKV, hd, scale)
 }
 
-// LossHeadForward implements compute.Backend: not yet (ErrNoTraining).
+func (b *Backend) attentionBackward(mode attnMode, dqT, dkT, dvT, doutT, qT, kT, vT, lseT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int, scale float32) {
+	dq, dk, dv := b.ten(dqT, "AttentionBackward dq"), b.ten(dkT, "AttentionBackward dk"), b.ten(dvT, "AttentionBackward dv")
+	dout, q, k, v := b.ten(doutT, "AttentionBackward dout"), b.ten(qT, "AttentionBackward q"), b.ten(kT, "AttentionBackward k"), b.ten(vT, "AttentionBackward v")
+	lse, st := b.ten(lseT, "AttentionBackward lse"), b.ten(startsT, "AttentionBackward starts")
+	need(dq, "AttentionBackward dq", tokens*nHead*hd, compute.F32)
+	need(dout, "AttentionBackward dout", tokens*nHead*hd, compute.F32)
+	need(q, "AttentionBackward q", tokens*nHead*hd, compute.F32)
+	need(dk, "AttentionBackward dk", tokens*nKV*hd, compute.F32)
+	need(dv, "AttentionBackward dv", tokens*nKV*hd, compute.F32)
+	need(k, "AttentionBackward k", tokens*nKV*hd, compute.F32)
+	need(v, "AttentionBackward v", tokens*nKV*hd, compute.F32)
+	need(lse, "AttentionBackward lse", tokens*nHead, compute.F32)
+	need(st, "AttentionBackward starts", nSeq+1, compute.I32)
+	if tokens == 0 {
+		return
+	}
+	p, err := attentionBackwardLaunch(mode, tokens, nSeq, nHead, nKV, hd)
+	b.must(err)
+	tiles := b.alloc(int64(nSeq+1) * 4)
+	dsum := b.alloc(int64(tokens) * int64(nHead) * 4)
+	b.launchKernel(p.plan, dptr(tiles), dptr(st.p), int32(nSeq), int32(p.bq))
+	if !p.mma {
+		b.launchKernel(p.dq, dptr(dq.p), dptr(dsum), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(st.p), dptr(tiles),
+			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
+		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
+			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
+	} else {
+		o := b.alloc(int64(tokens) * int64(nHead) * int64(hd) * 4)
+		b.launchKernel(p.fwd, dptr(o), dptr(0), dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
+			int32(nSeq), int32(nHead), int32(nKV), scale)
+		b.launchKernel(p.dsum, dptr(dsum), dptr(dout.p), dptr(o), int64(tokens)*int64(nHead), int32(hd))
+		b.free(o)
+		b.launchKernel(p.dq, dptr(dq.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
+			int32(nSeq), int32(nHead), int32(nKV), scale)
+		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
+			int32(nSeq), int32(nHead), int32(nKV), scale)
+	}
+	b.free(tiles)
+	b.free(dsum)
+}
+
+// lossTileCols is the vocabulary tile width of a LossHead call: h.TileCols,
+// or what keeps the M x cols F32 logits (and their BF16 gradient) within
+// lossTileBudget, a multiple of 64 columns.
+func lossTileCols(h *compute.LossHead) int {
+	if h.TileCols > 0 {
+		return min(h.TileCols, h.V)
+	}
+	vt := lossTileBudget / (4 * max(h.M, 1))
+	vt = max(vt/64*64, 64)
+	return min(vt, h.V)
+}
+
+// lossTileBudget bounds the loss head's logit tile (M x cols fp32).
+const lossTileBudget = 256 << 20
+
+// lossCheck unwraps and checks a LossHead's tensors.
+func (b *Backend) lossCheck(h *compute.LossHead, what string) (x, w, rows, labels, ids *tensor) {
+	if h.M < 0 || h.C < 0 || h.V < 1 || h.K < 0 || h.K > h.V {
+		panic(fmt.Sprintf("cuda: %s with M=%d C=%d V=%d K=%d: want M, C >= 0, V >= 1, 0 <= K <= V", what, h.M, h.C, h.V, h.K))
+	}
+	x, w = b.ten(h.X, what+" X"), b.ten(h.W, what+" W")
+	rows, labels = b.ten(h.Rows, what+" Rows"), b.ten(h.Labels, what+" Labels")
+	need(x, what+" X", h.C, compute.F32)
+	need(w, what+" W", h.V*h.C, compute.F32, compute.BF16)
+	need(rows, what+" Rows", h.M, compute.I32)
+	need(labels, what+" Labels", h.M, compute.I32)
+	if h.K > 0 {
+		ids = b.ten(h.TopIDs, what+" TopIDs")
+		need(ids, what+" TopIDs", h.M*h.K, compute.I32)
+	}
+	return
+}
+
+func ptrOf(t *tensor) dptr {
+	if t == nil {
+		return 0
+	}
+	return dptr(t.p)
+}
+
+// LossHeadForward implements compute.Backend: for each vocabulary tile a
+// cuBLASLt GEMM (BF16 operands, fp32 logits of the counted rows), folded
+// by k_loss_fwd_tile into each row's online log-sum-exps (at 1/T and, when
+// T != 1, at 1), its tail over v ∉ K, and the logits at its teacher ids and
+// label. It synchronizes once, to download the statistics.
 func (b *Backend) LossHeadForward(h *compute.LossHead) compute.LossStats {
-	noTraining("LossHeadForward")
-	return compute.LossStats{}
+	defer b.enter()()
+	b.label = "LossHeadForward"
+	M, C, V, K := h.M, h.C, h.V, h.K
+	st := compute.LossStats{LseT: make([]float64, M), Lse1: make([]float64, M), Tail: make([]float64, M),
+		ZK: make([]float32, M*K), ZLab: make([]float32, M)}
+	_, w, rows, labels, ids := b.lossCheck(h, "LossHeadForward")
+	if M == 0 {
+		b.sync()
+		return st
+	}
+	sepCE := boolArg(h.InvT != 1)
+	xc := b.gatherRowsBF16(h, rows)
+	wp, ws := b.bf16Operand(w, V*C)
+	vt := lossTileCols(h)
+	tile := b.alloc(int64(M) * int64(vt) * 4)
+	state := b.alloc(int64(M) * 5 * 8)
+	zk, zlab := b.alloc(int64(M*K)*4), b.alloc(int64(M)*4)
+	b.ew("k_loss_init", int64(M), dptr(state), int64(M))
+	for v0 := 0; v0 < V; v0 += vt {
+		n := min(vt, V-v0)
+		b.gemm(tile, xc, wp+uint64(v0)*uint64(C)*2, M, n, C, dataBF16)
+		b.launchKernel(launch{kernel: "k_loss_fwd_tile", grid: [3]int{M, 1, 1}, block: 256, smem: 4 * K},
+			dptr(tile), int32(n), int32(v0), h.InvT, sepCE, ptrOf(ids), int32(K), dptr(labels.p), dptr(state), int64(M), dptr(zk), dptr(zlab))
+	}
+	out := b.alloc(int64(M) * 3 * 8)
+	b.ew("k_loss_fwd_finish", int64(M), dptr(out), dptr(state), int64(M), sepCE)
+	host := make([]float64, 3*M)
+	b.download(unsafePtr(host), out, int64(3*M)*8)
+	copy(st.LseT, host[:M])
+	copy(st.Lse1, host[M:2*M])
+	copy(st.Tail, host[2*M:])
+	if K > 0 {
+		b.download(unsafePtr(st.ZK), zk, int64(M*K)*4)
+	}
+	b.download(unsafePtr(st.ZLab), zlab, int64(M)*4)
+	for _, p := range []uint64{xc, ws, tile, state, zk, zlab, out} {
+		b.free(p)
+	}
+	return st
 }
 
-// LossHeadBackward implements compute.Backend: not yet (ErrNoTraining).
-func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dx, dw compute.Tensor) {
-	noTraining("LossHeadBackward")
+// gatherRowsBF16 returns the counted rows of h.X as a BF16 (M,C) scratch
+// copy, the GEMMs' operand.
+func (b *Backend) gatherRowsBF16(h *compute.LossHead, rows *tensor) uint64 {
+	x := b.ten(h.X, "LossHead X")
+	xc := b.alloc(int64(h.M) * int64(h.C) * 2)
+	b.ew("k_gather_rows_bf16", int64(h.M)*int64(h.C), dptr(xc), dptr(x.p), dptr(rows.p), int64(h.M), int32(h.C))
+	return xc
+}
+
+// LossHeadBackward implements compute.Backend: each tile's logits are
+// recomputed (a GEMM), turned into dL/dz in BF16 by k_loss_bwd_tile, and
+// two GEMMs accumulate dxc (M,C) += dz·W_tile and dW_tile += dzᵀ·xc in
+// fp32; dxc is added into dx at the counted rows last.
+func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dxT, dwT compute.Tensor) {
+	defer b.enter()()
+	b.label = "LossHeadBackward"
+	M, C, V, K := h.M, h.C, h.V, h.K
+	_, w, rows, labels, ids := b.lossCheck(h, "LossHeadBackward")
+	dx, dw := b.ten(dxT, "LossHeadBackward dx"), b.ten(dwT, "LossHeadBackward dw")
+	need(dx, "LossHeadBackward dx", C, compute.F32)
+	need(dw, "LossHeadBackward dw", V*C, compute.F32)
+	if M == 0 {
+		return
+	}
+	lseT, lse1, a := b.ten(c.LseT, "LossCoef LseT"), b.ten(c.Lse1, "LossCoef Lse1"), b.ten(c.A, "LossCoef A")
+	need(lseT, "LossCoef LseT", M, compute.F32)
+	need(lse1, "LossCoef Lse1", M, compute.F32)
+	need(a, "LossCoef A", M, compute.F32)
+	var ck *tensor
+	if K > 0 {
+		ck = b.ten(c.CK, "LossCoef CK")
+		need(ck, "LossCoef CK", M*K, compute.F32)
+	}
+	sepCE := boolArg(h.InvT != 1 && c.WSFT != 0)
+	xc := b.gatherRowsBF16(h, rows)
+	wp, ws := b.bf16Operand(w, V*C)
+	vt := lossTileCols(h)
+	tile := b.alloc(int64(M) * int64(vt) * 4)
+	dz := b.alloc(int64(M) * int64(vt) * 2)
+	dxc := b.alloc(int64(M) * int64(C) * 4)
+	b.memset0(dxc, int64(M)*int64(C)*4)
+	for v0 := 0; v0 < V; v0 += vt {
+		n := min(vt, V-v0)
+		wt := wp + uint64(v0)*uint64(C)*2
+		b.gemm(tile, xc, wt, M, n, C, dataBF16)
+		b.launchKernel(launch{kernel: "k_loss_bwd_tile", grid: [3]int{M, 1, 1}, block: 256, smem: 4 * K},
+			dptr(dz), dptr(tile), int32(n), int32(v0), h.InvT, sepCE, dptr(lseT.p), dptr(lse1.p), dptr(a.p), ptrOf(ck), ptrOf(ids), int32(K),
+			dptr(labels.p), c.WSFT)
+		b.gemmEx(dxc, dz, wt, M, C, n, false, false, dataBF16, 1)
+		b.gemmEx(dw.p+uint64(v0)*uint64(C)*4, dz, xc, n, C, M, true, false, dataBF16, 1)
+	}
+	b.ew("k_scatter_add_rows", int64(M)*int64(C), dptr(dx.p), dptr(dxc), dptr(rows.p), int64(M), int32(C))
+	for _, p := range []uint64{xc, ws, tile, dz, dxc} {
+		b.free(p)
+	}
 }

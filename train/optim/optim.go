@@ -89,6 +89,32 @@ func NewAdamW(cfg AdamWConfig, groups []Group) (*AdamW, error) {
 	return a, nil
 }
 
+// Moments returns group i's moments on the host: the views M[i], V[i] on
+// a host backend, copies downloaded from the device otherwise
+// (checkpoints).
+func (a *AdamW) Moments(i int) (m, v []float32) {
+	if a.M != nil {
+		return a.M[i], a.V[i]
+	}
+	g := a.Groups[i]
+	m, v = make([]float32, g.P.Len()), make([]float32, g.P.Len())
+	g.Backend.ReadF32(a.m[i], m)
+	g.Backend.ReadF32(a.v[i], v)
+	return m, v
+}
+
+// SetMoments sets group i's moments from host data of the group's length
+// (a resumed checkpoint), on any backend.
+func (a *AdamW) SetMoments(i int, m, v []float32) error {
+	g := a.Groups[i]
+	if len(m) != g.P.Len() || len(v) != g.P.Len() {
+		return fmt.Errorf("%w: moments of group %s have %d and %d values, want %d", ErrInvalid, g.Name, len(m), len(v), g.P.Len())
+	}
+	g.Backend.WriteF32(a.m[i], m)
+	g.Backend.WriteF32(a.v[i], v)
+	return nil
+}
+
 // Step applies one update at learning rate lr, as torch.optim.AdamW:
 //
 //	p ← p·(1 - lr·wd)                      (decoupled decay, Decay groups only)

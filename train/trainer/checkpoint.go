@@ -255,9 +255,12 @@ func saveCheckpoint(runDir string, s *train.Student, ad *optim.AdamW, st *State,
 		return "", err
 	}
 	err := func() error {
+		// Host values on any backend: views on the CPU, downloads from a
+		// GPU, so that a checkpoint moves between devices.
 		var ts []model.Tensor
+		w := s.Weights()
 		for _, t := range s.Tensors {
-			ts = append(ts, model.F32Tensor(t.Name, t.Shape, s.Params[t.Off:t.Off+t.N]))
+			ts = append(ts, model.F32Tensor(t.Name, t.Shape, w[t.Name]))
 		}
 		if err := model.WriteSafetensors(filepath.Join(tmp, "model.safetensors"), ts, map[string]string{"format": "pt"}); err != nil {
 			return err
@@ -265,7 +268,8 @@ func saveCheckpoint(runDir string, s *train.Student, ad *optim.AdamW, st *State,
 		ts = ts[:0]
 		for i, g := range ad.Groups {
 			shape := s.Tensors[i].Shape
-			ts = append(ts, model.F32Tensor("exp_avg."+g.Name, shape, ad.M[i]), model.F32Tensor("exp_avg_sq."+g.Name, shape, ad.V[i]))
+			m, v := ad.Moments(i)
+			ts = append(ts, model.F32Tensor("exp_avg."+g.Name, shape, m), model.F32Tensor("exp_avg_sq."+g.Name, shape, v))
 		}
 		if err := model.WriteSafetensors(filepath.Join(tmp, "optimizer.safetensors"), ts, nil); err != nil {
 			return err
@@ -339,18 +343,19 @@ func loadMoments(dir string, ad *optim.AdamW, steps int) error {
 	}
 	defer ow.Close()
 	for i, g := range ad.Groups {
-		for _, mv := range []struct {
-			name string
-			dst  []float32
-		}{{"exp_avg." + g.Name, ad.M[i]}, {"exp_avg_sq." + g.Name, ad.V[i]}} {
-			v, err := ow.F32(mv.name)
+		var mv [2][]float32
+		for j, name := range []string{"exp_avg." + g.Name, "exp_avg_sq." + g.Name} {
+			v, err := ow.F32(name)
 			if err != nil {
 				return fmt.Errorf("%w: %s/optimizer.safetensors: %w", ErrResume, dir, err)
 			}
-			if len(v) != len(mv.dst) {
-				return fmt.Errorf("%w: %s/optimizer.safetensors: %s has %d values, want %d", ErrResume, dir, mv.name, len(v), len(mv.dst))
+			if len(v) != g.P.Len() {
+				return fmt.Errorf("%w: %s/optimizer.safetensors: %s has %d values, want %d", ErrResume, dir, name, len(v), g.P.Len())
 			}
-			copy(mv.dst, v)
+			mv[j] = v
+		}
+		if err := ad.SetMoments(i, mv[0], mv[1]); err != nil {
+			return fmt.Errorf("%w: %s: %w", ErrResume, dir, err)
 		}
 	}
 	ad.Steps = steps

@@ -292,8 +292,9 @@ type OptimConfig struct {
 type TrainConfig struct {
 	MaxSteps int `yaml:"max_steps"`
 	// Device is the compute backend, as the binaries' --device: auto
-	// (default) or cpu; both train on the CPU. cuda is refused before the
-	// run starts: the CUDA backend has no training kernels yet (issue 16).
+	// (default) and cpu train on the CPU; cuda trains on the GPU, an
+	// explicit opt-in while that path has not been verified on a GPU
+	// (issue 16; the run's log says so).
 	Device string `yaml:"device"`
 	// Threads fixes the CPU worker count (0: all cores). Results are
 	// bit-identical only between runs with the same count.

@@ -1,0 +1,170 @@
+// The optimizer and NVFP4 kernels of training: AdamW, the gradient's sum of
+// squares (global norm, NaN check), scaling (clipping), absmax
+// (calibration) and NVFP4 fake quantization. Every reduction is
+// deterministic: a fixed grid (a function of n only) of per-thread partial
+// sums in a grid-stride loop, a fixed-order tree in each block, and one
+// block that combines the blocks' partials in index order. No atomics, so
+// the same inputs give the same bits on every run (the resume test).
+
+#define RED_THREADS 256
+#define RED_BLOCKS 1024 // at most; the host sizes the grid (plan.go: reduceGrid)
+
+// One torch.optim.AdamW update in place, as compute/cpu's k_adamw (see
+// compute.AdamWStep): p·decay, then the moments, then the step.
+DK_KERNEL void k_adamw(float *__restrict__ p, const float *__restrict__ g, float *__restrict__ m, float *__restrict__ v, i64 n, float b1,
+                       float b2, float eps, float step, float bc2, float decay) {
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+		float x = g[i];
+		float pi = p[i] * decay;
+		float mi = b1 * m[i] + (1 - b1) * x;
+		float vi = b2 * v[i] + (1 - b2) * x * x;
+		m[i] = mi;
+		v[i] = vi;
+		p[i] = pi - step * mi / (sqrtf(vi) / bc2 + eps);
+	}
+}
+
+// x (n) *= c. One rounding, as the CPU: the results are bit-identical.
+DK_KERNEL void k_scale(float *x, i64 n, float c) {
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) x[i] *= c;
+}
+
+// block_sum_d: the sum of one double per thread of a RED_THREADS block, in a
+// fixed tree order; thread 0 gets it. red: RED_THREADS doubles.
+DK_DEV double block_sum_d(double v, double *red) {
+	red[threadIdx.x] = v;
+	__syncthreads();
+	for (int s = RED_THREADS / 2; s > 0; s >>= 1) {
+		if ((int)threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+		__syncthreads();
+	}
+	return red[0];
+}
+
+// nanmax is max that propagates NaN (as Go's max and torch.amax).
+DK_DEV float nanmax(float a, float b) { return (a != a || b != b) ? (a != a ? a : b) : (a > b ? a : b); }
+
+DK_DEV float block_max(float v, float *red) {
+	red[threadIdx.x] = v;
+	__syncthreads();
+	for (int s = RED_THREADS / 2; s > 0; s >>= 1) {
+		if ((int)threadIdx.x < s) red[threadIdx.x] = nanmax(red[threadIdx.x], red[threadIdx.x + s]);
+		__syncthreads();
+	}
+	return red[0];
+}
+
+// k_sumsq_part: part[blockIdx.x] = Σ x² over the block's grid-stride share
+// of x (n), in float64. NaN and Inf propagate.
+DK_KERNEL __launch_bounds__(RED_THREADS) void k_sumsq_part(double *__restrict__ part, const float *__restrict__ x, i64 n) {
+	__shared__ double red[RED_THREADS];
+	double s = 0;
+	for (i64 i = (i64)blockIdx.x * RED_THREADS + threadIdx.x; i < n; i += (i64)gridDim.x * RED_THREADS) {
+		double v = x[i];
+		s += v * v;
+	}
+	s = block_sum_d(s, red);
+	if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+// k_sum_finish: one block; out[0] = Σ part[0..np) in a fixed tree order.
+DK_KERNEL __launch_bounds__(RED_THREADS) void k_sum_finish(double *__restrict__ out, const double *__restrict__ part, int np) {
+	__shared__ double red[RED_THREADS];
+	double s = 0;
+	for (int i = threadIdx.x; i < np; i += RED_THREADS) s += part[i];
+	s = block_sum_d(s, red);
+	if (threadIdx.x == 0) out[0] = s;
+}
+
+// k_absmax_part: part[blockIdx.x] = max |x| over the block's share, NaN if
+// the share holds a NaN (a calibration that saw NaN must fail loudly).
+DK_KERNEL __launch_bounds__(RED_THREADS) void k_absmax_part(float *__restrict__ part, const float *__restrict__ x, i64 n) {
+	__shared__ float red[RED_THREADS];
+	float m = 0;
+	for (i64 i = (i64)blockIdx.x * RED_THREADS + threadIdx.x; i < n; i += (i64)gridDim.x * RED_THREADS) m = nanmax(m, fabsf(x[i]));
+	m = block_max(m, red);
+	if (threadIdx.x == 0) part[blockIdx.x] = m;
+}
+
+// k_max_finish: one block; out[0] = the NaN-propagating max of part[0..np).
+DK_KERNEL __launch_bounds__(RED_THREADS) void k_max_finish(float *__restrict__ out, const float *__restrict__ part, int np) {
+	__shared__ float red[RED_THREADS];
+	float m = 0;
+	for (int i = threadIdx.x; i < np; i += RED_THREADS) m = nanmax(m, part[i]);
+	m = block_max(m, red);
+	if (threadIdx.x == 0) out[0] = m;
+}
+
+// --- NVFP4 fake quantization, bit for bit the scalar definitions of
+// compute/fp4.go (ModelOpt's): every operation below is the same fp32
+// operation in the same order, with no a·b+c that the compiler could fuse.
+
+// e4m3 rounds a >= 0 (or NaN) to the nearest E4M3FN value, ties to even,
+// saturating at 448: the quantum is 2^(floor(log2 a) - 3), at least 2^-9
+// (subnormals). Scaling by a power of two is exact, so rintf (ties to even)
+// on a·2^-q gives compute.E4M3's float64 result.
+DK_DEV float e4m3(float a) {
+	if (a != a || a == 0) return a;
+	int e = (int)((__float_as_uint(a) >> 23) & 0xff) - 127; // floor(log2 a) for normal a
+	int q = e - 3;
+	if (q < -9) q = -9;
+	float down = __uint_as_float((u32)(127 - q) << 23); // 2^-q
+	float up = __uint_as_float((u32)(127 + q) << 23);   // 2^q
+	float r = rintf(a * down) * up;
+	return r < 448.0f ? r : 448.0f;
+}
+
+// e2m1 rounds a scaled magnitude to {0,.5,1,1.5,2,3,4,6} with ModelOpt's
+// thresholds (compute.E2M1).
+DK_DEV float e2m1(float a) {
+	if (a <= 0.25f) return 0;
+	if (a < 0.75f) return 0.5f;
+	if (a <= 1.25f) return 1;
+	if (a < 1.75f) return 1.5f;
+	if (a <= 2.5f) return 2;
+	if (a < 3.5f) return 3;
+	if (a <= 5) return 4;
+	return 6;
+}
+
+// k_fakequant_nvfp4: src, dst (rows, cols); one thread per 16-element block
+// of a row (the row's last block may be shorter: zero-padded, as the Triton
+// kernel). g is the per-tensor scale amax/(6·448), computed on the host as
+// compute.NVFP4GlobalScale does. dst may alias src: a thread reads its
+// block before writing it.
+DK_KERNEL void k_fakequant_nvfp4(float *dst, const float *src, i64 rows, int cols, float g) {
+	int nb = (cols + 15) / 16;
+	i64 total = rows * (i64)nb;
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+		i64 r = i / nb;
+		int b0 = (int)(i - r * nb) * 16;
+		int len = imin(16, cols - b0);
+		const float *s = src + r * cols + b0;
+		float v[16];
+		float bm = 0;
+		for (int j = 0; j < len; j++) {
+			v[j] = s[j];
+			bm = nanmax(bm, fabsf(v[j]));
+		}
+		float gs = g > 0 ? g : 1e-12f;
+		float t = bm / (6.0f * gs);
+		if (!(t != t) && !(t < 448.0f)) t = 448.0f; // Go's min(t, 448): NaN stays NaN
+		float sb = e4m3(t);
+		float sc = sb * g;
+		if (!(sc >= 1e-5f)) sc = 1;
+		float *d = dst + r * cols + b0;
+		for (int j = 0; j < len; j++) {
+			float q = e2m1(fabsf(v[j]) / sc);
+			q = q * sc;
+			d[j] = v[j] >= 0 ? q : -q;
+		}
+	}
+}
+
+DK_REGISTER(k_adamw)
+DK_REGISTER(k_scale)
+DK_REGISTER(k_sumsq_part)
+DK_REGISTER(k_sum_finish)
+DK_REGISTER(k_absmax_part)
+DK_REGISTER(k_max_finish)
+DK_REGISTER(k_fakequant_nvfp4)

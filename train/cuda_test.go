@@ -1,0 +1,82 @@
+package train
+
+import (
+	"testing"
+
+	"distill/compute/cuda"
+	"distill/compute/cuda/cudaemu"
+	"distill/model"
+	"distill/train/loss"
+	"distill/train/optim"
+)
+
+// TestCUDAQADExport: a student trained with NVFP4 QAD on the CUDA backend
+// (the CPU emulator of CUDA here, the GPU under DISTILL_CUDA_TEST=gpu)
+// exports NVFP4 weights that decode to the device's fake-quantized weights
+// bit for bit, for every Linear: the device's FakeQuantNVFP4 and the
+// export packer share compute's scalar definitions.
+func TestCUDAQADExport(t *testing.T) {
+	cudaemu.Use(t)
+	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	cfg := tinyConfig(model.ArchQwen3, false)
+	s, err := NewStudentOn(cfg, be)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Load(model.Init(cfg, model.InitOptions{Seed: 1})); err != nil {
+		t.Fatal(err)
+	}
+	b := testBatch(2, cfg.VocabSize, 8)
+	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+	if err := s.EnableQAD(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Forward(b, &opt); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.FinishCalibration(); err != nil {
+		t.Fatal(err)
+	}
+	ad, _ := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
+	var first, last float64
+	for step := 0; step < 6; step++ {
+		s.ZeroGrad()
+		st, err := s.ForwardBackward(b, &opt, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if step == 0 {
+			first = st.Loss
+		}
+		last = st.Loss
+		optim.ClipGradNorm(s.Groups(), 1)
+		ad.Step(3e-3)
+	}
+	if !(last < first) {
+		t.Fatalf("QAD on cuda: loss %g -> %g", first, last)
+	}
+	packed, _, err := s.ExportNVFP4()
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Model.QuantizeWeights()
+	n := 0
+	for i := range s.Model.Blocks {
+		for _, l := range s.Model.Blocks[i].Linears() {
+			d := packed[l.Name].Dequantize()
+			wfq := make([]float32, l.Out*l.In)
+			be.ReadF32(l.Wfq, wfq)
+			for j := range d {
+				if d[j] != wfq[j] {
+					t.Fatalf("%s[%d]: export decodes to %g, the device's fake quant is %g", l.Name, j, d[j], wfq[j])
+				}
+			}
+			n++
+		}
+	}
+	t.Logf("%d Linears: the NVFP4 export equals the device's fake-quantized weights bit for bit", n)
+}

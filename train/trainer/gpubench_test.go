@@ -1,0 +1,245 @@
+package trainer
+
+import (
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"distill/compute/cuda"
+	"distill/compute/cuda/cudaemu"
+	"distill/model"
+	"distill/train"
+	"distill/train/loss"
+	"distill/train/optim"
+)
+
+// trainShapes are the GPU training benchmark's students: Qwen3-0.6B and
+// Qwen3-1.7B shapes (tied embeddings, vocab 151936), random weights.
+var trainShapes = []struct {
+	Name                                 string
+	Hidden, Layers, Heads, KV, HD, Inter int
+}{
+	{"qwen3-0.6b", 1024, 28, 16, 8, 128, 3072},
+	{"qwen3-1.7b", 2048, 28, 16, 8, 128, 6144},
+}
+
+// benchPeak is the dense BF16 peak in TFLOP/s of the GPU named name
+// (DISTILL_PEAK_TFLOPS overrides), 0 if unknown.
+func benchPeak(name string) float64 {
+	if v, err := strconv.ParseFloat(os.Getenv("DISTILL_PEAK_TFLOPS"), 64); err == nil {
+		return v
+	}
+	n := strings.ToUpper(name)
+	switch {
+	case strings.Contains(n, "H100") && strings.Contains(n, "PCIE"):
+		return 756
+	case strings.Contains(n, "H100"), strings.Contains(n, "H200"), strings.Contains(n, "H800"):
+		return 989.4
+	case strings.Contains(n, "A100"):
+		return 312
+	}
+	return 0
+}
+
+// BenchmarkCUDATrainStep times whole training steps of Qwen3-0.6B- and
+// 1.7B-shaped students on the GPU: rows of 8192 tokens
+// (DISTILL_TRAIN_ROWS rows a step, default 1), vocab 151936, k = 64 KD
+// (forward KL, bucket tail) plus 0.1 CE, then gradient clipping and AdamW;
+// with and without NVFP4 QAD. It reports tokens/s, MFU (6 × params +
+// attention FLOPs per token, against the dense BF16 peak) and the device
+// memory in use; with DISTILL_BENCH_OUT set it appends one JSON line per
+// case to train-bench.jsonl there and writes the top kernels of one
+// profiled step to profile-train-<shape>[-qad].txt. It needs a GPU
+// (DISTILL_CUDA_TEST=gpu, scripts/gpu-suite.sh).
+func BenchmarkCUDATrainStep(b *testing.B) {
+	shapes, T, V, K := trainShapes, 8192, 151936, 64
+	if !cudaemu.OnGPU() {
+		if os.Getenv("DISTILL_TRAIN_BENCH_DRYRUN") != "1" {
+			b.Skip("the training benchmark needs a GPU: set DISTILL_CUDA_TEST=gpu (scripts/gpu-suite.sh); DISTILL_TRAIN_BENCH_DRYRUN=1 runs its code on the emulator with a tiny shape")
+		}
+		// A dry run of the benchmark's code on the emulator: a tiny student.
+		cudaemu.Use(b)
+		shapes = shapes[:0:0]
+		shapes = append(shapes, struct {
+			Name                                 string
+			Hidden, Layers, Heads, KV, HD, Inter int
+		}{"tiny", 64, 2, 4, 2, 16, 128})
+		T, V = 96, 1000
+	}
+	rows := 1
+	if v, err := strconv.Atoi(os.Getenv("DISTILL_TRAIN_ROWS")); err == nil && v > 0 {
+		rows = v
+	}
+	only := os.Getenv("DISTILL_BENCH_SHAPES")
+	outDir := os.Getenv("DISTILL_BENCH_OUT")
+	for _, sh := range shapes {
+		if only != "" && !strings.Contains(only, sh.Name) {
+			continue
+		}
+		for _, qad := range []bool{false, true} {
+			name := sh.Name
+			if qad {
+				name += "-qad"
+			}
+			b.Run(fmt.Sprintf("%s/rows_%dx%d", name, rows, T), func(b *testing.B) {
+				kc := os.Getenv("DISTILL_KERNEL_CACHE")
+				if kc == "" {
+					kc = b.TempDir()
+				}
+				be, err := cuda.Open(cuda.Options{KernelCache: kc})
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer be.Close()
+				cfg := &model.Config{Arch: model.ArchQwen3, VocabSize: V, Hidden: sh.Hidden, Layers: sh.Layers, Heads: sh.Heads, KVHeads: sh.KV,
+					HeadDim: sh.HD, Intermediate: sh.Inter, MaxPositions: 40960, RMSNormEps: 1e-6, RopeTheta: 1e6, QKNorm: true, TieEmbeddings: true}
+				s, err := train.NewStudentOn(cfg, be)
+				if err != nil {
+					b.Fatal(err)
+				}
+				// Random weights without drawing billions of numbers: every
+				// tensor takes a prefix of one buffer of U(±0.035) values
+				// (std 0.02), norms included (timing does not care).
+				maxN, params := 0, 0
+				for _, t := range s.Tensors {
+					maxN, params = max(maxN, t.N), params+t.N
+				}
+				r := rand.New(rand.NewPCG(1, 2))
+				seed := make([]float32, 1<<20)
+				for i := range seed {
+					seed[i] = float32((r.Float64()*2 - 1) * 0.035)
+				}
+				buf := make([]float32, maxN)
+				for i := 0; i < maxN; i += len(seed) {
+					copy(buf[i:], seed)
+				}
+				w := map[string][]float32{}
+				for _, t := range s.Tensors {
+					w[t.Name] = buf[:t.N]
+				}
+				if err := s.Load(w); err != nil {
+					b.Fatal(err)
+				}
+				bt := benchBatch(r, rows, T, V, K)
+				opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+				if qad {
+					if err := s.EnableQAD(); err != nil {
+						b.Fatal(err)
+					}
+					if _, err := s.Forward(bt, &opt); err != nil {
+						b.Fatal(err)
+					}
+					if err := s.FinishCalibration(); err != nil {
+						b.Fatal(err)
+					}
+				}
+				ad, err := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.1}, s.Groups())
+				if err != nil {
+					b.Fatal(err)
+				}
+				step := func() float64 {
+					s.ZeroGrad()
+					st, err := s.ForwardBackward(bt, &opt, 0)
+					if err != nil {
+						b.Fatal(err)
+					}
+					optim.ClipGradNorm(ad.Groups, 1) // synchronizes (SumSquares)
+					ad.Step(1e-4)
+					return st.Loss
+				}
+				step() // warm up: kernels, plans, the memory pool
+				b.ResetTimer()
+				t0 := time.Now()
+				var lossV float64
+				for i := 0; i < b.N; i++ {
+					lossV = step()
+				}
+				sec := time.Since(t0).Seconds() / float64(b.N)
+				b.StopTimer()
+				tokens := float64(rows * T)
+				// 6 × params per token (the embedding lookup is no matmul,
+				// but the tied head is: params counts it once), plus the
+				// attention matmuls: QKᵀ and PV, 2 FLOPs a multiply-add,
+				// causal half, forward ×3 for the backward.
+				attn := 3 * 2 * 2 * float64(sh.Layers*sh.Heads*sh.HD) * float64(T) * float64(T+1) / 2 * float64(rows)
+				flops := 6*float64(params)*tokens + attn
+				free, total := be.MemInfo()
+				peak := benchPeak(be.Info().Name)
+				b.ReportMetric(tokens/sec, "tokens/s")
+				b.ReportMetric(flops/sec/1e12, "TFLOP/s")
+				if peak > 0 {
+					b.ReportMetric(100*flops/sec/1e12/peak, "MFU%")
+				}
+				b.ReportMetric(float64(total-free)/(1<<30), "devmem_GiB")
+				if outDir == "" {
+					return
+				}
+				res := map[string]any{"shape": sh.Name, "qad": qad, "rows": rows, "row_tokens": T, "vocab": V, "k": K, "params": params,
+					"tokens_per_s": tokens / sec, "step_s": sec, "tflops": flops / sec / 1e12,
+					"devmem_GiB": float64(total-free) / (1 << 30), "loss": lossV, "gpu": be.Info().Name}
+				if peak > 0 {
+					res["mfu_pct"] = 100 * flops / sec / 1e12 / peak
+				}
+				line, err := json.Marshal(res)
+				if err != nil {
+					b.Fatal(err)
+				}
+				f, err := os.OpenFile(filepath.Join(outDir, "train-bench.jsonl"), os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+				if err == nil {
+					fmt.Fprintf(f, "%s\n", line)
+					f.Close()
+				}
+				be.SetProfile(true)
+				step()
+				prof := be.Profile()
+				be.SetProfile(false)
+				var sum float64
+				for _, e := range prof {
+					sum += e.Time.Seconds()
+				}
+				var sb strings.Builder
+				fmt.Fprintf(&sb, "%s training step (%d x %d tokens, k=%d): one profiled step, %.1f ms in kernels\n", name, rows, T, K, 1e3*sum)
+				for i, e := range prof {
+					if i == 20 {
+						break
+					}
+					fmt.Fprintf(&sb, "%6.1f%% %9.2f ms %6d calls  %s\n", 100*e.Time.Seconds()/sum, 1e3*e.Time.Seconds(), e.Calls, e.Name)
+				}
+				os.WriteFile(filepath.Join(outDir, "profile-train-"+name+".txt"), []byte(sb.String()), 0o644)
+			})
+		}
+	}
+}
+
+// benchBatch is rows packed rows of T tokens (one sample each, every
+// position counted) with K distinct random teacher ids a position and
+// decreasing log-probs.
+func benchBatch(r *rand.Rand, rows, T, V, K int) *train.Batch {
+	N := rows * T
+	bt := &train.Batch{Tokens: make([]int32, N), Mask: make([]uint8, N), K: K, TopIDs: make([]int32, N*K), TopLP: make([]float32, N*K)}
+	for i := 0; i <= rows; i++ {
+		bt.Starts = append(bt.Starts, int32(i*T))
+	}
+	seen := map[int32]bool{}
+	for t := 0; t < N; t++ {
+		bt.Tokens[t] = int32(r.IntN(V))
+		bt.Mask[t] = 1
+		clear(seen)
+		for j := 0; j < K; j++ {
+			id := int32(r.IntN(V))
+			for seen[id] {
+				id = int32(r.IntN(V))
+			}
+			seen[id] = true
+			bt.TopIDs[t*K+j] = id
+			bt.TopLP[t*K+j] = float32(-2 - 0.1*float64(j))
+		}
+	}
+	return bt
+}
