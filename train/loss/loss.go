@@ -473,36 +473,11 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 		for c, j := range o {
 			zK[j] = float64(ps.ZK[r*K+c])
 		}
-		n := K
+		n := teacherDists(opt, lp, lq, zK[:K], tg.TopLP[t*K:(t+1)*K], tc, invT, lseT)
 		qTail := 0.0
-		switch opt.Tail {
-		case Renormalize, Zero:
-			logSoftmaxK(lp[:K], tg.TopLP[t*K:(t+1)*K], tc/opt.Temperature)
-			if opt.Tail == Renormalize {
-				// q̃ = softmax_K(z_K/T), straight from the gathered logits.
-				for j := 0; j < K; j++ {
-					lq[j] = zK[j] * invT
-				}
-				lseK := logSumExp(lq[:K])
-				for j := 0; j < K; j++ {
-					lq[j] -= lseK
-				}
-			} else {
-				for j := 0; j < K; j++ {
-					lq[j] = zK[j]*invT - lseT
-				}
-			}
-		default: // Bucket
-			var psum float64
-			for j := 0; j < K; j++ {
-				lq[j] = zK[j]*invT - lseT
-				lp[j] = float64(tg.TopLP[t*K+j])
-				psum += math.Exp(lp[j])
-			}
-			lp[K] = math.Log(math.Max(1-psum, tailFloor))
+		if opt.Tail == Bucket {
 			qTail = ps.Tail[r]
 			lq[K] = math.Log(math.Max(qTail, tailFloor))
-			n = K + 1
 		}
 		kd += divergence(opt, lp[:n], lq[:n], hh[:n])
 		H := 0.0
@@ -628,4 +603,42 @@ func divergence(opt *Options, lp, lq, h []float64) float64 {
 		}
 	}
 	return L
+}
+
+// teacherDists fills one position's teacher distribution lp and the
+// student's lq over the teacher's K ids (zK: the student's logits there,
+// in the teacher's order; topLP: the teacher's log-probs) under opt.Tail,
+// and returns how many entries the divergence runs over: K, or K+1 with
+// the tail bucket, whose lp[K] it sets (1 - Σ p, floored); the caller
+// sets the student's bucket lq[K] from its tail mass, summed directly.
+func teacherDists(opt *Options, lp, lq, zK []float64, topLP []float32, tc, invT, lseT float64) int {
+	K := len(zK)
+	switch opt.Tail {
+	case Renormalize, Zero:
+		logSoftmaxK(lp[:K], topLP, tc/opt.Temperature)
+		if opt.Tail == Renormalize {
+			// q̃ = softmax_K(z_K/T), straight from the gathered logits.
+			for j := 0; j < K; j++ {
+				lq[j] = zK[j] * invT
+			}
+			lseK := logSumExp(lq[:K])
+			for j := 0; j < K; j++ {
+				lq[j] -= lseK
+			}
+		} else {
+			for j := 0; j < K; j++ {
+				lq[j] = zK[j]*invT - lseT
+			}
+		}
+		return K
+	default: // Bucket
+		var psum float64
+		for j := 0; j < K; j++ {
+			lq[j] = zK[j]*invT - lseT
+			lp[j] = float64(topLP[j])
+			psum += math.Exp(lp[j])
+		}
+		lp[K] = math.Log(math.Max(1-psum, tailFloor))
+		return K + 1
+	}
 }

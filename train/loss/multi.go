@@ -167,32 +167,9 @@ func (h *Head) runMulti(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, 
 				member[c] = mg
 				zK[j] = float64(zr[c])
 			}
-			n := K
+			n := teacherDists(opt, lp, lq, zK[:K], te.TopLP[t*K:(t+1)*K], tc, invT, lseT)
 			qTail := 0.0
-			switch opt.Tail {
-			case Renormalize, Zero:
-				logSoftmaxK(lp[:K], te.TopLP[t*K:(t+1)*K], tc/opt.Temperature)
-				if opt.Tail == Renormalize {
-					for j := 0; j < K; j++ {
-						lq[j] = zK[j] * invT
-					}
-					lseK := logSumExp(lq[:K])
-					for j := 0; j < K; j++ {
-						lq[j] -= lseK
-					}
-				} else {
-					for j := 0; j < K; j++ {
-						lq[j] = zK[j]*invT - lseT
-					}
-				}
-			default: // Bucket
-				var psum float64
-				for j := 0; j < K; j++ {
-					lq[j] = zK[j]*invT - lseT
-					lp[j] = float64(te.TopLP[t*K+j])
-					psum += math.Exp(lp[j])
-				}
-				lp[K] = math.Log(math.Max(1-psum, tailFloor))
+			if opt.Tail == Bucket {
 				// This teacher's tail: the mass outside the union plus
 				// the union columns outside its set, added term by term
 				// (never 1 - Σ_K q), so it keeps its digits.
@@ -203,7 +180,6 @@ func (h *Head) runMulti(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, 
 					}
 				}
 				lq[K] = math.Log(math.Max(qTail, tailFloor))
-				n = K + 1
 			}
 			D := divergence(opt, lp[:n], lq[:n], hh[:n])
 			kdT[i] += D
