@@ -189,3 +189,64 @@ func TestOnlineMultiPause(t *testing.T) {
 		}
 	}
 }
+
+// TestOnlineMultiDocs: the two-teacher distill.teachers blocks of
+// examples/train.yaml and examples/online.yaml, uncommented in place of
+// examples/online.yaml's teachers, load as two named, weighted teachers.
+func TestOnlineMultiDocs(t *testing.T) {
+	b, err := os.ReadFile("../../examples/online.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	online := string(b)
+	one := "  teachers:\n    - addrs: [10.0.0.5:7070, 10.0.0.6:7070]   # replicas of one teacher\n      name: qwen3-8b\n"
+	if !strings.Contains(online, one) {
+		t.Fatalf("examples/online.yaml lacks its teachers block %q", one)
+	}
+	// block returns the commented block of src that starts with the line
+	// prefix+"teachers:", uncommented and indented under distill.
+	block := func(src, prefix, cont string) string {
+		var out []string
+		in := false
+		for _, line := range strings.Split(src, "\n") {
+			switch {
+			case strings.HasPrefix(line, prefix+"teachers:"):
+				in = true
+			case in && !strings.HasPrefix(line, cont):
+				in = false
+			}
+			if in {
+				out = append(out, "  "+strings.TrimPrefix(line, prefix))
+			}
+		}
+		return strings.Join(out, "\n") + "\n"
+	}
+	tb, err := os.ReadFile("../../examples/train.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		what, block string
+		names       []string
+		weights     []float64
+	}{
+		{"examples/train.yaml", block(string(tb), "  # ", "  #   "), []string{"big", "small"}, []float64{0.7, 0.3}},
+		{"examples/online.yaml", block(online, "#   ", "#     "), []string{"qwen3-8b", "qwen3-4b"}, []float64{0.7, 0.3}},
+	} {
+		p := filepath.Join(t.TempDir(), "multi.yaml")
+		os.WriteFile(p, []byte(strings.Replace(online, one, c.block, 1)), 0o644)
+		cfg, err := LoadConfig(p, nil)
+		if err != nil {
+			t.Fatalf("%s's two-teacher block:\n%s%v", c.what, c.block, err)
+		}
+		ts := cfg.Distill.Teachers
+		if len(ts) != 2 {
+			t.Fatalf("%s's two-teacher block read as %+v", c.what, ts)
+		}
+		for i := range ts {
+			if ts[i].Name != c.names[i] || ts[i].Weight != c.weights[i] || len(ts[i].Addrs) == 0 {
+				t.Fatalf("%s's two-teacher block read as %+v", c.what, ts)
+			}
+		}
+	}
+}

@@ -432,16 +432,16 @@ func TestOnlineConfig(t *testing.T) {
 		t.Fatalf("long form: %+v %v", c, err)
 	}
 	for over, want := range map[string][]string{
-		"distill.teachers=[{addrs: []}]":                    {"distill.teachers[0].addrs", "empty"},
-		"distill.teachers=['a:1,b:1']":                      {"distill.teachers[0].addrs[0]", "one address per list item"},
-		"distill.teachers=[a:1, {addrs: [b:1]}]":            {"do not mix"},
-		"distill.teachers=a:1":                              {"want a list"},
-		"data.cache=[c]":                                    {"only one of data.cache"},
-		"distill.prefetch=-1":                               {"distill.prefetch", "-1"},
-		"distill.k=-2":                                      {"distill.k"},
-		"distill.write_encoding=zip":                        {"distill.write_encoding", "compact or lossless"},
-		"distill.teacher_timeout=-1s":                       {"distill.teacher_timeout"},
-		"distill.capture_temperature=-1":                    {"distill.capture_temperature"},
+		"distill.teachers=[{addrs: []}]":         {"distill.teachers[0].addrs", "empty"},
+		"distill.teachers=['a:1,b:1']":           {"distill.teachers[0].addrs[0]", "one address per list item"},
+		"distill.teachers=[a:1, {addrs: [b:1]}]": {"do not mix"},
+		"distill.teachers=a:1":                   {"want a list"},
+		"data.cache=[c]":                         {"only one of data.cache"},
+		"distill.prefetch=-1":                    {"distill.prefetch", "-1"},
+		"distill.k=-2":                           {"distill.k"},
+		"distill.write_encoding=zip":             {"distill.write_encoding", "compact or lossless"},
+		"distill.teacher_timeout=-1s":            {"distill.teacher_timeout"},
+		"distill.capture_temperature=-1":         {"distill.capture_temperature"},
 	} {
 		_, err := LoadConfig(p, []string{over})
 		if !errors.Is(err, ErrConfig) {
