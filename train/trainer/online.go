@@ -74,6 +74,15 @@ func startOnline(cfg *Config, sc *model.Config, tokFP string, maxLen int, m *cac
 	*m = on.ms[0]
 	on.m = *m
 	on.wcs = make([]*writeCache, len(on.pools))
+	if oc.WriteCache != "" && on.multi() {
+		// One teacher's write cache is the directory itself: reusing it as
+		// the root of several teachers' caches would nest caches.
+		if rd, err := cache.OpenReader(oc.WriteCache); err == nil {
+			on.close()
+			return nil, fmt.Errorf("%w: distill.write_cache %s is the cache of one teacher (fingerprint %.12s); with several teachers each writes its own cache under it, %s/<name>: use another directory, or move that cache to %s/<its teacher's name>",
+				ErrConfig, oc.WriteCache, rd.Manifest().TeacherFingerprint, oc.WriteCache, oc.WriteCache)
+		}
+	}
 	if oc.WriteCache != "" {
 		for i := range on.pools {
 			dir := on.writeDir(i)

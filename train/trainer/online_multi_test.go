@@ -14,6 +14,7 @@ import (
 	"testing"
 
 	"distill/cache"
+	"distill/model"
 )
 
 // teachersOver is the override of distill.teachers with two teachers a
@@ -96,7 +97,8 @@ func TestOnlineMultiHalvesEqualSingle(t *testing.T) {
 // and ends as a run without the stop; resuming with the teachers in
 // another order is refused naming the entry; a new run on the full
 // caches asks no teacher and gives the same losses, and so does an
-// offline data.caches run over DIR/a and DIR/b.
+// offline data.caches run over DIR/a and DIR/b; one teacher's cache as
+// the write_cache of several is refused.
 func TestOnlineMultiWriteCache(t *testing.T) {
 	fastRetry(t)
 	f := newOnlineFixture(t, 40)
@@ -160,6 +162,12 @@ func TestOnlineMultiWriteCache(t *testing.T) {
 		"data.cache=[]", fmt.Sprintf("data.caches=[{dir: %s, name: a, weight: 0.6}, {dir: %s, name: b, weight: 0.4}]", filepath.Join(wdir, "a"), filepath.Join(wdir, "b")))
 	res, _ = run(t, off, Options{})
 	sameLosses(t, "data.caches over the write caches vs asking", res, ref)
+	// One teacher's cache as the root of several teachers' caches: refused
+	// before anything is asked or written.
+	nested := onlineConfig(t, f.tokDir, f.file, filepath.Join(t.TempDir(), "nested"), "", []string{ta.addr()}, teachers, "distill.write_cache="+filepath.Join(wdir, "a"))
+	if _, err := Run(nested, Options{Log: &log}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "is the cache of one teacher") || !strings.Contains(err.Error(), "<name>") {
+		t.Fatalf("write_cache inside a teacher's cache: %v", err)
+	}
 }
 
 // TestOnlineMultiPause: teacher b's only replica dies mid-run; training
@@ -248,5 +256,28 @@ func TestOnlineMultiDocs(t *testing.T) {
 				t.Fatalf("%s's two-teacher block read as %+v", c.what, ts)
 			}
 		}
+	}
+}
+
+// TestOnlineMultiInfoChecks: every teacher's replicas are checked before
+// step 1, and a second teacher whose vocabulary or tokenizer is not the
+// student's is refused naming that teacher and the mismatch.
+func TestOnlineMultiInfoChecks(t *testing.T) {
+	fastRetry(t)
+	f := newOnlineFixture(t, 20)
+	good := startTeacherd(t, f.teacher, f.tokDir, "", "")
+	bigVocab := t.TempDir()
+	mc, _ := model.Preset(model.ArchQwen3)
+	mc.VocabSize, mc.Hidden, mc.Layers, mc.Intermediate, mc.MaxPositions, mc.Heads, mc.KVHeads, mc.HeadDim = 300, 32, 1, 64, 256, 4, 2, 8
+	model.WriteCheckpoint(bigVocab, mc, model.Init(mc, model.InitOptions{Seed: 5}), "BF16")
+	wrongVocab := startTeacherd(t, bigVocab, f.tokDir, "", "")
+	cfg := onlineConfig(t, f.tokDir, f.file, filepath.Join(t.TempDir(), "run"), "", []string{good.addr()}, teachersOver(good.addr(), wrongVocab.addr(), 1, 1))
+	var log bytes.Buffer
+	res, err := Run(cfg, Options{Log: &log})
+	if !errors.Is(err, ErrMismatch) || !strings.Contains(err.Error(), "teacher b at "+wrongVocab.addr()) || !strings.Contains(err.Error(), "vocab_size 300, but the student has 260") {
+		t.Fatalf("want the mismatch of teacher b, got %v\n%s", err, log.String())
+	}
+	if res != nil && len(res.Steps) > 0 {
+		t.Fatalf("trained %d steps before the check failed", len(res.Steps))
 	}
 }
