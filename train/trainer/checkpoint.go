@@ -83,46 +83,51 @@ type TeacherState struct {
 	Weight      float64 `json:"weight"`
 }
 
-// setTeachers records the teachers of ts (nil: one teacher or none).
-func (st *State) setTeachers(ts *teacherSet) {
-	st.Teachers = nil
+// setTeachers records the teachers of a multi-teacher run (nil: one
+// teacher or none).
+func (st *State) setTeachers(ts []TeacherState) {
+	st.Teachers = ts
+}
+
+// teacherStates are the teachers of ts as a checkpoint records them.
+func (ts *teacherSet) states() []TeacherState {
 	if ts == nil {
-		return
+		return nil
 	}
+	var out []TeacherState
 	for i := range ts.rds {
-		st.Teachers = append(st.Teachers, TeacherState{Name: ts.names[i], Fingerprint: ts.ms[i].TeacherFingerprint, Weight: ts.weights[i]})
+		out = append(out, TeacherState{Name: ts.names[i], Fingerprint: ts.ms[i].TeacherFingerprint, Weight: ts.weights[i]})
 	}
+	return out
 }
 
 // checkTeachers refuses a resume whose teachers differ from the
-// checkpoint's (another number of teachers, or another teacher's cache at
-// a position): the KD term would be another objective under the same
-// name. A change of weights is allowed and noted on log, like a change of
-// kd_loss.
-func (st *State) checkTeachers(ts *teacherSet, ckpt string, log io.Writer) error {
-	n := 0
-	if ts != nil {
-		n = len(ts.rds)
-	}
-	fresh := fmt.Sprintf("restore the config's data section, or start a new run_dir from these weights (model.init_from: %s)", ckpt)
+// checkpoint's (another number of teachers, or another teacher at a
+// position): the KD term would be another objective under the same
+// name. cur are the config's teachers (from data.caches or
+// distill.teachers, named by src), where(i) names teacher i. A change of
+// weights is allowed and noted on log, like a change of kd_loss.
+func (st *State) checkTeachers(cur []TeacherState, src string, where func(int) string, ckpt string, log io.Writer) error {
+	n := len(cur)
+	fresh := fmt.Sprintf("restore the config's teachers (data.caches or distill.teachers), or start a new run_dir from these weights (model.init_from: %s)", ckpt)
 	switch {
 	case len(st.Teachers) == 0 && n == 0:
 		return nil
 	case len(st.Teachers) == 0:
-		return fmt.Errorf("%w: %s was trained with one teacher (data.cache) but the config has %d teachers in data.caches: %s", ErrResume, ckpt, n, fresh)
+		return fmt.Errorf("%w: %s was trained with one teacher but the config has %d teachers in %s: %s", ErrResume, ckpt, n, src, fresh)
 	case n == 0:
-		return fmt.Errorf("%w: %s was trained with %d teachers (data.caches) but the config has none there: %s", ErrResume, ckpt, len(st.Teachers), fresh)
+		return fmt.Errorf("%w: %s was trained with %d teachers (data.caches or distill.teachers) but the config has one or none: %s", ErrResume, ckpt, len(st.Teachers), fresh)
 	case n != len(st.Teachers):
-		return fmt.Errorf("%w: %s was trained with %d teachers in data.caches, the config has %d: %s", ErrResume, ckpt, len(st.Teachers), n, fresh)
+		return fmt.Errorf("%w: %s was trained with %d teachers, the config has %d in %s: %s", ErrResume, ckpt, len(st.Teachers), n, src, fresh)
 	}
 	var changed []string
 	for i, t := range st.Teachers {
-		if fp := ts.ms[i].TeacherFingerprint; fp != t.Fingerprint {
-			return fmt.Errorf("%w: %s was trained with teacher %.12s (%s) as data.caches[%d], the config has %s with teacher %.12s: %s",
-				ErrResume, ckpt, t.Fingerprint, t.Name, i, ts.where(i), fp, fresh)
+		if fp := cur[i].Fingerprint; fp != t.Fingerprint {
+			return fmt.Errorf("%w: %s was trained with teacher %.12s (%s) as %s[%d], the config has %s with teacher %.12s: %s",
+				ErrResume, ckpt, t.Fingerprint, t.Name, src, i, where(i), fp, fresh)
 		}
-		if w := ts.weights[i]; w != t.Weight {
-			changed = append(changed, fmt.Sprintf("%s %g -> %g", ts.names[i], t.Weight, w))
+		if w := cur[i].Weight; w != t.Weight {
+			changed = append(changed, fmt.Sprintf("%s %g -> %g", cur[i].Name, t.Weight, w))
 		}
 	}
 	if len(changed) > 0 {

@@ -118,9 +118,11 @@ type packer struct {
 	seqLen   int
 	truncate bool
 	k        int
-	// Multi-teacher KD (data.caches): multi are the rows' Teachers
-	// (weight and k; teacher 0's top-k is the sample's own), and more
-	// returns the other teachers' top-k of a sample. nil: one teacher.
+	// Multi-teacher KD (data.caches, or several distill.teachers): multi
+	// are the rows' Teachers (weight and k; teacher 0's top-k is the
+	// sample's own), and more returns the other teachers' top-k of a
+	// sample (a stream that carries them gives them itself, moreFrom).
+	// nil: one teacher.
 	multi []loss.Teacher
 	more  func(cache.Sample) ([]teacherTopK, error)
 }
@@ -176,6 +178,22 @@ func (p *packer) moreOf(s cache.Sample) ([]teacherTopK, error) {
 	return p.more(s)
 }
 
+// teacherStream is a stream that carries the other teachers' top-k of
+// its samples itself (online multi-teacher KD): more returns those of the
+// sample next returned last.
+type teacherStream interface {
+	more(cache.Sample) ([]teacherTopK, error)
+}
+
+// moreFrom returns the other teachers' top-k of s, just taken from st:
+// from st when it carries them, else as moreOf.
+func (p *packer) moreFrom(st sampleStream, s cache.Sample) ([]teacherTopK, error) {
+	if ts, ok := st.(teacherStream); ok && p.multi != nil {
+		return ts.more(s)
+	}
+	return p.moreOf(s)
+}
+
 // counted is the number of loss positions of a row (t -> t+1 in the same
 // sample with Mask[t+1] = 1), the loss package's definition.
 func counted(b *train.Batch) int {
@@ -204,7 +222,7 @@ func (p *packer) nextStep(st sampleStream, tokens int) ([]*train.Batch, error) {
 		if len(s.Tokens) == 0 {
 			continue // a record the data layer dropped or skipped
 		}
-		more, err := p.moreOf(s)
+		more, err := p.moreFrom(st, s)
 		if err != nil {
 			return nil, err
 		}

@@ -18,7 +18,17 @@ import (
 // machine's cores. Run it once:
 //
 //	go test ./train/trainer -run '^$' -bench OnlineVsOffline -benchtime 1x
-func BenchmarkOnlineVsOffline(b *testing.B) {
+func BenchmarkOnlineVsOffline(b *testing.B) { benchOnlineVsOffline(b, 1) }
+
+// BenchmarkOnlineMultiVsOffline is BenchmarkOnlineVsOffline with two
+// teachers (two daemons, two models of the same size, weights 0.5/0.5):
+// online multi-teacher KD against data.caches over caches they filled.
+//
+//	go test ./train/trainer -run '^$' -bench OnlineMultiVsOffline -benchtime 1x
+func BenchmarkOnlineMultiVsOffline(b *testing.B) { benchOnlineVsOffline(b, 2) }
+
+// benchOnlineVsOffline measures online KD with n teachers (1 or 2).
+func benchOnlineVsOffline(b *testing.B, n int) {
 	dir := b.TempDir()
 	tokDir := filepath.Join(dir, "tok")
 	os.MkdirAll(tokDir, 0o755)
@@ -31,18 +41,34 @@ func BenchmarkOnlineVsOffline(b *testing.B) {
 	writeJSONL(b, file, recs)
 	// Teacher: hidden 128, 2 layers, intermediate 384 (about 4x the
 	// student's hidden 64, 2 layers, intermediate 128).
-	tdir := b.TempDir()
 	tc, _ := model.Preset(model.ArchQwen3)
 	tc.VocabSize, tc.Hidden, tc.Layers, tc.Intermediate, tc.MaxPositions, tc.Heads, tc.KVHeads, tc.HeadDim = 260, 128, 2, 384, 256, 4, 2, 32
-	if err := model.WriteCheckpoint(tdir, tc, model.Init(tc, model.InitOptions{Seed: 5, Std: 0.5, Perturb: true}), "BF16"); err != nil {
-		b.Fatal(err)
+	var (
+		tds            []*teacherd
+		tdir           string
+		online, caches []string
+	)
+	for i := 0; i < n; i++ {
+		tdir = b.TempDir()
+		if err := model.WriteCheckpoint(tdir, tc, model.Init(tc, model.InitOptions{Seed: 5 + uint64(i), Std: 0.5, Perturb: true}), "BF16"); err != nil {
+			b.Fatal(err)
+		}
+		td := startTeacherdBudget(b, tdir, tokDir, filepath.Join(dir, fmt.Sprintf("cache%d", i)), dir, 4096)
+		tds = append(tds, td)
+		online = append(online, fmt.Sprintf("{addrs: [%s], weight: 0.5}", td.addr()))
+		caches = append(caches, fmt.Sprintf("{dir: %s, weight: 0.5}", td.cfg.Cache))
 	}
-	td := startTeacherdBudget(b, tdir, tokDir, filepath.Join(dir, "cache"), dir, 4096)
-	mk := func(name string, online bool, over ...string) *Config {
+	mk := func(name string, on bool, over ...string) *Config {
 		src := fmt.Sprintf("  dataset:\n    files: [%s]\n", file)
-		dist := fmt.Sprintf("  teachers: [%s]\n  k: 8\n  chunk_samples: 32\n  prefetch: 64\n", td.addr())
-		if !online {
-			src, dist = fmt.Sprintf("  cache: [%s]\n", td.cfg.Cache), ""
+		dist := fmt.Sprintf("  teachers: [%s]\n  k: 8\n  chunk_samples: 32\n  prefetch: 64\n", tds[0].addr())
+		if n > 1 {
+			dist = fmt.Sprintf("  teachers: [%s]\n  k: 8\n  chunk_samples: 32\n  prefetch: 64\n", strings.Join(online, ", "))
+		}
+		if !on {
+			src, dist = fmt.Sprintf("  cache: [%s]\n", tds[0].cfg.Cache), ""
+			if n > 1 {
+				src = fmt.Sprintf("  caches: [%s]\n", strings.Join(caches, ", "))
+			}
 		}
 		y := fmt.Sprintf(`run_dir: %s
 seed: 3
@@ -72,7 +98,9 @@ log: {every: 1000, progress: "off", tensorboard: false}
 	}
 	on := mk("online", true)
 	f := onlineFixture{tokDir: tokDir, file: file, teacher: tdir}
-	f.fillCache(b, td, on)
+	for _, td := range tds {
+		f.fillCache(b, td, on)
+	}
 	sc, _ := on.Model.Random.ModelConfig()
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
@@ -100,8 +128,8 @@ log: {every: 1000, progress: "off", tensorboard: false}
 		b.ReportMetric(offTPS, "offline_tok/s")
 		b.ReportMetric(onTPS, "online_tok/s")
 		b.ReportMetric(waitFrac, "online_wait_frac")
-		b.Logf("teacher %d params, student %d params (%.1fx); student tokens/s: offline %.0f, online %.0f (%.2f of offline); online waited %.1f%% of its step time",
-			tc.Params(), sc.Params(), float64(tc.Params())/float64(sc.Params()), offTPS, onTPS, onTPS/offTPS, 100*waitFrac)
+		b.Logf("%d teacher(s) of %d params, student %d params (%.1fx); student tokens/s: offline %.0f, online %.0f (%.2f of offline); online waited %.1f%% of its step time",
+			n, tc.Params(), sc.Params(), float64(tc.Params())/float64(sc.Params()), offTPS, onTPS, onTPS/offTPS, 100*waitFrac)
 	}
 }
 

@@ -19,14 +19,18 @@ type OnlineConfig struct {
 	// Teachers are the teachers asked; each entry is one teacher, whose
 	// addresses are replicas sharing the work. The shorthand
 	// `teachers: [host:7070, host2:7070]` is one teacher with these
-	// replicas. Only one entry is supported on this branch.
+	// replicas. With several entries (multi-teacher KD) every teacher
+	// answers every sample, and the KD term is Σ weight·KD of each, as
+	// with data.caches.
 	Teachers TeacherList `yaml:"teachers,omitempty"`
 	// Prefetch is how many samples are in flight ahead of the step
 	// (asked, or answered and waiting to be packed); 0: 64.
 	Prefetch int `yaml:"prefetch,omitempty"`
 	// WriteCache is a cache directory every answer also goes into, in
 	// the normal format, whole chunks only; a later run (and the next
-	// epoch) reads the chunks there instead of asking again.
+	// epoch) reads the chunks there instead of asking again. With
+	// several teachers each has its own cache, WriteCache/<name>: the
+	// caches a data.caches run can read.
 	WriteCache string `yaml:"write_cache,omitempty"`
 	// WriteEncoding is the write cache's log-prob encoding: compact
 	// (default, as cachectl fill) or lossless.
@@ -59,9 +63,12 @@ type TeacherConfig struct {
 	// Addrs are the replicas of this teacher (host:port): they share the
 	// work, and a replica that fails has its samples sent to the others.
 	Addrs []string `yaml:"addrs"`
-	// Name names the teacher in metrics and logs (default t0, t1, ...).
+	// Name names the teacher in metrics and logs (default t0, t1, ...),
+	// and its write cache (distill.write_cache/<name>) with several
+	// teachers.
 	Name string `yaml:"name,omitempty"`
-	// Weight weighs the teacher's KD term (multi-teacher; default 1).
+	// Weight weighs the teacher's KD term (multi-teacher; default 1,
+	// must be > 0).
 	Weight float64 `yaml:"weight,omitempty"`
 }
 
@@ -142,8 +149,8 @@ func (o *OnlineConfig) withDefaults() {
 func (c *Config) online() bool { return len(c.Distill.Teachers) > 0 }
 
 // validateOnline checks distill.teachers and its companions, naming the
-// key: online KD needs data.dataset and excludes data.cache; one teacher
-// entry is supported.
+// key: online KD needs data.dataset and excludes data.cache; teacher
+// names are unique and usable as metric keys and directory names.
 func (c *Config) validateOnline() error {
 	bad := func(key string, format string, a ...any) error {
 		return fmt.Errorf("%w: %s: %s", ErrConfig, key, fmt.Sprintf(format, a...))
@@ -170,12 +177,6 @@ func (c *Config) validateOnline() error {
 		return bad("distill.teachers", "online KD asks live teachers and reads no cache: remove data.cache or data.caches (to train from a cache) or distill.teachers (to ask the teachers), and give data.dataset")
 	case c.Data.Dataset == nil:
 		return bad("distill.teachers", "online KD needs data.dataset: the samples the teachers score (the dataset a cache would be filled from)")
-	case len(o.Teachers) > 1:
-		names := make([]string, len(o.Teachers))
-		for i, t := range o.Teachers {
-			names[i] = t.Name
-		}
-		return bad("distill.teachers", "%d teachers (%s): multi-teacher online KD is not supported yet (multi-teacher KD reads data.caches); give one teacher (its replicas in one entry's addrs), or fill a cache per teacher", len(o.Teachers), strings.Join(names, ", "))
 	case o.Prefetch < 0:
 		return bad("distill.prefetch", "%d: want > 0 samples in flight ahead of the step (0: %d)", o.Prefetch, defaultPrefetch)
 	case o.ChunkSamples < 0:
@@ -189,7 +190,21 @@ func (c *Config) validateOnline() error {
 	case o.WriteEncoding != string(cache.EncodingCompact) && o.WriteEncoding != string(cache.EncodingLossless):
 		return bad("distill.write_encoding", "%q: want compact or lossless", o.WriteEncoding)
 	}
+	seen := map[string]int{}
 	for i, t := range o.Teachers {
+		key := fmt.Sprintf("distill.teachers[%d].name", i)
+		for _, r := range t.Name {
+			if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '-' || r == '.') {
+				return bad(key, "%q: use letters, digits, '_', '-' and '.' only (it becomes a metrics key and the name of its write cache)", t.Name)
+			}
+		}
+		if t.Name == "." || t.Name == ".." {
+			return bad(key, "%q: not a usable name (it names the teacher's write cache directory): give the teacher a name", t.Name)
+		}
+		if j, ok := seen[t.Name]; ok {
+			return bad(key, "%q is also the name of distill.teachers[%d] (a default name is t<index>): give every teacher its own name", t.Name, j)
+		}
+		seen[t.Name] = i
 		if len(t.Addrs) == 0 {
 			return bad(fmt.Sprintf("distill.teachers[%d].addrs", i), "empty: give the teacher's teacherd addresses (host:port)")
 		}
@@ -199,7 +214,7 @@ func (c *Config) validateOnline() error {
 			}
 		}
 		if !(t.Weight > 0) || math.IsInf(t.Weight, 0) {
-			return bad(fmt.Sprintf("distill.teachers[%d].weight", i), "%g: want a positive weight", t.Weight)
+			return bad(fmt.Sprintf("distill.teachers[%d].weight", i), "%g: want a positive finite weight (default 1)", t.Weight)
 		}
 	}
 	return nil

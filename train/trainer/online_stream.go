@@ -103,23 +103,27 @@ type onItem struct {
 	// skip: not a training sample (held out, or scored only to complete
 	// a chunk of the write cache); the consumer passes over it.
 	skip bool
+	// more are teachers 1..'s top-k of s (multi-teacher runs); s holds
+	// teacher 0's.
+	more []teacherTopK
 	done chan struct{}
 	err  error
 }
 
-// onlineStream yields a dataset's samples with their teacher top-k, asked
-// from live teachers (teacherPool) ahead of the step: a planner walks the
+// onlineStream yields a dataset's samples with their teachers' top-k,
+// asked from live teachers (a teacherPool each) ahead of the step: a planner walks the
 // order (chunkOrder) from the data position and queues at most prefetch
 // items; tokenization workers read each sample and submit it to the
 // teachers, or take it from the write cache when its chunk is there; the
-// consumer (next) takes the items in order and waits for the answer of
-// the head one. Its data position is that of the cache stream (epoch,
+// consumer (next) takes the items in order and waits until every
+// teacher has answered the head one. Its data position is that of the cache stream (epoch,
 // positions of the epoch's order consumed), so checkpoints of online and
 // offline runs mean the same thing.
 type onlineStream struct {
 	ds      *data.Dataset
-	pool    *teacherPool
-	wc      *writeCache // nil: no write-through
+	on      *online
+	pools   []*teacherPool
+	wcs     []*writeCache // per teacher; nil: no write-through
 	seed    uint64
 	window  int
 	C       int64
@@ -137,14 +141,15 @@ type onlineStream struct {
 	pos   int64
 	seen  bool
 	wait  time.Duration // time next spent waiting for answers since the last stats call
+	last  *onItem       // the item next returned last (its other teachers' top-k)
 }
 
-func newOnlineStream(ds *data.Dataset, pool *teacherPool, wc *writeCache, seed uint64, window int, C int64, held cache.Range, workers, prefetch int, epoch int, pos int64) (*onlineStream, error) {
+func newOnlineStream(ds *data.Dataset, on *online, seed uint64, window int, C int64, held cache.Range, workers, prefetch int, epoch int, pos int64) (*onlineStream, error) {
 	n := ds.Len()
 	if pos < 0 || pos > n {
 		return nil, fmt.Errorf("%w: checkpoint data position (epoch %d, sample %d) is past the end of the dataset's %d samples: was the dataset changed?", ErrResume, epoch, pos, n)
 	}
-	st := &onlineStream{ds: ds, pool: pool, wc: wc, seed: seed, window: window, C: C, held: held, workers: max(workers, 1),
+	st := &onlineStream{ds: ds, on: on, pools: on.pools, wcs: on.wcs, seed: seed, window: window, C: C, held: held, workers: max(workers, 1),
 		items: make(chan *onItem, max(prefetch, 1)), work: make(chan *onItem, max(prefetch, 1)), epoch: epoch, pos: pos, seen: pos > 0}
 	st.ctx, st.cancel = context.WithCancel(context.Background())
 	st.wg.Add(1 + st.workers)
@@ -177,8 +182,8 @@ func (st *onlineStream) next() (cache.Sample, error) {
 		var it *onItem
 		select {
 		case it = <-st.items:
-		case <-st.pool.ctx.Done():
-			return cache.Sample{}, st.pool.failed()
+		case <-st.on.ctx.Done():
+			return cache.Sample{}, st.on.failed()
 		}
 		t0 := time.Now()
 		select {
@@ -186,11 +191,11 @@ func (st *onlineStream) next() (cache.Sample, error) {
 		default:
 			select {
 			case <-it.done:
-			case <-st.pool.ctx.Done():
+			case <-st.on.ctx.Done():
 				select {
 				case <-it.done:
 				default:
-					return cache.Sample{}, st.pool.failed()
+					return cache.Sample{}, st.on.failed()
 				}
 			}
 		}
@@ -212,6 +217,7 @@ func (st *onlineStream) next() (cache.Sample, error) {
 			continue
 		}
 		st.epoch, st.pos, st.seen = it.epoch, it.pos, true
+		st.last = it
 		return it.s, nil
 	}
 }
@@ -238,13 +244,25 @@ func (st *onlineStream) plan(epoch int, pos int64) {
 	n := st.ds.Len()
 	for ; ; epoch, pos = epoch+1, 0 {
 		o := newChunkOrder(n, st.C, st.seed+uint64(epoch), st.window)
-		var done map[int64]bool // chunks in the write cache
-		if st.wc != nil {
+		dones := make([]map[int64]bool, len(st.wcs)) // per teacher: chunks in its write cache
+		for j, wc := range st.wcs {
+			if wc == nil {
+				continue
+			}
 			var err error
-			if done, err = st.wc.epochStart(st.ctx); err != nil {
+			if dones[j], err = wc.epochStart(st.ctx); err != nil {
 				st.failItem(epoch, err)
 				return
 			}
+		}
+		// need: some teacher's write cache lacks the chunk.
+		need := func(chunk int64) bool {
+			for j, wc := range st.wcs {
+				if wc != nil && !dones[j][chunk] {
+					return true
+				}
+			}
+			return false
 		}
 		var at int64
 		for w := 0; w < o.windows(); w++ {
@@ -257,8 +275,7 @@ func (st *onlineStream) plan(epoch int, pos int64) {
 			for p := int64(0); p < size; p++ {
 				i := o.at(p)
 				it := &onItem{s: cache.Sample{Index: i}, epoch: epoch, pos: at + p + 1, done: make(chan struct{})}
-				chunk := i / st.C
-				need := st.wc != nil && !done[chunk]
+				need := need(i / st.C)
 				if at+p < pos {
 					if need {
 						backfill = append(backfill, i)
@@ -314,21 +331,57 @@ func (st *onlineStream) tokenize() {
 	}
 }
 
-// fill gets it's sample: from the write cache if its chunk is there, else
-// tokenized from the dataset and scored by the teachers. it.done is
-// closed once the sample is complete.
+// more returns the other teachers' top-k of s, the sample next returned
+// last (the packer's source of them in multi-teacher runs).
+func (st *onlineStream) more(s cache.Sample) ([]teacherTopK, error) {
+	if st.last == nil || st.last.s.Index != s.Index {
+		return nil, fmt.Errorf("trainer: the other teachers' answers of sample %d were asked after the next sample was taken", s.Index)
+	}
+	return st.last.more, nil
+}
+
+// fill gets it's sample and every teacher's top-k of it: a teacher's from
+// its write cache if the chunk is there, else asked. A sample is
+// tokenized from the dataset unless every teacher's cache has it. An item
+// skipped by training asks only the teachers whose write cache lacks its
+// chunk. it.done is closed once every teacher's part is in.
 func (st *onlineStream) fill(it *onItem) error {
 	i := it.s.Index
-	if st.wc != nil {
-		s, ok, err := st.wc.get(i)
-		if err != nil {
-			return err
+	n := len(st.pools)
+	ans := make([]cache.Sample, n)
+	var ask []int // the teachers to ask
+	for j := 0; j < n; j++ {
+		wc := st.wcs[j]
+		if it.skip {
+			if wc != nil && !wc.has(i) {
+				ask = append(ask, j)
+			}
+			continue
 		}
-		if ok {
-			it.s = s
-			close(it.done)
-			return nil
+		if wc != nil {
+			s, ok, err := wc.get(i)
+			if err != nil {
+				return err
+			}
+			if ok {
+				ans[j] = s
+				continue
+			}
 		}
+		ask = append(ask, j)
+	}
+	if len(ask) == 0 {
+		if !it.skip {
+			for j := 1; j < n; j++ {
+				if err := sameSample(&ans[0], &ans[j]); err != nil {
+					return fmt.Errorf("%w: sample %d differs between the write caches %s and %s: %s: they were written from other data; use another distill.write_cache",
+						ErrMismatch, i, st.wcs[0].dir, st.wcs[j].dir, err)
+				}
+			}
+			it.s, it.more = ans[0], moreOf(ans)
+		}
+		close(it.done)
+		return nil
 	}
 	r, err := st.ds.Range(st.ctx, i, i+1)
 	if err != nil {
@@ -337,26 +390,73 @@ func (st *onlineStream) fill(it *onItem) error {
 		}
 		return fmt.Errorf("sample %d: %w", i, err)
 	}
-	it.s = cache.Sample{Index: i, Tokens: r[0].IDs, Mask: r[0].Mask}
-	if len(it.s.Tokens) == 0 { // dropped or skipped by the data layer: nothing to ask
-		if st.wc != nil {
-			if err := st.wc.add(it.s); err != nil {
-				return err
+	base := cache.Sample{Index: i, Tokens: r[0].IDs, Mask: r[0].Mask}
+	for j := 0; j < n; j++ {
+		if ans[j].Tokens != nil {
+			if err := sameSample(&base, &ans[j]); err != nil {
+				return fmt.Errorf("%w: sample %d in write cache %s differs from the dataset's: %s: the cache was written from other data; use another distill.write_cache",
+					ErrMismatch, i, st.wcs[j].dir, err)
 			}
 		}
+	}
+	if len(base.Tokens) == 0 { // dropped or skipped by the data layer: nothing to ask
+		for _, j := range ask {
+			if st.wcs[j] != nil {
+				if err := st.wcs[j].add(base); err != nil {
+					return err
+				}
+			}
+		}
+		it.s = base
 		close(it.done)
 		return nil
 	}
-	j := &scoreJob{s: &it.s, done: it.done}
-	if st.wc != nil {
-		j.then = func(j *scoreJob) {
-			if err := st.wc.add(*j.s); err != nil {
-				it.err = err
+	// The last teacher to answer completes the item.
+	var (
+		mu      sync.Mutex
+		pending = len(ask)
+		errs    error
+	)
+	for _, j := range ask {
+		ans[j] = base
+		job := &scoreJob{s: &ans[j], done: make(chan struct{})}
+		wc := st.wcs[j]
+		job.then = func(job *scoreJob) {
+			var err error
+			if wc != nil {
+				err = wc.add(*job.s)
 			}
+			mu.Lock()
+			if err != nil && errs == nil {
+				errs = err
+			}
+			pending--
+			last := pending == 0
+			mu.Unlock()
+			if !last {
+				return
+			}
+			if !it.skip {
+				it.s, it.more = ans[0], moreOf(ans)
+			}
+			it.err = errs
+			close(it.done)
 		}
+		st.pools[j].submit(job)
 	}
-	st.pool.submit(j)
 	return nil
+}
+
+// moreOf is teachers 1..'s top-k of ans (nil with one teacher).
+func moreOf(ans []cache.Sample) []teacherTopK {
+	if len(ans) < 2 {
+		return nil
+	}
+	out := make([]teacherTopK, len(ans)-1)
+	for j := 1; j < len(ans); j++ {
+		out[j-1] = teacherTopK{IDs: ans[j].TopKIDs, LPs: ans[j].TopKLogProbs}
+	}
+	return out
 }
 
 // writeCache is distill.write_cache: answers are gathered per chunk
@@ -461,6 +561,14 @@ func (wc *writeCache) get(i int64) (cache.Sample, bool, error) {
 		return s, false, fmt.Errorf("distill.write_cache %s: %w", wc.dir, err)
 	}
 	return s, true, nil
+}
+
+// has reports whether sample i's chunk was committed when the epoch
+// began (get would return it).
+func (wc *writeCache) has(i int64) bool {
+	wc.mu.Lock()
+	defer wc.mu.Unlock()
+	return wc.done[i/wc.C]
 }
 
 // add gathers answered sample s; a complete chunk goes to the committer.

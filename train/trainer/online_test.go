@@ -407,8 +407,7 @@ func TestOnlineWriteCache(t *testing.T) {
 }
 
 // TestOnlineConfig: distill.teachers in both forms, the defaults, and
-// the errors naming the key: two teacher entries (not supported on this
-// branch), teachers with data.cache or without data.dataset, online keys
+// the errors naming the key: teachers with data.cache or without data.dataset, online keys
 // without teachers, bad values.
 func TestOnlineConfig(t *testing.T) {
 	dir := t.TempDir()
@@ -433,17 +432,16 @@ func TestOnlineConfig(t *testing.T) {
 		t.Fatalf("long form: %+v %v", c, err)
 	}
 	for over, want := range map[string][]string{
-		"distill.teachers=[{addrs: [a:1]}, {addrs: [b:1]}]": {"distill.teachers", "2 teachers (t0, t1)", "multi-teacher online KD is not supported yet"},
-		"distill.teachers=[{addrs: []}]":                    {"distill.teachers[0].addrs", "empty"},
-		"distill.teachers=['a:1,b:1']":                      {"distill.teachers[0].addrs[0]", "one address per list item"},
-		"distill.teachers=[a:1, {addrs: [b:1]}]":            {"do not mix"},
-		"distill.teachers=a:1":                              {"want a list"},
-		"data.cache=[c]":                                    {"only one of data.cache"},
-		"distill.prefetch=-1":                               {"distill.prefetch", "-1"},
-		"distill.k=-2":                                      {"distill.k"},
-		"distill.write_encoding=zip":                        {"distill.write_encoding", "compact or lossless"},
-		"distill.teacher_timeout=-1s":                       {"distill.teacher_timeout"},
-		"distill.capture_temperature=-1":                    {"distill.capture_temperature"},
+		"distill.teachers=[{addrs: []}]":         {"distill.teachers[0].addrs", "empty"},
+		"distill.teachers=['a:1,b:1']":           {"distill.teachers[0].addrs[0]", "one address per list item"},
+		"distill.teachers=[a:1, {addrs: [b:1]}]": {"do not mix"},
+		"distill.teachers=a:1":                   {"want a list"},
+		"data.cache=[c]":                         {"only one of data.cache"},
+		"distill.prefetch=-1":                    {"distill.prefetch", "-1"},
+		"distill.k=-2":                           {"distill.k"},
+		"distill.write_encoding=zip":             {"distill.write_encoding", "compact or lossless"},
+		"distill.teacher_timeout=-1s":            {"distill.teacher_timeout"},
+		"distill.capture_temperature=-1":         {"distill.capture_temperature"},
 	} {
 		_, err := LoadConfig(p, []string{over})
 		if !errors.Is(err, ErrConfig) {
@@ -530,5 +528,41 @@ func TestOnlineDocs(t *testing.T) {
 	o := c.Distill.OnlineConfig
 	if len(o.Teachers) != 1 || len(o.Teachers[0].Addrs) != 2 || o.Teachers[0].Name != "qwen3-8b" || o.WriteCache == "" || o.K != 64 || c.Distill.KDWeight != 1 {
 		t.Fatalf("examples/online.yaml read as %+v", c.Distill)
+	}
+}
+
+// TestOnlineMultiConfig: several distill.teachers entries are several
+// teachers, each with its name (default t<index>) and weight (default
+// 1); names must be unique and usable as metric keys and directory names
+// (their write caches), weights positive. Errors name the entry.
+func TestOnlineMultiConfig(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(p, []byte("run_dir: x\nmodel:\n  init_from: y\ndata:\n  seq_len: 64\n  dataset:\n    files: [a.jsonl]\ndistill:\n  teachers:\n    - {addrs: [h1:7070, h2:7070], name: big, weight: 0.75}\n    - {addrs: [h3:7070]}\n"), 0o644)
+	c, err := LoadConfig(p, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := c.Distill.Teachers
+	if len(ts) != 2 || ts[0].Name != "big" || ts[0].Weight != 0.75 || len(ts[0].Addrs) != 2 || ts[1].Name != "t1" || ts[1].Weight != 1 || ts[1].Addrs[0] != "h3:7070" {
+		t.Fatalf("two teachers read as %+v", ts)
+	}
+	for over, want := range map[string][]string{
+		"distill.teachers=[{addrs: [a:1], name: x}, {addrs: [b:1], name: x}]": {"distill.teachers[1].name", `"x" is also the name of distill.teachers[0]`},
+		"distill.teachers=[{addrs: [a:1]}, {addrs: [b:1], name: t0}]":         {"distill.teachers[1].name", `"t0" is also the name of distill.teachers[0]`},
+		"distill.teachers=[{addrs: [a:1], name: a/b}, {addrs: [b:1]}]":        {"distill.teachers[0].name", `"a/b"`, "letters, digits"},
+		"distill.teachers=[{addrs: [a:1], name: ..}, {addrs: [b:1]}]":         {"distill.teachers[0].name", `".."`},
+		"distill.teachers=[{addrs: [a:1]}, {addrs: [b:1], weight: -1}]":       {"distill.teachers[1].weight", "-1", "positive"},
+		"distill.teachers=[{addrs: [a:1]}, {addrs: [], name: b}]":             {"distill.teachers[1].addrs", "empty"},
+	} {
+		_, err := LoadConfig(p, []string{over})
+		if !errors.Is(err, ErrConfig) {
+			t.Errorf("%s: want ErrConfig, got %v", over, err)
+			continue
+		}
+		for _, w := range want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("%s: error %q lacks %q", over, err, w)
+			}
+		}
 	}
 }

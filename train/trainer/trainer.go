@@ -356,9 +356,6 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		if err := st.checkLoss(cfg, ckpt, o.Log); err != nil {
 			return nil, err
 		}
-		if err := st.checkTeachers(ts, ckpt, o.Log); err != nil {
-			return nil, err
-		}
 		st.setLoss(cfg)
 		if cfg.Model.TokenizerFingerprint == "" {
 			cfg.Model.TokenizerFingerprint = st.TokenizerFingerprint
@@ -408,7 +405,25 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			defer on.close()
 		}
 	}
-	st.setTeachers(ts)
+	// The teachers of a multi-teacher run (data.caches, or several
+	// distill.teachers): the checkpoints record them, and the metrics
+	// name them.
+	var (
+		tcur   []TeacherState
+		tsrc   string
+		twhere func(int) string
+	)
+	if ts != nil {
+		tcur, tsrc, twhere = ts.states(), "data.caches", ts.where
+	} else if on != nil {
+		tcur, tsrc, twhere = on.states(), "distill.teachers", on.where
+	}
+	if ckpt != "" {
+		if err := st.checkTeachers(tcur, tsrc, twhere, ckpt, o.Log); err != nil {
+			return nil, err
+		}
+	}
+	st.setTeachers(tcur)
 	if ckpt == "" {
 		st.CacheTeacher, st.CacheDataset = m.TeacherFingerprint, m.DatasetFingerprint
 	} else if st.CacheTeacher != m.TeacherFingerprint || st.CacheDataset != m.DatasetFingerprint {
@@ -504,6 +519,8 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	pk := &packer{seqLen: cfg.Data.SeqLen, truncate: cfg.Data.Truncate, k: m.K}
 	if ts != nil {
 		pk.multi, pk.more = ts.teachers(), ts.more
+	} else if on != nil && on.multi() {
+		pk.multi = on.teachers() // the online stream carries the other teachers' top-k
 	}
 	if ckpt == "" && cfg.Quant == "nvfp4" {
 		if err := calibrate(s, cfg, openStream, pk, &lopt, o.Log); err != nil {
@@ -541,18 +558,26 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		var es EvalStats
 		if ds != nil {
 			ss, err := dsEvalSamples(ds, evalRange)
+			var more map[int64][]teacherTopK
 			if err == nil && on != nil {
-				ss, err = on.evalSamples(ss)
+				ss, more, err = on.evalSamples(ss)
 			}
 			if err != nil {
 				return err
 			}
-			rows, n, err := pk.packRows(len(ss), func(k int) (cache.Sample, error) { return ss[k], nil })
+			epk := *pk
+			if more != nil {
+				epk.more = func(s cache.Sample) ([]teacherTopK, error) { return more[s.Index], nil }
+			}
+			rows, n, err := epk.packRows(len(ss), func(k int) (cache.Sample, error) { return ss[k], nil })
 			if err != nil {
 				return err
 			}
 			if es, err = evaluateRows(s, rows, n, &lopt, stopped); err != nil {
 				return err
+			}
+			for i := range es.Teachers {
+				es.Teachers[i].Name, es.Teachers[i].Weight = tcur[i].Name, tcur[i].Weight
 			}
 		} else if ts != nil {
 			if es, err = evaluateTeachers(s, ts, evalRange, cfg.Data.SeqLen, cfg.Data.Truncate, &lopt, stopped); err != nil {
@@ -663,8 +688,8 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			sm.Loss += bs.Loss * w
 			sm.KD += bs.KD * w
 			sm.CE += bs.CE * w
-			if ts != nil && sm.Teachers == nil {
-				sm.Teachers = make([]TeacherMetrics, len(ts.names))
+			if tcur != nil && sm.Teachers == nil {
+				sm.Teachers = make([]TeacherMetrics, len(tcur))
 			}
 			for i, t := range bs.Teachers {
 				sm.Teachers[i].KD += t.KD * w
@@ -689,7 +714,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			}
 		}
 		for i := range sm.Teachers {
-			sm.Teachers[i].Name, sm.Teachers[i].Weight = ts.names[i], ts.weights[i]
+			sm.Teachers[i].Name, sm.Teachers[i].Weight = tcur[i].Name, tcur[i].Weight
 		}
 		sm.ExpertShare, sm.ExpertShareByLayer = expertShares(routed)
 		sm.GradNorm = optim.ClipGradNorm(ad.Groups, cfg.Optim.MaxGradNorm)
