@@ -611,3 +611,46 @@ func TestDatasetQAD(t *testing.T) {
 		}
 	}
 }
+
+// TestDatasetSFTLogLines: the log lines of an SFT-only run (data.dataset,
+// no teacher) show what applies, loss and CE, and no KD fields, while a
+// KD run's step line keeps kd; metrics.jsonl keeps every field, kd
+// included.
+func TestDatasetSFTLogLines(t *testing.T) {
+	tokDir, file := byteDataset(t, 40)
+	runDir := filepath.Join(t.TempDir(), "run")
+	var log strings.Builder
+	if _, err := Run(sftConfig(t, tokDir, file, runDir, "train.max_steps=3", "eval.every=3", "log.every=1", "checkpoint.every=3"), Options{Log: &log}); err != nil {
+		t.Fatal(err)
+	}
+	steps, evals := 0, 0
+	for _, l := range strings.Split(log.String(), "\n") {
+		if !strings.HasPrefix(l, "step ") && !strings.HasPrefix(l, "eval step ") {
+			continue
+		}
+		if strings.HasPrefix(l, "step ") {
+			steps++
+		} else {
+			evals++
+		}
+		if !strings.Contains(l, " ce ") || strings.Contains(l, " kd ") || strings.Contains(l, "top1") {
+			t.Errorf("SFT log line %q: want ce and no KD fields", l)
+		}
+		if strings.HasPrefix(l, "step ") && !strings.Contains(l, " loss ") {
+			t.Errorf("SFT step line %q: want the loss", l)
+		}
+	}
+	if steps != 3 || evals != 1 {
+		t.Fatalf("%d step lines, %d eval lines, want 3 and 1:\n%s", steps, evals, log.String())
+	}
+	b, err := os.ReadFile(filepath.Join(runDir, "metrics.jsonl"))
+	if err != nil || !strings.Contains(string(b), `"kd":`) {
+		t.Fatalf("metrics.jsonl keeps its kd field: %v\n%s", err, b)
+	}
+	var kd strings.Builder
+	p := newProgress(&kd, "off", 1, 1)
+	p.step(StepMetrics{Step: 1, Loss: 2, KD: 1.5, CE: 0.5, Tokens: 10})
+	if !strings.Contains(kd.String(), "loss 2.0000 kd 1.5000 ce 0.5000") {
+		t.Errorf("KD run's step line %q: want loss, kd and ce", kd.String())
+	}
+}

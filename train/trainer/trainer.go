@@ -533,6 +533,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		fmt.Fprintf(o.Log, "resumed from %s at step %d (epoch %d, sample %d of its order)\n", ckpt, st.Step, st.Epoch, st.EpochPos)
 	}
 	prog := newProgress(o.Log, cfg.Log.Progress, cfg.Log.Every, cfg.Train.MaxSteps)
+	prog.sft = ds != nil && on == nil
 	sched := cfg.Schedule()
 	doEval := func(step int) error {
 		if evalRange.Start < 0 {
@@ -700,7 +701,11 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			sm.Skipped = true
 			skipRun++
 			prog.clear()
-			fmt.Fprintf(o.Log, "step %d: gradient norm %g (loss %g, kd %g, ce %g): update skipped\n", step, sm.GradNorm, sm.Loss, sm.KD, sm.CE)
+			if prog.sft {
+				fmt.Fprintf(o.Log, "step %d: gradient norm %g (loss %g, ce %g): update skipped\n", step, sm.GradNorm, sm.Loss, sm.CE)
+			} else {
+				fmt.Fprintf(o.Log, "step %d: gradient norm %g (loss %g, kd %g, ce %g): update skipped\n", step, sm.GradNorm, sm.Loss, sm.KD, sm.CE)
+			}
 		} else {
 			ad.Step(sm.LR)
 			skipRun, lastGood = 0, step
