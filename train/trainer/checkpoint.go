@@ -65,6 +65,11 @@ type State struct {
 	// the tokenizer files and generation_config.json from there.
 	TokenizerDir string `json:"tokenizer_dir,omitempty"`
 	InitFrom     string `json:"init_from,omitempty"`
+	// ChatTemplate is the Jinja source of data.dataset.chat_template (the
+	// template the samples were rendered with, overriding the
+	// tokenizer's); `student export` writes it into the exported
+	// tokenizer files. "" when the tokenizer's own template was used.
+	ChatTemplate string `json:"chat_template,omitempty"`
 	// The objective: loss.Definition numbers what each (kd_loss, tail)
 	// meant when the checkpoint was written (absent: 1, before tail zero
 	// existed), so a resume under a tail whose meaning changed since is
@@ -487,14 +492,9 @@ func onlineChunks(cfg *Config) int64 {
 // over it (config.yaml is the last run's, which a resume may have
 // changed).
 func TrainedLoss(path string) (sets []string, from []string, err error) {
-	runDir, ckpt := "", path
-	if _, err := os.Stat(filepath.Join(path, "checkpoints")); err == nil {
-		runDir = path
-		if ckpt, err = LatestCheckpoint(path); err != nil {
-			return nil, nil, err
-		}
-	} else if filepath.Base(filepath.Dir(filepath.Clean(path))) == "checkpoints" {
-		runDir = filepath.Dir(filepath.Dir(filepath.Clean(path)))
+	runDir, ckpt, err := runDirOf(path)
+	if err != nil {
+		return nil, nil, err
 	}
 	d := map[string]string{}
 	if runDir != "" {
@@ -551,6 +551,21 @@ func TrainedLoss(path string) (sets []string, from []string, err error) {
 		}
 	}
 	return sets, from, nil
+}
+
+// runDirOf splits path as LoadStudent takes it into the run directory
+// ("" when path is no run's: an HF directory, or a checkpoint moved out
+// of its run) and the checkpoint (the run's newest for a run directory;
+// "" when it has none yet).
+func runDirOf(path string) (runDir, ckpt string, err error) {
+	if _, err := os.Stat(filepath.Join(path, "checkpoints")); err == nil {
+		ckpt, err := LatestCheckpoint(path)
+		return path, ckpt, err
+	}
+	if clean := filepath.Clean(path); filepath.Base(filepath.Dir(clean)) == "checkpoints" {
+		return filepath.Dir(filepath.Dir(clean)), path, nil
+	}
+	return "", path, nil
 }
 
 func fmtFloat(x float64) string { return strconv.FormatFloat(x, 'g', -1, 64) }

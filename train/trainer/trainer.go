@@ -393,6 +393,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			return nil, err
 		}
 		dsWorkers = opts.Workers
+		st.ChatTemplate = opts.ChatTemplate
 		if ds, err = data.Open(dc.sources(), tok, opts); err != nil {
 			return nil, fmt.Errorf("data.dataset: %w", err)
 		}
