@@ -286,6 +286,7 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 		chunks    atomic.Int64
 		failMu    sync.Mutex
 		failures  = map[cache.Range]int{}
+		counted   = map[cache.Range]bool{} // chunks in the summary: a redone one counts once
 		fatal     error
 		lastErr   = map[string]string{}
 	)
@@ -322,15 +323,24 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 						K: optK(p.K), Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp},
 						func(m *pb.FillResponse) error {
 							if !m.GetSkipped() {
+								// A chunk reported and then redone (its Fill
+								// failed after the report, and the chunk went
+								// back to the queue) is in the caches twice
+								// but counts once.
+								cr := cache.Range{Start: m.GetStart(), End: m.GetEnd()}
 								failMu.Lock()
-								byDir[dirOf[w]] = append(byDir[dirOf[w]], cache.Range{Start: m.GetStart(), End: m.GetEnd()})
+								byDir[dirOf[w]] = append(byDir[dirOf[w]], cr)
+								first := !counted[cr]
+								counted[cr] = true
+								if first {
+									sum.addCounts(m)
+								}
 								failMu.Unlock()
-								samples.Add(m.GetEnd() - m.GetStart())
-								tokens.Add(m.GetTokens())
-								chunks.Add(1)
-								failMu.Lock()
-								sum.addCounts(m)
-								failMu.Unlock()
+								if first {
+									samples.Add(m.GetEnd() - m.GetStart())
+									tokens.Add(m.GetTokens())
+									chunks.Add(1)
+								}
 							}
 							if p.onChunk != nil {
 								p.onChunk(w, m)
@@ -427,7 +437,7 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 	for _, d := range dups {
 		// Not an error: readers of the directories as one cache use one copy.
 		if p.Out != nil {
-			fmt.Fprintf(p.Out, "fill: chunk %s: a teacher committed it and died before reporting, and it was redone; readers use one copy, and the other can be deleted with its chunk file\n", d)
+			fmt.Fprintf(p.Out, "fill: chunk %s: a teacher committed it and died before reporting (or its Fill failed after reporting), and it was redone; the summary counts it once, readers use one copy, and the other can be deleted with its chunk file\n", d)
 		}
 	}
 	if gaps := missingOf(done, cache.Range{Start: p.Start, End: p.End}); len(gaps) > 0 {

@@ -206,3 +206,88 @@ func TestPermanentErrors(t *testing.T) {
 		}
 	}
 }
+
+// reportThenFail is a teacher whose first Fill commits its chunk and
+// reports it, then fails as a dropped connection does (Unavailable), and
+// whose later Fills fail without doing anything: the chunk goes back to
+// the queue and another teacher redoes it. first is closed after that
+// first Fill.
+type reportThenFail struct {
+	named
+	calls int
+	first chan struct{}
+}
+
+func (f *reportThenFail) Fill(ctx context.Context, r *pb.FillRequest, onChunk func(*pb.FillResponse) error) error {
+	f.calls++ // one goroutine (PerWorker 1)
+	if f.calls > 1 {
+		return status.Error(codes.Unavailable, "connection refused")
+	}
+	defer close(f.first)
+	if err := f.named.Fill(ctx, r, onChunk); err != nil {
+		return err
+	}
+	return status.Error(codes.Unavailable, "connection reset after the chunk was reported")
+}
+
+// named is a teacher under another name (so not taken for the
+// in-process one, whose errors are not retried).
+type named struct {
+	Worker
+	name string
+}
+
+func (n named) Name() string { return n.name }
+
+// waitFor is a teacher whose Fills wait until ready is closed, so that
+// the other teacher surely takes a chunk first.
+type waitFor struct {
+	named
+	ready chan struct{}
+}
+
+func (w waitFor) Fill(ctx context.Context, r *pb.FillRequest, onChunk func(*pb.FillResponse) error) error {
+	<-w.ready
+	return w.named.Fill(ctx, r, onChunk)
+}
+
+// TestFillSummaryCountsRedoneChunkOnce: a chunk that a teacher committed
+// and reported, and that was redone by another teacher after the first
+// one's Fill failed, counts once in the summary: its samples, tokens,
+// targets and chunk are those of the range, not more (before the fix the
+// redone chunk was added twice).
+func TestFillSummaryCountsRedoneChunkOnce(t *testing.T) {
+	mdir := tinyModel(t)
+	path, samples := writeIDsDataset(t, t.TempDir(), 16, 10, 512, 8)
+	var ws []Worker
+	for i := 0; i < 2; i++ {
+		c, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: t.TempDir(), TokenBudget: 100})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ws = append(ws, named{Local(c), fmt.Sprintf("node%d:7070", i)})
+		defer ws[i].Close()
+	}
+	flaky := &reportThenFail{named: ws[0].(named), first: make(chan struct{})}
+	ws[0], ws[1] = flaky, waitFor{ws[1].(named), flaky.first}
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	var out strings.Builder
+	sum, err := RunFill(context.Background(), ws, FillPlan{Dataset: ds, ChunkSamples: 4, K: 4, Encoding: "lossless", PerWorker: 1, Out: &out})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "was redone") || sum.Retries < 1 {
+		t.Fatalf("test setup: no chunk was redone (retries %d):\n%s", sum.Retries, out.String())
+	}
+	var tokens int64
+	for _, s := range samples {
+		tokens += int64(len(s))
+	}
+	if sum.Samples != 16 || sum.Chunks != 4 || sum.Tokens != tokens || sum.Targets != tokens {
+		t.Errorf("summary: %d samples, %d chunks, %d tokens, %d targets; want 16, 4, %d, %d (each chunk once)",
+			sum.Samples, sum.Chunks, sum.Tokens, sum.Targets, tokens, tokens)
+	}
+	if want := fmt.Sprintf("fill: 16 samples, %d tokens, %d targets in 4 chunks", tokens, tokens); !strings.Contains(out.String(), want) {
+		t.Errorf("summary line: want %q in\n%s", want, out.String())
+	}
+}

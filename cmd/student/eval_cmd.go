@@ -31,17 +31,18 @@ func runEval(args []string) error {
 	tokFP := fs.String("tokenizer-fingerprint", "", "the student's tokenizer fingerprint (default: the checkpoint's, the config's)")
 	tokDir := fs.String("tokenizer", "", "directory with the student's tokenizer.json (alternative to --tokenizer-fingerprint)")
 	asJSON := fs.Bool("json", false, "print every metric and the loss settings as one JSON object")
-	// The loss, over the config's distill section (or the defaults).
+	// The loss, over the config's distill section (without --config: the
+	// loss the checkpoint's run was trained with, else the defaults).
 	// Each sets distill.<key>; read back through fs.Visit below.
 	lossFlags := map[string]string{"kd-loss": "kd_loss", "tail": "tail", "temperature": "temperature", "jsd-beta": "jsd_beta",
 		"sft-weight": "sft_weight", "kd-weight": "kd_weight", "scale-t2": "scale_t2"}
-	fs.String("kd-loss", "", "distill.kd_loss: fwd_kl, rev_kl or jsd (default: the config's, else fwd_kl)")
-	fs.String("tail", "", "distill.tail: bucket, renormalize or zero (default: the config's, else bucket)")
-	fs.Float64("temperature", 0, "distill.temperature (default: the config's, else 1)")
-	fs.Float64("jsd-beta", 0, "distill.jsd_beta, jsd only: 0 = fwd_kl, 1 = rev_kl (default: the config's, else 0.5)")
-	fs.Float64("sft-weight", 0, "distill.sft_weight (default: the config's, else 0)")
-	fs.Float64("kd-weight", 0, "distill.kd_weight (default: the config's, else 1)")
-	fs.Bool("scale-t2", false, "distill.scale_t2: multiply KD by T^2 (default: the config's, else false)")
+	fs.String("kd-loss", "", "distill.kd_loss: fwd_kl, rev_kl or jsd (default: the config's, else the training run's, else fwd_kl)")
+	fs.String("tail", "", "distill.tail: bucket, renormalize or zero (default: the config's, else the training run's, else bucket)")
+	fs.Float64("temperature", 0, "distill.temperature (default: the config's, else the training run's, else 1)")
+	fs.Float64("jsd-beta", 0, "distill.jsd_beta, jsd only: 0 = fwd_kl, 1 = rev_kl (default: the config's, else the training run's, else 0.5)")
+	fs.Float64("sft-weight", 0, "distill.sft_weight (default: the config's, else the training run's, else 0)")
+	fs.Float64("kd-weight", 0, "distill.kd_weight (default: the config's, else the training run's, else 1)")
+	fs.Bool("scale-t2", false, "distill.scale_t2: multiply KD by T^2 (default: the config's, else the training run's, else false)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -53,7 +54,7 @@ func runEval(args []string) error {
 	}
 	// Loss flags are sugar for config overrides, so they are validated with
 	// the config and their errors name the key.
-	var sets []string
+	var sets, flagged []string
 	fs.Visit(func(f *flag.Flag) {
 		key := lossFlags[f.Name]
 		if key == "" {
@@ -64,7 +65,26 @@ func runEval(args []string) error {
 			v = strconv.Quote(v)
 		}
 		sets = append(sets, "distill."+key+"="+v)
+		flagged = append(flagged, "--"+f.Name)
 	})
+	// Without --config, the loss is the one the run was trained under
+	// (its checkpoint's state.json and config.yaml), the flags over it.
+	lossFrom := "the defaults"
+	if *config != "" {
+		lossFrom = "--config " + *config
+	} else {
+		trained, from, err := trainer.TrainedLoss(*ckpt)
+		if err != nil {
+			return err
+		}
+		if len(from) > 0 {
+			sets = append(trained, sets...)
+			lossFrom = "the training run (" + strings.Join(from, ", ") + ")"
+		}
+	}
+	if len(flagged) > 0 {
+		lossFrom = strings.Join(flagged, " ") + " over " + lossFrom
+	}
 	c, err := trainer.LoadEvalConfig(*config, sets)
 	if err != nil {
 		return err
@@ -96,10 +116,10 @@ func runEval(args []string) error {
 		}
 	}
 	if cfg.Data.Dataset != nil && *cacheDirs == "" && len(tcs) == 0 {
-		return evalDataset(s, st, &cfg, *tokDir, *rng, *seqLen, *asJSON)
+		return evalDataset(s, st, &cfg, *tokDir, *rng, *seqLen, *asJSON, lossFrom)
 	}
 	if len(tcs) > 0 && *cacheDirs == "" {
-		return evalTeachers(s, st, &cfg, tcs, *tokFP, *tokDir, *rng, *seqLen, *asJSON)
+		return evalTeachers(s, st, &cfg, tcs, *tokFP, *tokDir, *rng, *seqLen, *asJSON, lossFrom)
 	}
 	dirs := cfg.Data.Cache
 	if *cacheDirs != "" {
@@ -146,9 +166,10 @@ func runEval(args []string) error {
 	}
 	if *asJSON {
 		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, Loss: cfg.Distill,
-			TeacherTemperature: float64(m.Temperature)})
+			LossFrom: lossFrom, TeacherTemperature: float64(m.Temperature)})
 	}
 	d := cfg.Distill
+	printLoss(d, lossFrom)
 	fmt.Fprintf(stdout, "samples %v (%d), %d loss positions\nloss %.5f  kd(%s, tail %s, T %g) %.5f  ce %.5f  token_accuracy %.4f  top1_agreement %.4f\n",
 		r, es.Samples, es.Tokens, es.Loss, d.KDLoss, d.Tail, d.Temperature, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement)
 	return nil
@@ -178,7 +199,7 @@ func studentTokenizer(st *trainer.State, cfg *trainer.Config, tokFP, tokDir stri
 // the config's data.caches): the objective's KD is the weighted sum of the
 // teachers' divergences, and each teacher's KD and top-1 agreement are
 // printed beside it.
-func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, tcs []trainer.TeacherCache, tokFP, tokDir, rng string, seqLen int, asJSON bool) error {
+func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, tcs []trainer.TeacherCache, tokFP, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
 	fp, err := studentTokenizer(st, cfg, tokFP, tokDir)
 	if err != nil {
 		return err
@@ -216,9 +237,10 @@ func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, tcs 
 	}
 	if asJSON {
 		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, Loss: cfg.Distill,
-			TeacherTemperature: float64(m.Temperature)})
+			LossFrom: lossFrom, TeacherTemperature: float64(m.Temperature)})
 	}
 	d := cfg.Distill
+	printLoss(d, lossFrom)
 	fmt.Fprintf(stdout, "samples %v (%d), %d loss positions, %d teachers\nloss %.5f  kd(%s, tail %s, T %g; weighted sum) %.5f  ce %.5f  token_accuracy %.4f  top1_agreement %.4f (weighted mean)\n",
 		r, es.Samples, es.Tokens, len(es.Teachers), es.Loss, d.KDLoss, d.Tail, d.Temperature, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement)
 	for _, t := range es.Teachers {
@@ -231,7 +253,7 @@ func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, tcs 
 // --cache): the samples are tokenized with the student's tokenizer as
 // the training run read them, and scored on CE and token accuracy (no
 // teacher, so no KD).
-func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, tokDir, rng string, seqLen int, asJSON bool) error {
+func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
 	dir := tokDir
 	switch {
 	case dir != "":
@@ -282,10 +304,25 @@ func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, tokDi
 		return err
 	}
 	if asJSON {
-		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, Loss: cfg.Distill})
+		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, Loss: cfg.Distill, LossFrom: lossFrom})
 	}
 	fmt.Fprintf(stdout, "dataset samples %v (%d), %d loss positions\nce %.5f  token_accuracy %.4f  (no teacher: no KD)\n", r, es.Samples, es.Tokens, es.CE, es.TokenAccuracy)
 	return nil
+}
+
+// printLoss names the loss eval measures under and where its settings
+// came from.
+func printLoss(d trainer.DistillConfig, from string) {
+	t2 := ""
+	if d.ScaleT2 {
+		t2 = ", scaled by T^2"
+	}
+	beta := ""
+	if d.KDLoss == "jsd" {
+		beta = fmt.Sprintf(" (beta %g)", d.JSDBeta)
+	}
+	fmt.Fprintf(stdout, "loss: kd_loss %s%s, tail %s, temperature %g%s, kd_weight %g, sft_weight %g (from %s)\n",
+		d.KDLoss, beta, d.Tail, d.Temperature, t2, d.KDWeight, d.SFTWeight, from)
 }
 
 // stdout is where eval prints its result (tests capture it).
@@ -298,5 +335,6 @@ type evalReport struct {
 	trainer.EvalStats
 	Range              [2]int64              `json:"range"`
 	Loss               trainer.DistillConfig `json:"distill"`
+	LossFrom           string                `json:"distill_from"`
 	TeacherTemperature float64               `json:"teacher_temperature"`
 }

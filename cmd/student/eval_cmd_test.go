@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -70,6 +71,9 @@ func TestEvalLossFlags(t *testing.T) {
 	fromCfg, js1 := evalJSON(t, "--checkpoint", b.TeacherDir, "--config", cfg, "--tokenizer-fingerprint", "testcache-tokenizer")
 	_, js2 := evalJSON(t, append(base, "--kd-loss", "jsd", "--jsd-beta", "0.3", "--tail", "renormalize", "--temperature", "2", "--scale-t2",
 		"--sft-weight", "0.5", "--kd-weight", "0.7", "--seq-len", "40")...)
+	// Equal but for where the settings came from.
+	js1 = strings.Replace(js1, `"distill_from":"--config `+cfg+`"`, `"distill_from":""`, 1)
+	js2 = regexp.MustCompile(`"distill_from":"[^"]*"`).ReplaceAllString(js2, `"distill_from":""`)
 	if js1 != js2 {
 		t.Fatalf("config and flags differ:\n%s%s", js1, js2)
 	}
@@ -182,5 +186,82 @@ func TestEvalCaches(t *testing.T) {
 	err = runEval(append(base, "--caches", a.CacheDir+",odd="+c.CacheDir))
 	if err == nil || !strings.Contains(err.Error(), "teacher odd") || !strings.Contains(err.Error(), "vocab_size 101") {
 		t.Errorf("a teacher with another vocabulary: %v", err)
+	}
+}
+
+// TestEvalTrainedLoss: `student eval --checkpoint RUN` without --config
+// and loss flags measures under the loss the run was trained with (rev_kl,
+// tail renormalize, T 2 here, none of them a default), read from the
+// checkpoint's state.json and the run's config.yaml, for the run directory
+// and for one of its checkpoints alike; the flags override it; the output
+// says which loss it used and where it came from.
+func TestEvalTrainedLoss(t *testing.T) {
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 16, Chunk: 8, MinLen: 6, MaxLen: 30, Seed: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(dir, "run.yaml")
+	os.WriteFile(cfg, []byte(`model:
+  random: {arch: qwen3, vocab_size: 97, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,
+           num_key_value_heads: 1, head_dim: 16, intermediate_size: 64, max_position_embeddings: 128}
+  tokenizer_fingerprint: testcache-tokenizer
+data: {seq_len: 64, global_batch_tokens: 128}
+distill: {kd_loss: rev_kl, tail: renormalize, temperature: 2, sft_weight: 0.25}
+train: {max_steps: 2, threads: 1}
+checkpoint: {every: 2}
+eval: {every: 0}
+log: {progress: "off", tensorboard: false}
+`), 0o644)
+	run := filepath.Join(dir, "run")
+	if err := runTrain([]string{"--config", cfg, "--run-dir", run, "--cache", b.CacheDir}); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := trainer.LatestCheckpoint(run)
+	if err != nil || ck == "" {
+		t.Fatalf("checkpoint %q, %v", ck, err)
+	}
+	base := []string{"--cache", b.CacheDir, "--range", "0:8"}
+	want := map[string]any{"kd_loss": "rev_kl", "tail": "renormalize", "temperature": 2.0, "sft_weight": 0.25, "kd_weight": 1.0}
+	var kd []float64
+	for _, p := range []string{run, ck} {
+		m, _ := evalJSON(t, append([]string{"--checkpoint", p}, base...)...)
+		d := m["distill"].(map[string]any)
+		for k, v := range want {
+			if d[k] != v {
+				t.Errorf("eval --checkpoint %s: distill.%s %v, want the run's %v", p, k, d[k], v)
+			}
+		}
+		if from, _ := m["distill_from"].(string); !strings.Contains(from, filepath.Join(ck, "state.json")) || !strings.Contains(from, filepath.Join(run, "config.yaml")) {
+			t.Errorf("eval --checkpoint %s: distill_from %q, want the checkpoint's state.json and the run's config.yaml", p, from)
+		}
+		kd = append(kd, m["kd"].(float64))
+	}
+	// The same numbers as the run's loss given as flags.
+	m, _ := evalJSON(t, append([]string{"--checkpoint", run, "--kd-loss", "rev_kl", "--tail", "renormalize", "--temperature", "2", "--sft-weight", "0.25"}, base...)...)
+	if m["kd"].(float64) != kd[0] || kd[0] != kd[1] {
+		t.Errorf("kd %v (run dir, checkpoint), %v with the run's loss as flags", kd, m["kd"])
+	}
+	// Flags override the run's loss.
+	m, _ = evalJSON(t, append([]string{"--checkpoint", run, "--tail", "bucket", "--temperature", "1"}, base...)...)
+	if d := m["distill"].(map[string]any); d["tail"] != "bucket" || d["temperature"] != 1.0 || d["kd_loss"] != "rev_kl" {
+		t.Errorf("flags over the run's loss: %v", d)
+	}
+	if from, _ := m["distill_from"].(string); !strings.HasPrefix(from, "--tail --temperature over the training run") {
+		t.Errorf("distill_from %q", from)
+	}
+	// The text output names the loss and its source.
+	var out bytes.Buffer
+	stdout = &out
+	err = runEval(append([]string{"--checkpoint", ck}, base...))
+	stdout = os.Stdout
+	if err != nil || !strings.Contains(out.String(), "loss: kd_loss rev_kl, tail renormalize, temperature 2, kd_weight 1, sft_weight 0.25 (from the training run (") ||
+		!strings.Contains(out.String(), "kd(rev_kl, tail renormalize, T 2)") {
+		t.Errorf("text output %q, %v", out.String(), err)
+	}
+	// An HF directory records no run: the defaults, said so.
+	m, _ = evalJSON(t, append([]string{"--checkpoint", b.TeacherDir, "--tokenizer-fingerprint", "testcache-tokenizer"}, base...)...)
+	if d := m["distill"].(map[string]any); d["kd_loss"] != "fwd_kl" || d["tail"] != "bucket" || m["distill_from"] != "the defaults" {
+		t.Errorf("HF directory: %v from %v", d, m["distill_from"])
 	}
 }

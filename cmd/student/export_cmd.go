@@ -37,6 +37,9 @@ func runExport(args []string) error {
 	if rep.TokenizerFrom != "" {
 		fmt.Printf("tokenizer files from %s\n", rep.TokenizerFrom)
 	}
+	if rep.ChatTemplate != "" {
+		fmt.Printf("chat template: %s\n", rep.ChatTemplate)
+	}
 	if rep.Note != "" {
 		fmt.Printf("note: %s\n", rep.Note)
 	}

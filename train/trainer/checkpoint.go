@@ -12,6 +12,8 @@ import (
 	"syscall"
 	"time"
 
+	"gopkg.in/yaml.v3"
+
 	"distill/compute"
 	"distill/compute/device"
 	"distill/internal/atomicfile"
@@ -63,13 +65,19 @@ type State struct {
 	// the tokenizer files and generation_config.json from there.
 	TokenizerDir string `json:"tokenizer_dir,omitempty"`
 	InitFrom     string `json:"init_from,omitempty"`
+	// ChatTemplate is the Jinja source of data.dataset.chat_template (the
+	// template the samples were rendered with, overriding the
+	// tokenizer's); `student export` writes it into the exported
+	// tokenizer files. "" when the tokenizer's own template was used.
+	ChatTemplate string `json:"chat_template,omitempty"`
 	// The objective: loss.Definition numbers what each (kd_loss, tail)
 	// meant when the checkpoint was written (absent: 1, before tail zero
 	// existed), so a resume under a tail whose meaning changed since is
 	// refused rather than silently training something else.
-	LossDefinition int    `json:"loss_definition,omitempty"`
-	KDLoss         string `json:"kd_loss,omitempty"`
-	Tail           string `json:"tail,omitempty"`
+	LossDefinition int     `json:"loss_definition,omitempty"`
+	KDLoss         string  `json:"kd_loss,omitempty"`
+	Tail           string  `json:"tail,omitempty"`
+	Temperature    float64 `json:"temperature,omitempty"` // distill.temperature (absent: before it was recorded)
 	// Teachers of multi-teacher KD (data.caches), in order; absent with
 	// one teacher (data.cache) or none (data.dataset).
 	Teachers []TeacherState `json:"teachers,omitempty"`
@@ -139,6 +147,7 @@ func (st *State) checkTeachers(cur []TeacherState, src string, where func(int) s
 // setLoss records the objective of cfg under this build's definitions.
 func (st *State) setLoss(cfg *Config) {
 	st.LossDefinition, st.KDLoss, st.Tail = loss.Definition, cfg.Distill.KDLoss, cfg.Distill.Tail
+	st.Temperature = cfg.Distill.Temperature
 }
 
 // checkLoss refuses a resume whose distill.tail names an objective other
@@ -477,3 +486,91 @@ func onlineChunks(cfg *Config) int64 {
 	}
 	return 0
 }
+
+// TrainedLoss is the objective the student at path (as LoadStudent takes
+// it: a run directory, one of its checkpoints, or an HF directory) was
+// trained under, as distill overrides for LoadEvalConfig
+// ("distill.KEY=VALUE"), and the files they were read from (from is ""
+// and sets nil when path records no training run: an HF directory).
+// The run's config.yaml gives the distill section; the checkpoint's
+// state.json, when it records them, gives kd_loss, tail and temperature
+// over it (config.yaml is the last run's, which a resume may have
+// changed).
+func TrainedLoss(path string) (sets []string, from []string, err error) {
+	runDir, ckpt, err := runDirOf(path)
+	if err != nil {
+		return nil, nil, err
+	}
+	d := map[string]string{}
+	if runDir != "" {
+		p := filepath.Join(runDir, "config.yaml")
+		b, err := os.ReadFile(p)
+		switch {
+		case err == nil:
+			var c struct {
+				Distill *DistillConfig `yaml:"distill"`
+			}
+			if err := yaml.Unmarshal(b, &c); err != nil {
+				return nil, nil, fmt.Errorf("%s: %v (the run's resolved config; give the loss with --config or the loss flags)", p, err)
+			}
+			if c.Distill != nil {
+				x := c.Distill
+				d["kd_loss"], d["tail"] = strconv.Quote(x.KDLoss), strconv.Quote(x.Tail)
+				d["jsd_beta"], d["temperature"] = fmtFloat(x.JSDBeta), fmtFloat(x.Temperature)
+				d["kd_weight"], d["sft_weight"] = fmtFloat(x.KDWeight), fmtFloat(x.SFTWeight)
+				d["scale_t2"] = strconv.FormatBool(x.ScaleT2)
+				from = append(from, p)
+			}
+		case !os.IsNotExist(err):
+			return nil, nil, err
+		}
+	}
+	if ckpt != "" {
+		p := filepath.Join(ckpt, "state.json")
+		b, err := os.ReadFile(p)
+		switch {
+		case err == nil:
+			var st State
+			if err := json.Unmarshal(b, &st); err != nil {
+				return nil, nil, fmt.Errorf("%s: %v", p, err)
+			}
+			if st.KDLoss != "" {
+				d["kd_loss"] = strconv.Quote(st.KDLoss)
+			}
+			if st.Tail != "" {
+				d["tail"] = strconv.Quote(st.Tail)
+			}
+			if st.Temperature != 0 {
+				d["temperature"] = fmtFloat(st.Temperature)
+			}
+			if st.KDLoss != "" || st.Tail != "" || st.Temperature != 0 {
+				from = append([]string{p}, from...)
+			}
+		case !os.IsNotExist(err):
+			return nil, nil, err
+		}
+	}
+	for _, k := range []string{"kd_loss", "jsd_beta", "tail", "temperature", "scale_t2", "kd_weight", "sft_weight"} {
+		if v, ok := d[k]; ok {
+			sets = append(sets, "distill."+k+"="+v)
+		}
+	}
+	return sets, from, nil
+}
+
+// runDirOf splits path as LoadStudent takes it into the run directory
+// ("" when path is no run's: an HF directory, or a checkpoint moved out
+// of its run) and the checkpoint (the run's newest for a run directory;
+// "" when it has none yet).
+func runDirOf(path string) (runDir, ckpt string, err error) {
+	if _, err := os.Stat(filepath.Join(path, "checkpoints")); err == nil {
+		ckpt, err := LatestCheckpoint(path)
+		return path, ckpt, err
+	}
+	if clean := filepath.Clean(path); filepath.Base(filepath.Dir(clean)) == "checkpoints" {
+		return filepath.Dir(filepath.Dir(clean)), path, nil
+	}
+	return "", path, nil
+}
+
+func fmtFloat(x float64) string { return strconv.FormatFloat(x, 'g', -1, 64) }

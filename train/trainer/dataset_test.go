@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"reflect"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -609,5 +610,160 @@ func TestDatasetQAD(t *testing.T) {
 		if w := full.Steps[s.Step-1]; s.Loss != w.Loss || s.GradNorm != w.GradNorm {
 			t.Fatalf("QAD step %d after resume: loss %.17g, uninterrupted %.17g", s.Step, s.Loss, w.Loss)
 		}
+	}
+}
+
+// TestDatasetSFTLogLines: the log lines of an SFT-only run (data.dataset,
+// no teacher) show what applies, loss and CE, and no KD fields, while a
+// KD run's step line keeps kd; metrics.jsonl keeps every field, kd
+// included.
+func TestDatasetSFTLogLines(t *testing.T) {
+	tokDir, file := byteDataset(t, 40)
+	runDir := filepath.Join(t.TempDir(), "run")
+	var log strings.Builder
+	if _, err := Run(sftConfig(t, tokDir, file, runDir, "train.max_steps=3", "eval.every=3", "log.every=1", "checkpoint.every=3"), Options{Log: &log}); err != nil {
+		t.Fatal(err)
+	}
+	steps, evals := 0, 0
+	for _, l := range strings.Split(log.String(), "\n") {
+		if !strings.HasPrefix(l, "step ") && !strings.HasPrefix(l, "eval step ") {
+			continue
+		}
+		if strings.HasPrefix(l, "step ") {
+			steps++
+		} else {
+			evals++
+		}
+		if !strings.Contains(l, " ce ") || strings.Contains(l, " kd ") || strings.Contains(l, "top1") {
+			t.Errorf("SFT log line %q: want ce and no KD fields", l)
+		}
+		if strings.HasPrefix(l, "step ") && !strings.Contains(l, " loss ") {
+			t.Errorf("SFT step line %q: want the loss", l)
+		}
+	}
+	if steps != 3 || evals != 1 {
+		t.Fatalf("%d step lines, %d eval lines, want 3 and 1:\n%s", steps, evals, log.String())
+	}
+	b, err := os.ReadFile(filepath.Join(runDir, "metrics.jsonl"))
+	if err != nil || !strings.Contains(string(b), `"kd":`) {
+		t.Fatalf("metrics.jsonl keeps its kd field: %v\n%s", err, b)
+	}
+	var kd strings.Builder
+	p := newProgress(&kd, "off", 1, 1)
+	p.step(StepMetrics{Step: 1, Loss: 2, KD: 1.5, CE: 0.5, Tokens: 10})
+	if !strings.Contains(kd.String(), "loss 2.0000 kd 1.5000 ce 0.5000") {
+		t.Errorf("KD run's step line %q: want loss, kd and ce", kd.String())
+	}
+}
+
+// TestExportCarriesChatTemplate: `student export` carries the chat
+// template the run rendered its samples with into the exported
+// tokenizer, as transformers saves one (tokenizer_config.json's
+// chat_template, and chat_template.jinja when the tokenizer has one):
+// data.dataset.chat_template's (recorded in the checkpoint, so the export
+// carries it after the file is gone), and a template that only the
+// tokenizer's chat_template.jinja holds; the other keys of
+// tokenizer_config.json stay, in order.
+func TestExportCarriesChatTemplate(t *testing.T) {
+	dir := t.TempDir()
+	tokDir := filepath.Join(dir, "tok")
+	os.MkdirAll(tokDir, 0o755)
+	writeByteTokenizer(t, tokDir)
+	own := "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+	os.WriteFile(filepath.Join(tokDir, "tokenizer_config.json"), []byte(`{"eos_token": "a", "chat_template": `+strconv.Quote(own)+`, "model_max_length": 512}`), 0o644)
+	file := filepath.Join(dir, "chat.jsonl")
+	writeJSONL(t, file, chatRecords(40, 1))
+	custom := "{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n{% endfor %}"
+	tmplFile := filepath.Join(dir, "custom.jinja")
+	os.WriteFile(tmplFile, []byte(custom), 0o644)
+
+	readConfig := func(out string) map[string]any {
+		t.Helper()
+		b, err := os.ReadFile(filepath.Join(out, "tokenizer_config.json"))
+		var m map[string]any
+		if err == nil {
+			err = json.Unmarshal(b, &m)
+		}
+		if err != nil {
+			t.Fatalf("%s: tokenizer_config.json: %v", out, err)
+		}
+		return m
+	}
+
+	// The dataset's template, over the tokenizer's.
+	runDir := filepath.Join(dir, "run")
+	cfg := sftConfig(t, tokDir, file, runDir, "train.max_steps=3", "eval.every=0", "checkpoint.every=3",
+		"data.dataset.chat_template="+strconv.Quote(tmplFile))
+	if _, err := Run(cfg, Options{Log: io.Discard}); err != nil {
+		t.Fatal(err)
+	}
+	os.Remove(tmplFile)
+	out := filepath.Join(dir, "export")
+	if _, err := Export(runDir, out, ExportOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	tk, err := tokenizer.Load(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := readConfig(out)
+	if tk.ChatTemplate() != custom || m["chat_template"] != custom || m["eos_token"] != "a" || m["model_max_length"] != 512.0 {
+		t.Errorf("export of a run with data.dataset.chat_template: template %q, tokenizer_config.json %v; want %q and the other keys kept", tk.ChatTemplate(), m, custom)
+	}
+	if b, _ := os.ReadFile(filepath.Join(out, "tokenizer_config.json")); !strings.HasPrefix(string(b), "{\n  \"eos_token\": \"a\",\n  \"chat_template\": ") {
+		t.Errorf("tokenizer_config.json: keys out of order, or not indented as transformers writes it:\n%s", b)
+	}
+
+	// A checkpoint written before state.json recorded the template: the
+	// file the run's config.yaml names, and an error naming it when it is
+	// gone.
+	ck, _ := LatestCheckpoint(runDir)
+	sp := filepath.Join(ck, "state.json")
+	sb, _ := os.ReadFile(sp)
+	var raw map[string]any
+	json.Unmarshal(sb, &raw)
+	delete(raw, "chat_template")
+	sb, _ = json.Marshal(raw)
+	os.WriteFile(sp, sb, 0o644)
+	if _, err := Export(runDir, filepath.Join(dir, "e1"), ExportOptions{}); err == nil || !strings.Contains(err.Error(), "data.dataset.chat_template "+tmplFile) || !strings.Contains(err.Error(), "--no-tokenizer") {
+		t.Errorf("export with the run's template file gone: %v", err)
+	}
+	os.WriteFile(tmplFile, []byte(custom), 0o644)
+	if _, err := Export(ck, filepath.Join(dir, "e1"), ExportOptions{}); err != nil {
+		t.Fatal(err)
+	} else if m := readConfig(filepath.Join(dir, "e1")); m["chat_template"] != custom {
+		t.Errorf("export of an older checkpoint: chat_template %v, want the run's config's file", m["chat_template"])
+	}
+
+	// Named templates: the default one is set, the others kept.
+	named := filepath.Join(dir, "named")
+	os.MkdirAll(named, 0o755)
+	writeByteTokenizer(t, named)
+	os.WriteFile(filepath.Join(named, "tokenizer_config.json"), []byte(`{"chat_template": [{"name": "default", "template": "x"}, {"name": "tool_use", "template": "y"}]}`), 0o644)
+	if err := carryChatTemplate(named, custom); err != nil {
+		t.Fatal(err)
+	}
+	if ct := readConfig(named)["chat_template"].([]any); len(ct) != 2 || ct[0].(map[string]any)["template"] != custom || ct[1].(map[string]any)["template"] != "y" {
+		t.Errorf("named templates: %v", ct)
+	}
+
+	// A tokenizer whose template is only in chat_template.jinja: the
+	// export has it in tokenizer_config.json too.
+	jinjaTok := filepath.Join(dir, "tok2")
+	os.MkdirAll(jinjaTok, 0o755)
+	writeByteTokenizer(t, jinjaTok)
+	os.WriteFile(filepath.Join(jinjaTok, "tokenizer_config.json"), []byte(`{"eos_token": "a"}`), 0o644)
+	os.WriteFile(filepath.Join(jinjaTok, "chat_template.jinja"), []byte(own), 0o644)
+	runDir = filepath.Join(dir, "run2")
+	if _, err := Run(sftConfig(t, jinjaTok, file, runDir, "train.max_steps=3", "eval.every=0", "checkpoint.every=3"), Options{Log: io.Discard}); err != nil {
+		t.Fatal(err)
+	}
+	out = filepath.Join(dir, "export2")
+	if _, err := Export(runDir, out, ExportOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	jb, _ := os.ReadFile(filepath.Join(out, "chat_template.jinja"))
+	if m := readConfig(out); m["chat_template"] != own || string(jb) != own {
+		t.Errorf("export of a tokenizer with chat_template.jinja: tokenizer_config.json %v, chat_template.jinja %q; want %q in both", m, jb, own)
 	}
 }

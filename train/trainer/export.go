@@ -1,6 +1,8 @@
 package trainer
 
 import (
+	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -11,6 +13,8 @@ import (
 
 	"distill/data/tokenizer"
 	"distill/model"
+
+	"gopkg.in/yaml.v3"
 )
 
 // tokenizerFiles are the files of an HF tokenizer that an exported model
@@ -38,6 +42,9 @@ type ExportReport struct {
 	// from; "" with Note saying why none were.
 	TokenizerFrom string
 	Note          string
+	// ChatTemplate says where the exported chat template came from when
+	// the run overrode the tokenizer's ("" otherwise).
+	ChatTemplate string
 }
 
 // Export writes the student at src (a run directory, a checkpoint or an
@@ -67,6 +74,15 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 	}
 	rep := &ExportReport{}
 	var tokDir string
+	// tmpl is the chat template the run rendered its samples with when
+	// it overrode the tokenizer's (data.dataset.chat_template).
+	tmpl, err := runChatTemplate(src, st)
+	if err != nil {
+		return nil, err
+	}
+	if tmpl != "" && !o.NoTokenizer {
+		rep.ChatTemplate = "the run's data.dataset.chat_template"
+	}
 	var genDirs []string // generation_config.json from the first that has one
 	switch {
 	case o.NoTokenizer:
@@ -116,6 +132,15 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 			if n > 0 {
 				rep.TokenizerFrom = tokDir
 			}
+			if err := carryChatTemplate(tmp, tmpl); err != nil {
+				return err
+			}
+		} else if tmpl != "" && !o.NoTokenizer {
+			// No tokenizer files to carry it: the template alone, which
+			// transformers reads beside the tokenizer files copied later.
+			if err := os.WriteFile(filepath.Join(tmp, "chat_template.jinja"), []byte(tmpl), 0o644); err != nil {
+				return err
+			}
 		}
 		for _, d := range genDirs {
 			if d == "" {
@@ -164,4 +189,204 @@ func copyIfExists(src, dst string) (bool, error) {
 		return false, fmt.Errorf("copying %s: %w", src, err)
 	}
 	return true, out.Close()
+}
+
+// runChatTemplate is the chat template the run of the checkpoint st
+// (loaded from src) rendered its samples with when it overrode the
+// tokenizer's (data.dataset.chat_template): recorded in state.json, or,
+// for checkpoints written before that, read from the file the run's
+// config.yaml names. "" when the run used the tokenizer's own.
+func runChatTemplate(src string, st *State) (string, error) {
+	if st == nil {
+		return "", nil // a plain HF directory: its own tokenizer files
+	}
+	if st.ChatTemplate != "" {
+		return st.ChatTemplate, nil
+	}
+	runDir, _, err := runDirOf(src)
+	if err != nil || runDir == "" {
+		return "", err
+	}
+	p := filepath.Join(runDir, "config.yaml")
+	b, err := os.ReadFile(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", nil
+	}
+	if err != nil {
+		return "", err
+	}
+	var c struct {
+		Data struct {
+			Dataset *struct {
+				ChatTemplate string `yaml:"chat_template"`
+			} `yaml:"dataset"`
+		} `yaml:"data"`
+	}
+	if err := yaml.Unmarshal(b, &c); err != nil || c.Data.Dataset == nil || c.Data.Dataset.ChatTemplate == "" {
+		return "", nil // not a dataset run with its own template
+	}
+	f := c.Data.Dataset.ChatTemplate
+	t, err := os.ReadFile(f)
+	if err != nil {
+		return "", fmt.Errorf("the run %s was trained with data.dataset.chat_template %s, which cannot be read now (%v): the export must carry the template the model was trained with; restore the file, or give --no-tokenizer to export the weights alone", runDir, f, err)
+	}
+	return string(t), nil
+}
+
+// carryChatTemplate makes the tokenizer files copied into dir carry the
+// chat template tmpl ("": the tokenizer's own, left as copied): as
+// transformers saves a tokenizer, tokenizer_config.json's chat_template
+// holds it (created when the tokenizer had none; its other keys are kept
+// in order), and a chat_template.jinja, which newer transformers read in
+// its place, holds the same. With tmpl "", a template that only a
+// chat_template.jinja holds is written into tokenizer_config.json too, so
+// that older readers of the export chat alike.
+func carryChatTemplate(dir, tmpl string) error {
+	tk, err := tokenizer.Load(dir)
+	if err != nil {
+		return err
+	}
+	if tmpl == "" {
+		tmpl = tk.ChatTemplate()
+	}
+	if tmpl == "" {
+		return nil
+	}
+	jinja := filepath.Join(dir, "chat_template.jinja")
+	if b, err := os.ReadFile(jinja); err == nil && string(b) != tmpl {
+		if err := os.WriteFile(jinja, []byte(tmpl), 0o644); err != nil {
+			return err
+		}
+	}
+	path := filepath.Join(dir, "tokenizer_config.json")
+	keys, vals, err := readJSONObject(path)
+	if err != nil {
+		return err
+	}
+	i := keyIndex(keys, "chat_template")
+	var cur string
+	if i >= 0 && json.Unmarshal(vals[i], &cur) == nil && cur == tmpl {
+		return checkChatTemplate(dir, tmpl)
+	}
+	v, err := templateValue(tmpl, vals, i)
+	if err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	if i < 0 {
+		keys, vals = append(keys, "chat_template"), append(vals, v)
+	} else {
+		vals[i] = v
+	}
+	if err := writeJSONObject(path, keys, vals); err != nil {
+		return err
+	}
+	return checkChatTemplate(dir, tmpl)
+}
+
+// keyIndex is the index of k in keys, -1 if absent.
+func keyIndex(keys []string, k string) int {
+	for i, x := range keys {
+		if x == k {
+			return i
+		}
+	}
+	return -1
+}
+
+// templateValue is the chat_template value holding tmpl: a string, or,
+// when the config has a list of named templates (vals[i]), that list with
+// its "default" entry set to tmpl.
+func templateValue(tmpl string, vals []json.RawMessage, i int) (json.RawMessage, error) {
+	if i >= 0 {
+		var named []map[string]any
+		if json.Unmarshal(vals[i], &named) == nil {
+			found := false
+			for _, n := range named {
+				if n["name"] == "default" {
+					n["template"], found = tmpl, true
+				}
+			}
+			if !found {
+				named = append(named, map[string]any{"name": "default", "template": tmpl})
+			}
+			return marshalNoEscape(named)
+		}
+	}
+	return marshalNoEscape(tmpl)
+}
+
+// marshalNoEscape is json.Marshal without escaping <, > and & (Jinja
+// templates are full of them; Python's json.dumps leaves them).
+func marshalNoEscape(v any) (json.RawMessage, error) {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
+		return nil, err
+	}
+	return bytes.TrimRight(b.Bytes(), "\n"), nil
+}
+
+// readJSONObject reads the top-level keys of the JSON object at path in
+// their order, with their values as they are (a missing file: none).
+func readJSONObject(path string) ([]string, []json.RawMessage, error) {
+	b, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil, nil
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+		return nil, nil, fmt.Errorf("%s: not a JSON object", path)
+	}
+	var keys []string
+	var vals []json.RawMessage
+	for dec.More() {
+		t, err := dec.Token()
+		if err != nil {
+			return nil, nil, fmt.Errorf("%s: %w", path, err)
+		}
+		var v json.RawMessage
+		if err := dec.Decode(&v); err != nil {
+			return nil, nil, fmt.Errorf("%s: %w", path, err)
+		}
+		keys, vals = append(keys, t.(string)), append(vals, v)
+	}
+	return keys, vals, nil
+}
+
+// writeJSONObject writes keys and vals as one JSON object, indented by
+// two spaces as transformers writes tokenizer_config.json.
+func writeJSONObject(path string, keys []string, vals []json.RawMessage) error {
+	var b bytes.Buffer
+	b.WriteString("{")
+	for i, k := range keys {
+		if i > 0 {
+			b.WriteString(",")
+		}
+		kb, _ := marshalNoEscape(k)
+		b.WriteString("\n  ")
+		b.Write(kb)
+		b.WriteString(": ")
+		if err := json.Indent(&b, vals[i], "  ", "  "); err != nil {
+			return fmt.Errorf("%s: %s: %w", path, k, err)
+		}
+	}
+	b.WriteString("\n}\n")
+	return os.WriteFile(path, b.Bytes(), 0o644)
+}
+
+// checkChatTemplate checks that the tokenizer in dir now reads tmpl as its
+// chat template.
+func checkChatTemplate(dir, tmpl string) error {
+	tk, err := tokenizer.Load(dir)
+	if err != nil {
+		return err
+	}
+	if tk.ChatTemplate() != tmpl {
+		return fmt.Errorf("the exported tokenizer in %s does not read back the run's chat template (%d bytes, want %d): a bug; give --no-tokenizer and copy the tokenizer files yourself", dir, len(tk.ChatTemplate()), len(tmpl))
+	}
+	return nil
 }

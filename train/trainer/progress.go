@@ -19,6 +19,8 @@ type progress struct {
 	shown  bool
 	first  int
 	tokens float64
+	// sft: an SFT-only run (data.dataset, no teacher): no KD to show.
+	sft bool
 }
 
 func newProgress(w io.Writer, mode string, every, total int) *progress {
@@ -54,7 +56,13 @@ func (p *progress) step(sm StepMetrics) {
 		p.shown = true
 		return
 	}
-	if sm.Step%p.every == 0 || sm.Step == p.total {
+	if sm.Step%p.every != 0 && sm.Step != p.total {
+		return
+	}
+	if p.sft {
+		fmt.Fprintf(p.w, "step %d/%d loss %.4f ce %.4f lr %.3e grad_norm %.4f %.0f tok/s %.2f GFLOP/s peak %.0f MiB eta %s\n",
+			sm.Step, p.total, sm.Loss, sm.CE, sm.LR, sm.GradNorm, tps, sm.GFLOPs, float64(sm.PeakMemBytes)/(1<<20), eta)
+	} else {
 		fmt.Fprintf(p.w, "step %d/%d loss %.4f kd %.4f ce %.4f%s lr %.3e grad_norm %.4f %.0f tok/s %.2f GFLOP/s peak %.0f MiB eta %s\n",
 			sm.Step, p.total, sm.Loss, sm.KD, sm.CE, teachersLine(sm.Teachers), sm.LR, sm.GradNorm, tps, sm.GFLOPs, float64(sm.PeakMemBytes)/(1<<20), eta)
 	}

@@ -390,6 +390,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			return nil, err
 		}
 		dsWorkers = opts.Workers
+		st.ChatTemplate = opts.ChatTemplate
 		if ds, err = data.Open(dc.sources(), tok, opts); err != nil {
 			return nil, fmt.Errorf("data.dataset: %w", err)
 		}
@@ -550,6 +551,7 @@ func Run(cfg *Config, o Options) (*Result, error) {
 		fmt.Fprintf(o.Log, "resumed from %s at step %d (epoch %d, sample %d of its order)\n", ckpt, st.Step, st.Epoch, st.EpochPos)
 	}
 	prog := newProgress(o.Log, cfg.Log.Progress, cfg.Log.Every, cfg.Train.MaxSteps)
+	prog.sft = ds != nil && on == nil
 	sched := cfg.Schedule()
 	doEval := func(step int) error {
 		if evalRange.Start < 0 {
@@ -725,7 +727,11 @@ func Run(cfg *Config, o Options) (*Result, error) {
 			sm.Skipped = true
 			skipRun++
 			prog.clear()
-			fmt.Fprintf(o.Log, "step %d: gradient norm %g (loss %g, kd %g, ce %g): update skipped\n", step, sm.GradNorm, sm.Loss, sm.KD, sm.CE)
+			if prog.sft {
+				fmt.Fprintf(o.Log, "step %d: gradient norm %g (loss %g, ce %g): update skipped\n", step, sm.GradNorm, sm.Loss, sm.CE)
+			} else {
+				fmt.Fprintf(o.Log, "step %d: gradient norm %g (loss %g, kd %g, ce %g): update skipped\n", step, sm.GradNorm, sm.Loss, sm.KD, sm.CE)
+			}
 		} else {
 			ad.Step(sm.LR)
 			skipRun, lastGood = 0, step
