@@ -25,7 +25,11 @@ type progress struct {
 
 func newProgress(w io.Writer, mode string, every, total int) *progress {
 	tty := false
-	if f, ok := w.(*os.File); ok {
+	under := w
+	if lw, ok := w.(*lockedWriter); ok { // Run's serialized log
+		under = lw.w
+	}
+	if f, ok := under.(*os.File); ok {
 		if fi, err := f.Stat(); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
 			tty = true
 		}

@@ -120,6 +120,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"gopkg.in/yaml.v3"
@@ -265,6 +266,10 @@ func Run(cfg *Config, o Options) (*Result, error) {
 	if o.Log == nil {
 		o.Log = os.Stderr
 	}
+	// The log has writers besides the loop (the online teachers' pause
+	// and resume lines come from their pool's goroutine), and Options.Log
+	// need not be safe for concurrent use (a bytes.Buffer in tests).
+	o.Log = &lockedWriter{w: o.Log}
 	if o.Resume == "" {
 		o.Resume = "auto"
 	}
@@ -1284,4 +1289,17 @@ func (m *metrics) close() {
 	if m.tb != nil {
 		m.tb.Close()
 	}
+}
+
+// lockedWriter serializes writes to w: each Write is one whole line or
+// message, never interleaved with another goroutine's.
+type lockedWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
 }
