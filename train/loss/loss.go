@@ -381,7 +381,7 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 		if tg.K != 0 || tg.TopIDs != nil || tg.TopLP != nil {
 			return Stats{}, fmt.Errorf("%w: the targets set both one teacher's top-k (K, TopIDs, TopLP) and Teachers: set only Teachers for several teachers", ErrInvalid)
 		}
-		if opt.KDWeight > 0 {
+		if opt.KDWeight > 0 || dx == nil {
 			return h.runMulti(x, w, dx, dw, tg, opt, normalizer)
 		}
 	}
@@ -389,7 +389,11 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 		return Stats{}, err
 	}
 	V := h.V
-	useKD := opt.KDWeight > 0
+	// Without a gradient (evaluation), the divergence is a metric even at
+	// kd_weight 0: an SFT-only run scored on a teacher's cache reports how
+	// far it is from the teacher, and its loss (kd_weight·KD + ...) stays
+	// what it trained on.
+	useKD := opt.KDWeight > 0 || (dx == nil && tg.K > 0)
 	K := 0
 	if useKD {
 		K = tg.K

@@ -410,3 +410,30 @@ func TestTailPrecisionManyK(t *testing.T) {
 	qv := math.Exp(float64(w[v])) / Z
 	closeRel(t, "dlogit of a tail token", float64(dw[v]), qv*(1-pt/qt), 0, 1e-3)
 }
+
+// TestEvalKDAtZeroWeight: without a gradient (evaluation), a batch with a
+// teacher's top-k reports the divergence even at kd_weight 0, the same
+// value as at kd_weight 1, while the loss stays sft_weight·CE: an SFT-only
+// student scored on a teacher's cache shows how far it is from the
+// teacher.
+func TestEvalKDAtZeroWeight(t *testing.T) {
+	b := newBatch(5, 4, 20, 3)
+	h := &Head{V: 20, C: 4}
+	sft := Options{KD: FwdKL, Tail: Bucket, Temperature: 1, KDWeight: 0, SFTWeight: 1}
+	kd := sft
+	kd.KDWeight = 1
+	s0, err := h.fwd(b.x, b.w, &b.tg, &sft)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s1, err := h.fwd(b.x, b.w, &b.tg, &kd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !(s0.KD > 0) || s0.KD != s1.KD || s0.CE != s1.CE {
+		t.Fatalf("kd_weight 0: kd %v ce %v; kd_weight 1: kd %v ce %v: want the same positive kd and ce", s0.KD, s0.CE, s1.KD, s1.CE)
+	}
+	if s0.Loss != s0.CE {
+		t.Fatalf("kd_weight 0, sft_weight 1: loss %v, want ce %v", s0.Loss, s0.CE)
+	}
+}
