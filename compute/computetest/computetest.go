@@ -48,6 +48,13 @@ type Tolerances struct {
 	// MoEAtol, MoERtol bound the MoE block's output, a sum of SwiGLU
 	// experts with O(10) values.
 	MoEAtol, MoERtol float64
+	// MoEBwdRel, when set, bounds MoEBackward's gradients against finite
+	// differences norm-wise, |got-want| <= MoEBwdRel·max|want| per
+	// tensor, in place of BwdAtol, BwdRtol: a BF16GEMM backend rounds the
+	// backward GEMMs' operands too (the experts' output gradients,
+	// activations and their gradients), which a smooth reference cannot
+	// reproduce.
+	MoEBwdRel float64
 	// BF16GEMM says that the backend rounds the operands of its GEMMs
 	// (MatMul, the MoE experts' projections, the LM head) to BF16 and
 	// accumulates in fp32, as a GPU backend does; the forward references
