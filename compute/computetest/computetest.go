@@ -15,8 +15,9 @@
 //
 // MoEBackward checks MoEForward and MoEBackward (the Qwen3-MoE block's
 // training pair) against float64 formulas and finite differences, router
-// and load-balancing gradient included; a backend that trains but has no
-// MoE kernels yet leaves "MoEBackward" out through Tolerances.Skip.
+// and load-balancing gradient included; a BF16 backend's gradients are
+// held norm-wise (Tolerances.MoEBwdRel), and a backend that trains but has
+// no MoE kernels yet can leave "MoEBackward" out through Tolerances.Skip.
 //
 // A backend that implements only the teacher's forward (the CUDA backend,
 // until its training kernels exist) runs RunForward: the memory methods
