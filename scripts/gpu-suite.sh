@@ -54,9 +54,9 @@
 #                   the CPU from the same weights and cache: the GPU's loss
 #                   curve within 1% of the CPU's at every step; both curves
 #                   to $OUT/curve-qwen3.jsonl and curve-qwen2.jsonl
-#   train-qad       a student trained with NVFP4 QAD on the GPU exports NVFP4
-#                   weights that decode to the GPU's fake-quantized ones bit
-#                   for bit
+#   train-qad       students (Qwen3, Qwen3-MoE) trained with NVFP4 QAD on the
+#                   GPU export NVFP4 weights that decode to the GPU's
+#                   fake-quantized ones bit for bit
 #   train-resume    on the GPU: a run stopped after a checkpoint and resumed,
 #                   and a run SIGKILLed mid-training and resumed, repeat the
 #                   uninterrupted run's losses bit for bit; the GPU's
