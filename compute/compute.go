@@ -401,9 +401,11 @@ type ScratchReporter interface {
 }
 
 // Partial is implemented by a backend that does not yet implement every
-// method of the contract (the CUDA backend has no MoE training kernels).
-// Callers ask before they build on it, so that a missing kernel is a
-// clear error before anything runs rather than a panic mid-step.
+// method of the contract (none of this module's backends today: the CUDA
+// backend used it to refuse Qwen3-MoE students until its MoE training
+// kernels existed). Callers ask before they build on it, so that a
+// missing kernel is a clear error before anything runs rather than a
+// panic mid-step.
 type Partial interface {
 	// Lacks returns an error naming what is missing for feature, or nil
 	// when the backend runs it. Features: FeatureMoETraining.

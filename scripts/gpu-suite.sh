@@ -46,20 +46,23 @@
 # and the student's (`run train` runs these, within the same budget):
 #
 #   train-test      the training kernels vs compute/cpu (ragged attention
-#                   backward, loss head, NVFP4 bit for bit, deterministic
-#                   reductions: twice the same bits) and the contract's suite
+#                   backward, loss head, NVFP4 bit for bit, MoE forward and
+#                   backward, deterministic reductions: twice the same bits)
+#                   and the contract's suite
 #   train-memcheck  compute-sanitizer --tool memcheck on the training kernels
 #   train-curve     tiny qwen3 and qwen2 students, 50 steps on the GPU and on
 #                   the CPU from the same weights and cache: the GPU's loss
 #                   curve within 1% of the CPU's at every step; both curves
 #                   to $OUT/curve-qwen3.jsonl and curve-qwen2.jsonl
-#   train-qad       a student trained with NVFP4 QAD on the GPU exports NVFP4
-#                   weights that decode to the GPU's fake-quantized ones bit
-#                   for bit
+#   train-qad       students (Qwen3, Qwen3-MoE) trained with NVFP4 QAD on the
+#                   GPU export NVFP4 weights that decode to the GPU's
+#                   fake-quantized ones bit for bit
 #   train-resume    on the GPU: a run stopped after a checkpoint and resumed,
 #                   and a run SIGKILLed mid-training and resumed, repeat the
 #                   uninterrupted run's losses bit for bit; the GPU's
-#                   checkpoint resumes on the CPU
+#                   checkpoint resumes on the CPU; a tiny Qwen3-MoE student
+#                   follows the CPU's loss curve within 1% and resumes bit
+#                   for bit (TestCUDAMoEStudent)
 #   train-bench     training steps of Qwen3-0.6B- and 1.7B-shaped students,
 #                   rows of 8192 tokens, vocab 151936, k = 64, with and
 #                   without NVFP4 QAD: tokens/s, MFU, device memory
@@ -208,7 +211,7 @@ s_device() {
 }
 
 # The training kernels' tests (train_test.go) and the contract's suite.
-train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|LossHeadConformance|KernelsCompile'
+train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|LossHeadConformance|MoETrainConformance|KernelsCompile'
 
 s_train-test() {
   step train-test 80 "$T" -test.v -test.count=1 -test.timeout=75s -test.run "$train_tests"
@@ -230,7 +233,7 @@ s_train-qad() {
 }
 
 s_train-resume() {
-  STEP_DIR=train/trainer step train-resume 50 "$TT" -test.v -test.count=1 -test.timeout=45s -test.run 'TestCUDAResume'
+  STEP_DIR=train/trainer step train-resume 80 "$TT" -test.v -test.count=1 -test.timeout=75s -test.run 'TestCUDAResume|TestCUDAMoEStudent'
 }
 
 s_train-bench() {
@@ -253,7 +256,7 @@ s_memcheck() {
 s_racecheck() {
   if ! command -v compute-sanitizer >/dev/null; then echo "no compute-sanitizer" >"$OUT/racecheck.log"; status racecheck skipped; return; fi
   step racecheck 150 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 3 --print-limit 50 \
-    "$T" -test.count=1 -test.timeout=140s -test.run 'TestAttentionConformance|TestLMHeadTopKTies|TestAttnPlanKernel|TestMoERoutingTies|TestAttentionBackwardConformance|TestLossHeadConformance|TestReductionsConformance'
+    "$T" -test.count=1 -test.timeout=140s -test.run 'TestAttentionConformance|TestLMHeadTopKTies|TestAttnPlanKernel|TestMoERoutingTies|TestAttentionBackwardConformance|TestLossHeadConformance|TestReductionsConformance|TestMoETrainConformance'
 }
 
 s_goldens() {
@@ -299,11 +302,11 @@ summary() {
     echo "-- HF peer"
     cat "$OUT/peer.log" 2>/dev/null | grep '^{'
     echo "-- training: loss curves, GPU vs CPU (worst relative difference)"
-    grep -hE 'steps: loss .* worst relative difference' "$OUT/train-curve.log" 2>/dev/null | sed 's/^ *//'
+    grep -hE 'steps: loss .* worst relative difference' "$OUT/train-curve.log" "$OUT/train-resume.log" 2>/dev/null | sed 's/^ *//'
     echo "-- training: NVFP4 export of a GPU run"
     grep -hE 'bit for bit|--- (PASS|FAIL): TestCUDAQADExport' "$OUT/train-qad.log" 2>/dev/null | sed 's/^ *//'
     echo "-- training: resume exactness"
-    grep -hE -- '--- (PASS|FAIL): TestCUDAResume' "$OUT/train-resume.log" 2>/dev/null
+    grep -hE -- '--- (PASS|FAIL): (TestCUDAResume|TestCUDAMoEStudent)' "$OUT/train-resume.log" 2>/dev/null
     echo "-- training benchmark (ours, then the PyTorch peer)"
     grep -E '^BenchmarkCUDATrainStep' "$OUT/train-bench.log" 2>/dev/null
     cat "$OUT/train-bench.jsonl" 2>/dev/null

@@ -14,7 +14,9 @@ import (
 // (the CPU emulator of CUDA here, the GPU under DISTILL_CUDA_TEST=gpu)
 // exports NVFP4 weights that decode to the device's fake-quantized weights
 // bit for bit, for every Linear: the device's FakeQuantNVFP4 and the
-// export packer share compute's scalar definitions.
+// export packer share compute's scalar definitions. For a dense Qwen3 and
+// a Qwen3-MoE student (every expert's Linears quantized, their inputs in
+// the MoE kernels); quantization must change the loss.
 func TestCUDAQADExport(t *testing.T) {
 	cudaemu.Use(t)
 	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
@@ -22,7 +24,12 @@ func TestCUDAQADExport(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer be.Close()
-	cfg := tinyConfig(model.ArchQwen3, false)
+	for _, cfg := range []*model.Config{tinyConfig(model.ArchQwen3, false), tinyMoEConfig(false, 1)} {
+		t.Run(string(cfg.Arch), func(t *testing.T) { cudaQADExport(t, be, cfg) })
+	}
+}
+
+func cudaQADExport(t *testing.T, be *cuda.Backend, cfg *model.Config) {
 	s, err := NewStudentOn(cfg, be)
 	if err != nil {
 		t.Fatal(err)
@@ -32,6 +39,10 @@ func TestCUDAQADExport(t *testing.T) {
 	}
 	b := testBatch(2, cfg.VocabSize, 8)
 	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+	plain, err := s.Forward(b, &opt)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := s.EnableQAD(); err != nil {
 		t.Fatal(err)
 	}
@@ -40,6 +51,9 @@ func TestCUDAQADExport(t *testing.T) {
 	}
 	if err := s.FinishCalibration(); err != nil {
 		t.Fatal(err)
+	}
+	if q, err := s.Forward(b, &opt); err != nil || q.Loss == plain.Loss {
+		t.Fatalf("QAD forward: loss %v (err %v), the same as unquantized: quantization is off", q.Loss, err)
 	}
 	ad, _ := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
 	var first, last float64

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"distill/compute"
+	"distill/compute/device"
 	"distill/model"
 	"distill/train/internal/ref"
 	"distill/train/loss"
@@ -267,6 +268,31 @@ func TestStudentErrors(t *testing.T) {
 	}
 	if err := ms.EnableQAD(); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "moe_intermediate_size (24)") {
 		t.Fatalf("QAD of experts 24 wide: %v", err)
+	}
+}
+
+// lacksMoE is a backend that says it cannot train MoE (compute.Partial):
+// the mechanism a backend with a missing kernel uses to refuse a student
+// before its first step.
+type lacksMoE struct{ compute.Backend }
+
+func (lacksMoE) Lacks(feature string) error {
+	if feature == compute.FeatureMoETraining {
+		return errors.New("no MoE training kernels on this test backend")
+	}
+	return nil
+}
+
+// TestStudentRefusesWhatTheBackendLacks: NewStudentOn asks the backend
+// (compute.Lacks) and refuses a Qwen3-MoE student on one that lacks MoE
+// training, naming it; dense students build there.
+func TestStudentRefusesWhatTheBackendLacks(t *testing.T) {
+	be := lacksMoE{device.CPU(1)}
+	if _, err := NewStudentOn(tinyMoEConfig(false, 1), be); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "no MoE training kernels") {
+		t.Fatalf("a MoE student on a backend that lacks MoE training: %v", err)
+	}
+	if _, err := NewStudentOn(tinyConfig(model.ArchQwen3, false), be); err != nil {
+		t.Fatalf("a dense student on it: %v", err)
 	}
 }
 

@@ -15,8 +15,9 @@
 //
 // MoEBackward checks MoEForward and MoEBackward (the Qwen3-MoE block's
 // training pair) against float64 formulas and finite differences, router
-// and load-balancing gradient included; a backend that trains but has no
-// MoE kernels yet leaves "MoEBackward" out through Tolerances.Skip.
+// and load-balancing gradient included; a BF16 backend's gradients are
+// held norm-wise (Tolerances.MoEBwdRel), and a backend that trains but has
+// no MoE kernels yet can leave "MoEBackward" out through Tolerances.Skip.
 //
 // A backend that implements only the teacher's forward (the CUDA backend,
 // until its training kernels exist) runs RunForward: the memory methods
@@ -48,6 +49,13 @@ type Tolerances struct {
 	// MoEAtol, MoERtol bound the MoE block's output, a sum of SwiGLU
 	// experts with O(10) values.
 	MoEAtol, MoERtol float64
+	// MoEBwdRel, when set, bounds MoEBackward's gradients against finite
+	// differences norm-wise, |got-want| <= MoEBwdRel·max|want| per
+	// tensor, in place of BwdAtol, BwdRtol: a BF16GEMM backend rounds the
+	// backward GEMMs' operands too (the experts' output gradients,
+	// activations and their gradients), which a smooth reference cannot
+	// reproduce.
+	MoEBwdRel float64
 	// BF16GEMM says that the backend rounds the operands of its GEMMs
 	// (MatMul, the MoE experts' projections, the LM head) to BF16 and
 	// accumulates in fp32, as a GPU backend does; the forward references

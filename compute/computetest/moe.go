@@ -1,6 +1,7 @@
 package computetest
 
 import (
+	"math"
 	"math/rand/v2"
 	"testing"
 
@@ -11,15 +12,18 @@ import (
 // moeCase is a random Qwen3-MoE block on the backend with its float64
 // copies.
 type moeCase struct {
-	T, H, I, E, K  int
-	norm           bool
-	x, router      []float32
-	gs, us, ds     [][]float32
-	mw             *compute.MoEWeights
-	xt             compute.Tensor
-	xd, rd         []float64
-	gd, ud, dd     [][]float64
-	saved          *compute.MoESaved
+	T, H, I, E, K int
+	norm          bool
+	x, router     []float32
+	gs, us, ds    [][]float32
+	mw            *compute.MoEWeights
+	xt            compute.Tensor
+	xd, rd        []float64
+	gd, ud, dd    [][]float64
+	saved         *compute.MoESaved
+	// xoff is the experts' input rounding (BF16GEMM; else 0): the experts
+	// read x + xoff, the router x, and a perturbation of x reaches both.
+	xoff           []float64
 	farena, iarena compute.Tensor
 }
 
@@ -30,16 +34,102 @@ func (s *suite) newMoECase(r *rand.Rand, T, H, I, E, K int, norm bool) *moeCase 
 	for e := 0; e < E; e++ {
 		g, u, d := randn(r, I*H, 0.5), randn(r, I*H, 0.5), randn(r, H*I, 0.5)
 		c.gs, c.us, c.ds = append(c.gs, g), append(c.us, u), append(c.ds, d)
-		c.gd, c.ud, c.dd = append(c.gd, f64(g)), append(c.ud, f64(u)), append(c.dd, f64(d))
+		// The float64 copies are the weights as the backend multiplies
+		// them (BF16-rounded under BF16GEMM): the references below and
+		// the finite differences use these.
+		c.gd, c.ud, c.dd = append(c.gd, f64(s.gemmIn(g))), append(c.ud, f64(s.gemmIn(u))), append(c.dd, f64(s.gemmIn(d)))
 		c.mw.Gate = append(c.mw.Gate, be.FromF32(g))
 		c.mw.Up = append(c.mw.Up, be.FromF32(u))
 		c.mw.Down = append(c.mw.Down, be.FromF32(d))
 	}
 	c.xt, c.xd, c.rd = be.FromF32(c.x), f64(c.x), f64(c.router)
+	c.xoff = make([]float64, T*H)
+	for i, v := range s.gemmIn(c.x) {
+		c.xoff[i] = float64(v) - c.xd[i]
+	}
 	nf, ni := compute.MoESavedSizes(T, E, K, H, I)
 	c.farena, c.iarena = s.garbage(nf), be.New(compute.I32, ni)
 	c.saved = compute.NewMoESaved(be, c.farena, c.iarena, T, E, K, H, I)
 	return c
+}
+
+// xe is the experts' input as the backend multiplies it: x plus its
+// rounding, so that finite differences of x move it with x (the
+// straight-through view of the rounding).
+func (c *moeCase) xe() []float64 {
+	xe := make([]float64, len(c.xd))
+	for i, v := range c.xd {
+		xe[i] = v + c.xoff[i]
+	}
+	return xe
+}
+
+// moeOut is the block's output as a backend computes it (ref.MoE, with
+// the experts' SwiGLU activations rounded to BF16 under BF16GEMM, as the
+// backend rounds the down projection's input): x feeds the router, xe the
+// experts.
+func (s *suite) moeOut(c *moeCase, x, xe []float64) []float64 {
+	if !s.tol.BF16GEMM {
+		return ref.MoE(x, xe, c.rd, c.gd, c.ud, c.dd, c.E, c.K, c.H, c.I, c.norm)
+	}
+	E, K, H, I := c.E, c.K, c.H, c.I
+	T := len(x) / H
+	p := ref.MoEProbs(x, c.rd, E, H)
+	out := make([]float64, T*H)
+	for t := 0; t < T; t++ {
+		pt := p[t*E : (t+1)*E]
+		sel := ref.TopK(pt, K)
+		var ks float64
+		for _, e := range sel {
+			ks += pt[e]
+		}
+		xt := xe[t*H : (t+1)*H]
+		for _, e := range sel {
+			w := pt[e]
+			if c.norm {
+				w /= ks
+			}
+			act := ref.SwiGLU(ref.Linear(xt, c.gd[e], nil, H, I), ref.Linear(xt, c.ud[e], nil, H, I))
+			for i, v := range act {
+				act[i] = float64(compute.BF16ToF32(compute.F32ToBF16(float32(v))))
+			}
+			y := ref.Linear(act, c.dd[e], nil, I, H)
+			for j := range y {
+				out[t*H+j] += w * y[j]
+			}
+		}
+	}
+	return out
+}
+
+// moeBwd checks a MoE gradient against finite differences: elementwise
+// with the backward tolerances, or, for a backend that sets MoEBwdRel
+// (BF16: its backward rounds the GEMMs' operands too, the experts' output
+// gradients, activations and their gradients, which the smooth reference
+// cannot), norm-wise: every |got-want| <= MoEBwdRel·max|want|. The
+// rounding errors of the large routing-weight gradients (dout·Y) reach
+// every router gradient, large or small, so an elementwise relative bound
+// would measure the smallest elements' cancellation, not the kernel.
+func (s *suite) moeBwd(t *testing.T, name string, got, init []float32, f func() float64, x []float64, stride int) {
+	t.Helper()
+	if s.tol.MoEBwdRel == 0 {
+		s.bwdStrided(t, name, got, init, f, x, stride)
+		return
+	}
+	var idx []int
+	for i := 0; i < len(x); i += stride {
+		idx = append(idx, i)
+	}
+	g := gradFDAt(f, x, idx, s.tol.FDStep)
+	sub, want := make([]float32, len(idx)), make([]float64, len(idx))
+	scale := 0.0
+	for n, i := range idx {
+		// The gradient proper, without the += rule's init: its scale is
+		// what the rounding errors scale with.
+		scale = max(scale, math.Abs(g[n]))
+		sub[n], want[n] = got[i], g[n]+float64(init[i])
+	}
+	closeTo(t, name, sub, want, s.tol.MoEBwdRel*scale, 0)
 }
 
 // moeBackward checks MoEForward (the output and what it saves) against the
@@ -56,8 +146,7 @@ func (s *suite) moeBackward(t *testing.T) {
 		c := s.newMoECase(r, T, H, I, E, K, norm)
 		out := s.garbage(T * H)
 		be.MoEForward(out, c.xt, c.mw, c.saved, T)
-		want := ref.MoE(c.xd, c.xd, c.rd, c.gd, c.ud, c.dd, E, K, H, I, norm)
-		closeTo(t, "moe out", s.read(out, T*H), want, s.tol.MoEAtol, s.tol.MoERtol)
+		closeTo(t, "moe out", s.read(out, T*H), s.moeOut(c, c.xd, c.xe()), s.tol.MoEAtol, s.tol.MoERtol)
 		probs := ref.MoEProbs(c.xd, c.rd, E, H)
 		s.fwd(t, "probs", s.read(c.saved.Probs, T*E), probs)
 		sel := make([]int32, T*K)
@@ -87,7 +176,7 @@ func (s *suite) moeBackward(t *testing.T) {
 		R, dprob := randn(r, T*H, 1), randn(r, E, 1)
 		Rd, dpd := f64(R), f64(dprob)
 		f := func() float64 {
-			l := dot(ref.MoE(c.xd, c.xd, c.rd, c.gd, c.ud, c.dd, E, K, H, I, norm), Rd)
+			l := dot(ref.MoE(c.xd, c.xe(), c.rd, c.gd, c.ud, c.dd, E, K, H, I, norm), Rd)
 			p := ref.MoEProbs(c.xd, c.rd, E, H)
 			for i, v := range p {
 				l += dpd[i%E] * v
@@ -106,12 +195,12 @@ func (s *suite) moeBackward(t *testing.T) {
 		}
 		dx := be.FromF32(dx0)
 		be.MoEBackward(dx, dm, be.FromF32(R), c.xt, c.mw, c.saved, be.FromF32(dprob), T)
-		s.bwdStrided(t, "dx", s.read(dx, T*H), dx0, f, c.xd, 7)
-		s.bwdStrided(t, "drouter", s.read(dm.Router, E*H), dr0, f, c.rd, 5)
+		s.moeBwd(t, "dx", s.read(dx, T*H), dx0, f, c.xd, 7)
+		s.moeBwd(t, "drouter", s.read(dm.Router, E*H), dr0, f, c.rd, 5)
 		for e := 0; e < E; e++ {
-			s.bwdStrided(t, "dgate", s.read(dm.Gate[e], I*H), dg0[e], f, c.gd[e], 11)
-			s.bwdStrided(t, "dup", s.read(dm.Up[e], I*H), du0[e], f, c.ud[e], 11)
-			s.bwdStrided(t, "ddown", s.read(dm.Down[e], H*I), dd0[e], f, c.dd[e], 11)
+			s.moeBwd(t, "dgate", s.read(dm.Gate[e], I*H), dg0[e], f, c.gd[e], 11)
+			s.moeBwd(t, "dup", s.read(dm.Up[e], I*H), du0[e], f, c.ud[e], 11)
+			s.moeBwd(t, "ddown", s.read(dm.Down[e], H*I), dd0[e], f, c.dd[e], 11)
 		}
 	}
 
@@ -126,10 +215,10 @@ func (s *suite) moeBackward(t *testing.T) {
 	for i := 0; i < len(xq); i += compute.NVFP4BlockSize {
 		compute.NVFP4FakeQuantBlock(xq[i:i+compute.NVFP4BlockSize], xq[i:i+compute.NVFP4BlockSize], g)
 	}
-	xqd := f64(xq)
+	xqd := f64(s.gemmIn(xq))
 	out := s.garbage(T * H)
 	be.MoEForward(out, c.xt, c.mw, c.saved, T)
-	closeTo(t, "moe out (QAD input)", s.read(out, T*H), ref.MoE(c.xd, xqd, c.rd, c.gd, c.ud, c.dd, E, K, H, I, true), s.tol.MoEAtol, s.tol.MoERtol)
+	closeTo(t, "moe out (QAD input)", s.read(out, T*H), s.moeOut(c, c.xd, xqd), s.tol.MoEAtol, s.tol.MoERtol)
 	R := randn(r, T*H, 1)
 	Rd := f64(R)
 	f := func() float64 { return dot(ref.MoE(c.xd, xqd, c.rd, c.gd, c.ud, c.dd, E, K, H, I, true), Rd) }
@@ -141,9 +230,9 @@ func (s *suite) moeBackward(t *testing.T) {
 	}
 	be.MoEBackward(be.New(compute.F32, T*H), dm, be.FromF32(R), c.xt, c.mw, c.saved, nil, T)
 	zero := make([]float32, I*H)
-	s.bwdStrided(t, "drouter (QAD input)", s.read(dm.Router, E*H), zero[:E*H], f, c.rd, 3)
+	s.moeBwd(t, "drouter (QAD input)", s.read(dm.Router, E*H), zero[:E*H], f, c.rd, 3)
 	for e := 0; e < E; e++ {
-		s.bwdStrided(t, "dgate (QAD input)", s.read(dm.Gate[e], I*H), zero, f, c.gd[e], 7)
-		s.bwdStrided(t, "ddown (QAD input)", s.read(dm.Down[e], H*I), zero, f, c.dd[e], 7)
+		s.moeBwd(t, "dgate (QAD input)", s.read(dm.Gate[e], I*H), zero, f, c.gd[e], 7)
+		s.moeBwd(t, "ddown (QAD input)", s.read(dm.Down[e], H*I), zero, f, c.dd[e], 7)
 	}
 }

@@ -5,7 +5,6 @@ import (
 	"math"
 	"math/rand/v2"
 	"sort"
-	"strings"
 	"testing"
 
 	"distill/compute"
@@ -43,31 +42,25 @@ func bf16DotTol(k int) float64 { return 8 * math.Ldexp(1, -9) / math.Sqrt(3) * m
 // The training kernels are held to the FP32 tolerances as well: the
 // suite's references round what this backend's GEMMs round (dout, x and w
 // of MatMul's backward; x, w and dL/dz of the loss head), and the rest is
-// fp32 with float64 sums, as on the CPU.
+// fp32 with float64 sums, as on the CPU. MoE's backward is the exception:
+// it also rounds the experts' output gradients, activations and their
+// gradients for its GEMMs, which the suite's finite differences of a
+// smooth reference cannot follow; its gradients are held norm-wise to 2%
+// of each tensor's largest (MoEBwdRel; the emulator's worst is 0.63%).
+// TestMoETrainConformance holds them to the CPU's elementwise.
 var suiteTol = func() computetest.Tolerances {
 	tol := computetest.FP32
 	tol.BF16GEMM = true
 	tol.MoEAtol, tol.MoERtol = 5e-2, 2e-2
-	tol.Skip = skipMoETraining
+	tol.MoEBwdRel = 2e-2
 	return tol
 }()
-
-// skipMoETraining skips the suite's MoE training subtests (names with
-// "moe" in them other than the MoE forward, "MoE"): this backend has no
-// MoE backward (students are dense; the MoE backward is another issue).
-func skipMoETraining(name string) string {
-	if name != "MoE" && strings.Contains(strings.ToLower(name), "moe") {
-		return "the CUDA backend has no MoE training kernels yet (MoEForward/MoEBackward panic ErrNoTraining); MoE students train on the CPU"
-	}
-	return ""
-}
 
 // TestSuite runs the backend contract's whole conformance suite
 // (compute/computetest.Run) against float64 formulas and finite
 // differences: the memory methods, every forward kernel with the rstd and
-// lse statistics, every backward kernel, AdamW, the gradient norm, NVFP4
-// and the fused loss head; MoE training subtests are skipped, with the
-// reason logged (skipMoETraining).
+// lse statistics, every backward kernel (MoE's included), AdamW, the
+// gradient norm, NVFP4 and the fused loss head.
 func TestSuite(t *testing.T) {
 	computetest.Run(t, testBackend(t), suiteTol)
 }

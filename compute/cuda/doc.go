@@ -5,12 +5,12 @@
 //
 // # What it implements, and what has been verified
 //
-// The whole compute.Backend contract, MoE's backward aside (the contract's
-// students are dense): the memory methods, every forward kernel with the
-// statistics the backward needs (RMSNorm's rstd, Attention's
-// log-sum-exp), every backward kernel, the fused LM-head loss (both
-// passes), AdamW, the gradient's sum of squares, scaling, absmax and NVFP4
-// fake quantization.
+// The whole compute.Backend contract: the memory methods, every forward
+// kernel with the statistics the backward needs (RMSNorm's rstd,
+// Attention's log-sum-exp, what MoEForward saves), every backward kernel
+// (the Qwen3-MoE block's included, so MoE students train here), the fused
+// LM-head loss (both passes), AdamW, the gradient's sum of squares,
+// scaling, absmax and NVFP4 fake quantization.
 //
 // Every kernel is compiled by NVRTC for sm_80 and sm_90 in CI
 // (TestKernelsCompile) and passes the contract's whole conformance suite
@@ -64,16 +64,19 @@
 //     head dims on an fp32 kernel. Both save each query row's log-sum-exp
 //     on request (fp32).
 //   - SwiGLU, residual add, embedding: fp32.
-//   - MoE: router GEMM in fp32 (a discrete choice: BF16 logits would flip
-//     near-ties), softmax and top-k on the device, rows grouped by expert,
-//     each expert's GEMMs through cuBLASLt in BF16, a weighted combine in
-//     the CPU's summation order.
+//   - MoE (and MoEForward, which keeps what the backward needs): router
+//     GEMM in fp32 (a discrete choice: BF16 logits would flip near-ties),
+//     softmax and top-k on the device, the (token, slot) pairs grouped by
+//     expert in token order (k_moe_order: stable and deterministic, no
+//     atomic cursors), each expert's GEMMs through cuBLASLt in BF16 (under
+//     QAD over NVFP4-fake-quantized inputs), a weighted combine in the
+//     CPU's summation order.
 //   - LMHeadTopK: the vocabulary in tiles; cuBLASLt writes a tile's
 //     logits, k_lm_fold folds them into each row's running log-sum-exp
 //     (float64) and running top-k (exact, ties by lower id).
 //
-// Training (train.go; kernels in optim.cu, backward.cu, losshead.cu and
-// the end of attention.cu). Backward kernels accumulate (+=), as the
+// Training (train.go, train_moe.go; kernels in optim.cu, backward.cu,
+// losshead.cu, the end of attention.cu and of moe.cu). Backward kernels accumulate (+=), as the
 // contract says. Mixed precision as Megatron-LM trains: the parameters,
 // their gradients and the AdamW moments are the caller's fp32 tensors (the
 // decoder sees no BF16 copy); each GEMM reads BF16 roundings of its
@@ -86,6 +89,17 @@
 //   - EmbedBackward: one thread per column adds the rows of dout in token
 //     order (repeated ids add up in a fixed order; bit-identical to the CPU).
 //   - RoPEBackward, SwiGLUBackward: fp32, elementwise.
+//   - MoEBackward: the routing weights' gradients dout·Y (float64 sums,
+//     k_moe_wgrad), the renormalization and softmax backward per token
+//     (float64, k_moe_route_bwd, the load-balancing dprob included), then
+//     dx += dlogits·Router and dRouter += dlogitsᵀ·x as fp32 GEMMs (the
+//     router is fp32 in the forward); per expert with rows (experts with
+//     none are skipped) cuBLASLt GEMMs with BF16 operands over its grouped
+//     rows: dDown += dYᵀ·act (act recomputed from the saved gate and up),
+//     dact = dY·Down, SwiGLU's backward (k_moe_swiglu_bwd), dGate, dUp +=
+//     dᵀ·x_grouped, the grouped dx; each token's K grouped rows are added
+//     to dx in ascending expert order (k_moe_dx). Straight-through under
+//     QAD. The host reads the E+1 saved offsets to size the GEMMs.
 //   - AttentionBackward: flash-style, the probabilities recomputed from the
 //     forward's log-sum-exp. head_dim 64 and 128 on tensor cores
 //     (FlashAttention 2's backward, mma.sync with BF16 Q, K, V, dout, P and
@@ -106,12 +120,14 @@
 //     reductions of a fixed shape (a grid that depends on n only, fixed
 //     trees); FakeQuantNVFP4 bit for bit compute/fp4.go's definitions.
 //
-// Determinism: no reduction uses atomics, and every summation order is a
-// function of the shapes, so a run resumed after SIGKILL repeats the
-// uninterrupted run's losses bit for bit on the same GPU (cuBLASLt is
-// deterministic for the fixed algorithm a plan holds); the emulator checks
-// it (train/trainer: TestCUDAResume, TestCUDAResumeAfterSIGKILL), the GPU
-// suite checks it on the GPU.
+// Determinism: no floating-point reduction uses atomics (the one atomic,
+// k_moe_route's integer count of rows per expert, is exact in any order),
+// and every summation order is a function of the shapes and the routing,
+// so a run resumed after SIGKILL repeats the uninterrupted run's losses
+// bit for bit on the same GPU (cuBLASLt is deterministic for the fixed
+// algorithm a plan holds); the emulator checks it (train/trainer:
+// TestCUDAResume, TestCUDAResumeAfterSIGKILL, TestCUDAMoEStudent), the
+// GPU suite checks it on the GPU.
 //
 // Performance notes, to be measured by the GPU suite: the BF16 copies of
 // parameter views are made per GEMM call (not cached: the parameters change
@@ -129,7 +145,7 @@
 // against compute/cpu, computetest.Run against float64 formulas and finite
 // differences, the whole teacher against the golden checkpoints
 // (TestForwardGoldens), and the student's training step end to end
-// (train/trainer: TestCUDALossCurve, TestCUDAResume).
+// (train/trainer: TestCUDALossCurve, TestCUDAResume, TestCUDAMoEStudent).
 // With DISTILL_CUDA_TEST=gpu the same
 // tests run on a real GPU; scripts/gpu-suite.sh runs them there, with
 // compute-sanitizer, HF goldens and the benchmarks.

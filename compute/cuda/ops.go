@@ -1,8 +1,6 @@
 package cuda
 
 import (
-	"fmt"
-
 	"distill/compute"
 )
 
@@ -239,88 +237,12 @@ func (b *Backend) f32Operand(t *tensor) (p uint64, scratch uint64) {
 	return s, s
 }
 
-// MoE implements compute.Backend. The router GEMM runs in fp32 (routing is
-// a discrete choice: BF16 logits would flip near-ties against the CPU);
-// the experts' GEMMs in BF16. The host reads the per-expert row counts
-// once per call (E integers) to size the experts' GEMMs.
+// MoE implements compute.Backend: MoEForward's output with its saved
+// tensors in scratch (train_moe.go: moeForward).
 func (b *Backend) MoE(outT, xT compute.Tensor, mw *compute.MoEWeights, tokens int) {
 	defer b.enter()()
 	b.label = "MoE"
-	out, x := b.ten(outT, "MoE out"), b.ten(xT, "MoE x")
-	E, K, H, I := mw.NumExperts, mw.TopK, mw.Hidden, mw.Inter
-	switch {
-	case E < 1 || E > 512:
-		panic(fmt.Sprintf("cuda: MoE with %d experts: the routing kernel handles 1..512", E))
-	case K < 1 || K > min(E, 32):
-		panic(fmt.Sprintf("cuda: MoE top-%d of %d experts: want 1..min(experts, 32)", K, E))
-	case len(mw.Gate) != E || len(mw.Up) != E || len(mw.Down) != E:
-		panic(fmt.Sprintf("cuda: MoE with %d experts has %d/%d/%d gate/up/down weights", E, len(mw.Gate), len(mw.Up), len(mw.Down)))
-	}
-	need(out, "MoE out", tokens*H, compute.F32)
-	need(x, "MoE x", tokens*H, compute.F32)
-	if tokens == 0 {
-		return
-	}
-	router := b.ten(mw.Router, "MoE router")
-	need(router, "MoE router", E*H, compute.F32, compute.BF16)
-	rp, rs := b.f32Operand(router)
-	logits := b.alloc(int64(tokens) * int64(E) * 4)
-	b.gemm(logits, x.p, rp, tokens, E, H, dataF32)
-	b.free(rs)
-
-	pairs := tokens * K
-	sel, wts, rowpos := b.alloc(int64(pairs)*4), b.alloc(int64(pairs)*4), b.alloc(int64(pairs)*4)
-	counts := b.alloc(int64(E) * 4 * 2) // counts, then the scatter cursors
-	cursor := counts + uint64(E)*4
-	b.memset0(counts, int64(E)*8)
-	b.launchKernel(launch{kernel: "k_moe_route", grid: [3]int{(tokens + 7) / 8, 1, 1}, block: 256},
-		dptr(logits), int64(tokens), int32(E), int32(K), boolArg(mw.NormTopK), dptr(sel), dptr(wts), dptr(counts))
-	b.free(logits)
-	hc := make([]int32, E)
-	b.download(unsafePtr(hc), counts, int64(E)*4)
-	plan, err := planMoE(hc, tokens, K)
-	b.must(err)
-	offsets := b.alloc(int64(E+1) * 4)
-	b.upload(offsets, unsafePtr(plan.offsets), int64(E+1)*4)
-	xg := b.alloc(int64(pairs) * int64(H) * 2)
-	b.launchKernel(launch{kernel: "k_moe_scatter", grid: [3]int{pairs, 1, 1}, block: 256},
-		dptr(sel), dptr(offsets), dptr(cursor), dptr(rowpos), dptr(x.p), dptr(xg), int32(K), int32(H))
-
-	gate, up := b.alloc(int64(pairs)*int64(I)*4), b.alloc(int64(pairs)*int64(I)*4)
-	act := b.alloc(int64(pairs) * int64(I) * 2)
-	y := b.alloc(int64(pairs) * int64(H) * 4)
-	var scratch []uint64
-	weight := func(t compute.Tensor, what string, e, n int) uint64 {
-		w := b.ten(t, fmt.Sprintf("MoE expert %d %s", e, what))
-		need(w, fmt.Sprintf("MoE expert %d %s", e, what), n, compute.F32, compute.BF16)
-		p, s := b.bf16Operand(w, n)
-		if s != 0 {
-			scratch = append(scratch, s)
-		}
-		return p
-	}
-	for e := 0; e < E; e++ {
-		off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
-		if cnt == 0 {
-			continue
-		}
-		xe := xg + off*uint64(H)*2
-		b.gemm(gate+off*uint64(I)*4, xe, weight(mw.Gate[e], "gate", e, I*H), cnt, I, H, dataBF16)
-		b.gemm(up+off*uint64(I)*4, xe, weight(mw.Up[e], "up", e, I*H), cnt, I, H, dataBF16)
-	}
-	b.ew("k_swiglu_bf16", int64(pairs)*int64(I), dptr(act), dptr(gate), dptr(up), int64(pairs)*int64(I))
-	for e := 0; e < E; e++ {
-		off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
-		if cnt == 0 {
-			continue
-		}
-		b.gemm(y+off*uint64(H)*4, act+off*uint64(I)*2, weight(mw.Down[e], "down", e, H*I), cnt, H, I, dataBF16)
-	}
-	b.launchKernel(launch{kernel: "k_moe_combine", grid: [3]int{tokens, 1, 1}, block: 256},
-		dptr(out.p), dptr(y), dptr(sel), dptr(wts), dptr(rowpos), int32(K), int32(H))
-	for _, p := range append(scratch, sel, wts, rowpos, counts, offsets, xg, gate, up, act, y) {
-		b.free(p)
-	}
+	b.moeForward(outT, xT, mw, nil, tokens, "MoE")
 }
 
 // LMHeadTopK implements compute.Backend (see planLMHead for the tiling and

@@ -149,13 +149,15 @@ func planMoE(counts []int32, tokens, K int) (moePlan, error) {
 	return p, nil
 }
 
-// moeScratchBytes is what one MoE call allocates beside its output: router
-// logits, the choices, the grouped BF16 inputs, gate and up (F32), the BF16
-// activations and the down projections (F32).
+// moeScratchBytes bounds what one MoE call allocates beside its output:
+// router logits, the choices, the grouping (order, rowpos, offsets,
+// counts), the grouped BF16 inputs, gate and up (F32), the BF16
+// activations, the down projections (F32), an F32 router copy, and under
+// QAD the quantized x and the F32 activations.
 func moeScratchBytes(tokens, hidden, inter, experts, K int) int64 {
 	n, r := int64(tokens), int64(tokens)*int64(K)
 	H, I, E := int64(hidden), int64(inter), int64(experts)
-	return 4*n*E + 12*r + 12*(E+1) + 2*r*H + 8*r*I + 2*r*I + 4*r*H + 2*n*H + 4*E*H
+	return 4*n*E + 16*r + 8*(E+1) + 2*r*H + 8*r*I + 2*r*I + 4*r*H + 4*E*H + 4*n*H + 4*r*I
 }
 
 // The attention backward's tiles (attention.cu: BWD_BQ queries or keys a

@@ -1,32 +1,334 @@
 package cuda
 
 import (
-	"errors"
 	"fmt"
 
 	"distill/compute"
 )
 
-// ErrNoMoETraining is what MoEForward and MoEBackward panic with: the
-// teacher's MoE (inference, method MoE) runs on the GPU, but the MoE
-// training kernels are not written yet. Lacks reports it up front, so a
-// Qwen3-MoE student is refused on this backend before its first step.
-var ErrNoMoETraining = errors.New("cuda: the MoE training kernels (MoEForward, MoEBackward) are not implemented yet; train Qwen3-MoE students with --device cpu")
+// The Qwen3-MoE block, forward (MoE, MoEForward) and backward
+// (MoEBackward), mirroring compute/cpu's moe.go: the router in fp32, the
+// (token, slot) pairs grouped by expert in token order, each expert's
+// SwiGLU MLP as cuBLASLt GEMMs over its contiguous rows (BF16 operands,
+// fp32 accumulation), and the kernels of kernels/moe.cu around them. The
+// host reads the E per-expert row counts once per call (forward: from the
+// routing; backward: the saved offsets) to size the GEMMs; experts with
+// no rows are skipped.
+//
+// Determinism: the grouping is a function of the routing alone
+// (k_moe_order, no atomics), every sum over the pairs of a token or the
+// columns of a row has a fixed order, and cuBLASLt's GEMMs are
+// deterministic for the algorithm a plan fixes. So a resumed run repeats
+// the uninterrupted one bit for bit, MoE students included.
 
-// Lacks implements compute.Partial.
-func (b *Backend) Lacks(feature string) error {
-	if feature == compute.FeatureMoETraining {
-		return ErrNoMoETraining
+// moeCheck validates a MoE block's shape and returns E, K, H, I.
+func moeCheck(mw *compute.MoEWeights, what string) (E, K, H, I int) {
+	E, K, H, I = mw.NumExperts, mw.TopK, mw.Hidden, mw.Inter
+	switch {
+	case E < 1 || E > 512:
+		panic(fmt.Sprintf("cuda: %s with %d experts: the routing kernel handles 1..512", what, E))
+	case K < 1 || K > min(E, 32):
+		panic(fmt.Sprintf("cuda: %s top-%d of %d experts: want 1..min(experts, 32)", what, K, E))
+	case len(mw.Gate) != E || len(mw.Up) != E || len(mw.Down) != E:
+		panic(fmt.Sprintf("cuda: %s with %d experts has %d/%d/%d gate/up/down weights", what, E, len(mw.Gate), len(mw.Up), len(mw.Down)))
+	case H < 1 || I < 1:
+		panic(fmt.Sprintf("cuda: %s with hidden %d, intermediate %d: want both >= 1", what, H, I))
 	}
-	return nil
+	return E, K, H, I
 }
 
-// MoEForward implements compute.Backend: not yet (ErrNoMoETraining).
-func (b *Backend) MoEForward(out, x compute.Tensor, m *compute.MoEWeights, s *compute.MoESaved, tokens int) {
-	panic(fmt.Errorf("MoEForward: %w", ErrNoMoETraining))
+// moeSaved is MoESaved's tensors unwrapped and checked against the shapes.
+type moeSaved struct {
+	probs, sel, wts, order, offsets, gate, up, y *tensor
 }
 
-// MoEBackward implements compute.Backend: not yet (ErrNoMoETraining).
-func (b *Backend) MoEBackward(dx compute.Tensor, dm *compute.MoEWeights, dout, x compute.Tensor, m *compute.MoEWeights, s *compute.MoESaved, dprob compute.Tensor, tokens int) {
-	panic(fmt.Errorf("MoEBackward: %w", ErrNoMoETraining))
+func (b *Backend) moeSaved(s *compute.MoESaved, what string, T, E, K, H, I int) *moeSaved {
+	P := T * K
+	v := &moeSaved{
+		probs: b.ten(s.Probs, what+" saved Probs"), sel: b.ten(s.Sel, what+" saved Sel"), wts: b.ten(s.Wts, what+" saved Wts"),
+		order: b.ten(s.Order, what+" saved Order"), offsets: b.ten(s.Offsets, what+" saved Offsets"),
+		gate: b.ten(s.Gate, what+" saved Gate"), up: b.ten(s.Up, what+" saved Up"), y: b.ten(s.Y, what+" saved Y"),
+	}
+	need(v.probs, what+" saved Probs", T*E, compute.F32)
+	need(v.sel, what+" saved Sel", P, compute.I32)
+	need(v.wts, what+" saved Wts", P, compute.F32)
+	need(v.order, what+" saved Order", P, compute.I32)
+	need(v.offsets, what+" saved Offsets", E+1, compute.I32)
+	need(v.gate, what+" saved Gate", P*I, compute.F32)
+	need(v.up, what+" saved Up", P*I, compute.F32)
+	need(v.y, what+" saved Y", P*H, compute.F32)
+	return v
+}
+
+// moeOperands hands out BF16 copies of the experts' weights (a weight's
+// copy is kept by the backend; other F32 tensors get scratch copies that
+// release frees).
+type moeOperands struct {
+	b       *Backend
+	what    string
+	scratch []uint64
+}
+
+func (o *moeOperands) bf16(t compute.Tensor, name string, e, n int) uint64 {
+	what := fmt.Sprintf("%s expert %d %s", o.what, e, name)
+	w := o.b.ten(t, what)
+	need(w, what, n, compute.F32, compute.BF16)
+	p, s := o.b.bf16Operand(w, n)
+	if s != 0 {
+		o.scratch = append(o.scratch, s)
+	}
+	return p
+}
+
+func (o *moeOperands) release() {
+	for _, p := range o.scratch {
+		o.b.free(p)
+	}
+	o.scratch = nil
+}
+
+// moeExpertInput writes the experts' grouped input xg (rows, H) BF16: the
+// token row of each grouped row, NVFP4-fake-quantized first under QAD
+// (per row with one per-tensor amax, so quantizing the T token rows once
+// gives what quantizing each gathered row would).
+func (b *Backend) moeExpertInput(xg uint64, x *tensor, order uint64, mw *compute.MoEWeights, T, K, H int) {
+	P := T * K
+	src, q := x.p, uint64(0)
+	if mw.InAmax > 0 {
+		q = b.alloc(int64(T) * int64(H) * 4)
+		b.ew("k_fakequant_nvfp4", int64(T)*int64((H+15)/16), dptr(q), dptr(x.p), int64(T), int32(H), compute.NVFP4GlobalScale(mw.InAmax))
+		src = q
+	}
+	b.ew("k_moe_gather", int64(P)*int64(H), dptr(xg), dptr(src), dptr(order), int64(P), int32(K), int32(H))
+	b.free(q)
+}
+
+// moeAct writes the down projection's input act (rows, I) BF16 =
+// silu(gate)·up, NVFP4-fake-quantized under QAD (mw.HAmax > 0) before the
+// rounding. The backward calls it again for dDown: the same bits.
+func (b *Backend) moeAct(act, gate, up uint64, mw *compute.MoEWeights, rows, I int) {
+	n := int64(rows) * int64(I)
+	if mw.HAmax <= 0 {
+		b.ew("k_swiglu_bf16", n, dptr(act), dptr(gate), dptr(up), n)
+		return
+	}
+	h := b.alloc(n * 4)
+	b.ew("k_swiglu", n, dptr(h), dptr(gate), dptr(up), n)
+	b.ew("k_fakequant_nvfp4", int64(rows)*int64((I+15)/16), dptr(h), dptr(h), int64(rows), int32(I), compute.NVFP4GlobalScale(mw.HAmax))
+	b.ew("k_f32_to_bf16", n, dptr(act), dptr(h), n)
+	b.free(h)
+}
+
+// moeForward is MoE (s == nil: the routing and the experts' projections in
+// scratch) and MoEForward (s: saved for the backward). The router GEMM
+// runs in fp32 (routing is a discrete choice: BF16 logits would flip
+// near-ties against the CPU); the experts' GEMMs in BF16.
+func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s *compute.MoESaved, T int, what string) {
+	E, K, H, I := moeCheck(mw, what)
+	out, x := b.ten(outT, what+" out"), b.ten(xT, what+" x")
+	need(out, what+" out", T*H, compute.F32)
+	need(x, what+" x", T*H, compute.F32)
+	var sv *moeSaved
+	if s != nil {
+		sv = b.moeSaved(s, what, T, E, K, H, I)
+	}
+	if T == 0 {
+		if sv != nil {
+			b.memset0(sv.offsets.p, int64(E+1)*4)
+		}
+		return
+	}
+	router := b.ten(mw.Router, what+" router")
+	need(router, what+" router", E*H, compute.F32, compute.BF16)
+	P := T * K
+	// Where the routing, the grouping and the projections go: the saved
+	// tensors, or scratch freed at the end.
+	var tmp []uint64
+	scratch := func(n int64) uint64 {
+		p := b.alloc(n)
+		tmp = append(tmp, p)
+		return p
+	}
+	var probs, sel, wts, order, offsets, gate, up, y uint64
+	if sv != nil {
+		probs, sel, wts, order, offsets = sv.probs.p, sv.sel.p, sv.wts.p, sv.order.p, sv.offsets.p
+		gate, up, y = sv.gate.p, sv.up.p, sv.y.p
+	} else {
+		sel, wts, order, offsets = scratch(int64(P)*4), scratch(int64(P)*4), scratch(int64(P)*4), scratch(int64(E+1)*4)
+		gate, up, y = scratch(int64(P)*int64(I)*4), scratch(int64(P)*int64(I)*4), scratch(int64(P)*int64(H)*4)
+	}
+
+	rp, rs := b.f32Operand(router)
+	logits := b.alloc(int64(T) * int64(E) * 4)
+	b.gemm(logits, x.p, rp, T, E, H, dataF32)
+	b.free(rs)
+	counts := scratch(int64(E) * 4)
+	b.memset0(counts, int64(E)*4)
+	b.launchKernel(launch{kernel: "k_moe_route", grid: [3]int{(T + 7) / 8, 1, 1}, block: 256},
+		dptr(logits), int64(T), int32(E), int32(K), boolArg(mw.NormTopK), dptr(sel), dptr(wts), dptr(counts), dptr(probs))
+	b.free(logits)
+	hc := make([]int32, E)
+	b.download(unsafePtr(hc), counts, int64(E)*4)
+	plan, err := planMoE(hc, T, K)
+	b.must(err)
+	b.upload(offsets, unsafePtr(plan.offsets), int64(E+1)*4)
+	rowpos := scratch(int64(P) * 4)
+	b.launchKernel(launch{kernel: "k_moe_order", grid: [3]int{E, 1, 1}, block: 256},
+		dptr(sel), dptr(offsets), int64(P), dptr(order), dptr(rowpos))
+	xg := scratch(int64(P) * int64(H) * 2)
+	b.moeExpertInput(xg, x, order, mw, T, K, H)
+
+	ops := &moeOperands{b: b, what: what}
+	defer ops.release()
+	for e := 0; e < E; e++ {
+		off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
+		if cnt == 0 {
+			continue
+		}
+		xe := xg + off*uint64(H)*2
+		b.gemm(gate+off*uint64(I)*4, xe, ops.bf16(mw.Gate[e], "gate", e, I*H), cnt, I, H, dataBF16)
+		b.gemm(up+off*uint64(I)*4, xe, ops.bf16(mw.Up[e], "up", e, I*H), cnt, I, H, dataBF16)
+	}
+	act := scratch(int64(P) * int64(I) * 2)
+	b.moeAct(act, gate, up, mw, P, I)
+	for e := 0; e < E; e++ {
+		off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
+		if cnt == 0 {
+			continue
+		}
+		b.gemm(y+off*uint64(H)*4, act+off*uint64(I)*2, ops.bf16(mw.Down[e], "down", e, H*I), cnt, H, I, dataBF16)
+	}
+	b.launchKernel(launch{kernel: "k_moe_combine", grid: [3]int{T, 1, 1}, block: 256},
+		dptr(out.p), dptr(y), dptr(sel), dptr(wts), dptr(rowpos), int32(K), int32(H))
+	for _, p := range tmp {
+		b.free(p)
+	}
+}
+
+// MoEForward implements compute.Backend: MoE's output, and s filled as
+// the contract says (Probs, Sel, Wts, the stable grouping Order and
+// Offsets, Gate, Up and Y in grouped order). Under QAD (m.InAmax > 0,
+// m.HAmax > 0) the experts' inputs are fake-quantized; the router reads x
+// as it is.
+func (b *Backend) MoEForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s *compute.MoESaved, tokens int) {
+	defer b.enter()()
+	b.label = "MoEForward"
+	if s == nil {
+		panic("cuda: MoEForward with no MoESaved (NewMoESaved makes one; MoE is the forward that saves nothing)")
+	}
+	b.moeForward(outT, xT, mw, s, tokens, "MoEForward")
+}
+
+// MoEBackward implements compute.Backend, mirroring the forward in
+// reverse (as compute/cpu): the routing weights' gradients a = dout·Y
+// (k_moe_wgrad), the routing backward into the router logits dl
+// (k_moe_route_bwd, dprob included) and from them dx += dl·Router and
+// dRouter += dlᵀ·x (fp32 GEMMs: the router is fp32 in the forward); then
+// the experts over their grouped rows: dY = w·dout (BF16, k_moe_dy),
+// dDown += dYᵀ·act with act recomputed from the saved Gate and Up,
+// dact = dY·Down, SwiGLU's backward (k_moe_swiglu_bwd), dGate and dUp +=
+// dᵀ·xg with xg the (quantized) grouped input gathered again, dxg =
+// dgate·Gate + dup·Up; last each token's K rows of dxg are added to dx in
+// ascending expert order (k_moe_dx). Straight-through under QAD.
+func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT, xT compute.Tensor, mw *compute.MoEWeights, s *compute.MoESaved, dprobT compute.Tensor, T int) {
+	defer b.enter()()
+	b.label = "MoEBackward"
+	const what = "MoEBackward"
+	E, K, H, I := moeCheck(mw, what)
+	if dm == nil || len(dm.Gate) != E || len(dm.Up) != E || len(dm.Down) != E {
+		panic(fmt.Sprintf("cuda: %s: the gradients dm must hold a router and %d gate/up/down tensors", what, E))
+	}
+	dx, dout, x := b.ten(dxT, what+" dx"), b.ten(doutT, what+" dout"), b.ten(xT, what+" x")
+	need(dx, what+" dx", T*H, compute.F32)
+	need(dout, what+" dout", T*H, compute.F32)
+	need(x, what+" x", T*H, compute.F32)
+	if s == nil {
+		panic("cuda: MoEBackward with no MoESaved: pass what MoEForward filled")
+	}
+	sv := b.moeSaved(s, what, T, E, K, H, I)
+	router, drouter := b.ten(mw.Router, what+" router"), b.ten(dm.Router, what+" dRouter")
+	need(router, what+" router", E*H, compute.F32, compute.BF16)
+	need(drouter, what+" dRouter", E*H, compute.F32)
+	var dprob dptr
+	if dprobT != nil {
+		dp := b.ten(dprobT, what+" dprob")
+		need(dp, what+" dprob", E, compute.F32)
+		dprob = dptr(dp.p)
+	}
+	grad := func(t compute.Tensor, name string, e, n int) uint64 {
+		w := fmt.Sprintf("%s d%s[%d]", what, name, e)
+		g := b.ten(t, w)
+		need(g, w, n, compute.F32)
+		return g.p
+	}
+	if T == 0 {
+		return
+	}
+	P := T * K
+	off := make([]int32, E+1)
+	b.download(unsafePtr(off), sv.offsets.p, int64(E+1)*4)
+	if off[0] != 0 || int(off[E]) != P {
+		panic(fmt.Sprintf("cuda: %s: saved offsets run %d..%d, want 0..%d (tokens·top_k): is s what MoEForward filled for %d tokens?", what, off[0], off[E], P, T))
+	}
+	var tmp []uint64
+	scratch := func(n int64) uint64 {
+		p := b.alloc(n)
+		tmp = append(tmp, p)
+		return p
+	}
+	defer func() {
+		for _, p := range tmp {
+			b.free(p)
+		}
+	}()
+
+	// The router: dl (T,E) from a (T·K), then two fp32 GEMMs.
+	a, dl := scratch(int64(P)*4), scratch(int64(T)*int64(E)*4)
+	b.launchKernel(launch{kernel: "k_moe_wgrad", grid: [3]int{(P + 7) / 8, 1, 1}, block: 256},
+		dptr(a), dptr(sv.y.p), dptr(dout.p), dptr(sv.order.p), int64(P), int32(K), int32(H))
+	b.launchKernel(launch{kernel: "k_moe_route_bwd", grid: [3]int{(T + 7) / 8, 1, 1}, block: 256},
+		dptr(dl), dptr(sv.probs.p), dptr(sv.sel.p), dptr(sv.wts.p), dptr(a), dprob, int64(T), int32(E), int32(K), boolArg(mw.NormTopK))
+	rp, rs := b.f32Operand(router)
+	b.gemmEx(dx.p, dl, rp, T, H, E, false, false, dataF32, 1)
+	b.free(rs)
+	b.gemmEx(drouter.p, dl, x.p, E, H, T, true, false, dataF32, 1)
+
+	// The experts, over the grouped rows.
+	dy := scratch(int64(P) * int64(H) * 2)
+	b.ew("k_moe_dy", int64(P)*int64(H), dptr(dy), dptr(dout.p), dptr(sv.wts.p), dptr(sv.order.p), int64(P), int32(K), int32(H))
+	act := scratch(int64(P) * int64(I) * 2)
+	b.moeAct(act, sv.gate.p, sv.up.p, mw, P, I)
+	xg := scratch(int64(P) * int64(H) * 2)
+	b.moeExpertInput(xg, x, sv.order.p, mw, T, K, H)
+	dh := scratch(int64(P) * int64(I) * 4)
+	ops := &moeOperands{b: b, what: what}
+	defer ops.release()
+	for e := 0; e < E; e++ {
+		o, cnt := uint64(off[e]), int(off[e+1]-off[e])
+		if cnt == 0 {
+			continue
+		}
+		dye := dy + o*uint64(H)*2
+		b.gemmEx(grad(dm.Down[e], "Down", e, H*I), dye, act+o*uint64(I)*2, H, I, cnt, true, false, dataBF16, 1)
+		b.gemmEx(dh+o*uint64(I)*4, dye, ops.bf16(mw.Down[e], "down", e, H*I), cnt, I, H, false, false, dataBF16, 0)
+	}
+	dg, du := scratch(int64(P)*int64(I)*2), scratch(int64(P)*int64(I)*2)
+	b.ew("k_moe_swiglu_bwd", int64(P)*int64(I), dptr(dg), dptr(du), dptr(dh), dptr(sv.gate.p), dptr(sv.up.p), int64(P)*int64(I))
+	dxg := scratch(int64(P) * int64(H) * 4)
+	for e := 0; e < E; e++ {
+		o, cnt := uint64(off[e]), int(off[e+1]-off[e])
+		if cnt == 0 {
+			continue
+		}
+		dge, due, xe := dg+o*uint64(I)*2, du+o*uint64(I)*2, xg+o*uint64(H)*2
+		b.gemmEx(grad(dm.Gate[e], "Gate", e, I*H), dge, xe, I, H, cnt, true, false, dataBF16, 1)
+		b.gemmEx(grad(dm.Up[e], "Up", e, I*H), due, xe, I, H, cnt, true, false, dataBF16, 1)
+		dxe := dxg + o*uint64(H)*4
+		b.gemmEx(dxe, dge, ops.bf16(mw.Gate[e], "gate", e, I*H), cnt, H, I, false, false, dataBF16, 0)
+		b.gemmEx(dxe, due, ops.bf16(mw.Up[e], "up", e, I*H), cnt, H, I, false, false, dataBF16, 1)
+	}
+	rowpos := scratch(int64(P) * 4)
+	b.ew("k_moe_rowpos", int64(P), dptr(rowpos), dptr(sv.order.p), int64(P))
+	b.launchKernel(launch{kernel: "k_moe_dx", grid: [3]int{T, 1, 1}, block: 256},
+		dptr(dx.p), dptr(dxg), dptr(sv.sel.p), dptr(rowpos), int32(K), int32(H))
 }
