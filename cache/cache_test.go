@@ -525,12 +525,15 @@ func TestEmptySamplesRoundTrip(t *testing.T) {
 }
 
 // commitDuringReadDir is an FS for Check whose ReadDir of chunks/ first lets
-// a writer commit a chunk (waiting for it at most a while): a commit that
-// lands between Check's index read and its directory listing.
+// a writer commit a chunk: a commit that lands between Check's index read
+// and its directory listing. ReadDir goes on once the commit is done (Check
+// did not keep it out) or once it waits for the lock (testHookLockBusy:
+// Check holds it), whichever comes first; no time decides which.
 type commitDuringReadDir struct {
 	FS
 	commit func() error
 	errs   chan error
+	busy   chan struct{} // closed when the commit finds the lock held
 }
 
 func (f *commitDuringReadDir) ReadDir(d string) ([]string, error) {
@@ -542,7 +545,7 @@ func (f *commitDuringReadDir) ReadDir(d string) ([]string, error) {
 		select {
 		case err := <-done:
 			f.errs <- err
-		case <-time.After(2 * time.Second): // blocked on the lock Check holds
+		case <-f.busy: // blocked on the lock Check holds
 			go func() { f.errs <- <-done }()
 		}
 	}
@@ -559,7 +562,15 @@ func TestCheckWhileFilling(t *testing.T) {
 	}
 	defer c.Close()
 	fillRange(t, c, 0, 5)
-	fs := &commitDuringReadDir{FS: OSFS, errs: make(chan error, 1), commit: func() error {
+	busy := make(chan struct{})
+	var once sync.Once
+	testHookLockBusy = func(exclusive bool) {
+		if exclusive {
+			once.Do(func() { close(busy) })
+		}
+	}
+	defer func() { testHookLockBusy = nil }()
+	fs := &commitDuringReadDir{FS: OSFS, errs: make(chan error, 1), busy: busy, commit: func() error {
 		w, err := c.BeginChunk(5, 10)
 		if err != nil {
 			return err

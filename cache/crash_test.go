@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	badger "github.com/dgraph-io/badger/v4"
+	"io"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -39,8 +40,10 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// helperFill: spec is "dir samples chunk delayMs". It fills every missing
-// chunk-aligned range, printing "committed A B" after each commit.
+// helperFill: spec is "dir samples chunk gated". It fills every missing
+// chunk-aligned range, printing "committed A B" after each commit; gated
+// ("1"), it then waits for a line on stdin before it goes on, so that the
+// parent acts while the writer is alive between two commits.
 func helperFill(spec string) error {
 	f := strings.Fields(spec)
 	if f[0] == "hold" { // commit [0,2), then die inside an index session
@@ -65,7 +68,10 @@ func helperFill(spec string) error {
 	dir := f[0]
 	n, _ := strconv.ParseInt(f[1], 10, 64)
 	chunk, _ := strconv.ParseInt(f[2], 10, 64)
-	delay, _ := strconv.Atoi(f[3])
+	var stdin *bufio.Reader
+	if f[3] == "1" {
+		stdin = bufio.NewReader(os.Stdin)
+	}
 	c, err := Create(dir, testManifest(n, EncodingCompact), nil)
 	if err != nil {
 		return err
@@ -89,32 +95,45 @@ func helperFill(spec string) error {
 			return err
 		}
 		fmt.Printf("committed %d %d\n", a, b)
-		time.Sleep(time.Duration(delay) * time.Millisecond)
+		if stdin != nil {
+			if _, err := stdin.ReadString('\n'); err != nil {
+				return fmt.Errorf("waiting for the go-ahead after [%d, %d): %w", a, b, err)
+			}
+		}
 	}
 	return nil
 }
 
 type helper struct {
 	cmd  *exec.Cmd
+	in   io.WriteCloser // gated helpers: a line lets it commit the next chunk
 	mu   sync.Mutex
 	done []Range
 	line chan Range
 	wait chan error
 }
 
-func startHelper(t *testing.T, dir string, n, chunk int64, delayMs int) *helper {
+func startHelper(t *testing.T, dir string, n, chunk int64, gated bool) *helper {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), fmt.Sprintf("CACHE_TEST_HELPER=%s %d %d %d", dir, n, chunk, delayMs))
+	g := 0
+	if gated {
+		g = 1
+	}
+	cmd.Env = append(os.Environ(), fmt.Sprintf("CACHE_TEST_HELPER=%s %d %d %d", dir, n, chunk, g))
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	in, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	h := &helper{cmd: cmd, line: make(chan Range, 1000), wait: make(chan error, 1)}
+	h := &helper{cmd: cmd, in: in, line: make(chan Range, 1000), wait: make(chan error, 1)}
 	go func() {
 		sc := bufio.NewScanner(out)
 		for sc.Scan() {
@@ -130,6 +149,13 @@ func startHelper(t *testing.T, dir string, n, chunk int64, delayMs int) *helper 
 		h.wait <- cmd.Wait()
 	}()
 	return h
+}
+
+// next lets a gated helper commit its next chunk.
+func (h *helper) next(t *testing.T) {
+	if _, err := fmt.Fprintln(h.in); err != nil {
+		t.Fatalf("letting the writer go on: %v", err)
+	}
 }
 
 func (h *helper) committed() []Range {
@@ -158,7 +184,7 @@ func TestCrashKill(t *testing.T) {
 		// Kill after a random number of commits (0-2) plus a random delay,
 		// so kills land in open, GC, encoding, the tmp write, the rename
 		// and the index update alike.
-		h := startHelper(t, dir, n, chunk, 0)
+		h := startHelper(t, dir, n, chunk, false)
 		for w := rng.IntN(3); w > 0; w-- {
 			if _, ok := <-h.line; !ok {
 				break
@@ -225,7 +251,7 @@ func TestCrashKill(t *testing.T) {
 	if gcRemoved != 0 {
 		t.Errorf("GC after reopen still found %d leftover files", gcRemoved)
 	}
-	h := startHelper(t, dir, n, chunk, 0)
+	h := startHelper(t, dir, n, chunk, false)
 	if err := <-h.wait; err != nil {
 		t.Fatalf("resume: %v", err)
 	}
@@ -286,18 +312,27 @@ func TestReaderAfterWriterDiedInIndex(t *testing.T) {
 
 // TestConcurrentReaderProcess: one process fills while this one opens
 // readers; every reader sees every range committed before it opened, with
-// the right content, and verify passes while the writer runs.
+// the right content, and verify passes while the writer runs. The writer
+// waits after each commit: verify runs while it is alive with its cache
+// open, then it is let go and each reader's open races its next commit.
 func TestConcurrentReaderProcess(t *testing.T) {
 	const n, chunk = 40, 4
 	dir := t.TempDir()
-	h := startHelper(t, dir, n, chunk, 40)
+	h := startHelper(t, dir, n, chunk, true)
 	seen := 0
 	for r := range h.line {
+		if seen == 3 {
+			mustCheck(t, dir)
+		}
+		// Taken before the open: a range committed after it may be
+		// missing from the reader, one committed before may not.
+		before := h.committed()
+		h.next(t)
 		rd, err := OpenReader(dir)
 		if err != nil {
 			t.Fatalf("reader opened while the writer runs: %v", err)
 		}
-		for _, c := range h.committed() {
+		for _, c := range before {
 			if !rd.Has(c.Start) || !rd.Has(c.End-1) {
 				t.Fatalf("reader opened after %v was committed does not see it", c)
 			}
@@ -307,9 +342,6 @@ func TestConcurrentReaderProcess(t *testing.T) {
 			t.Fatal(err)
 		}
 		sameSampleCompact(t, s, testSample(r.Start))
-		if seen == 3 {
-			mustCheck(t, dir)
-		}
 		seen++
 	}
 	if err := <-h.wait; err != nil {

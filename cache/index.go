@@ -105,6 +105,11 @@ type dirLock struct{ f *os.File }
 // lockFreeReads counts reader sessions that ran without a lock (tests).
 var lockFreeReads atomic.Int64
 
+// testHookLockBusy, when set (tests), runs each time lockDir finds the
+// lock held by someone else and is about to wait: a test learns that a
+// writer is blocked on a lock it holds without guessing how long to wait.
+var testHookLockBusy func(exclusive bool)
+
 func lockDir(dir string, exclusive bool, timeout time.Duration) (*dirLock, error) {
 	path := filepath.Join(dir, lockName)
 	var f *os.File
@@ -146,6 +151,9 @@ func lockDir(dir string, exclusive bool, timeout time.Duration) (*dirLock, error
 				return nil, fmt.Errorf("%w: %s/%s held by another process for more than %v (raise Options.LockTimeout)", ErrLocked, dir, lockName, timeout)
 			}
 			return nil, fmt.Errorf("cache: %s: flock: %w", dir, err)
+		}
+		if testHookLockBusy != nil {
+			testHookLockBusy(exclusive)
 		}
 		time.Sleep(wait)
 		wait = min(2*wait, 50*time.Millisecond)

@@ -65,9 +65,6 @@ type CoreOptions struct {
 	// InProcess says the core is the teacher of `cachectl fill --model`
 	// in this process, not a daemon's: its errors speak to that user.
 	InProcess bool
-
-	// forwardDelay slows every forward pass (crash tests only).
-	forwardDelay time.Duration
 }
 
 // Core is the daemon without its transport: the loaded teacher, the
@@ -189,14 +186,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 				ErrPrecondition, tdir, c.tok.VocabSize(), o.ModelDir, V)
 		}
 	}
-	fwd := m.Forward
-	if o.forwardDelay > 0 {
-		fwd = func(s [][]int32, k int, t float32) ([]int32, []float32) {
-			time.Sleep(o.forwardDelay)
-			return m.Forward(s, k, t)
-		}
-	}
-	c.b = newBatcher(fwd, o.TokenBudget, o.QueueSamples, o.QueueTokens, c.met)
+	c.b = newBatcher(m.Forward, o.TokenBudget, o.QueueSamples, o.QueueTokens, c.met)
 	c.b.log = o.Logger
 	c.log.Info("teacher loaded", zap.String("model", o.ModelDir), zap.String("device", o.Device), zap.String("arch", string(m.Cfg.Arch)),
 		zap.Int("vocab", V), zap.Int64("params", m.Cfg.Params()), zap.String("fingerprint", m.Fingerprint()),

@@ -1,12 +1,15 @@
 package serve
 
 import (
+	"bufio"
 	"context"
+	"fmt"
+	"io"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -14,45 +17,136 @@ import (
 	pb "distill/proto/distill/v1"
 )
 
-// proc is a daemon in a child process (this test binary, see TestMain).
+// proc is a daemon in a child process (this test binary, see TestMain and
+// daemonMain). It speaks on stdout: its address, "held N" when it waits
+// in its hold-th forward, "stopping" when SIGTERM reached it; a line on
+// its stdin releases the hold.
 type proc struct {
-	cmd  *exec.Cmd
-	addr string
-	log  *strings.Builder
+	cmd      *exec.Cmd
+	addr     string
+	log      *syncBuf
+	stdin    io.WriteCloser
+	held     chan struct{} // closed at "held"
+	stopping chan struct{} // closed at "stopping"
+	exited   chan struct{} // closed when stdout ends: the child is gone
+	waitOnce sync.Once
+	waitErr  error
 }
 
-func spawnDaemon(t *testing.T, mdir, cacheDir, listen string, delay time.Duration) *proc {
+// syncBuf is the child's stderr: exec copies into it from its own
+// goroutine while a failing test may read it.
+type syncBuf struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuf) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuf) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// spawnDaemon starts a daemon on cacheDir and returns once it listens.
+// hold > 0 makes its hold-th forward pass wait for p.release.
+func spawnDaemon(t *testing.T, mdir, cacheDir, listen string, hold int) *proc {
 	t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
 	}
-	addrFile := filepath.Join(t.TempDir(), "addr")
 	cmd := exec.Command(exe, "-test.run=^$")
 	cmd.Env = append(os.Environ(), "SERVE_TEST_DAEMON=1", "SERVE_TEST_MODEL="+mdir, "SERVE_TEST_CACHE="+cacheDir,
-		"SERVE_TEST_LISTEN="+listen, "SERVE_TEST_ADDRFILE="+addrFile, "SERVE_TEST_DELAY="+delay.String(), "SERVE_TEST_BUDGET=200",
+		"SERVE_TEST_LISTEN="+listen, fmt.Sprintf("SERVE_TEST_HOLD=%d", hold), "SERVE_TEST_BUDGET=200",
 		"SERVE_TEST_DATA_ROOT="+os.TempDir())
-	var log strings.Builder
-	cmd.Stderr = &log
+	p := &proc{cmd: cmd, log: &syncBuf{}, held: make(chan struct{}), stopping: make(chan struct{}), exited: make(chan struct{})}
+	cmd.Stderr = p.log
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.stdin, err = cmd.StdinPipe(); err != nil {
+		t.Fatal(err)
+	}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	p := &proc{cmd: cmd, log: &log}
 	t.Cleanup(func() {
-		if cmd.ProcessState == nil {
-			cmd.Process.Kill()
-			cmd.Wait()
-		}
+		cmd.Process.Kill() // an error only says it is gone already
+		p.wait()
 	})
-	for i := 0; i < 600; i++ {
-		if b, err := os.ReadFile(addrFile); err == nil {
-			p.addr = string(b)
-			return p
+	addr := make(chan string, 1)
+	go func() {
+		defer close(p.exited)
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			switch l := sc.Text(); {
+			case strings.HasPrefix(l, "addr "):
+				addr <- strings.TrimPrefix(l, "addr ")
+			case strings.HasPrefix(l, "held "):
+				close(p.held)
+			case l == "stopping":
+				close(p.stopping)
+			}
 		}
-		time.Sleep(50 * time.Millisecond)
+	}()
+	// No deadline: the daemon either prints its address or exits (its
+	// stdout closes); one that hangs is go test's -timeout to catch.
+	select {
+	case p.addr = <-addr:
+		return p
+	case <-p.exited:
+		p.wait()
+		t.Fatalf("daemon did not start: %s", p.log)
+		return nil
 	}
-	t.Fatalf("daemon did not start: %s", log.String())
-	return nil
+}
+
+// wait reaps the child once its stdout has been read to the end.
+func (p *proc) wait() error {
+	<-p.exited
+	p.waitOnce.Do(func() { p.waitErr = p.cmd.Wait() })
+	return p.waitErr
+}
+
+// await waits for ch (one of p's events) and fails if the child exits
+// first.
+func (p *proc) await(t *testing.T, ch <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-p.exited:
+		err := p.wait()
+		t.Fatalf("the daemon exited (%v) before %s:\n%s", err, what, p.log)
+	}
+}
+
+// release lets a held forward go on.
+func (p *proc) release(t *testing.T) {
+	t.Helper()
+	if _, err := fmt.Fprintln(p.stdin); err != nil {
+		t.Fatalf("releasing the daemon: %v", err)
+	}
+}
+
+type fillResult struct {
+	sum *FillSummary
+	err error
+}
+
+// startFill runs RunFill in the background.
+func startFill(workers []Worker, plan FillPlan) <-chan fillResult {
+	done := make(chan fillResult, 1)
+	go func() {
+		sum, err := RunFill(context.Background(), workers, plan)
+		done <- fillResult{sum, err}
+	}()
+	return done
 }
 
 // TestKillDaemonMidFill kills -9 one of two daemons while it computes a
@@ -64,52 +158,52 @@ func TestKillDaemonMidFill(t *testing.T) {
 	tmp := t.TempDir()
 	path, samples := writeIDsDataset(t, tmp, 64, 24, 512, 5)
 	dA, dB := t.TempDir(), t.TempDir()
-	// Slow forwards (150 ms) make "mid-chunk" a wide target: a chunk of 8
-	// samples is 1-2 forwards, its commit a few ms at the end.
-	a := spawnDaemon(t, mdir, dA, "127.0.0.1:0", 150*time.Millisecond)
-	b := spawnDaemon(t, mdir, dB, "127.0.0.1:0", 150*time.Millisecond)
+	// B holds in its first forward, so A alone works the queue until it
+	// holds in its second: by then A has committed and reported a chunk
+	// (its next Fill starts only after that report) and is inside another
+	// one whose commit has not begun. The kill lands there, whatever the
+	// speed of the machine.
+	a := spawnDaemon(t, mdir, dA, "127.0.0.1:0", 2)
+	b := spawnDaemon(t, mdir, dB, "127.0.0.1:0", 1)
 	wa, _ := Dial(a.addr, DialOptions{})
 	wb, _ := Dial(b.addr, DialOptions{})
 	defer wa.Close()
 	defer wb.Close()
 	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
-	killed := make(chan struct{})
-	var once sync.Once
+	var reportedA atomic.Int64
 	plan := FillPlan{Dataset: ds, ChunkSamples: 8, K: 4, Encoding: "lossless", PerWorker: 1, RetryFor: time.Second,
 		onChunk: func(w Worker, r *pb.FillResponse) {
-			if w != wa || r.GetSkipped() {
-				return
+			if w == wa && !r.GetSkipped() {
+				reportedA.Add(1)
 			}
-			// A just reported a chunk; 100 ms later it is into its next
-			// one (tokenizing, then the first 150 ms forward), far from
-			// that chunk's commit.
-			once.Do(func() {
-				go func() {
-					time.Sleep(100 * time.Millisecond)
-					a.cmd.Process.Signal(syscall.SIGKILL)
-					a.cmd.Wait()
-					close(killed)
-				}()
-			})
 		}}
-	sum, err := RunFill(context.Background(), []Worker{wa, wb}, plan)
-	if err != nil {
-		t.Fatalf("fill with a killed daemon: %v\nA's log:\n%s", err, a.log)
-	}
+	done := startFill([]Worker{wa, wb}, plan)
 	select {
-	case <-killed:
-	default:
-		t.Fatal("daemon A was not killed during the fill")
+	case <-a.held:
+	case r := <-done:
+		t.Fatalf("the fill ended (%v) before daemon A held in its second forward\nA's log:\n%s", r.err, a.log)
 	}
-	if sum.Retries == 0 {
-		t.Errorf("no chunk was retried after the kill: %+v", sum)
+	if n := reportedA.Load(); n == 0 {
+		t.Fatal("daemon A holds in its second forward but reported no chunk")
+	}
+	a.cmd.Process.Signal(syscall.SIGKILL)
+	if err := a.wait(); err == nil {
+		t.Fatal("daemon A exited cleanly; it should have been killed")
+	}
+	b.release(t)
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("fill with a killed daemon: %v\nB's log:\n%s", r.err, b.log)
+	}
+	if r.sum.Retries == 0 {
+		t.Errorf("no chunk was retried after the kill: %+v", r.sum)
 	}
 	// Restart A on the same directory (and address); re-run: nothing to do.
 	a2 := spawnDaemon(t, mdir, dA, a.addr, 0)
 	wa2, _ := Dial(a2.addr, DialOptions{})
 	defer wa2.Close()
 	plan.onChunk = nil
-	sum, err = RunFill(context.Background(), []Worker{wa2, wb}, plan)
+	sum, err := RunFill(context.Background(), []Worker{wa2, wb}, plan)
 	if err != nil || sum.Chunks != 0 {
 		t.Fatalf("re-run after restart: %+v %v", sum, err)
 	}
@@ -121,34 +215,48 @@ func TestKillDaemonMidFill(t *testing.T) {
 	checkAgainstForward(t, core.Model(), samples, 4, 200, dA, dB)
 }
 
-// TestSIGTERMDrains sends SIGTERM to a daemon in the middle of a fill: it
-// exits 0, and its cache holds only whole chunks (verify passes).
+// TestSIGTERMDrains sends SIGTERM to a daemon in the middle of a fill,
+// while it is inside a chunk: it finishes that chunk (the drain), exits 0,
+// and its cache holds only whole chunks (verify passes).
 func TestSIGTERMDrains(t *testing.T) {
 	mdir := tinyModel(t)
 	tmp := t.TempDir()
 	path, samples := writeIDsDataset(t, tmp, 32, 24, 512, 6)
 	dA := t.TempDir()
-	a := spawnDaemon(t, mdir, dA, "127.0.0.1:0", 100*time.Millisecond)
+	// Held in its second forward: a chunk is committed, another in flight.
+	a := spawnDaemon(t, mdir, dA, "127.0.0.1:0", 2)
 	wa, _ := Dial(a.addr, DialOptions{})
 	defer wa.Close()
 	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
-	once := false
+	var reported atomic.Int64
 	plan := FillPlan{Dataset: ds, ChunkSamples: 4, K: 4, Encoding: "lossless", PerWorker: 1, RetryFor: 500 * time.Millisecond,
 		onChunk: func(w Worker, r *pb.FillResponse) {
-			if !once {
-				once = true
-				go func() { time.Sleep(50 * time.Millisecond); a.cmd.Process.Signal(syscall.SIGTERM) }()
+			if !r.GetSkipped() {
+				reported.Add(1)
 			}
 		}}
-	_, err := RunFill(context.Background(), []Worker{wa}, plan)
-	if err == nil || !strings.Contains(err.Error(), "re-run the same command to resume") {
-		t.Fatalf("fill against a stopping daemon: %v", err)
+	done := startFill([]Worker{wa}, plan)
+	select {
+	case <-a.held:
+	case r := <-done:
+		t.Fatalf("the fill ended (%v) before the daemon held in its second forward\n%s", r.err, a.log)
 	}
-	if err := a.cmd.Wait(); err != nil {
+	held := reported.Load()
+	a.cmd.Process.Signal(syscall.SIGTERM)
+	a.await(t, a.stopping, "it reported SIGTERM")
+	a.release(t) // the chunk in flight goes on, inside the drain
+	r := <-done
+	if r.err == nil || !strings.Contains(r.err.Error(), "re-run the same command to resume") {
+		t.Fatalf("fill against a stopping daemon: %v", r.err)
+	}
+	if err := a.wait(); err != nil {
 		t.Fatalf("daemon exit after SIGTERM: %v\n%s", err, a.log)
 	}
-	if !strings.Contains(a.log.String(), "drained") && !strings.Contains(a.log.String(), "drain timeout") {
+	if !strings.Contains(a.log.String(), "drained") {
 		t.Errorf("no drain in the log:\n%s", a.log)
+	}
+	if n := reported.Load(); n != held+1 {
+		t.Errorf("%d chunks reported before SIGTERM, %d after the drain: the chunk in flight was not finished", held, n)
 	}
 	// Whatever was committed is whole and right; the rest is missing.
 	core, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: dA, TokenBudget: 200})

@@ -62,9 +62,6 @@ type Config struct {
 	// DrainTimeout bounds the graceful shutdown: in-flight RPCs get this
 	// long to finish, then fills are cancelled and their chunks aborted.
 	DrainTimeout time.Duration `yaml:"drain_timeout"`
-
-	// forwardDelay slows each forward (crash tests only; not in YAML).
-	forwardDelay time.Duration
 }
 
 // LoadConfig reads a YAML config file; unknown keys are an error naming them.
@@ -193,7 +190,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 		zap.Strings("data_roots", roots.Dirs()))
 	core, err := NewCore(CoreOptions{ModelDir: cfg.Model, TokenizerDir: cfg.Tokenizer, CacheDir: cfg.Cache, Device: cfg.Device,
 		TokenBudget: cfg.TokenBudget, KDefault: cfg.KDefault, KMax: cfg.KMax, QueueSamples: cfg.QueueSamples, QueueTokens: cfg.QueueTokens,
-		Logger: log, forwardDelay: cfg.forwardDelay})
+		Logger: log})
 	if err != nil {
 		d.gs.Stop()
 		return nil, err

@@ -1,6 +1,7 @@
 package serve
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"os"
@@ -11,8 +12,12 @@ import (
 )
 
 // daemonMain is cmd/teacherd's main loop for the subprocess tests: start,
-// publish the address, wait for SIGTERM, drain, exit 0.
-func daemonMain(cfg Config, addrFile string) int {
+// print "addr ADDR" on stdout, wait for SIGTERM, print "stopping", drain,
+// exit 0. With hold > 0 its hold-th forward pass prints "held N" and waits
+// for a line on stdin before it computes: the parent acts (kill, signal)
+// while the daemon is known to be inside a chunk, then releases it or not.
+// Stdin at EOF (the parent is gone) ends the process.
+func daemonMain(cfg Config, hold int) int {
 	log, _ := zap.NewDevelopment()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
@@ -21,10 +26,26 @@ func daemonMain(cfg Config, addrFile string) int {
 		fmt.Fprintln(os.Stderr, "daemon:", err)
 		return 1
 	}
-	if err := os.WriteFile(addrFile+".tmp", []byte(d.Addr()), 0o644); err != nil || os.Rename(addrFile+".tmp", addrFile) != nil {
-		return 1
+	if hold > 0 {
+		// Wrapped before the address is published: no forward has run.
+		b := d.Core().b
+		b.mu.Lock()
+		real, n := b.fwd, 0
+		b.fwd = func(s [][]int32, k int, temp float32) ([]int32, []float32) {
+			if n++; n == hold { // one batcher goroutine calls fwd
+				fmt.Printf("held %d\n", n)
+				if _, err := bufio.NewReader(os.Stdin).ReadString('\n'); err != nil {
+					fmt.Fprintln(os.Stderr, "daemon: stdin closed while held:", err)
+					os.Exit(3)
+				}
+			}
+			return real(s, k, temp)
+		}
+		b.mu.Unlock()
 	}
+	fmt.Printf("addr %s\n", d.Addr())
 	<-ctx.Done()
+	fmt.Println("stopping")
 	if err := d.Shutdown(context.Background()); err != nil {
 		fmt.Fprintln(os.Stderr, "shutdown:", err)
 		return 1

@@ -100,9 +100,9 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(code)
 	}
-	delay, _ := time.ParseDuration(os.Getenv("SERVE_TEST_DELAY"))
 	budget, _ := strconv.Atoi(os.Getenv("SERVE_TEST_BUDGET"))
+	hold, _ := strconv.Atoi(os.Getenv("SERVE_TEST_HOLD"))
 	cfg := Config{Model: os.Getenv("SERVE_TEST_MODEL"), Cache: os.Getenv("SERVE_TEST_CACHE"), Listen: os.Getenv("SERVE_TEST_LISTEN"),
-		Metrics: "off", TokenBudget: budget, DrainTimeout: 20 * time.Second, forwardDelay: delay, DataRoots: []string{os.Getenv("SERVE_TEST_DATA_ROOT")}}
-	os.Exit(daemonMain(cfg, os.Getenv("SERVE_TEST_ADDRFILE")))
+		Metrics: "off", TokenBudget: budget, DrainTimeout: 20 * time.Second, DataRoots: []string{os.Getenv("SERVE_TEST_DATA_ROOT")}}
+	os.Exit(daemonMain(cfg, hold))
 }

@@ -302,6 +302,9 @@ func saveCheckpoint(runDir string, s *train.Student, ad *optim.AdamW, st *State,
 		if err := atomicfile.Sync(tmp); err != nil {
 			return err
 		}
+		if testHookPublish != nil {
+			testHookPublish(st.Step)
+		}
 		os.RemoveAll(final) // a step re-saved after a resume from an older checkpoint
 		if err := os.Rename(tmp, final); err != nil {
 			return err
@@ -324,6 +327,11 @@ func saveCheckpoint(runDir string, s *train.Student, ad *optim.AdamW, st *State,
 	}
 	return final, nil
 }
+
+// testHookPublish, when set (tests), runs when a checkpoint's files are
+// synced in its temporary directory, just before the rename that
+// publishes it: a crash test holds the process there to kill it mid-save.
+var testHookPublish func(step int)
 
 // loadCheckpoint reads a checkpoint written by saveCheckpoint onto be.
 func loadCheckpoint(dir string, be compute.Backend) (*train.Student, *State, error) {

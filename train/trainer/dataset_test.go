@@ -7,14 +7,11 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"reflect"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
-	"time"
 
 	"distill/cache"
 	"distill/data"
@@ -383,28 +380,7 @@ func TestDatasetSFTResume(t *testing.T) {
 	writeResolvedTo(t, sftConfig(t, tokDir, file, runDir), cfgPath)
 	// The child holds in step 6 (after its checkpoint of step 4 and the
 	// unsaved step 5) until it is killed.
-	held6 := filepath.Join(t.TempDir(), "in-step-6")
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "TRAINER_CHILD_CONFIG="+cfgPath, "TRAINER_CHILD_HOLD=6:"+held6)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	go func() { cmd.Wait(); close(exited) }()
-	for {
-		if _, err := os.Stat(held6); err == nil {
-			break
-		}
-		select {
-		case <-exited:
-			t.Fatalf("child exited before step 6: %s", stderr.String())
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
-	cmd.Process.Signal(syscall.SIGKILL)
-	<-exited
+	killHeldChild(t, cfgPath, "TRAINER_CHILD_HOLD", 6)
 	if ck, _ := LatestCheckpoint(runDir); ck != checkpointDir(runDir, 4) {
 		t.Fatalf("killed in step 6 with checkpoint %q, want step 4's", ck)
 	}

@@ -7,13 +7,10 @@ import (
 	"io"
 	"math"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
-	"time"
 
 	"distill/compute/cuda/cudaemu"
 )
@@ -208,33 +205,9 @@ func TestCUDAResumeAfterSIGKILL(t *testing.T) {
 	cfg := tinyConfig(t, b, runDir, over...)
 	cfgPath := filepath.Join(t.TempDir(), "child.yaml")
 	writeResolvedTo(t, cfg, cfgPath)
-	hold := filepath.Join(t.TempDir(), "holding")
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	// The child holds at step 6 (after the checkpoint of step 4 is
 	// complete), so the kill lands mid-run at a known point.
-	cmd.Env = append(os.Environ(), "TRAINER_CHILD_CONFIG="+cfgPath, "TRAINER_CHILD_HOLD=6:"+hold)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	for {
-		if _, err := os.Stat(hold); err == nil {
-			break
-		}
-		select {
-		case err := <-done:
-			t.Fatalf("the child ended before reaching step 6: %v\n%s", err, stderr.String())
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
-	cmd.Process.Signal(syscall.SIGKILL)
-	<-done
-	if ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus); !ok || !ws.Signaled() {
-		t.Fatalf("child was not killed: %s", stderr.String())
-	}
+	killHeldChild(t, cfgPath, "TRAINER_CHILD_HOLD", 6)
 	rest, err := Run(tinyConfig(t, b, runDir, over...), Options{Log: io.Discard})
 	if err != nil {
 		t.Fatal(err)

@@ -44,6 +44,10 @@ const replicaWindow = 64
 var (
 	testHookAnswer func(addr string, n int64)
 	testHookPause  func()
+	// testInfoTimeout, when set, replaces teacher_timeout for the first
+	// Info check only: a test of a short outage timeout must not also
+	// race the start of the run against it.
+	testInfoTimeout time.Duration
 )
 
 // scoreJob is one sample to score; done is closed once s holds the
@@ -132,7 +136,11 @@ func newTeacherPool(t TeacherConfig, o *OnlineConfig, want infoWant, log io.Writ
 	}
 	// Every replica must pass its Info check within teacher_timeout: the
 	// run fails before step 1 otherwise.
-	time.AfterFunc(p.timeout, func() {
+	infoTimeout := p.timeout
+	if testInfoTimeout > 0 {
+		infoTimeout = testInfoTimeout
+	}
+	time.AfterFunc(infoTimeout, func() {
 		p.mu.Lock()
 		var why []string
 		for _, r := range p.reps {

@@ -68,8 +68,11 @@ func (td *teacherd) start() {
 	d, err := serve.Start(td.cfg, nil)
 	// A client retrying the dead address can hold the port for a moment
 	// (a TCP self-connect of a dial to a port nobody listens on): bind
-	// again until it is free.
-	for i := 0; i < 1000 && err != nil && strings.Contains(err.Error(), "address already in use"); i++ {
+	// again until it is free. A count of tries would be a time in
+	// disguise (a fast machine spends 1000 in a millisecond); the minute
+	// is a watchdog.
+	for deadline := time.Now().Add(time.Minute); err != nil && strings.Contains(err.Error(), "address already in use") && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
 		d, err = serve.Start(td.cfg, nil)
 	}
 	if err != nil {
@@ -336,6 +339,10 @@ func TestOnlineTimeoutCheckpointsAndResumes(t *testing.T) {
 			killed.Do(a.kill)
 		}
 	}
+	// 50 ms is the outage's timeout; the run's first Info check gets a
+	// minute (a watchdog), or a loaded machine would fail it instead.
+	testInfoTimeout = time.Minute
+	defer func() { testInfoTimeout = 0 }()
 	cfg := onlineConfig(t, f.tokDir, f.file, filepath.Join(t.TempDir(), "run"), "", []string{a.addr()}, "distill.teacher_timeout=50ms")
 	var log bytes.Buffer
 	res, err := Run(cfg, Options{Log: &log})

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"reflect"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -59,19 +60,48 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// child runs a training process for TestResumeAfterSIGKILL. With
+// child runs a training process for the SIGKILL tests. With
 // TRAINER_CHILD_HOLD=STEP:FILE it creates FILE when step STEP begins its
-// first row and then waits there forever, so that the parent kills it at
-// a known point, whatever the speed of the machine.
+// first row; with TRAINER_CHILD_HOLD_SAVE=STEP:FILE, when the checkpoint
+// of step STEP is written but not yet renamed into place. Then it waits
+// there for good, so that the parent kills it at a known point, whatever
+// the speed of the machine. It waits by reading stdin, which the parent
+// keeps open (startChild) and never writes: the read blocks in the kernel,
+// so the runtime cannot take the held process for deadlocked, and it ends
+// if the parent dies.
 func child() {
-	if hold := os.Getenv("TRAINER_CHILD_HOLD"); hold != "" {
-		n, file, _ := strings.Cut(hold, ":")
-		var at int
-		fmt.Sscan(n, &at)
+	hold := func(env string) (int, func()) {
+		v := os.Getenv(env)
+		if v == "" {
+			return -1, nil
+		}
+		n, file, _ := strings.Cut(v, ":")
+		at, err := strconv.Atoi(n)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "%s=%q: want STEP:FILE\n", env, v)
+			os.Exit(2)
+		}
+		return at, func() {
+			if err := os.WriteFile(file, nil, 0o644); err != nil {
+				fmt.Fprintln(os.Stderr, "hold:", err)
+				os.Exit(2)
+			}
+			io.Copy(io.Discard, os.Stdin)
+			fmt.Fprintln(os.Stderr, "hold: stdin closed: the test is gone")
+			os.Exit(3)
+		}
+	}
+	if at, wait := hold("TRAINER_CHILD_HOLD"); wait != nil {
 		testHookRow = func(step, row int) {
 			if step == at && row == 0 {
-				os.WriteFile(file, nil, 0o644)
-				select {}
+				wait()
+			}
+		}
+	}
+	if at, wait := hold("TRAINER_CHILD_HOLD_SAVE"); wait != nil {
+		testHookPublish = func(step int) {
+			if step == at {
+				wait()
 			}
 		}
 	}
@@ -278,58 +308,97 @@ func metricSteps(t *testing.T, runDir string) []int {
 	return steps
 }
 
-// TestResumeAfterSIGKILL: a child process trains and is SIGKILLed as soon
-// as its second checkpoint exists (mid-step, possibly mid-save); a resumed
-// run then reproduces the uninterrupted loss curve exactly.
+// killHeldChild runs the training child on cfgPath held at step by env
+// (TRAINER_CHILD_HOLD or TRAINER_CHILD_HOLD_SAVE, see child), SIGKILLs it
+// once it holds, and checks that the kill is what ended it.
+func killHeldChild(t *testing.T, cfgPath, env string, step int) {
+	t.Helper()
+	held := filepath.Join(t.TempDir(), "held")
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "TRAINER_CHILD_CONFIG="+cfgPath, fmt.Sprintf("%s=%d:%s", env, step, held))
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	// The child holds by reading stdin: the pipe stays open, unwritten,
+	// until Wait has seen the child exit.
+	if _, err := cmd.StdinPipe(); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	// Until the child holds or exits; no deadline decides anything (go
+	// test's -timeout catches a hang).
+	for {
+		if _, err := os.Stat(held); err == nil {
+			break
+		}
+		select {
+		case <-exited:
+			t.Fatalf("the child exited before holding (%s=%d): %v\n%s", env, step, cmd.ProcessState, stderr.String())
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	cmd.Process.Signal(syscall.SIGKILL)
+	<-exited
+	if ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus); !ok || !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+		t.Fatalf("the held child was not ended by SIGKILL: %v\n%s", cmd.ProcessState, stderr.String())
+	}
+}
+
+// TestResumeAfterSIGKILL: a child process trains and is SIGKILLed at a
+// known point: inside step 5, after its checkpoint of step 4; and in the
+// save of step 6, its files written and synced but not renamed into
+// place. A resumed run starts from step 4's checkpoint, drops the half
+// save, and reproduces the uninterrupted loss curve exactly.
 func TestResumeAfterSIGKILL(t *testing.T) {
 	b := testCache(t)
 	full, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "full"), "checkpoint.every=2"), Options{Log: io.Discard})
 	if err != nil {
 		t.Fatal(err)
 	}
-	runDir := filepath.Join(t.TempDir(), "killed")
-	cfg := tinyConfig(t, b, runDir, "checkpoint.every=2")
-	cfgPath := filepath.Join(t.TempDir(), "child.yaml")
-	writeResolvedTo(t, cfg, cfgPath)
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "TRAINER_CHILD_CONFIG="+cfgPath)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		if _, err := os.Stat(checkpointDir(runDir, 4)); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			cmd.Process.Kill()
-			t.Fatalf("child made no checkpoint in 60s: %s", stderr.String())
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	cmd.Process.Signal(syscall.SIGKILL)
-	err = cmd.Wait()
-	if ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus); !ok || !ws.Signaled() {
-		t.Fatalf("child was not killed (it finished first?): %v %s", err, stderr.String())
-	}
-	ck, _ := LatestCheckpoint(runDir)
-	rest, err := Run(tinyConfig(t, b, runDir, "checkpoint.every=2"), Options{Log: io.Discard})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if rest.Resumed != ck || len(rest.Steps) == 0 {
-		t.Fatalf("resumed from %q (latest %q), %d steps", rest.Resumed, ck, len(rest.Steps))
-	}
-	for _, s := range rest.Steps {
-		w := full.Steps[s.Step-1]
-		if s.Loss != w.Loss || s.GradNorm != w.GradNorm {
-			t.Fatalf("step %d after SIGKILL+resume: loss %.17g, uninterrupted %.17g", s.Step, s.Loss, w.Loss)
-		}
-	}
-	if steps := metricSteps(t, runDir); len(steps) != 12 {
-		t.Fatalf("metrics steps %v", steps)
+	for _, c := range []struct {
+		name, env string
+		step      int
+	}{
+		{"mid-step", "TRAINER_CHILD_HOLD", 5},
+		{"mid-save", "TRAINER_CHILD_HOLD_SAVE", 6},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			runDir := filepath.Join(t.TempDir(), "killed")
+			cfg := tinyConfig(t, b, runDir, "checkpoint.every=2")
+			cfgPath := filepath.Join(t.TempDir(), "child.yaml")
+			writeResolvedTo(t, cfg, cfgPath)
+			killHeldChild(t, cfgPath, c.env, c.step)
+			ck, _ := LatestCheckpoint(runDir)
+			if ck != checkpointDir(runDir, 4) {
+				t.Fatalf("killed %s at step %d: latest checkpoint %q, want step 4's", c.name, c.step, ck)
+			}
+			half, _ := filepath.Glob(filepath.Join(runDir, "checkpoints", ".tmp-*"))
+			if c.name == "mid-save" && len(half) != 1 {
+				t.Fatalf("killed mid-save: %d half-written checkpoints %v, want 1", len(half), half)
+			}
+			rest, err := Run(tinyConfig(t, b, runDir, "checkpoint.every=2"), Options{Log: io.Discard})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if rest.Resumed != ck || len(rest.Steps) != 8 {
+				t.Fatalf("resumed from %q (latest %q), %d steps, want 8", rest.Resumed, ck, len(rest.Steps))
+			}
+			for _, s := range rest.Steps {
+				w := full.Steps[s.Step-1]
+				if s.Loss != w.Loss || s.GradNorm != w.GradNorm {
+					t.Fatalf("step %d after SIGKILL+resume: loss %.17g, uninterrupted %.17g", s.Step, s.Loss, w.Loss)
+				}
+			}
+			if steps := metricSteps(t, runDir); len(steps) != 12 {
+				t.Fatalf("metrics steps %v", steps)
+			}
+			if left, _ := filepath.Glob(filepath.Join(runDir, "checkpoints", ".tmp-*")); len(left) != 0 {
+				t.Fatalf("the resumed run left the half save: %v", left)
+			}
+		})
 	}
 }
 
@@ -762,7 +831,7 @@ func TestStreamAllEmpty(t *testing.T) {
 		if !errors.Is(err, ErrData) {
 			t.Fatalf("got %v, want ErrData", err)
 		}
-	case <-time.After(20 * time.Second):
+	case <-time.After(2 * time.Minute): // watchdog: a healthy nextStep returns at once
 		t.Fatal("nextStep loops forever on a cache of empty samples")
 	}
 }
