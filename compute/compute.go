@@ -400,6 +400,31 @@ type ScratchReporter interface {
 	LMHeadScratchBytes(k int) int64
 }
 
+// DeviceMemory is implemented by backends whose tensors live in a device
+// memory of fixed size (the CUDA backend). A caller checks a forward's size
+// against it before the first batch (package infer's CheckDeviceFit), so
+// that a token budget too large for the device is an error at start-up
+// that names a budget that fits, not an out-of-memory failure mid-fill.
+type DeviceMemory interface {
+	// MemInfo returns the device's free and total bytes.
+	MemInfo() (free, total int64)
+	// ForwardScratchBytes bounds what the kernels of one forward of shape
+	// s allocate beside their inputs and outputs, at their peak: the
+	// largest single call's scratch (each call frees its own before the
+	// next call's allocations).
+	ForwardScratchBytes(s ForwardShape) int64
+}
+
+// ForwardShape is what a forward's kernel scratch depends on: the batch
+// (tokens, its longest sample, top-k) and the model's dimensions.
+type ForwardShape struct {
+	Tokens, MaxLen, K                                    int
+	Hidden, Heads, KVHeads, HeadDim, Intermediate, Vocab int
+	// Experts > 0: a Qwen3-MoE model with TopK experts per token of
+	// MoEIntermediate each.
+	Experts, TopK, MoEIntermediate int
+}
+
 // Partial is implemented by a backend that does not yet implement every
 // method of the contract (none of this module's backends today: the CUDA
 // backend used it to refuse Qwen3-MoE students until its MoE training

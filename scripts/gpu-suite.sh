@@ -203,7 +203,7 @@ s_env() {
 
 s_test() {
   step test 180 "$T" -test.v -test.count=1 -test.timeout=170s \
-    -test.run 'Conformance|Ties|TestSuite$|Exact|KernelsCompile|NVRTCCompiles|AttnPlanKernel|BenchModel|ForwardGoldens|MemoryOps|Probe|Launch|Plan|Cache|Arch'
+    -test.run 'Conformance|Ties|TestSuite$|Exact|KernelsCompile|NVRTCCompiles|AttnPlanKernel|BenchModel|ForwardGoldens|MemoryOps|Probe|Launch|Plan|Cache|Arch|DeviceBytes|ScratchBytes'
 }
 
 s_device() {

@@ -163,6 +163,12 @@ func NewCore(o CoreOptions) (*Core, error) {
 	V := m.Cfg.VocabSize
 	if o.KMax == 0 {
 		o.KMax = min(V, 4096)
+		if o.InProcess {
+			// cachectl fill's own teacher serves that fill's k only
+			// (CoreOptions.KMax, when it gives one); a daemon's serves
+			// any client up to 4096, and plans its memory for that.
+			o.KMax = min(V, DefaultKDefault)
+		}
 	}
 	if o.KDefault == 0 {
 		o.KDefault = min(DefaultKDefault, o.KMax)
@@ -173,6 +179,9 @@ func NewCore(o CoreOptions) (*Core, error) {
 	c := &Core{opt: o, model: m, budget: o.TokenBudget, met: newMetrics(), log: o.Logger, started: time.Now(),
 		datasets: map[string]*openDataset{}, inflight: map[cache.Range]int{}}
 	c.lim = Limits{VocabSize: V, MaxLen: min(m.Cfg.MaxPositions, o.TokenBudget), KDefault: o.KDefault, KMax: o.KMax}
+	if err := m.CheckDeviceFit(o.TokenBudget, c.lim.MaxLen, o.KMax); err != nil {
+		return nil, fmt.Errorf("%w: teacher %s on %s: %w", ErrInvalid, o.ModelDir, o.Device, err)
+	}
 	tdir := o.TokenizerDir
 	if tdir == "" {
 		tdir = o.ModelDir

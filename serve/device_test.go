@@ -1,11 +1,15 @@
 package serve
 
 import (
+	"errors"
 	"fmt"
 	"math"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 
+	"distill/compute"
 	"distill/compute/cuda/cudaemu"
 	"distill/infer"
 )
@@ -68,4 +72,57 @@ func TestCoreOnCUDA(t *testing.T) {
 		t.Logf("--device %s: max |Δ log-prob| vs cpu %.3g", dev, worst)
 		core.Close()
 	}
+}
+
+// TestCoreRefusesBudgetOverDeviceMemory: a token budget whose forward
+// does not fit the GPU's memory once the weights are loaded is refused
+// when the teacher starts (teacherd, cachectl fill --model), with an error
+// that names a budget that fits; that budget starts. The emulated device
+// is shrunk to what one more copy of the weights, the reserve and a small
+// forward need.
+func TestCoreRefusesBudgetOverDeviceMemory(t *testing.T) {
+	cudaemu.Use(t)
+	if cudaemu.OnGPU() {
+		t.Skip("shrinks the emulator's device")
+	}
+	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
+	mdir := tinyModel(t)
+	memUsed := func(c *Core) int64 {
+		free, total := c.Model().Backend().(compute.DeviceMemory).MemInfo()
+		return total - free
+	}
+	a, err := NewCore(CoreOptions{ModelDir: mdir, Device: "cuda", TokenBudget: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	usedA := memUsed(a) // the emulated device's use (all of this process's backends)
+	b, err := NewCore(CoreOptions{ModelDir: mdir, Device: "cuda", TokenBudget: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	perCore := memUsed(b) - usedA // one more teacher: its backend, weights and first-use copies
+	room := b.Model().DeviceBytes(400, 400, DefaultKDefault)
+	mem := memUsed(b) + perCore + 256<<20 + room
+	t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(mem))
+	_, err = NewCore(CoreOptions{ModelDir: mdir, Device: "cuda", TokenBudget: 1 << 16, KMax: DefaultKDefault})
+	if !errors.Is(err, ErrInvalid) || !errors.Is(err, infer.ErrDeviceMemory) {
+		t.Fatalf("token budget 65536 on a device with room for about 400 tokens: %v", err)
+	}
+	t.Logf("%v", err)
+	sub := regexp.MustCompile(`lower --token-budget to (\d+) or less`).FindStringSubmatch(err.Error())
+	if sub == nil {
+		t.Fatalf("the error names no budget that fits: %v", err)
+	}
+	fits, _ := strconv.Atoi(sub[1])
+	// The refused teacher's weights stay on the emulated device (a
+	// process that gets this error exits); the next one gets room of its
+	// own.
+	t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(mem+perCore))
+	c, err := NewCore(CoreOptions{ModelDir: mdir, Device: "cuda", TokenBudget: fits, KMax: DefaultKDefault})
+	if err != nil {
+		t.Fatalf("the suggested token budget %d: %v", fits, err)
+	}
+	c.Close()
 }

@@ -33,7 +33,7 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	cacheDir := fs.String("cache", "", "with --model: the cache directory to write")
 	tokDir := fs.String("tokenizer", "", "tokenizer directory: with --model, the tokenizer to use (default: the model's); with --teacher, checked against the daemons'")
 	device := fs.String("device", "auto", "with --model: auto (a GPU when one opens, else the CPU), cpu or cuda")
-	budget := fs.Int("token-budget", 0, "with --model: tokens per forward pass (default 8192)")
+	budget := fs.Int("token-budget", 0, "with --model: tokens per forward pass (default 8192); on a GPU, checked at start against its free memory")
 	pretok := fs.Bool("pretokenized", false, "records hold input_ids (and loss_mask): no tokenizer, ids checked against the vocab")
 	var df datasetFlags
 	df.register(fs, "as the teachers see them (with --model: as this machine does)")
@@ -78,7 +78,7 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			return fmt.Errorf("--model needs --cache DIR (the cache directory to write)")
 		}
 		fmt.Fprintf(stderr, "fill: loading teacher %s in-process\n", *modelDir)
-		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, TokenBudget: *budget, InProcess: true,
+		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, TokenBudget: *budget, InProcess: true, KMax: *k,
 			DeviceLogf: func(format string, args ...any) { fmt.Fprintf(stderr, "fill: "+format+"\n", args...) }})
 		if err != nil {
 			return err

@@ -93,7 +93,7 @@ func parseConfig(args []string) (serve.Config, bool, error) {
 	fs.StringVar(&f.Cache, "cache", "", "cache directory fills write, created if missing (empty: Fill disabled)")
 	fs.Var((*stringList)(&f.DataRoots), "data-root", "directory `DIR` whose files clients may name as datasets (repeatable; none: Fill and DescribeDataset are refused)")
 	fs.StringVar(&f.Device, "device", "", "compute device: auto (a GPU when one opens, else the CPU), cpu or cuda")
-	fs.IntVar(&f.TokenBudget, "token-budget", 0, "tokens per forward pass (default 8192)")
+	fs.IntVar(&f.TokenBudget, "token-budget", 0, "tokens per forward pass (default 8192); on a GPU, checked at start against its free memory")
 	fs.IntVar(&f.MaxConcurrent, "max-concurrent", 0, "concurrent RPCs before ResourceExhausted (default 64)")
 	fs.IntVar(&f.QueueSamples, "queue-samples", 0, "queued samples before ResourceExhausted (default 1024)")
 	fs.IntVar(&f.QueueTokens, "queue-tokens", 0, "queued tokens before ResourceExhausted (default 8 token budgets)")

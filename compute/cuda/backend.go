@@ -50,6 +50,7 @@ type Backend struct {
 	dev    C.CUdevice
 	ctx    C.CUcontext
 	stream C.CUstream
+	pool   C.CUmemoryPool // the device's default pool, which alloc draws from
 	ltH    C.cublasLtHandle_t
 	ws     uint64 // cuBLASLt workspace
 	mods   []C.CUmodule
@@ -72,7 +73,10 @@ type Backend struct {
 	closed bool
 }
 
-var _ compute.Backend = (*Backend)(nil)
+var (
+	_ compute.Backend      = (*Backend)(nil)
+	_ compute.DeviceMemory = (*Backend)(nil)
+)
 
 const maxArgs = 32
 
@@ -147,12 +151,11 @@ func Open(opt Options) (*Backend, error) {
 	}
 	// Keep freed memory in the pool: Forward frees and reallocates the same
 	// activation sizes every batch.
-	var pool C.CUmemoryPool
-	if err := drv.check("cuDeviceGetDefaultMemPool", C.call_cuDeviceGetDefaultMemPool(drv.cuDeviceGetDefaultMemPool, &pool, b.dev)); err != nil {
+	if err := drv.check("cuDeviceGetDefaultMemPool", C.call_cuDeviceGetDefaultMemPool(drv.cuDeviceGetDefaultMemPool, &b.pool, b.dev)); err != nil {
 		return nil, err
 	}
 	thr := C.uint64_t(^uint64(0))
-	if err := drv.check("cuMemPoolSetAttribute", C.call_cuMemPoolSetAttribute(drv.cuMemPoolSetAttribute, pool, mempoolAttrReleaseThreshold, unsafe.Pointer(&thr))); err != nil {
+	if err := drv.check("cuMemPoolSetAttribute", C.call_cuMemPoolSetAttribute(drv.cuMemPoolSetAttribute, b.pool, mempoolAttrReleaseThreshold, unsafe.Pointer(&thr))); err != nil {
 		return nil, err
 	}
 	if err := b.lt.check("cublasLtCreate", C.call_cublasLtCreate(b.lt.create, &b.ltH)); err != nil {
@@ -422,14 +425,45 @@ func (b *Backend) Profile() []ProfileEntry {
 	return out
 }
 
-// MemInfo returns the device's free and total memory (the stream-ordered
-// pool keeps what was freed, so total - free is the high-water mark of
-// this process's use, plus other processes').
+// MemInfo implements compute.DeviceMemory: the device's total memory, and
+// what this backend can still allocate: the driver's free memory plus what
+// the stream-ordered pool holds for reuse (it keeps what was freed: the
+// driver counts that as used).
 func (b *Backend) MemInfo() (free, total int64) {
 	defer b.enter()()
+	b.sync()
 	var f, t C.size_t
 	b.must(b.drv.check("cuMemGetInfo", C.call_cuMemGetInfo(b.drv.cuMemGetInfo, &f, &t)))
-	return int64(f), int64(t)
+	reserved, used := b.poolAttr(mempoolAttrReservedMemCur), b.poolAttr(mempoolAttrUsedMemCur)
+	return int64(f) + max(0, reserved-used), int64(t)
+}
+
+// poolAttr reads one of the pool's byte counts.
+func (b *Backend) poolAttr(attr C.int) int64 {
+	var v C.uint64_t
+	b.must(b.drv.check("cuMemPoolGetAttribute", C.call_cuMemPoolGetAttribute(b.drv.cuMemPoolGetAttribute, b.pool, attr, unsafe.Pointer(&v))))
+	return int64(v)
+}
+
+// PeakMemory returns the most device memory this process's tensors and
+// scratch have held at once since the backend opened or since the last
+// ResetPeakMemory: the stream-ordered pool's USED_MEM_HIGH (bytes in use,
+// not what the pool keeps for reuse; cuBLASLt's workspace, allocated
+// outside the pool, is not counted). It synchronizes, so that the work
+// issued so far is in it.
+func (b *Backend) PeakMemory() int64 {
+	defer b.enter()()
+	b.sync()
+	return b.poolAttr(mempoolAttrUsedMemHigh)
+}
+
+// ResetPeakMemory restarts PeakMemory's high-water mark from the memory
+// in use now, after the work issued so far.
+func (b *Backend) ResetPeakMemory() {
+	defer b.enter()()
+	b.sync()
+	var v C.uint64_t
+	b.must(b.drv.check("cuMemPoolSetAttribute(USED_MEM_HIGH)", C.call_cuMemPoolSetAttribute(b.drv.cuMemPoolSetAttribute, b.pool, mempoolAttrUsedMemHigh, unsafe.Pointer(&v))))
 }
 
 // --- Memory.

@@ -331,8 +331,7 @@ func BenchmarkForward(b *testing.B) {
 				if peak > 0 {
 					b.ReportMetric(100*flops/sec/1e12/peak, "MFU%")
 				}
-				free, total := be.MemInfo()
-				b.ReportMetric(float64(total-free)/(1<<30), "devmem_GiB")
+				b.ReportMetric(float64(be.PeakMemory())/(1<<30), "devmem_GiB") // the pool's high-water mark since Open
 				if outDir != "" {
 					be.prof = map[string]*ProfileEntry{}
 					m.forward(be, samples, 64)

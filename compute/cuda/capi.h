@@ -80,6 +80,9 @@ static inline CUresult call_cuDeviceGetDefaultMemPool(void *f, CUmemoryPool *p, 
 static inline CUresult call_cuMemPoolSetAttribute(void *f, CUmemoryPool p, int attr, void *v) {
 	return ((CUresult(*)(CUmemoryPool, int, void *))f)(p, attr, v);
 }
+static inline CUresult call_cuMemPoolGetAttribute(void *f, CUmemoryPool p, int attr, void *v) {
+	return ((CUresult(*)(CUmemoryPool, int, void *))f)(p, attr, v);
+}
 static inline CUresult call_cuMemGetInfo(void *f, size_t *free, size_t *total) { return ((CUresult(*)(size_t *, size_t *))f)(free, total); }
 static inline CUresult call_cuMemcpyHtoDAsync(void *f, CUdeviceptr dst, const void *src, size_t n, CUstream s) {
 	return ((CUresult(*)(CUdeviceptr, const void *, size_t, CUstream))f)(dst, src, n, s);

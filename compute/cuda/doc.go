@@ -49,6 +49,18 @@
 // ReadI32 (once per batch for the top-k), and in MoE, which reads each
 // layer's per-expert row counts (E integers) to size the experts' GEMMs.
 //
+// Memory planning: the backend implements compute.DeviceMemory. MemInfo
+// counts what the pool keeps for reuse as free; ForwardScratchBytes bounds
+// a forward's largest kernel scratch (plan.go), which with the decoder's
+// activations is infer.Model.DeviceBytes. The teacher checks its token
+// budget against it when it starts (infer.Model.CheckDeviceFit, from
+// serve.NewCore: teacherd and cachectl fill --model), and refuses a budget
+// that does not fit with an error naming the largest that does, rather
+// than failing batches with out-of-memory errors later. PeakMemory (the
+// pool's USED_MEM_HIGH) measures it: the tests hold the bound to within
+// 2x of the measurement for each dominant term (TestForwardDeviceBytes,
+// TestForwardScratchBytes), on the emulator and in the GPU suite.
+//
 // Kernels and precision, against compute/cpu (the oracle of the tests):
 //
 //   - MatMul: cuBLASLt, BF16 operands (activations rounded at the GEMM's

@@ -23,6 +23,9 @@ const (
 	funcAttrMaxDynamicShared = 8 // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 	mempoolAttrReleaseThreshold = 4 // CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
+	mempoolAttrReservedMemCur   = 5 // CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT
+	mempoolAttrUsedMemCur       = 7 // CU_MEMPOOL_ATTR_USED_MEM_CURRENT
+	mempoolAttrUsedMemHigh      = 8 // CU_MEMPOOL_ATTR_USED_MEM_HIGH
 
 	streamNonBlocking = 1 // CU_STREAM_NON_BLOCKING
 )
@@ -31,16 +34,16 @@ const (
 type driver struct {
 	lib *library
 
-	cuInit, cuDriverGetVersion, cuDeviceGetCount, cuDeviceGet, cuDeviceGetName           unsafe.Pointer
-	cuDeviceGetAttribute, cuDeviceTotalMem, cuDevicePrimaryCtxRetain                     unsafe.Pointer
-	cuDevicePrimaryCtxRelease, cuCtxSetCurrent, cuCtxSynchronize                         unsafe.Pointer
-	cuStreamCreate, cuStreamDestroy, cuStreamSynchronize                                 unsafe.Pointer
-	cuMemAlloc, cuMemFree, cuMemAllocAsync, cuMemFreeAsync                               unsafe.Pointer
-	cuDeviceGetDefaultMemPool, cuMemPoolSetAttribute, cuMemGetInfo                       unsafe.Pointer
-	cuMemcpyHtoDAsync, cuMemcpyDtoHAsync, cuMemcpyDtoDAsync, cuMemsetD8Async             unsafe.Pointer
-	cuModuleLoadData, cuModuleUnload, cuModuleGetFunction, cuFuncSetAttribute            unsafe.Pointer
-	cuLaunchKernel, cuGetErrorName, cuGetErrorString                                     unsafe.Pointer
-	cuEventCreate, cuEventRecord, cuEventSynchronize, cuEventElapsedTime, cuEventDestroy unsafe.Pointer
+	cuInit, cuDriverGetVersion, cuDeviceGetCount, cuDeviceGet, cuDeviceGetName            unsafe.Pointer
+	cuDeviceGetAttribute, cuDeviceTotalMem, cuDevicePrimaryCtxRetain                      unsafe.Pointer
+	cuDevicePrimaryCtxRelease, cuCtxSetCurrent, cuCtxSynchronize                          unsafe.Pointer
+	cuStreamCreate, cuStreamDestroy, cuStreamSynchronize                                  unsafe.Pointer
+	cuMemAlloc, cuMemFree, cuMemAllocAsync, cuMemFreeAsync                                unsafe.Pointer
+	cuDeviceGetDefaultMemPool, cuMemPoolSetAttribute, cuMemPoolGetAttribute, cuMemGetInfo unsafe.Pointer
+	cuMemcpyHtoDAsync, cuMemcpyDtoHAsync, cuMemcpyDtoDAsync, cuMemsetD8Async              unsafe.Pointer
+	cuModuleLoadData, cuModuleUnload, cuModuleGetFunction, cuFuncSetAttribute             unsafe.Pointer
+	cuLaunchKernel, cuGetErrorName, cuGetErrorString                                      unsafe.Pointer
+	cuEventCreate, cuEventRecord, cuEventSynchronize, cuEventElapsedTime, cuEventDestroy  unsafe.Pointer
 }
 
 // loadDriver opens libcuda.so.1 and binds every entry point this package
@@ -69,6 +72,7 @@ func loadDriver() (*driver, error) {
 		"cuMemFreeAsync":                           &d.cuMemFreeAsync,
 		"cuDeviceGetDefaultMemPool":                &d.cuDeviceGetDefaultMemPool,
 		"cuMemPoolSetAttribute":                    &d.cuMemPoolSetAttribute,
+		"cuMemPoolGetAttribute":                    &d.cuMemPoolGetAttribute,
 		"cuMemGetInfo_v2":                          &d.cuMemGetInfo,
 		"cuMemcpyHtoDAsync_v2":                     &d.cuMemcpyHtoDAsync,
 		"cuMemcpyDtoHAsync_v2":                     &d.cuMemcpyDtoHAsync,

@@ -1,6 +1,10 @@
 package cuda
 
-import "fmt"
+import (
+	"fmt"
+
+	"distill/compute"
+)
 
 // Launch geometry and memory planning: pure functions of the shapes, so
 // they are unit-tested on any machine. The kernels' side of each contract
@@ -216,4 +220,28 @@ func attentionBackwardLaunch(mode attnMode, tokens, nSeq, nHead, nKV, hd int) (a
 	p.dq = launch{kernel: fmt.Sprintf("k_attn_bwd_dq_mma%d", hd), grid: [3]int{tiles, nHead, 1}, block: 128, smem: dqSmem}
 	p.dkv = launch{kernel: fmt.Sprintf("k_attn_bwd_dkv_mma%d", hd), grid: [3]int{tiles, nKV, 1}, block: 128, smem: dkvSmem}
 	return p, nil
+}
+
+// ForwardScratchBytes implements compute.DeviceMemory: the most device
+// memory one kernel call of a forward of shape s allocates beside its
+// inputs and outputs (each call frees its scratch before the next one
+// allocates): a MatMul's BF16 rounding of its widest input, the attention
+// tile list, the LM head's tiles and statistics, a MoE layer's grouping
+// and expert activations. Copies of weights the backend keeps after their
+// first use (BF16 copies of F32 GEMM weights, F32 copies of BF16 routers)
+// are not scratch: a caller measures them after a first small forward.
+func (b *Backend) ForwardScratchBytes(s compute.ForwardShape) int64 { return forwardScratchBytes(s) }
+
+func forwardScratchBytes(s compute.ForwardShape) int64 {
+	n := int64(s.Tokens)
+	widest := int64(max(s.Hidden, s.Heads*s.HeadDim, s.Intermediate))
+	need := max(2*n*widest, 4*(n+1))
+	if p, err := planLMHead(s.Tokens, s.Hidden, s.Vocab, max(1, s.K)); err == nil {
+		need = max(need, p.scratch)
+	}
+	if s.Experts > 0 {
+		need = max(need, moeScratchBytes(s.Tokens, s.Hidden, s.MoEIntermediate, s.Experts, s.TopK))
+	}
+	// The pool rounds each allocation up; a call makes at most a dozen.
+	return need + 16<<10
 }

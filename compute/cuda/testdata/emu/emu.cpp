@@ -283,12 +283,29 @@ static bool in_alloc(u64 p, size_t n) {
 	return p >= it->first && p + n <= it->first + it->second;
 }
 
+// Device memory accounting, as the stream-ordered pool's USED_MEM_CURRENT
+// and USED_MEM_HIGH count it: the bytes of live allocations and their
+// high-water mark. The device's size is DISTILL_EMU_DEVICE_MEM bytes
+// (default 16 GiB), read at every call, so that a test can shrink the
+// device after loading a model; an allocation beyond it fails with
+// CUDA_ERROR_OUT_OF_MEMORY, as on a GPU.
+static size_t g_used, g_used_high;
+
+static size_t emu_device_mem() {
+	const char *v = getenv("DISTILL_EMU_DEVICE_MEM");
+	return v && *v ? (size_t)strtoull(v, nullptr, 10) : (size_t)16 << 30;
+}
+
 static u64 emu_alloc(size_t n) {
+	size_t total = emu_device_mem();
+	if (g_used > total || n > total - g_used) return 0;
 	size_t sz = (n + 255) / 256 * 256;
 	void *p = aligned_alloc(256, sz ? sz : 256);
 	if (!p) return 0;
 	memset(p, 0xff, sz); // device memory is not zeroed: poison it
 	g_allocs[(u64)p] = n;
+	g_used += n;
+	if (g_used > g_used_high) g_used_high = g_used;
 	return (u64)p;
 }
 
@@ -301,6 +318,7 @@ static CUresult emu_free(u64 p, const char *who) {
 		return fail(E_INVALID_VALUE, buf);
 	}
 	free((void *)p);
+	g_used -= it->second;
 	g_allocs.erase(it);
 	return 0;
 }
@@ -350,7 +368,7 @@ CUresult cuDeviceGetAttribute(int *v, int attr, int) {
 	return 0;
 }
 CUresult cuDeviceTotalMem_v2(size_t *b, int) {
-	*b = (size_t)16 << 30;
+	*b = emu_device_mem();
 	return 0;
 }
 CUresult cuDevicePrimaryCtxRetain(void **c, int) {
@@ -377,9 +395,30 @@ CUresult cuDeviceGetDefaultMemPool(void **p, int) {
 	*p = &g_pool_dummy;
 	return 0;
 }
-CUresult cuMemPoolSetAttribute(void *, int, void *) { return 0; }
+// The pool's attributes: 4 RELEASE_THRESHOLD (accepted, nothing to
+// release), 5 RESERVED_MEM_CURRENT, 7 USED_MEM_CURRENT, 8 USED_MEM_HIGH
+// (set to 0: reset to the current use).
+CUresult cuMemPoolSetAttribute(void *, int attr, void *v) {
+	switch (attr) {
+	case 4: return 0;
+	case 8:
+		if (*(unsigned long long *)v != 0) return fail(E_INVALID_VALUE, "cuMemPoolSetAttribute: USED_MEM_HIGH can only be reset to 0");
+		g_used_high = g_used;
+		return 0;
+	}
+	return fail(E_INVALID_VALUE, "cuMemPoolSetAttribute: attribute " + std::to_string(attr) + " not emulated");
+}
+CUresult cuMemPoolGetAttribute(void *, int attr, void *v) {
+	switch (attr) {
+	case 5: // RESERVED_MEM_CURRENT: the emulator's pool keeps nothing freed
+	case 7: *(unsigned long long *)v = g_used; return 0;
+	case 8: *(unsigned long long *)v = g_used_high; return 0;
+	}
+	return fail(E_INVALID_VALUE, "cuMemPoolGetAttribute: attribute " + std::to_string(attr) + " not emulated");
+}
 CUresult cuMemGetInfo_v2(size_t *f, size_t *t) {
-	*f = *t = (size_t)16 << 30;
+	*t = emu_device_mem();
+	*f = g_used < *t ? *t - g_used : 0;
 	return 0;
 }
 CUresult cuMemcpyHtoDAsync_v2(u64 dst, const void *src, size_t n, void *) {
