@@ -59,7 +59,10 @@
 // own, |got-want| <= atol+rtol*|want|.
 package compute
 
-import "fmt"
+import (
+	"errors"
+	"fmt"
+)
 
 // DType is the element type of a Tensor.
 type DType uint8
@@ -399,6 +402,11 @@ type ScratchReporter interface {
 	// LMHeadScratchBytes bounds LMHeadTopK's scratch for top-k.
 	LMHeadScratchBytes(k int) int64
 }
+
+// ErrOutOfMemory is what a device backend's out-of-memory error wraps
+// (errors.Is), so that a caller above compute/ can say what to change
+// without knowing which backend ran out.
+var ErrOutOfMemory = errors.New("compute: out of device memory")
 
 // DeviceMemory is implemented by backends whose tensors live in a device
 // memory of fixed size (the CUDA backend). A caller checks a forward's size

@@ -8,6 +8,8 @@ import "C"
 import (
 	"fmt"
 	"unsafe"
+
+	"distill/compute"
 )
 
 // Driver API constants, from the CUDA driver's ABI (cuda.h), declared by
@@ -109,6 +111,18 @@ type Error struct {
 
 func (e *Error) Error() string {
 	return fmt.Sprintf("cuda: %s failed: %s (%d): %s", e.Call, e.Name, e.Code, e.Desc)
+}
+
+// cudaErrorOutOfMemory is CUDA_ERROR_OUT_OF_MEMORY.
+const cudaErrorOutOfMemory = 2
+
+// Unwrap makes an out-of-memory error compute.ErrOutOfMemory for
+// errors.Is.
+func (e *Error) Unwrap() error {
+	if e.Code == cudaErrorOutOfMemory {
+		return compute.ErrOutOfMemory
+	}
+	return nil
 }
 
 // check turns a CUresult into an *Error naming the call (nil on success).

@@ -3,6 +3,7 @@ package trainer
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -12,6 +13,8 @@ import (
 	"strings"
 	"testing"
 
+	"distill/compute"
+	"distill/compute/cuda"
 	"distill/compute/cuda/cudaemu"
 )
 
@@ -278,5 +281,40 @@ func TestCUDAMoEStudent(t *testing.T) {
 		if s.Loss != w.Loss || s.GradNorm != w.GradNorm {
 			t.Fatalf("step %d after resume on cuda: loss %.17g |g| %.17g, uninterrupted %.17g %.17g", s.Step, s.Loss, s.GradNorm, w.Loss, w.GradNorm)
 		}
+	}
+}
+
+// TestCUDAOutOfMemory: a student that does not fit the device is an error
+// naming ErrDeviceMemory (and compute.ErrOutOfMemory) and what to change,
+// not a crash: the backend's out-of-memory panic is recovered once run's
+// clean-up has run, so the same run directory trains at once when the
+// device has room (its lock was released).
+func TestCUDAOutOfMemory(t *testing.T) {
+	useCUDA(t)
+	if cudaemu.OnGPU() {
+		t.Skip("shrinks the emulator's device")
+	}
+	be, err := cuda.Open(cuda.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	free, total := be.MemInfo()
+	be.Close()
+	// Room for what an open backend takes (its cuBLASLt workspace, which
+	// Close gave back) and 64 KiB: the student's parameters or its first
+	// step run out.
+	t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(total-free+64<<10))
+	b := testCache(t)
+	runDir := t.TempDir()
+	over := []string{"train.device=cuda", "eval.every=0", "train.max_steps=3"}
+	_, err = Run(tinyConfig(t, b, runDir, over...), Options{Log: io.Discard})
+	if !errors.Is(err, ErrDeviceMemory) || !errors.Is(err, compute.ErrOutOfMemory) || !strings.Contains(err.Error(), "lower data.seq_len") {
+		t.Fatalf("a student the device cannot hold: %v, want ErrDeviceMemory naming data.seq_len", err)
+	}
+	t.Logf("%v", err)
+	t.Setenv("DISTILL_EMU_DEVICE_MEM", "")
+	res, err := Run(tinyConfig(t, b, runDir, over...), Options{Log: io.Discard})
+	if err != nil || len(res.Steps) != 3 {
+		t.Fatalf("the same run directory with room on the device: %v", err)
 	}
 }

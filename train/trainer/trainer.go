@@ -154,6 +154,9 @@ var (
 	ErrDiverged = errors.New("trainer: training diverged")
 	// ErrLocked marks a run directory another trainer is using.
 	ErrLocked = errors.New("trainer: run directory in use")
+	// ErrDeviceMemory marks a run the device's memory cannot hold (it
+	// wraps compute.ErrOutOfMemory too).
+	ErrDeviceMemory = errors.New("trainer: out of device memory")
 )
 
 // Options control a run beyond its config.
@@ -262,7 +265,31 @@ type Result struct {
 var errStopped = errors.New("trainer: stopped")
 
 // Run trains as cfg says and returns the metrics of the steps it ran.
-func Run(cfg *Config, o Options) (*Result, error) {
+//
+// A device backend that runs out of memory panics (its kernels return no
+// errors); Run turns that panic into an error that says what to change,
+// after run's deferred clean-up (the run directory's lock, the readers,
+// the teachers) has run as the panic unwound. Checkpoints already written
+// are intact: each is published whole or not at all. Any other panic is
+// a bug and propagates.
+func Run(cfg *Config, o Options) (res *Result, err error) {
+	defer func() {
+		r := recover()
+		if r == nil {
+			return
+		}
+		if e, ok := r.(error); ok && errors.Is(e, compute.ErrOutOfMemory) {
+			res, err = nil, fmt.Errorf("%w: %w: the student's parameters, gradients and AdamW moments (fp32) and the activations of one row of data.seq_len %d tokens do not fit the device; lower data.seq_len, or train on a device with more memory (or train.device: cpu); the checkpoints already written in %s are intact",
+				ErrDeviceMemory, e, cfg.Data.SeqLen, cfg.RunDir)
+			return
+		}
+		panic(r)
+	}()
+	return runOnce(cfg, o)
+}
+
+// runOnce is Run without the out-of-memory recovery.
+func runOnce(cfg *Config, o Options) (*Result, error) {
 	if o.Log == nil {
 		o.Log = os.Stderr
 	}
