@@ -69,37 +69,15 @@ func (c *moeCase) xe() []float64 {
 // backend rounds the down projection's input): x feeds the router, xe the
 // experts.
 func (s *suite) moeOut(c *moeCase, x, xe []float64) []float64 {
-	if !s.tol.BF16GEMM {
-		return ref.MoE(x, xe, c.rd, c.gd, c.ud, c.dd, c.E, c.K, c.H, c.I, c.norm)
-	}
-	E, K, H, I := c.E, c.K, c.H, c.I
-	T := len(x) / H
-	p := ref.MoEProbs(x, c.rd, E, H)
-	out := make([]float64, T*H)
-	for t := 0; t < T; t++ {
-		pt := p[t*E : (t+1)*E]
-		sel := ref.TopK(pt, K)
-		var ks float64
-		for _, e := range sel {
-			ks += pt[e]
-		}
-		xt := xe[t*H : (t+1)*H]
-		for _, e := range sel {
-			w := pt[e]
-			if c.norm {
-				w /= ks
-			}
-			act := ref.SwiGLU(ref.Linear(xt, c.gd[e], nil, H, I), ref.Linear(xt, c.ud[e], nil, H, I))
+	var round func([]float64)
+	if s.tol.BF16GEMM {
+		round = func(act []float64) {
 			for i, v := range act {
 				act[i] = float64(compute.BF16ToF32(compute.F32ToBF16(float32(v))))
 			}
-			y := ref.Linear(act, c.dd[e], nil, I, H)
-			for j := range y {
-				out[t*H+j] += w * y[j]
-			}
 		}
 	}
-	return out
+	return ref.MoERounded(x, xe, c.rd, c.gd, c.ud, c.dd, c.E, c.K, c.H, c.I, c.norm, round)
 }
 
 // moeBwd checks a MoE gradient against finite differences: elementwise

@@ -240,6 +240,14 @@ func TopK(p []float64, k int) []int {
 // the top-k of the router's softmax, renormalized when norm, weight the
 // experts' SwiGLU MLPs: gate[e], up[e] (I,H), down[e] (H,I).
 func MoE(x, xe, router []float64, gate, up, down [][]float64, E, K, H, I int, norm bool) []float64 {
+	return MoERounded(x, xe, router, gate, up, down, E, K, H, I, norm, nil)
+}
+
+// MoERounded is MoE with round, when not nil, applied in place to each
+// expert's SwiGLU activations before down_proj reads them: a BF16 backend
+// rounds them there (its GEMM input), which a test's reference can then
+// reproduce.
+func MoERounded(x, xe, router []float64, gate, up, down [][]float64, E, K, H, I int, norm bool, round func([]float64)) []float64 {
 	T := len(x) / H
 	p := MoEProbs(x, router, E, H)
 	out := make([]float64, T*H)
@@ -256,8 +264,11 @@ func MoE(x, xe, router []float64, gate, up, down [][]float64, E, K, H, I int, no
 			if norm {
 				w /= ks
 			}
-			g, u := Linear(xt, gate[e], nil, H, I), Linear(xt, up[e], nil, H, I)
-			y := Linear(SwiGLU(g, u), down[e], nil, I, H)
+			act := SwiGLU(Linear(xt, gate[e], nil, H, I), Linear(xt, up[e], nil, H, I))
+			if round != nil {
+				round(act)
+			}
+			y := Linear(act, down[e], nil, I, H)
 			for j := range y {
 				out[t*H+j] += w * y[j]
 			}
