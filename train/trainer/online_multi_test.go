@@ -113,6 +113,8 @@ func TestOnlineMultiWriteCache(t *testing.T) {
 	testHookAnswer = func(string, int64) { asked.Add(1) }
 	cfg := onlineConfig(t, f.tokDir, f.file, filepath.Join(t.TempDir(), "run"), "", []string{ta.addr()}, over...)
 	run(t, cfg, Options{StopAfter: 5})
+	held := map[cache.Range]int{} // chunk -> how many of the two write caches hold it
+	var chunks []cache.ReaderChunk
 	for _, name := range []string{"a", "b"} {
 		dir := filepath.Join(wdir, name)
 		rep, err := cache.Check(dir, nil)
@@ -133,6 +135,9 @@ func TestOnlineMultiWriteCache(t *testing.T) {
 			if ch.Start%8 != 0 || ch.End-ch.Start != 8 {
 				t.Fatalf("%s: chunk %v is not a whole chunk of 8", dir, ch.Range)
 			}
+			if held[ch.Range]++; held[ch.Range] == 2 {
+				chunks = append(chunks, ch) // both teachers' answers are cached
+			}
 		}
 	}
 	// The teachers in another order: another objective, refused.
@@ -144,10 +149,12 @@ func TestOnlineMultiWriteCache(t *testing.T) {
 	}
 	first := asked.Load()
 	asked.Store(0)
+	// Which samples the resumed run asks, not how many (that depends on
+	// how far the prefetch runs ahead): none that both write caches hold.
+	reused := askedFrom(t, chunks)
 	res, _ := run(t, cfg, Options{})
-	if asked.Load() >= 80 {
-		t.Errorf("the resumed run asked %d samples: it did not reuse the write caches (first run asked %d)", asked.Load(), first)
-	}
+	reused(t)
+	t.Logf("the first run asked %d samples, the resumed run %d", first, asked.Load())
 	tail := &Result{Steps: ref.Steps[len(ref.Steps)-len(res.Steps):], Evals: ref.Evals[len(ref.Evals)-len(res.Evals):]}
 	sameLosses(t, "resumed with the write caches vs no stop", res, tail)
 	sameTeachers(t, "resumed with the write caches vs no stop", res, tail)

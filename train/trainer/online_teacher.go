@@ -43,6 +43,9 @@ const replicaWindow = 64
 // training pauses for want of a reachable teacher.
 var (
 	testHookAnswer func(addr string, n int64)
+	// testHookAnswered runs beside testHookAnswer with the answered
+	// sample's index.
+	testHookAnswered func(index int64)
 	testHookPause  func()
 	// testInfoTimeout, when set, replaces teacher_timeout for the first
 	// Info check only: a test of a short outage timeout must not also
@@ -515,6 +518,9 @@ func (p *teacherPool) session(r *replica) (progress bool, err error) {
 				n := r.answers.Add(1)
 				if testHookAnswer != nil {
 					testHookAnswer(r.addr, n)
+				}
+				if testHookAnswered != nil {
+					testHookAnswered(j.s.Index)
 				}
 				continue
 			}
