@@ -46,7 +46,7 @@ var (
 	// testHookAnswered runs beside testHookAnswer with the answered
 	// sample's index.
 	testHookAnswered func(index int64)
-	testHookPause  func()
+	testHookPause    func()
 	// testInfoTimeout, when set, replaces teacher_timeout for the first
 	// Info check only: a test of a short outage timeout must not also
 	// race the start of the run against it.
