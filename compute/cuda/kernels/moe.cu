@@ -134,6 +134,19 @@ DK_KERNEL void k_moe_gather(u16 *__restrict__ xg, const float *__restrict__ x, c
 	}
 }
 
+// moe_slots_by_expert writes into order the slots 0..K-1 of one token,
+// sorted by their expert id sel[slot] (insertion sort: K is small), the
+// order in which compute/cpu adds the experts' contributions.
+DK_DEV void moe_slots_by_expert(i32 *order, const i32 *sel, int K) {
+	for (int j = 0; j < K; j++) order[j] = j;
+	for (int a = 1; a < K; a++)
+		for (int b = a; b > 0 && sel[order[b]] < sel[order[b - 1]]; b--) {
+			i32 tmp = order[b];
+			order[b] = order[b - 1];
+			order[b - 1] = tmp;
+		}
+}
+
 // k_moe_combine: out (tokens, H) = sum over the token's K experts, in
 // ascending expert order (the CPU's summation order), of wts · y[rowpos]
 // with y (rows, H) the experts' down projections. One block per token.
@@ -141,15 +154,7 @@ DK_KERNEL void k_moe_combine(float *__restrict__ out, const float *__restrict__ 
                              const float *__restrict__ wts, const i32 *__restrict__ rowpos, int K, int H) {
 	__shared__ i32 order[64];
 	i64 t = blockIdx.x;
-	if (threadIdx.x == 0) {
-		for (int j = 0; j < K; j++) order[j] = j;
-		for (int a = 1; a < K; a++) // insertion sort by expert id; K is small
-			for (int b = a; b > 0 && sel[t * K + order[b]] < sel[t * K + order[b - 1]]; b--) {
-				i32 tmp = order[b];
-				order[b] = order[b - 1];
-				order[b - 1] = tmp;
-			}
-	}
+	if (threadIdx.x == 0) moe_slots_by_expert(order, sel + t * K, K);
 	__syncthreads();
 	for (int c = threadIdx.x; c < H; c += blockDim.x) {
 		float acc = 0;
@@ -258,15 +263,7 @@ DK_KERNEL void k_moe_dx(float *__restrict__ dx, const float *__restrict__ dxg, c
                         int K, int H) {
 	__shared__ i32 order[64];
 	i64 t = blockIdx.x;
-	if (threadIdx.x == 0) {
-		for (int j = 0; j < K; j++) order[j] = j;
-		for (int a = 1; a < K; a++)
-			for (int b = a; b > 0 && sel[t * K + order[b]] < sel[t * K + order[b - 1]]; b--) {
-				i32 tmp = order[b];
-				order[b] = order[b - 1];
-				order[b - 1] = tmp;
-			}
-	}
+	if (threadIdx.x == 0) moe_slots_by_expert(order, sel + t * K, K);
 	__syncthreads();
 	for (int c = threadIdx.x; c < H; c += blockDim.x) {
 		float v = dx[t * (i64)H + c];
