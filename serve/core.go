@@ -52,7 +52,8 @@ type CoreOptions struct {
 	// TokenBudget is the tokens of one forward pass (default infer.DefaultTokenBudget).
 	TokenBudget int
 	// KDefault replaces k = 0 (default 64, at most KMax); KMax caps k
-	// (default min(vocab, 4096): the cache's format limit).
+	// (default min(vocab, 4096): the cache's format limit; InProcess:
+	// min(vocab, 64)). The device-memory check plans for k = KMax.
 	KDefault, KMax int
 	// QueueSamples and QueueTokens bound the work queue (defaults 1024
 	// samples, 8 token budgets); Score requests beyond get ResourceExhausted.

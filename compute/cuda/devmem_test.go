@@ -6,7 +6,6 @@ import (
 	"math/rand/v2"
 	"path/filepath"
 	"regexp"
-	"sort"
 	"strconv"
 	"testing"
 
@@ -23,12 +22,7 @@ import (
 // large k.
 func TestForwardDeviceBytes(t *testing.T) {
 	be := testBackend(t)
-	dirs, _ := filepath.Glob("../../infer/testdata/golden/*")
-	if len(dirs) < 5 {
-		t.Fatalf("found %d golden checkpoints, want 5", len(dirs))
-	}
-	sort.Strings(dirs)
-	for _, dir := range dirs {
+	for _, dir := range goldenDirs(t) {
 		t.Run(filepath.Base(dir), func(t *testing.T) {
 			m, err := infer.Load(dir, be)
 			if err != nil {

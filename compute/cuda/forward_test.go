@@ -77,12 +77,7 @@ func (a *agreement) String() string {
 // of the 171 positions, by 0.19 and 0.28 on the emulator).
 func TestForwardGoldens(t *testing.T) {
 	be := testBackend(t)
-	dirs, _ := filepath.Glob("../../infer/testdata/golden/*")
-	if len(dirs) < 5 {
-		t.Fatalf("found %d golden checkpoints, want 5", len(dirs))
-	}
-	sort.Strings(dirs)
-	for _, dir := range dirs {
+	for _, dir := range goldenDirs(t) {
 		t.Run(filepath.Base(dir), func(t *testing.T) {
 			var g goldenFile
 			b, err := os.ReadFile(filepath.Join(dir, "golden.json"))
@@ -134,10 +129,8 @@ func TestForwardHFGoldens(t *testing.T) {
 		t.Skip("DISTILL_HF_GOLDENS is not set (scripts/gpu-suite.sh makes HF goldens on the GPU machine)")
 	}
 	be := testBackend(t)
-	ckpts, _ := filepath.Glob("../../infer/testdata/golden/*")
-	sort.Strings(ckpts)
 	found := 0
-	for _, ck := range ckpts {
+	for _, ck := range goldenDirs(t) {
 		name := filepath.Base(ck)
 		b, err := os.ReadFile(filepath.Join(dir, name+".json"))
 		if err != nil {
@@ -177,4 +170,16 @@ func TestForwardHFGoldens(t *testing.T) {
 	if found == 0 {
 		t.Fatalf("no HF goldens in %s", dir)
 	}
+}
+
+// goldenDirs returns the golden checkpoints of package infer (llama with
+// llama3 RoPE, llama with biases, qwen2, qwen3, qwen3_moe), sorted.
+func goldenDirs(t *testing.T) []string {
+	t.Helper()
+	dirs, _ := filepath.Glob("../../infer/testdata/golden/*")
+	if len(dirs) < 5 {
+		t.Fatalf("found %d golden checkpoints, want 5", len(dirs))
+	}
+	sort.Strings(dirs)
+	return dirs
 }
