@@ -202,9 +202,12 @@ type Backend interface {
 	// -angle. It overwrites, the one exception to +=.
 	RoPEBackward(dx, cos, sin Tensor, tokens, heads, headDim int)
 	// AttentionBackward: dout (tokens,nHead,hd), q, k, v, starts and lse as
-	// in the forward -> dq (tokens,nHead,hd) +=, dk, dv (tokens,nKV,hd) +=.
-	// The probabilities are recomputed from lse, never stored.
-	AttentionBackward(dq, dk, dv, dout, q, k, v, lse, starts Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32)
+	// in the forward, out (tokens,nHead,hd) the forward's output -> dq
+	// (tokens,nHead,hd) +=, dk, dv (tokens,nKV,hd) +=. The probabilities
+	// are recomputed from lse, never stored; out gives the softmax
+	// backward's row term Σ dout·out without recomputing the forward (a
+	// backend may ignore it and compute the term from P).
+	AttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, starts Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32)
 	// SwiGLUBackward: dout, gate, up (n) -> dgate (n) +=, dup (n) +=, with
 	// silu'(g) = σ(g)·(1 + g·(1-σ(g))).
 	SwiGLUBackward(dgate, dup, dout, gate, up Tensor, n int)

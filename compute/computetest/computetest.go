@@ -491,7 +491,7 @@ func (s *suite) attention(t *testing.T) {
 
 	dq0, dk0, dv0 := randn(r, N*H*D, 1), randn(r, N*KV*D, 1), randn(r, N*KV*D, 1)
 	dq, dk, dv := be.FromF32(dq0), be.FromF32(dk0), be.FromF32(dv0)
-	be.AttentionBackward(dq, dk, dv, be.FromF32(R), qt, kt, vt, lse, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
+	be.AttentionBackward(dq, dk, dv, be.FromF32(R), qt, kt, vt, out, lse, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
 	f := func() float64 { return dot(attention(qd, kd, vd, starts, H, KV, D, scale), Rd) }
 	s.bwdStrided(t, "dq", s.read(dq, N*H*D), dq0, f, qd, 29)
 	s.bwdStrided(t, "dk", s.read(dk, N*KV*D), dk0, f, kd, 23)

@@ -35,9 +35,9 @@ func (c *counting) RoPEBackward(dx, cos, sin compute.Tensor, tokens, heads, head
 	c.Backend.RoPEBackward(dx, cos, sin, tokens, heads, headDim)
 }
 
-func (c *counting) AttentionBackward(dq, dk, dv, dout, q, k, v, lse, starts compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
+func (c *counting) AttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, starts compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
 	c.calls["AttentionBackward"]++
-	c.Backend.AttentionBackward(dq, dk, dv, dout, q, k, v, lse, starts, nSeq, maxLen, tokens, nHead, nKV, hd, scale)
+	c.Backend.AttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, starts, nSeq, maxLen, tokens, nHead, nKV, hd, scale)
 }
 
 func (c *counting) SwiGLUBackward(dgate, dup, dout, gate, up compute.Tensor, n int) {

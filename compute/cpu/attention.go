@@ -97,7 +97,7 @@ func (be *Backend) Attention(out, lse, q, k, v, starts compute.Tensor, nSeq, max
 // dP = dout·vᵀ and dS = P∘(dP - rowsum(P∘dP)): dv += Pᵀ·dout,
 // dq += scale·dS·k, dk += scale·dSᵀ·q. One work item per (sample, kv
 // head), so no two workers write the same rows of dq, dk or dv.
-func (be *Backend) AttentionBackward(dq, dk, dv, dout, q, k, v, lse, starts compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
+func (be *Backend) AttentionBackward(dq, dk, dv, dout, q, k, v, _, lse, starts compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
 	dqs, dks, dvs, dos := f32(dq), f32(dk), f32(dv), f32(dout)
 	qs, ks, vs, ls, st := f32(q), f32(k), f32(v), f32(lse), i32(starts)
 	type scr struct{ P, dP []float32 }

@@ -25,10 +25,17 @@ type Options struct {
 	// KernelCache is the directory of compiled kernels; "" picks
 	// $DISTILL_KERNEL_CACHE or the user cache directory, "off" disables it.
 	KernelCache string
-	// Attention forces an attention kernel: "simt" (fp32) or "mma" (tensor
-	// cores, head_dim 64 or 128); "" or "auto" picks mma where it applies.
-	// $DISTILL_CUDA_ATTN sets it too.
+	// Attention picks the attention implementation: "cudnn" (cuDNN's fused
+	// flash attention; Open fails without a usable cuDNN), "mma" or "simt"
+	// (this package's tensor-core or fp32 kernels), or "" / "auto": cuDNN
+	// when it loads, else mma where it applies. Shapes cuDNN refuses run on
+	// the own kernels either way. $DISTILL_CUDA_ATTN sets it too.
 	Attention string
+	// AttnNondeterministic lets cuDNN's attention backward use its faster
+	// non-deterministic engines (atomic dq accumulation): a resumed run then
+	// no longer repeats the uninterrupted one bit for bit.
+	// $DISTILL_CUDNN_NONDETERMINISTIC=1 sets it too.
+	AttnNondeterministic bool
 	// Logf, if set, receives one line per notable event (kernels compiled
 	// or read from the cache, the device found).
 	Logf func(format string, args ...any)
@@ -58,7 +65,10 @@ type Backend struct {
 	smem   map[string]int // dynamic shared memory each kernel opted in to
 	plans  map[gemmShape]*gemmPlan
 	attn   attnMode
+	dnn    *cudnnLib // nil: attention on the own kernels
 	logf   func(string, ...any)
+
+	attnNondet bool // Options.AttnNondeterministic
 
 	prof  map[string]*ProfileEntry // nil unless Options.Profile
 	label string                   // the running method, for the profile
@@ -173,10 +183,11 @@ func Open(opt Options) (*Backend, error) {
 		b.attn = attnMode(os.Getenv("DISTILL_CUDA_ATTN"))
 	}
 	switch b.attn {
-	case "", "auto", "simt", "mma":
+	case "", "auto", "cudnn", "simt", "mma":
 	default:
-		return nil, fmt.Errorf("cuda: attention kernel %q: want auto, simt or mma", b.attn)
+		return nil, fmt.Errorf("cuda: attention %q: want auto, cudnn, mma or simt", b.attn)
 	}
+	b.attnNondet = opt.AttnNondeterministic || os.Getenv("DISTILL_CUDNN_NONDETERMINISTIC") == "1"
 	dir := opt.KernelCache
 	if dir == "" {
 		dir = defaultCacheDir()
@@ -186,9 +197,17 @@ func Open(opt Options) (*Backend, error) {
 	if err := b.loadKernels(&kernelCache{dir: dir}); err != nil {
 		return nil, err
 	}
-	logf("cuda: %s (sm_%d%d, %d SMs, %.1f GiB), driver %d, NVRTC %s, cuBLASLt %d, kernels for %s",
+	if b.attn == "" || b.attn == "auto" || b.attn == "cudnn" {
+		if b.dnn, err = b.loadCudnn(); err != nil {
+			if b.attn == "cudnn" {
+				return nil, err
+			}
+			logf("cuda: attention runs on this package's kernels, %s than on cuDNN on Hopper: %v", cudnnSlowdown, err)
+		}
+	}
+	logf("cuda: %s (sm_%d%d, %d SMs, %.1f GiB), driver %d, NVRTC %s, cuBLASLt %d, kernels for %s, attention: %s",
 		b.info.Name, b.info.Major, b.info.Minor, b.info.SMs, float64(b.info.TotalMem)/(1<<30), b.info.DriverVersion,
-		b.nv.Version(), b.lt.version, b.arch)
+		b.nv.Version(), b.lt.version, b.arch, b.AttentionImpl())
 	ok = true
 	return b, nil
 }
@@ -267,6 +286,8 @@ func (b *Backend) release() {
 		b.lt.destroyPlan(p)
 	}
 	b.plans = nil
+	b.dnn.close()
+	b.dnn = nil
 	for _, m := range b.mods {
 		C.call_cuModuleUnload(d.cuModuleUnload, m)
 	}

@@ -159,9 +159,28 @@ func (b *Backend) RoPE(xT, cosT, sinT compute.Tensor, tokens, heads, headDim int
 
 // Attention implements compute.Backend. lse (tokens, nHead), when not
 // nil, receives each query row's log-sum-exp of its scaled scores.
+// It runs on cuDNN's fused flash attention where the backend uses it
+// (cudnn.go), else on this package's kernels.
 func (b *Backend) Attention(outT, lseT, qT, kT, vT, startsT compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
 	defer b.enter()()
-	b.attention(b.attn, outT, lseT, qT, kT, vT, startsT, nSeq, tokens, nHead, nKV, hd, scale)
+	b.label = "Attention"
+	if b.useCudnn(tokens, nSeq, maxLen, nHead, nKV, hd) {
+		out, q, k, v, st := b.ten(outT, "Attention out"), b.ten(qT, "Attention q"), b.ten(kT, "Attention k"), b.ten(vT, "Attention v"), b.ten(startsT, "Attention starts")
+		need(out, "Attention out", tokens*nHead*hd, compute.F32)
+		need(q, "Attention q", tokens*nHead*hd, compute.F32)
+		need(k, "Attention k", tokens*nKV*hd, compute.F32)
+		need(v, "Attention v", tokens*nKV*hd, compute.F32)
+		need(st, "Attention starts", nSeq+1, compute.I32)
+		var lse *tensor
+		if lseT != nil {
+			lse = b.ten(lseT, "Attention lse")
+			need(lse, "Attention lse", tokens*nHead, compute.F32)
+		}
+		if b.cudnnAttention(out, lse, q, k, v, st, nSeq, maxLen, tokens, nHead, nKV, hd, scale) {
+			return
+		}
+	}
+	b.attention(b.ownAttn(), outT, lseT, qT, kT, vT, startsT, nSeq, tokens, nHead, nKV, hd, scale)
 }
 
 func (b *Backend) attention(mode attnMode, outT, lseT, qT, kT, vT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int, scale float32) {

@@ -223,20 +223,42 @@ func (b *Backend) SwiGLUBackward(dgT, duT, doutT, gT, uT compute.Tensor, n int) 
 	b.ew("k_swiglu_bwd", int64(n), dptr(dg.p), dptr(du.p), dptr(dout.p), dptr(g.p), dptr(u.p), int64(n))
 }
 
-// AttentionBackward implements compute.Backend (attention.cu), the
-// probabilities recomputed from lse. For head_dim 64 and 128 the
-// tensor-core chain (BF16 operands, fp32 accumulators): O recomputed by
-// the forward kernel, D = dout·O (k_attn_dsum), dq (k_attn_bwd_dq_mma),
-// then dk and dv (k_attn_bwd_dkv_mma). Other head dims (or Options.Attention
-// "simt"): the fp32 kernels, k_attn_bwd_dq (dq, and D = Σ p·dp) then
-// k_attn_bwd_dkv. Each kernel is the only writer of its rows: no atomics,
-// deterministic.
-func (b *Backend) AttentionBackward(dqT, dkT, dvT, doutT, qT, kT, vT, lseT, startsT compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
+// AttentionBackward implements compute.Backend: cuDNN's fused flash
+// attention backward where the backend uses it (cudnn.go), else this
+// package's kernels (attention.cu), the probabilities recomputed from lse.
+// For head_dim 64 and 128 the tensor-core chain (BF16 operands, fp32
+// accumulators): D = dout·O from the forward's O (k_attn_dsum), dq
+// (k_attn_bwd_dq_mma), then dk and dv (k_attn_bwd_dkv_mma). Other head dims
+// (or Options.Attention "simt"): the fp32 kernels, k_attn_bwd_dq (dq, and
+// D = Σ p·dp) then k_attn_bwd_dkv. Each kernel is the only writer of its
+// rows: no atomics, deterministic.
+func (b *Backend) AttentionBackward(dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, startsT compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
 	defer b.enter()()
-	b.attentionBackward(b.attn, dqT, dkT, dvT, doutT, qT, kT, vT, lseT, startsT, nSeq, tokens, nHead, nKV, hd, scale)
+	b.label = "AttentionBackward"
+	if outT != nil && b.useCudnn(tokens, nSeq, maxLen, nHead, nKV, hd) {
+		dq, dk, dv := b.ten(dqT, "AttentionBackward dq"), b.ten(dkT, "AttentionBackward dk"), b.ten(dvT, "AttentionBackward dv")
+		dout, q, k, v := b.ten(doutT, "AttentionBackward dout"), b.ten(qT, "AttentionBackward q"), b.ten(kT, "AttentionBackward k"), b.ten(vT, "AttentionBackward v")
+		out, lse, st := b.ten(outT, "AttentionBackward out"), b.ten(lseT, "AttentionBackward lse"), b.ten(startsT, "AttentionBackward starts")
+		for _, x := range []struct {
+			t    *tensor
+			what string
+			n    int
+		}{{dq, "dq", tokens * nHead * hd}, {dout, "dout", tokens * nHead * hd}, {q, "q", tokens * nHead * hd}, {out, "out", tokens * nHead * hd},
+			{dk, "dk", tokens * nKV * hd}, {dv, "dv", tokens * nKV * hd}, {k, "k", tokens * nKV * hd}, {v, "v", tokens * nKV * hd},
+			{lse, "lse", tokens * nHead}} {
+			need(x.t, "AttentionBackward "+x.what, x.n, compute.F32)
+		}
+		need(st, "AttentionBackward starts", nSeq+1, compute.I32)
+		if b.cudnnAttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, st, nSeq, maxLen, tokens, nHead, nKV, hd, scale) {
+			return
+		}
+	}
+	b.attentionBackward(b.ownAttn(), dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, startsT, nSeq, tokens, nHead, nKV, hd, scale)
 }
 
-func (b *Backend) attentionBackward(mode attnMode, dqT, dkT, dvT, doutT, qT, kT, vT, lseT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int, scale float32) {
+// attentionBackward runs the own kernels. outT may be nil: the tensor-core
+// chain then recomputes O with the forward kernel.
+func (b *Backend) attentionBackward(mode attnMode, dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int, scale float32) {
 	dq, dk, dv := b.ten(dqT, "AttentionBackward dq"), b.ten(dkT, "AttentionBackward dk"), b.ten(dvT, "AttentionBackward dv")
 	dout, q, k, v := b.ten(doutT, "AttentionBackward dout"), b.ten(qT, "AttentionBackward q"), b.ten(kT, "AttentionBackward k"), b.ten(vT, "AttentionBackward v")
 	lse, st := b.ten(lseT, "AttentionBackward lse"), b.ten(startsT, "AttentionBackward starts")
@@ -249,6 +271,11 @@ func (b *Backend) attentionBackward(mode attnMode, dqT, dkT, dvT, doutT, qT, kT,
 	need(v, "AttentionBackward v", tokens*nKV*hd, compute.F32)
 	need(lse, "AttentionBackward lse", tokens*nHead, compute.F32)
 	need(st, "AttentionBackward starts", nSeq+1, compute.I32)
+	var out *tensor
+	if outT != nil {
+		out = b.ten(outT, "AttentionBackward out")
+		need(out, "AttentionBackward out", tokens*nHead*hd, compute.F32)
+	}
 	if tokens == 0 {
 		return
 	}
@@ -263,11 +290,15 @@ func (b *Backend) attentionBackward(mode attnMode, dqT, dkT, dvT, doutT, qT, kT,
 		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
 	} else {
-		o := b.alloc(int64(tokens) * int64(nHead) * int64(hd) * 4)
-		b.launchKernel(p.fwd, dptr(o), dptr(0), dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
-			int32(nSeq), int32(nHead), int32(nKV), scale)
-		b.launchKernel(p.dsum, dptr(dsum), dptr(dout.p), dptr(o), int64(tokens)*int64(nHead), int32(hd))
-		b.free(o)
+		if out != nil {
+			b.launchKernel(p.dsum, dptr(dsum), dptr(dout.p), dptr(out.p), int64(tokens)*int64(nHead), int32(hd))
+		} else {
+			o := b.alloc(int64(tokens) * int64(nHead) * int64(hd) * 4)
+			b.launchKernel(p.fwd, dptr(o), dptr(0), dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
+				int32(nSeq), int32(nHead), int32(nKV), scale)
+			b.launchKernel(p.dsum, dptr(dsum), dptr(dout.p), dptr(o), int64(tokens)*int64(nHead), int32(hd))
+			b.free(o)
+		}
 		b.launchKernel(p.dq, dptr(dq.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), scale)
 		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),

@@ -213,7 +213,7 @@ func (m *Model) Backward() {
 		be.Zero(a.dq)
 		be.Zero(a.dk)
 		be.Zero(a.dv)
-		be.AttentionBackward(a.dq, a.dk, a.dv, a.datt, l.q, l.k, l.v, l.lse, b.starts, b.nSeq, b.maxLen, N, H, KV, D, attnScale(D))
+		be.AttentionBackward(a.dq, a.dk, a.dv, a.datt, l.q, l.k, l.v, l.att, l.lse, b.starts, b.nSeq, b.maxLen, N, H, KV, D, attnScale(D))
 		be.RoPEBackward(a.dq, b.cos, b.sin, N, H, D)
 		be.RoPEBackward(a.dk, b.cos, b.sin, N, KV, D)
 		dq, dk := a.dq, a.dk

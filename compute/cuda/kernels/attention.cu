@@ -744,3 +744,20 @@ DK_REGISTER(k_attn_bwd_dq_mma64)
 DK_REGISTER(k_attn_bwd_dq_mma128)
 DK_REGISTER(k_attn_bwd_dkv_mma64)
 DK_REGISTER(k_attn_bwd_dkv_mma128)
+
+// k_sdpa_meta: cuDNN's per-sample tensors (cudnn.go) for nseq packed
+// samples, padded with empty samples to the plan's bucket of nb: four int32
+// arrays of stride entries each, the element offsets of q/out rows
+// (starts·h·d), of k/v rows (starts·hkv·d), of the stats (starts·h), then
+// each sample's length. One block.
+DK_KERNEL void k_sdpa_meta(i32 *meta, int stride, const i32 *starts, int nseq, int nb, int h, int hkv, int d) {
+	for (int i = threadIdx.x; i <= nb; i += blockDim.x) {
+		i32 s = starts[i < nseq ? i : nseq];
+		meta[i] = s * h * d;
+		meta[stride + i] = s * hkv * d;
+		meta[2 * stride + i] = s * h;
+		if (i < nb) meta[3 * stride + i] = i < nseq ? starts[i + 1] - s : 0;
+	}
+}
+
+DK_REGISTER(k_sdpa_meta)

@@ -33,6 +33,11 @@ DK_KERNEL void k_add(float *a, const float *b, i64 n) {
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) a[i] += b[i];
 }
 
+// a (n) F32 += b (n) BF16: cuDNN's attention gradients into the contract's.
+DK_KERNEL void k_add_bf16(float *__restrict__ a, const u16 *__restrict__ b, i64 n) {
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) a[i] += bf2f(b[i]);
+}
+
 // out (rows, n) += bias (n), bias BF16 or F32.
 DK_KERNEL void k_add_bias(float *__restrict__ out, const void *__restrict__ bias, int bias_bf16, i64 rows, int n) {
 	i64 total = rows * (i64)n;
@@ -57,5 +62,6 @@ DK_REGISTER(k_bf16_to_f32)
 DK_REGISTER(k_swiglu)
 DK_REGISTER(k_swiglu_bf16)
 DK_REGISTER(k_add)
+DK_REGISTER(k_add_bf16)
 DK_REGISTER(k_add_bias)
 DK_REGISTER(k_embed)

@@ -1,0 +1,438 @@
+package cuda
+
+/*
+#cgo LDFLAGS: -ldl
+#include <stdlib.h>
+#include "capi.h"
+#include "cudnn_sdpa.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"math"
+	"sort"
+	"strings"
+	"time"
+	"unsafe"
+)
+
+// cuDNN's fused flash attention (cudnn_sdpa.c builds the graphs).
+//
+// The library is optional: Open loads it when the attention mode is auto or
+// cudnn, and with auto a missing, too old or failing cuDNN leaves attention
+// on this package's kernels, with one log line saying so. Plans are built
+// once per shape bucket (samples and the longest sample, each rounded up to
+// a power of two; the unused samples of a bucket are empty) and kept for
+// the process, so a training run builds a handful, not one per step.
+
+var specCudnn = libSpec{
+	what: "cuDNN", env: "DISTILL_LIBCUDNN", names: []string{"libcudnn.so.9"},
+	hint: "install cuDNN 9 (pip nvidia-cudnn-cu12, or the CUDA repository's libcudnn9-cuda-12), or point DISTILL_LIBCUDNN at libcudnn.so.9",
+}
+
+// cudnnMinVersion is the oldest cuDNN whose fused attention runs the graphs
+// cudnn_sdpa.c builds: 9.10 is the first that needs no second padding mask
+// in the backward (9.0-9.9 do), fills masked scores with -inf, and takes
+// ragged GQA backward graphs (9.6).
+const cudnnMinVersion = 91000
+
+// cudnnSlowdown is the expected cost of falling back, for the log line:
+// the own tensor-core kernels against cuDNN on an H200 (the 2026-11-26
+// GPU run: 33.9 against 606 TFLOP/s forward).
+const cudnnSlowdown = "about 15x slower"
+
+type cudnnLib struct {
+	lib     *library
+	api     *C.distill_cudnn_api // C memory: the entry points
+	version int
+	handle  C.cudnnHandle_t
+	plans   map[sdpaKey]*sdpaPlan
+	refused map[sdpaKey]string // shapes cuDNN would not plan, with why
+	// calls counts the executions, forward and backward (tests check that
+	// cuDNN really ran).
+	calls [2]int
+	// C memory for the variant pack: uids, pointers, and the by-value
+	// scalars (scale, -inf, -inf, 1).
+	uids, ptrs, scalars unsafe.Pointer
+}
+
+// sdpaKey is what a plan is built for (distill_sdpa_key).
+type sdpaKey struct {
+	bwd, det, dense bool // backward; its deterministic graph; dense workspace tensors
+	b, h, hkv, s, d int  // samples (bucket), query heads, kv heads, longest sample (bucket), head_dim
+}
+
+func (k sdpaKey) c() C.distill_sdpa_key {
+	var c C.distill_sdpa_key
+	if k.bwd {
+		c.bwd = 1
+	}
+	if k.det {
+		c.det = 1
+	}
+	if k.dense {
+		c.dense_ws = 1
+	}
+	c.b, c.h, c.hkv, c.s, c.d = C.int64_t(k.b), C.int64_t(k.h), C.int64_t(k.hkv), C.int64_t(k.s), C.int64_t(k.d)
+	return c
+}
+
+type sdpaPlan struct {
+	key   sdpaKey
+	p     *C.distill_sdpa_plan // C memory
+	built time.Duration
+}
+
+// loadCudnn opens cuDNN, checks its version and creates its handle on b's
+// stream (the context must be current).
+func (b *Backend) loadCudnn() (*cudnnLib, error) {
+	lib, err := openLibrary(specCudnn)
+	if err != nil {
+		return nil, err
+	}
+	d := &cudnnLib{lib: lib, plans: map[sdpaKey]*sdpaPlan{}, refused: map[sdpaKey]string{}}
+	d.api = (*C.distill_cudnn_api)(C.calloc(1, C.size_t(unsafe.Sizeof(C.distill_cudnn_api{}))))
+	ok := false
+	defer func() {
+		if !ok {
+			d.close()
+		}
+	}()
+	if err := lib.bind(map[string]*unsafe.Pointer{
+		"cudnnGetVersion":                &d.api.getVersion,
+		"cudnnGetErrorString":            &d.api.getErrorString,
+		"cudnnCreate":                    &d.api.create,
+		"cudnnDestroy":                   &d.api.destroy,
+		"cudnnSetStream":                 &d.api.setStream,
+		"cudnnBackendCreateDescriptor":   &d.api.createDesc,
+		"cudnnBackendDestroyDescriptor":  &d.api.destroyDesc,
+		"cudnnBackendSetAttribute":       &d.api.setAttr,
+		"cudnnBackendGetAttribute":       &d.api.getAttr,
+		"cudnnBackendFinalize":           &d.api.finalize,
+		"cudnnBackendExecute":            &d.api.execute,
+	}); err != nil {
+		return nil, err
+	}
+	if p, err := lib.sym("cudnnGetLastErrorString"); err == nil { // 9.0 and newer
+		d.api.getLastErrorString = p
+	}
+	d.version = int(C.call_cudnnGetVersion(d.api.getVersion))
+	if d.version < cudnnMinVersion {
+		return nil, fmt.Errorf("cuda: cuDNN %s (%s) is older than %s, the first whose fused attention runs this backend's graphs; install a newer cuDNN 9 or point DISTILL_LIBCUDNN at one",
+			cudnnVersionString(d.version), lib.path, cudnnVersionString(cudnnMinVersion))
+	}
+	if st := C.call_cudnnCreate(d.api.create, &d.handle); st != 0 {
+		return nil, fmt.Errorf("cuda: cudnnCreate (%s): %s", lib.path, d.status(int(st)))
+	}
+	if st := C.call_cudnnSetStream(d.api.setStream, d.handle, unsafe.Pointer(b.stream)); st != 0 {
+		return nil, fmt.Errorf("cuda: cudnnSetStream: %s", d.status(int(st)))
+	}
+	d.uids = C.calloc(32, 8)
+	d.ptrs = C.calloc(32, 8)
+	d.scalars = C.calloc(4, 4)
+	sc := unsafe.Slice((*float32)(d.scalars), 4)
+	sc[1], sc[2], sc[3] = float32(math.Inf(-1)), float32(math.Inf(-1)), 1
+	ok = true
+	return d, nil
+}
+
+func (d *cudnnLib) status(st int) string {
+	s := ""
+	if d.api.getErrorString != nil {
+		if c := C.call_cudnnGetErrorString(d.api.getErrorString, C.int(st)); c != nil {
+			s = C.GoString(c)
+		}
+	}
+	return fmt.Sprintf("status %d (%s)", st, s)
+}
+
+// cudnnVersionString turns 91900 into "9.19.0".
+func cudnnVersionString(v int) string {
+	return fmt.Sprintf("%d.%d.%d", v/10000, v/100%100, v%100)
+}
+
+func (d *cudnnLib) close() {
+	if d == nil {
+		return
+	}
+	if d.api != nil {
+		for _, p := range d.plans {
+			C.distill_sdpa_destroy(d.api, p.p)
+			C.free(unsafe.Pointer(p.p))
+		}
+		d.plans = nil
+		if d.handle != nil {
+			C.call_cudnnDestroy(d.api.destroy, d.handle)
+			d.handle = nil
+		}
+		C.free(unsafe.Pointer(d.api))
+		d.api = nil
+	}
+	for _, p := range []*unsafe.Pointer{&d.uids, &d.ptrs, &d.scalars} {
+		if *p != nil {
+			C.free(*p)
+			*p = nil
+		}
+	}
+	d.lib.close()
+}
+
+// AttentionImpl names what runs attention: "cudnn 9.19.0 (deterministic
+// backward)", or the own kernels ("mma", "simt", "auto").
+func (b *Backend) AttentionImpl() string {
+	if b.dnn == nil {
+		return "own kernels (" + string(b.ownAttn()) + ")"
+	}
+	det := "deterministic backward"
+	if b.attnNondet {
+		det = "non-deterministic backward"
+	}
+	return fmt.Sprintf("cudnn %s (%s)", cudnnVersionString(b.dnn.version), det)
+}
+
+// ownAttn is the own kernels' mode: the configured one, or auto when
+// cuDNN was asked for.
+func (b *Backend) ownAttn() attnMode {
+	if b.attn == "cudnn" {
+		return "auto"
+	}
+	return b.attn
+}
+
+// pow2 rounds n up to a power of two (at least 1).
+func pow2(n int) int {
+	p := 1
+	for p < n {
+		p *= 2
+	}
+	return p
+}
+
+// useCudnn reports whether an attention call goes to cuDNN: the mode
+// allows it, cuDNN loaded, and the shape is one its fused attention takes
+// (head_dim a multiple of 8 up to 256, element offsets within int32).
+func (b *Backend) useCudnn(tokens, nSeq, maxLen, nHead, nKV, hd int) bool {
+	if b.dnn == nil || (b.attn != "" && b.attn != "auto" && b.attn != "cudnn") {
+		return false
+	}
+	return tokens > 0 && nSeq > 0 && maxLen > 0 && hd%8 == 0 && hd <= 256 && nHead%nKV == 0 &&
+		int64(tokens)*int64(nHead)*int64(hd) < math.MaxInt32
+}
+
+// sdpaKeyOf builds the plan key of a call.
+func sdpaKeyOf(bwd, det, dense bool, nSeq, maxLen, nHead, nKV, hd int) sdpaKey {
+	return sdpaKey{bwd: bwd, det: det && bwd, dense: dense && bwd, b: pow2(nSeq), h: nHead, hkv: nKV, s: pow2(maxLen), d: hd}
+}
+
+func (k sdpaKey) String() string {
+	dir := "forward"
+	if k.bwd {
+		dir = "backward"
+		if k.det {
+			dir = "deterministic backward"
+		}
+		if k.dense {
+			dir += " (dense workspace)"
+		}
+	}
+	return fmt.Sprintf("%s, %d samples of up to %d tokens, %d/%d heads, head_dim %d", dir, k.b, k.s, k.h, k.hkv, k.d)
+}
+
+// sdpaPlan returns the plan of key, building it on first use (logged with
+// its build time), or nil and why when cuDNN refuses the shape (logged
+// once; the caller falls back to the own kernels).
+func (b *Backend) sdpaPlan(key sdpaKey) *sdpaPlan {
+	d := b.dnn
+	if p, ok := d.plans[key]; ok {
+		return p
+	}
+	if _, ok := d.refused[key]; ok {
+		return nil
+	}
+	p := &sdpaPlan{key: key, p: (*C.distill_sdpa_plan)(C.calloc(1, C.size_t(unsafe.Sizeof(C.distill_sdpa_plan{}))))}
+	var msg [1024]C.char
+	t0 := time.Now()
+	ck := key.c()
+	rc := C.distill_sdpa_build(d.api, d.handle, &ck, p.p, &msg[0], C.int(len(msg)))
+	p.built = time.Since(t0)
+	if rc != 0 {
+		why := C.GoString(&msg[0])
+		C.distill_sdpa_destroy(d.api, p.p)
+		C.free(unsafe.Pointer(p.p))
+		d.refused[key] = why
+		b.logf("cuda: cuDNN %s refused the attention %s: %s; this shape runs on the own kernels, %s on Hopper",
+			cudnnVersionString(d.version), key, why, cudnnSlowdown)
+		return nil
+	}
+	d.plans[key] = p
+	nondet := ""
+	if p.p.nondet != 0 {
+		nondet = ", non-deterministic"
+	}
+	b.logf("cuda: cuDNN %s attention plan for the %s built in %v (engine %d%s, workspace %d bytes)",
+		cudnnVersionString(d.version), key, p.built.Round(time.Millisecond), int64(p.p.engine), nondet, int64(p.p.workspace))
+	return p
+}
+
+// CudnnPlans lists the plans built so far, for logs and tests.
+func (b *Backend) CudnnPlans() []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.dnn == nil {
+		return nil
+	}
+	var out []string
+	for k, p := range b.dnn.plans {
+		out = append(out, fmt.Sprintf("%s: engine %d, built in %v", k, int64(p.p.engine), p.built.Round(time.Millisecond)))
+	}
+	sort.Strings(out)
+	return out
+}
+
+// sdpaMeta writes cuDNN's per-sample tensors for nSeq samples padded to the
+// key's bucket (k_sdpa_meta): element offsets of q/out, of k/v and of the
+// stats, and the lengths. It returns the allocation and the four arrays'
+// addresses, each 16-byte aligned.
+func (b *Backend) sdpaMeta(st *tensor, nSeq int, key sdpaKey) (buf uint64, offQ, offK, offS, lens uint64) {
+	nb := key.b
+	stride := uint64((nb+1+3)/4*4) * 4
+	buf = b.alloc(int64(stride) * 4)
+	b.launchKernel(launch{kernel: "k_sdpa_meta", grid: [3]int{1, 1, 1}, block: 256},
+		dptr(buf), int32(stride/4), dptr(st.p), int32(nSeq), int32(nb), int32(key.h), int32(key.hkv), int32(key.d))
+	return buf, buf, buf + stride, buf + 2*stride, buf + 3*stride
+}
+
+// sdpaExec runs plan p with the (uid, pointer) pairs of vp; scale is the
+// by-value scale. Failures at execution are not a refusal: the graph
+// planned, so a failure is a fault, and panics like a failed kernel.
+func (b *Backend) sdpaExec(p *sdpaPlan, vp map[int]uint64, scale float32, what string) {
+	d := b.dnn
+	sc := unsafe.Slice((*float32)(d.scalars), 4)
+	sc[0] = scale
+	vp[C.DISTILL_SDPA_UID_SCALE] = uint64(uintptr(d.scalars))
+	vp[C.DISTILL_SDPA_UID_NEG_INF_PAD] = uint64(uintptr(d.scalars) + 4)
+	vp[C.DISTILL_SDPA_UID_NEG_INF_CAUSAL] = uint64(uintptr(d.scalars) + 8)
+	if p.key.bwd {
+		vp[C.DISTILL_SDPA_UID_ONE] = uint64(uintptr(d.scalars) + 12)
+	}
+	uids := unsafe.Slice((*int64)(d.uids), 32)
+	ptrs := unsafe.Slice((*uint64)(d.ptrs), 32)
+	keys := make([]int, 0, len(vp))
+	for u := range vp {
+		keys = append(keys, u)
+	}
+	sort.Ints(keys)
+	for i, u := range keys {
+		uids[i], ptrs[i] = int64(u), vp[u]
+	}
+	var ws uint64
+	if p.p.workspace > 0 {
+		ws = b.alloc(int64(p.p.workspace))
+	}
+	var msg [1024]C.char
+	done := b.timed(what)
+	rc := C.distill_sdpa_execute(d.api, d.handle, p.p, C.int(len(keys)), (*C.int64_t)(d.uids), (*unsafe.Pointer)(d.ptrs),
+		C.uint64_t(ws), &msg[0], C.int(len(msg)))
+	done()
+	if p.key.bwd {
+		d.calls[1]++
+	} else {
+		d.calls[0]++
+	}
+	if ws != 0 {
+		b.free(ws)
+	}
+	if rc != 0 {
+		panic(fmt.Errorf("cuda: cuDNN %s: %s", what, strings.TrimSpace(C.GoString(&msg[0]))))
+	}
+}
+
+// bf16Copy rounds n F32 values at p into a new BF16 buffer.
+func (b *Backend) bf16Copy(p uint64, n int) uint64 {
+	c := b.alloc(int64(n) * 2)
+	b.ew("k_f32_to_bf16", int64(n), dptr(c), dptr(p), int64(n))
+	return c
+}
+
+// cudnnAttention runs the forward on cuDNN; false when cuDNN refused the
+// shape (the caller runs the own kernels).
+func (b *Backend) cudnnAttention(out, lse, q, k, v, st *tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) bool {
+	key := sdpaKeyOf(false, false, false, nSeq, maxLen, nHead, nKV, hd)
+	p := b.sdpaPlan(key)
+	if p == nil {
+		return false
+	}
+	meta, offQ, offK, offS, lens := b.sdpaMeta(st, nSeq, key)
+	nq, nk := tokens*nHead*hd, tokens*nKV*hd
+	qb, kb, vb := b.bf16Copy(q.p, nq), b.bf16Copy(k.p, nk), b.bf16Copy(v.p, nk)
+	ob := b.alloc(int64(nq) * 2)
+	var stats, statsScratch uint64
+	if lse != nil {
+		stats = lse.p
+	} else {
+		statsScratch = b.alloc(int64(tokens) * int64(nHead) * 4)
+		stats = statsScratch
+	}
+	b.sdpaExec(p, map[int]uint64{
+		C.DISTILL_SDPA_UID_Q: qb, C.DISTILL_SDPA_UID_K: kb, C.DISTILL_SDPA_UID_V: vb, C.DISTILL_SDPA_UID_O: ob,
+		C.DISTILL_SDPA_UID_STATS: stats, C.DISTILL_SDPA_UID_SEQ_Q: lens, C.DISTILL_SDPA_UID_SEQ_KV: lens,
+		C.DISTILL_SDPA_UID_OFF_Q: offQ, C.DISTILL_SDPA_UID_OFF_KV: offK, C.DISTILL_SDPA_UID_OFF_STATS: offS,
+	}, scale, "cudnn attention forward")
+	b.ew("k_bf16_to_f32", int64(nq), dptr(out.p), dptr(ob), int64(nq))
+	for _, x := range []uint64{meta, qb, kb, vb, ob, statsScratch} {
+		if x != 0 {
+			b.free(x)
+		}
+	}
+	return true
+}
+
+// cudnnAttentionBackward runs the backward on cuDNN, accumulating its BF16
+// dq, dk, dv into the F32 gradients; false when cuDNN refused the shape.
+// The deterministic graph is asked for unless Options.AttnNondeterministic;
+// the workspace tensors are ragged over the tokens, or dense [B,H,S,·]
+// where this cuDNN refuses ragged ones.
+func (b *Backend) cudnnAttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, st *tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) bool {
+	det := !b.attnNondet
+	key := sdpaKeyOf(true, det, false, nSeq, maxLen, nHead, nKV, hd)
+	p := b.sdpaPlan(key)
+	if p == nil {
+		key = sdpaKeyOf(true, det, true, nSeq, maxLen, nHead, nKV, hd)
+		if p = b.sdpaPlan(key); p == nil {
+			return false
+		}
+	}
+	meta, offQ, offK, offS, lens := b.sdpaMeta(st, nSeq, key)
+	nq, nk := tokens*nHead*hd, tokens*nKV*hd
+	qb, kb, vb := b.bf16Copy(q.p, nq), b.bf16Copy(k.p, nk), b.bf16Copy(v.p, nk)
+	ob, dob := b.bf16Copy(out.p, nq), b.bf16Copy(dout.p, nq)
+	dqb, dkb, dvb := b.alloc(int64(nq)*2), b.alloc(int64(nk)*2), b.alloc(int64(nk)*2)
+	rows := int64(tokens) * int64(nHead) // the workspace tensors' rows
+	if key.dense {
+		rows = int64(key.b) * int64(nHead) * int64(key.s)
+	}
+	ssum := b.alloc(rows * 4)
+	vp := map[int]uint64{
+		C.DISTILL_SDPA_UID_Q: qb, C.DISTILL_SDPA_UID_K: kb, C.DISTILL_SDPA_UID_V: vb, C.DISTILL_SDPA_UID_O: ob,
+		C.DISTILL_SDPA_UID_DO: dob, C.DISTILL_SDPA_UID_DQ: dqb, C.DISTILL_SDPA_UID_DK: dkb, C.DISTILL_SDPA_UID_DV: dvb,
+		C.DISTILL_SDPA_UID_STATS: lse.p, C.DISTILL_SDPA_UID_SOFTMAX_SUM: ssum,
+		C.DISTILL_SDPA_UID_SEQ_Q: lens, C.DISTILL_SDPA_UID_SEQ_KV: lens,
+		C.DISTILL_SDPA_UID_OFF_Q: offQ, C.DISTILL_SDPA_UID_OFF_KV: offK, C.DISTILL_SDPA_UID_OFF_STATS: offS,
+	}
+	var acc uint64
+	if !key.det {
+		acc = b.alloc(rows * int64(hd) * 4)
+		vp[C.DISTILL_SDPA_UID_DQ_ACCUM] = acc
+	}
+	b.sdpaExec(p, vp, scale, "cudnn attention backward")
+	b.ew("k_add_bf16", int64(nq), dptr(dq.p), dptr(dqb), int64(nq))
+	b.ew("k_add_bf16", int64(nk), dptr(dk.p), dptr(dkb), int64(nk))
+	b.ew("k_add_bf16", int64(nk), dptr(dv.p), dptr(dvb), int64(nk))
+	for _, x := range []uint64{meta, qb, kb, vb, ob, dob, dqb, dkb, dvb, ssum, acc} {
+		if x != 0 {
+			b.free(x)
+		}
+	}
+	return true
+}

@@ -1,0 +1,199 @@
+package cuda
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"testing"
+
+	"distill/compute"
+)
+
+// cudnnBackend opens the backend under test with attention on cuDNN; on
+// the emulator and in the GPU suite cuDNN must load (the emulator stands
+// in for it), so a missing cuDNN fails rather than skips.
+func cudnnBackend(t *testing.T, opt Options) (*Backend, *logLines) {
+	t.Helper()
+	if !onGPU() {
+		useEmu(t)
+	}
+	logs := &logLines{}
+	opt.KernelCache, opt.Attention, opt.Logf = kernelCacheForTests(t), "cudnn", logs.add
+	b, err := Open(opt)
+	if err != nil {
+		t.Fatalf("opening the backend with cuDNN attention: %v", err)
+	}
+	t.Cleanup(func() { b.Close() })
+	return b, logs
+}
+
+type logLines struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *logLines) add(format string, args ...any) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, fmt.Sprintf(format, args...))
+}
+
+func (l *logLines) find(sub string) string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, s := range l.lines {
+		if strings.Contains(s, sub) {
+			return s
+		}
+	}
+	return ""
+}
+
+// TestCudnnAttentionConformance: cuDNN's fused attention, forward and
+// backward, against compute/cpu on packed samples of ragged lengths (one
+// token, tile edges, a bucket of samples only partly used), GQA and MHA,
+// head_dim 64, 80 and 128; the backward's gradients accumulate (+=) and a
+// second run repeats the first bit for bit (the deterministic graph).
+func TestCudnnAttentionConformance(t *testing.T) {
+	be, logs := cudnnBackend(t, Options{})
+	r := rand.New(rand.NewPCG(71, 72))
+	lens := []int{1, 5, 16, 17, 63, 64, 65, 129, 2}
+	if onGPU() {
+		lens = []int{1, 5, 16, 17, 63, 64, 65, 128, 129, 300, 1000, 2}
+	}
+	for _, c := range []struct{ nHead, nKV, hd int }{{4, 2, 128}, {4, 1, 64}, {2, 2, 64}, {3, 3, 80}} {
+		t.Run(fmt.Sprintf("h%d_kv%d_hd%d", c.nHead, c.nKV, c.hd), func(t *testing.T) {
+			ac := newAttnCase(r, lens, c.nHead, c.nKV, c.hd)
+			calls := be.dnn.calls
+			got, gotL := ac.run(be, ac.q, ac.k, ac.v)
+			if be.dnn.calls[0] != calls[0]+1 {
+				t.Fatalf("the forward did not run on cuDNN (log: %q)", logs.find("refused"))
+			}
+			qr, _ := roundBF16(ac.q)
+			kr, _ := roundBF16(ac.k)
+			vr, _ := roundBF16(ac.v)
+			want, wantL := ac.run(oracle, qr, kr, vr)
+			// cuDNN rounds P to BF16 before P·V and its output to BF16.
+			closeTo(t, "cudnn attention vs cpu(bf16 q,k,v)", got, want, 1e-2, 2e-2)
+			closeTo(t, "cudnn attention lse vs cpu(bf16 q,k)", gotL, wantL, 1e-4, 1e-5)
+
+			dout := randF32(r, ac.tokens*c.nHead*c.hd)
+			dq0, dk0, dv0 := randF32(r, len(ac.q)), randF32(r, len(ac.k)), randF32(r, len(ac.v))
+			scale := float32(1 / math.Sqrt(float64(c.hd)))
+			run := func(be compute.Backend, q, k, v, o, lse, dout []float32) (dq, dk, dv []float32) {
+				gq, gk, gv := be.FromF32(dq0), be.FromF32(dk0), be.FromF32(dv0)
+				be.AttentionBackward(gq, gk, gv, be.FromF32(dout), be.FromF32(q), be.FromF32(k), be.FromF32(v), be.FromF32(o), be.FromF32(lse),
+					be.FromI32(ac.starts), len(ac.lens), ac.maxLen, ac.tokens, c.nHead, c.nKV, c.hd, scale)
+				return readF32(be, gq, len(q)), readF32(be, gk, len(k)), readF32(be, gv, len(v))
+			}
+			dr, _ := roundBF16(dout)
+			or, _ := roundBF16(got)
+			calls = be.dnn.calls
+			gq, gk, gv := run(be, ac.q, ac.k, ac.v, got, gotL, dout)
+			if be.dnn.calls[1] != calls[1]+1 {
+				t.Fatalf("the backward did not run on cuDNN (log: %q)", logs.find("refused"))
+			}
+			wq, wk, wv := run(oracle, qr, kr, vr, or, gotL, dr)
+			// BF16 operands and P, dS; BF16 gradients added to F32 ones.
+			atol, rtol := 2e-2*math.Sqrt(float64(ac.maxLen)/65), 2e-2
+			closeTo(t, "cudnn attention dq", gq, wq, atol, rtol)
+			closeTo(t, "cudnn attention dk", gk, wk, atol, rtol)
+			closeTo(t, "cudnn attention dv", gv, wv, atol, rtol)
+			gq2, gk2, gv2 := run(be, ac.q, ac.k, ac.v, got, gotL, dout)
+			same(t, "cudnn attention dq", gq, gq2)
+			same(t, "cudnn attention dk", gk, gk2)
+			same(t, "cudnn attention dv", gv, gv2)
+		})
+	}
+	for _, p := range be.CudnnPlans() {
+		t.Logf("plan: %s", p)
+	}
+}
+
+// TestCudnnPlanCache: calls whose sample count and longest sample fall in
+// the same buckets reuse one plan; a new bucket builds one more, and the
+// build is logged once per plan.
+func TestCudnnPlanCache(t *testing.T) {
+	be, logs := cudnnBackend(t, Options{})
+	r := rand.New(rand.NewPCG(73, 74))
+	for _, lens := range [][]int{{5, 7, 3}, {8, 1, 6}, {2, 2, 2, 2}, {1, 7}} { // 3-4 samples of at most 8 tokens, then 2
+		ac := newAttnCase(r, lens, 2, 1, 64)
+		ac.run(be, ac.q, ac.k, ac.v)
+	}
+	plans := be.CudnnPlans()
+	if len(plans) != 2 {
+		t.Fatalf("%d plans for two buckets: %q", len(plans), plans)
+	}
+	n := 0
+	for _, l := range logs.lines {
+		if strings.Contains(l, "attention plan for the forward") {
+			n++
+		}
+	}
+	if n != 2 {
+		t.Fatalf("%d plan-build log lines, want 2: %q", n, logs.lines)
+	}
+}
+
+// TestCudnnFallback: where cuDNN offers no engine for a shape, attention
+// runs on the own kernels (still right), with one log line naming cuDNN
+// and what it said; an explicit --attention cudnn without a usable cuDNN
+// fails to open, naming the library and the version needed; auto falls
+// back with a log line.
+func TestCudnnFallback(t *testing.T) {
+	if onGPU() {
+		t.Skip("the fallback is exercised through the emulator's refusal switches")
+	}
+	t.Run("refused shape", func(t *testing.T) {
+		t.Setenv("DISTILL_EMU_CUDNN_REFUSE", "1")
+		be, logs := cudnnBackend(t, Options{})
+		r := rand.New(rand.NewPCG(75, 76))
+		ac := newAttnCase(r, []int{3, 9}, 2, 1, 64)
+		got, _ := ac.run(be, ac.q, ac.k, ac.v)
+		if be.dnn.calls[0] != 0 {
+			t.Fatal("cuDNN ran although it offered no engine")
+		}
+		if l := logs.find("refused"); !strings.Contains(l, "own kernels") {
+			t.Fatalf("no log line for the refusal: %q", logs.lines)
+		}
+		want, _ := ac.run(oracle, ac.q, ac.k, ac.v)
+		closeTo(t, "fallback attention vs cpu", got, want, 4e-2, 4e-2)
+		ac.run(be, ac.q, ac.k, ac.v)
+		n := 0
+		for _, l := range logs.lines {
+			if strings.Contains(l, "refused") {
+				n++
+			}
+		}
+		if n != 1 {
+			t.Fatalf("%d refusal log lines for one shape, want 1", n)
+		}
+	})
+	t.Run("too old", func(t *testing.T) {
+		useEmu(t)
+		t.Setenv("DISTILL_EMU_CUDNN_VERSION", "90500")
+		_, err := Open(Options{KernelCache: t.TempDir(), Attention: "cudnn"})
+		if err == nil || !strings.Contains(err.Error(), "9.5.0") || !strings.Contains(err.Error(), "9.10.0") {
+			t.Fatalf("Open with cuDNN 9.5 and attention cudnn: %v, want an error naming 9.5.0 and 9.10.0", err)
+		}
+		logs := &logLines{}
+		b, err := Open(Options{KernelCache: t.TempDir(), Logf: logs.add})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer b.Close()
+		if b.dnn != nil || !strings.Contains(logs.find("attention runs on this package's kernels"), "9.5.0") {
+			t.Fatalf("auto with cuDNN 9.5: dnn %v, log %q", b.dnn != nil, logs.lines)
+		}
+	})
+	t.Run("missing", func(t *testing.T) {
+		useEmu(t)
+		t.Setenv("DISTILL_LIBCUDNN", "/nonexistent/libcudnn.so.9")
+		_, err := Open(Options{KernelCache: t.TempDir(), Attention: "cudnn"})
+		if err == nil || !strings.Contains(err.Error(), "cuDNN") || !strings.Contains(err.Error(), "DISTILL_LIBCUDNN") {
+			t.Fatalf("Open without cuDNN and attention cudnn: %v, want an error naming cuDNN and DISTILL_LIBCUDNN", err)
+		}
+	})
+}
