@@ -100,17 +100,17 @@ func (b *Backend) loadCudnn() (*cudnnLib, error) {
 		}
 	}()
 	if err := lib.bind(map[string]*unsafe.Pointer{
-		"cudnnGetVersion":                &d.api.getVersion,
-		"cudnnGetErrorString":            &d.api.getErrorString,
-		"cudnnCreate":                    &d.api.create,
-		"cudnnDestroy":                   &d.api.destroy,
-		"cudnnSetStream":                 &d.api.setStream,
-		"cudnnBackendCreateDescriptor":   &d.api.createDesc,
-		"cudnnBackendDestroyDescriptor":  &d.api.destroyDesc,
-		"cudnnBackendSetAttribute":       &d.api.setAttr,
-		"cudnnBackendGetAttribute":       &d.api.getAttr,
-		"cudnnBackendFinalize":           &d.api.finalize,
-		"cudnnBackendExecute":            &d.api.execute,
+		"cudnnGetVersion":               &d.api.getVersion,
+		"cudnnGetErrorString":           &d.api.getErrorString,
+		"cudnnCreate":                   &d.api.create,
+		"cudnnDestroy":                  &d.api.destroy,
+		"cudnnSetStream":                &d.api.setStream,
+		"cudnnBackendCreateDescriptor":  &d.api.createDesc,
+		"cudnnBackendDestroyDescriptor": &d.api.destroyDesc,
+		"cudnnBackendSetAttribute":      &d.api.setAttr,
+		"cudnnBackendGetAttribute":      &d.api.getAttr,
+		"cudnnBackendFinalize":          &d.api.finalize,
+		"cudnnBackendExecute":           &d.api.execute,
 	}); err != nil {
 		return nil, err
 	}

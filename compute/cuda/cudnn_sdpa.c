@@ -302,8 +302,8 @@ static void plan(builder *b, cudnnBackendDescriptor_t *ops, int nops, int det) {
 		cudnnBackendDescriptor_t pl = mk(b, DK_CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, "execution plan");
 		if (b->failed) return;
 		st = ((fn_set)b->api->setAttr)(pl, DK_CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, DK_CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &cfg[i]);
-		if (st == DK_CUDNN_STATUS_SUCCESS)
-			st = ((fn_set)b->api->setAttr)(pl, DK_CUDNN_ATTR_EXECUTION_PLAN_HANDLE, DK_CUDNN_TYPE_HANDLE, 1, &b->handle);
+		// The plan takes its handle from the graph; cuDNN's frontend sets
+		// none here either.
 		if (st == DK_CUDNN_STATUS_SUCCESS) st = ((fn_finalize)b->api->finalize)(pl);
 		if (st != DK_CUDNN_STATUS_SUCCESS) {
 			char last[256] = "";

@@ -32,6 +32,30 @@
 // or symbol is an error naming it; DISTILL_LIBCUDA, DISTILL_LIBNVRTC and
 // DISTILL_LIBCUBLASLT name the files outright.
 //
+// cuDNN (libcudnn.so.9, 9.10 or newer; DISTILL_LIBCUDNN names the file) is
+// optional: it runs attention when Options.Attention is "auto" (the
+// default) or "cudnn". Its fused flash attention is driven through cuDNN's
+// C backend (graph) API with hand-declared enums (cudnn_capi.h):
+// cudnn_sdpa.c builds the graphs cuDNN's frontend lowers its SDPA node to
+// (matmul, scale, padding and causal masks, softmax with its statistics,
+// matmul; and the backward's recomputed P, dV, dP, dS, dK, dQ), in the THD
+// layout: q, k, v, out and their gradients are ragged tensors over the
+// packed rows (per-sample element offsets from the batch's starts,
+// k_sdpa_meta), the samples' lengths are the matmuls' M/N/K overrides, and
+// the softmax statistics are the contract's lse, (tokens, heads) fp32.
+// Plans are built once per bucket of (samples, longest sample), each
+// rounded up to a power of two (a bucket's unused samples are empty), and
+// kept for the process; each build is logged once with its time. Q, K, V,
+// O and dO are rounded to BF16 once per call; the BF16 output and
+// gradients are widened into the contract's F32 tensors (+= for the
+// gradients). 9.10 is the minimum: older versions need a second padding
+// mask in the backward graph and another fill value for masked scores.
+// Without cuDNN (absent, older, or Options.Attention "mma"/"simt"), or for
+// a shape it refuses (head_dim not a multiple of 8 or above 256, offsets
+// beyond int32, no engine), attention runs on this package's kernels, with
+// one log line naming the library or the refusal and the expected
+// slowdown; "cudnn" makes a missing cuDNN an error of Open instead.
+//
 // The kernels are the .cu files of kernels/, embedded in the binary and
 // compiled by NVRTC for the device's arch (sm_90a on Hopper, sm_XY
 // elsewhere) when the backend opens. They include no CUDA header: the
@@ -132,7 +156,13 @@
 //     reductions of a fixed shape (a grid that depends on n only, fixed
 //     trees); FakeQuantNVFP4 bit for bit compute/fp4.go's definitions.
 //
-// Determinism: no floating-point reduction uses atomics (the one atomic,
+// Determinism: cuDNN's attention backward runs its deterministic graph
+// (dQ written by the dS·K matmul directly, no fp32 accumulator updated with
+// atomics) and refuses engines that carry cuDNN's NONDETERMINISTIC note, so
+// the promise below holds with cuDNN too; Options.AttnNondeterministic
+// ($DISTILL_CUDNN_NONDETERMINISTIC=1) trades it for the faster
+// accumulating graph, and the backend's open log line says which runs.
+// Elsewhere no floating-point reduction uses atomics (the one atomic,
 // k_moe_route's integer count of rows per expert, is exact in any order),
 // and every summation order is a function of the shapes and the routing,
 // so a run resumed after SIGKILL repeats the uninterrupted run's losses
@@ -148,7 +178,10 @@
 //
 // # Testing without a GPU
 //
-// testdata/emu is a CPU stand-in for the three libraries. The tests build
+// testdata/emu is a CPU stand-in for the three libraries, and for cuDNN's
+// backend graph API: it validates the descriptors the backend builds and
+// interprets the operation graphs (matmul, pointwise, reduction, reshape,
+// ragged tensors and overrides) with a CPU reference. The tests build
 // it with g++ from the same kernel sources and point the DISTILL_LIB*
 // variables at it, so the backend's Go code, its launches and its kernels
 // run against compute/cpu on any linux/amd64 machine: one fiber per CUDA
