@@ -78,7 +78,7 @@ func TestOpenWithoutGPU(t *testing.T) {
 	if err != nil || be.Name() != "cpu" {
 		t.Fatalf("Open(auto, training): %v %v", be, err)
 	}
-	log.has(t, "training on the CPU")
+	log.has(t, "no usable GPU")
 	if _, err := Open("cuda", Options{Purpose: Training}); !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), missing) {
 		t.Errorf("Open(cuda, training) without a driver = %v, want ErrDevice naming %s", err, missing)
 	}
@@ -93,8 +93,8 @@ func TestOpenWithoutGPU(t *testing.T) {
 // TestOpenWithGPU runs the chooser against the CPU emulator of CUDA (a GPU
 // as far as this process can tell; the real GPU under DISTILL_CUDA_TEST=gpu,
 // in scripts/gpu-suite.sh): cuda and auto open the CUDA backend for
-// inference; for training, cuda opens it too, saying that the path has
-// not been verified on a GPU yet, and auto keeps to the CPU.
+// inference and for training alike (the training path passed the GPU
+// suite).
 func TestOpenWithGPU(t *testing.T) {
 	cudaemu.Use(t)
 	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
@@ -113,16 +113,19 @@ func TestOpenWithGPU(t *testing.T) {
 	}
 	var log logLines
 	be, err := Open("auto", Options{Purpose: Training, Logf: log.logf})
-	if err != nil || be.Name() != "cpu" {
+	if err != nil || be.Name() != "cuda" {
 		t.Fatalf("Open(auto, training) with a GPU: %v %v", be, err)
 	}
-	log.has(t, "auto trains on the CPU until the CUDA training path has passed the GPU suite")
+	log.has(t, "device auto: using")
+	log.has(t, "for training")
+	if err := Close(be); err != nil {
+		t.Fatal(err)
+	}
 	log = nil
 	be, err = Open("cuda", Options{Purpose: Training, Logf: log.logf})
 	if err != nil || be.Name() != "cuda" {
 		t.Fatalf("Open(cuda, training) with a GPU: %v %v", be, err)
 	}
-	log.has(t, "has not been verified on a GPU yet")
 	if err := Close(be); err != nil {
 		t.Fatal(err)
 	}

@@ -32,11 +32,10 @@ func useCUDA(t *testing.T) {
 	}
 }
 
-// TestTrainingDevice: with a GPU present, train.device auto still builds
-// the student on the CPU (the GPU training path has not passed the GPU
-// suite yet) and the run's log says why; train.device cuda opts in: the
-// student runs on CUDA, with a log line saying that this path has not been
-// verified on a GPU.
+// TestTrainingDevice: with a GPU present, train.device auto builds the
+// student on it (the GPU training path passed the GPU suite) and the run's
+// log says so; train.device cuda does the same; train.device cpu keeps the
+// CPU.
 func TestTrainingDevice(t *testing.T) {
 	useCUDA(t)
 	b := testCache(t)
@@ -47,11 +46,11 @@ func TestTrainingDevice(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := s.Backend().Name(); got != "cpu" {
-		t.Errorf("train.device auto with a GPU: the student runs on %s, want cpu", got)
+	if got := s.Backend().Name(); got != "cuda" {
+		t.Errorf("train.device auto with a GPU: the student runs on %s, want cuda", got)
 	}
-	if !strings.Contains(log.String(), "auto trains on the CPU until the CUDA training path has passed the GPU suite") {
-		t.Errorf("log %q does not say why training runs on the CPU", log.String())
+	if !strings.Contains(log.String(), "device auto: using") {
+		t.Errorf("log %q does not say that training runs on the GPU", log.String())
 	}
 	cfg.Train.Device = "cuda"
 	if err := cfg.Validate(); err != nil {
@@ -65,8 +64,13 @@ func TestTrainingDevice(t *testing.T) {
 	if got := s.Backend().Name(); got != "cuda" {
 		t.Errorf("train.device cuda: the student runs on %s", got)
 	}
-	if !strings.Contains(log.String(), "has not been verified on a GPU yet") {
-		t.Errorf("log %q does not say that GPU training is unverified", log.String())
+	cfg.Train.Device = "cpu"
+	log.Reset()
+	if s, err = initStudent(cfg, &log); err != nil {
+		t.Fatal(err)
+	}
+	if got := s.Backend().Name(); got != "cpu" {
+		t.Errorf("train.device cpu: the student runs on %s", got)
 	}
 }
 
