@@ -63,22 +63,97 @@ func (a *agreement) String() string {
 		100*float64(a.idsAgree)/float64(max(a.ranks, 1)), a.maxDelta, a.sumDelta/float64(max(1, a.entries)))
 }
 
+// hfAgreementFile is $DISTILL_HF_GOLDENS/<checkpoint>.vs-fp32.json, which
+// scripts/gpu/hf_goldens.py writes: HF transformers' own BF16 forward
+// against the fp32 goldens, per temperature, counted as agreement.add
+// counts ours (the same near-tie rule, tie 0.05).
+type hfAgreementFile struct {
+	Source string  `json:"source"`
+	Tie    float64 `json:"tie"`
+	Runs   []struct {
+		Temperature float32 `json:"temperature"`
+		Positions   int     `json:"positions"`
+		Top1        int     `json:"top1"`
+		Ranks       int     `json:"ranks"`
+		IDsAgree    int     `json:"ids_agree"`
+		Entries     int     `json:"entries"`
+		MaxDelta    float64 `json:"max_delta"`
+		SumDelta    float64 `json:"sum_delta"`
+	} `json:"runs"`
+}
+
+// hfAgreement returns HF BF16's agreement with the fp32 goldens of
+// checkpoint name at temperature temp, from $DISTILL_HF_GOLDENS; nil and
+// why when there is none.
+func hfAgreement(name string, temp float32) (*agreement, string) {
+	dir := os.Getenv("DISTILL_HF_GOLDENS")
+	if dir == "" {
+		return nil, "DISTILL_HF_GOLDENS is not set"
+	}
+	b, err := os.ReadFile(filepath.Join(dir, name+".vs-fp32.json"))
+	if err != nil {
+		return nil, err.Error()
+	}
+	var f hfAgreementFile
+	if err := json.Unmarshal(b, &f); err != nil {
+		return nil, fmtf("%s.vs-fp32.json: %v", name, err)
+	}
+	if f.Tie != 0.05 {
+		return nil, fmtf("%s.vs-fp32.json counts near-ties within %g, not 0.05", name, f.Tie)
+	}
+	for _, r := range f.Runs {
+		if r.Temperature == temp {
+			return &agreement{positions: r.Positions, top1: r.Top1, ranks: r.Ranks, idsAgree: r.IDsAgree,
+				entries: r.Entries, maxDelta: r.MaxDelta, sumDelta: r.SumDelta}, ""
+		}
+	}
+	return nil, fmtf("%s.vs-fp32.json has no run at T=%v", name, temp)
+}
+
+// The goldens' bounds on agreement (TestForwardGoldens): with HF BF16's
+// figures, ours may fall short of HF's by the slack, and never below the
+// floor; without them, the fixed bounds.
+const (
+	goldTop1Fixed, goldIDsFixed = 0.96, 0.97 // shares, without HF's figures
+	goldTop1Floor, goldIDsFloor = 0.90, 0.95 // shares, with them
+	goldTop1Slack, goldIDsSlack = 1, 0.02    // positions; a share of the counted ids
+)
+
 // TestForwardGoldens runs the whole teacher (package infer) on the CUDA
 // backend over the golden checkpoints (llama with llama3 RoPE, llama with
 // biases, qwen2, qwen3, qwen3_moe; BF16 weights) and compares with the fp32
 // goldens. BF16 activations at every GEMM input make the CUDA teacher
 // differ from fp32 by up to a few 1e-2 in log-prob on these peaked
 // distributions (mean 0.003 to 0.01 on the emulator); ids may swap only
-// where the golden log-probs are within 0.05 of each other. Bounds: top-1
-// agreement >= 96%, ids outside near-ties >= 97%, mean |Δ log-prob| <=
-// 0.015, max <= 0.15;
-// for MoE max <= 0.5: where BF16 noise flips a near-tie between two
-// experts' router scores, that position's distribution moves by more (two
-// of the 171 positions, by 0.19 and 0.28 on the emulator).
+// where the golden log-probs are within 0.05 of each other.
+//
+// Bounds on agreement. The fair one is HF transformers' own BF16 forward
+// on the same samples: where $DISTILL_HF_GOLDENS holds its figures
+// (<checkpoint>.vs-fp32.json, scripts/gpu/hf_goldens.py, on the GPU in the
+// suite's goldens step), ours must agree with the goldens at least as well
+// as HF BF16 does, less a slack of one position for top-1 and of 2% of
+// the counted ids for the ids outside near-ties (rounded up: 8 to 16 ids
+// on these goldens, no more than one position's top-16, which one MoE
+// router flip can move), and never below the floors, top-1 >= 90% and ids
+// >= 95% (absolute sanity bounds: the CUDA and HF BF16 teachers agree on
+// 93.6% of qwen3_moe's top-1s). Both figures are logged side by side. On
+// the H200 run of 2026-11-26, HF BF16 agreed on 161/171 (94.2%) of
+// qwen3_moe's top-1s and ours on 164/171 (95.9%), which the fixed 96%
+// failed; on its ids at T=1, HF 395/398, ours 392/398. Without HF's
+// figures (the emulator, CI) the fixed bounds hold: top-1 >= 96%, ids
+// outside near-ties >= 97%.
+//
+// Either way mean |Δ log-prob| <= 0.015 and max <= 0.15; for MoE max <=
+// 0.5: where BF16 noise flips a near-tie between two experts' router
+// scores, that position's distribution moves by more (two of the 171
+// positions, by 0.19 and 0.28 on the emulator). The |Δ| bounds stay fixed:
+// HF keeps its logits in BF16 (errors of a few 1e-2), so its |Δ| figures
+// would only loosen them.
 func TestForwardGoldens(t *testing.T) {
 	be := testBackend(t)
 	for _, dir := range goldenDirs(t) {
-		t.Run(filepath.Base(dir), func(t *testing.T) {
+		name := filepath.Base(dir)
+		t.Run(name, func(t *testing.T) {
 			var g goldenFile
 			b, err := os.ReadFile(filepath.Join(dir, "golden.json"))
 			if err != nil {
@@ -102,14 +177,33 @@ func TestForwardGoldens(t *testing.T) {
 						a.add(res[s].IDs[p*g.K:(p+1)*g.K], res[s].LogProbs[p*g.K:(p+1)*g.K], run.IDs[s][p], run.LogProbs[s][p], 0.05)
 					}
 				}
-				t.Logf("%s T=%v: %s", filepath.Base(dir), run.Temperature, &a)
+				t.Logf("%s T=%v: %s", name, run.Temperature, &a)
+				wantTop1 := int(math.Ceil(goldTop1Fixed * float64(a.positions)))
+				wantIDs := int(math.Ceil(goldIDsFixed * float64(a.ranks)))
+				how := "fixed bounds"
+				if hf, why := hfAgreement(name, run.Temperature); hf == nil {
+					if os.Getenv("DISTILL_HF_GOLDENS") != "" {
+						t.Logf("%s T=%v: no HF BF16 figures (%s): the fixed bounds", name, run.Temperature, why)
+					}
+				} else if hf.positions != a.positions || hf.ranks != a.ranks {
+					t.Errorf("%s T=%v: HF BF16's figures count %d positions and %d ranks outside near-ties, ours %d and %d: not the same goldens",
+						name, run.Temperature, hf.positions, hf.ranks, a.positions, a.ranks)
+				} else {
+					wantTop1 = max(hf.top1-goldTop1Slack, int(math.Ceil(goldTop1Floor*float64(a.positions))))
+					idsSlack := int(math.Ceil(goldIDsSlack * float64(a.ranks)))
+					wantIDs = max(hf.idsAgree-idsSlack, int(math.Ceil(goldIDsFloor*float64(a.ranks))))
+					how = fmtf("HF BF16's less %d and %d, floors %g%% and %g%%", goldTop1Slack, idsSlack, 100*goldTop1Floor, 100*goldIDsFloor)
+					t.Logf("%s T=%v: HF BF16 vs fp32: %s", name, run.Temperature, hf)
+				}
+				t.Logf("%s T=%v: bounds: top-1 >= %d/%d, ids >= %d/%d (%s); ours top-1 %d, ids %d",
+					name, run.Temperature, wantTop1, a.positions, wantIDs, a.ranks, how, a.top1, a.idsAgree)
 				maxBound := 0.15
 				if m.Cfg.NumExperts > 0 {
 					maxBound = 0.5
 				}
-				if float64(a.top1) < 0.96*float64(a.positions) || float64(a.idsAgree) < 0.97*float64(a.ranks) ||
-					a.sumDelta > 0.015*float64(a.entries) || a.maxDelta > maxBound {
-					t.Errorf("T=%v: %s; want top-1 >= 96%%, ids >= 97%%, mean |Δ| <= 0.015, max |Δ| <= %g", run.Temperature, &a, maxBound)
+				if a.top1 < wantTop1 || a.idsAgree < wantIDs || a.sumDelta > 0.015*float64(a.entries) || a.maxDelta > maxBound {
+					t.Errorf("T=%v: %s; want top-1 >= %d/%d, ids >= %d/%d (%s), mean |Δ| <= 0.015, max |Δ| <= %g",
+						run.Temperature, &a, wantTop1, a.positions, wantIDs, a.ranks, how, maxBound)
 				}
 			}
 		})
