@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 
 	"distill/compute"
@@ -103,38 +104,264 @@ func BenchmarkGEMM(b *testing.B) {
 	}
 }
 
+// The attention benchmark's cases: the shapes, 16384 packed tokens
+// each (samples of equal length, causal), 32 query heads, 8 kv heads,
+// head_dim 128 (Qwen3-8B's attention), on each implementation the backend
+// can run, forward alone and forward + backward.
+var (
+	attnBenchShapes = []struct{ samples, seq int }{{4, 4096}, {32, 512}}
+	attnBenchImpls  = []struct {
+		name, attention string // sub-benchmark name, Options.Attention
+		nondet          bool   // cuDNN's non-deterministic backward
+	}{{"cudnn", "cudnn", false}, {"cudnn-nondet", "cudnn", true}, {"mma", "mma", false}}
+)
+
+const attnBenchHeads, attnBenchKV, attnBenchHD = 32, 8, 128
+
+// attnFwdFLOPs is the forward's FLOP count by the convention of the other
+// benchmarks and of FlashAttention's: QKᵀ and PV, 2 FLOPs a multiply-add,
+// over the causal half (l(l+1)/2 query-key pairs of a sample of l tokens).
+// The backward counts 2.5 times the forward (5 matmuls to the forward's
+// 2), so forward + backward is 3.5 times it, as FlashAttention and
+// PyTorch count it; scripts/gpu/sdpa_bench.py counts the same.
+func attnFwdFLOPs(lens []int, heads, hd int) float64 {
+	var f float64
+	for _, l := range lens {
+		f += 4 * float64(hd*heads) * float64(l) * float64(l+1) / 2
+	}
+	return f
+}
+
+// withEnv sets the environment variable key to value (unsets it for "")
+// and returns the function that restores it.
+func withEnv(key, value string) func() {
+	old, had := os.LookupEnv(key)
+	if value == "" {
+		os.Unsetenv(key)
+	} else {
+		os.Setenv(key, value)
+	}
+	return func() {
+		if had {
+			os.Setenv(key, old)
+		} else {
+			os.Unsetenv(key)
+		}
+	}
+}
+
+// benchLog keeps a backend's log lines (Options.Logf) for the reasons of
+// skipped cases.
+type benchLog struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *benchLog) logf(format string, args ...any) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, fmt.Sprintf(format, args...))
+}
+
+// about returns the last line that mentions any of subs, "" if none.
+func (l *benchLog) about(subs ...string) string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for i := len(l.lines) - 1; i >= 0; i-- {
+		for _, s := range subs {
+			if strings.Contains(l.lines[i], s) {
+				return l.lines[i]
+			}
+		}
+	}
+	return ""
+}
+
+// cudnnCalls is how many times cuDNN's forward and backward graphs have
+// run on be (zero without cuDNN): a shape cuDNN refuses runs on the own
+// kernels, which the benchmark must not report as cuDNN's.
+func cudnnCalls(be *Backend) [2]int {
+	if be.dnn == nil {
+		return [2]int{}
+	}
+	return be.dnn.calls
+}
+
+// openAttnBench opens a backend whose attention runs attention ("cudnn",
+// "mma"), with cuDNN's non-deterministic backward if nondet, or says why
+// it cannot: cuDNN not loadable (Open's error), or a backend that runs
+// something else than asked.
+func openAttnBench(b *testing.B, attention string, nondet bool, log *benchLog) (*Backend, string, error) {
+	// $DISTILL_CUDNN_NONDETERMINISTIC would turn the deterministic case's
+	// backward non-deterministic too: unset around Open, which reads it.
+	restore := withEnv("DISTILL_CUDNN_NONDETERMINISTIC", "")
+	be, err := Open(Options{KernelCache: kernelCacheForTests(b), Attention: attention, AttnNondeterministic: nondet, Logf: log.logf})
+	restore()
+	if err != nil {
+		return nil, "", err
+	}
+	impl := be.AttentionImpl()
+	if attention == "cudnn" {
+		why := ""
+		switch {
+		case be.dnn == nil || !strings.HasPrefix(impl, "cudnn"):
+			why = "cuDNN is not loaded"
+		case nondet != strings.Contains(impl, "non-deterministic"):
+			why = fmt.Sprintf("its backward is not the one asked for (non-deterministic: %v)", nondet)
+		}
+		if why != "" {
+			be.Close()
+			return nil, "", fmt.Errorf("Options.Attention %q opened, but attention runs %s: %s", attention, impl, why)
+		}
+	}
+	return be, impl, nil
+}
+
+// BenchmarkAttention times attention on the shapes (4 x 4096 and
+// 32 x 512 packed tokens, 32 query heads, 8 kv heads, head_dim 128,
+// causal) for each implementation: cuDNN's fused flash attention with its
+// deterministic backward (cudnn) and its faster non-deterministic one
+// (cudnn-nondet), and this package's tensor-core kernels (mma); forward
+// alone (no log-sum-exp, the teacher's forward) and forward (with the
+// log-sum-exp) + backward (AttentionBackward, the training step's). An
+// implementation that cannot run here (cuDNN not loadable) is skipped with
+// the reason, never timed. It reports TFLOP/s (attnFwdFLOPs; x 3.5 for
+// forward + backward) and the pool's high-water mark over the case (its
+// inputs and outputs included; a workspace allocated outside the pool is
+// not counted). With DISTILL_BENCH_OUT set it appends one JSON line per
+// case, skipped ones included, to attn-bench.jsonl there (the suite's
+// attn step sets it beside scripts/gpu/sdpa_bench.py's PyTorch figures:
+// scripts/gpu/attn_table.py).
 func BenchmarkAttention(b *testing.B) {
-	be := benchBackend(b, false)
+	if !onGPU() {
+		b.Skip("benchmarks need a GPU: set DISTILL_CUDA_TEST=gpu (scripts/gpu-suite.sh)")
+	}
+	outDir := os.Getenv("DISTILL_BENCH_OUT")
+	const H, KV, HD = attnBenchHeads, attnBenchKV, attnBenchHD
+	scale := float32(1 / math.Sqrt(HD))
 	r := rand.New(rand.NewPCG(2, 2))
-	for _, L := range []int{4096, 512} {
-		lens := make([]int, 16384/L)
+	type shape struct {
+		name  string
+		c     *attnCase
+		dout  []float32
+		flops float64 // the forward's
+	}
+	var shapes []shape
+	for _, s := range attnBenchShapes {
+		lens := make([]int, s.samples)
 		for i := range lens {
-			lens[i] = L
+			lens[i] = s.seq
 		}
-		c := newAttnCase(r, lens, 32, 8, 128)
-		q, k, v := be.FromF32(c.q), be.FromF32(c.k), be.FromF32(c.v)
-		st := be.FromI32(c.starts)
-		out := be.New(compute.F32, c.tokens*32*128)
-		var flops float64 // QKᵀ and PV over the causal half
-		for _, l := range lens {
-			flops += 4 * 128 * 32 * float64(l) * float64(l+1) / 2
+		c := newAttnCase(r, lens, H, KV, HD)
+		shapes = append(shapes, shape{fmt.Sprintf("%dx%d", s.samples, s.seq), c, randF32(r, c.tokens*H*HD), attnFwdFLOPs(lens, H, HD)})
+	}
+	record := func(rec map[string]any) {
+		if outDir == "" {
+			return
 		}
-		for _, mode := range []attnMode{"mma", "simt"} {
-			b.Run(fmt.Sprintf("%s_len%d_16k_h32_kv8_hd128", mode, L), func(b *testing.B) {
-				be.attn = mode
-				defer func() { be.attn = "" }()
-				be.Attention(out, nil, q, k, v, st, len(lens), L, c.tokens, 32, 8, 128, 0.088)
-				be.wait()
-				b.ResetTimer()
-				for i := 0; i < b.N; i++ {
-					be.Attention(out, nil, q, k, v, st, len(lens), L, c.tokens, 32, 8, 128, 0.088)
-				}
-				be.wait()
-				b.ReportMetric(flops*float64(b.N)/b.Elapsed().Seconds()/1e12, "TFLOP/s")
-			})
+		line, err := json.Marshal(rec)
+		if err != nil {
+			b.Fatal(err)
 		}
-		for _, t := range []compute.Tensor{q, k, v, st, out} {
-			be.Free(t)
+		f, err := os.OpenFile(filepath.Join(outDir, "attn-bench.jsonl"), os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+		if err == nil {
+			fmt.Fprintf(f, "%s\n", line)
+			f.Close()
+		}
+	}
+	for _, im := range attnBenchImpls {
+		log := &benchLog{}
+		be, implName, openErr := openAttnBench(b, im.attention, im.nondet, log)
+		if openErr == nil {
+			b.Logf("%s: Options{Attention: %q, AttnNondeterministic: %v}: attention runs %q", im.name, im.attention, im.nondet, implName)
+		}
+		for _, sh := range shapes {
+			for _, dir := range []string{"fwd", "fwd+bwd"} {
+				name := fmt.Sprintf("%s/%s/%s_h%d_kv%d_hd%d", im.name, dir, sh.name, H, KV, HD)
+				key := map[string]any{"impl": im.name, "dir": dir, "shape": sh.name, "samples": len(sh.c.lens), "seq_len": sh.c.maxLen,
+					"tokens": sh.c.tokens, "heads": H, "kv_heads": KV, "head_dim": HD, "causal": true}
+				b.Run(name, func(b *testing.B) {
+					if openErr != nil {
+						key["skipped"] = openErr.Error()
+						record(key)
+						b.Skipf("%s: %v", im.name, openErr)
+					}
+					c := sh.c
+					be.ResetPeakMemory()
+					q, k, v := be.FromF32(c.q), be.FromF32(c.k), be.FromF32(c.v)
+					st := be.FromI32(c.starts)
+					out := be.New(compute.F32, c.tokens*H*HD)
+					ts := []compute.Tensor{q, k, v, st, out}
+					flops := sh.flops
+					iter := func() { be.Attention(out, nil, q, k, v, st, len(c.lens), c.maxLen, c.tokens, H, KV, HD, scale) }
+					if dir == "fwd+bwd" {
+						lse := be.New(compute.F32, c.tokens*H)
+						dout := be.FromF32(sh.dout)
+						dq, dk, dv := be.New(compute.F32, len(c.q)), be.New(compute.F32, len(c.k)), be.New(compute.F32, len(c.v))
+						be.Zero(dq)
+						be.Zero(dk)
+						be.Zero(dv)
+						ts = append(ts, lse, dout, dq, dk, dv)
+						flops *= 3.5
+						iter = func() {
+							be.Attention(out, lse, q, k, v, st, len(c.lens), c.maxLen, c.tokens, H, KV, HD, scale)
+							be.AttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, st, len(c.lens), c.maxLen, c.tokens, H, KV, HD, scale)
+						}
+					}
+					calls := cudnnCalls(be)
+					// Warm up (plans, the pool, cuDNN's graphs). A failure here
+					// (the backend panics) fails this case, not the cases after it.
+					if msg := func() (msg string) {
+						defer func() {
+							if p := recover(); p != nil {
+								msg = fmt.Sprint(p)
+							}
+						}()
+						iter()
+						be.wait()
+						return ""
+					}(); msg != "" {
+						key["error"] = msg
+						record(key)
+						b.Fatalf("%s %s %s: %s", im.name, dir, sh.name, msg)
+					}
+					if im.attention == "cudnn" {
+						// A shape cuDNN refuses runs on the own kernels: not cuDNN's figure.
+						after := cudnnCalls(be)
+						if after[0] == calls[0] || (dir == "fwd+bwd" && after[1] == calls[1]) {
+							for _, t := range ts {
+								be.Free(t)
+							}
+							why := fmt.Sprintf("cuDNN did not run this case (forward calls %d -> %d, backward %d -> %d; log: %q)",
+								calls[0], after[0], calls[1], after[1], log.about("refus", "cuDNN", "cudnn"))
+							key["skipped"] = why
+							record(key)
+							b.Skip(why)
+						}
+					}
+					b.ResetTimer()
+					for i := 0; i < b.N; i++ {
+						iter()
+					}
+					be.wait()
+					b.StopTimer()
+					sec := b.Elapsed().Seconds() / float64(b.N)
+					devmem := float64(be.PeakMemory()) / (1 << 30)
+					b.ReportMetric(flops/sec/1e12, "TFLOP/s")
+					b.ReportMetric(devmem, "devmem_GiB")
+					for _, t := range ts {
+						be.Free(t)
+					}
+					// One line per run: the testing package runs a benchmark
+					// once with b.N = 1 first; the table keeps each case's last.
+					key["impl_name"], key["iterations"], key["ms"] = implName, b.N, 1e3*sec
+					key["tflops"], key["flops"], key["devmem_GiB"], key["gpu"] = flops/sec/1e12, flops, devmem, be.Info().Name
+					record(key)
+				})
+			}
+		}
+		if be != nil {
+			be.Close()
 		}
 	}
 }
