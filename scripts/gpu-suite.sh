@@ -18,6 +18,19 @@
 #
 #   run(command="bash scripts/gpu-suite.sh run", carry=[".gpu"])          the teacher (issue 15)
 #   run(command="bash scripts/gpu-suite.sh run train", carry=[".gpu"])    the student (issue 16)
+#   run(command="bash scripts/gpu-suite.sh run attn-issue", carry=[".gpu"], timeout_s=420)
+#                                                                         cuDNN attention
+#
+# `run attn-issue` is one device call of about 3 minutes (SUITE_BUDGET
+# defaults to 360 s for it): env, test, attn, goldens, train-test,
+# train-resume, train-bench, train-peer: what cuDNN fused attention needs
+# checked (its conformance, the goldens through it, its speed against
+# PyTorch's, a training step's speed and bit-exact resumes with it), with
+# the training benchmark and its peer on qwen3-0.6b only unless
+# DISTILL_BENCH_SHAPES says otherwise (1.7B does not fit an H100's 80 GB).
+# Expected on an H100/H200, with kernels compiled once (~10 s, in test):
+# env 5 s, test 30-40 s, attn 40-60 s, goldens 15-20 s, train-test 10 s,
+# train-resume 5 s, train-bench 20-30 s, train-peer 15-20 s.
 #
 # (one call each; the tracked files, checkpoints and goldens included,
 # travel with the working tree). Every step writes its log to $OUT
@@ -27,21 +40,33 @@
 #
 #   env        nvidia-smi, the CUDA libraries found, Python package versions
 #   test       the conformance tests against the real GPU (DISTILL_CUDA_TEST=gpu):
-#              every forward kernel vs compute/cpu on ragged shapes, the
-#              contract's suite (computetest.Run: forward and training, vs
-#              float64 formulas and finite differences), the kernels
-#              compiled by the device's NVRTC (sm_90a on Hopper), the golden
-#              checkpoints through package infer (model/decoder's forward)
+#              every forward kernel vs compute/cpu on ragged shapes, cuDNN's
+#              attention (TestCudnn*), the contract's suite
+#              (computetest.Run: forward and training, vs float64 formulas
+#              and finite differences), the kernels compiled by the device's
+#              NVRTC (sm_90a on Hopper)
 #   device     the --device chooser on the real GPU: cuda and auto open it
 #              for the teacher; training: cuda opens it, auto keeps the CPU
-#   goldens    HF transformers BF16 goldens (scripts/gpu/hf_goldens.py) and
-#              the CUDA and CPU teachers compared with them
+#   goldens    HF transformers BF16 goldens (scripts/gpu/hf_goldens.py, with
+#              HF BF16's own agreement with the fp32 goldens), then the golden
+#              checkpoints through package infer on the GPU: against the fp32
+#              goldens, held to HF BF16's agreement less a slack
+#              (TestForwardGoldens), and against HF's (TestForwardHFGoldens)
+#   attn       attention alone, ours against PyTorch's on the same GPU:
+#              BenchmarkAttention (cuDNN deterministic and non-deterministic
+#              backward, the own mma kernels; forward, forward + backward;
+#              4 x 4096 and 32 x 512 tokens, 32/8 heads, head_dim 128,
+#              causal), scripts/gpu/sdpa_bench.py (torch SDPA's cuDNN and
+#              flash backends, bf16, GQA), and the table of TFLOP/s and
+#              ratios (scripts/gpu/attn_table.py) in attn.log
 #   memcheck   compute-sanitizer --tool memcheck on the conformance tests
-#   bench      GEMM, attention, LM-head and Qwen3-0.6B/1.7B/8B forward
-#              benchmarks (tokens/s, TFLOP/s, MFU, device memory) and a
-#              kernel profile per forward
+#   bench      GEMM, LM-head and Qwen3-0.6B/1.7B/8B forward benchmarks
+#              (tokens/s, TFLOP/s, MFU, device memory) and a kernel profile
+#              per forward (attention's benchmark is the attn step's)
 #   peer       HF transformers on the same workloads (scripts/gpu/hf_bench.py)
-#   racecheck  compute-sanitizer --tool racecheck on attention and the LM head
+#   racecheck  compute-sanitizer --tool racecheck on this package's attention
+#              kernels (DISTILL_RACECHECK=1: smaller cases; cuDNN's, closed
+#              source, are not raced), the LM head, the reductions
 #
 # and the student's (`run train` runs these, within the same budget):
 #
@@ -78,8 +103,9 @@
 # limit and skipping the steps that no longer fit; the summary lists them.
 # `run STEP...` runs only those steps, in the order given: a second call
 # such as `run racecheck peer` picks up what the first one skipped; `all`
-# is every step, `train` the student's.
+# is every step, `train` the student's, `attn-issue` the one above.
 # Knobs: SUITE_BUDGET, DISTILL_GPU_SUITE_EMU (below), DISTILL_BENCH_TOKENS (batch tokens, default 16384),
+# SDPA_ITERS (timed iterations of each attention case, both sides, default 10),
 # DISTILL_BENCH_SHAPES (e.g. qwen3-0.6b,qwen3-8b), DISTILL_PEAK_TFLOPS,
 # DISTILL_TRAIN_ROWS (8192-token rows a training step, default 1).
 set -uo pipefail
@@ -111,7 +137,7 @@ build() {
     echo "gpu-suite: .gpu/bundle.tar.gz is $((size >> 20)) MiB; the device tool carries at most 64 MiB" >&2
     exit 1
   fi
-  echo "now: run(command=\"bash scripts/gpu-suite.sh run\", carry=[\".gpu\"])  (or: run train)"
+  echo "now: run(command=\"bash scripts/gpu-suite.sh run\", carry=[\".gpu\"])  (or: run train, run attn-issue)"
 }
 
 OUT=${OUT:-$root/gpu-out}
@@ -155,12 +181,23 @@ libs() {
        /usr/local/cuda-*/lib64/libcublasLt.so.1[0-9] $(for s in $site; do echo "$s/nvidia/*/lib/libcublasLt.so.1[0-9]"; done))
   [ -n "$nv" ] && export DISTILL_LIBNVRTC=$nv LD_LIBRARY_PATH="$(dirname "$nv"):$LD_LIBRARY_PATH"
   [ -n "$lt" ] && export DISTILL_LIBCUBLASLT=$lt LD_LIBRARY_PATH="$(dirname "$lt"):$LD_LIBRARY_PATH"
+  # cuDNN 9 (attention): the system's, else the pip wheel's (PyTorch's).
+  # Its sub-libraries (libcudnn_engines_*.so.9 ...) are opened by name, so
+  # its directory goes on LD_LIBRARY_PATH too.
+  local dnn
+  if [ -z "${DISTILL_LIBCUDNN:-}" ]; then
+    dnn=$(first_file /usr/local/cuda/lib64/libcudnn.so.9 /usr/lib/x86_64-linux-gnu/libcudnn.so.9 \
+         /usr/local/cuda-*/lib64/libcudnn.so.9 $(for s in $site; do echo "$s/nvidia/cudnn/lib/libcudnn.so.9 $s/nvidia/*/lib/libcudnn.so.9"; done))
+    [ -n "$dnn" ] && export DISTILL_LIBCUDNN=$dnn LD_LIBRARY_PATH="$(dirname "$dnn"):$LD_LIBRARY_PATH"
+  fi
 }
 
 status() { echo "$1 $2" >>"$OUT/status.txt"; }
 
 start=$(date +%s)
-deadline=$((start + ${SUITE_BUDGET:-560}))
+budget=${SUITE_BUDGET:-560} # attn-issue: 360 unless SUITE_BUDGET is set (below)
+deadline=$((start + budget))
+last_rc=0 # the last step's rc, or "skipped"
 
 # step NAME LIMIT_S CMD...: runs CMD in $STEP_DIR (default compute/cuda,
 # where its tests find their testdata) with a time limit (LIMIT_S, or less
@@ -171,12 +208,14 @@ step() {
   if [ "$left" -lt 30 ]; then
     status "$name" "skipped (suite budget spent: run it in another call)"
     echo "== $name skipped: ${left}s left of the suite's budget" | tee -a "$OUT/steps.txt"
+    last_rc=skipped
     return 0
   fi
   [ "$left" -lt "$limit" ] && limit=$left
   echo "== $name ($(date -u +%T), limit ${limit}s): $*" | tee -a "$OUT/steps.txt"
   ( cd "$root/${STEP_DIR:-compute/cuda}" && timeout --signal=INT --kill-after=20 "$limit" "$@" ) >"$OUT/$name.log" 2>&1
   local rc=$?
+  last_rc=$rc
   status "$name" "$rc"
   echo "   rc=$rc" | tee -a "$OUT/steps.txt"
   return 0
@@ -189,11 +228,12 @@ s_env() {
     echo "--- libraries"
     echo "DISTILL_LIBNVRTC=${DISTILL_LIBNVRTC:-}"
     echo "DISTILL_LIBCUBLASLT=${DISTILL_LIBCUBLASLT:-}"
-    ldconfig -p 2>/dev/null | grep -E 'libcuda.so|libnvrtc|libcublasLt' | head
+    echo "DISTILL_LIBCUDNN=${DISTILL_LIBCUDNN:-}"
+    ldconfig -p 2>/dev/null | grep -E 'libcuda.so|libnvrtc|libcublasLt|libcudnn.so' | head -16
     command -v compute-sanitizer nvcc ncu || true
     nvcc --version 2>/dev/null | tail -2
     echo "--- python"
-    $PY -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, torch.cuda.get_device_name())' 2>&1
+    $PY -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "transformers", transformers.__version__, torch.cuda.get_device_name())' 2>&1
     echo "--- binary"
     ls -la "$root/.gpu" "$BIN" "$BIN/lib" 2>&1
     ldd "$T" 2>&1
@@ -201,9 +241,21 @@ s_env() {
   status env 0
 }
 
+# The goldens (TestForwardGoldens) run in the goldens step, after HF's BF16
+# figures, which bound them, exist.
 s_test() {
   step test 180 "$T" -test.v -test.count=1 -test.timeout=170s \
-    -test.run 'Conformance|Ties|TestSuite$|Exact|KernelsCompile|NVRTCCompiles|AttnPlanKernel|BenchModel|ForwardGoldens|MemoryOps|Probe|Launch|Plan|Cache|Arch|DeviceBytes|ScratchBytes'
+    -test.run 'Conformance|Ties|TestSuite$|Exact|KernelsCompile|NVRTCCompiles|AttnPlanKernel|BenchModel|MemoryOps|Probe|Launch|Plan|Cache|Arch|DeviceBytes|ScratchBytes|Cudnn'
+}
+
+# hf_env runs "$@" with DISTILL_HF_GOLDENS set where the goldens step's HF
+# figures exist (TestForwardGoldens then holds the teacher to them).
+hf_env() {
+  if compgen -G "$OUT/hf-goldens/*.vs-fp32.json" >/dev/null; then
+    DISTILL_HF_GOLDENS="$OUT/hf-goldens" "$@"
+  else
+    "$@"
+  fi
 }
 
 s_device() {
@@ -211,7 +263,7 @@ s_device() {
 }
 
 # The training kernels' tests (train_test.go) and the contract's suite.
-train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|LossHeadConformance|MoETrainConformance|KernelsCompile'
+train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|CudnnAttentionConformance|LossHeadConformance|MoETrainConformance|KernelsCompile'
 
 s_train-test() {
   step train-test 80 "$T" -test.v -test.count=1 -test.timeout=75s -test.run "$train_tests"
@@ -249,24 +301,49 @@ s_train-peer() {
 
 s_memcheck() {
   if ! command -v compute-sanitizer >/dev/null; then echo "no compute-sanitizer" >"$OUT/memcheck.log"; status memcheck skipped; return; fi
-  step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 50 \
+  hf_env step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 50 \
     "$T" -test.count=1 -test.timeout=140s -test.run 'Conformance|Ties|TestSuite$|Exact|AttnPlanKernel|BenchModel|MemoryOps|ForwardGoldens'
 }
 
+# DISTILL_RACECHECK=1: the attention tests run smaller cases that still
+# reach every one of this package's attention kernels (conformance_test.go,
+# underRacecheck); DISTILL_CUDA_ATTN=mma keeps cuDNN (closed source) from
+# loading, and -test.skip any cuDNN subtest.
 s_racecheck() {
   if ! command -v compute-sanitizer >/dev/null; then echo "no compute-sanitizer" >"$OUT/racecheck.log"; status racecheck skipped; return; fi
-  step racecheck 150 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 3 --print-limit 50 \
-    "$T" -test.count=1 -test.timeout=140s -test.run 'TestAttentionConformance|TestLMHeadTopKTies|TestAttnPlanKernel|TestMoERoutingTies|TestAttentionBackwardConformance|TestLossHeadConformance|TestReductionsConformance|TestMoETrainConformance'
+  DISTILL_RACECHECK=1 DISTILL_CUDA_ATTN=mma step racecheck 150 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 3 --print-limit 50 \
+    "$T" -test.v -test.count=1 -test.timeout=140s -test.skip '/cudnn' \
+    -test.run 'TestAttentionConformance|TestLMHeadTopKTies|TestAttnPlanKernel|TestMoERoutingTies|TestAttentionBackwardConformance|TestLossHeadConformance|TestReductionsConformance|TestMoETrainConformance'
 }
 
 s_goldens() {
   step hf-goldens 90 $PY "$root/scripts/gpu/hf_goldens.py" "$OUT/hf-goldens" "$root"/infer/testdata/golden/*
-  DISTILL_HF_GOLDENS="$OUT/hf-goldens" step goldens 60 "$T" -test.v -test.count=1 -test.run 'ForwardHFGoldens|ForwardGoldens'
+  DISTILL_HF_GOLDENS="$OUT/hf-goldens" step goldens 60 "$T" -test.v -test.count=1 -test.timeout=55s -test.run 'ForwardHFGoldens|ForwardGoldens'
 }
 
 s_bench() {
-  DISTILL_BENCH_OUT="$OUT" step bench 240 "$T" -test.run '^$' -test.bench 'GEMM|Attention|LMHead|Forward' \
+  DISTILL_BENCH_OUT="$OUT" step bench 240 "$T" -test.run '^$' -test.bench 'GEMM|LMHead|Forward' \
     -test.benchtime 3x -test.timeout 235s
+}
+
+# attn: BenchmarkAttention (attn-bench.log, attn-bench.jsonl), PyTorch's
+# SDPA on the same shapes (attn-peer.log, sdpa-bench.json), and the table
+# of both (attn.log); status attn is the first failing rc of the two.
+s_attn() {
+  local iters=${SDPA_ITERS:-10} rc=0
+  rm -f "$OUT/attn-bench.jsonl" "$OUT/sdpa-bench.json"
+  DISTILL_BENCH_OUT="$OUT" step attn-bench 150 "$T" -test.v -test.run '^$' -test.bench '^BenchmarkAttention$' \
+    -test.benchtime "${iters}x" -test.timeout 145s
+  [ "$last_rc" != 0 ] && rc=$last_rc
+  step attn-peer 120 $PY "$root/scripts/gpu/sdpa_bench.py" "$OUT/sdpa-bench.json" "$iters"
+  [ "$rc" = 0 ] && [ "$last_rc" != 0 ] && rc=$last_rc
+  {
+    $PY "$root/scripts/gpu/attn_table.py" "$OUT/attn-bench.jsonl" "$OUT/sdpa-bench.json"
+    echo "-- ours (go test -bench), then PyTorch's lines"
+    grep -E '^(Benchmark|--- (SKIP|FAIL))|bench_test.go:|panic:' "$OUT/attn-bench.log"
+    grep -E '^\{' "$OUT/attn-peer.log"
+  } >"$OUT/attn.log" 2>&1
+  status attn "$rc"
 }
 
 s_peer() {
@@ -284,13 +361,17 @@ summary() {
     grep -m1 -E 'NVIDIA|H100|H200' "$OUT/env.log" 2>/dev/null
     echo "-- steps (rc 0 = passed; 124 = its time limit; skipped = run it in another call)"
     cat "$OUT/status.txt" 2>/dev/null
-    for f in test device goldens memcheck racecheck train-test train-memcheck train-curve train-qad train-resume; do
+    for f in test device goldens attn-bench memcheck racecheck train-test train-memcheck train-curve train-qad train-resume; do
       [ -f "$OUT/$f.log" ] || continue
       echo "-- $f: failures"
       grep -E '^\s*--- FAIL|^FAIL|panic:|ERROR SUMMARY|========= (Invalid|Race|Error)' "$OUT/$f.log" | head -20
     done
-    echo "-- agreement with goldens"
-    grep -hE 'vs HF BF16|T=[0-9.]+: top-1' "$OUT/goldens.log" 2>/dev/null | sed 's/^ *//' | head -40
+    echo "-- attention implementation (what the backend reports)"
+    grep -hE 'attention runs' "$OUT/attn-bench.log" 2>/dev/null | sed 's/^ *//' | sort -u | head -8
+    echo "-- agreement with goldens (ours, HF BF16's, the bounds; then ours vs HF's goldens)"
+    grep -hE 'vs HF BF16|T=[0-9.]+: (top-1|HF BF16 vs fp32|bounds|no HF BF16)' "$OUT/goldens.log" 2>/dev/null | sed 's/^ *//' | head -80
+    echo "-- attention: ours vs PyTorch SDPA (TFLOP/s; ratio > 1: ours faster)"
+    cat "$OUT/attn.log" 2>/dev/null | head -60
     echo "-- device chooser"
     grep -hE 'device auto|--- (PASS|FAIL)' "$OUT/device.log" 2>/dev/null | head -10
     echo "-- largest errors of the conformance tests"
@@ -331,19 +412,24 @@ case "${1:-}" in
     steps=()
     for s in "$@"; do
       case "$s" in
-        all) steps+=(env test device goldens memcheck bench peer racecheck train-test train-memcheck train-curve train-qad train-resume train-bench train-peer) ;;
+        all) steps+=(env test device goldens attn memcheck bench peer racecheck train-test train-memcheck train-curve train-qad train-resume train-bench train-peer) ;;
         train) steps+=(env train-test train-curve train-qad train-resume train-memcheck train-bench train-peer) ;;
+        attn-issue)
+          steps+=(env test attn goldens train-test train-resume train-bench train-peer)
+          [ -z "${SUITE_BUDGET:-}" ] && deadline=$((start + 360))
+          export DISTILL_BENCH_SHAPES=${DISTILL_BENCH_SHAPES:-qwen3-0.6b}
+          ;;
         *) steps+=("$s") ;;
       esac
     done
-    [ ${#steps[@]} -eq 0 ] && steps=(env test device goldens memcheck bench peer racecheck)
+    [ ${#steps[@]} -eq 0 ] && steps=(env test device goldens attn memcheck bench peer racecheck)
     for s in "${steps[@]}"; do
       case "$s" in
-        env|test|device|memcheck|racecheck|goldens|bench|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|train-peer) "s_$s" ;;
+        env|test|device|memcheck|racecheck|goldens|attn|bench|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|train-peer) "s_$s" ;;
         *) echo "unknown step $s"; exit 2 ;;
       esac
     done
     summary
     ;;
-  *) sed -n '2,75p' "$0"; exit 2 ;;
+  *) sed -n '2,110p' "$0"; exit 2 ;;
 esac
