@@ -28,7 +28,7 @@ import (
 
 var specCudnn = libSpec{
 	what: "cuDNN", env: "DISTILL_LIBCUDNN", names: []string{"libcudnn.so.9"},
-	hint: "install cuDNN 9 (pip nvidia-cudnn-cu12, or the CUDA repository's libcudnn9-cuda-12), or point DISTILL_LIBCUDNN at libcudnn.so.9",
+	hint: "install cuDNN 9 (pip nvidia-cudnn-cu12 or nvidia-cudnn-cu13, or the CUDA repository's libcudnn9-cuda-12/13), or point DISTILL_LIBCUDNN at libcudnn.so.9",
 }
 
 // cudnnMinVersion is the oldest cuDNN whose fused attention runs the graphs
