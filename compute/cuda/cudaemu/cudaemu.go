@@ -1,13 +1,17 @@
-// Package cudaemu builds the CPU emulator of the CUDA driver, NVRTC and
-// cuBLASLt (compute/cuda/testdata/emu) and points a test at it, so that
+// Package cudaemu builds the CPU emulator of the CUDA driver, NVRTC,
+// cuBLASLt and cuDNN's graph API (compute/cuda/testdata/emu) and points a
+// test at it, so that
 // compute/cuda, and whatever opens it (compute/device, the teacher), runs
 // its Go code, its launches and its kernels on machines without a GPU.
 //
-// The emulator is a shared library that exports the three libraries' entry
+// The emulator is a shared library that exports the four libraries' entry
 // points and runs the kernels on the host, one fiber per CUDA thread,
 // switching at barriers; it is built with g++ from the same kernel sources
-// as the GPU runs. What it cannot show: real concurrency (races), real
-// tensor-core and cuBLASLt numerics, speed. Those need the GPU suite
+// as the GPU runs. Its cuDNN part (emu_cudnn.cpp) interprets backend
+// operation graphs (matmul, pointwise, reduction, reshape; ragged tensors,
+// GEMM size overrides) in double precision. What it cannot show: real
+// concurrency (races), real tensor-core, cuBLASLt and cuDNN numerics, which
+// graphs cuDNN's engines accept, speed. Those need the GPU suite
 // (scripts/gpu-suite.sh).
 //
 // It is for tests only: it builds from the source tree. With
@@ -47,12 +51,12 @@ func Library() (string, error) {
 // OnGPU reports whether the tests target a real GPU: DISTILL_CUDA_TEST=gpu.
 func OnGPU() bool { return os.Getenv("DISTILL_CUDA_TEST") == "gpu" }
 
-// Use points DISTILL_LIBCUDA, DISTILL_LIBNVRTC and DISTILL_LIBCUBLASLT at
-// the emulator for the rest of t, unless OnGPU: then the test runs on the
-// real GPU and its libraries. Without a way to build the emulator (no
-// g++, not linux/amd64) the test is skipped, or fails where
-// DISTILL_REQUIRE_NVRTC=1 (CI, where scripts/setup.d/nvrtc.sh installs
-// the toolchain).
+// Use points DISTILL_LIBCUDA, DISTILL_LIBNVRTC, DISTILL_LIBCUBLASLT and
+// DISTILL_LIBCUDNN at the emulator for the rest of t, unless OnGPU: then
+// the test runs on the real GPU and its libraries. Without a way to build
+// the emulator (no g++, not linux/amd64) the test is skipped, or fails
+// where DISTILL_REQUIRE_NVRTC=1 (CI, where scripts/setup.d/nvrtc.sh
+// installs the toolchain).
 func Use(t testing.TB) {
 	t.Helper()
 	if OnGPU() {
@@ -65,7 +69,7 @@ func Use(t testing.TB) {
 		}
 		t.Skipf("CPU emulator of CUDA unavailable, test skipped: %v", err)
 	}
-	for _, v := range []string{"DISTILL_LIBCUDA", "DISTILL_LIBNVRTC", "DISTILL_LIBCUBLASLT"} {
+	for _, v := range []string{"DISTILL_LIBCUDA", "DISTILL_LIBNVRTC", "DISTILL_LIBCUBLASLT", "DISTILL_LIBCUDNN"} {
 		t.Setenv(v, lib)
 	}
 }
@@ -105,7 +109,9 @@ func cudaDir() (string, error) {
 }
 
 // build compiles the emulator library into the user cache directory,
-// under a hash of its sources (testdata/emu and kernels/).
+// under a hash of its sources (testdata/emu and kernels/): every .cpp file
+// directly in testdata/emu (emu.cpp, emu_cudnn.cpp), each after emu.h, and
+// every kernel.
 func build() (string, error) {
 	if runtime.GOOS != "linux" || runtime.GOARCH != "amd64" {
 		return "", fmt.Errorf("the emulator's fiber switch is written for linux/amd64, not %s/%s", runtime.GOOS, runtime.GOARCH)
@@ -179,8 +185,16 @@ func build() (string, error) {
 		}
 	}()
 	emuDir := filepath.Join(root, "testdata", "emu")
-	if err := compile("emu", fmt.Sprintf("#include %q\n#include %q\n", filepath.Join(emuDir, "emu.h"), filepath.Join(emuDir, "emu.cpp"))); err != nil {
+	srcs, err := filepath.Glob(filepath.Join(emuDir, "*.cpp"))
+	if err != nil {
 		return "", err
+	}
+	sort.Strings(srcs)
+	for _, src := range srcs {
+		name := strings.TrimSuffix(filepath.Base(src), ".cpp")
+		if err := compile(name, fmt.Sprintf("#include %q\n#include %q\n", filepath.Join(emuDir, "emu.h"), src)); err != nil {
+			return "", err
+		}
 	}
 	for _, k := range kernels {
 		src := fmt.Sprintf("#include %q\n#include %q\n#include %q\n", filepath.Join(emuDir, "emu.h"),

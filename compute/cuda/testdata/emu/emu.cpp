@@ -8,7 +8,8 @@
 // limits, dynamic shared memory against the opted-in size, parameter sizes
 // against the kernel's signature, copies against allocations, barriers
 // that not every thread reaches. The cuBLASLt stand-in computes the GEMM
-// its descriptors describe, column-major as cuBLASLt defines it.
+// its descriptors describe, column-major as cuBLASLt defines it. The cuDNN
+// stand-in (an interpreter of backend operation graphs) is emu_cudnn.cpp.
 #include "emu.h"
 
 #include <cstdio>
@@ -321,6 +322,22 @@ static CUresult emu_free(u64 p, const char *who) {
 	g_used -= it->second;
 	g_allocs.erase(it);
 	return 0;
+}
+
+bool emu_range_ok(u64 p, size_t n, char *why, size_t whylen) {
+	if (n == 0 || in_alloc(p, n)) return true;
+	auto it = g_allocs.upper_bound(p);
+	if (it != g_allocs.begin()) {
+		--it;
+		if (p >= it->first && p < it->first + it->second) {
+			snprintf(why, whylen, "%zu bytes at 0x%llx run %llu bytes past the end of the %zu-byte allocation at 0x%llx", n,
+			         (unsigned long long)p, (unsigned long long)(p + n - (it->first + it->second)), it->second,
+			         (unsigned long long)it->first);
+			return false;
+		}
+	}
+	snprintf(why, whylen, "0x%llx (%zu bytes) is not inside any device allocation", (unsigned long long)p, n);
+	return false;
 }
 
 static CUresult check_range(u64 p, size_t n, const char *who) {

@@ -1,8 +1,9 @@
 // emu.h: the host side of the kernels' dialect, for the CPU emulator. Each
 // kernel file is compiled as C++ with this header first and DISTILL_EMU
 // defined; emu.cpp runs the kernels, one fiber per CUDA thread, and also
-// stands in for libcuda, libnvrtc and libcublasLt, so the backend's Go code
-// runs unchanged against it (see emu_test.go).
+// stands in for libcuda, libnvrtc and libcublasLt (and emu_cudnn.cpp for
+// libcudnn's graph API), so the backend's Go code runs unchanged against it
+// (see emu_test.go).
 #pragma once
 #define DISTILL_EMU 1
 #include <cmath>
@@ -29,6 +30,10 @@ void __syncwarp();
 // warp-collective core of the shuffles).
 void emu_warp_exchange(const void *mine, void *theirs, size_t n, int src);
 void *emu_dyn_smem();
+// emu_range_ok reports whether the n bytes at device address p lie inside
+// one live allocation; if not, it says why in why (the cuDNN stand-in,
+// emu_cudnn.cpp, checks every device tensor's extent with it).
+bool emu_range_ok(u64 p, size_t n, char *why, size_t whylen);
 void emu_mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]);
 
 template <class T> T __shfl_xor_sync(unsigned, T v, int m) {
