@@ -63,6 +63,15 @@ type Tolerances struct {
 	// activations; the MoE router stays fp32), so the tolerances cover the
 	// accumulation order and the rounding of intermediates only.
 	BF16GEMM bool
+	// BF16Attention says that the backend's attention rounds q, k, v (and
+	// dout and the forward's output, backward) to BF16, its probabilities
+	// and their gradients to BF16 before the matmuls, and its output and
+	// gradients to BF16, as cuDNN's fused attention does; the attention
+	// references then take q, k, v and dout rounded the same way, and the
+	// output and the gradients are held to AttnAtol, AttnRtol (the
+	// log-sum-exp, whose inputs only are rounded, keeps the forward's).
+	BF16Attention      bool
+	AttnAtol, AttnRtol float64
 	// Skip, if set, names the subtests (by their name in Run's list, e.g.
 	// "MatMul") that this backend does not run, with the reason; Run logs
 	// the reason as the subtest's skip message. A subtest Skip returns ""
@@ -147,6 +156,11 @@ func (s *suite) gemmIn(x []float32) []float32 {
 	if !s.tol.BF16GEMM {
 		return x
 	}
+	return bf16(x)
+}
+
+// bf16 returns x rounded to BF16 (as float32).
+func bf16(x []float32) []float32 {
 	h := make([]uint16, len(x))
 	compute.NarrowBF16(h, x)
 	out := make([]float32, len(x))
@@ -480,11 +494,19 @@ func (s *suite) attention(t *testing.T) {
 	out, lse := s.garbage(N*H*D), s.garbage(N*H)
 	be.Attention(out, lse, qt, kt, vt, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
 	qd, kd, vd, Rd := f64(q), f64(k), f64(v), f64(R)
-	s.fwd(t, "out", s.read(out, N*H*D), attention(qd, kd, vd, starts, H, KV, D, scale))
+	fwdOut := s.fwd
+	if s.tol.BF16Attention {
+		qd, kd, vd, Rd = f64(bf16(q)), f64(bf16(k)), f64(bf16(v)), f64(bf16(R))
+		fwdOut = func(t *testing.T, name string, got []float32, want []float64) {
+			t.Helper()
+			closeTo(t, name, got, want, s.tol.AttnAtol, s.tol.AttnRtol)
+		}
+	}
+	fwdOut(t, "out", s.read(out, N*H*D), attention(qd, kd, vd, starts, H, KV, D, scale))
 	s.fwd(t, "lse", s.read(lse, N*H), attentionLSE(qd, kd, starts, H, KV, D, scale))
 	out2 := s.garbage(N * H * D)
 	be.Attention(out2, nil, qt, kt, vt, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
-	s.fwd(t, "out (no lse)", s.read(out2, N*H*D), attention(qd, kd, vd, starts, H, KV, D, scale))
+	fwdOut(t, "out (no lse)", s.read(out2, N*H*D), attention(qd, kd, vd, starts, H, KV, D, scale))
 	if s.forwardOnly {
 		return
 	}
@@ -493,9 +515,15 @@ func (s *suite) attention(t *testing.T) {
 	dq, dk, dv := be.FromF32(dq0), be.FromF32(dk0), be.FromF32(dv0)
 	be.AttentionBackward(dq, dk, dv, be.FromF32(R), qt, kt, vt, out, lse, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
 	f := func() float64 { return dot(attention(qd, kd, vd, starts, H, KV, D, scale), Rd) }
-	s.bwdStrided(t, "dq", s.read(dq, N*H*D), dq0, f, qd, 29)
-	s.bwdStrided(t, "dk", s.read(dk, N*KV*D), dk0, f, kd, 23)
-	s.bwdStrided(t, "dv", s.read(dv, N*KV*D), dv0, f, vd, 23)
+	bs := s
+	if s.tol.BF16Attention {
+		c := *s
+		c.tol.BwdAtol, c.tol.BwdRtol = s.tol.AttnAtol, s.tol.AttnRtol
+		bs = &c
+	}
+	bs.bwdStrided(t, "dq", s.read(dq, N*H*D), dq0, f, qd, 29)
+	bs.bwdStrided(t, "dk", s.read(dk, N*KV*D), dk0, f, kd, 23)
+	bs.bwdStrided(t, "dv", s.read(dv, N*KV*D), dv0, f, vd, 23)
 }
 
 func (s *suite) swiGLU(t *testing.T) {

@@ -54,6 +54,11 @@ var suiteTol = func() computetest.Tolerances {
 	tol.BF16GEMM = true
 	tol.MoEAtol, tol.MoERtol = 5e-2, 2e-2
 	tol.MoEBwdRel = 2e-2
+	// Attention runs on cuDNN where it loads (the emulator stands in for
+	// it): BF16 q, k, v, P and output; the suite's values are O(1) and its
+	// samples at most 129 tokens, so BF16's 2^-9 relative rounding of P and
+	// of the output stays below 1e-2.
+	tol.BF16Attention, tol.AttnAtol, tol.AttnRtol = true, 1e-2, 2e-2
 	return tol
 }()
 
@@ -63,7 +68,28 @@ var suiteTol = func() computetest.Tolerances {
 // lse statistics, every backward kernel (MoE's included), AdamW, the
 // gradient norm, NVFP4 and the fused loss head.
 func TestSuite(t *testing.T) {
-	computetest.Run(t, testBackend(t), suiteTol)
+	be := testBackend(t)
+	if be.dnn == nil {
+		t.Fatalf("cuDNN did not load (the emulator stands in for it; on a GPU the suite needs it): attention would run on the own kernels under BF16 tolerances")
+	}
+	computetest.Run(t, be, suiteTol)
+}
+
+// TestSuiteOwnAttention runs the suite's attention (forward, lse and the
+// backward against finite differences) on this package's kernels with the
+// FP32 tolerances: the suite's head_dim 8 takes the fp32 kernels.
+func TestSuiteOwnAttention(t *testing.T) {
+	be := testBackend(t)
+	be.attn = "simt"
+	tol := suiteTol
+	tol.BF16Attention = false
+	tol.Skip = func(name string) string {
+		if name != "Attention" {
+			return "TestSuite runs it"
+		}
+		return ""
+	}
+	computetest.Run(t, be, tol)
 }
 
 func TestMatMulConformance(t *testing.T) {

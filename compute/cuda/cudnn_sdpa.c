@@ -430,7 +430,8 @@ int distill_sdpa_build(const distill_cudnn_api *api, cudnnHandle_t handle, const
 	// dq = ds·k. The non-deterministic engines accumulate it in fp32 in the
 	// workspace (ragged like dq) with atomics, then convert; the
 	// deterministic graph writes dq directly.
-	cudnnBackendDescriptor_t Kn = tensor(b, "k", BF, B, HK, S, D, X, D, HK * D, 1, 0, 1, 0, offK);
+	// k [B,HK,S,D], viewed in fp32 as cuDNN's frontend does for ds·k.
+	cudnnBackendDescriptor_t Kn = tensor(b, "k", F, B, HK, S, D, X, D, HK * D, 1, 0, 1, 0, offK);
 	reshape(b, "k", Kt, Kn, ops, &nops);
 	if (k->det) {
 		mm(b, "ds·k", dS, Kn, dQ, seqQ, NULL, seqKV, ops, &nops);
