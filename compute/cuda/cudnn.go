@@ -348,6 +348,15 @@ func (b *Backend) sdpaExec(p *sdpaPlan, vp map[int]uint64, scale float32, what s
 	}
 }
 
+// copyD copies n bytes on the device, in stream order.
+func (b *Backend) copyD(dst, src uint64, n int64) {
+	b.must(b.drv.check("cuMemcpyDtoDAsync", C.call_cuMemcpyDtoDAsync(b.drv.cuMemcpyDtoDAsync, C.CUdeviceptr(dst), C.CUdeviceptr(src), C.size_t(n), b.stream)))
+}
+
+// aligned16 reports whether a device address meets the graphs' 16-byte
+// tensor alignment (a decoder's tensors may be views at any float offset).
+func aligned16(p uint64) bool { return p%16 == 0 }
+
 // bf16Copy rounds n F32 values at p into a new BF16 buffer.
 func (b *Backend) bf16Copy(p uint64, n int) uint64 {
 	c := b.alloc(int64(n) * 2)
@@ -368,10 +377,11 @@ func (b *Backend) cudnnAttention(out, lse, q, k, v, st *tensor, nSeq, maxLen, to
 	qb, kb, vb := b.bf16Copy(q.p, nq), b.bf16Copy(k.p, nk), b.bf16Copy(v.p, nk)
 	ob := b.alloc(int64(nq) * 2)
 	var stats, statsScratch uint64
-	if lse != nil {
+	statsBytes := int64(tokens) * int64(nHead) * 4
+	if lse != nil && aligned16(lse.p) {
 		stats = lse.p
 	} else {
-		statsScratch = b.alloc(int64(tokens) * int64(nHead) * 4)
+		statsScratch = b.alloc(statsBytes)
 		stats = statsScratch
 	}
 	b.sdpaExec(p, map[int]uint64{
@@ -380,6 +390,9 @@ func (b *Backend) cudnnAttention(out, lse, q, k, v, st *tensor, nSeq, maxLen, to
 		C.DISTILL_SDPA_UID_OFF_Q: offQ, C.DISTILL_SDPA_UID_OFF_KV: offK, C.DISTILL_SDPA_UID_OFF_STATS: offS,
 	}, scale, "cudnn attention forward")
 	b.ew("k_bf16_to_f32", int64(nq), dptr(out.p), dptr(ob), int64(nq))
+	if lse != nil && stats != lse.p {
+		b.copyD(lse.p, stats, statsBytes)
+	}
 	for _, x := range []uint64{meta, qb, kb, vb, ob, statsScratch} {
 		if x != 0 {
 			b.free(x)
@@ -413,10 +426,16 @@ func (b *Backend) cudnnAttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, st
 		rows = int64(key.b) * int64(nHead) * int64(key.s)
 	}
 	ssum := b.alloc(rows * 4)
+	stats, statsScratch := lse.p, uint64(0)
+	if !aligned16(stats) {
+		statsScratch = b.alloc(int64(tokens) * int64(nHead) * 4)
+		b.copyD(statsScratch, stats, int64(tokens)*int64(nHead)*4)
+		stats = statsScratch
+	}
 	vp := map[int]uint64{
 		C.DISTILL_SDPA_UID_Q: qb, C.DISTILL_SDPA_UID_K: kb, C.DISTILL_SDPA_UID_V: vb, C.DISTILL_SDPA_UID_O: ob,
 		C.DISTILL_SDPA_UID_DO: dob, C.DISTILL_SDPA_UID_DQ: dqb, C.DISTILL_SDPA_UID_DK: dkb, C.DISTILL_SDPA_UID_DV: dvb,
-		C.DISTILL_SDPA_UID_STATS: lse.p, C.DISTILL_SDPA_UID_SOFTMAX_SUM: ssum,
+		C.DISTILL_SDPA_UID_STATS: stats, C.DISTILL_SDPA_UID_SOFTMAX_SUM: ssum,
 		C.DISTILL_SDPA_UID_SEQ_Q: lens, C.DISTILL_SDPA_UID_SEQ_KV: lens,
 		C.DISTILL_SDPA_UID_OFF_Q: offQ, C.DISTILL_SDPA_UID_OFF_KV: offK, C.DISTILL_SDPA_UID_OFF_STATS: offS,
 	}
@@ -429,7 +448,7 @@ func (b *Backend) cudnnAttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, st
 	b.ew("k_add_bf16", int64(nq), dptr(dq.p), dptr(dqb), int64(nq))
 	b.ew("k_add_bf16", int64(nk), dptr(dk.p), dptr(dkb), int64(nk))
 	b.ew("k_add_bf16", int64(nk), dptr(dv.p), dptr(dvb), int64(nk))
-	for _, x := range []uint64{meta, qb, kb, vb, ob, dob, dqb, dkb, dvb, ssum, acc} {
+	for _, x := range []uint64{meta, qb, kb, vb, ob, dob, dqb, dkb, dvb, ssum, acc, statsScratch} {
 		if x != 0 {
 			b.free(x)
 		}

@@ -111,7 +111,7 @@ func TestCUDALossCurve(t *testing.T) {
 			if arch == "qwen2" {
 				over = append(over, "model.random.tie_word_embeddings=true")
 			}
-			cpuRun, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "cpu"), over...), Options{Log: io.Discard})
+			cpuRun, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "cpu"), append(over, "train.device=cpu")...), Options{Log: io.Discard})
 			if err != nil {
 				t.Fatal(err)
 			}
