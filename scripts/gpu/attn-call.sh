@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call for the cuDNN attention work (issue 22): the GPU suite's
+# steps that answer it, on the newest cuDNN on the machine (the PyTorch
+# wheel's, the one its SDPA peer runs on), then the cuDNN tests again on the
+# system's cuDNN (an older 9.x), with cuDNN's own error log. Every log goes
+# into one tarball under $OUT (the device tool returns at most 8 files);
+# the summary is printed last.
+#
+#   bash scripts/gpu-suite.sh build
+#   run(command="bash scripts/gpu/attn-call.sh [STEP...]", carry=[".gpu"], timeout_s=480)
+#
+# STEP... defaults to: env test attn goldens train-test train-resume train-bench.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+final=${OUT:-$PWD/gpu-out}
+work=$(mktemp -d)
+mkdir -p "$final"
+PY=${PYTHON:-python3}
+site=$($PY -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null || true)
+wheel=""
+for s in $site; do
+  for f in "$s"/nvidia/cudnn/lib/libcudnn.so.9 "$s"/nvidia/*/lib/libcudnn.so.9; do
+    [ -e "$f" ] && { wheel=$f; break 2; }
+  done
+done
+system=$(ldconfig -p 2>/dev/null | awk '/libcudnn.so.9 / {print $NF; exit}')
+{
+  echo "wheel cuDNN: ${wheel:-none}"; echo "system cuDNN: ${system:-none}"
+  ls -la "$(dirname "${wheel:-/nonexistent}")" 2>&1 | head -20
+} >"$work/cudnn-libs.txt"
+if [ -n "$wheel" ]; then
+  export DISTILL_LIBCUDNN=$wheel
+  # The wheel's other CUDA libraries (cuBLAS, NVRTC) beside it.
+  for d in $(dirname "$wheel") $(for s in $site; do ls -d "$s"/nvidia/*/lib 2>/dev/null; done); do
+    LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+  done
+  export LD_LIBRARY_PATH
+fi
+export CUDNN_LOGLEVEL_DBG=1 CUDNN_LOGDEST_DBG="$work/cudnn-errors.log"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(env test attn goldens train-test train-resume train-bench)
+OUT="$work" DISTILL_BENCH_SHAPES=${DISTILL_BENCH_SHAPES:-qwen3-0.6b} SUITE_BUDGET=${SUITE_BUDGET:-300} \
+  bash scripts/gpu-suite.sh run "${steps[@]}" >"$work/suite.txt" 2>&1
+if [ -n "$system" ] && [ "$system" != "$wheel" ]; then
+  ( cd compute/cuda && DISTILL_LIBCUDNN=$system CUDNN_LOGDEST_DBG="$work/cudnn-errors-system.log" DISTILL_CUDA_TEST=gpu \
+      DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 60 /tmp/distill-gpu-bin/cuda.test -test.v -test.count=1 \
+      -test.run 'TestCudnn' -test.timeout 55s ) >"$work/cudnn-system.log" 2>&1
+  echo "cudnn-system rc=$?" >>"$work/status.txt"
+fi
+tar -C "$work" -czf "$final/logs.tgz" .
+cat "$work/summary.txt" 2>/dev/null | head -150
+echo "== cuDNN lines"; grep -hE 'cuDNN|cudnn' "$work"/test.log "$work"/cudnn-system.log 2>/dev/null | grep -vE '^\s*cudnn_test.go:[0-9]+: cudnn attention' | head -30
+echo "== system cuDNN"; grep -E '^(--- |ok|FAIL|panic)' "$work/cudnn-system.log" 2>/dev/null | head
+echo "== cuDNN errors"; head -c 3000 "$work/cudnn-errors.log" 2>/dev/null
