@@ -98,3 +98,75 @@ DK_DEV void mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]) {
 	    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 #endif
+
+// --- Shared-memory tiles for the tensor cores (sm_80+): asynchronous
+// copies from global memory and ldmatrix. A shared address is the block's
+// dynamic shared memory base (DK_DYN_SMEM's pointer) and a byte offset, so
+// that the GPU converts the base to a shared-window address once (smem_u32,
+// hoisted out of every loop) and the offsets stay integer arithmetic.
+//
+// cp_async16 copies 16 bytes (8 BF16) from global src to shared base+off
+// without passing through registers (cp.async.cg: cached in L2 only), or
+// writes 16 zero bytes when valid is false (src, which must still be a
+// valid address, is then not read); cp_async4 copies 4 bytes (cp.async.ca:
+// .cg takes only 16) the same way. Both addresses are aligned to the size.
+// The copies of a thread are grouped by cp_async_commit; cp_async_wait<N>
+// returns when at most the N newest of the thread's groups are still in
+// flight. A wait makes the thread's own copies visible to itself only: a
+// __syncthreads must follow before other threads read them.
+//
+// ldsm_x4 loads four 8x8 BF16 matrices from shared memory, a warp
+// collective (all 32 lanes, converged): lane l gives the address of row
+// l%8 of matrix l/8 (16 bytes, 16-byte aligned), and register i of lane
+// (g = lane/4, t = lane%4) receives row g, columns 2t..2t+1 of matrix i.
+// ldsm_x4_t is its transposing form (.trans): register i receives column g,
+// rows 2t..2t+1 of matrix i. These are the mma fragments above: see
+// attention.cu's ldsm_a, ldsm_b2 and ldsm_bt2.
+//
+// fast_exp2 is 2^x, flushing subnormal results to zero (ex2.approx.ftz: one
+// MUFU instruction; relative error about 2^-22).
+#ifdef DISTILL_EMU
+// The emulator (testdata/emu) copies at once but faults an ldmatrix of
+// bytes whose copy its thread has not yet waited for.
+DK_DEV void cp_async16(void *base, u32 off, const void *src, bool valid) { emu_cp_async((char *)base + off, src, 16, valid); }
+DK_DEV void cp_async4(void *base, u32 off, const void *src, bool valid) { emu_cp_async((char *)base + off, src, 4, valid); }
+DK_DEV void cp_async_commit() { emu_cp_async_commit(); }
+template <int N> DK_DEV void cp_async_wait() { emu_cp_async_wait(N); }
+DK_DEV void ldsm_x4(u32 r[4], const void *base, u32 off) { emu_ldmatrix(r, 4, (const char *)base + off, false); }
+DK_DEV void ldsm_x4_t(u32 r[4], const void *base, u32 off) { emu_ldmatrix(r, 4, (const char *)base + off, true); }
+DK_DEV float fast_exp2(float x) { return exp2f(x); }
+#else
+// smem_u32 is the shared-window address of a generic pointer to shared
+// memory (cvta.to.shared; the CUDA headers' __cvta_generic_to_shared is not
+// available here).
+DK_DEV u32 smem_u32(const void *p) {
+	u32 r;
+	asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+	return r;
+}
+DK_DEV void cp_async16(void *base, u32 off, const void *src, bool valid) {
+	asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(base) + off), "l"(src), "r"(valid ? 16 : 0)
+	             : "memory");
+}
+DK_DEV void cp_async4(void *base, u32 off, const void *src, bool valid) {
+	asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(base) + off), "l"(src), "r"(valid ? 4 : 0)
+	             : "memory");
+}
+DK_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> DK_DEV void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+DK_DEV void ldsm_x4(u32 r[4], const void *base, u32 off) {
+	asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+	             : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+	             : "r"(smem_u32(base) + off));
+}
+DK_DEV void ldsm_x4_t(u32 r[4], const void *base, u32 off) {
+	asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+	             : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+	             : "r"(smem_u32(base) + off));
+}
+DK_DEV float fast_exp2(float x) {
+	float r;
+	asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+	return r;
+}
+#endif

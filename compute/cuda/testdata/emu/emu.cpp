@@ -195,6 +195,136 @@ void emu_mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]) {
 	for (int e = 0; e < 4; e++) d[e] = out[e];
 }
 
+// ---------------------------------------------------------------- cp.async, ldmatrix
+
+static bool in_alloc(u64 p, size_t n);
+
+// kernel_fault records a kernel's bad access (the first of the block; the
+// access itself is skipped); the launch fails when the block ends.
+static void kernel_fault(const std::string &msg) {
+	if (g_fault.empty()) g_fault = msg;
+}
+
+static bool in_dyn_smem(const void *p, size_t n) {
+	const unsigned char *b = g_dyn.data(), *q = (const unsigned char *)p;
+	return g_dyn.size() >= 16 && q >= b && q + n <= b + (g_dyn.size() - 16);
+}
+
+// cp.async copies land at once (fibers switch only at barriers and warp
+// collectives, so no other thread can tell, and a copy into a buffer that
+// a slower warp still reads, a missing barrier, corrupts it as on the
+// GPU). What the GPU leaves undefined until the issuing thread's wait, the
+// emulator checks instead: every 4-byte granule of shared memory counts the
+// copies into it not yet waited for, and ldmatrix faults on a row with any.
+// Each thread keeps its copies by group, open first, for its waits.
+struct CpCopy {
+	u32 granule, n; // shared memory granules [granule, granule+n)
+};
+struct CpQueue {
+	std::vector<CpCopy> open;
+	std::vector<std::vector<CpCopy>> groups;
+};
+static std::vector<CpQueue> g_cp;     // by thread of the running block
+static std::vector<u16> g_cp_pending; // by granule of the dynamic shared memory
+
+void emu_cp_async(void *dst, const void *src, int n, bool valid) {
+	unsigned tid = g_fib[g_cur].tid;
+	char buf[200];
+	if (((uintptr_t)dst | (uintptr_t)src) % (uintptr_t)n != 0) {
+		snprintf(buf, sizeof buf, "thread %u: cp.async of %d bytes from %p to %p: misaligned", tid, n, src, dst);
+		return kernel_fault(buf);
+	}
+	if (!in_dyn_smem(dst, n)) {
+		snprintf(buf, sizeof buf, "thread %u: cp.async of %d bytes to %p: not inside the block's dynamic shared memory", tid, n, dst);
+		return kernel_fault(buf);
+	}
+	if (valid && !in_alloc((u64)src, n)) {
+		snprintf(buf, sizeof buf, "thread %u: cp.async of %d bytes from %p: not inside one allocation", tid, n, src);
+		return kernel_fault(buf);
+	}
+	if (valid) memcpy(dst, src, n);
+	else memset(dst, 0, n);
+	u32 g = (u32)(((unsigned char *)dst - g_dyn.data()) / 4);
+	for (int i = 0; i < n / 4; i++) g_cp_pending[g + i]++;
+	g_cp[tid].open.push_back({g, (u32)n / 4});
+}
+
+void emu_cp_async_commit() {
+	CpQueue &q = g_cp[g_fib[g_cur].tid];
+	q.groups.push_back(std::move(q.open));
+	q.open.clear();
+}
+
+void emu_cp_async_wait(int n) {
+	CpQueue &q = g_cp[g_fib[g_cur].tid];
+	size_t done = q.groups.size() > (size_t)n ? q.groups.size() - (size_t)n : 0;
+	for (size_t i = 0; i < done; i++)
+		for (const CpCopy &c : q.groups[i])
+			for (u32 k = 0; k < c.n; k++) g_cp_pending[c.granule + k]--;
+	q.groups.erase(q.groups.begin(), q.groups.begin() + done);
+}
+
+// cp_async_reset prepares the bookkeeping for a block of nt threads.
+static void cp_async_reset(unsigned nt) {
+	g_cp.assign(nt, CpQueue{});
+	g_cp_pending.assign(g_dyn.size() / 4, 0);
+}
+
+// cp_async_pending: a copy that its thread never waited for (an error: the
+// kernel cannot have used it correctly), or "".
+static std::string cp_async_pending() {
+	for (size_t t = 0; t < g_cp.size(); t++) {
+		size_t n = g_cp[t].open.size();
+		for (auto &g : g_cp[t].groups) n += g.size();
+		if (n) return "thread " + std::to_string(t) + " exited with " + std::to_string(n) + " cp.async copies it never waited for";
+	}
+	return "";
+}
+
+// ldmatrix.m8n8.b16 (.x1/.x2/.x4, .trans): lane l < 8n gives the address
+// of row l%8 of matrix l/8; register i of lane (g, t) is row g, columns
+// 2t..2t+1 of matrix i, or with trans column g, rows 2t..2t+1 (the low
+// half the lower column or row).
+void emu_ldmatrix(u32 *r, int n, const void *row, bool trans) {
+	unsigned tid = g_fib[g_cur].tid, w = tid / 32, lane = tid % 32;
+	const u16 *mine = (const u16 *)row;
+	if ((int)lane < 8 * n) {
+		const char *bad = nullptr;
+		if ((uintptr_t)row % 16 != 0) bad = "not 16-byte aligned";
+		else if (!in_dyn_smem(row, 16)) bad = "not inside the block's dynamic shared memory";
+		else {
+			size_t g = ((const unsigned char *)row - g_dyn.data()) / 4;
+			for (size_t i = g; i < g + 4 && i < g_cp_pending.size(); i++)
+				if (g_cp_pending[i]) bad = "copied there by a cp.async not yet waited for";
+		}
+		if (bad) {
+			char buf[200];
+			snprintf(buf, sizeof buf, "thread %u: ldmatrix row address %p: %s", tid, row, bad);
+			kernel_fault(buf);
+			mine = nullptr;
+		}
+	}
+	memcpy(g_slots[w][lane], &mine, sizeof mine);
+	__syncwarp();
+	int g = lane / 4, t = lane % 4;
+	for (int i = 0; i < n; i++) {
+		const u16 *lo, *hi;
+		int clo, chi;
+		if (trans) {
+			memcpy(&lo, g_slots[w][8 * i + 2 * t], sizeof lo);
+			memcpy(&hi, g_slots[w][8 * i + 2 * t + 1], sizeof hi);
+			clo = chi = g;
+		} else {
+			memcpy(&lo, g_slots[w][8 * i + g], sizeof lo);
+			hi = lo;
+			clo = 2 * t;
+			chi = 2 * t + 1;
+		}
+		r[i] = lo && hi ? (u32)lo[clo] | (u32)hi[chi] << 16 : 0xffffffffu;
+	}
+	__syncwarp();
+}
+
 static std::string state_name(State s) {
 	switch (s) {
 	case READY: return "running";
@@ -523,7 +653,8 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
 				blockIdx = {x, y, z};
 				g_dyn.assign(smem + 16, 0xff); // poisoned: shared memory starts undefined
 				g_fault.clear();
-				if (!run_block(nt)) {
+				cp_async_reset(nt);
+				if (!run_block(nt) || !g_fault.empty() || !(g_fault = cp_async_pending()).empty()) {
 					snprintf(buf, sizeof buf, "%s: block (%u,%u,%u): ", k->name.c_str(), x, y, z);
 					return fail(E_LAUNCH_FAILED, buf + g_fault);
 				}

@@ -35,6 +35,17 @@ void *emu_dyn_smem();
 // emu_cudnn.cpp, checks every device tensor's extent with it).
 bool emu_range_ok(u64 p, size_t n, char *why, size_t whylen);
 void emu_mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]);
+// cp.async (prelude.cuh: cp_async16, cp_async4): n bytes from global src
+// to dynamic shared dst, zeros when !valid, copied at once but counted as
+// pending in the thread's open group until a wait(n) has retired every
+// group of the thread but the n newest (commit closes the open group).
+// ldmatrix (ldsm_x4, ldsm_x4_t): a warp collective loading n 8x8 BF16
+// matrices, each lane giving one row's address; a row still pending from a
+// cp.async is a fault.
+void emu_cp_async(void *dst, const void *src, int n, bool valid);
+void emu_cp_async_commit();
+void emu_cp_async_wait(int n);
+void emu_ldmatrix(u32 *r, int n, const void *row, bool trans);
 
 template <class T> T __shfl_xor_sync(unsigned, T v, int m) {
 	T r;
