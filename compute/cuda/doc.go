@@ -93,10 +93,16 @@
 //     (float64 cos and sin of the fp32 angle pos·inv_freq, llama3 scaling
 //     included) and uploads once per batch.
 //   - Attention: packed varlen causal GQA, flash-style (online softmax,
-//     memory linear in tokens). head_dim 64 and 128 run on tensor cores
-//     (mma.sync m16n8k16, BF16 Q, K, V and P, fp32 accumulators); other
-//     head dims on an fp32 kernel. Both save each query row's log-sum-exp
-//     on request (fp32).
+//     memory linear in tokens). The own kernels: head_dim 64 and 128 on
+//     tensor cores, FlashAttention 2's way (k_attn_mma64/128): BF16 copies
+//     of q, k and v made once per call; 128-query tiles on 8 warps (16
+//     rows a warp, Q held in registers); K and V in 64-key steps,
+//     double-buffered in shared memory by cp.async, fragments by ldmatrix
+//     (its transposing form for V); mma.sync m16n8k16 with BF16 Q, K, V
+//     and P, fp32 accumulators, the online softmax in registers in base 2;
+//     steps wholly after a warp's rows skipped, only the diagonal masked.
+//     Other head dims on an fp32 kernel. Both save each query row's
+//     log-sum-exp on request (fp32, natural log).
 //   - SwiGLU, residual add, embedding: fp32.
 //   - MoE (and MoEForward, which keeps what the backward needs): router
 //     GEMM in fp32 (a discrete choice: BF16 logits would flip near-ties),
@@ -135,12 +141,18 @@
 //     to dx in ascending expert order (k_moe_dx). Straight-through under
 //     QAD. The host reads the E+1 saved offsets to size the GEMMs.
 //   - AttentionBackward: flash-style, the probabilities recomputed from the
-//     forward's log-sum-exp. head_dim 64 and 128 on tensor cores
-//     (FlashAttention 2's backward, mma.sync with BF16 Q, K, V, dout, P and
-//     dS, fp32 accumulators): O recomputed by the forward kernel for
-//     D = dout·O (the contract passes no O), then k_attn_bwd_dq_mma (a
-//     block per 64 queries) and k_attn_bwd_dkv_mma (a block per 64 keys,
-//     over the group's heads). Other head dims on fp32 SIMT kernels
+//     forward's log-sum-exp. The own kernels: head_dim 64 and 128 on tensor
+//     cores (FlashAttention 2's backward with the forward's machinery: BF16
+//     copies of q, k, v and dout made once per call, cp.async double
+//     buffering, ldmatrix, mma.sync with BF16 P and dS, fp32
+//     accumulators): D = dout·out from the forward's output (k_attn_dsum,
+//     fp32; O recomputed by the forward kernel only where a caller passes
+//     none), then k_attn_bwd_dq_mma (a block per 128 queries and head,
+//     64-key steps) and k_attn_bwd_dkv_mma (a block per 128 keys and kv
+//     head, the group's heads in 64-query steps from the diagonal on).
+//     FlashAttention 2 adds dq from the dkv kernel with atomics; here dq
+//     has its own kernel, which recomputes S and dP (7 products the size
+//     of Q·Kᵀ against its 5). Other head dims on fp32 SIMT kernels
 //     (k_attn_bwd_dq, k_attn_bwd_dkv). Each kernel is the sole writer of
 //     its rows: no atomics.
 //   - LossHeadForward/Backward: the vocabulary in tiles of the counted rows
@@ -171,8 +183,8 @@
 //
 // Performance notes, to be measured by the GPU suite: the BF16 copies of
 // parameter views are made per GEMM call (not cached: the parameters change
-// every step); the tensor-core attention backward uses mma.sync, not
-// Hopper's wgmma/TMA, and recomputes O once for D.
+// every step); the own tensor-core attention kernels use mma.sync, not
+// Hopper's wgmma/TMA, and their backward recomputes S and dP for dq.
 //
 // # Testing without a GPU
 //

@@ -211,8 +211,14 @@ func (b *Backend) attention(mode attnMode, outT, lseT, qT, kT, vT, startsT compu
 		b.launchKernel(attn, dptr(out.p), lp, dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
 	} else {
-		b.launchKernel(attn, dptr(out.p), lp, dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
+		// The tensor-core kernel reads BF16 operands: one rounding of each
+		// input per call (the kernel's blocks then share it).
+		qb, kb, vb := b.bf16Copy(q.p, tokens*nHead*hd), b.bf16Copy(k.p, tokens*nKV*hd), b.bf16Copy(v.p, tokens*nKV*hd)
+		b.launchKernel(attn, dptr(out.p), lp, dptr(qb), dptr(kb), dptr(vb), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), scale)
+		for _, c := range []uint64{qb, kb, vb} {
+			b.free(c)
+		}
 	}
 	b.free(tiles)
 }

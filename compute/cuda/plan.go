@@ -50,8 +50,21 @@ func ropeLaunch(tokens, heads, hd int) (launch, error) {
 // Attention kernels (attention.cu).
 const (
 	simtBQ = 16 // SIMT_BQ
-	mmaBQ  = 64 // MMA_BQ
+	// The tensor-core kernels (FlashAttention 2's way): mmaBQ rows (queries,
+	// or keys for the dkv kernel) a block of mmaThreads threads (FA_ROWS,
+	// FA_THREADS), the forward's key steps mmaFwdBK (FA_BK), dq's key steps
+	// mmaDqBK (FA_DQ_BK), dkv's query steps mmaDkvBQ (FA_DKV_BQ).
+	mmaBQ      = 128
+	mmaThreads = 256
+	mmaFwdBK   = 64
+	mmaDqBK    = 64
+	mmaDkvBQ   = 64
 )
+
+// mmaFwdSmem is the forward kernel's dynamic shared memory for head_dim hd:
+// two stages of a K and a V tile, BF16 rows padded to hd+8 (the Q tile is
+// staged in the second stage).
+func mmaFwdSmem(hd int) int { return 4 * mmaFwdBK * (hd + 8) * 2 }
 
 // attnMode picks the attention kernel: "mma" (tensor cores, head_dim 64 or
 // 128), "simt" (fp32, head_dim <= 256), or "auto" (mma when it applies).
@@ -68,12 +81,10 @@ func attentionLaunch(mode attnMode, tokens, nSeq, nHead, nKV, hd int) (plan, att
 	case nSeq <= 0 || tokens < nSeq:
 		return plan, attn, fmt.Errorf("cuda: attention over %d samples of %d tokens: want 1 <= samples <= tokens", nSeq, tokens)
 	}
-	kernel, bq := "", 0
+	kernel, bq, threads, smem := "", 0, 128, 0
 	switch {
-	case mode != "simt" && hd == 64:
-		kernel, bq = "k_attn_mma64", mmaBQ
-	case mode != "simt" && hd == 128:
-		kernel, bq = "k_attn_mma128", mmaBQ
+	case mode != "simt" && (hd == 64 || hd == 128):
+		kernel, bq, threads, smem = fmt.Sprintf("k_attn_mma%d", hd), mmaBQ, mmaThreads, mmaFwdSmem(hd)
 	case mode == "mma":
 		return plan, attn, fmt.Errorf("cuda: the tensor-core attention kernel needs head_dim 64 or 128, not %d", hd)
 	case hd <= 256 && hd > 0:
@@ -83,7 +94,7 @@ func attentionLaunch(mode attnMode, tokens, nSeq, nHead, nKV, hd int) (plan, att
 	}
 	tiles := (tokens + nSeq*(bq-1)) / bq
 	plan = launch{kernel: "k_attn_plan", grid: [3]int{1, 1, 1}, block: 1024}
-	attn = launch{kernel: kernel, grid: [3]int{tiles, nHead, 1}, block: 128}
+	attn = launch{kernel: kernel, grid: [3]int{tiles, nHead, 1}, block: threads, smem: smem}
 	return plan, attn, nil
 }
 
@@ -165,12 +176,13 @@ func moeScratchBytes(tokens, hidden, inter, experts, K int) int64 {
 }
 
 // The attention backward's tiles (attention.cu: BWD_BQ queries or keys a
-// block of the SIMT kernels; the tensor-core ones use MMA_BQ = 64).
+// block of the SIMT kernels; the tensor-core ones use mmaBQ).
 const bwdBQ = 16
 
 // attnBwdPlan is the geometry of one AttentionBackward: the plan kernel's
 // tile size bq, and either the SIMT pair (dq, dkv) or the tensor-core
-// chain (fwd recomputes O for D, dsum, dq, dkv).
+// chain (dsum: D from the forward's output, or from O recomputed by fwd
+// when there is none; dq; dkv).
 type attnBwdPlan struct {
 	bq              int
 	mma             bool
@@ -179,18 +191,21 @@ type attnBwdPlan struct {
 }
 
 // mmaBwdSmem is the dynamic shared memory of k_attn_bwd_dq_mma and
-// k_attn_bwd_dkv_mma for head_dim hd (BF16 tiles of 64 rows padded by 8,
-// transposes of hd rows of 72, and the dkv kernel's 64 lse and D floats).
+// k_attn_bwd_dkv_mma for head_dim hd, BF16 rows padded to hd+8: dq's Q and
+// dO tiles (mmaBQ rows each) and two stages of a K and a V tile (mmaDqBK
+// rows each); dkv's K and V tiles (mmaBQ rows each) and two stages of a Q
+// and a dO tile (mmaDkvBQ rows each) and of mmaDkvBQ lse and D floats.
 func mmaBwdSmem(hd int) (dq, dkv int) {
-	tile, tr := 64*(hd+8)*2, hd*72*2
-	return 2*tile + tr, 4*tile + 2*tr + 2*64*4
+	row := (hd + 8) * 2
+	return (2*mmaBQ + 4*mmaDqBK) * row, (2*mmaBQ+4*mmaDkvBQ)*row + 4*mmaDkvBQ*4
 }
 
 // attentionBackwardLaunch plans AttentionBackward for nSeq packed samples
 // of tokens tokens: the tensor-core kernels for head_dim 64 and 128 (unless
 // mode is "simt"), else the fp32 SIMT kernels (head_dim <= 256), each over
 // (tiles, heads) with grid.x the upper bound on the tiles as in
-// attentionLaunch, 128 threads a block.
+// attentionLaunch: 128 threads a block for the SIMT kernels, mmaThreads
+// for the tensor-core ones (whose dkv grid's tiles are of keys).
 func attentionBackwardLaunch(mode attnMode, tokens, nSeq, nHead, nKV, hd int) (attnBwdPlan, error) {
 	var p attnBwdPlan
 	switch {
@@ -215,19 +230,20 @@ func attentionBackwardLaunch(mode attnMode, tokens, nSeq, nHead, nKV, hd int) (a
 	p.bq = mmaBQ
 	tiles := (tokens + nSeq*(mmaBQ-1)) / mmaBQ
 	dqSmem, dkvSmem := mmaBwdSmem(hd)
-	p.fwd = launch{kernel: fmt.Sprintf("k_attn_mma%d", hd), grid: [3]int{tiles, nHead, 1}, block: 128}
+	p.fwd = launch{kernel: fmt.Sprintf("k_attn_mma%d", hd), grid: [3]int{tiles, nHead, 1}, block: mmaThreads, smem: mmaFwdSmem(hd)}
 	p.dsum = launch{kernel: "k_attn_dsum", grid: [3]int{(tokens*nHead + 7) / 8, 1, 1}, block: 256}
-	p.dq = launch{kernel: fmt.Sprintf("k_attn_bwd_dq_mma%d", hd), grid: [3]int{tiles, nHead, 1}, block: 128, smem: dqSmem}
-	p.dkv = launch{kernel: fmt.Sprintf("k_attn_bwd_dkv_mma%d", hd), grid: [3]int{tiles, nKV, 1}, block: 128, smem: dkvSmem}
+	p.dq = launch{kernel: fmt.Sprintf("k_attn_bwd_dq_mma%d", hd), grid: [3]int{tiles, nHead, 1}, block: mmaThreads, smem: dqSmem}
+	p.dkv = launch{kernel: fmt.Sprintf("k_attn_bwd_dkv_mma%d", hd), grid: [3]int{tiles, nKV, 1}, block: mmaThreads, smem: dkvSmem}
 	return p, nil
 }
 
 // ForwardScratchBytes implements compute.DeviceMemory: the most device
 // memory one kernel call of a forward of shape s allocates beside its
 // inputs and outputs (each call frees its scratch before the next one
-// allocates): a MatMul's BF16 rounding of its widest input, the attention
-// tile list, the LM head's tiles and statistics, a MoE layer's grouping
-// and expert activations. Copies of weights the backend keeps after their
+// allocates): a MatMul's BF16 rounding of its widest input, the own
+// attention kernels' BF16 copies of q, k and v and their tile list, the LM
+// head's tiles and statistics, a MoE layer's grouping and expert
+// activations. Copies of weights the backend keeps after their
 // first use (BF16 copies of F32 GEMM weights, F32 copies of BF16 routers)
 // are not scratch: a caller measures them after a first small forward.
 func (b *Backend) ForwardScratchBytes(s compute.ForwardShape) int64 { return forwardScratchBytes(s) }
@@ -235,7 +251,11 @@ func (b *Backend) ForwardScratchBytes(s compute.ForwardShape) int64 { return for
 func forwardScratchBytes(s compute.ForwardShape) int64 {
 	n := int64(s.Tokens)
 	widest := int64(max(s.Hidden, s.Heads*s.HeadDim, s.Intermediate))
-	need := max(2*n*widest, 4*(n+1))
+	kv := int64(s.KVHeads)
+	if kv <= 0 {
+		kv = int64(s.Heads)
+	}
+	need := max(2*n*widest, 2*n*(int64(s.Heads)+2*kv)*int64(s.HeadDim)+4*(n+1))
 	if p, err := planLMHead(s.Tokens, s.Hidden, s.Vocab, max(1, s.K)); err == nil {
 		need = max(need, p.scratch)
 	}

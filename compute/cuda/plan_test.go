@@ -1,6 +1,8 @@
 package cuda
 
 import (
+	"fmt"
+	"math"
 	"math/rand/v2"
 	"strings"
 	"testing"
@@ -53,8 +55,12 @@ func TestAttentionLaunch(t *testing.T) {
 		kernel string
 	}{{"", 64, "k_attn_mma64"}, {"auto", 128, "k_attn_mma128"}, {"", 80, "k_attn_simt"}, {"simt", 128, "k_attn_simt"}, {"", 256, "k_attn_simt"}} {
 		_, a, err := attentionLaunch(c.mode, 100, 3, 8, 2, c.hd)
-		if err != nil || a.kernel != c.kernel || a.grid[1] != 8 || a.block != 128 {
-			t.Errorf("mode %q hd %d: %+v %v, want %s", c.mode, c.hd, a, err, c.kernel)
+		block, smem := 128, 0
+		if c.kernel != "k_attn_simt" {
+			block, smem = mmaThreads, mmaFwdSmem(c.hd)
+		}
+		if err != nil || a.kernel != c.kernel || a.grid[1] != 8 || a.block != block || a.smem != smem {
+			t.Errorf("mode %q hd %d: %+v %v, want %s, %d threads, %d bytes of shared memory", c.mode, c.hd, a, err, c.kernel, block, smem)
 		}
 	}
 	for _, c := range []struct {
@@ -80,6 +86,106 @@ func TestAttentionLaunch(t *testing.T) {
 		_, a, err := attentionLaunch("", tokens, nSeq, 4, 4, 64)
 		if err != nil || a.grid[0] < tiles || a.grid[0] >= tiles+nSeq {
 			t.Fatalf("%d samples, %d tokens, %d tiles: grid %d (%v)", nSeq, tokens, tiles, a.grid[0], err)
+		}
+	}
+}
+
+// TestAttentionBackwardLaunch: the tensor-core chain for head_dim 64 and
+// 128 (dq over query tiles and heads, dkv over key tiles and kv heads, one
+// tile size for both), the SIMT pair otherwise; the tensor-core kernels'
+// shared memory fits an A100's opt-in limit (163 KiB; an H100 allows 227).
+func TestAttentionBackwardLaunch(t *testing.T) {
+	for _, c := range []struct {
+		mode attnMode
+		hd   int
+		mma  bool
+	}{{"", 64, true}, {"mma", 128, true}, {"simt", 64, false}, {"", 80, false}, {"auto", 256, false}} {
+		p, err := attentionBackwardLaunch(c.mode, 1000, 3, 8, 2, c.hd)
+		tiles := (1000 + 3*(p.bq-1)) / p.bq
+		switch {
+		case err != nil:
+			t.Errorf("%+v: %v", c, err)
+		case p.mma != c.mma:
+			t.Errorf("%+v: mma %v", c, p.mma)
+		case c.mma && (p.bq != mmaBQ || p.dq.kernel != fmt.Sprintf("k_attn_bwd_dq_mma%d", c.hd) || p.dkv.kernel != fmt.Sprintf("k_attn_bwd_dkv_mma%d", c.hd) ||
+			p.fwd.kernel != fmt.Sprintf("k_attn_mma%d", c.hd) || p.fwd.smem != mmaFwdSmem(c.hd)):
+			t.Errorf("%+v: %+v", c, p)
+		case c.mma && (p.dq.block != mmaThreads || p.dkv.block != mmaThreads || p.fwd.block != mmaThreads):
+			t.Errorf("%+v: blocks of %d, %d, %d threads, want %d", c, p.fwd.block, p.dq.block, p.dkv.block, mmaThreads)
+		case c.mma && (p.dq.smem > 166912 || p.dkv.smem > 166912 || p.fwd.smem > 166912):
+			t.Errorf("%+v: %d, %d and %d bytes of shared memory exceed an A100's 166912", c, p.fwd.smem, p.dq.smem, p.dkv.smem)
+		case !c.mma && (p.bq != bwdBQ || p.dq.kernel != "k_attn_bwd_dq" || p.dkv.kernel != "k_attn_bwd_dkv" || p.dq.block != 128):
+			t.Errorf("%+v: %+v", c, p)
+		case p.dq.grid != [3]int{tiles, 8, 1} || p.dkv.grid != [3]int{tiles, 2, 1}:
+			t.Errorf("%+v: grids %v and %v, want %d tiles by 8 heads and by 2 kv heads", c, p.dq.grid, p.dkv.grid, tiles)
+		}
+	}
+	if dq, dkv := mmaBwdSmem(128); dq != (2*128+4*mmaDqBK)*136*2 || dkv != (2*128+4*mmaDkvBQ)*136*2+4*mmaDkvBQ*4 {
+		t.Errorf("mmaBwdSmem(128) = %d, %d", dq, dkv)
+	}
+	if _, err := attentionBackwardLaunch("mma", 10, 1, 4, 4, 80); err == nil || !strings.Contains(err.Error(), "64 or 128") {
+		t.Errorf("mma with head_dim 80: %v", err)
+	}
+}
+
+// TestAttentionMMASteps runs the tensor-core kernels on samples long enough
+// for three and more steps of every kernel's double-buffered pipeline
+// (128-row tiles; steps of 64 keys in the forward and dq, of 64 queries
+// per head in dkv), which the conformance tests' shorter emulator samples
+// reach only partly: the forward and its lse, the backward with the
+// forward's output (run twice: the same bits) and without it (O
+// recomputed), against the CPU on the same BF16-rounded inputs, with the
+// conformance tests' tolerances (TestAttentionConformance,
+// TestAttentionBackwardConformance).
+func TestAttentionMMASteps(t *testing.T) {
+	be := testBackend(t)
+	be.attn = "mma"
+	defer func() { be.attn = "" }()
+	r := rand.New(rand.NewPCG(61, 62))
+	ac := newAttnCase(r, []int{300, 1, 129, 200}, 4, 2, 64)
+	got, gotL := ac.run(be, ac.q, ac.k, ac.v)
+	qr, _ := roundBF16(ac.q)
+	kr, _ := roundBF16(ac.k)
+	vr, _ := roundBF16(ac.v)
+	want, wantL := ac.run(oracle, qr, kr, vr)
+	closeTo(t, "attention mma vs cpu(bf16 q,k,v)", got, want, 8e-3, 2e-2)
+	closeTo(t, "attention mma lse vs cpu(bf16 q,k)", gotL, wantL, 1e-4, 1e-5)
+
+	nq, nk := ac.tokens*ac.nHead*ac.hd, ac.tokens*ac.nKV*ac.hd
+	dout := randF32(r, nq)
+	dr, _ := roundBF16(dout)
+	scale := float32(1 / math.Sqrt(float64(ac.hd)))
+	o, lse := ac.run(oracle, ac.q, ac.k, ac.v)
+	back := func(be compute.Backend, q, k, v, dout, o []float32) (dq, dk, dv []float32) {
+		gq, gk, gv := be.New(compute.F32, nq), be.New(compute.F32, nk), be.New(compute.F32, nk)
+		for _, x := range []compute.Tensor{gq, gk, gv} {
+			be.Zero(x)
+		}
+		var ot compute.Tensor
+		if o != nil {
+			ot = be.FromF32(o)
+		}
+		be.AttentionBackward(gq, gk, gv, be.FromF32(dout), be.FromF32(q), be.FromF32(k), be.FromF32(v), ot, be.FromF32(lse),
+			be.FromI32(ac.starts), len(ac.lens), ac.maxLen, ac.tokens, ac.nHead, ac.nKV, ac.hd, scale)
+		return readF32(be, gq, nq), readF32(be, gk, nk), readF32(be, gv, nk)
+	}
+	wq, wk, wv := back(oracle, qr, kr, vr, dr, o)
+	atol, rtol := 2e-2*math.Sqrt(float64(ac.maxLen)/65), 2e-2
+	for _, withO := range []bool{true, false} {
+		oo := o
+		if !withO {
+			oo = nil
+		}
+		gq, gk, gv := back(be, ac.q, ac.k, ac.v, dout, oo)
+		what := fmt.Sprintf("backward (forward's output %v)", withO)
+		closeTo(t, what+" dq", gq, wq, atol, rtol)
+		closeTo(t, what+" dk", gk, wk, atol, rtol)
+		closeTo(t, what+" dv", gv, wv, atol, rtol)
+		if withO {
+			gq2, gk2, gv2 := back(be, ac.q, ac.k, ac.v, dout, oo)
+			same(t, "dq", gq, gq2)
+			same(t, "dk", gk, gk2)
+			same(t, "dv", gv, gv2)
 		}
 	}
 }

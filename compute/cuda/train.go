@@ -290,19 +290,26 @@ func (b *Backend) attentionBackward(mode attnMode, dqT, dkT, dvT, doutT, qT, kT,
 		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
 	} else {
+		// BF16 operands, rounded once per call; D from the forward's output
+		// (F32), or from O recomputed when the caller passed none.
+		nq, nk := tokens*nHead*hd, tokens*nKV*hd
+		qb, kb, vb, db := b.bf16Copy(q.p, nq), b.bf16Copy(k.p, nk), b.bf16Copy(v.p, nk), b.bf16Copy(dout.p, nq)
 		if out != nil {
 			b.launchKernel(p.dsum, dptr(dsum), dptr(dout.p), dptr(out.p), int64(tokens)*int64(nHead), int32(hd))
 		} else {
-			o := b.alloc(int64(tokens) * int64(nHead) * int64(hd) * 4)
-			b.launchKernel(p.fwd, dptr(o), dptr(0), dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
+			o := b.alloc(int64(nq) * 4)
+			b.launchKernel(p.fwd, dptr(o), dptr(0), dptr(qb), dptr(kb), dptr(vb), dptr(st.p), dptr(tiles),
 				int32(nSeq), int32(nHead), int32(nKV), scale)
 			b.launchKernel(p.dsum, dptr(dsum), dptr(dout.p), dptr(o), int64(tokens)*int64(nHead), int32(hd))
 			b.free(o)
 		}
-		b.launchKernel(p.dq, dptr(dq.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
+		b.launchKernel(p.dq, dptr(dq.p), dptr(db), dptr(qb), dptr(kb), dptr(vb), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), scale)
-		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
+		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(db), dptr(qb), dptr(kb), dptr(vb), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), scale)
+		for _, c := range []uint64{qb, kb, vb, db} {
+			b.free(c)
+		}
 	}
 	b.free(tiles)
 	b.free(dsum)

@@ -126,170 +126,278 @@ DK_KERNEL __launch_bounds__(128) void k_attn_simt(float *__restrict__ out, float
 	}
 }
 
-// --- The tensor-core kernel: head_dim HD in {64, 128}, BQ = 64 queries a
-// block (4 warps x 16 rows), BK = 64 keys a step. Q·Kᵀ and P·V run on
-// mma.sync m16n8k16 with BF16 operands and FP32 accumulators (FlashAttention
-// 2's register layout: the S accumulators of two 8-key tiles are the A
-// fragment of P for 16 keys). Q stays in registers as A fragments, read
-// straight from global memory; K and V tiles are rounded to BF16 into
-// shared memory, V transposed so that its B fragments are 32-bit loads.
-// Rows are padded by 8 BF16 (16 bytes) against bank conflicts.
+// --- The tensor-core kernels, FlashAttention 2's way (Dao, 2023), for
+// head_dim HD in {64, 128}; the forward here, the backward at the end of
+// the file. What they share:
+//
+//   - BF16 operands: q, k, v (and the backward's dout) are BF16 copies the
+//     host makes once per call (k_f32_to_bf16), same layouts as the F32
+//     tensors; nothing is rounded per block. Products run on mma.sync
+//     m16n8k16 (BF16 in, fp32 accumulators, prelude.cuh).
+//   - 256 threads (8 warps) a block, FA_ROWS = 128 rows a block: query rows
+//     (forward, dq) or key rows (dkv), 16 a warp, each warp the m16 of its
+//     products, so a row's softmax statistics stay in the registers of the
+//     4 lanes that hold it.
+//   - Tiles in dynamic shared memory, rows padded to HD+8 BF16 (the 8 row
+//     addresses of an ldmatrix phase then fall 16 bytes apart, in distinct
+//     bank groups: no conflicts), filled by cp.async (16 bytes a copy, rows
+//     past the sample's end zero-filled, not read) and double
+//     buffered: the copies of step j+1 are in flight while step j computes,
+//     with a barrier after each step before its buffer is refilled.
+//   - Fragments from shared memory by ldmatrix (ldsm_a, ldsm_b2, ldsm_bt2);
+//     the transposing form serves operands stored the other way round (V
+//     in P·V, K in dS·K, Q and dO in the dkv kernel), so no tile is ever
+//     transposed. An accumulator pair of 8-column tiles is the A fragment
+//     of the next product over those 16 columns (acc_a), as in
+//     FlashAttention 2: P and dS never leave the registers.
+//   - Causal: tiles wholly in a warp's future are skipped (by the warp; the
+//     block's copies go on), and only the tile that holds a warp's diagonal
+//     is masked (16 | 64, so there is one a warp).
+//   - Softmax in base 2 (ex2 of scores prescaled by scale·log₂e, as
+//     FlashAttention); the log-sum-exp is saved in natural log.
+//
+// Blocks map to tiles through k_attn_plan with tile size FA_ROWS, over a
+// grid of (tiles, heads) taken head-fastest (fa_block): the heads of a tile
+// run side by side (a GQA group's share K and V in L2), and each sample's
+// tiles in the order of decreasing work, which shortens the grid's tail:
+// the forward and dq in reverse (a sample's last query tiles see the most
+// keys), dkv in order (its first key tiles see the most queries).
 
-#define MMA_BQ 64
-#define MMA_BK 64
+#define FA_THREADS 256
+#define FA_ROWS 128
+#define FA_BK 64 // keys a step of the forward
+#define FA_LOG2E 1.4426950408889634f
 
+// A shared tile is named by sm, the block's dynamic shared memory (BF16
+// elements), and t, the element offset of its first row (prelude.cuh:
+// addresses as a base and an offset).
+
+// fa_load copies rows [0, ROWS) of a global BF16 tile (HD columns, row
+// stride ld elements) into the shared tile t (row stride HD+8) with
+// cp.async; rows at or past n are zero-filled and not read. All threads of
+// the block take part.
+template <int ROWS, int HD>
+DK_DEV void fa_load(u16 *sm, int t, const u16 *src, i64 ld, int n) {
+	constexpr int CH = HD / 8; // 16-byte chunks a row
+	for (int i = threadIdx.x; i < ROWS * CH; i += FA_THREADS) {
+		int r = i / CH, c = i % CH;
+		bool ok = r < n;
+		cp_async16(sm, 2 * (t + r * (HD + 8) + c * 8), src + (ok ? r * ld : 0) + c * 8, ok);
+	}
+}
+
+// fa_load_f32 copies src[i·ld] for i < ROWS into the floats at byte offset
+// off of shared memory with cp.async, zeros for i >= n.
+template <int ROWS>
+DK_DEV void fa_load_f32(u16 *sm, int off, const float *src, i64 ld, int n) {
+	for (int i = threadIdx.x; i < ROWS; i += FA_THREADS) cp_async4(sm, off + 4 * i, src + (i < n ? i * ld : 0), i < n);
+}
+
+// ldsm_a loads the A fragment of rows r..r+15, columns c..c+15 of the
+// shared tile t (row stride ld): lanes 0-15 address rows r..r+15 at column
+// c, lanes 16-31 the same rows at c+8 (matrices a[0..3] as prelude.cuh
+// lays them out).
+DK_DEV void ldsm_a(u32 a[4], const u16 *sm, int t, int ld, int r, int c, int lane) {
+	ldsm_x4(a, sm, 2 * (t + (r + (lane & 15)) * ld + c + (lane >> 4) * 8));
+}
+
+// ldsm_b2 loads the B fragments of B[k][n] = t[n][k] (t's rows are the n
+// index: K for Q·Kᵀ) for k in c..c+15, n in n0..n0+7 (b0) and n0+8..n0+15
+// (b1).
+DK_DEV void ldsm_b2(u32 b0[2], u32 b1[2], const u16 *sm, int t, int ld, int n0, int c, int lane) {
+	u32 r[4];
+	ldsm_x4(r, sm, 2 * (t + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + c + ((lane >> 3) & 1) * 8));
+	b0[0] = r[0];
+	b0[1] = r[1];
+	b1[0] = r[2];
+	b1[1] = r[3];
+}
+
+// ldsm_bt2 is ldsm_b2 for B[k][n] = t[k][n] (t's rows are the k index: V
+// for P·V), through ldmatrix's transposing form.
+DK_DEV void ldsm_bt2(u32 b0[2], u32 b1[2], const u16 *sm, int t, int ld, int n0, int c, int lane) {
+	u32 r[4];
+	ldsm_x4_t(r, sm, 2 * (t + (c + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8));
+	b0[0] = r[0];
+	b0[1] = r[1];
+	b1[0] = r[2];
+	b1[1] = r[3];
+}
+
+// acc_a turns the accumulators of 8-column tiles 2kk and 2kk+1 into the A
+// fragment over those 16 columns, rounded to BF16.
+DK_DEV void acc_a(u32 a[4], const float (*acc)[4], int kk) {
+	a[0] = pack_bf16x2(acc[2 * kk][0], acc[2 * kk][1]);
+	a[1] = pack_bf16x2(acc[2 * kk][2], acc[2 * kk][3]);
+	a[2] = pack_bf16x2(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+	a[3] = pack_bf16x2(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+}
+
+// quad_max and quad_sum reduce over the 4 lanes that hold a fragment row.
+DK_DEV float quad_max(float v) {
+	v = fmaxf(v, __shfl_xor_sync(DK_FULL, v, 1));
+	return fmaxf(v, __shfl_xor_sync(DK_FULL, v, 2));
+}
+DK_DEV float quad_sum(float v) {
+	v += __shfl_xor_sync(DK_FULL, v, 1);
+	return v + __shfl_xor_sync(DK_FULL, v, 2);
+}
+
+struct __align__(8) fa_f2 {
+	float x, y;
+};
+
+// fa_block: this block's tile index (in the order of k_attn_plan, reversed
+// when rev) and head, heads fastest over the (tiles, heads) grid.
+DK_DEV void fa_block(bool rev, int *tile, int *head) {
+	int lin = blockIdx.y * gridDim.x + blockIdx.x, t = lin / gridDim.y;
+	*head = lin % gridDim.y;
+	*tile = rev ? gridDim.x - 1 - t : t;
+}
+
+// The forward: a block per (128-query tile, head), 16 queries a warp, keys
+// in steps of FA_BK = 64. Shared memory: two stages of a K and a V tile
+// (FA_BK x HD+8 each); the Q tile (128 rows) is staged once in the second
+// stage's space, read into registers (A fragments, kept for the whole
+// walk), and then overwritten by the prefetch of step 1. Per step and
+// warp: S = Q·Kᵀ (16 x 64), the diagonal step masked, the online softmax
+// (running max m and partial sums l per row, O rescaled), O += P·V.
+// q (tokens, nhead, HD), k and v (tokens, nkv, HD), BF16; out F32.
 template <int HD>
-DK_DEV void attn_mma(float *__restrict__ out, float *__restrict__ lse, const float *__restrict__ q, const float *__restrict__ k,
-                     const float *__restrict__ v, const i32 *__restrict__ starts, const i32 *__restrict__ tile_start, int nseq,
-                     int nhead, int nkv, float scale) {
-	__shared__ __align__(16) u16 ks[MMA_BK][HD + 8];
-	__shared__ __align__(16) u16 vt[HD][MMA_BK + 8];
-	int s, q0;
-	if (!tile_of(tile_start, nseq, blockIdx.x, MMA_BQ, &s, &q0)) return;
-	int h = blockIdx.y, kvh = h / (nhead / nkv);
+DK_DEV void attn_fa_fwd(float *__restrict__ out, float *__restrict__ lse, const u16 *__restrict__ q, const u16 *__restrict__ k,
+                        const u16 *__restrict__ v, const i32 *__restrict__ starts, const i32 *__restrict__ tile_start, int nseq,
+                        int nhead, int nkv, float scale) {
+	constexpr int LD = HD + 8, T = FA_BK * LD; // a K or V tile
+	static_assert(FA_ROWS == 2 * FA_BK, "the Q tile is staged in one stage's K and V tiles");
+	DK_DYN_SMEM(u16, sm); // stage st: K at sm + 2·st·T, V at sm + (2·st+1)·T
+	int s, q0, tile, h;
+	fa_block(true, &tile, &h);
+	if (!tile_of(tile_start, nseq, tile, FA_ROWS, &s, &q0)) return;
+	int kvh = h / (nhead / nkv);
 	int warp = threadIdx.x / DK_WARP, lane = threadIdx.x % DK_WARP;
-	int gr = lane / 4, tq = lane % 4; // the fragment's group (row) and thread-in-group
+	int gr = lane / 4, tq = lane % 4; // the fragment's row group and thread-in-group
 	i64 a = starts[s];
 	int L = starts[s + 1] - starts[s];
 	i64 ldq = (i64)nhead * HD, ldk = (i64)nkv * HD;
-	const float *kb = k + a * ldk + (i64)kvh * HD;
-	const float *vb = v + a * ldk + (i64)kvh * HD;
+	const u16 *kb = k + a * ldk + (i64)kvh * HD, *vb = v + a * ldk + (i64)kvh * HD;
+	int nk = imin(q0 + FA_ROWS, L); // the keys any query of the tile sees
+	int steps = (nk + FA_BK - 1) / FA_BK;
 
-	// This thread's two query rows (local to the sample). Rows past the
-	// sample's end are computed as if they were its last row, and not
-	// stored, so every row has at least one visible key.
-	int r0 = q0 + warp * 16 + gr, r1 = r0 + 8;
-	int c0 = imin(r0, L - 1), c1 = imin(r1, L - 1);
-
+	fa_load<FA_ROWS, HD>(sm, 2 * T, q + (a + q0) * ldq + (i64)h * HD, ldq, L - q0);
+	fa_load<FA_BK, HD>(sm, 0, kb, ldk, nk);
+	fa_load<FA_BK, HD>(sm, T, vb, ldk, nk);
+	cp_async_commit();
+	cp_async_wait<0>();
+	__syncthreads();
 	u32 qa[HD / 16][4];
-	{
-		const float *q0p = q + (a + c0) * ldq + (i64)h * HD;
-		const float *q1p = q + (a + c1) * ldq + (i64)h * HD;
-		for (int kk = 0; kk < HD / 16; kk++) {
-			int d = kk * 16 + 2 * tq;
-			qa[kk][0] = pack_bf16x2(q0p[d], q0p[d + 1]);
-			qa[kk][1] = pack_bf16x2(q1p[d], q1p[d + 1]);
-			qa[kk][2] = pack_bf16x2(q0p[d + 8], q0p[d + 9]);
-			qa[kk][3] = pack_bf16x2(q1p[d + 8], q1p[d + 9]);
-		}
-	}
-	float oacc[HD / 8][4];
+	for (int kk = 0; kk < HD / 16; kk++) ldsm_a(qa[kk], sm, 2 * T, LD, warp * 16, kk * 16, lane);
+	__syncthreads(); // Q is in registers: stage 1 may be refilled
+
+	int wq = q0 + warp * 16;          // the warp's first query
+	int wlast = imin(wq + 15, L - 1); // its last in the sample
+	int r0 = wq + gr, r1 = r0 + 8;    // this thread's two rows
+	const float sl2 = scale * FA_LOG2E;
+	float o[HD / 8][4];
 	for (int nb = 0; nb < HD / 8; nb++)
-		for (int e = 0; e < 4; e++) oacc[nb][e] = 0;
-	float m0 = -DK_INF, m1 = -DK_INF, l0 = 0, l1 = 0; // l: this thread's partial sums
-
-	int nk = imin(q0 + MMA_BQ, L); // keys any row of the tile can see
-	int wlast = imin(q0 + warp * 16 + 15, L - 1); // the warp's last visible row
-	for (int k0 = 0; k0 < nk; k0 += MMA_BK) {
-		__syncthreads(); // the previous tile's readers are done
-		for (int idx = threadIdx.x; idx < MMA_BK * HD; idx += blockDim.x) {
-			int r = idx / HD, c = idx - r * HD;
-			float kv = 0, vv = 0;
-			if (k0 + r < nk) {
-				kv = kb[(i64)(k0 + r) * ldk + c];
-				vv = vb[(i64)(k0 + r) * ldk + c];
+		for (int e = 0; e < 4; e++) o[nb][e] = 0;
+	// m: the rows' running max of the raw scores; l: this thread's partial
+	// sums of exp2((s - m)·sl2), reduced over the quad at the end.
+	float m0 = -DK_INF, m1 = -DK_INF, l0 = 0, l1 = 0;
+	for (int j = 0; j < steps; j++) {
+		int k0 = j * FA_BK;
+		if (j + 1 < steps) {
+			int nx = ((j + 1) & 1) * 2 * T;
+			fa_load<FA_BK, HD>(sm, nx, kb + (i64)(k0 + FA_BK) * ldk, ldk, nk - k0 - FA_BK);
+			fa_load<FA_BK, HD>(sm, nx + T, vb + (i64)(k0 + FA_BK) * ldk, ldk, nk - k0 - FA_BK);
+		}
+		cp_async_commit();
+		cp_async_wait<1>(); // step j's copies (this thread's) have landed
+		__syncthreads();    // and everyone's
+		if (wq < L && k0 <= wlast) {
+			int ks = (j & 1) * 2 * T, vs = ks + T;
+			float sc[FA_BK / 8][4];
+			for (int nt = 0; nt < FA_BK / 8; nt++)
+				for (int e = 0; e < 4; e++) sc[nt][e] = 0;
+			for (int kk = 0; kk < HD / 16; kk++)
+				for (int nt = 0; nt < FA_BK / 8; nt += 2) {
+					u32 b0[2], b1[2];
+					ldsm_b2(b0, b1, sm, ks, LD, nt * 8, kk * 16, lane);
+					mma_bf16_16816(sc[nt], qa[kk], b0);
+					mma_bf16_16816(sc[nt + 1], qa[kk], b1);
+				}
+			if (k0 + FA_BK - 1 > wq) // the warp's diagonal: keys after a row (or past the sample's end) are masked
+				for (int nt = 0; nt < FA_BK / 8; nt++)
+					for (int e = 0; e < 4; e++)
+						if (k0 + nt * 8 + 2 * tq + (e & 1) > (e < 2 ? r0 : r1)) sc[nt][e] = -DK_INF;
+			float mx0 = m0, mx1 = m1;
+			for (int nt = 0; nt < FA_BK / 8; nt++) {
+				mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
+				mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
 			}
-			ks[r][c] = f2bf(kv);
-			vt[c][r] = f2bf(vv);
-		}
-		__syncthreads();
-		if (k0 > wlast) continue; // every key of the tile is in this warp's future
-
-		float sacc[MMA_BK / 8][4];
-		for (int nt = 0; nt < MMA_BK / 8; nt++) {
-			for (int e = 0; e < 4; e++) sacc[nt][e] = 0;
-			for (int kk = 0; kk < HD / 16; kk++) {
-				u32 b[2];
-				b[0] = *(const u32 *)&ks[nt * 8 + gr][kk * 16 + 2 * tq];
-				b[1] = *(const u32 *)&ks[nt * 8 + gr][kk * 16 + 2 * tq + 8];
-				mma_bf16_16816(sacc[nt], qa[kk], b);
-			}
-		}
-		// Scale, mask (causal and the sample's end), row max.
-		float mx0 = -DK_INF, mx1 = -DK_INF;
-		for (int nt = 0; nt < MMA_BK / 8; nt++) {
-			for (int e = 0; e < 4; e++) {
-				int key = k0 + nt * 8 + 2 * tq + (e & 1);
-				int row = e < 2 ? c0 : c1;
-				float sv = key <= row ? sacc[nt][e] * scale : -DK_INF;
-				sacc[nt][e] = sv;
-				if (e < 2) mx0 = fmaxf(mx0, sv);
-				else mx1 = fmaxf(mx1, sv);
-			}
-		}
-		for (int msk = 1; msk < 4; msk <<= 1) {
-			mx0 = fmaxf(mx0, __shfl_xor_sync(DK_FULL, mx0, msk));
-			mx1 = fmaxf(mx1, __shfl_xor_sync(DK_FULL, mx1, msk));
-		}
-		float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-		float cr0 = expf(m0 - mn0), cr1 = expf(m1 - mn1);
-		m0 = mn0;
-		m1 = mn1;
-		l0 *= cr0;
-		l1 *= cr1;
-		for (int nb = 0; nb < HD / 8; nb++) {
-			oacc[nb][0] *= cr0;
-			oacc[nb][1] *= cr0;
-			oacc[nb][2] *= cr1;
-			oacc[nb][3] *= cr1;
-		}
-		for (int nt = 0; nt < MMA_BK / 8; nt++) {
-			for (int e = 0; e < 4; e++) {
-				float p = expf(sacc[nt][e] - (e < 2 ? mn0 : mn1));
-				sacc[nt][e] = p;
-				if (e < 2) l0 += p;
-				else l1 += p;
-			}
-		}
-		// O += P·V, 16 keys at a time.
-		for (int kk = 0; kk < MMA_BK / 16; kk++) {
-			u32 pa[4];
-			pa[0] = pack_bf16x2(sacc[2 * kk][0], sacc[2 * kk][1]);
-			pa[1] = pack_bf16x2(sacc[2 * kk][2], sacc[2 * kk][3]);
-			pa[2] = pack_bf16x2(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
-			pa[3] = pack_bf16x2(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+			// Finite: every row of an active warp sees key k0 (k0 <= wq).
+			mx0 = quad_max(mx0);
+			mx1 = quad_max(mx1);
+			float ms0 = mx0 * sl2, ms1 = mx1 * sl2;
+			float cr0 = fast_exp2(m0 * sl2 - ms0), cr1 = fast_exp2(m1 * sl2 - ms1); // 0 at the first step
+			m0 = mx0;
+			m1 = mx1;
+			l0 *= cr0;
+			l1 *= cr1;
 			for (int nb = 0; nb < HD / 8; nb++) {
-				u32 b[2];
-				b[0] = *(const u32 *)&vt[nb * 8 + gr][kk * 16 + 2 * tq];
-				b[1] = *(const u32 *)&vt[nb * 8 + gr][kk * 16 + 2 * tq + 8];
-				mma_bf16_16816(oacc[nb], pa, b);
+				o[nb][0] *= cr0;
+				o[nb][1] *= cr0;
+				o[nb][2] *= cr1;
+				o[nb][3] *= cr1;
+			}
+			for (int nt = 0; nt < FA_BK / 8; nt++) {
+				sc[nt][0] = fast_exp2(fmaf(sc[nt][0], sl2, -ms0));
+				sc[nt][1] = fast_exp2(fmaf(sc[nt][1], sl2, -ms0));
+				sc[nt][2] = fast_exp2(fmaf(sc[nt][2], sl2, -ms1));
+				sc[nt][3] = fast_exp2(fmaf(sc[nt][3], sl2, -ms1));
+				l0 += sc[nt][0] + sc[nt][1];
+				l1 += sc[nt][2] + sc[nt][3];
+			}
+			for (int kk = 0; kk < FA_BK / 16; kk++) { // O += P·V, 16 keys at a time
+				u32 pa[4];
+				acc_a(pa, sc, kk);
+				for (int nb = 0; nb < HD / 8; nb += 2) {
+					u32 b0[2], b1[2];
+					ldsm_bt2(b0, b1, sm, vs, LD, nb * 8, kk * 16, lane);
+					mma_bf16_16816(o[nb], pa, b0);
+					mma_bf16_16816(o[nb + 1], pa, b1);
+				}
 			}
 		}
+		if (j + 2 < steps) __syncthreads(); // step j+1 refills this stage with step j+2
 	}
-	for (int msk = 1; msk < 4; msk <<= 1) {
-		l0 += __shfl_xor_sync(DK_FULL, l0, msk);
-		l1 += __shfl_xor_sync(DK_FULL, l1, msk);
-	}
+	if (wq >= L) return;
+	l0 = quad_sum(l0);
+	l1 = quad_sum(l1);
 	float i0 = 1.0f / l0, i1 = 1.0f / l1;
-	float *o0 = out + (a + r0) * ldq + (i64)h * HD;
-	float *o1 = out + (a + r1) * ldq + (i64)h * HD;
+	float *o0 = out + (a + r0) * ldq + (i64)h * HD, *o1 = out + (a + r1) * ldq + (i64)h * HD;
 	for (int nb = 0; nb < HD / 8; nb++) {
 		int d = nb * 8 + 2 * tq;
-		if (r0 < L) {
-			o0[d] = oacc[nb][0] * i0;
-			o0[d + 1] = oacc[nb][1] * i0;
-		}
-		if (r1 < L) {
-			o1[d] = oacc[nb][2] * i1;
-			o1[d + 1] = oacc[nb][3] * i1;
-		}
+		if (r0 < L) *(fa_f2 *)(o0 + d) = fa_f2{o[nb][0] * i0, o[nb][1] * i0};
+		if (r1 < L) *(fa_f2 *)(o1 + d) = fa_f2{o[nb][2] * i1, o[nb][3] * i1};
 	}
 	if (lse && tq == 0) {
-		if (r0 < L) lse[(a + r0) * nhead + h] = m0 + logf(l0);
-		if (r1 < L) lse[(a + r1) * nhead + h] = m1 + logf(l1);
+		if (r0 < L) lse[(a + r0) * nhead + h] = m0 * scale + logf(l0);
+		if (r1 < L) lse[(a + r1) * nhead + h] = m1 * scale + logf(l1);
 	}
 }
 
-DK_KERNEL __launch_bounds__(128) void k_attn_mma64(float *out, float *lse, const float *q, const float *k, const float *v,
-                                                   const i32 *starts, const i32 *tile_start, int nseq, int nhead, int nkv,
-                                                   float scale) {
-	attn_mma<64>(out, lse, q, k, v, starts, tile_start, nseq, nhead, nkv, scale);
+// k_attn_mma64, k_attn_mma128: the forward (FA_THREADS threads; dynamic
+// shared memory 4·FA_BK·(HD+8)·2 bytes, plan.go: mmaFwdSmem).
+DK_KERNEL __launch_bounds__(FA_THREADS, 2) void k_attn_mma64(float *out, float *lse, const u16 *q, const u16 *k, const u16 *v,
+                                                             const i32 *starts, const i32 *tile_start, int nseq, int nhead,
+                                                             int nkv, float scale) {
+	attn_fa_fwd<64>(out, lse, q, k, v, starts, tile_start, nseq, nhead, nkv, scale);
 }
 
-DK_KERNEL __launch_bounds__(128) void k_attn_mma128(float *out, float *lse, const float *q, const float *k, const float *v,
-                                                    const i32 *starts, const i32 *tile_start, int nseq, int nhead, int nkv,
-                                                    float scale) {
-	attn_mma<128>(out, lse, q, k, v, starts, tile_start, nseq, nhead, nkv, scale);
+DK_KERNEL __launch_bounds__(FA_THREADS, 1) void k_attn_mma128(float *out, float *lse, const u16 *q, const u16 *k, const u16 *v,
+                                                              const i32 *starts, const i32 *tile_start, int nseq, int nhead,
+                                                              int nkv, float scale) {
+	attn_fa_fwd<128>(out, lse, q, k, v, starts, tile_start, nseq, nhead, nkv, scale);
 }
 
 DK_REGISTER(k_attn_plan)
@@ -461,26 +569,30 @@ DK_REGISTER(k_attn_bwd_dkv)
 
 // ======================================================================
 // The tensor-core backward, head_dim HD in {64, 128}: FlashAttention 2's
-// backward with BF16 mma.sync operands and fp32 accumulators, and no
-// atomics (dq in a pass of its own):
+// backward (the shared ground rules are at the forward's tensor-core
+// kernels above), without its atomics: dq has a kernel of its own, so each
+// kernel is the sole writer of its rows and every sum runs in a fixed order
+// (deterministic). With P = exp(scale·Q·Kᵀ - lse) (the forward's lse),
+// dP = dO·Vᵀ and dS = P∘(dP - D):
 //
-//   k_attn_dsum        D_i = dout_i · O_i, with O recomputed by the
-//                      forward's tensor-core kernel (the contract passes no
-//                      O), one warp per (token, head);
-//   k_attn_bwd_dq_mma  a block per (64-query tile, head), 16 queries a
-//                      warp: for each 64-key tile, S = Q·Kᵀ and dP = dO·Vᵀ
-//                      on tensor cores, P = exp(S·scale - lse),
-//                      dS = P∘(dP - D), dq += scale·dS·K;
-//   k_attn_bwd_dkv_mma a block per (64-key tile, kv head), 16 keys a warp:
-//                      for each of the group's heads and each 64-query tile
-//                      at or after the keys, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ,
-//                      dv += Pᵀ·dO, dk += scale·dSᵀ·Q.
+//   k_attn_dsum        D_i = dout_i · out_i from the forward's output (the
+//                      contract passes it; F32), one warp per (token, head);
+//   k_attn_bwd_dq_mma  a block per (128-query tile, head), 16 queries a
+//                      warp with Q and dO in registers (A fragments); per
+//                      step of BK keys (double-buffered K and V tiles):
+//                      S = Q·Kᵀ, dP = dO·Vᵀ, dS, then dq += scale·dS·K;
+//   k_attn_bwd_dkv_mma a block per (128-key tile, kv head), 16 keys a warp
+//                      with dK and dV accumulated in registers; per step
+//                      one BQ-query tile of one of the group's heads, from
+//                      the diagonal to the sample's end (double-buffered Q,
+//                      dO, lse and D): Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ and dSᵀ,
+//                      dV += Pᵀ·dO, dK += scale·dSᵀ·Q.
 //
-// Fragments as in attn_mma (prelude.cuh): an accumulator pair of 8-column
-// tiles is the A fragment of the next product over those 16 columns. Tiles
-// are BF16 in dynamic shared memory, rows padded by 8 against bank
-// conflicts; transposed copies serve the B operands whose pairs run along
-// the other dimension.
+// In the dkv kernel, queries past a sample's end come in as zero rows of Q
+// and dO with lse and D zero, so their P is 1 and their dP and dS 0: they
+// add nothing, and only the diagonal needs a mask. In dq, such rows are
+// computed alike and not stored; keys past the end are zero rows after
+// every valid query, masked on the diagonal.
 
 // k_attn_dsum: dsum (rows) = Σ_d dout·o over rows = tokens·nhead rows of hd.
 DK_KERNEL void k_attn_dsum(float *__restrict__ dsum, const float *__restrict__ dout, const float *__restrict__ o, i64 rows, int hd) {
@@ -493,250 +605,266 @@ DK_KERNEL void k_attn_dsum(float *__restrict__ dsum, const float *__restrict__ d
 	if (lane == 0) dsum[r] = s;
 }
 
-// ld_a loads the A fragment of rows r..r+15, columns c..c+15 of a row-major
-// BF16 tile with row stride ld.
-DK_DEV void ld_a(u32 a[4], const u16 *t, int ld, int r, int c, int gr, int tq) {
-	a[0] = *(const u32 *)&t[(r + gr) * ld + c + 2 * tq];
-	a[1] = *(const u32 *)&t[(r + gr + 8) * ld + c + 2 * tq];
-	a[2] = *(const u32 *)&t[(r + gr) * ld + c + 2 * tq + 8];
-	a[3] = *(const u32 *)&t[(r + gr + 8) * ld + c + 2 * tq + 8];
-}
-
-// ld_b loads the B fragment of B[k][n] = t[n][k] (t row-major, stride ld)
-// for k in c..c+15, n in n0..n0+7.
-DK_DEV void ld_b(u32 b[2], const u16 *t, int ld, int n0, int c, int gr, int tq) {
-	b[0] = *(const u32 *)&t[(n0 + gr) * ld + c + 2 * tq];
-	b[1] = *(const u32 *)&t[(n0 + gr) * ld + c + 2 * tq + 8];
-}
-
-// acc_a turns the accumulators of 8-column tiles 2kk and 2kk+1 into the A
-// fragment over those 16 columns, rounded to BF16.
-DK_DEV void acc_a(u32 a[4], const float (*acc)[4], int kk) {
-	a[0] = pack_bf16x2(acc[2 * kk][0], acc[2 * kk][1]);
-	a[1] = pack_bf16x2(acc[2 * kk][2], acc[2 * kk][3]);
-	a[2] = pack_bf16x2(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
-	a[3] = pack_bf16x2(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
-}
-
-// stage copies rows [r0, r0+64) of a (rows of stride ldg, columns
-// [0, HD)) into the BF16 tile t (64 x HD+8) and, when tt is set, its
-// transpose tt (HD x 72); rows at or past lim are zeros.
-template <int HD>
-DK_DEV void stage(u16 *t, u16 *tt, const float *g, i64 ldg, int r0, int lim) {
-	for (int idx = threadIdx.x; idx < MMA_BQ * HD; idx += blockDim.x) {
-		int r = idx / HD, c = idx - r * HD;
-		float v = r0 + r < lim ? g[(i64)(r0 + r) * ldg + c] : 0.0f;
-		u16 h = f2bf(v);
-		t[r * (HD + 8) + c] = h;
-		if (tt) tt[c * (MMA_BQ + 8) + r] = h;
-	}
-}
-
-template <int HD>
-DK_DEV void attn_bwd_dq_mma(float *__restrict__ dq, const float *__restrict__ dout, const float *__restrict__ q,
-                            const float *__restrict__ k, const float *__restrict__ v, const float *__restrict__ lse,
-                            const float *__restrict__ dsum, const i32 *__restrict__ starts, const i32 *__restrict__ tile_start,
-                            int nseq, int nhead, int nkv, float scale) {
-	DK_DYN_SMEM(u16, ks);              // [64][HD+8]: K, row-major
-	u16 *vs = ks + MMA_BK * (HD + 8);  // [64][HD+8]: V
-	u16 *kt = vs + MMA_BK * (HD + 8);  // [HD][72]: Kᵀ
-	int s, q0;
-	if (!tile_of(tile_start, nseq, blockIdx.x, MMA_BQ, &s, &q0)) return;
-	int h = blockIdx.y, kvh = h / (nhead / nkv);
+// attn_fa_dq: shared memory Q and dO (128 x HD+8 each), then two stages of
+// a K and a V tile (BK x HD+8 each).
+template <int HD, int BK>
+DK_DEV void attn_fa_dq(float *__restrict__ dq, const u16 *__restrict__ dout, const u16 *__restrict__ q, const u16 *__restrict__ k,
+                       const u16 *__restrict__ v, const float *__restrict__ lse, const float *__restrict__ dsum,
+                       const i32 *__restrict__ starts, const i32 *__restrict__ tile_start, int nseq, int nhead, int nkv, float scale) {
+	constexpr int LD = HD + 8, T = BK * LD;
+	static_assert(BK % 16 == 0, "BK: a multiple of 16");
+	DK_DYN_SMEM(u16, sm);
+	constexpr int qs = 0, dos = FA_ROWS * LD, kv = 2 * FA_ROWS * LD; // stage st: K at kv + 2·st·T, V after it
+	int s, q0, tile, h;
+	fa_block(true, &tile, &h);
+	if (!tile_of(tile_start, nseq, tile, FA_ROWS, &s, &q0)) return;
+	int kvh = h / (nhead / nkv);
 	int warp = threadIdx.x / DK_WARP, lane = threadIdx.x % DK_WARP;
 	int gr = lane / 4, tq = lane % 4;
 	i64 a = starts[s];
 	int L = starts[s + 1] - starts[s];
 	i64 ldq = (i64)nhead * HD, ldk = (i64)nkv * HD;
-	const float *kb = k + a * ldk + (i64)kvh * HD;
-	const float *vb = v + a * ldk + (i64)kvh * HD;
-	// This thread's two query rows; rows past the sample's end act as its
-	// last row and are not stored (as attn_mma).
-	int r0 = q0 + warp * 16 + gr, r1 = r0 + 8;
-	int c0 = imin(r0, L - 1), c1 = imin(r1, L - 1);
+	const u16 *kb = k + a * ldk + (i64)kvh * HD, *vb = v + a * ldk + (i64)kvh * HD;
+	int nk = imin(q0 + FA_ROWS, L);
+	int steps = (nk + BK - 1) / BK;
+
+	fa_load<FA_ROWS, HD>(sm, qs, q + (a + q0) * ldq + (i64)h * HD, ldq, L - q0);
+	fa_load<FA_ROWS, HD>(sm, dos, dout + (a + q0) * ldq + (i64)h * HD, ldq, L - q0);
+	fa_load<BK, HD>(sm, kv, kb, ldk, nk);
+	fa_load<BK, HD>(sm, kv + T, vb, ldk, nk);
+	cp_async_commit();
+	int wq = q0 + warp * 16, wlast = imin(wq + 15, L - 1);
+	int r0 = wq + gr, r1 = r0 + 8;
+	// The rows' lse in base 2 and D; zeros past the sample's end (not stored).
+	float lb0 = r0 < L ? lse[(a + r0) * nhead + h] * FA_LOG2E : 0.0f, lb1 = r1 < L ? lse[(a + r1) * nhead + h] * FA_LOG2E : 0.0f;
+	float D0 = r0 < L ? dsum[(a + r0) * nhead + h] : 0.0f, D1 = r1 < L ? dsum[(a + r1) * nhead + h] : 0.0f;
+	cp_async_wait<0>();
+	__syncthreads();
 	u32 qa[HD / 16][4], da[HD / 16][4];
-	{
-		const float *q0p = q + (a + c0) * ldq + (i64)h * HD, *q1p = q + (a + c1) * ldq + (i64)h * HD;
-		const float *d0p = dout + (a + c0) * ldq + (i64)h * HD, *d1p = dout + (a + c1) * ldq + (i64)h * HD;
-		for (int kk = 0; kk < HD / 16; kk++) {
-			int d = kk * 16 + 2 * tq;
-			qa[kk][0] = pack_bf16x2(q0p[d], q0p[d + 1]);
-			qa[kk][1] = pack_bf16x2(q1p[d], q1p[d + 1]);
-			qa[kk][2] = pack_bf16x2(q0p[d + 8], q0p[d + 9]);
-			qa[kk][3] = pack_bf16x2(q1p[d + 8], q1p[d + 9]);
-			da[kk][0] = pack_bf16x2(d0p[d], d0p[d + 1]);
-			da[kk][1] = pack_bf16x2(d1p[d], d1p[d + 1]);
-			da[kk][2] = pack_bf16x2(d0p[d + 8], d0p[d + 9]);
-			da[kk][3] = pack_bf16x2(d1p[d + 8], d1p[d + 9]);
-		}
+	for (int kk = 0; kk < HD / 16; kk++) {
+		ldsm_a(qa[kk], sm, qs, LD, warp * 16, kk * 16, lane);
+		ldsm_a(da[kk], sm, dos, LD, warp * 16, kk * 16, lane);
 	}
-	float l0 = lse[(a + c0) * nhead + h], l1 = lse[(a + c1) * nhead + h];
-	float D0 = dsum[(a + c0) * nhead + h], D1 = dsum[(a + c1) * nhead + h];
-	float dacc[HD / 8][4];
+	const float sl2 = scale * FA_LOG2E;
+	float acc[HD / 8][4];
 	for (int nb = 0; nb < HD / 8; nb++)
-		for (int e = 0; e < 4; e++) dacc[nb][e] = 0;
-	int nk = imin(q0 + MMA_BQ, L);
-	int wlast = imin(q0 + warp * 16 + 15, L - 1);
-	for (int k0 = 0; k0 < nk; k0 += MMA_BK) {
-		__syncthreads(); // the previous tile's readers are done
-		stage<HD>(ks, kt, kb + (i64)k0 * ldk, ldk, 0, nk - k0);
-		stage<HD>(vs, 0, vb + (i64)k0 * ldk, ldk, 0, nk - k0);
+		for (int e = 0; e < 4; e++) acc[nb][e] = 0;
+	for (int j = 0; j < steps; j++) {
+		int k0 = j * BK;
+		if (j + 1 < steps) {
+			int nx = kv + ((j + 1) & 1) * 2 * T;
+			fa_load<BK, HD>(sm, nx, kb + (i64)(k0 + BK) * ldk, ldk, nk - k0 - BK);
+			fa_load<BK, HD>(sm, nx + T, vb + (i64)(k0 + BK) * ldk, ldk, nk - k0 - BK);
+		}
+		cp_async_commit();
+		cp_async_wait<1>();
 		__syncthreads();
-		if (k0 > wlast) continue; // every key of the tile is in this warp's future
-		float sacc[MMA_BK / 8][4], pacc[MMA_BK / 8][4];
-		for (int nt = 0; nt < MMA_BK / 8; nt++) {
-			for (int e = 0; e < 4; e++) sacc[nt][e] = pacc[nt][e] = 0;
-			for (int kk = 0; kk < HD / 16; kk++) {
-				u32 b[2];
-				ld_b(b, ks, HD + 8, nt * 8, kk * 16, gr, tq);
-				mma_bf16_16816(sacc[nt], qa[kk], b);
-				ld_b(b, vs, HD + 8, nt * 8, kk * 16, gr, tq);
-				mma_bf16_16816(pacc[nt], da[kk], b);
-			}
-			for (int e = 0; e < 4; e++) {
-				int key = k0 + nt * 8 + 2 * tq + (e & 1);
-				int row = e < 2 ? c0 : c1;
-				float p = key <= row ? expf(sacc[nt][e] * scale - (e < 2 ? l0 : l1)) : 0.0f;
-				sacc[nt][e] = p * (pacc[nt][e] - (e < 2 ? D0 : D1)); // dS
+		if (wq < L && k0 <= wlast) {
+			int ks = kv + (j & 1) * 2 * T, vs = ks + T;
+			float sc[BK / 8][4], dp[BK / 8][4];
+			for (int nt = 0; nt < BK / 8; nt++)
+				for (int e = 0; e < 4; e++) sc[nt][e] = dp[nt][e] = 0;
+			for (int kk = 0; kk < HD / 16; kk++)
+				for (int nt = 0; nt < BK / 8; nt += 2) {
+					u32 b0[2], b1[2];
+					ldsm_b2(b0, b1, sm, ks, LD, nt * 8, kk * 16, lane);
+					mma_bf16_16816(sc[nt], qa[kk], b0);
+					mma_bf16_16816(sc[nt + 1], qa[kk], b1);
+					ldsm_b2(b0, b1, sm, vs, LD, nt * 8, kk * 16, lane);
+					mma_bf16_16816(dp[nt], da[kk], b0);
+					mma_bf16_16816(dp[nt + 1], da[kk], b1);
+				}
+			bool diag = k0 + BK - 1 > wq;
+			for (int nt = 0; nt < BK / 8; nt++)
+				for (int e = 0; e < 4; e++) {
+					bool lo = e < 2;
+					float p = fast_exp2(fmaf(sc[nt][e], sl2, -(lo ? lb0 : lb1)));
+					if (diag && k0 + nt * 8 + 2 * tq + (e & 1) > (lo ? r0 : r1)) p = 0;
+					sc[nt][e] = p * (dp[nt][e] - (lo ? D0 : D1)); // dS
+				}
+			for (int kk = 0; kk < BK / 16; kk++) { // dq += dS·K, 16 keys at a time
+				u32 sa[4];
+				acc_a(sa, sc, kk);
+				for (int nb = 0; nb < HD / 8; nb += 2) {
+					u32 b0[2], b1[2];
+					ldsm_bt2(b0, b1, sm, ks, LD, nb * 8, kk * 16, lane);
+					mma_bf16_16816(acc[nb], sa, b0);
+					mma_bf16_16816(acc[nb + 1], sa, b1);
+				}
 			}
 		}
-		for (int kk = 0; kk < MMA_BK / 16; kk++) {
-			u32 pa[4];
-			acc_a(pa, sacc, kk);
-			for (int nb = 0; nb < HD / 8; nb++) {
-				u32 b[2];
-				ld_b(b, kt, MMA_BK + 8, nb * 8, kk * 16, gr, tq);
-				mma_bf16_16816(dacc[nb], pa, b);
-			}
-		}
+		if (j + 2 < steps) __syncthreads();
 	}
 	float *o0 = dq + (a + r0) * ldq + (i64)h * HD, *o1 = dq + (a + r1) * ldq + (i64)h * HD;
 	for (int nb = 0; nb < HD / 8; nb++) {
 		int d = nb * 8 + 2 * tq;
 		if (r0 < L) {
-			o0[d] += scale * dacc[nb][0];
-			o0[d + 1] += scale * dacc[nb][1];
+			fa_f2 x = *(fa_f2 *)(o0 + d);
+			*(fa_f2 *)(o0 + d) = fa_f2{x.x + scale * acc[nb][0], x.y + scale * acc[nb][1]};
 		}
 		if (r1 < L) {
-			o1[d] += scale * dacc[nb][2];
-			o1[d + 1] += scale * dacc[nb][3];
+			fa_f2 x = *(fa_f2 *)(o1 + d);
+			*(fa_f2 *)(o1 + d) = fa_f2{x.x + scale * acc[nb][2], x.y + scale * acc[nb][3]};
 		}
 	}
 }
 
-template <int HD>
-DK_DEV void attn_bwd_dkv_mma(float *__restrict__ dk, float *__restrict__ dv, const float *__restrict__ dout,
-                             const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
-                             const float *__restrict__ lse, const float *__restrict__ dsum, const i32 *__restrict__ starts,
-                             const i32 *__restrict__ tile_start, int nseq, int nhead, int nkv, float scale) {
-	DK_DYN_SMEM(u16, ks);                // [64][HD+8]: this block's K rows
-	u16 *vs = ks + MMA_BK * (HD + 8);    // [64][HD+8]: its V rows
-	u16 *qs = vs + MMA_BK * (HD + 8);    // [64][HD+8]: a query tile's Q
-	u16 *dos = qs + MMA_BQ * (HD + 8);   // [64][HD+8]: its dO
-	u16 *qt = dos + MMA_BQ * (HD + 8);   // [HD][72]: Qᵀ
-	u16 *dot = qt + HD * (MMA_BQ + 8);   // [HD][72]: dOᵀ
-	float *ls = (float *)(dot + HD * (MMA_BQ + 8)); // [64]: the tile's lse
-	float *Ds = ls + MMA_BQ;                        // [64]: its D
-	int s, k0;
-	if (!tile_of(tile_start, nseq, blockIdx.x, MMA_BK, &s, &k0)) return;
-	int kvh = blockIdx.y, group = nhead / nkv;
+// fa_dkv_load issues the copies of one step of attn_fa_dkv: BQ rows from
+// token row on of head h's Q and dO into the tiles at t (BQ x HD+8 each, dO
+// after Q), their lse and D into the floats at byte offset f (BQ each, D
+// after lse); rows past the sample (n valid) are zeros.
+template <int HD, int BQ>
+DK_DEV void fa_dkv_load(u16 *sm, int t, int f, const u16 *q, const u16 *dout, const float *lse, const float *dsum, i64 row, int h,
+                        int nhead, int n) {
+	i64 ldq = (i64)nhead * HD;
+	fa_load<BQ, HD>(sm, t, q + row * ldq + (i64)h * HD, ldq, n);
+	fa_load<BQ, HD>(sm, t + BQ * (HD + 8), dout + row * ldq + (i64)h * HD, ldq, n);
+	fa_load_f32<BQ>(sm, f, lse + row * nhead + h, nhead, n);
+	fa_load_f32<BQ>(sm, f + 4 * BQ, dsum + row * nhead + h, nhead, n);
+}
+
+// attn_fa_dkv: shared memory K and V (128 x HD+8 each), two stages of a Q
+// and a dO tile (BQ x HD+8 each), then two stages of BQ lse and BQ D. The
+// steps run over the group's heads, and for each over the query tiles
+// from the block's first key to the sample's end.
+template <int HD, int BQ>
+DK_DEV void attn_fa_dkv(float *__restrict__ dk, float *__restrict__ dv, const u16 *__restrict__ dout, const u16 *__restrict__ q,
+                        const u16 *__restrict__ k, const u16 *__restrict__ v, const float *__restrict__ lse,
+                        const float *__restrict__ dsum, const i32 *__restrict__ starts, const i32 *__restrict__ tile_start, int nseq,
+                        int nhead, int nkv, float scale) {
+	constexpr int LD = HD + 8, T = BQ * LD;
+	static_assert(BQ % 16 == 0 && FA_ROWS % BQ == 0, "BQ: a multiple of 16 dividing the key tile");
+	DK_DYN_SMEM(u16, sm);
+	constexpr int ks = 0, vs = FA_ROWS * LD, qd = 2 * FA_ROWS * LD; // stage st: Q at qd + 2·st·T, dO after it
+	constexpr int fb = 2 * (qd + 4 * T);                             // bytes; stage st: lse at fb + 8·st·BQ, D after it
+	const float *fs = (const float *)(sm + qd + 4 * T);
+	int s, k0, tile, kvh;
+	fa_block(false, &tile, &kvh);
+	if (!tile_of(tile_start, nseq, tile, FA_ROWS, &s, &k0)) return;
+	int group = nhead / nkv;
 	int warp = threadIdx.x / DK_WARP, lane = threadIdx.x % DK_WARP;
 	int gr = lane / 4, tq = lane % 4;
 	i64 a = starts[s];
 	int L = starts[s + 1] - starts[s];
-	i64 ldq = (i64)nhead * HD, ldk = (i64)nkv * HD;
-	stage<HD>(ks, 0, k + (a + k0) * ldk + (i64)kvh * HD, ldk, 0, L - k0);
-	stage<HD>(vs, 0, v + (a + k0) * ldk + (i64)kvh * HD, ldk, 0, L - k0);
-	int jA = k0 + warp * 16 + gr, jB = jA + 8; // this thread's two key rows
+	i64 ldk = (i64)nkv * HD;
+	int tiles = (L - k0 + BQ - 1) / BQ; // query tiles a head, from k0 on (the earlier ones see none of the keys)
+	int steps = group * tiles;
+
+	fa_load<FA_ROWS, HD>(sm, ks, k + (a + k0) * ldk + (i64)kvh * HD, ldk, L - k0);
+	fa_load<FA_ROWS, HD>(sm, vs, v + (a + k0) * ldk + (i64)kvh * HD, ldk, L - k0);
+	fa_dkv_load<HD, BQ>(sm, qd, fb, q, dout, lse, dsum, a + k0, kvh * group, nhead, L - k0);
+	cp_async_commit();
+	int wk = k0 + warp * 16;    // the warp's first key
+	int jA = wk + gr, jB = jA + 8; // this thread's two keys
+	const float sl2 = scale * FA_LOG2E;
 	float kacc[HD / 8][4], vacc[HD / 8][4];
 	for (int nb = 0; nb < HD / 8; nb++)
 		for (int e = 0; e < 4; e++) kacc[nb][e] = vacc[nb][e] = 0;
-	bool any = k0 + warp * 16 < L; // the warp has a key in the sample
-	for (int h = kvh * group; h < (kvh + 1) * group; h++) {
-		for (int q0 = k0; q0 < L; q0 += MMA_BQ) {
-			__syncthreads(); // the previous tile's readers are done
-			stage<HD>(qs, qt, q + (a + q0) * ldq + (i64)h * HD, ldq, 0, L - q0);
-			stage<HD>(dos, dot, dout + (a + q0) * ldq + (i64)h * HD, ldq, 0, L - q0);
-			for (int i = threadIdx.x; i < MMA_BQ; i += blockDim.x) {
-				bool in = q0 + i < L;
-				ls[i] = in ? lse[(a + q0 + i) * nhead + h] : 0.0f;
-				Ds[i] = in ? dsum[(a + q0 + i) * nhead + h] : 0.0f;
-			}
-			__syncthreads();
-			if (!any || q0 + MMA_BQ - 1 < k0 + warp * 16) continue; // no query of the tile sees these keys
-			float sacc[MMA_BQ / 8][4], pacc[MMA_BQ / 8][4];
-			for (int nt = 0; nt < MMA_BQ / 8; nt++) {
-				for (int e = 0; e < 4; e++) sacc[nt][e] = pacc[nt][e] = 0;
-				for (int kk = 0; kk < HD / 16; kk++) {
-					u32 ka[4], va[4], b[2];
-					ld_a(ka, ks, HD + 8, warp * 16, kk * 16, gr, tq);
-					ld_b(b, qs, HD + 8, nt * 8, kk * 16, gr, tq);
-					mma_bf16_16816(sacc[nt], ka, b);
-					ld_a(va, vs, HD + 8, warp * 16, kk * 16, gr, tq);
-					ld_b(b, dos, HD + 8, nt * 8, kk * 16, gr, tq);
-					mma_bf16_16816(pacc[nt], va, b);
+	for (int j = 0; j < steps; j++) {
+		int q0 = k0 + (j % tiles) * BQ;
+		if (j + 1 < steps) {
+			int h1 = kvh * group + (j + 1) / tiles, q1 = k0 + ((j + 1) % tiles) * BQ;
+			int st = (j + 1) & 1;
+			fa_dkv_load<HD, BQ>(sm, qd + st * 2 * T, fb + st * 8 * BQ, q, dout, lse, dsum, a + q1, h1, nhead, L - q1);
+		}
+		cp_async_commit();
+		cp_async_wait<1>();
+		__syncthreads();
+		if (wk < L && q0 + BQ - 1 >= wk) { // some query of the tile sees some key of the warp
+			int qs = qd + (j & 1) * 2 * T, dos = qs + T;
+			const float *ls = fs + (j & 1) * 2 * BQ, *Ds = ls + BQ;
+			float sc[BQ / 8][4], dp[BQ / 8][4];
+			for (int nt = 0; nt < BQ / 8; nt++)
+				for (int e = 0; e < 4; e++) sc[nt][e] = dp[nt][e] = 0;
+			for (int kk = 0; kk < HD / 16; kk++) {
+				u32 ka[4], va[4];
+				ldsm_a(ka, sm, ks, LD, warp * 16, kk * 16, lane);
+				ldsm_a(va, sm, vs, LD, warp * 16, kk * 16, lane);
+				for (int nt = 0; nt < BQ / 8; nt += 2) {
+					u32 b0[2], b1[2];
+					ldsm_b2(b0, b1, sm, qs, LD, nt * 8, kk * 16, lane);
+					mma_bf16_16816(sc[nt], ka, b0);
+					mma_bf16_16816(sc[nt + 1], ka, b1);
+					ldsm_b2(b0, b1, sm, dos, LD, nt * 8, kk * 16, lane);
+					mma_bf16_16816(dp[nt], va, b0);
+					mma_bf16_16816(dp[nt + 1], va, b1);
 				}
+			}
+			bool diag = q0 < wk + 15; // some query of the tile precedes some key of the warp
+			for (int nt = 0; nt < BQ / 8; nt++) {
+				int c = nt * 8 + 2 * tq; // the columns (queries) c and c+1 of the tile
+				fa_f2 lq = *(const fa_f2 *)(ls + c), dq2 = *(const fa_f2 *)(Ds + c);
 				for (int e = 0; e < 4; e++) {
-					int qi = nt * 8 + 2 * tq + (e & 1); // within the tile
-					int key = e < 2 ? jA : jB;
-					bool ok = q0 + qi >= key && q0 + qi < L;
-					float p = ok ? expf(sacc[nt][e] * scale - ls[qi]) : 0.0f;
-					sacc[nt][e] = p;                        // Pᵀ
-					pacc[nt][e] = p * (pacc[nt][e] - Ds[qi]); // dSᵀ
+					bool odd = e & 1;
+					float p = fast_exp2(fmaf(sc[nt][e], sl2, -(odd ? lq.y : lq.x) * FA_LOG2E));
+					if (diag && q0 + c + odd < (e < 2 ? jA : jB)) p = 0;
+					sc[nt][e] = p;                                   // Pᵀ
+					dp[nt][e] = p * (dp[nt][e] - (odd ? dq2.y : dq2.x)); // dSᵀ
 				}
 			}
-			for (int kk = 0; kk < MMA_BQ / 16; kk++) {
+			for (int kk = 0; kk < BQ / 16; kk++) { // 16 queries at a time
 				u32 pa[4], sa[4];
-				acc_a(pa, sacc, kk);
-				acc_a(sa, pacc, kk);
-				for (int nb = 0; nb < HD / 8; nb++) {
-					u32 b[2];
-					ld_b(b, dot, MMA_BQ + 8, nb * 8, kk * 16, gr, tq);
-					mma_bf16_16816(vacc[nb], pa, b);
-					ld_b(b, qt, MMA_BQ + 8, nb * 8, kk * 16, gr, tq);
-					mma_bf16_16816(kacc[nb], sa, b);
+				acc_a(pa, sc, kk);
+				acc_a(sa, dp, kk);
+				for (int nb = 0; nb < HD / 8; nb += 2) {
+					u32 b0[2], b1[2];
+					ldsm_bt2(b0, b1, sm, dos, LD, nb * 8, kk * 16, lane);
+					mma_bf16_16816(vacc[nb], pa, b0);
+					mma_bf16_16816(vacc[nb + 1], pa, b1);
+					ldsm_bt2(b0, b1, sm, qs, LD, nb * 8, kk * 16, lane);
+					mma_bf16_16816(kacc[nb], sa, b0);
+					mma_bf16_16816(kacc[nb + 1], sa, b1);
 				}
 			}
 		}
+		if (j + 2 < steps) __syncthreads();
 	}
 	float *kA = dk + (a + jA) * ldk + (i64)kvh * HD, *kB = dk + (a + jB) * ldk + (i64)kvh * HD;
 	float *vA = dv + (a + jA) * ldk + (i64)kvh * HD, *vB = dv + (a + jB) * ldk + (i64)kvh * HD;
 	for (int nb = 0; nb < HD / 8; nb++) {
 		int d = nb * 8 + 2 * tq;
 		if (jA < L) {
-			kA[d] += scale * kacc[nb][0];
-			kA[d + 1] += scale * kacc[nb][1];
-			vA[d] += vacc[nb][0];
-			vA[d + 1] += vacc[nb][1];
+			fa_f2 x = *(fa_f2 *)(kA + d), y = *(fa_f2 *)(vA + d);
+			*(fa_f2 *)(kA + d) = fa_f2{x.x + scale * kacc[nb][0], x.y + scale * kacc[nb][1]};
+			*(fa_f2 *)(vA + d) = fa_f2{y.x + vacc[nb][0], y.y + vacc[nb][1]};
 		}
 		if (jB < L) {
-			kB[d] += scale * kacc[nb][2];
-			kB[d + 1] += scale * kacc[nb][3];
-			vB[d] += vacc[nb][2];
-			vB[d + 1] += vacc[nb][3];
+			fa_f2 x = *(fa_f2 *)(kB + d), y = *(fa_f2 *)(vB + d);
+			*(fa_f2 *)(kB + d) = fa_f2{x.x + scale * kacc[nb][2], x.y + scale * kacc[nb][3]};
+			*(fa_f2 *)(vB + d) = fa_f2{y.x + vacc[nb][2], y.y + vacc[nb][3]};
 		}
 	}
 }
 
-DK_KERNEL __launch_bounds__(128) void k_attn_bwd_dq_mma64(float *dq, const float *dout, const float *q, const float *k, const float *v,
-                                                          const float *lse, const float *dsum, const i32 *starts, const i32 *tile_start,
-                                                          int nseq, int nhead, int nkv, float scale) {
-	attn_bwd_dq_mma<64>(dq, dout, q, k, v, lse, dsum, starts, tile_start, nseq, nhead, nkv, scale);
+// The entry points (FA_THREADS threads; dynamic shared memory as plan.go's
+// mmaBwdSmem computes it): BK = 64 keys a step of dq, BQ = 64 queries a
+// step of dkv.
+#define FA_DQ_BK 64
+#define FA_DKV_BQ 64
+
+DK_KERNEL __launch_bounds__(FA_THREADS, 1) void k_attn_bwd_dq_mma64(float *dq, const u16 *dout, const u16 *q, const u16 *k,
+                                                                    const u16 *v, const float *lse, const float *dsum,
+                                                                    const i32 *starts, const i32 *tile_start, int nseq, int nhead,
+                                                                    int nkv, float scale) {
+	attn_fa_dq<64, FA_DQ_BK>(dq, dout, q, k, v, lse, dsum, starts, tile_start, nseq, nhead, nkv, scale);
 }
-DK_KERNEL __launch_bounds__(128) void k_attn_bwd_dq_mma128(float *dq, const float *dout, const float *q, const float *k, const float *v,
-                                                           const float *lse, const float *dsum, const i32 *starts,
-                                                           const i32 *tile_start, int nseq, int nhead, int nkv, float scale) {
-	attn_bwd_dq_mma<128>(dq, dout, q, k, v, lse, dsum, starts, tile_start, nseq, nhead, nkv, scale);
+DK_KERNEL __launch_bounds__(FA_THREADS, 1) void k_attn_bwd_dq_mma128(float *dq, const u16 *dout, const u16 *q, const u16 *k,
+                                                                     const u16 *v, const float *lse, const float *dsum,
+                                                                     const i32 *starts, const i32 *tile_start, int nseq, int nhead,
+                                                                     int nkv, float scale) {
+	attn_fa_dq<128, FA_DQ_BK>(dq, dout, q, k, v, lse, dsum, starts, tile_start, nseq, nhead, nkv, scale);
 }
-DK_KERNEL __launch_bounds__(128) void k_attn_bwd_dkv_mma64(float *dk, float *dv, const float *dout, const float *q, const float *k,
-                                                           const float *v, const float *lse, const float *dsum, const i32 *starts,
-                                                           const i32 *tile_start, int nseq, int nhead, int nkv, float scale) {
-	attn_bwd_dkv_mma<64>(dk, dv, dout, q, k, v, lse, dsum, starts, tile_start, nseq, nhead, nkv, scale);
+DK_KERNEL __launch_bounds__(FA_THREADS, 1) void k_attn_bwd_dkv_mma64(float *dk, float *dv, const u16 *dout, const u16 *q,
+                                                                     const u16 *k, const u16 *v, const float *lse, const float *dsum,
+                                                                     const i32 *starts, const i32 *tile_start, int nseq, int nhead,
+                                                                     int nkv, float scale) {
+	attn_fa_dkv<64, FA_DKV_BQ>(dk, dv, dout, q, k, v, lse, dsum, starts, tile_start, nseq, nhead, nkv, scale);
 }
-DK_KERNEL __launch_bounds__(128) void k_attn_bwd_dkv_mma128(float *dk, float *dv, const float *dout, const float *q, const float *k,
-                                                            const float *v, const float *lse, const float *dsum, const i32 *starts,
-                                                            const i32 *tile_start, int nseq, int nhead, int nkv, float scale) {
-	attn_bwd_dkv_mma<128>(dk, dv, dout, q, k, v, lse, dsum, starts, tile_start, nseq, nhead, nkv, scale);
+DK_KERNEL __launch_bounds__(FA_THREADS, 1) void k_attn_bwd_dkv_mma128(float *dk, float *dv, const u16 *dout, const u16 *q,
+                                                                      const u16 *k, const u16 *v, const float *lse, const float *dsum,
+                                                                      const i32 *starts, const i32 *tile_start, int nseq, int nhead,
+                                                                      int nkv, float scale) {
+	attn_fa_dkv<128, FA_DKV_BQ>(dk, dv, dout, q, k, v, lse, dsum, starts, tile_start, nseq, nhead, nkv, scale);
 }
 
 DK_REGISTER(k_attn_dsum)
