@@ -360,7 +360,7 @@ func aligned16(p uint64) bool { return p%16 == 0 }
 // bf16Copy rounds n F32 values at p into a new BF16 buffer.
 func (b *Backend) bf16Copy(p uint64, n int) uint64 {
 	c := b.alloc(int64(n) * 2)
-	b.ew("k_f32_to_bf16", int64(n), dptr(c), dptr(p), int64(n))
+	b.convert("k_f32_to_bf16", c, p, int64(n))
 	return c
 }
 
@@ -389,7 +389,7 @@ func (b *Backend) cudnnAttention(out, lse, q, k, v, st *tensor, nSeq, maxLen, to
 		C.DISTILL_SDPA_UID_STATS: stats, C.DISTILL_SDPA_UID_SEQ_Q: lens, C.DISTILL_SDPA_UID_SEQ_KV: lens,
 		C.DISTILL_SDPA_UID_OFF_Q: offQ, C.DISTILL_SDPA_UID_OFF_KV: offK, C.DISTILL_SDPA_UID_OFF_STATS: offS,
 	}, scale, "cudnn attention forward")
-	b.ew("k_bf16_to_f32", int64(nq), dptr(out.p), dptr(ob), int64(nq))
+	b.convert("k_bf16_to_f32", out.p, ob, int64(nq))
 	if lse != nil && stats != lse.p {
 		b.copyD(lse.p, stats, statsBytes)
 	}
@@ -445,9 +445,9 @@ func (b *Backend) cudnnAttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, st
 		vp[C.DISTILL_SDPA_UID_DQ_ACCUM] = acc
 	}
 	b.sdpaExec(p, vp, scale, "cudnn attention backward")
-	b.ew("k_add_bf16", int64(nq), dptr(dq.p), dptr(dqb), int64(nq))
-	b.ew("k_add_bf16", int64(nk), dptr(dk.p), dptr(dkb), int64(nk))
-	b.ew("k_add_bf16", int64(nk), dptr(dv.p), dptr(dvb), int64(nk))
+	b.convert("k_add_bf16", dq.p, dqb, int64(nq))
+	b.convert("k_add_bf16", dk.p, dkb, int64(nk))
+	b.convert("k_add_bf16", dv.p, dvb, int64(nk))
 	for _, x := range []uint64{meta, qb, kb, vb, ob, dob, dqb, dkb, dvb, ssum, acc, statsScratch} {
 		if x != 0 {
 			b.free(x)

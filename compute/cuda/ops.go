@@ -25,6 +25,17 @@ func (b *Backend) ew(kernel string, n int64, args ...any) {
 	b.launchKernel(launch{kernel: kernel, grid: elementwiseGrid(n), block: ewThreads}, args...)
 }
 
+// convert runs one of the conversion kernels k_f32_to_bf16, k_bf16_to_f32
+// and k_add_bf16 over n elements, four at a time (the _x4 variant) when n
+// and both addresses allow 16-byte F32 and 8-byte BF16 accesses.
+func (b *Backend) convert(kernel string, dst, src uint64, n int64) {
+	if n%4 == 0 && dst%16 == 0 && src%16 == 0 {
+		b.ew(kernel+"_x4", n/4, dptr(dst), dptr(src), n/4)
+		return
+	}
+	b.ew(kernel, n, dptr(dst), dptr(src), n)
+}
+
 // bf16Operand returns a BF16 copy of a GEMM operand t (n elements): t
 // itself when BF16; for an F32 weight, a copy made once and kept; for
 // other F32 tensors a scratch copy the caller frees (scratch != 0).
@@ -36,13 +47,13 @@ func (b *Backend) bf16Operand(t *tensor, n int) (p uint64, scratch uint64) {
 		c, ok := b.bf16Of[t]
 		if !ok {
 			c = b.newTensor(compute.BF16, t.n)
-			b.ew("k_f32_to_bf16", int64(t.n), dptr(c.p), dptr(t.p), int64(t.n))
+			b.convert("k_f32_to_bf16", c.p, t.p, int64(t.n))
 			b.bf16Of[t] = c
 		}
 		return c.p, 0
 	}
 	s := b.alloc(int64(n) * 2)
-	b.ew("k_f32_to_bf16", int64(n), dptr(s), dptr(t.p), int64(n))
+	b.convert("k_f32_to_bf16", s, t.p, int64(n))
 	return s, s
 }
 
@@ -252,13 +263,13 @@ func (b *Backend) f32Operand(t *tensor) (p uint64, scratch uint64) {
 		c, ok := b.f32Of[t]
 		if !ok {
 			c = b.newTensor(compute.F32, t.n)
-			b.ew("k_bf16_to_f32", int64(t.n), dptr(c.p), dptr(t.p), int64(t.n))
+			b.convert("k_bf16_to_f32", c.p, t.p, int64(t.n))
 			b.f32Of[t] = c
 		}
 		return c.p, 0
 	}
 	s := b.alloc(int64(t.n) * 4)
-	b.ew("k_bf16_to_f32", int64(t.n), dptr(s), dptr(t.p), int64(t.n))
+	b.convert("k_bf16_to_f32", s, t.p, int64(t.n))
 	return s, s
 }
 
@@ -292,7 +303,7 @@ func (b *Backend) LMHeadTopK(idsT, lpT, xT, wT compute.Tensor, tokens, hidden, v
 	tile := b.alloc(int64(p.rows) * int64(p.cols) * 4)
 	for r0 := 0; r0 < tokens; r0 += p.rows {
 		nr := min(p.rows, tokens-r0)
-		b.ew("k_f32_to_bf16", int64(nr)*int64(hidden), dptr(xb), dptr(x.p+uint64(r0)*uint64(hidden)*4), int64(nr)*int64(hidden))
+		b.convert("k_f32_to_bf16", xb, x.p+uint64(r0)*uint64(hidden)*4, int64(nr)*int64(hidden))
 		for c0 := 0; c0 < vocab; c0 += p.cols {
 			nc := min(p.cols, vocab-c0)
 			b.gemm(tile, xb, wp+uint64(c0)*uint64(hidden)*2, nr, nc, hidden, dataBF16)

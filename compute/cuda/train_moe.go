@@ -115,7 +115,7 @@ func (b *Backend) moeAct(act, gate, up uint64, mw *compute.MoEWeights, rows, I i
 	h := b.alloc(n * 4)
 	b.ew("k_swiglu", n, dptr(h), dptr(gate), dptr(up), n)
 	b.ew("k_fakequant_nvfp4", int64(rows)*int64((I+15)/16), dptr(h), dptr(h), int64(rows), int32(I), compute.NVFP4GlobalScale(mw.HAmax))
-	b.ew("k_f32_to_bf16", n, dptr(act), dptr(h), n)
+	b.convert("k_f32_to_bf16", act, h, n)
 	b.free(h)
 }
 
