@@ -9,7 +9,12 @@
 #   bash scripts/gpu-suite.sh build
 #   run(command="bash scripts/gpu/attn-call.sh [STEP...]", carry=[".gpu"], timeout_s=480)
 #
-# STEP... defaults to: env test attn goldens train-test train-resume train-bench.
+# STEP... defaults to: env test attn goldens train-test train-resume train-bench
+# (training shapes: DISTILL_BENCH_SHAPES, default qwen3-0.6b). Then, when
+# set: FORWARD_BENCH=1 runs the suite's bench and peer steps (the teacher's
+# forward at every shape against HF transformers), SANITIZE=1 runs the
+# attention tests (own kernels and cuDNN) under compute-sanitizer memcheck
+# and the own kernels' under racecheck.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 final=${OUT:-$PWD/gpu-out}
@@ -41,6 +46,22 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env test attn goldens train-test train-resume train-bench)
 OUT="$work" DISTILL_BENCH_SHAPES=${DISTILL_BENCH_SHAPES:-qwen3-0.6b} SUITE_BUDGET=${SUITE_BUDGET:-300} \
   bash scripts/gpu-suite.sh run "${steps[@]}" >"$work/suite.txt" 2>&1
+if [ "${FORWARD_BENCH:-}" = 1 ]; then
+  mkdir -p "$work/fwd"
+  OUT="$work/fwd" SUITE_BUDGET=${FORWARD_BUDGET:-120} bash scripts/gpu-suite.sh run bench peer >"$work/fwd/suite.txt" 2>&1
+fi
+attn_tests='TestAttentionConformance|TestAttentionBackwardConformance|TestAttentionMMASteps|TestCudnnAttentionConformance'
+if [ "${SANITIZE:-}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  ( cd compute/cuda && DISTILL_CUDA_TEST=gpu DISTILL_RACECHECK=1 DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 90 \
+      compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 /tmp/distill-gpu-bin/cuda.test -test.v -test.count=1 \
+      -test.run "$attn_tests" -test.timeout 85s ) >"$work/attn-memcheck.log" 2>&1
+  echo "attn-memcheck rc=$?" >>"$work/status.txt"
+  ( cd compute/cuda && DISTILL_CUDA_TEST=gpu DISTILL_RACECHECK=1 DISTILL_CUDA_ATTN=mma DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 120 \
+      compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 3 --print-limit 20 /tmp/distill-gpu-bin/cuda.test -test.v \
+      -test.count=1 -test.run 'TestAttentionConformance|TestAttentionBackwardConformance|TestAttentionMMASteps' -test.skip '/cudnn' \
+      -test.timeout 115s ) >"$work/attn-racecheck.log" 2>&1
+  echo "attn-racecheck rc=$?" >>"$work/status.txt"
+fi
 if [ -n "$system" ] && [ "$system" != "$wheel" ]; then
   ( cd compute/cuda && DISTILL_LIBCUDNN=$system CUDNN_LOGDEST_DBG="$work/cudnn-errors-system.log" DISTILL_CUDA_TEST=gpu \
       DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 60 /tmp/distill-gpu-bin/cuda.test -test.v -test.count=1 \
@@ -49,6 +70,13 @@ if [ -n "$system" ] && [ "$system" != "$wheel" ]; then
 fi
 tar -C "$work" -czf "$final/logs.tgz" .
 cat "$work/summary.txt" 2>/dev/null | head -150
+if [ -f "$work/fwd/summary.txt" ]; then
+  echo "== forward benchmarks"; cat "$work/fwd/status.txt"; grep -E '^Benchmark' "$work/fwd/bench.log"; grep -E '^\{' "$work/fwd/peer.log"
+fi
+echo "== status"; cat "$work/status.txt"
+for f in attn-memcheck attn-racecheck; do
+  [ -f "$work/$f.log" ] && { echo "== $f"; grep -E '^(--- |ok|FAIL|panic)|ERROR SUMMARY|RACECHECK SUMMARY|========= (Invalid|Race|Error)' "$work/$f.log" | head -20; }
+done
 echo "== cuDNN lines"; grep -hE 'cuDNN|cudnn' "$work"/test.log "$work"/cudnn-system.log 2>/dev/null | grep -vE '^\s*cudnn_test.go:[0-9]+: cudnn attention' | head -30
 echo "== system cuDNN"; grep -E '^(--- |ok|FAIL|panic)' "$work/cudnn-system.log" 2>/dev/null | head
 echo "== cuDNN errors"; head -c 3000 "$work/cudnn-errors.log" 2>/dev/null
