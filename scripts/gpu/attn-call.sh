@@ -52,20 +52,20 @@ if [ "${FORWARD_BENCH:-}" = 1 ]; then
 fi
 attn_tests='TestAttentionConformance|TestAttentionBackwardConformance|TestAttentionMMASteps|TestCudnnAttentionConformance'
 if [ "${SANITIZE:-}" = 1 ] && command -v compute-sanitizer >/dev/null; then
-  ( cd compute/cuda && DISTILL_CUDA_TEST=gpu DISTILL_RACECHECK=1 DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 90 \
+  ( cd compute/cuda && DISTILL_CUDA_TEST=gpu DISTILL_RACECHECK=1 DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 75 \
       compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 /tmp/distill-gpu-bin/cuda.test -test.v -test.count=1 \
-      -test.run "$attn_tests" -test.timeout 85s ) >"$work/attn-memcheck.log" 2>&1
+      -test.run "$attn_tests" -test.timeout 70s ) >"$work/attn-memcheck.log" 2>&1
   echo "attn-memcheck rc=$?" >>"$work/status.txt"
-  ( cd compute/cuda && DISTILL_CUDA_TEST=gpu DISTILL_RACECHECK=1 DISTILL_CUDA_ATTN=mma DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 120 \
+  ( cd compute/cuda && DISTILL_CUDA_TEST=gpu DISTILL_RACECHECK=1 DISTILL_CUDA_ATTN=mma DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 90 \
       compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 3 --print-limit 20 /tmp/distill-gpu-bin/cuda.test -test.v \
       -test.count=1 -test.run 'TestAttentionConformance|TestAttentionBackwardConformance|TestAttentionMMASteps' -test.skip '/cudnn' \
-      -test.timeout 115s ) >"$work/attn-racecheck.log" 2>&1
+      -test.timeout 85s ) >"$work/attn-racecheck.log" 2>&1
   echo "attn-racecheck rc=$?" >>"$work/status.txt"
 fi
 if [ -n "$system" ] && [ "$system" != "$wheel" ]; then
   ( cd compute/cuda && DISTILL_LIBCUDNN=$system CUDNN_LOGDEST_DBG="$work/cudnn-errors-system.log" DISTILL_CUDA_TEST=gpu \
-      DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 60 /tmp/distill-gpu-bin/cuda.test -test.v -test.count=1 \
-      -test.run 'TestCudnn' -test.timeout 55s ) >"$work/cudnn-system.log" 2>&1
+      DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 40 /tmp/distill-gpu-bin/cuda.test -test.v -test.count=1 \
+      -test.run 'TestCudnn' -test.timeout 35s ) >"$work/cudnn-system.log" 2>&1
   echo "cudnn-system rc=$?" >>"$work/status.txt"
 fi
 tar -C "$work" -czf "$final/logs.tgz" .
