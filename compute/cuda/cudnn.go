@@ -284,7 +284,7 @@ func (b *Backend) CudnnPlans() []string {
 	}
 	var out []string
 	for k, p := range b.dnn.plans {
-		out = append(out, fmt.Sprintf("%s: engine %d, built in %v", k, int64(p.p.engine), p.built.Round(time.Millisecond)))
+		out = append(out, fmt.Sprintf("%s: engine %d, workspace %d bytes, built in %v", k, int64(p.p.engine), int64(p.p.workspace), p.built.Round(time.Millisecond)))
 	}
 	sort.Strings(out)
 	return out

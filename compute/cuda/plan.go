@@ -246,7 +246,23 @@ func attentionBackwardLaunch(mode attnMode, tokens, nSeq, nHead, nKV, hd int) (a
 // activations. Copies of weights the backend keeps after their
 // first use (BF16 copies of F32 GEMM weights, F32 copies of BF16 routers)
 // are not scratch: a caller measures them after a first small forward.
-func (b *Backend) ForwardScratchBytes(s compute.ForwardShape) int64 { return forwardScratchBytes(s) }
+//
+// With cuDNN the attention's scratch is its BF16 copies of q, k, v and the
+// output, the stats when the caller keeps none and the per-sample offsets;
+// the engine's workspace is not known before its plan is built (each
+// build logs it), and is not counted.
+func (b *Backend) ForwardScratchBytes(s compute.ForwardShape) int64 {
+	need := forwardScratchBytes(s)
+	if b.dnn != nil {
+		n, kv := int64(s.Tokens), int64(s.KVHeads)
+		if kv <= 0 {
+			kv = int64(s.Heads)
+		}
+		attn := 2*n*(2*int64(s.Heads)+2*kv)*int64(s.HeadDim) + 4*n*int64(s.Heads) + 16*(n+4)
+		need = max(need, attn+16<<10)
+	}
+	return need
+}
 
 func forwardScratchBytes(s compute.ForwardShape) int64 {
 	n := int64(s.Tokens)
