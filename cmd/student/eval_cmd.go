@@ -26,7 +26,7 @@ func runEval(args []string) error {
 	config := fs.String("config", "", "config whose distill section, data.cache (or data.dataset), data.seq_len and data.eval_range are used: a training config, or one with only distill: (and data:) (optional)")
 	cacheDirs := fs.String("cache", "", "cache directories, comma-separated (default: the config's data.cache)")
 	cachesFlag := fs.String("caches", "", "several teachers' caches over the same samples, comma-separated, each DIR or NAME=DIR (names t0, t1, ... by default; weights 1): KD and top-1 agreement per teacher (default: the config's data.caches, with its names and weights)")
-	rng := fs.String("range", "", "sample range START:END (default: the config's data.eval_range, else every sample)")
+	rng := fs.String("range", "", "sample range START:END (default: the config's data.eval_range, else the one the checkpoint's run held out, else every sample)")
 	seqLen := fs.Int("seq-len", 0, "packed row length (default: the config's data.seq_len, else 2048)")
 	tokFP := fs.String("tokenizer-fingerprint", "", "the student's tokenizer fingerprint (default: the checkpoint's, the config's)")
 	tokDir := fs.String("tokenizer", "", "directory with the student's tokenizer.json (alternative to --tokenizer-fingerprint)")
@@ -116,10 +116,10 @@ func runEval(args []string) error {
 		}
 	}
 	if cfg.Data.Dataset != nil && *cacheDirs == "" && len(tcs) == 0 {
-		return evalDataset(s, st, &cfg, *tokDir, *rng, *seqLen, *asJSON, lossFrom)
+		return evalDataset(s, st, &cfg, *config != "", *tokDir, *rng, *seqLen, *asJSON, lossFrom)
 	}
 	if len(tcs) > 0 && *cacheDirs == "" {
-		return evalTeachers(s, st, &cfg, tcs, *tokFP, *tokDir, *rng, *seqLen, *asJSON, lossFrom)
+		return evalTeachers(s, st, &cfg, *config != "", tcs, *tokFP, *tokDir, *rng, *seqLen, *asJSON, lossFrom)
 	}
 	dirs := cfg.Data.Cache
 	if *cacheDirs != "" {
@@ -140,18 +140,9 @@ func runEval(args []string) error {
 	if err := trainer.CheckCache(s.Cfg, fp, &m, strings.Join(dirs, ",")); err != nil {
 		return err
 	}
-	r := cache.Range{Start: 0, End: m.Samples}
-	if len(cfg.Data.EvalRange) == 2 {
-		r = cache.Range{Start: cfg.Data.EvalRange[0], End: cfg.Data.EvalRange[1]}
-	}
-	if *rng != "" {
-		a, b, ok := strings.Cut(*rng, ":")
-		x, err1 := strconv.ParseInt(a, 10, 64)
-		y, err2 := strconv.ParseInt(b, 10, 64)
-		if !ok || err1 != nil || err2 != nil || x < 0 || y <= x || y > m.Samples {
-			return fmt.Errorf("--range %q: want START:END with 0 <= START < END <= %d (the cache's samples)", *rng, m.Samples)
-		}
-		r = cache.Range{Start: x, End: y}
+	r, rs, err := evalRange(*rng, &cfg, st, *config != "", m.Samples, "the cache's samples")
+	if err != nil {
+		return err
 	}
 	if *seqLen > 0 {
 		cfg.Data.SeqLen = *seqLen
@@ -165,14 +156,97 @@ func runEval(args []string) error {
 		return err
 	}
 	if *asJSON {
-		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, Loss: cfg.Distill,
-			LossFrom: lossFrom, TeacherTemperature: float64(m.Temperature)})
+		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, RangeFrom: rs.from, HeldOut: rs.heldOut(r),
+			Loss: cfg.Distill, LossFrom: lossFrom, TeacherTemperature: float64(m.Temperature)})
 	}
 	d := cfg.Distill
 	printLoss(d, lossFrom)
+	rs.print(r)
 	fmt.Fprintf(stdout, "samples %v (%d), %d loss positions\nloss %.5f  kd(%s, tail %s, T %g) %.5f  ce %.5f  token_accuracy %.4f  top1_agreement %.4f\n",
 		r, es.Samples, es.Tokens, es.Loss, d.KDLoss, d.Tail, d.Temperature, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement)
 	return nil
+}
+
+// rangeSource is where eval's sample range came from, and what the
+// checkpoint's run held out of training (run false: the checkpoint
+// records no training run).
+type rangeSource struct {
+	from string
+	run  bool
+	held []int64
+}
+
+// evalRange is the sample range eval scores: --range, else the config's
+// data.eval_range, else the one the checkpoint's run held out, else every
+// sample (the zero Range when samples < 0: a dataset's, resolved later).
+// samples bounds --range when >= 0; what names the indices.
+func evalRange(rng string, cfg *trainer.Config, st *trainer.State, configGiven bool, samples int64, what string) (cache.Range, rangeSource, error) {
+	rs := rangeSource{run: st != nil}
+	if st != nil && len(st.EvalRange) == 2 {
+		rs.held = st.EvalRange
+	}
+	var r cache.Range
+	switch {
+	case rng != "":
+		a, b, ok := strings.Cut(rng, ":")
+		x, err1 := strconv.ParseInt(a, 10, 64)
+		y, err2 := strconv.ParseInt(b, 10, 64)
+		if !ok || err1 != nil || err2 != nil || x < 0 || y <= x || (samples >= 0 && y > samples) {
+			if samples < 0 {
+				return r, rs, fmt.Errorf("--range %q: want START:END with 0 <= START < END (%s)", rng, what)
+			}
+			return r, rs, fmt.Errorf("--range %q: want START:END with 0 <= START < END <= %d (%s)", rng, samples, what)
+		}
+		r, rs.from = cache.Range{Start: x, End: y}, "--range"
+	case len(cfg.Data.EvalRange) == 2:
+		r, rs.from = cache.Range{Start: cfg.Data.EvalRange[0], End: cfg.Data.EvalRange[1]}, "the config's data.eval_range"
+		if !configGiven {
+			rs.from = "data.eval_range"
+		}
+	case rs.held != nil:
+		r, rs.from = cache.Range{Start: rs.held[0], End: rs.held[1]}, "the training run's data.eval_range (held out)"
+	default:
+		rs.from = "every sample: no --range, and no data.eval_range in a config or the checkpoint's run"
+		if samples >= 0 {
+			r = cache.Range{Start: 0, End: samples}
+		}
+	}
+	return r, rs, nil
+}
+
+// heldOut says whether the checkpoint's run held r out of training:
+// yes, no, partly, or unknown (the checkpoint records no training run).
+func (rs rangeSource) heldOut(r cache.Range) string {
+	switch {
+	case !rs.run:
+		return "unknown"
+	case rs.held == nil || r.End <= rs.held[0] || r.Start >= rs.held[1]:
+		return "no"
+	case r.Start >= rs.held[0] && r.End <= rs.held[1]:
+		return "yes"
+	}
+	return "partly"
+}
+
+// print says which range eval scored, where it came from, and whether
+// the run trained on it.
+func (rs rangeSource) print(r cache.Range) {
+	var note string
+	switch rs.heldOut(r) {
+	case "unknown":
+		note = "the checkpoint records no training run: whether these samples were trained on is unknown"
+	case "yes":
+		note = "held out: the run never trained on them"
+	case "no":
+		if rs.held == nil {
+			note = "training samples: the run held none out"
+		} else {
+			note = fmt.Sprintf("training samples: the run held out only %v", cache.Range{Start: rs.held[0], End: rs.held[1]})
+		}
+	default:
+		note = fmt.Sprintf("partly training samples: the run held out only %v", cache.Range{Start: rs.held[0], End: rs.held[1]})
+	}
+	fmt.Fprintf(stdout, "range %v (%s): %s\n", r, rs.from, note)
 }
 
 // studentTokenizer is the student's tokenizer fingerprint: --tokenizer-fingerprint,
@@ -199,7 +273,7 @@ func studentTokenizer(st *trainer.State, cfg *trainer.Config, tokFP, tokDir stri
 // the config's data.caches): the objective's KD is the weighted sum of the
 // teachers' divergences, and each teacher's KD and top-1 agreement are
 // printed beside it.
-func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, tcs []trainer.TeacherCache, tokFP, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
+func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, configGiven bool, tcs []trainer.TeacherCache, tokFP, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
 	fp, err := studentTokenizer(st, cfg, tokFP, tokDir)
 	if err != nil {
 		return err
@@ -211,18 +285,9 @@ func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, tcs 
 		return err
 	}
 	m := rd.Manifest()
-	r := cache.Range{Start: 0, End: m.Samples}
-	if len(cfg.Data.EvalRange) == 2 {
-		r = cache.Range{Start: cfg.Data.EvalRange[0], End: cfg.Data.EvalRange[1]}
-	}
-	if rng != "" {
-		a, b, ok := strings.Cut(rng, ":")
-		x, err1 := strconv.ParseInt(a, 10, 64)
-		y, err2 := strconv.ParseInt(b, 10, 64)
-		if !ok || err1 != nil || err2 != nil || x < 0 || y <= x || y > m.Samples {
-			return fmt.Errorf("--range %q: want START:END with 0 <= START < END <= %d (the caches' samples)", rng, m.Samples)
-		}
-		r = cache.Range{Start: x, End: y}
+	r, rs, err := evalRange(rng, cfg, st, configGiven, m.Samples, "the caches' samples")
+	if err != nil {
+		return err
 	}
 	if seqLen > 0 {
 		cfg.Data.SeqLen = seqLen
@@ -236,11 +301,12 @@ func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, tcs 
 		return err
 	}
 	if asJSON {
-		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, Loss: cfg.Distill,
-			LossFrom: lossFrom, TeacherTemperature: float64(m.Temperature)})
+		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, RangeFrom: rs.from, HeldOut: rs.heldOut(r),
+			Loss: cfg.Distill, LossFrom: lossFrom, TeacherTemperature: float64(m.Temperature)})
 	}
 	d := cfg.Distill
 	printLoss(d, lossFrom)
+	rs.print(r)
 	fmt.Fprintf(stdout, "samples %v (%d), %d loss positions, %d teachers\nloss %.5f  kd(%s, tail %s, T %g; weighted sum) %.5f  ce %.5f  token_accuracy %.4f  top1_agreement %.4f (weighted mean)\n",
 		r, es.Samples, es.Tokens, len(es.Teachers), es.Loss, d.KDLoss, d.Tail, d.Temperature, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement)
 	for _, t := range es.Teachers {
@@ -253,7 +319,7 @@ func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, tcs 
 // --cache): the samples are tokenized with the student's tokenizer as
 // the training run read them, and scored on CE and token accuracy (no
 // teacher, so no KD).
-func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
+func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, configGiven bool, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
 	dir := tokDir
 	switch {
 	case dir != "":
@@ -273,18 +339,9 @@ func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, tokDi
 	if st != nil && st.TokenizerFingerprint != "" && st.TokenizerFingerprint != tok.Fingerprint() {
 		return fmt.Errorf("the tokenizer in %s (fingerprint %s) is not the one the student was trained with (%s): give --tokenizer with the run's tokenizer", dir, tok.Fingerprint(), st.TokenizerFingerprint)
 	}
-	var r cache.Range
-	if len(cfg.Data.EvalRange) == 2 {
-		r = cache.Range{Start: cfg.Data.EvalRange[0], End: cfg.Data.EvalRange[1]}
-	}
-	if rng != "" {
-		a, b, ok := strings.Cut(rng, ":")
-		x, err1 := strconv.ParseInt(a, 10, 64)
-		y, err2 := strconv.ParseInt(b, 10, 64)
-		if !ok || err1 != nil || err2 != nil || x < 0 || y <= x {
-			return fmt.Errorf("--range %q: want START:END with 0 <= START < END (dataset sample indices)", rng)
-		}
-		r = cache.Range{Start: x, End: y}
+	r, rs, err := evalRange(rng, cfg, st, configGiven, -1, "dataset sample indices")
+	if err != nil {
+		return err
 	}
 	// The samples as training cut them (max_len 0 is the config's
 	// seq_len), packed into rows of --seq-len when given.
@@ -304,8 +361,10 @@ func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, tokDi
 		return err
 	}
 	if asJSON {
-		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, Loss: cfg.Distill, LossFrom: lossFrom})
+		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, RangeFrom: rs.from, HeldOut: rs.heldOut(r),
+			Loss: cfg.Distill, LossFrom: lossFrom})
 	}
+	rs.print(r)
 	fmt.Fprintf(stdout, "dataset samples %v (%d), %d loss positions\nce %.5f  token_accuracy %.4f  (no teacher: no KD)\n", r, es.Samples, es.Tokens, es.CE, es.TokenAccuracy)
 	return nil
 }
@@ -334,6 +393,8 @@ var stdout io.Writer = os.Stdout
 type evalReport struct {
 	trainer.EvalStats
 	Range              [2]int64              `json:"range"`
+	RangeFrom          string                `json:"range_from"`
+	HeldOut            string                `json:"held_out"` // yes, no, partly or unknown: whether the run held the range out of training
 	Loss               trainer.DistillConfig `json:"distill"`
 	LossFrom           string                `json:"distill_from"`
 	TeacherTemperature float64               `json:"teacher_temperature"`

@@ -74,6 +74,7 @@ func TestEvalLossFlags(t *testing.T) {
 	// Equal but for where the settings came from.
 	js1 = strings.Replace(js1, `"distill_from":"--config `+cfg+`"`, `"distill_from":""`, 1)
 	js2 = regexp.MustCompile(`"distill_from":"[^"]*"`).ReplaceAllString(js2, `"distill_from":""`)
+	js1 = strings.Replace(js1, `"range_from":"the config's data.eval_range"`, `"range_from":"--range"`, 1)
 	if js1 != js2 {
 		t.Fatalf("config and flags differ:\n%s%s", js1, js2)
 	}
@@ -263,5 +264,59 @@ log: {progress: "off", tensorboard: false}
 	m, _ = evalJSON(t, append([]string{"--checkpoint", b.TeacherDir, "--tokenizer-fingerprint", "testcache-tokenizer"}, base...)...)
 	if d := m["distill"].(map[string]any); d["kd_loss"] != "fwd_kl" || d["tail"] != "bucket" || m["distill_from"] != "the defaults" {
 		t.Errorf("HF directory: %v from %v", d, m["distill_from"])
+	}
+}
+
+// TestEvalHeldOutByDefault: `student eval --checkpoint RUN` without
+// --range or --config scores the samples the run held out (its
+// data.eval_range), not every sample, and says which range it scored,
+// where the range came from and whether the run trained on it; --range
+// overrides it.
+func TestEvalHeldOutByDefault(t *testing.T) {
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 16, Chunk: 8, MinLen: 6, MaxLen: 30, Seed: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(dir, "run.yaml")
+	os.WriteFile(cfg, []byte(`model:
+  random: {arch: qwen3, vocab_size: 97, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,
+           num_key_value_heads: 1, head_dim: 16, intermediate_size: 64, max_position_embeddings: 128}
+  tokenizer_fingerprint: testcache-tokenizer
+data: {seq_len: 64, global_batch_tokens: 128, eval_range: [0, 4]}
+train: {max_steps: 2, threads: 1}
+checkpoint: {every: 2}
+eval: {every: 0}
+log: {progress: "off", tensorboard: false}
+`), 0o644)
+	run := filepath.Join(dir, "run")
+	if err := runTrain([]string{"--config", cfg, "--run-dir", run, "--cache", b.CacheDir}); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		args      []string
+		rng       []any
+		from, out string
+	}{
+		{nil, []any{0.0, 4.0}, "the training run's data.eval_range (held out)", "yes"},
+		{[]string{"--range", "4:16"}, []any{4.0, 16.0}, "--range", "no"},
+		{[]string{"--range", "2:8"}, []any{2.0, 8.0}, "--range", "partly"},
+	} {
+		m, _ := evalJSON(t, append([]string{"--checkpoint", run, "--cache", b.CacheDir}, c.args...)...)
+		if !reflect.DeepEqual(m["range"], c.rng) || m["range_from"] != c.from || m["held_out"] != c.out {
+			t.Errorf("eval %v: range %v from %q, held_out %v; want %v from %q, %s", c.args, m["range"], m["range_from"], m["held_out"], c.rng, c.from, c.out)
+		}
+	}
+	var out bytes.Buffer
+	stdout = &out
+	err = runEval([]string{"--checkpoint", run, "--cache", b.CacheDir})
+	stdout = os.Stdout
+	if err != nil || !strings.Contains(out.String(), "range [0, 4) (the training run's data.eval_range (held out)): held out: the run never trained on them") {
+		t.Errorf("text output %q, %v", out.String(), err)
+	}
+	// An HF directory records no run: every sample, and it says it cannot tell.
+	m, _ := evalJSON(t, "--checkpoint", b.TeacherDir, "--cache", b.CacheDir, "--tokenizer-fingerprint", "testcache-tokenizer")
+	if !reflect.DeepEqual(m["range"], []any{0.0, 16.0}) || m["held_out"] != "unknown" {
+		t.Errorf("HF directory: range %v, held_out %v", m["range"], m["held_out"])
 	}
 }
