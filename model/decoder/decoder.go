@@ -155,6 +155,7 @@ type Model struct {
 	// observed (quantization off meanwhile, as ModelOpt calibrates).
 	qad, calibrating bool
 	qadArena         compute.Tensor
+	recompute        Recompute // "" is RecomputeNone
 	train            trainState
 }
 

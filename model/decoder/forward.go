@@ -33,6 +33,12 @@ type blockActs struct {
 // (or out = xmid + moe(ln2)), saving what a's statistics tensors (and,
 // for an MoE block in training, a.moe) ask for.
 func (m *Model) blockForward(L *Block, a *blockActs, b *batch) {
+	m.attnForward(L, a, b)
+	m.mlpForward(L, a, b.n, true)
+}
+
+// attnForward is blockForward's first half: xmid = xin + o(attn(...)).
+func (m *Model) attnForward(L *Block, a *blockActs, b *batch) {
 	be, c := m.be, m.Cfg
 	N, C, H, KV, D := b.n, c.Hidden, c.Heads, c.KVHeads, c.HeadDim
 	eps := c.RMSNormEps
@@ -52,7 +58,16 @@ func (m *Model) blockForward(L *Block, a *blockActs, b *batch) {
 	m.quantInput(&L.InO, a.attq, a.att, N, H*D)
 	be.MatMul(a.xmid, a.attq, at.O.weight(), at.O.B, N, C, H*D)
 	be.Add(a.xmid, a.xin, N*C)
-	be.RMSNorm(a.ln2, a.rstd2, a.xmid, L.PostNorm.W, N, C, eps)
+}
+
+// mlpForward is blockForward's second half: out = xmid + mlp(ln2) (or
+// moe(ln2)). Without down (a full recompute in the backward, which needs
+// the MLP's inputs and activations but not its output), a dense block
+// stops before the down projection.
+func (m *Model) mlpForward(L *Block, a *blockActs, N int, down bool) {
+	be, c := m.be, m.Cfg
+	C := c.Hidden
+	be.RMSNorm(a.ln2, a.rstd2, a.xmid, L.PostNorm.W, N, C, c.RMSNormEps)
 	if L.MoE != nil && a.moe == nil {
 		be.MoE(a.out, a.ln2, L.MoE, N)
 	} else if L.MoE != nil {
@@ -64,13 +79,24 @@ func (m *Model) blockForward(L *Block, a *blockActs, b *batch) {
 		f := L.MLP
 		I := f.Gate.Out
 		m.quantInput(&L.InGateUp, a.ln2q, a.ln2, N, C)
-		be.MatMul(a.gate, a.ln2q, f.Gate.weight(), nil, N, I, C)
-		be.MatMul(a.up, a.ln2q, f.Up.weight(), nil, N, I, C)
-		be.SwiGLU(a.h, a.gate, a.up, N*I)
-		m.quantInput(&L.InDown, a.hq, a.h, N, I)
+		m.gateUp(L, a, N)
+		if !down {
+			return
+		}
 		be.MatMul(a.out, a.hq, f.Down.weight(), nil, N, C, I)
 	}
 	be.Add(a.out, a.xmid, N*C)
+}
+
+// gateUp computes a dense MLP's gate, up, h = silu(gate)·up and its
+// quantized copy hq from ln2q: what a selective recompute re-runs.
+func (m *Model) gateUp(L *Block, a *blockActs, N int) {
+	be, f := m.be, L.MLP
+	I, C := f.Gate.Out, m.Cfg.Hidden
+	be.MatMul(a.gate, a.ln2q, f.Gate.weight(), nil, N, I, C)
+	be.MatMul(a.up, a.ln2q, f.Up.weight(), nil, N, I, C)
+	be.SwiGLU(a.h, a.gate, a.up, N*I)
+	m.quantInput(&L.InDown, a.hq, a.h, N, I)
 }
 
 func attnScale(d int) float32 { return float32(1 / math.Sqrt(float64(d))) }

@@ -1,8 +1,77 @@
 package decoder
 
 import (
+	"fmt"
+
 	"distill/compute"
+	"distill/model"
 )
+
+// Recompute is how much of a layer's forward the backward re-runs
+// instead of keeping its activations (Megatron-LM's activation
+// recomputation), set by SetRecompute:
+//
+//   - RecomputeNone keeps every activation the backward reads;
+//   - RecomputeSelective keeps everything but a dense MLP's gate, up,
+//     h = silu(gate)·up (and under QAD its quantized h): the backward
+//     re-runs the gate and up GEMMs and SwiGLU from the kept ln2, in one
+//     set of buffers all layers share. Attention's probabilities are
+//     never kept (the kernels recompute them from the log-sum-exp); an
+//     MoE block's routing and expert activations are kept;
+//   - RecomputeFull keeps only each layer's input (the residual stream
+//     between layers) and re-runs the whole layer's forward, the
+//     attention included, before its backward, in one set of buffers all
+//     layers share; the MoE routing statistics are read during the
+//     forward.
+//
+// A recompute runs the same kernels on the same inputs as the forward, so
+// the recomputed tensors are the forward's bit for bit on a deterministic
+// backend, and the gradients do not depend on the mode.
+type Recompute string
+
+// The recompute modes.
+const (
+	RecomputeNone      Recompute = "none"
+	RecomputeSelective Recompute = "selective"
+	RecomputeFull      Recompute = "full"
+)
+
+// RecomputeModes lists the modes from the least recomputation to the most.
+var RecomputeModes = []Recompute{RecomputeNone, RecomputeSelective, RecomputeFull}
+
+// ParseRecompute checks a mode's name ("" is none).
+func ParseRecompute(s string) (Recompute, error) {
+	if s == "" {
+		return RecomputeNone, nil
+	}
+	for _, r := range RecomputeModes {
+		if string(r) == s {
+			return r, nil
+		}
+	}
+	return "", fmt.Errorf("%w: recompute %q: want none, selective or full", ErrInvalid, s)
+}
+
+// SetRecompute sets the recompute mode of the next TrainForward.
+func (m *Model) SetRecompute(r Recompute) error {
+	r, err := ParseRecompute(string(r))
+	if err != nil {
+		return err
+	}
+	if r != m.recompute {
+		m.recompute = r
+		m.train.arenaN = -1
+	}
+	return nil
+}
+
+// RecomputeMode returns the recompute mode (RecomputeNone by default).
+func (m *Model) RecomputeMode() Recompute {
+	if m.recompute == "" {
+		return RecomputeNone
+	}
+	return m.recompute
+}
 
 // trainState is the activation arena of the last training batch and the
 // batch itself (kept for the backward).
@@ -15,6 +84,10 @@ type trainState struct {
 	// router probabilities (SetRouterAux); nil: no aux loss.
 	dprob compute.Tensor
 	auxOn bool
+	// routing: the MoE statistics read during the forward (full
+	// recompute, where the layers share their routing buffers); nil: read
+	// them from the layers' saved tensors.
+	routing *RouterStats
 }
 
 // trainActs are the views of one batch's activation arena.
@@ -33,7 +106,8 @@ type trainActs struct {
 // carve lays out the activations of an N-token batch in arena (F32) and
 // iarena (I32, the MoE routing), or only counts them when arena is nil;
 // it returns their sizes in elements. Sizes and views come from this one
-// function so they cannot drift apart.
+// function so they cannot drift apart. What a layer keeps and what one
+// shared set of buffers holds depends on the recompute mode.
 func (m *Model) carve(a *trainActs, N int, arena, iarena compute.Tensor) (int, int) {
 	cfg := m.Cfg
 	C, H, KV, D, I := cfg.Hidden, cfg.Heads, cfg.KVHeads, cfg.HeadDim, cfg.Intermediate
@@ -52,15 +126,9 @@ func (m *Model) carve(a *trainActs, N int, arena, iarena compute.Tensor) (int, i
 		}
 		return m.be.View(iarena, ioff-n, n)
 	}
-	a.cos, a.sin = take(N*D/2), take(N*D/2)
-	a.x0 = take(N * C)
-	a.layers = make([]blockActs, cfg.Layers)
-	for i := range a.layers {
-		l := &a.layers[i]
-		l.xin = a.x0
-		if i > 0 {
-			l.xin = a.layers[i-1].out
-		}
+	// attn takes a layer's attention half: ln1 to xmid, and ln2 (and
+	// under QAD the quantized inputs of q/k/v, o and a dense gate/up).
+	attn := func(l *blockActs, dense bool) {
 		l.ln1, l.rstd1 = take(N*C), take(N)
 		if cfg.QKNorm {
 			l.qpre, l.qrstd, l.kpre, l.krstd = take(N*H*D), take(N*H), take(N*KV*D), take(N*KV)
@@ -73,21 +141,77 @@ func (m *Model) carve(a *trainActs, N int, arena, iarena compute.Tensor) (int, i
 		l.ln1q, l.attq, l.ln2q = l.ln1, l.att, l.ln2
 		if m.qad {
 			l.ln1q, l.attq = take(N*C), take(N*H*D)
+			if dense {
+				l.ln2q = take(N * C)
+			}
 		}
+	}
+	// mlp takes a dense MLP's gate, up, h (and under QAD hq).
+	mlp := func(l *blockActs) {
+		l.gate, l.up, l.h = take(N*I), take(N*I), take(N*I)
+		l.hq = l.h
+		if m.qad {
+			l.hq = take(N * I)
+		}
+	}
+	// The experts quantize their inputs inside the MoE kernels.
+	moe := func(l *blockActs) {
+		E, K, IM := cfg.NumExperts, cfg.ExpertsPerTok, cfg.MoEIntermediate
+		nf, ni := compute.MoESavedSizes(N, E, K, C, IM)
+		fa, ia := take(nf), itake(ni)
+		if arena != nil {
+			l.moe = compute.NewMoESaved(m.be, fa, ia, N, E, K, C, IM)
+		}
+	}
+	anyDense, anyMoE := false, false
+	for i := 0; i < cfg.Layers; i++ {
 		if cfg.IsMoE(i) {
-			// The experts quantize their inputs inside the MoE kernels.
-			E, K, IM := cfg.NumExperts, cfg.ExpertsPerTok, cfg.MoEIntermediate
-			nf, ni := compute.MoESavedSizes(N, E, K, C, IM)
-			fa, ia := take(nf), itake(ni)
-			if arena != nil {
-				l.moe = compute.NewMoESaved(m.be, fa, ia, N, E, K, C, IM)
+			anyMoE = true
+		} else {
+			anyDense = true
+		}
+	}
+	mode := m.RecomputeMode()
+	a.cos, a.sin = take(N*D/2), take(N*D/2)
+	a.x0 = take(N * C)
+	// shared: the buffers every layer uses in turn (selective: a dense
+	// MLP's gate/up/h; full: all but the layer's input and output).
+	var shared blockActs
+	switch {
+	case mode == RecomputeSelective && anyDense:
+		mlp(&shared)
+	case mode == RecomputeFull && cfg.Layers > 0:
+		attn(&shared, anyDense)
+		if anyDense {
+			mlp(&shared)
+		}
+		if anyMoE {
+			moe(&shared)
+		}
+	}
+	a.layers = make([]blockActs, cfg.Layers)
+	for i := range a.layers {
+		l := &a.layers[i]
+		dense := !cfg.IsMoE(i)
+		if mode == RecomputeFull {
+			*l = shared
+			if dense {
+				l.moe = nil
 			}
 		} else {
-			l.gate, l.up, l.h = take(N*I), take(N*I), take(N*I)
-			l.hq = l.h
-			if m.qad {
-				l.ln2q, l.hq = take(N*C), take(N*I)
+			attn(l, dense)
+			switch {
+			case !dense:
+				moe(l)
+			case mode == RecomputeSelective:
+				l.gate, l.up, l.h, l.hq = shared.gate, shared.up, shared.h, shared.hq
+			default:
+				mlp(l)
 			}
+		}
+		l.xin = a.x0
+		if i > 0 {
+			l.xin = a.layers[i-1].out
 		}
 		l.out = take(N * C)
 	}
@@ -106,11 +230,22 @@ func (m *Model) carve(a *trainActs, N int, arena, iarena compute.Tensor) (int, i
 }
 
 // TrainActivationFloats is the size of the training activation arenas for
-// an N-token batch, in 4-byte elements (F32 and the MoE routing's I32).
+// an N-token batch under the model's recompute mode, in 4-byte elements
+// (F32 and the MoE routing's I32).
 func (m *Model) TrainActivationFloats(N int) int {
 	var a trainActs
 	f, i := m.carve(&a, N, nil, nil)
 	return f + i
+}
+
+// TrainActivationBytes is what TrainForward's activation arenas take for
+// an N-token batch of a model of cfg under recompute mode r, with NVFP4
+// QAD on or off; no backend needed (memory planning).
+func TrainActivationBytes(cfg *model.Config, N int, r Recompute, qad bool) int64 {
+	m := &Model{Cfg: cfg, qad: qad, recompute: r}
+	var a trainActs
+	f, i := m.carve(&a, N, nil, nil)
+	return 4 * (int64(f) + int64(i))
 }
 
 // prepare sizes the activation arena for N tokens (growing it only when
@@ -122,15 +257,20 @@ func (m *Model) prepare(N int) {
 	}
 	var a trainActs
 	n, ni := m.carve(&a, N, nil, nil)
+	// A failed allocation (a device backend's out-of-memory panic) leaves
+	// no freed arena behind: the next call allocates anew.
+	st.arenaN = -1
 	if st.arena == nil || st.arena.Len() < n {
 		if st.arena != nil {
 			m.be.Free(st.arena)
+			st.arena = nil
 		}
 		st.arena = m.be.New(compute.F32, n)
 	}
 	if ni > 0 && (st.iarena == nil || st.iarena.Len() < ni) {
 		if st.iarena != nil {
 			m.be.Free(st.iarena)
+			st.iarena = nil
 		}
 		st.iarena = m.be.New(compute.I32, ni)
 	}
@@ -163,8 +303,17 @@ func (m *Model) TrainForward(tokens, starts []int32) (compute.Tensor, error) {
 		m.quantizeWeights()
 	}
 	m.be.Embed(a.x0, m.Embed.W, st.b.tokens, N, c.Hidden)
+	st.routing = nil
+	if m.RecomputeMode() == RecomputeFull && c.NumExperts > 0 {
+		// The MoE layers share their routing buffers: read each layer's
+		// statistics before the next one overwrites them.
+		st.routing = &RouterStats{Tokens: N, TopK: c.ExpertsPerTok}
+	}
 	for i := range m.Blocks {
 		m.blockForward(&m.Blocks[i], &a.layers[i], st.b)
+		if st.routing != nil && m.Blocks[i].MoE != nil {
+			st.routing.add(m, i, a.layers[i].moe)
+		}
 	}
 	m.be.RMSNorm(a.lnf, a.rstdf, a.xL, m.Norm.W, N, c.Hidden, c.RMSNormEps)
 	return a.lnf, nil
@@ -186,9 +335,19 @@ func (m *Model) Backward() {
 	if m.train.auxOn {
 		dprob = m.train.dprob
 	}
+	mode := m.RecomputeMode()
 	for i := len(m.Blocks) - 1; i >= 0; i-- {
 		L, l := &m.Blocks[i], &a.layers[i]
 		f, at := L.MLP, &L.Attn
+		switch {
+		case mode == RecomputeFull:
+			// The layer's forward again, from its kept input, into the
+			// shared buffers (a dense MLP's output is not needed).
+			m.attnForward(L, l, b)
+			m.mlpForward(L, l, N, false)
+		case mode == RecomputeSelective && L.MoE == nil:
+			m.gateUp(L, l, N)
+		}
 		if L.MoE != nil {
 			// out = xmid + moe(ln2): the experts and the router.
 			be.Zero(a.dln)
@@ -246,30 +405,36 @@ type RouterStats struct {
 // Routing reads the routing statistics of the last TrainForward (it
 // synchronizes); empty for a dense model.
 func (m *Model) Routing() RouterStats {
-	be, a, c := m.be, &m.train.acts, m.Cfg
+	if m.train.routing != nil {
+		return *m.train.routing
+	}
+	a, c := &m.train.acts, m.Cfg
 	rs := RouterStats{Tokens: m.train.b.n, TopK: c.ExpertsPerTok}
-	E, T := c.NumExperts, rs.Tokens
 	for i := range m.Blocks {
-		if m.Blocks[i].MoE == nil {
-			continue
+		if m.Blocks[i].MoE != nil {
+			rs.add(m, i, a.layers[i].moe)
 		}
-		s := a.layers[i].moe
-		off := make([]int32, E+1)
-		be.ReadI32(s.Offsets, off)
-		p := make([]float32, T*E)
-		be.ReadF32(s.Probs, p)
-		cnt, ps := make([]int, E), make([]float64, E)
-		for e := 0; e < E; e++ {
-			cnt[e] = int(off[e+1] - off[e])
-		}
-		for t := 0; t < T; t++ {
-			for e := 0; e < E; e++ {
-				ps[e] += float64(p[t*E+e])
-			}
-		}
-		rs.Layers, rs.Counts, rs.ProbSums = append(rs.Layers, i), append(rs.Counts, cnt), append(rs.ProbSums, ps)
 	}
 	return rs
+}
+
+// add appends MoE layer i's statistics, read from its saved routing s.
+func (rs *RouterStats) add(m *Model, i int, s *compute.MoESaved) {
+	be, E, T := m.be, m.Cfg.NumExperts, rs.Tokens
+	off := make([]int32, E+1)
+	be.ReadI32(s.Offsets, off)
+	p := make([]float32, T*E)
+	be.ReadF32(s.Probs, p)
+	cnt, ps := make([]int, E), make([]float64, E)
+	for e := 0; e < E; e++ {
+		cnt[e] = int(off[e+1] - off[e])
+	}
+	for t := 0; t < T; t++ {
+		for e := 0; e < E; e++ {
+			ps[e] += float64(p[t*E+e])
+		}
+	}
+	rs.Layers, rs.Counts, rs.ProbSums = append(rs.Layers, i), append(rs.Counts, cnt), append(rs.ProbSums, ps)
 }
 
 // Totals are the counts summed over the MoE layers.
