@@ -7,6 +7,7 @@ import (
 	"math"
 	"os"
 	"reflect"
+	"regexp"
 	"strings"
 	"time"
 
@@ -361,11 +362,13 @@ func LoadEvalConfig(path string, overrides []string) (*Config, error) {
 
 func loadConfig(path string, overrides []string, validate func(*Config) error) (*Config, error) {
 	var root yaml.Node
+	var src []byte // the file's text
 	if path != "" {
 		b, err := os.ReadFile(path)
 		if err != nil {
 			return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 		}
+		src = b
 		if err := yaml.Unmarshal(b, &root); err != nil {
 			return nil, fmt.Errorf("%w: %s: %v", ErrConfig, path, err)
 		}
@@ -378,9 +381,24 @@ func loadConfig(path string, overrides []string, validate func(*Config) error) (
 	if root.Kind != yaml.DocumentNode || root.Content[0].Kind != yaml.MappingNode {
 		return nil, fmt.Errorf("%w: %s: the top level must be a mapping of keys", ErrConfig, path)
 	}
+	// The file is checked alone first, so its errors name its own lines,
+	// then each override on top of it, so their errors name the flag (the
+	// tree re-encoded with the overrides has lines of its own).
+	if src != nil && len(root.Content[0].Content) > 0 {
+		if err := decodeStrict(&root, src); err != nil {
+			return nil, fmt.Errorf("%w: %s: %v (keys are listed in examples/train.yaml)", ErrConfig, path, err)
+		}
+	}
 	for _, o := range overrides {
 		if err := setKey(root.Content[0], o); err != nil {
 			return nil, err
+		}
+		b, err := yaml.Marshal(&root)
+		if err != nil {
+			return nil, err
+		}
+		if err := decodeStrict(&root, b); err != nil {
+			return nil, fmt.Errorf("%w: --set %s: %v (keys are listed in examples/train.yaml)", ErrConfig, o, lineRE.ReplaceAllString(err.Error(), ""))
 		}
 	}
 	b, err := yaml.Marshal(&root)
@@ -388,9 +406,6 @@ func loadConfig(path string, overrides []string, validate func(*Config) error) (
 		return nil, err
 	}
 	c := Defaults()
-	if err := checkInts(root.Content[0], reflect.TypeOf(c), ""); err != nil {
-		return nil, fmt.Errorf("%w: %s: %w", ErrConfig, path, err)
-	}
 	dec := yaml.NewDecoder(bytes.NewReader(b))
 	dec.KnownFields(true)
 	if err := dec.Decode(&c); err != nil {
@@ -408,10 +423,34 @@ func loadConfig(path string, overrides []string, validate func(*Config) error) (
 		}
 	}
 	if err := validate(&c); err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
+		where := path
+		if len(overrides) > 0 {
+			// The flags may be what made it invalid: name them too.
+			where = "--set " + strings.Join(overrides, " --set ")
+			if path != "(flags)" {
+				where = path + " with " + where
+			}
+		}
+		return nil, fmt.Errorf("%s: %w", where, err)
 	}
 	return &c, nil
 }
+
+// decodeStrict decodes the config tree root, written as src, over the
+// defaults as loadConfig does (integers checked, unknown keys refused),
+// for its errors alone: they name src's lines.
+func decodeStrict(root *yaml.Node, src []byte) error {
+	c := Defaults()
+	if err := checkInts(root.Content[0], reflect.TypeOf(c), ""); err != nil {
+		return err
+	}
+	dec := yaml.NewDecoder(bytes.NewReader(src))
+	dec.KnownFields(true)
+	return dec.Decode(&c)
+}
+
+// lineRE matches the "line N: " of a decoder's error.
+var lineRE = regexp.MustCompile(`line \d+: `)
 
 // checkInts refuses a non-integer YAML value for an integer key: yaml.v3
 // would silently truncate max_steps: 40.5 to 40. It walks the mapping n
@@ -624,10 +663,10 @@ func (c *Config) Validate() error {
 		return bad("optim.max_grad_norm", "%g: want >= 0 (0 = no clipping)", c.Optim.MaxGradNorm)
 	}
 	if err := c.AdamW().Validate(); err != nil {
-		return fmt.Errorf("%w: optim: %w", ErrConfig, err)
+		return fmt.Errorf("%w: %w", ErrConfig, err) // "optim: invalid configuration: ..."
 	}
 	if err := c.Schedule().Validate(); err != nil {
-		return fmt.Errorf("%w: optim: %w", ErrConfig, err)
+		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}
 	if c.Data.Dataset != nil {
 		if err := c.validateDataset(); err != nil {
