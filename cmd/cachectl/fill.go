@@ -43,8 +43,8 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	k := fs.Int("k", 0, "top-k entries per position (0: the teacher's default)")
 	temp := fs.Float64("temperature", 0, "capture temperature (0: 1)")
 	encoding := fs.String("encoding", "", "log-prob encoding: compact (default) or lossless")
-	token := fs.String("token", os.Getenv("DISTILL_TOKEN"), "bearer token for the daemons (default $DISTILL_TOKEN)")
-	tlsCA := fs.String("tls-ca", "", "PEM CA file: connect with TLS, trusting it")
+	var auth authFlags
+	auth.register(fs)
 	perTeacher := fs.Int("per-teacher", 2, "chunks in flight per teacher")
 	retryFor := fs.Duration("retry-for", 2*time.Minute, "how long an unreachable teacher is retried before its work goes to the others only")
 	logEvery := fs.Duration("log-every", 10*time.Second, "progress line interval when stderr is not a terminal")
@@ -95,8 +95,12 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			}
 			plan.TokenizerFingerprint = tok.Fingerprint()
 		}
+		dialOpts, err := auth.options()
+		if err != nil {
+			return err
+		}
 		for _, addr := range strings.Split(*teachers, ",") {
-			w, err := serve.Dial(strings.TrimSpace(addr), serve.DialOptions{Token: *token, CAFile: *tlsCA})
+			w, err := serve.Dial(strings.TrimSpace(addr), dialOpts)
 			if err != nil {
 				return err
 			}

@@ -1,25 +1,34 @@
 package main
 
 import (
+	"context"
 	"flag"
 	"fmt"
 	"math"
 	"os"
+	"os/signal"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"distill/compute/device"
 	"distill/infer"
 	"distill/internal/cli"
+	"distill/internal/teacherdial"
+	pb "distill/proto/distill/v1"
+	"distill/serve"
 )
 
 func init() {
-	commands.Register(&cli.Command{Name: "score", Summary: "print a teacher's top-k next tokens for token ids (in-process)", Run: runScore})
+	commands.Register(&cli.Command{Name: "score", Summary: "print a teacher's top-k next tokens for token ids (in-process, or through teacherd)", Run: runScore})
 }
 
 func runScore(args []string) error {
 	fs := flag.NewFlagSet("cachectl score", flag.ContinueOnError)
-	modelDir := fs.String("model", "", "HF checkpoint directory (required)")
+	modelDir := fs.String("model", "", "HF checkpoint directory: score in this process (or --teacher)")
+	teacherAddr := fs.String("teacher", "", "teacherd address ADDR: score through the daemon (or --model)")
+	var auth authFlags
+	auth.register(fs)
 	ids := fs.String("ids", "", `token ids: "1,2,3"; several samples separated by ";" (required)`)
 	k := fs.Int("k", 5, "top-k tokens to print per position")
 	temp := fs.Float64("temperature", 1, "capture temperature")
@@ -27,9 +36,9 @@ func runScore(args []string) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	if *modelDir == "" || *ids == "" {
+	if (*modelDir == "") == (*teacherAddr == "") || *ids == "" {
 		fs.Usage()
-		return fmt.Errorf("--model and --ids are required")
+		return fmt.Errorf("--ids and one of --model DIR (in-process) and --teacher ADDR (a daemon) are required")
 	}
 	var samples [][]int32
 	for i, part := range strings.Split(*ids, ";") {
@@ -47,6 +56,13 @@ func runScore(args []string) error {
 		}
 		samples = append(samples, s)
 	}
+	if *teacherAddr != "" {
+		o, err := auth.options()
+		if err != nil {
+			return err
+		}
+		return scoreRemote(*teacherAddr, o, samples, *k, float32(*temp))
+	}
 	be, err := device.Open(*dev, device.Options{Purpose: device.Inference,
 		Logf: func(format string, args ...any) { fmt.Fprintf(os.Stderr, "score: "+format+"\n", args...) }})
 	if err != nil {
@@ -63,15 +79,59 @@ func runScore(args []string) error {
 	}
 	fmt.Printf("teacher %s (%s, %.2fM params, vocab %d), fingerprint %.12s, on %s\n", *modelDir, m.Cfg.Arch, float64(m.Cfg.Params())/1e6, m.Cfg.VocabSize, m.Fingerprint(), be.Name())
 	for i, s := range samples {
-		fmt.Printf("sample %d:\n", i)
-		for p, tok := range s {
-			var b strings.Builder
-			for j := 0; j < *k; j++ {
-				e := p**k + j
-				fmt.Fprintf(&b, " %d:%.4f", res[i].IDs[e], math.Exp(float64(res[i].LogProbs[e])))
-			}
-			fmt.Printf("  pos %d token %d -> top-%d (id:prob)%s\n", p, tok, *k, b.String())
+		printTopK(i, s, *k, res[i].IDs, res[i].LogProbs)
+	}
+	return nil
+}
+
+// printTopK prints one sample's top-k at every position.
+func printTopK(i int, s []int32, k int, ids []int32, logProbs []float32) {
+	fmt.Printf("sample %d:\n", i)
+	for p, tok := range s {
+		var b strings.Builder
+		for j := 0; j < k; j++ {
+			e := p*k + j
+			fmt.Fprintf(&b, " %d:%.4f", ids[e], math.Exp(float64(logProbs[e])))
 		}
+		fmt.Printf("  pos %d token %d -> top-%d (id:prob)%s\n", p, tok, k, b.String())
+	}
+}
+
+// scoreRemote is `cachectl score --teacher ADDR`: the samples scored by a
+// teacherd daemon through its Score stream, printed as in-process.
+func scoreRemote(addr string, o serve.DialOptions, samples [][]int32, k int, temp float32) error {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	conn, err := teacherdial.Dial(addr, o)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	c := pb.NewTeacherClient(conn)
+	info, err := c.Info(ctx, &pb.InfoRequest{})
+	if err != nil {
+		return fmt.Errorf("teacher %s: %w", addr, err)
+	}
+	stream, err := c.Score(ctx)
+	if err != nil {
+		return fmt.Errorf("teacher %s: %w", addr, err)
+	}
+	kk := int32(k)
+	for i, s := range samples {
+		if err := stream.Send(&pb.ScoreRequest{Id: int64(i), Tokens: s, K: &kk, Temperature: temp}); err != nil {
+			return fmt.Errorf("teacher %s: %w", addr, err)
+		}
+	}
+	if err := stream.CloseSend(); err != nil {
+		return fmt.Errorf("teacher %s: %w", addr, err)
+	}
+	fmt.Printf("teacher %s (%s, %.2fM params, vocab %d), fingerprint %.12s, on %s\n", addr, info.Architecture, float64(info.Params)/1e6, info.VocabSize, info.TeacherFingerprint, info.Device)
+	for i, s := range samples {
+		r, err := stream.Recv()
+		if err != nil {
+			return fmt.Errorf("teacher %s: sample %d: %w", addr, i, err)
+		}
+		printTopK(i, s, int(r.K), r.Ids, r.Logprobs)
 	}
 	return nil
 }

@@ -1,0 +1,81 @@
+package main
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"distill/serve"
+)
+
+// TestClientsTokenFile: fill and score reach a daemon that wants a bearer
+// token with --token-file (the secret stays off the command line), are
+// refused without it, and refuse --token beside --token-file; score
+// through the daemon gives what it gives in-process.
+func TestClientsTokenFile(t *testing.T) {
+	t.Setenv("DISTILL_TOKEN", "")
+	dir := t.TempDir()
+	mdir := fillModel(t, 64)
+	tf := filepath.Join(dir, "token")
+	os.WriteFile(tf, []byte("s3cret\n"), 0o600)
+	d, err := serve.Start(serve.Config{Model: mdir, Cache: filepath.Join(dir, "cache"), DataRoots: []string{dir}, TokenFile: tf,
+		Listen: "127.0.0.1:0", Metrics: "off", Device: "cpu"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Shutdown(context.Background())
+	dpath := filepath.Join(dir, "ids.jsonl")
+	writeIDs(t, dpath, idSamples(6, 64))
+
+	fill := []string{"--teacher", d.Addr(), "--data", dpath, "--pretokenized", "--chunk", "3", "--k", "4", "--retry-for", "0s"}
+	if out, err := runFill(t, fill...); err == nil {
+		t.Errorf("fill without the token succeeded:\n%s", out)
+	}
+	if _, err := runFill(t, append(fill, "--token-file", tf, "--token", "s3cret")...); err == nil || !strings.Contains(err.Error(), "only one of --token and --token-file") {
+		t.Errorf("fill --token and --token-file: %v", err)
+	}
+	if _, err := runFill(t, append(fill, "--token-file", filepath.Join(dir, "none"))...); err == nil || !strings.Contains(err.Error(), "--token-file") {
+		t.Errorf("fill --token-file missing: %v", err)
+	}
+	if out, err := runFill(t, append(fill, "--token-file", tf)...); err != nil {
+		t.Fatalf("fill --token-file: %v\n%s", err, out)
+	}
+
+	score := []string{"--ids", "1,2,3;4,5", "--k", "3"}
+	if err := runScore(append(score, "--teacher", d.Addr())); err == nil || !strings.Contains(err.Error(), "Unauthenticated") {
+		t.Errorf("score without the token: %v", err)
+	}
+	if err := runScore(append(score, "--teacher", d.Addr(), "--model", mdir)); err == nil || !strings.Contains(err.Error(), "one of --model") {
+		t.Errorf("score --teacher and --model: %v", err)
+	}
+	remote := captureStdout(t, func() error { return runScore(append(score, "--teacher", d.Addr(), "--token-file", tf)) })
+	local := captureStdout(t, func() error { return runScore(append(score, "--model", mdir, "--device", "cpu")) })
+	_, rt, _ := strings.Cut(remote, "\n")
+	_, lt, _ := strings.Cut(local, "\n")
+	if rt == "" || rt != lt {
+		t.Errorf("score through the daemon:\n%s\nin-process:\n%s", remote, local)
+	}
+}
+
+// captureStdout runs f with os.Stdout going to a file and returns what f
+// printed; f's error fails the test.
+func captureStdout(t *testing.T, f func() error) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "stdout")
+	o, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	saved := os.Stdout
+	os.Stdout = o
+	err = f()
+	os.Stdout = saved
+	o.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := os.ReadFile(p)
+	return string(b)
+}
