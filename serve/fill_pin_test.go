@@ -178,7 +178,9 @@ func pinnedFills() []pinnedFill {
 			return []Worker{newFake("a:7070", "/cache", log)}, p
 		}},
 		{"redone chunk", func(log *fillLog) ([]Worker, FillPlan) {
-			a, b := newFake("a:7070", "/a", log), newFake("b:7070", "/b", log)
+			// Which chunk a takes first is the scheduler's choice: its
+			// requests are not logged, and the chunk is not named.
+			a, b := newFake("a:7070", "/a", nil), newFake("b:7070", "/b", nil)
 			first := make(chan struct{})
 			a.afterReport = func(call int) error {
 				if call == 1 {
@@ -310,6 +312,8 @@ var (
 	rates = regexp.MustCompile(`\d+ tokens/s|ETA [^ ,\n]+| in [^ ]+ \(`)
 	// ticks are progress lines drawn before the last one.
 	ticks = regexp.MustCompile(`(\r[^\r\n]*)+(\r[^\r\n]*\n)`)
+	// redone names the chunk that two directories hold.
+	redone = regexp.MustCompile(`fill: chunk \[\d+, \d+\) in`)
 )
 
 // describeFill is everything a fill returned and wrote, in a form that is
@@ -328,6 +332,7 @@ func describeFill(name string, sum *FillSummary, err error, out string, log *fil
 		return " in T ("
 	})
 	out = ticks.ReplaceAllString(out, "$2")
+	out = redone.ReplaceAllString(out, "fill: chunk [S, E) in")
 	fmt.Fprintf(&b, "error: %v\n", err)
 	if sum != nil {
 		fmt.Fprintf(&b, "summary: samples %d tokens %d targets %d truncated %d dropped %d bad %d reasons %v chunks %d skipped %d retries %d dirs %v dataset %s/%d\n",
