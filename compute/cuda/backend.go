@@ -42,6 +42,11 @@ type Options struct {
 	// Profile times every kernel and GEMM (synchronizing around each, so
 	// it slows the whole); Profile() reports the totals. For benchmarks.
 	Profile bool
+	// PerUseCasts turns the weight shadows off (shadow.go): every GEMM
+	// rounds its fp32 weight operand to BF16 as it reads it, and every
+	// FakeQuantNVFP4 runs. The results are the same bits either way; the
+	// tests compare the two. $DISTILL_CUDA_PER_USE_CASTS=1 sets it too.
+	PerUseCasts bool
 }
 
 // Backend is the CUDA backend. It is safe for concurrent use, one call at
@@ -79,6 +84,8 @@ type Backend struct {
 	// Copies of weights in the form a kernel needs, made once: BF16 copies
 	// of F32 weights (GEMM operands) and F32 copies of BF16 MoE routers.
 	bf16Of, f32Of map[*tensor]*tensor
+	// The BF16 shadows of the fp32 parameters (shadow.go).
+	shadow shadows
 
 	closed bool
 }
@@ -188,6 +195,7 @@ func Open(opt Options) (*Backend, error) {
 		return nil, fmt.Errorf("cuda: attention %q: want auto, cudnn, mma or simt", b.attn)
 	}
 	b.attnNondet = opt.AttnNondeterministic || os.Getenv("DISTILL_CUDNN_NONDETERMINISTIC") == "1"
+	b.shadow.off = opt.PerUseCasts || os.Getenv("DISTILL_CUDA_PER_USE_CASTS") == "1"
 	dir := opt.KernelCache
 	if dir == "" {
 		dir = defaultCacheDir()
@@ -701,6 +709,7 @@ func (b *Backend) Free(x compute.Tensor) {
 			delete(m, t)
 		}
 	}
+	b.dropRange(t.p, t.bytes())
 	b.free(t.p)
 	t.p = 0
 }
@@ -719,6 +728,7 @@ func (b *Backend) View(x compute.Tensor, off, n int) compute.Tensor {
 // Zero sets every element of t to 0.
 func (b *Backend) Zero(x compute.Tensor) {
 	defer b.enter()()
+	b.wroteT(x)
 	t := b.ten(x, "Zero target")
 	b.memset0(t.p, t.bytes())
 }
@@ -726,6 +736,7 @@ func (b *Backend) Zero(x compute.Tensor) {
 // Copy: dst[0:src.Len()) = src, same dtype, not overlapping.
 func (b *Backend) Copy(dstT, srcT compute.Tensor) {
 	defer b.enter()()
+	b.wroteT(dstT)
 	dst, src := b.ten(dstT, "Copy destination"), b.ten(srcT, "Copy source")
 	if dst.dt != src.dt || dst.n < src.n {
 		panic(fmt.Sprintf("cuda: Copy of %d %v elements into %d %v", src.n, src.dt, dst.n, dst.dt))
@@ -738,6 +749,7 @@ func (b *Backend) Copy(dstT, srcT compute.Tensor) {
 // WriteF32 copies host data into t[0:len(src)) (t is F32).
 func (b *Backend) WriteF32(x compute.Tensor, src []float32) {
 	defer b.enter()()
+	b.wroteT(x)
 	t := b.ten(x, "WriteF32 target")
 	need(t, "WriteF32 target", len(src), compute.F32)
 	if len(src) > 0 {

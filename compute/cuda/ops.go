@@ -37,8 +37,9 @@ func (b *Backend) convert(kernel string, dst, src uint64, n int64) {
 }
 
 // bf16Operand returns a BF16 copy of a GEMM operand t (n elements): t
-// itself when BF16; for an F32 weight, a copy made once and kept; for
-// other F32 tensors a scratch copy the caller frees (scratch != 0).
+// itself when BF16; for an F32 weight, a copy made once and kept; for a
+// trained parameter, its shadow (current, or made now); for other F32
+// tensors a scratch copy the caller frees (scratch != 0).
 func (b *Backend) bf16Operand(t *tensor, n int) (p uint64, scratch uint64) {
 	switch {
 	case t.dt == compute.BF16:
@@ -51,6 +52,9 @@ func (b *Backend) bf16Operand(t *tensor, n int) (p uint64, scratch uint64) {
 			b.bf16Of[t] = c
 		}
 		return c.p, 0
+	}
+	if p := b.shadowOf(t, n); p != 0 {
+		return p, 0 // a parameter's BF16 shadow (shadow.go)
 	}
 	s := b.alloc(int64(n) * 2)
 	b.convert("k_f32_to_bf16", s, t.p, int64(n))
@@ -100,6 +104,7 @@ func (b *Backend) gemmEx(out, a, bm uint64, m, n, k int, ta, tb bool, in int, be
 // BF16 operands (x rounded, w as stored) with fp32 accumulation.
 func (b *Backend) MatMul(outT, xT, wT, biasT compute.Tensor, m, n, k int) {
 	defer b.enter()()
+	b.wroteT(outT)
 	b.label = "MatMul"
 	out, x, w := b.ten(outT, "MatMul out"), b.ten(xT, "MatMul x"), b.ten(wT, "MatMul w")
 	need(out, "MatMul out", m*n, compute.F32)
@@ -128,6 +133,7 @@ func (b *Backend) MatMul(outT, xT, wT, biasT compute.Tensor, m, n, k int) {
 // Embed implements compute.Backend.
 func (b *Backend) Embed(outT, tableT, idsT compute.Tensor, n, dim int) {
 	defer b.enter()()
+	b.wroteT(outT)
 	out, table, ids := b.ten(outT, "Embed out"), b.ten(tableT, "Embed table"), b.ten(idsT, "Embed ids")
 	need(out, "Embed out", n*dim, compute.F32)
 	need(table, "Embed table", dim, compute.F32, compute.BF16)
@@ -140,6 +146,7 @@ func (b *Backend) Embed(outT, tableT, idsT compute.Tensor, n, dim int) {
 // not nil, receives each row's 1/rms for the backward.
 func (b *Backend) RMSNorm(outT, rstdT, xT, wT compute.Tensor, rows, dim int, eps float32) {
 	defer b.enter()()
+	b.wroteT(outT, rstdT)
 	out, x, w := b.ten(outT, "RMSNorm out"), b.ten(xT, "RMSNorm x"), b.ten(wT, "RMSNorm w")
 	need(out, "RMSNorm out", rows*dim, compute.F32)
 	need(x, "RMSNorm x", rows*dim, compute.F32)
@@ -159,6 +166,7 @@ func (b *Backend) RMSNorm(outT, rstdT, xT, wT compute.Tensor, rows, dim int, eps
 // tabulated.
 func (b *Backend) RoPE(xT, cosT, sinT compute.Tensor, tokens, heads, headDim int) {
 	defer b.enter()()
+	b.wroteT(xT)
 	x, cs, sn := b.ten(xT, "RoPE x"), b.ten(cosT, "RoPE cos"), b.ten(sinT, "RoPE sin")
 	need(x, "RoPE x", tokens*heads*headDim, compute.F32)
 	need(cs, "RoPE cos", tokens*(headDim/2), compute.F32)
@@ -174,6 +182,7 @@ func (b *Backend) RoPE(xT, cosT, sinT compute.Tensor, tokens, heads, headDim int
 // (cudnn.go), else on this package's kernels.
 func (b *Backend) Attention(outT, lseT, qT, kT, vT, startsT compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
 	defer b.enter()()
+	b.wroteT(outT, lseT)
 	b.label = "Attention"
 	if b.useCudnn(tokens, nSeq, maxLen, nHead, nKV, hd) {
 		out, q, k, v, st := b.ten(outT, "Attention out"), b.ten(qT, "Attention q"), b.ten(kT, "Attention k"), b.ten(vT, "Attention v"), b.ten(startsT, "Attention starts")
@@ -237,6 +246,7 @@ func (b *Backend) attention(mode attnMode, outT, lseT, qT, kT, vT, startsT compu
 // SwiGLU implements compute.Backend. out may alias gate.
 func (b *Backend) SwiGLU(outT, gateT, upT compute.Tensor, n int) {
 	defer b.enter()()
+	b.wroteT(outT)
 	out, g, u := b.ten(outT, "SwiGLU out"), b.ten(gateT, "SwiGLU gate"), b.ten(upT, "SwiGLU up")
 	need(out, "SwiGLU out", n, compute.F32)
 	need(g, "SwiGLU gate", n, compute.F32)
@@ -247,6 +257,7 @@ func (b *Backend) SwiGLU(outT, gateT, upT compute.Tensor, n int) {
 // Add implements compute.Backend.
 func (b *Backend) Add(aT, bT compute.Tensor, n int) {
 	defer b.enter()()
+	b.wroteT(aT)
 	a, c := b.ten(aT, "Add a"), b.ten(bT, "Add b")
 	need(a, "Add a", n, compute.F32)
 	need(c, "Add b", n, compute.F32)
@@ -277,6 +288,7 @@ func (b *Backend) f32Operand(t *tensor) (p uint64, scratch uint64) {
 // tensors in scratch (train_moe.go: moeForward).
 func (b *Backend) MoE(outT, xT compute.Tensor, mw *compute.MoEWeights, tokens int) {
 	defer b.enter()()
+	b.wroteT(outT)
 	b.label = "MoE"
 	b.moeForward(outT, xT, mw, nil, tokens, "MoE")
 }
@@ -285,6 +297,7 @@ func (b *Backend) MoE(outT, xT compute.Tensor, mw *compute.MoEWeights, tokens in
 // lmhead.cu for the fold).
 func (b *Backend) LMHeadTopK(idsT, lpT, xT, wT compute.Tensor, tokens, hidden, vocab, k int) {
 	defer b.enter()()
+	b.wroteT(idsT, lpT)
 	b.label = "LMHeadTopK"
 	ids, lp, x, w := b.ten(idsT, "LMHeadTopK ids"), b.ten(lpT, "LMHeadTopK logprobs"), b.ten(xT, "LMHeadTopK x"), b.ten(wT, "LMHeadTopK w")
 	need(ids, "LMHeadTopK ids", tokens*k, compute.I32)

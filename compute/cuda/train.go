@@ -48,7 +48,21 @@ func (b *Backend) AdamW(pT, gT, mT, vT compute.Tensor, n int, s compute.AdamWSte
 	}{{p, "AdamW p"}, {g, "AdamW g"}, {m, "AdamW m"}, {v, "AdamW v"}} {
 		need(x.t, x.what, n, compute.F32)
 	}
-	b.ew("k_adamw", int64(n), dptr(p.p), dptr(g.p), dptr(m.p), dptr(v.p), int64(n), s.Beta1, s.Beta2, s.Eps, s.StepSize, s.BC2Sqrt, s.Decay)
+	b.wrote(m, v)
+	var pb uint64
+	if b.shadow.off {
+		b.wrote(p)
+	} else {
+		// p is a parameter: watched from now on, and its shadow (made by
+		// the first GEMM that reads it) written in the same pass.
+		r := b.register(p.p, n)
+		b.shadow.wseq++
+		r.ver = b.shadow.wseq
+		if r.bf != 0 {
+			pb, r.bfVer = r.bf, r.ver
+		}
+	}
+	b.ew("k_adamw", int64(n), dptr(p.p), dptr(g.p), dptr(m.p), dptr(v.p), int64(n), s.Beta1, s.Beta2, s.Eps, s.StepSize, s.BC2Sqrt, s.Decay, dptr(pb))
 }
 
 // SumSquares implements compute.Backend: Σ x² in float64, deterministic
@@ -74,6 +88,7 @@ func (b *Backend) SumSquares(xT compute.Tensor, n int) float64 {
 // Scale implements compute.Backend: x *= c.
 func (b *Backend) Scale(xT compute.Tensor, n int, c float32) {
 	defer b.enter()()
+	b.wroteT(xT)
 	x := b.ten(xT, "Scale x")
 	need(x, "Scale x", n, compute.F32)
 	b.ew("k_scale", int64(n), dptr(x.p), int64(n), c)
@@ -108,7 +123,18 @@ func (b *Backend) FakeQuantNVFP4(dstT, srcT compute.Tensor, rows, cols int, amax
 	need(dst, "FakeQuantNVFP4 dst", rows*cols, compute.F32)
 	need(src, "FakeQuantNVFP4 src", rows*cols, compute.F32)
 	nb := int64(rows) * int64((cols+15)/16)
-	b.ew("k_fakequant_nvfp4", nb, dptr(dst.p), dptr(src.p), int64(rows), int32(cols), compute.NVFP4GlobalScale(amax))
+	d, fresh := b.fakeQuantRegion(dst, src, rows, cols, amax)
+	if fresh {
+		return // dst already holds this quantization of src's current values
+	}
+	var db uint64
+	if d != nil && d.bf != 0 {
+		db = d.bf
+	}
+	b.ew("k_fakequant_nvfp4", nb, dptr(dst.p), dptr(src.p), int64(rows), int32(cols), compute.NVFP4GlobalScale(amax), dptr(db))
+	if db != 0 {
+		d.bfVer = d.ver
+	}
 }
 
 // MatMulBackward implements compute.Backend: dx (m,k) += dout·w ("NN"),
@@ -118,6 +144,7 @@ func (b *Backend) FakeQuantNVFP4(dstT, srcT compute.Tensor, rows, cols int, amax
 // deterministic.
 func (b *Backend) MatMulBackward(dxT, dwT, dbiasT, doutT, xT, wT compute.Tensor, m, n, k int) {
 	defer b.enter()()
+	b.wroteT(dxT, dwT, dbiasT)
 	b.label = "MatMulBackward"
 	dw, dout, x, w := b.ten(dwT, "MatMulBackward dw"), b.ten(doutT, "MatMulBackward dout"), b.ten(xT, "MatMulBackward x"), b.ten(wT, "MatMulBackward w")
 	need(dw, "MatMulBackward dw", n*k, compute.F32)
@@ -163,6 +190,7 @@ func (b *Backend) colSum(dst, src, x, rstd uint64, rows, cols int) {
 // ids, in token order (deterministic, no atomics).
 func (b *Backend) EmbedBackward(dtableT, doutT, idsT compute.Tensor, n, dim int) {
 	defer b.enter()()
+	b.wroteT(dtableT)
 	dt, dout, ids := b.ten(dtableT, "EmbedBackward dtable"), b.ten(doutT, "EmbedBackward dout"), b.ten(idsT, "EmbedBackward ids")
 	need(dt, "EmbedBackward dtable", dim, compute.F32)
 	need(dout, "EmbedBackward dout", n*dim, compute.F32)
@@ -178,6 +206,7 @@ func (b *Backend) EmbedBackward(dtableT, doutT, idsT compute.Tensor, n, dim int)
 // geometry), dw += Σ_rows dout·x·rstd (deterministic column sums).
 func (b *Backend) RMSNormBackward(dxT, dwT, doutT, xT, wT, rstdT compute.Tensor, rows, dim int) {
 	defer b.enter()()
+	b.wroteT(dxT, dwT)
 	dx, dw, dout := b.ten(dxT, "RMSNormBackward dx"), b.ten(dwT, "RMSNormBackward dw"), b.ten(doutT, "RMSNormBackward dout")
 	x, w, rstd := b.ten(xT, "RMSNormBackward x"), b.ten(wT, "RMSNormBackward w"), b.ten(rstdT, "RMSNormBackward rstd")
 	need(dx, "RMSNormBackward dx", rows*dim, compute.F32)
@@ -199,6 +228,7 @@ func (b *Backend) RMSNormBackward(dxT, dwT, doutT, xT, wT, rstdT compute.Tensor,
 // RoPEBackward implements compute.Backend: dx rotated by -angle in place.
 func (b *Backend) RoPEBackward(dxT, cosT, sinT compute.Tensor, tokens, heads, headDim int) {
 	defer b.enter()()
+	b.wroteT(dxT)
 	x, cs, sn := b.ten(dxT, "RoPEBackward dx"), b.ten(cosT, "RoPEBackward cos"), b.ten(sinT, "RoPEBackward sin")
 	need(x, "RoPEBackward dx", tokens*heads*headDim, compute.F32)
 	need(cs, "RoPEBackward cos", tokens*(headDim/2), compute.F32)
@@ -212,6 +242,7 @@ func (b *Backend) RoPEBackward(dxT, cosT, sinT compute.Tensor, tokens, heads, he
 // SwiGLUBackward implements compute.Backend.
 func (b *Backend) SwiGLUBackward(dgT, duT, doutT, gT, uT compute.Tensor, n int) {
 	defer b.enter()()
+	b.wroteT(dgT, duT)
 	dg, du, dout := b.ten(dgT, "SwiGLUBackward dgate"), b.ten(duT, "SwiGLUBackward dup"), b.ten(doutT, "SwiGLUBackward dout")
 	g, u := b.ten(gT, "SwiGLUBackward gate"), b.ten(uT, "SwiGLUBackward up")
 	for _, x := range []struct {
@@ -234,6 +265,7 @@ func (b *Backend) SwiGLUBackward(dgT, duT, doutT, gT, uT compute.Tensor, n int) 
 // rows: no atomics, deterministic.
 func (b *Backend) AttentionBackward(dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, startsT compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
 	defer b.enter()()
+	b.wroteT(dqT, dkT, dvT)
 	b.label = "AttentionBackward"
 	if outT != nil && b.useCudnn(tokens, nSeq, maxLen, nHead, nKV, hd) {
 		dq, dk, dv := b.ten(dqT, "AttentionBackward dq"), b.ten(dkT, "AttentionBackward dk"), b.ten(dvT, "AttentionBackward dv")
@@ -417,6 +449,7 @@ func (b *Backend) gatherRowsBF16(h *compute.LossHead, rows *tensor) uint64 {
 // fp32; dxc is added into dx at the counted rows last.
 func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dxT, dwT compute.Tensor) {
 	defer b.enter()()
+	b.wroteT(dxT, dwT)
 	b.label = "LossHeadBackward"
 	M, C, V, K := h.M, h.C, h.V, h.K
 	_, w, rows, labels, ids := b.lossCheck(h, "LossHeadBackward")

@@ -96,7 +96,7 @@ func (b *Backend) moeExpertInput(xg uint64, x *tensor, order uint64, mw *compute
 	src, q := x.p, uint64(0)
 	if mw.InAmax > 0 {
 		q = b.alloc(int64(T) * int64(H) * 4)
-		b.ew("k_fakequant_nvfp4", int64(T)*int64((H+15)/16), dptr(q), dptr(x.p), int64(T), int32(H), compute.NVFP4GlobalScale(mw.InAmax))
+		b.ew("k_fakequant_nvfp4", int64(T)*int64((H+15)/16), dptr(q), dptr(x.p), int64(T), int32(H), compute.NVFP4GlobalScale(mw.InAmax), dptr(0))
 		src = q
 	}
 	b.ew("k_moe_gather", int64(P)*int64(H), dptr(xg), dptr(src), dptr(order), int64(P), int32(K), int32(H))
@@ -114,7 +114,7 @@ func (b *Backend) moeAct(act, gate, up uint64, mw *compute.MoEWeights, rows, I i
 	}
 	h := b.alloc(n * 4)
 	b.ew("k_swiglu", n, dptr(h), dptr(gate), dptr(up), n)
-	b.ew("k_fakequant_nvfp4", int64(rows)*int64((I+15)/16), dptr(h), dptr(h), int64(rows), int32(I), compute.NVFP4GlobalScale(mw.HAmax))
+	b.ew("k_fakequant_nvfp4", int64(rows)*int64((I+15)/16), dptr(h), dptr(h), int64(rows), int32(I), compute.NVFP4GlobalScale(mw.HAmax), dptr(0))
 	b.convert("k_f32_to_bf16", act, h, n)
 	b.free(h)
 }
@@ -212,6 +212,10 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 // as it is.
 func (b *Backend) MoEForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s *compute.MoESaved, tokens int) {
 	defer b.enter()()
+	b.wroteT(outT)
+	if s != nil {
+		b.wroteT(s.Probs, s.Sel, s.Wts, s.Order, s.Offsets, s.Gate, s.Up, s.Y)
+	}
 	b.label = "MoEForward"
 	if s == nil {
 		panic("cuda: MoEForward with no MoESaved (NewMoESaved makes one; MoE is the forward that saves nothing)")
@@ -232,6 +236,13 @@ func (b *Backend) MoEForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 // ascending expert order (k_moe_dx). Straight-through under QAD.
 func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT, xT compute.Tensor, mw *compute.MoEWeights, s *compute.MoESaved, dprobT compute.Tensor, T int) {
 	defer b.enter()()
+	b.wroteT(dxT)
+	if dm != nil {
+		b.wroteT(dm.Router)
+		b.wroteT(dm.Gate...)
+		b.wroteT(dm.Up...)
+		b.wroteT(dm.Down...)
+	}
 	b.label = "MoEBackward"
 	const what = "MoEBackward"
 	E, K, H, I := moeCheck(mw, what)

@@ -10,9 +10,13 @@
 #define RED_BLOCKS 1024 // at most; the host sizes the grid (plan.go: reduceGrid)
 
 // One torch.optim.AdamW update in place, as compute/cpu's k_adamw (see
-// compute.AdamWStep): p·decay, then the moments, then the step.
+// compute.AdamWStep): p·decay, then the moments, then the step. pb, when
+// not null, receives the BF16 rounding of the updated p (f2bf, the bits
+// k_f32_to_bf16 would make of it): the weight's shadow, the operand the
+// GEMMs of the next step read (shadow.go). One kernel either way, so the
+// fp32 update is the same code with or without the shadow.
 DK_KERNEL void k_adamw(float *__restrict__ p, const float *__restrict__ g, float *__restrict__ m, float *__restrict__ v, i64 n, float b1,
-                       float b2, float eps, float step, float bc2, float decay) {
+                       float b2, float eps, float step, float bc2, float decay, u16 *__restrict__ pb) {
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
 		float x = g[i];
 		float pi = p[i] * decay;
@@ -20,7 +24,9 @@ DK_KERNEL void k_adamw(float *__restrict__ p, const float *__restrict__ g, float
 		float vi = b2 * v[i] + (1 - b2) * x * x;
 		m[i] = mi;
 		v[i] = vi;
-		p[i] = pi - step * mi / (sqrtf(vi) / bc2 + eps);
+		float np = pi - step * mi / (sqrtf(vi) / bc2 + eps);
+		p[i] = np;
+		if (pb) pb[i] = f2bf(np);
 	}
 }
 
@@ -131,8 +137,10 @@ DK_DEV float e2m1(float a) {
 // of a row (the row's last block may be shorter: zero-padded, as the Triton
 // kernel). g is the per-tensor scale amax/(6·448), computed on the host as
 // compute.NVFP4GlobalScale does. dst may alias src: a thread reads its
-// block before writing it.
-DK_KERNEL void k_fakequant_nvfp4(float *dst, const float *src, i64 rows, int cols, float g) {
+// block before writing it. db, when not null, receives the BF16 rounding
+// of dst (f2bf): a fake-quantized weight's shadow, the GEMMs' operand
+// (shadow.go).
+DK_KERNEL void k_fakequant_nvfp4(float *dst, const float *src, i64 rows, int cols, float g, u16 *db) {
 	int nb = (cols + 15) / 16;
 	i64 total = rows * (i64)nb;
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
@@ -156,7 +164,9 @@ DK_KERNEL void k_fakequant_nvfp4(float *dst, const float *src, i64 rows, int col
 		for (int j = 0; j < len; j++) {
 			float q = e2m1(fabsf(v[j]) / sc);
 			q = q * sc;
-			d[j] = v[j] >= 0 ? q : -q;
+			float o = v[j] >= 0 ? q : -q;
+			d[j] = o;
+			if (db) db[r * cols + b0 + j] = f2bf(o);
 		}
 	}
 }
