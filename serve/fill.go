@@ -133,14 +133,69 @@ func failure(w Worker, what string, err error) string {
 // that every sample of the range is covered, by one chunk or by identical
 // copies of it (see combine).
 func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, error) {
-	if len(workers) == 0 {
-		return nil, fillErr("no teacher: give --teacher ADDR[,ADDR...] or --model DIR")
+	if err := p.setDefaults(len(workers)); err != nil {
+		return nil, err
+	}
+	t0 := time.Now()
+	sum := &FillSummary{Dirs: map[string][]string{}, Reasons: map[string]int64{}}
+
+	// 1. The teachers agree with each other and with the dataset.
+	infos, descs, err := askTeachers(ctx, workers, p.Dataset)
+	if err != nil {
+		return nil, err
+	}
+	if err := p.agree(workers, infos, descs); err != nil {
+		return nil, err
+	}
+	n, fp := descs[0].GetSamples(), descs[0].GetFingerprint()
+	sum.DatasetFingerprint, sum.DatasetSamples = fp, n
+	if err := p.setRange(n); err != nil {
+		return nil, err
+	}
+	dirs := newFillDirs(workers, infos, sum)
+
+	// 2. What is done already, in any of the directories.
+	todo, already, err := p.chunksToDo(ctx, workers, dirs, fp, sum)
+	if err != nil {
+		return nil, err
+	}
+
+	// 3. Hand out the chunks.
+	d := newFillDispatch(&p, dirs, fp, sum, todo)
+	stopProgress := startProgress(&p, p.End-p.Start, already, &d.samples, &d.tokens, t0)
+	err = d.run(ctx, workers)
+	stopProgress()
+	sum.Elapsed = time.Since(t0)
+	if err != nil {
+		return sum, err
+	}
+
+	// 4. Every sample of the range is in exactly one directory.
+	if err := p.checkCovered(workers, dirs, fp); err != nil {
+		return sum, err
+	}
+	if p.Out != nil {
+		sum.print(p.Out)
+	}
+	if sum.Samples > 0 && sum.Targets == 0 {
+		return sum, fillErr("every one of the %d samples filled is empty (%s): the cache holds nothing to train on. "+
+			"Check the dataset options (raise --max-len, set --columns or --roles to your field names, drop --skip-bad to see the first bad record), "+
+			"then fill into a new cache directory: this one is bound to the dataset as read now", sum.Samples, sum.countsLine())
+	}
+	return sum, nil
+}
+
+// setDefaults fills in the plan's defaults and checks what can be checked
+// before asking any teacher.
+func (p *FillPlan) setDefaults(workers int) error {
+	if workers == 0 {
+		return fillErr("no teacher: give --teacher ADDR[,ADDR...] or --model DIR")
 	}
 	if p.ChunkSamples == 0 {
 		p.ChunkSamples = DefaultChunkSamples
 	}
 	if p.ChunkSamples < 0 || p.ChunkSamples > cache.MaxChunkSamples {
-		return nil, fillErr("--chunk %d: want 1..%d", p.ChunkSamples, cache.MaxChunkSamples)
+		return fillErr("--chunk %d: want 1..%d", p.ChunkSamples, cache.MaxChunkSamples)
 	}
 	if p.PerWorker <= 0 {
 		p.PerWorker = 2
@@ -155,26 +210,35 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 		p.LogEvery = 10 * time.Second
 	}
 	if err := ValidateDataset(p.Dataset); err != nil {
-		return nil, fillErr("%s", msg(err))
+		return fillErr("%s", msg(err))
 	}
-	t0 := time.Now()
-	sum := &FillSummary{Dirs: map[string][]string{}, Reasons: map[string]int64{}}
+	return nil
+}
 
-	// 1. The teachers agree with each other and with the dataset.
+// askTeachers asks every teacher what it runs (Info) and how it reads the
+// dataset (Describe).
+func askTeachers(ctx context.Context, workers []Worker, ds *pb.Dataset) ([]*pb.InfoResponse, []*pb.DescribeDatasetResponse, error) {
 	infos := make([]*pb.InfoResponse, len(workers))
 	descs := make([]*pb.DescribeDatasetResponse, len(workers))
 	for i, w := range workers {
 		var err error
 		if infos[i], err = w.Info(ctx); err != nil {
-			return nil, fillErr("teacher %s: Info: %s (is it running? check the address, --token and TLS)", w.Name(), msg(err))
+			return nil, nil, fillErr("teacher %s: Info: %s (is it running? check the address, --token and TLS)", w.Name(), msg(err))
 		}
 		if infos[i].GetCacheDir() == "" {
-			return nil, fillErr("teacher %s has no cache directory: start it with --cache DIR", w.Name())
+			return nil, nil, fillErr("teacher %s has no cache directory: start it with --cache DIR", w.Name())
 		}
-		if descs[i], err = w.Describe(ctx, p.Dataset); err != nil {
-			return nil, fillErr("%s", failure(w, "dataset", err))
+		if descs[i], err = w.Describe(ctx, ds); err != nil {
+			return nil, nil, fillErr("%s", failure(w, "dataset", err))
 		}
 	}
+	return infos, descs, nil
+}
+
+// agree checks that the teachers agree with each other (checkpoint,
+// vocabulary, tokenizer, dataset) and with the plan's tokenizer, and pins
+// the plan's k.
+func (p *FillPlan) agree(workers []Worker, infos []*pb.InfoResponse, descs []*pb.DescribeDatasetResponse) error {
 	a := infos[0]
 	for i := 1; i < len(workers); i++ {
 		b := infos[i]
@@ -189,7 +253,7 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 			{"dataset fingerprint (files, tokenizer, options)", descs[0].GetFingerprint(), descs[i].GetFingerprint()},
 		} {
 			if f.x != f.y {
-				return nil, fillErr("teachers disagree on the %s: %v on %s, %v on %s; every teacher must run the same checkpoint, tokenizer and dataset files",
+				return fillErr("teachers disagree on the %s: %v on %s, %v on %s; every teacher must run the same checkpoint, tokenizer and dataset files",
 					f.name, f.x, workers[0].Name(), f.y, workers[i].Name())
 			}
 		}
@@ -199,240 +263,133 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 		// the k is pinned so that every chunk of this run gets the same.
 		for i := 1; i < len(workers); i++ {
 			if x, y := a.GetKDefault(), infos[i].GetKDefault(); x != y {
-				return nil, fillErr("teachers disagree on the default k (teacherd --k-default): %d on %s, %d on %s; give --k or start them alike",
+				return fillErr("teachers disagree on the default k (teacherd --k-default): %d on %s, %d on %s; give --k or start them alike",
 					x, workers[0].Name(), y, workers[i].Name())
 			}
 		}
 		p.K = a.GetKDefault()
 	}
 	if p.TokenizerFingerprint != "" && !p.Dataset.GetPretokenized() && p.TokenizerFingerprint != descs[0].GetTokenizerFingerprint() {
-		return nil, fillErr("tokenizer mismatch: --tokenizer has fingerprint %.16s, teacher %s tokenizes with %.16s; give the daemon the same tokenizer (teacherd --tokenizer)",
+		return fillErr("tokenizer mismatch: --tokenizer has fingerprint %.16s, teacher %s tokenizes with %.16s; give the daemon the same tokenizer (teacherd --tokenizer)",
 			p.TokenizerFingerprint, workers[0].Name(), descs[0].GetTokenizerFingerprint())
 	}
-	n, fp := descs[0].GetSamples(), descs[0].GetFingerprint()
-	sum.DatasetFingerprint, sum.DatasetSamples = fp, n
+	return nil
+}
+
+// setRange resolves End 0 to the dataset's n samples and checks the range.
+func (p *FillPlan) setRange(n int64) error {
 	if p.End == 0 {
 		p.End = n
 	}
 	if p.Start < 0 || p.Start >= p.End {
-		return nil, fillErr("range [%d, %d): want 0 <= start < end", p.Start, p.End)
+		return fillErr("range [%d, %d): want 0 <= start < end", p.Start, p.End)
 	}
 	if p.End > n {
-		return nil, fillErr("range [%d, %d) goes beyond the dataset's %d samples: lower --end", p.Start, p.End, n)
+		return fillErr("range [%d, %d) goes beyond the dataset's %d samples: lower --end", p.Start, p.End, n)
 	}
-	// Each teacher's view of its directory is asked and kept apart: the
-	// same path on two machines (--cache /data/cache on every node) is two
-	// caches; two teachers sharing one directory on one machine report the
-	// same chunks, which combine merges silently (same path).
-	dirOf, pathOf := map[Worker]string{}, map[string]string{}
+	return nil
+}
+
+// fillDirs are the teachers' cache directories. Each teacher's view of its
+// directory is a key of its own: the same path on two machines (--cache
+// /data/cache on every node) is two caches; two teachers sharing one
+// directory on one machine report the same chunks, which combine merges
+// silently (same path).
+type fillDirs struct {
+	of     map[Worker]string        // a teacher's directory key
+	pathOf map[string]string        // a key's path, as its teacher reported it
+	byDir  map[string][]cache.Range // a key's committed ranges, and those reported during the fill
+}
+
+// newFillDirs keys the teachers' directories and lists them in sum.Dirs.
+func newFillDirs(workers []Worker, infos []*pb.InfoResponse, sum *FillSummary) *fillDirs {
+	dirs := &fillDirs{of: map[Worker]string{}, pathOf: map[string]string{}}
 	for i, w := range workers {
 		d := infos[i].GetCacheDir()
 		key := d + " on " + w.Name()
 		if isLocal(w) {
 			key = d
 		}
-		dirOf[w], pathOf[key] = key, d
+		dirs.of[w], dirs.pathOf[key] = key, d
 		sum.Dirs[d] = append(sum.Dirs[d], w.Name())
 	}
+	return dirs
+}
 
-	// 2. What is done already, in any of the directories.
-	byDir, err := dirRanges(ctx, workers, dirOf, fp, false)
+// chunksToDo asks the teachers what their directories hold of dataset fp,
+// checks that the directories can be read together and hold it as the
+// plan asks, and splits what is missing of the range into chunks. already
+// is the samples of the range done before; sum.Skipped counts their chunks.
+func (p *FillPlan) chunksToDo(ctx context.Context, workers []Worker, dirs *fillDirs, fp string, sum *FillSummary) (todo []cache.Range, already int64, err error) {
+	if dirs.byDir, err = dirRanges(ctx, workers, dirs.of, fp, false); err != nil {
+		return nil, 0, err
+	}
+	done, _, err := combine(dirs.byDir, dirs.pathOf)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
-	done, _, err := combine(byDir, pathOf)
-	if err != nil {
-		return nil, err
+	if err := p.probe(ctx, workers, dirs, fp); err != nil {
+		return nil, 0, err
 	}
-	// Status knows the dataset only: a directory holding it with another
-	// k, temperature or encoding would pass for done. A Fill of one of
-	// its done chunks costs nothing and checks the directory's manifest
-	// against this request.
-	probed := map[string]bool{}
-	for _, w := range workers {
-		d := dirOf[w]
-		if rs := byDir[d]; len(rs) > 0 && !probed[d] {
-			probed[d] = true
-			r := rs[0]
-			err := w.Fill(ctx, &pb.FillRequest{Dataset: p.Dataset, Start: r.Start, End: r.End, ChunkSamples: r.Len(),
-				K: optK(p.K), Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp}, func(*pb.FillResponse) error { return nil })
-			if err != nil {
-				return nil, fillErr("%s", failure(w, "cache "+d, err))
-			}
-		}
-	}
-	var todo []cache.Range
 	for _, g := range missingOf(done, cache.Range{Start: p.Start, End: p.End}) {
 		for a := g.Start; a < g.End; a += p.ChunkSamples {
 			todo = append(todo, cache.Range{Start: a, End: min(a+p.ChunkSamples, g.End)})
 		}
 	}
-	total := p.End - p.Start
-	var already int64
 	for _, r := range done {
 		if in := min(r.End, p.End) - max(r.Start, p.Start); in > 0 {
 			already += in
 			sum.Skipped++
 		}
 	}
+	return todo, already, nil
+}
 
-	// 3. Hand out the chunks.
-	var (
-		queue     = make(chan cache.Range, len(todo))
-		remaining atomic.Int64
-		samples   atomic.Int64
-		tokens    atomic.Int64
-		retries   atomic.Int64
-		chunks    atomic.Int64
-		failMu    sync.Mutex
-		failures  = map[cache.Range]int{}
-		counted   = map[cache.Range]bool{} // chunks in the summary: a redone one counts once
-		fatal     error
-		lastErr   = map[string]string{}
-	)
-	for _, r := range todo {
-		queue <- r
-	}
-	remaining.Store(int64(len(todo)))
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	abort := func(err error) {
-		failMu.Lock()
-		if fatal == nil {
-			fatal = err
-		}
-		failMu.Unlock()
-		cancel()
-	}
-	var wg sync.WaitGroup
+// probe fills one done chunk of each directory again. Status knows the
+// dataset only: a directory holding it with another k, temperature or
+// encoding would pass for done. A Fill of one of its done chunks costs
+// nothing and checks the directory's manifest against this request.
+func (p *FillPlan) probe(ctx context.Context, workers []Worker, dirs *fillDirs, fp string) error {
+	probed := map[string]bool{}
 	for _, w := range workers {
-		var down atomic.Int64 // unix nanos since the worker is failing, 0: up
-		for g := 0; g < p.PerWorker && len(todo) > 0; g++ {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				backoff := 200 * time.Millisecond
-				for {
-					var r cache.Range
-					select {
-					case r = <-queue:
-					case <-ctx.Done():
-						return
-					}
-					err := w.Fill(ctx, &pb.FillRequest{Dataset: p.Dataset, Start: r.Start, End: r.End, ChunkSamples: r.Len(),
-						K: optK(p.K), Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp},
-						func(m *pb.FillResponse) error {
-							if !m.GetSkipped() {
-								// A chunk reported and then redone (its Fill
-								// failed after the report, and the chunk went
-								// back to the queue) is in the caches twice
-								// but counts once.
-								cr := cache.Range{Start: m.GetStart(), End: m.GetEnd()}
-								failMu.Lock()
-								byDir[dirOf[w]] = append(byDir[dirOf[w]], cr)
-								first := !counted[cr]
-								counted[cr] = true
-								if first {
-									sum.addCounts(m)
-								}
-								failMu.Unlock()
-								if first {
-									samples.Add(m.GetEnd() - m.GetStart())
-									tokens.Add(m.GetTokens())
-									chunks.Add(1)
-								}
-							}
-							if p.onChunk != nil {
-								p.onChunk(w, m)
-							}
-							return nil
-						})
-					if err == nil {
-						down.Store(0)
-						backoff = 200 * time.Millisecond
-						if remaining.Add(-1) == 0 {
-							cancel()
-						}
-						continue
-					}
-					if ctx.Err() != nil {
-						return
-					}
-					if permanent(w, err) {
-						abort(fillErr("%s", failure(w, fmt.Sprintf("chunk [%d, %d)", r.Start, r.End), err)))
-						return
-					}
-					// The teacher is unhealthy (dead, restarting, overloaded):
-					// the chunk goes back for anyone, this worker backs off.
-					failMu.Lock()
-					// A teacher that is down (Unavailable) or busy says
-					// nothing about the chunk; other errors count against it.
-					if c := status.Code(err); c != codes.Unavailable && c != codes.ResourceExhausted {
-						failures[r]++
-					}
-					nf := failures[r]
-					lastErr[w.Name()] = fmt.Sprintf("%s: %s", status.Code(err), msg(err))
-					failMu.Unlock()
-					retries.Add(1)
-					queue <- r
-					if nf >= p.MaxChunkFailures {
-						abort(fillErr("chunk [%d, %d) failed %d times, last on teacher %s: %s", r.Start, r.End, nf, w.Name(), msg(err)))
-						return
-					}
-					now := time.Now().UnixNano()
-					down.CompareAndSwap(0, now)
-					if since := time.Duration(now - down.Load()); since > p.RetryFor {
-						return // give up on this teacher; the others carry on
-					}
-					select {
-					case <-time.After(backoff):
-					case <-ctx.Done():
-						return
-					}
-					backoff = min(2*backoff, 5*time.Second)
-				}
-			}()
+		d := dirs.of[w]
+		if rs := dirs.byDir[d]; len(rs) > 0 && !probed[d] {
+			probed[d] = true
+			err := w.Fill(ctx, p.request(fp, rs[0]), func(*pb.FillResponse) error { return nil })
+			if err != nil {
+				return fillErr("%s", failure(w, "cache "+d, err))
+			}
 		}
 	}
-	stopProgress := startProgress(&p, total, already, &samples, &tokens, t0)
-	wg.Wait()
-	stopProgress()
-	sum.Samples, sum.Tokens, sum.Chunks, sum.Retries = samples.Load(), tokens.Load(), int(chunks.Load()), int(retries.Load())
-	sum.Elapsed = time.Since(t0)
-	if fatal != nil {
-		return sum, fatal
-	}
-	if left := remaining.Load(); left > 0 {
-		if ctx.Err() != nil {
-			// Not our cancel (that comes only with nothing left or with
-			// fatal set): the caller's context ended (Ctrl-C, deadline).
-			return sum, fmt.Errorf("%w: interrupted (%w) with %d chunks left undone; re-run the same command to resume", ErrFill, context.Cause(ctx), left)
-		}
-		var why []string
-		for k, v := range lastErr {
-			why = append(why, k+": "+v)
-		}
-		sort.Strings(why)
-		return sum, fillErr("%d chunks left undone: no teacher could take them (%s); re-run the same command to resume", left, strings.Join(why, "; "))
-	}
+	return nil
+}
 
-	// 4. Every sample of the range is in exactly one directory: ask the
-	// teachers again; for one that is gone, use what it reported.
-	fresh, err := dirRanges(context.Background(), workers, dirOf, fp, true)
+// request is the Fill of chunk r of dataset fp under the plan.
+func (p *FillPlan) request(fp string, r cache.Range) *pb.FillRequest {
+	return &pb.FillRequest{Dataset: p.Dataset, Start: r.Start, End: r.End, ChunkSamples: r.Len(),
+		K: optK(p.K), Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp}
+}
+
+// checkCovered checks that every sample of the range is in exactly one
+// directory: it asks the teachers again; for one that is gone, it uses
+// what the teacher reported. A chunk in two directories is no error, and
+// is reported on p.Out.
+func (p *FillPlan) checkCovered(workers []Worker, dirs *fillDirs, fp string) error {
+	fresh, err := dirRanges(context.Background(), workers, dirs.of, fp, true)
 	if err != nil {
-		return sum, err
+		return err
 	}
 	for d, rs := range fresh {
-		byDir[d] = rs
+		dirs.byDir[d] = rs
 	}
-	for d := range byDir {
+	for d := range dirs.byDir {
 		if _, ok := fresh[d]; !ok && p.Out != nil {
 			fmt.Fprintf(p.Out, "fill: the teacher of %s is unreachable now; checked with the chunks it reported\n", d)
 		}
 	}
-	done, dups, err := combine(byDir, pathOf)
+	done, dups, err := combine(dirs.byDir, dirs.pathOf)
 	if err != nil {
-		return sum, err
+		return err
 	}
 	for _, d := range dups {
 		// Not an error: readers of the directories as one cache use one copy.
@@ -441,30 +398,206 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 		}
 	}
 	if gaps := missingOf(done, cache.Range{Start: p.Start, End: p.End}); len(gaps) > 0 {
-		return sum, fillErr("after the fill, %v are still missing from the caches; re-run to fill them", gaps)
+		return fillErr("after the fill, %v are still missing from the caches; re-run to fill them", gaps)
 	}
-	if p.Out != nil {
-		fmt.Fprintf(p.Out, "fill: %d samples, %d tokens, %d targets in %d chunks in %s (%.0f tokens/s); %d chunks were already done; %d retries\n",
-			sum.Samples, sum.Tokens, sum.Targets, sum.Chunks, sum.Elapsed.Round(time.Millisecond), float64(sum.Tokens)/sum.Elapsed.Seconds(), sum.Skipped, sum.Retries)
-		sum.printCounts(p.Out)
-		dirs := make([]string, 0, len(sum.Dirs))
-		for d := range sum.Dirs {
-			dirs = append(dirs, d)
-		}
-		sort.Strings(dirs)
-		for _, d := range dirs {
-			fmt.Fprintf(p.Out, "fill: cache directory %s (written by %s)\n", d, strings.Join(sum.Dirs[d], ", "))
-		}
-		if len(dirs) > 1 {
-			fmt.Fprintf(p.Out, "fill: read the directories together as one cache (e.g. cachectl verify %s)\n", strings.Join(dirs, " "))
+	return nil
+}
+
+// print writes the summary: what was computed, the counts, and where the
+// cache directories are.
+func (s *FillSummary) print(w io.Writer) {
+	fmt.Fprintf(w, "fill: %d samples, %d tokens, %d targets in %d chunks in %s (%.0f tokens/s); %d chunks were already done; %d retries\n",
+		s.Samples, s.Tokens, s.Targets, s.Chunks, s.Elapsed.Round(time.Millisecond), float64(s.Tokens)/s.Elapsed.Seconds(), s.Skipped, s.Retries)
+	s.printCounts(w)
+	dirs := make([]string, 0, len(s.Dirs))
+	for d := range s.Dirs {
+		dirs = append(dirs, d)
+	}
+	sort.Strings(dirs)
+	for _, d := range dirs {
+		fmt.Fprintf(w, "fill: cache directory %s (written by %s)\n", d, strings.Join(s.Dirs[d], ", "))
+	}
+	if len(dirs) > 1 {
+		fmt.Fprintf(w, "fill: read the directories together as one cache (e.g. cachectl verify %s)\n", strings.Join(dirs, " "))
+	}
+}
+
+// fillDispatch hands a fill's chunks to the teachers, PerWorker goroutines
+// each, and counts what they report. A chunk whose teacher failed goes
+// back to the queue for any teacher; the teacher backs off, and is given
+// up on after failing for RetryFor.
+type fillDispatch struct {
+	p      *FillPlan
+	fp     string
+	dirs   *fillDirs
+	sum    *FillSummary
+	queue  chan cache.Range
+	cancel context.CancelFunc
+
+	remaining, samples, tokens, retries, chunks atomic.Int64
+
+	mu       sync.Mutex // guards what follows, dirs.byDir and sum's counts
+	failures map[cache.Range]int
+	counted  map[cache.Range]bool // chunks in the summary: a redone one counts once
+	fatal    error
+	lastErr  map[string]string // a teacher's last error
+}
+
+func newFillDispatch(p *FillPlan, dirs *fillDirs, fp string, sum *FillSummary, todo []cache.Range) *fillDispatch {
+	d := &fillDispatch{p: p, fp: fp, dirs: dirs, sum: sum, queue: make(chan cache.Range, len(todo)),
+		failures: map[cache.Range]int{}, counted: map[cache.Range]bool{}, lastErr: map[string]string{}}
+	for _, r := range todo {
+		d.queue <- r
+	}
+	d.remaining.Store(int64(len(todo)))
+	return d
+}
+
+// run fills the queued chunks and sets the summary's totals. Its error
+// says why chunks are left: a chunk that cannot be done, the caller's
+// context, or no teacher left to take them.
+func (d *fillDispatch) run(ctx context.Context, workers []Worker) error {
+	ctx, d.cancel = context.WithCancel(ctx)
+	defer d.cancel()
+	var wg sync.WaitGroup
+	anyChunk := d.remaining.Load() > 0
+	for _, w := range workers {
+		down := new(atomic.Int64) // unix nanos since the worker is failing, 0: up
+		for g := 0; g < d.p.PerWorker && anyChunk; g++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				d.work(ctx, w, down)
+			}()
 		}
 	}
-	if sum.Samples > 0 && sum.Targets == 0 {
-		return sum, fillErr("every one of the %d samples filled is empty (%s): the cache holds nothing to train on. "+
-			"Check the dataset options (raise --max-len, set --columns or --roles to your field names, drop --skip-bad to see the first bad record), "+
-			"then fill into a new cache directory: this one is bound to the dataset as read now", sum.Samples, sum.countsLine())
+	wg.Wait()
+	d.sum.Samples, d.sum.Tokens, d.sum.Chunks, d.sum.Retries = d.samples.Load(), d.tokens.Load(), int(d.chunks.Load()), int(d.retries.Load())
+	return d.result(ctx)
+}
+
+// work is one of w's goroutines: it fills chunks from the queue until
+// none is left, the fill is aborted, or w is given up on.
+func (d *fillDispatch) work(ctx context.Context, w Worker, down *atomic.Int64) {
+	backoff := 200 * time.Millisecond
+	for {
+		var r cache.Range
+		select {
+		case r = <-d.queue:
+		case <-ctx.Done():
+			return
+		}
+		err := w.Fill(ctx, d.p.request(d.fp, r), func(m *pb.FillResponse) error {
+			d.report(w, m)
+			return nil
+		})
+		if err == nil {
+			down.Store(0)
+			backoff = 200 * time.Millisecond
+			if d.remaining.Add(-1) == 0 {
+				d.cancel()
+			}
+			continue
+		}
+		if ctx.Err() != nil || !d.retry(w, r, err, down) {
+			return
+		}
+		select {
+		case <-time.After(backoff):
+		case <-ctx.Done():
+			return
+		}
+		backoff = min(2*backoff, 5*time.Second)
 	}
-	return sum, nil
+}
+
+// report counts a chunk w reported. A chunk reported and then redone (its
+// Fill failed after the report, and the chunk went back to the queue) is
+// in the caches twice but counts once.
+func (d *fillDispatch) report(w Worker, m *pb.FillResponse) {
+	if !m.GetSkipped() {
+		cr := cache.Range{Start: m.GetStart(), End: m.GetEnd()}
+		d.mu.Lock()
+		d.dirs.byDir[d.dirs.of[w]] = append(d.dirs.byDir[d.dirs.of[w]], cr)
+		first := !d.counted[cr]
+		d.counted[cr] = true
+		if first {
+			d.sum.addCounts(m)
+		}
+		d.mu.Unlock()
+		if first {
+			d.samples.Add(m.GetEnd() - m.GetStart())
+			d.tokens.Add(m.GetTokens())
+			d.chunks.Add(1)
+		}
+	}
+	if d.p.onChunk != nil {
+		d.p.onChunk(w, m)
+	}
+}
+
+// retry puts chunk r, whose Fill on w failed with err, back in the queue,
+// and reports whether w goes on: not when the error is permanent or the
+// chunk failed too often (both abort the fill), nor when w has been
+// failing for longer than RetryFor.
+func (d *fillDispatch) retry(w Worker, r cache.Range, err error, down *atomic.Int64) bool {
+	if permanent(w, err) {
+		d.abort(fillErr("%s", failure(w, fmt.Sprintf("chunk [%d, %d)", r.Start, r.End), err)))
+		return false
+	}
+	// The teacher is unhealthy (dead, restarting, overloaded): the chunk
+	// goes back for anyone, this worker backs off.
+	d.mu.Lock()
+	// A teacher that is down (Unavailable) or busy says nothing about the
+	// chunk; other errors count against it.
+	if c := status.Code(err); c != codes.Unavailable && c != codes.ResourceExhausted {
+		d.failures[r]++
+	}
+	nf := d.failures[r]
+	d.lastErr[w.Name()] = fmt.Sprintf("%s: %s", status.Code(err), msg(err))
+	d.mu.Unlock()
+	d.retries.Add(1)
+	d.queue <- r
+	if nf >= d.p.MaxChunkFailures {
+		d.abort(fillErr("chunk [%d, %d) failed %d times, last on teacher %s: %s", r.Start, r.End, nf, w.Name(), msg(err)))
+		return false
+	}
+	now := time.Now().UnixNano()
+	down.CompareAndSwap(0, now)
+	// Past RetryFor, give up on this teacher; the others carry on.
+	return time.Duration(now-down.Load()) <= d.p.RetryFor
+}
+
+// abort ends the fill with err (the first one wins).
+func (d *fillDispatch) abort(err error) {
+	d.mu.Lock()
+	if d.fatal == nil {
+		d.fatal = err
+	}
+	d.mu.Unlock()
+	d.cancel()
+}
+
+// result is the error of a finished run, nil when every chunk was done.
+func (d *fillDispatch) result(ctx context.Context) error {
+	if d.fatal != nil {
+		return d.fatal
+	}
+	left := d.remaining.Load()
+	if left == 0 {
+		return nil
+	}
+	if ctx.Err() != nil {
+		// Not our cancel (that comes only with nothing left or with
+		// fatal set): the caller's context ended (Ctrl-C, deadline).
+		return fmt.Errorf("%w: interrupted (%w) with %d chunks left undone; re-run the same command to resume", ErrFill, context.Cause(ctx), left)
+	}
+	var why []string
+	for k, v := range d.lastErr {
+		why = append(why, k+": "+v)
+	}
+	sort.Strings(why)
+	return fillErr("%d chunks left undone: no teacher could take them (%s); re-run the same command to resume", left, strings.Join(why, "; "))
 }
 
 // addCounts adds a computed chunk's sample counts (caller holds the lock).
