@@ -115,9 +115,9 @@ func checkCacheDir(dir string) error {
 	case errors.Is(err, os.ErrNotExist):
 		return nil
 	case err != nil:
-		return fmt.Errorf("%w: --cache %s: %v", ErrInvalid, dir, err)
+		return fmt.Errorf("%w: --cache %s: %v", ErrConfig, dir, err)
 	case !st.IsDir():
-		return fmt.Errorf("%w: --cache %s is a file, not a directory: give a directory (a missing one is created at the first fill)", ErrInvalid, dir)
+		return fmt.Errorf("%w: --cache %s is a file, not a directory: give a directory (a missing one is created at the first fill)", ErrConfig, dir)
 	}
 	return nil
 }
@@ -132,11 +132,11 @@ func NewCore(o CoreOptions) (*Core, error) {
 	}
 	be, err := device.Open(o.Device, device.Options{Purpose: device.Inference, Logf: o.DeviceLogf})
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
+		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 	}
 	o.Device = be.Name()
 	if o.ModelDir == "" {
-		return nil, fmt.Errorf("%w: no model directory: give --model DIR (an HF checkpoint)", ErrInvalid)
+		return nil, fmt.Errorf("%w: no model directory: give --model DIR (an HF checkpoint)", ErrConfig)
 	}
 	if err := checkCacheDir(o.CacheDir); err != nil {
 		return nil, err
@@ -145,7 +145,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		o.TokenBudget = infer.DefaultTokenBudget
 	}
 	if o.TokenBudget < 1 {
-		return nil, fmt.Errorf("%w: token budget %d must be positive", ErrInvalid, o.TokenBudget)
+		return nil, fmt.Errorf("%w: token budget %d must be positive", ErrConfig, o.TokenBudget)
 	}
 	if o.FillChunksInFlight <= 0 {
 		o.FillChunksInFlight = 2
@@ -174,8 +174,8 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if o.KDefault == 0 {
 		o.KDefault = min(DefaultKDefault, o.KMax)
 	}
-	if o.KMax < 1 || o.KMax > V || o.KDefault < 1 || o.KDefault > o.KMax {
-		return nil, fmt.Errorf("%w: k default %d and k max %d: want 1 <= default <= max <= vocab size %d", ErrInvalid, o.KDefault, o.KMax, V)
+	if err := checkK(o, V); err != nil {
+		return nil, err
 	}
 	c := &Core{opt: o, model: m, budget: o.TokenBudget, met: newMetrics(), log: o.Logger, started: time.Now(),
 		datasets: map[string]*openDataset{}, inflight: map[cache.Range]int{}}
@@ -384,6 +384,32 @@ func (c *Core) DescribeDataset(spec *pb.Dataset) (*pb.DescribeDatasetResponse, e
 	return &pb.DescribeDatasetResponse{Samples: d.Len(), Fingerprint: d.Fingerprint(), TokenizerFingerprint: tfp}, nil
 }
 
+// checkK checks the core's k settings against the vocabulary V, naming
+// the flag the user gave: cachectl fill --k (in-process), or teacherd's
+// --k-default and --k-max.
+func checkK(o CoreOptions, V int) error {
+	if o.InProcess {
+		if o.KMax < 1 || o.KMax > V || o.KDefault > o.KMax {
+			return fmt.Errorf("%w: --k %d: want 1 <= k <= %d (the teacher's vocab size), or 0 for the default %d", ErrConfig, o.KMax, V, min(V, DefaultKDefault))
+		}
+		return nil
+	}
+	switch {
+	case o.KMax < 1 || o.KMax > V:
+		return fmt.Errorf("%w: --k-max %d: want 1 <= k-max <= %d (the teacher's vocab size)", ErrConfig, o.KMax, V)
+	case o.KDefault < 1 || o.KDefault > o.KMax:
+		return fmt.Errorf("%w: --k-default %d: want 1 <= k-default <= %d (k-max)", ErrConfig, o.KDefault, o.KMax)
+	}
+	return nil
+}
+
+// anotherCache is the fix for a fill that does not match the cache
+// directory: a daemon writes only the directory it was started with.
+func (c *Core) anotherCache() string {
+	return c.say("start a teacherd with another --cache directory for this fill (or give its --cache to `cachectl reset --force` to discard the cache)",
+		"give another --cache directory")
+}
+
 // openCache returns a handle on the daemon's cache that fills under m,
 // creating the cache with m or checking that the existing one agrees with
 // m. A cache with no committed chunk takes m (cache.Cache.Use), so a
@@ -399,7 +425,7 @@ func (c *Core) openCache(m cache.Manifest) (*cache.Cache, error) {
 		cw, err := cache.Create(c.opt.CacheDir, m, nil)
 		if err != nil {
 			if errors.Is(err, cache.ErrManifestMismatch) {
-				return nil, fmt.Errorf("%w; the cache directory holds another fill (dataset, teacher, k, temperature or encoding): use another --cache directory", err)
+				return nil, fmt.Errorf("%w; the cache directory holds another fill (dataset, teacher, k, temperature or encoding): %s", err, c.anotherCache())
 			}
 			return nil, err
 		}
@@ -409,7 +435,7 @@ func (c *Core) openCache(m cache.Manifest) (*cache.Cache, error) {
 	cw, err := c.cw.Use(m)
 	if err != nil {
 		if errors.Is(err, cache.ErrManifestMismatch) {
-			return nil, fmt.Errorf("%w; the cache directory holds another fill: use another --cache directory", err)
+			return nil, fmt.Errorf("%w; the cache directory holds another fill: %s", err, c.anotherCache())
 		}
 		return nil, err
 	}

@@ -17,6 +17,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"distill/compute/device"
+	"distill/model"
 )
 
 // Config is teacherd's configuration, from flags and/or a YAML file (the
@@ -69,13 +70,13 @@ func LoadConfig(path string) (Config, error) {
 	var c Config
 	f, err := os.Open(path)
 	if err != nil {
-		return c, fmt.Errorf("%w: config: %v", ErrInvalid, err)
+		return c, fmt.Errorf("%w: config: %v", ErrConfig, err)
 	}
 	defer f.Close()
 	dec := yaml.NewDecoder(f)
 	dec.KnownFields(true)
 	if err := dec.Decode(&c); err != nil {
-		return c, fmt.Errorf("%w: config %s: %v", ErrInvalid, path, err)
+		return c, fmt.Errorf("%w: config %s: %v", ErrConfig, path, err)
 	}
 	return c, nil
 }
@@ -129,19 +130,24 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 		log = zap.NewNop()
 	}
 	if cfg.Model == "" {
-		return nil, fmt.Errorf("%w: no model: give --model DIR or model: in the config", ErrInvalid)
+		return nil, fmt.Errorf("%w: no model: give --model DIR or model: in the config", ErrConfig)
 	}
 	// A bad name is refused before listening: a probe must not see a
 	// half-started daemon. A device that does not open (no driver) fails
 	// in NewCore, before the daemon serves.
 	if err := device.Check(cfg.Device, device.Inference); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
+		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 	}
 	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
-		return nil, fmt.Errorf("%w: TLS needs both --tls-cert and --tls-key", ErrInvalid)
+		return nil, fmt.Errorf("%w: TLS needs both --tls-cert and --tls-key", ErrConfig)
 	}
 	if err := checkCacheDir(cfg.Cache); err != nil {
 		return nil, err
+	}
+	// The model's config.json too, so that a mistyped --model fails
+	// before the port is bound (the weights load after, NOT_SERVING).
+	if _, err := model.LoadConfig(cfg.Model); err != nil {
+		return nil, fmt.Errorf("%w: --model %s: %w", ErrConfig, cfg.Model, err)
 	}
 	roots, err := NewDataRoots(cfg.DataRoots)
 	if err != nil {
@@ -154,17 +160,17 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if cfg.TokenFile != "" {
 		b, err := os.ReadFile(cfg.TokenFile)
 		if err != nil {
-			return nil, fmt.Errorf("%w: token file: %v", ErrInvalid, err)
+			return nil, fmt.Errorf("%w: token file: %v", ErrConfig, err)
 		}
 		so.Token = string(trimSpace(b))
 		if so.Token == "" {
-			return nil, fmt.Errorf("%w: token file %s is empty", ErrInvalid, cfg.TokenFile)
+			return nil, fmt.Errorf("%w: token file %s is empty", ErrConfig, cfg.TokenFile)
 		}
 	}
 	if cfg.TLSCert != "" {
 		cert, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey)
 		if err != nil {
-			return nil, fmt.Errorf("%w: TLS key pair: %v", ErrInvalid, err)
+			return nil, fmt.Errorf("%w: TLS key pair: %v", ErrConfig, err)
 		}
 		so.Extra = append(so.Extra, grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12})))
 	}
@@ -178,7 +184,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 		if so.Token == "" && cfg.TLSCert == "" && !cfg.Insecure {
 			d.lis.Close()
 			return nil, fmt.Errorf("%w: --listen %s is reachable from other machines (%s), and the daemon has no --token-file and no TLS: anyone who reaches it could use the teacher; "+
-				"give --token-file FILE (and TLS: --tls-cert, --tls-key), listen on loopback (127.0.0.1), or pass --insecure on a trusted network", ErrInvalid, cfg.Listen, d.lis.Addr())
+				"give --token-file FILE (and TLS: --tls-cert, --tls-key), listen on loopback (127.0.0.1), or pass --insecure on a trusted network", ErrConfig, cfg.Listen, d.lis.Addr())
 		}
 		if so.Token == "" {
 			log.Warn("listening beyond loopback without a bearer token", zap.String("addr", d.lis.Addr().String()), zap.Bool("tls", cfg.TLSCert != ""), zap.Bool("insecure", cfg.Insecure))

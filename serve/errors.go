@@ -22,6 +22,10 @@ var (
 	// ErrInvalid marks a request that can never succeed as given: a bad
 	// token id, an empty or over-long sample, k out of range, bad options.
 	ErrInvalid = errors.New("serve: invalid request")
+	// ErrConfig marks the daemon's (or an in-process teacher's) own
+	// configuration as unusable: flags, config file, model, token or TLS
+	// files. It is an ErrInvalid too (errors.Is).
+	ErrConfig error = configError{}
 	// ErrOutOfRange marks a sample range outside the dataset.
 	ErrOutOfRange = errors.New("serve: range out of dataset")
 	// ErrNotFound marks a dataset file that does not exist on the daemon.
@@ -134,3 +138,8 @@ func clientStatus(log *zap.Logger, id string, err error) error {
 	}
 	return status.Error(c, err.Error())
 }
+
+type configError struct{}
+
+func (configError) Error() string        { return "serve: bad configuration" }
+func (configError) Is(target error) bool { return target == ErrInvalid }

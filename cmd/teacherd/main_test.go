@@ -1,6 +1,7 @@
 package main
 
 import (
+	"net"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -9,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"distill/model"
 	"distill/serve"
 )
 
@@ -31,11 +33,12 @@ func TestParseConfigFlagsOverrideYAML(t *testing.T) {
 	}
 	// --device cuda without a driver (forced, on any machine): an error
 	// naming the missing library, before the daemon serves.
+	m := tinyModelDir(t)
 	t.Setenv("DISTILL_LIBCUDA", filepath.Join(t.TempDir(), "libcuda.so.1"))
-	if err := run([]string{"--model", "/m", "--device", "cuda", "--listen", "127.0.0.1:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), "DISTILL_LIBCUDA") {
+	if err := run([]string{"--model", m, "--device", "cuda", "--listen", "127.0.0.1:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), "DISTILL_LIBCUDA") {
 		t.Errorf("--device cuda without a driver: %v", err)
 	}
-	if err := run([]string{"--model", "/m", "--device", "tpu"}); err == nil || !strings.Contains(err.Error(), "want auto, cpu or cuda") {
+	if err := run([]string{"--model", m, "--device", "tpu"}); err == nil || !strings.Contains(err.Error(), "want auto, cpu or cuda") {
 		t.Errorf("--device tpu: %v", err)
 	}
 	if err := run([]string{"--listen", "127.0.0.1:0"}); err == nil || !strings.Contains(err.Error(), "no model") {
@@ -68,13 +71,14 @@ func TestSecurityFlags(t *testing.T) {
 
 	file := filepath.Join(dir, "cache")
 	os.WriteFile(file, []byte("x"), 0o644)
-	if err := run([]string{"--model", "/m", "--cache", file, "--listen", "127.0.0.1:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), "is a file, not a directory") {
+	m := tinyModelDir(t)
+	if err := run([]string{"--model", m, "--cache", file, "--listen", "127.0.0.1:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), "is a file, not a directory") {
 		t.Errorf("--cache FILE: %v", err)
 	}
-	if err := run([]string{"--model", "/m", "--listen", "0.0.0.0:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), "--insecure") {
+	if err := run([]string{"--model", m, "--listen", "0.0.0.0:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), "--insecure") {
 		t.Errorf("--listen 0.0.0.0 without auth: %v", err)
 	}
-	if err := run([]string{"--model", "/m", "--data-root", file, "--listen", "127.0.0.1:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), "is not a directory") {
+	if err := run([]string{"--model", m, "--data-root", file, "--listen", "127.0.0.1:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), "is not a directory") {
 		t.Errorf("--data-root FILE: %v", err)
 	}
 }
@@ -104,5 +108,41 @@ func TestExampleConfigDocumentsEveryKey(t *testing.T) {
 		if !regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(key) + `:`).Match(text) {
 			t.Errorf("%s does not document the key %q", p, key)
 		}
+	}
+}
+
+// tinyModelDir writes a small random checkpoint (a model teacherd loads).
+func tinyModelDir(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	cfg, err := model.Preset(model.ArchQwen3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.VocabSize, cfg.Hidden, cfg.Layers, cfg.Intermediate, cfg.MaxPositions = 64, 32, 1, 64, 64
+	if err := model.WriteCheckpoint(dir, cfg, model.Init(cfg, model.InitOptions{Seed: 1}), "BF16"); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// TestConfigErrorsBeforeListening: a --model that is not a checkpoint
+// fails before the port is bound (the taken port below would fail
+// otherwise); it and a --k-max the model cannot give name the flag, as a
+// configuration error rather than "invalid request".
+func TestConfigErrorsBeforeListening(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	missing := filepath.Join(t.TempDir(), "nosuchmodel")
+	err = run([]string{"--model", missing, "--listen", l.Addr().String(), "--metrics", "off"})
+	if err == nil || !strings.Contains(err.Error(), "--model "+missing) || strings.Contains(err.Error(), "listen") || strings.Contains(err.Error(), "invalid request") {
+		t.Errorf("--model nosuchmodel with the port taken: %v", err)
+	}
+	err = run([]string{"--model", tinyModelDir(t), "--k-max", "100", "--listen", "127.0.0.1:0", "--metrics", "off", "--device", "cpu"})
+	if err == nil || !strings.Contains(err.Error(), "--k-max 100: want 1 <= k-max <= 64 (the teacher's vocab size)") || strings.Contains(err.Error(), "invalid request") {
+		t.Errorf("--k-max 100 on a vocab-64 model: %v", err)
 	}
 }
