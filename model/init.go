@@ -223,7 +223,7 @@ func Preset(arch Arch) (*Config, error) {
 		c.MLPOnlyLayers = []int{1}
 		c.RouterAuxLossCoef = 0.001
 	default:
-		return nil, fmt.Errorf("%w: unknown architecture %q", ErrConfig, arch)
+		return nil, fmt.Errorf("%w: unknown architecture %q: want llama, qwen2, qwen3 or qwen3_moe", ErrConfig, arch)
 	}
 	return c, nil
 }

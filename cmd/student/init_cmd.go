@@ -3,6 +3,8 @@ package main
 import (
 	"flag"
 	"fmt"
+	"io"
+	"os"
 	"strconv"
 	"strings"
 
@@ -14,8 +16,12 @@ func init() {
 	commands.Register(&cli.Command{Name: "init", Summary: "write a random-initialized HF checkpoint directory", Run: runInit})
 }
 
+// initUsage is where init's -h and flag errors go (tests capture it).
+var initUsage io.Writer = os.Stderr
+
 func runInit(args []string) error {
 	fs := flag.NewFlagSet("student init", flag.ContinueOnError)
+	fs.SetOutput(initUsage)
 	arch := fs.String("arch", "qwen3", "architecture: llama, qwen2, qwen3, qwen3_moe")
 	out := fs.String("out", "", "output checkpoint directory (required)")
 	layers := fs.Int("layers", 0, "num_hidden_layers (0: the preset's)")
@@ -33,7 +39,7 @@ func runInit(args []string) error {
 	sparseStep := fs.Int("decoder-sparse-step", 0, "decoder_sparse_step: every n-th layer is sparse (qwen3_moe)")
 	normTopK := fs.String("norm-topk-prob", "", "norm_topk_prob: true or false (qwen3_moe; default: the preset's, true)")
 	routerLogits := fs.String("output-router-logits", "", "output_router_logits: true adds the load-balancing loss in training (qwen3_moe; default false)")
-	auxCoef := fs.Float64("router-aux-loss-coef", -1, "router_aux_loss_coef (qwen3_moe; default 0.001)")
+	auxCoef := fs.String("router-aux-loss-coef", "", "router_aux_loss_coef, a number >= 0 (qwen3_moe; default 0.001)")
 	tie := fs.String("tie", "", "tie_word_embeddings: true or false (default: the preset's)")
 	bias := fs.String("attention-bias", "", "attention_bias: true or false (llama, qwen3)")
 	seed := fs.Uint64("seed", 1, "random seed")
@@ -104,11 +110,12 @@ func runInit(args []string) error {
 	set(&cfg.ExpertsPerTok, *topk)
 	set(&cfg.MoEIntermediate, *moeInter)
 	set(&cfg.DecoderSparseStep, *sparseStep)
-	if *auxCoef != -1 {
-		if !(*auxCoef >= 0) {
-			return fmt.Errorf("--router-aux-loss-coef %g: want a number >= 0", *auxCoef)
+	if *auxCoef != "" {
+		coef, err := strconv.ParseFloat(*auxCoef, 64)
+		if err != nil || !(coef >= 0) {
+			return fmt.Errorf("--router-aux-loss-coef %s: want a number >= 0", *auxCoef)
 		}
-		cfg.RouterAuxLossCoef = *auxCoef
+		cfg.RouterAuxLossCoef = coef
 	}
 	if *mlpOnly == "none" {
 		cfg.MLPOnlyLayers = nil
