@@ -80,12 +80,58 @@ func (o *moeOperands) bf16(t compute.Tensor, name string, e, n int) uint64 {
 	return p
 }
 
+// ptrs returns a device array of the experts' BF16 weight addresses (ws,
+// each n elements), for k_moe_gemm.
+func (o *moeOperands) ptrs(ws []compute.Tensor, name string, n int) uint64 {
+	h := make([]uint64, len(ws))
+	for e, t := range ws {
+		h[e] = o.bf16(t, name, e, n)
+	}
+	d := o.b.alloc(int64(len(h)) * 8)
+	o.scratch = append(o.scratch, d)
+	o.b.upload(d, unsafePtr(h), int64(len(h))*8)
+	return d
+}
+
 func (o *moeOperands) release() {
 	for _, p := range o.scratch {
 		o.b.free(p)
 	}
 	o.scratch = nil
 }
+
+// moeGroups is the device's grouping of the experts' rows: offsets (E+1)
+// and each expert's first row tile (k_moe_scan), over rows grouped rows.
+type moeGroups struct {
+	offsets, tileStart uint64
+	rows, E            int
+}
+
+// moeGroupedOK reports whether k_moe_gemm takes the experts' shapes: its
+// 16-byte copies need the inner dimensions (hidden and intermediate) to be
+// multiples of 8.
+func moeGroupedOK(H, I int) bool { return !testMoEHostGrouping && H%8 == 0 && I%8 == 0 }
+
+// testMoEHostGrouping makes every MoE take the host's grouping and
+// per-expert cuBLASLt GEMMs (a test compares the two).
+var testMoEHostGrouping bool
+
+// moeGEMM enqueues out (rows, n) F32 = a (rows, k) BF16 · w_eᵀ for each
+// expert's grouped rows, w a device array of the experts' (n, k) BF16
+// weights (k_moe_gemm): one launch per projection, sized by an upper bound
+// of the row tiles, so the host never waits for the routing.
+func (b *Backend) moeGEMM(out, a, w uint64, g moeGroups, n, k int) {
+	tiles := (g.rows+moeBM-1)/moeBM + g.E
+	b.launchKernel(launch{kernel: "k_moe_gemm", grid: [3]int{tiles, (n + moeBN - 1) / moeBN, 1}, block: 256, smem: moeGEMMSmem},
+		dptr(out), dptr(a), dptr(w), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
+}
+
+// k_moe_gemm's tiles (moe.cu: MOE_BM, MOE_BN, MOE_BK, MOE_LD): two stages
+// of an A and a W tile in BF16.
+const (
+	moeBM, moeBN, moeBK = 128, 128, 32
+	moeGEMMSmem         = 2 * (moeBM + moeBN) * (moeBK + 8) * 2
+)
 
 // moeExpertInput writes the experts' grouped input xg (rows, H) BF16: the
 // token row of each grouped row, NVFP4-fake-quantized first under QAD
@@ -167,11 +213,22 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 	b.launchKernel(launch{kernel: "k_moe_route", grid: [3]int{(T + 7) / 8, 1, 1}, block: 256},
 		dptr(logits), int64(T), int32(E), int32(K), boolArg(mw.NormTopK), dptr(sel), dptr(wts), dptr(counts), dptr(probs))
 	b.free(logits)
-	hc := make([]int32, E)
-	b.download(unsafePtr(hc), counts, int64(E)*4)
-	plan, err := planMoE(hc, T, K)
-	b.must(err)
-	b.upload(offsets, unsafePtr(plan.offsets), int64(E+1)*4)
+	// The grouping: on the device (k_moe_scan), or, where the grouped GEMM
+	// cannot take the shapes, through the host (planMoE).
+	onDevice := moeGroupedOK(H, I)
+	var plan moePlan
+	tileStart := uint64(0)
+	if onDevice {
+		tileStart = scratch(int64(E+1) * 4)
+		b.launchKernel(launch{kernel: "k_moe_scan", grid: [3]int{1, 1, 1}, block: 32}, dptr(counts), int32(E), dptr(offsets), dptr(tileStart))
+	} else {
+		hc := make([]int32, E)
+		b.download(unsafePtr(hc), counts, int64(E)*4)
+		var err error
+		plan, err = planMoE(hc, T, K)
+		b.must(err)
+		b.upload(offsets, unsafePtr(plan.offsets), int64(E+1)*4)
+	}
 	rowpos := scratch(int64(P) * 4)
 	b.launchKernel(launch{kernel: "k_moe_order", grid: [3]int{E, 1, 1}, block: 256},
 		dptr(sel), dptr(offsets), int64(P), dptr(order), dptr(rowpos))
@@ -180,23 +237,31 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 
 	ops := &moeOperands{b: b, what: what}
 	defer ops.release()
-	for e := 0; e < E; e++ {
-		off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
-		if cnt == 0 {
-			continue
-		}
-		xe := xg + off*uint64(H)*2
-		b.gemm(gate+off*uint64(I)*4, xe, ops.bf16(mw.Gate[e], "gate", e, I*H), cnt, I, H, dataBF16)
-		b.gemm(up+off*uint64(I)*4, xe, ops.bf16(mw.Up[e], "up", e, I*H), cnt, I, H, dataBF16)
-	}
 	act := scratch(int64(P) * int64(I) * 2)
-	b.moeAct(act, gate, up, mw, P, I)
-	for e := 0; e < E; e++ {
-		off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
-		if cnt == 0 {
-			continue
+	if onDevice {
+		g := moeGroups{offsets: offsets, tileStart: tileStart, rows: P, E: E}
+		b.moeGEMM(gate, xg, ops.ptrs(mw.Gate, "gate", I*H), g, I, H)
+		b.moeGEMM(up, xg, ops.ptrs(mw.Up, "up", I*H), g, I, H)
+		b.moeAct(act, gate, up, mw, P, I)
+		b.moeGEMM(y, act, ops.ptrs(mw.Down, "down", H*I), g, H, I)
+	} else {
+		for e := 0; e < E; e++ {
+			off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
+			if cnt == 0 {
+				continue
+			}
+			xe := xg + off*uint64(H)*2
+			b.gemm(gate+off*uint64(I)*4, xe, ops.bf16(mw.Gate[e], "gate", e, I*H), cnt, I, H, dataBF16)
+			b.gemm(up+off*uint64(I)*4, xe, ops.bf16(mw.Up[e], "up", e, I*H), cnt, I, H, dataBF16)
 		}
-		b.gemm(y+off*uint64(H)*4, act+off*uint64(I)*2, ops.bf16(mw.Down[e], "down", e, H*I), cnt, H, I, dataBF16)
+		b.moeAct(act, gate, up, mw, P, I)
+		for e := 0; e < E; e++ {
+			off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
+			if cnt == 0 {
+				continue
+			}
+			b.gemm(y+off*uint64(H)*4, act+off*uint64(I)*2, ops.bf16(mw.Down[e], "down", e, H*I), cnt, H, I, dataBF16)
+		}
 	}
 	b.launchKernel(launch{kernel: "k_moe_combine", grid: [3]int{T, 1, 1}, block: 256},
 		dptr(out.p), dptr(y), dptr(sel), dptr(wts), dptr(rowpos), int32(K), int32(H))

@@ -282,3 +282,124 @@ DK_REGISTER(k_moe_route_bwd)
 DK_REGISTER(k_moe_swiglu_bwd)
 DK_REGISTER(k_moe_rowpos)
 DK_REGISTER(k_moe_dx)
+
+// --- The experts' GEMMs on the device's own grouping, with no host round
+// trip (the routing's counts never leave the GPU).
+//
+// k_moe_scan turns the experts' row counts into the grouping's offsets
+// (E+1, exclusive) and each expert's first row tile of MOE_BM rows
+// (tile_start, E+1): one thread, in expert order, so both are exact.
+#define MOE_BM 128
+#define MOE_BN 128
+#define MOE_BK 32
+#define MOE_LD (MOE_BK + 8) // a shared tile's row stride (BF16), padded against bank conflicts
+#define MOE_GEMM_THREADS 256
+
+DK_KERNEL void k_moe_scan(const i32 *__restrict__ counts, int E, i32 *__restrict__ offsets, i32 *__restrict__ tile_start) {
+	if (threadIdx.x != 0) return;
+	i32 o = 0, t = 0;
+	for (int e = 0; e < E; e++) {
+		offsets[e] = o;
+		tile_start[e] = t;
+		o += counts[e];
+		t += (counts[e] + MOE_BM - 1) / MOE_BM;
+	}
+	offsets[E] = o;
+	tile_start[E] = t;
+}
+
+// k_moe_gemm: for every expert e, out[r] (N, F32) = a[r] (K, BF16) ·
+// w_e[n] for the grouped rows r of e (offsets[e] <= r < offsets[e+1]),
+// w_e = w[e] (N, K) BF16 row-major: out = a·w_eᵀ, as b.gemm per expert.
+// Grid: x over an upper bound of the row tiles (rows/MOE_BM + E; a block
+// past tile_start[E] leaves), y over the MOE_BN-column tiles. A block of 8
+// warps computes MOE_BM x MOE_BN, each warp 64 rows x 32 columns (4 x 4
+// mma tiles), over K in MOE_BK steps: the next step's A and W tiles load
+// with cp.async while the tensor cores work on this one. Rows past the
+// expert's and columns past N load as zeros and are not stored; K must be
+// a multiple of 8 (16-byte copies), the host checks. Each output element
+// is one thread's fixed-order sum: deterministic.
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm(float *__restrict__ out, const u16 *__restrict__ a,
+                                                               const u64 *__restrict__ w, const i32 *__restrict__ offsets,
+                                                               const i32 *__restrict__ tile_start, int E, int N, int K) {
+	int t = blockIdx.x;
+	if (t >= tile_start[E]) return;
+	int lo = 0, hi = E - 1; // the expert whose tiles hold t: tile_start[e] <= t < tile_start[e+1]
+	while (lo < hi) {
+		int mid = (lo + hi + 1) / 2;
+		if (tile_start[mid] <= t) lo = mid;
+		else hi = mid - 1;
+	}
+	int e = lo;
+	i32 row0 = offsets[e] + (t - tile_start[e]) * MOE_BM;
+	int rows = offsets[e + 1] - row0;
+	if (rows > MOE_BM) rows = MOE_BM;
+	int n0 = blockIdx.y * MOE_BN;
+	const u16 *A = a + (i64)row0 * K;
+	const u16 *W = (const u16 *)w[e] + (i64)n0 * K;
+	int ncols = N - n0 < MOE_BN ? N - n0 : MOE_BN;
+
+	DK_DYN_SMEM(u16, sm);
+	const int tileA = MOE_BM * MOE_LD, tileB = MOE_BN * MOE_LD; // halfs
+	int tid = threadIdx.x, lane = tid % DK_WARP, warp = tid / DK_WARP;
+	int wm = (warp / 4) * 64, wn = (warp % 4) * 32; // the warp's rows and columns in the tile
+
+	// load stages step s's tiles into buffer s % 2: 128 rows x 4 chunks of
+	// 16 bytes each for A and for W, two chunks a thread for each.
+	auto load = [&](int s) {
+		int buf = (s % 2) * (tileA + tileB), k0 = s * MOE_BK;
+		for (int i = tid; i < MOE_BM * 4; i += MOE_GEMM_THREADS) {
+			int r = i / 4, c = (i % 4) * 8;
+			bool ok = r < rows && k0 + c < K;
+			cp_async16(sm, 2 * (buf + r * MOE_LD + c), A + (ok ? (i64)r * K + k0 + c : 0), ok);
+		}
+		for (int i = tid; i < MOE_BN * 4; i += MOE_GEMM_THREADS) {
+			int r = i / 4, c = (i % 4) * 8;
+			bool ok = r < ncols && k0 + c < K;
+			cp_async16(sm, 2 * (buf + tileA + r * MOE_LD + c), W + (ok ? (i64)r * K + k0 + c : 0), ok);
+		}
+		cp_async_commit();
+	};
+
+	float acc[4][4][4];
+	for (int i = 0; i < 4; i++)
+		for (int j = 0; j < 4; j++)
+			for (int q = 0; q < 4; q++) acc[i][j][q] = 0;
+	int steps = (K + MOE_BK - 1) / MOE_BK;
+	load(0);
+	for (int s = 0; s < steps; s++) {
+		if (s + 1 < steps) {
+			load(s + 1);
+			cp_async_wait<1>();
+		} else {
+			cp_async_wait<0>();
+		}
+		__syncthreads();
+		int buf = (s % 2) * (tileA + tileB);
+		for (int kk = 0; kk < MOE_BK; kk += 16) {
+			u32 af[4][4], bf[4][2];
+			for (int i = 0; i < 4; i++) ldsm_a(af[i], sm, buf, MOE_LD, wm + 16 * i, kk, lane);
+			for (int j = 0; j < 4; j += 2) ldsm_b2(bf[j], bf[j + 1], sm, buf + tileA, MOE_LD, wn + 8 * j, kk, lane);
+			for (int i = 0; i < 4; i++)
+				for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], af[i], bf[j]);
+		}
+		__syncthreads(); // this buffer is refilled by step s+2's load
+	}
+
+	int g = lane / 4, tq = lane % 4;
+	for (int i = 0; i < 4; i++) {
+		for (int j = 0; j < 4; j++) {
+			int c = wn + 8 * j + 2 * tq;
+			for (int h = 0; h < 2; h++) {
+				int r = wm + 16 * i + g + 8 * h;
+				if (r >= rows) continue;
+				float *o = out + (i64)(row0 + r) * N + n0;
+				if (c < ncols) o[c] = acc[i][j][2 * h];
+				if (c + 1 < ncols) o[c + 1] = acc[i][j][2 * h + 1];
+			}
+		}
+	}
+}
+
+DK_REGISTER(k_moe_scan)
+DK_REGISTER(k_moe_gemm)

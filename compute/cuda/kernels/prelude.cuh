@@ -170,3 +170,36 @@ DK_DEV float fast_exp2(float x) {
 	return r;
 }
 #endif
+
+// Fragments from shared tiles (used by attention.cu and moe.cu).
+// ldsm_a loads the A fragment of rows r..r+15, columns c..c+15 of the
+// shared tile t (row stride ld): lanes 0-15 address rows r..r+15 at column
+// c, lanes 16-31 the same rows at c+8 (matrices a[0..3] as prelude.cuh
+// lays them out).
+DK_DEV void ldsm_a(u32 a[4], const u16 *sm, int t, int ld, int r, int c, int lane) {
+	ldsm_x4(a, sm, 2 * (t + (r + (lane & 15)) * ld + c + (lane >> 4) * 8));
+}
+
+// ldsm_b2 loads the B fragments of B[k][n] = t[n][k] (t's rows are the n
+// index: K for Q·Kᵀ) for k in c..c+15, n in n0..n0+7 (b0) and n0+8..n0+15
+// (b1).
+DK_DEV void ldsm_b2(u32 b0[2], u32 b1[2], const u16 *sm, int t, int ld, int n0, int c, int lane) {
+	u32 r[4];
+	ldsm_x4(r, sm, 2 * (t + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + c + ((lane >> 3) & 1) * 8));
+	b0[0] = r[0];
+	b0[1] = r[1];
+	b1[0] = r[2];
+	b1[1] = r[3];
+}
+
+// ldsm_bt2 is ldsm_b2 for B[k][n] = t[k][n] (t's rows are the k index: V
+// for P·V), through ldmatrix's transposing form.
+DK_DEV void ldsm_bt2(u32 b0[2], u32 b1[2], const u16 *sm, int t, int ld, int n0, int c, int lane) {
+	u32 r[4];
+	ldsm_x4_t(r, sm, 2 * (t + (c + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8));
+	b0[0] = r[0];
+	b0[1] = r[1];
+	b1[0] = r[2];
+	b1[1] = r[3];
+}
+
