@@ -392,33 +392,50 @@ func BenchmarkLMHead(b *testing.B) {
 	}
 }
 
-// benchShape is a Qwen3-shaped decoder for the forward benchmark.
+// benchShape is a Qwen3-shaped decoder for the forward benchmark; with
+// Experts set, a Qwen3-MoE one (every layer's MLP Experts experts of width
+// MoEInter, TopK a token, normalized top-k weights).
 type benchShape struct {
 	Name                                      string
 	Vocab, Hidden, Layers, Heads, KVHeads, HD int
 	Inter                                     int
 	Tied                                      bool
+	Experts, TopK, MoEInter                   int  `json:",omitempty"`
+	OptIn                                     bool `json:",omitempty"` // run only when DISTILL_BENCH_SHAPES names it
 }
 
 var benchShapes = []benchShape{
-	{"qwen3-0.6b", 151936, 1024, 28, 16, 8, 128, 3072, true},
-	{"qwen3-1.7b", 151936, 2048, 28, 16, 8, 128, 6144, true},
-	{"qwen3-8b", 151936, 4096, 36, 32, 8, 128, 12288, false},
+	{Name: "qwen3-0.6b", Vocab: 151936, Hidden: 1024, Layers: 28, Heads: 16, KVHeads: 8, HD: 128, Inter: 3072, Tied: true},
+	{Name: "qwen3-1.7b", Vocab: 151936, Hidden: 2048, Layers: 28, Heads: 16, KVHeads: 8, HD: 128, Inter: 6144, Tied: true},
+	{Name: "qwen3-8b", Vocab: 151936, Hidden: 4096, Layers: 36, Heads: 32, KVHeads: 8, HD: 128, Inter: 12288},
+	// 61 GB of BF16 weights: only where named.
+	{Name: "qwen3-30b-a3b", Vocab: 151936, Hidden: 2048, Layers: 48, Heads: 32, KVHeads: 4, HD: 128, Inter: 6144,
+		Experts: 128, TopK: 8, MoEInter: 768, OptIn: true},
 }
 
 // matmulParams counts the parameters that multiply each token: every
-// layer's, and the LM head (the embedding lookup costs no FLOPs).
+// layer's (a MoE layer's router and its top-k experts), and the LM head
+// (the embedding lookup costs no FLOPs).
 func (s benchShape) matmulParams() float64 {
 	hq, hkv := s.Heads*s.HD, s.KVHeads*s.HD
-	layer := s.Hidden*hq + 2*s.Hidden*hkv + hq*s.Hidden + 3*s.Hidden*s.Inter + 2*s.Hidden + 2*s.HD
+	mlp := 3 * s.Hidden * s.Inter
+	if s.Experts > 0 {
+		mlp = s.Experts*s.Hidden + s.TopK*3*s.Hidden*s.MoEInter
+	}
+	layer := s.Hidden*hq + 2*s.Hidden*hkv + hq*s.Hidden + mlp + 2*s.Hidden + 2*s.HD
 	return float64(s.Layers*layer + s.Vocab*s.Hidden + s.Hidden)
 }
 
-// config is s as a Qwen3 model.Config.
+// config is s as a Qwen3 (or Qwen3-MoE) model.Config.
 func (s benchShape) config() *model.Config {
-	return &model.Config{Arch: model.ArchQwen3, VocabSize: s.Vocab, Hidden: s.Hidden, Layers: s.Layers,
+	c := &model.Config{Arch: model.ArchQwen3, VocabSize: s.Vocab, Hidden: s.Hidden, Layers: s.Layers,
 		Heads: s.Heads, KVHeads: s.KVHeads, HeadDim: s.HD, Intermediate: s.Inter, MaxPositions: 40960,
 		RMSNormEps: 1e-6, RopeTheta: 1e6, TieEmbeddings: s.Tied, QKNorm: true, BOSTokenID: -1, EOSTokenID: -1}
+	if s.Experts > 0 {
+		c.Arch, c.NumExperts, c.ExpertsPerTok, c.MoEIntermediate = model.ArchQwen3MoE, s.Experts, s.TopK, s.MoEInter
+		c.DecoderSparseStep, c.NormTopKProb = 1, true
+	}
+	return c
 }
 
 // benchModel is the teacher's decoder (package model/decoder, the code
@@ -525,7 +542,7 @@ func BenchmarkForward(b *testing.B) {
 	be := benchBackend(b, false)
 	peak := peakTFLOPS(be.Info())
 	for _, s := range benchShapes {
-		if only != "" && !strings.Contains(only, s.Name) {
+		if only != "" && !strings.Contains(only, s.Name) || only == "" && s.OptIn {
 			continue
 		}
 		m := newBenchModel(be, s)
@@ -634,7 +651,15 @@ func freeBenchModel(be compute.Backend, m *benchModel) {
 // the benchmark measures a forward that computes the right thing.
 func TestBenchModel(t *testing.T) {
 	be := testBackend(t)
-	s := benchShape{"tiny", 5000, 128, 2, 4, 2, 64, 256, false}
+	for _, s := range []benchShape{
+		{Name: "tiny", Vocab: 5000, Hidden: 128, Layers: 2, Heads: 4, KVHeads: 2, HD: 64, Inter: 256},
+		{Name: "tiny-moe", Vocab: 5000, Hidden: 128, Layers: 2, Heads: 4, KVHeads: 2, HD: 64, Inter: 256, Experts: 16, TopK: 4, MoEInter: 64},
+	} {
+		t.Run(s.Name, func(t *testing.T) { testBenchModel(t, be, s) })
+	}
+}
+
+func testBenchModel(t *testing.T, be *Backend, s benchShape) {
 	r := rand.New(rand.NewPCG(7, 7))
 	samples := [][]int32{make([]int32, 70), make([]int32, 5), make([]int32, 130)}
 	for _, smp := range samples {

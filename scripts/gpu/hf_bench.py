@@ -24,11 +24,27 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 
 def build(s):
-    cfg = Qwen3Config(vocab_size=s["Vocab"], hidden_size=s["Hidden"], num_hidden_layers=s["Layers"],
-                      num_attention_heads=s["Heads"], num_key_value_heads=s["KVHeads"], head_dim=s["HD"],
-                      intermediate_size=s["Inter"], tie_word_embeddings=s["Tied"], max_position_embeddings=40960)
-    cfg._attn_implementation = "sdpa"
+    common = dict(vocab_size=s["Vocab"], hidden_size=s["Hidden"], num_hidden_layers=s["Layers"],
+                  num_attention_heads=s["Heads"], num_key_value_heads=s["KVHeads"], head_dim=s["HD"],
+                  intermediate_size=s["Inter"], tie_word_embeddings=s["Tied"], max_position_embeddings=40960)
     torch.manual_seed(0)
+    if s.get("Experts"):
+        # Qwen3-MoE (transformers runs its experts with grouped_mm), built
+        # in bfloat16 directly: an fp32 30B model would not fit first.
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        cfg = Qwen3MoeConfig(num_experts=s["Experts"], num_experts_per_tok=s["TopK"], moe_intermediate_size=s["MoEInter"],
+                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common)
+        cfg._attn_implementation = "sdpa"
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                m = Qwen3MoeForCausalLM(cfg).eval()
+        finally:
+            torch.set_default_dtype(prev)
+        return m
+    cfg = Qwen3Config(**common)
+    cfg._attn_implementation = "sdpa"
     with torch.device("cuda"):
         m = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
     return m
@@ -71,7 +87,7 @@ def main():
     only = set(sys.argv[2:])
     torch.set_grad_enabled(False)
     for s in w["shapes"]:
-        if only and s["Name"] not in only:
+        if only and s["Name"] not in only or not only and s.get("OptIn"):
             continue
         model = build(s)
         for name in sorted(w["workloads"]):
