@@ -120,7 +120,18 @@
 // contract says. Mixed precision as Megatron-LM trains: the parameters,
 // their gradients and the AdamW moments are the caller's fp32 tensors (the
 // decoder sees no BF16 copy); each GEMM reads BF16 roundings of its
-// operands, made as it reads them, and accumulates in fp32 into fp32.
+// operands and accumulates in fp32 into fp32. Activations and gradients
+// are rounded as a GEMM reads them; the parameters are rounded once per
+// step (shadow.go): the backend keeps a BF16 shadow of each fp32
+// parameter a GEMM reads, which AdamW's kernel writes with the update
+// (k_adamw), and which any other write to the parameter makes stale (the
+// next GEMM rounds it again, once). Under NVFP4 QAD the fake quantization
+// of a parameter writes the BF16 rounding of its result beside the F32
+// copy, and is skipped while neither changed (the decoder asks before
+// every forward; the weights move once per step). The GEMMs read the same
+// bits as rounding per use, which Options.PerUseCasts restores
+// (TestWeightShadows, train's TestCUDAWeightShadows: losses and weights
+// bit for bit).
 //
 //   - MatMulBackward: cuBLASLt GEMMs dx += dout·w ("NN") and dw += doutᵀ·x
 //     ("NT") with beta = 1, BF16 operands; dbias by column sums (float64).
@@ -162,9 +173,11 @@
 //     (the teacher's ids found by binary search) and the logits at the ids
 //     and the label; k_loss_bwd_tile turns a recomputed tile into dL/dz in
 //     BF16, and two GEMMs accumulate dx and dW. [M x V] never exists.
-//   - AdamW (fp32, elementwise), Scale; SumSquares and AbsMax as two-stage
-//     reductions of a fixed shape (a grid that depends on n only, fixed
-//     trees); FakeQuantNVFP4 bit for bit compute/fp4.go's definitions.
+//   - AdamW (fp32, elementwise; the BF16 shadow of p written in the same
+//     pass), Scale; SumSquares and AbsMax as two-stage reductions of a
+//     fixed shape (a grid that depends on n only, fixed trees);
+//     FakeQuantNVFP4 bit for bit compute/fp4.go's definitions (and the
+//     BF16 rounding of its result, for a parameter's quantization).
 //
 // Determinism: cuDNN's attention backward runs its deterministic graph
 // (dQ written by the dS·K matmul directly, no fp32 accumulator updated with
@@ -182,9 +195,10 @@
 // GPU suite checks it on the GPU.
 //
 // Performance notes, to be measured by the GPU suite: the BF16 copies of
-// parameter views are made per GEMM call (not cached: the parameters change
-// every step); the own tensor-core attention kernels use mma.sync, not
-// Hopper's wgmma/TMA, and their backward recomputes S and dP for dq.
+// activations and gradients are made per GEMM call (those of parameters
+// once per step, above); the own tensor-core attention kernels use
+// mma.sync, not Hopper's wgmma/TMA, and their backward recomputes S and dP
+// for dq.
 //
 // # Testing without a GPU
 //

@@ -16,8 +16,9 @@ import (
 //
 // Precision (mixed, as Megatron-LM trains): the GEMMs (MatMul's backward,
 // the loss head's logits and gradients) take BF16 operands, rounded from
-// the fp32 activations, master weights and gradients when they are read,
-// and accumulate in fp32 into fp32 outputs; everything else is fp32, with
+// the fp32 activations and gradients when they are read and from the
+// master weights once per step (their shadows, shadow.go), and accumulate
+// in fp32 into fp32 outputs; everything else is fp32, with
 // float64 sums where compute/cpu has them. Parameters, their gradients and
 // the AdamW moments are fp32 tensors of the caller: the decoder does not
 // know about the BF16 copies.
