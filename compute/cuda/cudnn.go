@@ -366,7 +366,8 @@ func (b *Backend) bf16Copy(p uint64, n int) uint64 {
 
 // cudnnAttention runs the forward on cuDNN; false when cuDNN refused the
 // shape (the caller runs the own kernels).
-func (b *Backend) cudnnAttention(out, lse, q, k, v, st *tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) bool {
+func (b *Backend) cudnnAttention(a attnArgs, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) bool {
+	out, lse, q, k, v, st := a.out, a.lse, a.q, a.k, a.v, a.st
 	key := sdpaKeyOf(false, false, false, nSeq, maxLen, nHead, nKV, hd)
 	p := b.sdpaPlan(key)
 	if p == nil {
@@ -406,7 +407,8 @@ func (b *Backend) cudnnAttention(out, lse, q, k, v, st *tensor, nSeq, maxLen, to
 // The deterministic graph is asked for unless Options.AttnNondeterministic;
 // the workspace tensors are ragged over the tokens, or dense [B,H,S,·]
 // where this cuDNN refuses ragged ones.
-func (b *Backend) cudnnAttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, st *tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) bool {
+func (b *Backend) cudnnAttentionBackward(a attnBwdArgs, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) bool {
+	dq, dk, dv, dout, q, k, v, out, lse, st := a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, a.st
 	det := !b.attnNondet
 	key := sdpaKeyOf(true, det, false, nSeq, maxLen, nHead, nKV, hd)
 	p := b.sdpaPlan(key)

@@ -242,6 +242,21 @@ static cudnnBackendDescriptor_t masked(builder *b, cudnnBackendDescriptor_t s, c
 	return out;
 }
 
+// kvGrad adds a kv gradient out [B,HK,S,D] = At·X over the samples' M =
+// seqKV keys and K = seqQ queries: directly for MHA, else per query head
+// into a virtual [B,H,S,D] and summed over each kv head's group.
+static void kvGrad(builder *b, const char *what, cudnnBackendDescriptor_t At, cudnnBackendDescriptor_t X, cudnnBackendDescriptor_t out,
+                   cudnnBackendDescriptor_t seqKV, cudnnBackendDescriptor_t seqQ, int64_t B, int64_t H, int64_t HK, int64_t S, int64_t D,
+                   cudnnBackendDescriptor_t *ops, int *nops) {
+	if (H == HK) {
+		mm(b, what, At, X, out, seqKV, NULL, seqQ, ops, nops);
+		return;
+	}
+	cudnnBackendDescriptor_t full = virt4(b, "per query head", DK_CUDNN_DATA_BFLOAT16, B, H, S, D);
+	mm(b, what, At, X, full, seqKV, NULL, seqQ, ops, nops);
+	red(b, "over the group", DK_CUDNN_REDUCE_TENSOR_ADD, full, out, ops, nops);
+}
+
 // plan finalizes the operation graph, asks heuristics mode A for engine
 // configurations and keeps the first that finalizes into an execution plan
 // (skipping non-deterministic engines when det is set).
@@ -399,14 +414,7 @@ int distill_sdpa_build(const distill_cudnn_api *api, cudnnHandle_t handle, const
 	cudnnBackendDescriptor_t Pt = tensor(b, "pᵀ", BF, B, H, S, S, H * S * S, S * S, 1, S, 0, 1, 0, NULL);
 	pw(b, "p", DK_CUDNN_POINTWISE_EXP, F, m, NULL, NULL, P, -1, ops, &nops);
 	reshape(b, "pᵀ", P, Pt, ops, &nops);
-	if (H == HK) {
-		mm(b, "pᵀ·dout", Pt, dO, dV, seqKV, NULL, seqQ, ops, &nops);
-	} else {
-		// Per query head, then summed over each kv head's group.
-		cudnnBackendDescriptor_t full = virt4(b, "dv per query head", BF, B, H, S, D);
-		mm(b, "pᵀ·dout", Pt, dO, full, seqKV, NULL, seqQ, ops, &nops);
-		red(b, "dv over the group", DK_CUDNN_REDUCE_TENSOR_ADD, full, dV, ops, &nops);
-	}
+	kvGrad(b, "pᵀ·dout", Pt, dO, dV, seqKV, seqQ, B, H, HK, S, D, ops, &nops);
 
 	// ds = scale · p ∘ (dout·vᵀ - Σ dout·out).
 	cudnnBackendDescriptor_t dP = virt4(b, "dout·vᵀ", F, B, H, S, S), d1 = virt4(b, "dp - sum", F, B, H, S, S);
@@ -419,13 +427,7 @@ int distill_sdpa_build(const distill_cudnn_api *api, cudnnHandle_t handle, const
 
 	// dk = dsᵀ·q.
 	reshape(b, "dsᵀ", dS, dSt, ops, &nops);
-	if (H == HK) {
-		mm(b, "dsᵀ·q", dSt, Q, dK, seqKV, NULL, seqQ, ops, &nops);
-	} else {
-		cudnnBackendDescriptor_t full = virt4(b, "dk per query head", BF, B, H, S, D);
-		mm(b, "dsᵀ·q", dSt, Q, full, seqKV, NULL, seqQ, ops, &nops);
-		red(b, "dk over the group", DK_CUDNN_REDUCE_TENSOR_ADD, full, dK, ops, &nops);
-	}
+	kvGrad(b, "dsᵀ·q", dSt, Q, dK, seqKV, seqQ, B, H, HK, S, D, ops, &nops);
 
 	// dq = ds·k. The non-deterministic engines accumulate it in fp32 in the
 	// workspace (ragged like dq) with atomics, then convert; the

@@ -5,7 +5,6 @@ import (
 	"math"
 	"math/rand/v2"
 	"strings"
-	"sync"
 	"testing"
 
 	"distill/compute"
@@ -14,41 +13,19 @@ import (
 // cudnnBackend opens the backend under test with attention on cuDNN; on
 // the emulator and in the GPU suite cuDNN must load (the emulator stands
 // in for it), so a missing cuDNN fails rather than skips.
-func cudnnBackend(t *testing.T, opt Options) (*Backend, *logLines) {
+func cudnnBackend(t *testing.T, opt Options) (*Backend, *benchLog) {
 	t.Helper()
 	if !onGPU() {
 		useEmu(t)
 	}
-	logs := &logLines{}
-	opt.KernelCache, opt.Attention, opt.Logf = kernelCacheForTests(t), "cudnn", logs.add
+	logs := &benchLog{}
+	opt.KernelCache, opt.Attention, opt.Logf = kernelCacheForTests(t), "cudnn", logs.logf
 	b, err := Open(opt)
 	if err != nil {
 		t.Fatalf("opening the backend with cuDNN attention: %v", err)
 	}
 	t.Cleanup(func() { b.Close() })
 	return b, logs
-}
-
-type logLines struct {
-	mu    sync.Mutex
-	lines []string
-}
-
-func (l *logLines) add(format string, args ...any) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.lines = append(l.lines, fmt.Sprintf(format, args...))
-}
-
-func (l *logLines) find(sub string) string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for _, s := range l.lines {
-		if strings.Contains(s, sub) {
-			return s
-		}
-	}
-	return ""
 }
 
 // TestCudnnAttentionConformance: cuDNN's fused attention, forward and
@@ -69,7 +46,7 @@ func TestCudnnAttentionConformance(t *testing.T) {
 			calls := be.dnn.calls
 			got, gotL := ac.run(be, ac.q, ac.k, ac.v)
 			if be.dnn.calls[0] != calls[0]+1 {
-				t.Fatalf("the forward did not run on cuDNN (log: %q)", logs.find("refused"))
+				t.Fatalf("the forward did not run on cuDNN (log: %q)", logs.about("refused"))
 			}
 			qr, _ := roundBF16(ac.q)
 			kr, _ := roundBF16(ac.k)
@@ -93,7 +70,7 @@ func TestCudnnAttentionConformance(t *testing.T) {
 			calls = be.dnn.calls
 			gq, gk, gv := run(be, ac.q, ac.k, ac.v, got, gotL, dout)
 			if be.dnn.calls[1] != calls[1]+1 {
-				t.Fatalf("the backward did not run on cuDNN (log: %q)", logs.find("refused"))
+				t.Fatalf("the backward did not run on cuDNN (log: %q)", logs.about("refused"))
 			}
 			wq, wk, wv := run(oracle, qr, kr, vr, or, gotL, dr)
 			// BF16 operands and P, dS; BF16 gradients added to F32 ones.
@@ -155,7 +132,7 @@ func TestCudnnFallback(t *testing.T) {
 		if be.dnn.calls[0] != 0 {
 			t.Fatal("cuDNN ran although it offered no engine")
 		}
-		if l := logs.find("refused"); !strings.Contains(l, "own kernels") {
+		if l := logs.about("refused"); !strings.Contains(l, "own kernels") {
 			t.Fatalf("no log line for the refusal: %q", logs.lines)
 		}
 		want, _ := ac.run(oracle, ac.q, ac.k, ac.v)
@@ -178,13 +155,13 @@ func TestCudnnFallback(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "9.5.0") || !strings.Contains(err.Error(), "9.10.0") {
 			t.Fatalf("Open with cuDNN 9.5 and attention cudnn: %v, want an error naming 9.5.0 and 9.10.0", err)
 		}
-		logs := &logLines{}
-		b, err := Open(Options{KernelCache: t.TempDir(), Logf: logs.add})
+		logs := &benchLog{}
+		b, err := Open(Options{KernelCache: t.TempDir(), Logf: logs.logf})
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer b.Close()
-		if b.dnn != nil || !strings.Contains(logs.find("attention runs on this package's kernels"), "9.5.0") {
+		if b.dnn != nil || !strings.Contains(logs.about("attention runs on this package's kernels"), "9.5.0") {
 			t.Fatalf("auto with cuDNN 9.5: dnn %v, log %q", b.dnn != nil, logs.lines)
 		}
 	})

@@ -68,8 +68,9 @@
 // Everything is enqueued on one stream. Tensors are device memory from the
 // driver's stream-ordered pool (cuMemAllocAsync), so the decoder's per-batch
 // allocations cost no synchronization. The host waits only in ReadF32 and
-// ReadI32 (once per batch for the top-k), and in MoE, which reads each
-// layer's per-expert row counts (E integers) to size the experts' GEMMs.
+// ReadI32 (once per batch for the top-k), and in MoEBackward, which reads
+// each layer's E+1 saved offsets to size the experts' weight-gradient
+// GEMMs; the MoE forward groups and multiplies on the device alone.
 //
 // Memory planning: the backend implements compute.DeviceMemory. MemInfo
 // counts what the pool keeps for reuse as free; ForwardScratchBytes bounds
@@ -108,9 +109,17 @@
 //     GEMM in fp32 (a discrete choice: BF16 logits would flip near-ties),
 //     softmax and top-k on the device, the (token, slot) pairs grouped by
 //     expert in token order (k_moe_order: stable and deterministic, no
-//     atomic cursors), each expert's GEMMs through cuBLASLt in BF16 (under
-//     QAD over NVFP4-fake-quantized inputs), a weighted combine in the
-//     CPU's summation order.
+//     atomic cursors), the experts' GEMMs in BF16 with fp32 accumulation
+//     (under QAD over NVFP4-fake-quantized inputs), a weighted combine in
+//     the CPU's summation order. The grouping's offsets and row tiles are
+//     scanned on the device (k_moe_scan) and each projection of every
+//     expert is one launch of a grouped tensor-core GEMM over the
+//     expert-sorted rows (k_moe_gemm: 128x128 tiles on 8 warps, cp.async
+//     double buffering, ldmatrix, mma.sync; the experts' weight addresses in
+//     a device array), sized by an upper bound of the row tiles, so the host
+//     never waits for the routing; shapes it cannot take (hidden or
+//     intermediate not a multiple of 8) read the counts to the host and run
+//     a cuBLASLt GEMM per expert.
 //   - LMHeadTopK: the vocabulary in tiles; cuBLASLt writes a tile's
 //     logits, k_lm_fold folds them into each row's running log-sum-exp
 //     (float64) and running top-k (exact, ties by lower id).

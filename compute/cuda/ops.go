@@ -184,37 +184,37 @@ func (b *Backend) Attention(outT, lseT, qT, kT, vT, startsT compute.Tensor, nSeq
 	defer b.enter()()
 	b.wroteT(outT, lseT)
 	b.label = "Attention"
-	if b.useCudnn(tokens, nSeq, maxLen, nHead, nKV, hd) {
-		out, q, k, v, st := b.ten(outT, "Attention out"), b.ten(qT, "Attention q"), b.ten(kT, "Attention k"), b.ten(vT, "Attention v"), b.ten(startsT, "Attention starts")
-		need(out, "Attention out", tokens*nHead*hd, compute.F32)
-		need(q, "Attention q", tokens*nHead*hd, compute.F32)
-		need(k, "Attention k", tokens*nKV*hd, compute.F32)
-		need(v, "Attention v", tokens*nKV*hd, compute.F32)
-		need(st, "Attention starts", nSeq+1, compute.I32)
-		var lse *tensor
-		if lseT != nil {
-			lse = b.ten(lseT, "Attention lse")
-			need(lse, "Attention lse", tokens*nHead, compute.F32)
-		}
-		if b.cudnnAttention(out, lse, q, k, v, st, nSeq, maxLen, tokens, nHead, nKV, hd, scale) {
-			return
-		}
+	a := b.attnArgs(outT, lseT, qT, kT, vT, startsT, nSeq, tokens, nHead, nKV, hd)
+	if b.useCudnn(tokens, nSeq, maxLen, nHead, nKV, hd) && b.cudnnAttention(a, nSeq, maxLen, tokens, nHead, nKV, hd, scale) {
+		return
 	}
-	b.attention(b.ownAttn(), outT, lseT, qT, kT, vT, startsT, nSeq, tokens, nHead, nKV, hd, scale)
+	b.attention(b.ownAttn(), a, nSeq, tokens, nHead, nKV, hd, scale)
 }
 
-func (b *Backend) attention(mode attnMode, outT, lseT, qT, kT, vT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int, scale float32) {
-	out, q, k, v, st := b.ten(outT, "Attention out"), b.ten(qT, "Attention q"), b.ten(kT, "Attention k"), b.ten(vT, "Attention v"), b.ten(startsT, "Attention starts")
-	need(out, "Attention out", tokens*nHead*hd, compute.F32)
-	need(q, "Attention q", tokens*nHead*hd, compute.F32)
-	need(k, "Attention k", tokens*nKV*hd, compute.F32)
-	need(v, "Attention v", tokens*nKV*hd, compute.F32)
-	need(st, "Attention starts", nSeq+1, compute.I32)
-	var lp dptr
+// attnArgs are Attention's tensors, unwrapped and checked; lse may be nil.
+type attnArgs struct{ out, lse, q, k, v, st *tensor }
+
+func (b *Backend) attnArgs(outT, lseT, qT, kT, vT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int) attnArgs {
+	a := attnArgs{out: b.ten(outT, "Attention out"), q: b.ten(qT, "Attention q"), k: b.ten(kT, "Attention k"), v: b.ten(vT, "Attention v"),
+		st: b.ten(startsT, "Attention starts")}
+	need(a.out, "Attention out", tokens*nHead*hd, compute.F32)
+	need(a.q, "Attention q", tokens*nHead*hd, compute.F32)
+	need(a.k, "Attention k", tokens*nKV*hd, compute.F32)
+	need(a.v, "Attention v", tokens*nKV*hd, compute.F32)
+	need(a.st, "Attention starts", nSeq+1, compute.I32)
 	if lseT != nil {
-		lse := b.ten(lseT, "Attention lse")
-		need(lse, "Attention lse", tokens*nHead, compute.F32)
-		lp = dptr(lse.p)
+		a.lse = b.ten(lseT, "Attention lse")
+		need(a.lse, "Attention lse", tokens*nHead, compute.F32)
+	}
+	return a
+}
+
+// attention runs the own kernels.
+func (b *Backend) attention(mode attnMode, a attnArgs, nSeq, tokens, nHead, nKV, hd int, scale float32) {
+	out, q, k, v, st := a.out, a.q, a.k, a.v, a.st
+	var lp dptr
+	if a.lse != nil {
+		lp = dptr(a.lse.p)
 	}
 	if tokens == 0 {
 		return

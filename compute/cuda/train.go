@@ -268,47 +268,38 @@ func (b *Backend) AttentionBackward(dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT
 	defer b.enter()()
 	b.wroteT(dqT, dkT, dvT)
 	b.label = "AttentionBackward"
-	if outT != nil && b.useCudnn(tokens, nSeq, maxLen, nHead, nKV, hd) {
-		dq, dk, dv := b.ten(dqT, "AttentionBackward dq"), b.ten(dkT, "AttentionBackward dk"), b.ten(dvT, "AttentionBackward dv")
-		dout, q, k, v := b.ten(doutT, "AttentionBackward dout"), b.ten(qT, "AttentionBackward q"), b.ten(kT, "AttentionBackward k"), b.ten(vT, "AttentionBackward v")
-		out, lse, st := b.ten(outT, "AttentionBackward out"), b.ten(lseT, "AttentionBackward lse"), b.ten(startsT, "AttentionBackward starts")
-		for _, x := range []struct {
-			t    *tensor
-			what string
-			n    int
-		}{{dq, "dq", tokens * nHead * hd}, {dout, "dout", tokens * nHead * hd}, {q, "q", tokens * nHead * hd}, {out, "out", tokens * nHead * hd},
-			{dk, "dk", tokens * nKV * hd}, {dv, "dv", tokens * nKV * hd}, {k, "k", tokens * nKV * hd}, {v, "v", tokens * nKV * hd},
-			{lse, "lse", tokens * nHead}} {
-			need(x.t, "AttentionBackward "+x.what, x.n, compute.F32)
-		}
-		need(st, "AttentionBackward starts", nSeq+1, compute.I32)
-		if b.cudnnAttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, st, nSeq, maxLen, tokens, nHead, nKV, hd, scale) {
-			return
-		}
+	a := b.attnBwdArgs(dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, startsT, nSeq, tokens, nHead, nKV, hd)
+	if a.out != nil && b.useCudnn(tokens, nSeq, maxLen, nHead, nKV, hd) &&
+		b.cudnnAttentionBackward(a, nSeq, maxLen, tokens, nHead, nKV, hd, scale) {
+		return
 	}
-	b.attentionBackward(b.ownAttn(), dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, startsT, nSeq, tokens, nHead, nKV, hd, scale)
+	b.attentionBackward(b.ownAttn(), a, nSeq, tokens, nHead, nKV, hd, scale)
 }
 
-// attentionBackward runs the own kernels. outT may be nil: the tensor-core
-// chain then recomputes O with the forward kernel.
-func (b *Backend) attentionBackward(mode attnMode, dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int, scale float32) {
-	dq, dk, dv := b.ten(dqT, "AttentionBackward dq"), b.ten(dkT, "AttentionBackward dk"), b.ten(dvT, "AttentionBackward dv")
-	dout, q, k, v := b.ten(doutT, "AttentionBackward dout"), b.ten(qT, "AttentionBackward q"), b.ten(kT, "AttentionBackward k"), b.ten(vT, "AttentionBackward v")
-	lse, st := b.ten(lseT, "AttentionBackward lse"), b.ten(startsT, "AttentionBackward starts")
-	need(dq, "AttentionBackward dq", tokens*nHead*hd, compute.F32)
-	need(dout, "AttentionBackward dout", tokens*nHead*hd, compute.F32)
-	need(q, "AttentionBackward q", tokens*nHead*hd, compute.F32)
-	need(dk, "AttentionBackward dk", tokens*nKV*hd, compute.F32)
-	need(dv, "AttentionBackward dv", tokens*nKV*hd, compute.F32)
-	need(k, "AttentionBackward k", tokens*nKV*hd, compute.F32)
-	need(v, "AttentionBackward v", tokens*nKV*hd, compute.F32)
-	need(lse, "AttentionBackward lse", tokens*nHead, compute.F32)
-	need(st, "AttentionBackward starts", nSeq+1, compute.I32)
-	var out *tensor
-	if outT != nil {
-		out = b.ten(outT, "AttentionBackward out")
-		need(out, "AttentionBackward out", tokens*nHead*hd, compute.F32)
+// attnBwdArgs are AttentionBackward's tensors, unwrapped and checked; out
+// may be nil (the own tensor-core chain then recomputes it).
+type attnBwdArgs struct{ dq, dk, dv, dout, q, k, v, out, lse, st *tensor }
+
+func (b *Backend) attnBwdArgs(dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int) attnBwdArgs {
+	t := func(x compute.Tensor, what string, n int) *tensor {
+		r := b.ten(x, "AttentionBackward "+what)
+		need(r, "AttentionBackward "+what, n, compute.F32)
+		return r
 	}
+	nq, nk := tokens*nHead*hd, tokens*nKV*hd
+	a := attnBwdArgs{dq: t(dqT, "dq", nq), dk: t(dkT, "dk", nk), dv: t(dvT, "dv", nk), dout: t(doutT, "dout", nq),
+		q: t(qT, "q", nq), k: t(kT, "k", nk), v: t(vT, "v", nk), lse: t(lseT, "lse", tokens*nHead)}
+	if outT != nil {
+		a.out = t(outT, "out", nq)
+	}
+	a.st = b.ten(startsT, "AttentionBackward starts")
+	need(a.st, "AttentionBackward starts", nSeq+1, compute.I32)
+	return a
+}
+
+// attentionBackward runs the own kernels.
+func (b *Backend) attentionBackward(mode attnMode, a attnBwdArgs, nSeq, tokens, nHead, nKV, hd int, scale float32) {
+	dq, dk, dv, dout, q, k, v, out, lse, st := a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, a.st
 	if tokens == 0 {
 		return
 	}
