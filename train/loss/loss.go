@@ -320,13 +320,10 @@ func (tg *Targets) Check(V int) error {
 // Validate checks targets against the head and the options, naming the
 // position and the field at fault.
 func (h *Head) validate(x compute.Tensor, tg *Targets, opt *Options) error {
-	N := len(tg.Tokens)
-	if x.Len() < N*h.C {
-		return fmt.Errorf("%w: hidden states have %d values, want tokens %d x hidden %d", ErrInvalid, x.Len(), N, h.C)
-	}
-	if err := tg.Check(h.V); err != nil {
+	if err := h.checkBatch(x, tg); err != nil {
 		return err
 	}
+	N := len(tg.Tokens)
 	if opt.KDWeight > 0 {
 		if tg.K <= 0 || tg.K > h.V {
 			return fmt.Errorf("%w: teacher k = %d: want 1 <= k <= vocab %d (kd_weight > 0 needs teacher top-k)", ErrInvalid, tg.K, h.V)
@@ -336,6 +333,16 @@ func (h *Head) validate(x compute.Tensor, tg *Targets, opt *Options) error {
 		}
 	}
 	return nil
+}
+
+// checkBatch checks the hidden states' size and the batch's packing and
+// token ids.
+func (h *Head) checkBatch(x compute.Tensor, tg *Targets) error {
+	N := len(tg.Tokens)
+	if x.Len() < N*h.C {
+		return fmt.Errorf("%w: hidden states have %d values, want tokens %d x hidden %d", ErrInvalid, x.Len(), N, h.C)
+	}
+	return tg.Check(h.V)
 }
 
 func head(s []int32) []int32 {
@@ -388,7 +395,6 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 	if err := h.validate(x, tg, opt); err != nil {
 		return Stats{}, err
 	}
-	V := h.V
 	// Without a gradient (evaluation), the divergence is a metric even at
 	// kd_weight 0: an SFT-only run scored on a teacher's cache reports how
 	// far it is from the teacher, and its loss (kd_weight·KD + ...) stays
@@ -403,106 +409,16 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 	if M == 0 {
 		return Stats{}, nil
 	}
-	// Teacher rows of counted positions: distinct ids in range, finite
-	// log-probs <= 0 (a small positive slack absorbs cache quantization).
-	// The backend walks each row's ids in ascending order.
-	h.ids, h.order = growI(h.ids, M*K), growI(h.order, M*K)
-	if useKD {
-		h.stamp = growI(h.stamp, V)
-		clear(h.stamp)
-		for n, t := range h.rows {
-			row := tg.TopIDs[int(t)*K : int(t+1)*K]
-			for j := 0; j < K; j++ {
-				id, lp := row[j], tg.TopLP[int(t)*K+j]
-				if id < 0 || int(id) >= V {
-					return Stats{}, fmt.Errorf("%w: teacher top-k at token %d, rank %d: id %d outside the vocabulary [0,%d)", ErrInvalid, t, j, id, V)
-				}
-				if h.stamp[id] == int32(n+1) {
-					return Stats{}, fmt.Errorf("%w: teacher top-k at token %d lists id %d twice", ErrInvalid, t, id)
-				}
-				h.stamp[id] = int32(n + 1)
-				if !(lp <= 1e-3) || math.IsInf(float64(lp), 0) {
-					return Stats{}, fmt.Errorf("%w: teacher log-prob at token %d, rank %d is %g: want a finite log-probability <= 0", ErrInvalid, t, j, lp)
-				}
-			}
-			o := h.order[n*K : (n+1)*K]
-			for j := range o {
-				o[j] = int32(j)
-			}
-			sort.Slice(o, func(a, b int) bool { return row[o[a]] < row[o[b]] })
-			for c, j := range o {
-				h.ids[n*K+c] = row[j]
-			}
-		}
+	if err := h.sortTeacherRows(tg, K); err != nil {
+		return Stats{}, err
 	}
-	be := h.Backend
-	lh := &compute.LossHead{X: x, W: w, Rows: be.FromI32(h.rows), Labels: be.FromI32(h.labs),
-		M: M, C: h.C, V: V, K: K, InvT: float32(1 / opt.Temperature), TileCols: h.TileCols}
-	uploads := []compute.Tensor{lh.Rows, lh.Labels}
-	defer func() {
-		for _, t := range uploads {
-			be.Free(t)
-		}
-	}()
-	if K > 0 {
-		lh.TopIDs = be.FromI32(h.ids)
-		uploads = append(uploads, lh.TopIDs)
-	}
-	ps := be.LossHeadForward(lh)
+	call := h.newCall(x, w, opt, h.ids, K)
+	defer call.free()
+	ps := call.be.LossHeadForward(call.lh)
 
-	// Per-position loss and gradient coefficients, in float64.
-	wkd := opt.KDWeight
-	if opt.ScaleT2 {
-		wkd *= opt.Temperature * opt.Temperature
-	}
-	norm := float64(M)
-	if normalizer > 0 {
-		norm = normalizer
-	}
-	lseT32, lse132, aT, cK := make([]float32, M), make([]float32, M), make([]float32, M), make([]float32, M*K)
-	var kd, ce float64
-	// invT is the fp32 1/T the backend scales the logits by.
-	tc, invT := opt.teacherT(), float64(float32(1/opt.Temperature))
-	lq, lp, hh := make([]float64, K+1), make([]float64, K+1), make([]float64, K+1)
-	zK := make([]float64, K) // z at the teacher ids, in rank order
-	for r := 0; r < M; r++ {
-		lseT, lse1 := ps.LseT[r], ps.Lse1[r]
-		lseT32[r], lse132[r] = float32(lseT), float32(lse1)
-		ce += lse1 - float64(ps.ZLab[r])
-		if K == 0 {
-			continue
-		}
-		t := int(h.rows[r])
-		o := h.order[r*K : (r+1)*K]
-		for c, j := range o {
-			zK[j] = float64(ps.ZK[r*K+c])
-		}
-		n := teacherDists(opt, lp, lq, zK[:K], tg.TopLP[t*K:(t+1)*K], tc, invT, lseT)
-		qTail := 0.0
-		if opt.Tail == Bucket {
-			qTail = ps.Tail[r]
-			lq[K] = math.Log(math.Max(qTail, tailFloor))
-		}
-		kd += divergence(opt, lp[:n], lq[:n], hh[:n])
-		H := 0.0
-		for _, v := range hh[:n] {
-			H += v
-		}
-		c := wkd / norm * invT
-		for ci, j := range o {
-			cK[r*K+ci] = float32(c * (hh[j] - math.Exp(lq[j])*H))
-		}
-		// The coefficient of q_v on v outside K (see the package doc's
-		// Gradient): renormalize has none.
-		a := -H
-		switch {
-		case opt.Tail == Renormalize:
-			a = 0
-		case opt.Tail == Bucket && qTail > tailFloor:
-			a += hh[K] / qTail
-		}
-		aT[r] = float32(math.Max(-1e30, math.Min(1e30, c*a)))
-	}
+	wkd, norm := opt.weights(M, normalizer)
+	co := newCoefs(M, K)
+	kd, ce := h.singleCoefs(&ps, tg, opt, K, wkd/norm, co)
 	st := Stats{KD: kd / float64(M), CE: ce / float64(M), Tokens: M}
 	if !useKD {
 		st.KD = 0
@@ -511,15 +427,98 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 	if dx == nil {
 		return st, nil
 	}
-	coef := &compute.LossCoef{LseT: be.FromF32(lseT32), Lse1: be.FromF32(lse132), A: be.FromF32(aT),
-		WSFT: float32(opt.SFTWeight / norm)}
-	uploads = append(uploads, coef.LseT, coef.Lse1, coef.A)
-	if K > 0 {
-		coef.CK = be.FromF32(cK)
-		uploads = append(uploads, coef.CK)
-	}
-	be.LossHeadBackward(lh, coef, dx, dw)
+	call.backward(co, float32(opt.SFTWeight/norm), dx, dw)
 	return st, nil
+}
+
+// sortTeacherRows checks the teacher's top-k of every counted position
+// and writes each row's ids in ascending order to h.ids, the order the
+// backend walks them in, with h.order[c] the rank of the c-th of them.
+// K 0 (no KD term) leaves them empty.
+func (h *Head) sortTeacherRows(tg *Targets, K int) error {
+	M := len(h.rows)
+	h.ids, h.order = growI(h.ids, M*K), growI(h.order, M*K)
+	if K == 0 {
+		return nil
+	}
+	h.stamp = growI(h.stamp, h.V)
+	clear(h.stamp)
+	for n, t := range h.rows {
+		row := tg.TopIDs[int(t)*K : int(t+1)*K]
+		if err := h.checkTeacherRow(-1, t, row, tg.TopLP[int(t)*K:int(t+1)*K], int32(n+1)); err != nil {
+			return err
+		}
+		o := h.order[n*K : (n+1)*K]
+		for j := range o {
+			o[j] = int32(j)
+		}
+		sort.Slice(o, func(a, b int) bool { return row[o[a]] < row[o[b]] })
+		for c, j := range o {
+			h.ids[n*K+c] = row[j]
+		}
+	}
+	return nil
+}
+
+// checkTeacherRow checks a teacher's top-k at token t: ids in the
+// vocabulary and distinct (h.stamp marks the row's ids with mark, which no
+// other row uses), log-probs finite and <= 0 (a small positive slack
+// absorbs cache quantization). teacher numbers the teacher in the message
+// of several (-1: the only one).
+func (h *Head) checkTeacherRow(teacher int, t int32, ids []int32, lps []float32, mark int32) error {
+	for j, id := range ids {
+		lp := lps[j]
+		if id < 0 || int(id) >= h.V {
+			return fmt.Errorf("%w: %stop-k at token %d, rank %d: id %d outside the vocabulary [0,%d)", ErrInvalid, teacherName(teacher), t, j, id, h.V)
+		}
+		if h.stamp[id] == mark {
+			return fmt.Errorf("%w: %stop-k at token %d lists id %d twice", ErrInvalid, teacherName(teacher), t, id)
+		}
+		h.stamp[id] = mark
+		if !(lp <= 1e-3) || math.IsInf(float64(lp), 0) {
+			return fmt.Errorf("%w: %slog-prob at token %d, rank %d is %g: want a finite log-probability <= 0", ErrInvalid, teacherName(teacher), t, j, lp)
+		}
+	}
+	return nil
+}
+
+// teacherName is how messages start that name a teacher: "teacher " for
+// the only one, "teacher i: " for one of several.
+func teacherName(teacher int) string {
+	if teacher < 0 {
+		return "teacher "
+	}
+	return fmt.Sprintf("teacher %d: ", teacher)
+}
+
+// singleCoefs is the per-position loss and gradient coefficients of one
+// teacher (K 0: CE only), in float64, written to co with the scale wn =
+// kd weight / norm; it returns the sums of the divergence and of the CE.
+func (h *Head) singleCoefs(ps *compute.LossStats, tg *Targets, opt *Options, K int, wn float64, co *coefs) (kd, ce float64) {
+	m := newKDMath(opt, K)
+	scale := wn * m.invT
+	for r := range h.rows {
+		ce += co.keepLse(ps, r)
+		if K == 0 {
+			continue
+		}
+		t := int(h.rows[r])
+		o := h.order[r*K : (r+1)*K]
+		for c, j := range o {
+			m.zK[j] = float64(ps.ZK[r*K+c])
+		}
+		qTail := 0.0
+		if opt.Tail == Bucket {
+			qTail = ps.Tail[r]
+		}
+		D, H, out := m.term(tg.TopLP[t*K:(t+1)*K], ps.LseT[r], qTail)
+		kd += D
+		for ci, j := range o {
+			co.cK[r*K+ci] = float32(scale * m.coefK(int(j), H))
+		}
+		co.a[r] = clampCoef(scale * out)
+	}
+	return kd, ce
 }
 
 // countRows sets h.rows and h.labs to the counted positions: t -> label

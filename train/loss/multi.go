@@ -15,48 +15,94 @@ import (
 // the tail mode, and their weighted sum's coefficients go to pass 2. See
 // Multi-teacher KD in the package doc.
 func (h *Head) runMulti(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, normalizer float64) (Stats, error) {
-	N, V := len(tg.Tokens), h.V
-	if x.Len() < N*h.C {
-		return Stats{}, fmt.Errorf("%w: hidden states have %d values, want tokens %d x hidden %d", ErrInvalid, x.Len(), N, h.C)
-	}
-	if err := tg.Check(V); err != nil {
+	if err := h.checkBatch(x, tg); err != nil {
 		return Stats{}, err
 	}
-	nT := len(tg.Teachers)
-	offs := make([]int, nT+1) // teacher i's ranks are columns offs[i]..offs[i+1] of pos
+	offs, maxK, err := checkTeachers(tg.Teachers, len(tg.Tokens), h.V, opt)
+	if err != nil {
+		return Stats{}, err
+	}
+	h.countRows(tg)
+	M := len(h.rows)
+	if M == 0 {
+		return Stats{}, nil
+	}
+	KS := offs[len(tg.Teachers)]
+	uni, ulen, Ku, gen, err := h.unions(tg, KS)
+	if err != nil {
+		return Stats{}, err
+	}
+	ids, pos := h.unionColumns(tg, offs, uni, ulen, Ku, gen)
+	call := h.newCall(x, w, opt, ids, Ku)
+	defer call.free()
+	ps := call.be.LossHeadForward(call.lh)
+
+	wkd, norm := opt.weights(M, normalizer)
+	mp := newMultiPass(h, tg, opt, &ps, ids, pos, offs, Ku, maxK)
+	cf := wkd / norm * mp.m.invT
+	co := newCoefs(M, Ku)
+	var kd, ce float64
+	for r := 0; r < M; r++ {
+		ce += co.keepLse(&ps, r)
+		kd += mp.position(r, cf, co)
+		mp.top1(r)
+	}
+	h.topkRows = len(mp.undecided)
+	if len(mp.undecided) > 0 {
+		am := h.argmax(x, w, mp.undecided)
+		for k, r := range mp.undecidedR {
+			mp.agreeWith(int(h.rows[r]), am[k])
+		}
+	}
+	st := Stats{KD: kd / float64(M), CE: ce / float64(M), Tokens: M, Teachers: make([]TeacherStats, len(tg.Teachers))}
+	for i := range st.Teachers {
+		st.Teachers[i] = TeacherStats{KD: mp.kdT[i] / float64(M), Top1: float64(mp.agree[i]) / float64(M)}
+	}
+	st.Loss = wkd*st.KD + opt.SFTWeight*st.CE
+	if dx == nil {
+		return st, nil
+	}
+	call.backward(co, float32(opt.SFTWeight/norm), dx, dw)
+	return st, nil
+}
+
+// checkTeachers checks every teacher's k, top-k sizes for N tokens and
+// weight, and that some weight is > 0. Teacher i's ranks are the columns
+// offs[i]..offs[i+1] of a position's rank-to-union map; maxK is the
+// widest k.
+func checkTeachers(teachers []Teacher, N, V int, opt *Options) (offs []int, maxK int, err error) {
+	offs = make([]int, len(teachers)+1)
 	var wsum float64
-	maxK := 0
-	for i, te := range tg.Teachers {
+	for i, te := range teachers {
 		if te.K <= 0 || te.K > V {
-			return Stats{}, fmt.Errorf("%w: teacher %d: k = %d: want 1 <= k <= vocab %d", ErrInvalid, i, te.K, V)
+			return nil, 0, fmt.Errorf("%w: teacher %d: k = %d: want 1 <= k <= vocab %d", ErrInvalid, i, te.K, V)
 		}
 		if len(te.TopIDs) != N*te.K || len(te.TopLP) != N*te.K {
-			return Stats{}, fmt.Errorf("%w: teacher %d: top-k has %d ids and %d log-probs, want tokens %d x k %d", ErrInvalid, i, len(te.TopIDs), len(te.TopLP), N, te.K)
+			return nil, 0, fmt.Errorf("%w: teacher %d: top-k has %d ids and %d log-probs, want tokens %d x k %d", ErrInvalid, i, len(te.TopIDs), len(te.TopLP), N, te.K)
 		}
 		if !(te.Weight >= 0) || math.IsInf(te.Weight, 0) {
-			return Stats{}, fmt.Errorf("%w: teacher %d: weight %g: want a finite value >= 0", ErrInvalid, i, te.Weight)
+			return nil, 0, fmt.Errorf("%w: teacher %d: weight %g: want a finite value >= 0", ErrInvalid, i, te.Weight)
 		}
 		wsum += te.Weight
 		offs[i+1] = offs[i] + te.K
 		maxK = max(maxK, te.K)
 	}
 	if wsum == 0 {
-		return Stats{}, fmt.Errorf("%w: every teacher's weight is 0 with kd_weight %g: nothing to distill from; give a teacher a weight > 0, or set kd_weight 0", ErrInvalid, opt.KDWeight)
+		return nil, 0, fmt.Errorf("%w: every teacher's weight is 0 with kd_weight %g: nothing to distill from; give a teacher a weight > 0, or set kd_weight 0", ErrInvalid, opt.KDWeight)
 	}
-	KS := offs[nT]
-	h.countRows(tg)
-	M := len(h.rows)
-	if M == 0 {
-		return Stats{}, nil
-	}
-	// Pass A: validate every teacher row of a counted position and build
-	// its union (first-seen order) into uni[r*KS : r*KS+ulen[r]].
+	return offs, maxK, nil
+}
+
+// unions checks every teacher row of a counted position and builds the
+// union of the position's ids (first-seen order) into
+// uni[r*KS : r*KS+ulen[r]]. Ku is the widest union; gen is the last stamp
+// used, which unionColumns goes on from.
+func (h *Head) unions(tg *Targets, KS int) (uni []int32, ulen []int, Ku int, gen int32, err error) {
+	V, M := h.V, len(h.rows)
 	h.stamp, h.ustamp, h.slot = growI(h.stamp, V), growI(h.ustamp, V), growI(h.slot, V)
 	clear(h.stamp)
 	clear(h.ustamp)
-	gen := int32(0)
-	uni, ulen := make([]int32, M*KS), make([]int, M)
-	Ku := 0
+	uni, ulen = make([]int32, M*KS), make([]int, M)
 	for r, t := range h.rows {
 		gen++
 		ug := gen
@@ -64,18 +110,11 @@ func (h *Head) runMulti(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, 
 		for i, te := range tg.Teachers {
 			gen++
 			K := te.K
-			for j := 0; j < K; j++ {
-				id, lp := te.TopIDs[int(t)*K+j], te.TopLP[int(t)*K+j]
-				if id < 0 || int(id) >= V {
-					return Stats{}, fmt.Errorf("%w: teacher %d: top-k at token %d, rank %d: id %d outside the vocabulary [0,%d)", ErrInvalid, i, t, j, id, V)
-				}
-				if h.stamp[id] == gen {
-					return Stats{}, fmt.Errorf("%w: teacher %d: top-k at token %d lists id %d twice", ErrInvalid, i, t, id)
-				}
-				h.stamp[id] = gen
-				if !(lp <= 1e-3) || math.IsInf(float64(lp), 0) {
-					return Stats{}, fmt.Errorf("%w: teacher %d: log-prob at token %d, rank %d is %g: want a finite log-probability <= 0", ErrInvalid, i, t, j, lp)
-				}
+			row := te.TopIDs[int(t)*K : int(t+1)*K]
+			if err := h.checkTeacherRow(i, t, row, te.TopLP[int(t)*K:int(t+1)*K], gen); err != nil {
+				return nil, nil, 0, 0, err
+			}
+			for _, id := range row {
 				if h.ustamp[id] != ug {
 					h.ustamp[id] = ug
 					u = append(u, id)
@@ -85,11 +124,15 @@ func (h *Head) runMulti(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, 
 		ulen[r] = len(u)
 		Ku = max(Ku, len(u))
 	}
-	// Pass B: pad each union to Ku with the lowest ids outside it, sort
-	// it ascending (the kernels' order), and map every teacher rank to its
-	// union column.
-	ids := make([]int32, M*Ku)
-	pos := make([]int32, M*KS)
+	return uni, ulen, Ku, gen, nil
+}
+
+// unionColumns pads each position's union to Ku with the lowest ids
+// outside it and sorts it ascending (the kernels' order) into ids (M,Ku),
+// and maps every teacher rank to its union column in pos (M,KS).
+func (h *Head) unionColumns(tg *Targets, offs []int, uni []int32, ulen []int, Ku int, gen int32) (ids, pos []int32) {
+	M, KS := len(h.rows), offs[len(tg.Teachers)]
+	ids, pos = make([]int32, M*Ku), make([]int32, M*KS)
 	for r, t := range h.rows {
 		gen++
 		row := ids[r*Ku : (r+1)*Ku]
@@ -115,159 +158,143 @@ func (h *Head) runMulti(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, 
 			}
 		}
 	}
-	be := h.Backend
-	lh := &compute.LossHead{X: x, W: w, Rows: be.FromI32(h.rows), Labels: be.FromI32(h.labs),
-		M: M, C: h.C, V: V, K: Ku, InvT: float32(1 / opt.Temperature), TileCols: h.TileCols, TopIDs: be.FromI32(ids)}
-	uploads := []compute.Tensor{lh.Rows, lh.Labels, lh.TopIDs}
-	defer func() {
-		for _, t := range uploads {
-			be.Free(t)
-		}
-	}()
-	ps := be.LossHeadForward(lh)
+	return ids, pos
+}
 
-	wkd := opt.KDWeight
-	if opt.ScaleT2 {
-		wkd *= opt.Temperature * opt.Temperature
-	}
-	norm := float64(M)
-	if normalizer > 0 {
-		norm = normalizer
-	}
-	cf := wkd / norm * float64(float32(1/opt.Temperature))
-	lseT32, lse132, aT, cK := make([]float32, M), make([]float32, M), make([]float32, M), make([]float32, M*Ku)
-	tc, invT := opt.teacherT(), float64(float32(1/opt.Temperature))
-	lq, lp, hh := make([]float64, maxK+1), make([]float64, maxK+1), make([]float64, maxK+1)
-	zK := make([]float64, maxK)
-	q, g := make([]float64, Ku), make([]float64, Ku)
-	member := make([]int32, Ku) // member[c] == mg: column c is in the current teacher's set
-	mg := int32(0)
-	kdT, agree := make([]float64, nT), make([]int, nT)
-	var kd, ce float64
-	var undecided []int32 // counted positions whose student argmax needs the whole vocabulary
-	var undecidedR []int
-	for r := 0; r < M; r++ {
-		lseT, lse1 := ps.LseT[r], ps.Lse1[r]
-		lseT32[r], lse132[r] = float32(lseT), float32(lse1)
-		ce += lse1 - float64(ps.ZLab[r])
-		t := int(h.rows[r])
-		zr := ps.ZK[r*Ku : (r+1)*Ku]
-		for c := range q {
-			q[c] = math.Exp(float64(zr[c])*invT - lseT)
-			g[c] = 0
-		}
-		tailU := ps.Tail[r]
-		a, kdr := 0.0, 0.0 // this position's Σ_t w_t·D_t, added to kd once
-		// (so identical teachers at 0.5/0.5 give the single teacher's kd exactly)
-		for i, te := range tg.Teachers {
-			K, wt := te.K, te.Weight
-			p := pos[r*KS+offs[i] : r*KS+offs[i+1]]
-			mg++
-			for j, c := range p {
-				member[c] = mg
-				zK[j] = float64(zr[c])
-			}
-			n := teacherDists(opt, lp, lq, zK[:K], te.TopLP[t*K:(t+1)*K], tc, invT, lseT)
-			qTail := 0.0
-			if opt.Tail == Bucket {
-				// This teacher's tail: the mass outside the union plus
-				// the union columns outside its set, added term by term
-				// (never 1 - Σ_K q), so it keeps its digits.
-				qTail = tailU
-				for c := range q {
-					if member[c] != mg {
-						qTail += q[c]
-					}
-				}
-				lq[K] = math.Log(math.Max(qTail, tailFloor))
-			}
-			D := divergence(opt, lp[:n], lq[:n], hh[:n])
-			kdT[i] += D
-			kdr += wt * D
-			H := 0.0
-			for _, v := range hh[:n] {
-				H += v
-			}
-			for j, c := range p {
-				g[c] += wt * (hh[j] - math.Exp(lq[j])*H)
-			}
-			// Columns outside this teacher's set get its coefficient of
-			// q_v (package doc, Gradient), as does every id outside U.
-			out := -H
-			switch {
-			case opt.Tail == Renormalize:
-				out = 0
-			case opt.Tail == Bucket && qTail > tailFloor:
-				out += hh[K] / qTail
-			}
-			if out != 0 {
-				for c := range q {
-					if member[c] != mg {
-						g[c] += wt * out * q[c]
-					}
-				}
-				a += wt * out
-			}
-		}
-		kd += kdr
-		for c := range g {
-			cK[r*Ku+c] = float32(cf * g[c])
-		}
-		aT[r] = float32(math.Max(-1e30, math.Min(1e30, cf*a)))
+// multiPass is the host math of pass 1's results over the union columns:
+// each position's teachers' terms, their weighted gradient coefficients,
+// and each teacher's divergence and top-1 agreement.
+type multiPass struct {
+	h    *Head
+	tg   *Targets
+	opt  *Options
+	ps   *compute.LossStats
+	ids  []int32 // (M,Ku) the union columns' ids
+	pos  []int32 // (M,KS) each teacher rank's union column
+	offs []int   // teacher i's ranks are columns offs[i]..offs[i+1] of pos
+	Ku   int
+	m    *kdMath
 
-		// Top-1 agreement. The student's argmax over U (ties: lowest id)
-		// is its argmax over the vocabulary when its probability exceeds
-		// the whole mass outside U; a teacher's top-1 is in U, so if
-		// none of them is U's argmax, all disagree either way.
-		best := 0
-		for c := 1; c < Ku; c++ {
-			if zr[c] > zr[best] {
-				best = c
-			}
+	q, g   []float64 // (Ku) the position's q_v on the union, its coefficients
+	member []int32   // member[c] == mg: column c is in the current teacher's set
+	mg     int32
+
+	kdT   []float64 // Σ over positions of each teacher's D_t
+	agree []int     // positions where the student's argmax is the teacher's top-1
+	// undecided are the counted positions whose student argmax needs the
+	// whole vocabulary, and undecidedR their indices among the positions.
+	undecided  []int32
+	undecidedR []int
+}
+
+func newMultiPass(h *Head, tg *Targets, opt *Options, ps *compute.LossStats, ids, pos []int32, offs []int, Ku, maxK int) *multiPass {
+	nT := len(tg.Teachers)
+	return &multiPass{h: h, tg: tg, opt: opt, ps: ps, ids: ids, pos: pos, offs: offs, Ku: Ku, m: newKDMath(opt, maxK),
+		q: make([]float64, Ku), g: make([]float64, Ku), member: make([]int32, Ku),
+		kdT: make([]float64, nT), agree: make([]int, nT)}
+}
+
+// position computes counted position r's teachers' terms and writes its
+// coefficients, scaled by cf, to co; it returns Σ_t w_t·D_t, which the
+// caller adds to the KD sum once (so identical teachers at 0.5/0.5 give
+// the single teacher's kd exactly).
+func (mp *multiPass) position(r int, cf float64, co *coefs) float64 {
+	Ku, KS, t := mp.Ku, mp.offs[len(mp.offs)-1], int(mp.h.rows[r])
+	lseT := mp.ps.LseT[r]
+	zr := mp.ps.ZK[r*Ku : (r+1)*Ku]
+	for c := range mp.q {
+		mp.q[c] = math.Exp(float64(zr[c])*mp.m.invT - lseT)
+		mp.g[c] = 0
+	}
+	a, kdr := 0.0, 0.0
+	for i, te := range mp.tg.Teachers {
+		wt := te.Weight
+		p := mp.pos[r*KS+mp.offs[i] : r*KS+mp.offs[i+1]]
+		D, H, out := mp.teacherTerm(te, t, p, zr, lseT, mp.ps.Tail[r])
+		mp.kdT[i] += D
+		kdr += wt * D
+		for j, c := range p {
+			mp.g[c] += wt * mp.m.coefK(j, H)
 		}
-		bid := ids[r*Ku+best]
-		some := false
-		for _, te := range tg.Teachers {
-			some = some || te.TopIDs[t*te.K] == bid
-		}
-		switch {
-		case !some:
-		case q[best] > 1.001*tailU:
-			for i, te := range tg.Teachers {
-				if te.TopIDs[t*te.K] == bid {
-					agree[i]++
+		// Columns outside this teacher's set get its coefficient of
+		// q_v (package doc, Gradient), as does every id outside U.
+		if out != 0 {
+			for c := range mp.q {
+				if mp.member[c] != mp.mg {
+					mp.g[c] += wt * out * mp.q[c]
 				}
 			}
-		default:
-			undecided = append(undecided, int32(t))
-			undecidedR = append(undecidedR, r)
+			a += wt * out
 		}
 	}
-	h.topkRows = len(undecided)
-	if len(undecided) > 0 {
-		am := h.argmax(x, w, undecided)
-		for k, r := range undecidedR {
-			t := int(h.rows[r])
-			for i, te := range tg.Teachers {
-				if te.TopIDs[t*te.K] == am[k] {
-					agree[i]++
-				}
+	for c := range mp.g {
+		co.cK[r*Ku+c] = float32(cf * mp.g[c])
+	}
+	co.a[r] = clampCoef(cf * a)
+	return kdr
+}
+
+// teacherTerm is teacher te's term at token t (kdMath.term), its ranks
+// being the union columns p of the position's logits zr, marked in
+// member. Under bucket, its tail is the mass outside the union, tailU,
+// plus the union columns outside its set, added term by term (never
+// 1 - Σ_K q), so it keeps its digits.
+func (mp *multiPass) teacherTerm(te Teacher, t int, p []int32, zr []float32, lseT, tailU float64) (D, H, out float64) {
+	mp.mg++
+	for j, c := range p {
+		mp.member[c] = mp.mg
+		mp.m.zK[j] = float64(zr[c])
+	}
+	qTail := 0.0
+	if mp.opt.Tail == Bucket {
+		qTail = tailU
+		for c := range mp.q {
+			if mp.member[c] != mp.mg {
+				qTail += mp.q[c]
 			}
 		}
 	}
-	st := Stats{KD: kd / float64(M), CE: ce / float64(M), Tokens: M, Teachers: make([]TeacherStats, nT)}
-	for i := range st.Teachers {
-		st.Teachers[i] = TeacherStats{KD: kdT[i] / float64(M), Top1: float64(agree[i]) / float64(M)}
+	return mp.m.term(te.TopLP[t*te.K:(t+1)*te.K], lseT, qTail)
+}
+
+// top1 counts the teachers whose top-1 is the student's argmax at
+// counted position r, after position(r) (it reads the position's q). The
+// student's argmax over U (ties: lowest id) is its argmax over the
+// vocabulary when its probability exceeds the whole mass outside U; a
+// teacher's top-1 is in U, so if none of them is U's argmax, all disagree
+// either way. Otherwise the position is left to the LM head's top-1
+// (undecided).
+func (mp *multiPass) top1(r int) {
+	Ku, t := mp.Ku, int(mp.h.rows[r])
+	zr := mp.ps.ZK[r*Ku : (r+1)*Ku]
+	best := 0
+	for c := 1; c < Ku; c++ {
+		if zr[c] > zr[best] {
+			best = c
+		}
 	}
-	st.Loss = wkd*st.KD + opt.SFTWeight*st.CE
-	if dx == nil {
-		return st, nil
+	bid := mp.ids[r*Ku+best]
+	some := false
+	for _, te := range mp.tg.Teachers {
+		some = some || te.TopIDs[t*te.K] == bid
 	}
-	coef := &compute.LossCoef{LseT: be.FromF32(lseT32), Lse1: be.FromF32(lse132), A: be.FromF32(aT),
-		WSFT: float32(opt.SFTWeight / norm), CK: be.FromF32(cK)}
-	uploads = append(uploads, coef.LseT, coef.Lse1, coef.A, coef.CK)
-	be.LossHeadBackward(lh, coef, dx, dw)
-	return st, nil
+	switch {
+	case !some:
+	case mp.q[best] > 1.001*mp.ps.Tail[r]:
+		mp.agreeWith(t, bid)
+	default:
+		mp.undecided = append(mp.undecided, int32(t))
+		mp.undecidedR = append(mp.undecidedR, r)
+	}
+}
+
+// agreeWith counts the teachers whose top-1 at token t is id.
+func (mp *multiPass) agreeWith(t int, id int32) {
+	for i, te := range mp.tg.Teachers {
+		if te.TopIDs[t*te.K] == id {
+			mp.agree[i]++
+		}
+	}
 }
 
 // argmax returns the student's most likely next token (ties: lowest id)
