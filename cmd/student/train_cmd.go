@@ -30,7 +30,7 @@ func runTrain(args []string) error {
 	fs.Var(&sets, "set", "override a config key, key.path=value (repeatable), e.g. --set optim.lr=3e-4")
 	runDir := fs.String("run-dir", "", "override run_dir")
 	cacheDirs := fs.String("cache", "", "override data.cache (comma-separated directories)")
-	datasetFiles := fs.String("dataset", "", "override data.dataset.files (comma-separated .jsonl, .csv or .parquet files): SFT on a dataset, no teacher")
+	datasetFiles := fs.String("dataset", "", "override data.dataset.files and drop their data.dataset.weights (comma-separated .jsonl, .csv or .parquet files): SFT on a dataset, no teacher")
 	maxSteps := fs.Int("max-steps", 0, "override train.max_steps")
 	threads := fs.Int("threads", 0, "override train.threads")
 	dev := fs.String("device", "", "override train.device: auto, cpu or cuda (auto trains on the CPU; cuda trains on the GPU, not yet verified on one, issue 16)")
@@ -56,7 +56,17 @@ func runTrain(args []string) error {
 		sets = append(sets, "data.cache=["+*cacheDirs+"]")
 	}
 	if given["dataset"] {
+		// The files replace the config's, and with them their blend
+		// weights (which counted the config's files), unless --set gives
+		// weights for them.
+		weighted := false
+		for _, s := range sets {
+			weighted = weighted || strings.HasPrefix(s, "data.dataset.weights=")
+		}
 		sets = append(sets, "data.dataset.files=["+*datasetFiles+"]")
+		if !weighted {
+			sets = append(sets, "data.dataset.weights=null")
+		}
 	}
 	if given["max-steps"] {
 		sets = append(sets, fmt.Sprintf("train.max_steps=%d", *maxSteps))

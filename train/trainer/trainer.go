@@ -334,6 +334,9 @@ func runOnce(cfg *Config, o Options) (*Result, error) {
 			}
 		}
 	}
+	if rd != nil {
+		takeCacheVocab(cfg, &m, o.Log)
+	}
 	if err := os.MkdirAll(cfg.RunDir, 0o755); err != nil {
 		return nil, err
 	}
