@@ -68,9 +68,10 @@
 // Everything is enqueued on one stream. Tensors are device memory from the
 // driver's stream-ordered pool (cuMemAllocAsync), so the decoder's per-batch
 // allocations cost no synchronization. The host waits only in ReadF32 and
-// ReadI32 (once per batch for the top-k), and in MoEBackward, which reads
-// each layer's E+1 saved offsets to size the experts' weight-gradient
-// GEMMs; the MoE forward groups and multiplies on the device alone.
+// ReadI32 (once per batch for the top-k): MoE groups and multiplies its
+// experts' rows on the device, forward and backward (below), except for
+// shapes the grouped kernels cannot take, where it reads the per-expert
+// row counts to size a cuBLASLt GEMM per expert.
 //
 // Memory planning: the backend implements compute.DeviceMemory. MemInfo
 // counts what the pool keeps for reuse as free; ForwardScratchBytes bounds
@@ -153,13 +154,18 @@
 //     k_moe_wgrad), the renormalization and softmax backward per token
 //     (float64, k_moe_route_bwd, the load-balancing dprob included), then
 //     dx += dlogits·Router and dRouter += dlogitsᵀ·x as fp32 GEMMs (the
-//     router is fp32 in the forward); per expert with rows (experts with
-//     none are skipped) cuBLASLt GEMMs with BF16 operands over its grouped
-//     rows: dDown += dYᵀ·act (act recomputed from the saved gate and up),
-//     dact = dY·Down, SwiGLU's backward (k_moe_swiglu_bwd), dGate, dUp +=
-//     dᵀ·x_grouped, the grouped dx; each token's K grouped rows are added
-//     to dx in ascending expert order (k_moe_dx). Straight-through under
-//     QAD. The host reads the E+1 saved offsets to size the GEMMs.
+//     router is fp32 in the forward); the experts' GEMMs with BF16
+//     operands over their grouped rows: dDown += dYᵀ·act (act recomputed
+//     from the saved gate and up), dact = dY·Down, SwiGLU's backward
+//     (k_moe_swiglu_bwd), dGate, dUp += dᵀ·x_grouped, the grouped dx; each
+//     token's K grouped rows are added to dx in ascending expert order
+//     (k_moe_dx). Straight-through under QAD. The GEMMs run on the grouping
+//     the forward saved, each one launch for all experts: k_moe_gemm_nn
+//     (and _acc) for dact and dx, k_moe_wgrad_gemm for the weight
+//     gradients (a block per tile of one expert's gradient, summing over
+//     its rows: the tile's only writer, a fixed order); experts with no
+//     rows are untouched. Shapes the kernels cannot take read the saved
+//     offsets to the host and run cuBLASLt per expert.
 //   - AttentionBackward: flash-style, the probabilities recomputed from the
 //     forward's log-sum-exp. The own kernels: head_dim 64 and 128 on tensor
 //     cores (FlashAttention 2's backward with the forward's machinery: BF16

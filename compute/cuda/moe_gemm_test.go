@@ -59,3 +59,46 @@ func TestMoEGroupedGEMM(t *testing.T) {
 		t.Fatal("moeGroupedOK: want multiples of 8 only")
 	}
 }
+
+// TestMoEGroupedBackward: MoEBackward on the device's grouping (k_moe_tiles,
+// k_moe_gemm_nn for dh and dx, k_moe_wgrad_gemm for the experts' weight
+// gradients; no host round trip) against the host's grouping and
+// per-expert cuBLASLt GEMMs on the same backend, from the same forward:
+// only the summation order differs. The shape has experts of several row
+// tiles, a starved expert (its gradients untouched), and several steps of
+// every kernel's pipeline (rows of an expert > 3·MOE_BK, H and I > 3·MOE_BK,
+// and more than one tile of the gradients' both dimensions); with QAD off
+// and on. TestMoETrainConformance holds both against compute/cpu.
+func TestMoEGroupedBackward(t *testing.T) {
+	if !onGPU() {
+		useEmu(t)
+	}
+	be, err := Open(Options{KernelCache: kernelCacheForTests(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	r := rand.New(rand.NewPCG(93, 94))
+	for _, qad := range []bool{false, true} {
+		c := newMoETrainCase(r, 150, 136, 144, 6, 2, true, true, 3)
+		if qad {
+			c.inAmax, c.hAmax = 2688.0/1024, 2688.0/1024
+		}
+		got := c.run(be, true)
+		testMoEHostGrouping = true
+		want := c.run(be, true)
+		testMoEHostGrouping = false
+		// Sums of up to 150 rows (weights) or H, I terms (dh, dx) of BF16
+		// products in fp32, in two orders.
+		tol := func(what string, g, w []float32) { closeTo(t, what, g, w, 1e-4*math.Sqrt(150*144), 1e-4) }
+		tol("dx", got.dx, want.dx)
+		tol("dRouter", got.drouter, want.drouter)
+		for e := 0; e < c.E; e++ {
+			tol("dGate", got.dgate[e], want.dgate[e])
+			tol("dUp", got.dup[e], want.dup[e])
+			tol("dDown", got.ddown[e], want.ddown[e])
+		}
+		same(t, "starved expert's dGate", got.dgate[3], c.dg0[3])
+		same(t, "starved expert's dDown", got.ddown[3], c.dd0[3])
+	}
+}

@@ -87,6 +87,11 @@ func (o *moeOperands) ptrs(ws []compute.Tensor, name string, n int) uint64 {
 	for e, t := range ws {
 		h[e] = o.bf16(t, name, e, n)
 	}
+	return o.array(h)
+}
+
+// array uploads addresses h into a device array freed with the operands.
+func (o *moeOperands) array(h []uint64) uint64 {
 	d := o.b.alloc(int64(len(h)) * 8)
 	o.scratch = append(o.scratch, d)
 	o.b.upload(d, unsafePtr(h), int64(len(h))*8)
@@ -126,11 +131,34 @@ func (b *Backend) moeGEMM(out, a, w uint64, g moeGroups, n, k int) {
 		dptr(out), dptr(a), dptr(w), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
 }
 
+// moeGEMMNN enqueues out (rows, n) F32 = a (rows, k) BF16 · w_e for each
+// expert's grouped rows, w a device array of the experts' (k, n) BF16
+// weights (k_moe_gemm_nn), adding to out when acc.
+func (b *Backend) moeGEMMNN(out, a, w uint64, g moeGroups, n, k int, acc bool) {
+	kernel := "k_moe_gemm_nn"
+	if acc {
+		kernel += "_acc"
+	}
+	tiles := (g.rows+moeBM-1)/moeBM + g.E
+	b.launchKernel(launch{kernel: kernel, grid: [3]int{tiles, (n + moeBN - 1) / moeBN, 1}, block: 256, smem: moeGEMMSmem},
+		dptr(out), dptr(a), dptr(w), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
+}
+
+// moeWGrad enqueues dw[e] (n, k) F32 += a_eᵀ · x_e over each expert's
+// grouped rows (k_moe_wgrad_gemm), dw a device array of the experts'
+// gradient addresses, a (rows, n) and x (rows, k) BF16.
+func (b *Backend) moeWGrad(dw, a, x uint64, g moeGroups, n, k int) {
+	b.launchKernel(launch{kernel: "k_moe_wgrad_gemm", grid: [3]int{(n + moeBM - 1) / moeBM, (k + moeBN - 1) / moeBN, g.E}, block: 256, smem: moeWGradSmem},
+		dptr(dw), dptr(a), dptr(x), dptr(g.offsets), int32(n), int32(k))
+}
+
 // k_moe_gemm's tiles (moe.cu: MOE_BM, MOE_BN, MOE_BK, MOE_LD): two stages
-// of an A and a W tile in BF16.
+// of an A and a W tile in BF16; k_moe_wgrad_gemm's, two stages of two
+// MOE_BK-row tiles of MOE_LDN.
 const (
 	moeBM, moeBN, moeBK = 128, 128, 32
 	moeGEMMSmem         = 2 * (moeBM + moeBN) * (moeBK + 8) * 2
+	moeWGradSmem        = 2 * 2 * moeBK * (moeBN + 8) * 2
 )
 
 // moeExpertInput writes the experts' grouped input xg (rows, H) BF16: the
@@ -341,10 +369,14 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 		return
 	}
 	P := T * K
-	off := make([]int32, E+1)
-	b.download(unsafePtr(off), sv.offsets.p, int64(E+1)*4)
-	if off[0] != 0 || int(off[E]) != P {
-		panic(fmt.Sprintf("cuda: %s: saved offsets run %d..%d, want 0..%d (tokens·top_k): is s what MoEForward filled for %d tokens?", what, off[0], off[E], P, T))
+	onDevice := moeGroupedOK(H, I)
+	var off []int32
+	if !onDevice {
+		off = make([]int32, E+1)
+		b.download(unsafePtr(off), sv.offsets.p, int64(E+1)*4)
+		if off[0] != 0 || int(off[E]) != P {
+			panic(fmt.Sprintf("cuda: %s: saved offsets run %d..%d, want 0..%d (tokens·top_k): is s what MoEForward filled for %d tokens?", what, off[0], off[E], P, T))
+		}
 	}
 	var tmp []uint64
 	scratch := func(n int64) uint64 {
@@ -379,6 +411,43 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 	dh := scratch(int64(P) * int64(I) * 4)
 	ops := &moeOperands{b: b, what: what}
 	defer ops.release()
+	dg, du := scratch(int64(P)*int64(I)*2), scratch(int64(P)*int64(I)*2)
+	dxg := scratch(int64(P) * int64(H) * 4)
+	if onDevice {
+		// The grouping the forward saved, its row tiles rebuilt on the device.
+		tileStart := scratch(int64(E+1) * 4)
+		b.launchKernel(launch{kernel: "k_moe_tiles", grid: [3]int{1, 1, 1}, block: 32}, dptr(sv.offsets.p), int32(E), dptr(tileStart))
+		g := moeGroups{offsets: sv.offsets.p, tileStart: tileStart, rows: P, E: E}
+		grads := func(ws []compute.Tensor, name string, n int) uint64 {
+			h := make([]uint64, E)
+			for e := range h {
+				h[e] = grad(ws[e], name, e, n)
+			}
+			return ops.array(h)
+		}
+		b.moeWGrad(grads(dm.Down, "Down", H*I), dy, act, g, H, I)
+		b.moeGEMMNN(dh, dy, ops.ptrs(mw.Down, "down", H*I), g, I, H, false)
+		b.ew("k_moe_swiglu_bwd", int64(P)*int64(I), dptr(dg), dptr(du), dptr(dh), dptr(sv.gate.p), dptr(sv.up.p), int64(P)*int64(I))
+		b.moeWGrad(grads(dm.Gate, "Gate", I*H), dg, xg, g, I, H)
+		b.moeWGrad(grads(dm.Up, "Up", I*H), du, xg, g, I, H)
+		b.moeGEMMNN(dxg, dg, ops.ptrs(mw.Gate, "gate", I*H), g, H, I, false)
+		b.moeGEMMNN(dxg, du, ops.ptrs(mw.Up, "up", I*H), g, H, I, true)
+	} else {
+		b.moeExpertsBackwardHost(off, dm, mw, ops, grad, dy, act, xg, dh, dg, du, dxg, sv, H, I)
+	}
+	rowpos := scratch(int64(P) * 4)
+	b.ew("k_moe_rowpos", int64(P), dptr(rowpos), dptr(sv.order.p), int64(P))
+	b.launchKernel(launch{kernel: "k_moe_dx", grid: [3]int{T, 1, 1}, block: 256},
+		dptr(dx.p), dptr(dxg), dptr(sv.sel.p), dptr(rowpos), int32(K), int32(H))
+}
+
+// moeExpertsBackwardHost is MoEBackward's experts on the host's grouping
+// (off, read from the saved offsets): cuBLASLt GEMMs per expert with rows,
+// for the shapes k_moe_gemm cannot take.
+func (b *Backend) moeExpertsBackwardHost(off []int32, dm, mw *compute.MoEWeights, ops *moeOperands, grad func(compute.Tensor, string, int, int) uint64,
+	dy, act, xg, dh, dg, du, dxg uint64, sv *moeSaved, H, I int) {
+	E := len(off) - 1
+	P := int(off[E])
 	for e := 0; e < E; e++ {
 		o, cnt := uint64(off[e]), int(off[e+1]-off[e])
 		if cnt == 0 {
@@ -388,9 +457,7 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 		b.gemmEx(grad(dm.Down[e], "Down", e, H*I), dye, act+o*uint64(I)*2, H, I, cnt, true, false, dataBF16, 1)
 		b.gemmEx(dh+o*uint64(I)*4, dye, ops.bf16(mw.Down[e], "down", e, H*I), cnt, I, H, false, false, dataBF16, 0)
 	}
-	dg, du := scratch(int64(P)*int64(I)*2), scratch(int64(P)*int64(I)*2)
 	b.ew("k_moe_swiglu_bwd", int64(P)*int64(I), dptr(dg), dptr(du), dptr(dh), dptr(sv.gate.p), dptr(sv.up.p), int64(P)*int64(I))
-	dxg := scratch(int64(P) * int64(H) * 4)
 	for e := 0; e < E; e++ {
 		o, cnt := uint64(off[e]), int(off[e+1]-off[e])
 		if cnt == 0 {
@@ -403,8 +470,4 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 		b.gemmEx(dxe, dge, ops.bf16(mw.Gate[e], "gate", e, I*H), cnt, H, I, false, false, dataBF16, 0)
 		b.gemmEx(dxe, due, ops.bf16(mw.Up[e], "up", e, I*H), cnt, H, I, false, false, dataBF16, 1)
 	}
-	rowpos := scratch(int64(P) * 4)
-	b.ew("k_moe_rowpos", int64(P), dptr(rowpos), dptr(sv.order.p), int64(P))
-	b.launchKernel(launch{kernel: "k_moe_dx", grid: [3]int{T, 1, 1}, block: 256},
-		dptr(dx.p), dptr(dxg), dptr(sv.sel.p), dptr(rowpos), int32(K), int32(H))
 }

@@ -308,20 +308,37 @@ DK_KERNEL void k_moe_scan(const i32 *__restrict__ counts, int E, i32 *__restrict
 	tile_start[E] = t;
 }
 
-// k_moe_gemm: for every expert e, out[r] (N, F32) = a[r] (K, BF16) ·
-// w_e[n] for the grouped rows r of e (offsets[e] <= r < offsets[e+1]),
-// w_e = w[e] (N, K) BF16 row-major: out = a·w_eᵀ, as b.gemm per expert.
+// k_moe_tiles is k_moe_scan's tile_start from saved offsets (E+1): the
+// backward's grouping, as the forward left it.
+DK_KERNEL void k_moe_tiles(const i32 *__restrict__ offsets, int E, i32 *__restrict__ tile_start) {
+	if (threadIdx.x != 0) return;
+	i32 t = 0;
+	for (int e = 0; e < E; e++) {
+		tile_start[e] = t;
+		t += (offsets[e + 1] - offsets[e] + MOE_BM - 1) / MOE_BM;
+	}
+	tile_start[E] = t;
+}
+
+// moe_gemm: for every expert e, out[r] (N, F32) = a[r] (K, BF16) · W_e
+// over the grouped rows r of e (offsets[e] <= r < offsets[e+1]), W_e =
+// w[e] BF16 row-major: (N, K) with out = a·W_eᵀ when !NN (the forward's
+// projections, as b.gemm per expert), (K, N) with out = a·W_e when NN (the
+// backward's dh and dx); ACC adds to out instead of overwriting it.
 // Grid: x over an upper bound of the row tiles (rows/MOE_BM + E; a block
 // past tile_start[E] leaves), y over the MOE_BN-column tiles. A block of 8
 // warps computes MOE_BM x MOE_BN, each warp 64 rows x 32 columns (4 x 4
 // mma tiles), over K in MOE_BK steps: the next step's A and W tiles load
 // with cp.async while the tensor cores work on this one. Rows past the
-// expert's and columns past N load as zeros and are not stored; K must be
-// a multiple of 8 (16-byte copies), the host checks. Each output element
-// is one thread's fixed-order sum: deterministic.
-DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm(float *__restrict__ out, const u16 *__restrict__ a,
-                                                               const u64 *__restrict__ w, const i32 *__restrict__ offsets,
-                                                               const i32 *__restrict__ tile_start, int E, int N, int K) {
+// expert's, columns past N and K past its end load as zeros and are not
+// stored; K and N must be multiples of 8 (16-byte copies), the host
+// checks. Each output element is one thread's fixed-order sum:
+// deterministic.
+#define MOE_LDN (MOE_BN + 8) // an NN W tile's row stride (BF16)
+
+template <bool NN, bool ACC>
+DK_DEV void moe_gemm(u16 *sm, float *__restrict__ out, const u16 *__restrict__ a, const u64 *__restrict__ w,
+                     const i32 *__restrict__ offsets, const i32 *__restrict__ tile_start, int E, int N, int K) {
 	int t = blockIdx.x;
 	if (t >= tile_start[E]) return;
 	int lo = 0, hi = E - 1; // the expert whose tiles hold t: tile_start[e] <= t < tile_start[e+1]
@@ -335,17 +352,16 @@ DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm(float *__restrict_
 	int rows = offsets[e + 1] - row0;
 	if (rows > MOE_BM) rows = MOE_BM;
 	int n0 = blockIdx.y * MOE_BN;
-	const u16 *A = a + (i64)row0 * K;
-	const u16 *W = (const u16 *)w[e] + (i64)n0 * K;
 	int ncols = N - n0 < MOE_BN ? N - n0 : MOE_BN;
+	const u16 *A = a + (i64)row0 * K;
+	const u16 *W = (const u16 *)w[e] + (NN ? n0 : (i64)n0 * K);
 
-	DK_DYN_SMEM(u16, sm);
-	const int tileA = MOE_BM * MOE_LD, tileB = MOE_BN * MOE_LD; // halfs
+	const int tileA = MOE_BM * MOE_LD, tileB = NN ? MOE_BK * MOE_LDN : MOE_BN * MOE_LD; // halfs
 	int tid = threadIdx.x, lane = tid % DK_WARP, warp = tid / DK_WARP;
 	int wm = (warp / 4) * 64, wn = (warp % 4) * 32; // the warp's rows and columns in the tile
 
-	// load stages step s's tiles into buffer s % 2: 128 rows x 4 chunks of
-	// 16 bytes each for A and for W, two chunks a thread for each.
+	// load stages step s's tiles into buffer s % 2 (16-byte chunks, two a
+	// thread for each tile).
 	auto load = [&](int s) {
 		int buf = (s % 2) * (tileA + tileB), k0 = s * MOE_BK;
 		for (int i = tid; i < MOE_BM * 4; i += MOE_GEMM_THREADS) {
@@ -353,10 +369,18 @@ DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm(float *__restrict_
 			bool ok = r < rows && k0 + c < K;
 			cp_async16(sm, 2 * (buf + r * MOE_LD + c), A + (ok ? (i64)r * K + k0 + c : 0), ok);
 		}
-		for (int i = tid; i < MOE_BN * 4; i += MOE_GEMM_THREADS) {
-			int r = i / 4, c = (i % 4) * 8;
-			bool ok = r < ncols && k0 + c < K;
-			cp_async16(sm, 2 * (buf + tileA + r * MOE_LD + c), W + (ok ? (i64)r * K + k0 + c : 0), ok);
+		if (NN) { // MOE_BK rows of k, MOE_BN columns of n
+			for (int i = tid; i < MOE_BK * (MOE_BN / 8); i += MOE_GEMM_THREADS) {
+				int r = i / (MOE_BN / 8), c = (i % (MOE_BN / 8)) * 8;
+				bool ok = k0 + r < K && c < ncols;
+				cp_async16(sm, 2 * (buf + tileA + r * MOE_LDN + c), W + (ok ? (i64)(k0 + r) * N + c : 0), ok);
+			}
+		} else { // MOE_BN rows of n, MOE_BK columns of k
+			for (int i = tid; i < MOE_BN * 4; i += MOE_GEMM_THREADS) {
+				int r = i / 4, c = (i % 4) * 8;
+				bool ok = r < ncols && k0 + c < K;
+				cp_async16(sm, 2 * (buf + tileA + r * MOE_LD + c), W + (ok ? (i64)r * K + k0 + c : 0), ok);
+			}
 		}
 		cp_async_commit();
 	};
@@ -379,7 +403,10 @@ DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm(float *__restrict_
 		for (int kk = 0; kk < MOE_BK; kk += 16) {
 			u32 af[4][4], bf[4][2];
 			for (int i = 0; i < 4; i++) ldsm_a(af[i], sm, buf, MOE_LD, wm + 16 * i, kk, lane);
-			for (int j = 0; j < 4; j += 2) ldsm_b2(bf[j], bf[j + 1], sm, buf + tileA, MOE_LD, wn + 8 * j, kk, lane);
+			for (int j = 0; j < 4; j += 2) {
+				if (NN) ldsm_bt2(bf[j], bf[j + 1], sm, buf + tileA, MOE_LDN, wn + 8 * j, kk, lane);
+				else ldsm_b2(bf[j], bf[j + 1], sm, buf + tileA, MOE_LD, wn + 8 * j, kk, lane);
+			}
 			for (int i = 0; i < 4; i++)
 				for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], af[i], bf[j]);
 		}
@@ -394,12 +421,114 @@ DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm(float *__restrict_
 				int r = wm + 16 * i + g + 8 * h;
 				if (r >= rows) continue;
 				float *o = out + (i64)(row0 + r) * N + n0;
-				if (c < ncols) o[c] = acc[i][j][2 * h];
-				if (c + 1 < ncols) o[c + 1] = acc[i][j][2 * h + 1];
+				for (int q = 0; q < 2; q++) {
+					if (c + q >= ncols) continue;
+					float v = acc[i][j][2 * h + q];
+					o[c + q] = ACC ? o[c + q] + v : v;
+				}
+			}
+		}
+	}
+}
+
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm(float *out, const u16 *a, const u64 *w, const i32 *offsets,
+                                                               const i32 *tile_start, int E, int N, int K) {
+	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
+	moe_gemm<false, false>(sm, out, a, w, offsets, tile_start, E, N, K);
+}
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_nn(float *out, const u16 *a, const u64 *w, const i32 *offsets,
+                                                                  const i32 *tile_start, int E, int N, int K) {
+	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
+	moe_gemm<true, false>(sm, out, a, w, offsets, tile_start, E, N, K);
+}
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_nn_acc(float *out, const u16 *a, const u64 *w, const i32 *offsets,
+                                                                      const i32 *tile_start, int E, int N, int K) {
+	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
+	moe_gemm<true, true>(sm, out, a, w, offsets, tile_start, E, N, K);
+}
+
+// k_moe_wgrad_gemm: the experts' weight gradients, dw[e] (N, K) F32 +=
+// a_eᵀ · x_e over each expert's grouped rows, a (rows, N) and x (rows, K)
+// BF16 (dDown += dyᵀ·act, dGate += dgᵀ·x, dUp += duᵀ·x). Grid: (N tiles,
+// K tiles, E), a block owning a MOE_BM x MOE_BN tile of one expert's
+// gradient (8 warps of 64 x 32) and summing over the expert's rows in
+// MOE_BK steps (cp.async double buffering; aᵀ's fragments through
+// ldmatrix's transposing form). The block is its tile's only writer, and
+// the sum runs in a fixed order: deterministic. N and K multiples of 8.
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_wgrad_gemm(const u64 *__restrict__ dw, const u16 *__restrict__ a,
+                                                                     const u16 *__restrict__ x, const i32 *__restrict__ offsets, int N,
+                                                                     int K) {
+	int e = blockIdx.z, n0 = blockIdx.x * MOE_BM, k0 = blockIdx.y * MOE_BN;
+	i32 r0 = offsets[e];
+	int cnt = offsets[e + 1] - r0;
+	if (cnt == 0) return;
+	int nrows = N - n0 < MOE_BM ? N - n0 : MOE_BM, kcols = K - k0 < MOE_BN ? K - k0 : MOE_BN;
+	DK_DYN_SMEM(u16, sm);
+	const int tile = MOE_BK * MOE_LDN; // halfs: MOE_BK rows (r) of MOE_BM (n) or MOE_BN (k) columns
+	int tid = threadIdx.x, lane = tid % DK_WARP, warp = tid / DK_WARP;
+	int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
+
+	auto load = [&](int s) {
+		int buf = (s % 2) * 2 * tile, rs = s * MOE_BK;
+		for (int i = tid; i < MOE_BK * (MOE_BM / 8); i += MOE_GEMM_THREADS) {
+			int r = i / (MOE_BM / 8), c = (i % (MOE_BM / 8)) * 8;
+			bool ok = rs + r < cnt && c < nrows;
+			cp_async16(sm, 2 * (buf + r * MOE_LDN + c), a + (ok ? (i64)(r0 + rs + r) * N + n0 + c : 0), ok);
+		}
+		for (int i = tid; i < MOE_BK * (MOE_BN / 8); i += MOE_GEMM_THREADS) {
+			int r = i / (MOE_BN / 8), c = (i % (MOE_BN / 8)) * 8;
+			bool ok = rs + r < cnt && c < kcols;
+			cp_async16(sm, 2 * (buf + tile + r * MOE_LDN + c), x + (ok ? (i64)(r0 + rs + r) * K + k0 + c : 0), ok);
+		}
+		cp_async_commit();
+	};
+
+	float acc[4][4][4];
+	for (int i = 0; i < 4; i++)
+		for (int j = 0; j < 4; j++)
+			for (int q = 0; q < 4; q++) acc[i][j][q] = 0;
+	int steps = (cnt + MOE_BK - 1) / MOE_BK;
+	load(0);
+	for (int s = 0; s < steps; s++) {
+		if (s + 1 < steps) {
+			load(s + 1);
+			cp_async_wait<1>();
+		} else {
+			cp_async_wait<0>();
+		}
+		__syncthreads();
+		int buf = (s % 2) * 2 * tile;
+		for (int kk = 0; kk < MOE_BK; kk += 16) {
+			u32 af[4][4], bf[4][2];
+			// aᵀ's A fragment (rows n, columns r) from the tile stored [r][n].
+			for (int i = 0; i < 4; i++)
+				ldsm_x4_t(af[i], sm, 2 * (buf + (kk + (lane & 7) + ((lane >> 4) & 1) * 8) * MOE_LDN + wm + 16 * i + ((lane >> 3) & 1) * 8));
+			for (int j = 0; j < 4; j += 2) ldsm_bt2(bf[j], bf[j + 1], sm, buf + tile, MOE_LDN, wn + 8 * j, kk, lane);
+			for (int i = 0; i < 4; i++)
+				for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], af[i], bf[j]);
+		}
+		__syncthreads();
+	}
+
+	float *o = (float *)dw[e];
+	int g = lane / 4, tq = lane % 4;
+	for (int i = 0; i < 4; i++) {
+		for (int j = 0; j < 4; j++) {
+			int c = wn + 8 * j + 2 * tq;
+			for (int h = 0; h < 2; h++) {
+				int r = wm + 16 * i + g + 8 * h;
+				if (r >= nrows) continue;
+				float *row = o + (i64)(n0 + r) * K + k0;
+				if (c < kcols) row[c] += acc[i][j][2 * h];
+				if (c + 1 < kcols) row[c + 1] += acc[i][j][2 * h + 1];
 			}
 		}
 	}
 }
 
 DK_REGISTER(k_moe_scan)
+DK_REGISTER(k_moe_tiles)
 DK_REGISTER(k_moe_gemm)
+DK_REGISTER(k_moe_gemm_nn)
+DK_REGISTER(k_moe_gemm_nn_acc)
+DK_REGISTER(k_moe_wgrad_gemm)
