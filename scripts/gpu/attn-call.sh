@@ -12,7 +12,9 @@
 # STEP... defaults to: env test attn goldens train-test train-resume train-bench
 # (training shapes: DISTILL_BENCH_SHAPES, default qwen3-0.6b). Then, when
 # set: FORWARD_BENCH=1 runs the suite's bench and peer steps (the teacher's
-# forward at every shape against HF transformers), SANITIZE=1 runs the
+# forward against HF transformers; FORWARD_SHAPES picks the shapes),
+# EXTRA_TESTS=PATTERN runs the matching tests of the cuda, train and
+# trainer test binaries on the GPU, SANITIZE=1 runs the
 # attention tests (own kernels and cuDNN) under compute-sanitizer memcheck
 # and the own kernels' under racecheck.
 set -uo pipefail
@@ -48,7 +50,15 @@ OUT="$work" DISTILL_BENCH_SHAPES=${DISTILL_BENCH_SHAPES:-qwen3-0.6b} SUITE_BUDGE
   bash scripts/gpu-suite.sh run "${steps[@]}" >"$work/suite.txt" 2>&1
 if [ "${FORWARD_BENCH:-}" = 1 ]; then
   mkdir -p "$work/fwd"
-  OUT="$work/fwd" SUITE_BUDGET=${FORWARD_BUDGET:-120} bash scripts/gpu-suite.sh run bench peer >"$work/fwd/suite.txt" 2>&1
+  OUT="$work/fwd" DISTILL_BENCH_SHAPES=${FORWARD_SHAPES:-${DISTILL_BENCH_SHAPES:-}} SUITE_BUDGET=${FORWARD_BUDGET:-120} \
+    bash scripts/gpu-suite.sh run bench peer >"$work/fwd/suite.txt" 2>&1
+fi
+if [ -n "${EXTRA_TESTS:-}" ]; then # a -test.run pattern for cuda.test, then the same for train.test and trainer.test
+  for b in cuda:compute/cuda train:train trainer:train/trainer; do
+    ( cd "${b#*:}" && DISTILL_CUDA_TEST=gpu DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 60 /tmp/distill-gpu-bin/${b%%:*}.test \
+        -test.v -test.count=1 -test.run "$EXTRA_TESTS" -test.timeout 55s ) >"$work/extra-${b%%:*}.log" 2>&1
+    echo "extra-${b%%:*} rc=$?" >>"$work/status.txt"
+  done
 fi
 attn_tests='TestAttentionConformance|TestAttentionBackwardConformance|TestAttentionMMASteps|TestCudnnAttentionConformance'
 if [ "${SANITIZE:-}" = 1 ] && command -v compute-sanitizer >/dev/null; then
@@ -74,7 +84,7 @@ if [ -f "$work/fwd/summary.txt" ]; then
   echo "== forward benchmarks"; cat "$work/fwd/status.txt"; grep -E '^Benchmark' "$work/fwd/bench.log"; grep -E '^\{' "$work/fwd/peer.log"
 fi
 echo "== status"; cat "$work/status.txt"
-for f in attn-memcheck attn-racecheck; do
+for f in attn-memcheck attn-racecheck extra-cuda extra-train extra-trainer; do
   [ -f "$work/$f.log" ] && { echo "== $f"; grep -E '^(--- |ok|FAIL|panic)|ERROR SUMMARY|RACECHECK SUMMARY|========= (Invalid|Race|Error)' "$work/$f.log" | head -20; }
 done
 echo "== cuDNN lines"; grep -hE 'cuDNN|cudnn' "$work"/test.log "$work"/cudnn-system.log 2>/dev/null | grep -vE '^\s*cudnn_test.go:[0-9]+: cudnn attention' | head -30
