@@ -72,7 +72,7 @@ if [ "${SANITIZE:-}" = 1 ] && command -v compute-sanitizer >/dev/null; then
       -test.timeout 85s ) >"$work/attn-racecheck.log" 2>&1
   echo "attn-racecheck rc=$?" >>"$work/status.txt"
 fi
-if [ -n "$system" ] && [ "$system" != "$wheel" ]; then
+if [ -n "$system" ] && [ "$system" != "$wheel" ] && [ "${SKIP_SYSTEM_CUDNN:-}" != 1 ]; then
   ( cd compute/cuda && DISTILL_LIBCUDNN=$system CUDNN_LOGDEST_DBG="$work/cudnn-errors-system.log" DISTILL_CUDA_TEST=gpu \
       DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 40 /tmp/distill-gpu-bin/cuda.test -test.v -test.count=1 \
       -test.run 'TestCudnn' -test.timeout 35s ) >"$work/cudnn-system.log" 2>&1
