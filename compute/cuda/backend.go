@@ -266,8 +266,9 @@ func (b *Backend) Arch() string { return b.arch }
 // Name implements compute.Backend.
 func (*Backend) Name() string { return "cuda" }
 
-// Close releases the device memory of the backend itself (tensors are the
-// caller's), its stream and its libraries' handles.
+// Close releases the device memory of the backend itself (the weight
+// shadows included; tensors are the caller's), its stream and its
+// libraries' handles.
 func (b *Backend) Close() error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -288,6 +289,14 @@ func (b *Backend) Close() error {
 func (b *Backend) release() {
 	d := b.drv
 	if b.stream != nil {
+		// The weight shadows are the backend's own memory (the tensors
+		// they shadow are the caller's).
+		for _, r := range b.shadow.regs {
+			if r.bf != 0 {
+				C.call_cuMemFreeAsync(d.cuMemFreeAsync, C.CUdeviceptr(r.bf), b.stream)
+			}
+		}
+		b.shadow.regs = nil
 		C.call_cuStreamSynchronize(d.cuStreamSynchronize, b.stream)
 	}
 	for _, p := range b.plans {
