@@ -290,6 +290,15 @@ func Run(cfg *Config, o Options) (res *Result, err error) {
 
 // runOnce is Run without the out-of-memory recovery.
 func runOnce(cfg *Config, o Options) (*Result, error) {
+	g := guardRunDir(cfg.RunDir)
+	res, err := runSteps(cfg, o)
+	g.cleanup(res, err)
+	return res, err
+}
+
+// runSteps is runOnce without the removal of what a run that never
+// started left in its run directory.
+func runSteps(cfg *Config, o Options) (*Result, error) {
 	if o.Log == nil {
 		o.Log = os.Stderr
 	}
