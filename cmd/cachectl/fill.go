@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -19,10 +20,48 @@ import (
 func init() {
 	commands.Register(&cli.Command{Name: "fill", Summary: "fill the cache over a sample range, through teacherd daemons or an in-process teacher",
 		Run: func(args []string) error {
-			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+			ctx, stop := signalContext()
 			defer stop()
-			return fillMain(ctx, args, os.Stdout, os.Stderr)
+			return interrupted(ctx, fillMain(ctx, args, os.Stdout, os.Stderr))
 		}})
+}
+
+// signalError is the cause of a context a signal cancelled.
+type signalError struct{ sig os.Signal }
+
+func (e signalError) Error() string { return cli.SignalName(e.sig) }
+
+// signalContext is cancelled, with a signalError as its cause, by the
+// first SIGINT or SIGTERM; a second one ends the process at once.
+func signalContext() (context.Context, func()) {
+	ctx, cancel := context.WithCancelCause(context.Background())
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() {
+		select {
+		case sig := <-sigs:
+			signal.Stop(sigs) // the next one kills
+			cancel(signalError{sig})
+		case <-done:
+		}
+	}()
+	return ctx, func() {
+		signal.Stop(sigs)
+		close(done)
+		cancel(nil)
+	}
+}
+
+// interrupted turns the error of a job a signal stopped into a
+// cli.Interrupted (exit 128+signal; the error says how to resume).
+func interrupted(ctx context.Context, err error) error {
+	var se signalError
+	if err == nil || !errors.As(context.Cause(ctx), &se) {
+		return err
+	}
+	ss, _ := se.sig.(syscall.Signal)
+	return &cli.Interrupted{Signal: ss, Msg: err.Error()}
 }
 
 func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) error {

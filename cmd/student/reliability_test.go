@@ -107,7 +107,8 @@ log: {every: 1, progress: "off"}
 
 // TestSIGTERMCheckpointsAndResumes: `student train` sent SIGTERM (as a
 // preempted cluster job is) writes a checkpoint of its last finished step
-// and exits 0, printing the command that resumes it; that command, run
+// and exits 143 (128+SIGTERM: interrupted, not done), printing the command
+// that resumes it; that command, run
 // as printed (plus a --max-steps, since this run was set to never end),
 // reproduces the uninterrupted run bit for bit. The run is endless until
 // the signal, so the test does not depend on when the signal lands.
@@ -128,8 +129,8 @@ func TestSIGTERMCheckpointsAndResumes(t *testing.T) {
 	stoppedLine := p.waitLine(t, "stopped by SIGTERM after step ")
 	defer func() { t.Logf("stderr of the stopped run:\n%s", p.stderr.String()) }()
 	resumeLine := p.waitLine(t, "resume with: ")
-	if rc := p.wait(t); rc != 0 {
-		t.Fatalf("exit code %d after SIGTERM, want 0:\n%s", rc, p.stderr.String())
+	if rc := p.wait(t); rc != 128+int(syscall.SIGTERM) {
+		t.Fatalf("exit code %d after SIGTERM, want 128+SIGTERM (interrupted, resumable):\n%s", rc, p.stderr.String())
 	}
 	k, err := strconv.Atoi(regexp.MustCompile(`after step (\d+) `).FindStringSubmatch(stoppedLine)[1])
 	if err != nil || k < 2 {

@@ -78,8 +78,8 @@ func runTrain(args []string) error {
 		sets = append(sets, "train.device="+*dev)
 	}
 	// SIGTERM (preemption) or Ctrl-C: finish or abandon the step, write a
-	// checkpoint, exit 0 saying how to resume. A second signal exits at
-	// once. The handler is in place before anything slow happens.
+	// checkpoint, exit 128+signal saying how to resume. A second signal
+	// exits at once. The handler is in place before anything slow happens.
 	stop := make(chan struct{})
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
@@ -121,13 +121,13 @@ func runTrain(args []string) error {
 	mu.Lock()
 	sig := caught
 	mu.Unlock()
+	// Interrupted, resumable: exit 128+signal (cli.Interrupted).
+	ss, _ := sig.(syscall.Signal)
 	if res.Checkpoint == "" {
-		fmt.Fprintf(os.Stderr, "student train: stopped by %s before the first step: nothing saved\nstart again with: %s\n", sigName(sig), resumeCommand(os.Args, ""))
-		return nil
+		return &cli.Interrupted{Signal: ss, Msg: fmt.Sprintf("stopped by %s before the first step: nothing saved\nstart again with: %s", sigName(sig), resumeCommand(os.Args, ""))}
 	}
-	fmt.Fprintf(os.Stderr, "student train: stopped by %s after step %d of %d; checkpoint %s\n", sigName(sig), res.Step, cfg.Train.MaxSteps, res.Checkpoint)
-	fmt.Fprintf(os.Stderr, "resume with: %s\n", resumeCommand(os.Args, "must"))
-	return nil
+	return &cli.Interrupted{Signal: ss, Msg: fmt.Sprintf("stopped by %s after step %d of %d; checkpoint %s\nresume with: %s",
+		sigName(sig), res.Step, cfg.Train.MaxSteps, res.Checkpoint, resumeCommand(os.Args, "must"))}
 }
 
 func sigName(sig os.Signal) string {

@@ -10,6 +10,7 @@ import (
 	"io"
 	"os"
 	"sort"
+	"syscall"
 )
 
 // Command is one `PROG NAME` subcommand.
@@ -56,7 +57,9 @@ func (r *Registry) Main(args []string) { os.Exit(r.Run(args, os.Stdout, os.Stder
 // help was asked for (-h, --help, help: the usage goes to stdout), 1 when
 // the command fails (its error printed to stderr with the program and
 // command name), 2 on usage errors (no or an unknown command; the usage
-// goes to stderr).
+// goes to stderr), 128+N when a resumable command was stopped by signal N
+// after saving its progress (an *Interrupted error: 130 for Ctrl-C, 143
+// for SIGTERM).
 func (r *Registry) Run(args []string, stdout, stderr io.Writer) int {
 	if len(args) < 1 {
 		r.usage(stderr)
@@ -81,8 +84,38 @@ func (r *Registry) Run(args []string, stdout, stderr io.Writer) int {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0 // the flag set printed the command's flags
 		}
+		var in *Interrupted
+		if errors.As(err, &in) {
+			fmt.Fprintf(stderr, "%s %s: %v\n", r.prog, c.Name, err)
+			return 128 + int(in.Signal)
+		}
 		fmt.Fprintf(stderr, "%s %s: %v\n", r.prog, c.Name, err)
 		return 1
 	}
 	return 0
+}
+
+// Interrupted is the error of a resumable job (student train, cachectl
+// fill) that a signal stopped after it saved its progress. The one
+// convention for all of them: Msg says what was saved and how to resume
+// (re-running the same command does), and the exit status is the
+// shell's for a job a signal ended, 128+Signal (130 for Ctrl-C, 143 for
+// SIGTERM), so that a script or a scheduler (Slurm treats 0 as success)
+// knows that the job did not finish.
+type Interrupted struct {
+	Signal syscall.Signal
+	Msg    string
+}
+
+func (e *Interrupted) Error() string { return e.Msg }
+
+// SignalName is "SIGINT" for syscall.SIGINT, "SIGTERM" for SIGTERM.
+func SignalName(sig os.Signal) string {
+	switch sig {
+	case syscall.SIGTERM:
+		return "SIGTERM"
+	case syscall.SIGINT:
+		return "SIGINT"
+	}
+	return fmt.Sprint(sig)
 }
