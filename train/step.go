@@ -1,6 +1,7 @@
 package train
 
 import (
+	"errors"
 	"fmt"
 
 	"distill/compute"
@@ -30,6 +31,21 @@ func (s *Student) forward(b *Batch) (compute.Tensor, error) {
 	return lnf, nil
 }
 
+// recoverOOM turns a device backend's out-of-memory panic (its kernels
+// return no errors) into an error wrapping compute.ErrOutOfMemory, naming
+// what ran out and the batch's size; any other panic propagates.
+func recoverOOM(err *error, what string) {
+	r := recover()
+	if r == nil {
+		return
+	}
+	if e, ok := r.(error); ok && errors.Is(e, compute.ErrOutOfMemory) {
+		*err = fmt.Errorf("%s ran out of device memory: %w", what, e)
+		return
+	}
+	panic(r)
+}
+
 // auxCoef is the weight of the load-balancing loss in the loss (HF adds
 // router_aux_loss_coef·aux when output_router_logits), 0 when off.
 func (s *Student) auxCoef() float64 {
@@ -51,7 +67,8 @@ func (s *Student) addAux(st *loss.Stats) {
 
 // Forward computes the loss of a batch without gradients (evaluation; also
 // the calibration pass of QAD).
-func (s *Student) Forward(b *Batch, opt *loss.Options) (loss.Stats, error) {
+func (s *Student) Forward(b *Batch, opt *loss.Options) (st loss.Stats, err error) {
+	defer recoverOOM(&err, "the forward")
 	if err := opt.Validate(); err != nil {
 		return loss.Stats{}, err
 	}
@@ -59,7 +76,7 @@ func (s *Student) Forward(b *Batch, opt *loss.Options) (loss.Stats, error) {
 	if err != nil {
 		return loss.Stats{}, err
 	}
-	st, err := s.head.Forward(x, s.Model.Head.W, b, opt)
+	st, err = s.head.Forward(x, s.Model.Head.W, b, opt)
 	if err == nil {
 		s.addAux(&st)
 	}
@@ -74,7 +91,8 @@ func (s *Student) Forward(b *Batch, opt *loss.Options) (loss.Stats, error) {
 // load-balancing loss of this batch, weighted like the batch's loss
 // (its counted positions over normalizer), so that the micro-batches'
 // losses sum to the token-weighted mean the trainer logs.
-func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float64) (loss.Stats, error) {
+func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float64) (st loss.Stats, err error) {
+	defer recoverOOM(&err, "the forward and backward")
 	if s.Model.Calibrating() {
 		return loss.Stats{}, fmt.Errorf("%w: NVFP4 calibration is running: call Forward on the calibration batches, then FinishCalibration", ErrInvalid)
 	}
@@ -87,7 +105,7 @@ func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float6
 	}
 	dlnf := s.Model.HiddenGrad()
 	s.be.Zero(dlnf)
-	st, err := s.head.ForwardBackward(x, s.Model.Head.W, dlnf, s.Model.Head.DW, b, opt, normalizer)
+	st, err = s.head.ForwardBackward(x, s.Model.Head.W, dlnf, s.Model.Head.DW, b, opt, normalizer)
 	if err != nil {
 		return st, err
 	}

@@ -72,7 +72,8 @@ func NewStudent(cfg *model.Config) (*Student, error) {
 
 // NewStudentOn allocates a model of cfg with zero parameters on be:
 // Llama, Qwen2, Qwen3 or Qwen3-MoE.
-func NewStudentOn(cfg *model.Config, be compute.Backend) (*Student, error) {
+func NewStudentOn(cfg *model.Config, be compute.Backend) (_ *Student, err error) {
+	defer recoverOOM(&err, "allocating the student's parameters and gradients")
 	switch cfg.Arch {
 	case model.ArchLlama, model.ArchQwen2, model.ArchQwen3, model.ArchQwen3MoE:
 	default:
@@ -113,6 +114,18 @@ func NewStudentOn(cfg *model.Config, be compute.Backend) (*Student, error) {
 	s.Model = m
 	s.head = &loss.Head{Backend: be, V: cfg.VocabSize, C: cfg.Hidden}
 	return s, nil
+}
+
+// Free releases the student's device memory (parameters, gradients, the
+// decoder's activations and QAD weights): on a device backend, whose
+// memory the garbage collector does not see, a student no longer used
+// must be freed before another one is made. The student is unusable
+// after.
+func (s *Student) Free() {
+	s.Model.Free()
+	s.be.Free(s.params)
+	s.be.Free(s.grads)
+	s.Params, s.Grads = nil, nil
 }
 
 // Backend returns the backend the student trains on.

@@ -488,3 +488,27 @@ func (m *Model) SetRouterAux(coef float64, rs RouterStats) {
 	}
 	m.be.WriteF32(m.train.dprob, g)
 }
+
+// Free releases the training memory the model allocated: the activation
+// arenas, the last batch, the aux-loss gradient and the QAD arena of the
+// fake-quantized weights (the parameters are the caller's). A later
+// TrainForward allocates anew; QAD then needs RestoreQAD.
+func (m *Model) Free() {
+	st := &m.train
+	for _, t := range []compute.Tensor{st.arena, st.iarena, st.dprob, m.qadArena} {
+		if t != nil {
+			m.be.Free(t)
+		}
+	}
+	if st.b != nil {
+		m.be.Free(st.b.tokens)
+		m.be.Free(st.b.starts)
+	}
+	m.qadArena = nil
+	for i := range m.Blocks {
+		for _, l := range m.Blocks[i].Linears() {
+			l.Wfq = nil
+		}
+	}
+	*st = trainState{arenaN: -1}
+}

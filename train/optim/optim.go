@@ -89,6 +89,16 @@ func NewAdamW(cfg AdamWConfig, groups []Group) (*AdamW, error) {
 	return a, nil
 }
 
+// Free releases the moments' backend memory; the optimizer is unusable
+// after.
+func (a *AdamW) Free() {
+	for i := range a.m {
+		a.Groups[i].Backend.Free(a.m[i])
+		a.Groups[i].Backend.Free(a.v[i])
+	}
+	a.m, a.v, a.M, a.V = nil, nil, nil, nil
+}
+
 // Moments returns group i's moments on the host: the views M[i], V[i] on
 // a host backend, copies downloaded from the device otherwise
 // (checkpoints).

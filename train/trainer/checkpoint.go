@@ -51,6 +51,11 @@ type State struct {
 	// ChunkSamples is distill.chunk_samples of an online run: the
 	// chunking its order is made of.
 	ChunkSamples int64 `json:"online_chunk_samples,omitempty"`
+	// Recompute is the activation recomputation the run trained with
+	// (train.recompute's choice): train.recompute auto keeps it on resume
+	// when it fits, so that the resumed steps run the same kernels on the
+	// same buffers.
+	Recompute string `json:"recompute,omitempty"`
 	// QuantAmax is the frozen NVFP4 amax of every quantizer (QAD runs).
 	QuantAmax []float32 `json:"quant_amax,omitempty"`
 	// The data trained on: resuming on other data would replay the data

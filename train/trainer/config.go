@@ -304,6 +304,13 @@ type TrainConfig struct {
 	// consecutive steps whose update was skipped for a non-finite
 	// gradient norm (0: never stop).
 	MaxSkippedSteps int `yaml:"max_skipped_steps"`
+	// Recompute is the activation recomputation (Megatron-LM's name):
+	// none keeps every activation of a row for the backward; selective
+	// re-runs each dense MLP's gate/up/SwiGLU in the backward; full keeps
+	// only each layer's input and re-runs the layer; auto (default) takes
+	// the least recomputation whose memory plan fits the device (none on
+	// the CPU). The gradients are the same in every mode.
+	Recompute string `yaml:"recompute"`
 }
 
 // EvalConfig is the periodic evaluation on data.eval_range.
@@ -334,7 +341,7 @@ func Defaults() Config {
 			KDWeight: 1},
 		Optim: OptimConfig{LR: 1e-4, MinLR: 1e-5, Schedule: string(optim.Cosine), WarmupSteps: 0, WeightDecay: 0.01,
 			Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, MaxGradNorm: 1},
-		Train:        TrainConfig{MaxSteps: 1000, MaxSkippedSteps: 10},
+		Train:        TrainConfig{MaxSteps: 1000, MaxSkippedSteps: 10, Recompute: "auto"},
 		Eval:         EvalConfig{Every: 100},
 		Checkpoint:   CheckpointConfig{Every: 100, Keep: 3},
 		Log:          LogConfig{Every: 10, TensorBoard: true, Progress: "auto"},
@@ -647,6 +654,8 @@ func (c *Config) Validate() error {
 		return bad("train.device", "%v", device.Check(c.Train.Device, device.Training))
 	case c.Train.MaxSkippedSteps < 0:
 		return bad("train.max_skipped_steps", "%d: want >= 0 (0 = never stop for skipped steps)", c.Train.MaxSkippedSteps)
+	case c.Train.Recompute != "auto" && c.Train.Recompute != "none" && c.Train.Recompute != "selective" && c.Train.Recompute != "full":
+		return bad("train.recompute", "%q: want auto (the least recomputation that fits the device), none, selective or full", c.Train.Recompute)
 	case c.Eval.Every < 0 || c.Eval.MaxSamples < 0:
 		return bad("eval", "every %d, max_samples %d: want >= 0", c.Eval.Every, c.Eval.MaxSamples)
 	case c.Checkpoint.Every < 0 || c.Checkpoint.Keep < 1:

@@ -132,6 +132,7 @@ import (
 	"distill/data/tokenizer"
 	"distill/internal/atomicfile"
 	"distill/model"
+	"distill/model/decoder"
 	"distill/train"
 	"distill/train/loss"
 	"distill/train/optim"
@@ -154,8 +155,9 @@ var (
 	ErrDiverged = errors.New("trainer: training diverged")
 	// ErrLocked marks a run directory another trainer is using.
 	ErrLocked = errors.New("trainer: run directory in use")
-	// ErrDeviceMemory marks a run the device's memory cannot hold (it
-	// wraps compute.ErrOutOfMemory too).
+	// ErrDeviceMemory marks a run the device's memory cannot hold: its
+	// memory plan does not fit (checked before step 1), or the device ran
+	// out (then it wraps compute.ErrOutOfMemory too).
 	ErrDeviceMemory = errors.New("trainer: out of device memory")
 )
 
@@ -279,13 +281,22 @@ func Run(cfg *Config, o Options) (res *Result, err error) {
 			return
 		}
 		if e, ok := r.(error); ok && errors.Is(e, compute.ErrOutOfMemory) {
-			res, err = nil, fmt.Errorf("%w: %w: the student's parameters, gradients and AdamW moments (fp32) and the activations of one row of data.seq_len %d tokens do not fit the device; lower data.seq_len, or train on a device with more memory (or train.device: cpu); the checkpoints already written in %s are intact",
-				ErrDeviceMemory, e, cfg.Data.SeqLen, cfg.RunDir)
+			res, err = nil, fmt.Errorf("%w: %w: %s", ErrDeviceMemory, e, oomAdvice(cfg))
 			return
 		}
 		panic(r)
 	}()
-	return runOnce(cfg, o)
+	res, err = runOnce(cfg, o)
+	if errors.Is(err, compute.ErrOutOfMemory) && !errors.Is(err, ErrDeviceMemory) {
+		err = fmt.Errorf("%w: %w: %s", ErrDeviceMemory, err, oomAdvice(cfg))
+	}
+	return res, err
+}
+
+// oomAdvice says what to change after an out-of-memory error.
+func oomAdvice(cfg *Config) string {
+	return fmt.Sprintf("the student's parameters, gradients and AdamW moments (fp32) and the activations of one row of data.seq_len %d tokens (train.recompute %s) do not fit the device; `student plan --config FILE --device-memory SIZE` prints the memory plan; set train.recompute: full, lower data.seq_len, or train on a device with more memory (or train.device: cpu); the checkpoints already written in %s are intact",
+		cfg.Data.SeqLen, cfg.Train.Recompute, cfg.RunDir)
 }
 
 // runOnce is Run without the out-of-memory recovery.
@@ -412,6 +423,10 @@ func runSteps(cfg *Config, o Options) (*Result, error) {
 	} else if s, err = initStudent(cfg, o.Log); err != nil {
 		return nil, err
 	}
+	// A device's memory is not the garbage collector's: the run gives
+	// back what it allocated, so that a process can run again.
+	defer device.Close(s.Backend())
+	defer s.Free()
 	fp, tokDir, tok, err := tokenizerFingerprint(cfg)
 	if err != nil {
 		return nil, err
@@ -556,11 +571,20 @@ func runSteps(cfg *Config, o Options) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
+	defer ad.Free()
 	if ckpt != "" {
 		if err := loadMoments(ckpt, ad, st.OptSteps); err != nil {
 			return nil, err
 		}
 	}
+	rc, err := planRecompute(cfg, s, planK(&m, ts), decoder.Recompute(st.Recompute), o.Log)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.Model.SetRecompute(rc); err != nil {
+		return nil, err
+	}
+	st.Recompute = string(rc)
 	pk := &packer{seqLen: cfg.Data.SeqLen, truncate: cfg.Data.Truncate, k: m.K}
 	if ts != nil {
 		pk.multi, pk.more = ts.teachers(), ts.more

@@ -1,0 +1,158 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+
+	"distill/internal/cli"
+	"distill/model"
+	"distill/model/decoder"
+	"distill/train"
+	"distill/train/trainer"
+)
+
+func init() {
+	commands.Register(&cli.Command{Name: "plan", Summary: "print a training config's device memory plan per recompute mode, for any device size (no cache, dataset or GPU needed)", Run: runPlan})
+}
+
+func runPlan(args []string) error {
+	fs := flag.NewFlagSet("student plan", flag.ContinueOnError)
+	config := fs.String("config", "", "YAML training config (as `student train` takes)")
+	var sets multiFlag
+	fs.Var(&sets, "set", "override a config key, key.path=value (repeatable), e.g. --set data.seq_len=8192")
+	devMem := fs.String("device-memory", "80GiB", "the device's memory: a byte count with an optional unit (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB), e.g. 80GiB, 141GiB")
+	k := fs.Int("k", -1, "the teachers' top-k per position (the cache's k; several teachers: the sum of theirs); default 64, or 0 when distill.kd_weight is 0")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
+	}
+	if *config == "" {
+		return fmt.Errorf("--config is required: the training config to plan")
+	}
+	total, err := parseBytes(*devMem)
+	if err != nil {
+		return fmt.Errorf("--device-memory: %w", err)
+	}
+	cfg, err := trainer.LoadConfig(*config, sets)
+	if err != nil {
+		return err
+	}
+	var mc *model.Config
+	if cfg.Model.InitFrom != "" {
+		if mc, err = model.LoadConfig(cfg.Model.InitFrom); err != nil {
+			return fmt.Errorf("model.init_from: %w", err)
+		}
+	} else if mc, err = cfg.Model.Random.ModelConfig(); err != nil {
+		return err
+	}
+	if *k < 0 {
+		*k = 64
+		if cfg.Distill.KDWeight == 0 {
+			*k = 0
+		}
+	}
+	return printPlan(stdout, cfg, mc, *k, total)
+}
+
+// printPlan writes the plan of every recompute mode on a device of total
+// bytes: the terms, then per mode the total, whether it fits, the
+// longest row that fits and how many rows of data.seq_len one forward
+// could hold, and train.recompute auto's choice.
+func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, total int64) error {
+	reserve := train.DeviceReserve(total)
+	budget := total - reserve
+	T := cfg.Data.SeqLen
+	qad := cfg.Quant == "nvfp4"
+	shape := func(r decoder.Recompute) train.PlanShape {
+		return train.PlanShape{Model: mc, RowTokens: T, K: k, QAD: qad, Recompute: r}
+	}
+	fmt.Fprintf(w, "memory plan: %s student, %.1fM parameters (%d layers, hidden %d, vocab %d), rows of %d tokens (data.seq_len), teacher top-k %d, quant %s\n",
+		mc.Arch, float64(mc.Params())/1e6, mc.Layers, mc.Hidden, mc.VocabSize, T, k, cfg.Quant)
+	fmt.Fprintf(w, "device: %s, %s kept in reserve: %s for the run\n\n", train.HumanBytes(total), train.HumanBytes(reserve), train.HumanBytes(budget))
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "term\tbytes\tper")
+	base := train.PlanMemory(shape(decoder.RecomputeNone))
+	for _, t := range base.Terms {
+		switch {
+		case t.Name == train.TermActivations:
+			for _, r := range decoder.RecomputeModes {
+				b := train.PlanMemory(shape(r)).Term(train.TermActivations)
+				fmt.Fprintf(tw, "activations, recompute %s\t%s\trow (%.1f KiB a token)\n", r, train.HumanBytes(b), float64(b)/float64(T)/1024)
+			}
+		case t.Scratch:
+			fmt.Fprintf(tw, "%s\t%s\trow (kernel scratch: the largest one counts)\n", t.Name, train.HumanBytes(t.Bytes))
+		case t.PerRow:
+			fmt.Fprintf(tw, "%s\t%s\trow\n", t.Name, train.HumanBytes(t.Bytes))
+		default:
+			fmt.Fprintf(tw, "%s\t%s\trun\n", t.Name, train.HumanBytes(t.Bytes))
+		}
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(w)
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(tw, "recompute\ttotal\tfits\tlongest row (tokens)\trows of %d per forward\n", T)
+	auto := decoder.Recompute("")
+	for _, r := range decoder.RecomputeModes {
+		p := train.PlanMemory(shape(r))
+		fits := p.Total() <= budget
+		if fits && auto == "" {
+			auto = r
+		}
+		n := train.LargestRow(shape(r), budget, 1<<24)
+		longest := strconv.Itoa(n)
+		if n > mc.MaxPositions {
+			longest = fmt.Sprintf("%d (max_position_embeddings %d)", n, mc.MaxPositions)
+		}
+		yes := "no"
+		if fits {
+			yes = "yes"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\n", r, train.HumanBytes(p.Total()), yes, longest, n/T)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if auto == "" {
+		fmt.Fprintf(w, "\ntrain.recompute auto: nothing fits; lower data.seq_len to the longest row of full recompute, or use a larger device\n")
+	} else {
+		fmt.Fprintf(w, "\ntrain.recompute auto picks: %s\n", auto)
+	}
+	if r := cfg.Train.Recompute; r != "auto" {
+		if p := train.PlanMemory(shape(decoder.Recompute(r))); p.Total() > budget {
+			fmt.Fprintf(w, "the config's train.recompute %s does not fit: `student train` refuses it before step 1\n", r)
+		}
+	}
+	return nil
+}
+
+// parseBytes reads a byte count with an optional unit: B, KiB, MiB, GiB,
+// TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000); a number
+// without a unit is bytes.
+func parseBytes(s string) (int64, error) {
+	t := strings.TrimSpace(s)
+	units := []struct {
+		suffix string
+		mult   float64
+	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40},
+		{"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}, {"B", 1}}
+	mult := 1.0
+	for _, u := range units {
+		if strings.HasSuffix(t, u.suffix) {
+			t, mult = strings.TrimSpace(strings.TrimSuffix(t, u.suffix)), u.mult
+			break
+		}
+	}
+	v, err := strconv.ParseFloat(t, 64)
+	if err != nil || !(v > 0) || v*mult > 1<<60 {
+		return 0, fmt.Errorf("%q: want a positive size such as 80GiB, 141GiB or 85899345920", s)
+	}
+	return int64(v * mult), nil
+}

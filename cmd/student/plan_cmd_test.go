@@ -1,0 +1,76 @@
+package main
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// TestPlan: `student plan` prints a tiny config's memory plan from the
+// config alone (its cache does not exist, no device is opened): every
+// term, a line per recompute mode with its total, whether it fits and the
+// longest row, and auto's choice, which moves with --device-memory and
+// --set; bad flags are errors that say what to give.
+func TestPlan(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "run.yaml")
+	os.WriteFile(cfg, []byte(`run_dir: unused
+model:
+  random: {arch: qwen3, vocab_size: 1000, hidden_size: 64, num_hidden_layers: 4, num_attention_heads: 4,
+           num_key_value_heads: 2, head_dim: 16, intermediate_size: 256, max_position_embeddings: 4096}
+  tokenizer_fingerprint: none
+data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
+`), 0o644)
+	plan := func(args ...string) string {
+		t.Helper()
+		var out bytes.Buffer
+		stdout = &out
+		defer func() { stdout = os.Stdout }()
+		if err := runPlan(append([]string{"--config", cfg}, args...)); err != nil {
+			t.Fatal(err)
+		}
+		return out.String()
+	}
+	out := plan()
+	t.Logf("\n%s", out)
+	for _, want := range []string{"rows of 2048 tokens (data.seq_len), teacher top-k 64, quant none", "device: 80.00 GiB",
+		"parameters (fp32)", "gradients (fp32)", "AdamW moments (fp32 m, v)", "BF16 weight copies",
+		"activations, recompute none", "activations, recompute selective", "activations, recompute full",
+		"attention scratch", "loss head tiles", "GEMM operand scratch", "train.recompute auto picks: none"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("the plan lacks %q", want)
+		}
+	}
+	for _, mode := range []string{"none", "selective", "full"} {
+		if !regexp.MustCompile(`(?m)^` + mode + ` +[0-9.]+ [KMG]iB +yes +[0-9]+`).MatchString(out) {
+			t.Errorf("no fitting line for recompute %s", mode)
+		}
+	}
+	// 316 MiB less the 256 MiB reserve: full recompute fits, none does not.
+	out = plan("--device-memory", "316MiB", "--set", "quant=nvfp4")
+	if !strings.Contains(out, "quant nvfp4") || !strings.Contains(out, "NVFP4 fake-quantized weights (fp32)") ||
+		!regexp.MustCompile(`(?m)^none +[0-9.]+ MiB +no `).MatchString(out) || !strings.Contains(out, "train.recompute auto picks: full") {
+		t.Errorf("a 316 MiB device under QAD: want none not fitting and auto picking full:\n%s", out)
+	}
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--device-memory", "lots"}, "--device-memory"},
+		{[]string{"--set", "train.recompute=most"}, "train.recompute"},
+		{[]string{"extra"}, "unexpected arguments"},
+	} {
+		stdout = &bytes.Buffer{}
+		err := runPlan(append([]string{"--config", cfg}, c.args...))
+		stdout = os.Stdout
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: %v, want an error naming %s", c.args, err, c.want)
+		}
+	}
+	if err := runPlan(nil); err == nil || !strings.Contains(err.Error(), "--config") {
+		t.Errorf("no --config: %v", err)
+	}
+}

@@ -1,0 +1,240 @@
+package train
+
+import (
+	"fmt"
+
+	"distill/model"
+	"distill/model/decoder"
+)
+
+// The training memory plan: what a student's training step holds on a
+// device backend (compute.DeviceMemory, the CUDA backend), term by term,
+// from the model's config and the batch's shape alone, so that it can be
+// computed without a device (`student plan`) and checked before step 1
+// (the trainer refuses a configuration that does not fit, naming what
+// does, instead of failing with an out-of-memory error mid-run).
+//
+// The terms follow what the code allocates:
+//
+//   - run-long (allocated once): the fp32 parameters (train.Student's
+//     arena), their fp32 gradients, AdamW's fp32 moments m and v
+//     (optim.NewAdamW), the CUDA backend's BF16 shadows of the GEMM
+//     weights (half of each; under QAD also of the fake-quantized
+//     weights), and under NVFP4 QAD the fp32 fake-quantized weights
+//     (decoder.Model's QAD arena);
+//   - per row (one packed row of up to data.seq_len tokens is one
+//     forward and backward): the decoder's activation arena under the
+//     recompute mode (decoder.TrainActivationBytes, exact: it is the
+//     arena's own layout function), and the largest scratch one kernel
+//     call takes beside it (each call frees its own before the next one
+//     allocates): the attention backward's BF16 copies and workspace, the
+//     loss head's logit tiles, the GEMM backward's BF16 operands, an MoE
+//     layer's grouped activations.
+//
+// The kernel scratch terms bound what compute/cuda's kernels allocate
+// (compute/cuda: cudnn.go, train.go, train_moe.go); TestTrainPlanPeak in
+// compute/cuda holds the plan to within 2x of the emulator's measured
+// peak, per dominant term, so that the two cannot drift apart unseen.
+
+// PlanShape is what a training step's memory depends on.
+type PlanShape struct {
+	Model *model.Config
+	// RowTokens is the longest row (data.seq_len): one forward and
+	// backward holds one row.
+	RowTokens int
+	// K is the width of the teachers' top-k at a position (the union of
+	// several teachers' ids: at most the sum of their k); 0 for SFT.
+	K int
+	// QAD: NVFP4 quantization-aware training.
+	QAD bool
+	// Recompute is the activation recomputation mode.
+	Recompute decoder.Recompute
+}
+
+// PlanTerm is one line of a memory plan.
+type PlanTerm struct {
+	Name  string
+	Bytes int64
+	// PerRow: the term grows with the row (activations, scratch);
+	// otherwise it is the run's (parameters, optimizer state).
+	PerRow bool
+	// Scratch: one of the kernel scratch terms, of which only the largest
+	// counts in Total (each call frees its scratch before the next).
+	Scratch bool
+}
+
+// MemoryPlan is a training step's device memory, term by term.
+type MemoryPlan struct {
+	Shape PlanShape
+	Terms []PlanTerm
+}
+
+// Total is the step's peak: every run-long and per-row term, and the
+// largest scratch term.
+func (p MemoryPlan) Total() int64 {
+	var t, s int64
+	for _, x := range p.Terms {
+		if x.Scratch {
+			s = max(s, x.Bytes)
+		} else {
+			t += x.Bytes
+		}
+	}
+	return t + s
+}
+
+// Term returns the bytes of the term named name (0 if none).
+func (p MemoryPlan) Term(name string) int64 {
+	for _, x := range p.Terms {
+		if x.Name == name {
+			return x.Bytes
+		}
+	}
+	return 0
+}
+
+// The names of the plan's terms.
+const (
+	TermParams      = "parameters (fp32)"
+	TermGrads       = "gradients (fp32)"
+	TermMoments     = "AdamW moments (fp32 m, v)"
+	TermShadows     = "BF16 weight copies"
+	TermQAD         = "NVFP4 fake-quantized weights (fp32)"
+	TermActivations = "activations"
+	TermBatch       = "batch (token ids, sample starts)"
+	TermAttention   = "attention scratch"
+	TermLossHead    = "loss head tiles"
+	TermGEMM        = "GEMM operand scratch"
+	TermMoE         = "MoE layer scratch"
+)
+
+// planCounts are the parameter counts the plan needs.
+type planCounts struct {
+	all, gemm, linear int64 // every tensor; GEMM operands; QAD's Linears
+	largestLinear     int64
+}
+
+func countParams(cfg *model.Config) planCounts {
+	var c planCounts
+	for _, t := range cfg.Tensors() {
+		n := int64(1)
+		for _, d := range t.Shape {
+			n *= int64(d)
+		}
+		c.all += n
+		if t.Norm || t.Bias || len(t.Shape) != 2 {
+			continue
+		}
+		switch {
+		case t.Name == "model.embed_tokens.weight" && !cfg.TieEmbeddings:
+			// A lookup table, not a GEMM operand.
+		case t.Name == "model.embed_tokens.weight" || t.Name == "lm_head.weight":
+			c.gemm += n
+		default:
+			c.gemm += n
+			if !isRouter(t.Name) {
+				c.linear += n
+				c.largestLinear = max(c.largestLinear, n)
+			}
+		}
+	}
+	return c
+}
+
+// isRouter reports whether name is an MoE router (mlp.gate.weight, not
+// quantized; the experts' are mlp.experts.E.gate_proj).
+func isRouter(name string) bool {
+	const s = ".mlp.gate.weight"
+	return len(name) > len(s) && name[len(name)-len(s):] == s
+}
+
+// PlanMemory is the training memory plan of s.
+func PlanMemory(s PlanShape) MemoryPlan {
+	cfg := s.Model
+	c := countParams(cfg)
+	p := MemoryPlan{Shape: s}
+	add := func(name string, b int64, perRow, scratch bool) {
+		p.Terms = append(p.Terms, PlanTerm{Name: name, Bytes: b, PerRow: perRow, Scratch: scratch})
+	}
+	add(TermParams, 4*c.all, false, false)
+	add(TermGrads, 4*c.all, false, false)
+	add(TermMoments, 8*c.all, false, false)
+	sh := 2 * c.gemm
+	if s.QAD {
+		sh += 2 * c.linear
+		add(TermQAD, 4*c.linear, false, false)
+	}
+	add(TermShadows, sh, false, false)
+	T := int64(max(s.RowTokens, 1))
+	add(TermActivations, decoder.TrainActivationBytes(cfg, int(T), s.Recompute, s.QAD), true, false)
+	add(TermBatch, 4*(2*T+1), true, false)
+
+	C, H, KV, D := int64(cfg.Hidden), int64(cfg.Heads), int64(cfg.KVHeads), int64(cfg.HeadDim)
+	I, V, K := int64(cfg.Intermediate), int64(cfg.VocabSize), int64(s.K)
+	nq, nk := T*H*D, T*KV*D
+	// Attention's backward (the larger half): BF16 copies of q, k, v, o,
+	// dout and of the gradients dq, dk, dv, the softmax sums, an aligned
+	// copy of the statistics, cuDNN's per-sample metadata and its
+	// workspace (its size is cuDNN's choice: planned as an fp32 dq).
+	add(TermAttention, 2*(4*nq+4*nk)+2*4*T*H+4*nq+64<<10, true, true)
+	// The loss head's backward over the M <= T counted positions: the
+	// rows' BF16 copy, the logit tile (fp32) and its BF16 gradient, the
+	// fp32 dx of the rows, the host's uploads (rows, labels, teacher ids,
+	// coefficients).
+	vt := min(V, max(lossTileBudget/(4*T)/64*64, 64))
+	add(TermLossHead, 2*T*C+6*T*vt+4*T*C+4*T*(5+2*K)+64<<10, true, true)
+	// A GEMM's backward: BF16 copies of dout and x (the MLP's down: dout
+	// (T, C), x (T, I)).
+	add(TermGEMM, 2*T*(C+max(I, H*D, C)), true, true)
+	if cfg.NumExperts > 0 {
+		E, KE, IM := int64(cfg.NumExperts), int64(cfg.ExpertsPerTok), int64(cfg.MoEIntermediate)
+		P := T * KE
+		b := P*(8*C+10*IM+8) + 4*T*E
+		if s.QAD {
+			b += 4*T*C + 4*P*IM
+		}
+		add(TermMoE, b+64<<10, true, true)
+	}
+	return p
+}
+
+// lossTileBudget is compute/cuda's bound on the loss head's logit tile.
+const lossTileBudget = 256 << 20
+
+// DeviceReserve is the device memory a plan leaves free: the pool's
+// rounding and fragmentation, the CUDA context, NVRTC's and cuBLASLt's
+// own allocations: 256 MiB or 2% of the device, the larger (as the
+// teacher's check, infer.Model.CheckDeviceFit).
+func DeviceReserve(total int64) int64 { return max(256<<20, total/50) }
+
+// LargestRow is the longest row (tokens) whose plan's total fits in avail
+// bytes, searched up to limit; 0 when not even one token fits.
+func LargestRow(s PlanShape, avail int64, limit int) int {
+	fits := func(n int) bool {
+		s.RowTokens = n
+		p := PlanMemory(s)
+		return p.Total() <= avail
+	}
+	best := 0
+	for lo, hi := 1, limit; lo <= hi; {
+		mid := lo + (hi-lo)/2
+		if fits(mid) {
+			best, lo = mid, mid+1
+		} else {
+			hi = mid - 1
+		}
+	}
+	return best
+}
+
+// HumanBytes formats bytes in GiB with two decimals, or in MiB or KiB
+// below a GiB or a MiB.
+func HumanBytes(b int64) string {
+	switch f := float64(b); {
+	case b >= 1<<30 || b <= -1<<30:
+		return fmt.Sprintf("%.2f GiB", f/(1<<30))
+	case b >= 1<<20 || b <= -1<<20:
+		return fmt.Sprintf("%.1f MiB", f/(1<<20))
+	}
+	return fmt.Sprintf("%.1f KiB", float64(b)/(1<<10))
+}

@@ -1,0 +1,128 @@
+package train
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"testing"
+
+	"distill/compute/cuda"
+	"distill/compute/cuda/cudaemu"
+	"distill/model"
+	"distill/model/decoder"
+	"distill/train/loss"
+	"distill/train/optim"
+)
+
+// planBatch is one packed row of T tokens (samples of 200 tokens and the
+// rest), every position counted, with K distinct teacher ids a position.
+func planBatch(T, V, K int) *Batch {
+	r := rand.New(rand.NewPCG(3, 4))
+	b := &Batch{Tokens: make([]int32, T), Mask: make([]uint8, T), K: K, TopIDs: make([]int32, T*K), TopLP: make([]float32, T*K)}
+	for s := 0; s < T; s += 200 {
+		b.Starts = append(b.Starts, int32(s))
+	}
+	b.Starts = append(b.Starts, int32(T))
+	for t := 0; t < T; t++ {
+		b.Tokens[t], b.Mask[t] = int32(r.IntN(V)), 1
+		for j, id := range r.Perm(V)[:K] {
+			b.TopIDs[t*K+j], b.TopLP[t*K+j] = int32(id), float32(-2-0.1*float64(j))
+		}
+	}
+	return b
+}
+
+// TestTrainPlanDeviceBytes: the training memory plan against the device
+// memory the CUDA backend (the emulator here, the GPU under
+// DISTILL_CUDA_TEST=gpu) takes, measured by the pool's high-water mark
+// (PeakMemory) over two optimizer steps of a fresh student, with and
+// without NVFP4 QAD, under every recompute mode: the plan bounds the
+// measurement and is at most twice it, for the whole step and for each
+// dominant term: the run-long state (parameters, gradients, moments,
+// QAD's weights), what stays allocated between steps (the activation
+// arena and the BF16 weight copies), and the largest kernel scratch above
+// that.
+func TestTrainPlanDeviceBytes(t *testing.T) {
+	cudaemu.Use(t)
+	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	cfg := &model.Config{Arch: model.ArchQwen3, VocabSize: 512, Hidden: 64, Layers: 2, Heads: 4, KVHeads: 2, HeadDim: 16,
+		Intermediate: 128, MaxPositions: 1024, RMSNormEps: 1e-6, RopeTheta: 10000, QKNorm: true, TieEmbeddings: true}
+	const T, K = 256, 8
+	b := planBatch(T, cfg.VocabSize, K)
+	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+	used := func() int64 { be.ResetPeakMemory(); return be.PeakMemory() }
+	within := func(what string, got, plan int64) {
+		t.Helper()
+		t.Logf("  %-34s measured %9d bytes, plan %9d (%.2fx)", what, got, plan, float64(plan)/float64(got))
+		if got > plan || plan > 2*got {
+			t.Errorf("%s: measured %d bytes, planned %d: want measured <= plan <= 2·measured", what, got, plan)
+		}
+	}
+	for _, qad := range []bool{false, true} {
+		for _, mode := range decoder.RecomputeModes {
+			t.Run(fmt.Sprintf("qad=%v/%s", qad, mode), func(t *testing.T) {
+				base := used()
+				s, err := NewStudentOn(cfg, be)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer s.Free()
+				if err := s.Load(model.Init(cfg, model.InitOptions{Seed: 1})); err != nil {
+					t.Fatal(err)
+				}
+				ad, err := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer ad.Free()
+				if err := s.Model.SetRecompute(mode); err != nil {
+					t.Fatal(err)
+				}
+				if qad {
+					if err := s.EnableQAD(); err != nil {
+						t.Fatal(err)
+					}
+					if _, err := s.Forward(b, &opt); err != nil {
+						t.Fatal(err)
+					}
+					if err := s.FinishCalibration(); err != nil {
+						t.Fatal(err)
+					}
+				}
+				be.ResetPeakMemory()
+				for step := 0; step < 2; step++ {
+					s.ZeroGrad()
+					if _, err := s.ForwardBackward(b, &opt, 0); err != nil {
+						t.Fatal(err)
+					}
+					optim.ClipGradNorm(ad.Groups, 1)
+					ad.Step(1e-3)
+				}
+				peak := be.PeakMemory() - base
+				after := used() - base
+				p := PlanMemory(PlanShape{Model: cfg, RowTokens: T, K: K, QAD: qad, Recompute: mode})
+				run := p.Term(TermParams) + p.Term(TermGrads) + p.Term(TermMoments) + p.Term(TermQAD)
+				var scratch int64
+				for _, x := range p.Terms {
+					if x.Scratch {
+						scratch = max(scratch, x.Bytes)
+					}
+				}
+				// What stays between steps beside the run-long state: the
+				// arena, the weights' BF16 copies (where the backend keeps
+				// them) and the last batch's tokens and starts.
+				kept := after - run
+				t.Logf("qad %v, recompute %s, %d tokens: peak %d bytes beside the backend's own", qad, mode, T, peak)
+				within("the whole step", peak, p.Total())
+				within("activations, batch and weight copies", kept, p.Term(TermActivations)+p.Term(TermBatch)+p.Term(TermShadows))
+				within("the largest kernel scratch", peak-after, scratch)
+				if run > after {
+					t.Errorf("the run-long terms alone (%d bytes) exceed what stays allocated (%d)", run, after)
+				}
+			})
+		}
+	}
+}

@@ -1,0 +1,152 @@
+package trainer
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+
+	"distill/compute/cuda"
+	"distill/compute/cuda/cudaemu"
+	"distill/model/decoder"
+	"distill/train"
+)
+
+// recomputeRuns trains the tiny config under each recompute mode, 12
+// steps straight and 6 + a resume from the checkpoint of step 4, and
+// checks that each mode's resume repeats its uninterrupted run bit for bit
+// and that the modes' losses and gradient norms are the same bits (a
+// recompute runs the same kernels on the same inputs as the forward).
+func recomputeRuns(t *testing.T, over ...string) {
+	b := testCache(t)
+	over = append(over, "eval.every=0")
+	var first *Result
+	for _, mode := range decoder.RecomputeModes {
+		o := append(over, "train.recompute="+string(mode))
+		full, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "full"), o...), Options{Log: io.Discard})
+		if err != nil {
+			t.Fatal(err)
+		}
+		runDir := filepath.Join(t.TempDir(), "resumed")
+		if _, err := Run(tinyConfig(t, b, runDir, o...), Options{Log: io.Discard, StopAfter: 6}); err != nil {
+			t.Fatal(err)
+		}
+		if st := readState(t, checkpointDir(runDir, 4)); st["recompute"] != string(mode) {
+			t.Fatalf("%s: the checkpoint records recompute %v", mode, st["recompute"])
+		}
+		rest, err := Run(tinyConfig(t, b, runDir, o...), Options{Log: io.Discard})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.HasSuffix(rest.Resumed, "step-00000004") || len(rest.Steps) != 8 {
+			t.Fatalf("%s: resumed from %q, ran %d steps", mode, rest.Resumed, len(rest.Steps))
+		}
+		for i, s := range rest.Steps {
+			w := full.Steps[4+i]
+			if s.Loss != w.Loss || s.GradNorm != w.GradNorm {
+				t.Fatalf("recompute %s: step %d after resume: loss %.17g |g| %.17g, uninterrupted %.17g %.17g", mode, s.Step, s.Loss, s.GradNorm, w.Loss, w.GradNorm)
+			}
+		}
+		if first == nil {
+			first = full
+			continue
+		}
+		for i, s := range full.Steps {
+			w := first.Steps[i]
+			if s.Loss != w.Loss || s.GradNorm != w.GradNorm {
+				t.Fatalf("recompute %s: step %d: loss %.17g |g| %.17g, recompute none %.17g %.17g", mode, s.Step, s.Loss, s.GradNorm, w.Loss, w.GradNorm)
+			}
+		}
+	}
+	t.Logf("recompute none, selective and full: the same losses and gradient norms bit for bit over %d steps (loss %.6f -> %.6f); each resumes bit for bit",
+		len(first.Steps), first.Steps[0].Loss, first.Steps[len(first.Steps)-1].Loss)
+}
+
+// TestRecomputeResume: on the CPU, every recompute mode resumes bit for
+// bit, and the three modes train the same bits.
+func TestRecomputeResume(t *testing.T) { recomputeRuns(t, "train.device=cpu") }
+
+// TestCUDARecomputeResume: the same on the CUDA backend (the emulator
+// here).
+func TestCUDARecomputeResume(t *testing.T) {
+	useCUDA(t)
+	recomputeRuns(t, "train.device=cuda")
+}
+
+// TestRecomputeConfig: train.recompute defaults to auto, and a bad value
+// is an error naming the key and the choices.
+func TestRecomputeConfig(t *testing.T) {
+	if d := Defaults(); d.Train.Recompute != "auto" {
+		t.Errorf("default train.recompute %q, want auto", d.Train.Recompute)
+	}
+	b := testCache(t)
+	cfg := tinyConfig(t, b, t.TempDir())
+	cfg.Train.Recompute = "some"
+	err := cfg.Validate()
+	if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "train.recompute") || !strings.Contains(err.Error(), "selective") {
+		t.Fatalf("train.recompute some: %v", err)
+	}
+}
+
+// TestCUDAMemoryPlanCheck: on a device (the emulator, shrunk) with room
+// for the tiny run under full recompute but not without it, auto picks
+// full and says so; recompute none is refused before step 1 with an
+// ErrDeviceMemory naming the mode that fits and the longest row that
+// fits without recompute, and a row that long trains under none.
+func TestCUDAMemoryPlanCheck(t *testing.T) {
+	useCUDA(t)
+	if cudaemu.OnGPU() {
+		t.Skip("shrinks the emulator's device")
+	}
+	be, err := cuda.Open(cuda.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	free, total := be.MemInfo()
+	be.Close()
+	b := testCache(t)
+	over := []string{"train.device=cuda", "eval.every=0", "train.max_steps=3", "data.seq_len=256", "data.global_batch_tokens=256"}
+	cfg := tinyConfig(t, b, t.TempDir(), over...)
+	mc, err := cfg.Model.Random.ModelConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	plan := func(r decoder.Recompute) int64 {
+		return train.PlanMemory(planShape(cfg, mc, 8, r)).Total()
+	}
+	// The reserve is 256 MiB on a small device: a device with the open
+	// backend's own memory, the reserve and halfway between full's plan
+	// and selective's.
+	room := (plan(decoder.RecomputeFull) + plan(decoder.RecomputeSelective)) / 2
+	t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(total-free+256<<20+room))
+	var log bytes.Buffer
+	res, err := Run(cfg, Options{Log: &log})
+	if err != nil || len(res.Steps) != 3 {
+		t.Fatalf("auto on a device with room for full recompute: %v", err)
+	}
+	if !strings.Contains(log.String(), "memory plan: recompute full (chosen by train.recompute auto)") {
+		t.Fatalf("the log does not say auto chose full:\n%s", log.String())
+	}
+	_, err = Run(tinyConfig(t, b, t.TempDir(), append(over, "train.recompute=none")...), Options{Log: io.Discard})
+	if !errors.Is(err, ErrDeviceMemory) || !strings.Contains(err.Error(), "set train.recompute: full") {
+		t.Fatalf("recompute none on that device: %v, want ErrDeviceMemory naming recompute full", err)
+	}
+	t.Logf("%v", err)
+	sub := regexp.MustCompile(`the longest row that fits: (\d+) with none`).FindStringSubmatch(err.Error())
+	if sub == nil {
+		t.Fatalf("the error names no row length that fits: %v", err)
+	}
+	n, _ := strconv.Atoi(sub[1])
+	if n <= 0 || n >= 256 {
+		t.Fatalf("the longest row without recompute: %d, want 0 < n < 256", n)
+	}
+	res, err = Run(tinyConfig(t, b, t.TempDir(), append(over, "train.recompute=none", fmt.Sprintf("data.seq_len=%d", n), "data.truncate=true")...), Options{Log: io.Discard})
+	if err != nil || len(res.Steps) != 3 {
+		t.Fatalf("rows of %d tokens, the longest said to fit, under none: %v", n, err)
+	}
+}
