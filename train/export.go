@@ -80,7 +80,8 @@ func (s *Student) QuantAmax() []float32 { return s.Model.QuantAmax() }
 // RestoreQAD switches QAD on with frozen amax values saved by QuantAmax
 // (resuming a QAD run: calibration is not repeated, and the weight amax
 // stays the one calibrated at the start, not the max of the moved weights).
-func (s *Student) RestoreQAD(amax []float32) error {
+func (s *Student) RestoreQAD(amax []float32) (err error) {
+	defer recoverOOM(&err, "allocating the fake-quantized weights")
 	if err := s.Model.RestoreQAD(amax); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalid, err)
 	}

@@ -1,10 +1,12 @@
 package train
 
 import (
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"testing"
 
+	"distill/compute"
 	"distill/compute/cuda"
 	"distill/compute/cuda/cudaemu"
 	"distill/model"
@@ -124,5 +126,91 @@ func TestTrainPlanDeviceBytes(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestCUDAOutOfMemoryIsAnError: on a device too small (the emulator,
+// shrunk), allocating the student, its moments, its fake-quantized
+// weights or a row's activations is an error wrapping
+// compute.ErrOutOfMemory, never a panic; and once the device has room
+// again the same student trains (a failed arena leaves nothing freed
+// behind).
+func TestCUDAOutOfMemoryIsAnError(t *testing.T) {
+	cudaemu.Use(t)
+	if cudaemu.OnGPU() {
+		t.Skip("shrinks the emulator's device")
+	}
+	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	cfg := tinyConfig(model.ArchQwen3, true)
+	free, total := be.MemInfo()
+	shrink := func(room int64) { t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(total-free+room)) }
+	isOOM := func(what string, err error) {
+		t.Helper()
+		if !errors.Is(err, compute.ErrOutOfMemory) {
+			t.Fatalf("%s on a full device: %v, want an error wrapping compute.ErrOutOfMemory", what, err)
+		}
+		t.Logf("%s: %v", what, err)
+	}
+	shrink(1 << 10)
+	_, err = NewStudentOn(cfg, be)
+	isOOM("NewStudentOn", err)
+	t.Setenv("DISTILL_EMU_DEVICE_MEM", "")
+	s, err := NewStudentOn(cfg, be)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Free()
+	if err := s.Load(model.Init(cfg, model.InitOptions{Seed: 1})); err != nil {
+		t.Fatal(err)
+	}
+	free, total = be.MemInfo()
+	shrink(1 << 10)
+	_, err = optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8}, s.Groups())
+	isOOM("NewAdamW", err)
+	t.Setenv("DISTILL_EMU_DEVICE_MEM", "")
+	ad, err := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8}, s.Groups())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ad.Free()
+	b := testBatch(2, cfg.VocabSize, 8)
+	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+	free, total = be.MemInfo()
+	shrink(1 << 10)
+	_, err = s.ForwardBackward(b, &opt, 0)
+	isOOM("ForwardBackward", err)
+	_, err = s.Forward(b, &opt)
+	isOOM("Forward", err)
+	if err := s.EnableQAD(); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("DISTILL_EMU_DEVICE_MEM", "")
+	if _, err := s.Forward(b, &opt); err != nil {
+		t.Fatal(err)
+	}
+	free, total = be.MemInfo()
+	shrink(1 << 10)
+	isOOM("FinishCalibration", s.FinishCalibration())
+	t.Setenv("DISTILL_EMU_DEVICE_MEM", "")
+	// With room again: calibrate, then steps train.
+	if err := s.EnableQAD(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Forward(b, &opt); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.FinishCalibration(); err != nil {
+		t.Fatal(err)
+	}
+	for step := 0; step < 2; step++ {
+		s.ZeroGrad()
+		if _, err := s.ForwardBackward(b, &opt, 0); err != nil {
+			t.Fatalf("step %d with room on the device: %v", step, err)
+		}
+		ad.Step(1e-3)
 	}
 }

@@ -136,7 +136,8 @@ func (s *Student) EnableQAD() error {
 
 // FinishCalibration freezes every amax (see decoder.Model.FinishCalibration).
 // A quantizer that saw only zeros is an error naming it.
-func (s *Student) FinishCalibration() error {
+func (s *Student) FinishCalibration() (err error) {
+	defer recoverOOM(&err, "allocating the fake-quantized weights")
 	if err := s.Model.FinishCalibration(); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalid, err)
 	}

@@ -65,11 +65,26 @@ type AdamW struct {
 
 // NewAdamW returns an optimizer over groups with zeroed moments. Every
 // group needs its backend tensors (P, G).
-func NewAdamW(cfg AdamWConfig, groups []Group) (*AdamW, error) {
+func NewAdamW(cfg AdamWConfig, groups []Group) (_ *AdamW, err error) {
+	var a *AdamW
+	defer func() {
+		// A device backend's out-of-memory panic (its kernels return no
+		// errors) is an error here; any other panic propagates.
+		if r := recover(); r != nil {
+			if e, ok := r.(error); ok && errors.Is(e, compute.ErrOutOfMemory) {
+				err = fmt.Errorf("allocating the AdamW moments ran out of device memory: %w", e)
+				if a != nil {
+					a.Free() // what was allocated before
+				}
+				return
+			}
+			panic(r)
+		}
+	}()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	a := &AdamW{Cfg: cfg, Groups: groups}
+	a = &AdamW{Cfg: cfg, Groups: groups}
 	for _, g := range groups {
 		if g.Backend == nil || g.P == nil || g.G == nil {
 			return nil, fmt.Errorf("%w: group %s has no backend tensors", ErrInvalid, g.Name)

@@ -14,6 +14,7 @@ import (
 	"distill/compute/cuda"
 	"distill/compute/cuda/cudaemu"
 	"distill/model"
+	"distill/model/decoder"
 	"distill/train"
 	"distill/train/loss"
 	"distill/train/optim"
@@ -51,9 +52,11 @@ func benchPeak(name string) float64 {
 // 1.7B-shaped students on the GPU: rows of 8192 tokens
 // (DISTILL_TRAIN_ROWS rows a step, default 1), vocab 151936, k = 64 KD
 // (forward KL, bucket tail) plus 0.1 CE, then gradient clipping and AdamW;
-// with and without NVFP4 QAD. It reports tokens/s, MFU (6 × params +
-// attention FLOPs per token, against the dense BF16 peak) and the device
-// memory in use; with DISTILL_BENCH_OUT set it appends one JSON line per
+// with and without NVFP4 QAD, under DISTILL_TRAIN_RECOMPUTE (none by
+// default, selective or full). It reports tokens/s, MFU (6 × params +
+// attention FLOPs per token, against the dense BF16 peak), the device
+// memory in use (the pool's peak during the case) and the memory plan's
+// total beside it (devmem_GiB, plan_GiB); with DISTILL_BENCH_OUT set it appends one JSON line per
 // case to train-bench.jsonl there and writes the top kernels of one
 // profiled step to profile-train-<shape>[-qad].txt. It needs a GPU
 // (DISTILL_CUDA_TEST=gpu, scripts/gpu-suite.sh).
@@ -76,6 +79,14 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 	if v, err := strconv.Atoi(os.Getenv("DISTILL_TRAIN_ROWS")); err == nil && v > 0 {
 		rows = v
 	}
+	recompute := decoder.RecomputeNone
+	if v := os.Getenv("DISTILL_TRAIN_RECOMPUTE"); v != "" {
+		r, err := decoder.ParseRecompute(v)
+		if err != nil {
+			b.Fatal(err)
+		}
+		recompute = r
+	}
 	only := os.Getenv("DISTILL_BENCH_SHAPES")
 	outDir := os.Getenv("DISTILL_BENCH_OUT")
 	for _, sh := range shapes {
@@ -87,6 +98,9 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 			if qad {
 				name += "-qad"
 			}
+			if recompute != decoder.RecomputeNone {
+				name += "-" + string(recompute)
+			}
 			b.Run(fmt.Sprintf("%s/rows_%dx%d", name, rows, T), func(b *testing.B) {
 				kc := os.Getenv("DISTILL_KERNEL_CACHE")
 				if kc == "" {
@@ -97,10 +111,21 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 					b.Fatal(err)
 				}
 				defer be.Close()
+				// The pool's high-water mark is the device's: restart it
+				// for this case (the cases before it freed their memory).
+				be.ResetPeakMemory()
 				cfg := &model.Config{Arch: model.ArchQwen3, VocabSize: V, Hidden: sh.Hidden, Layers: sh.Layers, Heads: sh.Heads, KVHeads: sh.KV,
 					HeadDim: sh.HD, Intermediate: sh.Inter, MaxPositions: 40960, RMSNormEps: 1e-6, RopeTheta: 1e6, QKNorm: true, TieEmbeddings: true}
 				s, err := train.NewStudentOn(cfg, be)
 				if err != nil {
+					b.Fatal(err)
+				}
+				// Device memory is not the garbage collector's: a case
+				// that kept its student would leave the next one less
+				// (the 1.7B QAD case ran out of memory after the three
+				// cases before it had kept theirs).
+				defer s.Free()
+				if err := s.Model.SetRecompute(recompute); err != nil {
 					b.Fatal(err)
 				}
 				// Random weights without drawing billions of numbers: every
@@ -143,6 +168,7 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
+				defer ad.Free()
 				step := func() float64 {
 					s.ZeroGrad()
 					st, err := s.ForwardBackward(bt, &opt, 0)
@@ -175,14 +201,16 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				if peak > 0 {
 					b.ReportMetric(100*flops/sec/1e12/peak, "MFU%")
 				}
-				devmem := float64(be.PeakMemory()) / (1 << 30) // the pool's high-water mark since Open
+				devmem := float64(be.PeakMemory()) / (1 << 30) // the pool's high-water mark since the case began
 				b.ReportMetric(devmem, "devmem_GiB")
+				plan := train.PlanMemory(train.PlanShape{Model: cfg, RowTokens: rows * T, K: K, QAD: qad, Recompute: recompute})
+				b.ReportMetric(float64(plan.Total())/(1<<30), "plan_GiB")
 				if outDir == "" {
 					return
 				}
 				res := map[string]any{"shape": sh.Name, "qad": qad, "rows": rows, "row_tokens": T, "vocab": V, "k": K, "params": params,
 					"tokens_per_s": tokens / sec, "step_s": sec, "tflops": flops / sec / 1e12,
-					"devmem_GiB": devmem, "loss": lossV, "gpu": be.Info().Name}
+					"devmem_GiB": devmem, "plan_GiB": float64(plan.Total()) / (1 << 30), "recompute": recompute, "loss": lossV, "gpu": be.Info().Name}
 				if peak > 0 {
 					res["mfu_pct"] = 100 * flops / sec / 1e12 / peak
 				}
