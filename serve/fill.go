@@ -441,11 +441,12 @@ type fillDispatch struct {
 	counted  map[cache.Range]bool // chunks in the summary: a redone one counts once
 	fatal    error
 	lastErr  map[string]string // a teacher's last error
+	gaveUp   map[string]bool   // teachers given up on (said once)
 }
 
 func newFillDispatch(p *FillPlan, dirs *fillDirs, fp string, sum *FillSummary, todo []cache.Range) *fillDispatch {
 	d := &fillDispatch{p: p, fp: fp, dirs: dirs, sum: sum, queue: make(chan cache.Range, len(todo)),
-		failures: map[cache.Range]int{}, counted: map[cache.Range]bool{}, lastErr: map[string]string{}}
+		failures: map[cache.Range]int{}, counted: map[cache.Range]bool{}, lastErr: map[string]string{}, gaveUp: map[string]bool{}}
 	for _, r := range todo {
 		d.queue <- r
 	}
@@ -492,7 +493,9 @@ func (d *fillDispatch) work(ctx context.Context, w Worker, down *atomic.Int64) {
 			return nil
 		})
 		if err == nil {
-			down.Store(0)
+			if since := down.Swap(0); since != 0 {
+				d.say("fill: teacher %s answers again (it failed for %s)", w.Name(), time.Since(time.Unix(0, since)).Round(time.Second))
+			}
 			backoff = 200 * time.Millisecond
 			if d.remaining.Add(-1) == 0 {
 				d.cancel()
@@ -563,9 +566,36 @@ func (d *fillDispatch) retry(w Worker, r cache.Range, err error, down *atomic.In
 		return false
 	}
 	now := time.Now().UnixNano()
-	down.CompareAndSwap(0, now)
+	if down.CompareAndSwap(0, now) {
+		// Said as it happens: the progress may stall while it is retried.
+		d.say("fill: teacher %s failed (%s: %s): its chunks go back to the queue; retrying it for up to %s (--retry-for)", w.Name(), status.Code(err), msg(err), d.p.RetryFor)
+	}
 	// Past RetryFor, give up on this teacher; the others carry on.
-	return time.Duration(now-down.Load()) <= d.p.RetryFor
+	if time.Duration(now-down.Load()) <= d.p.RetryFor {
+		return true
+	}
+	d.mu.Lock()
+	first := !d.gaveUp[w.Name()]
+	d.gaveUp[w.Name()] = true
+	d.mu.Unlock()
+	if first {
+		d.say("fill: teacher %s has failed for longer than %s (--retry-for): giving up on it; the other teachers, if any, take its chunks", w.Name(), d.p.RetryFor)
+	}
+	return false
+}
+
+// say writes one line of the fill's events (a teacher failing, coming
+// back, given up on) to the plan's output, over the progress bar on a
+// terminal.
+func (d *fillDispatch) say(format string, args ...any) {
+	if d.p.Out == nil {
+		return
+	}
+	line := fmt.Sprintf(format, args...)
+	if d.p.Terminal {
+		line = fmt.Sprintf("\r%-100s", line)
+	}
+	fmt.Fprintln(d.p.Out, line)
 }
 
 // abort ends the fill with err (the first one wins).
