@@ -40,6 +40,9 @@ func runExport(args []string) error {
 	if rep.ChatTemplate != "" {
 		fmt.Printf("chat template: %s\n", rep.ChatTemplate)
 	}
+	if rep.GenerationConfig != "" {
+		fmt.Printf("generation_config.json: %s\n", rep.GenerationConfig)
+	}
 	if rep.Note != "" {
 		fmt.Printf("note: %s\n", rep.Note)
 	}

@@ -45,6 +45,10 @@ type ExportReport struct {
 	// ChatTemplate says where the exported chat template came from when
 	// the run overrode the tokenizer's ("" otherwise).
 	ChatTemplate string
+	// GenerationConfig says where generation_config.json came from (the
+	// directory it was copied from, or written from config.json and the
+	// tokenizer's EOS when no source had one), or why there is none.
+	GenerationConfig string
 }
 
 // Export writes the student at src (a run directory, a checkpoint or an
@@ -84,6 +88,7 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 		rep.ChatTemplate = "the run's data.dataset.chat_template"
 	}
 	var genDirs []string // generation_config.json from the first that has one
+	var tk *tokenizer.Tokenizer
 	switch {
 	case o.NoTokenizer:
 		rep.Note = "tokenizer files not copied (--no-tokenizer)"
@@ -98,7 +103,8 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 		rep.Note = fmt.Sprintf("the run knows only its tokenizer's fingerprint %s (no model.tokenizer directory): copy tokenizer.json and tokenizer_config.json into %s yourself", st.TokenizerFingerprint, out)
 	default:
 		tokDir, genDirs = st.TokenizerDir, []string{st.InitFrom, st.TokenizerDir}
-		tk, err := tokenizer.Load(tokDir)
+		t, err := tokenizer.Load(tokDir)
+		tk = t
 		if err != nil {
 			return nil, fmt.Errorf("the run's tokenizer directory %s: %w: restore it, or give --no-tokenizer to export the weights alone", tokDir, err)
 		}
@@ -151,8 +157,39 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 				return err
 			}
 			if ok {
+				rep.GenerationConfig = "copied from " + d
 				break
 			}
+		}
+		if rep.GenerationConfig == "" && !o.NoTokenizer {
+			// No source had one (a random-init student): HF's
+			// from_model_config, with the tokenizer's EOS where
+			// config.json has none.
+			g := map[string]any{"_from_model_config": true}
+			if s.Cfg.BOSTokenID >= 0 {
+				g["bos_token_id"] = s.Cfg.BOSTokenID
+			}
+			eos := s.Cfg.EOSTokenID
+			if eos < 0 && tk != nil {
+				if id, ok := tk.TokenID(tk.EOS()); ok {
+					eos = int(id)
+				}
+			}
+			if eos >= 0 {
+				g["eos_token_id"] = eos
+				b, err := json.MarshalIndent(g, "", "  ")
+				if err != nil {
+					return err
+				}
+				if err := os.WriteFile(filepath.Join(tmp, "generation_config.json"), append(b, '\n'), 0o644); err != nil {
+					return err
+				}
+				rep.GenerationConfig = "written from config.json and the tokenizer (no source had one)"
+			} else {
+				rep.GenerationConfig = "not written: no source had one, and neither config.json nor a tokenizer names an EOS token"
+			}
+		} else if o.NoTokenizer {
+			rep.GenerationConfig = "not written (--no-tokenizer)"
 		}
 		ents, err := os.ReadDir(tmp)
 		if err != nil {

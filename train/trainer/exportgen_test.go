@@ -1,0 +1,56 @@
+package trainer
+
+import (
+	"encoding/json"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"distill/data/tokenizer"
+)
+
+// TestExportGenerationConfig: the export of a random-init student (no
+// source has a generation_config.json) writes one from config.json and
+// the tokenizer's EOS, and says so; a run that knows no EOS says why it
+// wrote none.
+func TestExportGenerationConfig(t *testing.T) {
+	dir := t.TempDir()
+	tokDir := filepath.Join(dir, "tok")
+	os.MkdirAll(tokDir, 0o755)
+	writeByteTokenizer(t, tokDir)
+	os.WriteFile(filepath.Join(tokDir, "tokenizer_config.json"), []byte(`{"eos_token": "a", "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}`), 0o644)
+	file := filepath.Join(dir, "chat.jsonl")
+	writeJSONL(t, file, chatRecords(40, 1))
+	runDir := filepath.Join(dir, "run")
+	if _, err := Run(sftConfig(t, tokDir, file, runDir, "train.max_steps=3", "eval.every=0", "checkpoint.every=3"), Options{Log: io.Discard}); err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(dir, "export")
+	rep, err := Export(runDir, out, ExportOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tk, err := tokenizer.Load(tokDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eos, _ := tk.TokenID(tk.EOS())
+	b, err := os.ReadFile(filepath.Join(out, "generation_config.json"))
+	var g map[string]any
+	if err == nil {
+		err = json.Unmarshal(b, &g)
+	}
+	if err != nil || g["eos_token_id"] != float64(eos) || !strings.HasPrefix(rep.GenerationConfig, "written from config.json") {
+		t.Errorf("generation_config.json %v (%v), report %q; want eos_token_id %d", g, err, rep.GenerationConfig, eos)
+	}
+	// --no-tokenizer: none, said so.
+	rep, err = Export(runDir, filepath.Join(dir, "bare"), ExportOptions{NoTokenizer: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "bare", "generation_config.json")); err == nil || rep.GenerationConfig == "" {
+		t.Errorf("--no-tokenizer: generation_config.json written, or not said (%q)", rep.GenerationConfig)
+	}
+}
