@@ -8,6 +8,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"time"
 
 	"distill/cache"
 	"distill/data/tokenizer"
@@ -52,6 +53,8 @@ func runEval(args []string) error {
 	if *ckpt == "" {
 		return fmt.Errorf("--checkpoint is required")
 	}
+	trainer.EvalProgress = evalProgress(evalLog, evalTerminal(evalLog))
+	defer func() { trainer.EvalProgress = nil }()
 	// Loss flags are sugar for config overrides, so they are validated with
 	// the config and their errors name the key.
 	var sets, flagged []string
@@ -386,6 +389,52 @@ func printLoss(d trainer.DistillConfig, from string) {
 
 // stdout is where eval prints its result (tests capture it).
 var stdout io.Writer = os.Stdout
+
+// evalLog is where eval draws its progress (tests capture it), and
+// evalTerminal says whether it is a terminal (a bar redrawn in place;
+// elsewhere a line every evalLogEvery).
+var (
+	evalLog      io.Writer = os.Stderr
+	evalTerminal           = func(w io.Writer) bool {
+		f, ok := w.(*os.File)
+		if !ok {
+			return false
+		}
+		st, err := f.Stat()
+		return err == nil && st.Mode()&os.ModeCharDevice != 0
+	}
+	evalLogEvery = 10 * time.Second
+)
+
+// evalProgress reports eval's progress as train does: on a terminal a
+// bar with the rows done, the positions scored, the rate and the ETA,
+// cleared at the end; elsewhere the same as a line every evalLogEvery.
+func evalProgress(w io.Writer, tty bool) func(done, total, positions int) {
+	start := time.Now()
+	var last time.Time
+	return func(done, total, positions int) {
+		el := time.Since(start)
+		if !tty && done < total && time.Since(last) < evalLogEvery {
+			return
+		}
+		last = time.Now()
+		eta := "?"
+		if done > 0 {
+			eta = (time.Duration(float64(el) / float64(done) * float64(total-done))).Round(time.Second).String()
+		}
+		rate := float64(positions) / max(el.Seconds(), 1e-9)
+		if !tty {
+			fmt.Fprintf(w, "eval: %d/%d rows, %d positions, %.0f positions/s, %s elapsed, eta %s\n", done, total, positions, rate, el.Round(time.Second), eta)
+			return
+		}
+		const width = 30
+		n := width * done / max(total, 1)
+		fmt.Fprintf(w, "\reval [%s%s] %d/%d rows  %d positions  %.0f positions/s  eta %s   ", strings.Repeat("=", n), strings.Repeat(" ", width-n), done, total, positions, rate, eta)
+		if done == total {
+			fmt.Fprintf(w, "\r%-110s\n", fmt.Sprintf("eval: %d rows, %d positions in %s", total, positions, el.Round(time.Millisecond)))
+		}
+	}
+}
 
 // evalReport is `student eval --json`: every metric of trainer.EvalStats
 // at the top level, the sample range, and the loss they were measured

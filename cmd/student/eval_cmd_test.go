@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"io"
 	"math"
 	"os"
 	"path/filepath"
@@ -318,5 +319,30 @@ log: {progress: "off", tensorboard: false}
 	m, _ := evalJSON(t, "--checkpoint", b.TeacherDir, "--cache", b.CacheDir, "--tokenizer-fingerprint", "testcache-tokenizer")
 	if !reflect.DeepEqual(m["range"], []any{0.0, 16.0}) || m["held_out"] != "unknown" {
 		t.Errorf("HF directory: range %v, held_out %v", m["range"], m["held_out"])
+	}
+}
+
+// TestEvalProgress: `student eval` shows its progress as train does: a
+// bar redrawn in place on a terminal, ending in a summary line, and
+// plain lines elsewhere (the last one when it is done).
+func TestEvalProgress(t *testing.T) {
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 16, Chunk: 8, MinLen: 6, MaxLen: 30, Seed: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"--checkpoint", b.TeacherDir, "--cache", b.CacheDir, "--tokenizer-fingerprint", "testcache-tokenizer", "--seq-len", "32"}
+	defer func(w io.Writer, tty func(io.Writer) bool) { evalLog, evalTerminal = w, tty }(evalLog, evalTerminal)
+	for _, tty := range []bool{true, false} {
+		var log bytes.Buffer
+		evalLog, evalTerminal = &log, func(io.Writer) bool { return tty }
+		evalJSON(t, args...)
+		out := log.String()
+		if tty && (!strings.Contains(out, "\reval [") || !regexp.MustCompile(`eval: \d+ rows, \d+ positions in `).MatchString(out) || strings.Count(out, "\r") < 3) {
+			t.Errorf("terminal: progress %q", out)
+		}
+		if !tty && !regexp.MustCompile(`eval: (\d+)/(\d+) rows, \d+ positions, .*eta 0s\n$`).MatchString(out) {
+			t.Errorf("not a terminal: progress %q", out)
+		}
 	}
 }

@@ -83,6 +83,13 @@ func EvaluateTeachers(s *train.Student, tokFP string, tcs []TeacherCache, r cach
 	return evaluateTeachers(s, ts, r, seqLen, truncate, opt, nil)
 }
 
+// EvalProgress, when not nil, is told how far Evaluate, EvaluateTeachers
+// and EvaluateDataset are (not a training run's periodic evals, which
+// pass a stop function): after each packed row, the rows done, their
+// total and the loss positions scored so far. `student eval` draws its
+// progress bar from it.
+var EvalProgress func(done, total, positions int)
+
 // evaluateRows evaluates packed rows holding n samples. Rows without a
 // teacher (K = 0, a dataset's) have no top-1 agreement: it stays 0.
 func evaluateRows(s *train.Student, rows []*train.Batch, n int, opt *loss.Options, stop func() bool) (EvalStats, error) {
@@ -90,7 +97,14 @@ func evaluateRows(s *train.Student, rows []*train.Batch, n int, opt *loss.Option
 	es.Samples = n
 	var acc, agree int
 	var tAgree []int
-	for _, b := range rows {
+	progress := EvalProgress
+	if stop != nil {
+		progress = nil
+	}
+	for ri, b := range rows {
+		if progress != nil {
+			progress(ri, len(rows), es.Tokens)
+		}
 		if stop != nil && stop() {
 			return es, errStopped
 		}
@@ -135,6 +149,9 @@ func evaluateRows(s *train.Student, rows []*train.Batch, n int, opt *loss.Option
 				}
 			}
 		}
+	}
+	if progress != nil {
+		progress(len(rows), len(rows), es.Tokens)
 	}
 	if es.Tokens > 0 {
 		w := float64(es.Tokens)
