@@ -6,10 +6,14 @@ package main
 import (
 	"os"
 
+	"distill/compute/device"
 	"distill/internal/cli"
 )
 
 // commands holds the subcommands; each registers itself from its own file.
 var commands = cli.New("student")
 
-func main() { commands.Main(os.Args[1:]) }
+func main() {
+	device.EnsureCPUCore(os.Stderr)
+	commands.Main(os.Args[1:])
+}

@@ -28,10 +28,12 @@ import (
 
 	"go.uber.org/zap"
 
+	"distill/compute/device"
 	"distill/serve"
 )
 
 func main() {
+	device.EnsureCPUCore(os.Stderr)
 	if err := run(os.Args[1:]); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			os.Exit(2)

@@ -21,6 +21,7 @@ package device
 import (
 	"errors"
 	"fmt"
+	"io"
 
 	"distill/compute"
 	"distill/compute/cpu"
@@ -126,3 +127,9 @@ func Close(be compute.Backend) error {
 // CPU returns the CPU backend with threads workers (0: one per core), for
 // callers that need no flag (tools, tests, the student's defaults).
 func CPU(threads int) compute.Backend { return cpu.New(threads) }
+
+// EnsureCPUCore makes OpenBLAS run the best kernels the CPU supports,
+// re-executing the program when it picked weaker ones (cpu.EnsureCore;
+// DISTILL_OPENBLAS_AUTOCORE=0 turns it off). Commands call it first in
+// main.
+func EnsureCPUCore(log io.Writer) { cpu.EnsureCore(log) }
