@@ -140,7 +140,7 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 	sum := &FillSummary{Dirs: map[string][]string{}, Reasons: map[string]int64{}}
 
 	// 1. The teachers agree with each other and with the dataset.
-	infos, descs, err := askTeachers(ctx, workers, p.Dataset)
+	infos, descs, err := p.askTeachers(ctx, workers)
 	if err != nil {
 		return nil, err
 	}
@@ -216,13 +216,29 @@ func (p *FillPlan) setDefaults(workers int) error {
 }
 
 // askTeachers asks every teacher what it runs (Info) and how it reads the
-// dataset (Describe).
-func askTeachers(ctx context.Context, workers []Worker, ds *pb.Dataset) ([]*pb.InfoResponse, []*pb.DescribeDatasetResponse, error) {
+// dataset (Describe). A daemon still loading its model is waited for, up
+// to RetryFor, and said to be.
+func (p *FillPlan) askTeachers(ctx context.Context, workers []Worker) ([]*pb.InfoResponse, []*pb.DescribeDatasetResponse, error) {
+	ds := p.Dataset
 	infos := make([]*pb.InfoResponse, len(workers))
 	descs := make([]*pb.DescribeDatasetResponse, len(workers))
 	for i, w := range workers {
 		var err error
-		if infos[i], err = w.Info(ctx); err != nil {
+		infos[i], err = w.Info(ctx)
+		said := false
+		for t0 := time.Now(); err != nil && status.Code(err) == codes.Unavailable && strings.Contains(msg(err), "still loading") && time.Since(t0) < p.RetryFor; {
+			if !said && p.Out != nil {
+				fmt.Fprintf(p.Out, "fill: waiting for teacher %s to load its model (for up to %s, --retry-for)\n", w.Name(), p.RetryFor)
+				said = true
+			}
+			select {
+			case <-time.After(loadingPoll):
+			case <-ctx.Done():
+				return nil, nil, fillErr("teacher %s: interrupted while it loaded its model (%v)", w.Name(), context.Cause(ctx))
+			}
+			infos[i], err = w.Info(ctx)
+		}
+		if err != nil {
 			return nil, nil, fillErr("teacher %s: Info: %s (is it running? check the address, --token and TLS)", w.Name(), msg(err))
 		}
 		if infos[i].GetCacheDir() == "" {
@@ -234,6 +250,9 @@ func askTeachers(ctx context.Context, workers []Worker, ds *pb.Dataset) ([]*pb.I
 	}
 	return infos, descs, nil
 }
+
+// loadingPoll is how often a teacher loading its model is asked again.
+var loadingPoll = 500 * time.Millisecond
 
 // agree checks that the teachers agree with each other (checkpoint,
 // vocabulary, tokenizer, dataset) and with the plan's tokenizer, and pins

@@ -39,3 +39,35 @@ func TestFillSaysRetriesAsTheyHappen(t *testing.T) {
 		t.Errorf("output:\n%s", got)
 	}
 }
+
+// loadingTeacher is a fake whose Info says the model is still loading
+// for its first calls.
+type loadingTeacher struct {
+	*fakeTeacher
+	loading int
+}
+
+func (l *loadingTeacher) Info(ctx context.Context) (*pb.InfoResponse, error) {
+	if l.loading > 0 {
+		l.loading--
+		return nil, status.Error(codes.Unavailable, "teacher model still loading: retry when the health check reports SERVING")
+	}
+	return l.fakeTeacher.Info(ctx)
+}
+
+// TestFillWaitsForALoadingTeacher: a fill started while the daemon
+// loads its model waits for it, saying so once, instead of failing.
+func TestFillWaitsForALoadingTeacher(t *testing.T) {
+	defer func(d time.Duration) { loadingPoll = d }(loadingPoll)
+	loadingPoll = 10 * time.Millisecond
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: "data.jsonl"}}, Pretokenized: true}
+	a := &loadingTeacher{fakeTeacher: newFake("a:7070", "/a", nil), loading: 3}
+	var out strings.Builder
+	p := FillPlan{Dataset: ds, ChunkSamples: 8, PerWorker: 1, LogEvery: time.Hour, Out: &out}
+	if _, err := RunFill(context.Background(), []Worker{a}, p); err != nil {
+		t.Fatalf("fill: %v\n%s", err, out.String())
+	}
+	if strings.Count(out.String(), "fill: waiting for teacher a:7070 to load its model (for up to 2m0s, --retry-for)\n") != 1 {
+		t.Errorf("output:\n%s", out.String())
+	}
+}
