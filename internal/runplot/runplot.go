@@ -175,6 +175,7 @@ func ParseHLine(s string) (HLine, error) {
 // pull a value from a train and an eval line (nil: none).
 type panel struct {
 	name, title string
+	ylabel      string // the quantity and its unit
 	train, eval func(Step) float64
 	evalName    string // legend suffix of the eval series
 	// eval2 is a second eval series (the accuracy panel's top-1
@@ -184,12 +185,12 @@ type panel struct {
 }
 
 var panels = []panel{
-	{name: "loss", title: "loss (objective)", train: func(s Step) float64 { return s.Loss }, eval: func(s Step) float64 { return s.Loss }, evalName: "eval"},
-	{name: "kd", title: "KD (divergence to the teacher)", train: func(s Step) float64 { return s.KD }, eval: func(s Step) float64 { return s.KD }, evalName: "eval"},
-	{name: "ce", title: "CE (cross-entropy on the labels)", train: func(s Step) float64 { return s.CE }, eval: func(s Step) float64 { return s.CE }, evalName: "eval"},
-	{name: "lr", title: "learning rate", train: func(s Step) float64 { return s.LR }},
-	{name: "grad_norm", title: "gradient norm (before clipping)", train: func(s Step) float64 { return s.GradNorm }},
-	{name: "accuracy", title: "eval: token accuracy, top-1 agreement (dotted)",
+	{name: "loss", title: "loss: each run's own objective (compare runs with the same loss only)", ylabel: "kd_weight·KD + sft_weight·CE (nats/token)", train: func(s Step) float64 { return s.Loss }, eval: func(s Step) float64 { return s.Loss }, evalName: "eval"},
+	{name: "kd", title: "KD (divergence to the teacher)", ylabel: "KD (nats/token)", train: func(s Step) float64 { return s.KD }, eval: func(s Step) float64 { return s.KD }, evalName: "eval"},
+	{name: "ce", title: "CE (cross-entropy on the labels)", ylabel: "CE (nats/token)", train: func(s Step) float64 { return s.CE }, eval: func(s Step) float64 { return s.CE }, evalName: "eval"},
+	{name: "lr", title: "learning rate", ylabel: "learning rate", train: func(s Step) float64 { return s.LR }},
+	{name: "grad_norm", title: "gradient norm (before clipping)", ylabel: "L2 norm", train: func(s Step) float64 { return s.GradNorm }},
+	{name: "accuracy", title: "eval: token accuracy, top-1 agreement (dotted)", ylabel: "fraction of positions",
 		eval: func(s Step) float64 { return s.TokenAccuracy }, evalName: "token acc",
 		eval2: func(s Step) float64 { return s.Top1Agreement }, eval2Name: "top-1 agr"},
 }
@@ -265,7 +266,8 @@ func Panels(runs []*Run, hlines []HLine, sel Select) ([]Panel, error) {
 	for _, pn := range chosen {
 		p := plot.New()
 		p.Title.Text = pn.title
-		p.X.Label.Text = "step"
+		p.X.Label.Text = "optimizer step"
+		p.Y.Label.Text = pn.ylabel
 		p.Legend.Top = true
 		p.Legend.TextStyle.Font.Size = vg.Points(9)
 		p.Add(plotter.NewGrid())

@@ -349,3 +349,28 @@ func TestLogTicks(t *testing.T) {
 		t.Errorf("labels %v", labels)
 	}
 }
+
+// TestPanelAxes: every panel labels its axes with the quantity and, for
+// the losses, the unit; the loss panel says that it is each run's own
+// objective.
+func TestPanelAxes(t *testing.T) {
+	r, err := Load(writeRun(t, "a", metricsOf(20, true, 0)), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ps, err := Panels([]*Run{r}, nil, Select{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range ps {
+		if p.Plot.X.Label.Text != "optimizer step" || p.Plot.Y.Label.Text == "" {
+			t.Errorf("panel %s: axes %q, %q", p.Name, p.Plot.X.Label.Text, p.Plot.Y.Label.Text)
+		}
+		if (p.Name == "ce" || p.Name == "kd" || p.Name == "loss") && !strings.Contains(p.Plot.Y.Label.Text, "(nats/token)") {
+			t.Errorf("panel %s: y axis %q has no unit", p.Name, p.Plot.Y.Label.Text)
+		}
+		if p.Name == "loss" && !strings.Contains(p.Plot.Title.Text, "own objective") {
+			t.Errorf("loss panel title %q", p.Plot.Title.Text)
+		}
+	}
+}
