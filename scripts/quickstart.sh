@@ -88,8 +88,15 @@ tce=$(field teacher ce)
 awk -v a="$(field sft ce)" -v b="$(field kd ce)" 'BEGIN { printf("KD margin on held-out CE (SFT only - KD + SFT): %+.4f\n", a - b) }' | tee -a "$Q/table.md"
 
 stage "6. student plot"
-bin/student plot --run "KD + SFT=$Q/student-kd" --run "SFT only=$Q/student-sft" --panels loss,ce,kd,accuracy --cols 2 --from 50 \
+# Like against like: CE (the quantity both students are judged on), KD
+# and the eval accuracies, from step 1; not the objectives, which differ
+# (KD + 0.1 CE against CE alone). The SFT-only run has no teacher, so no
+# top-1 agreement curve: both students' final agreement (the table's) are
+# lines on the accuracy panel.
+bin/student plot --run "KD + SFT=$Q/student-kd" --run "SFT only=$Q/student-sft" --panels ce,kd,accuracy --cols 3 \
   --hline "$(printf 'teacher held-out CE=%.4f' "$tce")" --hline "$(printf 'floor (entropy)=%.4f' "$floor")" \
+  --hline "$(printf 'accuracy:KD + SFT top-1 agr. (final)=%.4f' "$(field kd top1_agreement)")" \
+  --hline "$(printf 'accuracy:SFT only top-1 agr. (final)=%.4f' "$(field sft top1_agreement)")" \
   --title "KD + SFT from the teacher's cache vs SFT only: 10M students, same steps, same samples (seed $S)" \
-  --width 1400 --height 900 --out "$Q/quickstart.png"
+  --width 1500 --height 520 --out "$Q/quickstart.png"
 stage "done: teacher $Q/teacher, cache $Q/cache, students $Q/student-kd and $Q/student-sft, table $Q/table.md, plot $Q/quickstart.png"
