@@ -336,6 +336,32 @@ DK_KERNEL void k_moe_tiles(const i32 *__restrict__ offsets, int E, i32 *__restri
 // deterministic.
 #define MOE_LDN (MOE_BN + 8) // an NN W tile's row stride (BF16)
 
+// moe_pipeline runs the grouped GEMMs' double-buffered main loop over steps
+// tile steps: load(s) stages step s's tiles into buffer s % 2 with
+// cp.async (and commits them), mma(s) multiplies a staged step; the next
+// step loads while this one multiplies, and a buffer is refilled only
+// after every warp is done with it.
+template <class Load, class Mma> DK_DEV void moe_pipeline(int steps, Load load, Mma mma) {
+	load(0);
+	for (int s = 0; s < steps; s++) {
+		if (s + 1 < steps) {
+			load(s + 1);
+			cp_async_wait<1>();
+		} else {
+			cp_async_wait<0>();
+		}
+		__syncthreads();
+		mma(s);
+		__syncthreads(); // this buffer is refilled by step s+2's load
+	}
+}
+
+// moe_mma adds a warp's 4x4 tiles of products af·bf into acc.
+DK_DEV void moe_mma(float acc[4][4][4], const u32 af[4][4], const u32 bf[4][2]) {
+	for (int i = 0; i < 4; i++)
+		for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], af[i], bf[j]);
+}
+
 template <bool NN, bool ACC>
 DK_DEV void moe_gemm(u16 *sm, float *__restrict__ out, const u16 *__restrict__ a, const u64 *__restrict__ w,
                      const i32 *__restrict__ offsets, const i32 *__restrict__ tile_start, int E, int N, int K) {
@@ -385,20 +411,8 @@ DK_DEV void moe_gemm(u16 *sm, float *__restrict__ out, const u16 *__restrict__ a
 		cp_async_commit();
 	};
 
-	float acc[4][4][4];
-	for (int i = 0; i < 4; i++)
-		for (int j = 0; j < 4; j++)
-			for (int q = 0; q < 4; q++) acc[i][j][q] = 0;
-	int steps = (K + MOE_BK - 1) / MOE_BK;
-	load(0);
-	for (int s = 0; s < steps; s++) {
-		if (s + 1 < steps) {
-			load(s + 1);
-			cp_async_wait<1>();
-		} else {
-			cp_async_wait<0>();
-		}
-		__syncthreads();
+	float acc[4][4][4] = {};
+	moe_pipeline((K + MOE_BK - 1) / MOE_BK, load, [&](int s) {
 		int buf = (s % 2) * (tileA + tileB);
 		for (int kk = 0; kk < MOE_BK; kk += 16) {
 			u32 af[4][4], bf[4][2];
@@ -407,11 +421,9 @@ DK_DEV void moe_gemm(u16 *sm, float *__restrict__ out, const u16 *__restrict__ a
 				if (NN) ldsm_bt2(bf[j], bf[j + 1], sm, buf + tileA, MOE_LDN, wn + 8 * j, kk, lane);
 				else ldsm_b2(bf[j], bf[j + 1], sm, buf + tileA, MOE_LD, wn + 8 * j, kk, lane);
 			}
-			for (int i = 0; i < 4; i++)
-				for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], af[i], bf[j]);
+			moe_mma(acc, af, bf);
 		}
-		__syncthreads(); // this buffer is refilled by step s+2's load
-	}
+	});
 
 	int g = lane / 4, tq = lane % 4;
 	for (int i = 0; i < 4; i++) {
@@ -483,20 +495,8 @@ DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_wgrad_gemm(const u64 *_
 		cp_async_commit();
 	};
 
-	float acc[4][4][4];
-	for (int i = 0; i < 4; i++)
-		for (int j = 0; j < 4; j++)
-			for (int q = 0; q < 4; q++) acc[i][j][q] = 0;
-	int steps = (cnt + MOE_BK - 1) / MOE_BK;
-	load(0);
-	for (int s = 0; s < steps; s++) {
-		if (s + 1 < steps) {
-			load(s + 1);
-			cp_async_wait<1>();
-		} else {
-			cp_async_wait<0>();
-		}
-		__syncthreads();
+	float acc[4][4][4] = {};
+	moe_pipeline((cnt + MOE_BK - 1) / MOE_BK, load, [&](int s) {
 		int buf = (s % 2) * 2 * tile;
 		for (int kk = 0; kk < MOE_BK; kk += 16) {
 			u32 af[4][4], bf[4][2];
@@ -504,11 +504,9 @@ DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_wgrad_gemm(const u64 *_
 			for (int i = 0; i < 4; i++)
 				ldsm_x4_t(af[i], sm, 2 * (buf + (kk + (lane & 7) + ((lane >> 4) & 1) * 8) * MOE_LDN + wm + 16 * i + ((lane >> 3) & 1) * 8));
 			for (int j = 0; j < 4; j += 2) ldsm_bt2(bf[j], bf[j + 1], sm, buf + tile, MOE_LDN, wn + 8 * j, kk, lane);
-			for (int i = 0; i < 4; i++)
-				for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], af[i], bf[j]);
+			moe_mma(acc, af, bf);
 		}
-		__syncthreads();
-	}
+	});
 
 	float *o = (float *)dw[e];
 	int g = lane / 4, tq = lane % 4;
