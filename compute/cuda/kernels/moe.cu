@@ -356,6 +356,30 @@ template <class Load, class Mma> DK_DEV void moe_pipeline(int steps, Load load, 
 	}
 }
 
+// moe_store writes (ACC: adds) a warp's 64 x 32 accumulators, at rows wm
+// and columns wn of a tile whose origin is o (F32, row stride ld), keeping
+// to the tile's first rows rows and cols columns (mma's accumulator
+// layout: row g, columns 2t and 2t+1, and row g+8).
+template <bool ACC>
+DK_DEV void moe_store(float *o, i64 ld, int rows, int cols, const float acc[4][4][4], int wm, int wn, int lane) {
+	int g = lane / 4, tq = lane % 4;
+	for (int i = 0; i < 4; i++) {
+		for (int j = 0; j < 4; j++) {
+			int c = wn + 8 * j + 2 * tq;
+			for (int h = 0; h < 2; h++) {
+				int r = wm + 16 * i + g + 8 * h;
+				if (r >= rows) continue;
+				float *row = o + (i64)r * ld;
+				for (int q = 0; q < 2; q++) {
+					if (c + q >= cols) continue;
+					float v = acc[i][j][2 * h + q];
+					row[c + q] = ACC ? row[c + q] + v : v;
+				}
+			}
+		}
+	}
+}
+
 // moe_mma adds a warp's 4x4 tiles of products af·bf into acc.
 DK_DEV void moe_mma(float acc[4][4][4], const u32 af[4][4], const u32 bf[4][2]) {
 	for (int i = 0; i < 4; i++)
@@ -425,22 +449,7 @@ DK_DEV void moe_gemm(u16 *sm, float *__restrict__ out, const u16 *__restrict__ a
 		}
 	});
 
-	int g = lane / 4, tq = lane % 4;
-	for (int i = 0; i < 4; i++) {
-		for (int j = 0; j < 4; j++) {
-			int c = wn + 8 * j + 2 * tq;
-			for (int h = 0; h < 2; h++) {
-				int r = wm + 16 * i + g + 8 * h;
-				if (r >= rows) continue;
-				float *o = out + (i64)(row0 + r) * N + n0;
-				for (int q = 0; q < 2; q++) {
-					if (c + q >= ncols) continue;
-					float v = acc[i][j][2 * h + q];
-					o[c + q] = ACC ? o[c + q] + v : v;
-				}
-			}
-		}
-	}
+	moe_store<ACC>(out + (i64)row0 * N + n0, N, rows, ncols, acc, wm, wn, lane);
 }
 
 DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm(float *out, const u16 *a, const u64 *w, const i32 *offsets,
@@ -508,20 +517,7 @@ DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_wgrad_gemm(const u64 *_
 		}
 	});
 
-	float *o = (float *)dw[e];
-	int g = lane / 4, tq = lane % 4;
-	for (int i = 0; i < 4; i++) {
-		for (int j = 0; j < 4; j++) {
-			int c = wn + 8 * j + 2 * tq;
-			for (int h = 0; h < 2; h++) {
-				int r = wm + 16 * i + g + 8 * h;
-				if (r >= nrows) continue;
-				float *row = o + (i64)(n0 + r) * K + k0;
-				if (c < kcols) row[c] += acc[i][j][2 * h];
-				if (c + 1 < kcols) row[c + 1] += acc[i][j][2 * h + 1];
-			}
-		}
-	}
+	moe_store<true>((float *)dw[e] + (i64)n0 * K + k0, K, nrows, kcols, acc, wm, wn, lane);
 }
 
 DK_REGISTER(k_moe_scan)
