@@ -22,109 +22,154 @@ var initUsage io.Writer = os.Stderr
 func runInit(args []string) error {
 	fs := flag.NewFlagSet("student init", flag.ContinueOnError)
 	fs.SetOutput(initUsage)
-	arch := fs.String("arch", "qwen3", "architecture: llama, qwen2, qwen3, qwen3_moe")
-	out := fs.String("out", "", "output checkpoint directory (required)")
-	layers := fs.Int("layers", 0, "num_hidden_layers (0: the preset's)")
-	hidden := fs.Int("hidden", 0, "hidden_size")
-	heads := fs.Int("heads", 0, "num_attention_heads")
-	kvHeads := fs.Int("kv-heads", 0, "num_key_value_heads")
-	headDim := fs.Int("head-dim", 0, "head_dim")
-	inter := fs.Int("intermediate", 0, "intermediate_size")
-	vocab := fs.Int("vocab", 0, "vocab_size")
-	maxPos := fs.Int("max-pos", 0, "max_position_embeddings")
-	experts := fs.Int("experts", 0, "num_experts (qwen3_moe)")
-	topk := fs.Int("experts-per-tok", 0, "num_experts_per_tok (qwen3_moe)")
-	moeInter := fs.Int("moe-intermediate", 0, "moe_intermediate_size (qwen3_moe)")
-	mlpOnly := fs.String("mlp-only-layers", "", "comma-separated dense layers (qwen3_moe; \"none\": every layer sparse)")
-	sparseStep := fs.Int("decoder-sparse-step", 0, "decoder_sparse_step: every n-th layer is sparse (qwen3_moe)")
-	normTopK := fs.String("norm-topk-prob", "", "norm_topk_prob: true or false (qwen3_moe; default: the preset's, true)")
-	routerLogits := fs.String("output-router-logits", "", "output_router_logits: true adds the load-balancing loss in training (qwen3_moe; default false)")
-	auxCoef := fs.String("router-aux-loss-coef", "", "router_aux_loss_coef, a number >= 0 (qwen3_moe; default 0.001)")
-	tie := fs.String("tie", "", "tie_word_embeddings: true or false (default: the preset's)")
-	bias := fs.String("attention-bias", "", "attention_bias: true or false (llama, qwen3)")
-	seed := fs.Uint64("seed", 1, "random seed")
-	std := fs.Float64("std", 0.02, "normal init std of matrices")
-	perturb := fs.Bool("perturb", false, "random norm weights and biases too (for tests)")
-	dtype := fs.String("dtype", "BF16", "stored dtype: BF16 or F32")
-	force := fs.Bool("force", false, "replace --out if it is not empty (all its files are removed)")
+	f := newInitFlags(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	if err := f.check(fs); err != nil {
+		return err
+	}
+	cfg, err := f.config()
+	if err != nil {
+		return err
+	}
+	if err := checkInitConfig(cfg, *f.headDim); err != nil {
+		return err
+	}
+	t := model.Init(cfg, model.InitOptions{Seed: *f.seed, Std: *f.std, Perturb: *f.perturb})
+	err = model.WriteDir(*f.out, *f.force, func(tmp string) error {
+		return model.WriteCheckpoint(tmp, cfg, t, strings.ToUpper(*f.dtype))
+	})
+	if err != nil {
+		return err
+	}
+	printInitSummary(*f.out, cfg)
+	return nil
+}
+
+// initFlags are student init's flags.
+type initFlags struct {
+	arch, out, mlpOnly, normTopK, routerLogits, auxCoef, tie, bias, dtype *string
+	layers, hidden, heads, kvHeads, headDim, inter, vocab, maxPos         *int
+	experts, topk, moeInter, sparseStep                                   *int
+	seed                                                                  *uint64
+	std                                                                   *float64
+	perturb, force                                                        *bool
+}
+
+func newInitFlags(fs *flag.FlagSet) *initFlags {
+	return &initFlags{
+		arch:         fs.String("arch", "qwen3", "architecture: llama, qwen2, qwen3, qwen3_moe"),
+		out:          fs.String("out", "", "output checkpoint directory (required)"),
+		layers:       fs.Int("layers", 0, "num_hidden_layers (0: the preset's)"),
+		hidden:       fs.Int("hidden", 0, "hidden_size"),
+		heads:        fs.Int("heads", 0, "num_attention_heads"),
+		kvHeads:      fs.Int("kv-heads", 0, "num_key_value_heads"),
+		headDim:      fs.Int("head-dim", 0, "head_dim"),
+		inter:        fs.Int("intermediate", 0, "intermediate_size"),
+		vocab:        fs.Int("vocab", 0, "vocab_size"),
+		maxPos:       fs.Int("max-pos", 0, "max_position_embeddings"),
+		experts:      fs.Int("experts", 0, "num_experts (qwen3_moe)"),
+		topk:         fs.Int("experts-per-tok", 0, "num_experts_per_tok (qwen3_moe)"),
+		moeInter:     fs.Int("moe-intermediate", 0, "moe_intermediate_size (qwen3_moe)"),
+		mlpOnly:      fs.String("mlp-only-layers", "", "comma-separated dense layers (qwen3_moe; \"none\": every layer sparse)"),
+		sparseStep:   fs.Int("decoder-sparse-step", 0, "decoder_sparse_step: every n-th layer is sparse (qwen3_moe)"),
+		normTopK:     fs.String("norm-topk-prob", "", "norm_topk_prob: true or false (qwen3_moe; default: the preset's, true)"),
+		routerLogits: fs.String("output-router-logits", "", "output_router_logits: true adds the load-balancing loss in training (qwen3_moe; default false)"),
+		auxCoef:      fs.String("router-aux-loss-coef", "", "router_aux_loss_coef, a number >= 0 (qwen3_moe; default 0.001)"),
+		tie:          fs.String("tie", "", "tie_word_embeddings: true or false (default: the preset's)"),
+		bias:         fs.String("attention-bias", "", "attention_bias: true or false (llama, qwen3)"),
+		seed:         fs.Uint64("seed", 1, "random seed"),
+		std:          fs.Float64("std", 0.02, "normal init std of matrices"),
+		perturb:      fs.Bool("perturb", false, "random norm weights and biases too (for tests)"),
+		dtype:        fs.String("dtype", "BF16", "stored dtype: BF16 or F32"),
+		force:        fs.Bool("force", false, "replace --out if it is not empty (all its files are removed)"),
+	}
+}
+
+// check refuses what the flags alone get wrong: extra arguments, no --out,
+// sizes that are not positive, MoE flags on a dense architecture, the dtype.
+func (f *initFlags) check(fs *flag.FlagSet) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
 	}
-	if *out == "" {
+	if *f.out == "" {
 		return fmt.Errorf("--out is required")
 	}
 	// A size flag given must be a size: 0 or a negative number is an
 	// error, not "the preset's value" (leave the flag out for that).
 	var bad []string
-	fs.Visit(func(f *flag.Flag) {
-		switch f.Name {
+	fs.Visit(func(fl *flag.Flag) {
+		switch fl.Name {
 		case "layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate", "vocab", "max-pos", "experts", "experts-per-tok", "moe-intermediate", "decoder-sparse-step":
-			if v, _ := strconv.Atoi(f.Value.String()); v <= 0 {
-				bad = append(bad, fmt.Sprintf("--%s %s", f.Name, f.Value))
+			if v, _ := strconv.Atoi(fl.Value.String()); v <= 0 {
+				bad = append(bad, fmt.Sprintf("--%s %s", fl.Name, fl.Value))
 			}
 		case "std":
-			if v, _ := strconv.ParseFloat(f.Value.String(), 64); !(v > 0) {
-				bad = append(bad, fmt.Sprintf("--std %s", f.Value))
+			if v, _ := strconv.ParseFloat(fl.Value.String(), 64); !(v > 0) {
+				bad = append(bad, fmt.Sprintf("--std %s", fl.Value))
 			}
 		}
 	})
 	if len(bad) > 0 {
 		return fmt.Errorf("%s: want positive numbers (leave a size flag out for the preset's value)", strings.Join(bad, ", "))
 	}
-	if *arch != string(model.ArchQwen3MoE) {
+	if *f.arch != string(model.ArchQwen3MoE) {
 		var moeFlags []string
-		fs.Visit(func(f *flag.Flag) {
-			switch f.Name {
+		fs.Visit(func(fl *flag.Flag) {
+			switch fl.Name {
 			case "experts", "experts-per-tok", "moe-intermediate", "mlp-only-layers", "decoder-sparse-step", "norm-topk-prob", "output-router-logits", "router-aux-loss-coef":
-				moeFlags = append(moeFlags, "--"+f.Name)
+				moeFlags = append(moeFlags, "--"+fl.Name)
 			}
 		})
 		if len(moeFlags) > 0 {
-			return fmt.Errorf("%s: MoE flags need --arch qwen3_moe (got --arch %s)", strings.Join(moeFlags, ", "), *arch)
+			return fmt.Errorf("%s: MoE flags need --arch qwen3_moe (got --arch %s)", strings.Join(moeFlags, ", "), *f.arch)
 		}
 	}
-	if dt := strings.ToUpper(*dtype); dt != "BF16" && dt != "F32" {
-		return fmt.Errorf("--dtype %q: want BF16 or F32", *dtype)
+	if dt := strings.ToUpper(*f.dtype); dt != "BF16" && dt != "F32" {
+		return fmt.Errorf("--dtype %q: want BF16 or F32", *f.dtype)
 	}
-	cfg, err := model.Preset(model.Arch(*arch))
+	return nil
+}
+
+// config is the architecture's preset with the flags given applied.
+func (f *initFlags) config() (*model.Config, error) {
+	cfg, err := model.Preset(model.Arch(*f.arch))
 	if err != nil {
-		return err
+		return nil, err
 	}
 	set := func(dst *int, v int) {
 		if v > 0 {
 			*dst = v
 		}
 	}
-	set(&cfg.Layers, *layers)
-	set(&cfg.Hidden, *hidden)
-	set(&cfg.Heads, *heads)
-	set(&cfg.KVHeads, *kvHeads)
-	set(&cfg.HeadDim, *headDim)
-	set(&cfg.Intermediate, *inter)
-	set(&cfg.VocabSize, *vocab)
-	set(&cfg.MaxPositions, *maxPos)
-	set(&cfg.NumExperts, *experts)
-	set(&cfg.ExpertsPerTok, *topk)
-	set(&cfg.MoEIntermediate, *moeInter)
-	set(&cfg.DecoderSparseStep, *sparseStep)
-	if *auxCoef != "" {
-		coef, err := strconv.ParseFloat(*auxCoef, 64)
+	set(&cfg.Layers, *f.layers)
+	set(&cfg.Hidden, *f.hidden)
+	set(&cfg.Heads, *f.heads)
+	set(&cfg.KVHeads, *f.kvHeads)
+	set(&cfg.HeadDim, *f.headDim)
+	set(&cfg.Intermediate, *f.inter)
+	set(&cfg.VocabSize, *f.vocab)
+	set(&cfg.MaxPositions, *f.maxPos)
+	set(&cfg.NumExperts, *f.experts)
+	set(&cfg.ExpertsPerTok, *f.topk)
+	set(&cfg.MoEIntermediate, *f.moeInter)
+	set(&cfg.DecoderSparseStep, *f.sparseStep)
+	if *f.auxCoef != "" {
+		coef, err := strconv.ParseFloat(*f.auxCoef, 64)
 		if err != nil || !(coef >= 0) {
-			return fmt.Errorf("--router-aux-loss-coef %s: want a number >= 0", *auxCoef)
+			return nil, fmt.Errorf("--router-aux-loss-coef %s: want a number >= 0", *f.auxCoef)
 		}
 		cfg.RouterAuxLossCoef = coef
 	}
-	if *mlpOnly == "none" {
+	if *f.mlpOnly == "none" {
 		cfg.MLPOnlyLayers = nil
-	} else if *mlpOnly != "" {
+	} else if *f.mlpOnly != "" {
 		cfg.MLPOnlyLayers = nil
-		for _, f := range strings.Split(*mlpOnly, ",") {
-			l, err := strconv.Atoi(strings.TrimSpace(f))
+		for _, s := range strings.Split(*f.mlpOnly, ",") {
+			l, err := strconv.Atoi(strings.TrimSpace(s))
 			if err != nil {
-				return fmt.Errorf("--mlp-only-layers: %q is not a layer index", f)
+				return nil, fmt.Errorf("--mlp-only-layers: %q is not a layer index", s)
 			}
 			cfg.MLPOnlyLayers = append(cfg.MLPOnlyLayers, l)
 		}
@@ -132,22 +177,28 @@ func runInit(args []string) error {
 	for _, b := range []struct {
 		flag, v string
 		dst     *bool
-	}{{"tie", *tie, &cfg.TieEmbeddings}, {"attention-bias", *bias, &cfg.AttentionBias},
-		{"norm-topk-prob", *normTopK, &cfg.NormTopKProb}, {"output-router-logits", *routerLogits, &cfg.OutputRouterLogits}} {
+	}{{"tie", *f.tie, &cfg.TieEmbeddings}, {"attention-bias", *f.bias, &cfg.AttentionBias},
+		{"norm-topk-prob", *f.normTopK, &cfg.NormTopKProb}, {"output-router-logits", *f.routerLogits, &cfg.OutputRouterLogits}} {
 		if b.v == "" {
 			continue
 		}
 		v, err := strconv.ParseBool(b.v)
 		if err != nil {
-			return fmt.Errorf("--%s: %q is not true or false", b.flag, b.v)
+			return nil, fmt.Errorf("--%s: %q is not true or false", b.flag, b.v)
 		}
 		*b.dst = v
 	}
-	if cfg.Arch != model.ArchQwen3 && cfg.Arch != model.ArchQwen3MoE && *headDim == 0 {
+	if cfg.Arch != model.ArchQwen3 && cfg.Arch != model.ArchQwen3MoE && *f.headDim == 0 {
 		cfg.HeadDim = cfg.Hidden / cfg.Heads
 	}
-	// Validate by round-tripping through the config.json parser, so init
-	// never writes a checkpoint that Load would refuse.
+	return cfg, nil
+}
+
+// checkInitConfig validates cfg by round-tripping it through the
+// config.json parser, so init never writes a checkpoint that Load would
+// refuse, and checks what the architectures derive from hidden and heads
+// (headDim: the --head-dim flag, 0 when left out).
+func checkInitConfig(cfg *model.Config, headDim int) error {
 	js, err := cfg.JSON()
 	if err != nil {
 		return err
@@ -158,17 +209,15 @@ func runInit(args []string) error {
 	if cfg.Arch == model.ArchQwen2 && cfg.HeadDim*cfg.Heads != cfg.Hidden {
 		return fmt.Errorf("qwen2 derives head_dim = hidden/heads; --head-dim %d does not match %d/%d", cfg.HeadDim, cfg.Hidden, cfg.Heads)
 	}
-	if cfg.Hidden%cfg.Heads != 0 && cfg.Arch != model.ArchQwen3 && cfg.Arch != model.ArchQwen3MoE && *headDim == 0 {
+	if cfg.Hidden%cfg.Heads != 0 && cfg.Arch != model.ArchQwen3 && cfg.Arch != model.ArchQwen3MoE && headDim == 0 {
 		return fmt.Errorf("--hidden %d is not divisible by --heads %d", cfg.Hidden, cfg.Heads)
 	}
-	t := model.Init(cfg, model.InitOptions{Seed: *seed, Std: *std, Perturb: *perturb})
-	err = model.WriteDir(*out, *force, func(tmp string) error {
-		return model.WriteCheckpoint(tmp, cfg, t, strings.ToUpper(*dtype))
-	})
-	if err != nil {
-		return err
-	}
-	fmt.Printf("wrote %s: %s, %d layers, hidden %d, vocab %d, %.2fM parameters\n", *out, cfg.Arch, cfg.Layers, cfg.Hidden, cfg.VocabSize, float64(cfg.Params())/1e6)
+	return nil
+}
+
+// printInitSummary says what init wrote.
+func printInitSummary(out string, cfg *model.Config) {
+	fmt.Printf("wrote %s: %s, %d layers, hidden %d, vocab %d, %.2fM parameters\n", out, cfg.Arch, cfg.Layers, cfg.Hidden, cfg.VocabSize, float64(cfg.Params())/1e6)
 	if cfg.NumExperts > 0 {
 		var sparse []string
 		for i := 0; i < cfg.Layers; i++ {
@@ -179,5 +228,4 @@ func runInit(args []string) error {
 		fmt.Printf("  %d experts, top-%d, moe_intermediate_size %d; sparse layers [%s]; load-balancing loss %s\n", cfg.NumExperts, cfg.ExpertsPerTok,
 			cfg.MoEIntermediate, strings.Join(sparse, ","), map[bool]string{true: fmt.Sprintf("on (coef %g)", cfg.RouterAuxLossCoef), false: "off (--output-router-logits true turns it on)"}[cfg.OutputRouterLogits])
 	}
-	return nil
 }
