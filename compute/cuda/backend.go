@@ -599,6 +599,11 @@ func (b *Backend) upload(p uint64, src unsafe.Pointer, n int64) {
 	}
 }
 
+// copyD copies n bytes on the device, in stream order.
+func (b *Backend) copyD(dst, src uint64, n int64) {
+	b.must(b.drv.check("cuMemcpyDtoDAsync", C.call_cuMemcpyDtoDAsync(b.drv.cuMemcpyDtoDAsync, C.CUdeviceptr(dst), C.CUdeviceptr(src), C.size_t(n), b.stream)))
+}
+
 // download copies n bytes from p to dst after all issued work, and waits.
 func (b *Backend) download(dst unsafe.Pointer, p uint64, n int64) {
 	if n > 0 {
@@ -751,7 +756,7 @@ func (b *Backend) Copy(dstT, srcT compute.Tensor) {
 		panic(fmt.Sprintf("cuda: Copy of %d %v elements into %d %v", src.n, src.dt, dst.n, dst.dt))
 	}
 	if src.n > 0 {
-		b.must(b.drv.check("cuMemcpyDtoDAsync", C.call_cuMemcpyDtoDAsync(b.drv.cuMemcpyDtoDAsync, C.CUdeviceptr(dst.p), C.CUdeviceptr(src.p), C.size_t(src.bytes()), b.stream)))
+		b.copyD(dst.p, src.p, int64(src.bytes()))
 	}
 }
 

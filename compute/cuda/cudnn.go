@@ -348,11 +348,6 @@ func (b *Backend) sdpaExec(p *sdpaPlan, vp map[int]uint64, scale float32, what s
 	}
 }
 
-// copyD copies n bytes on the device, in stream order.
-func (b *Backend) copyD(dst, src uint64, n int64) {
-	b.must(b.drv.check("cuMemcpyDtoDAsync", C.call_cuMemcpyDtoDAsync(b.drv.cuMemcpyDtoDAsync, C.CUdeviceptr(dst), C.CUdeviceptr(src), C.size_t(n), b.stream)))
-}
-
 // aligned16 reports whether a device address meets the graphs' 16-byte
 // tensor alignment (a decoder's tensors may be views at any float offset).
 func aligned16(p uint64) bool { return p%16 == 0 }
