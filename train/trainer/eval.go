@@ -29,35 +29,52 @@ type EvalStats struct {
 	Teachers []TeacherMetrics `json:"teachers,omitempty"`
 }
 
+// evaluator is the run's periodic eval: the student over the held-out
+// samples of the run's source, packed as training packs them, scored
+// over every loss position.
+type evaluator struct {
+	s        *train.Student
+	src      Source
+	r        cache.Range // the samples each eval reads (Start < 0: none)
+	lopt     *loss.Options
+	teachers []TeacherState // multi-teacher KD: their names and weights
+	stop     stopSignal     // abandons the eval between rows (errStopped)
+}
+
+// run evaluates the student; ok is false when the run holds no samples
+// out.
+func (e *evaluator) run() (es EvalStats, ok bool, err error) {
+	if e.r.Start < 0 {
+		return es, false, nil
+	}
+	rows, n, err := e.src.EvalRows(e.r)
+	if err != nil {
+		return es, true, err
+	}
+	if es, err = evaluateRows(e.s, rows, n, e.lopt, e.stop.requested); err != nil {
+		return es, true, err
+	}
+	nameTeachers(es.Teachers, e.teachers)
+	return es, true, nil
+}
+
 // Evaluate runs the student over samples [r.Start, r.End) of rd, packed
 // into rows of seqLen tokens, and averages the metrics over every counted
 // position (so the result does not depend on the packing).
 func Evaluate(s *train.Student, rd *cache.Reader, r cache.Range, seqLen int, truncate bool, opt *loss.Options) (EvalStats, error) {
-	return evaluate(s, rd, r, seqLen, truncate, opt, nil)
+	src := &cacheSource{rd: rd, pk: newCachePacker(rd, nil, seqLen, truncate)}
+	return evaluateSource(s, src, r, opt)
 }
 
-// evaluate is Evaluate that gives up with errStopped between rows once
-// stop (if not nil) reports true.
-func evaluate(s *train.Student, rd *cache.Reader, r cache.Range, seqLen int, truncate bool, opt *loss.Options, stop func() bool) (EvalStats, error) {
-	p := &packer{seqLen: seqLen, truncate: truncate, k: rd.Manifest().K}
-	rows, n, err := p.evalRows(rd, r)
+// evaluateSource evaluates the student on samples r of a cache source,
+// with no stop, its teachers named.
+func evaluateSource(s *train.Student, src *cacheSource, r cache.Range, opt *loss.Options) (EvalStats, error) {
+	rows, n, err := src.EvalRows(r)
 	if err != nil {
 		return EvalStats{}, err
 	}
-	return evaluateRows(s, rows, n, opt, stop)
-}
-
-// evaluateTeachers is evaluate over several teachers' caches (data.caches).
-func evaluateTeachers(s *train.Student, ts *teacherSet, r cache.Range, seqLen int, truncate bool, opt *loss.Options, stop func() bool) (EvalStats, error) {
-	p := &packer{seqLen: seqLen, truncate: truncate, k: ts.ms[0].K, multi: ts.teachers(), more: ts.more}
-	rows, n, err := p.evalRows(ts.rds[0], r)
-	if err != nil {
-		return EvalStats{}, err
-	}
-	es, err := evaluateRows(s, rows, n, opt, stop)
-	for i := range es.Teachers {
-		es.Teachers[i].Name, es.Teachers[i].Weight = ts.names[i], ts.weights[i]
-	}
+	es, err := evaluateRows(s, rows, n, opt, nil)
+	nameTeachers(es.Teachers, src.ts.states())
 	return es, err
 }
 
@@ -80,7 +97,8 @@ func EvaluateTeachers(s *train.Student, tokFP string, tcs []TeacherCache, r cach
 	if r.Start < 0 || r.End <= r.Start || r.End > ts.ms[0].Samples {
 		return EvalStats{}, fmt.Errorf("%w: sample range %v: want 0 <= start < end <= %d (the caches' samples)", ErrConfig, r, ts.ms[0].Samples)
 	}
-	return evaluateTeachers(s, ts, r, seqLen, truncate, opt, nil)
+	src := &cacheSource{rd: ts.rds[0], ts: ts, pk: newCachePacker(ts.rds[0], ts, seqLen, truncate)}
+	return evaluateSource(s, src, r, opt)
 }
 
 // EvalProgress, when not nil, is told how far Evaluate, EvaluateTeachers
@@ -198,12 +216,8 @@ func EvaluateDataset(s *train.Student, dc *DatasetConfig, tok *tokenizer.Tokeniz
 	if r.Start < 0 || r.End <= r.Start || r.End > ds.Len() {
 		return EvalStats{}, r, fmt.Errorf("%w: sample range %v: want 0 <= start < end <= %d (the dataset's samples)", ErrConfig, r, ds.Len())
 	}
-	ss, err := dsEvalSamples(ds, r)
-	if err != nil {
-		return EvalStats{}, r, err
-	}
-	pk := &packer{seqLen: seqLen}
-	rows, n, err := pk.packRows(len(ss), func(k int) (cache.Sample, error) { return ss[k], nil })
+	src := &datasetSource{ds: ds, pk: &packer{seqLen: seqLen}}
+	rows, n, err := src.EvalRows(r)
 	if err != nil {
 		return EvalStats{}, r, err
 	}

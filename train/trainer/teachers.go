@@ -183,6 +183,14 @@ type TeacherMetrics struct {
 	Top1   float64 `json:"top1_agreement"` // how often the student's argmax is its top-1
 }
 
+// nameTeachers gives each teacher's metrics the name and weight of the
+// teacher at its position.
+func nameTeachers(tm []TeacherMetrics, ts []TeacherState) {
+	for i := range tm {
+		tm[i].Name, tm[i].Weight = ts[i].Name, ts[i].Weight
+	}
+}
+
 // teachersLine is the per-teacher part of a log line: " [a kd 0.1234
 // top1 0.5678, b ...]", or "" with one teacher.
 func teachersLine(ts []TeacherMetrics) string {

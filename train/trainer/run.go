@@ -1,0 +1,504 @@
+package trainer
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"time"
+
+	"distill/cache"
+	"distill/compute/device"
+	"distill/model/decoder"
+	"distill/train"
+	"distill/train/loss"
+	"distill/train/optim"
+)
+
+// trainRun is one training run, as components with one job each:
+//
+//   - src, the Source: where the samples and their targets come from
+//     (a cache, several caches, a dataset, live teachers), batches the
+//     training order from a data position;
+//   - ck, the checkpointer: resume, save, retention;
+//   - step, the stepper: forward, loss, backward, clip, AdamW;
+//   - eval, the evaluator: the held-out samples of the same source;
+//   - out, the sinks: metrics.jsonl, TensorBoard, progress, log lines;
+//   - stop, Options.Stop: SIGTERM and Ctrl-C end the run at a step
+//     boundary with a checkpoint.
+//
+// setup wires them (each stage a method, in the order the checks must
+// run) and loop drives them.
+type trainRun struct {
+	cfg *Config
+	o   Options
+	log io.Writer
+	res *Result
+
+	src     Source
+	info    SourceInfo
+	params  SourceParams
+	batches Batches // the training order
+	ck      *checkpointer
+	ckpt    string // the checkpoint resumed from ("": a new run)
+	s       *train.Student
+	st      *State
+	ad      *optim.AdamW
+	lopt    loss.Options
+	held    cache.Range // data.eval_range, never trained on (Start < 0: none)
+	evalR   cache.Range // the part of it each eval reads
+	step    *stepper
+	eval    *evaluator
+	out     *sinks
+	stop    stopSignal
+	skips   skipRun
+
+	closers []func() // run's clean-up, undone last first
+}
+
+// stopSignal is Options.Stop: once closed, the run ends at the next step
+// boundary (or between the rows of a step or an eval, abandoning it).
+type stopSignal <-chan struct{}
+
+func (c stopSignal) requested() bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
+}
+
+// skipRun counts the consecutive steps whose update a non-finite
+// gradient norm skipped.
+type skipRun struct {
+	n        int // consecutive skipped steps, up to the current one
+	lastGood int // the last step whose update was applied
+}
+
+// runSteps is runOnce without the removal of what a run that never
+// started left in its run directory: it sets the run up, then runs its
+// loop, and undoes what setup did as it returns (or as an out-of-memory
+// panic unwinds).
+func runSteps(cfg *Config, o Options) (*Result, error) {
+	r := newTrainRun(cfg, o)
+	defer r.close()
+	if done, err := r.setup(); err != nil || done {
+		if err != nil {
+			return nil, err
+		}
+		return r.res, nil
+	}
+	return r.loop()
+}
+
+// newTrainRun applies the defaults of Options.
+func newTrainRun(cfg *Config, o Options) *trainRun {
+	if o.Log == nil {
+		o.Log = os.Stderr
+	}
+	// The log has writers besides the loop (the online teachers' pause
+	// and resume lines come from their pool's goroutine), and Options.Log
+	// need not be safe for concurrent use (a bytes.Buffer in tests).
+	o.Log = &lockedWriter{w: o.Log}
+	if o.Resume == "" {
+		o.Resume = "auto"
+	}
+	return &trainRun{cfg: cfg, o: o, log: o.Log, res: &Result{}, stop: stopSignal(o.Stop),
+		ck: &checkpointer{runDir: cfg.RunDir, keep: cfg.Checkpoint.Keep}}
+}
+
+// onClose registers clean-up for close, which runs it last first.
+func (r *trainRun) onClose(f func()) { r.closers = append(r.closers, f) }
+
+func (r *trainRun) close() {
+	for i := len(r.closers) - 1; i >= 0; i-- {
+		r.closers[i]()
+	}
+}
+
+// setup runs every stage before step 1, in the order their checks must
+// come: done is true for a run with nothing left to do.
+func (r *trainRun) setup() (done bool, err error) {
+	for _, stage := range []func() error{r.openData, r.lockRunDir, r.loadStudent, r.openSource, r.checkData} {
+		if err := stage(); err != nil {
+			return false, err
+		}
+	}
+	if r.st.Step >= r.cfg.Train.MaxSteps {
+		// A no-op run leaves the run directory as it is: its config.yaml
+		// still describes the run that made its checkpoints.
+		fmt.Fprintf(r.log, "nothing to do: %s is at step %d of train.max_steps %d\n", r.cfg.RunDir, r.st.Step, r.cfg.Train.MaxSteps)
+		return true, nil
+	}
+	for _, stage := range []func() error{r.buildOptimizer, r.calibrate, r.openSinks, r.openBatches} {
+		if err := stage(); err != nil {
+			return false, err
+		}
+	}
+	r.wire()
+	return false, nil
+}
+
+// openData opens the data: Options.Source, or the config's (a cache is
+// opened now, so that a missing one fails before anything is written).
+func (r *trainRun) openData() error {
+	if r.o.Source != nil {
+		r.src = r.o.Source
+		return nil
+	}
+	src, err := newSource(r.cfg, r.log)
+	r.src = src
+	return err
+}
+
+// lockRunDir makes the run directory and takes its lock, then removes
+// the checkpoints a crashed process was writing (never complete, never
+// read). One trainer per run directory: a second one would resume from
+// the first's live checkpoints and remove its checkpoint in progress.
+func (r *trainRun) lockRunDir() error {
+	if err := os.MkdirAll(r.cfg.RunDir, 0o755); err != nil {
+		return err
+	}
+	lock, err := lockRunDir(r.cfg.RunDir)
+	if err != nil {
+		return err
+	}
+	r.onClose(lock.unlock)
+	stale, _ := filepath.Glob(filepath.Join(r.cfg.RunDir, "checkpoints", ".tmp-*"))
+	for _, d := range stale {
+		os.RemoveAll(d)
+	}
+	return nil
+}
+
+// loadStudent loads the student and state of the checkpoint to resume
+// from, or builds a fresh student.
+func (r *trainRun) loadStudent() error {
+	ckpt, err := r.ck.latest(r.o.Resume)
+	if err != nil {
+		return err
+	}
+	r.ckpt = ckpt
+	if ckpt != "" {
+		if r.s, r.st, err = r.ck.load(r.cfg, ckpt, r.log); err != nil {
+			return err
+		}
+		r.res.Resumed, r.res.Checkpoint, r.res.Step = ckpt, ckpt, r.st.Step
+	} else {
+		if r.s, err = initStudent(r.cfg, r.log); err != nil {
+			return err
+		}
+		r.st = newState(r.cfg)
+	}
+	// A device's memory is not the garbage collector's: the run gives
+	// back what it allocated, so that a process can run again.
+	s := r.s
+	r.onClose(func() { device.Close(s.Backend()) })
+	r.onClose(s.Free)
+	return nil
+}
+
+// openSource opens the source for the student, with the student's
+// tokenizer, and records the data in the state (refusing a resume on
+// other data or teachers).
+func (r *trainRun) openSource() error {
+	fp, tokDir, tok, err := tokenizerFingerprint(r.cfg)
+	if err != nil {
+		return err
+	}
+	r.params = SourceParams{Student: r.s.Cfg, TokenizerFingerprint: fp, Tokenizer: tok, TokenizerDir: tokDir, Log: r.log}
+	r.onClose(r.src.Close)
+	if r.info, err = r.src.Open(r.params); err != nil {
+		return err
+	}
+	r.st.ChatTemplate = r.info.ChatTemplate
+	return r.st.recordData(r.cfg, &r.info, &r.params, r.ckpt, r.log)
+}
+
+// checkData checks the data against the student (vocabulary, tokenizer,
+// sample length), resolves the loss against the data's capture
+// temperature, and checks the held-out range.
+func (r *trainRun) checkData() error {
+	cfg, m := r.cfg, &r.info.Manifest
+	if err := r.src.Check(r.params); err != nil {
+		return err
+	}
+	if cfg.Data.SeqLen > r.s.Cfg.MaxPositions {
+		return fmt.Errorf("%w: data.seq_len %d exceeds the student's max_position_embeddings %d", ErrConfig, cfg.Data.SeqLen, r.s.Cfg.MaxPositions)
+	}
+	teacherT := float64(m.Temperature)
+	if r.info.NoTeacher {
+		teacherT = cfg.Distill.Temperature // no teacher: only CE counts
+	}
+	r.lopt = cfg.LossOptions(teacherT)
+	if err := r.lopt.Validate(); err != nil {
+		return fmt.Errorf("%w: distill (cache captured at temperature %g): %w", ErrConfig, m.Temperature, err)
+	}
+	r.held = cache.Range{Start: -1, End: -1}
+	r.evalR = r.held
+	if len(cfg.Data.EvalRange) != 2 {
+		return nil
+	}
+	r.held = cache.Range{Start: cfg.Data.EvalRange[0], End: cfg.Data.EvalRange[1]}
+	if r.held.End > m.Samples {
+		kind := r.info.Kind
+		if kind == "" {
+			kind = "source"
+		}
+		return fmt.Errorf("%w: data.eval_range %v is past the %s's %d samples", ErrConfig, cfg.Data.EvalRange, kind, m.Samples)
+	}
+	r.evalR = r.held
+	if cfg.Eval.MaxSamples > 0 {
+		r.evalR.End = min(r.evalR.End, r.evalR.Start+int64(cfg.Eval.MaxSamples))
+	}
+	return r.src.CheckEval(r.evalR)
+}
+
+// buildOptimizer makes AdamW over the student's parameters (with the
+// checkpoint's moments on resume), and picks the activation
+// recomputation that fits the device.
+func (r *trainRun) buildOptimizer() error {
+	ad, err := optim.NewAdamW(r.cfg.AdamW(), r.s.Groups())
+	if err != nil {
+		return err
+	}
+	r.ad = ad
+	r.onClose(ad.Free)
+	if r.ckpt != "" {
+		if err := loadMoments(r.ckpt, ad, r.st.OptSteps); err != nil {
+			return err
+		}
+	}
+	rc, err := planRecompute(r.cfg, r.s, r.info.K, decoder.Recompute(r.st.Recompute), r.log)
+	if err != nil {
+		return err
+	}
+	if err := r.s.Model.SetRecompute(rc); err != nil {
+		return err
+	}
+	r.st.Recompute = string(rc)
+	return nil
+}
+
+// calibrate calibrates NVFP4 QAD's amax before a new QAD run's first
+// step (a resumed one restored it from its checkpoint).
+func (r *trainRun) calibrate() error {
+	if r.ckpt != "" || r.cfg.Quant != "nvfp4" {
+		return nil
+	}
+	if err := calibrate(r.s, r.cfg.CalibBatches, r.src, r.held, r.cfg.Data.SeqLen, &r.lopt, r.log); err != nil {
+		return err
+	}
+	r.st.QuantAmax = r.s.QuantAmax()
+	return nil
+}
+
+// openSinks writes the resolved config.yaml and opens metrics.jsonl
+// and the TensorBoard events.
+func (r *trainRun) openSinks() error {
+	if err := writeResolved(r.cfg); err != nil {
+		return err
+	}
+	mw, err := openMetrics(r.cfg, r.st.Step)
+	if err != nil {
+		return err
+	}
+	r.onClose(mw.close)
+	r.out = &sinks{mw: mw, log: r.log}
+	return nil
+}
+
+// openBatches starts the training order at the state's data position.
+func (r *trainRun) openBatches() error {
+	b, err := r.src.Batches(r.held, r.st.Epoch, r.st.EpochPos)
+	if err != nil {
+		return err
+	}
+	r.batches = b
+	r.onClose(b.Close)
+	if sm, ok := r.src.(summarizer); ok {
+		r.onClose(func() { fmt.Fprintln(r.log, sm.summary()) })
+	}
+	if r.ckpt != "" {
+		fmt.Fprintf(r.log, "resumed from %s at step %d (epoch %d, sample %d of its order)\n", r.ckpt, r.st.Step, r.st.Epoch, r.st.EpochPos)
+	}
+	return nil
+}
+
+// wire builds the loop's components from what setup made.
+func (r *trainRun) wire() {
+	r.out.prog = newProgress(r.log, r.cfg.Log.Progress, r.cfg.Log.Every, r.cfg.Train.MaxSteps)
+	r.out.prog.sft = r.info.NoTeacher
+	r.step = &stepper{s: r.s, ad: r.ad, lopt: &r.lopt, sched: r.cfg.Schedule(), maxNorm: r.cfg.Optim.MaxGradNorm,
+		teachers: r.info.Teachers, stop: r.stop, log: r.log}
+	r.eval = &evaluator{s: r.s, src: r.src, r: r.evalR, lopt: &r.lopt, teachers: r.info.Teachers, stop: r.stop}
+	r.ck.start(r.st, r.ckpt != "")
+	r.skips.lastGood = r.st.Step
+}
+
+// loop trains from the step after the state's to train.max_steps. Each
+// step takes its rows from the source, runs forward, loss and backward,
+// clips and updates, records its metrics, and evaluates and checkpoints
+// when due. A failure after step 1 saves the last finished step first.
+func (r *trainRun) loop() (*Result, error) {
+	cfg, ran := r.cfg, 0
+	for step := r.st.Step + 1; step <= cfg.Train.MaxSteps; step++ {
+		if r.stop.requested() {
+			return r.interrupt()
+		}
+		t0 := time.Now()
+		rows, sm, err := r.nextRows(t0)
+		if err != nil {
+			return r.fail(fmt.Errorf("step %d: %w", step, err))
+		}
+		if err := r.step.forwardBackward(step, rows, &sm); errors.Is(err, errStopped) {
+			return r.interrupt()
+		} else if err != nil {
+			return r.fail(fmt.Errorf("step %d: %w", step, err))
+		}
+		r.update(step, &sm)
+		r.advance(step, rows, &sm, t0)
+		if err := r.out.train(sm); err != nil {
+			return r.fail(err)
+		}
+		if ran++; r.o.StopAfter > 0 && ran == r.o.StopAfter {
+			return r.res, nil
+		}
+		if limit := cfg.Train.MaxSkippedSteps; limit > 0 && r.skips.n >= limit {
+			return r.diverged(step, limit)
+		}
+		last := step == cfg.Train.MaxSteps
+		if due(cfg.Eval.Every, step, last) {
+			if err := r.evaluate(step); errors.Is(err, errStopped) {
+				fmt.Fprintf(r.log, "eval of step %d abandoned\n", step)
+				return r.interrupt()
+			} else if err != nil {
+				return r.fail(fmt.Errorf("eval at step %d: %w", step, err))
+			}
+		}
+		if due(cfg.Checkpoint.Every, step, last) {
+			if err := r.save(); err != nil {
+				return r.res, err
+			}
+		}
+	}
+	r.out.clear()
+	fmt.Fprintf(r.log, "done: step %d, checkpoint %s\n", r.st.Step, r.res.Checkpoint)
+	return r.res, nil
+}
+
+// due reports whether a stage that runs every `every` steps (0: never)
+// and after the last runs at step.
+func due(every, step int, last bool) bool {
+	return (every > 0 && step%every == 0) || last
+}
+
+// nextRows takes the step's packed rows from the source; the step's
+// metrics start with the time it took (from t0) and, online, the wait
+// for the teachers.
+func (r *trainRun) nextRows(t0 time.Time) ([]*train.Batch, StepMetrics, error) {
+	var sm StepMetrics
+	rows, err := r.batches.Next(r.cfg.Data.GlobalBatchTokens)
+	if err != nil {
+		return nil, sm, err
+	}
+	sm.DataSeconds = time.Since(t0).Seconds()
+	if tw, ok := r.batches.(teacherWaiter); ok {
+		w, depth := tw.teacherWait()
+		sm.TeacherWaitSeconds, sm.QueueDepth = w.Seconds(), depth
+	}
+	return rows, sm, nil
+}
+
+// update clips and steps AdamW, or skips the update for a non-finite
+// gradient norm and says so; the run of skipped steps is counted.
+func (r *trainRun) update(step int, sm *StepMetrics) {
+	if r.step.update(step, sm) {
+		r.skips.n, r.skips.lastGood = 0, step
+		return
+	}
+	r.skips.n++
+	r.out.skipped(step, *sm)
+}
+
+// advance moves the state past step (steps, tokens, data position) and
+// completes the step's metrics, which the Result collects.
+func (r *trainRun) advance(step int, rows []*train.Batch, sm *StepMetrics, t0 time.Time) {
+	st := r.st
+	st.Step, st.OptSteps, st.Tokens = step, r.ad.Steps, st.Tokens+int64(sm.Tokens)
+	st.Epoch, st.EpochPos = r.batches.Position()
+	dt := time.Since(t0).Seconds()
+	sm.Type, sm.Step, sm.Epoch = "train", step, st.Epoch
+	sm.TokensPerSec = float64(sm.Tokens) / dt
+	sm.GFLOPs = stepFLOPs(r.s.Cfg, rows, sm.LossTokens) / dt / 1e9
+	sm.PeakMemBytes = peakMem()
+	sm.WallTime = float64(time.Now().UnixNano()) / 1e9
+	r.res.Steps = append(r.res.Steps, *sm)
+	r.res.Step = step
+}
+
+// evaluate runs the eval of step and records it.
+func (r *trainRun) evaluate(step int) error {
+	es, ok, err := r.eval.run()
+	if err != nil || !ok {
+		return err
+	}
+	r.res.Evals = append(r.res.Evals, es)
+	return r.out.eval(step, es)
+}
+
+// save writes the checkpoint of the state's step. Metrics first: a
+// checkpoint never refers to lines not on disk.
+func (r *trainRun) save() error {
+	if err := r.out.mw.flush(); err != nil {
+		return err
+	}
+	p, err := r.ck.save(r.s, r.ad, r.st, r.skips.n > 0)
+	if err != nil {
+		return err
+	}
+	r.res.Checkpoint = p
+	return nil
+}
+
+// fail ends the run on err after a checkpoint of the last finished step,
+// when there is one to write: the weights, moments and data position of
+// the state are consistent at every point where fail is called (an
+// abandoned step has changed none of them).
+func (r *trainRun) fail(err error) (*Result, error) {
+	r.out.clear()
+	if r.st.Step > r.ck.saved {
+		if serr := r.save(); serr != nil {
+			return r.res, fmt.Errorf("%w (and the checkpoint of step %d failed: %v)", err, r.st.Step, serr)
+		}
+		return r.res, fmt.Errorf("%w\n(step %d saved in %s: fix the cause, then rerun the same command to resume)", err, r.st.Step, r.res.Checkpoint)
+	}
+	return r.res, err
+}
+
+// interrupt ends the run for Options.Stop with a checkpoint of the last
+// finished step; the caller says why it stopped and how to resume.
+func (r *trainRun) interrupt() (*Result, error) {
+	r.out.clear()
+	r.res.Interrupted, r.res.Step = true, r.st.Step
+	if r.st.Step > r.ck.saved {
+		if err := r.save(); err != nil {
+			return r.res, err
+		}
+	}
+	return r.res, nil
+}
+
+// diverged ends a run whose last limit updates were all skipped, naming
+// the last good checkpoint, which retention kept.
+func (r *trainRun) diverged(step, limit int) (*Result, error) {
+	r.out.clear()
+	if err := r.out.mw.flush(); err != nil {
+		return r.res, err
+	}
+	n := r.skips.n
+	return r.res, fmt.Errorf("%w: steps %d to %d: %d consecutive updates skipped for a non-finite gradient norm (train.max_skipped_steps %d); the weights are those of step %d, and %s; lower optim.lr, set optim.max_grad_norm, or check the data of these steps",
+		ErrDiverged, step-n+1, step, n, limit, r.skips.lastGood, r.ck.lastGood())
+}

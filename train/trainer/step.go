@@ -1,0 +1,159 @@
+package trainer
+
+import (
+	"fmt"
+	"io"
+	"math"
+
+	"distill/cache"
+	"distill/train"
+	"distill/train/loss"
+	"distill/train/optim"
+)
+
+// stepper is one optimizer step over a step's packed rows: the forward,
+// loss and backward of each row, gradients accumulated over the step and
+// normalized by its count of loss positions (so the gradient is that of
+// the mean over the whole global batch, whatever the packing), then the
+// global gradient-norm clip and the AdamW update, which a non-finite
+// norm skips.
+type stepper struct {
+	s        *train.Student
+	ad       *optim.AdamW
+	lopt     *loss.Options
+	sched    optim.Schedule
+	maxNorm  float64
+	teachers []TeacherState // multi-teacher KD: their names and weights
+	stop     stopSignal
+	log      io.Writer
+}
+
+// forwardBackward accumulates the gradients of rows into the zeroed
+// gradients, and their losses into sm. Options.Stop abandons the step
+// between rows with errStopped, having changed neither weights nor
+// moments.
+func (sp *stepper) forwardBackward(step int, rows []*train.Batch, sm *StepMetrics) error {
+	total, tokens := 0, 0
+	for _, b := range rows {
+		total += counted(b)
+		tokens += len(b.Tokens)
+	}
+	sm.Tokens, sm.LossTokens, sm.Rows = tokens, total, len(rows)
+	sp.s.ZeroGrad()
+	var routed [][]int // MoE: per layer and expert, the step's choices
+	for i, b := range rows {
+		if testHookRow != nil {
+			testHookRow(step, i)
+		}
+		if sp.stop.requested() {
+			fmt.Fprintf(sp.log, "step %d abandoned (row %d of %d)\n", step, i, len(rows))
+			return errStopped
+		}
+		bs, err := sp.s.ForwardBackward(b, sp.lopt, float64(total))
+		if err != nil {
+			return err
+		}
+		sp.accumulate(sm, bs)
+		routed = addRouting(routed, sp.s.Routing().Counts)
+	}
+	sp.normalize(sm, total)
+	sm.ExpertShare, sm.ExpertShareByLayer = expertShares(routed)
+	return nil
+}
+
+// accumulate adds a row's losses to sm, weighted by its loss positions.
+func (sp *stepper) accumulate(sm *StepMetrics, bs loss.Stats) {
+	w := float64(bs.Tokens)
+	sm.Loss += bs.Loss * w
+	sm.KD += bs.KD * w
+	sm.CE += bs.CE * w
+	if sp.teachers != nil && sm.Teachers == nil {
+		sm.Teachers = make([]TeacherMetrics, len(sp.teachers))
+	}
+	for i, t := range bs.Teachers {
+		sm.Teachers[i].KD += t.KD * w
+		sm.Teachers[i].Top1 += t.Top1 * w
+	}
+	sm.AuxLoss += bs.Aux * w
+}
+
+// addRouting adds a row's MoE routing counts (per layer, per expert) to
+// the step's.
+func addRouting(routed, counts [][]int) [][]int {
+	for l, c := range counts {
+		if l == len(routed) {
+			routed = append(routed, make([]int, len(c)))
+		}
+		for e, v := range c {
+			routed[l][e] += v
+		}
+	}
+	return routed
+}
+
+// normalize turns the step's weighted sums into means over its total
+// loss positions, and names the teachers.
+func (sp *stepper) normalize(sm *StepMetrics, total int) {
+	if total > 0 {
+		sm.Loss, sm.KD, sm.CE = sm.Loss/float64(total), sm.KD/float64(total), sm.CE/float64(total)
+		sm.AuxLoss /= float64(total)
+		for i := range sm.Teachers {
+			sm.Teachers[i].KD /= float64(total)
+			sm.Teachers[i].Top1 /= float64(total)
+		}
+	}
+	nameTeachers(sm.Teachers, sp.teachers)
+}
+
+// update clips the gradients to optim.max_grad_norm and steps AdamW at
+// the schedule's learning rate, unless the norm is not finite: one bad
+// batch must not poison the weights, so the update is skipped (sm says
+// so) and the moments stay untouched. It reports whether it stepped.
+func (sp *stepper) update(step int, sm *StepMetrics) bool {
+	sm.GradNorm = optim.ClipGradNorm(sp.ad.Groups, sp.maxNorm)
+	sm.LR = sp.sched.LR(step)
+	if math.IsNaN(sm.GradNorm) || math.IsInf(sm.GradNorm, 0) {
+		sm.Skipped = true
+		return false
+	}
+	sp.ad.Step(sm.LR)
+	return true
+}
+
+// calibrate switches NVFP4 QAD on and calibrates the amax on the first n
+// packed rows of the training order (a separate pass over the order, so
+// training then sees the same data with or without QAD).
+func calibrate(s *train.Student, n int, src Source, held cache.Range, seqLen int, lopt *loss.Options, log io.Writer) error {
+	if err := s.EnableQAD(); err != nil {
+		return err
+	}
+	cs, err := src.Batches(held, 0, 0)
+	if err != nil {
+		return err
+	}
+	defer cs.Close()
+	done := 0
+	for done < n {
+		rows, err := cs.Next(seqLen)
+		if err != nil {
+			return fmt.Errorf("NVFP4 calibration: %w", err)
+		}
+		for _, b := range rows {
+			if done == n {
+				break
+			}
+			if _, err := s.Forward(b, lopt); err != nil {
+				return fmt.Errorf("NVFP4 calibration: %w", err)
+			}
+			done++
+		}
+	}
+	if err := s.FinishCalibration(); err != nil {
+		return err
+	}
+	fmt.Fprintf(log, "NVFP4: calibrated amax on %d rows, frozen\n", done)
+	return nil
+}
+
+// testHookRow, when set (tests), runs before each row of a step.
+var testHookRow func(step, row int)
