@@ -413,16 +413,56 @@ func (p *teacherPool) checkInfo(r *replica, in *pb.InfoResponse) error {
 func (p *teacherPool) session(r *replica) (progress bool, err error) {
 	ctx, cancel := context.WithCancel(p.ctx)
 	defer cancel()
-	ictx, icancel := context.WithTimeout(ctx, 30*time.Second)
-	in, err := r.cl.Info(ictx, &pb.InfoRequest{})
-	icancel()
+	if err := p.checkReplica(ctx, r); err != nil {
+		return false, err
+	}
+	stream, err := r.cl.Score(ctx)
 	if err != nil {
 		return false, err
 	}
 	p.mu.Lock()
+	p.setUp(r)
+	p.mu.Unlock()
+
+	// The sender takes jobs while fewer than the window are in flight;
+	// this goroutine receives the answers in order.
+	fl := &flight{slots: make(chan struct{}, p.window)}
+	wake := context.AfterFunc(ctx, func() { p.mu.Lock(); p.cond.Broadcast(); p.mu.Unlock() })
+	defer wake()
+	var swg sync.WaitGroup
+	swg.Add(1)
+	go func() {
+		defer swg.Done()
+		p.send(ctx, cancel, stream, fl)
+	}()
+	progress, rerr := p.receive(r, stream, fl)
+	cancel()
+	swg.Wait()
+	return progress, p.endSession(r, fl, rerr)
+}
+
+// flight is a Score stream's jobs sent and not answered yet, in the
+// order sent, shared by its sender and its receiver; slots bounds them.
+type flight struct {
+	mu      sync.Mutex
+	jobs    []*scoreJob
+	sendErr error // why the sender stopped, if it failed
+	slots   chan struct{}
+}
+
+// checkReplica asks r's Info and checks it (checkInfo); the first
+// replica's answer becomes the pool's reference.
+func (p *teacherPool) checkReplica(ctx context.Context, r *replica) error {
+	ictx, icancel := context.WithTimeout(ctx, 30*time.Second)
+	in, err := r.cl.Info(ictx, &pb.InfoRequest{})
+	icancel()
+	if err != nil {
+		return err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
 	if err := p.checkInfo(r, in); err != nil {
-		p.mu.Unlock()
-		return false, err
+		return err
 	}
 	if p.info == nil {
 		p.info = in
@@ -432,124 +472,132 @@ func (p *teacherPool) session(r *replica) (progress bool, err error) {
 	}
 	r.checked = true
 	p.cond.Broadcast()
-	p.mu.Unlock()
-	stream, err := r.cl.Score(ctx)
-	if err != nil {
-		return false, err
-	}
-	p.mu.Lock()
-	p.setUp(r)
-	p.mu.Unlock()
+	return nil
+}
 
-	// The sender takes jobs while fewer than replicaWindow are in flight;
-	// this goroutine receives the answers in order.
-	var (
-		fmu      sync.Mutex
-		inflight []*scoreJob
-		sendErr  error
-	)
-	slots := make(chan struct{}, p.window)
-	wake := context.AfterFunc(ctx, func() { p.mu.Lock(); p.cond.Broadcast(); p.mu.Unlock() })
-	defer wake()
-	var swg sync.WaitGroup
-	swg.Add(1)
-	go func() {
-		defer swg.Done()
-		var id int64
-		for {
-			select {
-			case slots <- struct{}{}:
-			case <-ctx.Done():
-				return
-			}
-			p.mu.Lock()
-			for len(p.queue) == 0 && ctx.Err() == nil {
-				p.cond.Wait()
-			}
-			if ctx.Err() != nil {
-				p.mu.Unlock()
-				return
-			}
-			j := p.queue[0]
-			p.queue[0] = nil
-			p.queue = p.queue[1:]
-			fmu.Lock()
-			inflight = append(inflight, j)
-			fmu.Unlock()
-			p.mu.Unlock()
-			k := p.k
-			if err := stream.Send(&pb.ScoreRequest{Id: id, Tokens: j.s.Tokens, K: &k, Temperature: p.temp}); err != nil {
-				fmu.Lock()
-				sendErr = err
-				fmu.Unlock()
-				cancel()
-				return
-			}
-			id++
+// send takes queued jobs onto the stream while a slot is free, until ctx
+// ends or a send fails (then it cancels the session).
+func (p *teacherPool) send(ctx context.Context, cancel context.CancelFunc, stream pb.Teacher_ScoreClient, fl *flight) {
+	var id int64
+	for {
+		select {
+		case fl.slots <- struct{}{}:
+		case <-ctx.Done():
+			return
 		}
-	}()
+		j := p.nextJob(ctx, fl)
+		if j == nil {
+			return
+		}
+		k := p.k
+		if err := stream.Send(&pb.ScoreRequest{Id: id, Tokens: j.s.Tokens, K: &k, Temperature: p.temp}); err != nil {
+			fl.mu.Lock()
+			fl.sendErr = err
+			fl.mu.Unlock()
+			cancel()
+			return
+		}
+		id++
+	}
+}
+
+// nextJob waits for a queued job and moves it into flight (nil once ctx
+// ends).
+func (p *teacherPool) nextJob(ctx context.Context, fl *flight) *scoreJob {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for len(p.queue) == 0 && ctx.Err() == nil {
+		p.cond.Wait()
+	}
+	if ctx.Err() != nil {
+		return nil
+	}
+	j := p.queue[0]
+	p.queue[0] = nil
+	p.queue = p.queue[1:]
+	fl.mu.Lock()
+	fl.jobs = append(fl.jobs, j)
+	fl.mu.Unlock()
+	return j
+}
+
+// receive takes the stream's answers in order, each for the oldest job
+// in flight, until the stream fails or an answer is wrong.
+func (p *teacherPool) receive(r *replica, stream pb.Teacher_ScoreClient, fl *flight) (progress bool, err error) {
 	var recvID int64
 	for {
-		res, rerr := stream.Recv()
-		if rerr == nil {
-			var j *scoreJob
-			fmu.Lock()
-			if len(inflight) == 0 {
-				rerr = status.Errorf(codes.Internal, "teacher %s at %s answered sample id %d that was not asked", p.name, r.addr, res.GetId())
-			} else if verr := checkAnswer(inflight[0].s, res, recvID, p.k); verr != nil {
-				rerr = status.Errorf(codes.Internal, "teacher %s at %s: %v", p.name, r.addr, verr)
-			} else {
-				j = inflight[0]
-				inflight = inflight[1:]
-			}
-			fmu.Unlock()
-			if rerr == nil {
-				j.s.TopKIDs, j.s.TopKLogProbs = res.GetIds(), res.GetLogprobs()
-				recvID++
-				progress = true
-				p.mu.Lock()
-				p.asked++
-				p.mu.Unlock()
-				if j.then != nil {
-					j.then(j)
-				}
-				close(j.done)
-				<-slots
-				n := r.answers.Add(1)
-				if testHookAnswer != nil {
-					testHookAnswer(r.addr, n)
-				}
-				if testHookAnswered != nil {
-					testHookAnswered(j.s.Index)
-				}
-				continue
-			}
+		res, err := stream.Recv()
+		if err != nil {
+			return progress, err
 		}
-		cancel()
-		swg.Wait()
-		fmu.Lock()
-		if sendErr != nil && (rerr == nil || errors.Is(rerr, io.EOF)) {
-			rerr = sendErr
+		var j *scoreJob
+		fl.mu.Lock()
+		if len(fl.jobs) == 0 {
+			err = status.Errorf(codes.Internal, "teacher %s at %s answered sample id %d that was not asked", p.name, r.addr, res.GetId())
+		} else if verr := checkAnswer(fl.jobs[0].s, res, recvID, p.k); verr != nil {
+			err = status.Errorf(codes.Internal, "teacher %s at %s: %v", p.name, r.addr, verr)
+		} else {
+			j = fl.jobs[0]
+			fl.jobs = fl.jobs[1:]
 		}
-		back := inflight
-		inflight = nil
-		fmu.Unlock()
-		p.mu.Lock()
-		p.queue = append(back, p.queue...)
-		p.cond.Broadcast()
-		p.mu.Unlock()
-		if errors.Is(rerr, io.EOF) {
-			rerr = status.Error(codes.Unavailable, "the daemon ended the Score stream")
+		fl.mu.Unlock()
+		if err != nil {
+			return progress, err
 		}
-		if status.Code(rerr) == codes.InvalidArgument && len(back) > 0 {
-			s := back[0].s
-			return progress, fmt.Errorf("%w: teacher %s at %s refused sample %d (%d tokens): %v", ErrTeachers, p.name, r.addr, s.Index, len(s.Tokens), status.Convert(rerr).Message())
-		}
-		if c := status.Code(rerr); c == codes.Unauthenticated || c == codes.PermissionDenied {
-			return progress, fmt.Errorf("%w: teacher %s at %s: %v: give the daemon's bearer token in distill.token_file (or $DISTILL_TOKEN)", ErrTeachers, p.name, r.addr, status.Convert(rerr).Message())
-		}
-		return progress, rerr
+		j.s.TopKIDs, j.s.TopKLogProbs = res.GetIds(), res.GetLogprobs()
+		recvID++
+		progress = true
+		p.deliver(r, j, fl)
 	}
+}
+
+// deliver completes an answered job: counted, its then run, its done
+// closed, its slot freed.
+func (p *teacherPool) deliver(r *replica, j *scoreJob, fl *flight) {
+	p.mu.Lock()
+	p.asked++
+	p.mu.Unlock()
+	if j.then != nil {
+		j.then(j)
+	}
+	close(j.done)
+	<-fl.slots
+	n := r.answers.Add(1)
+	if testHookAnswer != nil {
+		testHookAnswer(r.addr, n)
+	}
+	if testHookAnswered != nil {
+		testHookAnswered(j.s.Index)
+	}
+}
+
+// endSession puts the jobs still in flight back at the front of the
+// queue, for the other replicas and for r once it is back, and says why
+// the session ended: a refused sample or credentials end the run
+// (ErrTeachers); other errors are retried.
+func (p *teacherPool) endSession(r *replica, fl *flight, rerr error) error {
+	fl.mu.Lock()
+	if fl.sendErr != nil && (rerr == nil || errors.Is(rerr, io.EOF)) {
+		rerr = fl.sendErr
+	}
+	back := fl.jobs
+	fl.jobs = nil
+	fl.mu.Unlock()
+	p.mu.Lock()
+	p.queue = append(back, p.queue...)
+	p.cond.Broadcast()
+	p.mu.Unlock()
+	if errors.Is(rerr, io.EOF) {
+		rerr = status.Error(codes.Unavailable, "the daemon ended the Score stream")
+	}
+	if status.Code(rerr) == codes.InvalidArgument && len(back) > 0 {
+		s := back[0].s
+		return fmt.Errorf("%w: teacher %s at %s refused sample %d (%d tokens): %v", ErrTeachers, p.name, r.addr, s.Index, len(s.Tokens), status.Convert(rerr).Message())
+	}
+	if c := status.Code(rerr); c == codes.Unauthenticated || c == codes.PermissionDenied {
+		return fmt.Errorf("%w: teacher %s at %s: %v: give the daemon's bearer token in distill.token_file (or $DISTILL_TOKEN)", ErrTeachers, p.name, r.addr, status.Convert(rerr).Message())
+	}
+	return rerr
 }
 
 // checkAnswer checks a Score response against its request.
