@@ -77,7 +77,6 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 		return nil, fmt.Errorf("--format nvfp4: %s was not trained with quant: nvfp4 (no calibrated amax); train with QAD or export bf16", src)
 	}
 	rep := &ExportReport{}
-	var tokDir string
 	// tmpl is the chat template the run rendered its samples with when
 	// it overrode the tokenizer's (data.dataset.chat_template).
 	tmpl, err := runChatTemplate(src, st)
@@ -87,109 +86,25 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 	if tmpl != "" && !o.NoTokenizer {
 		rep.ChatTemplate = "the run's data.dataset.chat_template"
 	}
-	var genDirs []string // generation_config.json from the first that has one
-	var tk *tokenizer.Tokenizer
-	switch {
-	case o.NoTokenizer:
-		rep.Note = "tokenizer files not copied (--no-tokenizer)"
-	case st == nil:
-		// A plain HF directory: its own tokenizer and generation config.
-		tokDir, genDirs = src, []string{src}
-		if _, err := os.Stat(filepath.Join(src, "tokenizer.json")); err != nil {
-			tokDir, rep.Note = "", fmt.Sprintf("%s has no tokenizer.json: no tokenizer files copied", src)
-		}
-	case st.TokenizerDir == "":
-		genDirs = []string{st.InitFrom}
-		rep.Note = fmt.Sprintf("the run knows only its tokenizer's fingerprint %s (no model.tokenizer directory): copy tokenizer.json and tokenizer_config.json into %s yourself", st.TokenizerFingerprint, out)
-	default:
-		tokDir, genDirs = st.TokenizerDir, []string{st.InitFrom, st.TokenizerDir}
-		t, err := tokenizer.Load(tokDir)
-		tk = t
-		if err != nil {
-			return nil, fmt.Errorf("the run's tokenizer directory %s: %w: restore it, or give --no-tokenizer to export the weights alone", tokDir, err)
-		}
-		if tk.Fingerprint() != st.TokenizerFingerprint {
-			return nil, fmt.Errorf("the run's tokenizer directory %s now holds tokenizer %s, but the run was trained with %s: restore it, or give --no-tokenizer to export the weights alone",
-				tokDir, tk.Fingerprint(), st.TokenizerFingerprint)
-		}
+	et, err := exportTokenizer(src, out, st, o, rep)
+	if err != nil {
+		return nil, err
 	}
 	err = model.WriteDir(out, o.Force, func(tmp string) error {
-		switch o.Format {
-		case "nvfp4":
-			if err := s.WriteNVFP4(tmp); err != nil {
-				return err
-			}
-		default:
-			if err := s.WriteHF(tmp, dt[o.Format]); err != nil {
-				return err
-			}
+		var err error
+		if o.Format == "nvfp4" {
+			err = s.WriteNVFP4(tmp)
+		} else {
+			err = s.WriteHF(tmp, dt[o.Format])
 		}
-		if tokDir != "" {
-			n := 0
-			for _, f := range tokenizerFiles {
-				ok, err := copyIfExists(filepath.Join(tokDir, f), filepath.Join(tmp, f))
-				if err != nil {
-					return err
-				}
-				if ok {
-					n++
-				}
-			}
-			if n > 0 {
-				rep.TokenizerFrom = tokDir
-			}
-			if err := carryChatTemplate(tmp, tmpl); err != nil {
-				return err
-			}
-		} else if tmpl != "" && !o.NoTokenizer {
-			// No tokenizer files to carry it: the template alone, which
-			// transformers reads beside the tokenizer files copied later.
-			if err := os.WriteFile(filepath.Join(tmp, "chat_template.jinja"), []byte(tmpl), 0o644); err != nil {
-				return err
-			}
+		if err != nil {
+			return err
 		}
-		for _, d := range genDirs {
-			if d == "" {
-				continue
-			}
-			ok, err := copyIfExists(filepath.Join(d, "generation_config.json"), filepath.Join(tmp, "generation_config.json"))
-			if err != nil {
-				return err
-			}
-			if ok {
-				rep.GenerationConfig = "copied from " + d
-				break
-			}
+		if err := et.copyFiles(tmp, tmpl, o, rep); err != nil {
+			return err
 		}
-		if rep.GenerationConfig == "" && !o.NoTokenizer {
-			// No source had one (a random-init student): HF's
-			// from_model_config, with the tokenizer's EOS where
-			// config.json has none.
-			g := map[string]any{"_from_model_config": true}
-			if s.Cfg.BOSTokenID >= 0 {
-				g["bos_token_id"] = s.Cfg.BOSTokenID
-			}
-			eos := s.Cfg.EOSTokenID
-			if eos < 0 && tk != nil {
-				if id, ok := tk.TokenID(tk.EOS()); ok {
-					eos = int(id)
-				}
-			}
-			if eos >= 0 {
-				g["eos_token_id"] = eos
-				b, err := json.MarshalIndent(g, "", "  ")
-				if err != nil {
-					return err
-				}
-				if err := os.WriteFile(filepath.Join(tmp, "generation_config.json"), append(b, '\n'), 0o644); err != nil {
-					return err
-				}
-				rep.GenerationConfig = "written from config.json and the tokenizer (no source had one)"
-			} else {
-				rep.GenerationConfig = "not written: no source had one, and neither config.json nor a tokenizer names an EOS token"
-			}
-		} else if o.NoTokenizer {
-			rep.GenerationConfig = "not written (--no-tokenizer)"
+		if err := et.generationConfig(tmp, s.Cfg, o, rep); err != nil {
+			return err
 		}
 		ents, err := os.ReadDir(tmp)
 		if err != nil {
@@ -205,6 +120,121 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 		return nil, err
 	}
 	return rep, nil
+}
+
+// exportTok is where an export's tokenizer files and generation config
+// come from.
+type exportTok struct {
+	dir     string               // the tokenizer files' directory ("": none to copy)
+	genDirs []string             // generation_config.json from the first that has one
+	tk      *tokenizer.Tokenizer // the run's tokenizer, when its directory is known
+}
+
+// exportTokenizer finds the tokenizer of the student at src (st: its
+// run's state; nil for a plain HF directory), checking that a run's
+// tokenizer directory still holds the tokenizer it trained with.
+func exportTokenizer(src, out string, st *State, o ExportOptions, rep *ExportReport) (*exportTok, error) {
+	et := &exportTok{}
+	switch {
+	case o.NoTokenizer:
+		rep.Note = "tokenizer files not copied (--no-tokenizer)"
+	case st == nil:
+		// A plain HF directory: its own tokenizer and generation config.
+		et.dir, et.genDirs = src, []string{src}
+		if _, err := os.Stat(filepath.Join(src, "tokenizer.json")); err != nil {
+			et.dir, rep.Note = "", fmt.Sprintf("%s has no tokenizer.json: no tokenizer files copied", src)
+		}
+	case st.TokenizerDir == "":
+		et.genDirs = []string{st.InitFrom}
+		rep.Note = fmt.Sprintf("the run knows only its tokenizer's fingerprint %s (no model.tokenizer directory): copy tokenizer.json and tokenizer_config.json into %s yourself", st.TokenizerFingerprint, out)
+	default:
+		et.dir, et.genDirs = st.TokenizerDir, []string{st.InitFrom, st.TokenizerDir}
+		tk, err := tokenizer.Load(et.dir)
+		et.tk = tk
+		if err != nil {
+			return nil, fmt.Errorf("the run's tokenizer directory %s: %w: restore it, or give --no-tokenizer to export the weights alone", et.dir, err)
+		}
+		if tk.Fingerprint() != st.TokenizerFingerprint {
+			return nil, fmt.Errorf("the run's tokenizer directory %s now holds tokenizer %s, but the run was trained with %s: restore it, or give --no-tokenizer to export the weights alone",
+				et.dir, tk.Fingerprint(), st.TokenizerFingerprint)
+		}
+	}
+	return et, nil
+}
+
+// copyFiles copies the tokenizer files into tmp, with the run's chat
+// template (tmpl) where it overrode the tokenizer's.
+func (et *exportTok) copyFiles(tmp, tmpl string, o ExportOptions, rep *ExportReport) error {
+	if et.dir == "" {
+		if tmpl != "" && !o.NoTokenizer {
+			// No tokenizer files to carry it: the template alone, which
+			// transformers reads beside the tokenizer files copied later.
+			return os.WriteFile(filepath.Join(tmp, "chat_template.jinja"), []byte(tmpl), 0o644)
+		}
+		return nil
+	}
+	n := 0
+	for _, f := range tokenizerFiles {
+		ok, err := copyIfExists(filepath.Join(et.dir, f), filepath.Join(tmp, f))
+		if err != nil {
+			return err
+		}
+		if ok {
+			n++
+		}
+	}
+	if n > 0 {
+		rep.TokenizerFrom = et.dir
+	}
+	return carryChatTemplate(tmp, tmpl)
+}
+
+// generationConfig copies generation_config.json from the first of the
+// source directories that has one, or writes HF's from_model_config
+// (config.json's BOS and EOS, the tokenizer's EOS where config.json has
+// none) for a random-init student.
+func (et *exportTok) generationConfig(tmp string, mc *model.Config, o ExportOptions, rep *ExportReport) error {
+	for _, d := range et.genDirs {
+		if d == "" {
+			continue
+		}
+		ok, err := copyIfExists(filepath.Join(d, "generation_config.json"), filepath.Join(tmp, "generation_config.json"))
+		if err != nil {
+			return err
+		}
+		if ok {
+			rep.GenerationConfig = "copied from " + d
+			return nil
+		}
+	}
+	if o.NoTokenizer {
+		rep.GenerationConfig = "not written (--no-tokenizer)"
+		return nil
+	}
+	g := map[string]any{"_from_model_config": true}
+	if mc.BOSTokenID >= 0 {
+		g["bos_token_id"] = mc.BOSTokenID
+	}
+	eos := mc.EOSTokenID
+	if eos < 0 && et.tk != nil {
+		if id, ok := et.tk.TokenID(et.tk.EOS()); ok {
+			eos = int(id)
+		}
+	}
+	if eos < 0 {
+		rep.GenerationConfig = "not written: no source had one, and neither config.json nor a tokenizer names an EOS token"
+		return nil
+	}
+	g["eos_token_id"] = eos
+	b, err := json.MarshalIndent(g, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(tmp, "generation_config.json"), append(b, '\n'), 0o644); err != nil {
+		return err
+	}
+	rep.GenerationConfig = "written from config.json and the tokenizer (no source had one)"
+	return nil
 }
 
 // copyIfExists copies src to dst; a missing src is not an error (false).
