@@ -1,11 +1,9 @@
 package trainer
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"math"
-	"os"
 	"path/filepath"
 	"testing"
 
@@ -117,10 +115,9 @@ func TestStubSource(t *testing.T) {
 	if es := full.Evals[1]; es.Samples != 16 || es.Tokens == 0 || !(es.CE < full.Evals[0].CE) {
 		t.Fatalf("evals %+v: want the 16 held-out samples, CE falling", full.Evals)
 	}
-	var st State
-	sb, err := os.ReadFile(filepath.Join(full.Checkpoint, "state.json"))
-	if err != nil || json.Unmarshal(sb, &st) != nil {
-		t.Fatalf("state.json: %v", err)
+	_, st, err := LoadStudent(full.Checkpoint)
+	if err != nil {
+		t.Fatal(err)
 	}
 	// 10 steps of 150 tokens over samples 16..69 of 8..16 tokens each:
 	// the order wrapped into epoch 1 at least once.
