@@ -42,6 +42,21 @@
 //
 // Shapes are row-major and given in comments as (rows, cols).
 //
+// # Activation dtype
+//
+// A backend chooses the element type of the activations (ActDType): F32
+// on the CPU backend, BF16 on the CUDA backend (half the bytes to store
+// and to move, and no rounding pass before each GEMM or attention call).
+// The decoder stores in it the tensors that feed GEMMs, attention and the
+// elementwise kernels: the norms' outputs, q, k, v, the attention output,
+// the MLP's gate, up and h, and their NVFP4 fake-quantized copies. It
+// keeps in F32 the residual stream, the statistics (rstd, lse), the
+// RoPE tables, every gradient, and the input of an MoE block (its router
+// runs in fp32). The operands that may be in the activation dtype are
+// marked "(act)" below. A backend computes in fp32 whatever they hold and
+// rounds each element once when it stores it; a backend whose ActDType
+// is F32 may refuse BF16 there.
+//
 // Two rules say what a kernel does to its outputs, and every method states
 // which applies:
 //
@@ -74,6 +89,14 @@ const (
 	I32               // int32
 )
 
+// Size is the bytes of one element.
+func (d DType) Size() int {
+	if d == BF16 {
+		return 2
+	}
+	return 4
+}
+
 func (d DType) String() string {
 	switch d {
 	case F32:
@@ -97,6 +120,9 @@ type Tensor interface {
 type Backend interface {
 	// Name is "cpu" or "cuda".
 	Name() string
+	// ActDType is the element type the backend wants activations in (see
+	// the package doc): F32 or BF16.
+	ActDType() DType
 
 	// --- Memory.
 
@@ -119,10 +145,11 @@ type Backend interface {
 	Zero(t Tensor)
 	// Copy: dst[0:src.Len()) = src, same dtype; they must not overlap.
 	Copy(dst, src Tensor)
-	// WriteF32 copies host data into t[0:len(src)) (t is F32).
+	// WriteF32 copies host data into t[0:len(src)) (t is F32, or on a
+	// backend whose ActDType is BF16 also BF16: rounded to nearest even).
 	WriteF32(t Tensor, src []float32)
 	// ReadF32 and ReadI32 copy t[0:len(dst)) to the host, after all issued
-	// work.
+	// work (ReadF32 widens a BF16 t).
 	ReadF32(t Tensor, dst []float32)
 	ReadI32(t Tensor, dst []int32)
 	// Free releases a tensor; using it (or a view of it) afterwards is an
@@ -131,31 +158,33 @@ type Backend interface {
 
 	// --- Forward kernels (=).
 
-	// MatMul: x (m,k), w (n,k), bias (n) or nil -> out (m,n) = x·wᵀ + bias.
-	// This is the layout of torch.nn.Linear weights.
+	// MatMul: x (m,k) (act), w (n,k), bias (n) or nil -> out (m,n) (act)
+	// = x·wᵀ + bias. This is the layout of torch.nn.Linear weights. A BF16
+	// out is the fp32 result (bias included) rounded once.
 	MatMul(out, x, w, bias Tensor, m, n, k int)
 	// Embed: table (vocab,dim), ids (n) I32 -> out (n,dim). Ids are
 	// trusted: callers validate them against the vocabulary.
 	Embed(out, table, ids Tensor, n, dim int)
-	// RMSNorm: x (rows,dim), w (dim) -> out (rows,dim) in fp32 (HF's
+	// RMSNorm: x (rows,dim) (act), w (dim) -> out (rows,dim) (act), in fp32 (HF's
 	// LlamaRMSNorm): out = x·rstd·w, rstd = 1/sqrt(mean(x²)+eps), the mean
 	// of squares accumulated in float64 and rounded to fp32. rstd (rows)
 	// receives the statistics for the backward, or is nil. out may alias x.
 	RMSNorm(out, rstd, x, w Tensor, rows, dim int, eps float32)
-	// RoPE rotates x (tokens, heads, headDim) in place, rotate-half
+	// RoPE rotates x (tokens, heads, headDim) (act) in place, rotate-half
 	// convention (HF apply_rotary_pos_emb): for i < headDim/2, with
 	// c, s = cos, sin (tokens, headDim/2) at the token,
 	// x[i], x[i+hd/2] = x[i]·c - x[i+hd/2]·s, x[i+hd/2]·c + x[i]·s.
 	RoPE(x, cos, sin Tensor, tokens, heads, headDim int)
 	// Attention: packed variable-length causal attention with GQA.
-	// q (tokens, nHead, hd), k and v (tokens, nKV, hd); the samples are the
+	// q (tokens, nHead, hd), k and v (tokens, nKV, hd), all (act); the samples are the
 	// token ranges [starts[i], starts[i+1]) of starts (nSeq+1) I32; a token
 	// attends to itself and earlier tokens of its own sample only; query
-	// head h reads kv head h/(nHead/nKV). out (tokens, nHead, hd). maxLen
+	// head h reads kv head h/(nHead/nKV). out (tokens, nHead, hd) (act). maxLen
 	// is the longest sample. lse (tokens, nHead) receives the log-sum-exp
 	// of each query row's scaled scores, for the backward, or is nil.
 	Attention(out, lse, q, k, v, starts Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32)
-	// SwiGLU: out (n) = silu(gate)·up. out may alias gate.
+	// SwiGLU: out (n) = silu(gate)·up, all three (act). out may alias gate
+	// (of the same dtype).
 	SwiGLU(out, gate, up Tensor, n int)
 	// Add: a (n) += b (n), the residual connection.
 	Add(a, b Tensor, n int)
@@ -174,7 +203,7 @@ type Backend interface {
 	// scattered back. Under NVFP4 QAD (m.InAmax > 0, m.HAmax > 0) the
 	// experts' inputs are fake-quantized, the router's are not.
 	MoEForward(out, x Tensor, m *MoEWeights, s *MoESaved, tokens int)
-	// LMHeadTopK: x (tokens, hidden), w (vocab, hidden). For each token it
+	// LMHeadTopK: x (tokens, hidden) (act), w (vocab, hidden). For each token it
 	// computes the logits over the whole vocabulary in tiles, keeping a
 	// running top-k and log-sum-exp, and writes ids (tokens,k) I32 sorted
 	// by descending logit (ties: lower id first) and logprobs (tokens,k) F32
@@ -183,7 +212,7 @@ type Backend interface {
 
 	// --- Backward kernels (+=; dX is the gradient of the loss w.r.t. X).
 
-	// MatMulBackward of out = x·wᵀ + bias: dout (m,n), x (m,k), w (n,k) ->
+	// MatMulBackward of out = x·wᵀ + bias: dout (m,n), x (m,k) (act), w (n,k) ->
 	// dx (m,k) += dout·w, dw (n,k) += doutᵀ·x, dbias (n) += Σ_rows dout.
 	// dx and dbias may be nil (not needed). x and w must be what the
 	// forward multiplied (under NVFP4 fake quantization, the quantized
@@ -192,7 +221,7 @@ type Backend interface {
 	// EmbedBackward: dout (n,dim), ids (n) -> dtable (vocab,dim) +=, each
 	// row of dout added to the row of its id.
 	EmbedBackward(dtable, dout, ids Tensor, n, dim int)
-	// RMSNormBackward: dout, x (rows,dim), w (dim), rstd (rows) saved by
+	// RMSNormBackward: dout, x (rows,dim) (x: act), w (dim), rstd (rows) saved by
 	// the forward -> dx (rows,dim) +=, dw (dim) +=. With xh = x·rstd:
 	// dw += Σ_rows dout·xh; dx += rstd·(dout·w - xh·mean(dout·w·xh)).
 	// dx must not alias dout.
@@ -201,14 +230,15 @@ type Backend interface {
 	// the rotation is orthogonal, so its backward is the rotation by
 	// -angle. It overwrites, the one exception to +=.
 	RoPEBackward(dx, cos, sin Tensor, tokens, heads, headDim int)
-	// AttentionBackward: dout (tokens,nHead,hd), q, k, v, starts and lse as
-	// in the forward, out (tokens,nHead,hd) the forward's output -> dq
+	// AttentionBackward: dout (tokens,nHead,hd), q, k, v (act), starts and
+	// lse as in the forward, out (tokens,nHead,hd) (act) the forward's
+	// output -> dq
 	// (tokens,nHead,hd) +=, dk, dv (tokens,nKV,hd) +=. The probabilities
 	// are recomputed from lse, never stored; out gives the softmax
 	// backward's row term Σ dout·out without recomputing the forward (a
 	// backend may ignore it and compute the term from P).
 	AttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, starts Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32)
-	// SwiGLUBackward: dout, gate, up (n) -> dgate (n) +=, dup (n) +=, with
+	// SwiGLUBackward: dout, gate, up (n) (gate, up: act) -> dgate (n) +=, dup (n) +=, with
 	// silu'(g) = σ(g)·(1 + g·(1-σ(g))).
 	SwiGLUBackward(dgate, dup, dout, gate, up Tensor, n int)
 	// MoEBackward of MoEForward: dout (tokens,hidden), x, m and s as the
@@ -240,9 +270,10 @@ type Backend interface {
 
 	// --- NVFP4 quantization-aware training.
 
-	// AbsMax returns max |x| over x[0:n) (calibration). It synchronizes.
+	// AbsMax returns max |x| over x[0:n) (act) (calibration). It
+	// synchronizes.
 	AbsMax(x Tensor, n int) float32
-	// FakeQuantNVFP4: src (rows,cols) -> dst (rows,cols), NVFP4 fake
+	// FakeQuantNVFP4: src (rows,cols) (act) -> dst (rows,cols) (act), NVFP4 fake
 	// quantization with the per-tensor amax, 16-element blocks along each
 	// row, exactly as NVFP4FakeQuant defines it. dst may alias src. Its
 	// backward is the identity (straight-through): callers use dst as the
@@ -265,7 +296,7 @@ type Backend interface {
 // counted positions of a packed batch. [M x V] logits are never held: a
 // backend holds M x TileCols of them at a time.
 type LossHead struct {
-	X, W       Tensor // (N,C) final hidden states, (V,C) LM head
+	X, W       Tensor // (N,C) final hidden states (act), (V,C) LM head
 	Rows       Tensor // (M) I32: the counted positions, rows of X
 	Labels     Tensor // (M) I32: each position's label id
 	TopIDs     Tensor // (M,K) I32: each position's teacher ids, ascending, distinct; nil when K = 0

@@ -9,7 +9,7 @@ import (
 
 // ActivationBytes bounds what one Forward over tokens tokens (longest
 // sample maxLen, top-k) allocates beside the weights: the decoder's
-// activations (decoder.Model.ActivationFloats), the host copies of the
+// activations (decoder.Model.ActivationBytes), the host copies of the
 // result and of the batch, and the backend's kernel scratch when it
 // reports it (compute.ScratchReporter; the CPU backend does). TopK never
 // forwards more than Options.TokenBudget tokens at once, so with n =
@@ -20,7 +20,7 @@ import (
 func (m *Model) ActivationBytes(tokens, maxLen, k int) int64 {
 	c := m.Cfg
 	n := int64(tokens)
-	b := 4 * m.d.ActivationFloats(tokens, k)
+	b := m.d.ActivationBytes(tokens, k)
 	b += 4 * 2 * n * int64(k)     // host copies of the top-k (the result)
 	b += 4 * (2*n + 1)            // host tokens and starts
 	b += 4 * n * int64(c.HeadDim) // host RoPE table before its upload
@@ -53,7 +53,7 @@ func (m *Model) DeviceBytes(tokens, maxLen, k int) int64 {
 	if c.NumExperts > 0 {
 		s.Experts, s.TopK, s.MoEIntermediate = c.NumExperts, c.ExpertsPerTok, c.MoEIntermediate
 	}
-	return 4*m.d.ActivationFloats(tokens, k) + dm.ForwardScratchBytes(s)
+	return m.d.ActivationBytes(tokens, k) + dm.ForwardScratchBytes(s)
 }
 
 // deviceReserve is the device memory CheckDeviceFit leaves unplanned: the

@@ -3,6 +3,7 @@ package train
 import (
 	"fmt"
 
+	"distill/compute"
 	"distill/model"
 	"distill/model/decoder"
 )
@@ -49,6 +50,10 @@ type PlanShape struct {
 	QAD bool
 	// Recompute is the activation recomputation mode.
 	Recompute decoder.Recompute
+	// Activations is the backend's activation dtype (compute.Backend's
+	// ActDType): compute.BF16 on the CUDA backend by default; the zero
+	// value is compute.F32.
+	Activations compute.DType
 }
 
 // PlanTerm is one line of a memory plan.
@@ -166,7 +171,7 @@ func PlanMemory(s PlanShape) MemoryPlan {
 	}
 	add(TermShadows, sh, false, false)
 	T := int64(max(s.RowTokens, 1))
-	add(TermActivations, decoder.TrainActivationBytes(cfg, int(T), s.Recompute, s.QAD), true, false)
+	add(TermActivations, decoder.TrainActivationBytes(cfg, int(T), s.Recompute, s.QAD, s.Activations), true, false)
 	add(TermBatch, 4*(2*T+1), true, false)
 
 	C, H, KV, D := int64(cfg.Hidden), int64(cfg.Heads), int64(cfg.KVHeads), int64(cfg.HeadDim)

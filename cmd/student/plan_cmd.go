@@ -8,6 +8,7 @@ import (
 	"strings"
 	"text/tabwriter"
 
+	"distill/compute"
 	"distill/internal/cli"
 	"distill/model"
 	"distill/model/decoder"
@@ -25,6 +26,7 @@ func runPlan(args []string) error {
 	var sets multiFlag
 	fs.Var(&sets, "set", "override a config key, key.path=value (repeatable), e.g. --set data.seq_len=8192")
 	devMem := fs.String("device-memory", "80GiB", "the device's memory: a byte count with an optional unit (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB), e.g. 80GiB, 141GiB")
+	acts := fs.String("activations", "bf16", "the device's activation dtype: bf16 (the CUDA backend's default) or f32 (DISTILL_CUDA_ACT=f32)")
 	k := fs.Int("k", -1, "the teachers' top-k per position (the cache's k; several teachers: the sum of theirs); default 64, or 0 when distill.kd_weight is 0")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -34,6 +36,15 @@ func runPlan(args []string) error {
 	}
 	if *config == "" {
 		return fmt.Errorf("--config is required: the training config to plan")
+	}
+	var act compute.DType
+	switch *acts {
+	case "bf16":
+		act = compute.BF16
+	case "f32":
+		act = compute.F32
+	default:
+		return fmt.Errorf("--activations %q: want bf16 or f32", *acts)
 	}
 	total, err := parseBytes(*devMem)
 	if err != nil {
@@ -57,23 +68,23 @@ func runPlan(args []string) error {
 			*k = 0
 		}
 	}
-	return printPlan(stdout, cfg, mc, *k, total)
+	return printPlan(stdout, cfg, mc, *k, act, total)
 }
 
 // printPlan writes the plan of every recompute mode on a device of total
 // bytes: the terms, then per mode the total, whether it fits, the
 // longest row that fits and how many rows of data.seq_len one forward
 // could hold, and train.recompute auto's choice.
-func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, total int64) error {
+func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act compute.DType, total int64) error {
 	reserve := train.DeviceReserve(total)
 	budget := total - reserve
 	T := cfg.Data.SeqLen
 	qad := cfg.Quant == "nvfp4"
 	shape := func(r decoder.Recompute) train.PlanShape {
-		return train.PlanShape{Model: mc, RowTokens: T, K: k, QAD: qad, Recompute: r}
+		return train.PlanShape{Model: mc, RowTokens: T, K: k, QAD: qad, Recompute: r, Activations: act}
 	}
-	fmt.Fprintf(w, "memory plan: %s student, %.1fM parameters (%d layers, hidden %d, vocab %d), rows of %d tokens (data.seq_len), teacher top-k %d, quant %s\n",
-		mc.Arch, float64(mc.Params())/1e6, mc.Layers, mc.Hidden, mc.VocabSize, T, k, cfg.Quant)
+	fmt.Fprintf(w, "memory plan: %s student, %.1fM parameters (%d layers, hidden %d, vocab %d), rows of %d tokens (data.seq_len), teacher top-k %d, quant %s, %v activations\n",
+		mc.Arch, float64(mc.Params())/1e6, mc.Layers, mc.Hidden, mc.VocabSize, T, k, cfg.Quant, act)
 	fmt.Fprintf(w, "device: %s, %s kept in reserve: %s for the run\n\n", train.HumanBytes(total), train.HumanBytes(reserve), train.HumanBytes(budget))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "term\tbytes\tper")

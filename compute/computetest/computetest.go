@@ -19,6 +19,12 @@
 // held norm-wise (Tolerances.MoEBwdRel), and a backend that trains but has
 // no MoE kernels yet can leave "MoEBackward" out through Tolerances.Skip.
 //
+// A backend whose activation dtype (ActDType) is not F32 runs the kernels
+// that take activation operands a second time, as subtest "Act=bf16":
+// those operands in its dtype (the inputs rounded to it, the references
+// computed from the rounded values), the outputs widened for the checks
+// with one more rounding's tolerance (2^-8 relative).
+//
 // A backend that implements only the teacher's forward (the CUDA backend,
 // until its training kernels exist) runs RunForward: the memory methods
 // and the forward kernels with the statistics they save, and nothing of
@@ -142,12 +148,87 @@ func (s *suite) run(t *testing.T) {
 		}
 		t.Run(c.name, c.fn)
 	}
+	if act := s.be.ActDType(); act != compute.F32 && s.act == compute.F32 {
+		a := *s
+		a.act = act
+		t.Run("Act="+act.String(), a.runAct)
+	}
+}
+
+// runAct runs the kernels with activation operands (compute's "(act)"),
+// those operands in s.act.
+func (s *suite) runAct(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		fn    func(t *testing.T)
+		train bool
+	}{
+		{"MatMul", s.matMul, false},
+		{"RMSNorm", s.rmsNorm, false},
+		{"RoPE", s.rope, false},
+		{"Attention", s.attention, false},
+		{"SwiGLU", s.swiGLU, false},
+		{"LMHeadTopK", s.lmHeadTopK, false},
+		{"AbsMax", s.absMax, true},
+		{"FakeQuantNVFP4", s.fakeQuant, true},
+		{"LossHeadForward", s.lossHeadForward, true},
+		{"LossHeadBackward", s.lossHeadBackward, true},
+	} {
+		if c.train && s.forwardOnly {
+			continue
+		}
+		if s.tol.Skip != nil && s.tol.Skip(c.name) != "" {
+			continue
+		}
+		t.Run(c.name, c.fn)
+	}
 }
 
 type suite struct {
 	be          compute.Backend
 	tol         Tolerances
-	forwardOnly bool // RunForward: skip every backward check
+	forwardOnly bool          // RunForward: skip every backward check
+	act         compute.DType // the activation operands' dtype (runAct); F32 otherwise
+}
+
+// actIn uploads x as an activation operand, in the suite's activation
+// dtype: it returns the tensor and the values it holds (x rounded to the
+// dtype), from which the references are computed.
+func (s *suite) actIn(x []float32) (compute.Tensor, []float32) {
+	if s.act == compute.F32 {
+		return s.be.FromF32(x), x
+	}
+	r := bf16(x)
+	t := s.be.New(s.act, len(x))
+	s.be.WriteF32(t, r)
+	return t, r
+}
+
+// actOut returns an activation output of n elements filled with a value
+// no kernel produces (see garbage).
+func (s *suite) actOut(n int) compute.Tensor {
+	if s.act == compute.F32 {
+		return s.garbage(n)
+	}
+	t := s.be.New(s.act, n)
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = 1234.5
+	}
+	s.be.WriteF32(t, x)
+	return t
+}
+
+// actFwd checks a forward output stored in the activation dtype: the
+// forward tolerances, plus BF16's rounding of the output (2^-9 relative,
+// held to 2^-8) when the dtype is BF16.
+func (s *suite) actFwd(t *testing.T, name string, got []float32, want []float64) {
+	t.Helper()
+	rtol := s.tol.FwdRtol
+	if s.act == compute.BF16 {
+		rtol += 1.0 / 256
+	}
+	closeTo(t, name, got, want, s.tol.FwdAtol, rtol)
 }
 
 // gemmIn is a GEMM operand as the backend multiplies it: rounded to BF16
@@ -318,10 +399,19 @@ func (s *suite) matMul(t *testing.T) {
 			b = randn(r, n, 1)
 			bd, bt = f64(b), be.FromF32(b)
 		}
-		xt, wt := be.FromF32(x), be.FromF32(w)
-		out := s.garbage(m * n)
+		xt, x := s.actIn(x)
+		wt := be.FromF32(w)
+		out := s.actOut(m * n)
 		be.MatMul(out, xt, wt, bt, m, n, k)
-		s.fwd(t, "out", s.read(out, m*n), linear(f64(s.gemmIn(x)), f64(s.gemmIn(w)), bd, k, n))
+		want := linear(f64(s.gemmIn(x)), f64(s.gemmIn(w)), bd, k, n)
+		s.actFwd(t, "out", s.read(out, m*n), want)
+		if s.act != compute.F32 {
+			// An activation x into an F32 out (the residual stream's o and
+			// down projections).
+			out32 := s.garbage(m * n)
+			be.MatMul(out32, xt, wt, bt, m, n, k)
+			s.fwd(t, "out (f32)", s.read(out32, m*n), want)
+		}
 		if s.forwardOnly {
 			continue
 		}
@@ -400,11 +490,12 @@ func (s *suite) rmsNorm(t *testing.T) {
 	N, C := 150, 129
 	x, w, R := randn(r, N*C, 1), randn(r, C, 1), randn(r, N*C, 1)
 	const eps = 1e-5
-	xt, wt := be.FromF32(x), be.FromF32(w)
-	out, rstd := s.garbage(N*C), s.garbage(N)
+	xt, x := s.actIn(x)
+	wt := be.FromF32(w)
+	out, rstd := s.actOut(N*C), s.garbage(N)
 	be.RMSNorm(out, rstd, xt, wt, N, C, eps)
 	xd, wd, Rd := f64(x), f64(w), f64(R)
-	s.fwd(t, "out", s.read(out, N*C), rmsNorm(xd, wd, C, eps))
+	s.actFwd(t, "out", s.read(out, N*C), rmsNorm(xd, wd, C, eps))
 	wantR := make([]float64, N)
 	for i := range wantR {
 		var ss float64
@@ -415,9 +506,9 @@ func (s *suite) rmsNorm(t *testing.T) {
 	}
 	s.fwd(t, "rstd", s.read(rstd, N), wantR)
 	// In place (out = x) and without statistics.
-	y := be.FromF32(x)
+	y, _ := s.actIn(x)
 	be.RMSNorm(y, nil, y, wt, N, C, eps)
-	s.fwd(t, "out in place", s.read(y, N*C), rmsNorm(xd, wd, C, eps))
+	s.actFwd(t, "out in place", s.read(y, N*C), rmsNorm(xd, wd, C, eps))
 	if s.forwardOnly {
 		return
 	}
@@ -459,10 +550,10 @@ func (s *suite) rope(t *testing.T) {
 	cos, sin := ropeTable(pos, inv)
 	ct, st := be.FromF32(cos), be.FromF32(sin)
 	x, R := randn(r, N*H*D, 1), randn(r, N*H*D, 1)
-	y := be.FromF32(x)
+	y, x := s.actIn(x)
 	be.RoPE(y, ct, st, N, H, D)
 	xd, Rd := f64(x), f64(R)
-	s.fwd(t, "out", s.read(y, N*H*D), rope(xd, pos, inv, H, D))
+	s.actFwd(t, "out", s.read(y, N*H*D), rope(xd, pos, inv, H, D))
 	if s.forwardOnly {
 		return
 	}
@@ -490,11 +581,14 @@ func (s *suite) attention(t *testing.T) {
 	q, k, v := randn(r, N*H*D, 1), randn(r, N*KV*D, 1), randn(r, N*KV*D, 1)
 	R := randn(r, N*H*D, 1)
 	scale := 1 / math.Sqrt(float64(D))
-	qt, kt, vt, stt := be.FromF32(q), be.FromF32(k), be.FromF32(v), be.FromI32(starts)
-	out, lse := s.garbage(N*H*D), s.garbage(N*H)
+	qt, q := s.actIn(q)
+	kt, k := s.actIn(k)
+	vt, v := s.actIn(v)
+	stt := be.FromI32(starts)
+	out, lse := s.actOut(N*H*D), s.garbage(N*H)
 	be.Attention(out, lse, qt, kt, vt, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
 	qd, kd, vd, Rd := f64(q), f64(k), f64(v), f64(R)
-	fwdOut := s.fwd
+	fwdOut := s.actFwd
 	if s.tol.BF16Attention {
 		qd, kd, vd, Rd = f64(bf16(q)), f64(bf16(k)), f64(bf16(v)), f64(bf16(R))
 		fwdOut = func(t *testing.T, name string, got []float32, want []float64) {
@@ -504,7 +598,7 @@ func (s *suite) attention(t *testing.T) {
 	}
 	fwdOut(t, "out", s.read(out, N*H*D), attention(qd, kd, vd, starts, H, KV, D, scale))
 	s.fwd(t, "lse", s.read(lse, N*H), attentionLSE(qd, kd, starts, H, KV, D, scale))
-	out2 := s.garbage(N * H * D)
+	out2 := s.actOut(N * H * D)
 	be.Attention(out2, nil, qt, kt, vt, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
 	fwdOut(t, "out (no lse)", s.read(out2, N*H*D), attention(qd, kd, vd, starts, H, KV, D, scale))
 	if s.forwardOnly {
@@ -534,14 +628,15 @@ func (s *suite) swiGLU(t *testing.T) {
 	for i := 0; i < 20; i++ {
 		g[i] = float32(-90 + 9*i) // saturating inputs
 	}
-	gt, ut := be.FromF32(g), be.FromF32(u)
-	out := s.garbage(n)
+	gt, g := s.actIn(g)
+	ut, u := s.actIn(u)
+	out := s.actOut(n)
 	be.SwiGLU(out, gt, ut, n)
 	gd, ud, Rd := f64(g), f64(u), f64(R)
-	s.fwd(t, "out", s.read(out, n), swiGLU(gd, ud))
-	in := be.FromF32(g)
+	s.actFwd(t, "out", s.read(out, n), swiGLU(gd, ud))
+	in, _ := s.actIn(g)
 	be.SwiGLU(in, in, ut, n)
-	s.fwd(t, "out in place", s.read(in, n), swiGLU(gd, ud))
+	s.actFwd(t, "out in place", s.read(in, n), swiGLU(gd, ud))
 	if s.forwardOnly {
 		return
 	}
@@ -655,14 +750,15 @@ func (s *suite) absMax(t *testing.T) {
 	n := 50001
 	x := randn(r, n, 1)
 	x[777] = -9.5
-	if got := be.AbsMax(be.FromF32(x), n); got != 9.5 {
-		t.Fatalf("AbsMax = %g, want 9.5", got)
+	if xt, _ := s.actIn(x); be.AbsMax(xt, n) != 9.5 {
+		t.Fatalf("AbsMax = %g, want 9.5", be.AbsMax(xt, n))
 	}
-	if got := be.AbsMax(be.New(compute.F32, 7), 7); got != 0 {
+	if got := be.AbsMax(be.New(s.act, 7), 7); got != 0 {
 		t.Fatalf("AbsMax of zeros = %g", got)
 	}
 	x[n-1] = float32(math.NaN())
-	if got := be.AbsMax(be.FromF32(x), n); !math.IsNaN(float64(got)) {
+	if xt, _ := s.actIn(x); !math.IsNaN(float64(be.AbsMax(xt, n))) {
+		got := be.AbsMax(xt, n)
 		t.Fatalf("AbsMax with a NaN = %g, want NaN (calibration must fail loudly)", got)
 	}
 }

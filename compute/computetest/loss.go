@@ -90,7 +90,8 @@ func dotSelf(x []float32) float64 {
 
 func (s *suite) lossHead(c *lossCase, invT float32, tileCols int) *compute.LossHead {
 	be := s.be
-	h := &compute.LossHead{X: be.FromF32(c.x), W: be.FromF32(c.w), Rows: be.FromI32(c.rows), Labels: be.FromI32(c.labels),
+	x, _ := s.actIn(c.x)
+	h := &compute.LossHead{X: x, W: be.FromF32(c.w), Rows: be.FromI32(c.rows), Labels: be.FromI32(c.labels),
 		M: c.M, C: c.C, V: c.V, K: c.K, InvT: invT, TileCols: tileCols}
 	if c.K > 0 {
 		h.TopIDs = be.FromI32(c.ids)

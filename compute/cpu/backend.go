@@ -104,6 +104,10 @@ var (
 // Name implements compute.Backend.
 func (*Backend) Name() string { return "cpu" }
 
+// ActDType implements compute.Backend: the reference keeps activations in
+// F32 (its kernels refuse BF16 activation operands).
+func (*Backend) ActDType() compute.DType { return compute.F32 }
+
 func cput(t compute.Tensor) *tensor {
 	ct, ok := t.(*tensor)
 	if !ok {

@@ -47,6 +47,12 @@ type Options struct {
 	// FakeQuantNVFP4 runs. The results are the same bits either way; the
 	// tests compare the two. $DISTILL_CUDA_PER_USE_CASTS=1 sets it too.
 	PerUseCasts bool
+	// Activations is the activation dtype the backend asks the decoder for
+	// (compute.Backend.ActDType): "bf16" (the default, "") or "f32" (the
+	// fp32 activations of earlier versions: twice the memory, a rounding
+	// pass before every GEMM; for comparisons). $DISTILL_CUDA_ACT sets it
+	// too.
+	Activations string
 }
 
 // Backend is the CUDA backend. It is safe for concurrent use, one call at
@@ -73,7 +79,8 @@ type Backend struct {
 	dnn    *cudnnLib // nil: attention on the own kernels
 	logf   func(string, ...any)
 
-	attnNondet bool // Options.AttnNondeterministic
+	attnNondet bool          // Options.AttnNondeterministic
+	act        compute.DType // Options.Activations
 
 	prof  map[string]*ProfileEntry // nil unless Options.Profile
 	label string                   // the running method, for the profile
@@ -195,6 +202,18 @@ func Open(opt Options) (*Backend, error) {
 		return nil, fmt.Errorf("cuda: attention %q: want auto, cudnn, mma or simt", b.attn)
 	}
 	b.attnNondet = opt.AttnNondeterministic || os.Getenv("DISTILL_CUDNN_NONDETERMINISTIC") == "1"
+	act := opt.Activations
+	if act == "" {
+		act = os.Getenv("DISTILL_CUDA_ACT")
+	}
+	switch act {
+	case "", "bf16":
+		b.act = compute.BF16
+	case "f32":
+		b.act = compute.F32
+	default:
+		return nil, fmt.Errorf("cuda: activations %q: want bf16 or f32", act)
+	}
 	b.shadow.off = opt.PerUseCasts || os.Getenv("DISTILL_CUDA_PER_USE_CASTS") == "1"
 	dir := opt.KernelCache
 	if dir == "" {
@@ -213,9 +232,9 @@ func Open(opt Options) (*Backend, error) {
 			logf("cuda: attention runs on this package's kernels, %s than on cuDNN on Hopper: %v", cudnnSlowdown, err)
 		}
 	}
-	logf("cuda: %s (sm_%d%d, %d SMs, %.1f GiB), driver %d, NVRTC %s, cuBLASLt %d, kernels for %s, attention: %s",
+	logf("cuda: %s (sm_%d%d, %d SMs, %.1f GiB), driver %d, NVRTC %s, cuBLASLt %d, kernels for %s, attention: %s, activations: %v",
 		b.info.Name, b.info.Major, b.info.Minor, b.info.SMs, float64(b.info.TotalMem)/(1<<30), b.info.DriverVersion,
-		b.nv.Version(), b.lt.version, b.arch, b.AttentionImpl())
+		b.nv.Version(), b.lt.version, b.arch, b.AttentionImpl(), b.act)
 	ok = true
 	return b, nil
 }
@@ -265,6 +284,10 @@ func (b *Backend) Arch() string { return b.arch }
 
 // Name implements compute.Backend.
 func (*Backend) Name() string { return "cuda" }
+
+// ActDType implements compute.Backend: BF16, unless Options.Activations
+// (or $DISTILL_CUDA_ACT) is "f32".
+func (b *Backend) ActDType() compute.DType { return b.act }
 
 // Close releases the device memory of the backend itself (the weight
 // shadows included; tensors are the caller's), its stream and its
@@ -760,13 +783,20 @@ func (b *Backend) Copy(dstT, srcT compute.Tensor) {
 	}
 }
 
-// WriteF32 copies host data into t[0:len(src)) (t is F32).
+// WriteF32 copies host data into t[0:len(src)): t is F32, or a BF16
+// activation (rounded to nearest even on the host).
 func (b *Backend) WriteF32(x compute.Tensor, src []float32) {
 	defer b.enter()()
 	b.wroteT(x)
 	t := b.ten(x, "WriteF32 target")
-	need(t, "WriteF32 target", len(src), compute.F32)
-	if len(src) > 0 {
+	need(t, "WriteF32 target", len(src), act...)
+	switch {
+	case len(src) == 0:
+	case t.dt == compute.BF16:
+		h := make([]uint16, len(src))
+		compute.NarrowBF16(h, src)
+		b.upload(t.p, unsafe.Pointer(&h[0]), int64(len(h))*2)
+	default:
 		b.upload(t.p, unsafe.Pointer(&src[0]), int64(len(src))*4)
 	}
 }

@@ -82,7 +82,7 @@ func (l *cublasLt) check(call string, s C.cublasStatus_t) error {
 	return fmt.Errorf("cuda: %s failed: %s (%d)", call, msg, int(s))
 }
 
-// gemmShape is one row-major product out (m,n) F32 = op(a) (m,k) ·
+// gemmShape is one row-major product out (m,n) (F32, or BF16: out) = op(a) (m,k) ·
 // op(b) (k,n) with a and b of type in (dataBF16 or dataF32), op(a) = aᵀ
 // when ta (a stored (k,m)), op(b) = bᵀ when tb (b stored (n,k)), and the
 // alignment in bytes (a power of two, at most 256) of its pointers, which
@@ -91,6 +91,7 @@ func (l *cublasLt) check(call string, s C.cublasStatus_t) error {
 type gemmShape struct {
 	m, n, k int
 	in      int
+	out     int // the type of out: dataF32 (0), or dataBF16
 	ta, tb  bool
 	align   [4]int // A (b), B (a), C, D (out)
 }
@@ -151,7 +152,7 @@ func (l *cublasLt) plan(h C.cublasLtHandle_t, s gemmShape) (*gemmPlan, error) {
 	if err := mk(&p.lb, s.in, br, bc, br); err != nil {
 		return nil, err
 	}
-	if err := mk(&p.lc, dataF32, s.n, s.m, s.n); err != nil {
+	if err := mk(&p.lc, s.out, s.n, s.m, s.n); err != nil {
 		return nil, err
 	}
 	var pref C.cublasLtMatmulPreference_t
@@ -199,6 +200,14 @@ func (l *cublasLt) run(h C.cublasLtHandle_t, p *gemmPlan, out, x, w, ws uint64, 
 	return l.check("cublasLtMatmul", C.call_cublasLtMatmul(l.matmul, h, p.desc, unsafe.Pointer(&alpha), C.CUdeviceptr(w), p.la,
 		C.CUdeviceptr(x), p.lb, unsafe.Pointer(&cbeta), C.CUdeviceptr(out), p.lc, C.CUdeviceptr(out), p.lc, &p.algo,
 		C.CUdeviceptr(ws), gemmWorkspaceBytes, stream))
+}
+
+// typeBytes is the element size of a cuBLASLt type.
+func typeBytes(t int) int {
+	if t == dataBF16 {
+		return 2
+	}
+	return 4
 }
 
 func typeName(t int) string {

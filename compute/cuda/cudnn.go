@@ -15,6 +15,8 @@ import (
 	"strings"
 	"time"
 	"unsafe"
+
+	"distill/compute"
 )
 
 // cuDNN's fused flash attention (cudnn_sdpa.c builds the graphs).
@@ -370,8 +372,14 @@ func (b *Backend) cudnnAttention(a attnArgs, nSeq, maxLen, tokens, nHead, nKV, h
 	}
 	meta, offQ, offK, offS, lens := b.sdpaMeta(st, nSeq, key)
 	nq, nk := tokens*nHead*hd, tokens*nKV*hd
-	qb, kb, vb := b.bf16Copy(q.p, nq), b.bf16Copy(k.p, nk), b.bf16Copy(v.p, nk)
-	ob := b.alloc(int64(nq) * 2)
+	qb, qs := b.bf16In(q, nq)
+	kb, ks := b.bf16In(k, nk)
+	vb, vs := b.bf16In(v, nk)
+	ob, obs := out.p, uint64(0) // cuDNN writes BF16: into out, or a scratch
+	if out.dt != compute.BF16 || !aligned16(out.p) {
+		obs = b.alloc(int64(nq) * 2)
+		ob = obs
+	}
 	var stats, statsScratch uint64
 	statsBytes := int64(tokens) * int64(nHead) * 4
 	if lse != nil && aligned16(lse.p) {
@@ -385,11 +393,16 @@ func (b *Backend) cudnnAttention(a attnArgs, nSeq, maxLen, tokens, nHead, nKV, h
 		C.DISTILL_SDPA_UID_STATS: stats, C.DISTILL_SDPA_UID_SEQ_Q: lens, C.DISTILL_SDPA_UID_SEQ_KV: lens,
 		C.DISTILL_SDPA_UID_OFF_Q: offQ, C.DISTILL_SDPA_UID_OFF_KV: offK, C.DISTILL_SDPA_UID_OFF_STATS: offS,
 	}, scale, "cudnn attention forward")
-	b.convert("k_bf16_to_f32", out.p, ob, int64(nq))
+	switch {
+	case obs != 0 && out.dt == compute.F32:
+		b.convert("k_bf16_to_f32", out.p, ob, int64(nq))
+	case obs != 0:
+		b.copyD(out.p, ob, int64(nq)*2)
+	}
 	if lse != nil && stats != lse.p {
 		b.copyD(lse.p, stats, statsBytes)
 	}
-	for _, x := range []uint64{meta, qb, kb, vb, ob, statsScratch} {
+	for _, x := range []uint64{meta, qs, ks, vs, obs, statsScratch} {
 		if x != 0 {
 			b.free(x)
 		}
@@ -415,8 +428,11 @@ func (b *Backend) cudnnAttentionBackward(a attnBwdArgs, nSeq, maxLen, tokens, nH
 	}
 	meta, offQ, offK, offS, lens := b.sdpaMeta(st, nSeq, key)
 	nq, nk := tokens*nHead*hd, tokens*nKV*hd
-	qb, kb, vb := b.bf16Copy(q.p, nq), b.bf16Copy(k.p, nk), b.bf16Copy(v.p, nk)
-	ob, dob := b.bf16Copy(out.p, nq), b.bf16Copy(dout.p, nq)
+	qb, qs := b.bf16In(q, nq)
+	kb, ks := b.bf16In(k, nk)
+	vb, vs := b.bf16In(v, nk)
+	ob, obs := b.bf16In(out, nq)
+	dob := b.bf16Copy(dout.p, nq)
 	dqb, dkb, dvb := b.alloc(int64(nq)*2), b.alloc(int64(nk)*2), b.alloc(int64(nk)*2)
 	rows := int64(tokens) * int64(nHead) // the workspace tensors' rows
 	if key.dense {
@@ -445,7 +461,7 @@ func (b *Backend) cudnnAttentionBackward(a attnBwdArgs, nSeq, maxLen, tokens, nH
 	b.convert("k_add_bf16", dq.p, dqb, int64(nq))
 	b.convert("k_add_bf16", dk.p, dkb, int64(nk))
 	b.convert("k_add_bf16", dv.p, dvb, int64(nk))
-	for _, x := range []uint64{meta, qb, kb, vb, ob, dob, dqb, dkb, dvb, ssum, acc, statsScratch} {
+	for _, x := range []uint64{meta, qs, ks, vs, obs, dob, dqb, dkb, dvb, ssum, acc, statsScratch} {
 		if x != 0 {
 			b.free(x)
 		}

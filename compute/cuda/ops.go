@@ -19,7 +19,14 @@ func boolArg(v bool) int32 {
 
 // weightArg is a weight-like vector operand (norm weight, bias, table) as
 // the kernels take it: the address and whether it is BF16.
-func weightArg(t *tensor) (dptr, int32) { return dptr(t.p), boolArg(t.dt == compute.BF16) }
+func weightArg(t *tensor) (dptr, int32) { return dptr(t.p), bf16Flag(t) }
+
+// bf16Flag is the kernels' dtype flag of an operand that may be BF16 or
+// F32 (a weight vector, or an activation: compute's "(act)" operands).
+func bf16Flag(t *tensor) int32 { return boolArg(t.dt == compute.BF16) }
+
+// act are the dtypes an activation operand may have.
+var act = []compute.DType{compute.F32, compute.BF16}
 
 func (b *Backend) ew(kernel string, n int64, args ...any) {
 	b.launchKernel(launch{kernel: kernel, grid: elementwiseGrid(n), block: ewThreads}, args...)
@@ -67,22 +74,34 @@ func (b *Backend) gemm(out, x, w uint64, m, n, k int, in int) {
 	b.gemmEx(out, x, w, m, n, k, false, true, in, 0)
 }
 
+// gemmBF16Out is gemm with a BF16 out: the fp32 accumulator rounded once
+// by cuBLASLt's epilogue.
+func (b *Backend) gemmBF16Out(out, x, w uint64, m, n, k int) {
+	b.gemmTo(out, dataBF16, x, w, m, n, k, false, true, dataBF16, 0)
+}
+
 // gemmEx enqueues out (m,n) F32 = op(a) (m,k) · op(b) (k,n) + beta·out,
 // row-major, with op(a) = aᵀ when ta (a stored (k,m)) and op(b) = bᵀ when
 // tb (b stored (n,k)); a and b of cuBLASLt type in. beta = 1 accumulates
 // (the backward's += rule). k = 0 leaves beta·out.
 func (b *Backend) gemmEx(out, a, bm uint64, m, n, k int, ta, tb bool, in int, beta float32) {
+	b.gemmTo(out, dataF32, a, bm, m, n, k, ta, tb, in, beta)
+}
+
+// gemmTo is gemmEx with out of cuBLASLt type outT (dataF32, or dataBF16
+// with beta = 0).
+func (b *Backend) gemmTo(out uint64, outT int, a, bm uint64, m, n, k int, ta, tb bool, in int, beta float32) {
 	if m == 0 || n == 0 {
 		return
 	}
 	if k == 0 {
 		if beta == 0 {
-			b.memset0(out, int64(m)*int64(n)*4)
+			b.memset0(out, int64(m)*int64(n)*int64(typeBytes(outT)))
 		}
 		return
 	}
 	x, w := a, bm
-	s := gemmShape{m: m, n: n, k: k, in: in, ta: ta, tb: tb, align: [4]int{alignOf(w), alignOf(x), alignOf(out), alignOf(out)}}
+	s := gemmShape{m: m, n: n, k: k, in: in, out: outT, ta: ta, tb: tb, align: [4]int{alignOf(w), alignOf(x), alignOf(out), alignOf(out)}}
 	p, ok := b.plans[s]
 	if !ok {
 		if len(b.plans) >= 1024 { // shapes vary with the batch: bound the cache
@@ -101,33 +120,53 @@ func (b *Backend) gemmEx(out, a, bm uint64, m, n, k int, ta, tb bool, in int, be
 }
 
 // MatMul implements compute.Backend: out (m,n) = x (m,k)·w (n,k)ᵀ + bias,
-// BF16 operands (x rounded, w as stored) with fp32 accumulation.
+// BF16 operands (x rounded unless BF16, w as stored) with fp32
+// accumulation; a BF16 out is rounded once, after the bias (which then
+// goes through an F32 scratch: Qwen2's q/k/v).
 func (b *Backend) MatMul(outT, xT, wT, biasT compute.Tensor, m, n, k int) {
 	defer b.enter()()
 	b.wroteT(outT)
 	b.label = "MatMul"
 	out, x, w := b.ten(outT, "MatMul out"), b.ten(xT, "MatMul x"), b.ten(wT, "MatMul w")
-	need(out, "MatMul out", m*n, compute.F32)
-	need(x, "MatMul x", m*k, compute.F32, compute.BF16)
+	need(out, "MatMul out", m*n, act...)
+	need(x, "MatMul x", m*k, act...)
 	need(w, "MatMul w", n*k, compute.F32, compute.BF16)
+	var bias *tensor
+	if biasT != nil {
+		bias = b.ten(biasT, "MatMul bias")
+		need(bias, "MatMul bias", n, compute.F32, compute.BF16)
+	}
 	if m == 0 || n == 0 {
 		return
 	}
+	// acc is the fp32 result: out itself, or for a BF16 out with a bias
+	// (or k = 0) a scratch rounded into out at the end.
+	acc, accScratch := out.p, uint64(0)
+	if out.dt == compute.BF16 && (bias != nil || k == 0) {
+		accScratch = b.alloc(int64(m) * int64(n) * 4)
+		acc = accScratch
+	}
 	if k == 0 {
-		b.memset0(out.p, int64(m)*int64(n)*4)
+		b.memset0(acc, int64(m)*int64(n)*4)
 	} else {
 		xp, xs := b.bf16Operand(x, m*k)
 		wp, ws := b.bf16Operand(w, n*k)
-		b.gemm(out.p, xp, wp, m, n, k, dataBF16)
+		if acc == out.p && out.dt == compute.BF16 {
+			b.gemmBF16Out(out.p, xp, wp, m, n, k)
+		} else {
+			b.gemm(acc, xp, wp, m, n, k, dataBF16)
+		}
 		b.free(xs)
 		b.free(ws)
 	}
-	if biasT != nil {
-		bias := b.ten(biasT, "MatMul bias")
-		need(bias, "MatMul bias", n, compute.F32, compute.BF16)
+	switch {
+	case bias != nil:
 		bp, bf := weightArg(bias)
-		b.ew("k_add_bias", int64(m)*int64(n), dptr(out.p), bp, bf, int64(m), int32(n))
+		b.ew("k_add_bias", int64(m)*int64(n), dptr(out.p), bf16Flag(out), dptr(acc), bp, bf, int64(m), int32(n))
+	case accScratch != 0:
+		b.convert("k_f32_to_bf16", out.p, acc, int64(m)*int64(n))
 	}
+	b.free(accScratch)
 }
 
 // Embed implements compute.Backend.
@@ -148,8 +187,8 @@ func (b *Backend) RMSNorm(outT, rstdT, xT, wT compute.Tensor, rows, dim int, eps
 	defer b.enter()()
 	b.wroteT(outT, rstdT)
 	out, x, w := b.ten(outT, "RMSNorm out"), b.ten(xT, "RMSNorm x"), b.ten(wT, "RMSNorm w")
-	need(out, "RMSNorm out", rows*dim, compute.F32)
-	need(x, "RMSNorm x", rows*dim, compute.F32)
+	need(out, "RMSNorm out", rows*dim, act...)
+	need(x, "RMSNorm x", rows*dim, act...)
 	need(w, "RMSNorm w", dim, compute.F32, compute.BF16)
 	var rp dptr
 	if rstdT != nil {
@@ -158,7 +197,7 @@ func (b *Backend) RMSNorm(outT, rstdT, xT, wT compute.Tensor, rows, dim int, eps
 		rp = dptr(rstd.p)
 	}
 	wp, wb := weightArg(w)
-	b.launchKernel(rmsnormLaunch(rows, dim), dptr(out.p), rp, dptr(x.p), wp, wb, int64(rows), int32(dim), eps)
+	b.launchKernel(rmsnormLaunch(rows, dim), dptr(out.p), bf16Flag(out), rp, dptr(x.p), bf16Flag(x), wp, wb, int64(rows), int32(dim), eps)
 }
 
 // RoPE implements compute.Backend: x (tokens, heads, headDim) rotated in
@@ -168,12 +207,12 @@ func (b *Backend) RoPE(xT, cosT, sinT compute.Tensor, tokens, heads, headDim int
 	defer b.enter()()
 	b.wroteT(xT)
 	x, cs, sn := b.ten(xT, "RoPE x"), b.ten(cosT, "RoPE cos"), b.ten(sinT, "RoPE sin")
-	need(x, "RoPE x", tokens*heads*headDim, compute.F32)
+	need(x, "RoPE x", tokens*heads*headDim, act...)
 	need(cs, "RoPE cos", tokens*(headDim/2), compute.F32)
 	need(sn, "RoPE sin", tokens*(headDim/2), compute.F32)
 	l, err := ropeLaunch(tokens, heads, headDim)
 	b.must(err)
-	b.launchKernel(l, dptr(x.p), dptr(cs.p), dptr(sn.p), int64(tokens), int32(heads), int32(headDim))
+	b.launchKernel(l, dptr(x.p), bf16Flag(x), dptr(cs.p), dptr(sn.p), int64(tokens), int32(heads), int32(headDim))
 }
 
 // Attention implements compute.Backend. lse (tokens, nHead), when not
@@ -197,10 +236,10 @@ type attnArgs struct{ out, lse, q, k, v, st *tensor }
 func (b *Backend) attnArgs(outT, lseT, qT, kT, vT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int) attnArgs {
 	a := attnArgs{out: b.ten(outT, "Attention out"), q: b.ten(qT, "Attention q"), k: b.ten(kT, "Attention k"), v: b.ten(vT, "Attention v"),
 		st: b.ten(startsT, "Attention starts")}
-	need(a.out, "Attention out", tokens*nHead*hd, compute.F32)
-	need(a.q, "Attention q", tokens*nHead*hd, compute.F32)
-	need(a.k, "Attention k", tokens*nKV*hd, compute.F32)
-	need(a.v, "Attention v", tokens*nKV*hd, compute.F32)
+	need(a.out, "Attention out", tokens*nHead*hd, act...)
+	need(a.q, "Attention q", tokens*nHead*hd, act...)
+	need(a.k, "Attention k", tokens*nKV*hd, act...)
+	need(a.v, "Attention v", tokens*nKV*hd, act...)
 	need(a.st, "Attention starts", nSeq+1, compute.I32)
 	if lseT != nil {
 		a.lse = b.ten(lseT, "Attention lse")
@@ -227,20 +266,72 @@ func (b *Backend) attention(mode attnMode, a attnArgs, nSeq, tokens, nHead, nKV,
 		bq = mmaBQ
 	}
 	b.launchKernel(plan, dptr(tiles), dptr(st.p), int32(nSeq), bq)
+	nq, nk := tokens*nHead*hd, tokens*nKV*hd
+	op, finish := b.f32Out(out, nq) // the kernels write F32
+	var ins [3]uint64
 	if attn.kernel == "k_attn_simt" {
-		b.launchKernel(attn, dptr(out.p), lp, dptr(q.p), dptr(k.p), dptr(v.p), dptr(st.p), dptr(tiles),
+		var qp, kp, vp uint64
+		qp, ins[0] = b.f32In(q, nq)
+		kp, ins[1] = b.f32In(k, nk)
+		vp, ins[2] = b.f32In(v, nk)
+		b.launchKernel(attn, dptr(op), lp, dptr(qp), dptr(kp), dptr(vp), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
 	} else {
-		// The tensor-core kernel reads BF16 operands: one rounding of each
-		// input per call (the kernel's blocks then share it).
-		qb, kb, vb := b.bf16Copy(q.p, tokens*nHead*hd), b.bf16Copy(k.p, tokens*nKV*hd), b.bf16Copy(v.p, tokens*nKV*hd)
-		b.launchKernel(attn, dptr(out.p), lp, dptr(qb), dptr(kb), dptr(vb), dptr(st.p), dptr(tiles),
+		// The tensor-core kernel reads BF16 operands: F32 ones rounded once
+		// per call (the kernel's blocks then share them).
+		var qb, kb, vb uint64
+		qb, ins[0] = b.bf16In(q, nq)
+		kb, ins[1] = b.bf16In(k, nk)
+		vb, ins[2] = b.bf16In(v, nk)
+		b.launchKernel(attn, dptr(op), lp, dptr(qb), dptr(kb), dptr(vb), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), scale)
-		for _, c := range []uint64{qb, kb, vb} {
-			b.free(c)
-		}
+	}
+	finish()
+	for _, c := range ins {
+		b.free(c)
 	}
 	b.free(tiles)
+}
+
+// bf16In returns the first n elements of activation t in BF16 at a
+// 16-byte aligned address (what cuDNN and the tensor-core kernels'
+// 16-byte loads need): t itself when it is, else a scratch copy (rounded
+// from F32, or moved) that the caller frees.
+func (b *Backend) bf16In(t *tensor, n int) (p, scratch uint64) {
+	if t.dt == compute.F32 {
+		s := b.bf16Copy(t.p, n)
+		return s, s
+	}
+	if aligned16(t.p) {
+		return t.p, 0
+	}
+	s := b.alloc(int64(n) * 2)
+	b.copyD(s, t.p, int64(n)*2)
+	return s, s
+}
+
+// f32In returns the first n elements of activation t in F32: t itself, or
+// a widened scratch copy the caller frees.
+func (b *Backend) f32In(t *tensor, n int) (p, scratch uint64) {
+	if t.dt == compute.F32 {
+		return t.p, 0
+	}
+	s := b.alloc(int64(n) * 4)
+	b.convert("k_bf16_to_f32", s, t.p, int64(n))
+	return s, s
+}
+
+// f32Out is where a kernel that writes F32 writes activation t's first n
+// elements: t itself, or a scratch that finish rounds into t (and frees).
+func (b *Backend) f32Out(t *tensor, n int) (p uint64, finish func()) {
+	if t.dt == compute.F32 {
+		return t.p, func() {}
+	}
+	s := b.alloc(int64(n) * 4)
+	return s, func() {
+		b.convert("k_f32_to_bf16", t.p, s, int64(n))
+		b.free(s)
+	}
 }
 
 // SwiGLU implements compute.Backend. out may alias gate.
@@ -248,10 +339,13 @@ func (b *Backend) SwiGLU(outT, gateT, upT compute.Tensor, n int) {
 	defer b.enter()()
 	b.wroteT(outT)
 	out, g, u := b.ten(outT, "SwiGLU out"), b.ten(gateT, "SwiGLU gate"), b.ten(upT, "SwiGLU up")
-	need(out, "SwiGLU out", n, compute.F32)
-	need(g, "SwiGLU gate", n, compute.F32)
-	need(u, "SwiGLU up", n, compute.F32)
-	b.ew("k_swiglu", int64(n), dptr(out.p), dptr(g.p), dptr(u.p), int64(n))
+	need(out, "SwiGLU out", n, act...)
+	need(g, "SwiGLU gate", n, act...)
+	need(u, "SwiGLU up", n, act...)
+	if out.p == g.p && out.dt != g.dt {
+		panic("cuda: SwiGLU out aliases gate with another dtype")
+	}
+	b.ew("k_swiglu", int64(n), dptr(out.p), bf16Flag(out), dptr(g.p), bf16Flag(g), dptr(u.p), bf16Flag(u), int64(n))
 }
 
 // Add implements compute.Backend.
@@ -302,7 +396,7 @@ func (b *Backend) LMHeadTopK(idsT, lpT, xT, wT compute.Tensor, tokens, hidden, v
 	ids, lp, x, w := b.ten(idsT, "LMHeadTopK ids"), b.ten(lpT, "LMHeadTopK logprobs"), b.ten(xT, "LMHeadTopK x"), b.ten(wT, "LMHeadTopK w")
 	need(ids, "LMHeadTopK ids", tokens*k, compute.I32)
 	need(lp, "LMHeadTopK logprobs", tokens*k, compute.F32)
-	need(x, "LMHeadTopK x", tokens*hidden, compute.F32)
+	need(x, "LMHeadTopK x", tokens*hidden, act...)
 	need(w, "LMHeadTopK w", vocab*hidden, compute.F32, compute.BF16)
 	if tokens == 0 {
 		return
@@ -312,11 +406,18 @@ func (b *Backend) LMHeadTopK(idsT, lpT, xT, wT compute.Tensor, tokens, hidden, v
 	rmax, rsum, cnt := b.alloc(int64(tokens)*4), b.alloc(int64(tokens)*8), b.alloc(int64(tokens)*4)
 	b.ew("k_lm_init", int64(tokens), dptr(rmax), dptr(rsum), dptr(cnt), int64(tokens))
 	wp, ws := b.bf16Operand(w, vocab*hidden)
-	xb := b.alloc(int64(p.rows) * int64(hidden) * 2)
+	var xs uint64 // the F32 x's rows, rounded (a BF16 x is read in place)
+	if x.dt == compute.F32 {
+		xs = b.alloc(int64(p.rows) * int64(hidden) * 2)
+	}
 	tile := b.alloc(int64(p.rows) * int64(p.cols) * 4)
 	for r0 := 0; r0 < tokens; r0 += p.rows {
 		nr := min(p.rows, tokens-r0)
-		b.convert("k_f32_to_bf16", xb, x.p+uint64(r0)*uint64(hidden)*4, int64(nr)*int64(hidden))
+		xb := x.p + uint64(r0)*uint64(hidden)*2
+		if xs != 0 {
+			xb = xs
+			b.convert("k_f32_to_bf16", xb, x.p+uint64(r0)*uint64(hidden)*4, int64(nr)*int64(hidden))
+		}
 		for c0 := 0; c0 < vocab; c0 += p.cols {
 			nc := min(p.cols, vocab-c0)
 			b.gemm(tile, xb, wp+uint64(c0)*uint64(hidden)*2, nr, nc, hidden, dataBF16)
@@ -328,7 +429,7 @@ func (b *Backend) LMHeadTopK(idsT, lpT, xT, wT compute.Tensor, tokens, hidden, v
 		}
 	}
 	b.ew("k_lm_finish", int64(tokens)*int64(k), dptr(lp.p), dptr(rmax), dptr(rsum), int64(tokens), int32(k))
-	for _, q := range []uint64{rmax, rsum, cnt, ws, xb, tile} {
+	for _, q := range []uint64{rmax, rsum, cnt, ws, xs, tile} {
 		b.free(q)
 	}
 }

@@ -24,10 +24,18 @@ func onGPU() bool { return cudaemu.OnGPU() }
 // testBackend opens the backend under test and closes it when t ends.
 func testBackend(t testing.TB) *Backend {
 	t.Helper()
+	return testBackendWith(t, Options{})
+}
+
+// testBackendWith is testBackend with options (the kernel cache is the
+// tests').
+func testBackendWith(t testing.TB, opt Options) *Backend {
+	t.Helper()
 	if !onGPU() {
 		useEmu(t)
 	}
-	b, err := Open(Options{KernelCache: kernelCacheForTests(t)})
+	opt.KernelCache = kernelCacheForTests(t)
+	b, err := Open(opt)
 	if err != nil {
 		if onGPU() {
 			t.Fatalf("DISTILL_CUDA_TEST=gpu but the GPU backend does not open: %v", err)

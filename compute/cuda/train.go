@@ -100,14 +100,14 @@ func (b *Backend) Scale(xT compute.Tensor, n int, c float32) {
 func (b *Backend) AbsMax(xT compute.Tensor, n int) float32 {
 	defer b.enter()()
 	x := b.ten(xT, "AbsMax x")
-	need(x, "AbsMax x", n, compute.F32)
+	need(x, "AbsMax x", n, act...)
 	if n == 0 {
 		b.sync()
 		return 0
 	}
 	nb := reduceGrid(n)
 	part := b.alloc(int64(nb+1) * 4)
-	b.launchKernel(launch{kernel: "k_absmax_part", grid: [3]int{nb, 1, 1}, block: 256}, dptr(part+4), dptr(x.p), int64(n))
+	b.launchKernel(launch{kernel: "k_absmax_part", grid: [3]int{nb, 1, 1}, block: 256}, dptr(part+4), dptr(x.p), bf16Flag(x), int64(n))
 	b.launchKernel(launch{kernel: "k_max_finish", grid: [3]int{1, 1, 1}, block: 256}, dptr(part), dptr(part+4), int32(nb))
 	var out float32
 	b.download(unsafe.Pointer(&out), part, 4)
@@ -121,8 +121,11 @@ func (b *Backend) AbsMax(xT compute.Tensor, n int) float32 {
 func (b *Backend) FakeQuantNVFP4(dstT, srcT compute.Tensor, rows, cols int, amax float32) {
 	defer b.enter()()
 	dst, src := b.ten(dstT, "FakeQuantNVFP4 dst"), b.ten(srcT, "FakeQuantNVFP4 src")
-	need(dst, "FakeQuantNVFP4 dst", rows*cols, compute.F32)
-	need(src, "FakeQuantNVFP4 src", rows*cols, compute.F32)
+	need(dst, "FakeQuantNVFP4 dst", rows*cols, act...)
+	need(src, "FakeQuantNVFP4 src", rows*cols, act...)
+	if dst.p == src.p && dst.dt != src.dt {
+		panic("cuda: FakeQuantNVFP4 dst aliases src with another dtype")
+	}
 	nb := int64(rows) * int64((cols+15)/16)
 	d, fresh := b.fakeQuantRegion(dst, src, rows, cols, amax)
 	if fresh {
@@ -132,7 +135,7 @@ func (b *Backend) FakeQuantNVFP4(dstT, srcT compute.Tensor, rows, cols int, amax
 	if d != nil && d.bf != 0 {
 		db = d.bf
 	}
-	b.ew("k_fakequant_nvfp4", nb, dptr(dst.p), dptr(src.p), int64(rows), int32(cols), compute.NVFP4GlobalScale(amax), dptr(db))
+	b.ew("k_fakequant_nvfp4", nb, dptr(dst.p), bf16Flag(dst), dptr(src.p), bf16Flag(src), int64(rows), int32(cols), compute.NVFP4GlobalScale(amax), dptr(db))
 	if db != 0 {
 		d.bfVer = d.ver
 	}
@@ -170,19 +173,20 @@ func (b *Backend) MatMulBackward(dxT, dwT, dbiasT, doutT, xT, wT compute.Tensor,
 	if dbiasT != nil {
 		db := b.ten(dbiasT, "MatMulBackward dbias")
 		need(db, "MatMulBackward dbias", n, compute.F32)
-		b.colSum(db.p, dout.p, 0, 0, m, n)
+		b.colSum(db.p, dout.p, 0, 0, 0, m, n)
 	}
 }
 
 // colSum adds to dst (cols) the column sums of src (rows, cols), or of
-// src·x·rstd[row] when x is set (RMSNorm's dw), in float64: chunks of rows
-// in parallel (k_colsum_part), then the chunks in order (k_colsum_finish).
-func (b *Backend) colSum(dst, src, x, rstd uint64, rows, cols int) {
+// src·x·rstd[row] when x is set (RMSNorm's dw; x BF16 when xbf), in
+// float64: chunks of rows in parallel (k_colsum_part), then the chunks in
+// order (k_colsum_finish).
+func (b *Backend) colSum(dst, src, x uint64, xbf int32, rstd uint64, rows, cols int) {
 	chunk := colChunk(rows)
 	np := (rows + chunk - 1) / chunk
 	part := b.alloc(int64(np) * int64(cols) * 8)
 	b.launchKernel(launch{kernel: "k_colsum_part", grid: [3]int{(cols + 255) / 256, np, 1}, block: 256},
-		dptr(part), dptr(src), dptr(x), dptr(rstd), int64(rows), int32(cols), int32(chunk))
+		dptr(part), dptr(src), dptr(x), xbf, dptr(rstd), int64(rows), int32(cols), int32(chunk))
 	b.ew("k_colsum_finish", int64(cols), dptr(dst), dptr(part), int32(np), int32(cols))
 	b.free(part)
 }
@@ -213,7 +217,7 @@ func (b *Backend) RMSNormBackward(dxT, dwT, doutT, xT, wT, rstdT compute.Tensor,
 	need(dx, "RMSNormBackward dx", rows*dim, compute.F32)
 	need(dw, "RMSNormBackward dw", dim, compute.F32)
 	need(dout, "RMSNormBackward dout", rows*dim, compute.F32)
-	need(x, "RMSNormBackward x", rows*dim, compute.F32)
+	need(x, "RMSNormBackward x", rows*dim, act...)
 	need(w, "RMSNormBackward w", dim, compute.F32, compute.BF16)
 	need(rstd, "RMSNormBackward rstd", rows, compute.F32)
 	if rows == 0 || dim == 0 {
@@ -222,8 +226,8 @@ func (b *Backend) RMSNormBackward(dxT, dwT, doutT, xT, wT, rstdT compute.Tensor,
 	l := rmsnormLaunch(rows, dim)
 	l.kernel = map[string]string{"k_rmsnorm_warp": "k_rmsnorm_bwd_warp", "k_rmsnorm_block": "k_rmsnorm_bwd_block"}[l.kernel]
 	wp, wb := weightArg(w)
-	b.launchKernel(l, dptr(dx.p), dptr(dout.p), dptr(x.p), wp, wb, dptr(rstd.p), int64(rows), int32(dim))
-	b.colSum(dw.p, dout.p, x.p, rstd.p, rows, dim)
+	b.launchKernel(l, dptr(dx.p), dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim))
+	b.colSum(dw.p, dout.p, x.p, bf16Flag(x), rstd.p, rows, dim)
 }
 
 // RoPEBackward implements compute.Backend: dx rotated by -angle in place.
@@ -246,13 +250,15 @@ func (b *Backend) SwiGLUBackward(dgT, duT, doutT, gT, uT compute.Tensor, n int) 
 	b.wroteT(dgT, duT)
 	dg, du, dout := b.ten(dgT, "SwiGLUBackward dgate"), b.ten(duT, "SwiGLUBackward dup"), b.ten(doutT, "SwiGLUBackward dout")
 	g, u := b.ten(gT, "SwiGLUBackward gate"), b.ten(uT, "SwiGLUBackward up")
+	need(g, "SwiGLUBackward gate", n, act...)
+	need(u, "SwiGLUBackward up", n, act...)
 	for _, x := range []struct {
 		t    *tensor
 		what string
-	}{{dg, "SwiGLUBackward dgate"}, {du, "SwiGLUBackward dup"}, {dout, "SwiGLUBackward dout"}, {g, "SwiGLUBackward gate"}, {u, "SwiGLUBackward up"}} {
+	}{{dg, "SwiGLUBackward dgate"}, {du, "SwiGLUBackward dup"}, {dout, "SwiGLUBackward dout"}} {
 		need(x.t, x.what, n, compute.F32)
 	}
-	b.ew("k_swiglu_bwd", int64(n), dptr(dg.p), dptr(du.p), dptr(dout.p), dptr(g.p), dptr(u.p), int64(n))
+	b.ew("k_swiglu_bwd", int64(n), dptr(dg.p), dptr(du.p), dptr(dout.p), dptr(g.p), bf16Flag(g), dptr(u.p), bf16Flag(u), int64(n))
 }
 
 // AttentionBackward implements compute.Backend: cuDNN's fused flash
@@ -281,16 +287,16 @@ func (b *Backend) AttentionBackward(dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT
 type attnBwdArgs struct{ dq, dk, dv, dout, q, k, v, out, lse, st *tensor }
 
 func (b *Backend) attnBwdArgs(dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int) attnBwdArgs {
-	t := func(x compute.Tensor, what string, n int) *tensor {
+	t := func(x compute.Tensor, what string, n int, dts ...compute.DType) *tensor {
 		r := b.ten(x, "AttentionBackward "+what)
-		need(r, "AttentionBackward "+what, n, compute.F32)
+		need(r, "AttentionBackward "+what, n, dts...)
 		return r
 	}
-	nq, nk := tokens*nHead*hd, tokens*nKV*hd
-	a := attnBwdArgs{dq: t(dqT, "dq", nq), dk: t(dkT, "dk", nk), dv: t(dvT, "dv", nk), dout: t(doutT, "dout", nq),
-		q: t(qT, "q", nq), k: t(kT, "k", nk), v: t(vT, "v", nk), lse: t(lseT, "lse", tokens*nHead)}
+	nq, nk, f32 := tokens*nHead*hd, tokens*nKV*hd, compute.F32
+	a := attnBwdArgs{dq: t(dqT, "dq", nq, f32), dk: t(dkT, "dk", nk, f32), dv: t(dvT, "dv", nk, f32), dout: t(doutT, "dout", nq, f32),
+		q: t(qT, "q", nq, act...), k: t(kT, "k", nk, act...), v: t(vT, "v", nk, act...), lse: t(lseT, "lse", tokens*nHead, f32)}
 	if outT != nil {
-		a.out = t(outT, "out", nq)
+		a.out = t(outT, "out", nq, act...)
 	}
 	a.st = b.ten(startsT, "AttentionBackward starts")
 	need(a.st, "AttentionBackward starts", nSeq+1, compute.I32)
@@ -308,18 +314,36 @@ func (b *Backend) attentionBackward(mode attnMode, a attnBwdArgs, nSeq, tokens, 
 	tiles := b.alloc(int64(nSeq+1) * 4)
 	dsum := b.alloc(int64(tokens) * int64(nHead) * 4)
 	b.launchKernel(p.plan, dptr(tiles), dptr(st.p), int32(nSeq), int32(p.bq))
+	nq, nk := tokens*nHead*hd, tokens*nKV*hd
+	var ins [4]uint64 // scratch copies of the inputs
+	defer func() {
+		for _, c := range ins {
+			b.free(c)
+		}
+	}()
 	if !p.mma {
-		b.launchKernel(p.dq, dptr(dq.p), dptr(dsum), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(st.p), dptr(tiles),
+		var qp, kp, vp uint64
+		qp, ins[0] = b.f32In(q, nq)
+		kp, ins[1] = b.f32In(k, nk)
+		vp, ins[2] = b.f32In(v, nk)
+		b.launchKernel(p.dq, dptr(dq.p), dptr(dsum), dptr(dout.p), dptr(qp), dptr(kp), dptr(vp), dptr(lse.p), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
-		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(dout.p), dptr(q.p), dptr(k.p), dptr(v.p), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
+		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(dout.p), dptr(qp), dptr(kp), dptr(vp), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
 	} else {
-		// BF16 operands, rounded once per call; D from the forward's output
-		// (F32), or from O recomputed when the caller passed none.
-		nq, nk := tokens*nHead*hd, tokens*nKV*hd
-		qb, kb, vb, db := b.bf16Copy(q.p, nq), b.bf16Copy(k.p, nk), b.bf16Copy(v.p, nk), b.bf16Copy(dout.p, nq)
+		// BF16 operands, F32 ones rounded once per call; D from the
+		// forward's output (as F32), or from O recomputed when the caller
+		// passed none.
+		var qb, kb, vb uint64
+		qb, ins[0] = b.bf16In(q, nq)
+		kb, ins[1] = b.bf16In(k, nk)
+		vb, ins[2] = b.bf16In(v, nk)
+		db := b.bf16Copy(dout.p, nq)
+		defer b.free(db)
 		if out != nil {
-			b.launchKernel(p.dsum, dptr(dsum), dptr(dout.p), dptr(out.p), int64(tokens)*int64(nHead), int32(hd))
+			var op uint64
+			op, ins[3] = b.f32In(out, nq)
+			b.launchKernel(p.dsum, dptr(dsum), dptr(dout.p), dptr(op), int64(tokens)*int64(nHead), int32(hd))
 		} else {
 			o := b.alloc(int64(nq) * 4)
 			b.launchKernel(p.fwd, dptr(o), dptr(0), dptr(qb), dptr(kb), dptr(vb), dptr(st.p), dptr(tiles),
@@ -331,9 +355,6 @@ func (b *Backend) attentionBackward(mode attnMode, a attnBwdArgs, nSeq, tokens, 
 			int32(nSeq), int32(nHead), int32(nKV), scale)
 		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(db), dptr(qb), dptr(kb), dptr(vb), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), scale)
-		for _, c := range []uint64{qb, kb, vb, db} {
-			b.free(c)
-		}
 	}
 	b.free(tiles)
 	b.free(dsum)
@@ -361,7 +382,7 @@ func (b *Backend) lossCheck(h *compute.LossHead, what string) (x, w, rows, label
 	}
 	x, w = b.ten(h.X, what+" X"), b.ten(h.W, what+" W")
 	rows, labels = b.ten(h.Rows, what+" Rows"), b.ten(h.Labels, what+" Labels")
-	need(x, what+" X", h.C, compute.F32)
+	need(x, what+" X", h.C, act...)
 	need(w, what+" W", h.V*h.C, compute.F32, compute.BF16)
 	need(rows, what+" Rows", h.M, compute.I32)
 	need(labels, what+" Labels", h.M, compute.I32)
@@ -431,7 +452,7 @@ func (b *Backend) LossHeadForward(h *compute.LossHead) compute.LossStats {
 func (b *Backend) gatherRowsBF16(h *compute.LossHead, rows *tensor) uint64 {
 	x := b.ten(h.X, "LossHead X")
 	xc := b.alloc(int64(h.M) * int64(h.C) * 2)
-	b.ew("k_gather_rows_bf16", int64(h.M)*int64(h.C), dptr(xc), dptr(x.p), dptr(rows.p), int64(h.M), int32(h.C))
+	b.ew("k_gather_rows_bf16", int64(h.M)*int64(h.C), dptr(xc), dptr(x.p), bf16Flag(x), dptr(rows.p), int64(h.M), int32(h.C))
 	return xc
 }
 

@@ -170,7 +170,7 @@ func (b *Backend) moeExpertInput(xg uint64, x *tensor, order uint64, mw *compute
 	src, q := x.p, uint64(0)
 	if mw.InAmax > 0 {
 		q = b.alloc(int64(T) * int64(H) * 4)
-		b.ew("k_fakequant_nvfp4", int64(T)*int64((H+15)/16), dptr(q), dptr(x.p), int64(T), int32(H), compute.NVFP4GlobalScale(mw.InAmax), dptr(0))
+		b.ew("k_fakequant_nvfp4", int64(T)*int64((H+15)/16), dptr(q), int32(0), dptr(x.p), int32(0), int64(T), int32(H), compute.NVFP4GlobalScale(mw.InAmax), dptr(0))
 		src = q
 	}
 	b.ew("k_moe_gather", int64(P)*int64(H), dptr(xg), dptr(src), dptr(order), int64(P), int32(K), int32(H))
@@ -183,13 +183,12 @@ func (b *Backend) moeExpertInput(xg uint64, x *tensor, order uint64, mw *compute
 func (b *Backend) moeAct(act, gate, up uint64, mw *compute.MoEWeights, rows, I int) {
 	n := int64(rows) * int64(I)
 	if mw.HAmax <= 0 {
-		b.ew("k_swiglu_bf16", n, dptr(act), dptr(gate), dptr(up), n)
+		b.ew("k_swiglu", n, dptr(act), int32(1), dptr(gate), int32(0), dptr(up), int32(0), n)
 		return
 	}
 	h := b.alloc(n * 4)
-	b.ew("k_swiglu", n, dptr(h), dptr(gate), dptr(up), n)
-	b.ew("k_fakequant_nvfp4", int64(rows)*int64((I+15)/16), dptr(h), dptr(h), int64(rows), int32(I), compute.NVFP4GlobalScale(mw.HAmax), dptr(0))
-	b.convert("k_f32_to_bf16", act, h, n)
+	b.ew("k_swiglu", n, dptr(h), int32(0), dptr(gate), int32(0), dptr(up), int32(0), n)
+	b.ew("k_fakequant_nvfp4", int64(rows)*int64((I+15)/16), dptr(act), int32(1), dptr(h), int32(0), int64(rows), int32(I), compute.NVFP4GlobalScale(mw.HAmax), dptr(0))
 	b.free(h)
 }
 

@@ -134,8 +134,10 @@ func (m *Model) upload(tokens, starts []int32, cos, sin compute.Tensor) *batch {
 // Activations are reused layer to layer: x and y hold the residual stream
 // (a block reads x, writes xmid to y and its output back to x), ln both
 // norms' outputs, q/k are normed in place, and the MLP's h overwrites gate.
-// Memory beyond the weights is ActivationFloats floats plus the backend's
-// kernel scratch.
+// x and y are F32; ln, q, k, v, the attention output, gate and up are in
+// the backend's activation dtype, except that an MoE block's input (ln2)
+// is F32 (its router runs in fp32). Memory beyond the weights is
+// ActivationBytes plus the backend's kernel scratch.
 func (m *Model) TopK(samples [][]int32, k int, temperature float32) (ids []int32, logprobs []float32) {
 	be, c := m.be, m.Cfg
 	n := 0
@@ -157,13 +159,18 @@ func (m *Model) TopK(samples [][]int32, k int, temperature float32) (ids []int32
 		return t
 	}
 	tmp = append(tmp, b.tokens, b.starts, b.cos, b.sin)
-	x, y, ln := alloc(compute.F32, n*C), alloc(compute.F32, n*C), alloc(compute.F32, n*C)
-	q, kk, v := alloc(compute.F32, n*Hq), alloc(compute.F32, n*Hkv), alloc(compute.F32, n*Hkv)
+	act := be.ActDType()
+	x, y, ln := alloc(compute.F32, n*C), alloc(compute.F32, n*C), alloc(act, n*C)
+	q, kk, v := alloc(act, n*Hq), alloc(act, n*Hkv), alloc(act, n*Hkv)
 	a := blockActs{xin: x, ln1: ln, ln1q: ln, qpre: q, q: q, kpre: kk, k: kk, v: v,
-		att: alloc(compute.F32, n*Hq), xmid: y, ln2: ln, ln2q: ln, out: x}
+		att: alloc(act, n*Hq), xmid: y, ln2: ln, ln2q: ln, out: x}
 	a.attq = a.att
+	if c.NumExperts > 0 && act != compute.F32 {
+		a.ln2 = alloc(compute.F32, n*C)
+		a.ln2q = a.ln2
+	}
 	if c.Intermediate > 0 {
-		a.gate, a.up = alloc(compute.F32, n*c.Intermediate), alloc(compute.F32, n*c.Intermediate)
+		a.gate, a.up = alloc(act, n*c.Intermediate), alloc(act, n*c.Intermediate)
 		a.h, a.hq = a.gate, a.gate
 	}
 	be.Embed(x, m.Embed.W, b.tokens, n, C)
@@ -194,17 +201,24 @@ func (m *Model) TopK(samples [][]int32, k int, temperature float32) (ids []int32
 	return ids, logprobs
 }
 
-// ActivationFloats is what TopK holds on the backend for n tokens at top-k
-// beside the weights and the kernels' scratch, in 4-byte elements: x, y,
-// ln, q, k, v, attention output, gate and up, the top-k ids and log-probs,
-// the RoPE table, the token ids and sample starts (at most n+1 samples), and
-// the temperature-scaled norm weight.
-func (m *Model) ActivationFloats(n, k int) int64 {
+// ActivationBytes is what TopK holds on the backend for n tokens at top-k
+// beside the weights and the kernels' scratch, with activations of the
+// backend's dtype: x, y (F32), ln, q, k, v, attention output, gate and up
+// (activation dtype; an MoE model's F32 ln2 besides), the top-k ids and
+// log-probs, the RoPE table, the token ids and sample starts (at most n+1
+// samples), and the temperature-scaled norm weight.
+func (m *Model) ActivationBytes(n, k int) int64 {
 	c := m.Cfg
 	N := int64(n)
 	C, Hq, Hkv, I := int64(c.Hidden), int64(c.Heads*c.HeadDim), int64(c.KVHeads*c.HeadDim), int64(c.Intermediate)
-	f := N*(3*C+2*Hq+2*Hkv) + 2*N*I + 2*N*int64(k)
-	f += N * int64(c.HeadDim) // cos, sin
-	f += N + N + 1            // tokens, starts
-	return f + C
+	act := m.be.ActDType()
+	f := 4 * 2 * N * C
+	f += int64(act.Size()) * (N*(C+2*Hq+2*Hkv) + 2*N*I)
+	if c.NumExperts > 0 && act != compute.F32 {
+		f += 4 * N * C
+	}
+	f += 4 * 2 * N * int64(k)
+	f += 4 * N * int64(c.HeadDim) // cos, sin
+	f += 4 * (N + N + 1)          // tokens, starts
+	return f + 4*C
 }

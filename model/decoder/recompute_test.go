@@ -75,8 +75,8 @@ func TestRecomputeSameGradients(t *testing.T) {
 					for _, g := range grads {
 						got = append(got, append([]float32(nil), h.HostF32(g)...))
 					}
-					bytes := TrainActivationBytes(cfg, len(tokens), mode, qad)
-					if f := int64(4 * m.TrainActivationFloats(len(tokens))); f != bytes {
+					bytes := TrainActivationBytes(cfg, len(tokens), mode, qad, be.ActDType())
+					if f := m.arenaBytes(); f != bytes {
 						t.Errorf("%s: the arena holds %d bytes, TrainActivationBytes says %d", mode, f, bytes)
 					}
 					// Selective saves nothing where one dense layer (the MoE

@@ -76,10 +76,13 @@ func (m *Model) RecomputeMode() Recompute {
 // trainState is the activation arena of the last training batch and the
 // batch itself (kept for the backward).
 type trainState struct {
-	arena, iarena compute.Tensor // F32 and I32 (MoE routing) activations
-	arenaN        int            // tokens the arena is laid out for; -1: re-carve
-	acts          trainActs
-	b             *batch
+	// arena (F32: the residual stream, statistics, gradients), aarena (the
+	// backend's activation dtype when it is not F32, else nil: everything
+	// is in arena) and iarena (I32: the MoE routing).
+	arena, aarena, iarena compute.Tensor
+	arenaN                int // tokens the arena is laid out for; -1: re-carve
+	acts                  trainActs
+	b                     *batch
 	// dprob (numExperts) is the load-balancing loss's gradient w.r.t. the
 	// router probabilities (SetRouterAux); nil: no aux loss.
 	dprob compute.Tensor
@@ -103,55 +106,91 @@ type trainActs struct {
 	dres, dln, dq, dk, dv, datt, dqpre, dkpre, dgate, dup, dh compute.Tensor
 }
 
-// carve lays out the activations of an N-token batch in arena (F32) and
-// iarena (I32, the MoE routing), or only counts them when arena is nil;
-// it returns their sizes in elements. Sizes and views come from this one
-// function so they cannot drift apart. What a layer keeps and what one
-// shared set of buffers holds depends on the recompute mode.
-func (m *Model) carve(a *trainActs, N int, arena, iarena compute.Tensor) (int, int) {
+// arenaSizes are the element counts of the training arenas: F32, the
+// activation dtype's (0 when it is F32: those live in the F32 arena) and
+// I32.
+type arenaSizes struct{ f32, act, i32 int }
+
+// bytes is their total size with activations of type act.
+func (z arenaSizes) bytes(act compute.DType) int64 {
+	return 4*int64(z.f32) + int64(act.Size())*int64(z.act) + 4*int64(z.i32)
+}
+
+// actAlign is the alignment, in elements, of each view of a BF16
+// activation arena: 128 bytes, so that cuDNN and the tensor-core kernels'
+// 16-byte loads read the views in place.
+const actAlign = 64
+
+// carve lays out the activations of an N-token batch in arena (F32),
+// aarena (the activation dtype act, when it is not F32) and iarena (I32,
+// the MoE routing), or only counts them when arena is nil. Sizes and
+// views come from this one function so they cannot drift apart. What a
+// layer keeps and what one shared set of buffers holds depends on the
+// recompute mode; which tensors are activations (act) is the contract's
+// rule (compute's package doc): the inputs of GEMMs, attention and the
+// elementwise kernels; the residual stream, statistics, gradients and an
+// MoE block's input stay F32.
+func (m *Model) carve(a *trainActs, N int, act compute.DType, arena, aarena, iarena compute.Tensor) arenaSizes {
 	cfg := m.Cfg
 	C, H, KV, D, I := cfg.Hidden, cfg.Heads, cfg.KVHeads, cfg.HeadDim, cfg.Intermediate
-	off, ioff := 0, 0
+	var z arenaSizes
 	take := func(n int) compute.Tensor {
-		off += n
+		z.f32 += n
 		if arena == nil {
 			return nil
 		}
-		return m.be.View(arena, off-n, n)
+		return m.be.View(arena, z.f32-n, n)
+	}
+	atake := take
+	if act != compute.F32 {
+		atake = func(n int) compute.Tensor {
+			at := (z.act + actAlign - 1) / actAlign * actAlign
+			z.act = at + n
+			if arena == nil {
+				return nil
+			}
+			return m.be.View(aarena, at, n)
+		}
 	}
 	itake := func(n int) compute.Tensor {
-		ioff += n
+		z.i32 += n
 		if arena == nil {
 			return nil
 		}
-		return m.be.View(iarena, ioff-n, n)
+		return m.be.View(iarena, z.i32-n, n)
 	}
 	// attn takes a layer's attention half: ln1 to xmid, and ln2 (and
 	// under QAD the quantized inputs of q/k/v, o and a dense gate/up).
-	attn := func(l *blockActs, dense bool) {
-		l.ln1, l.rstd1 = take(N*C), take(N)
+	// ln2 feeds an MoE block when moe (then in F32: its router is fp32).
+	attn := func(l *blockActs, dense, moe bool) {
+		l.ln1, l.rstd1 = atake(N*C), take(N)
 		if cfg.QKNorm {
-			l.qpre, l.qrstd, l.kpre, l.krstd = take(N*H*D), take(N*H), take(N*KV*D), take(N*KV)
+			l.qpre, l.qrstd, l.kpre, l.krstd = atake(N*H*D), take(N*H), atake(N*KV*D), take(N*KV)
 		}
-		l.q, l.k, l.v, l.att, l.lse = take(N*H*D), take(N*KV*D), take(N*KV*D), take(N*H*D), take(N*H)
+		l.q, l.k, l.v, l.att, l.lse = atake(N*H*D), atake(N*KV*D), atake(N*KV*D), atake(N*H*D), take(N*H)
 		if !cfg.QKNorm {
 			l.qpre, l.kpre = l.q, l.k
 		}
-		l.xmid, l.ln2, l.rstd2 = take(N*C), take(N*C), take(N)
+		l.xmid, l.rstd2 = take(N*C), take(N)
+		if moe {
+			l.ln2 = take(N * C)
+		} else {
+			l.ln2 = atake(N * C)
+		}
 		l.ln1q, l.attq, l.ln2q = l.ln1, l.att, l.ln2
 		if m.qad {
-			l.ln1q, l.attq = take(N*C), take(N*H*D)
+			l.ln1q, l.attq = atake(N*C), atake(N*H*D)
 			if dense {
-				l.ln2q = take(N * C)
+				l.ln2q = atake(N * C)
 			}
 		}
 	}
 	// mlp takes a dense MLP's gate, up, h (and under QAD hq).
 	mlp := func(l *blockActs) {
-		l.gate, l.up, l.h = take(N*I), take(N*I), take(N*I)
+		l.gate, l.up, l.h = atake(N*I), atake(N*I), atake(N*I)
 		l.hq = l.h
 		if m.qad {
-			l.hq = take(N * I)
+			l.hq = atake(N * I)
 		}
 	}
 	// The experts quantize their inputs inside the MoE kernels.
@@ -181,7 +220,7 @@ func (m *Model) carve(a *trainActs, N int, arena, iarena compute.Tensor) (int, i
 	case mode == RecomputeSelective && anyDense:
 		mlp(&shared)
 	case mode == RecomputeFull && cfg.Layers > 0:
-		attn(&shared, anyDense)
+		attn(&shared, anyDense, anyMoE)
 		if anyDense {
 			mlp(&shared)
 		}
@@ -199,7 +238,7 @@ func (m *Model) carve(a *trainActs, N int, arena, iarena compute.Tensor) (int, i
 				l.moe = nil
 			}
 		} else {
-			attn(l, dense)
+			attn(l, dense, !dense)
 			switch {
 			case !dense:
 				moe(l)
@@ -219,33 +258,35 @@ func (m *Model) carve(a *trainActs, N int, arena, iarena compute.Tensor) (int, i
 	if cfg.Layers > 0 {
 		a.xL = a.layers[cfg.Layers-1].out
 	}
-	a.lnf, a.rstdf = take(N*C), take(N)
+	a.lnf, a.rstdf = atake(N*C), take(N)
 	a.dres, a.dln = take(N*C), take(N*C)
 	a.dq, a.dk, a.dv, a.datt = take(N*H*D), take(N*KV*D), take(N*KV*D), take(N*H*D)
 	if cfg.QKNorm {
 		a.dqpre, a.dkpre = take(N*H*D), take(N*KV*D)
 	}
 	a.dgate, a.dup, a.dh = take(N*I), take(N*I), take(N*I)
-	return off, ioff
+	return z
 }
 
-// TrainActivationFloats is the size of the training activation arenas for
-// an N-token batch under the model's recompute mode, in 4-byte elements
-// (F32 and the MoE routing's I32).
-func (m *Model) TrainActivationFloats(N int) int {
-	var a trainActs
-	f, i := m.carve(&a, N, nil, nil)
-	return f + i
+// arenaBytes is what the training arenas hold now, in bytes.
+func (m *Model) arenaBytes() int64 {
+	var b int64
+	for _, t := range []compute.Tensor{m.train.arena, m.train.aarena, m.train.iarena} {
+		if t != nil {
+			b += int64(t.DType().Size()) * int64(t.Len())
+		}
+	}
+	return b
 }
 
 // TrainActivationBytes is what TrainForward's activation arenas take for
 // an N-token batch of a model of cfg under recompute mode r, with NVFP4
-// QAD on or off; no backend needed (memory planning).
-func TrainActivationBytes(cfg *model.Config, N int, r Recompute, qad bool) int64 {
+// QAD on or off and activations of type act (the backend's ActDType); no
+// backend needed (memory planning).
+func TrainActivationBytes(cfg *model.Config, N int, r Recompute, qad bool, act compute.DType) int64 {
 	m := &Model{Cfg: cfg, qad: qad, recompute: r}
 	var a trainActs
-	f, i := m.carve(&a, N, nil, nil)
-	return 4 * (int64(f) + int64(i))
+	return m.carve(&a, N, act, nil, nil, nil).bytes(act)
 }
 
 // prepare sizes the activation arena for N tokens (growing it only when
@@ -256,26 +297,30 @@ func (m *Model) prepare(N int) {
 		return
 	}
 	var a trainActs
-	n, ni := m.carve(&a, N, nil, nil)
+	act := m.be.ActDType()
+	z := m.carve(&a, N, act, nil, nil, nil)
 	// A failed allocation (a device backend's out-of-memory panic) leaves
 	// no freed arena behind: the next call allocates anew.
 	st.arenaN = -1
-	if st.arena == nil || st.arena.Len() < n {
-		if st.arena != nil {
-			m.be.Free(st.arena)
-			st.arena = nil
-		}
-		st.arena = m.be.New(compute.F32, n)
-	}
-	if ni > 0 && (st.iarena == nil || st.iarena.Len() < ni) {
-		if st.iarena != nil {
-			m.be.Free(st.iarena)
-			st.iarena = nil
-		}
-		st.iarena = m.be.New(compute.I32, ni)
-	}
-	m.carve(&st.acts, N, st.arena, st.iarena)
+	m.grow(&st.arena, compute.F32, z.f32)
+	m.grow(&st.aarena, act, z.act)
+	m.grow(&st.iarena, compute.I32, z.i32)
+	m.carve(&st.acts, N, act, st.arena, st.aarena, st.iarena)
 	st.arenaN = N
+}
+
+// grow makes *t a tensor of at least n elements of type dt (n > 0; F32
+// always, so that arena is never nil after prepare), replacing a smaller
+// one.
+func (m *Model) grow(t *compute.Tensor, dt compute.DType, n int) {
+	if n == 0 && dt != compute.F32 || *t != nil && (*t).Len() >= n {
+		return
+	}
+	if *t != nil {
+		m.be.Free(*t)
+		*t = nil
+	}
+	*t = m.be.New(dt, n)
 }
 
 // TrainForward runs the decoder over one packed batch (tokens (N) in the
@@ -495,7 +540,7 @@ func (m *Model) SetRouterAux(coef float64, rs RouterStats) {
 // TrainForward allocates anew; QAD then needs RestoreQAD.
 func (m *Model) Free() {
 	st := &m.train
-	for _, t := range []compute.Tensor{st.arena, st.iarena, st.dprob, m.qadArena} {
+	for _, t := range []compute.Tensor{st.arena, st.aarena, st.iarena, st.dprob, m.qadArena} {
 		if t != nil {
 			m.be.Free(t)
 		}

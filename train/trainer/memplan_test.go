@@ -108,6 +108,7 @@ func TestCUDAMemoryPlanCheck(t *testing.T) {
 		t.Fatal(err)
 	}
 	free, total := be.MemInfo()
+	act := be.ActDType()
 	be.Close()
 	b := testCache(t)
 	over := []string{"train.device=cuda", "eval.every=0", "train.max_steps=3", "data.seq_len=256", "data.global_batch_tokens=256"}
@@ -117,7 +118,7 @@ func TestCUDAMemoryPlanCheck(t *testing.T) {
 		t.Fatal(err)
 	}
 	plan := func(r decoder.Recompute) int64 {
-		return train.PlanMemory(planShape(cfg, mc, 8, r)).Total()
+		return train.PlanMemory(planShape(cfg, mc, 8, r, act)).Total()
 	}
 	// The reserve is 256 MiB on a small device: a device with the open
 	// backend's own memory, the reserve and halfway between full's plan

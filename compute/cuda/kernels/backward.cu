@@ -7,14 +7,14 @@
 // into the table in token order, one thread per column. No atomics.
 
 // SwiGLU: du += dout·silu(g), dg += dout·u·σ(g)·(1 + g·(1-σ(g))), as
-// compute/cpu's k_swiglu_bwd.
-DK_KERNEL void k_swiglu_bwd(float *__restrict__ dg, float *__restrict__ du, const float *__restrict__ dout, const float *__restrict__ g,
-                            const float *__restrict__ u, i64 n) {
+// compute/cpu's k_swiglu_bwd. g and u are BF16 (their flag set) or F32.
+DK_KERNEL void k_swiglu_bwd(float *__restrict__ dg, float *__restrict__ du, const float *__restrict__ dout, const void *__restrict__ g,
+                            int g_bf, const void *__restrict__ u, int u_bf, i64 n) {
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-		float gv = g[i], d = dout[i];
+		float gv = ld_act(g, g_bf, i), d = dout[i];
 		float sg = 1.0f / (1.0f + expf(-gv));
 		du[i] += d * gv * sg;
-		dg[i] += d * u[i] * sg * (1.0f + gv * (1.0f - sg));
+		dg[i] += d * ld_act(u, u_bf, i) * sg * (1.0f + gv * (1.0f - sg));
 	}
 }
 
@@ -38,11 +38,12 @@ DK_KERNEL void k_rope_table_bwd(float *x, const float *__restrict__ cosv, const 
 // RMSNorm's backward, dx part, one warp per row (nt = 32) or one block per
 // row (nt = blockDim.x): with xh = x·rstd,
 // dx += rstd·(dout·w - xh·mean(dout·w·xh)), the mean's sum in float64.
-DK_DEV void rms_bwd_row(float *dx, const float *d, const float *x, const void *w, int w_bf16, float rs, int dim, int tid, int nt,
-                        double *red) {
+// x (the row's start) is BF16 (x_bf) or F32.
+DK_DEV void rms_bwd_row(float *dx, const float *d, const void *x, int x_bf, const void *w, int w_bf16, float rs, int dim, int tid,
+                        int nt, double *red) {
 	double dot = 0;
 	for (int i = tid; i < dim; i += nt) {
-		float xh = x[i] * rs;
+		float xh = ld_act(x, x_bf, i) * rs;
 		dot += (double)(d[i] * load_w(w, w_bf16, i) * xh);
 	}
 	dot = warp_sum_d(dot);
@@ -54,28 +55,31 @@ DK_DEV void rms_bwd_row(float *dx, const float *d, const float *x, const void *w
 		for (int i = 0; i < nw; i++) dot += red[i];
 	}
 	float m = (float)(dot / dim);
-	for (int i = tid; i < dim; i += nt) dx[i] += rs * (d[i] * load_w(w, w_bf16, i) - x[i] * rs * m);
+	for (int i = tid; i < dim; i += nt) dx[i] += rs * (d[i] * load_w(w, w_bf16, i) - ld_act(x, x_bf, i) * rs * m);
 }
 
-DK_KERNEL void k_rmsnorm_bwd_warp(float *dx, const float *dout, const float *x, const void *w, int w_bf16, const float *rstd, i64 rows,
-                                  int dim) {
+DK_KERNEL void k_rmsnorm_bwd_warp(float *dx, const float *dout, const void *x, int x_bf, const void *w, int w_bf16, const float *rstd,
+                                  i64 rows, int dim) {
 	i64 row = (i64)blockIdx.x * (blockDim.x / DK_WARP) + threadIdx.x / DK_WARP;
 	if (row >= rows) return; // a whole warp leaves together
-	rms_bwd_row(dx + row * dim, dout + row * dim, x + row * dim, w, w_bf16, rstd[row], dim, threadIdx.x % DK_WARP, DK_WARP, 0);
+	rms_bwd_row(dx + row * dim, dout + row * dim, act_ptr(x, x_bf, row * dim), x_bf, w, w_bf16, rstd[row], dim, threadIdx.x % DK_WARP,
+	            DK_WARP, 0);
 }
 
-DK_KERNEL void k_rmsnorm_bwd_block(float *dx, const float *dout, const float *x, const void *w, int w_bf16, const float *rstd, i64 rows,
-                                   int dim) {
+DK_KERNEL void k_rmsnorm_bwd_block(float *dx, const float *dout, const void *x, int x_bf, const void *w, int w_bf16, const float *rstd,
+                                   i64 rows, int dim) {
 	__shared__ double red[32];
 	i64 row = blockIdx.x;
-	rms_bwd_row(dx + row * dim, dout + row * dim, x + row * dim, w, w_bf16, rstd[row], dim, threadIdx.x, blockDim.x, red);
+	rms_bwd_row(dx + row * dim, dout + row * dim, act_ptr(x, x_bf, row * dim), x_bf, w, w_bf16, rstd[row], dim, threadIdx.x, blockDim.x,
+	            red);
 }
 
 // k_colsum_part: block (bx, by) sums, for the columns bx·blockDim.x + tid,
 // rows [by·chunk, (by+1)·chunk) of src (rows, cols) into part (gridDim.y,
 // cols), float64, in row order. With x and rstd set it sums
-// src·x·rstd[row] (RMSNorm's dw: dout·xh), else src (a bias's gradient).
-DK_KERNEL void k_colsum_part(double *__restrict__ part, const float *__restrict__ src, const float *__restrict__ x,
+// src·x·rstd[row] (RMSNorm's dw: dout·xh; x BF16 when x_bf), else src (a
+// bias's gradient).
+DK_KERNEL void k_colsum_part(double *__restrict__ part, const float *__restrict__ src, const void *__restrict__ x, int x_bf,
                              const float *__restrict__ rstd, i64 rows, int cols, int chunk) {
 	int c = blockIdx.x * blockDim.x + threadIdx.x;
 	if (c >= cols) return;
@@ -83,7 +87,7 @@ DK_KERNEL void k_colsum_part(double *__restrict__ part, const float *__restrict_
 	double s = 0;
 	for (i64 r = r0; r < r1; r++) {
 		float v = src[r * cols + c];
-		if (x) v = v * (x[r * cols + c] * rstd[r]);
+		if (x) v = v * (ld_act(x, x_bf, r * cols + c) * rstd[r]);
 		s += (double)v;
 	}
 	part[(i64)blockIdx.y * cols + c] = s;

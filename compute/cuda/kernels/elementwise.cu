@@ -60,17 +60,11 @@ DK_KERNEL void k_bf16_to_f32(float *__restrict__ out, const u16 *__restrict__ in
 // silu(g)·u with silu(g) = g / (1 + exp(-g)), as compute/cpu.
 DK_DEV float swiglu1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// out (n) = silu(gate)·up. out may alias gate.
-DK_KERNEL void k_swiglu(float *out, const float *gate, const float *__restrict__ up, i64 n) {
+// out (n) = silu(gate)·up, each BF16 (its flag set) or F32. out may alias
+// gate (of the same dtype): each element is read before it is written.
+DK_KERNEL void k_swiglu(void *out, int out_bf, const void *gate, int gate_bf, const void *__restrict__ up, int up_bf, i64 n) {
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-		out[i] = swiglu1(gate[i], up[i]);
-}
-
-// out (n) BF16 = silu(gate)·up: the MoE expert activations, rounded for the
-// down projection's GEMM.
-DK_KERNEL void k_swiglu_bf16(u16 *__restrict__ out, const float *__restrict__ gate, const float *__restrict__ up, i64 n) {
-	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-		out[i] = f2bf(swiglu1(gate[i], up[i]));
+		st_act(out, out_bf, i, swiglu1(ld_act(gate, gate_bf, i), ld_act(up, up_bf, i)));
 }
 
 // a (n) += b (n).
@@ -83,11 +77,13 @@ DK_KERNEL void k_add_bf16(float *__restrict__ a, const u16 *__restrict__ b, i64 
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) a[i] += bf2f(b[i]);
 }
 
-// out (rows, n) += bias (n), bias BF16 or F32.
-DK_KERNEL void k_add_bias(float *__restrict__ out, const void *__restrict__ bias, int bias_bf16, i64 rows, int n) {
+// out (rows, n) = in (rows, n) F32 + bias (n), bias BF16 or F32, out BF16
+// (rounded once: a GEMM's fp32 result with its bias) or F32 (in may be
+// out: each element is read before it is written).
+DK_KERNEL void k_add_bias(void *out, int out_bf, const float *in, const void *__restrict__ bias, int bias_bf16, i64 rows, int n) {
 	i64 total = rows * (i64)n;
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x)
-		out[i] += load_w(bias, bias_bf16, i % n);
+		st_act(out, out_bf, i, in[i] + load_w(bias, bias_bf16, i % n));
 }
 
 // out (n, dim) F32 = table[ids[i]] (vocab, dim), table BF16 or F32. Ids are
@@ -108,7 +104,6 @@ DK_REGISTER(k_f32_to_bf16_x4)
 DK_REGISTER(k_bf16_to_f32_x4)
 DK_REGISTER(k_add_bf16_x4)
 DK_REGISTER(k_swiglu)
-DK_REGISTER(k_swiglu_bf16)
 DK_REGISTER(k_add)
 DK_REGISTER(k_add_bf16)
 DK_REGISTER(k_add_bias)

@@ -167,12 +167,13 @@ DK_KERNEL __launch_bounds__(LOSS_THREADS) void k_loss_bwd_tile(u16 *__restrict__
 	}
 }
 
-// k_gather_rows_bf16: xc (M, C) BF16 = x (N, C) F32 at rows.
-DK_KERNEL void k_gather_rows_bf16(u16 *__restrict__ xc, const float *__restrict__ x, const i32 *__restrict__ rows, i64 M, int C) {
+// k_gather_rows_bf16: xc (M, C) BF16 = x (N, C) at rows, x BF16 (x_bf:
+// copied) or F32 (rounded).
+DK_KERNEL void k_gather_rows_bf16(u16 *__restrict__ xc, const void *__restrict__ x, int x_bf, const i32 *__restrict__ rows, i64 M, int C) {
 	i64 total = M * (i64)C;
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
 		i64 r = i / C;
-		xc[i] = f2bf(x[(i64)rows[r] * C + (i - r * C)]);
+		xc[i] = f2bf(ld_act(x, x_bf, (i64)rows[r] * C + (i - r * C)));
 	}
 }
 

@@ -6,13 +6,14 @@
 // accumulated in float64 and its mean rounded to fp32; then
 // rstd = 1/sqrt(mean + eps) and out = (x·rstd)·w in fp32, as HF's
 // LlamaRMSNorm and compute/cpu. red (32 doubles of shared memory) is used
-// only when nt > 32. out may alias x: each element is read and written by
-// the same thread.
-DK_DEV void rms_row(float *out, float *rstd_out, const float *x, const void *w, int w_bf16, int dim, float eps, int tid, int nt,
-                    double *red) {
+// only when nt > 32. x and out are BF16 or F32 (x_bf, out_bf). out may
+// alias x (same dtype): each element is read and written by the same
+// thread.
+DK_DEV void rms_row(void *out, int out_bf, float *rstd_out, const void *x, int x_bf, const void *w, int w_bf16, int dim, float eps,
+                    int tid, int nt, double *red) {
 	double ss = 0;
 	for (int i = tid; i < dim; i += nt) {
-		float v = x[i];
+		float v = ld_act(x, x_bf, i);
 		ss += (double)v * (double)v;
 	}
 	ss = warp_sum_d(ss);
@@ -25,41 +26,47 @@ DK_DEV void rms_row(float *out, float *rstd_out, const float *x, const void *w, 
 	}
 	float mean = (float)(ss / dim);
 	float rs = 1.0f / sqrtf(mean + eps);
-	for (int i = tid; i < dim; i += nt) out[i] = (x[i] * rs) * load_w(w, w_bf16, i);
+	for (int i = tid; i < dim; i += nt) st_act(out, out_bf, i, (ld_act(x, x_bf, i) * rs) * load_w(w, w_bf16, i));
 	if (rstd_out && tid == 0) *rstd_out = rs;
 }
 
 // One warp per row, blockDim.x/32 rows per block: for dim <= 1024 (head
 // norms, small models). rstd (rows) receives 1/rms, or is null.
-DK_KERNEL void k_rmsnorm_warp(float *out, float *rstd, const float *x, const void *w, int w_bf16, i64 rows, int dim, float eps) {
+DK_KERNEL void k_rmsnorm_warp(void *out, int out_bf, float *rstd, const void *x, int x_bf, const void *w, int w_bf16, i64 rows, int dim,
+                              float eps) {
 	i64 row = (i64)blockIdx.x * (blockDim.x / DK_WARP) + threadIdx.x / DK_WARP;
 	if (row >= rows) return; // a whole warp leaves together: no block barrier follows
-	rms_row(out + row * dim, rstd ? rstd + row : 0, x + row * dim, w, w_bf16, dim, eps, threadIdx.x % DK_WARP, DK_WARP, 0);
+	rms_row(act_ptr(out, out_bf, row * dim), out_bf, rstd ? rstd + row : 0, act_ptr(x, x_bf, row * dim), x_bf, w, w_bf16, dim, eps,
+	        threadIdx.x % DK_WARP, DK_WARP, 0);
 }
 
 // One block per row (blockDim.x a multiple of 32, at most 1024).
-DK_KERNEL void k_rmsnorm_block(float *out, float *rstd, const float *x, const void *w, int w_bf16, i64 rows, int dim, float eps) {
+DK_KERNEL void k_rmsnorm_block(void *out, int out_bf, float *rstd, const void *x, int x_bf, const void *w, int w_bf16, i64 rows, int dim,
+                               float eps) {
 	__shared__ double red[32];
 	i64 row = blockIdx.x;
-	rms_row(out + row * dim, rstd ? rstd + row : 0, x + row * dim, w, w_bf16, dim, eps, threadIdx.x, blockDim.x, red);
+	rms_row(act_ptr(out, out_bf, row * dim), out_bf, rstd ? rstd + row : 0, act_ptr(x, x_bf, row * dim), x_bf, w, w_bf16, dim, eps,
+	        threadIdx.x, blockDim.x, red);
 }
 
 // RoPE, rotate-half, in place on x (tokens, heads, hd), with the angles'
 // cos and sin given per token, cos/sin (tokens, hd/2), as the decoder
 // tabulates them (float64 cos and sin of the fp32 angle pos·inv_freq):
 //   x[i], x[i+hd/2] = x[i]·c - x[i+hd/2]·s, x[i+hd/2]·c + x[i]·s.
-// One block per token; its threads stride over the heads·hd/2 pairs.
-DK_KERNEL void k_rope_table(float *x, const float *__restrict__ cosv, const float *__restrict__ sinv, i64 tokens, int heads, int hd) {
+// One block per token; its threads stride over the heads·hd/2 pairs. x is
+// BF16 (x_bf) or F32.
+DK_KERNEL void k_rope_table(void *x, int x_bf, const float *__restrict__ cosv, const float *__restrict__ sinv, i64 tokens, int heads,
+                            int hd) {
 	i64 t = blockIdx.x;
 	int half = hd / 2;
 	const float *ct = cosv + t * half, *st = sinv + t * half;
-	float *xt = x + t * (i64)heads * hd;
+	i64 xt = t * (i64)heads * hd;
 	for (int j = threadIdx.x; j < heads * half; j += blockDim.x) {
 		int h = j / half, i = j - h * half;
-		float *v = xt + (i64)h * hd;
-		float a = v[i], b = v[i + half], c = ct[i], s = st[i];
-		v[i] = a * c - b * s;
-		v[i + half] = b * c + a * s;
+		i64 v = xt + (i64)h * hd;
+		float a = ld_act(x, x_bf, v + i), b = ld_act(x, x_bf, v + i + half), c = ct[i], s = st[i];
+		st_act(x, x_bf, v + i, a * c - b * s);
+		st_act(x, x_bf, v + i + half, b * c + a * s);
 	}
 }
 

@@ -83,11 +83,13 @@ DK_KERNEL __launch_bounds__(RED_THREADS) void k_sum_finish(double *__restrict__ 
 }
 
 // k_absmax_part: part[blockIdx.x] = max |x| over the block's share, NaN if
-// the share holds a NaN (a calibration that saw NaN must fail loudly).
-DK_KERNEL __launch_bounds__(RED_THREADS) void k_absmax_part(float *__restrict__ part, const float *__restrict__ x, i64 n) {
+// the share holds a NaN (a calibration that saw NaN must fail loudly). x
+// is BF16 (x_bf) or F32.
+DK_KERNEL __launch_bounds__(RED_THREADS) void k_absmax_part(float *__restrict__ part, const void *__restrict__ x, int x_bf, i64 n) {
 	__shared__ float red[RED_THREADS];
 	float m = 0;
-	for (i64 i = (i64)blockIdx.x * RED_THREADS + threadIdx.x; i < n; i += (i64)gridDim.x * RED_THREADS) m = nanmax(m, fabsf(x[i]));
+	for (i64 i = (i64)blockIdx.x * RED_THREADS + threadIdx.x; i < n; i += (i64)gridDim.x * RED_THREADS)
+		m = nanmax(m, fabsf(ld_act(x, x_bf, i)));
 	m = block_max(m, red);
 	if (threadIdx.x == 0) part[blockIdx.x] = m;
 }
@@ -139,19 +141,19 @@ DK_DEV float e2m1(float a) {
 // compute.NVFP4GlobalScale does. dst may alias src: a thread reads its
 // block before writing it. db, when not null, receives the BF16 rounding
 // of dst (f2bf): a fake-quantized weight's shadow, the GEMMs' operand
-// (shadow.go).
-DK_KERNEL void k_fakequant_nvfp4(float *dst, const float *src, i64 rows, int cols, float g, u16 *db) {
+// (shadow.go). src and dst are BF16 (their flag set: activations) or F32.
+DK_KERNEL void k_fakequant_nvfp4(void *dst, int dst_bf, const void *src, int src_bf, i64 rows, int cols, float g, u16 *db) {
 	int nb = (cols + 15) / 16;
 	i64 total = rows * (i64)nb;
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
 		i64 r = i / nb;
 		int b0 = (int)(i - r * nb) * 16;
 		int len = imin(16, cols - b0);
-		const float *s = src + r * cols + b0;
+		i64 at = r * cols + b0;
 		float v[16];
 		float bm = 0;
 		for (int j = 0; j < len; j++) {
-			v[j] = s[j];
+			v[j] = ld_act(src, src_bf, at + j);
 			bm = nanmax(bm, fabsf(v[j]));
 		}
 		float gs = g > 0 ? g : 1e-12f;
@@ -160,13 +162,12 @@ DK_KERNEL void k_fakequant_nvfp4(float *dst, const float *src, i64 rows, int col
 		float sb = e4m3(t);
 		float sc = sb * g;
 		if (!(sc >= 1e-5f)) sc = 1;
-		float *d = dst + r * cols + b0;
 		for (int j = 0; j < len; j++) {
 			float q = e2m1(fabsf(v[j]) / sc);
 			q = q * sc;
 			float o = v[j] >= 0 ? q : -q;
-			d[j] = o;
-			if (db) db[r * cols + b0 + j] = f2bf(o);
+			st_act(dst, dst_bf, at + j, o);
+			if (db) db[at + j] = f2bf(o);
 		}
 	}
 }

@@ -65,6 +65,20 @@ DK_DEV float load_w(const void *w, int bf16, i64 i) {
 	return bf16 ? bf2f(((const u16 *)w)[i]) : ((const float *)w)[i];
 }
 
+// ld_act and st_act read and write element i of an activation stored in
+// BF16 (bf16 != 0) or F32 (compute's activation dtype): the math is fp32,
+// and a BF16 store rounds once.
+DK_DEV float ld_act(const void *p, int bf16, i64 i) { return load_w(p, bf16, i); }
+DK_DEV void st_act(void *p, int bf16, i64 i, float v) {
+	if (bf16) ((u16 *)p)[i] = f2bf(v);
+	else ((float *)p)[i] = v;
+}
+// act_ptr is the address of element off of such an activation.
+DK_DEV void *act_ptr(void *p, int bf16, i64 off) { return bf16 ? (void *)((u16 *)p + off) : (void *)((float *)p + off); }
+DK_DEV const void *act_ptr(const void *p, int bf16, i64 off) {
+	return bf16 ? (const void *)((const u16 *)p + off) : (const void *)((const float *)p + off);
+}
+
 // --- Warp reductions (all 32 lanes take part).
 
 DK_DEV float warp_sum(float v) {

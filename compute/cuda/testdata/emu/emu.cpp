@@ -839,7 +839,8 @@ int cublasLtMatmulAlgoGetHeuristic(void *, void *d, void *a, void *b, void *c, v
 	Layout *la = (Layout *)a, *lb = (Layout *)b, *lc = (Layout *)c, *ld = (Layout *)dd;
 	u64 m = ds->transa ? la->cols : la->rows, k = ds->transa ? la->rows : la->cols;
 	u64 kb = ds->transb ? lb->cols : lb->rows, n = ds->transb ? lb->rows : lb->cols;
-	if (req < 1 || k != kb || lc->rows != m || lc->cols != n || ld->rows != m || ld->cols != n || la->type != lb->type || lc->type != 0) {
+	if (req < 1 || k != kb || lc->rows != m || lc->cols != n || ld->rows != m || ld->cols != n || la->type != lb->type || lc->type != ld->type ||
+	    (lc->type != 0 && lc->type != 14)) {
 		fail(E_INVALID_VALUE, "cublasLtMatmulAlgoGetHeuristic: inconsistent shapes or types");
 		return 7;
 	}
@@ -853,9 +854,22 @@ static float load_el(const void *p, int type, i64 i) {
 	return ((const float *)p)[i];
 }
 
+// store_el writes a D element: F32, or BF16 rounded to nearest even (the
+// epilogue's one rounding of the fp32 result).
+static void store_el(void *p, int type, i64 i, float v) {
+	if (type != 14) {
+		((float *)p)[i] = v;
+		return;
+	}
+	u32 b = __float_as_uint(v);
+	if ((b & 0x7fffffffu) > 0x7f800000u) ((u16 *)p)[i] = (u16)((b >> 16) | 0x40u);
+	else ((u16 *)p)[i] = (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
 // D = alpha·op(A)·op(B) + beta·C, column-major: op(A) (m,k), op(B) (k,n),
 // D (m,n), element (i,j) of a stored matrix at i + j·ld. Accumulated in
-// fp32 in k order (no more accurate than the GPU's).
+// fp32 in k order (no more accurate than the GPU's); C and D are F32 or
+// BF16 (then beta must be 0: nothing in the backend accumulates into BF16).
 int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_, const void *B, void *lb_, const void *beta, const void *C,
                    void *lc_, void *D, void *ld_, const void *, void *, size_t, void *) {
 	Desc *ds = (Desc *)d;
@@ -864,9 +878,13 @@ int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_,
 	size_t esz = la->type == 14 ? 2 : 4;
 	if (check_range((u64)A, (size_t)((la->cols - 1) * la->ld + la->rows) * esz, "cublasLtMatmul A") ||
 	    check_range((u64)B, (size_t)((lb->cols - 1) * lb->ld + lb->rows) * esz, "cublasLtMatmul B") ||
-	    check_range((u64)D, (size_t)((ld->cols - 1) * ld->ld + ld->rows) * 4, "cublasLtMatmul D"))
+	    check_range((u64)D, (size_t)((ld->cols - 1) * ld->ld + ld->rows) * (ld->type == 14 ? 2 : 4), "cublasLtMatmul D"))
 		return 14; // CUBLAS_STATUS_INTERNAL_ERROR
 	float al = *(const float *)alpha, be = *(const float *)beta;
+	if (ld->type == 14 && be != 0) {
+		fail(E_INVALID_VALUE, "cublasLtMatmul: beta != 0 with a BF16 D is not emulated");
+		return 7;
+	}
 	std::vector<float> col(k);
 	for (i64 j = 0; j < n; j++) {
 		for (i64 p = 0; p < k; p++) col[p] = load_el(B, lb->type, ds->transb ? j + p * lb->ld : p + j * lb->ld);
@@ -874,7 +892,7 @@ int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_,
 			float acc = 0;
 			for (i64 p = 0; p < k; p++) acc = fmaf(load_el(A, la->type, ds->transa ? p + i * la->ld : i + p * la->ld), col[p], acc);
 			float cv = be != 0 ? ((const float *)C)[i + j * lc->ld] : 0;
-			((float *)D)[i + j * ld->ld] = al * acc + be * cv;
+			store_el(D, ld->type, i + j * ld->ld, al * acc + be * cv);
 		}
 	}
 	return 0;
