@@ -44,8 +44,10 @@
 // Plans are built once per bucket of (samples, longest sample), each
 // rounded up to a power of two (a bucket's unused samples are empty), and
 // kept for the process; each build is logged once with its time. Q, K, V,
-// O and dO are rounded to BF16 once per call; the BF16 output and
-// gradients are widened into the contract's F32 tensors (+= for the
+// O are read in place when they are BF16 activations 16-byte aligned (the
+// decoder's are), else rounded or moved once per call, as dO is; the BF16
+// output is written in place or widened, and the gradients are widened
+// into the contract's F32 tensors (+= for the
 // gradients). 9.10 is the minimum: older versions need a second padding
 // mask in the backward graph and another fill value for masked scores.
 // Without cuDNN (absent, older, or Options.Attention "mma"/"simt"), or for
@@ -87,11 +89,22 @@
 //
 // Kernels and precision, against compute/cpu (the oracle of the tests):
 //
-//   - MatMul: cuBLASLt, BF16 operands (activations rounded at the GEMM's
-//     input, weights as stored), fp32 accumulation and output.
+// Activations are BF16 (compute.Backend.ActDType; Options.Activations
+// "f32" or $DISTILL_CUDA_ACT=f32 restores fp32 activations): the decoder
+// stores in BF16 what feeds GEMMs, attention and the elementwise kernels,
+// and keeps the residual stream, statistics, gradients and an MoE block's
+// input in fp32. Every kernel below takes its activation operands in
+// either dtype (a flag per operand), computes in fp32 and rounds each
+// element once on store, so a BF16 operand needs no rounding pass before
+// a GEMM or attention.
+//
+//   - MatMul: cuBLASLt, BF16 operands (an F32 x rounded at the GEMM's
+//     input, weights as stored), fp32 accumulation; out F32, or BF16
+//     rounded by cuBLASLt's epilogue (with a bias: the bias added to the
+//     fp32 result first, then one rounding).
 //   - RMSNorm (and the q/k norm, as RMSNorm over heads): sum of squares in
 //     float64, the rest in fp32; rstd saved on request.
-//   - RoPE: fp32, from the cos/sin table the decoder builds on the host
+//   - RoPE: fp32 math, from the cos/sin table the decoder builds on the host
 //     (float64 cos and sin of the fp32 angle pos·inv_freq, llama3 scaling
 //     included) and uploads once per batch.
 //   - Attention: packed varlen causal GQA, flash-style (online softmax,
@@ -105,7 +118,7 @@
 //     steps wholly after a warp's rows skipped, only the diagonal masked.
 //     Other head dims on an fp32 kernel. Both save each query row's
 //     log-sum-exp on request (fp32, natural log).
-//   - SwiGLU, residual add, embedding: fp32.
+//   - SwiGLU: fp32 math; residual add and embedding: fp32.
 //   - MoE (and MoEForward, which keeps what the backward needs): router
 //     GEMM in fp32 (a discrete choice: BF16 logits would flip near-ties),
 //     softmax and top-k on the device, the (token, slot) pairs grouped by
@@ -130,8 +143,9 @@
 // contract says. Mixed precision as Megatron-LM trains: the parameters,
 // their gradients and the AdamW moments are the caller's fp32 tensors (the
 // decoder sees no BF16 copy); each GEMM reads BF16 roundings of its
-// operands and accumulates in fp32 into fp32. Activations and gradients
-// are rounded as a GEMM reads them; the parameters are rounded once per
+// operands and accumulates in fp32 into fp32. The saved activations are
+// BF16 already (half the arena); the gradients, fp32, are rounded as a
+// GEMM reads them; the parameters are rounded once per
 // step (shadow.go): the backend keeps a BF16 shadow of each fp32
 // parameter a GEMM reads, which AdamW's kernel writes with the update
 // (k_adamw), and which any other write to the parameter makes stale (the
