@@ -16,7 +16,10 @@
 # EXTRA_TESTS=PATTERN runs the matching tests of the cuda, train and
 # trainer test binaries on the GPU, SANITIZE=1 runs the
 # attention tests (own kernels and cuDNN) under compute-sanitizer memcheck
-# and the own kernels' under racecheck.
+# and the own kernels' under racecheck, ACT_COMPARE=1 runs the training
+# benchmark again (and with FORWARD_BENCH=1 the forward one) with fp32
+# activations (DISTILL_CUDA_ACT=f32): the BF16 activations' effect, side by
+# side on the same device (ACT_BUDGET seconds, default 150).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 final=${OUT:-$PWD/gpu-out}
@@ -53,6 +56,13 @@ if [ "${FORWARD_BENCH:-}" = 1 ]; then
   OUT="$work/fwd" DISTILL_BENCH_SHAPES=${FORWARD_SHAPES:-${DISTILL_BENCH_SHAPES:-}} SUITE_BUDGET=${FORWARD_BUDGET:-120} \
     bash scripts/gpu-suite.sh run bench peer >"$work/fwd/suite.txt" 2>&1
 fi
+if [ "${ACT_COMPARE:-}" = 1 ]; then
+  mkdir -p "$work/act-f32"
+  fsteps=(train-bench)
+  [ "${FORWARD_BENCH:-}" = 1 ] && fsteps+=(bench)
+  OUT="$work/act-f32" DISTILL_CUDA_ACT=f32 DISTILL_BENCH_SHAPES=${DISTILL_BENCH_SHAPES:-qwen3-0.6b} SUITE_BUDGET=${ACT_BUDGET:-150} \
+    bash scripts/gpu-suite.sh run "${fsteps[@]}" >"$work/act-f32/suite.txt" 2>&1
+fi
 if [ -n "${EXTRA_TESTS:-}" ]; then # a -test.run pattern for cuda.test, then the same for train.test and trainer.test
   for b in cuda:compute/cuda train:train trainer:train/trainer; do
     ( cd "${b#*:}" && DISTILL_CUDA_TEST=gpu DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 60 /tmp/distill-gpu-bin/${b%%:*}.test \
@@ -82,6 +92,10 @@ tar -C "$work" -czf "$final/logs.tgz" .
 cat "$work/summary.txt" 2>/dev/null | head -150
 if [ -f "$work/fwd/summary.txt" ]; then
   echo "== forward benchmarks"; cat "$work/fwd/status.txt"; grep -E '^Benchmark' "$work/fwd/bench.log"; grep -E '^\{' "$work/fwd/peer.log"
+fi
+if [ -d "$work/act-f32" ]; then
+  echo "== fp32 activations (DISTILL_CUDA_ACT=f32), same device"; cat "$work/act-f32/status.txt" 2>/dev/null
+  grep -hE '^Benchmark' "$work/act-f32/train-bench.log" "$work/act-f32/bench.log" 2>/dev/null
 fi
 echo "== status"; cat "$work/status.txt"
 for f in attn-memcheck attn-racecheck extra-cuda extra-train extra-trainer; do
