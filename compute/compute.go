@@ -188,6 +188,12 @@ type Backend interface {
 	SwiGLU(out, gate, up Tensor, n int)
 	// Add: a (n) += b (n), the residual connection.
 	Add(a, b Tensor, n int)
+	// AddRMSNorm is Add then RMSNorm of the sum, in one pass where the
+	// backend fuses them (the residual connection and the next norm):
+	// a (rows,dim) += b (rows,dim), both F32; out (rows,dim) (act) =
+	// RMSNorm(a) with w (dim), rstd (rows) or nil, bit for bit Add
+	// followed by RMSNorm. out must not alias a or b.
+	AddRMSNorm(out, rstd, a, b, w Tensor, rows, dim int, eps float32)
 	// MoE runs a Qwen3-MoE sparse FFN: router logits = x·routerᵀ, softmax
 	// over experts in fp32, top-k experts per token (renormalized when
 	// m.NormTopK), each expert a SwiGLU MLP, outputs summed with the

@@ -126,6 +126,7 @@ func (s *suite) run(t *testing.T) {
 		{"Attention", s.attention, false},
 		{"SwiGLU", s.swiGLU, false},
 		{"Add", s.add, false},
+		{"AddRMSNorm", s.addRMSNorm, false},
 		{"MoE", s.moe, false},
 		{"LMHeadTopK", s.lmHeadTopK, false},
 		{"LMHeadTopKTies", s.lmHeadTopKTies, false},
@@ -168,6 +169,7 @@ func (s *suite) runAct(t *testing.T) {
 		{"RoPE", s.rope, false},
 		{"Attention", s.attention, false},
 		{"SwiGLU", s.swiGLU, false},
+		{"AddRMSNorm", s.addRMSNorm, false},
 		{"LMHeadTopK", s.lmHeadTopK, false},
 		{"AbsMax", s.absMax, true},
 		{"FakeQuantNVFP4", s.fakeQuant, true},
@@ -662,6 +664,42 @@ func (s *suite) add(t *testing.T) {
 		want[i] = float64(a[i] + b[i])
 	}
 	closeTo(t, "a+b", s.read(at, n), want, 0, 0)
+}
+
+// addRMSNorm: the sum exactly as Add leaves it (fp32, written back into
+// a), the norm of the sum as RMSNorm's formula (shapes on both sides of
+// the CUDA backend's warp/block split).
+func (s *suite) addRMSNorm(t *testing.T) {
+	be := s.be
+	r := rand.New(rand.NewPCG(31, 32))
+	for _, sh := range [][2]int{{150, 129}, {9, 2056}} {
+		N, C := sh[0], sh[1]
+		a, b, w := randn(r, N*C, 1), randn(r, N*C, 1), randn(r, C, 1)
+		const eps = 1e-6
+		at, bt, wt := be.FromF32(a), be.FromF32(b), be.FromF32(w)
+		out, rstd := s.actOut(N*C), s.garbage(N)
+		be.AddRMSNorm(out, rstd, at, bt, wt, N, C, eps)
+		sum := make([]float64, N*C)
+		for i := range sum {
+			sum[i] = float64(a[i] + b[i])
+		}
+		closeTo(t, "a+b", s.read(at, N*C), sum, 0, 0)
+		s.actFwd(t, "out", s.read(out, N*C), rmsNorm(sum, f64(w), C, eps))
+		wantR := make([]float64, N)
+		for i := range wantR {
+			var ss float64
+			for j := 0; j < C; j++ {
+				ss += sum[i*C+j] * sum[i*C+j]
+			}
+			wantR[i] = 1 / math.Sqrt(ss/float64(C)+eps)
+		}
+		s.fwd(t, "rstd", s.read(rstd, N), wantR)
+		// Without statistics.
+		at2 := be.FromF32(a)
+		out2 := s.actOut(N * C)
+		be.AddRMSNorm(out2, nil, at2, bt, wt, N, C, eps)
+		s.actFwd(t, "out (no rstd)", s.read(out2, N*C), rmsNorm(sum, f64(w), C, eps))
+	}
 }
 
 func (s *suite) adamW(t *testing.T) {

@@ -361,6 +361,13 @@ func (b *Backend) SwiGLU(out, gate, up compute.Tensor, n int) {
 	})
 }
 
+// AddRMSNorm implements compute.Backend: Add, then RMSNorm (the reference
+// does not fuse them).
+func (be *Backend) AddRMSNorm(out, rstd, a, b, w compute.Tensor, rows, dim int, eps float32) {
+	be.Add(a, b, rows*dim)
+	be.RMSNorm(out, rstd, a, w, rows, dim, eps)
+}
+
 // Add implements compute.Backend.
 func (be *Backend) Add(a, b compute.Tensor, n int) {
 	as, bs := f32(a), f32(b)

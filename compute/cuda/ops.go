@@ -197,7 +197,31 @@ func (b *Backend) RMSNorm(outT, rstdT, xT, wT compute.Tensor, rows, dim int, eps
 		rp = dptr(rstd.p)
 	}
 	wp, wb := weightArg(w)
-	b.launchKernel(rmsnormLaunch(rows, dim), dptr(out.p), bf16Flag(out), rp, dptr(x.p), bf16Flag(x), wp, wb, int64(rows), int32(dim), eps)
+	b.launchKernel(rmsnormLaunch(rows, dim), dptr(out.p), bf16Flag(out), rp, dptr(x.p), bf16Flag(x), dptr(0), wp, wb, int64(rows), int32(dim), eps)
+}
+
+// AddRMSNorm implements compute.Backend: the RMSNorm kernels with the
+// residual add folded into their first pass over the row (one read of a
+// and b, one write of the sum, instead of Add's pass and the norm's).
+func (b *Backend) AddRMSNorm(outT, rstdT, aT, bT, wT compute.Tensor, rows, dim int, eps float32) {
+	defer b.enter()()
+	b.wroteT(outT, rstdT, aT)
+	out, a, c, w := b.ten(outT, "AddRMSNorm out"), b.ten(aT, "AddRMSNorm a"), b.ten(bT, "AddRMSNorm b"), b.ten(wT, "AddRMSNorm w")
+	need(out, "AddRMSNorm out", rows*dim, act...)
+	need(a, "AddRMSNorm a", rows*dim, compute.F32)
+	need(c, "AddRMSNorm b", rows*dim, compute.F32)
+	need(w, "AddRMSNorm w", dim, compute.F32, compute.BF16)
+	if out.p == a.p || out.p == c.p {
+		panic("cuda: AddRMSNorm out aliases a or b")
+	}
+	var rp dptr
+	if rstdT != nil {
+		rstd := b.ten(rstdT, "AddRMSNorm rstd")
+		need(rstd, "AddRMSNorm rstd", rows, compute.F32)
+		rp = dptr(rstd.p)
+	}
+	wp, wb := weightArg(w)
+	b.launchKernel(rmsnormLaunch(rows, dim), dptr(out.p), bf16Flag(out), rp, dptr(a.p), int32(0), dptr(c.p), wp, wb, int64(rows), int32(dim), eps)
 }
 
 // RoPE implements compute.Backend: x (tokens, heads, headDim) rotated in

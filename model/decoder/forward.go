@@ -37,7 +37,9 @@ func (m *Model) blockForward(L *Block, a *blockActs, b *batch) {
 	m.mlpForward(L, a, b.n, true)
 }
 
-// attnForward is blockForward's first half: xmid = xin + o(attn(...)).
+// attnForward is blockForward's first half: xmid = xin + o(attn(...)),
+// and ln2 = rmsnorm(xmid), the MLP's input (the residual add and the norm
+// are one AddRMSNorm).
 func (m *Model) attnForward(L *Block, a *blockActs, b *batch) {
 	be, c := m.be, m.Cfg
 	N, C, H, KV, D := b.n, c.Hidden, c.Heads, c.KVHeads, c.HeadDim
@@ -57,17 +59,16 @@ func (m *Model) attnForward(L *Block, a *blockActs, b *batch) {
 	be.Attention(a.att, a.lse, a.q, a.k, a.v, b.starts, b.nSeq, b.maxLen, N, H, KV, D, attnScale(D))
 	m.quantInput(&L.InO, a.attq, a.att, N, H*D)
 	be.MatMul(a.xmid, a.attq, at.O.weight(), at.O.B, N, C, H*D)
-	be.Add(a.xmid, a.xin, N*C)
+	be.AddRMSNorm(a.ln2, a.rstd2, a.xmid, a.xin, L.PostNorm.W, N, C, eps)
 }
 
 // mlpForward is blockForward's second half: out = xmid + mlp(ln2) (or
-// moe(ln2)). Without down (a full recompute in the backward, which needs
-// the MLP's inputs and activations but not its output), a dense block
-// stops before the down projection.
+// moe(ln2)), ln2 from attnForward. Without down (a full recompute in the
+// backward, which needs the MLP's inputs and activations but not its
+// output), a dense block stops before the down projection.
 func (m *Model) mlpForward(L *Block, a *blockActs, N int, down bool) {
 	be, c := m.be, m.Cfg
 	C := c.Hidden
-	be.RMSNorm(a.ln2, a.rstd2, a.xmid, L.PostNorm.W, N, C, c.RMSNormEps)
 	if L.MoE != nil && a.moe == nil {
 		be.MoE(a.out, a.ln2, L.MoE, N)
 	} else if L.MoE != nil {

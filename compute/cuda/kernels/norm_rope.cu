@@ -9,11 +9,19 @@
 // only when nt > 32. x and out are BF16 or F32 (x_bf, out_bf). out may
 // alias x (same dtype): each element is read and written by the same
 // thread.
-DK_DEV void rms_row(void *out, int out_bf, float *rstd_out, const void *x, int x_bf, const void *w, int w_bf16, int dim, float eps,
-                    int tid, int nt, double *red) {
+//
+// With add set, x is F32 and the row is the residual connection's first
+// (x += add, the sum written back) before it is normed: each element is
+// read, summed and written by the thread that later reads it again.
+DK_DEV void rms_row(void *out, int out_bf, float *rstd_out, const void *x, int x_bf, const float *add, const void *w, int w_bf16, int dim,
+                    float eps, int tid, int nt, double *red) {
 	double ss = 0;
 	for (int i = tid; i < dim; i += nt) {
-		float v = ld_act(x, x_bf, i);
+		float v;
+		if (add) {
+			v = ((const float *)x)[i] + add[i];
+			((float *)x)[i] = v;
+		} else v = ld_act(x, x_bf, i);
 		ss += (double)v * (double)v;
 	}
 	ss = warp_sum_d(ss);
@@ -32,21 +40,22 @@ DK_DEV void rms_row(void *out, int out_bf, float *rstd_out, const void *x, int x
 
 // One warp per row, blockDim.x/32 rows per block: for dim <= 1024 (head
 // norms, small models). rstd (rows) receives 1/rms, or is null.
-DK_KERNEL void k_rmsnorm_warp(void *out, int out_bf, float *rstd, const void *x, int x_bf, const void *w, int w_bf16, i64 rows, int dim,
-                              float eps) {
+// add (rows, dim) F32, when not null: x (F32) += add first (AddRMSNorm).
+DK_KERNEL void k_rmsnorm_warp(void *out, int out_bf, float *rstd, const void *x, int x_bf, const float *add, const void *w, int w_bf16,
+                              i64 rows, int dim, float eps) {
 	i64 row = (i64)blockIdx.x * (blockDim.x / DK_WARP) + threadIdx.x / DK_WARP;
 	if (row >= rows) return; // a whole warp leaves together: no block barrier follows
-	rms_row(act_ptr(out, out_bf, row * dim), out_bf, rstd ? rstd + row : 0, act_ptr(x, x_bf, row * dim), x_bf, w, w_bf16, dim, eps,
-	        threadIdx.x % DK_WARP, DK_WARP, 0);
+	rms_row(act_ptr(out, out_bf, row * dim), out_bf, rstd ? rstd + row : 0, act_ptr(x, x_bf, row * dim), x_bf, add ? add + row * dim : 0,
+	        w, w_bf16, dim, eps, threadIdx.x % DK_WARP, DK_WARP, 0);
 }
 
 // One block per row (blockDim.x a multiple of 32, at most 1024).
-DK_KERNEL void k_rmsnorm_block(void *out, int out_bf, float *rstd, const void *x, int x_bf, const void *w, int w_bf16, i64 rows, int dim,
-                               float eps) {
+DK_KERNEL void k_rmsnorm_block(void *out, int out_bf, float *rstd, const void *x, int x_bf, const float *add, const void *w, int w_bf16,
+                               i64 rows, int dim, float eps) {
 	__shared__ double red[32];
 	i64 row = blockIdx.x;
-	rms_row(act_ptr(out, out_bf, row * dim), out_bf, rstd ? rstd + row : 0, act_ptr(x, x_bf, row * dim), x_bf, w, w_bf16, dim, eps,
-	        threadIdx.x, blockDim.x, red);
+	rms_row(act_ptr(out, out_bf, row * dim), out_bf, rstd ? rstd + row : 0, act_ptr(x, x_bf, row * dim), x_bf, add ? add + row * dim : 0,
+	        w, w_bf16, dim, eps, threadIdx.x, blockDim.x, red);
 }
 
 // RoPE, rotate-half, in place on x (tokens, heads, hd), with the angles'
