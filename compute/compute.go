@@ -175,6 +175,15 @@ type Backend interface {
 	// c, s = cos, sin (tokens, headDim/2) at the token,
 	// x[i], x[i+hd/2] = x[i]·c - x[i+hd/2]·s, x[i+hd/2]·c + x[i]·s.
 	RoPE(x, cos, sin Tensor, tokens, heads, headDim int)
+	// RMSNormRoPE is RMSNorm over each head of x followed by RoPE, in one
+	// pass where the backend fuses them (Qwen3's q/k norm): x (tokens,
+	// heads, headDim) (act), w (headDim) -> out (tokens, heads, headDim)
+	// (act) = RoPE(RMSNorm(x, w)) with RMSNorm's rows = tokens·heads and
+	// RoPE's cos, sin as RoPE takes them; rstd (tokens·heads) or nil
+	// receives RMSNorm's statistics. out may alias x. Bit for bit RMSNorm
+	// then RoPE on an fp32 backend; a BF16 out is rounded once, after the
+	// rotation.
+	RMSNormRoPE(out, rstd, x, w, cos, sin Tensor, tokens, heads, headDim int, eps float32)
 	// Attention: packed variable-length causal attention with GQA.
 	// q (tokens, nHead, hd), k and v (tokens, nKV, hd), all (act); the samples are the
 	// token ranges [starts[i], starts[i+1]) of starts (nSeq+1) I32; a token

@@ -123,6 +123,7 @@ func (s *suite) run(t *testing.T) {
 		{"Embed", s.embed, false},
 		{"RMSNorm", s.rmsNorm, false},
 		{"RoPE", s.rope, false},
+		{"RMSNormRoPE", s.rmsNormRoPE, false},
 		{"Attention", s.attention, false},
 		{"SwiGLU", s.swiGLU, false},
 		{"Add", s.add, false},
@@ -167,6 +168,7 @@ func (s *suite) runAct(t *testing.T) {
 		{"MatMul", s.matMul, false},
 		{"RMSNorm", s.rmsNorm, false},
 		{"RoPE", s.rope, false},
+		{"RMSNormRoPE", s.rmsNormRoPE, false},
 		{"Attention", s.attention, false},
 		{"SwiGLU", s.swiGLU, false},
 		{"AddRMSNorm", s.addRMSNorm, false},
@@ -563,6 +565,49 @@ func (s *suite) rope(t *testing.T) {
 	d := be.FromF32(R)
 	be.RoPEBackward(d, ct, st, N, H, D)
 	s.bwdStrided(t, "dx (in place)", s.read(d, N*H*D), make([]float32, N*H*D), f, xd, 13)
+}
+
+// rmsNormRoPE: the per-head norm then the rotation, against the float64
+// formulas of both, with and without statistics, and in place (Qwen3's
+// q/k norm; head dims 64 and 256, hd/2 beyond a warp's 32 lanes).
+func (s *suite) rmsNormRoPE(t *testing.T) {
+	be := s.be
+	r := rand.New(rand.NewPCG(33, 34))
+	const eps = 1e-6
+	for _, sh := range [][2]int{{4, 64}, {2, 256}} {
+		H, D := sh[0], sh[1]
+		pos := []int32{0, 1, 2, 3, 0, 1, 500, 1000, 4095}
+		for len(pos) < 40 {
+			pos = append(pos, int32(r.IntN(8192)))
+		}
+		N := len(pos)
+		inv := make([]float32, D/2)
+		for i := range inv {
+			inv[i] = float32(1 / math.Pow(1e6, float64(2*i)/float64(D)))
+		}
+		cos, sin := ropeTable(pos, inv)
+		ct, st := be.FromF32(cos), be.FromF32(sin)
+		x, w := randn(r, N*H*D, 1), randn(r, D, 1)
+		xt, x := s.actIn(x)
+		wt := be.FromF32(w)
+		want := rope(rmsNorm(f64(x), f64(w), D, eps), pos, inv, H, D)
+		out, rstd := s.actOut(N*H*D), s.garbage(N*H)
+		be.RMSNormRoPE(out, rstd, xt, wt, ct, st, N, H, D, eps)
+		s.actFwd(t, "out", s.read(out, N*H*D), want)
+		xd := f64(x)
+		wantR := make([]float64, N*H)
+		for i := range wantR {
+			var ss float64
+			for j := 0; j < D; j++ {
+				ss += xd[i*D+j] * xd[i*D+j]
+			}
+			wantR[i] = 1 / math.Sqrt(ss/float64(D)+eps)
+		}
+		s.fwd(t, "rstd", s.read(rstd, N*H), wantR)
+		y, _ := s.actIn(x)
+		be.RMSNormRoPE(y, nil, y, wt, ct, st, N, H, D, eps)
+		s.actFwd(t, "out in place", s.read(y, N*H*D), want)
+	}
 }
 
 // attention covers GQA (4 query heads on 2 kv heads), samples of lengths

@@ -328,6 +328,13 @@ func (b *Backend) RoPE(x, cos, sin compute.Tensor, tokens, heads, headDim int) {
 	b.rotate(f32(x), f32(cos), f32(sin), tokens, heads, headDim, 1)
 }
 
+// RMSNormRoPE implements compute.Backend: RMSNorm, then RoPE (the
+// reference does not fuse them).
+func (b *Backend) RMSNormRoPE(out, rstd, x, w, cos, sin compute.Tensor, tokens, heads, headDim int, eps float32) {
+	b.RMSNorm(out, rstd, x, w, tokens*heads, headDim, eps)
+	b.RoPE(out, cos, sin, tokens, heads, headDim)
+}
+
 // RoPEBackward implements compute.Backend: the rotation by -angle.
 func (b *Backend) RoPEBackward(dx, cos, sin compute.Tensor, tokens, heads, headDim int) {
 	b.rotate(f32(dx), f32(cos), f32(sin), tokens, heads, headDim, -1)

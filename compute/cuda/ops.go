@@ -1,6 +1,8 @@
 package cuda
 
 import (
+	"fmt"
+
 	"distill/compute"
 )
 
@@ -237,6 +239,40 @@ func (b *Backend) RoPE(xT, cosT, sinT compute.Tensor, tokens, heads, headDim int
 	l, err := ropeLaunch(tokens, heads, headDim)
 	b.must(err)
 	b.launchKernel(l, dptr(x.p), bf16Flag(x), dptr(cs.p), dptr(sn.p), int64(tokens), int32(heads), int32(headDim))
+}
+
+// RMSNormRoPE implements compute.Backend: one warp per (token, head) row
+// (k_rmsnorm_rope), the norm's statistics then the rotation of the normed
+// row, with no trip through memory between them.
+func (b *Backend) RMSNormRoPE(outT, rstdT, xT, wT, cosT, sinT compute.Tensor, tokens, heads, headDim int, eps float32) {
+	defer b.enter()()
+	b.wroteT(outT, rstdT)
+	out, x, w := b.ten(outT, "RMSNormRoPE out"), b.ten(xT, "RMSNormRoPE x"), b.ten(wT, "RMSNormRoPE w")
+	cs, sn := b.ten(cosT, "RMSNormRoPE cos"), b.ten(sinT, "RMSNormRoPE sin")
+	rows := tokens * heads
+	need(out, "RMSNormRoPE out", rows*headDim, act...)
+	need(x, "RMSNormRoPE x", rows*headDim, act...)
+	need(w, "RMSNormRoPE w", headDim, compute.F32, compute.BF16)
+	need(cs, "RMSNormRoPE cos", tokens*(headDim/2), compute.F32)
+	need(sn, "RMSNormRoPE sin", tokens*(headDim/2), compute.F32)
+	if out.p == x.p && out.dt != x.dt {
+		panic("cuda: RMSNormRoPE out aliases x with another dtype")
+	}
+	if headDim%2 != 0 || headDim < 2 {
+		panic(fmt.Sprintf("cuda: RMSNormRoPE head_dim %d: want an even head_dim >= 2", headDim))
+	}
+	var rp dptr
+	if rstdT != nil {
+		rstd := b.ten(rstdT, "RMSNormRoPE rstd")
+		need(rstd, "RMSNormRoPE rstd", rows, compute.F32)
+		rp = dptr(rstd.p)
+	}
+	if rows == 0 {
+		return
+	}
+	wp, wb := weightArg(w)
+	b.launchKernel(launch{kernel: "k_rmsnorm_rope", grid: [3]int{(rows + 7) / 8, 1, 1}, block: 256},
+		dptr(out.p), bf16Flag(out), rp, dptr(x.p), bf16Flag(x), wp, wb, dptr(cs.p), dptr(sn.p), int64(rows), int32(heads), int32(headDim), eps)
 }
 
 // Attention implements compute.Backend. lse (tokens, nHead), when not

@@ -50,12 +50,13 @@ func (m *Model) attnForward(L *Block, a *blockActs, b *batch) {
 	be.MatMul(a.qpre, a.ln1q, at.Q.weight(), at.Q.B, N, H*D, C)
 	be.MatMul(a.kpre, a.ln1q, at.K.weight(), at.K.B, N, KV*D, C)
 	be.MatMul(a.v, a.ln1q, at.V.weight(), at.V.B, N, KV*D, C)
-	if at.QNorm != nil {
-		be.RMSNorm(a.q, a.qrstd, a.qpre, at.QNorm.W, N*H, D, eps)
-		be.RMSNorm(a.k, a.krstd, a.kpre, at.KNorm.W, N*KV, D, eps)
+	if at.QNorm != nil { // the per-head norms and RoPE, fused
+		be.RMSNormRoPE(a.q, a.qrstd, a.qpre, at.QNorm.W, b.cos, b.sin, N, H, D, eps)
+		be.RMSNormRoPE(a.k, a.krstd, a.kpre, at.KNorm.W, b.cos, b.sin, N, KV, D, eps)
+	} else {
+		be.RoPE(a.q, b.cos, b.sin, N, H, D)
+		be.RoPE(a.k, b.cos, b.sin, N, KV, D)
 	}
-	be.RoPE(a.q, b.cos, b.sin, N, H, D)
-	be.RoPE(a.k, b.cos, b.sin, N, KV, D)
 	be.Attention(a.att, a.lse, a.q, a.k, a.v, b.starts, b.nSeq, b.maxLen, N, H, KV, D, attnScale(D))
 	m.quantInput(&L.InO, a.attq, a.att, N, H*D)
 	be.MatMul(a.xmid, a.attq, at.O.weight(), at.O.B, N, C, H*D)

@@ -79,6 +79,40 @@ DK_KERNEL void k_rope_table(void *x, int x_bf, const float *__restrict__ cosv, c
 	}
 }
 
+// k_rmsnorm_rope: the q/k norm and RoPE in one pass (RMSNormRoPE), one
+// warp per (token, head) row of x (tokens·heads, hd): rms_row's statistics
+// and out = rope((x·rstd)·w) with the token's angles, k_rope_table's
+// rotation, each output rounded once. x and out are BF16 or F32; out may
+// alias x: every lane has read its share of the row before the shuffles of
+// the sum, and each rotated pair is read and written by one lane.
+DK_KERNEL void k_rmsnorm_rope(void *out, int out_bf, float *rstd, const void *x, int x_bf, const void *w, int w_bf16,
+                              const float *__restrict__ cosv, const float *__restrict__ sinv, i64 rows, int heads, int hd, float eps) {
+	i64 row = (i64)blockIdx.x * (blockDim.x / DK_WARP) + threadIdx.x / DK_WARP;
+	if (row >= rows) return; // a whole warp leaves together
+	int lane = threadIdx.x % DK_WARP, half = hd / 2;
+	const void *xr = act_ptr(x, x_bf, row * hd);
+	void *orow = act_ptr(out, out_bf, row * hd);
+	double ss = 0;
+	for (int i = lane; i < hd; i += DK_WARP) {
+		float v = ld_act(xr, x_bf, i);
+		ss += (double)v * (double)v;
+	}
+	ss = warp_sum_d(ss);
+	float mean = (float)(ss / hd);
+	float rs = 1.0f / sqrtf(mean + eps);
+	i64 t = row / heads;
+	const float *ct = cosv + t * half, *st = sinv + t * half;
+	for (int i = lane; i < half; i += DK_WARP) {
+		float a = (ld_act(xr, x_bf, i) * rs) * load_w(w, w_bf16, i);
+		float b = (ld_act(xr, x_bf, i + half) * rs) * load_w(w, w_bf16, i + half);
+		float c = ct[i], s = st[i];
+		st_act(orow, out_bf, i, a * c - b * s);
+		st_act(orow, out_bf, i + half, b * c + a * s);
+	}
+	if (rstd && lane == 0) rstd[row] = rs;
+}
+
 DK_REGISTER(k_rmsnorm_warp)
+DK_REGISTER(k_rmsnorm_rope)
 DK_REGISTER(k_rmsnorm_block)
 DK_REGISTER(k_rope_table)
