@@ -184,8 +184,8 @@ type peer struct {
 	nextSeq  uint64       // rank 0: the seq of its last collective
 	// welcomeMAC is rank 0's proof of the token for this peer's nonce.
 	welcomeMAC []byte
-	left     bool         // rank 0: it said bye
-	gone     bool         // its connection is closed
+	left       bool // rank 0: it said bye
+	gone       bool // its connection is closed
 }
 
 func (p *peer) send(m *message) error {

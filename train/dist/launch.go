@@ -332,4 +332,3 @@ func (l *lineWriter) flush() {
 		l.Write([]byte{'\n'})
 	}
 }
-
