@@ -31,20 +31,31 @@ type blockActs struct {
 //	out  = xmid + down(silu(gate(ln2))·up(ln2))                               ln2 = rmsnorm(xmid)
 //
 // (or out = xmid + moe(ln2)), saving what a's statistics tensors (and,
-// for an MoE block in training, a.moe) ask for.
-func (m *Model) blockForward(L *Block, a *blockActs, b *batch) {
-	m.attnForward(L, a, b)
-	m.mlpForward(L, a, b.n, true)
+// for an MoE block in training, a.moe) ask for. Each residual add is one
+// AddRMSNorm with the norm that follows it: xmid's with ln2, out's with
+// next (the next block's ln1, or the final norm), so a block's ln1 is the
+// previous block's work, and only the first block (normIn) norms its
+// input itself.
+func (m *Model) blockForward(L *Block, a *blockActs, b *batch, normIn bool, next *nextNorm) {
+	m.attnForward(L, a, b, normIn)
+	m.mlpForward(L, a, b.n, true, next)
 }
+
+// nextNorm is the norm after a block's output: out = rmsnorm(x)·w with
+// its statistics rstd (or nil).
+type nextNorm struct{ out, rstd, w compute.Tensor }
 
 // attnForward is blockForward's first half: xmid = xin + o(attn(...)),
 // and ln2 = rmsnorm(xmid), the MLP's input (the residual add and the norm
-// are one AddRMSNorm).
-func (m *Model) attnForward(L *Block, a *blockActs, b *batch) {
+// are one AddRMSNorm). normIn: ln1 = rmsnorm(xin) is computed here, not
+// left by the previous block.
+func (m *Model) attnForward(L *Block, a *blockActs, b *batch, normIn bool) {
 	be, c := m.be, m.Cfg
 	N, C, H, KV, D := b.n, c.Hidden, c.Heads, c.KVHeads, c.HeadDim
 	eps := c.RMSNormEps
-	be.RMSNorm(a.ln1, a.rstd1, a.xin, L.InNorm.W, N, C, eps)
+	if normIn {
+		be.RMSNorm(a.ln1, a.rstd1, a.xin, L.InNorm.W, N, C, eps)
+	}
 	m.quantInput(&L.InQKV, a.ln1q, a.ln1, N, C)
 	at := &L.Attn
 	be.MatMul(a.qpre, a.ln1q, at.Q.weight(), at.Q.B, N, H*D, C)
@@ -64,10 +75,11 @@ func (m *Model) attnForward(L *Block, a *blockActs, b *batch) {
 }
 
 // mlpForward is blockForward's second half: out = xmid + mlp(ln2) (or
-// moe(ln2)), ln2 from attnForward. Without down (a full recompute in the
-// backward, which needs the MLP's inputs and activations but not its
-// output), a dense block stops before the down projection.
-func (m *Model) mlpForward(L *Block, a *blockActs, N int, down bool) {
+// moe(ln2)), ln2 from attnForward, and next's norm of out when next is
+// set. Without down (a full recompute in the backward, which needs the
+// MLP's inputs and activations but not its output), a dense block stops
+// before the down projection.
+func (m *Model) mlpForward(L *Block, a *blockActs, N int, down bool, next *nextNorm) {
 	be, c := m.be, m.Cfg
 	C := c.Hidden
 	if L.MoE != nil && a.moe == nil {
@@ -86,6 +98,10 @@ func (m *Model) mlpForward(L *Block, a *blockActs, N int, down bool) {
 			return
 		}
 		be.MatMul(a.out, a.hq, f.Down.weight(), nil, N, C, I)
+	}
+	if next != nil {
+		be.AddRMSNorm(next.out, next.rstd, a.out, a.xmid, next.w, N, C, c.RMSNormEps)
+		return
 	}
 	be.Add(a.out, a.xmid, N*C)
 }
@@ -176,9 +192,6 @@ func (m *Model) TopK(samples [][]int32, k int, temperature float32) (ids []int32
 		a.h, a.hq = a.gate, a.gate
 	}
 	be.Embed(x, m.Embed.W, b.tokens, n, C)
-	for i := range m.Blocks {
-		m.blockForward(&m.Blocks[i], &a, b)
-	}
 	normW := m.Norm.W
 	if temperature != 1 {
 		// logits/T = (x·Wᵀ)/T = (x·(w/T))·Wᵀ: fold 1/T into the final norm
@@ -191,7 +204,17 @@ func (m *Model) TopK(samples [][]int32, k int, temperature float32) (ids []int32
 		normW = be.FromF32(w)
 		tmp = append(tmp, normW)
 	}
-	be.RMSNorm(ln, nil, x, normW, n, C, c.RMSNormEps)
+	// Each block leaves the next one's ln1 in ln, the last the final norm's.
+	for i := range m.Blocks {
+		next := &nextNorm{out: ln, w: normW}
+		if i+1 < len(m.Blocks) {
+			next.w = m.Blocks[i+1].InNorm.W
+		}
+		m.blockForward(&m.Blocks[i], &a, b, i == 0, next)
+	}
+	if len(m.Blocks) == 0 {
+		be.RMSNorm(ln, nil, x, normW, n, C, c.RMSNormEps)
+	}
 	idT, lpT := alloc(compute.I32, n*k), alloc(compute.F32, n*k)
 	be.LMHeadTopK(idT, lpT, ln, m.Head.W, n, C, c.VocabSize, k)
 	ids, logprobs = make([]int32, n*k), make([]float32, n*k)

@@ -354,13 +354,22 @@ func (m *Model) TrainForward(tokens, starts []int32) (compute.Tensor, error) {
 		// statistics before the next one overwrites them.
 		st.routing = &RouterStats{Tokens: N, TopK: c.ExpertsPerTok}
 	}
+	// Each block leaves the next one's ln1 (the last, the final norm's
+	// output) with its residual add (blockForward).
 	for i := range m.Blocks {
-		m.blockForward(&m.Blocks[i], &a.layers[i], st.b)
+		next := &nextNorm{out: a.lnf, rstd: a.rstdf, w: m.Norm.W}
+		if i+1 < len(m.Blocks) {
+			nl := &a.layers[i+1]
+			next = &nextNorm{out: nl.ln1, rstd: nl.rstd1, w: m.Blocks[i+1].InNorm.W}
+		}
+		m.blockForward(&m.Blocks[i], &a.layers[i], st.b, i == 0, next)
 		if st.routing != nil && m.Blocks[i].MoE != nil {
 			st.routing.add(m, i, a.layers[i].moe)
 		}
 	}
-	m.be.RMSNorm(a.lnf, a.rstdf, a.xL, m.Norm.W, N, c.Hidden, c.RMSNormEps)
+	if len(m.Blocks) == 0 {
+		m.be.RMSNorm(a.lnf, a.rstdf, a.xL, m.Norm.W, N, c.Hidden, c.RMSNormEps)
+	}
 	return a.lnf, nil
 }
 
@@ -388,8 +397,8 @@ func (m *Model) Backward() {
 		case mode == RecomputeFull:
 			// The layer's forward again, from its kept input, into the
 			// shared buffers (a dense MLP's output is not needed).
-			m.attnForward(L, l, b)
-			m.mlpForward(L, l, N, false)
+			m.attnForward(L, l, b, true)
+			m.mlpForward(L, l, N, false, nil)
 		case mode == RecomputeSelective && L.MoE == nil:
 			m.gateUp(L, l, N)
 		}
