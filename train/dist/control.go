@@ -347,9 +347,9 @@ func (g *Group) memberFrame(f frame) {
 // rank; another rank has only rank 0 to tell, which tells the rest).
 func (g *Group) fail(err error) { g.end(err) }
 
-// end ends the group once: err nil is a Close. Pending calls get the
-// group's error; each live peer gets an abort naming the failed rank (or
-// a bye), and its connection is closed. Called on the loop, or on a
+// end ends the group once: err nil is a Close. Each live peer gets an
+// abort naming the failed rank (or a bye), and its connection is closed;
+// then the pending calls get the group's error. Called on the loop, or on a
 // world of 1.
 func (g *Group) end(err error) {
 	g.mu.Lock()
@@ -368,21 +368,14 @@ func (g *Group) end(err error) {
 		var re *RankError
 		if errors.As(err, &re) {
 			last.Rank = re.Rank
+			if g.report != nil {
+				fmt.Fprintf(g.report, "%d\n", re.Rank)
+			}
 		}
 		g.logf("the job failed: %v", err)
 	}
 	g.err = err
 	g.mu.Unlock()
-	for seq, c := range g.colls {
-		if c.local != nil {
-			c.local.reply <- result{err: err}
-		}
-		delete(g.colls, seq)
-	}
-	for seq, o := range g.pending {
-		o.reply <- result{err: err}
-		delete(g.pending, seq)
-	}
 	var wg sync.WaitGroup
 	for _, p := range g.peers {
 		if p == nil || p.gone {
@@ -399,5 +392,17 @@ func (g *Group) end(err error) {
 		}()
 	}
 	wg.Wait()
+	// The calls waiting learn of the end only now that the peers know:
+	// a process that exits on their error has told them.
+	for seq, c := range g.colls {
+		if c.local != nil {
+			c.local.reply <- result{err: err}
+		}
+		delete(g.colls, seq)
+	}
+	for seq, o := range g.pending {
+		o.reply <- result{err: err}
+		delete(g.pending, seq)
+	}
 	close(g.done)
 }

@@ -22,6 +22,11 @@ const (
 	// already listening at MASTER_ADDR:MASTER_PORT, so that no other
 	// process can take the port between the launcher's choice and rank 0.
 	EnvListenFD = "DISTILL_RDZV_LISTEN_FD"
+	// EnvReportFD is set by Launch for every rank: the descriptor of a
+	// pipe on which the rank's group, when it fails, writes the number of
+	// the rank it blames, so that Launch names the cause and not the rank
+	// whose exit it happened to see first.
+	EnvReportFD = "DISTILL_RDZV_REPORT_FD"
 )
 
 // Launchers Env.Launcher names.
@@ -60,6 +65,9 @@ type Env struct {
 	// ListenFD is the descriptor of the listening socket a launcher
 	// handed rank 0 ($DISTILL_RDZV_LISTEN_FD), 0 when none.
 	ListenFD int
+	// ReportFD is the descriptor of the launcher's failure report pipe
+	// ($DISTILL_RDZV_REPORT_FD), 0 when none.
+	ReportFD int
 }
 
 // Addr is MasterAddr:MasterPort.
@@ -94,12 +102,28 @@ func FromEnv(getenv func(string) string) (Env, error) {
 	if err != nil {
 		return Env{}, err
 	}
-	if v := getenv(EnvListenFD); v != "" && e.Rank == 0 {
-		if e.ListenFD, err = strconv.Atoi(v); err != nil || e.ListenFD < 3 {
-			return Env{}, fmt.Errorf("%w: %s=%q: want a file descriptor number of 3 or more", ErrEnv, EnvListenFD, v)
+	if e.Rank == 0 {
+		if e.ListenFD, err = fdVar(getenv, EnvListenFD); err != nil {
+			return Env{}, err
 		}
 	}
+	if e.ReportFD, err = fdVar(getenv, EnvReportFD); err != nil {
+		return Env{}, err
+	}
 	return e, nil
+}
+
+// fdVar reads an inherited descriptor's number, 0 when name is not set.
+func fdVar(getenv func(string) string, name string) (int, error) {
+	v := getenv(name)
+	if v == "" {
+		return 0, nil
+	}
+	fd, err := strconv.Atoi(v)
+	if err != nil || fd < 3 {
+		return 0, fmt.Errorf("%w: %s=%q: want a file descriptor number of 3 or more", ErrEnv, name, v)
+	}
+	return fd, nil
 }
 
 func torchrunEnv(getenv func(string) string) (Env, error) {

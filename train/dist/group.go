@@ -93,6 +93,7 @@ type Group struct {
 	configHash  string
 	hb          time.Duration
 	log         io.Writer
+	report      *os.File // the launcher's report pipe (Env.ReportFD), nil when none
 
 	ops    chan *op
 	frames chan frame
@@ -155,6 +156,9 @@ func Join(ctx context.Context, env Env, o Options) (*Group, error) {
 	digests, hash := digestConfig(o.Config)
 	g := &Group{rank: env.Rank, world: env.WorldSize, addr: env.Addr(), configHash: hash, hb: o.HeartbeatTimeout, log: o.Log,
 		ops: make(chan *op), frames: make(chan frame, 16), done: make(chan struct{})}
+	if env.ReportFD > 0 {
+		g.report = os.NewFile(uintptr(env.ReportFD), "launch report")
+	}
 	if env.WorldSize == 1 {
 		if o.Listener != nil {
 			o.Listener.Close()

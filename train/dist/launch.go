@@ -1,6 +1,7 @@
 package dist
 
 import (
+	"bufio"
 	"bytes"
 	"fmt"
 	"io"
@@ -9,6 +10,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"runtime"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -46,7 +48,7 @@ type LaunchOptions struct {
 
 // The variables Launch sets for each rank, dropped from the environment
 // it is given.
-var launchVars = []string{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", EnvListenFD}
+var launchVars = []string{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", EnvListenFD, EnvReportFD}
 
 // Launch runs NProc ranks of one program on this node, as torchrun
 // --nproc-per-node does: rank i gets RANK=i, LOCAL_RANK=i, WORLD_SIZE and
@@ -115,13 +117,21 @@ func Launch(o LaunchOptions) error {
 	ranks := make([]*exec.Cmd, o.NProc)
 	writers := make([]*lineWriter, 0, 2*o.NProc)
 	exits := make(chan rankExit, o.NProc)
+	blames := make(chan int, 4*o.NProc)
+	var reading sync.WaitGroup
 	for r := range o.NProc {
 		c := exec.Command(o.Path, o.Args...)
 		c.Env = append(base, "RANK="+strconv.Itoa(r), "LOCAL_RANK="+strconv.Itoa(r), "WORLD_SIZE="+strconv.Itoa(o.NProc),
 			"LOCAL_WORLD_SIZE="+strconv.Itoa(o.NProc), "MASTER_ADDR=127.0.0.1", "MASTER_PORT="+strconv.Itoa(port))
+		report, reportW, err := os.Pipe()
+		if err != nil {
+			return fmt.Errorf("dist: launch: %w", err)
+		}
+		c.ExtraFiles = []*os.File{reportW} // descriptor 3, and the listener 4
+		c.Env = append(c.Env, EnvReportFD+"=3")
 		if r == 0 {
-			c.ExtraFiles = []*os.File{lisFile} // descriptor 3
-			c.Env = append(c.Env, EnvListenFD+"=3")
+			c.ExtraFiles = append(c.ExtraFiles, lisFile)
+			c.Env = append(c.Env, EnvListenFD+"=4")
 		}
 		prefix := fmt.Sprintf("[rank %d] ", r)
 		stdout, stderr := &lineWriter{w: o.Stdout, mu: &outMu, prefix: prefix}, &lineWriter{w: o.Stderr, mu: &errMu, prefix: prefix}
@@ -129,7 +139,10 @@ func Launch(o LaunchOptions) error {
 		c.Stdout, c.Stderr = stdout, stderr
 		c.SysProcAttr = rankProcAttr()
 		c.WaitDelay = o.Grace // a rank's children holding its output
-		if err := c.Start(); err != nil {
+		err = c.Start()
+		reportW.Close()
+		if err != nil {
+			report.Close()
 			for _, s := range ranks[:r] {
 				s.Process.Kill()
 				s.Wait()
@@ -137,6 +150,11 @@ func Launch(o LaunchOptions) error {
 			return fmt.Errorf("dist: launch rank %d: %w", r, err)
 		}
 		ranks[r] = c
+		reading.Add(1)
+		go func() {
+			defer reading.Done()
+			readBlames(report, o.NProc, blames)
+		}()
 		go func() {
 			c.Wait()
 			stdout.flush()
@@ -146,7 +164,21 @@ func Launch(o LaunchOptions) error {
 	}
 	lisFile.Close() // rank 0 has its own
 	fmt.Fprintf(o.Log, "launch: started %d ranks (pids %s), rendezvous at 127.0.0.1:%d\n", o.NProc, pids(ranks), port)
-	return superviseRanks(ranks, exits, o)
+	return superviseRanks(ranks, exits, blames, &reading, o)
+}
+
+// readBlames passes on the rank numbers a rank's report pipe carries.
+func readBlames(f *os.File, world int, out chan<- int) {
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if r, err := strconv.Atoi(sc.Text()); err == nil && r >= 0 && r < world {
+			select {
+			case out <- r:
+			default: // enough said
+			}
+		}
+	}
 }
 
 type rankExit struct {
@@ -156,7 +188,7 @@ type rankExit struct {
 
 // superviseRanks waits for every rank, forwarding signals, and stops the
 // others when one fails.
-func superviseRanks(ranks []*exec.Cmd, exits <-chan rankExit, o LaunchOptions) error {
+func superviseRanks(ranks []*exec.Cmd, exits <-chan rankExit, blames chan int, reading *sync.WaitGroup, o LaunchOptions) error {
 	running := make([]bool, len(ranks))
 	for i := range running {
 		running[i] = true
@@ -219,6 +251,29 @@ func superviseRanks(ranks []*exec.Cmd, exits <-chan rankExit, o LaunchOptions) e
 	if len(bad) == 0 {
 		return nil
 	}
+	// The order the exits were seen in need not be the order of the
+	// failures: a rank that died closes its sockets before its exit is
+	// seen, and the others may end first. Their groups say whom they
+	// blame: that rank leads.
+	waited := make(chan struct{})
+	go func() {
+		reading.Wait() // every rank has exited: its pipe is at EOF
+		close(waited)
+	}()
+	select {
+	case <-waited:
+	case <-time.After(o.Grace): // a rank's child holds its pipe
+	}
+	votes := make([]int, len(ranks))
+	for counted := false; !counted; {
+		select {
+		case r := <-blames:
+			votes[r]++
+		default:
+			counted = true
+		}
+	}
+	sort.SliceStable(bad, func(i, j int) bool { return votes[bad[i].rank] > votes[bad[j].rank] })
 	var b strings.Builder
 	for i, e := range bad {
 		if i == 1 {
