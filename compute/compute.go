@@ -506,3 +506,45 @@ func Lacks(be Backend, feature string) error {
 	}
 	return nil
 }
+
+// Collective is one process's handle on a group of processes (ranks) that
+// run collective operations together over their backends' tensors: data
+// parallel training (package train/dist) all-reduces gradients through it,
+// and the ZeRO stages reduce-scatter and all-gather. A device backend
+// implements it with its vendor's library (the CUDA backend with NCCL);
+// every rank of the group calls the same operations in the same order
+// with the same sizes. Operations are enqueued in issue order with the
+// backend's kernels (no host synchronization) and are F32 only.
+type Collective interface {
+	// Rank is this process's index in [0, Size()).
+	Rank() int
+	// Size is the number of ranks.
+	Size() int
+	// AllReduceSum: t[0:n) = the sum over the ranks of their t[0:n), in
+	// place.
+	AllReduceSum(t Tensor, n int)
+	// ReduceScatterSum: dst[0:n) = the sum over the ranks of their
+	// src[rank·n : (rank+1)·n); src holds Size()·n elements.
+	ReduceScatterSum(dst, src Tensor, n int)
+	// AllGather: dst[r·n : (r+1)·n) = rank r's src[0:n), for every r; dst
+	// holds Size()·n elements.
+	AllGather(dst, src Tensor, n int)
+	// Broadcast: t[0:n) = root's t[0:n) on every rank.
+	Broadcast(t Tensor, n int, root int)
+	// Close releases the group (after all issued work).
+	Close() error
+}
+
+// CollectiveID is the opaque token that joins the ranks of one group: rank
+// 0 makes it (Collectives.NewCollectiveID) and hands it to the others out
+// of band (package train/dist's rendezvous).
+type CollectiveID [128]byte
+
+// Collectives is implemented by backends that can form a Collective.
+type Collectives interface {
+	// NewCollectiveID makes a new group's token (rank 0 calls it).
+	NewCollectiveID() (CollectiveID, error)
+	// JoinCollective joins group id as rank of size ranks; it returns when
+	// every rank has joined (or with an error naming what failed).
+	JoinCollective(id CollectiveID, rank, size int) (Collective, error)
+}
