@@ -10,6 +10,7 @@ import (
 	"syscall"
 
 	"distill/internal/cli"
+	"distill/train/dist"
 	"distill/train/trainer"
 )
 
@@ -35,7 +36,15 @@ func runTrain(args []string) error {
 	threads := fs.Int("threads", 0, "override train.threads")
 	dev := fs.String("device", "", "override train.device: auto, cpu or cuda (auto trains on the CPU; cuda trains on the GPU, not yet verified on one, issue 16)")
 	resume := fs.String("resume", "auto", "auto: continue from the run directory's newest checkpoint if any; never; must")
+	nproc := fs.Int("nproc-per-node", 1, "start this many ranks on this node (as torchrun --nproc-per-node does); data-parallel training is not implemented yet (issue 25): the ranks rendezvous, then stop with an error")
 	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *nproc != 1 {
+		return launchLocalRanks(*nproc, args)
+	}
+	env, err := dist.Discover()
+	if err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
@@ -113,6 +122,9 @@ func runTrain(args []string) error {
 	cfg, err := trainer.LoadConfig(*config, sets)
 	if err != nil {
 		return err
+	}
+	if env.WorldSize > 1 {
+		return trainRank(env, cfg, stop, func() os.Signal { mu.Lock(); defer mu.Unlock(); return caught })
 	}
 	res, err := trainer.Run(cfg, trainer.Options{Resume: *resume, Stop: stop})
 	if err != nil || !res.Interrupted {

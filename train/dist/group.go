@@ -262,7 +262,7 @@ func (g *Group) joinAsRoot(ctx context.Context, env Env, o Options, digests map[
 	}
 	deadline := time.Now().Add(o.JoinTimeout)
 	g.peers = make([]*peer, g.world)
-	g.logf("rank 0 listening at %s for %d other ranks (up to %s)", lis.Addr(), g.world-1, o.JoinTimeout)
+	g.logf("rank 0 listening at %s for ranks 1 to %d (up to %s)", lis.Addr(), g.world-1, o.JoinTimeout)
 	arrivals := make(chan arrival)
 	stop := make(chan struct{})
 	go func() {
