@@ -134,9 +134,16 @@ func (g *Group) loop() {
 				o.reply <- result{err: g.Err()}
 				continue
 			}
-			if g.rank == 0 {
+			switch {
+			case o.kind == opAbort:
+				g.fail(&RankError{Rank: g.rank, Msg: fmt.Sprintf("rank %d failed: %v", g.rank, o.cause)})
+				o.reply <- result{}
+			case o.kind == opClose:
+				g.end(nil)
+				o.reply <- result{}
+			case g.rank == 0:
 				g.rootOp(o)
-			} else {
+			default:
 				g.memberOp(o)
 			}
 		case f := <-g.frames:
@@ -169,7 +176,7 @@ func (g *Group) heartbeat() {
 			return
 		}
 		if err := p.send(&message{Type: msgHeartbeat}); err != nil {
-			g.fail(&RankError{Rank: p.rank, Msg: fmt.Sprintf("%s died: %s", p.name(), describeConnErr(err))})
+			g.died(p, err, "")
 			return
 		}
 	}
@@ -185,7 +192,7 @@ func (g *Group) rootOp(o *op) {
 			// the peer by admit's caller.
 			w.MAC = p.welcomeMAC
 			if err := p.send(w); err != nil {
-				g.fail(&RankError{Rank: p.rank, Msg: fmt.Sprintf("%s died: %s, during the rendezvous", p.name(), describeConnErr(err))})
+				g.died(p, err, ", during the rendezvous")
 				o.reply <- result{err: g.Err()}
 				return
 			}
@@ -194,12 +201,6 @@ func (g *Group) rootOp(o *op) {
 	case opBarrier, opBroadcast:
 		g.seq++
 		g.enter(0, g.seq, o.kind, o.root, o.data, o)
-	case opAbort:
-		g.fail(&RankError{Rank: 0, Msg: fmt.Sprintf("rank 0 failed: %v", o.cause)})
-		o.reply <- result{}
-	case opClose:
-		g.end(nil)
-		o.reply <- result{}
 	}
 }
 
@@ -208,7 +209,7 @@ func (g *Group) rootFrame(f frame) {
 	p := f.p
 	if f.err != nil {
 		if !p.left && !p.gone {
-			g.fail(&RankError{Rank: p.rank, Msg: fmt.Sprintf("%s died: %s", p.name(), describeConnErr(f.err))})
+			g.died(p, f.err, "")
 		}
 		return
 	}
@@ -275,12 +276,20 @@ func (g *Group) enter(rank int, seq uint64, kind string, root int, data []byte, 
 	rel := &message{Type: msgRelease, Seq: seq, Data: c.data}
 	for _, p := range g.peers[1:] {
 		if err := p.send(rel); err != nil {
-			g.failOp(c.local, &RankError{Rank: p.rank, Msg: fmt.Sprintf("%s died: %s", p.name(), describeConnErr(err))})
+			g.failOp(c.local, g.deathOf(p, err, ""))
 			return
 		}
 	}
 	c.local.reply <- result{data: c.data}
 }
+
+// deathOf is the failure of peer p whose connection failed with err.
+func (g *Group) deathOf(p *peer, err error, when string) error {
+	return &RankError{Rank: p.rank, Msg: fmt.Sprintf("%s died: %s%s", p.name(), describeConnErr(err), when)}
+}
+
+// died fails the group with the death of peer p.
+func (g *Group) died(p *peer, err error, when string) { g.fail(g.deathOf(p, err, when)) }
 
 // failOp fails the group, and the local op that has not been recorded.
 func (g *Group) failOp(local *op, err error) {
@@ -297,16 +306,10 @@ func (g *Group) memberOp(o *op) {
 	case opBarrier, opBroadcast:
 		g.seq++
 		if err := hub.send(&message{Type: msgEnter, Seq: g.seq, Op: o.kind, Root: o.root, Data: o.data}); err != nil {
-			g.failOp(o, &RankError{Rank: 0, Msg: fmt.Sprintf("%s died: %s", hub.name(), describeConnErr(err))})
+			g.failOp(o, g.deathOf(hub, err, ""))
 			return
 		}
 		g.pending[g.seq] = o
-	case opAbort:
-		g.fail(&RankError{Rank: g.rank, Msg: fmt.Sprintf("rank %d failed: %v", g.rank, o.cause)})
-		o.reply <- result{}
-	case opClose:
-		g.end(nil)
-		o.reply <- result{}
 	}
 }
 
@@ -315,7 +318,7 @@ func (g *Group) memberFrame(f frame) {
 	hub := f.p
 	if f.err != nil {
 		if !hub.gone {
-			g.fail(&RankError{Rank: 0, Msg: fmt.Sprintf("%s died: %s", hub.name(), describeConnErr(f.err))})
+			g.died(hub, f.err, "")
 		}
 		return
 	}

@@ -126,24 +126,34 @@ func fdVar(getenv func(string) string, name string) (int, error) {
 	return fd, nil
 }
 
-func torchrunEnv(getenv func(string) string) (Env, error) {
-	e := Env{Launcher: LauncherTorchrun}
+// rankVars reads a launcher's rank and world size and, for a world of
+// more than one, the local rank; by names the launcher for the errors.
+func rankVars(getenv func(string) string, launcher, rank, world, local, by string) (Env, error) {
+	e := Env{Launcher: launcher}
 	var err error
-	if e.WorldSize, err = intVar(getenv, "WORLD_SIZE", 1, "set by torchrun with RANK"); err != nil {
+	if e.WorldSize, err = intVar(getenv, world, 1, "set by "+by+" with "+rank); err != nil {
 		return Env{}, err
 	}
-	if e.Rank, err = intVar(getenv, "RANK", 0, "set by torchrun with WORLD_SIZE"); err != nil {
+	if e.Rank, err = intVar(getenv, rank, 0, "set by "+by+" with "+world); err != nil {
 		return Env{}, err
 	}
 	if e.Rank >= e.WorldSize {
-		return Env{}, fmt.Errorf("%w: RANK=%d is not below WORLD_SIZE=%d", ErrEnv, e.Rank, e.WorldSize)
+		return Env{}, fmt.Errorf("%w: %s=%d is not below %s=%d", ErrEnv, rank, e.Rank, world, e.WorldSize)
 	}
 	if e.WorldSize == 1 {
 		e.LocalWorldSize = 1
 		return e, nil
 	}
-	if e.LocalRank, err = intVar(getenv, "LOCAL_RANK", 0, "the process's rank on its node, set by torchrun"); err != nil {
+	if e.LocalRank, err = intVar(getenv, local, 0, "the process's rank on its node, set by "+by); err != nil {
 		return Env{}, err
+	}
+	return e, nil
+}
+
+func torchrunEnv(getenv func(string) string) (Env, error) {
+	e, err := rankVars(getenv, LauncherTorchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK", "torchrun")
+	if err != nil || e.WorldSize == 1 {
+		return e, err
 	}
 	if getenv("LOCAL_WORLD_SIZE") != "" {
 		if e.LocalWorldSize, err = intVar(getenv, "LOCAL_WORLD_SIZE", 1, ""); err != nil {
@@ -163,23 +173,9 @@ func torchrunEnv(getenv func(string) string) (Env, error) {
 }
 
 func slurmEnv(getenv func(string) string) (Env, error) {
-	e := Env{Launcher: LauncherSlurm}
-	var err error
-	if e.WorldSize, err = intVar(getenv, "SLURM_NTASKS", 1, "srun sets it with SLURM_PROCID"); err != nil {
-		return Env{}, err
-	}
-	if e.Rank, err = intVar(getenv, "SLURM_PROCID", 0, ""); err != nil {
-		return Env{}, err
-	}
-	if e.Rank >= e.WorldSize {
-		return Env{}, fmt.Errorf("%w: SLURM_PROCID=%d is not below SLURM_NTASKS=%d", ErrEnv, e.Rank, e.WorldSize)
-	}
-	if e.WorldSize == 1 {
-		e.LocalWorldSize = 1
-		return e, nil
-	}
-	if e.LocalRank, err = intVar(getenv, "SLURM_LOCALID", 0, "the task's rank on its node, set by srun"); err != nil {
-		return Env{}, err
+	e, err := rankVars(getenv, LauncherSlurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "srun")
+	if err != nil || e.WorldSize == 1 {
+		return e, err
 	}
 	for _, name := range []string{"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"} {
 		v := getenv(name)

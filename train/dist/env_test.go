@@ -54,29 +54,27 @@ func TestFromEnv(t *testing.T) {
 
 // TestFromEnvErrors: each malformed or missing variable is named.
 func TestFromEnvErrors(t *testing.T) {
-	tr := func(drop string, set ...string) []string {
-		base := map[string]string{"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
-		delete(base, drop)
+	// vars is base without drop and with set.
+	vars := func(base map[string]string, drop string, set ...string) []string {
+		m := map[string]string{}
+		for k, v := range base {
+			m[k] = v
+		}
+		delete(m, drop)
 		for i := 0; i+1 < len(set); i += 2 {
-			base[set[i]] = set[i+1]
+			m[set[i]] = set[i+1]
 		}
 		var kv []string
-		for k, v := range base {
+		for k, v := range m {
 			kv = append(kv, k, v)
 		}
 		return kv
 	}
+	tr := func(drop string, set ...string) []string {
+		return vars(map[string]string{"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, drop, set...)
+	}
 	sl := func(drop string, set ...string) []string {
-		base := map[string]string{"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "42"}
-		delete(base, drop)
-		for i := 0; i+1 < len(set); i += 2 {
-			base[set[i]] = set[i+1]
-		}
-		var kv []string
-		for k, v := range base {
-			kv = append(kv, k, v)
-		}
-		return kv
+		return vars(map[string]string{"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "42"}, drop, set...)
 	}
 	cases := []struct {
 		env  []string
