@@ -317,6 +317,12 @@ type TrainConfig struct {
 type EvalConfig struct {
 	Every      int `yaml:"every"`       // steps between evals; 0 = only at the end
 	MaxSamples int `yaml:"max_samples"` // 0 = the whole range
+	// Cache is a teacher's cache of a dataset (SFT) run's samples: its
+	// evals then read the held-out samples from it and score the student
+	// against the teacher too (top-1 agreement, KD), as a cache run's do,
+	// so an SFT-only student gets the curves its distilled twin has. The
+	// cache must hold the same dataset's samples (its fingerprint).
+	Cache string `yaml:"cache"`
 }
 
 // CheckpointConfig is the checkpoint cadence.
@@ -658,6 +664,10 @@ func (c *Config) Validate() error {
 		return bad("train.recompute", "%q: want auto (the least recomputation that fits the device), none, selective or full", c.Train.Recompute)
 	case c.Eval.Every < 0 || c.Eval.MaxSamples < 0:
 		return bad("eval", "every %d, max_samples %d: want >= 0", c.Eval.Every, c.Eval.MaxSamples)
+	case c.Eval.Cache != "" && (c.Data.Dataset == nil || c.online()):
+		return bad("eval.cache", "%s: a teacher's cache for the evals of an SFT run on data.dataset; a run on a cache or with live teachers already scores against its teachers: remove it", c.Eval.Cache)
+	case c.Eval.Cache != "" && len(c.Data.EvalRange) == 0:
+		return bad("eval.cache", "%s: needs data.eval_range, the held-out samples the evals read from it", c.Eval.Cache)
 	case c.Checkpoint.Every < 0 || c.Checkpoint.Keep < 1:
 		return bad("checkpoint", "every %d, keep %d: want every >= 0 and keep >= 1", c.Checkpoint.Every, c.Checkpoint.Keep)
 	case c.Log.Every <= 0:

@@ -38,6 +38,10 @@ type trainRun struct {
 
 	src     Source
 	info    SourceInfo
+	// evalSrc and evalLopt, when set (eval.cache), are what the evals
+	// read and score with, in place of src and lopt.
+	evalSrc  Source
+	evalLopt *loss.Options
 	params  SourceParams
 	batches Batches // the training order
 	ck      *checkpointer
@@ -121,7 +125,7 @@ func (r *trainRun) close() {
 // setup runs every stage before step 1, in the order their checks must
 // come: done is true for a run with nothing left to do.
 func (r *trainRun) setup() (done bool, err error) {
-	for _, stage := range []func() error{r.openData, r.lockRunDir, r.loadStudent, r.openSource, r.checkData} {
+	for _, stage := range []func() error{r.openData, r.lockRunDir, r.loadStudent, r.openSource, r.checkData, r.openEvalCache} {
 		if err := stage(); err != nil {
 			return false, err
 		}
@@ -256,6 +260,46 @@ func (r *trainRun) checkData() error {
 	return r.src.CheckEval(r.evalR)
 }
 
+// openEvalCache opens eval.cache, a teacher's cache of the dataset's
+// samples, for the evals: they then score the held-out samples against
+// the teacher (top-1 agreement, KD at the cache's capture temperature),
+// with the run's loss weights. The cache must hold this dataset (its
+// fingerprint) for this student (vocabulary, tokenizer), and the held-out
+// samples whole.
+func (r *trainRun) openEvalCache() error {
+	cfg := r.cfg
+	if cfg.Eval.Cache == "" || r.evalR.Start < 0 {
+		return nil
+	}
+	c := *cfg
+	c.Data.Cache, c.Data.Caches, c.Data.Dataset = []string{cfg.Eval.Cache}, nil, nil
+	src, err := openCacheSource(&c, r.log)
+	if err != nil {
+		return fmt.Errorf("eval.cache: %w", err)
+	}
+	r.onClose(src.Close)
+	info, err := src.Open(r.params)
+	if err != nil {
+		return fmt.Errorf("eval.cache: %w", err)
+	}
+	if err := src.Check(r.params); err != nil {
+		return fmt.Errorf("eval.cache: %w", err)
+	}
+	if got, want := info.Manifest.DatasetFingerprint, r.info.Manifest.DatasetFingerprint; got != want {
+		return fmt.Errorf("%w: eval.cache %s holds the samples of dataset %s, data.dataset is %s: fill it from the same files, template and template variables (cachectl fill --dataset)", ErrConfig, cfg.Eval.Cache, got, want)
+	}
+	if err := src.CheckEval(r.evalR); err != nil {
+		return fmt.Errorf("eval.cache: %w", err)
+	}
+	lo := cfg.LossOptions(float64(info.Manifest.Temperature))
+	if err := lo.Validate(); err != nil {
+		return fmt.Errorf("%w: eval.cache (captured at temperature %g): %w", ErrConfig, info.Manifest.Temperature, err)
+	}
+	r.evalSrc, r.evalLopt = src, &lo
+	fmt.Fprintf(r.log, "evals: samples %v of %s, scored against its teacher\n", r.evalR, cfg.Eval.Cache)
+	return nil
+}
+
 // buildOptimizer makes AdamW over the student's parameters (with the
 // checkpoint's moments on resume), and picks the activation
 // recomputation that fits the device.
@@ -334,6 +378,10 @@ func (r *trainRun) wire() {
 	r.step = &stepper{s: r.s, ad: r.ad, lopt: &r.lopt, sched: r.cfg.Schedule(), maxNorm: r.cfg.Optim.MaxGradNorm,
 		teachers: r.info.Teachers, stop: r.stop, log: r.log}
 	r.eval = &evaluator{s: r.s, src: r.src, r: r.evalR, lopt: &r.lopt, teachers: r.info.Teachers, stop: r.stop}
+	if r.evalSrc != nil {
+		r.eval.src, r.eval.lopt = r.evalSrc, r.evalLopt
+		r.out.evalTeacher = true
+	}
 	r.ck.start(r.st, r.ckpt != "")
 	r.skips.lastGood = r.st.Step
 }

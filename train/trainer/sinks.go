@@ -21,6 +21,9 @@ type sinks struct {
 	mw   *metrics
 	prog *progress
 	log  io.Writer
+	// evalTeacher: the evals score against a teacher (eval.cache) even
+	// where training has none.
+	evalTeacher bool
 }
 
 // train records a step: its metrics line and event, then its progress.
@@ -35,7 +38,7 @@ func (k *sinks) train(sm StepMetrics) error {
 // eval records an eval: its log line, its metrics line and event.
 func (k *sinks) eval(step int, es EvalStats) error {
 	k.prog.clear()
-	if k.prog.sft { // no teacher: no KD to show
+	if k.prog.sft && !k.evalTeacher { // no teacher: no KD to show
 		fmt.Fprintf(k.log, "eval step %d: ce %.4f token_acc %.4f (%d tokens, %d samples)\n", step, es.CE, es.TokenAccuracy, es.Tokens, es.Samples)
 	} else {
 		fmt.Fprintf(k.log, "eval step %d: loss %.4f kd %.4f ce %.4f token_acc %.4f top1_agree %.4f%s (%d tokens)\n", step, es.Loss, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement, teachersLine(es.Teachers), es.Tokens)
