@@ -36,27 +36,27 @@ type trainRun struct {
 	log io.Writer
 	res *Result
 
-	src     Source
-	info    SourceInfo
+	src  Source
+	info SourceInfo
 	// evalSrc and evalLopt, when set (eval.cache), are what the evals
 	// read and score with, in place of src and lopt.
 	evalSrc  Source
 	evalLopt *loss.Options
-	params  SourceParams
-	batches Batches // the training order
-	ck      *checkpointer
-	ckpt    string // the checkpoint resumed from ("": a new run)
-	s       *train.Student
-	st      *State
-	ad      *optim.AdamW
-	lopt    loss.Options
-	held    cache.Range // data.eval_range, never trained on (Start < 0: none)
-	evalR   cache.Range // the part of it each eval reads
-	step    *stepper
-	eval    *evaluator
-	out     *sinks
-	stop    stopSignal
-	skips   skipRun
+	params   SourceParams
+	batches  Batches // the training order
+	ck       *checkpointer
+	ckpt     string // the checkpoint resumed from ("": a new run)
+	s        *train.Student
+	st       *State
+	ad       *optim.AdamW
+	lopt     loss.Options
+	held     cache.Range // data.eval_range, never trained on (Start < 0: none)
+	evalR    cache.Range // the part of it each eval reads
+	step     *stepper
+	eval     *evaluator
+	out      *sinks
+	stop     stopSignal
+	skips    skipRun
 
 	closers []func() // run's clean-up, undone last first
 }
