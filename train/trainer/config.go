@@ -322,7 +322,7 @@ type EvalConfig struct {
 	// against the teacher too (top-1 agreement, KD), as a cache run's do,
 	// so an SFT-only student gets the curves its distilled twin has. The
 	// cache must hold the same dataset's samples (its fingerprint).
-	Cache string `yaml:"cache"`
+	Cache string `yaml:"cache,omitempty"`
 }
 
 // CheckpointConfig is the checkpoint cadence.
