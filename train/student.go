@@ -177,3 +177,7 @@ func (s *Student) Groups() []optim.Group {
 
 // ZeroGrad clears every gradient (one Zero over the arena).
 func (s *Student) ZeroGrad() { s.be.Zero(s.grads) }
+
+// AllReduceGrads sums the gradients over the ranks of c (data-parallel
+// training), in place.
+func (s *Student) AllReduceGrads(c compute.Collective) { c.AllReduceSum(s.grads, s.grads.Len()) }

@@ -5,9 +5,8 @@ import (
 	"fmt"
 	"os"
 	"strings"
-	"syscall"
 
-	"distill/internal/cli"
+	"distill/compute"
 	"distill/train/dist"
 	"distill/train/trainer"
 )
@@ -25,38 +24,69 @@ func launchLocalRanks(n int, args []string) error {
 	return dist.Launch(dist.LaunchOptions{NProc: n, Args: append([]string{"train"}, withoutFlag(args, "nproc-per-node")...)})
 }
 
-// trainRank joins the job env describes with the resolved config, then
-// stops: data-parallel training is not built yet. It returns an error
-// either way. A signal (stop closed; caught says which) ends a rendezvous
-// still waiting, as an interrupted job.
-func trainRank(env dist.Env, cfg *trainer.Config, stop <-chan struct{}, caught func() os.Signal) error {
+// rankOf makes this process rank env.Rank of a data-parallel run
+// (trainer.Parallel): its Join, called by the trainer once the rank's GPU
+// (its local rank) is open, joins the rendezvous with the resolved config
+// (rank 0 makes the NCCL id on its GPU and hands it out), then the NCCL
+// group. A signal (stop closed) ends a rendezvous still waiting. Once
+// joined, a rank that dies or hangs ends this one: the rendezvous's
+// control plane sees it, and NCCL would wait for it forever. leave closes
+// the control plane.
+func rankOf(env dist.Env, cfg *trainer.Config, stop <-chan struct{}) (p *trainer.Parallel, leave func(), err error) {
 	flat, err := dist.FlattenConfig(cfg)
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	token, err := dist.TokenFromEnv(os.Getenv)
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	fmt.Fprintf(os.Stderr, "student train: %s\n", env)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go func() {
-		select {
-		case <-stop:
-			cancel()
-		case <-ctx.Done():
+	var g *dist.Group
+	join := func(be compute.Backend) (compute.Collective, error) {
+		cb, ok := be.(compute.Collectives)
+		if !ok {
+			return nil, fmt.Errorf("data-parallel training runs on GPUs through NCCL, and train.device %q opened the %s backend, which has no collectives: set train.device: cuda", cfg.Train.Device, be.Name())
 		}
-	}()
-	g, err := dist.Join(ctx, env, dist.Options{Config: flat, Token: token, Log: os.Stderr})
-	if ss, ok := caught().(syscall.Signal); ok && err != nil {
-		return &cli.Interrupted{Signal: ss, Msg: fmt.Sprintf("stopped by %s during the rendezvous: nothing to save (%v)", sigName(ss), err)}
+		o := dist.Options{Config: flat, Token: token, Log: os.Stderr}
+		if env.Rank == 0 {
+			o.UniqueID = func() ([]byte, error) {
+				id, err := cb.NewCollectiveID()
+				return id[:], err
+			}
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		joined := make(chan struct{})
+		go func() {
+			select {
+			case <-stop:
+				cancel()
+			case <-joined:
+			}
+		}()
+		g, err = dist.Join(ctx, env, o)
+		close(joined)
+		cancel()
+		if err != nil {
+			return nil, err
+		}
+		go func() {
+			<-g.Done()
+			if err := g.Err(); err != nil {
+				fmt.Fprintf(os.Stderr, "student train: rank %d: %v: ending this rank (its peers' collectives would wait forever)\n", env.Rank, err)
+				os.Exit(1)
+			}
+		}()
+		var id compute.CollectiveID
+		copy(id[:], g.UniqueID())
+		return cb.JoinCollective(id, g.Rank(), g.WorldSize())
 	}
-	if err != nil {
-		return err
+	leave = func() {
+		if g != nil {
+			g.Close()
+		}
 	}
-	defer g.Close()
-	return fmt.Errorf("rank %d of %d: the rendezvous succeeded (config %.12s), but data-parallel training is not implemented yet (issue 25): train with one process", g.Rank(), g.WorldSize(), g.ConfigHash())
+	return &trainer.Parallel{Rank: env.Rank, WorldSize: env.WorldSize, LocalRank: env.LocalRank, Join: join}, leave, nil
 }
 
 // withoutFlag is args without flag name and its value, in any of the

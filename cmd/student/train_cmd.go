@@ -36,7 +36,7 @@ func runTrain(args []string) error {
 	threads := fs.Int("threads", 0, "override train.threads")
 	dev := fs.String("device", "", "override train.device: auto, cpu or cuda (auto trains on the CPU; cuda trains on the GPU, not yet verified on one, issue 16)")
 	resume := fs.String("resume", "auto", "auto: continue from the run directory's newest checkpoint if any; never; must")
-	nproc := fs.Int("nproc-per-node", 1, "start this many ranks on this node (as torchrun --nproc-per-node does); data-parallel training is not implemented yet (issue 25): the ranks rendezvous, then stop with an error")
+	nproc := fs.Int("nproc-per-node", 1, "start this many ranks on this node (as torchrun --nproc-per-node does), one per GPU, for data-parallel training (ZeRO stage 0; train.device cuda, NCCL)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -123,16 +123,25 @@ func runTrain(args []string) error {
 	if err != nil {
 		return err
 	}
+	o := trainer.Options{Resume: *resume, Stop: stop}
 	if env.WorldSize > 1 {
-		return trainRank(env, cfg, stop, func() os.Signal { mu.Lock(); defer mu.Unlock(); return caught })
+		p, leave, err := rankOf(env, cfg, stop)
+		if err != nil {
+			return err
+		}
+		defer leave()
+		o.Parallel = p
 	}
-	res, err := trainer.Run(cfg, trainer.Options{Resume: *resume, Stop: stop})
-	if err != nil || !res.Interrupted {
-		return err
-	}
+	res, err := trainer.Run(cfg, o)
 	mu.Lock()
 	sig := caught
 	mu.Unlock()
+	if ss, ok := sig.(syscall.Signal); ok && err != nil && o.Parallel != nil && res == nil {
+		return &cli.Interrupted{Signal: ss, Msg: fmt.Sprintf("stopped by %s before the first step (%v): nothing saved", sigName(sig), err)}
+	}
+	if err != nil || !res.Interrupted {
+		return err
+	}
 	// Interrupted, resumable: exit 128+signal (cli.Interrupted).
 	ss, _ := sig.(syscall.Signal)
 	if res.Checkpoint == "" {

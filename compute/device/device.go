@@ -59,6 +59,9 @@ type Options struct {
 	Purpose Purpose
 	// Threads caps the CPU backend's worker goroutines (0: one per core).
 	Threads int
+	// Ordinal is the GPU a CUDA backend opens (0: the first; a
+	// data-parallel rank's local rank).
+	Ordinal int
 	// Logf, if set, receives one line per notable event: the backend auto
 	// chose and why (the GPU found, or why none is used), the GPU opened
 	// and its kernels compiled or read from the cache.
@@ -79,7 +82,7 @@ func Open(name string, o Options) (compute.Backend, error) {
 	if logf == nil {
 		logf = func(string, ...any) {}
 	}
-	openCUDA := func() (compute.Backend, error) { return cuda.Open(cuda.Options{Logf: logf}) }
+	openCUDA := func() (compute.Backend, error) { return cuda.Open(cuda.Options{Device: o.Ordinal, Logf: logf}) }
 	switch name {
 	case "cuda":
 		be, err := openCUDA()

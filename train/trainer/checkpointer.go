@@ -16,6 +16,9 @@ import (
 type checkpointer struct {
 	runDir string
 	keep   int
+	// ordinal is the GPU a loaded student goes to (a data-parallel
+	// rank's local rank).
+	ordinal int
 	// saved is the step of the newest checkpoint on disk; good the step
 	// of the newest one not taken in a run of skipped updates (-1: none),
 	// which retention keeps, so that the error of max_skipped_steps can
@@ -42,7 +45,7 @@ func (c *checkpointer) latest(resume string) (string, error) {
 // load reads checkpoint ckpt onto the run's backend and checks that cfg
 // can continue it (checkResume).
 func (c *checkpointer) load(cfg *Config, ckpt string, log io.Writer) (*train.Student, *State, error) {
-	be, err := backend(cfg, log)
+	be, err := backend(cfg, log, c.ordinal)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -57,6 +57,7 @@ type trainRun struct {
 	out      *sinks
 	stop     stopSignal
 	skips    skipRun
+	g        ranks // the data-parallel group (single: one process)
 
 	closers []func() // run's clean-up, undone last first
 }
@@ -109,8 +110,12 @@ func newTrainRun(cfg *Config, o Options) *trainRun {
 	if o.Resume == "" {
 		o.Resume = "auto"
 	}
-	return &trainRun{cfg: cfg, o: o, log: o.Log, res: &Result{}, stop: stopSignal(o.Stop),
+	r := &trainRun{cfg: cfg, o: o, log: o.Log, res: &Result{}, stop: stopSignal(o.Stop), g: single,
 		ck: &checkpointer{runDir: cfg.RunDir, keep: cfg.Checkpoint.Keep}}
+	if p := o.Parallel; p != nil {
+		r.g.rank, r.g.size, r.ck.ordinal = p.Rank, p.WorldSize, p.LocalRank
+	}
+	return r
 }
 
 // onClose registers clean-up for close, which runs it last first.
@@ -125,7 +130,7 @@ func (r *trainRun) close() {
 // setup runs every stage before step 1, in the order their checks must
 // come: done is true for a run with nothing left to do.
 func (r *trainRun) setup() (done bool, err error) {
-	for _, stage := range []func() error{r.openData, r.lockRunDir, r.loadStudent, r.openSource, r.checkData, r.openEvalCache} {
+	for _, stage := range []func() error{r.openData, r.lockRunDir, r.loadStudent, r.joinRanks, r.openSource, r.checkData, r.openEvalCache} {
 		if err := stage(); err != nil {
 			return false, err
 		}
@@ -162,6 +167,9 @@ func (r *trainRun) openData() error {
 // read). One trainer per run directory: a second one would resume from
 // the first's live checkpoints and remove its checkpoint in progress.
 func (r *trainRun) lockRunDir() error {
+	if !r.g.leader() {
+		return nil // rank 0 holds the run directory; the others only read its checkpoints
+	}
 	if err := os.MkdirAll(r.cfg.RunDir, 0o755); err != nil {
 		return err
 	}
@@ -191,7 +199,7 @@ func (r *trainRun) loadStudent() error {
 		}
 		r.res.Resumed, r.res.Checkpoint, r.res.Step = ckpt, ckpt, r.st.Step
 	} else {
-		if r.s, err = initStudent(r.cfg, r.log); err != nil {
+		if r.s, err = initStudent(r.cfg, r.log, r.ck.ordinal); err != nil {
 			return err
 		}
 		r.st = newState(r.cfg)
@@ -201,6 +209,26 @@ func (r *trainRun) loadStudent() error {
 	s := r.s
 	r.onClose(func() { device.Close(s.Backend()) })
 	r.onClose(s.Free)
+	return nil
+}
+
+// joinRanks joins the data-parallel group (Options.Parallel) over the
+// student's backend: the step, the stop and the writes then follow the
+// group (see Parallel).
+func (r *trainRun) joinRanks() error {
+	p := r.o.Parallel
+	if p == nil {
+		return nil
+	}
+	g, err := joinRanks(p, r.s.Backend())
+	if err != nil {
+		return err
+	}
+	r.g = g
+	r.onClose(r.g.close)
+	if r.g.leader() {
+		fmt.Fprintf(r.log, "data parallel: %d ranks, each holding the whole student (ZeRO stage 0); rank 0 writes %s\n", r.g.size, r.cfg.RunDir)
+	}
 	return nil
 }
 
@@ -342,6 +370,10 @@ func (r *trainRun) calibrate() error {
 // openSinks writes the resolved config.yaml and opens metrics.jsonl
 // and the TensorBoard events.
 func (r *trainRun) openSinks() error {
+	if !r.g.leader() {
+		r.out = &sinks{log: io.Discard} // rank 0 records the run
+		return nil
+	}
 	if err := writeResolved(r.cfg); err != nil {
 		return err
 	}
@@ -373,11 +405,17 @@ func (r *trainRun) openBatches() error {
 
 // wire builds the loop's components from what setup made.
 func (r *trainRun) wire() {
-	r.out.prog = newProgress(r.log, r.cfg.Log.Progress, r.cfg.Log.Every, r.cfg.Train.MaxSteps)
+	r.out.prog = newProgress(r.out.log, r.cfg.Log.Progress, r.cfg.Log.Every, r.cfg.Train.MaxSteps)
 	r.out.prog.sft = r.info.NoTeacher
+	// Ranks stop together at step boundaries only (loop): one rank
+	// abandoning a step or an eval would leave the others waiting.
+	inner := r.stop
+	if r.g.size > 1 {
+		inner = nil
+	}
 	r.step = &stepper{s: r.s, ad: r.ad, lopt: &r.lopt, sched: r.cfg.Schedule(), maxNorm: r.cfg.Optim.MaxGradNorm,
-		teachers: r.info.Teachers, stop: r.stop, log: r.log}
-	r.eval = &evaluator{s: r.s, src: r.src, r: r.evalR, lopt: &r.lopt, teachers: r.info.Teachers, stop: r.stop}
+		teachers: r.info.Teachers, stop: inner, log: r.log, g: &r.g}
+	r.eval = &evaluator{s: r.s, src: r.src, r: r.evalR, lopt: &r.lopt, teachers: r.info.Teachers, stop: inner}
 	if r.evalSrc != nil {
 		r.eval.src, r.eval.lopt = r.evalSrc, r.evalLopt
 		r.out.evalTeacher = true
@@ -393,7 +431,7 @@ func (r *trainRun) wire() {
 func (r *trainRun) loop() (*Result, error) {
 	cfg, ran := r.cfg, 0
 	for step := r.st.Step + 1; step <= cfg.Train.MaxSteps; step++ {
-		if r.stop.requested() {
+		if r.g.anyStop(r.stop.requested()) {
 			return r.interrupt()
 		}
 		t0 := time.Now()
@@ -500,6 +538,10 @@ func (r *trainRun) evaluate(step int) error {
 // save writes the checkpoint of the state's step. Metrics first: a
 // checkpoint never refers to lines not on disk.
 func (r *trainRun) save() error {
+	if !r.g.leader() {
+		r.ck.saved = r.st.Step // rank 0 saves the same state
+		return nil
+	}
 	if err := r.out.mw.flush(); err != nil {
 		return err
 	}

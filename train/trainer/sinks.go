@@ -112,6 +112,9 @@ func openMetrics(cfg *Config, step int) (*metrics, error) {
 }
 
 func (m *metrics) train(sm StepMetrics) error {
+	if m == nil { // a data-parallel rank other than 0
+		return nil
+	}
 	b, err := marshalFinite(sm)
 	if err != nil {
 		return fmt.Errorf("trainer: metrics of step %d: %w", sm.Step, err)
@@ -137,6 +140,9 @@ func (m *metrics) train(sm StepMetrics) error {
 }
 
 func (m *metrics) eval(step int, es EvalStats) error {
+	if m == nil {
+		return nil
+	}
 	b, err := marshalFinite(struct {
 		Type string `json:"type"`
 		Step int    `json:"step"`
@@ -159,6 +165,9 @@ func (m *metrics) eval(step int, es EvalStats) error {
 }
 
 func (m *metrics) flush() error {
+	if m == nil {
+		return nil
+	}
 	if err := m.w.Flush(); err != nil {
 		return err
 	}

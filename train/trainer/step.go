@@ -26,6 +26,7 @@ type stepper struct {
 	teachers []TeacherState // multi-teacher KD: their names and weights
 	stop     stopSignal
 	log      io.Writer
+	g        *ranks // data parallel: this rank runs its rows, then the sums are reduced
 }
 
 // forwardBackward accumulates the gradients of rows into the zeroed
@@ -42,6 +43,9 @@ func (sp *stepper) forwardBackward(step int, rows []*train.Batch, sm *StepMetric
 	sp.s.ZeroGrad()
 	var routed [][]int // MoE: per layer and expert, the step's choices
 	for i, b := range rows {
+		if !sp.g.mine(i) {
+			continue // another rank's row
+		}
 		if testHookRow != nil {
 			testHookRow(step, i)
 		}
@@ -56,9 +60,53 @@ func (sp *stepper) forwardBackward(step int, rows []*train.Batch, sm *StepMetric
 		sp.accumulate(sm, bs)
 		routed = addRouting(routed, sp.s.Routing().Counts)
 	}
+	if sp.g.size > 1 {
+		routed = sp.reduce(sm, routed)
+	}
 	sp.normalize(sm, total)
 	sm.ExpertShare, sm.ExpertShareByLayer = expertShares(routed)
 	return nil
+}
+
+// reduce sums the ranks' gradients and their shares of the step's loss
+// sums and MoE routing counts (in fp32: metrics only), and returns the
+// step's routing counts.
+func (sp *stepper) reduce(sm *StepMetrics, routed [][]int) [][]int {
+	sp.g.reduceGrads(sp.s)
+	if sp.teachers != nil && sm.Teachers == nil {
+		sm.Teachers = make([]TeacherMetrics, len(sp.teachers))
+	}
+	cfg := sp.s.Cfg
+	if routed == nil { // no row of this step was this rank's
+		for l := 0; l < cfg.Layers; l++ {
+			if cfg.IsMoE(l) {
+				routed = append(routed, make([]int, cfg.NumExperts))
+			}
+		}
+	}
+	v := []float64{sm.Loss, sm.KD, sm.CE, sm.AuxLoss}
+	for _, t := range sm.Teachers {
+		v = append(v, t.KD, t.Top1)
+	}
+	for _, c := range routed {
+		for _, n := range c {
+			v = append(v, float64(n))
+		}
+	}
+	sp.g.reduceSums(v)
+	sm.Loss, sm.KD, sm.CE, sm.AuxLoss = v[0], v[1], v[2], v[3]
+	v = v[4:]
+	for i := range sm.Teachers {
+		sm.Teachers[i].KD, sm.Teachers[i].Top1 = v[0], v[1]
+		v = v[2:]
+	}
+	for _, c := range routed {
+		for e := range c {
+			c[e] = int(v[0] + 0.5)
+			v = v[1:]
+		}
+	}
+	return routed
 }
 
 // accumulate adds a row's losses to sm, weighted by its loss positions.

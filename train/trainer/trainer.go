@@ -171,6 +171,9 @@ type Options struct {
 	// instead of the data the config names (data.cache, data.caches,
 	// data.dataset, distill.teachers): any implementation of Source.
 	Source Source
+	// Parallel, when not nil, makes this process one rank of a
+	// data-parallel run (see Parallel).
+	Parallel *Parallel
 }
 
 // StepMetrics are one optimizer step's metrics (a metrics.jsonl line).
@@ -316,8 +319,8 @@ func CheckCache(cfg *model.Config, tokFP string, m *cache.Manifest, where string
 // backend opens the compute backend a run trains on: train.device, with
 // train.threads CPU workers (0: one per core). The device chooser's line
 // (what auto took, and why) goes to log.
-func backend(cfg *Config, log io.Writer) (compute.Backend, error) {
-	be, err := device.Open(cfg.Train.Device, device.Options{Purpose: device.Training, Threads: cfg.Train.Threads,
+func backend(cfg *Config, log io.Writer, ordinal int) (compute.Backend, error) {
+	be, err := device.Open(cfg.Train.Device, device.Options{Purpose: device.Training, Threads: cfg.Train.Threads, Ordinal: ordinal,
 		Logf: func(format string, args ...any) { fmt.Fprintf(log, format+"\n", args...) }})
 	if err != nil {
 		return nil, fmt.Errorf("%w: train.device: %w", ErrConfig, err)
@@ -326,8 +329,8 @@ func backend(cfg *Config, log io.Writer) (compute.Backend, error) {
 }
 
 // initStudent builds a fresh student as the config says.
-func initStudent(cfg *Config, log io.Writer) (*train.Student, error) {
-	be, err := backend(cfg, log)
+func initStudent(cfg *Config, log io.Writer, ordinal int) (*train.Student, error) {
+	be, err := backend(cfg, log, ordinal)
 	if err != nil {
 		return nil, err
 	}

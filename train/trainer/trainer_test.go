@@ -502,7 +502,7 @@ func TestConfigErrors(t *testing.T) {
 func TestEvalPackingInvariant(t *testing.T) {
 	b := testCache(t)
 	cfg := tinyConfig(t, b, t.TempDir())
-	s, err := initStudent(cfg, io.Discard)
+	s, err := initStudent(cfg, io.Discard, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

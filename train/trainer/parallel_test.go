@@ -1,0 +1,233 @@
+package trainer
+
+import (
+	"bytes"
+	"math"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"distill/compute"
+)
+
+// hostGroup stands in for a collective in tests: its ranks are goroutines
+// of this process, each with its own backend; every operation waits for
+// all ranks, then combines their buffers in rank order (deterministic).
+type hostGroup struct {
+	n    int
+	mu   sync.Mutex
+	cond *sync.Cond
+	bufs [][]float32
+	in   int       // ranks that deposited for the current operation
+	gen  int       // operations completed
+	res  []float32 // the last completed operation's result
+}
+
+func newHostGroup(n int) *hostGroup {
+	g := &hostGroup{n: n, bufs: make([][]float32, n)}
+	g.cond = sync.NewCond(&g.mu)
+	return g
+}
+
+// exchange deposits x as rank's buffer and returns combine(all ranks'
+// buffers), once every rank has deposited.
+func (g *hostGroup) exchange(rank int, x []float32, combine func([][]float32) []float32) []float32 {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	gen := g.gen
+	g.bufs[rank] = x
+	if g.in++; g.in == g.n {
+		g.res = combine(g.bufs)
+		g.in, g.gen = 0, g.gen+1
+		g.cond.Broadcast()
+	}
+	for g.gen == gen {
+		g.cond.Wait()
+	}
+	return g.res
+}
+
+type hostRank struct {
+	g    *hostGroup
+	rank int
+	be   compute.Backend
+}
+
+func (r *hostRank) Rank() int { return r.rank }
+func (r *hostRank) Size() int { return r.g.n }
+func (r *hostRank) read(t compute.Tensor, off, n int) []float32 {
+	x := make([]float32, n)
+	r.be.ReadF32(r.be.View(t, off, n), x)
+	return x
+}
+func (r *hostRank) AllReduceSum(t compute.Tensor, n int) {
+	sum := r.g.exchange(r.rank, r.read(t, 0, n), func(b [][]float32) []float32 {
+		s := make([]float32, n)
+		for _, x := range b {
+			for i, v := range x {
+				s[i] += v
+			}
+		}
+		return s
+	})
+	r.be.WriteF32(t, sum)
+}
+func (r *hostRank) ReduceScatterSum(dst, src compute.Tensor, n int) {
+	all := r.g.exchange(r.rank, r.read(src, 0, n*r.g.n), func(b [][]float32) []float32 {
+		s := make([]float32, len(b[0]))
+		for _, x := range b {
+			for i, v := range x {
+				s[i] += v
+			}
+		}
+		return s
+	})
+	r.be.WriteF32(dst, all[r.rank*n:(r.rank+1)*n])
+}
+func (r *hostRank) AllGather(dst, src compute.Tensor, n int) {
+	r.be.WriteF32(dst, r.g.exchange(r.rank, r.read(src, 0, n), func(b [][]float32) []float32 {
+		var s []float32
+		for _, x := range b {
+			s = append(s, x...)
+		}
+		return s
+	}))
+}
+func (r *hostRank) Broadcast(t compute.Tensor, n int, root int) {
+	r.be.WriteF32(t, r.g.exchange(r.rank, r.read(t, 0, n), func(b [][]float32) []float32 { return b[root] }))
+}
+func (r *hostRank) Close() error { return nil }
+
+// runRanks runs n ranks of cfg (runDirs[i] for rank i) as goroutines of
+// one hostGroup, with stops[i] as rank i's Options.Stop, and returns their
+// results and logs.
+func runRanks(t *testing.T, n int, cfgs []*Config, stops []chan struct{}) ([]*Result, []string) {
+	t.Helper()
+	g := newHostGroup(n)
+	res, logs, errs := make([]*Result, n), make([]bytes.Buffer, n), make([]error, n)
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(rank int) {
+			defer wg.Done()
+			o := Options{Log: &logs[rank], Parallel: &Parallel{Rank: rank, WorldSize: n,
+				Join: func(be compute.Backend) (compute.Collective, error) { return &hostRank{g: g, rank: rank, be: be}, nil }}}
+			if stops != nil {
+				o.Stop = stops[rank]
+			}
+			res[rank], errs[rank] = Run(cfgs[rank], o)
+		}(i)
+	}
+	wg.Wait()
+	out := make([]string, n)
+	for i := range errs {
+		out[i] = logs[i].String()
+		if errs[i] != nil {
+			t.Fatalf("rank %d: %v\n%s", i, errs[i], out[i])
+		}
+	}
+	return res, out
+}
+
+// closeLosses fails unless b's step and eval losses are a's within rel.
+func closeLosses(t *testing.T, what string, a, b *Result, rel float64) {
+	t.Helper()
+	if len(a.Steps) != len(b.Steps) || len(a.Evals) != len(b.Evals) {
+		t.Fatalf("%s: %d steps and %d evals vs %d and %d", what, len(a.Steps), len(a.Evals), len(b.Steps), len(b.Evals))
+	}
+	for i := range a.Steps {
+		x, y := a.Steps[i], b.Steps[i]
+		for _, p := range [][2]float64{{x.Loss, y.Loss}, {x.KD, y.KD}, {x.CE, y.CE}, {x.GradNorm, y.GradNorm}} {
+			if math.Abs(p[0]-p[1]) > rel*math.Abs(p[0]) {
+				t.Fatalf("%s: step %d: loss %v kd %v ce %v grad_norm %v vs %v %v %v %v", what, x.Step, x.Loss, x.KD, x.CE, x.GradNorm, y.Loss, y.KD, y.CE, y.GradNorm)
+			}
+		}
+		if x.Tokens != y.Tokens || x.LossTokens != y.LossTokens || x.Rows != y.Rows {
+			t.Fatalf("%s: step %d: %d tokens, %d loss positions, %d rows vs %d, %d, %d", what, x.Step, x.Tokens, x.LossTokens, x.Rows, y.Tokens, y.LossTokens, y.Rows)
+		}
+	}
+	for i := range a.Evals {
+		x, y := a.Evals[i], b.Evals[i]
+		if math.Abs(x.Loss-y.Loss) > rel*x.Loss || math.Abs(x.Top1Agreement-y.Top1Agreement) > 0.02 {
+			t.Fatalf("%s: eval %d: %+v vs %+v", what, i, x, y)
+		}
+	}
+}
+
+// TestDataParallel: two and three ranks (ZeRO stage 0, over an
+// in-process stand-in for the collective) train as one process does on
+// the same data: the same steps, tokens and rows, losses and gradient
+// norms within fp32 reordering (every rank sums its rows' gradients, then
+// the ranks' sums are summed), the same evals; only rank 0 writes a run
+// directory, and every rank reports the same metrics.
+func TestDataParallel(t *testing.T) {
+	b := testCache(t)
+	one, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "one")), Options{Log: &bytes.Buffer{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if one.Steps[0].Rows < 3 {
+		t.Fatalf("the config packs %d rows a step: the ranks would not share steps unevenly", one.Steps[0].Rows)
+	}
+	for _, n := range []int{2, 3} {
+		dir := t.TempDir()
+		cfgs := make([]*Config, n)
+		for i := range cfgs {
+			// Ranks other than 0 get run directories of their own, to show
+			// that they write nothing (a real job shares one).
+			cfgs[i] = tinyConfig(t, b, filepath.Join(dir, "rank", string(rune('0'+i))))
+		}
+		res, logs := runRanks(t, n, cfgs, nil)
+		for i := range res {
+			closeLosses(t, "one process vs rank "+string(rune('0'+i))+" of "+string(rune('0'+n)), one, res[i], 2e-5)
+		}
+		if !strings.Contains(logs[0], "data parallel: ") {
+			t.Errorf("rank 0's log does not say it runs data parallel:\n%s", logs[0])
+		}
+		if res[0].Checkpoint == "" {
+			t.Errorf("rank 0 wrote no checkpoint")
+		}
+		for i := 1; i < n; i++ {
+			if m, _ := filepath.Glob(filepath.Join(cfgs[i].RunDir, "*")); len(m) > 0 {
+				t.Errorf("rank %d wrote %v", i, m)
+			}
+		}
+	}
+}
+
+// TestDataParallelStopAndResume: a stop that reaches one rank only stops
+// every rank at the same step boundary, rank 0 checkpoints it, and the
+// group resumes from it to the same weights as an uninterrupted group.
+func TestDataParallelStopAndResume(t *testing.T) {
+	b := testCache(t)
+	dir := t.TempDir()
+	cfgs := func(run string) []*Config {
+		return []*Config{tinyConfig(t, b, filepath.Join(dir, run)), tinyConfig(t, b, filepath.Join(dir, run))}
+	}
+	straight, _ := runRanks(t, 2, cfgs("straight"), nil)
+
+	stops := []chan struct{}{make(chan struct{}), make(chan struct{})}
+	var once sync.Once
+	testHookRow = func(step, row int) {
+		if step == 5 && row == 1 { // rank 1's row of step 5
+			once.Do(func() { close(stops[1]) })
+		}
+	}
+	defer func() { testHookRow = nil }()
+	first, _ := runRanks(t, 2, cfgs("stopped"), stops)
+	testHookRow = nil
+	for i, r := range first {
+		if !r.Interrupted || r.Step != 5 {
+			t.Fatalf("rank %d: interrupted %v at step %d, want both ranks stopped after step 5", i, r.Interrupted, r.Step)
+		}
+	}
+	again, _ := runRanks(t, 2, cfgs("stopped"), nil)
+	if again[0].Resumed == "" {
+		t.Fatalf("the rerun did not resume")
+	}
+	last, want := again[0].Steps[len(again[0].Steps)-1], straight[0].Steps[len(straight[0].Steps)-1]
+	if math.Float64bits(last.Loss) != math.Float64bits(want.Loss) || math.Float64bits(last.GradNorm) != math.Float64bits(want.GradNorm) {
+		t.Errorf("the resumed group's last step: loss %v grad_norm %v; uninterrupted: %v %v", last.Loss, last.GradNorm, want.Loss, want.GradNorm)
+	}
+}
