@@ -67,6 +67,14 @@
 #   racecheck  compute-sanitizer --tool racecheck on this package's attention
 #              kernels (DISTILL_RACECHECK=1: smaller cases; cuDNN's, closed
 #              source, are not raced), the LM head, the reductions
+#   nccl       the collectives (issue 25) through the real NCCL, PyTorch's
+#              wheel's libnccl.so.2 (site-packages/nvidia/nccl/lib) unless
+#              DISTILL_LIBNCCL names one: a group of one runs every operation
+#              on the GPU's stream between kernels (TestNCCLSingleRank), the
+#              misuse panics, the join timeout; the groups of 2 and 3 rank
+#              processes (TestNCCLRanks) share the one GPU, which NCCL
+#              refuses ("Duplicate GPU detected", ncclInvalidUsage): those
+#              tests skip, quoting NCCL's refusal in nccl.log
 #
 # and the student's (`run train` runs these, within the same budget):
 #
@@ -181,6 +189,13 @@ libs() {
        /usr/local/cuda-*/lib64/libcublasLt.so.1[0-9] $(for s in $site; do echo "$s/nvidia/*/lib/libcublasLt.so.1[0-9]"; done))
   [ -n "$nv" ] && export DISTILL_LIBNVRTC=$nv LD_LIBRARY_PATH="$(dirname "$nv"):$LD_LIBRARY_PATH"
   [ -n "$lt" ] && export DISTILL_LIBCUBLASLT=$lt LD_LIBRARY_PATH="$(dirname "$lt"):$LD_LIBRARY_PATH"
+  # NCCL 2 (collectives): the system's, else the pip wheel's (PyTorch's).
+  local nccl
+  if [ -z "${DISTILL_LIBNCCL:-}" ]; then
+    nccl=$(first_file /usr/lib/x86_64-linux-gnu/libnccl.so.2 /usr/local/cuda/lib64/libnccl.so.2 \
+         $(for s in $site; do echo "$s/nvidia/nccl/lib/libnccl.so.2"; done))
+    [ -n "$nccl" ] && export DISTILL_LIBNCCL=$nccl
+  fi
   # cuDNN 9 (attention): the system's, else the pip wheel's (PyTorch's).
   # Its sub-libraries (libcudnn_engines_*.so.9 ...) are opened by name, so
   # its directory goes on LD_LIBRARY_PATH too.
@@ -229,6 +244,7 @@ s_env() {
     echo "DISTILL_LIBNVRTC=${DISTILL_LIBNVRTC:-}"
     echo "DISTILL_LIBCUBLASLT=${DISTILL_LIBCUBLASLT:-}"
     echo "DISTILL_LIBCUDNN=${DISTILL_LIBCUDNN:-}"
+    echo "DISTILL_LIBNCCL=${DISTILL_LIBNCCL:-}"
     ldconfig -p 2>/dev/null | grep -E 'libcuda.so|libnvrtc|libcublasLt|libcudnn.so' | head -16
     command -v compute-sanitizer nvcc ncu || true
     nvcc --version 2>/dev/null | tail -2
@@ -316,6 +332,10 @@ s_racecheck() {
     -test.run 'TestAttentionConformance|TestLMHeadTopKTies|TestAttnPlanKernel|TestMoERoutingTies|TestAttentionBackwardConformance|TestLossHeadConformance|TestReductionsConformance|TestMoETrainConformance'
 }
 
+s_nccl() {
+  DISTILL_NCCL_TIMEOUT=${DISTILL_NCCL_TIMEOUT:-60s} step nccl 120 "$T" -test.v -test.count=1 -test.timeout=115s -test.run 'NCCL'
+}
+
 s_goldens() {
   step hf-goldens 90 $PY "$root/scripts/gpu/hf_goldens.py" "$OUT/hf-goldens" "$root"/infer/testdata/golden/*
   DISTILL_HF_GOLDENS="$OUT/hf-goldens" step goldens 60 "$T" -test.v -test.count=1 -test.timeout=55s -test.run 'ForwardHFGoldens|ForwardGoldens'
@@ -361,7 +381,7 @@ summary() {
     grep -m1 -E 'NVIDIA|H100|H200' "$OUT/env.log" 2>/dev/null
     echo "-- steps (rc 0 = passed; 124 = its time limit; skipped = run it in another call)"
     cat "$OUT/status.txt" 2>/dev/null
-    for f in test device goldens attn-bench memcheck racecheck train-test train-memcheck train-curve train-qad train-resume; do
+    for f in test device goldens attn-bench memcheck racecheck nccl train-test train-memcheck train-curve train-qad train-resume; do
       [ -f "$OUT/$f.log" ] || continue
       echo "-- $f: failures"
       grep -E '^\s*--- FAIL|^FAIL|panic:|ERROR SUMMARY|========= (Invalid|Race|Error)' "$OUT/$f.log" | head -20
@@ -372,6 +392,8 @@ summary() {
     grep -hE 'vs HF BF16|T=[0-9.]+: (top-1|HF BF16 vs fp32|bounds|no HF BF16)' "$OUT/goldens.log" 2>/dev/null | sed 's/^ *//' | head -80
     echo "-- attention: ours vs PyTorch SDPA (TFLOP/s; ratio > 1: ours faster)"
     cat "$OUT/attn.log" 2>/dev/null | head -60
+    echo "-- NCCL (the real library; 2 and 3 ranks on one GPU: NCCL's refusal)"
+    grep -hE -- '--- (PASS|FAIL|SKIP): TestNCCL|NCCL refused|Duplicate GPU' "$OUT/nccl.log" 2>/dev/null | sed 's/^ *//' | head -20
     echo "-- device chooser"
     grep -hE 'device auto|--- (PASS|FAIL)' "$OUT/device.log" 2>/dev/null | head -10
     echo "-- largest errors of the conformance tests"
@@ -412,7 +434,7 @@ case "${1:-}" in
     steps=()
     for s in "$@"; do
       case "$s" in
-        all) steps+=(env test device goldens attn memcheck bench peer racecheck train-test train-memcheck train-curve train-qad train-resume train-bench train-peer) ;;
+        all) steps+=(env test device goldens attn memcheck bench peer racecheck nccl train-test train-memcheck train-curve train-qad train-resume train-bench train-peer) ;;
         train) steps+=(env train-test train-curve train-qad train-resume train-memcheck train-bench train-peer) ;;
         attn-issue)
           steps+=(env test attn goldens train-test train-resume train-bench train-peer)
@@ -425,7 +447,7 @@ case "${1:-}" in
     [ ${#steps[@]} -eq 0 ] && steps=(env test device goldens attn memcheck bench peer racecheck)
     for s in "${steps[@]}"; do
       case "$s" in
-        env|test|device|memcheck|racecheck|goldens|attn|bench|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|train-peer) "s_$s" ;;
+        env|test|device|memcheck|racecheck|nccl|goldens|attn|bench|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|train-peer) "s_$s" ;;
         *) echo "unknown step $s"; exit 2 ;;
       esac
     done

@@ -229,6 +229,27 @@
 // mma.sync, not Hopper's wgmma/TMA, and their backward recomputes S and dP
 // for dq.
 //
+// # Collectives
+//
+// The backend implements compute.Collectives through NCCL (nccl.go):
+// libnccl.so.2 opened with dlopen when a group is first made or joined
+// (DISTILL_LIBNCCL names the file; prototypes in nccl_capi.h),
+// ncclCommInitRank on the backend's device and context, and the four
+// operations (F32, sum) enqueued on the backend's stream, in issue order
+// with the kernels, their writes recorded for the weight shadows.
+// JoinCollective gives up after DISTILL_NCCL_TIMEOUT (default 10 minutes)
+// with an error naming it; a watchdog polls ncclCommGetAsyncError and
+// aborts the communicator on an error, which the next operation panics
+// with. Verified on the emulator's NCCL stand-in (testdata/emu/emu_nccl.cpp:
+// ranks as processes or threads exchanging through POSIX shared memory,
+// sums in rank order, every step checking that all ranks issued the same
+// call): groups of 1, 2 and 3 ranks, exact and random sums, in-place
+// layouts, kernels before and after on the same stream, misuse panics,
+// wrong sizes, duplicate ranks, dead peers and timeouts (nccl_test.go).
+// Against the real NCCL only the GPU suite's nccl step checks it, with a
+// group of one (NCCL refuses two ranks on one GPU); it has not run on a
+// GPU yet, and no run on two GPUs has been made.
+//
 // # Testing without a GPU
 //
 // testdata/emu is a CPU stand-in for the three libraries, and for cuDNN's
