@@ -500,14 +500,7 @@ func (s *suite) rmsNorm(t *testing.T) {
 	be.RMSNorm(out, rstd, xt, wt, N, C, eps)
 	xd, wd, Rd := f64(x), f64(w), f64(R)
 	s.actFwd(t, "out", s.read(out, N*C), rmsNorm(xd, wd, C, eps))
-	wantR := make([]float64, N)
-	for i := range wantR {
-		var ss float64
-		for j := 0; j < C; j++ {
-			ss += xd[i*C+j] * xd[i*C+j]
-		}
-		wantR[i] = 1 / math.Sqrt(ss/float64(C)+eps)
-	}
+	wantR := rstdOf(xd, C, eps)
 	s.fwd(t, "rstd", s.read(rstd, N), wantR)
 	// In place (out = x) and without statistics.
 	y, _ := s.actIn(x)
@@ -523,6 +516,20 @@ func (s *suite) rmsNorm(t *testing.T) {
 	be.RMSNormBackward(dx, dw, be.FromF32(R), xt, wt, rstd, N, C)
 	s.bwdStrided(t, "dx", s.read(dx, N*C), dx0, f, xd, 29)
 	s.bwd(t, "dw", s.read(dw, C), plus(gradFD(f, wd, s.tol.FDStep), dw0))
+}
+
+// rstdOf is RMSNorm's statistics of each dim-wide row of x:
+// 1/sqrt(mean(x²) + eps).
+func rstdOf(x []float64, dim int, eps float64) []float64 {
+	r := make([]float64, len(x)/dim)
+	for i := range r {
+		var ss float64
+		for _, v := range x[i*dim : (i+1)*dim] {
+			ss += v * v
+		}
+		r[i] = 1 / math.Sqrt(ss/float64(dim)+eps)
+	}
+	return r
 }
 
 // ropeTable is the (tokens, hd/2) cos/sin table of the angles
@@ -595,14 +602,7 @@ func (s *suite) rmsNormRoPE(t *testing.T) {
 		be.RMSNormRoPE(out, rstd, xt, wt, ct, st, N, H, D, eps)
 		s.actFwd(t, "out", s.read(out, N*H*D), want)
 		xd := f64(x)
-		wantR := make([]float64, N*H)
-		for i := range wantR {
-			var ss float64
-			for j := 0; j < D; j++ {
-				ss += xd[i*D+j] * xd[i*D+j]
-			}
-			wantR[i] = 1 / math.Sqrt(ss/float64(D)+eps)
-		}
+		wantR := rstdOf(xd, D, eps)
 		s.fwd(t, "rstd", s.read(rstd, N*H), wantR)
 		y, _ := s.actIn(x)
 		be.RMSNormRoPE(y, nil, y, wt, ct, st, N, H, D, eps)
@@ -730,14 +730,7 @@ func (s *suite) addRMSNorm(t *testing.T) {
 		}
 		closeTo(t, "a+b", s.read(at, N*C), sum, 0, 0)
 		s.actFwd(t, "out", s.read(out, N*C), rmsNorm(sum, f64(w), C, eps))
-		wantR := make([]float64, N)
-		for i := range wantR {
-			var ss float64
-			for j := 0; j < C; j++ {
-				ss += sum[i*C+j] * sum[i*C+j]
-			}
-			wantR[i] = 1 / math.Sqrt(ss/float64(C)+eps)
-		}
+		wantR := rstdOf(sum, C, eps)
 		s.fwd(t, "rstd", s.read(rstd, N), wantR)
 		// Without statistics.
 		at2 := be.FromF32(a)

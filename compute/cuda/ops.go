@@ -192,14 +192,20 @@ func (b *Backend) RMSNorm(outT, rstdT, xT, wT compute.Tensor, rows, dim int, eps
 	need(out, "RMSNorm out", rows*dim, act...)
 	need(x, "RMSNorm x", rows*dim, act...)
 	need(w, "RMSNorm w", dim, compute.F32, compute.BF16)
-	var rp dptr
-	if rstdT != nil {
-		rstd := b.ten(rstdT, "RMSNorm rstd")
-		need(rstd, "RMSNorm rstd", rows, compute.F32)
-		rp = dptr(rstd.p)
-	}
+	rp := b.stats(rstdT, "RMSNorm rstd", rows)
 	wp, wb := weightArg(w)
 	b.launchKernel(rmsnormLaunch(rows, dim), dptr(out.p), bf16Flag(out), rp, dptr(x.p), bf16Flag(x), dptr(0), wp, wb, int64(rows), int32(dim), eps)
+}
+
+// stats is an optional F32 statistics output of n elements (RMSNorm's
+// rstd): its address, or 0 for nil.
+func (b *Backend) stats(t compute.Tensor, what string, n int) dptr {
+	if t == nil {
+		return 0
+	}
+	r := b.ten(t, what)
+	need(r, what, n, compute.F32)
+	return dptr(r.p)
 }
 
 // AddRMSNorm implements compute.Backend: the RMSNorm kernels with the
@@ -216,12 +222,7 @@ func (b *Backend) AddRMSNorm(outT, rstdT, aT, bT, wT compute.Tensor, rows, dim i
 	if out.p == a.p || out.p == c.p {
 		panic("cuda: AddRMSNorm out aliases a or b")
 	}
-	var rp dptr
-	if rstdT != nil {
-		rstd := b.ten(rstdT, "AddRMSNorm rstd")
-		need(rstd, "AddRMSNorm rstd", rows, compute.F32)
-		rp = dptr(rstd.p)
-	}
+	rp := b.stats(rstdT, "AddRMSNorm rstd", rows)
 	wp, wb := weightArg(w)
 	b.launchKernel(rmsnormLaunch(rows, dim), dptr(out.p), bf16Flag(out), rp, dptr(a.p), int32(0), dptr(c.p), wp, wb, int64(rows), int32(dim), eps)
 }
@@ -261,12 +262,7 @@ func (b *Backend) RMSNormRoPE(outT, rstdT, xT, wT, cosT, sinT compute.Tensor, to
 	if headDim%2 != 0 || headDim < 2 {
 		panic(fmt.Sprintf("cuda: RMSNormRoPE head_dim %d: want an even head_dim >= 2", headDim))
 	}
-	var rp dptr
-	if rstdT != nil {
-		rstd := b.ten(rstdT, "RMSNormRoPE rstd")
-		need(rstd, "RMSNormRoPE rstd", rows, compute.F32)
-		rp = dptr(rstd.p)
-	}
+	rp := b.stats(rstdT, "RMSNormRoPE rstd", rows)
 	if rows == 0 {
 		return
 	}
