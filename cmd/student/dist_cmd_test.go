@@ -25,9 +25,11 @@ func TestWithoutFlag(t *testing.T) {
 }
 
 // TestTrainNProcPerNode: `student train --nproc-per-node 2` starts two
-// ranks of this binary; they rendezvous, and each stops saying that
-// data-parallel training is not implemented yet; the job fails naming a
-// rank.
+// ranks of this binary, prefixed in its output; on the CPU, which has no
+// collectives, each rank stops saying that data-parallel training needs
+// train.device cuda (NCCL), and the job fails naming a rank. (On the CUDA
+// emulator, with its NCCL stand-in, the ranks train: package trainer's
+// TestCUDADataParallel.)
 func TestTrainNProcPerNode(t *testing.T) {
 	dir := t.TempDir()
 	b, err := testcache.Build(testcache.Options{Dir: filepath.Join(dir, "cache"), Vocab: 97, K: 8, Samples: 16, Chunk: 8, MinLen: 6, MaxLen: 30, Seed: 3})
