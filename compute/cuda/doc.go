@@ -241,7 +241,7 @@
 // with an error naming it; a watchdog polls ncclCommGetAsyncError and
 // aborts the communicator on an error, which the next operation panics
 // with. Verified on the emulator's NCCL stand-in (testdata/emu/emu_nccl.cpp:
-// ranks as processes or threads exchanging through POSIX shared memory,
+// ranks as processes or threads exchanging through shared memory,
 // sums in rank order, every step checking that all ranks issued the same
 // call): groups of 1, 2 and 3 ranks, exact and random sums, in-place
 // layouts, kernels before and after on the same stream, misuse panics,

@@ -1,14 +1,17 @@
 // emu_nccl.cpp: a CPU stand-in for NCCL 2, exported under libnccl.so.2's
 // names, for the ranks of a group on one machine: separate processes (each
 // with its own emulated device), or threads of one process. It is no
-// collective algorithm: the ranks exchange their buffers through a POSIX
-// shared-memory segment and each computes its result from all of them.
+// collective algorithm: the ranks exchange their buffers through a
+// shared-memory segment (a file in /dev/shm, else in $TMPDIR, mapped by
+// each rank; opened as a file, not with shm_open, which older glibcs keep
+// in librt) and each computes its result from all of them.
 //
-// The unique id carries the segment's name ("/distill-nccl-<pid>-<n>-<r>"):
-// ncclGetUniqueId makes the segment (a zeroed header), ncclCommInitRank
-// opens it, and rank 0 unlinks it once every rank has joined (a failing
-// rank unlinks it too), so a finished group leaves nothing in /dev/shm; an
-// id never joined leaves its 8 KiB header until reboot. Layout:
+// The unique id carries the segment's path
+// ("/dev/shm/distill-nccl-<pid>-<n>-<r>"): ncclGetUniqueId makes the
+// segment (a zeroed header), ncclCommInitRank opens it, and rank 0 unlinks
+// it once every rank has joined (a failing rank unlinks it too), so a
+// finished group leaves nothing behind; an id never joined leaves its
+// 8 KiB header until reboot. Layout:
 //
 //	[header: Shared, 8 KiB][staging: 2 halves x nranks slots x slot_bytes]
 //
@@ -108,7 +111,7 @@ struct Comm {
 	double timeout;
 	ncclResult_t err; // sticky: the error that broke the communicator
 	std::string msg;
-	char name[64];
+	char name[120];
 };
 
 thread_local std::string t_last; // ncclGetLastError
@@ -345,6 +348,15 @@ ncclResult_t begin(Comm *c, const char *call, int dtype, int redop, const void *
 
 std::atomic_uint g_ids;
 
+// seg_dir is where segments go: /dev/shm (a tmpfs) where it is writable,
+// else $TMPDIR, else /tmp.
+std::string seg_dir() {
+	struct stat st;
+	if (stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && access("/dev/shm", W_OK) == 0) return "/dev/shm";
+	const char *t = getenv("TMPDIR");
+	return t && *t ? t : "/tmp";
+}
+
 } // namespace
 
 extern "C" {
@@ -371,20 +383,24 @@ const char *ncclGetErrorString(ncclResult_t r) {
 const char *ncclGetLastError(void *) { return t_last.c_str(); }
 
 ncclResult_t ncclGetUniqueId(char *id) {
-	char name[64];
-	snprintf(name, sizeof name, "/distill-nccl-%d-%u-%08lx", (int)getpid(), g_ids.fetch_add(1), (unsigned long)(now() * 1e9) & 0xffffffffUL);
-	int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
-	if (fd < 0) return fail(ncclSystemError, strf("ncclGetUniqueId: shm_open(%s): %s (is /dev/shm mounted?)", name, strerror(errno)));
+	char name[120];
+	int len = snprintf(name, sizeof name, "%s/distill-nccl-%d-%u-%08lx", seg_dir().c_str(), (int)getpid(), g_ids.fetch_add(1),
+	                   (unsigned long)(now() * 1e9) & 0xffffffffUL);
+	if (len < 0 || len >= (int)sizeof name)
+		return fail(ncclSystemError, strf("ncclGetUniqueId: the segment's path in %s is longer than an id holds (%zu bytes): set TMPDIR shorter",
+		                                  seg_dir().c_str(), sizeof name - 1));
+	int fd = open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+	if (fd < 0) return fail(ncclSystemError, strf("ncclGetUniqueId: creating %s: %s", name, strerror(errno)));
 	if (ftruncate(fd, kHeaderBytes) != 0) {
 		int e = errno;
 		close(fd);
-		shm_unlink(name);
+		unlink(name);
 		return fail(ncclSystemError, strf("ncclGetUniqueId: ftruncate(%s): %s", name, strerror(e)));
 	}
 	void *m = mmap(nullptr, kHeaderBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	close(fd);
 	if (m == MAP_FAILED) {
-		shm_unlink(name);
+		unlink(name);
 		return fail(ncclSystemError, strf("ncclGetUniqueId: mmap(%s): %s", name, strerror(errno)));
 	}
 	Shared *sh = (Shared *)m;
@@ -412,15 +428,15 @@ ncclResult_t ncclCommInitRank(void **out, int nranks, emu_nccl_id id, int rank) 
 	if (nranks < 1 || nranks > kMaxRanks)
 		return fail(ncclInvalidArgument, strf("ncclCommInitRank: %d ranks: the emulator takes 1 to %d", nranks, kMaxRanks));
 	if (rank < 0 || rank >= nranks) return fail(ncclInvalidArgument, strf("ncclCommInitRank: rank %d of %d", rank, nranks));
-	char name[64];
+	char name[120];
 	memcpy(name, id.internal + 8, sizeof name);
 	name[sizeof name - 1] = 0;
-	int fd = shm_open(name, O_RDWR, 0);
+	int fd = open(name, O_RDWR | O_CLOEXEC);
 	if (fd < 0) {
 		if (errno == ENOENT)
 			return fail(ncclInvalidUsage, strf("ncclCommInitRank: rank %d of %d: the group of this id (%s) has formed or failed already, or the id was made on another machine",
 			                                   rank, nranks, name));
-		return fail(ncclSystemError, strf("ncclCommInitRank: shm_open(%s): %s", name, strerror(errno)));
+		return fail(ncclSystemError, strf("ncclCommInitRank: opening %s: %s", name, strerror(errno)));
 	}
 	void *m = mmap(nullptr, kHeaderBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	if (m == MAP_FAILED) {
@@ -430,7 +446,7 @@ ncclResult_t ncclCommInitRank(void **out, int nranks, emu_nccl_id id, int rank) 
 	}
 	Shared *sh = (Shared *)m;
 	auto give_up = [&](ncclResult_t r) {
-		shm_unlink(name);
+		unlink(name);
 		munmap(m, kHeaderBytes);
 		close(fd);
 		return r;
@@ -469,9 +485,9 @@ ncclResult_t ncclCommInitRank(void **out, int nranks, emu_nccl_id id, int rank) 
 	ncclResult_t r = wait_until(
 	    nullptr, sh, rank, nranks, c->timeout, &sh->joined, [&] { return (load(&sh->joined) & 0xffff) == (u32)nranks; },
 	    [&](int q) { return load(&sh->claimed[q]) == 0; }, strf("to join (ncclCommInitRank, %s)", name));
-	if (r == ncclSuccess && rank == 0) shm_unlink(name);
+	if (r == ncclSuccess && rank == 0) unlink(name);
 	if (r != ncclSuccess) {
-		shm_unlink(name);
+		unlink(name);
 		munmap(full, len);
 		delete c;
 		return r;
