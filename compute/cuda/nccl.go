@@ -43,11 +43,6 @@ import (
 // call hangs the stream, as in NCCL: the launcher's heartbeats (package
 // train/dist) end such a job.
 
-var specNCCL = libSpec{
-	what: "NCCL", env: "DISTILL_LIBNCCL", names: []string{"libnccl.so.2"},
-	hint: "install NCCL 2 (pip nvidia-nccl-cu12 or -cu13, which PyTorch's wheel ships under site-packages/nvidia/nccl/lib, or the CUDA repository's libnccl2), or point DISTILL_LIBNCCL at libnccl.so.2",
-}
-
 // ncclTimeoutDefault is how long a rank waits for its group to form
 // without DISTILL_NCCL_TIMEOUT: PyTorch's default for its process groups.
 const ncclTimeoutDefault = 10 * time.Minute
@@ -77,6 +72,11 @@ type nccl struct {
 var ncclLibs struct {
 	sync.Mutex
 	byEnv map[string]*nccl
+}
+
+var specNCCL = libSpec{
+	what: "NCCL", env: "DISTILL_LIBNCCL", names: []string{"libnccl.so.2"},
+	hint: "install NCCL 2 (pip nvidia-nccl-cu12 or -cu13, which PyTorch's wheel ships under site-packages/nvidia/nccl/lib, or the CUDA repository's libnccl2), or point DISTILL_LIBNCCL at libnccl.so.2",
 }
 
 // loadNCCL opens libnccl.so.2 (or DISTILL_LIBNCCL) and binds its entry
@@ -138,23 +138,29 @@ func (l *nccl) Version() string {
 	return fmt.Sprintf("%d.%d.%d", v/1000, v/100%10, v%100)
 }
 
-// NCCLError is a failed NCCL call: the call, NCCL's result code, its name,
-// and NCCL's description of it (ncclGetErrorString, and the details of
-// ncclGetLastError where the library has it).
+// NCCLError is a failed NCCL call: the call, NCCL's ncclResult_t, and
+// NCCL's words for it (ncclGetErrorString, and ncclGetLastError's details
+// where the library has it). Result 6, ncclRemoteError, is a peer's
+// failure (its process exited, its connection dropped).
 type NCCLError struct {
-	Call string
-	Code int
-	Name string
-	Desc string
+	Call   string
+	Result int
+	Detail string
 }
 
 func (e *NCCLError) Error() string {
-	return fmt.Sprintf("cuda: %s failed: %s (%d): %s", e.Call, e.Name, e.Code, e.Desc)
+	return fmt.Sprintf("cuda: %s failed: %s (%d): %s", e.Call, ncclResultName(e.Result), e.Result, e.Detail)
 }
 
-// ncclResultNames are ncclResult_t's names.
-var ncclResultNames = [...]string{"ncclSuccess", "ncclUnhandledCudaError", "ncclSystemError", "ncclInternalError",
-	"ncclInvalidArgument", "ncclInvalidUsage", "ncclRemoteError", "ncclInProgress"}
+// ncclResultName names an ncclResult_t.
+func ncclResultName(r int) string {
+	names := [...]string{"ncclSuccess", "ncclUnhandledCudaError", "ncclSystemError", "ncclInternalError",
+		"ncclInvalidArgument", "ncclInvalidUsage", "ncclRemoteError", "ncclInProgress"}
+	if r >= 0 && r < len(names) {
+		return names[r]
+	}
+	return "ncclResult(" + strconv.Itoa(r) + ")"
+}
 
 // check turns an ncclResult_t into an *NCCLError naming the call (nil on
 // success). It runs on the thread of the failed call, where NCCL keeps the
@@ -163,16 +169,13 @@ func (l *nccl) check(call string, r C.ncclResult_t) error {
 	if r == C.DK_ncclSuccess {
 		return nil
 	}
-	e := &NCCLError{Call: call, Code: int(r), Name: "ncclResult(" + strconv.Itoa(int(r)) + ")"}
-	if int(r) < len(ncclResultNames) {
-		e.Name = ncclResultNames[r]
-	}
+	e := &NCCLError{Call: call, Result: int(r)}
 	if s := C.call_ncclGetErrorString(l.getErrorString, r); s != nil {
-		e.Desc = C.GoString(s)
+		e.Detail = C.GoString(s)
 	}
 	if l.getLastError != nil {
 		if s := C.call_ncclGetLastError(l.getLastError, nil); s != nil && *s != 0 {
-			e.Desc += ": " + C.GoString(s)
+			e.Detail += ": " + C.GoString(s)
 		}
 	}
 	return e
@@ -376,88 +379,75 @@ func (c *collective) run(call string, f func(comm C.ncclComm_t, s C.distill_nccl
 }
 
 // f32 unwraps and checks an F32 operand of at least n elements.
-func (c *collective) f32(x compute.Tensor, what string, n int) *tensor {
-	t := c.b.ten(x, what)
-	need(t, what, n, compute.F32)
+func (c *collective) f32(call string, x compute.Tensor, what string, n int) *tensor {
+	if n < 0 {
+		panic(fmt.Sprintf("cuda: %s of %d elements", call, n))
+	}
+	t := c.b.ten(x, call+" "+what)
+	need(t, call+" "+what, n, compute.F32)
 	return t
 }
 
-func (c *collective) count(call string, n int) {
-	if n < 0 {
-		panic(fmt.Sprintf("cuda: %s of %d elements", call, n))
+// pair checks a two-buffer operation's operands, dst of dn and src of sn
+// elements: F32, and not overlapping, except in NCCL's in-place layout
+// (the smaller buffer at this rank's part of the larger).
+func (c *collective) pair(call string, dstT, srcT compute.Tensor, dn, sn int) (dst, src *tensor) {
+	dst, src = c.f32(call, dstT, "destination", dn), c.f32(call, srcT, "source", sn)
+	d, s := dst.p, src.p
+	inPlace := d == s+uint64(c.rank*dn*4) // reduce-scatter: dst is src's part
+	if dn > sn {
+		inPlace = s == d+uint64(c.rank*sn*4) // all-gather: src is dst's part
+	}
+	if dn > 0 && sn > 0 && d < s+uint64(sn*4) && s < d+uint64(dn*4) && !inPlace {
+		panic(fmt.Sprintf("cuda: %s: the destination and the source overlap; only NCCL's in-place layout may (the smaller buffer at rank %d's part of the larger)", call, c.rank))
+	}
+	return dst, src
+}
+
+// issue records the write to the n elements at dst and, unless there are
+// none, runs call.
+func (c *collective) issue(call string, dst *tensor, n int, f func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t) {
+	c.b.wroteRange(dst.p, int64(n)*4)
+	if n > 0 {
+		c.run(call, f)
 	}
 }
 
 // AllReduceSum implements compute.Collective: ncclAllReduce in place.
 func (c *collective) AllReduceSum(x compute.Tensor, n int) {
 	defer c.b.enter()()
-	c.count("AllReduceSum", n)
-	t := c.f32(x, "AllReduceSum tensor", n)
-	c.b.wroteRange(t.p, int64(n)*4)
-	if n == 0 {
-		return
-	}
-	c.run("ncclAllReduce", func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t {
+	t := c.f32("AllReduceSum", x, "tensor", n)
+	c.issue("ncclAllReduce", t, n, func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t {
 		return C.call_ncclAllReduce(c.l.allReduce, C.ulonglong(t.p), C.ulonglong(t.p), C.size_t(n), C.DK_ncclFloat32, C.DK_ncclSum, comm, s)
 	})
 }
 
-// ReduceScatterSum implements compute.Collective: ncclReduceScatter. dst
-// and src do not overlap, except in NCCL's in-place layout (dst at src's
-// rank·n).
+// ReduceScatterSum implements compute.Collective: ncclReduceScatter.
 func (c *collective) ReduceScatterSum(dstT, srcT compute.Tensor, n int) {
 	defer c.b.enter()()
-	c.count("ReduceScatterSum", n)
-	dst := c.f32(dstT, "ReduceScatterSum destination", n)
-	src := c.f32(srcT, "ReduceScatterSum source", c.size*n)
-	c.layout("ReduceScatterSum", dst.p, int64(n)*4, src.p, int64(c.size*n)*4, src.p+uint64(c.rank*n*4) == dst.p)
-	c.b.wroteRange(dst.p, int64(n)*4)
-	if n == 0 {
-		return
-	}
-	c.run("ncclReduceScatter", func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t {
+	dst, src := c.pair("ReduceScatterSum", dstT, srcT, n, c.size*n)
+	c.issue("ncclReduceScatter", dst, n, func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t {
 		return C.call_ncclReduceScatter(c.l.reduceScatter, C.ulonglong(src.p), C.ulonglong(dst.p), C.size_t(n), C.DK_ncclFloat32, C.DK_ncclSum, comm, s)
 	})
 }
 
-// AllGather implements compute.Collective: ncclAllGather. dst and src do
-// not overlap, except in NCCL's in-place layout (src at dst's rank·n).
+// AllGather implements compute.Collective: ncclAllGather.
 func (c *collective) AllGather(dstT, srcT compute.Tensor, n int) {
 	defer c.b.enter()()
-	c.count("AllGather", n)
-	dst := c.f32(dstT, "AllGather destination", c.size*n)
-	src := c.f32(srcT, "AllGather source", n)
-	c.layout("AllGather", dst.p, int64(c.size*n)*4, src.p, int64(n)*4, dst.p+uint64(c.rank*n*4) == src.p)
-	c.b.wroteRange(dst.p, int64(c.size*n)*4)
-	if n == 0 {
-		return
-	}
-	c.run("ncclAllGather", func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t {
+	dst, src := c.pair("AllGather", dstT, srcT, c.size*n, n)
+	c.issue("ncclAllGather", dst, c.size*n, func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t {
 		return C.call_ncclAllGather(c.l.allGather, C.ulonglong(src.p), C.ulonglong(dst.p), C.size_t(n), C.DK_ncclFloat32, comm, s)
 	})
-}
-
-// layout panics when the destination [d, d+dn) and the source [s, s+sn)
-// overlap other than in NCCL's in-place layout (inPlace).
-func (c *collective) layout(call string, d uint64, dn int64, s uint64, sn int64, inPlace bool) {
-	if dn > 0 && sn > 0 && d < s+uint64(sn) && s < d+uint64(dn) && !inPlace {
-		panic(fmt.Sprintf("cuda: %s: the destination and the source overlap; only NCCL's in-place layout may (the smaller buffer at rank %d's part of the larger)", call, c.rank))
-	}
 }
 
 // Broadcast implements compute.Collective: ncclBroadcast in place.
 func (c *collective) Broadcast(x compute.Tensor, n int, root int) {
 	defer c.b.enter()()
-	c.count("Broadcast", n)
 	if root < 0 || root >= c.size {
 		panic(fmt.Sprintf("cuda: Broadcast from root %d in a group of %d", root, c.size))
 	}
-	t := c.f32(x, "Broadcast tensor", n)
-	c.b.wroteRange(t.p, int64(n)*4)
-	if n == 0 {
-		return
-	}
-	c.run("ncclBroadcast", func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t {
+	t := c.f32("Broadcast", x, "tensor", n)
+	c.issue("ncclBroadcast", t, n, func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t {
 		return C.call_ncclBroadcast(c.l.broadcast, C.ulonglong(t.p), C.ulonglong(t.p), C.size_t(n), C.DK_ncclFloat32, C.int(root), comm, s)
 	})
 }

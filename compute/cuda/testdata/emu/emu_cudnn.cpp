@@ -46,6 +46,7 @@
 // cuDNN's own numerics.
 #include "emu.h"
 #include "cudnn_abi.h"
+#include "emu_strf.h"
 
 #include <algorithm>
 #include <array>
@@ -70,16 +71,6 @@ namespace {
 // Go caller's cgo calls may each run on a different thread; the emulator
 // runs one call at a time anyway).
 std::string g_last;
-
-std::string strf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-std::string strf(const char *fmt, ...) {
-	char buf[4096];
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(buf, sizeof buf, fmt, ap);
-	va_end(ap);
-	return buf;
-}
 
 int fail(int code, const std::string &msg) {
 	g_last = msg;

@@ -41,6 +41,7 @@
 // emulator (allocations, kernels) is single-threaded, so ranks that are
 // threads of one process may run only collectives concurrently.
 #include "emu.h"
+#include "emu_strf.h"
 
 #include <atomic>
 #include <cerrno>
@@ -116,16 +117,6 @@ struct Comm {
 
 thread_local std::string t_last; // ncclGetLastError
 thread_local int t_group;         // ncclGroupStart depth
-
-std::string strf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-std::string strf(const char *fmt, ...) {
-	char buf[2048];
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(buf, sizeof buf, fmt, ap);
-	va_end(ap);
-	return buf;
-}
 
 ncclResult_t fail(ncclResult_t code, const std::string &msg) {
 	t_last = msg;
@@ -290,6 +281,16 @@ bool same(const Desc &a, const Desc &b) {
 }
 
 float *slot_of(Comm *c, int half, int q) { return (float *)(c->stage + ((size_t)half * c->nranks + q) * c->slot); }
+
+// sum_ranks writes out[i] = the sum over ranks, in rank order, of element
+// at + i of their slots in half, for i < n.
+void sum_ranks(Comm *c, int half, size_t at, float *out, size_t n) {
+	for (size_t i = 0; i < n; i++) {
+		float acc = slot_of(c, half, 0)[at + i];
+		for (int q = 1; q < c->nranks; q++) acc += slot_of(c, half, q)[at + i];
+		out[i] = acc;
+	}
+}
 
 // collective runs operation d in steps of chunk elements: put(mine, off,
 // n) fills this rank's slot with its part of elements [off, off+n), then,
@@ -538,13 +539,7 @@ ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, int dtype
 	return collective(
 	    c, Desc{c->ops, OP_ALLREDUCE, dtype, op, 0, count}, c->slot / 4,
 	    [&](float *mine, size_t off, size_t n) { memcpy(mine, in + off, n * 4); },
-	    [&](int half, size_t off, size_t n) {
-		    for (size_t i = 0; i < n; i++) {
-			    float acc = slot_of(c, half, 0)[i];
-			    for (int q = 1; q < c->nranks; q++) acc += slot_of(c, half, q)[i];
-			    out[off + i] = acc;
-		    }
-	    });
+	    [&](int half, size_t off, size_t n) { sum_ranks(c, half, 0, out + off, n); });
 }
 
 ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, int dtype, int op, void *comm, void *) {
@@ -558,13 +553,7 @@ ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, int d
 	    [&](float *mine, size_t off, size_t n) {
 		    for (int j = 0; j < c->nranks; j++) memcpy(mine + j * chunk, in + j * count + off, n * 4);
 	    },
-	    [&](int half, size_t off, size_t n) {
-		    for (size_t i = 0; i < n; i++) {
-			    float acc = slot_of(c, half, 0)[c->rank * chunk + i];
-			    for (int q = 1; q < c->nranks; q++) acc += slot_of(c, half, q)[c->rank * chunk + i];
-			    out[off + i] = acc;
-		    }
-	    });
+	    [&](int half, size_t off, size_t n) { sum_ranks(c, half, c->rank * chunk, out + off, n); });
 }
 
 ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, int dtype, void *comm, void *) {
