@@ -2,13 +2,20 @@ package trainer
 
 import (
 	"bytes"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
 	"math"
+	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 
 	"distill/compute"
+	"distill/compute/cuda"
 )
 
 // hostGroup stands in for a collective in tests: its ranks are goroutines
@@ -229,5 +236,109 @@ func TestDataParallelStopAndResume(t *testing.T) {
 	last, want := again[0].Steps[len(again[0].Steps)-1], straight[0].Steps[len(straight[0].Steps)-1]
 	if math.Float64bits(last.Loss) != math.Float64bits(want.Loss) || math.Float64bits(last.GradNorm) != math.Float64bits(want.GradNorm) {
 		t.Errorf("the resumed group's last step: loss %v grad_norm %v; uninterrupted: %v %v", last.Loss, last.GradNorm, want.Loss, want.GradNorm)
+	}
+}
+
+// childRank is the Options of a child process (TestMain's child): with
+// TRAINER_CHILD_RANK=R/N and TRAINER_CHILD_NCCL_ID=HEX it is rank R of N
+// of a data-parallel run joined through its backend's Collectives with
+// that id (the parent made it, standing in for the rendezvous).
+func childRank() (Options, error) {
+	o := Options{Log: io.Discard}
+	v := os.Getenv("TRAINER_CHILD_RANK")
+	if v == "" {
+		return o, nil
+	}
+	var rank, size int
+	if _, err := fmt.Sscanf(v, "%d/%d", &rank, &size); err != nil {
+		return o, fmt.Errorf("TRAINER_CHILD_RANK=%q: want R/N", v)
+	}
+	b, err := hex.DecodeString(os.Getenv("TRAINER_CHILD_NCCL_ID"))
+	if err != nil || len(b) != len(compute.CollectiveID{}) {
+		return o, fmt.Errorf("TRAINER_CHILD_NCCL_ID: want %d hex bytes (%v)", len(compute.CollectiveID{}), err)
+	}
+	var id compute.CollectiveID
+	copy(id[:], b)
+	o.Parallel = &Parallel{Rank: rank, WorldSize: size, Join: func(be compute.Backend) (compute.Collective, error) {
+		cb, ok := be.(compute.Collectives)
+		if !ok {
+			return nil, fmt.Errorf("the %s backend has no collectives", be.Name())
+		}
+		return cb.JoinCollective(id, rank, size)
+	}}
+	return o, nil
+}
+
+// writeChildResult writes res as JSON to $TRAINER_CHILD_RESULT, if set.
+func writeChildResult(res *Result) error {
+	p := os.Getenv("TRAINER_CHILD_RESULT")
+	if p == "" {
+		return nil
+	}
+	b, err := json.Marshal(res)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(p, b, 0o644)
+}
+
+// TestCUDADataParallel: two ranks on the CUDA backend (the emulator, with
+// its NCCL stand-in), each a process of its own (this test binary as
+// TestMain's child) with its own device, joined through the backend's
+// Collectives by an id this process makes (the rendezvous's job in
+// student train): they follow a one-process CUDA run's losses within fp32
+// reordering, and rank 0 alone writes the run directory.
+func TestCUDADataParallel(t *testing.T) {
+	useCUDA(t)
+	b := testCache(t)
+	over := []string{"train.device=cuda", "train.max_steps=6", "eval.every=3"}
+	one, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "one"), over...), Options{Log: &bytes.Buffer{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	be, err := cuda.Open(cuda.Options{KernelCache: os.Getenv("DISTILL_KERNEL_CACHE")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, err := be.NewCollectiveID()
+	be.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	var cmds []*exec.Cmd
+	var errs []*strings.Builder
+	for rank := 0; rank < 2; rank++ {
+		cfg := tinyConfig(t, b, filepath.Join(dir, "run"), over...)
+		cp := filepath.Join(dir, fmt.Sprintf("rank%d.yaml", rank))
+		writeResolvedTo(t, cfg, cp)
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), "TRAINER_CHILD_CONFIG="+cp, fmt.Sprintf("TRAINER_CHILD_RANK=%d/2", rank),
+			"TRAINER_CHILD_NCCL_ID="+hex.EncodeToString(id[:]), "TRAINER_CHILD_RESULT="+filepath.Join(dir, fmt.Sprintf("rank%d.json", rank)))
+		var stderr strings.Builder
+		cmd.Stderr = &stderr
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		cmds, errs = append(cmds, cmd), append(errs, &stderr)
+	}
+	for rank, cmd := range cmds {
+		if err := cmd.Wait(); err != nil {
+			t.Fatalf("rank %d: %v\n%s", rank, err, errs[rank].String())
+		}
+	}
+	for rank := 0; rank < 2; rank++ {
+		var res Result
+		raw, err := os.ReadFile(filepath.Join(dir, fmt.Sprintf("rank%d.json", rank)))
+		if err == nil {
+			err = json.Unmarshal(raw, &res)
+		}
+		if err != nil {
+			t.Fatalf("rank %d's result: %v", rank, err)
+		}
+		closeLosses(t, fmt.Sprintf("one CUDA process vs CUDA rank %d of 2", rank), one, &res, 1e-4)
+		if rank == 0 {
+			t.Logf("step 6: loss %.6f one process, %.6f rank 0; checkpoint %s", one.Steps[5].Loss, res.Steps[5].Loss, res.Checkpoint)
+		}
 	}
 }

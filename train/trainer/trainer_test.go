@@ -107,7 +107,13 @@ func child() {
 	}
 	cfg, err := LoadConfig(os.Getenv("TRAINER_CHILD_CONFIG"), nil)
 	if err == nil {
-		_, err = Run(cfg, Options{Log: io.Discard})
+		var o Options
+		if o, err = childRank(); err == nil {
+			var res *Result
+			if res, err = Run(cfg, o); err == nil {
+				err = writeChildResult(res)
+			}
+		}
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

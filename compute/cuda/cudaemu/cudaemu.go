@@ -51,8 +51,9 @@ func Library() (string, error) {
 // OnGPU reports whether the tests target a real GPU: DISTILL_CUDA_TEST=gpu.
 func OnGPU() bool { return os.Getenv("DISTILL_CUDA_TEST") == "gpu" }
 
-// Use points DISTILL_LIBCUDA, DISTILL_LIBNVRTC, DISTILL_LIBCUBLASLT and
-// DISTILL_LIBCUDNN at the emulator for the rest of t, unless OnGPU: then
+// Use points DISTILL_LIBCUDA, DISTILL_LIBNVRTC, DISTILL_LIBCUBLASLT,
+// DISTILL_LIBCUDNN and DISTILL_LIBNCCL at the emulator for the rest of t,
+// unless OnGPU: then
 // the test runs on the real GPU and its libraries. Without a way to build
 // the emulator (no g++, not linux/amd64) the test is skipped, or fails
 // where DISTILL_REQUIRE_NVRTC=1 (CI, where scripts/setup.d/nvrtc.sh
@@ -69,7 +70,7 @@ func Use(t testing.TB) {
 		}
 		t.Skipf("CPU emulator of CUDA unavailable, test skipped: %v", err)
 	}
-	for _, v := range []string{"DISTILL_LIBCUDA", "DISTILL_LIBNVRTC", "DISTILL_LIBCUBLASLT", "DISTILL_LIBCUDNN"} {
+	for _, v := range []string{"DISTILL_LIBCUDA", "DISTILL_LIBNVRTC", "DISTILL_LIBCUBLASLT", "DISTILL_LIBCUDNN", "DISTILL_LIBNCCL"} {
 		t.Setenv(v, lib)
 	}
 }
