@@ -45,8 +45,8 @@ log: {every: 4, progress: "off", tensorboard: false}
 // cache of the same samples) trains exactly as without it, and its evals
 // score the held-out samples against the teacher: top-1 agreement and KD,
 // with the CE and accuracy the dataset's evals give. eval.cache beside a
-// cache, without eval_range, or holding another dataset's samples is an
-// error naming the key.
+// cache, without eval_range, or holding other samples than the dataset's
+// held-out ones is an error naming the key.
 func TestEvalCache(t *testing.T) {
 	f := newOnlineFixture(t, 40)
 	td := startTeacherd(t, f.teacher, f.tokDir, filepath.Join(t.TempDir(), "cache"), filepath.Dir(f.file))
@@ -107,15 +107,22 @@ func TestEvalCache(t *testing.T) {
 		t.Errorf("the log does not say the evals score against the cache's teacher:\n%s", log)
 	}
 
-	// Another dataset's cache: the fingerprints differ.
-	other := newOnlineFixture(t, 30)
+	// A dataset whose held-out samples differ from the cache's (one
+	// record changed, the rest as filled).
+	recs := arithRecords(40, 1)
+	for i, r := range recs {
+		r["prompt"] = strings.Repeat(r["prompt"].(string)+" ", 8+i%4)
+	}
+	recs[3]["response"] = "something else entirely"
+	other := f
+	other.file = filepath.Join(t.TempDir(), "other.jsonl")
+	writeJSONL(t, other.file, recs)
 	ocfg, err := evalCacheConfig(t, other, filepath.Join(t.TempDir(), "other"), fmt.Sprintf("eval: {cache: %s}\n", cdir))
 	if err != nil {
 		t.Fatal(err)
 	}
-	ocfg.Model.Tokenizer = f.tokDir
-	if _, err := Run(ocfg, Options{Log: &strings.Builder{}}); err == nil || !strings.Contains(err.Error(), "eval.cache") || !strings.Contains(err.Error(), "dataset") {
-		t.Errorf("a cache of other samples: %v, want an error naming eval.cache and the dataset", err)
+	if _, err := Run(ocfg, Options{Log: &strings.Builder{}}); err == nil || !strings.Contains(err.Error(), "eval.cache") || !strings.Contains(err.Error(), "differs from data.dataset") {
+		t.Errorf("a cache of other samples: %v, want an error naming eval.cache and the differing samples", err)
 	}
 	// eval.cache on a cache run, or without data.eval_range.
 	kd := onlineConfig(t, f.tokDir, f.file, filepath.Join(t.TempDir(), "kd"), cdir, nil)

@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"time"
 
 	"distill/cache"
@@ -291,9 +292,11 @@ func (r *trainRun) checkData() error {
 // openEvalCache opens eval.cache, a teacher's cache of the dataset's
 // samples, for the evals: they then score the held-out samples against
 // the teacher (top-1 agreement, KD at the cache's capture temperature),
-// with the run's loss weights. The cache must hold this dataset (its
-// fingerprint) for this student (vocabulary, tokenizer), and the held-out
-// samples whole.
+// with the run's loss weights. The cache must suit this student
+// (vocabulary, tokenizer), hold the held-out samples whole, and hold
+// them as the dataset does: the same tokens and loss masks, compared
+// sample by sample (not the fingerprints: a cache filled with another
+// length limit or chunking holds the same samples when none was cut).
 func (r *trainRun) openEvalCache() error {
 	cfg := r.cfg
 	if cfg.Eval.Cache == "" || r.evalR.Start < 0 {
@@ -313,11 +316,11 @@ func (r *trainRun) openEvalCache() error {
 	if err := src.Check(r.params); err != nil {
 		return fmt.Errorf("eval.cache: %w", err)
 	}
-	if got, want := info.Manifest.DatasetFingerprint, r.info.Manifest.DatasetFingerprint; got != want {
-		return fmt.Errorf("%w: eval.cache %s holds the samples of dataset %s, data.dataset is %s: fill it from the same files, template and template variables (cachectl fill --dataset)", ErrConfig, cfg.Eval.Cache, got, want)
-	}
 	if err := src.CheckEval(r.evalR); err != nil {
 		return fmt.Errorf("eval.cache: %w", err)
+	}
+	if err := sameSamples(src, r.src, r.evalR); err != nil {
+		return fmt.Errorf("%w: eval.cache %s: %w: fill it from the same dataset files with the same template and template variables", ErrConfig, cfg.Eval.Cache, err)
 	}
 	lo := cfg.LossOptions(float64(info.Manifest.Temperature))
 	if err := lo.Validate(); err != nil {
@@ -325,6 +328,29 @@ func (r *trainRun) openEvalCache() error {
 	}
 	r.evalSrc, r.evalLopt = src, &lo
 	fmt.Fprintf(r.log, "evals: samples %v of %s, scored against its teacher\n", r.evalR, cfg.Eval.Cache)
+	return nil
+}
+
+// sameSamples checks that two sources pack samples r into the same rows:
+// tokens, sample boundaries and loss masks.
+func sameSamples(a, b Source, r cache.Range) error {
+	ra, _, err := a.EvalRows(r)
+	if err != nil {
+		return err
+	}
+	rb, _, err := b.EvalRows(r)
+	if err != nil {
+		return err
+	}
+	if len(ra) != len(rb) {
+		return fmt.Errorf("samples %v pack into %d rows from it, %d from data.dataset: they differ", r, len(ra), len(rb))
+	}
+	for i := range ra {
+		x, y := ra[i], rb[i]
+		if !slices.Equal(x.Tokens, y.Tokens) || !slices.Equal(x.Starts, y.Starts) || !slices.Equal(x.Mask, y.Mask) {
+			return fmt.Errorf("row %d of samples %v differs from data.dataset's (tokens, sample boundaries or loss mask)", i, r)
+		}
+	}
 	return nil
 }
 
