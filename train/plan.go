@@ -54,6 +54,9 @@ type PlanShape struct {
 	// ActDType): compute.BF16 on the CUDA backend by default; the zero
 	// value is compute.F32.
 	Activations compute.DType
+	// MomentShards is the number of ranks AdamW's moments are sharded
+	// over (ZeRO stage 1 of a data-parallel run; 0 or 1: not sharded).
+	MomentShards int
 }
 
 // PlanTerm is one line of a memory plan.
@@ -163,7 +166,7 @@ func PlanMemory(s PlanShape) MemoryPlan {
 	}
 	add(TermParams, 4*c.all, false, false)
 	add(TermGrads, 4*c.all, false, false)
-	add(TermMoments, 8*c.all, false, false)
+	add(TermMoments, 8*((c.all+int64(max(s.MomentShards, 1))-1)/int64(max(s.MomentShards, 1))), false, false)
 	sh := 2 * c.gemm
 	if s.QAD {
 		sh += 2 * c.linear

@@ -178,6 +178,11 @@ func (s *Student) Groups() []optim.Group {
 // ZeroGrad clears every gradient (one Zero over the arena).
 func (s *Student) ZeroGrad() { s.be.Zero(s.grads) }
 
+// ParamsView is elements [off, off+n) of the parameter arena (the
+// tensors laid out in Tensors' order, at their Off): what ZeRO-1 ranks
+// broadcast.
+func (s *Student) ParamsView(off, n int) compute.Tensor { return s.be.View(s.params, off, n) }
+
 // AllReduceGrads sums the gradients over the ranks of c (data-parallel
 // training), in place.
 func (s *Student) AllReduceGrads(c compute.Collective) { c.AllReduceSum(s.grads, s.grads.Len()) }

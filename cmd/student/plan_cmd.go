@@ -26,6 +26,7 @@ func runPlan(args []string) error {
 	var sets multiFlag
 	fs.Var(&sets, "set", "override a config key, key.path=value (repeatable), e.g. --set data.seq_len=8192")
 	devMem := fs.String("device-memory", "80GiB", "the device's memory: a byte count with an optional unit (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB), e.g. 80GiB, 141GiB")
+	world := fs.Int("world-size", 1, "data-parallel ranks: under train.zero 1 each holds 1/N of AdamW's moments")
 	acts := fs.String("activations", "bf16", "the device's activation dtype: bf16 (the CUDA backend's default) or f32 (DISTILL_CUDA_ACT=f32)")
 	k := fs.Int("k", -1, "the teachers' top-k per position (the cache's k; several teachers: the sum of theirs); default 64, or 0 when distill.kd_weight is 0")
 	if err := fs.Parse(args); err != nil {
@@ -36,6 +37,9 @@ func runPlan(args []string) error {
 	}
 	if *config == "" {
 		return fmt.Errorf("--config is required: the training config to plan")
+	}
+	if *world < 1 {
+		return fmt.Errorf("--world-size %d: want >= 1", *world)
 	}
 	var act compute.DType
 	switch *acts {
@@ -68,23 +72,38 @@ func runPlan(args []string) error {
 			*k = 0
 		}
 	}
-	return printPlan(stdout, cfg, mc, *k, act, total)
+	return printPlan(stdout, cfg, mc, *k, act, *world, total)
+}
+
+// zeroNote says how the plan shards the optimizer state over world ranks.
+func zeroNote(zero, world int) string {
+	switch {
+	case world <= 1:
+		return ""
+	case zero >= 1:
+		return fmt.Sprintf(", %d ranks at ZeRO stage %d (AdamW's moments: 1/%d a rank)", world, zero, world)
+	}
+	return fmt.Sprintf(", %d ranks at ZeRO stage 0 (every rank holds the whole optimizer state)", world)
 }
 
 // printPlan writes the plan of every recompute mode on a device of total
 // bytes: the terms, then per mode the total, whether it fits, the
 // longest row that fits and how many rows of data.seq_len one forward
 // could hold, and train.recompute auto's choice.
-func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act compute.DType, total int64) error {
+func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act compute.DType, world int, total int64) error {
 	reserve := train.DeviceReserve(total)
 	budget := total - reserve
 	T := cfg.Data.SeqLen
 	qad := cfg.Quant == "nvfp4"
 	shape := func(r decoder.Recompute) train.PlanShape {
-		return train.PlanShape{Model: mc, RowTokens: T, K: k, QAD: qad, Recompute: r, Activations: act}
+		sh := train.PlanShape{Model: mc, RowTokens: T, K: k, QAD: qad, Recompute: r, Activations: act}
+		if cfg.Train.ZeRO >= 1 {
+			sh.MomentShards = world
+		}
+		return sh
 	}
-	fmt.Fprintf(w, "memory plan: %s student, %.1fM parameters (%d layers, hidden %d, vocab %d), rows of %d tokens (data.seq_len), teacher top-k %d, quant %s, %v activations\n",
-		mc.Arch, float64(mc.Params())/1e6, mc.Layers, mc.Hidden, mc.VocabSize, T, k, cfg.Quant, act)
+	fmt.Fprintf(w, "memory plan: %s student, %.1fM parameters (%d layers, hidden %d, vocab %d), rows of %d tokens (data.seq_len), teacher top-k %d, quant %s, %v activations%s\n",
+		mc.Arch, float64(mc.Params())/1e6, mc.Layers, mc.Hidden, mc.VocabSize, T, k, cfg.Quant, act, zeroNote(cfg.Train.ZeRO, world))
 	fmt.Fprintf(w, "device: %s, %s kept in reserve: %s for the run\n\n", train.HumanBytes(total), train.HumanBytes(reserve), train.HumanBytes(budget))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "term\tbytes\tper")

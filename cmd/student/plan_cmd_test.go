@@ -56,6 +56,18 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 		!regexp.MustCompile(`(?m)^none +[0-9.]+ MiB +no `).MatchString(out) || !strings.Contains(out, "train.recompute auto picks: full") {
 		t.Errorf("a 301 MiB device under QAD: want none not fitting and auto picking full:\n%s", out)
 	}
+	// ZeRO-1 over 4 ranks: each holds a quarter of AdamW's moments.
+	moments := func(out string) string {
+		m := regexp.MustCompile(`(?m)^AdamW moments \(fp32 m, v\) +([0-9.]+ [KMG]iB)`).FindStringSubmatch(out)
+		if m == nil {
+			t.Fatalf("no moments line:\n%s", out)
+		}
+		return m[1]
+	}
+	one, four := moments(plan()), plan("--world-size", "4", "--set", "train.zero=1")
+	if got := moments(four); got == one || !strings.Contains(four, "4 ranks at ZeRO stage 1") {
+		t.Errorf("ZeRO-1 over 4 ranks: moments %s (one process: %s):\n%s", got, one, four)
+	}
 	// fp32 activations (DISTILL_CUDA_ACT=f32) take more: the same device
 	// then fits none of the modes.
 	out = plan("--device-memory", "301MiB", "--set", "quant=nvfp4", "--activations", "f32")
@@ -70,6 +82,7 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 		{[]string{"--set", "train.recompute=most"}, "train.recompute"},
 		{[]string{"extra"}, "unexpected arguments"},
 		{[]string{"--activations", "fp16"}, "--activations"},
+		{[]string{"--world-size", "0"}, "--world-size"},
 	} {
 		stdout = &bytes.Buffer{}
 		err := runPlan(append([]string{"--config", cfg}, c.args...))

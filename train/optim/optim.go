@@ -128,6 +128,10 @@ func (a *AdamW) Moments(i int) (m, v []float32) {
 	return m, v
 }
 
+// MomentTensors returns group i's moments on the backend (ZeRO-1's
+// gather reads them there).
+func (a *AdamW) MomentTensors(i int) (m, v compute.Tensor) { return a.m[i], a.v[i] }
+
 // SetMoments sets group i's moments from host data of the group's length
 // (a resumed checkpoint), on any backend.
 func (a *AdamW) SetMoments(i int, m, v []float32) error {

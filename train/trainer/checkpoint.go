@@ -262,7 +262,7 @@ func listCheckpoints(runDir string) ([]int, error) {
 // under a final name. Then it deletes all but the newest keep, and the
 // one of step protect (the last good checkpoint while updates are being
 // skipped; -1 for none).
-func saveCheckpoint(runDir string, s *train.Student, ad *optim.AdamW, st *State, keep, protect int) (string, error) {
+func saveCheckpoint(runDir string, s *train.Student, moments momentsOf, st *State, keep, protect int) (string, error) {
 	parent := filepath.Join(runDir, "checkpoints")
 	if err := os.MkdirAll(parent, 0o755); err != nil {
 		return "", err
@@ -285,10 +285,9 @@ func saveCheckpoint(runDir string, s *train.Student, ad *optim.AdamW, st *State,
 			return err
 		}
 		ts = ts[:0]
-		for i, g := range ad.Groups {
-			shape := s.Tensors[i].Shape
-			m, v := ad.Moments(i)
-			ts = append(ts, model.F32Tensor("exp_avg."+g.Name, shape, m), model.F32Tensor("exp_avg_sq."+g.Name, shape, v))
+		for i, t := range s.Tensors {
+			m, v := moments(i)
+			ts = append(ts, model.F32Tensor("exp_avg."+t.Name, t.Shape, m), model.F32Tensor("exp_avg_sq."+t.Name, t.Shape, v))
 		}
 		if err := model.WriteSafetensors(filepath.Join(tmp, "optimizer.safetensors"), ts, nil); err != nil {
 			return err
@@ -360,8 +359,16 @@ func loadCheckpoint(dir string, be compute.Backend) (*train.Student, *State, err
 	return s, &st, nil
 }
 
-// loadMoments fills the AdamW moments from a checkpoint.
-func loadMoments(dir string, ad *optim.AdamW, steps int) error {
+// momentsOf returns the AdamW moments of the student's tensor i (in
+// Student.Tensors' order) on the host: the optimizer's (AdamW.Moments),
+// or under ZeRO-1 those gathered from the ranks.
+type momentsOf func(i int) (m, v []float32)
+
+// loadMoments fills the AdamW moments from a checkpoint. at, when not
+// nil, says where the optimizer's group i lies in the checkpoint's tensor
+// of its name (offset, the tensor's length: a ZeRO-1 rank's pieces);
+// nil: each group is a whole tensor.
+func loadMoments(dir string, ad *optim.AdamW, steps int, at func(i int) (off, full int)) error {
 	// OpenWeights reads a directory's model.safetensors; give it the
 	// optimizer file alone.
 	ow, err := openFile(filepath.Join(dir, "optimizer.safetensors"))
@@ -376,10 +383,14 @@ func loadMoments(dir string, ad *optim.AdamW, steps int) error {
 			if err != nil {
 				return fmt.Errorf("%w: %s/optimizer.safetensors: %w", ErrResume, dir, err)
 			}
-			if len(v) != g.P.Len() {
-				return fmt.Errorf("%w: %s/optimizer.safetensors: %s has %d values, want %d", ErrResume, dir, name, len(v), g.P.Len())
+			off, full := 0, g.P.Len()
+			if at != nil {
+				off, full = at(i)
 			}
-			mv[j] = v
+			if len(v) != full {
+				return fmt.Errorf("%w: %s/optimizer.safetensors: %s has %d values, want %d", ErrResume, dir, name, len(v), full)
+			}
+			mv[j] = v[off : off+g.P.Len()]
 		}
 		if err := ad.SetMoments(i, mv[0], mv[1]); err != nil {
 			return fmt.Errorf("%w: %s: %w", ErrResume, dir, err)

@@ -6,7 +6,6 @@ import (
 	"path/filepath"
 
 	"distill/train"
-	"distill/train/optim"
 )
 
 // checkpointer is the run's checkpoints: it finds the one a run resumes
@@ -142,7 +141,7 @@ func (c *checkpointer) start(st *State, resumed bool) {
 // save writes the checkpoint of st.Step (skipping: the step is in a run
 // of skipped updates, so the last good checkpoint stays protected) and
 // returns its directory.
-func (c *checkpointer) save(s *train.Student, ad *optim.AdamW, st *State, skipping bool) (string, error) {
+func (c *checkpointer) save(s *train.Student, moments momentsOf, st *State, skipping bool) (string, error) {
 	protect := -1
 	if c.good >= 0 {
 		protect = c.good
@@ -150,7 +149,7 @@ func (c *checkpointer) save(s *train.Student, ad *optim.AdamW, st *State, skippi
 	if !skipping {
 		protect = st.Step
 	}
-	p, err := saveCheckpoint(c.runDir, s, ad, st, c.keep, protect)
+	p, err := saveCheckpoint(c.runDir, s, moments, st, c.keep, protect)
 	if err != nil {
 		return "", err
 	}

@@ -311,6 +311,12 @@ type TrainConfig struct {
 	// the least recomputation whose memory plan fits the device (none on
 	// the CPU). The gradients are the same in every mode.
 	Recompute string `yaml:"recompute"`
+	// ZeRO is DeepSpeed's ZeRO stage of a data-parallel run: 0 (every
+	// rank holds the whole optimizer state) or 1 (AdamW's moments are
+	// sharded over the ranks: each rank updates its slice of the
+	// parameters, then the ranks broadcast their slices). Stages 2 and 3
+	// (gradients, parameters) are not built yet. One process ignores it.
+	ZeRO int `yaml:"zero,omitempty"`
 }
 
 // EvalConfig is the periodic evaluation on data.eval_range.
@@ -660,6 +666,10 @@ func (c *Config) Validate() error {
 		return bad("train.device", "%v", device.Check(c.Train.Device, device.Training))
 	case c.Train.MaxSkippedSteps < 0:
 		return bad("train.max_skipped_steps", "%d: want >= 0 (0 = never stop for skipped steps)", c.Train.MaxSkippedSteps)
+	case c.Train.ZeRO < 0 || c.Train.ZeRO > 3:
+		return bad("train.zero", "%d: want 0 (no sharding) or 1 (AdamW's moments sharded over the ranks)", c.Train.ZeRO)
+	case c.Train.ZeRO > 1:
+		return bad("train.zero", "%d: ZeRO stages 2 and 3 (sharded gradients, sharded parameters) are not built yet: use 0 or 1", c.Train.ZeRO)
 	case c.Train.Recompute != "auto" && c.Train.Recompute != "none" && c.Train.Recompute != "selective" && c.Train.Recompute != "full":
 		return bad("train.recompute", "%q: want auto (the least recomputation that fits the device), none, selective or full", c.Train.Recompute)
 	case c.Eval.Every < 0 || c.Eval.MaxSamples < 0:

@@ -28,8 +28,12 @@ func planK(m *cache.Manifest, ts *teacherSet) int {
 
 // planShape is the memory plan's shape of a run of cfg for a student of
 // mc, under recompute mode r, on a backend whose activations are act.
-func planShape(cfg *Config, mc *model.Config, k int, r decoder.Recompute, act compute.DType) train.PlanShape {
-	return train.PlanShape{Model: mc, RowTokens: cfg.Data.SeqLen, K: k, QAD: cfg.Quant == "nvfp4", Recompute: r, Activations: act}
+func planShape(cfg *Config, mc *model.Config, k int, r decoder.Recompute, act compute.DType, ranks int) train.PlanShape {
+	sh := train.PlanShape{Model: mc, RowTokens: cfg.Data.SeqLen, K: k, QAD: cfg.Quant == "nvfp4", Recompute: r, Activations: act}
+	if cfg.Train.ZeRO >= 1 {
+		sh.MomentShards = ranks
+	}
+	return sh
 }
 
 // planRecompute picks train.recompute's mode and checks it against the
@@ -42,7 +46,7 @@ func planShape(cfg *Config, mc *model.Config, k int, r decoder.Recompute, act co
 // it fits: the resumed steps then run on the same buffers). A mode that
 // does not fit is an ErrDeviceMemory naming the modes that fit, and the
 // longest data.seq_len that fits under each mode.
-func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute, log io.Writer) (decoder.Recompute, error) {
+func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute, ranks int, log io.Writer) (decoder.Recompute, error) {
 	want := cfg.Train.Recompute
 	dm, ok := s.Backend().(compute.DeviceMemory)
 	if !ok {
@@ -56,14 +60,14 @@ func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute,
 	}
 	free, total := dm.MemInfo()
 	reserve := train.DeviceReserve(total)
-	p0 := train.PlanMemory(planShape(cfg, s.Cfg, k, decoder.RecomputeNone, s.Backend().ActDType()))
+	p0 := train.PlanMemory(planShape(cfg, s.Cfg, k, decoder.RecomputeNone, s.Backend().ActDType(), ranks))
 	resident := p0.Term(train.TermParams) + p0.Term(train.TermGrads) + p0.Term(train.TermMoments)
 	if s.Model.QAD() && !s.Model.Calibrating() {
 		resident += p0.Term(train.TermQAD)
 	}
 	budget := free - reserve + resident
 	need := func(r decoder.Recompute) int64 {
-		p := train.PlanMemory(planShape(cfg, s.Cfg, k, r, s.Backend().ActDType()))
+		p := train.PlanMemory(planShape(cfg, s.Cfg, k, r, s.Backend().ActDType(), ranks))
 		return p.Total()
 	}
 	fits := func(r decoder.Recompute) bool { return need(r) <= budget }
@@ -102,7 +106,7 @@ func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute,
 	}
 	var largest []string
 	for _, r := range decoder.RecomputeModes {
-		sh := planShape(cfg, s.Cfg, k, r, s.Backend().ActDType())
+		sh := planShape(cfg, s.Cfg, k, r, s.Backend().ActDType(), ranks)
 		n := train.LargestRow(sh, budget, max(s.Cfg.MaxPositions, cfg.Data.SeqLen))
 		largest = append(largest, fmt.Sprintf("%d with %s", n, r))
 	}
@@ -122,6 +126,6 @@ func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute,
 	}
 	return "", fmt.Errorf("%w: rows of data.seq_len %d tokens with train.recompute %s need %s of device memory (parameters, gradients and AdamW moments %s, activations %s), but the device has %s for the run (%s, %s kept in reserve): %s (the longest row that fits: %s), or train on a device with more memory; `student plan --config FILE` prints the plan",
 		ErrDeviceMemory, cfg.Data.SeqLen, want, train.HumanBytes(need(decoder.Recompute(mode))), train.HumanBytes(resident),
-		train.HumanBytes(train.PlanMemory(planShape(cfg, s.Cfg, k, decoder.Recompute(mode), s.Backend().ActDType())).Term(train.TermActivations)),
+		train.HumanBytes(train.PlanMemory(planShape(cfg, s.Cfg, k, decoder.Recompute(mode), s.Backend().ActDType(), ranks)).Term(train.TermActivations)),
 		train.HumanBytes(max(0, budget)), train.HumanBytes(total), train.HumanBytes(reserve), fix, strings.Join(largest, ", "))
 }

@@ -118,7 +118,7 @@ func TestCUDAMemoryPlanCheck(t *testing.T) {
 		t.Fatal(err)
 	}
 	plan := func(r decoder.Recompute) int64 {
-		return train.PlanMemory(planShape(cfg, mc, 8, r, act)).Total()
+		return train.PlanMemory(planShape(cfg, mc, 8, r, act, 1)).Total()
 	}
 	// The reserve is 256 MiB on a small device: a device with the open
 	// backend's own memory, the reserve and halfway between full's plan

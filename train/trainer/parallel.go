@@ -5,6 +5,7 @@ import (
 
 	"distill/compute"
 	"distill/train"
+	"distill/train/optim"
 )
 
 // Parallel makes a run one rank of a data-parallel job (ZeRO stage 0,
@@ -114,4 +115,117 @@ func (g *ranks) close() {
 		g.be.Free(g.flag)
 		g.c.Close()
 	}
+}
+
+// zero1 is ZeRO stage 1 over a data-parallel group: AdamW's moments are
+// sharded over the ranks. The parameter arena is cut into contiguous
+// slices, rank r's [bounds[r], bounds[r+1]), and each rank's optimizer
+// holds the moments of its slice only, cut into pieces at the parameter
+// tensors' boundaries (an optim.Group each). After the gradients are
+// summed (every rank holds them whole, as at stage 0, so the clip's norm
+// is the same everywhere), each rank steps AdamW over its pieces, then
+// every rank broadcasts its slice of the updated parameters to the
+// others. The checkpoint format does not change: the moments are
+// gathered to rank 0 to save, and each rank takes its slices to resume,
+// so a run resumes under any number of ranks and either stage.
+type zero1 struct {
+	g      *ranks
+	s      *train.Student
+	bounds []int        // (size+1) the ranks' slices of the arena
+	pieces []shardPiece // this rank's, in arena order: the optimizer's groups
+}
+
+// shardPiece is the part [off, off+n) of the student's parameter tensor
+// (its index in Student.Tensors and Groups) in this rank's slice.
+type shardPiece struct{ tensor, off, n int }
+
+// newZero1 shards s's arena of P parameters over g: slices of
+// ceil(P/size), the last shorter.
+func newZero1(g *ranks, s *train.Student) *zero1 {
+	P := 0
+	for _, t := range s.Tensors {
+		P = max(P, t.Off+t.N)
+	}
+	z := &zero1{g: g, s: s, bounds: make([]int, g.size+1)}
+	per := (P + g.size - 1) / g.size
+	for r := range z.bounds {
+		z.bounds[r] = min(r*per, P)
+	}
+	z.pieces = piecesOf(s.Tensors, z.bounds[g.rank], z.bounds[g.rank+1])
+	return z
+}
+
+// piecesOf cuts [lo, hi) of the arena at the tensors' boundaries.
+func piecesOf(ts []train.Tensor, lo, hi int) []shardPiece {
+	var out []shardPiece
+	for i, t := range ts {
+		a, b := max(lo, t.Off), min(hi, t.Off+t.N)
+		if a < b {
+			out = append(out, shardPiece{tensor: i, off: a - t.Off, n: b - a})
+		}
+	}
+	return out
+}
+
+// groups are the optimizer's groups: this rank's pieces of full's.
+func (z *zero1) groups(full []optim.Group) []optim.Group {
+	out := make([]optim.Group, len(z.pieces))
+	for i, p := range z.pieces {
+		g := full[p.tensor]
+		be := g.Backend
+		out[i] = optim.Group{Name: g.Name, Decay: g.Decay, Backend: be, P: be.View(g.P, p.off, p.n), G: be.View(g.G, p.off, p.n)}
+		if g.Params != nil {
+			out[i].Params, out[i].Grads = g.Params[p.off:p.off+p.n], g.Grads[p.off:p.off+p.n]
+		}
+	}
+	return out
+}
+
+// at says where the optimizer's group i lies in its full tensor (offset,
+// and the tensor's length), for loading a checkpoint's moments.
+func (z *zero1) at(i int) (off, full int) {
+	p := z.pieces[i]
+	return p.off, z.s.Tensors[p.tensor].N
+}
+
+// share sends each rank's slice of the updated parameters to the others.
+func (z *zero1) share() {
+	for r := 0; r < z.g.size; r++ {
+		if n := z.bounds[r+1] - z.bounds[r]; n > 0 {
+			z.g.c.Broadcast(z.s.ParamsView(z.bounds[r], n), n, r)
+		}
+	}
+}
+
+// gather collects every tensor's moments from the ranks' optimizers (a
+// collective: every rank calls it): on rank 0 the moments of tensor i are
+// m[i], v[i]; the other ranks get nil. A piece at a time crosses the
+// group, so no rank ever holds more than one piece of another's.
+func (z *zero1) gather(ad *optim.AdamW) (m, v [][]float32) {
+	ts, g := z.s.Tensors, z.g
+	if g.leader() {
+		m, v = make([][]float32, len(ts)), make([][]float32, len(ts))
+		for i, t := range ts {
+			m[i], v[i] = make([]float32, t.N), make([]float32, t.N)
+		}
+	}
+	be := g.be
+	for r := 0; r < g.size; r++ {
+		theirs := piecesOf(ts, z.bounds[r], z.bounds[r+1])
+		for j, p := range theirs {
+			buf := be.New(compute.F32, 2*p.n)
+			if r == g.rank {
+				pm, pv := ad.MomentTensors(j)
+				be.Copy(be.View(buf, 0, p.n), pm)
+				be.Copy(be.View(buf, p.n, p.n), pv)
+			}
+			g.c.Broadcast(buf, 2*p.n, r)
+			if g.leader() {
+				be.ReadF32(be.View(buf, 0, p.n), m[p.tensor][p.off:p.off+p.n])
+				be.ReadF32(be.View(buf, p.n, p.n), v[p.tensor][p.off:p.off+p.n])
+			}
+			be.Free(buf)
+		}
+	}
+	return m, v
 }

@@ -16,6 +16,8 @@ import (
 
 	"distill/compute"
 	"distill/compute/cuda"
+	"distill/train"
+	"distill/train/testcache"
 )
 
 // hostGroup stands in for a collective in tests: its ranks are goroutines
@@ -177,17 +179,24 @@ func TestDataParallel(t *testing.T) {
 	if one.Steps[0].Rows < 3 {
 		t.Fatalf("the config packs %d rows a step: the ranks would not share steps unevenly", one.Steps[0].Rows)
 	}
-	for _, n := range []int{2, 3} {
+	for _, c := range []struct{ n, zero int }{{2, 0}, {3, 0}, {2, 1}, {3, 1}} {
+		n := c.n
 		dir := t.TempDir()
 		cfgs := make([]*Config, n)
 		for i := range cfgs {
 			// Ranks other than 0 get run directories of their own, to show
 			// that they write nothing (a real job shares one).
-			cfgs[i] = tinyConfig(t, b, filepath.Join(dir, "rank", string(rune('0'+i))))
+			cfgs[i] = tinyConfig(t, b, filepath.Join(dir, "rank", string(rune('0'+i))), fmt.Sprintf("train.zero=%d", c.zero))
 		}
 		res, logs := runRanks(t, n, cfgs, nil)
 		for i := range res {
-			closeLosses(t, "one process vs rank "+string(rune('0'+i))+" of "+string(rune('0'+n)), one, res[i], 2e-5)
+			closeLosses(t, fmt.Sprintf("one process vs rank %d of %d, ZeRO %d", i, n, c.zero), one, res[i], 2e-5)
+		}
+		// The moments in rank 0's checkpoint are the one process's (under
+		// ZeRO-1, gathered from the ranks' shards).
+		closeMoments(t, fmt.Sprintf("%d ranks, ZeRO %d", n, c.zero), one.Checkpoint, res[0].Checkpoint, 1e-3)
+		if c.zero == 1 && !strings.Contains(logs[0], "ZeRO stage 1: AdamW's moments sharded over") {
+			t.Errorf("rank 0's log does not say the moments are sharded:\n%s", logs[0])
 		}
 		if !strings.Contains(logs[0], "data parallel: ") {
 			t.Errorf("rank 0's log does not say it runs data parallel:\n%s", logs[0])
@@ -203,14 +212,89 @@ func TestDataParallel(t *testing.T) {
 	}
 }
 
+// closeMoments fails unless the AdamW moments of checkpoints a and b agree
+// within rel of each tensor's largest.
+func closeMoments(t *testing.T, what, a, b string, rel float64) {
+	t.Helper()
+	fa, err := openFile(filepath.Join(a, "optimizer.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fa.Close()
+	fb, err := openFile(filepath.Join(b, "optimizer.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fb.Close()
+	names := fa.Names()
+	if len(names) == 0 || len(names) != len(fb.Names()) {
+		t.Fatalf("%s: %d and %d moment tensors", what, len(names), len(fb.Names()))
+	}
+	for _, name := range names {
+		x, err := fa.F32(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		y, err := fb.F32(name)
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		var big, worst float64
+		for i := range x {
+			big = math.Max(big, math.Abs(float64(x[i])))
+			worst = math.Max(worst, math.Abs(float64(x[i]-y[i])))
+		}
+		if worst > rel*big {
+			t.Fatalf("%s: %s differs by %g (largest value %g)", what, name, worst, big)
+		}
+	}
+}
+
+// TestZeRO1Shards: the ranks' slices cover the arena once, cut at the
+// tensors' boundaries into pieces that lie inside their tensors.
+func TestZeRO1Shards(t *testing.T) {
+	ts := []train.Tensor{{Name: "a", Off: 0, N: 10}, {Name: "b", Off: 10, N: 3}, {Name: "c", Off: 13, N: 20}}
+	for _, size := range []int{1, 2, 3, 7, 40} {
+		seen := make([]int, 33)
+		per := (33 + size - 1) / size
+		for r := 0; r < size; r++ {
+			lo, hi := min(r*per, 33), min((r+1)*per, 33)
+			for _, p := range piecesOf(ts, lo, hi) {
+				tt := ts[p.tensor]
+				if p.off < 0 || p.n <= 0 || p.off+p.n > tt.N {
+					t.Fatalf("size %d rank %d: piece %+v outside tensor %s", size, r, p, tt.Name)
+				}
+				for i := tt.Off + p.off; i < tt.Off+p.off+p.n; i++ {
+					if i < lo || i >= hi {
+						t.Fatalf("size %d rank %d: piece %+v leaves the slice [%d, %d)", size, r, p, lo, hi)
+					}
+					seen[i]++
+				}
+			}
+		}
+		for i, c := range seen {
+			if c != 1 {
+				t.Fatalf("size %d: parameter %d in %d slices", size, i, c)
+			}
+		}
+	}
+}
+
 // TestDataParallelStopAndResume: a stop that reaches one rank only stops
 // every rank at the same step boundary, rank 0 checkpoints it, and the
 // group resumes from it to the same weights as an uninterrupted group.
 func TestDataParallelStopAndResume(t *testing.T) {
+	for _, zero := range []int{0, 1} {
+		t.Run(fmt.Sprintf("zero%d", zero), func(t *testing.T) { stopAndResume(t, zero) })
+	}
+}
+
+func stopAndResume(t *testing.T, zero int) {
 	b := testCache(t)
 	dir := t.TempDir()
+	z := fmt.Sprintf("train.zero=%d", zero)
 	cfgs := func(run string) []*Config {
-		return []*Config{tinyConfig(t, b, filepath.Join(dir, run)), tinyConfig(t, b, filepath.Join(dir, run))}
+		return []*Config{tinyConfig(t, b, filepath.Join(dir, run), z), tinyConfig(t, b, filepath.Join(dir, run), z)}
 	}
 	straight, _ := runRanks(t, 2, cfgs("straight"), nil)
 
@@ -296,6 +380,14 @@ func TestCUDADataParallel(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	for _, zero := range []int{0, 1} {
+		cudaRanks(t, b, one, append(over, fmt.Sprintf("train.zero=%d", zero)))
+	}
+}
+
+// cudaRanks runs two rank processes of the config over, joined by a new
+// group's id, and compares them with the one-process run one.
+func cudaRanks(t *testing.T, b *testcache.Built, one *Result, over []string) {
 	be, err := cuda.Open(cuda.Options{KernelCache: os.Getenv("DISTILL_KERNEL_CACHE")})
 	if err != nil {
 		t.Fatal(err)
@@ -336,9 +428,10 @@ func TestCUDADataParallel(t *testing.T) {
 		if err != nil {
 			t.Fatalf("rank %d's result: %v", rank, err)
 		}
-		closeLosses(t, fmt.Sprintf("one CUDA process vs CUDA rank %d of 2", rank), one, &res, 1e-4)
+		closeLosses(t, fmt.Sprintf("one CUDA process vs CUDA rank %d of 2 (%v)", rank, over), one, &res, 1e-4)
 		if rank == 0 {
-			t.Logf("step 6: loss %.6f one process, %.6f rank 0; checkpoint %s", one.Steps[5].Loss, res.Steps[5].Loss, res.Checkpoint)
+			closeMoments(t, fmt.Sprintf("%v", over), one.Checkpoint, res.Checkpoint, 1e-3)
+			t.Logf("%v: step 6: loss %.6f one process, %.6f rank 0; checkpoint %s", over, one.Steps[5].Loss, res.Steps[5].Loss, res.Checkpoint)
 		}
 	}
 }

@@ -58,7 +58,8 @@ type trainRun struct {
 	out      *sinks
 	stop     stopSignal
 	skips    skipRun
-	g        ranks // the data-parallel group (single: one process)
+	g        ranks  // the data-parallel group (single: one process)
+	z1       *zero1 // ZeRO-1's sharding of AdamW over g; nil: none
 
 	closers []func() // run's clean-up, undone last first
 }
@@ -358,18 +359,27 @@ func sameSamples(a, b Source, r cache.Range) error {
 // checkpoint's moments on resume), and picks the activation
 // recomputation that fits the device.
 func (r *trainRun) buildOptimizer() error {
-	ad, err := optim.NewAdamW(r.cfg.AdamW(), r.s.Groups())
+	groups := r.s.Groups()
+	var at func(int) (int, int)
+	if r.g.size > 1 && r.cfg.Train.ZeRO == 1 {
+		r.z1 = newZero1(&r.g, r.s)
+		groups, at = r.z1.groups(groups), r.z1.at
+		if r.g.leader() {
+			fmt.Fprintf(r.log, "ZeRO stage 1: AdamW's moments sharded over %d ranks (%d parameters a rank at most)\n", r.g.size, r.z1.bounds[1])
+		}
+	}
+	ad, err := optim.NewAdamW(r.cfg.AdamW(), groups)
 	if err != nil {
 		return err
 	}
 	r.ad = ad
 	r.onClose(ad.Free)
 	if r.ckpt != "" {
-		if err := loadMoments(r.ckpt, ad, r.st.OptSteps); err != nil {
+		if err := loadMoments(r.ckpt, ad, r.st.OptSteps, at); err != nil {
 			return err
 		}
 	}
-	rc, err := planRecompute(r.cfg, r.s, r.info.K, decoder.Recompute(r.st.Recompute), r.log)
+	rc, err := planRecompute(r.cfg, r.s, r.info.K, decoder.Recompute(r.st.Recompute), r.g.size, r.log)
 	if err != nil {
 		return err
 	}
@@ -439,8 +449,8 @@ func (r *trainRun) wire() {
 	if r.g.size > 1 {
 		inner = nil
 	}
-	r.step = &stepper{s: r.s, ad: r.ad, lopt: &r.lopt, sched: r.cfg.Schedule(), maxNorm: r.cfg.Optim.MaxGradNorm,
-		teachers: r.info.Teachers, stop: inner, log: r.log, g: &r.g}
+	r.step = &stepper{s: r.s, ad: r.ad, clip: r.s.Groups(), lopt: &r.lopt, sched: r.cfg.Schedule(), maxNorm: r.cfg.Optim.MaxGradNorm,
+		teachers: r.info.Teachers, stop: inner, log: r.log, g: &r.g, z1: r.z1}
 	r.eval = &evaluator{s: r.s, src: r.src, r: r.evalR, lopt: &r.lopt, teachers: r.info.Teachers, stop: inner}
 	if r.evalSrc != nil {
 		r.eval.src, r.eval.lopt = r.evalSrc, r.evalLopt
@@ -564,6 +574,11 @@ func (r *trainRun) evaluate(step int) error {
 // save writes the checkpoint of the state's step. Metrics first: a
 // checkpoint never refers to lines not on disk.
 func (r *trainRun) save() error {
+	moments := momentsOf(r.ad.Moments)
+	if r.z1 != nil { // every rank sends rank 0 its moments
+		m, v := r.z1.gather(r.ad)
+		moments = func(i int) ([]float32, []float32) { return m[i], v[i] }
+	}
 	if !r.g.leader() {
 		r.ck.saved = r.st.Step // rank 0 saves the same state
 		return nil
@@ -571,7 +586,7 @@ func (r *trainRun) save() error {
 	if err := r.out.mw.flush(); err != nil {
 		return err
 	}
-	p, err := r.ck.save(r.s, r.ad, r.st, r.skips.n > 0)
+	p, err := r.ck.save(r.s, moments, r.st, r.skips.n > 0)
 	if err != nil {
 		return err
 	}
@@ -585,6 +600,11 @@ func (r *trainRun) save() error {
 // abandoned step has changed none of them).
 func (r *trainRun) fail(err error) (*Result, error) {
 	r.out.clear()
+	if r.z1 != nil {
+		// The moments are spread over the ranks, and this rank alone
+		// fails: the last checkpoint is what remains.
+		return r.res, fmt.Errorf("%w\n(rank %d: the last checkpoint is step %d's)", err, r.g.rank, r.ck.saved)
+	}
 	if r.st.Step > r.ck.saved {
 		if serr := r.save(); serr != nil {
 			return r.res, fmt.Errorf("%w (and the checkpoint of step %d failed: %v)", err, r.st.Step, serr)

@@ -20,6 +20,7 @@ import (
 type stepper struct {
 	s        *train.Student
 	ad       *optim.AdamW
+	clip     []optim.Group // every parameter's gradient: the clip's (ad's groups are a rank's pieces under ZeRO-1)
 	lopt     *loss.Options
 	sched    optim.Schedule
 	maxNorm  float64
@@ -27,6 +28,7 @@ type stepper struct {
 	stop     stopSignal
 	log      io.Writer
 	g        *ranks // data parallel: this rank runs its rows, then the sums are reduced
+	z1       *zero1 // ZeRO-1: after AdamW, the ranks share their slices of the parameters
 }
 
 // forwardBackward accumulates the gradients of rows into the zeroed
@@ -158,13 +160,16 @@ func (sp *stepper) normalize(sm *StepMetrics, total int) {
 // batch must not poison the weights, so the update is skipped (sm says
 // so) and the moments stay untouched. It reports whether it stepped.
 func (sp *stepper) update(step int, sm *StepMetrics) bool {
-	sm.GradNorm = optim.ClipGradNorm(sp.ad.Groups, sp.maxNorm)
+	sm.GradNorm = optim.ClipGradNorm(sp.clip, sp.maxNorm)
 	sm.LR = sp.sched.LR(step)
 	if math.IsNaN(sm.GradNorm) || math.IsInf(sm.GradNorm, 0) {
 		sm.Skipped = true
 		return false
 	}
 	sp.ad.Step(sm.LR)
+	if sp.z1 != nil {
+		sp.z1.share()
+	}
 	return true
 }
 
