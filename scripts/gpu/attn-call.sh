@@ -57,11 +57,13 @@ if [ "${FORWARD_BENCH:-}" = 1 ]; then
     bash scripts/gpu-suite.sh run bench peer >"$work/fwd/suite.txt" 2>&1
 fi
 if [ "${ACT_COMPARE:-}" = 1 ]; then
-  mkdir -p "$work/act-f32"
-  fsteps=(train-bench)
-  [ "${FORWARD_BENCH:-}" = 1 ] && fsteps+=(bench)
+  mkdir -p "$work/act-f32" "$work/act-f32/fwd"
   OUT="$work/act-f32" DISTILL_CUDA_ACT=f32 DISTILL_BENCH_SHAPES=${DISTILL_BENCH_SHAPES:-qwen3-0.6b} SUITE_BUDGET=${ACT_BUDGET:-150} \
-    bash scripts/gpu-suite.sh run "${fsteps[@]}" >"$work/act-f32/suite.txt" 2>&1
+    bash scripts/gpu-suite.sh run train-bench >"$work/act-f32/suite.txt" 2>&1
+  if [ "${FORWARD_BENCH:-}" = 1 ]; then # the forward's shapes, as above
+    OUT="$work/act-f32/fwd" DISTILL_CUDA_ACT=f32 DISTILL_BENCH_SHAPES=${FORWARD_SHAPES:-${DISTILL_BENCH_SHAPES:-}} SUITE_BUDGET=${FORWARD_BUDGET:-120} \
+      bash scripts/gpu-suite.sh run bench >"$work/act-f32/fwd/suite.txt" 2>&1
+  fi
 fi
 if [ -n "${EXTRA_TESTS:-}" ]; then # a -test.run pattern for cuda.test, then the same for train.test and trainer.test
   for b in cuda:compute/cuda train:train trainer:train/trainer; do
@@ -95,7 +97,7 @@ if [ -f "$work/fwd/summary.txt" ]; then
 fi
 if [ -d "$work/act-f32" ]; then
   echo "== fp32 activations (DISTILL_CUDA_ACT=f32), same device"; cat "$work/act-f32/status.txt" 2>/dev/null
-  grep -hE '^Benchmark' "$work/act-f32/train-bench.log" "$work/act-f32/bench.log" 2>/dev/null
+  grep -hE '^Benchmark' "$work/act-f32/train-bench.log" "$work/act-f32/fwd/bench.log" 2>/dev/null
 fi
 echo "== status"; cat "$work/status.txt"
 for f in attn-memcheck attn-racecheck extra-cuda extra-train extra-trainer; do
