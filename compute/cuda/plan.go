@@ -252,16 +252,22 @@ func attentionBackwardLaunch(mode attnMode, tokens, nSeq, nHead, nKV, hd int) (a
 // the engine's workspace is not known before its plan is built (each
 // build logs it), and is not counted.
 func (b *Backend) ForwardScratchBytes(s compute.ForwardShape) int64 {
-	need := forwardScratchBytes(s)
 	if b.dnn != nil {
-		n, kv := int64(s.Tokens), int64(s.KVHeads)
-		if kv <= 0 {
-			kv = int64(s.Heads)
-		}
-		attn := 2*n*(2*int64(s.Heads)+2*kv)*int64(s.HeadDim) + 4*n*int64(s.Heads) + 16*(n+4)
-		need = max(need, attn+16<<10)
+		return ForwardScratchBound(s)
 	}
-	return need
+	return forwardScratchBytes(s)
+}
+
+// ForwardScratchBound is ForwardScratchBytes of a backend with cuDNN (the
+// default where it loads), computed without a device: for memory plans
+// made on paper.
+func ForwardScratchBound(s compute.ForwardShape) int64 {
+	n, kv := int64(s.Tokens), int64(s.KVHeads)
+	if kv <= 0 {
+		kv = int64(s.Heads)
+	}
+	attn := 2*n*(2*int64(s.Heads)+2*kv)*int64(s.HeadDim) + 4*n*int64(s.Heads) + 16*(n+4)
+	return max(forwardScratchBytes(s), attn+16<<10)
 }
 
 func forwardScratchBytes(s compute.ForwardShape) int64 {

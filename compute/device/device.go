@@ -107,6 +107,11 @@ func Open(name string, o Options) (compute.Backend, error) {
 	return cpu.New(o.Threads), nil
 }
 
+// ForwardScratchBound bounds the kernel scratch of a teacher forward of
+// shape s on a GPU (the CUDA backend with cuDNN), without one: the memory
+// plan of a teacher made on paper (cachectl plan).
+func ForwardScratchBound(s compute.ForwardShape) int64 { return cuda.ForwardScratchBound(s) }
+
 // Check reports whether Open accepts name for p, before anything is
 // opened (a config's validation).
 func Check(name string, p Purpose) error {

@@ -10,6 +10,8 @@ import (
 	"io"
 	"os"
 	"sort"
+	"strconv"
+	"strings"
 	"syscall"
 )
 
@@ -118,4 +120,28 @@ func SignalName(sig os.Signal) string {
 		return "SIGINT"
 	}
 	return fmt.Sprint(sig)
+}
+
+// ParseBytes reads a byte count with an optional unit: B, KiB, MiB, GiB,
+// TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000); a number
+// without a unit is bytes.
+func ParseBytes(s string) (int64, error) {
+	t := strings.TrimSpace(s)
+	units := []struct {
+		suffix string
+		mult   float64
+	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40},
+		{"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}, {"B", 1}}
+	mult := 1.0
+	for _, u := range units {
+		if strings.HasSuffix(t, u.suffix) {
+			t, mult = strings.TrimSpace(strings.TrimSuffix(t, u.suffix)), u.mult
+			break
+		}
+	}
+	v, err := strconv.ParseFloat(t, 64)
+	if err != nil || !(v > 0) || v*mult > 1<<60 {
+		return 0, fmt.Errorf("%q: want a positive size such as 80GiB, 141GiB or 85899345920", s)
+	}
+	return int64(v * mult), nil
 }

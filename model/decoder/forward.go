@@ -4,6 +4,7 @@ import (
 	"math"
 
 	"distill/compute"
+	"distill/model"
 )
 
 // blockActs are the tensors one block's forward reads and writes. Training
@@ -233,10 +234,14 @@ func (m *Model) TopK(samples [][]int32, k int, temperature float32) (ids []int32
 // log-probs, the RoPE table, the token ids and sample starts (at most n+1
 // samples), and the temperature-scaled norm weight.
 func (m *Model) ActivationBytes(n, k int) int64 {
-	c := m.Cfg
+	return ActivationBytesOf(m.Cfg, n, k, m.be.ActDType())
+}
+
+// ActivationBytesOf is ActivationBytes of a model of c on a backend whose
+// activations are act, with no model or backend (plans on paper).
+func ActivationBytesOf(c *model.Config, n, k int, act compute.DType) int64 {
 	N := int64(n)
 	C, Hq, Hkv, I := int64(c.Hidden), int64(c.Heads*c.HeadDim), int64(c.KVHeads*c.HeadDim), int64(c.Intermediate)
-	act := m.be.ActDType()
 	f := 4 * 2 * N * C
 	f += int64(act.Size()) * (N*(C+2*Hq+2*Hkv) + 2*N*I)
 	if c.NumExperts > 0 && act != compute.F32 {
