@@ -106,3 +106,6 @@ done
 echo "== cuDNN lines"; grep -hE 'cuDNN|cudnn' "$work"/test.log "$work"/cudnn-system.log 2>/dev/null | grep -vE '^\s*cudnn_test.go:[0-9]+: cudnn attention' | head -30
 echo "== system cuDNN"; grep -E '^(--- |ok|FAIL|panic)' "$work/cudnn-system.log" 2>/dev/null | head
 echo "== cuDNN errors"; head -c 3000 "$work/cudnn-errors.log" 2>/dev/null
+# The exit status says whether every step and extra run passed (each
+# status line ends in its exit status, "0" or "rc=0").
+awk '{ s = $NF; sub(/^rc=/, "", s); if (s != "0") bad = 1 } END { exit bad }' "$work/status.txt"

@@ -1,0 +1,44 @@
+package examples
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// TestGPUSuiteDryRun runs the README's GPU commands as a session with a
+// device would, on the CPU emulator of CUDA (DISTILL_GPU_SUITE_EMU=1):
+// `scripts/gpu-suite.sh build`, then the one-call script
+// scripts/gpu/attn-call.sh with its BF16/fp32 comparison (ACT_COMPARE=1)
+// over the steps env, nccl and train-bench, from the bundle alone. A
+// broken script costs a device session its scarce minutes; here it costs
+// a failing test.
+func TestGPUSuiteDryRun(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: builds the GPU test bundle")
+	}
+	build := exec.Command("bash", "scripts/gpu-suite.sh", "build")
+	build.Dir = ".."
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("gpu-suite.sh build: %v\n%s", err, out)
+	}
+	out := t.TempDir()
+	call := exec.Command("bash", "scripts/gpu/attn-call.sh", "env", "nccl", "train-bench")
+	call.Dir = ".."
+	call.Env = append(os.Environ(), "DISTILL_GPU_SUITE_EMU=1", "ACT_COMPARE=1", "SKIP_SYSTEM_CUDNN=1", "OUT="+out,
+		"DISTILL_GPU_BIN="+filepath.Join(t.TempDir(), "bin"), "DISTILL_KERNEL_CACHE="+t.TempDir())
+	log, err := call.CombinedOutput()
+	if err != nil {
+		t.Fatalf("attn-call.sh: %v\n%s", err, log)
+	}
+	for _, want := range []string{"env 0", "nccl 0", "train-bench 0", "== fp32 activations (DISTILL_CUDA_ACT=f32), same device", "BenchmarkCUDATrainStep"} {
+		if !strings.Contains(string(log), want) {
+			t.Errorf("attn-call.sh's summary lacks %q:\n%s", want, log)
+		}
+	}
+	if st, err := os.Stat(filepath.Join(out, "logs.tgz")); err != nil || st.Size() == 0 {
+		t.Errorf("no logs.tgz under OUT: %v", err)
+	}
+}
