@@ -256,3 +256,38 @@ func TestREADMECommands(t *testing.T) {
 		t.Errorf("found %d commands in the README", seen)
 	}
 }
+
+// TestREADMEBenchScripts runs the README's CPU benchmark scripts as
+// printed, one iteration each (ITERS=1): each runs both sides (ours and
+// PyTorch, Debian's python3-torch, which scripts/setup-test.sh installs)
+// and prints the ratio. The figures are the README's business, not this
+// test's: it checks that the commands run.
+func TestREADMEBenchScripts(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: the benchmarks take a minute")
+	}
+	b, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmds := regexp.MustCompile("`((?:[A-Z_]+=\\S+ )*(?:bash )?(?:\\./)?scripts/bench-[^`]*)`").FindAllStringSubmatch(string(b), -1)
+	if len(cmds) < 3 {
+		t.Fatalf("found %d benchmark scripts in the README, want the train (dense, MoE) and teacher ones", len(cmds))
+	}
+	for _, m := range cmds {
+		words := strings.Fields(m[1])
+		env := []string{"ITERS=1"}
+		for len(words) > 0 && regexp.MustCompile(`^[A-Z_]+=`).MatchString(words[0]) {
+			env, words = append(env, words[0]), words[1:]
+		}
+		cmd := exec.Command("bash", words...)
+		cmd.Dir = ".."
+		cmd.Env = append(os.Environ(), env...)
+		out, err := cmd.CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "ratio go/torch:") {
+			t.Errorf("README: `%s`: %v, want a go/torch ratio\n%s", m[1], err, out)
+			continue
+		}
+		t.Logf("`%s`: %s", m[1], strings.TrimSpace(string(out[strings.LastIndex(string(out), "ratio go/torch:"):])))
+	}
+}
