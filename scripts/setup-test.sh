@@ -21,8 +21,12 @@ torch=()
 if [ ${#need[@]} -gt 0 ] || [ ${#torch[@]} -gt 0 ]; then
   echo "setup: apt-get install ${need[*]} ${torch[*]}"
   $SUDO apt-get update -qq
-  [ ${#need[@]} -gt 0 ] && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
-  [ ${#torch[@]} -gt 0 ] && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${torch[@]}" >/dev/null
+  if [ ${#need[@]} -gt 0 ]; then
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+  fi
+  if [ ${#torch[@]} -gt 0 ]; then
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${torch[@]}" >/dev/null
+  fi
 fi
 for f in scripts/setup.d/*.sh; do
   [ -e "$f" ] && bash "$f"
