@@ -207,11 +207,12 @@ func waitListening(t *testing.T, addr, log string) {
 	t.Fatalf("teacherd did not listen on %s:\n%s", addr, b)
 }
 
-// TestREADMECommands: the README's commands that are too long to run in
-// a test (the quick start, the suite, the benchmarks, the GPU scripts)
-// still name what exists: each script is there, executable and parses
-// (bash -n), and each `go test` command's -run or -bench pattern matches
-// a test or benchmark of its package (go test -list).
+// TestREADMECommands: each of the README's commands names what exists:
+// each script is there, executable and parses (bash -n; TestQuickstart,
+// TestGPUSuiteDryRun and TestREADMEBenchScripts run them), each `go test`
+// command's -run pattern matches a test of its package (go test -list:
+// the suite runs them), and each `go test -bench` command, which no test
+// runs, runs as printed and prints benchmark lines.
 func TestREADMECommands(t *testing.T) {
 	b, err := os.ReadFile("../README.md")
 	if err != nil {
@@ -227,10 +228,22 @@ func TestREADMECommands(t *testing.T) {
 		}
 		if words[0] == "go" {
 			pkg, pattern := words[2], "." // no -run or -bench: the package's tests
+			bench := false
 			for i := 3; i+1 < len(words); i++ {
 				if (words[i] == "-bench" || words[i] == "-run") && words[i+1] != "^$" && words[i+1] != "XXX" {
 					pattern = words[i+1]
 				}
+				bench = bench || words[i] == "-bench"
+			}
+			if bench && !testing.Short() {
+				// A benchmark runs in no test: run it as printed.
+				cmd := exec.Command("go", words[1:]...)
+				cmd.Dir = ".."
+				out, err := cmd.CombinedOutput()
+				if err != nil || !regexp.MustCompile(`(?m)^Benchmark\w+`).Match(out) {
+					t.Errorf("README: `%s`: %v, want benchmark lines\n%s", m[1], err, out)
+				}
+				continue
 			}
 			out, err := exec.Command("go", "test", "distill/"+strings.TrimPrefix(pkg, "./"), "-list", pattern).CombinedOutput()
 			want := regexp.QuoteMeta(strings.TrimPrefix(strings.TrimPrefix(pattern, "Benchmark"), "Test"))
