@@ -545,19 +545,27 @@ func ropeTable(pos []int32, inv []float32) (cos, sin []float32) {
 	return cos, sin
 }
 
+// ropeCase is n positions (the first few small, repeated and large, the
+// rest random below 8192) and the inverse frequencies of head dim hd at
+// base theta.
+func ropeCase(r *rand.Rand, n, hd int, theta float64) ([]int32, []float32) {
+	pos := []int32{0, 1, 2, 3, 0, 1, 500, 1000, 4095, 7, 2}
+	for len(pos) < n {
+		pos = append(pos, int32(r.IntN(8192)))
+	}
+	inv := make([]float32, hd/2)
+	for i := range inv {
+		inv[i] = float32(1 / math.Pow(theta, float64(2*i)/float64(hd)))
+	}
+	return pos, inv
+}
+
 func (s *suite) rope(t *testing.T) {
 	be := s.be
 	r := rand.New(rand.NewPCG(9, 10))
 	H, D := 4, 48
-	pos := []int32{0, 1, 2, 3, 0, 1, 500, 1000, 4095, 7, 2}
-	for len(pos) < 100 {
-		pos = append(pos, int32(r.IntN(8192)))
-	}
+	pos, inv := ropeCase(r, 100, D, 10000)
 	N := len(pos)
-	inv := make([]float32, D/2)
-	for i := range inv {
-		inv[i] = float32(1 / math.Pow(10000, float64(2*i)/float64(D)))
-	}
 	cos, sin := ropeTable(pos, inv)
 	ct, st := be.FromF32(cos), be.FromF32(sin)
 	x, R := randn(r, N*H*D, 1), randn(r, N*H*D, 1)
@@ -583,15 +591,8 @@ func (s *suite) rmsNormRoPE(t *testing.T) {
 	const eps = 1e-6
 	for _, sh := range [][2]int{{4, 64}, {2, 256}} {
 		H, D := sh[0], sh[1]
-		pos := []int32{0, 1, 2, 3, 0, 1, 500, 1000, 4095}
-		for len(pos) < 40 {
-			pos = append(pos, int32(r.IntN(8192)))
-		}
+		pos, inv := ropeCase(r, 40, D, 1e6)
 		N := len(pos)
-		inv := make([]float32, D/2)
-		for i := range inv {
-			inv[i] = float32(1 / math.Pow(1e6, float64(2*i)/float64(D)))
-		}
 		cos, sin := ropeTable(pos, inv)
 		ct, st := be.FromF32(cos), be.FromF32(sin)
 		x, w := randn(r, N*H*D, 1), randn(r, D, 1)
