@@ -250,6 +250,42 @@ func closeMoments(t *testing.T, what, a, b string, rel float64) {
 	}
 }
 
+// TestDataParallelMoEAndQAD: a Qwen3-MoE student (its routing counts and
+// load-balancing loss summed over the ranks) and an NVFP4 QAD student
+// (calibrated on every rank alike) train on 2 ranks at ZeRO 1 as they do
+// in one process.
+func TestDataParallelMoEAndQAD(t *testing.T) {
+	b := testCache(t)
+	for _, c := range []struct {
+		name string
+		cfg  func(dir string, over ...string) *Config
+	}{
+		{"moe", func(dir string, over ...string) *Config { return moeConfig(t, b, dir, append(over, "train.max_steps=6")...) }},
+		{"qad", func(dir string, over ...string) *Config {
+			return tinyConfig(t, b, dir, append(over, "quant=nvfp4", "calib_batches=2", "train.max_steps=6")...)
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			one, err := Run(c.cfg(filepath.Join(t.TempDir(), "one")), Options{Log: &bytes.Buffer{}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if one.Steps[0].Rows < 2 {
+				t.Fatalf("%d rows a step: the ranks would not share the steps", one.Steps[0].Rows)
+			}
+			dir := t.TempDir()
+			cfgs := []*Config{c.cfg(filepath.Join(dir, "r0"), "train.zero=1"), c.cfg(filepath.Join(dir, "r1"), "train.zero=1")}
+			res, _ := runRanks(t, 2, cfgs, nil)
+			for i := range res {
+				closeLosses(t, fmt.Sprintf("%s: one process vs rank %d of 2", c.name, i), one, res[i], 1e-4)
+				if c.name == "moe" && fmt.Sprint(res[i].Steps[0].ExpertShare) != fmt.Sprint(one.Steps[0].ExpertShare) {
+					t.Errorf("rank %d: step 1's expert shares %v, one process's %v", i, res[i].Steps[0].ExpertShare, one.Steps[0].ExpertShare)
+				}
+			}
+		})
+	}
+}
+
 // TestZeRO1Shards: the ranks' slices cover the arena once, cut at the
 // tensors' boundaries into pieces that lie inside their tensors.
 func TestZeRO1Shards(t *testing.T) {
