@@ -260,7 +260,9 @@ func TestDataParallelMoEAndQAD(t *testing.T) {
 		name string
 		cfg  func(dir string, over ...string) *Config
 	}{
-		{"moe", func(dir string, over ...string) *Config { return moeConfig(t, b, dir, append(over, "train.max_steps=6")...) }},
+		{"moe", func(dir string, over ...string) *Config {
+			return moeConfig(t, b, dir, append(over, "train.max_steps=6")...)
+		}},
 		{"qad", func(dir string, over ...string) *Config {
 			return tinyConfig(t, b, dir, append(over, "quant=nvfp4", "calib_batches=2", "train.max_steps=6")...)
 		}},
