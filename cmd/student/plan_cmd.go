@@ -149,9 +149,19 @@ func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act co
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	if auto == "" {
+	switch full := train.PlanMemory(shape(decoder.RecomputeFull)); {
+	case auto == "" && train.LargestRow(shape(decoder.RecomputeFull), budget, 1<<24) == 0:
+		var run int64 // what the run holds whatever the row: parameters, gradients, moments, copies
+		for _, t := range full.Terms {
+			if !t.PerRow {
+				run += t.Bytes
+			}
+		}
+		fmt.Fprintf(w, "\ntrain.recompute auto: nothing fits, not even a row of one token: the parameters, gradients, AdamW moments and weight copies alone take %s of the %s; shard them over GPUs (train.zero with --world-size), or train a smaller student\n",
+			train.HumanBytes(run), train.HumanBytes(budget))
+	case auto == "":
 		fmt.Fprintf(w, "\ntrain.recompute auto: nothing fits; lower data.seq_len to the longest row of full recompute, or use a larger device\n")
-	} else {
+	default:
 		fmt.Fprintf(w, "\ntrain.recompute auto picks: %s\n", auto)
 	}
 	if r := cfg.Train.Recompute; r != "auto" {
