@@ -39,6 +39,7 @@ type evaluator struct {
 	lopt     *loss.Options
 	teachers []TeacherState // multi-teacher KD: their names and weights
 	stop     stopSignal     // abandons the eval between rows (errStopped)
+	g        *ranks         // data parallel: each rank scores its rows, then the sums are summed
 }
 
 // run evaluates the student; ok is false when the run holds no samples
@@ -51,9 +52,18 @@ func (e *evaluator) run() (es EvalStats, ok bool, err error) {
 	if err != nil {
 		return es, true, err
 	}
-	if es, err = evaluateRows(e.s, rows, n, e.lopt, e.stop.requested); err != nil {
+	var mine func(int) bool
+	if e.g != nil && e.g.size > 1 {
+		mine = e.g.mine
+	}
+	sums, err := scoreRows(e.s, rows, mine, e.lopt, e.stop.requested)
+	if err != nil {
 		return es, true, err
 	}
+	if mine != nil {
+		e.g.reduceEval(&sums, len(e.teachers))
+	}
+	es = sums.stats(n)
 	nameTeachers(es.Teachers, e.teachers)
 	return es, true, nil
 }
@@ -111,39 +121,57 @@ var EvalProgress func(done, total, positions int)
 // evaluateRows evaluates packed rows holding n samples. Rows without a
 // teacher (K = 0, a dataset's) have no top-1 agreement: it stays 0.
 func evaluateRows(s *train.Student, rows []*train.Batch, n int, opt *loss.Options, stop func() bool) (EvalStats, error) {
-	var es EvalStats
-	es.Samples = n
-	var acc, agree int
-	var tAgree []int
+	sums, err := scoreRows(s, rows, nil, opt, stop)
+	if err != nil {
+		return EvalStats{}, err
+	}
+	return sums.stats(n), nil
+}
+
+// evalSums are an eval's sums over its loss positions, before they are
+// averaged: the losses weighted by positions, and the counts.
+type evalSums struct {
+	loss, kd, ce       float64
+	tokens, acc, agree int
+	teachers           []TeacherMetrics // KD sums and weights
+	tAgree             []int
+}
+
+// scoreRows adds up the scores of rows (those mine picks, all when nil).
+func scoreRows(s *train.Student, rows []*train.Batch, mine func(int) bool, opt *loss.Options, stop func() bool) (evalSums, error) {
+	var es evalSums
 	progress := EvalProgress
 	if stop != nil {
 		progress = nil
 	}
 	for ri, b := range rows {
 		if progress != nil {
-			progress(ri, len(rows), es.Tokens)
+			progress(ri, len(rows), es.tokens)
 		}
 		if stop != nil && stop() {
 			return es, errStopped
+		}
+		if mine != nil && !mine(ri) {
+			continue
 		}
 		st, err := s.Forward(b, opt)
 		if err != nil {
 			return es, err
 		}
 		w := float64(st.Tokens)
-		es.Loss += st.Loss * w
-		es.KD += st.KD * w
-		es.CE += st.CE * w
-		es.Tokens += st.Tokens
-		if len(b.Teachers) > 0 && es.Teachers == nil {
-			es.Teachers = make([]TeacherMetrics, len(b.Teachers))
-			tAgree = make([]int, len(b.Teachers))
+		es.loss += st.Loss * w
+		es.kd += st.KD * w
+		es.ce += st.CE * w
+		es.tokens += st.Tokens
+		if len(b.Teachers) > 0 && es.teachers == nil {
+			es.teachers = make([]TeacherMetrics, len(b.Teachers))
+			es.tAgree = make([]int, len(b.Teachers))
 			for i, te := range b.Teachers {
-				es.Teachers[i].Weight = te.Weight
+				es.teachers[i].Weight = te.Weight
 			}
 		}
 		for i, ts := range st.Teachers {
-			es.Teachers[i].KD += ts.KD * w
+			es.teachers[i].KD += ts.KD * w
 		}
 		pred, err := s.Predict(b)
 		if err != nil {
@@ -155,41 +183,47 @@ func evaluateRows(s *train.Student, rows []*train.Batch, n int, opt *loss.Option
 					continue
 				}
 				if pred[t] == b.Tokens[t+1] {
-					acc++
+					es.acc++
 				}
 				if b.K > 0 && pred[t] == b.TopIDs[int(t)*b.K] {
-					agree++
+					es.agree++
 				}
 				for i, te := range b.Teachers {
 					if pred[t] == te.TopIDs[int(t)*te.K] {
-						tAgree[i]++
+						es.tAgree[i]++
 					}
 				}
 			}
 		}
 	}
 	if progress != nil {
-		progress(len(rows), len(rows), es.Tokens)
-	}
-	if es.Tokens > 0 {
-		w := float64(es.Tokens)
-		es.Loss, es.KD, es.CE = es.Loss/w, es.KD/w, es.CE/w
-		es.TokenAccuracy, es.Top1Agreement = float64(acc)/w, float64(agree)/w
-		if len(es.Teachers) > 0 {
-			var a, ws float64
-			for i := range es.Teachers {
-				te := &es.Teachers[i]
-				te.KD /= w
-				te.Top1 = float64(tAgree[i]) / w
-				a += te.Weight * te.Top1
-				ws += te.Weight
-			}
-			if ws > 0 {
-				es.Top1Agreement = a / ws
-			}
-		}
+		progress(len(rows), len(rows), es.tokens)
 	}
 	return es, nil
+}
+
+// stats averages the sums over the loss positions, for n samples.
+func (es *evalSums) stats(n int) EvalStats {
+	out := EvalStats{Samples: n, Tokens: es.tokens}
+	if es.tokens == 0 {
+		return out
+	}
+	w := float64(es.tokens)
+	out.Loss, out.KD, out.CE = es.loss/w, es.kd/w, es.ce/w
+	out.TokenAccuracy, out.Top1Agreement = float64(es.acc)/w, float64(es.agree)/w
+	if len(es.teachers) > 0 {
+		out.Teachers = make([]TeacherMetrics, len(es.teachers))
+		var a, ws float64
+		for i, te := range es.teachers {
+			out.Teachers[i] = TeacherMetrics{Weight: te.Weight, KD: te.KD / w, Top1: float64(es.tAgree[i]) / w}
+			a += te.Weight * out.Teachers[i].Top1
+			ws += te.Weight
+		}
+		if ws > 0 {
+			out.Top1Agreement = a / ws
+		}
+	}
+	return out
 }
 
 // EvaluateDataset runs the student over samples [r.Start, r.End) of the

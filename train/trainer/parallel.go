@@ -20,8 +20,8 @@ import (
 //   - the gradients and the step's loss sums are all-reduced (summed)
 //     over the ranks, then every rank clips and steps AdamW alike: the
 //     weights stay the same on every rank;
-//   - every rank evaluates (the same rows: an eval costs what it does on
-//     one device), rank 0 alone writes the run directory (its lock,
+//   - an eval's rows are shared out as a step's are, and its sums
+//     summed; rank 0 alone writes the run directory (its lock,
 //     config.yaml, metrics, TensorBoard, checkpoints) and its progress;
 //     the others read its checkpoints to resume;
 //   - a stop (SIGTERM) on any rank stops all of them at the same step
@@ -107,6 +107,25 @@ func (g *ranks) reduceSums(vals []float64) {
 	g.be.Free(t)
 	for i := range vals {
 		vals[i] = float64(f[i])
+	}
+}
+
+// reduceEval sums an eval's sums over the ranks (each scored its rows;
+// nt teachers: every rank's sums get their slots, rows or not). The
+// counts travel as fp32: exact below 2^24 positions.
+func (g *ranks) reduceEval(es *evalSums, nt int) {
+	if es.teachers == nil && nt > 0 {
+		es.teachers, es.tAgree = make([]TeacherMetrics, nt), make([]int, nt)
+	}
+	v := []float64{es.loss, es.kd, es.ce, float64(es.tokens), float64(es.acc), float64(es.agree)}
+	for i := range es.teachers {
+		v = append(v, es.teachers[i].KD, float64(es.tAgree[i]))
+	}
+	g.reduceSums(v)
+	es.loss, es.kd, es.ce = v[0], v[1], v[2]
+	es.tokens, es.acc, es.agree = int(v[3]+0.5), int(v[4]+0.5), int(v[5]+0.5)
+	for i := range es.teachers {
+		es.teachers[i].KD, es.tAgree[i] = v[6+2*i], int(v[7+2*i]+0.5)
 	}
 }
 

@@ -451,7 +451,7 @@ func (r *trainRun) wire() {
 	}
 	r.step = &stepper{s: r.s, ad: r.ad, clip: r.s.Groups(), lopt: &r.lopt, sched: r.cfg.Schedule(), maxNorm: r.cfg.Optim.MaxGradNorm,
 		teachers: r.info.Teachers, stop: inner, log: r.log, g: &r.g, z1: r.z1}
-	r.eval = &evaluator{s: r.s, src: r.src, r: r.evalR, lopt: &r.lopt, teachers: r.info.Teachers, stop: inner}
+	r.eval = &evaluator{s: r.s, src: r.src, r: r.evalR, lopt: &r.lopt, teachers: r.info.Teachers, stop: inner, g: &r.g}
 	if r.evalSrc != nil {
 		r.eval.src, r.eval.lopt = r.evalSrc, r.evalLopt
 		r.out.evalTeacher = true
