@@ -229,7 +229,10 @@ func (r *trainRun) joinRanks() error {
 	r.g = g
 	r.onClose(r.g.close)
 	if r.g.leader() {
-		fmt.Fprintf(r.log, "data parallel: %d ranks, each holding the whole student (ZeRO stage 0); rank 0 writes %s\n", r.g.size, r.cfg.RunDir)
+		fmt.Fprintf(r.log, "data parallel: %d ranks, each holding the whole student; rank 0 writes %s\n", r.g.size, r.cfg.RunDir)
+		if r.cfg.online() {
+			fmt.Fprintf(r.log, "data parallel with live teachers: every rank asks them for every sample of a step, %d times the teacher work of one process; fill a cache first (cachectl fill) and train from it\n", r.g.size)
+		}
 	}
 	return nil
 }
