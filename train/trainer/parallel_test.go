@@ -473,3 +473,65 @@ func cudaRanks(t *testing.T, b *testcache.Built, one *Result, over []string) {
 		}
 	}
 }
+
+// TestResumeAcrossWorldSizes: a checkpoint is the same whatever wrote it:
+// two ranks at ZeRO 1 stop after step 5 and one process resumes their
+// checkpoint, and one process stops after step 4 and three ranks at
+// ZeRO 1 resume it (each taking its slice of the moments); both end where
+// one uninterrupted process ends, within fp32 reordering.
+func TestResumeAcrossWorldSizes(t *testing.T) {
+	b := testCache(t)
+	straight, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "straight")), Options{Log: &bytes.Buffer{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := straight.Steps[len(straight.Steps)-1]
+	stopAt5 := func(stop chan struct{}) func(step, row int) {
+		var once sync.Once
+		return func(step, row int) {
+			if step == 5 {
+				once.Do(func() { close(stop) })
+			}
+		}
+	}
+	check := func(what string, res *Result) {
+		t.Helper()
+		if res.Resumed == "" {
+			t.Fatalf("%s: did not resume", what)
+		}
+		last := res.Steps[len(res.Steps)-1]
+		if last.Step != want.Step || math.Abs(last.Loss-want.Loss) > 1e-4*want.Loss || math.Abs(last.GradNorm-want.GradNorm) > 1e-3*want.GradNorm {
+			t.Errorf("%s: last step %d loss %v grad_norm %v; one uninterrupted process: step %d %v %v", what, last.Step, last.Loss, last.GradNorm, want.Step, want.Loss, want.GradNorm)
+		}
+		// The moments carried over: the final ones are the straight run's
+		// (every rank's Result names the checkpoint rank 0 wrote).
+		closeMoments(t, what, straight.Checkpoint, res.Checkpoint, 1e-3)
+	}
+
+	// Two ranks at ZeRO 1, then one process.
+	dir := filepath.Join(t.TempDir(), "a")
+	stops := []chan struct{}{make(chan struct{}), make(chan struct{})}
+	testHookRow = stopAt5(stops[0])
+	runRanks(t, 2, []*Config{tinyConfig(t, b, dir, "train.zero=1"), tinyConfig(t, b, dir, "train.zero=1")}, stops)
+	testHookRow = nil
+	one, err := Run(tinyConfig(t, b, dir), Options{Log: &bytes.Buffer{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("2 ranks at ZeRO 1, resumed by one process", one)
+
+	// One process, then three ranks at ZeRO 1.
+	dir = filepath.Join(t.TempDir(), "b")
+	stop := make(chan struct{})
+	testHookRow = stopAt5(stop)
+	// One process abandons step 5 for the stop: it saves step 4.
+	if r, err := Run(tinyConfig(t, b, dir), Options{Log: &bytes.Buffer{}, Stop: stop}); err != nil || !r.Interrupted || r.Step != 4 {
+		t.Fatalf("the first process: %v, want it interrupted after step 4", err)
+	}
+	testHookRow = nil
+	cfgs := []*Config{tinyConfig(t, b, dir, "train.zero=1"), tinyConfig(t, b, dir, "train.zero=1"), tinyConfig(t, b, dir, "train.zero=1")}
+	res, _ := runRanks(t, 3, cfgs, nil)
+	for i := range res {
+		check(fmt.Sprintf("one process, resumed by rank %d of 3 at ZeRO 1", i), res[i])
+	}
+}

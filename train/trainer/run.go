@@ -583,7 +583,8 @@ func (r *trainRun) save() error {
 		moments = func(i int) ([]float32, []float32) { return m[i], v[i] }
 	}
 	if !r.g.leader() {
-		r.ck.saved = r.st.Step // rank 0 saves the same state
+		// Rank 0 saves the same state, there.
+		r.ck.saved, r.res.Checkpoint = r.st.Step, checkpointDir(r.cfg.RunDir, r.st.Step)
 		return nil
 	}
 	if err := r.out.mw.flush(); err != nil {
