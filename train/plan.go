@@ -2,6 +2,8 @@ package train
 
 import (
 	"fmt"
+	"strconv"
+	"strings"
 
 	"distill/compute"
 	"distill/model"
@@ -54,9 +56,13 @@ type PlanShape struct {
 	// ActDType): compute.BF16 on the CUDA backend by default; the zero
 	// value is compute.F32.
 	Activations compute.DType
-	// MomentShards is the number of ranks AdamW's moments are sharded
-	// over (ZeRO stage 1 of a data-parallel run; 0 or 1: not sharded).
-	MomentShards int
+	// Ranks and ZeRO are a data-parallel run's size and ZeRO stage (0 or
+	// 1 ranks: one process). Stage 1 shards AdamW's moments over the
+	// ranks; stages 2 and 3, which the trainer does not run yet, would
+	// also shard the gradients, and then the fp32 parameters and their
+	// BF16 copies (but one layer's, gathered for its turn): the plan
+	// counts them so, to show what they would save.
+	Ranks, ZeRO int
 }
 
 // PlanTerm is one line of a memory plan.
@@ -120,10 +126,12 @@ const (
 type planCounts struct {
 	all, gemm, linear int64 // every tensor; GEMM operands; QAD's Linears
 	largestLinear     int64
+	largestLayer      int64 // a decoder layer's GEMM operands, the most of any layer
 }
 
 func countParams(cfg *model.Config) planCounts {
 	var c planCounts
+	var layer []int64 // each layer's GEMM operands
 	for _, t := range cfg.Tensors() {
 		n := int64(1)
 		for _, d := range t.Shape {
@@ -132,6 +140,13 @@ func countParams(cfg *model.Config) planCounts {
 		c.all += n
 		if t.Norm || t.Bias || len(t.Shape) != 2 {
 			continue
+		}
+		if rest, ok := strings.CutPrefix(t.Name, "model.layers."); ok {
+			i, _ := strconv.Atoi(rest[:strings.IndexByte(rest, '.')])
+			for len(layer) <= i {
+				layer = append(layer, 0)
+			}
+			layer[i] += n
 		}
 		switch {
 		case t.Name == "model.embed_tokens.weight" && !cfg.TieEmbeddings:
@@ -145,6 +160,9 @@ func countParams(cfg *model.Config) planCounts {
 				c.largestLinear = max(c.largestLinear, n)
 			}
 		}
+	}
+	for _, b := range layer {
+		c.largestLayer = max(c.largestLayer, b)
 	}
 	return c
 }
@@ -164,13 +182,23 @@ func PlanMemory(s PlanShape) MemoryPlan {
 	add := func(name string, b int64, perRow, scratch bool) {
 		p.Terms = append(p.Terms, PlanTerm{Name: name, Bytes: b, PerRow: perRow, Scratch: scratch})
 	}
-	add(TermParams, 4*c.all, false, false)
-	add(TermGrads, 4*c.all, false, false)
-	add(TermMoments, 8*((c.all+int64(max(s.MomentShards, 1))-1)/int64(max(s.MomentShards, 1))), false, false)
+	n := int64(max(s.Ranks, 1))
+	shard := func(stage int, b int64) int64 { // b, or its share at this stage
+		if s.ZeRO >= stage {
+			return (b + n - 1) / n
+		}
+		return b
+	}
+	add(TermParams, shard(3, 4*c.all), false, false)
+	add(TermGrads, shard(2, 4*c.all), false, false)
+	add(TermMoments, shard(1, 8*c.all), false, false)
 	sh := 2 * c.gemm
 	if s.QAD {
 		sh += 2 * c.linear
-		add(TermQAD, 4*c.linear, false, false)
+		add(TermQAD, shard(3, 4*c.linear), false, false)
+	}
+	if s.ZeRO >= 3 && n > 1 {
+		sh = shard(3, sh) + 2*c.largestLayer // one layer's copies gathered
 	}
 	add(TermShadows, sh, false, false)
 	T := int64(max(s.RowTokens, 1))

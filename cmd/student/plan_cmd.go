@@ -26,6 +26,7 @@ func runPlan(args []string) error {
 	fs.Var(&sets, "set", "override a config key, key.path=value (repeatable), e.g. --set data.seq_len=8192")
 	devMem := fs.String("device-memory", "80GiB", "the device's memory: a byte count with an optional unit (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB), e.g. 80GiB, 141GiB")
 	world := fs.Int("world-size", 1, "data-parallel ranks: under train.zero 1 each holds 1/N of AdamW's moments")
+	zero := fs.Int("zero", -1, "the ZeRO stage to plan (default: the config's train.zero): 0, 1, or 2 and 3 (sharded gradients, then parameters: planned only, the trainer runs stages 0 and 1)")
 	acts := fs.String("activations", "bf16", "the device's activation dtype: bf16 (the CUDA backend's default) or f32 (DISTILL_CUDA_ACT=f32)")
 	k := fs.Int("k", -1, "the teachers' top-k per position (the cache's k; several teachers: the sum of theirs); default 64, or 0 when distill.kd_weight is 0")
 	if err := fs.Parse(args); err != nil {
@@ -39,6 +40,9 @@ func runPlan(args []string) error {
 	}
 	if *world < 1 {
 		return fmt.Errorf("--world-size %d: want >= 1", *world)
+	}
+	if *zero > 3 || *zero < -1 {
+		return fmt.Errorf("--zero %d: want 0, 1, 2 or 3", *zero)
 	}
 	var act compute.DType
 	switch *acts {
@@ -71,6 +75,9 @@ func runPlan(args []string) error {
 			*k = 0
 		}
 	}
+	if *zero >= 0 {
+		cfg.Train.ZeRO = *zero
+	}
 	return printPlan(stdout, cfg, mc, *k, act, *world, total)
 }
 
@@ -79,6 +86,8 @@ func zeroNote(zero, world int) string {
 	switch {
 	case world <= 1:
 		return ""
+	case zero >= 2:
+		return fmt.Sprintf(", %d ranks at ZeRO stage %d (planned only: the trainer runs stages 0 and 1)", world, zero)
 	case zero >= 1:
 		return fmt.Sprintf(", %d ranks at ZeRO stage %d (AdamW's moments: 1/%d a rank)", world, zero, world)
 	}
@@ -96,9 +105,7 @@ func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act co
 	qad := cfg.Quant == "nvfp4"
 	shape := func(r decoder.Recompute) train.PlanShape {
 		sh := train.PlanShape{Model: mc, RowTokens: T, K: k, QAD: qad, Recompute: r, Activations: act}
-		if cfg.Train.ZeRO >= 1 {
-			sh.MomentShards = world
-		}
+		sh.Ranks, sh.ZeRO = world, cfg.Train.ZeRO
 		return sh
 	}
 	fmt.Fprintf(w, "memory plan: %s student, %.1fM parameters (%d layers, hidden %d, vocab %d), rows of %d tokens (data.seq_len), teacher top-k %d, quant %s, %v activations%s\n",

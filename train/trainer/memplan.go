@@ -30,9 +30,7 @@ func planK(m *cache.Manifest, ts *teacherSet) int {
 // mc, under recompute mode r, on a backend whose activations are act.
 func planShape(cfg *Config, mc *model.Config, k int, r decoder.Recompute, act compute.DType, ranks int) train.PlanShape {
 	sh := train.PlanShape{Model: mc, RowTokens: cfg.Data.SeqLen, K: k, QAD: cfg.Quant == "nvfp4", Recompute: r, Activations: act}
-	if cfg.Train.ZeRO >= 1 {
-		sh.MomentShards = ranks
-	}
+	sh.Ranks, sh.ZeRO = ranks, cfg.Train.ZeRO
 	return sh
 }
 
