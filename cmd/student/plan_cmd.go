@@ -164,7 +164,7 @@ func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act co
 				run += t.Bytes
 			}
 		}
-		fmt.Fprintf(w, "\ntrain.recompute auto: nothing fits, not even a row of one token: the parameters, gradients, AdamW moments and weight copies alone take %s of the %s; shard them over GPUs (train.zero with --world-size), or train a smaller student\n",
+		fmt.Fprintf(w, "\ntrain.recompute auto: nothing fits, not even a row of one token: the parameters, gradients, AdamW moments and weight copies alone take %s of the %s; shard them over more GPUs or at a higher ZeRO stage (--world-size, --zero), or train a smaller student\n",
 			train.HumanBytes(run), train.HumanBytes(budget))
 	case auto == "":
 		fmt.Fprintf(w, "\ntrain.recompute auto: nothing fits; lower data.seq_len to the longest row of full recompute, or use a larger device\n")

@@ -57,7 +57,7 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 		t.Errorf("a 301 MiB device under QAD: want none not fitting and auto picking full:\n%s", out)
 	}
 	// A device the run-long terms alone overflow: no row length helps.
-	if out := plan("--device-memory", "260MiB"); !strings.Contains(out, "not even a row of one token") || !strings.Contains(out, "train.zero") {
+	if out := plan("--device-memory", "260MiB"); !strings.Contains(out, "not even a row of one token") || !strings.Contains(out, "ZeRO stage") {
 		t.Errorf("a 260 MiB device (4 MiB for the run): want the run-long terms named:\n%s", out)
 	}
 	// ZeRO-1 over 4 ranks: each holds a quarter of AdamW's moments.
