@@ -10,9 +10,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"distill/compute"
 	"distill/compute/cuda"
@@ -423,9 +425,19 @@ func TestCUDADataParallel(t *testing.T) {
 	}
 }
 
-// cudaRanks runs two rank processes of the config over, joined by a new
-// group's id, and compares them with the one-process run one.
-func cudaRanks(t *testing.T, b *testcache.Built, one *Result, over []string) {
+// rankProc is a rank process of a CUDA data-parallel test (TestMain's
+// child).
+type rankProc struct {
+	cmd    *exec.Cmd
+	stderr *strings.Builder
+	result string // where it writes its Result
+}
+
+// startRanks starts n rank processes of the config over in run directory
+// dir/run, joined by a new group's id; env[r] are rank r's extra
+// variables.
+func startRanks(t *testing.T, b *testcache.Built, dir string, n int, over []string, env map[int][]string) []rankProc {
+	t.Helper()
 	be, err := cuda.Open(cuda.Options{KernelCache: os.Getenv("DISTILL_KERNEL_CACHE")})
 	if err != nil {
 		t.Fatal(err)
@@ -435,43 +447,126 @@ func cudaRanks(t *testing.T, b *testcache.Built, one *Result, over []string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dir := t.TempDir()
-	var cmds []*exec.Cmd
-	var errs []*strings.Builder
-	for rank := 0; rank < 2; rank++ {
+	var ps []rankProc
+	for rank := 0; rank < n; rank++ {
 		cfg := tinyConfig(t, b, filepath.Join(dir, "run"), over...)
 		cp := filepath.Join(dir, fmt.Sprintf("rank%d.yaml", rank))
 		writeResolvedTo(t, cfg, cp)
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), "TRAINER_CHILD_CONFIG="+cp, fmt.Sprintf("TRAINER_CHILD_RANK=%d/2", rank),
-			"TRAINER_CHILD_NCCL_ID="+hex.EncodeToString(id[:]), "TRAINER_CHILD_RESULT="+filepath.Join(dir, fmt.Sprintf("rank%d.json", rank)))
-		var stderr strings.Builder
-		cmd.Stderr = &stderr
-		if err := cmd.Start(); err != nil {
+		p := rankProc{cmd: exec.Command(os.Args[0], "-test.run=^$"), stderr: &strings.Builder{},
+			result: filepath.Join(dir, fmt.Sprintf("rank%d.json", rank))}
+		p.cmd.Env = append(os.Environ(), "TRAINER_CHILD_CONFIG="+cp, fmt.Sprintf("TRAINER_CHILD_RANK=%d/%d", rank, n),
+			"TRAINER_CHILD_NCCL_ID="+hex.EncodeToString(id[:]), "TRAINER_CHILD_RESULT="+p.result)
+		p.cmd.Env = append(p.cmd.Env, env[rank]...)
+		p.cmd.Stderr = p.stderr
+		if len(env[rank]) > 0 { // a held child waits on its stdin, which stays open
+			if _, err := p.cmd.StdinPipe(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := p.cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
-		cmds, errs = append(cmds, cmd), append(errs, &stderr)
+		ps = append(ps, p)
 	}
-	for rank, cmd := range cmds {
-		if err := cmd.Wait(); err != nil {
-			t.Fatalf("rank %d: %v\n%s", rank, err, errs[rank].String())
+	return ps
+}
+
+// results waits for the ranks and reads their Results.
+func results(t *testing.T, ps []rankProc) []Result {
+	t.Helper()
+	for rank, p := range ps {
+		if err := p.cmd.Wait(); err != nil {
+			t.Fatalf("rank %d: %v\n%s", rank, err, p.stderr.String())
 		}
 	}
-	for rank := 0; rank < 2; rank++ {
-		var res Result
-		raw, err := os.ReadFile(filepath.Join(dir, fmt.Sprintf("rank%d.json", rank)))
+	out := make([]Result, len(ps))
+	for rank, p := range ps {
+		raw, err := os.ReadFile(p.result)
 		if err == nil {
-			err = json.Unmarshal(raw, &res)
+			err = json.Unmarshal(raw, &out[rank])
 		}
 		if err != nil {
 			t.Fatalf("rank %d's result: %v", rank, err)
 		}
+	}
+	return out
+}
+
+// cudaRanks runs two rank processes of the config over, joined by a new
+// group's id, and compares them with the one-process run one.
+func cudaRanks(t *testing.T, b *testcache.Built, one *Result, over []string) {
+	rs := results(t, startRanks(t, b, t.TempDir(), 2, over, nil))
+	for rank := 0; rank < 2; rank++ {
+		res := rs[rank]
 		closeLosses(t, fmt.Sprintf("one CUDA process vs CUDA rank %d of 2 (%v)", rank, over), one, &res, 1e-4)
 		if rank == 0 {
 			closeMoments(t, fmt.Sprintf("%v", over), one.Checkpoint, res.Checkpoint, 1e-3)
 			t.Logf("%v: step 6: loss %.6f one process, %.6f rank 0; checkpoint %s", over, one.Steps[5].Loss, res.Steps[5].Loss, res.Checkpoint)
 		}
 	}
+}
+
+// TestCUDADataParallelRankKilled: rank 0 of two rank processes on the
+// emulated GPU and NCCL is killed (SIGKILL) in step 4; rank 1, waiting in
+// the step's all-reduce, fails instead of hanging (the NCCL stand-in sees
+// its peer gone), and the job run again resumes from rank 0's last
+// checkpoint (step 2) and ends bit for bit where an uninterrupted pair
+// ends.
+func TestCUDADataParallelRankKilled(t *testing.T) {
+	useCUDA(t)
+	b := testCache(t)
+	over := []string{"train.device=cuda", "train.max_steps=6", "eval.every=0", "checkpoint.every=2", "checkpoint.keep=5"}
+	straight := results(t, startRanks(t, b, t.TempDir(), 2, over, nil))
+
+	dir := t.TempDir()
+	held := filepath.Join(dir, "held")
+	ps := startRanks(t, b, dir, 2, over, map[int][]string{0: {"TRAINER_CHILD_HOLD=4:" + held}})
+	exited := make(chan error, 2)
+	for _, p := range ps {
+		go func(p rankProc) { exited <- p.cmd.Wait() }(p)
+	}
+	for { // until rank 0 holds in step 4 (go test's -timeout bounds a hang)
+		if _, err := os.Stat(held); err == nil {
+			break
+		}
+		select {
+		case err := <-exited:
+			t.Fatalf("a rank exited before rank 0 held: %v\nrank 0:\n%s\nrank 1:\n%s", err, ps[0].stderr, ps[1].stderr)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	ps[0].cmd.Process.Kill()
+	var errs []error
+	for range ps {
+		errs = append(errs, <-exited)
+	}
+	for i, err := range errs {
+		if err == nil {
+			t.Errorf("exit %d of the killed pair: nil, want both ranks to fail", i)
+		}
+	}
+	why := regexp.MustCompile(`(?m)^panic: .*$`).FindString(ps[1].stderr.String())
+	if !strings.Contains(why, "nccl") || !strings.Contains(why, "rank 0") {
+		t.Errorf("rank 1 did not fail on its NCCL peer's death:\n%s", lastLines(ps[1].stderr.String(), 20))
+	}
+	t.Logf("rank 1 after its peer's death: %s", why)
+
+	again := results(t, startRanks(t, b, dir, 2, over, nil))
+	if again[0].Resumed == "" || !strings.HasSuffix(again[0].Resumed, "step-00000002") {
+		t.Fatalf("the rerun resumed from %q, want step 2's checkpoint", again[0].Resumed)
+	}
+	for rank := range again {
+		last, want := again[rank].Steps[len(again[rank].Steps)-1], straight[rank].Steps[len(straight[rank].Steps)-1]
+		if math.Float64bits(last.Loss) != math.Float64bits(want.Loss) || math.Float64bits(last.GradNorm) != math.Float64bits(want.GradNorm) {
+			t.Errorf("rank %d: the resumed pair's last step: loss %v grad_norm %v; uninterrupted: %v %v", rank, last.Loss, last.GradNorm, want.Loss, want.GradNorm)
+		}
+	}
+}
+
+// lastLines is the last n lines of s.
+func lastLines(s string, n int) string {
+	l := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	return strings.Join(l[max(0, len(l)-n):], "\n")
 }
 
 // TestResumeAcrossWorldSizes: a checkpoint is the same whatever wrote it:
