@@ -94,10 +94,7 @@ func PlanTeacher(cfg *model.Config, o PlanOptions) (TeacherPlan, error) {
 	if o.GPUs > len(layers) {
 		return TeacherPlan{}, fmt.Errorf("%w: %d GPUs for %d layers: at most %d stages (one layer each, the last with the head)", ErrPlan, o.GPUs, len(layers), len(layers))
 	}
-	p := TeacherPlan{Opts: o, Reserve: deviceReserve(o.DeviceBytes)}
-	for _, b := range splitLayers(embed, layers, head, o.GPUs) {
-		p.Stages = append(p.Stages, b)
-	}
+	p := TeacherPlan{Opts: o, Reserve: deviceReserve(o.DeviceBytes), Stages: splitLayers(embed, layers, head, o.GPUs)}
 	p.Budget = -1
 	for i := range p.Stages {
 		st := &p.Stages[i]

@@ -76,12 +76,6 @@ func (b *Backend) gemm(out, x, w uint64, m, n, k int, in int) {
 	b.gemmEx(out, x, w, m, n, k, false, true, in, 0)
 }
 
-// gemmBF16Out is gemm with a BF16 out: the fp32 accumulator rounded once
-// by cuBLASLt's epilogue.
-func (b *Backend) gemmBF16Out(out, x, w uint64, m, n, k int) {
-	b.gemmTo(out, dataBF16, x, w, m, n, k, false, true, dataBF16, 0)
-}
-
 // gemmEx enqueues out (m,n) F32 = op(a) (m,k) · op(b) (k,n) + beta·out,
 // row-major, with op(a) = aᵀ when ta (a stored (k,m)) and op(b) = bᵀ when
 // tb (b stored (n,k)); a and b of cuBLASLt type in. beta = 1 accumulates
@@ -153,11 +147,11 @@ func (b *Backend) MatMul(outT, xT, wT, biasT compute.Tensor, m, n, k int) {
 	} else {
 		xp, xs := b.bf16Operand(x, m*k)
 		wp, ws := b.bf16Operand(w, n*k)
+		accT := dataF32
 		if acc == out.p && out.dt == compute.BF16 {
-			b.gemmBF16Out(out.p, xp, wp, m, n, k)
-		} else {
-			b.gemm(acc, xp, wp, m, n, k, dataBF16)
+			accT = dataBF16 // rounded once by cuBLASLt's epilogue
 		}
+		b.gemmTo(acc, accT, xp, wp, m, n, k, false, true, dataBF16, 0)
 		b.free(xs)
 		b.free(ws)
 	}

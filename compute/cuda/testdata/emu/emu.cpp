@@ -861,9 +861,7 @@ static void store_el(void *p, int type, i64 i, float v) {
 		((float *)p)[i] = v;
 		return;
 	}
-	u32 b = __float_as_uint(v);
-	if ((b & 0x7fffffffu) > 0x7f800000u) ((u16 *)p)[i] = (u16)((b >> 16) | 0x40u);
-	else ((u16 *)p)[i] = (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+	((u16 *)p)[i] = emu_f2bf(v);
 }
 
 // D = alpha·op(A)·op(B) + beta·C, column-major: op(A) (m,k), op(B) (k,n),

@@ -83,6 +83,15 @@ static inline u32 __float_as_uint(float f) {
 static inline float __int_as_float(int i) { return __uint_as_float((u32)i); }
 static inline int __float_as_int(float f) { return (int)__float_as_uint(f); }
 
+// emu_f2bf rounds to the nearest bfloat16, ties to even, NaN kept a quiet
+// NaN: the kernels' f2bf, for the library stand-ins (cuBLASLt's BF16 D,
+// cuDNN's BF16 tensors).
+static inline u16 emu_f2bf(float f) {
+	u32 b = __float_as_uint(f);
+	if ((b & 0x7fffffffu) > 0x7f800000u) return (u16)((b >> 16) | 0x40u);
+	return (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
 #define DK_DEV static inline
 #define DK_KERNEL static
 #define __launch_bounds__(...)

@@ -1009,13 +1009,6 @@ float to_float(u16 h) {
 	memcpy(&f, &u, 4);
 	return f;
 }
-u16 to_bf16(float f) {
-	u32 u;
-	memcpy(&u, &f, 4);
-	if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40); // NaN stays NaN
-	u += 0x7fffu + ((u >> 16) & 1);                                     // round to nearest even
-	return (u16)(u >> 16);
-}
 
 double ldv(int dt, const char *p) {
 	switch (dt) {
@@ -1058,7 +1051,7 @@ void stv(int dt, char *p, double v) {
 	}
 	case CUDNN_DATA_DOUBLE: memcpy(p, &v, 8); return;
 	case CUDNN_DATA_BFLOAT16: {
-		u16 h = to_bf16((float)v);
+		u16 h = emu_f2bf((float)v);
 		memcpy(p, &h, 2);
 		return;
 	}
