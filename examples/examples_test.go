@@ -270,6 +270,15 @@ func TestREADMECommands(t *testing.T) {
 	}
 }
 
+// repoScript runs `bash ARGS...` in the repository's root with env added
+// to this process's environment, and returns its output.
+func repoScript(env []string, args ...string) ([]byte, error) {
+	cmd := exec.Command("bash", args...)
+	cmd.Dir = ".."
+	cmd.Env = append(os.Environ(), env...)
+	return cmd.CombinedOutput()
+}
+
 // TestREADMEBenchScripts runs the README's CPU benchmark scripts as
 // printed, one iteration each (ITERS=1): each runs both sides (ours and
 // PyTorch, Debian's python3-torch, which scripts/setup-test.sh installs)
@@ -293,10 +302,7 @@ func TestREADMEBenchScripts(t *testing.T) {
 		for len(words) > 0 && regexp.MustCompile(`^[A-Z_]+=`).MatchString(words[0]) {
 			env, words = append(env, words[0]), words[1:]
 		}
-		cmd := exec.Command("bash", words...)
-		cmd.Dir = ".."
-		cmd.Env = append(os.Environ(), env...)
-		out, err := cmd.CombinedOutput()
+		out, err := repoScript(env, words...)
 		if err != nil || !strings.Contains(string(out), "ratio go/torch:") {
 			t.Errorf("README: `%s`: %v, want a go/torch ratio\n%s", m[1], err, out)
 			continue

@@ -2,7 +2,6 @@ package examples
 
 import (
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -19,17 +18,13 @@ func TestGPUSuiteDryRun(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: builds the GPU test bundle")
 	}
-	build := exec.Command("bash", "scripts/gpu-suite.sh", "build")
-	build.Dir = ".."
-	if out, err := build.CombinedOutput(); err != nil {
+	if out, err := repoScript(nil, "scripts/gpu-suite.sh", "build"); err != nil {
 		t.Fatalf("gpu-suite.sh build: %v\n%s", err, out)
 	}
 	out := t.TempDir()
-	call := exec.Command("bash", "scripts/gpu/attn-call.sh", "env", "nccl", "train-bench")
-	call.Dir = ".."
-	call.Env = append(os.Environ(), "DISTILL_GPU_SUITE_EMU=1", "ACT_COMPARE=1", "SKIP_SYSTEM_CUDNN=1", "OUT="+out,
-		"DISTILL_GPU_BIN="+filepath.Join(t.TempDir(), "bin"), "DISTILL_KERNEL_CACHE="+t.TempDir())
-	log, err := call.CombinedOutput()
+	log, err := repoScript([]string{"DISTILL_GPU_SUITE_EMU=1", "ACT_COMPARE=1", "SKIP_SYSTEM_CUDNN=1", "OUT=" + out,
+		"DISTILL_GPU_BIN=" + filepath.Join(t.TempDir(), "bin"), "DISTILL_KERNEL_CACHE=" + t.TempDir()},
+		"scripts/gpu/attn-call.sh", "env", "nccl", "train-bench")
 	if err != nil {
 		t.Fatalf("attn-call.sh: %v\n%s", err, log)
 	}

@@ -2,7 +2,6 @@ package examples
 
 import (
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -28,10 +27,7 @@ func TestQuickstart(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := t.TempDir()
-	cmd := exec.Command("bash", "scripts/quickstart.sh")
-	cmd.Dir = ".."
-	cmd.Env = append(os.Environ(), "QS_TINY=1", "QS_OUT="+out, "QS_TOKENIZER="+tok)
-	log, err := cmd.CombinedOutput()
+	log, err := repoScript([]string{"QS_TINY=1", "QS_OUT=" + out, "QS_TOKENIZER=" + tok}, "scripts/quickstart.sh")
 	if err != nil {
 		t.Fatalf("scripts/quickstart.sh: %v\n%s", err, log)
 	}
