@@ -41,7 +41,7 @@ type ranks struct {
 	c          compute.Collective
 	rank, size int
 	be         compute.Backend
-	flag       compute.Tensor // one element: the stop flags' sum
+	buf        compute.Tensor // what reduceSums sends, grown as needed
 }
 
 // single is the group of a run with no Parallel.
@@ -64,7 +64,7 @@ func joinRanks(p *Parallel, be compute.Backend) (ranks, error) {
 		c.Close()
 		return single, fmt.Errorf("the data-parallel group made this process rank %d of %d, its launcher rank %d of %d", c.Rank(), c.Size(), p.Rank, p.WorldSize)
 	}
-	return ranks{c: c, rank: p.Rank, size: p.WorldSize, be: be, flag: be.New(compute.F32, 1)}, nil
+	return ranks{c: c, rank: p.Rank, size: p.WorldSize, be: be}, nil
 }
 
 // anyStop reports whether any rank asks to stop (a collective: every rank
@@ -73,15 +73,12 @@ func (g *ranks) anyStop(mine bool) bool {
 	if g.c == nil {
 		return mine
 	}
-	v := float32(0)
+	v := []float64{0}
 	if mine {
-		v = 1
+		v[0] = 1
 	}
-	g.be.WriteF32(g.flag, []float32{v})
-	g.c.AllReduceSum(g.flag, 1)
-	out := []float32{0}
-	g.be.ReadF32(g.flag, out)
-	return out[0] > 0
+	g.reduceSums(v)
+	return v[0] > 0
 }
 
 // reduceGrads sums the student's gradients over the ranks.
@@ -91,8 +88,8 @@ func (g *ranks) reduceGrads(s *train.Student) {
 	}
 }
 
-// reduceSums sums vals (a step's loss sums, weighted by loss positions)
-// over the ranks, in place.
+// reduceSums sums vals (a step's loss sums, weighted by loss positions;
+// the stop flags) over the ranks, in place.
 func (g *ranks) reduceSums(vals []float64) {
 	if g.c == nil || len(vals) == 0 {
 		return
@@ -101,10 +98,16 @@ func (g *ranks) reduceSums(vals []float64) {
 	for i, v := range vals {
 		f[i] = float32(v)
 	}
-	t := g.be.FromF32(f)
+	if g.buf == nil || g.buf.Len() < len(f) {
+		if g.buf != nil {
+			g.be.Free(g.buf)
+		}
+		g.buf = g.be.New(compute.F32, max(len(f), 64))
+	}
+	t := g.be.View(g.buf, 0, len(f))
+	g.be.WriteF32(t, f)
 	g.c.AllReduceSum(t, len(f))
 	g.be.ReadF32(t, f)
-	g.be.Free(t)
 	for i := range vals {
 		vals[i] = float64(f[i])
 	}
@@ -131,7 +134,9 @@ func (g *ranks) reduceEval(es *evalSums, nt int) {
 
 func (g *ranks) close() {
 	if g.c != nil {
-		g.be.Free(g.flag)
+		if g.buf != nil {
+			g.be.Free(g.buf)
+		}
 		g.c.Close()
 	}
 }
