@@ -47,6 +47,9 @@ var (
 	timingLog   = regexp.MustCompile(`\d+ tok/s [0-9.]+ GFLOP/s peak \d+ MiB eta \S+`)
 	readAheadLn = regexp.MustCompile(`(?m)^dataset: tokenized .*\n`)
 	loopback    = regexp.MustCompile(`127\.0\.0\.1:\d+`)
+	// deviceAuto is the device chooser's line, which names what this
+	// machine has (its driver's error, or its GPU): not the trainer's.
+	deviceAuto = regexp.MustCompile(`(?m)^device auto: .*$`)
 )
 
 // pinDigests runs pr and returns a digest per output: the log and the
@@ -54,7 +57,7 @@ var (
 // TensorBoard scalars (perf/ tags and wall times removed), config.yaml,
 // every file of every checkpoint left, and every file of the exported
 // model.
-func pinDigests(t *testing.T, pr pinRun) map[string]string {
+func pinDigests(t *testing.T, pr pinRun, texts map[string][]byte) map[string]string {
 	t.Helper()
 	out := map[string]string{}
 	norm := func(b []byte) []byte {
@@ -71,6 +74,12 @@ func pinDigests(t *testing.T, pr pinRun) map[string]string {
 	}
 	put := func(name string, b []byte) {
 		out[pr.name+" "+name] = fmt.Sprintf("%x", sha256.Sum256(b))
+	}
+	// putText is put for an output a person can read: a mismatch shows
+	// it, so that a failure on another machine says what changed.
+	putText := func(name string, b []byte) {
+		put(name, b)
+		texts[pr.name+" "+name] = b
 	}
 	opts := pr.opts
 	if len(opts) == 0 {
@@ -91,8 +100,9 @@ func pinDigests(t *testing.T, pr pinRun) map[string]string {
 		logs.Write(log.Bytes())
 	}
 	l := timingLog.ReplaceAll(logs.Bytes(), []byte("TIMING"))
-	put("log", norm(readAheadLn.ReplaceAll(l, nil)))
-	put("results", norm(results.Bytes()))
+	l = deviceAuto.ReplaceAll(l, []byte("DEVICE"))
+	putText("log", norm(readAheadLn.ReplaceAll(l, nil)))
+	putText("results", norm(results.Bytes()))
 	mj, err := os.ReadFile(filepath.Join(pr.cfg.RunDir, "metrics.jsonl"))
 	if err != nil {
 		t.Fatal(err)
@@ -105,7 +115,7 @@ func pinDigests(t *testing.T, pr pinRun) map[string]string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	put("config.yaml", norm(cy))
+	putText("config.yaml", norm(cy))
 	steps, err := listCheckpoints(pr.cfg.RunDir)
 	if err != nil || len(steps) == 0 {
 		t.Fatalf("%s: checkpoints %v: %v", pr.name, steps, err)
@@ -300,9 +310,9 @@ func TestPinnedTrainer(t *testing.T) {
 	if err != nil && !*updatePinned {
 		t.Skipf("no pinned outputs for this machine (%v): `go test ./train/trainer -run TestPinnedTrainer -update` on code known to be right writes them", err)
 	}
-	got := map[string]string{}
+	got, texts := map[string]string{}, map[string][]byte{}
 	for _, pr := range pinRuns(t) {
-		for k, v := range pinDigests(t, pr) {
+		for k, v := range pinDigests(t, pr, texts) {
 			got[k] = v
 		}
 	}
@@ -334,6 +344,9 @@ func TestPinnedTrainer(t *testing.T) {
 			t.Errorf("%s: not pinned in %s", k, golden)
 		} else if w != got[k] {
 			t.Errorf("%s: sha256 %.16s, pinned %.16s: the output changed", k, got[k], w)
+			if txt, ok := texts[k]; ok {
+				t.Logf("%s as this run wrote it (normalized):\n%s", k, txt)
+			}
 		}
 		delete(pinned, k)
 	}
