@@ -128,7 +128,7 @@ func Check(dir string, opts *Options) (*CheckReport, error) {
 
 // checkChunk reads the chunk file of info, checks its size, CRC-32C and
 // structure against the record, decodes every sample and checks the token
-// count. Whatever is wrong with the file wraps ErrCorrupt; an error that
+// count, and the draws of a sampled kind. Whatever is wrong with the file wraps ErrCorrupt; an error that
 // does not is an I/O error (permission, EIO) that says nothing about the
 // chunk's content.
 func checkChunk(fs FS, dir string, m *Manifest, info ChunkInfo) error {
@@ -141,6 +141,11 @@ func checkChunk(fs FS, dir string, m *Manifest, info ChunkInfo) error {
 	for row := range c.index {
 		if err := c.sample(row, &smp); err != nil {
 			return err
+		}
+		// The draws' invariants (counts summing to N, ids distinct and
+		// outside the head, the stored order) are the format's too.
+		if err := validateDraws(m, &smp, fmt.Sprintf("sample %d", smp.Index)); err != nil {
+			return fmt.Errorf("%w: chunk %s: %v", ErrCorrupt, info.File, err)
 		}
 		tokens += int64(len(smp.Tokens))
 	}

@@ -14,6 +14,42 @@
 // with policy drop) or skipped (--skip-bad), so that cache indexes stay the
 // dataset's; readers return it with no tokens and trainers skip it.
 //
+// The manifest's targets field says which of three kinds of teacher
+// targets every position holds (cachectl fill --targets):
+//
+//   - topk (no targets field; format version 1): the top-K above.
+//   - sampled (format version 2, k 0): N draws with replacement from the
+//     teacher's full distribution at the capture temperature (N is the
+//     manifest's draws), stored as the distinct ids drawn and their
+//     counts. count/N is an unbiased estimate of p: E[count_v/N] = p_v
+//     for every id, in the tail too (Anshumann et al. 2025, "Sparse Logit
+//     Sampling"), where a top-k cache is biased.
+//   - head+sampled (format version 2, k >= 1): the exact top-K (the head)
+//     as in a topk cache, plus N draws from the distribution outside the
+//     head renormalized, as ids and counts, and the head's complement
+//     tail_mass = Σ_{v∉head} p_v. The target p_v on the head and
+//     tail_mass·count_v/N on the drawn ids is unbiased with a lower variance
+//     than pure sampling: the head is exact and the draws only estimate
+//     how the tail mass is split.
+//
+// # Draws
+//
+// Draw d (0 <= d < N) of position t of sample i takes the uniform
+//
+//	key = little-endian uint64 of SHA-256("distill.draws\x00" + dataset_fingerprint)[0:8]
+//	sm(x) = SplitMix64's output on x + 0x9e3779b97f4a7c15
+//	u = (sm(sm(sm(key ^ i) ^ t) ^ d) >> 11) / 2^53        in [0, 1)
+//
+// (DrawUniform) and inverts the CDF in ascending id order: the draw is the
+// smallest id v (outside the head under head+sampled) whose cumulative
+// probability Σ_{w<=v} p_w exceeds u times the mass drawn from (1, or the
+// tail mass), summed in float64; a u so close to 1 that rounding leaves it
+// above the sum draws the last id with mass. The generator is counter
+// based: a range refilled by another process or node draws the same ids
+// wherever the teacher's probabilities agree. A position's draws are
+// stored as its distinct ids by descending count (ties: ascending id);
+// a head+sampled position whose tail mass is exactly 0 has no draws.
+//
 // # Directory layout
 //
 //	DIR/
@@ -56,11 +92,12 @@
 //
 // # Chunk files
 //
-// One Arrow IPC file (format version 1 of this package, Arrow IPC file
-// format, buffers zstd-compressed where that saves at least 5%) with one
+// One Arrow IPC file (format version 1 of this package for topk, 2 for the
+// sampled kinds; Arrow IPC file format, buffers zstd-compressed where that saves at least 5%) with one
 // record batch, one row per sample in index order, and schema metadata
 // distill.format_version, distill.encoding, distill.k, distill.vocab_size,
-// distill.range_start, distill.range_end. All columns are plain Arrow types
+// distill.range_start, distill.range_end (and, format version 2,
+// distill.targets and distill.draws). All columns are plain Arrow types
 // that any Arrow IPC reader with zstd support opens (pyarrow.ipc.open_file;
 // TestChunkReadableByArrowJS reads chunks with Apache Arrow's JavaScript
 // implementation and applies the formulas below written in JavaScript).
@@ -76,8 +113,34 @@
 //
 //	topk_ids[t,j] = id_dict[0][id_code0[t*K+j] + 256*id_code1[t*K+j] + 65536*id_code2[t*K+j]]
 //
+// The sampled kinds (format version 2) add, after the columns above (a
+// sampled chunk, k 0, has neither the id codes nor the log-probs):
+//
+//	draw_n        list<uint16>  (T) distinct ids drawn at each position
+//	draw_code0..2 list<uint8>   (D) byte planes of their dictionary codes
+//	draw_count0,1 list<uint8>   (D) byte planes of their counts (>= 1)
+//	tail_bits0..3 list<uint8>   (T) head+sampled only: float32 bits of the
+//	                            tail mass
+//
+// with D = Σ_t draw_n[t]: position t's draws are the draw_n[t] entries
+// after those of positions 0..t-1, ids from the same dictionary (which
+// counts drawn ids too), count = c0 + 256*c1, the counts of a position
+// summing to N. In Python, for row r of a sampled or head+sampled chunk:
+//
+//	t = pyarrow.ipc.open_file(path).read_all()
+//	col = lambda name: np.asarray(t[name][r].values).astype(np.int64)
+//	dict_ = np.asarray(t["id_dict"][0].values)
+//	n = col("draw_n"); off = np.concatenate([[0], np.cumsum(n)])
+//	ids = dict_[col("draw_code0") | col("draw_code1") << 8 | col("draw_code2") << 16]
+//	counts = col("draw_count0") | col("draw_count1") << 8
+//	N = int(t.schema.metadata[b"distill.draws"])
+//	# position p: ids[off[p]:off[p+1]] with target counts[off[p]:off[p+1]] / N
+//	tail = (col("tail_bits0") | col("tail_bits1") << 8 | col("tail_bits2") << 16
+//	        | col("tail_bits3") << 24).astype(np.uint32).view(np.float32)  # head+sampled
+//
 // List offsets are int32 (plain Arrow lists, not large lists), so a chunk
-// holds at most MaxChunkEntries = 2^31-1 (position, k) entries in all:
+// holds at most MaxChunkEntries = 2^31-1 (position, k) entries in all
+// (k + N per position for the sampled kinds):
 // ChunkWriter.Add refuses the sample that would cross it (ErrInvalid,
 // naming the sample; fill that range with fewer samples per chunk) rather
 // than write a file no reader can open.
@@ -119,7 +182,8 @@
 //
 // Format constants (changing any needs a FormatVersion bump): the key
 // layout and prefixes above, the column names and their order, the
-// metadata keys, lpTopScale = 4096, lpDeltaUnit = 64, the file naming,
+// metadata keys, lpTopScale = 4096, lpDeltaUnit = 64, the draws' key,
+// generator and CDF order, MaxDraws = 65535 (16-bit counts), the file naming,
 // CRC-32C as checksum, MaxChunkSamples (16384, bounds an index
 // transaction) and MaxChunkEntries (2^31-1, the int32 list offsets).
 //

@@ -40,6 +40,17 @@ const (
 	colLPBits1  = "lp_bits1"
 	colLPBits2  = "lp_bits2"
 	colLPBits3  = "lp_bits3"
+	// Format version 2 (sampled kinds).
+	colDrawN      = "draw_n"
+	colDrawCode0  = "draw_code0"
+	colDrawCode1  = "draw_code1"
+	colDrawCode2  = "draw_code2"
+	colDrawCount0 = "draw_count0"
+	colDrawCount1 = "draw_count1"
+	colTailBits0  = "tail_bits0"
+	colTailBits1  = "tail_bits1"
+	colTailBits2  = "tail_bits2"
+	colTailBits3  = "tail_bits3"
 )
 
 // Schema metadata keys of a chunk file (format).
@@ -50,8 +61,14 @@ const (
 	metaVocab    = "distill.vocab_size"
 	metaStart    = "distill.range_start"
 	metaEnd      = "distill.range_end"
+	// Format version 2.
+	metaTargets = "distill.targets"
+	metaDraws   = "distill.draws"
 )
 
+// chunkSchema is the schema of m's chunks: a top-k manifest's is version
+// 1's, column for column; the sampled kinds add the draw columns (and
+// sampled, with no head, has no id codes or log-probs).
 func chunkSchema(m *Manifest, r Range) *arrow.Schema {
 	u8 := arrow.ListOf(arrow.PrimitiveTypes.Uint8)
 	fields := []arrow.Field{
@@ -59,26 +76,34 @@ func chunkSchema(m *Manifest, r Range) *arrow.Schema {
 		{Name: colInputIDs, Type: arrow.ListOf(arrow.PrimitiveTypes.Int32)},
 		{Name: colLossMask, Type: u8},
 		{Name: colIDDict, Type: arrow.ListOf(arrow.PrimitiveTypes.Int32)},
-		{Name: colIDCode0, Type: u8},
-		{Name: colIDCode1, Type: u8},
-		{Name: colIDCode2, Type: u8},
 	}
-	if m.Encoding == EncodingCompact {
-		fields = append(fields,
-			arrow.Field{Name: colLPTop, Type: arrow.ListOf(arrow.PrimitiveTypes.Uint16)},
-			arrow.Field{Name: colLPDelta0, Type: u8},
-			arrow.Field{Name: colLPDelta1, Type: u8})
-	} else {
-		fields = append(fields,
-			arrow.Field{Name: colLPBits0, Type: u8},
-			arrow.Field{Name: colLPBits1, Type: u8},
-			arrow.Field{Name: colLPBits2, Type: u8},
-			arrow.Field{Name: colLPBits3, Type: u8})
+	plain := func(names ...string) {
+		for _, n := range names {
+			fields = append(fields, arrow.Field{Name: n, Type: u8})
+		}
 	}
-	md := arrow.NewMetadata(
-		[]string{metaVersion, metaEncoding, metaK, metaVocab, metaStart, metaEnd},
-		[]string{strconv.Itoa(FormatVersion), string(m.Encoding), strconv.Itoa(m.K),
-			strconv.Itoa(m.VocabSize), strconv.FormatInt(r.Start, 10), strconv.FormatInt(r.End, 10)})
+	if m.K > 0 {
+		plain(colIDCode0, colIDCode1, colIDCode2)
+		if m.Encoding == EncodingCompact {
+			fields = append(fields, arrow.Field{Name: colLPTop, Type: arrow.ListOf(arrow.PrimitiveTypes.Uint16)})
+			plain(colLPDelta0, colLPDelta1)
+		} else {
+			plain(colLPBits0, colLPBits1, colLPBits2, colLPBits3)
+		}
+	}
+	keys := []string{metaVersion, metaEncoding, metaK, metaVocab, metaStart, metaEnd}
+	vals := []string{strconv.Itoa(m.FormatVersion), string(m.Encoding), strconv.Itoa(m.K),
+		strconv.Itoa(m.VocabSize), strconv.FormatInt(r.Start, 10), strconv.FormatInt(r.End, 10)}
+	if m.Sampled() {
+		fields = append(fields, arrow.Field{Name: colDrawN, Type: arrow.ListOf(arrow.PrimitiveTypes.Uint16)})
+		plain(colDrawCode0, colDrawCode1, colDrawCode2, colDrawCount0, colDrawCount1)
+		if m.Kind() == TargetsHeadSampled {
+			plain(colTailBits0, colTailBits1, colTailBits2, colTailBits3)
+		}
+		keys = append(keys, metaTargets, metaDraws)
+		vals = append(vals, string(m.Kind()), strconv.Itoa(m.Draws))
+	}
+	md := arrow.NewMetadata(keys, vals)
 	return arrow.NewSchema(fields, &md)
 }
 
@@ -128,11 +153,90 @@ func validateSample(m *Manifest, s *Sample) error {
 		if mass > 1+1e-3 {
 			return fmt.Errorf("%w: %s: position %d: top-k probabilities sum to %.6f > 1; log-probs must be normalized over the full vocabulary", ErrInvalid, where, t, mass)
 		}
-		if m.Encoding == EncodingCompact && float64(lps[0])*lpTopScale < -math.MaxUint16 {
+		if K > 0 && m.Encoding == EncodingCompact && float64(lps[0])*lpTopScale < -math.MaxUint16 {
 			return fmt.Errorf("%w: %s: position %d: top-1 log-prob %v below %v; impossible for a distribution over the vocabulary", ErrInvalid, where, t, lps[0], -float64(math.MaxUint16)/lpTopScale)
 		}
 	}
+	return validateDraws(m, s, where)
+}
+
+// validateDraws checks the draws of a sampled kind (none for topk).
+func validateDraws(m *Manifest, s *Sample, where string) error {
+	T, K, V := len(s.Tokens), m.K, int32(m.VocabSize)
+	if !m.Sampled() {
+		if s.DrawN != nil || s.DrawIDs != nil || s.DrawCounts != nil || s.TailMass != nil {
+			return fmt.Errorf("%w: %s: draws in a topk cache: fill it with targets sampled or head+sampled", ErrInvalid, where)
+		}
+		return nil
+	}
+	if len(s.DrawN) != T {
+		return fmt.Errorf("%w: %s: draw_n has %d entries, tokens %d", ErrInvalid, where, len(s.DrawN), T)
+	}
+	head := m.Kind() == TargetsHeadSampled
+	if head && len(s.TailMass) != T || !head && len(s.TailMass) != 0 {
+		return fmt.Errorf("%w: %s: tail mass has %d entries, want %d (targets %s)", ErrInvalid, where, len(s.TailMass), T*btoi(head), m.Kind())
+	}
+	total := 0
+	for _, n := range s.DrawN {
+		if n < 0 || int(n) > m.Draws {
+			return fmt.Errorf("%w: %s: %d distinct drawn ids at a position, want 0 to the draws %d", ErrInvalid, where, n, m.Draws)
+		}
+		total += int(n)
+	}
+	if len(s.DrawIDs) != total || len(s.DrawCounts) != total {
+		return fmt.Errorf("%w: %s: %d drawn ids and %d counts, want the sum of draw_n %d", ErrInvalid, where, len(s.DrawIDs), len(s.DrawCounts), total)
+	}
+	off := 0
+	seen := map[int32]int{}
+	for t := 0; t < T; t++ {
+		n := int(s.DrawN[t])
+		ids, counts := s.DrawIDs[off:off+n], s.DrawCounts[off:off+n]
+		off += n
+		sum := 0
+		clear(seen)
+		for j, id := range ids {
+			if id < 0 || id >= V {
+				return fmt.Errorf("%w: %s: position %d draw %d: token id %d outside vocab [0, %d)", ErrInvalid, where, t, j, id, V)
+			}
+			if i, dup := seen[id]; dup {
+				return fmt.Errorf("%w: %s: position %d: drawn id %d listed twice (entries %d and %d)", ErrInvalid, where, t, id, i, j)
+			}
+			seen[id] = j
+			c := counts[j]
+			if c < 1 {
+				return fmt.Errorf("%w: %s: position %d: id %d has count %d, want >= 1 (ids drawn no time are not stored)", ErrInvalid, where, t, id, c)
+			}
+			if j > 0 && (c > counts[j-1] || c == counts[j-1] && id <= ids[j-1]) {
+				return fmt.Errorf("%w: %s: position %d: draws not in the stored order (descending count, ties ascending id) at %d: id %d count %d after id %d count %d", ErrInvalid, where, t, j, id, c, ids[j-1], counts[j-1])
+			}
+			for i := 0; i < K; i++ {
+				if s.TopKIDs[t*K+i] == id {
+					return fmt.Errorf("%w: %s: position %d: drawn id %d is in the head (slot %d): the draws are from outside it", ErrInvalid, where, t, id, i)
+				}
+			}
+			sum += int(c)
+		}
+		tail := float32(1)
+		if head {
+			tail = s.TailMass[t]
+			if !(tail >= 0 && tail <= 1) {
+				return fmt.Errorf("%w: %s: position %d: tail mass %v outside [0, 1]", ErrInvalid, where, t, tail)
+			}
+		}
+		switch {
+		case n == 0 && tail == 0:
+		case sum != m.Draws:
+			return fmt.Errorf("%w: %s: position %d: counts sum to %d, want the draws %d (none only where the tail mass is 0)", ErrInvalid, where, t, sum, m.Draws)
+		}
+	}
 	return nil
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // countWriter is the io.WriteSeeker the Arrow file writer wants (it only
@@ -154,15 +258,19 @@ func encodeChunk(m *Manifest, r Range, samples []Sample) ([]byte, error) {
 	var positions int64
 	for i := range samples {
 		positions += int64(len(samples[i].Tokens))
-		if err := checkEntries(r, samples[i].Index, positions, K); err != nil {
+		if err := checkEntries(r, samples[i].Index, positions, m.entryWidth()); err != nil {
 			return nil, err // ChunkWriter.Add refuses it first; a guard for other callers
 		}
 	}
-	// Chunk dictionary: distinct top-k ids by descending count, so frequent
-	// ids get small codes and the high code planes are mostly zero.
+	// Chunk dictionary: distinct top-k (and drawn) ids by descending count,
+	// so frequent ids get small codes and the high code planes are mostly
+	// zero.
 	count := make([]int32, m.VocabSize)
 	for i := range samples {
 		for _, id := range samples[i].TopKIDs {
+			count[id]++
+		}
+		for _, id := range samples[i].DrawIDs {
 			count[id]++
 		}
 	}
@@ -188,11 +296,27 @@ func encodeChunk(m *Manifest, r Range, samples []Sample) ([]byte, error) {
 	schema := chunkSchema(m, r)
 	b := array.NewRecordBuilder(mem, schema)
 	defer b.Release()
-	list := func(i int) *array.ListBuilder { return b.Field(i).(*array.ListBuilder) }
-	u8 := func(i int, v []uint8) {
-		lb := list(i)
+	list := func(name string) *array.ListBuilder {
+		return b.Field(schema.FieldIndices(name)[0]).(*array.ListBuilder)
+	}
+	u8 := func(name string, v []uint8) {
+		lb := list(name)
 		lb.Append(true)
 		lb.ValueBuilder().(*array.Uint8Builder).AppendValues(v, nil)
+	}
+	u16 := func(name string, v []uint16) {
+		lb := list(name)
+		lb.Append(true)
+		lb.ValueBuilder().(*array.Uint16Builder).AppendValues(v, nil)
+	}
+	codes := func(names [3]string, ids []int32, c0, c1, c2 []uint8) {
+		for e, id := range ids {
+			c := code[id]
+			c0[e], c1[e], c2[e] = uint8(c), uint8(c>>8), uint8(c>>16)
+		}
+		u8(names[0], c0)
+		u8(names[1], c1)
+		u8(names[2], c2)
 	}
 	var c0, c1, c2, p0, p1, p2, p3 []uint8
 	var top []uint16
@@ -200,23 +324,21 @@ func encodeChunk(m *Manifest, r Range, samples []Sample) ([]byte, error) {
 		s := &samples[i]
 		T := len(s.Tokens)
 		b.Field(0).(*array.Int64Builder).Append(s.Index)
-		list(1).Append(true)
-		list(1).ValueBuilder().(*array.Int32Builder).AppendValues(s.Tokens, nil)
-		u8(2, s.Mask)
-		list(3).Append(true)
+		list(colInputIDs).Append(true)
+		list(colInputIDs).ValueBuilder().(*array.Int32Builder).AppendValues(s.Tokens, nil)
+		u8(colLossMask, s.Mask)
+		list(colIDDict).Append(true)
 		if i == 0 {
-			list(3).ValueBuilder().(*array.Int32Builder).AppendValues(dict, nil)
+			list(colIDDict).ValueBuilder().(*array.Int32Builder).AppendValues(dict, nil)
 		}
 		n := T * K
-		c0, c1, c2 = grow(c0, n), grow(c1, n), grow(c2, n)
-		for e, id := range s.TopKIDs {
-			c := code[id]
-			c0[e], c1[e], c2[e] = uint8(c), uint8(c>>8), uint8(c>>16)
+		if K > 0 {
+			c0, c1, c2 = grow(c0, n), grow(c1, n), grow(c2, n)
+			codes([3]string{colIDCode0, colIDCode1, colIDCode2}, s.TopKIDs, c0, c1, c2)
 		}
-		u8(4, c0)
-		u8(5, c1)
-		u8(6, c2)
-		if m.Encoding == EncodingCompact {
+		switch {
+		case K == 0:
+		case m.Encoding == EncodingCompact:
 			top = growU16(top, T)
 			nd := T * (K - 1)
 			p0, p1 = grow(p0, nd), grow(p1, nd)
@@ -238,20 +360,41 @@ func encodeChunk(m *Manifest, r Range, samples []Sample) ([]byte, error) {
 					p0[e], p1[e] = uint8(d), uint8(d>>8)
 				}
 			}
-			list(7).Append(true)
-			list(7).ValueBuilder().(*array.Uint16Builder).AppendValues(top, nil)
-			u8(8, p0)
-			u8(9, p1)
-		} else {
+			u16(colLPTop, top)
+			u8(colLPDelta0, p0)
+			u8(colLPDelta1, p1)
+		default:
 			p0, p1, p2, p3 = grow(p0, n), grow(p1, n), grow(p2, n), grow(p3, n)
-			for e, lp := range s.TopKLogProbs {
-				u := math.Float32bits(lp)
-				p0[e], p1[e], p2[e], p3[e] = uint8(u), uint8(u>>8), uint8(u>>16), uint8(u>>24)
-			}
-			u8(7, p0)
-			u8(8, p1)
-			u8(9, p2)
-			u8(10, p3)
+			floatBits(s.TopKLogProbs, p0, p1, p2, p3)
+			u8(colLPBits0, p0)
+			u8(colLPBits1, p1)
+			u8(colLPBits2, p2)
+			u8(colLPBits3, p3)
+		}
+		if !m.Sampled() {
+			continue
+		}
+		dn := growU16(top, T)
+		for t, v := range s.DrawN {
+			dn[t] = uint16(v)
+		}
+		u16(colDrawN, dn)
+		nd := len(s.DrawIDs)
+		c0, c1, c2 = grow(c0, nd), grow(c1, nd), grow(c2, nd)
+		codes([3]string{colDrawCode0, colDrawCode1, colDrawCode2}, s.DrawIDs, c0, c1, c2)
+		p0, p1 = grow(p0, nd), grow(p1, nd)
+		for e, c := range s.DrawCounts {
+			p0[e], p1[e] = uint8(c), uint8(c>>8)
+		}
+		u8(colDrawCount0, p0)
+		u8(colDrawCount1, p1)
+		if m.Kind() == TargetsHeadSampled {
+			p0, p1, p2, p3 = grow(p0, T), grow(p1, T), grow(p2, T), grow(p3, T)
+			floatBits(s.TailMass, p0, p1, p2, p3)
+			u8(colTailBits0, p0)
+			u8(colTailBits1, p1)
+			u8(colTailBits2, p2)
+			u8(colTailBits3, p3)
 		}
 	}
 	rec := b.NewRecord()
@@ -269,6 +412,20 @@ func encodeChunk(m *Manifest, r Range, samples []Sample) ([]byte, error) {
 		return nil, fmt.Errorf("cache: encoding chunk %v: %w", r, err)
 	}
 	return out.buf.Bytes(), nil
+}
+
+// floatBits writes the little-endian byte planes of v's float32 bits.
+func floatBits(v []float32, p0, p1, p2, p3 []uint8) {
+	for e, x := range v {
+		u := math.Float32bits(x)
+		p0[e], p1[e], p2[e], p3[e] = uint8(u), uint8(u>>8), uint8(u>>16), uint8(u>>24)
+	}
+}
+
+func fromBits(b0, b1, b2, b3 []uint8, out []float32) {
+	for e := range out {
+		out[e] = math.Float32frombits(uint32(b0[e]) | uint32(b1[e])<<8 | uint32(b2[e])<<16 | uint32(b3[e])<<24)
+	}
 }
 
 func grow(b []uint8, n int) []uint8 {
@@ -301,11 +458,13 @@ type chunk struct {
 	top    []uint16   // compact: (positions)
 	delta  [2][]uint8 // compact: (positions, K-1)
 	bits   [4][]uint8 // lossless: (positions, K)
-}
-
-type listCol struct {
-	off  []int32
-	data arrow.Array
+	// sampled kinds: drawN (positions); the draws of position p are
+	// entries drawOff[p]..drawOff[p+1] of dcode and dcount.
+	drawN   []uint16
+	drawOff []int32    // (positions+1)
+	dcode   [3][]uint8 // (draws)
+	dcount  [2][]uint8 // (draws)
+	tail    [4][]uint8 // head+sampled: (positions)
 }
 
 // decodeChunk parses an Arrow IPC chunk file whose checksum already
@@ -347,21 +506,20 @@ func decodeChunk(data []byte, m *Manifest, info ChunkInfo) (*chunk, error) {
 			return nil, bad("row %d holds sample %d, want %d", i, v, info.Start+int64(i))
 		}
 	}
-	lists := make([]*array.List, rec.NumCols())
+	lists := map[string]*array.List{}
 	for i := 1; i < int(rec.NumCols()); i++ {
 		l := rec.Column(i).(*array.List)
 		if l.NullN() != 0 {
 			return nil, bad("column %s has nulls", rec.ColumnName(i))
 		}
-		lists[i] = l
+		lists[rec.ColumnName(i)] = l
 	}
-	off := func(i int) []int32 { return lists[i].Offsets()[:rows+1] }
-	u8 := func(i int) []uint8 { return lists[i].ListValues().(*array.Uint8).Uint8Values() }
-	c.tokOff = off(1)
-	c.tok = lists[1].ListValues().(*array.Int32).Int32Values()
-	c.mask = u8(2)
-	dOff := off(3)
-	dAll := lists[3].ListValues().(*array.Int32).Int32Values()
+	off := func(name string) []int32 { return lists[name].Offsets()[:rows+1] }
+	u8 := func(name string) []uint8 { return lists[name].ListValues().(*array.Uint8).Uint8Values() }
+	c.tokOff = off(colInputIDs)
+	c.tok = lists[colInputIDs].ListValues().(*array.Int32).Int32Values()
+	dOff := off(colIDDict)
+	dAll := lists[colIDDict].ListValues().(*array.Int32).Int32Values()
 	c.dict = dAll[dOff[0]:dOff[1]]
 	if dOff[rows] != dOff[1] {
 		return nil, bad("id_dict is not empty after row 0")
@@ -375,56 +533,91 @@ func decodeChunk(data []byte, m *Manifest, info ChunkInfo) (*chunk, error) {
 	base := c.tokOff[0]
 	// Every per-position column must have the same row boundaries, scaled
 	// by its width, so that sample() can index them without more checks.
-	check := func(col int, width int32) error {
-		o := off(col)
+	check := func(name string, width int32) error {
+		o := off(name)
 		for r := 0; r <= rows; r++ {
 			if o[r]-o[0] != (c.tokOff[r]-base)*width {
-				return bad("column %s row %d has %d values, want %d", rec.ColumnName(col), r, o[r]-o[0], (c.tokOff[r]-base)*width)
+				return bad("column %s row %d has %d values, want %d", name, r, o[r]-o[0], (c.tokOff[r]-base)*width)
 			}
 		}
 		return nil
 	}
-	cols := []struct {
-		col   int
+	type col struct {
+		name  string
 		width int32
 		dst   *[]uint8
-	}{{2, 1, &c.mask}, {4, K, &c.code[0]}, {5, K, &c.code[1]}, {6, K, &c.code[2]}}
-	if m.Encoding == EncodingCompact {
-		cols = append(cols, struct {
-			col   int
-			width int32
-			dst   *[]uint8
-		}{8, K - 1, &c.delta[0]}, struct {
-			col   int
-			width int32
-			dst   *[]uint8
-		}{9, K - 1, &c.delta[1]})
-		if err := check(7, 1); err != nil {
-			return nil, err
+	}
+	cols := []col{{colLossMask, 1, &c.mask}}
+	if K > 0 {
+		cols = append(cols, col{colIDCode0, K, &c.code[0]}, col{colIDCode1, K, &c.code[1]}, col{colIDCode2, K, &c.code[2]})
+		if m.Encoding == EncodingCompact {
+			cols = append(cols, col{colLPDelta0, K - 1, &c.delta[0]}, col{colLPDelta1, K - 1, &c.delta[1]})
+			if err := check(colLPTop, 1); err != nil {
+				return nil, err
+			}
+			o := off(colLPTop)
+			c.top = lists[colLPTop].ListValues().(*array.Uint16).Uint16Values()[o[0]:o[rows]]
+		} else {
+			for i, n := range []string{colLPBits0, colLPBits1, colLPBits2, colLPBits3} {
+				cols = append(cols, col{n, K, &c.bits[i]})
+			}
 		}
-		o := off(7)
-		c.top = lists[7].ListValues().(*array.Uint16).Uint16Values()[o[0]:o[rows]]
-	} else {
-		for i := 0; i < 4; i++ {
-			cols = append(cols, struct {
-				col   int
-				width int32
-				dst   *[]uint8
-			}{7 + i, K, &c.bits[i]})
+	}
+	if m.Kind() == TargetsHeadSampled {
+		for i, n := range []string{colTailBits0, colTailBits1, colTailBits2, colTailBits3} {
+			cols = append(cols, col{n, 1, &c.tail[i]})
 		}
 	}
 	for _, cl := range cols {
-		if err := check(cl.col, cl.width); err != nil {
+		if err := check(cl.name, cl.width); err != nil {
 			return nil, err
 		}
-		o := off(cl.col)
-		*cl.dst = u8(cl.col)[o[0]:o[rows]]
+		o := off(cl.name)
+		*cl.dst = u8(cl.name)[o[0]:o[rows]]
+	}
+	if m.Sampled() {
+		if err := c.decodeDraws(lists, rows, bad); err != nil {
+			return nil, err
+		}
 	}
 	c.tok = c.tok[base:c.tokOff[rows]]
 	if c.mask == nil {
 		c.mask = []uint8{}
 	}
 	return c, nil
+}
+
+// decodeDraws reads the draw columns: draw_n per position, and the draw
+// entries, whose row boundaries must be the sums of draw_n.
+func (c *chunk) decodeDraws(lists map[string]*array.List, rows int, bad func(string, ...any) error) error {
+	base := c.tokOff[0]
+	o := lists[colDrawN].Offsets()[:rows+1]
+	for r := 0; r <= rows; r++ {
+		if o[r]-o[0] != c.tokOff[r]-base {
+			return bad("column %s row %d has %d values, want %d", colDrawN, r, o[r]-o[0], c.tokOff[r]-base)
+		}
+	}
+	c.drawN = lists[colDrawN].ListValues().(*array.Uint16).Uint16Values()[o[0]:o[rows]]
+	c.drawOff = make([]int32, len(c.drawN)+1)
+	for p, n := range c.drawN {
+		if int(n) > c.m.Draws {
+			return bad("position %d has %d distinct drawn ids, more than the draws %d", p, n, c.m.Draws)
+		}
+		c.drawOff[p+1] = c.drawOff[p] + int32(n)
+	}
+	// Row r's draws are positions tokOff[r]-base.. of drawOff.
+	names := []string{colDrawCode0, colDrawCode1, colDrawCode2, colDrawCount0, colDrawCount1}
+	dsts := []*[]uint8{&c.dcode[0], &c.dcode[1], &c.dcode[2], &c.dcount[0], &c.dcount[1]}
+	for i, name := range names {
+		lo := lists[name].Offsets()[:rows+1]
+		for r := 0; r <= rows; r++ {
+			if want := c.drawOff[c.tokOff[r]-base]; lo[r]-lo[0] != want {
+				return bad("column %s row %d has %d values, want %d (the sum of draw_n)", name, r, lo[r]-lo[0], want)
+			}
+		}
+		*dsts[i] = lists[name].ListValues().(*array.Uint8).Uint8Values()[lo[0]:lo[rows]]
+	}
+	return nil
 }
 
 // positions returns the position range [p0, p1) of row.
@@ -441,25 +634,15 @@ func (c *chunk) sample(row int, s *Sample) error {
 	s.Tokens = append(s.Tokens[:0], c.tok[p0:p1]...)
 	s.Mask = append(s.Mask[:0], c.mask[p0:p1]...)
 	n := T * K
-	if cap(s.TopKIDs) < n {
-		s.TopKIDs = make([]int32, n)
-	}
-	if cap(s.TopKLogProbs) < n {
-		s.TopKLogProbs = make([]float32, n)
-	}
-	ids, lps := s.TopKIDs[:n], s.TopKLogProbs[:n]
-	s.TopKIDs, s.TopKLogProbs = ids, lps
+	s.TopKIDs, s.TopKLogProbs = growI32(s.TopKIDs, n), growF32(s.TopKLogProbs, n)
+	ids, lps := s.TopKIDs, s.TopKLogProbs
 	e0 := p0 * K
-	a, b, cc := c.code[0][e0:e0+n], c.code[1][e0:e0+n], c.code[2][e0:e0+n]
-	nd := uint32(len(c.dict))
-	for e := range ids {
-		code := uint32(a[e]) | uint32(b[e])<<8 | uint32(cc[e])<<16
-		if code >= nd {
-			return fmt.Errorf("%w: chunk %s sample %d position %d: id code %d >= dictionary size %d", ErrCorrupt, c.name, s.Index, e/K, code, nd)
-		}
-		ids[e] = c.dict[code]
+	if err := c.ids(c.code, e0, ids, s.Index, K); err != nil {
+		return err
 	}
-	if c.m.Encoding == EncodingCompact {
+	switch {
+	case K == 0:
+	case c.m.Encoding == EncodingCompact:
 		d0, d1 := c.delta[0][p0*(K-1):p1*(K-1)], c.delta[1][p0*(K-1):p1*(K-1)]
 		top := c.top[p0:p1]
 		for t := 0; t < T; t++ {
@@ -472,11 +655,66 @@ func (c *chunk) sample(row int, s *Sample) error {
 				row[j] = -float32(acc) / lpTopScale
 			}
 		}
+	default:
+		fromBits(c.bits[0][e0:e0+n], c.bits[1][e0:e0+n], c.bits[2][e0:e0+n], c.bits[3][e0:e0+n], lps)
+	}
+	if !c.m.Sampled() {
+		s.DrawN, s.DrawIDs, s.DrawCounts, s.TailMass = nil, nil, nil, nil
+		return nil
+	}
+	s.DrawN = growI32(s.DrawN, T)
+	for t := range s.DrawN {
+		s.DrawN[t] = int32(c.drawN[p0+t])
+	}
+	a, b := int(c.drawOff[p0]), int(c.drawOff[p1])
+	s.DrawIDs, s.DrawCounts = growI32(s.DrawIDs, b-a), growI32(s.DrawCounts, b-a)
+	if err := c.ids(c.dcode, a, s.DrawIDs, s.Index, -1); err != nil {
+		return err
+	}
+	for e := range s.DrawCounts {
+		s.DrawCounts[e] = int32(c.dcount[0][a+e]) | int32(c.dcount[1][a+e])<<8
+	}
+	if c.m.Kind() == TargetsHeadSampled {
+		s.TailMass = growF32(s.TailMass, T)
+		fromBits(c.tail[0][p0:p1], c.tail[1][p0:p1], c.tail[2][p0:p1], c.tail[3][p0:p1], s.TailMass)
 	} else {
-		b0, b1, b2, b3 := c.bits[0][e0:e0+n], c.bits[1][e0:e0+n], c.bits[2][e0:e0+n], c.bits[3][e0:e0+n]
-		for e := range lps {
-			lps[e] = math.Float32frombits(uint32(b0[e]) | uint32(b1[e])<<8 | uint32(b2[e])<<16 | uint32(b3[e])<<24)
-		}
+		s.TailMass = nil
 	}
 	return nil
+}
+
+// ids decodes the dictionary codes planes[.][e0:e0+len(out)] into out;
+// width K names positions in errors (-1: draws, whose entries are named).
+func (c *chunk) ids(planes [3][]uint8, e0 int, out []int32, index int64, K int) error {
+	n := len(out)
+	if n == 0 {
+		return nil
+	}
+	a, b, cc := planes[0][e0:e0+n], planes[1][e0:e0+n], planes[2][e0:e0+n]
+	nd := uint32(len(c.dict))
+	for e := range out {
+		code := uint32(a[e]) | uint32(b[e])<<8 | uint32(cc[e])<<16
+		if code >= nd {
+			if K < 0 {
+				return fmt.Errorf("%w: chunk %s sample %d draw entry %d: id code %d >= dictionary size %d", ErrCorrupt, c.name, index, e, code, nd)
+			}
+			return fmt.Errorf("%w: chunk %s sample %d position %d: id code %d >= dictionary size %d", ErrCorrupt, c.name, index, e/K, code, nd)
+		}
+		out[e] = c.dict[code]
+	}
+	return nil
+}
+
+func growI32(b []int32, n int) []int32 {
+	if cap(b) < n {
+		return make([]int32, n)
+	}
+	return b[:n]
+}
+
+func growF32(b []float32, n int) []float32 {
+	if cap(b) < n {
+		return make([]float32, n)
+	}
+	return b[:n]
 }

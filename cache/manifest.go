@@ -49,10 +49,84 @@ const (
 	EncodingLossless Encoding = "lossless"
 )
 
-// FormatVersion is the on-disk format version written by this package. Any
-// change to the key layout, chunk schema, or a constant marked "format" in
-// the package doc needs a bump.
-const FormatVersion = 1
+// FormatVersion is the on-disk format version of a top-k cache
+// (Manifest.Targets topk), and FormatVersionSampled that of the sampled
+// kinds, which added the draw columns (package doc). A top-k cache is still
+// written as version 1, byte for byte as before version 2 existed, so
+// older builds read it. Any change to the key layout, chunk schema, or a
+// constant marked "format" in the package doc needs a bump.
+const (
+	FormatVersion        = 1
+	FormatVersionSampled = 2
+)
+
+// Targets is the kind of teacher targets a cache holds per position
+// (Manifest.Targets; package doc, What is stored).
+type Targets string
+
+// Target kinds. The empty string in a manifest is TargetsTopK (version 1
+// manifests have no targets field).
+const (
+	// TargetsTopK: the teacher's top-K ids and log-probs.
+	TargetsTopK Targets = "topk"
+	// TargetsSampled: N draws from the teacher's full distribution, as
+	// distinct ids and counts; the target is count/N.
+	TargetsSampled Targets = "sampled"
+	// TargetsHeadSampled: the exact top-K (the head) plus N draws from the
+	// distribution outside it renormalized, with its mass (TailMass); the
+	// target is p on the head and TailMass·count/N on the drawn ids.
+	TargetsHeadSampled Targets = "head+sampled"
+)
+
+// MaxDraws bounds Manifest.Draws: counts are stored as 16-bit numbers.
+const MaxDraws = 1<<16 - 1
+
+// ParseTargets parses a target kind as the flags and configs spell it;
+// "" is topk.
+func ParseTargets(s string) (Targets, error) {
+	switch Targets(s) {
+	case "", TargetsTopK:
+		return TargetsTopK, nil
+	case TargetsSampled, TargetsHeadSampled:
+		return Targets(s), nil
+	}
+	return "", fmt.Errorf("%w: targets %q: want topk, sampled or head+sampled", ErrInvalid, s)
+}
+
+// Kind is m's target kind, TargetsTopK for a manifest without one.
+func (m *Manifest) Kind() Targets {
+	if m.Targets == "" {
+		return TargetsTopK
+	}
+	return m.Targets
+}
+
+// Sampled reports whether m's positions carry draws (sampled or
+// head+sampled).
+func (m *Manifest) Sampled() bool { return m.Kind() != TargetsTopK }
+
+// VersionFor is the format version of a cache of kind t.
+func VersionFor(t Targets) int {
+	if t == "" || t == TargetsTopK {
+		return FormatVersion
+	}
+	return FormatVersionSampled
+}
+
+// normalize spells a top-k manifest as version 1 does (no targets field)
+// and fills in the format version when unset.
+func (m *Manifest) normalize() {
+	if m.Targets == TargetsTopK {
+		m.Targets = ""
+	}
+	if m.FormatVersion == 0 {
+		m.FormatVersion = VersionFor(m.Targets)
+	}
+}
+
+// entryWidth bounds the (position, id) entries of one position: k, plus
+// the draws of a sampled kind.
+func (m *Manifest) entryWidth() int { return m.K + m.Draws }
 
 // Manifest describes a cache: what produced it and what every chunk holds.
 // Two caches (or a writer and an existing cache) are compatible only if all
@@ -70,7 +144,8 @@ type Manifest struct {
 	// VocabSize is the teacher's vocabulary size V: ids are in [0, V) and
 	// log-probs are normalized over all V.
 	VocabSize int `json:"vocab_size"`
-	// K is the number of top entries stored per position.
+	// K is the number of top entries stored per position (the head of
+	// head+sampled; 0 for sampled).
 	K int `json:"k"`
 	// Temperature is the capture temperature the log-probs were computed at.
 	Temperature float32 `json:"temperature"`
@@ -78,16 +153,31 @@ type Manifest struct {
 	Samples int64 `json:"samples"`
 	// Encoding is the log-prob encoding of every chunk.
 	Encoding Encoding `json:"encoding"`
+	// Targets is the target kind (format version 2; empty: topk).
+	Targets Targets `json:"targets,omitempty"`
+	// Draws is N, the draws per position of a sampled kind (0 for topk).
+	Draws int `json:"draws,omitempty"`
 }
 
 // Validate reports the first field that makes m unusable, with a hint.
 func (m *Manifest) Validate() error {
+	if _, err := ParseTargets(string(m.Targets)); err != nil {
+		return fmt.Errorf("%w: manifest targets %q: want topk, sampled or head+sampled (a newer build may know it)", ErrInvalid, m.Targets)
+	}
 	switch {
-	case m.FormatVersion != FormatVersion:
-		return fmt.Errorf("%w: manifest format_version %d, this build reads %d (rebuild the cache or use a matching build)", ErrInvalid, m.FormatVersion, FormatVersion)
+	case m.FormatVersion != FormatVersion && m.FormatVersion != FormatVersionSampled:
+		return fmt.Errorf("%w: manifest format_version %d, this build reads %d and %d (rebuild the cache or use a matching build)", ErrInvalid, m.FormatVersion, FormatVersion, FormatVersionSampled)
+	case m.FormatVersion != VersionFor(m.Targets):
+		return fmt.Errorf("%w: manifest format_version %d with targets %s: a %s cache is format version %d", ErrInvalid, m.FormatVersion, m.Kind(), m.Kind(), VersionFor(m.Targets))
 	case m.VocabSize <= 0 || m.VocabSize > 1<<24:
 		return fmt.Errorf("%w: manifest vocab_size %d out of range [1, %d]", ErrInvalid, m.VocabSize, 1<<24)
-	case m.K <= 0 || m.K > m.VocabSize:
+	case m.Kind() == TargetsSampled && m.K != 0:
+		return fmt.Errorf("%w: manifest k %d with targets sampled: a sampled cache has no top-k head (k 0); use targets head+sampled for a head", ErrInvalid, m.K)
+	case m.Sampled() && (m.Draws < 1 || m.Draws > MaxDraws):
+		return fmt.Errorf("%w: manifest draws %d with targets %s: want 1 to %d (counts are 16-bit)", ErrInvalid, m.Draws, m.Kind(), MaxDraws)
+	case !m.Sampled() && m.Draws != 0:
+		return fmt.Errorf("%w: manifest draws %d with targets topk: draws belong to targets sampled or head+sampled", ErrInvalid, m.Draws)
+	case m.Kind() != TargetsSampled && (m.K <= 0 || m.K > m.VocabSize):
 		return fmt.Errorf("%w: manifest k %d must be in [1, vocab_size %d]", ErrInvalid, m.K, m.VocabSize)
 	case m.K > maxK:
 		return fmt.Errorf("%w: manifest k %d exceeds the format limit %d", ErrInvalid, m.K, maxK)
@@ -121,6 +211,8 @@ func (m *Manifest) Agree(o *Manifest, whatM, whatO string) error {
 		{"temperature", m.Temperature, o.Temperature},
 		{"samples", m.Samples, o.Samples},
 		{"encoding", m.Encoding, o.Encoding},
+		{"targets", m.Kind(), o.Kind()},
+		{"draws", m.Draws, o.Draws},
 	}
 	for _, f := range fields {
 		if f.a != f.b {
@@ -162,6 +254,20 @@ type Sample struct {
 	// TopKLogProbs are the matching log-probs normalized over the full
 	// vocabulary, (T, K), non-increasing along K.
 	TopKLogProbs []float32
+
+	// The draws of a sampled kind (Manifest.Targets sampled or
+	// head+sampled; nil for topk). DrawN (T) is the number of distinct ids
+	// drawn at each position; DrawIDs and DrawCounts (Σ DrawN) are those
+	// ids and how many of the N draws fell on each, position after
+	// position, by descending count (ties: ascending id), each count >= 1
+	// and a position's counts summing to N.
+	DrawN      []int32
+	DrawIDs    []int32
+	DrawCounts []int32
+	// TailMass (T), head+sampled only: the teacher's probability outside
+	// the head, which the draws split (the target of drawn id v is
+	// TailMass·count_v/N).
+	TailMass []float32
 }
 
 // Range is a half-open range of sample indices [Start, End).

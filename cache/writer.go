@@ -83,9 +83,7 @@ type writerState struct {
 // that differs); a cache with no committed chunk takes m. Create then runs
 // GC to remove what a crashed writer left behind.
 func Create(dir string, m Manifest, opts *Options) (*Cache, error) {
-	if m.FormatVersion == 0 {
-		m.FormatVersion = FormatVersion
-	}
+	m.normalize()
 	if err := m.Validate(); err != nil {
 		return nil, err
 	}
@@ -189,9 +187,7 @@ func bound(err error, dir string, rs []ChunkInfo) error {
 // The handle shares c's temporary directory: it is valid while c is open,
 // and its Close does nothing. If m agrees with c's manifest, Use returns c.
 func (c *Cache) Use(m Manifest) (*Cache, error) {
-	if m.FormatVersion == 0 {
-		m.FormatVersion = FormatVersion
-	}
+	m.normalize()
 	if err := m.Validate(); err != nil {
 		return nil, err
 	}
@@ -410,7 +406,7 @@ func (w *ChunkWriter) Add(s Sample) error {
 	if err := validateSample(&w.c.m, &s); err != nil {
 		return err
 	}
-	if err := checkEntries(w.r, s.Index, w.tokens+int64(len(s.Tokens)), w.c.m.K); err != nil {
+	if err := checkEntries(w.r, s.Index, w.tokens+int64(len(s.Tokens)), w.c.m.entryWidth()); err != nil {
 		return err
 	}
 	w.tokens += int64(len(s.Tokens))
@@ -420,6 +416,10 @@ func (w *ChunkWriter) Add(s Sample) error {
 		Mask:         append([]uint8(nil), s.Mask...),
 		TopKIDs:      append([]int32(nil), s.TopKIDs...),
 		TopKLogProbs: append([]float32(nil), s.TopKLogProbs...),
+		DrawN:        append([]int32(nil), s.DrawN...),
+		DrawIDs:      append([]int32(nil), s.DrawIDs...),
+		DrawCounts:   append([]int32(nil), s.DrawCounts...),
+		TailMass:     append([]float32(nil), s.TailMass...),
 	})
 	return nil
 }
