@@ -158,6 +158,14 @@ func (m *Model) upload(tokens, starts []int32, cos, sin compute.Tensor) *batch {
 // is F32 (its router runs in fp32). Memory beyond the weights is
 // ActivationBytes plus the backend's kernel scratch.
 func (m *Model) TopK(samples [][]int32, k int, temperature float32) (ids []int32, logprobs []float32) {
+	return m.TopKThen(samples, k, temperature, nil)
+}
+
+// TopKThen is TopK that also hands fn, when not nil, the LM head's input
+// x (n, hidden) in the activation dtype, 1/temperature folded in, with
+// the top-k, before x is freed: package infer draws the sampled targets
+// from its logits. k 0 skips the top-k.
+func (m *Model) TopKThen(samples [][]int32, k int, temperature float32, fn func(x compute.Tensor, n int, ids []int32, logprobs []float32)) (ids []int32, logprobs []float32) {
 	be, c := m.be, m.Cfg
 	n := 0
 	for _, s := range samples {
@@ -217,10 +225,15 @@ func (m *Model) TopK(samples [][]int32, k int, temperature float32) (ids []int32
 		be.RMSNorm(ln, nil, x, normW, n, C, c.RMSNormEps)
 	}
 	idT, lpT := alloc(compute.I32, n*k), alloc(compute.F32, n*k)
-	be.LMHeadTopK(idT, lpT, ln, m.Head.W, n, C, c.VocabSize, k)
+	if k > 0 {
+		be.LMHeadTopK(idT, lpT, ln, m.Head.W, n, C, c.VocabSize, k)
+	}
 	ids, logprobs = make([]int32, n*k), make([]float32, n*k)
 	be.ReadI32(idT, ids)
 	be.ReadF32(lpT, logprobs)
+	if fn != nil {
+		fn(ln, n, ids, logprobs)
+	}
 	for _, t := range tmp {
 		be.Free(t)
 	}
