@@ -183,7 +183,7 @@
 // Format constants (changing any needs a FormatVersion bump): the key
 // layout and prefixes above, the column names and their order, the
 // metadata keys, lpTopScale = 4096, lpDeltaUnit = 64, the draws' key,
-// generator and CDF order, MaxDraws = 65535 (16-bit counts), the file naming,
+// generator and CDF order, MaxDraws = 4096, the file naming,
 // CRC-32C as checksum, MaxChunkSamples (16384, bounds an index
 // transaction) and MaxChunkEntries (2^31-1, the int32 list offsets).
 //

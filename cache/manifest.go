@@ -78,8 +78,10 @@ const (
 	TargetsHeadSampled Targets = "head+sampled"
 )
 
-// MaxDraws bounds Manifest.Draws: counts are stored as 16-bit numbers.
-const MaxDraws = 1<<16 - 1
+// MaxDraws bounds Manifest.Draws: a fill holds tokens x N uniforms (8192
+// x 4096 x 8 bytes = 256 MiB at the default token budget), and counts are
+// stored as 16-bit numbers.
+const MaxDraws = 4096
 
 // ParseTargets parses a target kind as the flags and configs spell it;
 // "" is topk.
@@ -174,7 +176,7 @@ func (m *Manifest) Validate() error {
 	case m.Kind() == TargetsSampled && m.K != 0:
 		return fmt.Errorf("%w: manifest k %d with targets sampled: a sampled cache has no top-k head (k 0); use targets head+sampled for a head", ErrInvalid, m.K)
 	case m.Sampled() && (m.Draws < 1 || m.Draws > MaxDraws):
-		return fmt.Errorf("%w: manifest draws %d with targets %s: want 1 to %d (counts are 16-bit)", ErrInvalid, m.Draws, m.Kind(), MaxDraws)
+		return fmt.Errorf("%w: manifest draws %d with targets %s: want 1 to %d (cache.MaxDraws: a fill holds tokens x N uniforms)", ErrInvalid, m.Draws, m.Kind(), MaxDraws)
 	case !m.Sampled() && m.Draws != 0:
 		return fmt.Errorf("%w: manifest draws %d with targets topk: draws belong to targets sampled or head+sampled", ErrInvalid, m.Draws)
 	case m.Kind() != TargetsSampled && (m.K <= 0 || m.K > m.VocabSize):
