@@ -1,0 +1,76 @@
+package cache
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"sort"
+)
+
+// The draws of the sampled kinds are reproducible (package doc, Draws):
+// draw d at position t of sample i uses the uniform
+// DrawUniform(DrawKey(dataset fingerprint), i, t, d), a pure function of
+// its counter, so any node that fills the range draws the same ids wherever
+// the teacher's probabilities agree, and no RNG state crosses chunks,
+// batches or processes.
+
+// DrawKey is the RNG key of a dataset: the first 8 bytes, little-endian,
+// of SHA-256("distill.draws\x00" + fingerprint) (format).
+func DrawKey(datasetFingerprint string) uint64 {
+	h := sha256.Sum256([]byte("distill.draws\x00" + datasetFingerprint))
+	return binary.LittleEndian.Uint64(h[:8])
+}
+
+// splitmix64 is SplitMix64's output function (Steele, Lea and Flood 2014)
+// on x + golden gamma: a bijection whose outputs pass BigCrush as a
+// counter-based generator (format).
+func splitmix64(x uint64) uint64 {
+	x += 0x9e3779b97f4a7c15
+	x = (x ^ x>>30) * 0xbf58476d1ce4e5b9
+	x = (x ^ x>>27) * 0x94d049bb133111eb
+	return x ^ x>>31
+}
+
+// DrawUniform is the uniform in [0, 1) of draw d at position t of sample
+// i (format):
+//
+//	h = splitmix64(splitmix64(splitmix64(key ^ i) ^ t) ^ d)
+//	u = (h >> 11) / 2^53
+func DrawUniform(key uint64, sample int64, t, d int) float64 {
+	h := splitmix64(key ^ uint64(sample))
+	h = splitmix64(h ^ uint64(t))
+	h = splitmix64(h ^ uint64(d))
+	return float64(h>>11) * (1.0 / (1 << 53))
+}
+
+// Tally turns one position's drawn ids into distinct ids and counts in
+// the stored order (descending count, ties ascending id), appended to ids
+// and counts. drawn is sorted in place.
+func Tally(drawn []int32, ids, counts []int32) ([]int32, []int32) {
+	sort.Slice(drawn, func(a, b int) bool { return drawn[a] < drawn[b] })
+	n0 := len(ids)
+	for a := 0; a < len(drawn); {
+		b := a
+		for b < len(drawn) && drawn[b] == drawn[a] {
+			b++
+		}
+		ids, counts = append(ids, drawn[a]), append(counts, int32(b-a))
+		a = b
+	}
+	pi, pc := ids[n0:], counts[n0:]
+	sort.Sort(byCount{pi, pc})
+	return ids, counts
+}
+
+type byCount struct{ ids, counts []int32 }
+
+func (s byCount) Len() int { return len(s.ids) }
+func (s byCount) Less(a, b int) bool {
+	if s.counts[a] != s.counts[b] {
+		return s.counts[a] > s.counts[b]
+	}
+	return s.ids[a] < s.ids[b]
+}
+func (s byCount) Swap(a, b int) {
+	s.ids[a], s.ids[b] = s.ids[b], s.ids[a]
+	s.counts[a], s.counts[b] = s.counts[b], s.counts[a]
+}
