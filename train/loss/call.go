@@ -121,7 +121,8 @@ func newKDMath(opt *Options, maxK int) *kdMath {
 func (m *kdMath) term(topLP []float32, lseT, qTail float64) (D, H, out float64) {
 	opt, K := m.opt, len(topLP)
 	n := teacherDists(opt, m.lp, m.lq, m.zK[:K], topLP, m.tc, m.invT, lseT)
-	if opt.Tail == Bucket {
+	bucket := opt.Tail == Bucket && !opt.sparse()
+	if bucket {
 		m.lq[K] = math.Log(math.Max(qTail, tailFloor))
 	}
 	D = divergence(opt, m.lp[:n], m.lq[:n], m.hh[:n])
@@ -132,7 +133,7 @@ func (m *kdMath) term(topLP []float32, lseT, qTail float64) (D, H, out float64) 
 	switch {
 	case opt.Tail == Renormalize:
 		out = 0
-	case opt.Tail == Bucket && qTail > tailFloor:
+	case bucket && qTail > tailFloor:
 		out += m.hh[K] / qTail
 	}
 	return D, H, out

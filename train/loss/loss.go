@@ -54,6 +54,27 @@
 //
 // With k = V every mode is the exact full-vocabulary divergence.
 //
+// Sampled targets (Options.Targets sampled or head+sampled, the cache's
+// targets): the teacher row is a sparse distribution r over its ids,
+// given as log r in TopLP: r_v = count_v/N for ids drawn count_v times in
+// N draws from the teacher (sampled), or the head's exact p_v and
+// tail_mass·count_v/N on the ids drawn from outside it (head+sampled);
+// rows may be padded with further distinct ids at r = 0 (log r = -Inf).
+// E[r_v] = p_v for every id of the vocabulary, so against the student's
+// full-vocabulary lq the
+//
+//	fwd_kl = Σ_v r_v (log r_v - lq_v),   ∂/∂s_v = q_v - r_v
+//
+// has the expected gradient of the exact full-vocabulary forward KL (and
+// of the cross-entropy -Σ r log q, which differs by a constant): no tail
+// mode applies, since r already carries the tail's mass. Its value is not
+// unbiased (Σ r log r underestimates -H(p)); its gradient is. rev_kl and
+// jsd are nonlinear in the teacher (they take log p where the student's
+// mass is, and p is 0 wherever nothing was drawn), so on sampled targets
+// they are biased, or infinite, and a config error; so is a temperature
+// other than the capture temperature (tempering a sample is biased) and a
+// tail other than the default bucket (the tail modes do not apply).
+//
 // Divergences over the entries e (K_t, plus the tail bucket under bucket),
 // with p and q the two sides as the tail mode defines them (p̃ and q̃ under
 // renormalize):
@@ -157,8 +178,22 @@ const (
 //     fwd_kl renormalize; bucket is unchanged.
 const Definition = 2
 
+// TargetKind is what the teacher rows hold (config key distill.targets,
+// which must match the cache's targets).
+type TargetKind string
+
+// Target kinds: a top-k, or the sparse distributions of the sampled kinds
+// (see Sampled targets in the package doc).
+const (
+	TopK        TargetKind = "topk"
+	Sampled     TargetKind = "sampled"
+	HeadSampled TargetKind = "head+sampled"
+)
+
 // Options configure the loss. The zero value is not valid; see Validate.
 type Options struct {
+	// Targets is the kind of the teacher rows; "" is topk.
+	Targets TargetKind
 	KD   Divergence
 	Beta float64 // jsd interpolation in [0,1]: 0 = fwd_kl, 1 = rev_kl
 	Tail Tail
@@ -181,6 +216,15 @@ func (o *Options) Validate() error {
 	case Bucket, Renormalize, Zero:
 	default:
 		return fmt.Errorf("%w: tail %q: want bucket, renormalize or zero", ErrInvalid, o.Tail)
+	}
+	switch o.Targets {
+	case "", TopK:
+	case Sampled, HeadSampled:
+		if err := o.validateSampled(); err != nil {
+			return err
+		}
+	default:
+		return fmt.Errorf("%w: targets %q: want topk, sampled or head+sampled", ErrInvalid, o.Targets)
 	}
 	if o.Tail == Zero && o.KD != FwdKL {
 		why := "rev_kl against it is infinite whenever the student has mass outside the top-k"
@@ -211,6 +255,26 @@ func (o *Options) Validate() error {
 	}
 	return nil
 }
+
+// validateSampled refuses what sampled targets cannot be: see Sampled
+// targets in the package doc.
+func (o *Options) validateSampled() error {
+	if o.KD != FwdKL {
+		return fmt.Errorf("%w: kd_loss %s with targets %s: only fwd_kl (equivalently cross-entropy) is unbiased on sampled targets: %s is nonlinear in the teacher's probabilities, which the draws estimate, and is infinite where the student has mass on an id nothing was drawn at; use kd_loss fwd_kl, or a targets topk cache",
+			ErrInvalid, o.KD, o.Targets, o.KD)
+	}
+	if o.teacherT() != o.Temperature {
+		return fmt.Errorf("%w: temperature %g with targets %s captured at %g: tempering sampled targets is biased; set the temperature to %g, or fill a cache at temperature %g",
+			ErrInvalid, o.Temperature, o.Targets, o.teacherT(), o.teacherT(), o.Temperature)
+	}
+	if o.Tail != Bucket {
+		return fmt.Errorf("%w: tail %s with targets %s: the tail modes are for top-k targets; sampled targets carry the tail's mass themselves: leave tail at its default (bucket)", ErrInvalid, o.Tail, o.Targets)
+	}
+	return nil
+}
+
+// sparse reports whether the teacher rows are sampled targets.
+func (o *Options) sparse() bool { return o.Targets == Sampled || o.Targets == HeadSampled }
 
 func (o *Options) teacherT() float64 {
 	if o.TeacherTemperature == 0 {
@@ -409,7 +473,7 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 	if M == 0 {
 		return Stats{}, nil
 	}
-	if err := h.sortTeacherRows(tg, K); err != nil {
+	if err := h.sortTeacherRows(tg, opt, K); err != nil {
 		return Stats{}, err
 	}
 	call := h.newCall(x, w, opt, h.ids, K)
@@ -435,7 +499,7 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 // and writes each row's ids in ascending order to h.ids, the order the
 // backend walks them in, with h.order[c] the rank of the c-th of them.
 // K 0 (no KD term) leaves them empty.
-func (h *Head) sortTeacherRows(tg *Targets, K int) error {
+func (h *Head) sortTeacherRows(tg *Targets, opt *Options, K int) error {
 	M := len(h.rows)
 	h.ids, h.order = growI(h.ids, M*K), growI(h.order, M*K)
 	if K == 0 {
@@ -445,7 +509,7 @@ func (h *Head) sortTeacherRows(tg *Targets, K int) error {
 	clear(h.stamp)
 	for n, t := range h.rows {
 		row := tg.TopIDs[int(t)*K : int(t+1)*K]
-		if err := h.checkTeacherRow(-1, t, row, tg.TopLP[int(t)*K:int(t+1)*K], int32(n+1)); err != nil {
+		if err := h.checkTeacherRow(-1, t, row, tg.TopLP[int(t)*K:int(t+1)*K], int32(n+1), opt.sparse()); err != nil {
 			return err
 		}
 		o := h.order[n*K : (n+1)*K]
@@ -463,9 +527,10 @@ func (h *Head) sortTeacherRows(tg *Targets, K int) error {
 // checkTeacherRow checks a teacher's top-k at token t: ids in the
 // vocabulary and distinct (h.stamp marks the row's ids with mark, which no
 // other row uses), log-probs finite and <= 0 (a small positive slack
-// absorbs cache quantization). teacher numbers the teacher in the message
-// of several (-1: the only one).
-func (h *Head) checkTeacherRow(teacher int, t int32, ids []int32, lps []float32, mark int32) error {
+// absorbs cache quantization; -Inf, a padding entry of r = 0, only for
+// sampled targets). teacher numbers the teacher in the message of several
+// (-1: the only one).
+func (h *Head) checkTeacherRow(teacher int, t int32, ids []int32, lps []float32, mark int32, sparse bool) error {
 	for j, id := range ids {
 		lp := lps[j]
 		if id < 0 || int(id) >= h.V {
@@ -475,6 +540,9 @@ func (h *Head) checkTeacherRow(teacher int, t int32, ids []int32, lps []float32,
 			return fmt.Errorf("%w: %stop-k at token %d lists id %d twice", ErrInvalid, teacherName(teacher), t, id)
 		}
 		h.stamp[id] = mark
+		if sparse && math.IsInf(float64(lp), -1) {
+			continue
+		}
 		if !(lp <= 1e-3) || math.IsInf(float64(lp), 0) {
 			return fmt.Errorf("%w: %slog-prob at token %d, rank %d is %g: want a finite log-probability <= 0", ErrInvalid, teacherName(teacher), t, j, lp)
 		}
@@ -616,6 +684,15 @@ func divergence(opt *Options, lp, lq, h []float64) float64 {
 // sets the student's bucket lq[K] from its tail mass, summed directly.
 func teacherDists(opt *Options, lp, lq, zK []float64, topLP []float32, tc, invT, lseT float64) int {
 	K := len(zK)
+	if opt.sparse() {
+		// The target r as given (log r, normalized over the vocabulary
+		// by construction) against the full-vocabulary lq.
+		for j := 0; j < K; j++ {
+			lp[j] = float64(topLP[j])
+			lq[j] = zK[j]*invT - lseT
+		}
+		return K
+	}
 	switch opt.Tail {
 	case Renormalize, Zero:
 		logSoftmaxK(lp[:K], topLP, tc/opt.Temperature)

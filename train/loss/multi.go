@@ -28,7 +28,7 @@ func (h *Head) runMulti(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, 
 		return Stats{}, nil
 	}
 	KS := offs[len(tg.Teachers)]
-	uni, ulen, Ku, gen, err := h.unions(tg, KS)
+	uni, ulen, Ku, gen, err := h.unions(tg, opt, KS)
 	if err != nil {
 		return Stats{}, err
 	}
@@ -97,7 +97,7 @@ func checkTeachers(teachers []Teacher, N, V int, opt *Options) (offs []int, maxK
 // union of the position's ids (first-seen order) into
 // uni[r*KS : r*KS+ulen[r]]. Ku is the widest union; gen is the last stamp
 // used, which unionColumns goes on from.
-func (h *Head) unions(tg *Targets, KS int) (uni []int32, ulen []int, Ku int, gen int32, err error) {
+func (h *Head) unions(tg *Targets, opt *Options, KS int) (uni []int32, ulen []int, Ku int, gen int32, err error) {
 	V, M := h.V, len(h.rows)
 	h.stamp, h.ustamp, h.slot = growI(h.stamp, V), growI(h.ustamp, V), growI(h.slot, V)
 	clear(h.stamp)
@@ -111,7 +111,7 @@ func (h *Head) unions(tg *Targets, KS int) (uni []int32, ulen []int, Ku int, gen
 			gen++
 			K := te.K
 			row := te.TopIDs[int(t)*K : int(t+1)*K]
-			if err := h.checkTeacherRow(i, t, row, te.TopLP[int(t)*K:int(t+1)*K], gen); err != nil {
+			if err := h.checkTeacherRow(i, t, row, te.TopLP[int(t)*K:int(t+1)*K], gen, opt.sparse()); err != nil {
 				return nil, nil, 0, 0, err
 			}
 			for _, id := range row {
