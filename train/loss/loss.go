@@ -194,9 +194,9 @@ const (
 type Options struct {
 	// Targets is the kind of the teacher rows; "" is topk.
 	Targets TargetKind
-	KD   Divergence
-	Beta float64 // jsd interpolation in [0,1]: 0 = fwd_kl, 1 = rev_kl
-	Tail Tail
+	KD      Divergence
+	Beta    float64 // jsd interpolation in [0,1]: 0 = fwd_kl, 1 = rev_kl
+	Tail    Tail
 	// Temperature T divides the student logits for the KD term (CE always
 	// uses T = 1). TeacherTemperature is the temperature the teacher's
 	// log-probs were captured at (the cache manifest's); 0 means 1.
