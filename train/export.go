@@ -20,12 +20,21 @@ import (
 func LoadHF(dir string) (*Student, error) { return LoadHFOn(dir, device.CPU(0)) }
 
 // LoadHFOn is LoadHF onto the backend be.
-func LoadHFOn(dir string, be compute.Backend) (*Student, error) {
+func LoadHFOn(dir string, be compute.Backend) (*Student, error) { return loadHF(dir, be, nil) }
+
+// LoadHFSharded is LoadHFOn for one rank of a ZeRO stage 2 or 3 group
+// (NewShardedStudentOn): every rank reads the checkpoint and keeps its
+// part.
+func LoadHFSharded(dir string, be compute.Backend, sh Sharding) (*Student, error) {
+	return loadHF(dir, be, &sh)
+}
+
+func loadHF(dir string, be compute.Backend, sh *Sharding) (*Student, error) {
 	cfg, err := model.LoadConfig(dir)
 	if err != nil {
 		return nil, err
 	}
-	s, err := NewStudentOn(cfg, be)
+	s, err := newStudent(cfg, be, sh)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
@@ -37,19 +46,25 @@ func LoadHFOn(dir string, be compute.Backend) (*Student, error) {
 	if err := w.Check(cfg); err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
-	for _, t := range s.Tensors {
+	for i, t := range s.Tensors {
 		v, err := w.F32(t.Name)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", dir, err)
 		}
-		s.be.WriteF32(s.be.View(s.params, t.Off, t.N), v)
+		s.write(i, v)
 	}
 	return s, nil
 }
 
 // Weights returns the master weights by HF name: views into Params on a
 // host backend (valid until the next optimizer step), copies otherwise.
+//
+// Sharded, they are gathered from the ranks: every rank of the group
+// calls it at once, and each gets them all.
 func (s *Student) Weights() map[string][]float32 {
+	if s.sh != nil {
+		return s.sh.weights(s.Tensors)
+	}
 	w := make(map[string][]float32, len(s.Tensors))
 	for _, t := range s.Tensors {
 		if s.Params != nil {

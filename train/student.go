@@ -54,7 +54,8 @@ type Student struct {
 	QAD bool
 
 	be            compute.Backend
-	params, grads compute.Tensor
+	params, grads compute.Tensor // nil when sharded
+	sh            *shards        // ZeRO stages 2 and 3 (NewShardedStudentOn)
 	head          *loss.Head
 	routing       decoder.RouterStats // of the last forward (MoE students)
 }
@@ -73,6 +74,18 @@ func NewStudent(cfg *model.Config) (*Student, error) {
 // NewStudentOn allocates a model of cfg with zero parameters on be:
 // Llama, Qwen2, Qwen3 or Qwen3-MoE.
 func NewStudentOn(cfg *model.Config, be compute.Backend) (_ *Student, err error) {
+	return newStudent(cfg, be, nil)
+}
+
+// NewShardedStudentOn is NewStudentOn for one rank of a ZeRO stage 2 or
+// 3 group (see Sharding): the rank holds its part of the parameters'
+// master weights, gradients and moments. Every rank of the group makes
+// its student of the same config.
+func NewShardedStudentOn(cfg *model.Config, be compute.Backend, sh Sharding) (_ *Student, err error) {
+	return newStudent(cfg, be, &sh)
+}
+
+func newStudent(cfg *model.Config, be compute.Backend, sh *Sharding) (_ *Student, err error) {
 	defer recoverOOM(&err, "allocating the student's parameters and gradients")
 	switch cfg.Arch {
 	case model.ArchLlama, model.ArchQwen2, model.ArchQwen3, model.ArchQwen3MoE:
@@ -96,9 +109,15 @@ func NewStudentOn(cfg *model.Config, be compute.Backend) (_ *Student, err error)
 		s.Tensors = append(s.Tensors, Tensor{Name: ts.Name, Shape: ts.Shape, Off: off, N: n, Decay: !ts.Norm && !ts.Bias})
 		off += n
 	}
-	s.params, s.grads = be.New(compute.F32, off), be.New(compute.F32, off)
-	if h, ok := be.(compute.Host); ok {
-		s.Params, s.Grads = h.HostF32(s.params), h.HostF32(s.grads)
+	if sh != nil {
+		if s.sh, err = newShards(s, *sh); err != nil {
+			return nil, err
+		}
+	} else {
+		s.params, s.grads = be.New(compute.F32, off), be.New(compute.F32, off)
+		if h, ok := be.(compute.Host); ok {
+			s.Params, s.Grads = h.HostF32(s.params), h.HostF32(s.grads)
+		}
 	}
 	m, err := decoder.New(cfg, be, func(name string) (compute.Tensor, compute.Tensor, error) {
 		i, ok := byName[name]
@@ -106,10 +125,20 @@ func NewStudentOn(cfg *model.Config, be compute.Backend) (_ *Student, err error)
 			return nil, nil, fmt.Errorf("%w: the decoder asks for %s, which is not a tensor of a %s config", ErrInvalid, name, cfg.Arch)
 		}
 		t := s.Tensors[i]
+		if s.sh != nil {
+			w, g := s.sh.views(i, t)
+			return w, g, nil
+		}
 		return be.View(s.params, t.Off, t.N), be.View(s.grads, t.Off, t.N), nil
 	})
 	if err != nil {
+		if s.sh != nil {
+			s.sh.free()
+		}
 		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	if s.sh != nil {
+		m.SetResidency(s.sh)
 	}
 	s.Model = m
 	s.head = &loss.Head{Backend: be, V: cfg.VocabSize, C: cfg.Hidden}
@@ -123,8 +152,12 @@ func NewStudentOn(cfg *model.Config, be compute.Backend) (_ *Student, err error)
 // after.
 func (s *Student) Free() {
 	s.Model.Free()
-	s.be.Free(s.params)
-	s.be.Free(s.grads)
+	if s.sh != nil {
+		s.sh.free()
+	} else {
+		s.be.Free(s.params)
+		s.be.Free(s.grads)
+	}
 	s.Params, s.Grads = nil, nil
 }
 
@@ -154,15 +187,31 @@ func (s *Student) Load(w map[string][]float32) error {
 			}
 		}
 	}
-	for _, t := range s.Tensors {
-		s.be.WriteF32(s.be.View(s.params, t.Off, t.N), w[t.Name])
+	for i, t := range s.Tensors {
+		s.write(i, w[t.Name])
 	}
 	return nil
 }
 
+// write stores tensor i's whole values.
+func (s *Student) write(i int, v []float32) {
+	t := s.Tensors[i]
+	if s.sh != nil {
+		s.sh.write(i, t, v)
+		return
+	}
+	s.be.WriteF32(s.be.View(s.params, t.Off, t.N), v)
+}
+
 // Groups returns the optimizer's parameter groups, one per tensor, with
 // weight decay off for norms and biases.
+//
+// Sharded (ZeRO stages 2 and 3), they are this rank's pieces of the
+// tensors instead (ShardPieces says which).
 func (s *Student) Groups() []optim.Group {
+	if s.sh != nil {
+		return s.sh.groups(s.Tensors)
+	}
 	gs := make([]optim.Group, len(s.Tensors))
 	for i, t := range s.Tensors {
 		g := optim.Group{Name: t.Name, Decay: t.Decay, Backend: s.be,
@@ -176,13 +225,61 @@ func (s *Student) Groups() []optim.Group {
 }
 
 // ZeroGrad clears every gradient (one Zero over the arena).
-func (s *Student) ZeroGrad() { s.be.Zero(s.grads) }
+func (s *Student) ZeroGrad() {
+	if s.sh != nil {
+		s.sh.zeroGrad()
+		return
+	}
+	s.be.Zero(s.grads)
+}
 
 // ParamsView is elements [off, off+n) of the parameter arena (the
 // tensors laid out in Tensors' order, at their Off): what ZeRO-1 ranks
-// broadcast.
+// broadcast. Not for a sharded student.
 func (s *Student) ParamsView(off, n int) compute.Tensor { return s.be.View(s.params, off, n) }
 
 // AllReduceGrads sums the gradients over the ranks of c (data-parallel
-// training), in place.
-func (s *Student) AllReduceGrads(c compute.Collective) { c.AllReduceSum(s.grads, s.grads.Len()) }
+// training), in place; a sharded student's are reduce-scattered instead
+// (the blocks' during the backward, the rest here): each rank then holds
+// the sums of its pieces.
+func (s *Student) AllReduceGrads(c compute.Collective) {
+	if s.sh != nil {
+		s.sh.reduceRest()
+		return
+	}
+	c.AllReduceSum(s.grads, s.grads.Len())
+}
+
+// ShardStage is the student's ZeRO stage when sharded (2 or 3), else 0.
+func (s *Student) ShardStage() int {
+	if s.sh == nil {
+		return 0
+	}
+	return s.sh.stage
+}
+
+// ShardPieces are rank r's optimizer groups of a sharded student, in
+// Groups' order on that rank: which part of which tensor each holds.
+func (s *Student) ShardPieces(r int) []Piece {
+	ps, _ := s.sh.pieces(s.Tensors, r)
+	return ps
+}
+
+// AfterStep makes a sharded student's whole weights follow its updated
+// master pieces (a collective: every rank calls it after the optimizer
+// step); nothing for an unsharded one.
+func (s *Student) AfterStep() {
+	if s.sh != nil {
+		s.sh.afterStep()
+	}
+}
+
+// Phantom runs the collectives of one Forward (backward false) or one
+// ForwardBackward without a batch: a rank of a sharded group with fewer
+// rows than the others in a step or an eval keeps in step with them.
+// Nothing for an unsharded student.
+func (s *Student) Phantom(backward bool) {
+	if s.sh != nil {
+		s.Model.Phantom(backward)
+	}
+}

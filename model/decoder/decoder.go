@@ -157,6 +157,11 @@ type Model struct {
 	qadArena         compute.Tensor
 	recompute        Recompute // "" is RecomputeNone
 	train            trainState
+	// res, when set, holds the blocks' weights and takes their gradients
+	// (Residency); qslot[s] is the block whose fake-quantized weights
+	// slot s holds (-1: none) when the blocks share slots.
+	res   Residency
+	qslot []int
 }
 
 // Backend returns the backend the model runs on.

@@ -118,6 +118,7 @@ func (m *Model) FinishCalibration() error {
 	}
 	for i := range m.Blocks {
 		L := &m.Blocks[i]
+		m.fetch(i) // (calibrating: the weights only)
 		for _, l := range L.Linears() {
 			l.WQ.Observe(m.be.AbsMax(l.W, l.Out*l.In))
 			if err := l.WQ.Freeze(l.Name + ".weight"); err != nil {
@@ -229,12 +230,31 @@ func (m *Model) RestoreQAD(amax []float32) error {
 }
 
 // allocFakeQuant carves the fake-quantized weights of every Linear out of
-// one arena.
+// one arena; when the blocks share weight slots (Residency), block i's
+// are in slot i mod Slots, each slot the size of the largest block's.
 func (m *Model) allocFakeQuant() {
-	n := 0
-	for i := range m.Blocks {
+	blockN := func(i int) int {
+		n := 0
 		for _, l := range m.Blocks[i].Linears() {
 			n += l.Out * l.In
+		}
+		return n
+	}
+	slots, per := 0, 0
+	if m.sharedSlots() {
+		slots = m.res.Slots()
+		for i := range m.Blocks {
+			per = max(per, blockN(i))
+		}
+		m.qslot = make([]int, slots)
+		for s := range m.qslot {
+			m.qslot[s] = -1
+		}
+	}
+	n := slots * per
+	if slots == 0 {
+		for i := range m.Blocks {
+			n += blockN(i)
 		}
 	}
 	if m.qadArena != nil {
@@ -243,6 +263,9 @@ func (m *Model) allocFakeQuant() {
 	m.qadArena = m.be.New(compute.F32, n)
 	off := 0
 	for i := range m.Blocks {
+		if slots > 0 {
+			off = (i % slots) * per
+		}
 		for _, l := range m.Blocks[i].Linears() {
 			l.Wfq = m.be.View(m.qadArena, off, l.Out*l.In)
 			off += l.Out * l.In
@@ -251,8 +274,12 @@ func (m *Model) allocFakeQuant() {
 }
 
 // quantizeWeights refreshes the fake-quantized weights from the weights
-// (after every optimizer step the masters moved).
+// (after every optimizer step the masters moved). With shared slots the
+// blocks' are refreshed as they are fetched instead.
 func (m *Model) quantizeWeights() {
+	if m.sharedSlots() {
+		return
+	}
 	for i := range m.Blocks {
 		for _, l := range m.Blocks[i].Linears() {
 			m.be.FakeQuantNVFP4(l.Wfq, l.W, l.Out, l.In, l.WQ.Amax)

@@ -362,6 +362,10 @@ func (m *Model) TrainForward(tokens, starts []int32) (compute.Tensor, error) {
 			nl := &a.layers[i+1]
 			next = &nextNorm{out: nl.ln1, rstd: nl.rstd1, w: m.Blocks[i+1].InNorm.W}
 		}
+		m.fetch(i)
+		if i+1 < len(m.Blocks) {
+			m.fetch(i + 1) // its input norm ends this block (next)
+		}
 		m.blockForward(&m.Blocks[i], &a.layers[i], st.b, i == 0, next)
 		if st.routing != nil && m.Blocks[i].MoE != nil {
 			st.routing.add(m, i, a.layers[i].moe)
@@ -391,6 +395,7 @@ func (m *Model) Backward() {
 	}
 	mode := m.RecomputeMode()
 	for i := len(m.Blocks) - 1; i >= 0; i-- {
+		m.fetch(i)
 		L, l := &m.Blocks[i], &a.layers[i]
 		f, at := L.MLP, &L.Attn
 		switch {
@@ -442,6 +447,7 @@ func (m *Model) Backward() {
 		be.MatMulBackward(a.dln, at.K.DW, at.K.DB, dk, l.ln1q, at.K.weight(), N, KV*D, C)
 		be.MatMulBackward(a.dln, at.V.DW, at.V.DB, a.dv, l.ln1q, at.V.weight(), N, KV*D, C)
 		be.RMSNormBackward(a.dres, L.InNorm.DW, a.dln, l.xin, L.InNorm.W, l.rstd1, N, C)
+		m.gradsDone(i)
 	}
 	be.EmbedBackward(m.Embed.DW, a.dres, b.tokens, N, C)
 }

@@ -169,9 +169,20 @@ func (a *AdamW) Step(lr float64) {
 // non-finite norm is returned as is and nothing is scaled: the caller
 // should skip the step and say which loss produced it.
 func ClipGradNorm(groups []Group, maxNorm float64) float64 {
+	return ClipGradNormSum(groups, maxNorm, nil)
+}
+
+// ClipGradNormSum is ClipGradNorm over groups that hold a part of the
+// gradients each (ZeRO stages 2 and 3: a rank's pieces): sum adds up the
+// parts' sums of squares over the ranks (an all-reduce), so that every
+// rank clips by the same global norm. nil: groups hold them all.
+func ClipGradNormSum(groups []Group, maxNorm float64, sum func(float64) float64) float64 {
 	var ss float64
 	for _, g := range groups {
 		ss += g.Backend.SumSquares(g.G, g.G.Len())
+	}
+	if sum != nil {
+		ss = sum(ss)
 	}
 	norm := math.Sqrt(ss)
 	if maxNorm <= 0 || math.IsNaN(norm) || math.IsInf(norm, 0) {

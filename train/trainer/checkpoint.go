@@ -339,6 +339,12 @@ var testHookPublish func(step int)
 
 // loadCheckpoint reads a checkpoint written by saveCheckpoint onto be.
 func loadCheckpoint(dir string, be compute.Backend) (*train.Student, *State, error) {
+	return loadCheckpointSharded(dir, be, nil)
+}
+
+// loadCheckpointSharded is loadCheckpoint for one rank of a ZeRO stage 2
+// or 3 group when sh is set: the rank keeps its part of the weights.
+func loadCheckpointSharded(dir string, be compute.Backend, sh *train.Sharding) (*train.Student, *State, error) {
 	var st State
 	b, err := os.ReadFile(filepath.Join(dir, "state.json"))
 	if err != nil {
@@ -347,7 +353,12 @@ func loadCheckpoint(dir string, be compute.Backend) (*train.Student, *State, err
 	if err := json.Unmarshal(b, &st); err != nil {
 		return nil, nil, fmt.Errorf("%w: %s/state.json: %v", ErrResume, dir, err)
 	}
-	s, err := train.LoadHFOn(dir, be)
+	var s *train.Student
+	if sh != nil {
+		s, err = train.LoadHFSharded(dir, be, *sh)
+	} else {
+		s, err = train.LoadHFOn(dir, be)
+	}
 	if err != nil {
 		return nil, nil, fmt.Errorf("%w: %w", ErrResume, err)
 	}

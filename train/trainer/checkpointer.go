@@ -1,6 +1,7 @@
 package trainer
 
 import (
+	"distill/compute"
 	"fmt"
 	"io"
 	"path/filepath"
@@ -43,12 +44,8 @@ func (c *checkpointer) latest(resume string) (string, error) {
 
 // load reads checkpoint ckpt onto the run's backend and checks that cfg
 // can continue it (checkResume).
-func (c *checkpointer) load(cfg *Config, ckpt string, log io.Writer) (*train.Student, *State, error) {
-	be, err := backend(cfg, log, c.ordinal)
-	if err != nil {
-		return nil, nil, err
-	}
-	s, st, err := loadCheckpoint(ckpt, be)
+func (c *checkpointer) load(cfg *Config, ckpt string, be compute.Backend, sh *train.Sharding, log io.Writer) (*train.Student, *State, error) {
+	s, st, err := loadCheckpointSharded(ckpt, be, sh)
 	if err != nil {
 		return nil, nil, err
 	}

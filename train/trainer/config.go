@@ -312,10 +312,13 @@ type TrainConfig struct {
 	// the CPU). The gradients are the same in every mode.
 	Recompute string `yaml:"recompute"`
 	// ZeRO is DeepSpeed's ZeRO stage of a data-parallel run: 0 (every
-	// rank holds the whole optimizer state) or 1 (AdamW's moments are
+	// rank holds the whole optimizer state), 1 (AdamW's moments are
 	// sharded over the ranks: each rank updates its slice of the
-	// parameters, then the ranks broadcast their slices). Stages 2 and 3
-	// (gradients, parameters) are not built yet. One process ignores it.
+	// parameters, then the ranks broadcast their slices), 2 (the
+	// gradients too: each layer's are reduce-scattered as its backward
+	// makes them) or 3 (the fp32 weights too: each layer's are gathered
+	// for its turn; FSDP's FULL_SHARD). See train.Sharding. One process
+	// ignores it.
 	ZeRO int `yaml:"zero,omitempty"`
 }
 
@@ -667,9 +670,7 @@ func (c *Config) Validate() error {
 	case c.Train.MaxSkippedSteps < 0:
 		return bad("train.max_skipped_steps", "%d: want >= 0 (0 = never stop for skipped steps)", c.Train.MaxSkippedSteps)
 	case c.Train.ZeRO < 0 || c.Train.ZeRO > 3:
-		return bad("train.zero", "%d: want 0 (no sharding) or 1 (AdamW's moments sharded over the ranks)", c.Train.ZeRO)
-	case c.Train.ZeRO > 1:
-		return bad("train.zero", "%d: ZeRO stages 2 and 3 (sharded gradients, sharded parameters) are not built yet: use 0 or 1", c.Train.ZeRO)
+		return bad("train.zero", "%d: want 0 (no sharding), 1 (AdamW's moments sharded over the ranks), 2 (the gradients too) or 3 (the weights too)", c.Train.ZeRO)
 	case c.Train.Recompute != "auto" && c.Train.Recompute != "none" && c.Train.Recompute != "selective" && c.Train.Recompute != "full":
 		return bad("train.recompute", "%q: want auto (the least recomputation that fits the device), none, selective or full", c.Train.Recompute)
 	case c.Eval.Every < 0 || c.Eval.MaxSamples < 0:

@@ -480,7 +480,7 @@ log: {every: 4, progress: "off", tensorboard: false}
 		t.Fatalf("targets of sample 0 decode to %q: want the assistant turn %q and <|im_end|> only", got, rec)
 	}
 	// The untrained student's held-out CE, as the trainer evaluates.
-	s0, err := initStudent(cfg, io.Discard, 0)
+	s0, err := openStudent(cfg, io.Discard, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -42,7 +42,7 @@ func TestTrainingDevice(t *testing.T) {
 	cfg := tinyConfig(t, b, t.TempDir())
 	cfg.Train.Device = "auto"
 	var log bytes.Buffer
-	s, err := initStudent(cfg, &log, 0)
+	s, err := openStudent(cfg, &log, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -57,7 +57,7 @@ func TestTrainingDevice(t *testing.T) {
 		t.Fatalf("train.device cuda: Validate = %v", err)
 	}
 	log.Reset()
-	s, err = initStudent(cfg, &log, 0)
+	s, err = openStudent(cfg, &log, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -66,7 +66,7 @@ func TestTrainingDevice(t *testing.T) {
 	}
 	cfg.Train.Device = "cpu"
 	log.Reset()
-	if s, err = initStudent(cfg, &log, 0); err != nil {
+	if s, err = openStudent(cfg, &log, 0); err != nil {
 		t.Fatal(err)
 	}
 	if got := s.Backend().Name(); got != "cpu" {

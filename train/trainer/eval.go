@@ -60,6 +60,14 @@ func (e *evaluator) run() (es EvalStats, ok bool, err error) {
 	if err != nil {
 		return es, true, err
 	}
+	if e.s.ShardStage() == 3 {
+		// A forward gathers the blocks' weights: every rank runs as many
+		// as rank 0 (scoreRows runs two a row: the loss, the prediction).
+		for k := e.g.rowsOf(len(rows), e.g.rank); k < e.g.rowsOf(len(rows), 0); k++ {
+			e.s.Phantom(false)
+			e.s.Phantom(false)
+		}
+	}
 	if mine != nil {
 		e.g.reduceEval(&sums, len(e.teachers))
 	}

@@ -53,6 +53,9 @@ func (g *ranks) leader() bool { return g.rank == 0 }
 // mine reports whether row i of a step is this rank's.
 func (g *ranks) mine(i int) bool { return i%g.size == g.rank }
 
+// rowsOf is how many of a step's (or an eval's) n rows rank r runs.
+func (g *ranks) rowsOf(n, r int) int { return (n - r + g.size - 1) / g.size }
+
 // joinRanks joins p's group over be, checking that the collective agrees
 // with the rank and size p was launched with.
 func joinRanks(p *Parallel, be compute.Backend) (ranks, error) {
@@ -221,12 +224,24 @@ func (z *zero1) share() {
 	}
 }
 
-// gather collects every tensor's moments from the ranks' optimizers (a
-// collective: every rank calls it): on rank 0 the moments of tensor i are
-// m[i], v[i]; the other ranks get nil. A piece at a time crosses the
-// group, so no rank ever holds more than one piece of another's.
-func (z *zero1) gather(ad *optim.AdamW) (m, v [][]float32) {
-	ts, g := z.s.Tensors, z.g
+// gatherMoments collects every tensor's moments from the ranks'
+// optimizers, whose groups are pieces of the tensors (ZeRO-1's slices z,
+// or a sharded student's pieces when z is nil); a collective: every rank
+// calls it. On rank 0 the moments of tensor i are m[i], v[i]; the other
+// ranks get nil. A piece at a time crosses the group, so no rank ever
+// holds more than one piece of another's.
+func gatherMoments(g *ranks, s *train.Student, ad *optim.AdamW, z *zero1) (m, v [][]float32) {
+	ts := s.Tensors
+	pieces := func(r int) []train.Piece { return s.ShardPieces(r) }
+	if z != nil {
+		pieces = func(r int) []train.Piece {
+			var ps []train.Piece
+			for _, p := range piecesOf(ts, z.bounds[r], z.bounds[r+1]) {
+				ps = append(ps, train.Piece{Tensor: p.tensor, Off: p.off, N: p.n})
+			}
+			return ps
+		}
+	}
 	if g.leader() {
 		m, v = make([][]float32, len(ts)), make([][]float32, len(ts))
 		for i, t := range ts {
@@ -235,18 +250,17 @@ func (z *zero1) gather(ad *optim.AdamW) (m, v [][]float32) {
 	}
 	be := g.be
 	for r := 0; r < g.size; r++ {
-		theirs := piecesOf(ts, z.bounds[r], z.bounds[r+1])
-		for j, p := range theirs {
-			buf := be.New(compute.F32, 2*p.n)
+		for j, p := range pieces(r) {
+			buf := be.New(compute.F32, 2*p.N)
 			if r == g.rank {
 				pm, pv := ad.MomentTensors(j)
-				be.Copy(be.View(buf, 0, p.n), pm)
-				be.Copy(be.View(buf, p.n, p.n), pv)
+				be.Copy(be.View(buf, 0, p.N), pm)
+				be.Copy(be.View(buf, p.N, p.N), pv)
 			}
-			g.c.Broadcast(buf, 2*p.n, r)
+			g.c.Broadcast(buf, 2*p.N, r)
 			if g.leader() {
-				be.ReadF32(be.View(buf, 0, p.n), m[p.tensor][p.off:p.off+p.n])
-				be.ReadF32(be.View(buf, p.n, p.n), v[p.tensor][p.off:p.off+p.n])
+				be.ReadF32(be.View(buf, 0, p.N), m[p.Tensor][p.Off:p.Off+p.N])
+				be.ReadF32(be.View(buf, p.N, p.N), v[p.Tensor][p.Off:p.Off+p.N])
 			}
 			be.Free(buf)
 		}

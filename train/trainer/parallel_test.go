@@ -17,105 +17,18 @@ import (
 	"time"
 
 	"distill/compute"
+	"distill/compute/computetest"
 	"distill/compute/cuda"
 	"distill/train"
 	"distill/train/testcache"
 )
-
-// hostGroup stands in for a collective in tests: its ranks are goroutines
-// of this process, each with its own backend; every operation waits for
-// all ranks, then combines their buffers in rank order (deterministic).
-type hostGroup struct {
-	n    int
-	mu   sync.Mutex
-	cond *sync.Cond
-	bufs [][]float32
-	in   int       // ranks that deposited for the current operation
-	gen  int       // operations completed
-	res  []float32 // the last completed operation's result
-}
-
-func newHostGroup(n int) *hostGroup {
-	g := &hostGroup{n: n, bufs: make([][]float32, n)}
-	g.cond = sync.NewCond(&g.mu)
-	return g
-}
-
-// exchange deposits x as rank's buffer and returns combine(all ranks'
-// buffers), once every rank has deposited.
-func (g *hostGroup) exchange(rank int, x []float32, combine func([][]float32) []float32) []float32 {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	gen := g.gen
-	g.bufs[rank] = x
-	if g.in++; g.in == g.n {
-		g.res = combine(g.bufs)
-		g.in, g.gen = 0, g.gen+1
-		g.cond.Broadcast()
-	}
-	for g.gen == gen {
-		g.cond.Wait()
-	}
-	return g.res
-}
-
-type hostRank struct {
-	g    *hostGroup
-	rank int
-	be   compute.Backend
-}
-
-func (r *hostRank) Rank() int { return r.rank }
-func (r *hostRank) Size() int { return r.g.n }
-func (r *hostRank) read(t compute.Tensor, off, n int) []float32 {
-	x := make([]float32, n)
-	r.be.ReadF32(r.be.View(t, off, n), x)
-	return x
-}
-func (r *hostRank) AllReduceSum(t compute.Tensor, n int) {
-	sum := r.g.exchange(r.rank, r.read(t, 0, n), func(b [][]float32) []float32 {
-		s := make([]float32, n)
-		for _, x := range b {
-			for i, v := range x {
-				s[i] += v
-			}
-		}
-		return s
-	})
-	r.be.WriteF32(t, sum)
-}
-func (r *hostRank) ReduceScatterSum(dst, src compute.Tensor, n int) {
-	all := r.g.exchange(r.rank, r.read(src, 0, n*r.g.n), func(b [][]float32) []float32 {
-		s := make([]float32, len(b[0]))
-		for _, x := range b {
-			for i, v := range x {
-				s[i] += v
-			}
-		}
-		return s
-	})
-	r.be.WriteF32(dst, all[r.rank*n:(r.rank+1)*n])
-}
-func (r *hostRank) AllGather(dst, src compute.Tensor, n int) {
-	r.be.WriteF32(dst, r.g.exchange(r.rank, r.read(src, 0, n), func(b [][]float32) []float32 {
-		var s []float32
-		for _, x := range b {
-			s = append(s, x...)
-		}
-		return s
-	}))
-}
-func (r *hostRank) Broadcast(t compute.Tensor, n int, root int) {
-	r.be.WriteF32(t, r.g.exchange(r.rank, r.read(t, 0, n), func(b [][]float32) []float32 { return b[root] }))
-}
-func (r *hostRank) Close() error { return nil }
 
 // runRanks runs n ranks of cfg (runDirs[i] for rank i) as goroutines of
 // one hostGroup, with stops[i] as rank i's Options.Stop, and returns their
 // results and logs.
 func runRanks(t *testing.T, n int, cfgs []*Config, stops []chan struct{}) ([]*Result, []string) {
 	t.Helper()
-	g := newHostGroup(n)
+	g := computetest.NewHostGroup(n)
 	res, logs, errs := make([]*Result, n), make([]bytes.Buffer, n), make([]error, n)
 	var wg sync.WaitGroup
 	for i := 0; i < n; i++ {
@@ -123,7 +36,7 @@ func runRanks(t *testing.T, n int, cfgs []*Config, stops []chan struct{}) ([]*Re
 		go func(rank int) {
 			defer wg.Done()
 			o := Options{Log: &logs[rank], Parallel: &Parallel{Rank: rank, WorldSize: n,
-				Join: func(be compute.Backend) (compute.Collective, error) { return &hostRank{g: g, rank: rank, be: be}, nil }}}
+				Join: func(be compute.Backend) (compute.Collective, error) { return g.Rank(rank, be), nil }}}
 			if stops != nil {
 				o.Stop = stops[rank]
 			}
@@ -166,7 +79,7 @@ func closeLosses(t *testing.T, what string, a, b *Result, rel float64) {
 	}
 }
 
-// TestDataParallel: two and three ranks (ZeRO stage 0, over an
+// TestDataParallel: two and three ranks (ZeRO stages 0 to 3, over an
 // in-process stand-in for the collective) train as one process does on
 // the same data: the same steps, tokens and rows, losses and gradient
 // norms within fp32 reordering (every rank sums its rows' gradients, then
@@ -181,7 +94,7 @@ func TestDataParallel(t *testing.T) {
 	if one.Steps[0].Rows < 3 {
 		t.Fatalf("the config packs %d rows a step: the ranks would not share steps unevenly", one.Steps[0].Rows)
 	}
-	for _, c := range []struct{ n, zero int }{{2, 0}, {3, 0}, {2, 1}, {3, 1}} {
+	for _, c := range []struct{ n, zero int }{{2, 0}, {3, 0}, {2, 1}, {3, 1}, {2, 2}, {3, 2}, {2, 3}, {3, 3}} {
 		n := c.n
 		dir := t.TempDir()
 		cfgs := make([]*Config, n)
@@ -199,6 +112,13 @@ func TestDataParallel(t *testing.T) {
 		closeMoments(t, fmt.Sprintf("%d ranks, ZeRO %d", n, c.zero), one.Checkpoint, res[0].Checkpoint, 1e-3)
 		if c.zero == 1 && !strings.Contains(logs[0], "ZeRO stage 1: AdamW's moments sharded over") {
 			t.Errorf("rank 0's log does not say the moments are sharded:\n%s", logs[0])
+		}
+		if c.zero >= 2 && !strings.Contains(logs[0], fmt.Sprintf("(ZeRO stage %d)", c.zero)) {
+			t.Errorf("rank 0's log does not say what a rank holds at stage %d:\n%s", c.zero, logs[0])
+		}
+		if c.zero >= 2 {
+			// The checkpoint's weights, gathered from the ranks' pieces.
+			closeWeights(t, fmt.Sprintf("%d ranks, ZeRO %d", n, c.zero), one.Checkpoint, res[0].Checkpoint, 1e-4)
 		}
 		if !strings.Contains(logs[0], "data parallel: ") {
 			t.Errorf("rank 0's log does not say it runs data parallel:\n%s", logs[0])
@@ -218,12 +138,25 @@ func TestDataParallel(t *testing.T) {
 // within rel of each tensor's largest.
 func closeMoments(t *testing.T, what, a, b string, rel float64) {
 	t.Helper()
-	fa, err := openFile(filepath.Join(a, "optimizer.safetensors"))
+	closeTensors(t, what, filepath.Join(a, "optimizer.safetensors"), filepath.Join(b, "optimizer.safetensors"), rel)
+}
+
+// closeWeights is closeMoments for the checkpoints' weights.
+func closeWeights(t *testing.T, what, a, b string, rel float64) {
+	t.Helper()
+	closeTensors(t, what, filepath.Join(a, "model.safetensors"), filepath.Join(b, "model.safetensors"), rel)
+}
+
+// closeTensors fails unless the tensors of safetensors files a and b
+// agree within rel of each tensor's largest.
+func closeTensors(t *testing.T, what, a, b string, rel float64) {
+	t.Helper()
+	fa, err := openFile(a)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer fa.Close()
-	fb, err := openFile(filepath.Join(b, "optimizer.safetensors"))
+	fb, err := openFile(b)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -254,8 +187,8 @@ func closeMoments(t *testing.T, what, a, b string, rel float64) {
 
 // TestDataParallelMoEAndQAD: a Qwen3-MoE student (its routing counts and
 // load-balancing loss summed over the ranks) and an NVFP4 QAD student
-// (calibrated on every rank alike) train on 2 ranks at ZeRO 1 as they do
-// in one process.
+// (calibrated on every rank alike) train on 2 ranks at ZeRO 1 and 3 as
+// they do in one process.
 func TestDataParallelMoEAndQAD(t *testing.T) {
 	b := testCache(t)
 	for _, c := range []struct {
@@ -278,12 +211,15 @@ func TestDataParallelMoEAndQAD(t *testing.T) {
 				t.Fatalf("%d rows a step: the ranks would not share the steps", one.Steps[0].Rows)
 			}
 			dir := t.TempDir()
-			cfgs := []*Config{c.cfg(filepath.Join(dir, "r0"), "train.zero=1"), c.cfg(filepath.Join(dir, "r1"), "train.zero=1")}
-			res, _ := runRanks(t, 2, cfgs, nil)
-			for i := range res {
-				closeLosses(t, fmt.Sprintf("%s: one process vs rank %d of 2", c.name, i), one, res[i], 1e-4)
-				if c.name == "moe" && fmt.Sprint(res[i].Steps[0].ExpertShare) != fmt.Sprint(one.Steps[0].ExpertShare) {
-					t.Errorf("rank %d: step 1's expert shares %v, one process's %v", i, res[i].Steps[0].ExpertShare, one.Steps[0].ExpertShare)
+			for _, zero := range []int{1, 3} {
+				z := fmt.Sprintf("train.zero=%d", zero)
+				cfgs := []*Config{c.cfg(filepath.Join(dir, z, "r0"), z), c.cfg(filepath.Join(dir, z, "r1"), z)}
+				res, _ := runRanks(t, 2, cfgs, nil)
+				for i := range res {
+					closeLosses(t, fmt.Sprintf("%s: one process vs rank %d of 2, ZeRO %d", c.name, i, zero), one, res[i], 1e-4)
+					if c.name == "moe" && fmt.Sprint(res[i].Steps[0].ExpertShare) != fmt.Sprint(one.Steps[0].ExpertShare) {
+						t.Errorf("ZeRO %d rank %d: step 1's expert shares %v, one process's %v", zero, i, res[i].Steps[0].ExpertShare, one.Steps[0].ExpertShare)
+					}
 				}
 			}
 		})
@@ -324,7 +260,7 @@ func TestZeRO1Shards(t *testing.T) {
 // every rank at the same step boundary, rank 0 checkpoints it, and the
 // group resumes from it to the same weights as an uninterrupted group.
 func TestDataParallelStopAndResume(t *testing.T) {
-	for _, zero := range []int{0, 1} {
+	for _, zero := range []int{0, 1, 3} {
 		t.Run(fmt.Sprintf("zero%d", zero), func(t *testing.T) { stopAndResume(t, zero) })
 	}
 }

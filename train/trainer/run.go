@@ -1,6 +1,7 @@
 package trainer
 
 import (
+	"distill/compute"
 	"errors"
 	"fmt"
 	"io"
@@ -46,7 +47,8 @@ type trainRun struct {
 	params   SourceParams
 	batches  Batches // the training order
 	ck       *checkpointer
-	ckpt     string // the checkpoint resumed from ("": a new run)
+	ckpt     string          // the checkpoint resumed from ("": a new run)
+	be       compute.Backend // the device (train.device)
 	s        *train.Student
 	st       *State
 	ad       *optim.AdamW
@@ -132,7 +134,7 @@ func (r *trainRun) close() {
 // setup runs every stage before step 1, in the order their checks must
 // come: done is true for a run with nothing left to do.
 func (r *trainRun) setup() (done bool, err error) {
-	for _, stage := range []func() error{r.openData, r.lockRunDir, r.loadStudent, r.joinRanks, r.openSource, r.checkData, r.openEvalCache} {
+	for _, stage := range []func() error{r.openData, r.lockRunDir, r.openBackend, r.joinRanks, r.loadStudent, r.openSource, r.checkData, r.openEvalCache} {
 		if err := stage(); err != nil {
 			return false, err
 		}
@@ -187,49 +189,72 @@ func (r *trainRun) lockRunDir() error {
 	return nil
 }
 
+// openBackend opens the device the run trains on (train.device).
+func (r *trainRun) openBackend() error {
+	be, err := backend(r.cfg, r.log, r.ck.ordinal)
+	if err != nil {
+		return err
+	}
+	r.be = be
+	// A device's memory is not the garbage collector's: the run gives
+	// back what it allocated, so that a process can run again.
+	r.onClose(func() { device.Close(be) })
+	return nil
+}
+
 // loadStudent loads the student and state of the checkpoint to resume
-// from, or builds a fresh student.
+// from, or builds a fresh student: under ZeRO stages 2 and 3, this
+// rank's part of it.
 func (r *trainRun) loadStudent() error {
 	ckpt, err := r.ck.latest(r.o.Resume)
 	if err != nil {
 		return err
 	}
 	r.ckpt = ckpt
+	var sh *train.Sharding
+	if r.g.size > 1 && r.cfg.Train.ZeRO >= 2 {
+		sh = &train.Sharding{C: r.g.c, Stage: r.cfg.Train.ZeRO}
+	}
 	if ckpt != "" {
-		if r.s, r.st, err = r.ck.load(r.cfg, ckpt, r.log); err != nil {
+		if r.s, r.st, err = r.ck.load(r.cfg, ckpt, r.be, sh, r.log); err != nil {
 			return err
 		}
 		r.res.Resumed, r.res.Checkpoint, r.res.Step = ckpt, ckpt, r.st.Step
 	} else {
-		if r.s, err = initStudent(r.cfg, r.log, r.ck.ordinal); err != nil {
+		if r.s, err = initStudent(r.cfg, r.be, sh); err != nil {
 			return err
 		}
 		r.st = newState(r.cfg)
 	}
-	// A device's memory is not the garbage collector's: the run gives
-	// back what it allocated, so that a process can run again.
-	s := r.s
-	r.onClose(func() { device.Close(s.Backend()) })
-	r.onClose(s.Free)
+	r.onClose(r.s.Free)
 	return nil
 }
 
 // joinRanks joins the data-parallel group (Options.Parallel) over the
-// student's backend: the step, the stop and the writes then follow the
-// group (see Parallel).
+// run's backend: the student, the step, the stop and the writes then
+// follow the group (see Parallel).
 func (r *trainRun) joinRanks() error {
 	p := r.o.Parallel
 	if p == nil {
 		return nil
 	}
-	g, err := joinRanks(p, r.s.Backend())
+	g, err := joinRanks(p, r.be)
 	if err != nil {
 		return err
 	}
 	r.g = g
 	r.onClose(r.g.close)
 	if r.g.leader() {
-		fmt.Fprintf(r.log, "data parallel: %d ranks, each holding the whole student; rank 0 writes %s\n", r.g.size, r.cfg.RunDir)
+		holds := "each holding the whole student"
+		switch r.cfg.Train.ZeRO {
+		case 1:
+			holds = "each holding the whole student and 1/N of AdamW's moments (ZeRO stage 1)"
+		case 2:
+			holds = "each holding the whole student's weights and 1/N of its gradients and moments (ZeRO stage 2)"
+		case 3:
+			holds = "each holding 1/N of the student's weights, gradients and moments, and two layers' whole weights at a time (ZeRO stage 3)"
+		}
+		fmt.Fprintf(r.log, "data parallel: %d ranks, %s; rank 0 writes %s\n", r.g.size, holds, r.cfg.RunDir)
 		if r.cfg.online() {
 			fmt.Fprintf(r.log, "data parallel with live teachers: every rank asks them for every sample of a step, %d times the teacher work of one process; fill a cache first (cachectl fill) and train from it\n", r.g.size)
 		}
@@ -364,6 +389,10 @@ func sameSamples(a, b Source, r cache.Range) error {
 func (r *trainRun) buildOptimizer() error {
 	groups := r.s.Groups()
 	var at func(int) (int, int)
+	if r.s.ShardStage() > 0 {
+		ps := r.s.ShardPieces(r.g.rank)
+		at = func(i int) (int, int) { return ps[i].Off, r.s.Tensors[ps[i].Tensor].N }
+	}
 	if r.g.size > 1 && r.cfg.Train.ZeRO == 1 {
 		r.z1 = newZero1(&r.g, r.s)
 		groups, at = r.z1.groups(groups), r.z1.at
@@ -578,9 +607,12 @@ func (r *trainRun) evaluate(step int) error {
 // checkpoint never refers to lines not on disk.
 func (r *trainRun) save() error {
 	moments := momentsOf(r.ad.Moments)
-	if r.z1 != nil { // every rank sends rank 0 its moments
-		m, v := r.z1.gather(r.ad)
+	if r.z1 != nil || r.s.ShardStage() > 0 { // every rank sends rank 0 its moments
+		m, v := gatherMoments(&r.g, r.s, r.ad, r.z1)
 		moments = func(i int) ([]float32, []float32) { return m[i], v[i] }
+	}
+	if r.s.ShardStage() > 0 && !r.g.leader() {
+		r.s.Weights() // rank 0's checkpoint gathers them from every rank
 	}
 	if !r.g.leader() {
 		// Rank 0 saves the same state, there.

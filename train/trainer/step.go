@@ -62,6 +62,11 @@ func (sp *stepper) forwardBackward(step int, rows []*train.Batch, sm *StepMetric
 		sp.accumulate(sm, bs)
 		routed = addRouting(routed, sp.s.Routing().Counts)
 	}
+	// Sharded, every rank runs as many backwards as rank 0 (which has
+	// the most rows): their collectives pair up.
+	for k := sp.g.rowsOf(len(rows), sp.g.rank); k < sp.g.rowsOf(len(rows), 0); k++ {
+		sp.s.Phantom(true)
+	}
 	if sp.g.size > 1 {
 		routed = sp.reduce(sm, routed)
 	}
@@ -160,7 +165,15 @@ func (sp *stepper) normalize(sm *StepMetrics, total int) {
 // batch must not poison the weights, so the update is skipped (sm says
 // so) and the moments stay untouched. It reports whether it stepped.
 func (sp *stepper) update(step int, sm *StepMetrics) bool {
-	sm.GradNorm = optim.ClipGradNorm(sp.clip, sp.maxNorm)
+	var sum func(float64) float64
+	if sp.s.ShardStage() > 0 { // each rank holds its pieces' gradients
+		sum = func(x float64) float64 {
+			v := []float64{x}
+			sp.g.reduceSums(v)
+			return v[0]
+		}
+	}
+	sm.GradNorm = optim.ClipGradNormSum(sp.clip, sp.maxNorm, sum)
 	sm.LR = sp.sched.LR(step)
 	if math.IsNaN(sm.GradNorm) || math.IsInf(sm.GradNorm, 0) {
 		sm.Skipped = true
@@ -170,6 +183,7 @@ func (sp *stepper) update(step int, sm *StepMetrics) bool {
 	if sp.z1 != nil {
 		sp.z1.share()
 	}
+	sp.s.AfterStep()
 	return true
 }
 

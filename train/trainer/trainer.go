@@ -328,20 +328,25 @@ func backend(cfg *Config, log io.Writer, ordinal int) (compute.Backend, error) {
 	return be, nil
 }
 
-// initStudent builds a fresh student as the config says.
-func initStudent(cfg *Config, log io.Writer, ordinal int) (*train.Student, error) {
-	be, err := backend(cfg, log, ordinal)
-	if err != nil {
-		return nil, err
-	}
+// initStudent builds a fresh student as the config says, on be (sh:
+// this rank's part of it under ZeRO stages 2 and 3).
+func initStudent(cfg *Config, be compute.Backend, sh *train.Sharding) (*train.Student, error) {
 	if cfg.Model.InitFrom != "" {
+		if sh != nil {
+			return train.LoadHFSharded(cfg.Model.InitFrom, be, *sh)
+		}
 		return train.LoadHFOn(cfg.Model.InitFrom, be)
 	}
 	mc, err := cfg.Model.Random.ModelConfig()
 	if err != nil {
 		return nil, err
 	}
-	s, err := train.NewStudentOn(mc, be)
+	var s *train.Student
+	if sh != nil {
+		s, err = train.NewShardedStudentOn(mc, be, *sh)
+	} else {
+		s, err = train.NewStudentOn(mc, be)
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -508,7 +508,7 @@ func TestConfigErrors(t *testing.T) {
 func TestEvalPackingInvariant(t *testing.T) {
 	b := testCache(t)
 	cfg := tinyConfig(t, b, t.TempDir())
-	s, err := initStudent(cfg, io.Discard, 0)
+	s, err := openStudent(cfg, io.Discard, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -840,4 +840,14 @@ func TestStreamAllEmpty(t *testing.T) {
 	case <-time.After(2 * time.Minute): // watchdog: a healthy nextStep returns at once
 		t.Fatal("nextStep loops forever on a cache of empty samples")
 	}
+}
+
+// openStudent opens cfg's backend and builds a fresh student on it, as a
+// one-process run does.
+func openStudent(cfg *Config, log io.Writer, ordinal int) (*train.Student, error) {
+	be, err := backend(cfg, log, ordinal)
+	if err != nil {
+		return nil, err
+	}
+	return initStudent(cfg, be, nil)
 }

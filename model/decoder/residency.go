@@ -1,0 +1,86 @@
+package decoder
+
+// Residency lets a student hold only some of its blocks' weights at a
+// time (ZeRO stage 3: each rank keeps a shard of every parameter, and a
+// block's whole weights are gathered when it runs) and hand each block's
+// gradients on as soon as its backward has made them (stages 2 and 3:
+// reduce-scattered to the rank that owns them, so no rank holds a whole
+// model's gradients).
+//
+// The decoder calls Fetch(i) before it reads block i's weights (in the
+// forward, also before block i-1's forward, whose fused residual add
+// reads block i's input norm), and GradsDone(i) when block i's backward
+// has accumulated every gradient of the block. Every rank of a sharded
+// group runs the same sequence of calls (they are collectives).
+type Residency interface {
+	// Fetch makes block i's weights current and reports whether it
+	// (re)loaded them, which makes their fake-quantized copies stale.
+	Fetch(i int) bool
+	// GradsDone takes block i's gradients of this backward.
+	GradsDone(i int)
+	// Slots is the number of block weight buffers the blocks share, in
+	// turn (block i's is slot i mod Slots): 0 when every block has its
+	// own.
+	Slots() int
+}
+
+// SetResidency makes the model ask r for its blocks' weights and hand it
+// their gradients (nil: every block's weights are always current and its
+// gradients accumulate in place). Set it before EnableQAD or RestoreQAD.
+func (m *Model) SetResidency(r Residency) {
+	m.res = r
+	m.qslot = nil
+}
+
+// fetch makes block i's weights current and, under QAD with shared
+// slots, its fake-quantized weights too (the whole model's are refreshed
+// at once otherwise, by TrainForward).
+func (m *Model) fetch(i int) {
+	if m.res == nil {
+		return
+	}
+	loaded := m.res.Fetch(i)
+	if !m.qad || m.calibrating || m.res.Slots() == 0 {
+		return
+	}
+	s := i % len(m.qslot)
+	if loaded || m.qslot[s] != i {
+		for _, l := range m.Blocks[i].Linears() {
+			m.be.FakeQuantNVFP4(l.Wfq, l.W, l.Out, l.In, l.WQ.Amax)
+		}
+		m.qslot[s] = i
+	}
+}
+
+// gradsDone hands block i's gradients to the residency.
+func (m *Model) gradsDone(i int) {
+	if m.res != nil {
+		m.res.GradsDone(i)
+	}
+}
+
+// sharedSlots reports whether the blocks share weight slots (and so
+// their fake-quantized copies: one per slot).
+func (m *Model) sharedSlots() bool { return m.res != nil && m.res.Slots() > 0 }
+
+// Phantom runs the Residency calls of one TrainForward (and, with
+// backward, one Backward) without computing anything: a sharded rank
+// with no batch of its own keeps in step with ranks that have one.
+func (m *Model) Phantom(backward bool) {
+	if m.res == nil {
+		return
+	}
+	for i := range m.Blocks {
+		m.fetch(i)
+		if i+1 < len(m.Blocks) {
+			m.fetch(i + 1)
+		}
+	}
+	if !backward {
+		return
+	}
+	for i := len(m.Blocks) - 1; i >= 0; i-- {
+		m.fetch(i)
+		m.gradsDone(i)
+	}
+}

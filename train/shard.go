@@ -1,0 +1,343 @@
+package train
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+
+	"distill/compute"
+	"distill/train/optim"
+)
+
+// Sharding makes a student one rank's part of a ZeRO stage 2 or 3
+// data-parallel group (DeepSpeed's stages; FSDP's SHARD_GRAD_OP and
+// FULL_SHARD):
+//
+//   - the parameters are cut into units: one per decoder block, and the
+//     runs of tensors outside the blocks (the embeddings; the final norm
+//     and the LM head), each a contiguous range of the tensors in
+//     model.Config.Tensors' order;
+//   - each unit of n elements is padded to Size·per (per = ceil(n/Size))
+//     and rank r owns its elements [r·per, (r+1)·per): the fp32 master
+//     weights, the gradients and (the optimizer's groups, cut at the
+//     tensors' boundaries) the AdamW moments of those elements only;
+//   - a block's gradients are reduce-scattered (summed over the ranks,
+//     each keeping its part) as soon as its backward has made them, out
+//     of one gradient buffer all blocks share, and added to the rank's
+//     part: no rank holds a whole model's gradients. The units outside
+//     the blocks keep whole gradient buffers over a step's rows and are
+//     reduce-scattered once, after the last (ReduceShardGrads);
+//   - stage 2: every unit keeps its whole weights, all-gathered from the
+//     ranks' parts after each optimizer step (AfterStep);
+//   - stage 3: the blocks' whole weights exist only while they run: two
+//     buffers the blocks share in turn (block i's is i mod 2), filled by
+//     an all-gather of the ranks' parts when the decoder fetches the
+//     block (decoder.Residency); the units outside the blocks stay whole,
+//     as at stage 2, since the embedding, the final norm and the LM head
+//     are read at both ends of every forward and backward.
+//
+// Every rank runs the same sequence of collectives: the same number of
+// forwards and backwards per step (a rank without a row of its own runs
+// Phantom passes), and Weights, which gathers, on every rank at once.
+type Sharding struct {
+	C     compute.Collective
+	Stage int // 2 or 3
+}
+
+// unit is a contiguous range of the student's tensors sharded as one.
+type unit struct {
+	lo, hi   int // tensors [lo, hi) of Student.Tensors
+	off, n   int // their range of the logical arena (Tensor.Off)
+	per      int // ceil(n/size): each rank's part
+	shardOff int // the part's offset in the rank's shard arenas
+	block    int // the decoder block, or -1
+	// p, g are the unit's whole (padded: size·per) weights and gradients:
+	// its own buffers, or the blocks' shared ones (stage 3's p, and every
+	// block's g).
+	p, g compute.Tensor
+}
+
+// shards is a student's sharded state over its group.
+type shards struct {
+	be          compute.Backend
+	c           compute.Collective
+	stage       int
+	rank, size  int
+	units       []unit
+	blockUnit   []int          // decoder block -> unit index
+	master, gsh compute.Tensor // this rank's parts: fp32 weights, gradients
+	slots       [2]compute.Tensor
+	held        [2]int         // stage 3: the block each slot holds (-1: none)
+	loaded      [2]bool        // the slot was filled since Fetch last said so
+	blockG      compute.Tensor // the blocks' shared gradient buffer
+	own         []compute.Tensor
+	tmp         compute.Tensor // a reduce-scatter's landing: the largest part
+}
+
+// blockOf is the decoder block a tensor belongs to, or -1.
+func blockOf(name string) int {
+	rest, ok := strings.CutPrefix(name, "model.layers.")
+	if !ok {
+		return -1
+	}
+	i := strings.IndexByte(rest, '.')
+	if i < 0 {
+		return -1
+	}
+	b, err := strconv.Atoi(rest[:i])
+	if err != nil {
+		return -1
+	}
+	return b
+}
+
+// newShards lays s's tensors out as sh says and allocates this rank's
+// state; the decoder's tensors are then views of bind's answers.
+func newShards(s *Student, sh Sharding) (*shards, error) {
+	if sh.Stage != 2 && sh.Stage != 3 {
+		return nil, fmt.Errorf("%w: ZeRO stage %d: the student shards at stages 2 and 3 (stages 0 and 1 keep it whole)", ErrInvalid, sh.Stage)
+	}
+	h := &shards{be: s.be, c: sh.C, stage: sh.Stage, rank: sh.C.Rank(), size: sh.C.Size(), held: [2]int{-1, -1}}
+	for i, t := range s.Tensors {
+		b := blockOf(t.Name)
+		if n := len(h.units); n > 0 && h.units[n-1].block == b {
+			u := &h.units[n-1]
+			u.hi, u.n = i+1, u.n+t.N
+			continue
+		}
+		h.units = append(h.units, unit{lo: i, hi: i + 1, off: t.Off, n: t.N, block: b})
+	}
+	h.blockUnit = make([]int, s.Cfg.Layers)
+	for i := range h.blockUnit {
+		h.blockUnit[i] = -1
+	}
+	shardN, maxPer, maxBlock := 0, 0, 0
+	for k := range h.units {
+		u := &h.units[k]
+		if u.block >= 0 {
+			if u.block >= len(h.blockUnit) || h.blockUnit[u.block] >= 0 {
+				return nil, fmt.Errorf("%w: the tensors of block %d are not contiguous in the config's order", ErrInvalid, u.block)
+			}
+			h.blockUnit[u.block] = k
+		}
+		u.per = (u.n + h.size - 1) / h.size
+		u.shardOff = shardN
+		shardN += u.per
+		maxPer = max(maxPer, u.per)
+		if u.block >= 0 {
+			maxBlock = max(maxBlock, u.per*h.size)
+		}
+	}
+	be := s.be
+	h.master, h.gsh = be.New(compute.F32, max(shardN, 1)), be.New(compute.F32, max(shardN, 1))
+	h.tmp = be.New(compute.F32, max(maxPer, 1))
+	h.blockG = be.New(compute.F32, max(maxBlock, 1))
+	if h.stage == 3 {
+		h.slots[0], h.slots[1] = be.New(compute.F32, max(maxBlock, 1)), be.New(compute.F32, max(maxBlock, 1))
+	}
+	for k := range h.units {
+		u := &h.units[k]
+		whole := u.per * h.size
+		if u.block < 0 || h.stage == 2 {
+			u.p = be.New(compute.F32, whole)
+			h.own = append(h.own, u.p)
+		} else {
+			u.p = be.View(h.slots[u.block%2], 0, whole)
+		}
+		if u.block < 0 {
+			u.g = be.New(compute.F32, whole)
+			h.own = append(h.own, u.g)
+		} else {
+			u.g = be.View(h.blockG, 0, whole)
+		}
+	}
+	return h, nil
+}
+
+// unitOf is the unit of tensor i.
+func (h *shards) unitOf(i int) *unit {
+	for k := range h.units {
+		if u := &h.units[k]; i >= u.lo && i < u.hi {
+			return u
+		}
+	}
+	panic(fmt.Sprintf("train: tensor %d is in no unit", i))
+}
+
+// views are tensor t's (index i) weights and gradient in its unit's
+// whole buffers: what the decoder binds.
+func (h *shards) views(i int, t Tensor) (w, g compute.Tensor) {
+	u := h.unitOf(i)
+	return h.be.View(u.p, t.Off-u.off, t.N), h.be.View(u.g, t.Off-u.off, t.N)
+}
+
+// write stores the whole values v of tensor i: this rank's part in the
+// master weights, all of it in the unit's own whole buffer (a block's
+// shared slot at stage 3 is filled by the next fetch).
+func (h *shards) write(i int, t Tensor, v []float32) {
+	u, be := h.unitOf(i), h.be
+	if u.block < 0 || h.stage == 2 {
+		be.WriteF32(be.View(u.p, t.Off-u.off, t.N), v)
+	} else {
+		h.held = [2]int{-1, -1}
+	}
+	lo, hi := max(h.rank*u.per, t.Off-u.off), min((h.rank+1)*u.per, t.Off-u.off+t.N)
+	if lo < hi {
+		be.WriteF32(be.View(h.master, u.shardOff+lo-h.rank*u.per, hi-lo), v[lo-(t.Off-u.off):hi-(t.Off-u.off)])
+	}
+}
+
+// part is this rank's part of unit u in a shard arena.
+func (h *shards) part(arena compute.Tensor, u *unit) compute.Tensor {
+	return h.be.View(arena, u.shardOff, u.per)
+}
+
+// gather fills u's whole weights from the ranks' parts.
+func (h *shards) gather(u *unit) {
+	h.c.AllGather(u.p, h.part(h.master, u), u.per)
+}
+
+// reduce sums u's whole gradients over the ranks into this rank's part
+// (+=) and clears them.
+func (h *shards) reduce(u *unit) {
+	be := h.be
+	tmp := be.View(h.tmp, 0, u.per)
+	h.c.ReduceScatterSum(tmp, u.g, u.per)
+	be.Add(h.part(h.gsh, u), tmp, u.per)
+	be.Zero(u.g)
+}
+
+// Fetch implements decoder.Residency: at stage 3 block i's whole weights
+// are gathered into its slot, unless the slot holds them already.
+func (h *shards) Fetch(i int) bool {
+	if h.stage < 3 {
+		return false
+	}
+	h.load(i)
+	l := h.loaded[i%2]
+	h.loaded[i%2] = false
+	return l
+}
+
+// load gathers block i's whole weights into its slot, unless the slot
+// holds them already. (Weights loads blocks too, between the decoder's
+// fetches: loaded tells the decoder's next Fetch.)
+func (h *shards) load(i int) {
+	if h.held[i%2] == i {
+		return
+	}
+	h.gather(&h.units[h.blockUnit[i]])
+	h.held[i%2], h.loaded[i%2] = i, true
+}
+
+// GradsDone implements decoder.Residency: block i's gradients go to
+// their ranks.
+func (h *shards) GradsDone(i int) { h.reduce(&h.units[h.blockUnit[i]]) }
+
+// Slots implements decoder.Residency.
+func (h *shards) Slots() int {
+	if h.stage == 3 {
+		return 2
+	}
+	return 0
+}
+
+// zeroGrad clears this rank's gradient parts and every whole gradient
+// buffer.
+func (h *shards) zeroGrad() {
+	h.be.Zero(h.gsh)
+	h.be.Zero(h.blockG)
+	for k := range h.units {
+		if h.units[k].block < 0 {
+			h.be.Zero(h.units[k].g)
+		}
+	}
+}
+
+// reduceRest reduce-scatters the gradients of the units outside the
+// blocks (after a step's last backward).
+func (h *shards) reduceRest() {
+	for k := range h.units {
+		if h.units[k].block < 0 {
+			h.reduce(&h.units[k])
+		}
+	}
+}
+
+// afterStep makes the whole weights follow the updated parts: the units
+// that keep theirs are gathered, stage 3's slots are stale.
+func (h *shards) afterStep() {
+	for k := range h.units {
+		if u := &h.units[k]; u.block < 0 || h.stage == 2 {
+			h.gather(u)
+		}
+	}
+	h.held = [2]int{-1, -1}
+}
+
+// Piece is the part [Off, Off+N) of the student's tensor Tensor (its
+// index in Student.Tensors) that a rank's optimizer group holds.
+type Piece struct{ Tensor, Off, N int }
+
+// pieces are rank r's optimizer groups, in order: its part of every
+// unit, cut at the tensors' boundaries. shardOff is each piece's offset
+// in r's shard arenas.
+func (h *shards) pieces(ts []Tensor, r int) (ps []Piece, shardOff []int) {
+	for k := range h.units {
+		u := &h.units[k]
+		a, b := r*u.per, min((r+1)*u.per, u.n) // of the unit
+		for i := u.lo; i < u.hi; i++ {
+			t := ts[i]
+			lo, hi := max(a, t.Off-u.off), min(b, t.Off-u.off+t.N)
+			if lo < hi {
+				ps = append(ps, Piece{Tensor: i, Off: lo - (t.Off - u.off), N: hi - lo})
+				shardOff = append(shardOff, u.shardOff+lo-a)
+			}
+		}
+	}
+	return ps, shardOff
+}
+
+// groups are this rank's optimizer groups (see pieces).
+func (h *shards) groups(ts []Tensor) []optim.Group {
+	ps, offs := h.pieces(ts, h.rank)
+	gs := make([]optim.Group, len(ps))
+	host, _ := h.be.(compute.Host)
+	for j, p := range ps {
+		t := ts[p.Tensor]
+		g := optim.Group{Name: t.Name, Decay: t.Decay, Backend: h.be,
+			P: h.be.View(h.master, offs[j], p.N), G: h.be.View(h.gsh, offs[j], p.N)}
+		if host != nil {
+			g.Params, g.Grads = host.HostF32(g.P), host.HostF32(g.G)
+		}
+		gs[j] = g
+	}
+	return gs
+}
+
+// weights reads every tensor's whole weights (a collective at stage 3:
+// every rank calls it, each gets them all).
+func (h *shards) weights(ts []Tensor) map[string][]float32 {
+	w := make(map[string][]float32, len(ts))
+	for k := range h.units {
+		u := &h.units[k]
+		if u.block >= 0 && h.stage == 3 {
+			h.load(u.block)
+		}
+		for i := u.lo; i < u.hi; i++ {
+			t := ts[i]
+			v := make([]float32, t.N)
+			h.be.ReadF32(h.be.View(u.p, t.Off-u.off, t.N), v)
+			w[t.Name] = v
+		}
+	}
+	return w
+}
+
+func (h *shards) free() {
+	for _, t := range append([]compute.Tensor{h.master, h.gsh, h.tmp, h.blockG, h.slots[0], h.slots[1]}, h.own...) {
+		if t != nil {
+			h.be.Free(t)
+		}
+	}
+}
