@@ -10,11 +10,16 @@ import (
 	"go.uber.org/zap"
 
 	"distill/compute"
+	"distill/infer"
 )
 
 // forwardFunc runs one packed forward pass: samples (total n tokens) ->
 // ids (n,k), log-probs (n,k). It is (*infer.Model).Forward in the daemon.
 type forwardFunc func(samples [][]int32, k int, temperature float32) (ids []int32, logprobs []float32)
+
+// drawFunc is forwardFunc with the draws of a sampled kind:
+// (*infer.Model).ForwardDraws in the daemon.
+type drawFunc func(samples [][]int32, k int, temperature float32, d infer.Draws) (ids []int32, logprobs []float32, res infer.DrawResult)
 
 // job is one unit of queued work. A Score sample is a shared job: the
 // batcher packs it with other shared jobs of the same temperature. A fill
@@ -33,12 +38,16 @@ type job struct {
 	background bool
 	enq        time.Time
 	done       chan jobResult // buffered 1
+	// draws, when set, asks for the draws of a sampled kind (fill groups
+	// only: exclusive, so never packed with other work).
+	draws *infer.Draws
 }
 
 type jobResult struct {
-	ids []int32 // (tokens, k)
-	lps []float32
-	err error
+	ids   []int32 // (tokens, k)
+	lps   []float32
+	draws infer.DrawResult
+	err   error
 }
 
 // batcherStats is what the batcher reports per forward pass.
@@ -55,6 +64,7 @@ type batcherStats interface {
 // at most half of the queue, so Score is still served during a fill.
 type batcher struct {
 	fwd       forwardFunc
+	draw      drawFunc // nil: no sampled kinds (test fakes)
 	budget    int
 	maxJobs   int
 	maxTokens int
@@ -258,7 +268,17 @@ func (b *batcher) run(batch []*job) {
 		samples = append(samples, j.samples...)
 		b.stats.waited(now.Sub(j.enq))
 	}
-	ids, lps, err := b.forward(samples, k, batch[0].temp)
+	var dr infer.DrawResult
+	var ids []int32
+	var lps []float32
+	var err error
+	if d := batch[0].draws; d != nil {
+		ids, lps, dr, err = b.forwardDraws(samples, k, batch[0].temp, *d)
+		batch[0].done <- jobResult{ids: ids, lps: lps, draws: dr, err: err}
+		b.stats.forward(n, b.budget, len(batch), time.Since(now))
+		return // exclusive: alone in its batch
+	}
+	ids, lps, err = b.forward(samples, k, batch[0].temp)
 	b.stats.forward(n, b.budget, len(batch), time.Since(now))
 	off := 0
 	for _, j := range batch {
@@ -296,6 +316,23 @@ func (b *batcher) forward(samples [][]int32, k int, temp float32) (ids []int32, 
 	}()
 	ids, lps = b.fwd(samples, k, temp)
 	return ids, lps, nil
+}
+
+// forwardDraws is forward for a job with draws.
+func (b *batcher) forwardDraws(samples [][]int32, k int, temp float32, d infer.Draws) (ids []int32, lps []float32, dr infer.DrawResult, err error) {
+	if b.draw == nil {
+		return nil, nil, dr, fmt.Errorf("serve: this teacher cannot draw sampled targets")
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			if b.log != nil {
+				b.log.Error("forward pass with draws panicked (a bug): its fill fails, the daemon goes on", zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
+			}
+			err = fmt.Errorf("serve: forward pass panicked: %v", r)
+		}
+	}()
+	ids, lps, dr = b.draw(samples, k, temp, d)
+	return ids, lps, dr, nil
 }
 
 // cutK keeps the first k2 of every row of k entries: (n,k) -> (n,k2).

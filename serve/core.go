@@ -197,6 +197,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		}
 	}
 	c.b = newBatcher(m.Forward, o.TokenBudget, o.QueueSamples, o.QueueTokens, c.met)
+	c.b.draw = m.ForwardDraws
 	c.b.log = o.Logger
 	c.log.Info("teacher loaded", zap.String("model", o.ModelDir), zap.String("device", o.Device), zap.String("arch", string(m.Cfg.Arch)),
 		zap.Int("vocab", V), zap.Int64("params", m.Cfg.Params()), zap.String("fingerprint", m.Fingerprint()),
@@ -521,8 +522,14 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 	if !r.GetDataset().GetPretokenized() {
 		tfp = c.tok.Fingerprint()
 	}
+	kind, _ := cache.ParseTargets(r.GetTargets()) // validated
+	draws := int(r.GetSamples())
+	if kind == cache.TargetsSampled {
+		k = 0 // no head
+	}
 	cw, err := c.openCache(cache.Manifest{TeacherFingerprint: c.model.Fingerprint(), TokenizerFingerprint: tfp,
-		DatasetFingerprint: d.Fingerprint(), VocabSize: c.model.Cfg.VocabSize, K: k, Temperature: temp, Samples: d.Len(), Encoding: enc})
+		DatasetFingerprint: d.Fingerprint(), VocabSize: c.model.Cfg.VocabSize, K: k, Temperature: temp, Samples: d.Len(), Encoding: enc,
+		Targets: kind, Draws: draws})
 	if err != nil {
 		return err
 	}
@@ -582,7 +589,7 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 			defer wg.Done()
 			for rg := range next {
 				var st data.Stats
-				_, skipped, err := c.fillChunk(ctx, cw, d, rg, k, temp, &st)
+				_, skipped, err := c.fillChunk(ctx, cw, d, rg, k, temp, kind, draws, &st)
 				if err != nil {
 					c.met.chunks.WithLabelValues("failed").Inc()
 					fail(err)
@@ -616,7 +623,7 @@ feed:
 }
 
 // fillChunk computes and commits one chunk, counting its samples into st.
-func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, rg cache.Range, k int, temp float32, st *data.Stats) (int64, bool, error) {
+func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, rg cache.Range, k int, temp float32, kind cache.Targets, draws int, st *data.Stats) (int64, bool, error) {
 	w, err := cw.BeginChunk(rg.Start, rg.End)
 	if errors.Is(err, cache.ErrRangeDone) {
 		return 0, true, nil
@@ -667,12 +674,21 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 	for a := 0; a < len(live); {
 		b, n := a, 0
 		var group [][]int32
+		var index []int64
 		for b < len(live) && n+len(live[b].IDs) <= c.budget {
 			n += len(live[b].IDs)
 			group = append(group, live[b].IDs)
+			index = append(index, live[b].Index)
 			b++
 		}
 		j := newJob(ctx, group, k, temp, true)
+		if kind != cache.TargetsTopK {
+			// Keyed by the dataset and each sample's index, so the draws
+			// do not depend on the chunking, packing or node.
+			key := cache.DrawKey(d.Fingerprint())
+			j.draws = &infer.Draws{N: draws, Head: kind == cache.TargetsHeadSampled,
+				U: func(s, t, dd int) float64 { return cache.DrawUniform(key, index[s], t, dd) }}
+		}
 		if err := c.b.submit(j); err != nil {
 			return 0, false, err
 		}
@@ -696,17 +712,33 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 		if res.err != nil {
 			return 0, false, res.err
 		}
-		off := 0
+		off, pos, doff := 0, 0, 0
 		for range j.samples {
 			if err := addEmpty(); err != nil {
 				return 0, false, err
 			}
 			s := &samples[si]
-			sz := len(s.IDs) * k
-			if err := w.Add(cache.Sample{Index: s.Index, Tokens: s.IDs, Mask: s.Mask, TopKIDs: res.ids[off : off+sz], TopKLogProbs: res.lps[off : off+sz]}); err != nil {
+			T := len(s.IDs)
+			sz := T * k
+			cs := cache.Sample{Index: s.Index, Tokens: s.IDs, Mask: s.Mask, TopKIDs: res.ids[off : off+sz], TopKLogProbs: res.lps[off : off+sz]}
+			if j.draws != nil {
+				dr := &res.draws
+				cs.DrawN = dr.N[pos : pos+T]
+				nd := 0
+				for _, v := range cs.DrawN {
+					nd += int(v)
+				}
+				cs.DrawIDs, cs.DrawCounts = dr.IDs[doff:doff+nd], dr.Counts[doff:doff+nd]
+				if dr.Tail != nil {
+					cs.TailMass = dr.Tail[pos : pos+T]
+				}
+				doff += nd
+			}
+			if err := w.Add(cs); err != nil {
 				return 0, false, err
 			}
 			off += sz
+			pos += T
 			si++
 		}
 	}

@@ -31,6 +31,10 @@ type FillPlan struct {
 	// ChunkSamples is the unit of work and of crash recovery (default 256).
 	ChunkSamples int64
 	// K, Temperature and Encoding of the cache (0/"" : the daemons' defaults).
+	// Targets and Samples are the target kind and its draws per position
+	// (FillRequest.targets, .samples; "" is topk).
+	Targets string
+	Samples int32
 	K           int32
 	Temperature float32
 	Encoding    string
@@ -386,7 +390,8 @@ func (p *FillPlan) probe(ctx context.Context, workers []Worker, dirs *fillDirs, 
 // request is the Fill of chunk r of dataset fp under the plan.
 func (p *FillPlan) request(fp string, r cache.Range) *pb.FillRequest {
 	return &pb.FillRequest{Dataset: p.Dataset, Start: r.Start, End: r.End, ChunkSamples: r.Len(),
-		K: optK(p.K), Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp}
+		K: optK(p.K), Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp,
+		Targets: p.Targets, Samples: p.Samples}
 }
 
 // checkCovered checks that every sample of the range is in exactly one

@@ -138,5 +138,36 @@ func ValidateFill(r *pb.FillRequest, lim Limits) error {
 	default:
 		return status.Errorf(codes.InvalidArgument, "encoding %q: want %q or %q", r.GetEncoding(), cache.EncodingCompact, cache.EncodingLossless)
 	}
+	return validateTargets(r.GetTargets(), r.GetSamples())
+}
+
+// CheckTargets is validateTargets for cachectl fill, before it loads
+// anything: the error names the flags.
+func CheckTargets(targets string, samples int, k int) error {
+	if samples < 0 || samples > cache.MaxDraws {
+		return fmt.Errorf("--samples %d: want 1 to %d draws per position (cache.MaxDraws: a forward holds tokens x draws uniforms)", samples, cache.MaxDraws)
+	}
+	if err := validateTargets(targets, int32(samples)); err != nil {
+		return fmt.Errorf("--targets %s --samples %d: %s", targets, samples, status.Convert(err).Message())
+	}
+	if t, _ := cache.ParseTargets(targets); t == cache.TargetsSampled && k != 0 {
+		return fmt.Errorf("--k %d with --targets sampled: a sampled cache has no top-k head; use --targets head+sampled --k %d for an exact head plus draws", k, k)
+	}
+	return nil
+}
+
+// validateTargets checks a fill's target kind and draws (the flags
+// --targets and --samples of cachectl fill).
+func validateTargets(targets string, samples int32) error {
+	kind, err := cache.ParseTargets(targets)
+	if err != nil {
+		return status.Errorf(codes.InvalidArgument, "targets %q: want topk, sampled or head+sampled (--targets)", targets)
+	}
+	switch {
+	case kind == cache.TargetsTopK && samples != 0:
+		return status.Errorf(codes.InvalidArgument, "samples %d with targets topk: draws belong to targets sampled or head+sampled (--targets)", samples)
+	case kind != cache.TargetsTopK && (samples < 1 || samples > cache.MaxDraws):
+		return status.Errorf(codes.InvalidArgument, "samples %d with targets %s: want 1 to %d draws per position (--samples; the bound is cache.MaxDraws: a forward holds tokens x draws uniforms)", samples, kind, cache.MaxDraws)
+	}
 	return nil
 }

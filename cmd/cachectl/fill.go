@@ -79,7 +79,9 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	start := fs.Int64("start", 0, "first sample")
 	end := fs.Int64("end", 0, "one past the last sample (0: the dataset's length)")
 	chunk := fs.Int64("chunk", serve.DefaultChunkSamples, "samples per chunk (the unit of work and of crash recovery)")
-	k := fs.Int("k", 0, "top-k entries per position (0: the teacher's default)")
+	k := fs.Int("k", 0, "top-k entries per position (0: the teacher's default); the head of --targets head+sampled")
+	targets := fs.String("targets", "topk", "what each position stores: topk (the top-k), sampled (--samples draws from the teacher's full distribution, as ids and counts) or head+sampled (the top --k plus --samples draws from outside it, with the tail mass); see the cache package doc")
+	samples := fs.Int("samples", 0, "draws per position of --targets sampled and head+sampled (1 to 4096)")
 	temp := fs.Float64("temperature", 0, "capture temperature (0: 1)")
 	encoding := fs.String("encoding", "", "log-prob encoding: compact (default) or lossless")
 	var auth authFlags
@@ -96,6 +98,9 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if (*teachers == "") == (*modelDir == "") {
 		return fmt.Errorf("give exactly one of --teacher ADDR[,ADDR...] (daemons) and --model DIR (in-process)")
 	}
+	if err := serve.CheckTargets(*targets, *samples, *k); err != nil {
+		return err
+	}
 	srcs, opts, err := df.dataset()
 	if err != nil {
 		return err
@@ -105,7 +110,7 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	plan := serve.FillPlan{Dataset: ds, Start: *start, End: *end, ChunkSamples: *chunk, K: int32(*k), Temperature: float32(*temp),
-		Encoding: *encoding, PerWorker: *perTeacher, RetryFor: *retryFor, Out: stderr, Terminal: isTerminal(stderr), LogEvery: *logEvery}
+		Encoding: *encoding, Targets: *targets, Samples: int32(*samples), PerWorker: *perTeacher, RetryFor: *retryFor, Out: stderr, Terminal: isTerminal(stderr), LogEvery: *logEvery}
 	var workers []serve.Worker
 	defer func() {
 		for _, w := range workers {

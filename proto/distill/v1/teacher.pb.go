@@ -836,8 +836,16 @@ type FillRequest struct {
 	// When set, the dataset fingerprint the client expects; a daemon that
 	// computes another one (different files or tokenizer) refuses the fill.
 	ExpectDatasetFingerprint string `protobuf:"bytes,8,opt,name=expect_dataset_fingerprint,json=expectDatasetFingerprint,proto3" json:"expect_dataset_fingerprint,omitempty"`
-	unknownFields            protoimpl.UnknownFields
-	sizeCache                protoimpl.SizeCache
+	// Target kind: "topk" (or empty: the top-k, the default), "sampled" (N
+	// draws per position from the teacher's full distribution, stored as
+	// distinct ids and counts; k is ignored) or "head+sampled" (the exact
+	// top-k plus N draws from outside it, with the tail mass). See the
+	// cache package doc.
+	Targets string `protobuf:"bytes,9,opt,name=targets,proto3" json:"targets,omitempty"`
+	// N, the draws per position of the sampled kinds: 1 to 4096.
+	Samples       int32 `protobuf:"varint,10,opt,name=samples,proto3" json:"samples,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *FillRequest) Reset() {
@@ -924,6 +932,20 @@ func (x *FillRequest) GetExpectDatasetFingerprint() string {
 		return x.ExpectDatasetFingerprint
 	}
 	return ""
+}
+
+func (x *FillRequest) GetTargets() string {
+	if x != nil {
+		return x.Targets
+	}
+	return ""
+}
+
+func (x *FillRequest) GetSamples() int32 {
+	if x != nil {
+		return x.Samples
+	}
+	return 0
 }
 
 // FillResponse reports one chunk of a fill.
@@ -1358,7 +1380,7 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	"\x17DescribeDatasetResponse\x12\x18\n" +
 	"\asamples\x18\x01 \x01(\x03R\asamples\x12 \n" +
 	"\vfingerprint\x18\x02 \x01(\tR\vfingerprint\x123\n" +
-	"\x15tokenizer_fingerprint\x18\x03 \x01(\tR\x14tokenizerFingerprint\"\x9e\x02\n" +
+	"\x15tokenizer_fingerprint\x18\x03 \x01(\tR\x14tokenizerFingerprint\"\xd2\x02\n" +
 	"\vFillRequest\x12-\n" +
 	"\adataset\x18\x01 \x01(\v2\x13.distill.v1.DatasetR\adataset\x12\x14\n" +
 	"\x05start\x18\x02 \x01(\x03R\x05start\x12\x10\n" +
@@ -1367,7 +1389,10 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	"\x01k\x18\x05 \x01(\x05H\x00R\x01k\x88\x01\x01\x12 \n" +
 	"\vtemperature\x18\x06 \x01(\x02R\vtemperature\x12\x1a\n" +
 	"\bencoding\x18\a \x01(\tR\bencoding\x12<\n" +
-	"\x1aexpect_dataset_fingerprint\x18\b \x01(\tR\x18expectDatasetFingerprintB\x04\n" +
+	"\x1aexpect_dataset_fingerprint\x18\b \x01(\tR\x18expectDatasetFingerprint\x12\x18\n" +
+	"\atargets\x18\t \x01(\tR\atargets\x12\x18\n" +
+	"\asamples\x18\n" +
+	" \x01(\x05R\asamplesB\x04\n" +
 	"\x02_k\"\x91\x03\n" +
 	"\fFillResponse\x12\x14\n" +
 	"\x05start\x18\x01 \x01(\x03R\x05start\x12\x10\n" +
