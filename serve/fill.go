@@ -33,8 +33,8 @@ type FillPlan struct {
 	// K, Temperature and Encoding of the cache (0/"" : the daemons' defaults).
 	// Targets and Samples are the target kind and its draws per position
 	// (FillRequest.targets, .samples; "" is topk).
-	Targets string
-	Samples int32
+	Targets     string
+	Samples     int32
 	K           int32
 	Temperature float32
 	Encoding    string
