@@ -346,8 +346,9 @@ func writeChildResult(res *Result) error {
 // its NCCL stand-in), each a process of its own (this test binary as
 // TestMain's child) with its own device, joined through the backend's
 // Collectives by an id this process makes (the rendezvous's job in
-// student train): they follow a one-process CUDA run's losses within fp32
-// reordering, and rank 0 alone writes the run directory.
+// student train): at ZeRO stages 0 to 3 they follow a one-process CUDA
+// run's losses within fp32 reordering, rank 0's checkpoint holds its
+// weights and moments, and rank 0 alone writes the run directory.
 func TestCUDADataParallel(t *testing.T) {
 	useCUDA(t)
 	b := testCache(t)
@@ -356,7 +357,7 @@ func TestCUDADataParallel(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, zero := range []int{0, 1} {
+	for _, zero := range []int{0, 1, 2, 3} {
 		cudaRanks(t, b, one, append(over, fmt.Sprintf("train.zero=%d", zero)))
 	}
 }
@@ -437,6 +438,7 @@ func cudaRanks(t *testing.T, b *testcache.Built, one *Result, over []string) {
 		closeLosses(t, fmt.Sprintf("one CUDA process vs CUDA rank %d of 2 (%v)", rank, over), one, &res, 1e-4)
 		if rank == 0 {
 			closeMoments(t, fmt.Sprintf("%v", over), one.Checkpoint, res.Checkpoint, 1e-3)
+			closeWeights(t, fmt.Sprintf("%v", over), one.Checkpoint, res.Checkpoint, 1e-4)
 			t.Logf("%v: step 6: loss %.6f one process, %.6f rank 0; checkpoint %s", over, one.Steps[5].Loss, res.Steps[5].Loss, res.Checkpoint)
 		}
 	}
