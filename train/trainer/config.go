@@ -272,6 +272,10 @@ type DistillConfig struct {
 	ScaleT2     bool    `yaml:"scale_t2" json:"scale_t2"`
 	KDWeight    float64 `yaml:"kd_weight" json:"kd_weight"`
 	SFTWeight   float64 `yaml:"sft_weight" json:"sft_weight"`
+	// Targets is the target kind the run expects of its caches: topk
+	// (the default), sampled or head+sampled (cachectl fill --targets);
+	// a cache of another kind is refused.
+	Targets string `yaml:"targets,omitempty" json:"targets,omitempty"`
 	// Online KD against live teacherd daemons (online_config.go).
 	OnlineConfig `yaml:",inline" json:"-"`
 }
@@ -619,7 +623,7 @@ func setKey(m *yaml.Node, kv string) error {
 // teacherT.
 func (c *Config) LossOptions(teacherT float64) loss.Options {
 	d := c.Distill
-	return loss.Options{KD: loss.Divergence(d.KDLoss), Beta: d.JSDBeta, Tail: loss.Tail(d.Tail), Temperature: d.Temperature,
+	return loss.Options{Targets: loss.TargetKind(d.Targets), KD: loss.Divergence(d.KDLoss), Beta: d.JSDBeta, Tail: loss.Tail(d.Tail), Temperature: d.Temperature,
 		TeacherTemperature: teacherT, ScaleT2: d.ScaleT2, KDWeight: d.KDWeight, SFTWeight: d.SFTWeight}
 }
 
