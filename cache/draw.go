@@ -3,6 +3,8 @@ package cache
 import (
 	"crypto/sha256"
 	"encoding/binary"
+	"math"
+	"slices"
 	"sort"
 )
 
@@ -73,4 +75,47 @@ func (s byCount) Less(a, b int) bool {
 func (s byCount) Swap(a, b int) {
 	s.ids[a], s.ids[b] = s.ids[b], s.ids[a]
 	s.counts[a], s.counts[b] = s.counts[b], s.counts[a]
+}
+
+// DenseK is the row width of Dense: k, plus N for the sampled kinds.
+func (m *Manifest) DenseK() int { return m.K + m.Draws }
+
+// Dense returns s with its targets as fixed-width rows, the form of the
+// top-k rows a trainer packs: TopKIDs and TopKLogProbs (T, DenseK) hold,
+// per position, the head (its log-probs as stored), then the drawn ids
+// with log r, r = count/N (sampled) or TailMass·count/N (head+sampled),
+// then distinct padding ids (the lowest not in the row) at r = 0, log r =
+// -Inf. A topk sample is returned as it is.
+func Dense(m *Manifest, s Sample) Sample {
+	if !m.Sampled() {
+		return s
+	}
+	T, K, W := len(s.Tokens), m.K, m.DenseK()
+	ids, lps := make([]int32, T*W), make([]float32, T*W)
+	off := 0
+	for t := 0; t < T; t++ {
+		row, lr := ids[t*W:(t+1)*W], lps[t*W:(t+1)*W]
+		copy(row, s.TopKIDs[t*K:(t+1)*K])
+		copy(lr, s.TopKLogProbs[t*K:(t+1)*K])
+		mass := 1.0
+		if s.TailMass != nil {
+			mass = float64(s.TailMass[t])
+		}
+		n := int(s.DrawN[t])
+		for j := 0; j < n; j++ {
+			row[K+j] = s.DrawIDs[off+j]
+			lr[K+j] = float32(math.Log(mass * float64(s.DrawCounts[off+j]) / float64(m.Draws)))
+		}
+		off += n
+		cand := int32(0)
+		for j := K + n; j < W; j++ {
+			for slices.Contains(row[:j], cand) {
+				cand++
+			}
+			row[j], lr[j] = cand, float32(math.Inf(-1))
+			cand++
+		}
+	}
+	s.TopKIDs, s.TopKLogProbs = ids, lps
+	return s
 }

@@ -118,6 +118,9 @@ type packer struct {
 	seqLen   int
 	truncate bool
 	k        int
+	// dense, for a cache of a sampled kind, turns each sample's draws
+	// into rows of k = DenseK entries (cache.Dense); nil for topk.
+	dense *cache.Manifest
 	// Multi-teacher KD (data.caches, or several distill.teachers): multi
 	// are the rows' Teachers (weight and k; teacher 0's top-k is the
 	// sample's own), and more returns the other teachers' top-k of a
@@ -130,6 +133,9 @@ type packer struct {
 // fit returns s cut to seqLen, or an error if it is longer and truncation
 // is off.
 func (p *packer) fit(s cache.Sample) (cache.Sample, error) {
+	if p.dense != nil {
+		s = cache.Dense(p.dense, s)
+	}
 	T := len(s.Tokens)
 	if T <= p.seqLen {
 		return s, nil

@@ -40,6 +40,9 @@ func openCacheSource(cfg *Config, log io.Writer) (*cacheSource, error) {
 		c.rd = rd
 	}
 	m := c.rd.Manifest()
+	if err := checkTargets(cfg, c); err != nil {
+		return nil, err
+	}
 	takeCacheVocab(cfg, &m, log)
 	c.pk = newCachePacker(c.rd, c.ts, cfg.Data.SeqLen, cfg.Data.Truncate)
 	return c, nil
@@ -48,7 +51,11 @@ func openCacheSource(cfg *Config, log io.Writer) (*cacheSource, error) {
 // newCachePacker packs rows of rd's samples (and with several teachers,
 // ts's top-k of them) into rows of seqLen tokens.
 func newCachePacker(rd *cache.Reader, ts *teacherSet, seqLen int, truncate bool) *packer {
-	pk := &packer{seqLen: seqLen, truncate: truncate, k: rd.Manifest().K}
+	m := rd.Manifest()
+	pk := &packer{seqLen: seqLen, truncate: truncate, k: m.DenseK()}
+	if m.Sampled() {
+		pk.dense = &m
+	}
 	if ts != nil {
 		pk.multi, pk.more = ts.teachers(), ts.more
 	}
@@ -99,6 +106,31 @@ func (c *cacheSource) Batches(held cache.Range, epoch int, pos int64) (Batches, 
 
 func (c *cacheSource) EvalRows(r cache.Range) ([]*train.Batch, int, error) {
 	return c.pk.evalRows(c.rd, r)
+}
+
+// checkTargets refuses caches whose target kind is not the run's
+// (distill.targets): the loss's definition depends on it, and a run that
+// meant to train on a top-k must not silently train on draws, or back.
+func checkTargets(cfg *Config, c *cacheSource) error {
+	want := cfg.Distill.Targets
+	if want == "" {
+		want = string(cache.TargetsTopK)
+	}
+	rds, where := []*cache.Reader{c.rd}, []string{c.where}
+	if c.ts != nil {
+		rds, where = c.ts.rds, nil
+		for i := range rds {
+			where = append(where, c.ts.where(i))
+		}
+	}
+	for i, rd := range rds {
+		m := rd.Manifest()
+		if got := string(m.Kind()); got != want {
+			return fmt.Errorf("%w: cache %s holds targets %s (cachectl fill --targets %s) but distill.targets is %s: set distill.targets: %s to train on it (sampled kinds take kd_loss fwd_kl), or use a cache filled with --targets %s",
+				ErrConfig, where[i], got, got, want, got, want)
+		}
+	}
+	return nil
 }
 
 // Close has nothing to release: a cache.Reader holds no open file

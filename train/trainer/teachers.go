@@ -136,6 +136,8 @@ func (ts *teacherSet) more(s cache.Sample) ([]teacherTopK, error) {
 			return nil, fmt.Errorf("%w: sample %d differs between %s and %s: %s; the caches of data.caches must hold the same tokens and masks: fill them from the same dataset with the same tokenizer and options",
 				ErrMismatch, s.Index, ts.where(0), ts.where(i), err)
 		}
+		m := ts.rds[i].Manifest()
+		o = cache.Dense(&m, o) // sampled kinds: fixed-width rows
 		out[i-1] = teacherTopK{IDs: o.TopKIDs, LPs: o.TopKLogProbs}
 	}
 	return out, nil
