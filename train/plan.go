@@ -2,8 +2,6 @@ package train
 
 import (
 	"fmt"
-	"strconv"
-	"strings"
 
 	"distill/compute"
 	"distill/model"
@@ -58,10 +56,12 @@ type PlanShape struct {
 	Activations compute.DType
 	// Ranks and ZeRO are a data-parallel run's size and ZeRO stage (0 or
 	// 1 ranks: one process). Stage 1 shards AdamW's moments over the
-	// ranks; stages 2 and 3, which the trainer does not run yet, would
-	// also shard the gradients, and then the fp32 parameters and their
-	// BF16 copies (but one layer's, gathered for its turn): the plan
-	// counts them so, to show what they would save.
+	// ranks; stages 2 and 3 lay the student out as Sharding says (each
+	// rank its part of every unit's master weights, gradients and
+	// moments, the whole gradients of one block and of the units outside
+	// the blocks; stage 2 every unit's whole weights, stage 3 those of two
+	// blocks and of the units outside them). Sharded, the GEMMs round
+	// their weights per use (no BF16 copies are kept).
 	Ranks, ZeRO int
 }
 
@@ -126,27 +126,70 @@ const (
 type planCounts struct {
 	all, gemm, linear int64 // every tensor; GEMM operands; QAD's Linears
 	largestLinear     int64
+	largestGEMM       int64 // the largest GEMM operand (the LM head's included)
 	largestLayer      int64 // a decoder layer's GEMM operands, the most of any layer
+	// Sharding's units (Sharding): the tensors of each decoder layer,
+	// and the runs of tensors outside the layers.
+	layerAll    []int64 // each layer's tensors
+	layerLinear []int64 // each layer's QAD Linears
+	outside     []int64 // the units outside the layers
+}
+
+// parts is a rank's part of every unit over n ranks: sum of ceil(u/n).
+func (c planCounts) parts(n int64) int64 {
+	var p int64
+	for _, u := range append(append([]int64{}, c.layerAll...), c.outside...) {
+		p += (u + n - 1) / n
+	}
+	return p
+}
+
+// padded is the largest whole (padded: n·ceil(u/n)) of the layer units
+// of us.
+func padded(us []int64, n int64) int64 {
+	var m int64
+	for _, u := range us {
+		m = max(m, (u+n-1)/n*n)
+	}
+	return m
 }
 
 func countParams(cfg *model.Config) planCounts {
 	var c planCounts
 	var layer []int64 // each layer's GEMM operands
+	lastOutside := false
 	for _, t := range cfg.Tensors() {
 		n := int64(1)
 		for _, d := range t.Shape {
 			n *= int64(d)
 		}
 		c.all += n
+		li := blockOf(t.Name)
+		if li >= 0 {
+			for len(c.layerAll) <= li {
+				c.layerAll, c.layerLinear = append(c.layerAll, 0), append(c.layerLinear, 0)
+			}
+			c.layerAll[li] += n
+			if !t.Norm && !t.Bias && len(t.Shape) == 2 && !isRouter(t.Name) {
+				c.layerLinear[li] += n
+			}
+		} else if prev := len(c.outside) - 1; prev >= 0 && lastOutside {
+			c.outside[prev] += n
+		} else {
+			c.outside = append(c.outside, n)
+		}
+		lastOutside = li < 0
 		if t.Norm || t.Bias || len(t.Shape) != 2 {
 			continue
 		}
-		if rest, ok := strings.CutPrefix(t.Name, "model.layers."); ok {
-			i, _ := strconv.Atoi(rest[:strings.IndexByte(rest, '.')])
-			for len(layer) <= i {
+		if li >= 0 {
+			for len(layer) <= li {
 				layer = append(layer, 0)
 			}
-			layer[i] += n
+			layer[li] += n
+		}
+		if t.Name != "model.embed_tokens.weight" || cfg.TieEmbeddings {
+			c.largestGEMM = max(c.largestGEMM, n)
 		}
 		switch {
 		case t.Name == "model.embed_tokens.weight" && !cfg.TieEmbeddings:
@@ -189,18 +232,49 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		}
 		return b
 	}
-	add(TermParams, shard(3, 4*c.all), false, false)
-	add(TermGrads, shard(2, 4*c.all), false, false)
-	add(TermMoments, shard(1, 8*c.all), false, false)
-	sh := 2 * c.gemm
-	if s.QAD {
-		sh += 2 * c.linear
-		add(TermQAD, shard(3, 4*c.linear), false, false)
+	var perUse int64 // a GEMM weight rounded to BF16 per use (sharded)
+	if s.ZeRO >= 2 {
+		// Sharding's layout: a rank's parts of every unit (master,
+		// gradients, moments), one block's whole gradients and those of
+		// the units outside the blocks, and the whole weights of every
+		// unit (stage 2) or of two blocks and the units outside (3).
+		parts, outside, block := c.parts(n), int64(0), padded(c.layerAll, n)
+		for _, u := range c.outside {
+			outside += (u + n - 1) / n * n
+		}
+		whole := outside
+		if s.ZeRO == 2 {
+			for _, u := range c.layerAll {
+				whole += (u + n - 1) / n * n
+			}
+		} else {
+			whole += 2 * block
+		}
+		add(TermParams, 4*(whole+parts), false, false)
+		// The reduce-scatter's landing: the largest part.
+		landing := (padded(append(append([]int64{}, c.layerAll...), c.outside...), 1) + n - 1) / n
+		add(TermGrads, 4*(parts+outside+block+landing), false, false)
+		add(TermMoments, 8*parts, false, false)
+		if s.QAD {
+			q := 4 * c.linear
+			if s.ZeRO == 3 {
+				q = 2 * 4 * padded(c.layerLinear, 1)
+			}
+			add(TermQAD, q, false, false)
+		}
+		add(TermShadows, 0, false, false)
+		perUse = 2 * c.largestGEMM
+	} else {
+		add(TermParams, 4*c.all, false, false)
+		add(TermGrads, 4*c.all, false, false)
+		add(TermMoments, shard(1, 8*c.all), false, false)
+		sh := 2 * c.gemm
+		if s.QAD {
+			sh += 2 * c.linear
+			add(TermQAD, 4*c.linear, false, false)
+		}
+		add(TermShadows, sh, false, false)
 	}
-	if s.ZeRO >= 3 && n > 1 {
-		sh = shard(3, sh) + 2*c.largestLayer // one layer's copies gathered
-	}
-	add(TermShadows, sh, false, false)
 	T := int64(max(s.RowTokens, 1))
 	add(TermActivations, decoder.TrainActivationBytes(cfg, int(T), s.Recompute, s.QAD, s.Activations), true, false)
 	add(TermBatch, 4*(2*T+1), true, false)
@@ -221,7 +295,7 @@ func PlanMemory(s PlanShape) MemoryPlan {
 	add(TermLossHead, 2*T*C+6*T*vt+4*T*C+4*T*(5+2*K)+64<<10, true, true)
 	// A GEMM's backward: BF16 copies of dout and x (the MLP's down: dout
 	// (T, C), x (T, I)).
-	add(TermGEMM, 2*T*(C+max(I, H*D, C)), true, true)
+	add(TermGEMM, 2*T*(C+max(I, H*D, C))+perUse, true, true)
 	if cfg.NumExperts > 0 {
 		E, KE, IM := int64(cfg.NumExperts), int64(cfg.ExpertsPerTok), int64(cfg.MoEIntermediate)
 		P := T * KE

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"distill/compute"
+	"distill/compute/computetest"
 	"distill/compute/cuda"
 	"distill/compute/cuda/cudaemu"
 	"distill/model"
@@ -42,7 +43,8 @@ func planBatch(T, V, K int) *Batch {
 // dominant term: the run-long state (parameters, gradients, moments,
 // QAD's weights), what stays allocated between steps (the activation
 // arena and the BF16 weight copies), and the largest kernel scratch above
-// that.
+// that. Also sharded students' layouts (ZeRO stages 2 and 3, over a
+// group of one: the same buffers as any group, each part whole).
 func TestTrainPlanDeviceBytes(t *testing.T) {
 	cudaemu.Use(t)
 	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
@@ -63,11 +65,32 @@ func TestTrainPlanDeviceBytes(t *testing.T) {
 			t.Errorf("%s: measured %d bytes, planned %d: want measured <= plan <= 2·measured", what, got, plan)
 		}
 	}
+	type planCase struct {
+		qad   bool
+		mode  decoder.Recompute
+		stage int // 2, 3: sharded over a group of one (its layout and buffers)
+	}
+	var cases []planCase
 	for _, qad := range []bool{false, true} {
 		for _, mode := range decoder.RecomputeModes {
-			t.Run(fmt.Sprintf("qad=%v/%s", qad, mode), func(t *testing.T) {
+			cases = append(cases, planCase{qad, mode, 0})
+		}
+		for _, stage := range []int{2, 3} {
+			cases = append(cases, planCase{qad, decoder.RecomputeNone, stage}, planCase{qad, decoder.RecomputeFull, stage})
+		}
+	}
+	for _, c := range cases {
+		qad, mode := c.qad, c.mode
+		{
+			t.Run(fmt.Sprintf("qad=%v/%s/zero%d", qad, mode, c.stage), func(t *testing.T) {
 				base := used()
-				s, err := NewStudentOn(cfg, be)
+				var s *Student
+				var err error
+				if c.stage > 0 {
+					s, err = NewShardedStudentOn(cfg, be, Sharding{C: computetest.NewHostGroup(1).Rank(0, be), Stage: c.stage})
+				} else {
+					s, err = NewStudentOn(cfg, be)
+				}
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -100,12 +123,16 @@ func TestTrainPlanDeviceBytes(t *testing.T) {
 					if _, err := s.ForwardBackward(b, &opt, 0); err != nil {
 						t.Fatal(err)
 					}
+					if c.stage > 0 {
+						s.AllReduceGrads(nil)
+					}
 					optim.ClipGradNorm(ad.Groups, 1)
 					ad.Step(1e-3)
+					s.AfterStep()
 				}
 				peak := be.PeakMemory() - base
 				after := used() - base
-				p := PlanMemory(PlanShape{Model: cfg, RowTokens: T, K: K, QAD: qad, Recompute: mode})
+				p := PlanMemory(PlanShape{Model: cfg, RowTokens: T, K: K, QAD: qad, Recompute: mode, Ranks: 1, ZeRO: c.stage})
 				run := p.Term(TermParams) + p.Term(TermGrads) + p.Term(TermMoments) + p.Term(TermQAD)
 				var scratch int64
 				for _, x := range p.Terms {

@@ -25,8 +25,8 @@ func runPlan(args []string) error {
 	var sets multiFlag
 	fs.Var(&sets, "set", "override a config key, key.path=value (repeatable), e.g. --set data.seq_len=8192")
 	devMem := fs.String("device-memory", "80GiB", "the device's memory: a byte count with an optional unit (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB), e.g. 80GiB, 141GiB")
-	world := fs.Int("world-size", 1, "data-parallel ranks: under train.zero 1 each holds 1/N of AdamW's moments")
-	zero := fs.Int("zero", -1, "the ZeRO stage to plan (default: the config's train.zero): 0, 1, or 2 and 3 (sharded gradients, then parameters: planned only, the trainer runs stages 0 and 1)")
+	world := fs.Int("world-size", 1, "data-parallel ranks: each holds 1/N of AdamW's moments (train.zero 1), of the gradients too (2), of the fp32 weights too (3)")
+	zero := fs.Int("zero", -1, "the ZeRO stage to plan (default: the config's train.zero): 0, 1, 2 or 3")
 	acts := fs.String("activations", "bf16", "the device's activation dtype: bf16 (the CUDA backend's default) or f32 (DISTILL_CUDA_ACT=f32)")
 	k := fs.Int("k", -1, "the teachers' top-k per position (the cache's k; several teachers: the sum of theirs); default 64, or 0 when distill.kd_weight is 0")
 	if err := fs.Parse(args); err != nil {
@@ -86,8 +86,10 @@ func zeroNote(zero, world int) string {
 	switch {
 	case world <= 1:
 		return ""
-	case zero >= 2:
-		return fmt.Sprintf(", %d ranks at ZeRO stage %d (planned only: the trainer runs stages 0 and 1)", world, zero)
+	case zero == 2:
+		return fmt.Sprintf(", %d ranks at ZeRO stage 2 (AdamW's moments and the gradients: 1/%d a rank, and one layer's whole gradients)", world, world)
+	case zero == 3:
+		return fmt.Sprintf(", %d ranks at ZeRO stage 3 (the fp32 weights, AdamW's moments and the gradients: 1/%d a rank, and two layers' whole weights)", world, world)
 	case zero >= 1:
 		return fmt.Sprintf(", %d ranks at ZeRO stage %d (AdamW's moments: 1/%d a rank)", world, zero, world)
 	}
@@ -105,7 +107,9 @@ func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act co
 	qad := cfg.Quant == "nvfp4"
 	shape := func(r decoder.Recompute) train.PlanShape {
 		sh := train.PlanShape{Model: mc, RowTokens: T, K: k, QAD: qad, Recompute: r, Activations: act}
-		sh.Ranks, sh.ZeRO = world, cfg.Train.ZeRO
+		if world > 1 { // one process ignores train.zero, as the trainer does
+			sh.Ranks, sh.ZeRO = world, cfg.Train.ZeRO
+		}
 		return sh
 	}
 	fmt.Fprintf(w, "memory plan: %s student, %.1fM parameters (%d layers, hidden %d, vocab %d), rows of %d tokens (data.seq_len), teacher top-k %d, quant %s, %v activations%s\n",

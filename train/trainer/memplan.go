@@ -30,7 +30,9 @@ func planK(m *cache.Manifest, ts *teacherSet) int {
 // mc, under recompute mode r, on a backend whose activations are act.
 func planShape(cfg *Config, mc *model.Config, k int, r decoder.Recompute, act compute.DType, ranks int) train.PlanShape {
 	sh := train.PlanShape{Model: mc, RowTokens: cfg.Data.SeqLen, K: k, QAD: cfg.Quant == "nvfp4", Recompute: r, Activations: act}
-	sh.Ranks, sh.ZeRO = ranks, cfg.Train.ZeRO
+	if ranks > 1 { // one process ignores train.zero
+		sh.Ranks, sh.ZeRO = ranks, cfg.Train.ZeRO
+	}
 	return sh
 }
 
