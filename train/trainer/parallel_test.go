@@ -508,10 +508,11 @@ func lastLines(s string, n int) string {
 }
 
 // TestResumeAcrossWorldSizes: a checkpoint is the same whatever wrote it:
-// two ranks at ZeRO 1 stop after step 5 and one process resumes their
-// checkpoint, and one process stops after step 4 and three ranks at
-// ZeRO 1 resume it (each taking its slice of the moments); both end where
-// one uninterrupted process ends, within fp32 reordering.
+// two ranks at ZeRO 1 (and at ZeRO 3) stop after step 5 and one process
+// resumes their checkpoint, and one process stops after step 4 and three
+// ranks at ZeRO 1 (3) resume it (each taking its slice of the moments, at
+// stage 3 its part of the weights too); both end where one uninterrupted
+// process ends, within fp32 reordering.
 func TestResumeAcrossWorldSizes(t *testing.T) {
 	b := testCache(t)
 	straight, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "straight")), Options{Log: &bytes.Buffer{}})
@@ -541,30 +542,33 @@ func TestResumeAcrossWorldSizes(t *testing.T) {
 		closeMoments(t, what, straight.Checkpoint, res.Checkpoint, 1e-3)
 	}
 
-	// Two ranks at ZeRO 1, then one process.
-	dir := filepath.Join(t.TempDir(), "a")
-	stops := []chan struct{}{make(chan struct{}), make(chan struct{})}
-	testHookRow = stopAt5(stops[0])
-	runRanks(t, 2, []*Config{tinyConfig(t, b, dir, "train.zero=1"), tinyConfig(t, b, dir, "train.zero=1")}, stops)
-	testHookRow = nil
-	one, err := Run(tinyConfig(t, b, dir), Options{Log: &bytes.Buffer{}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	check("2 ranks at ZeRO 1, resumed by one process", one)
+	for _, zero := range []int{1, 3} {
+		z := fmt.Sprintf("train.zero=%d", zero)
+		// Two ranks, then one process.
+		dir := filepath.Join(t.TempDir(), "a")
+		stops := []chan struct{}{make(chan struct{}), make(chan struct{})}
+		testHookRow = stopAt5(stops[0])
+		runRanks(t, 2, []*Config{tinyConfig(t, b, dir, z), tinyConfig(t, b, dir, z)}, stops)
+		testHookRow = nil
+		one, err := Run(tinyConfig(t, b, dir), Options{Log: &bytes.Buffer{}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		check(fmt.Sprintf("2 ranks at ZeRO %d, resumed by one process", zero), one)
 
-	// One process, then three ranks at ZeRO 1.
-	dir = filepath.Join(t.TempDir(), "b")
-	stop := make(chan struct{})
-	testHookRow = stopAt5(stop)
-	// One process abandons step 5 for the stop: it saves step 4.
-	if r, err := Run(tinyConfig(t, b, dir), Options{Log: &bytes.Buffer{}, Stop: stop}); err != nil || !r.Interrupted || r.Step != 4 {
-		t.Fatalf("the first process: %v, want it interrupted after step 4", err)
-	}
-	testHookRow = nil
-	cfgs := []*Config{tinyConfig(t, b, dir, "train.zero=1"), tinyConfig(t, b, dir, "train.zero=1"), tinyConfig(t, b, dir, "train.zero=1")}
-	res, _ := runRanks(t, 3, cfgs, nil)
-	for i := range res {
-		check(fmt.Sprintf("one process, resumed by rank %d of 3 at ZeRO 1", i), res[i])
+		// One process, then three ranks.
+		dir = filepath.Join(t.TempDir(), "b")
+		stop := make(chan struct{})
+		testHookRow = stopAt5(stop)
+		// One process abandons step 5 for the stop: it saves step 4.
+		if r, err := Run(tinyConfig(t, b, dir), Options{Log: &bytes.Buffer{}, Stop: stop}); err != nil || !r.Interrupted || r.Step != 4 {
+			t.Fatalf("the first process: %v, want it interrupted after step 4", err)
+		}
+		testHookRow = nil
+		cfgs := []*Config{tinyConfig(t, b, dir, z), tinyConfig(t, b, dir, z), tinyConfig(t, b, dir, z)}
+		res, _ := runRanks(t, 3, cfgs, nil)
+		for i := range res {
+			check(fmt.Sprintf("one process, resumed by rank %d of 3 at ZeRO %d", i, zero), res[i])
+		}
 	}
 }
