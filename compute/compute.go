@@ -195,7 +195,9 @@ type Backend interface {
 	// SwiGLU: out (n) = silu(gate)·up, all three (act). out may alias gate
 	// (of the same dtype).
 	SwiGLU(out, gate, up Tensor, n int)
-	// Add: a (n) += b (n), the residual connection.
+	// Add: a (n) += b (n), the residual connection; b is F32, a F32 or
+	// (act) (a LoRA adapter's term into its Linear's output: a BF16 a is
+	// rounded once after the sum).
 	Add(a, b Tensor, n int)
 	// AddRMSNorm is Add then RMSNorm of the sum, in one pass where the
 	// backend fuses them (the residual connection and the next norm):
@@ -229,7 +231,8 @@ type Backend interface {
 
 	// MatMulBackward of out = x·wᵀ + bias: dout (m,n), x (m,k) (act), w (n,k) ->
 	// dx (m,k) += dout·w, dw (n,k) += doutᵀ·x, dbias (n) += Σ_rows dout.
-	// dx and dbias may be nil (not needed). x and w must be what the
+	// dx, dw and dbias may be nil (not needed: a frozen weight, as a LoRA
+	// student's base, has no dw; x is then not read). x and w must be what the
 	// forward multiplied (under NVFP4 fake quantization, the quantized
 	// copies: the straight-through estimator).
 	MatMulBackward(dx, dw, dbias, dout, x, w Tensor, m, n, k int)

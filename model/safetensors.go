@@ -72,6 +72,20 @@ type Weights struct {
 	tensors map[string]*stTensor
 }
 
+// OpenFile memory-maps one safetensors file of any name (a PEFT
+// adapter_model.safetensors, an optimizer state).
+func OpenFile(path string) (*Weights, error) {
+	f, infos, err := openSafetensors(path)
+	if err != nil {
+		return nil, err
+	}
+	w := &Weights{files: []*stFile{f}, tensors: map[string]*stTensor{}}
+	for _, t := range infos {
+		w.tensors[t.info.Name] = t
+	}
+	return w, nil
+}
+
 // OpenWeights memory-maps the checkpoint in dir: model.safetensors, or the
 // shards named by model.safetensors.index.json, or (failing both) every
 // *.safetensors file in dir.

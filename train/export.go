@@ -82,7 +82,12 @@ func (s *Student) Weights() map[string][]float32 {
 // model.safetensors) in dtype "BF16" (round to nearest even, what
 // `student export` ships) or "F32" (the exact master weights, what training
 // checkpoints hold).
+//
+// A LoRA student is written merged (MergedWeights).
 func (s *Student) WriteHF(dir, dtype string) error {
+	if s.lora != nil {
+		return model.WriteCheckpoint(dir, s.Cfg, s.MergedWeights(), dtype)
+	}
 	return model.WriteCheckpoint(dir, s.Cfg, s.Weights(), dtype)
 }
 

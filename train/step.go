@@ -105,7 +105,11 @@ func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float6
 	}
 	dlnf := s.Model.HiddenGrad()
 	s.be.Zero(dlnf)
-	st, err = s.head.ForwardBackward(x, s.Model.Head.W, dlnf, s.Model.Head.DW, b, opt, normalizer)
+	dhead := s.Model.Head.DW
+	if s.lora != nil { // a frozen head: its gradient is made and dropped
+		dhead = s.lora.headGrad
+	}
+	st, err = s.head.ForwardBackward(x, s.Model.Head.W, dlnf, dhead, b, opt, normalizer)
 	if err != nil {
 		return st, err
 	}
@@ -149,6 +153,9 @@ func (s *Student) FinishCalibration() (err error) {
 // "model.layers.0.mlp.experts.3.down_proj"), with the input_scale of each.
 // MoE routers are not quantized.
 func (s *Student) ExportNVFP4() (map[string]*nvfp4.Packed, map[string]float32, error) {
+	if s.lora != nil {
+		return nil, nil, fmt.Errorf("%w: NVFP4 export of a LoRA student: not supported yet (the merged weights need their inputs' amax, which a LoRA run does not calibrate); export the merged model as bf16, or the adapters as peft", ErrInvalid)
+	}
 	if !s.QAD || s.Model.Calibrating() {
 		return nil, nil, fmt.Errorf("%w: NVFP4 export needs QAD enabled and calibrated", ErrInvalid)
 	}

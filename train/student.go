@@ -56,6 +56,7 @@ type Student struct {
 	be            compute.Backend
 	params, grads compute.Tensor // nil when sharded
 	sh            *shards        // ZeRO stages 2 and 3 (NewShardedStudentOn)
+	lora          *loraState     // a LoRA student (NewLoRAStudentOn): its frozen base
 	head          *loss.Head
 	routing       decoder.RouterStats // of the last forward (MoE students)
 }
@@ -151,12 +152,22 @@ func newStudent(cfg *model.Config, be compute.Backend, sh *Sharding) (_ *Student
 // must be freed before another one is made. The student is unusable
 // after.
 func (s *Student) Free() {
-	s.Model.Free()
+	if s.Model != nil {
+		s.Model.Free()
+	}
 	if s.sh != nil {
 		s.sh.free()
 	} else {
 		s.be.Free(s.params)
 		s.be.Free(s.grads)
+	}
+	if st := s.lora; st != nil {
+		for _, t := range []compute.Tensor{st.base, st.headGrad} {
+			if t != nil {
+				s.be.Free(t)
+			}
+		}
+		st.base, st.headGrad = nil, nil
 	}
 	s.Params, s.Grads = nil, nil
 }

@@ -13,6 +13,9 @@
 // multiply-adds), so a backend run with several workers splits every loop;
 // finite differences run on strided subsets to stay affordable.
 //
+// LoRALinear checks compute.LoRA (a LoRA adapter composed of the
+// contract's kernels) on a frozen base Linear, forward and backward.
+//
 // MoEBackward checks MoEForward and MoEBackward (the Qwen3-MoE block's
 // training pair) against float64 formulas and finite differences, router
 // and load-balancing gradient included; a BF16 backend's gradients are
@@ -138,6 +141,7 @@ func (s *suite) run(t *testing.T) {
 		{"LossHeadForward", s.lossHeadForward, true},
 		{"LossHeadBackward", s.lossHeadBackward, true},
 		{"MoEBackward", s.moeBackward, true},
+		{"LoRALinear", s.loraLinear, true},
 	} {
 		if c.train && s.forwardOnly {
 			continue
@@ -177,6 +181,7 @@ func (s *suite) runAct(t *testing.T) {
 		{"FakeQuantNVFP4", s.fakeQuant, true},
 		{"LossHeadForward", s.lossHeadForward, true},
 		{"LossHeadBackward", s.lossHeadBackward, true},
+		{"LoRALinear", s.loraLinear, true},
 	} {
 		if c.train && s.forwardOnly {
 			continue

@@ -23,7 +23,9 @@ func (b *Backend) MatMulBackward(dx, dw, dbias, dout, x, w compute.Tensor, m, n,
 	if dx != nil {
 		b.sgemm(false, false, m, k, n, 1, d, n, ws, k, 1, f32(dx), k)
 	}
-	b.sgemm(true, false, n, k, m, 1, d, n, xs, k, 1, f32(dw), k)
+	if dw != nil {
+		b.sgemm(true, false, n, k, m, 1, d, n, xs, k, 1, f32(dw), k)
+	}
 	if dbias != nil {
 		db := f32(dbias)
 		part := make([]float64, b.threads*n)

@@ -403,8 +403,12 @@ func (b *Backend) Add(aT, bT compute.Tensor, n int) {
 	defer b.enter()()
 	b.wroteT(aT)
 	a, c := b.ten(aT, "Add a"), b.ten(bT, "Add b")
-	need(a, "Add a", n, compute.F32)
+	need(a, "Add a", n, act...)
 	need(c, "Add b", n, compute.F32)
+	if a.dt == compute.BF16 { // a LoRA adapter's term into a BF16 output
+		b.ew("k_add_to_act", int64(n), dptr(a.p), dptr(c.p), int64(n))
+		return
+	}
 	b.ew("k_add", int64(n), dptr(a.p), dptr(c.p), int64(n))
 }
 
@@ -482,4 +486,9 @@ func (b *Backend) LMHeadTopK(idsT, lpT, xT, wT compute.Tensor, tokens, hidden, v
 	for _, q := range []uint64{rmax, rsum, cnt, ws, xs, tile} {
 		b.free(q)
 	}
+}
+
+// LMHeadSample implements compute.Backend.
+func (b *Backend) LMHeadSample(idsT, lpT, drawnT, tailT, xT, wT, uT compute.Tensor, tokens, hidden, vocab, k, n int, head bool) {
+	panic("cuda: LMHeadSample: not implemented yet")
 }

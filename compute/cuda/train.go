@@ -150,11 +150,16 @@ func (b *Backend) MatMulBackward(dxT, dwT, dbiasT, doutT, xT, wT compute.Tensor,
 	defer b.enter()()
 	b.wroteT(dxT, dwT, dbiasT)
 	b.label = "MatMulBackward"
-	dw, dout, x, w := b.ten(dwT, "MatMulBackward dw"), b.ten(doutT, "MatMulBackward dout"), b.ten(xT, "MatMulBackward x"), b.ten(wT, "MatMulBackward w")
-	need(dw, "MatMulBackward dw", n*k, compute.F32)
+	dout, w := b.ten(doutT, "MatMulBackward dout"), b.ten(wT, "MatMulBackward w")
 	need(dout, "MatMulBackward dout", m*n, compute.F32)
-	need(x, "MatMulBackward x", m*k, compute.F32, compute.BF16)
 	need(w, "MatMulBackward w", n*k, compute.F32, compute.BF16)
+	// dw nil: a frozen weight (a LoRA student's base); x is not read.
+	var dw, x *tensor
+	if dwT != nil {
+		dw, x = b.ten(dwT, "MatMulBackward dw"), b.ten(xT, "MatMulBackward x")
+		need(dw, "MatMulBackward dw", n*k, compute.F32)
+		need(x, "MatMulBackward x", m*k, compute.F32, compute.BF16)
+	}
 	if m == 0 || n == 0 || k == 0 {
 		return
 	}
@@ -167,9 +172,11 @@ func (b *Backend) MatMulBackward(dxT, dwT, dbiasT, doutT, xT, wT compute.Tensor,
 		b.gemmEx(dx.p, dp, wp, m, k, n, false, false, dataBF16, 1)
 		b.free(ws)
 	}
-	xp, xs := b.bf16Operand(x, m*k)
-	b.gemmEx(dw.p, dp, xp, n, k, m, true, false, dataBF16, 1)
-	b.free(xs)
+	if dw != nil {
+		xp, xs := b.bf16Operand(x, m*k)
+		b.gemmEx(dw.p, dp, xp, n, k, m, true, false, dataBF16, 1)
+		b.free(xs)
+	}
 	if dbiasT != nil {
 		db := b.ten(dbiasT, "MatMulBackward dbias")
 		need(db, "MatMulBackward dbias", n, compute.F32)

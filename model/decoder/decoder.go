@@ -61,6 +61,9 @@ type Linear struct {
 	Out, In int
 	WQ      Quantizer
 	Wfq     compute.Tensor // fake-quantized W (QAD, once calibrated), else nil
+	// LoRA, when set, is a low-rank adapter beside W (a LoRA student,
+	// whose W is frozen: DW and DB nil); see AttachLoRA.
+	LoRA *compute.LoRA
 }
 
 // weight is what the forward multiplies by: the fake-quantized copy under
@@ -162,6 +165,8 @@ type Model struct {
 	// slot s holds (-1: none) when the blocks share slots.
 	res   Residency
 	qslot []int
+	// lora: the adapters' scratch (AttachLoRA).
+	lora loraState
 }
 
 // Backend returns the backend the model runs on.

@@ -59,9 +59,9 @@ func (m *Model) attnForward(L *Block, a *blockActs, b *batch, normIn bool) {
 	}
 	m.quantInput(&L.InQKV, a.ln1q, a.ln1, N, C)
 	at := &L.Attn
-	be.MatMul(a.qpre, a.ln1q, at.Q.weight(), at.Q.B, N, H*D, C)
-	be.MatMul(a.kpre, a.ln1q, at.K.weight(), at.K.B, N, KV*D, C)
-	be.MatMul(a.v, a.ln1q, at.V.weight(), at.V.B, N, KV*D, C)
+	m.linear(&at.Q, a.qpre, a.ln1q, N)
+	m.linear(&at.K, a.kpre, a.ln1q, N)
+	m.linear(&at.V, a.v, a.ln1q, N)
 	if at.QNorm != nil { // the per-head norms and RoPE, fused
 		be.RMSNormRoPE(a.q, a.qrstd, a.qpre, at.QNorm.W, b.cos, b.sin, N, H, D, eps)
 		be.RMSNormRoPE(a.k, a.krstd, a.kpre, at.KNorm.W, b.cos, b.sin, N, KV, D, eps)
@@ -71,7 +71,7 @@ func (m *Model) attnForward(L *Block, a *blockActs, b *batch, normIn bool) {
 	}
 	be.Attention(a.att, a.lse, a.q, a.k, a.v, b.starts, b.nSeq, b.maxLen, N, H, KV, D, attnScale(D))
 	m.quantInput(&L.InO, a.attq, a.att, N, H*D)
-	be.MatMul(a.xmid, a.attq, at.O.weight(), at.O.B, N, C, H*D)
+	m.linear(&at.O, a.xmid, a.attq, N)
 	be.AddRMSNorm(a.ln2, a.rstd2, a.xmid, a.xin, L.PostNorm.W, N, C, eps)
 }
 
@@ -92,13 +92,12 @@ func (m *Model) mlpForward(L *Block, a *blockActs, N int, down bool, next *nextN
 		}
 	} else {
 		f := L.MLP
-		I := f.Gate.Out
 		m.quantInput(&L.InGateUp, a.ln2q, a.ln2, N, C)
 		m.gateUp(L, a, N)
 		if !down {
 			return
 		}
-		be.MatMul(a.out, a.hq, f.Down.weight(), nil, N, C, I)
+		m.linear(&f.Down, a.out, a.hq, N)
 	}
 	if next != nil {
 		be.AddRMSNorm(next.out, next.rstd, a.out, a.xmid, next.w, N, C, c.RMSNormEps)
@@ -111,9 +110,9 @@ func (m *Model) mlpForward(L *Block, a *blockActs, N int, down bool, next *nextN
 // quantized copy hq from ln2q: what a selective recompute re-runs.
 func (m *Model) gateUp(L *Block, a *blockActs, N int) {
 	be, f := m.be, L.MLP
-	I, C := f.Gate.Out, m.Cfg.Hidden
-	be.MatMul(a.gate, a.ln2q, f.Gate.weight(), nil, N, I, C)
-	be.MatMul(a.up, a.ln2q, f.Up.weight(), nil, N, I, C)
+	I := f.Gate.Out
+	m.linear(&f.Gate, a.gate, a.ln2q, N)
+	m.linear(&f.Up, a.up, a.ln2q, N)
 	be.SwiGLU(a.h, a.gate, a.up, N*I)
 	m.quantInput(&L.InDown, a.hq, a.h, N, I)
 }

@@ -388,7 +388,7 @@ func (m *Model) Backward() {
 	be, c, a, b := m.be, m.Cfg, &m.train.acts, m.train.b
 	N, C, H, KV, D := b.n, c.Hidden, c.Heads, c.KVHeads, c.HeadDim
 	be.Zero(a.dres)
-	be.RMSNormBackward(a.dres, m.Norm.DW, a.dln, a.xL, m.Norm.W, a.rstdf, N, C)
+	be.RMSNormBackward(a.dres, m.dw(m.Norm.DW, C), a.dln, a.xL, m.Norm.W, a.rstdf, N, C)
 	var dprob compute.Tensor
 	if m.train.auxOn {
 		dprob = m.train.dprob
@@ -416,18 +416,18 @@ func (m *Model) Backward() {
 			// MLP: out = xmid + down(swiglu(gate(ln2), up(ln2))); dres
 			// flows to xmid unchanged (+=).
 			be.Zero(a.dh)
-			be.MatMulBackward(a.dh, f.Down.DW, nil, a.dres, l.hq, f.Down.weight(), N, C, I)
+			m.linearBackward(&f.Down, a.dh, a.dres, l.hq, N)
 			be.Zero(a.dgate)
 			be.Zero(a.dup)
 			be.SwiGLUBackward(a.dgate, a.dup, a.dh, l.gate, l.up, N*I)
 			be.Zero(a.dln)
-			be.MatMulBackward(a.dln, f.Gate.DW, nil, a.dgate, l.ln2q, f.Gate.weight(), N, I, C)
-			be.MatMulBackward(a.dln, f.Up.DW, nil, a.dup, l.ln2q, f.Up.weight(), N, I, C)
+			m.linearBackward(&f.Gate, a.dln, a.dgate, l.ln2q, N)
+			m.linearBackward(&f.Up, a.dln, a.dup, l.ln2q, N)
 		}
-		be.RMSNormBackward(a.dres, L.PostNorm.DW, a.dln, l.xmid, L.PostNorm.W, l.rstd2, N, C)
+		be.RMSNormBackward(a.dres, m.dw(L.PostNorm.DW, C), a.dln, l.xmid, L.PostNorm.W, l.rstd2, N, C)
 		// Attention: xmid = xin + o(attn(rope(q), rope(k), v)).
 		be.Zero(a.datt)
-		be.MatMulBackward(a.datt, at.O.DW, at.O.DB, a.dres, l.attq, at.O.weight(), N, C, H*D)
+		m.linearBackward(&at.O, a.datt, a.dres, l.attq, N)
 		be.Zero(a.dq)
 		be.Zero(a.dk)
 		be.Zero(a.dv)
@@ -438,18 +438,20 @@ func (m *Model) Backward() {
 		if at.QNorm != nil {
 			be.Zero(a.dqpre)
 			be.Zero(a.dkpre)
-			be.RMSNormBackward(a.dqpre, at.QNorm.DW, a.dq, l.qpre, at.QNorm.W, l.qrstd, N*H, D)
-			be.RMSNormBackward(a.dkpre, at.KNorm.DW, a.dk, l.kpre, at.KNorm.W, l.krstd, N*KV, D)
+			be.RMSNormBackward(a.dqpre, m.dw(at.QNorm.DW, D), a.dq, l.qpre, at.QNorm.W, l.qrstd, N*H, D)
+			be.RMSNormBackward(a.dkpre, m.dw(at.KNorm.DW, D), a.dk, l.kpre, at.KNorm.W, l.krstd, N*KV, D)
 			dq, dk = a.dqpre, a.dkpre
 		}
 		be.Zero(a.dln)
-		be.MatMulBackward(a.dln, at.Q.DW, at.Q.DB, dq, l.ln1q, at.Q.weight(), N, H*D, C)
-		be.MatMulBackward(a.dln, at.K.DW, at.K.DB, dk, l.ln1q, at.K.weight(), N, KV*D, C)
-		be.MatMulBackward(a.dln, at.V.DW, at.V.DB, a.dv, l.ln1q, at.V.weight(), N, KV*D, C)
-		be.RMSNormBackward(a.dres, L.InNorm.DW, a.dln, l.xin, L.InNorm.W, l.rstd1, N, C)
+		m.linearBackward(&at.Q, a.dln, dq, l.ln1q, N)
+		m.linearBackward(&at.K, a.dln, dk, l.ln1q, N)
+		m.linearBackward(&at.V, a.dln, a.dv, l.ln1q, N)
+		be.RMSNormBackward(a.dres, m.dw(L.InNorm.DW, C), a.dln, l.xin, L.InNorm.W, l.rstd1, N, C)
 		m.gradsDone(i)
 	}
-	be.EmbedBackward(m.Embed.DW, a.dres, b.tokens, N, C)
+	if m.Embed.DW != nil { // nil: a frozen base (LoRA)
+		be.EmbedBackward(m.Embed.DW, a.dres, b.tokens, N, C)
+	}
 }
 
 // RouterStats are the routing statistics of the last TrainForward's MoE
@@ -565,6 +567,7 @@ func (m *Model) Free() {
 		m.be.Free(st.b.starts)
 	}
 	m.qadArena = nil
+	m.freeLoRA()
 	for i := range m.Blocks {
 		for _, l := range m.Blocks[i].Linears() {
 			l.Wfq = nil

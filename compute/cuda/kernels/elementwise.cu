@@ -72,6 +72,12 @@ DK_KERNEL void k_add(float *a, const float *b, i64 n) {
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) a[i] += b[i];
 }
 
+// a (n) BF16 += b (n) F32, rounded once: a LoRA adapter's term into its
+// Linear's BF16 output.
+DK_KERNEL void k_add_to_act(u16 *a, const float *__restrict__ b, i64 n) {
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) a[i] = f2bf(bf2f(a[i]) + b[i]);
+}
+
 // a (n) F32 += b (n) BF16: cuDNN's attention gradients into the contract's.
 DK_KERNEL void k_add_bf16(float *__restrict__ a, const u16 *__restrict__ b, i64 n) {
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) a[i] += bf2f(b[i]);
@@ -105,6 +111,7 @@ DK_REGISTER(k_bf16_to_f32_x4)
 DK_REGISTER(k_add_bf16_x4)
 DK_REGISTER(k_swiglu)
 DK_REGISTER(k_add)
+DK_REGISTER(k_add_to_act)
 DK_REGISTER(k_add_bf16)
 DK_REGISTER(k_add_bias)
 DK_REGISTER(k_embed)

@@ -1,0 +1,127 @@
+package decoder
+
+import (
+	"fmt"
+
+	"distill/compute"
+)
+
+// LoRA students: a frozen base with low-rank adapters on some of its
+// Linears (Linear.LoRA, see compute.LoRA for the formula, PEFT's). The
+// base's tensors are bound with nil gradients (New's Binder returns
+// none): the backward then computes no weight gradient for them (a nil
+// dw to MatMulBackward, no EmbedBackward) and sends the norms' weight
+// gradients, which RMSNormBackward always makes, to a scratch that is
+// never read. The activations' gradients flow through the base as
+// before: the adapters of layer i need the gradients of every layer
+// above it.
+
+// loraState is the scratch of the adapters: t and dt (N, max rank), u
+// (N, max Out), F32, sized for the largest batch so far, and the discard
+// of frozen norms' weight gradients.
+type loraState struct {
+	on          bool
+	rank, out   int // the largest adapter rank and output width
+	n           int // tokens the scratch is sized for
+	t, dt, u    compute.Tensor
+	discard     compute.Tensor // (max(hidden, head_dim)) F32
+	discardSize int
+}
+
+// AttachLoRA puts an adapter on every Linear of the blocks for which
+// adapter returns one (nil: none). MoE blocks take none: their experts
+// run inside the fused MoE kernels, which have no adapter term.
+func (m *Model) AttachLoRA(adapter func(l *Linear) *compute.LoRA) error {
+	for i := range m.Blocks {
+		L := &m.Blocks[i]
+		for _, l := range L.Linears() {
+			a := adapter(l)
+			if a == nil {
+				continue
+			}
+			if L.MoE != nil {
+				return fmt.Errorf("%w: %s: LoRA adapters on a Qwen3-MoE block are not supported yet (its experts run in the fused MoE kernels)", ErrInvalid, l.Name)
+			}
+			if a.In != l.In || a.Out != l.Out || a.Rank <= 0 {
+				return fmt.Errorf("%w: %s: adapter of rank %d, %d -> %d, on a Linear %d -> %d", ErrInvalid, l.Name, a.Rank, a.In, a.Out, l.In, l.Out)
+			}
+			l.LoRA = a
+			m.lora.on = true
+			m.lora.rank, m.lora.out = max(m.lora.rank, a.Rank), max(m.lora.out, a.Out)
+		}
+	}
+	return nil
+}
+
+// LoRA reports whether adapters are attached.
+func (m *Model) LoRA() bool { return m.lora.on }
+
+// loraScratch sizes the adapters' scratch for N tokens.
+func (m *Model) loraScratch(N int) {
+	st := &m.lora
+	if N <= st.n {
+		return
+	}
+	for _, t := range []compute.Tensor{st.t, st.dt, st.u} {
+		if t != nil {
+			m.be.Free(t)
+		}
+	}
+	st.t, st.dt, st.u = nil, nil, nil
+	st.n = 0
+	st.t, st.dt = m.be.New(compute.F32, N*st.rank), m.be.New(compute.F32, N*st.rank)
+	st.u = m.be.New(compute.F32, N*st.out)
+	st.n = N
+}
+
+// LoRAScratchBytes is what the adapters' scratch takes for N tokens with
+// adapters of rank at most rank on Linears at most out wide.
+func LoRAScratchBytes(N, rank, out int) int64 { return 4 * int64(N) * int64(2*rank+out) }
+
+// linear is l's forward: out (N, Out) = x·Wᵀ + b, plus the adapter's term.
+func (m *Model) linear(l *Linear, out, x compute.Tensor, N int) {
+	m.be.MatMul(out, x, l.weight(), l.B, N, l.Out, l.In)
+	if l.LoRA != nil {
+		m.loraScratch(N)
+		l.LoRA.Forward(m.be, out, x, m.lora.t, m.lora.u, N)
+	}
+}
+
+// linearBackward is l's backward from dout (N, Out), x the forward's
+// input: dx (N, In) +=, and the gradients of W and b (none when frozen)
+// and of the adapter.
+func (m *Model) linearBackward(l *Linear, dx, dout, x compute.Tensor, N int) {
+	m.be.MatMulBackward(dx, l.DW, l.DB, dout, x, l.weight(), N, l.Out, l.In)
+	if l.LoRA != nil {
+		m.loraScratch(N)
+		l.LoRA.Backward(m.be, dx, dout, x, m.lora.t, m.lora.dt, N)
+	}
+}
+
+// dw is a norm's weight gradient: g, or for a frozen norm (g nil) a
+// scratch of n elements that is never read.
+func (m *Model) dw(g compute.Tensor, n int) compute.Tensor {
+	if g != nil {
+		return g
+	}
+	st := &m.lora
+	if st.discardSize < n {
+		if st.discard != nil {
+			m.be.Free(st.discard)
+		}
+		st.discard, st.discardSize = m.be.New(compute.F32, n), n
+	}
+	return st.discard
+}
+
+// freeLoRA releases the adapters' scratch (the adapters are the caller's).
+func (m *Model) freeLoRA() {
+	st := &m.lora
+	for _, t := range []compute.Tensor{st.t, st.dt, st.u, st.discard} {
+		if t != nil {
+			m.be.Free(t)
+		}
+	}
+	st.t, st.dt, st.u, st.discard = nil, nil, nil, nil
+	st.n, st.discardSize = 0, 0
+}
