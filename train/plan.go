@@ -63,6 +63,12 @@ type PlanShape struct {
 	// blocks and of the units outside them). Sharded, the GEMMs round
 	// their weights per use (no BF16 copies are kept).
 	Ranks, ZeRO int
+	// LoRA, when set, plans a LoRA student (train.NewLoRAStudentOn): the
+	// frozen base once in the activation dtype, the adapters' fp32
+	// weights, gradients, moments and BF16 copies, the LM head's
+	// discarded gradient, and the adapters' scratch per row. QAD is then
+	// off (an NVFP4 base is quantized in place). ZeRO 0 or 1 only.
+	LoRA *LoRAConfig
 }
 
 // PlanTerm is one line of a memory plan.
@@ -120,6 +126,8 @@ const (
 	TermLossHead    = "loss head tiles"
 	TermGEMM        = "GEMM operand scratch"
 	TermMoE         = "MoE layer scratch"
+	TermLoRABase    = "frozen LoRA base"
+	TermLoRAScratch = "LoRA adapters' scratch"
 )
 
 // planCounts are the parameter counts the plan needs.
@@ -233,7 +241,19 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		return b
 	}
 	var perUse int64 // a GEMM weight rounded to BF16 per use (sharded)
-	if s.ZeRO >= 2 {
+	if s.LoRA != nil {
+		s.QAD = false
+		p.Shape.QAD = false
+		base, adapters, rank, out := loraCounts(cfg, s.LoRA)
+		add(TermLoRABase, int64(s.Activations.Size())*base, false, false)
+		add(TermParams, 4*adapters, false, false)
+		// The adapters' gradients, the LM head's discarded one, the
+		// norms' discard.
+		add(TermGrads, 4*adapters+4*int64(cfg.VocabSize)*int64(cfg.Hidden)+4*int64(max(cfg.Hidden, cfg.HeadDim)), false, false)
+		add(TermMoments, shard(1, 8*adapters), false, false)
+		add(TermShadows, 2*adapters, false, false)
+		add(TermLoRAScratch, decoder.LoRAScratchBytes(max(s.RowTokens, 1), rank, out), true, false)
+	} else if s.ZeRO >= 2 {
 		// Sharding's layout: a rank's parts of every unit (master,
 		// gradients, moments), one block's whole gradients and those of
 		// the units outside the blocks, and the whole weights of every
@@ -306,6 +326,24 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		add(TermMoE, b+64<<10, true, true)
 	}
 	return p
+}
+
+// loraCounts are a LoRA student's element counts: its base (each tensor
+// aligned as its arena aligns it), its adapters, and the largest rank and
+// adapted output width (the scratch's shape).
+func loraCounts(cfg *model.Config, lc *LoRAConfig) (base, adapters int64, rank, out int) {
+	for _, t := range cfg.Tensors() {
+		n := int64(1)
+		for _, d := range t.Shape {
+			n *= int64(d)
+		}
+		base = (base+baseAlign-1)/baseAlign*baseAlign + n
+		if _, ok := lc.loraTarget(t.Name); ok {
+			adapters += int64(lc.Rank) * int64(t.Shape[0]+t.Shape[1])
+			rank, out = lc.Rank, max(out, t.Shape[0])
+		}
+	}
+	return base, adapters, rank, out
 }
 
 // lossTileBudget is compute/cuda's bound on the loss head's logit tile.

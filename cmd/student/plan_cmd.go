@@ -106,7 +106,7 @@ func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act co
 	T := cfg.Data.SeqLen
 	qad := cfg.Quant == "nvfp4"
 	shape := func(r decoder.Recompute) train.PlanShape {
-		sh := train.PlanShape{Model: mc, RowTokens: T, K: k, QAD: qad, Recompute: r, Activations: act}
+		sh := train.PlanShape{Model: mc, RowTokens: T, K: k, QAD: qad, Recompute: r, Activations: act, LoRA: cfg.TrainLoRA()}
 		if world > 1 { // one process ignores train.zero, as the trainer does
 			sh.Ranks, sh.ZeRO = world, cfg.Train.ZeRO
 		}
@@ -114,6 +114,9 @@ func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act co
 	}
 	fmt.Fprintf(w, "memory plan: %s student, %.1fM parameters (%d layers, hidden %d, vocab %d), rows of %d tokens (data.seq_len), teacher top-k %d, quant %s, %v activations%s\n",
 		mc.Arch, float64(mc.Params())/1e6, mc.Layers, mc.Hidden, mc.VocabSize, T, k, cfg.Quant, act, zeroNote(cfg.Train.ZeRO, world))
+	if lc := cfg.TrainLoRA(); lc != nil {
+		fmt.Fprintf(w, "LoRA: rank %d on %v, the base frozen (%v on the device%s)\n", lc.Rank, lc.Targets, act, map[bool]string{true: ", NVFP4-fake-quantized values"}[lc.NVFP4])
+	}
 	fmt.Fprintf(w, "device: %s, %s kept in reserve: %s for the run\n\n", train.HumanBytes(total), train.HumanBytes(reserve), train.HumanBytes(budget))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "term\tbytes\tper")

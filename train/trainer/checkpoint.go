@@ -86,6 +86,9 @@ type State struct {
 	// Teachers of multi-teacher KD (data.caches), in order; absent with
 	// one teacher (data.cache) or none (data.dataset).
 	Teachers []TeacherState `json:"teachers,omitempty"`
+	// LoRA is a LoRA run's adapters and base (model.lora); absent for a
+	// full fine-tune.
+	LoRA *LoRAState `json:"lora,omitempty"`
 }
 
 // TeacherState is one teacher of a multi-teacher run, as a checkpoint
@@ -277,12 +280,20 @@ func saveCheckpoint(runDir string, s *train.Student, moments momentsOf, st *Stat
 		// Host values on any backend: views on the CPU, downloads from a
 		// GPU, so that a checkpoint moves between devices.
 		var ts []model.Tensor
-		w := s.Weights()
-		for _, t := range s.Tensors {
-			ts = append(ts, model.F32Tensor(t.Name, t.Shape, w[t.Name]))
-		}
-		if err := model.WriteSafetensors(filepath.Join(tmp, "model.safetensors"), ts, map[string]string{"format": "pt"}); err != nil {
-			return err
+		if s.LoRA() != nil {
+			// The adapters alone, in PEFT's files; the base is named in
+			// state.json by its content hash.
+			if err := s.WritePEFT(tmp, peftBase(st)); err != nil {
+				return err
+			}
+		} else {
+			w := s.Weights()
+			for _, t := range s.Tensors {
+				ts = append(ts, model.F32Tensor(t.Name, t.Shape, w[t.Name]))
+			}
+			if err := model.WriteSafetensors(filepath.Join(tmp, "model.safetensors"), ts, map[string]string{"format": "pt"}); err != nil {
+				return err
+			}
 		}
 		ts = ts[:0]
 		for i, t := range s.Tensors {
@@ -354,9 +365,18 @@ func loadCheckpointSharded(dir string, be compute.Backend, sh *train.Sharding) (
 		return nil, nil, fmt.Errorf("%w: %s/state.json: %v", ErrResume, dir, err)
 	}
 	var s *train.Student
-	if sh != nil {
+	switch {
+	case st.LoRA != nil && sh != nil:
+		return nil, nil, fmt.Errorf("%w: %s is a LoRA checkpoint: ZeRO stages 2 and 3 do not shard LoRA students; use train.zero 0 or 1", ErrResume, dir)
+	case st.LoRA != nil:
+		s, err = loadLoRACheckpoint(dir, &st, be)
+		if err != nil {
+			return nil, nil, err
+		}
+		return s, &st, nil
+	case sh != nil:
 		s, err = train.LoadHFSharded(dir, be, *sh)
-	} else {
+	default:
 		s, err = train.LoadHFOn(dir, be)
 	}
 	if err != nil {

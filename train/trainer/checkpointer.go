@@ -71,7 +71,10 @@ func (st *State) checkResume(cfg *Config, s *train.Student, ckpt string, log io.
 	if st.DataSeed != cfg.Seed {
 		return fmt.Errorf("%w: %s was trained with seed %d, the config says %d", ErrResume, ckpt, st.DataSeed, cfg.Seed)
 	}
-	if (st.QuantAmax != nil) != (cfg.Quant == "nvfp4") {
+	if err := st.checkLoRA(cfg, ckpt); err != nil {
+		return err
+	}
+	if st.LoRA == nil && (st.QuantAmax != nil) != (cfg.Quant == "nvfp4") {
 		return fmt.Errorf("%w: %s has NVFP4 state %v but the config says quant: %s", ErrResume, ckpt, st.QuantAmax != nil, cfg.Quant)
 	}
 	if err := st.checkBatching(cfg, ckpt); err != nil {

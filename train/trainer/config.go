@@ -16,6 +16,7 @@ import (
 	"distill/compute/device"
 	"distill/data"
 	"distill/model"
+	"distill/train"
 	"distill/train/loss"
 	"distill/train/optim"
 )
@@ -55,6 +56,43 @@ type ModelConfig struct {
 	// directly. With neither, init_from's directory is tried.
 	Tokenizer            string `yaml:"tokenizer"`
 	TokenizerFingerprint string `yaml:"tokenizer_fingerprint"`
+	// LoRA, when set, trains low-rank adapters on a frozen base (the
+	// model init_from or random gives) instead of every weight.
+	LoRA *LoRAModel `yaml:"lora,omitempty"`
+}
+
+// LoRAModel is model.lora: PEFT's LoraConfig (r, lora_alpha,
+// lora_dropout, target_modules, init_lora_weights) under this config's
+// key names.
+type LoRAModel struct {
+	Rank    int      `yaml:"rank"`
+	Alpha   *float64 `yaml:"alpha"`   // absent: 8, PEFT's default
+	Dropout float64  `yaml:"dropout"` // 0 only, for now
+	// Targets are HF/PEFT module names; absent: q_proj, v_proj (PEFT's
+	// default for Llama and Qwen).
+	Targets []string `yaml:"targets"`
+	Init    string   `yaml:"init"` // kaiming (default) or gaussian
+	Seed    uint64   `yaml:"seed"` // draws A
+}
+
+// TrainLoRA is model.lora as package train takes it (defaults applied),
+// with quant: nvfp4 holding the base fake-quantized; nil without it.
+func (c *Config) TrainLoRA() *train.LoRAConfig {
+	l := c.Model.LoRA
+	if l == nil {
+		return nil
+	}
+	lc := &train.LoRAConfig{Rank: l.Rank, Alpha: 8, Dropout: l.Dropout, Targets: l.Targets, Init: l.Init, Seed: l.Seed, NVFP4: c.Quant == "nvfp4"}
+	if l.Alpha != nil {
+		lc.Alpha = *l.Alpha
+	}
+	if len(lc.Targets) == 0 {
+		lc.Targets = []string{"q_proj", "v_proj"}
+	}
+	if lc.Init == "" {
+		lc.Init = "kaiming"
+	}
+	return lc
 }
 
 // RandomModel is the architecture of a randomly initialized student (HF
@@ -695,6 +733,14 @@ func (c *Config) Validate() error {
 		return bad("calib_batches", "%d: want > 0 with quant: nvfp4", c.CalibBatches)
 	case c.Optim.MaxGradNorm < 0:
 		return bad("optim.max_grad_norm", "%g: want >= 0 (0 = no clipping)", c.Optim.MaxGradNorm)
+	}
+	if lc := c.TrainLoRA(); lc != nil {
+		if err := lc.Check(nil); err != nil {
+			return fmt.Errorf("%w: %w", ErrConfig, err)
+		}
+		if c.Train.ZeRO >= 2 {
+			return bad("train.zero", "%d with model.lora: ZeRO stages 2 and 3 do not shard a LoRA student (its adapters and their moments are small, and its frozen base is held once per rank); use train.zero 0 or 1", c.Train.ZeRO)
+		}
 	}
 	if err := c.AdamW().Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrConfig, err) // "optim: invalid configuration: ..."

@@ -13,6 +13,7 @@ import (
 
 	"distill/data/tokenizer"
 	"distill/model"
+	"distill/train"
 
 	"gopkg.in/yaml.v3"
 )
@@ -27,7 +28,10 @@ var tokenizerFiles = []string{"tokenizer.json", "tokenizer_config.json", "specia
 // ExportOptions control Export.
 type ExportOptions struct {
 	// Format: "bf16" (HF BF16), "f32" (the exact master weights) or
-	// "nvfp4" (Model-Optimizer NVFP4; needs a quant: nvfp4 run).
+	// "nvfp4" (Model-Optimizer NVFP4; needs a quant: nvfp4 run); a LoRA
+	// run's bf16 and f32 are the merged model (W + (alpha/r)·B·A), and
+	// "peft" writes its adapters alone as PEFT saves them
+	// (adapter_config.json, adapter_model.safetensors).
 	Format string
 	// Force replaces a non-empty output directory.
 	Force bool
@@ -65,13 +69,22 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 	if o.Format == "" {
 		o.Format = "bf16"
 	}
-	dt := map[string]string{"bf16": "BF16", "f32": "F32", "nvfp4": ""}
+	dt := map[string]string{"bf16": "BF16", "f32": "F32", "nvfp4": "", "peft": ""}
 	if _, ok := dt[o.Format]; !ok {
-		return nil, fmt.Errorf("--format %q: want bf16, f32 or nvfp4", o.Format)
+		return nil, fmt.Errorf("--format %q: want bf16, f32, nvfp4 or peft (a LoRA run's adapters)", o.Format)
 	}
 	s, st, err := LoadStudent(src)
 	if err != nil {
 		return nil, err
+	}
+	defer s.Free()
+	switch {
+	case o.Format == "peft" && s.LoRA() == nil:
+		return nil, fmt.Errorf("--format peft: %s is a full fine-tune, not a LoRA run (model.lora): export bf16, f32 or nvfp4", src)
+	case o.Format == "peft":
+		return exportPEFT(s, st, out, o)
+	case o.Format == "nvfp4" && s.LoRA() != nil:
+		return nil, fmt.Errorf("--format nvfp4: %s is a LoRA run: an NVFP4 export of its merged weights is not supported yet (it needs the inputs' amax, which a LoRA run does not calibrate); export the merged model as bf16 or f32, or the adapters as peft", src)
 	}
 	if o.Format == "nvfp4" && !s.QAD {
 		return nil, fmt.Errorf("--format nvfp4: %s was not trained with quant: nvfp4 (no calibrated amax); train with QAD or export bf16", src)
@@ -114,6 +127,24 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 			rep.Files = append(rep.Files, e.Name())
 		}
 		sort.Strings(rep.Files)
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return rep, nil
+}
+
+// exportPEFT writes a LoRA run's adapters to out as PEFT saves them:
+// adapter_config.json (base_model_name_or_path: the run's base) and
+// adapter_model.safetensors (fp32), no tokenizer (the base's serves).
+func exportPEFT(s *train.Student, st *State, out string, o ExportOptions) (*ExportReport, error) {
+	rep := &ExportReport{Note: "adapters only (PEFT): load them onto the base named in adapter_config.json; no tokenizer files copied"}
+	err := model.WriteDir(out, o.Force, func(tmp string) error {
+		if err := s.WritePEFT(tmp, peftBase(st)); err != nil {
+			return err
+		}
+		rep.Files = []string{train.PEFTConfigFile, train.PEFTWeightsFile}
 		return nil
 	})
 	if err != nil {

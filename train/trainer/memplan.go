@@ -29,7 +29,7 @@ func planK(m *cache.Manifest, ts *teacherSet) int {
 // planShape is the memory plan's shape of a run of cfg for a student of
 // mc, under recompute mode r, on a backend whose activations are act.
 func planShape(cfg *Config, mc *model.Config, k int, r decoder.Recompute, act compute.DType, ranks int) train.PlanShape {
-	sh := train.PlanShape{Model: mc, RowTokens: cfg.Data.SeqLen, K: k, QAD: cfg.Quant == "nvfp4", Recompute: r, Activations: act}
+	sh := train.PlanShape{Model: mc, RowTokens: cfg.Data.SeqLen, K: k, QAD: cfg.Quant == "nvfp4", Recompute: r, Activations: act, LoRA: cfg.TrainLoRA()}
 	if ranks > 1 { // one process ignores train.zero
 		sh.Ranks, sh.ZeRO = ranks, cfg.Train.ZeRO
 	}
@@ -61,7 +61,7 @@ func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute,
 	free, total := dm.MemInfo()
 	reserve := train.DeviceReserve(total)
 	p0 := train.PlanMemory(planShape(cfg, s.Cfg, k, decoder.RecomputeNone, s.Backend().ActDType(), ranks))
-	resident := p0.Term(train.TermParams) + p0.Term(train.TermGrads) + p0.Term(train.TermMoments)
+	resident := p0.Term(train.TermParams) + p0.Term(train.TermGrads) + p0.Term(train.TermMoments) + p0.Term(train.TermLoRABase)
 	if s.Model.QAD() && !s.Model.Calibrating() {
 		resident += p0.Term(train.TermQAD)
 	}

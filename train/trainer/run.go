@@ -225,6 +225,7 @@ func (r *trainRun) loadStudent() error {
 			return err
 		}
 		r.st = newState(r.cfg)
+		r.st.setLoRA(r.cfg, r.s)
 	}
 	r.onClose(r.s.Free)
 	return nil
@@ -425,8 +426,8 @@ func (r *trainRun) buildOptimizer() error {
 // calibrate calibrates NVFP4 QAD's amax before a new QAD run's first
 // step (a resumed one restored it from its checkpoint).
 func (r *trainRun) calibrate() error {
-	if r.ckpt != "" || r.cfg.Quant != "nvfp4" {
-		return nil
+	if r.ckpt != "" || r.cfg.Quant != "nvfp4" || r.s.LoRA() != nil {
+		return nil // (a LoRA base is quantized as it loads: nothing to calibrate)
 	}
 	if err := calibrate(r.s, r.cfg.CalibBatches, r.src, r.held, r.cfg.Data.SeqLen, &r.lopt, r.log); err != nil {
 		return err

@@ -331,6 +331,9 @@ func backend(cfg *Config, log io.Writer, ordinal int) (compute.Backend, error) {
 // initStudent builds a fresh student as the config says, on be (sh:
 // this rank's part of it under ZeRO stages 2 and 3).
 func initStudent(cfg *Config, be compute.Backend, sh *train.Sharding) (*train.Student, error) {
+	if lc := cfg.TrainLoRA(); lc != nil {
+		return newLoRAStudent(cfg, be, *lc)
+	}
 	if cfg.Model.InitFrom != "" {
 		if sh != nil {
 			return train.LoadHFSharded(cfg.Model.InitFrom, be, *sh)

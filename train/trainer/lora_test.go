@@ -1,0 +1,226 @@
+package trainer
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"distill/model"
+)
+
+var loraOver = []string{"model.lora={rank: 4, alpha: 8, targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}", "optim.lr=1e-2", "optim.min_lr=1e-3"}
+
+// TestLoRARun: a LoRA run from a cache (a random base, every module
+// adapted) lowers its held-out loss and CE; its checkpoints hold
+// the adapters in PEFT's files, their moments and the base's hash, and no
+// base weights; a stop and resume repeats the straight run bit for bit;
+// the exports write PEFT's files and the merged model; resuming it as a
+// full fine-tune, or a full fine-tune as LoRA, or on a changed base, or
+// with other adapters, is refused naming what differs.
+func TestLoRARun(t *testing.T) {
+	b := testCache(t)
+	straight := filepath.Join(t.TempDir(), "straight")
+	full, err := Run(tinyConfig(t, b, straight, loraOver...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(full.Evals) != 2 || !(full.Evals[1].Loss < full.Evals[0].Loss) || !(full.Evals[1].CE < full.Evals[0].CE) {
+		t.Fatalf("LoRA run: evals %+v: want the held-out loss and CE lower at step 12 than at step 6", full.Evals)
+	}
+	ck := full.Checkpoint
+	for _, f := range []string{"adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors", "state.json", "config.json"} {
+		if _, err := os.Stat(filepath.Join(ck, f)); err != nil {
+			t.Fatalf("checkpoint lacks %s: %v", f, err)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(ck, "model.safetensors")); !os.IsNotExist(err) {
+		t.Fatalf("a LoRA checkpoint holds model.safetensors (%v): want the adapters only", err)
+	}
+	var st State
+	sb, _ := os.ReadFile(filepath.Join(ck, "state.json"))
+	if err := json.Unmarshal(sb, &st); err != nil || st.LoRA == nil || len(st.LoRA.BaseHash) != 64 || !st.LoRA.Random || st.LoRA.Config.Rank != 4 {
+		t.Fatalf("state.json: %v %+v", err, st.LoRA)
+	}
+	ow, err := model.OpenFile(filepath.Join(ck, "optimizer.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	names := ow.Names()
+	ow.Close()
+	if len(names) != 2*2*7*2 || !slices.Contains(names, "exp_avg.model.layers.1.mlp.down_proj.lora_B.weight") {
+		t.Fatalf("optimizer.safetensors holds %d tensors (%v...): want the adapters' two moments", len(names), names[:2])
+	}
+
+	runDir := filepath.Join(t.TempDir(), "resumed")
+	if _, err := Run(tinyConfig(t, b, runDir, loraOver...), Options{Log: io.Discard, StopAfter: 6}); err != nil {
+		t.Fatal(err)
+	}
+	rest, err := Run(tinyConfig(t, b, runDir, loraOver...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range rest.Steps {
+		if w := full.Steps[s.Step-1]; s.Loss != w.Loss || s.GradNorm != w.GradNorm {
+			t.Fatalf("step %d after resume: loss %.17g |g| %.17g, straight %.17g %.17g", s.Step, s.Loss, s.GradNorm, w.Loss, w.GradNorm)
+		}
+	}
+	for _, f := range []string{"adapter_model.safetensors", "optimizer.safetensors"} {
+		a, _ := os.ReadFile(filepath.Join(ck, f))
+		c, _ := os.ReadFile(filepath.Join(rest.Checkpoint, f))
+		if len(a) == 0 || string(a) != string(c) {
+			t.Fatalf("%s differs between the straight and the resumed run", f)
+		}
+	}
+
+	// Exports.
+	out := filepath.Join(t.TempDir(), "peft")
+	if _, err := Export(straight, out, ExportOptions{Format: "peft"}); err != nil {
+		t.Fatal(err)
+	}
+	a, _ := os.ReadFile(filepath.Join(ck, "adapter_model.safetensors"))
+	c, _ := os.ReadFile(filepath.Join(out, "adapter_model.safetensors"))
+	if string(a) != string(c) {
+		t.Fatal("the peft export's adapters differ from the checkpoint's")
+	}
+	merged := filepath.Join(t.TempDir(), "merged")
+	if _, err := Export(straight, merged, ExportOptions{Format: "f32", NoTokenizer: true}); err != nil {
+		t.Fatal(err)
+	}
+	s, _, err := LoadStudent(straight)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := s.MergedWeights()
+	s.Free()
+	mw, err := model.OpenWeights(merged)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mw.Close()
+	for _, n := range []string{"model.layers.0.self_attn.q_proj.weight", "model.norm.weight"} {
+		v, err := mw.F32(n)
+		if err != nil || !slices.Equal(v, want[n]) {
+			t.Fatalf("merged export %s: %v, differs from MergedWeights", n, err)
+		}
+	}
+	if _, err := Export(straight, filepath.Join(t.TempDir(), "x"), ExportOptions{Format: "nvfp4"}); err == nil || !strings.Contains(err.Error(), "LoRA") {
+		t.Fatalf("nvfp4 export of a LoRA run: %v", err)
+	}
+
+	// Resumes that would train something else.
+	for _, c := range []struct {
+		over []string
+		want string
+	}{
+		{[]string{"train.max_steps=13"}, "full fine-tune"},
+		{append(slices.Clone(loraOver), "train.max_steps=13", "model.lora.rank=8"), "model.lora.rank"},
+		{append(slices.Clone(loraOver), "train.max_steps=13", "model.lora.targets=[q_proj]"), "model.lora.targets"},
+	} {
+		if _, err := Run(tinyConfig(t, b, straight, c.over...), Options{Log: io.Discard}); !errors.Is(err, ErrResume) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("resume with %v: %v, want an ErrResume naming %q", c.over, err, c.want)
+		}
+	}
+	plain := filepath.Join(t.TempDir(), "plain")
+	if _, err := Run(tinyConfig(t, b, plain, "train.max_steps=4"), Options{Log: io.Discard}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Run(tinyConfig(t, b, plain, append(slices.Clone(loraOver), "train.max_steps=6")...), Options{Log: io.Discard}); !errors.Is(err, ErrResume) || !strings.Contains(err.Error(), "cannot turn it into LoRA") {
+		t.Errorf("a full fine-tune resumed as LoRA: %v", err)
+	}
+	if _, err := Export(plain, filepath.Join(t.TempDir(), "y"), ExportOptions{Format: "peft"}); err == nil || !strings.Contains(err.Error(), "not a LoRA run") {
+		t.Errorf("peft export of a full run: %v", err)
+	}
+}
+
+// TestLoRAInitFrom: a LoRA run on a base from model.init_from (a full
+// run's checkpoint) starts where the base is (step 1's loss equals the
+// full student's on it), names the base's directory in
+// adapter_config.json, and refuses to resume once the base's weights
+// changed (the content hash).
+func TestLoRAInitFrom(t *testing.T) {
+	b := testCache(t)
+	pre, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "pre"), "train.max_steps=4", "eval.every=0"), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := filepath.Join(t.TempDir(), "base")
+	if _, err := Export(pre.Checkpoint, base, ExportOptions{Format: "f32", NoTokenizer: true}); err != nil {
+		t.Fatal(err)
+	}
+	over := append([]string{"model.random=null", "model.init_from=" + base, "train.max_steps=4", "eval.every=0"}, loraOver...)
+	ftOver := []string{"model.random=null", "model.init_from=" + base, "train.max_steps=4", "eval.every=0"}
+	runDir := filepath.Join(t.TempDir(), "lora")
+	lr, err := Run(tinyConfig(t, b, runDir, over...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ft, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "ft"), ftOver...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lr.Steps[0].Loss != ft.Steps[0].Loss {
+		t.Fatalf("step 1: LoRA loss %.17g, full fine-tune %.17g on the same base: want them equal (B starts at zero)", lr.Steps[0].Loss, ft.Steps[0].Loss)
+	}
+	var pc map[string]any
+	pb, _ := os.ReadFile(filepath.Join(lr.Checkpoint, "adapter_config.json"))
+	if err := json.Unmarshal(pb, &pc); err != nil || pc["base_model_name_or_path"] != base {
+		t.Fatalf("adapter_config.json base_model_name_or_path %v (%v), want %s", pc["base_model_name_or_path"], err, base)
+	}
+	// Another base under the same path.
+	w, err := model.OpenWeights(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mc, _ := model.LoadConfig(base)
+	ws := map[string][]float32{}
+	for _, sp := range mc.Tensors() {
+		v, _ := w.F32(sp.Name)
+		ws[sp.Name] = slices.Clone(v)
+	}
+	w.Close()
+	ws["model.norm.weight"][0] += 0.5
+	if err := model.WriteCheckpoint(base, mc, ws, "F32"); err != nil {
+		t.Fatal(err)
+	}
+	_, err = Run(tinyConfig(t, b, runDir, append(over, "train.max_steps=6")...), Options{Log: io.Discard})
+	if !errors.Is(err, ErrResume) || !strings.Contains(err.Error(), "content hash") {
+		t.Fatalf("resume on a changed base: %v", err)
+	}
+}
+
+// TestLoRAConfigErrors: model.lora's bad values are refused when the
+// config loads or the student is built, naming the key and what to do.
+func TestLoRAConfigErrors(t *testing.T) {
+	b := testCache(t)
+	for _, c := range []struct {
+		over string
+		want string
+	}{
+		{"model.lora={rank: 0}", "model.lora.rank 0"},
+		{"model.lora={rank: 8, targets: [q_proj, attn_proj]}", `"attn_proj" is not a module of a llama, qwen2 or qwen3 student; the modules are q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj`},
+		{"model.lora={rank: 8, init: xavier}", "model.lora.init"},
+		{"model.lora={rank: 8, dropout: 0.1}", "model.lora.dropout"},
+	} {
+		p := filepath.Join(t.TempDir(), "c.yaml")
+		os.WriteFile(p, []byte(fmt.Sprintf("run_dir: %s\nmodel: {random: {arch: qwen3}, tokenizer_fingerprint: x}\ndata: {cache: [%s]}\n", t.TempDir(), b.CacheDir)), 0o644)
+		_, err := LoadConfig(p, []string{c.over})
+		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want an error naming %q", c.over, err, c.want)
+		}
+	}
+	p := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(p, []byte(fmt.Sprintf("run_dir: %s\nmodel: {random: {arch: qwen3}, tokenizer_fingerprint: x, lora: {rank: 8}}\ndata: {cache: [%s]}\ntrain: {zero: 2}\n", t.TempDir(), b.CacheDir)), 0o644)
+	if _, err := LoadConfig(p, nil); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "train.zero") {
+		t.Errorf("LoRA at ZeRO 2: %v", err)
+	}
+	_, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "moe"), "model.random.arch=qwen3_moe", "model.lora={rank: 4}"), Options{Log: io.Discard})
+	if err == nil || !strings.Contains(err.Error(), "qwen3_moe") {
+		t.Errorf("LoRA on qwen3_moe: %v", err)
+	}
+}
