@@ -15,6 +15,8 @@ import (
 // the margin line and the plot; the SFT-only student's evals are scored
 // against the cache (eval.cache: their KD is not 0). Its numbers mean
 // nothing at this size.
+// Then scripts/measure-targets.sh on its outputs: a row of figures for
+// every cache kind and tail mode, for both students.
 func TestQuickstart(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: the quick start builds the binaries and trains three models")
@@ -61,5 +63,20 @@ func TestQuickstart(t *testing.T) {
 	}
 	if evals == 0 {
 		t.Errorf("the SFT-only run wrote no eval line:\n%s", m)
+	}
+	// The README's measurement of the targets' bias runs on its outputs.
+	log, err = repoScript([]string{"QS_OUT=" + out, "TB_RANGE=0:3"}, "scripts/measure-targets.sh")
+	if err != nil {
+		t.Fatalf("scripts/measure-targets.sh: %v\n%s", err, log)
+	}
+	for _, s := range []string{"kd", "sft"} {
+		b, err := os.ReadFile(filepath.Join(out, "targets", "bias-"+s+".md"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		rows := regexp.MustCompile(`(?m)^\| [a-z0-9+]+(, tail [a-z]+)? \| [0-9.]+ \| [0-9.]+° \| [-0-9.]+ \| [0-9.]+° \|$`).FindAll(b, -1)
+		if len(rows) != 13 { // 3 top-k caches x 3 tail modes, 4 sampled caches
+			t.Errorf("bias-%s.md: %d rows of figures, want 13:\n%s", s, len(rows), b)
+		}
 	}
 }
