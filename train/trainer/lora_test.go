@@ -224,3 +224,28 @@ func TestLoRAConfigErrors(t *testing.T) {
 		t.Errorf("LoRA on qwen3_moe: %v", err)
 	}
 }
+
+// TestLoRAPaths: SFT from a dataset and multi-teacher KD train the
+// adapters too (held-out loss lower at the end, adapters in the
+// checkpoint): the sources hand the same student their rows.
+func TestLoRAPaths(t *testing.T) {
+	tokDir, file := byteDataset(t, 120)
+	sft, err := Run(sftConfig(t, tokDir, file, filepath.Join(t.TempDir(), "sft"), loraOver...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := mtCache(t, teacherSpec{teacher: 1, k: 8, chunk: 16})
+	c := mtCache(t, teacherSpec{teacher: 2, k: 8, chunk: 16})
+	mt, err := Run(mtConfig(t, filepath.Join(t.TempDir(), "mt"), fmt.Sprintf("[{dir: %s, weight: 0.5}, {dir: %s, weight: 0.5}]", a, c), loraOver...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, r := range map[string]*Result{"sft": sft, "multi-teacher": mt} {
+		if len(r.Evals) != 2 || !(r.Evals[1].Loss < r.Evals[0].Loss) {
+			t.Errorf("%s: evals %+v: want the held-out loss lower at the end", name, r.Evals)
+		}
+		if _, err := os.Stat(filepath.Join(r.Checkpoint, "adapter_model.safetensors")); err != nil {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+}
