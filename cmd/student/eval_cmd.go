@@ -165,8 +165,8 @@ func runEval(args []string) error {
 	d := cfg.Distill
 	printLoss(d, lossFrom)
 	rs.print(r)
-	fmt.Fprintf(stdout, "samples %v (%d), %d loss positions\nloss %.5f  kd(%s, tail %s, T %g) %.5f  ce %.5f  token_accuracy %.4f  top1_agreement %.4f\n",
-		r, es.Samples, es.Tokens, es.Loss, d.KDLoss, d.Tail, d.Temperature, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement)
+	fmt.Fprintf(stdout, "samples %v (%d), %d loss positions\nloss %.5f  kd(%s, tail %s, T %g) %.5f  ce %.5f  token_accuracy %.4f  top1_agreement %.4f  ece %.4f\n",
+		r, es.Samples, es.Tokens, es.Loss, d.KDLoss, d.Tail, d.Temperature, es.KD, es.CE, es.TokenAccuracy, es.Top1Agreement, es.ECE)
 	return nil
 }
 

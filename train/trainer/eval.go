@@ -2,6 +2,7 @@ package trainer
 
 import (
 	"fmt"
+	"math"
 
 	"distill/cache"
 	"distill/data"
@@ -21,8 +22,13 @@ type EvalStats struct {
 	// Top1Agreement is how often the student's argmax is the teacher's
 	// (0 on a dataset: there is no teacher).
 	Top1Agreement float64 `json:"top1_agreement"`
-	Tokens        int     `json:"tokens"`
-	Samples       int     `json:"samples"`
+	// ECE is the expected calibration error of the student's top-1 on
+	// the labels: the positions binned by the student's probability of
+	// its argmax (ECEBins equal bins of [0, 1]), Σ_b (n_b/n)·|accuracy_b
+	// - mean confidence_b| (Guo et al. 2017).
+	ECE     float64 `json:"ece"`
+	Tokens  int     `json:"tokens"`
+	Samples int     `json:"samples"`
 	// Teachers are the per-teacher numbers of multi-teacher KD
 	// (data.caches), in its order; Top1Agreement is then their
 	// weight-averaged agreement and KD the weighted sum of theirs.
@@ -143,6 +149,41 @@ type evalSums struct {
 	tokens, acc, agree int
 	teachers           []TeacherMetrics // KD sums and weights
 	tAgree             []int
+	// The calibration bins: positions, correct top-1s, summed confidence.
+	binN, binAcc [ECEBins]int
+	binConf      [ECEBins]float64
+}
+
+// ECEBins is the number of confidence bins of EvalStats.ECE (15, as Guo
+// et al. and the sparse-logit-sampling paper bin).
+const ECEBins = 15
+
+// bin adds a position of top-1 probability p, correct or not.
+func (es *evalSums) bin(p float64, correct bool) {
+	b := min(int(p*ECEBins), ECEBins-1)
+	es.binN[b]++
+	es.binConf[b] += p
+	if correct {
+		es.binAcc[b]++
+	}
+}
+
+// ece is the expected calibration error of the bins.
+func (es *evalSums) ece() float64 {
+	var n int
+	for _, c := range es.binN {
+		n += c
+	}
+	if n == 0 {
+		return 0
+	}
+	var e float64
+	for b, c := range es.binN {
+		if c > 0 {
+			e += math.Abs(float64(es.binAcc[b])-es.binConf[b]) / float64(n)
+		}
+	}
+	return e
 }
 
 // scoreRows adds up the scores of rows (those mine picks, all when nil).
@@ -181,7 +222,7 @@ func scoreRows(s *train.Student, rows []*train.Batch, mine func(int) bool, opt *
 		for i, ts := range st.Teachers {
 			es.teachers[i].KD += ts.KD * w
 		}
-		pred, err := s.Predict(b)
+		pred, lps, err := s.Top1(b)
 		if err != nil {
 			return es, err
 		}
@@ -193,6 +234,7 @@ func scoreRows(s *train.Student, rows []*train.Batch, mine func(int) bool, opt *
 				if pred[t] == b.Tokens[t+1] {
 					es.acc++
 				}
+				es.bin(math.Exp(float64(lps[t])), pred[t] == b.Tokens[t+1])
 				if b.K > 0 && pred[t] == b.TopIDs[int(t)*b.K] {
 					es.agree++
 				}
@@ -219,6 +261,7 @@ func (es *evalSums) stats(n int) EvalStats {
 	w := float64(es.tokens)
 	out.Loss, out.KD, out.CE = es.loss/w, es.kd/w, es.ce/w
 	out.TokenAccuracy, out.Top1Agreement = float64(es.acc)/w, float64(es.agree)/w
+	out.ECE = es.ece()
 	if len(es.teachers) > 0 {
 		out.Teachers = make([]TeacherMetrics, len(es.teachers))
 		var a, ws float64

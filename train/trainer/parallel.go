@@ -127,11 +127,18 @@ func (g *ranks) reduceEval(es *evalSums, nt int) {
 	for i := range es.teachers {
 		v = append(v, es.teachers[i].KD, float64(es.tAgree[i]))
 	}
+	for b := range es.binN {
+		v = append(v, float64(es.binN[b]), float64(es.binAcc[b]), es.binConf[b])
+	}
 	g.reduceSums(v)
 	es.loss, es.kd, es.ce = v[0], v[1], v[2]
 	es.tokens, es.acc, es.agree = int(v[3]+0.5), int(v[4]+0.5), int(v[5]+0.5)
 	for i := range es.teachers {
 		es.teachers[i].KD, es.tAgree[i] = v[6+2*i], int(v[7+2*i]+0.5)
+	}
+	v = v[6+2*len(es.teachers):]
+	for b := range es.binN {
+		es.binN[b], es.binAcc[b], es.binConf[b] = int(v[3*b]+0.5), int(v[3*b+1]+0.5), v[3*b+2]
 	}
 }
 

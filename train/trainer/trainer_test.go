@@ -502,9 +502,9 @@ func TestConfigErrors(t *testing.T) {
 
 // TestEvalPackingInvariant: eval metrics are means over loss positions, so
 // the row length does not change them; the position count matches the
-// samples as written, and token accuracy / top-1 agreement match a direct
-// count from each sample's full log-probs run alone (Student.LogProbs, no
-// packing, no tiling).
+// samples as written, and token accuracy / top-1 agreement / the expected
+// calibration error match a direct count from each sample's full
+// log-probs run alone (Student.LogProbs, no packing, no tiling).
 func TestEvalPackingInvariant(t *testing.T) {
 	b := testCache(t)
 	cfg := tinyConfig(t, b, t.TempDir())
@@ -542,6 +542,9 @@ func TestEvalPackingInvariant(t *testing.T) {
 		t.Fatalf("eval counted %d positions, the samples have %d", a.Tokens, n)
 	}
 	acc, agree := 0, 0
+	// The calibration bins, counted here from the full log-probs.
+	var binN, binAcc [15]float64
+	var binConf [15]float64
 	for _, smp := range b.Samples[:24] {
 		T := len(smp.Tokens)
 		lp, err := s.LogProbs(&train.Batch{Tokens: smp.Tokens, Starts: []int32{0, int32(T)}, Mask: smp.Mask})
@@ -565,10 +568,26 @@ func TestEvalPackingInvariant(t *testing.T) {
 			if int32(best) == smp.TopKIDs[t*b.Manifest.K] {
 				agree++
 			}
+			p := math.Exp(float64(row[best]))
+			k := int(math.Min(math.Floor(p*15), 14))
+			binN[k]++
+			binConf[k] += p
+			if int32(best) == smp.Tokens[t+1] {
+				binAcc[k]++
+			}
 		}
 	}
 	if a.TokenAccuracy != float64(acc)/float64(n) || a.Top1Agreement != float64(agree)/float64(n) {
 		t.Fatalf("accuracy %g agreement %g, direct count %d/%d %d/%d", a.TokenAccuracy, a.Top1Agreement, acc, n, agree, n)
+	}
+	ece := 0.0
+	for k := range binN {
+		if binN[k] > 0 {
+			ece += binN[k] / float64(n) * math.Abs(binAcc[k]/binN[k]-binConf[k]/binN[k])
+		}
+	}
+	if math.Abs(a.ECE-ece) > 1e-5 || ece == 0 {
+		t.Fatalf("ECE %g, from the full log-probs %g", a.ECE, ece)
 	}
 	if agree == 0 {
 		t.Fatal("a random student never agrees with the teacher's top-1: the check is vacuous")
