@@ -11,7 +11,8 @@
 //   - memory: tensors, views of one arena, zero, copy, upload, download;
 //   - forward: a GEMM against a weight matrix, embedding gather, RMSNorm,
 //     RoPE, packed causal attention, SwiGLU, residual add, the Qwen3-MoE
-//     expert FFN and the streaming LM-head top-k; RMSNorm and attention can
+//     expert FFN and the streaming LM-head top-k (and its variant that also
+//     draws samples from the softmax); RMSNorm and attention can
 //     save the statistics their backward needs (rstd, log-sum-exp);
 //   - backward: one per layer kernel (MatMul, Embed, RMSNorm, RoPE,
 //     Attention, SwiGLU, MoE: MoEForward saves what MoEBackward needs);
@@ -226,6 +227,29 @@ type Backend interface {
 	// by descending logit (ties: lower id first) and logprobs (tokens,k) F32
 	// = logit - logsumexp(all logits). [tokens x vocab] is never held.
 	LMHeadTopK(ids, logprobs, x, w Tensor, tokens, hidden, vocab, k int)
+	// LMHeadSample is LMHeadTopK (k 0: no top-k; ids and logprobs then
+	// hold nothing) that also draws n ids per token from its softmax, in
+	// the same pass over the vocabulary tiles: [tokens x vocab] is never
+	// held, and only the few vocabulary blocks the draws land in are
+	// multiplied again. u (tokens, n, 2) I32 holds each token's uniforms
+	// in [0, 1), ascending, as PackUniforms writes them. Draw d of a
+	// token is the smallest id v (outside the top-k when head, which
+	// needs k >= 1) whose cumulative probability Σ_{w<=v} p_w, ids
+	// ascending, exceeds u_d times the mass drawn from (1, or the mass
+	// outside the top-k); a u so close to 1 that rounding leaves it above
+	// the sum draws the last id with mass. drawn (tokens, n) I32 receives
+	// the draws in the order of the uniforms (so ascending); a token with
+	// no mass to draw from (head, and the top-k holds it all) gets -1s.
+	// tail (tokens) F32 receives the mass drawn from, Σ_{v∉top-k} p_v
+	// under head (else Σ_v p_v = 1 to rounding). ids and logprobs are
+	// LMHeadTopK's. The probabilities are those of the fp32 logits,
+	// computed to about 1e-6 relative (the backend's exp and logits):
+	// ids agree with a float64 inverse CDF wherever no threshold lies
+	// that close to a step of the CDF. An id more than 87 nats below the
+	// largest logit of its vocabulary tile (2048 or more ids) may count as
+	// mass 0 (the range of a float32 exp), unless it shares a block of
+	// SampleBlock ids with a top-k id.
+	LMHeadSample(ids, logprobs, drawn, tail, x, w, u Tensor, tokens, hidden, vocab, k, n int, head bool)
 
 	// --- Backward kernels (+=; dX is the gradient of the loss w.r.t. X).
 

@@ -55,6 +55,10 @@ type Tolerances struct {
 	// TieGap: top-k ids may differ from the float64 order only where two
 	// logits are within TieGap of each other.
 	TieGap float64
+	// CDFTol: LMHeadSample's draws may differ from the float64 inverse
+	// CDF only where the threshold lies within CDFTol·mass of the CDF's
+	// step between the two ids; its tail mass is held to CDFTol relative.
+	CDFTol float64
 	// MoEAtol, MoERtol bound the MoE block's output, a sum of SwiGLU
 	// experts with O(10) values.
 	MoEAtol, MoERtol float64
@@ -94,7 +98,7 @@ type Tolerances struct {
 var FP32 = Tolerances{
 	FwdAtol: 2e-5, FwdRtol: 2e-4,
 	BwdAtol: 5e-5, BwdRtol: 1e-3, FDStep: 1e-5,
-	LogProbAtol: 1e-4, TieGap: 1e-5,
+	LogProbAtol: 1e-4, TieGap: 1e-5, CDFTol: 1e-5,
 	MoEAtol: 1e-4, MoERtol: 1e-4,
 }
 
@@ -134,6 +138,8 @@ func (s *suite) run(t *testing.T) {
 		{"MoE", s.moe, false},
 		{"LMHeadTopK", s.lmHeadTopK, false},
 		{"LMHeadTopKTies", s.lmHeadTopKTies, false},
+		{"LMHeadSample", s.lmHeadSample, false},
+		{"LMHeadSampleEdges", s.lmHeadSampleEdges, false},
 		{"AdamW", s.adamW, true},
 		{"SumSquaresScale", s.sumSquaresScale, true},
 		{"AbsMax", s.absMax, true},
@@ -177,6 +183,7 @@ func (s *suite) runAct(t *testing.T) {
 		{"SwiGLU", s.swiGLU, false},
 		{"AddRMSNorm", s.addRMSNorm, false},
 		{"LMHeadTopK", s.lmHeadTopK, false},
+		{"LMHeadSample", s.lmHeadSample, false},
 		{"AbsMax", s.absMax, true},
 		{"FakeQuantNVFP4", s.fakeQuant, true},
 		{"LossHeadForward", s.lossHeadForward, true},

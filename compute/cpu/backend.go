@@ -394,22 +394,39 @@ const lmRows = 256
 // LMHeadScratchBytes implements compute.ScratchReporter: what LMHeadTopK
 // allocates beside its outputs.
 func (be *Backend) LMHeadScratchBytes(k int) int64 {
-	return int64(be.threads) * (4*lmRows*lmTile + lmRows*(4+8+4) + int64(lmRows)*int64(k)*(4+4+8))
+	return int64(be.threads) * (4*lmRows*lmTile + 4*lmTile + lmRows*(4+8+4) + int64(lmRows)*int64(k)*(4+4+8))
 }
 
 // LMHeadTopK implements compute.Backend. Each worker takes a slab of up to
 // lmRows tokens and walks the vocabulary in lmTile tiles: one SGEMM per tile,
 // then k_lse_topk folds the tile into the running log-sum-exp and top-k
-// heaps. Scratch, per worker: the tile (lmRows·lmTile floats, 2 MiB) and
-// the heaps (lmRows·k ids and values): LMHeadScratchBytes.
+// heaps. Scratch, per worker: the tile (lmRows·lmTile floats, 2 MiB), its
+// exps (lmTile floats) and the heaps (lmRows·k ids and values):
+// LMHeadScratchBytes.
 func (be *Backend) LMHeadTopK(ids, logprobs, x, w compute.Tensor, tokens, hidden, vocab, k int) {
-	idOut, lpOut, xs, ws := i32(ids), f32(logprobs), f32(x), f32(w)
+	be.lmHead(i32(ids), f32(logprobs), f32(x), f32(w), tokens, hidden, vocab, k, nil)
+}
+
+// lmBlocks is what the pass over the tiles leaves for LMHeadSample, per
+// row of the call: the running max and sum of the log-sum-exp, the sums of
+// exp(logit - tile max) over each block of compute.SampleBlock ids (nblk
+// a row, fp32), and each tile's max and the total of its blocks (ntile a
+// row).
+type lmBlocks struct {
+	rmax, bsum, tmax []float32
+	rsum, tsum       []float64
+	nblk, ntile      int
+}
+
+// lmHead is LMHeadTopK over tokens rows of xs (k may be 0), and with blk
+// also the block sums of LMHeadSample.
+func (be *Backend) lmHead(idOut []int32, lpOut, xs, ws []float32, tokens, hidden, vocab, k int, blk *lmBlocks) {
 	nSlab := (tokens + lmRows - 1) / lmRows
 	type scratch struct {
-		tile, rmax, hv []float32
-		rsum           []float64
-		hi, hn         []int32
-		ord            []int
+		tile, ebuf, rmax, hv []float32
+		rsum                 []float64
+		hi, hn               []int32
+		ord                  []int
 	}
 	scr := make([]*scratch, be.threads)
 	defer func() {
@@ -421,7 +438,7 @@ func (be *Backend) LMHeadTopK(ids, logprobs, x, w compute.Tensor, tokens, hidden
 	}()
 	be.workQueue(nSlab, func(wk, s int) {
 		if scr[wk] == nil {
-			scr[wk] = &scratch{tile: be.scratch(lmRows * lmTile), rmax: make([]float32, lmRows),
+			scr[wk] = &scratch{tile: be.scratch(lmRows * lmTile), ebuf: make([]float32, lmTile), rmax: make([]float32, lmRows),
 				hv: make([]float32, lmRows*k), rsum: make([]float64, lmRows), hi: make([]int32, lmRows*k),
 				hn: make([]int32, lmRows), ord: make([]int, k)}
 		}
@@ -434,12 +451,28 @@ func (be *Backend) LMHeadTopK(ids, logprobs, x, w compute.Tensor, tokens, hidden
 			rsum[i] = 0
 			hn[i] = 0
 		}
+		var bsum, tmax *C.float
+		var tsum *C.double
+		var ldb, ldt int
+		if blk != nil {
+			ldb, ldt = blk.nblk, blk.ntile
+			bsum, tmax = fp(blk.bsum[r0*ldb:]), fp(blk.tmax[r0*ldt:])
+			tsum = (*C.double)(unsafe.Pointer(&blk.tsum[r0*ldt]))
+		}
 		for c0 := 0; c0 < vocab; c0 += lmTile {
 			nc := min(lmTile, vocab-c0)
 			Sgemm(false, true, nr, nc, hidden, 1, xs[r0*hidden:], hidden, ws[c0*hidden:], hidden, 0, tile, nc)
 			C.k_lse_topk(fp(tile), C.long(nr), C.long(nc), C.long(nc), C.long(c0),
 				fp(rmax), (*C.double)(unsafe.Pointer(&rsum[0])), C.int(k),
-				fp(hv), (*C.int32_t)(unsafe.Pointer(&hi[0])), (*C.int32_t)(unsafe.Pointer(&hn[0])))
+				fp(hv), ip(hi), ip(hn),
+				fp(sc.ebuf), bsum, C.long(ldb), C.long(compute.SampleBlock), tmax, tsum, C.long(ldt), C.long(c0/lmTile))
+		}
+		if blk != nil {
+			copy(blk.rmax[r0:], rmax)
+			copy(blk.rsum[r0:], rsum)
+		}
+		if k == 0 {
+			return
 		}
 		for r := 0; r < nr; r++ {
 			lse := float64(rmax[r]) + math.Log(rsum[r])
@@ -466,6 +499,14 @@ func (be *Backend) LMHeadTopK(ids, logprobs, x, w compute.Tensor, tokens, hidden
 			}
 		}
 	})
+}
+
+// ip is the C pointer to s's first element, nil when s is empty.
+func ip(s []int32) *C.int32_t {
+	if len(s) == 0 {
+		return nil
+	}
+	return (*C.int32_t)(unsafe.Pointer(&s[0]))
 }
 
 // expInto writes exp(x) with the kernels' fast exp (tests check its error).

@@ -172,14 +172,23 @@ static void sift_up(float *hv, int32_t *hi, int i) {
 	}
 }
 
-// tile_max_sum returns the max of row[0..n) and sum(exp(row - max)).
-CLONES static void tile_max_sum(const float *row, long n, float *mx, float *sm) {
+// tile_max_sum returns the max of row[0..n) and sum(exp(row - max)),
+// leaving each exp(row[i] - max) in e[i] (0 below -87) (LMHeadSample's block sums read
+// them; LMHeadTopK passes the same scratch, so both compute the sum by the
+// same code, bit for bit).
+CLONES static void tile_max_sum(const float *row, long n, float *mx, float *sm, float *e) {
 	float m = -INFINITY;
 #pragma omp simd reduction(max : m)
 	for (long i = 0; i < n; i++) m = row[i] > m ? row[i] : m;
+	// Below -87 fexp clamps (to ~1.6e-38): 0 there, so that a block of ids
+	// that far below the tile's max has no mass (the sum cannot tell).
+	for (long i = 0; i < n; i++) {
+		float d = row[i] - m;
+		e[i] = d >= -87.0f ? fexp(d) : 0.0f;
+	}
 	float s = 0;
 #pragma omp simd reduction(+ : s)
-	for (long i = 0; i < n; i++) s += fexp(row[i] - m);
+	for (long i = 0; i < n; i++) s += e[i];
 	*mx = m;
 	*sm = s;
 }
@@ -187,20 +196,42 @@ CLONES static void tile_max_sum(const float *row, long n, float *mx, float *sm) 
 // k_lse_topk folds a tile of logits (rows, ncols) with row stride ld, for
 // vocab ids col0..col0+ncols-1, into each row's running log-sum-exp (rmax,
 // rsum: lse = rmax + log(rsum)) and running top-k min-heap (hv/hi: k slots a
-// row, hn: fill count a row). Ids arrive in increasing order, so a logit
-// equal to the heap's worst never enters: ties keep the lower id.
+// row, hn: fill count a row; k may be 0: no top-k). Ids arrive in increasing
+// order, so a logit equal to the heap's worst never enters: ties keep the
+// lower id. ebuf: ncols floats of scratch. With bsum (LMHeadSample), it also
+// writes row r's sums over the tile's blocks of nb ids, Σ exp(logit - tile
+// max) (fp32 sums; an id more than 87 nats below the tile max counts 0: the
+// fast exp's range), at bsum[r*ldb + col0/nb + j], the tile max at
+// tmax[r*ldt + tile] and the blocks' total (double) at tsum[r*ldt + tile]
+// (col0 a multiple of nb).
 CLONES void k_lse_topk(const float *logits, long rows, long ncols, long ld, long col0,
-                       float *rmax, double *rsum, int k, float *hv, int32_t *hi, int32_t *hn) {
+                       float *rmax, double *rsum, int k, float *hv, int32_t *hi, int32_t *hn,
+                       float *ebuf, float *bsum, long ldb, long nb, float *tmax, double *tsum, long ldt, long tile) {
 	for (long r = 0; r < rows; r++) {
 		const float *row = logits + r * ld;
 		float tm, ts;
-		tile_max_sum(row, ncols, &tm, &ts);
+		tile_max_sum(row, ncols, &tm, &ts, ebuf);
 		if (tm > rmax[r]) {
 			rsum[r] = rsum[r] * exp((double)rmax[r] - (double)tm) + ts;
 			rmax[r] = tm;
 		} else {
 			rsum[r] += (double)ts * exp((double)tm - (double)rmax[r]);
 		}
+		if (bsum) {
+			float *bs = bsum + r * ldb + col0 / nb;
+			for (long b = 0; b < ncols; b += nb) {
+				long end = b + nb < ncols ? b + nb : ncols;
+				float s = 0;
+#pragma omp simd reduction(+ : s)
+				for (long i = b; i < end; i++) s += ebuf[i];
+				bs[b / nb] = s;
+			}
+			double t = 0;
+			for (long j = 0; j < (ncols + nb - 1) / nb; j++) t += bs[j];
+			tmax[r * ldt + tile] = tm;
+			tsum[r * ldt + tile] = t;
+		}
+		if (k == 0) continue;
 		float *v = hv + r * (long)k;
 		int32_t *id = hi + r * (long)k;
 		int n = hn[r];
@@ -230,6 +261,132 @@ CLONES void k_lse_topk(const float *logits, long rows, long ncols, long ld, long
 		}
 		hn[r] = n;
 	}
+}
+
+// k_draw_walk places the draws of one (token, block) pair of
+// LMHeadSample: z holds the logits of ids v0..v0+nz-1, mx the token's max
+// logit, head its top-k ids ascending (nh of them, left out), thr the nd
+// thresholds ascending, relative to the mass before the block. Draw d is
+// the first id whose running sum of exp(z - mx) (double, ids ascending)
+// exceeds thr[d]; one the block's sum does not reach (rounding: the block
+// sums of the pass over the tiles use the fast exp) is the block's last id
+// with mass, or its last id outside the head when none has any.
+void k_draw_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh,
+                 const double *thr, int nd, int32_t *out) {
+	double c = 0;
+	int d = 0, hp = 0;
+	int32_t last = -1, lastout = -1;
+	for (int j = 0; j < nz && d < nd; j++) {
+		int32_t v = v0 + j;
+		while (hp < nh && head[hp] < v) hp++;
+		if (hp < nh && head[hp] == v) continue;
+		lastout = v;
+		double x = exp((double)z[j] - mx);
+		if (x == 0) continue;
+		c += x;
+		last = v;
+		while (d < nd && c > thr[d]) out[d++] = v;
+	}
+	if (last < 0) last = lastout;
+	while (d < nd) out[d++] = last;
+}
+
+// k_tile_mass is Σ_t tsum[t]·exp(tmax[t] - mx), summed as k_draw_locate
+// sums the tiles.
+double k_tile_mass(const float *tmax, const double *tsum, long ntile, double mx) {
+	double m = 0;
+	for (long t = 0; t < ntile; t++) m += tsum[t] * exp((double)tmax[t] - mx);
+	return m;
+}
+
+// k_draw_locate places a row's n draws among its blocks. The row's pass
+// left, per tile of spt blocks, the max tmax[t], the block sums bs
+// (relative to tmax[t], nblk in all) and their total tsum[t]; mx is the
+// row's max, mass = Σ_t tsum[t]·exp(tmax[t] - mx) > 0 the mass to draw
+// from. With u the uniforms as compute.PackUniforms writes them
+// (ascending) and x = u·mass, blk[d] is the first block whose cumulative
+// sum (tiles' totals, then the tile's blocks, in double) exceeds x and
+// thr[d] is x less the sum before that block. Where rounding leaves x
+// above the sum of the tiles, or of the blocks of its tile, the draw goes
+// to the last block with mass (of the row, or of the tile) with thr +inf:
+// its last id with mass.
+void k_draw_locate(const float *bs, long nblk, const float *tmax, const double *tsum, long ntile, long spt, double mx,
+                   const int32_t *u, int n, double mass, int32_t *blk, double *thr) {
+	long lt = ntile - 1;
+	while (lt > 0 && !(tsum[lt] > 0)) lt--;
+	long t = 0, j = 0;
+	double cum = 0, sc = exp((double)tmax[0] - mx), T = tsum[0] * sc, cj = 0;
+	for (int d = 0; d < n; d++) {
+		double x = (double)((uint64_t)(uint32_t)u[2 * d] | (uint64_t)(uint32_t)u[2 * d + 1] << 32) * 0x1p-53 * mass;
+		while (t < ntile && cum + T <= x) {
+			cum += T;
+			t++;
+			j = t * spt, cj = 0;
+			if (t < ntile) sc = exp((double)tmax[t] - mx), T = tsum[t] * sc;
+		}
+		long tt = t, end;
+		if (t == ntile) tt = lt; // above the sum of the tiles
+		end = (tt + 1) * spt < nblk ? (tt + 1) * spt : nblk;
+		if (t < ntile) {
+			double xl = x - cum;
+			while (j < end && cj + bs[j] * sc <= xl) cj += bs[j++] * sc;
+			if (j < end) {
+				blk[d] = (int32_t)j;
+				thr[d] = xl - cj;
+				continue;
+			}
+		}
+		long lb = end - 1; // above the sum of the tile's blocks
+		while (lb > tt * spt && !(bs[lb] > 0)) lb--;
+		blk[d] = (int32_t)lb;
+		thr[d] = INFINITY;
+	}
+}
+
+// k_block_logits: z (m, nz) = x (m, hidden; row i at x + rows[i]*hidden) ·
+// w (nz, hidden)ᵀ, each logit by the same code whatever m and whichever
+// rows (four ids at a time, one row at a time; nz <= 64): LMHeadSample's
+// draws do not depend on which rows share a block, or a call.
+CLONES void k_block_logits(float *z, const float *x, const int32_t *rows, long m, const float *w, long nz, long hidden) {
+	for (long i = 0; i < m; i++) {
+		const float *xr = x + (long)rows[i] * hidden;
+		float *zr = z + i * nz;
+		long j = 0;
+		for (; j + 4 <= nz; j += 4) {
+			const float *w0 = w + j * hidden, *w1 = w0 + hidden, *w2 = w1 + hidden, *w3 = w2 + hidden;
+			float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+			for (long q = 0; q < hidden; q++) {
+				float xv = xr[q];
+				a0 += xv * w0[q];
+				a1 += xv * w1[q];
+				a2 += xv * w2[q];
+				a3 += xv * w3[q];
+			}
+			zr[j] = a0, zr[j + 1] = a1, zr[j + 2] = a2, zr[j + 3] = a3;
+		}
+		for (; j < nz; j++) {
+			const float *w0 = w + j * hidden;
+			float a0 = 0;
+#pragma omp simd reduction(+ : a0)
+			for (long q = 0; q < hidden; q++) a0 += xr[q] * w0[q];
+			zr[j] = a0;
+		}
+	}
+}
+
+// k_block_mass is Σ exp(z - mx) in double over the nz logits of ids
+// v0.. outside head (nh ids ascending): a head block's exact mass.
+double k_block_mass(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh) {
+	double c = 0;
+	int hp = 0;
+	for (int j = 0; j < nz; j++) {
+		int32_t v = v0 + j;
+		while (hp < nh && head[hp] < v) hp++;
+		if (hp < nh && head[hp] == v) continue;
+		c += exp((double)z[j] - mx);
+	}
+	return c;
 }
 
 // k_sumexp returns sum_i exp(x[i]*scale - shift), accumulated in double.

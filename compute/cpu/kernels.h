@@ -13,7 +13,15 @@ void k_softmax_recompute(float *s, long rows, long ld, long first_len, const flo
 void k_softmax_bwd(float *dp, const float *p, long rows, long ld, long first_len);
 void k_expf(float *out, const float *x, long n);
 void k_lse_topk(const float *logits, long rows, long ncols, long ld, long col0,
-                float *rmax, double *rsum, int k, float *hv, int32_t *hi, int32_t *hn);
+                float *rmax, double *rsum, int k, float *hv, int32_t *hi, int32_t *hn,
+                float *ebuf, float *bsum, long ldb, long nb, float *tmax, double *tsum, long ldt, long tile);
+void k_draw_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh,
+                 const double *thr, int nd, int32_t *out);
+double k_tile_mass(const float *tmax, const double *tsum, long ntile, double mx);
+void k_draw_locate(const float *bs, long nblk, const float *tmax, const double *tsum, long ntile, long spt, double mx,
+                   const int32_t *u, int n, double mass, int32_t *blk, double *thr);
+void k_block_logits(float *z, const float *x, const int32_t *rows, long m, const float *w, long nz, long hidden);
+double k_block_mass(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh);
 double k_sumexp(const float *x, long n, float scale, float shift);
 void k_scaled_exp(float *out, const float *x, long n, float scale, float shift, float mul);
 void k_exp_mix(float *out, const float *x, long n, float s1, float h1, float a, float h2, float b);

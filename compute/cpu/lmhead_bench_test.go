@@ -2,7 +2,10 @@ package cpu
 
 import (
 	"math/rand/v2"
+	"slices"
+	"syscall"
 	"testing"
+	"time"
 
 	"distill/compute"
 )
@@ -22,4 +25,62 @@ func BenchmarkLMHeadTopK(b *testing.B) {
 	s := b.Elapsed().Seconds() / float64(b.N)
 	b.ReportMetric(float64(tokens)/s, "tokens/s")
 	b.ReportMetric(2*float64(tokens*hidden*vocab)/s/1e9, "GFLOP/s")
+}
+
+// BenchmarkLMHeadSample: LMHeadSample against LMHeadTopK on the shape of
+// BenchmarkLMHeadTopK (1024 tokens), the calls interleaved so that all
+// three see the same machine: top-k k 16, sampled (k 0, N 50) and
+// head+sampled (k 8, N 50). It reports tokens/s of each by wall time and
+// by the process's CPU time (getrusage: steadier on a shared machine),
+// and the sampled kinds' cost over top-k by CPU time. Random weights give
+// a flat softmax, the worst case for the draws (nearly every draw lands in
+// a block of its own).
+//
+//	go test ./compute/cpu -run '^$' -bench LMHeadSample -benchtime 5x
+func BenchmarkLMHeadSample(b *testing.B) {
+	be := New(0)
+	r := rand.New(rand.NewPCG(1, 1))
+	tokens, hidden, vocab, N := 1024, 256, 151936, 50
+	x, w := be.FromF32(randSlice(r, tokens*hidden)), be.FromF32(randSlice(r, vocab*hidden))
+	ids, lps := be.New(compute.I32, tokens*16), be.New(compute.F32, tokens*16)
+	drawn, tail := be.New(compute.I32, tokens*N), be.New(compute.F32, tokens)
+	u := make([]float64, tokens*N)
+	for i := range u {
+		u[i] = float64(r.Uint64()>>11) / (1 << 53)
+	}
+	for t := 0; t < tokens; t++ {
+		slices.Sort(u[t*N : (t+1)*N])
+	}
+	pu := make([]int32, 2*len(u))
+	compute.PackUniforms(pu, u)
+	ut := be.FromI32(pu)
+	calls := []func(){
+		func() { be.LMHeadTopK(ids, lps, x, w, tokens, hidden, vocab, 16) },
+		func() { be.LMHeadSample(ids, lps, drawn, tail, x, w, ut, tokens, hidden, vocab, 0, N, false) },
+		func() { be.LMHeadSample(ids, lps, drawn, tail, x, w, ut, tokens, hidden, vocab, 8, N, true) },
+	}
+	var wall, cpu [3]float64
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		for j, f := range calls {
+			w0, c0 := time.Now(), cpuSeconds()
+			f()
+			wall[j] += time.Since(w0).Seconds()
+			cpu[j] += cpuSeconds() - c0
+		}
+	}
+	for j, name := range []string{"topk-k16", "sampled-N50", "head+sampled-k8-N50"} {
+		n := float64(b.N * tokens)
+		b.ReportMetric(n/wall[j], name+"-tokens/s")
+		b.Logf("%s: %.0f tokens/s wall, %.0f tokens per CPU-second (%+.1f%% CPU time against top-k)", name, n/wall[j], n/cpu[j], 100*(cpu[j]/cpu[0]-1))
+	}
+}
+
+// cpuSeconds is the process's user and system CPU time so far.
+func cpuSeconds() float64 {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		panic(err)
+	}
+	return float64(ru.Utime.Nano()+ru.Stime.Nano()) / 1e9
 }

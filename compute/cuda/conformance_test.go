@@ -5,6 +5,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"sort"
 	"testing"
 
@@ -519,5 +520,98 @@ func TestMoERoutingTies(t *testing.T) {
 			return w
 		})
 		closeTo(t, fmt.Sprintf("moe ties norm=%v", norm), got, want, 2e-2, 2e-2)
+	}
+}
+
+// TestLMHeadSampleConformance compares LMHeadSample's draws and tail
+// masses with the CPU's on the same BF16-rounded operands, for sampled
+// (k 0) and head+sampled (k 6), with one slab and with several row slabs
+// and vocab tiles (forced small): a draw may differ only where its
+// threshold lies within 1e-5 of the CDF's step (the float64 CDF of the
+// rounded operands), and the slabs do not change the draws.
+func TestLMHeadSampleConformance(t *testing.T) {
+	be := testBackend(t)
+	r := rand.New(rand.NewPCG(17, 18))
+	saveR, saveC := lmMaxRows, lmMaxCols
+	defer func() { lmMaxRows, lmMaxCols = saveR, saveC }()
+	tokens, hidden, vocab, n := 300, 24, 9001, 40
+	if !onGPU() {
+		tokens, vocab = 50, 5000
+	}
+	x := randF32(r, tokens*hidden)
+	for i := range x {
+		x[i] *= 2
+	}
+	xr, _ := roundBF16(x)
+	w, wh := roundBF16(randF32(r, vocab*hidden))
+	gw, _ := be.Weight(wh)
+	u := make([]float64, tokens*n)
+	for i := range u {
+		u[i] = float64(r.Uint64()>>11) / (1 << 53)
+	}
+	for tok := 0; tok < tokens; tok++ {
+		sort.Float64s(u[tok*n : (tok+1)*n])
+	}
+	pu := make([]int32, 2*len(u))
+	compute.PackUniforms(pu, u)
+	run := func(b compute.Backend, x, w compute.Tensor, k int, head bool) (ids, drawn []int32, tail []float32) {
+		idT, lpT := b.New(compute.I32, tokens*k), b.New(compute.F32, tokens*k)
+		drT, tlT := b.New(compute.I32, tokens*n), b.New(compute.F32, tokens)
+		b.LMHeadSample(idT, lpT, drT, tlT, x, w, b.FromI32(pu), tokens, hidden, vocab, k, n, head)
+		ids, drawn, tail = make([]int32, tokens*k), make([]int32, tokens*n), readF32(b, tlT, tokens)
+		b.ReadI32(idT, ids)
+		b.ReadI32(drT, drawn)
+		return ids, drawn, tail
+	}
+	for _, k := range []int{0, 6} {
+		head := k > 0
+		wantIDs, wantDrawn, wantTail := run(oracle, oracle.FromF32(xr), oracle.FromF32(w), k, head)
+		var first []int32
+		for _, tiling := range [][2]int{{8192, 16384}, {16, 4096}} {
+			lmMaxRows, lmMaxCols = tiling[0], tiling[1]
+			ids, drawn, tail := run(be, be.FromF32(x), gw, k, head)
+			if first == nil {
+				first = drawn
+			} else if !slices.Equal(drawn, first) {
+				t.Fatalf("k %d: slabs of %d rows and tiles of %d columns change the draws", k, tiling[0], tiling[1])
+			}
+			if !slices.Equal(ids, wantIDs) {
+				t.Fatalf("k %d: the top-k differs from the CPU's", k)
+			}
+			closeTo(t, "tail", tail, wantTail, 0, 1e-5)
+			diff := 0
+			for tok := 0; tok < tokens; tok++ {
+				p := make([]float64, vocab)
+				mx, sum := math.Inf(-1), 0.0
+				for j := range p {
+					var s float64
+					for q := 0; q < hidden; q++ {
+						s += float64(xr[tok*hidden+q]) * float64(w[j*hidden+q])
+					}
+					p[j], mx = s, math.Max(mx, s)
+				}
+				for j := range p {
+					p[j] = math.Exp(p[j] - mx)
+					sum += p[j]
+				}
+				for j := range p {
+					p[j] /= sum
+				}
+				var hd []int32
+				if head {
+					hd = ids[tok*k : (tok+1)*k]
+				}
+				for d := 0; d < n; d++ {
+					i := tok*n + d
+					if drawn[i] != wantDrawn[i] {
+						diff++
+						if why := computetest.CheckDraw(p, hd, u[i], drawn[i], wantDrawn[i], 1e-5); why != "" {
+							t.Fatalf("k %d rows %d: token %d draw %d: %s (the CPU's)", k, tiling[0], tok, d, why)
+						}
+					}
+				}
+			}
+			t.Logf("k %d, slabs of %d rows: %d of %d draws differ from the CPU's (within 1e-5 of a step)", k, tiling[0], diff, tokens*n)
+		}
 	}
 }

@@ -137,6 +137,18 @@
 //   - LMHeadTopK: the vocabulary in tiles; cuBLASLt writes a tile's
 //     logits, k_lm_fold folds them into each row's running log-sum-exp
 //     (float64) and running top-k (exact, ties by lower id).
+//   - LMHeadSample: the same pass, with k_lm_blocks after each fold
+//     keeping per row the fold tile's max, its 64-id blocks' sums of
+//     exp(logit - max) (fp32) and their total (float64); after a slab's
+//     last tile, k_lm_sample (a block per row) sums the top-k's blocks
+//     outside the top-k again exactly, locates each sorted threshold among
+//     the tiles' and blocks' cumulative sums, and computes only the
+//     blocks that hold one again (dot products of the GEMM's BF16
+//     operands, fp32) to walk them in float64, ids ascending. Slabs are
+//     bounded so that the draws' scratch fits the logit tile's budget
+//     (planLMHeadSample). Verified on the emulator against the CPU's
+//     draws (TestLMHeadSampleConformance) and the suite's float64
+//     inverse CDF; not yet run or timed on a GPU.
 //
 // Training (train.go, train_moe.go; kernels in optim.cu, backward.cu,
 // losshead.cu, the end of attention.cu and of moe.cu). Backward kernels accumulate (+=), as the

@@ -488,7 +488,74 @@ func (b *Backend) LMHeadTopK(idsT, lpT, xT, wT compute.Tensor, tokens, hidden, v
 	}
 }
 
-// LMHeadSample implements compute.Backend.
+// LMHeadSample implements compute.Backend: LMHeadTopK's pass (the same
+// GEMMs and k_lm_fold, k 0 allowed), with k_lm_blocks after each fold and
+// k_lm_sample after each slab's last tile (lmhead.cu); see
+// planLMHeadSample for the slab's rows and scratch.
 func (b *Backend) LMHeadSample(idsT, lpT, drawnT, tailT, xT, wT, uT compute.Tensor, tokens, hidden, vocab, k, n int, head bool) {
-	panic("cuda: LMHeadSample: not implemented yet")
+	defer b.enter()()
+	b.wroteT(idsT, lpT, drawnT, tailT)
+	b.label = "LMHeadSample"
+	ids, lp := b.ten(idsT, "LMHeadSample ids"), b.ten(lpT, "LMHeadSample logprobs")
+	dr, tl := b.ten(drawnT, "LMHeadSample drawn"), b.ten(tailT, "LMHeadSample tail")
+	x, w, u := b.ten(xT, "LMHeadSample x"), b.ten(wT, "LMHeadSample w"), b.ten(uT, "LMHeadSample u")
+	switch {
+	case n < 1:
+		panic(fmt.Sprintf("cuda: LMHeadSample with %d draws per token", n))
+	case head && k < 1:
+		panic("cuda: LMHeadSample: head needs k >= 1")
+	}
+	need(ids, "LMHeadSample ids", tokens*k, compute.I32)
+	need(lp, "LMHeadSample logprobs", tokens*k, compute.F32)
+	need(dr, "LMHeadSample drawn", tokens*n, compute.I32)
+	need(tl, "LMHeadSample tail", tokens, compute.F32)
+	need(x, "LMHeadSample x", tokens*hidden, act...)
+	need(w, "LMHeadSample w", vocab*hidden, compute.F32, compute.BF16)
+	need(u, "LMHeadSample u", 2*tokens*n, compute.I32)
+	if tokens == 0 {
+		return
+	}
+	p, err := planLMHeadSample(tokens, hidden, vocab, k, n)
+	b.must(err)
+	rmax, rsum, cnt := b.alloc(int64(tokens)*4), b.alloc(int64(tokens)*8), b.alloc(int64(tokens)*4)
+	b.ew("k_lm_init", int64(tokens), dptr(rmax), dptr(rsum), dptr(cnt), int64(tokens))
+	wp, ws := b.bf16Operand(w, vocab*hidden)
+	var xs uint64 // the F32 x's rows, rounded (a BF16 x is read in place)
+	if x.dt == compute.F32 {
+		xs = b.alloc(int64(p.rows) * int64(hidden) * 2)
+	}
+	tile := b.alloc(int64(p.rows) * int64(p.cols) * 4)
+	bsum, tmax := b.alloc(int64(p.rows)*int64(p.nblk)*4), b.alloc(int64(p.rows)*int64(p.ntile)*4)
+	tsum := b.alloc(int64(p.rows) * int64(p.ntile) * 8)
+	blk, thr := b.alloc(int64(p.rows)*int64(n)*4), b.alloc(int64(p.rows)*int64(n)*8)
+	for r0 := 0; r0 < tokens; r0 += p.rows {
+		nr := min(p.rows, tokens-r0)
+		xb := x.p + uint64(r0)*uint64(hidden)*2
+		if xs != 0 {
+			xb = xs
+			b.convert("k_f32_to_bf16", xb, x.p+uint64(r0)*uint64(hidden)*4, int64(nr)*int64(hidden))
+		}
+		for c0 := 0; c0 < vocab; c0 += p.cols {
+			nc := min(p.cols, vocab-c0)
+			b.gemm(tile, xb, wp+uint64(c0)*uint64(hidden)*2, nr, nc, hidden, dataBF16)
+			for t0 := 0; t0 < nc; t0 += lmTile {
+				b.launchKernel(launch{kernel: "k_lm_fold", grid: [3]int{nr, 1, 1}, block: lmFoldThreads, smem: p.foldSmem},
+					dptr(tile+uint64(t0)*4), int64(nc), int32(min(lmTile, nc-t0)), int32(c0+t0), int64(r0),
+					dptr(rmax), dptr(rsum), dptr(cnt), dptr(lp.p), dptr(ids.p), int32(k))
+				b.launchKernel(launch{kernel: "k_lm_blocks", grid: [3]int{nr, 1, 1}, block: lmFoldThreads},
+					dptr(tile+uint64(t0)*4), int64(nc), int32(min(lmTile, nc-t0)), int32(c0+t0),
+					dptr(bsum), dptr(tmax), dptr(tsum), int32(p.nblk), int32(p.ntile))
+			}
+		}
+		b.launchKernel(launch{kernel: "k_lm_sample", grid: [3]int{nr, 1, 1}, block: lmFoldThreads},
+			dptr(xb), dptr(wp), int32(hidden), int32(vocab), dptr(rmax), dptr(rsum), int64(r0),
+			dptr(bsum), dptr(tmax), dptr(tsum), int32(p.nblk), int32(p.ntile), dptr(ids.p), int32(k), boolArg(head),
+			dptr(u.p), int32(n), dptr(blk), dptr(thr), dptr(dr.p), dptr(tl.p))
+	}
+	if k > 0 {
+		b.ew("k_lm_finish", int64(tokens)*int64(k), dptr(lp.p), dptr(rmax), dptr(rsum), int64(tokens), int32(k))
+	}
+	for _, q := range []uint64{rmax, rsum, cnt, ws, xs, tile, bsum, tmax, tsum, blk, thr} {
+		b.free(q)
+	}
 }

@@ -136,6 +136,35 @@ func planLMHead(tokens, hidden, vocab, k int) (lmPlan, error) {
 	return p, nil
 }
 
+// lmSamplePlan is the tiling of one LMHeadSample call: LMHeadTopK's, with
+// slabs small enough that the draws' per-row scratch fits lmTileBudget too.
+type lmSamplePlan struct {
+	lmPlan
+	nblk, ntile int // blocks of compute.SampleBlock ids, fold tiles of lmTile
+}
+
+// planLMHeadSample tiles LMHeadSample as planLMHead tiles LMHeadTopK (k 0
+// allowed), its slabs' rows also bounded so that their draws' scratch
+// (bsum fp32 a block; tmax fp32, tsum f64 a tile; the draws' block i32
+// and threshold f64) fits lmTileBudget.
+func planLMHeadSample(tokens, hidden, vocab, k, n int) (lmSamplePlan, error) {
+	if compute.SampleBlock != 64 || lmTile%compute.SampleBlock != 0 {
+		return lmSamplePlan{}, fmt.Errorf("cuda: lmhead.cu's LM_BLOCK is 64, compute.SampleBlock %d", compute.SampleBlock)
+	}
+	if k < 0 || k > vocab {
+		return lmSamplePlan{}, fmt.Errorf("cuda: LM-head top-k %d: want 0..vocab (%d)", k, vocab)
+	}
+	p, err := planLMHead(tokens, hidden, vocab, max(k, 1))
+	if err != nil {
+		return lmSamplePlan{}, err
+	}
+	sp := lmSamplePlan{lmPlan: p, nblk: (vocab + compute.SampleBlock - 1) / compute.SampleBlock, ntile: (vocab + lmTile - 1) / lmTile}
+	perRow := int64(sp.nblk)*4 + int64(sp.ntile)*12 + int64(n)*12
+	sp.rows = min(sp.rows, max(1, int(lmTileBudget/perRow)))
+	sp.scratch = int64(sp.rows)*int64(sp.cols)*4 + int64(sp.rows)*int64(hidden)*2 + int64(tokens)*16 + int64(sp.rows)*perRow
+	return sp, nil
+}
+
 // moePlan lays the (token, expert) pairs of a MoE layer out by expert:
 // expert e's rows are [offsets[e], offsets[e+1]) of the grouped
 // activations, rows = the number of pairs (tokens·K).

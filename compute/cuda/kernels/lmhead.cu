@@ -78,6 +78,7 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_fold(const float *__restrict__
 		}
 		ncand = 0;
 	}
+	if (k == 0) return; // LMHeadSample's sampled kind: the log-sum-exp only
 	int n = cnt[row];
 	float *tv = topv + row * k;
 	i32 *ti = topi + row * k;
@@ -153,6 +154,216 @@ DK_KERNEL void k_lm_finish(float *topv, const float *__restrict__ rmax, const do
 	}
 }
 
+// --- LMHeadSample: the draws in the same pass over the vocabulary.
+//
+// After each fold, k_lm_blocks keeps, per row of the slab, the fold tile's
+// max (tmax), the sums of exp(logit - tile max) over its blocks of
+// LM_BLOCK ids (bsum, fp32; an id more than 87 nats below the tile max
+// counts 0, as on the CPU) and their total (tsum, double). After the
+// slab's last tile, k_lm_sample draws each row's samples: the top-k's
+// blocks' mass outside it computed again exactly, the row's mass to draw
+// from, each threshold located among the tiles' and then the blocks'
+// cumulative sums, and each block that holds a threshold multiplied again
+// (its LM_BLOCK logits, dot products of the BF16 operands the GEMM
+// multiplied, fp32 accumulation) and walked in double, ids ascending.
+
+#define LM_BLOCK 64                 // = compute.SampleBlock
+#define LM_BPT (LM_TILE / LM_BLOCK) // blocks a fold tile
+
+// k_lm_blocks: block b sums row row0+b's fold tile (the fold's layout:
+// logits tile[b*ld .. b*ld+nc) of ids [col0, col0+nc)) into the slab's
+// bsum (nblk a row, from block col0/LM_BLOCK), tmax and tsum (ntile a row,
+// at col0/LM_TILE).
+DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_blocks(const float *__restrict__ tile, i64 ld, int nc, int col0,
+                                                         float *__restrict__ bsum, float *__restrict__ tmax,
+                                                         double *__restrict__ tsum, int nblk, int ntile) {
+	__shared__ float red[LM_THREADS / DK_WARP];
+	__shared__ float half[LM_TILE / DK_WARP];
+	const float *lg = tile + (i64)blockIdx.x * ld;
+	float vals[LM_TILE / LM_THREADS];
+	float tm = -DK_INF;
+	for (int i = 0; i < LM_TILE / LM_THREADS; i++) {
+		int c = threadIdx.x + i * LM_THREADS;
+		vals[i] = c < nc ? lg[c] : -DK_INF;
+		tm = fmaxf(tm, vals[i]);
+	}
+	tm = block_reduce(tm, true, red);
+	int lane = threadIdx.x % DK_WARP, w = threadIdx.x / DK_WARP;
+	for (int i = 0; i < LM_TILE / LM_THREADS; i++) {
+		float d = vals[i] - tm;
+		float e = d >= -87.0f ? expf(d) : 0.0f;
+		e = warp_sum(e); // columns i*LM_THREADS + w*32 .. +31
+		if (lane == 0) half[i * (LM_THREADS / DK_WARP) + w] = e;
+	}
+	__syncthreads();
+	int nb = (nc + LM_BLOCK - 1) / LM_BLOCK;
+	float *bs = bsum + (i64)blockIdx.x * nblk + col0 / LM_BLOCK;
+	for (int j = threadIdx.x; j < nb; j += LM_THREADS) bs[j] = half[2 * j] + half[2 * j + 1];
+	__syncthreads();
+	if (threadIdx.x == 0) {
+		double t = 0;
+		for (int j = 0; j < nb; j++) t += bs[j];
+		tmax[(i64)blockIdx.x * ntile + col0 / LM_TILE] = tm;
+		tsum[(i64)blockIdx.x * ntile + col0 / LM_TILE] = t;
+	}
+}
+
+// lm_in_head reports whether id v is one of the row's k top-k ids.
+DK_DEV bool lm_in_head(const i32 *ti, int k, i32 v) {
+	for (int j = 0; j < k; j++)
+		if (ti[j] == v) return true;
+	return false;
+}
+
+// lm_block_logits: the block's threads compute z[j] = x·w[v0+j] for the
+// nz <= LM_BLOCK ids of a block, four threads a logit (fp32, the same
+// order for every row and call), into shared z.
+DK_DEV void lm_block_logits(float *z, const u16 *__restrict__ xr, const u16 *__restrict__ wb, int hidden, i32 v0, int nz) {
+	int j = threadIdx.x / 4, part = threadIdx.x % 4;
+	float acc = 0;
+	if (j < nz) {
+		const u16 *wr = wb + (i64)(v0 + j) * hidden;
+		for (int q = part; q < hidden; q += 4) acc += bf2f(xr[q]) * bf2f(wr[q]);
+	}
+	acc += __shfl_xor_sync(DK_FULL, acc, 1);
+	acc += __shfl_xor_sync(DK_FULL, acc, 2);
+	if (part == 0 && j < LM_BLOCK) z[j] = acc;
+}
+
+// k_lm_sample: block b draws row row0+b's n samples (see above). xb: the
+// slab's BF16 rows (nr, hidden), wb the BF16 weights (vocab, hidden); rmax,
+// rsum, topi, u, drawn, tail indexed by the global row; bsum, tmax, tsum,
+// blk and thr by the slab's row (blk, thr: n a row, scratch).
+DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_sample(const u16 *__restrict__ xb, const u16 *__restrict__ wb, int hidden, int vocab,
+                                                         const float *__restrict__ rmax, const double *__restrict__ rsum, i64 row0,
+                                                         float *__restrict__ bsum, const float *__restrict__ tmax, double *__restrict__ tsum,
+                                                         int nblk, int ntile, const i32 *__restrict__ topi, int k, int head,
+                                                         const i32 *__restrict__ u, int n, i32 *__restrict__ blk, double *__restrict__ thr,
+                                                         i32 *__restrict__ drawn, float *__restrict__ tail) {
+	__shared__ float z[LM_BLOCK];
+	__shared__ double e[LM_BLOCK];
+	__shared__ double smass;
+	i64 sr = blockIdx.x, row = row0 + sr;
+	const u16 *xr = xb + sr * hidden;
+	float *bs = bsum + sr * nblk;
+	const float *tm = tmax + sr * ntile;
+	double *ts = tsum + sr * ntile;
+	i32 *bl = blk + sr * n;
+	double *th = thr + sr * n;
+	i32 *dr = drawn + row * n;
+	const i32 *ti = topi + row * k;
+	double mx = rmax[row];
+	int nh = head ? k : 0;
+	// The top-k's blocks: their mass outside it, relative to the tile max.
+	for (int h = 0; h < nh; h++) {
+		i32 b = ti[h] / LM_BLOCK;
+		bool seen = false;
+		for (int g = 0; g < h; g++) seen = seen || ti[g] / LM_BLOCK == b;
+		if (seen) continue; // uniform across the block: ti is shared
+		i32 v0 = b * LM_BLOCK;
+		int nz = vocab - v0 < LM_BLOCK ? vocab - v0 : LM_BLOCK;
+		lm_block_logits(z, xr, wb, hidden, v0, nz);
+		__syncthreads();
+		if (threadIdx.x == 0) {
+			double t = tm[b / LM_BPT], c = 0;
+			for (int j = 0; j < nz; j++)
+				if (!lm_in_head(ti, nh, v0 + j)) c += exp((double)z[j] - t);
+			bs[b] = (float)c;
+		}
+		__syncthreads();
+	}
+	if (threadIdx.x == 0) {
+		for (int h = 0; h < nh; h++) { // their tiles' totals again
+			int t = ti[h] / LM_TILE;
+			bool seen = false;
+			for (int g = 0; g < h; g++) seen = seen || ti[g] / LM_TILE == t;
+			if (seen) continue;
+			double s = 0;
+			int end = (t + 1) * LM_BPT < nblk ? (t + 1) * LM_BPT : nblk;
+			for (int j = t * LM_BPT; j < end; j++) s += bs[j];
+			ts[t] = s;
+		}
+		double mass = 0;
+		for (int t = 0; t < ntile; t++) mass += ts[t] * exp((double)tm[t] - mx);
+		smass = mass;
+		tail[row] = (float)(mass / rsum[row]);
+		if (mass > 0) {
+			// Locate each threshold (as compute/cpu's k_draw_locate).
+			int lt = ntile - 1;
+			while (lt > 0 && !(ts[lt] > 0)) lt--;
+			int t = 0, j = 0;
+			double cum = 0, sc = exp((double)tm[0] - mx), T = ts[0] * sc, cj = 0;
+			for (int d = 0; d < n; d++) {
+				const i32 *ud = u + (row * n + d) * 2;
+				double x = (double)((u64)(u32)ud[0] | (u64)(u32)ud[1] << 32) * (1.0 / 9007199254740992.0) * mass;
+				while (t < ntile && cum + T <= x) {
+					cum += T;
+					t++;
+					j = t * LM_BPT, cj = 0;
+					if (t < ntile) sc = exp((double)tm[t] - mx), T = ts[t] * sc;
+				}
+				int tt = t == ntile ? lt : t;
+				int end = (tt + 1) * LM_BPT < nblk ? (tt + 1) * LM_BPT : nblk;
+				bool found = false;
+				if (t < ntile) {
+					double xl = x - cum;
+					while (j < end && cj + bs[j] * sc <= xl) cj += bs[j++] * sc;
+					if (j < end) {
+						bl[d] = j;
+						th[d] = xl - cj;
+						found = true;
+					}
+				}
+				if (!found) { // rounding: the last block with mass, its last id with mass
+					int lb = end - 1;
+					while (lb > tt * LM_BPT && !(bs[lb] > 0)) lb--;
+					bl[d] = lb;
+					th[d] = DK_INF;
+				}
+			}
+		}
+	}
+	__syncthreads();
+	if (!(smass > 0)) {
+		for (int d = threadIdx.x; d < n; d += LM_THREADS) dr[d] = -1; // nothing outside the head
+		return;
+	}
+	// Walk each block that holds thresholds.
+	for (int d0 = 0; d0 < n;) {
+		i32 b = bl[d0];
+		int d1 = d0 + 1;
+		while (d1 < n && bl[d1] == b) d1++;
+		i32 v0 = b * LM_BLOCK;
+		int nz = vocab - v0 < LM_BLOCK ? vocab - v0 : LM_BLOCK;
+		lm_block_logits(z, xr, wb, hidden, v0, nz);
+		__syncthreads();
+		if (threadIdx.x < nz) {
+			i32 v = v0 + threadIdx.x;
+			e[threadIdx.x] = lm_in_head(ti, nh, v) ? -1.0 : exp((double)z[threadIdx.x] - mx);
+		}
+		__syncthreads();
+		if (threadIdx.x == 0) {
+			double c = 0;
+			int d = d0;
+			i32 last = -1, lastout = -1;
+			for (int j = 0; j < nz && d < d1; j++) {
+				if (e[j] < 0) continue; // a top-k id
+				lastout = v0 + j;
+				if (e[j] == 0) continue;
+				c += e[j];
+				last = v0 + j;
+				while (d < d1 && c > th[d]) dr[d++] = v0 + j;
+			}
+			if (last < 0) last = lastout;
+			while (d < d1) dr[d++] = last;
+		}
+		__syncthreads();
+		d0 = d1;
+	}
+}
+
 DK_REGISTER(k_lm_init)
 DK_REGISTER(k_lm_fold)
 DK_REGISTER(k_lm_finish)
+DK_REGISTER(k_lm_blocks)
+DK_REGISTER(k_lm_sample)

@@ -1,0 +1,232 @@
+package cpu
+
+// #include "kernels.h"
+import "C"
+
+import (
+	"fmt"
+	"slices"
+	"unsafe"
+
+	"distill/compute"
+)
+
+// LMHeadSample implements compute.Backend. The rows go in groups of up to
+// lmSampleRows(); for each group:
+//
+//  1. the pass over the vocabulary tiles of LMHeadTopK (the same SGEMMs
+//     and fold, so the top-k is LMHeadTopK's bit for bit) also keeps, per
+//     row and tile, the tile's max, the sums of exp(z - tile max) over
+//     its blocks of compute.SampleBlock ids (fp32 sums of the exps the
+//     fold computes anyway) and their total (double);
+//  2. under head, the blocks holding top-k ids are multiplied again and
+//     their mass outside the top-k summed exactly (double exp), and
+//     their tiles' totals summed again;
+//  3. each row's mass Σ_t total_t·exp(max_t - row max) is its tail mass
+//     (over the log-sum-exp's sum), and its thresholds u·mass are located
+//     among the tiles' and then the blocks' cumulative sums
+//     (k_draw_locate);
+//  4. the (row, block) pairs that hold a threshold are grouped by block,
+//     their logits computed again (k_block_logits, the block's weights
+//     read once for all its rows), and k_draw_walk walks each pair's
+//     logits in double, ids ascending, to its thresholds.
+//
+// Beside LMHeadTopK's pass, this multiplies again at most (k + n) blocks
+// of 64 ids a row: with k 8 and n 50 about 2.4% of a 151936-id head, far
+// fewer where the draws share blocks (a peaked softmax). What costs there
+// is reading each block's weights from memory (64 KiB at hidden 256), not
+// the arithmetic. The outputs do not depend on the worker count or on the
+// grouping (each logit of a block is computed again by the same code,
+// whichever rows share the block). Scratch beside the pass's, per row of
+// a group: the block sums and tile statistics (4·⌈V/64⌉ + 12·⌈V/2048⌉
+// bytes) and n thresholds (8·n bytes).
+func (be *Backend) LMHeadSample(ids, logprobs, drawn, tail, x, w, u compute.Tensor, tokens, hidden, vocab, k, n int, head bool) {
+	idOut, lpOut, dOut, tOut, us := i32(ids), f32(logprobs), i32(drawn), f32(tail), i32(u)
+	xs, ws := f32(x), f32(w)
+	switch {
+	case n < 1:
+		panic(fmt.Sprintf("cpu: LMHeadSample with %d draws per token", n))
+	case head && k < 1:
+		panic("cpu: LMHeadSample: head needs k >= 1")
+	case k < 0 || k > vocab:
+		panic(fmt.Sprintf("cpu: LMHeadSample top-k %d of a vocabulary of %d", k, vocab))
+	case len(idOut) < tokens*k || len(lpOut) < tokens*k || len(dOut) < tokens*n || len(tOut) < tokens ||
+		len(us) < 2*tokens*n || len(xs) < tokens*hidden || len(ws) < vocab*hidden:
+		panic("cpu: LMHeadSample: a tensor is smaller than its shape")
+	}
+	const B = compute.SampleBlock
+	G := lmSampleRows(be.threads)
+	nblk, ntile := (vocab+B-1)/B, (vocab+lmTile-1)/lmTile
+	g := min(G, tokens)
+	blk := &lmBlocks{rmax: make([]float32, g), rsum: make([]float64, g), bsum: make([]float32, g*nblk),
+		tmax: make([]float32, g*ntile), tsum: make([]float64, g*ntile), nblk: nblk, ntile: ntile}
+	thr := make([]float64, g*n)
+	for g0 := 0; g0 < tokens; g0 += G {
+		nr := min(G, tokens-g0)
+		var top []int32
+		if k > 0 {
+			top = idOut[g0*k : (g0+nr)*k]
+		}
+		be.lmHead(top, lpOut[g0*k:(g0+nr)*k], xs[g0*hidden:(g0+nr)*hidden], ws, nr, hidden, vocab, k, blk)
+		be.sampleGroup(blk, top, dOut[g0*n:(g0+nr)*n], tOut[g0:g0+nr], us[2*g0*n:2*(g0+nr)*n], thr,
+			xs[g0*hidden:(g0+nr)*hidden], ws, nr, hidden, vocab, k, n, head)
+	}
+}
+
+// lmSampleRows is how many rows LMHeadSample keeps block sums for at once:
+// enough slabs to keep every worker busy in the pass, at least 1024.
+// (A variable: tests force several groups on small shapes.)
+var lmSampleRows = func(threads int) int { return lmRows * max(4, threads) }
+
+// blockPair is a (row, block) pair of LMHeadSample: the block's logits of
+// the row are needed, for the draws [d0, d1) of the row (or for the
+// block's mass outside the head).
+type blockPair struct {
+	row, blk int32
+	d0, d1   int32
+}
+
+// sampleGroup runs steps 2-4 of LMHeadSample over the nr rows of one group,
+// whose pass left blk; top is the group's top-k (nr, k), drawn (nr, n),
+// tail (nr) and u (nr, n, 2) its outputs and uniforms, thr scratch (nr·n).
+func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32, u []int32, thr []float64, xs, ws []float32, nr, hidden, vocab, k, n int, head bool) {
+	const B = compute.SampleBlock
+	nblk, bpt := blk.nblk, lmTile/B
+	// The top-k ids of each row, ascending (head only).
+	var heads []int32
+	if head {
+		heads = slices.Clone(top)
+		for r := 0; r < nr; r++ {
+			slices.Sort(heads[r*k : (r+1)*k])
+		}
+	}
+	headOf := func(r int) []int32 {
+		if !head {
+			return nil
+		}
+		return heads[r*k : (r+1)*k]
+	}
+	nt := blk.ntile
+	if head {
+		// 2. The blocks of the top-k: their mass outside it, exactly,
+		// relative to their tile's max as the pass left the others; and
+		// the totals of their tiles again.
+		var pairs []blockPair
+		for r := 0; r < nr; r++ {
+			last := int32(-1)
+			for _, v := range headOf(r) {
+				if b := v / B; b != last {
+					pairs = append(pairs, blockPair{row: int32(r), blk: b})
+					last = b
+				}
+			}
+		}
+		be.blockLogits(pairs, xs, ws, hidden, vocab, func(p blockPair, z []float32) {
+			r, b := int(p.row), int(p.blk)
+			h := headOf(r)
+			t := b / bpt
+			m := float64(C.k_block_mass(fp(z), C.int(len(z)), C.int32_t(b*B), C.double(blk.tmax[r*nt+t]), ip(h), C.int(len(h))))
+			blk.bsum[r*nblk+b] = float32(m)
+		})
+		be.rows(nr, k*bpt, func(_, lo, hi int) {
+			for r := lo; r < hi; r++ {
+				last := -1
+				for _, v := range headOf(r) {
+					t := int(v) / lmTile
+					if t == last {
+						continue
+					}
+					last = t
+					var sum float64
+					for _, x := range blk.bsum[r*nblk+t*bpt : r*nblk+min((t+1)*bpt, nblk)] {
+						sum += float64(x)
+					}
+					blk.tsum[r*nt+t] = sum
+				}
+			}
+		})
+	}
+	// 3. Each row's mass to draw from, its thresholds among the blocks'
+	// cumulative sums, and the (row, block) pairs that hold them.
+	rowPairs := make([][]blockPair, nr)
+	be.rows(nr, nt+n*bpt, func(_, lo, hi int) {
+		bl := make([]int32, n)
+		for r := lo; r < hi; r++ {
+			mx := C.double(blk.rmax[r])
+			tm, ts := fp(blk.tmax[r*nt:]), (*C.double)(unsafe.Pointer(&blk.tsum[r*nt]))
+			mass := float64(C.k_tile_mass(tm, ts, C.long(nt), mx))
+			tail[r] = float32(mass / blk.rsum[r])
+			dr, th := drawn[r*n:(r+1)*n], thr[r*n:(r+1)*n]
+			if !(mass > 0) {
+				for d := range dr {
+					dr[d] = -1 // nothing outside the head to draw from
+				}
+				continue
+			}
+			C.k_draw_locate(fp(blk.bsum[r*nblk:]), C.long(nblk), tm, ts, C.long(nt), C.long(bpt), mx,
+				ip(u[2*r*n:]), C.int(n), C.double(mass), ip(bl), (*C.double)(unsafe.Pointer(&th[0])))
+			var ps []blockPair
+			for d, b := range bl {
+				if len(ps) > 0 && ps[len(ps)-1].blk == b {
+					ps[len(ps)-1].d1++
+				} else {
+					ps = append(ps, blockPair{row: int32(r), blk: b, d0: int32(d), d1: int32(d + 1)})
+				}
+			}
+			rowPairs[r] = ps
+		}
+	})
+	// 4. The draws, block by block.
+	var pairs []blockPair
+	for _, ps := range rowPairs {
+		pairs = append(pairs, ps...)
+	}
+	be.blockLogits(pairs, xs, ws, hidden, vocab, func(p blockPair, z []float32) {
+		r := int(p.row)
+		h := headOf(r)
+		d0, nd := int(p.d0), int(p.d1-p.d0)
+		C.k_draw_walk(fp(z), C.int(len(z)), C.int32_t(int(p.blk)*B), C.double(blk.rmax[r]), ip(h), C.int(len(h)),
+			(*C.double)(unsafe.Pointer(&thr[r*n+d0])), C.int(nd), ip(drawn[r*n+d0:]))
+	})
+}
+
+// blockLogits multiplies again the blocks of pairs: it groups them by block
+// (stably: rows ascending within a block), computes each block's logits for
+// the rows that need it with the block's weights read once (k_block_logits:
+// every logit by the same code, so a draw does not depend on which rows
+// share its block), and calls f with each pair's logits (the block's ids,
+// fewer in the vocabulary's last block), on the workers.
+func (be *Backend) blockLogits(pairs []blockPair, xs, ws []float32, hidden, vocab int, f func(p blockPair, z []float32)) {
+	const B = compute.SampleBlock
+	slices.SortStableFunc(pairs, func(a, b blockPair) int { return int(a.blk) - int(b.blk) })
+	var starts []int
+	for i := range pairs {
+		if i == 0 || pairs[i].blk != pairs[i-1].blk {
+			starts = append(starts, i)
+		}
+	}
+	starts = append(starts, len(pairs))
+	type scratch struct {
+		rows []int32
+		z    []float32
+	}
+	scr := make([]scratch, be.threads)
+	be.workQueue(len(starts)-1, func(wk, gi int) {
+		ps := pairs[starts[gi]:starts[gi+1]]
+		m := len(ps)
+		sc := &scr[wk]
+		if cap(sc.rows) < m {
+			sc.rows, sc.z = make([]int32, m), make([]float32, m*B)
+		}
+		rows, z := sc.rows[:m], sc.z[:m*B]
+		for i, p := range ps {
+			rows[i] = p.row
+		}
+		v0 := int(ps[0].blk) * B
+		nz := min(B, vocab-v0)
+		C.k_block_logits(fp(z), fp(xs), ip(rows), C.long(m), fp(ws[v0*hidden:]), C.long(nz), C.long(hidden))
+		for i, p := range ps {
+			f(p, z[i*nz:(i+1)*nz])
+		}
+	})
+}

@@ -1,0 +1,147 @@
+package cpu
+
+import (
+	"math"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"testing"
+
+	"distill/compute"
+	"distill/compute/computetest"
+)
+
+// sampleRun is one LMHeadSample call's outputs.
+type sampleRun struct {
+	ids, drawn []int32
+	lps, tail  []float32
+}
+
+func runLMHeadSample(be *Backend, x, w []float32, u []float64, tokens, hidden, vocab, k, n int, head bool) sampleRun {
+	ids, lps := be.New(compute.I32, tokens*k), be.New(compute.F32, tokens*k)
+	drawn, tail := be.New(compute.I32, tokens*n), be.New(compute.F32, tokens)
+	pu := make([]int32, 2*len(u))
+	compute.PackUniforms(pu, u)
+	be.LMHeadSample(ids, lps, drawn, tail, be.FromF32(x), be.FromF32(w), be.FromI32(pu), tokens, hidden, vocab, k, n, head)
+	return sampleRun{ids: slices.Clone(i32(ids)), drawn: slices.Clone(i32(drawn)), lps: slices.Clone(f32(lps)), tail: slices.Clone(f32(tail))}
+}
+
+// TestLMHeadSampleGroupsThreads: the draws, tail masses and top-k do not
+// depend on the worker count or on how the rows are grouped (several
+// groups forced by a small lmSampleRows: the pass, the head blocks and
+// the draw blocks each group's own), bit for bit; and they are the
+// float64 inverse CDF's of the fp32 logits up to CDFTol at a shape of
+// many tiles (10000 ids: 5 tiles of 2048, 157 blocks) and 700 rows.
+func TestLMHeadSampleGroupsThreads(t *testing.T) {
+	r := rand.New(rand.NewPCG(31, 32))
+	tokens, hidden, vocab, n := 700, 16, 10000, 40
+	x, w := make([]float32, tokens*hidden), make([]float32, vocab*hidden)
+	for i := range x {
+		x[i] = float32(r.NormFloat64())
+	}
+	for i := range w {
+		w[i] = float32(r.NormFloat64() * 0.6)
+	}
+	u := make([]float64, tokens*n)
+	for i := range u {
+		u[i] = float64(r.Uint64()>>11) / (1 << 53)
+	}
+	for t0 := 0; t0 < tokens; t0++ {
+		slices.Sort(u[t0*n : (t0+1)*n])
+	}
+	defer func(f func(int) int) { lmSampleRows = f }(lmSampleRows)
+	for _, c := range []struct {
+		k    int
+		head bool
+	}{{0, false}, {6, true}} {
+		var base sampleRun
+		for i, cfg := range []struct{ threads, group int }{{1, 0}, {3, 0}, {2, 256}, {5, 512}} {
+			lmSampleRows = func(threads int) int {
+				if cfg.group > 0 {
+					return cfg.group
+				}
+				return lmRows * max(4, threads)
+			}
+			got := runLMHeadSample(New(cfg.threads), x, w, u, tokens, hidden, vocab, c.k, n, c.head)
+			if i == 0 {
+				base = got
+				continue
+			}
+			if !slices.Equal(got.drawn, base.drawn) || !slices.Equal(got.ids, base.ids) ||
+				!slices.Equal(got.lps, base.lps) || !slices.Equal(got.tail, base.tail) {
+				t.Fatalf("k %d head %v: threads %d, groups of %d rows: not the outputs of one worker and one group", c.k, c.head, cfg.threads, cfg.group)
+			}
+		}
+		// Against the float64 reference from the fp32 operands.
+		diff := 0
+		for ti := 0; ti < tokens; ti += 7 {
+			logit := make([]float64, vocab)
+			mx := math.Inf(-1)
+			for j := range logit {
+				var s float64
+				for q := 0; q < hidden; q++ {
+					s += float64(x[ti*hidden+q]) * float64(w[j*hidden+q])
+				}
+				logit[j], mx = s, math.Max(mx, s)
+			}
+			var sum float64
+			for _, l := range logit {
+				sum += math.Exp(l - mx)
+			}
+			p := make([]float64, vocab)
+			for j, l := range logit {
+				p[j] = math.Exp(l-mx) / sum
+			}
+			var hd []int32
+			if c.head {
+				hd = base.ids[ti*c.k : (ti+1)*c.k]
+			}
+			ur := u[ti*n : (ti+1)*n]
+			want, mass := computetest.InverseCDF(p, hd, ur)
+			if d := math.Abs(float64(base.tail[ti]) - mass); d > 1e-5*mass {
+				t.Fatalf("k %d: token %d: tail mass %v, want %v", c.k, ti, base.tail[ti], mass)
+			}
+			for d := range ur {
+				if why := computetest.CheckDraw(p, hd, ur[d], base.drawn[ti*n+d], want[d], computetest.FP32.CDFTol); why != "" {
+					t.Fatalf("k %d: token %d draw %d: %s", c.k, ti, d, why)
+				}
+				if base.drawn[ti*n+d] != want[d] {
+					diff++
+				}
+			}
+		}
+		t.Logf("k %d head %v: %d draws differ from the float64 reference (within CDFTol of a step)", c.k, c.head, diff)
+	}
+}
+
+// TestLMHeadSampleBadInput: what LMHeadSample refuses, by panicking with
+// the reason (a caller's bug: package infer validates draws first).
+func TestLMHeadSampleBadInput(t *testing.T) {
+	be := New(1)
+	x, w := be.FromF32([]float32{1}), be.FromF32([]float32{1, 2, 3})
+	for _, c := range []struct {
+		k, n int
+		head bool
+		want string
+	}{
+		{0, 0, false, "0 draws per token"},
+		{0, 2, true, "head needs k >= 1"},
+		{4, 2, false, "top-k 4 of a vocabulary of 3"},
+	} {
+		func() {
+			defer func() {
+				if r := recover(); r == nil || !contains(r, c.want) {
+					t.Errorf("k %d n %d head %v: panic %v, want one naming %q", c.k, c.n, c.head, r, c.want)
+				}
+			}()
+			ids, lps := be.New(compute.I32, 4), be.New(compute.F32, 4)
+			dr, tl, u := be.New(compute.I32, 4), be.New(compute.F32, 1), be.New(compute.I32, 8)
+			be.LMHeadSample(ids, lps, dr, tl, x, w, u, 1, 1, 3, c.k, c.n, c.head)
+		}()
+	}
+}
+
+func contains(r any, sub string) bool {
+	s, ok := r.(string)
+	return ok && strings.Contains(s, sub)
+}
