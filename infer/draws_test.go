@@ -38,8 +38,10 @@ func fullDists(t *testing.T, m *Model, samples [][]int32, T float32) [][]float64
 
 // TestDrawsMatchReference: ForwardDraws draws, id for id, what the
 // package doc's inverse CDF (cachetest.Draws, float64) draws from the full
-// distribution with the same uniforms, for both kinds, two temperatures
-// and tile widths from one tile to many; the tail mass is the reference's.
+// distribution with the same uniforms, for both kinds and two
+// temperatures, the samples forwarded together and one at a time (a
+// position's draws do not depend on the batch); the tail mass is the
+// reference's.
 func TestDrawsMatchReference(t *testing.T) {
 	m, err := Load(filepath.Join("testdata/golden", "qwen3"), device.CPU(0))
 	if err != nil {
@@ -48,7 +50,6 @@ func TestDrawsMatchReference(t *testing.T) {
 	samples := drawSamples()
 	key := cache.DrawKey("dataset-A")
 	U := func(s, tt, d int) float64 { return cache.DrawUniform(key, int64(100+s), tt, d) }
-	defer func(v int) { drawTileFloats = v }(drawTileFloats)
 	for _, T := range []float32{1, 0.7} {
 		full := fullDists(t, m, samples, T)
 		for _, head := range []bool{false, true} {
@@ -56,10 +57,23 @@ func TestDrawsMatchReference(t *testing.T) {
 			if head {
 				k = 6
 			}
-			for _, tile := range []int{1 << 22, 47 * 64} {
-				drawTileFloats = tile
+			for _, split := range []bool{false, true} {
+				how := map[bool]string{false: "one forward", true: "one forward per sample"}[split]
 				const N = 64
-				ids, _, res := m.ForwardDraws(samples, k, T, Draws{N: N, Head: head, U: U})
+				var ids []int32
+				var res DrawResult
+				if !split {
+					ids, _, res = m.ForwardDraws(samples, k, T, Draws{N: N, Head: head, U: U})
+				} else {
+					res.N = []int32{}
+					for s := range samples {
+						U1 := func(_, tt, d int) float64 { return U(s, tt, d) }
+						id1, _, r1 := m.ForwardDraws(samples[s:s+1], k, T, Draws{N: N, Head: head, U: U1})
+						ids = append(ids, id1...)
+						res.N, res.IDs, res.Counts = append(res.N, r1.N...), append(res.IDs, r1.IDs...), append(res.Counts, r1.Counts...)
+						res.Tail = append(res.Tail, r1.Tail...)
+					}
+				}
 				r, off := 0, 0
 				for s, smp := range samples {
 					for tt := range smp {
@@ -71,11 +85,11 @@ func TestDrawsMatchReference(t *testing.T) {
 						wantIDs, wantCounts := cache.Tally(drawn, nil, nil)
 						n := int(res.N[r])
 						if n != len(wantIDs) {
-							t.Fatalf("T %g head %v tile %d: sample %d position %d: %d distinct ids, reference %d", T, head, tile, s, tt, n, len(wantIDs))
+							t.Fatalf("T %g head %v, %s: sample %d position %d: %d distinct ids, reference %d", T, head, how, s, tt, n, len(wantIDs))
 						}
 						for j := 0; j < n; j++ {
 							if res.IDs[off+j] != wantIDs[j] || res.Counts[off+j] != wantCounts[j] {
-								t.Fatalf("T %g head %v tile %d: sample %d position %d entry %d: (%d x%d), reference (%d x%d)", T, head, tile, s, tt, j, res.IDs[off+j], res.Counts[off+j], wantIDs[j], wantCounts[j])
+								t.Fatalf("T %g head %v, %s: sample %d position %d entry %d: (%d x%d), reference (%d x%d)", T, head, how, s, tt, j, res.IDs[off+j], res.Counts[off+j], wantIDs[j], wantCounts[j])
 							}
 						}
 						if head && math.Abs(float64(res.Tail[r])-tail) > 1e-5*tail+1e-7 {
