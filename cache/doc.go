@@ -43,12 +43,26 @@
 // (DrawUniform) and inverts the CDF in ascending id order: the draw is the
 // smallest id v (outside the head under head+sampled) whose cumulative
 // probability Σ_{w<=v} p_w exceeds u times the mass drawn from (1, or the
-// tail mass), summed in float64; a u so close to 1 that rounding leaves it
-// above the sum draws the last id with mass. The generator is counter
-// based: a range refilled by another process or node draws the same ids
-// wherever the teacher's probabilities agree. A position's draws are
-// stored as its distinct ids by descending count (ties: ascending id);
-// a head+sampled position whose tail mass is exactly 0 has no draws.
+// tail mass); a u so close to 1 that rounding leaves it above the sum
+// draws the last id with mass. The generator is counter based: a range
+// refilled by another process or node draws the same ids wherever the
+// teacher's probabilities agree. A position's draws are stored as its
+// distinct ids by descending count (ties: ascending id); a head+sampled
+// position whose tail mass is exactly 0 has no draws.
+//
+// The teacher computes this in its streaming LM head, in the one pass over
+// the vocabulary that makes the top-k (compute.Backend's LMHeadSample):
+// the softmax's sums over blocks of 64 ids, then each threshold located
+// among the blocks' cumulative sums and only its block's logits computed
+// again and walked in float64. The CDF is the fp32 logits' to about 1e-6
+// relative (the backend's exp and logits), so ids agree with a float64
+// inverse CDF, and between backends and teachers, except where a threshold
+// lies that close to a step of the CDF; an id more than 87 nats below the
+// largest logit of its vocabulary tile (2048 ids or more) counts as mass 0,
+// unless its block holds a head id. This is the definition above computed
+// to that accuracy, not a new one: caches filled before it (format version
+// 2, whose teacher summed the CDF over the whole vocabulary on the host)
+// stay valid and agree with new fills to the same accuracy.
 //
 // # Directory layout
 //
