@@ -191,7 +191,8 @@ func (s *suite) runSample(t *testing.T, name string, xv, wv []float32, tokens, h
 // that is no multiple of the tiles or the blocks, for sampled (k 0, and k
 // 3 without head), head+sampled (k 5, and k 1 with one draw) and a peaked
 // teacher whose head holds nearly all the mass (the tail then rests on
-// the head blocks' exact sums).
+// the head blocks' exact sums), and a flat one (whose top-k ids hold a
+// small share of their blocks).
 func (s *suite) lmHeadSample(t *testing.T) {
 	r := rand.New(rand.NewPCG(25, 26))
 	tokens, hidden, vocab := 37, 24, 5000
@@ -201,21 +202,26 @@ func (s *suite) lmHeadSample(t *testing.T) {
 		peaked[4321*hidden+j] = 2 * x[5*hidden+j] // token 5's top-1 far ahead
 		peaked[64*hidden+j] = 1.5 * x[7*hidden+j] // token 7's, in a block of its own
 	}
+	flat := slices.Clone(x) // logits within ±0.3: no id dominates its block
+	for i := range flat {
+		flat[i] *= 0.02
+	}
 	for _, c := range []struct {
 		name string
-		w    []float32
+		x, w []float32
 		k, n int
 		head bool
 	}{
-		{"sampled N 50", w, 0, 50, false},
-		{"top-3 and sampled N 7", w, 3, 7, false},
-		{"head+sampled k 5 N 50", w, 5, 50, true},
-		{"head+sampled k 1 N 1", w, 1, 1, true},
-		{"peaked head+sampled k 2 N 64", peaked, 2, 64, true},
-		{"peaked sampled N 64", peaked, 0, 64, false},
+		{"sampled N 50", x, w, 0, 50, false},
+		{"top-3 and sampled N 7", x, w, 3, 7, false},
+		{"head+sampled k 5 N 50", x, w, 5, 50, true},
+		{"head+sampled k 1 N 1", x, w, 1, 1, true},
+		{"peaked head+sampled k 2 N 64", x, peaked, 2, 64, true},
+		{"peaked sampled N 64", x, peaked, 0, 64, false},
+		{"flat head+sampled k 8 N 50", flat, w, 8, 50, true},
 	} {
 		u := sampleUniforms(r, tokens, c.n)
-		diff := s.runSample(t, c.name, x, c.w, tokens, hidden, vocab, c.k, c.n, c.head, u)
+		diff := s.runSample(t, c.name, c.x, c.w, tokens, hidden, vocab, c.k, c.n, c.head, u)
 		t.Logf("%s: %d of %d draws differ from the float64 reference (within CDFTol of a step)", c.name, diff, tokens*c.n)
 	}
 }

@@ -416,6 +416,8 @@ type lmBlocks struct {
 	rmax, bsum, tmax []float32
 	rsum, tsum       []float64
 	nblk, ntile      int
+	// topz (rows, k): the top-k's logits in the order of the ids.
+	topz []float32
 }
 
 // lmHead is LMHeadTopK over tokens rows of xs (k may be 0), and with blk
@@ -496,6 +498,11 @@ func (be *Backend) lmHead(idOut []int32, lpOut, xs, ws []float32, tokens, hidden
 			for j, o := range ord {
 				idOut[dst+j] = id[o]
 				lpOut[dst+j] = float32(float64(v[o]) - lse)
+			}
+			if blk != nil {
+				for j, o := range ord {
+					blk.topz[dst+j] = v[o]
+				}
 			}
 		}
 	})

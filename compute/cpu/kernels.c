@@ -344,35 +344,61 @@ void k_draw_locate(const float *bs, long nblk, const float *tmax, const double *
 }
 
 // k_block_logits: z (m, nz) = x (m, hidden; row i at x + rows[i]*hidden) ·
-// w (nz, hidden)ᵀ, each logit by the same code whatever m and whichever
-// rows (four ids at a time, one row at a time; nz <= 64): LMHeadSample's
-// draws do not depend on which rows share a block, or a call.
-CLONES void k_block_logits(float *z, const float *x, const int32_t *rows, long m, const float *w, long nz, long hidden) {
-	for (long i = 0; i < m; i++) {
-		const float *xr = x + (long)rows[i] * hidden;
-		float *zr = z + i * nz;
-		long j = 0;
-		for (; j + 4 <= nz; j += 4) {
-			const float *w0 = w + j * hidden, *w1 = w0 + hidden, *w2 = w1 + hidden, *w3 = w2 + hidden;
-			float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-			for (long q = 0; q < hidden; q++) {
-				float xv = xr[q];
-				a0 += xv * w0[q];
-				a1 += xv * w1[q];
-				a2 += xv * w2[q];
-				a3 += xv * w3[q];
+// w (nz, hidden)ᵀ for one block of nz <= 64 ids, w transposed first into
+// wt (hidden, 64; scratch) so that four rows at a time accumulate 64 logits
+// each as vectors. Every logit is the sum over q in order of x[q]·w[q],
+// whatever m and whichever rows (the one-row tail loop does the same per
+// logit): LMHeadSample's draws do not depend on which rows share a block.
+CLONES void k_block_logits(float *z, const float *x, const int32_t *rows, long m, const float *w, long nz, long hidden,
+                           float *wt) {
+	// Read w row by row (the prefetcher's stream), write wt in L2.
+	for (long j = 0; j < 64; j++)
+		for (long q = 0; q < hidden; q++) wt[q * 64 + j] = j < nz ? w[j * hidden + q] : 0.0f;
+	long i = 0;
+	for (; i + 4 <= m; i += 4) {
+		const float *x0 = x + (long)rows[i] * hidden, *x1 = x + (long)rows[i + 1] * hidden;
+		const float *x2 = x + (long)rows[i + 2] * hidden, *x3 = x + (long)rows[i + 3] * hidden;
+		float a0[64] = {0}, a1[64] = {0}, a2[64] = {0}, a3[64] = {0};
+		for (long q = 0; q < hidden; q++) {
+			const float *wr = wt + q * 64;
+			float v0 = x0[q], v1 = x1[q], v2 = x2[q], v3 = x3[q];
+#pragma omp simd
+			for (int j = 0; j < 64; j++) {
+				a0[j] += v0 * wr[j];
+				a1[j] += v1 * wr[j];
+				a2[j] += v2 * wr[j];
+				a3[j] += v3 * wr[j];
 			}
-			zr[j] = a0, zr[j + 1] = a1, zr[j + 2] = a2, zr[j + 3] = a3;
 		}
-		for (; j < nz; j++) {
-			const float *w0 = w + j * hidden;
-			float a0 = 0;
-#pragma omp simd reduction(+ : a0)
-			for (long q = 0; q < hidden; q++) a0 += xr[q] * w0[q];
-			zr[j] = a0;
+		for (long j = 0; j < nz; j++) {
+			z[i * nz + j] = a0[j];
+			z[(i + 1) * nz + j] = a1[j];
+			z[(i + 2) * nz + j] = a2[j];
+			z[(i + 3) * nz + j] = a3[j];
 		}
 	}
+	for (; i < m; i++) {
+		const float *x0 = x + (long)rows[i] * hidden;
+		float a0[64] = {0};
+		for (long q = 0; q < hidden; q++) {
+			const float *wr = wt + q * 64;
+			float v0 = x0[q];
+#pragma omp simd
+			for (int j = 0; j < 64; j++) a0[j] += v0 * wr[j];
+		}
+		for (long j = 0; j < nz; j++) z[i * nz + j] = a0[j];
+	}
+}
+
+// k_fexp_sum is Σ fexp(z[i] - m) in double (0 below -87), each term as
+// tile_max_sum computes it: the fold's exps of given logits.
+double k_fexp_sum(const float *z, int n, float m) {
+	double s = 0;
+	for (int i = 0; i < n; i++) {
+		float d = z[i] - m;
+		s += d >= -87.0f ? (double)fexp(d) : 0.0;
+	}
+	return s;
 }
 
 // k_block_mass is Σ exp(z - mx) in double over the nz logits of ids

@@ -59,7 +59,7 @@ func (be *Backend) LMHeadSample(ids, logprobs, drawn, tail, x, w, u compute.Tens
 	nblk, ntile := (vocab+B-1)/B, (vocab+lmTile-1)/lmTile
 	g := min(G, tokens)
 	blk := &lmBlocks{rmax: make([]float32, g), rsum: make([]float64, g), bsum: make([]float32, g*nblk),
-		tmax: make([]float32, g*ntile), tsum: make([]float64, g*ntile), nblk: nblk, ntile: ntile}
+		tmax: make([]float32, g*ntile), tsum: make([]float64, g*ntile), nblk: nblk, ntile: ntile, topz: make([]float32, g*k)}
 	thr := make([]float64, g*n)
 	for g0 := 0; g0 < tokens; g0 += G {
 		nr := min(G, tokens-g0)
@@ -72,6 +72,12 @@ func (be *Backend) LMHeadSample(ids, logprobs, drawn, tail, x, w, u compute.Tens
 			xs[g0*hidden:(g0+nr)*hidden], ws, nr, hidden, vocab, k, n, head)
 	}
 }
+
+// k_block_logits computes blocks of 64 ids: compute.SampleBlock must be 64.
+var (
+	_ [compute.SampleBlock - 64]struct{}
+	_ [64 - compute.SampleBlock]struct{}
+)
 
 // lmSampleRows is how many rows LMHeadSample keeps block sums for at once:
 // enough slabs to keep every worker busy in the pass, at least 1024.
@@ -108,16 +114,36 @@ func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32
 	}
 	nt := blk.ntile
 	if head {
-		// 2. The blocks of the top-k: their mass outside it, exactly,
-		// relative to their tile's max as the pass left the others; and
-		// the totals of their tiles again.
+		// 2. The blocks of the top-k: their mass outside it, relative to
+		// their tile's max as the pass left the others. Where the top-k
+		// ids hold at most half of a block's sum, the block's sum less
+		// their exps (the fold's, of their logits: the same terms) keeps
+		// its relative accuracy; a block they dominate is computed again
+		// and summed outside the top-k exactly. Then their tiles' totals
+		// are summed again.
 		var pairs []blockPair
 		for r := 0; r < nr; r++ {
-			last := int32(-1)
-			for _, v := range headOf(r) {
-				if b := v / B; b != last {
+			h, ids, zs := headOf(r), top[r*k:(r+1)*k], blk.topz[r*k:(r+1)*k]
+			for i := 0; i < len(h); {
+				b := h[i] / B
+				j := i
+				for j < len(h) && h[j]/B == b {
+					j++
+				}
+				i = j
+				t := int(b) / bpt
+				tm := blk.tmax[r*nt+t]
+				var in float64 // the top-k's exps in block b
+				for q, v := range ids {
+					if v/B == b {
+						in += float64(C.k_fexp_sum((*C.float)(&zs[q]), 1, C.float(tm)))
+					}
+				}
+				s := float64(blk.bsum[r*nblk+int(b)])
+				if in <= 0.5*s {
+					blk.bsum[r*nblk+int(b)] = float32(s - in)
+				} else {
 					pairs = append(pairs, blockPair{row: int32(r), blk: b})
-					last = b
 				}
 			}
 		}
@@ -193,8 +219,8 @@ func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32
 // blockLogits multiplies again the blocks of pairs: it groups them by block
 // (stably: rows ascending within a block), computes each block's logits for
 // the rows that need it with the block's weights read once (k_block_logits:
-// every logit by the same code, so a draw does not depend on which rows
-// share its block), and calls f with each pair's logits (the block's ids,
+// every logit summed in the same order, so a draw does not depend on which
+// rows share its block), and calls f with each pair's logits (the block's ids,
 // fewer in the vocabulary's last block), on the workers.
 func (be *Backend) blockLogits(pairs []blockPair, xs, ws []float32, hidden, vocab int, f func(p blockPair, z []float32)) {
 	const B = compute.SampleBlock
@@ -207,8 +233,8 @@ func (be *Backend) blockLogits(pairs []blockPair, xs, ws []float32, hidden, voca
 	}
 	starts = append(starts, len(pairs))
 	type scratch struct {
-		rows []int32
-		z    []float32
+		rows  []int32
+		z, wt []float32
 	}
 	scr := make([]scratch, be.threads)
 	be.workQueue(len(starts)-1, func(wk, gi int) {
@@ -224,7 +250,10 @@ func (be *Backend) blockLogits(pairs []blockPair, xs, ws []float32, hidden, voca
 		}
 		v0 := int(ps[0].blk) * B
 		nz := min(B, vocab-v0)
-		C.k_block_logits(fp(z), fp(xs), ip(rows), C.long(m), fp(ws[v0*hidden:]), C.long(nz), C.long(hidden))
+		if sc.wt == nil {
+			sc.wt = make([]float32, hidden*B)
+		}
+		C.k_block_logits(fp(z), fp(xs), ip(rows), C.long(m), fp(ws[v0*hidden:]), C.long(nz), C.long(hidden), fp(sc.wt))
 		for i, p := range ps {
 			f(p, z[i*nz:(i+1)*nz])
 		}
