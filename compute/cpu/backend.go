@@ -418,17 +418,25 @@ type lmBlocks struct {
 	nblk, ntile      int
 	// topz (rows, k): the top-k's logits in the order of the ids.
 	topz []float32
+	// topb (rows, k, SampleBlock), when not nil: the logits of each
+	// top-k id's block, which the fold copies as an id enters the top-k.
+	topb []float32
 }
+
+// lmPayloadK is the largest k whose top-k entries carry their blocks'
+// logits through the pass (lmRows·k·256 bytes a worker: 4 MiB at k 64).
+// A variable: tests force the other path.
+var lmPayloadK = 256
 
 // lmHead is LMHeadTopK over tokens rows of xs (k may be 0), and with blk
 // also the block sums of LMHeadSample.
 func (be *Backend) lmHead(idOut []int32, lpOut, xs, ws []float32, tokens, hidden, vocab, k int, blk *lmBlocks) {
 	nSlab := (tokens + lmRows - 1) / lmRows
 	type scratch struct {
-		tile, ebuf, rmax, hv []float32
-		rsum                 []float64
-		hi, hn               []int32
-		ord                  []int
+		tile, ebuf, rmax, hv, hz []float32
+		rsum                     []float64
+		hi, hn, hs               []int32
+		ord                      []int
 	}
 	scr := make([]*scratch, be.threads)
 	defer func() {
@@ -443,6 +451,9 @@ func (be *Backend) lmHead(idOut []int32, lpOut, xs, ws []float32, tokens, hidden
 			scr[wk] = &scratch{tile: be.scratch(lmRows * lmTile), ebuf: make([]float32, lmTile), rmax: make([]float32, lmRows),
 				hv: make([]float32, lmRows*k), rsum: make([]float64, lmRows), hi: make([]int32, lmRows*k),
 				hn: make([]int32, lmRows), ord: make([]int, k)}
+			if blk != nil && blk.topb != nil {
+				scr[wk].hs, scr[wk].hz = make([]int32, lmRows*k), make([]float32, lmRows*k*compute.SampleBlock)
+			}
 		}
 		sc := scr[wk]
 		r0 := s * lmRows
@@ -467,7 +478,8 @@ func (be *Backend) lmHead(idOut []int32, lpOut, xs, ws []float32, tokens, hidden
 			C.k_lse_topk(fp(tile), C.long(nr), C.long(nc), C.long(nc), C.long(c0),
 				fp(rmax), (*C.double)(unsafe.Pointer(&rsum[0])), C.int(k),
 				fp(hv), ip(hi), ip(hn),
-				fp(sc.ebuf), bsum, C.long(ldb), C.long(compute.SampleBlock), tmax, tsum, C.long(ldt), C.long(c0/lmTile))
+				fp(sc.ebuf), bsum, C.long(ldb), C.long(compute.SampleBlock), tmax, tsum, C.long(ldt), C.long(c0/lmTile),
+				ip(sc.hs), fp(sc.hz))
 		}
 		if blk != nil {
 			copy(blk.rmax[r0:], rmax)
@@ -502,6 +514,13 @@ func (be *Backend) lmHead(idOut []int32, lpOut, xs, ws []float32, tokens, hidden
 			if blk != nil {
 				for j, o := range ord {
 					blk.topz[dst+j] = v[o]
+				}
+				if blk.topb != nil {
+					const B = compute.SampleBlock
+					for j, o := range ord {
+						slot := int(sc.hs[r*k+o])
+						copy(blk.topb[(dst+j)*B:(dst+j+1)*B], sc.hz[(r*k+slot)*B:])
+					}
 				}
 			}
 		}

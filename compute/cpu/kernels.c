@@ -150,7 +150,9 @@ static inline int worse(float va, int32_t ia, float vb, int32_t ib) {
 	return va < vb || (va == vb && ia > ib);
 }
 
-static void sift_down(float *hv, int32_t *hi, int n, int i) {
+// The heap's sifts move hs (the entries' payload slots, LMHeadSample) with
+// the entries when it is not NULL.
+static void sift_down(float *hv, int32_t *hi, int32_t *hs, int n, int i) {
 	for (;;) {
 		int l = 2 * i + 1, r = l + 1, m = i;
 		if (l < n && worse(hv[l], hi[l], hv[m], hi[m])) m = l;
@@ -158,18 +160,27 @@ static void sift_down(float *hv, int32_t *hi, int n, int i) {
 		if (m == i) return;
 		float tv = hv[i]; hv[i] = hv[m]; hv[m] = tv;
 		int32_t ti = hi[i]; hi[i] = hi[m]; hi[m] = ti;
+		if (hs) { ti = hs[i]; hs[i] = hs[m]; hs[m] = ti; }
 		i = m;
 	}
 }
 
-static void sift_up(float *hv, int32_t *hi, int i) {
+static void sift_up(float *hv, int32_t *hi, int32_t *hs, int i) {
 	while (i > 0) {
 		int p = (i - 1) / 2;
 		if (!worse(hv[i], hi[i], hv[p], hi[p])) return;
 		float tv = hv[i]; hv[i] = hv[p]; hv[p] = tv;
 		int32_t ti = hi[i]; hi[i] = hi[p]; hi[p] = ti;
+		if (hs) { ti = hs[i]; hs[i] = hs[p]; hs[p] = ti; }
 		i = p;
 	}
+}
+
+// block_copy writes the nb logits of the block of tile column i (row's
+// columns from i - i%nb, fewer at the tile's end, zeros after) to dst.
+static void block_copy(float *dst, const float *row, long i, long ncols, long nb) {
+	long b0 = i - i % nb;
+	for (long j = 0; j < nb; j++) dst[j] = b0 + j < ncols ? row[b0 + j] : 0.0f;
 }
 
 // tile_max_sum returns the max of row[0..n) and sum(exp(row - max)),
@@ -203,10 +214,12 @@ CLONES static void tile_max_sum(const float *row, long n, float *mx, float *sm, 
 // max) (fp32 sums; an id more than 87 nats below the tile max counts 0: the
 // fast exp's range), at bsum[r*ldb + col0/nb + j], the tile max at
 // tmax[r*ldt + tile] and the blocks' total (double) at tsum[r*ldt + tile]
-// (col0 a multiple of nb).
+// (col0 a multiple of nb); with hz, each top-k entry also carries the nb
+// logits of its block (slot hsl[r*k + heap position] of hz's k a row).
 CLONES void k_lse_topk(const float *logits, long rows, long ncols, long ld, long col0,
                        float *rmax, double *rsum, int k, float *hv, int32_t *hi, int32_t *hn,
-                       float *ebuf, float *bsum, long ldb, long nb, float *tmax, double *tsum, long ldt, long tile) {
+                       float *ebuf, float *bsum, long ldb, long nb, float *tmax, double *tsum, long ldt, long tile,
+                       int32_t *hsl, float *hz) {
 	for (long r = 0; r < rows; r++) {
 		const float *row = logits + r * ld;
 		float tm, ts;
@@ -234,6 +247,8 @@ CLONES void k_lse_topk(const float *logits, long rows, long ncols, long ld, long
 		if (k == 0) continue;
 		float *v = hv + r * (long)k;
 		int32_t *id = hi + r * (long)k;
+		int32_t *hs = hz ? hsl + r * (long)k : NULL;
+		float *pz = hz ? hz + r * (long)k * nb : NULL;
 		int n = hn[r];
 		for (long b = 0; b < ncols; b += 16) {
 			long e = b + 16 < ncols ? b + 16 : ncols;
@@ -250,12 +265,17 @@ CLONES void k_lse_topk(const float *logits, long rows, long ncols, long ld, long
 				if (n < k) {
 					v[n] = x;
 					id[n] = (int32_t)(col0 + i);
-					sift_up(v, id, n);
+					if (hs) {
+						hs[n] = n;
+						block_copy(pz + n * nb, row, i, ncols, nb);
+					}
+					sift_up(v, id, hs, n);
 					n++;
 				} else if (x > v[0]) {
 					v[0] = x;
 					id[0] = (int32_t)(col0 + i);
-					sift_down(v, id, k, 0);
+					if (hs) block_copy(pz + hs[0] * nb, row, i, ncols, nb);
+					sift_down(v, id, hs, k, 0);
 				}
 			}
 		}

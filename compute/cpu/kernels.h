@@ -14,7 +14,8 @@ void k_softmax_bwd(float *dp, const float *p, long rows, long ld, long first_len
 void k_expf(float *out, const float *x, long n);
 void k_lse_topk(const float *logits, long rows, long ncols, long ld, long col0,
                 float *rmax, double *rsum, int k, float *hv, int32_t *hi, int32_t *hn,
-                float *ebuf, float *bsum, long ldb, long nb, float *tmax, double *tsum, long ldt, long tile);
+                float *ebuf, float *bsum, long ldb, long nb, float *tmax, double *tsum, long ldt, long tile,
+                int32_t *hsl, float *hz);
 void k_draw_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh,
                  const double *thr, int nd, int32_t *out);
 double k_tile_mass(const float *tmax, const double *tsum, long ntile, double mx);

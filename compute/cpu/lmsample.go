@@ -60,6 +60,9 @@ func (be *Backend) LMHeadSample(ids, logprobs, drawn, tail, x, w, u compute.Tens
 	g := min(G, tokens)
 	blk := &lmBlocks{rmax: make([]float32, g), rsum: make([]float64, g), bsum: make([]float32, g*nblk),
 		tmax: make([]float32, g*ntile), tsum: make([]float64, g*ntile), nblk: nblk, ntile: ntile, topz: make([]float32, g*k)}
+	if head && k <= lmPayloadK {
+		blk.topb = make([]float32, g*k*B)
+	}
 	thr := make([]float64, g*n)
 	for g0 := 0; g0 < tokens; g0 += G {
 		nr := min(G, tokens-g0)
@@ -115,14 +118,36 @@ func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32
 	nt := blk.ntile
 	if head {
 		// 2. The blocks of the top-k: their mass outside it, relative to
-		// their tile's max as the pass left the others. Where the top-k
-		// ids hold at most half of a block's sum, the block's sum less
-		// their exps (the fold's, of their logits: the same terms) keeps
-		// its relative accuracy; a block they dominate is computed again
-		// and summed outside the top-k exactly. Then their tiles' totals
-		// are summed again.
+		// their tile's max as the pass left the others, in double from
+		// their logits, which the top-k's entries carried through the
+		// pass (k <= lmPayloadK). For a larger k: where the top-k ids hold
+		// at most half of a block's sum, the block's sum less their exps
+		// (the fold's, of their logits: the same terms) keeps its
+		// relative accuracy; a block they dominate is computed again and
+		// summed outside the top-k exactly. Then their tiles' totals are
+		// summed again.
 		var pairs []blockPair
-		for r := 0; r < nr; r++ {
+		for r := 0; r < nr && blk.topb != nil; r++ {
+			// The pass left each top-k id's block logits: no weights to
+			// read again.
+			h, ids := headOf(r), top[r*k:(r+1)*k]
+			for j, v := range ids {
+				b := v / B
+				first := true
+				for _, w := range ids[:j] {
+					first = first && w/B != b
+				}
+				if !first {
+					continue
+				}
+				t := int(b) / bpt
+				nz := min(B, vocab-int(b)*B)
+				z := blk.topb[(r*k+j)*B : (r*k+j)*B+nz]
+				blk.bsum[r*nblk+int(b)] = float32(C.k_block_mass(fp(z), C.int(nz), C.int32_t(int(b)*B),
+					C.double(blk.tmax[r*nt+t]), ip(h), C.int(len(h))))
+			}
+		}
+		for r := 0; r < nr && blk.topb == nil; r++ {
 			h, ids, zs := headOf(r), top[r*k:(r+1)*k], blk.topz[r*k:(r+1)*k]
 			for i := 0; i < len(h); {
 				b := h[i] / B

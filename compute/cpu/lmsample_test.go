@@ -31,7 +31,8 @@ func runLMHeadSample(be *Backend, x, w []float32, u []float64, tokens, hidden, v
 // groups forced by a small lmSampleRows: the pass, the head blocks and
 // the draw blocks each group's own), bit for bit; and they are the
 // float64 inverse CDF's of the fp32 logits up to CDFTol at a shape of
-// many tiles (10000 ids: 5 tiles of 2048, 157 blocks) and 700 rows.
+// many tiles (10000 ids: 5 tiles of 2048, 157 blocks) and 700 rows, with
+// the top-k's blocks from the logits the pass carries and without them.
 func TestLMHeadSampleGroupsThreads(t *testing.T) {
 	r := rand.New(rand.NewPCG(31, 32))
 	tokens, hidden, vocab, n := 700, 16, 10000, 40
@@ -72,45 +73,57 @@ func TestLMHeadSampleGroupsThreads(t *testing.T) {
 				t.Fatalf("k %d head %v: threads %d, groups of %d rows: not the outputs of one worker and one group", c.k, c.head, cfg.threads, cfg.group)
 			}
 		}
-		// Against the float64 reference from the fp32 operands.
-		diff := 0
-		for ti := 0; ti < tokens; ti += 7 {
-			logit := make([]float64, vocab)
-			mx := math.Inf(-1)
-			for j := range logit {
-				var s float64
-				for q := 0; q < hidden; q++ {
-					s += float64(x[ti*hidden+q]) * float64(w[j*hidden+q])
-				}
-				logit[j], mx = s, math.Max(mx, s)
-			}
-			var sum float64
-			for _, l := range logit {
-				sum += math.Exp(l - mx)
-			}
-			p := make([]float64, vocab)
-			for j, l := range logit {
-				p[j] = math.Exp(l-mx) / sum
-			}
-			var hd []int32
-			if c.head {
-				hd = base.ids[ti*c.k : (ti+1)*c.k]
-			}
-			ur := u[ti*n : (ti+1)*n]
-			want, mass := computetest.InverseCDF(p, hd, ur)
-			if d := math.Abs(float64(base.tail[ti]) - mass); d > 1e-5*mass {
-				t.Fatalf("k %d: token %d: tail mass %v, want %v", c.k, ti, base.tail[ti], mass)
-			}
-			for d := range ur {
-				if why := computetest.CheckDraw(p, hd, ur[d], base.drawn[ti*n+d], want[d], computetest.FP32.CDFTol); why != "" {
-					t.Fatalf("k %d: token %d draw %d: %s", c.k, ti, d, why)
-				}
-				if base.drawn[ti*n+d] != want[d] {
-					diff++
-				}
-			}
+		runs := []sampleRun{base}
+		if c.head {
+			// The top-k's blocks without the logits the pass carries
+			// (k > lmPayloadK): their sums less the top-k's exps, or
+			// computed again.
+			defer func(v int) { lmPayloadK = v }(lmPayloadK)
+			lmPayloadK = 0
+			runs = append(runs, runLMHeadSample(New(2), x, w, u, tokens, hidden, vocab, c.k, n, c.head))
+			lmPayloadK = 256
 		}
-		t.Logf("k %d head %v: %d draws differ from the float64 reference (within CDFTol of a step)", c.k, c.head, diff)
+		for ri, base := range runs {
+			// Against the float64 reference from the fp32 operands.
+			diff := 0
+			for ti := 0; ti < tokens; ti += 7 {
+				logit := make([]float64, vocab)
+				mx := math.Inf(-1)
+				for j := range logit {
+					var s float64
+					for q := 0; q < hidden; q++ {
+						s += float64(x[ti*hidden+q]) * float64(w[j*hidden+q])
+					}
+					logit[j], mx = s, math.Max(mx, s)
+				}
+				var sum float64
+				for _, l := range logit {
+					sum += math.Exp(l - mx)
+				}
+				p := make([]float64, vocab)
+				for j, l := range logit {
+					p[j] = math.Exp(l-mx) / sum
+				}
+				var hd []int32
+				if c.head {
+					hd = base.ids[ti*c.k : (ti+1)*c.k]
+				}
+				ur := u[ti*n : (ti+1)*n]
+				want, mass := computetest.InverseCDF(p, hd, ur)
+				if d := math.Abs(float64(base.tail[ti]) - mass); d > 1e-5*mass {
+					t.Fatalf("k %d: token %d: tail mass %v, want %v", c.k, ti, base.tail[ti], mass)
+				}
+				for d := range ur {
+					if why := computetest.CheckDraw(p, hd, ur[d], base.drawn[ti*n+d], want[d], computetest.FP32.CDFTol); why != "" {
+						t.Fatalf("k %d: token %d draw %d: %s", c.k, ti, d, why)
+					}
+					if base.drawn[ti*n+d] != want[d] {
+						diff++
+					}
+				}
+			}
+			t.Logf("k %d head %v run %d: %d draws differ from the float64 reference (within CDFTol of a step)", c.k, c.head, ri, diff)
+		}
 	}
 }
 
