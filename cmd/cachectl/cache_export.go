@@ -60,11 +60,11 @@ func exportMain(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer it.Close()
-	K := r.Manifest().K
+	m := r.Manifest()
 	if *format == "jsonl" {
-		err = exportJSONL(it, K, w)
+		err = exportJSONL(it, m, w)
 	} else {
-		err = exportParquet(it, K, w)
+		err = exportParquet(it, m, w)
 	}
 	if err != nil {
 		return err
@@ -78,10 +78,25 @@ func exportMain(args []string, stdout, stderr io.Writer) error {
 // exportJSONL writes {"index", "input_ids", "loss_mask", "topk_ids",
 // "topk_logprobs"} per line; log-probs are the shortest decimal that reads
 // back as the same float32; a non-finite log-prob (possible only in the
-// lossless encoding) is written as null.
-func exportJSONL(it *cache.Iterator, K int, w io.Writer) error {
+// lossless encoding) is written as null. A cache of a sampled kind adds
+// "draws" (N), "draw_ids" and "draw_counts" ([positions][distinct ids],
+// most drawn first: the target of id v is count_v/N) and, head+sampled,
+// "tail_mass" ([positions]: the target is then tail_mass·count_v/N); its
+// topk_* hold the head (empty lists for sampled, k 0).
+func exportJSONL(it *cache.Iterator, m cache.Manifest, w io.Writer) error {
+	K, kind := m.K, m.Kind()
 	bw := bufio.NewWriterSize(w, 1<<20)
 	var b []byte
+	ints := func(b []byte, v []int32) []byte {
+		b = append(b, '[')
+		for i, x := range v {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = strconv.AppendInt(b, int64(x), 10)
+		}
+		return append(b, ']')
+	}
 	for it.Next() {
 		s := it.Sample()
 		b = append(b[:0], `{"index":`...)
@@ -134,7 +149,38 @@ func exportJSONL(it *cache.Iterator, K int, w io.Writer) error {
 			}
 			b = append(b, ']')
 		}
-		b = append(b, "]}\n"...)
+		b = append(b, ']')
+		if kind != cache.TargetsTopK {
+			b = append(b, `,"draws":`...)
+			b = strconv.AppendInt(b, int64(m.Draws), 10)
+			for _, f := range []struct {
+				key string
+				v   []int32
+			}{{"draw_ids", s.DrawIDs}, {"draw_counts", s.DrawCounts}} {
+				b = append(b, `,"`+f.key+`":[`...)
+				off := 0
+				for t := 0; t < T; t++ {
+					if t > 0 {
+						b = append(b, ',')
+					}
+					n := int(s.DrawN[t])
+					b = ints(b, f.v[off:off+n])
+					off += n
+				}
+				b = append(b, ']')
+			}
+			if kind == cache.TargetsHeadSampled {
+				b = append(b, `,"tail_mass":[`...)
+				for t, v := range s.TailMass {
+					if t > 0 {
+						b = append(b, ',')
+					}
+					b = strconv.AppendFloat(b, float64(v), 'g', -1, 32)
+				}
+				b = append(b, ']')
+			}
+		}
+		b = append(b, "}\n"...)
 		if _, err := bw.Write(b); err != nil {
 			return err
 		}
@@ -145,24 +191,43 @@ func exportJSONL(it *cache.Iterator, K int, w io.Writer) error {
 	return bw.Flush()
 }
 
-// exportSchema is the Parquet export schema: topk_* are [positions][k].
-var exportSchema = arrow.NewSchema([]arrow.Field{
-	{Name: "index", Type: arrow.PrimitiveTypes.Int64},
-	{Name: "input_ids", Type: arrow.ListOf(arrow.PrimitiveTypes.Int32)},
-	{Name: "loss_mask", Type: arrow.ListOf(arrow.PrimitiveTypes.Uint8)},
-	{Name: "topk_ids", Type: arrow.ListOf(arrow.ListOf(arrow.PrimitiveTypes.Int32))},
-	{Name: "topk_logprobs", Type: arrow.ListOf(arrow.ListOf(arrow.PrimitiveTypes.Float32))},
-}, nil)
+// exportSchema is the Parquet export schema of a cache of kind: topk_*
+// are [positions][k]; the sampled kinds add draw_ids and draw_counts
+// ([positions][distinct ids], as the JSONL export) and, head+sampled,
+// tail_mass ([positions]), with the draws N in the schema's metadata
+// (distill.targets, distill.draws).
+func exportSchema(m cache.Manifest) *arrow.Schema {
+	fields := []arrow.Field{
+		{Name: "index", Type: arrow.PrimitiveTypes.Int64},
+		{Name: "input_ids", Type: arrow.ListOf(arrow.PrimitiveTypes.Int32)},
+		{Name: "loss_mask", Type: arrow.ListOf(arrow.PrimitiveTypes.Uint8)},
+		{Name: "topk_ids", Type: arrow.ListOf(arrow.ListOf(arrow.PrimitiveTypes.Int32))},
+		{Name: "topk_logprobs", Type: arrow.ListOf(arrow.ListOf(arrow.PrimitiveTypes.Float32))},
+	}
+	if m.Kind() == cache.TargetsTopK {
+		return arrow.NewSchema(fields, nil)
+	}
+	fields = append(fields,
+		arrow.Field{Name: "draw_ids", Type: arrow.ListOf(arrow.ListOf(arrow.PrimitiveTypes.Int32))},
+		arrow.Field{Name: "draw_counts", Type: arrow.ListOf(arrow.ListOf(arrow.PrimitiveTypes.Int32))})
+	if m.Kind() == cache.TargetsHeadSampled {
+		fields = append(fields, arrow.Field{Name: "tail_mass", Type: arrow.ListOf(arrow.PrimitiveTypes.Float32)})
+	}
+	md := arrow.NewMetadata([]string{"distill.targets", "distill.draws"}, []string{string(m.Kind()), strconv.Itoa(m.Draws)})
+	return arrow.NewSchema(fields, &md)
+}
 
-func exportParquet(it *cache.Iterator, K int, w io.Writer) error {
+func exportParquet(it *cache.Iterator, m cache.Manifest, w io.Writer) error {
+	K, kind := m.K, m.Kind()
+	schema := exportSchema(m)
 	props := parquet.NewWriterProperties(parquet.WithCompression(compress.Codecs.Zstd))
 	// The struct hides w's Close: pqarrow closes a writer that has one, and
 	// w may be stdout or a file the caller closes and checks.
-	pw, err := pqarrow.NewFileWriter(exportSchema, struct{ io.Writer }{w}, props, pqarrow.DefaultWriterProps())
+	pw, err := pqarrow.NewFileWriter(schema, struct{ io.Writer }{w}, props, pqarrow.DefaultWriterProps())
 	if err != nil {
 		return fmt.Errorf("parquet writer: %w", err)
 	}
-	b := array.NewRecordBuilder(memory.DefaultAllocator, exportSchema)
+	b := array.NewRecordBuilder(memory.DefaultAllocator, schema)
 	defer b.Release()
 	rows := 0
 	flush := func() error {
@@ -195,6 +260,25 @@ func exportParquet(it *cache.Iterator, K int, w io.Writer) error {
 			iib.ValueBuilder().(*array.Int32Builder).AppendValues(s.TopKIDs[t*K:(t+1)*K], nil)
 			ppb.Append(true)
 			ppb.ValueBuilder().(*array.Float32Builder).AppendValues(s.TopKLogProbs[t*K:(t+1)*K], nil)
+		}
+		if kind != cache.TargetsTopK {
+			for f, v := range [][]int32{s.DrawIDs, s.DrawCounts} {
+				db := b.Field(5 + f).(*array.ListBuilder)
+				db.Append(true)
+				ddb := db.ValueBuilder().(*array.ListBuilder)
+				off := 0
+				for t := 0; t < T; t++ {
+					n := int(s.DrawN[t])
+					ddb.Append(true)
+					ddb.ValueBuilder().(*array.Int32Builder).AppendValues(v[off:off+n], nil)
+					off += n
+				}
+			}
+			if kind == cache.TargetsHeadSampled {
+				tb := b.Field(7).(*array.ListBuilder)
+				tb.Append(true)
+				tb.ValueBuilder().(*array.Float32Builder).AppendValues(s.TailMass, nil)
+			}
 		}
 		if rows++; rows == exportBatch {
 			if err := flush(); err != nil {

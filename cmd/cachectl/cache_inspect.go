@@ -8,12 +8,13 @@ import (
 	"os"
 	"strconv"
 
+	"distill/cache"
 	"distill/data/tokenizer"
 	"distill/internal/cli"
 )
 
 func init() {
-	commands.Register(&cli.Command{Name: "inspect", Summary: "print one cached sample: tokens, loss mask, top-k ids and probabilities", Run: func(args []string) error {
+	commands.Register(&cli.Command{Name: "inspect", Summary: "print one cached sample: tokens, loss mask, top-k ids and probabilities, drawn ids and their targets", Run: func(args []string) error {
 		return inspectMain(args, os.Stdout, os.Stderr)
 	}})
 }
@@ -24,7 +25,7 @@ func inspectMain(args []string, stdout, stderr io.Writer) error {
 	var dirs cacheDirs
 	fs.Var(&dirs, "cache", "cache directory (repeatable)")
 	index := fs.Int64("sample", -1, "sample index (required)")
-	top := fs.Int("top", 5, "top-k entries to print per position (0: all k)")
+	top := fs.Int("top", 5, "top-k entries (and drawn ids, most drawn first) to print per position (0: all)")
 	from := fs.Int("from", 0, "first position to print")
 	count := fs.Int("positions", 0, "positions to print (0: all)")
 	tokDir := fs.String("tokenizer", "", "tokenizer directory (tokenizer.json); decodes tokens and top-k ids")
@@ -59,7 +60,12 @@ func inspectMain(args []string, stdout, stderr io.Writer) error {
 		}
 		return " " + strconv.Quote(tok.Decode([]int32{id}))
 	}
-	fmt.Fprintf(stdout, "sample %d: %d tokens, %d in the loss, k %d, encoding %s\n", s.Index, T, countOnes(s.Mask), K, m.Encoding)
+	kind := m.Kind()
+	draws := ""
+	if kind != cache.TargetsTopK {
+		draws = fmt.Sprintf(", %d draws a position", m.Draws)
+	}
+	fmt.Fprintf(stdout, "sample %d: %d tokens, %d in the loss, targets %s, k %d%s, encoding %s\n", s.Index, T, countOnes(s.Mask), kind, K, draws, m.Encoding)
 	if tok != nil {
 		fmt.Fprintf(stdout, "text: %s\n", strconv.Quote(tok.Decode(s.Tokens)))
 	}
@@ -71,19 +77,46 @@ func inspectMain(args []string, stdout, stderr io.Writer) error {
 	if *count > 0 {
 		end = min(T, *from+*count)
 	}
+	off := make([]int, T+1) // where each position's draws start
+	for t := range s.DrawN {
+		off[t+1] = off[t] + int(s.DrawN[t])
+	}
 	for t := max(*from, 0); t < end; t++ {
-		mass := 0.0
-		for j := 0; j < K; j++ {
-			mass += math.Exp(float64(s.TopKLogProbs[t*K+j]))
-		}
 		next := "(end)"
 		if t+1 < T {
 			next = fmt.Sprintf("%d%s", s.Tokens[t+1], str(s.Tokens[t+1]))
 		}
-		fmt.Fprintf(stdout, "pos %d token %d%s mask %d next %s tail %.4f\n", t, s.Tokens[t], str(s.Tokens[t]), s.Mask[t], next, max(0, 1-mass))
+		switch kind {
+		case cache.TargetsTopK:
+			mass := 0.0
+			for j := 0; j < K; j++ {
+				mass += math.Exp(float64(s.TopKLogProbs[t*K+j]))
+			}
+			fmt.Fprintf(stdout, "pos %d token %d%s mask %d next %s tail %.4f\n", t, s.Tokens[t], str(s.Tokens[t]), s.Mask[t], next, max(0, 1-mass))
+		case cache.TargetsSampled:
+			fmt.Fprintf(stdout, "pos %d token %d%s mask %d next %s drawn ids %d\n", t, s.Tokens[t], str(s.Tokens[t]), s.Mask[t], next, s.DrawN[t])
+		default:
+			fmt.Fprintf(stdout, "pos %d token %d%s mask %d next %s tail %.4f drawn ids %d\n", t, s.Tokens[t], str(s.Tokens[t]), s.Mask[t], next, s.TailMass[t], s.DrawN[t])
+		}
 		for j := 0; j < n; j++ {
 			lp := s.TopKLogProbs[t*K+j]
 			fmt.Fprintf(stdout, "   %2d  id %-7d p %.5f  logp %9.4f%s\n", j, s.TopKIDs[t*K+j], math.Exp(float64(lp)), lp, str(s.TopKIDs[t*K+j]))
+		}
+		if kind == cache.TargetsTopK {
+			continue
+		}
+		// The drawn ids, most drawn first, with the target each trains
+		// toward: count/N, or (head+sampled) tail·count/N.
+		w := 1 / float64(m.Draws)
+		if kind == cache.TargetsHeadSampled {
+			w *= float64(s.TailMass[t])
+		}
+		d := off[t+1] - off[t]
+		if *top > 0 {
+			d = min(d, *top)
+		}
+		for j := off[t]; j < off[t]+d; j++ {
+			fmt.Fprintf(stdout, "   drawn  id %-7d count %-4d target %.5f%s\n", s.DrawIDs[j], s.DrawCounts[j], w*float64(s.DrawCounts[j]), str(s.DrawIDs[j]))
 		}
 	}
 	return nil
