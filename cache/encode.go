@@ -254,7 +254,6 @@ func (w *countWriter) Seek(off int64, whence int) (int64, error) {
 // encodeChunk encodes validated samples (indices r.Start.. in order) as an
 // Arrow IPC file with zstd-compressed buffers.
 func encodeChunk(m *Manifest, r Range, samples []Sample) ([]byte, error) {
-	K := m.K
 	var positions int64
 	for i := range samples {
 		positions += int64(len(samples[i].Tokens))
@@ -262,10 +261,34 @@ func encodeChunk(m *Manifest, r Range, samples []Sample) ([]byte, error) {
 			return nil, err // ChunkWriter.Add refuses it first; a guard for other callers
 		}
 	}
-	// Chunk dictionary: distinct top-k (and drawn) ids by descending count,
-	// so frequent ids get small codes and the high code planes are mostly
-	// zero.
-	count := make([]int32, m.VocabSize)
+	dict, code := chunkDict(m.VocabSize, samples)
+	schema := chunkSchema(m, r)
+	cb := &chunkBuilder{b: array.NewRecordBuilder(memory.DefaultAllocator, schema), schema: schema, code: code}
+	defer cb.b.Release()
+	for i := range samples {
+		s := &samples[i]
+		cb.b.Field(0).(*array.Int64Builder).Append(s.Index)
+		cb.list(colInputIDs).Append(true)
+		cb.list(colInputIDs).ValueBuilder().(*array.Int32Builder).AppendValues(s.Tokens, nil)
+		cb.u8(colLossMask, s.Mask)
+		cb.list(colIDDict).Append(true)
+		if i == 0 {
+			cb.list(colIDDict).ValueBuilder().(*array.Int32Builder).AppendValues(dict, nil)
+		}
+		cb.head(m, s)
+		if m.Sampled() {
+			cb.draws(m, s)
+		}
+	}
+	return writeChunkIPC(cb.b, schema, r)
+}
+
+// chunkDict is a chunk's id dictionary: its distinct top-k (and drawn)
+// ids by descending count, ties by id, so that frequent ids get small
+// codes and the high code planes are mostly zero; and code, id -> its
+// index in dict (vocab entries).
+func chunkDict(vocab int, samples []Sample) (dict, code []int32) {
+	count := make([]int32, vocab)
 	for i := range samples {
 		for _, id := range samples[i].TopKIDs {
 			count[id]++
@@ -274,7 +297,6 @@ func encodeChunk(m *Manifest, r Range, samples []Sample) ([]byte, error) {
 			count[id]++
 		}
 	}
-	var dict []int32
 	for id, c := range count {
 		if c > 0 {
 			dict = append(dict, int32(id))
@@ -287,120 +309,132 @@ func encodeChunk(m *Manifest, r Range, samples []Sample) ([]byte, error) {
 		}
 		return dict[a] < dict[b]
 	})
-	code := count // reuse: id -> code
+	code = count // reuse: id -> code
 	for c, id := range dict {
 		code[id] = int32(c)
 	}
+	return dict, code
+}
 
-	mem := memory.DefaultAllocator
-	schema := chunkSchema(m, r)
-	b := array.NewRecordBuilder(mem, schema)
-	defer b.Release()
-	list := func(name string) *array.ListBuilder {
-		return b.Field(schema.FieldIndices(name)[0]).(*array.ListBuilder)
+// chunkBuilder appends samples to a chunk's record, with scratch byte
+// planes reused from sample to sample.
+type chunkBuilder struct {
+	b                          *array.RecordBuilder
+	schema                     *arrow.Schema
+	code                       []int32 // id -> dictionary code
+	c0, c1, c2, p0, p1, p2, p3 []uint8
+	u16s                       []uint16
+}
+
+func (cb *chunkBuilder) list(name string) *array.ListBuilder {
+	return cb.b.Field(cb.schema.FieldIndices(name)[0]).(*array.ListBuilder)
+}
+
+func (cb *chunkBuilder) u8(name string, v []uint8) {
+	lb := cb.list(name)
+	lb.Append(true)
+	lb.ValueBuilder().(*array.Uint8Builder).AppendValues(v, nil)
+}
+
+func (cb *chunkBuilder) u16(name string, v []uint16) {
+	lb := cb.list(name)
+	lb.Append(true)
+	lb.ValueBuilder().(*array.Uint16Builder).AppendValues(v, nil)
+}
+
+// codes appends the three byte planes of ids' dictionary codes.
+func (cb *chunkBuilder) codes(names [3]string, ids []int32) {
+	n := len(ids)
+	cb.c0, cb.c1, cb.c2 = grow(cb.c0, n), grow(cb.c1, n), grow(cb.c2, n)
+	for e, id := range ids {
+		c := cb.code[id]
+		cb.c0[e], cb.c1[e], cb.c2[e] = uint8(c), uint8(c>>8), uint8(c>>16)
 	}
-	u8 := func(name string, v []uint8) {
-		lb := list(name)
-		lb.Append(true)
-		lb.ValueBuilder().(*array.Uint8Builder).AppendValues(v, nil)
+	cb.u8(names[0], cb.c0)
+	cb.u8(names[1], cb.c1)
+	cb.u8(names[2], cb.c2)
+}
+
+// floats appends the four byte planes of v's float32 bits.
+func (cb *chunkBuilder) floats(names [4]string, v []float32) {
+	n := len(v)
+	cb.p0, cb.p1, cb.p2, cb.p3 = grow(cb.p0, n), grow(cb.p1, n), grow(cb.p2, n), grow(cb.p3, n)
+	floatBits(v, cb.p0, cb.p1, cb.p2, cb.p3)
+	for i, p := range [][]uint8{cb.p0, cb.p1, cb.p2, cb.p3} {
+		cb.u8(names[i], p)
 	}
-	u16 := func(name string, v []uint16) {
-		lb := list(name)
-		lb.Append(true)
-		lb.ValueBuilder().(*array.Uint16Builder).AppendValues(v, nil)
+}
+
+// head appends a sample's top-k (none at k 0): the id codes and the
+// log-probs in the manifest's encoding.
+func (cb *chunkBuilder) head(m *Manifest, s *Sample) {
+	K := m.K
+	if K == 0 {
+		return
 	}
-	codes := func(names [3]string, ids []int32, c0, c1, c2 []uint8) {
-		for e, id := range ids {
-			c := code[id]
-			c0[e], c1[e], c2[e] = uint8(c), uint8(c>>8), uint8(c>>16)
-		}
-		u8(names[0], c0)
-		u8(names[1], c1)
-		u8(names[2], c2)
+	cb.codes([3]string{colIDCode0, colIDCode1, colIDCode2}, s.TopKIDs)
+	if m.Encoding != EncodingCompact {
+		cb.floats([4]string{colLPBits0, colLPBits1, colLPBits2, colLPBits3}, s.TopKLogProbs)
+		return
 	}
-	var c0, c1, c2, p0, p1, p2, p3 []uint8
-	var top []uint16
-	for i := range samples {
-		s := &samples[i]
-		T := len(s.Tokens)
-		b.Field(0).(*array.Int64Builder).Append(s.Index)
-		list(colInputIDs).Append(true)
-		list(colInputIDs).ValueBuilder().(*array.Int32Builder).AppendValues(s.Tokens, nil)
-		u8(colLossMask, s.Mask)
-		list(colIDDict).Append(true)
-		if i == 0 {
-			list(colIDDict).ValueBuilder().(*array.Int32Builder).AppendValues(dict, nil)
-		}
-		n := T * K
-		if K > 0 {
-			c0, c1, c2 = grow(c0, n), grow(c1, n), grow(c2, n)
-			codes([3]string{colIDCode0, colIDCode1, colIDCode2}, s.TopKIDs, c0, c1, c2)
-		}
-		switch {
-		case K == 0:
-		case m.Encoding == EncodingCompact:
-			top = growU16(top, T)
-			nd := T * (K - 1)
-			p0, p1 = grow(p0, nd), grow(p1, nd)
-			for t := 0; t < T; t++ {
-				lps := s.TopKLogProbs[t*K : (t+1)*K]
-				acc := int64(math.Round(-float64(lps[0]) * lpTopScale))
-				acc = min(max(acc, 0), math.MaxUint16)
-				top[t] = uint16(acc)
-				for j := 1; j < K; j++ {
-					// Closed loop: quantize the step from the reconstructed
-					// previous value, so errors do not accumulate along K.
-					want := -float64(lps[j]) * lpTopScale
-					// Clamp in float64 before converting: a huge finite step
-					// (lp = -1e30) would overflow int64 and wrap to a small d.
-					step := math.Round((want - float64(acc)) / lpDeltaUnit)
-					d := int64(min(max(step, 0), math.MaxUint16)) // +Inf saturates too
-					acc += d * lpDeltaUnit
-					e := t*(K-1) + j - 1
-					p0[e], p1[e] = uint8(d), uint8(d>>8)
-				}
-			}
-			u16(colLPTop, top)
-			u8(colLPDelta0, p0)
-			u8(colLPDelta1, p1)
-		default:
-			p0, p1, p2, p3 = grow(p0, n), grow(p1, n), grow(p2, n), grow(p3, n)
-			floatBits(s.TopKLogProbs, p0, p1, p2, p3)
-			u8(colLPBits0, p0)
-			u8(colLPBits1, p1)
-			u8(colLPBits2, p2)
-			u8(colLPBits3, p3)
-		}
-		if !m.Sampled() {
-			continue
-		}
-		dn := growU16(top, T)
-		for t, v := range s.DrawN {
-			dn[t] = uint16(v)
-		}
-		u16(colDrawN, dn)
-		nd := len(s.DrawIDs)
-		c0, c1, c2 = grow(c0, nd), grow(c1, nd), grow(c2, nd)
-		codes([3]string{colDrawCode0, colDrawCode1, colDrawCode2}, s.DrawIDs, c0, c1, c2)
-		p0, p1 = grow(p0, nd), grow(p1, nd)
-		for e, c := range s.DrawCounts {
-			p0[e], p1[e] = uint8(c), uint8(c>>8)
-		}
-		u8(colDrawCount0, p0)
-		u8(colDrawCount1, p1)
-		if m.Kind() == TargetsHeadSampled {
-			p0, p1, p2, p3 = grow(p0, T), grow(p1, T), grow(p2, T), grow(p3, T)
-			floatBits(s.TailMass, p0, p1, p2, p3)
-			u8(colTailBits0, p0)
-			u8(colTailBits1, p1)
-			u8(colTailBits2, p2)
-			u8(colTailBits3, p3)
+	T := len(s.Tokens)
+	top := grow(cb.u16s, T)
+	cb.u16s = top
+	nd := T * (K - 1)
+	p0, p1 := grow(cb.p0, nd), grow(cb.p1, nd)
+	cb.p0, cb.p1 = p0, p1
+	for t := 0; t < T; t++ {
+		lps := s.TopKLogProbs[t*K : (t+1)*K]
+		acc := int64(math.Round(-float64(lps[0]) * lpTopScale))
+		acc = min(max(acc, 0), math.MaxUint16)
+		top[t] = uint16(acc)
+		for j := 1; j < K; j++ {
+			// Closed loop: quantize the step from the reconstructed
+			// previous value, so errors do not accumulate along K.
+			want := -float64(lps[j]) * lpTopScale
+			// Clamp in float64 before converting: a huge finite step
+			// (lp = -1e30) would overflow int64 and wrap to a small d.
+			step := math.Round((want - float64(acc)) / lpDeltaUnit)
+			d := int64(min(max(step, 0), math.MaxUint16)) // +Inf saturates too
+			acc += d * lpDeltaUnit
+			e := t*(K-1) + j - 1
+			p0[e], p1[e] = uint8(d), uint8(d>>8)
 		}
 	}
+	cb.u16(colLPTop, top)
+	cb.u8(colLPDelta0, p0)
+	cb.u8(colLPDelta1, p1)
+}
+
+// draws appends a sampled sample's draws: the distinct ids per position,
+// their codes and counts, and head+sampled's tail mass.
+func (cb *chunkBuilder) draws(m *Manifest, s *Sample) {
+	dn := grow(cb.u16s, len(s.Tokens))
+	cb.u16s = dn
+	for t, v := range s.DrawN {
+		dn[t] = uint16(v)
+	}
+	cb.u16(colDrawN, dn)
+	cb.codes([3]string{colDrawCode0, colDrawCode1, colDrawCode2}, s.DrawIDs)
+	nd := len(s.DrawIDs)
+	cb.p0, cb.p1 = grow(cb.p0, nd), grow(cb.p1, nd)
+	for e, c := range s.DrawCounts {
+		cb.p0[e], cb.p1[e] = uint8(c), uint8(c>>8)
+	}
+	cb.u8(colDrawCount0, cb.p0)
+	cb.u8(colDrawCount1, cb.p1)
+	if m.Kind() == TargetsHeadSampled {
+		cb.floats([4]string{colTailBits0, colTailBits1, colTailBits2, colTailBits3}, s.TailMass)
+	}
+}
+
+// writeChunkIPC writes b's record as an Arrow IPC file, zstd-compressed
+// where that saves at least 5%.
+func writeChunkIPC(b *array.RecordBuilder, schema *arrow.Schema, r Range) ([]byte, error) {
 	rec := b.NewRecord()
 	defer rec.Release()
 	var out countWriter
-	w, err := ipc.NewFileWriter(&out, ipc.WithSchema(schema), ipc.WithAllocator(mem),
+	w, err := ipc.NewFileWriter(&out, ipc.WithSchema(schema), ipc.WithAllocator(memory.DefaultAllocator),
 		ipc.WithZstd(), ipc.WithMinSpaceSavings(0.05))
 	if err != nil {
 		return nil, fmt.Errorf("cache: arrow writer for chunk %v: %w", r, err)
@@ -428,16 +462,11 @@ func fromBits(b0, b1, b2, b3 []uint8, out []float32) {
 	}
 }
 
-func grow(b []uint8, n int) []uint8 {
+// grow is b resized to n elements, reallocated only when its capacity is
+// short (its contents are then not kept).
+func grow[T any](b []T, n int) []T {
 	if cap(b) < n {
-		return make([]uint8, n)
-	}
-	return b[:n]
-}
-
-func growU16(b []uint16, n int) []uint16 {
-	if cap(b) < n {
-		return make([]uint16, n)
+		return make([]T, n)
 	}
 	return b[:n]
 }
@@ -634,7 +663,7 @@ func (c *chunk) sample(row int, s *Sample) error {
 	s.Tokens = append(s.Tokens[:0], c.tok[p0:p1]...)
 	s.Mask = append(s.Mask[:0], c.mask[p0:p1]...)
 	n := T * K
-	s.TopKIDs, s.TopKLogProbs = growI32(s.TopKIDs, n), growF32(s.TopKLogProbs, n)
+	s.TopKIDs, s.TopKLogProbs = grow(s.TopKIDs, n), grow(s.TopKLogProbs, n)
 	ids, lps := s.TopKIDs, s.TopKLogProbs
 	e0 := p0 * K
 	if err := c.ids(c.code, e0, ids, s.Index, K); err != nil {
@@ -662,12 +691,12 @@ func (c *chunk) sample(row int, s *Sample) error {
 		s.DrawN, s.DrawIDs, s.DrawCounts, s.TailMass = nil, nil, nil, nil
 		return nil
 	}
-	s.DrawN = growI32(s.DrawN, T)
+	s.DrawN = grow(s.DrawN, T)
 	for t := range s.DrawN {
 		s.DrawN[t] = int32(c.drawN[p0+t])
 	}
 	a, b := int(c.drawOff[p0]), int(c.drawOff[p1])
-	s.DrawIDs, s.DrawCounts = growI32(s.DrawIDs, b-a), growI32(s.DrawCounts, b-a)
+	s.DrawIDs, s.DrawCounts = grow(s.DrawIDs, b-a), grow(s.DrawCounts, b-a)
 	if err := c.ids(c.dcode, a, s.DrawIDs, s.Index, -1); err != nil {
 		return err
 	}
@@ -675,7 +704,7 @@ func (c *chunk) sample(row int, s *Sample) error {
 		s.DrawCounts[e] = int32(c.dcount[0][a+e]) | int32(c.dcount[1][a+e])<<8
 	}
 	if c.m.Kind() == TargetsHeadSampled {
-		s.TailMass = growF32(s.TailMass, T)
+		s.TailMass = grow(s.TailMass, T)
 		fromBits(c.tail[0][p0:p1], c.tail[1][p0:p1], c.tail[2][p0:p1], c.tail[3][p0:p1], s.TailMass)
 	} else {
 		s.TailMass = nil
@@ -703,18 +732,4 @@ func (c *chunk) ids(planes [3][]uint8, e0 int, out []int32, index int64, K int) 
 		out[e] = c.dict[code]
 	}
 	return nil
-}
-
-func growI32(b []int32, n int) []int32 {
-	if cap(b) < n {
-		return make([]int32, n)
-	}
-	return b[:n]
-}
-
-func growF32(b []float32, n int) []float32 {
-	if cap(b) < n {
-		return make([]float32, n)
-	}
-	return b[:n]
 }
