@@ -457,6 +457,17 @@ func (b *Backend) LMHeadTopK(idsT, lpT, xT, wT compute.Tensor, tokens, hidden, v
 	}
 	p, err := planLMHead(tokens, hidden, vocab, k)
 	b.must(err)
+	b.lmHeadPass(ids, lp, x, w, tokens, hidden, vocab, k, p, nil, nil)
+}
+
+// lmHeadPass is the streaming LM head's one pass (LMHeadTopK's, and
+// LMHeadSample's with its hooks): x's rows in slabs of p.rows, rounded
+// to BF16 unless they are, the vocabulary in GEMMs of p.cols columns,
+// each folded tile by tile into the running max, sum and top-k (k_lm_fold;
+// then tileDone, if set, on the same tile), slabDone after each slab's
+// last GEMM, and the top-k's log-probs normalized at the end (k >= 1).
+func (b *Backend) lmHeadPass(ids, lp, x, w *tensor, tokens, hidden, vocab, k int, p lmPlan,
+	tileDone func(tile uint64, nr, nc, nt, c int), slabDone func(xb, wp, rmax, rsum uint64, r0, nr int)) {
 	rmax, rsum, cnt := b.alloc(int64(tokens)*4), b.alloc(int64(tokens)*8), b.alloc(int64(tokens)*4)
 	b.ew("k_lm_init", int64(tokens), dptr(rmax), dptr(rsum), dptr(cnt), int64(tokens))
 	wp, ws := b.bf16Operand(w, vocab*hidden)
@@ -479,10 +490,18 @@ func (b *Backend) LMHeadTopK(idsT, lpT, xT, wT compute.Tensor, tokens, hidden, v
 				b.launchKernel(launch{kernel: "k_lm_fold", grid: [3]int{nr, 1, 1}, block: lmFoldThreads, smem: p.foldSmem},
 					dptr(tile+uint64(t0)*4), int64(nc), int32(min(lmTile, nc-t0)), int32(c0+t0), int64(r0),
 					dptr(rmax), dptr(rsum), dptr(cnt), dptr(lp.p), dptr(ids.p), int32(k))
+				if tileDone != nil {
+					tileDone(tile+uint64(t0)*4, nr, nc, min(lmTile, nc-t0), c0+t0)
+				}
 			}
 		}
+		if slabDone != nil {
+			slabDone(xb, wp, rmax, rsum, r0, nr)
+		}
 	}
-	b.ew("k_lm_finish", int64(tokens)*int64(k), dptr(lp.p), dptr(rmax), dptr(rsum), int64(tokens), int32(k))
+	if k > 0 {
+		b.ew("k_lm_finish", int64(tokens)*int64(k), dptr(lp.p), dptr(rmax), dptr(rsum), int64(tokens), int32(k))
+	}
 	for _, q := range []uint64{rmax, rsum, cnt, ws, xs, tile} {
 		b.free(q)
 	}
@@ -517,45 +536,21 @@ func (b *Backend) LMHeadSample(idsT, lpT, drawnT, tailT, xT, wT, uT compute.Tens
 	}
 	p, err := planLMHeadSample(tokens, hidden, vocab, k, n)
 	b.must(err)
-	rmax, rsum, cnt := b.alloc(int64(tokens)*4), b.alloc(int64(tokens)*8), b.alloc(int64(tokens)*4)
-	b.ew("k_lm_init", int64(tokens), dptr(rmax), dptr(rsum), dptr(cnt), int64(tokens))
-	wp, ws := b.bf16Operand(w, vocab*hidden)
-	var xs uint64 // the F32 x's rows, rounded (a BF16 x is read in place)
-	if x.dt == compute.F32 {
-		xs = b.alloc(int64(p.rows) * int64(hidden) * 2)
-	}
-	tile := b.alloc(int64(p.rows) * int64(p.cols) * 4)
 	bsum, tmax := b.alloc(int64(p.rows)*int64(p.nblk)*4), b.alloc(int64(p.rows)*int64(p.ntile)*4)
 	tsum := b.alloc(int64(p.rows) * int64(p.ntile) * 8)
 	blk, thr := b.alloc(int64(p.rows)*int64(n)*4), b.alloc(int64(p.rows)*int64(n)*8)
-	for r0 := 0; r0 < tokens; r0 += p.rows {
-		nr := min(p.rows, tokens-r0)
-		xb := x.p + uint64(r0)*uint64(hidden)*2
-		if xs != 0 {
-			xb = xs
-			b.convert("k_f32_to_bf16", xb, x.p+uint64(r0)*uint64(hidden)*4, int64(nr)*int64(hidden))
-		}
-		for c0 := 0; c0 < vocab; c0 += p.cols {
-			nc := min(p.cols, vocab-c0)
-			b.gemm(tile, xb, wp+uint64(c0)*uint64(hidden)*2, nr, nc, hidden, dataBF16)
-			for t0 := 0; t0 < nc; t0 += lmTile {
-				b.launchKernel(launch{kernel: "k_lm_fold", grid: [3]int{nr, 1, 1}, block: lmFoldThreads, smem: p.foldSmem},
-					dptr(tile+uint64(t0)*4), int64(nc), int32(min(lmTile, nc-t0)), int32(c0+t0), int64(r0),
-					dptr(rmax), dptr(rsum), dptr(cnt), dptr(lp.p), dptr(ids.p), int32(k))
-				b.launchKernel(launch{kernel: "k_lm_blocks", grid: [3]int{nr, 1, 1}, block: lmFoldThreads},
-					dptr(tile+uint64(t0)*4), int64(nc), int32(min(lmTile, nc-t0)), int32(c0+t0),
-					dptr(bsum), dptr(tmax), dptr(tsum), int32(p.nblk), int32(p.ntile))
-			}
-		}
-		b.launchKernel(launch{kernel: "k_lm_sample", grid: [3]int{nr, 1, 1}, block: lmFoldThreads},
-			dptr(xb), dptr(wp), int32(hidden), int32(vocab), dptr(rmax), dptr(rsum), int64(r0),
-			dptr(bsum), dptr(tmax), dptr(tsum), int32(p.nblk), int32(p.ntile), dptr(ids.p), int32(k), boolArg(head),
-			dptr(u.p), int32(n), dptr(blk), dptr(thr), dptr(dr.p), dptr(tl.p))
-	}
-	if k > 0 {
-		b.ew("k_lm_finish", int64(tokens)*int64(k), dptr(lp.p), dptr(rmax), dptr(rsum), int64(tokens), int32(k))
-	}
-	for _, q := range []uint64{rmax, rsum, cnt, ws, xs, tile, bsum, tmax, tsum, blk, thr} {
+	b.lmHeadPass(ids, lp, x, w, tokens, hidden, vocab, k, p.lmPlan,
+		func(tile uint64, nr, nc, nt, c int) {
+			b.launchKernel(launch{kernel: "k_lm_blocks", grid: [3]int{nr, 1, 1}, block: lmFoldThreads},
+				dptr(tile), int64(nc), int32(nt), int32(c), dptr(bsum), dptr(tmax), dptr(tsum), int32(p.nblk), int32(p.ntile))
+		},
+		func(xb, wp, rmax, rsum uint64, r0, nr int) {
+			b.launchKernel(launch{kernel: "k_lm_sample", grid: [3]int{nr, 1, 1}, block: lmFoldThreads},
+				dptr(xb), dptr(wp), int32(hidden), int32(vocab), dptr(rmax), dptr(rsum), int64(r0),
+				dptr(bsum), dptr(tmax), dptr(tsum), int32(p.nblk), int32(p.ntile), dptr(ids.p), int32(k), boolArg(head),
+				dptr(u.p), int32(n), dptr(blk), dptr(thr), dptr(dr.p), dptr(tl.p))
+		})
+	for _, q := range []uint64{bsum, tmax, tsum, blk, thr} {
 		b.free(q)
 	}
 }
