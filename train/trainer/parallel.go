@@ -165,13 +165,9 @@ func (g *ranks) close() {
 type zero1 struct {
 	g      *ranks
 	s      *train.Student
-	bounds []int        // (size+1) the ranks' slices of the arena
-	pieces []shardPiece // this rank's, in arena order: the optimizer's groups
+	bounds []int         // (size+1) the ranks' slices of the arena
+	pieces []train.Piece // this rank's, in arena order: the optimizer's groups
 }
-
-// shardPiece is the part [off, off+n) of the student's parameter tensor
-// (its index in Student.Tensors and Groups) in this rank's slice.
-type shardPiece struct{ tensor, off, n int }
 
 // newZero1 shards s's arena of P parameters over g: slices of
 // ceil(P/size), the last shorter.
@@ -190,12 +186,12 @@ func newZero1(g *ranks, s *train.Student) *zero1 {
 }
 
 // piecesOf cuts [lo, hi) of the arena at the tensors' boundaries.
-func piecesOf(ts []train.Tensor, lo, hi int) []shardPiece {
-	var out []shardPiece
+func piecesOf(ts []train.Tensor, lo, hi int) []train.Piece {
+	var out []train.Piece
 	for i, t := range ts {
 		a, b := max(lo, t.Off), min(hi, t.Off+t.N)
 		if a < b {
-			out = append(out, shardPiece{tensor: i, off: a - t.Off, n: b - a})
+			out = append(out, train.Piece{Tensor: i, Off: a - t.Off, N: b - a})
 		}
 	}
 	return out
@@ -205,11 +201,11 @@ func piecesOf(ts []train.Tensor, lo, hi int) []shardPiece {
 func (z *zero1) groups(full []optim.Group) []optim.Group {
 	out := make([]optim.Group, len(z.pieces))
 	for i, p := range z.pieces {
-		g := full[p.tensor]
+		g := full[p.Tensor]
 		be := g.Backend
-		out[i] = optim.Group{Name: g.Name, Decay: g.Decay, Backend: be, P: be.View(g.P, p.off, p.n), G: be.View(g.G, p.off, p.n)}
+		out[i] = optim.Group{Name: g.Name, Decay: g.Decay, Backend: be, P: be.View(g.P, p.Off, p.N), G: be.View(g.G, p.Off, p.N)}
 		if g.Params != nil {
-			out[i].Params, out[i].Grads = g.Params[p.off:p.off+p.n], g.Grads[p.off:p.off+p.n]
+			out[i].Params, out[i].Grads = g.Params[p.Off:p.Off+p.N], g.Grads[p.Off:p.Off+p.N]
 		}
 	}
 	return out
@@ -219,7 +215,7 @@ func (z *zero1) groups(full []optim.Group) []optim.Group {
 // and the tensor's length), for loading a checkpoint's moments.
 func (z *zero1) at(i int) (off, full int) {
 	p := z.pieces[i]
-	return p.off, z.s.Tensors[p.tensor].N
+	return p.Off, z.s.Tensors[p.Tensor].N
 }
 
 // share sends each rank's slice of the updated parameters to the others.
@@ -241,13 +237,7 @@ func gatherMoments(g *ranks, s *train.Student, ad *optim.AdamW, z *zero1) (m, v 
 	ts := s.Tensors
 	pieces := func(r int) []train.Piece { return s.ShardPieces(r) }
 	if z != nil {
-		pieces = func(r int) []train.Piece {
-			var ps []train.Piece
-			for _, p := range piecesOf(ts, z.bounds[r], z.bounds[r+1]) {
-				ps = append(ps, train.Piece{Tensor: p.tensor, Off: p.off, N: p.n})
-			}
-			return ps
-		}
+		pieces = func(r int) []train.Piece { return piecesOf(ts, z.bounds[r], z.bounds[r+1]) }
 	}
 	if g.leader() {
 		m, v = make([][]float32, len(ts)), make([][]float32, len(ts))

@@ -236,11 +236,11 @@ func TestZeRO1Shards(t *testing.T) {
 		for r := 0; r < size; r++ {
 			lo, hi := min(r*per, 33), min((r+1)*per, 33)
 			for _, p := range piecesOf(ts, lo, hi) {
-				tt := ts[p.tensor]
-				if p.off < 0 || p.n <= 0 || p.off+p.n > tt.N {
+				tt := ts[p.Tensor]
+				if p.Off < 0 || p.N <= 0 || p.Off+p.N > tt.N {
 					t.Fatalf("size %d rank %d: piece %+v outside tensor %s", size, r, p, tt.Name)
 				}
-				for i := tt.Off + p.off; i < tt.Off+p.off+p.n; i++ {
+				for i := tt.Off + p.Off; i < tt.Off+p.Off+p.N; i++ {
 					if i < lo || i >= hi {
 						t.Fatalf("size %d rank %d: piece %+v leaves the slice [%d, %d)", size, r, p, lo, hi)
 					}
