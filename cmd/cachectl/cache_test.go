@@ -3,7 +3,6 @@ package main
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"encoding/json"
 	"io"
 	"math"
@@ -14,9 +13,6 @@ import (
 	"testing"
 
 	"github.com/apache/arrow/go/v17/arrow/array"
-	"github.com/apache/arrow/go/v17/arrow/memory"
-	"github.com/apache/arrow/go/v17/parquet/file"
-	"github.com/apache/arrow/go/v17/parquet/pqarrow"
 
 	"distill/cache"
 	"distill/cache/cachetest"
@@ -216,23 +212,7 @@ func TestCacheExport(t *testing.T) {
 	if out, err := run(t, wrap(exportMain), "--cache", a, "--cache", b, "--format", "parquet", "--out", pq); err != nil {
 		t.Fatalf("%v\n%s", err, out)
 	}
-	f, err := os.Open(pq)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	pr, err := file.NewParquetReader(f)
-	if err != nil {
-		t.Fatal(err)
-	}
-	fr, err := pqarrow.NewFileReader(pr, pqarrow.ArrowReadProperties{}, memory.DefaultAllocator)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tbl, err := fr.ReadTable(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
+	tbl, _ := readParquet(t, pq)
 	defer tbl.Release()
 	if tbl.NumRows() != 12 || tbl.Schema().Field(4).Name != "topk_logprobs" {
 		t.Fatalf("parquet: %d rows, schema %v", tbl.NumRows(), tbl.Schema())

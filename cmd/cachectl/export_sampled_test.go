@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/apache/arrow/go/v17/arrow"
 	"github.com/apache/arrow/go/v17/arrow/array"
 	"github.com/apache/arrow/go/v17/arrow/memory"
 	"github.com/apache/arrow/go/v17/parquet/file"
@@ -93,22 +94,7 @@ func TestExportInspectSampled(t *testing.T) {
 		if out, err := run(t, wrap(exportMain), "--cache", dir, "--format", "parquet", "--out", pq); err != nil {
 			t.Fatalf("%v\n%s", err, out)
 		}
-		f, err := os.Open(pq)
-		if err != nil {
-			t.Fatal(err)
-		}
-		pr, err := file.NewParquetReader(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		fr, err := pqarrow.NewFileReader(pr, pqarrow.ArrowReadProperties{}, memory.DefaultAllocator)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tbl, err := fr.ReadTable(context.Background())
-		if err != nil {
-			t.Fatal(err)
-		}
+		tbl, pr := readParquet(t, pq)
 		if kv := pr.MetaData().KeyValueMetadata(); kv.FindValue("distill.draws") == nil || *kv.FindValue("distill.draws") != "20" ||
 			kv.FindValue("distill.targets") == nil || *kv.FindValue("distill.targets") != kind {
 			t.Errorf("%s: parquet key-value metadata %v", kind, kv)
@@ -155,7 +141,6 @@ func TestExportInspectSampled(t *testing.T) {
 		}
 		tr.Release()
 		tbl.Release()
-		f.Close()
 		if row != 5 {
 			t.Fatalf("%s parquet: %d rows", kind, row)
 		}
@@ -177,4 +162,28 @@ func TestExportInspectSampled(t *testing.T) {
 			t.Fatalf("%s inspect: want %q and %d drawn lines:\n%s", kind, line, len(s.DrawIDs), out)
 		}
 	}
+}
+
+// readParquet reads the Parquet file path whole, and its reader (for the
+// file's metadata); the file is closed when the test ends.
+func readParquet(t *testing.T, path string) (arrow.Table, *file.Reader) {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	pr, err := file.NewParquetReader(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fr, err := pqarrow.NewFileReader(pr, pqarrow.ArrowReadProperties{}, memory.DefaultAllocator)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tbl, err := fr.ReadTable(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tbl, pr
 }
