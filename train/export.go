@@ -268,10 +268,6 @@ func (s *Student) LogProbs(b *Batch) ([]float32, error) {
 // next token at every position (N), ties to the lowest id: the LM head's
 // top-1, so (N, V) logits are never held.
 func (s *Student) Predict(b *Batch) ([]int32, error) {
-	lnf, err := s.forward(b)
-	if err != nil {
-		return nil, err
-	}
-	ids, _ := s.headTopK(lnf, len(b.Tokens), 1)
-	return ids, nil
+	ids, _, err := s.Top1(b)
+	return ids, err
 }
