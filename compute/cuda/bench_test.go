@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -386,7 +387,40 @@ func BenchmarkLMHead(b *testing.B) {
 			b.ReportMetric(2*float64(tokens)*float64(hidden)*float64(vocab)*float64(b.N)/s/1e12, "TFLOP/s")
 			b.ReportMetric(float64(tokens*b.N)/s, "tokens/s")
 		})
-		for _, t := range []compute.Tensor{w, x, ids, lps} {
+		// The sampled targets' pass (issue 27): n = 16 draws a token
+		// beside the top-k (head+sampled) and alone (sampled, k 0), on
+		// the same x and w: its cost against the top-k pass above.
+		const n = 16
+		uf := make([]float64, tokens*n)
+		for t := 0; t < tokens; t++ {
+			for d := 0; d < n; d++ {
+				uf[t*n+d] = float64(r.Uint64()>>11) / (1 << 53)
+			}
+			slices.Sort(uf[t*n : (t+1)*n])
+		}
+		pu := make([]int32, 2*len(uf))
+		compute.PackUniforms(pu, uf)
+		u := be.FromI32(pu)
+		drawn, tail := be.New(compute.I32, tokens*n), be.New(compute.F32, tokens)
+		for _, c := range []struct {
+			name string
+			k    int
+			head bool
+		}{{"sample-head", k, true}, {"sample", 0, false}} {
+			b.Run(fmt.Sprintf("%s_tokens%d_hidden%d_vocab%d_k%d_n%d", c.name, tokens, hidden, vocab, c.k, n), func(b *testing.B) {
+				be.LMHeadSample(ids, lps, drawn, tail, x, w, u, tokens, hidden, vocab, c.k, n, c.head)
+				be.wait()
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					be.LMHeadSample(ids, lps, drawn, tail, x, w, u, tokens, hidden, vocab, c.k, n, c.head)
+				}
+				be.wait()
+				s := b.Elapsed().Seconds()
+				b.ReportMetric(2*float64(tokens)*float64(hidden)*float64(vocab)*float64(b.N)/s/1e12, "TFLOP/s")
+				b.ReportMetric(float64(tokens*b.N)/s, "tokens/s")
+			})
+		}
+		for _, t := range []compute.Tensor{w, x, ids, lps, u, drawn, tail} {
 			be.Free(t)
 		}
 	}

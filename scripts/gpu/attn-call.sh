@@ -19,7 +19,9 @@
 # and the own kernels' under racecheck, ACT_COMPARE=1 runs the training
 # benchmark again (and with FORWARD_BENCH=1 the forward one) with fp32
 # activations (DISTILL_CUDA_ACT=f32): the BF16 activations' effect, side by
-# side on the same device (ACT_BUDGET seconds, default 150).
+# side on the same device (ACT_BUDGET seconds, default 150; ACT_SHAPES the
+# training shapes, default DISTILL_BENCH_SHAPES; ACT_FWD=0 leaves out the
+# forward's).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 final=${OUT:-$PWD/gpu-out}
@@ -58,9 +60,9 @@ if [ "${FORWARD_BENCH:-}" = 1 ]; then
 fi
 if [ "${ACT_COMPARE:-}" = 1 ]; then
   mkdir -p "$work/act-f32" "$work/act-f32/fwd"
-  OUT="$work/act-f32" DISTILL_CUDA_ACT=f32 DISTILL_BENCH_SHAPES=${DISTILL_BENCH_SHAPES:-qwen3-0.6b} SUITE_BUDGET=${ACT_BUDGET:-150} \
+  OUT="$work/act-f32" DISTILL_CUDA_ACT=f32 DISTILL_BENCH_SHAPES=${ACT_SHAPES:-${DISTILL_BENCH_SHAPES:-qwen3-0.6b}} SUITE_BUDGET=${ACT_BUDGET:-150} \
     bash scripts/gpu-suite.sh run train-bench >"$work/act-f32/suite.txt" 2>&1
-  if [ "${FORWARD_BENCH:-}" = 1 ]; then # the forward's shapes, as above
+  if [ "${FORWARD_BENCH:-}" = 1 ] && [ "${ACT_FWD:-1}" = 1 ]; then # the forward's shapes, as above
     OUT="$work/act-f32/fwd" DISTILL_CUDA_ACT=f32 DISTILL_BENCH_SHAPES=${FORWARD_SHAPES:-${DISTILL_BENCH_SHAPES:-}} SUITE_BUDGET=${FORWARD_BUDGET:-120} \
       bash scripts/gpu-suite.sh run bench >"$work/act-f32/fwd/suite.txt" 2>&1
   fi
