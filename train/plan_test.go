@@ -132,7 +132,7 @@ func TestTrainPlanDeviceBytes(t *testing.T) {
 				}
 				peak := be.PeakMemory() - base
 				after := used() - base
-				p := PlanMemory(PlanShape{Model: cfg, RowTokens: T, K: K, QAD: qad, Recompute: mode, Ranks: 1, ZeRO: c.stage})
+				p := PlanMemory(PlanShape{Model: cfg, RowTokens: T, K: K, QAD: qad, Recompute: mode, Activations: be.ActDType(), Ranks: 1, ZeRO: c.stage})
 				run := p.Term(TermParams) + p.Term(TermGrads) + p.Term(TermMoments) + p.Term(TermQAD)
 				var scratch int64
 				for _, x := range p.Terms {

@@ -203,7 +203,7 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				}
 				devmem := float64(be.PeakMemory()) / (1 << 30) // the pool's high-water mark since the case began
 				b.ReportMetric(devmem, "devmem_GiB")
-				plan := train.PlanMemory(train.PlanShape{Model: cfg, RowTokens: rows * T, K: K, QAD: qad, Recompute: recompute})
+				plan := train.PlanMemory(train.PlanShape{Model: cfg, RowTokens: rows * T, K: K, QAD: qad, Recompute: recompute, Activations: be.ActDType()})
 				b.ReportMetric(float64(plan.Total())/(1<<30), "plan_GiB")
 				if outDir == "" {
 					return
