@@ -479,6 +479,17 @@ type ScratchReporter interface {
 	LMHeadScratchBytes(k int) int64
 }
 
+// BatchSumSquares is implemented by backends that sum the squares of
+// several tensors with one synchronization instead of one each: the
+// global gradient norm of a student of hundreds of tensors (optim's
+// ClipGradNorm), where one wait per tensor leaves a device idle between
+// them.
+type BatchSumSquares interface {
+	// SumSquaresEach writes SumSquares(xs[i], ns[i]) into out[i], bit
+	// for bit what SumSquares returns, and synchronizes once.
+	SumSquaresEach(out []float64, xs []Tensor, ns []int)
+}
+
 // ErrOutOfMemory is what a device backend's out-of-memory error wraps
 // (errors.Is), so that a caller above compute/ can say what to change
 // without knowing which backend ran out.

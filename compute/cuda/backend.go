@@ -438,9 +438,11 @@ func (b *Backend) launchKernel(l launch, args ...any) {
 		b.smem[l.kernel] = l.smem
 	}
 	defer b.timed(l.kernel)()
-	b.must(b.drv.check("cuLaunchKernel("+l.kernel+")", C.call_cuLaunchKernel(b.drv.cuLaunchKernel, fn,
+	if r := C.call_cuLaunchKernel(b.drv.cuLaunchKernel, fn,
 		C.uint(l.grid[0]), C.uint(l.grid[1]), C.uint(l.grid[2]), C.uint(l.block), 1, 1, C.uint(l.smem), b.stream,
-		(*unsafe.Pointer)(unsafe.Add(b.args, maxArgs*8)))))
+		(*unsafe.Pointer)(unsafe.Add(b.args, maxArgs*8))); r != 0 {
+		b.must(b.drv.check("cuLaunchKernel("+l.kernel+")", r))
+	}
 }
 
 // ProfileEntry is one kernel's (or one caller's GEMMs') total under
@@ -587,7 +589,11 @@ func (b *Backend) alloc(n int64) uint64 {
 		return 0
 	}
 	var p C.CUdeviceptr
-	b.must(b.drv.check(fmt.Sprintf("cuMemAllocAsync(%d bytes)", n), C.call_cuMemAllocAsync(b.drv.cuMemAllocAsync, &p, C.size_t(n), b.stream)))
+	// The call's name is formatted only on failure: alloc runs thousands
+	// of times a training step.
+	if r := C.call_cuMemAllocAsync(b.drv.cuMemAllocAsync, &p, C.size_t(n), b.stream); r != 0 {
+		b.must(b.drv.check(fmt.Sprintf("cuMemAllocAsync(%d bytes)", n), r))
+	}
 	return uint64(p)
 }
 

@@ -110,7 +110,7 @@ func BenchmarkGEMM(b *testing.B) {
 // head_dim 128 (Qwen3-8B's attention), on each implementation the backend
 // can run, forward alone and forward + backward.
 var (
-	attnBenchShapes = []struct{ samples, seq int }{{4, 4096}, {32, 512}}
+	attnBenchShapes = []struct{ samples, seq int }{{4, 4096}, {32, 512}, {1, 8192}} // 1x8192: a training step's row
 	attnBenchImpls  = []struct {
 		name, attention string // sub-benchmark name, Options.Attention
 		nondet          bool   // cuDNN's non-deterministic backward

@@ -395,3 +395,35 @@ func sortInts(s []int) {
 		}
 	}
 }
+
+// TestSumSquaresEach: the batched sums (one synchronization for many
+// tensors, the gradient norm's) are SumSquares' bit for bit, tensor by
+// tensor, the largest grid before a smaller one and after it (the partial
+// sums' scratch is shared), an empty tensor, a NaN in one tensor kept to
+// that tensor.
+func TestSumSquaresEach(t *testing.T) {
+	be := testBackend(t)
+	r := rand.New(rand.NewPCG(45, 46))
+	sizes := []int{300007, 1, 0, 257, 1 << 18, 5000, 255}
+	xs, ns := make([]compute.Tensor, len(sizes)), make([]int, len(sizes))
+	for i, n := range sizes {
+		x := randF32(r, max(n, 3))
+		if i == 5 {
+			x[4321] = float32(math.NaN())
+		}
+		xs[i], ns[i] = be.FromF32(x), n
+	}
+	got := make([]float64, len(xs))
+	be.SumSquaresEach(got, xs, ns)
+	for i := range xs {
+		want := be.SumSquares(xs[i], ns[i])
+		if math.Float64bits(got[i]) != math.Float64bits(want) {
+			t.Errorf("tensor %d (n=%d): SumSquaresEach %.17g, SumSquares %.17g", i, ns[i], got[i], want)
+		}
+	}
+	if !math.IsNaN(got[5]) || math.IsNaN(got[4]) || math.IsNaN(got[6]) {
+		t.Errorf("a NaN in tensor 5 only: got %v", got)
+	}
+	be.SumSquaresEach(nil, nil, nil) // nothing to sum: no launch, no wait
+	var _ compute.BatchSumSquares = be
+}

@@ -3,8 +3,10 @@
 the same suite call (scripts/gpu-suite.sh's attn step).
 
 torch.nn.functional.scaled_dot_product_attention in bfloat16, causal, with
-32 query heads, 8 kv heads (GQA) and head_dim 128, on the Go benchmark's two
-shapes of 16384 tokens: 4 samples of 4096 and 32 of 512 (dense [B, H, S, D]
+32 query heads, 8 kv heads (GQA) and head_dim 128, on the Go benchmark's
+shapes: 4 samples of 4096 and 32 of 512 (16384 tokens), and one of 8192 (a
+training step's row; its backward's parallelism is the heads and one
+sequence's blocks only) (dense [B, H, S, D]
 batches: the samples have equal lengths, so no padding), through each of
 two backends forced with torch.nn.attention.sdpa_kernel:
 
@@ -40,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-SHAPES = [(4, 4096), (32, 512)]  # (samples, tokens each): 16384 tokens
+SHAPES = [(4, 4096), (32, 512), (1, 8192)]  # (samples, tokens each): 16384 tokens; one row of 8192 (a training step's)
 H, KV, D = 32, 8, 128
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 DIRS = ("fwd", "fwd+bwd")

@@ -178,8 +178,8 @@ func ClipGradNorm(groups []Group, maxNorm float64) float64 {
 // rank clips by the same global norm. nil: groups hold them all.
 func ClipGradNormSum(groups []Group, maxNorm float64, sum func(float64) float64) float64 {
 	var ss float64
-	for _, g := range groups {
-		ss += g.Backend.SumSquares(g.G, g.G.Len())
+	for _, x := range sumSquares(groups) {
+		ss += x
 	}
 	if sum != nil {
 		ss = sum(ss)
@@ -196,6 +196,43 @@ func ClipGradNormSum(groups []Group, maxNorm float64, sum func(float64) float64)
 		g.Backend.Scale(g.G, g.G.Len(), float32(coef))
 	}
 	return norm
+}
+
+// sumSquares returns each group's Σ g², in the groups' order. Groups on a
+// backend with compute.BatchSumSquares are summed in one call (one
+// synchronization for all of them, not one per tensor); the values are
+// SumSquares' either way, so the norm keeps its bits.
+func sumSquares(groups []Group) []float64 {
+	out := make([]float64, len(groups))
+	type batch struct {
+		at []int
+		xs []compute.Tensor
+		ns []int
+	}
+	var order []compute.Backend
+	batches := map[compute.Backend]*batch{}
+	for i, g := range groups {
+		if _, ok := g.Backend.(compute.BatchSumSquares); !ok {
+			out[i] = g.Backend.SumSquares(g.G, g.G.Len())
+			continue
+		}
+		bt := batches[g.Backend]
+		if bt == nil {
+			bt = &batch{}
+			batches[g.Backend] = bt
+			order = append(order, g.Backend)
+		}
+		bt.at, bt.xs, bt.ns = append(bt.at, i), append(bt.xs, g.G), append(bt.ns, g.G.Len())
+	}
+	for _, be := range order {
+		bt := batches[be]
+		vals := make([]float64, len(bt.xs))
+		be.(compute.BatchSumSquares).SumSquaresEach(vals, bt.xs, bt.ns)
+		for j, i := range bt.at {
+			out[i] = vals[j]
+		}
+	}
+	return out
 }
 
 // ScheduleKind names an LR schedule (config key lr_schedule).

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"distill/compute"
 	"distill/compute/cuda"
 	"distill/compute/cuda/cudaemu"
 	"distill/model"
@@ -201,6 +202,29 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				if peak > 0 {
 					b.ReportMetric(100*flops/sec/1e12/peak, "MFU%")
 				}
+				// One more step, its phases timed apart (each ends in a
+				// synchronization): where a step's wall time goes beside
+				// the kernels' (ForwardBackward ends reading its loss back;
+				// the clip reads the norm; AdamW is waited for here).
+				one := be.New(compute.F32, 1)
+				host := make([]float32, 1)
+				s.ZeroGrad()
+				p0 := time.Now()
+				if _, err := s.ForwardBackward(bt, &opt, 0); err != nil {
+					b.Fatal(err)
+				}
+				be.ReadF32(one, host)
+				p1 := time.Now()
+				optim.ClipGradNorm(ad.Groups, 1)
+				p2 := time.Now()
+				ad.Step(1e-4)
+				be.ReadF32(one, host)
+				p3 := time.Now()
+				be.Free(one)
+				fbMS, clipMS, adamMS := 1e3*p1.Sub(p0).Seconds(), 1e3*p2.Sub(p1).Seconds(), 1e3*p3.Sub(p2).Seconds()
+				b.ReportMetric(fbMS, "fb_ms")
+				b.ReportMetric(clipMS, "clip_ms")
+				b.ReportMetric(adamMS, "adamw_ms")
 				devmem := float64(be.PeakMemory()) / (1 << 30) // the pool's high-water mark since the case began
 				b.ReportMetric(devmem, "devmem_GiB")
 				plan := train.PlanMemory(train.PlanShape{Model: cfg, RowTokens: rows * T, K: K, QAD: qad, Recompute: recompute, Activations: be.ActDType()})
@@ -210,7 +234,8 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				}
 				res := map[string]any{"shape": sh.Name, "qad": qad, "rows": rows, "row_tokens": T, "vocab": V, "k": K, "params": params,
 					"tokens_per_s": tokens / sec, "step_s": sec, "tflops": flops / sec / 1e12,
-					"devmem_GiB": devmem, "plan_GiB": float64(plan.Total()) / (1 << 30), "recompute": recompute, "loss": lossV, "gpu": be.Info().Name}
+					"devmem_GiB": devmem, "plan_GiB": float64(plan.Total()) / (1 << 30), "recompute": recompute, "loss": lossV, "gpu": be.Info().Name,
+					"fb_ms": fbMS, "clip_ms": clipMS, "adamw_ms": adamMS, "attention": be.AttentionImpl()}
 				if peak > 0 {
 					res["mfu_pct"] = 100 * flops / sec / 1e12 / peak
 				}
