@@ -490,6 +490,16 @@ type BatchSumSquares interface {
 	SumSquaresEach(out []float64, xs []Tensor, ns []int)
 }
 
+// AttentionWorkspaceReporter is implemented by backends whose attention
+// library sizes its own workspace (the CUDA backend's cuDNN), known only
+// once the library has planned the shape: memory plans ask for it.
+type AttentionWorkspaceReporter interface {
+	// AttentionWorkspaceBytes is the most the attention of nSeq samples
+	// of at most maxLen tokens allocates beside its tensors and the
+	// backend's own copies, forward or backward; 0 when none.
+	AttentionWorkspaceBytes(nSeq, maxLen, heads, kvHeads, headDim int) int64
+}
+
 // ErrOutOfMemory is what a device backend's out-of-memory error wraps
 // (errors.Is), so that a caller above compute/ can say what to change
 // without knowing which backend ran out.

@@ -54,6 +54,13 @@ type PlanShape struct {
 	// ActDType): compute.BF16 on the CUDA backend by default; the zero
 	// value is compute.F32.
 	Activations compute.DType
+	// AttnWorkspace is what the attention library asks for beside the
+	// tensors for one row of RowTokens tokens, as the backend reports it
+	// (compute.AttentionWorkspaceReporter: cuDNN's plans); 0 plans it as
+	// an fp32 copy of q, which cuDNN's deterministic backward exceeds
+	// (on an H200 with cuDNN 9.19, about 2 KiB per token and query head
+	// at rows of 1024 tokens and more).
+	AttnWorkspace int64
 	// Ranks and ZeRO are a data-parallel run's size and ZeRO stage (0 or
 	// 1 ranks: one process). Stage 1 shards AdamW's moments over the
 	// ranks; stages 2 and 3 lay the student out as Sharding says (each
@@ -302,11 +309,20 @@ func PlanMemory(s PlanShape) MemoryPlan {
 	C, H, KV, D := int64(cfg.Hidden), int64(cfg.Heads), int64(cfg.KVHeads), int64(cfg.HeadDim)
 	I, V, K := int64(cfg.Intermediate), int64(cfg.VocabSize), int64(s.K)
 	nq, nk := T*H*D, T*KV*D
-	// Attention's backward (the larger half): BF16 copies of q, k, v, o,
-	// dout and of the gradients dq, dk, dv, the softmax sums, an aligned
-	// copy of the statistics, cuDNN's per-sample metadata and its
-	// workspace (its size is cuDNN's choice: planned as an fp32 dq).
-	add(TermAttention, 2*(4*nq+4*nk)+2*4*T*H+4*nq+64<<10, true, true)
+	// Attention's backward (the larger half): BF16 copies of dout and,
+	// under fp32 activations, of q, k, v and o; the BF16 gradients dq,
+	// dk, dv; the softmax sums, an aligned copy of the statistics, cuDNN's
+	// per-sample metadata and its workspace: the backend's figure
+	// (AttnWorkspace), else planned as an fp32 dq.
+	copies := 2 * (nq + nq + 2*nk) // dout; dq, dk, dv
+	if s.Activations != compute.BF16 {
+		copies += 2 * (2*nq + 2*nk) // q, o; k, v
+	}
+	ws := 4 * nq
+	if s.AttnWorkspace > 0 {
+		ws = s.AttnWorkspace
+	}
+	add(TermAttention, copies+2*4*T*H+ws+64<<10, true, true)
 	// The loss head's backward over the M <= T counted positions: the
 	// rows' BF16 copy, the logit tile (fp32) and its BF16 gradient, the
 	// fp32 dx of the rows, the host's uploads (rows, labels, teacher ids,

@@ -56,6 +56,9 @@ func TestTrainPlanDeviceBytes(t *testing.T) {
 		Intermediate: 128, MaxPositions: 1024, RMSNormEps: 1e-6, RopeTheta: 10000, QKNorm: true, TieEmbeddings: true}
 	const T, K = 256, 8
 	b := planBatch(T, cfg.VocabSize, K)
+	// cuDNN's workspace for a row (built now: the plans the steps use).
+	ws := be.AttentionWorkspaceBytes(1, T, cfg.Heads, cfg.KVHeads, cfg.HeadDim)
+	t.Logf("attention workspace (%s) for 1 sample of %d tokens: %d bytes", be.AttentionImpl(), T, ws)
 	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
 	used := func() int64 { be.ResetPeakMemory(); return be.PeakMemory() }
 	within := func(what string, got, plan int64) {
@@ -132,7 +135,7 @@ func TestTrainPlanDeviceBytes(t *testing.T) {
 				}
 				peak := be.PeakMemory() - base
 				after := used() - base
-				p := PlanMemory(PlanShape{Model: cfg, RowTokens: T, K: K, QAD: qad, Recompute: mode, Activations: be.ActDType(), Ranks: 1, ZeRO: c.stage})
+				p := PlanMemory(PlanShape{Model: cfg, RowTokens: T, K: K, QAD: qad, Recompute: mode, Activations: be.ActDType(), AttnWorkspace: ws, Ranks: 1, ZeRO: c.stage})
 				run := p.Term(TermParams) + p.Term(TermGrads) + p.Term(TermMoments) + p.Term(TermQAD)
 				var scratch int64
 				for _, x := range p.Terms {

@@ -277,6 +277,45 @@ func (b *Backend) sdpaPlan(key sdpaKey) *sdpaPlan {
 	return p
 }
 
+// AttentionWorkspaceBytes implements compute.AttentionWorkspaceReporter:
+// the most device memory cuDNN asks for beside the tensors in an attention
+// call of nSeq samples of at most maxLen tokens (its plans' workspace, and
+// the non-deterministic backward's fp32 dq accumulator), forward or
+// backward; 0 where cuDNN does not run the shape. It builds the two plans
+// when they do not exist yet: they are the ones those calls then use.
+// cuDNN sizes the workspace per plan, that is per bucket of powers of two
+// of nSeq and maxLen: a packed row of many samples builds a larger one
+// than a row of one sample of the same tokens.
+func (b *Backend) AttentionWorkspaceBytes(nSeq, maxLen, heads, kvHeads, headDim int) int64 {
+	defer b.enter()()
+	if !b.useCudnn(nSeq*maxLen, nSeq, maxLen, heads, kvHeads, headDim) {
+		return 0
+	}
+	var ws int64
+	if p := b.sdpaPlan(sdpaKeyOf(false, false, false, nSeq, maxLen, heads, kvHeads, headDim)); p != nil {
+		ws = int64(p.p.workspace)
+	}
+	det := !b.attnNondet
+	key := sdpaKeyOf(true, det, false, nSeq, maxLen, heads, kvHeads, headDim)
+	p := b.sdpaPlan(key)
+	if p == nil {
+		key = sdpaKeyOf(true, det, true, nSeq, maxLen, heads, kvHeads, headDim)
+		p = b.sdpaPlan(key)
+	}
+	if p != nil {
+		bw := int64(p.p.workspace)
+		if !key.det { // the dq accumulator, rows x head_dim fp32
+			rows := int64(nSeq) * int64(maxLen) * int64(heads)
+			if key.dense {
+				rows = int64(key.b) * int64(heads) * int64(key.s)
+			}
+			bw += rows * int64(headDim) * 4
+		}
+		ws = max(ws, bw)
+	}
+	return ws
+}
+
 // CudnnPlans lists the plans built so far, for logs and tests.
 func (b *Backend) CudnnPlans() []string {
 	b.mu.Lock()

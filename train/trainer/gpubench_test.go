@@ -227,7 +227,9 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				b.ReportMetric(adamMS, "adamw_ms")
 				devmem := float64(be.PeakMemory()) / (1 << 30) // the pool's high-water mark since the case began
 				b.ReportMetric(devmem, "devmem_GiB")
-				plan := train.PlanMemory(train.PlanShape{Model: cfg, RowTokens: rows * T, K: K, QAD: qad, Recompute: recompute, Activations: be.ActDType()})
+				ws := be.AttentionWorkspaceBytes(rows, T, cfg.Heads, cfg.KVHeads, cfg.HeadDim) // the plans the steps built
+				b.ReportMetric(float64(ws)/(1<<20), "attn_ws_MiB")
+				plan := train.PlanMemory(train.PlanShape{Model: cfg, RowTokens: rows * T, K: K, QAD: qad, Recompute: recompute, Activations: be.ActDType(), AttnWorkspace: ws})
 				b.ReportMetric(float64(plan.Total())/(1<<30), "plan_GiB")
 				if outDir == "" {
 					return
@@ -235,7 +237,7 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				res := map[string]any{"shape": sh.Name, "qad": qad, "rows": rows, "row_tokens": T, "vocab": V, "k": K, "params": params,
 					"tokens_per_s": tokens / sec, "step_s": sec, "tflops": flops / sec / 1e12,
 					"devmem_GiB": devmem, "plan_GiB": float64(plan.Total()) / (1 << 30), "recompute": recompute, "loss": lossV, "gpu": be.Info().Name,
-					"fb_ms": fbMS, "clip_ms": clipMS, "adamw_ms": adamMS, "attention": be.AttentionImpl()}
+					"fb_ms": fbMS, "clip_ms": clipMS, "adamw_ms": adamMS, "attention": be.AttentionImpl(), "attn_workspace_bytes": ws}
 				if peak > 0 {
 					res["mfu_pct"] = 100 * flops / sec / 1e12 / peak
 				}

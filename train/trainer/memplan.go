@@ -27,9 +27,15 @@ func planK(m *cache.Manifest, ts *teacherSet) int {
 }
 
 // planShape is the memory plan's shape of a run of cfg for a student of
-// mc, under recompute mode r, on a backend whose activations are act.
-func planShape(cfg *Config, mc *model.Config, k int, r decoder.Recompute, act compute.DType, ranks int) train.PlanShape {
-	sh := train.PlanShape{Model: mc, RowTokens: cfg.Data.SeqLen, K: k, QAD: cfg.Quant == "nvfp4", Recompute: r, Activations: act, LoRA: cfg.TrainLoRA()}
+// mc, under recompute mode r, on backend be: its activation dtype, and
+// the attention workspace it reports for a row of one sample of
+// data.seq_len tokens (cuDNN's; a packed row of many samples may ask for
+// more: its plans are bucketed by the samples' count and longest length).
+func planShape(cfg *Config, mc *model.Config, k int, r decoder.Recompute, be compute.Backend, ranks int) train.PlanShape {
+	sh := train.PlanShape{Model: mc, RowTokens: cfg.Data.SeqLen, K: k, QAD: cfg.Quant == "nvfp4", Recompute: r, Activations: be.ActDType(), LoRA: cfg.TrainLoRA()}
+	if wr, ok := be.(compute.AttentionWorkspaceReporter); ok && cfg.Data.SeqLen > 0 {
+		sh.AttnWorkspace = wr.AttentionWorkspaceBytes(1, cfg.Data.SeqLen, mc.Heads, mc.KVHeads, mc.HeadDim)
+	}
 	if ranks > 1 { // one process ignores train.zero
 		sh.Ranks, sh.ZeRO = ranks, cfg.Train.ZeRO
 	}
@@ -60,14 +66,14 @@ func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute,
 	}
 	free, total := dm.MemInfo()
 	reserve := train.DeviceReserve(total)
-	p0 := train.PlanMemory(planShape(cfg, s.Cfg, k, decoder.RecomputeNone, s.Backend().ActDType(), ranks))
+	p0 := train.PlanMemory(planShape(cfg, s.Cfg, k, decoder.RecomputeNone, s.Backend(), ranks))
 	resident := p0.Term(train.TermParams) + p0.Term(train.TermGrads) + p0.Term(train.TermMoments) + p0.Term(train.TermLoRABase)
 	if s.Model.QAD() && !s.Model.Calibrating() {
 		resident += p0.Term(train.TermQAD)
 	}
 	budget := free - reserve + resident
 	need := func(r decoder.Recompute) int64 {
-		p := train.PlanMemory(planShape(cfg, s.Cfg, k, r, s.Backend().ActDType(), ranks))
+		p := train.PlanMemory(planShape(cfg, s.Cfg, k, r, s.Backend(), ranks))
 		return p.Total()
 	}
 	fits := func(r decoder.Recompute) bool { return need(r) <= budget }
@@ -106,7 +112,7 @@ func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute,
 	}
 	var largest []string
 	for _, r := range decoder.RecomputeModes {
-		sh := planShape(cfg, s.Cfg, k, r, s.Backend().ActDType(), ranks)
+		sh := planShape(cfg, s.Cfg, k, r, s.Backend(), ranks)
 		n := train.LargestRow(sh, budget, max(s.Cfg.MaxPositions, cfg.Data.SeqLen))
 		largest = append(largest, fmt.Sprintf("%d with %s", n, r))
 	}
@@ -126,6 +132,6 @@ func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute,
 	}
 	return "", fmt.Errorf("%w: rows of data.seq_len %d tokens with train.recompute %s need %s of device memory (parameters, gradients and AdamW moments %s, activations %s), but the device has %s for the run (%s, %s kept in reserve): %s (the longest row that fits: %s), or train on a device with more memory; `student plan --config FILE` prints the plan",
 		ErrDeviceMemory, cfg.Data.SeqLen, want, train.HumanBytes(need(decoder.Recompute(mode))), train.HumanBytes(resident),
-		train.HumanBytes(train.PlanMemory(planShape(cfg, s.Cfg, k, decoder.Recompute(mode), s.Backend().ActDType(), ranks)).Term(train.TermActivations)),
+		train.HumanBytes(train.PlanMemory(planShape(cfg, s.Cfg, k, decoder.Recompute(mode), s.Backend(), ranks)).Term(train.TermActivations)),
 		train.HumanBytes(max(0, budget)), train.HumanBytes(total), train.HumanBytes(reserve), fix, strings.Join(largest, ", "))
 }

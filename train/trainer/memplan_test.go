@@ -108,8 +108,6 @@ func TestCUDAMemoryPlanCheck(t *testing.T) {
 		t.Fatal(err)
 	}
 	free, total := be.MemInfo()
-	act := be.ActDType()
-	be.Close()
 	b := testCache(t)
 	over := []string{"train.device=cuda", "eval.every=0", "train.max_steps=3", "data.seq_len=256", "data.global_batch_tokens=256"}
 	cfg := tinyConfig(t, b, t.TempDir(), over...)
@@ -118,12 +116,13 @@ func TestCUDAMemoryPlanCheck(t *testing.T) {
 		t.Fatal(err)
 	}
 	plan := func(r decoder.Recompute) int64 {
-		return train.PlanMemory(planShape(cfg, mc, 8, r, act, 1)).Total()
+		return train.PlanMemory(planShape(cfg, mc, 8, r, be, 1)).Total()
 	}
 	// The reserve is 256 MiB on a small device: a device with the open
 	// backend's own memory, the reserve and halfway between full's plan
 	// and selective's.
 	room := (plan(decoder.RecomputeFull) + plan(decoder.RecomputeSelective)) / 2
+	be.Close()
 	t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(total-free+256<<20+room))
 	var log bytes.Buffer
 	res, err := Run(cfg, Options{Log: &log})
