@@ -82,8 +82,11 @@ type Backend struct {
 	attnNondet bool          // Options.AttnNondeterministic
 	act        compute.DType // Options.Activations
 
-	prof  map[string]*ProfileEntry // nil unless Options.Profile
-	label string                   // the running method, for the profile
+	prof   map[string]*ProfileEntry // nil unless Options.Profile
+	label  string                   // the running method, for the profile
+	marks  []profMark               // timed calls not read yet
+	evFree []C.CUevent              // events for reuse
+	span   time.Duration            // ProfileSpan
 
 	args        unsafe.Pointer // C memory: argument slots and the pointers to them
 	checkParams unsafe.Pointer // the emulator's launch check; nil on a real driver
@@ -322,6 +325,13 @@ func (b *Backend) release() {
 		b.shadow.regs = nil
 		C.call_cuStreamSynchronize(d.cuStreamSynchronize, b.stream)
 	}
+	for _, m := range b.marks {
+		b.evFree = append(b.evFree, m.pre, m.end)
+	}
+	for _, e := range b.evFree {
+		C.call_cuEventDestroy(d.cuEventDestroy, e)
+	}
+	b.marks, b.evFree = nil, nil
 	for _, p := range b.plans {
 		b.lt.destroyPlan(p)
 	}
@@ -453,32 +463,88 @@ type ProfileEntry struct {
 	Time  time.Duration
 }
 
-// timed, under Options.Profile, waits for the work issued so far, and
-// returns a function that waits for what name issued and adds the time.
+// profMark is one timed call under Options.Profile: the events recorded
+// on the stream before and after its work.
+type profMark struct {
+	name     string
+	pre, end C.CUevent
+}
+
+func nop() {}
+
+// timed, under Options.Profile, records an event on the stream before
+// what name issues and returns a function that records one after it: the
+// GPU's own clock times the call, and nothing waits (a host timer around
+// a synchronization per call added each launch's latency to every small
+// kernel and kept the GPU idle between them). Profile reads the events.
 func (b *Backend) timed(name string) func() {
 	if b.prof == nil {
-		return func() {}
+		return nop
+	}
+	pre := b.event()
+	return func() {
+		b.marks = append(b.marks, profMark{name: name, pre: pre, end: b.event()})
+	}
+}
+
+// event returns an event (a recycled one, else a new one) recorded on the
+// stream now.
+func (b *Backend) event() C.CUevent {
+	var e C.CUevent
+	if n := len(b.evFree); n > 0 {
+		e, b.evFree = b.evFree[n-1], b.evFree[:n-1]
+	} else {
+		b.must(b.drv.check("cuEventCreate", C.call_cuEventCreate(b.drv.cuEventCreate, &e, 0)))
+	}
+	b.must(b.drv.check("cuEventRecord", C.call_cuEventRecord(b.drv.cuEventRecord, e, b.stream)))
+	return e
+}
+
+// readMarks waits for the stream, adds each mark's time to b.prof and
+// returns its events for reuse; it keeps the span from the first mark's
+// start to the last one's end (ProfileSpan).
+func (b *Backend) readMarks() {
+	if len(b.marks) == 0 {
+		return
 	}
 	b.sync()
-	t0 := time.Now()
-	return func() {
-		b.sync()
-		e := b.prof[name]
-		if e == nil {
-			e = &ProfileEntry{Name: name}
-			b.prof[name] = e
-		}
-		e.Calls++
-		e.Time += time.Since(t0)
+	elapsed := func(a, z C.CUevent) time.Duration {
+		var ms C.float
+		b.must(b.drv.check("cuEventElapsedTime", C.call_cuEventElapsedTime(b.drv.cuEventElapsedTime, &ms, a, z)))
+		return time.Duration(float64(ms) * float64(time.Millisecond))
 	}
+	b.span = elapsed(b.marks[0].pre, b.marks[len(b.marks)-1].end)
+	for _, m := range b.marks {
+		if b.prof != nil {
+			e := b.prof[m.name]
+			if e == nil {
+				e = &ProfileEntry{Name: m.name}
+				b.prof[m.name] = e
+			}
+			e.Calls++
+			e.Time += elapsed(m.pre, m.end)
+		}
+		b.evFree = append(b.evFree, m.pre, m.end)
+	}
+	b.marks = b.marks[:0]
+}
+
+// ProfileSpan is the GPU time from the start of the first call the last
+// Profile read to the end of the last one: beside the calls' sum, what the
+// GPU spent waiting between them (for the host to issue work, or for a
+// synchronization's round trip).
+func (b *Backend) ProfileSpan() time.Duration {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.span
 }
 
 // Profile returns the time spent per kernel (GEMMs per calling method),
 // the largest first, and resets the counters. Empty unless
 // Options.Profile.
 func (b *Backend) Profile() []ProfileEntry {
-	b.mu.Lock()
-	defer b.mu.Unlock()
+	defer b.enter()()
+	b.readMarks()
 	var out []ProfileEntry
 	for _, e := range b.prof {
 		out = append(out, *e)
@@ -840,8 +906,8 @@ func Probe() (DeviceInfo, error) {
 // SetProfile switches kernel timing (Options.Profile) on or off, clearing
 // the counters: a benchmark times its steps unprofiled, then profiles one.
 func (b *Backend) SetProfile(on bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
+	defer b.enter()()
+	b.readMarks() // recycles the events of calls no Profile read
 	b.prof = nil
 	if on {
 		b.prof = map[string]*ProfileEntry{}

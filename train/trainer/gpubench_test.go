@@ -253,13 +253,15 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				be.SetProfile(true)
 				step()
 				prof := be.Profile()
+				span := be.ProfileSpan()
 				be.SetProfile(false)
 				var sum float64
 				for _, e := range prof {
 					sum += e.Time.Seconds()
 				}
 				var sb strings.Builder
-				fmt.Fprintf(&sb, "%s training step (%d x %d tokens, k=%d): one profiled step, %.1f ms in kernels\n", name, rows, T, K, 1e3*sum)
+				fmt.Fprintf(&sb, "%s training step (%d x %d tokens, k=%d): one profiled step, %.1f ms in kernels over a span of %.1f ms (the GPU idle %.1f ms between them)\n",
+					name, rows, T, K, 1e3*sum, 1e3*span.Seconds(), 1e3*(span.Seconds()-sum))
 				for i, e := range prof {
 					if i == 20 {
 						break
