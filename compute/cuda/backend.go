@@ -31,6 +31,13 @@ type Options struct {
 	// when it loads, else mma where it applies. Shapes cuDNN refuses run on
 	// the own kernels either way. $DISTILL_CUDA_ATTN sets it too.
 	Attention string
+	// AttentionBackward, "mma", runs the attention's backward on this
+	// package's tensor-core kernels while the forward runs on Attention's
+	// choice, for head_dim 64 and 128 (the others follow Attention); ""
+	// follows Attention. An experiment's switch: on the H200, cuDNN's
+	// deterministic backward ran a training row of 8192 tokens at about
+	// 100 TFLOP/s. $DISTILL_CUDA_ATTN_BWD sets it too.
+	AttentionBackward string
 	// AttnNondeterministic lets cuDNN's attention backward use its faster
 	// non-deterministic engines (atomic dq accumulation): a resumed run then
 	// no longer repeats the uninterrupted one bit for bit.
@@ -39,8 +46,9 @@ type Options struct {
 	// Logf, if set, receives one line per notable event (kernels compiled
 	// or read from the cache, the device found).
 	Logf func(format string, args ...any)
-	// Profile times every kernel and GEMM (synchronizing around each, so
-	// it slows the whole); Profile() reports the totals. For benchmarks.
+	// Profile times every kernel and GEMM with events on the stream
+	// (recording two a call costs the host a little); Profile() reports
+	// the totals, ProfileSpan the time they spread over. For benchmarks.
 	Profile bool
 	// PerUseCasts turns the weight shadows off (shadow.go): every GEMM
 	// rounds its fp32 weight operand to BF16 as it reads it, and every
@@ -80,6 +88,7 @@ type Backend struct {
 	logf   func(string, ...any)
 
 	attnNondet bool          // Options.AttnNondeterministic
+	attnBwd    attnMode      // Options.AttentionBackward
 	act        compute.DType // Options.Activations
 
 	prof   map[string]*ProfileEntry // nil unless Options.Profile
@@ -203,6 +212,13 @@ func Open(opt Options) (*Backend, error) {
 	case "", "auto", "cudnn", "simt", "mma":
 	default:
 		return nil, fmt.Errorf("cuda: attention %q: want auto, cudnn, mma or simt", b.attn)
+	}
+	b.attnBwd = attnMode(opt.AttentionBackward)
+	if b.attnBwd == "" {
+		b.attnBwd = attnMode(os.Getenv("DISTILL_CUDA_ATTN_BWD"))
+	}
+	if b.attnBwd != "" && b.attnBwd != "mma" {
+		return nil, fmt.Errorf("cuda: attention backward %q: want mma, or none to follow the attention's", b.attnBwd)
 	}
 	b.attnNondet = opt.AttnNondeterministic || os.Getenv("DISTILL_CUDNN_NONDETERMINISTIC") == "1"
 	act := opt.Activations

@@ -174,3 +174,43 @@ func TestCudnnFallback(t *testing.T) {
 		}
 	})
 }
+
+// TestAttentionBackwardOverride: Options.AttentionBackward "mma" runs the
+// backward on the own tensor-core kernels beside cuDNN's forward (from
+// its lse and output), for head_dim 64 and 128, and leaves other head
+// dims on cuDNN; the gradients conform to compute/cpu's.
+func TestAttentionBackwardOverride(t *testing.T) {
+	be, _ := cudnnBackend(t, Options{AttentionBackward: "mma"})
+	r := rand.New(rand.NewPCG(73, 74))
+	lens := []int{1, 17, 64, 129, 2}
+	for _, c := range []struct{ nHead, nKV, hd int }{{4, 2, 128}, {4, 1, 64}, {3, 3, 80}} {
+		t.Run(fmt.Sprintf("h%d_kv%d_hd%d", c.nHead, c.nKV, c.hd), func(t *testing.T) {
+			ac := newAttnCase(r, lens, c.nHead, c.nKV, c.hd)
+			got, gotL := ac.run(be, ac.q, ac.k, ac.v)
+			dout := randF32(r, ac.tokens*c.nHead*c.hd)
+			scale := float32(1 / math.Sqrt(float64(c.hd)))
+			run := func(be compute.Backend, q, k, v, o, dout []float32) (dq, dk, dv []float32) {
+				gq, gk, gv := be.New(compute.F32, len(q)), be.New(compute.F32, len(k)), be.New(compute.F32, len(v))
+				be.AttentionBackward(gq, gk, gv, be.FromF32(dout), be.FromF32(q), be.FromF32(k), be.FromF32(v), be.FromF32(o), be.FromF32(gotL),
+					be.FromI32(ac.starts), len(ac.lens), ac.maxLen, ac.tokens, c.nHead, c.nKV, c.hd, scale)
+				return readF32(be, gq, len(q)), readF32(be, gk, len(k)), readF32(be, gv, len(v))
+			}
+			calls := be.dnn.calls
+			gq, gk, gv := run(be, ac.q, ac.k, ac.v, got, dout)
+			onCudnn := be.dnn.calls[1] != calls[1]
+			if want := c.hd == 80; onCudnn != want {
+				t.Fatalf("head_dim %d: the backward ran on cuDNN: %v, want %v", c.hd, onCudnn, want)
+			}
+			qr, _ := roundBF16(ac.q)
+			kr, _ := roundBF16(ac.k)
+			vr, _ := roundBF16(ac.v)
+			dr, _ := roundBF16(dout)
+			or, _ := roundBF16(got)
+			wq, wk, wv := run(oracle, qr, kr, vr, or, dr)
+			atol, rtol := 2e-2*math.Sqrt(float64(ac.maxLen)/65), 2e-2
+			closeTo(t, "dq", gq, wq, atol, rtol)
+			closeTo(t, "dk", gk, wk, atol, rtol)
+			closeTo(t, "dv", gv, wv, atol, rtol)
+		})
+	}
+}
