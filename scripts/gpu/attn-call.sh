@@ -67,6 +67,17 @@ if [ "${ACT_COMPARE:-}" = 1 ]; then
       bash scripts/gpu-suite.sh run bench >"$work/act-f32/fwd/suite.txt" 2>&1
   fi
 fi
+# TRAIN_VARIANTS="name:VAR=value[,VAR=value] ...": the training benchmark
+# again under each variant's environment (e.g. nondet:DISTILL_CUDNN_NONDETERMINISTIC=1),
+# on DISTILL_BENCH_SHAPES, each into variant-NAME/ (VARIANT_BUDGET seconds
+# each, default 60).
+for v in ${TRAIN_VARIANTS:-}; do
+  name=${v%%:*}
+  mkdir -p "$work/variant-$name"
+  ( IFS=,; for kv in ${v#*:}; do export "$kv"; done
+    OUT="$work/variant-$name" SUITE_BUDGET=${VARIANT_BUDGET:-60} bash scripts/gpu-suite.sh run train-bench ) >"$work/variant-$name/suite.txt" 2>&1
+  echo "variant-$name $(tail -1 "$work/variant-$name/status.txt" 2>/dev/null | awk '{print $NF}')" >>"$work/status.txt"
+done
 if [ -n "${EXTRA_TESTS:-}" ]; then # a -test.run pattern for cuda.test, then the same for train.test and trainer.test
   for b in cuda:compute/cuda train:train trainer:train/trainer; do
     ( cd "${b#*:}" && DISTILL_CUDA_TEST=gpu DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 60 /tmp/distill-gpu-bin/${b%%:*}.test \
@@ -101,6 +112,9 @@ if [ -d "$work/act-f32" ]; then
   echo "== fp32 activations (DISTILL_CUDA_ACT=f32), same device"; cat "$work/act-f32/status.txt" 2>/dev/null
   grep -hE '^Benchmark' "$work/act-f32/train-bench.log" "$work/act-f32/fwd/bench.log" 2>/dev/null
 fi
+for d in "$work"/variant-*; do
+  [ -d "$d" ] && { echo "== ${d##*/}"; grep -hE '^Benchmark' "$d/train-bench.log" 2>/dev/null; }
+done
 echo "== status"; cat "$work/status.txt"
 for f in attn-memcheck attn-racecheck extra-cuda extra-train extra-trainer; do
   [ -f "$work/$f.log" ] && { echo "== $f"; grep -E '^(--- |ok|FAIL|panic)|ERROR SUMMARY|RACECHECK SUMMARY|========= (Invalid|Race|Error)' "$work/$f.log" | head -20; }
