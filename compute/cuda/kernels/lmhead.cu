@@ -264,10 +264,16 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_sample(const u16 *__restrict__
 		int nz = vocab - v0 < LM_BLOCK ? vocab - v0 : LM_BLOCK;
 		lm_block_logits(z, xr, wb, hidden, v0, nz);
 		__syncthreads();
+		// Each id's term on its own thread (a top-k id's is 0), then one
+		// thread adds them in id order: the sum a single thread's loop
+		// over the ids made, without its k compares and exp per id in
+		// series (that loop, k blocks a row, was most of a row's draws).
+		if (threadIdx.x < nz)
+			e[threadIdx.x] = lm_in_head(ti, nh, v0 + threadIdx.x) ? 0.0 : exp((double)z[threadIdx.x] - (double)tm[b / LM_BPT]);
+		__syncthreads();
 		if (threadIdx.x == 0) {
-			double t = tm[b / LM_BPT], c = 0;
-			for (int j = 0; j < nz; j++)
-				if (!lm_in_head(ti, nh, v0 + j)) c += exp((double)z[j] - t);
+			double c = 0;
+			for (int j = 0; j < nz; j++) c += e[j];
 			bs[b] = (float)c;
 		}
 		__syncthreads();
