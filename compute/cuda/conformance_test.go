@@ -534,10 +534,20 @@ func TestLMHeadSampleConformance(t *testing.T) {
 	r := rand.New(rand.NewPCG(17, 18))
 	saveR, saveC := lmMaxRows, lmMaxCols
 	defer func() { lmMaxRows, lmMaxCols = saveR, saveC }()
-	tokens, hidden, vocab, n := 300, 24, 9001, 40
+	tokens, vocab, n := 300, 9001, 40
 	if !onGPU() {
 		tokens, vocab = 50, 5000
 	}
+	// hidden 24: one chunk of the draws' staged weight rows; 264: two,
+	// the second partial, in 16-byte pieces; 300: two, element by element
+	// (rows not 16-byte aligned).
+	for _, hidden := range []int{24, 264, 300} {
+		t.Run(fmt.Sprintf("hidden%d", hidden), func(t *testing.T) { lmHeadSampleCase(t, be, r, tokens, hidden, vocab, n) })
+	}
+}
+
+// lmHeadSampleCase is one TestLMHeadSampleConformance case.
+func lmHeadSampleCase(t *testing.T, be *Backend, r *rand.Rand, tokens, hidden, vocab, n int) {
 	x := randF32(r, tokens*hidden)
 	for i := range x {
 		x[i] *= 2

@@ -217,13 +217,38 @@ DK_DEV bool lm_in_head(const i32 *ti, int k, i32 v) {
 
 // lm_block_logits: the block's threads compute z[j] = x·w[v0+j] for the
 // nz <= LM_BLOCK ids of a block, four threads a logit (fp32, the same
-// order for every row and call), into shared z.
-DK_DEV void lm_block_logits(float *z, const u16 *__restrict__ xr, const u16 *__restrict__ wb, int hidden, i32 v0, int nz) {
+// order for every row and call), into shared z. The block's weight rows
+// pass through shared memory (stage) LM_CHUNK columns at a time, read in
+// 16-byte pieces when hidden % 8 == 0 (the rows then 16-byte aligned):
+// reading them in place, the four threads of a logit took 8 bytes of a
+// row each step. Each thread still adds columns part, part+4, ... in
+// order: the same sums. Every thread of the block must call it.
+#define LM_CHUNK 256
+struct __align__(16) lm_u4 { // 16 bytes: eight BF16
+	unsigned x, y, z, w;
+};
+#define LM_STAGE_LD (LM_CHUNK + 8) // a row's stride: 16-byte pieces, rows a few banks apart
+DK_DEV void lm_block_logits(float *z, u16 *stage, const u16 *__restrict__ xr, const u16 *__restrict__ wb, int hidden, i32 v0, int nz) {
 	int j = threadIdx.x / 4, part = threadIdx.x % 4;
 	float acc = 0;
-	if (j < nz) {
-		const u16 *wr = wb + (i64)(v0 + j) * hidden;
-		for (int q = part; q < hidden; q += 4) acc += bf2f(xr[q]) * bf2f(wr[q]);
+	for (int c0 = 0; c0 < hidden; c0 += LM_CHUNK) {
+		int cw = hidden - c0 < LM_CHUNK ? hidden - c0 : LM_CHUNK;
+		__syncthreads(); // the last chunk is read
+		if (hidden % 8 == 0) {
+			int pr = cw / 8; // 16-byte pieces a row
+			for (int i = threadIdx.x; i < nz * pr; i += LM_THREADS) {
+				int r = i / pr, q = (i - r * pr) * 8;
+				*(lm_u4 *)(stage + r * LM_STAGE_LD + q) = *(const lm_u4 *)(wb + (i64)(v0 + r) * hidden + c0 + q);
+			}
+		} else {
+			for (int i = threadIdx.x; i < nz * cw; i += LM_THREADS) {
+				int r = i / cw, q = i - r * cw;
+				stage[r * LM_STAGE_LD + q] = wb[(i64)(v0 + r) * hidden + c0 + q];
+			}
+		}
+		__syncthreads();
+		if (j < nz)
+			for (int q = part; q < cw; q += 4) acc += bf2f(xr[c0 + q]) * bf2f(stage[j * LM_STAGE_LD + q]);
 	}
 	acc += __shfl_xor_sync(DK_FULL, acc, 1);
 	acc += __shfl_xor_sync(DK_FULL, acc, 2);
@@ -243,6 +268,7 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_sample(const u16 *__restrict__
 	__shared__ float z[LM_BLOCK];
 	__shared__ double e[LM_BLOCK];
 	__shared__ double smass;
+	__shared__ __align__(16) u16 stage[LM_BLOCK * LM_STAGE_LD];
 	i64 sr = blockIdx.x, row = row0 + sr;
 	const u16 *xr = xb + sr * hidden;
 	float *bs = bsum + sr * nblk;
@@ -262,7 +288,7 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_sample(const u16 *__restrict__
 		if (seen) continue; // uniform across the block: ti is shared
 		i32 v0 = b * LM_BLOCK;
 		int nz = vocab - v0 < LM_BLOCK ? vocab - v0 : LM_BLOCK;
-		lm_block_logits(z, xr, wb, hidden, v0, nz);
+		lm_block_logits(z, stage, xr, wb, hidden, v0, nz);
 		__syncthreads();
 		// Each id's term on its own thread (a top-k id's is 0), then one
 		// thread adds them in id order: the sum a single thread's loop
@@ -341,7 +367,7 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_sample(const u16 *__restrict__
 		while (d1 < n && bl[d1] == b) d1++;
 		i32 v0 = b * LM_BLOCK;
 		int nz = vocab - v0 < LM_BLOCK ? vocab - v0 : LM_BLOCK;
-		lm_block_logits(z, xr, wb, hidden, v0, nz);
+		lm_block_logits(z, stage, xr, wb, hidden, v0, nz);
 		__syncthreads();
 		if (threadIdx.x < nz) {
 			i32 v = v0 + threadIdx.x;
