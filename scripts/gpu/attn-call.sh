@@ -12,7 +12,8 @@
 # STEP... defaults to: env test attn goldens train-test train-resume train-bench
 # (training shapes: DISTILL_BENCH_SHAPES, default qwen3-0.6b). Then, when
 # set: FORWARD_BENCH=1 runs the suite's bench and peer steps (the teacher's
-# forward against HF transformers; FORWARD_SHAPES picks the shapes),
+# forward against HF transformers; FORWARD_SHAPES picks the shapes,
+# FORWARD_STEPS=bench leaves out the peer),
 # EXTRA_TESTS=PATTERN runs the matching tests of the cuda, train and
 # trainer test binaries on the GPU, SANITIZE=1 runs the
 # attention tests (own kernels and cuDNN) under compute-sanitizer memcheck
@@ -56,7 +57,7 @@ OUT="$work" DISTILL_BENCH_SHAPES=${DISTILL_BENCH_SHAPES:-qwen3-0.6b} SUITE_BUDGE
 if [ "${FORWARD_BENCH:-}" = 1 ]; then
   mkdir -p "$work/fwd"
   OUT="$work/fwd" DISTILL_BENCH_SHAPES=${FORWARD_SHAPES:-${DISTILL_BENCH_SHAPES:-}} SUITE_BUDGET=${FORWARD_BUDGET:-120} \
-    bash scripts/gpu-suite.sh run bench peer >"$work/fwd/suite.txt" 2>&1
+    bash scripts/gpu-suite.sh run ${FORWARD_STEPS:-bench peer} >"$work/fwd/suite.txt" 2>&1
 fi
 if [ "${ACT_COMPARE:-}" = 1 ]; then
   mkdir -p "$work/act-f32" "$work/act-f32/fwd"
