@@ -177,6 +177,41 @@ func (b *Backend) Embed(outT, tableT, idsT compute.Tensor, n, dim int) {
 	b.ew("k_embed", int64(n)*int64(dim), dptr(out.p), tp, tb, dptr(ids.p), int64(n), int32(dim))
 }
 
+// rmsVecK is the most chunks of 8 elements a thread of the 8-wide RMSNorm
+// kernels holds in registers (RV_K in norm_rope.cu and backward.cu).
+const rmsVecK = 4
+
+// rmsnormVecLaunch is the launch of the 8-wide RMSNorm kernels
+// (k_rmsnorm_warp8, k_rmsnorm_block8; their backward twins take the same)
+// and their last argument, the threads per row, for rows of dim elements
+// whose tensors start at ptrs; ok is false where only rmsnormLaunch's
+// scalar kernels apply: dim not a multiple of 8, above 8·rmsVecK·256, or a
+// tensor not 16-byte aligned. The split follows rmsnormLaunch's: up to
+// dim 1024 a group of lanes (C/rmsVecK rounded up to a power of two, C =
+// dim/8 chunks) per row inside a warp, so a short row (a head's 128) takes
+// 4 lanes and a warp 8 rows instead of leaving lanes idle; above, one
+// 256-thread block per row.
+func rmsnormVecLaunch(rows, dim int, ptrs ...uint64) (l launch, lanes int32, ok bool) {
+	if dim <= 0 || dim%8 != 0 || dim/8 > rmsVecK*ewThreads {
+		return launch{}, 0, false
+	}
+	for _, p := range ptrs {
+		if !aligned16(p) {
+			return launch{}, 0, false
+		}
+	}
+	c := dim / 8
+	if c > rmsVecK*32 {
+		return launch{kernel: "k_rmsnorm_block8", grid: [3]int{rows, 1, 1}, block: ewThreads}, ewThreads, true
+	}
+	g := 1
+	for g*rmsVecK < c {
+		g *= 2
+	}
+	perBlock := ewThreads / g
+	return launch{kernel: "k_rmsnorm_warp8", grid: [3]int{(rows + perBlock - 1) / perBlock, 1, 1}, block: ewThreads}, int32(g), true
+}
+
 // RMSNorm implements compute.Backend. out may alias x; rstd (rows), when
 // not nil, receives each row's 1/rms for the backward.
 func (b *Backend) RMSNorm(outT, rstdT, xT, wT compute.Tensor, rows, dim int, eps float32) {
@@ -188,6 +223,10 @@ func (b *Backend) RMSNorm(outT, rstdT, xT, wT compute.Tensor, rows, dim int, eps
 	need(w, "RMSNorm w", dim, compute.F32, compute.BF16)
 	rp := b.stats(rstdT, "RMSNorm rstd", rows)
 	wp, wb := weightArg(w)
+	if l, lanes, ok := rmsnormVecLaunch(rows, dim, out.p, x.p, w.p); ok {
+		b.launchKernel(l, dptr(out.p), bf16Flag(out), rp, dptr(x.p), bf16Flag(x), dptr(0), wp, wb, int64(rows), int32(dim), eps, lanes)
+		return
+	}
 	b.launchKernel(rmsnormLaunch(rows, dim), dptr(out.p), bf16Flag(out), rp, dptr(x.p), bf16Flag(x), dptr(0), wp, wb, int64(rows), int32(dim), eps)
 }
 
@@ -218,6 +257,10 @@ func (b *Backend) AddRMSNorm(outT, rstdT, aT, bT, wT compute.Tensor, rows, dim i
 	}
 	rp := b.stats(rstdT, "AddRMSNorm rstd", rows)
 	wp, wb := weightArg(w)
+	if l, lanes, ok := rmsnormVecLaunch(rows, dim, out.p, a.p, c.p, w.p); ok {
+		b.launchKernel(l, dptr(out.p), bf16Flag(out), rp, dptr(a.p), int32(0), dptr(c.p), wp, wb, int64(rows), int32(dim), eps, lanes)
+		return
+	}
 	b.launchKernel(rmsnormLaunch(rows, dim), dptr(out.p), bf16Flag(out), rp, dptr(a.p), int32(0), dptr(c.p), wp, wb, int64(rows), int32(dim), eps)
 }
 
@@ -261,6 +304,19 @@ func (b *Backend) RMSNormRoPE(outT, rstdT, xT, wT, cosT, sinT compute.Tensor, to
 		return
 	}
 	wp, wb := weightArg(w)
+	if nc := headDim / 16; headDim%16 == 0 && nc <= 32 && aligned16(out.p) && aligned16(x.p) && aligned16(w.p) && aligned16(cs.p) && aligned16(sn.p) {
+		// 16-byte accesses (k_rmsnorm_rope8): nc chunks of 8 per half row,
+		// a group of lanes (nc rounded up to a power of two) per row.
+		lanes := 1
+		for lanes < nc {
+			lanes *= 2
+		}
+		perBlock := 256 / lanes
+		b.launchKernel(launch{kernel: "k_rmsnorm_rope8", grid: [3]int{(rows + perBlock - 1) / perBlock, 1, 1}, block: 256},
+			dptr(out.p), bf16Flag(out), rp, dptr(x.p), bf16Flag(x), wp, wb, dptr(cs.p), dptr(sn.p), int64(rows), int32(heads), int32(headDim), eps,
+			int32(lanes))
+		return
+	}
 	b.launchKernel(launch{kernel: "k_rmsnorm_rope", grid: [3]int{(rows + 7) / 8, 1, 1}, block: 256},
 		dptr(out.p), bf16Flag(out), rp, dptr(x.p), bf16Flag(x), wp, wb, dptr(cs.p), dptr(sn.p), int64(rows), int32(heads), int32(headDim), eps)
 }
@@ -394,6 +450,11 @@ func (b *Backend) SwiGLU(outT, gateT, upT compute.Tensor, n int) {
 	need(u, "SwiGLU up", n, act...)
 	if out.p == g.p && out.dt != g.dt {
 		panic("cuda: SwiGLU out aliases gate with another dtype")
+	}
+	if n%8 == 0 && aligned16(out.p) && aligned16(g.p) && aligned16(u.p) {
+		// 16-byte accesses (k_swiglu_x8): the same bits, at the memory's pace.
+		b.ew("k_swiglu_x8", int64(n/8), dptr(out.p), bf16Flag(out), dptr(g.p), bf16Flag(g), dptr(u.p), bf16Flag(u), int64(n/8))
+		return
 	}
 	b.ew("k_swiglu", int64(n), dptr(out.p), bf16Flag(out), dptr(g.p), bf16Flag(g), dptr(u.p), bf16Flag(u), int64(n))
 }

@@ -38,6 +38,149 @@ DK_DEV void rms_row(void *out, int out_bf, float *rstd_out, const void *x, int x
 	if (rstd_out && tid == 0) *rstd_out = rs;
 }
 
+// --- 8-wide variants, for BF16 or F32 rows whose dim is a multiple of 8
+// and whose tensors are 16-byte aligned (the host checks: ops.go,
+// rmsnormVecLaunch, RMSNormRoPE). A thread loads its elements with one
+// 16-byte access per 8 BF16 (two per 8 F32), keeps them in registers
+// between the sum of squares and the output (the scalar kernels read x
+// twice), and writes 16 bytes at a time. Each output element keeps the
+// scalar kernels' fp32 formula and single rounding; only the float64 sum
+// of squares is added in another (still fixed) order, and it is rounded to
+// an fp32 mean.
+
+// 16 bytes: 8 BF16 or 4 F32 (dk_f4 is elementwise.cu's; each file
+// compiles alone).
+struct __align__(16) dk_u4 {
+	u32 x, y, z, w;
+};
+struct __align__(16) dk_f4 {
+	float x, y, z, w;
+};
+
+// ld8 reads elements 8c..8c+7 of p, BF16 (bf set: one 16-byte load) or
+// F32 (two), as fp32; st8 writes them (a BF16 store rounds each once, as
+// st_act). p must be 16-byte aligned. BF16 element 2j is the low half of
+// word j (little-endian, as an element-wise u16 access sees it).
+DK_DEV void ld8(float v[8], const void *p, int bf, i64 c) {
+	if (bf) {
+		dk_u4 q = ((const dk_u4 *)p)[c];
+		u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+		for (int j = 0; j < 4; j++) {
+			v[2 * j] = bf2f((u16)(w[j] & 0xffff));
+			v[2 * j + 1] = bf2f((u16)(w[j] >> 16));
+		}
+	} else {
+		dk_f4 a = ((const dk_f4 *)p)[2 * c], b = ((const dk_f4 *)p)[2 * c + 1];
+		v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+		v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+	}
+}
+DK_DEV void st8(void *p, int bf, i64 c, const float v[8]) {
+	if (bf) {
+		dk_u4 q;
+		q.x = (u32)f2bf(v[0]) | ((u32)f2bf(v[1]) << 16);
+		q.y = (u32)f2bf(v[2]) | ((u32)f2bf(v[3]) << 16);
+		q.z = (u32)f2bf(v[4]) | ((u32)f2bf(v[5]) << 16);
+		q.w = (u32)f2bf(v[6]) | ((u32)f2bf(v[7]) << 16);
+		((dk_u4 *)p)[c] = q;
+	} else {
+		dk_f4 a, b;
+		a.x = v[0], a.y = v[1], a.z = v[2], a.w = v[3];
+		b.x = v[4], b.y = v[5], b.z = v[6], b.w = v[7];
+		((dk_f4 *)p)[2 * c] = a;
+		((dk_f4 *)p)[2 * c + 1] = b;
+	}
+}
+
+// group_sum_d sums v over an aligned group of `lanes` lanes of the warp (a
+// power of two, at most 32; every lane of the warp calls it with the same
+// lanes): xor shuffles, so each lane of the group gets the same bits.
+DK_DEV double group_sum_d(double v, int lanes) {
+	for (int m = lanes >> 1; m > 0; m >>= 1) v += __shfl_xor_sync(DK_FULL, v, m);
+	return v;
+}
+
+// RV_K is the most chunks of 8 elements a thread of the 8-wide RMSNorm
+// kernels holds (rmsVecK in ops.go): a row of dim = 8·C elements takes a
+// group of lanes >= C/RV_K threads, and thread sub of the group holds the
+// chunks sub + k·lanes, k < RV_K.
+#define RV_K 4
+
+// rms_row8 is rms_row for one row with a group of `lanes` threads (sub
+// this thread's index in it): a warp's aligned group (red null) or the
+// whole block (red: 32 doubles of shared memory, lanes = blockDim.x).
+// ok is false for the lanes of a warp's last group past the rows: they
+// take part in the shuffles only. The add path as rms_row's: x (F32) +=
+// add, the sum written back and normed from registers.
+DK_DEV void rms_row8(void *out, int out_bf, float *rstd_out, const void *x, int x_bf, const float *add, const void *w, int w_bf16, int dim,
+                     float eps, int sub, int lanes, bool ok, double *red) {
+	int nc = dim / 8;
+	float v[RV_K][8];
+	double ss = 0;
+#pragma unroll
+	for (int k = 0; k < RV_K; k++) {
+		int c = sub + k * lanes;
+		if (!ok || c >= nc) continue;
+		if (add) {
+			float a[8];
+			ld8(v[k], x, 0, c);
+			ld8(a, add, 0, c);
+#pragma unroll
+			for (int j = 0; j < 8; j++) v[k][j] = v[k][j] + a[j];
+			st8((void *)x, 0, c, v[k]);
+		} else ld8(v[k], x, x_bf, c);
+#pragma unroll
+		for (int j = 0; j < 8; j++) ss += (double)v[k][j] * (double)v[k][j];
+	}
+	if (red) {
+		int warp = sub / DK_WARP, lane = sub % DK_WARP, nw = lanes / DK_WARP;
+		ss = warp_sum_d(ss);
+		if (lane == 0) red[warp] = ss;
+		__syncthreads();
+		ss = 0;
+		for (int i = 0; i < nw; i++) ss += red[i];
+	} else ss = group_sum_d(ss, lanes);
+	float mean = (float)(ss / dim);
+	float rs = 1.0f / sqrtf(mean + eps);
+#pragma unroll
+	for (int k = 0; k < RV_K; k++) {
+		int c = sub + k * lanes;
+		if (!ok || c >= nc) continue;
+		float wv[8], o[8];
+		ld8(wv, w, w_bf16, c);
+#pragma unroll
+		for (int j = 0; j < 8; j++) o[j] = (v[k][j] * rs) * wv[j];
+		st8(out, out_bf, c, o);
+	}
+	if (rstd_out && ok && sub == 0) *rstd_out = rs;
+}
+
+// k_rmsnorm_warp8: k_rmsnorm_warp's rows (dim <= 8·RV_K·32) by groups of
+// `lanes` lanes, 32/lanes rows a warp, (blockDim.x/32)·(32/lanes) rows a
+// block.
+DK_KERNEL void k_rmsnorm_warp8(void *out, int out_bf, float *rstd, const void *x, int x_bf, const float *add, const void *w, int w_bf16,
+                               i64 rows, int dim, float eps, int lanes) {
+	int lane = threadIdx.x % DK_WARP;
+	i64 row0 = ((i64)blockIdx.x * (blockDim.x / DK_WARP) + threadIdx.x / DK_WARP) * (DK_WARP / lanes);
+	if (row0 >= rows) return; // a whole warp leaves together
+	i64 row = row0 + lane / lanes;
+	bool ok = row < rows;
+	if (!ok) row = row0; // an address in range; nothing is read or written
+	rms_row8(act_ptr(out, out_bf, row * dim), out_bf, rstd ? rstd + row : 0, act_ptr(x, x_bf, row * dim), x_bf, add ? add + row * dim : 0,
+	         w, w_bf16, dim, eps, lane % lanes, lanes, ok, 0);
+}
+
+// k_rmsnorm_block8: one block per row (blockDim.x a multiple of 32, dim <=
+// 8·RV_K·blockDim.x); lanes is blockDim.x.
+DK_KERNEL void k_rmsnorm_block8(void *out, int out_bf, float *rstd, const void *x, int x_bf, const float *add, const void *w, int w_bf16,
+                                i64 rows, int dim, float eps, int lanes) {
+	__shared__ double red[32];
+	i64 row = blockIdx.x;
+	rms_row8(act_ptr(out, out_bf, row * dim), out_bf, rstd ? rstd + row : 0, act_ptr(x, x_bf, row * dim), x_bf, add ? add + row * dim : 0,
+	         w, w_bf16, dim, eps, threadIdx.x, lanes, true, red);
+}
+
 // One warp per row, blockDim.x/32 rows per block: for dim <= 1024 (head
 // norms, small models). rstd (rows) receives 1/rms, or is null.
 // add (rows, dim) F32, when not null: x (F32) += add first (AddRMSNorm).
@@ -112,7 +255,59 @@ DK_KERNEL void k_rmsnorm_rope(void *out, int out_bf, float *rstd, const void *x,
 	if (rstd && lane == 0) rstd[row] = rs;
 }
 
+// k_rmsnorm_rope8: k_rmsnorm_rope for hd = 16·nc (nc <= 32 chunks of 8
+// per half row) and 16-byte aligned x, out, w, cos and sin: a group of
+// `lanes` = nc rounded up to a power of two lanes per row, 32/lanes rows a
+// warp; lane sub < nc of a group holds chunk sub of each half, so the
+// pairs it rotates (i, i + hd/2) are its own. Same per-element formulas
+// as k_rmsnorm_rope; out may alias x (a lane reads its chunks before the
+// shuffles of the sum and writes them after).
+DK_KERNEL void k_rmsnorm_rope8(void *out, int out_bf, float *rstd, const void *x, int x_bf, const void *w, int w_bf16,
+                               const float *__restrict__ cosv, const float *__restrict__ sinv, i64 rows, int heads, int hd, float eps,
+                               int lanes) {
+	int lane = threadIdx.x % DK_WARP, sub = lane % lanes, half = hd / 2, nc = half / 8;
+	i64 row0 = ((i64)blockIdx.x * (blockDim.x / DK_WARP) + threadIdx.x / DK_WARP) * (DK_WARP / lanes);
+	if (row0 >= rows) return; // a whole warp leaves together
+	i64 row = row0 + lane / lanes;
+	bool ok = row < rows && sub < nc;
+	float a[8], b[8];
+	double ss = 0;
+	if (ok) {
+		const void *xr = act_ptr(x, x_bf, row * hd);
+		ld8(a, xr, x_bf, sub);
+		ld8(b, xr, x_bf, nc + sub);
+#pragma unroll
+		for (int j = 0; j < 8; j++) ss += (double)a[j] * (double)a[j];
+#pragma unroll
+		for (int j = 0; j < 8; j++) ss += (double)b[j] * (double)b[j];
+	}
+	ss = group_sum_d(ss, lanes);
+	float mean = (float)(ss / hd);
+	float rs = 1.0f / sqrtf(mean + eps);
+	if (!ok) return; // past the shuffles: nothing collective follows
+	i64 t = row / heads;
+	float wa[8], wb[8], c[8], s[8], lo[8], hi[8];
+	ld8(wa, w, w_bf16, sub);
+	ld8(wb, w, w_bf16, nc + sub);
+	ld8(c, cosv + t * half, 0, sub);
+	ld8(s, sinv + t * half, 0, sub);
+#pragma unroll
+	for (int j = 0; j < 8; j++) {
+		float av = (a[j] * rs) * wa[j];
+		float bv = (b[j] * rs) * wb[j];
+		lo[j] = av * c[j] - bv * s[j];
+		hi[j] = bv * c[j] + av * s[j];
+	}
+	void *orow = act_ptr(out, out_bf, row * hd);
+	st8(orow, out_bf, sub, lo);
+	st8(orow, out_bf, nc + sub, hi);
+	if (rstd && sub == 0) rstd[row] = rs;
+}
+
 DK_REGISTER(k_rmsnorm_warp)
+DK_REGISTER(k_rmsnorm_warp8)
+DK_REGISTER(k_rmsnorm_block8)
+DK_REGISTER(k_rmsnorm_rope8)
 DK_REGISTER(k_rmsnorm_rope)
 DK_REGISTER(k_rmsnorm_block)
 DK_REGISTER(k_rope_table)

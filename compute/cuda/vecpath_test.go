@@ -1,0 +1,250 @@
+package cuda
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"distill/compute"
+)
+
+// The vector kernels (k_swiglu_x8, k_rmsnorm_warp8/_block8 with and
+// without the residual add, k_rmsnorm_rope8) must give the bits of the
+// scalar kernels they stand in for where the launch site finds the sizes
+// and addresses that allow them. Each case below runs an op twice on the
+// same values: on tensors that start 16-byte aligned (the launch site
+// picks the vector kernel) and on views one element further (the scalar
+// kernel); the profile says which kernels ran, and every output is
+// compared bit for bit (a BF16 output through its exact widening).
+//
+// The vector kernels add the float64 sums of squares of their rows in
+// another fixed order; those are rounded to an fp32 mean, which hides the
+// order unless a sum lands within an ulp of a rounding boundary of the
+// fp32, and a BF16 x's squares add up exactly. The fixed seeds make any such case a stable
+// failure, not a flaky one.
+
+// vecValues are n values for the bit comparisons: U(-scale, scale) with
+// zeros, signed zeros, subnormals and large magnitudes mixed in.
+func vecValues(r *rand.Rand, n int, scale float32) []float32 {
+	v := randF32(r, n)
+	for i := range v {
+		v[i] *= scale
+		switch r.IntN(16) {
+		case 0:
+			v[i] = 0
+		case 1:
+			v[i] = float32(math.Copysign(0, -1))
+		case 2:
+			v[i] *= 1e-39 // subnormal in fp32 (BF16 keeps some too)
+		case 3:
+			v[i] *= 1e4
+		}
+	}
+	return v
+}
+
+// placed writes vals into a fresh tensor of dtype dt at element offset
+// shift of its allocation: 0 is 16-byte aligned, 1 is not (2 or 4 bytes
+// past).
+func placed(be *Backend, dt compute.DType, vals []float32, shift int) compute.Tensor {
+	v := be.View(be.New(dt, len(vals)+shift), shift, len(vals))
+	be.WriteF32(v, vals)
+	return v
+}
+
+// rawBits are the bits of t's n elements as float32 (BF16 widens exactly,
+// so its bits are the high halves).
+func rawBits(be *Backend, t compute.Tensor, n int) []uint32 {
+	f := readF32(be, t, n)
+	out := make([]uint32, n)
+	for i, x := range f {
+		out[i] = math.Float32bits(x)
+	}
+	return out
+}
+
+// checkVecPath runs run(0) (aligned: the kernels vec must run) and run(1)
+// (unaligned: the kernels scalar, and none of vec) and compares the
+// outputs each returns bit for bit.
+func checkVecPath(t *testing.T, be *Backend, what string, vec, scalar []string, run func(shift int) [][]uint32) {
+	t.Helper()
+	ran := func(shift int, want, not []string) {
+		t.Helper()
+		var names []string
+		for _, e := range be.Profile() {
+			names = append(names, e.Name)
+		}
+		for _, k := range want {
+			if !slices.Contains(names, k) {
+				t.Fatalf("%s (shift %d): %s did not run; the kernels were %v", what, shift, k, names)
+			}
+		}
+		for _, k := range not {
+			if slices.Contains(names, k) {
+				t.Fatalf("%s (shift %d): %s ran; the kernels were %v", what, shift, k, names)
+			}
+		}
+	}
+	be.Profile() // reset
+	got := run(0)
+	ran(0, vec, scalar)
+	want := run(1)
+	ran(1, scalar, vec)
+	for o := range want {
+		bad, first := 0, -1
+		for i := range want[o] {
+			if got[o][i] != want[o][i] {
+				if first < 0 {
+					first = i
+				}
+				bad++
+			}
+		}
+		if bad > 0 {
+			i := first
+			t.Errorf("%s output %d: %d of %d elements differ from the scalar kernel's; first [%d] = %#08x (%g), scalar %#08x (%g)", what, o, bad,
+				len(want[o]), i, got[o][i], math.Float32frombits(got[o][i]), want[o][i], math.Float32frombits(want[o][i]))
+		}
+	}
+}
+
+func dtName(bf bool) string {
+	if bf {
+		return "bf16"
+	}
+	return "f32"
+}
+
+func dtOf(bf bool) compute.DType {
+	if bf {
+		return compute.BF16
+	}
+	return compute.F32
+}
+
+func TestVecSwiGLUBitIdentical(t *testing.T) {
+	be := testBackendWith(t, Options{Profile: true})
+	r := rand.New(rand.NewPCG(41, 42))
+	for _, n := range []int{8, 64, 10000, 8 * 4099} {
+		g, u := vecValues(r, n, 6), vecValues(r, n, 2)
+		for i := 0; i < min(n, 20); i++ {
+			g[i] = float32(-90 + 9*i) // saturating gates
+		}
+		g[n-1] = float32(math.Inf(-1))
+		for _, dt := range [][3]bool{{true, true, true}, {false, false, false}, {true, false, false}, {false, true, true}} {
+			ob, gb, ub := dt[0], dt[1], dt[2]
+			for _, inPlace := range []bool{false, true} {
+				if inPlace && ob != gb {
+					continue
+				}
+				what := fmt.Sprintf("swiglu n=%d out %s gate %s up %s in place %v", n, dtName(ob), dtName(gb), dtName(ub), inPlace)
+				checkVecPath(t, be, what, []string{"k_swiglu_x8"}, []string{"k_swiglu"}, func(shift int) [][]uint32 {
+					gt, ut := placed(be, dtOf(gb), g, shift), placed(be, dtOf(ub), u, shift)
+					out := gt
+					if !inPlace {
+						out = placed(be, dtOf(ob), make([]float32, n), shift)
+					}
+					be.SwiGLU(out, gt, ut, n)
+					return [][]uint32{rawBits(be, out, n)}
+				})
+			}
+		}
+	}
+}
+
+// vecNormShapes are (rows, dim) that take each geometry of the 8-wide
+// RMSNorm kernels (rmsnormVecLaunch): groups of 1, 4, 8 and 32 lanes with
+// chunks left over in the last k, rows that end inside a warp, and the
+// block kernel.
+var vecNormShapes = [][2]int{{1, 8}, {5, 24}, {37, 128}, {9, 136}, {13, 1024}, {11, 520}, {3, 1032}, {2, 4096}, {1, 8192}}
+
+func TestVecRMSNormBitIdentical(t *testing.T) {
+	be := testBackendWith(t, Options{Profile: true})
+	r := rand.New(rand.NewPCG(43, 44))
+	for _, sh := range vecNormShapes {
+		rows, dim := sh[0], sh[1]
+		l, _, _ := rmsnormVecLaunch(rows, dim)
+		scalar := rmsnormLaunch(rows, dim).kernel
+		x, add := vecValues(r, rows*dim, 3), vecValues(r, rows*dim, 1)
+		wv := vecValues(r, dim, 1.5)
+		_, wh := roundBF16(wv)
+		wb, err := be.Weight(wh)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, w := range []compute.Tensor{wb, be.FromF32(wv)} {
+			for _, xbf := range []bool{true, false} {
+				for _, inPlace := range []bool{false, true} {
+					what := fmt.Sprintf("rmsnorm %dx%d x %s w %v in place %v", rows, dim, dtName(xbf), w.DType(), inPlace)
+					checkVecPath(t, be, what, []string{l.kernel}, []string{scalar}, func(shift int) [][]uint32 {
+						xt := placed(be, dtOf(xbf), x, shift)
+						out := xt
+						if !inPlace {
+							out = placed(be, dtOf(xbf), make([]float32, rows*dim), shift)
+						}
+						rstd := be.New(compute.F32, rows)
+						be.RMSNorm(out, rstd, xt, w, rows, dim, 1e-6)
+						return [][]uint32{rawBits(be, out, rows*dim), rawBits(be, rstd, rows)}
+					})
+				}
+				// The residual add: a (F32) += b, written back, normed into
+				// out (BF16 or F32).
+				what := fmt.Sprintf("addrmsnorm %dx%d out %s w %v", rows, dim, dtName(xbf), w.DType())
+				checkVecPath(t, be, what, []string{l.kernel}, []string{scalar}, func(shift int) [][]uint32 {
+					a, b := placed(be, compute.F32, x, shift), placed(be, compute.F32, add, shift)
+					out := placed(be, dtOf(xbf), make([]float32, rows*dim), shift)
+					rstd := be.New(compute.F32, rows)
+					be.AddRMSNorm(out, rstd, a, b, w, rows, dim, 1e-6)
+					return [][]uint32{rawBits(be, out, rows*dim), rawBits(be, a, rows*dim), rawBits(be, rstd, rows)}
+				})
+			}
+		}
+	}
+}
+
+func TestVecRMSNormRoPEBitIdentical(t *testing.T) {
+	be := testBackendWith(t, Options{Profile: true})
+	r := rand.New(rand.NewPCG(45, 46))
+	// head_dim 16..512: groups of 1 to 32 lanes; 48 and 96 leave lanes of
+	// their group idle; 7·3 rows end inside a warp.
+	for _, hd := range []int{16, 48, 64, 96, 128, 256, 512} {
+		tokens, heads := 7, 3
+		rows := tokens * heads
+		x := vecValues(r, rows*hd, 3)
+		wv := vecValues(r, hd, 1.5)
+		_, wh := roundBF16(wv)
+		wb, err := be.Weight(wh)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pos := []int32{0, 1, 2, 3, 500, 4095, 30000}
+		inv := make([]float32, hd/2)
+		for i := range inv {
+			inv[i] = float32(1 / math.Pow(1e6, float64(2*i)/float64(hd)))
+		}
+		cs, sn := ropeTable(pos, inv)
+		for _, w := range []compute.Tensor{wb, be.FromF32(wv)} {
+			for _, dt := range [][2]bool{{true, true}, {false, false}, {false, true}} {
+				xbf, obf := dt[0], dt[1]
+				for _, inPlace := range []bool{false, true} {
+					if inPlace && xbf != obf {
+						continue
+					}
+					what := fmt.Sprintf("rmsnorm_rope hd=%d x %s out %s w %v in place %v", hd, dtName(xbf), dtName(obf), w.DType(), inPlace)
+					checkVecPath(t, be, what, []string{"k_rmsnorm_rope8"}, []string{"k_rmsnorm_rope"}, func(shift int) [][]uint32 {
+						xt := placed(be, dtOf(xbf), x, shift)
+						out := xt
+						if !inPlace {
+							out = placed(be, dtOf(obf), make([]float32, rows*hd), shift)
+						}
+						rstd := be.New(compute.F32, rows)
+						be.RMSNormRoPE(out, rstd, xt, w, be.FromF32(cs), be.FromF32(sn), tokens, heads, hd, 1e-6)
+						return [][]uint32{rawBits(be, out, rows*hd), rawBits(be, rstd, rows)}
+					})
+				}
+			}
+		}
+	}
+}
