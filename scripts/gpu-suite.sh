@@ -304,9 +304,12 @@ s_train-resume() {
   STEP_DIR=train/trainer step train-resume 80 "$TT" -test.v -test.count=1 -test.timeout=75s -test.run 'TestCUDAResume|TestCUDAMoEStudent'
 }
 
+# TRAIN_BENCH_FLAGS: more flags for the benchmark binary (e.g.
+# "-test.cpuprofile $OUT/train-cpu.pprof -test.benchtime 4x": where the
+# host's time goes in the steps).
 s_train-bench() {
   DISTILL_BENCH_OUT="$OUT" STEP_DIR=train/trainer step train-bench 170 "$TT" -test.run '^$' -test.bench 'CUDATrainStep' \
-    -test.benchtime 1x -test.timeout 165s
+    -test.benchtime 1x -test.timeout 165s ${TRAIN_BENCH_FLAGS:-}
 }
 
 s_train-peer() {
