@@ -137,7 +137,9 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"sort"
+	"runtime"
+	"slices"
+	"sync"
 
 	"distill/compute"
 )
@@ -347,10 +349,12 @@ type Head struct {
 	TileCols int
 
 	// Per counted position (M of them), reused across calls.
-	rows, labs []int32 // (M) index into the batch, label id
-	ids        []int32 // (M,K) teacher ids in ascending order
-	order      []int32 // (M,K) rank j of the c-th ascending id
-	stamp      []int32 // (V) duplicate-id detector
+	rows, labs []int32   // (M) index into the batch, label id
+	ids        []int32   // (M,K) teacher ids in ascending order
+	order      []int32   // (M,K) rank j of the c-th ascending id
+	stamp      []int32   // (V) duplicate-id detector
+	rowD       []float64 // (M) a position's divergence (singleCoefs)
+	rowCE      []float64 // (M) a position's CE
 
 	// Multi-teacher scratch (multi.go).
 	ustamp, slot []int32 // (V) union membership of the row, column of an id
@@ -419,6 +423,13 @@ func head(s []int32) []int32 {
 func growI(b []int32, n int) []int32 {
 	if cap(b) < n {
 		return make([]int32, n)
+	}
+	return b[:n]
+}
+
+func growF(b []float64, n int) []float64 {
+	if cap(b) < n {
+		return make([]float64, n)
 	}
 	return b[:n]
 }
@@ -512,15 +523,25 @@ func (h *Head) sortTeacherRows(tg *Targets, opt *Options, K int) error {
 		if err := h.checkTeacherRow(-1, t, row, tg.TopLP[int(t)*K:int(t+1)*K], int32(n+1), opt.sparse()); err != nil {
 			return err
 		}
-		o := h.order[n*K : (n+1)*K]
-		for j := range o {
-			o[j] = int32(j)
-		}
-		sort.Slice(o, func(a, b int) bool { return row[o[a]] < row[o[b]] })
-		for c, j := range o {
-			h.ids[n*K+c] = row[j]
-		}
 	}
+	// The checked ids are distinct and in [0, V): each row sorts as
+	// integer keys id<<32 | rank (no comparison closure), its rows on
+	// several goroutines (on a GPU this runs while the device computes
+	// the forward: 24 ms for 8192 positions at k = 64 with sort.Slice).
+	forRanges(len(h.rows), func(lo, hi int) {
+		keys := make([]int64, K)
+		for n := lo; n < hi; n++ {
+			t := h.rows[n]
+			row := tg.TopIDs[int(t)*K : int(t+1)*K]
+			for j, id := range row {
+				keys[j] = int64(id)<<32 | int64(j)
+			}
+			slices.Sort(keys)
+			for c, key := range keys {
+				h.order[n*K+c], h.ids[n*K+c] = int32(key&0xffffffff), int32(key>>32)
+			}
+		}
+	})
 	return nil
 }
 
@@ -562,31 +583,68 @@ func teacherName(teacher int) string {
 // singleCoefs is the per-position loss and gradient coefficients of one
 // teacher (K 0: CE only), in float64, written to co with the scale wn =
 // kd weight / norm; it returns the sums of the divergence and of the CE.
+// The positions are independent: goroutines take ranges of them (on a GPU
+// this host work runs while the device waits between the loss head's
+// forward and backward: 13 ms for 8192 positions at k = 64 on one core),
+// and the sums add the per-position terms in position order, as one
+// loop would.
 func (h *Head) singleCoefs(ps *compute.LossStats, tg *Targets, opt *Options, K int, wn float64, co *coefs) (kd, ce float64) {
-	m := newKDMath(opt, K)
-	scale := wn * m.invT
-	for r := range h.rows {
-		ce += co.keepLse(ps, r)
-		if K == 0 {
-			continue
+	M := len(h.rows)
+	h.rowD, h.rowCE = growF(h.rowD, M), growF(h.rowCE, M)
+	forRanges(M, func(lo, hi int) {
+		m := newKDMath(opt, K)
+		scale := wn * m.invT
+		for r := lo; r < hi; r++ {
+			h.rowCE[r] = co.keepLse(ps, r)
+			if K == 0 {
+				continue
+			}
+			t := int(h.rows[r])
+			o := h.order[r*K : (r+1)*K]
+			for c, j := range o {
+				m.zK[j] = float64(ps.ZK[r*K+c])
+			}
+			qTail := 0.0
+			if opt.Tail == Bucket {
+				qTail = ps.Tail[r]
+			}
+			D, H, out := m.term(tg.TopLP[t*K:(t+1)*K], ps.LseT[r], qTail)
+			h.rowD[r] = D
+			for ci, j := range o {
+				co.cK[r*K+ci] = float32(scale * m.coefK(int(j), H))
+			}
+			co.a[r] = clampCoef(scale * out)
 		}
-		t := int(h.rows[r])
-		o := h.order[r*K : (r+1)*K]
-		for c, j := range o {
-			m.zK[j] = float64(ps.ZK[r*K+c])
+	})
+	for r := 0; r < M; r++ {
+		ce += h.rowCE[r]
+		if K > 0 {
+			kd += h.rowD[r]
 		}
-		qTail := 0.0
-		if opt.Tail == Bucket {
-			qTail = ps.Tail[r]
-		}
-		D, H, out := m.term(tg.TopLP[t*K:(t+1)*K], ps.LseT[r], qTail)
-		kd += D
-		for ci, j := range o {
-			co.cK[r*K+ci] = float32(scale * m.coefK(int(j), H))
-		}
-		co.a[r] = clampCoef(scale * out)
 	}
 	return kd, ce
+}
+
+// forRanges calls f on consecutive ranges [lo, hi) covering [0, n), from
+// up to GOMAXPROCS goroutines when n is large enough to pay for them, and
+// returns when all are done. f must write only its own range's outputs.
+func forRanges(n int, f func(lo, hi int)) {
+	const minRange = 512
+	workers := min(runtime.GOMAXPROCS(0), n/minRange)
+	if workers <= 1 {
+		f(0, n)
+		return
+	}
+	var wg sync.WaitGroup
+	for w := 0; w < workers; w++ {
+		lo, hi := n*w/workers, n*(w+1)/workers
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			f(lo, hi)
+		}()
+	}
+	wg.Wait()
 }
 
 // countRows sets h.rows and h.labs to the counted positions: t -> label
