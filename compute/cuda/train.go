@@ -135,7 +135,12 @@ func (b *Backend) FakeQuantNVFP4(dstT, srcT compute.Tensor, rows, cols int, amax
 	if d != nil && d.bf != 0 {
 		db = d.bf
 	}
-	b.ew("k_fakequant_nvfp4", nb, dptr(dst.p), bf16Flag(dst), dptr(src.p), bf16Flag(src), int64(rows), int32(cols), compute.NVFP4GlobalScale(amax), dptr(db))
+	if cols%16 == 0 { // whole blocks: a thread an element (k_fakequant_nvfp4_lanes)
+		n := int64(rows) * int64(cols)
+		b.ew("k_fakequant_nvfp4_lanes", n, dptr(dst.p), bf16Flag(dst), dptr(src.p), bf16Flag(src), n, compute.NVFP4GlobalScale(amax), dptr(db))
+	} else {
+		b.ew("k_fakequant_nvfp4", nb, dptr(dst.p), bf16Flag(dst), dptr(src.p), bf16Flag(src), int64(rows), int32(cols), compute.NVFP4GlobalScale(amax), dptr(db))
+	}
 	if db != 0 {
 		d.bfVer = d.ver
 	}
@@ -192,8 +197,12 @@ func (b *Backend) colSum(dst, src, x uint64, xbf int32, rstd uint64, rows, cols 
 	chunk := colChunk(rows)
 	np := (rows + chunk - 1) / chunk
 	part := b.alloc(int64(np) * int64(cols) * 8)
-	b.launchKernel(launch{kernel: "k_colsum_part", grid: [3]int{(cols + 255) / 256, np, 1}, block: 256},
-		dptr(part), dptr(src), dptr(x), xbf, dptr(rstd), int64(rows), int32(cols), int32(chunk))
+	l := launch{kernel: "k_colsum_part", grid: [3]int{(cols + 255) / 256, np, 1}, block: 256}
+	if cols%4 == 0 && aligned16(src) && aligned16(x) {
+		// Four columns a thread, 16-byte loads, 8 rows in flight a column.
+		l = launch{kernel: "k_colsum_part4", grid: [3]int{(cols + 127) / 128, np, 1}, block: 256}
+	}
+	b.launchKernel(l, dptr(part), dptr(src), dptr(x), xbf, dptr(rstd), int64(rows), int32(cols), int32(chunk))
 	b.ew("k_colsum_finish", int64(cols), dptr(dst), dptr(part), int32(np), int32(cols))
 	b.free(part)
 }
@@ -230,10 +239,15 @@ func (b *Backend) RMSNormBackward(dxT, dwT, doutT, xT, wT, rstdT compute.Tensor,
 	if rows == 0 || dim == 0 {
 		return
 	}
-	l := rmsnormLaunch(rows, dim)
-	l.kernel = map[string]string{"k_rmsnorm_warp": "k_rmsnorm_bwd_warp", "k_rmsnorm_block": "k_rmsnorm_bwd_block"}[l.kernel]
 	wp, wb := weightArg(w)
-	b.launchKernel(l, dptr(dx.p), dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim))
+	if l, lanes, ok := rmsnormVecLaunch(rows, dim, dx.p, dout.p, x.p, w.p); ok {
+		l.kernel = map[string]string{"k_rmsnorm_warp8": "k_rmsnorm_bwd_warp8", "k_rmsnorm_block8": "k_rmsnorm_bwd_block8"}[l.kernel]
+		b.launchKernel(l, dptr(dx.p), dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim), lanes)
+	} else {
+		l := rmsnormLaunch(rows, dim)
+		l.kernel = map[string]string{"k_rmsnorm_warp": "k_rmsnorm_bwd_warp", "k_rmsnorm_block": "k_rmsnorm_bwd_block"}[l.kernel]
+		b.launchKernel(l, dptr(dx.p), dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim))
+	}
 	b.colSum(dw.p, dout.p, x.p, bf16Flag(x), rstd.p, rows, dim)
 }
 
@@ -264,6 +278,10 @@ func (b *Backend) SwiGLUBackward(dgT, duT, doutT, gT, uT compute.Tensor, n int) 
 		what string
 	}{{dg, "SwiGLUBackward dgate"}, {du, "SwiGLUBackward dup"}, {dout, "SwiGLUBackward dout"}} {
 		need(x.t, x.what, n, compute.F32)
+	}
+	if n%8 == 0 && aligned16(dg.p) && aligned16(du.p) && aligned16(dout.p) && aligned16(g.p) && aligned16(u.p) {
+		b.ew("k_swiglu_bwd_x8", int64(n/8), dptr(dg.p), dptr(du.p), dptr(dout.p), dptr(g.p), bf16Flag(g), dptr(u.p), bf16Flag(u), int64(n/8))
+		return
 	}
 	b.ew("k_swiglu_bwd", int64(n), dptr(dg.p), dptr(du.p), dptr(dout.p), dptr(g.p), bf16Flag(g), dptr(u.p), bf16Flag(u), int64(n))
 }

@@ -11,7 +11,8 @@ import (
 )
 
 // The vector kernels (k_swiglu_x8, k_rmsnorm_warp8/_block8 with and
-// without the residual add, k_rmsnorm_rope8) must give the bits of the
+// without the residual add, k_rmsnorm_rope8, k_swiglu_bwd_x8,
+// k_rmsnorm_bwd_warp8/_block8, k_colsum_part4) must give the bits of the
 // scalar kernels they stand in for where the launch site finds the sizes
 // and addresses that allow them. Each case below runs an op twice on the
 // same values: on tensors that start 16-byte aligned (the launch site
@@ -19,10 +20,11 @@ import (
 // kernel); the profile says which kernels ran, and every output is
 // compared bit for bit (a BF16 output through its exact widening).
 //
-// The vector kernels add the float64 sums of squares of their rows in
-// another fixed order; those are rounded to an fp32 mean, which hides the
-// order unless a sum lands within an ulp of a rounding boundary of the
-// fp32, and a BF16 x's squares add up exactly. The fixed seeds make any such case a stable
+// The vector kernels add the float64 sums of their rows and columns
+// (RMSNorm's sum of squares and dot, the column sums) in another fixed
+// order; those are rounded to fp32, which hides the order unless a sum
+// lands within an ulp of a rounding boundary of the fp32, and a BF16 x's
+// squares add up exactly. The fixed seeds make any such case a stable
 // failure, not a flaky one.
 
 // vecValues are n values for the bit comparisons: U(-scale, scale) with
@@ -246,5 +248,75 @@ func TestVecRMSNormRoPEBitIdentical(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+func TestVecSwiGLUBackwardBitIdentical(t *testing.T) {
+	be := testBackendWith(t, Options{Profile: true})
+	r := rand.New(rand.NewPCG(47, 48))
+	for _, n := range []int{8, 10000, 8 * 4099} {
+		g, u, d := vecValues(r, n, 6), vecValues(r, n, 2), vecValues(r, n, 1)
+		dg0, du0 := vecValues(r, n, 1), vecValues(r, n, 1)
+		for _, bf := range []bool{true, false} {
+			what := fmt.Sprintf("swiglu_bwd n=%d g, u %s", n, dtName(bf))
+			checkVecPath(t, be, what, []string{"k_swiglu_bwd_x8"}, []string{"k_swiglu_bwd"}, func(shift int) [][]uint32 {
+				dg, du := placed(be, compute.F32, dg0, shift), placed(be, compute.F32, du0, shift)
+				be.SwiGLUBackward(dg, du, placed(be, compute.F32, d, shift), placed(be, dtOf(bf), g, shift), placed(be, dtOf(bf), u, shift), n)
+				return [][]uint32{rawBits(be, dg, n), rawBits(be, du, n)}
+			})
+		}
+	}
+}
+
+func TestVecRMSNormBackwardBitIdentical(t *testing.T) {
+	be := testBackendWith(t, Options{Profile: true})
+	r := rand.New(rand.NewPCG(49, 50))
+	// The q/k norms' shape too: many rows of a head's 128.
+	for _, sh := range append(slices.Clone(vecNormShapes), [2]int{1000, 128}) {
+		rows, dim := sh[0], sh[1]
+		l, _, _ := rmsnormVecLaunch(rows, dim)
+		vec := map[string]string{"k_rmsnorm_warp8": "k_rmsnorm_bwd_warp8", "k_rmsnorm_block8": "k_rmsnorm_bwd_block8"}[l.kernel]
+		scalar := map[string]string{"k_rmsnorm_warp": "k_rmsnorm_bwd_warp", "k_rmsnorm_block": "k_rmsnorm_bwd_block"}[rmsnormLaunch(rows, dim).kernel]
+		x, d, dx0 := vecValues(r, rows*dim, 3), vecValues(r, rows*dim, 1), vecValues(r, rows*dim, 1)
+		dw0, wv := vecValues(r, dim, 1), vecValues(r, dim, 1.5)
+		rs := make([]float32, rows)
+		for i := range rs {
+			rs[i] = 0.25 + r.Float32()
+		}
+		_, wh := roundBF16(wv)
+		wb, err := be.Weight(wh)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, w := range []compute.Tensor{wb, be.FromF32(wv)} {
+			for _, xbf := range []bool{true, false} {
+				what := fmt.Sprintf("rmsnorm_bwd %dx%d x %s w %v", rows, dim, dtName(xbf), w.DType())
+				checkVecPath(t, be, what, []string{vec, "k_colsum_part4"}, []string{scalar, "k_colsum_part"}, func(shift int) [][]uint32 {
+					dx, dw := placed(be, compute.F32, dx0, shift), placed(be, compute.F32, dw0, shift)
+					be.RMSNormBackward(dx, dw, placed(be, compute.F32, d, shift), placed(be, dtOf(xbf), x, shift), w, be.FromF32(rs), rows, dim)
+					return [][]uint32{rawBits(be, dx, rows*dim), rawBits(be, dw, dim)}
+				})
+			}
+		}
+	}
+}
+
+// TestVecColSumBitIdentical: the column sums without x (a bias's
+// gradient), cols not a multiple of the 128 of a block.
+func TestVecColSumBitIdentical(t *testing.T) {
+	be := testBackendWith(t, Options{Profile: true})
+	r := rand.New(rand.NewPCG(51, 52))
+	for _, sh := range [][2]int{{1, 4}, {300, 132}, {70, 1028}, {5000, 8}} {
+		rows, cols := sh[0], sh[1]
+		src, dst0 := vecValues(r, rows*cols, 1), vecValues(r, cols, 1)
+		what := fmt.Sprintf("colsum %dx%d", rows, cols)
+		checkVecPath(t, be, what, []string{"k_colsum_part4"}, []string{"k_colsum_part"}, func(shift int) [][]uint32 {
+			dst, s := placed(be, compute.F32, dst0, shift), placed(be, compute.F32, src, shift)
+			func() {
+				defer be.enter()()
+				be.colSum(be.ten(dst, "dst").p, be.ten(s, "src").p, 0, 0, 0, rows, cols)
+			}()
+			return [][]uint32{rawBits(be, dst, cols)}
+		})
 	}
 }

@@ -6,15 +6,125 @@
 // chunks in index order. The embedding's backward adds the rows of dout
 // into the table in token order, one thread per column. No atomics.
 
+// --- Vector access, for the 8- and 4-wide variants below (the host checks
+// their alignment and sizes; the scalar kernels stay the fallback). The
+// same helpers as norm_rope.cu's: each file compiles alone.
+
+// 16 bytes: 8 BF16 or 4 F32; 8 bytes: 4 BF16.
+struct __align__(16) dk_u4 {
+	u32 x, y, z, w;
+};
+struct __align__(16) dk_f4 {
+	float x, y, z, w;
+};
+struct __align__(8) dk_u2 {
+	u32 lo, hi;
+};
+
+// ld8 reads elements 8c..8c+7 of p, BF16 (bf set: one 16-byte load) or
+// F32 (two), as fp32; st8 writes them (a BF16 store rounds each once). p
+// must be 16-byte aligned. BF16 element 2j is the low half of word j
+// (little-endian, as an element-wise u16 access sees it).
+DK_DEV void ld8(float v[8], const void *p, int bf, i64 c) {
+	if (bf) {
+		dk_u4 q = ((const dk_u4 *)p)[c];
+		u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+		for (int j = 0; j < 4; j++) {
+			v[2 * j] = bf2f((u16)(w[j] & 0xffff));
+			v[2 * j + 1] = bf2f((u16)(w[j] >> 16));
+		}
+	} else {
+		dk_f4 a = ((const dk_f4 *)p)[2 * c], b = ((const dk_f4 *)p)[2 * c + 1];
+		v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+		v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+	}
+}
+DK_DEV void st8(void *p, int bf, i64 c, const float v[8]) {
+	if (bf) {
+		dk_u4 q;
+		q.x = (u32)f2bf(v[0]) | ((u32)f2bf(v[1]) << 16);
+		q.y = (u32)f2bf(v[2]) | ((u32)f2bf(v[3]) << 16);
+		q.z = (u32)f2bf(v[4]) | ((u32)f2bf(v[5]) << 16);
+		q.w = (u32)f2bf(v[6]) | ((u32)f2bf(v[7]) << 16);
+		((dk_u4 *)p)[c] = q;
+	} else {
+		dk_f4 a, b;
+		a.x = v[0], a.y = v[1], a.z = v[2], a.w = v[3];
+		b.x = v[4], b.y = v[5], b.z = v[6], b.w = v[7];
+		((dk_f4 *)p)[2 * c] = a;
+		((dk_f4 *)p)[2 * c + 1] = b;
+	}
+}
+
+// ld4 reads elements 4c..4c+3 of p: one 8-byte load (BF16) or one
+// 16-byte load (F32); p 16-byte aligned.
+DK_DEV void ld4(float v[4], const void *p, int bf, i64 c) {
+	if (bf) {
+		dk_u2 q = ((const dk_u2 *)p)[c];
+		v[0] = bf2f((u16)(q.lo & 0xffff)), v[1] = bf2f((u16)(q.lo >> 16));
+		v[2] = bf2f((u16)(q.hi & 0xffff)), v[3] = bf2f((u16)(q.hi >> 16));
+	} else {
+		dk_f4 a = ((const dk_f4 *)p)[c];
+		v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+	}
+}
+
+// group_sum_d sums v over an aligned group of `lanes` lanes of the warp (a
+// power of two, at most 32; every lane of the warp calls it with the same
+// lanes): xor shuffles, so each lane of the group gets the same bits.
+DK_DEV double group_sum_d(double v, int lanes) {
+	for (int m = lanes >> 1; m > 0; m >>= 1) v += __shfl_xor_sync(DK_FULL, v, m);
+	return v;
+}
+
+// fresh returns v as a value the compiler cannot trace to where it came
+// from. A vector kernel that keeps an operand in a register for a second
+// pass gives it to fresh there, so that the second pass's products are
+// computed anew, as in the scalar kernels, which reload their operands:
+// whether NVRTC fuses a product into an add (FMA contraction, on by
+// default) depends on the product's other uses, and a product shared with
+// the first pass could round differently.
+#ifdef DISTILL_EMU
+DK_DEV float fresh(float v) { return v; }
+#else
+DK_DEV float fresh(float v) {
+	asm volatile("" : "+f"(v));
+	return v;
+}
+#endif
+
 // SwiGLU: du += dout·silu(g), dg += dout·u·σ(g)·(1 + g·(1-σ(g))), as
-// compute/cpu's k_swiglu_bwd. g and u are BF16 (their flag set) or F32.
+// compute/cpu's k_swiglu_bwd: swiglu_bwd1 is one element, the scalar and
+// the 8-wide kernel's.
+DK_DEV void swiglu_bwd1(float &dg, float &du, float d, float gv, float uv) {
+	float sg = 1.0f / (1.0f + expf(-gv));
+	du += d * gv * sg;
+	dg += d * uv * sg * (1.0f + gv * (1.0f - sg));
+}
+
+// g and u are BF16 (their flag set) or F32.
 DK_KERNEL void k_swiglu_bwd(float *__restrict__ dg, float *__restrict__ du, const float *__restrict__ dout, const void *__restrict__ g,
                             int g_bf, const void *__restrict__ u, int u_bf, i64 n) {
-	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-		float gv = ld_act(g, g_bf, i), d = dout[i];
-		float sg = 1.0f / (1.0f + expf(-gv));
-		du[i] += d * gv * sg;
-		dg[i] += d * ld_act(u, u_bf, i) * sg * (1.0f + gv * (1.0f - sg));
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+		swiglu_bwd1(dg[i], du[i], dout[i], ld_act(g, g_bf, i), ld_act(u, u_bf, i));
+}
+
+// k_swiglu_bwd eight elements at a time (n = 8·n8, every tensor 16-byte
+// aligned): 16-byte accesses instead of an element's 2 or 4 bytes.
+DK_KERNEL void k_swiglu_bwd_x8(float *__restrict__ dg, float *__restrict__ du, const float *__restrict__ dout, const void *__restrict__ g,
+                               int g_bf, const void *__restrict__ u, int u_bf, i64 n8) {
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (i64)gridDim.x * blockDim.x) {
+		float a[8], b[8], d[8], gv[8], uv[8];
+		ld8(d, dout, 0, i);
+		ld8(gv, g, g_bf, i);
+		ld8(uv, u, u_bf, i);
+		ld8(a, dg, 0, i);
+		ld8(b, du, 0, i);
+#pragma unroll
+		for (int j = 0; j < 8; j++) swiglu_bwd1(a[j], b[j], d[j], gv[j], uv[j]);
+		st8(dg, 0, i, a);
+		st8(du, 0, i, b);
 	}
 }
 
@@ -39,13 +149,19 @@ DK_KERNEL void k_rope_table_bwd(float *x, const float *__restrict__ cosv, const 
 // row (nt = blockDim.x): with xh = x·rstd,
 // dx += rstd·(dout·w - xh·mean(dout·w·xh)), the mean's sum in float64.
 // x (the row's start) is BF16 (x_bf) or F32.
+// rms_bwd_dot1 is one element's term of the mean's sum, dout·w·xh;
+// rms_bwd1 one element's dx with the mean m: the scalar and the 8-wide
+// kernels' formulas.
+DK_DEV float rms_bwd_dot1(float d, float wv, float xv, float rs) {
+	float xh = xv * rs;
+	return d * wv * xh;
+}
+DK_DEV float rms_bwd1(float dx, float d, float wv, float xv, float rs, float m) { return dx + rs * (d * wv - xv * rs * m); }
+
 DK_DEV void rms_bwd_row(float *dx, const float *d, const void *x, int x_bf, const void *w, int w_bf16, float rs, int dim, int tid,
                         int nt, double *red) {
 	double dot = 0;
-	for (int i = tid; i < dim; i += nt) {
-		float xh = ld_act(x, x_bf, i) * rs;
-		dot += (double)(d[i] * load_w(w, w_bf16, i) * xh);
-	}
+	for (int i = tid; i < dim; i += nt) dot += (double)rms_bwd_dot1(d[i], load_w(w, w_bf16, i), ld_act(x, x_bf, i), rs);
 	dot = warp_sum_d(dot);
 	if (nt > DK_WARP) {
 		int warp = tid / DK_WARP, lane = tid % DK_WARP, nw = nt / DK_WARP;
@@ -55,7 +171,7 @@ DK_DEV void rms_bwd_row(float *dx, const float *d, const void *x, int x_bf, cons
 		for (int i = 0; i < nw; i++) dot += red[i];
 	}
 	float m = (float)(dot / dim);
-	for (int i = tid; i < dim; i += nt) dx[i] += rs * (d[i] * load_w(w, w_bf16, i) - ld_act(x, x_bf, i) * rs * m);
+	for (int i = tid; i < dim; i += nt) dx[i] = rms_bwd1(dx[i], d[i], load_w(w, w_bf16, i), ld_act(x, x_bf, i), rs, m);
 }
 
 DK_KERNEL void k_rmsnorm_bwd_warp(float *dx, const float *dout, const void *x, int x_bf, const void *w, int w_bf16, const float *rstd,
@@ -72,6 +188,78 @@ DK_KERNEL void k_rmsnorm_bwd_block(float *dx, const float *dout, const void *x, 
 	i64 row = blockIdx.x;
 	rms_bwd_row(dx + row * dim, dout + row * dim, act_ptr(x, x_bf, row * dim), x_bf, w, w_bf16, rstd[row], dim, threadIdx.x, blockDim.x,
 	            red);
+}
+
+// RV_K is the most chunks of 8 elements a thread of the 8-wide kernels
+// holds (rmsVecK in ops.go; norm_rope.cu's RV_K): thread sub of a row's
+// group of `lanes` threads holds chunks sub + k·lanes, k < RV_K.
+#define RV_K 4
+
+// rms_bwd_row8 is rms_bwd_row with 16-byte accesses (dim a multiple of 8,
+// 16-byte aligned rows), for a group of `lanes` threads: a warp's aligned
+// group (red null; ok false for lanes past the rows, which take part in
+// the shuffles only) or the block (red, lanes = blockDim.x). dout and x
+// stay in registers between the two passes; the dot's float64 sum is added
+// in another fixed order, each element's math is rms_bwd_dot1 and
+// rms_bwd1 as in rms_bwd_row.
+DK_DEV void rms_bwd_row8(float *dx, const float *d, const void *x, int x_bf, const void *w, int w_bf16, float rs, int dim, int sub,
+                         int lanes, bool ok, double *red) {
+	int nc = dim / 8;
+	float dv[RV_K][8], xv[RV_K][8];
+	double dot = 0;
+#pragma unroll
+	for (int k = 0; k < RV_K; k++) {
+		int c = sub + k * lanes;
+		if (!ok || c >= nc) continue;
+		float wv[8];
+		ld8(dv[k], d, 0, c);
+		ld8(xv[k], x, x_bf, c);
+		ld8(wv, w, w_bf16, c);
+#pragma unroll
+		for (int j = 0; j < 8; j++) dot += (double)rms_bwd_dot1(dv[k][j], wv[j], xv[k][j], rs);
+	}
+	if (red) {
+		int warp = sub / DK_WARP, lane = sub % DK_WARP, nw = lanes / DK_WARP;
+		dot = warp_sum_d(dot);
+		if (lane == 0) red[warp] = dot;
+		__syncthreads();
+		dot = 0;
+		for (int i = 0; i < nw; i++) dot += red[i];
+	} else dot = group_sum_d(dot, lanes);
+	float m = (float)(dot / dim);
+#pragma unroll
+	for (int k = 0; k < RV_K; k++) {
+		int c = sub + k * lanes;
+		if (!ok || c >= nc) continue;
+		float wv[8], o[8];
+		ld8(wv, w, w_bf16, c);
+		ld8(o, dx, 0, c);
+#pragma unroll
+		for (int j = 0; j < 8; j++) o[j] = rms_bwd1(o[j], fresh(dv[k][j]), wv[j], fresh(xv[k][j]), rs, m);
+		st8(dx, 0, c, o);
+	}
+}
+
+// k_rmsnorm_bwd_warp8 and k_rmsnorm_bwd_block8: the forward's 8-wide
+// geometry (norm_rope.cu: k_rmsnorm_warp8, k_rmsnorm_block8).
+DK_KERNEL void k_rmsnorm_bwd_warp8(float *dx, const float *dout, const void *x, int x_bf, const void *w, int w_bf16, const float *rstd,
+                                   i64 rows, int dim, int lanes) {
+	int lane = threadIdx.x % DK_WARP;
+	i64 row0 = ((i64)blockIdx.x * (blockDim.x / DK_WARP) + threadIdx.x / DK_WARP) * (DK_WARP / lanes);
+	if (row0 >= rows) return; // a whole warp leaves together
+	i64 row = row0 + lane / lanes;
+	bool ok = row < rows;
+	if (!ok) row = row0; // an address in range; nothing is read or written
+	rms_bwd_row8(dx + row * dim, dout + row * dim, act_ptr(x, x_bf, row * dim), x_bf, w, w_bf16, rstd[row], dim, lane % lanes, lanes, ok,
+	             0);
+}
+
+DK_KERNEL void k_rmsnorm_bwd_block8(float *dx, const float *dout, const void *x, int x_bf, const void *w, int w_bf16, const float *rstd,
+                                    i64 rows, int dim, int lanes) {
+	__shared__ double red[32];
+	i64 row = blockIdx.x;
+	rms_bwd_row8(dx + row * dim, dout + row * dim, act_ptr(x, x_bf, row * dim), x_bf, w, w_bf16, rstd[row], dim, threadIdx.x, lanes,
+	             true, red);
 }
 
 // k_colsum_part: block (bx, by) sums, for the columns bx·blockDim.x + tid,
@@ -93,6 +281,49 @@ DK_KERNEL void k_colsum_part(double *__restrict__ part, const float *__restrict_
 	part[(i64)blockIdx.y * cols + c] = s;
 }
 
+// k_colsum_part4: k_colsum_part for cols a multiple of 4 and 16-byte
+// aligned src and x, 256 threads a block: lane l of warp y sums the four
+// columns 4·(32·bx + l) .. +3 (one 16-byte load of src, an 8-byte one of
+// BF16 x) over the rows r0 + y + 8k of the block's chunk, then the 8
+// warps' float64 sums are added in warp order into part. Each term is
+// k_colsum_part's; the order of the sum is another, fixed by the shapes
+// alone (deterministic), and 8 rows are in flight per column where the
+// scalar kernel walks the chunk one row after another.
+DK_KERNEL void k_colsum_part4(double *__restrict__ part, const float *__restrict__ src, const void *__restrict__ x, int x_bf,
+                              const float *__restrict__ rstd, i64 rows, int cols, int chunk) {
+	__shared__ double red[8][4 * DK_WARP];
+	int lane = threadIdx.x % DK_WARP, wy = threadIdx.x / DK_WARP;
+	int c4 = blockIdx.x * DK_WARP + lane; // this thread's group of 4 columns
+	bool ok = c4 < cols / 4;
+	i64 r0 = (i64)blockIdx.y * chunk, r1 = lmin(r0 + chunk, rows);
+	double s[4] = {0, 0, 0, 0};
+	if (ok) {
+#pragma unroll 4
+		for (i64 r = r0 + wy; r < r1; r += 8) {
+			float v[4];
+			ld4(v, src + r * cols, 0, c4);
+			if (x) {
+				float xv[4], rr = rstd[r];
+				ld4(xv, act_ptr(x, x_bf, r * cols), x_bf, c4);
+#pragma unroll
+				for (int j = 0; j < 4; j++) v[j] = v[j] * (xv[j] * rr);
+			}
+#pragma unroll
+			for (int j = 0; j < 4; j++) s[j] += (double)v[j];
+		}
+	}
+#pragma unroll
+	for (int j = 0; j < 4; j++) red[wy][4 * lane + j] = s[j];
+	__syncthreads();
+	if (wy != 0 || !ok) return;
+#pragma unroll
+	for (int j = 0; j < 4; j++) {
+		double t = 0;
+		for (int y = 0; y < 8; y++) t += red[y][4 * lane + j];
+		part[(i64)blockIdx.y * cols + 4 * c4 + j] = t;
+	}
+}
+
 // k_colsum_finish: dst (cols) += Σ over the np chunks of part, in order.
 DK_KERNEL void k_colsum_finish(float *__restrict__ dst, const double *__restrict__ part, int np, int cols) {
 	for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
@@ -112,6 +343,10 @@ DK_KERNEL void k_embed_bwd(float *dtable, const float *__restrict__ dout, const 
 }
 
 DK_REGISTER(k_swiglu_bwd)
+DK_REGISTER(k_swiglu_bwd_x8)
+DK_REGISTER(k_rmsnorm_bwd_warp8)
+DK_REGISTER(k_rmsnorm_bwd_block8)
+DK_REGISTER(k_colsum_part4)
 DK_REGISTER(k_rope_table_bwd)
 DK_REGISTER(k_rmsnorm_bwd_warp)
 DK_REGISTER(k_rmsnorm_bwd_block)
