@@ -39,7 +39,7 @@ func TestCUDAWeightShadows(t *testing.T) {
 				losses []float64
 				w      map[string][]float32
 				conv   int // k_f32_to_bf16 calls of the last step
-				fq     int // k_fakequant_nvfp4 calls of the last step
+				fq     int // k_fakequant_nvfp4[_lanes] calls of the last step
 			}
 			train := func(perUse bool) result {
 				be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir(), PerUseCasts: perUse})
@@ -91,7 +91,7 @@ func TestCUDAWeightShadows(t *testing.T) {
 					switch {
 					case strings.HasPrefix(e.Name, "k_f32_to_bf16"):
 						r.conv += e.Calls
-					case e.Name == "k_fakequant_nvfp4":
+					case e.Name == "k_fakequant_nvfp4" || e.Name == "k_fakequant_nvfp4_lanes": // the kernel cols % 16 picks
 						r.fq += e.Calls
 					}
 				}

@@ -172,6 +172,37 @@ DK_KERNEL void k_fakequant_nvfp4(void *dst, int dst_bf, const void *src, int src
 	}
 }
 
+// k_fakequant_nvfp4_lanes is k_fakequant_nvfp4 for cols % 16 == 0 (every
+// block whole): a thread per element, a 16-element block on 16 lanes of a
+// warp, its amax by shuffles (nanmax: the same value in any order), so
+// that a warp reads and writes 32 consecutive elements at a time. The
+// thread-per-block kernel read each 64-byte block on one thread, from a
+// local array: 25x the bytes' time on the H200 (57 ms a 1.7B QAD step).
+// Every element's arithmetic is the same: the same bits. n = rows·cols.
+DK_KERNEL void k_fakequant_nvfp4_lanes(void *dst, int dst_bf, const void *src, int src_bf, i64 n, float g, u16 *db) {
+	int lane = threadIdx.x % DK_WARP;
+	// A warp's lanes hold consecutive elements and leave the loop together
+	// (the stride is a multiple of 32): the shuffles see whole blocks.
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i - lane < n; i += (i64)gridDim.x * blockDim.x) {
+		float v = i < n ? ld_act(src, src_bf, i) : 0.0f;
+		float bm = nanmax(0.0f, fabsf(v));
+		for (int o = 8; o > 0; o >>= 1) bm = nanmax(bm, __shfl_xor_sync(DK_FULL, bm, o));
+		float gs = g > 0 ? g : 1e-12f;
+		float t = bm / (6.0f * gs);
+		if (!(t != t) && !(t < 448.0f)) t = 448.0f; // Go's min(t, 448): NaN stays NaN
+		float sb = e4m3(t);
+		float sc = sb * g;
+		if (!(sc >= 1e-5f)) sc = 1;
+		if (i < n) {
+			float q = e2m1(fabsf(v) / sc);
+			q = q * sc;
+			float o = v >= 0 ? q : -q;
+			st_act(dst, dst_bf, i, o);
+			if (db) db[i] = f2bf(o);
+		}
+	}
+}
+
 DK_REGISTER(k_adamw)
 DK_REGISTER(k_scale)
 DK_REGISTER(k_sumsq_part)
@@ -179,3 +210,4 @@ DK_REGISTER(k_sum_finish)
 DK_REGISTER(k_absmax_part)
 DK_REGISTER(k_max_finish)
 DK_REGISTER(k_fakequant_nvfp4)
+DK_REGISTER(k_fakequant_nvfp4_lanes)
