@@ -139,12 +139,7 @@ func (b *Backend) FakeQuantNVFP4(dstT, srcT compute.Tensor, rows, cols int, amax
 		n := int64(rows) * int64(cols)
 		b.ew("k_fakequant_nvfp4_lanes", n, dptr(dst.p), bf16Flag(dst), dptr(src.p), bf16Flag(src), n, compute.NVFP4GlobalScale(amax), dptr(db))
 	} else {
-		if cols%16 == 0 { // whole blocks: a thread an element (k_fakequant_nvfp4_lanes)
-		n := int64(rows) * int64(cols)
-		b.ew("k_fakequant_nvfp4_lanes", n, dptr(dst.p), bf16Flag(dst), dptr(src.p), bf16Flag(src), n, compute.NVFP4GlobalScale(amax), dptr(db))
-	} else {
 		b.ew("k_fakequant_nvfp4", nb, dptr(dst.p), bf16Flag(dst), dptr(src.p), bf16Flag(src), int64(rows), int32(cols), compute.NVFP4GlobalScale(amax), dptr(db))
-	}
 	}
 	if db != 0 {
 		d.bfVer = d.ver
