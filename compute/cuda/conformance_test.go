@@ -419,14 +419,9 @@ func TestLMHeadTopKConformance(t *testing.T) {
 	if !onGPU() {
 		tokens, vocab = 70, 5000
 	}
-	// x scaled by 2·sqrt(24/hidden): the logits spread as at hidden 24 (2
-	// as before), whatever the hidden. The tolerances below are for such
-	// logits; with 10x the hidden at the same scale, the H200's tails
-	// differed from the CPU's by up to 3e-5 relative (the two GEMMs'
-	// fp32 roundings of larger logits, through exp).
 	x := randF32(r, tokens*hidden)
 	for i := range x {
-		x[i] *= float32(2 * math.Sqrt(24/float64(hidden)))
+		x[i] *= 2
 	}
 	xr, _ := roundBF16(x)
 	w, wh := roundBF16(randF32(r, vocab*hidden))
@@ -553,9 +548,14 @@ func TestLMHeadSampleConformance(t *testing.T) {
 
 // lmHeadSampleCase is one TestLMHeadSampleConformance case.
 func lmHeadSampleCase(t *testing.T, be *Backend, r *rand.Rand, tokens, hidden, vocab, n int) {
+	// x scaled by 2·sqrt(24/hidden): the logits spread as at hidden 24 (2
+	// as before), whatever the hidden. The tolerances below are for such
+	// logits; with 10x the hidden at the same scale, the H200's tails
+	// differed from the CPU's by up to 3e-5 relative (the two GEMMs'
+	// fp32 roundings of larger logits, through exp).
 	x := randF32(r, tokens*hidden)
 	for i := range x {
-		x[i] *= 2
+		x[i] *= float32(2 * math.Sqrt(24/float64(hidden)))
 	}
 	xr, _ := roundBF16(x)
 	w, wh := roundBF16(randF32(r, vocab*hidden))
