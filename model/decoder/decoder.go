@@ -37,6 +37,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"sync"
 
 	"distill/compute"
 	"distill/model"
@@ -167,6 +168,33 @@ type Model struct {
 	qslot []int
 	// lora: the adapters' scratch (AttachLoRA).
 	lora loraState
+	// rope: the RoPE table of positions 0..n-1, computed once and copied
+	// per sample (upload).
+	rope ropeRows
+}
+
+// ropeRows caches cos and sin (n, half) of positions 0..n-1, as ropeTable
+// computes them: a packed batch's table is each sample's prefix of it.
+// Computing the angles' cos and sin per batch (a million of each for 8192
+// tokens of head_dim 128) kept a GPU waiting on the host at the start of
+// every forward. Safe for concurrent use; a returned slice is never
+// written again (growing allocates new ones).
+type ropeRows struct {
+	mu       sync.Mutex
+	cos, sin []float32
+	n        int
+}
+
+// upTo returns the cached rows of at least positions 0..n-1.
+func (r *ropeRows) upTo(n int, invFreq []float32) (cos, sin []float32) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.n < n {
+		m, half := max(n, 2*r.n), len(invFreq)
+		r.cos, r.sin, r.n = make([]float32, m*half), make([]float32, m*half), m
+		ropeTable(r.cos, r.sin, []int32{0, int32(m)}, invFreq)
+	}
+	return r.cos, r.sin
 }
 
 // Backend returns the backend the model runs on.

@@ -129,7 +129,12 @@ func (m *Model) upload(tokens, starts []int32, cos, sin compute.Tensor) *batch {
 	}
 	half := c.HeadDim / 2
 	hc, hs := make([]float32, b.n*half), make([]float32, b.n*half)
-	ropeTable(hc, hs, starts, c.InvFreq())
+	rc, rs := m.rope.upTo(b.maxLen, c.InvFreq())
+	for s := 0; s+1 < len(starts); s++ { // each sample's positions from 0: ropeTable's rows
+		lo, hi := int(starts[s])*half, int(starts[s+1])*half
+		copy(hc[lo:hi], rc[:hi-lo])
+		copy(hs[lo:hi], rs[:hi-lo])
+	}
 	if cos == nil {
 		b.cos, b.sin = be.FromF32(hc), be.FromF32(hs)
 	} else {
