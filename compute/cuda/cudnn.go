@@ -284,8 +284,9 @@ func (b *Backend) sdpaPlan(key sdpaKey) *sdpaPlan {
 // backward; 0 where cuDNN does not run the shape. It builds the two plans
 // when they do not exist yet: they are the ones those calls then use.
 // cuDNN sizes the workspace per plan, that is per bucket of powers of two
-// of nSeq and maxLen: a packed row of many samples builds a larger one
-// than a row of one sample of the same tokens.
+// of nSeq and maxLen, and its deterministic backward's grows as
+// nSeq·maxLen² (the decoder keeps a packed row's calls within the bucket
+// of one sample of the row's tokens).
 func (b *Backend) AttentionWorkspaceBytes(nSeq, maxLen, heads, kvHeads, headDim int) int64 {
 	defer b.enter()()
 	if !b.useCudnn(nSeq*maxLen, nSeq, maxLen, heads, kvHeads, headDim) {

@@ -289,6 +289,79 @@ type batch struct {
 	n, nSeq, maxLen int
 	tokens, starts  compute.Tensor // (n), (nSeq+1) I32
 	cos, sin        compute.Tensor // (n, headDim/2)
+	// groups: the runs of samples the attention backward takes one call
+	// each (attnGroups); nil when one call takes the batch.
+	groups []attnGroup
+}
+
+// attnGroup is a run of a batch's samples: tokens [tok0, tok0+n), nSeq
+// samples of at most maxLen tokens, starts (nSeq+1) I32 from 0.
+type attnGroup struct {
+	tok0, n, nSeq, maxLen int
+	starts                compute.Tensor
+}
+
+// free releases the batch's device tensors but cos and sin (the
+// caller's).
+func (b *batch) free(be compute.Backend) {
+	be.Free(b.tokens)
+	be.Free(b.starts)
+	for _, g := range b.groups {
+		be.Free(g.starts)
+	}
+	b.groups = nil
+}
+
+// attnGroups splits a packed batch's samples (starts), in order, into runs
+// whose attention backward the backend may take in one call: cuDNN plans
+// a call for its bucket, powers of two of the samples' count and of the
+// longest sample, and its deterministic backward's workspace grows as
+// count·longest² (2112 MiB for one sample of 8192 tokens and 16 heads on
+// an H200). One long sample packed with many short ones would ask for
+// count times that; a run's pow2(count)·pow2(longest)² stays within
+// pow2(tokens)·pow2(the batch's longest), at most the bucket of one
+// sample as long as the whole batch (what the memory plan counts). Nil
+// when the whole batch is one run.
+func attnGroups(starts []int32) [][2]int {
+	if attnGroupsOff {
+		return nil
+	}
+	longest := 0
+	for s := 0; s+1 < len(starts); s++ {
+		longest = max(longest, int(starts[s+1]-starts[s]))
+	}
+	limit := int64(pow2(int(starts[len(starts)-1]))) * int64(pow2(longest))
+	cost := func(count, m int) int64 { return int64(pow2(count)) * int64(pow2(m)) * int64(pow2(m)) }
+	var runs [][2]int
+	for s := 0; s+1 < len(starts); {
+		e, m := s+1, int(starts[s+1]-starts[s])
+		for e+1 < len(starts) {
+			m2 := max(m, int(starts[e+1]-starts[e]))
+			if cost(e+1-s, m2) > limit {
+				break
+			}
+			e, m = e+1, m2
+		}
+		runs = append(runs, [2]int{s, e})
+		s = e
+	}
+	if len(runs) == 1 {
+		return nil
+	}
+	return runs
+}
+
+// attnGroupsOff makes attnGroups keep every batch whole: the tests'
+// reference.
+var attnGroupsOff bool
+
+// pow2 rounds n up to a power of two (at least 1).
+func pow2(n int) int {
+	p := 1
+	for p < n {
+		p *= 2
+	}
+	return p
 }
 
 // ropeTable fills cos and sin (n, half) for the positions of the packed

@@ -143,6 +143,18 @@ func (m *Model) upload(tokens, starts []int32, cos, sin compute.Tensor) *batch {
 		b.cos, b.sin = cos, sin
 	}
 	b.tokens, b.starts = be.FromI32(tokens), be.FromI32(starts)
+	for _, r := range attnGroups(starts) {
+		g := attnGroup{tok0: int(starts[r[0]]), n: int(starts[r[1]] - starts[r[0]]), nSeq: r[1] - r[0]}
+		rel := make([]int32, g.nSeq+1)
+		for i := range rel {
+			rel[i] = starts[r[0]+i] - starts[r[0]]
+		}
+		for i := 0; i < g.nSeq; i++ {
+			g.maxLen = max(g.maxLen, int(rel[i+1]-rel[i]))
+		}
+		g.starts = be.FromI32(rel)
+		b.groups = append(b.groups, g)
+	}
 	return b
 }
 

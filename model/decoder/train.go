@@ -339,8 +339,7 @@ func (m *Model) TrainForward(tokens, starts []int32) (compute.Tensor, error) {
 	st := &m.train
 	a := &st.acts
 	if st.b != nil {
-		m.be.Free(st.b.tokens)
-		m.be.Free(st.b.starts)
+		st.b.free(m.be)
 	}
 	st.b = m.upload(tokens, starts, a.cos, a.sin)
 	c := m.Cfg
@@ -431,7 +430,7 @@ func (m *Model) Backward() {
 		be.Zero(a.dq)
 		be.Zero(a.dk)
 		be.Zero(a.dv)
-		be.AttentionBackward(a.dq, a.dk, a.dv, a.datt, l.q, l.k, l.v, l.att, l.lse, b.starts, b.nSeq, b.maxLen, N, H, KV, D, attnScale(D))
+		m.attentionBackward(a, l, b)
 		be.RoPEBackward(a.dq, b.cos, b.sin, N, H, D)
 		be.RoPEBackward(a.dk, b.cos, b.sin, N, KV, D)
 		dq, dk := a.dq, a.dk
@@ -451,6 +450,26 @@ func (m *Model) Backward() {
 	}
 	if m.Embed.DW != nil { // nil: a frozen base (LoRA)
 		be.EmbedBackward(m.Embed.DW, a.dres, b.tokens, N, C)
+	}
+}
+
+// attentionBackward is the layer's attention backward (dq, dk, dv from
+// datt), one call for the batch or one per run of samples (b.groups,
+// attnGroups) on views of the tensors: every sample's attention reads and
+// writes only its own tokens' rows, so the runs' calls compute what one
+// call would.
+func (m *Model) attentionBackward(a *trainActs, l *blockActs, b *batch) {
+	be, c := m.be, m.Cfg
+	H, KV, D := c.Heads, c.KVHeads, c.HeadDim
+	if b.groups == nil {
+		be.AttentionBackward(a.dq, a.dk, a.dv, a.datt, l.q, l.k, l.v, l.att, l.lse, b.starts, b.nSeq, b.maxLen, b.n, H, KV, D, attnScale(D))
+		return
+	}
+	for _, g := range b.groups {
+		vq := func(t compute.Tensor) compute.Tensor { return be.View(t, g.tok0*H*D, g.n*H*D) }
+		vk := func(t compute.Tensor) compute.Tensor { return be.View(t, g.tok0*KV*D, g.n*KV*D) }
+		be.AttentionBackward(vq(a.dq), vk(a.dk), vk(a.dv), vq(a.datt), vq(l.q), vk(l.k), vk(l.v), vq(l.att),
+			be.View(l.lse, g.tok0*H, g.n*H), g.starts, g.nSeq, g.maxLen, g.n, H, KV, D, attnScale(D))
 	}
 }
 
@@ -563,8 +582,7 @@ func (m *Model) Free() {
 		}
 	}
 	if st.b != nil {
-		m.be.Free(st.b.tokens)
-		m.be.Free(st.b.starts)
+		st.b.free(m.be)
 	}
 	m.qadArena = nil
 	m.freeLoRA()

@@ -29,8 +29,8 @@ func planK(m *cache.Manifest, ts *teacherSet) int {
 // planShape is the memory plan's shape of a run of cfg for a student of
 // mc, under recompute mode r, on backend be: its activation dtype, and
 // the attention workspace it reports for a row of one sample of
-// data.seq_len tokens (cuDNN's; a packed row of many samples may ask for
-// more: its plans are bucketed by the samples' count and longest length).
+// data.seq_len tokens (cuDNN's: the decoder cuts a packed row's attention
+// backward into runs of samples that ask for no more, decoder.attnGroups).
 func planShape(cfg *Config, mc *model.Config, k int, r decoder.Recompute, be compute.Backend, ranks int) train.PlanShape {
 	sh := train.PlanShape{Model: mc, RowTokens: cfg.Data.SeqLen, K: k, QAD: cfg.Quant == "nvfp4", Recompute: r, Activations: be.ActDType(), LoRA: cfg.TrainLoRA()}
 	if wr, ok := be.(compute.AttentionWorkspaceReporter); ok && cfg.Data.SeqLen > 0 {
