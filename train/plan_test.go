@@ -56,11 +56,12 @@ func TestTrainPlanDeviceBytes(t *testing.T) {
 		Intermediate: 128, MaxPositions: 1024, RMSNormEps: 1e-6, RopeTheta: 10000, QKNorm: true, TieEmbeddings: true}
 	const T, K = 256, 8
 	b := planBatch(T, cfg.VocabSize, K)
-	// cuDNN's workspace for the batch's attention (its plans are bucketed
-	// by the samples' count and longest length: planBatch packs 2 samples,
-	// of 200 and 56 tokens; built now, the plans the steps use).
-	ws := be.AttentionWorkspaceBytes(len(b.Starts)-1, 200, cfg.Heads, cfg.KVHeads, cfg.HeadDim)
-	t.Logf("attention workspace (%s) for %d samples of at most 200 tokens: %d bytes", be.AttentionImpl(), len(b.Starts)-1, ws)
+	// cuDNN's workspace for a row's attention, as the trainer plans it: one
+	// sample of the row's tokens (its plans are bucketed by the samples'
+	// count and longest length; the decoder cuts planBatch's two samples,
+	// of 200 and 56 tokens, into one call each, within that bucket).
+	ws := be.AttentionWorkspaceBytes(1, T, cfg.Heads, cfg.KVHeads, cfg.HeadDim)
+	t.Logf("attention workspace (%s) for 1 sample of %d tokens: %d bytes", be.AttentionImpl(), T, ws)
 	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
 	used := func() int64 { be.ResetPeakMemory(); return be.PeakMemory() }
 	within := func(what string, got, plan int64) {
