@@ -247,8 +247,7 @@ type Backend interface {
 	// ids agree with a float64 inverse CDF wherever no threshold lies
 	// that close to a step of the CDF. An id more than 87 nats below the
 	// largest logit of its vocabulary tile (2048 or more ids) may count as
-	// mass 0 (the range of a float32 exp), unless it shares a block of
-	// SampleBlock ids with a top-k id.
+	// mass 0 (the range of a float32 exp).
 	LMHeadSample(ids, logprobs, drawn, tail, x, w, u Tensor, tokens, hidden, vocab, k, n int, head bool)
 
 	// --- Backward kernels (+=; dX is the gradient of the loss w.r.t. X).

@@ -139,17 +139,18 @@
 //     (float64) and running top-k (exact, ties by lower id).
 //   - LMHeadSample: the same pass, with k_lm_blocks after each fold
 //     keeping per row the fold tile's max, its 64-id blocks' sums of
-//     exp(logit - max) (fp32) and their total (float64); after a slab's
-//     last tile, k_lm_sample (a block per row) sums the top-k's blocks
-//     outside the top-k again exactly, locates each sorted threshold among
+//     exp(logit - max) (fp32 terms, float64 sums) and their total; after a
+//     slab's last tile, k_lm_sample (a block per row) takes the top-k ids'
+//     own terms out of their blocks' sums, locates each sorted threshold among
 //     the tiles' and blocks' cumulative sums, and computes only the
 //     blocks that hold one again (dot products of the GEMM's BF16
 //     operands, fp32) to walk them in float64, ids ascending. Slabs are
 //     bounded so that the draws' scratch fits the logit tile's budget
 //     (planLMHeadSample). Verified on the emulator against the CPU's
 //     draws (TestLMHeadSampleConformance) and the suite's float64
-//     inverse CDF, and on an H200 at hidden 24 (2026-11-26; head+sampled 5.7x the top-k
-//     pass's time at hidden 1024: the top-k ids' blocks multiplied again).
+//     inverse CDF, and on an H200 at hidden 24 (2026-11-26; head+sampled
+//     then 5.7x the top-k pass's time at hidden 1024, when the top-k ids'
+//     blocks were multiplied again: not timed since).
 //
 // Training (train.go, train_moe.go; kernels in optim.cu, backward.cu,
 // losshead.cu, the end of attention.cu and of moe.cu). Backward kernels accumulate (+=), as the

@@ -597,7 +597,7 @@ func (b *Backend) LMHeadSample(idsT, lpT, drawnT, tailT, xT, wT, uT compute.Tens
 	}
 	p, err := planLMHeadSample(tokens, hidden, vocab, k, n)
 	b.must(err)
-	bsum, tmax := b.alloc(int64(p.rows)*int64(p.nblk)*4), b.alloc(int64(p.rows)*int64(p.ntile)*4)
+	bsum, tmax := b.alloc(int64(p.rows)*int64(p.nblk)*8), b.alloc(int64(p.rows)*int64(p.ntile)*4)
 	tsum := b.alloc(int64(p.rows) * int64(p.ntile) * 8)
 	blk, thr := b.alloc(int64(p.rows)*int64(n)*4), b.alloc(int64(p.rows)*int64(n)*8)
 	b.lmHeadPass(ids, lp, x, w, tokens, hidden, vocab, k, p.lmPlan,
@@ -608,7 +608,7 @@ func (b *Backend) LMHeadSample(idsT, lpT, drawnT, tailT, xT, wT, uT compute.Tens
 		func(xb, wp, rmax, rsum uint64, r0, nr int) {
 			b.launchKernel(launch{kernel: "k_lm_sample", grid: [3]int{nr, 1, 1}, block: lmFoldThreads},
 				dptr(xb), dptr(wp), int32(hidden), int32(vocab), dptr(rmax), dptr(rsum), int64(r0),
-				dptr(bsum), dptr(tmax), dptr(tsum), int32(p.nblk), int32(p.ntile), dptr(ids.p), int32(k), boolArg(head),
+				dptr(bsum), dptr(tmax), dptr(tsum), int32(p.nblk), int32(p.ntile), dptr(lp.p), dptr(ids.p), int32(k), boolArg(head),
 				dptr(u.p), int32(n), dptr(blk), dptr(thr), dptr(dr.p), dptr(tl.p))
 		})
 	for _, q := range []uint64{bsum, tmax, tsum, blk, thr} {

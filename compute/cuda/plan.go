@@ -145,7 +145,7 @@ type lmSamplePlan struct {
 
 // planLMHeadSample tiles LMHeadSample as planLMHead tiles LMHeadTopK (k 0
 // allowed), its slabs' rows also bounded so that their draws' scratch
-// (bsum fp32 a block; tmax fp32, tsum f64 a tile; the draws' block i32
+// (bsum f64 a block; tmax fp32, tsum f64 a tile; the draws' block i32
 // and threshold f64) fits lmTileBudget.
 func planLMHeadSample(tokens, hidden, vocab, k, n int) (lmSamplePlan, error) {
 	if compute.SampleBlock != 64 || lmTile%compute.SampleBlock != 0 {
@@ -159,7 +159,7 @@ func planLMHeadSample(tokens, hidden, vocab, k, n int) (lmSamplePlan, error) {
 		return lmSamplePlan{}, err
 	}
 	sp := lmSamplePlan{lmPlan: p, nblk: (vocab + compute.SampleBlock - 1) / compute.SampleBlock, ntile: (vocab + lmTile - 1) / lmTile}
-	perRow := int64(sp.nblk)*4 + int64(sp.ntile)*12 + int64(n)*12
+	perRow := int64(sp.nblk)*8 + int64(sp.ntile)*12 + int64(n)*12
 	sp.rows = min(sp.rows, max(1, int(lmTileBudget/perRow)))
 	sp.scratch = int64(sp.rows)*int64(sp.cols)*4 + int64(sp.rows)*int64(hidden)*2 + int64(tokens)*16 + int64(sp.rows)*perRow
 	return sp, nil

@@ -158,27 +158,36 @@ DK_KERNEL void k_lm_finish(float *topv, const float *__restrict__ rmax, const do
 //
 // After each fold, k_lm_blocks keeps, per row of the slab, the fold tile's
 // max (tmax), the sums of exp(logit - tile max) over its blocks of
-// LM_BLOCK ids (bsum, fp32; an id more than 87 nats below the tile max
-// counts 0, as on the CPU) and their total (tsum, double). After the
-// slab's last tile, k_lm_sample draws each row's samples: the top-k's
-// blocks' mass outside it computed again exactly, the row's mass to draw
-// from, each threshold located among the tiles' and then the blocks'
-// cumulative sums, and each block that holds a threshold multiplied again
-// (its LM_BLOCK logits, dot products of the BF16 operands the GEMM
-// multiplied, fp32 accumulation) and walked in double, ids ascending.
+// LM_BLOCK ids (bsum: each id's term in fp32, an id more than 87 nats below
+// the tile max counting 0, as on the CPU; the sums in double) and their
+// total (tsum, double). After the slab's last tile, k_lm_sample draws each
+// row's samples: the top-k's blocks' mass outside it (their sums less the
+// top-k ids' own terms, recomputed bit for bit from the top-k's logits,
+// which are the GEMM's: in double the difference keeps what the other
+// ids add even where a top-k id holds nearly all of its block), the
+// row's mass to draw from, each threshold located among the tiles' and
+// then the blocks' cumulative sums, and each block that holds a threshold
+// multiplied again (its LM_BLOCK logits, dot products of the BF16
+// operands the GEMM multiplied, fp32 accumulation) and walked in double,
+// ids ascending. Multiplying the top-k's blocks again instead (up to k
+// blocks of 64 weight rows a token) made a head+sampled pass 5.7x the
+// top-k pass on an H200.
 
 #define LM_BLOCK 64                 // = compute.SampleBlock
 #define LM_BPT (LM_TILE / LM_BLOCK) // blocks a fold tile
+
+// lm_term is an id's term of its block's sum, from d = logit - tile max.
+DK_DEV float lm_term(float d) { return d >= -87.0f ? expf(d) : 0.0f; }
 
 // k_lm_blocks: block b sums row row0+b's fold tile (the fold's layout:
 // logits tile[b*ld .. b*ld+nc) of ids [col0, col0+nc)) into the slab's
 // bsum (nblk a row, from block col0/LM_BLOCK), tmax and tsum (ntile a row,
 // at col0/LM_TILE).
 DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_blocks(const float *__restrict__ tile, i64 ld, int nc, int col0,
-                                                         float *__restrict__ bsum, float *__restrict__ tmax,
+                                                         double *__restrict__ bsum, float *__restrict__ tmax,
                                                          double *__restrict__ tsum, int nblk, int ntile) {
 	__shared__ float red[LM_THREADS / DK_WARP];
-	__shared__ float half[LM_TILE / DK_WARP];
+	__shared__ double half[LM_TILE / DK_WARP];
 	const float *lg = tile + (i64)blockIdx.x * ld;
 	float vals[LM_TILE / LM_THREADS];
 	float tm = -DK_INF;
@@ -191,13 +200,12 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_blocks(const float *__restrict
 	int lane = threadIdx.x % DK_WARP, w = threadIdx.x / DK_WARP;
 	for (int i = 0; i < LM_TILE / LM_THREADS; i++) {
 		float d = vals[i] - tm;
-		float e = d >= -87.0f ? expf(d) : 0.0f;
-		e = warp_sum(e); // columns i*LM_THREADS + w*32 .. +31
+		double e = warp_sum_d(lm_term(d)); // columns i*LM_THREADS + w*32 .. +31
 		if (lane == 0) half[i * (LM_THREADS / DK_WARP) + w] = e;
 	}
 	__syncthreads();
 	int nb = (nc + LM_BLOCK - 1) / LM_BLOCK;
-	float *bs = bsum + (i64)blockIdx.x * nblk + col0 / LM_BLOCK;
+	double *bs = bsum + (i64)blockIdx.x * nblk + col0 / LM_BLOCK;
 	for (int j = threadIdx.x; j < nb; j += LM_THREADS) bs[j] = half[2 * j] + half[2 * j + 1];
 	__syncthreads();
 	if (threadIdx.x == 0) {
@@ -261,8 +269,8 @@ DK_DEV void lm_block_logits(float *z, u16 *stage, const u16 *__restrict__ xr, co
 // blk and thr by the slab's row (blk, thr: n a row, scratch).
 DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_sample(const u16 *__restrict__ xb, const u16 *__restrict__ wb, int hidden, int vocab,
                                                          const float *__restrict__ rmax, const double *__restrict__ rsum, i64 row0,
-                                                         float *__restrict__ bsum, const float *__restrict__ tmax, double *__restrict__ tsum,
-                                                         int nblk, int ntile, const i32 *__restrict__ topi, int k, int head,
+                                                         double *__restrict__ bsum, const float *__restrict__ tmax, double *__restrict__ tsum,
+                                                         int nblk, int ntile, const float *__restrict__ topv, const i32 *__restrict__ topi, int k, int head,
                                                          const i32 *__restrict__ u, int n, i32 *__restrict__ blk, double *__restrict__ thr,
                                                          i32 *__restrict__ drawn, float *__restrict__ tail) {
 	__shared__ float z[LM_BLOCK];
@@ -271,39 +279,31 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_sample(const u16 *__restrict__
 	__shared__ __align__(16) u16 stage[LM_BLOCK * LM_STAGE_LD];
 	i64 sr = blockIdx.x, row = row0 + sr;
 	const u16 *xr = xb + sr * hidden;
-	float *bs = bsum + sr * nblk;
+	double *bs = bsum + sr * nblk;
 	const float *tm = tmax + sr * ntile;
 	double *ts = tsum + sr * ntile;
 	i32 *bl = blk + sr * n;
 	double *th = thr + sr * n;
 	i32 *dr = drawn + row * n;
 	const i32 *ti = topi + row * k;
+	const float *tv = topv + row * k;
 	double mx = rmax[row];
 	int nh = head ? k : 0;
-	// The top-k's blocks: their mass outside it, relative to the tile max.
-	for (int h = 0; h < nh; h++) {
-		i32 b = ti[h] / LM_BLOCK;
-		bool seen = false;
-		for (int g = 0; g < h; g++) seen = seen || ti[g] / LM_BLOCK == b;
-		if (seen) continue; // uniform across the block: ti is shared
-		i32 v0 = b * LM_BLOCK;
-		int nz = vocab - v0 < LM_BLOCK ? vocab - v0 : LM_BLOCK;
-		lm_block_logits(z, stage, xr, wb, hidden, v0, nz);
-		__syncthreads();
-		// Each id's term on its own thread (a top-k id's is 0), then one
-		// thread adds them in id order: the sum a single thread's loop
-		// over the ids made, without its k compares and exp per id in
-		// series (that loop, k blocks a row, was most of a row's draws).
-		if (threadIdx.x < nz)
-			e[threadIdx.x] = lm_in_head(ti, nh, v0 + threadIdx.x) ? 0.0 : exp((double)z[threadIdx.x] - (double)tm[b / LM_BPT]);
-		__syncthreads();
-		if (threadIdx.x == 0) {
-			double c = 0;
-			for (int j = 0; j < nz; j++) c += e[j];
-			bs[b] = (float)c;
+	// The top-k's blocks: their mass outside it, relative to the tile max:
+	// each top-k id's own term taken out again, the term k_lm_blocks added
+	// (the same logit: the fold keeps the GEMM's; the same tile max).
+	// Thread 0 alone, in rank order: a fixed order.
+	if (threadIdx.x == 0) {
+		for (int h = 0; h < nh; h++) {
+			i32 v = ti[h];
+			bs[v / LM_BLOCK] -= (double)lm_term(tv[h] - tm[v / LM_TILE]);
 		}
-		__syncthreads();
+		for (int h = 0; h < nh; h++) { // rounding may leave a block of top-k ids alone just below 0
+			double *b = &bs[ti[h] / LM_BLOCK];
+			if (*b < 0) *b = 0;
+		}
 	}
+	__syncthreads();
 	if (threadIdx.x == 0) {
 		for (int h = 0; h < nh; h++) { // their tiles' totals again
 			int t = ti[h] / LM_TILE;
