@@ -137,7 +137,7 @@
 //   - LMHeadTopK: the vocabulary in tiles; cuBLASLt writes a tile's
 //     logits, k_lm_fold folds them into each row's running log-sum-exp
 //     (float64) and running top-k (exact, ties by lower id).
-//   - LMHeadSample: the same pass, with k_lm_blocks after each fold
+//   - LMHeadSample: the same pass, each fold also
 //     keeping per row the fold tile's max, its 64-id blocks' sums of
 //     exp(logit - max) (fp32 terms, float64 sums) and their total; after a
 //     slab's last tile, k_lm_sample (a block per row) takes the top-k ids'

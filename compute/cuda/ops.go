@@ -521,14 +521,26 @@ func (b *Backend) LMHeadTopK(idsT, lpT, xT, wT compute.Tensor, tokens, hidden, v
 	b.lmHeadPass(ids, lp, x, w, tokens, hidden, vocab, k, p, nil, nil)
 }
 
+// lmBlocks is where k_lm_fold keeps LMHeadSample's block sums (bsum, nblk
+// a slab row), tile maxima and totals (tmax, tsum, ntile a slab row).
+type lmBlocks struct {
+	bsum, tmax, tsum uint64
+	nblk, ntile      int
+}
+
 // lmHeadPass is the streaming LM head's one pass (LMHeadTopK's, and
-// LMHeadSample's with its hooks): x's rows in slabs of p.rows, rounded
-// to BF16 unless they are, the vocabulary in GEMMs of p.cols columns,
-// each folded tile by tile into the running max, sum and top-k (k_lm_fold;
-// then tileDone, if set, on the same tile), slabDone after each slab's
-// last GEMM, and the top-k's log-probs normalized at the end (k >= 1).
+// LMHeadSample's with its block sums and hook): x's rows in slabs of
+// p.rows, rounded to BF16 unless they are, the vocabulary in GEMMs of
+// p.cols columns, each folded tile by tile into the running max, sum and
+// top-k (k_lm_fold, which also keeps blk's sums when blk is set),
+// slabDone after each slab's last GEMM, and the top-k's log-probs
+// normalized at the end (k >= 1).
 func (b *Backend) lmHeadPass(ids, lp, x, w *tensor, tokens, hidden, vocab, k int, p lmPlan,
-	tileDone func(tile uint64, nr, nc, nt, c int), slabDone func(xb, wp, rmax, rsum uint64, r0, nr int)) {
+	blk *lmBlocks, slabDone func(xb, wp, rmax, rsum uint64, r0, nr int)) {
+	var bl lmBlocks
+	if blk != nil {
+		bl = *blk
+	}
 	rmax, rsum, cnt := b.alloc(int64(tokens)*4), b.alloc(int64(tokens)*8), b.alloc(int64(tokens)*4)
 	b.ew("k_lm_init", int64(tokens), dptr(rmax), dptr(rsum), dptr(cnt), int64(tokens))
 	wp, ws := b.bf16Operand(w, vocab*hidden)
@@ -550,10 +562,8 @@ func (b *Backend) lmHeadPass(ids, lp, x, w *tensor, tokens, hidden, vocab, k int
 			for t0 := 0; t0 < nc; t0 += lmTile {
 				b.launchKernel(launch{kernel: "k_lm_fold", grid: [3]int{nr, 1, 1}, block: lmFoldThreads, smem: p.foldSmem},
 					dptr(tile+uint64(t0)*4), int64(nc), int32(min(lmTile, nc-t0)), int32(c0+t0), int64(r0),
-					dptr(rmax), dptr(rsum), dptr(cnt), dptr(lp.p), dptr(ids.p), int32(k))
-				if tileDone != nil {
-					tileDone(tile+uint64(t0)*4, nr, nc, min(lmTile, nc-t0), c0+t0)
-				}
+					dptr(rmax), dptr(rsum), dptr(cnt), dptr(lp.p), dptr(ids.p), int32(k),
+					dptr(bl.bsum), dptr(bl.tmax), dptr(bl.tsum), int32(bl.nblk), int32(bl.ntile))
 			}
 		}
 		if slabDone != nil {
@@ -569,8 +579,8 @@ func (b *Backend) lmHeadPass(ids, lp, x, w *tensor, tokens, hidden, vocab, k int
 }
 
 // LMHeadSample implements compute.Backend: LMHeadTopK's pass (the same
-// GEMMs and k_lm_fold, k 0 allowed), with k_lm_blocks after each fold and
-// k_lm_sample after each slab's last tile (lmhead.cu); see
+// GEMMs and k_lm_fold, k 0 allowed, the fold also keeping the blocks'
+// sums) and k_lm_sample after each slab's last tile (lmhead.cu); see
 // planLMHeadSample for the slab's rows and scratch.
 func (b *Backend) LMHeadSample(idsT, lpT, drawnT, tailT, xT, wT, uT compute.Tensor, tokens, hidden, vocab, k, n int, head bool) {
 	defer b.enter()()
@@ -601,10 +611,7 @@ func (b *Backend) LMHeadSample(idsT, lpT, drawnT, tailT, xT, wT, uT compute.Tens
 	tsum := b.alloc(int64(p.rows) * int64(p.ntile) * 8)
 	blk, thr := b.alloc(int64(p.rows)*int64(n)*4), b.alloc(int64(p.rows)*int64(n)*8)
 	b.lmHeadPass(ids, lp, x, w, tokens, hidden, vocab, k, p.lmPlan,
-		func(tile uint64, nr, nc, nt, c int) {
-			b.launchKernel(launch{kernel: "k_lm_blocks", grid: [3]int{nr, 1, 1}, block: lmFoldThreads},
-				dptr(tile), int64(nc), int32(nt), int32(c), dptr(bsum), dptr(tmax), dptr(tsum), int32(p.nblk), int32(p.ntile))
-		},
+		&lmBlocks{bsum: bsum, tmax: tmax, tsum: tsum, nblk: p.nblk, ntile: p.ntile},
 		func(xb, wp, rmax, rsum uint64, r0, nr int) {
 			b.launchKernel(launch{kernel: "k_lm_sample", grid: [3]int{nr, 1, 1}, block: lmFoldThreads},
 				dptr(xb), dptr(wp), int32(hidden), int32(vocab), dptr(rmax), dptr(rsum), int64(r0),

@@ -12,6 +12,13 @@
 
 #define LM_TILE 4096 // vocab columns a fold covers (= 16 per thread)
 #define LM_THREADS 256
+#define LM_BLOCK 64                 // = compute.SampleBlock
+#define LM_BPT (LM_TILE / LM_BLOCK) // blocks a fold tile
+
+// lm_term is an id's term of its block's sum (LMHeadSample), from
+// d = logit - tile max: exp(d), or 0 more than 87 nats below (the range of
+// a float32 exp, as on the CPU).
+DK_DEV float lm_term(float d) { return d >= -87.0f ? expf(d) : 0.0f; }
 
 DK_DEV u64 lm_key(float v, i32 id) {
 	u32 u = __float_as_uint(v);
@@ -47,13 +54,21 @@ DK_DEV float block_reduce(float v, bool domax, float *red) {
 
 // k_lm_fold: block b folds row row0+b, whose logits for vocab ids
 // [col0, col0+nc) are tile[b*ld .. b*ld+nc), nc <= LM_TILE. Dynamic shared
-// memory: LM_TILE + k keys (8 bytes each).
+// memory: LM_TILE + k keys (8 bytes each). With bsum set (LMHeadSample), it
+// also keeps the slab row b's sums of its LM_BLOCK-id blocks (bsum, nblk a
+// row, from block col0/LM_BLOCK: each id's term lm_term(logit - tile max)
+// in fp32, the sums in double), the tile max and the blocks' total (btmax,
+// btsum, ntile a row, at col0/LM_TILE), from the exps the log-sum-exp
+// takes (a kernel of its own read the tile a second time).
 DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_fold(const float *__restrict__ tile, i64 ld, int nc, int col0, i64 row0,
                                                        float *__restrict__ rmax, double *__restrict__ rsum, i32 *__restrict__ cnt,
-                                                       float *__restrict__ topv, i32 *__restrict__ topi, int k) {
+                                                       float *__restrict__ topv, i32 *__restrict__ topi, int k,
+                                                       double *__restrict__ bsum, float *__restrict__ btmax,
+                                                       double *__restrict__ btsum, int nblk, int ntile) {
 	DK_DYN_SMEM(u64, cand);
 	u64 *merged = cand + LM_TILE;
 	__shared__ float red[LM_THREADS / DK_WARP];
+	__shared__ double half[LM_TILE / DK_WARP];
 	__shared__ int ncand;
 	i64 row = row0 + blockIdx.x;
 	const float *lg = tile + (i64)blockIdx.x * ld;
@@ -66,7 +81,28 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_fold(const float *__restrict__
 	}
 	tmax = block_reduce(tmax, true, red);
 	float ts = 0;
-	for (int i = 0; i < LM_TILE / LM_THREADS; i++) ts += expf(vals[i] - tmax); // -inf -> 0
+	int lane = threadIdx.x % DK_WARP, w = threadIdx.x / DK_WARP;
+	for (int i = 0; i < LM_TILE / LM_THREADS; i++) {
+		float d = vals[i] - tmax, e = expf(d); // -inf -> 0
+		ts += e;
+		if (bsum) {
+			double s = warp_sum_d(d >= -87.0f ? e : 0.0f); // lm_term(d); columns i*LM_THREADS + w*32 .. +31
+			if (lane == 0) half[i * (LM_THREADS / DK_WARP) + w] = s;
+		}
+	}
+	if (bsum) {
+		__syncthreads();
+		int nb = (nc + LM_BLOCK - 1) / LM_BLOCK;
+		double *bs = bsum + (i64)blockIdx.x * nblk + col0 / LM_BLOCK;
+		for (int j = threadIdx.x; j < nb; j += LM_THREADS) bs[j] = half[2 * j] + half[2 * j + 1];
+		__syncthreads();
+		if (threadIdx.x == 0) {
+			double t = 0;
+			for (int j = 0; j < nb; j++) t += bs[j];
+			btmax[(i64)blockIdx.x * ntile + col0 / LM_TILE] = tmax;
+			btsum[(i64)blockIdx.x * ntile + col0 / LM_TILE] = t;
+		}
+	}
 	ts = block_reduce(ts, false, red);
 	if (threadIdx.x == 0) {
 		double rm = rmax[row], rs = rsum[row];
@@ -156,7 +192,7 @@ DK_KERNEL void k_lm_finish(float *topv, const float *__restrict__ rmax, const do
 
 // --- LMHeadSample: the draws in the same pass over the vocabulary.
 //
-// After each fold, k_lm_blocks keeps, per row of the slab, the fold tile's
+// Each fold (k_lm_fold, given bsum) keeps, per row of the slab, the fold tile's
 // max (tmax), the sums of exp(logit - tile max) over its blocks of
 // LM_BLOCK ids (bsum: each id's term in fp32, an id more than 87 nats below
 // the tile max counting 0, as on the CPU; the sums in double) and their
@@ -173,48 +209,6 @@ DK_KERNEL void k_lm_finish(float *topv, const float *__restrict__ rmax, const do
 // blocks of 64 weight rows a token) made a head+sampled pass 5.7x the
 // top-k pass on an H200.
 
-#define LM_BLOCK 64                 // = compute.SampleBlock
-#define LM_BPT (LM_TILE / LM_BLOCK) // blocks a fold tile
-
-// lm_term is an id's term of its block's sum, from d = logit - tile max.
-DK_DEV float lm_term(float d) { return d >= -87.0f ? expf(d) : 0.0f; }
-
-// k_lm_blocks: block b sums row row0+b's fold tile (the fold's layout:
-// logits tile[b*ld .. b*ld+nc) of ids [col0, col0+nc)) into the slab's
-// bsum (nblk a row, from block col0/LM_BLOCK), tmax and tsum (ntile a row,
-// at col0/LM_TILE).
-DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_blocks(const float *__restrict__ tile, i64 ld, int nc, int col0,
-                                                         double *__restrict__ bsum, float *__restrict__ tmax,
-                                                         double *__restrict__ tsum, int nblk, int ntile) {
-	__shared__ float red[LM_THREADS / DK_WARP];
-	__shared__ double half[LM_TILE / DK_WARP];
-	const float *lg = tile + (i64)blockIdx.x * ld;
-	float vals[LM_TILE / LM_THREADS];
-	float tm = -DK_INF;
-	for (int i = 0; i < LM_TILE / LM_THREADS; i++) {
-		int c = threadIdx.x + i * LM_THREADS;
-		vals[i] = c < nc ? lg[c] : -DK_INF;
-		tm = fmaxf(tm, vals[i]);
-	}
-	tm = block_reduce(tm, true, red);
-	int lane = threadIdx.x % DK_WARP, w = threadIdx.x / DK_WARP;
-	for (int i = 0; i < LM_TILE / LM_THREADS; i++) {
-		float d = vals[i] - tm;
-		double e = warp_sum_d(lm_term(d)); // columns i*LM_THREADS + w*32 .. +31
-		if (lane == 0) half[i * (LM_THREADS / DK_WARP) + w] = e;
-	}
-	__syncthreads();
-	int nb = (nc + LM_BLOCK - 1) / LM_BLOCK;
-	double *bs = bsum + (i64)blockIdx.x * nblk + col0 / LM_BLOCK;
-	for (int j = threadIdx.x; j < nb; j += LM_THREADS) bs[j] = half[2 * j] + half[2 * j + 1];
-	__syncthreads();
-	if (threadIdx.x == 0) {
-		double t = 0;
-		for (int j = 0; j < nb; j++) t += bs[j];
-		tmax[(i64)blockIdx.x * ntile + col0 / LM_TILE] = tm;
-		tsum[(i64)blockIdx.x * ntile + col0 / LM_TILE] = t;
-	}
-}
 
 // lm_in_head reports whether id v is one of the row's k top-k ids.
 DK_DEV bool lm_in_head(const i32 *ti, int k, i32 v) {
@@ -290,7 +284,7 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_sample(const u16 *__restrict__
 	double mx = rmax[row];
 	int nh = head ? k : 0;
 	// The top-k's blocks: their mass outside it, relative to the tile max:
-	// each top-k id's own term taken out again, the term k_lm_blocks added
+	// each top-k id's own term taken out again, the term the fold added
 	// (the same logit: the fold keeps the GEMM's; the same tile max).
 	// Thread 0 alone, in rank order: a fixed order.
 	if (threadIdx.x == 0) {
@@ -397,5 +391,4 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_sample(const u16 *__restrict__
 DK_REGISTER(k_lm_init)
 DK_REGISTER(k_lm_fold)
 DK_REGISTER(k_lm_finish)
-DK_REGISTER(k_lm_blocks)
 DK_REGISTER(k_lm_sample)
