@@ -101,6 +101,9 @@
 #                   without NVFP4 QAD: tokens/s, MFU, device memory
 #                   ($OUT/train-bench.jsonl) and the top kernels of one step
 #                   ($OUT/profile-train-*.txt)
+#   train-zero      the sharded student's step (ZeRO 2 and 3) on a real NCCL
+#                   group of one rank against the unsharded step in the same
+#                   run (overhead_%), device memory against the plan
 #   train-peer      PyTorch on the same step (scripts/gpu/hf_train_bench.py:
 #                   HF transformers, sdpa, bf16 autocast, fused AdamW,
 #                   DistillKit's sparse top-k KL on full logits) at the
@@ -308,8 +311,16 @@ s_train-resume() {
 # "-test.cpuprofile $OUT/train-cpu.pprof -test.benchtime 4x": where the
 # host's time goes in the steps).
 s_train-bench() {
-  DISTILL_BENCH_OUT="$OUT" STEP_DIR=train/trainer step train-bench 170 "$TT" -test.run '^$' -test.bench 'CUDATrainStep' \
+  DISTILL_BENCH_OUT="$OUT" STEP_DIR=train/trainer step train-bench 170 "$TT" -test.run '^$' -test.bench 'CUDATrainStep$' \
     -test.benchtime 1x -test.timeout 165s ${TRAIN_BENCH_FLAGS:-}
+}
+
+# train-zero: the sharded student's step (ZeRO 2 and 3, DISTILL_BENCH_ZERO)
+# on a real NCCL group of one rank against the unsharded step in the same
+# run (overhead_%), and its device memory against the plan (issue 25).
+s_train-zero() {
+  STEP_DIR=train/trainer step train-zero 150 "$TT" -test.run '^$' -test.bench 'CUDATrainStepZeRO' \
+    -test.benchtime 2x -test.timeout 145s
 }
 
 s_train-peer() {
@@ -414,7 +425,7 @@ summary() {
     echo "-- training: resume exactness"
     grep -hE -- '--- (PASS|FAIL): (TestCUDAResume|TestCUDAMoEStudent)' "$OUT/train-resume.log" 2>/dev/null
     echo "-- training benchmark (ours, then the PyTorch peer)"
-    grep -E '^BenchmarkCUDATrainStep' "$OUT/train-bench.log" 2>/dev/null
+    grep -hE '^BenchmarkCUDATrainStep' "$OUT/train-bench.log" "$OUT/train-zero.log" 2>/dev/null
     cat "$OUT/train-bench.jsonl" 2>/dev/null
     grep '^{' "$OUT/train-peer.log" 2>/dev/null
     echo "-- top kernels"
@@ -437,7 +448,7 @@ case "${1:-}" in
     steps=()
     for s in "$@"; do
       case "$s" in
-        all) steps+=(env test device goldens attn memcheck bench peer racecheck nccl train-test train-memcheck train-curve train-qad train-resume train-bench train-peer) ;;
+        all) steps+=(env test device goldens attn memcheck bench peer racecheck nccl train-test train-memcheck train-curve train-qad train-resume train-bench train-zero train-peer) ;;
         train) steps+=(env train-test train-curve train-qad train-resume train-memcheck train-bench train-peer) ;;
         attn-issue)
           steps+=(env test attn goldens train-test train-resume train-bench train-peer)
@@ -450,7 +461,7 @@ case "${1:-}" in
     [ ${#steps[@]} -eq 0 ] && steps=(env test device goldens attn memcheck bench peer racecheck)
     for s in "${steps[@]}"; do
       case "$s" in
-        env|test|device|memcheck|racecheck|nccl|goldens|attn|bench|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|train-peer) "s_$s" ;;
+        env|test|device|memcheck|racecheck|nccl|goldens|attn|bench|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|train-zero|train-peer) "s_$s" ;;
         *) echo "unknown step $s"; exit 2 ;;
       esac
     done

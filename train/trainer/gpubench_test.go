@@ -129,29 +129,8 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				if err := s.Model.SetRecompute(recompute); err != nil {
 					b.Fatal(err)
 				}
-				// Random weights without drawing billions of numbers: every
-				// tensor takes a prefix of one buffer of U(±0.035) values
-				// (std 0.02), norms included (timing does not care).
-				maxN, params := 0, 0
-				for _, t := range s.Tensors {
-					maxN, params = max(maxN, t.N), params+t.N
-				}
 				r := rand.New(rand.NewPCG(1, 2))
-				seed := make([]float32, 1<<20)
-				for i := range seed {
-					seed[i] = float32((r.Float64()*2 - 1) * 0.035)
-				}
-				buf := make([]float32, maxN)
-				for i := 0; i < maxN; i += len(seed) {
-					copy(buf[i:], seed)
-				}
-				w := map[string][]float32{}
-				for _, t := range s.Tensors {
-					w[t.Name] = buf[:t.N]
-				}
-				if err := s.Load(w); err != nil {
-					b.Fatal(err)
-				}
+				params := loadBenchWeights(b, s, r)
 				bt := benchBatch(r, rows, T, V, K)
 				opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
 				if qad {
@@ -269,6 +248,159 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 					fmt.Fprintf(&sb, "%6.1f%% %9.2f ms %6d calls  %s\n", 100*e.Time.Seconds()/sum, 1e3*e.Time.Seconds(), e.Calls, e.Name)
 				}
 				os.WriteFile(filepath.Join(outDir, "profile-train-"+name+".txt"), []byte(sb.String()), 0o644)
+			})
+		}
+	}
+}
+
+// loadBenchWeights loads random weights into s without drawing billions
+// of numbers: every tensor takes a prefix of one buffer of U(±0.035)
+// values (std 0.02), norms included (timing does not care). It returns
+// the parameter count.
+func loadBenchWeights(b *testing.B, s *train.Student, r *rand.Rand) (params int) {
+	b.Helper()
+	maxN := 0
+	for _, t := range s.Tensors {
+		maxN, params = max(maxN, t.N), params+t.N
+	}
+	seed := make([]float32, 1<<20)
+	for i := range seed {
+		seed[i] = float32((r.Float64()*2 - 1) * 0.035)
+	}
+	buf := make([]float32, maxN)
+	for i := 0; i < maxN; i += len(seed) {
+		copy(buf[i:], seed)
+	}
+	w := map[string][]float32{}
+	for _, t := range s.Tensors {
+		w[t.Name] = buf[:t.N]
+	}
+	if err := s.Load(w); err != nil {
+		b.Fatal(err)
+	}
+	return params
+}
+
+// BenchmarkCUDATrainStepZeRO times the training step of a sharded
+// student (ZeRO stages 2 and 3, DISTILL_BENCH_ZERO to choose) on a real
+// NCCL group of one rank (DISTILL_LIBNCCL or PyTorch's wheel), against
+// the same student unsharded in the same run: the collectives' and the
+// sharded layout's overhead at world size 1 (issue 25's target: 3% or
+// less), and the device memory against the memory plan of that layout.
+// Shapes as BenchmarkCUDATrainStep (DISTILL_BENCH_SHAPES), one row of
+// 8192 tokens, no QAD. It needs a GPU (DISTILL_CUDA_TEST=gpu) and NCCL;
+// on the emulator (DISTILL_TRAIN_BENCH_DRYRUN=1) a tiny shape runs on its
+// NCCL stand-in.
+func BenchmarkCUDATrainStepZeRO(b *testing.B) {
+	shapes, T, V, K := trainShapes, 8192, 151936, 64
+	if !cudaemu.OnGPU() {
+		if os.Getenv("DISTILL_TRAIN_BENCH_DRYRUN") != "1" {
+			b.Skip("the training benchmark needs a GPU: set DISTILL_CUDA_TEST=gpu (scripts/gpu-suite.sh); DISTILL_TRAIN_BENCH_DRYRUN=1 runs its code on the emulator with a tiny shape")
+		}
+		cudaemu.Use(b)
+		shapes = shapes[:0:0]
+		shapes = append(shapes, struct {
+			Name                                 string
+			Hidden, Layers, Heads, KV, HD, Inter int
+		}{"tiny", 64, 2, 4, 2, 16, 128})
+		T, V = 96, 1000
+	}
+	stages := []int{2, 3}
+	if v := os.Getenv("DISTILL_BENCH_ZERO"); v != "" {
+		stages = nil
+		for _, f := range strings.Split(v, ",") {
+			z, err := strconv.Atoi(f)
+			if err != nil || z < 0 || z > 3 {
+				b.Fatalf("DISTILL_BENCH_ZERO=%q: want stages 0 to 3, comma separated", v)
+			}
+			stages = append(stages, z)
+		}
+	}
+	only := os.Getenv("DISTILL_BENCH_SHAPES")
+	for _, sh := range shapes {
+		if only != "" && !strings.Contains(only, sh.Name) {
+			continue
+		}
+		cfg := &model.Config{Arch: model.ArchQwen3, VocabSize: V, Hidden: sh.Hidden, Layers: sh.Layers, Heads: sh.Heads, KVHeads: sh.KV,
+			HeadDim: sh.HD, Intermediate: sh.Inter, MaxPositions: 40960, RMSNormEps: 1e-6, RopeTheta: 1e6, QKNorm: true, TieEmbeddings: true}
+		var base float64 // the unsharded step's seconds, this run
+		for _, stage := range append([]int{-1}, stages...) { // -1: unsharded
+			name := fmt.Sprintf("%s/zero%d", sh.Name, stage)
+			if stage < 0 {
+				name = sh.Name + "/unsharded"
+			}
+			b.Run(name, func(b *testing.B) {
+				kc := os.Getenv("DISTILL_KERNEL_CACHE")
+				if kc == "" {
+					kc = b.TempDir()
+				}
+				be, err := cuda.Open(cuda.Options{KernelCache: kc})
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer be.Close()
+				be.ResetPeakMemory()
+				var s *train.Student
+				if stage < 0 {
+					s, err = train.NewStudentOn(cfg, be)
+				} else {
+					id, ierr := be.NewCollectiveID()
+					if ierr != nil {
+						b.Fatalf("NCCL: %v", ierr)
+					}
+					c, jerr := be.JoinCollective(id, 0, 1)
+					if jerr != nil {
+						b.Fatalf("NCCL: %v", jerr)
+					}
+					defer c.Close()
+					s, err = train.NewShardedStudentOn(cfg, be, train.Sharding{C: c, Stage: stage})
+				}
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer s.Free()
+				r := rand.New(rand.NewPCG(1, 2))
+				loadBenchWeights(b, s, r)
+				bt := benchBatch(r, 1, T, V, K)
+				opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+				ad, err := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.1}, s.Groups())
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer ad.Free()
+				step := func() {
+					s.ZeroGrad()
+					if _, err := s.ForwardBackward(bt, &opt, 0); err != nil {
+						b.Fatal(err)
+					}
+					if stage >= 0 {
+						s.AllReduceGrads(nil)
+					}
+					optim.ClipGradNorm(ad.Groups, 1) // synchronizes
+					ad.Step(1e-4)
+					s.AfterStep()
+				}
+				step() // warm up
+				b.ResetTimer()
+				t0 := time.Now()
+				for i := 0; i < b.N; i++ {
+					step()
+				}
+				sec := time.Since(t0).Seconds() / float64(b.N)
+				b.StopTimer()
+				b.ReportMetric(float64(T)/sec, "tokens/s")
+				if stage < 0 {
+					base = sec
+				} else if base > 0 {
+					b.ReportMetric(100*(sec/base-1), "overhead_%")
+				}
+				b.ReportMetric(float64(be.PeakMemory())/(1<<30), "devmem_GiB")
+				ps := train.PlanShape{Model: cfg, RowTokens: T, K: K, Recompute: decoder.RecomputeNone, Activations: be.ActDType(),
+					AttnWorkspace: be.AttentionWorkspaceBytes(1, T, cfg.Heads, cfg.KVHeads, cfg.HeadDim)}
+				if stage >= 0 {
+					ps.Ranks, ps.ZeRO = 1, stage
+				}
+				b.ReportMetric(float64(train.PlanMemory(ps).Total())/(1<<30), "plan_GiB")
 			})
 		}
 	}
