@@ -10,6 +10,7 @@
 # which builds the test binaries of compute/cuda (cuda.test), of the
 # --device chooser, compute/device (device.test), and of the student's
 # trainer, train/trainer (trainer.test: training on the GPU end to end),
+# of train (train.test) and of the decoder, model/decoder (decoder.test),
 # stripped, with the shared libraries they need beyond glibc (OpenBLAS and
 # its Fortran runtime, for the CPU oracle), and packs them into
 # .gpu/bundle.tar.gz (git-ignored; the device tool carries at most 64 MiB,
@@ -131,6 +132,7 @@ build() {
   go test -c -ldflags='-s -w' -o "$stage/device.test" ./compute/device
   go test -c -ldflags='-s -w' -o "$stage/trainer.test" ./train/trainer
   go test -c -ldflags='-s -w' -o "$stage/train.test" ./train
+  go test -c -ldflags='-s -w' -o "$stage/decoder.test" ./model/decoder
   # Libraries beyond glibc and libgcc that the binaries link (OpenBLAS ...).
   ldd "$stage"/*.test | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
     case "$(basename "$lib")" in

@@ -79,8 +79,8 @@ for v in ${TRAIN_VARIANTS:-}; do
     OUT="$work/variant-$name" SUITE_BUDGET=${VARIANT_BUDGET:-60} bash scripts/gpu-suite.sh run train-bench ) >"$work/variant-$name/suite.txt" 2>&1
   echo "variant-$name $(tail -1 "$work/variant-$name/status.txt" 2>/dev/null | awk '{print $NF}')" >>"$work/status.txt"
 done
-if [ -n "${EXTRA_TESTS:-}" ]; then # a -test.run pattern for cuda.test, then the same for train.test and trainer.test
-  for b in cuda:compute/cuda train:train trainer:train/trainer; do
+if [ -n "${EXTRA_TESTS:-}" ]; then # a -test.run pattern for cuda.test, then the same for train.test, trainer.test and decoder.test
+  for b in cuda:compute/cuda train:train trainer:train/trainer decoder:model/decoder; do
     ( cd "${b#*:}" && DISTILL_CUDA_TEST=gpu DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 60 /tmp/distill-gpu-bin/${b%%:*}.test \
         -test.v -test.count=1 -test.run "$EXTRA_TESTS" -test.timeout 55s ) >"$work/extra-${b%%:*}.log" 2>&1
     echo "extra-${b%%:*} rc=$?" >>"$work/status.txt"
@@ -117,7 +117,7 @@ for d in "$work"/variant-*; do
   [ -d "$d" ] && { echo "== ${d##*/}"; grep -hE '^Benchmark' "$d/train-bench.log" 2>/dev/null; }
 done
 echo "== status"; cat "$work/status.txt"
-for f in attn-memcheck attn-racecheck extra-cuda extra-train extra-trainer; do
+for f in attn-memcheck attn-racecheck extra-cuda extra-train extra-trainer extra-decoder; do
   [ -f "$work/$f.log" ] && { echo "== $f"; grep -E '^(--- |ok|FAIL|panic)|ERROR SUMMARY|RACECHECK SUMMARY|========= (Invalid|Race|Error)' "$work/$f.log" | head -20; }
 done
 echo "== cuDNN lines"; grep -hE 'cuDNN|cudnn' "$work"/test.log "$work"/cudnn-system.log 2>/dev/null | grep -vE '^\s*cudnn_test.go:[0-9]+: cudnn attention' | head -30
