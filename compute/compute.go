@@ -527,6 +527,10 @@ type ForwardShape struct {
 	// Experts > 0: a Qwen3-MoE model with TopK experts per token of
 	// MoEIntermediate each.
 	Experts, TopK, MoEIntermediate int
+	// Draws > 0: the LM head also draws that many ids a token
+	// (LMHeadSample, sampled targets; K is then the head's top-k, 0 for
+	// none).
+	Draws int
 }
 
 // Partial is implemented by a backend that does not yet implement every

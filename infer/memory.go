@@ -38,11 +38,12 @@ func (m *Model) ActivationBytes(tokens, maxLen, k int) int64 {
 }
 
 // DeviceBytes bounds the device memory one Forward over tokens tokens
-// (top-k) allocates beside the weights on a backend with device memory
+// (top-k; with draws > 0, ForwardDraws drawing that many a position)
+// allocates beside the weights on a backend with device memory
 // (compute.DeviceMemory): the decoder's activations, which stay on the
-// device for the whole forward, and the kernels' peak scratch. 0 on a
-// backend without device memory.
-func (m *Model) DeviceBytes(tokens, maxLen, k int) int64 {
+// device for the whole forward, the draws' uniforms and results, and the
+// kernels' peak scratch. 0 on a backend without device memory.
+func (m *Model) DeviceBytes(tokens, maxLen, k, draws int) int64 {
 	dm, ok := m.be.(compute.DeviceMemory)
 	if !ok {
 		return 0
@@ -53,7 +54,12 @@ func (m *Model) DeviceBytes(tokens, maxLen, k int) int64 {
 	if c.NumExperts > 0 {
 		s.Experts, s.TopK, s.MoEIntermediate = c.NumExperts, c.ExpertsPerTok, c.MoEIntermediate
 	}
-	return m.d.ActivationBytes(tokens, k) + dm.ForwardScratchBytes(s)
+	var io int64
+	if draws > 0 { // the uniforms (two I32 a draw), the drawn ids, the tail mass
+		s.Draws = draws
+		io = int64(tokens) * (12*int64(draws) + 4)
+	}
+	return m.d.ActivationBytes(tokens, k) + io + dm.ForwardScratchBytes(s)
 }
 
 // deviceReserve is the device memory CheckDeviceFit leaves unplanned: the
@@ -67,9 +73,10 @@ func deviceReserve(total int64) int64 { return max(256<<20, total/50) }
 // too large for the device is refused at start-up, naming one that fits,
 // instead of failing every batch with an out-of-memory error. It runs one
 // forward of a single token first: the backend keeps copies of some
-// weights from their first use, and MemInfo then counts them. nil on a
-// backend without device memory.
-func (m *Model) CheckDeviceFit(budget, maxLen, kMax int) error {
+// weights from their first use, and MemInfo then counts them. maxDraws >
+// 0 plans for fills of sampled targets drawing up to that many a
+// position too. nil on a backend without device memory.
+func (m *Model) CheckDeviceFit(budget, maxLen, kMax, maxDraws int) error {
 	dm, ok := m.be.(compute.DeviceMemory)
 	if !ok {
 		return nil
@@ -79,7 +86,13 @@ func (m *Model) CheckDeviceFit(budget, maxLen, kMax int) error {
 	}
 	free, total := dm.MemInfo()
 	avail := free - deviceReserve(total)
-	need := func(n int) int64 { return m.DeviceBytes(n, min(maxLen, n), kMax) }
+	need := func(n int) int64 {
+		b := m.DeviceBytes(n, min(maxLen, n), kMax, 0)
+		if maxDraws > 0 {
+			b = max(b, m.DeviceBytes(n, min(maxLen, n), kMax, maxDraws))
+		}
+		return b
+	}
 	if need(budget) <= avail {
 		return nil
 	}
@@ -93,12 +106,16 @@ func (m *Model) CheckDeviceFit(budget, maxLen, kMax int) error {
 		}
 	}
 	gib := func(b int64) string { return fmt.Sprintf("%.2f GiB", float64(b)/(1<<30)) }
-	msg := fmt.Sprintf("a forward of %d tokens with k up to %d needs %s of device memory beyond the weights (activations and kernel scratch), but %s of the device's %s is free after loading them (%s kept in reserve)",
-		budget, kMax, gib(need(budget)), gib(max(0, free)), gib(total), gib(deviceReserve(total)))
+	draws := ""
+	if maxDraws > 0 {
+		draws = fmt.Sprintf(" and up to %d draws a position", maxDraws)
+	}
+	msg := fmt.Sprintf("a forward of %d tokens with k up to %d%s needs %s of device memory beyond the weights (activations and kernel scratch), but %s of the device's %s is free after loading them (%s kept in reserve)",
+		budget, kMax, draws, gib(need(budget)), gib(max(0, free)), gib(total), gib(deviceReserve(total)))
 	if fits == 0 {
 		return fmt.Errorf("%w: %s: not even one token fits; use a GPU with more memory, or --device cpu", ErrDeviceMemory, msg)
 	}
-	return fmt.Errorf("%w: %s: lower --token-budget to %d or less (or lower the largest k, --k-max)", ErrDeviceMemory, msg, fits)
+	return fmt.Errorf("%w: %s: lower --token-budget to %d or less (or lower the largest k, --k-max, or the draws, --max-draws)", ErrDeviceMemory, msg, fits)
 }
 
 // ErrDeviceMemory marks a forward size that does not fit the device's

@@ -28,6 +28,8 @@ const (
 	DefaultChunkSamples = 256
 	// DefaultKDefault is the k of a request that gives none.
 	DefaultKDefault = 64
+	// DefaultMaxDraws is a daemon's CoreOptions.MaxDraws unless set.
+	DefaultMaxDraws = 64
 	// DefaultQueueSamples bounds the queued Score samples and fill groups.
 	DefaultQueueSamples = 1024
 	// maxCachedDatasets bounds the opened datasets a core keeps.
@@ -55,6 +57,11 @@ type CoreOptions struct {
 	// (default min(vocab, 4096): the cache's format limit; InProcess:
 	// min(vocab, 64)). The device-memory check plans for k = KMax.
 	KDefault, KMax int
+	// MaxDraws is the most draws per position a Fill of sampled targets
+	// may ask for (default DefaultMaxDraws; InProcess: none unless set):
+	// the device-memory check plans the LM head's draws for it, and a
+	// Fill asking for more is refused.
+	MaxDraws int
 	// QueueSamples and QueueTokens bound the work queue (defaults 1024
 	// samples, 8 token budgets); Score requests beyond get ResourceExhausted.
 	QueueSamples, QueueTokens int
@@ -174,13 +181,19 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if o.KDefault == 0 {
 		o.KDefault = min(DefaultKDefault, o.KMax)
 	}
+	if o.MaxDraws == 0 && !o.InProcess {
+		o.MaxDraws = DefaultMaxDraws
+	}
+	if o.MaxDraws < 0 || o.MaxDraws > cache.MaxDraws {
+		return nil, fmt.Errorf("%w: max draws %d: want 0 to %d (cache.MaxDraws)", ErrInvalid, o.MaxDraws, cache.MaxDraws)
+	}
 	if err := checkK(o, V); err != nil {
 		return nil, err
 	}
 	c := &Core{opt: o, model: m, budget: o.TokenBudget, met: newMetrics(), log: o.Logger, started: time.Now(),
 		datasets: map[string]*openDataset{}, inflight: map[cache.Range]int{}}
 	c.lim = Limits{VocabSize: V, MaxLen: min(m.Cfg.MaxPositions, o.TokenBudget), KDefault: o.KDefault, KMax: o.KMax}
-	if err := m.CheckDeviceFit(o.TokenBudget, c.lim.MaxLen, o.KMax); err != nil {
+	if err := m.CheckDeviceFit(o.TokenBudget, c.lim.MaxLen, o.KMax, o.MaxDraws); err != nil {
 		return nil, fmt.Errorf("%w: teacher %s on %s: %w", ErrInvalid, o.ModelDir, o.Device, err)
 	}
 	tdir := o.TokenizerDir
@@ -524,6 +537,9 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 	}
 	kind, _ := cache.ParseTargets(r.GetTargets()) // validated
 	draws := int(r.GetSamples())
+	if draws > c.opt.MaxDraws {
+		return fmt.Errorf("%w: samples %d: %s plans its device memory for at most %d draws per position (teacherd --max-draws or config max_draws sets it)", ErrInvalid, draws, c.say("this daemon", "the teacher"), c.opt.MaxDraws)
+	}
 	if kind == cache.TargetsSampled {
 		k = 0 // no head
 	}

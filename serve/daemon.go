@@ -52,6 +52,9 @@ type Config struct {
 	// KDefault and KMax: the k of requests that give none, and the largest.
 	KDefault int `yaml:"k_default"`
 	KMax     int `yaml:"k_max"`
+	// MaxDraws is the most draws per position a Fill of sampled targets
+	// may ask for (default 64): a GPU teacher plans its memory for it.
+	MaxDraws int `yaml:"max_draws"`
 	// TLSCert and TLSKey enable TLS (both or neither).
 	TLSCert string `yaml:"tls_cert"`
 	TLSKey  string `yaml:"tls_key"`
@@ -195,7 +198,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	log.Info("listening (loading the model: health NOT_SERVING)", zap.String("addr", d.Addr()), zap.Bool("tls", cfg.TLSCert != ""), zap.Bool("auth", so.Token != ""),
 		zap.Strings("data_roots", roots.Dirs()))
 	core, err := NewCore(CoreOptions{ModelDir: cfg.Model, TokenizerDir: cfg.Tokenizer, CacheDir: cfg.Cache, Device: cfg.Device,
-		TokenBudget: cfg.TokenBudget, KDefault: cfg.KDefault, KMax: cfg.KMax, QueueSamples: cfg.QueueSamples, QueueTokens: cfg.QueueTokens,
+		TokenBudget: cfg.TokenBudget, KDefault: cfg.KDefault, KMax: cfg.KMax, MaxDraws: cfg.MaxDraws, QueueSamples: cfg.QueueSamples, QueueTokens: cfg.QueueTokens,
 		Logger: log})
 	if err != nil {
 		d.gs.Stop()

@@ -103,7 +103,7 @@ func TestCoreRefusesBudgetOverDeviceMemory(t *testing.T) {
 	}
 	defer b.Close()
 	perCore := memUsed(b) - usedA // one more teacher: its backend, weights and first-use copies
-	room := b.Model().DeviceBytes(400, 400, DefaultKDefault)
+	room := b.Model().DeviceBytes(400, 400, DefaultKDefault, DefaultMaxDraws)
 	mem := memUsed(b) + perCore + 256<<20 + room
 	t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(mem))
 	_, err = NewCore(CoreOptions{ModelDir: mdir, Device: "cuda", TokenBudget: 1 << 16, KMax: DefaultKDefault})

@@ -103,6 +103,8 @@ func TestBadRequests(t *testing.T) {
 	wantCode(t, "encoding", fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 1, Encoding: "zip"}), codes.InvalidArgument, `encoding "zip"`)
 	wantCode(t, "no tokenizer", fill(&pb.FillRequest{Dataset: &pb.Dataset{Sources: ds.Sources}, Start: 0, End: 1}), codes.FailedPrecondition, "no tokenizer")
 	wantCode(t, "fingerprint", fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 1, ExpectDatasetFingerprint: "abc"}), codes.FailedPrecondition, "the client expects abc")
+	wantCode(t, "draws beyond max_draws", fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 1, Targets: "sampled", Samples: 65}), codes.InvalidArgument,
+		"samples 65: this daemon plans its device memory for at most 64 draws per position (teacherd --max-draws or config max_draws sets it)")
 
 	// A fill with another k than the cache holds: the field is named.
 	if err := fill(&pb.FillRequest{Dataset: ds, Start: 0, End: 2, K: proto.Int32(4)}); err != nil {

@@ -122,7 +122,7 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			return fmt.Errorf("--model needs --cache DIR (the cache directory to write)")
 		}
 		fmt.Fprintf(stderr, "fill: loading teacher %s in-process\n", *modelDir)
-		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, TokenBudget: *budget, InProcess: true, KMax: *k,
+		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, TokenBudget: *budget, InProcess: true, KMax: *k, MaxDraws: *samples,
 			DeviceLogf: func(format string, args ...any) { fmt.Fprintf(stderr, "fill: "+format+"\n", args...) }})
 		if err != nil {
 			return err

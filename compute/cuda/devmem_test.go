@@ -46,13 +46,48 @@ func TestForwardDeviceBytes(t *testing.T) {
 				base := be.PeakMemory()
 				m.Forward(samples, c.k, 1)
 				got := be.PeakMemory() - base
-				bound := m.DeviceBytes(tokens, maxLen, c.k)
+				bound := m.DeviceBytes(tokens, maxLen, c.k, 0)
 				t.Logf("lengths %v, k %d: peak %d bytes beside the weights, bound %d (%.2fx)", c.lens, c.k, got, bound, float64(bound)/float64(got))
 				if got > bound || bound > 2*got {
 					t.Errorf("lengths %v, k %d: the forward took %d bytes beside the weights; DeviceBytes says %d: want peak <= bound <= 2·peak", c.lens, c.k, got, bound)
 				}
 			}
 		})
+	}
+}
+
+// TestForwardDrawsDeviceBytes: a forward that also draws (a fill of
+// sampled or head+sampled targets) stays within infer's bound for its
+// draws (Model.DeviceBytes with draws: the uniforms, the drawn ids and
+// the LM head's per-row draw scratch), which is not loose either.
+func TestForwardDrawsDeviceBytes(t *testing.T) {
+	be := testBackend(t)
+	m, err := infer.Load(filepath.Join("..", "..", "infer", "testdata", "golden", "qwen3"), be)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Forward([][]int32{{0}}, 1, 1)
+	r := rand.New(rand.NewPCG(3, 4))
+	samples, tokens := [][]int32{make([]int32, 70), make([]int32, 23)}, 93
+	for _, smp := range samples {
+		for j := range smp {
+			smp[j] = int32(r.IntN(m.Cfg.VocabSize))
+		}
+	}
+	for _, c := range []struct {
+		k, n int
+		head bool
+	}{{0, 300, false}, {8, 300, true}, {8, 24, true}} {
+		d := infer.Draws{N: c.n, Head: c.head, U: func(s, t, dd int) float64 { return float64(dd) / 512 }} // ascending, multiples of 2^-53
+		be.ResetPeakMemory()
+		base := be.PeakMemory()
+		m.ForwardDraws(samples, c.k, 1, d)
+		got := be.PeakMemory() - base
+		bound := m.DeviceBytes(tokens, 70, c.k, c.n)
+		t.Logf("k %d, %d draws (head %v): peak %d bytes beside the weights, bound %d (%.2fx)", c.k, c.n, c.head, got, bound, float64(bound)/float64(got))
+		if got > bound || bound > 2*got {
+			t.Errorf("k %d, %d draws: the forward took %d bytes beside the weights; DeviceBytes says %d: want peak <= bound <= 2·peak", c.k, c.n, got, bound)
+		}
 	}
 }
 
@@ -72,14 +107,14 @@ func TestCheckDeviceFit(t *testing.T) {
 		t.Fatal(err)
 	}
 	const k = 8
-	if err := m.CheckDeviceFit(1000, 1000, k); err != nil {
+	if err := m.CheckDeviceFit(1000, 1000, k, 0); err != nil {
 		t.Fatalf("16 GiB emulated device: %v", err)
 	}
 	free, total := be.MemInfo()
 	used := total - free
-	room := m.DeviceBytes(300, 300, k)
+	room := m.DeviceBytes(300, 300, k, 0)
 	t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(used+256<<20+room))
-	err = m.CheckDeviceFit(1000, 1000, k)
+	err = m.CheckDeviceFit(1000, 1000, k, 0)
 	if !errors.Is(err, infer.ErrDeviceMemory) {
 		t.Fatalf("budget 1000 with room for about 300 tokens: %v, want ErrDeviceMemory", err)
 	}
@@ -92,15 +127,15 @@ func TestCheckDeviceFit(t *testing.T) {
 	if fits < 300 || fits >= 1000 {
 		t.Fatalf("suggested budget %d; the device has room for at least 300 and not 1000", fits)
 	}
-	if err := m.CheckDeviceFit(fits, fits, k); err != nil {
+	if err := m.CheckDeviceFit(fits, fits, k, 0); err != nil {
 		t.Fatalf("the suggested budget %d: %v", fits, err)
 	}
-	if err := m.CheckDeviceFit(fits+1, fits+1, k); err == nil {
+	if err := m.CheckDeviceFit(fits+1, fits+1, k, 0); err == nil {
 		t.Fatalf("budget %d passes, but %d was said to be the largest that fits", fits+1, fits)
 	}
 	// The bound alone, without the reserve, is enough for the forward.
 	free, total = be.MemInfo()
-	t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(total-free+m.DeviceBytes(fits, fits, k)))
+	t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(total-free+m.DeviceBytes(fits, fits, k, 0)))
 	sample := make([]int32, fits)
 	for i := range sample {
 		sample[i] = int32(i % m.Cfg.VocabSize)
@@ -108,7 +143,7 @@ func TestCheckDeviceFit(t *testing.T) {
 	m.Forward([][]int32{sample}, k, 1) // panics with CUDA_ERROR_OUT_OF_MEMORY if the bound is short
 
 	t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(used+1<<20))
-	err = m.CheckDeviceFit(1000, 1000, k)
+	err = m.CheckDeviceFit(1000, 1000, k, 0)
 	if !errors.Is(err, infer.ErrDeviceMemory) || !regexp.MustCompile(`not even one token fits`).MatchString(err.Error()) {
 		t.Fatalf("a device the weights fill: %v", err)
 	}
@@ -173,4 +208,20 @@ func TestForwardScratchBytes(t *testing.T) {
 	ids, lp := be.New(compute.I32, tokens*topk), be.New(compute.F32, tokens*topk)
 	check("LMHeadTopK", scratch(func() { be.LMHeadTopK(ids, lp, lx, lw, tokens, hidden, vocab, topk) }),
 		compute.ForwardShape{Tokens: tokens, MaxLen: tokens, K: topk, Hidden: hidden, Heads: 1, KVHeads: 1, HeadDim: 16, Intermediate: 16, Vocab: vocab})
+
+	// The same LM head drawing 40 ids a token beside its top-k (a
+	// head+sampled fill), slabs forced small: the draws' per-row scratch.
+	const draws = 40
+	uf := make([]float64, tokens*draws)
+	for i := range uf {
+		uf[i] = float64(i%draws) / 64 // ascending a token, multiples of 2^-53
+	}
+	pu := make([]int32, 2*len(uf))
+	compute.PackUniforms(pu, uf)
+	u, drawn, tail := be.FromI32(pu), be.New(compute.I32, tokens*draws), be.New(compute.F32, tokens)
+	saveR := lmMaxRows
+	lmMaxRows = 32
+	check("LMHeadSample", scratch(func() { be.LMHeadSample(ids, lp, drawn, tail, lx, lw, u, tokens, hidden, vocab, topk, draws, true) }),
+		compute.ForwardShape{Tokens: tokens, MaxLen: tokens, K: topk, Hidden: hidden, Heads: 1, KVHeads: 1, HeadDim: 16, Intermediate: 16, Vocab: vocab, Draws: draws})
+	lmMaxRows = saveR
 }

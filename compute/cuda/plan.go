@@ -310,6 +310,11 @@ func forwardScratchBytes(s compute.ForwardShape) int64 {
 	if p, err := planLMHead(s.Tokens, s.Hidden, s.Vocab, max(1, s.K)); err == nil {
 		need = max(need, p.scratch)
 	}
+	if s.Draws > 0 { // LMHeadSample: its slabs' draws scratch beside the tile
+		if p, err := planLMHeadSample(s.Tokens, s.Hidden, s.Vocab, s.K, s.Draws); err == nil {
+			need = max(need, p.scratch)
+		}
+	}
 	if s.Experts > 0 {
 		need = max(need, moeScratchBytes(s.Tokens, s.Hidden, s.MoEIntermediate, s.Experts, s.TopK))
 	}

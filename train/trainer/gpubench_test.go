@@ -323,7 +323,7 @@ func BenchmarkCUDATrainStepZeRO(b *testing.B) {
 		}
 		cfg := &model.Config{Arch: model.ArchQwen3, VocabSize: V, Hidden: sh.Hidden, Layers: sh.Layers, Heads: sh.Heads, KVHeads: sh.KV,
 			HeadDim: sh.HD, Intermediate: sh.Inter, MaxPositions: 40960, RMSNormEps: 1e-6, RopeTheta: 1e6, QKNorm: true, TieEmbeddings: true}
-		var base float64 // the unsharded step's seconds, this run
+		var base float64                                     // the unsharded step's seconds, this run
 		for _, stage := range append([]int{-1}, stages...) { // -1: unsharded
 			name := fmt.Sprintf("%s/zero%d", sh.Name, stage)
 			if stage < 0 {
