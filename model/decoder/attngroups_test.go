@@ -74,8 +74,10 @@ func TestAttnGroups(t *testing.T) {
 
 // TestAttentionGroupsSameGradients: a batch of one long sample among short
 // ones, whose attention backward runs as three calls on views, trains the
-// same bits as one call (attnGroupsOff), on the CPU and on the CUDA
-// backend (the emulator, or a GPU), with and without Qwen3's q/k norms.
+// same bits as one call (attnGroupsOff), on the CUDA backend (the
+// emulator, or a GPU; the decoder cuts its batches) and on the CPU (made
+// to), with and without Qwen3's q/k norms; the CPU's batches stay whole
+// unless told.
 func TestAttentionGroupsSameGradients(t *testing.T) {
 	tokens := make([]int32, 52)
 	for i := range tokens {
@@ -86,7 +88,13 @@ func TestAttentionGroupsSameGradients(t *testing.T) {
 		t.Fatal("test setup: the batch is not cut")
 	}
 	backends := map[string]func(t *testing.T) compute.Backend{
-		"cpu": func(t *testing.T) compute.Backend { return device.CPU(3) },
+		"cpu": func(t *testing.T) compute.Backend {
+			// The CPU's attention sizes no workspace: the decoder cuts its
+			// batches only when told to.
+			attnGroupsAlways = true
+			t.Cleanup(func() { attnGroupsAlways = false })
+			return device.CPU(3)
+		},
 		"cuda": func(t *testing.T) compute.Backend {
 			cudaemu.Use(t)
 			be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
@@ -97,6 +105,23 @@ func TestAttentionGroupsSameGradients(t *testing.T) {
 			return be
 		},
 	}
+	// Untold, the CPU keeps the batch whole.
+	cfg0 := tinyConfig(model.ArchLlama)
+	cpu := device.CPU(1)
+	w0 := model.Init(cfg0, model.InitOptions{Seed: 5})
+	m0, err := New(cfg0, cpu, func(name string) (compute.Tensor, compute.Tensor, error) {
+		return cpu.FromF32(w0[name]), cpu.New(compute.F32, len(w0[name])), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m0.TrainForward(tokens, starts); err != nil {
+		t.Fatal(err)
+	}
+	if m0.train.b.groups != nil {
+		t.Fatalf("the CPU's batch was cut into %d runs", len(m0.train.b.groups))
+	}
+	m0.Free()
 	for _, name := range []string{"cpu", "cuda"} {
 		for _, arch := range []model.Arch{model.ArchLlama, model.ArchQwen3} {
 			t.Run(fmt.Sprintf("%s/%s", name, arch), func(t *testing.T) {
@@ -116,6 +141,9 @@ func TestAttentionGroupsSameGradients(t *testing.T) {
 					defer m.Free()
 					if _, err := m.TrainForward(tokens, starts); err != nil {
 						t.Fatal(err)
+					}
+					if cut := m.train.b.groups != nil; cut == attnGroupsOff {
+						t.Fatalf("the batch cut into runs: %v (attnGroupsOff %v)", cut, attnGroupsOff)
 					}
 					r := rand.New(rand.NewPCG(7, 8))
 					dl := make([]float32, len(tokens)*cfg.Hidden)

@@ -352,8 +352,9 @@ func attnGroups(starts []int32) [][2]int {
 }
 
 // attnGroupsOff makes attnGroups keep every batch whole: the tests'
-// reference.
-var attnGroupsOff bool
+// reference. attnGroupsAlways cuts batches on every backend, not only on
+// those whose attention reports a workspace (the tests' CPU case).
+var attnGroupsOff, attnGroupsAlways bool
 
 // pow2 rounds n up to a power of two (at least 1).
 func pow2(n int) int {

@@ -143,7 +143,11 @@ func (m *Model) upload(tokens, starts []int32, cos, sin compute.Tensor) *batch {
 		b.cos, b.sin = cos, sin
 	}
 	b.tokens, b.starts = be.FromI32(tokens), be.FromI32(starts)
-	for _, r := range attnGroups(starts) {
+	var runs [][2]int
+	if _, ok := be.(compute.AttentionWorkspaceReporter); ok || attnGroupsAlways {
+		runs = attnGroups(starts) // a library that sizes its workspace by the bucket (cuDNN)
+	}
+	for _, r := range runs {
 		g := attnGroup{tok0: int(starts[r[0]]), n: int(starts[r[1]] - starts[r[0]]), nSeq: r[1] - r[0]}
 		rel := make([]int32, g.nSeq+1)
 		for i := range rel {
