@@ -226,9 +226,6 @@ DK_DEV bool lm_in_head(const i32 *ti, int k, i32 v) {
 // row each step. Each thread still adds columns part, part+4, ... in
 // order: the same sums. Every thread of the block must call it.
 #define LM_CHUNK 256
-struct __align__(16) lm_u4 { // 16 bytes: eight BF16
-	unsigned x, y, z, w;
-};
 #define LM_STAGE_LD (LM_CHUNK + 8) // a row's stride: 16-byte pieces, rows a few banks apart
 DK_DEV void lm_block_logits(float *z, u16 *stage, const u16 *__restrict__ xr, const u16 *__restrict__ wb, int hidden, i32 v0, int nz) {
 	int j = threadIdx.x / 4, part = threadIdx.x % 4;
@@ -240,7 +237,7 @@ DK_DEV void lm_block_logits(float *z, u16 *stage, const u16 *__restrict__ xr, co
 			int pr = cw / 8; // 16-byte pieces a row
 			for (int i = threadIdx.x; i < nz * pr; i += LM_THREADS) {
 				int r = i / pr, q = (i - r * pr) * 8;
-				*(lm_u4 *)(stage + r * LM_STAGE_LD + q) = *(const lm_u4 *)(wb + (i64)(v0 + r) * hidden + c0 + q);
+				*(dk_u4 *)(stage + r * LM_STAGE_LD + q) = *(const dk_u4 *)(wb + (i64)(v0 + r) * hidden + c0 + q);
 			}
 		} else {
 			for (int i = threadIdx.x; i < nz * cw; i += LM_THREADS) {

@@ -48,51 +48,6 @@ DK_DEV void rms_row(void *out, int out_bf, float *rstd_out, const void *x, int x
 // of squares is added in another (still fixed) order, and it is rounded to
 // an fp32 mean.
 
-// 16 bytes: 8 BF16 or 4 F32 (dk_f4 is elementwise.cu's; each file
-// compiles alone).
-struct __align__(16) dk_u4 {
-	u32 x, y, z, w;
-};
-struct __align__(16) dk_f4 {
-	float x, y, z, w;
-};
-
-// ld8 reads elements 8c..8c+7 of p, BF16 (bf set: one 16-byte load) or
-// F32 (two), as fp32; st8 writes them (a BF16 store rounds each once, as
-// st_act). p must be 16-byte aligned. BF16 element 2j is the low half of
-// word j (little-endian, as an element-wise u16 access sees it).
-DK_DEV void ld8(float v[8], const void *p, int bf, i64 c) {
-	if (bf) {
-		dk_u4 q = ((const dk_u4 *)p)[c];
-		u32 w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-		for (int j = 0; j < 4; j++) {
-			v[2 * j] = bf2f((u16)(w[j] & 0xffff));
-			v[2 * j + 1] = bf2f((u16)(w[j] >> 16));
-		}
-	} else {
-		dk_f4 a = ((const dk_f4 *)p)[2 * c], b = ((const dk_f4 *)p)[2 * c + 1];
-		v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-		v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-	}
-}
-DK_DEV void st8(void *p, int bf, i64 c, const float v[8]) {
-	if (bf) {
-		dk_u4 q;
-		q.x = (u32)f2bf(v[0]) | ((u32)f2bf(v[1]) << 16);
-		q.y = (u32)f2bf(v[2]) | ((u32)f2bf(v[3]) << 16);
-		q.z = (u32)f2bf(v[4]) | ((u32)f2bf(v[5]) << 16);
-		q.w = (u32)f2bf(v[6]) | ((u32)f2bf(v[7]) << 16);
-		((dk_u4 *)p)[c] = q;
-	} else {
-		dk_f4 a, b;
-		a.x = v[0], a.y = v[1], a.z = v[2], a.w = v[3];
-		b.x = v[4], b.y = v[5], b.z = v[6], b.w = v[7];
-		((dk_f4 *)p)[2 * c] = a;
-		((dk_f4 *)p)[2 * c + 1] = b;
-	}
-}
-
 // group_sum_d sums v over an aligned group of `lanes` lanes of the warp (a
 // power of two, at most 32; every lane of the warp calls it with the same
 // lanes): xor shuffles, so each lane of the group gets the same bits.
