@@ -135,6 +135,24 @@ DK_DEV float e2m1(float a) {
 	return 6;
 }
 
+// nvfp4_scale is a 16-element block's scale from its amax bm and the
+// per-tensor g: its E4M3 rounding of bm/(6g), clamped at 448, times g (1
+// when that falls below 1e-5), as compute's NVFP4 definitions.
+DK_DEV float nvfp4_scale(float bm, float g) {
+	float gs = g > 0 ? g : 1e-12f;
+	float t = bm / (6.0f * gs);
+	if (!(t != t) && !(t < 448.0f)) t = 448.0f; // Go's min(t, 448): NaN stays NaN
+	float sc = e4m3(t) * g;
+	return sc >= 1e-5f ? sc : 1;
+}
+
+// nvfp4_quant is v fake-quantized with its block's scale sc: E2M1 of
+// |v|/sc, times sc, with v's sign.
+DK_DEV float nvfp4_quant(float v, float sc) {
+	float q = e2m1(fabsf(v) / sc) * sc;
+	return v >= 0 ? q : -q;
+}
+
 // k_fakequant_nvfp4: src, dst (rows, cols); one thread per 16-element block
 // of a row (the row's last block may be shorter: zero-padded, as the Triton
 // kernel). g is the per-tensor scale amax/(6·448), computed on the host as
@@ -156,16 +174,9 @@ DK_KERNEL void k_fakequant_nvfp4(void *dst, int dst_bf, const void *src, int src
 			v[j] = ld_act(src, src_bf, at + j);
 			bm = nanmax(bm, fabsf(v[j]));
 		}
-		float gs = g > 0 ? g : 1e-12f;
-		float t = bm / (6.0f * gs);
-		if (!(t != t) && !(t < 448.0f)) t = 448.0f; // Go's min(t, 448): NaN stays NaN
-		float sb = e4m3(t);
-		float sc = sb * g;
-		if (!(sc >= 1e-5f)) sc = 1;
+		float sc = nvfp4_scale(bm, g);
 		for (int j = 0; j < len; j++) {
-			float q = e2m1(fabsf(v[j]) / sc);
-			q = q * sc;
-			float o = v[j] >= 0 ? q : -q;
+			float o = nvfp4_quant(v[j], sc);
 			st_act(dst, dst_bf, at + j, o);
 			if (db) db[at + j] = f2bf(o);
 		}
@@ -187,16 +198,9 @@ DK_KERNEL void k_fakequant_nvfp4_lanes(void *dst, int dst_bf, const void *src, i
 		float v = i < n ? ld_act(src, src_bf, i) : 0.0f;
 		float bm = nanmax(0.0f, fabsf(v));
 		for (int o = 8; o > 0; o >>= 1) bm = nanmax(bm, __shfl_xor_sync(DK_FULL, bm, o));
-		float gs = g > 0 ? g : 1e-12f;
-		float t = bm / (6.0f * gs);
-		if (!(t != t) && !(t < 448.0f)) t = 448.0f; // Go's min(t, 448): NaN stays NaN
-		float sb = e4m3(t);
-		float sc = sb * g;
-		if (!(sc >= 1e-5f)) sc = 1;
+		float sc = nvfp4_scale(bm, g);
 		if (i < n) {
-			float q = e2m1(fabsf(v) / sc);
-			q = q * sc;
-			float o = v >= 0 ? q : -q;
+			float o = nvfp4_quant(v, sc);
 			st_act(dst, dst_bf, i, o);
 			if (db) db[i] = f2bf(o);
 		}
