@@ -49,6 +49,28 @@ func benchPeak(name string) float64 {
 	return 0
 }
 
+// benchTrainShapes are the training benchmarks' students, row length,
+// vocabulary and k: trainShapes at 8192 tokens on a GPU; without one a
+// tiny student on the emulator when DISTILL_TRAIN_BENCH_DRYRUN=1 (a dry
+// run of the benchmark's code), else the benchmark skips.
+func benchTrainShapes(b *testing.B) (shapes []struct {
+	Name                                 string
+	Hidden, Layers, Heads, KV, HD, Inter int
+}, T, V, K int) {
+	if cudaemu.OnGPU() {
+		return trainShapes, 8192, 151936, 64
+	}
+	if os.Getenv("DISTILL_TRAIN_BENCH_DRYRUN") != "1" {
+		b.Skip("the training benchmark needs a GPU: set DISTILL_CUDA_TEST=gpu (scripts/gpu-suite.sh); DISTILL_TRAIN_BENCH_DRYRUN=1 runs its code on the emulator with a tiny shape")
+	}
+	cudaemu.Use(b)
+	shapes = append(shapes, struct {
+		Name                                 string
+		Hidden, Layers, Heads, KV, HD, Inter int
+	}{"tiny", 64, 2, 4, 2, 16, 128})
+	return shapes, 96, 1000, 64
+}
+
 // BenchmarkCUDATrainStep times whole training steps of Qwen3-0.6B- and
 // 1.7B-shaped students on the GPU: rows of 8192 tokens
 // (DISTILL_TRAIN_ROWS rows a step, default 1), vocab 151936, k = 64 KD
@@ -62,20 +84,7 @@ func benchPeak(name string) float64 {
 // profiled step to profile-train-<shape>[-qad].txt. It needs a GPU
 // (DISTILL_CUDA_TEST=gpu, scripts/gpu-suite.sh).
 func BenchmarkCUDATrainStep(b *testing.B) {
-	shapes, T, V, K := trainShapes, 8192, 151936, 64
-	if !cudaemu.OnGPU() {
-		if os.Getenv("DISTILL_TRAIN_BENCH_DRYRUN") != "1" {
-			b.Skip("the training benchmark needs a GPU: set DISTILL_CUDA_TEST=gpu (scripts/gpu-suite.sh); DISTILL_TRAIN_BENCH_DRYRUN=1 runs its code on the emulator with a tiny shape")
-		}
-		// A dry run of the benchmark's code on the emulator: a tiny student.
-		cudaemu.Use(b)
-		shapes = shapes[:0:0]
-		shapes = append(shapes, struct {
-			Name                                 string
-			Hidden, Layers, Heads, KV, HD, Inter int
-		}{"tiny", 64, 2, 4, 2, 16, 128})
-		T, V = 96, 1000
-	}
+	shapes, T, V, K := benchTrainShapes(b)
 	rows := 1
 	if v, err := strconv.Atoi(os.Getenv("DISTILL_TRAIN_ROWS")); err == nil && v > 0 {
 		rows = v
@@ -292,19 +301,7 @@ func loadBenchWeights(b *testing.B, s *train.Student, r *rand.Rand) (params int)
 // on the emulator (DISTILL_TRAIN_BENCH_DRYRUN=1) a tiny shape runs on its
 // NCCL stand-in.
 func BenchmarkCUDATrainStepZeRO(b *testing.B) {
-	shapes, T, V, K := trainShapes, 8192, 151936, 64
-	if !cudaemu.OnGPU() {
-		if os.Getenv("DISTILL_TRAIN_BENCH_DRYRUN") != "1" {
-			b.Skip("the training benchmark needs a GPU: set DISTILL_CUDA_TEST=gpu (scripts/gpu-suite.sh); DISTILL_TRAIN_BENCH_DRYRUN=1 runs its code on the emulator with a tiny shape")
-		}
-		cudaemu.Use(b)
-		shapes = shapes[:0:0]
-		shapes = append(shapes, struct {
-			Name                                 string
-			Hidden, Layers, Heads, KV, HD, Inter int
-		}{"tiny", 64, 2, 4, 2, 16, 128})
-		T, V = 96, 1000
-	}
+	shapes, T, V, K := benchTrainShapes(b)
 	stages := []int{2, 3}
 	if v := os.Getenv("DISTILL_BENCH_ZERO"); v != "" {
 		stages = nil
