@@ -318,7 +318,7 @@ func PlanMemory(s PlanShape) MemoryPlan {
 	if s.Activations != compute.BF16 {
 		copies += 2 * (2*nq + 2*nk) // q, o; k, v
 	}
-	ws := 4 * nq
+	ws := attnWorkspaceEstimate(T, H, KV, D)
 	if s.AttnWorkspace > 0 {
 		ws = s.AttnWorkspace
 	}
@@ -342,6 +342,26 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		add(TermMoE, b+64<<10, true, true)
 	}
 	return p
+}
+
+// attnWorkspaceEstimate is cuDNN's workspace for the attention backward of
+// a row of T tokens (one sample: its bucket, the decoder cuts packed rows
+// to fit it) without a device to ask: what cuDNN 9.19's deterministic
+// backward asked for on an H200, 2 bytes per query head and pair of
+// positions of the bucket, s = pow2(T), plus an fp32 dq-sized term under
+// GQA (2112 MiB at s 8192 with 16/8 heads of 128; 589,824 at s 256 with
+// 4/2 of 16, against 590,592 measured; 64 MiB at 16 samples of 1024
+// with 2/2 heads of 64). The trainer's check asks the backend instead.
+func attnWorkspaceEstimate(T, H, KV, D int64) int64 {
+	s := int64(1)
+	for s < T {
+		s *= 2
+	}
+	ws := 2 * s * s * H
+	if KV != H {
+		ws += 4 * s * H * D
+	}
+	return ws
 }
 
 // loraCounts are a LoRA student's element counts: its base (each tensor

@@ -49,12 +49,13 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 			t.Errorf("no fitting line for recompute %s", mode)
 		}
 	}
-	// 301 MiB less the 256 MiB reserve: full recompute fits (40.4 MiB with
-	// BF16 activations), selective (49.3) and none do not.
-	out = plan("--device-memory", "301MiB", "--set", "quant=nvfp4")
+	// 320 MiB less the 256 MiB reserve: full recompute fits (60.2 MiB with
+	// BF16 activations, cuDNN's workspace for rows of 2048 estimated at
+	// 32.5 MiB), selective (69.1) and none (81.1) do not.
+	out = plan("--device-memory", "320MiB", "--set", "quant=nvfp4")
 	if !strings.Contains(out, "quant nvfp4") || !strings.Contains(out, "NVFP4 fake-quantized weights (fp32)") ||
 		!regexp.MustCompile(`(?m)^none +[0-9.]+ MiB +no `).MatchString(out) || !strings.Contains(out, "train.recompute auto picks: full") {
-		t.Errorf("a 301 MiB device under QAD: want none not fitting and auto picking full:\n%s", out)
+		t.Errorf("a 320 MiB device under QAD: want none not fitting and auto picking full:\n%s", out)
 	}
 	// A device the run-long terms alone overflow: no row length helps.
 	if out := plan("--device-memory", "260MiB"); !strings.Contains(out, "not even a row of one token") || !strings.Contains(out, "ZeRO stage") {
@@ -85,9 +86,9 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 	}
 	// fp32 activations (DISTILL_CUDA_ACT=f32) take more: the same device
 	// then fits none of the modes.
-	out = plan("--device-memory", "301MiB", "--set", "quant=nvfp4", "--activations", "f32")
+	out = plan("--device-memory", "320MiB", "--set", "quant=nvfp4", "--activations", "f32")
 	if !strings.Contains(out, "f32 activations") || regexp.MustCompile(`(?m)^full +[0-9.]+ MiB +yes `).MatchString(out) {
-		t.Errorf("a 301 MiB device under QAD with fp32 activations: want full not fitting:\n%s", out)
+		t.Errorf("a 320 MiB device under QAD with fp32 activations: want full not fitting:\n%s", out)
 	}
 	for _, c := range []struct {
 		args []string
