@@ -247,3 +247,25 @@ func TestCUDAOutOfMemoryIsAnError(t *testing.T) {
 		ad.Step(1e-3)
 	}
 }
+
+// TestAttnWorkspaceEstimate: the paper plan's cuDNN workspace is within 1%
+// of what cuDNN 9.19's deterministic backward asked for on an H200
+// (docs/gpu-runs/2026-11-26-h200-bf16: one sample of 8192 tokens, 16/8
+// heads of 128, 2112 MiB; TestTrainPlanDeviceBytes' 256 tokens, 4/2 heads
+// of 16, 590,592 bytes; the cuDNN test's 16 samples of 1024 with 2/2
+// heads of 64 is 16 of the one-sample bucket, 67,116,032 bytes).
+func TestAttnWorkspaceEstimate(t *testing.T) {
+	for _, c := range []struct {
+		T, H, KV, D, samples int64
+		measured             int64
+	}{
+		{8192, 16, 8, 128, 1, 2112 << 20},
+		{256, 4, 2, 16, 1, 590592},
+		{1024, 2, 2, 64, 16, 67116032},
+	} {
+		got := c.samples * attnWorkspaceEstimate(c.T, c.H, c.KV, c.D)
+		if r := float64(got) / float64(c.measured); r < 0.99 || r > 1.01 {
+			t.Errorf("T %d, %d/%d heads of %d, %d samples: estimate %d bytes, measured %d (%.3fx)", c.T, c.H, c.KV, c.D, c.samples, got, c.measured, r)
+		}
+	}
+}
