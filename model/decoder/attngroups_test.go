@@ -175,3 +175,49 @@ func TestAttentionGroupsSameGradients(t *testing.T) {
 		}
 	}
 }
+
+// TestAttnGroupsFreed: on the CUDA backend (the emulator, or a GPU), a
+// forward of a batch the training path would cut (the teacher's TopK)
+// leaves the device's free memory as it found it, and so does a training
+// step once the model is freed: no run's starts outlive their batch.
+func TestAttnGroupsFreed(t *testing.T) {
+	cudaemu.Use(t)
+	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	cfg := tinyConfig(model.ArchQwen3)
+	w := model.Init(cfg, model.InitOptions{Seed: 5})
+	m, err := New(cfg, be, func(name string) (compute.Tensor, compute.Tensor, error) {
+		return be.FromF32(w[name]), be.New(compute.F32, len(w[name])), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var samples [][]int32
+	for _, n := range []int{2, 2, 40, 2, 2, 2, 2} {
+		samples = append(samples, make([]int32, n))
+	}
+	m.TopK(samples, 4, 1) // the backend's first-use copies
+	free0, _ := be.MemInfo()
+	for i := 0; i < 3; i++ {
+		m.TopK(samples, 4, 1)
+	}
+	if free, _ := be.MemInfo(); free != free0 {
+		t.Errorf("three forwards changed the free device memory by %d bytes", free0-free)
+	}
+	tokens, starts := make([]int32, 52), []int32{0, 2, 4, 44, 46, 48, 50, 52}
+	for i := 0; i < 2; i++ {
+		if _, err := m.TrainForward(tokens, starts); err != nil {
+			t.Fatal(err)
+		}
+		if m.train.b.groups == nil {
+			t.Fatal("the training batch was not cut into runs")
+		}
+	}
+	m.Free()
+	if free, _ := be.MemInfo(); free != free0 {
+		t.Errorf("two training forwards, then Free, changed the free device memory by %d bytes", free0-free)
+	}
+}

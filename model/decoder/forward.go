@@ -120,8 +120,10 @@ func (m *Model) gateUp(L *Block, a *blockActs, N int) {
 func attnScale(d int) float32 { return float32(1 / math.Sqrt(float64(d))) }
 
 // upload puts a packed batch on the backend. The caller frees tokens and
-// starts (freeBatch); cos and sin go to the given tensors, or to new ones.
-func (m *Model) upload(tokens, starts []int32, cos, sin compute.Tensor) *batch {
+// starts (batch.free); cos and sin go to the given tensors, or to new
+// ones. train: a training batch, whose attention backward may run as
+// runs of samples (attnGroups; their starts are the batch's too).
+func (m *Model) upload(tokens, starts []int32, cos, sin compute.Tensor, train bool) *batch {
 	be, c := m.be, m.Cfg
 	b := &batch{n: len(tokens), nSeq: len(starts) - 1}
 	for s := 0; s+1 < len(starts); s++ {
@@ -144,7 +146,7 @@ func (m *Model) upload(tokens, starts []int32, cos, sin compute.Tensor) *batch {
 	}
 	b.tokens, b.starts = be.FromI32(tokens), be.FromI32(starts)
 	var runs [][2]int
-	if _, ok := be.(compute.AttentionWorkspaceReporter); ok || attnGroupsAlways {
+	if _, ok := be.(compute.AttentionWorkspaceReporter); train && (ok || attnGroupsAlways) {
 		runs = attnGroups(starts) // a library that sizes its workspace by the bucket (cuDNN)
 	}
 	for _, r := range runs {
@@ -197,7 +199,7 @@ func (m *Model) TopKThen(samples [][]int32, k int, temperature float32, fn func(
 		flat = append(flat, s...)
 		starts = append(starts, int32(len(flat)))
 	}
-	b := m.upload(flat, starts, nil, nil)
+	b := m.upload(flat, starts, nil, nil, false)
 	C, Hq, Hkv := c.Hidden, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
 	var tmp []compute.Tensor
 	alloc := func(dt compute.DType, size int) compute.Tensor {

@@ -341,7 +341,7 @@ func (m *Model) TrainForward(tokens, starts []int32) (compute.Tensor, error) {
 	if st.b != nil {
 		st.b.free(m.be)
 	}
-	st.b = m.upload(tokens, starts, a.cos, a.sin)
+	st.b = m.upload(tokens, starts, a.cos, a.sin, true)
 	c := m.Cfg
 	if m.qad && !m.calibrating {
 		m.quantizeWeights()
