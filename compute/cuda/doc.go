@@ -141,7 +141,8 @@
 //     keeping per row the fold tile's max, its 64-id blocks' sums of
 //     exp(logit - max) (fp32 terms, float64 sums) and their total; after a
 //     slab's last tile, k_lm_sample (a block per row) takes the top-k ids'
-//     own terms out of their blocks' sums, locates each sorted threshold among
+//     own terms out of their blocks' sums (multiplying again a block they
+//     dominate, as compute/cpu), locates each sorted threshold among
 //     the tiles' and blocks' cumulative sums, and computes only the
 //     blocks that hold one again (dot products of the GEMM's BF16
 //     operands, fp32) to walk them in float64, ids ascending. Slabs are

@@ -199,15 +199,15 @@ DK_KERNEL void k_lm_finish(float *topv, const float *__restrict__ rmax, const do
 // total (tsum, double). After the slab's last tile, k_lm_sample draws each
 // row's samples: the top-k's blocks' mass outside it (their sums less the
 // top-k ids' own terms, recomputed bit for bit from the top-k's logits,
-// which are the GEMM's: in double the difference keeps what the other
-// ids add even where a top-k id holds nearly all of its block), the
-// row's mass to draw from, each threshold located among the tiles' and
+// which are the GEMM's, where those hold at most half of the block; a
+// block they dominate multiplied again, as on the CPU: a difference would
+// lose the other ids' mass to rounding), the row's mass to draw from, each threshold located among the tiles' and
 // then the blocks' cumulative sums, and each block that holds a threshold
 // multiplied again (its LM_BLOCK logits, dot products of the BF16
 // operands the GEMM multiplied, fp32 accumulation) and walked in double,
-// ids ascending. Multiplying the top-k's blocks again instead (up to k
-// blocks of 64 weight rows a token) made a head+sampled pass 5.7x the
-// top-k pass on an H200.
+// ids ascending. Multiplying every top-k block again (up to k blocks of
+// 64 weight rows a token) made a head+sampled pass 5.7x the top-k pass
+// on an H200.
 
 
 // lm_in_head reports whether id v is one of the row's k top-k ids.
@@ -280,21 +280,44 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_sample(const u16 *__restrict__
 	const float *tv = topv + row * k;
 	double mx = rmax[row];
 	int nh = head ? k : 0;
-	// The top-k's blocks: their mass outside it, relative to the tile max:
-	// each top-k id's own term taken out again, the term the fold added
-	// (the same logit: the fold keeps the GEMM's; the same tile max).
-	// Thread 0 alone, in rank order: a fixed order.
-	if (threadIdx.x == 0) {
-		for (int h = 0; h < nh; h++) {
-			i32 v = ti[h];
-			bs[v / LM_BLOCK] -= (double)lm_term(tv[h] - tm[v / LM_TILE]);
+	// The top-k's blocks: their mass outside it, relative to the tile max.
+	// Where the top-k ids hold at most half of a block's sum, the sum less
+	// their own terms (recomputed bit for bit: the fold keeps the GEMM's
+	// logits, the same tile max; in double the difference keeps its
+	// relative accuracy); a block they dominate (a peaked softmax's) is
+	// multiplied again and its ids outside the top-k summed exactly, in
+	// double, as compute/cpu does. The loop and its branches are uniform
+	// across the block's threads (ti, tv and bs are shared).
+	for (int h = 0; h < nh; h++) {
+		i32 b = ti[h] / LM_BLOCK;
+		bool seen = false;
+		for (int g = 0; g < h; g++) seen = seen || ti[g] / LM_BLOCK == b;
+		if (seen) continue;
+		const float t = tm[b / LM_BPT];
+		double in = 0; // the top-k's terms in block b, in rank order
+		for (int g = h; g < nh; g++)
+			if (ti[g] / LM_BLOCK == b) in += (double)lm_term(tv[g] - t);
+		double sum = bs[b];
+		if (in <= 0.5 * sum) {
+			__syncthreads(); // every thread has read bs[b]
+			if (threadIdx.x == 0) bs[b] = sum - in > 0 ? sum - in : 0;
+			__syncthreads();
+			continue;
 		}
-		for (int h = 0; h < nh; h++) { // rounding may leave a block of top-k ids alone just below 0
-			double *b = &bs[ti[h] / LM_BLOCK];
-			if (*b < 0) *b = 0;
+		i32 v0 = b * LM_BLOCK;
+		int nz = vocab - v0 < LM_BLOCK ? vocab - v0 : LM_BLOCK;
+		lm_block_logits(z, stage, xr, wb, hidden, v0, nz);
+		__syncthreads();
+		if (threadIdx.x < nz)
+			e[threadIdx.x] = lm_in_head(ti, nh, v0 + threadIdx.x) ? 0.0 : exp((double)z[threadIdx.x] - (double)t);
+		__syncthreads();
+		if (threadIdx.x == 0) {
+			double c = 0;
+			for (int j = 0; j < nz; j++) c += e[j];
+			bs[b] = c;
 		}
+		__syncthreads();
 	}
-	__syncthreads();
 	if (threadIdx.x == 0) {
 		for (int h = 0; h < nh; h++) { // their tiles' totals again
 			int t = ti[h] / LM_TILE;
