@@ -23,14 +23,6 @@ DK_DEV void ld4(float v[4], const void *p, int bf, i64 c) {
 	}
 }
 
-// group_sum_d sums v over an aligned group of `lanes` lanes of the warp (a
-// power of two, at most 32; every lane of the warp calls it with the same
-// lanes): xor shuffles, so each lane of the group gets the same bits.
-DK_DEV double group_sum_d(double v, int lanes) {
-	for (int m = lanes >> 1; m > 0; m >>= 1) v += __shfl_xor_sync(DK_FULL, v, m);
-	return v;
-}
-
 // fresh returns v as a value the compiler cannot trace to where it came
 // from. A vector kernel that keeps an operand in a register for a second
 // pass gives it to fresh there, so that the second pass's products are
@@ -143,11 +135,6 @@ DK_KERNEL void k_rmsnorm_bwd_block(float *dx, const float *dout, const void *x, 
 	            red);
 }
 
-// RV_K is the most chunks of 8 elements a thread of the 8-wide kernels
-// holds (rmsVecK in ops.go; norm_rope.cu's RV_K): thread sub of a row's
-// group of `lanes` threads holds chunks sub + k·lanes, k < RV_K.
-#define RV_K 4
-
 // rms_bwd_row8 is rms_bwd_row with 16-byte accesses (dim a multiple of 8,
 // 16-byte aligned rows), for a group of `lanes` threads: a warp's aligned
 // group (red null; ok false for lanes past the rows, which take part in
@@ -171,14 +158,7 @@ DK_DEV void rms_bwd_row8(float *dx, const float *d, const void *x, int x_bf, con
 #pragma unroll
 		for (int j = 0; j < 8; j++) dot += (double)rms_bwd_dot1(dv[k][j], wv[j], xv[k][j], rs);
 	}
-	if (red) {
-		int warp = sub / DK_WARP, lane = sub % DK_WARP, nw = lanes / DK_WARP;
-		dot = warp_sum_d(dot);
-		if (lane == 0) red[warp] = dot;
-		__syncthreads();
-		dot = 0;
-		for (int i = 0; i < nw; i++) dot += red[i];
-	} else dot = group_sum_d(dot, lanes);
+	dot = row_sum_d(dot, sub, lanes, red);
 	float m = (float)(dot / dim);
 #pragma unroll
 	for (int k = 0; k < RV_K; k++) {

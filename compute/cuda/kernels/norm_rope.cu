@@ -48,20 +48,6 @@ DK_DEV void rms_row(void *out, int out_bf, float *rstd_out, const void *x, int x
 // of squares is added in another (still fixed) order, and it is rounded to
 // an fp32 mean.
 
-// group_sum_d sums v over an aligned group of `lanes` lanes of the warp (a
-// power of two, at most 32; every lane of the warp calls it with the same
-// lanes): xor shuffles, so each lane of the group gets the same bits.
-DK_DEV double group_sum_d(double v, int lanes) {
-	for (int m = lanes >> 1; m > 0; m >>= 1) v += __shfl_xor_sync(DK_FULL, v, m);
-	return v;
-}
-
-// RV_K is the most chunks of 8 elements a thread of the 8-wide RMSNorm
-// kernels holds (rmsVecK in ops.go): a row of dim = 8·C elements takes a
-// group of lanes >= C/RV_K threads, and thread sub of the group holds the
-// chunks sub + k·lanes, k < RV_K.
-#define RV_K 4
-
 // rms_row8 is rms_row for one row with a group of `lanes` threads (sub
 // this thread's index in it): a warp's aligned group (red null) or the
 // whole block (red: 32 doubles of shared memory, lanes = blockDim.x).
@@ -88,14 +74,7 @@ DK_DEV void rms_row8(void *out, int out_bf, float *rstd_out, const void *x, int 
 #pragma unroll
 		for (int j = 0; j < 8; j++) ss += (double)v[k][j] * (double)v[k][j];
 	}
-	if (red) {
-		int warp = sub / DK_WARP, lane = sub % DK_WARP, nw = lanes / DK_WARP;
-		ss = warp_sum_d(ss);
-		if (lane == 0) red[warp] = ss;
-		__syncthreads();
-		ss = 0;
-		for (int i = 0; i < nw; i++) ss += red[i];
-	} else ss = group_sum_d(ss, lanes);
+	ss = row_sum_d(ss, sub, lanes, red);
 	float mean = (float)(ss / dim);
 	float rs = 1.0f / sqrtf(mean + eps);
 #pragma unroll

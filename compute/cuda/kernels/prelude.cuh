@@ -266,3 +266,34 @@ DK_DEV void st8(void *p, int bf, i64 c, const float v[8]) {
 		((dk_f4 *)p)[2 * c + 1] = b;
 	}
 }
+
+// --- The 8-wide row kernels (RMSNorm forward and backward).
+
+// RV_K is the most chunks of 8 elements a thread of the 8-wide row kernels
+// holds (rmsVecK in ops.go): a row of dim = 8·C elements takes a group of
+// lanes >= C/RV_K threads, and thread sub of the group holds the chunks
+// sub + k·lanes, k < RV_K.
+#define RV_K 4
+
+// group_sum_d sums v over an aligned group of `lanes` lanes of the warp (a
+// power of two, at most 32; every lane of the warp calls it with the same
+// lanes): xor shuffles, so each lane of the group gets the same bits.
+DK_DEV double group_sum_d(double v, int lanes) {
+	for (int m = lanes >> 1; m > 0; m >>= 1) v += __shfl_xor_sync(DK_FULL, v, m);
+	return v;
+}
+
+// row_sum_d sums v over a row's group of `lanes` threads, sub this
+// thread's index in it: a warp's aligned group by shuffles (red null), or
+// a whole block (red: 32 doubles of shared memory) warp by warp, the
+// warps' sums added in order. Every thread gets the same bits.
+DK_DEV double row_sum_d(double v, int sub, int lanes, double *red) {
+	if (!red) return group_sum_d(v, lanes);
+	int warp = sub / DK_WARP, lane = sub % DK_WARP, nw = lanes / DK_WARP;
+	v = warp_sum_d(v);
+	if (lane == 0) red[warp] = v;
+	__syncthreads();
+	v = 0;
+	for (int i = 0; i < nw; i++) v += red[i];
+	return v;
+}
