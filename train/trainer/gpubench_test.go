@@ -21,12 +21,38 @@ import (
 	"distill/train/optim"
 )
 
-// trainShapes are the GPU training benchmark's students: Qwen3-0.6B and
-// Qwen3-1.7B shapes (tied embeddings, vocab 151936), random weights.
-var trainShapes = []struct {
+// trainShape is a GPU training benchmark's Qwen3-shaped student.
+type trainShape struct {
 	Name                                 string
 	Hidden, Layers, Heads, KV, HD, Inter int
-}{
+}
+
+// config is the student's model config over a vocabulary of V.
+func (sh trainShape) config(V int) *model.Config {
+	return &model.Config{Arch: model.ArchQwen3, VocabSize: V, Hidden: sh.Hidden, Layers: sh.Layers, Heads: sh.Heads, KVHeads: sh.KV,
+		HeadDim: sh.HD, Intermediate: sh.Inter, MaxPositions: 40960, RMSNormEps: 1e-6, RopeTheta: 1e6, QKNorm: true, TieEmbeddings: true}
+}
+
+// benchCUDA opens the GPU backend of one benchmark case (closed when the
+// case ends) with the pool's high-water mark restarted for it: the cases
+// before it freed their memory.
+func benchCUDA(b *testing.B) *cuda.Backend {
+	kc := os.Getenv("DISTILL_KERNEL_CACHE")
+	if kc == "" {
+		kc = b.TempDir()
+	}
+	be, err := cuda.Open(cuda.Options{KernelCache: kc})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { be.Close() })
+	be.ResetPeakMemory()
+	return be
+}
+
+// trainShapes are the GPU training benchmark's students: Qwen3-0.6B and
+// Qwen3-1.7B shapes (tied embeddings, vocab 151936), random weights.
+var trainShapes = []trainShape{
 	{"qwen3-0.6b", 1024, 28, 16, 8, 128, 3072},
 	{"qwen3-1.7b", 2048, 28, 16, 8, 128, 6144},
 }
@@ -53,10 +79,7 @@ func benchPeak(name string) float64 {
 // vocabulary and k: trainShapes at 8192 tokens on a GPU; without one a
 // tiny student on the emulator when DISTILL_TRAIN_BENCH_DRYRUN=1 (a dry
 // run of the benchmark's code), else the benchmark skips.
-func benchTrainShapes(b *testing.B) (shapes []struct {
-	Name                                 string
-	Hidden, Layers, Heads, KV, HD, Inter int
-}, T, V, K int) {
+func benchTrainShapes(b *testing.B) (shapes []trainShape, T, V, K int) {
 	if cudaemu.OnGPU() {
 		return trainShapes, 8192, 151936, 64
 	}
@@ -64,10 +87,7 @@ func benchTrainShapes(b *testing.B) (shapes []struct {
 		b.Skip("the training benchmark needs a GPU: set DISTILL_CUDA_TEST=gpu (scripts/gpu-suite.sh); DISTILL_TRAIN_BENCH_DRYRUN=1 runs its code on the emulator with a tiny shape")
 	}
 	cudaemu.Use(b)
-	shapes = append(shapes, struct {
-		Name                                 string
-		Hidden, Layers, Heads, KV, HD, Inter int
-	}{"tiny", 64, 2, 4, 2, 16, 128})
+	shapes = append(shapes, trainShape{"tiny", 64, 2, 4, 2, 16, 128})
 	return shapes, 96, 1000, 64
 }
 
@@ -112,20 +132,8 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				name += "-" + string(recompute)
 			}
 			b.Run(fmt.Sprintf("%s/rows_%dx%d", name, rows, T), func(b *testing.B) {
-				kc := os.Getenv("DISTILL_KERNEL_CACHE")
-				if kc == "" {
-					kc = b.TempDir()
-				}
-				be, err := cuda.Open(cuda.Options{KernelCache: kc})
-				if err != nil {
-					b.Fatal(err)
-				}
-				defer be.Close()
-				// The pool's high-water mark is the device's: restart it
-				// for this case (the cases before it freed their memory).
-				be.ResetPeakMemory()
-				cfg := &model.Config{Arch: model.ArchQwen3, VocabSize: V, Hidden: sh.Hidden, Layers: sh.Layers, Heads: sh.Heads, KVHeads: sh.KV,
-					HeadDim: sh.HD, Intermediate: sh.Inter, MaxPositions: 40960, RMSNormEps: 1e-6, RopeTheta: 1e6, QKNorm: true, TieEmbeddings: true}
+				be := benchCUDA(b)
+				cfg := sh.config(V)
 				s, err := train.NewStudentOn(cfg, be)
 				if err != nil {
 					b.Fatal(err)
@@ -318,8 +326,7 @@ func BenchmarkCUDATrainStepZeRO(b *testing.B) {
 		if only != "" && !strings.Contains(only, sh.Name) {
 			continue
 		}
-		cfg := &model.Config{Arch: model.ArchQwen3, VocabSize: V, Hidden: sh.Hidden, Layers: sh.Layers, Heads: sh.Heads, KVHeads: sh.KV,
-			HeadDim: sh.HD, Intermediate: sh.Inter, MaxPositions: 40960, RMSNormEps: 1e-6, RopeTheta: 1e6, QKNorm: true, TieEmbeddings: true}
+		cfg := sh.config(V)
 		var base float64                                     // the unsharded step's seconds, this run
 		for _, stage := range append([]int{-1}, stages...) { // -1: unsharded
 			name := fmt.Sprintf("%s/zero%d", sh.Name, stage)
@@ -327,17 +334,9 @@ func BenchmarkCUDATrainStepZeRO(b *testing.B) {
 				name = sh.Name + "/unsharded"
 			}
 			b.Run(name, func(b *testing.B) {
-				kc := os.Getenv("DISTILL_KERNEL_CACHE")
-				if kc == "" {
-					kc = b.TempDir()
-				}
-				be, err := cuda.Open(cuda.Options{KernelCache: kc})
-				if err != nil {
-					b.Fatal(err)
-				}
-				defer be.Close()
-				be.ResetPeakMemory()
+				be := benchCUDA(b)
 				var s *train.Student
+				var err error
 				if stage < 0 {
 					s, err = train.NewStudentOn(cfg, be)
 				} else {
