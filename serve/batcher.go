@@ -38,9 +38,22 @@ type job struct {
 	background bool
 	enq        time.Time
 	done       chan jobResult // buffered 1
-	// draws, when set, asks for the draws of a sampled kind (fill groups
-	// only: exclusive, so never packed with other work).
+	// draws, when set, asks for the draws of a sampled kind: a fill
+	// group's (exclusive) or a Score sample's, which is packed only with
+	// Score samples asking for the same draws (sameTargets). U's sample
+	// index s counts the job's own samples.
 	draws *infer.Draws
+}
+
+// sameTargets reports whether shared jobs a and b can share a forward:
+// the same temperature, and either both top-k (their k may differ: cutK)
+// or both the same draws (N, head or not, and k, which under head+sampled
+// decides what the draws come from).
+func sameTargets(a, b *job) bool {
+	if a.temp != b.temp || (a.draws == nil) != (b.draws == nil) {
+		return false
+	}
+	return a.draws == nil || (a.draws.N == b.draws.N && a.draws.Head == b.draws.Head && a.k == b.k)
 }
 
 type jobResult struct {
@@ -197,7 +210,8 @@ func (b *batcher) unqueued(j *job) {
 
 // take removes the next batch from the queue; b.mu held. The head job
 // decides: exclusive -> alone; shared -> every shared job of the same
-// temperature that still fits the budget, in queue order.
+// temperature and targets (sameTargets) that still fits the budget, in
+// queue order.
 func (b *batcher) take() []*job {
 	var batch []*job
 	keep := b.queue[:0]
@@ -210,7 +224,7 @@ func (b *batcher) take() []*job {
 			continue
 		case len(batch) == 0:
 			batch, n = append(batch, j), j.tokens
-		case batch[0].exclusive || j.exclusive || j.temp != batch[0].temp || n+j.tokens > b.budget:
+		case batch[0].exclusive || j.exclusive || !sameTargets(j, batch[0]) || n+j.tokens > b.budget:
 			keep = append(keep, j)
 		default:
 			batch, n = append(batch, j), n+j.tokens
@@ -272,11 +286,17 @@ func (b *batcher) run(batch []*job) {
 	var ids []int32
 	var lps []float32
 	var err error
-	if d := batch[0].draws; d != nil {
-		ids, lps, dr, err = b.forwardDraws(samples, k, batch[0].temp, *d)
-		batch[0].done <- jobResult{ids: ids, lps: lps, draws: dr, err: err}
+	if batch[0].draws != nil {
+		ids, lps, dr, err = b.forwardDraws(samples, k, batch[0].temp, batchDraws(batch))
 		b.stats.forward(n, b.budget, len(batch), time.Since(now))
-		return // exclusive: alone in its batch
+		if err != nil {
+			for _, j := range batch {
+				j.done <- jobResult{err: err}
+			}
+			return
+		}
+		splitDraws(batch, k, ids, lps, dr)
+		return
 	}
 	ids, lps, err = b.forward(samples, k, batch[0].temp)
 	b.stats.forward(n, b.budget, len(batch), time.Since(now))
@@ -293,6 +313,46 @@ func (b *batcher) run(batch []*job) {
 			r = cutK(r, j.tokens, k, j.k)
 		}
 		off += j.tokens
+		j.done <- r
+	}
+}
+
+// batchDraws is the draws of a batch of jobs asking for the same ones
+// (sameTargets): the forward's sample s is sample s-first[j] of job j,
+// and draws with that job's uniforms.
+func batchDraws(batch []*job) infer.Draws {
+	d := *batch[0].draws
+	if len(batch) == 1 {
+		return d
+	}
+	var owner []*job
+	var local []int
+	for _, j := range batch {
+		for s := range j.samples {
+			owner, local = append(owner, j), append(local, s)
+		}
+	}
+	d.U = func(s, t, dd int) float64 { return owner[s].draws.U(local[s], t, dd) }
+	return d
+}
+
+// splitDraws hands each job of a draws batch its rows of the forward's
+// top-k (k per position) and draws.
+func splitDraws(batch []*job, k int, ids []int32, lps []float32, dr infer.DrawResult) {
+	pos, doff := 0, 0
+	for _, j := range batch {
+		T := j.tokens
+		r := jobResult{ids: ids[pos*k : (pos+T)*k], lps: lps[pos*k : (pos+T)*k]}
+		r.draws.N = dr.N[pos : pos+T]
+		nd := 0
+		for _, v := range r.draws.N {
+			nd += int(v)
+		}
+		r.draws.IDs, r.draws.Counts = dr.IDs[doff:doff+nd], dr.Counts[doff:doff+nd]
+		if dr.Tail != nil {
+			r.draws.Tail = dr.Tail[pos : pos+T]
+		}
+		pos, doff = pos+T, doff+nd
 		j.done <- r
 	}
 }
@@ -326,7 +386,7 @@ func (b *batcher) forwardDraws(samples [][]int32, k int, temp float32, d infer.D
 	defer func() {
 		if r := recover(); r != nil {
 			if b.log != nil {
-				b.log.Error("forward pass with draws panicked (a bug): its fill fails, the daemon goes on", zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
+				b.log.Error("forward pass with draws panicked (a bug): its fill or Score requests fail, the daemon goes on", zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
 			}
 			err = fmt.Errorf("serve: forward pass panicked: %v", r)
 		}

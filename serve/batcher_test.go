@@ -3,9 +3,13 @@ package serve
 import (
 	"context"
 	"errors"
+	"fmt"
+	"math"
 	"sync"
 	"testing"
 	"time"
+
+	"distill/infer"
 )
 
 type nopStats struct{}
@@ -315,5 +319,95 @@ func TestBatcherFillLeavesRoomForScore(t *testing.T) {
 	b.mu.Unlock()
 	if queued != 1 || waiting != 1 || n != 4 || bj != 2 {
 		t.Fatalf("after a slot freed: %d parked fill jobs queued, %d wait again, %d jobs queued of which %d fill; want 1, 1, 4, 2", queued, waiting, n, bj)
+	}
+}
+
+// fakeDraw is fakeForward's forward with draws: at each position it
+// "draws" one id, U(s, t, 0)·1e6 (the job's uniforms name the job, its
+// sample and the position), N times, and a tail mass of t under head.
+func (f *fakeForward) fakeDraw(samples [][]int32, k int, temp float32, d infer.Draws) ([]int32, []float32, infer.DrawResult) {
+	ids, lps := f.fwd(samples, k, temp)
+	var r infer.DrawResult
+	for s, smp := range samples {
+		for t := range smp {
+			r.N = append(r.N, 1)
+			r.IDs = append(r.IDs, int32(math.Round(d.U(s, t, 0)*1e6)))
+			r.Counts = append(r.Counts, int32(d.N))
+			if d.Head {
+				r.Tail = append(r.Tail, float32(t))
+			}
+		}
+	}
+	return ids, lps, r
+}
+
+// drawJob is a Score job of a sampled kind whose uniforms name it: the
+// draw at position t of its sample is key·1000 + t (fakeDraw).
+func drawJob(ctx context.Context, key int, tokens []int32, k, n int, head bool) *job {
+	j := newJob(ctx, [][]int32{tokens}, k, 1, false)
+	j.draws = &infer.Draws{N: n, Head: head, U: func(s, t, d int) float64 { return float64(key*1000+t) / 1e6 }}
+	return j
+}
+
+// TestBatcherPacksDraws: Score jobs with draws share a forward only with
+// jobs asking for the same draws (N, head, k) at the same temperature,
+// never with top-k jobs; each gets its own rows of the top-k and draws,
+// drawn with its own uniforms.
+func TestBatcherPacksDraws(t *testing.T) {
+	f := gatedForward()
+	b := startBatcher(t, f, 20, 100, 1000)
+	b.draw = f.fakeDraw
+	ctx := context.Background()
+	first := newJob(ctx, [][]int32{{1}}, 2, 1, false)
+	if err := b.trySubmit(first); err != nil {
+		t.Fatal(err)
+	}
+	f.inForward()
+	jobs := []*job{
+		drawJob(ctx, 1, []int32{10, 11, 12}, 2, 4, true),
+		newJob(ctx, [][]int32{{20, 21}}, 2, 1, false),        // top-k: not with the draws
+		drawJob(ctx, 3, []int32{30, 31}, 2, 4, true),         // joins 10
+		drawJob(ctx, 4, []int32{40}, 2, 5, true),             // other N: own batch
+		drawJob(ctx, 5, []int32{50, 51}, 3, 4, true),         // other head k: own batch
+		drawJob(ctx, 6, []int32{60, 61, 62, 63}, 2, 4, true), // joins 10 and 30
+		drawJob(ctx, 7, []int32{70}, 0, 4, false),            // sampled: own batch
+	}
+	for _, j := range jobs {
+		if err := b.trySubmit(j); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.openGate()
+	checkRows(t, first, first.wait())
+	for _, j := range jobs {
+		r := j.wait()
+		checkRows(t, j, r)
+		if j.draws == nil {
+			continue
+		}
+		T := j.tokens
+		if len(r.draws.N) != T || len(r.draws.IDs) != T || len(r.draws.Counts) != T || (j.draws.Head && len(r.draws.Tail) != T) || (!j.draws.Head && r.draws.Tail != nil) {
+			t.Fatalf("job %d: draws %+v for %d positions", j.samples[0][0], r.draws, T)
+		}
+		key := int32(j.samples[0][0]) / 10
+		for p := 0; p < T; p++ {
+			if r.draws.N[p] != 1 || r.draws.IDs[p] != key*1000+int32(p) || r.draws.Counts[p] != int32(j.draws.N) || (j.draws.Head && r.draws.Tail[p] != float32(p)) {
+				t.Fatalf("job %d position %d: draws %+v", key, p, r.draws)
+			}
+		}
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var got [][]int
+	for _, bt := range f.batches {
+		var firsts []int
+		for _, s := range bt {
+			firsts = append(firsts, int(s[0]))
+		}
+		got = append(got, firsts)
+	}
+	want := [][]int{{1}, {10, 30, 60}, {20}, {40}, {50}, {70}}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("batches %v, want %v", got, want)
 	}
 }

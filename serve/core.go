@@ -57,10 +57,10 @@ type CoreOptions struct {
 	// (default min(vocab, 4096): the cache's format limit; InProcess:
 	// min(vocab, 64)). The device-memory check plans for k = KMax.
 	KDefault, KMax int
-	// MaxDraws is the most draws per position a Fill of sampled targets
-	// may ask for (default DefaultMaxDraws; InProcess: none unless set):
-	// the device-memory check plans the LM head's draws for it, and a
-	// Fill asking for more is refused.
+	// MaxDraws is the most draws per position a Fill or Score of sampled
+	// targets may ask for (default DefaultMaxDraws; InProcess: none unless
+	// set): the device-memory check plans the LM head's draws for it, and
+	// a request asking for more is refused.
 	MaxDraws int
 	// QueueSamples and QueueTokens bound the work queue (defaults 1024
 	// samples, 8 token budgets); Score requests beyond get ResourceExhausted.
@@ -192,7 +192,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 	}
 	c := &Core{opt: o, model: m, budget: o.TokenBudget, met: newMetrics(), log: o.Logger, started: time.Now(),
 		datasets: map[string]*openDataset{}, inflight: map[cache.Range]int{}}
-	c.lim = Limits{VocabSize: V, MaxLen: min(m.Cfg.MaxPositions, o.TokenBudget), KDefault: o.KDefault, KMax: o.KMax}
+	c.lim = Limits{VocabSize: V, MaxLen: min(m.Cfg.MaxPositions, o.TokenBudget), KDefault: o.KDefault, KMax: o.KMax, MaxDraws: o.MaxDraws}
 	if err := m.CheckDeviceFit(o.TokenBudget, c.lim.MaxLen, o.KMax, o.MaxDraws); err != nil {
 		return nil, fmt.Errorf("%w: teacher %s on %s: %w", ErrInvalid, o.ModelDir, o.Device, err)
 	}
@@ -248,7 +248,7 @@ func (c *Core) Info() *pb.InfoResponse {
 	cfg := c.model.Cfg
 	r := &pb.InfoResponse{Architecture: string(cfg.Arch), VocabSize: int32(cfg.VocabSize), TeacherFingerprint: c.model.Fingerprint(),
 		MaxPositions: int32(cfg.MaxPositions), Device: c.opt.Device, KDefault: int32(c.lim.KDefault), KMax: int32(c.lim.KMax),
-		TokenBudget: int32(c.budget), CacheDir: c.opt.CacheDir, Params: cfg.Params(), ModelDir: c.opt.ModelDir}
+		TokenBudget: int32(c.budget), CacheDir: c.opt.CacheDir, Params: cfg.Params(), ModelDir: c.opt.ModelDir, MaxDraws: int32(c.opt.MaxDraws)}
 	if c.tok != nil {
 		r.TokenizerFingerprint, r.TokenizerVocabSize = c.tok.Fingerprint(), int32(c.tok.VocabSize())
 	}
@@ -262,7 +262,18 @@ func (c *Core) submitScore(ctx context.Context, r *pb.ScoreRequest) (*job, error
 		return nil, err
 	}
 	k, temp := c.defaults(r.K, r.GetTemperature())
+	kind, _ := cache.ParseTargets(r.GetTargets()) // validated
+	if kind == cache.TargetsSampled {
+		k = 0 // no head
+	}
 	j := newJob(ctx, [][]int32{r.GetTokens()}, k, temp, false)
+	if kind != cache.TargetsTopK {
+		// Keyed as a fill's draws (fillChunk), so that the Score of
+		// sample i draws what a Fill stores for it.
+		key, index := cache.DrawKey(r.GetDatasetFingerprint()), r.GetSampleIndex()
+		j.draws = &infer.Draws{N: int(r.GetSamples()), Head: kind == cache.TargetsHeadSampled,
+			U: func(_, t, d int) float64 { return cache.DrawUniform(key, index, t, d) }}
+	}
 	if err := c.b.trySubmit(j); err != nil {
 		return nil, err
 	}

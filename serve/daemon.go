@@ -52,8 +52,8 @@ type Config struct {
 	// KDefault and KMax: the k of requests that give none, and the largest.
 	KDefault int `yaml:"k_default"`
 	KMax     int `yaml:"k_max"`
-	// MaxDraws is the most draws per position a Fill of sampled targets
-	// may ask for (default 64): a GPU teacher plans its memory for it.
+	// MaxDraws is the most draws per position a Fill or Score of sampled
+	// targets may ask for (default 64): a GPU teacher plans its memory for it.
 	MaxDraws int `yaml:"max_draws"`
 	// TLSCert and TLSKey enable TLS (both or neither).
 	TLSCert string `yaml:"tls_cert"`

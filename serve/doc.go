@@ -24,7 +24,11 @@
 // that find it full fail with ErrOverloaded (RESOURCE_EXHAUSTED), fill work
 // waits for room. Score samples from all streams are packed together, in
 // queue order, up to the token budget (same temperature; the largest k,
-// rows cut for smaller ones). A fill chunk is packed on its own, greedily
+// rows cut for smaller ones). A Score sample of a sampled kind (targets
+// sampled or head+sampled) shares a forward only with samples asking for
+// the same draws (N, head and k); its draws are keyed by the dataset
+// fingerprint and sample index it gives, as a fill's, so it answers what a
+// Fill of that sample stores where the probabilities agree. A fill chunk is packed on its own, greedily
 // in order exactly as infer.Model.TopK packs it, and each of its forward
 // groups runs alone: GEMM rounding depends on the batch shape, and this way
 // a chunk's cached top-k is bit for bit what the in-process forward gives,

@@ -139,7 +139,9 @@ func (s *Server) Fill(r *pb.FillRequest, stream grpc.ServerStreamingServer[pb.Fi
 
 // Score implements pb.TeacherServer: a reader goroutine validates and
 // queues each sample (at most scoreWindow in flight), the handler sends
-// results in request order. The first error ends the stream.
+// results in request order. The first error ends the stream. A sample of
+// a sampled kind draws in the LM head as a fill does, keyed by the
+// request's dataset fingerprint and sample index.
 func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.ScoreResponse]) error {
 	c, err := s.ready()
 	if err != nil {
@@ -171,6 +173,9 @@ func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.Score
 			t0 := time.Now()
 			j, err := c.submitScore(ctx, r)
 			k, _ := c.defaults(r.K, r.GetTemperature())
+			if j != nil && j.draws != nil {
+				k = j.k // 0 under sampled: no head
+			}
 			select {
 			case q <- pending{id: r.GetId(), j: j, k: k, t0: t0, err: err}:
 			case <-ctx.Done():
@@ -190,7 +195,11 @@ func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.Score
 			return s.toClient(ctx, res.err)
 		}
 		c.met.latency.WithLabelValues("Score.sample").Observe(time.Since(p.t0).Seconds())
-		if err := stream.Send(&pb.ScoreResponse{Id: p.id, K: int32(p.k), Ids: res.ids, Logprobs: res.lps}); err != nil {
+		out := &pb.ScoreResponse{Id: p.id, K: int32(p.k), Ids: res.ids, Logprobs: res.lps}
+		if p.j.draws != nil {
+			out.DrawN, out.DrawIds, out.DrawCounts, out.TailMass = res.draws.N, res.draws.IDs, res.draws.Counts, res.draws.Tail
+		}
+		if err := stream.Send(out); err != nil {
 			return err
 		}
 	}

@@ -21,6 +21,9 @@ type Limits struct {
 	MaxLen int
 	// KDefault replaces k = 0; KMax is the largest k accepted.
 	KDefault, KMax int
+	// MaxDraws is the most draws per position of a Score of a sampled
+	// kind (the device memory is planned for it: teacherd --max-draws).
+	MaxDraws int
 }
 
 // ValidateScore checks one Score request; the status names the sample (by
@@ -46,6 +49,31 @@ func ValidateScore(r *pb.ScoreRequest, lim Limits) error {
 		if id < 0 || int(id) >= lim.VocabSize {
 			return status.Errorf(codes.InvalidArgument, "sample id %d position %d: token id %d out of range [0, %d) (the model's vocab size)", r.GetId(), p, id, lim.VocabSize)
 		}
+	}
+	return validateScoreTargets(r, lim)
+}
+
+// validateScoreTargets checks a Score request's target kind, its draws
+// and their key.
+func validateScoreTargets(r *pb.ScoreRequest, lim Limits) error {
+	kind, err := cache.ParseTargets(r.GetTargets())
+	if err != nil {
+		return status.Errorf(codes.InvalidArgument, "sample id %d: targets %q: want topk, sampled or head+sampled", r.GetId(), r.GetTargets())
+	}
+	n := r.GetSamples()
+	switch {
+	case kind == cache.TargetsTopK && (n != 0 || r.GetDatasetFingerprint() != "" || r.GetSampleIndex() != 0):
+		return status.Errorf(codes.InvalidArgument, "sample id %d: samples %d, dataset_fingerprint %q, sample_index %d with targets topk: draws and their key belong to targets sampled or head+sampled",
+			r.GetId(), n, r.GetDatasetFingerprint(), r.GetSampleIndex())
+	case kind == cache.TargetsTopK:
+		return nil
+	case n < 1 || int(n) > lim.MaxDraws:
+		return status.Errorf(codes.InvalidArgument, "sample id %d: samples %d with targets %s: want 1 to %d draws per position (the daemon plans its device memory for %d: teacherd --max-draws)",
+			r.GetId(), n, kind, lim.MaxDraws, lim.MaxDraws)
+	case r.GetDatasetFingerprint() == "":
+		return status.Errorf(codes.InvalidArgument, "sample id %d: targets %s without dataset_fingerprint: the draws are keyed by the dataset's fingerprint and the sample's index, as a fill's (DescribeDataset gives the fingerprint)", r.GetId(), kind)
+	case r.GetSampleIndex() < 0:
+		return status.Errorf(codes.InvalidArgument, "sample id %d: sample_index %d: want the sample's index in the dataset (>= 0)", r.GetId(), r.GetSampleIndex())
 	}
 	return nil
 }

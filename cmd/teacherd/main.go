@@ -101,7 +101,7 @@ func parseConfig(args []string) (serve.Config, bool, error) {
 	fs.IntVar(&f.QueueTokens, "queue-tokens", 0, "queued tokens before ResourceExhausted (default 8 token budgets)")
 	fs.IntVar(&f.KDefault, "k-default", 0, "k of requests that give none (default 64)")
 	fs.IntVar(&f.KMax, "k-max", 0, "largest k accepted (default min(vocab, 4096))")
-	fs.IntVar(&f.MaxDraws, "max-draws", 0, "most draws per position a fill of sampled targets may ask for (default 64, at most 4096); on a GPU, the memory check at start plans for it")
+	fs.IntVar(&f.MaxDraws, "max-draws", 0, "most draws per position a fill or score of sampled targets may ask for (default 64, at most 4096); on a GPU, the memory check at start plans for it")
 	fs.StringVar(&f.TLSCert, "tls-cert", "", "TLS certificate (PEM); with --tls-key enables TLS")
 	fs.StringVar(&f.TLSKey, "tls-key", "", "TLS private key (PEM)")
 	fs.StringVar(&f.TokenFile, "token-file", "", "file holding the bearer token clients must send (empty: no auth)")

@@ -5,8 +5,9 @@
 // source: distill/v1/teacher.proto
 
 // Package distill.v1 is the API of teacherd, the teacher daemon of the
-// distill offline knowledge-distillation system: top-k scoring of token
-// sequences and filling the top-k cache over ranges of a dataset.
+// distill offline knowledge-distillation system: scoring token sequences
+// (their top-k, or sampled targets) and filling the cache over ranges of
+// a dataset.
 
 package distillv1
 
@@ -91,7 +92,10 @@ type InfoResponse struct {
 	// Parameter count of the model.
 	Params int64 `protobuf:"varint,12,opt,name=params,proto3" json:"params,omitempty"`
 	// Model directory as given to the daemon.
-	ModelDir      string `protobuf:"bytes,13,opt,name=model_dir,json=modelDir,proto3" json:"model_dir,omitempty"`
+	ModelDir string `protobuf:"bytes,13,opt,name=model_dir,json=modelDir,proto3" json:"model_dir,omitempty"`
+	// Most draws per position a Score or Fill of sampled targets may ask
+	// for (teacherd --max-draws): the device memory is planned for it.
+	MaxDraws      int32 `protobuf:"varint,14,opt,name=max_draws,json=maxDraws,proto3" json:"max_draws,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -217,6 +221,13 @@ func (x *InfoResponse) GetModelDir() string {
 	return ""
 }
 
+func (x *InfoResponse) GetMaxDraws() int32 {
+	if x != nil {
+		return x.MaxDraws
+	}
+	return 0
+}
+
 // ScoreRequest is one tokenized sample to score.
 type ScoreRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -228,7 +239,20 @@ type ScoreRequest struct {
 	// negative k is InvalidArgument).
 	K *int32 `protobuf:"varint,3,opt,name=k,proto3,oneof" json:"k,omitempty"`
 	// Logits are divided by it before the softmax; 0 means 1.
-	Temperature   float32 `protobuf:"fixed32,4,opt,name=temperature,proto3" json:"temperature,omitempty"`
+	Temperature float32 `protobuf:"fixed32,4,opt,name=temperature,proto3" json:"temperature,omitempty"`
+	// Target kind, as FillRequest.targets: "topk" (or empty), "sampled"
+	// (k is ignored: no head) or "head+sampled" (the top-k is the head).
+	Targets string `protobuf:"bytes,5,opt,name=targets,proto3" json:"targets,omitempty"`
+	// N, the draws per position of the sampled kinds: 1 to max_draws.
+	Samples int32 `protobuf:"varint,6,opt,name=samples,proto3" json:"samples,omitempty"`
+	// The sampled kinds' draws are keyed as a fill's are, by the dataset's
+	// fingerprint (DescribeDatasetResponse.fingerprint) and the sample's
+	// index in it (cache package doc, Draws): a Score of sample i then
+	// draws what a Fill of that dataset stores for sample i, wherever the
+	// teacher's probabilities agree. Both are required by the sampled kinds.
+	DatasetFingerprint string `protobuf:"bytes,7,opt,name=dataset_fingerprint,json=datasetFingerprint,proto3" json:"dataset_fingerprint,omitempty"`
+	// The sample's index in that dataset (>= 0).
+	SampleIndex   int64 `protobuf:"varint,8,opt,name=sample_index,json=sampleIndex,proto3" json:"sample_index,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -291,8 +315,36 @@ func (x *ScoreRequest) GetTemperature() float32 {
 	return 0
 }
 
-// ScoreResponse is the top-k of one sample: row t is the distribution of
-// the token after position t.
+func (x *ScoreRequest) GetTargets() string {
+	if x != nil {
+		return x.Targets
+	}
+	return ""
+}
+
+func (x *ScoreRequest) GetSamples() int32 {
+	if x != nil {
+		return x.Samples
+	}
+	return 0
+}
+
+func (x *ScoreRequest) GetDatasetFingerprint() string {
+	if x != nil {
+		return x.DatasetFingerprint
+	}
+	return ""
+}
+
+func (x *ScoreRequest) GetSampleIndex() int64 {
+	if x != nil {
+		return x.SampleIndex
+	}
+	return 0
+}
+
+// ScoreResponse is the top-k (or the targets of a sampled kind) of one
+// sample: row t is the distribution of the token after position t.
 type ScoreResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The request's id.
@@ -302,7 +354,17 @@ type ScoreResponse struct {
 	// Top-k token ids, (len(tokens), k) row-major, descending probability.
 	Ids []int32 `protobuf:"varint,3,rep,packed,name=ids,proto3" json:"ids,omitempty"`
 	// Their log-probs normalized over the full vocabulary, (len(tokens), k).
-	Logprobs      []float32 `protobuf:"fixed32,4,rep,packed,name=logprobs,proto3" json:"logprobs,omitempty"`
+	Logprobs []float32 `protobuf:"fixed32,4,rep,packed,name=logprobs,proto3" json:"logprobs,omitempty"`
+	// Sampled kinds (the request's samples > 0), as a cache stores them:
+	// draw_n[t] distinct ids were drawn at position t (len(tokens) of them;
+	// 0 where head+sampled had no mass outside the head); draw_ids and
+	// draw_counts (sum of draw_n each) hold them position after position,
+	// by descending count, ties ascending id.
+	DrawN      []int32 `protobuf:"varint,5,rep,packed,name=draw_n,json=drawN,proto3" json:"draw_n,omitempty"`
+	DrawIds    []int32 `protobuf:"varint,6,rep,packed,name=draw_ids,json=drawIds,proto3" json:"draw_ids,omitempty"`
+	DrawCounts []int32 `protobuf:"varint,7,rep,packed,name=draw_counts,json=drawCounts,proto3" json:"draw_counts,omitempty"`
+	// head+sampled: the mass outside the top-k at each position (len(tokens)).
+	TailMass      []float32 `protobuf:"fixed32,8,rep,packed,name=tail_mass,json=tailMass,proto3" json:"tail_mass,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -361,6 +423,34 @@ func (x *ScoreResponse) GetIds() []int32 {
 func (x *ScoreResponse) GetLogprobs() []float32 {
 	if x != nil {
 		return x.Logprobs
+	}
+	return nil
+}
+
+func (x *ScoreResponse) GetDrawN() []int32 {
+	if x != nil {
+		return x.DrawN
+	}
+	return nil
+}
+
+func (x *ScoreResponse) GetDrawIds() []int32 {
+	if x != nil {
+		return x.DrawIds
+	}
+	return nil
+}
+
+func (x *ScoreResponse) GetDrawCounts() []int32 {
+	if x != nil {
+		return x.DrawCounts
+	}
+	return nil
+}
+
+func (x *ScoreResponse) GetTailMass() []float32 {
+	if x != nil {
+		return x.TailMass
 	}
 	return nil
 }
@@ -1311,7 +1401,7 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	"\n" +
 	"\x18distill/v1/teacher.proto\x12\n" +
 	"distill.v1\"\r\n" +
-	"\vInfoRequest\"\xcd\x03\n" +
+	"\vInfoRequest\"\xea\x03\n" +
 	"\fInfoResponse\x12\"\n" +
 	"\farchitecture\x18\x01 \x01(\tR\farchitecture\x12\x1d\n" +
 	"\n" +
@@ -1327,18 +1417,28 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	" \x01(\x05R\vtokenBudget\x12\x1b\n" +
 	"\tcache_dir\x18\v \x01(\tR\bcacheDir\x12\x16\n" +
 	"\x06params\x18\f \x01(\x03R\x06params\x12\x1b\n" +
-	"\tmodel_dir\x18\r \x01(\tR\bmodelDir\"q\n" +
+	"\tmodel_dir\x18\r \x01(\tR\bmodelDir\x12\x1b\n" +
+	"\tmax_draws\x18\x0e \x01(\x05R\bmaxDraws\"\xf9\x01\n" +
 	"\fScoreRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x03R\x02id\x12\x16\n" +
 	"\x06tokens\x18\x02 \x03(\x05R\x06tokens\x12\x11\n" +
 	"\x01k\x18\x03 \x01(\x05H\x00R\x01k\x88\x01\x01\x12 \n" +
-	"\vtemperature\x18\x04 \x01(\x02R\vtemperatureB\x04\n" +
-	"\x02_k\"[\n" +
+	"\vtemperature\x18\x04 \x01(\x02R\vtemperature\x12\x18\n" +
+	"\atargets\x18\x05 \x01(\tR\atargets\x12\x18\n" +
+	"\asamples\x18\x06 \x01(\x05R\asamples\x12/\n" +
+	"\x13dataset_fingerprint\x18\a \x01(\tR\x12datasetFingerprint\x12!\n" +
+	"\fsample_index\x18\b \x01(\x03R\vsampleIndexB\x04\n" +
+	"\x02_k\"\xcb\x01\n" +
 	"\rScoreResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x03R\x02id\x12\f\n" +
 	"\x01k\x18\x02 \x01(\x05R\x01k\x12\x10\n" +
 	"\x03ids\x18\x03 \x03(\x05R\x03ids\x12\x1a\n" +
-	"\blogprobs\x18\x04 \x03(\x02R\blogprobs\"\x7f\n" +
+	"\blogprobs\x18\x04 \x03(\x02R\blogprobs\x12\x15\n" +
+	"\x06draw_n\x18\x05 \x03(\x05R\x05drawN\x12\x19\n" +
+	"\bdraw_ids\x18\x06 \x03(\x05R\adrawIds\x12\x1f\n" +
+	"\vdraw_counts\x18\a \x03(\x05R\n" +
+	"drawCounts\x12\x1b\n" +
+	"\ttail_mass\x18\b \x03(\x02R\btailMass\"\x7f\n" +
 	"\n" +
 	"DataSource\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x16\n" +

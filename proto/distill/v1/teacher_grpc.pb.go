@@ -5,8 +5,9 @@
 // source: distill/v1/teacher.proto
 
 // Package distill.v1 is the API of teacherd, the teacher daemon of the
-// distill offline knowledge-distillation system: top-k scoring of token
-// sequences and filling the top-k cache over ranges of a dataset.
+// distill offline knowledge-distillation system: scoring token sequences
+// (their top-k, or sampled targets) and filling the cache over ranges of
+// a dataset.
 
 package distillv1
 
