@@ -17,11 +17,11 @@ import (
 // theirs (the union of their ids).
 func planK(m *cache.Manifest, ts *teacherSet) int {
 	if ts == nil {
-		return m.K
+		return m.DenseK()
 	}
 	k := 0
 	for _, tm := range ts.ms {
-		k += tm.K
+		k += tm.DenseK()
 	}
 	return k
 }

@@ -44,11 +44,13 @@ func startOnline(cfg *Config, sc *model.Config, tokFP string, maxLen int, m *cac
 	oc := &cfg.Distill.OnlineConfig
 	on := &online{cfg: oc, log: log}
 	on.ctx, on.cancel = context.WithCancel(context.Background())
-	want := infoWant{tokenizer: tokFP, vocab: sc.VocabSize, k: int32(oc.K), maxLen: maxLen}
+	want := infoWant{tokenizer: tokFP, vocab: sc.VocabSize, k: int32(oc.K), maxLen: maxLen, draws: int32(oc.Samples)}
+	kind, _ := cache.ParseTargets(cfg.Distill.Targets) // validated
+	tg := scoreTargets{kind: kind, draws: int32(oc.Samples), dataset: m.DatasetFingerprint}
 	// Dial every teacher first, so that their Info checks run together.
 	for _, t := range oc.Teachers {
 		fmt.Fprintf(log, "teachers: checking teacher %s at %s (Info: tokenizer, vocab, k)\n", t.Name, strings.Join(t.Addrs, ", "))
-		pool, err := newTeacherPool(t, oc, want, log)
+		pool, err := newTeacherPool(t, oc, want, tg, log)
 		if err != nil {
 			on.close()
 			return nil, err
@@ -66,10 +68,20 @@ func startOnline(cfg *Config, sc *model.Config, tokFP string, maxLen int, m *cac
 		t := oc.Teachers[i]
 		tm := *m
 		tm.TeacherFingerprint, tm.K, tm.Temperature = in.GetTeacherFingerprint(), int(pool.k), float32(oc.CaptureTemperature)
-		tm.VocabSize, tm.Encoding, tm.FormatVersion = int(in.GetVocabSize()), cache.Encoding(oc.WriteEncoding), cache.FormatVersion
+		tm.VocabSize, tm.Encoding, tm.FormatVersion = int(in.GetVocabSize()), cache.Encoding(oc.WriteEncoding), cache.VersionFor(kind)
+		asks := fmt.Sprintf("k %d", pool.k)
+		if kind != cache.TargetsTopK {
+			// As a cache of that kind would describe it (cachectl fill
+			// --targets kind --samples N).
+			tm.Targets, tm.Draws = kind, oc.Samples
+			asks = fmt.Sprintf("targets %s, %d draws a position", kind, oc.Samples)
+			if kind == cache.TargetsHeadSampled {
+				asks += fmt.Sprintf(" beside a head of k %d", pool.k)
+			}
+		}
 		on.ms = append(on.ms, tm)
-		fmt.Fprintf(log, "teachers: teacher %s: %s, %.1fM params, fingerprint %.12s, on %d replica(s); k %d at temperature %g; prefetch %d samples%s\n",
-			t.Name, in.GetArchitecture(), float64(in.GetParams())/1e6, in.GetTeacherFingerprint(), len(t.Addrs), pool.k, oc.CaptureTemperature, oc.Prefetch, weightNote(on, i))
+		fmt.Fprintf(log, "teachers: teacher %s: %s, %.1fM params, fingerprint %.12s, on %d replica(s); %s at temperature %g; prefetch %d samples%s\n",
+			t.Name, in.GetArchitecture(), float64(in.GetParams())/1e6, in.GetTeacherFingerprint(), len(t.Addrs), asks, oc.CaptureTemperature, oc.Prefetch, weightNote(on, i))
 	}
 	*m = on.ms[0]
 	on.m = *m
@@ -124,7 +136,22 @@ func (on *online) multi() bool { return len(on.pools) > 1 }
 func (on *online) teachers() []loss.Teacher {
 	out := make([]loss.Teacher, len(on.pools))
 	for i := range out {
-		out[i] = loss.Teacher{Weight: on.weights[i], K: on.ms[i].K}
+		out[i] = loss.Teacher{Weight: on.weights[i], K: on.ms[i].DenseK()}
+	}
+	return out
+}
+
+// moreOf is teachers 1..'s rows of their answers ans (one per teacher)
+// to a sample, as fixed-width rows (cache.Dense: a sampled kind's draws
+// become rows of DenseK); nil with one teacher.
+func (on *online) moreOf(ans []cache.Sample) []teacherTopK {
+	if len(ans) < 2 {
+		return nil
+	}
+	out := make([]teacherTopK, len(ans)-1)
+	for j := 1; j < len(ans); j++ {
+		d := cache.Dense(&on.ms[j], ans[j])
+		out[j-1] = teacherTopK{IDs: d.TopKIDs, LPs: d.TopKLogProbs}
 	}
 	return out
 }
@@ -213,11 +240,11 @@ func (on *online) evalSamples(ss []cache.Sample) ([]cache.Sample, map[int64][]te
 		}
 		ss[i] = ans[0][i]
 		if more != nil {
-			mo := make([]teacherTopK, n-1)
-			for j := 1; j < n; j++ {
-				mo[j-1] = teacherTopK{IDs: ans[j][i].TopKIDs, LPs: ans[j][i].TopKLogProbs}
+			all := make([]cache.Sample, n)
+			for j := range all {
+				all[j] = ans[j][i]
 			}
-			more[ss[i].Index] = mo
+			more[ss[i].Index] = on.moreOf(all)
 		}
 	}
 	on.eval, on.evalMore = ss, more

@@ -43,6 +43,12 @@ type OnlineConfig struct {
 	// K is the top-k entries asked per position (0: the teacher's
 	// default), as cachectl fill --k.
 	K int `yaml:"k,omitempty"`
+	// Samples is N, the draws per position asked of the teachers under
+	// distill.targets sampled or head+sampled (as cachectl fill
+	// --samples): the teachers draw as a fill does, keyed by the dataset's
+	// fingerprint and each sample's index, so the run trains as from a
+	// cache of that kind.
+	Samples int `yaml:"samples,omitempty"`
 	// CaptureTemperature is the temperature the teacher's log-probs are
 	// computed at (0: 1), as cachectl fill --temperature.
 	CaptureTemperature float64 `yaml:"capture_temperature,omitempty"`
@@ -162,7 +168,7 @@ func (c *Config) validateOnline() error {
 			set bool
 		}{
 			{"prefetch", o.Prefetch != 0}, {"write_cache", o.WriteCache != ""}, {"write_encoding", o.WriteEncoding != ""}, {"chunk_samples", o.ChunkSamples != 0},
-			{"k", o.K != 0}, {"capture_temperature", o.CaptureTemperature != 0}, {"teacher_timeout", o.TeacherTimeout != 0},
+			{"k", o.K != 0}, {"samples", o.Samples != 0}, {"capture_temperature", o.CaptureTemperature != 0}, {"teacher_timeout", o.TeacherTimeout != 0},
 			{"token_file", o.TokenFile != ""}, {"tls_ca", o.TLSCA != ""}, {"tls_server_name", o.TLSServerName != ""},
 		} {
 			if k.set {
@@ -190,6 +196,9 @@ func (c *Config) validateOnline() error {
 	case o.WriteEncoding != string(cache.EncodingCompact) && o.WriteEncoding != string(cache.EncodingLossless):
 		return bad("distill.write_encoding", "%q: want compact or lossless", o.WriteEncoding)
 	}
+	if err := c.validateOnlineTargets(); err != nil {
+		return err
+	}
 	seen := map[string]int{}
 	for i, t := range o.Teachers {
 		key := fmt.Sprintf("distill.teachers[%d].name", i)
@@ -216,6 +225,26 @@ func (c *Config) validateOnline() error {
 		if !(t.Weight > 0) || math.IsInf(t.Weight, 0) {
 			return bad(fmt.Sprintf("distill.teachers[%d].weight", i), "%g: want a positive finite weight (default 1)", t.Weight)
 		}
+	}
+	return nil
+}
+
+// validateOnlineTargets checks distill.samples and distill.k against
+// distill.targets, as cachectl fill checks --samples and --k against
+// --targets.
+func (c *Config) validateOnlineTargets() error {
+	o := &c.Distill.OnlineConfig
+	kind, err := cache.ParseTargets(c.Distill.Targets)
+	if err != nil {
+		return nil // the loss's validation names distill.targets
+	}
+	switch {
+	case kind == cache.TargetsTopK && o.Samples != 0:
+		return fmt.Errorf("%w: distill.samples %d with distill.targets topk: draws belong to targets sampled or head+sampled; set distill.targets, or remove distill.samples", ErrConfig, o.Samples)
+	case kind != cache.TargetsTopK && (o.Samples < 1 || o.Samples > cache.MaxDraws):
+		return fmt.Errorf("%w: distill.samples %d with distill.targets %s: want 1 to %d draws per position asked of the teachers (as cachectl fill --samples; at most the daemons' --max-draws)", ErrConfig, o.Samples, kind, cache.MaxDraws)
+	case kind == cache.TargetsSampled && o.K != 0:
+		return fmt.Errorf("%w: distill.k %d with distill.targets sampled: sampled targets have no top-k head; use distill.targets head+sampled for an exact head of k plus draws, or remove distill.k", ErrConfig, o.K)
 	}
 	return nil
 }

@@ -378,7 +378,7 @@ func (st *onlineStream) fill(it *onItem) error {
 						ErrMismatch, i, st.wcs[0].dir, st.wcs[j].dir, err)
 				}
 			}
-			it.s, it.more = ans[0], moreOf(ans)
+			it.s, it.more = ans[0], st.on.moreOf(ans)
 		}
 		close(it.done)
 		return nil
@@ -437,7 +437,7 @@ func (st *onlineStream) fill(it *onItem) error {
 				return
 			}
 			if !it.skip {
-				it.s, it.more = ans[0], moreOf(ans)
+				it.s, it.more = ans[0], st.on.moreOf(ans)
 			}
 			it.err = errs
 			close(it.done)
@@ -445,18 +445,6 @@ func (st *onlineStream) fill(it *onItem) error {
 		st.pools[j].submit(job)
 	}
 	return nil
-}
-
-// moreOf is teachers 1..'s top-k of ans (nil with one teacher).
-func moreOf(ans []cache.Sample) []teacherTopK {
-	if len(ans) < 2 {
-		return nil
-	}
-	out := make([]teacherTopK, len(ans)-1)
-	for j := 1; j < len(ans); j++ {
-		out[j-1] = teacherTopK{IDs: ans[j].TopKIDs, LPs: ans[j].TopKLogProbs}
-	}
-	return out
 }
 
 // writeCache is distill.write_cache: answers are gathered per chunk

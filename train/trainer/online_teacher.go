@@ -82,8 +82,9 @@ type replica struct {
 type teacherPool struct {
 	name    string
 	window  int   // samples in flight per replica
-	k       int32 // asked per position (0 until Info: the teacher's default)
+	k       int32 // asked per position (0 until Info: the teacher's default; 0 under sampled)
 	temp    float32
+	tg      scoreTargets
 	timeout time.Duration
 	log     io.Writer
 
@@ -111,11 +112,21 @@ type infoWant struct {
 	vocab     int
 	k         int32 // asked (0: the teacher's default)
 	maxLen    int   // the longest sample the run sends
+	draws     int32 // asked per position (sampled kinds; 0: none)
+}
+
+// scoreTargets is the target kind a run asks its teachers for
+// (distill.targets): with a sampled kind, N draws per position keyed by
+// the dataset's fingerprint and each sample's index, as a fill's.
+type scoreTargets struct {
+	kind    cache.Targets
+	draws   int32
+	dataset string // the dataset's fingerprint
 }
 
 // newTeacherPool dials the replicas of teacher t (lazily) and starts
 // their loops; ready waits for their Info checks.
-func newTeacherPool(t TeacherConfig, o *OnlineConfig, want infoWant, log io.Writer) (*teacherPool, error) {
+func newTeacherPool(t TeacherConfig, o *OnlineConfig, want infoWant, tg scoreTargets, log io.Writer) (*teacherPool, error) {
 	token := os.Getenv("DISTILL_TOKEN")
 	if o.TokenFile != "" {
 		var err error
@@ -123,7 +134,7 @@ func newTeacherPool(t TeacherConfig, o *OnlineConfig, want infoWant, log io.Writ
 			return nil, fmt.Errorf("%w: distill.token_file: %w", ErrConfig, err)
 		}
 	}
-	p := &teacherPool{name: t.Name, k: int32(o.K), temp: float32(o.CaptureTemperature), timeout: o.TeacherTimeout, log: log, want: want}
+	p := &teacherPool{name: t.Name, k: int32(o.K), temp: float32(o.CaptureTemperature), tg: tg, timeout: o.TeacherTimeout, log: log, want: want}
 	p.cond = sync.NewCond(&p.mu)
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	// A replica takes at most its share of the prefetch: the replicas
@@ -376,6 +387,7 @@ func (p *teacherPool) checkInfo(r *replica, in *pb.InfoResponse) error {
 		return fmt.Errorf("%w: teacher %s at %s: %s", ErrMismatch, p.name, r.addr, fmt.Sprintf(format, a...))
 	}
 	w := p.want
+	sampled := p.tg.kind == cache.TargetsSampled // no head: k is not asked
 	switch {
 	case in.GetTokenizerFingerprint() == "":
 		return bad("the daemon has no tokenizer, so the student's tokenizer (%.12s) cannot be checked against it: start teacherd with --tokenizer (the student's tokenizer directory)", w.tokenizer)
@@ -385,8 +397,11 @@ func (p *teacherPool) checkInfo(r *replica, in *pb.InfoResponse) error {
 		return bad("vocab_size %d, but the student has %d: the teacher and student must share a vocabulary", in.GetVocabSize(), w.vocab)
 	case w.k > in.GetKMax():
 		return bad("distill.k %d exceeds the daemon's k_max %d: lower distill.k, or start teacherd with --k-max %d", w.k, in.GetKMax(), w.k)
-	case w.k == 0 && in.GetKDefault() <= 0:
+	case w.k == 0 && in.GetKDefault() <= 0 && !sampled:
 		return bad("the daemon has no default k: set distill.k")
+	case w.draws > in.GetMaxDraws():
+		return bad("distill.samples %d exceeds the daemon's max_draws %d (the draws per position it plans its memory for; 0: a teacherd that serves no sampled targets): lower distill.samples, or start teacherd with --max-draws %d",
+			w.draws, in.GetMaxDraws(), w.draws)
 	case int(min(in.GetMaxPositions(), in.GetTokenBudget())) < w.maxLen:
 		return bad("accepts samples of at most %d tokens (max_positions %d, token_budget %d), but the run's samples may have %d (data.seq_len / data.dataset.max_len): lower max_len, or start teacherd with a larger --token-budget",
 			min(in.GetMaxPositions(), in.GetTokenBudget()), in.GetMaxPositions(), in.GetTokenBudget(), w.maxLen)
@@ -400,7 +415,7 @@ func (p *teacherPool) checkInfo(r *replica, in *pb.InfoResponse) error {
 		case in.GetTeacherFingerprint() != ref.GetTeacherFingerprint():
 			return bad("teacher fingerprint %.12s, but the other replicas serve %.12s: the addresses of one teacher must serve the same model (%s): give each model its own teachers entry",
 				in.GetTeacherFingerprint(), ref.GetTeacherFingerprint(), in.GetModelDir())
-		case kr != ki:
+		case kr != ki && !sampled:
 			return bad("default k %d, but the other replicas use %d: set distill.k", ki, kr)
 		}
 	}
@@ -466,7 +481,7 @@ func (p *teacherPool) checkReplica(ctx context.Context, r *replica) error {
 	}
 	if p.info == nil {
 		p.info = in
-		if p.k == 0 {
+		if p.k == 0 && p.tg.kind != cache.TargetsSampled {
 			p.k = in.GetKDefault()
 		}
 	}
@@ -489,8 +504,7 @@ func (p *teacherPool) send(ctx context.Context, cancel context.CancelFunc, strea
 		if j == nil {
 			return
 		}
-		k := p.k
-		if err := stream.Send(&pb.ScoreRequest{Id: id, Tokens: j.s.Tokens, K: &k, Temperature: p.temp}); err != nil {
+		if err := stream.Send(p.request(id, j.s)); err != nil {
 			fl.mu.Lock()
 			fl.sendErr = err
 			fl.mu.Unlock()
@@ -499,6 +513,18 @@ func (p *teacherPool) send(ctx context.Context, cancel context.CancelFunc, strea
 		}
 		id++
 	}
+}
+
+// request is the Score request of sample s, under id.
+func (p *teacherPool) request(id int64, s *cache.Sample) *pb.ScoreRequest {
+	r := &pb.ScoreRequest{Id: id, Tokens: s.Tokens, Temperature: p.temp}
+	if k := p.k; p.tg.kind != cache.TargetsSampled {
+		r.K = &k
+	}
+	if p.tg.kind != cache.TargetsTopK {
+		r.Targets, r.Samples, r.DatasetFingerprint, r.SampleIndex = string(p.tg.kind), p.tg.draws, p.tg.dataset, s.Index
+	}
+	return r
 }
 
 // nextJob waits for a queued job and moves it into flight (nil once ctx
@@ -534,7 +560,7 @@ func (p *teacherPool) receive(r *replica, stream pb.Teacher_ScoreClient, fl *fli
 		fl.mu.Lock()
 		if len(fl.jobs) == 0 {
 			err = status.Errorf(codes.Internal, "teacher %s at %s answered sample id %d that was not asked", p.name, r.addr, res.GetId())
-		} else if verr := checkAnswer(fl.jobs[0].s, res, recvID, p.k); verr != nil {
+		} else if verr := checkAnswer(fl.jobs[0].s, res, recvID, p.k, p.tg); verr != nil {
 			err = status.Errorf(codes.Internal, "teacher %s at %s: %v", p.name, r.addr, verr)
 		} else {
 			j = fl.jobs[0]
@@ -545,6 +571,9 @@ func (p *teacherPool) receive(r *replica, stream pb.Teacher_ScoreClient, fl *fli
 			return progress, err
 		}
 		j.s.TopKIDs, j.s.TopKLogProbs = res.GetIds(), res.GetLogprobs()
+		if p.tg.kind != cache.TargetsTopK {
+			j.s.DrawN, j.s.DrawIDs, j.s.DrawCounts, j.s.TailMass = res.GetDrawN(), res.GetDrawIds(), res.GetDrawCounts(), res.GetTailMass()
+		}
 		recvID++
 		progress = true
 		p.deliver(r, j, fl)
@@ -600,8 +629,10 @@ func (p *teacherPool) endSession(r *replica, fl *flight, rerr error) error {
 	return rerr
 }
 
-// checkAnswer checks a Score response against its request.
-func checkAnswer(s *cache.Sample, res *pb.ScoreResponse, id int64, k int32) error {
+// checkAnswer checks a Score response against its request: its top-k,
+// and under a sampled kind its draws' shape (what the cache writer
+// and the packer index by).
+func checkAnswer(s *cache.Sample, res *pb.ScoreResponse, id int64, k int32, tg scoreTargets) error {
 	T := len(s.Tokens)
 	switch {
 	case res.GetId() != id:
@@ -610,6 +641,28 @@ func checkAnswer(s *cache.Sample, res *pb.ScoreResponse, id int64, k int32) erro
 		return fmt.Errorf("sample %d: answer has k %d, asked %d", s.Index, res.GetK(), k)
 	case len(res.GetIds()) != T*int(k) || len(res.GetLogprobs()) != T*int(k):
 		return fmt.Errorf("sample %d: answer has %d ids and %d log-probs, want %d x %d", s.Index, len(res.GetIds()), len(res.GetLogprobs()), T, k)
+	}
+	if tg.kind == cache.TargetsTopK {
+		return nil
+	}
+	nd := 0
+	for _, n := range res.GetDrawN() {
+		if n < 0 || n > tg.draws {
+			return fmt.Errorf("sample %d: answer has %d distinct draws at a position, asked %d draws", s.Index, n, tg.draws)
+		}
+		nd += int(n)
+	}
+	wantTail := 0
+	if tg.kind == cache.TargetsHeadSampled {
+		wantTail = T
+	}
+	switch {
+	case len(res.GetDrawN()) != T:
+		return fmt.Errorf("sample %d: answer has draws at %d positions, want %d (targets %s: an older teacherd answers top-k only)", s.Index, len(res.GetDrawN()), T, tg.kind)
+	case len(res.GetDrawIds()) != nd || len(res.GetDrawCounts()) != nd:
+		return fmt.Errorf("sample %d: answer has %d drawn ids and %d counts, want %d (the sum of draw_n)", s.Index, len(res.GetDrawIds()), len(res.GetDrawCounts()), nd)
+	case len(res.GetTailMass()) != wantTail:
+		return fmt.Errorf("sample %d: answer has %d tail masses, want %d (targets %s)", s.Index, len(res.GetTailMass()), wantTail, tg.kind)
 	}
 	return nil
 }

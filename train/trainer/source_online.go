@@ -26,11 +26,21 @@ func (o *onlineSource) Open(p SourceParams) (SourceInfo, error) {
 	if o.on, err = startOnline(o.cfg, p.Student, p.TokenizerFingerprint, o.maxLen, &m, p.Log); err != nil {
 		return info, err
 	}
-	info.Manifest, info.NoTeacher, info.K = m, false, m.K
+	info.Manifest, info.NoTeacher, info.K = m, false, m.DenseK()
 	info.Teachers, info.TeachersFrom, info.Where = o.on.states(), "distill.teachers", o.on.where
-	o.pk = &packer{seqLen: o.pk.seqLen, truncate: o.pk.truncate, k: m.K}
+	o.pk = &packer{seqLen: o.pk.seqLen, truncate: o.pk.truncate, k: m.DenseK()}
+	if m.Sampled() {
+		// The answers carry draws, as a cache of that kind: the packer
+		// turns them into fixed-width rows alike (cache.Dense).
+		o.pk.dense = &o.on.m
+	}
 	if o.on.multi() {
 		o.pk.multi = o.on.teachers() // the online stream carries the other teachers' top-k
+		k := 0
+		for _, t := range o.pk.multi {
+			k += t.K
+		}
+		info.K = k // as planK of data.caches
 	}
 	return info, nil
 }
