@@ -131,6 +131,12 @@
 // forward at most, over those positions only). One teacher of weight 1,
 // or two identical teachers at 0.5/0.5, give the single-teacher loss and
 // gradient bit for bit. With KDWeight 0 the teachers are not read.
+// Teachers may be of different target kinds (Teacher.Targets: a top-k
+// teacher beside a sampled one): each D_t is its own kind's divergence
+// above, the top-k teachers' under the tail mode, the sampled ones' the
+// forward KL against r with the student's full softmax; when any teacher
+// is sampled, the options must be what sampled targets take (fwd_kl, the
+// capture temperature, tail bucket), as for one sampled teacher.
 package loss
 
 import (
@@ -310,6 +316,9 @@ type Teacher struct {
 	K      int       // its top-k per position
 	TopIDs []int32   // (N, K) ids, distinct per row, by descending probability
 	TopLP  []float32 // (N, K) log-probs normalized over the full vocabulary
+	// Targets is the kind of this teacher's rows ("": Options.Targets):
+	// teachers of different kinds mix (see Multi-teacher KD).
+	Targets TargetKind
 }
 
 // TeacherStats are one teacher's numbers over a batch's counted

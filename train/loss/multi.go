@@ -22,13 +22,17 @@ func (h *Head) runMulti(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, 
 	if err != nil {
 		return Stats{}, err
 	}
+	topts, err := teacherOptions(tg.Teachers, opt)
+	if err != nil {
+		return Stats{}, err
+	}
 	h.countRows(tg)
 	M := len(h.rows)
 	if M == 0 {
 		return Stats{}, nil
 	}
 	KS := offs[len(tg.Teachers)]
-	uni, ulen, Ku, gen, err := h.unions(tg, opt, KS)
+	uni, ulen, Ku, gen, err := h.unions(tg, topts, KS)
 	if err != nil {
 		return Stats{}, err
 	}
@@ -38,7 +42,7 @@ func (h *Head) runMulti(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, 
 	ps := call.be.LossHeadForward(call.lh)
 
 	wkd, norm := opt.weights(M, normalizer)
-	mp := newMultiPass(h, tg, opt, &ps, ids, pos, offs, Ku, maxK)
+	mp := newMultiPass(h, tg, opt, topts, &ps, ids, pos, offs, Ku, maxK)
 	cf := wkd / norm * mp.m.invT
 	co := newCoefs(M, Ku)
 	var kd, ce float64
@@ -93,11 +97,35 @@ func checkTeachers(teachers []Teacher, N, V int, opt *Options) (offs []int, maxK
 	return offs, maxK, nil
 }
 
+// teacherOptions are each teacher's options: opt with the teacher's
+// target kind (Teacher.Targets, else opt's). A sampled teacher beside
+// top-k ones takes the sampled kinds' rules (Options.validateSampled).
+func teacherOptions(teachers []Teacher, opt *Options) ([]Options, error) {
+	out := make([]Options, len(teachers))
+	for i, te := range teachers {
+		out[i] = *opt
+		if te.Targets == "" || te.Targets == opt.Targets {
+			continue
+		}
+		out[i].Targets = te.Targets
+		switch te.Targets {
+		case TopK:
+		case Sampled, HeadSampled:
+			if err := out[i].validateSampled(); err != nil {
+				return nil, fmt.Errorf("teacher %d: %w", i, err)
+			}
+		default:
+			return nil, fmt.Errorf("%w: teacher %d: targets %q: want topk, sampled or head+sampled", ErrInvalid, i, te.Targets)
+		}
+	}
+	return out, nil
+}
+
 // unions checks every teacher row of a counted position and builds the
 // union of the position's ids (first-seen order) into
 // uni[r*KS : r*KS+ulen[r]]. Ku is the widest union; gen is the last stamp
 // used, which unionColumns goes on from.
-func (h *Head) unions(tg *Targets, opt *Options, KS int) (uni []int32, ulen []int, Ku int, gen int32, err error) {
+func (h *Head) unions(tg *Targets, topts []Options, KS int) (uni []int32, ulen []int, Ku int, gen int32, err error) {
 	V, M := h.V, len(h.rows)
 	h.stamp, h.ustamp, h.slot = growI(h.stamp, V), growI(h.ustamp, V), growI(h.slot, V)
 	clear(h.stamp)
@@ -111,7 +139,7 @@ func (h *Head) unions(tg *Targets, opt *Options, KS int) (uni []int32, ulen []in
 			gen++
 			K := te.K
 			row := te.TopIDs[int(t)*K : int(t+1)*K]
-			if err := h.checkTeacherRow(i, t, row, te.TopLP[int(t)*K:int(t+1)*K], gen, opt.sparse()); err != nil {
+			if err := h.checkTeacherRow(i, t, row, te.TopLP[int(t)*K:int(t+1)*K], gen, topts[i].sparse()); err != nil {
 				return nil, nil, 0, 0, err
 			}
 			for _, id := range row {
@@ -173,7 +201,8 @@ type multiPass struct {
 	pos  []int32 // (M,KS) each teacher rank's union column
 	offs []int   // teacher i's ranks are columns offs[i]..offs[i+1] of pos
 	Ku   int
-	m    *kdMath
+	m    *kdMath   // the options' (invT)
+	mt   []*kdMath // each teacher's: its own target kind
 
 	q, g   []float64 // (Ku) the position's q_v on the union, its coefficients
 	member []int32   // member[c] == mg: column c is in the current teacher's set
@@ -187,11 +216,19 @@ type multiPass struct {
 	undecidedR []int
 }
 
-func newMultiPass(h *Head, tg *Targets, opt *Options, ps *compute.LossStats, ids, pos []int32, offs []int, Ku, maxK int) *multiPass {
+func newMultiPass(h *Head, tg *Targets, opt *Options, topts []Options, ps *compute.LossStats, ids, pos []int32, offs []int, Ku, maxK int) *multiPass {
 	nT := len(tg.Teachers)
-	return &multiPass{h: h, tg: tg, opt: opt, ps: ps, ids: ids, pos: pos, offs: offs, Ku: Ku, m: newKDMath(opt, maxK),
+	mp := &multiPass{h: h, tg: tg, opt: opt, ps: ps, ids: ids, pos: pos, offs: offs, Ku: Ku, m: newKDMath(opt, maxK),
 		q: make([]float64, Ku), g: make([]float64, Ku), member: make([]int32, Ku),
 		kdT: make([]float64, nT), agree: make([]int, nT)}
+	for i := range topts {
+		m := mp.m
+		if topts[i].Targets != opt.Targets {
+			m = newKDMath(&topts[i], maxK)
+		}
+		mp.mt = append(mp.mt, m)
+	}
+	return mp
 }
 
 // position computes counted position r's teachers' terms and writes its
@@ -210,11 +247,12 @@ func (mp *multiPass) position(r int, cf float64, co *coefs) float64 {
 	for i, te := range mp.tg.Teachers {
 		wt := te.Weight
 		p := mp.pos[r*KS+mp.offs[i] : r*KS+mp.offs[i+1]]
-		D, H, out := mp.teacherTerm(te, t, p, zr, lseT, mp.ps.Tail[r])
+		m := mp.mt[i]
+		D, H, out := mp.teacherTerm(m, te, t, p, zr, lseT, mp.ps.Tail[r])
 		mp.kdT[i] += D
 		kdr += wt * D
 		for j, c := range p {
-			mp.g[c] += wt * mp.m.coefK(j, H)
+			mp.g[c] += wt * m.coefK(j, H)
 		}
 		// Columns outside this teacher's set get its coefficient of
 		// q_v (package doc, Gradient), as does every id outside U.
@@ -234,19 +272,19 @@ func (mp *multiPass) position(r int, cf float64, co *coefs) float64 {
 	return kdr
 }
 
-// teacherTerm is teacher te's term at token t (kdMath.term), its ranks
-// being the union columns p of the position's logits zr, marked in
-// member. Under bucket, its tail is the mass outside the union, tailU,
-// plus the union columns outside its set, added term by term (never
-// 1 - Σ_K q), so it keeps its digits.
-func (mp *multiPass) teacherTerm(te Teacher, t int, p []int32, zr []float32, lseT, tailU float64) (D, H, out float64) {
+// teacherTerm is teacher te's term at token t (m.term, m its kind's
+// math), its ranks being the union columns p of the position's logits
+// zr, marked in member. Under bucket, a top-k teacher's tail is the mass
+// outside the union, tailU, plus the union columns outside its set, added
+// term by term (never 1 - Σ_K q), so it keeps its digits.
+func (mp *multiPass) teacherTerm(m *kdMath, te Teacher, t int, p []int32, zr []float32, lseT, tailU float64) (D, H, out float64) {
 	mp.mg++
 	for j, c := range p {
 		mp.member[c] = mp.mg
-		mp.m.zK[j] = float64(zr[c])
+		m.zK[j] = float64(zr[c])
 	}
 	qTail := 0.0
-	if mp.opt.Tail == Bucket {
+	if mp.opt.Tail == Bucket && !m.opt.sparse() {
 		qTail = tailU
 		for c := range mp.q {
 			if mp.member[c] != mp.mg {
@@ -254,7 +292,7 @@ func (mp *multiPass) teacherTerm(te Teacher, t int, p []int32, zr []float32, lse
 			}
 		}
 	}
-	return mp.m.term(te.TopLP[t*te.K:(t+1)*te.K], lseT, qTail)
+	return m.term(te.TopLP[t*te.K:(t+1)*te.K], lseT, qTail)
 }
 
 // top1 counts the teachers whose top-1 is the student's argmax at

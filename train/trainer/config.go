@@ -13,6 +13,7 @@ import (
 
 	"gopkg.in/yaml.v3"
 
+	"distill/cache"
 	"distill/compute/device"
 	"distill/data"
 	"distill/model"
@@ -161,6 +162,21 @@ type TeacherCache struct {
 	// Weight of its divergence in the KD term (default 1; 0 keeps it in
 	// the metrics only).
 	Weight *float64 `yaml:"weight"`
+	// Targets is the kind of this teacher's cache (default
+	// distill.targets): teachers of different kinds mix, a top-k cache
+	// beside a sampled one (package loss, Multi-teacher KD).
+	Targets string `yaml:"targets,omitempty"`
+}
+
+// targets is the kind the run expects of teacher cache t: its own
+// targets, else distill.targets, else topk.
+func (t *TeacherCache) targets(c *Config) cache.Targets {
+	s := t.Targets
+	if s == "" {
+		s = c.Distill.Targets
+	}
+	k, _ := cache.ParseTargets(s) // validated
+	return k
 }
 
 // Dirs are cache directories: a YAML string (one) or a list.
@@ -235,6 +251,9 @@ func (c *Config) validateCaches() error {
 			return bad(key+".weight", "%g: want a finite number >= 0 (default 1)", w)
 		}
 		wsum += w
+		if _, err := cache.ParseTargets(t.Targets); err != nil {
+			return bad(key+".targets", "%q: want topk, sampled or head+sampled (the kind of its cache; default distill.targets)", t.Targets)
+		}
 	}
 	if len(c.Data.Caches) > 0 && wsum == 0 && c.Distill.KDWeight > 0 {
 		return bad("data.caches", "every teacher's weight is 0 with distill.kd_weight %g: there is nothing to distill from; give a teacher a weight > 0 (or set distill.kd_weight: 0)", c.Distill.KDWeight)
@@ -906,6 +925,17 @@ func (c *Config) validateDistill() error {
 	lo := c.LossOptions(c.Distill.Temperature)
 	if err := lo.Validate(); err != nil {
 		return fmt.Errorf("%w: distill: %w", ErrConfig, err)
+	}
+	// A teacher of data.caches of another kind than distill.targets
+	// takes that kind's rules (a sampled one: fwd_kl, no tempering).
+	for i := range c.Data.Caches {
+		if k := c.Data.Caches[i].targets(c); k != cache.Targets(lo.Targets) && !(lo.Targets == "" && k == cache.TargetsTopK) {
+			o := lo
+			o.Targets = loss.TargetKind(k)
+			if err := o.Validate(); err != nil {
+				return fmt.Errorf("%w: data.caches[%d].targets %s: distill: %w", ErrConfig, i, k, err)
+			}
+		}
 	}
 	return nil
 }

@@ -116,19 +116,23 @@ func checkTargets(cfg *Config, c *cacheSource) error {
 	if want == "" {
 		want = string(cache.TargetsTopK)
 	}
-	rds, where := []*cache.Reader{c.rd}, []string{c.where}
 	if c.ts != nil {
-		rds, where = c.ts.rds, nil
-		for i := range rds {
-			where = append(where, c.ts.where(i))
+		// Each teacher's cache against its entry's kind (data.caches[i].targets,
+		// default distill.targets): kinds may mix, but only as asked.
+		for i, rd := range c.ts.rds {
+			m := rd.Manifest()
+			w := string(cfg.Data.Caches[i].targets(cfg))
+			if got := string(m.Kind()); got != w {
+				return fmt.Errorf("%w: %s holds targets %s (cachectl fill --targets %s) but the run expects %s of it (data.caches[%d].targets, default distill.targets %s): set data.caches[%d].targets: %s to train on it beside the others (sampled kinds take kd_loss fwd_kl), or use a cache filled with --targets %s",
+					ErrConfig, c.ts.where(i), got, got, w, i, want, i, got, w)
+			}
 		}
+		return nil
 	}
-	for i, rd := range rds {
-		m := rd.Manifest()
-		if got := string(m.Kind()); got != want {
-			return fmt.Errorf("%w: cache %s holds targets %s (cachectl fill --targets %s) but distill.targets is %s: set distill.targets: %s to train on it (sampled kinds take kd_loss fwd_kl), or use a cache filled with --targets %s",
-				ErrConfig, where[i], got, got, want, got, want)
-		}
+	m := c.rd.Manifest()
+	if got := string(m.Kind()); got != want {
+		return fmt.Errorf("%w: cache %s holds targets %s (cachectl fill --targets %s) but distill.targets is %s: set distill.targets: %s to train on it (sampled kinds take kd_loss fwd_kl), or use a cache filled with --targets %s",
+			ErrConfig, c.where, got, got, want, got, want)
 	}
 	return nil
 }

@@ -118,7 +118,8 @@ func (ts *teacherSet) check(cfg *model.Config, tokFP string) error {
 func (ts *teacherSet) teachers() []loss.Teacher {
 	out := make([]loss.Teacher, len(ts.rds))
 	for i := range out {
-		out[i] = loss.Teacher{Weight: ts.weights[i], K: ts.ms[i].DenseK()} // sampled kinds: the rows of cache.Dense
+		// Sampled kinds: the rows of cache.Dense; each teacher's own kind.
+		out[i] = loss.Teacher{Weight: ts.weights[i], K: ts.ms[i].DenseK(), Targets: loss.TargetKind(ts.ms[i].Kind())}
 	}
 	return out
 }
