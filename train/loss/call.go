@@ -123,7 +123,7 @@ func (m *kdMath) term(topLP []float32, lseT, qTail float64) (D, H, out float64) 
 	n := teacherDists(opt, m.lp, m.lq, m.zK[:K], topLP, m.tc, m.invT, lseT)
 	bucket := opt.Tail == Bucket && !opt.sparse()
 	if bucket {
-		m.lq[K] = math.Log(math.Max(qTail, tailFloor))
+		m.lq[K] = compute.Log(math.Max(qTail, tailFloor))
 	}
 	D = divergence(opt, m.lp[:n], m.lq[:n], m.hh[:n])
 	for _, v := range m.hh[:n] {
@@ -142,5 +142,5 @@ func (m *kdMath) term(topLP []float32, lseT, qTail float64) (D, H, out float64) 
 // coefK is the gradient on the tempered logit at the teacher's rank j,
 // before weights: h_j - q_j·H.
 func (m *kdMath) coefK(j int, H float64) float64 {
-	return m.hh[j] - math.Exp(m.lq[j])*H
+	return m.hh[j] - float64(compute.Exp(m.lq[j])*H)
 }

@@ -689,9 +689,9 @@ func logSumExp(a []float64) float64 {
 	}
 	var s float64
 	for _, v := range a {
-		s += math.Exp(v - mx)
+		s += compute.Exp(v - mx)
 	}
-	return mx + math.Log(s)
+	return mx + compute.Log(s)
 }
 
 // tailFloor bounds the tail buckets' probabilities from below inside logs.
@@ -712,27 +712,27 @@ func divergence(opt *Options, lp, lq, h []float64) float64 {
 	switch kind {
 	case FwdKL:
 		for e := range lp {
-			p := math.Exp(lp[e])
+			p := compute.Exp(lp[e])
 			h[e] = -p
 			if p > 0 {
-				L += p * (lp[e] - lq[e])
+				L += float64(p * (lp[e] - lq[e]))
 			}
 		}
 	case RevKL:
 		for e := range lp {
-			q := math.Exp(lq[e])
+			q := compute.Exp(lq[e])
 			L += q * (lq[e] - lp[e])
 			h[e] = q * (lq[e] - lp[e] + 1)
 		}
 	case JSD:
 		for e := range lp {
-			p, q := math.Exp(lp[e]), math.Exp(lq[e])
+			p, q := compute.Exp(lp[e]), compute.Exp(lq[e])
 			m := beta*p + (1-beta)*q
 			if m <= 0 {
 				h[e] = 0
 				continue
 			}
-			lm := math.Log(m)
+			lm := compute.Log(m)
 			if p > 0 {
 				L += beta * p * (lp[e] - lm)
 			}
@@ -756,7 +756,7 @@ func teacherDists(opt *Options, lp, lq, zK []float64, topLP []float32, tc, invT,
 		// by construction) against the full-vocabulary lq.
 		for j := 0; j < K; j++ {
 			lp[j] = float64(topLP[j])
-			lq[j] = zK[j]*invT - lseT
+			lq[j] = float64(zK[j]*invT) - lseT
 		}
 		return K
 	}
@@ -774,18 +774,18 @@ func teacherDists(opt *Options, lp, lq, zK []float64, topLP []float32, tc, invT,
 			}
 		} else {
 			for j := 0; j < K; j++ {
-				lq[j] = zK[j]*invT - lseT
+				lq[j] = float64(zK[j]*invT) - lseT
 			}
 		}
 		return K
 	default: // Bucket
 		var psum float64
 		for j := 0; j < K; j++ {
-			lq[j] = zK[j]*invT - lseT
+			lq[j] = float64(zK[j]*invT) - lseT
 			lp[j] = float64(topLP[j])
-			psum += math.Exp(lp[j])
+			psum += compute.Exp(lp[j])
 		}
-		lp[K] = math.Log(math.Max(1-psum, tailFloor))
+		lp[K] = compute.Log(math.Max(1-psum, tailFloor))
 		return K + 1
 	}
 }

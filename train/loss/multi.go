@@ -240,7 +240,7 @@ func (mp *multiPass) position(r int, cf float64, co *coefs) float64 {
 	lseT := mp.ps.LseT[r]
 	zr := mp.ps.ZK[r*Ku : (r+1)*Ku]
 	for c := range mp.q {
-		mp.q[c] = math.Exp(float64(zr[c])*mp.m.invT - lseT)
+		mp.q[c] = compute.Exp(float64(float64(zr[c])*mp.m.invT) - lseT)
 		mp.g[c] = 0
 	}
 	a, kdr := 0.0, 0.0
