@@ -379,6 +379,90 @@ type LossCoef struct {
 	WSFT              float32
 }
 
+// DeviceLossCoef is implemented by backends that compute pass 2's
+// coefficients on the device from pass 1's statistics, so that pass 2
+// follows pass 1 with no round trip through the host (compute/cuda):
+// package train/loss otherwise downloads LossStats, computes LossCoef in
+// float64 on the host and uploads it, and the device waits meanwhile.
+// The device computes what train/loss's host path computes, bit for bit:
+// see LossKD for the definition it takes. It covers one teacher's
+// top-k with the forward KL under each tail mode, and CE only; every
+// other configuration keeps the host path.
+type DeviceLossCoef interface {
+	// LossHeadForwardKD is pass 1 (LossHeadForward's statistics, kept on
+	// the device) followed by pass 2's coefficients: c.LseT, c.Lse1, c.A
+	// (M) and, with K > 0, c.CK (M,K), F32 tensors of the caller, are
+	// overwritten (c.WSFT is not read). kd is the KD term; nil (with
+	// h.K = 0) is CE only: A = 0 and no divergence. It does not
+	// synchronize; the result reads each position's loss values later.
+	LossHeadForwardKD(h *LossHead, kd *LossKD, c *LossCoef) LossValues
+}
+
+// LossValues are the loss values of the counted positions of one
+// LossHeadForwardKD, left on the device: the host needs them for its
+// logs only, so it reads them after it has issued pass 2.
+type LossValues interface {
+	// Read writes each position's divergence D (0 without a KD term) and
+	// cross-entropy Lse1 - z_label to d and ce (M each), after all issued
+	// work (it synchronizes), and releases the device's copy. Call it
+	// exactly once.
+	Read(d, ce []float64)
+}
+
+// LossTail is a LossKD's tail mode (train/loss's tail modes, which its
+// package doc defines).
+type LossTail int32
+
+// The tail modes.
+const (
+	TailBucket LossTail = iota
+	TailRenormalize
+	TailZero
+)
+
+// LossKD is one teacher's forward-KL term for LossHeadForwardKD. With, at
+// counted position r, z_c the logit at column c of TopIDs[r] (ZK), lseT,
+// lse1 and tail the statistics of LossStats, invT = float64(InvT), l_c =
+// float64(LP[r,c]) and the columns visited in the teacher's rank order
+// c_j = Col[r,j], j = 0..K-1 (every sum below runs in that order, from
+// 0), all in float64 with each operation rounded once (no fused
+// multiply-add) and exp, log = compute.Exp, compute.Log:
+//
+//	bucket:      p_c = l_c,  lq_c = z_c·invT - lseT,
+//	             lpT = log(max(1 - Σ_j exp(p_cj), 1e-30)), lqT = log(max(tail, 1e-30))
+//	renormalize: p_c = l_c·LPScale - lsp, lsp = mp + log Σ_j exp(l_cj·LPScale - mp),
+//	             mp = max_j l_cj·LPScale (math.Max); lq_c = z_c·invT - lsq, lsq
+//	             the same over z_cj·invT
+//	zero:        p_c as renormalize, lq_c as bucket
+//
+// and, with P_c = exp(p_c) and the bucket's entry e = T after the K
+// columns (P_T = exp(lpT)):
+//
+//	D   = Σ_e [P_e > 0]·P_e·(p_e - lq_e)         (sum of the products)
+//	H   = Σ_e -P_e
+//	out = -H (zero), 0 (renormalize), -H + (-P_T)/tail (bucket, when
+//	      tail > 1e-30; else -H)
+//	A   = float32(max(-1e30, min(1e30, Scale·out)))
+//	CK[r,c] = float32(Scale·(-P_c - exp(lq_c)·H))
+//
+// These are train/loss's definitions (kdMath.term, coefK, clampCoef) in
+// its order of operations; its tests hold the device to them bit for bit.
+type LossKD struct {
+	Tail LossTail
+	// LP (M,K) F32: the teacher's log-probs, column c of row r that of
+	// the id TopIDs[r,c].
+	LP Tensor
+	// Col (M,K) I32: Col[r,j] is the column of TopIDs[r] that holds the
+	// teacher's rank-j id; the sums run in rank order.
+	Col Tensor
+	// LPScale is Tc/T, the teacher's capture temperature over the KD
+	// temperature (renormalize and zero).
+	LPScale float64
+	// Scale multiplies the coefficients: the KD weight (times T² under
+	// scale_t2) over the normalizer, times float64(InvT).
+	Scale float64
+}
+
 // MoEWeights are the tensors of one Qwen3-MoE sparse block.
 type MoEWeights struct {
 	Router           Tensor   // (numExperts, hidden)

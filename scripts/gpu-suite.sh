@@ -81,8 +81,10 @@
 #
 #   train-test      the training kernels vs compute/cpu (ragged attention
 #                   backward, loss head, NVFP4 bit for bit, MoE forward and
-#                   backward, deterministic reductions: twice the same bits)
-#                   and the contract's suite
+#                   backward, deterministic reductions: twice the same bits),
+#                   the loss head's pass-2 coefficients computed on the GPU
+#                   against train/loss's host math bit for bit
+#                   (TestLossCoefDevice) and the contract's suite
 #   train-memcheck  compute-sanitizer --tool memcheck on the training kernels
 #   train-curve     tiny qwen3 and qwen2 students, 50 steps on the GPU and on
 #                   the CPU from the same weights and cache: the GPU's loss
@@ -284,7 +286,7 @@ s_device() {
 }
 
 # The training kernels' tests (train_test.go) and the contract's suite.
-train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|CudnnAttentionConformance|LossHeadConformance|MoETrainConformance|KernelsCompile'
+train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|MoETrainConformance|KernelsCompile'
 
 s_train-test() {
   step train-test 80 "$T" -test.v -test.count=1 -test.timeout=75s -test.run "$train_tests"

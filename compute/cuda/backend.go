@@ -415,9 +415,9 @@ func (b *Backend) sync() {
 // dptr is a device address, as a kernel argument.
 type dptr uint64
 
-// launchKernel enqueues kernel l.kernel with args, each a dptr, int32, int64
-// or float32, matching the kernel's C++ parameters (i64 for int64, int for
-// int32, pointers for dptr).
+// launchKernel enqueues kernel l.kernel with args, each a dptr, int32, int64,
+// float32 or float64, matching the kernel's C++ parameters (i64 for int64,
+// int for int32, double for float64, pointers for dptr).
 func (b *Backend) launchKernel(l launch, args ...any) {
 	fn, ok := b.fns[l.kernel]
 	if !ok {
@@ -445,8 +445,11 @@ func (b *Backend) launchKernel(l launch, args ...any) {
 		case float32:
 			*(*float32)(unsafe.Pointer(&slots[i])) = v
 			sizes[i] = 4
+		case float64:
+			*(*float64)(unsafe.Pointer(&slots[i])) = v
+			sizes[i] = 8
 		default:
-			panic(fmt.Sprintf("cuda: %s argument %d has type %T; want dptr, int32, int64 or float32", l.kernel, i, a))
+			panic(fmt.Sprintf("cuda: %s argument %d has type %T; want dptr, int32, int64, float32 or float64", l.kernel, i, a))
 		}
 		ptrs[i] = unsafe.Pointer(&slots[i])
 	}

@@ -217,6 +217,12 @@
 //     (the teacher's ids found by binary search) and the logits at the ids
 //     and the label; k_loss_bwd_tile turns a recomputed tile into dL/dz in
 //     BF16, and two GEMMs accumulate dx and dW. [M x V] never exists.
+//     LossHeadForwardKD (compute.DeviceLossCoef) keeps pass 1's results on
+//     the device and k_loss_coef computes pass 2's coefficients from them,
+//     one thread per row, in float64 with train/loss's operations in its
+//     order (explicit __dmul_rn/__dadd_rn, compute.Exp and compute.Log
+//     ported as exp64 and log64): the host's coefficients bit for bit,
+//     with no round trip between the passes.
 //   - AdamW (fp32, elementwise; the BF16 shadow of p written in the same
 //     pass), Scale; SumSquares and AbsMax as two-stage reductions of a
 //     fixed shape (a grid that depends on n only, fixed trees);

@@ -12,7 +12,7 @@ import (
 // Each mirrors compute/cpu's method of the same name (the oracle of the
 // tests) and, like the forward kernels, enqueues work without waiting,
 // except the methods that return host values (SumSquares, AbsMax,
-// LossHeadForward), which synchronize once.
+// LossHeadForward, LossValues.Read), which synchronize once.
 //
 // Precision (mixed, as Megatron-LM trains): the GEMMs (MatMul's backward,
 // the loss head's logits and gradients) take BF16 operands, rounded from
@@ -429,21 +429,54 @@ func ptrOf(t *tensor) dptr {
 	return dptr(t.p)
 }
 
-// LossHeadForward implements compute.Backend: for each vocabulary tile a
-// cuBLASLt GEMM (BF16 operands, fp32 logits of the counted rows), folded
-// by k_loss_fwd_tile into each row's online log-sum-exps (at 1/T and, when
-// T != 1, at 1), its tail over v ∉ K, and the logits at its teacher ids and
-// label. It synchronizes once, to download the statistics.
+// LossHeadForward implements compute.Backend: pass 1 (lossPass1), its
+// statistics downloaded. It synchronizes once.
 func (b *Backend) LossHeadForward(h *compute.LossHead) compute.LossStats {
 	defer b.enter()()
 	b.label = "LossHeadForward"
-	M, C, V, K := h.M, h.C, h.V, h.K
+	M, K := h.M, h.K
 	st := compute.LossStats{LseT: make([]float64, M), Lse1: make([]float64, M), Tail: make([]float64, M),
 		ZK: make([]float32, M*K), ZLab: make([]float32, M)}
-	_, w, rows, labels, ids := b.lossCheck(h, "LossHeadForward")
+	p1 := b.lossPass1(h, "LossHeadForward")
 	if M == 0 {
 		b.sync()
 		return st
+	}
+	host := make([]float64, 3*M)
+	b.download(unsafePtr(host), p1.st, int64(3*M)*8)
+	copy(st.LseT, host[:M])
+	copy(st.Lse1, host[M:2*M])
+	copy(st.Tail, host[2*M:])
+	if K > 0 {
+		b.download(unsafePtr(st.ZK), p1.zk, int64(M*K)*4)
+	}
+	b.download(unsafePtr(st.ZLab), p1.zlab, int64(M)*4)
+	p1.free(b)
+	return st
+}
+
+// pass1 are pass 1's results on the device: st (3, M) doubles LseT, Lse1,
+// Tail, zk (M,K) and zlab (M) F32.
+type pass1 struct {
+	st, zk, zlab uint64
+}
+
+func (p pass1) free(b *Backend) {
+	for _, q := range []uint64{p.st, p.zk, p.zlab} {
+		b.free(q)
+	}
+}
+
+// lossPass1 enqueues pass 1: for each vocabulary tile a cuBLASLt GEMM
+// (BF16 operands, fp32 logits of the counted rows), folded by
+// k_loss_fwd_tile into each row's online log-sum-exps (at 1/T and, when
+// T != 1, at 1), its tail over v ∉ K, and the logits at its teacher ids
+// and label. M = 0 allocates nothing.
+func (b *Backend) lossPass1(h *compute.LossHead, what string) pass1 {
+	M, C, V, K := h.M, h.C, h.V, h.K
+	_, w, rows, labels, ids := b.lossCheck(h, what)
+	if M == 0 {
+		return pass1{}
 	}
 	sepCE := boolArg(h.InvT != 1)
 	xc := b.gatherRowsBF16(h, rows)
@@ -461,19 +494,89 @@ func (b *Backend) LossHeadForward(h *compute.LossHead) compute.LossStats {
 	}
 	out := b.alloc(int64(M) * 3 * 8)
 	b.ew("k_loss_fwd_finish", int64(M), dptr(out), dptr(state), int64(M), sepCE)
-	host := make([]float64, 3*M)
-	b.download(unsafePtr(host), out, int64(3*M)*8)
-	copy(st.LseT, host[:M])
-	copy(st.Lse1, host[M:2*M])
-	copy(st.Tail, host[2*M:])
-	if K > 0 {
-		b.download(unsafePtr(st.ZK), zk, int64(M*K)*4)
-	}
-	b.download(unsafePtr(st.ZLab), zlab, int64(M)*4)
-	for _, p := range []uint64{xc, ws, tile, state, zk, zlab, out} {
+	for _, p := range []uint64{xc, ws, tile, state} {
 		b.free(p)
 	}
-	return st
+	return pass1{st: out, zk: zk, zlab: zlab}
+}
+
+// LossHeadForwardKD implements compute.DeviceLossCoef: pass 1, then
+// k_loss_coef turns its statistics into pass 2's coefficients, one thread
+// per counted position, all without a synchronization. The positions'
+// loss values stay on the device until Read.
+func (b *Backend) LossHeadForwardKD(h *compute.LossHead, kd *compute.LossKD, c *compute.LossCoef) compute.LossValues {
+	defer b.enter()()
+	b.label = "LossHeadForwardKD"
+	M, K := h.M, h.K
+	if (kd == nil) != (K == 0) {
+		panic(fmt.Sprintf("cuda: LossHeadForwardKD with K=%d and kd %v: a KD term needs the teacher's K > 0 columns, CE only K = 0", K, kd != nil))
+	}
+	lseT, lse1, a := b.ten(c.LseT, "LossCoef LseT"), b.ten(c.Lse1, "LossCoef Lse1"), b.ten(c.A, "LossCoef A")
+	need(lseT, "LossCoef LseT", M, compute.F32)
+	need(lse1, "LossCoef Lse1", M, compute.F32)
+	need(a, "LossCoef A", M, compute.F32)
+	var ck, lp, col *tensor
+	tail := compute.TailBucket
+	var lpScale, scale float64
+	if K > 0 {
+		ck = b.ten(c.CK, "LossCoef CK")
+		need(ck, "LossCoef CK", M*K, compute.F32)
+		lp, col = b.ten(kd.LP, "LossKD LP"), b.ten(kd.Col, "LossKD Col")
+		need(lp, "LossKD LP", M*K, compute.F32)
+		need(col, "LossKD Col", M*K, compute.I32)
+		switch kd.Tail {
+		case compute.TailBucket, compute.TailRenormalize, compute.TailZero:
+		default:
+			panic(fmt.Sprintf("cuda: LossHeadForwardKD: tail mode %d: want compute.TailBucket, TailRenormalize or TailZero", kd.Tail))
+		}
+		tail, lpScale, scale = kd.Tail, kd.LPScale, kd.Scale
+	}
+	b.wroteT(c.LseT, c.Lse1, c.A, c.CK)
+	p1 := b.lossPass1(h, "LossHeadForwardKD")
+	v := &lossValues{b: b, m: M}
+	if M == 0 {
+		return v
+	}
+	v.vals = b.alloc(int64(2*M) * 8)
+	b.launchKernel(launch{kernel: "k_loss_coef", grid: [3]int{(M + coefThreads - 1) / coefThreads, 1, 1}, block: coefThreads},
+		dptr(p1.st), dptr(p1.zk), dptr(p1.zlab), ptrOf(lp), ptrOf(col), int32(K), int32(tail), h.InvT, lpScale, scale,
+		dptr(lseT.p), dptr(lse1.p), dptr(a.p), ptrOf(ck), dptr(v.vals), int64(M))
+	p1.free(b)
+	return v
+}
+
+// coefThreads is k_loss_coef's block: one thread per position, and small
+// blocks so that a few thousand positions still spread over every SM.
+const coefThreads = 64
+
+// lossValues are a LossHeadForwardKD's per-position D and CE on the
+// device (vals (2, M) doubles).
+type lossValues struct {
+	b    *Backend
+	m    int
+	vals uint64
+	read bool
+}
+
+// Read implements compute.LossValues.
+func (v *lossValues) Read(d, ce []float64) {
+	b := v.b
+	defer b.enter()()
+	if v.read {
+		panic("cuda: LossValues read twice")
+	}
+	v.read = true
+	if len(d) < v.m || len(ce) < v.m {
+		panic(fmt.Sprintf("cuda: LossValues.Read into %d and %d values, want %d each", len(d), len(ce), v.m))
+	}
+	if v.m == 0 {
+		return
+	}
+	host := make([]float64, 2*v.m)
+	b.download(unsafePtr(host), v.vals, int64(2*v.m)*8)
+	copy(d, host[:v.m])
+	copy(ce, host[v.m:])
+	b.free(v.vals)
 }
 
 // gatherRowsBF16 returns the counted rows of h.X as a BF16 (M,C) scratch

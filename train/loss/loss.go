@@ -7,7 +7,12 @@
 // positions and computes, in float64 on the host, each one's divergence
 // and the gradient coefficients (compute.LossCoef) from the statistics of
 // pass 1 (compute.LossStats): the definitions below live here once, for
-// every backend.
+// every backend. A backend that computes the coefficients itself
+// (compute.DeviceLossCoef: the CUDA backend) does so for the training
+// steps it covers (deviceCovers: one teacher's top-k under fwd_kl, or CE
+// only), bit for bit as this package does, so that its device need not
+// wait for the host between the passes; exp and log are compute.Exp and
+// compute.Log, whose bits a device can reproduce.
 //
 // # Definitions
 //
@@ -361,6 +366,8 @@ type Head struct {
 	rows, labs []int32   // (M) index into the batch, label id
 	ids        []int32   // (M,K) teacher ids in ascending order
 	order      []int32   // (M,K) rank j of the c-th ascending id
+	col        []int32   // (M,K) column c of rank j (runDevice)
+	lpCol      []float32 // (M,K) the teacher's log-probs in column order (runDevice)
 	stamp      []int32   // (V) duplicate-id detector
 	rowD       []float64 // (M) a position's divergence (singleCoefs)
 	rowCE      []float64 // (M) a position's CE
@@ -436,6 +443,13 @@ func growI(b []int32, n int) []int32 {
 	return b[:n]
 }
 
+func growF32(b []float32, n int) []float32 {
+	if cap(b) < n {
+		return make([]float32, n)
+	}
+	return b[:n]
+}
+
 func growF(b []float64, n int) []float64 {
 	if cap(b) < n {
 		return make([]float64, n)
@@ -493,35 +507,89 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 	if M == 0 {
 		return Stats{}, nil
 	}
-	if err := h.sortTeacherRows(tg, opt, K); err != nil {
+	// A training step on a backend that computes pass 2's coefficients
+	// itself issues both passes back to back (runDevice); evaluation
+	// (dx nil) has no pass 2 to wait for.
+	dev, _ := h.Backend.(compute.DeviceLossCoef)
+	if dx == nil || !deviceCovers(opt, K) {
+		dev = nil
+	}
+	if err := h.sortTeacherRows(tg, opt, K, dev != nil); err != nil {
 		return Stats{}, err
 	}
 	call := h.newCall(x, w, opt, h.ids, K)
 	defer call.free()
-	ps := call.be.LossHeadForward(call.lh)
-
 	wkd, norm := opt.weights(M, normalizer)
-	co := newCoefs(M, K)
-	kd, ce := h.singleCoefs(&ps, tg, opt, K, wkd/norm, co)
+	var kd, ce float64
+	if dev != nil {
+		kd, ce = h.runDevice(dev, call, opt, K, wkd/norm, float32(opt.SFTWeight/norm), dx, dw)
+	} else {
+		ps := call.be.LossHeadForward(call.lh)
+		co := newCoefs(M, K)
+		kd, ce = h.singleCoefs(&ps, tg, opt, K, wkd/norm, co)
+		if dx != nil {
+			call.backward(co, float32(opt.SFTWeight/norm), dx, dw)
+		}
+	}
 	st := Stats{KD: kd / float64(M), CE: ce / float64(M), Tokens: M}
 	if !useKD {
 		st.KD = 0
 	}
 	st.Loss = wkd*st.KD + opt.SFTWeight*st.CE
-	if dx == nil {
-		return st, nil
-	}
-	call.backward(co, float32(opt.SFTWeight/norm), dx, dw)
 	return st, nil
 }
 
+// deviceCovers reports whether a training step's pass-2 coefficients may
+// be computed by the backend (compute.DeviceLossCoef): CE only (K 0), or
+// one teacher's top-k under fwd_kl, the default and what users run most,
+// under every tail mode. The rest keeps the host path: rev_kl and jsd
+// (more transcendental terms, jsd's log of a mixture), multi-teacher KD
+// (runMulti: union columns, per-teacher tails, the top-1 agreement's
+// extra LM-head pass) and sampled targets (-Inf padding, no tail) would
+// each need a second copy of their math on the device, held to the
+// host's bits by its own tests, for configurations few runs use.
+func deviceCovers(opt *Options, K int) bool {
+	return K == 0 || opt.KD == FwdKL && !opt.sparse()
+}
+
+// runDevice issues pass 1, the coefficients (on the device, bit for bit
+// what singleCoefs computes: compute.LossKD) and pass 2 without waiting
+// in between, then reads the positions' loss values, which only the logs
+// need, and returns their sums as singleCoefs does.
+func (h *Head) runDevice(dev compute.DeviceLossCoef, call *headCall, opt *Options, K int, wn float64, wsft float32, dx, dw compute.Tensor) (kd, ce float64) {
+	be, M := call.be, len(h.rows)
+	co := &compute.LossCoef{LseT: be.New(compute.F32, M), Lse1: be.New(compute.F32, M), A: be.New(compute.F32, M), WSFT: wsft}
+	call.uploads = append(call.uploads, co.LseT, co.Lse1, co.A)
+	var kt *compute.LossKD
+	if K > 0 {
+		m := newKDMath(opt, 0)
+		co.CK = be.New(compute.F32, M*K)
+		kt = &compute.LossKD{Tail: deviceTail[opt.Tail], LP: be.FromF32(h.lpCol), Col: be.FromI32(h.col),
+			LPScale: m.tc / opt.Temperature, Scale: wn * m.invT}
+		call.uploads = append(call.uploads, co.CK, kt.LP, kt.Col)
+	}
+	vals := dev.LossHeadForwardKD(call.lh, kt, co)
+	be.LossHeadBackward(call.lh, co, dx, dw)
+	h.rowD, h.rowCE = growF(h.rowD, M), growF(h.rowCE, M)
+	vals.Read(h.rowD, h.rowCE)
+	return h.sumRows(K)
+}
+
+// deviceTail is compute's name of each tail mode.
+var deviceTail = map[Tail]compute.LossTail{Bucket: compute.TailBucket, Renormalize: compute.TailRenormalize, Zero: compute.TailZero}
+
 // sortTeacherRows checks the teacher's top-k of every counted position
 // and writes each row's ids in ascending order to h.ids, the order the
-// backend walks them in, with h.order[c] the rank of the c-th of them.
+// backend walks them in, with h.order[c] the rank of the c-th of them;
+// for the device's coefficients (device) also h.col, the column of each
+// rank (h.order's inverse), and h.lpCol, the log-probs in column order.
 // K 0 (no KD term) leaves them empty.
-func (h *Head) sortTeacherRows(tg *Targets, opt *Options, K int) error {
+func (h *Head) sortTeacherRows(tg *Targets, opt *Options, K int, device bool) error {
 	M := len(h.rows)
 	h.ids, h.order = growI(h.ids, M*K), growI(h.order, M*K)
+	if device {
+		h.col, h.lpCol = growI(h.col, M*K), growF32(h.lpCol, M*K)
+	}
 	if K == 0 {
 		return nil
 	}
@@ -548,6 +616,12 @@ func (h *Head) sortTeacherRows(tg *Targets, opt *Options, K int) error {
 			slices.Sort(keys)
 			for c, key := range keys {
 				h.order[n*K+c], h.ids[n*K+c] = int32(key&0xffffffff), int32(key>>32)
+			}
+			if device {
+				lp := tg.TopLP[int(t)*K : int(t+1)*K]
+				for c, j := range h.order[n*K : (n+1)*K] {
+					h.col[n*K+int(j)], h.lpCol[n*K+c] = int32(c), lp[j]
+				}
 			}
 		}
 	})
@@ -592,11 +666,12 @@ func teacherName(teacher int) string {
 // singleCoefs is the per-position loss and gradient coefficients of one
 // teacher (K 0: CE only), in float64, written to co with the scale wn =
 // kd weight / norm; it returns the sums of the divergence and of the CE.
-// The positions are independent: goroutines take ranges of them (on a GPU
-// this host work runs while the device waits between the loss head's
+// The positions are independent: goroutines take ranges of them (where a
+// GPU takes this path, evaluation or a configuration deviceCovers leaves
+// out, this host work runs while the device waits between the loss head's
 // forward and backward: 13 ms for 8192 positions at k = 64 on one core),
 // and the sums add the per-position terms in position order, as one
-// loop would.
+// loop would. runDevice's k_loss_coef is its copy on the device.
 func (h *Head) singleCoefs(ps *compute.LossStats, tg *Targets, opt *Options, K int, wn float64, co *coefs) (kd, ce float64) {
 	M := len(h.rows)
 	h.rowD, h.rowCE = growF(h.rowD, M), growF(h.rowCE, M)
@@ -625,7 +700,13 @@ func (h *Head) singleCoefs(ps *compute.LossStats, tg *Targets, opt *Options, K i
 			co.a[r] = clampCoef(scale * out)
 		}
 	})
-	for r := 0; r < M; r++ {
+	return h.sumRows(K)
+}
+
+// sumRows returns the sums of h.rowD (with K > 0) and h.rowCE, in
+// position order, as one loop would.
+func (h *Head) sumRows(K int) (kd, ce float64) {
+	for r := range h.rows {
 		ce += h.rowCE[r]
 		if K > 0 {
 			kd += h.rowD[r]

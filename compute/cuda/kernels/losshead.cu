@@ -187,9 +187,175 @@ DK_KERNEL void k_scatter_add_rows(float *dx, const float *__restrict__ dxc, cons
 	}
 }
 
+// --- Pass 2's coefficients on the device (compute.DeviceLossCoef).
+//
+// exp64 and log64 are compute.Exp and compute.Log (compute/detmath.go),
+// operation for operation: products and sums as __dmul_rn/__dadd_rn (each
+// rounded once: NVRTC would otherwise contract a*b+c into one fma), the
+// algorithm's own fused multiply-adds as __fma_rn. k_loss_coef then does
+// train/loss's kdMath.term, coefK and clampCoef in their order of
+// operations, so that its coefficients are the host's bit for bit.
+
+DK_DEV double exp64(double x) {
+	u64 b = (u64)__double_as_longlong(x);
+	if ((b & ~(1ull << 63)) >= 0x7FF0000000000000ull) return b == 0xFFF0000000000000ull ? 0.0 : x;
+	if (x > 7.09782712893384e+02) return __longlong_as_double(0x7FF0000000000000ll);
+	// k = x/ln 2 rounded to nearest even; outside int32, INT_MIN (x86's
+	// CVTSD2SL, which Go's Exp mirrors), which underflows below.
+	double rk = rint(__dmul_rn(1.4426950408889634073599246810018920, x));
+	int k = (rk >= -2147483648.0 && rk <= 2147483647.0) ? (int)rk : (int)0x80000000u;
+	double fk = (double)k;
+	double r = __fma_rn(-0.69314718055966295651160180568695068359375, fk, x);
+	r = __fma_rn(-0.28235290563031577122588448175013436025525412068e-12, fk, r);
+	r = __dmul_rn(r, 0.0625);
+	double p = 2.4801587301587301587e-5;
+	p = __fma_rn(p, r, 1.9841269841269841270e-4);
+	p = __fma_rn(p, r, 1.3888888888888888889e-3);
+	p = __fma_rn(p, r, 8.3333333333333333333e-3);
+	p = __fma_rn(p, r, 4.1666666666666666667e-2);
+	p = __fma_rn(p, r, 1.6666666666666666667e-1);
+	p = __fma_rn(p, r, 0.5);
+	p = __fma_rn(p, r, 1.0);
+	double y = __dmul_rn(r, p);
+	y = __dmul_rn(y, __dadd_rn(y, 2.0));
+	y = __dmul_rn(y, __dadd_rn(y, 2.0));
+	y = __dmul_rn(y, __dadd_rn(y, 2.0));
+	y = __fma_rn(y, __dadd_rn(y, 2.0), 1.0);
+	int bx = k + 0x3FF;
+	if (bx <= 0) {
+		if (bx < -52) return 0.0;
+		y = __dmul_rn(y, __longlong_as_double((long long)((u64)(bx + 0x3FE) << 52)));
+		bx = 1;
+	} else if (bx >= 0x7FF) {
+		return __longlong_as_double(0x7FF0000000000000ll);
+	}
+	return __dmul_rn(y, __longlong_as_double((long long)((u64)bx << 52)));
+}
+
+DK_DEV double log64(double x) {
+	u64 b = (u64)__double_as_longlong(x);
+	if ((b & ~(1ull << 63)) == 0) return __longlong_as_double((long long)0xFFF0000000000000ull);
+	if ((long long)b < 0) return __longlong_as_double(0x7FF8000000000001ll);
+	if (b >= 0x7FF0000000000000ull) return x;
+	double f1 = __longlong_as_double((long long)((b & ((1ull << 52) - 1)) | 0x3FE0000000000000ull));
+	double k = (double)((long long)((b >> 52) & 0x7FF) - 0x3FE);
+	if (!(7.07106781186547524401e-01 < f1)) {
+		k = __dsub_rn(k, 1.0);
+		f1 = __dmul_rn(f1, 2.0);
+	}
+	double f = __dsub_rn(f1, 1.0);
+	double s = __ddiv_rn(f, __dadd_rn(2.0, f));
+	double s2 = __dmul_rn(s, s), s4 = __dmul_rn(s2, s2);
+	double t1 = __dmul_rn(s4, 1.479819860511658591e-01);
+	t1 = __dmul_rn(s4, __dadd_rn(1.818357216161805012e-01, t1));
+	t1 = __dmul_rn(s4, __dadd_rn(2.857142874366239149e-01, t1));
+	t1 = __dmul_rn(s2, __dadd_rn(6.666666666666735130e-01, t1));
+	double t2 = __dmul_rn(s4, 1.531383769920937332e-01);
+	t2 = __dmul_rn(s4, __dadd_rn(2.222219843214978396e-01, t2));
+	t2 = __dmul_rn(s4, __dadd_rn(3.999999999940941908e-01, t2));
+	double R = __dadd_rn(t1, t2);
+	double hfsq = __dmul_rn(__dmul_rn(0.5, f), f);
+	double u = __dadd_rn(__dmul_rn(s, __dadd_rn(hfsq, R)), __dmul_rn(k, 1.90821492927058770002e-10));
+	return __dsub_rn(__dmul_rn(k, 6.93147180369123816490e-01), __dsub_rn(__dsub_rn(hfsq, u), f));
+}
+
+// max64 is Go's math.Max: +Inf wins over NaN, NaN over the rest, +0 over -0.
+DK_DEV double max64(double a, double b) {
+	if (isinf(a) && a > 0 || isinf(b) && b > 0) return __longlong_as_double(0x7FF0000000000000ll);
+	if (isnan(a) || isnan(b)) return __longlong_as_double(0x7FF8000000000001ll);
+	if (a == 0 && b == 0) return signbit(a) ? b : a;
+	return a > b ? a : b;
+}
+
+// clamp_coef is train/loss's clampCoef: within ±1e30, as fp32.
+DK_DEV float clamp_coef(double v) {
+	if (!isnan(v)) v = v > 1e30 ? 1e30 : (v < -1e30 ? -1e30 : v);
+	return __double2float_rn(v);
+}
+
+// The tail modes (compute.LossTail).
+#define KD_BUCKET 0
+#define KD_RENORMALIZE 1
+#define KD_ZERO 2
+
+// kd_lse is train/loss's logSumExp over the K columns of row values v in
+// rank order col, each scaled by f: m + log Σ exp(v·f - m), m = max v·f.
+DK_DEV double kd_lse(const float *v, const i32 *col, int K, double f) {
+	double m = -(double)DK_INF;
+	for (int j = 0; j < K; j++) m = max64(m, __dmul_rn((double)v[col[j]], f));
+	double s = 0;
+	for (int j = 0; j < K; j++) s = __dadd_rn(s, exp64(__dsub_rn(__dmul_rn((double)v[col[j]], f), m)));
+	return __dadd_rn(m, log64(s));
+}
+
+// k_loss_coef: one thread per counted position r computes pass 2's
+// coefficients (compute.LossKD defines them) from pass 1's statistics st
+// (3, M) = LseT, Lse1, Tail, zk (M,K) and zlab (M): lseTo, lse1o, ao (M)
+// and cko (M,K), and the position's values vals (2, M) = D, CE. K = 0: CE
+// only. A thread walks its row several times rather than keep K doubles.
+DK_KERNEL void k_loss_coef(const double *__restrict__ st, const float *__restrict__ zk, const float *__restrict__ zlab,
+                           const float *__restrict__ lp, const i32 *__restrict__ col, int K, int tail, float invTf, double lpscale,
+                           double scale, float *__restrict__ lseTo, float *__restrict__ lse1o, float *__restrict__ ao,
+                           float *__restrict__ cko, double *__restrict__ vals, i64 M) {
+	for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < M; r += (i64)gridDim.x * blockDim.x) {
+		double lseT = st[r], lse1 = st[M + r], qTail = st[2 * M + r];
+		lseTo[r] = __double2float_rn(lseT);
+		lse1o[r] = __double2float_rn(lse1);
+		vals[M + r] = __dsub_rn(lse1, (double)zlab[r]);
+		if (K == 0) {
+			ao[r] = 0;
+			vals[r] = 0;
+			continue;
+		}
+		const float *z = zk + r * K, *l = lp + r * K;
+		const i32 *cl = col + r * K;
+		double invT = (double)invTf;
+		// The teacher's log-prob at column c is l_c (bucket) or
+		// l_c·lpscale - lsp, the student's z_c·invT - lsq.
+		double lsp = 0, lsq = lseT, lpT = 0, lqT = 0;
+		if (tail == KD_BUCKET) {
+			double psum = 0;
+			for (int j = 0; j < K; j++) psum = __dadd_rn(psum, exp64((double)l[cl[j]]));
+			lpT = log64(max64(__dsub_rn(1.0, psum), 1e-30));
+			lqT = log64(max64(qTail, 1e-30));
+		} else {
+			lsp = kd_lse(l, cl, K, lpscale);
+			if (tail == KD_RENORMALIZE) lsq = kd_lse(z, cl, K, invT);
+		}
+#define KD_P(c) (tail == KD_BUCKET ? (double)l[c] : __dsub_rn(__dmul_rn((double)l[c], lpscale), lsp))
+#define KD_Q(c) __dsub_rn(__dmul_rn((double)z[c], invT), lsq)
+		double D = 0, H = 0;
+		for (int j = 0; j < K; j++) {
+			int c = cl[j];
+			double pe = KD_P(c), P = exp64(pe);
+			if (P > 0) D = __dadd_rn(D, __dmul_rn(P, __dsub_rn(pe, KD_Q(c))));
+			H = __dadd_rn(H, -P);
+		}
+		double out = -H;
+		if (tail == KD_BUCKET) {
+			double P = exp64(lpT);
+			if (P > 0) D = __dadd_rn(D, __dmul_rn(P, __dsub_rn(lpT, lqT)));
+			H = __dadd_rn(H, -P);
+			out = -H;
+			if (qTail > 1e-30) out = __dadd_rn(out, __ddiv_rn(-P, qTail));
+		} else if (tail == KD_RENORMALIZE) {
+			out = 0;
+		}
+		ao[r] = clamp_coef(__dmul_rn(scale, out));
+		for (int c = 0; c < K; c++) {
+			double g = __dsub_rn(-exp64(KD_P(c)), __dmul_rn(exp64(KD_Q(c)), H));
+			cko[r * K + c] = __double2float_rn(__dmul_rn(scale, g));
+		}
+#undef KD_P
+#undef KD_Q
+		vals[r] = D;
+	}
+}
+
 DK_REGISTER(k_loss_init)
 DK_REGISTER(k_loss_fwd_tile)
 DK_REGISTER(k_loss_fwd_finish)
 DK_REGISTER(k_loss_bwd_tile)
+DK_REGISTER(k_loss_coef)
 DK_REGISTER(k_gather_rows_bf16)
 DK_REGISTER(k_scatter_add_rows)

@@ -83,6 +83,31 @@ static inline u32 __float_as_uint(float f) {
 static inline float __int_as_float(int i) { return __uint_as_float((u32)i); }
 static inline int __float_as_int(float f) { return (int)__float_as_uint(f); }
 
+// The double-precision intrinsics, each rounded once: the emulator is
+// built for baseline x86-64 (no -march), which has no FMA instruction, so
+// the compiler cannot contract a product into a following sum; __fma_rn
+// is the C library's correctly rounded fma.
+static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline double __dsub_rn(double a, double b) { return a - b; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __ddiv_rn(double a, double b) { return a / b; }
+static inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
+static inline float __double2float_rn(double d) { return (float)d; }
+static inline long long __double_as_longlong(double d) {
+	long long u;
+	memcpy(&u, &d, 8);
+	return u;
+}
+static inline double __longlong_as_double(long long u) {
+	double d;
+	memcpy(&d, &u, 8);
+	return d;
+}
+using std::isinf;
+using std::isnan;
+using std::rint;
+using std::signbit;
+
 // emu_f2bf rounds to the nearest bfloat16, ties to even, NaN kept a quiet
 // NaN: the kernels' f2bf, for the library stand-ins (cuBLASLt's BF16 D,
 // cuDNN's BF16 tensors).

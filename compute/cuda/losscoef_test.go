@@ -1,0 +1,217 @@
+package cuda
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"distill/compute"
+	"distill/train/loss"
+)
+
+// coefTap is a backend that keeps, as host values, the coefficients each
+// LossHeadBackward is given (train/loss's pin test does the same). As a
+// compute.Backend it has no LossHeadForwardKD: train/loss takes its host
+// path through it.
+type coefTap struct {
+	compute.Backend
+	coefs [][]float32
+}
+
+func (c *coefTap) LossHeadBackward(h *compute.LossHead, co *compute.LossCoef, dx, dw compute.Tensor) {
+	for _, t := range []compute.Tensor{co.LseT, co.Lse1, co.A, co.CK} {
+		if t != nil {
+			c.coefs = append(c.coefs, readF32(c.Backend, t, t.Len()))
+		}
+	}
+	c.coefs = append(c.coefs, []float32{co.WSFT})
+	c.Backend.LossHeadBackward(h, co, dx, dw)
+}
+
+// coefTapDevice is coefTap with the backend's LossHeadForwardKD: train/loss
+// takes its device path through it where it covers the configuration.
+type coefTapDevice struct {
+	*coefTap
+	dev   compute.DeviceLossCoef
+	calls int
+}
+
+func (c *coefTapDevice) LossHeadForwardKD(h *compute.LossHead, kd *compute.LossKD, co *compute.LossCoef) compute.LossValues {
+	c.calls++
+	return c.dev.LossHeadForwardKD(h, kd, co)
+}
+
+// coefBatch is a packed batch of N tokens over a vocabulary of V with a
+// teacher top-k of K per token, normalized over V from random logits of
+// scale spread; a few ranks get log-probs below exp's range (-800: their
+// p is 0 in float64), and with K = V the teacher holds all the mass (no
+// tail: the student's tail is exactly 0).
+func coefBatch(r *rand.Rand, N, V, K int, spread float64) *loss.Targets {
+	tg := &loss.Targets{Tokens: make([]int32, N), Starts: []int32{0, 7, 8, int32(N) - 9, int32(N)}, Mask: make([]uint8, N), K: K,
+		TopIDs: make([]int32, N*K), TopLP: make([]float32, N*K)}
+	for t := range tg.Tokens {
+		tg.Tokens[t] = int32(r.IntN(V))
+		if r.Float64() < 0.85 {
+			tg.Mask[t] = 1
+		}
+	}
+	lg := make([]float64, V)
+	ord := make([]int, V)
+	for t := 0; t < N; t++ {
+		for v := range lg {
+			lg[v], ord[v] = r.NormFloat64()*spread, v
+		}
+		slices.SortFunc(ord, func(a, b int) int { return -compareF(lg[a], lg[b]) })
+		m := lg[ord[0]]
+		var s float64
+		for _, v := range lg {
+			s += math.Exp(v - m)
+		}
+		for j := 0; j < K; j++ {
+			tg.TopIDs[t*K+j] = int32(ord[j])
+			tg.TopLP[t*K+j] = float32(lg[ord[j]] - m - math.Log(s))
+		}
+		if t%5 == 3 && K > 2 {
+			tg.TopLP[t*K+K-1] = -800
+		}
+	}
+	return tg
+}
+
+func compareF(a, b float64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// TestLossCoefDevice: train/loss's device path (compute.DeviceLossCoef,
+// k_loss_coef) gives pass 2 the coefficients of its host path bit for
+// bit, and the same loss values and gradients, on random batches for
+// every configuration it covers: fwd_kl under each tail mode, with and
+// without T² scaling, SFT weight and a normalizer, temperatures at and
+// away from 1 and the teacher's, K = V (no tail), extreme log-probs, and
+// CE only (kd_weight 0). A configuration it does not cover (rev_kl)
+// keeps the host path. The emulator here; the GPU in the suite, where
+// NVRTC's contraction of a*b+c into an fma would show.
+func TestLossCoefDevice(t *testing.T) {
+	be := testBackend(t)
+	type cfg struct {
+		name string
+		o    loss.Options
+		K    int // 0: the batch's default
+		norm float64
+	}
+	cases := []cfg{
+		{"bucket", loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}, 0, 0},
+		{"bucket_T1.5_t2", loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1.5, TeacherTemperature: 1.5, ScaleT2: true, KDWeight: 0.8, SFTWeight: 0.5}, 0, 37},
+		{"bucket_nosft", loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1}, 0, 0},
+		{"bucket_K=V", loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.2}, -1, 0},
+		{"renormalize", loss.Options{KD: loss.FwdKL, Tail: loss.Renormalize, Temperature: 2, TeacherTemperature: 1, ScaleT2: true, KDWeight: 0.7, SFTWeight: 0.4}, 0, 0},
+		{"renormalize_T1", loss.Options{KD: loss.FwdKL, Tail: loss.Renormalize, Temperature: 1, KDWeight: 1, SFTWeight: 0}, 0, 11},
+		{"zero", loss.Options{KD: loss.FwdKL, Tail: loss.Zero, Temperature: 0.5, TeacherTemperature: 1.5, KDWeight: 1, SFTWeight: 0.3}, 0, 0},
+		{"zero_K=V", loss.Options{KD: loss.FwdKL, Tail: loss.Zero, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}, -1, 0},
+		{"sft_only", loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 0, SFTWeight: 1}, 0, 0},
+	}
+	const N, C, V = 40, 32, 96
+	for ci, c := range cases {
+		for _, spread := range []float64{1, 6} {
+			t.Run(fmt.Sprintf("%s/spread%g", c.name, spread), func(t *testing.T) {
+				r := rand.New(rand.NewPCG(uint64(ci), uint64(spread)))
+				K := 16
+				if c.K < 0 {
+					K = V
+				}
+				tg := coefBatch(r, N, V, K, 2)
+				x, w := randF32(r, N*C), randF32(r, V*C)
+				for i := range x {
+					x[i] *= float32(spread)
+				}
+				xt, wt := be.FromF32(x), be.FromF32(w)
+				defer be.Free(xt)
+				defer be.Free(wt)
+				run := func(tap compute.Backend) (loss.Stats, []float32, []float32) {
+					h := &loss.Head{Backend: tap, V: V, C: C, TileCols: 40}
+					dx, dw := be.New(compute.F32, N*C), be.New(compute.F32, V*C)
+					defer be.Free(dx)
+					defer be.Free(dw)
+					o := c.o
+					st, err := h.ForwardBackward(xt, wt, dx, dw, tg, &o, c.norm)
+					if err != nil {
+						t.Fatal(err)
+					}
+					return st, readF32(be, dx, N*C), readF32(be, dw, V*C)
+				}
+				host := &coefTap{Backend: be}
+				dev := &coefTapDevice{coefTap: &coefTap{Backend: be}, dev: be}
+				hs, hdx, hdw := run(host)
+				ds, ddx, ddw := run(dev)
+				if dev.calls != 1 {
+					t.Fatalf("the device path ran %d times, want 1: train/loss did not use LossHeadForwardKD", dev.calls)
+				}
+				if !sameBits64(hs.Loss, ds.Loss) || !sameBits64(hs.KD, ds.KD) || !sameBits64(hs.CE, ds.CE) || hs.Tokens != ds.Tokens {
+					t.Fatalf("stats: device %+v, host %+v", ds, hs)
+				}
+				names := []string{"LseT", "Lse1", "A", "CK", "WSFT"}
+				if len(host.coefs) != len(dev.coefs) {
+					t.Fatalf("%d coefficient tensors on the device path, %d on the host's", len(dev.coefs), len(host.coefs))
+				}
+				if c.o.KDWeight == 0 {
+					names = []string{"LseT", "Lse1", "A", "WSFT"}
+				}
+				for i := range host.coefs {
+					if j := firstDiff32(dev.coefs[i], host.coefs[i]); j >= 0 {
+						t.Fatalf("%s[%d]: device %v (%#x), host %v (%#x)", names[i], j, dev.coefs[i][j], math.Float32bits(dev.coefs[i][j]),
+							host.coefs[i][j], math.Float32bits(host.coefs[i][j]))
+					}
+				}
+				if j := firstDiff32(ddx, hdx); j >= 0 {
+					t.Fatalf("dx[%d]: device path %v, host path %v", j, ddx[j], hdx[j])
+				}
+				if j := firstDiff32(ddw, hdw); j >= 0 {
+					t.Fatalf("dw[%d]: device path %v, host path %v", j, ddw[j], hdw[j])
+				}
+				t.Logf("%d positions: loss %.6g (KD %.6g, CE %.6g), %d coefficient tensors equal bit for bit", ds.Tokens, ds.Loss, ds.KD, ds.CE, len(dev.coefs))
+			})
+		}
+	}
+	t.Run("rev_kl_keeps_host", func(t *testing.T) {
+		r := rand.New(rand.NewPCG(99, 1))
+		tg := coefBatch(r, N, V, 16, 2)
+		xt, wt := be.FromF32(randF32(r, N*C)), be.FromF32(randF32(r, V*C))
+		dx, dw := be.New(compute.F32, N*C), be.New(compute.F32, V*C)
+		defer func() {
+			for _, x := range []compute.Tensor{xt, wt, dx, dw} {
+				be.Free(x)
+			}
+		}()
+		dev := &coefTapDevice{coefTap: &coefTap{Backend: be}, dev: be}
+		o := loss.Options{KD: loss.RevKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+		if _, err := (&loss.Head{Backend: dev, V: V, C: C}).ForwardBackward(xt, wt, dx, dw, tg, &o, 0); err != nil {
+			t.Fatal(err)
+		}
+		if dev.calls != 0 || len(dev.coefs) == 0 {
+			t.Fatalf("rev_kl: LossHeadForwardKD ran %d times, pass 2 %d tensors: want the host path", dev.calls, len(dev.coefs))
+		}
+	})
+}
+
+func sameBits64(a, b float64) bool { return math.Float64bits(a) == math.Float64bits(b) }
+
+// firstDiff32 is the first index where a and b differ in their bits, or -1.
+func firstDiff32(a, b []float32) int {
+	if len(a) != len(b) {
+		return 0
+	}
+	for i := range a {
+		if math.Float32bits(a[i]) != math.Float32bits(b[i]) {
+			return i
+		}
+	}
+	return -1
+}
