@@ -84,3 +84,41 @@ func cpuSeconds() float64 {
 	}
 	return float64(ru.Utime.Nano()+ru.Stime.Nano()) / 1e9
 }
+
+// BenchmarkBlockLogits: LMHeadSample's step 4 alone on the shape of
+// BenchmarkLMHeadSample (1024 rows, hidden 256, vocab 151936), 50 blocks
+// a row drawn uniformly (a flat softmax: nearly every draw a block of
+// its own), so every block's weights come from memory: the (row, block)
+// pairs grouped by block and each block's logits computed again. It
+// reports pairs/s and the block weights read in GB/s.
+//
+//	go test ./compute/cpu -run '^$' -bench BlockLogits -benchtime 20x
+func BenchmarkBlockLogits(b *testing.B) {
+	be := New(0)
+	r := rand.New(rand.NewPCG(1, 1))
+	tokens, hidden, vocab, n := 1024, 256, 151936, 50
+	xs, ws := randSlice(r, tokens*hidden), randSlice(r, vocab*hidden)
+	nblk := (vocab + compute.SampleBlock - 1) / compute.SampleBlock
+	var pairs []blockPair
+	for t := 0; t < tokens; t++ {
+		bl := make([]int32, n)
+		for d := range bl {
+			bl[d] = int32(r.IntN(nblk))
+		}
+		slices.Sort(bl)
+		for d, v := range bl {
+			if d > 0 && v == bl[d-1] {
+				continue
+			}
+			pairs = append(pairs, blockPair{row: int32(t), blk: v, d0: int32(d), d1: int32(d + 1)})
+		}
+	}
+	var sink [2]float32
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		be.blockLogits(slices.Clone(pairs), xs, ws, hidden, vocab, func(p blockPair, z []float32) { sink[p.row&1] += z[0] })
+	}
+	s := b.Elapsed().Seconds() / float64(b.N)
+	b.ReportMetric(float64(len(pairs))/s, "pairs/s")
+	b.ReportMetric(float64(vocab*hidden*4)/s/1e9, "weights-GB/s")
+}

@@ -158,3 +158,31 @@ func contains(r any, sub string) bool {
 	s, ok := r.(string)
 	return ok && strings.Contains(s, sub)
 }
+
+// TestByBlock: byBlock's counting sort gives what a stable sort by block
+// gives (the order blockLogits hands pairs to its callers in), and the
+// runs' starts, on random pairs with repeated blocks and empty ones.
+func TestByBlock(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	for _, c := range []struct{ n, nblk int }{{0, 5}, {1, 1}, {50, 3}, {2000, 157}, {3000, 5000}} {
+		pairs := make([]blockPair, c.n)
+		for i := range pairs {
+			pairs[i] = blockPair{row: int32(r.IntN(100)), blk: int32(r.IntN(c.nblk)), d0: int32(i), d1: int32(i + 1)}
+		}
+		want := slices.Clone(pairs)
+		slices.SortStableFunc(want, func(a, b blockPair) int { return int(a.blk) - int(b.blk) })
+		got, starts := byBlock(slices.Clone(pairs), c.nblk)
+		if !slices.Equal(got, want) {
+			t.Fatalf("%d pairs over %d blocks: not the stable sort by block", c.n, c.nblk)
+		}
+		var ws []int
+		for i := range want {
+			if i == 0 || want[i].blk != want[i-1].blk {
+				ws = append(ws, i)
+			}
+		}
+		if ws = append(ws, len(want)); !slices.Equal(starts, ws) {
+			t.Fatalf("%d pairs over %d blocks: starts %v, want %v", c.n, c.nblk, starts, ws)
+		}
+	}
+}
