@@ -104,6 +104,9 @@
 #                   without NVFP4 QAD: tokens/s, MFU, device memory
 #                   ($OUT/train-bench.jsonl) and the top kernels of one step
 #                   ($OUT/profile-train-*.txt)
+#   loss-coef       the loss head's training call at the 0.6B shape with
+#                   pass 2's coefficients on the host, then on the device
+#                   (issue 23): ms a call and the GPU's idle ms inside it
 #   train-zero      the sharded student's step (ZeRO 2 and 3) on a real NCCL
 #                   group of one rank against the unsharded step in the same
 #                   run (overhead_%), device memory against the plan
@@ -319,6 +322,14 @@ s_train-bench() {
     -test.benchtime 1x -test.timeout 165s ${TRAIN_BENCH_FLAGS:-}
 }
 
+# loss-coef: the loss head's training call (0.6B shape) with pass 2's
+# coefficients on the host and on the device (issue 23), on the same GPU
+# in the same run: ms a call, and the GPU's idle ms inside one profiled
+# call (BenchmarkLossHeadCoef: the host round trip the device path removes).
+s_loss-coef() {
+  step loss-coef 60 "$T" -test.run '^$' -test.bench 'LossHeadCoef' -test.benchtime 5x -test.timeout 55s
+}
+
 # train-zero: the sharded student's step (ZeRO 2 and 3, DISTILL_BENCH_ZERO)
 # on a real NCCL group of one rank against the unsharded step in the same
 # run (overhead_%), and its device memory against the plan (issue 25).
@@ -430,6 +441,7 @@ summary() {
     grep -hE -- '--- (PASS|FAIL): (TestCUDAResume|TestCUDAMoEStudent)' "$OUT/train-resume.log" 2>/dev/null
     echo "-- training benchmark (ours, then the PyTorch peer)"
     grep -hE '^BenchmarkCUDATrainStep' "$OUT/train-bench.log" "$OUT/train-zero.log" 2>/dev/null
+    grep -hE '^BenchmarkLossHeadCoef' "$OUT/loss-coef.log" 2>/dev/null
     cat "$OUT/train-bench.jsonl" 2>/dev/null
     grep '^{' "$OUT/train-peer.log" 2>/dev/null
     echo "-- top kernels"
@@ -452,8 +464,8 @@ case "${1:-}" in
     steps=()
     for s in "$@"; do
       case "$s" in
-        all) steps+=(env test device goldens attn memcheck bench peer racecheck nccl train-test train-memcheck train-curve train-qad train-resume train-bench train-zero train-peer) ;;
-        train) steps+=(env train-test train-curve train-qad train-resume train-memcheck train-bench train-peer) ;;
+        all) steps+=(env test device goldens attn memcheck bench peer racecheck nccl train-test train-memcheck train-curve train-qad train-resume train-bench loss-coef train-zero train-peer) ;;
+        train) steps+=(env train-test train-curve train-qad train-resume train-memcheck train-bench loss-coef train-peer) ;;
         attn-issue)
           steps+=(env test attn goldens train-test train-resume train-bench train-peer)
           [ -z "${SUITE_BUDGET:-}" ] && deadline=$((start + 360))
@@ -465,7 +477,7 @@ case "${1:-}" in
     [ ${#steps[@]} -eq 0 ] && steps=(env test device goldens attn memcheck bench peer racecheck)
     for s in "${steps[@]}"; do
       case "$s" in
-        env|test|device|memcheck|racecheck|nccl|goldens|attn|bench|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|train-zero|train-peer) "s_$s" ;;
+        env|test|device|memcheck|racecheck|nccl|goldens|attn|bench|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|loss-coef|train-zero|train-peer) "s_$s" ;;
         *) echo "unknown step $s"; exit 2 ;;
       esac
     done

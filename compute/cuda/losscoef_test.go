@@ -4,8 +4,10 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"os"
 	"slices"
 	"testing"
+	"time"
 
 	"distill/compute"
 	"distill/train/loss"
@@ -214,4 +216,86 @@ func firstDiff32(a, b []float32) int {
 		}
 	}
 	return -1
+}
+
+// hostCoefs hides the backend's LossHeadForwardKD: train/loss computes
+// pass 2's coefficients on the host through it (as before issue 23).
+type hostCoefs struct{ compute.Backend }
+
+// BenchmarkLossHeadCoef times the fused loss head's training call
+// (train/loss's Head.ForwardBackward: pass 1, the coefficients, pass 2)
+// at the Qwen3-0.6B shape (8192 counted positions, hidden 1024, vocab
+// 151936, k = 64, fwd_kl bucket + 0.1 CE), with the coefficients on the
+// host (download, float64 math, upload: the device waits) and on the
+// device (k_loss_coef, no wait), on the same GPU in the same run. It
+// reports each call's milliseconds and, from one profiled call, the
+// milliseconds the GPU spent idle between the call's kernels (ProfileSpan
+// less the kernels' sum: the round trip the device path removes). It
+// needs a GPU; DISTILL_TRAIN_BENCH_DRYRUN=1 runs its code on the emulator
+// at a tiny shape.
+func BenchmarkLossHeadCoef(b *testing.B) {
+	M, C, V, K := 8192, 1024, 151936, 64
+	var be *Backend
+	switch {
+	case onGPU():
+		be = benchBackend(b, false)
+	case os.Getenv("DISTILL_TRAIN_BENCH_DRYRUN") == "1":
+		be = testBackend(b)
+		M, C, V, K = 64, 32, 500, 16
+	default:
+		b.Skip("benchmarks need a GPU: set DISTILL_CUDA_TEST=gpu (scripts/gpu-suite.sh); DISTILL_TRAIN_BENCH_DRYRUN=1 runs this one's code on the emulator")
+	}
+	r := rand.New(rand.NewPCG(5, 6))
+	tg := &loss.Targets{Tokens: make([]int32, M+1), Starts: []int32{0, int32(M + 1)}, Mask: make([]uint8, M+1), K: K,
+		TopIDs: make([]int32, (M+1)*K), TopLP: make([]float32, (M+1)*K)}
+	for t := range tg.Tokens {
+		tg.Tokens[t], tg.Mask[t] = int32(r.IntN(V)), 1
+		perm := r.Perm(V)[:K] // distinct ids; log-probs of a top-k holding ~90% of the mass
+		for j := range perm {
+			tg.TopIDs[t*K+j], tg.TopLP[t*K+j] = int32(perm[j]), float32(math.Log(0.9/float64(K)))
+		}
+	}
+	wt, err := be.Weight(randBF16(r, V*C, 0.02))
+	if err != nil {
+		b.Fatal(err)
+	}
+	xt := be.FromF32(randF32(r, (M+1)*C))
+	dx, dw := be.New(compute.F32, (M+1)*C), be.New(compute.F32, V*C)
+	defer func() {
+		for _, t := range []compute.Tensor{wt, xt, dx, dw} {
+			be.Free(t)
+		}
+	}()
+	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+	for _, c := range []struct {
+		name string
+		tap  compute.Backend
+	}{{"host", hostCoefs{be}}, {"device", be}} {
+		b.Run(fmt.Sprintf("%s/M%d_C%d_V%d_k%d", c.name, M, C, V, K), func(b *testing.B) {
+			h := &loss.Head{Backend: c.tap, V: V, C: C}
+			call := func() {
+				if _, err := h.ForwardBackward(xt, wt, dx, dw, tg, &opt, 0); err != nil {
+					b.Fatal(err)
+				}
+				be.wait()
+			}
+			call() // warm up: plans, the memory pool
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				call()
+			}
+			b.StopTimer()
+			b.ReportMetric(1e3*b.Elapsed().Seconds()/float64(b.N), "ms/call")
+			be.SetProfile(true)
+			call()
+			var sum time.Duration
+			for _, e := range be.Profile() {
+				sum += e.Time
+			}
+			span := be.ProfileSpan()
+			be.SetProfile(false)
+			b.ReportMetric(1e3*sum.Seconds(), "kernel_ms")
+			b.ReportMetric(1e3*(span-sum).Seconds(), "gpu_idle_ms")
+		})
+	}
 }
