@@ -326,9 +326,11 @@ func PlanMemory(s PlanShape) MemoryPlan {
 	// The loss head's backward over the M <= T counted positions: the
 	// rows' BF16 copy, the logit tile (fp32) and its BF16 gradient, the
 	// fp32 dx of the rows, the host's uploads (rows, labels, teacher ids,
-	// coefficients).
+	// coefficients) and, where the device computes the coefficients
+	// (compute.DeviceLossCoef), the teacher's log-probs and rank columns
+	// and the positions' loss values (two float64).
 	vt := min(V, max(lossTileBudget/(4*T)/64*64, 64))
-	add(TermLossHead, 2*T*C+6*T*vt+4*T*C+4*T*(5+2*K)+64<<10, true, true)
+	add(TermLossHead, 2*T*C+6*T*vt+4*T*C+4*T*(9+4*K)+64<<10, true, true)
 	// A GEMM's backward: BF16 copies of dout and x (the MLP's down: dout
 	// (T, C), x (T, I)).
 	add(TermGEMM, 2*T*(C+max(I, H*D, C))+perUse, true, true)
