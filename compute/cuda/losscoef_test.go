@@ -299,3 +299,47 @@ func BenchmarkLossHeadCoef(b *testing.B) {
 		})
 	}
 }
+
+// TestLossCoefDeviceExpLog: the device's exp64 and log64 (k_exp_log64)
+// are compute.Exp and compute.Log bit for bit, over the loss math's
+// ranges and both functions' edges (overflow, subnormal results, zeros,
+// infinities, NaN). The coefficients round to fp32, which hides most
+// differences of a float64 ulp; this holds the functions themselves.
+func TestLossCoefDeviceExpLog(t *testing.T) {
+	be := testBackend(t)
+	r := rand.New(rand.NewPCG(17, 18))
+	xs := []float64{0, math.Copysign(0, -1), 1, -1, 0.5, 709.78, 709.782712893384, 709.79, -708.4, -720, -744.4, -745.13, -745.2, -1e10, -1e300,
+		math.MaxFloat64, -math.MaxFloat64, 1e-300, 5e-324, math.Inf(1), math.Inf(-1), math.NaN(), 1e-30, math.Nextafter(1, 0), math.Nextafter(1, 2),
+		7.07106781186547524401e-01, 2 * 7.07106781186547524401e-01}
+	for i := 0; i < 20000; i++ {
+		switch i % 3 {
+		case 0:
+			xs = append(xs, (r.Float64()*2-1)*30)
+		case 1:
+			xs = append(xs, -r.Float64()*760)
+		default:
+			xs = append(xs, math.Exp((r.Float64()*2-1)*700))
+		}
+	}
+	n := len(xs)
+	got := make([]float64, 2*n)
+	func() {
+		defer be.enter()()
+		x, out := be.alloc(int64(n)*8), be.alloc(int64(2*n)*8)
+		be.upload(x, unsafePtr(xs), int64(n)*8)
+		be.ew("k_exp_log64", int64(n), dptr(out), dptr(x), int64(n))
+		be.download(unsafePtr(got), out, int64(2*n)*8)
+		be.free(x)
+		be.free(out)
+	}()
+	same := func(a, b float64) bool { return math.Float64bits(a) == math.Float64bits(b) || math.IsNaN(a) && math.IsNaN(b) }
+	for i, x := range xs {
+		if e := compute.Exp(x); !same(got[i], e) {
+			t.Fatalf("exp64(%v) = %v (%#x), compute.Exp %v (%#x)", x, got[i], math.Float64bits(got[i]), e, math.Float64bits(e))
+		}
+		if l := compute.Log(x); !same(got[n+i], l) {
+			t.Fatalf("log64(%v) = %v (%#x), compute.Log %v (%#x)", x, got[n+i], math.Float64bits(got[n+i]), l, math.Float64bits(l))
+		}
+	}
+	t.Logf("%d arguments: exp64 and log64 equal compute.Exp and compute.Log bit for bit", n)
+}

@@ -190,7 +190,8 @@ DK_KERNEL void k_scatter_add_rows(float *dx, const float *__restrict__ dxc, cons
 // --- Pass 2's coefficients on the device (compute.DeviceLossCoef).
 //
 // exp64 and log64 are compute.Exp and compute.Log (compute/detmath.go),
-// operation for operation: products and sums as __dmul_rn/__dadd_rn (each
+// operation for operation, their constants as exact hexadecimal literals
+// (the Go source's decimal ones, rounded by Go): products and sums as __dmul_rn/__dadd_rn (each
 // rounded once: NVRTC would otherwise contract a*b+c into one fma), the
 // algorithm's own fused multiply-adds as __fma_rn. k_loss_coef then does
 // train/loss's kdMath.term, coefK and clampCoef in their order of
@@ -199,21 +200,23 @@ DK_KERNEL void k_scatter_add_rows(float *dx, const float *__restrict__ dxc, cons
 DK_DEV double exp64(double x) {
 	u64 b = (u64)__double_as_longlong(x);
 	if ((b & ~(1ull << 63)) >= 0x7FF0000000000000ull) return b == 0xFFF0000000000000ull ? 0.0 : x;
-	if (x > 7.09782712893384e+02) return __longlong_as_double(0x7FF0000000000000ll);
+	// The constants: Go's overflow bound 709.782712893384, 1/ln 2, ln 2 in
+	// an upper and a lower part, then 1/8!, 1/7!, ..., 1/3!.
+	if (x > 0x1.62e42fefa39efp+09) return __longlong_as_double(0x7FF0000000000000ll);
 	// k = x/ln 2 rounded to nearest even; outside int32, INT_MIN (x86's
 	// CVTSD2SL, which Go's Exp mirrors), which underflows below.
-	double rk = rint(__dmul_rn(1.4426950408889634073599246810018920, x));
+	double rk = rint(__dmul_rn(0x1.71547652b82fep+00, x));
 	int k = (rk >= -2147483648.0 && rk <= 2147483647.0) ? (int)rk : (int)0x80000000u;
 	double fk = (double)k;
-	double r = __fma_rn(-0.69314718055966295651160180568695068359375, fk, x);
-	r = __fma_rn(-0.28235290563031577122588448175013436025525412068e-12, fk, r);
+	double r = __fma_rn(-0x1.62e42fefa3p-01, fk, x);
+	r = __fma_rn(-0x1.3de6af278ece6p-42, fk, r);
 	r = __dmul_rn(r, 0.0625);
-	double p = 2.4801587301587301587e-5;
-	p = __fma_rn(p, r, 1.9841269841269841270e-4);
-	p = __fma_rn(p, r, 1.3888888888888888889e-3);
-	p = __fma_rn(p, r, 8.3333333333333333333e-3);
-	p = __fma_rn(p, r, 4.1666666666666666667e-2);
-	p = __fma_rn(p, r, 1.6666666666666666667e-1);
+	double p = 0x1.a01a01a01a01ap-16;
+	p = __fma_rn(p, r, 0x1.a01a01a01a01ap-13);
+	p = __fma_rn(p, r, 0x1.6c16c16c16c17p-10);
+	p = __fma_rn(p, r, 0x1.1111111111111p-07);
+	p = __fma_rn(p, r, 0x1.5555555555555p-05);
+	p = __fma_rn(p, r, 0x1.5555555555555p-03);
 	p = __fma_rn(p, r, 0.5);
 	p = __fma_rn(p, r, 1.0);
 	double y = __dmul_rn(r, p);
@@ -239,25 +242,30 @@ DK_DEV double log64(double x) {
 	if (b >= 0x7FF0000000000000ull) return x;
 	double f1 = __longlong_as_double((long long)((b & ((1ull << 52) - 1)) | 0x3FE0000000000000ull));
 	double k = (double)((long long)((b >> 52) & 0x7FF) - 0x3FE);
-	if (!(7.07106781186547524401e-01 < f1)) {
+	// The constants: √2/2, then e_log.c's Lg7 ... Lg1, ln 2 as Ln2Lo and
+	// Ln2Hi.
+	if (!(0x1.6a09e667f3bcdp-01 < f1)) {
 		k = __dsub_rn(k, 1.0);
 		f1 = __dmul_rn(f1, 2.0);
 	}
 	double f = __dsub_rn(f1, 1.0);
 	double s = __ddiv_rn(f, __dadd_rn(2.0, f));
 	double s2 = __dmul_rn(s, s), s4 = __dmul_rn(s2, s2);
-	double t1 = __dmul_rn(s4, 1.479819860511658591e-01);
-	t1 = __dmul_rn(s4, __dadd_rn(1.818357216161805012e-01, t1));
-	t1 = __dmul_rn(s4, __dadd_rn(2.857142874366239149e-01, t1));
-	t1 = __dmul_rn(s2, __dadd_rn(6.666666666666735130e-01, t1));
-	double t2 = __dmul_rn(s4, 1.531383769920937332e-01);
-	t2 = __dmul_rn(s4, __dadd_rn(2.222219843214978396e-01, t2));
-	t2 = __dmul_rn(s4, __dadd_rn(3.999999999940941908e-01, t2));
+	double t1 = __dmul_rn(s4, 0x1.2f112df3e5244p-03);
+	t1 = __dmul_rn(s4, __dadd_rn(0x1.7466496cb03dep-03, t1));
+	t1 = __dmul_rn(s4, __dadd_rn(0x1.2492494229359p-02, t1));
+	t1 = __dmul_rn(s2, __dadd_rn(0x1.5555555555593p-01, t1));
+	double t2 = __dmul_rn(s4, 0x1.39a09d078c69fp-03);
+	t2 = __dmul_rn(s4, __dadd_rn(0x1.c71c51d8e78afp-03, t2));
+	t2 = __dmul_rn(s4, __dadd_rn(0x1.999999997fa04p-02, t2));
 	double R = __dadd_rn(t1, t2);
 	double hfsq = __dmul_rn(__dmul_rn(0.5, f), f);
-	double u = __dadd_rn(__dmul_rn(s, __dadd_rn(hfsq, R)), __dmul_rn(k, 1.90821492927058770002e-10));
-	return __dsub_rn(__dmul_rn(k, 6.93147180369123816490e-01), __dsub_rn(__dsub_rn(hfsq, u), f));
+	double u = __dadd_rn(__dmul_rn(s, __dadd_rn(hfsq, R)), __dmul_rn(k, 0x1.a39ef35793c76p-33));
+	return __dsub_rn(__dmul_rn(k, 0x1.62e42feep-01), __dsub_rn(__dsub_rn(hfsq, u), f));
 }
+
+#define KD_FLOOR 0x1.4484bfeebc2ap-100  // 1e-30: train/loss's tailFloor
+#define KD_COEF_MAX 0x1.93e5939a08ceap+99 // 1e30: clampCoef's bound
 
 // max64 is Go's math.Max: +Inf wins over NaN, NaN over the rest, +0 over -0.
 DK_DEV double max64(double a, double b) {
@@ -269,8 +277,17 @@ DK_DEV double max64(double a, double b) {
 
 // clamp_coef is train/loss's clampCoef: within ±1e30, as fp32.
 DK_DEV float clamp_coef(double v) {
-	if (!isnan(v)) v = v > 1e30 ? 1e30 : (v < -1e30 ? -1e30 : v);
+	if (!isnan(v)) v = v > KD_COEF_MAX ? KD_COEF_MAX : (v < -KD_COEF_MAX ? -KD_COEF_MAX : v);
 	return __double2float_rn(v);
+}
+
+// k_exp_log64: out (2, n) = exp64(x), log64(x), for the tests that hold
+// them to compute.Exp and compute.Log bit for bit on the device.
+DK_KERNEL void k_exp_log64(double *__restrict__ out, const double *__restrict__ x, i64 n) {
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+		out[i] = exp64(x[i]);
+		out[n + i] = log64(x[i]);
+	}
 }
 
 // The tail modes (compute.LossTail).
@@ -316,8 +333,8 @@ DK_KERNEL void k_loss_coef(const double *__restrict__ st, const float *__restric
 		if (tail == KD_BUCKET) {
 			double psum = 0;
 			for (int j = 0; j < K; j++) psum = __dadd_rn(psum, exp64((double)l[cl[j]]));
-			lpT = log64(max64(__dsub_rn(1.0, psum), 1e-30));
-			lqT = log64(max64(qTail, 1e-30));
+			lpT = log64(max64(__dsub_rn(1.0, psum), KD_FLOOR));
+			lqT = log64(max64(qTail, KD_FLOOR));
 		} else {
 			lsp = kd_lse(l, cl, K, lpscale);
 			if (tail == KD_RENORMALIZE) lsq = kd_lse(z, cl, K, invT);
@@ -337,7 +354,7 @@ DK_KERNEL void k_loss_coef(const double *__restrict__ st, const float *__restric
 			if (P > 0) D = __dadd_rn(D, __dmul_rn(P, __dsub_rn(lpT, lqT)));
 			H = __dadd_rn(H, -P);
 			out = -H;
-			if (qTail > 1e-30) out = __dadd_rn(out, __ddiv_rn(-P, qTail));
+			if (qTail > KD_FLOOR) out = __dadd_rn(out, __ddiv_rn(-P, qTail));
 		} else if (tail == KD_RENORMALIZE) {
 			out = 0;
 		}
@@ -357,5 +374,6 @@ DK_REGISTER(k_loss_fwd_tile)
 DK_REGISTER(k_loss_fwd_finish)
 DK_REGISTER(k_loss_bwd_tile)
 DK_REGISTER(k_loss_coef)
+DK_REGISTER(k_exp_log64)
 DK_REGISTER(k_gather_rows_bf16)
 DK_REGISTER(k_scatter_add_rows)
