@@ -33,9 +33,9 @@
 //     Per-batch integer metadata (token ids, positions, sample offsets) is
 //     uploaded once as I32 tensors.
 //   - Kernels may run asynchronously in issue order. Only the methods that
-//     return host values synchronize: Read*, SumSquares, AbsMax and
-//     LossHeadForward. They return after every kernel issued before
-//     them has finished.
+//     return host values synchronize: Read*, SumSquares, AbsMax,
+//     LossHeadForward and LossValues.Read. They return after every kernel
+//     issued before them has finished.
 //   - Outputs never alias inputs unless a method says so (RoPE,
 //     RoPEBackward and Add work in place by design).
 //   - A Tensor belongs to the backend that made it; passing it to another
