@@ -332,7 +332,9 @@ func TestLossCoefDeviceExpLog(t *testing.T) {
 		be.free(x)
 		be.free(out)
 	}()
-	same := func(a, b float64) bool { return math.Float64bits(a) == math.Float64bits(b) || math.IsNaN(a) && math.IsNaN(b) }
+	same := func(a, b float64) bool {
+		return math.Float64bits(a) == math.Float64bits(b) || math.IsNaN(a) && math.IsNaN(b)
+	}
 	for i, x := range xs {
 		if e := compute.Exp(x); !same(got[i], e) {
 			t.Fatalf("exp64(%v) = %v (%#x), compute.Exp %v (%#x)", x, got[i], math.Float64bits(got[i]), e, math.Float64bits(e))
