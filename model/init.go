@@ -1,6 +1,7 @@
 package model
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -10,6 +11,7 @@ import (
 	"sort"
 	"strings"
 
+	"distill/compute"
 	"distill/internal/atomicfile"
 )
 
@@ -165,6 +167,24 @@ func Init(cfg *Config, opt InitOptions) map[string][]float32 {
 // model.safetensors holding tensors (every tensor of cfg.Tensors(), as BF16
 // or F32). It creates dir if needed.
 func WriteCheckpoint(dir string, cfg *Config, tensors map[string][]float32, dtype string) error {
+	for _, s := range cfg.Tensors() {
+		if _, ok := tensors[s.Name]; !ok {
+			return fmt.Errorf("model: writing checkpoint: missing tensor %s", s.Name)
+		}
+	}
+	return WriteCheckpointFrom(dir, cfg, dtype, func(name string, dst []float32) error {
+		if v := tensors[name]; len(v) != len(dst) {
+			return fmt.Errorf("model: writing checkpoint: tensor %s has %d values, want %d", name, len(v), len(dst))
+		}
+		copy(dst, tensors[name])
+		return nil
+	})
+}
+
+// WriteCheckpointFrom is WriteCheckpoint with each tensor read from read
+// (into dst, the tensor's length) as its turn comes, one tensor at a
+// time: an export of a model larger than host memory.
+func WriteCheckpointFrom(dir string, cfg *Config, dtype string, read func(name string, dst []float32) error) error {
 	if dtype == "" {
 		dtype = "BF16"
 	}
@@ -174,19 +194,35 @@ func WriteCheckpoint(dir string, cfg *Config, tensors map[string][]float32, dtyp
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	var ts []Tensor
+	var v []float32
+	var buf []byte
+	var ts []StreamTensor
 	for _, s := range cfg.Tensors() {
-		v, ok := tensors[s.Name]
-		if !ok {
-			return fmt.Errorf("model: writing checkpoint: missing tensor %s", s.Name)
-		}
-		if dtype == "BF16" {
-			ts = append(ts, BF16Tensor(s.Name, s.Shape, v))
-		} else {
-			ts = append(ts, F32Tensor(s.Name, s.Shape, v))
-		}
+		s := s
+		ts = append(ts, StreamTensor{Name: s.Name, DType: dtype, Shape: s.Shape, Bytes: func() ([]byte, error) {
+			n := numel(s.Shape)
+			if cap(v) < n {
+				v = make([]float32, n)
+			}
+			v = v[:n]
+			if err := read(s.Name, v); err != nil {
+				return nil, err
+			}
+			if dtype == "F32" {
+				buf = F32Bytes(buf, v)
+				return buf, nil
+			}
+			if cap(buf) < 2*n {
+				buf = make([]byte, 2*n)
+			}
+			buf = buf[:2*n]
+			for i, f := range v {
+				binary.LittleEndian.PutUint16(buf[2*i:], compute.F32ToBF16(f))
+			}
+			return buf, nil
+		}})
 	}
-	if err := WriteSafetensors(filepath.Join(dir, "model.safetensors"), ts, map[string]string{"format": "pt"}); err != nil {
+	if err := WriteSafetensorsStream(filepath.Join(dir, "model.safetensors"), ts, map[string]string{"format": "pt"}); err != nil {
 		return err
 	}
 	cj, err := cfg.JSON()

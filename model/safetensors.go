@@ -449,22 +449,43 @@ func BF16Tensor(name string, shape []int, v []float32) Tensor {
 // file, fsync, rename, directory fsync), in the given order, with 8-byte
 // aligned data as the format recommends.
 func WriteSafetensors(path string, ts []Tensor, meta map[string]string) error {
+	st := make([]StreamTensor, len(ts))
+	for i, t := range ts {
+		st[i] = StreamTensor{Name: t.Name, DType: t.DType, Shape: t.Shape, Bytes: func() ([]byte, error) { return t.Data, nil }}
+		if es, ok := dtypeSize[t.DType]; ok && numel(t.Shape)*es != len(t.Data) {
+			return fmt.Errorf("%w: tensor %s: %s%v needs %d bytes, got %d", ErrSafetensors, t.Name, t.DType, t.Shape, numel(t.Shape)*es, len(t.Data))
+		}
+	}
+	return WriteSafetensorsStream(path, st, meta)
+}
+
+// StreamTensor is a tensor to write whose bytes are made only when its
+// turn comes (WriteSafetensorsStream): a writer of a large checkpoint
+// holds one tensor in memory, not all of them.
+type StreamTensor struct {
+	Name  string
+	DType string
+	Shape []int
+	// Bytes returns the tensor's little-endian data; the slice is not
+	// kept after it is written (a caller may reuse it).
+	Bytes func() ([]byte, error)
+}
+
+// WriteSafetensorsStream is WriteSafetensors with each tensor's data
+// asked for as it is written: the header (names, dtypes, shapes, offsets)
+// comes from the shapes alone. A tensor whose data has another length
+// than its shape's is an error, and nothing is written at path.
+func WriteSafetensorsStream(path string, ts []StreamTensor, meta map[string]string) error {
 	hdr := map[string]any{}
 	if len(meta) > 0 {
 		hdr["__metadata__"] = meta
 	}
 	off := 0
-	for _, t := range ts {
+	sizes := make([]int, len(ts))
+	for i, t := range ts {
 		es, ok := dtypeSize[t.DType]
 		if !ok {
 			return fmt.Errorf("%w: tensor %s: unknown dtype %q", ErrSafetensors, t.Name, t.DType)
-		}
-		n := 1
-		for _, d := range t.Shape {
-			n *= d
-		}
-		if n*es != len(t.Data) {
-			return fmt.Errorf("%w: tensor %s: %s%v needs %d bytes, got %d", ErrSafetensors, t.Name, t.DType, t.Shape, n*es, len(t.Data))
 		}
 		if _, dup := hdr[t.Name]; dup {
 			return fmt.Errorf("%w: tensor %s given twice", ErrSafetensors, t.Name)
@@ -473,8 +494,9 @@ func WriteSafetensors(path string, ts []Tensor, meta map[string]string) error {
 		if shape == nil {
 			shape = []int{}
 		}
-		hdr[t.Name] = map[string]any{"dtype": t.DType, "shape": shape, "data_offsets": []int{off, off + len(t.Data)}}
-		off += len(t.Data)
+		sizes[i] = numel(shape) * es
+		hdr[t.Name] = map[string]any{"dtype": t.DType, "shape": shape, "data_offsets": []int{off, off + sizes[i]}}
+		off += sizes[i]
 	}
 	hb, err := json.Marshal(hdr)
 	if err != nil {
@@ -492,8 +514,15 @@ func WriteSafetensors(path string, ts []Tensor, meta map[string]string) error {
 		if _, err := w.Write(hb); err != nil {
 			return err
 		}
-		for _, t := range ts {
-			if _, err := w.Write(t.Data); err != nil {
+		for i, t := range ts {
+			b, err := t.Bytes()
+			if err != nil {
+				return fmt.Errorf("tensor %s: %w", t.Name, err)
+			}
+			if len(b) != sizes[i] {
+				return fmt.Errorf("%w: tensor %s: %s%v needs %d bytes, got %d", ErrSafetensors, t.Name, t.DType, t.Shape, sizes[i], len(b))
+			}
+			if _, err := w.Write(b); err != nil {
 				return err
 			}
 		}
@@ -503,6 +532,28 @@ func WriteSafetensors(path string, ts []Tensor, meta map[string]string) error {
 		return fmt.Errorf("model: %w", err)
 	}
 	return nil
+}
+
+func numel(shape []int) int {
+	n := 1
+	for _, d := range shape {
+		n *= d
+	}
+	return n
+}
+
+// F32Bytes packs float32 values little-endian into buf (grown as
+// needed) and returns it: a StreamTensor's data without a new slice per
+// tensor.
+func F32Bytes(buf []byte, v []float32) []byte {
+	if cap(buf) < 4*len(v) {
+		buf = make([]byte, 4*len(v))
+	}
+	buf = buf[:4*len(v)]
+	for i, f := range v {
+		binary.LittleEndian.PutUint32(buf[4*i:], math.Float32bits(f))
+	}
+	return buf
 }
 
 // float32Bytes views v as bytes (little-endian hosts only, which is all we

@@ -56,6 +56,31 @@ func loadHF(dir string, be compute.Backend, sh *Sharding) (*Student, error) {
 	return s, nil
 }
 
+// LoadFrom builds a student of cfg on be (one rank's part of it when sh
+// is set) and fills each tensor from read, one whole tensor at a time,
+// into a buffer it reuses: the loader of sources that are no HF
+// directory (a sharded training checkpoint), holding one tensor of host
+// memory at a time.
+func LoadFrom(cfg *model.Config, be compute.Backend, sh *Sharding, read func(t Tensor, dst []float32) error) (*Student, error) {
+	s, err := newStudent(cfg, be, sh)
+	if err != nil {
+		return nil, err
+	}
+	var v []float32
+	for i, t := range s.Tensors {
+		if cap(v) < t.N {
+			v = make([]float32, t.N)
+		}
+		v = v[:t.N]
+		if err := read(t, v); err != nil {
+			s.Free()
+			return nil, err
+		}
+		s.write(i, v)
+	}
+	return s, nil
+}
+
 // Weights returns the master weights by HF name: views into Params on a
 // host backend (valid until the next optimizer step), copies otherwise.
 //

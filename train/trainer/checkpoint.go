@@ -330,9 +330,15 @@ func saveCheckpoint(runDir string, s *train.Student, moments momentsOf, st *Stat
 		os.RemoveAll(tmp)
 		return "", fmt.Errorf("trainer: saving checkpoint of step %d: %w", st.Step, err)
 	}
+	return final, pruneCheckpoints(runDir, keep, protect)
+}
+
+// pruneCheckpoints deletes all but the newest keep checkpoints of runDir,
+// and the one of step protect (-1 for none).
+func pruneCheckpoints(runDir string, keep, protect int) error {
 	steps, err := listCheckpoints(runDir)
 	if err != nil {
-		return final, err
+		return err
 	}
 	for i, n := 0, len(steps); n > keep && i < len(steps); i++ {
 		if steps[i] != protect {
@@ -340,7 +346,7 @@ func saveCheckpoint(runDir string, s *train.Student, moments momentsOf, st *Stat
 			n--
 		}
 	}
-	return final, nil
+	return nil
 }
 
 // testHookPublish, when set (tests), runs when a checkpoint's files are
@@ -356,14 +362,11 @@ func loadCheckpoint(dir string, be compute.Backend) (*train.Student, *State, err
 // loadCheckpointSharded is loadCheckpoint for one rank of a ZeRO stage 2
 // or 3 group when sh is set: the rank keeps its part of the weights.
 func loadCheckpointSharded(dir string, be compute.Backend, sh *train.Sharding) (*train.Student, *State, error) {
-	var st State
-	b, err := os.ReadFile(filepath.Join(dir, "state.json"))
+	pst, err := loadState(dir)
 	if err != nil {
-		return nil, nil, fmt.Errorf("%w: %s: %v", ErrResume, dir, err)
+		return nil, nil, err
 	}
-	if err := json.Unmarshal(b, &st); err != nil {
-		return nil, nil, fmt.Errorf("%w: %s/state.json: %v", ErrResume, dir, err)
-	}
+	st := *pst
 	var s *train.Student
 	switch {
 	case st.LoRA != nil && sh != nil:
@@ -374,6 +377,8 @@ func loadCheckpointSharded(dir string, be compute.Backend, sh *train.Sharding) (
 			return nil, nil, err
 		}
 		return s, &st, nil
+	case isSharded(dir):
+		s, err = loadShardedStudent(dir, be, sh)
 	case sh != nil:
 		s, err = train.LoadHFSharded(dir, be, *sh)
 	default:
@@ -390,38 +395,45 @@ func loadCheckpointSharded(dir string, be compute.Backend, sh *train.Sharding) (
 	return s, &st, nil
 }
 
+// loadState reads a checkpoint's state.json.
+func loadState(dir string) (*State, error) {
+	var st State
+	b, err := os.ReadFile(filepath.Join(dir, "state.json"))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s: %v", ErrResume, dir, err)
+	}
+	if err := json.Unmarshal(b, &st); err != nil {
+		return nil, fmt.Errorf("%w: %s/state.json: %v", ErrResume, dir, err)
+	}
+	return &st, nil
+}
+
 // momentsOf returns the AdamW moments of the student's tensor i (in
 // Student.Tensors' order) on the host: the optimizer's (AdamW.Moments),
 // or under ZeRO-1 those gathered from the ranks.
 type momentsOf func(i int) (m, v []float32)
 
-// loadMoments fills the AdamW moments from a checkpoint. at, when not
-// nil, says where the optimizer's group i lies in the checkpoint's tensor
-// of its name (offset, the tensor's length: a ZeRO-1 rank's pieces);
-// nil: each group is a whole tensor.
+// loadMoments fills the AdamW moments from a checkpoint (either
+// layout). at, when not nil, says where the optimizer's group i lies in
+// the checkpoint's tensor of its name (offset, the tensor's length: a
+// ZeRO-1 or sharded rank's pieces); nil: each group is a whole tensor.
 func loadMoments(dir string, ad *optim.AdamW, steps int, at func(i int) (off, full int)) error {
-	// OpenWeights reads a directory's model.safetensors; give it the
-	// optimizer file alone.
-	ow, err := openFile(filepath.Join(dir, "optimizer.safetensors"))
+	read, done, err := momentSource(dir)
 	if err != nil {
 		return err
 	}
-	defer ow.Close()
+	defer done()
 	for i, g := range ad.Groups {
+		off, full := 0, g.P.Len()
+		if at != nil {
+			off, full = at(i)
+		}
 		var mv [2][]float32
 		for j, name := range []string{"exp_avg." + g.Name, "exp_avg_sq." + g.Name} {
-			v, err := ow.F32(name)
-			if err != nil {
-				return fmt.Errorf("%w: %s/optimizer.safetensors: %w", ErrResume, dir, err)
+			mv[j] = make([]float32, g.P.Len())
+			if err := read(name, full, off, mv[j]); err != nil {
+				return err
 			}
-			off, full := 0, g.P.Len()
-			if at != nil {
-				off, full = at(i)
-			}
-			if len(v) != full {
-				return fmt.Errorf("%w: %s/optimizer.safetensors: %s has %d values, want %d", ErrResume, dir, name, len(v), full)
-			}
-			mv[j] = v[off : off+g.P.Len()]
 		}
 		if err := ad.SetMoments(i, mv[0], mv[1]); err != nil {
 			return fmt.Errorf("%w: %s: %w", ErrResume, dir, err)
@@ -429,6 +441,37 @@ func loadMoments(dir string, ad *optim.AdamW, steps int, at func(i int) (off, fu
 	}
 	ad.Steps = steps
 	return nil
+}
+
+// momentSource reads the moments of checkpoint dir: read fills dst with
+// elements [off, off+len(dst)) of tensor name (exp_avg.X or
+// exp_avg_sq.X) of full elements; done closes the files.
+func momentSource(dir string) (read func(name string, full, off int, dst []float32) error, done func(), err error) {
+	if isSharded(dir) {
+		c, err := openSharded(dir)
+		if err != nil {
+			return nil, nil, fmt.Errorf("%w: %w", ErrResume, err)
+		}
+		return c.read, c.close, nil
+	}
+	// OpenWeights reads a directory's model.safetensors; give it the
+	// optimizer file alone.
+	ow, err := openFile(filepath.Join(dir, "optimizer.safetensors"))
+	if err != nil {
+		return nil, nil, err
+	}
+	read = func(name string, full, off int, dst []float32) error {
+		v, err := ow.F32(name)
+		if err != nil {
+			return fmt.Errorf("%w: %s/optimizer.safetensors: %w", ErrResume, dir, err)
+		}
+		if len(v) != full {
+			return fmt.Errorf("%w: %s/optimizer.safetensors: %s has %d values, want %d", ErrResume, dir, name, len(v), full)
+		}
+		copy(dst, v[off:])
+		return nil
+	}
+	return read, func() { ow.Close() }, nil
 }
 
 // openFile opens one safetensors file through OpenWeights on a private

@@ -142,14 +142,7 @@ func (c *checkpointer) start(st *State, resumed bool) {
 // of skipped updates, so the last good checkpoint stays protected) and
 // returns its directory.
 func (c *checkpointer) save(s *train.Student, moments momentsOf, st *State, skipping bool) (string, error) {
-	protect := -1
-	if c.good >= 0 {
-		protect = c.good
-	}
-	if !skipping {
-		protect = st.Step
-	}
-	p, err := saveCheckpoint(c.runDir, s, moments, st, c.keep, protect)
+	p, err := saveCheckpoint(c.runDir, s, moments, st, c.keep, c.protect(st.Step, skipping))
 	if err != nil {
 		return "", err
 	}
@@ -158,6 +151,19 @@ func (c *checkpointer) save(s *train.Student, moments momentsOf, st *State, skip
 		c.good = st.Step
 	}
 	return p, nil
+}
+
+// protect is the step whose checkpoint retention keeps when step's is
+// saved: step's own, or while updates are being skipped the last good
+// one (-1: none yet).
+func (c *checkpointer) protect(step int, skipping bool) int {
+	switch {
+	case !skipping:
+		return step
+	case c.good >= 0:
+		return c.good
+	}
+	return -1
 }
 
 // lastGood names the last good checkpoint, for the error of a diverged

@@ -399,6 +399,15 @@ type EvalConfig struct {
 type CheckpointConfig struct {
 	Every int `yaml:"every"` // steps between checkpoints; the last step always saves
 	Keep  int `yaml:"keep"`  // newest checkpoints kept
+	// Layout is how a data-parallel run at ZeRO stages 1 to 3 writes its
+	// checkpoints: sharded (each rank writes the part of the weights and
+	// moments it holds, and rank 0 a manifest; no rank gathers the
+	// model), gathered (rank 0 gathers everything into one HF
+	// model.safetensors and optimizer.safetensors, 12 bytes of host memory
+	// a parameter) or auto ("": sharded). A single process, ZeRO 0 and LoRA
+	// runs always write gathered checkpoints. Either layout resumes at any
+	// world size and stage.
+	Layout string `yaml:"layout,omitempty"`
 }
 
 // LogConfig is where metrics go.
@@ -740,6 +749,8 @@ func (c *Config) Validate() error {
 		return bad("eval.cache", "%s: a teacher's cache for the evals of an SFT run on data.dataset; a run on a cache or with live teachers already scores against its teachers: remove it", c.Eval.Cache)
 	case c.Eval.Cache != "" && len(c.Data.EvalRange) == 0:
 		return bad("eval.cache", "%s: needs data.eval_range, the held-out samples the evals read from it", c.Eval.Cache)
+	case c.Checkpoint.Layout != "" && c.Checkpoint.Layout != layoutAuto && c.Checkpoint.Layout != layoutGathered && c.Checkpoint.Layout != layoutSharded:
+		return bad("checkpoint.layout", "%q: want auto (sharded when a data-parallel run shards its state: ZeRO 1 to 3), sharded or gathered", c.Checkpoint.Layout)
 	case c.Checkpoint.Every < 0 || c.Checkpoint.Keep < 1:
 		return bad("checkpoint", "every %d, keep %d: want every >= 0 and keep >= 1", c.Checkpoint.Every, c.Checkpoint.Keep)
 	case c.Log.Every <= 0:

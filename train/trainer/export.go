@@ -73,6 +73,9 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 	if _, ok := dt[o.Format]; !ok {
 		return nil, fmt.Errorf("--format %q: want bf16, f32, nvfp4 or peft (a LoRA run's adapters)", o.Format)
 	}
+	if ck, ok := shardedSource(src); ok && (o.Format == "bf16" || o.Format == "f32") {
+		return exportSharded(src, ck, out, dt[o.Format], o)
+	}
 	s, st, err := LoadStudent(src)
 	if err != nil {
 		return nil, err
@@ -103,20 +106,79 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 	if err != nil {
 		return nil, err
 	}
-	err = model.WriteDir(out, o.Force, func(tmp string) error {
-		var err error
+	err = writeExport(out, o, rep, et, tmpl, s.Cfg, func(tmp string) error {
 		if o.Format == "nvfp4" {
-			err = s.WriteNVFP4(tmp)
-		} else {
-			err = s.WriteHF(tmp, dt[o.Format])
+			return s.WriteNVFP4(tmp)
 		}
-		if err != nil {
+		return s.WriteHF(tmp, dt[o.Format])
+	})
+	if err != nil {
+		return nil, err
+	}
+	return rep, nil
+}
+
+// shardedSource is the sharded checkpoint src names (a run directory
+// whose newest checkpoint is sharded, or a sharded checkpoint).
+func shardedSource(src string) (string, bool) {
+	_, ck, err := runDirOf(src)
+	if err != nil || ck == "" || !isSharded(ck) {
+		return "", false
+	}
+	return ck, true
+}
+
+// exportSharded is Export of the sharded checkpoint ck (src as the user
+// named it) in BF16 or F32 (dtype): the HF model.safetensors is written
+// tensor by tensor from the shards' pieces, so the export holds one
+// tensor in host memory, never the model.
+func exportSharded(src, ck, out, dtype string, o ExportOptions) (*ExportReport, error) {
+	st, err := loadState(ck)
+	if err != nil {
+		return nil, err
+	}
+	cfg, err := model.LoadConfig(ck)
+	if err != nil {
+		return nil, err
+	}
+	c, err := openSharded(ck)
+	if err != nil {
+		return nil, err
+	}
+	defer c.close()
+	rep := &ExportReport{}
+	tmpl, err := runChatTemplate(src, st)
+	if err != nil {
+		return nil, err
+	}
+	if tmpl != "" && !o.NoTokenizer {
+		rep.ChatTemplate = "the run's data.dataset.chat_template"
+	}
+	et, err := exportTokenizer(src, out, st, o, rep)
+	if err != nil {
+		return nil, err
+	}
+	err = writeExport(out, o, rep, et, tmpl, cfg, func(tmp string) error {
+		return model.WriteCheckpointFrom(tmp, cfg, dtype, func(name string, dst []float32) error { return c.read(name, len(dst), 0, dst) })
+	})
+	if err != nil {
+		return nil, err
+	}
+	return rep, nil
+}
+
+// writeExport writes out through model.WriteDir: the weights (weights),
+// the tokenizer files and generation_config.json, and lists the files in
+// rep.
+func writeExport(out string, o ExportOptions, rep *ExportReport, et *exportTok, tmpl string, cfg *model.Config, weights func(tmp string) error) error {
+	return model.WriteDir(out, o.Force, func(tmp string) error {
+		if err := weights(tmp); err != nil {
 			return err
 		}
 		if err := et.copyFiles(tmp, tmpl, o, rep); err != nil {
 			return err
 		}
-		if err := et.generationConfig(tmp, s.Cfg, o, rep); err != nil {
+		if err := et.generationConfig(tmp, cfg, o, rep); err != nil {
 			return err
 		}
 		ents, err := os.ReadDir(tmp)
@@ -129,10 +191,6 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 		sort.Strings(rep.Files)
 		return nil
 	})
-	if err != nil {
-		return nil, err
-	}
-	return rep, nil
 }
 
 // exportPEFT writes a LoRA run's adapters to out as PEFT saves them:

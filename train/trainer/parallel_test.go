@@ -19,6 +19,7 @@ import (
 	"distill/compute"
 	"distill/compute/computetest"
 	"distill/compute/cuda"
+	"distill/model"
 	"distill/train"
 	"distill/train/testcache"
 )
@@ -28,6 +29,17 @@ import (
 // results and logs.
 func runRanks(t *testing.T, n int, cfgs []*Config, stops []chan struct{}) ([]*Result, []string) {
 	t.Helper()
+	res, out, errs := runRanksErr(n, cfgs, stops)
+	for i := range errs {
+		if errs[i] != nil {
+			t.Fatalf("rank %d: %v\n%s", i, errs[i], out[i])
+		}
+	}
+	return res, out
+}
+
+// runRanksErr is runRanks returning each rank's error.
+func runRanksErr(n int, cfgs []*Config, stops []chan struct{}) ([]*Result, []string, []error) {
 	g := computetest.NewHostGroup(n)
 	res, logs, errs := make([]*Result, n), make([]bytes.Buffer, n), make([]error, n)
 	var wg sync.WaitGroup
@@ -47,11 +59,8 @@ func runRanks(t *testing.T, n int, cfgs []*Config, stops []chan struct{}) ([]*Re
 	out := make([]string, n)
 	for i := range errs {
 		out[i] = logs[i].String()
-		if errs[i] != nil {
-			t.Fatalf("rank %d: %v\n%s", i, errs[i], out[i])
-		}
 	}
-	return res, out
+	return res, out, errs
 }
 
 // closeLosses fails unless b's step and eval losses are a's within rel.
@@ -94,16 +103,41 @@ func TestDataParallel(t *testing.T) {
 	if one.Steps[0].Rows < 3 {
 		t.Fatalf("the config packs %d rows a step: the ranks would not share steps unevenly", one.Steps[0].Rows)
 	}
-	for _, c := range []struct{ n, zero int }{{2, 0}, {3, 0}, {2, 1}, {3, 1}, {2, 2}, {3, 2}, {2, 3}, {3, 3}} {
+	for _, c := range []struct {
+		n, zero int
+		layout  string
+	}{{2, 0, ""}, {3, 0, ""}, {2, 1, ""}, {3, 1, ""}, {2, 2, ""}, {3, 2, ""}, {2, 3, ""}, {3, 3, ""}, {3, 1, "gathered"}, {2, 3, "gathered"}} {
 		n := c.n
 		dir := t.TempDir()
+		sharded := c.zero > 0 && c.layout == ""
 		cfgs := make([]*Config, n)
 		for i := range cfgs {
-			// Ranks other than 0 get run directories of their own, to show
-			// that they write nothing (a real job shares one).
-			cfgs[i] = tinyConfig(t, b, filepath.Join(dir, "rank", string(rune('0'+i))), fmt.Sprintf("train.zero=%d", c.zero))
+			// Ranks other than 0 get run directories of their own when
+			// rank 0 writes the checkpoints alone, to show that they write
+			// nothing; sharded, every rank writes its shard into the one
+			// run directory (a real job shares one).
+			run := filepath.Join(dir, "rank", string(rune('0'+i)))
+			if sharded {
+				run = filepath.Join(dir, "run")
+			}
+			cfgs[i] = tinyConfig(t, b, run, fmt.Sprintf("train.zero=%d", c.zero), "checkpoint.layout="+c.layout)
 		}
 		res, logs := runRanks(t, n, cfgs, nil)
+		if got := isSharded(res[0].Checkpoint); got != sharded {
+			t.Errorf("%d ranks, ZeRO %d, layout %q: sharded checkpoint %v, want %v", n, c.zero, c.layout, got, sharded)
+		}
+		if sharded {
+			for r := 0; r < n; r++ {
+				if _, err := os.Stat(filepath.Join(res[0].Checkpoint, shardFile(r, n))); err != nil {
+					t.Errorf("%d ranks, ZeRO %d: rank %d's shard: %v", n, c.zero, r, err)
+				}
+			}
+			for _, f := range []string{"model.safetensors", "optimizer.safetensors"} {
+				if _, err := os.Stat(filepath.Join(res[0].Checkpoint, f)); err == nil {
+					t.Errorf("%d ranks, ZeRO %d: the sharded checkpoint holds a gathered %s", n, c.zero, f)
+				}
+			}
+		}
 		for i := range res {
 			closeLosses(t, fmt.Sprintf("one process vs rank %d of %d, ZeRO %d", i, n, c.zero), one, res[i], 2e-5)
 		}
@@ -116,8 +150,9 @@ func TestDataParallel(t *testing.T) {
 		if c.zero >= 2 && !strings.Contains(logs[0], fmt.Sprintf("(ZeRO stage %d)", c.zero)) {
 			t.Errorf("rank 0's log does not say what a rank holds at stage %d:\n%s", c.zero, logs[0])
 		}
-		if c.zero >= 2 {
-			// The checkpoint's weights, gathered from the ranks' pieces.
+		if c.zero >= 2 || sharded {
+			// The checkpoint's weights, gathered from the ranks' pieces
+			// (or written as pieces by the ranks).
 			closeWeights(t, fmt.Sprintf("%d ranks, ZeRO %d", n, c.zero), one.Checkpoint, res[0].Checkpoint, 1e-4)
 		}
 		if !strings.Contains(logs[0], "data parallel: ") {
@@ -126,7 +161,7 @@ func TestDataParallel(t *testing.T) {
 		if res[0].Checkpoint == "" {
 			t.Errorf("rank 0 wrote no checkpoint")
 		}
-		for i := 1; i < n; i++ {
+		for i := 1; i < n && !sharded; i++ {
 			if m, _ := filepath.Glob(filepath.Join(cfgs[i].RunDir, "*")); len(m) > 0 {
 				t.Errorf("rank %d wrote %v", i, m)
 			}
@@ -135,44 +170,87 @@ func TestDataParallel(t *testing.T) {
 }
 
 // closeMoments fails unless the AdamW moments of checkpoints a and b agree
-// within rel of each tensor's largest.
+// within rel of each tensor's largest (either layout).
 func closeMoments(t *testing.T, what, a, b string, rel float64) {
 	t.Helper()
-	closeTensors(t, what, filepath.Join(a, "optimizer.safetensors"), filepath.Join(b, "optimizer.safetensors"), rel)
+	_, ma := readCheckpoint(t, a)
+	_, mb := readCheckpoint(t, b)
+	closeTensors(t, what+" (moments)", ma, mb, rel)
 }
 
 // closeWeights is closeMoments for the checkpoints' weights.
 func closeWeights(t *testing.T, what, a, b string, rel float64) {
 	t.Helper()
-	closeTensors(t, what, filepath.Join(a, "model.safetensors"), filepath.Join(b, "model.safetensors"), rel)
+	wa, _ := readCheckpoint(t, a)
+	wb, _ := readCheckpoint(t, b)
+	closeTensors(t, what+" (weights)", wa, wb, rel)
 }
 
-// closeTensors fails unless the tensors of safetensors files a and b
-// agree within rel of each tensor's largest.
-func closeTensors(t *testing.T, what, a, b string, rel float64) {
+// readCheckpoint reads a checkpoint of either layout whole: its weights
+// and its moments (exp_avg.NAME, exp_avg_sq.NAME) by name, through the
+// loaders a resume uses.
+func readCheckpoint(t *testing.T, dir string) (weights, moments map[string][]float32) {
 	t.Helper()
-	fa, err := openFile(a)
+	cfg, err := model.LoadConfig(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer fa.Close()
-	fb, err := openFile(b)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer fb.Close()
-	names := fa.Names()
-	if len(names) == 0 || len(names) != len(fb.Names()) {
-		t.Fatalf("%s: %d and %d moment tensors", what, len(names), len(fb.Names()))
-	}
-	for _, name := range names {
-		x, err := fa.F32(name)
-		if err != nil {
+	weights, moments = map[string][]float32{}, map[string][]float32{}
+	var c *shardedCkpt
+	var w *model.Weights
+	if isSharded(dir) {
+		if c, err = openSharded(dir); err != nil {
 			t.Fatal(err)
 		}
-		y, err := fb.F32(name)
+		defer c.close()
+	} else {
+		if w, err = model.OpenWeights(dir); err != nil {
+			t.Fatal(err)
+		}
+		defer w.Close()
+	}
+	read, done, err := momentSource(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer done()
+	for _, ts := range cfg.Tensors() {
+		n := 1
+		for _, d := range ts.Shape {
+			n *= d
+		}
+		v := make([]float32, n)
+		if c != nil {
+			err = c.read(ts.Name, n, 0, v)
+		} else {
+			v, err = w.F32(ts.Name)
+		}
 		if err != nil {
-			t.Fatalf("%s: %v", what, err)
+			t.Fatalf("%s: %v", dir, err)
+		}
+		weights[ts.Name] = v
+		for _, k := range []string{"exp_avg.", "exp_avg_sq."} {
+			m := make([]float32, n)
+			if err := read(k+ts.Name, n, 0, m); err != nil {
+				t.Fatalf("%s: %v", dir, err)
+			}
+			moments[k+ts.Name] = m
+		}
+	}
+	return weights, moments
+}
+
+// closeTensors fails unless the tensors a and b agree within rel of each
+// tensor's largest.
+func closeTensors(t *testing.T, what string, a, b map[string][]float32, rel float64) {
+	t.Helper()
+	if len(a) == 0 || len(a) != len(b) {
+		t.Fatalf("%s: %d and %d tensors", what, len(a), len(b))
+	}
+	for name, x := range a {
+		y, ok := b[name]
+		if !ok || len(y) != len(x) {
+			t.Fatalf("%s: %s has %d values and %d", what, name, len(x), len(y))
 		}
 		var big, worst float64
 		for i := range x {
@@ -213,7 +291,7 @@ func TestDataParallelMoEAndQAD(t *testing.T) {
 			dir := t.TempDir()
 			for _, zero := range []int{1, 3} {
 				z := fmt.Sprintf("train.zero=%d", zero)
-				cfgs := []*Config{c.cfg(filepath.Join(dir, z, "r0"), z), c.cfg(filepath.Join(dir, z, "r1"), z)}
+				cfgs := []*Config{c.cfg(filepath.Join(dir, z), z), c.cfg(filepath.Join(dir, z), z)}
 				res, _ := runRanks(t, 2, cfgs, nil)
 				for i := range res {
 					closeLosses(t, fmt.Sprintf("%s: one process vs rank %d of 2, ZeRO %d", c.name, i, zero), one, res[i], 1e-4)

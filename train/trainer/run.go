@@ -607,6 +607,18 @@ func (r *trainRun) evaluate(step int) error {
 // save writes the checkpoint of the state's step. Metrics first: a
 // checkpoint never refers to lines not on disk.
 func (r *trainRun) save() error {
+	if l := r.shardLayout(); l != nil {
+		var flushed error
+		if r.g.leader() {
+			flushed = r.out.mw.flush()
+		}
+		p, err := r.ck.saveSharded(l, r.s, r.ad, r.st, r.skips.n > 0, flushed)
+		if err != nil {
+			return err
+		}
+		r.res.Checkpoint = p
+		return nil
+	}
 	moments := momentsOf(r.ad.Moments)
 	if r.z1 != nil || r.s.ShardStage() > 0 { // every rank sends rank 0 its moments
 		m, v := gatherMoments(&r.g, r.s, r.ad, r.z1)
