@@ -21,6 +21,11 @@
 //	    state.json                  step, data position, schedule, NVFP4 amax, loss definition (State)
 //	  checkpoints/.tmp-step-*       a checkpoint being written (never read; removed on save)
 //
+// A data-parallel run at ZeRO stages 1 to 3 writes sharded checkpoints
+// instead of model.safetensors and optimizer.safetensors: each rank's
+// shard-R-of-N.safetensors and a manifest.json (ckptshard.go has the
+// layout); checkpoint.layout: gathered keeps the single-process layout.
+//
 // A run that has nothing left to do (resumed at train.max_steps) changes
 // nothing in the run directory.
 //
