@@ -2,6 +2,7 @@ package train
 
 import (
 	"fmt"
+	"strings"
 
 	"distill/compute"
 	"distill/model"
@@ -345,6 +346,68 @@ func PlanMemory(s PlanShape) MemoryPlan {
 	}
 	return p
 }
+
+// ExpertParallelSaving is what expert parallelism over s.Ranks ranks
+// (each rank holding 1/Ranks of every MoE layer's experts whole, and the
+// tokens sent to their experts' ranks; not built) would save a GPU
+// against the data-parallel layout s plans: the bytes of the experts'
+// weights that the layout holds beyond a rank's own share. 0 for a dense
+// student or one process.
+//
+//   - ZeRO 0 and 1: every rank holds every expert's fp32 weights,
+//     gradients and BF16 copies (10 bytes a parameter) and, at stage 0,
+//     its moments (8): EP keeps 1/N of them (all 18 bytes of its own).
+//   - ZeRO 2: the parts (master, gradients, moments) are already 1/N, but
+//     every rank holds every expert's whole weights (4 bytes) and one
+//     layer's whole gradients; EP keeps its own experts whole in its
+//     master and needs neither.
+//   - ZeRO 3: the two weight slots and the gradient buffer hold a whole
+//     layer's experts (12 bytes a parameter of the largest layer's); EP
+//     gathers no expert (under QAD it keeps its own experts'
+//     fake-quantized twins instead of two layers').
+//
+// EP also replaces the all-gathers of the experts' weights (stage 3: each
+// layer's, twice a row) with all-to-alls of the routed tokens'
+// activations; that traffic is not in a memory plan.
+func ExpertParallelSaving(s PlanShape) int64 {
+	cfg := s.Model
+	n := int64(s.Ranks)
+	if cfg.NumExperts == 0 || n <= 1 || s.LoRA != nil {
+		return 0
+	}
+	var all, largest int64 // the experts' parameters: all layers', the largest layer's
+	layer := map[int]int64{}
+	for _, t := range cfg.Tensors() {
+		if li := blockOf(t.Name); li >= 0 && isExpert(t.Name) {
+			v := int64(1)
+			for _, d := range t.Shape {
+				v *= int64(d)
+			}
+			all += v
+			layer[li] += v
+		}
+	}
+	for _, v := range layer {
+		largest = max(largest, v)
+	}
+	own := (all + n - 1) / n
+	// Under QAD each copy of an expert's weights has its fake-quantized
+	// fp32 twin (and, unsharded, that twin's BF16 copy).
+	switch q := map[bool]int64{true: 1}[s.QAD]; s.ZeRO {
+	case 0:
+		return (18 + 6*q) * (all - own)
+	case 1:
+		return (10 + 6*q) * (all - own)
+	case 2:
+		return 4*all + 4*largest + 4*q*(all-own)
+	default: // (its own experts' fake-quantized twins stay, run-long)
+		return 12*largest + q*(8*largest-4*own)
+	}
+}
+
+// isExpert reports whether name is a routed expert's tensor
+// (model.layers.N.mlp.experts.E.*).
+func isExpert(name string) bool { return strings.Contains(name, ".mlp.experts.") }
 
 // attnWorkspaceEstimate is cuDNN's workspace for the attention backward of
 // a row of T tokens (one sample: its bucket, the decoder cuts packed rows

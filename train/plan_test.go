@@ -269,3 +269,72 @@ func TestAttnWorkspaceEstimate(t *testing.T) {
 		}
 	}
 }
+
+// routers is the parameters of cfg's MoE routers.
+func routers(cfg *model.Config) int64 {
+	var n int64
+	for _, t := range cfg.Tensors() {
+		if isRouter(t.Name) {
+			n += int64(t.Shape[0]) * int64(t.Shape[1])
+		}
+	}
+	return n
+}
+
+// TestExpertParallelSaving: at ZeRO 0 and 1 what EP over N ranks saves is
+// what the plan's run-long terms lose when each rank holds 1/N of the
+// experts (the plan of the same student with E/N experts a layer: every
+// byte of an expert's weights, gradients, copies and, at stage 0,
+// moments, is per expert); a dense student and one process save nothing;
+// at stage 3 it is the slots' and gradient buffer's share of the largest
+// layer's experts.
+func TestExpertParallelSaving(t *testing.T) {
+	moe := func(experts int) *model.Config {
+		c, err := model.Preset(model.ArchQwen3MoE)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.NumExperts = experts
+		return c
+	}
+	runLong := func(s PlanShape) int64 {
+		var b int64
+		for _, x := range PlanMemory(s).Terms {
+			if !x.PerRow {
+				b += x.Bytes
+			}
+		}
+		return b
+	}
+	const n = 4
+	for _, zero := range []int{0, 1} {
+		for _, qad := range []bool{false, true} {
+			s := PlanShape{Model: moe(8), RowTokens: 64, K: 8, QAD: qad, Ranks: n, ZeRO: zero, Activations: compute.BF16}
+			small := s
+			small.Model = moe(8 / n)
+			// The routers (E x hidden a layer) shrink with E too, but EP
+			// keeps them whole on every rank: 18 bytes a parameter at stage
+			// 0 (weights, gradients, moments, BF16 copy; never quantized).
+			want := runLong(s) - runLong(small) - 18*(routers(s.Model)-routers(small.Model))
+			if zero == 1 { // the moments are 1/N already, as EP's would be
+				want = runLong(s) - runLong(small) - 10*(routers(s.Model)-routers(small.Model))
+				want -= PlanMemory(s).Term(TermMoments) - PlanMemory(small).Term(TermMoments)
+			}
+			if got := ExpertParallelSaving(s); got != want || got <= 0 {
+				t.Errorf("ZeRO %d, QAD %v: EP over %d ranks saves %d, the plan's expert bytes beyond a rank's share %d", zero, qad, n, got, want)
+			}
+		}
+	}
+	if got := ExpertParallelSaving(PlanShape{Model: moe(8), Ranks: 1}); got != 0 {
+		t.Errorf("one process: EP saves %d", got)
+	}
+	dense, _ := model.Preset(model.ArchQwen3)
+	if got := ExpertParallelSaving(PlanShape{Model: dense, Ranks: n, ZeRO: 3}); got != 0 {
+		t.Errorf("a dense student: EP saves %d", got)
+	}
+	c := moe(8)
+	per := int64(c.NumExperts) * 3 * int64(c.Hidden) * int64(c.MoEIntermediate)
+	if got := ExpertParallelSaving(PlanShape{Model: c, Ranks: n, ZeRO: 3}); got != 12*per {
+		t.Errorf("ZeRO 3: EP saves %d, want 12 bytes x %d expert parameters a layer", got, per)
+	}
+}

@@ -96,6 +96,20 @@ func zeroNote(zero, world int) string {
 	return fmt.Sprintf(", %d ranks at ZeRO stage 0 (every rank holds the whole optimizer state)", world)
 }
 
+// epHeld says what of the experts a ZeRO stage holds beyond a rank's
+// share (train.ExpertParallelSaving).
+func epHeld(zero int) string {
+	switch zero {
+	case 0:
+		return "every expert's weights, gradients, moments and copies on every rank"
+	case 1:
+		return "every expert's weights, gradients and copies on every rank"
+	case 2:
+		return "every expert's whole weights and a layer's whole gradients on every rank"
+	}
+	return "two layers' experts' whole weights and one layer's whole gradients at a time"
+}
+
 // printPlan writes the plan of every recompute mode on a device of total
 // bytes: the terms, then per mode the total, whether it fits, the
 // longest row that fits and how many rows of data.seq_len one forward
@@ -177,6 +191,10 @@ func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act co
 		fmt.Fprintf(w, "\ntrain.recompute auto: nothing fits; lower data.seq_len to the longest row of full recompute, or use a larger device\n")
 	default:
 		fmt.Fprintf(w, "\ntrain.recompute auto picks: %s\n", auto)
+	}
+	if ep := train.ExpertParallelSaving(shape(decoder.RecomputeFull)); ep > 0 {
+		fmt.Fprintf(w, "expert parallelism (not built) over the %d ranks would save %s a GPU: each rank would hold 1/%d of every layer's experts whole and gather none (ZeRO %d holds %s); it would send the routed tokens to their experts' ranks instead\n",
+			world, train.HumanBytes(ep), world, cfg.Train.ZeRO, epHeld(cfg.Train.ZeRO))
 	}
 	if r := cfg.Train.Recompute; r != "auto" {
 		if p := train.PlanMemory(shape(decoder.Recompute(r))); p.Total() > budget {
