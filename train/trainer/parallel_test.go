@@ -438,6 +438,42 @@ func TestCUDADataParallel(t *testing.T) {
 	for _, zero := range []int{0, 1, 2, 3} {
 		cudaRanks(t, b, one, append(over, fmt.Sprintf("train.zero=%d", zero)))
 	}
+	// A group of one (NCCL with a single rank) and of four (more ranks
+	// than the step has rows: one runs phantom passes at stage 3).
+	if one.Steps[0].Rows >= 4 {
+		t.Fatalf("%d rows a step: four ranks would all have rows", one.Steps[0].Rows)
+	}
+	mk := func(runDir string, over ...string) *Config { return tinyConfig(t, b, runDir, over...) }
+	cudaRanksOf(t, mk, 1, one, append(over, "train.zero=2"))
+	cudaRanksOf(t, mk, 4, one, append(over, "train.zero=3"))
+}
+
+// TestCUDADataParallelMoEAndQAD: a Qwen3-MoE student at ZeRO 3 and an
+// NVFP4 QAD student at ZeRO 2, each on two rank processes of the
+// emulated GPU and NCCL, follow their one-process CUDA runs (the QAD
+// calibration alike on every rank; the MoE routing counts summed).
+func TestCUDADataParallelMoEAndQAD(t *testing.T) {
+	useCUDA(t)
+	b := testCache(t)
+	over := []string{"train.device=cuda", "train.max_steps=4", "eval.every=2"}
+	for _, c := range []struct {
+		name string
+		zero int
+		mk   func(runDir string, over ...string) *Config
+	}{
+		{"moe", 3, func(runDir string, over ...string) *Config { return moeConfig(t, b, runDir, over...) }},
+		{"qad", 2, func(runDir string, over ...string) *Config {
+			return tinyConfig(t, b, runDir, append(over, "quant=nvfp4", "calib_batches=2")...)
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			one, err := Run(c.mk(filepath.Join(t.TempDir(), "one"), over...), Options{Log: &bytes.Buffer{}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			cudaRanksOf(t, c.mk, 2, one, append(over, fmt.Sprintf("train.zero=%d", c.zero)))
+		})
+	}
 }
 
 // rankProc is a rank process of a CUDA data-parallel test (TestMain's
@@ -453,6 +489,12 @@ type rankProc struct {
 // variables.
 func startRanks(t *testing.T, b *testcache.Built, dir string, n int, over []string, env map[int][]string) []rankProc {
 	t.Helper()
+	return startRanksOf(t, func(runDir string, over ...string) *Config { return tinyConfig(t, b, runDir, over...) }, dir, n, over, env)
+}
+
+// startRanksOf is startRanks of the config mk makes.
+func startRanksOf(t *testing.T, mk func(runDir string, over ...string) *Config, dir string, n int, over []string, env map[int][]string) []rankProc {
+	t.Helper()
 	be, err := cuda.Open(cuda.Options{KernelCache: os.Getenv("DISTILL_KERNEL_CACHE")})
 	if err != nil {
 		t.Fatal(err)
@@ -464,7 +506,7 @@ func startRanks(t *testing.T, b *testcache.Built, dir string, n int, over []stri
 	}
 	var ps []rankProc
 	for rank := 0; rank < n; rank++ {
-		cfg := tinyConfig(t, b, filepath.Join(dir, "run"), over...)
+		cfg := mk(filepath.Join(dir, "run"), over...)
 		cp := filepath.Join(dir, fmt.Sprintf("rank%d.yaml", rank))
 		writeResolvedTo(t, cfg, cp)
 		p := rankProc{cmd: exec.Command(os.Args[0], "-test.run=^$"), stderr: &strings.Builder{},
@@ -530,20 +572,27 @@ func results(t *testing.T, ps []rankProc) []Result {
 // cudaRanks runs two rank processes of the config over, joined by a new
 // group's id, and compares them with the one-process run one.
 func cudaRanks(t *testing.T, b *testcache.Built, one *Result, over []string) {
-	rs := results(t, startRanks(t, b, t.TempDir(), 2, over, nil))
-	for rank := 0; rank < 2; rank++ {
+	cudaRanksOf(t, func(runDir string, over ...string) *Config { return tinyConfig(t, b, runDir, over...) }, 2, one, over)
+}
+
+// cudaRanksOf is cudaRanks of n ranks of the config mk makes.
+func cudaRanksOf(t *testing.T, mk func(runDir string, over ...string) *Config, n int, one *Result, over []string) {
+	rs := results(t, startRanksOf(t, mk, t.TempDir(), n, over, nil))
+	for rank := 0; rank < n; rank++ {
 		res := rs[rank]
-		closeLosses(t, fmt.Sprintf("one CUDA process vs CUDA rank %d of 2 (%v)", rank, over), one, &res, 1e-4)
+		closeLosses(t, fmt.Sprintf("one CUDA process vs CUDA rank %d of %d (%v)", rank, n, over), one, &res, 1e-4)
 		if rank == 0 {
 			closeMoments(t, fmt.Sprintf("%v", over), one.Checkpoint, res.Checkpoint, 1e-3)
 			closeWeights(t, fmt.Sprintf("%v", over), one.Checkpoint, res.Checkpoint, 1e-4)
-			t.Logf("%v: step 6: loss %.6f one process, %.6f rank 0; checkpoint %s", over, one.Steps[5].Loss, res.Steps[5].Loss, res.Checkpoint)
+			last := len(one.Steps) - 1
+			t.Logf("%v, %d ranks: step %d: loss %.6f one process, %.6f rank 0; checkpoint %s", over, n, one.Steps[last].Step, one.Steps[last].Loss, res.Steps[last].Loss, res.Checkpoint)
 		}
 	}
 }
 
 // TestCUDADataParallelRankKilled: rank 0 of two rank processes on the
-// emulated GPU and NCCL is killed (SIGKILL) in step 4; rank 1, waiting in
+// emulated GPU and NCCL, at ZeRO 0 and at ZeRO 2 (sharded checkpoints),
+// is killed (SIGKILL) in step 4; rank 1, waiting in
 // the step's all-reduce, fails instead of hanging (the NCCL stand-in sees
 // its peer gone), and the job run again resumes from rank 0's last
 // checkpoint (step 2) and ends bit for bit where an uninterrupted pair
@@ -551,7 +600,14 @@ func cudaRanks(t *testing.T, b *testcache.Built, one *Result, over []string) {
 func TestCUDADataParallelRankKilled(t *testing.T) {
 	useCUDA(t)
 	b := testCache(t)
-	over := []string{"train.device=cuda", "train.max_steps=6", "eval.every=0", "checkpoint.every=2", "checkpoint.keep=5"}
+	// ZeRO 0 (rank 0 writes the checkpoints) and 2 (each rank its shard).
+	for _, zero := range []int{0, 2} {
+		t.Run(fmt.Sprintf("zero%d", zero), func(t *testing.T) { rankKilled(t, b, zero) })
+	}
+}
+
+func rankKilled(t *testing.T, b *testcache.Built, zero int) {
+	over := []string{"train.device=cuda", "train.max_steps=6", "eval.every=0", "checkpoint.every=2", "checkpoint.keep=5", fmt.Sprintf("train.zero=%d", zero)}
 	straight := results(t, startRanks(t, b, t.TempDir(), 2, over, nil))
 
 	dir := t.TempDir()
@@ -590,6 +646,9 @@ func TestCUDADataParallelRankKilled(t *testing.T) {
 	again := results(t, startRanks(t, b, dir, 2, over, nil))
 	if again[0].Resumed == "" || !strings.HasSuffix(again[0].Resumed, "step-00000002") {
 		t.Fatalf("the rerun resumed from %q, want step 2's checkpoint", again[0].Resumed)
+	}
+	if isSharded(again[0].Resumed) != (zero > 0) {
+		t.Fatalf("ZeRO %d: the checkpoint %s is sharded: %v", zero, again[0].Resumed, isSharded(again[0].Resumed))
 	}
 	for rank := range again {
 		last, want := again[rank].Steps[len(again[rank].Steps)-1], straight[rank].Steps[len(straight[rank].Steps)-1]
