@@ -1,6 +1,7 @@
 package train
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -10,6 +11,7 @@ import (
 	"distill/compute/device"
 	"distill/internal/atomicfile"
 	"distill/model"
+	"distill/model/decoder"
 	"distill/train/nvfp4"
 )
 
@@ -163,38 +165,93 @@ const ModelOptVersion = "0.31.0"
 // dequantized weights equal the fake-quantized weights of the training
 // forward bit for bit (nvfp4.Pack).
 func (s *Student) WriteNVFP4(dir string) error {
-	packed, inScale, err := s.ExportNVFP4()
-	if err != nil {
+	if _, _, err := s.ExportNVFP4(); err != nil { // the checks: QAD calibrated, no LoRA
 		return err
 	}
-	var ts []model.Tensor
-	for _, spec := range s.Cfg.Tensors() {
-		v := s.Weights()[spec.Name]
-		lin := spec.Name[:max(len(spec.Name)-len(".weight"), 0)]
-		p, ok := packed[lin]
-		if !ok || lin+".weight" != spec.Name {
-			ts = append(ts, model.BF16Tensor(spec.Name, spec.Shape, v))
+	w := s.Weights()
+	return WriteNVFP4From(dir, s.Cfg, s.QuantAmax(), func(name string, dst []float32) error {
+		copy(dst, w[name])
+		return nil
+	})
+}
+
+// WriteNVFP4From writes the NVFP4 checkpoint (WriteNVFP4's layout) of a
+// model of cfg whose fp32 weights read gives (into dst, the tensor's
+// length), quantized with the frozen QAD amax values amax (QuantAmax's
+// order, decoder.QuantLayout): one tensor in host memory at a time, so a
+// sharded training checkpoint exports without the whole model.
+func WriteNVFP4From(dir string, cfg *model.Config, amax []float32, read func(name string, dst []float32) error) error {
+	layout := decoder.QuantLayout(cfg)
+	if want := len(layout) + 4*cfg.Layers; len(amax) != want { // a weight quantizer a Linear, 4 input quantizers a block
+		return fmt.Errorf("%w: NVFP4 export: %d amax values, want %d for this model's %d quantized Linears in %d layers: the QAD state is of another model", ErrInvalid, len(amax), want, len(layout), cfg.Layers)
+	}
+	byName := map[string]decoder.QuantLinear{}
+	for _, l := range layout {
+		byName[l.Name+".weight"] = l
+	}
+	var v []float32
+	var buf []byte
+	get := func(name string, n int) ([]float32, error) {
+		if cap(v) < n {
+			v = make([]float32, n)
+		}
+		v = v[:n]
+		return v, read(name, v)
+	}
+	var cur *nvfp4.Packed // the Linear being written: its weight packs it, its scales follow
+	var ts []model.StreamTensor
+	for _, spec := range cfg.Tensors() {
+		spec := spec
+		n := 1
+		for _, d := range spec.Shape {
+			n *= d
+		}
+		l, ok := byName[spec.Name]
+		if !ok {
+			ts = append(ts, model.StreamTensor{Name: spec.Name, DType: "BF16", Shape: spec.Shape, Bytes: func() ([]byte, error) {
+				x, err := get(spec.Name, n)
+				if err != nil {
+					return nil, err
+				}
+				if cap(buf) < 2*n {
+					buf = make([]byte, 2*n)
+				}
+				buf = buf[:2*n]
+				for i, f := range x {
+					binary.LittleEndian.PutUint16(buf[2*i:], compute.F32ToBF16(f))
+				}
+				return buf, nil
+			}})
 			continue
 		}
 		ts = append(ts,
-			model.Tensor{Name: spec.Name, DType: "U8", Shape: []int{p.Rows, p.Cols / 2}, Data: p.Weight},
-			model.Tensor{Name: lin + ".weight_scale", DType: "F8_E4M3", Shape: []int{p.Rows, p.Cols / nvfp4.BlockSize}, Data: p.WeightScale},
-			scalarF32(lin+".weight_scale_2", p.WeightScale2),
-			scalarF32(lin+".input_scale", inScale[lin]),
+			model.StreamTensor{Name: spec.Name, DType: "U8", Shape: []int{l.Out, l.In / 2}, Bytes: func() ([]byte, error) {
+				x, err := get(spec.Name, n)
+				if err != nil {
+					return nil, err
+				}
+				if cur, err = nvfp4.Pack(spec.Name, x, l.Out, l.In, amax[l.W]); err != nil {
+					return nil, err
+				}
+				return cur.Weight, nil
+			}},
+			model.StreamTensor{Name: l.Name + ".weight_scale", DType: "F8_E4M3", Shape: []int{l.Out, l.In / nvfp4.BlockSize}, Bytes: func() ([]byte, error) { return cur.WeightScale, nil }},
+			model.StreamTensor{Name: l.Name + ".weight_scale_2", DType: "F32", Shape: []int{}, Bytes: func() ([]byte, error) { return scalarF32("", cur.WeightScale2).Data, nil }},
+			model.StreamTensor{Name: l.Name + ".input_scale", DType: "F32", Shape: []int{}, Bytes: func() ([]byte, error) { return scalarF32("", nvfp4.GlobalScale(amax[l.Input])).Data, nil }},
 		)
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	if err := model.WriteSafetensors(filepath.Join(dir, "model.safetensors"), ts, map[string]string{"format": "pt"}); err != nil {
+	if err := model.WriteSafetensorsStream(filepath.Join(dir, "model.safetensors"), ts, map[string]string{"format": "pt"}); err != nil {
 		return err
 	}
 	// Excluded: the LM head and, as ModelOpt lists them for Qwen3-MoE,
 	// every MoE router (model.layers.N.mlp.gate).
 	exclude := []string{"lm_head"}
-	for i := range s.Model.Blocks {
-		if s.Model.Blocks[i].Router != nil {
-			exclude = append(exclude, s.Model.Blocks[i].Router.Name)
+	for i := 0; i < cfg.Layers; i++ {
+		if cfg.IsMoE(i) {
+			exclude = append(exclude, fmt.Sprintf("model.layers.%d.mlp.gate", i))
 		}
 	}
 	producer := map[string]any{"name": "modelopt", "version": ModelOptVersion}
@@ -205,12 +262,12 @@ func (s *Student) WriteNVFP4(dir string) error {
 		"exclude_modules":     exclude,
 	}
 	hfq, _ := json.MarshalIndent(map[string]any{"producer": producer, "quantization": quant}, "", "  ")
-	cj, err := s.Cfg.JSON()
+	cj, err := cfg.JSON()
 	if err != nil {
 		return err
 	}
-	var cfg map[string]any
-	if err := json.Unmarshal(cj, &cfg); err != nil {
+	var hf map[string]any
+	if err := json.Unmarshal(cj, &hf); err != nil {
 		return err
 	}
 	// quantization_config as ModelOpt's convert_hf_quant_config_format
@@ -218,7 +275,7 @@ func (s *Student) WriteNVFP4(dir string) error {
 	// exclude_modules) and the compressed-tensors-style config_groups /
 	// ignore that newer loaders read.
 	fp4 := map[string]any{"num_bits": 4, "type": "float", "group_size": nvfp4.BlockSize, "dynamic": false}
-	cfg["quantization_config"] = map[string]any{
+	hf["quantization_config"] = map[string]any{
 		"quant_method":        "modelopt",
 		"quant_algo":          "NVFP4",
 		"kv_cache_quant_algo": nil,
@@ -228,7 +285,7 @@ func (s *Student) WriteNVFP4(dir string) error {
 		"config_groups":       map[string]any{"group_0": map[string]any{"targets": []string{"Linear"}, "weights": fp4, "input_activations": fp4}},
 		"producer":            producer,
 	}
-	cjq, _ := json.MarshalIndent(cfg, "", "  ")
+	cjq, _ := json.MarshalIndent(hf, "", "  ")
 	for name, b := range map[string][]byte{"config.json": cjq, "hf_quant_config.json": hfq} {
 		if err := writeFileAtomic(filepath.Join(dir, name), append(b, '\n')); err != nil {
 			return err
@@ -237,6 +294,8 @@ func (s *Student) WriteNVFP4(dir string) error {
 	return nil
 }
 
+
+// scalarF32 is a 0-dimensional F32 tensor.
 func scalarF32(name string, v float32) model.Tensor {
 	t := model.F32Tensor(name, nil, []float32{v})
 	t.Shape = []int{}

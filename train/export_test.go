@@ -328,3 +328,49 @@ func TestNVFP4FusedShardsShareScale2(t *testing.T) {
 		}
 	}
 }
+
+// TestQuantLayout: decoder.QuantLayout, from the config alone, names the
+// quantized Linears of a built model in order, with their shapes and the
+// QuantAmax indices of their weight and input quantizers (amax i+1 at
+// index i, so an index is checked by the value the model holds), for
+// dense students of each architecture and an MoE student with a dense
+// layer among its sparse ones.
+func TestQuantLayout(t *testing.T) {
+	for _, cfg := range []*model.Config{tinyConfig(model.ArchQwen3, false), tinyConfig(model.ArchQwen2, true), tinyConfig(model.ArchLlama, false), tinyMoEConfig(false, 1)} {
+		t.Run(string(cfg.Arch), func(t *testing.T) {
+			s, err := NewStudent(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			n := len(decoder.QuantLayout(cfg)) + 4*cfg.Layers
+			amax := make([]float32, n)
+			for i := range amax {
+				amax[i] = float32(i + 1)
+			}
+			if err := s.RestoreQAD(amax); err != nil {
+				t.Fatalf("RestoreQAD with the layout's %d values: %v", n, err)
+			}
+			var got []decoder.QuantLinear
+			for i := range s.Model.Blocks {
+				L := &s.Model.Blocks[i]
+				in := map[*decoder.Linear]float32{&L.Attn.Q: L.InQKV.Amax, &L.Attn.K: L.InQKV.Amax, &L.Attn.V: L.InQKV.Amax, &L.Attn.O: L.InO.Amax}
+				var mlps []*decoder.MLP
+				if L.MLP != nil {
+					mlps = append(mlps, L.MLP)
+				}
+				for e := range L.Experts {
+					mlps = append(mlps, &L.Experts[e])
+				}
+				for _, f := range mlps {
+					in[&f.Gate], in[&f.Up], in[&f.Down] = L.InGateUp.Amax, L.InGateUp.Amax, L.InDown.Amax
+				}
+				for _, l := range L.Linears() {
+					got = append(got, decoder.QuantLinear{Name: l.Name, Out: l.Out, In: l.In, W: int(l.WQ.Amax) - 1, Input: int(in[l]) - 1})
+				}
+			}
+			if want := decoder.QuantLayout(cfg); fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Fatalf("the model's quantized Linears\n%v\nthe layout\n%v", got, want)
+			}
+		})
+	}
+}

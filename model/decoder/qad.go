@@ -5,6 +5,7 @@ import (
 	"math"
 
 	"distill/compute"
+	"distill/model"
 )
 
 // Quantizer holds one tensor's NVFP4 amax. While calibrating, Observe
@@ -173,6 +174,51 @@ func (L *Block) quantizers() []*Quantizer {
 		qs = append(qs, &l.WQ)
 	}
 	return append(qs, L.inputQuantizers()...)
+}
+
+// QuantLinear is one quantized Linear of a model, and where QuantAmax
+// keeps its amax values.
+type QuantLinear struct {
+	Name    string // the HF module (model.layers.N.self_attn.q_proj, ...)
+	Out, In int
+	// W and In are the indices in QuantAmax of the Linear's weight
+	// quantizer and of its input quantizer (shared: q/k/v's, gate/up's,
+	// and an MoE block's experts').
+	W, Input int
+}
+
+// QuantLayout lists cfg's quantized Linears in QuantAmax order, from the
+// config alone (no model, no weights): what an export that streams the
+// weights tensor by tensor needs to quantize them with a checkpoint's
+// amax. It is New's layout of each block (Linears, then the input
+// quantizers qkv, o, gate/up, down); TestQuantLayout holds it to a built
+// model's.
+func QuantLayout(cfg *model.Config) []QuantLinear {
+	h, q, kv := cfg.Hidden, cfg.Heads*cfg.HeadDim, cfg.KVHeads*cfg.HeadDim
+	var out []QuantLinear
+	k := 0
+	for i := 0; i < cfg.Layers; i++ {
+		p := fmt.Sprintf("model.layers.%d.", i)
+		type lin struct {
+			name    string
+			out, in int
+			input   int // 0 qkv, 1 o, 2 gate/up, 3 down
+		}
+		ls := []lin{{p + "self_attn.q_proj", q, h, 0}, {p + "self_attn.k_proj", kv, h, 0}, {p + "self_attn.v_proj", kv, h, 0}, {p + "self_attn.o_proj", h, q, 1}}
+		if cfg.IsMoE(i) {
+			for e := 0; e < cfg.NumExperts; e++ {
+				ep := fmt.Sprintf("%smlp.experts.%d.", p, e)
+				ls = append(ls, lin{ep + "gate_proj", cfg.MoEIntermediate, h, 2}, lin{ep + "up_proj", cfg.MoEIntermediate, h, 2}, lin{ep + "down_proj", h, cfg.MoEIntermediate, 3})
+			}
+		} else {
+			ls = append(ls, lin{p + "mlp.gate_proj", cfg.Intermediate, h, 2}, lin{p + "mlp.up_proj", cfg.Intermediate, h, 2}, lin{p + "mlp.down_proj", h, cfg.Intermediate, 3})
+		}
+		for j, l := range ls {
+			out = append(out, QuantLinear{Name: l.name, Out: l.out, In: l.in, W: k + j, Input: k + len(ls) + l.input})
+		}
+		k += len(ls) + 4
+	}
+	return out
 }
 
 // QuantsPerBlock is the number of amax values QuantAmax holds for a dense

@@ -245,3 +245,35 @@ func steps(run string) int {
 	s, _ := listCheckpoints(run)
 	return len(s)
 }
+
+// TestShardedExportNVFP4: two ranks of an NVFP4 QAD student at ZeRO 3
+// write sharded checkpoints; `student export --format nvfp4` of the run,
+// which quantizes tensor by tensor from the shards with the checkpoint's
+// amax (train.WriteNVFP4From), writes the same bytes as the export of the
+// same job's gathered checkpoint, which loads the whole student; a
+// sharded run without QAD is refused naming quant: nvfp4.
+func TestShardedExportNVFP4(t *testing.T) {
+	dir := t.TempDir()
+	qad := []string{"train.zero=3", "quant=nvfp4", "calib_batches=2"}
+	runRanks(t, 2, shardedRun(t, filepath.Join(dir, "sharded"), 2, qad...), nil)
+	runRanks(t, 2, shardedRun(t, filepath.Join(dir, "gathered"), 2, append(qad, "checkpoint.layout=gathered")...), nil)
+	var files [2][]byte
+	for i, run := range []string{"sharded", "gathered"} {
+		out := filepath.Join(dir, "export-"+run)
+		if _, err := Export(filepath.Join(dir, run), out, ExportOptions{Format: "nvfp4", NoTokenizer: true}); err != nil {
+			t.Fatalf("export nvfp4 of the %s run: %v", run, err)
+		}
+		var err error
+		if files[i], err = os.ReadFile(filepath.Join(out, "model.safetensors")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !bytes.Equal(files[0], files[1]) {
+		t.Errorf("the sharded run's NVFP4 model.safetensors (%d bytes) differs from the gathered run's (%d bytes)", len(files[0]), len(files[1]))
+	}
+	runRanks(t, 2, shardedRun(t, filepath.Join(dir, "bf16"), 2, "train.zero=3"), nil)
+	_, err := Export(filepath.Join(dir, "bf16"), filepath.Join(dir, "x"), ExportOptions{Format: "nvfp4", NoTokenizer: true})
+	if err == nil || !strings.Contains(err.Error(), "quant: nvfp4") {
+		t.Fatalf("nvfp4 export of a sharded run without QAD: %v", err)
+	}
+}

@@ -73,8 +73,8 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 	if _, ok := dt[o.Format]; !ok {
 		return nil, fmt.Errorf("--format %q: want bf16, f32, nvfp4 or peft (a LoRA run's adapters)", o.Format)
 	}
-	if ck, ok := shardedSource(src); ok && (o.Format == "bf16" || o.Format == "f32") {
-		return exportSharded(src, ck, out, dt[o.Format], o)
+	if ck, ok := shardedSource(src); ok && o.Format != "peft" {
+		return exportSharded(src, ck, out, o)
 	}
 	s, st, err := LoadStudent(src)
 	if err != nil {
@@ -129,13 +129,16 @@ func shardedSource(src string) (string, bool) {
 }
 
 // exportSharded is Export of the sharded checkpoint ck (src as the user
-// named it) in BF16 or F32 (dtype): the HF model.safetensors is written
+// named it) in BF16, F32 or NVFP4: the HF model.safetensors is written
 // tensor by tensor from the shards' pieces, so the export holds one
 // tensor in host memory, never the model.
-func exportSharded(src, ck, out, dtype string, o ExportOptions) (*ExportReport, error) {
+func exportSharded(src, ck, out string, o ExportOptions) (*ExportReport, error) {
 	st, err := loadState(ck)
 	if err != nil {
 		return nil, err
+	}
+	if o.Format == "nvfp4" && st.QuantAmax == nil {
+		return nil, fmt.Errorf("--format nvfp4: %s was not trained with quant: nvfp4 (no calibrated amax); train with QAD or export bf16", src)
 	}
 	cfg, err := model.LoadConfig(ck)
 	if err != nil {
@@ -159,7 +162,11 @@ func exportSharded(src, ck, out, dtype string, o ExportOptions) (*ExportReport, 
 		return nil, err
 	}
 	err = writeExport(out, o, rep, et, tmpl, cfg, func(tmp string) error {
-		return model.WriteCheckpointFrom(tmp, cfg, dtype, func(name string, dst []float32) error { return c.read(name, len(dst), 0, dst) })
+		read := func(name string, dst []float32) error { return c.read(name, len(dst), 0, dst) }
+		if o.Format == "nvfp4" {
+			return train.WriteNVFP4From(tmp, cfg, st.QuantAmax, read)
+		}
+		return model.WriteCheckpointFrom(tmp, cfg, map[string]string{"bf16": "BF16", "f32": "F32"}[o.Format], read)
 	})
 	if err != nil {
 		return nil, err
