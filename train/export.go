@@ -294,7 +294,6 @@ func WriteNVFP4From(dir string, cfg *model.Config, amax []float32, read func(nam
 	return nil
 }
 
-
 // scalarF32 is a 0-dimensional F32 tensor.
 func scalarF32(name string, v float32) model.Tensor {
 	t := model.F32Tensor(name, nil, []float32{v})
