@@ -90,7 +90,8 @@ func cpuSeconds() float64 {
 // a row drawn uniformly (a flat softmax: nearly every draw a block of
 // its own), so every block's weights come from memory: the (row, block)
 // pairs grouped by block and each block's logits computed again. It
-// reports pairs/s and the block weights read in GB/s.
+// reports pairs/s, the block weights read in GB/s and the CPU time of a
+// call (its workers' together).
 //
 //	go test ./compute/cpu -run '^$' -bench BlockLogits -benchtime 20x
 func BenchmarkBlockLogits(b *testing.B) {
@@ -115,10 +116,13 @@ func BenchmarkBlockLogits(b *testing.B) {
 	}
 	var sink [2]float32
 	b.ResetTimer()
+	c0 := cpuSeconds()
 	for i := 0; i < b.N; i++ {
 		be.blockLogits(slices.Clone(pairs), xs, ws, hidden, vocab, func(p blockPair, z []float32) { sink[p.row&1] += z[0] })
 	}
 	s := b.Elapsed().Seconds() / float64(b.N)
 	b.ReportMetric(float64(len(pairs))/s, "pairs/s")
 	b.ReportMetric(float64(vocab*hidden*4)/s/1e9, "weights-GB/s")
+	// CPU time (all workers): steadier than wall time on a shared machine.
+	b.ReportMetric((cpuSeconds()-c0)*1e3/float64(b.N), "cpu-ms/op")
 }
