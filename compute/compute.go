@@ -69,6 +69,38 @@
 //     zeroes a gradient arena with one Zero before a backward pass.
 //     RoPEBackward is the one exception: it rotates its gradient in place.
 //
+// # FP8 weights (W8A8)
+//
+// A teacher may hold its decoder blocks' Linear weights in FP8 E4M3
+// (FP8Weights; the embedding, norms, MoE routers and LM head stay as
+// Weight loads them). A weight matrix w (n,k) (n outputs, k inputs) is
+// quantized once, at load, per output channel (row j):
+//
+//	s_j     = amax_j / 448              amax_j = max_c |w[j,c]|; s_j = 1 when amax_j = 0
+//	code    = E4M3(w[j,c] / s_j)        round to nearest even, saturating at ±448
+//	deq(w)  = E4M3Value(code) · s_j
+//
+// MatMul's input x (m,k) is quantized the same way per row (token),
+// dynamically, on every call: t_i = amax_i/448 (1 when amax_i = 0),
+// deq(x)[i,c] = E4M3(x[i,c]/t_i)·t_i; likewise an MoE expert's input
+// rows (the gate/up input and the down input). Then
+//
+//	out[i,j] = Σ_c deq(x)[i,c] · deq(w)[j,c]  (+ bias[j])
+//
+// accumulated in fp32, a BF16 out rounded once at the end. Every scale,
+// division, product and E4M3 rounding is one fp32 operation, so both
+// quantizations give the same codes on every backend; only the order of
+// the fp32 accumulation may differ, and where the scales multiply (the
+// values before the sum, or t_i·s_j the sum of the codes' products after
+// it: the same in exact arithmetic). The CPU backend multiplies the
+// dequantized values (SGEMM); the CUDA backend multiplies the codes on
+// FP8 tensor cores (cuBLASLt) and scales each fp32 sum in an epilogue
+// kernel. A per-row scale makes 448 each row's largest magnitude: no
+// element saturates, and each keeps 3 mantissa bits (2^-4 relative;
+// below 2^-6 of the scale, the subnormals, 2^-10 of the scale
+// absolute). Backward kernels refuse FP8 weights: they are the
+// teacher's.
+//
 // The CPU backend (package compute/cpu) is the reference: every other backend
 // is tested against float64 formulas and finite differences by the same
 // conformance suite (package compute/computetest), with tolerances of its
@@ -85,15 +117,19 @@ type DType uint8
 
 // Element types.
 const (
-	F32  DType = iota // float32
-	BF16              // bfloat16, stored as uint16
-	I32               // int32
+	F32    DType = iota // float32
+	BF16                // bfloat16, stored as uint16
+	I32                 // int32
+	F8E4M3              // float8 E4M3FN: an FP8 weight (FP8Weights), codes with per-row scales
 )
 
 // Size is the bytes of one element.
 func (d DType) Size() int {
-	if d == BF16 {
+	switch d {
+	case BF16:
 		return 2
+	case F8E4M3:
+		return 1 // the code; the per-row scales are beside it
 	}
 	return 4
 }
@@ -106,6 +142,8 @@ func (d DType) String() string {
 		return "bf16"
 	case I32:
 		return "i32"
+	case F8E4M3:
+		return "f8e4m3"
 	}
 	return fmt.Sprintf("dtype(%d)", uint8(d))
 }

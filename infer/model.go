@@ -58,8 +58,18 @@ func (m *Model) Backend() compute.Backend { return m.be }
 // fingerprints must not be mixed.
 func (m *Model) Fingerprint() string { return m.fingerprint }
 
-// Load reads an HF checkpoint directory onto be.
+// Load reads an HF checkpoint directory onto be, its weights as the
+// checkpoint gives them (LoadWith's bf16).
 func Load(dir string, be compute.Backend) (*Model, error) {
+	return LoadWith(dir, be, LoadOptions{})
+}
+
+// LoadWith reads an HF checkpoint directory onto be as o says (FP8
+// weights: LoadOptions.Weights).
+func LoadWith(dir string, be compute.Backend, o LoadOptions) (*Model, error) {
+	if err := o.check(be); err != nil {
+		return nil, err
+	}
 	cfg, err := model.LoadConfig(dir)
 	if err != nil {
 		return nil, err
@@ -69,19 +79,23 @@ func Load(dir string, be compute.Backend) (*Model, error) {
 		return nil, err
 	}
 	defer w.Close()
-	m, err := New(cfg, w, be)
+	if err := checkNotFP8Checkpoint(dir, w); err != nil {
+		return nil, err
+	}
+	m, err := newModel(cfg, w, be, o)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
-	m.fingerprint, err = fingerprint(dir)
+	m.fingerprint, err = fingerprint(dir, o.fingerprintSuffix())
 	if err != nil {
 		return nil, err
 	}
 	return m, nil
 }
 
-// fingerprint hashes config.json and the safetensors files of dir.
-func fingerprint(dir string) (string, error) {
+// fingerprint hashes config.json and the safetensors files of dir, and
+// suffix (the load options that change the outputs; "" for none).
+func fingerprint(dir, suffix string) (string, error) {
 	h := sha256.New()
 	files, _ := filepath.Glob(filepath.Join(dir, "*.safetensors"))
 	sort.Strings(files)
@@ -97,32 +111,26 @@ func fingerprint(dir string) (string, error) {
 			return "", fmt.Errorf("infer: hashing %s: %w", p, err)
 		}
 	}
+	if suffix != "" {
+		fmt.Fprintf(h, "\x00%s", suffix)
+	}
 	return hex.EncodeToString(h.Sum(nil)), nil
 }
 
 // New binds the tensors of w to a model of cfg on be. Missing, extra and
 // mis-shaped tensors are errors naming the tensor.
 func New(cfg *model.Config, w *model.Weights, be compute.Backend) (*Model, error) {
+	return newModel(cfg, w, be, LoadOptions{})
+}
+
+// newModel is New with the load options o.
+func newModel(cfg *model.Config, w *model.Weights, be compute.Backend, o LoadOptions) (*Model, error) {
 	if err := w.Check(cfg); err != nil {
 		return nil, err
 	}
 	d, err := decoder.New(cfg, be, func(name string) (compute.Tensor, compute.Tensor, error) {
-		info, _ := w.Info(name)
-		var src any
-		var err error
-		if info.DType == "BF16" {
-			src, err = w.BF16(name)
-		} else {
-			src, err = w.F32(name)
-		}
-		if err != nil {
-			return nil, nil, err
-		}
-		t, err := be.Weight(src)
-		if err != nil {
-			return nil, nil, fmt.Errorf("tensor %s: %w", name, err)
-		}
-		return t, nil, nil
+		t, err := bindWeight(be, w, name, o)
+		return t, nil, err
 	})
 	if err != nil {
 		return nil, err

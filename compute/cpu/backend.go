@@ -288,8 +288,19 @@ func fp(s []float32) *C.float {
 }
 
 // MatMul implements compute.Backend: out (m,n) = x (m,k) · w (n,k)ᵀ + bias.
+// An FP8 w (WeightFP8) multiplies x's rows quantized per row, as
+// compute's "FP8 weights" defines.
 func (b *Backend) MatMul(out, x, w, bias compute.Tensor, m, n, k int) {
-	o, xs, ws := f32(out), f32(x), f32(w)
+	o, xs := f32(out), f32(x)
+	ws := fp8Values(w)
+	if ws != nil {
+		xq := b.scratch(m * k)
+		defer b.release(xq)
+		b.quantRowsFP8(xq, xs[:m*k], m, k)
+		xs = xq
+	} else {
+		ws = f32(w)
+	}
 	b.sgemm(false, true, m, n, k, 1, xs, k, ws, k, 0, o, n)
 	if bias != nil {
 		bs := f32(bias)

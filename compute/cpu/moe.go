@@ -6,6 +6,7 @@ package cpu
 import "C"
 
 import (
+	"fmt"
 	"math"
 
 	"distill/compute"
@@ -123,6 +124,35 @@ func (be *Backend) gather(xg, x []float32, order []int32, lo, hi, K, H int, amax
 	}
 }
 
+// moeFP8 reports whether m's experts are FP8 weights (WeightFP8): all of
+// them or none (a mix is a caller's bug).
+func moeFP8(m *compute.MoEWeights) bool {
+	n := 0
+	for e := range m.Gate {
+		for _, w := range []compute.Tensor{m.Gate[e], m.Up[e], m.Down[e]} {
+			if cput(w).dt == compute.F8E4M3 {
+				n++
+			}
+		}
+	}
+	if n != 0 && n != 3*len(m.Gate) {
+		panic(fmt.Sprintf("cpu: MoE with %d of its %d expert weights in FP8: want all or none", n, 3*len(m.Gate)))
+	}
+	return n > 0
+}
+
+// expertWeights returns expert e's gate, up and down weights as the GEMMs
+// read them (an FP8 weight's dequantized values).
+func expertWeights(m *compute.MoEWeights, e int) (gate, up, down []float32) {
+	w := func(t compute.Tensor) []float32 {
+		if v := fp8Values(t); v != nil {
+			return v
+		}
+		return f32(t)
+	}
+	return w(m.Gate[e]), w(m.Up[e]), w(m.Down[e])
+}
+
 // MoE implements compute.Backend, as Qwen3MoeSparseMoeBlock (see
 // MoEForward); its scratch is the routing and one expert's rows at a time.
 func (be *Backend) MoE(out, x compute.Tensor, m *compute.MoEWeights, tokens int) {
@@ -145,6 +175,10 @@ func (be *Backend) moeForward(out, x compute.Tensor, m *compute.MoEWeights, s *c
 			order: make([]int32, T*K), off: make([]int32, E+1)}
 	}
 	be.route(&r, xs, m, T)
+	fp8 := moeFP8(m)
+	if fp8 && s != nil {
+		panic("cpu: MoEForward (training) with FP8 experts: FP8 weights are a teacher's, forward only (MoE)")
+	}
 	maxRows := 0
 	for e := 0; e < E; e++ {
 		maxRows = max(maxRows, int(r.off[e+1]-r.off[e]))
@@ -168,13 +202,20 @@ func (be *Backend) moeForward(out, x compute.Tensor, m *compute.MoEWeights, s *c
 			g, u, ye = f32(s.Gate)[lo*I:hi*I], f32(s.Up)[lo*I:hi*I], f32(s.Y)[lo*H:hi*H]
 		}
 		be.gather(xg, xs, r.order, lo, hi, K, H, m.InAmax)
-		be.sgemm(false, true, n, I, H, 1, xg, H, f32(m.Gate[e]), H, 0, g, I)
-		be.sgemm(false, true, n, I, H, 1, xg, H, f32(m.Up[e]), H, 0, u, I)
+		gw, uw, dw := expertWeights(m, e)
+		if fp8 {
+			be.quantRowsFP8(xg[:n*H], xg[:n*H], n, H) // gate_proj and up_proj read the same rows
+		}
+		be.sgemm(false, true, n, I, H, 1, xg, H, gw, H, 0, g, I)
+		be.sgemm(false, true, n, I, H, 1, xg, H, uw, H, 0, u, I)
 		C.k_swiglu(fp(h), fp(g), fp(u), C.long(n*I))
 		if m.HAmax > 0 {
 			be.fakeQuantRows(h[:n*I], n, I, m.HAmax)
 		}
-		be.sgemm(false, true, n, H, I, 1, h, I, f32(m.Down[e]), I, 0, ye, H)
+		if fp8 {
+			be.quantRowsFP8(h[:n*I], h[:n*I], n, I)
+		}
+		be.sgemm(false, true, n, H, I, 1, h, I, dw, I, 0, ye, H)
 		// An expert's rows are distinct tokens: the scatter splits freely.
 		be.rows(n, H, func(_, i0, i1 int) {
 			for i := i0; i < i1; i++ {

@@ -19,6 +19,7 @@ import (
 
 // MatMulBackward implements compute.Backend.
 func (b *Backend) MatMulBackward(dx, dw, dbias, dout, x, w compute.Tensor, m, n, k int) {
+	refuseFP8(w, "MatMulBackward")
 	d, xs, ws := f32(dout), f32(x), f32(w)
 	if dx != nil {
 		b.sgemm(false, false, m, k, n, 1, d, n, ws, k, 1, f32(dx), k)
