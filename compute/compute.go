@@ -238,6 +238,12 @@ type Backend interface {
 	// (act) (a LoRA adapter's term into its Linear's output: a BF16 a is
 	// rounded once after the sum).
 	Add(a, b Tensor, n int)
+	// Dropout: x (rows, cols) (act) -> out (rows, cols) (act) =
+	// x·d.Scale where d keeps the element (DropoutMask.Keep, row r the
+	// r-th row of x), 0 elsewhere: inverted dropout with a mask every
+	// backend draws alike (a LoRA adapter's lora_dropout). The product is
+	// fp32; a BF16 out is rounded once. out must not alias x.
+	Dropout(out, x Tensor, d *DropoutMask, rows, cols int)
 	// AddRMSNorm is Add then RMSNorm of the sum, in one pass where the
 	// backend fuses them (the residual connection and the next norm):
 	// a (rows,dim) += b (rows,dim), both F32; out (rows,dim) (act) =
@@ -334,6 +340,11 @@ type Backend interface {
 	// input as that of x. The top-k choice is piecewise constant: it has
 	// no gradient.
 	MoEBackward(dx Tensor, dm *MoEWeights, dout, x Tensor, m *MoEWeights, s *MoESaved, dprob Tensor, tokens int)
+
+	// DropoutBackward of Dropout: dout (rows, cols) F32 -> dx (rows,
+	// cols) F32 += dout·d.Scale where d keeps the element (nothing
+	// elsewhere). The mask is drawn again, never stored.
+	DropoutBackward(dx, dout Tensor, d *DropoutMask, rows, cols int)
 
 	// --- Optimizer.
 

@@ -14,7 +14,10 @@
 // finite differences run on strided subsets to stay affordable.
 //
 // LoRALinear checks compute.LoRA (a LoRA adapter composed of the
-// contract's kernels) on a frozen base Linear, forward and backward.
+// contract's kernels) on a frozen base Linear, forward and backward,
+// without and with dropout on the adapter's input; Dropout holds
+// Dropout and DropoutBackward to compute.DropoutMask bit for bit (every
+// backend draws the same masks).
 //
 // MoEBackward checks MoEForward and MoEBackward (the Qwen3-MoE block's
 // training pair) against float64 formulas and finite differences, router
@@ -147,6 +150,7 @@ func (s *suite) run(t *testing.T) {
 		{"LossHeadForward", s.lossHeadForward, true},
 		{"LossHeadBackward", s.lossHeadBackward, true},
 		{"MoEBackward", s.moeBackward, true},
+		{"Dropout", s.dropout, true},
 		{"LoRALinear", s.loraLinear, true},
 	} {
 		if c.train && s.forwardOnly {
@@ -188,6 +192,7 @@ func (s *suite) runAct(t *testing.T) {
 		{"FakeQuantNVFP4", s.fakeQuant, true},
 		{"LossHeadForward", s.lossHeadForward, true},
 		{"LossHeadBackward", s.lossHeadBackward, true},
+		{"Dropout", s.dropout, true},
 		{"LoRALinear", s.loraLinear, true},
 	} {
 		if c.train && s.forwardOnly {

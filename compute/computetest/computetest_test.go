@@ -45,6 +45,16 @@ func (c *counting) SwiGLUBackward(dgate, dup, dout, gate, up compute.Tensor, n i
 	c.Backend.SwiGLUBackward(dgate, dup, dout, gate, up, n)
 }
 
+func (c *counting) Dropout(out, x compute.Tensor, d *compute.DropoutMask, rows, cols int) {
+	c.calls["Dropout"]++
+	c.Backend.Dropout(out, x, d, rows, cols)
+}
+
+func (c *counting) DropoutBackward(dx, dout compute.Tensor, d *compute.DropoutMask, rows, cols int) {
+	c.calls["DropoutBackward"]++
+	c.Backend.DropoutBackward(dx, dout, d, rows, cols)
+}
+
 func (c *counting) AdamW(p, g, m, v compute.Tensor, n int, s compute.AdamWStep) {
 	c.calls["AdamW"]++
 	c.Backend.AdamW(p, g, m, v, n, s)
@@ -82,7 +92,7 @@ func (c *counting) LossHeadBackward(h *compute.LossHead, co *compute.LossCoef, d
 
 var trainingMethods = []string{"MatMulBackward", "EmbedBackward", "RMSNormBackward", "RoPEBackward",
 	"AttentionBackward", "SwiGLUBackward", "AdamW", "SumSquares", "Scale", "AbsMax", "FakeQuantNVFP4",
-	"LossHeadForward", "LossHeadBackward"}
+	"LossHeadForward", "LossHeadBackward", "Dropout", "DropoutBackward"}
 
 // TestRunForwardLeavesOutTraining: RunForward (what a forward-only backend
 // runs) calls none of the training methods, and Run (the CPU's run) still

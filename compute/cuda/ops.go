@@ -473,6 +473,36 @@ func (b *Backend) Add(aT, bT compute.Tensor, n int) {
 	b.ew("k_add", int64(n), dptr(a.p), dptr(c.p), int64(n))
 }
 
+// Dropout implements compute.Backend (k_dropout: one thread per four
+// columns of a row).
+func (b *Backend) Dropout(outT, xT compute.Tensor, d *compute.DropoutMask, rows, cols int) {
+	defer b.enter()()
+	b.wroteT(outT)
+	out, x := b.ten(outT, "Dropout out"), b.ten(xT, "Dropout x")
+	need(out, "Dropout out", rows*cols, act...)
+	need(x, "Dropout x", rows*cols, act...)
+	k0, k1, row, step, thr := dropoutArgs(d)
+	b.ew("k_dropout", int64(rows)*int64((cols+3)/4), dptr(out.p), bf16Flag(out), dptr(x.p), bf16Flag(x), int64(rows), int32(cols),
+		k0, k1, row, step, thr, d.Scale)
+}
+
+// DropoutBackward implements compute.Backend (k_dropout_bwd).
+func (b *Backend) DropoutBackward(dxT, doutT compute.Tensor, d *compute.DropoutMask, rows, cols int) {
+	defer b.enter()()
+	b.wroteT(dxT)
+	dx, dout := b.ten(dxT, "DropoutBackward dx"), b.ten(doutT, "DropoutBackward dout")
+	need(dx, "DropoutBackward dx", rows*cols, compute.F32)
+	need(dout, "DropoutBackward dout", rows*cols, compute.F32)
+	k0, k1, row, step, thr := dropoutArgs(d)
+	b.ew("k_dropout_bwd", int64(rows)*int64((cols+3)/4), dptr(dx.p), dptr(dout.p), int64(rows), int32(cols), k0, k1, row, step, thr, d.Scale)
+}
+
+// dropoutArgs are a mask's 32-bit words as the kernels' int parameters
+// (the same bits; the kernels read them as u32).
+func dropoutArgs(d *compute.DropoutMask) (k0, k1, row, step, thr int32) {
+	return int32(d.Key[0]), int32(d.Key[1]), int32(d.Row), int32(d.Step), int32(d.Threshold)
+}
+
 // f32Weight returns an F32 copy of a weight t (made once for weights, a
 // scratch copy the caller frees otherwise).
 func (b *Backend) f32Operand(t *tensor) (p uint64, scratch uint64) {

@@ -1,4 +1,4 @@
-// Elementwise kernels: dtype conversion, SwiGLU, residual add, bias, the
+// Elementwise kernels: dtype conversion, SwiGLU, residual add, bias, dropout, the
 // embedding gather. All are grid-stride loops over a flat index; the host
 // picks the grid (geometry.go: elementwiseGrid).
 
@@ -117,6 +117,66 @@ DK_KERNEL void k_embed(float *__restrict__ out, const void *__restrict__ table, 
 	}
 }
 
+// philox4x32 is Philox4x32-10 on c with key (k0, k1), in place: the
+// counter-based generator of the dropout masks, compute.Philox4x32 (whose
+// test holds it to Random123's known answers) step for step. The 32x32
+// products are 64-bit, their high and low words Philox's mulhilo.
+DK_DEV void philox4x32(u32 c[4], u32 k0, u32 k1) {
+	for (int r = 0; r < 10; r++) {
+		if (r > 0) {
+			k0 += 0x9E3779B9u;
+			k1 += 0xBB67AE85u;
+		}
+		u64 p0 = (u64)0xD2511F53u * c[0], p1 = (u64)0xCD9E8D57u * c[2];
+		u32 n0 = (u32)(p1 >> 32) ^ c[1] ^ k0, n2 = (u32)(p0 >> 32) ^ c[3] ^ k1;
+		c[0] = n0;
+		c[1] = (u32)p1;
+		c[2] = n2;
+		c[3] = (u32)p0;
+	}
+}
+
+// The dropout mask of compute.DropoutMask: element (r, c) of a (rows,
+// cols) activation is kept when word c%4 of Philox({c/4, r, row, step},
+// key) is >= thr. One thread per four columns of a row: one Philox call.
+
+// out (rows, cols) (act) = x·scale where kept, else 0; the product fp32,
+// a BF16 out rounded once (compute's Dropout).
+DK_KERNEL void k_dropout(void *__restrict__ out, int out_bf, const void *__restrict__ x, int x_bf, i64 rows, int cols, int k0, int k1,
+                         int row, int step, int thr, float scale) {
+	int g4 = (cols + 3) / 4;
+	i64 total = rows * (i64)g4;
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+		i64 r = i / g4;
+		int g = (int)(i - r * g4);
+		u32 w[4] = {(u32)g, (u32)r, (u32)row, (u32)step};
+		philox4x32(w, (u32)k0, (u32)k1);
+		for (int j = 0; j < 4 && 4 * g + j < cols; j++) {
+			i64 e = r * cols + 4 * g + j;
+			st_act(out, out_bf, e, w[j] >= (u32)thr ? __fmul_rn(ld_act(x, x_bf, e), scale) : 0.0f);
+		}
+	}
+}
+
+// dx (rows, cols) F32 += dout·scale where kept (compute's
+// DropoutBackward): the product rounded before the sum, as compute/cpu
+// (no fused multiply-add), so the two agree bit for bit.
+DK_KERNEL void k_dropout_bwd(float *__restrict__ dx, const float *__restrict__ dout, i64 rows, int cols, int k0, int k1, int row, int step,
+                             int thr, float scale) {
+	int g4 = (cols + 3) / 4;
+	i64 total = rows * (i64)g4;
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+		i64 r = i / g4;
+		int g = (int)(i - r * g4);
+		u32 w[4] = {(u32)g, (u32)r, (u32)row, (u32)step};
+		philox4x32(w, (u32)k0, (u32)k1);
+		for (int j = 0; j < 4 && 4 * g + j < cols; j++) {
+			i64 e = r * cols + 4 * g + j;
+			if (w[j] >= (u32)thr) dx[e] += __fmul_rn(dout[e], scale);
+		}
+	}
+}
+
 DK_REGISTER(k_f32_to_bf16)
 DK_REGISTER(k_bf16_to_f32)
 DK_REGISTER(k_f32_to_bf16_x4)
@@ -129,3 +189,5 @@ DK_REGISTER(k_add_to_act)
 DK_REGISTER(k_add_bf16)
 DK_REGISTER(k_add_bias)
 DK_REGISTER(k_embed)
+DK_REGISTER(k_dropout)
+DK_REGISTER(k_dropout_bwd)

@@ -90,6 +90,7 @@ static inline int __float_as_int(float f) { return (int)__float_as_uint(f); }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dsub_rn(double a, double b) { return a - b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline double __ddiv_rn(double a, double b) { return a / b; }
 static inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
 static inline float __double2float_rn(double d) { return (float)d; }
