@@ -10,13 +10,19 @@ package compute
 // composition of its kernels (MatMul, Scale, Add, MatMulBackward), so
 // every backend runs it unchanged; the conformance suite checks it
 // against float64 formulas and finite differences (subtest LoRALinear).
-// Dropout, which PEFT applies to x before A, is the caller's: it hands
-// the dropped-out x to both methods.
+// Dropout, which PEFT applies to x before A (lora_dropout, training
+// only), is the caller's: in training it hands both methods the dropped-out
+// x, Backward a scratch dx, and passes that through DropoutBackward into
+// its dx (see the conformance suite's LoRALinear/Dropout).
 type LoRA struct {
 	A, B          Tensor // (Rank, In), (Out, Rank) F32
 	DA, DB        Tensor // their gradients (F32, +=); nil when not training
 	Rank, In, Out int
 	Scale         float32
+	// Dropout is lora_dropout's p (0: none) and Stream the adapter's
+	// DropoutMask key: the caller's, read by neither method.
+	Dropout float64
+	Stream  uint64
 }
 
 // Forward adds the adapter's term to out (m, Out), which holds the base

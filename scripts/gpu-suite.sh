@@ -92,7 +92,9 @@
 #                   to $OUT/curve-qwen3.jsonl and curve-qwen2.jsonl
 #   train-qad       students (Qwen3, Qwen3-MoE) trained with NVFP4 QAD on the
 #                   GPU export NVFP4 weights that decode to the GPU's
-#                   fake-quantized ones bit for bit
+#                   fake-quantized ones bit for bit; LoRA students on the
+#                   GPU (TestCUDALoRA*: BF16 base, gradients and dropout
+#                   masks against the CPU's)
 #   train-resume    on the GPU: a run stopped after a checkpoint and resumed,
 #                   and a run SIGKILLed mid-training and resumed, repeat the
 #                   uninterrupted run's losses bit for bit; the GPU's
@@ -289,7 +291,7 @@ s_device() {
 }
 
 # The training kernels' tests (train_test.go) and the contract's suite.
-train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|MoETrainConformance|KernelsCompile'
+train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|MoETrainConformance|DropoutMatchesCPU|KernelsCompile'
 
 s_train-test() {
   step train-test 80 "$T" -test.v -test.count=1 -test.timeout=75s -test.run "$train_tests"
@@ -307,7 +309,7 @@ s_train-curve() {
 }
 
 s_train-qad() {
-  STEP_DIR=train step train-qad 30 "$BIN/train.test" -test.v -test.count=1 -test.timeout=25s -test.run 'TestCUDAQADExport'
+  STEP_DIR=train step train-qad 30 "$BIN/train.test" -test.v -test.count=1 -test.timeout=25s -test.run 'TestCUDAQADExport|TestCUDALoRA'
 }
 
 s_train-resume() {

@@ -332,7 +332,7 @@ func (s *Student) headTopK(lnf compute.Tensor, N, k int) ([]int32, []float32) {
 // teacher's own LM-head kernel with k = V. Memory is N·V floats and time
 // O(N·V·log V): for tests and small batches (Predict uses k = 1).
 func (s *Student) LogProbs(b *Batch) ([]float32, error) {
-	lnf, err := s.forward(b)
+	lnf, err := s.forward(b, nil)
 	if err != nil {
 		return nil, err
 	}

@@ -22,9 +22,18 @@ import (
 // LoRA students (Hu et al., 2021, with PEFT's semantics): the base model
 // is frozen and every targeted Linear gets an adapter,
 //
-//	y = x·Wᵀ + (alpha/r)·x·Aᵀ·Bᵀ,   A (r, in) Kaiming-uniform, B (out, r) zero,
+//	y = x·Wᵀ + (alpha/r)·dropout(x)·Aᵀ·Bᵀ,   A (r, in) Kaiming-uniform, B (out, r) zero,
 //
-// so training starts from the base's outputs exactly. Only the adapters
+// so training starts from the base's outputs exactly. The dropout
+// (lora_dropout p, inverted: kept inputs scaled by 1/(1-p)) acts in
+// ForwardBackward only, never in Forward (evaluation) or the merged
+// export. Its masks come from a counter-based generator
+// (compute.DropoutMask: Philox4x32-10) keyed by model.lora.seed, the
+// adapter's layer and module (dropoutStream), the optimizer step and the
+// row's index in the step (SetStepRow), and counted by the element's
+// token and column in the row: nothing a checkpoint does not hold, so a
+// resumed run draws the uninterrupted run's masks, and a data-parallel
+// rank draws for a row what one process would. Only the adapters
 // are parameters: Tensors, the parameter and gradient arenas, Groups,
 // Weights and the optimizer's moments hold them alone (fp32), and the
 // rest of the training machinery (accumulation, clipping, AdamW, ZeRO-1,
@@ -63,7 +72,7 @@ type LoRAConfig struct {
 	// init_lora_weights=True: Kaiming-uniform with a = sqrt(5), i.e.
 	// U(-1/sqrt(in), 1/sqrt(in))) or "gaussian" (N(0, 1/r²)). B is zero.
 	Init string `json:"init"`
-	// Seed draws A.
+	// Seed draws A and keys the dropout masks (dropoutStream).
 	Seed uint64 `json:"seed"`
 	// NVFP4: the base is held NVFP4-fake-quantized (QLoRA-style).
 	NVFP4 bool `json:"nvfp4,omitempty"`
@@ -83,8 +92,6 @@ func (c *LoRAConfig) Check(cfg *model.Config) error {
 		return fmt.Errorf("%w: model.lora.alpha %g: want a positive number (the adapters' scale is alpha/rank)", ErrInvalid, c.Alpha)
 	case !(c.Dropout >= 0 && c.Dropout < 1):
 		return fmt.Errorf("%w: model.lora.dropout %g: want 0 <= dropout < 1", ErrInvalid, c.Dropout)
-	case c.Dropout != 0:
-		return fmt.Errorf("%w: model.lora.dropout %g: dropout on the adapters' input is not supported yet; set model.lora.dropout: 0 (PEFT's default)", ErrInvalid, c.Dropout)
 	case c.Init != "kaiming" && c.Init != "gaussian":
 		return fmt.Errorf("%w: model.lora.init %q: want kaiming (PEFT's default) or gaussian", ErrInvalid, c.Init)
 	case len(c.Targets) == 0:
@@ -124,6 +131,29 @@ func (c *LoRAConfig) loraTarget(name string) (module string, ok bool) {
 	lin := strings.TrimSuffix(name, ".weight")
 	module = lin[strings.LastIndex(lin, ".")+1:]
 	return module, slices.Contains(c.Targets, module)
+}
+
+// dropoutStream is the dropout key (compute.DropoutMask.Key) of the
+// adapter on Linear lin ("model.layers.3.self_attn.q_proj"): SplitMix64's
+// finalizer chained over a tag, the seed, the layer and the module's
+// index in LoRAModules, so that every adapter draws masks of its own (as
+// PEFT gives each adapted module its own nn.Dropout) and the seed moves
+// them all. Format of the masks: changing it changes what a resumed run
+// draws.
+func dropoutStream(seed uint64, lin string) uint64 {
+	module := slices.Index(LoRAModules, lin[strings.LastIndex(lin, ".")+1:])
+	h := splitmix64(seed ^ 0x6c6f_7261_2d64_726f) // "lora-dro"
+	h = splitmix64(h ^ uint64(blockOf(lin+".weight")))
+	return splitmix64(h ^ uint64(module))
+}
+
+// splitmix64 is SplitMix64's output function on x + the golden gamma
+// (Steele, Lea and Flood, 2014), a 64-bit mixer.
+func splitmix64(x uint64) uint64 {
+	x += 0x9e3779b97f4a7c15
+	x = (x ^ x>>30) * 0xbf58476d1ce4e5b9
+	x = (x ^ x>>27) * 0x94d049bb133111eb
+	return x ^ x>>31
 }
 
 // BaseSource returns a base tensor's values by HF name (the whole
@@ -250,7 +280,8 @@ func NewLoRAStudentOn(cfg *model.Config, be compute.Backend, base BaseSource, lc
 		a, b := s.Tensors[ab[0]], s.Tensors[ab[1]]
 		return &compute.LoRA{A: be.View(s.params, a.Off, a.N), B: be.View(s.params, b.Off, b.N),
 			DA: be.View(s.grads, a.Off, a.N), DB: be.View(s.grads, b.Off, b.N),
-			Rank: lc.Rank, In: l.In, Out: l.Out, Scale: lc.Scale()}
+			Rank: lc.Rank, In: l.In, Out: l.Out, Scale: lc.Scale(),
+			Dropout: lc.Dropout, Stream: dropoutStream(lc.Seed, l.Name)}
 	}); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}

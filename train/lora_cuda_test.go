@@ -104,3 +104,79 @@ func TestCUDALoRA(t *testing.T) {
 		}
 	}
 }
+
+// TestCUDALoRADropout: with lora_dropout 0.3 the CUDA backend (the
+// emulator; the GPU under DISTILL_CUDA_TEST=gpu) and the CPU draw the
+// same masks in a whole student's forward and backward: at the same
+// (step, row) their losses agree within BF16's rounding and their
+// adapters' gradients norm-wise within 5%, while another row's masks move
+// the gradients by more than that (so the check would see other masks).
+func TestCUDALoRADropout(t *testing.T) {
+	cudaemu.Use(t)
+	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	cfg := tinyConfig(model.ArchQwen3, false)
+	w := model.Init(cfg, model.InitOptions{Seed: 3, Std: 0.1, Perturb: true})
+	lc := LoRAConfig{Rank: 4, Alpha: 8, Targets: allTargets, Init: "kaiming", Seed: 1, Dropout: 0.3}
+	g, err := NewLoRAStudentOn(cfg, be, mapSource(w), lc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Free()
+	c := newLoRA(t, cfg, w, lc)
+	defer c.Free()
+	ad := map[string][]float32{}
+	for name, v := range c.Weights() {
+		v = append([]float32(nil), v...)
+		if strings.HasSuffix(name, "lora_B.weight") {
+			for i := range v {
+				v[i] = float32(math.Sin(float64(i))) * 0.2
+			}
+		}
+		ad[name] = v
+	}
+	if err := c.Load(ad); err != nil {
+		t.Fatal(err)
+	}
+	if err := g.Load(ad); err != nil {
+		t.Fatal(err)
+	}
+	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.5}
+	b := testBatch(4, cfg.VocabSize, 6)
+	run := func(s *Student, step, row int) (float64, []float32) {
+		s.ZeroGrad()
+		s.SetStepRow(step, row)
+		st, err := s.ForwardBackward(b, &opt, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		gr := make([]float32, s.grads.Len())
+		s.be.ReadF32(s.grads, gr)
+		return st.Loss, gr
+	}
+	cl, cg := run(c, 2, 1)
+	_, other := run(c, 2, 0)
+	gl, gg := run(g, 2, 1)
+	if math.Abs(cl-gl) > 2e-2*math.Abs(cl) {
+		t.Fatalf("loss: CUDA %.8g, CPU %.8g", gl, cl)
+	}
+	moved := false
+	for _, ts := range c.Tensors {
+		want, got, oth := cg[ts.Off:ts.Off+ts.N], gg[ts.Off:ts.Off+ts.N], other[ts.Off:ts.Off+ts.N]
+		var d, o, m float64
+		for i := range want {
+			d, m = max(d, math.Abs(float64(got[i]-want[i]))), max(m, math.Abs(float64(want[i])))
+			o = max(o, math.Abs(float64(oth[i]-want[i])))
+		}
+		if !(d <= 0.05*m) {
+			t.Errorf("%s: max |CUDA - CPU| %.3g > 5%% of max |grad| %.3g", ts.Name, d, m)
+		}
+		moved = moved || o > 0.05*m
+	}
+	if !moved {
+		t.Fatal("another row's masks leave every gradient within 5%: the comparison could not see a wrong mask")
+	}
+}

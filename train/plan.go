@@ -252,7 +252,7 @@ func PlanMemory(s PlanShape) MemoryPlan {
 	if s.LoRA != nil {
 		s.QAD = false
 		p.Shape.QAD = false
-		base, adapters, rank, out := loraCounts(cfg, s.LoRA)
+		base, adapters, rank, out, dropIn := loraCounts(cfg, s.LoRA)
 		add(TermLoRABase, int64(s.Activations.Size())*base, false, false)
 		add(TermParams, 4*adapters, false, false)
 		// The adapters' gradients, the LM head's discarded one, the
@@ -260,7 +260,7 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		add(TermGrads, 4*adapters+4*int64(cfg.VocabSize)*int64(cfg.Hidden)+4*int64(max(cfg.Hidden, cfg.HeadDim)), false, false)
 		add(TermMoments, shard(1, 8*adapters), false, false)
 		add(TermShadows, 2*adapters, false, false)
-		add(TermLoRAScratch, decoder.LoRAScratchBytes(max(s.RowTokens, 1), rank, out), true, false)
+		add(TermLoRAScratch, decoder.LoRAScratchBytes(max(s.RowTokens, 1), rank, out, dropIn, s.Activations), true, false)
 	} else if s.ZeRO >= 2 {
 		// Sharding's layout: a rank's parts of every unit (master,
 		// gradients, moments), one block's whole gradients and those of
@@ -430,9 +430,10 @@ func attnWorkspaceEstimate(T, H, KV, D int64) int64 {
 }
 
 // loraCounts are a LoRA student's element counts: its base (each tensor
-// aligned as its arena aligns it), its adapters, and the largest rank and
-// adapted output width (the scratch's shape).
-func loraCounts(cfg *model.Config, lc *LoRAConfig) (base, adapters int64, rank, out int) {
+// aligned as its arena aligns it), its adapters, and the largest rank,
+// adapted output width and, under dropout, adapted input width (the
+// scratch's shape).
+func loraCounts(cfg *model.Config, lc *LoRAConfig) (base, adapters int64, rank, out, dropIn int) {
 	for _, t := range cfg.Tensors() {
 		n := int64(1)
 		for _, d := range t.Shape {
@@ -442,9 +443,12 @@ func loraCounts(cfg *model.Config, lc *LoRAConfig) (base, adapters int64, rank, 
 		if _, ok := lc.loraTarget(t.Name); ok {
 			adapters += int64(lc.Rank) * int64(t.Shape[0]+t.Shape[1])
 			rank, out = lc.Rank, max(out, t.Shape[0])
+			if lc.Dropout > 0 {
+				dropIn = max(dropIn, t.Shape[1])
+			}
 		}
 	}
-	return base, adapters, rank, out
+	return base, adapters, rank, out, dropIn
 }
 
 // lossTileBudget is compute/cuda's bound on the loss head's logit tile.

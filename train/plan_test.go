@@ -338,3 +338,34 @@ func TestExpertParallelSaving(t *testing.T) {
 		t.Errorf("ZeRO 3: EP saves %d, want 12 bytes x %d expert parameters a layer", got, per)
 	}
 }
+
+// TestPlanLoRADropout: lora_dropout adds to the adapters' scratch the
+// dropout's input (activation dtype) and gradient (fp32), a row's tokens
+// times the widest adapted input (down_proj's: the intermediate size),
+// and nothing else.
+func TestPlanLoRADropout(t *testing.T) {
+	cfg := tinyConfig(model.ArchQwen3, false)
+	lc := LoRAConfig{Rank: 4, Alpha: 8, Targets: allTargets, Init: "kaiming"}
+	shape := PlanShape{Model: cfg, RowTokens: 100, K: 8, Activations: compute.BF16, LoRA: &lc}
+	terms := func(p MemoryPlan) map[string]int64 {
+		m := map[string]int64{}
+		for _, x := range p.Terms {
+			m[x.Name] += x.Bytes
+		}
+		return m
+	}
+	a := terms(PlanMemory(shape))
+	d := lc
+	d.Dropout = 0.1
+	shape.LoRA = &d
+	b := terms(PlanMemory(shape))
+	for name, v := range a {
+		want := v
+		if name == TermLoRAScratch {
+			want += int64(100 * cfg.Intermediate * (2 + 4))
+		}
+		if b[name] != want {
+			t.Errorf("%s: %d bytes with dropout, want %d (%d without)", name, b[name], want, v)
+		}
+	}
+}

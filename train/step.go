@@ -15,10 +15,15 @@ import (
 type Batch = loss.Targets
 
 // forward checks the batch and runs the decoder, returning the LM head's
-// input (N, hidden). An MoE student's routing statistics are read (s.routing).
-func (s *Student) forward(b *Batch) (compute.Tensor, error) {
+// input (N, hidden). An MoE student's routing statistics are read
+// (s.routing). key, when not nil, keys a LoRA student's dropout (a
+// training batch).
+func (s *Student) forward(b *Batch, key *stepRow) (compute.Tensor, error) {
 	if err := b.Check(s.Cfg.VocabSize); err != nil {
 		return nil, err
+	}
+	if key != nil {
+		s.Model.SetLoRADropout(key.step, key.row)
 	}
 	lnf, err := s.Model.TrainForward(b.Tokens, b.Starts)
 	if err != nil {
@@ -72,7 +77,7 @@ func (s *Student) Forward(b *Batch, opt *loss.Options) (st loss.Stats, err error
 	if err := opt.Validate(); err != nil {
 		return loss.Stats{}, err
 	}
-	x, err := s.forward(b)
+	x, err := s.forward(b, nil)
 	if err != nil {
 		return loss.Stats{}, err
 	}
@@ -99,7 +104,12 @@ func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float6
 	if err := opt.Validate(); err != nil {
 		return loss.Stats{}, err
 	}
-	x, err := s.forward(b)
+	key := s.row
+	s.row = nil
+	if s.lora != nil && s.lora.cfg.Dropout > 0 && key == nil {
+		return loss.Stats{}, fmt.Errorf("%w: ForwardBackward of a LoRA student with dropout (p %g) needs the row's place to key its masks: call SetStepRow(step, row) before each row", ErrInvalid, s.lora.cfg.Dropout)
+	}
+	x, err := s.forward(b, key)
 	if err != nil {
 		return loss.Stats{}, err
 	}
@@ -124,6 +134,18 @@ func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float6
 	s.Model.Backward()
 	return st, nil
 }
+
+// stepRow is a training row's place: the optimizer step and the row's
+// index in it (SetStepRow).
+type stepRow struct{ step, row uint32 }
+
+// SetStepRow says where the next ForwardBackward's batch is in training:
+// step, the optimizer step (from 1), and row, the packed row's index in
+// the step's rows (over every rank of a data-parallel group). A LoRA
+// student with dropout keys its masks by them (and needs them: a
+// ForwardBackward without is an error); for any other student they mean
+// nothing. They hold for one ForwardBackward.
+func (s *Student) SetStepRow(step, row int) { s.row = &stepRow{uint32(step), uint32(row)} }
 
 // EnableQAD switches on NVFP4 fake quantization of every Linear's weight
 // and input, MoE experts included (not lm_head, not the embeddings, not

@@ -59,6 +59,7 @@ type Student struct {
 	lora          *loraState     // a LoRA student (NewLoRAStudentOn): its frozen base
 	head          *loss.Head
 	routing       decoder.RouterStats // of the last forward (MoE students)
+	row           *stepRow            // the next ForwardBackward's place (SetStepRow)
 }
 
 // Routing returns the MoE routing statistics of the last Forward or

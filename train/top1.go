@@ -5,7 +5,7 @@ package train
 // normalized over the full vocabulary: Predict and the confidence the
 // expected calibration error bins.
 func (s *Student) Top1(b *Batch) ([]int32, []float32, error) {
-	lnf, err := s.forward(b)
+	lnf, err := s.forward(b, nil)
 	if err != nil {
 		return nil, nil, err
 	}

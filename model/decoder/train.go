@@ -328,8 +328,10 @@ func (m *Model) grow(t *compute.Tensor, dt compute.DType, n int) {
 // starts[nSeq] = N), saving every activation the backward needs, and
 // returns the final normed hidden states (N, hidden), the LM head's input:
 // a view valid until the next TrainForward. It turns the load-balancing
-// loss off until SetRouterAux.
+// loss off until SetRouterAux, and applies the LoRA adapters' dropout
+// only when SetLoRADropout keyed it.
 func (m *Model) TrainForward(tokens, starts []int32) (compute.Tensor, error) {
+	m.lora.cur, m.lora.next = m.lora.next, nil // the dropout's key is this batch's only
 	N := len(tokens)
 	if err := checkStarts(starts, N); err != nil {
 		return nil, err

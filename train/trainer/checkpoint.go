@@ -30,9 +30,9 @@ type State struct {
 	OptSteps int   `json:"opt_steps"` // AdamW's bias-correction count (steps skipped for a non-finite norm excluded)
 	Tokens   int64 `json:"tokens"`    // training tokens consumed
 	// Data position: the epoch and how many samples its iterator yielded.
-	// The data order is the RNG state of this trainer (nothing else in a
-	// step draws random numbers: no dropout), a pure function of
-	// (DataSeed + Epoch).
+	// The data order is the RNG state of this trainer, a pure function
+	// of (DataSeed + Epoch); a LoRA student's dropout masks are keyed by
+	// the step and row (and the config), so they hold no state either.
 	Epoch    int    `json:"epoch"`
 	EpochPos int64  `json:"epoch_pos"`
 	DataSeed uint64 `json:"data_seed"`

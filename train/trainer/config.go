@@ -68,12 +68,12 @@ type ModelConfig struct {
 type LoRAModel struct {
 	Rank    int      `yaml:"rank"`
 	Alpha   *float64 `yaml:"alpha"`   // absent: 8, PEFT's default
-	Dropout float64  `yaml:"dropout"` // 0 only, for now
+	Dropout float64  `yaml:"dropout"` // lora_dropout p, 0 <= p < 1 (default 0)
 	// Targets are HF/PEFT module names; absent: q_proj, v_proj (PEFT's
 	// default for Llama and Qwen).
 	Targets []string `yaml:"targets"`
 	Init    string   `yaml:"init"` // kaiming (default) or gaussian
-	Seed    uint64   `yaml:"seed"` // draws A
+	Seed    uint64   `yaml:"seed"` // draws A and keys the dropout masks
 }
 
 // TrainLoRA is model.lora as package train takes it (defaults applied),

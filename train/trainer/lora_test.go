@@ -205,7 +205,7 @@ func TestLoRAConfigErrors(t *testing.T) {
 		{"model.lora={rank: 0}", "model.lora.rank 0"},
 		{"model.lora={rank: 8, targets: [q_proj, attn_proj]}", `"attn_proj" is not a module of a llama, qwen2 or qwen3 student; the modules are q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj`},
 		{"model.lora={rank: 8, init: xavier}", "model.lora.init"},
-		{"model.lora={rank: 8, dropout: 0.1}", "model.lora.dropout"},
+		{"model.lora={rank: 8, dropout: 1}", "model.lora.dropout"},
 	} {
 		p := filepath.Join(t.TempDir(), "c.yaml")
 		os.WriteFile(p, []byte(fmt.Sprintf("run_dir: %s\nmodel: {random: {arch: qwen3}, tokenizer_fingerprint: x}\ndata: {cache: [%s]}\n", t.TempDir(), b.CacheDir)), 0o644)
@@ -248,4 +248,64 @@ func TestLoRAPaths(t *testing.T) {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
+}
+
+// TestLoRADropoutRun: a LoRA run with model.lora.dropout 0.1 differs from
+// the same run without dropout from step 1 on (B starts at zero, so step
+// 1's loss is the base's either way, but its gradient norm differs), a
+// stop and resume repeats the straight run bit for bit (the masks are
+// keyed by the step and row, which the checkpoint's step gives back), and
+// two data-parallel ranks follow the one-process run within fp32
+// reordering (a row draws its masks by its index in the step, whichever
+// rank runs it).
+func TestLoRADropoutRun(t *testing.T) {
+	b := testCache(t)
+	drop := append(slices.Clone(loraOver), "model.lora.dropout=0.1")
+	plain, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "plain"), loraOver...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	straight, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "straight"), drop...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p, s := plain.Steps[0], straight.Steps[0]; p.Loss != s.Loss || p.GradNorm == s.GradNorm {
+		t.Fatalf("step 1: loss %.10g vs %.10g (want equal: B is zero), |g| %.10g vs %.10g (want different: dropout)", p.Loss, s.Loss, p.GradNorm, s.GradNorm)
+	}
+	for i := 1; i < len(plain.Steps); i++ {
+		if plain.Steps[i].Loss == straight.Steps[i].Loss {
+			t.Fatalf("step %d: the same loss %.10g with and without dropout", i+1, plain.Steps[i].Loss)
+		}
+	}
+	runDir := filepath.Join(t.TempDir(), "resumed")
+	if _, err := Run(tinyConfig(t, b, runDir, drop...), Options{Log: io.Discard, StopAfter: 6}); err != nil {
+		t.Fatal(err)
+	}
+	rest, err := Run(tinyConfig(t, b, runDir, drop...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(rest.Steps); n == 0 || n >= len(straight.Steps) || rest.Steps[n-1].Step != len(straight.Steps) {
+		t.Fatalf("the resumed run made steps %+v: want it to resume mid-run and end where the straight run ends", rest.Steps)
+	}
+	for _, s := range rest.Steps {
+		if w := straight.Steps[s.Step-1]; s.Loss != w.Loss || s.GradNorm != w.GradNorm {
+			t.Fatalf("step %d after resume: loss %.17g |g| %.17g, straight %.17g %.17g", s.Step, s.Loss, s.GradNorm, w.Loss, w.GradNorm)
+		}
+	}
+	for _, f := range []string{"adapter_model.safetensors", "optimizer.safetensors"} {
+		a, _ := os.ReadFile(filepath.Join(straight.Checkpoint, f))
+		c, _ := os.ReadFile(filepath.Join(rest.Checkpoint, f))
+		if len(a) == 0 || string(a) != string(c) {
+			t.Fatalf("%s differs between the straight and the resumed run", f)
+		}
+	}
+	if cb, _ := os.ReadFile(filepath.Join(straight.Checkpoint, "adapter_config.json")); !strings.Contains(string(cb), `"lora_dropout": 0.1`) {
+		t.Fatalf("adapter_config.json does not record lora_dropout 0.1:\n%s", cb)
+	}
+
+	dir := t.TempDir()
+	cfgs := []*Config{tinyConfig(t, b, filepath.Join(dir, "r0"), drop...), tinyConfig(t, b, filepath.Join(dir, "r1"), drop...)}
+	res, _ := runRanks(t, 2, cfgs, nil)
+	closeLosses(t, "2 ranks with LoRA dropout", straight, res[0], 2e-5)
 }

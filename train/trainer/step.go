@@ -55,6 +55,7 @@ func (sp *stepper) forwardBackward(step int, rows []*train.Batch, sm *StepMetric
 			fmt.Fprintf(sp.log, "step %d abandoned (row %d of %d)\n", step, i, len(rows))
 			return errStopped
 		}
+		sp.s.SetStepRow(step, i) // keys a LoRA student's dropout masks
 		bs, err := sp.s.ForwardBackward(b, sp.lopt, float64(total))
 		if err != nil {
 			return err
