@@ -1,6 +1,7 @@
 package serve
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -40,6 +41,10 @@ const (
 type CoreOptions struct {
 	// ModelDir is the HF checkpoint directory of the teacher.
 	ModelDir string
+	// Weights is how the teacher holds its layers' Linear weights: bf16
+	// ("" too) or fp8 (infer.LoadOptions: E4M3, quantized at load; a
+	// different fingerprint, so its caches are its own).
+	Weights string
 	// TokenizerDir holds tokenizer.json; empty means ModelDir, where a
 	// missing tokenizer.json is allowed (only pre-tokenized data then).
 	TokenizerDir string
@@ -164,7 +169,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		o.QueueTokens = 8 * o.TokenBudget
 	}
 	t0 := time.Now()
-	m, err := infer.Load(o.ModelDir, be)
+	m, err := infer.LoadWith(o.ModelDir, be, infer.LoadOptions{Weights: infer.WeightFormat(o.Weights)})
 	if err != nil {
 		return nil, fmt.Errorf("loading teacher %s: %w", o.ModelDir, err)
 	}
@@ -212,7 +217,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 	c.b = newBatcher(m.Forward, o.TokenBudget, o.QueueSamples, o.QueueTokens, c.met)
 	c.b.draw = m.ForwardDraws
 	c.b.log = o.Logger
-	c.log.Info("teacher loaded", zap.String("model", o.ModelDir), zap.String("device", o.Device), zap.String("arch", string(m.Cfg.Arch)),
+	c.log.Info("teacher loaded", zap.String("model", o.ModelDir), zap.String("weights", cmp.Or(o.Weights, "bf16")), zap.String("device", o.Device), zap.String("arch", string(m.Cfg.Arch)),
 		zap.Int("vocab", V), zap.Int64("params", m.Cfg.Params()), zap.String("fingerprint", m.Fingerprint()),
 		zap.Bool("tokenizer", c.tok != nil), zap.Duration("took", time.Since(t0)))
 	return c, nil

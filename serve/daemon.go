@@ -17,6 +17,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"distill/compute/device"
+	"distill/infer"
 	"distill/model"
 )
 
@@ -42,6 +43,9 @@ type Config struct {
 	DataRoots []string `yaml:"data_roots"`
 	// Device is auto, cpu or cuda (package compute/device).
 	Device string `yaml:"device"`
+	// Weights is bf16 (default) or fp8: the teacher's layers' Linear
+	// weights in E4M3, quantized at load (serve.CoreOptions.Weights).
+	Weights string `yaml:"weights"`
 	// TokenBudget is the tokens of one forward pass.
 	TokenBudget int `yaml:"token_budget"`
 	// MaxConcurrent bounds concurrent RPCs (default 64).
@@ -141,6 +145,9 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if err := device.Check(cfg.Device, device.Inference); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 	}
+	if w := cfg.Weights; w != "" && w != string(infer.WeightsBF16) && w != string(infer.WeightsFP8) {
+		return nil, fmt.Errorf("%w: --weights %q: want bf16 or fp8", ErrConfig, w)
+	}
 	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
 		return nil, fmt.Errorf("%w: TLS needs both --tls-cert and --tls-key", ErrConfig)
 	}
@@ -197,7 +204,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	go d.gs.Serve(d.lis)
 	log.Info("listening (loading the model: health NOT_SERVING)", zap.String("addr", d.Addr()), zap.Bool("tls", cfg.TLSCert != ""), zap.Bool("auth", so.Token != ""),
 		zap.Strings("data_roots", roots.Dirs()))
-	core, err := NewCore(CoreOptions{ModelDir: cfg.Model, TokenizerDir: cfg.Tokenizer, CacheDir: cfg.Cache, Device: cfg.Device,
+	core, err := NewCore(CoreOptions{ModelDir: cfg.Model, Weights: cfg.Weights, TokenizerDir: cfg.Tokenizer, CacheDir: cfg.Cache, Device: cfg.Device,
 		TokenBudget: cfg.TokenBudget, KDefault: cfg.KDefault, KMax: cfg.KMax, MaxDraws: cfg.MaxDraws, QueueSamples: cfg.QueueSamples, QueueTokens: cfg.QueueTokens,
 		Logger: log})
 	if err != nil {

@@ -72,6 +72,8 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	cacheDir := fs.String("cache", "", "with --model: the cache directory to write")
 	tokDir := fs.String("tokenizer", "", "tokenizer directory: with --model, the tokenizer to use (default: the model's); with --teacher, checked against the daemons'")
 	device := fs.String("device", "auto", "with --model: auto (a GPU when one opens, else the CPU), cpu or cuda")
+	// Not --weights: that is the dataset flags' blend weights (dataflags.go).
+	tweights := fs.String("teacher-weights", "", "with --model: the teacher's layers' Linear weights, bf16 (default) or fp8 (E4M3 per output channel, quantized at load; a different teacher fingerprint); teacherd's --weights")
 	budget := fs.Int("token-budget", 0, "with --model: tokens per forward pass (default 8192); on a GPU, checked at start against its free memory")
 	pretok := fs.Bool("pretokenized", false, "records hold input_ids (and loss_mask): no tokenizer, ids checked against the vocab")
 	var df datasetFlags
@@ -122,7 +124,7 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			return fmt.Errorf("--model needs --cache DIR (the cache directory to write)")
 		}
 		fmt.Fprintf(stderr, "fill: loading teacher %s in-process\n", *modelDir)
-		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, TokenBudget: *budget, InProcess: true, KMax: *k, MaxDraws: *samples,
+		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, Weights: *tweights, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, TokenBudget: *budget, InProcess: true, KMax: *k, MaxDraws: *samples,
 			DeviceLogf: func(format string, args ...any) { fmt.Fprintf(stderr, "fill: "+format+"\n", args...) }})
 		if err != nil {
 			return err
@@ -131,6 +133,9 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	} else {
 		if *cacheDir != "" {
 			return fmt.Errorf("--cache is for --model; each daemon writes the cache directory it was started with (teacherd --cache)")
+		}
+		if *tweights != "" {
+			return fmt.Errorf("--teacher-weights is for --model; each daemon holds the weights it was started with (teacherd --weights)")
 		}
 		if *tokDir != "" {
 			tok, err := tokenizer.Load(*tokDir)

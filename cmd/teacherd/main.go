@@ -95,6 +95,7 @@ func parseConfig(args []string) (serve.Config, bool, error) {
 	fs.StringVar(&f.Cache, "cache", "", "cache directory fills write, created if missing (empty: Fill disabled)")
 	fs.Var((*stringList)(&f.DataRoots), "data-root", "directory `DIR` whose files clients may name as datasets (repeatable; none: Fill and DescribeDataset are refused)")
 	fs.StringVar(&f.Device, "device", "", "compute device: auto (a GPU when one opens, else the CPU), cpu or cuda")
+	fs.StringVar(&f.Weights, "weights", "", "the layers' Linear weights: bf16 (default: as the checkpoint gives them) or fp8 (E4M3 with a scale per output channel, quantized at load; W8A8 FP8 GEMMs on Hopper; a different fingerprint: see the README's FP8 fidelity table)")
 	fs.IntVar(&f.TokenBudget, "token-budget", 0, "tokens per forward pass (default 8192); on a GPU, checked at start against its free memory")
 	fs.IntVar(&f.MaxConcurrent, "max-concurrent", 0, "concurrent RPCs before ResourceExhausted (default 64)")
 	fs.IntVar(&f.QueueSamples, "queue-samples", 0, "queued samples before ResourceExhausted (default 1024)")
@@ -140,6 +141,8 @@ func overrideFlag(cfg, f *serve.Config, name string) {
 		cfg.Cache = f.Cache
 	case "device":
 		cfg.Device = f.Device
+	case "weights":
+		cfg.Weights = f.Weights
 	case "token-budget":
 		cfg.TokenBudget = f.TokenBudget
 	case "max-concurrent":
