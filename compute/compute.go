@@ -622,6 +622,20 @@ type BatchSumSquares interface {
 	SumSquaresEach(out []float64, xs []Tensor, ns []int)
 }
 
+// MultiTensor is implemented by backends that run the optimizer's
+// per-tensor updates over many tensors in one launch (torch's fused and
+// foreach AdamW, apex's multi_tensor_apply): a student's hundreds of
+// parameter tensors, most of them small, otherwise cost a launch each.
+// Each method is, bit for bit, its single-tensor operation applied to
+// every tensor.
+type MultiTensor interface {
+	// AdamWEach applies AdamW(ps[i], gs[i], ms[i], vs[i], ns[i], s) to
+	// every i, with s.Decay replaced by 1 where decays[i] is false.
+	AdamWEach(ps, gs, ms, vs []Tensor, ns []int, decays []bool, s AdamWStep)
+	// ScaleEach applies Scale(xs[i], ns[i], c) to every i.
+	ScaleEach(xs []Tensor, ns []int, c float32)
+}
+
 // AttentionWorkspaceReporter is implemented by backends whose attention
 // library sizes its own workspace (the CUDA backend's cuDNN), known only
 // once the library has planned the shape: memory plans ask for it.

@@ -50,20 +50,27 @@ func (b *Backend) AdamW(pT, gT, mT, vT compute.Tensor, n int, s compute.AdamWSte
 		need(x.t, x.what, n, compute.F32)
 	}
 	b.wrote(m, v)
-	var pb uint64
+	pb := b.adamwShadow(p, n)
+	b.ew("k_adamw", int64(n), dptr(p.p), dptr(g.p), dptr(m.p), dptr(v.p), int64(n), s.Beta1, s.Beta2, s.Eps, s.StepSize, s.BC2Sqrt, s.Decay, dptr(pb))
+}
+
+// adamwShadow records that an AdamW update writes parameter p (n) and
+// returns its BF16 shadow for the update to write too (0: none yet).
+func (b *Backend) adamwShadow(p *tensor, n int) uint64 {
 	if b.shadow.off {
 		b.wrote(p)
-	} else {
-		// p is a parameter: watched from now on, and its shadow (made by
-		// the first GEMM that reads it) written in the same pass.
-		r := b.register(p.p, n)
-		b.shadow.wseq++
-		r.ver = b.shadow.wseq
-		if r.bf != 0 {
-			pb, r.bfVer = r.bf, r.ver
-		}
+		return 0
 	}
-	b.ew("k_adamw", int64(n), dptr(p.p), dptr(g.p), dptr(m.p), dptr(v.p), int64(n), s.Beta1, s.Beta2, s.Eps, s.StepSize, s.BC2Sqrt, s.Decay, dptr(pb))
+	// p is a parameter: watched from now on, and its shadow (made by the
+	// first GEMM that reads it) written in the same pass.
+	r := b.register(p.p, n)
+	b.shadow.wseq++
+	r.ver = b.shadow.wseq
+	if r.bf == 0 {
+		return 0
+	}
+	r.bfVer = r.ver
+	return r.bf
 }
 
 // SumSquares implements compute.Backend: Σ x² in float64, deterministic

@@ -427,3 +427,94 @@ func TestSumSquaresEach(t *testing.T) {
 	be.SumSquaresEach(nil, nil, nil) // nothing to sum: no launch, no wait
 	var _ compute.BatchSumSquares = be
 }
+
+// TestMultiTensor: AdamWEach and ScaleEach (one launch for every tensor)
+// give, bit for bit, what AdamW and Scale give tensor by tensor: the
+// parameters, both moments and the parameters' BF16 shadows, on tensors
+// around the launch's chunk of 2048 (and empty ones), decay on and off.
+func TestMultiTensor(t *testing.T) {
+	be := testBackend(t)
+	sizes := []int{2048, 1, 0, 2047, 2049, 70001, 4096, 3}
+	type set struct{ p, g, m, v []compute.Tensor }
+	mk := func() set {
+		var s set
+		r := rand.New(rand.NewPCG(49, 50)) // the same values for both sets
+		for _, n := range sizes {
+			s.p = append(s.p, be.FromF32(randF32(r, n)))
+			s.g = append(s.g, be.FromF32(randF32(r, n)))
+			m, v := randF32(r, n), randF32(r, n)
+			for i := range v {
+				v[i] = v[i] * v[i]
+			}
+			s.m, s.v = append(s.m, be.FromF32(m)), append(s.v, be.FromF32(v))
+		}
+		return s
+	}
+	one, each := mk(), mk()
+	// gemm reads parameter i as a GEMM's weight: after an update has
+	// registered it, the first makes its BF16 shadow, which the next
+	// updates must write too (the GEMMs after them read it).
+	gemm := func(s set, i, n int) {
+		out := be.New(compute.F32, 8*(n/64))
+		x := be.FromF32(make([]float32, 8*64))
+		be.MatMul(out, x, s.p[i], nil, 8, n/64, 64)
+		be.Free(out)
+		be.Free(x)
+	}
+	decays := []bool{true, false, true, true, false, true, true, false}
+	st := compute.AdamWStep{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, StepSize: 3e-3, BC2Sqrt: 0.3, Decay: 0.9997}
+	for step := 0; step < 3; step++ {
+		for i, n := range sizes {
+			s := st
+			if !decays[i] {
+				s.Decay = 1
+			}
+			be.AdamW(one.p[i], one.g[i], one.m[i], one.v[i], n, s)
+		}
+		be.AdamWEach(each.p, each.g, each.m, each.v, sizes, decays, st)
+		for i, n := range sizes {
+			if step == 0 && (n == 4096 || n == 70001) {
+				gemm(one, i, n)
+				gemm(each, i, n)
+			}
+		}
+	}
+	for i := range sizes {
+		be.Scale(one.g[i], sizes[i], 0.37)
+	}
+	be.ScaleEach(each.g, sizes, 0.37)
+	for i, n := range sizes {
+		for j, pair := range [][2]compute.Tensor{{one.p[i], each.p[i]}, {one.m[i], each.m[i]}, {one.v[i], each.v[i]}, {one.g[i], each.g[i]}} {
+			a, b := make([]float32, n), make([]float32, n)
+			be.ReadF32(pair[0], a)
+			be.ReadF32(pair[1], b)
+			for k := range a {
+				if math.Float32bits(a[k]) != math.Float32bits(b[k]) {
+					t.Fatalf("tensor %d (n=%d), %s[%d]: one at a time %v, multi-tensor %v", i, n, []string{"p", "m", "v", "g"}[j], k, a[k], b[k])
+				}
+			}
+		}
+		if n == 4096 || n == 70001 {
+			// The shadows: what a GEMM reads now.
+			outs := [2][]float32{}
+			for k, s := range []set{one, each} {
+				out := be.New(compute.F32, 8*(n/64))
+				x := be.FromF32(randF32(rand.New(rand.NewPCG(51, 52)), 8*64))
+				be.MatMul(out, x, s.p[i], nil, 8, n/64, 64)
+				outs[k] = make([]float32, 8*(n/64))
+				be.ReadF32(out, outs[k])
+				be.Free(out)
+				be.Free(x)
+			}
+			for k := range outs[0] {
+				if math.Float32bits(outs[0][k]) != math.Float32bits(outs[1][k]) {
+					t.Fatalf("tensor %d: a GEMM after the updates reads other weights (shadow): %v vs %v at %d", i, outs[0][k], outs[1][k], k)
+				}
+			}
+		}
+	}
+	if be.ShadowBytes() == 0 {
+		t.Fatalf("no parameter has a BF16 shadow: the test does not reach the updates' shadow writes")
+	}
+	var _ compute.MultiTensor = be
+}

@@ -154,13 +154,47 @@ func (a *AdamW) Step(lr float64) {
 	t := float64(a.Steps)
 	st := compute.AdamWStep{Beta1: float32(a.Cfg.Beta1), Beta2: float32(a.Cfg.Beta2), Eps: float32(a.Cfg.Eps),
 		StepSize: float32(lr / (1 - math.Pow(a.Cfg.Beta1, t))), BC2Sqrt: float32(math.Sqrt(1 - math.Pow(a.Cfg.Beta2, t)))}
+	decay := float32(1 - lr*a.Cfg.WeightDecay)
+	if mt, ok := a.multi(); ok {
+		// One launch for every group (the groups share the backend).
+		n := len(a.Groups)
+		ps, gs, ns, decays := make([]compute.Tensor, n), make([]compute.Tensor, n), make([]int, n), make([]bool, n)
+		for gi, g := range a.Groups {
+			ps[gi], gs[gi], ns[gi], decays[gi] = g.P, g.G, g.P.Len(), g.Decay
+		}
+		st.Decay = decay
+		mt.AdamWEach(ps, gs, a.m, a.v, ns, decays, st)
+		return
+	}
 	for gi, g := range a.Groups {
 		st.Decay = 1
 		if g.Decay {
-			st.Decay = float32(1 - lr*a.Cfg.WeightDecay)
+			st.Decay = decay
 		}
 		g.Backend.AdamW(g.P, g.G, a.m[gi], a.v[gi], g.P.Len(), st)
 	}
+}
+
+// multi returns the groups' backend as a compute.MultiTensor when they
+// share one that is.
+func (a *AdamW) multi() (compute.MultiTensor, bool) {
+	return multiOf(a.Groups)
+}
+
+// multiOf returns the groups' backend as a compute.MultiTensor when they
+// all share one that is.
+func multiOf(groups []Group) (compute.MultiTensor, bool) {
+	if len(groups) == 0 {
+		return nil, false
+	}
+	be := groups[0].Backend
+	for _, g := range groups[1:] {
+		if g.Backend != be {
+			return nil, false
+		}
+	}
+	mt, ok := be.(compute.MultiTensor)
+	return mt, ok
 }
 
 // ClipGradNorm scales every gradient by maxNorm/(norm+1e-6) when the global
@@ -190,6 +224,14 @@ func ClipGradNormSum(groups []Group, maxNorm float64, sum func(float64) float64)
 	}
 	coef := maxNorm / (norm + 1e-6)
 	if coef >= 1 {
+		return norm
+	}
+	if mt, ok := multiOf(groups); ok {
+		xs, ns := make([]compute.Tensor, len(groups)), make([]int, len(groups))
+		for i, g := range groups {
+			xs[i], ns[i] = g.G, g.G.Len()
+		}
+		mt.ScaleEach(xs, ns, float32(coef))
 		return norm
 	}
 	for _, g := range groups {

@@ -207,6 +207,101 @@ DK_KERNEL void k_fakequant_nvfp4_lanes(void *dst, int dst_bf, const void *src, i
 	}
 }
 
+// Multi-tensor launches (apex's multi_tensor_apply, torch's foreach and
+// fused optimizers): one launch works on a list of tensors, described by
+// a table on the device of MT_W i64 words a tensor, and each block finds
+// its tensor by a binary search over the tensors' first blocks. A
+// student's optimizer step was 310 launches of k_adamw (and clipping 620
+// of the sum of squares, 310 of k_scale) for a Qwen3-0.6B student, most
+// of them on tensors of a few thousand elements, where the GPU waited on
+// the host's launches. The per-element arithmetic, and each tensor's
+// reduction partition and tree, are those of the single-tensor kernels:
+// the same bits.
+#define MT_W 8     // i64 words a tensor: see each kernel
+#define MT_CHUNK 2048 // elements a block of an elementwise multi-tensor kernel
+
+// mt_find: the tensor of block b, whose first block is tab[t*MT_W + at].
+DK_DEV int mt_find(const i64 *__restrict__ tab, int nt, int at, i64 b) {
+	int lo = 0, hi = nt - 1;
+	while (lo < hi) {
+		int mid = (lo + hi + 1) / 2;
+		if (tab[(i64)mid * MT_W + at] <= b) lo = mid;
+		else hi = mid - 1;
+	}
+	return lo;
+}
+
+// k_adamw_multi: k_adamw over nt tensors; a tensor's row is p, g, m, v,
+// pb (its BF16 shadow or 0), n, decays (1: the step's decay applies, 0:
+// none), first block. decay is the step's 1 - lr·wd.
+DK_KERNEL void k_adamw_multi(const i64 *__restrict__ tab, int nt, float b1, float b2, float eps, float step, float bc2, float decay) {
+	int t = mt_find(tab, nt, 7, blockIdx.x);
+	const i64 *r = tab + (i64)t * MT_W;
+	float *p = (float *)r[0], *m = (float *)r[2], *v = (float *)r[3];
+	const float *g = (const float *)r[1];
+	u16 *pb = (u16 *)r[4];
+	i64 n = r[5];
+	float dc = r[6] ? decay : 1.0f;
+	i64 end = ((i64)blockIdx.x - r[7] + 1) * MT_CHUNK;
+	if (end > n) end = n;
+	for (i64 i = ((i64)blockIdx.x - r[7]) * MT_CHUNK + threadIdx.x; i < end; i += blockDim.x) {
+		float x = g[i];
+		float pi = p[i] * dc;
+		float mi = b1 * m[i] + (1 - b1) * x;
+		float vi = b2 * v[i] + (1 - b2) * x * x;
+		m[i] = mi;
+		v[i] = vi;
+		float np = pi - step * mi / (sqrtf(vi) / bc2 + eps);
+		p[i] = np;
+		if (pb) pb[i] = f2bf(np);
+	}
+}
+
+// k_scale_multi: k_scale over nt tensors; a row is x, n, first block.
+DK_KERNEL void k_scale_multi(const i64 *__restrict__ tab, int nt, float c) {
+	int t = mt_find(tab, nt, 2, blockIdx.x);
+	const i64 *r = tab + (i64)t * MT_W;
+	float *x = (float *)r[0];
+	i64 end = ((i64)blockIdx.x - r[2] + 1) * MT_CHUNK;
+	if (end > r[1]) end = r[1];
+	for (i64 i = ((i64)blockIdx.x - r[2]) * MT_CHUNK + threadIdx.x; i < end; i += blockDim.x) x[i] *= c;
+}
+
+// k_sumsq_multi: k_sumsq_part over nt tensors, each on its own grid of
+// nb blocks (reduceGrid(n)) as k_sumsq_part runs it alone; a row is x, n,
+// nb, first block (= its partials' offset in part).
+DK_KERNEL __launch_bounds__(RED_THREADS) void k_sumsq_multi(double *__restrict__ part, const i64 *__restrict__ tab, int nt) {
+	__shared__ double red[RED_THREADS];
+	int t = mt_find(tab, nt, 3, blockIdx.x);
+	const i64 *r = tab + (i64)t * MT_W;
+	const float *x = (const float *)r[0];
+	i64 n = r[1], nb = r[2], blk = (i64)blockIdx.x - r[3];
+	double s = 0;
+	for (i64 i = blk * RED_THREADS + threadIdx.x; i < n; i += nb * RED_THREADS) {
+		double v = x[i];
+		s += v * v;
+	}
+	s = block_sum_d(s, red);
+	if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+// k_sum_finish_multi: k_sum_finish of each tensor's partials, a block a
+// tensor (blockIdx.x = t, the row of k_sumsq_multi's table): out[t].
+DK_KERNEL __launch_bounds__(RED_THREADS) void k_sum_finish_multi(double *__restrict__ out, const double *__restrict__ part, const i64 *__restrict__ tab) {
+	__shared__ double red[RED_THREADS];
+	const i64 *r = tab + (i64)blockIdx.x * MT_W;
+	const double *pt = part + r[3];
+	int np = (int)r[2];
+	double s = 0;
+	for (int i = threadIdx.x; i < np; i += RED_THREADS) s += pt[i];
+	s = block_sum_d(s, red);
+	if (threadIdx.x == 0) out[blockIdx.x] = s;
+}
+
+DK_REGISTER(k_adamw_multi)
+DK_REGISTER(k_scale_multi)
+DK_REGISTER(k_sumsq_multi)
+DK_REGISTER(k_sum_finish_multi)
 DK_REGISTER(k_adamw)
 DK_REGISTER(k_scale)
 DK_REGISTER(k_sumsq_part)
