@@ -86,6 +86,24 @@ func OpenFile(path string) (*Weights, error) {
 	return w, nil
 }
 
+// ShardedTrainingFormat is the "format" of a sharded training
+// checkpoint's manifest.json (package trainer writes them).
+const ShardedTrainingFormat = "distill-sharded-checkpoint"
+
+// isShardedTraining reports whether dir holds a sharded training
+// checkpoint (package trainer's manifest.json), whose safetensors files
+// are pieces of tensors, not tensors.
+func isShardedTraining(dir string) bool {
+	b, err := os.ReadFile(filepath.Join(dir, "manifest.json"))
+	if err != nil {
+		return false
+	}
+	var m struct {
+		Format string `json:"format"`
+	}
+	return json.Unmarshal(b, &m) == nil && m.Format == ShardedTrainingFormat
+}
+
 // OpenWeights memory-maps the checkpoint in dir: model.safetensors, or the
 // shards named by model.safetensors.index.json, or (failing both) every
 // *.safetensors file in dir.
@@ -116,6 +134,9 @@ func OpenWeights(dir string) (*Weights, error) {
 	} else if _, err := os.Stat(filepath.Join(dir, "model.safetensors")); err == nil {
 		files = []string{"model.safetensors"}
 	} else {
+		if isShardedTraining(dir) {
+			return nil, fmt.Errorf("%w: %s is a sharded training checkpoint (each rank's part of a data-parallel run's weights and optimizer state, with a manifest.json), not an HF checkpoint: make one with `student export --checkpoint %s --out DIR`", ErrSafetensors, dir, dir)
+		}
 		m, _ := filepath.Glob(filepath.Join(dir, "*.safetensors"))
 		for _, p := range m {
 			files = append(files, filepath.Base(p))

@@ -69,7 +69,7 @@ const (
 const shardManifestName = "manifest.json"
 
 // shardFormat names the layout in manifest.json.
-const shardFormat = "distill-sharded-checkpoint"
+const shardFormat = model.ShardedTrainingFormat
 
 // shardManifest is manifest.json.
 type shardManifest struct {

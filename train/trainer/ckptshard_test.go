@@ -277,3 +277,14 @@ func TestShardedExportNVFP4(t *testing.T) {
 		t.Fatalf("nvfp4 export of a sharded run without QAD: %v", err)
 	}
 }
+
+// TestShardedCheckpointIsNoHFDir: a sharded checkpoint given where an HF
+// directory is expected (a teacher's --model, model.OpenWeights) is an
+// error that says what it is and how to export it.
+func TestShardedCheckpointIsNoHFDir(t *testing.T) {
+	res, _ := runRanks(t, 2, shardedRun(t, filepath.Join(t.TempDir(), "run"), 2, "train.zero=1"), nil)
+	_, err := model.OpenWeights(res[0].Checkpoint)
+	if err == nil || !strings.Contains(err.Error(), "sharded training checkpoint") || !strings.Contains(err.Error(), "student export") {
+		t.Fatalf("OpenWeights of a sharded checkpoint: %v", err)
+	}
+}
