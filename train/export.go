@@ -164,8 +164,22 @@ const ModelOptVersion = "0.31.0"
 // routers). The
 // dequantized weights equal the fake-quantized weights of the training
 // forward bit for bit (nvfp4.Pack).
+//
+// A LoRA student writes its merged weights (mergedNVFP4), quantized with
+// their own weight amax and the inputs' amax calibrated at the run's
+// start.
 func (s *Student) WriteNVFP4(dir string) error {
-	if _, _, err := s.ExportNVFP4(); err != nil { // the checks: QAD calibrated, no LoRA
+	if s.lora != nil {
+		w, amax, err := s.mergedNVFP4()
+		if err != nil {
+			return err
+		}
+		return WriteNVFP4From(dir, s.Cfg, amax, func(name string, dst []float32) error {
+			copy(dst, w[name])
+			return nil
+		})
+	}
+	if _, _, err := s.ExportNVFP4(); err != nil { // the checks: QAD calibrated
 		return err
 	}
 	w := s.Weights()

@@ -54,9 +54,10 @@ import (
 // fake-quantization (per-tensor amax = max |w|, unified over q/k/v and
 // over gate/up as the QAD export does), as QLoRA holds its base in
 // 4 bits, and the adapters train in fp32 on top. Unlike QAD nothing is
-// trained through a quantizer: the activations are not quantized, no
-// amax is calibrated, and the weights the forward multiplies never move
-// (see docs/design.md, LoRA students).
+// trained through a quantizer: the activations are not quantized, and
+// the weights the forward multiplies never move (see docs/design.md,
+// LoRA students). The inputs' amax are calibrated for the merged model's
+// NVFP4 export only (lora_nvfp4.go).
 
 // LoRAModules are the module names an adapter may target (PEFT's
 // target_modules for Llama and Qwen).

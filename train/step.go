@@ -101,6 +101,9 @@ func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float6
 	if s.Model.Calibrating() {
 		return loss.Stats{}, fmt.Errorf("%w: NVFP4 calibration is running: call Forward on the calibration batches, then FinishCalibration", ErrInvalid)
 	}
+	if s.Model.CalibratingInputs() {
+		return loss.Stats{}, fmt.Errorf("%w: the inputs' amax calibration is running: call Forward on the calibration batches, then FinishInputCalibration", ErrInvalid)
+	}
 	if err := opt.Validate(); err != nil {
 		return loss.Stats{}, err
 	}
@@ -174,9 +177,23 @@ func (s *Student) FinishCalibration() (err error) {
 // the HF tensor prefix (e.g. "model.layers.0.self_attn.q_proj",
 // "model.layers.0.mlp.experts.3.down_proj"), with the input_scale of each.
 // MoE routers are not quantized.
+//
+// A LoRA student exports its merged weights (mergedNVFP4).
 func (s *Student) ExportNVFP4() (map[string]*nvfp4.Packed, map[string]float32, error) {
 	if s.lora != nil {
-		return nil, nil, fmt.Errorf("%w: NVFP4 export of a LoRA student: not supported yet (the merged weights need their inputs' amax, which a LoRA run does not calibrate); export the merged model as bf16, or the adapters as peft", ErrInvalid)
+		w, amax, err := s.mergedNVFP4()
+		if err != nil {
+			return nil, nil, err
+		}
+		packed, inScale := map[string]*nvfp4.Packed{}, map[string]float32{}
+		for _, l := range decoder.QuantLayout(s.Cfg) {
+			p, err := nvfp4.Pack(l.Name+".weight", w[l.Name+".weight"], l.Out, l.In, amax[l.W])
+			if err != nil {
+				return nil, nil, err
+			}
+			packed[l.Name], inScale[l.Name] = p, nvfp4.GlobalScale(amax[l.Input])
+		}
+		return packed, inScale, nil
 	}
 	if !s.QAD || s.Model.Calibrating() {
 		return nil, nil, fmt.Errorf("%w: NVFP4 export needs QAD enabled and calibrated", ErrInvalid)

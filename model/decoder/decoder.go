@@ -158,9 +158,12 @@ type Model struct {
 	// qad: Linears are fake-quantized; calibrating: their amax are being
 	// observed (quantization off meanwhile, as ModelOpt calibrates).
 	qad, calibrating bool
-	qadArena         compute.Tensor
-	recompute        Recompute // "" is RecomputeNone
-	train            trainState
+	// observing: the block Linears' input amax are being calibrated
+	// without QAD (CalibrateInputs); inputsFrozen: they are frozen.
+	observing, inputsFrozen bool
+	qadArena                compute.Tensor
+	recompute               Recompute // "" is RecomputeNone
+	train                   trainState
 	// res, when set, holds the blocks' weights and takes their gradients
 	// (Residency); qslot[s] is the block whose fake-quantized weights
 	// slot s holds (-1: none) when the blocks share slots.

@@ -87,7 +87,7 @@ func (m *Model) mlpForward(L *Block, a *blockActs, N int, down bool, next *nextN
 		be.MoE(a.out, a.ln2, L.MoE, N)
 	} else if L.MoE != nil {
 		be.MoEForward(a.out, a.ln2, m.moeWeights(L), a.moe, N)
-		if m.qad && m.calibrating {
+		if m.qad && m.calibrating || m.observing {
 			m.observeMoE(L, a, N)
 		}
 	} else {

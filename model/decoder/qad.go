@@ -46,10 +46,17 @@ func (m *Model) QAD() bool { return m.qad }
 // called, FinishCalibration not yet).
 func (m *Model) Calibrating() bool { return m.calibrating }
 
+// CalibratingInputs reports whether CalibrateInputs's calibration is
+// running (FinishInputCalibration not yet called).
+func (m *Model) CalibratingInputs() bool { return m.observing }
+
 // quantInput fake-quantizes x (rows, cols) into dst under QAD, observing
 // it instead while calibrating (ModelOpt calibrates with quantization
 // off). Without QAD dst is x and nothing happens.
 func (m *Model) quantInput(q *Quantizer, dst, x compute.Tensor, rows, cols int) {
+	if m.observing { // CalibrateInputs: observe, quantize nothing
+		q.Observe(m.be.AbsMax(x, rows*cols))
+	}
 	switch {
 	case !m.qad || dst == x:
 	case m.calibrating:
@@ -65,15 +72,11 @@ func (m *Model) quantInput(q *Quantizer, dst, x compute.Tensor, rows, cols int) 
 // run TrainForward over the calibration batches, then FinishCalibration.
 // Hidden and intermediate sizes must be multiples of the 16-element block.
 func (m *Model) EnableQAD() error {
-	cfg := m.Cfg
-	for _, d := range []struct {
-		name string
-		v    int
-	}{{"hidden_size", cfg.Hidden}, {"intermediate_size", cfg.Intermediate}, {"heads x head_dim", cfg.Heads * cfg.HeadDim},
-		{"moe_intermediate_size", cfg.MoEIntermediate}} {
-		if d.v%compute.NVFP4BlockSize != 0 {
-			return fmt.Errorf("%w: NVFP4 needs %s (%d) to be a multiple of %d", ErrInvalid, d.name, d.v, compute.NVFP4BlockSize)
-		}
+	if err := NVFP4Sizes(m.Cfg); err != nil {
+		return err
+	}
+	if m.observing || m.inputsFrozen {
+		return fmt.Errorf("%w: EnableQAD on a model whose inputs were calibrated without QAD (CalibrateInputs)", ErrInvalid)
 	}
 	for i := range m.Blocks {
 		L := &m.Blocks[i]
@@ -87,6 +90,111 @@ func (m *Model) EnableQAD() error {
 	}
 	m.qad, m.calibrating = true, true
 	m.train.arenaN = -1 // the activation arena gains the quantized inputs
+	return nil
+}
+
+// NVFP4Sizes refuses a model whose Linears NVFP4 cannot quantize: the
+// sizes their rows run along must be multiples of the 16-element block.
+func NVFP4Sizes(cfg *model.Config) error {
+	for _, d := range []struct {
+		name string
+		v    int
+	}{{"hidden_size", cfg.Hidden}, {"intermediate_size", cfg.Intermediate}, {"heads x head_dim", cfg.Heads * cfg.HeadDim},
+		{"moe_intermediate_size", cfg.MoEIntermediate}} {
+		if d.v%compute.NVFP4BlockSize != 0 {
+			return fmt.Errorf("%w: NVFP4 needs %s (%d) to be a multiple of %d", ErrInvalid, d.name, d.v, compute.NVFP4BlockSize)
+		}
+	}
+	return nil
+}
+
+// CalibrateInputs starts calibrating the amax of every block Linear's
+// input (each block's four input quantizers: q/k/v's, o's, gate/up's,
+// down's) without QAD: TrainForward then observes the inputs as QAD's
+// calibration does and quantizes nothing. A LoRA student's, whose
+// merged model's NVFP4 export needs them; FinishInputCalibration
+// freezes them.
+func (m *Model) CalibrateInputs() error {
+	if err := NVFP4Sizes(m.Cfg); err != nil {
+		return err
+	}
+	if m.qad {
+		return fmt.Errorf("%w: CalibrateInputs under QAD (its own calibration covers the inputs)", ErrInvalid)
+	}
+	for i := range m.Blocks {
+		for _, q := range m.Blocks[i].inputQuantizers() {
+			*q = Quantizer{Calibrating: true}
+		}
+	}
+	m.observing, m.inputsFrozen = true, false
+	return nil
+}
+
+// FinishInputCalibration freezes the inputs' amax that CalibrateInputs
+// started; one that saw only zeros is an error naming it.
+func (m *Model) FinishInputCalibration() error {
+	if !m.observing {
+		return fmt.Errorf("%w: FinishInputCalibration without CalibrateInputs", ErrInvalid)
+	}
+	m.observing = false
+	for i := range m.Blocks {
+		if err := m.Blocks[i].freezeInputs(i); err != nil {
+			return err
+		}
+	}
+	m.inputsFrozen = true
+	return nil
+}
+
+// freezeInputs freezes block i's input quantizers, naming them.
+func (L *Block) freezeInputs(i int) error {
+	p := fmt.Sprintf("model.layers.%d.", i)
+	names := []string{"self_attn.{q,k,v}_proj input", "self_attn.o_proj input", "mlp.{gate,up}_proj input", "mlp.down_proj input"}
+	if L.MoE != nil {
+		names[2], names[3] = "mlp.experts.*.{gate,up}_proj input", "mlp.experts.*.down_proj input"
+	}
+	for j, name := range names {
+		if err := L.inputQuantizers()[j].Freeze(p + name); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// InputAmax returns the frozen input amax of CalibrateInputs (or of
+// RestoreInputAmax), four a block in the order q/k/v, o, gate/up, down;
+// nil when none are frozen.
+func (m *Model) InputAmax() []float32 {
+	if !m.inputsFrozen {
+		return nil
+	}
+	var out []float32
+	for i := range m.Blocks {
+		for _, q := range m.Blocks[i].inputQuantizers() {
+			out = append(out, q.Amax)
+		}
+	}
+	return out
+}
+
+// RestoreInputAmax freezes the inputs' amax to values InputAmax returned
+// (a resumed LoRA run's).
+func (m *Model) RestoreInputAmax(amax []float32) error {
+	if m.qad {
+		return fmt.Errorf("%w: RestoreInputAmax under QAD", ErrInvalid)
+	}
+	if len(amax) != 4*len(m.Blocks) {
+		return fmt.Errorf("%w: %d input amax values, want 4 for each of %d layers: they are of another model", ErrInvalid, len(amax), len(m.Blocks))
+	}
+	for i := range m.Blocks {
+		for j, q := range m.Blocks[i].inputQuantizers() {
+			*q = Quantizer{Amax: amax[4*i+j]}
+		}
+		if err := m.Blocks[i].freezeInputs(i); err != nil {
+			return err
+		}
+	}
+	m.observing, m.inputsFrozen = false, true
 	return nil
 }
 
@@ -150,15 +258,8 @@ func (m *Model) FinishCalibration() error {
 				l.WQ.Amax = mx
 			}
 		}
-		p := fmt.Sprintf("model.layers.%d.", i)
-		names := []string{"self_attn.{q,k,v}_proj input", "self_attn.o_proj input", "mlp.{gate,up}_proj input", "mlp.down_proj input"}
-		if L.MoE != nil {
-			names[2], names[3] = "mlp.experts.*.{gate,up}_proj input", "mlp.experts.*.down_proj input"
-		}
-		for j, name := range names {
-			if err := L.inputQuantizers()[j].Freeze(p + name); err != nil {
-				return err
-			}
+		if err := L.freezeInputs(i); err != nil {
+			return err
 		}
 	}
 	m.allocFakeQuant()

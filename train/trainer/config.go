@@ -43,7 +43,8 @@ type Config struct {
 	// Quant is "none" or "nvfp4" (quantization-aware distillation).
 	Quant string `yaml:"quant"`
 	// CalibBatches is how many packed rows calibrate the NVFP4 amax
-	// before it is frozen (quant: nvfp4 only).
+	// before it is frozen (quant: nvfp4; and a LoRA run's Linears' input
+	// amax, for its merged NVFP4 export: 0 skips that).
 	CalibBatches int `yaml:"calib_batches"`
 }
 

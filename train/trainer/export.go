@@ -86,10 +86,10 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 		return nil, fmt.Errorf("--format peft: %s is a full fine-tune, not a LoRA run (model.lora): export bf16, f32 or nvfp4", src)
 	case o.Format == "peft":
 		return exportPEFT(s, st, out, o)
-	case o.Format == "nvfp4" && s.LoRA() != nil:
-		return nil, fmt.Errorf("--format nvfp4: %s is a LoRA run: an NVFP4 export of its merged weights is not supported yet (it needs the inputs' amax, which a LoRA run does not calibrate); export the merged model as bf16 or f32, or the adapters as peft", src)
+	case o.Format == "nvfp4" && s.LoRA() != nil && s.InputAmax() == nil:
+		return nil, fmt.Errorf("--format nvfp4: %s is a LoRA run whose checkpoint holds no input amax (state.json's lora.input_amax: made before LoRA runs calibrated them, with calib_batches 0, or sizes NVFP4 cannot take), and the merged model's NVFP4 export needs them: resume the run with this version for one more step (raise train.max_steps by 1; it calibrates them on calib_batches rows before that step) and export its new checkpoint, or export the merged model as bf16 or f32, or the adapters as peft", src)
 	}
-	if o.Format == "nvfp4" && !s.QAD {
+	if o.Format == "nvfp4" && !s.QAD && s.LoRA() == nil {
 		return nil, fmt.Errorf("--format nvfp4: %s was not trained with quant: nvfp4 (no calibrated amax); train with QAD or export bf16", src)
 	}
 	rep := &ExportReport{}

@@ -28,6 +28,11 @@ type LoRAState struct {
 	Random     bool    `json:"random,omitempty"`
 	RandomSeed uint64  `json:"random_init_seed,omitempty"`
 	RandomStd  float64 `json:"random_init_std,omitempty"`
+	// InputAmax are the Linears' input amax calibrated at the run's
+	// start (train.Student.InputAmax: four a layer), which the merged
+	// model's NVFP4 export needs; absent in checkpoints made before
+	// they were calibrated (a resume calibrates them).
+	InputAmax []float32 `json:"input_amax,omitempty"`
 }
 
 // setLoRA records a LoRA student's adapters and base in st (nothing for
@@ -158,6 +163,12 @@ func loadLoRACheckpoint(dir string, st *State, be compute.Backend) (*train.Stude
 	if err := s.LoadAdapters(dir); err != nil {
 		s.Free()
 		return nil, fmt.Errorf("%w: %w", ErrResume, err)
+	}
+	if l.InputAmax != nil {
+		if err := s.RestoreInputAmax(l.InputAmax); err != nil {
+			s.Free()
+			return nil, fmt.Errorf("%w: %s: input_amax: %w", ErrResume, dir, err)
+		}
 	}
 	return s, nil
 }

@@ -1,10 +1,12 @@
 package trainer
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"path/filepath"
 	"slices"
@@ -108,9 +110,6 @@ func TestLoRARun(t *testing.T) {
 		if err != nil || !slices.Equal(v, want[n]) {
 			t.Fatalf("merged export %s: %v, differs from MergedWeights", n, err)
 		}
-	}
-	if _, err := Export(straight, filepath.Join(t.TempDir(), "x"), ExportOptions{Format: "nvfp4"}); err == nil || !strings.Contains(err.Error(), "LoRA") {
-		t.Fatalf("nvfp4 export of a LoRA run: %v", err)
 	}
 
 	// Resumes that would train something else.
@@ -308,4 +307,85 @@ func TestLoRADropoutRun(t *testing.T) {
 	cfgs := []*Config{tinyConfig(t, b, filepath.Join(dir, "r0"), drop...), tinyConfig(t, b, filepath.Join(dir, "r1"), drop...)}
 	res, _ := runRanks(t, 2, cfgs, nil)
 	closeLosses(t, "2 ranks with LoRA dropout", straight, res[0], 2e-5)
+}
+
+// TestLoRANVFP4Export: a LoRA run (quant none, and quant: nvfp4's
+// NVFP4-held base) calibrates its Linears' input amax at the start and
+// keeps them in state.json (lora.input_amax, four a layer); its merged
+// NVFP4 export writes Model-Optimizer's layout whose input_scales are
+// those amax/(6·448) (the weights' bits are TestLoRAMergedNVFP4's). A
+// checkpoint without them (as made before they were calibrated) is
+// refused naming how to get them, and a resume for one more step
+// calibrates them, after which the export works. calib_batches 0 leaves
+// them out.
+func TestLoRANVFP4Export(t *testing.T) {
+	b := testCache(t)
+	for _, quant := range []string{"none", "nvfp4"} {
+		t.Run(quant, func(t *testing.T) {
+			over := append(slices.Clone(loraOver), "quant="+quant, "train.max_steps=4")
+			runDir := filepath.Join(t.TempDir(), "run")
+			res, err := Run(tinyConfig(t, b, runDir, over...), Options{Log: io.Discard})
+			if err != nil {
+				t.Fatal(err)
+			}
+			st, err := loadState(res.Checkpoint)
+			if err != nil {
+				t.Fatal(err)
+			}
+			layers := 2
+			if st.LoRA == nil || len(st.LoRA.InputAmax) != 4*layers {
+				t.Fatalf("state.json lora: %+v: want input_amax, 4 a layer", st.LoRA)
+			}
+			out := filepath.Join(t.TempDir(), "nvfp4")
+			if _, err := Export(runDir, out, ExportOptions{Format: "nvfp4", NoTokenizer: true}); err != nil {
+				t.Fatal(err)
+			}
+			w, err := model.OpenWeights(out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			raw, info, err := w.Raw("model.layers.1.mlp.down_proj.input_scale")
+			if err != nil || info.DType != "F32" {
+				t.Fatalf("input_scale: %v %+v", err, info)
+			}
+			got := math.Float32frombits(binary.LittleEndian.Uint32(raw)) // (raw is the open file's)
+			w.Close()
+			if got != st.LoRA.InputAmax[4*1+3]/(6*448) {
+				t.Fatalf("layer 1 down_proj input_scale %g, want the calibrated amax %g / 2688", got, st.LoRA.InputAmax[7])
+			}
+
+			// A checkpoint without them.
+			sp := filepath.Join(res.Checkpoint, "state.json")
+			var raw2 map[string]any
+			sb, _ := os.ReadFile(sp)
+			if err := json.Unmarshal(sb, &raw2); err != nil {
+				t.Fatal(err)
+			}
+			delete(raw2["lora"].(map[string]any), "input_amax")
+			sb, _ = json.Marshal(raw2)
+			if err := os.WriteFile(sp, sb, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := Export(runDir, filepath.Join(t.TempDir(), "x"), ExportOptions{Format: "nvfp4", NoTokenizer: true}); err == nil || !strings.Contains(err.Error(), "input amax") || !strings.Contains(err.Error(), "train.max_steps") {
+				t.Fatalf("NVFP4 export of a LoRA checkpoint without input amax: %v, want an error saying how to get them", err)
+			}
+			more, err := Run(tinyConfig(t, b, runDir, append(over, "train.max_steps=5")...), Options{Log: io.Discard})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st2, err := loadState(more.Checkpoint); err != nil || st2.LoRA == nil || len(st2.LoRA.InputAmax) != 4*layers {
+				t.Fatalf("after a resume: %v %+v", err, st2)
+			}
+			if _, err := Export(runDir, filepath.Join(t.TempDir(), "y"), ExportOptions{Format: "nvfp4", NoTokenizer: true}); err != nil {
+				t.Fatalf("NVFP4 export after the resume calibrated the inputs: %v", err)
+			}
+		})
+	}
+	res, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "nocal"), append(slices.Clone(loraOver), "calib_batches=0", "train.max_steps=3")...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := loadState(res.Checkpoint); err != nil || st.LoRA == nil || st.LoRA.InputAmax != nil {
+		t.Fatalf("calib_batches 0: %v %+v, want no input_amax", err, st)
+	}
 }

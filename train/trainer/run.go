@@ -424,15 +424,40 @@ func (r *trainRun) buildOptimizer() error {
 }
 
 // calibrate calibrates NVFP4 QAD's amax before a new QAD run's first
-// step (a resumed one restored it from its checkpoint).
+// step (a resumed one restored it from its checkpoint); a LoRA run's
+// Linears' input amax (calibrateLoRA).
 func (r *trainRun) calibrate() error {
-	if r.ckpt != "" || r.cfg.Quant != "nvfp4" || r.s.LoRA() != nil {
-		return nil // (a LoRA base is quantized as it loads: nothing to calibrate)
+	if r.s.LoRA() != nil {
+		return r.calibrateLoRA()
+	}
+	if r.ckpt != "" || r.cfg.Quant != "nvfp4" {
+		return nil
 	}
 	if err := calibrate(r.s, r.cfg.CalibBatches, r.src, r.held, r.cfg.Data.SeqLen, &r.lopt, r.log); err != nil {
 		return err
 	}
 	r.st.QuantAmax = r.s.QuantAmax()
+	return nil
+}
+
+// calibrateLoRA calibrates a LoRA run's Linears' input amax, which the
+// merged model's NVFP4 export needs (its base is not calibrated: under
+// quant: nvfp4 it is quantized as it loads), on calib_batches rows
+// before the first step: a new run's, or a resumed one whose checkpoint
+// has none (made before they were calibrated). Not when the sizes rule
+// NVFP4 out, nor with calib_batches 0 (no NVFP4 export then).
+func (r *trainRun) calibrateLoRA() error {
+	if r.st.LoRA == nil || r.st.LoRA.InputAmax != nil || r.cfg.CalibBatches <= 0 {
+		return nil
+	}
+	if err := decoder.NVFP4Sizes(r.s.Cfg); err != nil {
+		fmt.Fprintf(r.log, "LoRA: no input calibration (%v): the merged model has no NVFP4 export\n", err)
+		return nil
+	}
+	if err := calibrateInputs(r.s, r.cfg.CalibBatches, r.src, r.held, r.cfg.Data.SeqLen, &r.lopt, r.log); err != nil {
+		return err
+	}
+	r.st.LoRA.InputAmax = r.s.InputAmax()
 	return nil
 }
 

@@ -195,32 +195,62 @@ func calibrate(s *train.Student, n int, src Source, held cache.Range, seqLen int
 	if err := s.EnableQAD(); err != nil {
 		return err
 	}
-	cs, err := src.Batches(held, 0, 0)
+	done, err := calibrationPass(s, n, src, held, seqLen, lopt)
 	if err != nil {
 		return err
-	}
-	defer cs.Close()
-	done := 0
-	for done < n {
-		rows, err := cs.Next(seqLen)
-		if err != nil {
-			return fmt.Errorf("NVFP4 calibration: %w", err)
-		}
-		for _, b := range rows {
-			if done == n {
-				break
-			}
-			if _, err := s.Forward(b, lopt); err != nil {
-				return fmt.Errorf("NVFP4 calibration: %w", err)
-			}
-			done++
-		}
 	}
 	if err := s.FinishCalibration(); err != nil {
 		return err
 	}
 	fmt.Fprintf(log, "NVFP4: calibrated amax on %d rows, frozen\n", done)
 	return nil
+}
+
+// calibrateInputs calibrates a LoRA student's Linears' input amax (for
+// its merged model's NVFP4 export) on the first n packed rows of the
+// training order, as calibrate does QAD's; the forward is an
+// evaluation's (no dropout), so training is the same with or without it.
+func calibrateInputs(s *train.Student, n int, src Source, held cache.Range, seqLen int, lopt *loss.Options, log io.Writer) error {
+	if err := s.StartInputCalibration(); err != nil {
+		return err
+	}
+	done, err := calibrationPass(s, n, src, held, seqLen, lopt)
+	if err != nil {
+		return err
+	}
+	if err := s.FinishInputCalibration(); err != nil {
+		return err
+	}
+	fmt.Fprintf(log, "LoRA: calibrated the Linears' input amax on %d rows, for the merged model's NVFP4 export\n", done)
+	return nil
+}
+
+// calibrationPass runs Forward over the first n packed rows of the
+// training order (a separate pass over the order, so training then sees
+// the same data with or without it) and returns how many it ran.
+func calibrationPass(s *train.Student, n int, src Source, held cache.Range, seqLen int, lopt *loss.Options) (int, error) {
+	cs, err := src.Batches(held, 0, 0)
+	if err != nil {
+		return 0, err
+	}
+	defer cs.Close()
+	done := 0
+	for done < n {
+		rows, err := cs.Next(seqLen)
+		if err != nil {
+			return done, fmt.Errorf("NVFP4 calibration: %w", err)
+		}
+		for _, b := range rows {
+			if done == n {
+				break
+			}
+			if _, err := s.Forward(b, lopt); err != nil {
+				return done, fmt.Errorf("NVFP4 calibration: %w", err)
+			}
+			done++
+		}
+	}
+	return done, nil
 }
 
 // testHookRow, when set (tests), runs before each row of a step.
