@@ -118,7 +118,11 @@ func (c *LoRAConfig) Check(cfg *model.Config) error {
 				moe = append(moe, t)
 			}
 		}
-		return fmt.Errorf("%w: model.lora on a %s student: not supported yet (its MoE blocks' experts%s run in the fused MoE kernels, which have no adapter term, and their frozen experts would still need full-size gradient buffers); train it in full, or use a dense student", ErrInvalid, cfg.Arch, strings.Join(append([]string{""}, moe...), " "))
+		named := ""
+		if len(moe) > 0 {
+			named = ", which model.lora.targets " + strings.Join(moe, ", ") + " name"
+		}
+		return fmt.Errorf("%w: model.lora on a %s student: not supported: its experts (mlp.experts.E.{gate,up,down}_proj%s) run inside the fused MoE kernels (compute's MoEForward and MoEBackward), which compute each expert's grouped GEMMs and the SwiGLU between them internally, so an adapter's term has no place to enter (after the gate/up GEMMs, before the SwiGLU; after the down GEMM) and its backward no pre-activation gradients to read; and MoEBackward always accumulates the router's and every expert's weight gradient, full-size fp32 buffers that a frozen base would still need. Train it in full (no model.lora), or use a dense student", ErrInvalid, cfg.Arch, named)
 	}
 	return nil
 }
