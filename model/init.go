@@ -1,7 +1,6 @@
 package model
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -11,7 +10,6 @@ import (
 	"sort"
 	"strings"
 
-	"distill/compute"
 	"distill/internal/atomicfile"
 )
 
@@ -210,14 +208,8 @@ func WriteCheckpointFrom(dir string, cfg *Config, dtype string, read func(name s
 			}
 			if dtype == "F32" {
 				buf = F32Bytes(buf, v)
-				return buf, nil
-			}
-			if cap(buf) < 2*n {
-				buf = make([]byte, 2*n)
-			}
-			buf = buf[:2*n]
-			for i, f := range v {
-				binary.LittleEndian.PutUint16(buf[2*i:], compute.F32ToBF16(f))
+			} else {
+				buf = BF16Bytes(buf, v)
 			}
 			return buf, nil
 		}})

@@ -459,11 +459,7 @@ func F32Tensor(name string, shape []int, v []float32) Tensor {
 
 // BF16Tensor rounds float32 values to BF16 (nearest even).
 func BF16Tensor(name string, shape []int, v []float32) Tensor {
-	b := make([]byte, 2*len(v))
-	for i, f := range v {
-		binary.LittleEndian.PutUint16(b[2*i:], compute.F32ToBF16(f))
-	}
-	return Tensor{Name: name, DType: "BF16", Shape: shape, Data: b}
+	return Tensor{Name: name, DType: "BF16", Shape: shape, Data: BF16Bytes(nil, v)}
 }
 
 // WriteSafetensors writes ts to path atomically (internal/atomicfile: temp
@@ -561,6 +557,19 @@ func numel(shape []int) int {
 		n *= d
 	}
 	return n
+}
+
+// BF16Bytes rounds float32 values to BF16 (nearest even) little-endian
+// into buf (grown as needed) and returns it.
+func BF16Bytes(buf []byte, v []float32) []byte {
+	if cap(buf) < 2*len(v) {
+		buf = make([]byte, 2*len(v))
+	}
+	buf = buf[:2*len(v)]
+	for i, f := range v {
+		binary.LittleEndian.PutUint16(buf[2*i:], compute.F32ToBF16(f))
+	}
+	return buf
 }
 
 // F32Bytes packs float32 values little-endian into buf (grown as

@@ -1,7 +1,6 @@
 package train
 
 import (
-	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -227,13 +226,7 @@ func WriteNVFP4From(dir string, cfg *model.Config, amax []float32, read func(nam
 				if err != nil {
 					return nil, err
 				}
-				if cap(buf) < 2*n {
-					buf = make([]byte, 2*n)
-				}
-				buf = buf[:2*n]
-				for i, f := range x {
-					binary.LittleEndian.PutUint16(buf[2*i:], compute.F32ToBF16(f))
-				}
+				buf = model.BF16Bytes(buf, x)
 				return buf, nil
 			}})
 			continue

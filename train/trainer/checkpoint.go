@@ -303,28 +303,7 @@ func saveCheckpoint(runDir string, s *train.Student, moments momentsOf, st *Stat
 		if err := model.WriteSafetensors(filepath.Join(tmp, "optimizer.safetensors"), ts, nil); err != nil {
 			return err
 		}
-		cj, err := s.Cfg.JSON()
-		if err != nil {
-			return err
-		}
-		if err := writeFileSync(filepath.Join(tmp, "config.json"), append(cj, '\n')); err != nil {
-			return err
-		}
-		sj, _ := json.MarshalIndent(st, "", "  ")
-		if err := writeFileSync(filepath.Join(tmp, "state.json"), append(sj, '\n')); err != nil {
-			return err
-		}
-		if err := atomicfile.Sync(tmp); err != nil {
-			return err
-		}
-		if testHookPublish != nil {
-			testHookPublish(st.Step)
-		}
-		os.RemoveAll(final) // a step re-saved after a resume from an older checkpoint
-		if err := os.Rename(tmp, final); err != nil {
-			return err
-		}
-		return atomicfile.Sync(parent)
+		return publishCheckpoint(tmp, final, s, st, nil)
 	}()
 	if err != nil {
 		os.RemoveAll(tmp)
@@ -347,6 +326,41 @@ func pruneCheckpoints(runDir string, keep, protect int) error {
 		}
 	}
 	return nil
+}
+
+// publishCheckpoint writes config.json, state.json and (a sharded
+// checkpoint) manifest.json beside the weights in tmp, syncs every file
+// and the directory, renames tmp to final and syncs the parent: a crash
+// at any point leaves no partial checkpoint under a final name.
+func publishCheckpoint(tmp, final string, s *train.Student, st *State, man *shardManifest) error {
+	cj, err := s.Cfg.JSON()
+	if err != nil {
+		return err
+	}
+	if err := writeFileSync(filepath.Join(tmp, "config.json"), append(cj, '\n')); err != nil {
+		return err
+	}
+	jsons := map[string]any{"state.json": st}
+	if man != nil {
+		jsons[shardManifestName] = man
+	}
+	for name, v := range jsons {
+		b, _ := json.MarshalIndent(v, "", "  ")
+		if err := writeFileSync(filepath.Join(tmp, name), append(b, '\n')); err != nil {
+			return err
+		}
+	}
+	if err := atomicfile.Sync(tmp); err != nil {
+		return err
+	}
+	if testHookPublish != nil {
+		testHookPublish(st.Step)
+	}
+	os.RemoveAll(final) // a step re-saved after a resume from an older checkpoint
+	if err := os.Rename(tmp, final); err != nil {
+		return err
+	}
+	return atomicfile.Sync(filepath.Dir(final))
 }
 
 // testHookPublish, when set (tests), runs when a checkpoint's files are

@@ -12,7 +12,6 @@ import (
 	"strings"
 
 	"distill/compute"
-	"distill/internal/atomicfile"
 	"distill/model"
 	"distill/train"
 	"distill/train/optim"
@@ -268,32 +267,7 @@ func (c *checkpointer) publishSharded(l *shardLayout, s *train.Student, st *Stat
 		w.Close()
 		man.Shards = append(man.Shards, shardEntry{File: name, Bytes: fi.Size(), Pieces: len(ps)})
 	}
-	cj, err := s.Cfg.JSON()
-	if err != nil {
-		return err
-	}
-	if err := writeFileSync(filepath.Join(tmp, "config.json"), append(cj, '\n')); err != nil {
-		return err
-	}
-	sj, _ := json.MarshalIndent(st, "", "  ")
-	if err := writeFileSync(filepath.Join(tmp, "state.json"), append(sj, '\n')); err != nil {
-		return err
-	}
-	mj, _ := json.MarshalIndent(man, "", "  ")
-	if err := writeFileSync(filepath.Join(tmp, shardManifestName), append(mj, '\n')); err != nil {
-		return err
-	}
-	if err := atomicfile.Sync(tmp); err != nil {
-		return err
-	}
-	if testHookPublish != nil {
-		testHookPublish(st.Step)
-	}
-	os.RemoveAll(final) // a step re-saved after a resume from an older checkpoint
-	if err := os.Rename(tmp, final); err != nil {
-		return err
-	}
-	return atomicfile.Sync(filepath.Dir(final))
+	return publishCheckpoint(tmp, final, s, st, &man)
 }
 
 // shardedCkpt is a sharded checkpoint open for reading: its shards

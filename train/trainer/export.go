@@ -92,30 +92,12 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 	if o.Format == "nvfp4" && !s.QAD && s.LoRA() == nil {
 		return nil, fmt.Errorf("--format nvfp4: %s was not trained with quant: nvfp4 (no calibrated amax); train with QAD or export bf16", src)
 	}
-	rep := &ExportReport{}
-	// tmpl is the chat template the run rendered its samples with when
-	// it overrode the tokenizer's (data.dataset.chat_template).
-	tmpl, err := runChatTemplate(src, st)
-	if err != nil {
-		return nil, err
-	}
-	if tmpl != "" && !o.NoTokenizer {
-		rep.ChatTemplate = "the run's data.dataset.chat_template"
-	}
-	et, err := exportTokenizer(src, out, st, o, rep)
-	if err != nil {
-		return nil, err
-	}
-	err = writeExport(out, o, rep, et, tmpl, s.Cfg, func(tmp string) error {
+	return writeExport(src, out, st, o, s.Cfg, func(tmp string) error {
 		if o.Format == "nvfp4" {
 			return s.WriteNVFP4(tmp)
 		}
 		return s.WriteHF(tmp, dt[o.Format])
 	})
-	if err != nil {
-		return nil, err
-	}
-	return rep, nil
 }
 
 // shardedSource is the sharded checkpoint src names (a run directory
@@ -149,7 +131,22 @@ func exportSharded(src, ck, out string, o ExportOptions) (*ExportReport, error) 
 		return nil, err
 	}
 	defer c.close()
+	return writeExport(src, out, st, o, cfg, func(tmp string) error {
+		read := func(name string, dst []float32) error { return c.read(name, len(dst), 0, dst) }
+		if o.Format == "nvfp4" {
+			return train.WriteNVFP4From(tmp, cfg, st.QuantAmax, read)
+		}
+		return model.WriteCheckpointFrom(tmp, cfg, map[string]string{"bf16": "BF16", "f32": "F32"}[o.Format], read)
+	})
+}
+
+// writeExport writes out through model.WriteDir: the weights (weights),
+// the run's tokenizer files (src's run, as st records it) and
+// generation_config.json, and reports what it wrote.
+func writeExport(src, out string, st *State, o ExportOptions, cfg *model.Config, weights func(tmp string) error) (*ExportReport, error) {
 	rep := &ExportReport{}
+	// tmpl is the chat template the run rendered its samples with when
+	// it overrode the tokenizer's (data.dataset.chat_template).
 	tmpl, err := runChatTemplate(src, st)
 	if err != nil {
 		return nil, err
@@ -161,24 +158,7 @@ func exportSharded(src, ck, out string, o ExportOptions) (*ExportReport, error) 
 	if err != nil {
 		return nil, err
 	}
-	err = writeExport(out, o, rep, et, tmpl, cfg, func(tmp string) error {
-		read := func(name string, dst []float32) error { return c.read(name, len(dst), 0, dst) }
-		if o.Format == "nvfp4" {
-			return train.WriteNVFP4From(tmp, cfg, st.QuantAmax, read)
-		}
-		return model.WriteCheckpointFrom(tmp, cfg, map[string]string{"bf16": "BF16", "f32": "F32"}[o.Format], read)
-	})
-	if err != nil {
-		return nil, err
-	}
-	return rep, nil
-}
-
-// writeExport writes out through model.WriteDir: the weights (weights),
-// the tokenizer files and generation_config.json, and lists the files in
-// rep.
-func writeExport(out string, o ExportOptions, rep *ExportReport, et *exportTok, tmpl string, cfg *model.Config, weights func(tmp string) error) error {
-	return model.WriteDir(out, o.Force, func(tmp string) error {
+	err = model.WriteDir(out, o.Force, func(tmp string) error {
 		if err := weights(tmp); err != nil {
 			return err
 		}
@@ -198,6 +178,10 @@ func writeExport(out string, o ExportOptions, rep *ExportReport, et *exportTok, 
 		sort.Strings(rep.Files)
 		return nil
 	})
+	if err != nil {
+		return nil, err
+	}
+	return rep, nil
 }
 
 // exportPEFT writes a LoRA run's adapters to out as PEFT saves them:

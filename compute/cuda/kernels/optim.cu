@@ -15,19 +15,23 @@
 // k_f32_to_bf16 would make of it): the weight's shadow, the operand the
 // GEMMs of the next step read (shadow.go). One kernel either way, so the
 // fp32 update is the same code with or without the shadow.
+DK_DEV void adamw_elem(float *__restrict__ p, const float *__restrict__ g, float *__restrict__ m, float *__restrict__ v, i64 i, float b1,
+                       float b2, float eps, float step, float bc2, float decay, u16 *__restrict__ pb) {
+	float x = g[i];
+	float pi = p[i] * decay;
+	float mi = b1 * m[i] + (1 - b1) * x;
+	float vi = b2 * v[i] + (1 - b2) * x * x;
+	m[i] = mi;
+	v[i] = vi;
+	float np = pi - step * mi / (sqrtf(vi) / bc2 + eps);
+	p[i] = np;
+	if (pb) pb[i] = f2bf(np);
+}
+
 DK_KERNEL void k_adamw(float *__restrict__ p, const float *__restrict__ g, float *__restrict__ m, float *__restrict__ v, i64 n, float b1,
                        float b2, float eps, float step, float bc2, float decay, u16 *__restrict__ pb) {
-	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-		float x = g[i];
-		float pi = p[i] * decay;
-		float mi = b1 * m[i] + (1 - b1) * x;
-		float vi = b2 * v[i] + (1 - b2) * x * x;
-		m[i] = mi;
-		v[i] = vi;
-		float np = pi - step * mi / (sqrtf(vi) / bc2 + eps);
-		p[i] = np;
-		if (pb) pb[i] = f2bf(np);
-	}
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+		adamw_elem(p, g, m, v, i, b1, b2, eps, step, bc2, decay, pb);
 }
 
 // x (n) *= c. One rounding, as the CPU: the results are bit-identical.
@@ -244,17 +248,8 @@ DK_KERNEL void k_adamw_multi(const i64 *__restrict__ tab, int nt, float b1, floa
 	float dc = r[6] ? decay : 1.0f;
 	i64 end = ((i64)blockIdx.x - r[7] + 1) * MT_CHUNK;
 	if (end > n) end = n;
-	for (i64 i = ((i64)blockIdx.x - r[7]) * MT_CHUNK + threadIdx.x; i < end; i += blockDim.x) {
-		float x = g[i];
-		float pi = p[i] * dc;
-		float mi = b1 * m[i] + (1 - b1) * x;
-		float vi = b2 * v[i] + (1 - b2) * x * x;
-		m[i] = mi;
-		v[i] = vi;
-		float np = pi - step * mi / (sqrtf(vi) / bc2 + eps);
-		p[i] = np;
-		if (pb) pb[i] = f2bf(np);
-	}
+	for (i64 i = ((i64)blockIdx.x - r[7]) * MT_CHUNK + threadIdx.x; i < end; i += blockDim.x)
+		adamw_elem(p, g, m, v, i, b1, b2, eps, step, bc2, dc, pb);
 }
 
 // k_scale_multi: k_scale over nt tensors; a row is x, n, first block.
