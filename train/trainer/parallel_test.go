@@ -600,19 +600,24 @@ func cudaRanksOf(t *testing.T, mk func(runDir string, over ...string) *Config, n
 func TestCUDADataParallelRankKilled(t *testing.T) {
 	useCUDA(t)
 	b := testCache(t)
-	// ZeRO 0 (rank 0 writes the checkpoints) and 2 (each rank its shard).
-	for _, zero := range []int{0, 2} {
-		t.Run(fmt.Sprintf("zero%d", zero), func(t *testing.T) { rankKilled(t, b, zero) })
+	// ZeRO 0 (rank 0 writes the checkpoints) and 2 (each rank its shard),
+	// killed in step 4; and at ZeRO 2 killed while it publishes step 4's
+	// checkpoint, every shard durable but no manifest renamed into place.
+	for _, c := range []struct {
+		zero int
+		hold string
+	}{{0, "TRAINER_CHILD_HOLD"}, {2, "TRAINER_CHILD_HOLD"}, {2, "TRAINER_CHILD_HOLD_SAVE"}} {
+		t.Run(fmt.Sprintf("zero%d/%s", c.zero, c.hold), func(t *testing.T) { rankKilled(t, b, c.zero, c.hold) })
 	}
 }
 
-func rankKilled(t *testing.T, b *testcache.Built, zero int) {
+func rankKilled(t *testing.T, b *testcache.Built, zero int, hold string) {
 	over := []string{"train.device=cuda", "train.max_steps=6", "eval.every=0", "checkpoint.every=2", "checkpoint.keep=5", fmt.Sprintf("train.zero=%d", zero)}
 	straight := results(t, startRanks(t, b, t.TempDir(), 2, over, nil))
 
 	dir := t.TempDir()
 	held := filepath.Join(dir, "held")
-	ps := startRanks(t, b, dir, 2, over, map[int][]string{0: {"TRAINER_CHILD_HOLD=4:" + held}})
+	ps := startRanks(t, b, dir, 2, over, map[int][]string{0: {hold + "=4:" + held}})
 	exited := make(chan error, 2)
 	for _, p := range ps {
 		go func(p rankProc) { exited <- p.cmd.Wait() }(p)
@@ -649,6 +654,9 @@ func rankKilled(t *testing.T, b *testcache.Built, zero int) {
 	}
 	if isSharded(again[0].Resumed) != (zero > 0) {
 		t.Fatalf("ZeRO %d: the checkpoint %s is sharded: %v", zero, again[0].Resumed, isSharded(again[0].Resumed))
+	}
+	if tmp, _ := filepath.Glob(filepath.Join(dir, "run", "checkpoints", ".tmp-*")); len(tmp) > 0 {
+		t.Errorf("the killed save's temporary directory stays after the rerun: %v", tmp)
 	}
 	for rank := range again {
 		last, want := again[rank].Steps[len(again[rank].Steps)-1], straight[rank].Steps[len(straight[rank].Steps)-1]
