@@ -674,6 +674,9 @@ type ForwardShape struct {
 	// Experts > 0: a Qwen3-MoE model with TopK experts per token of
 	// MoEIntermediate each.
 	Experts, TopK, MoEIntermediate int
+	// FP8: the layers' Linear weights are FP8 (FP8Weights): their GEMMs
+	// quantize their inputs in scratch.
+	FP8 bool
 	// Draws > 0: the LM head also draws that many ids a token
 	// (LMHeadSample, sampled targets; K is then the head's top-k, 0 for
 	// none).

@@ -68,7 +68,8 @@ func E4M3(x float32) float32 {
 	return float32(math.Copysign(r, float64(x)))
 }
 
-// E4M3Byte encodes an E4M3 value (as E4M3 returns) in its byte form.
+// E4M3Byte encodes an E4M3 value (as E4M3 returns) in its byte form; NaN
+// is 0x7f (with its sign bit).
 func E4M3Byte(v float32) uint8 {
 	var s uint8
 	if math.Signbit(float64(v)) {
@@ -77,6 +78,9 @@ func E4M3Byte(v float32) uint8 {
 	a := math.Abs(float64(v))
 	if a == 0 {
 		return s
+	}
+	if a != a {
+		return s | 0x7f // E4M3FN's NaN
 	}
 	if a < 1.0/64 {
 		return s | uint8(a*512) // subnormal: mantissa·2^-9

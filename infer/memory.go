@@ -50,7 +50,7 @@ func (m *Model) DeviceBytes(tokens, maxLen, k, draws int) int64 {
 	}
 	c := m.Cfg
 	s := compute.ForwardShape{Tokens: tokens, MaxLen: maxLen, K: k, Hidden: c.Hidden, Heads: c.Heads, KVHeads: c.KVHeads,
-		HeadDim: c.HeadDim, Intermediate: c.Intermediate, Vocab: c.VocabSize}
+		HeadDim: c.HeadDim, Intermediate: c.Intermediate, Vocab: c.VocabSize, FP8: m.weights == WeightsFP8}
 	if c.NumExperts > 0 {
 		s.Experts, s.TopK, s.MoEIntermediate = c.NumExperts, c.ExpertsPerTok, c.MoEIntermediate
 	}

@@ -48,6 +48,7 @@ type Model struct {
 	d           *decoder.Model
 	be          compute.Backend
 	fingerprint string
+	weights     WeightFormat // LoadOptions.Weights
 }
 
 // Backend returns the backend the model runs on.
@@ -86,6 +87,7 @@ func LoadWith(dir string, be compute.Backend, o LoadOptions) (*Model, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
+	m.weights = o.Weights
 	m.fingerprint, err = fingerprint(dir, o.fingerprintSuffix())
 	if err != nil {
 		return nil, err

@@ -216,7 +216,7 @@ func stageBytes(cfg *model.Config, o PlanOptions, st *StagePlan, n int) int64 {
 	}
 	if o.Scratch != nil {
 		s := compute.ForwardShape{Tokens: n, MaxLen: min(n, o.MaxLen), K: k, Hidden: cfg.Hidden, Heads: cfg.Heads, KVHeads: cfg.KVHeads,
-			HeadDim: cfg.HeadDim, Intermediate: cfg.Intermediate, Vocab: cfg.VocabSize}
+			HeadDim: cfg.HeadDim, Intermediate: cfg.Intermediate, Vocab: cfg.VocabSize, FP8: o.Weights == WeightsFP8}
 		if !st.Head {
 			s.Vocab = 1 // no LM head on this stage
 		}

@@ -632,8 +632,11 @@ func (t *tensor) DType() compute.DType { return t.dt }
 func (t *tensor) Len() int             { return t.n }
 
 func elemSize(dt compute.DType) int {
-	if dt == compute.BF16 {
+	switch dt {
+	case compute.BF16:
 		return 2
+	case compute.F8E4M3:
+		return 1 // the codes (fp8.go: the scales follow them)
 	}
 	return 4
 }

@@ -83,7 +83,8 @@ func (l *cublasLt) check(call string, s C.cublasStatus_t) error {
 }
 
 // gemmShape is one row-major product out (m,n) (F32, or BF16: out) = op(a) (m,k) ·
-// op(b) (k,n) with a and b of type in (dataBF16 or dataF32), op(a) = aᵀ
+// op(b) (k,n) with a and b of type in (dataBF16, dataF32, or dataE4M3 in
+// the forward's layout only: fp8.go), op(a) = aᵀ
 // when ta (a stored (k,m)), op(b) = bᵀ when tb (b stored (n,k)), and the
 // alignment in bytes (a power of two, at most 256) of its pointers, which
 // cuBLASLt's choice of algorithm depends on. The forward's x·wᵀ is
@@ -204,8 +205,11 @@ func (l *cublasLt) run(h C.cublasLtHandle_t, p *gemmPlan, out, x, w, ws uint64, 
 
 // typeBytes is the element size of a cuBLASLt type.
 func typeBytes(t int) int {
-	if t == dataBF16 {
+	switch t {
+	case dataBF16:
 		return 2
+	case dataE4M3:
+		return 1
 	}
 	return 4
 }
@@ -216,6 +220,8 @@ func typeName(t int) string {
 		return "bf16"
 	case dataF32:
 		return "f32"
+	case dataE4M3:
+		return "e4m3"
 	}
 	return fmt.Sprintf("cudaDataType(%d)", t)
 }

@@ -102,6 +102,13 @@
 //     input, weights as stored), fp32 accumulation; out F32, or BF16
 //     rounded by cuBLASLt's epilogue (with a bias: the bias added to the
 //     fp32 result first, then one rounding).
+//     An FP8 weight (WeightFP8, a teacher's --weights fp8: fp8.go) runs
+//     W8A8: x's rows quantized to E4M3 with a scale each
+//     (k_fp8_quant_rows, bit for bit compute.FP8QuantizeRow), cuBLASLt's
+//     FP8 GEMM ("TN", CUDA_R_8F_E4M3 operands, fp32 accumulation and D),
+//     and k_fp8_scale multiplying each sum by its row's and channel's
+//     scales; in slabs of 2048 rows. FP8 MoE experts take the host's
+//     grouping and one FP8 GEMM per expert (a sync per MoE layer).
 //   - RMSNorm (and the q/k norm, as RMSNorm over heads): sum of squares in
 //     float64, the rest in fp32; rstd saved on request.
 //   - RoPE: fp32 math, from the cos/sin table the decoder builds on the host

@@ -118,7 +118,8 @@ func (b *Backend) gemmTo(out uint64, outT int, a, bm uint64, m, n, k int, ta, tb
 // MatMul implements compute.Backend: out (m,n) = x (m,k)·w (n,k)ᵀ + bias,
 // BF16 operands (x rounded unless BF16, w as stored) with fp32
 // accumulation; a BF16 out is rounded once, after the bias (which then
-// goes through an F32 scratch: Qwen2's q/k/v).
+// goes through an F32 scratch: Qwen2's q/k/v). An FP8 w (WeightFP8) runs
+// W8A8 on the FP8 tensor cores (fp8.go).
 func (b *Backend) MatMul(outT, xT, wT, biasT compute.Tensor, m, n, k int) {
 	defer b.enter()()
 	b.wroteT(outT)
@@ -126,13 +127,17 @@ func (b *Backend) MatMul(outT, xT, wT, biasT compute.Tensor, m, n, k int) {
 	out, x, w := b.ten(outT, "MatMul out"), b.ten(xT, "MatMul x"), b.ten(wT, "MatMul w")
 	need(out, "MatMul out", m*n, act...)
 	need(x, "MatMul x", m*k, act...)
-	need(w, "MatMul w", n*k, compute.F32, compute.BF16)
+	need(w, "MatMul w", n*k, compute.F32, compute.BF16, compute.F8E4M3)
 	var bias *tensor
 	if biasT != nil {
 		bias = b.ten(biasT, "MatMul bias")
 		need(bias, "MatMul bias", n, compute.F32, compute.BF16)
 	}
 	if m == 0 || n == 0 {
+		return
+	}
+	if w.dt == compute.F8E4M3 {
+		b.matMulFP8(out, x, w, bias, m, n, k) // fp8.go
 		return
 	}
 	// acc is the fp32 result: out itself, or for a BF16 out with a bias

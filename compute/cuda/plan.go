@@ -315,8 +315,17 @@ func forwardScratchBytes(s compute.ForwardShape) int64 {
 			need = max(need, p.scratch)
 		}
 	}
+	if s.FP8 { // matMulFP8's slab: its rows' codes (k), scale and fp32 sums (4n), the largest (n, k) of the Linears
+		H, Q, I := int64(s.Hidden), int64(s.Heads*s.HeadDim), int64(s.Intermediate)
+		need = max(need, int64(min(s.Tokens, fp8SlabRows))*(4+max(H+4*Q, Q+4*H, H+4*I, I+4*H)))
+	}
 	if s.Experts > 0 {
-		need = max(need, moeScratchBytes(s.Tokens, s.Hidden, s.MoEIntermediate, s.Experts, s.TopK))
+		moe := moeScratchBytes(s.Tokens, s.Hidden, s.MoEIntermediate, s.Experts, s.TopK)
+		if s.FP8 { // moeExpertsFP8: the tokens' codes and scales, the grouped rows'
+			r := int64(s.Tokens) * int64(s.TopK)
+			moe += n*int64(s.Hidden) + 4*n + r*int64(max(s.Hidden, s.MoEIntermediate)) + 4*r
+		}
+		need = max(need, moe)
 	}
 	// The pool rounds each allocation up; a call makes at most a dozen.
 	return need + 16<<10

@@ -241,8 +241,13 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 		dptr(logits), int64(T), int32(E), int32(K), boolArg(mw.NormTopK), dptr(sel), dptr(wts), dptr(counts), dptr(probs))
 	b.free(logits)
 	// The grouping: on the device (k_moe_scan), or, where the grouped GEMM
-	// cannot take the shapes, through the host (planMoE).
-	onDevice := moeGroupedOK(H, I)
+	// cannot take the shapes or the experts are FP8 (cuBLASLt's FP8 GEMMs,
+	// one per expert: fp8.go), through the host (planMoE).
+	fp8 := b.moeFP8(mw, what)
+	if fp8 && sv != nil {
+		panic("cuda: MoEForward (training) with FP8 experts: FP8 weights are a teacher's, forward only (MoE)")
+	}
+	onDevice := moeGroupedOK(H, I) && !fp8
 	var plan moePlan
 	tileStart := uint64(0)
 	if onDevice {
@@ -259,6 +264,15 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 	rowpos := scratch(int64(P) * 4)
 	b.launchKernel(launch{kernel: "k_moe_order", grid: [3]int{E, 1, 1}, block: 256},
 		dptr(sel), dptr(offsets), int64(P), dptr(order), dptr(rowpos))
+	if fp8 {
+		b.moeExpertsFP8(gate, up, y, x, order, mw, plan, T, K, H, I, what)
+		b.launchKernel(launch{kernel: "k_moe_combine", grid: [3]int{T, 1, 1}, block: 256},
+			dptr(out.p), dptr(y), dptr(sel), dptr(wts), dptr(rowpos), int32(K), int32(H))
+		for _, p := range tmp {
+			b.free(p)
+		}
+		return
+	}
 	xg := scratch(int64(P) * int64(H) * 2)
 	b.moeExpertInput(xg, x, order, mw, T, K, H)
 

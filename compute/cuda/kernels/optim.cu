@@ -51,9 +51,6 @@ DK_DEV double block_sum_d(double v, double *red) {
 	return red[0];
 }
 
-// nanmax is max that propagates NaN (as Go's max and torch.amax).
-DK_DEV float nanmax(float a, float b) { return (a != a || b != b) ? (a != a ? a : b) : (a > b ? a : b); }
-
 DK_DEV float block_max(float v, float *red) {
 	red[threadIdx.x] = v;
 	__syncthreads();
@@ -110,21 +107,6 @@ DK_KERNEL __launch_bounds__(RED_THREADS) void k_max_finish(float *__restrict__ o
 // --- NVFP4 fake quantization, bit for bit the scalar definitions of
 // compute/fp4.go (ModelOpt's): every operation below is the same fp32
 // operation in the same order, with no a·b+c that the compiler could fuse.
-
-// e4m3 rounds a >= 0 (or NaN) to the nearest E4M3FN value, ties to even,
-// saturating at 448: the quantum is 2^(floor(log2 a) - 3), at least 2^-9
-// (subnormals). Scaling by a power of two is exact, so rintf (ties to even)
-// on a·2^-q gives compute.E4M3's float64 result.
-DK_DEV float e4m3(float a) {
-	if (a != a || a == 0) return a;
-	int e = (int)((__float_as_uint(a) >> 23) & 0xff) - 127; // floor(log2 a) for normal a
-	int q = e - 3;
-	if (q < -9) q = -9;
-	float down = __uint_as_float((u32)(127 - q) << 23); // 2^-q
-	float up = __uint_as_float((u32)(127 + q) << 23);   // 2^q
-	float r = rintf(a * down) * up;
-	return r < 448.0f ? r : 448.0f;
-}
 
 // e2m1 rounds a scaled magnitude to {0,.5,1,1.5,2,3,4,6} with ModelOpt's
 // thresholds (compute.E2M1).

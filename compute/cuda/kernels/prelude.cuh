@@ -79,6 +79,26 @@ DK_DEV const void *act_ptr(const void *p, int bf16, i64 off) {
 	return bf16 ? (const void *)((const u16 *)p + off) : (const void *)((const float *)p + off);
 }
 
+// nanmax is max that propagates NaN (as Go's max and torch.amax).
+DK_DEV float nanmax(float a, float b) { return (a != a || b != b) ? (a != a ? a : b) : (a > b ? a : b); }
+
+// --- E4M3: NVFP4's block scales (optim.cu) and FP8 weights' codes (fp8.cu).
+
+// e4m3 rounds a >= 0 (or NaN) to the nearest E4M3FN value, ties to even,
+// saturating at 448: the quantum is 2^(floor(log2 a) - 3), at least 2^-9
+// (subnormals). Scaling by a power of two is exact, so rintf (ties to even)
+// on a·2^-q gives compute.E4M3's float64 result.
+DK_DEV float e4m3(float a) {
+	if (a != a || a == 0) return a;
+	int e = (int)((__float_as_uint(a) >> 23) & 0xff) - 127; // floor(log2 a) for normal a
+	int q = e - 3;
+	if (q < -9) q = -9;
+	float down = __uint_as_float((u32)(127 - q) << 23); // 2^-q
+	float up = __uint_as_float((u32)(127 + q) << 23);   // 2^q
+	float r = rintf(a * down) * up;
+	return r < 448.0f ? r : 448.0f;
+}
+
 // --- Warp reductions (all 32 lanes take part).
 
 DK_DEV float warp_sum(float v) {

@@ -806,7 +806,7 @@ int cublasLtMatmulDescSetAttribute(void *d, int attr, const void *buf, size_t n)
 	return 7;
 }
 int cublasLtMatrixLayoutCreate(void **l, int type, u64 rows, u64 cols, i64 ld) {
-	if ((type != 0 && type != 14) || ld < (i64)rows) {
+	if ((type != 0 && type != 14 && type != 28) || ld < (i64)rows) {
 		fail(E_INVALID_VALUE, "cublasLtMatrixLayoutCreate: type " + std::to_string(type) + " rows " + std::to_string(rows) + " ld " +
 		                          std::to_string(ld));
 		return 7;
@@ -844,13 +844,40 @@ int cublasLtMatmulAlgoGetHeuristic(void *, void *d, void *a, void *b, void *c, v
 		fail(E_INVALID_VALUE, "cublasLtMatmulAlgoGetHeuristic: inconsistent shapes or types");
 		return 7;
 	}
+	// FP8 (CUDA_R_8F_E4M3 A and B): cuBLASLt's documented requirements
+	// (cublasLtMatmul, FP8): A transposed and B not ("TN"), and 16-byte
+	// aligned leading dimensions (of A and B in bytes, of C and D in their
+	// type's bytes). A real cuBLASLt answers CUBLAS_STATUS_NOT_SUPPORTED
+	// (15) otherwise.
+	if (la->type == 28) {
+		size_t dsz = ld->type == 14 ? 2 : 4;
+		if (ds->transa != 1 || ds->transb != 0 || la->ld % 16 != 0 || lb->ld % 16 != 0 || (ld->ld * dsz) % 16 != 0 || (lc->ld * dsz) % 16 != 0) {
+			fail(E_INVALID_VALUE, "cublasLtMatmulAlgoGetHeuristic: FP8 needs the TN layout (transa T, transb N) and 16-byte aligned leading dimensions; got transa " +
+			                          std::to_string(ds->transa) + " transb " + std::to_string(ds->transb) + " lda " + std::to_string(la->ld) + " ldb " +
+			                          std::to_string(lb->ld) + " ldd " + std::to_string(ld->ld));
+			return 15;
+		}
+	}
 	memset(res, 0, 96);
 	*got = 1;
 	return 0;
 }
 
+// e4m3_value decodes an E4M3FN byte from the format's definition: 1 sign,
+// 4 exponent bits of bias 7, 3 mantissa bits; exponent 0 is subnormal
+// (m/8·2^-6); S.1111.111 is NaN.
+static float e4m3_value(unsigned char b) {
+	int e = (b >> 3) & 15, m = b & 7;
+	float v;
+	if (e == 15 && m == 7) v = __uint_as_float(0x7fc00000u);
+	else if (e == 0) v = ldexpf((float)m, -9);
+	else v = ldexpf(1.0f + m / 8.0f, e - 7);
+	return (b & 0x80) ? -v : v;
+}
+
 static float load_el(const void *p, int type, i64 i) {
 	if (type == 14) return __uint_as_float((u32)((const u16 *)p)[i] << 16);
+	if (type == 28) return e4m3_value(((const unsigned char *)p)[i]);
 	return ((const float *)p)[i];
 }
 
@@ -866,14 +893,16 @@ static void store_el(void *p, int type, i64 i, float v) {
 
 // D = alpha·op(A)·op(B) + beta·C, column-major: op(A) (m,k), op(B) (k,n),
 // D (m,n), element (i,j) of a stored matrix at i + j·ld. Accumulated in
-// fp32 in k order (no more accurate than the GPU's); C and D are F32 or
-// BF16 (then beta must be 0: nothing in the backend accumulates into BF16).
+// fp32 in k order (no more accurate than the GPU's); A and B are F32, BF16
+// or E4M3 (the products of two E4M3 values are exact in fp32); C and D
+// are F32 or BF16 (then beta must be 0: nothing in the backend
+// accumulates into BF16).
 int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_, const void *B, void *lb_, const void *beta, const void *C,
                    void *lc_, void *D, void *ld_, const void *, void *, size_t, void *) {
 	Desc *ds = (Desc *)d;
 	Layout *la = (Layout *)la_, *lb = (Layout *)lb_, *lc = (Layout *)lc_, *ld = (Layout *)ld_;
 	i64 m = ds->transa ? la->cols : la->rows, k = ds->transa ? la->rows : la->cols, n = ds->transb ? lb->rows : lb->cols;
-	size_t esz = la->type == 14 ? 2 : 4;
+	size_t esz = la->type == 14 ? 2 : la->type == 28 ? 1 : 4;
 	if (check_range((u64)A, (size_t)((la->cols - 1) * la->ld + la->rows) * esz, "cublasLtMatmul A") ||
 	    check_range((u64)B, (size_t)((lb->cols - 1) * lb->ld + lb->rows) * esz, "cublasLtMatmul B") ||
 	    check_range((u64)D, (size_t)((ld->cols - 1) * ld->ld + ld->rows) * (ld->type == 14 ? 2 : 4), "cublasLtMatmul D"))

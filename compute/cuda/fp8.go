@@ -1,0 +1,157 @@
+package cuda
+
+import (
+	"fmt"
+	"unsafe"
+
+	"distill/compute"
+)
+
+// FP8 weights (compute's package doc, "FP8 weights"): W8A8 on the FP8
+// tensor cores. A weight is its E4M3 codes (n, k) and, after them, its n
+// per-channel scales, in one allocation. MatMul quantizes x's rows
+// (k_fp8_quant_rows: codes and a scale per row), multiplies the codes in
+// a cuBLASLt GEMM with CUDA_R_8F_E4M3 operands, fp32 accumulation
+// (CUBLAS_COMPUTE_32F) and an fp32 D, and k_fp8_scale multiplies each sum
+// by its row's and its channel's scales (and adds the bias), rounding a
+// BF16 out once.
+//
+// Why an epilogue kernel and not cuBLASLt's scale pointers: before
+// cuBLAS 12.9 an FP8 GEMM takes one scalar scale per operand
+// (CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER), and the per-row × per-channel
+// product here is an outer product of two vectors; the "outer vector"
+// scale modes that would fit arrived in 12.9 only. The epilogue costs one
+// pass over the fp32 sums, bounded by slabs of fp8SlabRows rows.
+//
+// cuBLASLt's documented requirements for FP8 (cublasLtMatmul, "FP8"): A
+// transposed and B not ("TN": cuBLASLt's A is the weight (k, n)
+// column-major used transposed, B the activations (k, m): the forward's
+// x·wᵀ is exactly that, see plan), CUBLAS_COMPUTE_32F with a CUDA_R_32F
+// scale type, and 16-byte aligned operands and leading dimensions: k (the
+// codes' row length, both operands' leading dimension) and n (D's, in
+// fp32) multiples of 16, which WeightFP8 checks at load. The GEMM's
+// FAST_ACCUM attribute stays at its default, off: cuBLASLt then promotes
+// the tensor cores' partial sums to fp32 registers as it goes, where the
+// fast mode would keep Hopper's narrower accumulator for the whole k.
+// FP8 tensor cores need compute capability 8.9 (Ada) or 9.0 (Hopper).
+
+// dataE4M3 is CUDA_R_8F_E4M3 (library_types.h).
+const dataE4M3 = 28
+
+// fp8SlabRows bounds the rows of one FP8 GEMM: its scratch is at most
+// fp8SlabRows·(k + 4 + 4n) bytes (the rows' codes, scales and fp32 sums).
+const fp8SlabRows = 2048
+
+var _ compute.FP8Weights = (*Backend)(nil)
+
+// fp8ScaleOffset is where an FP8 weight of n elements keeps its scales:
+// after the codes, at a 256-byte boundary.
+func fp8ScaleOffset(n int) uint64 { return (uint64(n) + 255) &^ 255 }
+
+// WeightFP8 implements compute.FP8Weights.
+func (b *Backend) WeightFP8(q *compute.FP8Matrix) (compute.Tensor, error) {
+	defer b.enter()()
+	if cc := b.info.Major*10 + b.info.Minor; cc < 89 {
+		return nil, fmt.Errorf("cuda: FP8 weights need FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper); %s is sm_%d%d: load bf16 weights", b.info.Name, b.info.Major, b.info.Minor)
+	}
+	if q.Rows < 0 || q.Cols < 0 || len(q.Codes) != q.Rows*q.Cols || len(q.Scales) != q.Rows {
+		return nil, fmt.Errorf("cuda: FP8 weight (%d, %d) with %d codes and %d scales", q.Rows, q.Cols, len(q.Codes), len(q.Scales))
+	}
+	if q.Rows%16 != 0 || q.Cols%16 != 0 {
+		return nil, fmt.Errorf("cuda: FP8 weight of shape (%d, %d): cuBLASLt's FP8 GEMM needs both dimensions multiples of 16 (16-byte aligned rows); load bf16 weights", q.Rows, q.Cols)
+	}
+	n := q.Rows * q.Cols
+	off := fp8ScaleOffset(n)
+	t := &tensor{b: b, dt: compute.F8E4M3, n: n, weight: true}
+	t.p = b.alloc(int64(off) + 4*int64(q.Rows))
+	if n > 0 {
+		b.upload(t.p, unsafe.Pointer(&q.Codes[0]), int64(n))
+		b.upload(t.p+off, unsafe.Pointer(&q.Scales[0]), 4*int64(q.Rows))
+	}
+	return t, nil
+}
+
+// fp8Scales is the address of an FP8 weight's per-channel scales.
+func fp8Scales(w *tensor) uint64 { return w.p + fp8ScaleOffset(w.n) }
+
+// matMulFP8 is MatMul with an FP8 w (n,k): slabs of at most fp8SlabRows
+// rows, each quantized, multiplied and scaled (see the file's comment).
+func (b *Backend) matMulFP8(out, x, w, bias *tensor, m, n, k int) {
+	if w.n != n*k {
+		panic(fmt.Sprintf("cuda: MatMul FP8 w has %d elements, the call multiplies (%d, %d): an FP8 weight's scales are per row of exactly its shape", w.n, n, k))
+	}
+	R := min(m, fp8SlabRows)
+	codes, xs, acc := b.alloc(int64(R)*int64(k)), b.alloc(int64(R)*4), b.alloc(int64(R)*int64(n)*4)
+	var bp dptr
+	var bbf int32
+	if bias != nil {
+		bp, bbf = weightArg(bias)
+	}
+	xsz, osz := uint64(elemSize(x.dt)), uint64(elemSize(out.dt))
+	for r0 := 0; r0 < m; r0 += R {
+		nr := min(R, m-r0)
+		b.launchKernel(launch{kernel: "k_fp8_quant_rows", grid: [3]int{nr, 1, 1}, block: 256},
+			dptr(codes), dptr(xs), dptr(x.p+uint64(r0)*uint64(k)*xsz), bf16Flag(x), int32(k))
+		b.gemmTo(acc, dataF32, codes, w.p, nr, n, k, false, true, dataE4M3, 0)
+		b.ew("k_fp8_scale", int64(nr)*int64(n), dptr(out.p+uint64(r0)*uint64(n)*osz), bf16Flag(out), dptr(acc), dptr(xs), dptr(fp8Scales(w)),
+			bp, bbf, int64(nr), int32(n))
+	}
+	b.free(codes)
+	b.free(xs)
+	b.free(acc)
+}
+
+// moeFP8 reports whether mw's experts are FP8 weights: all or none (a mix
+// is a caller's bug).
+func (b *Backend) moeFP8(mw *compute.MoEWeights, what string) bool {
+	n := 0
+	for e := range mw.Gate {
+		for _, t := range []compute.Tensor{mw.Gate[e], mw.Up[e], mw.Down[e]} {
+			if b.ten(t, what+" expert").dt == compute.F8E4M3 {
+				n++
+			}
+		}
+	}
+	if n != 0 && n != 3*len(mw.Gate) {
+		panic(fmt.Sprintf("cuda: %s with %d of its %d expert weights in FP8: want all or none", what, n, 3*len(mw.Gate)))
+	}
+	return n > 0
+}
+
+// moeExpertsFP8 runs an MoE block's FP8 experts over the grouped rows
+// (the host's grouping, plan): x's token rows quantized once and gathered
+// into the experts' order, gate and up as one FP8 GEMM per expert scaled
+// in place (fp32), h = silu(gate)·up in fp32 over gate, quantized per
+// row, and down into y (fp32), as compute/cpu's moeForward computes them.
+func (b *Backend) moeExpertsFP8(gate, up, y uint64, x *tensor, order uint64, mw *compute.MoEWeights, plan moePlan, T, K, H, I int, what string) {
+	P := T * K
+	tc, ts := b.alloc(int64(T)*int64(H)), b.alloc(int64(T)*4)
+	b.launchKernel(launch{kernel: "k_fp8_quant_rows", grid: [3]int{T, 1, 1}, block: 256}, dptr(tc), dptr(ts), dptr(x.p), bf16Flag(x), int32(H))
+	codes, xs := b.alloc(int64(P)*int64(max(H, I))), b.alloc(int64(P)*4)
+	b.ew("k_fp8_gather", int64(P)*int64(H), dptr(codes), dptr(xs), dptr(tc), dptr(ts), dptr(order), int64(P), int32(K), int32(H))
+	b.free(tc)
+	b.free(ts)
+	expert := func(ws []compute.Tensor, e int, name string, out uint64, n, k int) {
+		off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
+		if cnt == 0 {
+			return
+		}
+		w := b.ten(ws[e], fmt.Sprintf("%s expert %d %s", what, e, name))
+		need(w, fmt.Sprintf("%s expert %d %s", what, e, name), n*k, compute.F8E4M3)
+		o := out + off*uint64(n)*4
+		b.gemmTo(o, dataF32, codes+off*uint64(k), w.p, cnt, n, k, false, true, dataE4M3, 0)
+		b.ew("k_fp8_scale", int64(cnt)*int64(n), dptr(o), int32(0), dptr(o), dptr(xs+off*4), dptr(fp8Scales(w)), dptr(0), int32(0), int64(cnt), int32(n))
+	}
+	for e := range mw.Gate {
+		expert(mw.Gate, e, "gate", gate, I, H)
+		expert(mw.Up, e, "up", up, I, H)
+	}
+	n := int64(P) * int64(I)
+	b.ew("k_swiglu", n, dptr(gate), int32(0), dptr(gate), int32(0), dptr(up), int32(0), n) // h over gate
+	b.launchKernel(launch{kernel: "k_fp8_quant_rows", grid: [3]int{P, 1, 1}, block: 256}, dptr(codes), dptr(xs), dptr(gate), int32(0), int32(I))
+	for e := range mw.Down {
+		expert(mw.Down, e, "down", y, H, I)
+	}
+	b.free(codes)
+	b.free(xs)
+}
