@@ -3,6 +3,8 @@ package compute
 import (
 	"fmt"
 	"math"
+	"runtime"
+	"sync"
 )
 
 // FP8 teacher weights: see "FP8 weights" in the package doc for the
@@ -45,23 +47,58 @@ func FP8Scale(amax float32) float32 {
 // FP8QuantizeRow quantizes src to E4M3 codes under FP8Scale(max |src|)
 // and returns the scale. dst receives the codes (len(src) of them).
 func FP8QuantizeRow(dst []uint8, src []float32) float32 {
-	var amax float32
+	var amax uint32 // max |v| on the bits: monotonic in the magnitude, and a NaN's bits exceed infinity's, so NaN propagates as Go's max does
 	for _, v := range src {
-		amax = max(amax, float32(math.Abs(float64(v))))
+		amax = max(amax, math.Float32bits(v)&0x7fffffff)
 	}
-	s := FP8Scale(amax)
+	s := FP8Scale(math.Float32frombits(amax))
 	for i, v := range src {
-		dst[i] = E4M3Byte(E4M3(v / s))
+		dst[i] = e4m3Code(v / s)
 	}
 	return s
 }
+
+// e4m3Code is E4M3Byte(E4M3(v)) computed on v's bits (a load quantizes
+// billions of weights: the float64 definition is the reference, this its
+// fast twin, TestE4M3Code holds them equal), as the device's fp8_code
+// does: NaN is 0x7f, magnitudes from 448 up (infinity too) saturate to
+// 0x7e, below 2^-6 the subnormal mantissa round-to-even(|v|·2^9), else the
+// exponent rebiased from 127 to 7 and the mantissa rounded to 3 bits, to
+// nearest even (a carry moves into the exponent, as it should).
+func e4m3Code(v float32) uint8 {
+	b := math.Float32bits(v)
+	s := uint8(b>>24) & 0x80
+	a := b & 0x7fffffff
+	switch {
+	case a > 0x7f800000:
+		return s | 0x7f
+	case a >= 0x43e00000: // 448
+		return s | 0x7e
+	case a < 0x3c800000: // 2^-6
+		return s | uint8(math.RoundToEven(float64(math.Float32frombits(a))*512))
+	}
+	q := a - 120<<23
+	c, rem := q>>20, q&0xfffff
+	if rem > 0x80000 || rem == 0x80000 && c&1 == 1 {
+		c++
+	}
+	return s | uint8(min(c, 0x7e))
+}
+
+// e4m3Values decodes every E4M3FN byte (E4M3Value), for dequantizing.
+var e4m3Values = func() (t [256]float32) {
+	for b := range t {
+		t[b] = E4M3Value(uint8(b))
+	}
+	return t
+}()
 
 // FP8DequantizeRow writes the fp32 values of a quantized row: dst[i] =
 // E4M3Value(codes[i])·s, the fp32 product (what the CPU backend
 // multiplies).
 func FP8DequantizeRow(dst []float32, codes []uint8, s float32) {
 	for i, c := range codes {
-		dst[i] = E4M3Value(c) * s
+		dst[i] = e4m3Values[c] * s
 	}
 }
 
@@ -84,14 +121,34 @@ func QuantizeFP8(src any, rows, cols int) (*FP8Matrix, error) {
 		return nil, fmt.Errorf("compute: FP8 quantization of %d elements as a (%d, %d) matrix", len(f), rows, cols)
 	}
 	q := &FP8Matrix{Codes: make([]uint8, rows*cols), Scales: make([]float32, rows), Rows: rows, Cols: cols}
-	for j := 0; j < rows; j++ {
-		row := f[j*cols : (j+1)*cols]
-		for c, v := range row {
-			if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
-				return nil, fmt.Errorf("compute: FP8 quantization: row %d column %d is %v: a weight must be finite", j, c, v)
+	// Rows in parallel (a 70B teacher quantizes 64 billion weights at
+	// load); each row is the same arithmetic whichever goroutine runs it.
+	workers := min(runtime.GOMAXPROCS(0), max(1, rows*cols>>16))
+	errs := make([]error, workers)
+	var wg sync.WaitGroup
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			for j := w * rows / workers; j < (w+1)*rows/workers; j++ {
+				row := f[j*cols : (j+1)*cols]
+				q.Scales[j] = FP8QuantizeRow(q.Codes[j*cols:(j+1)*cols], row)
+				if sc := float64(q.Scales[j]); math.IsNaN(sc) || math.IsInf(sc, 0) { // a NaN or an infinity in the row
+					for c, v := range row {
+						if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+							errs[w] = fmt.Errorf("compute: FP8 quantization: row %d column %d is %v: a weight must be finite", j, c, v)
+							return
+						}
+					}
+				}
 			}
+		}(w)
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return nil, err
 		}
-		q.Scales[j] = FP8QuantizeRow(q.Codes[j*cols:(j+1)*cols], row)
 	}
 	return q, nil
 }

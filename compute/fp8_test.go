@@ -171,3 +171,32 @@ func TestFP8QuantizeRow(t *testing.T) {
 		t.Errorf("NaN weight: err = %v", err)
 	}
 }
+
+// TestE4M3Code holds the fast encoder (e4m3Code, what FP8QuantizeRow
+// uses) to the definition E4M3Byte(E4M3(v)): every E4M3 value, every
+// midpoint and a ulp either side (both signs), fp32 subnormals, 448 to
+// infinity, NaN, and a million random bit patterns.
+func TestE4M3Code(t *testing.T) {
+	ref := func(v float32) uint8 { return E4M3Byte(E4M3(v)) }
+	var vs []float32
+	for c := 0; c < 0x7f; c++ {
+		v := E4M3Value(uint8(c))
+		vs = append(vs, v, math.Nextafter32(v, 0), math.Nextafter32(v, 1000))
+		if c+1 < 0x7f {
+			mid := (v + E4M3Value(uint8(c+1))) / 2
+			vs = append(vs, mid, math.Nextafter32(mid, 0), math.Nextafter32(mid, 1000))
+		}
+	}
+	vs = append(vs, 0, math.SmallestNonzeroFloat32, 1e-40, 448, 449, 464, 465, 1e30, math.MaxFloat32, float32(math.Inf(1)), float32(math.NaN()))
+	r := rand.New(rand.NewPCG(8, 8))
+	for i := 0; i < 1000000; i++ {
+		vs = append(vs, math.Float32frombits(r.Uint32()))
+	}
+	for _, v := range vs {
+		for _, x := range []float32{v, -v} {
+			if got, want := e4m3Code(x), ref(x); got != want {
+				t.Fatalf("e4m3Code(%v = %#08x) = %#02x, E4M3Byte(E4M3) = %#02x", x, math.Float32bits(x), got, want)
+			}
+		}
+	}
+}
