@@ -37,8 +37,8 @@ type WeightFormat string
 const (
 	WeightsBF16 WeightFormat = "bf16"
 	// WeightsFP8: the Linear weights as E4M3 with a fp32 scale per output
-	// channel; embeddings, norms, routers and the LM head in BF16. Planned
-	// only: teacherd cannot load FP8 weights yet.
+	// channel; embeddings, norms, routers and the LM head in BF16
+	// (LoadOptions, teacherd --weights fp8).
 	WeightsFP8 WeightFormat = "fp8"
 )
 

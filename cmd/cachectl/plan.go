@@ -26,7 +26,7 @@ func runPlan(args []string) error {
 	cfgPath := fs.String("config", "", "the teacher's config.json, or its checkpoint directory (required; no weights are read)")
 	gpus := fs.Int("gpus", 1, "GPUs to spread the layers over (one GPU is what teacherd runs today)")
 	devMem := fs.String("device-memory", "80GiB", "each GPU's memory: a byte count with an optional unit, e.g. 80GiB (H100), 141GiB (H200)")
-	weights := fs.String("weights", "bf16", "bf16, or fp8 (E4M3 Linear weights with a scale per output channel: planned only, teacherd cannot load them yet)")
+	weights := fs.String("weights", "bf16", "bf16, or fp8 (E4M3 Linear weights with a scale per output channel: teacherd --weights fp8)")
 	k := fs.Int("k", 64, "the largest top-k asked for (teacherd --k-max)")
 	maxLen := fs.Int("max-len", 0, "the longest sample (default: max_position_embeddings)")
 	if err := fs.Parse(args); err != nil {
@@ -77,7 +77,7 @@ func printTeacherPlan(w io.Writer, cfg *model.Config, p infer.TeacherPlan) {
 		cfg.Arch, float64(cfg.Params())/1e9, cfg.Layers, cfg.Hidden, cfg.VocabSize, o.Weights, o.K, o.MaxLen)
 	fmt.Fprintf(w, "%d GPU(s) of %s, %s of each kept in reserve\n", o.GPUs, gib(o.DeviceBytes), gib(p.Reserve))
 	if o.Weights == infer.WeightsFP8 {
-		fmt.Fprintln(w, "fp8: a plan on paper only: teacherd cannot load FP8 weights yet (issue 29)")
+		fmt.Fprintln(w, "fp8: the layers' Linear weights in E4M3 with an fp32 scale per output channel (teacherd --weights fp8, cachectl fill --teacher-weights fp8); the embedding, norms, routers and LM head in BF16")
 	}
 	if o.GPUs > 1 {
 		fmt.Fprintln(w, "several GPUs: a plan on paper only: teacherd runs a teacher on one GPU today (issue 29)")

@@ -42,7 +42,7 @@ func TestPlan(t *testing.T) {
 		t.Fatal(err)
 	}
 	if !regexp.MustCompile(`(?m)^0 +embedding, 0-\d+ `).MatchString(out) || !regexp.MustCompile(`(?m)^1 +\d+-35, norm, LM head `).MatchString(out) ||
-		!strings.Contains(out, "fp8: a plan on paper only") || !strings.Contains(out, "several GPUs: a plan on paper only") {
+		!strings.Contains(out, "fp8: the layers' Linear weights in E4M3") || !strings.Contains(out, "several GPUs: a plan on paper only") {
 		t.Errorf("2 GPUs, fp8:\n%s", out)
 	}
 	out, err = run("--config", dir, "--device-memory", "12GiB")

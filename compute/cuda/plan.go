@@ -321,9 +321,9 @@ func forwardScratchBytes(s compute.ForwardShape) int64 {
 	}
 	if s.Experts > 0 {
 		moe := moeScratchBytes(s.Tokens, s.Hidden, s.MoEIntermediate, s.Experts, s.TopK)
-		if s.FP8 { // moeExpertsFP8: the tokens' codes and scales, the grouped rows'
-			r := int64(s.Tokens) * int64(s.TopK)
-			moe += n*int64(s.Hidden) + 4*n + r*int64(max(s.Hidden, s.MoEIntermediate)) + 4*r
+		if s.FP8 { // moeExpertsFP8: the tokens' and the grouped rows' codes and scales, not the BF16 xg and act
+			r, H, I := int64(s.Tokens)*int64(s.TopK), int64(s.Hidden), int64(s.MoEIntermediate)
+			moe += n*H + 4*n + r*max(H, I) + 4*r - 2*r*H - 2*r*I
 		}
 		need = max(need, moe)
 	}
