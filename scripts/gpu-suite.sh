@@ -64,6 +64,16 @@
 #   bench      GEMM, LM-head and Qwen3-0.6B/1.7B/8B forward benchmarks
 #              (tokens/s, TFLOP/s, MFU, device memory) and a kernel profile
 #              per forward (attention's benchmark is the attn step's)
+#   fp8        FP8 teacher weights (issue 29; needs FP8 tensor cores, sm_89
+#              or sm_90): the FP8 tests on the GPU (fp8-test: cuBLASLt's E4M3
+#              GEMM and the scaling epilogue against the CPU's FP8 MatMul,
+#              k_fp8_quant_rows bit for bit, FP8 MoE experts, the golden
+#              checkpoints' FP8 teacher against the CPU's, the scratch
+#              bounds), then BenchmarkForwardFP8 (fp8-bench): the
+#              Qwen3-8B-shaped teacher's forward with BF16 and with FP8
+#              weights in turn on the same GPU, 16k tokens of workload b:
+#              bf16_tokens/s, fp8_tokens/s, fp8_speedup and each one's
+#              weights in GiB (DISTILL_BENCH_SHAPES picks other shapes)
 #   peer       HF transformers on the same workloads (scripts/gpu/hf_bench.py)
 #   racecheck  compute-sanitizer --tool racecheck on this package's attention
 #              kernels (DISTILL_RACECHECK=1: smaller cases; cuDNN's, closed
@@ -373,8 +383,16 @@ s_goldens() {
 }
 
 s_bench() {
-  DISTILL_BENCH_OUT="$OUT" step bench 240 "$T" -test.run '^$' -test.bench 'GEMM|LMHead|Forward' \
+  DISTILL_BENCH_OUT="$OUT" step bench 240 "$T" -test.run '^$' -test.bench 'GEMM|LMHead|Forward$' \
     -test.benchtime 3x -test.timeout 235s
+}
+
+# fp8: the FP8 teacher weights' tests on the GPU, then FP8 against BF16
+# in the teacher's forward (BenchmarkForwardFP8; the Qwen3-8B shape unless
+# DISTILL_BENCH_SHAPES names others).
+s_fp8() {
+  step fp8-test 100 "$T" -test.v -test.count=1 -test.timeout=95s -test.run 'FP8'
+  step fp8-bench 150 "$T" -test.run '^$' -test.bench '^BenchmarkForwardFP8$' -test.benchtime 3x -test.timeout 145s
 }
 
 # attn: BenchmarkAttention (attn-bench.log, attn-bench.jsonl), PyTorch's
@@ -412,7 +430,7 @@ summary() {
     grep -m1 -E 'NVIDIA|H100|H200' "$OUT/env.log" 2>/dev/null
     echo "-- steps (rc 0 = passed; 124 = its time limit; skipped = run it in another call)"
     cat "$OUT/status.txt" 2>/dev/null
-    for f in test device goldens attn-bench memcheck racecheck nccl train-test train-memcheck train-curve train-qad train-resume; do
+    for f in test device goldens attn-bench memcheck racecheck nccl fp8-test train-test train-memcheck train-curve train-qad train-resume; do
       [ -f "$OUT/$f.log" ] || continue
       echo "-- $f: failures"
       grep -E '^\s*--- FAIL|^FAIL|panic:|ERROR SUMMARY|========= (Invalid|Race|Error)' "$OUT/$f.log" | head -20
@@ -433,6 +451,9 @@ summary() {
       sort -rn | head -15
     echo "-- benchmarks"
     grep -E '^Benchmark' "$OUT/bench.log" 2>/dev/null
+    echo "-- FP8 teacher weights: vs the CPU's FP8, then FP8 against BF16 (tokens/s, speed-up, weights GiB)"
+    grep -hE 'fp8 (matmul|moe) vs cpu: max|vs FP8 cpu|FP8 (MatMul|MoE|forward)' "$OUT/fp8-test.log" 2>/dev/null | sed 's/^ *//' | head -30
+    grep -hE '^BenchmarkForwardFP8|^--- (FAIL|SKIP)' "$OUT/fp8-bench.log" 2>/dev/null
     echo "-- HF peer"
     cat "$OUT/peer.log" 2>/dev/null | grep '^{'
     echo "-- training: loss curves, GPU vs CPU (worst relative difference)"
@@ -466,7 +487,7 @@ case "${1:-}" in
     steps=()
     for s in "$@"; do
       case "$s" in
-        all) steps+=(env test device goldens attn memcheck bench peer racecheck nccl train-test train-memcheck train-curve train-qad train-resume train-bench loss-coef train-zero train-peer) ;;
+        all) steps+=(env test device goldens attn memcheck bench peer racecheck nccl fp8 train-test train-memcheck train-curve train-qad train-resume train-bench loss-coef train-zero train-peer) ;;
         train) steps+=(env train-test train-curve train-qad train-resume train-memcheck train-bench loss-coef train-peer) ;;
         attn-issue)
           steps+=(env test attn goldens train-test train-resume train-bench train-peer)
@@ -479,7 +500,7 @@ case "${1:-}" in
     [ ${#steps[@]} -eq 0 ] && steps=(env test device goldens attn memcheck bench peer racecheck)
     for s in "${steps[@]}"; do
       case "$s" in
-        env|test|device|memcheck|racecheck|nccl|goldens|attn|bench|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|loss-coef|train-zero|train-peer) "s_$s" ;;
+        env|test|device|memcheck|racecheck|nccl|goldens|attn|bench|fp8|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|loss-coef|train-zero|train-peer) "s_$s" ;;
         *) echo "unknown step $s"; exit 2 ;;
       esac
     done

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"distill/compute"
 	"distill/model"
@@ -485,6 +486,13 @@ type benchModel struct {
 // that size (the device holds every layer's own copy, as a real checkpoint
 // would).
 func newBenchModel(be compute.Backend, s benchShape) *benchModel {
+	return newBenchModelWeights(be, s, false)
+}
+
+// newBenchModelWeights is newBenchModel, with fp8 the decoder layers'
+// Linear weights quantized to FP8 per output channel (infer's --weights
+// fp8: the same random BF16 values, then compute.QuantizeFP8).
+func newBenchModelWeights(be compute.Backend, s benchShape, fp8 bool) *benchModel {
 	cfg := s.config()
 	r := rand.New(rand.NewPCG(4, 4))
 	bufs := map[int][]uint16{}
@@ -493,6 +501,7 @@ func newBenchModel(be compute.Backend, s benchShape) *benchModel {
 		specs[ts.Name] = ts
 	}
 	bm := &benchModel{}
+	quant := map[[2]int]*compute.FP8Matrix{}
 	m, err := decoder.New(cfg, be, func(name string) (compute.Tensor, compute.Tensor, error) {
 		ts, ok := specs[name]
 		if !ok {
@@ -512,7 +521,21 @@ func newBenchModel(be compute.Backend, s benchShape) *benchModel {
 			h = randBF16(r, n, 0.02)
 			bufs[n] = h
 		}
-		w, err := be.Weight(h)
+		var w compute.Tensor
+		var err error
+		if fp8 && len(ts.Shape) == 2 && strings.HasPrefix(name, "model.layers.") && strings.HasSuffix(name, "_proj.weight") {
+			key := [2]int{ts.Shape[0], ts.Shape[1]} // the layers share h: quantize each shape once
+			q := quant[key]
+			if q == nil {
+				q, err = compute.QuantizeFP8(h, ts.Shape[0], ts.Shape[1])
+				quant[key] = q
+			}
+			if err == nil {
+				w, err = be.(compute.FP8Weights).WeightFP8(q)
+			}
+		} else {
+			w, err = be.Weight(h)
+		}
 		if err == nil {
 			bm.weights = append(bm.weights, w)
 		}
@@ -637,6 +660,71 @@ func BenchmarkForward(b *testing.B) {
 	}
 }
 
+// BenchmarkForwardFP8: the teacher's forward with FP8 weights (W8A8,
+// --weights fp8) against the same shape's BF16 weights, on the same GPU in
+// the same run, one forward of each in turn per iteration: workload b
+// (log-normal sample lengths, 16k tokens, DISTILL_BENCH_TOKENS), k = 64,
+// the Qwen3-8B shape (DISTILL_BENCH_SHAPES picks others). It reports
+// each one's tokens/s, FP8's speed-up, and the device memory each
+// model's weights took (the pool's growth while it loaded).
+func BenchmarkForwardFP8(b *testing.B) {
+	tokens := 16384
+	if v, err := strconv.Atoi(os.Getenv("DISTILL_BENCH_TOKENS")); err == nil {
+		tokens = v
+	}
+	only := os.Getenv("DISTILL_BENCH_SHAPES")
+	if only == "" {
+		only = "qwen3-8b"
+	}
+	be := benchBackend(b, false)
+	lens := benchWorkloads(tokens)["b"]
+	for _, s := range benchShapes {
+		if !strings.Contains(only, s.Name) {
+			continue
+		}
+		loaded := func(fp8 bool) (*benchModel, float64) {
+			be.wait()
+			free0, _ := be.MemInfo()
+			m := newBenchModelWeights(be, s, fp8)
+			be.wait()
+			free1, _ := be.MemInfo()
+			return m, float64(free0-free1) / (1 << 30)
+		}
+		mb, gb := loaded(false)
+		mf, gf := loaded(true)
+		r := rand.New(rand.NewPCG(6, 6))
+		samples := make([][]int32, len(lens))
+		n := 0
+		for i, l := range lens {
+			samples[i] = make([]int32, l)
+			for j := range samples[i] {
+				samples[i][j] = int32(r.IntN(s.Vocab))
+			}
+			n += l
+		}
+		b.Run(fmt.Sprintf("%s/workload_b/%d_samples_%d_tokens", s.Name, len(lens), n), func(b *testing.B) {
+			mb.forward(be, samples, 64) // warm up: plans, pool, weight copies
+			mf.forward(be, samples, 64)
+			var tb, tf time.Duration
+			for i := 0; i < b.N; i++ {
+				t0 := time.Now()
+				mb.forward(be, samples, 64) // returns with the top-k on the host: synchronized
+				t1 := time.Now()
+				mf.forward(be, samples, 64)
+				tb, tf = tb+t1.Sub(t0), tf+time.Since(t1)
+			}
+			rb, rf := float64(n*b.N)/tb.Seconds(), float64(n*b.N)/tf.Seconds()
+			b.ReportMetric(rb, "bf16_tokens/s")
+			b.ReportMetric(rf, "fp8_tokens/s")
+			b.ReportMetric(rf/rb, "fp8_speedup")
+			b.ReportMetric(gb, "bf16_weights_GiB")
+			b.ReportMetric(gf, "fp8_weights_GiB")
+		})
+		freeBenchModel(be, mb)
+		freeBenchModel(be, mf)
+	}
+}
+
 // writeWorkloads writes dir/workloads.json for scripts/gpu/hf_bench.py.
 func writeWorkloads(dir string, tokens int, wl map[string][]int) error {
 	j, err := json.MarshalIndent(map[string]any{"tokens": tokens, "k": 64, "workloads": wl, "shapes": benchShapes}, "", " ")
@@ -692,6 +780,40 @@ func TestBenchModel(t *testing.T) {
 		{Name: "tiny-moe", Vocab: 5000, Hidden: 128, Layers: 2, Heads: 4, KVHeads: 2, HD: 64, Inter: 256, Experts: 16, TopK: 4, MoEInter: 64},
 	} {
 		t.Run(s.Name, func(t *testing.T) { testBenchModel(t, be, s) })
+	}
+}
+
+// TestBenchModelFP8: BenchmarkForwardFP8's FP8 model runs on this backend
+// and agrees with the CPU's FP8 model as TestForwardGoldensFP8's bounds
+// say (FP8's boundaries amplify the BF16 attention's differences): the
+// benchmark times a forward that computes the right thing.
+func TestBenchModelFP8(t *testing.T) {
+	be := testBackend(t)
+	s := benchShape{Name: "tiny-moe", Vocab: 5000, Hidden: 128, Layers: 2, Heads: 4, KVHeads: 2, HD: 64, Inter: 256, Experts: 16, TopK: 4, MoEInter: 64}
+	r := rand.New(rand.NewPCG(7, 7))
+	samples := [][]int32{make([]int32, 70), make([]int32, 5), make([]int32, 130)}
+	for _, smp := range samples {
+		for j := range smp {
+			smp[j] = int32(r.IntN(s.Vocab))
+		}
+	}
+	const k = 8
+	gID, gLP := newBenchModelWeights(be, s, true).forward(be, samples, k)
+	cID, cLP := newBenchModelWeights(oracle, s, true).forward(oracle, samples, k)
+	_, bLP := newBenchModelWeights(oracle, s, false).forward(oracle, samples, k)
+	var a agreement
+	moved := 0.0
+	for p := 0; p < len(gID)/k; p++ {
+		want := make([]float64, k)
+		for j := range want {
+			want[j] = float64(cLP[p*k+j])
+			moved = max(moved, math.Abs(float64(cLP[p*k+j]-bLP[p*k+j])))
+		}
+		a.add(gID[p*k:(p+1)*k], gLP[p*k:(p+1)*k], cID[p*k:(p+1)*k], want, 0.05)
+	}
+	t.Logf("FP8 bench model vs FP8 cpu: %s; FP8 vs BF16 on the cpu: max |Δ| %.3g", &a, moved)
+	if float64(a.top1) < 0.78*float64(a.positions) || a.maxDelta > 0.35 || moved == 0 {
+		t.Errorf("FP8 bench model vs cpu: %s (FP8 moved the CPU's log-probs by %.3g)", &a, moved)
 	}
 }
 

@@ -14,6 +14,10 @@
 # set: FORWARD_BENCH=1 runs the suite's bench and peer steps (the teacher's
 # forward against HF transformers; FORWARD_SHAPES picks the shapes,
 # FORWARD_STEPS=bench leaves out the peer),
+# FP8=1 runs the suite's fp8 step (FP8 teacher weights, issue 29: the FP8
+# tests on the GPU and BenchmarkForwardFP8, FP8 against BF16 tokens/s at
+# the Qwen3-8B shape unless FP8_SHAPES says otherwise; FP8_BUDGET seconds,
+# default 200),
 # EXTRA_TESTS=PATTERN runs the matching tests of the cuda, train and
 # trainer test binaries on the GPU, SANITIZE=1 runs the
 # attention tests (own kernels and cuDNN) under compute-sanitizer memcheck
@@ -58,6 +62,12 @@ if [ "${FORWARD_BENCH:-}" = 1 ]; then
   mkdir -p "$work/fwd"
   OUT="$work/fwd" DISTILL_BENCH_SHAPES=${FORWARD_SHAPES:-${DISTILL_BENCH_SHAPES:-}} SUITE_BUDGET=${FORWARD_BUDGET:-120} \
     bash scripts/gpu-suite.sh run ${FORWARD_STEPS:-bench peer} >"$work/fwd/suite.txt" 2>&1
+fi
+if [ "${FP8:-}" = 1 ]; then
+  mkdir -p "$work/fp8"
+  OUT="$work/fp8" DISTILL_BENCH_SHAPES=${FP8_SHAPES:-qwen3-8b} SUITE_BUDGET=${FP8_BUDGET:-200} \
+    bash scripts/gpu-suite.sh run fp8 >"$work/fp8/suite.txt" 2>&1
+  cat "$work/fp8/status.txt" >>"$work/status.txt" 2>/dev/null
 fi
 if [ "${ACT_COMPARE:-}" = 1 ]; then
   mkdir -p "$work/act-f32" "$work/act-f32/fwd"
@@ -108,6 +118,11 @@ tar -C "$work" -czf "$final/logs.tgz" .
 cat "$work/summary.txt" 2>/dev/null | head -150
 if [ -f "$work/fwd/summary.txt" ]; then
   echo "== forward benchmarks"; cat "$work/fwd/status.txt"; grep -E '^Benchmark' "$work/fwd/bench.log"; grep -E '^\{' "$work/fwd/peer.log"
+fi
+if [ -d "$work/fp8" ]; then
+  echo "== FP8 teacher weights"
+  sed -n '/^-- FP8 teacher weights/,/^-- HF peer/p' "$work/fp8/summary.txt" | grep -v '^-- HF peer'
+  grep -E '^\s*--- FAIL|^FAIL|panic:' "$work/fp8/fp8-test.log" 2>/dev/null | head -10
 fi
 if [ -d "$work/act-f32" ]; then
   echo "== fp32 activations (DISTILL_CUDA_ACT=f32), same device"; cat "$work/act-f32/status.txt" 2>/dev/null
