@@ -17,21 +17,27 @@ import "math"
 // philox4x32_R with R = 10): four 32-bit words from a counter and a key.
 // TestPhilox4x32 holds it to Random123's known-answer vectors.
 func Philox4x32(ctr [4]uint32, key [2]uint32) [4]uint32 {
+	a, b, c, d := philox(ctr[0], ctr[1], ctr[2], ctr[3], key[0], key[1])
+	return [4]uint32{a, b, c, d}
+}
+
+// philox is Philox4x32 on scalars (the compiler keeps them in registers;
+// an array passed round by round made KeepRow several times slower).
+func philox(c0, c1, c2, c3, k0, k1 uint32) (uint32, uint32, uint32, uint32) {
 	const (
 		m0, m1 = 0xD2511F53, 0xCD9E8D57 // PHILOX_M4x32_0, _1
 		w0, w1 = 0x9E3779B9, 0xBB67AE85 // PHILOX_W32_0, _1 (the key's bumps)
 	)
-	c, k := ctr, key
 	for r := 0; r < 10; r++ {
 		if r > 0 {
-			k[0] += w0
-			k[1] += w1
+			k0 += w0
+			k1 += w1
 		}
-		p0 := uint64(m0) * uint64(c[0])
-		p1 := uint64(m1) * uint64(c[2])
-		c = [4]uint32{uint32(p1>>32) ^ c[1] ^ k[0], uint32(p1), uint32(p0>>32) ^ c[3] ^ k[1], uint32(p0)}
+		p0 := uint64(m0) * uint64(c0)
+		p1 := uint64(m1) * uint64(c2)
+		c0, c1, c2, c3 = uint32(p1>>32)^c1^k0, uint32(p1), uint32(p0>>32)^c3^k1, uint32(p0)
 	}
-	return c
+	return c0, c1, c2, c3
 }
 
 // DropoutMask is one inverted-dropout mask over an activation of (rows,
@@ -72,10 +78,19 @@ func (d *DropoutMask) Keep(row, col int) bool {
 // KeepRow sets keep[c] = Keep(row, c) for c < len(keep), one Philox call
 // per four columns.
 func (d *DropoutMask) KeepRow(row int, keep []bool) {
-	for c := 0; c < len(keep); c += 4 {
-		w := Philox4x32([4]uint32{uint32(c / 4), uint32(row), d.Row, d.Step}, d.Key)
-		for j := 0; j < 4 && c+j < len(keep); j++ {
-			keep[c+j] = w[j] >= d.Threshold
+	t, k0, k1 := d.Threshold, d.Key[0], d.Key[1]
+	n := len(keep) &^ 3
+	for c := 0; c < n; c += 4 {
+		w0, w1, w2, w3 := philox(uint32(c/4), uint32(row), d.Row, d.Step, k0, k1)
+		k := keep[c : c+4 : c+4]
+		k[0], k[1], k[2], k[3] = w0 >= t, w1 >= t, w2 >= t, w3 >= t
+	}
+	if n < len(keep) {
+		w0, w1, w2, _ := philox(uint32(n/4), uint32(row), d.Row, d.Step, k0, k1)
+		for j, w := range [3]uint32{w0, w1, w2} {
+			if n+j < len(keep) {
+				keep[n+j] = w >= t
+			}
 		}
 	}
 }

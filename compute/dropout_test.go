@@ -69,7 +69,32 @@ func TestDropoutKeepRate(t *testing.T) {
 		}
 		within("two streams agreeing", same, rows*cols, p*p+(1-p)*(1-p))
 	}
+	// Rows that end in a partial group of four columns.
+	d := NewDropoutMask(99, 4, 2, 0.5)
+	for n := 1; n <= 9; n++ {
+		keep := make([]bool, n)
+		d.KeepRow(3, keep)
+		for c, k := range keep {
+			if k != d.Keep(3, c) {
+				t.Fatalf("KeepRow of %d columns: [%d] = %v, Keep says otherwise", n, c, k)
+			}
+		}
+	}
 	if d := NewDropoutMask(1, 1, 1, 0); d.Threshold != 0 || d.Scale != 1 || !d.Keep(5, 9) {
 		t.Fatalf("p 0 drops: %+v", d)
 	}
+}
+
+// BenchmarkDropoutKeepRow draws the mask of rows of 1024 columns (the CPU
+// backend's Dropout and DropoutBackward draw each row so) and reports
+// millions of elements a second on one goroutine.
+//
+//	go test ./compute -run '^$' -bench DropoutKeepRow
+func BenchmarkDropoutKeepRow(b *testing.B) {
+	d := NewDropoutMask(1, 2, 3, 0.1)
+	keep := make([]bool, 1024)
+	for i := 0; i < b.N; i++ {
+		d.KeepRow(i, keep)
+	}
+	b.ReportMetric(float64(b.N)*1024/b.Elapsed().Seconds()/1e6, "Melem/s")
 }

@@ -1,9 +1,11 @@
 package train
 
 import (
+	"fmt"
 	"math/rand"
 	"testing"
 
+	"distill/compute/device"
 	"distill/model"
 	"distill/train/loss"
 )
@@ -94,4 +96,48 @@ func benchTrainStep(b *testing.B, cfg *model.Config) {
 	b.ReportMetric(N/sec, "tokens/s")
 	b.ReportMetric(flops/sec/1e9, "GFLOP/s")
 	b.ReportMetric(float64(params)/1e6, "Mparams")
+}
+
+// BenchmarkLoRAStep is BenchmarkTrainStep's step (the same student shape
+// and row) for a LoRA student, rank 16 on every module, without and with
+// lora_dropout 0.1: the dropout's cost is the difference (its masks
+// drawn twice, forward and backward, over every adapter's input).
+//
+//	go test ./train -run '^$' -bench LoRAStep -benchtime 3x
+func BenchmarkLoRAStep(b *testing.B) {
+	cfg := &model.Config{Arch: model.ArchQwen3, VocabSize: 32000, Hidden: 256, Layers: 8, Heads: 4, KVHeads: 2, HeadDim: 64,
+		Intermediate: 1024, MaxPositions: 4096, RMSNormEps: 1e-6, RopeTheta: 1e6, QKNorm: true}
+	w := model.Init(cfg, model.InitOptions{Seed: 1})
+	const N, K = 1024, 64
+	rng := rand.New(rand.NewSource(1))
+	bt := &Batch{Tokens: make([]int32, N), Starts: []int32{0, 300, 500, 900, N}, Mask: make([]uint8, N), K: K,
+		TopIDs: make([]int32, N*K), TopLP: make([]float32, N*K)}
+	for t := 0; t < N; t++ {
+		bt.Tokens[t] = int32(rng.Intn(cfg.VocabSize))
+		bt.Mask[t] = 1
+		perm := rng.Perm(cfg.VocabSize)[:K]
+		for j := 0; j < K; j++ {
+			bt.TopIDs[t*K+j] = int32(perm[j])
+			bt.TopLP[t*K+j] = float32(-2 - j)
+		}
+	}
+	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+	for _, p := range []float64{0, 0.1} {
+		b.Run(fmt.Sprintf("dropout=%g", p), func(b *testing.B) {
+			s, err := NewLoRAStudentOn(cfg, device.CPU(0), mapSource(w), LoRAConfig{Rank: 16, Alpha: 32, Targets: allTargets, Init: "kaiming", Dropout: p})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer s.Free()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				s.ZeroGrad()
+				s.SetStepRow(i+1, 0)
+				if _, err := s.ForwardBackward(bt, &opt, 0); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(N/(b.Elapsed().Seconds()/float64(b.N)), "tokens/s")
+		})
+	}
 }
