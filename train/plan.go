@@ -68,7 +68,9 @@ type PlanShape struct {
 	// rank its part of every unit's master weights, gradients and
 	// moments, the whole gradients of one block and of the units outside
 	// the blocks; stage 2 every unit's whole weights, stage 3 those of two
-	// blocks and of the units outside them). Sharded, the GEMMs round
+	// blocks and of the units outside them, the embedding's and the LM
+	// head's sharing one buffer for weights and one for gradients).
+	// Sharded, the GEMMs round
 	// their weights per use (no BF16 copies are kept).
 	Ranks, ZeRO int
 	// LoRA, when set, plans a LoRA student (train.NewLoRAStudentOn): the
@@ -149,6 +151,7 @@ type planCounts struct {
 	layerAll    []int64 // each layer's tensors
 	layerLinear []int64 // each layer's QAD Linears
 	outside     []int64 // the units outside the layers
+	outsideBig  []bool  // outside[i] holds the embedding table or the LM head (stage 3 gathers it when used)
 }
 
 // parts is a rank's part of every unit over n ranks: sum of ceil(u/n).
@@ -192,7 +195,10 @@ func countParams(cfg *model.Config) planCounts {
 		} else if prev := len(c.outside) - 1; prev >= 0 && lastOutside {
 			c.outside[prev] += n
 		} else {
-			c.outside = append(c.outside, n)
+			c.outside, c.outsideBig = append(c.outside, n), append(c.outsideBig, false)
+		}
+		if li < 0 && (t.Name == "model.embed_tokens.weight" || t.Name == "lm_head.weight") {
+			c.outsideBig[len(c.outsideBig)-1] = true
 		}
 		lastOutside = li < 0
 		if t.Norm || t.Bias || len(t.Shape) != 2 {
@@ -267,9 +273,16 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		// the units outside the blocks, and the whole weights of every
 		// unit (stage 2) or of two blocks and the units outside (3).
 		parts, outside, block := c.parts(n), int64(0), padded(c.layerAll, n)
-		for _, u := range c.outside {
-			outside += (u + n - 1) / n * n
+		var big int64 // stage 3: the embedding's and LM head's units share one buffer
+		for i, u := range c.outside {
+			w := (u + n - 1) / n * n
+			if s.ZeRO == 3 && c.outsideBig[i] {
+				big = max(big, w)
+				continue
+			}
+			outside += w
 		}
+		outside += big
 		whole := outside
 		if s.ZeRO == 2 {
 			for _, u := range c.layerAll {

@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"distill/compute"
+	"distill/model/decoder"
 	"distill/train/optim"
 )
 
@@ -24,17 +25,24 @@ import (
 //   - a block's gradients are reduce-scattered (summed over the ranks,
 //     each keeping its part) as soon as its backward has made them, out
 //     of one gradient buffer all blocks share, and added to the rank's
-//     part: no rank holds a whole model's gradients. The units outside
-//     the blocks keep whole gradient buffers over a step's rows and are
-//     reduce-scattered once, after the last (ReduceShardGrads);
+//     part: no rank holds a whole model's gradients. At stage 2 the
+//     units outside the blocks keep whole gradient buffers over a step's
+//     rows and are reduce-scattered once, after the last
+//     (ReduceShardGrads);
 //   - stage 2: every unit keeps its whole weights, all-gathered from the
 //     ranks' parts after each optimizer step (AfterStep);
 //   - stage 3: the blocks' whole weights exist only while they run: two
 //     buffers the blocks share in turn (block i's is i mod 2), filled by
 //     an all-gather of the ranks' parts when the decoder fetches the
-//     block (decoder.Residency); the units outside the blocks stay whole,
-//     as at stage 2, since the embedding, the final norm and the LM head
-//     are read at both ends of every forward and backward.
+//     block (decoder.Residency). The units that hold the embedding
+//     table or the LM head (a vocabulary by hidden matrix each) share one
+//     weight buffer, gathered when the decoder fetches their role (the
+//     embedding before the lookup, the LM head with the final norm before
+//     the last block: it stays through the loss head), and one gradient
+//     buffer, reduce-scattered a row at a time as soon as the role's
+//     backward is done (decoder.Residency's FetchOutside and
+//     OutsideGradsDone); a unit outside the blocks without either (a tied
+//     model's final norm) stays whole.
 //
 // Every rank runs the same sequence of collectives: the same number of
 // forwards and backwards per step (a rank without a row of its own runs
@@ -51,6 +59,11 @@ type unit struct {
 	per      int // ceil(n/size): each rank's part
 	shardOff int // the part's offset in the rank's shard arenas
 	block    int // the decoder block, or -1
+	// outSlot: at stage 3, a unit outside the blocks that holds the
+	// embedding table or the LM head, whose whole weights and gradients
+	// live in the buffers such units share (see shards.oslot).
+	outSlot bool
+	roles   int // the decoder.Outside* roles whose tensors it holds (bits)
 	// p, g are the unit's whole (padded: size·per) weights and gradients:
 	// its own buffers, or the blocks' shared ones (stage 3's p, and every
 	// block's g).
@@ -70,8 +83,17 @@ type shards struct {
 	held        [2]int         // stage 3: the block each slot holds (-1: none)
 	loaded      [2]bool        // the slot was filled since Fetch last said so
 	blockG      compute.Tensor // the blocks' shared gradient buffer
-	own         []compute.Tensor
-	tmp         compute.Tensor // a reduce-scatter's landing: the largest part
+	// Stage 3: the units outside the blocks that hold the embedding
+	// table or the LM head (a vocabulary by hidden matrix each: for
+	// Qwen3-8B, 622M parameters) share one weight buffer, filled by an
+	// all-gather when the decoder fetches their role, and one gradient
+	// buffer, reduce-scattered as soon as the role's backward is done (a
+	// row's LM head and final norm first, its embedding last), instead
+	// of each keeping whole weights and gradients for the run.
+	oslot, ograd compute.Tensor
+	oheld        int // the unit oslot holds (-1: none)
+	own          []compute.Tensor
+	tmp          compute.Tensor // a reduce-scatter's landing: the largest part
 }
 
 // blockOf is the decoder block a tensor belongs to, or -1.
@@ -97,7 +119,7 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 	if sh.Stage != 2 && sh.Stage != 3 {
 		return nil, fmt.Errorf("%w: ZeRO stage %d: the student shards at stages 2 and 3 (stages 0 and 1 keep it whole)", ErrInvalid, sh.Stage)
 	}
-	h := &shards{be: s.be, c: sh.C, stage: sh.Stage, rank: sh.C.Rank(), size: sh.C.Size(), held: [2]int{-1, -1}}
+	h := &shards{be: s.be, c: sh.C, stage: sh.Stage, rank: sh.C.Rank(), size: sh.C.Size(), held: [2]int{-1, -1}, oheld: -1}
 	for i, t := range s.Tensors {
 		b := blockOf(t.Name)
 		if n := len(h.units); n > 0 && h.units[n-1].block == b {
@@ -111,9 +133,24 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 	for i := range h.blockUnit {
 		h.blockUnit[i] = -1
 	}
-	shardN, maxPer, maxBlock := 0, 0, 0
+	shardN, maxPer, maxBlock, maxOut := 0, 0, 0, 0
 	for k := range h.units {
 		u := &h.units[k]
+		for i := u.lo; i < u.hi; i++ {
+			switch s.Tensors[i].Name {
+			case "model.embed_tokens.weight":
+				u.roles |= 1 << decoder.OutsideEmbed
+				if s.Cfg.TieEmbeddings {
+					u.roles |= 1 << decoder.OutsideHead
+				}
+				u.outSlot = h.stage == 3
+			case "lm_head.weight":
+				u.roles |= 1 << decoder.OutsideHead
+				u.outSlot = h.stage == 3
+			case "model.norm.weight":
+				u.roles |= 1 << decoder.OutsideHead
+			}
+		}
 		if u.block >= 0 {
 			if u.block >= len(h.blockUnit) || h.blockUnit[u.block] >= 0 {
 				return nil, fmt.Errorf("%w: the tensors of block %d are not contiguous in the config's order", ErrInvalid, u.block)
@@ -127,6 +164,9 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 		if u.block >= 0 {
 			maxBlock = max(maxBlock, u.per*h.size)
 		}
+		if u.outSlot {
+			maxOut = max(maxOut, u.per*h.size)
+		}
 	}
 	be := s.be
 	h.master, h.gsh = be.New(compute.F32, max(shardN, 1)), be.New(compute.F32, max(shardN, 1))
@@ -134,21 +174,24 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 	h.blockG = be.New(compute.F32, max(maxBlock, 1))
 	if h.stage == 3 {
 		h.slots[0], h.slots[1] = be.New(compute.F32, max(maxBlock, 1)), be.New(compute.F32, max(maxBlock, 1))
+		if maxOut > 0 {
+			h.oslot, h.ograd = be.New(compute.F32, maxOut), be.New(compute.F32, maxOut)
+		}
 	}
 	for k := range h.units {
 		u := &h.units[k]
 		whole := u.per * h.size
-		if u.block < 0 || h.stage == 2 {
-			u.p = be.New(compute.F32, whole)
+		switch {
+		case u.outSlot:
+			u.p, u.g = be.View(h.oslot, 0, whole), be.View(h.ograd, 0, whole)
+		case u.block < 0:
+			u.p, u.g = be.New(compute.F32, whole), be.New(compute.F32, whole)
+			h.own = append(h.own, u.p, u.g)
+		case h.stage == 2:
+			u.p, u.g = be.New(compute.F32, whole), be.View(h.blockG, 0, whole)
 			h.own = append(h.own, u.p)
-		} else {
-			u.p = be.View(h.slots[u.block%2], 0, whole)
-		}
-		if u.block < 0 {
-			u.g = be.New(compute.F32, whole)
-			h.own = append(h.own, u.g)
-		} else {
-			u.g = be.View(h.blockG, 0, whole)
+		default:
+			u.p, u.g = be.View(h.slots[u.block%2], 0, whole), be.View(h.blockG, 0, whole)
 		}
 	}
 	return h, nil
@@ -176,9 +219,12 @@ func (h *shards) views(i int, t Tensor) (w, g compute.Tensor) {
 // shared slot at stage 3 is filled by the next fetch).
 func (h *shards) write(i int, t Tensor, v []float32) {
 	u, be := h.unitOf(i), h.be
-	if u.block < 0 || h.stage == 2 {
+	switch {
+	case u.outSlot:
+		h.oheld = -1
+	case u.block < 0 || h.stage == 2:
 		be.WriteF32(be.View(u.p, t.Off-u.off, t.N), v)
-	} else {
+	default:
 		h.held = [2]int{-1, -1}
 	}
 	lo, hi := max(h.rank*u.per, t.Off-u.off), min((h.rank+1)*u.per, t.Off-u.off+t.N)
@@ -234,6 +280,51 @@ func (h *shards) load(i int) {
 // their ranks.
 func (h *shards) GradsDone(i int) { h.reduce(&h.units[h.blockUnit[i]]) }
 
+// FetchOutside implements decoder.Residency: at stage 3 the units that
+// hold role's tensors in the shared outside buffer are gathered into it,
+// unless it holds them already (the others keep whole weights).
+func (h *shards) FetchOutside(role int) {
+	for k := range h.units {
+		if u := &h.units[k]; u.outSlot && u.roles&(1<<role) != 0 {
+			h.loadOutside(k)
+		}
+	}
+}
+
+// loadOutside gathers unit k's whole weights into the outside buffer,
+// unless it holds them already.
+func (h *shards) loadOutside(k int) {
+	if h.oheld == k {
+		return
+	}
+	h.gather(&h.units[k])
+	h.oheld = k
+}
+
+// OutsideGradsDone implements decoder.Residency: at stage 3 the
+// gradients of the units outside the blocks go to their ranks as soon as
+// their role's backward is done, a row at a time: the LM head's unit
+// (and the final norm's) after the final norm's backward, the
+// embedding's after the embedding's backward (tied embeddings: the LM
+// head's gradients are the embedding's, made first and last: reduced
+// with the embedding). At stage 2 they stay whole over the step's rows
+// (ReduceShardGrads).
+func (h *shards) OutsideGradsDone(role int) {
+	if h.stage < 3 {
+		return
+	}
+	for k := range h.units {
+		u := &h.units[k]
+		if u.block >= 0 || u.roles&(1<<role) == 0 {
+			continue
+		}
+		if role == decoder.OutsideHead && u.roles&(1<<decoder.OutsideEmbed) != 0 {
+			continue // tied: the embedding's backward adds to them still
+		}
+		h.reduce(u)
+	}
+}
+
 // Slots implements decoder.Residency.
 func (h *shards) Slots() int {
 	if h.stage == 3 {
@@ -247,8 +338,11 @@ func (h *shards) Slots() int {
 func (h *shards) zeroGrad() {
 	h.be.Zero(h.gsh)
 	h.be.Zero(h.blockG)
+	if h.ograd != nil {
+		h.be.Zero(h.ograd)
+	}
 	for k := range h.units {
-		if h.units[k].block < 0 {
+		if h.units[k].block < 0 && !h.units[k].outSlot {
 			h.be.Zero(h.units[k].g)
 		}
 	}
@@ -257,6 +351,9 @@ func (h *shards) zeroGrad() {
 // reduceRest reduce-scatters the gradients of the units outside the
 // blocks (after a step's last backward).
 func (h *shards) reduceRest() {
+	if h.stage == 3 {
+		return // reduced a row at a time (OutsideGradsDone)
+	}
 	for k := range h.units {
 		if h.units[k].block < 0 {
 			h.reduce(&h.units[k])
@@ -268,11 +365,11 @@ func (h *shards) reduceRest() {
 // that keep theirs are gathered, stage 3's slots are stale.
 func (h *shards) afterStep() {
 	for k := range h.units {
-		if u := &h.units[k]; u.block < 0 || h.stage == 2 {
+		if u := &h.units[k]; !u.outSlot && (u.block < 0 || h.stage == 2) {
 			h.gather(u)
 		}
 	}
-	h.held = [2]int{-1, -1}
+	h.held, h.oheld = [2]int{-1, -1}, -1
 }
 
 // Piece is the part [Off, Off+N) of the student's tensor Tensor (its
@@ -321,7 +418,10 @@ func (h *shards) weights(ts []Tensor) map[string][]float32 {
 	w := make(map[string][]float32, len(ts))
 	for k := range h.units {
 		u := &h.units[k]
-		if u.block >= 0 && h.stage == 3 {
+		switch {
+		case u.outSlot:
+			h.loadOutside(k)
+		case u.block >= 0 && h.stage == 3:
 			h.load(u.block)
 		}
 		for i := u.lo; i < u.hi; i++ {
@@ -335,7 +435,7 @@ func (h *shards) weights(ts []Tensor) map[string][]float32 {
 }
 
 func (h *shards) free() {
-	for _, t := range append([]compute.Tensor{h.master, h.gsh, h.tmp, h.blockG, h.slots[0], h.slots[1]}, h.own...) {
+	for _, t := range append([]compute.Tensor{h.master, h.gsh, h.tmp, h.blockG, h.slots[0], h.slots[1], h.oslot, h.ograd}, h.own...) {
 		if t != nil {
 			h.be.Free(t)
 		}

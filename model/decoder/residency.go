@@ -22,7 +22,25 @@ type Residency interface {
 	// turn (block i's is slot i mod Slots): 0 when every block has its
 	// own.
 	Slots() int
+	// FetchOutside makes the weights of the tensors outside the blocks
+	// that role (OutsideEmbed, OutsideHead) reads current: the
+	// embedding table before the forward's lookup; the final norm and
+	// the LM head before the last block's forward (which ends with the
+	// final norm), current until Backward (the loss head reads the LM
+	// head between TrainForward and Backward).
+	FetchOutside(role int)
+	// OutsideGradsDone takes role's gradients of this backward: the LM
+	// head's (accumulated by the loss head before Backward) and the
+	// final norm's after the final norm's backward; the embedding's
+	// after its backward, the last.
+	OutsideGradsDone(role int)
 }
+
+// The roles of the tensors outside the blocks (Residency.FetchOutside).
+const (
+	OutsideEmbed = iota // the embedding table
+	OutsideHead         // the final norm and the LM head (tied: the embedding table)
+)
 
 // SetResidency makes the model ask r for its blocks' weights and hand it
 // their gradients (nil: every block's weights are always current and its
@@ -52,6 +70,20 @@ func (m *Model) fetch(i int) {
 	}
 }
 
+// fetchOutside makes role's weights current (Residency.FetchOutside).
+func (m *Model) fetchOutside(role int) {
+	if m.res != nil {
+		m.res.FetchOutside(role)
+	}
+}
+
+// outsideGradsDone hands role's gradients to the residency.
+func (m *Model) outsideGradsDone(role int) {
+	if m.res != nil {
+		m.res.OutsideGradsDone(role)
+	}
+}
+
 // gradsDone hands block i's gradients to the residency.
 func (m *Model) gradsDone(i int) {
 	if m.res != nil {
@@ -70,17 +102,25 @@ func (m *Model) Phantom(backward bool) {
 	if m.res == nil {
 		return
 	}
+	m.fetchOutside(OutsideEmbed)
 	for i := range m.Blocks {
 		m.fetch(i)
 		if i+1 < len(m.Blocks) {
 			m.fetch(i + 1)
+		} else {
+			m.fetchOutside(OutsideHead)
 		}
+	}
+	if len(m.Blocks) == 0 {
+		m.fetchOutside(OutsideHead)
 	}
 	if !backward {
 		return
 	}
+	m.outsideGradsDone(OutsideHead)
 	for i := len(m.Blocks) - 1; i >= 0; i-- {
 		m.fetch(i)
 		m.gradsDone(i)
 	}
+	m.outsideGradsDone(OutsideEmbed)
 }

@@ -348,6 +348,7 @@ func (m *Model) TrainForward(tokens, starts []int32) (compute.Tensor, error) {
 	if m.qad && !m.calibrating {
 		m.quantizeWeights()
 	}
+	m.fetchOutside(OutsideEmbed)
 	m.be.Embed(a.x0, m.Embed.W, st.b.tokens, N, c.Hidden)
 	st.routing = nil
 	if m.RecomputeMode() == RecomputeFull && c.NumExperts > 0 {
@@ -366,6 +367,8 @@ func (m *Model) TrainForward(tokens, starts []int32) (compute.Tensor, error) {
 		m.fetch(i)
 		if i+1 < len(m.Blocks) {
 			m.fetch(i + 1) // its input norm ends this block (next)
+		} else {
+			m.fetchOutside(OutsideHead) // the final norm ends the last
 		}
 		m.blockForward(&m.Blocks[i], &a.layers[i], st.b, i == 0, next)
 		if st.routing != nil && m.Blocks[i].MoE != nil {
@@ -373,6 +376,7 @@ func (m *Model) TrainForward(tokens, starts []int32) (compute.Tensor, error) {
 		}
 	}
 	if len(m.Blocks) == 0 {
+		m.fetchOutside(OutsideHead)
 		m.be.RMSNorm(a.lnf, a.rstdf, a.xL, m.Norm.W, N, c.Hidden, c.RMSNormEps)
 	}
 	return a.lnf, nil
@@ -390,6 +394,7 @@ func (m *Model) Backward() {
 	N, C, H, KV, D := b.n, c.Hidden, c.Heads, c.KVHeads, c.HeadDim
 	be.Zero(a.dres)
 	be.RMSNormBackward(a.dres, m.dw(m.Norm.DW, C), a.dln, a.xL, m.Norm.W, a.rstdf, N, C)
+	m.outsideGradsDone(OutsideHead)
 	var dprob compute.Tensor
 	if m.train.auxOn {
 		dprob = m.train.dprob
@@ -453,6 +458,7 @@ func (m *Model) Backward() {
 	if m.Embed.DW != nil { // nil: a frozen base (LoRA)
 		be.EmbedBackward(m.Embed.DW, a.dres, b.tokens, N, C)
 	}
+	m.outsideGradsDone(OutsideEmbed)
 }
 
 // attentionBackward is the layer's attention backward (dq, dk, dv from
