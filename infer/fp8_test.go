@@ -134,7 +134,7 @@ func TestFP8Fidelity(t *testing.T) {
 // TestFP8Load: --weights fp8 stores exactly the decoder layers' Linear
 // weights in FP8 (not the embedding, norms, router or head), changes the
 // fingerprint (and bf16's is the checkpoint's as before), and refuses an
-// unknown format and an FP8-quantized checkpoint naming its layout.
+// unknown format (FP8 checkpoints: TestFP8Checkpoints).
 func TestFP8Load(t *testing.T) {
 	be := device.CPU(0)
 	dir := "testdata/golden/qwen3_moe"
@@ -180,37 +180,143 @@ func TestFP8Load(t *testing.T) {
 	if _, err := LoadWith(dir, be, LoadOptions{Weights: "int4"}); !errors.Is(err, ErrInput) || !strings.Contains(err.Error(), `weights "int4": want bf16 or fp8`) {
 		t.Errorf("weights int4: err = %v", err)
 	}
+}
 
-	// An FP8 checkpoint (ModelOpt / compressed-tensors: F8_E4M3 weight and
-	// weight_scale beside it) is refused naming the layout.
-	w, err := model.OpenWeights("testdata/golden/qwen3")
+// writeFP8Checkpoint writes golden checkpoint src's config and weights to a
+// new directory with every decoder layer's Linear weight stored as an FP8
+// checkpoint does (F8_E4M3 and weight_scale), the scales as layout says:
+// "channel" (compute.QuantizeFP8's, shape (out, 1), compressed-tensors'),
+// "tensor" (one scale, the tensor's amax/448, and an input_scale:
+// ModelOpt's), "block" (weight_scale_inv (out/16, in/16): refused), or
+// "noscale" (no weight_scale: refused).
+func writeFP8Checkpoint(t *testing.T, src, layout string) string {
+	t.Helper()
+	w, err := model.OpenWeights(src)
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer w.Close() // ts holds its mapped bytes until written
 	var ts []model.Tensor
 	for _, n := range w.Names() {
 		raw, info, err := w.Raw(n)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if n == "model.layers.0.self_attn.q_proj.weight" {
-			ts = append(ts, model.Tensor{Name: n, DType: "F8_E4M3", Shape: info.Shape, Data: make([]byte, info.Numel())},
-				model.F32Tensor("model.layers.0.self_attn.q_proj.weight_scale", []int{1}, []float32{1}))
+		if !strings.HasPrefix(n, "model.layers.") || !strings.HasSuffix(n, "_proj.weight") {
+			ts = append(ts, model.Tensor{Name: n, DType: info.DType, Shape: info.Shape, Data: raw})
 			continue
 		}
-		ts = append(ts, model.Tensor{Name: n, DType: info.DType, Shape: info.Shape, Data: raw})
+		f, err := w.F32(n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rows, cols := info.Shape[0], info.Shape[1]
+		base := strings.TrimSuffix(n, "weight")
+		var q *compute.FP8Matrix
+		switch layout {
+		case "tensor":
+			var amax float32
+			for _, v := range f {
+				amax = max(amax, float32(math.Abs(float64(v))))
+			}
+			s := compute.FP8Scale(amax)
+			q = &compute.FP8Matrix{Codes: make([]uint8, len(f))}
+			for i, v := range f {
+				q.Codes[i] = compute.E4M3Byte(compute.E4M3(v / s))
+			}
+			ts = append(ts, model.F32Tensor(base+"weight_scale", []int{}, []float32{s}), model.F32Tensor(base+"input_scale", []int{}, []float32{0.05}))
+		default:
+			if q, err = compute.QuantizeFP8(f, rows, cols); err != nil {
+				t.Fatal(err)
+			}
+			switch layout {
+			case "channel":
+				ts = append(ts, model.F32Tensor(base+"weight_scale", []int{rows, 1}, q.Scales))
+			case "block":
+				ts = append(ts, model.F32Tensor(base+"weight_scale_inv", []int{rows / 16, cols / 16}, make([]float32, rows*cols/256)))
+			}
+		}
+		ts = append(ts, model.Tensor{Name: n, DType: "F8_E4M3", Shape: info.Shape, Data: q.Codes})
 	}
-	defer w.Close() // ts holds its mapped bytes
-	q := t.TempDir()
-	cfg, _ := os.ReadFile("testdata/golden/qwen3/config.json")
-	os.WriteFile(filepath.Join(q, "config.json"), cfg, 0o644)
-	if err := model.WriteSafetensors(filepath.Join(q, "model.safetensors"), ts, nil); err != nil {
+	dir := t.TempDir()
+	cfg, _ := os.ReadFile(filepath.Join(src, "config.json"))
+	os.WriteFile(filepath.Join(dir, "config.json"), cfg, 0o644)
+	if err := model.WriteSafetensors(filepath.Join(dir, "model.safetensors"), ts, nil); err != nil {
 		t.Fatal(err)
 	}
-	for _, o := range []LoadOptions{{}, {Weights: WeightsFP8}} {
-		_, err = LoadWith(q, be, o)
-		if !errors.Is(err, model.ErrSafetensors) || !strings.Contains(err.Error(), "FP8-quantized checkpoint") || !strings.Contains(err.Error(), "ModelOpt FP8") || !strings.Contains(err.Error(), "--weights fp8") {
-			t.Errorf("FP8 checkpoint, weights %q: err = %v", o.Weights, err)
+	return dir
+}
+
+// TestFP8Checkpoints: checkpoints already in FP8 load with --weights fp8:
+// per output channel (compressed-tensors), the same codes and scales as
+// quantizing the BF16 checkpoint at load, so the same outputs bit for bit;
+// per tensor (ModelOpt, its input_scale unused), within FP8's error of
+// BF16. Without --weights fp8, and in the layouts not read (block-wise
+// scales, no weight_scale), they are refused naming what to do.
+func TestFP8Checkpoints(t *testing.T) {
+	be := device.CPU(0)
+	src := "testdata/golden/qwen3_moe"
+	samples := [][]int32{{1, 2, 3, 4, 5, 6, 7}, {9, 8, 7, 600, 5}}
+	topk := func(m *Model) []Result {
+		r, err := m.TopK(samples, Options{K: 8})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	atLoad, err := LoadWith(src, be, LoadOptions{Weights: WeightsFP8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bf16, err := Load(src, be)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, ref := topk(atLoad), topk(bf16)
+
+	ch := writeFP8Checkpoint(t, src, "channel")
+	m, err := LoadWith(ch, be, LoadOptions{Weights: WeightsFP8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.d.Blocks[0].Attn.Q.W.DType() != compute.F8E4M3 || m.Fingerprint() == atLoad.Fingerprint() {
+		t.Errorf("per-channel FP8 checkpoint: q_proj %v, fingerprint %.12s (quantized at load: %.12s)", m.d.Blocks[0].Attn.Q.W.DType(), m.Fingerprint(), atLoad.Fingerprint())
+	}
+	for i, r := range topk(m) {
+		for j := range r.IDs {
+			if r.IDs[j] != want[i].IDs[j] || math.Float32bits(r.LogProbs[j]) != math.Float32bits(want[i].LogProbs[j]) {
+				t.Fatalf("per-channel FP8 checkpoint: sample %d entry %d: %d %v, quantized at load %d %v", i, j, r.IDs[j], r.LogProbs[j], want[i].IDs[j], want[i].LogProbs[j])
+			}
+		}
+	}
+
+	m, err = LoadWith(writeFP8Checkpoint(t, src, "tensor"), be, LoadOptions{Weights: WeightsFP8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dRef, dAtLoad float64
+	for i, r := range topk(m) {
+		for j := range r.IDs {
+			dRef = max(dRef, math.Abs(float64(r.LogProbs[j]-ref[i].LogProbs[j])))
+			dAtLoad = max(dAtLoad, math.Abs(float64(r.LogProbs[j]-want[i].LogProbs[j])))
+		}
+	}
+	t.Logf("per-tensor FP8 checkpoint: max |Δ log-prob| %.3g against BF16, %.3g against per-channel", dRef, dAtLoad)
+	if dRef > 1 || dRef == 0 || dAtLoad == 0 {
+		t.Errorf("per-tensor FP8 checkpoint: max |Δ| %.3g against BF16 (want (0, 1]), %.3g against per-channel (want > 0)", dRef, dAtLoad)
+	}
+
+	for _, c := range []struct {
+		dir  string
+		o    LoadOptions
+		want string
+	}{
+		{ch, LoadOptions{}, "holds FP8 weights (F8_E4M3 with weight_scale: compressed-tensors or ModelOpt FP8): load it with --weights fp8"},
+		{writeFP8Checkpoint(t, src, "block"), LoadOptions{Weights: WeightsFP8}, "block-wise FP8 scales (weight_scale_inv"},
+		{writeFP8Checkpoint(t, src, "noscale"), LoadOptions{Weights: WeightsFP8}, "an FP8 weight without a weight_scale beside it"},
+	} {
+		if _, err := LoadWith(c.dir, be, c.o); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s (weights %q): err = %v, want it to contain %q", c.dir, c.o.Weights, err, c.want)
 		}
 	}
 }

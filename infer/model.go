@@ -80,10 +80,14 @@ func LoadWith(dir string, be compute.Backend, o LoadOptions) (*Model, error) {
 		return nil, err
 	}
 	defer w.Close()
-	if err := checkNotFP8Checkpoint(dir, w); err != nil {
+	fp8, err := fp8Checkpoint(dir, w)
+	if err != nil {
 		return nil, err
 	}
-	m, err := newModel(cfg, w, be, o)
+	if fp8 && o.Weights != WeightsFP8 {
+		return nil, fmt.Errorf("%w: %s holds FP8 weights (F8_E4M3 with weight_scale: compressed-tensors or ModelOpt FP8): load it with --weights fp8", ErrInput, dir)
+	}
+	m, err := newModel(cfg, w, be, o, fp8)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
@@ -122,12 +126,17 @@ func fingerprint(dir, suffix string) (string, error) {
 // New binds the tensors of w to a model of cfg on be. Missing, extra and
 // mis-shaped tensors are errors naming the tensor.
 func New(cfg *model.Config, w *model.Weights, be compute.Backend) (*Model, error) {
-	return newModel(cfg, w, be, LoadOptions{})
+	return newModel(cfg, w, be, LoadOptions{}, false)
 }
 
-// newModel is New with the load options o.
-func newModel(cfg *model.Config, w *model.Weights, be compute.Backend, o LoadOptions) (*Model, error) {
-	if err := w.Check(cfg); err != nil {
+// newModel is New with the load options o; fp8: w is an FP8 checkpoint
+// (fp8Checkpoint), checked as one.
+func newModel(cfg *model.Config, w *model.Weights, be compute.Backend, o LoadOptions, fp8 bool) (*Model, error) {
+	check := w.Check
+	if fp8 {
+		check = func(cfg *model.Config) error { return checkFP8Checkpoint(cfg, w) }
+	}
+	if err := check(cfg); err != nil {
 		return nil, err
 	}
 	d, err := decoder.New(cfg, be, func(name string) (compute.Tensor, compute.Tensor, error) {

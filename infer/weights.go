@@ -1,7 +1,10 @@
 package infer
 
 import (
+	"errors"
 	"fmt"
+	"math"
+	"slices"
 	"strings"
 
 	"distill/compute"
@@ -13,10 +16,12 @@ type LoadOptions struct {
 	// Weights is how the teacher holds its decoder layers' Linear
 	// weights: WeightsBF16 ("" too: as the checkpoint gives them, the
 	// backend choosing the storage) or WeightsFP8 (quantized at load to
-	// E4M3 with an fp32 scale per output channel, multiplied W8A8 as
+	// E4M3 with an fp32 scale per output channel, or an FP8 checkpoint's
+	// own codes and scales, see fp8Checkpoint; multiplied W8A8 as
 	// compute's "FP8 weights" defines; the embedding, norms, MoE routers
 	// and LM head stay as the checkpoint gives them). FP8 changes the
-	// teacher's outputs, so it changes its fingerprint.
+	// teacher's outputs, so it changes its fingerprint. An FP8 checkpoint
+	// needs WeightsFP8.
 	Weights WeightFormat
 }
 
@@ -58,6 +63,17 @@ func (o LoadOptions) fingerprintSuffix() string {
 // takes the checkpoint's BF16 or F32.
 func bindWeight(be compute.Backend, w *model.Weights, name string, o LoadOptions) (compute.Tensor, error) {
 	info, _ := w.Info(name)
+	if info.DType == "F8_E4M3" { // an FP8 checkpoint's own codes and scales
+		q, err := loadFP8(w, name, info)
+		if err != nil {
+			return nil, err
+		}
+		t, err := be.(compute.FP8Weights).WeightFP8(q)
+		if err != nil {
+			return nil, fmt.Errorf("tensor %s: %w", name, err)
+		}
+		return t, nil
+	}
 	var src any
 	var err error
 	if info.DType == "BF16" {
@@ -89,17 +105,120 @@ func bindWeight(be compute.Backend, w *model.Weights, name string, o LoadOptions
 	return t, nil
 }
 
-// checkNotFP8Checkpoint refuses a checkpoint already quantized to FP8
-// (compressed-tensors "float-quantized", ModelOpt FP8: F8_E4M3 weights
-// with weight_scale tensors beside them), which Load does not read yet,
-// naming the layout and what to load instead.
-func checkNotFP8Checkpoint(dir string, w *model.Weights) error {
+// FP8 checkpoints. A checkpoint already quantized to FP8 (compressed-tensors
+// "float-quantized", e.g. the FP8-dynamic releases, and ModelOpt's FP8
+// export) stores a Linear's weight as F8_E4M3 codes (its torch.nn.Linear
+// shape (out, in)) and beside it weight_scale: one fp32 scale for the
+// tensor (ModelOpt; compressed-tensors' "tensor" strategy), or one per
+// output channel, shape (out) or (out, 1) (compressed-tensors'
+// "channel"), the value being code·scale. Both are a per-row scale here
+// (a per-tensor one repeated), so the teacher multiplies the checkpoint's
+// own codes. The activations are quantized per token at run time as for
+// weights quantized at load; a static input_scale in the checkpoint is
+// not used (per-token scales are the finer of the two). Block-wise scales
+// (weight_scale_inv of 128x128 blocks: Qwen's and DeepSeek's FP8
+// releases) do not fit per-row scales and are refused, naming the layout.
+
+// fp8Checkpoint reports whether w holds FP8 Linear weights in a layout
+// Load reads (see above), and an error naming the tensor and the layout
+// for one it does not.
+func fp8Checkpoint(dir string, w *model.Weights) (bool, error) {
+	found := false
 	for _, n := range w.Names() {
 		info, _ := w.Info(n)
-		if info.DType == "F8_E4M3" || info.DType == "F8_E5M2" || strings.HasSuffix(n, ".weight_scale") || strings.HasSuffix(n, ".input_scale") {
-			return fmt.Errorf("%w: %s is an FP8-quantized checkpoint (tensor %s, dtype %s: the compressed-tensors float-quantized or ModelOpt FP8 layout, weight in F8_E4M3 with weight_scale beside it), which the teacher cannot load yet: load the BF16 checkpoint with --weights fp8 (quantized at load, per output channel)",
-				model.ErrSafetensors, dir, n, info.DType)
+		refuse := func(what string) error {
+			return fmt.Errorf("%w: %s: tensor %s (%s %v): %s, which the teacher cannot load: load the BF16 checkpoint with --weights fp8 (quantized at load, per output channel)",
+				model.ErrSafetensors, dir, n, info.DType, info.Shape, what)
+		}
+		switch {
+		case info.DType == "F8_E5M2":
+			return false, refuse("an FP8 E5M2 weight (the teacher's FP8 is E4M3)")
+		case strings.HasSuffix(n, ".weight_scale_inv"):
+			return false, refuse("block-wise FP8 scales (weight_scale_inv: 128x128 blocks, as Qwen's and DeepSeek's FP8 releases)")
+		case info.DType == "F8_E4M3":
+			base := strings.TrimSuffix(n, "weight")
+			if !strings.HasPrefix(n, "model.layers.") || !strings.HasSuffix(n, "_proj.weight") || len(info.Shape) != 2 {
+				return false, refuse("an FP8 tensor that is not a decoder layer's Linear weight")
+			}
+			if _, ok := w.Info(base + "weight_scale_inv"); ok {
+				return false, refuse("block-wise FP8 scales (weight_scale_inv: 128x128 blocks, as Qwen's and DeepSeek's FP8 releases)")
+			}
+			si, ok := w.Info(base + "weight_scale")
+			if !ok {
+				return false, refuse("an FP8 weight without a weight_scale beside it")
+			}
+			if k := si.Numel(); k != 1 && (k != info.Shape[0] || len(si.Shape) > 2 || len(si.Shape) == 2 && si.Shape[1] != 1) {
+				return false, refuse(fmt.Sprintf("its weight_scale has shape %v: want one scale (per tensor) or %d (per output channel; block-wise scales are not read)", si.Shape, info.Shape[0]))
+			}
+			found = true
 		}
 	}
+	return found, nil
+}
+
+// checkFP8Checkpoint is model.Weights.Check for an FP8 checkpoint: the
+// tensors of cfg with their shapes, a Linear weight in F8_E4M3 or a float
+// dtype, and beside an F8_E4M3 weight its weight_scale (and input_scale,
+// unused); nothing else.
+func checkFP8Checkpoint(cfg *model.Config, w *model.Weights) error {
+	want := map[string]bool{}
+	var errs []error
+	for _, s := range cfg.Tensors() {
+		want[s.Name] = true
+		info, ok := w.Info(s.Name)
+		switch {
+		case !ok:
+			errs = append(errs, fmt.Errorf("missing tensor %s %v", s.Name, s.Shape))
+		case !slices.Equal(info.Shape, s.Shape):
+			errs = append(errs, fmt.Errorf("tensor %s has shape %v, config.json implies %v", s.Name, info.Shape, s.Shape))
+		case info.DType != "BF16" && info.DType != "F16" && info.DType != "F32" && info.DType != "F8_E4M3":
+			errs = append(errs, fmt.Errorf("tensor %s has dtype %s; want BF16, F16, F32 or F8_E4M3", s.Name, info.DType))
+		}
+	}
+	for _, n := range w.Names() {
+		if want[n] || n == "lm_head.weight" && cfg.TieEmbeddings {
+			continue
+		}
+		if base, ok := strings.CutSuffix(n, "_scale"); ok && (strings.HasSuffix(base, ".weight") || strings.HasSuffix(base, ".input")) {
+			wi, _ := w.Info(strings.TrimSuffix(strings.TrimSuffix(base, ".weight"), ".input") + ".weight")
+			if wi.DType == "F8_E4M3" {
+				continue
+			}
+		}
+		errs = append(errs, fmt.Errorf("unexpected tensor %s (not in a %s checkpoint of this config)", n, cfg.Arch))
+	}
+	if len(errs) > 0 {
+		if len(errs) > 8 {
+			errs = append(errs[:8], fmt.Errorf("... and %d more", len(errs)-8))
+		}
+		return fmt.Errorf("%w: FP8 checkpoint does not match config.json: %w", model.ErrSafetensors, errors.Join(errs...))
+	}
 	return nil
+}
+
+// loadFP8 reads an F8_E4M3 Linear weight and its weight_scale as an
+// FP8Matrix (a per-tensor scale repeated for every row).
+func loadFP8(w *model.Weights, name string, info model.TensorInfo) (*compute.FP8Matrix, error) {
+	codes, _, err := w.Raw(name)
+	if err != nil {
+		return nil, err
+	}
+	sc, err := w.F32(strings.TrimSuffix(name, "weight") + "weight_scale")
+	if err != nil {
+		return nil, err
+	}
+	rows, cols := info.Shape[0], info.Shape[1]
+	scales := sc
+	if len(sc) == 1 {
+		scales = make([]float32, rows)
+		for i := range scales {
+			scales[i] = sc[0]
+		}
+	}
+	for i, v := range scales {
+		if !(v > 0) || math.IsInf(float64(v), 0) {
+			return nil, fmt.Errorf("%w: tensor %s: weight_scale[%d] = %v: want a positive finite scale", model.ErrSafetensors, name, i, v)
+		}
+	}
+	return &compute.FP8Matrix{Codes: codes, Scales: scales, Rows: rows, Cols: cols}, nil
 }
