@@ -16,8 +16,9 @@ import (
 // CUDA here, the GPU under DISTILL_CUDA_TEST=gpu) holds its base in BF16
 // (half the bytes, read by the GEMMs as is), starts at the full
 // student's loss, and its adapters' gradients agree with the CPU's
-// norm-wise within BF16's rounding of the GEMM operands; a few AdamW steps
-// lower the loss and leave the base as loaded.
+// norm-wise within BF16's rounding of the GEMM operands, and so do the
+// Linears' input amax its calibration finds (the merged NVFP4 export's);
+// a few AdamW steps lower the loss and leave the base as loaded.
 func TestCUDALoRA(t *testing.T) {
 	cudaemu.Use(t)
 	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
@@ -80,6 +81,28 @@ func TestCUDALoRA(t *testing.T) {
 		}
 		if !(d <= 0.05*m) {
 			t.Errorf("%s: max |CUDA - CPU| %.3g > 5%% of max |grad| %.3g", ts.Name, d, m)
+		}
+	}
+	// The inputs' amax calibration (for the merged NVFP4 export) reads
+	// the CUDA student's BF16 activations: the CPU's amax within 2%.
+	for _, s := range []*Student{g, c} {
+		if err := s.StartInputCalibration(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Forward(b, &opt); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.FinishInputCalibration(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ga, ca := g.InputAmax(), c.InputAmax()
+	if len(ga) != 4*cfg.Layers || len(ca) != len(ga) {
+		t.Fatalf("input amax: CUDA %v, CPU %v", ga, ca)
+	}
+	for i := range ga {
+		if math.Abs(float64(ga[i]-ca[i])) > 0.02*float64(ca[i]) {
+			t.Fatalf("input amax %d: CUDA %g, CPU %g", i, ga[i], ca[i])
 		}
 	}
 	ad2 := newTestAdamW(t, g, 1e-2)
