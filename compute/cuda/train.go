@@ -226,7 +226,9 @@ func (b *Backend) EmbedBackward(dtableT, doutT, idsT compute.Tensor, n, dim int)
 	if n == 0 || dim == 0 {
 		return
 	}
-	b.launchKernel(launch{kernel: "k_embed_bwd", grid: [3]int{(dim + 127) / 128, 1, 1}, block: 128},
+	// A warp a block: the columns are the only parallelism of the
+	// deterministic walk, so the more SMs they spread over the better.
+	b.launchKernel(launch{kernel: "k_embed_bwd", grid: [3]int{(dim + 31) / 32, 1, 1}, block: 32},
 		dptr(dt.p), dptr(dout.p), dptr(ids.p), int64(n), int32(dim))
 }
 

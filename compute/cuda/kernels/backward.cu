@@ -268,11 +268,50 @@ DK_KERNEL void k_colsum_finish(float *__restrict__ dst, const double *__restrict
 
 // k_embed_bwd: dtable (vocab, dim) += the rows of dout (n, dim) at ids.
 // One thread per column walks the tokens in order, so repeated ids add up
-// in a fixed order without atomics.
+// in a fixed order without atomics: dtable[v][c] = (((dtable[v][c] +
+// dout[t1][c]) + dout[t2][c]) + ...) over v's tokens t1 < t2 < ....
+//
+// The walk takes EMB_BATCH tokens at a time: their table entries and
+// gradients are loaded together (independent loads in flight, where a
+// token at a time waited for each read-modify-write before the next:
+// 3.3 ms of a Qwen3-0.6B step on an H200 for 8192 tokens), then added in
+// token order in registers, a token whose id an earlier one of the batch
+// has taking that one's running sum, and stored, the last of equal ids
+// last. The additions per entry, and their order, are the walk's: the
+// same bits.
+#define EMB_BATCH 8
 DK_KERNEL void k_embed_bwd(float *dtable, const float *__restrict__ dout, const i32 *__restrict__ ids, i64 n, int dim) {
 	int c = blockIdx.x * blockDim.x + threadIdx.x;
 	if (c >= dim) return;
-	for (i64 t = 0; t < n; t++) dtable[(i64)ids[t] * dim + c] += dout[t * dim + c];
+	for (i64 t0 = 0; t0 < n; t0 += EMB_BATCH) {
+		int m = (int)(n - t0 < EMB_BATCH ? n - t0 : EMB_BATCH);
+		i32 id[EMB_BATCH];
+		float acc[EMB_BATCH], d[EMB_BATCH];
+		int first[EMB_BATCH]; // the batch's first token of the same id
+#pragma unroll
+		for (int j = 0; j < EMB_BATCH; j++)
+			if (j < m) id[j] = ids[t0 + j];
+#pragma unroll
+		for (int j = 0; j < EMB_BATCH; j++) {
+			if (j >= m) continue;
+			first[j] = j;
+			for (int i = 0; i < j; i++)
+				if (id[i] == id[j]) {
+					first[j] = i;
+					break;
+				}
+			d[j] = dout[(t0 + j) * dim + c];
+			if (first[j] == j) acc[j] = dtable[(i64)id[j] * dim + c];
+		}
+#pragma unroll
+		for (int j = 0; j < EMB_BATCH; j++) {
+			if (j >= m) continue;
+			acc[first[j]] += d[j];
+		}
+#pragma unroll
+		for (int j = 0; j < EMB_BATCH; j++)
+			if (j < m && first[j] == j) dtable[(i64)id[j] * dim + c] = acc[j];
+	}
 }
 
 DK_REGISTER(k_swiglu_bwd)
