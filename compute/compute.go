@@ -378,7 +378,8 @@ type Backend interface {
 	LossHeadForward(h *LossHead) LossStats
 	// LossHeadBackward is pass 2: it recomputes the logits tile by tile,
 	// turns them into dL/dz with c, and accumulates dx (N,C) += dz·w at the
-	// counted rows and dw (V,C) += dzᵀ·x.
+	// counted rows and dw (V,C) += dzᵀ·x. A nil dw is a frozen LM head
+	// (a LoRA student's): no weight gradient is made, and dx is the same.
 	LossHeadBackward(h *LossHead, c *LossCoef, dx, dw Tensor)
 }
 

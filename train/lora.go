@@ -44,10 +44,9 @@ import (
 // weights directly, so no fp32 master, gradient, moment or BF16 copy
 // exists for it), fp32 on the CPU (the values as stored, widened). Its
 // norms, embeddings and LM head are frozen too (PEFT's default): the
-// backward makes no weight gradient for them but the LM head's, which
-// the fused loss-head kernel always accumulates and which goes to a
-// scratch (V x hidden fp32) that is never read; the norms' likewise
-// (decoder.Model.AttachLoRA).
+// backward makes no weight gradient for them (the fused loss head takes
+// no dw for a frozen LM head and skips that GEMM); the norms' go to a
+// small scratch that is never read (decoder.Model.AttachLoRA).
 //
 // Under NVFP4 (quant: nvfp4) the base is held fake-quantized: every
 // block Linear's weight is replaced once, at load, by its NVFP4
@@ -170,7 +169,6 @@ type loraState struct {
 	cfg       LoRAConfig
 	base      compute.Tensor // the frozen base, every tensor of cfg.Tensors() at baseOff
 	baseTs    []Tensor
-	headGrad  compute.Tensor // the LM head's discarded gradient (V, hidden) F32
 	hash      string
 	adapterOf map[string][2]int // a Linear's name -> its A and B in Tensors
 }
@@ -290,7 +288,6 @@ func NewLoRAStudentOn(cfg *model.Config, be compute.Backend, base BaseSource, lc
 	}); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
-	st.headGrad = be.New(compute.F32, cfg.VocabSize*cfg.Hidden)
 	s.initAdapters()
 	s.head = &loss.Head{Backend: be, V: cfg.VocabSize, C: cfg.Hidden}
 	return s, nil

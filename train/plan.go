@@ -75,8 +75,8 @@ type PlanShape struct {
 	Ranks, ZeRO int
 	// LoRA, when set, plans a LoRA student (train.NewLoRAStudentOn): the
 	// frozen base once in the activation dtype, the adapters' fp32
-	// weights, gradients, moments and BF16 copies, the LM head's
-	// discarded gradient, and the adapters' scratch per row. QAD is then
+	// weights, gradients, moments and BF16 copies, the norms' discarded
+	// gradient, and the adapters' scratch per row. QAD is then
 	// off (an NVFP4 base is quantized in place). ZeRO 0 or 1 only.
 	LoRA *LoRAConfig
 }
@@ -261,9 +261,9 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		base, adapters, rank, out, dropIn := loraCounts(cfg, s.LoRA)
 		add(TermLoRABase, int64(s.Activations.Size())*base, false, false)
 		add(TermParams, 4*adapters, false, false)
-		// The adapters' gradients, the LM head's discarded one, the
-		// norms' discard.
-		add(TermGrads, 4*adapters+4*int64(cfg.VocabSize)*int64(cfg.Hidden)+4*int64(max(cfg.Hidden, cfg.HeadDim)), false, false)
+		// The adapters' gradients and the norms' discard (the frozen LM
+		// head gets none: LossHeadBackward's nil dw).
+		add(TermGrads, 4*adapters+4*int64(max(cfg.Hidden, cfg.HeadDim)), false, false)
 		add(TermMoments, shard(1, 8*adapters), false, false)
 		add(TermShadows, 2*adapters, false, false)
 		add(TermLoRAScratch, decoder.LoRAScratchBytes(max(s.RowTokens, 1), rank, out, dropIn, s.Activations), true, false)

@@ -119,8 +119,8 @@ func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float6
 	dlnf := s.Model.HiddenGrad()
 	s.be.Zero(dlnf)
 	dhead := s.Model.Head.DW
-	if s.lora != nil { // a frozen head: its gradient is made and dropped
-		dhead = s.lora.headGrad
+	if s.lora != nil {
+		dhead = nil // a frozen head: the loss head makes no weight gradient for it
 	}
 	st, err = s.head.ForwardBackward(x, s.Model.Head.W, dlnf, dhead, b, opt, normalizer)
 	if err != nil {

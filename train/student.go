@@ -163,12 +163,10 @@ func (s *Student) Free() {
 		s.be.Free(s.grads)
 	}
 	if st := s.lora; st != nil {
-		for _, t := range []compute.Tensor{st.base, st.headGrad} {
-			if t != nil {
-				s.be.Free(t)
-			}
+		if st.base != nil {
+			s.be.Free(st.base)
 		}
-		st.base, st.headGrad = nil, nil
+		st.base = nil
 	}
 	s.Params, s.Grads = nil, nil
 }

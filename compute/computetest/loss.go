@@ -207,6 +207,16 @@ func (s *suite) lossHeadBackward(t *testing.T) {
 						}
 						s.fwd(t, "dx", s.read(dx, c.N*C), wantDX)
 						s.fwd(t, "dw", s.read(dw, V*C), wantDW)
+						// A frozen LM head (dw nil): no weight gradient,
+						// the same dx bit for bit.
+						dxf := be.FromF32(dx0)
+						be.LossHeadBackward(s.lossHead(c, invT, tc), coef, dxf, nil)
+						got, want := s.read(dxf, c.N*C), s.read(dx, c.N*C)
+						for i := range want {
+							if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+								t.Fatalf("dx with a frozen head (dw nil), element %d: %v, with dw %v", i, got[i], want[i])
+							}
+						}
 					})
 				}
 			}

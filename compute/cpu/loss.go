@@ -212,7 +212,9 @@ func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dx,
 		}
 	}, func(L []float32, v0, n int) {
 		b.sgemm(false, false, M, C, n, 1, L, n, w[v0*C:], C, 1, dxc, C)
-		b.sgemm(true, false, n, C, M, 1, L, n, xc, C, 1, dws[v0*C:], C)
+		if dws != nil { // nil: a frozen LM head
+			b.sgemm(true, false, n, C, M, 1, L, n, xc, C, 1, dws[v0*C:], C)
+		}
 	})
 	// Rows are distinct positions, so the scatter-add cannot race.
 	b.rows(M, C, func(_, lo, hi int) {

@@ -603,13 +603,18 @@ func (b *Backend) gatherRowsBF16(h *compute.LossHead, rows *tensor) uint64 {
 // fp32; dxc is added into dx at the counted rows last.
 func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dxT, dwT compute.Tensor) {
 	defer b.enter()()
-	b.wroteT(dxT, dwT)
 	b.label = "LossHeadBackward"
 	M, C, V, K := h.M, h.C, h.V, h.K
 	_, w, rows, labels, ids := b.lossCheck(h, "LossHeadBackward")
-	dx, dw := b.ten(dxT, "LossHeadBackward dx"), b.ten(dwT, "LossHeadBackward dw")
+	dx := b.ten(dxT, "LossHeadBackward dx")
 	need(dx, "LossHeadBackward dx", C, compute.F32)
-	need(dw, "LossHeadBackward dw", V*C, compute.F32)
+	var dw *tensor // nil: a frozen LM head, no weight gradient (and no GEMM for it)
+	if dwT != nil {
+		b.wroteT(dwT)
+		dw = b.ten(dwT, "LossHeadBackward dw")
+		need(dw, "LossHeadBackward dw", V*C, compute.F32)
+	}
+	b.wroteT(dxT)
 	if M == 0 {
 		return
 	}
@@ -638,7 +643,9 @@ func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dxT
 			dptr(dz), dptr(tile), int32(n), int32(v0), h.InvT, sepCE, dptr(lseT.p), dptr(lse1.p), dptr(a.p), ptrOf(ck), ptrOf(ids), int32(K),
 			dptr(labels.p), c.WSFT)
 		b.gemmEx(dxc, dz, wt, M, C, n, false, false, dataBF16, 1)
-		b.gemmEx(dw.p+uint64(v0)*uint64(C)*4, dz, xc, n, C, M, true, false, dataBF16, 1)
+		if dw != nil {
+			b.gemmEx(dw.p+uint64(v0)*uint64(C)*4, dz, xc, n, C, M, true, false, dataBF16, 1)
+		}
 	}
 	b.ew("k_scatter_add_rows", int64(M)*int64(C), dptr(dx.p), dptr(dxc), dptr(rows.p), int64(M), int32(C))
 	for _, p := range []uint64{xc, ws, tile, dz, dxc} {
