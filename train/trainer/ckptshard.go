@@ -164,7 +164,7 @@ func (c *checkpointer) saveSharded(l *shardLayout, s *train.Student, ad *optim.A
 		err = os.MkdirAll(tmp, 0o755)
 	}
 	if bad := l.failed(err); bad != nil {
-		return abort(err, bad, "make "+tmp)
+		return abort(err, bad, "prepare the save (write the metrics it follows, make "+tmp+")")
 	}
 	// 2. Every rank's shard.
 	if _, serr := os.Stat(tmp); serr != nil {
