@@ -192,6 +192,18 @@ func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act co
 	default:
 		fmt.Fprintf(w, "\ntrain.recompute auto picks: %s\n", auto)
 	}
+	if lc := cfg.TrainLoRA(); lc == nil {
+		// A checkpoint holds the fp32 weights and both AdamW moments: 12
+		// bytes a parameter (a LoRA run's, its adapters alone).
+		ck := 12 * mc.Params()
+		switch layout := cfg.Checkpoint.Layout; {
+		case world > 1 && cfg.Train.ZeRO >= 1 && layout != "gathered":
+			fmt.Fprintf(w, "checkpoints: %s each, sharded (checkpoint.layout auto or sharded): %s a rank's shard, written by every rank; no rank gathers the model\n",
+				train.HumanBytes(ck), train.HumanBytes((ck+int64(world)-1)/int64(world)))
+		default:
+			fmt.Fprintf(w, "checkpoints: %s each, written by %s from its host memory\n", train.HumanBytes(ck), map[bool]string{true: "rank 0", false: "the process"}[world > 1])
+		}
+	}
 	if ep := train.ExpertParallelSaving(shape(decoder.RecomputeFull)); ep > 0 {
 		fmt.Fprintf(w, "expert parallelism (not built) over the %d ranks would save %s a GPU: each rank would hold 1/%d of every layer's experts whole and gather none (ZeRO %d holds %s); it would send the routed tokens to their experts' ranks instead\n",
 			world, train.HumanBytes(ep), world, cfg.Train.ZeRO, epHeld(cfg.Train.ZeRO))

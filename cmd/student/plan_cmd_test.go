@@ -84,6 +84,16 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 	if s1, s2 := plan("--world-size", "4", "--zero", "1"), plan("--world-size", "4", "--zero", "2"); grads(s1) == grads(s2) || !strings.Contains(s2, "4 ranks at ZeRO stage 2") {
 		t.Errorf("ZeRO 2 over 4 ranks: gradients %s (stage 1: %s):\n%s", grads(s2), grads(s1), s2)
 	}
+	// The checkpoints' size: sharded over the ranks at ZeRO 1-3 (a rank's
+	// shard a quarter of the whole, rounded up), else the process's (or
+	// rank 0's with checkpoint.layout gathered).
+	ck := regexp.MustCompile(`checkpoints: ([0-9.]+ [KMG]iB) each, sharded \(checkpoint.layout auto or sharded\): ([0-9.]+ [KMG]iB) a rank's shard`)
+	if m := ck.FindStringSubmatch(plan("--world-size", "4", "--zero", "2")); m == nil || !strings.Contains(plan(), "checkpoints: "+m[1]+" each, written by the process") {
+		t.Errorf("the checkpoints' line: sharded %q; one process:\n%s", m, plan())
+	}
+	if out := plan("--world-size", "4", "--zero", "2", "--set", "checkpoint.layout=gathered"); !strings.Contains(out, "each, written by rank 0 from its host memory") {
+		t.Errorf("checkpoint.layout gathered over 4 ranks: want rank 0 to write them:\n%s", out)
+	}
 	// fp32 activations (DISTILL_CUDA_ACT=f32) take more: the same device
 	// then fits none of the modes.
 	out = plan("--device-memory", "320MiB", "--set", "quant=nvfp4", "--activations", "f32")
