@@ -223,6 +223,13 @@ func TestREADMECommands(t *testing.T) {
 	for _, m := range cmdRE.FindAllStringSubmatch(string(b), -1) {
 		seen++
 		words := strings.Fields(m[1])
+		for i, w := range words {
+			// As the shell reads them: 'LMHeadSample|BlockLogits' is one
+			// pattern without its quotes.
+			if len(w) >= 2 && (w[0] == '\'' || w[0] == '"') && w[len(w)-1] == w[0] {
+				words[i] = w[1 : len(w)-1]
+			}
+		}
 		for len(words) > 0 && regexp.MustCompile(`^[A-Z_]+=`).MatchString(words[0]) {
 			words = words[1:]
 		}
