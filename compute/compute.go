@@ -682,6 +682,10 @@ type ForwardShape struct {
 	// (LMHeadSample, sampled targets; K is then the head's top-k, 0 for
 	// none).
 	Draws int
+	// NoHead: the forward stops before the LM head (a pipeline stage
+	// that hands its residual stream to the next device): no LM-head
+	// scratch.
+	NoHead bool
 }
 
 // Partial is implemented by a backend that does not yet implement every
@@ -749,4 +753,52 @@ type Collectives interface {
 	// JoinCollective joins group id as rank of size ranks; it returns when
 	// every rank has joined (or with an error naming what failed).
 	JoinCollective(id CollectiveID, rank, size int) (Collective, error)
+}
+
+// CrossCopier is implemented by backends that copy another backend's
+// tensor into one of their own directly: the CUDA backend from another
+// GPU (peer to peer where the driver allows it, else through pinned host
+// memory) or from another stream of the same GPU. A pipelined teacher
+// hands each micro-batch's residual stream from one stage's device to the
+// next with it.
+type CrossCopier interface {
+	// CopyFrom copies src, a tensor of backend from, into dst[0:src.Len())
+	// (the same dtype), after the work from has issued so far and before
+	// the work this backend issues next; src may be reused or freed when
+	// it returns. false: from is a backend it cannot copy from (another
+	// kind), nothing was done.
+	CopyFrom(dst Tensor, from Backend, src Tensor) bool
+}
+
+// CopyAcross copies src, a tensor of backend from, into dst, a tensor of
+// backend to, bit for bit: through to's CrossCopier when it takes from,
+// else through the host (F32 and BF16 tensors: a BF16 value widened to
+// fp32 and rounded back is itself).
+func CopyAcross(to Backend, dst Tensor, from Backend, src Tensor) {
+	if cc, ok := to.(CrossCopier); ok && cc.CopyFrom(dst, from, src) {
+		return
+	}
+	if src.DType() != dst.DType() || dst.Len() < src.Len() {
+		panic(fmt.Sprintf("compute: CopyAcross of %d %v elements into %d %v", src.Len(), src.DType(), dst.Len(), dst.DType()))
+	}
+	if src.DType() == I32 {
+		panic("compute: CopyAcross of an I32 tensor through the host")
+	}
+	h := make([]float32, src.Len())
+	from.ReadF32(src, h)
+	to.WriteF32(dst, h)
+}
+
+// DeviceNamer is implemented by backends that run on a device of their
+// own, named in errors about it: "GPU 1 (NVIDIA H100 80GB HBM3)".
+type DeviceNamer interface {
+	DeviceName() string
+}
+
+// DeviceName names the device be runs on (DeviceNamer), or the backend.
+func DeviceName(be Backend) string {
+	if n, ok := be.(DeviceNamer); ok {
+		return n.DeviceName()
+	}
+	return be.Name()
 }

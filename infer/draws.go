@@ -6,6 +6,7 @@ import (
 
 	"distill/cache"
 	"distill/compute"
+	"distill/model/decoder"
 )
 
 // Draws asks ForwardDraws for the draws of a sampled kind (package cache,
@@ -55,23 +56,36 @@ func ValidateDraws(d Draws, k int) error {
 // that the draws land in are multiplied again. The host computes the
 // uniforms (n x N, sorted per position) and tallies the drawn ids.
 func (m *Model) ForwardDraws(samples [][]int32, k int, temperature float32, d Draws) (ids []int32, logprobs []float32, res DrawResult) {
-	m.d.TopKThen(samples, 0, temperature, func(x compute.Tensor, n int, _ []int32, _ []float32) {
-		ids, logprobs, res = m.sample(x, n, samples, k, d)
+	m.pipe.Forward(samples, temperature, func(last *decoder.Model, x compute.Tensor, s0, _ int, mb [][]int32) {
+		i, l, r := m.sample(last, x, mb, s0, k, d)
+		if ids == nil { // the first (or only) micro-batch's result
+			ids, logprobs, res = i, l, r
+			return
+		}
+		ids, logprobs = append(ids, i...), append(logprobs, l...)
+		res.N, res.IDs, res.Counts = append(res.N, r.N...), append(res.IDs, r.IDs...), append(res.Counts, r.Counts...)
+		if d.Head {
+			res.Tail = append(res.Tail, r.Tail...)
+		}
 	})
 	return ids, logprobs, res
 }
 
-// sample runs LMHeadSample on the LM head's input x (n rows) and turns its
-// draws into DrawResult's layout.
-func (m *Model) sample(x compute.Tensor, n int, samples [][]int32, k int, d Draws) (ids []int32, logprobs []float32, res DrawResult) {
-	be, N := m.be, d.N
+// sample runs LMHeadSample on the LM head's input x of samples, the
+// forward's samples [s0, s0+len(samples)), on the last stage, and turns
+// its draws into DrawResult's layout.
+func (m *Model) sample(last *decoder.Model, x compute.Tensor, samples [][]int32, s0, k int, d Draws) (ids []int32, logprobs []float32, res DrawResult) {
+	be, N, n := last.Backend(), d.N, 0
+	for _, smp := range samples {
+		n += len(smp)
+	}
 	u := make([]float64, n*N)
 	r := 0
 	for s, smp := range samples {
 		for t := range smp {
 			row := u[r*N : (r+1)*N]
 			for i := range row {
-				row[i] = d.U(s, t, i)
+				row[i] = d.U(s0+s, t, i)
 			}
 			slices.Sort(row)
 			r++
@@ -87,7 +101,7 @@ func (m *Model) sample(x compute.Tensor, n int, samples [][]int32, k int, d Draw
 			be.Free(t)
 		}
 	}()
-	be.LMHeadSample(idT, lpT, drT, tlT, x, m.d.Head.W, uT, n, m.Cfg.Hidden, m.Cfg.VocabSize, k, N, d.Head)
+	be.LMHeadSample(idT, lpT, drT, tlT, x, last.Head.W, uT, n, m.Cfg.Hidden, m.Cfg.VocabSize, k, N, d.Head)
 	ids, logprobs = make([]int32, n*k), make([]float32, n*k)
 	drawn, tail := make([]int32, n*N), make([]float32, n)
 	be.ReadI32(idT, ids)

@@ -153,7 +153,7 @@ func TestFP8Load(t *testing.T) {
 	if m.Fingerprint() == ref.Fingerprint() || bf.Fingerprint() != ref.Fingerprint() {
 		t.Errorf("fingerprints: fp8 %s, bf16 %s, default %s: want fp8 different, bf16 the default's", m.Fingerprint()[:12], bf.Fingerprint()[:12], ref.Fingerprint()[:12])
 	}
-	d := m.d
+	d := m.last().d
 	if d.Embed.W.DType() != compute.F32 || d.Head.W.DType() != compute.F32 || d.Norm.W.DType() != compute.F32 {
 		t.Errorf("embedding %v, head %v, norm %v: want them unquantized", d.Embed.W.DType(), d.Head.W.DType(), d.Norm.W.DType())
 	}
@@ -279,8 +279,8 @@ func TestFP8Checkpoints(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m.d.Blocks[0].Attn.Q.W.DType() != compute.F8E4M3 || m.Fingerprint() == atLoad.Fingerprint() {
-		t.Errorf("per-channel FP8 checkpoint: q_proj %v, fingerprint %.12s (quantized at load: %.12s)", m.d.Blocks[0].Attn.Q.W.DType(), m.Fingerprint(), atLoad.Fingerprint())
+	if m.last().d.Blocks[0].Attn.Q.W.DType() != compute.F8E4M3 || m.Fingerprint() == atLoad.Fingerprint() {
+		t.Errorf("per-channel FP8 checkpoint: q_proj %v, fingerprint %.12s (quantized at load: %.12s)", m.last().d.Blocks[0].Attn.Q.W.DType(), m.Fingerprint(), atLoad.Fingerprint())
 	}
 	for i, r := range topk(m) {
 		for j := range r.IDs {

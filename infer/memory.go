@@ -3,6 +3,7 @@ package infer
 import (
 	"errors"
 	"fmt"
+	"strings"
 
 	"distill/compute"
 )
@@ -17,14 +18,16 @@ import (
 // weights + ActivationBytes. The kernel scratch terms are per worker: a
 // backend allocates them in its first forward and reuses them after, so
 // only that first forward reaches the bound's scratch share.
+//
+// On one backend only: a pipeline's stages hold their own (DeviceBytes).
 func (m *Model) ActivationBytes(tokens, maxLen, k int) int64 {
 	c := m.Cfg
 	n := int64(tokens)
-	b := m.d.ActivationBytes(tokens, k)
+	b := m.last().d.ActivationBytes(tokens, k)
 	b += 4 * 2 * n * int64(k)     // host copies of the top-k (the result)
 	b += 4 * (2*n + 1)            // host tokens and starts
 	b += 4 * n * int64(c.HeadDim) // host RoPE table before its upload
-	if sr, ok := m.be.(compute.ScratchReporter); ok {
+	if sr, ok := m.Backend().(compute.ScratchReporter); ok {
 		b += sr.AttentionScratchBytes(maxLen) + sr.LMHeadScratchBytes(k)
 	}
 	if c.NumExperts > 0 {
@@ -42,24 +45,29 @@ func (m *Model) ActivationBytes(tokens, maxLen, k int) int64 {
 // allocates beside the weights on a backend with device memory
 // (compute.DeviceMemory): the decoder's activations, which stay on the
 // device for the whole forward, the draws' uniforms and results, and the
-// kernels' peak scratch. 0 on a backend without device memory.
+// kernels' peak scratch. 0 on a backend without device memory. In a
+// pipeline: the largest of its stages' (StageDeviceBytes).
 func (m *Model) DeviceBytes(tokens, maxLen, k, draws int) int64 {
-	dm, ok := m.be.(compute.DeviceMemory)
+	var b int64
+	for i := range m.stages {
+		b = max(b, m.StageDeviceBytes(i, tokens, maxLen, k, draws))
+	}
+	return b
+}
+
+// StageDeviceBytes is DeviceBytes of stage i of a pipeline: what it
+// allocates beside its weights for a forward of tokens tokens (a
+// micro-batch is never larger), by the plan's terms (StageBytes) with its
+// device's own kernel scratch: the activations, the hand-off of every
+// stage but the last, the draws and the LM head on the last.
+func (m *Model) StageDeviceBytes(i, tokens, maxLen, k, draws int) int64 {
+	st := m.stages[i]
+	dm, ok := st.be.(compute.DeviceMemory)
 	if !ok {
 		return 0
 	}
-	c := m.Cfg
-	s := compute.ForwardShape{Tokens: tokens, MaxLen: maxLen, K: k, Hidden: c.Hidden, Heads: c.Heads, KVHeads: c.KVHeads,
-		HeadDim: c.HeadDim, Intermediate: c.Intermediate, Vocab: c.VocabSize, FP8: m.weights == WeightsFP8}
-	if c.NumExperts > 0 {
-		s.Experts, s.TopK, s.MoEIntermediate = c.NumExperts, c.ExpertsPerTok, c.MoEIntermediate
-	}
-	var io int64
-	if draws > 0 { // the uniforms (two I32 a draw), the drawn ids, the tail mass
-		s.Draws = draws
-		io = int64(tokens) * (12*int64(draws) + 4)
-	}
-	return m.d.ActivationBytes(tokens, k) + io + dm.ForwardScratchBytes(s)
+	scratch := func(s compute.ForwardShape) (int64, int64) { return dm.ForwardScratchBytes(s), 0 }
+	return stageBytes(m.Cfg, st.be.ActDType(), tokens, maxLen, k, draws, i == len(m.stages)-1, m.weights == WeightsFP8, scratch).Total()
 }
 
 // deviceReserve is the device memory CheckDeviceFit leaves unplanned: the
@@ -75,52 +83,106 @@ func deviceReserve(total int64) int64 { return max(256<<20, total/50) }
 // forward of a single token first: the backend keeps copies of some
 // weights from their first use, and MemInfo then counts them. maxDraws >
 // 0 plans for fills of sampled targets drawing up to that many a
-// position too. nil on a backend without device memory.
+// position too. A pipeline is checked device by device (stages sharing a
+// device add up), and the error names the device that is short and the
+// largest budget every device holds. nil on backends without device
+// memory.
 func (m *Model) CheckDeviceFit(budget, maxLen, kMax, maxDraws int) error {
-	dm, ok := m.be.(compute.DeviceMemory)
-	if !ok {
+	groups := m.deviceGroups()
+	if len(groups) == 0 {
 		return nil
 	}
 	if err := m.firstForward(); err != nil {
 		return err
 	}
-	free, total := dm.MemInfo()
-	avail := free - deviceReserve(total)
-	need := func(n int) int64 {
-		b := m.DeviceBytes(n, min(maxLen, n), kMax, 0)
-		if maxDraws > 0 {
-			b = max(b, m.DeviceBytes(n, min(maxLen, n), kMax, maxDraws))
+	var (
+		short             *deviceGroup // the first device that is
+		need, free, total int64        // its need at budget, its memory
+		fits              = budget     // the largest budget every device holds
+	)
+	for _, g := range groups {
+		f, t := g.dm.MemInfo()
+		avail := f - deviceReserve(t)
+		needs := func(n int) int64 {
+			var b int64
+			for _, i := range g.stages {
+				s := m.StageDeviceBytes(i, n, min(maxLen, n), kMax, 0)
+				if maxDraws > 0 {
+					s = max(s, m.StageDeviceBytes(i, n, min(maxLen, n), kMax, maxDraws))
+				}
+				b += s
+			}
+			return b
 		}
-		return b
+		if needs(budget) <= avail {
+			continue
+		}
+		fits = min(fits, largestFitting(needs, avail)) // below budget: need grows with it
+		if short == nil {
+			short, need, free, total = g, needs(budget), f, t
+		}
 	}
-	if need(budget) <= avail {
+	if short == nil {
 		return nil
-	}
-	fits := 0 // the largest budget that fits: need grows with the budget
-	for lo, hi := 1, budget-1; lo <= hi; {
-		mid := lo + (hi-lo)/2
-		if need(mid) <= avail {
-			fits, lo = mid, mid+1
-		} else {
-			hi = mid - 1
-		}
 	}
 	gib := func(b int64) string { return fmt.Sprintf("%.2f GiB", float64(b)/(1<<30)) }
 	draws := ""
 	if maxDraws > 0 {
 		draws = fmt.Sprintf(" and up to %d draws a position", maxDraws)
 	}
-	msg := fmt.Sprintf("a forward of %d tokens with k up to %d%s needs %s of device memory beyond the weights (activations and kernel scratch), but %s of the device's %s is free after loading them (%s kept in reserve)",
-		budget, kMax, draws, gib(need(budget)), gib(max(0, free)), gib(total), gib(deviceReserve(total)))
+	who := short.name
+	if len(m.stages) > 1 {
+		var parts []string
+		for _, i := range short.stages {
+			parts = append(parts, m.stages[i].plan.What())
+		}
+		who = fmt.Sprintf("%s (pipeline stage of %s)", who, strings.Join(parts, "; "))
+	}
+	msg := fmt.Sprintf("%s: a forward of %d tokens with k up to %d%s needs %s of device memory beyond the weights (activations and kernel scratch), but %s of the device's %s is free after loading them (%s kept in reserve)",
+		who, budget, kMax, draws, gib(need), gib(max(0, free)), gib(total), gib(deviceReserve(total)))
 	if fits == 0 {
-		return fmt.Errorf("%w: %s: not even one token fits; use a GPU with more memory, or --device cpu", ErrDeviceMemory, msg)
+		more := "use a GPU with more memory, or --device cpu"
+		if len(m.stages) > 1 {
+			more = "spread the layers over more GPUs (--devices), or use GPUs with more memory"
+		}
+		return fmt.Errorf("%w: %s: not even one token fits; %s", ErrDeviceMemory, msg, more)
 	}
 	return fmt.Errorf("%w: %s: lower --token-budget to %d or less (or lower the largest k, --k-max, or the draws, --max-draws)", ErrDeviceMemory, msg, fits)
 }
 
+// deviceGroup is the stages one device holds (several when stages share
+// a GPU: their needs add up).
+type deviceGroup struct {
+	name   string
+	dm     compute.DeviceMemory
+	stages []int
+}
+
+// deviceGroups groups the stages on backends with device memory by
+// device, in the order of their first stage.
+func (m *Model) deviceGroups() []*deviceGroup {
+	var groups []*deviceGroup
+	byName := map[string]*deviceGroup{}
+	for i, st := range m.stages {
+		dm, ok := st.be.(compute.DeviceMemory)
+		if !ok {
+			continue
+		}
+		name := compute.DeviceName(st.be)
+		g := byName[name]
+		if g == nil {
+			g = &deviceGroup{name: name, dm: dm}
+			byName[name] = g
+			groups = append(groups, g)
+		}
+		g.stages = append(g.stages, i)
+	}
+	return groups
+}
+
 // ErrDeviceMemory marks a forward size that does not fit the device's
 // memory (CheckDeviceFit).
-var ErrDeviceMemory = errors.New("infer: the token budget does not fit the device memory")
+var ErrDeviceMemory = errors.New("infer: does not fit the device memory")
 
 // firstForward runs a forward of one token, the backend's panic (an
 // out-of-memory error from a device the weights leave no room on) turned

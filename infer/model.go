@@ -20,6 +20,15 @@
 // [tokens x vocab] logits are never held. ActivationBytes gives the exact
 // bound (a test holds Forward to it); TopK cuts its input into forward
 // passes of at most Options.TokenBudget tokens, which bounds n.
+//
+// # Several GPUs
+//
+// LoadStages splits the decoder's layers over several backends (GPUs), a
+// pipeline stage each (decoder.Pipeline): SplitLayers balances them by
+// bytes, Forward cuts each batch into micro-batches that flow through
+// the stages, CheckDeviceFit checks each GPU, and the plan on paper
+// (PlanTeacher, plan.go) says before anything loads what each GPU will
+// hold and the largest token budget.
 package infer
 
 import (
@@ -41,18 +50,61 @@ import (
 // or over-long samples, k out of range); the message says which and why.
 var ErrInput = errors.New("infer: invalid input")
 
-// Model is a loaded teacher: the decoder and the checkpoint's fingerprint.
+// Model is a loaded teacher: the decoder, on one backend or split into
+// pipeline stages over several (LoadStages), and the checkpoint's
+// fingerprint.
 type Model struct {
 	Cfg *model.Config
 
-	d           *decoder.Model
-	be          compute.Backend
+	stages      []stage // one per backend, in layer order
+	pipe        *decoder.Pipeline
 	fingerprint string
 	weights     WeightFormat // LoadOptions.Weights
+	loaded      []loadedTensor
 }
 
-// Backend returns the backend the model runs on.
-func (m *Model) Backend() compute.Backend { return m.be }
+// Free releases the teacher's weights on its backends; the model must not
+// be used after.
+func (m *Model) Free() {
+	for _, t := range m.loaded {
+		t.be.Free(t.t)
+	}
+	m.loaded = nil
+}
+
+// stage is one backend's part of the teacher.
+type stage struct {
+	d    *decoder.Model
+	be   compute.Backend
+	plan StagePlan // its layers and weights' bytes (BF16, on paper)
+}
+
+// last is the stage with the LM head (the only one on one backend).
+func (m *Model) last() *stage { return &m.stages[len(m.stages)-1] }
+
+// Backend returns the backend the model runs on: in a pipeline, the last
+// stage's (the LM head's).
+func (m *Model) Backend() compute.Backend { return m.last().be }
+
+// Backends returns the backends of the stages, in layer order.
+func (m *Model) Backends() []compute.Backend {
+	out := make([]compute.Backend, len(m.stages))
+	for i, s := range m.stages {
+		out[i] = s.be
+	}
+	return out
+}
+
+// Stages describes how the layers are split over the backends: one
+// StagePlan per backend (Device: its index in Backends).
+func (m *Model) Stages() []StagePlan {
+	out := make([]StagePlan, len(m.stages))
+	for i, s := range m.stages {
+		out[i] = s.plan
+		out[i].Device = i
+	}
+	return out
+}
 
 // Fingerprint identifies the teacher: sha256 over config.json and every
 // safetensors file, hex. Two caches filled by teachers with different
@@ -68,12 +120,30 @@ func Load(dir string, be compute.Backend) (*Model, error) {
 // LoadWith reads an HF checkpoint directory onto be as o says (FP8
 // weights: LoadOptions.Weights).
 func LoadWith(dir string, be compute.Backend, o LoadOptions) (*Model, error) {
-	if err := o.check(be); err != nil {
-		return nil, err
+	return LoadStages(dir, []compute.Backend{be}, o)
+}
+
+// LoadStages reads an HF checkpoint directory onto the backends bes, its
+// decoder layers split over them as SplitLayers balances them (the
+// embedding on the first, the final norm and LM head on the last), each
+// stage's weights on its own backend: a pipelined teacher whose forwards
+// flow through the stages in micro-batches (decoder.Pipeline;
+// LoadOptions.MicroBatches). A GPU may serve more than one stage (open a
+// backend per stage: a stream each). One backend is LoadWith. A device
+// that runs out of memory while its stage loads is an error naming it,
+// the stage and what it had free, and what is loaded so far is freed.
+func LoadStages(dir string, bes []compute.Backend, o LoadOptions) (*Model, error) {
+	for _, be := range bes {
+		if err := o.check(be); err != nil {
+			return nil, err
+		}
 	}
 	cfg, err := model.LoadConfig(dir)
 	if err != nil {
 		return nil, err
+	}
+	if len(bes) == 0 || len(bes) > max(1, cfg.Layers) {
+		return nil, fmt.Errorf("%w: %s: %d stages for %d layers: want 1 to %d", ErrInput, dir, len(bes), cfg.Layers, max(1, cfg.Layers))
 	}
 	w, err := model.OpenWeights(dir)
 	if err != nil {
@@ -87,7 +157,7 @@ func LoadWith(dir string, be compute.Backend, o LoadOptions) (*Model, error) {
 	if fp8 && o.Weights != WeightsFP8 {
 		return nil, fmt.Errorf("%w: %s holds FP8 weights (F8_E4M3 with weight_scale: compressed-tensors or ModelOpt FP8): load it with --weights fp8", ErrInput, dir)
 	}
-	m, err := newModel(cfg, w, be, o, fp8)
+	m, err := newStages(cfg, w, bes, o, fp8)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
@@ -126,12 +196,13 @@ func fingerprint(dir, suffix string) (string, error) {
 // New binds the tensors of w to a model of cfg on be. Missing, extra and
 // mis-shaped tensors are errors naming the tensor.
 func New(cfg *model.Config, w *model.Weights, be compute.Backend) (*Model, error) {
-	return newModel(cfg, w, be, LoadOptions{}, false)
+	return newStages(cfg, w, []compute.Backend{be}, LoadOptions{}, false)
 }
 
-// newModel is New with the load options o; fp8: w is an FP8 checkpoint
+// newStages binds the tensors of w to the stages of a model of cfg over
+// bes (LoadStages) with the load options o; fp8: w is an FP8 checkpoint
 // (fp8Checkpoint), checked as one.
-func newModel(cfg *model.Config, w *model.Weights, be compute.Backend, o LoadOptions, fp8 bool) (*Model, error) {
+func newStages(cfg *model.Config, w *model.Weights, bes []compute.Backend, o LoadOptions, fp8 bool) (*Model, error) {
 	check := w.Check
 	if fp8 {
 		check = func(cfg *model.Config) error { return checkFP8Checkpoint(cfg, w) }
@@ -139,19 +210,108 @@ func newModel(cfg *model.Config, w *model.Weights, be compute.Backend, o LoadOpt
 	if err := check(cfg); err != nil {
 		return nil, err
 	}
-	d, err := decoder.New(cfg, be, func(name string) (compute.Tensor, compute.Tensor, error) {
-		t, err := bindWeight(be, w, name, o)
-		return t, nil, err
-	})
+	plans := []StagePlan{{Embed: true, Head: true, EndLayer: cfg.Layers}}
+	if len(bes) > 1 {
+		f := o.Weights
+		if f == "" {
+			f = WeightsBF16
+		}
+		plans = SplitLayers(cfg, len(bes), f)
+	}
+	m := &Model{Cfg: cfg}
+	var loaded []loadedTensor
+	for i, be := range bes {
+		d, err := loadStage(cfg, w, be, o, plans[i], len(bes) > 1, &loaded)
+		if err != nil {
+			for _, t := range loaded {
+				t.be.Free(t.t)
+			}
+			return nil, err
+		}
+		m.stages = append(m.stages, stage{d: d, be: be, plan: plans[i]})
+	}
+	ds := make([]*decoder.Model, len(m.stages))
+	for i, s := range m.stages {
+		ds[i] = s.d
+	}
+	pipe, err := decoder.NewPipeline(ds)
 	if err != nil {
 		return nil, err
 	}
-	return &Model{Cfg: cfg, d: d, be: be}, nil
+	pipe.MicroBatches, pipe.MinMicroTokens = o.MicroBatches, o.MinMicroTokens
+	m.pipe, m.loaded = pipe, loaded
+	return m, nil
+}
+
+// loadedTensor is a weight on its backend, freed if the load fails.
+type loadedTensor struct {
+	be compute.Backend
+	t  compute.Tensor
+}
+
+// loadStage binds stage p's tensors of w on be as o says; an
+// out-of-memory failure of the backend is an error naming the tensor, the
+// device and the stage (piped: the stage's layers too), and what the
+// device had free.
+func loadStage(cfg *model.Config, w *model.Weights, be compute.Backend, o LoadOptions, p StagePlan, piped bool, loaded *[]loadedTensor) (*decoder.Model, error) {
+	free := int64(-1)
+	if dm, ok := be.(compute.DeviceMemory); ok {
+		free, _ = dm.MemInfo()
+	}
+	return decoder.NewStage(cfg, be, func(name string) (t compute.Tensor, _ compute.Tensor, err error) {
+		defer func() {
+			if r := recover(); r != nil {
+				t, err = nil, loadFailure(be, name, p, piped, free, r)
+			}
+		}()
+		if t, err = bindWeight(be, w, name, o); err != nil {
+			return nil, nil, err
+		}
+		*loaded = append(*loaded, loadedTensor{be, t})
+		return t, nil, nil
+	}, p.FirstLayer, p.EndLayer)
+}
+
+// loadFailure turns a backend's panic while loading tensor name (an
+// out-of-memory error) into an error naming the device and the stage.
+func loadFailure(be compute.Backend, name string, p StagePlan, piped bool, free int64, r any) error {
+	err, ok := r.(error)
+	if !ok {
+		err = fmt.Errorf("%v", r)
+	}
+	where := compute.DeviceName(be)
+	if piped {
+		where = fmt.Sprintf("%s, pipeline stage of %s", where, p.What())
+	}
+	if !errors.Is(err, compute.ErrOutOfMemory) {
+		return fmt.Errorf("loading %s onto %s: %w", name, where, err)
+	}
+	had := ""
+	if free >= 0 {
+		had = fmt.Sprintf(" (it had %s free before this stage's weights, about %s in BF16)", humanBytes(free), humanBytes(p.WeightBytes))
+	}
+	return fmt.Errorf("%w: loading %s onto %s: the device ran out of memory%s: spread the layers over more GPUs (--devices), or use GPUs with more memory: %w",
+		ErrDeviceMemory, name, where, had, err)
 }
 
 // Forward runs the decoder over one packed batch and returns each position's
 // top-k: ids (n,k) and log-probs (n,k), n the total tokens. samples must be
 // valid (see Validate); temperature scales the logits (1: none).
 func (m *Model) Forward(samples [][]int32, k int, temperature float32) (ids []int32, logprobs []float32) {
-	return m.d.TopK(samples, k, temperature)
+	return m.pipe.TopK(samples, k, temperature)
+}
+
+// Cut is how a forward of samples is cut into micro-batches: runs [a, b)
+// of the samples (one run on one backend, unless LoadOptions asks).
+func (m *Model) Cut(samples [][]int32) [][2]int { return m.pipe.Cut(samples) }
+
+// humanBytes writes b in GiB, MiB or KiB, whichever reads best.
+func humanBytes(b int64) string {
+	switch {
+	case b >= 1<<30:
+		return fmt.Sprintf("%.2f GiB", float64(b)/(1<<30))
+	case b >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20))
+	}
+	return fmt.Sprintf("%.1f KiB", float64(b)/(1<<10))
 }

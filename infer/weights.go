@@ -11,7 +11,7 @@ import (
 	"distill/model"
 )
 
-// LoadOptions configure Load.
+// LoadOptions configure LoadWith and LoadStages.
 type LoadOptions struct {
 	// Weights is how the teacher holds its decoder layers' Linear
 	// weights: WeightsBF16 ("" too: as the checkpoint gives them, the
@@ -23,6 +23,10 @@ type LoadOptions struct {
 	// teacher's outputs, so it changes its fingerprint. An FP8 checkpoint
 	// needs WeightsFP8.
 	Weights WeightFormat
+	// MicroBatches and MinMicroTokens cut each forward of a pipelined
+	// teacher (LoadStages) into micro-batches (decoder.Pipeline's
+	// defaults when 0: four a stage, none under 1024 tokens).
+	MicroBatches, MinMicroTokens int
 }
 
 // check validates o, naming the value at fault.

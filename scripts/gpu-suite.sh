@@ -78,6 +78,15 @@
 #   racecheck  compute-sanitizer --tool racecheck on this package's attention
 #              kernels (DISTILL_RACECHECK=1: smaller cases; cuDNN's, closed
 #              source, are not raced), the LM head, the reductions
+#   pipe       a pipelined teacher (issue 29) on the one GPU: two stages
+#              sharing GPU 0 (two backends, a stream each) give the one-stage
+#              forward's top-k bit for bit on the golden checkpoints
+#              (TestPipelineGoldens), then BenchmarkPipelineOneGPU: the
+#              Qwen3-0.6B-shaped forward (DISTILL_BENCH_SHAPES) as one
+#              stage, as two stages in one micro-batch (the hand-off's
+#              cost alone) and in the default micro-batches: tokens/s,
+#              overhead_% against one stage, exactness
+#              ($OUT/pipeline-bench.jsonl); about a minute
 #   nccl       the collectives (issue 25) through the real NCCL, PyTorch's
 #              wheel's libnccl.so.2 (site-packages/nvidia/nccl/lib) unless
 #              DISTILL_LIBNCCL names one: a group of one runs every operation
@@ -382,6 +391,11 @@ s_goldens() {
   DISTILL_HF_GOLDENS="$OUT/hf-goldens" step goldens 60 "$T" -test.v -test.count=1 -test.timeout=55s -test.run 'ForwardHFGoldens|ForwardGoldens'
 }
 
+s_pipe() {
+  DISTILL_BENCH_OUT="$OUT" step pipe 150 "$T" -test.v -test.count=1 -test.run 'TestPipelineGoldens' \
+    -test.bench 'PipelineOneGPU' -test.benchtime 5x -test.timeout 145s
+}
+
 s_bench() {
   DISTILL_BENCH_OUT="$OUT" step bench 240 "$T" -test.run '^$' -test.bench 'GEMM|LMHead|Forward$' \
     -test.benchtime 3x -test.timeout 235s
@@ -430,7 +444,7 @@ summary() {
     grep -m1 -E 'NVIDIA|H100|H200' "$OUT/env.log" 2>/dev/null
     echo "-- steps (rc 0 = passed; 124 = its time limit; skipped = run it in another call)"
     cat "$OUT/status.txt" 2>/dev/null
-    for f in test device goldens attn-bench memcheck racecheck nccl fp8-test train-test train-memcheck train-curve train-qad train-resume; do
+    for f in test device goldens attn-bench memcheck racecheck nccl fp8-test pipe train-test train-memcheck train-curve train-qad train-resume; do
       [ -f "$OUT/$f.log" ] || continue
       echo "-- $f: failures"
       grep -E '^\s*--- FAIL|^FAIL|panic:|ERROR SUMMARY|========= (Invalid|Race|Error)' "$OUT/$f.log" | head -20
@@ -443,6 +457,9 @@ summary() {
     cat "$OUT/attn.log" 2>/dev/null | head -60
     echo "-- NCCL (the real library; 2 and 3 ranks on one GPU: NCCL's refusal)"
     grep -hE -- '--- (PASS|FAIL|SKIP): TestNCCL|NCCL refused|Duplicate GPU' "$OUT/nccl.log" 2>/dev/null | sed 's/^ *//' | head -20
+    echo "-- pipelined teacher, two stages on one GPU (exactness; tokens/s, overhead against one stage)"
+    grep -hE -- '--- (PASS|FAIL): TestPipelineGoldens|^BenchmarkPipelineOneGPU' "$OUT/pipe.log" 2>/dev/null
+    cat "$OUT/pipeline-bench.jsonl" 2>/dev/null
     echo "-- device chooser"
     grep -hE 'device auto|--- (PASS|FAIL)' "$OUT/device.log" 2>/dev/null | head -10
     echo "-- largest errors of the conformance tests"
@@ -487,7 +504,7 @@ case "${1:-}" in
     steps=()
     for s in "$@"; do
       case "$s" in
-        all) steps+=(env test device goldens attn memcheck bench peer racecheck nccl fp8 train-test train-memcheck train-curve train-qad train-resume train-bench loss-coef train-zero train-peer) ;;
+        all) steps+=(env test device goldens attn memcheck bench peer racecheck nccl fp8 pipe train-test train-memcheck train-curve train-qad train-resume train-bench loss-coef train-zero train-peer) ;;
         train) steps+=(env train-test train-curve train-qad train-resume train-memcheck train-bench loss-coef train-peer) ;;
         attn-issue)
           steps+=(env test attn goldens train-test train-resume train-bench train-peer)
@@ -500,7 +517,7 @@ case "${1:-}" in
     [ ${#steps[@]} -eq 0 ] && steps=(env test device goldens attn memcheck bench peer racecheck)
     for s in "${steps[@]}"; do
       case "$s" in
-        env|test|device|memcheck|racecheck|nccl|goldens|attn|bench|fp8|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|loss-coef|train-zero|train-peer) "s_$s" ;;
+        env|test|device|memcheck|racecheck|nccl|pipe|goldens|attn|bench|fp8|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|loss-coef|train-zero|train-peer) "s_$s" ;;
         *) echo "unknown step $s"; exit 2 ;;
       esac
     done

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"distill/cache"
+	"distill/compute"
 	"distill/compute/device"
 	"distill/data"
 	"distill/data/tokenizer"
@@ -53,6 +54,14 @@ type CoreOptions struct {
 	// Device is auto, cpu or cuda (package compute/device, for inference:
 	// auto takes the GPU when its backend opens, else the CPU).
 	Device string
+	// Devices, when set, are the GPUs (ordinals; one may repeat: stages
+	// sharing a GPU) the teacher's layers are split over, a pipeline
+	// stage each (infer.LoadStages); Device is then cuda or auto.
+	Devices []int
+	// MicroBatches cuts each forward of a pipelined teacher into that
+	// many micro-batches (of whole samples; 0: four a stage, none of
+	// fewer than 1024 tokens).
+	MicroBatches int
 	// DeviceLogf receives the device chooser's lines (which backend auto
 	// took and why, the GPU's kernels); nil sends them to Logger.
 	DeviceLogf func(format string, args ...any)
@@ -142,11 +151,11 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if o.DeviceLogf == nil {
 		o.DeviceLogf = o.Logger.Sugar().Infof
 	}
-	be, err := device.Open(o.Device, device.Options{Purpose: device.Inference, Logf: o.DeviceLogf})
+	bes, err := openBackends(o)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 	}
-	o.Device = be.Name()
+	o.Device = bes[0].Name()
 	if o.ModelDir == "" {
 		return nil, fmt.Errorf("%w: no model directory: give --model DIR (an HF checkpoint)", ErrConfig)
 	}
@@ -169,7 +178,11 @@ func NewCore(o CoreOptions) (*Core, error) {
 		o.QueueTokens = 8 * o.TokenBudget
 	}
 	t0 := time.Now()
-	m, err := infer.LoadWith(o.ModelDir, be, infer.LoadOptions{Weights: infer.WeightFormat(o.Weights)})
+	so := infer.LoadOptions{Weights: infer.WeightFormat(o.Weights), MicroBatches: o.MicroBatches}
+	if o.MicroBatches > 0 {
+		so.MinMicroTokens = 1 // as many as asked
+	}
+	m, err := infer.LoadStages(o.ModelDir, bes, so)
 	if err != nil {
 		return nil, fmt.Errorf("loading teacher %s: %w", o.ModelDir, err)
 	}
@@ -220,7 +233,26 @@ func NewCore(o CoreOptions) (*Core, error) {
 	c.log.Info("teacher loaded", zap.String("model", o.ModelDir), zap.String("weights", cmp.Or(o.Weights, "bf16")), zap.String("device", o.Device), zap.String("arch", string(m.Cfg.Arch)),
 		zap.Int("vocab", V), zap.Int64("params", m.Cfg.Params()), zap.String("fingerprint", m.Fingerprint()),
 		zap.Bool("tokenizer", c.tok != nil), zap.Duration("took", time.Since(t0)))
+	if len(bes) > 1 {
+		for i, st := range m.Stages() {
+			c.log.Info("pipeline stage", zap.Int("stage", i), zap.String("device", compute.DeviceName(bes[i])), zap.String("holds", st.What()))
+		}
+	}
 	return c, nil
+}
+
+// openBackends opens the teacher's backend (o.Device), or one per GPU of
+// o.Devices.
+func openBackends(o CoreOptions) ([]compute.Backend, error) {
+	do := device.Options{Purpose: device.Inference, Logf: o.DeviceLogf}
+	if len(o.Devices) > 0 {
+		return device.OpenStages(o.Device, o.Devices, do)
+	}
+	be, err := device.Open(o.Device, do)
+	if err != nil {
+		return nil, err
+	}
+	return []compute.Backend{be}, nil
 }
 
 // Close stops the batcher (queued work fails with ErrShutdown, the forward

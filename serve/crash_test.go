@@ -53,8 +53,10 @@ func (s *syncBuf) String() string {
 }
 
 // spawnDaemon starts a daemon on cacheDir and returns once it listens.
-// hold > 0 makes its hold-th forward pass wait for p.release.
-func spawnDaemon(t *testing.T, mdir, cacheDir, listen string, hold int) *proc {
+// hold > 0 makes its hold-th forward pass wait for p.release. env adds
+// VAR=value settings (SERVE_TEST_DEVICE, SERVE_TEST_DEVICES,
+// SERVE_TEST_MICRO_BATCHES: the daemon's device, GPUs, micro-batches).
+func spawnDaemon(t *testing.T, mdir, cacheDir, listen string, hold int, env ...string) *proc {
 	t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
@@ -64,6 +66,7 @@ func spawnDaemon(t *testing.T, mdir, cacheDir, listen string, hold int) *proc {
 	cmd.Env = append(os.Environ(), "SERVE_TEST_DAEMON=1", "SERVE_TEST_MODEL="+mdir, "SERVE_TEST_CACHE="+cacheDir,
 		"SERVE_TEST_LISTEN="+listen, fmt.Sprintf("SERVE_TEST_HOLD=%d", hold), "SERVE_TEST_BUDGET=200",
 		"SERVE_TEST_DATA_ROOT="+os.TempDir())
+	cmd.Env = append(cmd.Env, env...)
 	p := &proc{cmd: cmd, log: &syncBuf{}, held: make(chan struct{}), stopping: make(chan struct{}), exited: make(chan struct{})}
 	cmd.Stderr = p.log
 	out, err := cmd.StdoutPipe()

@@ -46,6 +46,13 @@ type Config struct {
 	// Weights is bf16 (default) or fp8: the teacher's layers' Linear
 	// weights in E4M3, quantized at load (serve.CoreOptions.Weights).
 	Weights string `yaml:"weights"`
+	// Devices splits the teacher's layers over GPUs, a pipeline stage
+	// each: ordinals "0,1,2,3" (one may repeat: stages sharing a GPU) or
+	// "all" (compute/device.ParseDevices). Empty: one device.
+	Devices string `yaml:"devices"`
+	// MicroBatches cuts each forward of a pipelined teacher into that many
+	// micro-batches (0: four a GPU, none under 1024 tokens).
+	MicroBatches int `yaml:"micro_batches"`
 	// TokenBudget is the tokens of one forward pass.
 	TokenBudget int `yaml:"token_budget"`
 	// MaxConcurrent bounds concurrent RPCs (default 64).
@@ -148,6 +155,13 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if w := cfg.Weights; w != "" && w != string(infer.WeightsBF16) && w != string(infer.WeightsFP8) {
 		return nil, fmt.Errorf("%w: --weights %q: want bf16 or fp8", ErrConfig, w)
 	}
+	devices, err := device.ParseDevices(cfg.Devices)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+	}
+	if cfg.MicroBatches < 0 {
+		return nil, fmt.Errorf("%w: --micro-batches %d: want 0 (four a GPU) or more", ErrConfig, cfg.MicroBatches)
+	}
 	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
 		return nil, fmt.Errorf("%w: TLS needs both --tls-cert and --tls-key", ErrConfig)
 	}
@@ -204,7 +218,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	go d.gs.Serve(d.lis)
 	log.Info("listening (loading the model: health NOT_SERVING)", zap.String("addr", d.Addr()), zap.Bool("tls", cfg.TLSCert != ""), zap.Bool("auth", so.Token != ""),
 		zap.Strings("data_roots", roots.Dirs()))
-	core, err := NewCore(CoreOptions{ModelDir: cfg.Model, Weights: cfg.Weights, TokenizerDir: cfg.Tokenizer, CacheDir: cfg.Cache, Device: cfg.Device,
+	core, err := NewCore(CoreOptions{ModelDir: cfg.Model, Weights: cfg.Weights, TokenizerDir: cfg.Tokenizer, CacheDir: cfg.Cache, Device: cfg.Device, Devices: devices, MicroBatches: cfg.MicroBatches,
 		TokenBudget: cfg.TokenBudget, KDefault: cfg.KDefault, KMax: cfg.KMax, MaxDraws: cfg.MaxDraws, QueueSamples: cfg.QueueSamples, QueueTokens: cfg.QueueTokens,
 		Logger: log})
 	if err != nil {

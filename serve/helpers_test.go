@@ -102,7 +102,9 @@ func TestMain(m *testing.M) {
 	}
 	budget, _ := strconv.Atoi(os.Getenv("SERVE_TEST_BUDGET"))
 	hold, _ := strconv.Atoi(os.Getenv("SERVE_TEST_HOLD"))
+	micro, _ := strconv.Atoi(os.Getenv("SERVE_TEST_MICRO_BATCHES"))
 	cfg := Config{Model: os.Getenv("SERVE_TEST_MODEL"), Cache: os.Getenv("SERVE_TEST_CACHE"), Listen: os.Getenv("SERVE_TEST_LISTEN"),
-		Metrics: "off", TokenBudget: budget, DrainTimeout: 20 * time.Second, DataRoots: []string{os.Getenv("SERVE_TEST_DATA_ROOT")}}
+		Metrics: "off", TokenBudget: budget, DrainTimeout: 20 * time.Second, DataRoots: []string{os.Getenv("SERVE_TEST_DATA_ROOT")},
+		Device: os.Getenv("SERVE_TEST_DEVICE"), Devices: os.Getenv("SERVE_TEST_DEVICES"), MicroBatches: micro}
 	os.Exit(daemonMain(cfg, hold))
 }

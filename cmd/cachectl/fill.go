@@ -12,6 +12,7 @@ import (
 	"syscall"
 	"time"
 
+	dev "distill/compute/device"
 	"distill/data/tokenizer"
 	"distill/internal/cli"
 	"distill/serve"
@@ -74,6 +75,8 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	device := fs.String("device", "auto", "with --model: auto (a GPU when one opens, else the CPU), cpu or cuda")
 	// Not --weights: that is the dataset flags' blend weights (dataflags.go).
 	tweights := fs.String("teacher-weights", "", "with --model: the teacher's layers' Linear weights, bf16 (default) or fp8 (E4M3 per output channel, quantized at load; a different teacher fingerprint); teacherd's --weights")
+	devices := fs.String("devices", "", "with --model: split the teacher's layers over these GPUs, a pipeline stage each: ordinals 0,1,2,3 (one may repeat) or all (teacherd --devices)")
+	micro := fs.Int("micro-batches", 0, "with --model --devices: micro-batches a forward is cut into (default: four a GPU, none under 1024 tokens)")
 	budget := fs.Int("token-budget", 0, "with --model: tokens per forward pass (default 8192); on a GPU, checked at start against its free memory")
 	pretok := fs.Bool("pretokenized", false, "records hold input_ids (and loss_mask): no tokenizer, ids checked against the vocab")
 	var df datasetFlags
@@ -123,8 +126,16 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if *cacheDir == "" {
 			return fmt.Errorf("--model needs --cache DIR (the cache directory to write)")
 		}
+		ords, err := dev.ParseDevices(*devices)
+		if err != nil {
+			return err
+		}
+		if *micro < 0 {
+			return fmt.Errorf("--micro-batches %d: want 0 (four a GPU) or more", *micro)
+		}
 		fmt.Fprintf(stderr, "fill: loading teacher %s in-process\n", *modelDir)
-		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, Weights: *tweights, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, TokenBudget: *budget, InProcess: true, KMax: *k, MaxDraws: *samples,
+		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, Weights: *tweights, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, Devices: ords, MicroBatches: *micro,
+			TokenBudget: *budget, InProcess: true, KMax: *k, MaxDraws: *samples,
 			DeviceLogf: func(format string, args ...any) { fmt.Fprintf(stderr, "fill: "+format+"\n", args...) }})
 		if err != nil {
 			return err
@@ -136,6 +147,9 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		if *tweights != "" {
 			return fmt.Errorf("--teacher-weights is for --model; each daemon holds the weights it was started with (teacherd --weights)")
+		}
+		if *devices != "" {
+			return fmt.Errorf("--devices is for --model; a daemon spreads its teacher over the GPUs it was started with (teacherd --devices)")
 		}
 		if *tokDir != "" {
 			tok, err := tokenizer.Load(*tokDir)

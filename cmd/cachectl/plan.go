@@ -5,17 +5,14 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
-	"text/tabwriter"
 
 	"distill/compute/device"
 	"distill/infer"
 	"distill/internal/cli"
-	"distill/model"
 )
 
 func init() {
-	commands.Register(&cli.Command{Name: "plan", Summary: "a teacher's memory plan on paper: its layers over N GPUs and the largest token budget, from config.json alone", Run: runPlan})
+	commands.Register(&cli.Command{Name: "plan", Summary: "a teacher's memory plan on paper: its layers over the GPUs, each GPU's bytes by term and the largest token budget, from config.json alone", Run: runPlan})
 }
 
 // planOut is where plan writes (tests replace it).
@@ -24,91 +21,63 @@ var planOut io.Writer = os.Stdout
 func runPlan(args []string) error {
 	fs := flag.NewFlagSet("cachectl plan", flag.ContinueOnError)
 	cfgPath := fs.String("config", "", "the teacher's config.json, or its checkpoint directory (required; no weights are read)")
-	gpus := fs.Int("gpus", 1, "GPUs to spread the layers over (one GPU is what teacherd runs today)")
+	devices := fs.String("devices", "", "the GPUs to spread the layers over: ordinals (0,1,2,3) or a count (4); default 1")
+	gpus := fs.Int("gpus", 0, "a count of GPUs (the same as --devices N)")
 	devMem := fs.String("device-memory", "80GiB", "each GPU's memory: a byte count with an optional unit, e.g. 80GiB (H100), 141GiB (H200)")
-	weights := fs.String("weights", "bf16", "bf16, or fp8 (E4M3 Linear weights with a scale per output channel: teacherd --weights fp8)")
+	weights := fs.String("weights", "bf16", "bf16, or fp8 (the layers' Linear weights in E4M3 with a fp32 scale per output channel, the embedding, norms, routers and LM head in BF16: teacherd --weights fp8, cachectl fill --teacher-weights fp8)")
 	k := fs.Int("k", 64, "the largest top-k asked for (teacherd --k-max)")
+	draws := fs.Int("draws", 0, "the most draws a position of sampled targets (teacherd --max-draws; cachectl fill --samples)")
 	maxLen := fs.Int("max-len", 0, "the longest sample (default: max_position_embeddings)")
+	budget := fs.Int("token-budget", 0, "check this token budget (teacherd --token-budget): an error names the GPU it does not fit (default: print the largest that fits)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
 	}
-	if *cfgPath == "" {
-		return fmt.Errorf("--config is required: the teacher's config.json (or its checkpoint directory)")
+	if *devices != "" && *gpus != 0 {
+		return fmt.Errorf("give --devices or --gpus, not both")
 	}
-	mem, err := cli.ParseBytes(*devMem)
-	if err != nil {
-		return fmt.Errorf("--device-memory: %w", err)
+	spec := *devices
+	if *gpus != 0 {
+		spec = fmt.Sprint(*gpus)
 	}
-	if *k < 1 {
-		return fmt.Errorf("--k %d: want >= 1", *k)
-	}
-	if *maxLen < 0 {
-		return fmt.Errorf("--max-len %d: want >= 0 (0: max_position_embeddings)", *maxLen)
-	}
-	p := *cfgPath
-	if st, err := os.Stat(p); err != nil || !st.IsDir() {
-		p = filepath.Dir(p) // a config.json: model.LoadConfig reads DIR/config.json
-		if filepath.Base(*cfgPath) != "config.json" {
-			return fmt.Errorf("--config %s: want a config.json or the directory holding one", *cfgPath)
-		}
-	}
-	cfg, err := model.LoadConfig(p)
+	ords, err := device.PlanDevices(spec)
 	if err != nil {
 		return err
 	}
-	plan, err := infer.PlanTeacher(cfg, infer.PlanOptions{GPUs: *gpus, DeviceBytes: mem, Weights: infer.WeightFormat(*weights),
-		K: *k, MaxLen: *maxLen, Scratch: device.ForwardScratchBound})
+	plan, err := teacherPlan(*cfgPath, ords, *devMem, *weights, *k, *draws, *maxLen, *budget)
 	if err != nil {
 		return err
 	}
-	printTeacherPlan(planOut, cfg, plan)
-	return nil
+	plan.Print(planOut, *budget)
+	return plan.Check(*budget)
 }
 
-// printTeacherPlan writes a plan: the model, each GPU's share and its
-// largest forward, and the budget to run with (or what is short).
-func printTeacherPlan(w io.Writer, cfg *model.Config, p infer.TeacherPlan) {
-	o := p.Opts
-	gib := func(b int64) string { return fmt.Sprintf("%.2f GiB", float64(b)/(1<<30)) }
-	fmt.Fprintf(w, "teacher plan: %s, %.2fB parameters (%d layers, hidden %d, vocab %d), %s weights, top-k up to %d, samples up to %d tokens\n",
-		cfg.Arch, float64(cfg.Params())/1e9, cfg.Layers, cfg.Hidden, cfg.VocabSize, o.Weights, o.K, o.MaxLen)
-	fmt.Fprintf(w, "%d GPU(s) of %s, %s of each kept in reserve\n", o.GPUs, gib(o.DeviceBytes), gib(p.Reserve))
-	if o.Weights == infer.WeightsFP8 {
-		fmt.Fprintln(w, "fp8: the layers' Linear weights in E4M3 with an fp32 scale per output channel (teacherd --weights fp8, cachectl fill --teacher-weights fp8); the embedding, norms, routers and LM head in BF16")
+// teacherPlan is the plan of a config.json (or its directory) on GPUs of
+// devMem bytes each: cachectl plan's, and teacherd --plan's arithmetic.
+func teacherPlan(cfgPath string, ords []int, devMem, weights string, k, draws, maxLen, budget int) (infer.TeacherPlan, error) {
+	if cfgPath == "" {
+		return infer.TeacherPlan{}, fmt.Errorf("--config is required: the teacher's config.json (or its checkpoint directory)")
 	}
-	if o.GPUs > 1 {
-		fmt.Fprintln(w, "several GPUs: a plan on paper only: teacherd runs a teacher on one GPU today (issue 29)")
+	mem, err := cli.ParseBytes(devMem)
+	if err != nil {
+		return infer.TeacherPlan{}, fmt.Errorf("--device-memory: %w", err)
 	}
-	fmt.Fprintln(w)
-	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "GPU\tlayers\tweights\tlargest forward (tokens)\tits activations and scratch")
-	for i, st := range p.Stages {
-		what := fmt.Sprintf("%d-%d", st.FirstLayer, st.EndLayer-1)
-		if st.Embed {
-			what = "embedding, " + what
-		}
-		if st.Head {
-			what += ", norm, LM head"
-		}
-		if st.Budget == 0 {
-			left := o.DeviceBytes - p.Reserve - st.WeightBytes
-			why := fmt.Sprintf("none: the weights exceed what the GPU offers by %s", gib(-left))
-			if left >= 0 {
-				why = fmt.Sprintf("none: the weights leave %s, one token needs %.1f MiB", gib(left), float64(st.BudgetBytes)/(1<<20))
-			}
-			fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t\n", i, what, gib(st.WeightBytes), why)
-			continue
-		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\n", i, what, gib(st.WeightBytes), st.Budget, gib(st.BudgetBytes))
+	switch {
+	case k < 1:
+		return infer.TeacherPlan{}, fmt.Errorf("--k %d: want >= 1", k)
+	case maxLen < 0:
+		return infer.TeacherPlan{}, fmt.Errorf("--max-len %d: want >= 0 (0: max_position_embeddings)", maxLen)
+	case draws < 0:
+		return infer.TeacherPlan{}, fmt.Errorf("--draws %d: want >= 0", draws)
+	case budget < 0:
+		return infer.TeacherPlan{}, fmt.Errorf("--token-budget %d: want >= 0 (0: the largest that fits)", budget)
 	}
-	tw.Flush()
-	fmt.Fprintln(w)
-	if p.Budget == 0 {
-		fmt.Fprintf(w, "does not fit: a GPU has no room for one token beside its weights; plan more GPUs (--gpus), GPUs with more memory, or fp8 weights\n")
-		return
+	cfg, err := infer.LoadConfigAt(cfgPath)
+	if err != nil {
+		return infer.TeacherPlan{}, err
 	}
-	fmt.Fprintf(w, "token budget: %d (teacherd --token-budget, cachectl fill --token-budget): the largest forward every GPU holds\n", p.Budget)
+	return infer.PlanTeacher(cfg, infer.PlanOptions{Devices: ords, DeviceBytes: mem, Weights: infer.WeightFormat(weights),
+		K: k, Draws: draws, MaxLen: maxLen, Scratch: device.ForwardScratchTerms})
 }

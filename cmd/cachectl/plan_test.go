@@ -31,23 +31,33 @@ func TestPlan(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("\n%s", out)
-	for _, want := range []string{"teacher plan: qwen3, 8.19B parameters (36 layers", "1 GPU(s) of 80.00 GiB",
-		"embedding, 0-35, norm, LM head  15.26 GiB", "token budget: "} {
+	for _, want := range []string{"teacher plan: qwen3, 8.19B parameters (36 layers", "1 GPU(s) of 80.00 GiB (ordinals 0)",
+		"embedding, layers 0-35, norm, LM head  15.26 GiB", "token budget: up to "} {
 		if !strings.Contains(out, want) {
 			t.Errorf("the plan lacks %q", want)
 		}
 	}
-	out, err = run("--config", filepath.Join(dir, "config.json"), "--gpus", "2", "--device-memory", "24GiB", "--weights", "fp8")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !regexp.MustCompile(`(?m)^0 +embedding, 0-\d+ `).MatchString(out) || !regexp.MustCompile(`(?m)^1 +\d+-35, norm, LM head `).MatchString(out) ||
-		!strings.Contains(out, "fp8: the layers' Linear weights in E4M3") || !strings.Contains(out, "several GPUs: a plan on paper only") {
-		t.Errorf("2 GPUs, fp8:\n%s", out)
+	for _, devs := range [][]string{{"--gpus", "2"}, {"--devices", "2"}, {"--devices", "3,5"}} {
+		out, err = run(append([]string{"--config", filepath.Join(dir, "config.json"), "--device-memory", "24GiB", "--weights", "fp8"}, devs...)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		first, last := "0", "1"
+		if devs[1] == "3,5" {
+			first, last = "3", "5"
+		}
+		if !regexp.MustCompile(`(?m)^`+first+` +embedding, layers 0-\d+ `).MatchString(out) || !regexp.MustCompile(`(?m)^`+last+` +layers \d+-35, norm, LM head `).MatchString(out) ||
+			!strings.Contains(out, "fp8: the layers' Linear weights in E4M3") || !strings.Contains(out, "LM head stay BF16") {
+			t.Errorf("%v, fp8:\n%s", devs, out)
+		}
 	}
 	out, err = run("--config", dir, "--device-memory", "12GiB")
-	if err != nil || !strings.Contains(out, "none: the weights exceed what the GPU offers by") || !strings.Contains(out, "does not fit:") {
+	if err == nil || !strings.Contains(err.Error(), "GPU 0 (embedding, layers 0-35, norm, LM head): its 15.26 GiB weights exceed") || !strings.Contains(out, "does not fit:") {
 		t.Errorf("a 12 GiB GPU: %v\n%s", err, out)
+	}
+	out, err = run("--config", dir, "--devices", "0,1", "--token-budget", "4000000")
+	if err == nil || !strings.Contains(err.Error(), "GPU 0 (embedding, layers 0-") || !strings.Contains(err.Error(), "lower --token-budget to") {
+		t.Errorf("a budget too large: %v\n%s", err, out)
 	}
 	for _, c := range []struct {
 		args []string
@@ -56,7 +66,10 @@ func TestPlan(t *testing.T) {
 		{nil, "--config is required"},
 		{[]string{"--config", filepath.Join(dir, "nope.json")}, "want a config.json"},
 		{[]string{"--config", dir, "--device-memory", "lots"}, "--device-memory"},
-		{[]string{"--config", dir, "--gpus", "0"}, "0 GPUs"},
+		{[]string{"--config", dir, "--devices", "0"}, "--devices 0: want a count of at least 1"},
+		{[]string{"--config", dir, "--devices", "a,b"}, `--devices "a,b"`},
+		{[]string{"--config", dir, "--devices", "2", "--gpus", "2"}, "not both"},
+		{[]string{"--config", dir, "--devices", "37"}, "37 GPUs for 36 layers"},
 		{[]string{"--config", dir, "--weights", "int4"}, `weights "int4"`},
 		{[]string{"--config", dir, "--k", "0"}, "--k 0"},
 	} {

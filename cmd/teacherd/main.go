@@ -7,6 +7,13 @@
 //	teacherd --model /ckpt/Qwen3-8B --cache /data/cache-a --data-root /data/sets \
 //	    --listen 0.0.0.0:7070 --token-file /etc/teacherd/token --tls-cert c.pem --tls-key k.pem
 //	teacherd --config teacherd.yaml
+//	teacherd --model /ckpt/Llama-3-70B --devices 0,1 --cache /data/cache-b --data-root /data/sets
+//	teacherd --plan --model /ckpt/Llama-3-70B --devices 0,1 --device-memory 80GiB
+//
+// --devices splits a teacher larger than one GPU over several, a pipeline
+// stage each; --plan prints that split and each GPU's memory by term
+// (from config.json alone: no weights read, no GPU needed) and exits,
+// 1 when the teacher does not fit, with an error naming the GPU.
 //
 // Clients name dataset files on the daemon's machine: only files under a
 // --data-root are readable (none: no file). The daemon listens on
@@ -44,9 +51,12 @@ func main() {
 }
 
 func run(args []string) error {
-	cfg, logJSON, err := parseConfig(args)
+	cfg, logJSON, plan, err := parseConfig(args)
 	if err != nil {
 		return err
+	}
+	if plan.on {
+		return printPlan(os.Stdout, cfg, plan)
 	}
 	zc := zap.NewProductionConfig()
 	if !logJSON {
@@ -78,9 +88,17 @@ func run(args []string) error {
 	return nil
 }
 
+// planFlags are --plan's own flags.
+type planFlags struct {
+	on            bool
+	deviceMemory  string
+	memoryFromGPU bool // --device-memory not given
+}
+
 // parseConfig reads the flags and the YAML file they name; flags given
 // explicitly override the file.
-func parseConfig(args []string) (serve.Config, bool, error) {
+func parseConfig(args []string) (serve.Config, bool, planFlags, error) {
+	var pf planFlags
 	fs := flag.NewFlagSet("teacherd", flag.ContinueOnError)
 	fs.Usage = func() {
 		fmt.Fprint(fs.Output(), usage)
@@ -96,6 +114,10 @@ func parseConfig(args []string) (serve.Config, bool, error) {
 	fs.Var((*stringList)(&f.DataRoots), "data-root", "directory `DIR` whose files clients may name as datasets (repeatable; none: Fill and DescribeDataset are refused)")
 	fs.StringVar(&f.Device, "device", "", "compute device: auto (a GPU when one opens, else the CPU), cpu or cuda")
 	fs.StringVar(&f.Weights, "weights", "", "the layers' Linear weights: bf16 (default: as the checkpoint gives them) or fp8 (E4M3 with a scale per output channel, quantized at load; W8A8 FP8 GEMMs on Hopper; a different fingerprint: see the README's FP8 fidelity table)")
+	fs.StringVar(&f.Devices, "devices", "", "split the teacher's layers over these GPUs, a pipeline stage each: ordinals 0,1,2,3 (one may repeat: two stages on one GPU) or all")
+	fs.IntVar(&f.MicroBatches, "micro-batches", 0, "micro-batches a pipelined forward is cut into (default: four a GPU, none under 1024 tokens)")
+	fs.BoolVar(&pf.on, "plan", false, "print the teacher's memory plan for --devices (its layers over the GPUs, each GPU's bytes by term, the largest token budget) from config.json alone, and exit")
+	fs.StringVar(&pf.deviceMemory, "device-memory", "", "with --plan: each GPU's memory, e.g. 80GiB (default: GPU 0's when one is visible, else 80GiB)")
 	fs.IntVar(&f.TokenBudget, "token-budget", 0, "tokens per forward pass (default 8192); on a GPU, checked at start against its free memory")
 	fs.IntVar(&f.MaxConcurrent, "max-concurrent", 0, "concurrent RPCs before ResourceExhausted (default 64)")
 	fs.IntVar(&f.QueueSamples, "queue-samples", 0, "queued samples before ResourceExhausted (default 1024)")
@@ -110,20 +132,24 @@ func parseConfig(args []string) (serve.Config, bool, error) {
 	fs.DurationVar(&f.DrainTimeout, "drain-timeout", 0, "graceful shutdown: time in-flight requests get to finish (default 30s)")
 	logJSON := fs.Bool("log-json", false, "JSON logs (default: console)")
 	if err := fs.Parse(args); err != nil {
-		return f, false, err
+		return f, false, pf, err
 	}
 	if fs.NArg() > 0 {
-		return f, false, fmt.Errorf("unexpected arguments %q", fs.Args())
+		return f, false, pf, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	pf.memoryFromGPU = pf.deviceMemory == ""
+	if !pf.on && pf.deviceMemory != "" {
+		return f, false, pf, fmt.Errorf("--device-memory is for --plan: a running teacherd measures its GPUs' memory")
 	}
 	cfg := f
 	if *config != "" {
 		var err error
 		if cfg, err = serve.LoadConfig(*config); err != nil {
-			return cfg, false, err
+			return cfg, false, pf, err
 		}
 		fs.Visit(func(fl *flag.Flag) { overrideFlag(&cfg, &f, fl.Name) })
 	}
-	return cfg, *logJSON, nil
+	return cfg, *logJSON, pf, nil
 }
 
 // overrideFlag copies the flag named name from f into cfg.
@@ -143,6 +169,10 @@ func overrideFlag(cfg, f *serve.Config, name string) {
 		cfg.Device = f.Device
 	case "weights":
 		cfg.Weights = f.Weights
+	case "devices":
+		cfg.Devices = f.Devices
+	case "micro-batches":
+		cfg.MicroBatches = f.MicroBatches
 	case "token-budget":
 		cfg.TokenBudget = f.TokenBudget
 	case "max-concurrent":

@@ -17,7 +17,7 @@ import (
 func TestParseConfigFlagsOverrideYAML(t *testing.T) {
 	p := filepath.Join(t.TempDir(), "t.yaml")
 	os.WriteFile(p, []byte("model: /m\nlisten: 0.0.0.0:1\ncache: /c\ntoken_budget: 512\ndrain_timeout: 5s\nk_max: 100\n"), 0o644)
-	cfg, _, err := parseConfig([]string{"--config", p, "--listen", "127.0.0.1:2", "--k-max", "7"})
+	cfg, _, _, err := parseConfig([]string{"--config", p, "--listen", "127.0.0.1:2", "--k-max", "7"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -28,7 +28,7 @@ func TestParseConfigFlagsOverrideYAML(t *testing.T) {
 		t.Errorf("flags did not override the file: %+v", cfg)
 	}
 	os.WriteFile(p, []byte("model: /m\ntokenbudget: 3\n"), 0o644)
-	if _, _, err := parseConfig([]string{"--config", p}); err == nil || !strings.Contains(err.Error(), "field tokenbudget not found") {
+	if _, _, _, err := parseConfig([]string{"--config", p}); err == nil || !strings.Contains(err.Error(), "field tokenbudget not found") {
 		t.Errorf("unknown key: %v", err)
 	}
 	// --device cuda without a driver (forced, on any machine): an error
@@ -54,14 +54,14 @@ func TestSecurityFlags(t *testing.T) {
 	dir := t.TempDir()
 	p := filepath.Join(dir, "t.yaml")
 	os.WriteFile(p, []byte("model: /m\ndata_roots: [/a, /b]\ninsecure: true\n"), 0o644)
-	cfg, _, err := parseConfig([]string{"--config", p})
+	cfg, _, _, err := parseConfig([]string{"--config", p})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(cfg.DataRoots) != 2 || cfg.DataRoots[1] != "/b" || !cfg.Insecure {
 		t.Errorf("file values lost: %+v", cfg)
 	}
-	cfg, _, err = parseConfig([]string{"--config", p, "--data-root", "/c", "--data-root", "/d", "--insecure=false"})
+	cfg, _, _, err = parseConfig([]string{"--config", p, "--data-root", "/c", "--data-root", "/d", "--insecure=false"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -144,5 +144,58 @@ func TestConfigErrorsBeforeListening(t *testing.T) {
 	err = run([]string{"--model", tinyModelDir(t), "--k-max", "100", "--listen", "127.0.0.1:0", "--metrics", "off", "--device", "cpu"})
 	if err == nil || !strings.Contains(err.Error(), "--k-max 100: want 1 <= k-max <= 64 (the teacher's vocab size)") || strings.Contains(err.Error(), "invalid request") {
 		t.Errorf("--k-max 100 on a vocab-64 model: %v", err)
+	}
+}
+
+// TestPlanFlag: teacherd --plan prints the split of --model's config over
+// --devices and each GPU's bytes without loading weights (the checkpoint
+// dir needs only config.json) or listening, for the budget, k-max and
+// draws the daemon would run with; a budget a GPU cannot hold is an error
+// naming the GPU; --devices and --micro-batches override the YAML.
+func TestPlanFlag(t *testing.T) {
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "config.json"), []byte(`{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+		"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+		"max_position_embeddings": 8192, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": false, "hidden_act": "silu"}`), 0o644)
+	var out strings.Builder
+	cfg, _, pf, err := parseConfig([]string{"--plan", "--model", dir, "--devices", "2,3", "--device-memory", "80GiB", "--k-max", "64"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := printPlan(&out, cfg, pf); err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	for _, want := range []string{"70.55B parameters", "top-k up to 64, samples up to 8192 tokens, up to 64 draws a position", "(ordinals 2,3)",
+		"bytes at a forward of 8192 tokens (the token budget asked for)", "2    embedding, layers 0-39       65.71 GiB", "3    layers 40-79, norm, LM head  65.71 GiB", "token budget: up to "} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("the plan lacks %q:\n%s", want, out.String())
+		}
+	}
+	cfg, _, pf, _ = parseConfig([]string{"--plan", "--model", dir, "--devices", "0,1", "--device-memory", "80GiB", "--token-budget", "200000"})
+	out.Reset()
+	if err := printPlan(&out, cfg, pf); err == nil || !strings.Contains(err.Error(), "GPU 0 (embedding, layers 0-39): a forward of 200000 tokens") {
+		t.Errorf("a budget of 200000 tokens: %v", err)
+	}
+	cfg, _, pf, _ = parseConfig([]string{"--plan", "--model", dir, "--device-memory", "80GiB"})
+	out.Reset()
+	if err := printPlan(&out, cfg, pf); err == nil || !strings.Contains(err.Error(), "GPU 0 (embedding, layers 0-79, norm, LM head): its 131.42 GiB weights exceed") {
+		t.Errorf("70B on one 80 GiB GPU: %v", err)
+	}
+	if _, _, _, err := parseConfig([]string{"--model", dir, "--device-memory", "80GiB"}); err == nil || !strings.Contains(err.Error(), "is for --plan") {
+		t.Errorf("--device-memory without --plan: %v", err)
+	}
+	cfg, _, pf, _ = parseConfig([]string{"--plan", "--model", dir, "--device-memory", "141GiB", "--weights", "fp8"})
+	out.Reset()
+	if err := printPlan(&out, cfg, pf); err != nil || !strings.Contains(out.String(), "fp8 weights") || !strings.Contains(out.String(), "67.69 GiB") {
+		t.Errorf("--plan --weights fp8: %v\n%s", err, out.String())
+	}
+	p := filepath.Join(t.TempDir(), "t.yaml")
+	os.WriteFile(p, []byte("model: /m\ndevices: \"0,1\"\nmicro_batches: 4\n"), 0o644)
+	cfg, _, _, err = parseConfig([]string{"--config", p, "--devices", "2,3"})
+	if err != nil || cfg.Devices != "2,3" || cfg.MicroBatches != 4 {
+		t.Errorf("--devices over the YAML's: %+v %v", cfg, err)
+	}
+	if err := run([]string{"--model", dir, "--devices", "0,x", "--listen", "127.0.0.1:0", "--metrics", "off"}); err == nil || !strings.Contains(err.Error(), `--devices "0,x"`) {
+		t.Errorf("--devices 0,x: %v", err)
 	}
 }

@@ -13,11 +13,11 @@ import (
 func TestWeightsFlag(t *testing.T) {
 	p := filepath.Join(t.TempDir(), "t.yaml")
 	os.WriteFile(p, []byte("model: /m\nweights: fp8\n"), 0o644)
-	cfg, _, err := parseConfig([]string{"--config", p})
+	cfg, _, _, err := parseConfig([]string{"--config", p})
 	if err != nil || cfg.Weights != "fp8" {
 		t.Fatalf("weights: fp8 in the file: %q, %v", cfg.Weights, err)
 	}
-	cfg, _, err = parseConfig([]string{"--config", p, "--weights", "bf16"})
+	cfg, _, _, err = parseConfig([]string{"--config", p, "--weights", "bf16"})
 	if err != nil || cfg.Weights != "bf16" {
 		t.Fatalf("--weights bf16 over the file: %q, %v", cfg.Weights, err)
 	}

@@ -106,6 +106,8 @@ type Backend struct {
 	bf16Of, f32Of map[*tensor]*tensor
 	// The BF16 shadows of the fp32 parameters (shadow.go).
 	shadow shadows
+	// peer: copies from other backends (peer.go).
+	peer peerState
 
 	closed bool
 }
@@ -113,6 +115,8 @@ type Backend struct {
 var (
 	_ compute.Backend      = (*Backend)(nil)
 	_ compute.DeviceMemory = (*Backend)(nil)
+	_ compute.CrossCopier  = (*Backend)(nil)
+	_ compute.DeviceNamer  = (*Backend)(nil)
 )
 
 const maxArgs = 32
@@ -371,6 +375,7 @@ func (b *Backend) release() {
 		C.call_cuStreamDestroy(d.cuStreamDestroy, b.stream)
 		b.stream = nil
 	}
+	b.releasePeer()
 	if b.ctx != nil {
 		C.call_cuDevicePrimaryCtxRelease(d.cuDevicePrimaryCtxRelease, b.dev)
 		b.ctx = nil
@@ -924,6 +929,23 @@ func Probe() (DeviceInfo, error) {
 		err = fmt.Errorf("cuda: %s has compute capability %d.%d; this backend needs 8.0 (Ampere) or newer", info.Name, info.Major, info.Minor)
 	}
 	return info, err
+}
+
+// DeviceCount is the number of GPUs the driver sees (--devices all).
+func DeviceCount() (int, error) {
+	drv, err := loadDriver()
+	if err != nil {
+		return 0, err
+	}
+	defer drv.lib.close()
+	if err := drv.check("cuInit", C.call_cuInit(drv.cuInit, 0)); err != nil {
+		return 0, err
+	}
+	var count C.int
+	if err := drv.check("cuDeviceGetCount", C.call_cuDeviceGetCount(drv.cuDeviceGetCount, &count)); err != nil {
+		return 0, err
+	}
+	return int(count), nil
 }
 
 // SetProfile switches kernel timing (Options.Profile) on or off, clearing

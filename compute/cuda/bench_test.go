@@ -486,23 +486,37 @@ type benchModel struct {
 // that size (the device holds every layer's own copy, as a real checkpoint
 // would).
 func newBenchModel(be compute.Backend, s benchShape) *benchModel {
-	return newBenchModelWeights(be, s, false)
+	return newBenchStage(be, s, 0, s.Layers, false)
 }
 
 // newBenchModelWeights is newBenchModel, with fp8 the decoder layers'
 // Linear weights quantized to FP8 per output channel (infer's --weights
 // fp8: the same random BF16 values, then compute.QuantizeFP8).
 func newBenchModelWeights(be compute.Backend, s benchShape, fp8 bool) *benchModel {
+	return newBenchStage(be, s, 0, s.Layers, fp8)
+}
+
+// newBenchStage is newBenchModelWeights's stage of layers [first, end)
+// of a pipeline (decoder.NewStage), its weights those the whole model's
+// would be.
+func newBenchStage(be compute.Backend, s benchShape, first, end int, fp8 bool) *benchModel {
 	cfg := s.config()
 	r := rand.New(rand.NewPCG(4, 4))
 	bufs := map[int][]uint16{}
 	specs := map[string]model.TensorSpec{}
-	for _, ts := range cfg.Tensors() {
+	for _, ts := range cfg.Tensors() { // the buffers in one order, whatever a stage asks for
 		specs[ts.Name] = ts
+		n := 1
+		for _, d := range ts.Shape {
+			n *= d
+		}
+		if !ts.Norm && bufs[n] == nil {
+			bufs[n] = randBF16(r, n, 0.02)
+		}
 	}
 	bm := &benchModel{}
 	quant := map[[2]int]*compute.FP8Matrix{}
-	m, err := decoder.New(cfg, be, func(name string) (compute.Tensor, compute.Tensor, error) {
+	m, err := decoder.NewStage(cfg, be, func(name string) (compute.Tensor, compute.Tensor, error) {
 		ts, ok := specs[name]
 		if !ok {
 			return nil, nil, fmt.Errorf("no tensor %s in the bench shape %s", name, s.Name)
@@ -517,9 +531,8 @@ func newBenchModelWeights(be compute.Backend, s benchShape, fp8 bool) *benchMode
 			for i := range h {
 				h[i] = compute.F32ToBF16(1)
 			}
-		} else if h = bufs[n]; h == nil {
-			h = randBF16(r, n, 0.02)
-			bufs[n] = h
+		} else {
+			h = bufs[n]
 		}
 		var w compute.Tensor
 		var err error
@@ -540,7 +553,7 @@ func newBenchModelWeights(be compute.Backend, s benchShape, fp8 bool) *benchMode
 			bm.weights = append(bm.weights, w)
 		}
 		return w, nil, err
-	})
+	}, first, end)
 	if err != nil {
 		panic(err)
 	}

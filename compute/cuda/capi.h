@@ -93,6 +93,24 @@ static inline CUresult call_cuMemcpyDtoHAsync(void *f, void *dst, CUdeviceptr sr
 static inline CUresult call_cuMemcpyDtoDAsync(void *f, CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
 	return ((CUresult(*)(CUdeviceptr, CUdeviceptr, size_t, CUstream))f)(dst, src, n, s);
 }
+static inline CUresult call_cuMemcpyPeerAsync(void *f, CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t n, CUstream s) {
+	return ((CUresult(*)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream))f)(dst, dctx, src, sctx, n, s);
+}
+static inline CUresult call_cuDeviceCanAccessPeer(void *f, int *can, CUdevice d, CUdevice peer) {
+	return ((CUresult(*)(int *, CUdevice, CUdevice))f)(can, d, peer);
+}
+static inline CUresult call_cuCtxEnablePeerAccess(void *f, CUcontext peer, unsigned flags) {
+	return ((CUresult(*)(CUcontext, unsigned))f)(peer, flags);
+}
+// CUmemAccessDesc: a CUmemLocation (type, id) and CUmemAccess_flags.
+typedef struct {
+	int type, id, flags;
+} distill_mem_access;
+static inline CUresult call_cuMemPoolSetAccess(void *f, CUmemoryPool p, const distill_mem_access *m, size_t count) {
+	return ((CUresult(*)(CUmemoryPool, const distill_mem_access *, size_t))f)(p, m, count);
+}
+static inline CUresult call_cuMemAllocHost(void *f, void **p, size_t n) { return ((CUresult(*)(void **, size_t))f)(p, n); }
+static inline CUresult call_cuMemFreeHost(void *f, void *p) { return ((CUresult(*)(void *))f)(p); }
 static inline CUresult call_cuMemsetD8Async(void *f, CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
 	return ((CUresult(*)(CUdeviceptr, unsigned char, size_t, CUstream))f)(dst, v, n, s);
 }

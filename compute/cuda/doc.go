@@ -278,6 +278,24 @@
 // group of one (NCCL refuses two ranks on one GPU); it has not run on a
 // GPU yet, and no run on two GPUs has been made.
 //
+// # Several GPUs, and several backends on one
+//
+// A Backend runs on one GPU (Options.Device), on a stream of its own; a
+// process may open several, on different GPUs or on the same one (a
+// stream each), and use them from different goroutines: every call makes
+// its backend's context current on its locked OS thread. A pipelined
+// teacher (package infer's LoadStages) keeps a stage of the decoder on
+// each and moves activations between them with CopyFrom
+// (compute.CrossCopier, peer.go): a device-to-device copy between two
+// streams of one GPU; peer to peer between GPUs the driver lets reach each
+// other (cuDeviceCanAccessPeer; the source's stream-ordered pool grants
+// the destination access with cuMemPoolSetAccess, then cuMemcpyPeerAsync);
+// else through a pinned host buffer (cuMemAllocHost) in chunks. The path
+// is chosen once per pair of backends and logged. DeviceName names the
+// GPU in errors ("GPU 1 (NVIDIA H100 80GB HBM3)"). Verified on the
+// emulator's several GPUs (below); on a real GPU only two backends on GPU
+// 0 have been planned for (the suite's pipe step), not yet run.
+//
 // # Testing without a GPU
 //
 // testdata/emu is a CPU stand-in for the three libraries, and for cuDNN's
@@ -291,7 +309,11 @@
 // parameter sizes and copies checked: the package's own conformance tests
 // against compute/cpu, computetest.Run against float64 formulas and finite
 // differences, the whole teacher against the golden checkpoints
-// (TestForwardGoldens), and the student's training step end to end
+// (TestForwardGoldens) and split over several emulated GPUs
+// (DISTILL_EMU_DEVICES; each with its own memory, contexts, streams and
+// pool, every kernel, copy, GEMM and cuDNN call held to its own GPU's
+// memory unless peer access was granted: TestPipelineGoldens,
+// TestEmuDeviceIsolation), and the student's training step end to end
 // (train/trainer: TestCUDALossCurve, TestCUDAResume, TestCUDAMoEStudent).
 // With DISTILL_CUDA_TEST=gpu the same
 // tests run on a real GPU; scripts/gpu-suite.sh runs them there, with

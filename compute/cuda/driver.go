@@ -30,6 +30,10 @@ const (
 	mempoolAttrUsedMemHigh      = 8 // CU_MEMPOOL_ATTR_USED_MEM_HIGH
 
 	streamNonBlocking = 1 // CU_STREAM_NON_BLOCKING
+
+	memLocationDevice     = 1   // CU_MEM_LOCATION_TYPE_DEVICE
+	memAccessReadWrite    = 3   // CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+	errPeerAlreadyEnabled = 704 // CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
 )
 
 // driver is the CUDA driver API, reached through function pointers.
@@ -46,6 +50,8 @@ type driver struct {
 	cuModuleLoadData, cuModuleUnload, cuModuleGetFunction, cuFuncSetAttribute             unsafe.Pointer
 	cuLaunchKernel, cuGetErrorName, cuGetErrorString                                      unsafe.Pointer
 	cuEventCreate, cuEventRecord, cuEventSynchronize, cuEventElapsedTime, cuEventDestroy  unsafe.Pointer
+	cuMemcpyPeerAsync, cuDeviceCanAccessPeer, cuCtxEnablePeerAccess, cuMemPoolSetAccess   unsafe.Pointer
+	cuMemAllocHost, cuMemFreeHost                                                         unsafe.Pointer
 }
 
 // loadDriver opens libcuda.so.1 and binds every entry point this package
@@ -92,6 +98,12 @@ func loadDriver() (*driver, error) {
 		"cuEventSynchronize":                       &d.cuEventSynchronize,
 		"cuEventElapsedTime_v2|cuEventElapsedTime": &d.cuEventElapsedTime,
 		"cuEventDestroy_v2":                        &d.cuEventDestroy,
+		"cuMemcpyPeerAsync":                        &d.cuMemcpyPeerAsync,
+		"cuDeviceCanAccessPeer":                    &d.cuDeviceCanAccessPeer,
+		"cuCtxEnablePeerAccess":                    &d.cuCtxEnablePeerAccess,
+		"cuMemPoolSetAccess":                       &d.cuMemPoolSetAccess,
+		"cuMemAllocHost_v2":                        &d.cuMemAllocHost,
+		"cuMemFreeHost":                            &d.cuMemFreeHost,
 	})
 	if err != nil {
 		lib.close()

@@ -291,33 +291,43 @@ func (b *Backend) ForwardScratchBytes(s compute.ForwardShape) int64 {
 // default where it loads), computed without a device: for memory plans
 // made on paper.
 func ForwardScratchBound(s compute.ForwardShape) int64 {
+	layers, head := ForwardScratchTerms(s)
+	return max(layers, head)
+}
+
+// ForwardScratchTerms splits ForwardScratchBound into the decoder layers'
+// largest kernel scratch (attention's copies and workspace, the GEMMs'
+// operand copies, MoE's grouping) and the LM head's (its logit tile, the
+// draws'; 0 under s.NoHead). A forward never holds both: each call frees
+// its scratch before the next call's allocations.
+func ForwardScratchTerms(s compute.ForwardShape) (layers, head int64) {
 	n, kv := int64(s.Tokens), int64(s.KVHeads)
 	if kv <= 0 {
 		kv = int64(s.Heads)
 	}
 	attn := 2*n*(2*int64(s.Heads)+2*kv)*int64(s.HeadDim) + 4*n*int64(s.Heads) + 16*(n+4)
-	return max(forwardScratchBytes(s), attn+16<<10)
+	layers, head = forwardScratchTerms(s)
+	return max(layers, attn+16<<10), head
 }
 
 func forwardScratchBytes(s compute.ForwardShape) int64 {
+	layers, head := forwardScratchTerms(s)
+	return max(layers, head)
+}
+
+// forwardScratchTerms is forwardScratchBytes by term (ForwardScratchTerms)
+// for this package's own attention kernels.
+func forwardScratchTerms(s compute.ForwardShape) (layers, head int64) {
 	n := int64(s.Tokens)
 	widest := int64(max(s.Hidden, s.Heads*s.HeadDim, s.Intermediate))
 	kv := int64(s.KVHeads)
 	if kv <= 0 {
 		kv = int64(s.Heads)
 	}
-	need := max(2*n*widest, 2*n*(int64(s.Heads)+2*kv)*int64(s.HeadDim)+4*(n+1))
-	if p, err := planLMHead(s.Tokens, s.Hidden, s.Vocab, max(1, s.K)); err == nil {
-		need = max(need, p.scratch)
-	}
-	if s.Draws > 0 { // LMHeadSample: its slabs' draws scratch beside the tile
-		if p, err := planLMHeadSample(s.Tokens, s.Hidden, s.Vocab, s.K, s.Draws); err == nil {
-			need = max(need, p.scratch)
-		}
-	}
+	layers = max(2*n*widest, 2*n*(int64(s.Heads)+2*kv)*int64(s.HeadDim)+4*(n+1))
 	if s.FP8 { // matMulFP8's slab: its rows' codes (k), scale and fp32 sums (4n), the largest (n, k) of the Linears
 		H, Q, I := int64(s.Hidden), int64(s.Heads*s.HeadDim), int64(s.Intermediate)
-		need = max(need, int64(min(s.Tokens, fp8SlabRows))*(4+max(H+4*Q, Q+4*H, H+4*I, I+4*H)))
+		layers = max(layers, int64(min(s.Tokens, fp8SlabRows))*(4+max(H+4*Q, Q+4*H, H+4*I, I+4*H)))
 	}
 	if s.Experts > 0 {
 		moe := moeScratchBytes(s.Tokens, s.Hidden, s.MoEIntermediate, s.Experts, s.TopK)
@@ -325,8 +335,20 @@ func forwardScratchBytes(s compute.ForwardShape) int64 {
 			r, H, I := int64(s.Tokens)*int64(s.TopK), int64(s.Hidden), int64(s.MoEIntermediate)
 			moe += n*H + 4*n + r*max(H, I) + 4*r - 2*r*H - 2*r*I
 		}
-		need = max(need, moe)
+		layers = max(layers, moe)
 	}
 	// The pool rounds each allocation up; a call makes at most a dozen.
-	return need + 16<<10
+	layers += 16 << 10
+	if s.NoHead {
+		return layers, 0
+	}
+	if p, err := planLMHead(s.Tokens, s.Hidden, s.Vocab, max(1, s.K)); err == nil {
+		head = p.scratch
+	}
+	if s.Draws > 0 { // LMHeadSample: its slabs' draws scratch beside the tile
+		if p, err := planLMHeadSample(s.Tokens, s.Hidden, s.Vocab, s.K, s.Draws); err == nil {
+			head = max(head, p.scratch)
+		}
+	}
+	return layers, head + 16<<10
 }

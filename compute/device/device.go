@@ -22,6 +22,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
+	"strings"
 
 	"distill/compute"
 	"distill/compute/cpu"
@@ -107,10 +109,118 @@ func Open(name string, o Options) (compute.Backend, error) {
 	return cpu.New(o.Threads), nil
 }
 
+// OpenStages opens one backend per entry of ords (GPU ordinals, as
+// ParseDevices reads them) for the stages of a pipelined teacher: a
+// CUDA backend on each GPU, a repeated ordinal a second backend (a stream
+// of its own) on the same GPU. name is the --device flag: cuda or auto
+// (both need the GPUs: --devices never falls back to the CPU); cpu is an
+// error. An error names the GPU that does not open, and what was opened
+// is closed.
+func OpenStages(name string, ords []int, o Options) ([]compute.Backend, error) {
+	if err := Check(name, o.Purpose); err != nil {
+		return nil, err
+	}
+	if name == "cpu" {
+		return nil, fmt.Errorf("%w: --devices places the layers on GPUs: it needs --device cuda (or auto), not cpu", ErrDevice)
+	}
+	if len(ords) == 0 {
+		return nil, fmt.Errorf("%w: --devices names no GPU", ErrDevice)
+	}
+	logf := o.Logf
+	if logf == nil {
+		logf = func(string, ...any) {}
+	}
+	var bes []compute.Backend
+	for _, ord := range ords {
+		be, err := cuda.Open(cuda.Options{Device: ord, Logf: logf})
+		if err != nil {
+			for _, b := range bes {
+				Close(b)
+			}
+			return nil, fmt.Errorf("%w: --devices: GPU %d: %w", ErrDevice, ord, err)
+		}
+		bes = append(bes, be)
+	}
+	return bes, nil
+}
+
+// GPUMemory names GPU 0 and gives its memory, or the error that says why
+// no GPU is usable (a plan's default device memory).
+func GPUMemory() (name string, total int64, err error) {
+	info, err := cuda.Probe()
+	if err != nil {
+		return "", 0, err
+	}
+	return fmt.Sprintf("GPU 0 (%s, %.2f GiB)", info.Name, float64(info.TotalMem)/(1<<30)), info.TotalMem, nil
+}
+
 // ForwardScratchBound bounds the kernel scratch of a teacher forward of
 // shape s on a GPU (the CUDA backend with cuDNN), without one: the memory
 // plan of a teacher made on paper (cachectl plan).
 func ForwardScratchBound(s compute.ForwardShape) int64 { return cuda.ForwardScratchBound(s) }
+
+// ForwardScratchTerms is ForwardScratchBound by term: the decoder layers'
+// largest kernel scratch and the LM head's (never held at once).
+func ForwardScratchTerms(s compute.ForwardShape) (layers, head int64) {
+	return cuda.ForwardScratchTerms(s)
+}
+
+// ParseDevices reads a --devices flag: GPU ordinals separated by commas
+// ("0,1,2,3"; an ordinal may repeat, for stages sharing a GPU), or "all",
+// every GPU the CUDA driver sees. "" is none.
+func ParseDevices(spec string) ([]int, error) {
+	spec = strings.TrimSpace(spec)
+	if spec == "" {
+		return nil, nil
+	}
+	if spec == "all" {
+		n, err := cuda.DeviceCount()
+		if err != nil {
+			return nil, fmt.Errorf("%w: --devices all: %w", ErrDevice, err)
+		}
+		if n == 0 {
+			return nil, fmt.Errorf("%w: --devices all: the driver sees no GPU", ErrDevice)
+		}
+		ords := make([]int, n)
+		for i := range ords {
+			ords[i] = i
+		}
+		return ords, nil
+	}
+	var ords []int
+	for _, f := range strings.Split(spec, ",") {
+		o, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || o < 0 {
+			return nil, fmt.Errorf("%w: --devices %q: want GPU ordinals separated by commas (0,1,2,3) or all", ErrDevice, spec)
+		}
+		ords = append(ords, o)
+	}
+	return ords, nil
+}
+
+// PlanDevices reads the --devices flag of a plan on paper: ordinals as
+// ParseDevices takes them, or a bare count N (GPUs 0..N-1); "" is one
+// GPU.
+func PlanDevices(spec string) ([]int, error) {
+	spec = strings.TrimSpace(spec)
+	if spec == "" {
+		return []int{0}, nil
+	}
+	if n, err := strconv.Atoi(spec); err == nil {
+		if n < 1 {
+			return nil, fmt.Errorf("%w: --devices %d: want a count of at least 1, or ordinals (0,1)", ErrDevice, n)
+		}
+		ords := make([]int, n)
+		for i := range ords {
+			ords[i] = i
+		}
+		return ords, nil
+	}
+	if spec == "all" {
+		return nil, fmt.Errorf("%w: --devices all: a plan on paper needs ordinals or a count", ErrDevice)
+	}
+	return ParseDevices(spec)
+}
 
 // Check reports whether Open accepts name for p, before anything is
 // opened (a config's validation).

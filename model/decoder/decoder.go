@@ -3,7 +3,9 @@
 //
 //   - the teacher (package infer) calls TopK: a forward over a packed batch
 //     whose activations are reused layer to layer, ending in the streaming
-//     LM-head top-k;
+//     LM-head top-k; or, for a teacher larger than one GPU, a Pipeline of
+//     stages (NewStage), each a range of layers on a backend of its own,
+//     through which micro-batches flow;
 //   - the student (package train) calls TrainForward, which saves every
 //     activation the backward needs in one arena of views, then the fused
 //     loss head, then Backward, which accumulates every parameter gradient.
@@ -174,6 +176,13 @@ type Model struct {
 	// rope: the RoPE table of positions 0..n-1, computed once and copied
 	// per sample (upload).
 	rope ropeRows
+	// A pipeline stage (NewStage) holds layers [first, end) only (Blocks
+	// keeps every index; the others are empty), the embedding when first
+	// is 0, the final norm and LM head when end is the last, and nextIn,
+	// a copy of layer end's input norm weight, otherwise. New's model is
+	// the whole: first 0, end the layers.
+	first, end int
+	nextIn     compute.Tensor
 }
 
 // ropeRows caches cos and sin (n, half) of positions 0..n-1, as ropeTable
@@ -210,6 +219,21 @@ type Binder func(name string) (w, grad compute.Tensor, err error)
 // New builds the decoder of cfg from the tensors bind returns. Every
 // tensor of cfg.Tensors() is asked for once; the errors name the tensors.
 func New(cfg *model.Config, be compute.Backend, bind Binder) (*Model, error) {
+	return NewStage(cfg, be, bind, 0, cfg.Layers)
+}
+
+// NewStage builds the part of cfg's decoder that a pipeline stage holds
+// on be (Pipeline): layers [first, end), with the embedding when first is
+// 0, with the final norm and the LM head when end is cfg.Layers (a tied
+// head: the embedding's tensor, asked for again), and otherwise a copy of
+// layer end's input norm weight (the stage's last residual add is fused
+// with that norm). bind is asked for those tensors only, each once (the
+// norm's copy: again). A stage runs the teacher's forward only: training
+// takes the whole model (New).
+func NewStage(cfg *model.Config, be compute.Backend, bind Binder, first, end int) (*Model, error) {
+	if first < 0 || end > cfg.Layers || first >= end && cfg.Layers > 0 {
+		return nil, fmt.Errorf("%w: stage of layers [%d, %d) of %d", ErrInvalid, first, end, cfg.Layers)
+	}
 	if cfg.Heads <= 0 || cfg.KVHeads <= 0 || cfg.Heads%cfg.KVHeads != 0 || cfg.HeadDim <= 0 || cfg.HeadDim%2 != 0 {
 		return nil, fmt.Errorf("%w: heads %d, kv heads %d, head_dim %d: want heads a multiple of kv heads and an even head_dim", ErrInvalid, cfg.Heads, cfg.KVHeads, cfg.HeadDim)
 	}
@@ -232,9 +256,13 @@ func New(cfg *model.Config, be compute.Backend, bind Binder) (*Model, error) {
 		return l
 	}
 	h, q, kv := cfg.Hidden, cfg.Heads*cfg.HeadDim, cfg.KVHeads*cfg.HeadDim
-	m := &Model{Cfg: cfg, be: be, Embed: param("model.embed_tokens.weight")}
+	m := &Model{Cfg: cfg, be: be, first: first, end: end}
+	if first == 0 {
+		m.Embed = param("model.embed_tokens.weight")
+	}
 	oBias := cfg.AttentionBias && cfg.Arch != model.ArchQwen2
-	for i := 0; i < cfg.Layers; i++ {
+	m.Blocks = make([]Block, first, cfg.Layers)
+	for i := first; i < end; i++ {
 		p := fmt.Sprintf("model.layers.%d.", i)
 		b := Block{
 			InNorm: param(p + "input_layernorm.weight"),
@@ -275,10 +303,18 @@ func New(cfg *model.Config, be compute.Backend, bind Binder) (*Model, error) {
 		}
 		m.Blocks = append(m.Blocks, b)
 	}
-	m.Norm = param("model.norm.weight")
-	m.Head = m.Embed
-	if !cfg.TieEmbeddings {
-		m.Head = param("lm_head.weight")
+	m.Blocks = m.Blocks[:cfg.Layers]
+	switch {
+	case end < cfg.Layers:
+		m.nextIn = param(fmt.Sprintf("model.layers.%d.input_layernorm.weight", end)).W
+	case cfg.TieEmbeddings && first > 0:
+		m.Norm, m.Head = param("model.norm.weight"), param("model.embed_tokens.weight")
+	default:
+		m.Norm = param("model.norm.weight")
+		m.Head = m.Embed
+		if !cfg.TieEmbeddings {
+			m.Head = param("lm_head.weight")
+		}
 	}
 	if len(errs) > 0 {
 		return nil, errors.Join(errs...)

@@ -188,78 +188,147 @@ func (m *Model) TopK(samples [][]int32, k int, temperature float32) (ids []int32
 // the top-k, before x is freed: package infer draws the sampled targets
 // from its logits. k 0 skips the top-k.
 func (m *Model) TopKThen(samples [][]int32, k int, temperature float32, fn func(x compute.Tensor, n int, ids []int32, logprobs []float32)) (ids []int32, logprobs []float32) {
+	p := &Pipeline{Stages: []*Model{m}, MicroBatches: 1}
+	p.Forward(samples, temperature, func(last *Model, x compute.Tensor, _, _ int, mb [][]int32) {
+		n := 0
+		for _, s := range mb {
+			n += len(s)
+		}
+		ids, logprobs = last.lmHeadTopK(x, n, k)
+		if fn != nil {
+			fn(x, n, ids, logprobs)
+		}
+	})
+	return ids, logprobs
+}
+
+// lmHeadTopK runs the LM head's top-k over x (n rows) and reads it.
+func (m *Model) lmHeadTopK(x compute.Tensor, n, k int) (ids []int32, logprobs []float32) {
 	be, c := m.be, m.Cfg
-	n := 0
-	for _, s := range samples {
-		n += len(s)
-	}
-	flat := make([]int32, 0, n)
-	starts := []int32{0}
-	for _, s := range samples {
-		flat = append(flat, s...)
-		starts = append(starts, int32(len(flat)))
-	}
-	b := m.upload(flat, starts, nil, nil, false)
-	C, Hq, Hkv := c.Hidden, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
-	var tmp []compute.Tensor
-	alloc := func(dt compute.DType, size int) compute.Tensor {
-		t := be.New(dt, size)
-		tmp = append(tmp, t)
-		return t
-	}
-	tmp = append(tmp, b.tokens, b.starts, b.cos, b.sin)
-	act := be.ActDType()
-	x, y, ln := alloc(compute.F32, n*C), alloc(compute.F32, n*C), alloc(act, n*C)
-	q, kk, v := alloc(act, n*Hq), alloc(act, n*Hkv), alloc(act, n*Hkv)
-	a := blockActs{xin: x, ln1: ln, ln1q: ln, qpre: q, q: q, kpre: kk, k: kk, v: v,
-		att: alloc(act, n*Hq), xmid: y, ln2: ln, ln2q: ln, out: x}
-	a.attq = a.att
-	if c.NumExperts > 0 && act != compute.F32 {
-		a.ln2 = alloc(compute.F32, n*C)
-		a.ln2q = a.ln2
-	}
-	if c.Intermediate > 0 {
-		a.gate, a.up = alloc(act, n*c.Intermediate), alloc(act, n*c.Intermediate)
-		a.h, a.hq = a.gate, a.gate
-	}
-	be.Embed(x, m.Embed.W, b.tokens, n, C)
-	normW := m.Norm.W
-	if temperature != 1 {
-		// logits/T = (x·Wᵀ)/T = (x·(w/T))·Wᵀ: fold 1/T into the final norm
-		// weight instead of scaling [n x vocab] logits.
-		w := make([]float32, C)
-		be.ReadF32(m.Norm.W, w)
-		for j := range w {
-			w[j] /= temperature
-		}
-		normW = be.FromF32(w)
-		tmp = append(tmp, normW)
-	}
-	// Each block leaves the next one's ln1 in ln, the last the final norm's.
-	for i := range m.Blocks {
-		next := &nextNorm{out: ln, w: normW}
-		if i+1 < len(m.Blocks) {
-			next.w = m.Blocks[i+1].InNorm.W
-		}
-		m.blockForward(&m.Blocks[i], &a, b, i == 0, next)
-	}
-	if len(m.Blocks) == 0 {
-		be.RMSNorm(ln, nil, x, normW, n, C, c.RMSNormEps)
-	}
-	idT, lpT := alloc(compute.I32, n*k), alloc(compute.F32, n*k)
+	idT, lpT := be.New(compute.I32, n*k), be.New(compute.F32, n*k)
 	if k > 0 {
-		be.LMHeadTopK(idT, lpT, ln, m.Head.W, n, C, c.VocabSize, k)
+		be.LMHeadTopK(idT, lpT, x, m.Head.W, n, c.Hidden, c.VocabSize, k)
 	}
 	ids, logprobs = make([]int32, n*k), make([]float32, n*k)
 	be.ReadI32(idT, ids)
 	be.ReadF32(lpT, logprobs)
-	if fn != nil {
-		fn(ln, n, ids, logprobs)
+	be.Free(idT)
+	be.Free(lpT)
+	return ids, logprobs
+}
+
+// fwdActs are the buffers of one stage's forward over one batch (see
+// TopK): x and ln are what a stage hands the next (handoff), tmp the rest.
+type fwdActs struct {
+	a     blockActs
+	x, ln compute.Tensor
+	tmp   []compute.Tensor
+}
+
+// newFwdActs allocates a forward's buffers for n tokens on m's backend.
+func (m *Model) newFwdActs(n int) *fwdActs {
+	be, c := m.be, m.Cfg
+	f := &fwdActs{}
+	alloc := func(dt compute.DType, size int) compute.Tensor {
+		t := be.New(dt, size)
+		f.tmp = append(f.tmp, t)
+		return t
 	}
-	for _, t := range tmp {
+	C, Hq, Hkv := c.Hidden, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
+	act := be.ActDType()
+	f.x, f.ln = be.New(compute.F32, n*C), be.New(act, n*C)
+	y := alloc(compute.F32, n*C)
+	q, kk, v := alloc(act, n*Hq), alloc(act, n*Hkv), alloc(act, n*Hkv)
+	f.a = blockActs{xin: f.x, ln1: f.ln, ln1q: f.ln, qpre: q, q: q, kpre: kk, k: kk, v: v,
+		att: alloc(act, n*Hq), xmid: y, ln2: f.ln, ln2q: f.ln, out: f.x}
+	f.a.attq = f.a.att
+	if c.NumExperts > 0 && act != compute.F32 {
+		f.a.ln2 = alloc(compute.F32, n*C)
+		f.a.ln2q = f.a.ln2
+	}
+	if c.Intermediate > 0 {
+		f.a.gate, f.a.up = alloc(act, n*c.Intermediate), alloc(act, n*c.Intermediate)
+		f.a.h, f.a.hq = f.a.gate, f.a.gate
+	}
+	return f
+}
+
+// freeTmp frees the buffers but x and ln.
+func (f *fwdActs) freeTmp(be compute.Backend) {
+	for _, t := range f.tmp {
 		be.Free(t)
 	}
-	return ids, logprobs
+	f.tmp = nil
+}
+
+// handoff is what a stage passes the next for one micro-batch: its
+// residual stream x (F32) and the next layer's normed input ln (the
+// activation dtype), on the stage's backend.
+type handoff struct {
+	be    compute.Backend
+	x, ln compute.Tensor
+}
+
+// free releases a hand-off's tensors on their backend.
+func (h *handoff) free() {
+	h.be.Free(h.x)
+	h.be.Free(h.ln)
+}
+
+// stageForward runs m's layers over one packed batch (flat tokens,
+// sample starts): the embedding on the first stage, else the previous
+// stage's hand-off in (copied to m's backend, then freed on its own);
+// then layers [m.first, m.end). A stage with the head returns its buffers
+// with ln holding the final norm's output (normW, the temperature's
+// weight); the caller runs the head and frees them. Other stages return
+// the hand-off for the next, their other buffers freed.
+func (m *Model) stageForward(flat, starts []int32, in *handoff, normW compute.Tensor) (*fwdActs, *handoff) {
+	be, c := m.be, m.Cfg
+	n, C := len(flat), c.Hidden
+	b := m.upload(flat, starts, nil, nil, false)
+	f := m.newFwdActs(n)
+	f.tmp = append(f.tmp, b.tokens, b.starts, b.cos, b.sin)
+	if in == nil {
+		be.Embed(f.x, m.Embed.W, b.tokens, n, C)
+	} else {
+		compute.CopyAcross(be, f.x, in.be, in.x)
+		compute.CopyAcross(be, f.ln, in.be, in.ln)
+		in.free()
+	}
+	// Each block leaves the next one's ln1 in ln, the last the final norm's.
+	for i := m.first; i < m.end; i++ {
+		next := &nextNorm{out: f.ln, w: normW}
+		switch {
+		case i+1 < m.end:
+			next.w = m.Blocks[i+1].InNorm.W
+		case m.nextIn != nil:
+			next.w = m.nextIn
+		}
+		m.blockForward(&m.Blocks[i], &f.a, b, i == 0, next)
+	}
+	if c.Layers == 0 {
+		be.RMSNorm(f.ln, nil, f.x, normW, n, C, c.RMSNormEps)
+	}
+	if m.nextIn == nil {
+		return f, nil
+	}
+	f.freeTmp(be)
+	return nil, &handoff{be: be, x: f.x, ln: f.ln}
+}
+
+// finalNorm is the final norm's weight with 1/temperature folded in:
+// logits/T = (x·Wᵀ)/T = (x·(w/T))·Wᵀ, instead of scaling [n x vocab]
+// logits. A new tensor the caller frees, or m.Norm.W itself (T = 1).
+func (m *Model) finalNorm(temperature float32) (w compute.Tensor, made bool) {
+	if temperature == 1 {
+		return m.Norm.W, false
+	}
+	h := make([]float32, m.Cfg.Hidden)
+	m.be.ReadF32(m.Norm.W, h)
+	for j := range h {
+		h[j] /= temperature
+	}
+	return m.be.FromF32(h), true
 }
 
 // ActivationBytes is what TopK holds on the backend for n tokens at top-k

@@ -9,7 +9,11 @@
 // switching at barriers; it is built with g++ from the same kernel sources
 // as the GPU runs. Its cuDNN part (emu_cudnn.cpp) interprets backend
 // operation graphs (matmul, pointwise, reduction, reshape; ragged tensors,
-// GEMM size overrides) in double precision. What it cannot show: real
+// GEMM size overrides) in double precision. It emulates
+// DISTILL_EMU_DEVICES GPUs (default 1), each with its own memory
+// (DISTILL_EMU_DEVICE_MEM, or DISTILL_EMU_DEVICE_MEM_<ordinal> for one),
+// contexts, streams and pool, with peer access between them unless
+// DISTILL_EMU_PEER=0 (emu.cpp's header says what it checks). What it cannot show: real
 // concurrency (races), real tensor-core, cuBLASLt and cuDNN numerics, which
 // graphs cuDNN's engines accept, speed. Those need the GPU suite
 // (scripts/gpu-suite.sh).

@@ -10,21 +10,47 @@
 // that not every thread reaches. The cuBLASLt stand-in computes the GEMM
 // its descriptors describe, column-major as cuBLASLt defines it. The cuDNN
 // stand-in (an interpreter of backend operation graphs) is emu_cudnn.cpp.
+//
+// Devices: DISTILL_EMU_DEVICES (default 1, at most 16) emulated GPUs, each
+// with its own memory (DISTILL_EMU_DEVICE_MEM bytes, or
+// DISTILL_EMU_DEVICE_MEM_<ordinal> for one of them; default 16 GiB), its
+// primary context, its default pool and its streams. A host thread's
+// current context (cuCtxSetCurrent) picks the device that allocations,
+// cuMemGetInfo and launches use, and a stream belongs to the device whose
+// context was current when it was made: a launch on another device's
+// stream fails, as on a GPU. Every allocation belongs to its device: a
+// kernel parameter, a copy, a GEMM operand or a cuDNN or NCCL buffer on
+// another device is an error unless that device granted access (pool
+// memory: cuMemPoolSetAccess; cuMemAlloc's: cuCtxEnablePeerAccess), which
+// needs cuDeviceCanAccessPeer (yes between distinct devices, unless
+// DISTILL_EMU_PEER=0: then no pair may, and copies between devices must go
+// through host memory). cuMemcpyPeerAsync copies between devices and is
+// held to the same rule (stricter than the driver, which would stage an
+// unreachable copy through the host itself: the emulator makes a missing
+// grant visible). cuMemAllocHost gives pinned host memory (plain memory
+// here).
 #include "emu.h"
 
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <mutex>
+#include <set>
 #include <string>
 #include <sys/mman.h>
 #include <vector>
+
+static std::recursive_mutex g_mu;
+void emu_lock() { g_mu.lock(); }
+void emu_unlock() { g_mu.unlock(); }
+#define EMU_LOCK EmuGuard emu_guard_
 
 typedef int CUresult;
 typedef void *CUfunction;
 
 // ---------------------------------------------------------------- errors
 
-static std::string g_err; // the last failure, in words
+static thread_local std::string g_err; // the calling thread's last failure, in words
 static CUresult fail(CUresult code, const std::string &msg) {
 	g_err = msg;
 	fprintf(stderr, "emu: %s\n", msg.c_str());
@@ -33,8 +59,13 @@ static CUresult fail(CUresult code, const std::string &msg) {
 enum {
 	E_INVALID_VALUE = 1,
 	E_OUT_OF_MEMORY = 2,
+	E_INVALID_DEVICE = 101,
 	E_INVALID_IMAGE = 200,
+	E_PEER_UNSUPPORTED = 217,
+	E_INVALID_HANDLE = 400,
 	E_NOT_FOUND = 500,
+	E_ILLEGAL_ADDRESS = 700,
+	E_PEER_ALREADY_ENABLED = 704,
 	E_LAUNCH_OUT_OF_RESOURCES = 701,
 	E_LAUNCH_FAILED = 719,
 };
@@ -405,38 +436,91 @@ static bool run_block(unsigned nthreads) {
 
 // ---------------------------------------------------------------- memory
 
-static std::map<u64, size_t> g_allocs; // device pointer -> size
-
-static bool in_alloc(u64 p, size_t n) {
-	auto it = g_allocs.upper_bound(p);
-	if (it == g_allocs.begin()) return false;
-	--it;
-	return p >= it->first && p + n <= it->first + it->second;
+// Devices, contexts and streams.
+static const int kMaxDev = 16;
+static int emu_ndev() {
+	const char *v = getenv("DISTILL_EMU_DEVICES");
+	int n = v && *v ? atoi(v) : 1;
+	return n < 1 ? 1 : n > kMaxDev ? kMaxDev : n;
+}
+static bool valid_dev(int d) { return d >= 0 && d < emu_ndev(); }
+static int g_ctx[kMaxDev], g_pool[kMaxDev]; // a context's and a pool's handle: the address of its slot
+static thread_local int t_dev;              // the device of the calling thread's current context
+static int ctx_dev(void *c) { return (int)((int *)c - g_ctx); }
+static bool is_ctx(void *c) { return (int *)c >= g_ctx && (int *)c < g_ctx + kMaxDev && valid_dev(ctx_dev(c)); }
+struct Stream {
+	int dev;
+};
+static std::set<Stream *> g_streams;
+// stream_dev is the device of stream s (the current context's for the
+// NULL stream), or -1 for a handle that is no stream.
+static int stream_dev(void *s) {
+	if (!s) return t_dev;
+	return g_streams.count((Stream *)s) ? ((Stream *)s)->dev : -1;
+}
+// Peer access: g_ctx_peer[a][o], device a's context may reach device o's
+// cuMemAlloc memory (cuCtxEnablePeerAccess); g_pool_access[o][a], device
+// o's pool lets device a reach its allocations (cuMemPoolSetAccess).
+static bool g_ctx_peer[kMaxDev][kMaxDev], g_pool_access[kMaxDev][kMaxDev];
+static bool can_access_peer(int d, int peer) {
+	const char *v = getenv("DISTILL_EMU_PEER");
+	return valid_dev(d) && valid_dev(peer) && d != peer && !(v && v[0] == '0');
 }
 
-// Device memory accounting, as the stream-ordered pool's USED_MEM_CURRENT
-// and USED_MEM_HIGH count it: the bytes of live allocations and their
-// high-water mark. The device's size is DISTILL_EMU_DEVICE_MEM bytes
-// (default 16 GiB), read at every call, so that a test can shrink the
-// device after loading a model; an allocation beyond it fails with
-// CUDA_ERROR_OUT_OF_MEMORY, as on a GPU.
-static size_t g_used, g_used_high;
+struct Alloc {
+	size_t n;
+	int dev;
+	bool pool; // from cuMemAllocAsync (the stream-ordered pool)
+};
+static std::map<u64, Alloc> g_allocs; // device pointer -> allocation
 
-static size_t emu_device_mem() {
-	const char *v = getenv("DISTILL_EMU_DEVICE_MEM");
+// find_alloc returns the allocation holding [p, p+n), or null.
+static const Alloc *find_alloc(u64 p, size_t n) {
+	auto it = g_allocs.upper_bound(p);
+	if (it == g_allocs.begin()) return nullptr;
+	--it;
+	return p >= it->first && p + n <= it->first + it->second.n ? &it->second : nullptr;
+}
+
+// reachable reports whether device d may read and write allocation a.
+static bool reachable(const Alloc &a, int d) {
+	if (a.dev == d) return true;
+	return a.pool ? g_pool_access[a.dev][d] : g_ctx_peer[d][a.dev];
+}
+
+static int g_launch_dev; // the device of the running kernel
+
+static bool in_alloc(u64 p, size_t n) {
+	const Alloc *a = find_alloc(p, n);
+	return a && reachable(*a, g_launch_dev);
+}
+
+// Device memory accounting, per device, as the stream-ordered pool's
+// USED_MEM_CURRENT and USED_MEM_HIGH count it: the bytes of live
+// allocations and their high-water mark. A device's size is read at every
+// call (DISTILL_EMU_DEVICE_MEM_<d>, else DISTILL_EMU_DEVICE_MEM, else 16
+// GiB), so that a test can shrink a device after loading a model; an
+// allocation beyond it fails with CUDA_ERROR_OUT_OF_MEMORY, as on a GPU.
+static size_t g_used[kMaxDev], g_used_high[kMaxDev];
+
+static size_t emu_device_mem(int d) {
+	char name[64];
+	snprintf(name, sizeof name, "DISTILL_EMU_DEVICE_MEM_%d", d);
+	const char *v = getenv(name);
+	if (!v || !*v) v = getenv("DISTILL_EMU_DEVICE_MEM");
 	return v && *v ? (size_t)strtoull(v, nullptr, 10) : (size_t)16 << 30;
 }
 
-static u64 emu_alloc(size_t n) {
-	size_t total = emu_device_mem();
-	if (g_used > total || n > total - g_used) return 0;
+static u64 emu_alloc(size_t n, int d, bool pool) {
+	size_t total = emu_device_mem(d);
+	if (g_used[d] > total || n > total - g_used[d]) return 0;
 	size_t sz = (n + 255) / 256 * 256;
 	void *p = aligned_alloc(256, sz ? sz : 256);
 	if (!p) return 0;
 	memset(p, 0xff, sz); // device memory is not zeroed: poison it
-	g_allocs[(u64)p] = n;
-	g_used += n;
-	if (g_used > g_used_high) g_used_high = g_used;
+	g_allocs[(u64)p] = Alloc{n, d, pool};
+	g_used[d] += n;
+	if (g_used[d] > g_used_high[d]) g_used_high[d] = g_used[d];
 	return (u64)p;
 }
 
@@ -449,37 +533,67 @@ static CUresult emu_free(u64 p, const char *who) {
 		return fail(E_INVALID_VALUE, buf);
 	}
 	free((void *)p);
-	g_used -= it->second;
+	g_used[it->second.dev] -= it->second.n;
 	g_allocs.erase(it);
 	return 0;
 }
 
-bool emu_range_ok(u64 p, size_t n, char *why, size_t whylen) {
-	if (n == 0 || in_alloc(p, n)) return true;
+// range_why explains why [p, p+n) is not memory device d may use, or
+// returns "" when it is.
+static std::string range_why(u64 p, size_t n, int d) {
+	char buf[240];
+	if (n == 0) return "";
+	if (const Alloc *a = find_alloc(p, n)) {
+		if (reachable(*a, d)) return "";
+		snprintf(buf, sizeof buf, "%zu bytes at 0x%llx are device %d's memory, which device %d may not reach (no peer access granted: %s)", n,
+		         (unsigned long long)p, a->dev, d, a->pool ? "cuMemPoolSetAccess" : "cuCtxEnablePeerAccess");
+		return buf;
+	}
 	auto it = g_allocs.upper_bound(p);
 	if (it != g_allocs.begin()) {
 		--it;
-		if (p >= it->first && p < it->first + it->second) {
-			snprintf(why, whylen, "%zu bytes at 0x%llx run %llu bytes past the end of the %zu-byte allocation at 0x%llx", n,
-			         (unsigned long long)p, (unsigned long long)(p + n - (it->first + it->second)), it->second,
+		if (p >= it->first && p < it->first + it->second.n) {
+			snprintf(buf, sizeof buf, "%zu bytes at 0x%llx run %llu bytes past the end of the %zu-byte allocation at 0x%llx", n,
+			         (unsigned long long)p, (unsigned long long)(p + n - (it->first + it->second.n)), it->second.n,
 			         (unsigned long long)it->first);
-			return false;
+			return buf;
 		}
 	}
-	snprintf(why, whylen, "0x%llx (%zu bytes) is not inside any device allocation", (unsigned long long)p, n);
+	snprintf(buf, sizeof buf, "0x%llx (%zu bytes) is not inside any device allocation", (unsigned long long)p, n);
+	return buf;
+}
+
+bool emu_range_ok(u64 p, size_t n, char *why, size_t whylen) {
+	EMU_LOCK;
+	std::string w = range_why(p, n, t_dev);
+	if (w.empty()) return true;
+	snprintf(why, whylen, "%s", w.c_str());
 	return false;
 }
 
-static CUresult check_range(u64 p, size_t n, const char *who) {
-	if (n == 0 || in_alloc(p, n)) return 0;
-	char buf[160];
-	snprintf(buf, sizeof buf, "%s: %zu bytes at 0x%llx are not inside one allocation", who, n, (unsigned long long)p);
-	return fail(E_INVALID_VALUE, buf);
+// check_range fails unless [p, p+n) is memory device d may use.
+static CUresult check_range(u64 p, size_t n, const char *who, int d) {
+	std::string w = range_why(p, n, d);
+	if (w.empty()) return 0;
+	return fail(E_INVALID_VALUE, std::string(who) + ": " + w);
+}
+
+// check_stream fails unless s is a stream of the current context's device
+// (who: the call), and gives its device.
+static CUresult check_stream(void *s, const char *who, int *dev) {
+	int d = stream_dev(s);
+	if (d < 0) return fail(E_INVALID_HANDLE, std::string(who) + ": not a stream");
+	if (d != t_dev) {
+		char buf[160];
+		snprintf(buf, sizeof buf, "%s: a stream of device %d, with device %d's context current", who, d, t_dev);
+		return fail(E_INVALID_HANDLE, buf);
+	}
+	*dev = d;
+	return 0;
 }
 
 // ---------------------------------------------------------------- driver API
 
-static int g_ctx_dummy, g_stream_dummy, g_pool_dummy;
 static const int kOptinSmem = 232448; // H100's 227 KB
 
 extern "C" {
@@ -490,12 +604,12 @@ CUresult cuDriverGetVersion(int *v) {
 	return 0;
 }
 CUresult cuDeviceGetCount(int *n) {
-	*n = 1;
+	*n = emu_ndev();
 	return 0;
 }
 CUresult cuDeviceGet(int *d, int ord) {
-	if (ord != 0) return fail(E_INVALID_VALUE, "no such device");
-	*d = 0;
+	if (!valid_dev(ord)) return fail(E_INVALID_DEVICE, "no such device: ordinal " + std::to_string(ord) + " of " + std::to_string(emu_ndev()));
+	*d = ord;
 	return 0;
 }
 CUresult cuDeviceGetName(char *name, int len, int) {
@@ -514,78 +628,195 @@ CUresult cuDeviceGetAttribute(int *v, int attr, int) {
 	}
 	return 0;
 }
-CUresult cuDeviceTotalMem_v2(size_t *b, int) {
-	*b = emu_device_mem();
+CUresult cuDeviceTotalMem_v2(size_t *b, int d) {
+	if (!valid_dev(d)) return fail(E_INVALID_DEVICE, "cuDeviceTotalMem: no device " + std::to_string(d));
+	*b = emu_device_mem(d);
 	return 0;
 }
-CUresult cuDevicePrimaryCtxRetain(void **c, int) {
-	*c = &g_ctx_dummy;
+CUresult cuDevicePrimaryCtxRetain(void **c, int d) {
+	if (!valid_dev(d)) return fail(E_INVALID_DEVICE, "cuDevicePrimaryCtxRetain: no device " + std::to_string(d));
+	*c = &g_ctx[d];
 	return 0;
 }
 CUresult cuDevicePrimaryCtxRelease_v2(int) { return 0; }
-CUresult cuCtxSetCurrent(void *) { return 0; }
+CUresult cuCtxSetCurrent(void *c) {
+	if (c && !is_ctx(c)) return fail(E_INVALID_VALUE, "cuCtxSetCurrent: not a context");
+	t_dev = c ? ctx_dev(c) : 0;
+	return 0;
+}
 CUresult cuCtxSynchronize() { return 0; }
 CUresult cuStreamCreate(void **s, unsigned) {
-	*s = &g_stream_dummy;
+	EMU_LOCK;
+	Stream *st = new Stream{t_dev};
+	g_streams.insert(st);
+	*s = st;
 	return 0;
 }
-CUresult cuStreamDestroy_v2(void *) { return 0; }
-CUresult cuStreamSynchronize(void *) { return 0; }
+CUresult cuStreamDestroy_v2(void *s) {
+	EMU_LOCK;
+	if (!g_streams.erase((Stream *)s)) return fail(E_INVALID_HANDLE, "cuStreamDestroy: not a stream");
+	delete (Stream *)s;
+	return 0;
+}
+CUresult cuStreamSynchronize(void *s) {
+	EMU_LOCK;
+	return stream_dev(s) < 0 ? fail(E_INVALID_HANDLE, "cuStreamSynchronize: not a stream") : 0;
+}
 CUresult cuMemAlloc_v2(u64 *p, size_t n) {
-	*p = emu_alloc(n);
-	return *p ? 0 : fail(E_OUT_OF_MEMORY, "out of memory");
+	EMU_LOCK;
+	*p = emu_alloc(n, t_dev, false);
+	return *p ? 0 : fail(E_OUT_OF_MEMORY, "out of memory on device " + std::to_string(t_dev));
 }
-CUresult cuMemFree_v2(u64 p) { return emu_free(p, "cuMemFree"); }
-CUresult cuMemAllocAsync(u64 *p, size_t n, void *) { return cuMemAlloc_v2(p, n); }
-CUresult cuMemFreeAsync(u64 p, void *) { return emu_free(p, "cuMemFreeAsync"); }
-CUresult cuDeviceGetDefaultMemPool(void **p, int) {
-	*p = &g_pool_dummy;
+CUresult cuMemFree_v2(u64 p) {
+	EMU_LOCK;
+	return emu_free(p, "cuMemFree");
+}
+CUresult cuMemAllocAsync(u64 *p, size_t n, void *s) {
+	EMU_LOCK;
+	int d;
+	if (CUresult r = check_stream(s, "cuMemAllocAsync", &d)) return r;
+	*p = emu_alloc(n, d, true);
+	return *p ? 0 : fail(E_OUT_OF_MEMORY, "out of memory on device " + std::to_string(d));
+}
+CUresult cuMemFreeAsync(u64 p, void *) {
+	EMU_LOCK;
+	return emu_free(p, "cuMemFreeAsync");
+}
+CUresult cuDeviceGetDefaultMemPool(void **p, int d) {
+	if (!valid_dev(d)) return fail(E_INVALID_DEVICE, "cuDeviceGetDefaultMemPool: no device " + std::to_string(d));
+	*p = &g_pool[d];
 	return 0;
+}
+static int pool_dev(void *p) {
+	int d = (int)((int *)p - g_pool);
+	return (int *)p >= g_pool && (int *)p < g_pool + kMaxDev && valid_dev(d) ? d : -1;
 }
 // The pool's attributes: 4 RELEASE_THRESHOLD (accepted, nothing to
 // release), 5 RESERVED_MEM_CURRENT, 7 USED_MEM_CURRENT, 8 USED_MEM_HIGH
 // (set to 0: reset to the current use).
-CUresult cuMemPoolSetAttribute(void *, int attr, void *v) {
+CUresult cuMemPoolSetAttribute(void *pool, int attr, void *v) {
+	EMU_LOCK;
+	int d = pool_dev(pool);
+	if (d < 0) return fail(E_INVALID_VALUE, "cuMemPoolSetAttribute: not a pool");
 	switch (attr) {
 	case 4: return 0;
 	case 8:
 		if (*(unsigned long long *)v != 0) return fail(E_INVALID_VALUE, "cuMemPoolSetAttribute: USED_MEM_HIGH can only be reset to 0");
-		g_used_high = g_used;
+		g_used_high[d] = g_used[d];
 		return 0;
 	}
 	return fail(E_INVALID_VALUE, "cuMemPoolSetAttribute: attribute " + std::to_string(attr) + " not emulated");
 }
-CUresult cuMemPoolGetAttribute(void *, int attr, void *v) {
+CUresult cuMemPoolGetAttribute(void *pool, int attr, void *v) {
+	EMU_LOCK;
+	int d = pool_dev(pool);
+	if (d < 0) return fail(E_INVALID_VALUE, "cuMemPoolGetAttribute: not a pool");
 	switch (attr) {
 	case 5: // RESERVED_MEM_CURRENT: the emulator's pool keeps nothing freed
-	case 7: *(unsigned long long *)v = g_used; return 0;
-	case 8: *(unsigned long long *)v = g_used_high; return 0;
+	case 7: *(unsigned long long *)v = g_used[d]; return 0;
+	case 8: *(unsigned long long *)v = g_used_high[d]; return 0;
 	}
 	return fail(E_INVALID_VALUE, "cuMemPoolGetAttribute: attribute " + std::to_string(attr) + " not emulated");
 }
-CUresult cuMemGetInfo_v2(size_t *f, size_t *t) {
-	*t = emu_device_mem();
-	*f = g_used < *t ? *t - g_used : 0;
+// CUmemAccessDesc: a location (type 1: a device; its ordinal) and the
+// access flags (0 none, 1 read, 3 read and write).
+struct MemAccessDesc {
+	int type, id, flags;
+};
+CUresult cuMemPoolSetAccess(void *pool, const MemAccessDesc *map, size_t count) {
+	EMU_LOCK;
+	int o = pool_dev(pool);
+	if (o < 0) return fail(E_INVALID_VALUE, "cuMemPoolSetAccess: not a pool");
+	for (size_t i = 0; i < count; i++) {
+		const MemAccessDesc &m = map[i];
+		if (m.type != 1 || !valid_dev(m.id) || (m.flags != 0 && m.flags != 1 && m.flags != 3))
+			return fail(E_INVALID_VALUE, "cuMemPoolSetAccess: descriptor " + std::to_string(i) + ": want a device location and flags 0, 1 or 3");
+		if (m.id == o) {
+			if (m.flags != 3) return fail(E_INVALID_VALUE, "cuMemPoolSetAccess: a pool's own device keeps read-write access");
+			continue;
+		}
+		if (!can_access_peer(m.id, o))
+			return fail(E_INVALID_DEVICE, "cuMemPoolSetAccess: device " + std::to_string(m.id) + " cannot access device " + std::to_string(o) + "'s memory (cuDeviceCanAccessPeer)");
+		g_pool_access[o][m.id] = m.flags != 0;
+	}
 	return 0;
 }
-CUresult cuMemcpyHtoDAsync_v2(u64 dst, const void *src, size_t n, void *) {
-	if (CUresult r = check_range(dst, n, "cuMemcpyHtoDAsync")) return r;
+CUresult cuDeviceCanAccessPeer(int *can, int d, int peer) {
+	if (!valid_dev(d) || !valid_dev(peer)) return fail(E_INVALID_DEVICE, "cuDeviceCanAccessPeer: no such device");
+	*can = can_access_peer(d, peer);
+	return 0;
+}
+CUresult cuCtxEnablePeerAccess(void *peer, unsigned flags) {
+	EMU_LOCK;
+	if (!is_ctx(peer) || flags != 0) return fail(E_INVALID_VALUE, "cuCtxEnablePeerAccess: not a context, or flags not 0");
+	int o = ctx_dev(peer);
+	if (!can_access_peer(t_dev, o)) return fail(E_PEER_UNSUPPORTED, "cuCtxEnablePeerAccess: device " + std::to_string(t_dev) + " cannot access device " + std::to_string(o));
+	if (g_ctx_peer[t_dev][o]) return fail(E_PEER_ALREADY_ENABLED, "cuCtxEnablePeerAccess: already enabled");
+	g_ctx_peer[t_dev][o] = true;
+	return 0;
+}
+CUresult cuMemGetInfo_v2(size_t *f, size_t *t) {
+	EMU_LOCK;
+	*t = emu_device_mem(t_dev);
+	*f = g_used[t_dev] < *t ? *t - g_used[t_dev] : 0;
+	return 0;
+}
+CUresult cuMemAllocHost_v2(void **p, size_t n) {
+	*p = malloc(n ? n : 1);
+	return *p ? 0 : fail(E_OUT_OF_MEMORY, "cuMemAllocHost: out of host memory");
+}
+CUresult cuMemFreeHost(void *p) {
+	free(p);
+	return 0;
+}
+CUresult cuMemcpyHtoDAsync_v2(u64 dst, const void *src, size_t n, void *s) {
+	EMU_LOCK;
+	int d;
+	if (CUresult r = check_stream(s, "cuMemcpyHtoDAsync", &d)) return r;
+	if (CUresult r = check_range(dst, n, "cuMemcpyHtoDAsync", d)) return r;
 	memcpy((void *)dst, src, n);
 	return 0;
 }
-CUresult cuMemcpyDtoHAsync_v2(void *dst, u64 src, size_t n, void *) {
-	if (CUresult r = check_range(src, n, "cuMemcpyDtoHAsync")) return r;
+CUresult cuMemcpyDtoHAsync_v2(void *dst, u64 src, size_t n, void *s) {
+	EMU_LOCK;
+	int d;
+	if (CUresult r = check_stream(s, "cuMemcpyDtoHAsync", &d)) return r;
+	if (CUresult r = check_range(src, n, "cuMemcpyDtoHAsync", d)) return r;
 	memcpy(dst, (void *)src, n);
 	return 0;
 }
-CUresult cuMemcpyDtoDAsync_v2(u64 dst, u64 src, size_t n, void *) {
-	if (CUresult r = check_range(dst, n, "cuMemcpyDtoDAsync destination")) return r;
-	if (CUresult r = check_range(src, n, "cuMemcpyDtoDAsync source")) return r;
+CUresult cuMemcpyDtoDAsync_v2(u64 dst, u64 src, size_t n, void *s) {
+	EMU_LOCK;
+	int d;
+	if (CUresult r = check_stream(s, "cuMemcpyDtoDAsync", &d)) return r;
+	if (CUresult r = check_range(dst, n, "cuMemcpyDtoDAsync destination", d)) return r;
+	if (CUresult r = check_range(src, n, "cuMemcpyDtoDAsync source", d)) return r;
 	memmove((void *)dst, (void *)src, n);
 	return 0;
 }
-CUresult cuMemsetD8Async(u64 dst, unsigned char v, size_t n, void *) {
-	if (CUresult r = check_range(dst, n, "cuMemsetD8Async")) return r;
+// cuMemcpyPeerAsync copies between two contexts' memory; the emulator
+// wants the pair to have peer access one way or the other (see the top).
+CUresult cuMemcpyPeerAsync(u64 dst, void *dstCtx, u64 src, void *srcCtx, size_t n, void *s) {
+	EMU_LOCK;
+	int d;
+	if (CUresult r = check_stream(s, "cuMemcpyPeerAsync", &d)) return r;
+	if (!is_ctx(dstCtx) || !is_ctx(srcCtx)) return fail(E_INVALID_VALUE, "cuMemcpyPeerAsync: not a context");
+	int dd = ctx_dev(dstCtx), sd = ctx_dev(srcCtx);
+	if (CUresult r = check_range(dst, n, "cuMemcpyPeerAsync destination (in the destination context)", dd)) return r;
+	if (CUresult r = check_range(src, n, "cuMemcpyPeerAsync source (in the source context)", sd)) return r;
+	if (dd != sd && !range_why(src, n, dd).empty() && !range_why(dst, n, sd).empty()) {
+		char buf[200];
+		snprintf(buf, sizeof buf, "cuMemcpyPeerAsync: device %d to device %d without peer access either way (the driver would stage it through the host)", sd, dd);
+		return fail(E_INVALID_VALUE, buf);
+	}
+	memmove((void *)dst, (void *)src, n);
+	return 0;
+}
+CUresult cuMemsetD8Async(u64 dst, unsigned char v, size_t n, void *s) {
+	EMU_LOCK;
+	int d;
+	if (CUresult r = check_stream(s, "cuMemsetD8Async", &d)) return r;
+	if (CUresult r = check_range(dst, n, "cuMemsetD8Async", d)) return r;
 	memset((void *)dst, v, n);
 	return 0;
 }
@@ -596,16 +827,19 @@ struct Module {
 static const char kImageMagic[] = "DISTILL-EMU-CUBIN\n";
 
 CUresult cuModuleLoadData(void **m, const void *image) {
+	EMU_LOCK;
 	const char *s = (const char *)image;
 	if (strncmp(s, kImageMagic, strlen(kImageMagic)) != 0) return fail(E_INVALID_IMAGE, "cuModuleLoadData: not an emulator image");
 	*m = new Module{std::string(s + strlen(kImageMagic))};
 	return 0;
 }
 CUresult cuModuleUnload(void *m) {
+	EMU_LOCK;
 	delete (Module *)m;
 	return 0;
 }
 CUresult cuModuleGetFunction(CUfunction *f, void *m, const char *name) {
+	EMU_LOCK;
 	Module *mod = (Module *)m;
 	auto it = registry().find(name);
 	if (it == registry().end() || mod->src.find(std::string("DK_REGISTER(") + name + ")") == std::string::npos)
@@ -614,6 +848,7 @@ CUresult cuModuleGetFunction(CUfunction *f, void *m, const char *name) {
 	return 0;
 }
 CUresult cuFuncSetAttribute(CUfunction f, int attr, int v) {
+	EMU_LOCK;
 	Kernel *k = (Kernel *)f;
 	if (attr != 8) return fail(E_INVALID_VALUE, "cuFuncSetAttribute: attribute " + std::to_string(attr));
 	if (v > kOptinSmem) return fail(E_INVALID_VALUE, "cuFuncSetAttribute: " + std::to_string(v) + " bytes of shared memory");
@@ -622,11 +857,28 @@ CUresult cuFuncSetAttribute(CUfunction f, int attr, int v) {
 }
 
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned smem,
-                        void *, void **params, void **extra) {
+                        void *stream, void **params, void **extra) {
+	EMU_LOCK;
 	Kernel *k = (Kernel *)f;
 	unsigned nt = bx * by * bz;
 	char buf[300];
 	if (extra) return fail(E_INVALID_VALUE, k->name + ": extra launch options are not emulated");
+	int dev;
+	if (CUresult r = check_stream(stream, ("cuLaunchKernel(" + k->name + ")").c_str(), &dev)) return r;
+	// A pointer parameter into another device's memory that this device
+	// may not reach would fault on a GPU.
+	for (size_t i = 0; i < k->sizes.size(); i++) {
+		if (k->sizes[i] != 8) continue;
+		u64 v;
+		memcpy(&v, params[i], 8);
+		const Alloc *a = find_alloc(v, 1);
+		if (a && !reachable(*a, dev)) {
+			snprintf(buf, sizeof buf, "%s: parameter %zu (0x%llx) points into device %d's memory, which device %d may not reach (no peer access)",
+			         k->name.c_str(), i, (unsigned long long)v, a->dev, dev);
+			return fail(E_ILLEGAL_ADDRESS, buf);
+		}
+	}
+	g_launch_dev = dev;
 	if (nt == 0 || nt > 1024 || nt % 32 != 0) {
 		snprintf(buf, sizeof buf, "%s: block of %u threads: want a multiple of 32, at most 1024", k->name.c_str(), nt);
 		return fail(E_INVALID_VALUE, buf);
@@ -666,7 +918,12 @@ CUresult cuGetErrorName(CUresult r, const char **s) {
 	switch (r) {
 	case 1: *s = "CUDA_ERROR_INVALID_VALUE"; break;
 	case 2: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+	case 101: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
 	case 200: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
+	case 217: *s = "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"; break;
+	case 400: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
+	case 700: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
+	case 704: *s = "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED"; break;
 	case 500: *s = "CUDA_ERROR_NOT_FOUND"; break;
 	case 701: *s = "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"; break;
 	case 719: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
@@ -700,7 +957,7 @@ CUresult cuEventDestroy_v2(void *e) {
 // kernel's C++ signature; nil when they match.
 const char *distill_emu_check_params(CUfunction f, const int *sizes, int n) {
 	Kernel *k = (Kernel *)f;
-	static std::string msg;
+	static thread_local std::string msg;
 	bool ok = n == (int)k->sizes.size();
 	for (int i = 0; ok && i < n; i++) ok = sizes[i] == k->sizes[i];
 	if (ok) return nullptr;
@@ -898,14 +1155,17 @@ static void store_el(void *p, int type, i64 i, float v) {
 // are F32 or BF16 (then beta must be 0: nothing in the backend
 // accumulates into BF16).
 int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_, const void *B, void *lb_, const void *beta, const void *C,
-                   void *lc_, void *D, void *ld_, const void *, void *, size_t, void *) {
+                   void *lc_, void *D, void *ld_, const void *, void *, size_t, void *stream) {
+	EMU_LOCK;
+	int dev;
+	if (check_stream(stream, "cublasLtMatmul", &dev)) return 7; // CUBLAS_STATUS_INVALID_VALUE
 	Desc *ds = (Desc *)d;
 	Layout *la = (Layout *)la_, *lb = (Layout *)lb_, *lc = (Layout *)lc_, *ld = (Layout *)ld_;
 	i64 m = ds->transa ? la->cols : la->rows, k = ds->transa ? la->rows : la->cols, n = ds->transb ? lb->rows : lb->cols;
 	size_t esz = la->type == 14 ? 2 : la->type == 28 ? 1 : 4;
-	if (check_range((u64)A, (size_t)((la->cols - 1) * la->ld + la->rows) * esz, "cublasLtMatmul A") ||
-	    check_range((u64)B, (size_t)((lb->cols - 1) * lb->ld + lb->rows) * esz, "cublasLtMatmul B") ||
-	    check_range((u64)D, (size_t)((ld->cols - 1) * ld->ld + ld->rows) * (ld->type == 14 ? 2 : 4), "cublasLtMatmul D"))
+	if (check_range((u64)A, (size_t)((la->cols - 1) * la->ld + la->rows) * esz, "cublasLtMatmul A", dev) ||
+	    check_range((u64)B, (size_t)((lb->cols - 1) * lb->ld + lb->rows) * esz, "cublasLtMatmul B", dev) ||
+	    check_range((u64)D, (size_t)((ld->cols - 1) * ld->ld + ld->rows) * (ld->type == 14 ? 2 : 4), "cublasLtMatmul D", dev))
 		return 14; // CUBLAS_STATUS_INTERNAL_ERROR
 	float al = *(const float *)alpha, be = *(const float *)beta;
 	if (ld->type == 14 && be != 0) {

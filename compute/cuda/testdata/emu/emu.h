@@ -31,9 +31,23 @@ void __syncwarp();
 void emu_warp_exchange(const void *mine, void *theirs, size_t n, int src);
 void *emu_dyn_smem();
 // emu_range_ok reports whether the n bytes at device address p lie inside
-// one live allocation; if not, it says why in why (the cuDNN stand-in,
-// emu_cudnn.cpp, checks every device tensor's extent with it).
+// one live allocation that the calling thread's current device may reach
+// (its own, or a peer's that granted it access); if not, it says why in
+// why (the cuDNN and NCCL stand-ins check every device buffer with it).
 bool emu_range_ok(u64 p, size_t n, char *why, size_t whylen);
+// The emulator is safe for use by several host threads (the driver is):
+// every entry point holds one recursive lock for its whole call (kernels
+// run one launch at a time), except NCCL's, whose ranks wait for each
+// other and take it only around their own checks. EmuGuard holds it for
+// a scope.
+void emu_lock();
+void emu_unlock();
+struct EmuGuard {
+	EmuGuard() { emu_lock(); }
+	~EmuGuard() { emu_unlock(); }
+	EmuGuard(const EmuGuard &) = delete;
+	EmuGuard &operator=(const EmuGuard &) = delete;
+};
 void emu_mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]);
 // cp.async (prelude.cuh: cp_async16, cp_async4): n bytes from global src
 // to dynamic shared dst, zeros when !valid, copied at once but counted as

@@ -70,7 +70,7 @@ namespace {
 // The last failure, for cudnnGetLastErrorString: one for the process (a
 // Go caller's cgo calls may each run on a different thread; the emulator
 // runs one call at a time anyway).
-std::string g_last;
+thread_local std::string g_last;
 
 int fail(int code, const std::string &msg) {
 	g_last = msg;
@@ -1533,6 +1533,7 @@ int put_count(i64 *count, i64 n) {
 extern "C" {
 
 size_t cudnnGetVersion(void) {
+	EmuGuard guard;
 	const char *v = getenv("DISTILL_EMU_CUDNN_VERSION");
 	if (v && *v) return (size_t)strtoull(v, nullptr, 10);
 	return 91900;
@@ -1541,11 +1542,13 @@ size_t cudnnGetVersion(void) {
 const char *cudnnGetErrorString(int status) { return status_name(status); }
 
 void cudnnGetLastErrorString(char *msg, size_t max) {
+	EmuGuard guard;
 	if (!msg || max == 0) return;
 	snprintf(msg, max, "%s", g_last.c_str());
 }
 
 int cudnnCreate(void **handle) {
+	EmuGuard guard;
 	if (!handle) return fail(CUDNN_STATUS_BAD_PARAM_NULL_POINTER, "cudnnCreate: handle is NULL");
 	Handle *h = new Handle;
 	g_handles.insert(h);
@@ -1554,18 +1557,21 @@ int cudnnCreate(void **handle) {
 }
 
 int cudnnDestroy(void *handle) {
+	EmuGuard guard;
 	if (!g_handles.erase((Handle *)handle)) return fail(CUDNN_STATUS_BAD_PARAM, strf("cudnnDestroy: %p is not a handle from cudnnCreate", handle));
 	delete (Handle *)handle;
 	return 0;
 }
 
 int cudnnSetStream(void *handle, void *stream) {
+	EmuGuard guard;
 	if (!g_handles.count((Handle *)handle)) return fail(CUDNN_STATUS_BAD_PARAM, strf("cudnnSetStream: %p is not a handle from cudnnCreate", handle));
 	((Handle *)handle)->stream = stream;
 	return 0;
 }
 
 int cudnnBackendCreateDescriptor(int type, void **desc) {
+	EmuGuard guard;
 	if (!desc) return fail(CUDNN_STATUS_BAD_PARAM_NULL_POINTER, "cudnnBackendCreateDescriptor: descriptor is NULL");
 	if (!desc_name(type))
 		return fail(CUDNN_STATUS_NOT_SUPPORTED, strf("cudnnBackendCreateDescriptor: descriptor type %d is not emulated", type));
@@ -1577,6 +1583,7 @@ int cudnnBackendCreateDescriptor(int type, void **desc) {
 }
 
 int cudnnBackendDestroyDescriptor(void *desc) {
+	EmuGuard guard;
 	Desc *d = live(desc);
 	if (!d) return fail(CUDNN_STATUS_BAD_PARAM, strf("cudnnBackendDestroyDescriptor: %p is not a live descriptor", desc));
 	g_descs.erase(d);
@@ -1585,6 +1592,7 @@ int cudnnBackendDestroyDescriptor(void *desc) {
 }
 
 int cudnnBackendSetAttribute(void *desc, int name, int type, int64_t count, const void *elems) {
+	EmuGuard guard;
 	Desc *d = live(desc);
 	if (!d) return fail(CUDNN_STATUS_BAD_PARAM, strf("cudnnBackendSetAttribute(%s): %p is not a live descriptor", attr_label(name).c_str(), desc));
 	std::string w = "cudnnBackendSetAttribute(" + desc_label(d->type) + ", " + attr_label(name) + ")";
@@ -1606,6 +1614,7 @@ int cudnnBackendSetAttribute(void *desc, int name, int type, int64_t count, cons
 }
 
 int cudnnBackendFinalize(void *desc) {
+	EmuGuard guard;
 	Desc *d = live(desc);
 	if (!d) return fail(CUDNN_STATUS_BAD_PARAM, strf("cudnnBackendFinalize: %p is not a live descriptor", desc));
 	if (d->finalized) return 0;
@@ -1632,6 +1641,7 @@ int cudnnBackendFinalize(void *desc) {
 }
 
 int cudnnBackendGetAttribute(void *desc, int name, int type, int64_t requested, int64_t *count, void *elems) {
+	EmuGuard guard;
 	Desc *d = live(desc);
 	if (!d) return fail(CUDNN_STATUS_BAD_PARAM, strf("cudnnBackendGetAttribute(%s): %p is not a live descriptor", attr_label(name).c_str(), desc));
 	std::string w = "cudnnBackendGetAttribute(" + desc_label(d->type) + ", " + attr_label(name) + ")";
@@ -1703,6 +1713,7 @@ int cudnnBackendGetAttribute(void *desc, int name, int type, int64_t requested, 
 }
 
 int cudnnBackendExecute(void *handle, void *plan, void *variantPack) {
+	EmuGuard guard;
 	if (!handle) return fail(CUDNN_STATUS_BAD_PARAM_NULL_POINTER, "cudnnBackendExecute: handle is NULL");
 	if (!g_handles.count((Handle *)handle)) return fail(CUDNN_STATUS_BAD_PARAM, strf("cudnnBackendExecute: %p is not a handle from cudnnCreate", handle));
 	Desc *p = live(plan), *v = live(variantPack);

@@ -1,0 +1,168 @@
+package serve
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"distill/compute"
+	"distill/compute/cuda/cudaemu"
+	"distill/infer"
+	"distill/model"
+	pb "distill/proto/distill/v1"
+)
+
+// tinyModel2 is tinyModel with two layers: a teacher two GPUs can split.
+func tinyModel2(t testing.TB) string {
+	t.Helper()
+	dir := t.TempDir()
+	cfg, err := model.Preset(model.ArchQwen3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.VocabSize, cfg.Hidden, cfg.Layers, cfg.Intermediate, cfg.MaxPositions = 512, 32, 2, 64, 256
+	if err := model.WriteCheckpoint(dir, cfg, model.Init(cfg, model.InitOptions{Seed: 7, Std: 0.5, Perturb: true}), "BF16"); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// usePipeEmu points the test (and the daemons it spawns) at the CUDA
+// emulator with two GPUs.
+func usePipeEmu(t *testing.T) {
+	t.Helper()
+	cudaemu.Use(t)
+	if cudaemu.OnGPU() {
+		t.Skip("two GPUs: emulated only")
+	}
+	t.Setenv("DISTILL_EMU_DEVICES", "2")
+	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
+}
+
+// TestCorePipelined: a core on two emulated GPUs (teacherd --devices 0,1,
+// cachectl fill --model --devices 0,1) splits the layers, one a GPU, and
+// scores as the one-GPU core does, bit for bit (one micro-batch); its
+// memory check names the GPU that is short; --devices with the CPU is an
+// error.
+func TestCorePipelined(t *testing.T) {
+	usePipeEmu(t)
+	mdir := tinyModel2(t)
+	one, err := NewCore(CoreOptions{ModelDir: mdir, Device: "cuda", TokenBudget: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer one.Close()
+	two, err := NewCore(CoreOptions{ModelDir: mdir, Device: "cuda", Devices: []int{0, 1}, TokenBudget: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer two.Close()
+	st := two.Model().Stages()
+	if len(st) != 2 || st[0].What() != "embedding, layer 0" || st[1].What() != "layer 1, norm, LM head" {
+		t.Fatalf("stages %+v", st)
+	}
+	samples := [][]int32{{1, 2, 3, 4, 5, 6, 7, 8}, {300, 12}, {511, 0, 9, 9, 9}}
+	want, err := one.Model().TopK(samples, infer.Options{K: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := two.Model().TopK(samples, infer.Options{K: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for s := range samples {
+		if !slices.Equal(got[s].IDs, want[s].IDs) || !slices.Equal(got[s].LogProbs, want[s].LogProbs) {
+			t.Errorf("sample %d: two GPUs' top-k differs from one GPU's", s)
+		}
+	}
+	// GPU 1 shrunk to what is in use now plus 300 tokens' worth.
+	free, total := two.Model().Backends()[1].(compute.DeviceMemory).MemInfo()
+	room := two.Model().StageDeviceBytes(1, 300, 256, DefaultKDefault, 0)
+	t.Setenv("DISTILL_EMU_DEVICE_MEM_1", fmt.Sprint(2*(total-free)+256<<20+room))
+	_, err = NewCore(CoreOptions{ModelDir: mdir, Device: "cuda", Devices: []int{0, 1}, TokenBudget: 4096, KMax: DefaultKDefault})
+	if !errors.Is(err, ErrInvalid) || !errors.Is(err, infer.ErrDeviceMemory) || !strings.Contains(err.Error(), "GPU 1 (distill CPU emulator) (pipeline stage of layer 1, norm, LM head)") {
+		t.Errorf("a budget GPU 1 cannot hold: %v", err)
+	}
+	t.Setenv("DISTILL_EMU_DEVICE_MEM_1", "")
+	if _, err := NewCore(CoreOptions{ModelDir: mdir, Device: "cpu", Devices: []int{0, 1}}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "needs --device cuda") {
+		t.Errorf("--device cpu --devices 0,1: %v", err)
+	}
+	if _, err := NewCore(CoreOptions{ModelDir: mdir, Device: "cuda", Devices: []int{0, 5}}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "GPU 5") {
+		t.Errorf("--devices 0,5 on two GPUs: %v", err)
+	}
+}
+
+// TestSIGTERMDrainsPipelined is TestSIGTERMDrains for a daemon whose
+// teacher spans two emulated GPUs, its forwards cut into micro-batches
+// (teacherd --devices 0,1 --micro-batches 3): SIGTERM in the middle of a
+// fill, the chunk in flight finishes through the pipeline (the drain), the
+// daemon exits 0 with only whole chunks committed, and a fill on the same
+// cache by a pipelined in-process teacher resumes and completes it, equal
+// to that teacher's forward.
+func TestSIGTERMDrainsPipelined(t *testing.T) {
+	usePipeEmu(t)
+	mdir := tinyModel2(t)
+	tmp := t.TempDir()
+	path, samples := writeIDsDataset(t, tmp, 24, 24, 512, 6)
+	dA := t.TempDir()
+	a := spawnDaemon(t, mdir, dA, "127.0.0.1:0", 2, "SERVE_TEST_DEVICE=cuda", "SERVE_TEST_DEVICES=0,1", "SERVE_TEST_MICRO_BATCHES=3")
+	wa, _ := Dial(a.addr, DialOptions{})
+	defer wa.Close()
+	if !strings.Contains(a.log.String(), "pipeline stage") {
+		t.Fatalf("the daemon's log names no pipeline stage:\n%s", a.log)
+	}
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	var reported atomic.Int64
+	plan := FillPlan{Dataset: ds, ChunkSamples: 4, K: 4, Encoding: "lossless", PerWorker: 1, RetryFor: 500 * time.Millisecond,
+		onChunk: func(w Worker, r *pb.FillResponse) {
+			if !r.GetSkipped() {
+				reported.Add(1)
+			}
+		}}
+	done := startFill([]Worker{wa}, plan)
+	select {
+	case <-a.held:
+	case r := <-done:
+		t.Fatalf("the fill ended (%v) before the daemon held in its second forward\n%s", r.err, a.log)
+	}
+	held := reported.Load()
+	a.cmd.Process.Signal(syscall.SIGTERM)
+	a.await(t, a.stopping, "it reported SIGTERM")
+	a.release(t) // the chunk in flight goes through the pipeline, inside the drain
+	r := <-done
+	if r.err == nil || !strings.Contains(r.err.Error(), "re-run the same command to resume") {
+		t.Fatalf("fill against a stopping daemon: %v", r.err)
+	}
+	if err := a.wait(); err != nil {
+		t.Fatalf("daemon exit after SIGTERM: %v\n%s", err, a.log)
+	}
+	if !strings.Contains(a.log.String(), "drained") {
+		t.Errorf("no drain in the log:\n%s", a.log)
+	}
+	if n := reported.Load(); n != held+1 {
+		t.Errorf("%d chunks reported before SIGTERM, %d after the drain: the chunk in flight was not finished", held, n)
+	}
+	core, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: dA, TokenBudget: 200, Device: "cuda", Devices: []int{0, 1}, MicroBatches: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lw := Local(core)
+	defer lw.Close()
+	plan.onChunk = nil
+	sum, err := RunFill(context.Background(), []Worker{lw}, plan)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sum.Chunks == 0 || sum.Chunks >= 6 {
+		t.Errorf("the resumed fill computed %d chunks of 6: want the ones the daemon had not committed", sum.Chunks)
+	}
+	checkAgainstForward(t, core.Model(), samples, 4, 200, dA)
+	os.RemoveAll(dA)
+}
