@@ -102,7 +102,7 @@ type shardLayout struct {
 	pieces func(r int) []train.Piece
 }
 
-// layout is the run's checkpoint layout, or nil to save gathered (a
+// shardLayout is the run's sharded checkpoint layout, or nil to save gathered (a
 // single process, ZeRO 0, a LoRA run, or checkpoint.layout: gathered).
 func (r *trainRun) shardLayout() *shardLayout {
 	switch {
