@@ -27,7 +27,10 @@ type cacheStatus struct {
 	Tokens        int64          `json:"tokens"`
 	Bytes         int64          `json:"bytes"`
 	BytesPerToken float64        `json:"bytes_per_token"`
-	BytesPerEntry float64        `json:"bytes_per_entry"`
+	// BytesPerEntry is BytesPerToken / k, top-k caches only: a sampled
+	// kind's bytes are mostly its draws, and a sampled cache has k 0 (the
+	// division made +Inf, which encoding/json refuses).
+	BytesPerEntry float64 `json:"bytes_per_entry,omitempty"`
 }
 
 func statusMain(args []string, stdout, stderr io.Writer) error {
@@ -50,7 +53,9 @@ func statusMain(args []string, stdout, stderr io.Writer) error {
 	}
 	if st.Tokens > 0 {
 		st.BytesPerToken = float64(st.Bytes) / float64(st.Tokens)
-		st.BytesPerEntry = st.BytesPerToken / float64(st.Manifest.K)
+		if !st.Manifest.Sampled() && st.Manifest.K > 0 {
+			st.BytesPerEntry = st.BytesPerToken / float64(st.Manifest.K)
+		}
 	}
 	if st.Missing == nil {
 		st.Missing = []cache.Range{}
@@ -62,11 +67,19 @@ func statusMain(args []string, stdout, stderr io.Writer) error {
 	}
 	m := st.Manifest
 	fmt.Fprintf(stdout, "cache      %v\n", dirs)
-	fmt.Fprintf(stdout, "format     v%d, encoding %s, k %d, vocab %d, temperature %g\n", m.FormatVersion, m.Encoding, m.K, m.VocabSize, m.Temperature)
+	fmt.Fprintf(stdout, "format     v%d, encoding %s, k %d, vocab %d, temperature %g", m.FormatVersion, m.Encoding, m.K, m.VocabSize, m.Temperature)
+	if m.Sampled() {
+		fmt.Fprintf(stdout, ", targets %s, %d draws", m.Kind(), m.Draws)
+	}
+	fmt.Fprintln(stdout)
 	fmt.Fprintf(stdout, "teacher    %s\ntokenizer  %s\ndataset    %s\n", m.TeacherFingerprint, m.TokenizerFingerprint, m.DatasetFingerprint)
 	fmt.Fprintf(stdout, "samples    %d of %d done (%.1f%%) in %d chunks\n", st.SamplesDone, m.Samples, 100*float64(st.SamplesDone)/float64(m.Samples), st.Chunks)
 	fmt.Fprintf(stdout, "missing    %s\n", formatRanges(st.Missing, 20))
 	fmt.Fprintf(stdout, "tokens     %d\n", st.Tokens)
-	fmt.Fprintf(stdout, "bytes      %d (%.1f B/token, %.3f B per top-k entry)\n", st.Bytes, st.BytesPerToken, st.BytesPerEntry)
+	if st.BytesPerEntry > 0 {
+		fmt.Fprintf(stdout, "bytes      %d (%.1f B/token, %.3f B per top-k entry)\n", st.Bytes, st.BytesPerToken, st.BytesPerEntry)
+	} else {
+		fmt.Fprintf(stdout, "bytes      %d (%.1f B/token)\n", st.Bytes, st.BytesPerToken)
+	}
 	return nil
 }

@@ -161,6 +161,35 @@ func TestExportInspectSampled(t *testing.T) {
 		if !strings.Contains(out, line) || strings.Count(out, "   drawn ") != len(s.DrawIDs) {
 			t.Fatalf("%s inspect: want %q and %d drawn lines:\n%s", kind, line, len(s.DrawIDs), out)
 		}
+
+		// status: a sampled cache has k 0, whose bytes per top-k entry
+		// was +Inf, which --json could not encode; neither form has it.
+		out, err = run(t, wrap(statusMain), "--cache", dir, "--json")
+		if err != nil {
+			t.Fatalf("%s status --json: %v\n%s", kind, err, out)
+		}
+		var st cacheStatus
+		if err := json.Unmarshal([]byte(out), &st); err != nil {
+			t.Fatalf("%s status --json: %v\n%s", kind, err, out)
+		}
+		var bytes, tokens int64
+		for _, c := range r.Chunks() {
+			fi, err := os.Stat(c.Path())
+			if err != nil {
+				t.Fatal(err)
+			}
+			bytes, tokens = bytes+fi.Size(), tokens+c.Tokens
+		}
+		if st.SamplesDone != 5 || st.Bytes != bytes || st.BytesPerToken != float64(bytes)/float64(tokens) || strings.Contains(out, "bytes_per_entry") {
+			t.Errorf("%s status --json = %+v: want 5 samples, %d bytes over %d tokens, no bytes_per_entry\n%s", kind, st, bytes, tokens, out)
+		}
+		out, err = run(t, wrap(statusMain), "--cache", dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(out, "targets "+kind+", 20 draws") || strings.Contains(out, "Inf") || strings.Contains(out, "top-k entry") {
+			t.Errorf("%s status: want its targets and draws, and no bytes per top-k entry:\n%s", kind, out)
+		}
 	}
 }
 
