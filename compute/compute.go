@@ -741,6 +741,46 @@ type Collective interface {
 	Close() error
 }
 
+// Overlapper is implemented by backends that can run work beside their
+// stream of kernels: the CUDA backend on a second stream of the same GPU.
+// ZeRO's collectives overlap the compute with it (package train: a
+// block's gradients are reduce-scattered while the previous block's
+// backward runs, the next block's weights all-gathered while this one's
+// forward runs).
+type Overlapper interface {
+	// Beside runs f now on the calling goroutine; the work f issues on
+	// the backend (kernels, copies, the backend's collectives) goes to the
+	// second stream, after everything issued so far on the first, and
+	// runs beside whatever the first stream gets next. The returned
+	// Fence's Wait makes the work issued on the first stream after it
+	// wait for f's. Nothing else may issue work on the backend while f
+	// runs, and f must not call Beside.
+	Beside(f func()) Fence
+}
+
+// Fence is work that runs beside a backend's stream (Overlapper.Beside).
+type Fence interface {
+	// Wait makes the backend's work issued from now on wait for the
+	// fenced work (on the device: the host does not wait).
+	Wait()
+}
+
+// Beside runs f beside be's later work where be is an Overlapper, else in
+// order with it (the returned Fence's Wait then does nothing). Every use
+// of what f writes, and every write of what f reads, must come after the
+// Fence's Wait.
+func Beside(be Backend, f func()) Fence {
+	if o, ok := be.(Overlapper); ok {
+		return o.Beside(f)
+	}
+	f()
+	return noFence{}
+}
+
+type noFence struct{}
+
+func (noFence) Wait() {}
+
 // CollectiveID is the opaque token that joins the ranks of one group: rank
 // 0 makes it (Collectives.NewCollectiveID) and hands it to the others out
 // of band (package train/dist's rendezvous).

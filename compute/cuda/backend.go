@@ -77,16 +77,21 @@ type Backend struct {
 	dev    C.CUdevice
 	ctx    C.CUcontext
 	stream C.CUstream
-	pool   C.CUmemoryPool // the device's default pool, which alloc draws from
-	ltH    C.cublasLtHandle_t
-	ws     uint64 // cuBLASLt workspace
-	mods   []C.CUmodule
-	fns    map[string]C.CUfunction
-	smem   map[string]int // dynamic shared memory each kernel opted in to
-	plans  map[gemmShape]*gemmPlan
-	attn   attnMode
-	dnn    *cudnnLib // nil: attention on the own kernels
-	logf   func(string, ...any)
+	// side is the second stream (side.go), made on first use; main holds
+	// b.stream while Beside points b.stream at side (besideOn).
+	side, main C.CUstream
+	besideOn   bool
+	evPlain    []C.CUevent    // events without timing, for reuse (side.go)
+	pool       C.CUmemoryPool // the device's default pool, which alloc draws from
+	ltH        C.cublasLtHandle_t
+	ws         uint64 // cuBLASLt workspace
+	mods       []C.CUmodule
+	fns        map[string]C.CUfunction
+	smem       map[string]int // dynamic shared memory each kernel opted in to
+	plans      map[gemmShape]*gemmPlan
+	attn       attnMode
+	dnn        *cudnnLib // nil: attention on the own kernels
+	logf       func(string, ...any)
 
 	attnNondet bool          // Options.AttnNondeterministic
 	attnBwd    attnMode      // Options.AttentionBackward
@@ -349,10 +354,13 @@ func (b *Backend) release() {
 	for _, m := range b.marks {
 		b.evFree = append(b.evFree, m.pre, m.end)
 	}
-	for _, e := range b.evFree {
+	if b.side != nil {
+		C.call_cuStreamSynchronize(d.cuStreamSynchronize, b.side)
+	}
+	for _, e := range append(b.evFree, b.evPlain...) {
 		C.call_cuEventDestroy(d.cuEventDestroy, e)
 	}
-	b.marks, b.evFree = nil, nil
+	b.marks, b.evFree, b.evPlain = nil, nil, nil
 	for _, p := range b.plans {
 		b.lt.destroyPlan(p)
 	}
@@ -374,6 +382,10 @@ func (b *Backend) release() {
 	if b.stream != nil {
 		C.call_cuStreamDestroy(d.cuStreamDestroy, b.stream)
 		b.stream = nil
+	}
+	if b.side != nil {
+		C.call_cuStreamDestroy(d.cuStreamDestroy, b.side)
+		b.side = nil
 	}
 	b.releasePeer()
 	if b.ctx != nil {

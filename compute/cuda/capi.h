@@ -134,6 +134,7 @@ static inline CUresult call_cuGetErrorString(void *f, CUresult r, const char **s
 	return ((CUresult(*)(CUresult, const char **))f)(r, s);
 }
 static inline CUresult call_cuEventCreate(void *f, CUevent *e, unsigned flags) { return ((CUresult(*)(CUevent *, unsigned))f)(e, flags); }
+static inline CUresult call_cuStreamWaitEvent(void *f, CUstream s, CUevent e, unsigned flags) { return ((CUresult(*)(CUstream, CUevent, unsigned))f)(s, e, flags); }
 static inline CUresult call_cuEventRecord(void *f, CUevent e, CUstream s) { return ((CUresult(*)(CUevent, CUstream))f)(e, s); }
 static inline CUresult call_cuEventSynchronize(void *f, CUevent e) { return ((CUresult(*)(CUevent))f)(e); }
 static inline CUresult call_cuEventElapsedTime(void *f, float *ms, CUevent a, CUevent b) {

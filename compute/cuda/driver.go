@@ -50,6 +50,7 @@ type driver struct {
 	cuModuleLoadData, cuModuleUnload, cuModuleGetFunction, cuFuncSetAttribute             unsafe.Pointer
 	cuLaunchKernel, cuGetErrorName, cuGetErrorString                                      unsafe.Pointer
 	cuEventCreate, cuEventRecord, cuEventSynchronize, cuEventElapsedTime, cuEventDestroy  unsafe.Pointer
+	cuStreamWaitEvent                                                                     unsafe.Pointer
 	cuMemcpyPeerAsync, cuDeviceCanAccessPeer, cuCtxEnablePeerAccess, cuMemPoolSetAccess   unsafe.Pointer
 	cuMemAllocHost, cuMemFreeHost                                                         unsafe.Pointer
 }
@@ -94,6 +95,7 @@ func loadDriver() (*driver, error) {
 		"cuGetErrorName":                           &d.cuGetErrorName,
 		"cuGetErrorString":                         &d.cuGetErrorString,
 		"cuEventCreate":                            &d.cuEventCreate,
+		"cuStreamWaitEvent":                        &d.cuStreamWaitEvent,
 		"cuEventRecord":                            &d.cuEventRecord,
 		"cuEventSynchronize":                       &d.cuEventSynchronize,
 		"cuEventElapsedTime_v2|cuEventElapsedTime": &d.cuEventElapsedTime,

@@ -99,6 +99,10 @@ func TestEmuDeviceIsolation(t *testing.T) {
 	}
 	x0, x1 := b0.New(compute.F32, 64), b1.New(compute.F32, 64)
 	p0, p1 := x0.(*tensor).p, x1.(*tensor).p
+	func() { // New's zeroing on GPU 0 is done before GPU 1 reads x0
+		defer b0.enter()()
+		b0.sync()
+	}()
 	try := func(f func()) (msg string) {
 		defer func() {
 			if r := recover(); r != nil {

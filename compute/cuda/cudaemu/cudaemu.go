@@ -13,9 +13,13 @@
 // DISTILL_EMU_DEVICES GPUs (default 1), each with its own memory
 // (DISTILL_EMU_DEVICE_MEM, or DISTILL_EMU_DEVICE_MEM_<ordinal> for one),
 // contexts, streams and pool, with peer access between them unless
-// DISTILL_EMU_PEER=0 (emu.cpp's header says what it checks). What it cannot show: real
-// concurrency (races), real tensor-core, cuBLASLt and cuDNN numerics, which
-// graphs cuDNN's engines accept, speed. Those need the GPU suite
+// DISTILL_EMU_PEER=0 (emu.cpp's header says what it checks). It runs each
+// stream's work when it is issued, and checks the order between streams
+// that a GPU would not keep: work on two streams touching one allocation
+// with no event or host synchronization between them fails, naming both
+// (emu.cpp, "stream order"; DISTILL_EMU_RACE=0 turns it off). What it
+// cannot show: races inside a kernel, timing, real tensor-core, cuBLASLt
+// and cuDNN numerics, which graphs cuDNN's engines accept, speed. Those need the GPU suite
 // (scripts/gpu-suite.sh).
 //
 // It is for tests only: it builds from the source tree. With

@@ -28,7 +28,9 @@
 // held to the same rule (stricter than the driver, which would stage an
 // unreachable copy through the host itself: the emulator makes a missing
 // grant visible). cuMemAllocHost gives pinned host memory (plain memory
-// here).
+// here). Streams: every operation runs when it is enqueued, and the order
+// the program asks for between streams (events, host synchronization) is
+// checked instead ("stream order" below).
 #include "emu.h"
 
 #include <cstdio>
@@ -77,18 +79,20 @@ struct Kernel {
 	void *fn;
 	emu_tramp tramp;
 	std::vector<int> sizes;
+	std::vector<int> ro; // a pointer to const: read only
 	int maxDynSmem = 48 << 10;
 };
 static std::map<std::string, Kernel> &registry() {
 	static std::map<std::string, Kernel> r;
 	return r;
 }
-int emu_register(const char *name, void *fn, emu_tramp tramp, const int *sizes, int n) {
+int emu_register(const char *name, void *fn, emu_tramp tramp, const int *sizes, const int *ro, int n) {
 	Kernel k;
 	k.name = name;
 	k.fn = fn;
 	k.tramp = tramp;
 	k.sizes.assign(sizes, sizes + n);
+	k.ro.assign(ro, ro + n);
 	registry()[name] = k;
 	return 0;
 }
@@ -450,6 +454,7 @@ static int ctx_dev(void *c) { return (int)((int *)c - g_ctx); }
 static bool is_ctx(void *c) { return (int *)c >= g_ctx && (int *)c < g_ctx + kMaxDev && valid_dev(ctx_dev(c)); }
 struct Stream {
 	int dev;
+	int id; // its name in the stream-order checks (1, 2, ...)
 };
 static std::set<Stream *> g_streams;
 // stream_dev is the device of stream s (the current context's for the
@@ -511,6 +516,8 @@ static size_t emu_device_mem(int d) {
 	return v && *v ? (size_t)strtoull(v, nullptr, 10) : (size_t)16 << 30;
 }
 
+static void forget(u64 p); // stream order: a new or freed allocation has no history
+
 static u64 emu_alloc(size_t n, int d, bool pool) {
 	size_t total = emu_device_mem(d);
 	if (g_used[d] > total || n > total - g_used[d]) return 0;
@@ -519,6 +526,7 @@ static u64 emu_alloc(size_t n, int d, bool pool) {
 	if (!p) return 0;
 	memset(p, 0xff, sz); // device memory is not zeroed: poison it
 	g_allocs[(u64)p] = Alloc{n, d, pool};
+	forget((u64)p);
 	g_used[d] += n;
 	if (g_used[d] > g_used_high[d]) g_used_high[d] = g_used[d];
 	return (u64)p;
@@ -535,6 +543,7 @@ static CUresult emu_free(u64 p, const char *who) {
 	free((void *)p);
 	g_used[it->second.dev] -= it->second.n;
 	g_allocs.erase(it);
+	forget(p);
 	return 0;
 }
 
@@ -592,6 +601,133 @@ static CUresult check_stream(void *s, const char *who, int *dev) {
 	return 0;
 }
 
+// ---------------------------------------------------------------- stream order
+//
+// The emulator runs each operation when it is enqueued, so the work of two
+// streams happens in the host's issue order, an order a GPU does not keep:
+// a program that forgot an event between two streams runs right here and
+// races there. So the emulator checks the order the program asks for, as
+// a race detector does (vector clocks): every operation on a stream takes
+// the next tick of that stream's clock; a stream's clock also holds what
+// it has waited for (cuStreamWaitEvent: the clock an event took at
+// cuEventRecord) and what the host had waited for when it enqueued the
+// operation (cuStreamSynchronize, cuEventSynchronize, cuCtxSynchronize).
+// Each allocation remembers its last writer and its readers since; an
+// operation that writes an allocation a read or a write on another stream
+// touched, or reads one another stream wrote, with no tick of that
+// access in its stream's clock, fails with CUDA_ERROR_ILLEGAL_STATE
+// naming both operations. So does a cuMemFreeAsync of memory another
+// stream may still use. Accesses: a kernel reads a parameter that is a
+// pointer to const and reads and writes any other parameter that points
+// into an allocation (whole allocations: no finer); copies, memsets,
+// cuBLASLt's A, B, C and D, cuDNN's tensors (all as written) and NCCL's
+// buffers as they are used. Not seen: pointers a kernel reads from
+// device memory (the multi-tensor kernels' tables). The NULL stream is
+// one more stream per device here (not the legacy stream's implicit
+// synchronization). DISTILL_EMU_RACE=0 turns the checks off.
+enum { E_ILLEGAL_STATE = 401 };
+typedef std::map<int, u64> VClock;
+static void vc_join(VClock &a, const VClock &b) {
+	for (auto &kv : b)
+		if (a[kv.first] < kv.second) a[kv.first] = kv.second;
+}
+static u64 vc_get(const VClock &a, int s) {
+	auto it = a.find(s);
+	return it == a.end() ? 0 : it->second;
+}
+static int g_next_stream = 1;
+static VClock g_host_vc;                // what the host has waited for
+static std::map<int, VClock> g_vc;     // a stream's clock, by id
+static std::map<int, int> g_stream_of; // a stream id's device
+struct Access {
+	int sid;
+	u64 tick;
+	std::string what;
+};
+struct History {
+	bool written = false;
+	Access w;
+	std::map<int, Access> r; // the latest read of each stream since w
+};
+static std::map<u64, History> g_hist; // by allocation address
+static bool race_checks() {
+	const char *v = getenv("DISTILL_EMU_RACE");
+	return !(v && v[0] == '0');
+}
+// sid_of is stream s's id (NULL: the current device's default stream).
+static int sid_of(void *s) {
+	int id = s ? ((Stream *)s)->id : -1 - t_dev;
+	g_stream_of[id] = s ? ((Stream *)s)->dev : t_dev;
+	return id;
+}
+// op_begin starts an operation on stream sid: after what the host had
+// waited for, one tick later than the stream's last.
+static void op_begin(int sid) {
+	VClock &v = g_vc[sid];
+	vc_join(v, g_host_vc);
+	v[sid]++;
+}
+static std::string sname(int sid) {
+	char buf[64];
+	if (sid < 0) snprintf(buf, sizeof buf, "device %d's NULL stream", -1 - sid);
+	else snprintf(buf, sizeof buf, "stream %d (device %d)", sid, g_stream_of[sid]);
+	return buf;
+}
+// touch records operation what on stream sid reading or writing the
+// allocation that holds p (if any), or says why it races.
+static std::string touch(int sid, u64 p, bool write, const std::string &what) {
+	if (!race_checks()) return "";
+	auto it = g_allocs.upper_bound(p);
+	if (it == g_allocs.begin()) return "";
+	--it;
+	if (p < it->first || p >= it->first + (it->second.n ? it->second.n : 1)) return "";
+	History &h = g_hist[it->first];
+	const VClock &v = g_vc[sid];
+	auto unordered = [&](const Access &a) { return a.sid != sid && vc_get(v, a.sid) < a.tick; };
+	const Access *other = nullptr;
+	const char *did = "";
+	if (h.written && unordered(h.w)) other = &h.w, did = "wrote";
+	if (!other && write)
+		for (auto &kv : h.r)
+			if (unordered(kv.second)) {
+				other = &kv.second, did = "read";
+				break;
+			}
+	if (other) {
+		char buf[200];
+		snprintf(buf, sizeof buf, " the %zu-byte allocation at 0x%llx, which ", it->second.n, (unsigned long long)it->first);
+		return "stream-order race: " + what + " on " + sname(sid) + (write ? " writes" : " reads") + buf + other->what + " on " + sname(other->sid) +
+		       " " + did + " with nothing ordering the two (record an event after the one and make the other's stream wait for it: cuEventRecord, cuStreamWaitEvent; or synchronize the host between them)";
+	}
+	Access a{sid, vc_get(v, sid), what};
+	if (write) {
+		h.written = true;
+		h.w = a;
+		h.r.clear();
+	} else {
+		h.r[sid] = a;
+	}
+	return "";
+}
+// touch_fail fails with touch's reason, if any.
+static CUresult touch_fail(int sid, u64 p, bool write, const std::string &what) {
+	std::string w = touch(sid, p, write, what);
+	return w.empty() ? 0 : fail(E_ILLEGAL_STATE, w);
+}
+// forget drops the history of the allocation at p (freed, or new).
+static void forget(u64 p) { g_hist.erase(p); }
+
+bool emu_stream_access(void *s, u64 p, bool write, const char *what, char *why, size_t whylen) {
+	EMU_LOCK;
+	if (s && !g_streams.count((Stream *)s)) return true; // check_stream's to report
+	int sid = sid_of(s);
+	op_begin(sid);
+	std::string w = touch(sid, p, write, what);
+	if (w.empty()) return true;
+	snprintf(why, whylen, "%s", w.c_str());
+	return false;
+}
+
 // ---------------------------------------------------------------- driver API
 
 static const int kOptinSmem = 232448; // H100's 227 KB
@@ -644,11 +780,17 @@ CUresult cuCtxSetCurrent(void *c) {
 	t_dev = c ? ctx_dev(c) : 0;
 	return 0;
 }
-CUresult cuCtxSynchronize() { return 0; }
+CUresult cuCtxSynchronize() {
+	EMU_LOCK;
+	for (auto &kv : g_vc)
+		if (g_stream_of[kv.first] == t_dev) vc_join(g_host_vc, kv.second);
+	return 0;
+}
 CUresult cuStreamCreate(void **s, unsigned) {
 	EMU_LOCK;
-	Stream *st = new Stream{t_dev};
+	Stream *st = new Stream{t_dev, g_next_stream++};
 	g_streams.insert(st);
+	g_stream_of[st->id] = t_dev;
 	*s = st;
 	return 0;
 }
@@ -660,7 +802,9 @@ CUresult cuStreamDestroy_v2(void *s) {
 }
 CUresult cuStreamSynchronize(void *s) {
 	EMU_LOCK;
-	return stream_dev(s) < 0 ? fail(E_INVALID_HANDLE, "cuStreamSynchronize: not a stream") : 0;
+	if (stream_dev(s) < 0) return fail(E_INVALID_HANDLE, "cuStreamSynchronize: not a stream");
+	vc_join(g_host_vc, g_vc[sid_of(s)]);
+	return 0;
 }
 CUresult cuMemAlloc_v2(u64 *p, size_t n) {
 	EMU_LOCK;
@@ -678,8 +822,13 @@ CUresult cuMemAllocAsync(u64 *p, size_t n, void *s) {
 	*p = emu_alloc(n, d, true);
 	return *p ? 0 : fail(E_OUT_OF_MEMORY, "out of memory on device " + std::to_string(d));
 }
-CUresult cuMemFreeAsync(u64 p, void *) {
+CUresult cuMemFreeAsync(u64 p, void *s) {
 	EMU_LOCK;
+	if (stream_dev(s) >= 0 && g_allocs.count(p)) {
+		int sid = sid_of(s);
+		op_begin(sid);
+		if (CUresult r = touch_fail(sid, p, true, "cuMemFreeAsync")) return r;
+	}
 	return emu_free(p, "cuMemFreeAsync");
 }
 CUresult cuDeviceGetDefaultMemPool(void **p, int d) {
@@ -774,6 +923,9 @@ CUresult cuMemcpyHtoDAsync_v2(u64 dst, const void *src, size_t n, void *s) {
 	int d;
 	if (CUresult r = check_stream(s, "cuMemcpyHtoDAsync", &d)) return r;
 	if (CUresult r = check_range(dst, n, "cuMemcpyHtoDAsync", d)) return r;
+	int sid = sid_of(s);
+	op_begin(sid);
+	if (CUresult r = touch_fail(sid, dst, true, "cuMemcpyHtoDAsync")) return r;
 	memcpy((void *)dst, src, n);
 	return 0;
 }
@@ -782,6 +934,9 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, u64 src, size_t n, void *s) {
 	int d;
 	if (CUresult r = check_stream(s, "cuMemcpyDtoHAsync", &d)) return r;
 	if (CUresult r = check_range(src, n, "cuMemcpyDtoHAsync", d)) return r;
+	int sid = sid_of(s);
+	op_begin(sid);
+	if (CUresult r = touch_fail(sid, src, false, "cuMemcpyDtoHAsync")) return r;
 	memcpy(dst, (void *)src, n);
 	return 0;
 }
@@ -791,6 +946,10 @@ CUresult cuMemcpyDtoDAsync_v2(u64 dst, u64 src, size_t n, void *s) {
 	if (CUresult r = check_stream(s, "cuMemcpyDtoDAsync", &d)) return r;
 	if (CUresult r = check_range(dst, n, "cuMemcpyDtoDAsync destination", d)) return r;
 	if (CUresult r = check_range(src, n, "cuMemcpyDtoDAsync source", d)) return r;
+	int sid = sid_of(s);
+	op_begin(sid);
+	if (CUresult r = touch_fail(sid, src, false, "cuMemcpyDtoDAsync")) return r;
+	if (CUresult r = touch_fail(sid, dst, true, "cuMemcpyDtoDAsync")) return r;
 	memmove((void *)dst, (void *)src, n);
 	return 0;
 }
@@ -809,6 +968,10 @@ CUresult cuMemcpyPeerAsync(u64 dst, void *dstCtx, u64 src, void *srcCtx, size_t 
 		snprintf(buf, sizeof buf, "cuMemcpyPeerAsync: device %d to device %d without peer access either way (the driver would stage it through the host)", sd, dd);
 		return fail(E_INVALID_VALUE, buf);
 	}
+	int sid = sid_of(s);
+	op_begin(sid);
+	if (CUresult r = touch_fail(sid, src, false, "cuMemcpyPeerAsync")) return r;
+	if (CUresult r = touch_fail(sid, dst, true, "cuMemcpyPeerAsync")) return r;
 	memmove((void *)dst, (void *)src, n);
 	return 0;
 }
@@ -817,6 +980,9 @@ CUresult cuMemsetD8Async(u64 dst, unsigned char v, size_t n, void *s) {
 	int d;
 	if (CUresult r = check_stream(s, "cuMemsetD8Async", &d)) return r;
 	if (CUresult r = check_range(dst, n, "cuMemsetD8Async", d)) return r;
+	int sid = sid_of(s);
+	op_begin(sid);
+	if (CUresult r = touch_fail(sid, dst, true, "cuMemsetD8Async")) return r;
 	memset((void *)dst, v, n);
 	return 0;
 }
@@ -879,6 +1045,16 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
 		}
 	}
 	g_launch_dev = dev;
+	{
+		int sid = sid_of(stream);
+		op_begin(sid);
+		for (size_t i = 0; i < k->sizes.size(); i++) {
+			if (k->sizes[i] != 8) continue;
+			u64 v;
+			memcpy(&v, params[i], 8);
+			if (CUresult r = touch_fail(sid, v, !k->ro[i], k->name + " (parameter " + std::to_string(i) + ")")) return r;
+		}
+	}
 	if (nt == 0 || nt > 1024 || nt % 32 != 0) {
 		snprintf(buf, sizeof buf, "%s: block of %u threads: want a multiple of 32, at most 1024", k->name.c_str(), nt);
 		return fail(E_INVALID_VALUE, buf);
@@ -922,6 +1098,7 @@ CUresult cuGetErrorName(CUresult r, const char **s) {
 	case 200: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
 	case 217: *s = "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"; break;
 	case 400: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
+	case 401: *s = "CUDA_ERROR_ILLEGAL_STATE"; break;
 	case 700: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
 	case 704: *s = "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED"; break;
 	case 500: *s = "CUDA_ERROR_NOT_FOUND"; break;
@@ -935,15 +1112,36 @@ CUresult cuGetErrorString(CUresult, const char **s) {
 	*s = g_err.c_str();
 	return 0;
 }
+// An event holds the clock of its stream when it was recorded (see
+// "stream order").
 struct Event {
-	int dummy;
+	VClock vc;
 };
 CUresult cuEventCreate(void **e, unsigned) {
-	*e = new Event{0};
+	*e = new Event{};
 	return 0;
 }
-CUresult cuEventRecord(void *, void *) { return 0; }
-CUresult cuEventSynchronize(void *) { return 0; }
+CUresult cuEventRecord(void *e, void *s) {
+	EMU_LOCK;
+	if (stream_dev(s) < 0) return fail(E_INVALID_HANDLE, "cuEventRecord: not a stream");
+	int sid = sid_of(s);
+	VClock v = g_vc[sid];
+	vc_join(v, g_host_vc);
+	((Event *)e)->vc = v;
+	return 0;
+}
+CUresult cuStreamWaitEvent(void *s, void *e, unsigned flags) {
+	EMU_LOCK;
+	if (stream_dev(s) < 0) return fail(E_INVALID_HANDLE, "cuStreamWaitEvent: not a stream");
+	if (flags != 0) return fail(E_INVALID_VALUE, "cuStreamWaitEvent: flags must be 0");
+	vc_join(g_vc[sid_of(s)], ((Event *)e)->vc);
+	return 0;
+}
+CUresult cuEventSynchronize(void *e) {
+	EMU_LOCK;
+	vc_join(g_host_vc, ((Event *)e)->vc);
+	return 0;
+}
 CUresult cuEventElapsedTime(float *ms, void *, void *) {
 	*ms = 0;
 	return 0;
@@ -1168,6 +1366,15 @@ int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_,
 	    check_range((u64)D, (size_t)((ld->cols - 1) * ld->ld + ld->rows) * (ld->type == 14 ? 2 : 4), "cublasLtMatmul D", dev))
 		return 14; // CUBLAS_STATUS_INTERNAL_ERROR
 	float al = *(const float *)alpha, be = *(const float *)beta;
+	{
+		int sid = sid_of(stream);
+		op_begin(sid);
+		if (touch_fail(sid, (u64)A, false, "cublasLtMatmul A")) return 14;
+		if (touch_fail(sid, (u64)B, false, "cublasLtMatmul B")) return 14;
+		if (be != 0)
+			if (touch_fail(sid, (u64)C, false, "cublasLtMatmul C")) return 14;
+		if (touch_fail(sid, (u64)D, true, "cublasLtMatmul D")) return 14;
+	}
 	if (ld->type == 14 && be != 0) {
 		fail(E_INVALID_VALUE, "cublasLtMatmul: beta != 0 with a BF16 D is not emulated");
 		return 7;

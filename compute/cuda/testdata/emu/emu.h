@@ -143,7 +143,22 @@ static inline u16 emu_f2bf(float f) {
 // Kernel registration: the trampoline unpacks cuLaunchKernel's void**
 // parameters with the kernel's own parameter types.
 typedef void (*emu_tramp)(void *fn, void **params);
-int emu_register(const char *name, void *fn, emu_tramp tramp, const int *sizes, int n);
+// sizes are the parameters' sizes; ro[i] is 1 for a pointer to const (a
+// buffer the kernel only reads: the stream-order checks, emu.cpp, treat
+// every other pointer as read and written).
+int emu_register(const char *name, void *fn, emu_tramp tramp, const int *sizes, const int *ro, int n);
+template <class T> struct emu_ro {
+	static const int value = 0;
+};
+template <class T> struct emu_ro<const T *> {
+	static const int value = 1;
+};
+// emu_stream_access records that an operation on stream s (a CUstream;
+// NULL: the current context's) reads (write false) or writes the
+// allocation holding device address p, for the stream-order checks (see
+// emu.cpp); false, with why, when nothing orders it after a conflicting
+// access on another stream. The NCCL stand-in calls it for its buffers.
+bool emu_stream_access(void *s, u64 p, bool write, const char *what, char *why, size_t whylen);
 
 template <class... A, size_t... I> static void emu_call(void (*f)(A...), void **p, std::index_sequence<I...>) {
 	f(*reinterpret_cast<A *>(p[I])...);
@@ -153,7 +168,8 @@ template <class... A> static void emu_tramp_for(void *fn, void **p) {
 }
 template <class... A> static int emu_register_fn(const char *name, void (*f)(A...)) {
 	static const int sizes[sizeof...(A) + 1] = {(int)sizeof(A)..., 0};
-	return emu_register(name, reinterpret_cast<void *>(f), &emu_tramp_for<A...>, sizes, (int)sizeof...(A));
+	static const int ro[sizeof...(A) + 1] = {emu_ro<A>::value..., 0};
+	return emu_register(name, reinterpret_cast<void *>(f), &emu_tramp_for<A...>, sizes, ro, (int)sizeof...(A));
 }
 #define DK_REGISTER(name) __attribute__((used)) static int emu_reg_##name = emu_register_fn(#name, name);
 

@@ -1726,6 +1726,16 @@ int cudnnBackendExecute(void *handle, void *plan, void *variantPack) {
 	const Engine &e = *p->engine;
 	Exec x(*e.graph);
 	if (int s = x.bind(v, e.ws)) return s;
+	// Stream order (emu.cpp): every device tensor and the workspace, as
+	// written (which are the graph's outputs is not worked out here).
+	{
+		char why[600];
+		void *st = ((Handle *)handle)->stream;
+		for (void *q : v->ptrs)
+			if (q && !emu_stream_access(st, (u64)q, true, "cudnnBackendExecute", why, sizeof why)) return fail(CUDNN_STATUS_EXECUTION_FAILED, why);
+		if (v->ws && !emu_stream_access(st, (u64)v->ws, true, "cudnnBackendExecute (workspace)", why, sizeof why))
+			return fail(CUDNN_STATUS_EXECUTION_FAILED, why);
+	}
 	if (int s = x.run()) return s;
 	// The engine's scratch: whatever the caller kept there is gone.
 	if (e.ws > 0) memset(v->ws, 0xff, (size_t)e.ws);

@@ -16,7 +16,8 @@
 //	[header: Shared, 8 KiB][staging: 2 halves x nranks slots x slot_bytes]
 //
 // The operations run when they are enqueued (the emulator runs all stream
-// work at once, so stream order holds trivially), in steps: each rank puts
+// work at once; emu.cpp's stream-order checks see the buffers each reads
+// and writes on its stream), in steps: each rank puts
 // a chunk of its data in its slot of one half, arrives at the step (a
 // barrier: arrived[rank] = step, futex wake), waits for every rank to
 // arrive, checks that all ranks issued the same operation (kind, count,
@@ -331,7 +332,7 @@ template <class Put, class Get> ncclResult_t collective(Comm *c, Desc d, size_t 
 // sum, buffers inside allocations. A failure fails the group, so that the
 // peers do not wait for this rank.
 ncclResult_t begin(Comm *c, const char *call, int dtype, int redop, const void *send, size_t sendBytes, const void *recv,
-                   size_t recvBytes) {
+                   size_t recvBytes, void *stream) {
 	if (!c) return fail(ncclInvalidArgument, strf("%s: comm is NULL", call));
 	if (c->err != ncclSuccess) return fail(ncclInvalidUsage, strf("%s: the communicator failed earlier: %s", call, c->msg.c_str()));
 	if (dtype != ncclFloat32)
@@ -343,6 +344,11 @@ ncclResult_t begin(Comm *c, const char *call, int dtype, int redop, const void *
 		return fail_group(c, c->sh, ncclInvalidArgument, strf("rank %d: %s: sendbuff: %s", c->rank, call, why));
 	if (!emu_range_ok((u64)recv, recvBytes, why, sizeof why))
 		return fail_group(c, c->sh, ncclInvalidArgument, strf("rank %d: %s: recvbuff: %s", c->rank, call, why));
+	// Stream order (emu.cpp): sendbuff read, recvbuff written, on stream.
+	char rwhy[600];
+	if ((sendBytes > 0 && !emu_stream_access(stream, (u64)send, false, call, rwhy, sizeof rwhy)) ||
+	    (recvBytes > 0 && !emu_stream_access(stream, (u64)recv, true, call, rwhy, sizeof rwhy)))
+		return fail_group(c, c->sh, ncclInvalidUsage, strf("rank %d: %s", c->rank, rwhy));
 	c->ops++;
 	return ncclSuccess;
 }
@@ -531,9 +537,9 @@ ncclResult_t ncclGroupEnd() {
 	return ncclSuccess;
 }
 
-ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, int dtype, int op, void *comm, void *) {
+ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, int dtype, int op, void *comm, void *stream) {
 	Comm *c = (Comm *)comm;
-	if (ncclResult_t r = begin(c, "ncclAllReduce", dtype, op, send, count * 4, recv, count * 4)) return r;
+	if (ncclResult_t r = begin(c, "ncclAllReduce", dtype, op, send, count * 4, recv, count * 4, stream)) return r;
 	const float *in = (const float *)send;
 	float *out = (float *)recv;
 	return collective(
@@ -542,9 +548,9 @@ ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, int dtype
 	    [&](int half, size_t off, size_t n) { sum_ranks(c, half, 0, out + off, n); });
 }
 
-ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, int dtype, int op, void *comm, void *) {
+ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, int dtype, int op, void *comm, void *stream) {
 	Comm *c = (Comm *)comm;
-	if (ncclResult_t r = begin(c, "ncclReduceScatter", dtype, op, send, count * 4 * (c ? c->nranks : 0), recv, count * 4)) return r;
+	if (ncclResult_t r = begin(c, "ncclReduceScatter", dtype, op, send, count * 4 * (c ? c->nranks : 0), recv, count * 4, stream)) return r;
 	const float *in = (const float *)send;
 	float *out = (float *)recv;
 	size_t chunk = c->slot / 4 / c->nranks;
@@ -556,9 +562,9 @@ ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, int d
 	    [&](int half, size_t off, size_t n) { sum_ranks(c, half, c->rank * chunk, out + off, n); });
 }
 
-ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, int dtype, void *comm, void *) {
+ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, int dtype, void *comm, void *stream) {
 	Comm *c = (Comm *)comm;
-	if (ncclResult_t r = begin(c, "ncclAllGather", dtype, ncclSum, send, count * 4, recv, count * 4 * (c ? c->nranks : 0))) return r;
+	if (ncclResult_t r = begin(c, "ncclAllGather", dtype, ncclSum, send, count * 4, recv, count * 4 * (c ? c->nranks : 0), stream)) return r;
 	const float *in = (const float *)send;
 	float *out = (float *)recv;
 	return collective(
@@ -569,11 +575,11 @@ ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, int dtype
 	    });
 }
 
-ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, int dtype, int root, void *comm, void *) {
+ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, int dtype, int root, void *comm, void *stream) {
 	Comm *c = (Comm *)comm;
 	if (c && (root < 0 || root >= c->nranks))
 		return fail_group(c, c->sh, ncclInvalidArgument, strf("rank %d: ncclBroadcast from root %d of %d", c->rank, root, c->nranks));
-	if (ncclResult_t r = begin(c, "ncclBroadcast", dtype, ncclSum, send, c && c->rank == root ? count * 4 : 0, recv, count * 4)) return r;
+	if (ncclResult_t r = begin(c, "ncclBroadcast", dtype, ncclSum, send, c && c->rank == root ? count * 4 : 0, recv, count * 4, stream)) return r;
 	const float *in = (const float *)send;
 	float *out = (float *)recv;
 	return collective(
