@@ -1,6 +1,7 @@
 package train
 
 import (
+	"fmt"
 	"testing"
 
 	"distill/compute/cuda"
@@ -93,4 +94,69 @@ func cudaQADExport(t *testing.T, be *cuda.Backend, cfg *model.Config) {
 		}
 	}
 	t.Logf("%d Linears: the NVFP4 export equals the device's fake-quantized weights bit for bit", n)
+}
+
+// TestCUDAShardedOverlap: a 4-layer student sharded at ZeRO stages 2 and
+// 3 (over a group of one), with and without NVFP4 QAD, trains three
+// steps of four rows on the CUDA backend with Sharding.Overlap, its
+// collectives (NCCL's) and their kernels on the backend's second stream, and ends
+// with the same bits as without overlap. On the emulator, whose
+// stream-order checks fail any kernel, copy or collective that touches
+// what the other stream uses with no event between them, it also checks
+// the overlap's ordering: the gradient buffers' reuse, the prefetched
+// weight slots, the step's wait before the clip.
+func TestCUDAShardedOverlap(t *testing.T) {
+	cudaemu.Use(t)
+	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	cfg := deepConfig(4)
+	rows := []*Batch{testBatch(11, 97, 8), testBatch(12, 97, 8), testBatch(13, 97, 8), testBatch(14, 97, 8)}
+	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+	total := 0.0
+	for _, b := range rows {
+		for _, m := range b.Mask {
+			total += float64(m)
+		}
+	}
+	for _, stage := range []int{2, 3} {
+		for _, qad := range []bool{false, true} {
+			t.Run(fmt.Sprintf("zero%d/qad=%v", stage, qad), func(t *testing.T) {
+				run := func(overlap bool) map[string][]float32 {
+					// NCCL (the emulator's stand-in), a group of one: its
+					// collectives run on the stream, as on a GPU (a host
+					// group's would synchronize the host).
+					id, err := be.NewCollectiveID()
+					if err != nil {
+						t.Fatal(err)
+					}
+					c, err := be.JoinCollective(id, 0, 1)
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer c.Close()
+					s, err := NewShardedStudentOn(cfg, be, Sharding{C: c, Stage: stage, Overlap: overlap})
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer s.Free()
+					if err := s.Load(model.Init(cfg, model.InitOptions{Seed: 5})); err != nil {
+						t.Fatal(err)
+					}
+					shardSteps(t, s, shardCase{cfg: cfg, qad: qad}, rows, func(int) bool { return true }, &opt, total, func(x float64) float64 { return x })
+					return s.Weights()
+				}
+				want, got := run(false), run(true)
+				for name, w := range want {
+					for j := range w {
+						if got[name][j] != w[j] {
+							t.Fatalf("%s[%d] = %g with overlap, %g without", name, j, got[name][j], w[j])
+						}
+					}
+				}
+			})
+		}
+	}
 }

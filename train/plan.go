@@ -73,6 +73,10 @@ type PlanShape struct {
 	// Sharded, the GEMMs round
 	// their weights per use (no BF16 copies are kept).
 	Ranks, ZeRO int
+	// Overlap plans Sharding.Overlap at stages 2 and 3: a second block's
+	// whole gradients, and at stage 3 a third block's weights (and under
+	// QAD its fake-quantized copy).
+	Overlap bool
 	// LoRA, when set, plans a LoRA student (train.NewLoRAStudentOn): the
 	// frozen base once in the activation dtype, the adapters' fp32
 	// weights, gradients, moments and BF16 copies, the norms' discarded
@@ -273,6 +277,10 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		// the units outside the blocks, and the whole weights of every
 		// unit (stage 2) or of two blocks and the units outside (3).
 		parts, outside, block := c.parts(n), int64(0), padded(c.layerAll, n)
+		slots, gradBufs := int64(2), int64(1) // stage 3's weight slots, the blocks' gradient buffers
+		if s.Overlap {
+			slots, gradBufs = 3, 2
+		}
 		var big int64 // stage 3: the embedding's and LM head's units share one buffer
 		for i, u := range c.outside {
 			w := (u + n - 1) / n * n
@@ -289,17 +297,17 @@ func PlanMemory(s PlanShape) MemoryPlan {
 				whole += (u + n - 1) / n * n
 			}
 		} else {
-			whole += 2 * block
+			whole += slots * block
 		}
 		add(TermParams, 4*(whole+parts), false, false)
 		// The reduce-scatter's landing: the largest part.
 		landing := (padded(append(append([]int64{}, c.layerAll...), c.outside...), 1) + n - 1) / n
-		add(TermGrads, 4*(parts+outside+block+landing), false, false)
+		add(TermGrads, 4*(parts+outside+gradBufs*block+landing), false, false)
 		add(TermMoments, 8*parts, false, false)
 		if s.QAD {
 			q := 4 * c.linear
 			if s.ZeRO == 3 {
-				q = 2 * 4 * padded(c.layerLinear, 1)
+				q = slots * 4 * padded(c.layerLinear, 1)
 			}
 			add(TermQAD, q, false, false)
 		}

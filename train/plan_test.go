@@ -44,7 +44,9 @@ func planBatch(T, V, K int) *Batch {
 // QAD's weights), what stays allocated between steps (the activation
 // arena and the BF16 weight copies), and the largest kernel scratch above
 // that. Also sharded students' layouts (ZeRO stages 2 and 3, over a
-// group of one: the same buffers as any group, each part whole).
+// group of one: the same buffers as any group, each part whole), with
+// and without Sharding.Overlap (whose collectives run on the backend's
+// second stream: the emulator checks their order against the compute).
 func TestTrainPlanDeviceBytes(t *testing.T) {
 	cudaemu.Use(t)
 	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
@@ -72,28 +74,31 @@ func TestTrainPlanDeviceBytes(t *testing.T) {
 		}
 	}
 	type planCase struct {
-		qad   bool
-		mode  decoder.Recompute
-		stage int // 2, 3: sharded over a group of one (its layout and buffers)
+		qad     bool
+		mode    decoder.Recompute
+		stage   int // 2, 3: sharded over a group of one (its layout and buffers)
+		overlap bool
 	}
 	var cases []planCase
 	for _, qad := range []bool{false, true} {
 		for _, mode := range decoder.RecomputeModes {
-			cases = append(cases, planCase{qad, mode, 0})
+			cases = append(cases, planCase{qad, mode, 0, false})
 		}
 		for _, stage := range []int{2, 3} {
-			cases = append(cases, planCase{qad, decoder.RecomputeNone, stage}, planCase{qad, decoder.RecomputeFull, stage})
+			for _, ov := range []bool{false, true} {
+				cases = append(cases, planCase{qad, decoder.RecomputeNone, stage, ov}, planCase{qad, decoder.RecomputeFull, stage, ov})
+			}
 		}
 	}
 	for _, c := range cases {
 		qad, mode := c.qad, c.mode
 		{
-			t.Run(fmt.Sprintf("qad=%v/%s/zero%d", qad, mode, c.stage), func(t *testing.T) {
+			t.Run(fmt.Sprintf("qad=%v/%s/zero%d/overlap=%v", qad, mode, c.stage, c.overlap), func(t *testing.T) {
 				base := used()
 				var s *Student
 				var err error
 				if c.stage > 0 {
-					s, err = NewShardedStudentOn(cfg, be, Sharding{C: computetest.NewHostGroup(1).Rank(0, be), Stage: c.stage})
+					s, err = NewShardedStudentOn(cfg, be, Sharding{C: computetest.NewHostGroup(1).Rank(0, be), Stage: c.stage, Overlap: c.overlap})
 				} else {
 					s, err = NewStudentOn(cfg, be)
 				}
@@ -138,7 +143,7 @@ func TestTrainPlanDeviceBytes(t *testing.T) {
 				}
 				peak := be.PeakMemory() - base
 				after := used() - base
-				p := PlanMemory(PlanShape{Model: cfg, RowTokens: T, K: K, QAD: qad, Recompute: mode, Activations: be.ActDType(), AttnWorkspace: ws, Ranks: 1, ZeRO: c.stage})
+				p := PlanMemory(PlanShape{Model: cfg, RowTokens: T, K: K, QAD: qad, Recompute: mode, Activations: be.ActDType(), AttnWorkspace: ws, Ranks: 1, ZeRO: c.stage, Overlap: c.overlap})
 				run := p.Term(TermParams) + p.Term(TermGrads) + p.Term(TermMoments) + p.Term(TermQAD)
 				var scratch int64
 				for _, x := range p.Terms {

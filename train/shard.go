@@ -47,9 +47,36 @@ import (
 // Every rank runs the same sequence of collectives: the same number of
 // forwards and backwards per step (a rank without a row of its own runs
 // Phantom passes), and Weights, which gathers, on every rank at once.
+//
+// Overlap (DeepSpeed's overlap_comm; FSDP's prefetching) runs the
+// collectives beside the compute, on a backend that can
+// (compute.Overlapper: the CUDA backend's second stream), ordered against
+// it by events only:
+//
+//   - a block's reduce-scatter (and the addition of its result to the
+//     rank's part, and the clearing of its whole gradients) runs while
+//     the blocks before it run their backward: the blocks' whole
+//     gradients alternate between two buffers (block i's is i mod 2), so
+//     block i-1's backward writes one while block i's is reduced from
+//     the other; block i-2's backward waits for block i's reduction (the
+//     collectives run one after another, so one landing serves);
+//   - at stage 3, block i+2's all-gather runs while block i's forward
+//     does (decoder.Prefetcher), and block i-1's while block i's
+//     backward does: three weight slots (block i's is i mod 3), as block
+//     i's forward reads blocks i and i+1 (its fused residual add ends
+//     with block i+1's input norm);
+//   - every collective of the sharded step runs on the second stream, in
+//     the same order on every rank, and the step waits for all of them
+//     before the gradient clip reads the rank's part.
+//
+// The results are those of the run without overlap, bit for bit (the
+// same operations in the same order on each buffer); the cost is one
+// block's whole gradients more, and at stage 3 one block's
+// weights (and under QAD its fake-quantized copy) more.
 type Sharding struct {
-	C     compute.Collective
-	Stage int // 2 or 3
+	C       compute.Collective
+	Stage   int  // 2 or 3
+	Overlap bool // run the collectives beside the compute (above)
 }
 
 // unit is a contiguous range of the student's tensors sharded as one.
@@ -79,10 +106,15 @@ type shards struct {
 	units       []unit
 	blockUnit   []int          // decoder block -> unit index
 	master, gsh compute.Tensor // this rank's parts: fp32 weights, gradients
-	slots       [2]compute.Tensor
-	held        [2]int         // stage 3: the block each slot holds (-1: none)
-	loaded      [2]bool        // the slot was filled since Fetch last said so
-	blockG      compute.Tensor // the blocks' shared gradient buffer
+	overlap     bool
+	nslot       int               // stage 3: weight slots (2; 3 with overlap)
+	slots       [3]compute.Tensor // stage 3: block i's whole weights are slot i mod nslot
+	held        [3]int            // stage 3: the block each slot holds (-1: none)
+	loaded      [3]bool           // the slot was filled since Fetch last said so
+	slotFence   [3]compute.Fence  // the slot's gather, until a Fetch waits for it
+	blockG      [2]compute.Tensor // the blocks' whole gradients (block i's: i mod 2; one without overlap)
+	gradFence   [2]compute.Fence  // the buffer's reduction, until the next backward into it waits
+	tmp         compute.Tensor    // a reduce-scatter's landing: the largest part
 	// Stage 3: the units outside the blocks that hold the embedding
 	// table or the LM head (a vocabulary by hidden matrix each: for
 	// Qwen3-8B, 622M parameters) share one weight buffer, filled by an
@@ -93,7 +125,6 @@ type shards struct {
 	oslot, ograd compute.Tensor
 	oheld        int // the unit oslot holds (-1: none)
 	own          []compute.Tensor
-	tmp          compute.Tensor // a reduce-scatter's landing: the largest part
 }
 
 // blockOf is the decoder block a tensor belongs to, or -1.
@@ -119,7 +150,11 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 	if sh.Stage != 2 && sh.Stage != 3 {
 		return nil, fmt.Errorf("%w: ZeRO stage %d: the student shards at stages 2 and 3 (stages 0 and 1 keep it whole)", ErrInvalid, sh.Stage)
 	}
-	h := &shards{be: s.be, c: sh.C, stage: sh.Stage, rank: sh.C.Rank(), size: sh.C.Size(), held: [2]int{-1, -1}, oheld: -1}
+	h := &shards{be: s.be, c: sh.C, stage: sh.Stage, rank: sh.C.Rank(), size: sh.C.Size(), held: [3]int{-1, -1, -1}, oheld: -1,
+		overlap: sh.Overlap, nslot: 2}
+	if h.overlap {
+		h.nslot = 3
+	}
 	for i, t := range s.Tensors {
 		b := blockOf(t.Name)
 		if n := len(h.units); n > 0 && h.units[n-1].block == b {
@@ -170,10 +205,14 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 	}
 	be := s.be
 	h.master, h.gsh = be.New(compute.F32, max(shardN, 1)), be.New(compute.F32, max(shardN, 1))
-	h.tmp = be.New(compute.F32, max(maxPer, 1))
-	h.blockG = be.New(compute.F32, max(maxBlock, 1))
+	h.tmp = be.New(compute.F32, max(maxPer, 1)) // (the collectives run in order: one landing serves)
+	for k := range h.gradBufs() {
+		h.blockG[k] = be.New(compute.F32, max(maxBlock, 1))
+	}
 	if h.stage == 3 {
-		h.slots[0], h.slots[1] = be.New(compute.F32, max(maxBlock, 1)), be.New(compute.F32, max(maxBlock, 1))
+		for k := range h.nslot {
+			h.slots[k] = be.New(compute.F32, max(maxBlock, 1))
+		}
 		if maxOut > 0 {
 			h.oslot, h.ograd = be.New(compute.F32, maxOut), be.New(compute.F32, maxOut)
 		}
@@ -188,13 +227,51 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 			u.p, u.g = be.New(compute.F32, whole), be.New(compute.F32, whole)
 			h.own = append(h.own, u.p, u.g)
 		case h.stage == 2:
-			u.p, u.g = be.New(compute.F32, whole), be.View(h.blockG, 0, whole)
+			u.p, u.g = be.New(compute.F32, whole), be.View(h.blockG[u.block%h.gradBufs()], 0, whole)
 			h.own = append(h.own, u.p)
 		default:
-			u.p, u.g = be.View(h.slots[u.block%2], 0, whole), be.View(h.blockG, 0, whole)
+			u.p, u.g = be.View(h.slots[u.block%h.nslot], 0, whole), be.View(h.blockG[u.block%h.gradBufs()], 0, whole)
 		}
 	}
 	return h, nil
+}
+
+// gradBufs is the number of whole gradient buffers the blocks share in
+// turn: two with overlap (one reduced while the other fills), else one.
+func (h *shards) gradBufs() int {
+	if h.overlap {
+		return 2
+	}
+	return 1
+}
+
+// collective runs f, which issues collectives (and the kernels that use
+// their results), beside the compute with overlap (its Fence returned),
+// else in order (a Fence whose Wait does nothing).
+func (h *shards) collective(f func()) compute.Fence {
+	if !h.overlap {
+		f()
+		return nil
+	}
+	return compute.Beside(h.be, f)
+}
+
+// wait waits for *f (if any) and clears it.
+func wait(f *compute.Fence) {
+	if *f != nil {
+		(*f).Wait()
+		*f = nil
+	}
+}
+
+// drain waits for every collective still running beside the compute.
+func (h *shards) drain() {
+	for k := range h.gradFence {
+		wait(&h.gradFence[k])
+	}
+	for k := range h.slotFence {
+		wait(&h.slotFence[k])
+	}
 }
 
 // unitOf is the unit of tensor i.
@@ -218,6 +295,7 @@ func (h *shards) views(i int, t Tensor) (w, g compute.Tensor) {
 // master weights, all of it in the unit's own whole buffer (a block's
 // shared slot at stage 3 is filled by the next fetch).
 func (h *shards) write(i int, t Tensor, v []float32) {
+	h.drain()
 	u, be := h.unitOf(i), h.be
 	switch {
 	case u.outSlot:
@@ -225,7 +303,7 @@ func (h *shards) write(i int, t Tensor, v []float32) {
 	case u.block < 0 || h.stage == 2:
 		be.WriteF32(be.View(u.p, t.Off-u.off, t.N), v)
 	default:
-		h.held = [2]int{-1, -1}
+		h.held = [3]int{-1, -1, -1}
 	}
 	lo, hi := max(h.rank*u.per, t.Off-u.off), min((h.rank+1)*u.per, t.Off-u.off+t.N)
 	if lo < hi {
@@ -238,47 +316,71 @@ func (h *shards) part(arena compute.Tensor, u *unit) compute.Tensor {
 	return h.be.View(arena, u.shardOff, u.per)
 }
 
-// gather fills u's whole weights from the ranks' parts.
-func (h *shards) gather(u *unit) {
-	h.c.AllGather(u.p, h.part(h.master, u), u.per)
+// gather fills u's whole weights from the ranks' parts (beside the
+// compute with overlap: the caller waits for the Fence before use).
+func (h *shards) gather(u *unit) compute.Fence {
+	return h.collective(func() { h.c.AllGather(u.p, h.part(h.master, u), u.per) })
 }
 
 // reduce sums u's whole gradients over the ranks into this rank's part
-// (+=) and clears them.
-func (h *shards) reduce(u *unit) {
+// (+=) and clears them (beside the compute with overlap).
+func (h *shards) reduce(u *unit) compute.Fence {
 	be := h.be
-	tmp := be.View(h.tmp, 0, u.per)
-	h.c.ReduceScatterSum(tmp, u.g, u.per)
-	be.Add(h.part(h.gsh, u), tmp, u.per)
-	be.Zero(u.g)
+	return h.collective(func() {
+		tmp := be.View(h.tmp, 0, u.per)
+		h.c.ReduceScatterSum(tmp, u.g, u.per)
+		be.Add(h.part(h.gsh, u), tmp, u.per)
+		be.Zero(u.g)
+	})
 }
 
-// Fetch implements decoder.Residency: at stage 3 block i's whole weights
-// are gathered into its slot, unless the slot holds them already.
+// Fetch implements decoder.Residency: block i's gradients may be written
+// from now on (their buffer's last reduction is waited for); at stage 3
+// block i's whole weights are gathered into its slot, unless the slot
+// holds them already.
 func (h *shards) Fetch(i int) bool {
+	wait(&h.gradFence[i%h.gradBufs()])
 	if h.stage < 3 {
 		return false
 	}
 	h.load(i)
-	l := h.loaded[i%2]
-	h.loaded[i%2] = false
+	l := h.loaded[i%h.nslot]
+	h.loaded[i%h.nslot] = false
 	return l
 }
 
-// load gathers block i's whole weights into its slot, unless the slot
-// holds them already. (Weights loads blocks too, between the decoder's
-// fetches: loaded tells the decoder's next Fetch.)
-func (h *shards) load(i int) {
-	if h.held[i%2] == i {
+// Prefetch implements decoder.Prefetcher: with overlap at stage 3, block
+// i's gather starts now, beside the compute, into its slot (whose block
+// the decoder no longer reads: see Sharding).
+func (h *shards) Prefetch(i int) {
+	if h.stage < 3 || !h.overlap || h.held[i%h.nslot] == i {
 		return
 	}
-	h.gather(&h.units[h.blockUnit[i]])
-	h.held[i%2], h.loaded[i%2] = i, true
+	s := i % h.nslot
+	wait(&h.slotFence[s]) // (an earlier gather into it, never fetched)
+	h.slotFence[s] = h.gather(&h.units[h.blockUnit[i]])
+	h.held[s], h.loaded[s] = i, true
+}
+
+// load gathers block i's whole weights into its slot, unless the slot
+// holds them already, and waits for its gather. (Weights loads blocks
+// too, between the decoder's fetches: loaded tells the decoder's next
+// Fetch.)
+func (h *shards) load(i int) {
+	s := i % h.nslot
+	if h.held[s] != i {
+		wait(&h.slotFence[s])
+		h.slotFence[s] = h.gather(&h.units[h.blockUnit[i]])
+		h.held[s], h.loaded[s] = i, true
+	}
+	wait(&h.slotFence[s])
 }
 
 // GradsDone implements decoder.Residency: block i's gradients go to
-// their ranks.
-func (h *shards) GradsDone(i int) { h.reduce(&h.units[h.blockUnit[i]]) }
+// their ranks (beside the blocks' backwards that follow, with overlap).
+func (h *shards) GradsDone(i int) {
+	h.gradFence[i%h.gradBufs()] = h.reduce(&h.units[h.blockUnit[i]])
+}
 
 // FetchOutside implements decoder.Residency: at stage 3 the units that
 // hold role's tensors in the shared outside buffer are gathered into it,
@@ -297,7 +399,8 @@ func (h *shards) loadOutside(k int) {
 	if h.oheld == k {
 		return
 	}
-	h.gather(&h.units[k])
+	f := h.gather(&h.units[k])
+	wait(&f)
 	h.oheld = k
 }
 
@@ -321,14 +424,17 @@ func (h *shards) OutsideGradsDone(role int) {
 		if role == decoder.OutsideHead && u.roles&(1<<decoder.OutsideEmbed) != 0 {
 			continue // tied: the embedding's backward adds to them still
 		}
-		h.reduce(u)
+		// (In order: the embedding's and the LM head's units share one
+		// gradient buffer.)
+		f := h.reduce(u)
+		wait(&f)
 	}
 }
 
 // Slots implements decoder.Residency.
 func (h *shards) Slots() int {
 	if h.stage == 3 {
-		return 2
+		return h.nslot
 	}
 	return 0
 }
@@ -336,8 +442,11 @@ func (h *shards) Slots() int {
 // zeroGrad clears this rank's gradient parts and every whole gradient
 // buffer.
 func (h *shards) zeroGrad() {
+	h.drain()
 	h.be.Zero(h.gsh)
-	h.be.Zero(h.blockG)
+	for k := range h.gradBufs() {
+		h.be.Zero(h.blockG[k])
+	}
 	if h.ograd != nil {
 		h.be.Zero(h.ograd)
 	}
@@ -351,25 +460,28 @@ func (h *shards) zeroGrad() {
 // reduceRest reduce-scatters the gradients of the units outside the
 // blocks (after a step's last backward).
 func (h *shards) reduceRest() {
-	if h.stage == 3 {
-		return // reduced a row at a time (OutsideGradsDone)
-	}
-	for k := range h.units {
-		if h.units[k].block < 0 {
-			h.reduce(&h.units[k])
+	if h.stage < 3 { // (stage 3: reduced a row at a time, OutsideGradsDone)
+		for k := range h.units {
+			if h.units[k].block < 0 {
+				f := h.reduce(&h.units[k])
+				wait(&f)
+			}
 		}
 	}
+	h.drain() // the rank's part is complete
 }
 
 // afterStep makes the whole weights follow the updated parts: the units
 // that keep theirs are gathered, stage 3's slots are stale.
 func (h *shards) afterStep() {
+	h.drain()
 	for k := range h.units {
 		if u := &h.units[k]; !u.outSlot && (u.block < 0 || h.stage == 2) {
-			h.gather(u)
+			f := h.gather(u)
+			wait(&f)
 		}
 	}
-	h.held, h.oheld = [2]int{-1, -1}, -1
+	h.held, h.oheld = [3]int{-1, -1, -1}, -1
 }
 
 // Piece is the part [Off, Off+N) of the student's tensor Tensor (its
@@ -435,7 +547,8 @@ func (h *shards) weights(ts []Tensor) map[string][]float32 {
 }
 
 func (h *shards) free() {
-	for _, t := range append([]compute.Tensor{h.master, h.gsh, h.tmp, h.blockG, h.slots[0], h.slots[1], h.oslot, h.ograd}, h.own...) {
+	h.drain()
+	for _, t := range append([]compute.Tensor{h.master, h.gsh, h.tmp, h.blockG[0], h.blockG[1], h.slots[0], h.slots[1], h.slots[2], h.oslot, h.ograd}, h.own...) {
 		if t != nil {
 			h.be.Free(t)
 		}

@@ -32,7 +32,9 @@ type shardCase struct {
 // and every rank's gathered Weights equal to rank 0's bit for bit. A
 // rank's master pieces, gradients and moments hold 1/N of the parameters
 // (plus padding). A checkpoint's Weights (a gather) after step 1 changes
-// nothing.
+// nothing. With Sharding.Overlap (its double gradient buffers, three
+// weight slots and prefetches; on the CPU the work runs in order) every
+// weight equals the run without it bit for bit.
 func TestShardedStudent(t *testing.T) {
 	qadCfg := tinyConfig(model.ArchQwen3, false)
 	qadCfg.Hidden, qadCfg.Intermediate, qadCfg.HeadDim, qadCfg.Heads, qadCfg.KVHeads = 32, 48, 16, 2, 1
@@ -42,6 +44,7 @@ func TestShardedStudent(t *testing.T) {
 		{"qwen2", tinyConfig(model.ArchQwen2, false), false},
 		{"moe", tinyMoEConfig(false, 1), false},
 		{"qad", qadCfg, true},
+		{"qwen3-4layers", deepConfig(4), false}, // (overlap: the gradient buffers and weight slots come round)
 	}
 	rows := []*Batch{testBatch(11, 97, 8), testBatch(12, 97, 8), testBatch(13, 97, 8), testBatch(14, 97, 8)}
 	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
@@ -56,7 +59,15 @@ func TestShardedStudent(t *testing.T) {
 		for _, stage := range []int{2, 3} {
 			for _, n := range []int{2, 3} {
 				t.Run(fmt.Sprintf("%s/zero%d/ranks%d", c.name, stage, n), func(t *testing.T) {
-					got, norms := trainSharded(t, c, stage, n, rows, &opt, total)
+					got, norms := trainSharded(t, c, stage, n, false, rows, &opt, total)
+					over, _ := trainSharded(t, c, stage, n, true, rows, &opt, total)
+					for name, v := range got[0] {
+						for j := range v {
+							if v[j] != over[0][name][j] {
+								t.Fatalf("%s[%d] = %g with overlap, %g without", name, j, over[0][name][j], v[j])
+							}
+						}
+					}
 					for i := range norms {
 						if math.Abs(norms[i]-wantNorms[i]) > 1e-5*wantNorms[i] {
 							t.Errorf("step %d: gradient norm %g, unsharded %g", i+1, norms[i], wantNorms[i])
@@ -156,7 +167,7 @@ func trainUnsharded(t *testing.T, c shardCase, rows []*Batch, opt *loss.Options,
 	return s.Weights(), norms
 }
 
-func trainSharded(t *testing.T, c shardCase, stage, n int, rows []*Batch, opt *loss.Options, total float64) ([]map[string][]float32, []float64) {
+func trainSharded(t *testing.T, c shardCase, stage, n int, overlap bool, rows []*Batch, opt *loss.Options, total float64) ([]map[string][]float32, []float64) {
 	g := computetest.NewHostGroup(n)
 	out, norms := make([]map[string][]float32, n), make([][]float64, n)
 	var wg sync.WaitGroup
@@ -168,7 +179,7 @@ func trainSharded(t *testing.T, c shardCase, stage, n int, rows []*Batch, opt *l
 			defer func() { errs[r] = recover() }()
 			be := device.CPU(1)
 			col := g.Rank(r, be)
-			s, err := NewShardedStudentOn(c.cfg, be, Sharding{C: col, Stage: stage})
+			s, err := NewShardedStudentOn(c.cfg, be, Sharding{C: col, Stage: stage, Overlap: overlap})
 			if err != nil {
 				panic(err)
 			}
@@ -241,4 +252,11 @@ func TestShardingErrors(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "ZeRO stage 1") {
 		t.Fatalf("stage 1: %v", err)
 	}
+}
+
+// deepConfig is tinyConfig's untied Qwen3 with n layers.
+func deepConfig(n int) *model.Config {
+	c := tinyConfig(model.ArchQwen3, false)
+	c.Layers = n
+	return c
 }

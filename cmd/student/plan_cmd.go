@@ -82,14 +82,18 @@ func runPlan(args []string) error {
 }
 
 // zeroNote says how the plan shards the optimizer state over world ranks.
-func zeroNote(zero, world int) string {
+func zeroNote(zero, world int, overlap bool) string {
+	grads, weights, ov := "one layer's", "two layers'", ""
+	if overlap {
+		grads, weights, ov = "two layers'", "three layers'", "; the collectives overlap the compute (train.overlap_comm)"
+	}
 	switch {
 	case world <= 1:
 		return ""
 	case zero == 2:
-		return fmt.Sprintf(", %d ranks at ZeRO stage 2 (AdamW's moments and the gradients: 1/%d a rank, and one layer's whole gradients)", world, world)
+		return fmt.Sprintf(", %d ranks at ZeRO stage 2 (AdamW's moments and the gradients: 1/%d a rank, and %s whole gradients%s)", world, world, grads, ov)
 	case zero == 3:
-		return fmt.Sprintf(", %d ranks at ZeRO stage 3 (the fp32 weights, AdamW's moments and the gradients: 1/%d a rank, and two layers' whole weights)", world, world)
+		return fmt.Sprintf(", %d ranks at ZeRO stage 3 (the fp32 weights, AdamW's moments and the gradients: 1/%d a rank, and %s whole weights and %s whole gradients%s)", world, world, weights, grads, ov)
 	case zero >= 1:
 		return fmt.Sprintf(", %d ranks at ZeRO stage %d (AdamW's moments: 1/%d a rank)", world, zero, world)
 	}
@@ -122,12 +126,12 @@ func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act co
 	shape := func(r decoder.Recompute) train.PlanShape {
 		sh := train.PlanShape{Model: mc, RowTokens: T, K: k, QAD: qad, Recompute: r, Activations: act, LoRA: cfg.TrainLoRA()}
 		if world > 1 { // one process ignores train.zero, as the trainer does
-			sh.Ranks, sh.ZeRO = world, cfg.Train.ZeRO
+			sh.Ranks, sh.ZeRO, sh.Overlap = world, cfg.Train.ZeRO, cfg.Train.Overlap()
 		}
 		return sh
 	}
 	fmt.Fprintf(w, "memory plan: %s student, %.1fM parameters (%d layers, hidden %d, vocab %d), rows of %d tokens (data.seq_len), teacher top-k %d, quant %s, %v activations%s\n",
-		mc.Arch, float64(mc.Params())/1e6, mc.Layers, mc.Hidden, mc.VocabSize, T, k, cfg.Quant, act, zeroNote(cfg.Train.ZeRO, world))
+		mc.Arch, float64(mc.Params())/1e6, mc.Layers, mc.Hidden, mc.VocabSize, T, k, cfg.Quant, act, zeroNote(cfg.Train.ZeRO, world, cfg.Train.Overlap()))
 	if lc := cfg.TrainLoRA(); lc != nil {
 		fmt.Fprintf(w, "LoRA: rank %d on %v, the base frozen (%v on the device%s)\n", lc.Rank, lc.Targets, act, map[bool]string{true: ", NVFP4-fake-quantized values"}[lc.NVFP4])
 	}

@@ -36,6 +36,17 @@ type Residency interface {
 	OutsideGradsDone(role int)
 }
 
+// Prefetcher is a Residency that can start fetching a block's weights
+// before the Fetch that needs them (ZeRO 3 with overlap: the all-gather
+// runs beside the compute). The decoder calls Prefetch(i+2) in the
+// forward once blocks i and i+1 are fetched (block i's forward reads
+// both: block i-1's weights are no longer read), and Prefetch(i-1) in
+// the backward once block i is (block i+1's are no longer read); never
+// for a block out of range. A Fetch of the block still follows.
+type Prefetcher interface {
+	Prefetch(i int)
+}
+
 // The roles of the tensors outside the blocks (Residency.FetchOutside).
 const (
 	OutsideEmbed = iota // the embedding table
@@ -67,6 +78,14 @@ func (m *Model) fetch(i int) {
 			m.be.FakeQuantNVFP4(l.Wfq, l.W, l.Out, l.In, l.WQ.Amax)
 		}
 		m.qslot[s] = i
+	}
+}
+
+// prefetch starts fetching block i's weights (Prefetcher), if the
+// residency can and i is a block.
+func (m *Model) prefetch(i int) {
+	if p, ok := m.res.(Prefetcher); ok && i >= 0 && i < len(m.Blocks) {
+		p.Prefetch(i)
 	}
 }
 
@@ -110,6 +129,7 @@ func (m *Model) Phantom(backward bool) {
 		} else {
 			m.fetchOutside(OutsideHead)
 		}
+		m.prefetch(i + 2)
 	}
 	if len(m.Blocks) == 0 {
 		m.fetchOutside(OutsideHead)
@@ -120,6 +140,7 @@ func (m *Model) Phantom(backward bool) {
 	m.outsideGradsDone(OutsideHead)
 	for i := len(m.Blocks) - 1; i >= 0; i-- {
 		m.fetch(i)
+		m.prefetch(i - 1)
 		m.gradsDone(i)
 	}
 	m.outsideGradsDone(OutsideEmbed)

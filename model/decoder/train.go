@@ -370,6 +370,7 @@ func (m *Model) TrainForward(tokens, starts []int32) (compute.Tensor, error) {
 		} else {
 			m.fetchOutside(OutsideHead) // the final norm ends the last
 		}
+		m.prefetch(i + 2) // (Prefetcher: beside this block's forward)
 		m.blockForward(&m.Blocks[i], &a.layers[i], st.b, i == 0, next)
 		if st.routing != nil && m.Blocks[i].MoE != nil {
 			st.routing.add(m, i, a.layers[i].moe)
@@ -402,6 +403,7 @@ func (m *Model) Backward() {
 	mode := m.RecomputeMode()
 	for i := len(m.Blocks) - 1; i >= 0; i-- {
 		m.fetch(i)
+		m.prefetch(i - 1) // (Prefetcher: beside this block's backward)
 		L, l := &m.Blocks[i], &a.layers[i]
 		f, at := L.MLP, &L.Attn
 		switch {

@@ -382,7 +382,19 @@ type TrainConfig struct {
 	// for its turn; FSDP's FULL_SHARD). See train.Sharding. One process
 	// ignores it.
 	ZeRO int `yaml:"zero,omitempty"`
+	// OverlapComm (DeepSpeed's zero_optimization.overlap_comm; FSDP
+	// prefetches likewise) runs the collectives of ZeRO stages 2 and 3
+	// beside the compute on a backend that can (the CUDA backend's second
+	// stream): each layer's reduce-scatter during the next layer's
+	// backward, and at stage 3 the all-gather of the layer after next
+	// during a layer's forward. It costs one layer's fp32 gradients (and
+	// at stage 3 one layer's weights) more a GPU; the results are the
+	// same bits either way. Default true.
+	OverlapComm *bool `yaml:"overlap_comm,omitempty"`
 }
+
+// Overlap reports train.overlap_comm (default true).
+func (t TrainConfig) Overlap() bool { return t.OverlapComm == nil || *t.OverlapComm }
 
 // EvalConfig is the periodic evaluation on data.eval_range.
 type EvalConfig struct {

@@ -37,7 +37,7 @@ func planShape(cfg *Config, mc *model.Config, k int, r decoder.Recompute, be com
 		sh.AttnWorkspace = wr.AttentionWorkspaceBytes(1, cfg.Data.SeqLen, mc.Heads, mc.KVHeads, mc.HeadDim)
 	}
 	if ranks > 1 { // one process ignores train.zero
-		sh.Ranks, sh.ZeRO = ranks, cfg.Train.ZeRO
+		sh.Ranks, sh.ZeRO, sh.Overlap = ranks, cfg.Train.ZeRO, cfg.Train.Overlap()
 	}
 	return sh
 }
