@@ -353,10 +353,13 @@ s_loss-coef() {
 
 # train-zero: the sharded student's step (ZeRO 2 and 3, DISTILL_BENCH_ZERO)
 # on a real NCCL group of one rank against the unsharded step in the same
-# run (overhead_%), and its device memory against the plan (issue 25).
+# run (overhead_%), and its device memory against the plan (issue 25);
+# each stage with and without the overlap (zeroN-overlap), and
+# TestCUDAShardedOverlap: the overlap's bits equal the run without it.
 s_train-zero() {
   STEP_DIR=train/trainer step train-zero 150 "$TT" -test.run '^$' -test.bench 'CUDATrainStepZeRO' \
     -test.benchtime 2x -test.timeout 145s
+  STEP_DIR=train step train-zero-overlap 60 "$BIN/train.test" -test.v -test.count=1 -test.timeout 55s -test.run 'TestCUDAShardedOverlap'
 }
 
 s_train-peer() {

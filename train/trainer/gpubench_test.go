@@ -303,7 +303,10 @@ func loadBenchWeights(b *testing.B, s *train.Student, r *rand.Rand) (params int)
 // NCCL group of one rank (DISTILL_LIBNCCL or PyTorch's wheel), against
 // the same student unsharded in the same run: the collectives' and the
 // sharded layout's overhead at world size 1 (issue 25's target: 3% or
-// less), and the device memory against the memory plan of that layout.
+// less), and the device memory against the memory plan of that layout;
+// each stage with and without Sharding.Overlap (the collectives on the
+// second stream: at world size 1 NCCL's own cost stays, so the figure
+// shows the overlap's overhead, not what it hides across GPUs).
 // Shapes as BenchmarkCUDATrainStep (DISTILL_BENCH_SHAPES), one row of
 // 8192 tokens, no QAD. It needs a GPU (DISTILL_CUDA_TEST=gpu) and NCCL;
 // on the emulator (DISTILL_TRAIN_BENCH_DRYRUN=1) a tiny shape runs on its
@@ -328,10 +331,21 @@ func BenchmarkCUDATrainStepZeRO(b *testing.B) {
 		}
 		cfg := sh.config(V)
 		var base float64                                     // the unsharded step's seconds, this run
-		for _, stage := range append([]int{-1}, stages...) { // -1: unsharded
+		type run struct {
+			stage   int // -1: unsharded
+			overlap bool
+		}
+		runs := []run{{-1, false}}
+		for _, z := range stages {
+			runs = append(runs, run{z, false}, run{z, true})
+		}
+		for _, rn := range runs {
+			stage := rn.stage
 			name := fmt.Sprintf("%s/zero%d", sh.Name, stage)
 			if stage < 0 {
 				name = sh.Name + "/unsharded"
+			} else if rn.overlap {
+				name += "-overlap"
 			}
 			b.Run(name, func(b *testing.B) {
 				be := benchCUDA(b)
@@ -349,7 +363,7 @@ func BenchmarkCUDATrainStepZeRO(b *testing.B) {
 						b.Fatalf("NCCL: %v", jerr)
 					}
 					defer c.Close()
-					s, err = train.NewShardedStudentOn(cfg, be, train.Sharding{C: c, Stage: stage})
+					s, err = train.NewShardedStudentOn(cfg, be, train.Sharding{C: c, Stage: stage, Overlap: rn.overlap})
 				}
 				if err != nil {
 					b.Fatal(err)
@@ -394,7 +408,7 @@ func BenchmarkCUDATrainStepZeRO(b *testing.B) {
 				ps := train.PlanShape{Model: cfg, RowTokens: T, K: K, Recompute: decoder.RecomputeNone, Activations: be.ActDType(),
 					AttnWorkspace: be.AttentionWorkspaceBytes(1, T, cfg.Heads, cfg.KVHeads, cfg.HeadDim)}
 				if stage >= 0 {
-					ps.Ranks, ps.ZeRO = 1, stage
+					ps.Ranks, ps.ZeRO, ps.Overlap = 1, stage, rn.overlap
 				}
 				b.ReportMetric(float64(train.PlanMemory(ps).Total())/(1<<30), "plan_GiB")
 			})
