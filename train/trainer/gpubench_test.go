@@ -330,7 +330,7 @@ func BenchmarkCUDATrainStepZeRO(b *testing.B) {
 			continue
 		}
 		cfg := sh.config(V)
-		var base float64                                     // the unsharded step's seconds, this run
+		var base float64 // the unsharded step's seconds, this run
 		type run struct {
 			stage   int // -1: unsharded
 			overlap bool
