@@ -160,3 +160,74 @@ func TestCUDAShardedOverlap(t *testing.T) {
 		}
 	}
 }
+
+// TestCUDABucketedAllReduce: a 4-layer student, unsharded (data parallel
+// at ZeRO 0 and 1), accumulates two rows' gradients with the last row's
+// backward armed (ReduceInBackward: each block's gradients all-reduced in
+// a bucket beside the blocks' backwards that follow) over an NCCL group
+// of one (the emulator's stand-in), and after AllReduceGrads holds the
+// same gradients, bit for bit, as the same student reduced in one
+// all-reduce after the backward; three steps, so the buckets come round.
+// On the emulator the stream-order checks see the buckets' copies and
+// all-reduces against the backward.
+func TestCUDABucketedAllReduce(t *testing.T) {
+	cudaemu.Use(t)
+	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	cfg := deepConfig(4)
+	rows := []*Batch{testBatch(11, 97, 8), testBatch(12, 97, 8)}
+	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+	id, err := be.NewCollectiveID()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := be.JoinCollective(id, 0, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	run := func(buckets bool) [][]float32 {
+		s, err := NewStudentOn(cfg, be)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Free()
+		if err := s.Load(model.Init(cfg, model.InitOptions{Seed: 5})); err != nil {
+			t.Fatal(err)
+		}
+		ad, err := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ad.Free()
+		var grads [][]float32
+		for step := 0; step < 3; step++ {
+			s.ZeroGrad()
+			for i, b := range rows {
+				if buckets && i == len(rows)-1 {
+					s.ReduceInBackward(c)
+				}
+				if _, err := s.ForwardBackward(b, &opt, 40); err != nil {
+					t.Fatal(err)
+				}
+			}
+			s.AllReduceGrads(c)
+			g := make([]float32, s.grads.Len())
+			be.ReadF32(s.grads, g)
+			grads = append(grads, g)
+			ad.Step(3e-3)
+		}
+		return grads
+	}
+	want, got := run(false), run(true)
+	for step := range want {
+		for j := range want[step] {
+			if got[step][j] != want[step][j] {
+				t.Fatalf("step %d: gradient %d = %g with buckets, %g without", step+1, j, got[step][j], want[step][j])
+			}
+		}
+	}
+}

@@ -75,7 +75,9 @@ type PlanShape struct {
 	Ranks, ZeRO int
 	// Overlap plans Sharding.Overlap at stages 2 and 3: a second block's
 	// whole gradients, and at stage 3 a third block's weights (and under
-	// QAD its fake-quantized copy).
+	// QAD its fake-quantized copy); at stages 0 and 1 over several ranks,
+	// two blocks' gradients in their all-reduce buckets
+	// (Student.ReduceInBackward).
 	Overlap bool
 	// LoRA, when set, plans a LoRA student (train.NewLoRAStudentOn): the
 	// frozen base once in the activation dtype, the adapters' fp32
@@ -315,7 +317,11 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		perUse = 2 * c.largestGEMM
 	} else {
 		add(TermParams, 4*c.all, false, false)
-		add(TermGrads, 4*c.all, false, false)
+		buckets := int64(0) // data parallel with overlap: two layers' gradients on their way (train.dpBuckets)
+		if s.Overlap && s.Ranks > 1 {
+			buckets = 2 * padded(c.layerAll, 1)
+		}
+		add(TermGrads, 4*(c.all+buckets), false, false)
 		add(TermMoments, shard(1, 8*c.all), false, false)
 		sh := 2 * c.gemm
 		if s.QAD {

@@ -56,6 +56,7 @@ type Student struct {
 	be            compute.Backend
 	params, grads compute.Tensor // nil when sharded
 	sh            *shards        // ZeRO stages 2 and 3 (NewShardedStudentOn)
+	dp            *dpBuckets     // data parallel at ZeRO 0 and 1: the buckets (ReduceInBackward)
 	lora          *loraState     // a LoRA student (NewLoRAStudentOn): its frozen base
 	head          *loss.Head
 	routing       decoder.RouterStats // of the last forward (MoE students)
@@ -156,6 +157,9 @@ func (s *Student) Free() {
 	if s.Model != nil {
 		s.Model.Free()
 	}
+	if s.dp != nil {
+		s.dp.free()
+	}
 	if s.sh != nil {
 		s.sh.free()
 	} else {
@@ -240,6 +244,9 @@ func (s *Student) ZeroGrad() {
 		s.sh.zeroGrad()
 		return
 	}
+	if s.dp != nil {
+		s.dp.reset()
+	}
 	s.be.Zero(s.grads)
 }
 
@@ -251,13 +258,36 @@ func (s *Student) ParamsView(off, n int) compute.Tensor { return s.be.View(s.par
 // AllReduceGrads sums the gradients over the ranks of c (data-parallel
 // training), in place; a sharded student's are reduce-scattered instead
 // (the blocks' during the backward, the rest here): each rank then holds
-// the sums of its pieces.
+// the sums of its pieces. After a backward armed by ReduceInBackward, the
+// blocks' were all-reduced during it, and the rest are here.
 func (s *Student) AllReduceGrads(c compute.Collective) {
-	if s.sh != nil {
+	switch {
+	case s.sh != nil:
 		s.sh.reduceRest()
+	case s.dp != nil:
+		s.dp.finish(c)
+	default:
+		c.AllReduceSum(s.grads, s.grads.Len())
+	}
+}
+
+// ReduceInBackward makes the next ForwardBackward, the last of this
+// rank's rows of the step, all-reduce each block's gradients over c as
+// soon as its backward is done, beside the blocks' backwards that follow
+// (see dpBuckets; AllReduceGrads then does the rest). Every rank of c
+// calls AllReduceGrads after its rows, armed or not (a rank without a
+// row reduces every block there, in the same order). Nothing for a
+// sharded or LoRA student, or a backend that cannot run work beside its
+// kernels (compute.Overlapper): AllReduceGrads reduces it all.
+func (s *Student) ReduceInBackward(c compute.Collective) {
+	if _, ok := s.be.(compute.Overlapper); !ok || s.sh != nil || s.lora != nil {
 		return
 	}
-	c.AllReduceSum(s.grads, s.grads.Len())
+	if s.dp == nil {
+		s.dp = newDPBuckets(s)
+		s.Model.SetResidency(s.dp)
+	}
+	s.dp.c, s.dp.armed = c, true
 }
 
 // ShardStage is the student's ZeRO stage when sharded (2 or 3), else 0.

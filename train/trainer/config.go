@@ -382,14 +382,16 @@ type TrainConfig struct {
 	// for its turn; FSDP's FULL_SHARD). See train.Sharding. One process
 	// ignores it.
 	ZeRO int `yaml:"zero,omitempty"`
-	// OverlapComm (DeepSpeed's zero_optimization.overlap_comm; FSDP
-	// prefetches likewise) runs the collectives of ZeRO stages 2 and 3
-	// beside the compute on a backend that can (the CUDA backend's second
-	// stream): each layer's reduce-scatter during the next layer's
-	// backward, and at stage 3 the all-gather of the layer after next
-	// during a layer's forward. It costs one layer's fp32 gradients (and
-	// at stage 3 one layer's weights) more a GPU; the results are the
-	// same bits either way. Default true.
+	// OverlapComm (DeepSpeed's zero_optimization.overlap_comm; DDP's
+	// gradient buckets, FSDP's prefetch) runs a data-parallel run's
+	// collectives beside the compute on a backend that can (the CUDA
+	// backend's second stream): at ZeRO stages 0 and 1 each layer's
+	// all-reduce during the next layers' backward of the step's last row
+	// (two layers' gradients more a GPU); at stages 2 and 3 each layer's
+	// reduce-scatter during the next layers' backward (one layer's
+	// gradients more), and at stage 3 the all-gather of the layer after
+	// next during a layer's forward (one layer's weights more). The
+	// results are the same bits either way. Default true.
 	OverlapComm *bool `yaml:"overlap_comm,omitempty"`
 }
 

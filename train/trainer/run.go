@@ -508,7 +508,7 @@ func (r *trainRun) wire() {
 		inner = nil
 	}
 	r.step = &stepper{s: r.s, ad: r.ad, clip: r.s.Groups(), lopt: &r.lopt, sched: r.cfg.Schedule(), maxNorm: r.cfg.Optim.MaxGradNorm,
-		teachers: r.info.Teachers, stop: inner, log: r.log, g: &r.g, z1: r.z1}
+		teachers: r.info.Teachers, stop: inner, log: r.log, g: &r.g, z1: r.z1, overlap: r.cfg.Train.Overlap()}
 	r.eval = &evaluator{s: r.s, src: r.src, r: r.evalR, lopt: &r.lopt, teachers: r.info.Teachers, stop: inner, g: &r.g}
 	if r.evalSrc != nil {
 		r.eval.src, r.eval.lopt = r.evalSrc, r.evalLopt

@@ -29,6 +29,7 @@ type stepper struct {
 	log      io.Writer
 	g        *ranks // data parallel: this rank runs its rows, then the sums are reduced
 	z1       *zero1 // ZeRO-1: after AdamW, the ranks share their slices of the parameters
+	overlap  bool   // train.overlap_comm: ZeRO 0 and 1 all-reduce the blocks' gradients during the last row's backward
 }
 
 // forwardBackward accumulates the gradients of rows into the zeroed
@@ -44,9 +45,18 @@ func (sp *stepper) forwardBackward(step int, rows []*train.Batch, sm *StepMetric
 	sm.Tokens, sm.LossTokens, sm.Rows = tokens, total, len(rows)
 	sp.s.ZeroGrad()
 	var routed [][]int // MoE: per layer and expert, the step's choices
+	last := -1         // this rank's last row of the step
+	for i := range rows {
+		if sp.g.mine(i) {
+			last = i
+		}
+	}
 	for i, b := range rows {
 		if !sp.g.mine(i) {
 			continue // another rank's row
+		}
+		if i == last && sp.g.size > 1 && sp.overlap {
+			sp.s.ReduceInBackward(sp.g.c) // (ZeRO 0 and 1: the blocks' all-reduces beside its backward)
 		}
 		if testHookRow != nil {
 			testHookRow(step, i)
