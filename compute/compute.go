@@ -338,7 +338,9 @@ type Backend interface {
 	// QAD the backward is straight-through: the experts' weight gradients
 	// use the quantized inputs, and dx gets the gradient of the quantized
 	// input as that of x. The top-k choice is piecewise constant: it has
-	// no gradient.
+	// no gradient. dm nil: the block is frozen (a LoRA student's base):
+	// dx alone, no weight gradient of the router or any expert (their
+	// GEMMs are skipped), the same dx bit for bit.
 	MoEBackward(dx Tensor, dm *MoEWeights, dout, x Tensor, m *MoEWeights, s *MoESaved, dprob Tensor, tokens int)
 
 	// DropoutBackward of Dropout: dout (rows, cols) F32 -> dx (rows,

@@ -115,7 +115,8 @@ func (s *suite) moeBwd(t *testing.T, name string, got, init []float32, f func() 
 // L = Σ R·moe(x) + Σ_{t,e} dprob_e·p[t,e], router included, with and
 // without norm_topk_prob, from non-zero gradients (the += rule); then the
 // straight-through backward under NVFP4 fake quantization of the experts'
-// input. Backends that cannot train MoE yet skip this subtest by name.
+// input. A frozen backward (dm nil) must give the same dx bit for bit.
+// Backends that cannot train MoE yet skip this subtest by name.
 func (s *suite) moeBackward(t *testing.T) {
 	be := s.be
 	r := rand.New(rand.NewPCG(41, 42))
@@ -179,6 +180,15 @@ func (s *suite) moeBackward(t *testing.T) {
 			s.moeBwd(t, "dgate", s.read(dm.Gate[e], I*H), dg0[e], f, c.gd[e], 11)
 			s.moeBwd(t, "dup", s.read(dm.Up[e], I*H), du0[e], f, c.ud[e], 11)
 			s.moeBwd(t, "ddown", s.read(dm.Down[e], H*I), dd0[e], f, c.dd[e], 11)
+		}
+		// Frozen (dm nil, a LoRA student's base): the same dx bit for bit.
+		dxf := be.FromF32(dx0)
+		be.MoEBackward(dxf, nil, be.FromF32(R), c.xt, c.mw, c.saved, be.FromF32(dprob), T)
+		want, got := s.read(dx, T*H), s.read(dxf, T*H)
+		for i := range want {
+			if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+				t.Fatalf("frozen MoEBackward (dm nil): dx[%d] = %g, want %g, the dx of the backward with weight gradients", i, got[i], want[i])
+			}
 		}
 	}
 

@@ -233,7 +233,8 @@ func (be *Backend) moeForward(out, x compute.Tensor, m *compute.MoEWeights, s *c
 // MoEBackward implements compute.Backend, mirroring moeForward in reverse:
 // the routing weights' gradients (dout·y), the softmax backward into the
 // router, then per expert its three GEMMs' backward over its rows, the
-// input gradient scattered back to the tokens.
+// input gradient scattered back to the tokens. dm nil (frozen): the
+// weight gradients' GEMMs are skipped.
 func (be *Backend) MoEBackward(dx compute.Tensor, dm *compute.MoEWeights, dout, x compute.Tensor, m *compute.MoEWeights, s *compute.MoESaved, dprob compute.Tensor, T int) {
 	dxs, d, xs := f32(dx), f32(dout), f32(x)
 	E, K, H, I := m.NumExperts, m.TopK, m.Hidden, m.Inter
@@ -293,7 +294,9 @@ func (be *Backend) MoEBackward(dx compute.Tensor, dm *compute.MoEWeights, dout, 
 		}
 	})
 	be.sgemm(false, false, T, H, E, 1, dl, E, f32(m.Router), H, 1, dxs, H)
-	be.sgemm(true, false, E, H, T, 1, dl, E, xs, H, 1, f32(dm.Router), H)
+	if dm != nil {
+		be.sgemm(true, false, E, H, T, 1, dl, E, xs, H, 1, f32(dm.Router), H)
+	}
 
 	maxRows := 0
 	for e := 0; e < E; e++ {
@@ -320,18 +323,22 @@ func (be *Backend) MoEBackward(dx compute.Tensor, dm *compute.MoEWeights, dout, 
 				}
 			}
 		})
-		C.k_swiglu(fp(h), fp(g), fp(u), C.long(n*I))
-		if m.HAmax > 0 {
-			be.fakeQuantRows(h[:n*I], n, I, m.HAmax)
+		if dm != nil { // dDown from the down projection's input, recomputed
+			C.k_swiglu(fp(h), fp(g), fp(u), C.long(n*I))
+			if m.HAmax > 0 {
+				be.fakeQuantRows(h[:n*I], n, I, m.HAmax)
+			}
+			be.sgemm(true, false, H, I, n, 1, dy, H, h, I, 1, f32(dm.Down[e]), I)
 		}
-		be.sgemm(true, false, H, I, n, 1, dy, H, h, I, 1, f32(dm.Down[e]), I)
 		be.sgemm(false, false, n, I, H, 1, dy, H, f32(m.Down[e]), I, 0, dh, I)
 		clear(dg[:n*I])
 		clear(du[:n*I])
 		C.k_swiglu_bwd(fp(dg), fp(du), fp(dh), fp(g), fp(u), C.long(n*I))
-		be.gather(xg, xs, order, lo, hi, K, H, m.InAmax)
-		be.sgemm(true, false, I, H, n, 1, dg, I, xg, H, 1, f32(dm.Gate[e]), H)
-		be.sgemm(true, false, I, H, n, 1, du, I, xg, H, 1, f32(dm.Up[e]), H)
+		if dm != nil {
+			be.gather(xg, xs, order, lo, hi, K, H, m.InAmax)
+			be.sgemm(true, false, I, H, n, 1, dg, I, xg, H, 1, f32(dm.Gate[e]), H)
+			be.sgemm(true, false, I, H, n, 1, du, I, xg, H, 1, f32(dm.Up[e]), H)
+		}
 		be.sgemm(false, false, n, H, I, 1, dg, I, f32(m.Gate[e]), H, 0, dxg, H)
 		be.sgemm(false, false, n, H, I, 1, du, I, f32(m.Up[e]), H, 1, dxg, H)
 		be.rows(n, H, func(_, i0, i1 int) {

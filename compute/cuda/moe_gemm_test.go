@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -100,5 +101,50 @@ func TestMoEGroupedBackward(t *testing.T) {
 		}
 		same(t, "starved expert's dGate", got.dgate[3], c.dg0[3])
 		same(t, "starved expert's dDown", got.ddown[3], c.dd0[3])
+	}
+}
+
+// TestMoEFrozenBackward: MoEBackward of a frozen block (dm nil, a LoRA
+// student's base) gives the dx of the backward with weight gradients bit
+// for bit, on the device's grouping and on the host's, and launches no
+// weight-gradient GEMM: no k_moe_wgrad_gemm, and of cuBLASLt's only the
+// router's dx GEMM (the host grouping's per-expert dh and dx GEMMs
+// besides).
+func TestMoEFrozenBackward(t *testing.T) {
+	if !onGPU() {
+		useEmu(t)
+	}
+	be, err := Open(Options{KernelCache: kernelCacheForTests(t), Profile: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	r := rand.New(rand.NewPCG(95, 96))
+	for _, host := range []bool{false, true} {
+		c := newMoETrainCase(r, 150, 136, 144, 6, 2, true, true, 3)
+		testMoEHostGrouping = host
+		want := c.run(be, true)
+		c.frozen = true
+		be.Profile() // reset
+		got := c.run(be, true)
+		prof := map[string]int{}
+		for _, e := range be.Profile() {
+			prof[e.Name] = e.Calls
+		}
+		testMoEHostGrouping = false
+		same(t, fmt.Sprintf("frozen dx (host grouping %v)", host), got.dx, want.dx)
+		if n := prof["k_moe_wgrad_gemm"]; n != 0 {
+			t.Fatalf("host grouping %v: profile %v: %d k_moe_wgrad_gemm launches in a frozen backward, want none", host, prof, n)
+		}
+		// The forward's router GEMM and, with the host's grouping, 3 GEMMs
+		// an expert with rows; the backward's router dx GEMM, and 3 an
+		// expert with rows (dh, dx from gate, dx from up).
+		wantGEMMs := 2
+		if host {
+			wantGEMMs += 6 * (c.E - 1) // expert 3 is starved
+		}
+		if n := prof["cublasLt GEMM (MoEForward)"] + prof["cublasLt GEMM (MoEBackward)"]; n != wantGEMMs {
+			t.Fatalf("host grouping %v: profile %v: %d cuBLASLt GEMMs, want %d (no weight gradients)", host, prof, n, wantGEMMs)
+		}
 	}
 }

@@ -16,6 +16,7 @@ import (
 type moeTrainCase struct {
 	T, H, I, E, K  int
 	norm, dprob    bool
+	frozen         bool // MoEBackward with no gradients (dm nil): dx alone
 	inAmax, hAmax  float32
 	starve         int // an expert no token picks (-1: none)
 	x, router      []float32
@@ -84,6 +85,11 @@ func (c *moeTrainCase) run(be compute.Backend, withDprob bool) *moeTrainResult {
 		dp = be.FromF32(c.dp)
 	}
 	dx := be.FromF32(c.dx0)
+	if c.frozen {
+		be.MoEBackward(dx, nil, be.FromF32(c.dout), x, mw, s, dp, T)
+		res.dx = readF32(be, dx, T*H)
+		return res
+	}
 	be.MoEBackward(dx, dm, be.FromF32(c.dout), x, mw, s, dp, T)
 	res.dx, res.drouter = readF32(be, dx, T*H), readF32(be, dm.Router, E*H)
 	for e := 0; e < E; e++ {

@@ -339,7 +339,10 @@ func (b *Backend) MoEForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 // dact = dY·Down, SwiGLU's backward (k_moe_swiglu_bwd), dGate and dUp +=
 // dᵀ·xg with xg the (quantized) grouped input gathered again, dxg =
 // dgate·Gate + dup·Up; last each token's K rows of dxg are added to dx in
-// ascending expert order (k_moe_dx). Straight-through under QAD.
+// ascending expert order (k_moe_dx). Straight-through under QAD. dm nil
+// (a frozen block, a LoRA student's base): dx only; the router's fp32
+// GEMM, the k_moe_wgrad_gemm launches and the recomputed act they read
+// are skipped.
 func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT, xT compute.Tensor, mw *compute.MoEWeights, s *compute.MoESaved, dprobT compute.Tensor, T int) {
 	defer b.enter()()
 	b.wroteT(dxT)
@@ -352,7 +355,7 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 	b.label = "MoEBackward"
 	const what = "MoEBackward"
 	E, K, H, I := moeCheck(mw, what)
-	if dm == nil || len(dm.Gate) != E || len(dm.Up) != E || len(dm.Down) != E {
+	if dm != nil && (len(dm.Gate) != E || len(dm.Up) != E || len(dm.Down) != E) {
 		panic(fmt.Sprintf("cuda: %s: the gradients dm must hold a router and %d gate/up/down tensors", what, E))
 	}
 	dx, dout, x := b.ten(dxT, what+" dx"), b.ten(doutT, what+" dout"), b.ten(xT, what+" x")
@@ -363,9 +366,13 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 		panic("cuda: MoEBackward with no MoESaved: pass what MoEForward filled")
 	}
 	sv := b.moeSaved(s, what, T, E, K, H, I)
-	router, drouter := b.ten(mw.Router, what+" router"), b.ten(dm.Router, what+" dRouter")
+	router := b.ten(mw.Router, what+" router")
 	need(router, what+" router", E*H, compute.F32, compute.BF16)
-	need(drouter, what+" dRouter", E*H, compute.F32)
+	var drouter *tensor
+	if dm != nil {
+		drouter = b.ten(dm.Router, what+" dRouter")
+		need(drouter, what+" dRouter", E*H, compute.F32)
+	}
 	var dprob dptr
 	if dprobT != nil {
 		dp := b.ten(dprobT, what+" dprob")
@@ -412,15 +419,22 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 	rp, rs := b.f32Operand(router)
 	b.gemmEx(dx.p, dl, rp, T, H, E, false, false, dataF32, 1)
 	b.free(rs)
-	b.gemmEx(drouter.p, dl, x.p, E, H, T, true, false, dataF32, 1)
+	if drouter != nil {
+		b.gemmEx(drouter.p, dl, x.p, E, H, T, true, false, dataF32, 1)
+	}
 
 	// The experts, over the grouped rows.
 	dy := scratch(int64(P) * int64(H) * 2)
 	b.ew("k_moe_dy", int64(P)*int64(H), dptr(dy), dptr(dout.p), dptr(sv.wts.p), dptr(sv.order.p), int64(P), int32(K), int32(H))
-	act := scratch(int64(P) * int64(I) * 2)
-	b.moeAct(act, sv.gate.p, sv.up.p, mw, P, I)
-	xg := scratch(int64(P) * int64(H) * 2)
-	b.moeExpertInput(xg, x, sv.order.p, mw, T, K, H)
+	// The weight gradients' operands: the down projection's input act
+	// (recomputed) and the grouped input xg (gathered again).
+	var act, xg uint64
+	if dm != nil {
+		act = scratch(int64(P) * int64(I) * 2)
+		b.moeAct(act, sv.gate.p, sv.up.p, mw, P, I)
+		xg = scratch(int64(P) * int64(H) * 2)
+		b.moeExpertInput(xg, x, sv.order.p, mw, T, K, H)
+	}
 	dh := scratch(int64(P) * int64(I) * 4)
 	ops := &moeOperands{b: b, what: what}
 	defer ops.release()
@@ -438,11 +452,15 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 			}
 			return ops.array(h)
 		}
-		b.moeWGrad(grads(dm.Down, "Down", H*I), dy, act, g, H, I)
+		if dm != nil {
+			b.moeWGrad(grads(dm.Down, "Down", H*I), dy, act, g, H, I)
+		}
 		b.moeGEMMNN(dh, dy, ops.ptrs(mw.Down, "down", H*I), g, I, H, false)
 		b.ew("k_moe_swiglu_bwd", int64(P)*int64(I), dptr(dg), dptr(du), dptr(dh), dptr(sv.gate.p), dptr(sv.up.p), int64(P)*int64(I))
-		b.moeWGrad(grads(dm.Gate, "Gate", I*H), dg, xg, g, I, H)
-		b.moeWGrad(grads(dm.Up, "Up", I*H), du, xg, g, I, H)
+		if dm != nil {
+			b.moeWGrad(grads(dm.Gate, "Gate", I*H), dg, xg, g, I, H)
+			b.moeWGrad(grads(dm.Up, "Up", I*H), du, xg, g, I, H)
+		}
 		b.moeGEMMNN(dxg, dg, ops.ptrs(mw.Gate, "gate", I*H), g, H, I, false)
 		b.moeGEMMNN(dxg, du, ops.ptrs(mw.Up, "up", I*H), g, H, I, true)
 	} else {
@@ -456,7 +474,8 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 
 // moeExpertsBackwardHost is MoEBackward's experts on the host's grouping
 // (off, read from the saved offsets): cuBLASLt GEMMs per expert with rows,
-// for the shapes k_moe_gemm cannot take.
+// for the shapes k_moe_gemm cannot take; dm nil: no weight gradients
+// (act and xg unset).
 func (b *Backend) moeExpertsBackwardHost(off []int32, dm, mw *compute.MoEWeights, ops *moeOperands, grad func(compute.Tensor, string, int, int) uint64,
 	dy, act, xg, dh, dg, du, dxg uint64, sv *moeSaved, H, I int) {
 	E := len(off) - 1
@@ -467,7 +486,9 @@ func (b *Backend) moeExpertsBackwardHost(off []int32, dm, mw *compute.MoEWeights
 			continue
 		}
 		dye := dy + o*uint64(H)*2
-		b.gemmEx(grad(dm.Down[e], "Down", e, H*I), dye, act+o*uint64(I)*2, H, I, cnt, true, false, dataBF16, 1)
+		if dm != nil {
+			b.gemmEx(grad(dm.Down[e], "Down", e, H*I), dye, act+o*uint64(I)*2, H, I, cnt, true, false, dataBF16, 1)
+		}
 		b.gemmEx(dh+o*uint64(I)*4, dye, ops.bf16(mw.Down[e], "down", e, H*I), cnt, I, H, false, false, dataBF16, 0)
 	}
 	b.ew("k_moe_swiglu_bwd", int64(P)*int64(I), dptr(dg), dptr(du), dptr(dh), dptr(sv.gate.p), dptr(sv.up.p), int64(P)*int64(I))
@@ -477,8 +498,10 @@ func (b *Backend) moeExpertsBackwardHost(off []int32, dm, mw *compute.MoEWeights
 			continue
 		}
 		dge, due, xe := dg+o*uint64(I)*2, du+o*uint64(I)*2, xg+o*uint64(H)*2
-		b.gemmEx(grad(dm.Gate[e], "Gate", e, I*H), dge, xe, I, H, cnt, true, false, dataBF16, 1)
-		b.gemmEx(grad(dm.Up[e], "Up", e, I*H), due, xe, I, H, cnt, true, false, dataBF16, 1)
+		if dm != nil {
+			b.gemmEx(grad(dm.Gate[e], "Gate", e, I*H), dge, xe, I, H, cnt, true, false, dataBF16, 1)
+			b.gemmEx(grad(dm.Up[e], "Up", e, I*H), due, xe, I, H, cnt, true, false, dataBF16, 1)
+		}
 		dxe := dxg + o*uint64(H)*4
 		b.gemmEx(dxe, dge, ops.bf16(mw.Gate[e], "gate", e, I*H), cnt, H, I, false, false, dataBF16, 0)
 		b.gemmEx(dxe, due, ops.bf16(mw.Up[e], "up", e, I*H), cnt, H, I, false, false, dataBF16, 1)
