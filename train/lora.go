@@ -117,11 +117,9 @@ func (c *LoRAConfig) Check(cfg *model.Config) error {
 				moe = append(moe, t)
 			}
 		}
-		named := ""
 		if len(moe) > 0 {
-			named = ", which model.lora.targets " + strings.Join(moe, ", ") + " name"
+			return fmt.Errorf("%w: model.lora.targets %s on a %s student: adapters on its experts (mlp.experts.E.{gate,up,down}_proj, which PEFT's suffix match would target, as it would a dense layer's mlp.{gate,up,down}_proj) are not supported: the experts run inside the MoE kernels (compute's MoEForward and MoEBackward), which have no adapter term. Target the attention (q_proj, k_proj, v_proj, o_proj: the experts and the router then stay frozen), or train it in full (no model.lora)", ErrInvalid, strings.Join(moe, ", "), cfg.Arch)
 		}
-		return fmt.Errorf("%w: model.lora on a %s student: not supported: its experts (mlp.experts.E.{gate,up,down}_proj%s) run inside the fused MoE kernels (compute's MoEForward and MoEBackward), which compute each expert's grouped GEMMs and the SwiGLU between them internally, so an adapter's term has no place to enter (after the gate/up GEMMs, before the SwiGLU; after the down GEMM) and its backward no pre-activation gradients to read; and MoEBackward always accumulates the router's and every expert's weight gradient, full-size fp32 buffers that a frozen base would still need. Train it in full (no model.lora), or use a dense student", ErrInvalid, cfg.Arch, named)
 	}
 	return nil
 }
@@ -359,7 +357,8 @@ func isBlockLinear(name string) bool {
 }
 
 // fusedGroup names the group whose weight amax a block Linear shares:
-// q/k/v of a layer, gate/up of a layer; o and down stand alone.
+// q/k/v of a layer, gate/up of a layer's MLP or of an MoE expert; o and
+// down stand alone.
 func fusedGroup(name string) string {
 	for _, p := range []string{"q_proj", "k_proj", "v_proj"} {
 		if strings.HasSuffix(name, "self_attn."+p+".weight") {
@@ -367,7 +366,9 @@ func fusedGroup(name string) string {
 		}
 	}
 	for _, p := range []string{"gate_proj", "up_proj"} {
-		if strings.HasSuffix(name, "mlp."+p+".weight") {
+		// mlp.gate_proj, or an MoE expert's mlp.experts.E.gate_proj (each
+		// expert's gate/up pair shares one, as the QAD export's).
+		if strings.HasSuffix(name, "."+p+".weight") && strings.Contains(name, ".mlp.") {
 			return strings.TrimSuffix(name, p+".weight") + "gate_up"
 		}
 	}

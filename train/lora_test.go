@@ -77,9 +77,13 @@ func merged64(s *Student, base map[string][]float32, ad map[string][]float64) ma
 // package ref, independent of the decoder), and the adapters' gradients
 // are central finite differences of that reference w.r.t. A and B; with
 // every module targeted, biases (Qwen2), q/k norms (Qwen3) and a tied
-// head, the frozen base gets no gradient.
+// head, the frozen base gets no gradient. A Qwen3-MoE student (a dense
+// layer among MoE ones, the router's load-balancing loss on) takes
+// adapters on its attention: its frozen MoE blocks pass the gradient
+// through to the layers below (MoEBackward with no weight gradients).
 func TestLoRAGradients(t *testing.T) {
 	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.5}
+	attn := []string{"q_proj", "k_proj", "v_proj", "o_proj"}
 	for _, c := range []struct {
 		arch    model.Arch
 		tied    bool
@@ -88,9 +92,13 @@ func TestLoRAGradients(t *testing.T) {
 		{model.ArchLlama, true, allTargets},
 		{model.ArchQwen2, false, []string{"q_proj", "v_proj"}},
 		{model.ArchQwen3, false, allTargets},
+		{model.ArchQwen3MoE, false, attn},
 	} {
 		t.Run(fmt.Sprintf("%s/tied=%v/%d", c.arch, c.tied, len(c.targets)), func(t *testing.T) {
 			cfg := tinyConfig(c.arch, c.tied)
+			if c.arch == model.ArchQwen3MoE {
+				cfg = tinyMoEConfig(c.tied, 1)
+			}
 			w := model.Init(cfg, model.InitOptions{Seed: 3, Std: 0.2, Perturb: true})
 			s := newLoRA(t, cfg, w, LoRAConfig{Rank: 4, Alpha: 8, Targets: c.targets, Seed: 5})
 			defer s.Free()
@@ -406,7 +414,8 @@ func TestLoRAErrors(t *testing.T) {
 		{LoRAConfig{Rank: 8, Alpha: 16, Targets: []string{"q_proj", "qkv_proj"}, Init: "kaiming"}, cfg, `"qkv_proj" is not a module`},
 		{LoRAConfig{Rank: 8, Alpha: 16, Targets: []string{"q_proj"}, Init: "orthogonal"}, cfg, "init"},
 		{LoRAConfig{Rank: 8, Alpha: 16, Targets: []string{"q_proj"}, Init: "kaiming", Dropout: 1}, cfg, "dropout"},
-		{LoRAConfig{Rank: 8, Alpha: 16, Targets: allTargets, Init: "kaiming"}, tinyMoEConfig(false, 1), "qwen3_moe"},
+		{LoRAConfig{Rank: 8, Alpha: 16, Targets: allTargets, Init: "kaiming"}, tinyMoEConfig(false, 1), "gate_proj, up_proj, down_proj on a qwen3_moe student"},
+		{LoRAConfig{Rank: 8, Alpha: 16, Targets: []string{"q_proj", "down_proj"}, Init: "kaiming"}, tinyMoEConfig(false, 1), "Target the attention (q_proj, k_proj, v_proj, o_proj"},
 	} {
 		_, err := NewLoRAStudentOn(c.cfg, cpuBackend(), mapSource(model.Init(c.cfg, model.InitOptions{Seed: 1})), c.lc)
 		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), c.want) {

@@ -120,8 +120,13 @@ func (b *Block) Linears() []*Linear {
 	return ls
 }
 
-// moeGrads is an MoE block's gradients in the MoE kernels' layout.
+// moeGrads is an MoE block's gradients in the MoE kernels' layout; nil
+// for a frozen block (a LoRA student's base, bound with no gradients):
+// MoEBackward then computes dx alone.
 func (b *Block) moeGrads() *compute.MoEWeights {
+	if b.Router.DW == nil {
+		return nil
+	}
 	g := *b.MoE
 	g.Router, g.Gate, g.Up, g.Down = b.Router.DW, nil, nil, nil
 	for e := range b.Experts {

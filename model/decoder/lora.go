@@ -49,18 +49,20 @@ type loraState struct {
 type dropKey struct{ step, row uint32 }
 
 // AttachLoRA puts an adapter on every Linear of the blocks for which
-// adapter returns one (nil: none). MoE blocks take none: their experts
-// run inside the fused MoE kernels, which have no adapter term.
+// adapter returns one (nil: none). An MoE block's attention takes
+// adapters; its experts take none: they run inside the MoE kernels
+// (MoEForward, MoEBackward), which have no adapter term. A frozen MoE
+// block's backward computes dx alone (moeGrads).
 func (m *Model) AttachLoRA(adapter func(l *Linear) *compute.LoRA) error {
 	for i := range m.Blocks {
 		L := &m.Blocks[i]
-		for _, l := range L.Linears() {
+		for j, l := range L.Linears() {
 			a := adapter(l)
 			if a == nil {
 				continue
 			}
-			if L.MoE != nil {
-				return fmt.Errorf("%w: %s: LoRA adapters on a Qwen3-MoE block are not supported yet (its experts run in the fused MoE kernels)", ErrInvalid, l.Name)
+			if L.MoE != nil && j >= 4 { // Linears: q, k, v, o, then the experts'
+				return fmt.Errorf("%w: %s: LoRA adapters on a Qwen3-MoE block's experts are not supported (they run inside the MoE kernels, which have no adapter term); its attention's q_proj, k_proj, v_proj and o_proj take them", ErrInvalid, l.Name)
 			}
 			if a.In != l.In || a.Out != l.Out || a.Rank <= 0 {
 				return fmt.Errorf("%w: %s: adapter of rank %d, %d -> %d, on a Linear %d -> %d", ErrInvalid, l.Name, a.Rank, a.In, a.Out, l.In, l.Out)
