@@ -100,7 +100,8 @@
 #
 #   train-test      the training kernels vs compute/cpu (ragged attention
 #                   backward, loss head, NVFP4 bit for bit, MoE forward and
-#                   backward, deterministic reductions: twice the same bits),
+#                   backward, a frozen MoE backward's dx, deterministic
+#                   reductions: twice the same bits),
 #                   the loss head's pass-2 coefficients computed on the GPU
 #                   against train/loss's host math bit for bit
 #                   (TestLossCoefDevice) and the contract's suite
@@ -119,7 +120,8 @@
 #                   uninterrupted run's losses bit for bit; the GPU's
 #                   checkpoint resumes on the CPU; a tiny Qwen3-MoE student
 #                   follows the CPU's loss curve within 1% and resumes bit
-#                   for bit (TestCUDAMoEStudent)
+#                   for bit (TestCUDAMoEStudent), and so does a LoRA student
+#                   on a Qwen3-MoE base's attention (TestCUDALoRAMoE)
 #   train-bench     training steps of Qwen3-0.6B- and 1.7B-shaped students,
 #                   rows of 8192 tokens, vocab 151936, k = 64, with and
 #                   without NVFP4 QAD: tokens/s, MFU, device memory
@@ -310,7 +312,7 @@ s_device() {
 }
 
 # The training kernels' tests (train_test.go) and the contract's suite.
-train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|MoETrainConformance|DropoutMatchesCPU|KernelsCompile'
+train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|MoETrainConformance|MoEFrozenBackward|DropoutMatchesCPU|KernelsCompile'
 
 s_train-test() {
   step train-test 80 "$T" -test.v -test.count=1 -test.timeout=75s -test.run "$train_tests"
@@ -332,7 +334,7 @@ s_train-qad() {
 }
 
 s_train-resume() {
-  STEP_DIR=train/trainer step train-resume 80 "$TT" -test.v -test.count=1 -test.timeout=75s -test.run 'TestCUDAResume|TestCUDAMoEStudent'
+  STEP_DIR=train/trainer step train-resume 80 "$TT" -test.v -test.count=1 -test.timeout=75s -test.run 'TestCUDAResume|TestCUDAMoEStudent|TestCUDALoRAMoE'
 }
 
 # TRAIN_BENCH_FLAGS: more flags for the benchmark binary (e.g.
@@ -481,7 +483,7 @@ summary() {
     echo "-- training: NVFP4 export of a GPU run"
     grep -hE 'bit for bit|--- (PASS|FAIL): TestCUDAQADExport' "$OUT/train-qad.log" 2>/dev/null | sed 's/^ *//'
     echo "-- training: resume exactness"
-    grep -hE -- '--- (PASS|FAIL): (TestCUDAResume|TestCUDAMoEStudent)' "$OUT/train-resume.log" 2>/dev/null
+    grep -hE -- '--- (PASS|FAIL): (TestCUDAResume|TestCUDAMoEStudent|TestCUDALoRAMoE)' "$OUT/train-resume.log" 2>/dev/null
     echo "-- training benchmark (ours, then the PyTorch peer)"
     grep -hE '^BenchmarkCUDATrainStep' "$OUT/train-bench.log" "$OUT/train-zero.log" 2>/dev/null
     grep -hE '^BenchmarkLossHeadCoef' "$OUT/loss-coef.log" 2>/dev/null
