@@ -529,7 +529,31 @@ type MoEWeights struct {
 	// over the experts, which is what deployments load into fused MoE
 	// kernels). The router always reads x unquantized. 0: off.
 	InAmax, HAmax float32
+	// Adapters, when not nil, are LoRA adapters on the experts'
+	// projections (a LoRA student's experts: PEFT's
+	// mlp.experts.E.{gate,up,down}_proj): Adapters[e] is expert e's, any of
+	// its three nil for none. Each adds its term over the expert's grouped
+	// rows as compute.LoRA defines it: gate = xg·Gateᵀ +
+	// Scale·(drop(xg)·Aᵀ)·Bᵀ (up likewise), y = h·Downᵀ +
+	// Scale·(drop(h)·Aᵀ)·Bᵀ, h = silu(gate)·up; MoEForward saves Gate, Up
+	// and Y with the terms in. MoEBackward accumulates each adapter's DA and
+	// DB (dm nil or not: the base may be frozen) and its part of dx. Not
+	// with FP8 experts or QAD (InAmax, HAmax).
+	Adapters []MoEAdapter
+	// Drop, when not nil, keys the adapters' dropout (LoRA.Dropout > 0) in
+	// MoEForward and MoEBackward: the mask of adapter l is
+	// NewDropoutMask(l.Stream, Drop.Step, Drop.Row, l.Dropout) over (token,
+	// column) of its input, the token the grouped row's (so a token's
+	// mask does not depend on the other tokens' routing). nil: no
+	// dropout (an evaluation; MoE never drops).
+	Drop *MoEDrop
 }
+
+// MoEAdapter are one expert's LoRA adapters (nil: none).
+type MoEAdapter struct{ Gate, Up, Down *LoRA }
+
+// MoEDrop is a training row's place (DropoutMask's Step and Row).
+type MoEDrop struct{ Step, Row uint32 }
 
 // MoESaved are the tensors MoEForward fills for MoEBackward, for a batch of
 // T tokens with E experts and top-k K; rows "in grouped order" are the T·K

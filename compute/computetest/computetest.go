@@ -152,6 +152,7 @@ func (s *suite) run(t *testing.T) {
 		{"MoEBackward", s.moeBackward, true},
 		{"Dropout", s.dropout, true},
 		{"LoRALinear", s.loraLinear, true},
+		{"MoELoRA", s.moeLoRA, true},
 	} {
 		if c.train && s.forwardOnly {
 			continue
@@ -194,6 +195,7 @@ func (s *suite) runAct(t *testing.T) {
 		{"LossHeadBackward", s.lossHeadBackward, true},
 		{"Dropout", s.dropout, true},
 		{"LoRALinear", s.loraLinear, true},
+		{"MoELoRA", s.moeLoRA, true},
 	} {
 		if c.train && s.forwardOnly {
 			continue

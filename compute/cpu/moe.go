@@ -179,6 +179,7 @@ func (be *Backend) moeForward(out, x compute.Tensor, m *compute.MoEWeights, s *c
 	if fp8 && s != nil {
 		panic("cpu: MoEForward (training) with FP8 experts: FP8 weights are a teacher's, forward only (MoE)")
 	}
+	moeAdaptersCheck(m, fp8)
 	maxRows := 0
 	for e := 0; e < E; e++ {
 		maxRows = max(maxRows, int(r.off[e+1]-r.off[e]))
@@ -208,6 +209,12 @@ func (be *Backend) moeForward(out, x compute.Tensor, m *compute.MoEWeights, s *c
 		}
 		be.sgemm(false, true, n, I, H, 1, xg, H, gw, H, 0, g, I)
 		be.sgemm(false, true, n, I, H, 1, xg, H, uw, H, 0, u, I)
+		ad, lr := adapter(m, e), &moeLoRA{be: be, order: r.order, lo: lo, n: n, K: K}
+		if s != nil {
+			lr.drop = m.Drop // MoE (inference) never drops
+		}
+		lr.forward(ad.Gate, g, xg)
+		lr.forward(ad.Up, u, xg)
 		C.k_swiglu(fp(h), fp(g), fp(u), C.long(n*I))
 		if m.HAmax > 0 {
 			be.fakeQuantRows(h[:n*I], n, I, m.HAmax)
@@ -216,6 +223,7 @@ func (be *Backend) moeForward(out, x compute.Tensor, m *compute.MoEWeights, s *c
 			be.quantRowsFP8(h[:n*I], h[:n*I], n, I)
 		}
 		be.sgemm(false, true, n, H, I, 1, h, I, dw, I, 0, ye, H)
+		lr.forward(ad.Down, ye, h)
 		// An expert's rows are distinct tokens: the scatter splits freely.
 		be.rows(n, H, func(_, i0, i1 int) {
 			for i := i0; i < i1; i++ {
@@ -238,6 +246,7 @@ func (be *Backend) moeForward(out, x compute.Tensor, m *compute.MoEWeights, s *c
 func (be *Backend) MoEBackward(dx compute.Tensor, dm *compute.MoEWeights, dout, x compute.Tensor, m *compute.MoEWeights, s *compute.MoESaved, dprob compute.Tensor, T int) {
 	dxs, d, xs := f32(dx), f32(dout), f32(x)
 	E, K, H, I := m.NumExperts, m.TopK, m.Hidden, m.Inter
+	moeAdaptersCheck(m, false)
 	probs, sel, wts, order, off := f32(s.Probs), i32(s.Sel), f32(s.Wts), i32(s.Order), i32(s.Offsets)
 	ys, gs, us := f32(s.Y), f32(s.Gate), f32(s.Up)
 	var dp0 []float32
@@ -323,29 +332,62 @@ func (be *Backend) MoEBackward(dx compute.Tensor, dm *compute.MoEWeights, dout, 
 				}
 			}
 		})
-		if dm != nil { // dDown from the down projection's input, recomputed
+		ad, lr := adapter(m, e), &moeLoRA{be: be, order: order, lo: lo, n: n, K: K, drop: m.Drop}
+		if dm != nil || ad.Down != nil { // the down projection's input, recomputed
 			C.k_swiglu(fp(h), fp(g), fp(u), C.long(n*I))
 			if m.HAmax > 0 {
 				be.fakeQuantRows(h[:n*I], n, I, m.HAmax)
 			}
+		}
+		if dm != nil {
 			be.sgemm(true, false, H, I, n, 1, dy, H, h, I, 1, f32(dm.Down[e]), I)
 		}
 		be.sgemm(false, false, n, I, H, 1, dy, H, f32(m.Down[e]), I, 0, dh, I)
+		lr.backward(ad.Down, dh, dy, h)
 		clear(dg[:n*I])
 		clear(du[:n*I])
 		C.k_swiglu_bwd(fp(dg), fp(du), fp(dh), fp(g), fp(u), C.long(n*I))
-		if dm != nil {
+		if dm != nil || ad.Gate != nil || ad.Up != nil {
 			be.gather(xg, xs, order, lo, hi, K, H, m.InAmax)
+		}
+		if dm != nil {
 			be.sgemm(true, false, I, H, n, 1, dg, I, xg, H, 1, f32(dm.Gate[e]), H)
 			be.sgemm(true, false, I, H, n, 1, du, I, xg, H, 1, f32(dm.Up[e]), H)
 		}
 		be.sgemm(false, false, n, H, I, 1, dg, I, f32(m.Gate[e]), H, 0, dxg, H)
 		be.sgemm(false, false, n, H, I, 1, du, I, f32(m.Up[e]), H, 1, dxg, H)
+		lr.backward(ad.Gate, dxg, dg, xg)
+		lr.backward(ad.Up, dxg, du, xg)
 		be.rows(n, H, func(_, i0, i1 int) {
 			for i := i0; i < i1; i++ {
 				t := int(order[lo+i]) / K
 				C.k_add(fp(dxs[t*H:(t+1)*H]), fp(dxg[i*H:]), C.long(H))
 			}
 		})
+	}
+}
+
+// moeAdaptersCheck refuses adapters the kernels do not take: a count
+// other than one per expert, or beside FP8 experts or QAD's quantized
+// inputs (a LoRA student's base is neither).
+func moeAdaptersCheck(m *compute.MoEWeights, fp8 bool) {
+	if m.Adapters == nil {
+		return
+	}
+	switch {
+	case len(m.Adapters) != m.NumExperts:
+		panic(fmt.Sprintf("cpu: MoE with %d experts has %d adapters: want one MoEAdapter per expert", m.NumExperts, len(m.Adapters)))
+	case fp8 || m.InAmax > 0 || m.HAmax > 0:
+		panic("cpu: MoE adapters (LoRA) with FP8 experts or QAD's quantized inputs: a LoRA student's base is neither")
+	}
+	for e, a := range m.Adapters {
+		for _, l := range []struct {
+			l       *compute.LoRA
+			in, out int
+		}{{a.Gate, m.Hidden, m.Inter}, {a.Up, m.Hidden, m.Inter}, {a.Down, m.Inter, m.Hidden}} {
+			if l.l != nil && (l.l.In != l.in || l.l.Out != l.out || l.l.Rank < 1) {
+				panic(fmt.Sprintf("cpu: expert %d's adapter of rank %d, %d -> %d, on a projection %d -> %d", e, l.l.Rank, l.l.In, l.l.Out, l.in, l.out))
+			}
+		}
 	}
 }
