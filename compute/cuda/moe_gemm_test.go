@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"distill/compute"
+	"distill/compute/computetest"
 )
 
 // TestMoEGroupedGEMM: the experts' GEMMs on the device's grouping
@@ -147,4 +148,22 @@ func TestMoEFrozenBackward(t *testing.T) {
 			t.Fatalf("host grouping %v: profile %v: %d cuBLASLt GEMMs, want %d (no weight gradients)", host, prof, n, wantGEMMs)
 		}
 	}
+}
+
+// TestMoELoRAHostGrouping runs the suite's MoELoRA subtest (the experts'
+// adapters against the float64 block and finite differences) on the
+// host's grouping and per-expert cuBLASLt GEMMs (the path of shapes
+// k_moe_gemm cannot take); TestSuite runs it on the device's.
+func TestMoELoRAHostGrouping(t *testing.T) {
+	be := testBackend(t)
+	testMoEHostGrouping = true
+	defer func() { testMoEHostGrouping = false }()
+	tol := suiteTol
+	tol.Skip = func(name string) string {
+		if name != "MoELoRA" {
+			return "TestSuite runs it"
+		}
+		return ""
+	}
+	computetest.Run(t, be, tol)
 }

@@ -279,12 +279,24 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 	ops := &moeOperands{b: b, what: what}
 	defer ops.release()
 	act := scratch(int64(P) * int64(I) * 2)
+	// The experts' adapters (a LoRA student's), each over its expert's rows:
+	// gate's and up's before the SwiGLU, down's after the down GEMM.
+	ga, ua, da := moeAdapters(mw, fp8, what)
+	adapters := func(ls func(int) *compute.LoRA, name string, out, in uint64) {}
+	if ga != nil {
+		lr := b.newMoELoRA(mw, offsets, order, K, sv != nil) // MoE (inference) never drops
+		defer lr.release()
+		adapters = func(ls func(int) *compute.LoRA, name string, out, in uint64) { lr.forward(ls, name, out, in) }
+	}
 	if onDevice {
 		g := moeGroups{offsets: offsets, tileStart: tileStart, rows: P, E: E}
 		b.moeGEMM(gate, xg, ops.ptrs(mw.Gate, "gate", I*H), g, I, H)
 		b.moeGEMM(up, xg, ops.ptrs(mw.Up, "up", I*H), g, I, H)
+		adapters(ga, "gate_proj", gate, xg)
+		adapters(ua, "up_proj", up, xg)
 		b.moeAct(act, gate, up, mw, P, I)
 		b.moeGEMM(y, act, ops.ptrs(mw.Down, "down", H*I), g, H, I)
+		adapters(da, "down_proj", y, act)
 	} else {
 		for e := 0; e < E; e++ {
 			off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
@@ -295,6 +307,8 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 			b.gemm(gate+off*uint64(I)*4, xe, ops.bf16(mw.Gate[e], "gate", e, I*H), cnt, I, H, dataBF16)
 			b.gemm(up+off*uint64(I)*4, xe, ops.bf16(mw.Up[e], "up", e, I*H), cnt, I, H, dataBF16)
 		}
+		adapters(ga, "gate_proj", gate, xg)
+		adapters(ua, "up_proj", up, xg)
 		b.moeAct(act, gate, up, mw, P, I)
 		for e := 0; e < E; e++ {
 			off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
@@ -303,6 +317,7 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 			}
 			b.gemm(y+off*uint64(H)*4, act+off*uint64(I)*2, ops.bf16(mw.Down[e], "down", e, H*I), cnt, H, I, dataBF16)
 		}
+		adapters(da, "down_proj", y, act)
 	}
 	b.launchKernel(launch{kernel: "k_moe_combine", grid: [3]int{T, 1, 1}, block: 256},
 		dptr(out.p), dptr(y), dptr(sel), dptr(wts), dptr(rowpos), int32(K), int32(H))
@@ -351,6 +366,13 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 		b.wroteT(dm.Gate...)
 		b.wroteT(dm.Up...)
 		b.wroteT(dm.Down...)
+	}
+	for _, a := range mw.Adapters {
+		for _, l := range []*compute.LoRA{a.Gate, a.Up, a.Down} {
+			if l != nil {
+				b.wroteT(l.DA, l.DB)
+			}
+		}
 	}
 	b.label = "MoEBackward"
 	const what = "MoEBackward"
@@ -428,10 +450,19 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 	b.ew("k_moe_dy", int64(P)*int64(H), dptr(dy), dptr(dout.p), dptr(sv.wts.p), dptr(sv.order.p), int64(P), int32(K), int32(H))
 	// The weight gradients' operands: the down projection's input act
 	// (recomputed) and the grouped input xg (gathered again).
+	// The adapters' too (a LoRA student's experts).
+	ga, ua, da := moeAdapters(mw, false, what)
+	var lr *moeLoRA
+	if ga != nil {
+		lr = b.newMoELoRA(mw, sv.offsets.p, sv.order.p, K, true)
+		defer lr.release()
+	}
 	var act, xg uint64
-	if dm != nil {
+	if dm != nil || anyAdapter(mw, da) {
 		act = scratch(int64(P) * int64(I) * 2)
 		b.moeAct(act, sv.gate.p, sv.up.p, mw, P, I)
+	}
+	if dm != nil || anyAdapter(mw, ga) || anyAdapter(mw, ua) {
 		xg = scratch(int64(P) * int64(H) * 2)
 		b.moeExpertInput(xg, x, sv.order.p, mw, T, K, H)
 	}
@@ -440,6 +471,12 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 	defer ops.release()
 	dg, du := scratch(int64(P)*int64(I)*2), scratch(int64(P)*int64(I)*2)
 	dxg := scratch(int64(P) * int64(H) * 4)
+	// The adapters' backward: down's into dh before the SwiGLU's
+	// backward, gate's and up's into dxg.
+	downBwd := func() {}
+	if lr != nil {
+		downBwd = func() { lr.backward(da, "down_proj", dh, dy, act) }
+	}
 	if onDevice {
 		// The grouping the forward saved, its row tiles rebuilt on the device.
 		tileStart := scratch(int64(E+1) * 4)
@@ -456,6 +493,7 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 			b.moeWGrad(grads(dm.Down, "Down", H*I), dy, act, g, H, I)
 		}
 		b.moeGEMMNN(dh, dy, ops.ptrs(mw.Down, "down", H*I), g, I, H, false)
+		downBwd()
 		b.ew("k_moe_swiglu_bwd", int64(P)*int64(I), dptr(dg), dptr(du), dptr(dh), dptr(sv.gate.p), dptr(sv.up.p), int64(P)*int64(I))
 		if dm != nil {
 			b.moeWGrad(grads(dm.Gate, "Gate", I*H), dg, xg, g, I, H)
@@ -464,7 +502,11 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 		b.moeGEMMNN(dxg, dg, ops.ptrs(mw.Gate, "gate", I*H), g, H, I, false)
 		b.moeGEMMNN(dxg, du, ops.ptrs(mw.Up, "up", I*H), g, H, I, true)
 	} else {
-		b.moeExpertsBackwardHost(off, dm, mw, ops, grad, dy, act, xg, dh, dg, du, dxg, sv, H, I)
+		b.moeExpertsBackwardHost(off, dm, mw, ops, grad, dy, act, xg, dh, dg, du, dxg, sv, H, I, downBwd)
+	}
+	if lr != nil {
+		lr.backward(ga, "gate_proj", dxg, dg, xg)
+		lr.backward(ua, "up_proj", dxg, du, xg)
 	}
 	rowpos := scratch(int64(P) * 4)
 	b.ew("k_moe_rowpos", int64(P), dptr(rowpos), dptr(sv.order.p), int64(P))
@@ -475,9 +517,10 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 // moeExpertsBackwardHost is MoEBackward's experts on the host's grouping
 // (off, read from the saved offsets): cuBLASLt GEMMs per expert with rows,
 // for the shapes k_moe_gemm cannot take; dm nil: no weight gradients
-// (act and xg unset).
+// (act and xg unset). afterDh runs once dh is complete, before the
+// SwiGLU's backward reads it (the down adapters' dx).
 func (b *Backend) moeExpertsBackwardHost(off []int32, dm, mw *compute.MoEWeights, ops *moeOperands, grad func(compute.Tensor, string, int, int) uint64,
-	dy, act, xg, dh, dg, du, dxg uint64, sv *moeSaved, H, I int) {
+	dy, act, xg, dh, dg, du, dxg uint64, sv *moeSaved, H, I int, afterDh func()) {
 	E := len(off) - 1
 	P := int(off[E])
 	for e := 0; e < E; e++ {
@@ -491,6 +534,7 @@ func (b *Backend) moeExpertsBackwardHost(off []int32, dm, mw *compute.MoEWeights
 		}
 		b.gemmEx(dh+o*uint64(I)*4, dye, ops.bf16(mw.Down[e], "down", e, H*I), cnt, I, H, false, false, dataBF16, 0)
 	}
+	afterDh()
 	b.ew("k_moe_swiglu_bwd", int64(P)*int64(I), dptr(dg), dptr(du), dptr(dh), dptr(sv.gate.p), dptr(sv.up.p), int64(P)*int64(I))
 	for e := 0; e < E; e++ {
 		o, cnt := uint64(off[e]), int(off[e+1]-off[e])

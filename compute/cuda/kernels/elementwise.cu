@@ -177,6 +177,42 @@ DK_KERNEL void k_dropout_bwd(float *__restrict__ dx, const float *__restrict__ d
 	}
 }
 
+// k_dropout over an MoE expert's grouped rows (its LoRA adapters' input):
+// row r's mask is that of its token, order[r]/K (compute's MoEWeights.Drop),
+// out (rows, cols) F32.
+DK_KERNEL void k_moe_dropout(float *__restrict__ out, const void *__restrict__ x, int x_bf, const int *__restrict__ order, int K, i64 rows,
+                             int cols, int k0, int k1, int row, int step, int thr, float scale) {
+	int g4 = (cols + 3) / 4;
+	i64 total = rows * (i64)g4;
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+		i64 r = i / g4;
+		int g = (int)(i - r * g4);
+		u32 w[4] = {(u32)g, (u32)(order[r] / K), (u32)row, (u32)step};
+		philox4x32(w, (u32)k0, (u32)k1);
+		for (int j = 0; j < 4 && 4 * g + j < cols; j++) {
+			i64 e = r * cols + 4 * g + j;
+			out[e] = w[j] >= (u32)thr ? __fmul_rn(ld_act(x, x_bf, e), scale) : 0.0f;
+		}
+	}
+}
+
+// k_dropout_bwd over an MoE expert's grouped rows (k_moe_dropout's masks).
+DK_KERNEL void k_moe_dropout_bwd(float *__restrict__ dx, const float *__restrict__ dout, const int *__restrict__ order, int K, i64 rows, int cols,
+                                 int k0, int k1, int row, int step, int thr, float scale) {
+	int g4 = (cols + 3) / 4;
+	i64 total = rows * (i64)g4;
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+		i64 r = i / g4;
+		int g = (int)(i - r * g4);
+		u32 w[4] = {(u32)g, (u32)(order[r] / K), (u32)row, (u32)step};
+		philox4x32(w, (u32)k0, (u32)k1);
+		for (int j = 0; j < 4 && 4 * g + j < cols; j++) {
+			i64 e = r * cols + 4 * g + j;
+			if (w[j] >= (u32)thr) dx[e] += __fmul_rn(dout[e], scale);
+		}
+	}
+}
+
 DK_REGISTER(k_f32_to_bf16)
 DK_REGISTER(k_bf16_to_f32)
 DK_REGISTER(k_f32_to_bf16_x4)
@@ -191,3 +227,5 @@ DK_REGISTER(k_add_bias)
 DK_REGISTER(k_embed)
 DK_REGISTER(k_dropout)
 DK_REGISTER(k_dropout_bwd)
+DK_REGISTER(k_moe_dropout)
+DK_REGISTER(k_moe_dropout_bwd)
