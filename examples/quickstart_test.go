@@ -16,7 +16,9 @@ import (
 // against the cache (eval.cache: their KD is not 0). Its numbers mean
 // nothing at this size.
 // Then scripts/measure-targets.sh on its outputs: a row of figures for
-// every cache kind and tail mode, for both students.
+// every cache kind and tail mode, for both students; and
+// scripts/measure-students.sh on them as teacher seed 1's quick start: a
+// row of results for each of three kinds of student, for 2 steps each.
 func TestQuickstart(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: the quick start builds the binaries and trains three models")
@@ -77,6 +79,35 @@ func TestQuickstart(t *testing.T) {
 		rows := regexp.MustCompile(`(?m)^\| [a-z0-9+]+(, tail [a-z]+)? \| [0-9.]+ \| [0-9.]+° \| [-0-9.]+ \| [0-9.]+° \|$`).FindAll(b, -1)
 		if len(rows) != 13 { // 3 top-k caches x 3 tail modes, 4 sampled caches
 			t.Errorf("bias-%s.md: %d rows of figures, want 13:\n%s", s, len(rows), b)
+		}
+	}
+
+	// The README's table of students trained on each kind: the script
+	// finds seed s's quick start at MS_QS + s.
+	tmp := t.TempDir()
+	if err := os.Symlink(out, filepath.Join(tmp, "qs-1")); err != nil {
+		t.Fatal(err)
+	}
+	sout := filepath.Join(tmp, "students")
+	kinds := []string{"topk8-renormalize", "sampled16", "head4+sampled16"}
+	log, err = repoScript([]string{"MS_QS=" + filepath.Join(tmp, "qs-"), "MS_OUT=" + sout, "MS_SEEDS=1", "MS_KINDS=" + strings.Join(kinds, " "),
+		"MS_STEPS=2", "MS_HELD=0:40"}, "scripts/measure-students.sh")
+	if err != nil {
+		t.Fatalf("scripts/measure-students.sh: %v\n%s", err, log)
+	}
+	res, err := os.ReadFile(filepath.Join(sout, "results.tsv"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(res)), "\n")
+	if len(lines) != 1+len(kinds) {
+		t.Fatalf("results.tsv: %d lines, want a header and %d rows:\n%s", len(lines), len(kinds), res)
+	}
+	num := `[0-9.]+(e-?[0-9]+)?`
+	for i, k := range kinds {
+		row := regexp.MustCompile(`^1\t` + regexp.QuoteMeta(k) + `\t[a-z0-9+]+(\t` + num + `){6}\t[1-9][0-9]*$`)
+		if !row.MatchString(lines[1+i]) {
+			t.Errorf("results.tsv row %d: %q, want seed 1, %s, its cache, 6 figures and the eval tokens", i+1, lines[1+i], k)
 		}
 	}
 }

