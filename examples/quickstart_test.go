@@ -110,4 +110,11 @@ func TestQuickstart(t *testing.T) {
 			t.Errorf("results.tsv row %d: %q, want seed 1, %s, its cache, 6 figures and the eval tokens", i+1, lines[1+i], k)
 		}
 	}
+	tch, err := os.ReadFile(filepath.Join(sout, "teachers.tsv"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !regexp.MustCompile(`(?m)^1(\t` + num + `){3}$`).Match(tch) {
+		t.Errorf("teachers.tsv lacks seed 1's teacher CE, ECE and the held-out entropy:\n%s", tch)
+	}
 }

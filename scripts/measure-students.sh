@@ -23,8 +23,10 @@
 # caches), s<s>/<student>/ (runs) and s<s>/<student>.json (evals); and
 # results.tsv, one row per (seed, student): seed, student, cache, bytes a
 # token, held-out CE, ECE, top-1 agreement, KD to the teacher, token
-# accuracy, eval tokens. go run ./examples/quickstart/studentsplot turns
-# it into the README's table and plot.
+# accuracy, eval tokens; and teachers.tsv, each teacher's held-out CE and
+# ECE and the language's entropy there. go run
+# ./examples/quickstart/studentsplot turns results.tsv into the README's
+# table and plot.
 #
 # MS_SEEDS (default "1 2 3") picks the teacher seeds; MS_QS (default
 # out/qs-) the quick starts' output directories, the seed appended;
@@ -142,6 +144,12 @@ for s in $SEEDS; do
       --seq-len 256 --kd-loss fwd_kl --tail bucket --temperature 1 --json > "$D/$name.json.tmp" &&
       mv "$D/$name.json.tmp" "$D/$name.json"
   done
+  # The teacher on the same held-out samples, for scale.
+  if [ ! -s "$D/teacher.json" ]; then
+    bin/student eval --checkpoint "$Q/teacher" --tokenizer "$Q/tokenizer" --cache "$D/topk16" --range "$held" \
+      --seq-len 256 --kd-loss fwd_kl --tail bucket --temperature 1 --json > "$D/teacher.json.tmp" &&
+      mv "$D/teacher.json.tmp" "$D/teacher.json"
+  fi
   exec 9>&-
 done
 
@@ -163,3 +171,15 @@ stage "results: $O/results.tsv"
   done
 } > "$O/results.tsv"
 cat "$O/results.tsv"
+# The teachers' held-out CE and ECE, and the language's entropy on the
+# held-out samples (the floor of CE; gendata's stats.json).
+{
+  printf "seed\tteacher_ce\tteacher_ece\theldout_entropy\n"
+  for d in "$O"/s*/; do
+    s=${d%/}; s=${s##*/s}
+    [ -s "${d}teacher.json" ] || continue
+    printf "%s\t%s\t%s\t%s\n" "$s" "$(field "${d}teacher.json" ce)" "$(field "${d}teacher.json" ece)" \
+      "$(field "${MS_QS:-out/qs-}$s/data/stats.json" heldout_entropy)"
+  done
+} > "$O/teachers.tsv"
+cat "$O/teachers.tsv"
