@@ -58,6 +58,20 @@
 // rounds each element once when it stores it; a backend whose ActDType
 // is F32 may refuse BF16 there.
 //
+// The gradients that only feed a GEMM's backward may be in the
+// activation dtype too (MatMulBackward's dout is (act)): their producers
+// round once what they would have stored in F32 (SwiGLUBackward's dgate
+// and dup, RMSNormBackward's dx, AttentionBackward's dv, and the BF16
+// copy of the residual stream's gradient that ActGrads'
+// RMSNormBackwardCopy writes beside it), so a GEMM reads the same BF16
+// bits as from a rounding pass of the F32 gradient, without the pass. A
+// backward kernel's (act) gradient output accumulates in fp32 and rounds
+// the sum once (+=, as every gradient). A gradient that is also needed
+// unrounded stays F32: the residual stream's (it keeps accumulating), a
+// bias's dout (its column sums), an MoE block's dout, the gradients
+// RoPEBackward rotates (dq, dk). The decoder asks GradDType which dtype
+// to use; the CPU backend keeps F32.
+//
 // Two rules say what a kernel does to its outputs, and every method states
 // which applies:
 //
@@ -296,20 +310,24 @@ type Backend interface {
 
 	// --- Backward kernels (+=; dX is the gradient of the loss w.r.t. X).
 
-	// MatMulBackward of out = x·wᵀ + bias: dout (m,n), x (m,k) (act), w (n,k) ->
+	// MatMulBackward of out = x·wᵀ + bias: dout (m,n) (act), x (m,k) (act), w (n,k) ->
 	// dx (m,k) += dout·w, dw (n,k) += doutᵀ·x, dbias (n) += Σ_rows dout.
 	// dx, dw and dbias may be nil (not needed: a frozen weight, as a LoRA
 	// student's base, has no dw; x is then not read). x and w must be what the
 	// forward multiplied (under NVFP4 fake quantization, the quantized
-	// copies: the straight-through estimator).
+	// copies: the straight-through estimator). A BF16 dout is read as is
+	// by a backend that rounds its GEMM operands (the same bits as an F32
+	// dout it would round); it needs a nil dbias (the column sums read
+	// the F32 gradient: a backend panics otherwise).
 	MatMulBackward(dx, dw, dbias, dout, x, w Tensor, m, n, k int)
 	// EmbedBackward: dout (n,dim), ids (n) -> dtable (vocab,dim) +=, each
 	// row of dout added to the row of its id.
 	EmbedBackward(dtable, dout, ids Tensor, n, dim int)
 	// RMSNormBackward: dout, x (rows,dim) (x: act), w (dim), rstd (rows) saved by
-	// the forward -> dx (rows,dim) +=, dw (dim) +=. With xh = x·rstd:
+	// the forward -> dx (rows,dim) (act) +=, dw (dim) +=. With xh = x·rstd:
 	// dw += Σ_rows dout·xh; dx += rstd·(dout·w - xh·mean(dout·w·xh)).
-	// dx must not alias dout.
+	// dx must not alias dout. A BF16 dx (the q/k norm's input gradient,
+	// which only a GEMM's backward reads) gets each fp32 sum rounded once.
 	RMSNormBackward(dx, dw, dout, x, w, rstd Tensor, rows, dim int)
 	// RoPEBackward turns dout (tokens, heads, headDim) into dx in place:
 	// the rotation is orthogonal, so its backward is the rotation by
@@ -318,13 +336,16 @@ type Backend interface {
 	// AttentionBackward: dout (tokens,nHead,hd), q, k, v (act), starts and
 	// lse as in the forward, out (tokens,nHead,hd) (act) the forward's
 	// output -> dq
-	// (tokens,nHead,hd) +=, dk, dv (tokens,nKV,hd) +=. The probabilities
+	// (tokens,nHead,hd) +=, dk (tokens,nKV,hd) +=, dv (tokens,nKV,hd)
+	// (act) += (a BF16 dv gets each fp32 sum rounded once; dq and dk are
+	// F32: RoPEBackward rotates them). The probabilities
 	// are recomputed from lse, never stored; out gives the softmax
 	// backward's row term Σ dout·out without recomputing the forward (a
 	// backend may ignore it and compute the term from P).
 	AttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, starts Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32)
-	// SwiGLUBackward: dout, gate, up (n) (gate, up: act) -> dgate (n) +=, dup (n) +=, with
-	// silu'(g) = σ(g)·(1 + g·(1-σ(g))).
+	// SwiGLUBackward: dout, gate, up (n) (gate, up: act) -> dgate (n) (act) +=,
+	// dup (n) (act) +=, with silu'(g) = σ(g)·(1 + g·(1-σ(g))); a BF16
+	// dgate or dup gets each fp32 sum rounded once.
 	SwiGLUBackward(dgate, dup, dout, gate, up Tensor, n int)
 	// MoEBackward of MoEForward: dout (tokens,hidden), x, m and s as the
 	// forward left them -> dx (tokens,hidden) +=, and in dm (the weights'
@@ -625,6 +646,30 @@ type AdamWStep struct {
 // slices (checkpoints, export) without a download.
 type Host interface {
 	HostF32(t Tensor) []float32
+}
+
+// ActGrads is implemented by backends that take the gradients a GEMM's
+// backward reads in their activation dtype (the package doc's rule).
+type ActGrads interface {
+	// GradDType is the dtype the decoder stores those gradients in: the
+	// backend's ActDType, or F32 where an option of the backend keeps
+	// every gradient F32 (for comparisons).
+	GradDType() DType
+	// RMSNormBackwardCopy is RMSNormBackward with an F32 dx that also
+	// writes dxc (rows,dim) BF16 = the rounding of each element of dx
+	// after the +=, in the same pass: the residual stream's gradient,
+	// which keeps accumulating in F32, and its BF16 copy for the next
+	// MatMulBackward's dout. dxc must alias neither dx nor dout.
+	RMSNormBackwardCopy(dx, dxc, dw, dout, x, w, rstd Tensor, rows, dim int)
+}
+
+// GradDType is be's ActGrads.GradDType, or F32 for a backend that does not
+// implement ActGrads.
+func GradDType(be Backend) DType {
+	if g, ok := be.(ActGrads); ok {
+		return g.GradDType()
+	}
+	return F32
 }
 
 // ScratchReporter is implemented by backends that can bound the scratch

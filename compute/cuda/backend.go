@@ -62,6 +62,14 @@ type Options struct {
 	// pass before every GEMM; for comparisons). $DISTILL_CUDA_ACT sets it
 	// too.
 	Activations string
+	// F32Grads keeps every gradient in F32 under BF16 activations
+	// (compute.ActGrads' GradDType): the decoder then hands the backward
+	// GEMMs F32 gradients, which MatMulBackward rounds to BF16 in a pass
+	// of its own before each GEMM, as before the gradients' producers
+	// wrote BF16. The same bits either way (the producers round the same
+	// fp32 values once); the tests compare the two, and the GPU suite
+	// times them. $DISTILL_CUDA_F32_GRADS=1 sets it too.
+	F32Grads bool
 }
 
 // Backend is the CUDA backend. It is safe for concurrent use, one call at
@@ -96,6 +104,7 @@ type Backend struct {
 	attnNondet bool          // Options.AttnNondeterministic
 	attnBwd    attnMode      // Options.AttentionBackward
 	act        compute.DType // Options.Activations
+	f32Grads   bool          // Options.F32Grads
 
 	prof   map[string]*ProfileEntry // nil unless Options.Profile
 	label  string                   // the running method, for the profile
@@ -122,6 +131,7 @@ var (
 	_ compute.DeviceMemory = (*Backend)(nil)
 	_ compute.CrossCopier  = (*Backend)(nil)
 	_ compute.DeviceNamer  = (*Backend)(nil)
+	_ compute.ActGrads     = (*Backend)(nil)
 )
 
 const maxArgs = 32
@@ -231,6 +241,7 @@ func Open(opt Options) (*Backend, error) {
 		return nil, fmt.Errorf("cuda: attention backward %q: want mma, or none to follow the attention's", b.attnBwd)
 	}
 	b.attnNondet = opt.AttnNondeterministic || os.Getenv("DISTILL_CUDNN_NONDETERMINISTIC") == "1"
+	b.f32Grads = opt.F32Grads || os.Getenv("DISTILL_CUDA_F32_GRADS") == "1"
 	act := opt.Activations
 	if act == "" {
 		act = os.Getenv("DISTILL_CUDA_ACT")

@@ -500,7 +500,11 @@ func (b *Backend) cudnnAttentionBackward(a attnBwdArgs, nSeq, maxLen, tokens, nH
 	b.sdpaExec(p, vp, scale, "cudnn attention backward")
 	b.convert("k_add_bf16", dq.p, dqb, int64(nq))
 	b.convert("k_add_bf16", dk.p, dkb, int64(nk))
-	b.convert("k_add_bf16", dv.p, dvb, int64(nk))
+	if dv.dt == compute.BF16 {
+		b.convert("k_add_bf16_act", dv.p, dvb, int64(nk)) // v_proj's backward reads it: no widening
+	} else {
+		b.convert("k_add_bf16", dv.p, dvb, int64(nk))
+	}
 	for _, x := range []uint64{meta, qs, ks, vs, obs, dob, dqb, dkb, dvb, ssum, acc, statsScratch} {
 		if x != 0 {
 			b.free(x)

@@ -155,16 +155,19 @@ func (b *Backend) FakeQuantNVFP4(dstT, srcT compute.Tensor, rows, cols int, amax
 
 // MatMulBackward implements compute.Backend: dx (m,k) += dout·w ("NN"),
 // dw (n,k) += doutᵀ·x ("NT"), both cuBLASLt GEMMs with BF16 operands
-// (dout, x and w rounded as read) accumulating in fp32 into the fp32
-// gradients (beta = 1); dbias (n) += the column sums of dout in float64,
-// deterministic.
+// (dout, x and w read in place when BF16, else rounded as read)
+// accumulating in fp32 into the fp32 gradients (beta = 1); dbias (n) +=
+// the column sums of an F32 dout in float64, deterministic.
 func (b *Backend) MatMulBackward(dxT, dwT, dbiasT, doutT, xT, wT compute.Tensor, m, n, k int) {
 	defer b.enter()()
 	b.wroteT(dxT, dwT, dbiasT)
 	b.label = "MatMulBackward"
 	dout, w := b.ten(doutT, "MatMulBackward dout"), b.ten(wT, "MatMulBackward w")
-	need(dout, "MatMulBackward dout", m*n, compute.F32)
+	need(dout, "MatMulBackward dout", m*n, act...)
 	need(w, "MatMulBackward w", n*k, compute.F32, compute.BF16)
+	if dbiasT != nil && dout.dt != compute.F32 {
+		panic("cuda: MatMulBackward with a BF16 dout and a dbias: the bias's column sums read the F32 gradient; pass dout in F32 where a bias trains")
+	}
 	// dw nil: a frozen weight (a LoRA student's base); x is not read.
 	var dw, x *tensor
 	if dwT != nil {
@@ -233,29 +236,67 @@ func (b *Backend) EmbedBackward(dtableT, doutT, idsT compute.Tensor, n, dim int)
 }
 
 // RMSNormBackward implements compute.Backend: dx += per row (the forward's
-// geometry), dw += Σ_rows dout·x·rstd (deterministic column sums).
+// geometry; a BF16 dx gets each sum rounded once), dw += Σ_rows
+// dout·x·rstd (deterministic column sums).
 func (b *Backend) RMSNormBackward(dxT, dwT, doutT, xT, wT, rstdT compute.Tensor, rows, dim int) {
 	defer b.enter()()
-	b.wroteT(dxT, dwT)
-	dx, dw, dout := b.ten(dxT, "RMSNormBackward dx"), b.ten(dwT, "RMSNormBackward dw"), b.ten(doutT, "RMSNormBackward dout")
-	x, w, rstd := b.ten(xT, "RMSNormBackward x"), b.ten(wT, "RMSNormBackward w"), b.ten(rstdT, "RMSNormBackward rstd")
-	need(dx, "RMSNormBackward dx", rows*dim, compute.F32)
-	need(dw, "RMSNormBackward dw", dim, compute.F32)
-	need(dout, "RMSNormBackward dout", rows*dim, compute.F32)
-	need(x, "RMSNormBackward x", rows*dim, act...)
-	need(w, "RMSNormBackward w", dim, compute.F32, compute.BF16)
-	need(rstd, "RMSNormBackward rstd", rows, compute.F32)
+	b.rmsNormBackward("RMSNormBackward", dxT, nil, dwT, doutT, xT, wT, rstdT, rows, dim)
+}
+
+// GradDType implements compute.ActGrads: the activation dtype, or F32
+// under Options.F32Grads.
+func (b *Backend) GradDType() compute.DType {
+	if b.f32Grads {
+		return compute.F32
+	}
+	return b.act
+}
+
+// RMSNormBackwardCopy implements compute.ActGrads: RMSNormBackward's
+// kernels with an F32 dx, each new dx value also rounded into dxc in the
+// same pass (k_rmsnorm_bwd_*'s dxc): the residual stream's gradient and
+// the BF16 operand the next MatMulBackward reads, with no pass between.
+func (b *Backend) RMSNormBackwardCopy(dxT, dxcT, dwT, doutT, xT, wT, rstdT compute.Tensor, rows, dim int) {
+	defer b.enter()()
+	b.rmsNormBackward("RMSNormBackwardCopy", dxT, dxcT, dwT, doutT, xT, wT, rstdT, rows, dim)
+}
+
+func (b *Backend) rmsNormBackward(what string, dxT, dxcT, dwT, doutT, xT, wT, rstdT compute.Tensor, rows, dim int) {
+	b.wroteT(dxT, dwT, dxcT)
+	dx, dw, dout := b.ten(dxT, what+" dx"), b.ten(dwT, what+" dw"), b.ten(doutT, what+" dout")
+	x, w, rstd := b.ten(xT, what+" x"), b.ten(wT, what+" w"), b.ten(rstdT, what+" rstd")
+	var dxc *tensor
+	if dxcT != nil {
+		dxc = b.ten(dxcT, what+" dxc")
+		need(dxc, what+" dxc", rows*dim, compute.BF16)
+		need(dx, what+" dx", rows*dim, compute.F32)
+	} else {
+		need(dx, what+" dx", rows*dim, act...)
+	}
+	need(dw, what+" dw", dim, compute.F32)
+	need(dout, what+" dout", rows*dim, compute.F32)
+	need(x, what+" x", rows*dim, act...)
+	need(w, what+" w", dim, compute.F32, compute.BF16)
+	need(rstd, what+" rstd", rows, compute.F32)
+	if dx.p == dout.p || dxc != nil && (dxc.p == dx.p || dxc.p == dout.p) {
+		panic("cuda: " + what + ": dx, dxc and dout must not alias")
+	}
 	if rows == 0 || dim == 0 {
 		return
 	}
 	wp, wb := weightArg(w)
-	if l, lanes, ok := rmsnormVecLaunch(rows, dim, dx.p, dout.p, x.p, w.p); ok {
+	cp := ptrOf(dxc)
+	ptrs := []uint64{dx.p, dout.p, x.p, w.p}
+	if dxc != nil {
+		ptrs = append(ptrs, dxc.p)
+	}
+	if l, lanes, ok := rmsnormVecLaunch(rows, dim, ptrs...); ok {
 		l.kernel = map[string]string{"k_rmsnorm_warp8": "k_rmsnorm_bwd_warp8", "k_rmsnorm_block8": "k_rmsnorm_bwd_block8"}[l.kernel]
-		b.launchKernel(l, dptr(dx.p), dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim), lanes)
+		b.launchKernel(l, dptr(dx.p), bf16Flag(dx), cp, dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim), lanes)
 	} else {
 		l := rmsnormLaunch(rows, dim)
 		l.kernel = map[string]string{"k_rmsnorm_warp": "k_rmsnorm_bwd_warp", "k_rmsnorm_block": "k_rmsnorm_bwd_block"}[l.kernel]
-		b.launchKernel(l, dptr(dx.p), dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim))
+		b.launchKernel(l, dptr(dx.p), bf16Flag(dx), cp, dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim))
 	}
 	b.colSum(dw.p, dout.p, x.p, bf16Flag(x), rstd.p, rows, dim)
 }
@@ -274,7 +315,8 @@ func (b *Backend) RoPEBackward(dxT, cosT, sinT compute.Tensor, tokens, heads, he
 	b.launchKernel(l, dptr(x.p), dptr(cs.p), dptr(sn.p), int64(tokens), int32(heads), int32(headDim))
 }
 
-// SwiGLUBackward implements compute.Backend.
+// SwiGLUBackward implements compute.Backend: fp32 math; a BF16 dgate or
+// dup gets each sum rounded once.
 func (b *Backend) SwiGLUBackward(dgT, duT, doutT, gT, uT compute.Tensor, n int) {
 	defer b.enter()()
 	b.wroteT(dgT, duT)
@@ -282,17 +324,16 @@ func (b *Backend) SwiGLUBackward(dgT, duT, doutT, gT, uT compute.Tensor, n int) 
 	g, u := b.ten(gT, "SwiGLUBackward gate"), b.ten(uT, "SwiGLUBackward up")
 	need(g, "SwiGLUBackward gate", n, act...)
 	need(u, "SwiGLUBackward up", n, act...)
-	for _, x := range []struct {
-		t    *tensor
-		what string
-	}{{dg, "SwiGLUBackward dgate"}, {du, "SwiGLUBackward dup"}, {dout, "SwiGLUBackward dout"}} {
-		need(x.t, x.what, n, compute.F32)
-	}
+	need(dg, "SwiGLUBackward dgate", n, act...)
+	need(du, "SwiGLUBackward dup", n, act...)
+	need(dout, "SwiGLUBackward dout", n, compute.F32)
 	if n%8 == 0 && aligned16(dg.p) && aligned16(du.p) && aligned16(dout.p) && aligned16(g.p) && aligned16(u.p) {
-		b.ew("k_swiglu_bwd_x8", int64(n/8), dptr(dg.p), dptr(du.p), dptr(dout.p), dptr(g.p), bf16Flag(g), dptr(u.p), bf16Flag(u), int64(n/8))
+		b.ew("k_swiglu_bwd_x8", int64(n/8), dptr(dg.p), bf16Flag(dg), dptr(du.p), bf16Flag(du), dptr(dout.p), dptr(g.p), bf16Flag(g),
+			dptr(u.p), bf16Flag(u), int64(n/8))
 		return
 	}
-	b.ew("k_swiglu_bwd", int64(n), dptr(dg.p), dptr(du.p), dptr(dout.p), dptr(g.p), bf16Flag(g), dptr(u.p), bf16Flag(u), int64(n))
+	b.ew("k_swiglu_bwd", int64(n), dptr(dg.p), bf16Flag(dg), dptr(du.p), bf16Flag(du), dptr(dout.p), dptr(g.p), bf16Flag(g), dptr(u.p),
+		bf16Flag(u), int64(n))
 }
 
 // AttentionBackward implements compute.Backend: cuDNN's fused flash
@@ -331,7 +372,7 @@ func (b *Backend) attnBwdArgs(dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, star
 		return r
 	}
 	nq, nk, f32 := tokens*nHead*hd, tokens*nKV*hd, compute.F32
-	a := attnBwdArgs{dq: t(dqT, "dq", nq, f32), dk: t(dkT, "dk", nk, f32), dv: t(dvT, "dv", nk, f32), dout: t(doutT, "dout", nq, f32),
+	a := attnBwdArgs{dq: t(dqT, "dq", nq, f32), dk: t(dkT, "dk", nk, f32), dv: t(dvT, "dv", nk, act...), dout: t(doutT, "dout", nq, f32),
 		q: t(qT, "q", nq, act...), k: t(kT, "k", nk, act...), v: t(vT, "v", nk, act...), lse: t(lseT, "lse", tokens*nHead, f32)}
 	if outT != nil {
 		a.out = t(outT, "out", nq, act...)
@@ -349,6 +390,19 @@ func (b *Backend) attentionBackward(mode attnMode, a attnBwdArgs, nSeq, tokens, 
 	}
 	p, err := attentionBackwardLaunch(mode, tokens, nSeq, nHead, nKV, hd)
 	b.must(err)
+	// The kernels accumulate into F32: a BF16 dv gets an F32 scratch's sum
+	// added at the end, rounded once (its zeroed scratch holds what an F32
+	// dv would have gained).
+	dvp := dv.p
+	if dv.dt == compute.BF16 {
+		nk := int64(tokens) * int64(nKV) * int64(hd)
+		dvp = b.alloc(nk * 4)
+		b.memset0(dvp, nk*4)
+		defer func() {
+			b.ew("k_add_to_act", nk, dptr(dv.p), dptr(dvp), nk)
+			b.free(dvp)
+		}()
+	}
 	tiles := b.alloc(int64(nSeq+1) * 4)
 	dsum := b.alloc(int64(tokens) * int64(nHead) * 4)
 	b.launchKernel(p.plan, dptr(tiles), dptr(st.p), int32(nSeq), int32(p.bq))
@@ -366,7 +420,7 @@ func (b *Backend) attentionBackward(mode attnMode, a attnBwdArgs, nSeq, tokens, 
 		vp, ins[2] = b.f32In(v, nk)
 		b.launchKernel(p.dq, dptr(dq.p), dptr(dsum), dptr(dout.p), dptr(qp), dptr(kp), dptr(vp), dptr(lse.p), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
-		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(dout.p), dptr(qp), dptr(kp), dptr(vp), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
+		b.launchKernel(p.dkv, dptr(dk.p), dptr(dvp), dptr(dout.p), dptr(qp), dptr(kp), dptr(vp), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
 	} else {
 		// BF16 operands, F32 ones rounded once per call; D from the
@@ -391,7 +445,7 @@ func (b *Backend) attentionBackward(mode attnMode, a attnBwdArgs, nSeq, tokens, 
 		}
 		b.launchKernel(p.dq, dptr(dq.p), dptr(db), dptr(qb), dptr(kb), dptr(vb), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), scale)
-		b.launchKernel(p.dkv, dptr(dk.p), dptr(dv.p), dptr(db), dptr(qb), dptr(kb), dptr(vb), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
+		b.launchKernel(p.dkv, dptr(dk.p), dptr(dvp), dptr(db), dptr(qb), dptr(kb), dptr(vb), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), scale)
 	}
 	b.free(tiles)

@@ -292,6 +292,59 @@ func TestAttentionBackwardConformance(t *testing.T) {
 	}
 }
 
+// TestAttentionBackwardBF16DV: a BF16 dv (v_proj's backward reads it)
+// holds, bit for bit, the rounding of what an F32 dv that started at the
+// same values gains, on cuDNN (its BF16 dV added in BF16) and on the own
+// fp32 and tensor-core kernels (an F32 scratch added and rounded once);
+// dq and dk are the F32 run's.
+func TestAttentionBackwardBF16DV(t *testing.T) {
+	be := testBackend(t)
+	if be.dnn == nil {
+		t.Fatal("cuDNN did not load (the emulator stands in for it)")
+	}
+	r := rand.New(rand.NewPCG(53, 54))
+	for _, c := range []struct {
+		mode           attnMode
+		nHead, nKV, hd int
+	}{{"", 4, 2, 64}, {"simt", 4, 2, 16}, {"mma", 4, 1, 64}} {
+		t.Run(fmt.Sprintf("%q_hd%d", c.mode, c.hd), func(t *testing.T) {
+			be.attn = c.mode
+			defer func() { be.attn = "" }()
+			ac := newAttnCase(r, []int{1, 17, 65, 2}, c.nHead, c.nKV, c.hd)
+			o, lse := ac.run(oracle, ac.q, ac.k, ac.v)
+			dout := randF32(r, len(o))
+			dq0, dk0 := randF32(r, len(ac.q)), randF32(r, len(ac.k))
+			dv0, _ := roundBF16(randF32(r, len(ac.v)))
+			run := func(dvt compute.DType) (dq, dk, dv []float32) {
+				gq, gk, gv := be.FromF32(dq0), be.FromF32(dk0), be.New(dvt, len(dv0))
+				be.WriteF32(gv, dv0)
+				calls := be.dnn.calls[1]
+				be.AttentionBackward(gq, gk, gv, be.FromF32(dout), be.FromF32(ac.q), be.FromF32(ac.k), be.FromF32(ac.v), be.FromF32(o),
+					be.FromF32(lse), be.FromI32(ac.starts), len(ac.lens), ac.maxLen, ac.tokens, c.nHead, c.nKV, c.hd, float32(1/math.Sqrt(float64(c.hd))))
+				if on := be.dnn.calls[1] != calls; on != (c.mode == "") {
+					t.Fatalf("mode %q: the backward ran on cuDNN: %v", c.mode, on)
+				}
+				return readF32(be, gq, len(ac.q)), readF32(be, gk, len(ac.k)), readF32(be, gv, len(dv0))
+			}
+			q32, k32, v32 := run(compute.F32)
+			qb, kb, vb := run(compute.BF16)
+			same(t, "dq", qb, q32)
+			same(t, "dk", kb, k32)
+			vr, _ := roundBF16(v32)
+			same(t, "dv (bf16) vs the f32 dv rounded", vb, vr)
+			changed := 0
+			for i := range vb {
+				if vb[i] != dv0[i] {
+					changed++
+				}
+			}
+			if changed < len(vb)/2 {
+				t.Fatalf("only %d of %d dv elements moved", changed, len(vb))
+			}
+		})
+	}
+}
+
 // TestLossHeadConformance: the fused loss head's both passes against the
 // CPU's on the same BF16-rounded x and w, with forced vocabulary tiles that
 // do not divide the vocabulary, K = 0 and K = 64, T = 1 and T = 2; the

@@ -258,12 +258,31 @@ func TestVecSwiGLUBackwardBitIdentical(t *testing.T) {
 		g, u, d := vecValues(r, n, 6), vecValues(r, n, 2), vecValues(r, n, 1)
 		dg0, du0 := vecValues(r, n, 1), vecValues(r, n, 1)
 		for _, bf := range []bool{true, false} {
-			what := fmt.Sprintf("swiglu_bwd n=%d g, u %s", n, dtName(bf))
-			checkVecPath(t, be, what, []string{"k_swiglu_bwd_x8"}, []string{"k_swiglu_bwd"}, func(shift int) [][]uint32 {
-				dg, du := placed(be, compute.F32, dg0, shift), placed(be, compute.F32, du0, shift)
-				be.SwiGLUBackward(dg, du, placed(be, compute.F32, d, shift), placed(be, dtOf(bf), g, shift), placed(be, dtOf(bf), u, shift), n)
-				return [][]uint32{rawBits(be, dg, n), rawBits(be, du, n)}
-			})
+			// dgate and dup in F32, or BF16 (the gradients GEMMs read).
+			for _, obf := range []bool{false, true} {
+				what := fmt.Sprintf("swiglu_bwd n=%d g, u %s, dgate, dup %s", n, dtName(bf), dtName(obf))
+				checkVecPath(t, be, what, []string{"k_swiglu_bwd_x8"}, []string{"k_swiglu_bwd"}, func(shift int) [][]uint32 {
+					dg, du := placed(be, dtOf(obf), dg0, shift), placed(be, dtOf(obf), du0, shift)
+					dt, gt, ut := placed(be, compute.F32, d, shift), placed(be, dtOf(bf), g, shift), placed(be, dtOf(bf), u, shift)
+					// F32 gradients that start at dg, du's values: a BF16 dg,
+					// du holds their sums' roundings.
+					dg32, du32 := placed(be, compute.F32, readF32(be, dg, n), shift), placed(be, compute.F32, readF32(be, du, n), shift)
+					be.SwiGLUBackward(dg32, du32, dt, gt, ut, n)
+					be.SwiGLUBackward(dg, du, dt, gt, ut, n)
+					got := [][]uint32{rawBits(be, dg, n), rawBits(be, du, n)}
+					for k, want := range [][]uint32{rawBits(be, dg32, n), rawBits(be, du32, n)} {
+						for i, v := range want {
+							if obf {
+								v = uint32(compute.F32ToBF16(math.Float32frombits(v))) << 16
+							}
+							if got[k][i] != v {
+								t.Fatalf("%s shift %d: gradient %d [%d] = %#08x, want the F32 sum rounded: %#08x", what, shift, k, i, got[k][i], v)
+							}
+						}
+					}
+					return got
+				})
+			}
 		}
 	}
 }
@@ -297,6 +316,40 @@ func TestVecRMSNormBackwardBitIdentical(t *testing.T) {
 					return [][]uint32{rawBits(be, dx, rows*dim), rawBits(be, dw, dim)}
 				})
 			}
+		}
+		// A BF16 dx (the q/k norms' input gradient), and an F32 dx with
+		// its BF16 copy (the residual stream's): the copy holds dx's
+		// rounding, element for element.
+		for _, kind := range []string{"bf16 dx", "f32 dx + copy"} {
+			what := fmt.Sprintf("rmsnorm_bwd %dx%d %s", rows, dim, kind)
+			checkVecPath(t, be, what, []string{vec, "k_colsum_part4"}, []string{scalar, "k_colsum_part"}, func(shift int) [][]uint32 {
+				dw := placed(be, compute.F32, dw0, shift)
+				d, xt, rt := placed(be, compute.F32, d, shift), placed(be, compute.BF16, x, shift), be.FromF32(rs)
+				if kind == "bf16 dx" {
+					// The same sums into an F32 dx that starts at the BF16
+					// one's values: the BF16 dx holds their roundings.
+					dx := placed(be, compute.BF16, dx0, shift)
+					dx32 := placed(be, compute.F32, readF32(be, dx, rows*dim), shift)
+					be.RMSNormBackward(dx32, be.New(compute.F32, dim), d, xt, wb, rt, rows, dim)
+					be.RMSNormBackward(dx, dw, d, xt, wb, rt, rows, dim)
+					got := rawBits(be, dx, rows*dim)
+					for i, v := range rawBits(be, dx32, rows*dim) {
+						if want := uint32(compute.F32ToBF16(math.Float32frombits(v))) << 16; got[i] != want {
+							t.Fatalf("%s shift %d: dx[%d] = %#08x, want the F32 sum %#08x rounded: %#08x", what, shift, i, got[i], v, want)
+						}
+					}
+					return [][]uint32{got, rawBits(be, dw, dim)}
+				}
+				dx, dxc := placed(be, compute.F32, dx0, shift), placed(be, compute.BF16, dx0, shift)
+				be.RMSNormBackwardCopy(dx, dxc, dw, d, xt, wb, rt, rows, dim)
+				got, c := rawBits(be, dx, rows*dim), rawBits(be, dxc, rows*dim)
+				for i, v := range got {
+					if want := uint32(compute.F32ToBF16(math.Float32frombits(v))) << 16; c[i] != want {
+						t.Fatalf("%s shift %d: copy[%d] = %#08x, want dx %#08x rounded: %#08x", what, shift, i, c[i], v, want)
+					}
+				}
+				return [][]uint32{got, c, rawBits(be, dw, dim)}
+			})
 		}
 	}
 }

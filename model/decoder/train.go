@@ -102,8 +102,13 @@ type trainActs struct {
 	lnf      compute.Tensor // (N,C) final norm output: the LM head's input
 	rstdf    compute.Tensor // (N)
 	// One layer's gradient scratch, reused layer after layer; dln also
-	// receives the LM head's gradient w.r.t. lnf (HiddenGrad).
+	// receives the LM head's gradient w.r.t. lnf (HiddenGrad). dgate, dup,
+	// dqpre, dkpre and (without attention biases) dv are in the
+	// backend's gradient dtype (compute.GradDType): only GEMMs' backwards
+	// read them. dresg, when that dtype is not F32, is the BF16 copy of
+	// dres that the norms' backwards write for o_proj's and down_proj's.
 	dres, dln, dq, dk, dv, datt, dqpre, dkpre, dgate, dup, dh compute.Tensor
+	dresg                                                     compute.Tensor
 }
 
 // arenaSizes are the element counts of the training arenas: F32, the
@@ -121,6 +126,12 @@ func (z arenaSizes) bytes(act compute.DType) int64 {
 // 16-byte loads read the views in place.
 const actAlign = 64
 
+// gradAlign is that of a BF16 gradient view: 256 bytes, the alignment of
+// the scratch copy a backend would otherwise round the gradient into, so
+// that a GEMM library that picks its algorithm by its operands' alignment
+// (cuBLASLt) picks the same one for the view.
+const gradAlign = 128
+
 // carve lays out the activations of an N-token batch in arena (F32),
 // aarena (the activation dtype act, when it is not F32) and iarena (I32,
 // the MoE routing), or only counts them when arena is nil. Sizes and
@@ -129,8 +140,9 @@ const actAlign = 64
 // recompute mode; which tensors are activations (act) is the contract's
 // rule (compute's package doc): the inputs of GEMMs, attention and the
 // elementwise kernels; the residual stream, statistics, gradients and an
-// MoE block's input stay F32.
-func (m *Model) carve(a *trainActs, N int, act compute.DType, arena, aarena, iarena compute.Tensor) arenaSizes {
+// MoE block's input stay F32, but the gradients only a GEMM's backward
+// reads, which are in gact (the backend's GradDType: act or F32).
+func (m *Model) carve(a *trainActs, N int, act, gact compute.DType, arena, aarena, iarena compute.Tensor) arenaSizes {
 	cfg := m.Cfg
 	C, H, KV, D, I := cfg.Hidden, cfg.Heads, cfg.KVHeads, cfg.HeadDim, cfg.Intermediate
 	var z arenaSizes
@@ -145,6 +157,20 @@ func (m *Model) carve(a *trainActs, N int, act compute.DType, arena, aarena, iar
 	if act != compute.F32 {
 		atake = func(n int) compute.Tensor {
 			at := (z.act + actAlign - 1) / actAlign * actAlign
+			z.act = at + n
+			if arena == nil {
+				return nil
+			}
+			return m.be.View(aarena, at, n)
+		}
+	}
+	gtake := take
+	if gact != compute.F32 {
+		if gact != act {
+			panic(fmt.Sprintf("decoder: gradients in %v with activations in %v: want the activation dtype or f32", gact, act))
+		}
+		gtake = func(n int) compute.Tensor {
+			at := (z.act + gradAlign - 1) / gradAlign * gradAlign
 			z.act = at + n
 			if arena == nil {
 				return nil
@@ -260,11 +286,22 @@ func (m *Model) carve(a *trainActs, N int, act compute.DType, arena, aarena, iar
 	}
 	a.lnf, a.rstdf = atake(N*C), take(N)
 	a.dres, a.dln = take(N*C), take(N*C)
-	a.dq, a.dk, a.dv, a.datt = take(N*H*D), take(N*KV*D), take(N*KV*D), take(N*H*D)
-	if cfg.QKNorm {
-		a.dqpre, a.dkpre = take(N*H*D), take(N*KV*D)
+	a.dresg = nil
+	if gact != compute.F32 {
+		a.dresg = gtake(N * C)
 	}
-	a.dgate, a.dup, a.dh = take(N*I), take(N*I), take(N*I)
+	// q, k and v's douts: F32 where their biases train (the column sums
+	// read the unrounded gradient); dq and dk always (RoPE's backward
+	// rotates them; the q/k norm's backward then writes dqpre, dkpre).
+	qkv := gtake
+	if cfg.AttentionBias {
+		qkv = take
+	}
+	a.dq, a.dk, a.dv, a.datt = take(N*H*D), take(N*KV*D), qkv(N*KV*D), take(N*H*D)
+	if cfg.QKNorm {
+		a.dqpre, a.dkpre = qkv(N*H*D), qkv(N*KV*D)
+	}
+	a.dgate, a.dup, a.dh = gtake(N*I), gtake(N*I), take(N*I)
 	return z
 }
 
@@ -281,12 +318,23 @@ func (m *Model) arenaBytes() int64 {
 
 // TrainActivationBytes is what TrainForward's activation arenas take for
 // an N-token batch of a model of cfg under recompute mode r, with NVFP4
-// QAD on or off and activations of type act (the backend's ActDType); no
-// backend needed (memory planning).
+// QAD on or off and activations of type act (the backend's ActDType; the
+// gradients GEMMs read in it too, its GradDType by default); no backend
+// needed (memory planning).
 func TrainActivationBytes(cfg *model.Config, N int, r Recompute, qad bool, act compute.DType) int64 {
 	m := &Model{Cfg: cfg, qad: qad, recompute: r}
 	var a trainActs
-	return m.carve(&a, N, act, nil, nil, nil).bytes(act)
+	return m.carve(&a, N, act, act, nil, nil, nil).bytes(act)
+}
+
+// gradDType is the dtype of the gradients only GEMMs' backwards read:
+// the backend's GradDType where it also copies the residual stream's
+// gradient (compute.ActGrads), else F32.
+func (m *Model) gradDType() compute.DType {
+	if _, ok := m.be.(compute.ActGrads); !ok {
+		return compute.F32
+	}
+	return compute.GradDType(m.be)
 }
 
 // prepare sizes the activation arena for N tokens (growing it only when
@@ -297,15 +345,15 @@ func (m *Model) prepare(N int) {
 		return
 	}
 	var a trainActs
-	act := m.be.ActDType()
-	z := m.carve(&a, N, act, nil, nil, nil)
+	act, gact := m.be.ActDType(), m.gradDType()
+	z := m.carve(&a, N, act, gact, nil, nil, nil)
 	// A failed allocation (a device backend's out-of-memory panic) leaves
 	// no freed arena behind: the next call allocates anew.
 	st.arenaN = -1
 	m.grow(&st.arena, compute.F32, z.f32)
 	m.grow(&st.aarena, act, z.act)
 	m.grow(&st.iarena, compute.I32, z.i32)
-	m.carve(&st.acts, N, act, st.arena, st.aarena, st.iarena)
+	m.carve(&st.acts, N, act, gact, st.arena, st.aarena, st.iarena)
 	st.arenaN = N
 }
 
@@ -394,7 +442,9 @@ func (m *Model) Backward() {
 	be, c, a, b := m.be, m.Cfg, &m.train.acts, m.train.b
 	N, C, H, KV, D := b.n, c.Hidden, c.Heads, c.KVHeads, c.HeadDim
 	be.Zero(a.dres)
-	be.RMSNormBackward(a.dres, m.dw(m.Norm.DW, C), a.dln, a.xL, m.Norm.W, a.rstdf, N, C)
+	// The last block's MLP reads dres (its down_proj, through dresg).
+	last := len(m.Blocks) > 0 && m.Blocks[len(m.Blocks)-1].MoE == nil
+	m.resNormBackward(last, m.dw(m.Norm.DW, C), a.dln, a.xL, m.Norm.W, a.rstdf, N)
 	m.outsideGradsDone(OutsideHead)
 	var dprob compute.Tensor
 	if m.train.auxOn {
@@ -424,7 +474,7 @@ func (m *Model) Backward() {
 			// MLP: out = xmid + down(swiglu(gate(ln2), up(ln2))); dres
 			// flows to xmid unchanged (+=).
 			be.Zero(a.dh)
-			m.linearBackward(&f.Down, a.dh, a.dres, l.hq, N)
+			m.linearBackward(&f.Down, a.dh, m.resGrad(&f.Down), l.hq, N)
 			be.Zero(a.dgate)
 			be.Zero(a.dup)
 			be.SwiGLUBackward(a.dgate, a.dup, a.dh, l.gate, l.up, N*I)
@@ -432,10 +482,10 @@ func (m *Model) Backward() {
 			m.linearBackward(&f.Gate, a.dln, a.dgate, l.ln2q, N)
 			m.linearBackward(&f.Up, a.dln, a.dup, l.ln2q, N)
 		}
-		be.RMSNormBackward(a.dres, m.dw(L.PostNorm.DW, C), a.dln, l.xmid, L.PostNorm.W, l.rstd2, N, C)
+		m.resNormBackward(at.O.DB == nil, m.dw(L.PostNorm.DW, C), a.dln, l.xmid, L.PostNorm.W, l.rstd2, N)
 		// Attention: xmid = xin + o(attn(rope(q), rope(k), v)).
 		be.Zero(a.datt)
-		m.linearBackward(&at.O, a.datt, a.dres, l.attq, N)
+		m.linearBackward(&at.O, a.datt, m.resGrad(&at.O), l.attq, N)
 		be.Zero(a.dq)
 		be.Zero(a.dk)
 		be.Zero(a.dv)
@@ -454,13 +504,39 @@ func (m *Model) Backward() {
 		m.linearBackward(&at.Q, a.dln, dq, l.ln1q, N)
 		m.linearBackward(&at.K, a.dln, dk, l.ln1q, N)
 		m.linearBackward(&at.V, a.dln, a.dv, l.ln1q, N)
-		be.RMSNormBackward(a.dres, m.dw(L.InNorm.DW, C), a.dln, l.xin, L.InNorm.W, l.rstd1, N, C)
+		// The block below reads dres next: a dense one's down_proj through
+		// dresg; an MoE block and the embedding read the F32 dres.
+		m.resNormBackward(i > 0 && m.Blocks[i-1].MoE == nil, m.dw(L.InNorm.DW, C), a.dln, l.xin, L.InNorm.W, l.rstd1, N)
 		m.gradsDone(i)
 	}
 	if m.Embed.DW != nil { // nil: a frozen base (LoRA)
 		be.EmbedBackward(m.Embed.DW, a.dres, b.tokens, N, C)
 	}
 	m.outsideGradsDone(OutsideEmbed)
+}
+
+// resNormBackward is an RMSNorm's backward into the residual stream's
+// gradient: dres (N, hidden) += the gradient of x through the norm, from
+// dout. With gemm (a GEMM's backward reads dres next) and the gradients
+// in BF16, the same kernel writes dresg, dres's rounding, beside it.
+func (m *Model) resNormBackward(gemm bool, dw, dout, x, w, rstd compute.Tensor, N int) {
+	a, C := &m.train.acts, m.Cfg.Hidden
+	if gemm && a.dresg != nil {
+		m.be.(compute.ActGrads).RMSNormBackwardCopy(a.dres, a.dresg, dw, dout, x, w, rstd, N, C)
+		return
+	}
+	m.be.RMSNormBackward(a.dres, dw, dout, x, w, rstd, N, C)
+}
+
+// resGrad is the residual stream's gradient as l, the o or down
+// projection, reads it in its backward: dresg, written by the norm
+// backward before it, or dres itself when the gradients are F32 or l's
+// bias trains (its column sums read the unrounded gradient).
+func (m *Model) resGrad(l *Linear) compute.Tensor {
+	if a := &m.train.acts; a.dresg != nil && l.DB == nil {
+		return a.dresg
+	}
+	return m.train.acts.dres
 }
 
 // attentionBackward is the layer's attention backward (dq, dk, dv from

@@ -96,6 +96,25 @@ DK_KERNEL void k_add_bf16(float *__restrict__ a, const u16 *__restrict__ b, i64 
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) a[i] += bf2f(b[i]);
 }
 
+// a (n) BF16 += b (n) BF16, the fp32 sum rounded once: cuDNN's BF16
+// attention gradient into a BF16 gradient (dv, which only v_proj's
+// backward GEMM reads); a zeroed a gets b itself.
+DK_KERNEL void k_add_bf16_act(u16 *__restrict__ a, const u16 *__restrict__ b, i64 n) {
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) a[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));
+}
+
+// The same four at a time (8-byte aligned a and b, n4 = n/4 groups).
+DK_KERNEL void k_add_bf16_act_x4(dk_u2 *__restrict__ a, const dk_u2 *__restrict__ b, i64 n4) {
+	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (i64)gridDim.x * blockDim.x) {
+		dk_u2 x = a[i], y = b[i], r;
+		r.lo = (u32)f2bf(bf2f((u16)(x.lo & 0xffff)) + bf2f((u16)(y.lo & 0xffff))) |
+		       ((u32)f2bf(bf2f((u16)(x.lo >> 16)) + bf2f((u16)(y.lo >> 16))) << 16);
+		r.hi = (u32)f2bf(bf2f((u16)(x.hi & 0xffff)) + bf2f((u16)(y.hi & 0xffff))) |
+		       ((u32)f2bf(bf2f((u16)(x.hi >> 16)) + bf2f((u16)(y.hi >> 16))) << 16);
+		a[i] = r;
+	}
+}
+
 // out (rows, n) = in (rows, n) F32 + bias (n), bias BF16 or F32, out BF16
 // (rounded once: a GEMM's fp32 result with its bias) or F32 (in may be
 // out: each element is read before it is written).
@@ -223,6 +242,8 @@ DK_REGISTER(k_swiglu_x8)
 DK_REGISTER(k_add)
 DK_REGISTER(k_add_to_act)
 DK_REGISTER(k_add_bf16)
+DK_REGISTER(k_add_bf16_act)
+DK_REGISTER(k_add_bf16_act_x4)
 DK_REGISTER(k_add_bias)
 DK_REGISTER(k_embed)
 DK_REGISTER(k_dropout)

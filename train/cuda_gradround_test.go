@@ -1,0 +1,161 @@
+package train
+
+import (
+	"math"
+	"strings"
+	"testing"
+
+	"distill/compute"
+	"distill/compute/cuda"
+	"distill/compute/cuda/cudaemu"
+	"distill/model"
+	"distill/model/decoder"
+	"distill/train/loss"
+	"distill/train/optim"
+)
+
+// TestCUDAGradsInBF16: the CUDA backend's gradients in BF16 where only a
+// GEMM's backward reads them (SwiGLU's dgate and dup, the q/k norms' input
+// gradients, attention's dv, the residual stream's gradient copied by the
+// norms' backward; compute.ActGrads) train the same student bit for bit
+// as F32 gradients rounded by MatMulBackward's own pass
+// (Options.F32Grads): every gradient of the first step, and the losses
+// and weights of the steps after it, for Qwen3 (q/k norms), Qwen2 (q/k/v
+// biases: their douts stay F32), Llama with attention biases (o_proj's
+// too), a Qwen3-MoE student with a dense layer between MoE ones, each
+// recompute mode, QAD, and LoRA students (with dropout). The profile of
+// the first step counts the rounding passes the producers saved: 7 a
+// dense Qwen3 layer (down, gate, up, o, q, k, v), 4 a Qwen2 layer.
+func TestCUDAGradsInBF16(t *testing.T) {
+	cudaemu.Use(t)
+	llama := tinyConfig(model.ArchLlama, false)
+	llama.AttentionBias = true
+	type tcase struct {
+		name      string
+		cfg       *model.Config
+		recompute decoder.Recompute
+		qad       bool
+		lora      float64 // >= 0: a LoRA student with this dropout; < 0: a full one
+		saved     int     // the rounding passes a step saves (0: only more than none)
+	}
+	cases := []tcase{
+		{"qwen3", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, -1, 2 * 7},
+		{"qwen3 selective", tinyConfig(model.ArchQwen3, true), decoder.RecomputeSelective, false, -1, 2 * 7},
+		{"qwen3 full", tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, -1, 2 * 7},
+		{"qwen3 qad", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, true, -1, 2 * 7},
+		{"qwen2", tinyConfig(model.ArchQwen2, true), decoder.RecomputeNone, false, -1, 2 * 4},
+		{"llama attention bias", llama, decoder.RecomputeSelective, false, -1, 2 * 3},
+		{"qwen3_moe", tinyMoEConfig(false, 1), decoder.RecomputeNone, false, -1, 0},
+		{"qwen3_moe full", tinyMoEConfig(false, 1), decoder.RecomputeFull, false, -1, 0},
+		{"qwen3 lora", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, 0, 0},
+		{"qwen3 lora dropout full", tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, 0.3, 0},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			type result struct {
+				grads  []float32
+				losses []float64
+				w      map[string][]float32
+				conv   int // k_f32_to_bf16 calls of the first step
+			}
+			train := func(f32 bool) result {
+				be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir(), F32Grads: f32})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer be.Close()
+				if want := map[bool]compute.DType{false: compute.BF16, true: compute.F32}[f32]; compute.GradDType(be) != want {
+					t.Fatalf("F32Grads %v: GradDType %v, want %v", f32, compute.GradDType(be), want)
+				}
+				w := model.Init(c.cfg, model.InitOptions{Seed: 3, Std: 0.1, Perturb: true})
+				var s *Student
+				if c.lora >= 0 {
+					lc := LoRAConfig{Rank: 4, Alpha: 8, Targets: allTargets, Init: "kaiming", Seed: 1, Dropout: c.lora}
+					if s, err = NewLoRAStudentOn(c.cfg, be, mapSource(w), lc); err != nil {
+						t.Fatal(err)
+					}
+				} else {
+					if s, err = NewStudentOn(c.cfg, be); err != nil {
+						t.Fatal(err)
+					}
+					if err := s.Load(w); err != nil {
+						t.Fatal(err)
+					}
+				}
+				defer s.Free()
+				if err := s.Model.SetRecompute(c.recompute); err != nil {
+					t.Fatal(err)
+				}
+				b := testBatch(4, c.cfg.VocabSize, 8)
+				opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+				if c.qad {
+					if err := s.EnableQAD(); err != nil {
+						t.Fatal(err)
+					}
+					if _, err := s.Forward(b, &opt); err != nil {
+						t.Fatal(err)
+					}
+					if err := s.FinishCalibration(); err != nil {
+						t.Fatal(err)
+					}
+				}
+				ad, _ := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
+				var r result
+				for step := 0; step < 3; step++ {
+					s.ZeroGrad()
+					if c.lora > 0 {
+						s.SetStepRow(step, 0)
+					}
+					if step == 0 {
+						be.SetProfile(true)
+					}
+					st, err := s.ForwardBackward(b, &opt, 0)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if step == 0 {
+						for _, e := range be.Profile() {
+							if strings.HasPrefix(e.Name, "k_f32_to_bf16") {
+								r.conv += e.Calls
+							}
+						}
+						be.SetProfile(false)
+						r.grads = make([]float32, s.grads.Len())
+						be.ReadF32(s.grads, r.grads)
+					}
+					r.losses = append(r.losses, st.Loss)
+					optim.ClipGradNorm(s.Groups(), 1)
+					ad.Step(3e-3)
+				}
+				r.w = s.Weights()
+				return r
+			}
+			bf, f32 := train(false), train(true)
+			for i := range f32.grads {
+				if math.Float32bits(bf.grads[i]) != math.Float32bits(f32.grads[i]) {
+					t.Fatalf("step 1: gradient %d = %v with BF16 gradients, %v with F32 ones", i, bf.grads[i], f32.grads[i])
+				}
+			}
+			for i := range f32.losses {
+				if math.Float64bits(bf.losses[i]) != math.Float64bits(f32.losses[i]) {
+					t.Fatalf("step %d: loss %.17g with BF16 gradients, %.17g with F32 ones", i+1, bf.losses[i], f32.losses[i])
+				}
+			}
+			for name, w := range f32.w {
+				for j := range w {
+					if math.Float32bits(w[j]) != math.Float32bits(bf.w[name][j]) {
+						t.Fatalf("%s[%d] = %v with BF16 gradients, %v with F32 ones", name, j, bf.w[name][j], w[j])
+					}
+				}
+			}
+			t.Logf("%d gradients and losses %v the same bits; first step: %d roundings (F32 gradients %d)",
+				len(f32.grads), bf.losses, bf.conv, f32.conv)
+			switch {
+			case c.saved > 0 && f32.conv-bf.conv != c.saved:
+				t.Errorf("the step rounded %d times, %d with F32 gradients: want %d fewer", bf.conv, f32.conv, c.saved)
+			case bf.conv >= f32.conv:
+				t.Errorf("BF16 gradients saved no rounding: %d, F32 gradients %d", bf.conv, f32.conv)
+			}
+		})
+	}
+}
