@@ -29,7 +29,12 @@
 // that take activation operands a second time, as subtest "Act=bf16":
 // those operands in its dtype (the inputs rounded to it, the references
 // computed from the rounded values), the outputs widened for the checks
-// with one more rounding's tolerance (2^-8 relative).
+// with one more rounding's tolerance (2^-8 relative); the gradients that
+// may be in it too (MatMulBackward's dout, SwiGLUBackward's dgate and
+// dup, RMSNormBackward's dx, AttentionBackward's dv) as well, and a
+// backend that implements compute.ActGrads has its RMSNormBackwardCopy
+// held to RMSNormBackward's gradients and its copy to their exact
+// rounding.
 //
 // A backend that implements only the teacher's forward (the CUDA backend,
 // until its training kernels exist) runs RunForward: the memory methods
@@ -254,6 +259,18 @@ func (s *suite) actFwd(t *testing.T, name string, got []float32, want []float64)
 	closeTo(t, name, got, want, s.tol.FwdAtol, rtol)
 }
 
+// actBwd checks a gradient stored in the activation dtype (a "+="
+// output, accumulated in fp32 and rounded once): the backward
+// tolerances, plus BF16's rounding when the dtype is BF16.
+func (s *suite) actBwd(t *testing.T, name string, got []float32, want []float64) {
+	t.Helper()
+	rtol := s.tol.BwdRtol
+	if s.act == compute.BF16 {
+		rtol += 1.0 / 256
+	}
+	closeTo(t, name, got, want, s.tol.BwdAtol, rtol)
+}
+
 // gemmIn is a GEMM operand as the backend multiplies it: rounded to BF16
 // under Tolerances.BF16GEMM, else x itself.
 func (s *suite) gemmIn(x []float32) []float32 {
@@ -438,6 +455,22 @@ func (s *suite) matMul(t *testing.T) {
 		if s.forwardOnly {
 			continue
 		}
+		// dout in the activation dtype (a gradient only GEMMs read), but
+		// with a bias to train: its column sums read the F32 gradient.
+		Rt := be.FromF32(R)
+		if !bias {
+			Rt, R = s.actIn(R)
+		} else if s.act != compute.F32 {
+			func() {
+				defer func() {
+					if recover() == nil {
+						t.Errorf("MatMulBackward with a %v dout and a dbias did not panic", s.act)
+					}
+				}()
+				bt, _ := s.actIn(R)
+				be.MatMulBackward(be.New(compute.F32, m*k), nil, be.New(compute.F32, n), bt, xt, wt, m, n, k)
+			}()
+		}
 		xd, wd, Rd := f64(x), f64(w), f64(R)
 		f := func() float64 { return dot(linear(xd, wd, bd, k, n), Rd) }
 		dx0, dw0, db0 := randn(r, m*k, 1), randn(r, n*k, 1), randn(r, n, 1)
@@ -446,7 +479,7 @@ func (s *suite) matMul(t *testing.T) {
 		if bias {
 			db = be.FromF32(db0)
 		}
-		be.MatMulBackward(dx, dw, db, be.FromF32(R), xt, wt, m, n, k)
+		be.MatMulBackward(dx, dw, db, Rt, xt, wt, m, n, k)
 		if s.tol.BF16GEMM {
 			// The backend multiplies BF16 roundings of dout, w and x: the
 			// reference is the float64 product of the same roundings (the
@@ -474,7 +507,7 @@ func (s *suite) matMul(t *testing.T) {
 		}
 		// dx and dbias are optional.
 		dw2 := be.FromF32(dw0)
-		be.MatMulBackward(nil, dw2, nil, be.FromF32(R), xt, wt, m, n, k)
+		be.MatMulBackward(nil, dw2, nil, Rt, xt, wt, m, n, k)
 		if s.tol.BF16GEMM {
 			s.bwd(t, "dw (no dx)", s.read(dw2, n*k), f64(s.read(dw, n*k))) // the same GEMM as above
 		} else {
@@ -531,10 +564,25 @@ func (s *suite) rmsNorm(t *testing.T) {
 
 	f := func() float64 { return dot(rmsNorm(xd, wd, C, eps), Rd) }
 	dx0, dw0 := randn(r, N*C, 1), randn(r, C, 1)
-	dx, dw := be.FromF32(dx0), be.FromF32(dw0)
+	// dx in the activation dtype (the q/k norms' input gradient, which
+	// only GEMMs read): its starting values rounded, the sum once more.
+	dx, dx0 := s.actIn(dx0)
+	dw := be.FromF32(dw0)
 	be.RMSNormBackward(dx, dw, be.FromF32(R), xt, wt, rstd, N, C)
-	s.bwdStrided(t, "dx", s.read(dx, N*C), dx0, f, xd, 29)
+	bs := *s
+	bs.tol.BwdRtol = s.tol.BwdRtol + map[bool]float64{true: 1.0 / 256}[s.act == compute.BF16]
+	bs.bwdStrided(t, "dx", s.read(dx, N*C), dx0, f, xd, 29)
 	s.bwd(t, "dw", s.read(dw, C), plus(gradFD(f, wd, s.tol.FDStep), dw0))
+	if g, ok := be.(compute.ActGrads); ok && s.act != compute.F32 {
+		// The residual stream's gradient: F32 dx and its rounding beside
+		// it, the rounding of each element of the new dx exactly.
+		dx, dxc, dw := be.FromF32(dx0), be.New(s.act, N*C), be.FromF32(dw0)
+		g.RMSNormBackwardCopy(dx, dxc, dw, be.FromF32(R), xt, wt, rstd, N, C)
+		got := s.read(dx, N*C)
+		s.bwdStrided(t, "dx (copy)", got, dx0, f, xd, 29)
+		s.bwd(t, "dw (copy)", s.read(dw, C), plus(gradFD(f, wd, s.tol.FDStep), dw0))
+		closeTo(t, "dxc = bf16(dx)", s.read(dxc, N*C), f64(bf16(got)), 0, 0)
+	}
 }
 
 // rstdOf is RMSNorm's statistics of each dim-wide row of x:
@@ -673,7 +721,8 @@ func (s *suite) attention(t *testing.T) {
 	}
 
 	dq0, dk0, dv0 := randn(r, N*H*D, 1), randn(r, N*KV*D, 1), randn(r, N*KV*D, 1)
-	dq, dk, dv := be.FromF32(dq0), be.FromF32(dk0), be.FromF32(dv0)
+	dq, dk := be.FromF32(dq0), be.FromF32(dk0)
+	dv, dv0 := s.actIn(dv0) // dv in the activation dtype (only v_proj's backward reads it)
 	be.AttentionBackward(dq, dk, dv, be.FromF32(R), qt, kt, vt, out, lse, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
 	f := func() float64 { return dot(attention(qd, kd, vd, starts, H, KV, D, scale), Rd) }
 	bs := s
@@ -684,6 +733,11 @@ func (s *suite) attention(t *testing.T) {
 	}
 	bs.bwdStrided(t, "dq", s.read(dq, N*H*D), dq0, f, qd, 29)
 	bs.bwdStrided(t, "dk", s.read(dk, N*KV*D), dk0, f, kd, 23)
+	if s.act == compute.BF16 {
+		c := *bs
+		c.tol.BwdRtol += 1.0 / 256
+		bs = &c
+	}
 	bs.bwdStrided(t, "dv", s.read(dv, N*KV*D), dv0, f, vd, 23)
 }
 
@@ -710,11 +764,12 @@ func (s *suite) swiGLU(t *testing.T) {
 	// The finite differences run on a prefix (each costs a pass over n).
 	m := 60
 	f := func() float64 { return dot(swiGLU(gd[:m], ud[:m]), Rd[:m]) }
-	dg0, du0 := randn(r, n, 1), randn(r, n, 1)
-	dg, du := be.FromF32(dg0), be.FromF32(du0)
+	// dgate and dup in the activation dtype (only GEMMs read them).
+	dg, dg0 := s.actIn(randn(r, n, 1))
+	du, du0 := s.actIn(randn(r, n, 1))
 	be.SwiGLUBackward(dg, du, be.FromF32(R), gt, ut, n)
-	s.bwd(t, "dgate", s.read(dg, n)[:m], plus(gradFD(f, gd[:m], s.tol.FDStep), dg0[:m]))
-	s.bwd(t, "dup", s.read(du, n)[:m], plus(gradFD(f, ud[:m], s.tol.FDStep), du0[:m]))
+	s.actBwd(t, "dgate", s.read(dg, n)[:m], plus(gradFD(f, gd[:m], s.tol.FDStep), dg0[:m]))
+	s.actBwd(t, "dup", s.read(du, n)[:m], plus(gradFD(f, ud[:m], s.tol.FDStep), du0[:m]))
 }
 
 func (s *suite) add(t *testing.T) {
