@@ -114,7 +114,9 @@
 #                   GPU export NVFP4 weights that decode to the GPU's
 #                   fake-quantized ones bit for bit; LoRA students on the
 #                   GPU (TestCUDALoRA*: BF16 base, gradients and dropout
-#                   masks against the CPU's)
+#                   masks against the CPU's); the backward's BF16
+#                   gradients train bit for bit as F32 ones rounded by a
+#                   pass (TestCUDAGradsInBF16)
 #   train-resume    on the GPU: a run stopped after a checkpoint and resumed,
 #                   and a run SIGKILLed mid-training and resumed, repeat the
 #                   uninterrupted run's losses bit for bit; the GPU's
@@ -126,7 +128,8 @@
 #                   rows of 8192 tokens, vocab 151936, k = 64, with and
 #                   without NVFP4 QAD: tokens/s, MFU, device memory
 #                   ($OUT/train-bench.jsonl) and the top kernels of one step
-#                   ($OUT/profile-train-*.txt)
+#                   ($OUT/profile-train-*.txt; its last line counts the
+#                   BF16 rounding passes, k_f32_to_bf16*)
 #   loss-coef       the loss head's training call at the 0.6B shape with
 #                   pass 2's coefficients on the host, then on the device
 #                   (issue 23): ms a call and the GPU's idle ms inside it
@@ -312,7 +315,7 @@ s_device() {
 }
 
 # The training kernels' tests (train_test.go) and the contract's suite.
-train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|MoETrainConformance|MoEFrozenBackward|DropoutMatchesCPU|KernelsCompile'
+train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|AttentionBackwardBF16DV|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|MoETrainConformance|MoEFrozenBackward|DropoutMatchesCPU|KernelsCompile'
 
 s_train-test() {
   step train-test 80 "$T" -test.v -test.count=1 -test.timeout=75s -test.run "$train_tests"
@@ -330,7 +333,7 @@ s_train-curve() {
 }
 
 s_train-qad() {
-  STEP_DIR=train step train-qad 30 "$BIN/train.test" -test.v -test.count=1 -test.timeout=25s -test.run 'TestCUDAQADExport|TestCUDALoRA'
+  STEP_DIR=train step train-qad 45 "$BIN/train.test" -test.v -test.count=1 -test.timeout=40s -test.run 'TestCUDAQADExport|TestCUDALoRA|TestCUDAGradsInBF16'
 }
 
 s_train-resume() {

@@ -166,8 +166,14 @@
 // their gradients and the AdamW moments are the caller's fp32 tensors (the
 // decoder sees no BF16 copy); each GEMM reads BF16 roundings of its
 // operands and accumulates in fp32 into fp32. The saved activations are
-// BF16 already (half the arena); the gradients, fp32, are rounded as a
-// GEMM reads them; the parameters are rounded once per
+// BF16 already (half the arena); so are the gradients that only a GEMM's
+// backward reads (compute.ActGrads): SwiGLUBackward's dgate and dup, the
+// q/k norms' dx, AttentionBackward's dv, and the BF16 copy of the
+// residual stream's gradient that RMSNormBackwardCopy writes beside the
+// F32 one in the same kernel, each the rounding of the fp32 value a
+// rounding pass would have read (Options.F32Grads restores F32 gradients
+// and the pass: train's TestCUDAGradsInBF16 holds the two to the same
+// bits); the parameters are rounded once per
 // step (shadow.go): the backend keeps a BF16 shadow of each fp32
 // parameter a GEMM reads, which AdamW's kernel writes with the update
 // (k_adamw), and which any other write to the parameter makes stale (the
@@ -180,7 +186,11 @@
 // bit for bit).
 //
 //   - MatMulBackward: cuBLASLt GEMMs dx += dout·w ("NN") and dw += doutᵀ·x
-//     ("NT") with beta = 1, BF16 operands; dbias by column sums (float64).
+//     ("NT") with beta = 1, BF16 operands (a BF16 dout read in place, an
+//     F32 one rounded by a pass); dbias by column sums (float64) of an F32
+//     dout. Two Linears that share an input (gate and up; q, k and v)
+//     accumulate their dx in the GEMM (beta = 1), in call order: no
+//     separate add.
 //   - RMSNormBackward: dx per row (the forward's geometry, float64 dot);
 //     dw by column sums over fixed row chunks, then the chunks in order.
 //   - EmbedBackward: one thread per column adds the rows of dout in token
@@ -252,8 +262,10 @@
 // GPU suite checks it on the GPU.
 //
 // Performance notes, to be measured by the GPU suite: the BF16 copies of
-// activations and gradients are made per GEMM call (those of parameters
-// once per step, above); the own tensor-core attention kernels use
+// F32 activations and gradients are made per GEMM call (those of
+// parameters once per step, above; the gradients that only GEMMs read
+// are BF16 already, but attention's dout, which o_proj's backward writes
+// in F32, is rounded by cuDNN's call); the own tensor-core attention kernels use
 // mma.sync, not Hopper's wgmma/TMA, and their backward recomputes S and dP
 // for dq.
 //

@@ -15,9 +15,10 @@ import (
 // LossHeadForward, LossValues.Read), which synchronize once.
 //
 // Precision (mixed, as Megatron-LM trains): the GEMMs (MatMul's backward,
-// the loss head's logits and gradients) take BF16 operands, rounded from
-// the fp32 activations and gradients when they are read and from the
-// master weights once per step (their shadows, shadow.go), and accumulate
+// the loss head's logits and gradients) take BF16 operands: BF16
+// activations and gradients as they are (their producers rounded them
+// once), F32 ones rounded when they are read, the master weights rounded
+// once per step (their shadows, shadow.go), and accumulate
 // in fp32 into fp32 outputs; everything else is fp32, with
 // float64 sums where compute/cpu has them. Parameters, their gradients and
 // the AdamW moments are fp32 tensors of the caller: the decoder does not

@@ -79,8 +79,10 @@ if [ "${ACT_COMPARE:-}" = 1 ]; then
   fi
 fi
 # TRAIN_VARIANTS="name:VAR=value[,VAR=value] ...": the training benchmark
-# again under each variant's environment (e.g. nondet:DISTILL_CUDNN_NONDETERMINISTIC=1),
-# on DISTILL_BENCH_SHAPES, each into variant-NAME/ (VARIANT_BUDGET seconds
+# again under each variant's environment (e.g. nondet:DISTILL_CUDNN_NONDETERMINISTIC=1,
+# or f32grads:DISTILL_CUDA_F32_GRADS=1: the backward's F32 gradients and
+# their BF16 rounding passes, as before issue 23's BF16 gradients), on
+# DISTILL_BENCH_SHAPES, each into variant-NAME/ (VARIANT_BUDGET seconds
 # each, default 60).
 for v in ${TRAIN_VARIANTS:-}; do
   name=${v%%:*}
@@ -131,6 +133,9 @@ fi
 for d in "$work"/variant-*; do
   [ -d "$d" ] && { echo "== ${d##*/}"; grep -hE '^Benchmark' "$d/train-bench.log" 2>/dev/null; }
 done
+# The training step's BF16 rounding passes (each profile's last line), and
+# a variant's beside them.
+echo "== rounding passes"; grep -H '^rounding passes' "$work"/profile-train-*.txt "$work"/variant-*/profile-train-*.txt 2>/dev/null | sed "s|$work/||"
 echo "== status"; cat "$work/status.txt"
 for f in attn-memcheck attn-racecheck extra-cuda extra-train extra-trainer extra-decoder; do
   [ -f "$work/$f.log" ] && { echo "== $f"; grep -E '^(--- |ok|FAIL|panic)|ERROR SUMMARY|RACECHECK SUMMARY|========= (Invalid|Race|Error)' "$work/$f.log" | head -20; }

@@ -264,6 +264,17 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 					}
 					fmt.Fprintf(&sb, "%6.1f%% %9.2f ms %6d calls  %s\n", 100*e.Time.Seconds()/sum, 1e3*e.Time.Seconds(), e.Calls, e.Name)
 				}
+				// The BF16 rounding passes, in or out of the top 20: what
+				// writing the gradients GEMMs read in BF16 saves
+				// (DISTILL_CUDA_F32_GRADS=1 restores the passes).
+				var convCalls int
+				var convTime float64
+				for _, e := range prof {
+					if strings.HasPrefix(e.Name, "k_f32_to_bf16") {
+						convCalls, convTime = convCalls+e.Calls, convTime+e.Time.Seconds()
+					}
+				}
+				fmt.Fprintf(&sb, "rounding passes (k_f32_to_bf16*): %d calls, %.2f ms\n", convCalls, 1e3*convTime)
 				os.WriteFile(filepath.Join(outDir, "profile-train-"+name+".txt"), []byte(sb.String()), 0o644)
 			})
 		}
