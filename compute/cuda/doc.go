@@ -92,8 +92,9 @@
 // Activations are BF16 (compute.Backend.ActDType; Options.Activations
 // "f32" or $DISTILL_CUDA_ACT=f32 restores fp32 activations): the decoder
 // stores in BF16 what feeds GEMMs, attention and the elementwise kernels,
-// and keeps the residual stream, statistics, gradients and an MoE block's
-// input in fp32. Every kernel below takes its activation operands in
+// and keeps the residual stream, statistics, gradients (but those only a
+// GEMM's backward reads: Training, below) and an MoE block's input in
+// fp32. Every kernel below takes its activation operands in
 // either dtype (a flag per operand), computes in fp32 and rounds each
 // element once on store, so a BF16 operand needs no rounding pass before
 // a GEMM or attention.
