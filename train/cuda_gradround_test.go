@@ -2,6 +2,7 @@ package train
 
 import (
 	"math"
+	"os"
 	"strings"
 	"testing"
 
@@ -28,6 +29,12 @@ import (
 // dense Qwen3 layer (down, gate, up, o, q, k, v), 4 a Qwen2 layer.
 func TestCUDAGradsInBF16(t *testing.T) {
 	cudaemu.Use(t)
+	// One kernel cache for the test's 20 backends (the GPU suite's, where
+	// it sets one): NVRTC compiles the kernels once, not per backend.
+	cache := os.Getenv("DISTILL_KERNEL_CACHE")
+	if cache == "" {
+		cache = t.TempDir()
+	}
 	llama := tinyConfig(model.ArchLlama, false)
 	llama.AttentionBias = true
 	type tcase struct {
@@ -59,7 +66,7 @@ func TestCUDAGradsInBF16(t *testing.T) {
 				conv   int // k_f32_to_bf16 calls of the first step
 			}
 			train := func(f32 bool) result {
-				be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir(), F32Grads: f32})
+				be, err := cuda.Open(cuda.Options{KernelCache: cache, F32Grads: f32})
 				if err != nil {
 					t.Fatal(err)
 				}
