@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"testing"
 
+	"distill/compute"
 	"distill/compute/cuda"
 	"distill/compute/cuda/cudaemu"
 	"distill/model"
@@ -125,17 +126,7 @@ func TestCUDAShardedOverlap(t *testing.T) {
 		for _, qad := range []bool{false, true} {
 			t.Run(fmt.Sprintf("zero%d/qad=%v", stage, qad), func(t *testing.T) {
 				run := func(overlap bool) map[string][]float32 {
-					// NCCL (the emulator's stand-in), a group of one: its
-					// collectives run on the stream, as on a GPU (a host
-					// group's would synchronize the host).
-					id, err := be.NewCollectiveID()
-					if err != nil {
-						t.Fatal(err)
-					}
-					c, err := be.JoinCollective(id, 0, 1)
-					if err != nil {
-						t.Fatal(err)
-					}
+					c := ncclOfOne(t, be)
 					defer c.Close()
 					s, err := NewShardedStudentOn(cfg, be, Sharding{C: c, Stage: stage, Overlap: overlap})
 					if err != nil {
@@ -180,14 +171,7 @@ func TestCUDABucketedAllReduce(t *testing.T) {
 	cfg := deepConfig(4)
 	rows := []*Batch{testBatch(11, 97, 8), testBatch(12, 97, 8)}
 	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
-	id, err := be.NewCollectiveID()
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := be.JoinCollective(id, 0, 1)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := ncclOfOne(t, be)
 	defer c.Close()
 	run := func(buckets bool) [][]float32 {
 		s, err := NewStudentOn(cfg, be)
@@ -230,4 +214,20 @@ func TestCUDABucketedAllReduce(t *testing.T) {
 			}
 		}
 	}
+}
+
+// ncclOfOne is an NCCL group of one rank on be (on the emulator, NCCL's
+// stand-in): its collectives run on the stream, as on a GPU (a host
+// group's would synchronize the host, hiding a missing event).
+func ncclOfOne(t *testing.T, be *cuda.Backend) compute.Collective {
+	t.Helper()
+	id, err := be.NewCollectiveID()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := be.JoinCollective(id, 0, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
 }
