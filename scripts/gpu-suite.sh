@@ -100,8 +100,10 @@
 #
 #   train-test      the training kernels vs compute/cpu (ragged attention
 #                   backward, loss head, NVFP4 bit for bit, MoE forward and
-#                   backward, a frozen MoE backward's dx, deterministic
-#                   reductions: twice the same bits),
+#                   backward, a frozen MoE backward's dx, the experts' LoRA
+#                   adapters on the host's grouping (the suite's MoELoRA
+#                   runs the device's), deterministic reductions: twice the
+#                   same bits),
 #                   the loss head's pass-2 coefficients computed on the GPU
 #                   against train/loss's host math bit for bit
 #                   (TestLossCoefDevice) and the contract's suite
@@ -122,8 +124,9 @@
 #                   uninterrupted run's losses bit for bit; the GPU's
 #                   checkpoint resumes on the CPU; a tiny Qwen3-MoE student
 #                   follows the CPU's loss curve within 1% and resumes bit
-#                   for bit (TestCUDAMoEStudent), and so does a LoRA student
-#                   on a Qwen3-MoE base's attention (TestCUDALoRAMoE)
+#                   for bit (TestCUDAMoEStudent), and so do LoRA students
+#                   on a Qwen3-MoE base, attention and every expert adapted
+#                   (TestCUDALoRAMoE)
 #   train-bench     training steps of Qwen3-0.6B- and 1.7B-shaped students,
 #                   rows of 8192 tokens, vocab 151936, k = 64, with and
 #                   without NVFP4 QAD: tokens/s, MFU, device memory
@@ -315,7 +318,7 @@ s_device() {
 }
 
 # The training kernels' tests (train_test.go) and the contract's suite.
-train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|AttentionBackwardBF16DV|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|MoETrainConformance|MoEFrozenBackward|DropoutMatchesCPU|KernelsCompile'
+train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|AttentionBackwardBF16DV|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|MoETrainConformance|MoEFrozenBackward|MoELoRAHostGrouping|DropoutMatchesCPU|KernelsCompile'
 
 s_train-test() {
   step train-test 80 "$T" -test.v -test.count=1 -test.timeout=75s -test.run "$train_tests"

@@ -110,17 +110,6 @@ func (c *LoRAConfig) Check(cfg *model.Config) error {
 	if cfg == nil {
 		return nil
 	}
-	if cfg.NumExperts > 0 {
-		var moe []string
-		for _, t := range c.Targets {
-			if t == "gate_proj" || t == "up_proj" || t == "down_proj" {
-				moe = append(moe, t)
-			}
-		}
-		if len(moe) > 0 {
-			return fmt.Errorf("%w: model.lora.targets %s on a %s student: adapters on its experts (mlp.experts.E.{gate,up,down}_proj, which PEFT's suffix match would target, as it would a dense layer's mlp.{gate,up,down}_proj) are not supported: the experts run inside the MoE kernels (compute's MoEForward and MoEBackward), which have no adapter term. Target the attention (q_proj, k_proj, v_proj, o_proj: the experts and the router then stay frozen), or train it in full (no model.lora)", ErrInvalid, strings.Join(moe, ", "), cfg.Arch)
-		}
-	}
 	return nil
 }
 
@@ -138,15 +127,33 @@ func (c *LoRAConfig) loraTarget(name string) (module string, ok bool) {
 // dropoutStream is the dropout key (compute.DropoutMask.Key) of the
 // adapter on Linear lin ("model.layers.3.self_attn.q_proj"): SplitMix64's
 // finalizer chained over a tag, the seed, the layer and the module's
-// index in LoRAModules, so that every adapter draws masks of its own (as
-// PEFT gives each adapted module its own nn.Dropout) and the seed moves
-// them all. Format of the masks: changing it changes what a resumed run
-// draws.
+// index in LoRAModules (and an MoE expert's index), so that every adapter
+// draws masks of its own (as PEFT gives each adapted module its own
+// nn.Dropout, every expert's included) and the seed moves them all.
+// Format of the masks: changing it changes what a resumed run draws.
 func dropoutStream(seed uint64, lin string) uint64 {
 	module := slices.Index(LoRAModules, lin[strings.LastIndex(lin, ".")+1:])
 	h := splitmix64(seed ^ 0x6c6f_7261_2d64_726f) // "lora-dro"
 	h = splitmix64(h ^ uint64(blockOf(lin+".weight")))
-	return splitmix64(h ^ uint64(module))
+	h = splitmix64(h ^ uint64(module))
+	if e := expertOf(lin); e >= 0 { // an MoE expert's: one more link, its index
+		h = splitmix64(h ^ uint64(e))
+	}
+	return h
+}
+
+// expertOf is the expert index of an MoE expert's Linear
+// ("model.layers.3.mlp.experts.17.gate_proj": 17), -1 for any other.
+func expertOf(lin string) int {
+	_, rest, ok := strings.Cut(lin, ".mlp.experts.")
+	if !ok {
+		return -1
+	}
+	n, err := strconv.Atoi(rest[:strings.IndexByte(rest+".", '.')])
+	if err != nil {
+		return -1
+	}
+	return n
 }
 
 // splitmix64 is SplitMix64's output function on x + the golden gamma

@@ -369,6 +369,12 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		if s.QAD {
 			b += 4*T*C + 4*P*IM
 		}
+		if s.LoRA != nil && loraOnExperts(cfg, s.LoRA) {
+			// The experts' adapters' scratch, one expert's rows (at most T:
+			// a token picks an expert once) at a time: the input and
+			// its gradient, the output's gradient, t and dt (fp32).
+			b += 4 * T * (3*max(C, IM) + 2*int64(s.LoRA.Rank))
+		}
 		add(TermMoE, b+64<<10, true, true)
 	}
 	return p
@@ -454,6 +460,16 @@ func attnWorkspaceEstimate(T, H, KV, D int64) int64 {
 		ws += 4 * s * H * D
 	}
 	return ws
+}
+
+// loraOnExperts reports whether lc adapts an MoE expert of cfg.
+func loraOnExperts(cfg *model.Config, lc *LoRAConfig) bool {
+	for _, t := range cfg.Tensors() {
+		if _, ok := lc.loraTarget(t.Name); ok && isExpert(t.Name) {
+			return true
+		}
+	}
+	return false
 }
 
 // loraCounts are a LoRA student's element counts: its base (each tensor

@@ -383,7 +383,8 @@ func TestPlanLoRADropout(t *testing.T) {
 // it, for the whole step and for what stays allocated (the base, the
 // adapters and their state, the activation arena); and the run-long
 // terms hold no fp32 copy of the base: parameters, gradients and moments
-// are the adapters' alone.
+// are the adapters' alone. With adapters on the attention, then on every
+// module, every expert's included (their scratch in the MoE term).
 func TestTrainPlanLoRAMoE(t *testing.T) {
 	cudaemu.Use(t)
 	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
@@ -399,65 +400,69 @@ func TestTrainPlanLoRAMoE(t *testing.T) {
 	b := planBatch(T, cfg.VocabSize, K)
 	ws := be.AttentionWorkspaceBytes(1, T, cfg.Heads, cfg.KVHeads, cfg.HeadDim)
 	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
-	lc := LoRAConfig{Rank: 8, Alpha: 16, Targets: []string{"q_proj", "k_proj", "v_proj", "o_proj"}, Init: "kaiming", Seed: 1}
-	be.ResetPeakMemory()
-	base := be.PeakMemory()
-	s, err := NewLoRAStudentOn(cfg, be, mapSource(model.Init(cfg, model.InitOptions{Seed: 1})), lc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Free()
-	ad, err := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ad.Free()
-	be.ResetPeakMemory()
-	for step := 0; step < 2; step++ {
-		s.ZeroGrad()
-		if _, err := s.ForwardBackward(b, &opt, 0); err != nil {
-			t.Fatal(err)
-		}
-		optim.ClipGradNorm(ad.Groups, 1)
-		ad.Step(1e-3)
-		s.AfterStep()
-	}
-	peak := be.PeakMemory() - base
-	be.ResetPeakMemory()
-	after := be.PeakMemory() - base
-	p := PlanMemory(PlanShape{Model: cfg, RowTokens: T, K: K, Activations: be.ActDType(), AttnWorkspace: ws, Ranks: 1, LoRA: &lc})
-	within := func(what string, got, plan int64) {
-		t.Helper()
-		t.Logf("  %-34s measured %9d bytes, plan %9d (%.2fx)", what, got, plan, float64(plan)/float64(got))
-		if got > plan || plan > 2*got {
-			t.Errorf("%s: measured %d bytes, planned %d: want measured <= plan <= 2·measured", what, got, plan)
-		}
-	}
-	within("the whole step", peak, p.Total())
-	var kept int64
-	for _, x := range p.Terms {
-		if !x.Scratch {
-			kept += x.Bytes
-		}
-	}
-	within("what stays between steps", after, kept)
-	var adapters int64
-	for _, ts := range s.Tensors {
-		adapters += int64(ts.N)
-	}
-	if got := p.Term(TermParams) + p.Term(TermMoments); got != 12*adapters {
-		t.Errorf("parameters and moments planned at %d bytes, want 12 bytes for each of the %d adapter elements", got, adapters)
-	}
-	// The base in BF16, each tensor aligned to 64 elements in its arena.
-	var n, pad int64
-	for _, ts := range cfg.Tensors() {
-		k := int64(1)
-		for _, d := range ts.Shape {
-			k *= int64(d)
-		}
-		n, pad = n+k, pad+63
-	}
-	if got := p.Term(TermLoRABase); got < 2*n || got > 2*(n+pad) {
-		t.Errorf("frozen base planned at %d bytes, want its %d elements in BF16 (%d bytes, plus up to 126 of alignment a tensor)", got, n, 2*n)
+	for _, targets := range [][]string{{"q_proj", "k_proj", "v_proj", "o_proj"}, allTargets} {
+		lc := LoRAConfig{Rank: 8, Alpha: 16, Targets: targets, Init: "kaiming", Seed: 1}
+		t.Run(fmt.Sprintf("%d targets", len(targets)), func(t *testing.T) {
+			be.ResetPeakMemory()
+			base := be.PeakMemory()
+			s, err := NewLoRAStudentOn(cfg, be, mapSource(model.Init(cfg, model.InitOptions{Seed: 1})), lc)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Free()
+			ad, err := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ad.Free()
+			be.ResetPeakMemory()
+			for step := 0; step < 2; step++ {
+				s.ZeroGrad()
+				if _, err := s.ForwardBackward(b, &opt, 0); err != nil {
+					t.Fatal(err)
+				}
+				optim.ClipGradNorm(ad.Groups, 1)
+				ad.Step(1e-3)
+				s.AfterStep()
+			}
+			peak := be.PeakMemory() - base
+			be.ResetPeakMemory()
+			after := be.PeakMemory() - base
+			p := PlanMemory(PlanShape{Model: cfg, RowTokens: T, K: K, Activations: be.ActDType(), AttnWorkspace: ws, Ranks: 1, LoRA: &lc})
+			within := func(what string, got, plan int64) {
+				t.Helper()
+				t.Logf("  %-34s measured %9d bytes, plan %9d (%.2fx)", what, got, plan, float64(plan)/float64(got))
+				if got > plan || plan > 2*got {
+					t.Errorf("%s: measured %d bytes, planned %d: want measured <= plan <= 2·measured", what, got, plan)
+				}
+			}
+			within("the whole step", peak, p.Total())
+			var kept int64
+			for _, x := range p.Terms {
+				if !x.Scratch {
+					kept += x.Bytes
+				}
+			}
+			within("what stays between steps", after, kept)
+			var adapters int64
+			for _, ts := range s.Tensors {
+				adapters += int64(ts.N)
+			}
+			if got := p.Term(TermParams) + p.Term(TermMoments); got != 12*adapters {
+				t.Errorf("parameters and moments planned at %d bytes, want 12 bytes for each of the %d adapter elements", got, adapters)
+			}
+			// The base in BF16, each tensor aligned to 64 elements in its arena.
+			var n, pad int64
+			for _, ts := range cfg.Tensors() {
+				k := int64(1)
+				for _, d := range ts.Shape {
+					k *= int64(d)
+				}
+				n, pad = n+k, pad+63
+			}
+			if got := p.Term(TermLoRABase); got < 2*n || got > 2*(n+pad) {
+				t.Errorf("frozen base planned at %d bytes, want its %d elements in BF16 (%d bytes, plus up to 126 of alignment a tensor)", got, n, 2*n)
+			}
+		})
 	}
 }

@@ -17,7 +17,8 @@ import (
 // GEMMs read in BF16 too) and the fp32 adapters, so that an adapter's
 // term carries no rounding beyond its inputs'. The dropout's masks are
 // drawn per token (k_moe_dropout: the grouped row's token,
-// order[row]/K), as MoEWeights.Drop defines them.
+// order[row]/K), as MoEWeights.Drop defines them. Their scratch is one
+// expert's at a time: rows x (2·In + Out + 2·rank) fp32 at most.
 
 // moeLoRA is what the adapters' passes share: the offsets on the host,
 // the grouping on the device and the dropout's key.
@@ -103,6 +104,7 @@ func (r *moeLoRA) forward(ls func(e int) *compute.LoRA, name string, out, x uint
 			continue
 		}
 		a, bm, _, _ := r.lora(l, fmt.Sprintf("MoE expert %d %s adapter", e, name))
+		r.release() // the previous expert's scratch (stream-ordered)
 		xa := r.input(l, x, o, n, l.In)
 		t := r.scratch(int64(n) * int64(l.Rank) * 4)
 		b.gemmEx(t, xa, a, n, l.Rank, l.In, false, true, dataF32, 0)
@@ -127,6 +129,7 @@ func (r *moeLoRA) backward(ls func(e int) *compute.LoRA, name string, dx, dout, 
 		if da == 0 {
 			panic(fmt.Sprintf("cuda: %s has no gradients (DA, DB)", what))
 		}
+		r.release() // the previous expert's scratch (stream-ordered)
 		xa := r.input(l, x, o, n, l.In)
 		d32 := r.scratch(int64(n) * int64(l.Out) * 4)
 		b.convert("k_bf16_to_f32", d32, dout+uint64(o)*uint64(l.Out)*2, int64(n)*int64(l.Out))

@@ -138,8 +138,10 @@ func (b *Block) moeGrads() *compute.MoEWeights {
 
 // moeWeights is what an MoE block's training forward multiplies by: under
 // QAD (calibrated) the experts' fake-quantized weights and the input
-// quantizers' amax, else the weights.
+// quantizers' amax, else the weights; the experts' adapters' dropout
+// keyed for the current batch (a LoRA student's).
 func (m *Model) moeWeights(b *Block) *compute.MoEWeights {
+	m.moeDrop(b)
 	if !m.qad || m.calibrating {
 		return b.MoE
 	}

@@ -49,10 +49,10 @@ type loraState struct {
 type dropKey struct{ step, row uint32 }
 
 // AttachLoRA puts an adapter on every Linear of the blocks for which
-// adapter returns one (nil: none). An MoE block's attention takes
-// adapters; its experts take none: they run inside the MoE kernels
-// (MoEForward, MoEBackward), which have no adapter term. A frozen MoE
-// block's backward computes dx alone (moeGrads).
+// adapter returns one (nil: none). An MoE block's experts take theirs
+// inside the MoE kernels (compute.MoEWeights.Adapters, each over its
+// expert's grouped rows); a frozen MoE block's backward computes dx and
+// the adapters' gradients alone (moeGrads).
 func (m *Model) AttachLoRA(adapter func(l *Linear) *compute.LoRA) error {
 	for i := range m.Blocks {
 		L := &m.Blocks[i]
@@ -61,14 +61,28 @@ func (m *Model) AttachLoRA(adapter func(l *Linear) *compute.LoRA) error {
 			if a == nil {
 				continue
 			}
-			if L.MoE != nil && j >= 4 { // Linears: q, k, v, o, then the experts'
-				return fmt.Errorf("%w: %s: LoRA adapters on a Qwen3-MoE block's experts are not supported (they run inside the MoE kernels, which have no adapter term); its attention's q_proj, k_proj, v_proj and o_proj take them", ErrInvalid, l.Name)
-			}
 			if a.In != l.In || a.Out != l.Out || a.Rank <= 0 {
 				return fmt.Errorf("%w: %s: adapter of rank %d, %d -> %d, on a Linear %d -> %d", ErrInvalid, l.Name, a.Rank, a.In, a.Out, l.In, l.Out)
 			}
 			if !(a.Dropout >= 0 && a.Dropout < 1) {
 				return fmt.Errorf("%w: %s: adapter dropout %g: want 0 <= p < 1", ErrInvalid, l.Name, a.Dropout)
+			}
+			if L.MoE != nil && j >= 4 { // Linears: q, k, v, o, then the experts' gate, up, down
+				if L.MoE.Adapters == nil {
+					L.MoE.Adapters = make([]compute.MoEAdapter, len(L.Experts))
+				}
+				ad := &L.MoE.Adapters[(j-4)/3]
+				switch (j - 4) % 3 {
+				case 0:
+					ad.Gate = a
+				case 1:
+					ad.Up = a
+				default:
+					ad.Down = a
+				}
+				l.LoRA = a
+				m.lora.on = true
+				continue
 			}
 			l.LoRA = a
 			m.lora.on = true
@@ -88,6 +102,18 @@ func (m *Model) LoRA() bool { return m.lora.on }
 // of its Backward: step, the optimizer step, and row, the packed row's
 // index in the step. A TrainForward not keyed so applies none.
 func (m *Model) SetLoRADropout(step, row uint32) { m.lora.next = &dropKey{step, row} }
+
+// moeDrop keys an MoE block's expert adapters' dropout for the current
+// batch (MoEWeights.Drop: nil for none, an evaluation).
+func (m *Model) moeDrop(b *Block) {
+	if b.MoE.Adapters == nil {
+		return
+	}
+	b.MoE.Drop = nil
+	if k := m.lora.cur; k != nil {
+		b.MoE.Drop = &compute.MoEDrop{Step: k.step, Row: k.row}
+	}
+}
 
 // dropMask is l's dropout mask in the current batch, nil for none (no
 // adapter dropout, or a batch not keyed by SetLoRADropout).

@@ -218,10 +218,6 @@ func TestLoRAConfigErrors(t *testing.T) {
 	if _, err := LoadConfig(p, nil); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "train.zero") {
 		t.Errorf("LoRA at ZeRO 2: %v", err)
 	}
-	_, err := Run(moeConfig(t, b, filepath.Join(t.TempDir(), "moe"), "model.lora={rank: 4, targets: [q_proj, up_proj]}"), Options{Log: io.Discard})
-	if err == nil || !strings.Contains(err.Error(), "up_proj on a qwen3_moe student") || !strings.Contains(err.Error(), "Target the attention (q_proj, k_proj, v_proj, o_proj") {
-		t.Errorf("LoRA on qwen3_moe's experts: %v", err)
-	}
 }
 
 // TestLoRAPaths: SFT from a dataset and multi-teacher KD train the
@@ -390,22 +386,57 @@ func TestLoRANVFP4Export(t *testing.T) {
 	}
 }
 
-// loraMoEOver are a LoRA student's adapters on a Qwen3-MoE base's
-// attention (moeConfig: 3 layers, layers 0 and 2 sparse, the
-// load-balancing loss on); its experts and routers stay frozen.
-var loraMoEOver = []string{"model.lora={rank: 4, alpha: 8, targets: [q_proj, k_proj, v_proj, o_proj]}", "optim.lr=1e-2", "optim.min_lr=1e-3"}
+// loraMoEOver are a LoRA student's adapters on a Qwen3-MoE base
+// (moeConfig: 3 layers, layers 0 and 2 sparse with 4 experts, the
+// load-balancing loss on): on the attention alone (its experts and
+// routers frozen), or (experts) on every module PEFT's target_modules
+// name, every expert's gate/up/down_proj and the dense layer's MLP
+// included, with lora_dropout 0.1.
+func loraMoEOver(experts bool) []string {
+	lora := "model.lora={rank: 4, alpha: 8, targets: [q_proj, k_proj, v_proj, o_proj]}"
+	if experts {
+		lora = "model.lora={rank: 4, alpha: 8, dropout: 0.1, targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}"
+	}
+	return []string{lora, "optim.lr=1e-2", "optim.min_lr=1e-3"}
+}
 
-// loraMoERun checks a LoRA run on a Qwen3-MoE base with attention
-// targets on device (with over besides): the held-out loss falls; the
-// checkpoint holds the 3 x 4 adapters and their moments only; a stop after
-// step 5 and a resume repeat the straight run bit for bit; the PEFT export
-// names every adapter as PEFT does (base_model.model.<module>.lora_A/B.weight)
-// and its config the targets; the merged f32 export holds MergedWeights
-// (the attention's W + (alpha/r)·B·A; the experts, routers and the dense
-// layer's MLP as the base has them). It returns the straight run.
-func loraMoERun(t *testing.T, device string, over ...string) *Result {
+// loraMoEModules are the Linears loraMoEOver(experts) adapts.
+func loraMoEModules(experts bool) []string {
+	var out []string
+	for l := 0; l < 3; l++ {
+		for _, m := range []string{"q_proj", "k_proj", "v_proj", "o_proj"} {
+			out = append(out, fmt.Sprintf("model.layers.%d.self_attn.%s", l, m))
+		}
+		if !experts {
+			continue
+		}
+		for _, m := range []string{"gate_proj", "up_proj", "down_proj"} {
+			if l == 1 {
+				out = append(out, fmt.Sprintf("model.layers.1.mlp.%s", m))
+				continue
+			}
+			for e := 0; e < 4; e++ {
+				out = append(out, fmt.Sprintf("model.layers.%d.mlp.experts.%d.%s", l, e, m))
+			}
+		}
+	}
+	return out
+}
+
+// loraMoERun checks a LoRA run on a Qwen3-MoE base (loraMoEOver(experts))
+// on device (with over besides): the held-out loss falls; the checkpoint
+// holds the adapters and their moments only; a stop after step 5 and a
+// resume repeat the straight run bit for bit (dropout included); the PEFT
+// export names every adapter as PEFT does
+// (base_model.model.<module>.lora_A/B.weight, an expert's
+// model.layers.L.mlp.experts.E.gate_proj) and its config the targets; the
+// merged f32 export holds MergedWeights (W + (alpha/r)·B·A where adapted,
+// the routers and the rest as the base has them). It returns the straight
+// run.
+func loraMoERun(t *testing.T, device string, experts bool, over ...string) *Result {
 	b := testCache(t)
-	over = append(append(slices.Clone(loraMoEOver), "train.device="+device), over...)
+	over = append(append(loraMoEOver(experts), "train.device="+device), over...)
+	mods := loraMoEModules(experts)
 	straight := filepath.Join(t.TempDir(), "straight")
 	full, err := Run(moeConfig(t, b, straight, over...), Options{Log: io.Discard})
 	if err != nil {
@@ -424,8 +455,8 @@ func loraMoERun(t *testing.T, device string, over ...string) *Result {
 	}
 	names := ow.Names()
 	ow.Close()
-	if len(names) != 2*3*4*2 || !slices.Contains(names, "exp_avg_sq.model.layers.2.self_attn.o_proj.lora_B.weight") {
-		t.Fatalf("optimizer.safetensors holds %d tensors (%v...): want the attention adapters' two moments", len(names), names[:2])
+	if len(names) != 2*2*len(mods) || !slices.Contains(names, "exp_avg_sq.model.layers.2.self_attn.o_proj.lora_B.weight") {
+		t.Fatalf("optimizer.safetensors holds %d tensors (%v...): want the %d adapters' two moments", len(names), names[:2], len(mods))
 	}
 
 	runDir := filepath.Join(t.TempDir(), "resumed")
@@ -461,12 +492,8 @@ func loraMoERun(t *testing.T, device string, over ...string) *Result {
 		t.Fatal(err)
 	}
 	var want []string
-	for l := 0; l < 3; l++ {
-		for _, m := range []string{"q_proj", "k_proj", "v_proj", "o_proj"} {
-			for _, ab := range []string{"lora_A", "lora_B"} {
-				want = append(want, fmt.Sprintf("base_model.model.model.layers.%d.self_attn.%s.%s.weight", l, m, ab))
-			}
-		}
+	for _, m := range mods {
+		want = append(want, "base_model.model."+m+".lora_A.weight", "base_model.model."+m+".lora_B.weight")
 	}
 	got := pw.Names()
 	pw.Close()
@@ -480,7 +507,7 @@ func loraMoERun(t *testing.T, device string, over ...string) *Result {
 		R       int      `json:"r"`
 	}
 	cb, _ := os.ReadFile(filepath.Join(peft, "adapter_config.json"))
-	if err := json.Unmarshal(cb, &pc); err != nil || !slices.Equal(pc.Targets, []string{"q_proj", "k_proj", "v_proj", "o_proj"}) || pc.R != 4 {
+	if err := json.Unmarshal(cb, &pc); err != nil || len(pc.Targets) != map[bool]int{false: 4, true: 7}[experts] || pc.R != 4 {
 		t.Fatalf("adapter_config.json: %v %+v", err, pc)
 	}
 
@@ -509,28 +536,98 @@ func loraMoERun(t *testing.T, device string, over ...string) *Result {
 	return full
 }
 
-// TestLoRAMoERun: loraMoERun on the CPU.
-func TestLoRAMoERun(t *testing.T) { loraMoERun(t, "cpu") }
+// TestLoRAMoERun: loraMoERun on the CPU, attention adapters, then
+// adapters on every expert too.
+func TestLoRAMoERun(t *testing.T) {
+	t.Run("attention", func(t *testing.T) { loraMoERun(t, "cpu", false) })
+	t.Run("experts", func(t *testing.T) { loraMoERun(t, "cpu", true) })
+}
 
 // TestCUDALoRAMoE: loraMoERun on CUDA (the base held in BF16, the frozen
-// MoE blocks' backward with no weight-gradient GEMMs), whose losses follow
-// the CPU's run from the same base and cache within curveTol at every step.
+// MoE blocks' backward with no weight-gradient GEMMs; the experts'
+// adapters and their dropout in the MoE kernels), whose losses follow the
+// CPU's run from the same base and cache within curveTol at every step,
+// with attention adapters and with every expert adapted.
 func TestCUDALoRAMoE(t *testing.T) {
 	useCUDA(t)
-	cpuRun, err := Run(moeConfig(t, testCache(t), filepath.Join(t.TempDir(), "cpu"), append(slices.Clone(loraMoEOver), "train.device=cpu", "eval.every=0")...), Options{Log: io.Discard})
+	for _, experts := range []bool{false, true} {
+		t.Run(map[bool]string{false: "attention", true: "experts"}[experts], func(t *testing.T) {
+			cpuRun, err := Run(moeConfig(t, testCache(t), filepath.Join(t.TempDir(), "cpu"), append(loraMoEOver(experts), "train.device=cpu", "eval.every=0")...), Options{Log: io.Discard})
+			if err != nil {
+				t.Fatal(err)
+			}
+			full := loraMoERun(t, "cuda", experts)
+			worst := 0.0
+			for i, c := range cpuRun.Steps {
+				g := full.Steps[i]
+				rel := math.Abs(g.Loss-c.Loss) / math.Abs(c.Loss)
+				worst = max(worst, rel)
+				if !(rel <= curveTol) {
+					t.Fatalf("step %d: cuda loss %.6g, cpu %.6g: relative difference %.3g > %g", c.Step, g.Loss, c.Loss, rel, curveTol)
+				}
+			}
+			t.Logf("LoRA on qwen3_moe (experts adapted: %v), %d steps: loss %.4f -> %.4f on the CPU, %.4f -> %.4f on CUDA; worst relative difference %.3g (bound %g)",
+				experts, len(cpuRun.Steps), cpuRun.Steps[0].Loss, cpuRun.Steps[len(cpuRun.Steps)-1].Loss, full.Steps[0].Loss, full.Steps[len(full.Steps)-1].Loss, worst, curveTol)
+		})
+	}
+}
+
+// TestLoRAMoENVFP4: a QLoRA-style run (quant: nvfp4, the base held
+// NVFP4-fake-quantized) on a Qwen3-MoE base with every expert adapted
+// calibrates its inputs (4 a layer) and exports the merged model in NVFP4:
+// each expert's gate and up share one weight_scale_2 (the max of their
+// merged weights' amax, as the QAD export's), and its input_scale is the
+// calibrated amax of the layer's gate/up input.
+func TestLoRAMoENVFP4(t *testing.T) {
+	b := testCache(t)
+	runDir := filepath.Join(t.TempDir(), "run")
+	res, err := Run(moeConfig(t, b, runDir, append(loraMoEOver(true), "quant=nvfp4", "train.max_steps=4", "eval.every=0")...), Options{Log: io.Discard})
 	if err != nil {
 		t.Fatal(err)
 	}
-	full := loraMoERun(t, "cuda")
-	worst := 0.0
-	for i, c := range cpuRun.Steps {
-		g := full.Steps[i]
-		rel := math.Abs(g.Loss-c.Loss) / math.Abs(c.Loss)
-		worst = max(worst, rel)
-		if !(rel <= curveTol) {
-			t.Fatalf("step %d: cuda loss %.6g, cpu %.6g: relative difference %.3g > %g", c.Step, g.Loss, c.Loss, rel, curveTol)
+	st, err := loadState(res.Checkpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.LoRA == nil || len(st.LoRA.InputAmax) != 4*3 {
+		t.Fatalf("state.json lora: %+v: want input_amax, 4 a layer", st.LoRA)
+	}
+	out := filepath.Join(t.TempDir(), "nvfp4")
+	if _, err := Export(runDir, out, ExportOptions{Format: "nvfp4", NoTokenizer: true}); err != nil {
+		t.Fatal(err)
+	}
+	w, err := model.OpenWeights(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	scalar := func(name string) float32 {
+		raw, info, err := w.Raw(name)
+		if err != nil || info.DType != "F32" {
+			t.Fatalf("%s: %v %+v", name, err, info)
+		}
+		return math.Float32frombits(binary.LittleEndian.Uint32(raw))
+	}
+	s, _, err := LoadStudent(runDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	merged := s.MergedWeights()
+	s.Free()
+	for _, e := range []int{0, 3} {
+		p := fmt.Sprintf("model.layers.2.mlp.experts.%d.", e)
+		var amax float32
+		for _, m := range []string{"gate_proj", "up_proj"} {
+			for _, x := range merged[p+m+".weight"] {
+				amax = max(amax, float32(math.Abs(float64(x))))
+			}
+		}
+		g, u := scalar(p+"gate_proj.weight_scale_2"), scalar(p+"up_proj.weight_scale_2")
+		if g != u || g != amax/(6*448) {
+			t.Fatalf("expert %d: weight_scale_2 gate %g, up %g: want both the merged gate/up amax %g / 2688", e, g, u, amax)
+		}
+		if in := scalar(p + "down_proj.input_scale"); in != st.LoRA.InputAmax[4*2+3]/(6*448) {
+			t.Fatalf("expert %d down_proj input_scale %g, want the calibrated amax %g / 2688", e, in, st.LoRA.InputAmax[4*2+3])
 		}
 	}
-	t.Logf("LoRA on qwen3_moe, %d steps: loss %.4f -> %.4f on the CPU, %.4f -> %.4f on CUDA; worst relative difference %.3g (bound %g)",
-		len(cpuRun.Steps), cpuRun.Steps[0].Loss, cpuRun.Steps[len(cpuRun.Steps)-1].Loss, full.Steps[0].Loss, full.Steps[len(full.Steps)-1].Loss, worst, curveTol)
 }
