@@ -264,14 +264,16 @@ func PlanMemory(s PlanShape) MemoryPlan {
 	if s.LoRA != nil {
 		s.QAD = false
 		p.Shape.QAD = false
-		base, adapters, rank, out, dropIn := loraCounts(cfg, s.LoRA)
+		base, adapters, onExperts, rank, out, dropIn := loraCounts(cfg, s.LoRA)
 		add(TermLoRABase, int64(s.Activations.Size())*base, false, false)
 		add(TermParams, 4*adapters, false, false)
 		// The adapters' gradients and the norms' discard (the frozen LM
 		// head gets none: LossHeadBackward's nil dw).
 		add(TermGrads, 4*adapters+4*int64(max(cfg.Hidden, cfg.HeadDim)), false, false)
 		add(TermMoments, shard(1, 8*adapters), false, false)
-		add(TermShadows, 2*adapters, false, false)
+		// The experts' adapters run in fp32 GEMMs inside the MoE kernels
+		// (compute/cuda's moe_lora.go): no GEMM reads them in BF16.
+		add(TermShadows, 2*(adapters-onExperts), false, false)
 		add(TermLoRAScratch, decoder.LoRAScratchBytes(max(s.RowTokens, 1), rank, out, dropIn, s.Activations), true, false)
 	} else if s.ZeRO >= 2 {
 		// Sharding's layout: a rank's parts of every unit (master,
@@ -473,10 +475,10 @@ func loraOnExperts(cfg *model.Config, lc *LoRAConfig) bool {
 }
 
 // loraCounts are a LoRA student's element counts: its base (each tensor
-// aligned as its arena aligns it), its adapters, and the largest rank,
-// adapted output width and, under dropout, adapted input width (the
-// scratch's shape).
-func loraCounts(cfg *model.Config, lc *LoRAConfig) (base, adapters int64, rank, out, dropIn int) {
+// aligned as its arena aligns it), its adapters (onExperts of them on MoE
+// experts), and the largest rank, adapted output width and, under
+// dropout, adapted input width (the scratch's shape).
+func loraCounts(cfg *model.Config, lc *LoRAConfig) (base, adapters, onExperts int64, rank, out, dropIn int) {
 	for _, t := range cfg.Tensors() {
 		n := int64(1)
 		for _, d := range t.Shape {
@@ -485,13 +487,16 @@ func loraCounts(cfg *model.Config, lc *LoRAConfig) (base, adapters int64, rank, 
 		base = (base+baseAlign-1)/baseAlign*baseAlign + n
 		if _, ok := lc.loraTarget(t.Name); ok {
 			adapters += int64(lc.Rank) * int64(t.Shape[0]+t.Shape[1])
+			if isExpert(t.Name) {
+				onExperts += int64(lc.Rank) * int64(t.Shape[0]+t.Shape[1])
+			}
 			rank, out = lc.Rank, max(out, t.Shape[0])
 			if lc.Dropout > 0 {
 				dropIn = max(dropIn, t.Shape[1])
 			}
 		}
 	}
-	return base, adapters, rank, out, dropIn
+	return base, adapters, onExperts, rank, out, dropIn
 }
 
 // lossTileBudget is compute/cuda's bound on the loss head's logit tile.
