@@ -394,12 +394,13 @@ func PlanMemory(s PlanShape) MemoryPlan {
 //     its moments (8): EP keeps 1/N of them (all 18 bytes of its own).
 //   - ZeRO 2: the parts (master, gradients, moments) are already 1/N, but
 //     every rank holds every expert's whole weights (4 bytes) and one
-//     layer's whole gradients; EP keeps its own experts whole in its
-//     master and needs neither.
+//     layer's whole gradients (two with overlap); EP keeps its own
+//     experts whole in its master and needs neither.
 //   - ZeRO 3: the two weight slots and the gradient buffer hold a whole
-//     layer's experts (12 bytes a parameter of the largest layer's); EP
-//     gathers no expert (under QAD it keeps its own experts'
-//     fake-quantized twins instead of two layers').
+//     layer's experts (12 bytes a parameter of the largest layer's; with
+//     overlap three slots and two buffers, 20); EP gathers no expert
+//     (under QAD it keeps its own experts' fake-quantized twins instead
+//     of the slots' layers').
 //
 // EP also replaces the all-gathers of the experts' weights (stage 3: each
 // layer's, twice a row) with all-to-alls of the routed tokens'
@@ -426,6 +427,10 @@ func ExpertParallelSaving(s PlanShape) int64 {
 		largest = max(largest, v)
 	}
 	own := (all + n - 1) / n
+	slots, grads := int64(2), int64(1) // stage 3's weight slots, the blocks' gradient buffers (Sharding)
+	if s.Overlap {
+		slots, grads = 3, 2
+	}
 	// Under QAD each copy of an expert's weights has its fake-quantized
 	// fp32 twin (and, unsharded, that twin's BF16 copy).
 	switch q := map[bool]int64{true: 1}[s.QAD]; s.ZeRO {
@@ -434,9 +439,9 @@ func ExpertParallelSaving(s PlanShape) int64 {
 	case 1:
 		return (10 + 6*q) * (all - own)
 	case 2:
-		return 4*all + 4*largest + 4*q*(all-own)
+		return 4*all + 4*grads*largest + 4*q*(all-own)
 	default: // (its own experts' fake-quantized twins stay, run-long)
-		return 12*largest + q*(8*largest-4*own)
+		return 4*(slots+grads)*largest + q*(4*slots*largest-4*own)
 	}
 }
 

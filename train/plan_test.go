@@ -342,6 +342,10 @@ func TestExpertParallelSaving(t *testing.T) {
 	if got := ExpertParallelSaving(PlanShape{Model: c, Ranks: n, ZeRO: 3}); got != 12*per {
 		t.Errorf("ZeRO 3: EP saves %d, want 12 bytes x %d expert parameters a layer", got, per)
 	}
+	// With overlap: three weight slots and two gradient buffers.
+	if got := ExpertParallelSaving(PlanShape{Model: c, Ranks: n, ZeRO: 3, Overlap: true}); got != 20*per {
+		t.Errorf("ZeRO 3 with overlap: EP saves %d, want 20 bytes x %d expert parameters a layer", got, per)
+	}
 }
 
 // TestPlanLoRADropout: lora_dropout adds to the adapters' scratch the

@@ -102,14 +102,20 @@ func zeroNote(zero, world int, overlap bool) string {
 
 // epHeld says what of the experts a ZeRO stage holds beyond a rank's
 // share (train.ExpertParallelSaving).
-func epHeld(zero int) string {
+func epHeld(zero int, overlap bool) string {
 	switch zero {
 	case 0:
 		return "every expert's weights, gradients, moments and copies on every rank"
 	case 1:
 		return "every expert's weights, gradients and copies on every rank"
 	case 2:
+		if overlap {
+			return "every expert's whole weights and two layers' whole gradients on every rank"
+		}
 		return "every expert's whole weights and a layer's whole gradients on every rank"
+	}
+	if overlap {
+		return "three layers' experts' whole weights and two layers' whole gradients at a time"
 	}
 	return "two layers' experts' whole weights and one layer's whole gradients at a time"
 }
@@ -210,7 +216,7 @@ func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act co
 	}
 	if ep := train.ExpertParallelSaving(shape(decoder.RecomputeFull)); ep > 0 {
 		fmt.Fprintf(w, "expert parallelism (not built) over the %d ranks would save %s a GPU: each rank would hold 1/%d of every layer's experts whole and gather none (ZeRO %d holds %s); it would send the routed tokens to their experts' ranks instead\n",
-			world, train.HumanBytes(ep), world, cfg.Train.ZeRO, epHeld(cfg.Train.ZeRO))
+			world, train.HumanBytes(ep), world, cfg.Train.ZeRO, epHeld(cfg.Train.ZeRO, cfg.Train.Overlap()))
 	}
 	if r := cfg.Train.Recompute; r != "auto" {
 		if p := train.PlanMemory(shape(decoder.Recompute(r))); p.Total() > budget {
