@@ -130,6 +130,16 @@ func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute,
 	if len(ok2) > 0 {
 		fix = "set train.recompute: " + strings.Join(ok2, " or ") + ", or lower data.seq_len"
 	}
+	if ranks > 1 && cfg.Train.Overlap() {
+		// The overlap's buffers (a layer's gradients, at stage 3 a layer's
+		// weights) may be what does not fit.
+		off := *cfg
+		f := false
+		off.Train.OverlapComm = &f
+		if n := train.PlanMemory(planShape(&off, s.Cfg, k, decoder.Recompute(mode), s.Backend(), ranks)).Total(); n <= budget {
+			fix += fmt.Sprintf(", or set train.overlap_comm: false (%s with recompute %s: the collectives then run in order with the compute)", train.HumanBytes(n), mode)
+		}
+	}
 	return "", fmt.Errorf("%w: rows of data.seq_len %d tokens with train.recompute %s need %s of device memory (parameters, gradients and AdamW moments %s, activations %s), but the device has %s for the run (%s, %s kept in reserve): %s (the longest row that fits: %s), or train on a device with more memory; `student plan --config FILE` prints the plan",
 		ErrDeviceMemory, cfg.Data.SeqLen, want, train.HumanBytes(need(decoder.Recompute(mode))), train.HumanBytes(resident),
 		train.HumanBytes(train.PlanMemory(planShape(cfg, s.Cfg, k, decoder.Recompute(mode), s.Backend(), ranks)).Term(train.TermActivations)),

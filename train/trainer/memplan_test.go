@@ -150,3 +150,55 @@ func TestCUDAMemoryPlanCheck(t *testing.T) {
 		t.Fatalf("rows of %d tokens, the longest said to fit, under none: %v", n, err)
 	}
 }
+
+// TestCUDAMemoryPlanOverlapHint: a data-parallel run at ZeRO 3 whose
+// recompute mode fits the device only without the overlap's buffers (a
+// layer's gradients and weights more) is refused with an error that names
+// train.overlap_comm: false and what the plan is then; on a device with
+// room for the overlap, it fits.
+func TestCUDAMemoryPlanOverlapHint(t *testing.T) {
+	useCUDA(t)
+	if cudaemu.OnGPU() {
+		t.Skip("shrinks the emulator's device")
+	}
+	be, err := cuda.Open(cuda.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	cfg := tinyConfig(t, testCache(t), t.TempDir(), "train.device=cuda", "data.seq_len=256", "train.zero=3", "train.recompute=full")
+	mc, err := cfg.Model.Random.ModelConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := train.NewStudentOn(mc, be)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Free()
+	const k, ranks = 8, 2
+	off := *cfg
+	f := false
+	off.Train.OverlapComm = &f
+	on := train.PlanMemory(planShape(cfg, mc, k, decoder.RecomputeFull, be, ranks)).Total()
+	without := train.PlanMemory(planShape(&off, mc, k, decoder.RecomputeFull, be, ranks)).Total()
+	if on <= without {
+		t.Fatalf("the overlap plans %d bytes, without it %d: want more", on, without)
+	}
+	p0 := train.PlanMemory(planShape(cfg, mc, k, decoder.RecomputeNone, be, ranks))
+	resident := p0.Term(train.TermParams) + p0.Term(train.TermGrads) + p0.Term(train.TermMoments)
+	free, total := be.MemInfo()
+	used := total - free
+	device := func(budget int64) { // budget = free - reserve + resident, reserve 256 MiB on a small device
+		t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(used+256<<20+budget-resident))
+	}
+	device((on + without) / 2)
+	_, err = planRecompute(cfg, s, k, "", ranks, io.Discard)
+	if !errors.Is(err, ErrDeviceMemory) || !strings.Contains(err.Error(), "or set train.overlap_comm: false ("+train.HumanBytes(without)) {
+		t.Fatalf("recompute full with room only without the overlap: %v, want ErrDeviceMemory naming train.overlap_comm: false and %s", err, train.HumanBytes(without))
+	}
+	device(on)
+	if r, err := planRecompute(cfg, s, k, "", ranks, io.Discard); err != nil || r != decoder.RecomputeFull {
+		t.Fatalf("room for the overlap: %v %v", r, err)
+	}
+}
