@@ -16,7 +16,7 @@ import (
 // inputs xg and act, the gradients dy, dgate and dup, which the base's
 // GEMMs read in BF16 too) and the fp32 adapters, so that an adapter's
 // term carries no rounding beyond its inputs'. The dropout's masks are
-// drawn per token (k_moe_dropout: the grouped row's token,
+// drawn per token (k_dropout with the order: the grouped row's token,
 // order[row]/K), as MoEWeights.Drop defines them. Their scratch is one
 // expert's at a time: rows x (2·In + Out + 2·rank) fp32 at most.
 
@@ -77,7 +77,7 @@ func (r *moeLoRA) input(l *compute.LoRA, x uint64, o, n, cols int) uint64 {
 	src := x + uint64(o)*uint64(cols)*2
 	if d := r.mask(l); d != nil {
 		k0, k1, row, step, thr := dropoutArgs(d)
-		b.ew("k_moe_dropout", int64(n)*int64((cols+3)/4), dptr(out), dptr(src), int32(1), dptr(r.order+uint64(o)*4), int32(r.K), int64(n), int32(cols),
+		b.ew("k_dropout", int64(n)*int64((cols+3)/4), dptr(out), int32(0), dptr(src), int32(1), dptr(r.order+uint64(o)*4), int32(r.K), int64(n), int32(cols),
 			k0, k1, row, step, thr, d.Scale)
 		return out
 	}
@@ -150,7 +150,7 @@ func (r *moeLoRA) backward(ls func(e int) *compute.LoRA, name string, dx, dout, 
 		dxa := r.scratch(int64(n) * int64(l.In) * 4)
 		b.gemmEx(dxa, dt, a, n, l.In, l.Rank, false, false, dataF32, 0)
 		k0, k1, row, step, thr := dropoutArgs(d)
-		b.ew("k_moe_dropout_bwd", int64(n)*int64((l.In+3)/4), dptr(dxe), dptr(dxa), dptr(r.order+uint64(o)*4), int32(r.K), int64(n), int32(l.In),
+		b.ew("k_dropout_bwd", int64(n)*int64((l.In+3)/4), dptr(dxe), dptr(dxa), dptr(r.order+uint64(o)*4), int32(r.K), int64(n), int32(l.In),
 			k0, k1, row, step, thr, d.Scale)
 	}
 }

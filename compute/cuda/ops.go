@@ -487,7 +487,7 @@ func (b *Backend) Dropout(outT, xT compute.Tensor, d *compute.DropoutMask, rows,
 	need(out, "Dropout out", rows*cols, act...)
 	need(x, "Dropout x", rows*cols, act...)
 	k0, k1, row, step, thr := dropoutArgs(d)
-	b.ew("k_dropout", int64(rows)*int64((cols+3)/4), dptr(out.p), bf16Flag(out), dptr(x.p), bf16Flag(x), int64(rows), int32(cols),
+	b.ew("k_dropout", int64(rows)*int64((cols+3)/4), dptr(out.p), bf16Flag(out), dptr(x.p), bf16Flag(x), dptr(0), int32(1), int64(rows), int32(cols),
 		k0, k1, row, step, thr, d.Scale)
 }
 
@@ -499,7 +499,7 @@ func (b *Backend) DropoutBackward(dxT, doutT compute.Tensor, d *compute.DropoutM
 	need(dx, "DropoutBackward dx", rows*cols, compute.F32)
 	need(dout, "DropoutBackward dout", rows*cols, compute.F32)
 	k0, k1, row, step, thr := dropoutArgs(d)
-	b.ew("k_dropout_bwd", int64(rows)*int64((cols+3)/4), dptr(dx.p), dptr(dout.p), int64(rows), int32(cols), k0, k1, row, step, thr, d.Scale)
+	b.ew("k_dropout_bwd", int64(rows)*int64((cols+3)/4), dptr(dx.p), dptr(dout.p), dptr(0), int32(1), int64(rows), int32(cols), k0, k1, row, step, thr, d.Scale)
 }
 
 // dropoutArgs are a mask's 32-bit words as the kernels' int parameters

@@ -156,20 +156,30 @@ DK_DEV void philox4x32(u32 c[4], u32 k0, u32 k1) {
 }
 
 // The dropout mask of compute.DropoutMask: element (r, c) of a (rows,
-// cols) activation is kept when word c%4 of Philox({c/4, r, row, step},
-// key) is >= thr. One thread per four columns of a row: one Philox call.
+// cols) activation is kept when word c%4 of Philox({c/4, t, row, step},
+// key) is >= thr, t the row's token: r, or over an MoE expert's grouped
+// rows (its LoRA adapters' input; compute's MoEWeights.Drop) order[r]/K.
+// One thread per four columns of a row: one Philox call (dropout_words).
+DK_DEV void dropout_words(u32 w[4], i64 r, int g, const int *__restrict__ order, int K, int row, int step, int k0, int k1) {
+	w[0] = (u32)g;
+	w[1] = order ? (u32)(order[r] / K) : (u32)r;
+	w[2] = (u32)row;
+	w[3] = (u32)step;
+	philox4x32(w, (u32)k0, (u32)k1);
+}
 
 // out (rows, cols) (act) = x·scale where kept, else 0; the product fp32,
-// a BF16 out rounded once (compute's Dropout).
-DK_KERNEL void k_dropout(void *__restrict__ out, int out_bf, const void *__restrict__ x, int x_bf, i64 rows, int cols, int k0, int k1,
-                         int row, int step, int thr, float scale) {
+// a BF16 out rounded once (compute's Dropout). order: see above (NULL:
+// row r is token r).
+DK_KERNEL void k_dropout(void *__restrict__ out, int out_bf, const void *__restrict__ x, int x_bf, const int *__restrict__ order, int K,
+                         i64 rows, int cols, int k0, int k1, int row, int step, int thr, float scale) {
 	int g4 = (cols + 3) / 4;
 	i64 total = rows * (i64)g4;
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
 		i64 r = i / g4;
 		int g = (int)(i - r * g4);
-		u32 w[4] = {(u32)g, (u32)r, (u32)row, (u32)step};
-		philox4x32(w, (u32)k0, (u32)k1);
+		u32 w[4];
+		dropout_words(w, r, g, order, K, row, step, k0, k1);
 		for (int j = 0; j < 4 && 4 * g + j < cols; j++) {
 			i64 e = r * cols + 4 * g + j;
 			st_act(out, out_bf, e, w[j] >= (u32)thr ? __fmul_rn(ld_act(x, x_bf, e), scale) : 0.0f);
@@ -179,52 +189,17 @@ DK_KERNEL void k_dropout(void *__restrict__ out, int out_bf, const void *__restr
 
 // dx (rows, cols) F32 += dout·scale where kept (compute's
 // DropoutBackward): the product rounded before the sum, as compute/cpu
-// (no fused multiply-add), so the two agree bit for bit.
-DK_KERNEL void k_dropout_bwd(float *__restrict__ dx, const float *__restrict__ dout, i64 rows, int cols, int k0, int k1, int row, int step,
-                             int thr, float scale) {
+// (no fused multiply-add), so the two agree bit for bit. order: as
+// k_dropout's.
+DK_KERNEL void k_dropout_bwd(float *__restrict__ dx, const float *__restrict__ dout, const int *__restrict__ order, int K, i64 rows, int cols,
+                             int k0, int k1, int row, int step, int thr, float scale) {
 	int g4 = (cols + 3) / 4;
 	i64 total = rows * (i64)g4;
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
 		i64 r = i / g4;
 		int g = (int)(i - r * g4);
-		u32 w[4] = {(u32)g, (u32)r, (u32)row, (u32)step};
-		philox4x32(w, (u32)k0, (u32)k1);
-		for (int j = 0; j < 4 && 4 * g + j < cols; j++) {
-			i64 e = r * cols + 4 * g + j;
-			if (w[j] >= (u32)thr) dx[e] += __fmul_rn(dout[e], scale);
-		}
-	}
-}
-
-// k_dropout over an MoE expert's grouped rows (its LoRA adapters' input):
-// row r's mask is that of its token, order[r]/K (compute's MoEWeights.Drop),
-// out (rows, cols) F32.
-DK_KERNEL void k_moe_dropout(float *__restrict__ out, const void *__restrict__ x, int x_bf, const int *__restrict__ order, int K, i64 rows,
-                             int cols, int k0, int k1, int row, int step, int thr, float scale) {
-	int g4 = (cols + 3) / 4;
-	i64 total = rows * (i64)g4;
-	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-		i64 r = i / g4;
-		int g = (int)(i - r * g4);
-		u32 w[4] = {(u32)g, (u32)(order[r] / K), (u32)row, (u32)step};
-		philox4x32(w, (u32)k0, (u32)k1);
-		for (int j = 0; j < 4 && 4 * g + j < cols; j++) {
-			i64 e = r * cols + 4 * g + j;
-			out[e] = w[j] >= (u32)thr ? __fmul_rn(ld_act(x, x_bf, e), scale) : 0.0f;
-		}
-	}
-}
-
-// k_dropout_bwd over an MoE expert's grouped rows (k_moe_dropout's masks).
-DK_KERNEL void k_moe_dropout_bwd(float *__restrict__ dx, const float *__restrict__ dout, const int *__restrict__ order, int K, i64 rows, int cols,
-                                 int k0, int k1, int row, int step, int thr, float scale) {
-	int g4 = (cols + 3) / 4;
-	i64 total = rows * (i64)g4;
-	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-		i64 r = i / g4;
-		int g = (int)(i - r * g4);
-		u32 w[4] = {(u32)g, (u32)(order[r] / K), (u32)row, (u32)step};
-		philox4x32(w, (u32)k0, (u32)k1);
+		u32 w[4];
+		dropout_words(w, r, g, order, K, row, step, k0, k1);
 		for (int j = 0; j < 4 && 4 * g + j < cols; j++) {
 			i64 e = r * cols + 4 * g + j;
 			if (w[j] >= (u32)thr) dx[e] += __fmul_rn(dout[e], scale);
@@ -248,5 +223,3 @@ DK_REGISTER(k_add_bias)
 DK_REGISTER(k_embed)
 DK_REGISTER(k_dropout)
 DK_REGISTER(k_dropout_bwd)
-DK_REGISTER(k_moe_dropout)
-DK_REGISTER(k_moe_dropout_bwd)
