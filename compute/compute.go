@@ -874,19 +874,63 @@ type Collectives interface {
 // next with it.
 type CrossCopier interface {
 	// CopyFrom copies src, a tensor of backend from, into dst[0:src.Len())
-	// (the same dtype), after the work from has issued so far and before
-	// the work this backend issues next; src may be reused or freed when
-	// it returns. false: from is a backend it cannot copy from (another
-	// kind), nothing was done.
-	CopyFrom(dst Tensor, from Backend, src Tensor) bool
+	// (the same dtype), after the work from had issued when after was
+	// marked (nil: the work from has issued so far) and before the work
+	// this backend issues next. Neither side's host waits for the other:
+	// the order is kept on the devices, and from's work issued after the
+	// call (a Free of src, a write to it) runs after the copy, so src may
+	// be reused or freed when it returns. false: from is a backend it
+	// cannot copy from (another kind), nothing was done.
+	CopyFrom(dst Tensor, from Backend, src Tensor, after Mark) bool
+}
+
+// Mark is a point in the work a backend has issued (Marker): what a copy
+// to another backend must wait for, without the host waiting.
+type Mark interface {
+	// Release gives the mark back to its backend; a released mark is not
+	// used again (ReleaseMark: nil's is a no-op).
+	Release()
+}
+
+// Marker is implemented by backends whose work runs asynchronously to the
+// host (a GPU's stream): Mark marks the work issued so far (a CUDA event
+// recorded on the stream). A pipeline's stage marks its hand-off as soon
+// as it has issued it, so that the next stage's copy waits for that work
+// only, not for what the stage issues after.
+type Marker interface {
+	Mark() Mark
+}
+
+// MarkOf marks the work be has issued so far (Marker), or is nil for a
+// backend whose calls return with their work done.
+func MarkOf(be Backend) Mark {
+	if m, ok := be.(Marker); ok {
+		return m.Mark()
+	}
+	return nil
+}
+
+// ReleaseMark releases m unless it is nil.
+func ReleaseMark(m Mark) {
+	if m != nil {
+		m.Release()
+	}
 }
 
 // CopyAcross copies src, a tensor of backend from, into dst, a tensor of
-// backend to, bit for bit: through to's CrossCopier when it takes from,
-// else through the host (F32 and BF16 tensors: a BF16 value widened to
-// fp32 and rounded back is itself).
+// backend to, bit for bit, after the work from has issued so far: it is
+// CopyAcrossAfter with no mark.
 func CopyAcross(to Backend, dst Tensor, from Backend, src Tensor) {
-	if cc, ok := to.(CrossCopier); ok && cc.CopyFrom(dst, from, src) {
+	CopyAcrossAfter(to, dst, from, src, nil)
+}
+
+// CopyAcrossAfter copies src, a tensor of backend from, into dst, a
+// tensor of backend to, bit for bit, after the work of from that after
+// marks (MarkOf; nil: all it has issued): through to's CrossCopier when
+// it takes from, else through the host (F32 and BF16 tensors: a BF16
+// value widened to fp32 and rounded back is itself).
+func CopyAcrossAfter(to Backend, dst Tensor, from Backend, src Tensor, after Mark) {
+	if cc, ok := to.(CrossCopier); ok && cc.CopyFrom(dst, from, src, after) {
 		return
 	}
 	if src.DType() != dst.DType() || dst.Len() < src.Len() {

@@ -350,10 +350,9 @@ type attnGroup struct {
 // free releases the batch's device tensors but cos and sin (the
 // caller's).
 func (b *batch) free(be compute.Backend) {
-	be.Free(b.tokens)
-	be.Free(b.starts)
+	freeAll(be, b.tokens, b.starts)
 	for _, g := range b.groups {
-		be.Free(g.starts)
+		freeAll(be, g.starts)
 	}
 	b.groups = nil
 }

@@ -137,14 +137,26 @@ func (m *Model) upload(tokens, starts []int32, cos, sin compute.Tensor, train bo
 		copy(hc[lo:hi], rc[:hi-lo])
 		copy(hs[lo:hi], rs[:hi-lo])
 	}
-	if cos == nil {
-		b.cos, b.sin = be.FromF32(hc), be.FromF32(hs)
+	made := cos == nil
+	defer func() { // a backend's panic (out of memory): free what is made here
+		if r := recover(); r != nil {
+			if made {
+				freeAll(be, b.cos, b.sin)
+			}
+			b.free(be)
+			panic(r)
+		}
+	}()
+	if made {
+		b.cos = be.FromF32(hc)
+		b.sin = be.FromF32(hs)
 	} else {
 		be.WriteF32(cos, hc)
 		be.WriteF32(sin, hs)
 		b.cos, b.sin = cos, sin
 	}
-	b.tokens, b.starts = be.FromI32(tokens), be.FromI32(starts)
+	b.tokens = be.FromI32(tokens)
+	b.starts = be.FromI32(starts)
 	var runs [][2]int
 	if _, ok := be.(compute.AttentionWorkspaceReporter); train && (ok || attnGroupsAlways) {
 		runs = attnGroups(starts) // a library that sizes its workspace by the bucket (cuDNN)
@@ -158,8 +170,8 @@ func (m *Model) upload(tokens, starts []int32, cos, sin compute.Tensor, train bo
 		for i := 0; i < g.nSeq; i++ {
 			g.maxLen = max(g.maxLen, int(rel[i+1]-rel[i]))
 		}
-		g.starts = be.FromI32(rel)
 		b.groups = append(b.groups, g)
+		b.groups[len(b.groups)-1].starts = be.FromI32(rel)
 	}
 	return b
 }
@@ -202,19 +214,30 @@ func (m *Model) TopKThen(samples [][]int32, k int, temperature float32, fn func(
 	return ids, logprobs
 }
 
-// lmHeadTopK runs the LM head's top-k over x (n rows) and reads it.
+// lmHeadTopK runs the LM head's top-k over x (n rows) and reads it. Its
+// outputs are freed on a backend's panic too.
 func (m *Model) lmHeadTopK(x compute.Tensor, n, k int) (ids []int32, logprobs []float32) {
 	be, c := m.be, m.Cfg
-	idT, lpT := be.New(compute.I32, n*k), be.New(compute.F32, n*k)
+	var idT, lpT compute.Tensor
+	defer func() { freeAll(be, idT, lpT) }()
+	idT = be.New(compute.I32, n*k)
+	lpT = be.New(compute.F32, n*k)
 	if k > 0 {
 		be.LMHeadTopK(idT, lpT, x, m.Head.W, n, c.Hidden, c.VocabSize, k)
 	}
 	ids, logprobs = make([]int32, n*k), make([]float32, n*k)
 	be.ReadI32(idT, ids)
 	be.ReadF32(lpT, logprobs)
-	be.Free(idT)
-	be.Free(lpT)
 	return ids, logprobs
+}
+
+// freeAll frees the tensors that are not nil.
+func freeAll(be compute.Backend, ts ...compute.Tensor) {
+	for _, t := range ts {
+		if t != nil {
+			be.Free(t)
+		}
+	}
 }
 
 // fwdActs are the buffers of one stage's forward over one batch (see
@@ -225,10 +248,11 @@ type fwdActs struct {
 	tmp   []compute.Tensor
 }
 
-// newFwdActs allocates a forward's buffers for n tokens on m's backend.
-func (m *Model) newFwdActs(n int) *fwdActs {
+// allocFwdActs allocates a forward's buffers for n tokens on m's backend
+// into f, each recorded as soon as it is made: after a backend's panic
+// (out of memory) f.free frees those made before it.
+func (m *Model) allocFwdActs(f *fwdActs, n int) {
 	be, c := m.be, m.Cfg
-	f := &fwdActs{}
 	alloc := func(dt compute.DType, size int) compute.Tensor {
 		t := be.New(dt, size)
 		f.tmp = append(f.tmp, t)
@@ -236,7 +260,8 @@ func (m *Model) newFwdActs(n int) *fwdActs {
 	}
 	C, Hq, Hkv := c.Hidden, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
 	act := be.ActDType()
-	f.x, f.ln = be.New(compute.F32, n*C), be.New(act, n*C)
+	f.x = be.New(compute.F32, n*C)
+	f.ln = be.New(act, n*C)
 	y := alloc(compute.F32, n*C)
 	q, kk, v := alloc(act, n*Hq), alloc(act, n*Hkv), alloc(act, n*Hkv)
 	f.a = blockActs{xin: f.x, ln1: f.ln, ln1q: f.ln, qpre: q, q: q, kpre: kk, k: kk, v: v,
@@ -250,49 +275,68 @@ func (m *Model) newFwdActs(n int) *fwdActs {
 		f.a.gate, f.a.up = alloc(act, n*c.Intermediate), alloc(act, n*c.Intermediate)
 		f.a.h, f.a.hq = f.a.gate, f.a.gate
 	}
-	return f
 }
 
 // freeTmp frees the buffers but x and ln.
 func (f *fwdActs) freeTmp(be compute.Backend) {
-	for _, t := range f.tmp {
-		be.Free(t)
-	}
+	freeAll(be, f.tmp...)
 	f.tmp = nil
+}
+
+// free frees every buffer made so far (Free is idempotent).
+func (f *fwdActs) free(be compute.Backend) {
+	f.freeTmp(be)
+	freeAll(be, f.x, f.ln)
 }
 
 // handoff is what a stage passes the next for one micro-batch: its
 // residual stream x (F32) and the next layer's normed input ln (the
-// activation dtype), on the stage's backend.
+// activation dtype), on the stage's backend, and the mark of the work
+// making them (compute.MarkOf: nil on a backend whose calls return with
+// their work done): the next stage's copy waits for that on the device,
+// not for what the stage issues after it.
 type handoff struct {
 	be    compute.Backend
 	x, ln compute.Tensor
+	mark  compute.Mark
 }
 
-// free releases a hand-off's tensors on their backend.
+// free releases a hand-off's tensors and mark on their backend.
 func (h *handoff) free() {
 	h.be.Free(h.x)
 	h.be.Free(h.ln)
+	compute.ReleaseMark(h.mark)
+	h.mark = nil
 }
 
 // stageForward runs m's layers over one packed batch (flat tokens,
 // sample starts): the embedding on the first stage, else the previous
-// stage's hand-off in (copied to m's backend, then freed on its own);
-// then layers [m.first, m.end). A stage with the head returns its buffers
-// with ln holding the final norm's output (normW, the temperature's
-// weight); the caller runs the head and frees them. Other stages return
-// the hand-off for the next, their other buffers freed.
+// stage's hand-off in (copied to m's backend after the work its mark
+// marks, then freed on its own: the caller's on a panic); then layers
+// [m.first, m.end). A stage with the head returns its buffers with ln
+// holding the final norm's output (normW, the temperature's weight); the
+// caller runs the head and frees them. Other stages return the hand-off
+// for the next, their other buffers freed, its mark set. A backend's
+// panic (out of memory, a failed kernel) frees what this call allocated
+// before it is raised again.
 func (m *Model) stageForward(flat, starts []int32, in *handoff, normW compute.Tensor) (*fwdActs, *handoff) {
 	be, c := m.be, m.Cfg
 	n, C := len(flat), c.Hidden
+	f := &fwdActs{}
+	defer func() {
+		if r := recover(); r != nil {
+			f.free(be)
+			panic(r)
+		}
+	}()
 	b := m.upload(flat, starts, nil, nil, false)
-	f := m.newFwdActs(n)
 	f.tmp = append(f.tmp, b.tokens, b.starts, b.cos, b.sin)
+	m.allocFwdActs(f, n)
 	if in == nil {
 		be.Embed(f.x, m.Embed.W, b.tokens, n, C)
 	} else {
-		compute.CopyAcross(be, f.x, in.be, in.x)
-		compute.CopyAcross(be, f.ln, in.be, in.ln)
+		compute.CopyAcrossAfter(be, f.x, in.be, in.x, in.mark)
+		compute.CopyAcrossAfter(be, f.ln, in.be, in.ln, in.mark)
 		in.free()
 	}
 	// Each block leaves the next one's ln1 in ln, the last the final norm's.
@@ -312,8 +356,9 @@ func (m *Model) stageForward(flat, starts []int32, in *handoff, normW compute.Te
 	if m.nextIn == nil {
 		return f, nil
 	}
+	out := &handoff{be: be, x: f.x, ln: f.ln, mark: compute.MarkOf(be)}
 	f.freeTmp(be)
-	return nil, &handoff{be: be, x: f.x, ln: f.ln}
+	return nil, out
 }
 
 // finalNorm is the final norm's weight with 1/temperature folded in:
