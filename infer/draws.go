@@ -56,19 +56,45 @@ func ValidateDraws(d Draws, k int) error {
 // that the draws land in are multiplied again. The host computes the
 // uniforms (n x N, sorted per position) and tallies the drawn ids.
 func (m *Model) ForwardDraws(samples [][]int32, k int, temperature float32, d Draws) (ids []int32, logprobs []float32, res DrawResult) {
-	m.pipe.Forward(samples, temperature, func(last *decoder.Model, x compute.Tensor, s0, _ int, mb [][]int32) {
+	head, out := m.drawsHead(k, d)
+	m.pipe.Forward(samples, temperature, head)
+	return out.ids, out.lps, out.res
+}
+
+// StartForwardDraws is ForwardDraws started (StartForward).
+func (m *Model) StartForwardDraws(samples [][]int32, k int, temperature float32, d Draws) (wait func() (ids []int32, logprobs []float32, res DrawResult)) {
+	head, out := m.drawsHead(k, d)
+	fl := m.pipe.Start(samples, temperature, head)
+	return func() ([]int32, []float32, DrawResult) {
+		fl.Wait()
+		return out.ids, out.lps, out.res
+	}
+}
+
+// drawsResult is a forward's result with draws, as its heads add to it.
+type drawsResult struct {
+	ids []int32
+	lps []float32
+	res DrawResult
+}
+
+// drawsHead is the head of ForwardDraws: each micro-batch's top-k and
+// draws, appended to out in micro-batch order.
+func (m *Model) drawsHead(k int, d Draws) (decoder.Head, *drawsResult) {
+	out := &drawsResult{}
+	return func(last *decoder.Model, x compute.Tensor, s0, _ int, mb [][]int32) {
 		i, l, r := m.sample(last, x, mb, s0, k, d)
-		if ids == nil { // the first (or only) micro-batch's result
-			ids, logprobs, res = i, l, r
+		if out.ids == nil { // the first (or only) micro-batch's result
+			out.ids, out.lps, out.res = i, l, r
 			return
 		}
-		ids, logprobs = append(ids, i...), append(logprobs, l...)
+		res := &out.res
+		out.ids, out.lps = append(out.ids, i...), append(out.lps, l...)
 		res.N, res.IDs, res.Counts = append(res.N, r.N...), append(res.IDs, r.IDs...), append(res.Counts, r.Counts...)
 		if d.Head {
 			res.Tail = append(res.Tail, r.Tail...)
 		}
-	})
-	return ids, logprobs, res
+	}, out
 }
 
 // sample runs LMHeadSample on the LM head's input x of samples, the

@@ -301,6 +301,24 @@ func (m *Model) Forward(samples [][]int32, k int, temperature float32) (ids []in
 	return m.pipe.TopK(samples, k, temperature)
 }
 
+// StartForward is Forward started: it returns at once, and wait returns
+// the result. Forwards started are served in order, and on a pipelined
+// teacher they overlap: the first stage takes the next forward while the
+// later ones finish this one (decoder.Pipeline.Start). wait raises a
+// stage's failure (a panic naming the stage and its GPU). On one backend
+// the forward runs before StartForward returns.
+func (m *Model) StartForward(samples [][]int32, k int, temperature float32) (wait func() (ids []int32, logprobs []float32)) {
+	if len(m.stages) == 1 { // a panic raised where it happens
+		ids, lps := m.Forward(samples, k, temperature)
+		return func() ([]int32, []float32) { return ids, lps }
+	}
+	return m.pipe.StartTopK(samples, k, temperature)
+}
+
+// InFlight is how many forwards to keep started at once (StartForward)
+// so that every stage has one to work on: one a stage.
+func (m *Model) InFlight() int { return len(m.stages) }
+
 // Cut is how a forward of samples is cut into micro-batches: runs [a, b)
 // of the samples (one run on one backend, unless LoadOptions asks).
 func (m *Model) Cut(samples [][]int32) [][2]int { return m.pipe.Cut(samples) }

@@ -76,20 +76,38 @@ func (m *Model) TopK(samples [][]int32, opt Options) ([]Result, error) {
 	}
 	opt.defaults()
 	out := make([]Result, len(samples))
+	// The forwards are started back to back, InFlight at once: a
+	// pipelined teacher's stages then go from one to the next without
+	// draining (one backend runs each as it is started).
+	type started struct {
+		a, b int
+		wait func() ([]int32, []float32)
+	}
+	var inFlight []started
+	finish := func(f started) {
+		ids, lps := f.wait()
+		off := 0
+		for i := f.a; i < f.b; i++ {
+			sz := len(samples[i]) * opt.K
+			out[i] = Result{IDs: ids[off : off+sz : off+sz], LogProbs: lps[off : off+sz : off+sz]}
+			off += sz
+		}
+	}
 	for a := 0; a < len(samples); {
 		b, n := a, 0
 		for b < len(samples) && n+len(samples[b]) <= opt.TokenBudget {
 			n += len(samples[b])
 			b++
 		}
-		ids, lps := m.Forward(samples[a:b], opt.K, opt.Temperature)
-		off := 0
-		for i := a; i < b; i++ {
-			sz := len(samples[i]) * opt.K
-			out[i] = Result{IDs: ids[off : off+sz : off+sz], LogProbs: lps[off : off+sz : off+sz]}
-			off += sz
+		inFlight = append(inFlight, started{a, b, m.StartForward(samples[a:b], opt.K, opt.Temperature)})
+		if len(inFlight) >= m.InFlight() {
+			finish(inFlight[0])
+			inFlight = inFlight[1:]
 		}
 		a = b
+	}
+	for _, f := range inFlight {
+		finish(f)
 	}
 	return out, nil
 }

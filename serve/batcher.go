@@ -21,6 +21,12 @@ type forwardFunc func(samples [][]int32, k int, temperature float32) (ids []int3
 // (*infer.Model).ForwardDraws in the daemon.
 type drawFunc func(samples [][]int32, k int, temperature float32, d infer.Draws) (ids []int32, logprobs []float32, res infer.DrawResult)
 
+// startFunc starts one forward (with d's draws when d is not nil) and
+// returns at once; wait returns its result, or raises its failure. The
+// forwards started are served in the order they were started: a
+// pipelined teacher's (infer.Model.StartForward and StartForwardDraws).
+type startFunc func(samples [][]int32, k int, temperature float32, d *infer.Draws) (wait func() (ids []int32, logprobs []float32, res infer.DrawResult))
+
 // job is one unit of queued work. A Score sample is a shared job: the
 // batcher packs it with other shared jobs of the same temperature. A fill
 // forward group is exclusive: it runs as one forward on its own, so the
@@ -71,13 +77,19 @@ type batcherStats interface {
 }
 
 // batcher packs queued jobs into forward passes of at most budget tokens,
-// one forward at a time (a forward uses every core or the whole device).
-// The queue is bounded in jobs and tokens: trySubmit (Score) fails with
-// ErrOverloaded when full; submit (fill work) waits for room, and may hold
-// at most half of the queue, so Score is still served during a fill.
+// one forward at a time (a forward uses every core or the whole device),
+// or, for a teacher pipelined over several GPUs (start), up to maxFlight
+// forwards in flight, one a stage, so that the first GPU takes the next
+// batch while the others finish this one; their results are handed out
+// batch by batch in the order the batches were taken. The queue is
+// bounded in jobs and tokens: trySubmit (Score) fails with ErrOverloaded
+// when full; submit (fill work) waits for room, and may hold at most half
+// of the queue, so Score is still served during a fill.
 type batcher struct {
 	fwd       forwardFunc
-	draw      drawFunc // nil: no sampled kinds (test fakes)
+	draw      drawFunc  // nil: no sampled kinds (test fakes)
+	start     startFunc // nil: fwd and draw, one forward at a time
+	maxFlight int       // forwards in flight at most with start (below 1: one)
 	budget    int
 	maxJobs   int
 	maxTokens int
@@ -94,11 +106,23 @@ type batcher struct {
 	closed bool
 	wg     sync.WaitGroup
 
+	inflight int           // forwards started whose results are not all handed out (b.mu)
+	last     chan struct{} // closed once the last batch started has handed out its results (the loop's)
+
 	waiting func(*job) // tests: called when submit finds no room and waits
+	full    func()     // tests: called when the loop finds work queued but maxFlight forwards in flight
+	behind  func()     // tests: called when a forward is done before the one started before it has handed out its results
 }
 
 func newBatcher(fwd forwardFunc, budget, maxJobs, maxTokens int, st batcherStats) *batcher {
-	b := &batcher{fwd: fwd, budget: budget, maxJobs: maxJobs, maxTokens: maxTokens, stats: st,
+	return newPipelinedBatcher(fwd, nil, 1, budget, maxJobs, maxTokens, st, nil)
+}
+
+// newPipelinedBatcher is newBatcher with start and depth, the most
+// forwards in flight (a pipelined teacher's; nil and 1 for one forward at
+// a time), and the draws' forward.
+func newPipelinedBatcher(fwd forwardFunc, start startFunc, depth, budget, maxJobs, maxTokens int, st batcherStats, draw drawFunc) *batcher {
+	b := &batcher{fwd: fwd, draw: draw, start: start, maxFlight: max(1, depth), budget: budget, maxJobs: maxJobs, maxTokens: maxTokens, stats: st,
 		room: make(chan struct{}), work: make(chan struct{}, 1)}
 	b.wg.Add(1)
 	go b.loop()
@@ -245,33 +269,48 @@ func (b *batcher) take() []*job {
 	return batch
 }
 
+// loop takes batches off the queue and starts their forwards, while
+// fewer than maxFlight are in flight; it returns once closed with nothing
+// queued or in flight.
 func (b *batcher) loop() {
 	defer b.wg.Done()
 	for {
 		b.mu.Lock()
-		for len(b.queue) == 0 {
-			if b.closed {
+		for len(b.queue) == 0 || b.inflight >= b.maxFlight {
+			if b.closed && len(b.queue) == 0 && b.inflight == 0 {
 				b.mu.Unlock()
 				return
+			}
+			if len(b.queue) > 0 && b.full != nil {
+				b.full()
 			}
 			b.mu.Unlock()
 			<-b.work
 			b.mu.Lock()
 		}
 		batch := b.take()
+		if len(batch) > 0 {
+			b.inflight++
+		}
 		b.mu.Unlock()
 		if len(batch) > 0 {
 			b.run(batch)
 		}
-		// Another round may be due without a new signal.
-		select {
-		case b.work <- struct{}{}:
-		default:
-		}
+		b.signal() // another round may be due without a new signal
 	}
 }
 
-// run does one forward over batch and hands each job its rows.
+// signal tells the loop to look at the queue again.
+func (b *batcher) signal() {
+	select {
+	case b.work <- struct{}{}:
+	default:
+	}
+}
+
+// run starts one forward over batch and hands each job its rows once it
+// is done and the batch taken before has handed out its own: at once
+// with one forward at a time, else on a goroutine of its own.
 func (b *batcher) run(batch []*job) {
 	k, n := 0, 0
 	var samples [][]int32
@@ -282,13 +321,89 @@ func (b *batcher) run(batch []*job) {
 		samples = append(samples, j.samples...)
 		b.stats.waited(now.Sub(j.enq))
 	}
-	var dr infer.DrawResult
-	var ids []int32
-	var lps []float32
-	var err error
+	var d *infer.Draws
 	if batch[0].draws != nil {
-		ids, lps, dr, err = b.forwardDraws(samples, k, batch[0].temp, batchDraws(batch))
+		bd := batchDraws(batch)
+		d = &bd
+	}
+	wait := b.begin(samples, k, batch[0].temp, d)
+	prev, mine := b.last, make(chan struct{})
+	b.last = mine
+	finish := func() {
+		ids, lps, dr, err := wait()
+		if prev != nil { // results in the order the batches were taken
+			select {
+			case <-prev:
+			default:
+				if b.behind != nil {
+					b.behind()
+				}
+				<-prev
+			}
+		}
 		b.stats.forward(n, b.budget, len(batch), time.Since(now))
+		hand(batch, k, d != nil, ids, lps, dr, err)
+		close(mine)
+		b.mu.Lock()
+		b.inflight--
+		b.mu.Unlock()
+		b.signal()
+	}
+	if b.maxFlight == 1 {
+		finish()
+		return
+	}
+	go finish()
+}
+
+// begin starts a forward (start), or runs it at once (fwd or draw), and
+// returns its wait; a panic (a bug: inputs are validated; or a device out
+// of memory) becomes the wait's error.
+func (b *batcher) begin(samples [][]int32, k int, temp float32, d *infer.Draws) func() ([]int32, []float32, infer.DrawResult, error) {
+	if b.start == nil {
+		var ids []int32
+		var lps []float32
+		var dr infer.DrawResult
+		var err error
+		if d != nil {
+			ids, lps, dr, err = b.forwardDraws(samples, k, temp, *d)
+		} else {
+			ids, lps, err = b.forward(samples, k, temp)
+		}
+		return func() ([]int32, []float32, infer.DrawResult, error) { return ids, lps, dr, err }
+	}
+	var wait func() ([]int32, []float32, infer.DrawResult)
+	if err := b.guard(func() { wait = b.start(samples, k, temp, d) }); err != nil {
+		return func() ([]int32, []float32, infer.DrawResult, error) { return nil, nil, infer.DrawResult{}, err }
+	}
+	return func() (ids []int32, lps []float32, dr infer.DrawResult, err error) {
+		err = b.guard(func() { ids, lps, dr = wait() })
+		return ids, lps, dr, err
+	}
+}
+
+// guard runs f, turning its panic into an error, logged.
+func (b *batcher) guard(f func()) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			stack := debug.Stack()
+			if wp, ok := r.(*compute.WorkerPanic); ok {
+				stack = wp.Stack
+			}
+			if b.log != nil {
+				b.log.Error("pipelined forward pass panicked: its requests fail, the daemon goes on", zap.Any("panic", r), zap.ByteString("stack", stack))
+			}
+			err = fmt.Errorf("serve: forward pass panicked: %v", r)
+		}
+	}()
+	f()
+	return nil
+}
+
+// hand gives each job of batch its rows of a forward's result (k per
+// position; with draws: the draws too), or the forward's error.
+func hand(batch []*job, k int, draws bool, ids []int32, lps []float32, dr infer.DrawResult, err error) {
+	if draws {
 		if err != nil {
 			for _, j := range batch {
 				j.done <- jobResult{err: err}
@@ -298,8 +413,6 @@ func (b *batcher) run(batch []*job) {
 		splitDraws(batch, k, ids, lps, dr)
 		return
 	}
-	ids, lps, err = b.forward(samples, k, batch[0].temp)
-	b.stats.forward(n, b.budget, len(batch), time.Since(now))
 	off := 0
 	for _, j := range batch {
 		if err != nil {
@@ -406,7 +519,7 @@ func cutK(r jobResult, n, k, k2 int) jobResult {
 }
 
 // close stops accepting work, fails what is queued with ErrShutdown and
-// waits for the forward in progress.
+// waits for the forwards in flight to hand out their results.
 func (b *batcher) close() {
 	b.mu.Lock()
 	if !b.closed {

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -409,5 +411,169 @@ func TestBatcherPacksDraws(t *testing.T) {
 	want := [][]int{{1}, {10, 30, 60}, {20}, {40}, {50}, {70}}
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatalf("batches %v, want %v", got, want)
+	}
+}
+
+// pipeFake is a pipelined teacher's start (startFunc) for the batcher:
+// each start reports its samples on started, and its wait blocks until
+// the test releases that forward (release[i], i counting the starts),
+// then answers as fakeForward does (or panics, for the forwards in fail).
+type pipeFake struct {
+	mu       sync.Mutex
+	n        int
+	started  chan [][]int32
+	release  []chan struct{}
+	returned chan int // each forward's index as its wait returns
+	fail     map[int]bool
+}
+
+func newPipeFake(n int) *pipeFake {
+	p := &pipeFake{started: make(chan [][]int32, n), returned: make(chan int, n), fail: map[int]bool{}}
+	for i := 0; i < n; i++ {
+		p.release = append(p.release, make(chan struct{}))
+	}
+	return p
+}
+
+func (p *pipeFake) start(samples [][]int32, k int, temp float32, d *infer.Draws) func() ([]int32, []float32, infer.DrawResult) {
+	p.mu.Lock()
+	i := p.n
+	p.n++
+	p.mu.Unlock()
+	p.started <- samples
+	return func() ([]int32, []float32, infer.DrawResult) {
+		<-p.release[i]
+		defer func() { p.returned <- i }()
+		if p.fail[i] {
+			panic(fmt.Errorf("forward %d: out of memory on the test's GPU", i))
+		}
+		ids, lps := (&fakeForward{}).fwd(samples, k, temp)
+		return ids, lps, infer.DrawResult{}
+	}
+}
+
+func (p *pipeFake) starts() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.n
+}
+
+// orderStats records the tokens of each forward as its results are
+// handed out, and calls check first.
+type orderStats struct {
+	nopStats
+	mu     sync.Mutex
+	tokens []int
+	check  func(tokens int)
+}
+
+func (s *orderStats) forward(tokens, _, _ int, _ time.Duration) {
+	s.check(tokens)
+	s.mu.Lock()
+	s.tokens = append(s.tokens, tokens)
+	s.mu.Unlock()
+}
+
+// TestBatcherPipelined: with a pipelined teacher (start, two forwards in
+// flight) the batcher starts the second batch while the first is still
+// in flight, starts no third until one is done (the loop reports work
+// queued with two in flight, and only two have started), and hands out
+// the results batch by batch in the order it took them, even when the
+// second forward finishes first. A forward that fails fails its jobs
+// only; close waits for the forwards in flight.
+func TestBatcherPipelined(t *testing.T) {
+	p := newPipeFake(7)
+	var jobs []*job
+	var mu sync.Mutex
+	st := &orderStats{check: func(int) {}}
+	b := newPipelinedBatcher(nil, p.start, 2, 100, 16, 1000, st, nil)
+	full := make(chan struct{}, 16)
+	b.mu.Lock()
+	b.full = func() { full <- struct{}{} }
+	behind := make(chan struct{}, 16)
+	b.behind = func() { behind <- struct{}{} }
+	b.mu.Unlock()
+	defer func() {
+		for i := range p.release {
+			select {
+			case <-p.release[i]:
+			default:
+				close(p.release[i])
+			}
+		}
+		b.close()
+	}()
+	submit := func(toks ...int32) *job {
+		j := newJob(context.Background(), [][]int32{toks}, 2, 1, true)
+		mu.Lock()
+		jobs = append(jobs, j)
+		mu.Unlock()
+		if err := b.trySubmit(j); err != nil {
+			t.Fatal(err)
+		}
+		return j
+	}
+	j1 := submit(10)
+	<-p.started
+	j2 := submit(20, 21)
+	<-p.started // two in flight, the first not done
+	j3 := submit(30, 31, 32)
+	select {
+	case <-full:
+	case <-p.started:
+		t.Fatal("a third forward started with two in flight")
+	}
+	if n := p.starts(); n != 2 {
+		t.Fatalf("%d forwards started with two in flight, want 2", n)
+	}
+	close(p.release[1]) // the second finishes first
+	select {
+	case <-behind: // and waits for the first to hand out its results
+	case <-time.After(time.Minute):
+		t.Fatal("the second forward, done first, did not wait for the first's results")
+	}
+	close(p.release[0])
+	<-p.returned
+	<-p.returned
+	if s := <-p.started; s[0][0] != 30 {
+		t.Fatalf("third start: %v", s)
+	}
+	close(p.release[2])
+	for _, j := range []*job{j1, j2, j3} {
+		checkRows(t, j, j.wait())
+	}
+	p.fail[3] = true
+	j4, j5 := submit(40), submit(50, 51, 52, 53)
+	<-p.started
+	<-p.started
+	close(p.release[3])
+	close(p.release[4])
+	if r := j4.wait(); r.err == nil || !strings.Contains(r.err.Error(), "out of memory on the test's GPU") {
+		t.Errorf("the failing forward's job: %v", r.err)
+	}
+	checkRows(t, j5, j5.wait())
+	// close (a daemon's drain) with two forwards in flight: it returns
+	// once both have handed out their results.
+	j6, j7 := submit(60), submit(70, 71)
+	<-p.started
+	<-p.started
+	closed := make(chan struct{})
+	go func() {
+		b.close()
+		close(closed)
+	}()
+	close(p.release[5])
+	close(p.release[6])
+	<-closed
+	for _, j := range []*job{j6, j7} {
+		if len(j.done) != 1 {
+			t.Fatalf("close returned before the forward in flight of job %v handed out its result", j.samples)
+		}
+		checkRows(t, j, j.wait())
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if !slices.Equal(st.tokens, []int{1, 2, 3, 1, 4, 1, 2}) {
+		t.Errorf("results handed out for forwards of %v tokens, want [1 2 3 1 4 1 2] (the order taken)", st.tokens)
 	}
 }

@@ -227,8 +227,20 @@ func NewCore(o CoreOptions) (*Core, error) {
 				ErrPrecondition, tdir, c.tok.VocabSize(), o.ModelDir, V)
 		}
 	}
-	c.b = newBatcher(m.Forward, o.TokenBudget, o.QueueSamples, o.QueueTokens, c.met)
-	c.b.draw = m.ForwardDraws
+	var start startFunc
+	if m.InFlight() > 1 { // a pipeline: a forward a stage in flight
+		start = func(samples [][]int32, k int, temp float32, d *infer.Draws) func() ([]int32, []float32, infer.DrawResult) {
+			if d != nil {
+				return m.StartForwardDraws(samples, k, temp, *d)
+			}
+			wait := m.StartForward(samples, k, temp)
+			return func() ([]int32, []float32, infer.DrawResult) {
+				ids, lps := wait()
+				return ids, lps, infer.DrawResult{}
+			}
+		}
+	}
+	c.b = newPipelinedBatcher(m.Forward, start, m.InFlight(), o.TokenBudget, o.QueueSamples, o.QueueTokens, c.met, m.ForwardDraws)
 	c.b.log = o.Logger
 	c.log.Info("teacher loaded", zap.String("model", o.ModelDir), zap.String("weights", cmp.Or(o.Weights, "bf16")), zap.String("device", o.Device), zap.String("arch", string(m.Cfg.Arch)),
 		zap.Int("vocab", V), zap.Int64("params", m.Cfg.Params()), zap.String("fingerprint", m.Fingerprint()),

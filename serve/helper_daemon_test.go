@@ -9,6 +9,8 @@ import (
 	"syscall"
 
 	"go.uber.org/zap"
+
+	"distill/infer"
 )
 
 // daemonMain is cmd/teacherd's main loop for the subprocess tests: start,
@@ -28,18 +30,31 @@ func daemonMain(cfg Config, hold int) int {
 	}
 	if hold > 0 {
 		// Wrapped before the address is published: no forward has run.
+		// A pipelined teacher's forwards are started (b.start), on the
+		// batcher's loop too: the hold keeps the forwards in flight going.
 		b := d.Core().b
 		b.mu.Lock()
-		real, n := b.fwd, 0
-		b.fwd = func(s [][]int32, k int, temp float32) ([]int32, []float32) {
-			if n++; n == hold { // one batcher goroutine calls fwd
+		n := 0
+		wait := func() {
+			if n++; n == hold { // one batcher goroutine calls fwd, or start
 				fmt.Printf("held %d\n", n)
 				if _, err := bufio.NewReader(os.Stdin).ReadString('\n'); err != nil {
 					fmt.Fprintln(os.Stderr, "daemon: stdin closed while held:", err)
 					os.Exit(3)
 				}
 			}
-			return real(s, k, temp)
+		}
+		if real := b.start; real != nil {
+			b.start = func(s [][]int32, k int, temp float32, dr *infer.Draws) func() ([]int32, []float32, infer.DrawResult) {
+				wait()
+				return real(s, k, temp, dr)
+			}
+		} else {
+			real := b.fwd
+			b.fwd = func(s [][]int32, k int, temp float32) ([]int32, []float32) {
+				wait()
+				return real(s, k, temp)
+			}
 		}
 		b.mu.Unlock()
 	}
