@@ -219,7 +219,7 @@ func TestPipelineBackToBack(t *testing.T) {
 		temps := []float32{1, 0.7, 1, 1.3}
 		started := make(chan struct{}) // stage 0 has started forward 1
 		var mu sync.Mutex
-		var order [][]TraceEvent = make([][]TraceEvent, S)
+		order := make([][]TraceEvent, S)
 		p.Trace = func(e TraceEvent) {
 			if e.Stage == 0 && e.Forward == 1 && e.Micro == 0 && !e.End {
 				close(started)
@@ -369,14 +369,11 @@ func TestPipelineFailureFrees(t *testing.T) {
 	for s, c := range cbs {
 		for k := 1; k <= per[s]; k++ {
 			what := fmt.Sprintf("stage %d, allocation %d of %d", s, k, per[s])
-			prevW := p.StartTopK(samples[:3], 4, 1)
-			prevAllocs := 0
 			// The forward before takes its allocations first: arm the
 			// failure once it is done, so it hits the next forward's.
-			ids, lps := prevW()
+			ids, lps := p.StartTopK(samples[:3], 4, 1)()
 			checkOK(what+": the forward before", ids, lps, samples[:3], 1)
-			prevAllocs = c.allocs
-			c.failAt = prevAllocs + k
+			c.failAt = c.allocs + k
 			fw := p.StartTopK(samples, 4, 0.5)
 			next := p.StartTopK(samples[2:], 4, 1)
 			func() {
@@ -390,7 +387,9 @@ func TestPipelineFailureFrees(t *testing.T) {
 				}()
 				fw()
 			}()
+			c.mu.Lock() // the forward after may be allocating
 			c.failAt = 0
+			c.mu.Unlock()
 			ids, lps = next()
 			checkOK(what+": the forward after", ids, lps, samples[2:], 1)
 			for i, cc := range cbs {
