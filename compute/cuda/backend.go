@@ -122,6 +122,9 @@ type Backend struct {
 	shadow shadows
 	// peer: copies from other backends (peer.go).
 	peer peerState
+	// callScratch: the device memory the call in progress allocated and
+	// has neither freed nor kept (alloc), freed if it panics (enter).
+	callScratch []uint64
 
 	closed bool
 }
@@ -410,7 +413,10 @@ func (b *Backend) release() {
 }
 
 // enter starts a call: the mutex, the OS thread, the context. The returned
-// function ends it.
+// function ends it; when the call panics (out of memory part way through,
+// a failed launch) with scratch of its own still allocated
+// (callScratch), it frees that scratch first, so that a failed call
+// leaves the device's memory as it found it, but for the tensors it made.
 func (b *Backend) enter() func() {
 	b.mu.Lock()
 	if b.closed {
@@ -418,8 +424,20 @@ func (b *Backend) enter() func() {
 		panic("cuda: backend used after Close")
 	}
 	runtime.LockOSThread()
+	b.callScratch = b.callScratch[:0]
 	b.must(b.drv.check("cuCtxSetCurrent", C.call_cuCtxSetCurrent(b.drv.cuCtxSetCurrent, b.ctx)))
 	return func() {
+		if len(b.callScratch) > 0 { // only then is a panic recovered, and raised again
+			if r := recover(); r != nil {
+				for _, p := range b.callScratch {
+					C.call_cuMemFreeAsync(b.drv.cuMemFreeAsync, C.CUdeviceptr(p), b.stream)
+				}
+				b.callScratch = b.callScratch[:0]
+				runtime.UnlockOSThread()
+				b.mu.Unlock()
+				panic(r)
+			}
+		}
 		runtime.UnlockOSThread()
 		b.mu.Unlock()
 	}
@@ -700,7 +718,8 @@ func need(t *tensor, what string, n int, dts ...compute.DType) {
 	}
 }
 
-// alloc returns n bytes of device memory from the stream-ordered pool.
+// alloc returns n bytes of device memory from the stream-ordered pool:
+// the call's scratch (callScratch) until it is freed, or kept (keep).
 func (b *Backend) alloc(n int64) uint64 {
 	if n <= 0 {
 		return 0
@@ -711,13 +730,31 @@ func (b *Backend) alloc(n int64) uint64 {
 	if r := C.call_cuMemAllocAsync(b.drv.cuMemAllocAsync, &p, C.size_t(n), b.stream); r != 0 {
 		b.must(b.drv.check(fmt.Sprintf("cuMemAllocAsync(%d bytes)", n), r))
 	}
+	b.callScratch = append(b.callScratch, uint64(p))
 	return uint64(p)
+}
+
+// keep says that p, just allocated, outlives the call: a tensor's memory,
+// a cached copy. A call's other allocations are scratch, freed if the
+// call panics (enter).
+func (b *Backend) keep(p uint64) { b.dropScratch(p) }
+
+// dropScratch removes p from the call's scratch, if it is there (the
+// latest first: scratch is freed in about the reverse order).
+func (b *Backend) dropScratch(p uint64) {
+	for i := len(b.callScratch) - 1; i >= 0; i-- {
+		if b.callScratch[i] == p {
+			b.callScratch = append(b.callScratch[:i], b.callScratch[i+1:]...)
+			return
+		}
+	}
 }
 
 // free returns device memory to the pool once the stream's work so far
 // is done.
 func (b *Backend) free(p uint64) {
 	if p != 0 {
+		b.dropScratch(p)
 		b.must(b.drv.check("cuMemFreeAsync", C.call_cuMemFreeAsync(b.drv.cuMemFreeAsync, C.CUdeviceptr(p), b.stream)))
 	}
 }
@@ -728,6 +765,7 @@ func (b *Backend) newTensor(dt compute.DType, n int) *tensor {
 	}
 	t := &tensor{b: b, dt: dt, n: n}
 	t.p = b.alloc(t.bytes())
+	b.keep(t.p)
 	return t
 }
 

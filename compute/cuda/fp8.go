@@ -64,6 +64,7 @@ func (b *Backend) WeightFP8(q *compute.FP8Matrix) (compute.Tensor, error) {
 	off := fp8ScaleOffset(n)
 	t := &tensor{b: b, dt: compute.F8E4M3, n: n, weight: true}
 	t.p = b.alloc(int64(off) + 4*int64(q.Rows))
+	b.keep(t.p)
 	if n > 0 {
 		b.upload(t.p, unsafe.Pointer(&q.Codes[0]), int64(n))
 		b.upload(t.p+off, unsafe.Pointer(&q.Scales[0]), 4*int64(q.Rows))

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 
 	"distill/compute"
@@ -318,8 +319,134 @@ func TestPipelineDeviceBytes(t *testing.T) {
 				t.Errorf("%d micro-batches: GPU %d took %d bytes beside its weights; its stage's bound is %d", mb, i, got, bound)
 			}
 		}
+		// Forwards back to back (a stage takes the next while the later
+		// ones finish this one; temperatures other than 1 make the last
+		// stage's norm weight): the same bound holds.
+		for i, be := range bes {
+			be.(*Backend).ResetPeakMemory()
+			base[i] = be.(*Backend).PeakMemory()
+		}
+		var waits []func() ([]int32, []float32)
+		for f := 0; f < 4; f++ {
+			waits = append(waits, m.StartForward(samples, k, 0.5+float32(f)/4))
+		}
+		for _, w := range waits {
+			w()
+		}
+		for i, be := range bes {
+			got := be.(*Backend).PeakMemory() - base[i]
+			bound := m.StageDeviceBytes(i, tokens, maxLen, k, 0)
+			t.Logf("%d micro-batches, 4 forwards back to back: GPU %d: peak %d bytes beside the weights, bound %d", mb, i, got, bound)
+			if got > bound {
+				t.Errorf("%d micro-batches, forwards back to back: GPU %d took %d bytes beside its weights; its stage's bound is %d", mb, i, got, bound)
+			}
+		}
 		m.Free()
 	}
+}
+
+// TestPipelineStageOutOfMemory: a stage whose GPU runs out of memory in
+// the middle of a pipelined forward (the emulator's GPU shrunk to what is
+// in use plus a fraction of a micro-batch's activations) fails the
+// forward with an error naming the stage, its layers and its GPU, and
+// wrapping the out-of-memory error; every GPU's memory comes back to
+// what it was before the forward, the other stage's too. The forwards
+// started after it, on a GPU given its memory back, give the one-GPU
+// teacher's top-k of their micro-batches.
+func TestPipelineStageOutOfMemory(t *testing.T) {
+	if onGPU() {
+		t.Skip("shrinks an emulated GPU")
+	}
+	usePipeEmu(t)
+	gpus := openPipeGPUs(t)
+	dir := "../../infer/testdata/golden/qwen3"
+	one, err := infer.Load(dir, gpus.gpu[2])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer one.Free()
+	bes := gpus.stages([]int{0, 1})
+	m, err := infer.LoadStages(dir, bes, infer.LoadOptions{MicroBatches: 3, MinMicroTokens: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Free()
+	m.Forward([][]int32{{0}}, 1, 1) // the copies of weights the backends keep from their first use
+	used := func(i int) int64 {
+		free, total := bes[i].(compute.DeviceMemory).MemInfo()
+		return total - free
+	}
+	r := rand.New(rand.NewPCG(5, 6))
+	samples := make([][]int32, 6)
+	for i := range samples {
+		samples[i] = make([]int32, 20+7*i)
+		for j := range samples[i] {
+			samples[i][j] = int32(r.IntN(m.Cfg.VocabSize))
+		}
+	}
+	for _, c := range []struct{ s, frac int }{{1, 2}, {1, 4}, {1, 6}, {0, 2}, {0, 4}, {0, 6}} {
+		s := c.s
+		t.Run(fmt.Sprintf("stage%d/room%d", s, c.frac), func(t *testing.T) {
+			before := []int64{used(0), used(1)}
+			// A fraction of a micro-batch's need (about 75 tokens): the
+			// forward fails at one allocation or another, in the decoder
+			// or inside a kernel's call (its scratch).
+			room := m.StageDeviceBytes(s, 75, 55, 8, 0) * int64(c.frac) / 8
+			t.Setenv(fmt.Sprintf("DISTILL_EMU_DEVICE_MEM_%d", s), fmt.Sprint(before[s]+room))
+			func() {
+				defer func() {
+					r := recover()
+					err, ok := r.(error)
+					t.Logf("%v", r)
+					want := fmt.Sprintf("pipeline stage %d (layers %d-%d) on GPU %d (distill CPU emulator)", s, s, s, s)
+					if !ok || !errors.Is(err, compute.ErrOutOfMemory) || !strings.Contains(err.Error(), want) {
+						t.Errorf("panic %v, want an out-of-memory error naming %q", r, want)
+					}
+				}()
+				m.Forward(samples, 8, 0.7)
+			}()
+			for i := range bes {
+				if u := used(i); u != before[i] {
+					t.Errorf("the failed forward left %d bytes on GPU %d", u-before[i], i)
+				}
+			}
+			t.Setenv(fmt.Sprintf("DISTILL_EMU_DEVICE_MEM_%d", s), "")
+			w1, w2 := m.StartForward(samples, 8, 0.7), m.StartForward(samples[2:], 8, 1)
+			for i, c := range []struct {
+				wait    func() ([]int32, []float32)
+				samples [][]int32
+				temp    float32
+			}{{w1, samples, 0.7}, {w2, samples[2:], 1}} {
+				ids, lps := c.wait()
+				var wIDs []int32
+				var wLPs []float32
+				for _, run := range m.Cut(c.samples) {
+					a, b := one.Forward(c.samples[run[0]:run[1]], 8, c.temp)
+					wIDs, wLPs = append(wIDs, a...), append(wLPs, b...)
+				}
+				if !slices.Equal(ids, wIDs) || !slices.Equal(lps, wLPs) {
+					t.Errorf("forward %d after the failure: the pipelined top-k differs from one GPU's", i)
+				}
+			}
+		})
+	}
+}
+
+// pipeBatches is the batches BenchmarkPipelineOneGPU runs back to back.
+const pipeBatches = 4
+
+// schedule writes a pipeline's trace as "0:1.2>" (stage 0 starts forward
+// 1's micro-batch 2) and "<" (ends), in the order the events came.
+func schedule(evs []decoder.TraceEvent) string {
+	var sb strings.Builder
+	for _, e := range evs {
+		mark := ">"
+		if e.End {
+			mark = "<"
+		}
+		fmt.Fprintf(&sb, "%d:%d.%d%s ", e.Stage, e.Forward, e.Micro, mark)
+	}
+	return sb.String()
 }
 
 // BenchmarkPipelineOneGPU: the teacher's forward as one stage against two
@@ -327,14 +454,21 @@ func TestPipelineDeviceBytes(t *testing.T) {
 // Qwen3-0.6B-shaped random weights (DISTILL_BENCH_SHAPES picks others),
 // a packed batch of DISTILL_BENCH_TOKENS tokens (16384) of log-normal
 // lengths, k = 64: in one micro-batch (the cost of the placement alone:
-// the hand-off copies and synchronizations) and in the default
+// the hand-off copies, ordered by events) and in the default
 // micro-batches (what a pipeline on two GPUs would run, here with both
-// stages competing for one GPU). Reports tokens/s of each, and
-// overhead_% against the one stage measured in the same run; checks that
-// each pipelined forward is bit for bit the one stage's of the same
-// micro-batches. With DISTILL_BENCH_OUT, one JSON line to
-// pipeline-bench.jsonl. DISTILL_PIPE_BENCH_DRYRUN=1 runs it on the
-// emulator on a tiny shape.
+// stages competing for one GPU). Then pipeBatches such batches: one stage
+// running them one after the other, two stages running each alone (the
+// pipeline fills and drains for every batch) and two stages with the
+// batches started back to back, two in flight (as teacherd keeps them:
+// the first stage takes the next batch while the second finishes this
+// one); cross_batch_starts counts how often the first stage did. Reports
+// tokens/s of each, and overhead_% against the one stage measured in the
+// same run; checks that each pipelined forward is bit for bit the one
+// stage's of the same micro-batches. On one GPU the two stages share its
+// SMs, so this measures the pipeline's cost, not the speed-up of two
+// GPUs. With DISTILL_BENCH_OUT, one JSON line to pipeline-bench.jsonl.
+// DISTILL_PIPE_BENCH_DRYRUN=1 runs it on the emulator on a tiny shape,
+// where it only shows the schedule (logged with -test.benchtime 1x).
 func BenchmarkPipelineOneGPU(b *testing.B) {
 	shape := benchShapes[0]
 	tokens := 16384
@@ -380,8 +514,15 @@ func BenchmarkPipelineOneGPU(b *testing.B) {
 		}
 		samples, n = append(samples, smp), n+l
 	}
-	if n == 0 {
-		samples, n = [][]int32{make([]int32, tokens)}, tokens
+	if !onGPU() { // the dry run's few tokens: six samples
+		samples, n = nil, 0
+		for i := 0; i < 6; i++ {
+			smp := make([]int32, tokens/6)
+			for j := range smp {
+				smp[j] = int32(r.IntN(shape.Vocab))
+			}
+			samples, n = append(samples, smp), n+len(smp)
+		}
 	}
 	single := &decoder.Pipeline{Stages: []*decoder.Model{whole.Model}}
 	secs := map[string]float64{}
@@ -428,9 +569,129 @@ func BenchmarkPipelineOneGPU(b *testing.B) {
 			}
 		})
 	}
+	// Several batches (pipeBatches, each the samples above rotated, so
+	// that each is cut differently), in the default micro-batches: each
+	// forward run alone, filling and draining the pipeline (what the
+	// daemon did before it kept a forward a stage in flight), and the
+	// same forwards started back to back, two in flight as serve's
+	// batcher keeps them. The first stage's trace says how often it took
+	// the next batch while the second still worked on the one before
+	// (cross_batch_starts; at most pipeBatches-1) and, on the emulator,
+	// the schedule is logged. Overhead against one stage running the same
+	// batches one after the other.
+	batches := make([][][]int32, pipeBatches)
+	for i := range batches {
+		r := len(samples) * i / pipeBatches
+		batches[i] = append(append([][]int32{}, samples[r:]...), samples[:r]...)
+	}
+	p, err := decoder.NewPipeline([]*decoder.Model{s0.Model, s1.Model})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if !onGPU() {
+		p.MinMicroTokens = 1 // the tiny batches in micro-batches too
+	}
+	var (
+		mu        sync.Mutex
+		events    []decoder.TraceEvent
+		first     = map[int]bool{} // forwards the first stage has started
+		lastEnd   = map[int]bool{} // forwards the second stage has finished
+		crossings int
+	)
+	lastMicro := map[int]int{}
+	for i, bt := range batches {
+		lastMicro[i] = len(p.Cut(bt)) - 1
+	}
+	p.Trace = func(e decoder.TraceEvent) {
+		mu.Lock()
+		defer mu.Unlock()
+		events = append(events, e)
+		if e.Stage == 1 && e.End && e.Micro == lastMicro[e.Forward%pipeBatches] {
+			lastEnd[e.Forward] = true
+		}
+		if e.Stage == 0 && !e.End && e.Micro == 0 {
+			if first[e.Forward-1] && !lastEnd[e.Forward-1] {
+				crossings++
+			}
+			first[e.Forward] = true
+		}
+	}
+	for _, c := range []string{"one_stage_batches", "two_stages_batches_drained", "two_stages_back_to_back"} {
+		b.Run(c, func(b *testing.B) {
+			run := func() {
+				switch c {
+				case "one_stage_batches":
+					for _, bt := range batches {
+						single.TopK(bt, 64, 1)
+					}
+				case "two_stages_batches_drained":
+					for _, bt := range batches {
+						p.TopK(bt, 64, 1)
+					}
+				default:
+					var waits []func() ([]int32, []float32)
+					for i, bt := range batches {
+						waits = append(waits, p.StartTopK(bt, 64, 1))
+						if i >= 1 { // two in flight
+							waits[i-1]()
+						}
+					}
+					waits[len(waits)-1]()
+				}
+			}
+			run() // warm up
+			if c == "two_stages_back_to_back" { // exactness: each batch as the one stage's of its micro-batches
+				var waits []func() ([]int32, []float32)
+				for _, bt := range batches {
+					waits = append(waits, p.StartTopK(bt, 64, 1))
+				}
+				ok := true
+				for i, w := range waits {
+					ids, lps := w()
+					var wIDs []int32
+					var wLPs []float32
+					for _, r := range p.Cut(batches[i]) {
+						a, l := single.TopK(batches[i][r[0]:r[1]], 64, 1)
+						wIDs, wLPs = append(wIDs, a...), append(wLPs, l...)
+					}
+					ok = ok && slices.Equal(ids, wIDs) && slices.Equal(lps, wLPs)
+				}
+				exact[c] = ok
+				if !ok {
+					b.Errorf("%s: a forward differs from the one stage's of the same micro-batches", c)
+				}
+			}
+			a0.wait()
+			a1.wait()
+			mu.Lock()
+			events, crossings, first, lastEnd = nil, 0, map[int]bool{}, map[int]bool{}
+			mu.Unlock()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				run()
+			}
+			a0.wait()
+			a1.wait()
+			b.StopTimer()
+			sec := b.Elapsed().Seconds() / float64(b.N)
+			secs[c] = sec
+			b.ReportMetric(float64(pipeBatches*n)/sec, "tokens/s")
+			if base := secs["one_stage_batches"]; base > 0 && c != "one_stage_batches" {
+				b.ReportMetric(100*(sec-base)/base, "overhead_%")
+			}
+			if c != "one_stage_batches" {
+				mu.Lock()
+				b.ReportMetric(float64(crossings)/float64(b.N), "cross_batch_starts")
+				if !onGPU() && b.N == 1 {
+					b.Logf("%s: schedule (stage:forward.micro, > start, < end): %s", c, schedule(events))
+				}
+				mu.Unlock()
+			}
+		})
+	}
 	if dir := os.Getenv("DISTILL_BENCH_OUT"); dir != "" && secs["one_stage"] > 0 {
 		line, _ := json.Marshal(map[string]any{"bench": "pipeline-one-gpu", "shape": shape.Name, "device": a0.Info().Name, "tokens": n,
-			"samples": len(samples), "split_at_layer": split[0].EndLayer, "seconds": secs, "exact": exact})
+			"samples": len(samples), "split_at_layer": split[0].EndLayer, "seconds": secs, "exact": exact, "batches": pipeBatches})
 		f, err := os.OpenFile(filepath.Join(dir, "pipeline-bench.jsonl"), os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
 		if err == nil {
 			fmt.Fprintf(f, "%s\n", line)

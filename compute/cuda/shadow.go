@@ -183,6 +183,7 @@ func (b *Backend) shadowOf(t *tensor, n int) uint64 {
 	}
 	if r.bf == 0 {
 		r.bf = b.alloc(int64(r.n) * 2)
+		b.keep(r.bf)
 	}
 	if !r.current() {
 		b.convert("k_f32_to_bf16", r.bf, r.p, int64(r.n))

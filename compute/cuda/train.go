@@ -602,6 +602,7 @@ func (b *Backend) LossHeadForwardKD(h *compute.LossHead, kd *compute.LossKD, c *
 		return v
 	}
 	v.vals = b.alloc(int64(2*M) * 8)
+	b.keep(v.vals) // the caller's (lossValues)
 	b.launchKernel(launch{kernel: "k_loss_coef", grid: [3]int{(M + coefThreads - 1) / coefThreads, 1, 1}, block: coefThreads},
 		dptr(p1.st), dptr(p1.zk), dptr(p1.zlab), ptrOf(lp), ptrOf(col), int32(K), int32(tail), h.InvT, lpScale, scale,
 		dptr(lseT.p), dptr(lse1.p), dptr(a.p), ptrOf(ck), dptr(v.vals), int64(M))
