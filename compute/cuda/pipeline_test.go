@@ -640,7 +640,8 @@ func BenchmarkPipelineOneGPU(b *testing.B) {
 				}
 			}
 			run() // warm up
-			if c == "two_stages_back_to_back" { // exactness: each batch as the one stage's of its micro-batches
+			// Exactness: each batch as the one stage's of its micro-batches.
+			if c == "two_stages_back_to_back" {
 				var waits []func() ([]int32, []float32)
 				for _, bt := range batches {
 					waits = append(waits, p.StartTopK(bt, 64, 1))
