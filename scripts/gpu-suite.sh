@@ -84,9 +84,12 @@
 #              (TestPipelineGoldens), then BenchmarkPipelineOneGPU: the
 #              Qwen3-0.6B-shaped forward (DISTILL_BENCH_SHAPES) as one
 #              stage, as two stages in one micro-batch (the hand-off's
-#              cost alone) and in the default micro-batches: tokens/s,
-#              overhead_% against one stage, exactness
-#              ($OUT/pipeline-bench.jsonl); about a minute
+#              cost alone) and in the default micro-batches, then four such
+#              batches: one stage, two stages draining after each batch,
+#              two stages with the batches back to back (two in flight, as
+#              teacherd runs them): tokens/s, overhead_% against one stage,
+#              exactness, cross_batch_starts ($OUT/pipeline-bench.jsonl);
+#              about two minutes
 #   nccl       the collectives (issue 25) through the real NCCL, PyTorch's
 #              wheel's libnccl.so.2 (site-packages/nvidia/nccl/lib) unless
 #              DISTILL_LIBNCCL names one: a group of one runs every operation
@@ -403,8 +406,8 @@ s_goldens() {
 }
 
 s_pipe() {
-  DISTILL_BENCH_OUT="$OUT" step pipe 150 "$T" -test.v -test.count=1 -test.run 'TestPipelineGoldens' \
-    -test.bench 'PipelineOneGPU' -test.benchtime 5x -test.timeout 145s
+  DISTILL_BENCH_OUT="$OUT" step pipe 240 "$T" -test.v -test.count=1 -test.run 'TestPipelineGoldens' \
+    -test.bench 'PipelineOneGPU' -test.benchtime 5x -test.timeout 235s
 }
 
 s_bench() {
