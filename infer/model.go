@@ -26,9 +26,12 @@
 // LoadStages splits the decoder's layers over several backends (GPUs), a
 // pipeline stage each (decoder.Pipeline): SplitLayers balances them by
 // bytes, Forward cuts each batch into micro-batches that flow through
-// the stages, CheckDeviceFit checks each GPU, and the plan on paper
-// (PlanTeacher, plan.go) says before anything loads what each GPU will
-// hold and the largest token budget.
+// the stages, StartForward starts one so that a caller keeping InFlight
+// of them started (serve's batcher) has the batches follow each other
+// through the stages without the pipeline draining in between,
+// CheckDeviceFit checks each GPU, and the plan on paper (PlanTeacher,
+// plan.go) says before anything loads what each GPU will hold and the
+// largest token budget.
 package infer
 
 import (
