@@ -101,8 +101,11 @@ func TestCorePipelined(t *testing.T) {
 
 // TestSIGTERMDrainsPipelined is TestSIGTERMDrains for a daemon whose
 // teacher spans two emulated GPUs, its forwards cut into micro-batches
-// (teacherd --devices 0,1 --micro-batches 3): SIGTERM in the middle of a
-// fill, the chunk in flight finishes through the pipeline (the drain), the
+// (teacherd --devices 0,1 --micro-batches 3), with a token budget (24)
+// that makes the first chunk two forwards or more: the daemon is held as
+// it starts the second, the first still in flight in the pipeline (the
+// batcher keeps two). SIGTERM then: the chunk in flight finishes through
+// the pipeline (the drain: the forward in flight and the one held), the
 // daemon exits 0 with only whole chunks committed, and a fill on the same
 // cache by a pipelined in-process teacher resumes and completes it, equal
 // to that teacher's forward.
@@ -111,8 +114,13 @@ func TestSIGTERMDrainsPipelined(t *testing.T) {
 	mdir := tinyModel2(t)
 	tmp := t.TempDir()
 	path, samples := writeIDsDataset(t, tmp, 24, 24, 512, 6)
+	const budget = 24
+	if n := len(samples[0]) + len(samples[1]) + len(samples[2]) + len(samples[3]); n <= budget {
+		t.Fatalf("the first chunk's %d tokens fit one forward of %d: the test needs two", n, budget)
+	}
 	dA := t.TempDir()
-	a := spawnDaemon(t, mdir, dA, "127.0.0.1:0", 2, "SERVE_TEST_DEVICE=cuda", "SERVE_TEST_DEVICES=0,1", "SERVE_TEST_MICRO_BATCHES=3")
+	a := spawnDaemon(t, mdir, dA, "127.0.0.1:0", 2, "SERVE_TEST_DEVICE=cuda", "SERVE_TEST_DEVICES=0,1", "SERVE_TEST_MICRO_BATCHES=3",
+		fmt.Sprintf("SERVE_TEST_BUDGET=%d", budget))
 	wa, _ := Dial(a.addr, DialOptions{})
 	defer wa.Close()
 	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
@@ -152,7 +160,7 @@ func TestSIGTERMDrainsPipelined(t *testing.T) {
 	if n := reported.Load(); n != held+1 {
 		t.Errorf("%d chunks reported before SIGTERM, %d after the drain: the chunk in flight was not finished", held, n)
 	}
-	core, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: dA, TokenBudget: 200, Device: "cuda", Devices: []int{0, 1}, MicroBatches: 3})
+	core, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: dA, TokenBudget: budget, Device: "cuda", Devices: []int{0, 1}, MicroBatches: 3})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -166,6 +174,6 @@ func TestSIGTERMDrainsPipelined(t *testing.T) {
 	if sum.Chunks == 0 || sum.Chunks >= 6 {
 		t.Errorf("the resumed fill computed %d chunks of 6: want the ones the daemon had not committed", sum.Chunks)
 	}
-	checkAgainstForward(t, core.Model(), samples, 4, 200, dA)
+	checkAgainstForward(t, core.Model(), samples, 4, budget, dA)
 	os.RemoveAll(dA)
 }
