@@ -7,13 +7,21 @@
 //
 //	studentsplot --in out/students/results.tsv --out docs/sampled-students.png
 //
-// It prints the table (markdown) on stdout and draws three panels (held-out
-// CE, ECE and top-1 agreement against bytes a token), one colour per family
+// It prints the table (markdown) on stdout and draws four panels (held-out
+// CE, ECE, top-1 agreement and CE minus the reference's on the same seed,
+// against bytes a token), one colour per family
 // of kinds (top-k with tail bucket, top-k renormalized, sampled, head +
 // sampled), the points of a family joined in order of bytes, with error bars
 // of one standard deviation over the seeds on both axes. The standard
 // deviation is the sample one (n - 1); a kind with one seed has none, and
 // the table says which seeds each row covers.
+//
+// The seeds differ in their data and teacher as well as in the student's
+// initialization, so the spread of a kind's CE over the seeds is mostly
+// theirs; the table's last two columns take it out: each kind's CE and
+// ECE minus the reference kind's (--ref, default top-16 with tail bucket,
+// the quick start's) on the same teacher seed, mean ± std over the seeds
+// both have.
 package main
 
 import (
@@ -48,14 +56,15 @@ func main() {
 	in := flag.String("in", "out/students/results.tsv", "scripts/measure-students.sh's results")
 	out := flag.String("out", "", "the plot to write (.png; none if empty)")
 	title := flag.String("title", "", "the plot's title (default: one naming the seeds)")
+	ref := flag.String("ref", "topk16-bucket", "the student the last columns are differences from, seed by seed")
 	flag.Parse()
-	if err := run(*in, *out, *title, os.Stdout); err != nil {
+	if err := run(*in, *out, *title, *ref, os.Stdout); err != nil {
 		fmt.Fprintln(os.Stderr, "studentsplot:", err)
 		os.Exit(1)
 	}
 }
 
-func run(in, out, title string, w io.Writer) error {
+func run(in, out, title, ref string, w io.Writer) error {
 	f, err := os.Open(in)
 	if err != nil {
 		return fmt.Errorf("%v: run scripts/measure-students.sh first (it writes results.tsv)", err)
@@ -65,8 +74,11 @@ func run(in, out, title string, w io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", in, err)
 	}
-	kinds := aggregate(rows)
-	if err := table(w, kinds); err != nil {
+	kinds, err := aggregate(rows, ref)
+	if err != nil {
+		return fmt.Errorf("%s: %w", in, err)
+	}
+	if err := table(w, kinds, ref); err != nil {
 		return err
 	}
 	if out == "" {
@@ -75,7 +87,7 @@ func run(in, out, title string, w io.Writer) error {
 	if title == "" {
 		title = "Quick-start students (10M, 200 steps) trained on each kind of teacher target: mean ± std over teacher seeds " + seedList(kinds)
 	}
-	return draw2(out, title, kinds)
+	return draw2(out, title, ref, kinds)
 }
 
 // row is one line of results.tsv.
@@ -166,14 +178,31 @@ type kind struct {
 	student                  string
 	seeds                    []int
 	bytes, ce, ece, top1, kd stat
+	// dCE and dECE are CE and ECE minus the reference student's on the
+	// same seed, over the seeds both have (dSeeds).
+	dCE, dECE stat
+	dSeeds    []int
 }
 
 // aggregate groups the rows by student, in order of mean bytes a token
-// (then name).
-func aggregate(rows []row) []kind {
+// (then name), with each student's differences from ref's, seed by seed.
+// A ref no row names is an error.
+func aggregate(rows []row, ref string) ([]kind, error) {
 	by := map[string][]row{}
+	refOf := map[int]row{}
 	for _, r := range rows {
 		by[r.student] = append(by[r.student], r)
+		if r.student == ref {
+			refOf[r.seed] = r
+		}
+	}
+	if len(refOf) == 0 {
+		names := make([]string, 0, len(by))
+		for n := range by {
+			names = append(names, n)
+		}
+		sort.Strings(names)
+		return nil, fmt.Errorf("--ref %s: no row of that student (have %s)", ref, strings.Join(names, ", "))
 	}
 	var ks []kind
 	for name, rs := range by {
@@ -194,6 +223,18 @@ func aggregate(rows []row) []kind {
 		k.ece = col(func(r row) float64 { return r.ece })
 		k.top1 = col(func(r row) float64 { return r.top1 })
 		k.kd = col(func(r row) float64 { return r.kd })
+		var dce, dece []float64
+		for _, r := range rs {
+			if b, ok := refOf[r.seed]; ok {
+				dce, dece = append(dce, r.ce-b.ce), append(dece, r.ece-b.ece)
+				k.dSeeds = append(k.dSeeds, r.seed)
+			}
+		}
+		if len(dce) > 0 {
+			k.dCE, k.dECE = meanStd(dce), meanStd(dece)
+		} else {
+			k.dCE, k.dECE = stat{math.NaN(), math.NaN()}, stat{math.NaN(), math.NaN()}
+		}
 		ks = append(ks, k)
 	}
 	sort.Slice(ks, func(i, j int) bool {
@@ -202,7 +243,7 @@ func aggregate(rows []row) []kind {
 		}
 		return ks[i].student < ks[j].student
 	})
-	return ks
+	return ks, nil
 }
 
 var (
@@ -210,6 +251,12 @@ var (
 	reSampled = regexp.MustCompile(`^sampled(\d+)$`)
 	reHead    = regexp.MustCompile(`^head(\d+)\+sampled(\d+)$`)
 )
+
+// refLabel is the reference student's short name in the plot.
+func refLabel(ref string) string {
+	l, _, _ := describe(ref)
+	return strings.ReplaceAll(l, "tail ", "")
+}
 
 // describe names a student of scripts/measure-students.sh for the table
 // (label), its family (one colour and line in the plot) and a short tag for
@@ -231,6 +278,9 @@ func describe(student string) (label, family, tag string) {
 }
 
 func pm(s stat, prec int) string {
+	if math.IsNaN(s.mean) {
+		return ""
+	}
 	if math.IsNaN(s.std) {
 		return strconv.FormatFloat(s.mean, 'f', prec, 64)
 	}
@@ -261,15 +311,32 @@ func seedList(ks []kind) string {
 	return ints(v)
 }
 
-func table(w io.Writer, ks []kind) error {
+func table(w io.Writer, ks []kind, ref string) error {
 	bw := bufio.NewWriter(w)
-	fmt.Fprintln(bw, "| target | teacher seeds | bytes a token | held-out CE | expected calibration error | top-1 agreement | KD to the teacher (top-16, bucket) |")
-	fmt.Fprintln(bw, "| --- | --- | --- | --- | --- | --- | --- |")
+	rl, _, _ := describe(ref)
+	fmt.Fprintf(bw, "| target | teacher seeds | bytes a token | held-out CE | expected calibration error | top-1 agreement | KD to the teacher (top-16, bucket) | CE - %s's, same seed | ECE - %s's, same seed |\n", rl, rl)
+	fmt.Fprintln(bw, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 	for _, k := range ks {
 		label, _, _ := describe(k.student)
-		fmt.Fprintf(bw, "| %s | %s | %s | %s | %s | %s | %s |\n", label, ints(k.seeds), pm(k.bytes, 1), pm(k.ce, 4), pm(k.ece, 4), pm(k.top1, 4), pm(k.kd, 4))
+		dce, dece := signed(k.dCE, 4), signed(k.dECE, 4)
+		if len(k.dSeeds) != len(k.seeds) && len(k.dSeeds) > 0 {
+			dce += " (seeds " + ints(k.dSeeds) + ")"
+		}
+		if k.student == ref {
+			dce, dece = "", ""
+		}
+		fmt.Fprintf(bw, "| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", label, ints(k.seeds), pm(k.bytes, 1), pm(k.ce, 4), pm(k.ece, 4), pm(k.top1, 4), pm(k.kd, 4), dce, dece)
 	}
 	return bw.Flush()
+}
+
+// signed is pm with the mean's sign always written.
+func signed(s stat, prec int) string {
+	t := pm(s, prec)
+	if t != "" && s.mean >= 0 {
+		t = "+" + t
+	}
+	return t
 }
 
 // points is one family's kinds as an XY series with error bars and tags.
@@ -310,6 +377,9 @@ func panelOf(name string, ks []kind, metric func(kind) stat) (*plot.Plot, error)
 	var order []string
 	for _, k := range ks { // ks is in order of bytes
 		_, fam, tag := describe(k.student)
+		if math.IsNaN(metric(k).mean) {
+			continue
+		}
 		f := fams[fam]
 		if f == nil {
 			f = &points{}
@@ -317,6 +387,9 @@ func panelOf(name string, ks []kind, metric func(kind) stat) (*plot.Plot, error)
 			order = append(order, fam)
 		}
 		m := metric(k)
+		if math.IsNaN(m.mean) {
+			continue // no difference: no seed of the reference's
+		}
 		f.XYs = append(f.XYs, plotter.XY{X: k.bytes.mean, Y: m.mean})
 		f.XErrors = append(f.XErrors, errOf(k.bytes)...)
 		f.YErrors = append(f.YErrors, errOf(m)...)
@@ -400,7 +473,7 @@ func (fixedTicks) Ticks(min, max float64) []plot.Tick {
 }
 
 // draw2 writes the three panels side by side into path (.png).
-func draw2(path, title string, ks []kind) error {
+func draw2(path, title, ref string, ks []kind) error {
 	if !strings.HasSuffix(strings.ToLower(path), ".png") {
 		return fmt.Errorf("--out %q: the file name must end in .png", path)
 	}
@@ -412,6 +485,7 @@ func draw2(path, title string, ks []kind) error {
 		{"held-out CE", func(k kind) stat { return k.ce }},
 		{"expected calibration error", func(k kind) stat { return k.ece }},
 		{"top-1 agreement with the teacher", func(k kind) stat { return k.top1 }},
+		{"held-out CE minus " + refLabel(ref) + "'s, same teacher seed", func(k kind) stat { return k.dCE }},
 	} {
 		p, err := panelOf(m.name, ks, m.f)
 		if err != nil {
@@ -420,17 +494,21 @@ func draw2(path, title string, ks []kind) error {
 		ps = append(ps, p)
 	}
 	const dpi = 100
-	wpx, hpx := 1800, 620
+	wpx, hpx := 1500, 1100
 	w, h := vg.Length(wpx)*vg.Inch/dpi, vg.Length(hpx)*vg.Inch/dpi
 	c := vgimg.NewWith(vgimg.UseWH(w, h), vgimg.UseDPI(dpi), vgimg.UseBackgroundColor(color.White))
 	dc := draw.New(c)
 	top := vg.Points(24)
 	sty := draw.TextStyle{Color: color.Black, Font: font.From(plot.DefaultFont, vg.Points(13)), XAlign: draw.XCenter, YAlign: draw.YTop, Handler: plot.DefaultTextHandler}
 	dc.FillText(sty, vg.Point{X: w / 2, Y: h - vg.Points(6)}, title)
-	t := draw.Tiles{Rows: 1, Cols: len(ps), PadTop: top + vg.Points(4), PadBottom: vg.Points(4), PadLeft: vg.Points(4), PadRight: vg.Points(8), PadX: vg.Points(18)}
-	canvases := plot.Align([][]*plot.Plot{ps}, t, dc)
-	for j, p := range ps {
-		p.Draw(canvases[0][j])
+	grid := [][]*plot.Plot{ps[:2], ps[2:]}
+	t := draw.Tiles{Rows: 2, Cols: 2, PadTop: top + vg.Points(4), PadBottom: vg.Points(4), PadLeft: vg.Points(4), PadRight: vg.Points(8),
+		PadX: vg.Points(18), PadY: vg.Points(18)}
+	canvases := plot.Align(grid, t, dc)
+	for i := range grid {
+		for j, p := range grid[i] {
+			p.Draw(canvases[i][j])
+		}
 	}
 	// A paletted PNG (Plan 9's 256 colours), as internal/runplot writes:
 	// lines on white need few colours, and the file is a quarter the size.

@@ -19,14 +19,22 @@ func TestAggregate(t *testing.T) {
 		"1\tsampled16\tsampled16\t12\t1.0\t0.10\t0.8\t0.3\t0.5\t1727\n" +
 		"2\tsampled16\tsampled16\t12\t2.0\t0.20\t0.8\t0.3\t0.5\t1700\n" +
 		"3\tsampled16\tsampled16\t12\t4.0\t0.30\t0.8\t0.3\t0.5\t1690\n" +
-		"1\ttopk8-bucket\ttopk8\t6\t1.5\t0.12\t0.9\t0.2\t0.5\t1727\n"
+		"1\ttopk8-bucket\ttopk8\t6\t1.5\t0.12\t0.9\t0.2\t0.5\t1727\n" +
+		"3\ttopk8-bucket\ttopk8\t6\t3.0\t0.12\t0.9\t0.2\t0.5\t1727\n" +
+		"2\tsampled50\tsampled50\t20\t1.7\t0.09\t0.8\t0.3\t0.5\t1727\n"
 	rows, err := parse(strings.NewReader(in))
 	if err != nil {
 		t.Fatal(err)
 	}
-	ks := aggregate(rows)
-	if len(ks) != 2 || ks[0].student != "topk8-bucket" || ks[1].student != "sampled16" {
-		t.Fatalf("kinds %+v: want topk8-bucket (6 bytes) then sampled16 (12)", ks)
+	if _, err := aggregate(rows, "topk16-bucket"); err == nil || !strings.Contains(err.Error(), "--ref topk16-bucket: no row of that student (have sampled16, sampled50, topk8-bucket)") {
+		t.Errorf("a --ref no row names: error %v", err)
+	}
+	ks, err := aggregate(rows, "topk8-bucket")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ks) != 3 || ks[0].student != "topk8-bucket" || ks[1].student != "sampled16" {
+		t.Fatalf("kinds %+v: want topk8-bucket (6 bytes), sampled16 (12), sampled50 (20)", ks)
 	}
 	s := ks[1]
 	// CE 1, 2, 4: mean 7/3; squared deviations 16/9 + 1/9 + 25/9 = 42/9,
@@ -38,6 +46,11 @@ func TestAggregate(t *testing.T) {
 		{"ce mean", s.ce.mean, 7.0 / 3}, {"ce std", s.ce.std, math.Sqrt(7.0 / 3)},
 		{"ece mean", s.ece.mean, 0.2}, {"ece std", s.ece.std, 0.1},
 		{"bytes std", s.bytes.std, 0},
+		// Against topk8-bucket on seeds 1 and 3 only: CE 1 - 1.5 and
+		// 4 - 3, mean 0.25, std |(-0.5) - 1| / sqrt(2); ECE 0.1 - 0.12
+		// and 0.3 - 0.12: mean 0.08, std 0.2 / sqrt(2).
+		{"dce mean", s.dCE.mean, 0.25}, {"dce std", s.dCE.std, 1.5 / math.Sqrt2},
+		{"dece mean", s.dECE.mean, 0.08}, {"dece std", s.dECE.std, 0.2 / math.Sqrt2},
 	} {
 		if math.Abs(c.got-c.want) > 1e-12 {
 			t.Errorf("%s = %v, want %v", c.name, c.got, c.want)
@@ -46,16 +59,24 @@ func TestAggregate(t *testing.T) {
 	if len(s.seeds) != 3 || s.seeds[0] != 1 || s.seeds[2] != 3 {
 		t.Errorf("seeds %v, want [1 2 3]", s.seeds)
 	}
-	if !math.IsNaN(ks[0].ce.std) {
-		t.Errorf("one seed: std %v, want none (NaN)", ks[0].ce.std)
+	if one := ks[2]; one.student != "sampled50" || !math.IsNaN(one.ce.std) || !math.IsNaN(one.dCE.mean) {
+		t.Errorf("one seed, without the reference's: %+v, want no std and no difference (NaN)", one)
+	}
+	if len(s.dSeeds) != 2 || s.dSeeds[0] != 1 || s.dSeeds[1] != 3 {
+		t.Errorf("differences over seeds %v, want [1 3]", s.dSeeds)
+	}
+	if ks[0].dCE.mean != 0 || ks[0].dCE.std != 0 {
+		t.Errorf("the reference against itself: %+v, want 0 ± 0", ks[0].dCE)
 	}
 	var b bytes.Buffer
-	if err := table(&b, ks); err != nil {
+	if err := table(&b, ks, "topk8-bucket"); err != nil {
 		t.Fatal(err)
 	}
 	for _, want := range []string{
-		"| top-8, tail bucket | 1 | 6.0 | 1.5000 | 0.1200 |",
-		"| sampled, N 16 | 1, 2, 3 | 12.0 ± 0.0 | 2.3333 ± 1.5275 | 0.2000 ± 0.1000 |",
+		"CE - top-8, tail bucket's, same seed |",
+		"| top-8, tail bucket | 1, 3 | 6.0 ± 0.0 | 2.2500 ± 1.0607 | 0.1200 ± 0.0000 | 0.9000 ± 0.0000 | 0.2000 ± 0.0000 |  |  |",
+		"| sampled, N 50 | 2 | 20.0 | 1.7000 | 0.0900 | 0.8000 | 0.3000 |  |  |",
+		"| sampled, N 16 | 1, 2, 3 | 12.0 ± 0.0 | 2.3333 ± 1.5275 | 0.2000 ± 0.1000 | 0.8000 ± 0.0000 | 0.3000 ± 0.0000 | +0.2500 ± 1.0607 (seeds 1, 3) | +0.0800 ± 0.1414 |",
 	} {
 		if !strings.Contains(b.String(), want) {
 			t.Errorf("table\n%s\nlacks %q", b.String(), want)
@@ -114,7 +135,7 @@ func TestRunWritesPlot(t *testing.T) {
 	}
 	out := filepath.Join(dir, "plot.png")
 	var b bytes.Buffer
-	if err := run(in, out, "", &b); err != nil {
+	if err := run(in, out, "", "sampled16", &b); err != nil {
 		t.Fatal(err)
 	}
 	if n := strings.Count(b.String(), "\n"); n != 2+4 {
@@ -129,11 +150,11 @@ func TestRunWritesPlot(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the plot is not a PNG: %v", err)
 	}
-	if r := img.Bounds(); r.Dx() != 1800 || r.Dy() != 620 {
-		t.Errorf("plot %v, want 1800x620", r)
+	if r := img.Bounds(); r.Dx() != 1500 || r.Dy() != 1100 {
+		t.Errorf("plot %v, want 1500x1100", r)
 	}
 	bad := filepath.Join(dir, "plot.svg")
-	if err := run(in, bad, "", &b); err == nil || !strings.Contains(err.Error(), "must end in .png") {
+	if err := run(in, bad, "", "sampled16", &b); err == nil || !strings.Contains(err.Error(), "must end in .png") {
 		t.Errorf("--out plot.svg: error %v, want the .png one", err)
 	}
 	if _, err := os.Stat(bad); err == nil {
