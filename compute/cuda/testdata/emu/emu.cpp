@@ -621,8 +621,10 @@ static CUresult check_stream(void *s, const char *who, int *dev) {
 // pointer to const and reads and writes any other parameter that points
 // into an allocation (whole allocations: no finer); copies, memsets,
 // cuBLASLt's A, B, C and D, cuDNN's tensors (all as written) and NCCL's
-// buffers as they are used. Not seen: pointers a kernel reads from
-// device memory (the multi-tensor kernels' tables). The NULL stream is
+// buffers as they are used; copies to and from pinned host memory
+// (cuMemAllocHost) too. Not seen: pointers a kernel reads from device
+// memory (the multi-tensor kernels' tables), the host's own reads and
+// writes of pinned memory. The NULL stream is
 // one more stream per device here (not the legacy stream's implicit
 // synchronization). DISTILL_EMU_RACE=0 turns the checks off.
 enum { E_ILLEGAL_STATE = 401 };
@@ -673,15 +675,44 @@ static std::string sname(int sid) {
 	else snprintf(buf, sizeof buf, "stream %d (device %d)", sid, g_stream_of[sid]);
 	return buf;
 }
+// g_pinned is cuMemAllocHost's memory (address -> bytes): streams'
+// copies to and from it are checked as a device allocation's are (what
+// the host itself reads or writes there is not seen).
+static std::map<u64, size_t> g_pinned;
+
+// holder finds the allocation (device or pinned) that holds p: its
+// address and bytes, or false.
+static bool holder(u64 p, u64 *base, size_t *n) {
+	auto it = g_allocs.upper_bound(p);
+	if (it != g_allocs.begin()) {
+		--it;
+		if (p >= it->first && p < it->first + (it->second.n ? it->second.n : 1)) {
+			*base = it->first;
+			*n = it->second.n;
+			return true;
+		}
+	}
+	auto ht = g_pinned.upper_bound(p);
+	if (ht != g_pinned.begin()) {
+		--ht;
+		if (p >= ht->first && p < ht->first + (ht->second ? ht->second : 1)) {
+			*base = ht->first;
+			*n = ht->second;
+			return true;
+		}
+	}
+	return false;
+}
+
 // touch records operation what on stream sid reading or writing the
-// allocation that holds p (if any), or says why it races.
+// allocation (device or pinned host memory) that holds p (if any), or
+// says why it races.
 static std::string touch(int sid, u64 p, bool write, const std::string &what) {
 	if (!race_checks()) return "";
-	auto it = g_allocs.upper_bound(p);
-	if (it == g_allocs.begin()) return "";
-	--it;
-	if (p < it->first || p >= it->first + (it->second.n ? it->second.n : 1)) return "";
-	History &h = g_hist[it->first];
+	u64 base;
+	size_t bytes;
+	if (!holder(p, &base, &bytes)) return "";
+	History &h = g_hist[base];
 	const VClock &v = g_vc[sid];
 	auto unordered = [&](const Access &a) { return a.sid != sid && vc_get(v, a.sid) < a.tick; };
 	const Access *other = nullptr;
@@ -695,7 +726,8 @@ static std::string touch(int sid, u64 p, bool write, const std::string &what) {
 			}
 	if (other) {
 		char buf[200];
-		snprintf(buf, sizeof buf, " the %zu-byte allocation at 0x%llx, which ", it->second.n, (unsigned long long)it->first);
+		snprintf(buf, sizeof buf, " the %zu-byte %sallocation at 0x%llx, which ", bytes, g_pinned.count(base) ? "pinned host " : "",
+		         (unsigned long long)base);
 		return "stream-order race: " + what + " on " + sname(sid) + (write ? " writes" : " reads") + buf + other->what + " on " + sname(other->sid) +
 		       " " + did + " with nothing ordering the two (record an event after the one and make the other's stream wait for it: cuEventRecord, cuStreamWaitEvent; or synchronize the host between them)";
 	}
@@ -911,10 +943,17 @@ CUresult cuMemGetInfo_v2(size_t *f, size_t *t) {
 	return 0;
 }
 CUresult cuMemAllocHost_v2(void **p, size_t n) {
+	EMU_LOCK;
 	*p = malloc(n ? n : 1);
-	return *p ? 0 : fail(E_OUT_OF_MEMORY, "cuMemAllocHost: out of host memory");
+	if (!*p) return fail(E_OUT_OF_MEMORY, "cuMemAllocHost: out of host memory");
+	g_pinned[(u64)*p] = n;
+	forget((u64)*p);
+	return 0;
 }
 CUresult cuMemFreeHost(void *p) {
+	EMU_LOCK;
+	g_pinned.erase((u64)p);
+	forget((u64)p);
 	free(p);
 	return 0;
 }
@@ -925,6 +964,7 @@ CUresult cuMemcpyHtoDAsync_v2(u64 dst, const void *src, size_t n, void *s) {
 	if (CUresult r = check_range(dst, n, "cuMemcpyHtoDAsync", d)) return r;
 	int sid = sid_of(s);
 	op_begin(sid);
+	if (CUresult r = touch_fail(sid, (u64)src, false, "cuMemcpyHtoDAsync")) return r;
 	if (CUresult r = touch_fail(sid, dst, true, "cuMemcpyHtoDAsync")) return r;
 	memcpy((void *)dst, src, n);
 	return 0;
@@ -937,6 +977,7 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, u64 src, size_t n, void *s) {
 	int sid = sid_of(s);
 	op_begin(sid);
 	if (CUresult r = touch_fail(sid, src, false, "cuMemcpyDtoHAsync")) return r;
+	if (CUresult r = touch_fail(sid, (u64)dst, true, "cuMemcpyDtoHAsync")) return r;
 	memcpy(dst, (void *)src, n);
 	return 0;
 }
