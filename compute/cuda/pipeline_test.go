@@ -384,7 +384,12 @@ func TestPipelineStageOutOfMemory(t *testing.T) {
 			samples[i][j] = int32(r.IntN(m.Cfg.VocabSize))
 		}
 	}
-	for _, c := range []struct{ s, frac int }{{1, 2}, {1, 4}, {1, 6}, {0, 2}, {0, 4}, {0, 6}} {
+	// At most half the plan's bound: with 6/8 of it, stage 0 fitted the
+	// forward in about 1 run of 6 (how many hand-offs it holds at once
+	// depends on how soon stage 1 takes them: the schedule), and the
+	// test failed; with 5/8 it ran out of memory in each of 20 tries, 4/8 leaves
+	// room beyond that.
+	for _, c := range []struct{ s, frac int }{{1, 2}, {1, 3}, {1, 4}, {0, 2}, {0, 3}, {0, 4}} {
 		s := c.s
 		t.Run(fmt.Sprintf("stage%d/room%d", s, c.frac), func(t *testing.T) {
 			before := []int64{used(0), used(1)}
