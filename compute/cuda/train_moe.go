@@ -478,29 +478,7 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 		downBwd = func() { lr.backward(da, "down_proj", dh, dy, act) }
 	}
 	if onDevice {
-		// The grouping the forward saved, its row tiles rebuilt on the device.
-		tileStart := scratch(int64(E+1) * 4)
-		b.launchKernel(launch{kernel: "k_moe_tiles", grid: [3]int{1, 1, 1}, block: 32}, dptr(sv.offsets.p), int32(E), dptr(tileStart))
-		g := moeGroups{offsets: sv.offsets.p, tileStart: tileStart, rows: P, E: E}
-		grads := func(ws []compute.Tensor, name string, n int) uint64 {
-			h := make([]uint64, E)
-			for e := range h {
-				h[e] = grad(ws[e], name, e, n)
-			}
-			return ops.array(h)
-		}
-		if dm != nil {
-			b.moeWGrad(grads(dm.Down, "Down", H*I), dy, act, g, H, I)
-		}
-		b.moeGEMMNN(dh, dy, ops.ptrs(mw.Down, "down", H*I), g, I, H, false)
-		downBwd()
-		b.ew("k_moe_swiglu_bwd", int64(P)*int64(I), dptr(dg), dptr(du), dptr(dh), dptr(sv.gate.p), dptr(sv.up.p), int64(P)*int64(I))
-		if dm != nil {
-			b.moeWGrad(grads(dm.Gate, "Gate", I*H), dg, xg, g, I, H)
-			b.moeWGrad(grads(dm.Up, "Up", I*H), du, xg, g, I, H)
-		}
-		b.moeGEMMNN(dxg, dg, ops.ptrs(mw.Gate, "gate", I*H), g, H, I, false)
-		b.moeGEMMNN(dxg, du, ops.ptrs(mw.Up, "up", I*H), g, H, I, true)
+		b.moeExpertsBackwardDevice(dm, mw, ops, grad, dy, act, xg, dh, dg, du, dxg, sv, P, E, H, I, downBwd)
 	} else {
 		b.moeExpertsBackwardHost(off, dm, mw, ops, grad, dy, act, xg, dh, dg, du, dxg, sv, H, I, downBwd)
 	}
@@ -512,6 +490,38 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 	b.ew("k_moe_rowpos", int64(P), dptr(rowpos), dptr(sv.order.p), int64(P))
 	b.launchKernel(launch{kernel: "k_moe_dx", grid: [3]int{T, 1, 1}, block: 256},
 		dptr(dx.p), dptr(dxg), dptr(sv.sel.p), dptr(rowpos), int32(K), int32(H))
+}
+
+// moeExpertsBackwardDevice is MoEBackward's experts on the grouping the
+// forward saved (k_moe_gemm's shapes), its row tiles rebuilt on the
+// device: one launch a projection for every expert; dm nil: no weight
+// gradients. afterDh runs once dh is complete, before the SwiGLU's
+// backward reads it (the down adapters' dx).
+func (b *Backend) moeExpertsBackwardDevice(dm, mw *compute.MoEWeights, ops *moeOperands, grad func(compute.Tensor, string, int, int) uint64,
+	dy, act, xg, dh, dg, du, dxg uint64, sv *moeSaved, P, E, H, I int, afterDh func()) {
+	tileStart := b.alloc(int64(E+1) * 4)
+	defer b.free(tileStart)
+	b.launchKernel(launch{kernel: "k_moe_tiles", grid: [3]int{1, 1, 1}, block: 32}, dptr(sv.offsets.p), int32(E), dptr(tileStart))
+	g := moeGroups{offsets: sv.offsets.p, tileStart: tileStart, rows: P, E: E}
+	grads := func(ws []compute.Tensor, name string, n int) uint64 {
+		h := make([]uint64, E)
+		for e := range h {
+			h[e] = grad(ws[e], name, e, n)
+		}
+		return ops.array(h)
+	}
+	if dm != nil {
+		b.moeWGrad(grads(dm.Down, "Down", H*I), dy, act, g, H, I)
+	}
+	b.moeGEMMNN(dh, dy, ops.ptrs(mw.Down, "down", H*I), g, I, H, false)
+	afterDh()
+	b.ew("k_moe_swiglu_bwd", int64(P)*int64(I), dptr(dg), dptr(du), dptr(dh), dptr(sv.gate.p), dptr(sv.up.p), int64(P)*int64(I))
+	if dm != nil {
+		b.moeWGrad(grads(dm.Gate, "Gate", I*H), dg, xg, g, I, H)
+		b.moeWGrad(grads(dm.Up, "Up", I*H), du, xg, g, I, H)
+	}
+	b.moeGEMMNN(dxg, dg, ops.ptrs(mw.Gate, "gate", I*H), g, H, I, false)
+	b.moeGEMMNN(dxg, du, ops.ptrs(mw.Up, "up", I*H), g, H, I, true)
 }
 
 // moeExpertsBackwardHost is MoEBackward's experts on the host's grouping

@@ -153,10 +153,11 @@ func (m *Model) carve(a *trainActs, N int, act, gact compute.DType, arena, aaren
 		}
 		return m.be.View(arena, z.f32-n, n)
 	}
-	atake := take
-	if act != compute.F32 {
-		atake = func(n int) compute.Tensor {
-			at := (z.act + actAlign - 1) / actAlign * actAlign
+	// aligned takes views of the activation-dtype arena at multiples of
+	// align elements.
+	aligned := func(align int) func(int) compute.Tensor {
+		return func(n int) compute.Tensor {
+			at := (z.act + align - 1) / align * align
 			z.act = at + n
 			if arena == nil {
 				return nil
@@ -164,19 +165,16 @@ func (m *Model) carve(a *trainActs, N int, act, gact compute.DType, arena, aaren
 			return m.be.View(aarena, at, n)
 		}
 	}
+	atake := take
+	if act != compute.F32 {
+		atake = aligned(actAlign)
+	}
 	gtake := take
 	if gact != compute.F32 {
 		if gact != act {
 			panic(fmt.Sprintf("decoder: gradients in %v with activations in %v: want the activation dtype or f32", gact, act))
 		}
-		gtake = func(n int) compute.Tensor {
-			at := (z.act + gradAlign - 1) / gradAlign * gradAlign
-			z.act = at + n
-			if arena == nil {
-				return nil
-			}
-			return m.be.View(aarena, at, n)
-		}
+		gtake = aligned(gradAlign)
 	}
 	itake := func(n int) compute.Tensor {
 		z.i32 += n
@@ -285,9 +283,20 @@ func (m *Model) carve(a *trainActs, N int, act, gact compute.DType, arena, aaren
 		a.xL = a.layers[cfg.Layers-1].out
 	}
 	a.lnf, a.rstdf = atake(N*C), take(N)
+	m.carveGrads(a, N, gact != compute.F32, take, gtake)
+	return z
+}
+
+// carveGrads takes the backward's gradient buffers (carve's): F32 from
+// take, those only a GEMM's backward reads from gtake; dresg, the
+// residual gradient's copy in the gradient dtype, only when that is not
+// F32 (lowGrads).
+func (m *Model) carveGrads(a *trainActs, N int, lowGrads bool, take, gtake func(int) compute.Tensor) {
+	cfg := m.Cfg
+	C, H, KV, D, I := cfg.Hidden, cfg.Heads, cfg.KVHeads, cfg.HeadDim, cfg.Intermediate
 	a.dres, a.dln = take(N*C), take(N*C)
 	a.dresg = nil
-	if gact != compute.F32 {
+	if lowGrads {
 		a.dresg = gtake(N * C)
 	}
 	// q, k and v's douts: F32 where their biases train (the column sums
@@ -302,7 +311,6 @@ func (m *Model) carve(a *trainActs, N int, act, gact compute.DType, arena, aaren
 		a.dqpre, a.dkpre = qkv(N*H*D), qkv(N*KV*D)
 	}
 	a.dgate, a.dup, a.dh = gtake(N*I), gtake(N*I), take(N*I)
-	return z
 }
 
 // arenaBytes is what the training arenas hold now, in bytes.
