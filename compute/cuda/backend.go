@@ -70,6 +70,13 @@ type Options struct {
 	// fp32 values once); the tests compare the two, and the GPU suite
 	// times them. $DISTILL_CUDA_F32_GRADS=1 sets it too.
 	F32Grads bool
+	// MoEGEMM picks the experts' grouped GEMM kernels: "" (the default:
+	// 64-wide K steps in three shared buffers, the tokens read in place,
+	// gate and up fused with the SwiGLU where nothing keeps them) or "v1"
+	// (the earlier kernels: 32-wide steps in two buffers, the tokens
+	// gathered first, the SwiGLU a pass of its own). The same bits either
+	// way; for an A/B on a device. $DISTILL_CUDA_MOE_GEMM sets it too.
+	MoEGEMM string
 }
 
 // Backend is the CUDA backend. It is safe for concurrent use, one call at
@@ -105,6 +112,7 @@ type Backend struct {
 	attnBwd    attnMode      // Options.AttentionBackward
 	act        compute.DType // Options.Activations
 	f32Grads   bool          // Options.F32Grads
+	moeKernels string        // Options.MoEGEMM
 
 	prof   map[string]*ProfileEntry // nil unless Options.Profile
 	label  string                   // the running method, for the profile
@@ -245,6 +253,13 @@ func Open(opt Options) (*Backend, error) {
 	}
 	b.attnNondet = opt.AttnNondeterministic || os.Getenv("DISTILL_CUDNN_NONDETERMINISTIC") == "1"
 	b.f32Grads = opt.F32Grads || os.Getenv("DISTILL_CUDA_F32_GRADS") == "1"
+	b.moeKernels = opt.MoEGEMM
+	if b.moeKernels == "" {
+		b.moeKernels = os.Getenv("DISTILL_CUDA_MOE_GEMM")
+	}
+	if b.moeKernels != "" && b.moeKernels != "v1" {
+		return nil, fmt.Errorf("cuda: MoE GEMM %q: want v1, or none for the default kernels", b.moeKernels)
+	}
 	act := opt.Activations
 	if act == "" {
 		act = os.Getenv("DISTILL_CUDA_ACT")

@@ -190,8 +190,9 @@ func TestForwardScratchBytes(t *testing.T) {
 	check("MatMul", scratch(func() { be.MatMul(out, x, w, nil, m, n, k) }),
 		compute.ForwardShape{Tokens: m, MaxLen: m, K: 8, Hidden: 16, Heads: 1, KVHeads: 1, HeadDim: 16, Intermediate: k, Vocab: 64})
 
-	// MoE: 160 tokens, top-8 of 16 experts of width 256.
-	T, H, I, E, K := 160, 64, 256, 16, 8
+	// MoE: 160 tokens, top-8 of 16 experts of width 1024 (the experts'
+	// activations, 2.6 MB, outgrow the LM head's tile of this shape).
+	T, H, I, E, K := 160, 64, 1024, 16, 8
 	mw := &compute.MoEWeights{Router: weight(E * H), NumExperts: E, TopK: K, Hidden: H, Inter: I}
 	for e := 0; e < E; e++ {
 		mw.Gate, mw.Up, mw.Down = append(mw.Gate, weight(I*H)), append(mw.Up, weight(I*H)), append(mw.Down, weight(H*I))

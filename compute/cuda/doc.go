@@ -136,12 +136,22 @@
 //     the CPU's summation order. The grouping's offsets and row tiles are
 //     scanned on the device (k_moe_scan) and each projection of every
 //     expert is one launch of a grouped tensor-core GEMM over the
-//     expert-sorted rows (k_moe_gemm: 128x128 tiles on 8 warps, cp.async
-//     double buffering, ldmatrix, mma.sync; the experts' weight addresses in
-//     a device array), sized by an upper bound of the row tiles, so the host
-//     never waits for the routing; shapes it cannot take (hidden or
-//     intermediate not a multiple of 8) read the counts to the host and run
-//     a cuBLASLt GEMM per expert.
+//     expert-sorted rows (k_moe_gemm: 128x128 tiles on 8 warps, K in
+//     64-wide steps staged three ahead by cp.async, ldmatrix, mma.sync; the
+//     experts' weight addresses in a device array), sized by an upper bound
+//     of the row tiles, so the host never waits for the routing. The gate
+//     and up GEMMs read each grouped row's token in place (x rounded to
+//     BF16 once, T rows instead of T·K gathered ones), and where nothing
+//     keeps gate and up (a teacher's forward, no adapter, no NVFP4
+//     quantization of the SwiGLU) they are one launch, k_moe_gemm_glu, whose
+//     blocks hold the same columns of both and write silu(gate)·up in BF16:
+//     the bits of the unfused path (each sum in ascending k either way).
+//     Options.MoEGEMM "v1" runs the earlier kernels (32-wide steps in two
+//     buffers, the tokens gathered by k_moe_gather, the SwiGLU a pass of
+//     its own) for an A/B on a device; TestMoEGroupedGEMM holds both to the
+//     same bits. Shapes the kernels cannot take (hidden or intermediate not
+//     a multiple of 8) read the counts to the host and run a cuBLASLt GEMM
+//     per expert.
 //   - LMHeadTopK: the vocabulary in tiles; cuBLASLt writes a tile's
 //     logits, k_lm_fold folds them into each row's running log-sum-exp
 //     (float64) and running top-k (exact, ties by lower id).

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
 
 	"distill/compute"
@@ -11,13 +12,17 @@ import (
 )
 
 // TestMoEGroupedGEMM: the experts' GEMMs on the device's grouping
-// (k_moe_scan, k_moe_gemm; no host round trip) against the host's grouping
-// and per-expert cuBLASLt GEMMs on the same backend (the same routing and
-// BF16 operands, so only the summation order differs), on a shape that
-// exercises every edge of the kernel: experts with several row tiles and a
-// partial one, two column tiles with a partial one, and five K steps of
-// its double-buffered pipeline with a partial last one; the profile shows
-// the three grouped launches and no per-expert GEMM. (TestMoEConformance
+// (k_moe_scan, k_moe_gemm_glu for gate and up with the SwiGLU, k_moe_gemm
+// for down; no host round trip) against the host's grouping and
+// per-expert cuBLASLt GEMMs on the same backend (the same routing and
+// BF16 operands, so only the summation order differs), and bit for bit
+// against the earlier kernels (MoEGEMM v1: the tokens gathered, 32-wide K
+// steps in two buffers, the SwiGLU a pass of its own), on a shape that
+// exercises every edge of the kernels: experts with several row tiles and
+// a partial one, column tiles with a partial one (I = 200: four of the
+// fused kernel's 64, three of 128 for v1), and K steps that wrap the three
+// buffers with a partial last one; the profile shows the grouped launches
+// and no per-expert GEMM. (TestMoEConformance
 // holds both against compute/cpu.)
 func TestMoEGroupedGEMM(t *testing.T) {
 	if !onGPU() {
@@ -51,8 +56,38 @@ func TestMoEGroupedGEMM(t *testing.T) {
 	testMoEHostGrouping = false
 	// Sums of H or I BF16 products of O(1) in fp32, in two orders.
 	closeTo(t, "grouped moe vs per-expert cuBLASLt", got, want, 1e-4*math.Sqrt(float64(H*I)), 1e-4)
-	if prof["k_moe_gemm"] != 3 || prof["k_moe_scan"] != 1 {
-		t.Fatalf("profile %v: want 3 k_moe_gemm launches and 1 k_moe_scan", prof)
+	// Gate and up in one launch with the SwiGLU, the down projection in
+	// another; the tokens read in place (no gathered copy).
+	if prof["k_moe_gemm_glu"] != 1 || prof["k_moe_gemm"] != 1 || prof["k_moe_scan"] != 1 || prof["k_moe_gather"] != 0 {
+		t.Fatalf("profile %v: want 1 k_moe_gemm_glu, 1 k_moe_gemm, 1 k_moe_scan and no k_moe_gather", prof)
+	}
+	// The earlier kernels (32-wide K steps in two buffers, the tokens
+	// gathered, the SwiGLU a pass of its own): the same bits.
+	v1, err := Open(Options{KernelCache: kernelCacheForTests(t), Profile: true, MoEGEMM: "v1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v1.Close()
+	weight1 := func(s []float32) compute.Tensor {
+		h := make([]uint16, len(s))
+		compute.NarrowBF16(h, s)
+		w, err := v1.Weight(h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return w
+	}
+	v1.Profile() // reset
+	same(t, "grouped moe, default vs v1 kernels", got, c.run(v1, weight1))
+	prof = map[string]int{}
+	for _, e := range v1.Profile() {
+		prof[e.Name] = e.Calls
+	}
+	if prof["k_moe_gemm_v1"] != 3 || prof["k_moe_gather"] != 1 || prof["k_moe_gemm_glu"] != 0 {
+		t.Fatalf("v1 profile %v: want 3 k_moe_gemm_v1 launches, 1 k_moe_gather and no k_moe_gemm_glu", prof)
+	}
+	if _, err := Open(Options{KernelCache: kernelCacheForTests(t), MoEGEMM: "v2"}); err == nil || !strings.Contains(err.Error(), "v2") {
+		t.Fatalf("Open with MoEGEMM v2: %v, want an error naming it", err)
 	}
 	if n := prof["cublasLt GEMM (MoE)"]; n != 1 {
 		t.Fatalf("profile %v: %d cuBLASLt GEMMs in MoE, want the router's alone", prof, n)
@@ -80,6 +115,11 @@ func TestMoEGroupedBackward(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer be.Close()
+	v1, err := Open(Options{KernelCache: kernelCacheForTests(t), MoEGEMM: "v1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v1.Close()
 	r := rand.New(rand.NewPCG(93, 94))
 	for _, qad := range []bool{false, true} {
 		c := newMoETrainCase(r, 150, 136, 144, 6, 2, true, true, 3)
@@ -87,6 +127,14 @@ func TestMoEGroupedBackward(t *testing.T) {
 			c.inAmax, c.hAmax = 2688.0/1024, 2688.0/1024
 		}
 		got := c.run(be, true)
+		// The earlier kernels give the same bits: the forward's saved
+		// products and the backward's NN GEMMs, each sum in ascending k.
+		g1 := c.run(v1, true)
+		same(t, "dx, default vs v1 kernels", got.dx, g1.dx)
+		for e := 0; e < c.E; e++ {
+			same(t, "dGate, default vs v1 kernels", got.dgate[e], g1.dgate[e])
+			same(t, "dDown, default vs v1 kernels", got.ddown[e], g1.ddown[e])
+		}
 		testMoEHostGrouping = true
 		want := c.run(be, true)
 		testMoEHostGrouping = false

@@ -193,15 +193,24 @@ func planMoE(counts []int32, tokens, K int) (moePlan, error) {
 	return p, nil
 }
 
-// moeScratchBytes bounds what one MoE call allocates beside its output:
-// router logits, the choices, the grouping (order, rowpos, offsets,
-// counts), the grouped BF16 inputs, gate and up (F32), the BF16
-// activations, the down projections (F32), an F32 router copy, and under
-// QAD the quantized x and the F32 activations.
-func moeScratchBytes(tokens, hidden, inter, experts, K int) int64 {
+// moeScratchBytes bounds what one MoE call of a teacher's forward
+// allocates beside its output: the router's logits and F32 copy, the
+// choices and the grouping (sel, wts, order, rowpos, offsets, counts,
+// tile starts), the experts' weight address arrays and the down
+// projections (F32); then, with BF16 experts (the default kernels), the
+// tokens in BF16 and the BF16 activations: gate and up are never stored
+// (k_moe_gemm_glu); with FP8 experts (moeExpertsFP8), gate and up (F32)
+// and the tokens' and the grouped rows' codes and scales. The earlier
+// kernels (Options.MoEGEMM v1: a gathered input, gate and up stored) and a
+// QAD student's forward take more: the training plan counts those.
+func moeScratchBytes(tokens, hidden, inter, experts, K int, fp8 bool) int64 {
 	n, r := int64(tokens), int64(tokens)*int64(K)
 	H, I, E := int64(hidden), int64(inter), int64(experts)
-	return 4*n*E + 16*r + 8*(E+1) + 2*r*H + 8*r*I + 2*r*I + 4*r*H + 4*E*H + 4*n*H + 4*r*I
+	b := 4*n*E + 4*E*H + 16*r + 12*(E+1) + 24*E + 4*r*H
+	if fp8 {
+		return b + 8*r*I + n*H + 4*n + r*max(H, I) + 4*r
+	}
+	return b + 2*n*H + 2*r*I
 }
 
 // The attention backward's tiles (attention.cu: BWD_BQ queries or keys a
@@ -330,12 +339,7 @@ func forwardScratchTerms(s compute.ForwardShape) (layers, head int64) {
 		layers = max(layers, int64(min(s.Tokens, fp8SlabRows))*(4+max(H+4*Q, Q+4*H, H+4*I, I+4*H)))
 	}
 	if s.Experts > 0 {
-		moe := moeScratchBytes(s.Tokens, s.Hidden, s.MoEIntermediate, s.Experts, s.TopK)
-		if s.FP8 { // moeExpertsFP8: the tokens' and the grouped rows' codes and scales, not the BF16 xg and act
-			r, H, I := int64(s.Tokens)*int64(s.TopK), int64(s.Hidden), int64(s.MoEIntermediate)
-			moe += n*H + 4*n + r*max(H, I) + 4*r - 2*r*H - 2*r*I
-		}
-		layers = max(layers, moe)
+		layers = max(layers, moeScratchBytes(s.Tokens, s.Hidden, s.MoEIntermediate, s.Experts, s.TopK, s.FP8))
 	}
 	// The pool rounds each allocation up; a call makes at most a dozen.
 	layers += 16 << 10

@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"fmt"
+	"strings"
 
 	"distill/compute"
 )
@@ -121,14 +122,26 @@ func moeGroupedOK(H, I int) bool { return !testMoEHostGrouping && H%8 == 0 && I%
 // per-expert cuBLASLt GEMMs (a test compares the two).
 var testMoEHostGrouping bool
 
-// moeGEMM enqueues out (rows, n) F32 = a (rows, k) BF16 · w_eᵀ for each
-// expert's grouped rows, w a device array of the experts' (n, k) BF16
-// weights (k_moe_gemm): one launch per projection, sized by an upper bound
-// of the row tiles, so the host never waits for the routing.
-func (b *Backend) moeGEMM(out, a, w uint64, g moeGroups, n, k int) {
-	tiles := (g.rows+moeBM-1)/moeBM + g.E
-	b.launchKernel(launch{kernel: "k_moe_gemm", grid: [3]int{tiles, (n + moeBN - 1) / moeBN, 1}, block: 256, smem: moeGEMMSmem},
-		dptr(out), dptr(a), dptr(w), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
+// moeGEMM enqueues out (rows, n) F32 = a · w_eᵀ for each expert's grouped
+// rows, w a device array of the experts' (n, k) BF16 weights (k_moe_gemm):
+// one launch per projection, sized by an upper bound of the row tiles, so
+// the host never waits for the routing. a is the grouped rows (rows, k)
+// BF16, or with tok set the token rows (tokens, k) BF16 that grouped row r
+// reads through tok (row tok.order[r] / tok.k: no gathered copy).
+func (b *Backend) moeGEMM(out, a uint64, tok moeTokens, w uint64, g moeGroups, n, k int) {
+	kernel := "k_moe_gemm" + b.moeGEMMVariant()
+	b.launchKernel(launch{kernel: kernel, grid: [3]int{g.rowTiles(), (n + moeBN - 1) / moeBN, 1}, block: 256, smem: moeGEMMSmem(kernel)},
+		dptr(out), dptr(a), dptr(tok.order), int32(tok.k), dptr(w), dptr(0), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
+}
+
+// moeGEMMGLU enqueues act (rows, n) BF16 = silu(a·gate_eᵀ)·(a·up_eᵀ) for
+// each expert's grouped rows (k_moe_gemm_glu): gate and up in one launch
+// with the SwiGLU in its epilogue, neither product stored (the bits of
+// moeGEMM's two products and moeAct without quantization). a and tok as
+// moeGEMM's.
+func (b *Backend) moeGEMMGLU(act, a uint64, tok moeTokens, gate, up uint64, g moeGroups, n, k int) {
+	b.launchKernel(launch{kernel: "k_moe_gemm_glu", grid: [3]int{g.rowTiles(), (n + moeBN/2 - 1) / (moeBN / 2), 1}, block: 256, smem: moeGEMMSmem("k_moe_gemm_glu")},
+		dptr(act), dptr(a), dptr(tok.order), int32(tok.k), dptr(gate), dptr(up), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
 }
 
 // moeGEMMNN enqueues out (rows, n) F32 = a (rows, k) BF16 · w_e for each
@@ -139,9 +152,31 @@ func (b *Backend) moeGEMMNN(out, a, w uint64, g moeGroups, n, k int, acc bool) {
 	if acc {
 		kernel += "_acc"
 	}
-	tiles := (g.rows+moeBM-1)/moeBM + g.E
-	b.launchKernel(launch{kernel: kernel, grid: [3]int{tiles, (n + moeBN - 1) / moeBN, 1}, block: 256, smem: moeGEMMSmem},
-		dptr(out), dptr(a), dptr(w), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
+	kernel += b.moeGEMMVariant()
+	b.launchKernel(launch{kernel: kernel, grid: [3]int{g.rowTiles(), (n + moeBN - 1) / moeBN, 1}, block: 256, smem: moeGEMMSmem(kernel)},
+		dptr(out), dptr(a), dptr(0), int32(1), dptr(w), dptr(0), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
+}
+
+// moeTokens says where a grouped GEMM's rows come from: order == 0, the
+// grouped rows themselves; else grouped row r is token order[r] / k.
+type moeTokens struct {
+	order uint64
+	k     int
+}
+
+// rowTiles is the grouped GEMMs' grid over rows: an upper bound of the
+// experts' row tiles (a tile past tile_start[E] leaves at once).
+func (g moeGroups) rowTiles() int { return (g.rows+moeBM-1)/moeBM + g.E }
+
+// moeGEMMVariant is the kernel suffix of the grouped GEMMs the backend
+// runs: "" (64-wide K steps in three buffers), or "_v1" (32-wide in two,
+// the kernels before them) under Options.MoEGEMM "v1", for an A/B on a
+// device; _v1 also gathers the tokens and leaves the SwiGLU unfused.
+func (b *Backend) moeGEMMVariant() string {
+	if b.moeKernels == "v1" {
+		return "_v1"
+	}
+	return ""
 }
 
 // moeWGrad enqueues dw[e] (n, k) F32 += a_eᵀ · x_e over each expert's
@@ -152,14 +187,30 @@ func (b *Backend) moeWGrad(dw, a, x uint64, g moeGroups, n, k int) {
 		dptr(dw), dptr(a), dptr(x), dptr(g.offsets), int32(n), int32(k))
 }
 
-// k_moe_gemm's tiles (moe.cu: MOE_BM, MOE_BN, MOE_BK, MOE_LD): two stages
-// of an A and a W tile in BF16; k_moe_wgrad_gemm's, two stages of two
-// MOE_BK-row tiles of MOE_LDN.
+// The grouped GEMMs' tiles (moe.cu: MOE_BM, MOE_BN, MOE_BK, MOE_STAGES,
+// MOE_V1_BK, MOE_WG_BK): k_moe_wgrad_gemm stages two MOE_WG_BK-row tiles
+// of MOE_BN+8 in two buffers.
 const (
-	moeBM, moeBN, moeBK = 128, 128, 32
-	moeGEMMSmem         = 2 * (moeBM + moeBN) * (moeBK + 8) * 2
-	moeWGradSmem        = 2 * 2 * moeBK * (moeBN + 8) * 2
+	moeBM, moeBN        = 128, 128
+	moeBK, moeStages    = 64, 3
+	moeV1BK, moeWGradBK = 32, 32
+	moeWGradSmem        = 2 * 2 * moeWGradBK * (moeBN + 8) * 2
 )
+
+// moeGEMMSmem is the shared memory of a k_moe_gemm* kernel (moe.cu's
+// MOE_GEMM_SMEM): stages of an A tile (MOE_BM rows of BK+8) and a W tile
+// (MOE_BN rows of BK+8, or for the _nn kernels BK rows of MOE_BN+8).
+func moeGEMMSmem(kernel string) int {
+	bk, stages := moeBK, moeStages
+	if strings.HasSuffix(kernel, "_v1") {
+		bk, stages = moeV1BK, 2
+	}
+	w := moeBN * (bk + 8)
+	if strings.HasPrefix(kernel, "k_moe_gemm_nn") {
+		w = bk * (moeBN + 8)
+	}
+	return stages * (moeBM*(bk+8) + w) * 2
+}
 
 // moeExpertInput writes the experts' grouped input xg (rows, H) BF16: the
 // token row of each grouped row, NVFP4-fake-quantized first under QAD
@@ -175,6 +226,18 @@ func (b *Backend) moeExpertInput(xg uint64, x *tensor, order uint64, mw *compute
 	}
 	b.ew("k_moe_gather", int64(P)*int64(H), dptr(xg), dptr(src), dptr(order), int64(P), int32(K), int32(H))
 	b.free(q)
+}
+
+// moeTokenInput writes the experts' input as token rows xb (T, H) BF16:
+// x rounded, NVFP4-fake-quantized first under QAD; the grouped GEMMs read
+// grouped row r from row order[r] / K, the bits moeExpertInput's gathered
+// row would hold.
+func (b *Backend) moeTokenInput(xb uint64, x *tensor, mw *compute.MoEWeights, T, H int) {
+	if mw.InAmax > 0 {
+		b.ew("k_fakequant_nvfp4", int64(T)*int64((H+15)/16), dptr(xb), int32(1), dptr(x.p), int32(0), int64(T), int32(H), compute.NVFP4GlobalScale(mw.InAmax), dptr(0))
+		return
+	}
+	b.convert("k_f32_to_bf16", xb, x.p, int64(T)*int64(H))
 }
 
 // moeAct writes the down projection's input act (rows, I) BF16 =
@@ -228,7 +291,14 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 		gate, up, y = sv.gate.p, sv.up.p, sv.y.p
 	} else {
 		sel, wts, order, offsets = scratch(int64(P)*4), scratch(int64(P)*4), scratch(int64(P)*4), scratch(int64(E+1)*4)
-		gate, up, y = scratch(int64(P)*int64(I)*4), scratch(int64(P)*int64(I)*4), scratch(int64(P)*int64(H)*4)
+		y = scratch(int64(P) * int64(H) * 4)
+	}
+	// gate and up (rows, I) F32: the saved ones, or scratch made when a
+	// path stores them (the fused GEMM does not).
+	gateUp := func() {
+		if gate == 0 {
+			gate, up = scratch(int64(P)*int64(I)*4), scratch(int64(P)*int64(I)*4)
+		}
 	}
 
 	rp, rs := b.f32Operand(router)
@@ -265,6 +335,7 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 	b.launchKernel(launch{kernel: "k_moe_order", grid: [3]int{E, 1, 1}, block: 256},
 		dptr(sel), dptr(offsets), int64(P), dptr(order), dptr(rowpos))
 	if fp8 {
+		gateUp()
 		b.moeExpertsFP8(gate, up, y, x, order, mw, plan, T, K, H, I, what)
 		b.launchKernel(launch{kernel: "k_moe_combine", grid: [3]int{T, 1, 1}, block: 256},
 			dptr(out.p), dptr(y), dptr(sel), dptr(wts), dptr(rowpos), int32(K), int32(H))
@@ -273,9 +344,6 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 		}
 		return
 	}
-	xg := scratch(int64(P) * int64(H) * 2)
-	b.moeExpertInput(xg, x, order, mw, T, K, H)
-
 	ops := &moeOperands{b: b, what: what}
 	defer ops.release()
 	act := scratch(int64(P) * int64(I) * 2)
@@ -288,27 +356,49 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 		defer lr.release()
 		adapters = func(ls func(int) *compute.LoRA, name string, out, in uint64) { lr.forward(ls, name, out, in) }
 	}
+	// The experts' input: the grouped rows xg (rows, H) BF16, or, where the
+	// grouped GEMMs read the tokens in place (the default kernels, no
+	// adapter reading xg), the token rows (T, H) BF16: 1/K of the bytes.
+	var xin uint64
+	tok := moeTokens{}
+	if onDevice && ga == nil && b.moeKernels != "v1" {
+		xin = scratch(int64(T) * int64(H) * 2)
+		b.moeTokenInput(xin, x, mw, T, H)
+		tok = moeTokens{order: order, k: K}
+	} else {
+		xin = scratch(int64(P) * int64(H) * 2)
+		b.moeExpertInput(xin, x, order, mw, T, K, H)
+	}
 	if onDevice {
 		g := moeGroups{offsets: offsets, tileStart: tileStart, rows: P, E: E}
-		b.moeGEMM(gate, xg, ops.ptrs(mw.Gate, "gate", I*H), g, I, H)
-		b.moeGEMM(up, xg, ops.ptrs(mw.Up, "up", I*H), g, I, H)
-		adapters(ga, "gate_proj", gate, xg)
-		adapters(ua, "up_proj", up, xg)
-		b.moeAct(act, gate, up, mw, P, I)
-		b.moeGEMM(y, act, ops.ptrs(mw.Down, "down", H*I), g, H, I)
+		// Gate and up fused with the SwiGLU where nothing else reads them:
+		// not saved for a backward, no adapter adding to them, no NVFP4
+		// quantization of the SwiGLU's output (moeAct's).
+		if sv == nil && ga == nil && mw.HAmax <= 0 && b.moeKernels != "v1" {
+			b.moeGEMMGLU(act, xin, tok, ops.ptrs(mw.Gate, "gate", I*H), ops.ptrs(mw.Up, "up", I*H), g, I, H)
+		} else {
+			gateUp()
+			b.moeGEMM(gate, xin, tok, ops.ptrs(mw.Gate, "gate", I*H), g, I, H)
+			b.moeGEMM(up, xin, tok, ops.ptrs(mw.Up, "up", I*H), g, I, H)
+			adapters(ga, "gate_proj", gate, xin)
+			adapters(ua, "up_proj", up, xin)
+			b.moeAct(act, gate, up, mw, P, I)
+		}
+		b.moeGEMM(y, act, moeTokens{}, ops.ptrs(mw.Down, "down", H*I), g, H, I)
 		adapters(da, "down_proj", y, act)
 	} else {
+		gateUp()
 		for e := 0; e < E; e++ {
 			off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
 			if cnt == 0 {
 				continue
 			}
-			xe := xg + off*uint64(H)*2
+			xe := xin + off*uint64(H)*2
 			b.gemm(gate+off*uint64(I)*4, xe, ops.bf16(mw.Gate[e], "gate", e, I*H), cnt, I, H, dataBF16)
 			b.gemm(up+off*uint64(I)*4, xe, ops.bf16(mw.Up[e], "up", e, I*H), cnt, I, H, dataBF16)
 		}
-		adapters(ga, "gate_proj", gate, xg)
-		adapters(ua, "up_proj", up, xg)
+		adapters(ga, "gate_proj", gate, xin)
+		adapters(ua, "up_proj", up, xin)
 		b.moeAct(act, gate, up, mw, P, I)
 		for e := 0; e < E; e++ {
 			off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])

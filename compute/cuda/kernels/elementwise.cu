@@ -53,9 +53,6 @@ DK_KERNEL void k_bf16_to_f32(float *__restrict__ out, const u16 *__restrict__ in
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) out[i] = bf2f(in[i]);
 }
 
-// silu(g)·u with silu(g) = g / (1 + exp(-g)), as compute/cpu.
-DK_DEV float swiglu1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
-
 // out (n) = silu(gate)·up, each BF16 (its flag set) or F32. out may alias
 // gate (of the same dtype): each element is read before it is written.
 DK_KERNEL void k_swiglu(void *out, int out_bf, const void *gate, int gate_bf, const void *__restrict__ up, int up_bf, i64 n) {

@@ -1,14 +1,17 @@
 // Qwen3-MoE on the device: routing, grouping the (token, expert) pairs by
-// expert, the weighted combine, and the training backward's own kernels.
-// The expert GEMMs themselves are cuBLASLt calls over each expert's
-// contiguous rows (ops.go, train_moe.go).
+// expert, the experts' grouped GEMMs, the weighted combine, and the
+// training backward's own kernels.
 //
 // Forward: k_moe_route picks each token's top-k experts and counts the
-// rows of every expert; the host reads the counts (E ints) and lays the
-// experts' rows out back to back (moePlan); k_moe_order lists each
-// expert's pairs in token order (stable, deterministic) and k_moe_gather
-// copies their token rows into the grouped BF16 input; after the GEMMs,
-// k_moe_combine sums each token's expert outputs with its routing weights.
+// rows of every expert; k_moe_scan turns the counts into the grouping's
+// offsets on the device (or, for shapes the grouped GEMM cannot take, the
+// host reads them and runs cuBLASLt per expert); k_moe_order lists each
+// expert's pairs in token order (stable, deterministic). The grouped GEMMs
+// read each grouped row's token in place through that order (k_moe_gather
+// copies them only where a gathered input is kept: adapters, the
+// backward); gate and up run as one GEMM with the SwiGLU in its epilogue
+// where nothing else needs them (k_moe_gemm_glu); k_moe_combine sums each
+// token's expert outputs with its routing weights.
 //
 // Backward (MoEBackward): k_moe_wgrad (dL/d routing weight of every pair),
 // k_moe_dy (each grouped row's gradient, weighted, BF16 for the GEMMs),
@@ -291,9 +294,16 @@ DK_REGISTER(k_moe_dx)
 // (tile_start, E+1): one thread, in expert order, so both are exact.
 #define MOE_BM 128
 #define MOE_BN 128
-#define MOE_BK 32
-#define MOE_LD (MOE_BK + 8) // a shared tile's row stride (BF16), padded against bank conflicts
 #define MOE_GEMM_THREADS 256
+// The forward's and the backward's row GEMMs (k_moe_gemm*) step through K
+// MOE_BK at a time in MOE_STAGES shared buffers: three 64-wide steps in
+// flight cover the global memory's latency, which two 32-wide ones (the
+// _v1 kernels, DISTILL_CUDA_MOE_GEMM=v1) did not. The weight gradients
+// (k_moe_wgrad_gemm) sum over rows MOE_WG_BK at a time in two buffers.
+#define MOE_BK 64
+#define MOE_STAGES 3
+#define MOE_V1_BK 32
+#define MOE_WG_BK 32
 
 DK_KERNEL void k_moe_scan(const i32 *__restrict__ counts, int E, i32 *__restrict__ offsets, i32 *__restrict__ tile_start) {
 	if (threadIdx.x != 0) return;
@@ -324,35 +334,46 @@ DK_KERNEL void k_moe_tiles(const i32 *__restrict__ offsets, int E, i32 *__restri
 // over the grouped rows r of e (offsets[e] <= r < offsets[e+1]), W_e =
 // w[e] BF16 row-major: (N, K) with out = a·W_eᵀ when !NN (the forward's
 // projections, as b.gemm per expert), (K, N) with out = a·W_e when NN (the
-// backward's dh and dx); ACC adds to out instead of overwriting it.
+// backward's dh and dx); ACC adds to out instead of overwriting it. With
+// order non-null, grouped row r reads a's row order[r] / topk (a holds
+// the token rows: the forward's gate and up read the tokens in place
+// instead of a gathered copy).
+//
+// GLU (the forward's gate and up at once, !NN): w holds the experts' gate
+// weights and w2 their up weights, both (N, K); out is act (rows, N) BF16
+// = silu(a·Gateᵀ)·(a·Upᵀ) (swiglu1 of the two fp32 sums, rounded once),
+// and neither product is stored. A block's tile is MOE_BN/2 columns of
+// both: its W tile interleaves 16 gate rows and the same 16 up rows per
+// warp column, so each thread's accumulators hold a gate and its up.
+//
 // Grid: x over an upper bound of the row tiles (rows/MOE_BM + E; a block
-// past tile_start[E] leaves), y over the MOE_BN-column tiles. A block of 8
-// warps computes MOE_BM x MOE_BN, each warp 64 rows x 32 columns (4 x 4
-// mma tiles), over K in MOE_BK steps: the next step's A and W tiles load
-// with cp.async while the tensor cores work on this one. Rows past the
-// expert's, columns past N and K past its end load as zeros and are not
-// stored; K and N must be multiples of 8 (16-byte copies), the host
-// checks. Each output element is one thread's fixed-order sum:
-// deterministic.
+// past tile_start[E] leaves), y over the column tiles. A block of 8 warps
+// computes MOE_BM x MOE_BN, each warp 64 rows x 32 columns (4 x 4 mma
+// tiles), over K in BK steps, S of them staged (cp.async) ahead of the
+// tensor cores. Rows past the expert's, columns past N and K past its end
+// load as zeros and are not stored; K and N must be multiples of 8
+// (16-byte copies), the host checks. Each output element is one thread's
+// sum in ascending k: the same bits for any BK, S or GLU, deterministic.
 #define MOE_LDN (MOE_BN + 8) // an NN W tile's row stride (BF16)
 
-// moe_pipeline runs the grouped GEMMs' double-buffered main loop over steps
-// tile steps: load(s) stages step s's tiles into buffer s % 2 with
-// cp.async (and commits them), mma(s) multiplies a staged step; the next
-// step loads while this one multiplies, and a buffer is refilled only
-// after every warp is done with it.
-template <class Load, class Mma> DK_DEV void moe_pipeline(int steps, Load load, Mma mma) {
-	load(0);
+// moe_pipeline runs the grouped GEMMs' main loop over steps tile steps in
+// S buffers: load(s) stages step s's tiles into buffer s % S with
+// cp.async and commits them, mma(s) multiplies a staged step. The first
+// S-1 steps load ahead; each iteration waits for its own step's copies,
+// then (every warp being past the barrier, done with step s-1's buffer)
+// refills that buffer with step s+S-1. Empty groups keep the count of
+// groups in flight uniform at the end.
+template <int S, class Load, class Mma> DK_DEV void moe_pipeline(int steps, Load load, Mma mma) {
+	for (int s = 0; s < S - 1; s++) {
+		if (s < steps) load(s);
+		else cp_async_commit();
+	}
 	for (int s = 0; s < steps; s++) {
-		if (s + 1 < steps) {
-			load(s + 1);
-			cp_async_wait<1>();
-		} else {
-			cp_async_wait<0>();
-		}
+		cp_async_wait<S - 2>();
 		__syncthreads();
+		if (s + S - 1 < steps) load(s + S - 1);
+		else cp_async_commit();
 		mma(s);
-		__syncthreads(); // this buffer is refilled by step s+2's load
 	}
 }
 
@@ -380,15 +401,42 @@ DK_DEV void moe_store(float *o, i64 ld, int rows, int cols, const float acc[4][4
 	}
 }
 
+// moe_store_glu writes act = swiglu1(gate, up) as BF16 pairs from a GLU
+// warp's accumulators: acc[i][j] (j < 2) are gate's columns c0 + 8j +
+// 2t.., acc[i][j+2] up's same columns (o: the tile's origin in act, row
+// stride ld; rows and cols as moe_store's).
+DK_DEV void moe_store_glu(u16 *o, i64 ld, int rows, int cols, const float acc[4][4][4], int wm, int c0, int lane) {
+	int g = lane / 4, tq = lane % 4;
+	for (int i = 0; i < 4; i++) {
+		for (int j = 0; j < 2; j++) {
+			int c = c0 + 8 * j + 2 * tq; // even, and cols is a multiple of 8: c+1 < cols with c
+			if (c >= cols) continue;
+			for (int h = 0; h < 2; h++) {
+				int r = wm + 16 * i + g + 8 * h;
+				if (r >= rows) continue;
+				const float *gt = acc[i][j], *up = acc[i][j + 2];
+				*(u32 *)(o + (i64)r * ld + c) = pack_bf16x2(swiglu1(gt[2 * h], up[2 * h]), swiglu1(gt[2 * h + 1], up[2 * h + 1]));
+			}
+		}
+	}
+}
+
 // moe_mma adds a warp's 4x4 tiles of products af·bf into acc.
 DK_DEV void moe_mma(float acc[4][4][4], const u32 af[4][4], const u32 bf[4][2]) {
 	for (int i = 0; i < 4; i++)
 		for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], af[i], bf[j]);
 }
 
-template <bool NN, bool ACC>
-DK_DEV void moe_gemm(u16 *sm, float *__restrict__ out, const u16 *__restrict__ a, const u64 *__restrict__ w,
-                     const i32 *__restrict__ offsets, const i32 *__restrict__ tile_start, int E, int N, int K) {
+template <int BK, int S, bool NN, bool ACC, bool GLU>
+DK_DEV void moe_gemm(u16 *sm, void *__restrict__ out, const u16 *__restrict__ a, const i32 *__restrict__ order, int topk,
+                     const u64 *__restrict__ w, const u64 *__restrict__ w2, const i32 *__restrict__ offsets,
+                     const i32 *__restrict__ tile_start, int E, int N, int K) {
+	// LD: a K-major tile's row stride (BF16, padded against bank
+	// conflicts); CH: its 16-byte chunks a row; RSTEP, AR, BR: the rows a
+	// thread copies, RSTEP apart, of the A and the (!NN) W tile.
+	constexpr int LD = BK + 8, CH = BK / 8;
+	constexpr int tileA = MOE_BM * LD, tileB = NN ? BK * MOE_LDN : MOE_BN * LD, stage = tileA + tileB; // halfs
+	constexpr int RSTEP = MOE_GEMM_THREADS / CH, AR = MOE_BM / RSTEP, BR = MOE_BN / RSTEP;
 	int t = blockIdx.x;
 	if (t >= tile_start[E]) return;
 	int lo = 0, hi = E - 1; // the expert whose tiles hold t: tile_start[e] <= t < tile_start[e+1]
@@ -401,71 +449,120 @@ DK_DEV void moe_gemm(u16 *sm, float *__restrict__ out, const u16 *__restrict__ a
 	i32 row0 = offsets[e] + (t - tile_start[e]) * MOE_BM;
 	int rows = offsets[e + 1] - row0;
 	if (rows > MOE_BM) rows = MOE_BM;
-	int n0 = blockIdx.y * MOE_BN;
-	int ncols = N - n0 < MOE_BN ? N - n0 : MOE_BN;
-	const u16 *A = a + (i64)row0 * K;
-	const u16 *W = (const u16 *)w[e] + (NN ? n0 : (i64)n0 * K);
-
-	const int tileA = MOE_BM * MOE_LD, tileB = NN ? MOE_BK * MOE_LDN : MOE_BN * MOE_LD; // halfs
+	const int bn = GLU ? MOE_BN / 2 : MOE_BN; // the block's output columns
+	int n0 = blockIdx.y * bn;
+	int ncols = N - n0 < bn ? N - n0 : bn;
 	int tid = threadIdx.x, lane = tid % DK_WARP, warp = tid / DK_WARP;
 	int wm = (warp / 4) * 64, wn = (warp % 4) * 32; // the warp's rows and columns in the tile
 
-	// load stages step s's tiles into buffer s % 2 (16-byte chunks, two a
-	// thread for each tile).
-	auto load = [&](int s) {
-		int buf = (s % 2) * (tileA + tileB), k0 = s * MOE_BK;
-		for (int i = tid; i < MOE_BM * 4; i += MOE_GEMM_THREADS) {
-			int r = i / 4, c = (i % 4) * 8;
-			bool ok = r < rows && k0 + c < K;
-			cp_async16(sm, 2 * (buf + r * MOE_LD + c), A + (ok ? (i64)r * K + k0 + c : 0), ok);
+	// The rows this thread copies (tid / CH + RSTEP·j, at column chunk
+	// (tid % CH)·8 of each step): A's source rows (through order when the
+	// tokens are read in place), W's rows (GLU: gate's and up's
+	// interleaved). A row out of range copies zeros from a valid address.
+	int r0 = tid / CH, c8 = (tid % CH) * 8;
+	const u16 *arow[AR];
+	bool aok[AR];
+	for (int j = 0; j < AR; j++) {
+		int r = r0 + RSTEP * j;
+		aok[j] = r < rows;
+		i64 src = aok[j] ? (order ? (i64)(order[row0 + r] / topk) : (i64)(row0 + r)) : 0;
+		arow[j] = a + src * K;
+	}
+	const u16 *brow[NN ? 1 : BR];
+	bool bok[NN ? 1 : BR];
+	if (!NN) {
+		for (int j = 0; j < BR; j++) {
+			int r = r0 + RSTEP * j, c = r; // the tile row's column of out
+			const u16 *W = (const u16 *)w[e];
+			if (GLU) { // rows 32v..32v+15: gate's columns 16v..16v+15; 32v+16..32v+31: up's
+				c = 16 * (r / 32) + (r % 16);
+				if (r % 32 >= 16) W = (const u16 *)w2[e];
+			}
+			bok[j] = c < ncols;
+			brow[j] = W + (bok[j] ? (i64)(n0 + c) * K : 0);
 		}
-		if (NN) { // MOE_BK rows of k, MOE_BN columns of n
-			for (int i = tid; i < MOE_BK * (MOE_BN / 8); i += MOE_GEMM_THREADS) {
+	}
+	const u16 *Wnn = (const u16 *)w[e] + n0; // NN: W_e (K, N) from column n0
+
+	auto load = [&](int s) {
+		int buf = (s % S) * stage, k0 = s * BK;
+		bool kok = k0 + c8 < K;
+		for (int j = 0; j < AR; j++) {
+			bool ok = aok[j] && kok;
+			cp_async16(sm, 2 * (buf + (r0 + RSTEP * j) * LD + c8), ok ? arow[j] + k0 + c8 : a, ok);
+		}
+		if (NN) { // BK rows of k, MOE_BN columns of n
+			for (int i = tid; i < BK * (MOE_BN / 8); i += MOE_GEMM_THREADS) {
 				int r = i / (MOE_BN / 8), c = (i % (MOE_BN / 8)) * 8;
 				bool ok = k0 + r < K && c < ncols;
-				cp_async16(sm, 2 * (buf + tileA + r * MOE_LDN + c), W + (ok ? (i64)(k0 + r) * N + c : 0), ok);
+				cp_async16(sm, 2 * (buf + tileA + r * MOE_LDN + c), ok ? Wnn + (i64)(k0 + r) * N + c : Wnn, ok);
 			}
-		} else { // MOE_BN rows of n, MOE_BK columns of k
-			for (int i = tid; i < MOE_BN * 4; i += MOE_GEMM_THREADS) {
-				int r = i / 4, c = (i % 4) * 8;
-				bool ok = r < ncols && k0 + c < K;
-				cp_async16(sm, 2 * (buf + tileA + r * MOE_LD + c), W + (ok ? (i64)r * K + k0 + c : 0), ok);
+		} else { // MOE_BN rows of n, BK columns of k
+			for (int j = 0; j < BR; j++) {
+				bool ok = bok[j] && kok;
+				cp_async16(sm, 2 * (buf + tileA + (r0 + RSTEP * j) * LD + c8), ok ? brow[j] + k0 + c8 : brow[j], ok);
 			}
 		}
 		cp_async_commit();
 	};
 
 	float acc[4][4][4] = {};
-	moe_pipeline((K + MOE_BK - 1) / MOE_BK, load, [&](int s) {
-		int buf = (s % 2) * (tileA + tileB);
-		for (int kk = 0; kk < MOE_BK; kk += 16) {
+	moe_pipeline<S>((K + BK - 1) / BK, load, [&](int s) {
+		int buf = (s % S) * stage;
+		for (int kk = 0; kk < BK; kk += 16) {
 			u32 af[4][4], bf[4][2];
-			for (int i = 0; i < 4; i++) ldsm_a(af[i], sm, buf, MOE_LD, wm + 16 * i, kk, lane);
+			for (int i = 0; i < 4; i++) ldsm_a(af[i], sm, buf, LD, wm + 16 * i, kk, lane);
 			for (int j = 0; j < 4; j += 2) {
 				if (NN) ldsm_bt2(bf[j], bf[j + 1], sm, buf + tileA, MOE_LDN, wn + 8 * j, kk, lane);
-				else ldsm_b2(bf[j], bf[j + 1], sm, buf + tileA, MOE_LD, wn + 8 * j, kk, lane);
+				else ldsm_b2(bf[j], bf[j + 1], sm, buf + tileA, LD, wn + 8 * j, kk, lane);
 			}
 			moe_mma(acc, af, bf);
 		}
 	});
 
-	moe_store<ACC>(out + (i64)row0 * N + n0, N, rows, ncols, acc, wm, wn, lane);
+	if (GLU) moe_store_glu((u16 *)out + (i64)row0 * N + n0, N, rows, ncols, acc, wm, 16 * (warp % 4), lane);
+	else moe_store<ACC>((float *)out + (i64)row0 * N + n0, N, rows, ncols, acc, wm, wn, lane);
 }
 
-DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm(float *out, const u16 *a, const u64 *w, const i32 *offsets,
-                                                               const i32 *tile_start, int E, int N, int K) {
+// The kernels: the forward's projections (order non-null: a holds the
+// token rows), gate and up with the SwiGLU (_glu, BF16 act), the
+// backward's NN products (_nn; _nn_acc adds); _v1: the earlier 32-wide
+// steps in two buffers, for an A/B on a device. The host's moeGEMMSmem
+// gives each one's shared memory.
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
+                                                          const i32 *offsets, const i32 *tile_start, int E, int N, int K) {
 	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
-	moe_gemm<false, false>(sm, out, a, w, offsets, tile_start, E, N, K);
+	moe_gemm<MOE_BK, MOE_STAGES, false, false, false>(sm, out, a, order, topk, w, w2, offsets, tile_start, E, N, K);
 }
-DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_nn(float *out, const u16 *a, const u64 *w, const i32 *offsets,
-                                                                  const i32 *tile_start, int E, int N, int K) {
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_glu(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
+                                                          const i32 *offsets, const i32 *tile_start, int E, int N, int K) {
 	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
-	moe_gemm<true, false>(sm, out, a, w, offsets, tile_start, E, N, K);
+	moe_gemm<MOE_BK, MOE_STAGES, false, false, true>(sm, out, a, order, topk, w, w2, offsets, tile_start, E, N, K);
 }
-DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_nn_acc(float *out, const u16 *a, const u64 *w, const i32 *offsets,
-                                                                      const i32 *tile_start, int E, int N, int K) {
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_nn(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
+                                                          const i32 *offsets, const i32 *tile_start, int E, int N, int K) {
 	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
-	moe_gemm<true, true>(sm, out, a, w, offsets, tile_start, E, N, K);
+	moe_gemm<MOE_BK, MOE_STAGES, true, false, false>(sm, out, a, order, topk, w, w2, offsets, tile_start, E, N, K);
+}
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_nn_acc(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
+                                                          const i32 *offsets, const i32 *tile_start, int E, int N, int K) {
+	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
+	moe_gemm<MOE_BK, MOE_STAGES, true, true, false>(sm, out, a, order, topk, w, w2, offsets, tile_start, E, N, K);
+}
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_v1(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
+                                                          const i32 *offsets, const i32 *tile_start, int E, int N, int K) {
+	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
+	moe_gemm<MOE_V1_BK, 2, false, false, false>(sm, out, a, order, topk, w, w2, offsets, tile_start, E, N, K);
+}
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_nn_v1(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
+                                                          const i32 *offsets, const i32 *tile_start, int E, int N, int K) {
+	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
+	moe_gemm<MOE_V1_BK, 2, true, false, false>(sm, out, a, order, topk, w, w2, offsets, tile_start, E, N, K);
+}
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_nn_acc_v1(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
+                                                          const i32 *offsets, const i32 *tile_start, int E, int N, int K) {
+	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
+	moe_gemm<MOE_V1_BK, 2, true, true, false>(sm, out, a, order, topk, w, w2, offsets, tile_start, E, N, K);
 }
 
 // k_moe_wgrad_gemm: the experts' weight gradients, dw[e] (N, K) F32 +=
@@ -473,7 +570,7 @@ DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_nn_acc(float *out,
 // BF16 (dDown += dyᵀ·act, dGate += dgᵀ·x, dUp += duᵀ·x). Grid: (N tiles,
 // K tiles, E), a block owning a MOE_BM x MOE_BN tile of one expert's
 // gradient (8 warps of 64 x 32) and summing over the expert's rows in
-// MOE_BK steps (cp.async double buffering; aᵀ's fragments through
+// MOE_WG_BK steps (cp.async double buffering; aᵀ's fragments through
 // ldmatrix's transposing form). The block is its tile's only writer, and
 // the sum runs in a fixed order: deterministic. N and K multiples of 8.
 DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_wgrad_gemm(const u64 *__restrict__ dw, const u16 *__restrict__ a,
@@ -485,18 +582,18 @@ DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_wgrad_gemm(const u64 *_
 	if (cnt == 0) return;
 	int nrows = N - n0 < MOE_BM ? N - n0 : MOE_BM, kcols = K - k0 < MOE_BN ? K - k0 : MOE_BN;
 	DK_DYN_SMEM(u16, sm);
-	const int tile = MOE_BK * MOE_LDN; // halfs: MOE_BK rows (r) of MOE_BM (n) or MOE_BN (k) columns
+	const int tile = MOE_WG_BK * MOE_LDN; // halfs: MOE_WG_BK rows (r) of MOE_BM (n) or MOE_BN (k) columns
 	int tid = threadIdx.x, lane = tid % DK_WARP, warp = tid / DK_WARP;
 	int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
 
 	auto load = [&](int s) {
-		int buf = (s % 2) * 2 * tile, rs = s * MOE_BK;
-		for (int i = tid; i < MOE_BK * (MOE_BM / 8); i += MOE_GEMM_THREADS) {
+		int buf = (s % 2) * 2 * tile, rs = s * MOE_WG_BK;
+		for (int i = tid; i < MOE_WG_BK * (MOE_BM / 8); i += MOE_GEMM_THREADS) {
 			int r = i / (MOE_BM / 8), c = (i % (MOE_BM / 8)) * 8;
 			bool ok = rs + r < cnt && c < nrows;
 			cp_async16(sm, 2 * (buf + r * MOE_LDN + c), a + (ok ? (i64)(r0 + rs + r) * N + n0 + c : 0), ok);
 		}
-		for (int i = tid; i < MOE_BK * (MOE_BN / 8); i += MOE_GEMM_THREADS) {
+		for (int i = tid; i < MOE_WG_BK * (MOE_BN / 8); i += MOE_GEMM_THREADS) {
 			int r = i / (MOE_BN / 8), c = (i % (MOE_BN / 8)) * 8;
 			bool ok = rs + r < cnt && c < kcols;
 			cp_async16(sm, 2 * (buf + tile + r * MOE_LDN + c), x + (ok ? (i64)(r0 + rs + r) * K + k0 + c : 0), ok);
@@ -505,9 +602,9 @@ DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_wgrad_gemm(const u64 *_
 	};
 
 	float acc[4][4][4] = {};
-	moe_pipeline((cnt + MOE_BK - 1) / MOE_BK, load, [&](int s) {
+	moe_pipeline<2>((cnt + MOE_WG_BK - 1) / MOE_WG_BK, load, [&](int s) {
 		int buf = (s % 2) * 2 * tile;
-		for (int kk = 0; kk < MOE_BK; kk += 16) {
+		for (int kk = 0; kk < MOE_WG_BK; kk += 16) {
 			u32 af[4][4], bf[4][2];
 			// aᵀ's A fragment (rows n, columns r) from the tile stored [r][n].
 			for (int i = 0; i < 4; i++)
@@ -525,4 +622,8 @@ DK_REGISTER(k_moe_tiles)
 DK_REGISTER(k_moe_gemm)
 DK_REGISTER(k_moe_gemm_nn)
 DK_REGISTER(k_moe_gemm_nn_acc)
+DK_REGISTER(k_moe_gemm_glu)
+DK_REGISTER(k_moe_gemm_v1)
+DK_REGISTER(k_moe_gemm_nn_v1)
+DK_REGISTER(k_moe_gemm_nn_acc_v1)
 DK_REGISTER(k_moe_wgrad_gemm)

@@ -30,6 +30,10 @@ typedef long long i64;
 #define DK_FULL 0xffffffffu
 
 DK_DEV int imin(int a, int b) { return a < b ? a : b; }
+
+// swiglu1 is silu(g)·u with silu(g) = g / (1 + exp(-g)), as compute/cpu:
+// k_swiglu's and the MoE GEMM's fused epilogue's one definition.
+DK_DEV float swiglu1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 DK_DEV int imax(int a, int b) { return a > b ? a : b; }
 DK_DEV i64 lmin(i64 a, i64 b) { return a < b ? a : b; }
 
