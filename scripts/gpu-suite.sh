@@ -74,6 +74,16 @@
 #              weights in turn on the same GPU, 16k tokens of workload b:
 #              bf16_tokens/s, fp8_tokens/s, fp8_speedup and each one's
 #              weights in GiB (DISTILL_BENCH_SHAPES picks other shapes)
+#   moe        the experts' grouped GEMMs (issue 23): TestMoEGrouped* on the
+#              GPU (the default kernels, gate and up fused with the SwiGLU
+#              and the tokens read in place, give the earlier kernels' bits,
+#              DISTILL_CUDA_MOE_GEMM=v1, and agree with per-expert cuBLASLt),
+#              then BenchmarkMoE: one Qwen3-30B-A3B-shaped layer (16384
+#              tokens, 128 experts of 768, top-8), the teacher's forward and
+#              the student's forward + backward, default against v1 in the
+#              same run (ms a call, TFLOP/s over the experts' GEMMs); with
+#              DISTILL_BENCH_SHAPES=qwen3-30b-a3b the bench step times the
+#              whole forward against the peer step's HF
 #   peer       HF transformers on the same workloads (scripts/gpu/hf_bench.py)
 #   racecheck  compute-sanitizer --tool racecheck on this package's attention
 #              kernels (DISTILL_RACECHECK=1: smaller cases; cuDNN's, closed
@@ -415,6 +425,11 @@ s_bench() {
     -test.benchtime 3x -test.timeout 235s
 }
 
+s_moe() {
+  step moe-test 60 "$T" -test.v -test.count=1 -test.timeout 55s -test.run 'TestMoEGrouped|TestMoEFrozenBackward|TestMoEConformance'
+  step moe-bench 120 "$T" -test.run '^$' -test.bench '^BenchmarkMoE$' -test.benchtime 5x -test.timeout 115s
+}
+
 # fp8: the FP8 teacher weights' tests on the GPU, then FP8 against BF16
 # in the teacher's forward (BenchmarkForwardFP8; the Qwen3-8B shape unless
 # DISTILL_BENCH_SHAPES names others).
@@ -482,6 +497,9 @@ summary() {
       sort -rn | head -15
     echo "-- benchmarks"
     grep -E '^Benchmark' "$OUT/bench.log" 2>/dev/null
+    echo "-- the experts' grouped GEMMs: default vs v1 (bits, then ms a call and TFLOP/s)"
+    grep -hE -- '--- (PASS|FAIL): TestMoE|default vs v1|want' "$OUT/moe-test.log" 2>/dev/null | sed 's/^ *//' | head -12
+    grep -hE '^BenchmarkMoE|^--- (FAIL|SKIP)' "$OUT/moe-bench.log" 2>/dev/null
     echo "-- FP8 teacher weights: vs the CPU's FP8, then FP8 against BF16 (tokens/s, speed-up, weights GiB)"
     grep -hE 'fp8 (matmul|moe) vs cpu: max|vs FP8 cpu|FP8 (MatMul|MoE|forward)' "$OUT/fp8-test.log" 2>/dev/null | sed 's/^ *//' | head -30
     grep -hE '^BenchmarkForwardFP8|^--- (FAIL|SKIP)' "$OUT/fp8-bench.log" 2>/dev/null
@@ -518,7 +536,7 @@ case "${1:-}" in
     steps=()
     for s in "$@"; do
       case "$s" in
-        all) steps+=(env test device goldens attn memcheck bench peer racecheck nccl fp8 pipe train-test train-memcheck train-curve train-qad train-resume train-bench loss-coef train-zero train-peer) ;;
+        all) steps+=(env test device goldens attn memcheck bench peer racecheck nccl fp8 moe pipe train-test train-memcheck train-curve train-qad train-resume train-bench loss-coef train-zero train-peer) ;;
         train) steps+=(env train-test train-curve train-qad train-resume train-memcheck train-bench loss-coef train-peer) ;;
         attn-issue)
           steps+=(env test attn goldens train-test train-resume train-bench train-peer)
@@ -531,7 +549,7 @@ case "${1:-}" in
     [ ${#steps[@]} -eq 0 ] && steps=(env test device goldens attn memcheck bench peer racecheck)
     for s in "${steps[@]}"; do
       case "$s" in
-        env|test|device|memcheck|racecheck|nccl|pipe|goldens|attn|bench|fp8|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|loss-coef|train-zero|train-peer) "s_$s" ;;
+        env|test|device|memcheck|racecheck|nccl|pipe|goldens|attn|bench|fp8|moe|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|loss-coef|train-zero|train-peer) "s_$s" ;;
         *) echo "unknown step $s"; exit 2 ;;
       esac
     done

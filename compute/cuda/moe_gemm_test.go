@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"os"
 	"strings"
 	"testing"
 
@@ -214,4 +215,103 @@ func TestMoELoRAHostGrouping(t *testing.T) {
 		return ""
 	}
 	computetest.Run(t, be, tol)
+}
+
+// BenchmarkMoE: one Qwen3-30B-A3B-shaped MoE layer (16384 tokens, 128
+// experts of width 768, top-8, hidden 2048) on the default grouped GEMMs
+// and on the earlier ones (MoEGEMM v1), on the same GPU in the same run:
+// the teacher's forward (MoE, BF16 weights) and the student's step
+// (MoEForward + MoEBackward, fp32 masters read through their BF16
+// shadows). It reports ms a call and TFLOP/s over the experts' GEMMs
+// (6·T·K·H·I a forward, three times that with the backward). It needs a
+// GPU; DISTILL_TRAIN_BENCH_DRYRUN=1 runs its code on the emulator at a
+// tiny shape.
+func BenchmarkMoE(b *testing.B) {
+	T, H, I, E, K := 16384, 2048, 768, 128, 8
+	switch {
+	case onGPU():
+	case os.Getenv("DISTILL_TRAIN_BENCH_DRYRUN") == "1":
+		useEmu(b)
+		T, H, I, E, K = 96, 64, 48, 8, 2
+	default:
+		b.Skip("benchmarks need a GPU: set DISTILL_CUDA_TEST=gpu (scripts/gpu-suite.sh); DISTILL_TRAIN_BENCH_DRYRUN=1 runs this one's code on the emulator")
+	}
+	r := rand.New(rand.NewPCG(7, 8))
+	x, dout := randF32(r, T*H), randF32(r, T*H)
+	router := randF32(r, E*H)
+	experts := make([][3][]float32, E)
+	for e := range experts {
+		for j := range experts[e] {
+			experts[e][j] = randF32(r, I*H)
+			for i := range experts[e][j] {
+				experts[e][j][i] *= 0.03
+			}
+		}
+	}
+	fwdFlops := 6 * float64(T) * float64(K) * float64(H) * float64(I)
+	for _, v := range []string{"", "v1"} {
+		be, err := Open(Options{KernelCache: kernelCacheForTests(b), MoEGEMM: v})
+		if err != nil {
+			b.Fatal(err)
+		}
+		name := "default"
+		if v != "" {
+			name = v
+		}
+		weight := func(s []float32) compute.Tensor {
+			h := make([]uint16, len(s))
+			compute.NarrowBF16(h, s)
+			w, err := be.Weight(h)
+			if err != nil {
+				b.Fatal(err)
+			}
+			return w
+		}
+		moeWeights := func(w func([]float32) compute.Tensor) *compute.MoEWeights {
+			mw := &compute.MoEWeights{Router: w(router), NumExperts: E, TopK: K, Hidden: H, Inter: I, NormTopK: true}
+			for e := range experts {
+				mw.Gate, mw.Up, mw.Down = append(mw.Gate, w(experts[e][0])), append(mw.Up, w(experts[e][1])), append(mw.Down, w(experts[e][2]))
+			}
+			return mw
+		}
+		xt, outt := be.FromF32(x), be.New(compute.F32, T*H)
+		b.Run(fmt.Sprintf("forward/%s/T%d_H%d_I%d_E%d_K%d", name, T, H, I, E, K), func(b *testing.B) {
+			mw := moeWeights(weight)
+			be.MoE(outt, xt, mw, T) // warm up: the pool, the router's copy
+			be.wait()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				be.MoE(outt, xt, mw, T)
+			}
+			be.wait()
+			sec := b.Elapsed().Seconds() / float64(b.N)
+			b.ReportMetric(1e3*sec, "ms/call")
+			b.ReportMetric(fwdFlops/sec/1e12, "TFLOP/s")
+		})
+		b.Run(fmt.Sprintf("train/%s/T%d_H%d_I%d_E%d_K%d", name, T, H, I, E, K), func(b *testing.B) {
+			mw := moeWeights(be.FromF32)
+			dm := &compute.MoEWeights{Router: be.New(compute.F32, E*H), NumExperts: E, TopK: K, Hidden: H, Inter: I}
+			for e := 0; e < E; e++ {
+				dm.Gate, dm.Up, dm.Down = append(dm.Gate, be.New(compute.F32, I*H)), append(dm.Up, be.New(compute.F32, I*H)), append(dm.Down, be.New(compute.F32, H*I))
+			}
+			nf, ni := compute.MoESavedSizes(T, E, K, H, I)
+			s := compute.NewMoESaved(be, be.New(compute.F32, nf), be.New(compute.I32, ni), T, E, K, H, I)
+			dt, dx := be.FromF32(dout), be.New(compute.F32, T*H)
+			step := func() {
+				be.MoEForward(outt, xt, mw, s, T)
+				be.MoEBackward(dx, dm, dt, xt, mw, s, nil, T)
+			}
+			step() // warm up
+			be.wait()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				step()
+			}
+			be.wait()
+			sec := b.Elapsed().Seconds() / float64(b.N)
+			b.ReportMetric(1e3*sec, "ms/call")
+			b.ReportMetric(3*fwdFlops/sec/1e12, "TFLOP/s")
+		})
+		be.Close()
+	}
 }
