@@ -465,6 +465,10 @@ func lossTileCols(h *compute.LossHead) int {
 	return min(vt, h.V)
 }
 
+// lossTileSmem is the tile kernels' shared memory (losshead.cu): a row's
+// K teacher ids and the mask of the tile's n columns (a bit each).
+func lossTileSmem(K, n int) int { return 4*K + 4*((n+31)/32) }
+
 // lossTileBudget bounds the loss head's logit tile (M x cols fp32).
 const lossTileBudget = 256 << 20
 
@@ -553,7 +557,7 @@ func (b *Backend) lossPass1(h *compute.LossHead, what string) pass1 {
 	for v0 := 0; v0 < V; v0 += vt {
 		n := min(vt, V-v0)
 		b.gemm(tile, xc, wp+uint64(v0)*uint64(C)*2, M, n, C, dataBF16)
-		b.launchKernel(launch{kernel: "k_loss_fwd_tile", grid: [3]int{M, 1, 1}, block: 256, smem: 4 * K},
+		b.launchKernel(launch{kernel: "k_loss_fwd_tile", grid: [3]int{M, 1, 1}, block: 256, smem: lossTileSmem(K, n)},
 			dptr(tile), int32(n), int32(v0), h.InvT, sepCE, ptrOf(ids), int32(K), dptr(labels.p), dptr(state), int64(M), dptr(zk), dptr(zlab))
 	}
 	out := b.alloc(int64(M) * 3 * 8)
@@ -695,7 +699,7 @@ func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dxT
 		n := min(vt, V-v0)
 		wt := wp + uint64(v0)*uint64(C)*2
 		b.gemm(tile, xc, wt, M, n, C, dataBF16)
-		b.launchKernel(launch{kernel: "k_loss_bwd_tile", grid: [3]int{M, 1, 1}, block: 256, smem: 4 * K},
+		b.launchKernel(launch{kernel: "k_loss_bwd_tile", grid: [3]int{M, 1, 1}, block: 256, smem: lossTileSmem(K, n)},
 			dptr(dz), dptr(tile), int32(n), int32(v0), h.InvT, sepCE, dptr(lseT.p), dptr(lse1.p), dptr(a.p), ptrOf(ck), ptrOf(ids), int32(K),
 			dptr(labels.p), c.WSFT)
 		b.gemmEx(dxc, dz, wt, M, C, n, false, false, dataBF16, 1)

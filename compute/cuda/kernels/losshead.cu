@@ -4,7 +4,7 @@
 // dL/dz (pass 2), one block per row. [M x V] logits never exist.
 //
 // A row's teacher ids (K, ascending, distinct) are staged in shared memory
-// and each column finds out by binary search whether it is one of them, so
+// with a bit mask of the tile's columns that are one of them, so
 // the tail Σ_{v∉K} exp(z_v/T - lse) is summed directly over the columns
 // outside K (never 1 - Σ_K), as compute/cpu does. Per-row sums are float64,
 // reduced in a fixed tree order: deterministic, no atomics.
@@ -21,6 +21,31 @@ DK_DEV int in_topk(const i32 *ids, int K, i32 v) {
 	}
 	return (lo < K && ids[lo] == v) ? lo : -1;
 }
+
+// tile_mask writes mask ((n+31)/32 words) with bit c set when vocabulary
+// id v0 + c is one of the row's K teacher ids (sid, ascending, distinct):
+// a thread a word, the word's ids located by one binary search. A column
+// then asks one shared load whether it is a teacher id, where a search of
+// K ids per column cost about half the tile kernels' instructions. The
+// caller synchronizes before and after (sid's writes; mask's).
+DK_DEV void tile_mask(u32 *mask, const i32 *sid, int K, int v0, int n) {
+	int words = (n + 31) / 32;
+	for (int w = threadIdx.x; w < words; w += LOSS_THREADS) {
+		i32 lo_v = v0 + 32 * w;
+		int lo = 0, hi = K; // the first id >= lo_v
+		while (lo < hi) {
+			int mid = (lo + hi) / 2;
+			if (sid[mid] < lo_v) lo = mid + 1;
+			else hi = mid;
+		}
+		u32 m = 0;
+		for (int j = lo; j < K && sid[j] - lo_v < 32; j++) m |= 1u << (sid[j] - lo_v);
+		mask[w] = m;
+	}
+}
+
+// in_mask reports whether column c's bit is set (tile_mask).
+DK_DEV bool in_mask(const u32 *mask, int c) { return (mask[c >> 5] >> (c & 31)) & 1u; }
 
 // sum3 reduces three doubles over the block in a fixed tree; thread 0 gets
 // them. red: 3·LOSS_THREADS doubles.
@@ -69,20 +94,24 @@ DK_KERNEL void k_loss_init(double *st, i64 M) {
 
 // k_loss_fwd_tile: block r folds row r's logits for vocab ids [v0, v0+n),
 // tile[r·n .. r·n+n), into st, and gathers z at its teacher ids (zk, (M,K))
-// and at its label (zlab). Dynamic shared memory: K ids.
+// and at its label (zlab). Dynamic shared memory: K ids, then the tile's
+// teacher-id mask ((n+31)/32 words, tile_mask).
 DK_KERNEL __launch_bounds__(LOSS_THREADS) void k_loss_fwd_tile(const float *__restrict__ tile, int n, int v0, float invT, int sepce,
                                                                const i32 *__restrict__ ids, int K, const i32 *__restrict__ labels,
                                                                double *__restrict__ st, i64 M, float *__restrict__ zk,
                                                                float *__restrict__ zlab) {
 	DK_DYN_SMEM(i32, sid);
+	u32 *mask = (u32 *)(sid + K);
 	__shared__ double red[3 * LOSS_THREADS];
 	__shared__ float redf[LOSS_THREADS];
 	i64 r = blockIdx.x;
 	const float *z = tile + r * n;
 	for (int j = threadIdx.x; j < K; j += LOSS_THREADS) sid[j] = ids[r * K + j];
+	__syncthreads();
+	tile_mask(mask, sid, K, v0, n);
 	float mx = -DK_INF;
 	for (int c = threadIdx.x; c < n; c += LOSS_THREADS) mx = fmaxf(mx, z[c]);
-	mx = block_max_f(mx, redf); // also the barrier after sid's writes
+	mx = block_max_f(mx, redf); // also the barrier after mask's writes
 	double mT = st[r], m = mT > (double)(mx * invT) ? mT : (double)(mx * invT);
 	double m1 = st[3 * M + r], mm = m1 > (double)mx ? m1 : (double)mx;
 	float mf = (float)m, mmf = (float)mm;
@@ -90,7 +119,7 @@ DK_KERNEL __launch_bounds__(LOSS_THREADS) void k_loss_fwd_tile(const float *__re
 	for (int c = threadIdx.x; c < n; c += LOSS_THREADS) {
 		float zv = z[c];
 		double e = (double)expf(zv * invT - mf);
-		if (K > 0 && in_topk(sid, K, v0 + c) >= 0) topk += e;
+		if (in_mask(mask, c)) topk += e;
 		else tail += e;
 		if (sepce) s1 += (double)expf(zv - mmf);
 	}
@@ -135,15 +164,19 @@ DK_KERNEL void k_loss_fwd_finish(double *__restrict__ out, const double *__restr
 //   v ∉ K: a·q_v (+ wsft·p_v), v = ids[j]: ck[j] (+ wsft·p_v), minus wsft at
 //   the label; q_v = exp(z·invT - lseT), p_v = exp(z - lse1) (= q_v when
 //   the CE shares the temperature: sepce = 0).
-// Dynamic shared memory: K ids.
+// Dynamic shared memory: K ids, then the tile's teacher-id mask
+// (k_loss_fwd_tile's).
 DK_KERNEL __launch_bounds__(LOSS_THREADS) void k_loss_bwd_tile(u16 *__restrict__ dz, const float *__restrict__ tile, int n, int v0,
                                                                float invT, int sepce, const float *__restrict__ lseT,
                                                                const float *__restrict__ lse1, const float *__restrict__ acoef,
                                                                const float *__restrict__ ck, const i32 *__restrict__ ids, int K,
                                                                const i32 *__restrict__ labels, float wsft) {
 	DK_DYN_SMEM(i32, sid);
+	u32 *mask = (u32 *)(sid + K);
 	i64 r = blockIdx.x;
 	for (int j = threadIdx.x; j < K; j += LOSS_THREADS) sid[j] = ids[r * K + j];
+	__syncthreads();
+	tile_mask(mask, sid, K, v0, n);
 	__syncthreads();
 	const float *z = tile + r * n;
 	u16 *o = dz + r * n;
@@ -151,7 +184,7 @@ DK_KERNEL __launch_bounds__(LOSS_THREADS) void k_loss_bwd_tile(u16 *__restrict__
 	i32 lab = labels[r];
 	for (int c = threadIdx.x; c < n; c += LOSS_THREADS) {
 		float zv = z[c];
-		int j = K > 0 ? in_topk(sid, K, v0 + c) : -1;
+		int j = in_mask(mask, c) ? in_topk(sid, K, v0 + c) : -1;
 		float g;
 		if (j >= 0) {
 			g = ck[r * K + j];
