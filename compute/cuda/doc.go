@@ -220,9 +220,11 @@
 //     the forward saved, each one launch for all experts: k_moe_gemm_nn
 //     (and _acc) for dact and dx, k_moe_wgrad_gemm for the weight
 //     gradients (a block per tile of one expert's gradient, summing over
-//     its rows: the tile's only writer, a fixed order); experts with no
-//     rows are untouched. Shapes the kernels cannot take read the saved
-//     offsets to the host and run cuBLASLt per expert.
+//     its rows in 64-row steps staged three ahead: the tile's only writer,
+//     a fixed order; dGate's and dUp's read the tokens in place through
+//     the saved order, as the forward did); experts with no rows are
+//     untouched. Shapes the kernels cannot take read the saved offsets to
+//     the host and run cuBLASLt per expert.
 //   - AttentionBackward: flash-style, the probabilities recomputed from the
 //     forward's log-sum-exp. The own kernels: head_dim 64 and 128 on tensor
 //     cores (FlashAttention 2's backward with the forward's machinery: BF16

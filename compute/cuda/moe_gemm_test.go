@@ -111,12 +111,12 @@ func TestMoEGroupedBackward(t *testing.T) {
 	if !onGPU() {
 		useEmu(t)
 	}
-	be, err := Open(Options{KernelCache: kernelCacheForTests(t)})
+	be, err := Open(Options{KernelCache: kernelCacheForTests(t), Profile: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer be.Close()
-	v1, err := Open(Options{KernelCache: kernelCacheForTests(t), MoEGEMM: "v1"})
+	v1, err := Open(Options{KernelCache: kernelCacheForTests(t), MoEGEMM: "v1", Profile: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -127,13 +127,31 @@ func TestMoEGroupedBackward(t *testing.T) {
 		if qad {
 			c.inAmax, c.hAmax = 2688.0/1024, 2688.0/1024
 		}
+		be.Profile() // reset
 		got := c.run(be, true)
 		// The earlier kernels give the same bits: the forward's saved
-		// products and the backward's NN GEMMs, each sum in ascending k.
+		// products, the backward's NN GEMMs and weight gradients, each sum
+		// in ascending k or rows; they gather the tokens for the forward
+		// and again for dGate and dUp, the default kernels read them in
+		// place.
+		v1.Profile()
 		g1 := c.run(v1, true)
+		gathers := func(be *Backend) int {
+			n := 0
+			for _, e := range be.Profile() {
+				if e.Name == "k_moe_gather" {
+					n += e.Calls
+				}
+			}
+			return n
+		}
+		if n, n1 := gathers(be), gathers(v1); n != 0 || n1 != 2 {
+			t.Fatalf("k_moe_gather launches: %d (default), %d (v1), want 0 and 2", n, n1)
+		}
 		same(t, "dx, default vs v1 kernels", got.dx, g1.dx)
 		for e := 0; e < c.E; e++ {
 			same(t, "dGate, default vs v1 kernels", got.dgate[e], g1.dgate[e])
+			same(t, "dUp, default vs v1 kernels", got.dup[e], g1.dup[e])
 			same(t, "dDown, default vs v1 kernels", got.ddown[e], g1.ddown[e])
 		}
 		testMoEHostGrouping = true

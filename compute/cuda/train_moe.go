@@ -131,7 +131,7 @@ var testMoEHostGrouping bool
 func (b *Backend) moeGEMM(out, a uint64, tok moeTokens, w uint64, g moeGroups, n, k int) {
 	kernel := "k_moe_gemm" + b.moeGEMMVariant()
 	b.launchKernel(launch{kernel: kernel, grid: [3]int{g.rowTiles(), (n + moeBN - 1) / moeBN, 1}, block: 256, smem: moeGEMMSmem(kernel)},
-		dptr(out), dptr(a), dptr(tok.order), int32(tok.k), dptr(w), dptr(0), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
+		dptr(out), dptr(a), dptr(tok.order), int32(max(tok.k, 1)), dptr(w), dptr(0), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
 }
 
 // moeGEMMGLU enqueues act (rows, n) BF16 = silu(a·gate_eᵀ)·(a·up_eᵀ) for
@@ -141,7 +141,7 @@ func (b *Backend) moeGEMM(out, a uint64, tok moeTokens, w uint64, g moeGroups, n
 // moeGEMM's.
 func (b *Backend) moeGEMMGLU(act, a uint64, tok moeTokens, gate, up uint64, g moeGroups, n, k int) {
 	b.launchKernel(launch{kernel: "k_moe_gemm_glu", grid: [3]int{g.rowTiles(), (n + moeBN/2 - 1) / (moeBN / 2), 1}, block: 256, smem: moeGEMMSmem("k_moe_gemm_glu")},
-		dptr(act), dptr(a), dptr(tok.order), int32(tok.k), dptr(gate), dptr(up), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
+		dptr(act), dptr(a), dptr(tok.order), int32(max(tok.k, 1)), dptr(gate), dptr(up), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
 }
 
 // moeGEMMNN enqueues out (rows, n) F32 = a (rows, k) BF16 · w_e for each
@@ -181,21 +181,30 @@ func (b *Backend) moeGEMMVariant() string {
 
 // moeWGrad enqueues dw[e] (n, k) F32 += a_eᵀ · x_e over each expert's
 // grouped rows (k_moe_wgrad_gemm), dw a device array of the experts'
-// gradient addresses, a (rows, n) and x (rows, k) BF16.
-func (b *Backend) moeWGrad(dw, a, x uint64, g moeGroups, n, k int) {
-	b.launchKernel(launch{kernel: "k_moe_wgrad_gemm", grid: [3]int{(n + moeBM - 1) / moeBM, (k + moeBN - 1) / moeBN, g.E}, block: 256, smem: moeWGradSmem},
-		dptr(dw), dptr(a), dptr(x), dptr(g.offsets), int32(n), int32(k))
+// gradient addresses, a (rows, n) BF16 and x the grouped rows (rows, k)
+// BF16, or with tok set the token rows (moeGEMM's tok).
+func (b *Backend) moeWGrad(dw, a, x uint64, tok moeTokens, g moeGroups, n, k int) {
+	kernel := "k_moe_wgrad_gemm" + b.moeGEMMVariant()
+	b.launchKernel(launch{kernel: kernel, grid: [3]int{(n + moeBM - 1) / moeBM, (k + moeBN - 1) / moeBN, g.E}, block: 256, smem: moeWGradSmem(kernel)},
+		dptr(dw), dptr(a), dptr(x), dptr(tok.order), int32(max(tok.k, 1)), dptr(g.offsets), int32(n), int32(k))
 }
 
-// The grouped GEMMs' tiles (moe.cu: MOE_BM, MOE_BN, MOE_BK, MOE_STAGES,
-// MOE_V1_BK, MOE_WG_BK): k_moe_wgrad_gemm stages two MOE_WG_BK-row tiles
-// of MOE_BN+8 in two buffers.
+// The grouped GEMMs' tiles (moe.cu: MOE_BM, MOE_BN, MOE_BK, MOE_STAGES;
+// the _v1 kernels' MOE_V1_BK and MOE_WG_BK in two buffers).
 const (
 	moeBM, moeBN        = 128, 128
 	moeBK, moeStages    = 64, 3
 	moeV1BK, moeWGradBK = 32, 32
-	moeWGradSmem        = 2 * 2 * moeWGradBK * (moeBN + 8) * 2
 )
+
+// moeWGradSmem is k_moe_wgrad_gemm's shared memory: stages of two tiles of
+// BK rows of MOE_BN+8.
+func moeWGradSmem(kernel string) int {
+	if strings.HasSuffix(kernel, "_v1") {
+		return 2 * 2 * moeWGradBK * (moeBN + 8) * 2
+	}
+	return moeStages * 2 * moeBK * (moeBN + 8) * 2
+}
 
 // moeGEMMSmem is the shared memory of a k_moe_gemm* kernel (moe.cu's
 // MOE_GEMM_SMEM): stages of an A tile (MOE_BM rows of BK+8) and a W tile
@@ -552,9 +561,18 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 		act = scratch(int64(P) * int64(I) * 2)
 		b.moeAct(act, sv.gate.p, sv.up.p, mw, P, I)
 	}
-	if dm != nil || anyAdapter(mw, ga) || anyAdapter(mw, ua) {
+	// The experts' input for dGate and dUp: the token rows, read through
+	// the order as the forward read them (the default kernels), or the
+	// grouped rows gathered again (the adapters' backward reads them).
+	tok := moeTokens{}
+	switch {
+	case anyAdapter(mw, ga) || anyAdapter(mw, ua) || dm != nil && (!onDevice || b.moeKernels == "v1"):
 		xg = scratch(int64(P) * int64(H) * 2)
 		b.moeExpertInput(xg, x, sv.order.p, mw, T, K, H)
+	case dm != nil:
+		xg = scratch(int64(T) * int64(H) * 2)
+		b.moeTokenInput(xg, x, mw, T, H)
+		tok = moeTokens{order: sv.order.p, k: K}
 	}
 	dh := scratch(int64(P) * int64(I) * 4)
 	ops := &moeOperands{b: b, what: what}
@@ -568,7 +586,7 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 		downBwd = func() { lr.backward(da, "down_proj", dh, dy, act) }
 	}
 	if onDevice {
-		b.moeExpertsBackwardDevice(dm, mw, ops, grad, dy, act, xg, dh, dg, du, dxg, sv, P, E, H, I, downBwd)
+		b.moeExpertsBackwardDevice(dm, mw, ops, grad, dy, act, xg, tok, dh, dg, du, dxg, sv, P, E, H, I, downBwd)
 	} else {
 		b.moeExpertsBackwardHost(off, dm, mw, ops, grad, dy, act, xg, dh, dg, du, dxg, sv, H, I, downBwd)
 	}
@@ -588,7 +606,7 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 // gradients. afterDh runs once dh is complete, before the SwiGLU's
 // backward reads it (the down adapters' dx).
 func (b *Backend) moeExpertsBackwardDevice(dm, mw *compute.MoEWeights, ops *moeOperands, grad func(compute.Tensor, string, int, int) uint64,
-	dy, act, xg, dh, dg, du, dxg uint64, sv *moeSaved, P, E, H, I int, afterDh func()) {
+	dy, act, xg uint64, tok moeTokens, dh, dg, du, dxg uint64, sv *moeSaved, P, E, H, I int, afterDh func()) {
 	tileStart := b.alloc(int64(E+1) * 4)
 	defer b.free(tileStart)
 	b.launchKernel(launch{kernel: "k_moe_tiles", grid: [3]int{1, 1, 1}, block: 32}, dptr(sv.offsets.p), int32(E), dptr(tileStart))
@@ -601,14 +619,14 @@ func (b *Backend) moeExpertsBackwardDevice(dm, mw *compute.MoEWeights, ops *moeO
 		return ops.array(h)
 	}
 	if dm != nil {
-		b.moeWGrad(grads(dm.Down, "Down", H*I), dy, act, g, H, I)
+		b.moeWGrad(grads(dm.Down, "Down", H*I), dy, act, moeTokens{}, g, H, I)
 	}
 	b.moeGEMMNN(dh, dy, ops.ptrs(mw.Down, "down", H*I), g, I, H, false)
 	afterDh()
 	b.ew("k_moe_swiglu_bwd", int64(P)*int64(I), dptr(dg), dptr(du), dptr(dh), dptr(sv.gate.p), dptr(sv.up.p), int64(P)*int64(I))
 	if dm != nil {
-		b.moeWGrad(grads(dm.Gate, "Gate", I*H), dg, xg, g, I, H)
-		b.moeWGrad(grads(dm.Up, "Up", I*H), du, xg, g, I, H)
+		b.moeWGrad(grads(dm.Gate, "Gate", I*H), dg, xg, tok, g, I, H)
+		b.moeWGrad(grads(dm.Up, "Up", I*H), du, xg, tok, g, I, H)
 	}
 	b.moeGEMMNN(dxg, dg, ops.ptrs(mw.Gate, "gate", I*H), g, H, I, false)
 	b.moeGEMMNN(dxg, du, ops.ptrs(mw.Up, "up", I*H), g, H, I, true)

@@ -295,11 +295,10 @@ DK_REGISTER(k_moe_dx)
 #define MOE_BM 128
 #define MOE_BN 128
 #define MOE_GEMM_THREADS 256
-// The forward's and the backward's row GEMMs (k_moe_gemm*) step through K
-// MOE_BK at a time in MOE_STAGES shared buffers: three 64-wide steps in
-// flight cover the global memory's latency, which two 32-wide ones (the
-// _v1 kernels, DISTILL_CUDA_MOE_GEMM=v1) did not. The weight gradients
-// (k_moe_wgrad_gemm) sum over rows MOE_WG_BK at a time in two buffers.
+// The grouped GEMMs (k_moe_gemm*, k_moe_wgrad_gemm) step through their
+// sums MOE_BK at a time in MOE_STAGES shared buffers: three 64-wide steps
+// in flight cover the global memory's latency, which two 32-wide ones (the
+// _v1 kernels, DISTILL_CUDA_MOE_GEMM=v1; MOE_V1_BK, MOE_WG_BK) did not.
 #define MOE_BK 64
 #define MOE_STAGES 3
 #define MOE_V1_BK 32
@@ -565,46 +564,48 @@ DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_nn_acc_v1(void *ou
 	moe_gemm<MOE_V1_BK, 2, true, true, false>(sm, out, a, order, topk, w, w2, offsets, tile_start, E, N, K);
 }
 
-// k_moe_wgrad_gemm: the experts' weight gradients, dw[e] (N, K) F32 +=
-// a_eᵀ · x_e over each expert's grouped rows, a (rows, N) and x (rows, K)
-// BF16 (dDown += dyᵀ·act, dGate += dgᵀ·x, dUp += duᵀ·x). Grid: (N tiles,
-// K tiles, E), a block owning a MOE_BM x MOE_BN tile of one expert's
-// gradient (8 warps of 64 x 32) and summing over the expert's rows in
-// MOE_WG_BK steps (cp.async double buffering; aᵀ's fragments through
-// ldmatrix's transposing form). The block is its tile's only writer, and
-// the sum runs in a fixed order: deterministic. N and K multiples of 8.
-DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_wgrad_gemm(const u64 *__restrict__ dw, const u16 *__restrict__ a,
-                                                                     const u16 *__restrict__ x, const i32 *__restrict__ offsets, int N,
-                                                                     int K) {
+// moe_wgrad: the experts' weight gradients, dw[e] (N, K) F32 += a_eᵀ ·
+// x_e over each expert's grouped rows, a (rows, N) BF16 and x BF16 (dDown
+// += dyᵀ·act, dGate += dgᵀ·x, dUp += duᵀ·x): x the grouped rows (rows, K),
+// or with order non-null the token rows, grouped row r reading row
+// order[r] / topk (as moe_gemm's A). Grid: (N tiles, K tiles, E), a block
+// owning a MOE_BM x MOE_BN tile of one expert's gradient (8 warps of 64 x
+// 32) and summing over the expert's rows in BK steps, S of them staged
+// ahead (cp.async; aᵀ's fragments through ldmatrix's transposing form).
+// The block is its tile's only writer, and the sum runs in ascending rows
+// for any BK and S: deterministic, the same bits. N and K multiples of 8.
+template <int BK, int S>
+DK_DEV void moe_wgrad(u16 *sm, const u64 *__restrict__ dw, const u16 *__restrict__ a, const u16 *__restrict__ x,
+                      const i32 *__restrict__ order, int topk, const i32 *__restrict__ offsets, int N, int K) {
 	int e = blockIdx.z, n0 = blockIdx.x * MOE_BM, k0 = blockIdx.y * MOE_BN;
 	i32 r0 = offsets[e];
 	int cnt = offsets[e + 1] - r0;
 	if (cnt == 0) return;
 	int nrows = N - n0 < MOE_BM ? N - n0 : MOE_BM, kcols = K - k0 < MOE_BN ? K - k0 : MOE_BN;
-	DK_DYN_SMEM(u16, sm);
-	const int tile = MOE_WG_BK * MOE_LDN; // halfs: MOE_WG_BK rows (r) of MOE_BM (n) or MOE_BN (k) columns
+	const int tile = BK * MOE_LDN; // halfs: BK rows (r) of MOE_BM (n) or MOE_BN (k) columns
 	int tid = threadIdx.x, lane = tid % DK_WARP, warp = tid / DK_WARP;
 	int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
 
 	auto load = [&](int s) {
-		int buf = (s % 2) * 2 * tile, rs = s * MOE_WG_BK;
-		for (int i = tid; i < MOE_WG_BK * (MOE_BM / 8); i += MOE_GEMM_THREADS) {
+		int buf = (s % S) * 2 * tile, rs = s * BK;
+		for (int i = tid; i < BK * (MOE_BM / 8); i += MOE_GEMM_THREADS) {
 			int r = i / (MOE_BM / 8), c = (i % (MOE_BM / 8)) * 8;
 			bool ok = rs + r < cnt && c < nrows;
 			cp_async16(sm, 2 * (buf + r * MOE_LDN + c), a + (ok ? (i64)(r0 + rs + r) * N + n0 + c : 0), ok);
 		}
-		for (int i = tid; i < MOE_WG_BK * (MOE_BN / 8); i += MOE_GEMM_THREADS) {
+		for (int i = tid; i < BK * (MOE_BN / 8); i += MOE_GEMM_THREADS) {
 			int r = i / (MOE_BN / 8), c = (i % (MOE_BN / 8)) * 8;
 			bool ok = rs + r < cnt && c < kcols;
-			cp_async16(sm, 2 * (buf + tile + r * MOE_LDN + c), x + (ok ? (i64)(r0 + rs + r) * K + k0 + c : 0), ok);
+			i64 src = ok ? (order ? (i64)(order[r0 + rs + r] / topk) : (i64)(r0 + rs + r)) : 0;
+			cp_async16(sm, 2 * (buf + tile + r * MOE_LDN + c), x + (ok ? src * K + k0 + c : 0), ok);
 		}
 		cp_async_commit();
 	};
 
 	float acc[4][4][4] = {};
-	moe_pipeline<2>((cnt + MOE_WG_BK - 1) / MOE_WG_BK, load, [&](int s) {
-		int buf = (s % 2) * 2 * tile;
-		for (int kk = 0; kk < MOE_WG_BK; kk += 16) {
+	moe_pipeline<S>((cnt + BK - 1) / BK, load, [&](int s) {
+		int buf = (s % S) * 2 * tile;
+		for (int kk = 0; kk < BK; kk += 16) {
 			u32 af[4][4], bf[4][2];
 			// aᵀ's A fragment (rows n, columns r) from the tile stored [r][n].
 			for (int i = 0; i < 4; i++)
@@ -617,6 +618,19 @@ DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_wgrad_gemm(const u64 *_
 	moe_store<true>((float *)dw[e] + (i64)n0 * K + k0, K, nrows, kcols, acc, wm, wn, lane);
 }
 
+// k_moe_wgrad_gemm: moe_wgrad in MOE_BK-row steps, MOE_STAGES of them
+// staged; _v1 the earlier 32-row steps in two buffers.
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_wgrad_gemm(const u64 *dw, const u16 *a, const u16 *x, const i32 *order, int topk,
+                                                                     const i32 *offsets, int N, int K) {
+	DK_DYN_SMEM(u16, sm);
+	moe_wgrad<MOE_BK, MOE_STAGES>(sm, dw, a, x, order, topk, offsets, N, K);
+}
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_wgrad_gemm_v1(const u64 *dw, const u16 *a, const u16 *x, const i32 *order,
+                                                                        int topk, const i32 *offsets, int N, int K) {
+	DK_DYN_SMEM(u16, sm);
+	moe_wgrad<MOE_WG_BK, 2>(sm, dw, a, x, order, topk, offsets, N, K);
+}
+
 DK_REGISTER(k_moe_scan)
 DK_REGISTER(k_moe_tiles)
 DK_REGISTER(k_moe_gemm)
@@ -626,4 +640,5 @@ DK_REGISTER(k_moe_gemm_glu)
 DK_REGISTER(k_moe_gemm_v1)
 DK_REGISTER(k_moe_gemm_nn_v1)
 DK_REGISTER(k_moe_gemm_nn_acc_v1)
+DK_REGISTER(k_moe_wgrad_gemm_v1)
 DK_REGISTER(k_moe_wgrad_gemm)
