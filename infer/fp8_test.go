@@ -7,6 +7,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -187,7 +188,11 @@ func TestFP8Load(t *testing.T) {
 // checkpoint does (F8_E4M3 and weight_scale), the scales as layout says:
 // "channel" (compute.QuantizeFP8's, shape (out, 1), compressed-tensors'),
 // "tensor" (one scale, the tensor's amax/448, and an input_scale:
-// ModelOpt's), "block" (weight_scale_inv (out/16, in/16): refused), or
+// ModelOpt's), "block" (weight_scale_inv of 16x16 blocks, each its
+// amax/448, config.json's quantization_config naming [16, 16]: Qwen's and
+// DeepSeek's layout), "block128" (the same with no weight_block_size: 128
+// by default), "blockshape" (scales of 16x16 blocks, the config naming
+// none: refused), "both" (weight_scale and weight_scale_inv: refused), or
 // "noscale" (no weight_scale: refused).
 func writeFP8Checkpoint(t *testing.T, src, layout string) string {
 	t.Helper()
@@ -214,6 +219,35 @@ func writeFP8Checkpoint(t *testing.T, src, layout string) string {
 		base := strings.TrimSuffix(n, "weight")
 		var q *compute.FP8Matrix
 		switch layout {
+		case "block", "block128", "blockshape", "both":
+			b := 16
+			if layout == "block128" {
+				b = 128
+			}
+			br, bc := (rows+b-1)/b, (cols+b-1)/b
+			q = &compute.FP8Matrix{Codes: make([]uint8, len(f))}
+			scales := make([]float32, br*bc)
+			for i0 := 0; i0 < br; i0++ {
+				for j0 := 0; j0 < bc; j0++ {
+					var amax float32
+					for i := i0 * b; i < min(rows, (i0+1)*b); i++ {
+						for j := j0 * b; j < min(cols, (j0+1)*b); j++ {
+							amax = max(amax, float32(math.Abs(float64(f[i*cols+j]))))
+						}
+					}
+					sc := compute.FP8Scale(amax)
+					scales[i0*bc+j0] = sc
+					for i := i0 * b; i < min(rows, (i0+1)*b); i++ {
+						for j := j0 * b; j < min(cols, (j0+1)*b); j++ {
+							q.Codes[i*cols+j] = compute.E4M3Byte(compute.E4M3(f[i*cols+j] / sc))
+						}
+					}
+				}
+			}
+			ts = append(ts, model.F32Tensor(base+"weight_scale_inv", []int{br, bc}, scales))
+			if layout == "both" {
+				ts = append(ts, model.F32Tensor(base+"weight_scale", []int{}, []float32{1}))
+			}
 		case "tensor":
 			var amax float32
 			for _, v := range f {
@@ -232,14 +266,20 @@ func writeFP8Checkpoint(t *testing.T, src, layout string) string {
 			switch layout {
 			case "channel":
 				ts = append(ts, model.F32Tensor(base+"weight_scale", []int{rows, 1}, q.Scales))
-			case "block":
-				ts = append(ts, model.F32Tensor(base+"weight_scale_inv", []int{rows / 16, cols / 16}, make([]float32, rows*cols/256)))
 			}
 		}
 		ts = append(ts, model.Tensor{Name: n, DType: "F8_E4M3", Shape: info.Shape, Data: q.Codes})
 	}
 	dir := t.TempDir()
 	cfg, _ := os.ReadFile(filepath.Join(src, "config.json"))
+	if layout == "block" || layout == "both" {
+		var c map[string]any
+		if err := json.Unmarshal(cfg, &c); err != nil {
+			t.Fatal(err)
+		}
+		c["quantization_config"] = map[string]any{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": []int{16, 16}}
+		cfg, _ = json.Marshal(c)
+	}
 	os.WriteFile(filepath.Join(dir, "config.json"), cfg, 0o644)
 	if err := model.WriteSafetensors(filepath.Join(dir, "model.safetensors"), ts, nil); err != nil {
 		t.Fatal(err)
@@ -250,9 +290,11 @@ func writeFP8Checkpoint(t *testing.T, src, layout string) string {
 // TestFP8Checkpoints: checkpoints already in FP8 load with --weights fp8:
 // per output channel (compressed-tensors), the same codes and scales as
 // quantizing the BF16 checkpoint at load, so the same outputs bit for bit;
-// per tensor (ModelOpt, its input_scale unused), within FP8's error of
-// BF16. Without --weights fp8, and in the layouts not read (block-wise
-// scales, no weight_scale), they are refused naming what to do.
+// per tensor (ModelOpt, its input_scale unused) and block-wise (Qwen's and
+// DeepSeek's weight_scale_inv, requantized per channel), within FP8's
+// error of BF16. Without --weights fp8, and in the layouts not read
+// (block scales of another shape than the config's blocks, two kinds of
+// scales, none), they are refused naming what to do.
 func TestFP8Checkpoints(t *testing.T) {
 	be := device.CPU(0)
 	src := "testdata/golden/qwen3_moe"
@@ -306,17 +348,79 @@ func TestFP8Checkpoints(t *testing.T) {
 		t.Errorf("per-tensor FP8 checkpoint: max |Δ| %.3g against BF16 (want (0, 1]), %.3g against per-channel (want > 0)", dRef, dAtLoad)
 	}
 
+	// Block-wise scales (16x16 blocks named by config.json, and 128x128 by
+	// default): dequantized and quantized again per channel, so within
+	// FP8's error of BF16, and not the per-channel checkpoint's codes.
+	for _, layout := range []string{"block", "block128"} {
+		m, err = LoadWith(writeFP8Checkpoint(t, src, layout), be, LoadOptions{Weights: WeightsFP8})
+		if err != nil {
+			t.Fatalf("%s: %v", layout, err)
+		}
+		if m.last().d.Blocks[0].Attn.Q.W.DType() != compute.F8E4M3 {
+			t.Errorf("%s FP8 checkpoint: q_proj %v, want F8E4M3", layout, m.last().d.Blocks[0].Attn.Q.W.DType())
+		}
+		dRef, dAtLoad = 0, 0
+		for i, r := range topk(m) {
+			for j := range r.IDs {
+				dRef = max(dRef, math.Abs(float64(r.LogProbs[j]-ref[i].LogProbs[j])))
+				dAtLoad = max(dAtLoad, math.Abs(float64(r.LogProbs[j]-want[i].LogProbs[j])))
+			}
+		}
+		t.Logf("%s FP8 checkpoint (requantized per channel at load): max |Δ log-prob| %.3g against BF16, %.3g against per-channel from BF16", layout, dRef, dAtLoad)
+		if dRef > 1 || dRef == 0 || dAtLoad == 0 {
+			t.Errorf("%s FP8 checkpoint: max |Δ| %.3g against BF16 (want (0, 1]), %.3g against per-channel (want > 0)", layout, dRef, dAtLoad)
+		}
+	}
+
 	for _, c := range []struct {
 		dir  string
 		o    LoadOptions
 		want string
 	}{
-		{ch, LoadOptions{}, "holds FP8 weights (F8_E4M3 with weight_scale: compressed-tensors or ModelOpt FP8): load it with --weights fp8"},
-		{writeFP8Checkpoint(t, src, "block"), LoadOptions{Weights: WeightsFP8}, "block-wise FP8 scales (weight_scale_inv"},
-		{writeFP8Checkpoint(t, src, "noscale"), LoadOptions{Weights: WeightsFP8}, "an FP8 weight without a weight_scale beside it"},
+		{ch, LoadOptions{}, "holds FP8 weights (F8_E4M3 with weight_scale: compressed-tensors or ModelOpt FP8, or weight_scale_inv: block-wise, Qwen's and DeepSeek's FP8 releases): load it with --weights fp8"},
+		{writeFP8Checkpoint(t, src, "block"), LoadOptions{}, "load it with --weights fp8"},
+		{writeFP8Checkpoint(t, src, "blockshape"), LoadOptions{Weights: WeightsFP8}, "its weight_scale_inv has shape"},
+		{writeFP8Checkpoint(t, src, "both"), LoadOptions{Weights: WeightsFP8}, "both a weight_scale and a weight_scale_inv"},
+		{writeFP8Checkpoint(t, src, "noscale"), LoadOptions{Weights: WeightsFP8}, "an FP8 weight without a weight_scale (or block-wise weight_scale_inv) beside it"},
 	} {
 		if _, err := LoadWith(c.dir, be, c.o); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s (weights %q): err = %v, want it to contain %q", c.dir, c.o.Weights, err, c.want)
 		}
+	}
+}
+
+// TestDequantBlockFP8: a block-scaled FP8 weight's values, worked by hand:
+// a (3, 5) matrix in blocks of (2, 3) (partial blocks at the bottom and
+// the right), E4M3 codes 0x38 = 1, 0x40 = 2, 0xB8 = -1, 0x3C = 1.5, 0x00 =
+// 0, each times its block's scale; a scale that is not positive and finite
+// is an error naming its block.
+func TestDequantBlockFP8(t *testing.T) {
+	codes := []uint8{
+		0x38, 0x40, 0xB8, 0x3C, 0x00,
+		0x3C, 0x00, 0x38, 0x38, 0x40,
+		0x40, 0xB8, 0x3C, 0x00, 0x38,
+	}
+	scales := []float32{ // blocks (row block, column block): (0,0) (0,1); (1,0) (1,1)
+		0.5, 2,
+		4, 0.125,
+	}
+	want := []float32{
+		0.5, 1, -0.5, 3, 0,
+		0.75, 0, 0.5, 2, 4,
+		8, -4, 6, 0, 0.125,
+	}
+	got, err := dequantBlockFP8(codes, scales, 3, 5, [2]int{2, 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("dequantized\n%v\nwant\n%v", got, want)
+	}
+	scales[3] = 0
+	if _, err := dequantBlockFP8(codes, scales, 3, 5, [2]int{2, 3}); err == nil || !strings.Contains(err.Error(), "weight_scale_inv[1][1] = 0") {
+		t.Fatalf("a zero scale: err = %v, want it named", err)
+	}
+	if _, err := dequantBlockFP8(codes, scales[:3], 3, 5, [2]int{2, 3}); err == nil || !strings.Contains(err.Error(), "3 scales") {
+		t.Fatalf("too few scales: err = %v", err)
 	}
 }

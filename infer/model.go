@@ -157,10 +157,11 @@ func LoadStages(dir string, bes []compute.Backend, o LoadOptions) (*Model, error
 	if err != nil {
 		return nil, err
 	}
-	if fp8 && o.Weights != WeightsFP8 {
-		return nil, fmt.Errorf("%w: %s holds FP8 weights (F8_E4M3 with weight_scale: compressed-tensors or ModelOpt FP8): load it with --weights fp8", ErrInput, dir)
+	if fp8.fp8 && o.Weights != WeightsFP8 {
+		return nil, fmt.Errorf("%w: %s holds FP8 weights (F8_E4M3 with weight_scale: compressed-tensors or ModelOpt FP8, or weight_scale_inv: block-wise, Qwen's and DeepSeek's FP8 releases): load it with --weights fp8", ErrInput, dir)
 	}
-	m, err := newStages(cfg, w, bes, o, fp8)
+	o.fp8Block = fp8.block
+	m, err := newStages(cfg, w, bes, o, fp8.fp8)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}

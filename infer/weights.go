@@ -1,9 +1,12 @@
 package infer
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 
@@ -27,6 +30,11 @@ type LoadOptions struct {
 	// teacher (LoadStages) into micro-batches (decoder.Pipeline's
 	// defaults when 0: four a stage, none under 1024 tokens).
 	MicroBatches, MinMicroTokens int
+
+	// fp8Block is an FP8 checkpoint's block of scales (rows, columns) when
+	// it scales blocks (weight_scale_inv), from its config.json
+	// (fp8Checkpoint); zero otherwise.
+	fp8Block [2]int
 }
 
 // check validates o, naming the value at fault.
@@ -68,7 +76,7 @@ func (o LoadOptions) fingerprintSuffix() string {
 func bindWeight(be compute.Backend, w *model.Weights, name string, o LoadOptions) (compute.Tensor, error) {
 	info, _ := w.Info(name)
 	if info.DType == "F8_E4M3" { // an FP8 checkpoint's own codes and scales
-		q, err := loadFP8(w, name, info)
+		q, err := loadFP8(w, name, info, o.fp8Block)
 		if err != nil {
 			return nil, err
 		}
@@ -119,15 +127,55 @@ func bindWeight(be compute.Backend, w *model.Weights, name string, o LoadOptions
 // (a per-tensor one repeated), so the teacher multiplies the checkpoint's
 // own codes. The activations are quantized per token at run time as for
 // weights quantized at load; a static input_scale in the checkpoint is
-// not used (per-token scales are the finer of the two). Block-wise scales
-// (weight_scale_inv of 128x128 blocks: Qwen's and DeepSeek's FP8
-// releases) do not fit per-row scales and are refused, naming the layout.
+// not used (per-token scales are the finer of the two).
+//
+// Block-wise scales (Qwen's and DeepSeek's FP8 releases: weight_scale_inv
+// of shape (ceil(out/b0), ceil(in/b1)), the block (b0, b1) from config.json's
+// quantization_config.weight_block_size, [128, 128] in those releases, the
+// value being code·weight_scale_inv[i/b0][j/b1]) vary along a row, which a
+// per-row scale cannot express: the teacher multiplies per-channel codes
+// (its FP8 GEMMs scale rows and channels after the product), so a
+// block-scaled weight is dequantized to fp32 and quantized again per
+// output channel at load (compute.QuantizeFP8). That second rounding is
+// the cost of reading these checkpoints: TestFP8Checkpoints measures it
+// against the BF16 weights the test's checkpoint was made from.
+
+// fp8Layout is what fp8Checkpoint found: whether the checkpoint holds FP8
+// Linear weights, and its scales' block (zero: per tensor or channel).
+type fp8Layout struct {
+	fp8   bool
+	block [2]int
+}
+
+// fp8BlockSize reads config.json's quantization_config.weight_block_size
+// in dir: [128, 128] when it names none.
+func fp8BlockSize(dir string) ([2]int, error) {
+	var c struct {
+		QC *struct {
+			Block []int `json:"weight_block_size"`
+		} `json:"quantization_config"`
+	}
+	raw, err := os.ReadFile(filepath.Join(dir, "config.json"))
+	if err != nil {
+		return [2]int{}, err
+	}
+	if err := json.Unmarshal(raw, &c); err != nil {
+		return [2]int{}, fmt.Errorf("%w: %s: config.json: %v", model.ErrSafetensors, dir, err)
+	}
+	if c.QC == nil || c.QC.Block == nil {
+		return [2]int{128, 128}, nil
+	}
+	if b := c.QC.Block; len(b) != 2 || b[0] < 1 || b[1] < 1 {
+		return [2]int{}, fmt.Errorf("%w: %s: config.json's quantization_config.weight_block_size is %v: want two positive sizes, as [128, 128]", model.ErrSafetensors, dir, b)
+	}
+	return [2]int{c.QC.Block[0], c.QC.Block[1]}, nil
+}
 
 // fp8Checkpoint reports whether w holds FP8 Linear weights in a layout
 // Load reads (see above), and an error naming the tensor and the layout
 // for one it does not.
-func fp8Checkpoint(dir string, w *model.Weights) (bool, error) {
-	found := false
+func fp8Checkpoint(dir string, w *model.Weights) (fp8Layout, error) {
+	var l fp8Layout
 	for _, n := range w.Names() {
 		info, _ := w.Info(n)
 		refuse := func(what string) error {
@@ -136,28 +184,44 @@ func fp8Checkpoint(dir string, w *model.Weights) (bool, error) {
 		}
 		switch {
 		case info.DType == "F8_E5M2":
-			return false, refuse("an FP8 E5M2 weight (the teacher's FP8 is E4M3)")
+			return l, refuse("an FP8 E5M2 weight (the teacher's FP8 is E4M3)")
 		case strings.HasSuffix(n, ".weight_scale_inv"):
-			return false, refuse("block-wise FP8 scales (weight_scale_inv: 128x128 blocks, as Qwen's and DeepSeek's FP8 releases)")
+			if wi, ok := w.Info(strings.TrimSuffix(n, "_scale_inv")); !ok || wi.DType != "F8_E4M3" {
+				return l, refuse("block-wise FP8 scales beside a weight that is not F8_E4M3")
+			}
 		case info.DType == "F8_E4M3":
 			base := strings.TrimSuffix(n, "weight")
 			if !strings.HasPrefix(n, "model.layers.") || !strings.HasSuffix(n, "_proj.weight") || len(info.Shape) != 2 {
-				return false, refuse("an FP8 tensor that is not a decoder layer's Linear weight")
+				return l, refuse("an FP8 tensor that is not a decoder layer's Linear weight")
 			}
-			if _, ok := w.Info(base + "weight_scale_inv"); ok {
-				return false, refuse("block-wise FP8 scales (weight_scale_inv: 128x128 blocks, as Qwen's and DeepSeek's FP8 releases)")
+			si, hasScale := w.Info(base + "weight_scale")
+			bi, hasBlock := w.Info(base + "weight_scale_inv")
+			switch {
+			case hasScale && hasBlock:
+				return l, refuse("both a weight_scale and a weight_scale_inv beside it (one layout or the other)")
+			case hasBlock:
+				if l.block == ([2]int{}) {
+					b, err := fp8BlockSize(dir)
+					if err != nil {
+						return l, err
+					}
+					l.block = b
+				}
+				want := []int{(info.Shape[0] + l.block[0] - 1) / l.block[0], (info.Shape[1] + l.block[1] - 1) / l.block[1]}
+				if !slices.Equal(bi.Shape, want) {
+					return l, refuse(fmt.Sprintf("its weight_scale_inv has shape %v: blocks of %v (config.json's quantization_config.weight_block_size, [128, 128] when absent) want %v", bi.Shape, l.block, want))
+				}
+			case !hasScale:
+				return l, refuse("an FP8 weight without a weight_scale (or block-wise weight_scale_inv) beside it")
+			default:
+				if k := si.Numel(); k != 1 && (k != info.Shape[0] || len(si.Shape) > 2 || len(si.Shape) == 2 && si.Shape[1] != 1) {
+					return l, refuse(fmt.Sprintf("its weight_scale has shape %v: want one scale (per tensor) or %d (per output channel)", si.Shape, info.Shape[0]))
+				}
 			}
-			si, ok := w.Info(base + "weight_scale")
-			if !ok {
-				return false, refuse("an FP8 weight without a weight_scale beside it")
-			}
-			if k := si.Numel(); k != 1 && (k != info.Shape[0] || len(si.Shape) > 2 || len(si.Shape) == 2 && si.Shape[1] != 1) {
-				return false, refuse(fmt.Sprintf("its weight_scale has shape %v: want one scale (per tensor) or %d (per output channel; block-wise scales are not read)", si.Shape, info.Shape[0]))
-			}
-			found = true
+			l.fp8 = true
 		}
 	}
-	return found, nil
+	return l, nil
 }
 
 // checkFP8Checkpoint is model.Weights.Check for an FP8 checkpoint: the
@@ -183,7 +247,7 @@ func checkFP8Checkpoint(cfg *model.Config, w *model.Weights) error {
 		if want[n] || n == "lm_head.weight" && cfg.TieEmbeddings {
 			continue
 		}
-		if base, ok := strings.CutSuffix(n, "_scale"); ok && (strings.HasSuffix(base, ".weight") || strings.HasSuffix(base, ".input")) {
+		if base, ok := strings.CutSuffix(strings.TrimSuffix(n, "_inv"), "_scale"); ok && (strings.HasSuffix(base, ".weight") || strings.HasSuffix(base, ".input")) {
 			wi, _ := w.Info(strings.TrimSuffix(strings.TrimSuffix(base, ".weight"), ".input") + ".weight")
 			if wi.DType == "F8_E4M3" {
 				continue
@@ -200,18 +264,35 @@ func checkFP8Checkpoint(cfg *model.Config, w *model.Weights) error {
 	return nil
 }
 
-// loadFP8 reads an F8_E4M3 Linear weight and its weight_scale as an
-// FP8Matrix (a per-tensor scale repeated for every row).
-func loadFP8(w *model.Weights, name string, info model.TensorInfo) (*compute.FP8Matrix, error) {
+// loadFP8 reads an F8_E4M3 Linear weight and its scales as an FP8Matrix:
+// weight_scale per channel, or per tensor repeated for every row; with
+// block (its weight_scale_inv's blocks), dequantized and quantized again
+// per output channel (see the FP8 checkpoints' comment above).
+func loadFP8(w *model.Weights, name string, info model.TensorInfo, block [2]int) (*compute.FP8Matrix, error) {
 	codes, _, err := w.Raw(name)
 	if err != nil {
 		return nil, err
+	}
+	rows, cols := info.Shape[0], info.Shape[1]
+	if _, ok := w.Info(strings.TrimSuffix(name, "weight") + "weight_scale_inv"); ok {
+		sc, err := w.F32(strings.TrimSuffix(name, "weight") + "weight_scale_inv")
+		if err != nil {
+			return nil, err
+		}
+		f, err := dequantBlockFP8(codes, sc, rows, cols, block)
+		if err != nil {
+			return nil, fmt.Errorf("%w: tensor %s: %w", model.ErrSafetensors, name, err)
+		}
+		q, err := compute.QuantizeFP8(f, rows, cols)
+		if err != nil {
+			return nil, fmt.Errorf("tensor %s: %w", name, err)
+		}
+		return q, nil
 	}
 	sc, err := w.F32(strings.TrimSuffix(name, "weight") + "weight_scale")
 	if err != nil {
 		return nil, err
 	}
-	rows, cols := info.Shape[0], info.Shape[1]
 	scales := sc
 	if len(sc) == 1 {
 		scales = make([]float32, rows)
@@ -225,4 +306,30 @@ func loadFP8(w *model.Weights, name string, info model.TensorInfo) (*compute.FP8
 		}
 	}
 	return &compute.FP8Matrix{Codes: codes, Scales: scales, Rows: rows, Cols: cols}, nil
+}
+
+// dequantBlockFP8 is a block-scaled FP8 weight's values (rows, cols) in
+// fp32: E4M3Value(codes[i][j])·scales[i/b0][j/b1] (the fp32 product, as
+// the releases' reference dequantization computes it), scales (ceil(rows/
+// b0), ceil(cols/b1)) positive and finite.
+func dequantBlockFP8(codes []uint8, scales []float32, rows, cols int, block [2]int) ([]float32, error) {
+	b0, b1 := block[0], block[1]
+	sc := (cols + b1 - 1) / b1
+	if len(codes) != rows*cols || len(scales) != ((rows+b0-1)/b0)*sc {
+		return nil, fmt.Errorf("block-wise FP8: %d codes and %d scales for a (%d, %d) matrix in blocks of (%d, %d)", len(codes), len(scales), rows, cols, b0, b1)
+	}
+	for k, v := range scales {
+		if !(v > 0) || math.IsInf(float64(v), 0) {
+			return nil, fmt.Errorf("weight_scale_inv[%d][%d] = %v: want a positive finite scale", k/sc, k%sc, v)
+		}
+	}
+	f := make([]float32, rows*cols)
+	for i := 0; i < rows; i++ {
+		srow := scales[(i/b0)*sc : (i/b0+1)*sc]
+		for j0 := 0; j0 < cols; j0 += b1 {
+			j1 := min(j0+b1, cols)
+			compute.FP8DequantizeRow(f[i*cols+j0:i*cols+j1], codes[i*cols+j0:i*cols+j1], srow[j0/b1])
+		}
+	}
+	return f, nil
 }
