@@ -75,7 +75,9 @@ type Options struct {
 	// gate and up fused with the SwiGLU where nothing keeps them) or "v1"
 	// (the earlier kernels: 32-wide steps in two buffers, the tokens
 	// gathered first, the SwiGLU a pass of its own). The same bits either
-	// way; for an A/B on a device. $DISTILL_CUDA_MOE_GEMM sets it too.
+	// way; for an A/B on a device. $DISTILL_CUDA_MOE_GEMM sets it too. A
+	// GPU whose blocks cannot opt in to the default kernels' 108 KB of
+	// shared memory (Ada's 99 KB) runs v1.
 	MoEGEMM string
 }
 
@@ -259,6 +261,12 @@ func Open(opt Options) (*Backend, error) {
 	}
 	if b.moeKernels != "" && b.moeKernels != "v1" {
 		return nil, fmt.Errorf("cuda: MoE GEMM %q: want v1, or none for the default kernels", b.moeKernels)
+	}
+	if need := moeGEMMSmem("k_moe_gemm"); b.moeKernels == "" && b.info.SharedOptinBytes < need {
+		// Ada (sm_89: 99 KB a block) cannot hold the default kernels' three
+		// staged steps; the earlier kernels need 40 KB.
+		b.moeKernels = "v1"
+		b.logf("cuda: %s allows a block %d bytes of shared memory; the MoE experts' GEMMs need %d: running the earlier kernels (MoEGEMM v1)", b.info.Name, b.info.SharedOptinBytes, need)
 	}
 	act := opt.Activations
 	if act == "" {

@@ -90,6 +90,35 @@ func TestMoEGroupedGEMM(t *testing.T) {
 	if _, err := Open(Options{KernelCache: kernelCacheForTests(t), MoEGEMM: "v2"}); err == nil || !strings.Contains(err.Error(), "v2") {
 		t.Fatalf("Open with MoEGEMM v2: %v, want an error naming it", err)
 	}
+	// A GPU whose blocks opt in to less shared memory than the default
+	// kernels stage (Ada's 99 KB) runs v1, saying so.
+	if !onGPU() {
+		t.Setenv("DISTILL_EMU_OPTIN_SMEM", "101376")
+		var logged []string
+		ada, err := Open(Options{KernelCache: kernelCacheForTests(t), Profile: true, Logf: func(f string, a ...any) { logged = append(logged, fmt.Sprintf(f, a...)) }})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ada.Close()
+		weightA := func(s []float32) compute.Tensor {
+			h := make([]uint16, len(s))
+			compute.NarrowBF16(h, s)
+			w, err := ada.Weight(h)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return w
+		}
+		ada.Profile()
+		same(t, "grouped moe, 99 KB of shared memory vs the default", got, c.run(ada, weightA))
+		prof = map[string]int{}
+		for _, e := range ada.Profile() {
+			prof[e.Name] = e.Calls
+		}
+		if prof["k_moe_gemm_v1"] != 3 || !strings.Contains(strings.Join(logged, "\n"), "running the earlier kernels (MoEGEMM v1)") {
+			t.Fatalf("99 KB of shared memory: profile %v, log %q: want the v1 kernels, named in the log", prof, logged)
+		}
+	}
 	if n := prof["cublasLt GEMM (MoE)"]; n != 1 {
 		t.Fatalf("profile %v: %d cuBLASLt GEMMs in MoE, want the router's alone", prof, n)
 	}

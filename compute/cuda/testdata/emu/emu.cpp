@@ -762,7 +762,14 @@ bool emu_stream_access(void *s, u64 p, bool write, const char *what, char *why, 
 
 // ---------------------------------------------------------------- driver API
 
-static const int kOptinSmem = 232448; // H100's 227 KB
+// The dynamic shared memory a block may opt in to: H100's 227 KB, or
+// DISTILL_EMU_OPTIN_SMEM bytes (a smaller GPU's: Ada's 101376).
+// Read at each call (device queries and opt-ins are rare): a test sets it
+// for one backend.
+static int optinSmem() {
+	const char *e = getenv("DISTILL_EMU_OPTIN_SMEM");
+	return e && *e ? atoi(e) : 232448;
+}
 
 extern "C" {
 
@@ -791,7 +798,7 @@ CUresult cuDeviceGetAttribute(int *v, int attr, int) {
 	case 38: *v = 50 << 20; break;  // L2
 	case 75: *v = 9; break;         // compute capability
 	case 76: *v = 0; break;
-	case 97: *v = kOptinSmem; break;
+	case 97: *v = optinSmem(); break;
 	default: return fail(E_INVALID_VALUE, "unknown device attribute " + std::to_string(attr));
 	}
 	return 0;
@@ -1058,7 +1065,7 @@ CUresult cuFuncSetAttribute(CUfunction f, int attr, int v) {
 	EMU_LOCK;
 	Kernel *k = (Kernel *)f;
 	if (attr != 8) return fail(E_INVALID_VALUE, "cuFuncSetAttribute: attribute " + std::to_string(attr));
-	if (v > kOptinSmem) return fail(E_INVALID_VALUE, "cuFuncSetAttribute: " + std::to_string(v) + " bytes of shared memory");
+	if (v > optinSmem()) return fail(E_INVALID_VALUE, "cuFuncSetAttribute: " + std::to_string(v) + " bytes of shared memory");
 	k->maxDynSmem = v;
 	return 0;
 }
