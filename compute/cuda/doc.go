@@ -108,8 +108,14 @@
 //     (k_fp8_quant_rows, bit for bit compute.FP8QuantizeRow), cuBLASLt's
 //     FP8 GEMM ("TN", CUDA_R_8F_E4M3 operands, fp32 accumulation and D),
 //     and k_fp8_scale multiplying each sum by its row's and channel's
-//     scales; in slabs of 2048 rows. FP8 MoE experts take the host's
-//     grouping and one FP8 GEMM per expert (a sync per MoE layer).
+//     scales; in slabs of 2048 rows. FP8 MoE experts run on the device's
+//     grouping like the BF16 ones (k_moe_gemm_fp8_glu: gate and up with
+//     the SwiGLU, h in fp32; h quantized per row; k_moe_gemm_fp8: down),
+//     the tokens' codes read in place, E4M3 products by mma.sync m16n8k32
+//     (sm_89 and NVRTC 12.4 or newer: Backend.mmaE4M3), each sum scaled by
+//     its row's and channel's scales as k_fp8_scale does; without them,
+//     the host's grouping and one cuBLASLt FP8 GEMM per expert (a sync per
+//     MoE layer).
 //   - RMSNorm (and the q/k norm, as RMSNorm over heads): sum of squares in
 //     float64, the rest in fp32; rstd saved on request.
 //   - RoPE: fp32 math, from the cos/sin table the decoder builds on the host

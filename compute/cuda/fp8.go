@@ -156,3 +156,55 @@ func (b *Backend) moeExpertsFP8(gate, up, y uint64, x *tensor, order uint64, mw 
 	b.free(codes)
 	b.free(xs)
 }
+
+// moeExpertsFP8Grouped is moeExpertsFP8 on the device's grouping g, with no
+// host wait and a launch a projection however many experts: x's token rows
+// quantized once and read in place through the order, gate and up with the
+// SwiGLU in one launch (k_moe_gemm_fp8_glu: h in fp32, each product scaled
+// by its row's and channel's scales first, as k_fp8_scale), h quantized per
+// row, and down into y (k_moe_gemm_fp8). The same arithmetic per element
+// as the per-expert path; the sums' order is the tensor cores' (m16n8k32
+// steps in ascending k) instead of cuBLASLt's.
+func (b *Backend) moeExpertsFP8Grouped(y uint64, x *tensor, order uint64, mw *compute.MoEWeights, g moeGroups, T, K, H, I int, what string) {
+	P := T * K
+	ops := &moeOperands{b: b, what: what}
+	defer ops.release()
+	arrays := func(ws []compute.Tensor, name string, n int) (codes, scales uint64) {
+		c, s := make([]uint64, len(ws)), make([]uint64, len(ws))
+		for e, t := range ws {
+			w := b.ten(t, fmt.Sprintf("%s expert %d %s", what, e, name))
+			need(w, fmt.Sprintf("%s expert %d %s", what, e, name), n, compute.F8E4M3)
+			c[e], s[e] = w.p, fp8Scales(w)
+		}
+		return ops.array(c), ops.array(s)
+	}
+	gc, gs := arrays(mw.Gate, "gate", I*H)
+	uc, us := arrays(mw.Up, "up", I*H)
+	dc, ds := arrays(mw.Down, "down", H*I)
+	tc, ts := b.alloc(int64(T)*int64(H)), b.alloc(int64(T)*4)
+	b.launchKernel(launch{kernel: "k_fp8_quant_rows", grid: [3]int{T, 1, 1}, block: 256}, dptr(tc), dptr(ts), dptr(x.p), bf16Flag(x), int32(H))
+	h := b.alloc(int64(P) * int64(I) * 4)
+	b.launchKernel(launch{kernel: "k_moe_gemm_fp8_glu", grid: [3]int{g.rowTiles(), (I + moeBN/2 - 1) / (moeBN / 2), 1}, block: 256, smem: moeFP8Smem},
+		dptr(h), dptr(tc), dptr(ts), dptr(order), int32(K), dptr(gc), dptr(gs), dptr(uc), dptr(us), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(I), int32(H))
+	b.free(tc)
+	b.free(ts)
+	codes, xs := b.alloc(int64(P)*int64(I)), b.alloc(int64(P)*4)
+	b.launchKernel(launch{kernel: "k_fp8_quant_rows", grid: [3]int{P, 1, 1}, block: 256}, dptr(codes), dptr(xs), dptr(h), int32(0), int32(I))
+	b.free(h)
+	b.launchKernel(launch{kernel: "k_moe_gemm_fp8", grid: [3]int{g.rowTiles(), (H + moeBN - 1) / moeBN, 1}, block: 256, smem: moeFP8Smem},
+		dptr(y), dptr(codes), dptr(xs), dptr(0), int32(1), dptr(dc), dptr(ds), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(H), int32(I))
+	b.free(codes)
+	b.free(xs)
+}
+
+// mmaE4M3 reports whether the kernels can multiply E4M3 codes on the tensor
+// cores (mma.sync m16n8k32 .e4m3): an sm_89 or newer GPU, kernels compiled
+// by NVRTC 12.4 or newer (PTX ISA 8.4). Otherwise an FP8 MoE runs its
+// experts through cuBLASLt, one expert at a time (moeExpertsFP8).
+func (b *Backend) mmaE4M3() bool {
+	return b.info.Major*10+b.info.Minor >= 89 && (b.nv.major > 12 || b.nv.major == 12 && b.nv.minor >= 4)
+}
+
+// moeFP8Smem is k_moe_gemm_fp8's shared memory (moe.cu: MOE_STAGES stages
+// of an A and a W tile of 128 rows of MOE_F8_BK+16 bytes).
+const moeFP8Smem = moeStages * 2 * moeBM * (64 + 16)

@@ -127,6 +127,69 @@ func TestMoEGroupedGEMM(t *testing.T) {
 	}
 }
 
+// TestMoEFP8Grouped: an MoE block with FP8 experts on the device's
+// grouping (k_moe_gemm_fp8_glu for gate and up with the SwiGLU,
+// k_moe_gemm_fp8 for down, the tokens' codes read in place; no host wait)
+// against the host's grouping with a cuBLASLt FP8 GEMM per expert, and
+// both against the CPU's FP8 block (TestMoEFP8Conformance's definition),
+// on a shape with experts of two row tiles, a partial column tile of the
+// fused kernel (I = 144: 64, 64, 16) and K steps that wrap the three
+// buffers (H = 208: 64, 64, 64, 16 codes). The sums differ in order only,
+// but h's quantization can move a code when a sum lands within rounding
+// of an E4M3 tie: hence TestMoEFP8Conformance's tolerance.
+func TestMoEFP8Grouped(t *testing.T) {
+	if !onGPU() {
+		useEmu(t)
+	}
+	be, err := Open(Options{KernelCache: kernelCacheForTests(t), Profile: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	const tokens, H, I, E, K = 300, 208, 144, 5, 2
+	r := rand.New(rand.NewPCG(97, 98))
+	c := newMoECase(r, tokens, H, I, E, K, true)
+	rows := map[int]int{}
+	weight := func(be compute.Backend) func([]float32) compute.Tensor {
+		return func(s []float32) compute.Tensor {
+			if len(s) == c.E*c.H { // the router: not quantized
+				if be == compute.Backend(oracle) {
+					return oracle.FromF32(s)
+				}
+				_, h := roundBF16(s)
+				w, err := be.Weight(h)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return w
+			}
+			n := c.I
+			if rows[len(s)] = rows[len(s)] + 1; rows[len(s)]%3 == 0 {
+				n = c.H // every third matrix is a down_proj
+			}
+			return fp8Weight(t, be, s, n, len(s)/n)
+		}
+	}
+	want := c.run(oracle, weight(oracle))
+	clear(rows)
+	be.Profile() // reset
+	got := c.run(be, weight(be))
+	prof := map[string]int{}
+	for _, e := range be.Profile() {
+		prof[e.Name] = e.Calls
+	}
+	clear(rows)
+	testMoEHostGrouping = true
+	host := c.run(be, weight(be))
+	testMoEHostGrouping = false
+	tol := 2e-3 * math.Sqrt(float64(H*I)) / 4
+	closeTo(t, "grouped fp8 moe vs cpu", got, want, tol, 1e-3)
+	closeTo(t, "grouped fp8 moe vs per-expert cuBLASLt", got, host, tol, 1e-3)
+	if prof["k_moe_gemm_fp8_glu"] != 1 || prof["k_moe_gemm_fp8"] != 1 || prof["k_moe_scan"] != 1 || prof["cublasLt GEMM (MoE)"] != 1 {
+		t.Fatalf("profile %v: want 1 k_moe_gemm_fp8_glu, 1 k_moe_gemm_fp8, 1 k_moe_scan and the router's cuBLASLt GEMM alone", prof)
+	}
+}
+
 // TestMoEGroupedBackward: MoEBackward on the device's grouping (k_moe_tiles,
 // k_moe_gemm_nn for dh and dx, k_moe_wgrad_gemm for the experts' weight
 // gradients; no host round trip) against the host's grouping and
@@ -267,7 +330,8 @@ func TestMoELoRAHostGrouping(t *testing.T) {
 // BenchmarkMoE: one Qwen3-30B-A3B-shaped MoE layer (16384 tokens, 128
 // experts of width 768, top-8, hidden 2048) on the default grouped GEMMs
 // and on the earlier ones (MoEGEMM v1), on the same GPU in the same run:
-// the teacher's forward (MoE, BF16 weights) and the student's step
+// the teacher's forward (MoE, BF16 weights; and FP8 weights, grouped =
+// 1 where they ran on the device's grouping) and the student's step
 // (MoEForward + MoEBackward, fp32 masters read through their BF16
 // shadows). It reports ms a call and TFLOP/s over the experts' GEMMs
 // (6·T·K·H·I a forward, three times that with the backward). It needs a
@@ -335,6 +399,49 @@ func BenchmarkMoE(b *testing.B) {
 			b.ReportMetric(1e3*sec, "ms/call")
 			b.ReportMetric(fwdFlops/sec/1e12, "TFLOP/s")
 		})
+		if v == "" {
+			// FP8 experts (an FP8 teacher's): on the device's grouping
+			// where the GPU and NVRTC have E4M3 tensor-core products, else
+			// a cuBLASLt GEMM per expert.
+			b.Run(fmt.Sprintf("forward-fp8/T%d_H%d_I%d_E%d_K%d", T, H, I, E, K), func(b *testing.B) {
+				mw := &compute.MoEWeights{Router: weight(router), NumExperts: E, TopK: K, Hidden: H, Inter: I, NormTopK: true}
+				for e := range experts {
+					for j, n := range []int{I, I, H} {
+						q, err := compute.QuantizeFP8(experts[e][j], n, len(experts[e][j])/n)
+						if err != nil {
+							b.Fatal(err)
+						}
+						w, err := be.WeightFP8(q)
+						if err != nil {
+							b.Skipf("FP8 weights: %v", err)
+						}
+						switch j {
+						case 0:
+							mw.Gate = append(mw.Gate, w)
+						case 1:
+							mw.Up = append(mw.Up, w)
+						default:
+							mw.Down = append(mw.Down, w)
+						}
+					}
+				}
+				be.MoE(outt, xt, mw, T)
+				be.wait()
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					be.MoE(outt, xt, mw, T)
+				}
+				be.wait()
+				sec := b.Elapsed().Seconds() / float64(b.N)
+				b.ReportMetric(1e3*sec, "ms/call")
+				b.ReportMetric(fwdFlops/sec/1e12, "TFLOP/s")
+				grouped := 0.0
+				if be.mmaE4M3() {
+					grouped = 1
+				}
+				b.ReportMetric(grouped, "grouped")
+			})
+		}
 		b.Run(fmt.Sprintf("train/%s/T%d_H%d_I%d_E%d_K%d", name, T, H, I, E, K), func(b *testing.B) {
 			mw := moeWeights(be.FromF32)
 			dm := &compute.MoEWeights{Router: be.New(compute.F32, E*H), NumExperts: E, TopK: K, Hidden: H, Inter: I}

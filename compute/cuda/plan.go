@@ -199,15 +199,21 @@ func planMoE(counts []int32, tokens, K int) (moePlan, error) {
 // tile starts), the experts' weight address arrays and the down
 // projections (F32); then, with BF16 experts (the default kernels), the
 // tokens in BF16 and the BF16 activations: gate and up are never stored
-// (k_moe_gemm_glu); with FP8 experts (moeExpertsFP8), gate and up (F32)
-// and the tokens' and the grouped rows' codes and scales. The earlier
-// kernels (Options.MoEGEMM v1: a gathered input, gate and up stored) and a
-// QAD student's forward take more: the training plan counts those.
-func moeScratchBytes(tokens, hidden, inter, experts, K int, fp8 bool) int64 {
+// (k_moe_gemm_glu). With FP8 experts on the device's grouping
+// (fp8Grouped: moeExpertsFP8Grouped) the tokens' codes and scales, h (F32)
+// and its codes and scales; on the host's (moeExpertsFP8) gate and up
+// (F32) and the tokens' and the grouped rows' codes and scales. The
+// earlier BF16 kernels (Options.MoEGEMM v1: a gathered input, gate and up
+// stored) and a QAD student's forward take more: the training plan counts
+// those.
+func moeScratchBytes(tokens, hidden, inter, experts, K int, fp8, fp8Grouped bool) int64 {
 	n, r := int64(tokens), int64(tokens)*int64(K)
 	H, I, E := int64(hidden), int64(inter), int64(experts)
 	b := 4*n*E + 4*E*H + 16*r + 12*(E+1) + 24*E + 4*r*H
-	if fp8 {
+	switch {
+	case fp8 && fp8Grouped:
+		return b + 24*E + 4*r*I + max(n*H+4*n, r*I+4*r)
+	case fp8:
 		return b + 8*r*I + n*H + 4*n + r*max(H, I) + 4*r
 	}
 	return b + 2*n*H + 2*r*I
@@ -290,10 +296,13 @@ func attentionBackwardLaunch(mode attnMode, tokens, nSeq, nHead, nKV, hd int) (a
 // the engine's workspace is not known before its plan is built (each
 // build logs it), and is not counted.
 func (b *Backend) ForwardScratchBytes(s compute.ForwardShape) int64 {
+	grouped := b.mmaE4M3()
 	if b.dnn != nil {
-		return ForwardScratchBound(s)
+		layers, head := scratchTermsCuDNN(s, grouped)
+		return max(layers, head)
 	}
-	return forwardScratchBytes(s)
+	layers, head := forwardScratchTermsFor(s, grouped)
+	return max(layers, head)
 }
 
 // ForwardScratchBound is ForwardScratchBytes of a backend with cuDNN (the
@@ -309,24 +318,35 @@ func ForwardScratchBound(s compute.ForwardShape) int64 {
 // operand copies, MoE's grouping) and the LM head's (its logit tile, the
 // draws'; 0 under s.NoHead). A forward never holds both: each call frees
 // its scratch before the next call's allocations.
+//
+// On paper an FP8 MoE's experts run on the device's grouping (an sm_89 or
+// newer GPU, NVRTC 12.4 or newer: Backend.mmaE4M3); a backend without it
+// counts the per-expert path's larger scratch (ForwardScratchBytes).
 func ForwardScratchTerms(s compute.ForwardShape) (layers, head int64) {
+	return scratchTermsCuDNN(s, true)
+}
+
+// scratchTermsCuDNN is ForwardScratchTerms with cuDNN's attention, grouped
+// as moeScratchBytes' fp8Grouped.
+func scratchTermsCuDNN(s compute.ForwardShape, grouped bool) (layers, head int64) {
 	n, kv := int64(s.Tokens), int64(s.KVHeads)
 	if kv <= 0 {
 		kv = int64(s.Heads)
 	}
 	attn := 2*n*(2*int64(s.Heads)+2*kv)*int64(s.HeadDim) + 4*n*int64(s.Heads) + 16*(n+4)
-	layers, head = forwardScratchTerms(s)
+	layers, head = forwardScratchTermsFor(s, grouped)
 	return max(layers, attn+16<<10), head
 }
 
 func forwardScratchBytes(s compute.ForwardShape) int64 {
-	layers, head := forwardScratchTerms(s)
+	layers, head := forwardScratchTermsFor(s, true)
 	return max(layers, head)
 }
 
-// forwardScratchTerms is forwardScratchBytes by term (ForwardScratchTerms)
-// for this package's own attention kernels.
-func forwardScratchTerms(s compute.ForwardShape) (layers, head int64) {
+// forwardScratchTermsFor is forwardScratchBytes by term (ForwardScratchTerms)
+// for this package's own attention kernels; grouped: an FP8 MoE's experts
+// on the device's grouping (moeScratchBytes).
+func forwardScratchTermsFor(s compute.ForwardShape, grouped bool) (layers, head int64) {
 	n := int64(s.Tokens)
 	widest := int64(max(s.Hidden, s.Heads*s.HeadDim, s.Intermediate))
 	kv := int64(s.KVHeads)
@@ -339,7 +359,7 @@ func forwardScratchTerms(s compute.ForwardShape) (layers, head int64) {
 		layers = max(layers, int64(min(s.Tokens, fp8SlabRows))*(4+max(H+4*Q, Q+4*H, H+4*I, I+4*H)))
 	}
 	if s.Experts > 0 {
-		layers = max(layers, moeScratchBytes(s.Tokens, s.Hidden, s.MoEIntermediate, s.Experts, s.TopK, s.FP8))
+		layers = max(layers, moeScratchBytes(s.Tokens, s.Hidden, s.MoEIntermediate, s.Experts, s.TopK, s.FP8, grouped))
 	}
 	// The pool rounds each allocation up; a call makes at most a dozen.
 	layers += 16 << 10

@@ -326,7 +326,9 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 	if fp8 && sv != nil {
 		panic("cuda: MoEForward (training) with FP8 experts: FP8 weights are a teacher's, forward only (MoE)")
 	}
-	onDevice := moeGroupedOK(H, I) && !fp8
+	// FP8 experts on the device's grouping need 16-code copies (WeightFP8's
+	// shapes) and mma.sync for E4M3 (b.mmaE4M3).
+	onDevice := moeGroupedOK(H, I) && (!fp8 || H%16 == 0 && I%16 == 0 && b.mmaE4M3())
 	var plan moePlan
 	tileStart := uint64(0)
 	if onDevice {
@@ -343,9 +345,13 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 	rowpos := scratch(int64(P) * 4)
 	b.launchKernel(launch{kernel: "k_moe_order", grid: [3]int{E, 1, 1}, block: 256},
 		dptr(sel), dptr(offsets), int64(P), dptr(order), dptr(rowpos))
-	if fp8 {
+	if fp8 && onDevice {
+		b.moeExpertsFP8Grouped(y, x, order, mw, moeGroups{offsets: offsets, tileStart: tileStart, rows: P, E: E}, T, K, H, I, what)
+	} else if fp8 {
 		gateUp()
 		b.moeExpertsFP8(gate, up, y, x, order, mw, plan, T, K, H, I, what)
+	}
+	if fp8 {
 		b.launchKernel(launch{kernel: "k_moe_combine", grid: [3]int{T, 1, 1}, block: 256},
 			dptr(out.p), dptr(y), dptr(sel), dptr(wts), dptr(rowpos), int32(K), int32(H))
 		for _, p := range tmp {

@@ -564,6 +564,129 @@ DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_nn_acc_v1(void *ou
 	moe_gemm<MOE_V1_BK, 2, true, true, false>(sm, out, a, order, topk, w, w2, offsets, tile_start, E, N, K);
 }
 
+// moe_gemm_fp8: an FP8 teacher's experts (compute's "FP8 weights"): for
+// every expert e, out[r] (N, F32) = (a[r]·W_eᵀ)·as[r]·ws_e[c], the sum of
+// the E4M3 codes' products scaled by the row's and then the channel's
+// scale, as k_fp8_scale multiplies cuBLASLt's sums; a (rows, K) codes with
+// scales as (rows), or with order the token rows' (T, K) and (T) that
+// grouped row r reads at order[r] / topk; w[e] (N, K) codes, ws[e] (N)
+// scales. GLU: w, ws are gate's and w2, ws2 up's, and out is h (rows, N)
+// F32 = swiglu1 of the two scaled products (the FP8 path keeps h in fp32
+// for its per-row quantization). Tiles as moe_gemm's, K in MOE_F8_BK-code
+// steps (two m16n8k32 each) staged MOE_STAGES ahead; the fragments through
+// ldmatrix, reading 32 codes as 16 BF16 (prelude.cuh). K and N multiples
+// of 16 (16-byte copies; WeightFP8 requires it). Needs sm_89.
+#define MOE_F8_BK 64
+#define MOE_F8_LD (MOE_F8_BK + 16) // a tile's row stride in bytes, padded against bank conflicts
+
+template <bool GLU>
+DK_DEV void moe_gemm_fp8(unsigned char *sm, float *__restrict__ out, const unsigned char *__restrict__ a, const float *__restrict__ as,
+                         const i32 *__restrict__ order, int topk, const u64 *__restrict__ w, const u64 *__restrict__ ws,
+                         const u64 *__restrict__ w2, const u64 *__restrict__ ws2, const i32 *__restrict__ offsets,
+                         const i32 *__restrict__ tile_start, int E, int N, int K) {
+	// CH: a row's 16-byte chunks a step; RSTEP, AR: the rows a thread copies.
+	constexpr int CH = MOE_F8_BK / 16, RSTEP = MOE_GEMM_THREADS / CH, AR = MOE_BM / RSTEP;
+	constexpr int tile = MOE_BM * MOE_F8_LD, stage = 2 * tile; // bytes: an A and a W tile (MOE_BN == MOE_BM rows)
+	int t = blockIdx.x;
+	if (t >= tile_start[E]) return;
+	int lo = 0, hi = E - 1; // the expert whose tiles hold t
+	while (lo < hi) {
+		int mid = (lo + hi + 1) / 2;
+		if (tile_start[mid] <= t) lo = mid;
+		else hi = mid - 1;
+	}
+	int e = lo;
+	i32 row0 = offsets[e] + (t - tile_start[e]) * MOE_BM;
+	int rows = offsets[e + 1] - row0;
+	if (rows > MOE_BM) rows = MOE_BM;
+	const int bn = GLU ? MOE_BN / 2 : MOE_BN;
+	int n0 = blockIdx.y * bn;
+	int ncols = N - n0 < bn ? N - n0 : bn;
+	int tid = threadIdx.x, lane = tid % DK_WARP, warp = tid / DK_WARP;
+	int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
+
+	int r0 = tid / CH, c16 = (tid % CH) * 16;
+	const unsigned char *arow[AR], *brow[AR];
+	bool aok[AR], bok[AR];
+	for (int j = 0; j < AR; j++) {
+		int r = r0 + RSTEP * j;
+		aok[j] = r < rows;
+		i64 src = aok[j] ? (order ? (i64)(order[row0 + r] / topk) : (i64)(row0 + r)) : 0;
+		arow[j] = a + src * K;
+		int c = r; // the W tile row's column of out (GLU: gate's and up's interleaved, as moe_gemm's)
+		const unsigned char *W = (const unsigned char *)w[e];
+		if (GLU) {
+			c = 16 * (r / 32) + (r % 16);
+			if (r % 32 >= 16) W = (const unsigned char *)w2[e];
+		}
+		bok[j] = c < ncols;
+		brow[j] = W + (bok[j] ? (i64)(n0 + c) * K : 0);
+	}
+
+	auto load = [&](int s) {
+		int buf = (s % MOE_STAGES) * stage, k0 = s * MOE_F8_BK;
+		bool kok = k0 + c16 < K;
+		for (int j = 0; j < AR; j++) {
+			int r = r0 + RSTEP * j;
+			bool ok = aok[j] && kok;
+			cp_async16(sm, buf + r * MOE_F8_LD + c16, ok ? arow[j] + k0 + c16 : a, ok);
+			ok = bok[j] && kok;
+			cp_async16(sm, buf + tile + r * MOE_F8_LD + c16, ok ? brow[j] + k0 + c16 : brow[j], ok);
+		}
+		cp_async_commit();
+	};
+
+	float acc[4][4][4] = {};
+	const u16 *sh = (const u16 *)sm; // the fragments' addresses in BF16 units (prelude.cuh)
+	moe_pipeline<MOE_STAGES>((K + MOE_F8_BK - 1) / MOE_F8_BK, load, [&](int s) {
+		int buf = (s % MOE_STAGES) * stage / 2; // halfs
+		for (int kk = 0; kk < MOE_F8_BK / 2; kk += 16) { // halfs: 32 codes a step
+			u32 af[4][4], bf[4][2];
+			for (int i = 0; i < 4; i++) ldsm_a(af[i], sh, buf, MOE_F8_LD / 2, wm + 16 * i, kk, lane);
+			for (int j = 0; j < 4; j += 2) ldsm_b2(bf[j], bf[j + 1], sh, buf + tile / 2, MOE_F8_LD / 2, wn + 8 * j, kk, lane);
+			for (int i = 0; i < 4; i++)
+				for (int j = 0; j < 4; j++) mma_e4m3_16832(acc[i][j], af[i], bf[j]);
+		}
+	});
+
+	// The epilogue: scale (the row's, then the channel's), then store (GLU:
+	// h of the scaled gate and up).
+	int g = lane / 4, tq = lane % 4;
+	const float *sw = (const float *)ws[e], *sw2 = GLU ? (const float *)ws2[e] : sw;
+	for (int i = 0; i < 4; i++) {
+		for (int h = 0; h < 2; h++) {
+			int r = wm + 16 * i + g + 8 * h;
+			if (r >= rows) continue;
+			float sa = order ? as[order[row0 + r] / topk] : as[row0 + r];
+			float *o = out + (i64)(row0 + r) * N + n0;
+			for (int j = 0; j < (GLU ? 2 : 4); j++) {
+				for (int q = 0; q < 2; q++) {
+					int c = GLU ? 16 * (warp % 4) + 8 * j + 2 * tq + q : wn + 8 * j + 2 * tq + q;
+					if (c >= ncols) continue;
+					float v = __fmul_rn(__fmul_rn(acc[i][j][2 * h + q], sa), sw[n0 + c]);
+					if (GLU) v = swiglu1(v, __fmul_rn(__fmul_rn(acc[i][j + 2][2 * h + q], sa), sw2[n0 + c]));
+					o[c] = v;
+				}
+			}
+		}
+	}
+}
+
+// k_moe_gemm_fp8 (out = the scaled product) and k_moe_gemm_fp8_glu (out =
+// h of gate's and up's): moe_gemm_fp8.
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_fp8(float *out, const unsigned char *a, const float *as, const i32 *order, int topk,
+                                                                   const u64 *w, const u64 *ws, const i32 *offsets, const i32 *tile_start, int E,
+                                                                   int N, int K) {
+	DK_DYN_SMEM(unsigned char, sm);
+	moe_gemm_fp8<false>(sm, out, a, as, order, topk, w, ws, w, ws, offsets, tile_start, E, N, K);
+}
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_fp8_glu(float *out, const unsigned char *a, const float *as, const i32 *order,
+                                                                       int topk, const u64 *w, const u64 *ws, const u64 *w2, const u64 *ws2,
+                                                                       const i32 *offsets, const i32 *tile_start, int E, int N, int K) {
+	DK_DYN_SMEM(unsigned char, sm);
+	moe_gemm_fp8<true>(sm, out, a, as, order, topk, w, ws, w2, ws2, offsets, tile_start, E, N, K);
+}
+
 // moe_wgrad: the experts' weight gradients, dw[e] (N, K) F32 += a_eᵀ ·
 // x_e over each expert's grouped rows, a (rows, N) BF16 and x BF16 (dDown
 // += dyᵀ·act, dGate += dgᵀ·x, dUp += duᵀ·x): x the grouped rows (rows, K),
@@ -641,4 +764,6 @@ DK_REGISTER(k_moe_gemm_v1)
 DK_REGISTER(k_moe_gemm_nn_v1)
 DK_REGISTER(k_moe_gemm_nn_acc_v1)
 DK_REGISTER(k_moe_wgrad_gemm_v1)
+DK_REGISTER(k_moe_gemm_fp8)
+DK_REGISTER(k_moe_gemm_fp8_glu)
 DK_REGISTER(k_moe_wgrad_gemm)

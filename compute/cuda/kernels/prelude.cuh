@@ -137,6 +137,31 @@ DK_DEV void mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]) {
 }
 #endif
 
+// --- FP8 tensor cores: D = A·B + D for a 16x32 (row) by 32x8 (col) E4M3
+// product with FP32 accumulators (mma.sync.m16n8k32 .e4m3, sm_89+), the
+// fragments four codes a register (PTX ISA, "Matrix Fragments for
+// mma.m16n8k32"), with g = lane/4 and t = lane%4:
+//   a[0] = A[g][4t..4t+3]      a[1] = A[g+8][4t..4t+3]
+//   a[2] = A[g][16+4t..+3]     a[3] = A[g+8][16+4t..+3]
+//   b[0] = B[4t..4t+3][g]      b[1] = B[16+4t..+3][g]
+// the lowest k in the lowest byte: the bytes ldmatrix gives for a tile of
+// 16 rows (or 8 columns of B stored as rows) of 32 codes, read as 16 BF16.
+// Below sm_89 there is no such instruction, nor in PTX before ISA 8.4
+// (NVRTC 12.4): the kernel traps there, and the host never launches it
+// (Backend.mmaE4M3; FP8 weights are refused below sm_89 anyway).
+#ifndef DISTILL_EMU
+DK_DEV void mma_e4m3_16832(float d[4], const u32 a[4], const u32 b[2]) {
+#if __CUDA_ARCH__ >= 890 && (__CUDACC_VER_MAJOR__ > 12 || __CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
+	asm volatile(
+	    "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+	    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+	    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+	__trap();
+#endif
+}
+#endif
+
 // --- Shared-memory tiles for the tensor cores (sm_80+): asynchronous
 // copies from global memory and ldmatrix. A shared address is the block's
 // dynamic shared memory base (DK_DYN_SMEM's pointer) and a byte offset, so

@@ -230,6 +230,43 @@ void emu_mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]) {
 	for (int e = 0; e < 4; e++) d[e] = out[e];
 }
 
+// e4m3 is the value of an E4M3FN code: sign, 4 exponent bits (bias 7), 3
+// mantissa bits; exponent 0 subnormal; 0x7f and 0xff NaN (no infinities).
+static float e4m3(unsigned c) {
+	unsigned e = (c >> 3) & 15, m = c & 7;
+	float v = (c & 0x7f) == 0x7f ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), (int)e - 10);
+	return c & 0x80 ? -v : v;
+}
+
+// mma.sync.m16n8k32 row.col f32.e4m3.e4m3.f32 (prelude.cuh's fragments), as
+// emu_mma_bf16_16816: the products are exact in fp32, added in k order.
+void emu_mma_e4m3_16832(float d[4], const u32 a[4], const u32 b[2]) {
+	unsigned tid = g_fib[g_cur].tid, w = tid / 32, lane = tid % 32;
+	u32 *mine = (u32 *)g_slots[w][lane];
+	for (int i = 0; i < 4; i++) mine[i] = a[i];
+	mine[4] = b[0];
+	mine[5] = b[1];
+	__syncwarp();
+	int g = lane / 4, t = lane % 4;
+	float out[4];
+	for (int e = 0; e < 4; e++) {
+		int r = e < 2 ? g : g + 8, c = 2 * t + (e & 1);
+		float acc = d[e];
+		for (int kk = 0; kk < 32; kk++) {
+			// A[r][kk]: lane (r%8)*4 + (kk%16)/4, register (r>=8) + 2*(kk>=16), byte kk%4.
+			const u32 *la = (const u32 *)g_slots[w][(r % 8) * 4 + (kk % 16) / 4];
+			float av = e4m3((la[(r >= 8 ? 1 : 0) + (kk >= 16 ? 2 : 0)] >> (8 * (kk % 4))) & 0xff);
+			// B[kk][c]: lane c*4 + (kk%16)/4, register 4 + (kk>=16), byte kk%4.
+			const u32 *lb = (const u32 *)g_slots[w][c * 4 + (kk % 16) / 4];
+			float bv = e4m3((lb[4 + (kk >= 16 ? 1 : 0)] >> (8 * (kk % 4))) & 0xff);
+			acc = fmaf(av, bv, acc);
+		}
+		out[e] = acc;
+	}
+	__syncwarp();
+	for (int e = 0; e < 4; e++) d[e] = out[e];
+}
+
 // ---------------------------------------------------------------- cp.async, ldmatrix
 
 static bool in_alloc(u64 p, size_t n);

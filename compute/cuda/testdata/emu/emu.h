@@ -49,6 +49,7 @@ struct EmuGuard {
 	EmuGuard &operator=(const EmuGuard &) = delete;
 };
 void emu_mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]);
+void emu_mma_e4m3_16832(float d[4], const u32 a[4], const u32 b[2]);
 // cp.async (prelude.cuh: cp_async16, cp_async4): n bytes from global src
 // to dynamic shared dst, zeros when !valid, copied at once but counted as
 // pending in the thread's open group until a wait(n) has retired every
@@ -174,3 +175,4 @@ template <class... A> static int emu_register_fn(const char *name, void (*f)(A..
 #define DK_REGISTER(name) __attribute__((used)) static int emu_reg_##name = emu_register_fn(#name, name);
 
 #define mma_bf16_16816 emu_mma_bf16_16816
+#define mma_e4m3_16832 emu_mma_e4m3_16832
