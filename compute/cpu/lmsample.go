@@ -58,10 +58,17 @@ func (be *Backend) LMHeadSample(ids, logprobs, drawn, tail, x, w, u compute.Tens
 	G := lmSampleRows(be.threads)
 	nblk, ntile := (vocab+B-1)/B, (vocab+lmTile-1)/lmTile
 	g := min(G, tokens)
-	blk := &lmBlocks{rmax: make([]float32, g), rsum: make([]float64, g), bsum: make([]float32, g*nblk),
+	// The block sums (10 MB for 1024 rows of a 151936-id head) and the
+	// top-k's blocks come from the free list, dirty: the pass writes every
+	// block sum of a group's rows and every top-k entry's block before
+	// they are read. (Allocated per call, their zeroing and first-touch
+	// page faults cost about 0.5% of a head+sampled call's CPU time.)
+	blk := &lmBlocks{rmax: make([]float32, g), rsum: make([]float64, g), bsum: be.scratch(g * nblk),
 		tmax: make([]float32, g*ntile), tsum: make([]float64, g*ntile), nblk: nblk, ntile: ntile, topz: make([]float32, g*k)}
+	defer be.release(blk.bsum)
 	if head && k <= lmPayloadK {
-		blk.topb = make([]float32, g*k*B)
+		blk.topb = be.scratch(g * k * B)
+		defer be.release(blk.topb)
 	}
 	thr := make([]float64, g*n)
 	for g0 := 0; g0 < tokens; g0 += G {
@@ -106,6 +113,17 @@ func byBlock(pairs []blockPair, nblk int) ([]blockPair, []int) {
 		at[p.blk]++
 	}
 	return out, append(starts, len(pairs))
+}
+
+// blockSumsV4 writes to bs (⌈len(e)/64⌉) the sums of e over its blocks of
+// 64 as the pass sums them on a CPU that runs the x86-64-v4 clones
+// (block_sums_v4), and reports false, writing nothing, on one that does
+// not (the pass's loop sums in the compiler's order there).
+func blockSumsV4(bs, e []float32) bool {
+	if len(bs) < (len(e)+63)/64 {
+		panic("cpu: blockSumsV4: bs is shorter than e's blocks")
+	}
+	return len(e) == 0 || C.k_block_sums_v4(fp(bs), fp(e), C.long(len(e))) != 0
 }
 
 // lmSampleRows is how many rows LMHeadSample keeps block sums for at once:

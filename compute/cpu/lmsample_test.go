@@ -186,3 +186,50 @@ func TestByBlock(t *testing.T) {
 		}
 	}
 }
+
+// TestBlockSumsV4Order: on a CPU that runs the x86-64-v4 clones, the pass's
+// block sums (block_sums_v4: 16 blocks at a time through a transposition)
+// are each block's sum in the order the loop they replace summed in there,
+// bit for bit: 16 lanes, lane l summing e[l], e[16+l], ... over the whole
+// chunks of 16, lane 0 then the last len%16 terms, then the lanes 0 to 15
+// (float32 sums, as written out below). Tiles whole and cut short, blocks
+// whole and partial; exps of a wide spread, some 0, so that another order
+// gives other bits.
+func TestBlockSumsV4Order(t *testing.T) {
+	ref := func(e []float32) float32 {
+		var v [16]float32
+		c := len(e) - len(e)%16
+		for i := 0; i < c; i += 16 {
+			for l := range v {
+				v[l] += e[i+l]
+			}
+		}
+		for _, x := range e[c:] {
+			v[0] += x
+		}
+		var s float32
+		for _, x := range v {
+			s += x
+		}
+		return s
+	}
+	r := rand.New(rand.NewPCG(41, 42))
+	for _, n := range []int{2048, 1024, 1030, 384, 904, 70, 13, 1, 3000, 100, 1100, 2047, 4001, 1023, 120, 125} {
+		e := make([]float32, n)
+		for i := range e {
+			if r.IntN(6) > 0 {
+				e[i] = float32(math.Exp(-20 * r.Float64()))
+			}
+		}
+		bs := make([]float32, (n+63)/64)
+		if !blockSumsV4(bs, e) {
+			t.Skip("this CPU does not run the x86-64-v4 clones: the pass's block sums are its loop's, in the compiler's order")
+		}
+		for b := range bs {
+			want := ref(e[b*64 : min((b+1)*64, n)])
+			if math.Float32bits(bs[b]) != math.Float32bits(want) {
+				t.Fatalf("%d ids: block %d sums to %g (bits %#x), want %g (%#x) in the lanes' order", n, b, bs[b], math.Float32bits(bs[b]), want, math.Float32bits(want))
+			}
+		}
+	}
+}
