@@ -171,25 +171,29 @@ func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32
 		// summed outside the top-k exactly. Then their tiles' totals are
 		// summed again.
 		var pairs []blockPair
-		for r := 0; r < nr && blk.topb != nil; r++ {
+		if blk.topb != nil {
 			// The pass left each top-k id's block logits: no weights to
-			// read again.
-			h, ids := headOf(r), top[r*k:(r+1)*k]
-			for j, v := range ids {
-				b := v / B
-				first := true
-				for _, w := range ids[:j] {
-					first = first && w/B != b
+			// read again. On the workers: each row writes its own sums.
+			be.rows(nr, k*B, func(_, lo, hi int) {
+				for r := lo; r < hi; r++ {
+					h, ids := headOf(r), top[r*k:(r+1)*k]
+					for j, v := range ids {
+						b := v / B
+						first := true
+						for _, w := range ids[:j] {
+							first = first && w/B != b
+						}
+						if !first {
+							continue
+						}
+						t := int(b) / bpt
+						nz := min(B, vocab-int(b)*B)
+						z := blk.topb[(r*k+j)*B : (r*k+j)*B+nz]
+						blk.bsum[r*nblk+int(b)] = float32(C.k_block_mass(fp(z), C.int(nz), C.int32_t(int(b)*B),
+							C.double(blk.tmax[r*nt+t]), ip(h), C.int(len(h))))
+					}
 				}
-				if !first {
-					continue
-				}
-				t := int(b) / bpt
-				nz := min(B, vocab-int(b)*B)
-				z := blk.topb[(r*k+j)*B : (r*k+j)*B+nz]
-				blk.bsum[r*nblk+int(b)] = float32(C.k_block_mass(fp(z), C.int(nz), C.int32_t(int(b)*B),
-					C.double(blk.tmax[r*nt+t]), ip(h), C.int(len(h))))
-			}
+			})
 		}
 		for r := 0; r < nr && blk.topb == nil; r++ {
 			h, ids, zs := headOf(r), top[r*k:(r+1)*k], blk.topz[r*k:(r+1)*k]
@@ -293,6 +297,9 @@ func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32
 // fewer in the vocabulary's last block), on the workers.
 func (be *Backend) blockLogits(pairs []blockPair, xs, ws []float32, hidden, vocab int, f func(p blockPair, z []float32)) {
 	const B = compute.SampleBlock
+	if len(pairs) == 0 {
+		return
+	}
 	pairs, starts := byBlock(pairs, (vocab+B-1)/B)
 	type scratch struct {
 		rows  []int32
