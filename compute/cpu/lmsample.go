@@ -18,7 +18,9 @@ import (
 //     and fold, so the top-k is LMHeadTopK's bit for bit) also keeps, per
 //     row and tile, the tile's max, the sums of exp(z - tile max) over
 //     its blocks of compute.SampleBlock ids (fp32 sums of the exps the
-//     fold computes anyway) and their total (double);
+//     fold computes anyway; on x86-64-v4, 16 blocks at a time in the
+//     order the loop's v4 clone summed in, k_lse_topk's block_sums_v4)
+//     and their total (double);
 //  2. under head, the blocks holding top-k ids are multiplied again and
 //     their mass outside the top-k summed exactly (double exp), and
 //     their tiles' totals summed again;
@@ -33,13 +35,19 @@ import (
 //
 // Beside LMHeadTopK's pass, this multiplies again at most (k + n) blocks
 // of 64 ids a row: with k 8 and n 50 about 2.4% of a 151936-id head, far
-// fewer where the draws share blocks (a peaked softmax). What costs there
-// is reading each block's weights from memory (64 KiB at hidden 256), not
-// the arithmetic. The outputs do not depend on the worker count or on the
-// grouping (each logit of a block is computed again by the same code,
-// whichever rows share the block). Scratch beside the pass's, per row of
+// fewer where the draws share blocks (a peaked softmax). With the block's
+// weights prefetched, that is the arithmetic (BenchmarkBlockLogits: about
+// 0.8 G multiply-adds a call of 1024 rows, 22 CPU-ms). On a flat softmax
+// at k 8, n 50 (2026-11-27, the README), what LMHeadSample spends beyond
+// LMHeadTopK's k-16 pass is, by profile: that (about 2% of the call), the
+// float64 exps of the walks and of the head blocks' masses (about 1%),
+// the block sums (0.6%), and the k-8 heap with its blocks' logits, which
+// costs less than the k-16 heap. The outputs do not depend on the worker
+// count or on the grouping (each logit of a block is computed again by
+// the same code, whichever rows share the block). Scratch beside the pass's, per row of
 // a group: the block sums and tile statistics (4·⌈V/64⌉ + 12·⌈V/2048⌉
-// bytes) and n thresholds (8·n bytes).
+// bytes; the block sums, and under head the top-k's blocks (256·k bytes),
+// from the backend's free list) and n thresholds (8·n bytes).
 func (be *Backend) LMHeadSample(ids, logprobs, drawn, tail, x, w, u compute.Tensor, tokens, hidden, vocab, k, n int, head bool) {
 	idOut, lpOut, dOut, tOut, us := i32(ids), f32(logprobs), i32(drawn), f32(tail), i32(u)
 	xs, ws := f32(x), f32(w)
