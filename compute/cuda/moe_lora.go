@@ -2,42 +2,65 @@ package cuda
 
 import (
 	"fmt"
+	"math"
 
 	"distill/compute"
 )
 
 // LoRA adapters on the experts' projections (MoEWeights.Adapters), as
 // compute/cpu's moelora.go: each adapter over its expert's grouped rows,
-// with the host's copy of the grouping's offsets (one E+1 download a
-// call: the rank-r GEMMs are cuBLASLt's, one per expert, sized on the
-// host; k_moe_gemm's tiles are 128 wide and need inner dimensions of
-// multiples of 8, which a rank need not be). The adapters' GEMMs run in
-// fp32 (dataF32): their operands are the grouped BF16 rows widened (the
-// inputs xg and act, the gradients dy, dgate and dup, which the base's
-// GEMMs read in BF16 too) and the fp32 adapters, so that an adapter's
-// term carries no rounding beyond its inputs'. The dropout's masks are
-// drawn per token (k_dropout with the order: the grouped row's token,
-// order[row]/K), as MoEWeights.Drop defines them. Their scratch is one
-// expert's at a time: rows x (2·In + Out + 2·rank) fp32 at most.
+// run by the grouped kernels of kernels/moelora.cu on the device's own
+// grouping (the offsets and the order in device memory, whichever path
+// grouped the base's rows): no expert's row count reaches the host, and
+// each product is one launch for every expert of a projection (two a
+// projection forward, five backward, besides the table's upload), however
+// many experts there are. An expert's adapters come to the kernels in a
+// table of per-expert entries (moeLoRA.table: the adapters' addresses, 0
+// for an expert without one, whose rows are skipped; scale, rank and
+// dropout key), so the experts may differ in rank and dropout.
+//
+// The math is fp32 throughout (CUDA cores, not the tensor cores: an
+// adapter's term carries no rounding beyond its inputs'): the grouped
+// BF16 rows (the inputs xg and act, the gradients dy, dgate and dup,
+// which the base's GEMMs read in BF16 too) widened as the kernels stage
+// them, and the fp32 adapters. The dropout's masks are drawn per token
+// (the grouped row's token, order[row]/K), as MoEWeights.Drop defines
+// them, with the expert's adapter's key, where the kernels stage x (and
+// in dx's epilogue): no masked copy of the input. The scratch is the
+// rank-sized t and dt: rows x rank fp32 each.
 
-// moeLoRA is what the adapters' passes share: the offsets on the host,
-// the grouping on the device and the dropout's key.
+// moeLoRA is what the adapters' passes share: the grouping on the device
+// (the offsets, the order, the adapters' row tiles) and the dropout's key.
 type moeLoRA struct {
-	b     *Backend
-	off   []int32
-	order uint64
-	K     int
-	drop  *compute.MoEDrop
-	tmp   []uint64
+	b                     *Backend
+	offsets, order, tiles uint64
+	rows, E, K            int
+	drop                  *compute.MoEDrop
+	tmp                   []uint64
 }
 
-func (b *Backend) newMoELoRA(mw *compute.MoEWeights, offsets, order uint64, K int, drop bool) *moeLoRA {
+// moeLoRATile is the adapters' row tile (moelora.cu's MLR_BM), their row
+// kernels' column tiles (16: a rank; 64: a projection's width), and an
+// expert's words in the table (MLR_WORDS).
+const (
+	moeLoRATile   = 64
+	moeLoRANarrow = 16
+	moeLoRAWide   = 64
+	moeLoRAWords  = 8
+)
+
+// newMoELoRA prepares the adapters' passes over rows grouped rows on the
+// device's grouping (offsets (E+1), order (rows) I32): their row tiles
+// (k_moelora_tiles). drop: the adapters drop out (a training forward, and
+// the backward) under mw.Drop.
+func (b *Backend) newMoELoRA(mw *compute.MoEWeights, offsets, order uint64, rows, K int, drop bool) *moeLoRA {
 	E := mw.NumExperts
-	r := &moeLoRA{b: b, off: make([]int32, E+1), order: order, K: K}
+	r := &moeLoRA{b: b, offsets: offsets, order: order, rows: rows, E: E, K: K}
 	if drop {
 		r.drop = mw.Drop
 	}
-	b.download(unsafePtr(r.off), offsets, int64(E+1)*4)
+	r.tiles = r.scratch(int64(E+1) * 4)
+	b.launchKernel(launch{kernel: "k_moelora_tiles", grid: [3]int{1, 1, 1}, block: 32}, dptr(offsets), int32(E), dptr(r.tiles))
 	return r
 }
 
@@ -69,22 +92,6 @@ func (r *moeLoRA) lora(l *compute.LoRA, what string) (a, bm, da, db uint64) {
 	return at.p, bt.p, da, db
 }
 
-// input returns expert rows [o, o+n) of x (rows, cols) BF16 as l's input
-// in F32: dropped out under l's mask, else widened.
-func (r *moeLoRA) input(l *compute.LoRA, x uint64, o, n, cols int) uint64 {
-	b := r.b
-	out := r.scratch(int64(n) * int64(cols) * 4)
-	src := x + uint64(o)*uint64(cols)*2
-	if d := r.mask(l); d != nil {
-		k0, k1, row, step, thr := dropoutArgs(d)
-		b.ew("k_dropout", int64(n)*int64((cols+3)/4), dptr(out), int32(0), dptr(src), int32(1), dptr(r.order+uint64(o)*4), int32(r.K), int64(n), int32(cols),
-			k0, k1, row, step, thr, d.Scale)
-		return out
-	}
-	b.convert("k_bf16_to_f32", out, src, int64(n)*int64(cols))
-	return out
-}
-
 func (r *moeLoRA) mask(l *compute.LoRA) *compute.DropoutMask {
 	if r.drop == nil || l.Dropout == 0 {
 		return nil
@@ -93,66 +100,102 @@ func (r *moeLoRA) mask(l *compute.LoRA) *compute.DropoutMask {
 	return &d
 }
 
-// forward adds adapter l's term to out (rows, Out) F32 over each expert
-// e's rows, from x (rows, In) BF16: out += Scale·(drop(x)·Aᵀ)·Bᵀ.
-func (r *moeLoRA) forward(ls func(e int) *compute.LoRA, name string, out, x uint64) {
-	b := r.b
-	for e := 0; e+1 < len(r.off); e++ {
+// table uploads the experts' entries for the adapters ls (moelora.cu's
+// mlr_ad: A, B, DA, DB, the scale and rank, the dropout's key, threshold
+// and scale) and returns it with the largest rank, 0 when no expert has
+// one, and the projection's input and output widths (moeAdapters checked
+// them). grads: the adapters must have their gradients (a backward).
+func (r *moeLoRA) table(ls func(e int) *compute.LoRA, what string, grads bool) (tab uint64, rank, in, out int) {
+	h := make([]uint64, moeLoRAWords*r.E)
+	for e := 0; e < r.E; e++ {
 		l := ls(e)
-		o, n := int(r.off[e]), int(r.off[e+1]-r.off[e])
-		if l == nil || n == 0 {
+		if l == nil {
 			continue
 		}
-		a, bm, _, _ := r.lora(l, fmt.Sprintf("MoE expert %d %s adapter", e, name))
-		r.release() // the previous expert's scratch (stream-ordered)
-		xa := r.input(l, x, o, n, l.In)
-		t := r.scratch(int64(n) * int64(l.Rank) * 4)
-		b.gemmEx(t, xa, a, n, l.Rank, l.In, false, true, dataF32, 0)
-		b.ew("k_scale", int64(n)*int64(l.Rank), dptr(t), int64(n)*int64(l.Rank), l.Scale)
-		b.gemmEx(out+uint64(o)*uint64(l.Out)*4, t, bm, n, l.Out, l.Rank, false, true, dataF32, 1)
+		w := fmt.Sprintf("%s expert %d adapter", what, e)
+		a, bm, da, db := r.lora(l, w)
+		if grads && da == 0 {
+			panic(fmt.Sprintf("cuda: %s has no gradients (DA, DB)", w))
+		}
+		v := h[moeLoRAWords*e : moeLoRAWords*(e+1)]
+		v[0], v[1], v[2], v[3] = a, bm, da, db
+		v[4] = uint64(math.Float32bits(l.Scale)) | uint64(l.Rank)<<32
+		if d := r.mask(l); d != nil {
+			v[5] = uint64(d.Key[0]) | uint64(d.Key[1])<<32
+			v[6] = uint64(d.Threshold) | uint64(math.Float32bits(d.Scale))<<32
+			v[7] = 1
+		}
+		rank, in, out = max(rank, l.Rank), l.In, l.Out
 	}
+	if rank == 0 {
+		return 0, 0, 0, 0
+	}
+	tab = r.scratch(int64(len(h)) * 8)
+	r.b.upload(tab, unsafePtr(h), int64(len(h))*8)
+	return tab, rank, in, out
 }
 
-// backward is forward's backward from dout (rows, Out) BF16, x as
-// forward's: DB += doutᵀ·t, dt = Scale·dout·B, DA += dtᵀ·drop(x), dx
-// (rows, In) F32 += drop'(dt·A), with t = Scale·drop(x)·Aᵀ recomputed.
-func (r *moeLoRA) backward(ls func(e int) *compute.LoRA, name string, dx, dout, x uint64) {
-	b := r.b
-	for e := 0; e+1 < len(r.off); e++ {
-		l := ls(e)
-		o, n := int(r.off[e]), int(r.off[e+1]-r.off[e])
-		if l == nil || n == 0 {
-			continue
-		}
-		what := fmt.Sprintf("MoEBackward expert %d %s adapter", e, name)
-		a, bm, da, db := r.lora(l, what)
-		if da == 0 {
-			panic(fmt.Sprintf("cuda: %s has no gradients (DA, DB)", what))
-		}
-		r.release() // the previous expert's scratch (stream-ordered)
-		xa := r.input(l, x, o, n, l.In)
-		d32 := r.scratch(int64(n) * int64(l.Out) * 4)
-		b.convert("k_bf16_to_f32", d32, dout+uint64(o)*uint64(l.Out)*2, int64(n)*int64(l.Out))
-		t, dt := r.scratch(int64(n)*int64(l.Rank)*4), r.scratch(int64(n)*int64(l.Rank)*4)
-		nr := int64(n) * int64(l.Rank)
-		b.gemmEx(t, xa, a, n, l.Rank, l.In, false, true, dataF32, 0)
-		b.ew("k_scale", nr, dptr(t), nr, l.Scale)
-		b.gemmEx(db, d32, t, l.Out, l.Rank, n, true, false, dataF32, 1)
-		b.gemmEx(dt, d32, bm, n, l.Rank, l.Out, false, false, dataF32, 0)
-		b.ew("k_scale", nr, dptr(dt), nr, l.Scale)
-		b.gemmEx(da, dt, xa, l.Rank, l.In, n, true, false, dataF32, 1)
-		dxe := dx + uint64(o)*uint64(l.In)*4
-		d := r.mask(l)
-		if d == nil {
-			b.gemmEx(dxe, dt, a, n, l.In, l.Rank, false, false, dataF32, 1)
-			continue
-		}
-		dxa := r.scratch(int64(n) * int64(l.In) * 4)
-		b.gemmEx(dxa, dt, a, n, l.In, l.Rank, false, false, dataF32, 0)
-		k0, k1, row, step, thr := dropoutArgs(d)
-		b.ew("k_dropout_bwd", int64(n)*int64((l.In+3)/4), dptr(dxe), dptr(dxa), dptr(r.order+uint64(o)*4), int32(r.K), int64(n), int32(l.In),
-			k0, k1, row, step, thr, d.Scale)
+// dropArgs are the kernels' last arguments: the grouped rows' order, the
+// top-k, and the training row's place (MoEDrop's Row and Step).
+func (r *moeLoRA) dropArgs() []any {
+	var row, step int32
+	if r.drop != nil {
+		row, step = int32(r.drop.Row), int32(r.drop.Step)
 	}
+	return []any{dptr(r.order), int32(r.K), row, step}
+}
+
+// The row kernels' and the gradient kernels' operand roles.
+const (
+	mlrA, mlrB, mlrDA, mlrDB = 0, 1, 2, 3 // the table's words
+	mlrRankK, mlrRankN       = 1, 2       // rk: K (M) or N is the expert's rank
+)
+
+// rowsGEMM launches k_moelora_rows_<kernel> (moelora.cu's mlr_rows):
+// out (rows, ldo) F32 (=, or += when acc) = s·a'·W_eᵀ (nt) or s·a'·W_e
+// (nn) over each adapted expert's rows, W_e the table's word wi, tn its
+// column tile.
+func (r *moeLoRA) rowsGEMM(kernel string, tn int, out uint64, ldo int, a uint64, abf bool, lda int, tab uint64, wi, N, K, rk int,
+	scaled, dropA, dropO, acc bool) {
+	args := append([]any{dptr(out), int64(ldo), dptr(a), boolArg(abf), int64(lda), dptr(tab), int32(wi), int32(N), int32(K), int32(rk),
+		boolArg(scaled), boolArg(dropA), boolArg(dropO), boolArg(acc), dptr(r.offsets), dptr(r.tiles), int32(r.E)}, r.dropArgs()...)
+	r.b.launchKernel(launch{kernel: "k_moelora_rows_" + kernel, grid: [3]int{(r.rows+moeLoRATile-1)/moeLoRATile + r.E, (N + tn - 1) / tn, 1}, block: 256}, args...)
+}
+
+// wgrad launches k_moelora_wgrad_<kernel> (mlr_wgrad): D_e (M, N) +=
+// aᵀ·b' over each adapted expert's rows, D_e the table's word wi.
+func (r *moeLoRA) wgrad(kernel string, tm, tn int, tab uint64, wi int, a uint64, abf bool, lda, M int, bm uint64, bbf bool, ldb, N, rk int, dropB bool) {
+	args := append([]any{dptr(tab), int32(wi), dptr(a), boolArg(abf), int64(lda), int32(M), dptr(bm), boolArg(bbf), int64(ldb), int32(N),
+		int32(rk), boolArg(dropB), dptr(r.offsets)}, r.dropArgs()...)
+	r.b.launchKernel(launch{kernel: "k_moelora_wgrad_" + kernel, grid: [3]int{(M + tm - 1) / tm, (N + tn - 1) / tn, r.E}, block: 256}, args...)
+}
+
+// forward adds the adapters ls's terms to out (rows, out) F32 over each
+// expert's rows, from x (rows, in) BF16: out += Scale·(drop(x)·Aᵀ)·Bᵀ.
+func (r *moeLoRA) forward(ls func(e int) *compute.LoRA, name string, out, x uint64) {
+	tab, R, in, outN := r.table(ls, "MoE "+name, false)
+	if R == 0 {
+		return
+	}
+	t := r.scratch(int64(r.rows) * int64(R) * 4)
+	r.rowsGEMM("nt16", moeLoRANarrow, t, R, x, true, in, tab, mlrA, R, in, mlrRankN, true, true, false, false)
+	r.rowsGEMM("nt64", moeLoRAWide, out, outN, t, false, R, tab, mlrB, outN, R, mlrRankK, false, false, false, true)
+}
+
+// backward is forward's backward from dout (rows, out) BF16, x as
+// forward's: t = Scale·drop(x)·Aᵀ recomputed, DB += doutᵀ·t, dt =
+// Scale·dout·B, DA += dtᵀ·drop(x), dx (rows, in) F32 += drop'(dt·A).
+func (r *moeLoRA) backward(ls func(e int) *compute.LoRA, name string, dx, dout, x uint64) {
+	tab, R, in, outN := r.table(ls, "MoEBackward "+name, true)
+	if R == 0 {
+		return
+	}
+	t, dt := r.scratch(int64(r.rows)*int64(R)*4), r.scratch(int64(r.rows)*int64(R)*4)
+	r.rowsGEMM("nt16", moeLoRANarrow, t, R, x, true, in, tab, mlrA, R, in, mlrRankN, true, true, false, false)
+	r.wgrad("64x16", moeLoRAWide, moeLoRANarrow, tab, mlrDB, dout, true, outN, outN, t, false, R, R, mlrRankN, false)
+	r.rowsGEMM("nn16", moeLoRANarrow, dt, R, dout, true, outN, tab, mlrB, R, outN, mlrRankN, true, false, false, false)
+	r.wgrad("16x64", moeLoRANarrow, moeLoRAWide, tab, mlrDA, dt, false, R, R, x, true, in, in, mlrRankK, true)
+	r.rowsGEMM("nn64", moeLoRAWide, dx, in, dt, false, R, tab, mlrA, in, R, mlrRankK, false, false, true, true)
 }
 
 // moeAdapters checks mw's adapters (one per expert, shapes of the

@@ -367,7 +367,7 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 	ga, ua, da := moeAdapters(mw, fp8, what)
 	adapters := func(ls func(int) *compute.LoRA, name string, out, in uint64) {}
 	if ga != nil {
-		lr := b.newMoELoRA(mw, offsets, order, K, sv != nil) // MoE (inference) never drops
+		lr := b.newMoELoRA(mw, offsets, order, P, K, sv != nil) // MoE (inference) never drops
 		defer lr.release()
 		adapters = func(ls func(int) *compute.LoRA, name string, out, in uint64) { lr.forward(ls, name, out, in) }
 	}
@@ -559,7 +559,7 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 	ga, ua, da := moeAdapters(mw, false, what)
 	var lr *moeLoRA
 	if ga != nil {
-		lr = b.newMoELoRA(mw, sv.offsets.p, sv.order.p, K, true)
+		lr = b.newMoELoRA(mw, sv.offsets.p, sv.order.p, P, K, true)
 		defer lr.release()
 	}
 	var act, xg uint64

@@ -103,6 +103,40 @@ DK_DEV float e4m3(float a) {
 	return r < 448.0f ? r : 448.0f;
 }
 
+// --- Dropout masks (elementwise.cu's k_dropout, moelora.cu).
+
+// philox4x32 is Philox4x32-10 on c with key (k0, k1), in place: the
+// counter-based generator of the dropout masks, compute.Philox4x32 (whose
+// test holds it to Random123's known answers) step for step. The 32x32
+// products are 64-bit, their high and low words Philox's mulhilo.
+DK_DEV void philox4x32(u32 c[4], u32 k0, u32 k1) {
+	for (int r = 0; r < 10; r++) {
+		if (r > 0) {
+			k0 += 0x9E3779B9u;
+			k1 += 0xBB67AE85u;
+		}
+		u64 p0 = (u64)0xD2511F53u * c[0], p1 = (u64)0xCD9E8D57u * c[2];
+		u32 n0 = (u32)(p1 >> 32) ^ c[1] ^ k0, n2 = (u32)(p0 >> 32) ^ c[3] ^ k1;
+		c[0] = n0;
+		c[1] = (u32)p1;
+		c[2] = n2;
+		c[3] = (u32)p0;
+	}
+}
+
+// The dropout mask of compute.DropoutMask: element (r, c) of a (rows,
+// cols) activation is kept when word c%4 of Philox({c/4, t, row, step},
+// key) is >= thr, t the row's token: r, or over an MoE expert's grouped
+// rows (its LoRA adapters' input; compute's MoEWeights.Drop) order[r]/K.
+// One thread per four columns of a row: one Philox call (dropout_words).
+DK_DEV void dropout_words(u32 w[4], i64 r, int g, const int *__restrict__ order, int K, int row, int step, int k0, int k1) {
+	w[0] = (u32)g;
+	w[1] = order ? (u32)(order[r] / K) : (u32)r;
+	w[2] = (u32)row;
+	w[3] = (u32)step;
+	philox4x32(w, (u32)k0, (u32)k1);
+}
+
 // --- Warp reductions (all 32 lanes take part).
 
 DK_DEV float warp_sum(float v) {
