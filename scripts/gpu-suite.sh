@@ -81,9 +81,13 @@
 #              then BenchmarkMoE: one Qwen3-30B-A3B-shaped layer (16384
 #              tokens, 128 experts of 768, top-8), the teacher's forward and
 #              the student's forward + backward, default against v1 in the
-#              same run (ms a call, TFLOP/s over the experts' GEMMs), and the
+#              same run (ms a call, TFLOP/s over the experts' GEMMs), the
 #              forward with FP8 experts (k_moe_gemm_fp8: E4M3 mma.sync on
-#              the device's grouping, issue 29; grouped=1 when it ran); with
+#              the device's grouping, issue 29; grouped=1 when it ran), and a
+#              LoRA student's step on the default kernels (train-lora: the
+#              base frozen, every expert adapted at rank 16, issue 28;
+#              TestMoELoRA* first hold the adapters' grouped kernels to the
+#              CPU and their launches to a count independent of E); with
 #              DISTILL_BENCH_SHAPES=qwen3-30b-a3b the bench step times the
 #              whole forward against the peer step's HF
 #   peer       HF transformers on the same workloads (scripts/gpu/hf_bench.py)
@@ -428,7 +432,7 @@ s_bench() {
 }
 
 s_moe() {
-  step moe-test 60 "$T" -test.v -test.count=1 -test.timeout 55s -test.run 'TestMoEGrouped|TestMoEFP8Grouped|TestMoEFrozenBackward|TestMoEConformance'
+  step moe-test 60 "$T" -test.v -test.count=1 -test.timeout 55s -test.run 'TestMoEGrouped|TestMoEFP8Grouped|TestMoEFrozenBackward|TestMoEConformance|TestMoELoRA'
   step moe-bench 120 "$T" -test.run '^$' -test.bench '^BenchmarkMoE$' -test.benchtime 5x -test.timeout 115s
 }
 

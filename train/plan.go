@@ -271,8 +271,8 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		// head gets none: LossHeadBackward's nil dw).
 		add(TermGrads, 4*adapters+4*int64(max(cfg.Hidden, cfg.HeadDim)), false, false)
 		add(TermMoments, shard(1, 8*adapters), false, false)
-		// The experts' adapters run in fp32 GEMMs inside the MoE kernels
-		// (compute/cuda's moe_lora.go): no GEMM reads them in BF16.
+		// The experts' adapters run in fp32 kernels inside the MoE block
+		// (compute/cuda's moe_lora.go): nothing reads them in BF16.
 		add(TermShadows, 2*(adapters-onExperts), false, false)
 		add(TermLoRAScratch, decoder.LoRAScratchBytes(max(s.RowTokens, 1), rank, out, dropIn, s.Activations), true, false)
 	} else if s.ZeRO >= 2 {
@@ -372,10 +372,11 @@ func PlanMemory(s PlanShape) MemoryPlan {
 			b += 4*T*C + 4*P*IM
 		}
 		if s.LoRA != nil && loraOnExperts(cfg, s.LoRA) {
-			// The experts' adapters' scratch, one expert's rows (at most T:
-			// a token picks an expert once) at a time: the input and
-			// its gradient, the output's gradient, t and dt (fp32).
-			b += 4 * T * (3*max(C, IM) + 2*int64(s.LoRA.Rank))
+			// The experts' adapters' scratch (compute/cuda's moe_lora.go:
+			// grouped kernels over every expert's rows at once): t and dt
+			// (fp32, rank wide) of the grouped rows, and the experts'
+			// table (8 words an expert).
+			b += 8*P*int64(s.LoRA.Rank) + 64*E
 		}
 		add(TermMoE, b+64<<10, true, true)
 	}

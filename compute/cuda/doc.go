@@ -157,7 +157,14 @@
 //     its own) for an A/B on a device; TestMoEGroupedGEMM holds both to the
 //     same bits. Shapes the kernels cannot take (hidden or intermediate not
 //     a multiple of 8) read the counts to the host and run a cuBLASLt GEMM
-//     per expert.
+//     per expert. A LoRA student's expert adapters (MoEWeights.Adapters)
+//     run on the device's grouping whichever path grouped the base's rows
+//     (kernels/moelora.cu, moe_lora.go): fp32 kernels on CUDA cores, each
+//     product one launch for every expert (a block per 64-row tile of one
+//     expert, its adapter's addresses, scale, rank and dropout key from a
+//     device table; an expert without an adapter skipped), the dropout
+//     drawn per token with each expert's key as x is staged: t =
+//     Scale·drop(x)·Aᵀ, then out += t·Bᵀ, with no host wait.
 //   - LMHeadTopK: the vocabulary in tiles; cuBLASLt writes a tile's
 //     logits, k_lm_fold folds them into each row's running log-sum-exp
 //     (float64) and running top-k (exact, ties by lower id).
@@ -230,7 +237,11 @@
 //     a fixed order; dGate's and dUp's read the tokens in place through
 //     the saved order, as the forward did); experts with no rows are
 //     untouched. Shapes the kernels cannot take read the saved offsets to
-//     the host and run cuBLASLt per expert.
+//     the host and run cuBLASLt per expert. The experts' adapters: t
+//     recomputed, DB += doutᵀ·t, dt = Scale·dout·B, DA += dtᵀ·drop(x) (a
+//     block per tile of one expert's DA or DB summing its rows in order:
+//     deterministic, no atomics), dx += drop'(dt·A): five launches a
+//     projection for all experts, on the saved grouping.
 //   - AttentionBackward: flash-style, the probabilities recomputed from the
 //     forward's log-sum-exp. The own kernels: head_dim 64 and 128 on tensor
 //     cores (FlashAttention 2's backward with the forward's machinery: BF16

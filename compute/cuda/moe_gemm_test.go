@@ -336,7 +336,12 @@ func TestMoELoRAHostGrouping(t *testing.T) {
 // shadows). It reports ms a call and TFLOP/s over the experts' GEMMs
 // (6·T·K·H·I a forward, three times that with the backward). It needs a
 // GPU; DISTILL_TRAIN_BENCH_DRYRUN=1 runs its code on the emulator at a
-// tiny shape.
+// tiny shape. train-lora is a LoRA student's step on the default kernels:
+// the base frozen in BF16 (no weight gradients), every expert's gate, up
+// and down adapted at rank 16 with lora_dropout 0.1 (moelora.cu's grouped
+// kernels); its TFLOP/s count the base's GEMMs as train's (the frozen
+// backward skips a third of them: a lower bound of the work) and not the
+// adapters'.
 func BenchmarkMoE(b *testing.B) {
 	T, H, I, E, K := 16384, 2048, 768, 128, 8
 	switch {
@@ -466,6 +471,53 @@ func BenchmarkMoE(b *testing.B) {
 			b.ReportMetric(1e3*sec, "ms/call")
 			b.ReportMetric(3*fwdFlops/sec/1e12, "TFLOP/s")
 		})
+		if v == "" {
+			b.Run(fmt.Sprintf("train-lora/r16/T%d_H%d_I%d_E%d_K%d", T, H, I, E, K), func(b *testing.B) {
+				benchMoELoRA(b, be, moeWeights(weight), xt, outt, dout, T)
+			})
+		}
 		be.Close()
 	}
+}
+
+// benchMoELoRA times MoEForward + MoEBackward of a LoRA student's MoE
+// layer on be: mw's experts (BF16 weights) frozen, a rank-16 adapter on
+// every projection of every expert, lora_dropout 0.1.
+func benchMoELoRA(b *testing.B, be *Backend, mw *compute.MoEWeights, xt, outt compute.Tensor, dout []float32, T int) {
+	const rank = 16
+	E, K, H, I := mw.NumExperts, mw.TopK, mw.Hidden, mw.Inter
+	r := rand.New(rand.NewPCG(9, 10))
+	adapter := func(in, out, e, j int) *compute.LoRA {
+		a, bm := randF32(r, rank*in), randF32(r, out*rank)
+		for i := range a {
+			a[i] *= 0.03
+		}
+		for i := range bm {
+			bm[i] *= 0.03
+		}
+		return &compute.LoRA{A: be.FromF32(a), B: be.FromF32(bm), DA: be.New(compute.F32, rank*in), DB: be.New(compute.F32, out*rank),
+			Rank: rank, In: in, Out: out, Scale: 2, Dropout: 0.1, Stream: uint64(3*e + j)}
+	}
+	mw.Adapters = make([]compute.MoEAdapter, E)
+	for e := range mw.Adapters {
+		mw.Adapters[e] = compute.MoEAdapter{Gate: adapter(H, I, e, 0), Up: adapter(H, I, e, 1), Down: adapter(I, H, e, 2)}
+	}
+	mw.Drop = &compute.MoEDrop{Step: 1, Row: 0}
+	nf, ni := compute.MoESavedSizes(T, E, K, H, I)
+	s := compute.NewMoESaved(be, be.New(compute.F32, nf), be.New(compute.I32, ni), T, E, K, H, I)
+	dt, dx := be.FromF32(dout), be.New(compute.F32, T*H)
+	step := func() {
+		be.MoEForward(outt, xt, mw, s, T)
+		be.MoEBackward(dx, nil, dt, xt, mw, s, nil, T)
+	}
+	step() // warm up
+	be.wait()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		step()
+	}
+	be.wait()
+	sec := b.Elapsed().Seconds() / float64(b.N)
+	b.ReportMetric(1e3*sec, "ms/call")
+	b.ReportMetric(2*6*float64(T)*float64(K)*float64(H)*float64(I)/sec/1e12, "TFLOP/s")
 }
