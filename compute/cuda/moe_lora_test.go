@@ -22,6 +22,10 @@ type moeLoRACase struct {
 	// bf16Base holds the experts' weights as BF16 weights (Backend.Weight),
 	// as a LoRA student's frozen base; else F32 tensors.
 	bf16Base bool
+	// between, when set, is called with "forward" just before MoEForward,
+	// "backward" just before MoEBackward, and "forward done" and "backward
+	// done" just after each returns.
+	between func(step string)
 }
 
 func newMoELoRACase(r *rand.Rand, c *moeTrainCase, rank func(e, j int) int, p float64) *moeLoRACase {
@@ -107,9 +111,18 @@ func (c *moeLoRACase) run(be compute.Backend, frozen bool) *moeLoRAResult {
 	s := compute.NewMoESaved(be, be.New(compute.F32, nf), be.New(compute.I32, ni), T, E, K, H, I)
 	x := be.FromF32(c.x)
 	out := be.New(compute.F32, T*H)
+	dx, dout := be.FromF32(c.dx0), be.FromF32(c.dout)
+	mark := func(step string) {
+		if c.between != nil {
+			c.between(step)
+		}
+	}
+	mark("forward")
 	be.MoEForward(out, x, mw, s, T)
-	dx := be.FromF32(c.dx0)
-	be.MoEBackward(dx, dm, be.FromF32(c.dout), x, mw, s, nil, T)
+	mark("forward done")
+	mark("backward")
+	be.MoEBackward(dx, dm, dout, x, mw, s, nil, T)
+	mark("backward done")
 	res := &moeLoRAResult{out: readF32(be, out, T*H), gate: readF32(be, s.Gate, T*K*I), up: readF32(be, s.Up, T*K*I), y: readF32(be, s.Y, T*K*H),
 		dx: readF32(be, dx, T*H), offsets: make([]int32, E+1)}
 	be.ReadI32(s.Offsets, res.offsets)
@@ -259,5 +272,47 @@ func TestMoELoRALaunches(t *testing.T) {
 	}
 	if adapters != total {
 		t.Errorf("%d adapter kernels and cuBLASLt GEMMs, want %d (profile: %v)", adapters, total, many)
+	}
+}
+
+// TestMoELoRANoHostWait: a LoRA student's MoE forward and backward on the
+// device's grouping (every expert adapted, dropout on) makes the host wait
+// for the device not once (the emulator counts cuStreamSynchronize,
+// cuCtxSynchronize and cuEventSynchronize): the adapters run on the
+// offsets in device memory. The host's grouping (shapes the grouped GEMMs
+// cannot take) reads its counts, and must show in the count: the check
+// can fail.
+func TestMoELoRANoHostWait(t *testing.T) {
+	if onGPU() {
+		t.Skip("the host-wait count is the emulator's (distill_emu_host_waits)")
+	}
+	be := testBackend(t)
+	r := rand.New(rand.NewPCG(3, 4))
+	c := newMoELoRACase(r, newMoETrainCase(r, 100, 16, 24, 8, 2, true, false, -1), func(e, j int) int { return 4 }, 0.1)
+	c.bf16Base = true
+	for _, host := range []bool{false, true} {
+		testMoEHostGrouping = host
+		var waits int
+		c.between = func(step string) {
+			n, ok := be.emuHostWaits()
+			if !ok {
+				t.Fatal("the emulator does not count host waits (distill_emu_host_waits)")
+			}
+			switch step {
+			case "forward", "backward":
+				waits -= n
+			default:
+				waits += n
+			}
+		}
+		c.run(be, true)
+		c.between = nil
+		testMoEHostGrouping = false
+		if host && waits == 0 {
+			t.Fatalf("host grouping: no host wait counted in MoEForward + MoEBackward: the count cannot see the download of the counts")
+		}
+		if !host && waits != 0 {
+			t.Fatalf("device grouping: %d host waits in MoEForward + MoEBackward with adapters, want none", waits)
+		}
 	}
 }
