@@ -231,6 +231,7 @@ static inline __attribute__((always_inline)) float block_sum(const float *e, lon
 	return s;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // transpose16 transposes the 16 x 16 floats of a in place: four stages,
 // stage k swapping bit k of the row index with bit k of the column index
 // (a two-vector shuffle for each row of each pair of rows 2^k apart).
@@ -284,15 +285,18 @@ V4 static void block_sums_v4(float *bs, const float *e, long n) {
 	for (; b < n; b += 64) bs[b / 64] = block_sum(e + b, b + 64 < n ? 64 : n - b);
 }
 
-// cpu_v4 is whether the CPU runs the x86-64-v4 clones (target_clones
-// picks them by the same test).
+// cpu_v4 is whether the CPU supports x86-64-v4, which block_sums_v4
+// needs (and the v4 clones: where the two choices disagree, the block
+// sums' bits follow cpu_v4's, the outputs are as valid).
 static int cpu_v4;
 __attribute__((constructor)) static void init_cpu_v4(void) {
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 	__builtin_cpu_init();
 	cpu_v4 = __builtin_cpu_supports("x86-64-v4");
-#endif
 }
+#else
+static const int cpu_v4 = 0;
+static void block_sums_v4(float *bs, const float *e, long n) { (void)bs, (void)e, (void)n; }
+#endif
 
 // k_block_sums_v4 runs block_sums_v4 (for tests) and returns 1, or returns
 // 0 where the CPU does not run the v4 clones (k_lse_topk sums in its loop
