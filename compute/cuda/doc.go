@@ -163,8 +163,9 @@
 //     product one launch for every expert (a block per 64-row tile of one
 //     expert, its adapter's addresses, scale, rank and dropout key from a
 //     device table; an expert without an adapter skipped), the dropout
-//     drawn per token with each expert's key as x is staged: t =
-//     Scale·drop(x)·Aᵀ, then out += t·Bᵀ, with no host wait.
+//     drawn per token with each expert's key as x is staged (the token
+//     rows read in place through the order, as the base's GEMMs read
+//     them): t = Scale·drop(x)·Aᵀ, then out += t·Bᵀ, with no host wait.
 //   - LMHeadTopK: the vocabulary in tiles; cuBLASLt writes a tile's
 //     logits, k_lm_fold folds them into each row's running log-sum-exp
 //     (float64) and running top-k (exact, ties by lower id).

@@ -20,10 +20,11 @@ import (
 // dropout key), so the experts may differ in rank and dropout.
 //
 // The math is fp32 throughout (CUDA cores, not the tensor cores: an
-// adapter's term carries no rounding beyond its inputs'): the grouped
-// BF16 rows (the inputs xg and act, the gradients dy, dgate and dup,
-// which the base's GEMMs read in BF16 too) widened as the kernels stage
-// them, and the fp32 adapters. The dropout's masks are drawn per token
+// adapter's term carries no rounding beyond its inputs'): the BF16 rows
+// the base's GEMMs read too (the input x, as token rows read in place
+// through the order where the base's grouped GEMMs read it so, else the
+// grouped rows xg; act; the gradients dy, dgate and dup) widened as the
+// kernels stage them, and the fp32 adapters. The dropout's masks are drawn per token
 // (the grouped row's token, order[row]/K), as MoEWeights.Drop defines
 // them, with the expert's adapter's key, where the kernels stage x (and
 // in dx's epilogue): no masked copy of the input. The scratch is the
@@ -149,53 +150,67 @@ func (r *moeLoRA) dropArgs() []any {
 const (
 	mlrA, mlrB, mlrDA, mlrDB = 0, 1, 2, 3 // the table's words
 	mlrRankK, mlrRankN       = 1, 2       // rk: K (M) or N is the expert's rank
+	// An operand's format (moelora.cu's MLR_BF16, MLR_TOK): F32 or BF16,
+	// grouped rows or the token rows read through the order.
+	mlrF32, mlrBF16, mlrTok = 0, 1, 2
 )
 
 // rowsGEMM launches k_moelora_rows_<kernel> (moelora.cu's mlr_rows):
 // out (rows, ldo) F32 (=, or += when acc) = s·a'·W_eᵀ (nt) or s·a'·W_e
 // (nn) over each adapted expert's rows, W_e the table's word wi, tn its
 // column tile.
-func (r *moeLoRA) rowsGEMM(kernel string, tn int, out uint64, ldo int, a uint64, abf bool, lda int, tab uint64, wi, N, K, rk int,
+func (r *moeLoRA) rowsGEMM(kernel string, tn int, out uint64, ldo int, a uint64, afmt int, lda int, tab uint64, wi, N, K, rk int,
 	scaled, dropA, dropO, acc bool) {
-	args := append([]any{dptr(out), int64(ldo), dptr(a), boolArg(abf), int64(lda), dptr(tab), int32(wi), int32(N), int32(K), int32(rk),
+	args := append([]any{dptr(out), int64(ldo), dptr(a), int32(afmt), int64(lda), dptr(tab), int32(wi), int32(N), int32(K), int32(rk),
 		boolArg(scaled), boolArg(dropA), boolArg(dropO), boolArg(acc), dptr(r.offsets), dptr(r.tiles), int32(r.E)}, r.dropArgs()...)
 	r.b.launchKernel(launch{kernel: "k_moelora_rows_" + kernel, grid: [3]int{(r.rows+moeLoRATile-1)/moeLoRATile + r.E, (N + tn - 1) / tn, 1}, block: 256}, args...)
 }
 
 // wgrad launches k_moelora_wgrad_<kernel> (mlr_wgrad): D_e (M, N) +=
 // aᵀ·b' over each adapted expert's rows, D_e the table's word wi.
-func (r *moeLoRA) wgrad(kernel string, tm, tn int, tab uint64, wi int, a uint64, abf bool, lda, M int, bm uint64, bbf bool, ldb, N, rk int, dropB bool) {
-	args := append([]any{dptr(tab), int32(wi), dptr(a), boolArg(abf), int64(lda), int32(M), dptr(bm), boolArg(bbf), int64(ldb), int32(N),
+func (r *moeLoRA) wgrad(kernel string, tm, tn int, tab uint64, wi int, a uint64, afmt, lda, M int, bm uint64, bfmt, ldb, N, rk int, dropB bool) {
+	args := append([]any{dptr(tab), int32(wi), dptr(a), int32(afmt), int64(lda), int32(M), dptr(bm), int32(bfmt), int64(ldb), int32(N),
 		int32(rk), boolArg(dropB), dptr(r.offsets)}, r.dropArgs()...)
 	r.b.launchKernel(launch{kernel: "k_moelora_wgrad_" + kernel, grid: [3]int{(M + tm - 1) / tm, (N + tn - 1) / tn, r.E}, block: 256}, args...)
 }
 
 // forward adds the adapters ls's terms to out (rows, out) F32 over each
-// expert's rows, from x (rows, in) BF16: out += Scale·(drop(x)·Aᵀ)·Bᵀ.
-func (r *moeLoRA) forward(ls func(e int) *compute.LoRA, name string, out, x uint64) {
+// expert's rows, from x (rows, in) BF16, or with tok the token rows
+// (tokens, in) BF16 that grouped row r reads through the order (row
+// order[r]/K): out += Scale·(drop(x)·Aᵀ)·Bᵀ.
+func (r *moeLoRA) forward(ls func(e int) *compute.LoRA, name string, out, x uint64, tok bool) {
 	tab, R, in, outN := r.table(ls, "MoE "+name, false)
 	if R == 0 {
 		return
 	}
 	t := r.scratch(int64(r.rows) * int64(R) * 4)
-	r.rowsGEMM("nt16", moeLoRANarrow, t, R, x, true, in, tab, mlrA, R, in, mlrRankN, true, true, false, false)
-	r.rowsGEMM("nt64", moeLoRAWide, out, outN, t, false, R, tab, mlrB, outN, R, mlrRankK, false, false, false, true)
+	r.rowsGEMM("nt16", moeLoRANarrow, t, R, x, r.xfmt(tok), in, tab, mlrA, R, in, mlrRankN, true, true, false, false)
+	r.rowsGEMM("nt64", moeLoRAWide, out, outN, t, mlrF32, R, tab, mlrB, outN, R, mlrRankK, false, false, false, true)
 }
 
-// backward is forward's backward from dout (rows, out) BF16, x as
+// backward is forward's backward from dout (rows, out) BF16, x and tok as
 // forward's: t = Scale·drop(x)·Aᵀ recomputed, DB += doutᵀ·t, dt =
 // Scale·dout·B, DA += dtᵀ·drop(x), dx (rows, in) F32 += drop'(dt·A).
-func (r *moeLoRA) backward(ls func(e int) *compute.LoRA, name string, dx, dout, x uint64) {
+func (r *moeLoRA) backward(ls func(e int) *compute.LoRA, name string, dx, dout, x uint64, tok bool) {
 	tab, R, in, outN := r.table(ls, "MoEBackward "+name, true)
 	if R == 0 {
 		return
 	}
 	t, dt := r.scratch(int64(r.rows)*int64(R)*4), r.scratch(int64(r.rows)*int64(R)*4)
-	r.rowsGEMM("nt16", moeLoRANarrow, t, R, x, true, in, tab, mlrA, R, in, mlrRankN, true, true, false, false)
-	r.wgrad("64x16", moeLoRAWide, moeLoRANarrow, tab, mlrDB, dout, true, outN, outN, t, false, R, R, mlrRankN, false)
-	r.rowsGEMM("nn16", moeLoRANarrow, dt, R, dout, true, outN, tab, mlrB, R, outN, mlrRankN, true, false, false, false)
-	r.wgrad("16x64", moeLoRANarrow, moeLoRAWide, tab, mlrDA, dt, false, R, R, x, true, in, in, mlrRankK, true)
-	r.rowsGEMM("nn64", moeLoRAWide, dx, in, dt, false, R, tab, mlrA, in, R, mlrRankK, false, false, true, true)
+	r.rowsGEMM("nt16", moeLoRANarrow, t, R, x, r.xfmt(tok), in, tab, mlrA, R, in, mlrRankN, true, true, false, false)
+	r.wgrad("64x16", moeLoRAWide, moeLoRANarrow, tab, mlrDB, dout, mlrBF16, outN, outN, t, mlrF32, R, R, mlrRankN, false)
+	r.rowsGEMM("nn16", moeLoRANarrow, dt, R, dout, mlrBF16, outN, tab, mlrB, R, outN, mlrRankN, true, false, false, false)
+	r.wgrad("16x64", moeLoRANarrow, moeLoRAWide, tab, mlrDA, dt, mlrF32, R, R, x, r.xfmt(tok), in, in, mlrRankK, true)
+	r.rowsGEMM("nn64", moeLoRAWide, dx, in, dt, mlrF32, R, tab, mlrA, in, R, mlrRankK, false, false, true, true)
+}
+
+// xfmt is the format of the adapters' input x: BF16 grouped rows, or with
+// tok the token rows read through the order.
+func (r *moeLoRA) xfmt(tok bool) int {
+	if tok {
+		return mlrBF16 | mlrTok
+	}
+	return mlrBF16
 }
 
 // moeAdapters checks mw's adapters (one per expert, shapes of the

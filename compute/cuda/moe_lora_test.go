@@ -228,7 +228,8 @@ func TestMoELoRAGrouped(t *testing.T) {
 // on) on the device's grouping launches the same kernels, as many times,
 // at 6 experts as at 48: a handful a projection (the adapters'
 // k_moelora_* kernels), no per-expert GEMM (cuBLASLt's are the router's
-// alone: the forward's logits, the backward's dx).
+// alone: the forward's logits, the backward's dx), and no gathered copy
+// of the tokens (k_moe_gather).
 func TestMoELoRALaunches(t *testing.T) {
 	be := testBackendWith(t, Options{Profile: true})
 	counts := func(E int) map[string]int {
@@ -262,7 +263,10 @@ func TestMoELoRALaunches(t *testing.T) {
 	// backward: the tiles, then t, DB, dt, DA and dx for each.
 	want := map[string]int{"k_moelora_tiles": 2, "k_moelora_rows_nt16": 6, "k_moelora_rows_nt64": 3, "k_moelora_wgrad_64x16": 3,
 		"k_moelora_rows_nn16": 3, "k_moelora_wgrad_16x64": 3, "k_moelora_rows_nn64": 3,
-		"cublasLt GEMM (MoEForward)": 1, "cublasLt GEMM (MoEBackward)": 1}
+		"cublasLt GEMM (MoEForward)": 1, "cublasLt GEMM (MoEBackward)": 1,
+		// The adapters read the tokens in place, as the base's GEMMs do:
+		// no gathered copy of x, forward or backward.
+		"k_moe_gather": 0}
 	total := 0
 	for name, n := range want {
 		total += n

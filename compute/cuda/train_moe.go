@@ -365,18 +365,22 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 	// The experts' adapters (a LoRA student's), each over its expert's rows:
 	// gate's and up's before the SwiGLU, down's after the down GEMM.
 	ga, ua, da := moeAdapters(mw, fp8, what)
-	adapters := func(ls func(int) *compute.LoRA, name string, out, in uint64) {}
+	// tok: in is the token rows, read through the order.
+	adapters := func(ls func(int) *compute.LoRA, name string, out, in uint64, tok bool) {}
 	if ga != nil {
 		lr := b.newMoELoRA(mw, offsets, order, P, K, sv != nil) // MoE (inference) never drops
 		defer lr.release()
-		adapters = func(ls func(int) *compute.LoRA, name string, out, in uint64) { lr.forward(ls, name, out, in) }
+		adapters = func(ls func(int) *compute.LoRA, name string, out, in uint64, tok bool) {
+			lr.forward(ls, name, out, in, tok)
+		}
 	}
 	// The experts' input: the grouped rows xg (rows, H) BF16, or, where the
-	// grouped GEMMs read the tokens in place (the default kernels, no
-	// adapter reading xg), the token rows (T, H) BF16: 1/K of the bytes.
+	// grouped GEMMs read the tokens in place (the default kernels; the
+	// adapters' kernels read them in place too), the token rows (T, H)
+	// BF16: 1/K of the bytes.
 	var xin uint64
 	tok := moeTokens{}
-	if onDevice && ga == nil && b.moeKernels != "v1" {
+	if onDevice && b.moeKernels != "v1" {
 		xin = scratch(int64(T) * int64(H) * 2)
 		b.moeTokenInput(xin, x, mw, T, H)
 		tok = moeTokens{order: order, k: K}
@@ -395,12 +399,12 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 			gateUp()
 			b.moeGEMM(gate, xin, tok, ops.ptrs(mw.Gate, "gate", I*H), g, I, H)
 			b.moeGEMM(up, xin, tok, ops.ptrs(mw.Up, "up", I*H), g, I, H)
-			adapters(ga, "gate_proj", gate, xin)
-			adapters(ua, "up_proj", up, xin)
+			adapters(ga, "gate_proj", gate, xin, tok.order != 0)
+			adapters(ua, "up_proj", up, xin, tok.order != 0)
 			b.moeAct(act, gate, up, mw, P, I)
 		}
 		b.moeGEMM(y, act, moeTokens{}, ops.ptrs(mw.Down, "down", H*I), g, H, I)
-		adapters(da, "down_proj", y, act)
+		adapters(da, "down_proj", y, act, false)
 	} else {
 		gateUp()
 		for e := 0; e < E; e++ {
@@ -412,8 +416,8 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 			b.gemm(gate+off*uint64(I)*4, xe, ops.bf16(mw.Gate[e], "gate", e, I*H), cnt, I, H, dataBF16)
 			b.gemm(up+off*uint64(I)*4, xe, ops.bf16(mw.Up[e], "up", e, I*H), cnt, I, H, dataBF16)
 		}
-		adapters(ga, "gate_proj", gate, xin)
-		adapters(ua, "up_proj", up, xin)
+		adapters(ga, "gate_proj", gate, xin, tok.order != 0)
+		adapters(ua, "up_proj", up, xin, tok.order != 0)
 		b.moeAct(act, gate, up, mw, P, I)
 		for e := 0; e < E; e++ {
 			off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
@@ -422,7 +426,7 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 			}
 			b.gemm(y+off*uint64(H)*4, act+off*uint64(I)*2, ops.bf16(mw.Down[e], "down", e, H*I), cnt, H, I, dataBF16)
 		}
-		adapters(da, "down_proj", y, act)
+		adapters(da, "down_proj", y, act, false)
 	}
 	b.launchKernel(launch{kernel: "k_moe_combine", grid: [3]int{T, 1, 1}, block: 256},
 		dptr(out.p), dptr(y), dptr(sel), dptr(wts), dptr(rowpos), int32(K), int32(H))
@@ -567,15 +571,16 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 		act = scratch(int64(P) * int64(I) * 2)
 		b.moeAct(act, sv.gate.p, sv.up.p, mw, P, I)
 	}
-	// The experts' input for dGate and dUp: the token rows, read through
-	// the order as the forward read them (the default kernels), or the
-	// grouped rows gathered again (the adapters' backward reads them).
+	// The experts' input for dGate and dUp and the gate and up adapters'
+	// backward: the token rows, read through the order as the forward read
+	// them (the default kernels), or the grouped rows gathered again.
 	tok := moeTokens{}
+	readX := dm != nil || anyAdapter(mw, ga) || anyAdapter(mw, ua)
 	switch {
-	case anyAdapter(mw, ga) || anyAdapter(mw, ua) || dm != nil && (!onDevice || b.moeKernels == "v1"):
+	case readX && (!onDevice || b.moeKernels == "v1"):
 		xg = scratch(int64(P) * int64(H) * 2)
 		b.moeExpertInput(xg, x, sv.order.p, mw, T, K, H)
-	case dm != nil:
+	case readX:
 		xg = scratch(int64(T) * int64(H) * 2)
 		b.moeTokenInput(xg, x, mw, T, H)
 		tok = moeTokens{order: sv.order.p, k: K}
@@ -589,7 +594,7 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 	// backward, gate's and up's into dxg.
 	downBwd := func() {}
 	if lr != nil {
-		downBwd = func() { lr.backward(da, "down_proj", dh, dy, act) }
+		downBwd = func() { lr.backward(da, "down_proj", dh, dy, act, false) }
 	}
 	if onDevice {
 		b.moeExpertsBackwardDevice(dm, mw, ops, grad, dy, act, xg, tok, dh, dg, du, dxg, sv, P, E, H, I, downBwd)
@@ -597,8 +602,8 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 		b.moeExpertsBackwardHost(off, dm, mw, ops, grad, dy, act, xg, dh, dg, du, dxg, sv, H, I, downBwd)
 	}
 	if lr != nil {
-		lr.backward(ga, "gate_proj", dxg, dg, xg)
-		lr.backward(ua, "up_proj", dxg, du, xg)
+		lr.backward(ga, "gate_proj", dxg, dg, xg, tok.order != 0)
+		lr.backward(ua, "up_proj", dxg, du, xg, tok.order != 0)
 	}
 	rowpos := scratch(int64(P) * 4)
 	b.ew("k_moe_rowpos", int64(P), dptr(rowpos), dptr(sv.order.p), int64(P))

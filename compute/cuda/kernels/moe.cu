@@ -8,10 +8,11 @@
 // host reads them and runs cuBLASLt per expert); k_moe_order lists each
 // expert's pairs in token order (stable, deterministic). The grouped GEMMs
 // read each grouped row's token in place through that order (k_moe_gather
-// copies them only where a gathered input is kept: adapters, the
-// backward); gate and up run as one GEMM with the SwiGLU in its epilogue
-// where nothing else needs them (k_moe_gemm_glu); k_moe_combine sums each
-// token's expert outputs with its routing weights.
+// copies them only for the _v1 kernels and the host's grouping; the
+// experts' LoRA adapters, moelora.cu, read them in place too); gate and
+// up run as one GEMM with the SwiGLU in its epilogue where nothing else
+// needs them (k_moe_gemm_glu); k_moe_combine sums each token's expert
+// outputs with its routing weights.
 //
 // Backward (MoEBackward): k_moe_wgrad (dL/d routing weight of every pair),
 // k_moe_dy (each grouped row's gradient, weighted, BF16 for the GEMMs),

@@ -78,26 +78,35 @@ DK_KERNEL void k_moelora_tiles(const i32 *__restrict__ offsets, int E, i32 *__re
 	tile_start[E] = t;
 }
 
-// mlr_load stages an R x C tile of the matrix src (F32, or BF16 when bf;
-// row stride ld) into shared dst: src's rows r0 + i (i < nr, others zeros)
-// and columns c0 + j (c0 + j < ncol, others zeros) at dst[i·sr + j·sc]
-// (the strides let a tile land transposed). With ad not null, element
+// An operand's format (the kernels' abf, bbf): F32 (0) or BF16 (MLR_BF16),
+// and MLR_TOK when it holds the token rows, grouped row r reading row
+// order[r] / topk (the forward's x, read in place as the base's grouped
+// GEMMs read it: no gathered copy).
+#define MLR_BF16 1
+#define MLR_TOK 2
+
+// mlr_load stages an R x C tile of the matrix src (format fm, row stride
+// ld) into shared dst: the grouped rows r0 + i (i < nr, others zeros) and
+// columns c0 + j (c0 + j < ncol, others zeros) at dst[i·sr + j·sc] (the
+// strides let a tile land transposed). With ad not null, element
 // (row, col) is dropped out under the expert's mask, the token
 // d.order[row] / d.topk: kept values times the dropout's scale (one fp32
 // product, as k_dropout), others 0. A thread takes four columns of a row
 // (c0 a multiple of 4): one Philox call for the four.
 template <int R, int C>
-DK_DEV void mlr_load(float *dst, int sr, int sc, const void *src, int bf, i64 ld, i64 r0, int nr, int c0, int ncol, const mlr_ad *ad,
+DK_DEV void mlr_load(float *dst, int sr, int sc, const void *src, int fm, i64 ld, i64 r0, int nr, int c0, int ncol, const mlr_ad *ad,
                      const mlr_drop &d) {
+	int bf = fm & MLR_BF16;
 	for (int i = threadIdx.x; i < R * (C / 4); i += MLR_THREADS) {
 		int r = i / (C / 4), j0 = (i % (C / 4)) * 4, c = c0 + j0;
 		bool ok = r < nr;
 		u32 w[4] = {0, 0, 0, 0};
 		if (ad && ok && c < ncol) dropout_words(w, r0 + r, c / 4, d.order, d.topk, d.row, d.step, (int)ad->k0, (int)ad->k1);
+		i64 src_row = ok ? ((fm & MLR_TOK) ? (i64)(d.order[r0 + r] / d.topk) : r0 + r) : 0;
 		for (int j = 0; j < 4; j++) {
 			float v = 0;
 			if (ok && c + j < ncol) {
-				i64 at = (r0 + r) * ld + c + j;
+				i64 at = src_row * ld + c + j;
 				v = bf ? bf2f(((const u16 *)src)[at]) : ((const float *)src)[at];
 				if (ad) v = w[j] >= ad->thr ? __fmul_rn(v, ad->dscale) : 0.0f;
 			}
@@ -122,8 +131,8 @@ DK_DEV int mlr_expert(const i32 *tile_start, int E, int t) {
 // mlr_rows: for every expert e with an adapter and each of its grouped
 // rows r, out[r, n] (row stride ldo; += when acc) = s·Σ_k a'[r, k]·W[n, k]
 // (!NN: W (N, K)) or ·W[k, n] (NN: W (K, N)), W = word wi of e's entry
-// (A or B), s = e's Scale when scaled, else 1; a (rows, lda) F32 or BF16
-// (abf), a' = drop(a) under e's mask when drop_a; drop_o: the result is
+// (A or B), s = e's Scale when scaled, else 1; a (rows, lda) of format
+// abf (mlr_load's), a' = drop(a) under e's mask when drop_a; drop_o: the result is
 // dropped out (kept ones times the dropout's scale, dropped ones add
 // nothing), e's mask over (r, n). rk: 1, K is e's rank; 2, N is (the
 // host's K or N is the largest rank). A block computes MLR_BM rows of one
@@ -227,8 +236,8 @@ DK_KERNEL __launch_bounds__(MLR_THREADS) void k_moelora_rows_nn64(float *out, i6
 
 // mlr_wgrad: for every expert e with an adapter, D (M, N) F32, word wi of
 // e's entry (DA or DB; row stride N), += Σ over e's grouped rows r,
-// ascending, of a[r, m]·b'[r, n]: a (rows, lda), b (rows, ldb), each F32
-// or BF16 (abf, bbf), b' = drop(b) under e's mask when drop_b. rk: 1, M
+// ascending, of a[r, m]·b'[r, n]: a (rows, lda), b (rows, ldb), of
+// formats abf and bbf (mlr_load's), b' = drop(b) under e's mask when drop_b. rk: 1, M
 // is e's rank; 2, N is. Grid: (ceil(M/TM), ceil(N/TN), E), the host's M
 // and N the largest; a block owns a TM x TN tile of one expert's D (its
 // only writer), 16 x 16 threads of TM/16 x TN/16 elements, and sums over
