@@ -22,6 +22,9 @@ type moeLoRACase struct {
 	// bf16Base holds the experts' weights as BF16 weights (Backend.Weight),
 	// as a LoRA student's frozen base; else F32 tensors.
 	bf16Base bool
+	// infer: run MoE too (the forward that saves nothing), into
+	// moeLoRAResult.inferred.
+	infer bool
 	// between, when set, is called with "forward" just before MoEForward,
 	// "backward" just before MoEBackward, and "forward done" and "backward
 	// done" just after each returns.
@@ -59,6 +62,7 @@ func newMoELoRACase(r *rand.Rand, c *moeTrainCase, rank func(e, j int) int, p fl
 // the output, the saved projections, dx, and each adapter's DA and DB.
 type moeLoRAResult struct {
 	out, gate, up, y, dx []float32
+	inferred             []float32 // MoE's output (the forward that saves nothing, never drops)
 	offsets              []int32
 	da, db               [][3][]float32
 }
@@ -126,6 +130,11 @@ func (c *moeLoRACase) run(be compute.Backend, frozen bool) *moeLoRAResult {
 	res := &moeLoRAResult{out: readF32(be, out, T*H), gate: readF32(be, s.Gate, T*K*I), up: readF32(be, s.Up, T*K*I), y: readF32(be, s.Y, T*K*H),
 		dx: readF32(be, dx, T*H), offsets: make([]int32, E+1)}
 	be.ReadI32(s.Offsets, res.offsets)
+	if c.infer {
+		inf := be.New(compute.F32, T*H)
+		be.MoE(inf, x, mw, T)
+		res.inferred = readF32(be, inf, T*H)
+	}
 	for e := 0; e < E; e++ {
 		var da, db [3][]float32
 		for j, l := range ls[e] {
@@ -150,6 +159,8 @@ func (c *moeLoRACase) run(be compute.Backend, frozen bool) *moeLoRAResult {
 // (its gradients untouched); with dropout (the masks per token, each
 // expert's adapter its own key) and without, on the device's grouping and
 // on the host's (the adapters run on the device's kernels either way).
+// MoE, the forward that saves nothing (and never drops), gives
+// MoEForward's output bit for bit without dropout, and the CPU's with it.
 //
 // Tolerances as TestMoETrainConformance's: the device rounds the SwiGLU's
 // activations and the gradients to BF16 for the base's GEMMs, errors in
@@ -173,6 +184,7 @@ func TestMoELoRAGrouped(t *testing.T) {
 			t.Run(fmt.Sprintf("dropout=%g/host=%v", p, host), func(t *testing.T) {
 				r := rand.New(rand.NewPCG(28, 77))
 				c := newMoELoRACase(r, newMoETrainCase(r, T, H, I, E, K, true, false, starve), rank, p)
+				c.infer = true
 				testMoEHostGrouping = host
 				got := c.run(be, true)
 				testMoEHostGrouping = false
@@ -191,6 +203,12 @@ func TestMoELoRAGrouped(t *testing.T) {
 				gradClose(t, "Up", got.up, want.up, zero(len(want.up)), 1e-3, 1e-3)
 				gradClose(t, "Y", got.y, want.y, zero(len(want.y)), 1e-2, 1e-2)
 				gradClose(t, "out", got.out, want.out, zero(len(want.out)), 1e-2, 1e-2)
+				if p == 0 { // MoE (inference: no dropout) computes what MoEForward does
+					same(t, "MoE's out against MoEForward's", got.inferred, got.out)
+					same(t, "cpu: MoE's out against MoEForward's", want.inferred, want.out)
+				} else {
+					gradClose(t, "MoE's out (no dropout)", got.inferred, want.inferred, zero(len(want.out)), 1e-2, 1e-2)
+				}
 				gradClose(t, "dx", got.dx, want.dx, c.dx0, 2e-2, 1e-2)
 				for e := 0; e < E; e++ {
 					for j, proj := range []string{"gate", "up", "down"} {
