@@ -35,7 +35,8 @@
 //   - Kernels may run asynchronously in issue order. Only the methods that
 //     return host values synchronize: Read*, SumSquares, AbsMax,
 //     LossHeadForward and LossValues.Read. They return after every kernel
-//     issued before them has finished.
+//     issued before them has finished (LossValues.Read: every kernel its
+//     values depend on).
 //   - Outputs never alias inputs unless a method says so (RoPE,
 //     RoPEBackward and Add work in place by design).
 //   - A Tensor belongs to the backend that made it; passing it to another
@@ -473,12 +474,15 @@ type DeviceLossCoef interface {
 
 // LossValues are the loss values of the counted positions of one
 // LossHeadForwardKD, left on the device: the host needs them for its
-// logs only, so it reads them after it has issued pass 2.
+// logs only, so it reads them after it has issued pass 2 (the trainer:
+// after the whole step, train.PendingStats).
 type LossValues interface {
 	// Read writes each position's divergence D (0 without a KD term) and
-	// cross-entropy Lse1 - z_label to d and ce (M each), after all issued
-	// work (it synchronizes), and releases the device's copy. Call it
-	// exactly once.
+	// cross-entropy Lse1 - z_label to d and ce (M each), once the work
+	// that computed them has finished (it waits for that work, and may
+	// return before work issued after it: the CUDA backend copies them
+	// to pinned host memory behind an event), and releases the device's
+	// copy. Call it exactly once.
 	Read(d, ce []float64)
 }
 

@@ -60,13 +60,13 @@ func (s *Student) auxCoef() float64 {
 	return s.Cfg.RouterAuxLossCoef
 }
 
-// addAux adds the load-balancing loss of the last forward to st: Aux
-// always (MoE students), coef·Aux into Loss when it is on.
-func (s *Student) addAux(st *loss.Stats) {
+// addAux adds the load-balancing loss of a forward's routing r to st:
+// Aux always (MoE students), coef·Aux into Loss when it is on.
+func (s *Student) addAux(st *loss.Stats, r decoder.RouterStats) {
 	if s.Cfg.NumExperts == 0 {
 		return
 	}
-	st.Aux = s.routing.Aux()
+	st.Aux = r.Aux()
 	st.Loss += s.auxCoef() * st.Aux
 }
 
@@ -83,7 +83,7 @@ func (s *Student) Forward(b *Batch, opt *loss.Options) (st loss.Stats, err error
 	}
 	st, err = s.head.Forward(x, s.Model.Head.W, b, opt)
 	if err == nil {
-		s.addAux(&st)
+		s.addAux(&st, s.routing)
 	}
 	return st, err
 }
@@ -97,24 +97,54 @@ func (s *Student) Forward(b *Batch, opt *loss.Options) (st loss.Stats, err error
 // (its counted positions over normalizer), so that the micro-batches'
 // losses sum to the token-weighted mean the trainer logs.
 func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float64) (st loss.Stats, err error) {
+	p, err := s.ForwardBackwardPending(b, opt, normalizer)
+	if err != nil {
+		return loss.Stats{}, err
+	}
+	defer recoverOOM(&err, "reading the loss")
+	return p.Stats(), nil
+}
+
+// PendingStats are a ForwardBackward's statistics whose loss values may
+// still be on the device (loss.Pending).
+type PendingStats struct {
+	head *loss.Pending
+	aux  func(*loss.Stats) // the MoE load-balancing loss of the row, added last
+}
+
+// Stats returns the row's statistics, reading its loss values from the
+// device if they are still there: ForwardBackward's, bit for bit.
+func (p *PendingStats) Stats() loss.Stats {
+	st := p.head.Stats()
+	p.aux(&st)
+	return st
+}
+
+// ForwardBackwardPending is ForwardBackward that does not read the row's
+// loss values: it issues the forward, the loss head and the backward,
+// and the caller reads the statistics (Stats) when it needs them. The
+// trainer reads them once the step's gradient norm is read, so that on
+// a GPU the host does not wait for the loss head in the middle of the
+// step, which left the GPU idle until the backward was issued.
+func (s *Student) ForwardBackwardPending(b *Batch, opt *loss.Options, normalizer float64) (p *PendingStats, err error) {
 	defer recoverOOM(&err, "the forward and backward")
 	if s.Model.Calibrating() {
-		return loss.Stats{}, fmt.Errorf("%w: NVFP4 calibration is running: call Forward on the calibration batches, then FinishCalibration", ErrInvalid)
+		return nil, fmt.Errorf("%w: NVFP4 calibration is running: call Forward on the calibration batches, then FinishCalibration", ErrInvalid)
 	}
 	if s.Model.CalibratingInputs() {
-		return loss.Stats{}, fmt.Errorf("%w: the inputs' amax calibration is running: call Forward on the calibration batches, then FinishInputCalibration", ErrInvalid)
+		return nil, fmt.Errorf("%w: the inputs' amax calibration is running: call Forward on the calibration batches, then FinishInputCalibration", ErrInvalid)
 	}
 	if err := opt.Validate(); err != nil {
-		return loss.Stats{}, err
+		return nil, err
 	}
 	key := s.row
 	s.row = nil
 	if s.lora != nil && s.lora.cfg.Dropout > 0 && key == nil {
-		return loss.Stats{}, fmt.Errorf("%w: ForwardBackward of a LoRA student with dropout (p %g) needs the row's place to key its masks: call SetStepRow(step, row) before each row", ErrInvalid, s.lora.cfg.Dropout)
+		return nil, fmt.Errorf("%w: ForwardBackward of a LoRA student with dropout (p %g) needs the row's place to key its masks: call SetStepRow(step, row) before each row", ErrInvalid, s.lora.cfg.Dropout)
 	}
 	x, err := s.forward(b, key)
 	if err != nil {
-		return loss.Stats{}, err
+		return nil, err
 	}
 	dlnf := s.Model.HiddenGrad()
 	s.be.Zero(dlnf)
@@ -122,20 +152,21 @@ func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float6
 	if s.lora != nil {
 		dhead = nil // a frozen head: the loss head makes no weight gradient for it
 	}
-	st, err = s.head.ForwardBackward(x, s.Model.Head.W, dlnf, dhead, b, opt, normalizer)
+	hp, err := s.head.ForwardBackwardPending(x, s.Model.Head.W, dlnf, dhead, b, opt, normalizer)
 	if err != nil {
-		return st, err
+		return nil, err
 	}
 	if coef := s.auxCoef(); coef != 0 {
 		w := 1.0
 		if normalizer > 0 {
-			w = float64(st.Tokens) / normalizer
+			w = float64(hp.Tokens()) / normalizer
 		}
 		s.Model.SetRouterAux(coef*w, s.routing)
 	}
-	s.addAux(&st)
+	routing := s.routing // this row's: the next row's forward replaces s.routing
+	p = &PendingStats{head: hp, aux: func(st *loss.Stats) { s.addAux(st, routing) }}
 	s.Model.Backward()
-	return st, nil
+	return p, nil
 }
 
 // stepRow is a training row's place: the optimizer step and the row's

@@ -62,6 +62,12 @@ type Options struct {
 	// pass before every GEMM; for comparisons). $DISTILL_CUDA_ACT sets it
 	// too.
 	Activations string
+	// Pageable turns the pinned staging of copies off (staging.go):
+	// uploads go from Go's memory (the driver stages them, and may wait
+	// for the stream), and a loss's values are read with a
+	// synchronization, as before the staging. The same bits either way;
+	// for comparisons. $DISTILL_CUDA_PAGEABLE=1 sets it too.
+	Pageable bool
 	// F32Grads keeps every gradient in F32 under BF16 activations
 	// (compute.ActGrads' GradDType): the decoder then hands the backward
 	// GEMMs F32 gradients, which MatMulBackward rounds to BF16 in a pass
@@ -115,6 +121,7 @@ type Backend struct {
 	act        compute.DType // Options.Activations
 	f32Grads   bool          // Options.F32Grads
 	moeKernels string        // Options.MoEGEMM
+	pageable   bool          // Options.Pageable
 
 	prof   map[string]*ProfileEntry // nil unless Options.Profile
 	label  string                   // the running method, for the profile
@@ -135,6 +142,10 @@ type Backend struct {
 	// callScratch: the device memory the call in progress allocated and
 	// has neither freed nor kept (alloc), freed if it panics (enter).
 	callScratch []uint64
+	// waits counts host waits under CountHostWaits (hostwait.go); nil: off.
+	waits hostWaits
+	// stage is the pinned memory copies go through (staging.go).
+	stage staging
 
 	closed bool
 }
@@ -204,6 +215,9 @@ func Open(opt Options) (*Backend, error) {
 	if p, err := drv.lib.sym("distill_emu_check_params"); err == nil {
 		b.checkParams = p
 	}
+	if p, err := drv.lib.sym("distill_emu_host_access"); err == nil {
+		b.stage.hostCheck = p
+	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	if err := drv.check("cuDeviceGet", C.call_cuDeviceGet(drv.cuDeviceGet, &b.dev, C.int(opt.Device))); err != nil {
@@ -268,6 +282,7 @@ func Open(opt Options) (*Backend, error) {
 		b.moeKernels = "v1"
 		b.logf("cuda: %s allows a block %d bytes of shared memory; the MoE experts' GEMMs need %d: running the earlier kernels (MoEGEMM v1)", b.info.Name, b.info.SharedOptinBytes, need)
 	}
+	b.pageable = opt.Pageable || os.Getenv("DISTILL_CUDA_PAGEABLE") == "1"
 	act := opt.Activations
 	if act == "" {
 		act = os.Getenv("DISTILL_CUDA_ACT")
@@ -387,6 +402,7 @@ func (b *Backend) release() {
 		}
 		b.shadow.regs = nil
 		C.call_cuStreamSynchronize(d.cuStreamSynchronize, b.stream)
+		b.releaseStage()
 	}
 	for _, m := range b.marks {
 		b.evFree = append(b.evFree, m.pre, m.end)
@@ -478,7 +494,16 @@ func (b *Backend) must(err error) {
 // sync waits for every issued kernel; errors of earlier asynchronous work
 // surface here.
 func (b *Backend) sync() {
+	b.waited(WaitSync)
+	b.streamSync()
+}
+
+// streamSync is sync, not counted as a host wait of its own (download's).
+func (b *Backend) streamSync() {
 	b.must(b.drv.check("cuStreamSynchronize", C.call_cuStreamSynchronize(b.drv.cuStreamSynchronize, b.stream)))
+	if !b.besideOn {
+		b.stage.synced()
+	}
 }
 
 // dptr is a device address, as a kernel argument.
@@ -799,8 +824,28 @@ func (b *Backend) memset0(p uint64, n int64) {
 }
 
 // upload copies n bytes at src to device address p. The source may be
-// reused when it returns: the driver stages pageable memory before that.
+// reused when it returns. Up to stageMax bytes go through the pinned
+// staging ring (staging.go) and never wait; larger ones (weights) are
+// copied from the pageable source, which the driver stages itself and
+// may wait for the stream to do so (a host wait: hostwait.go).
 func (b *Backend) upload(p uint64, src unsafe.Pointer, n int64) {
+	if n <= 0 {
+		return
+	}
+	if !b.pageable {
+		if h := b.stageUpload(src, n); h != nil {
+			b.uploadPinned(p, h, n)
+			return
+		}
+	}
+	b.waited(WaitUpload)
+	b.uploadPinned(p, src, n)
+}
+
+// uploadPinned is upload from pinned host memory (cuMemAllocHost): it
+// never waits, and the caller keeps src unchanged until the copy is done
+// (an event after it).
+func (b *Backend) uploadPinned(p uint64, src unsafe.Pointer, n int64) {
 	if n > 0 {
 		b.must(b.drv.check("cuMemcpyHtoDAsync", C.call_cuMemcpyHtoDAsync(b.drv.cuMemcpyHtoDAsync, C.CUdeviceptr(p), src, C.size_t(n), b.stream)))
 	}
@@ -816,7 +861,8 @@ func (b *Backend) download(dst unsafe.Pointer, p uint64, n int64) {
 	if n > 0 {
 		b.must(b.drv.check("cuMemcpyDtoHAsync", C.call_cuMemcpyDtoHAsync(b.drv.cuMemcpyDtoHAsync, dst, C.CUdeviceptr(p), C.size_t(n), b.stream)))
 	}
-	b.sync()
+	b.waited(WaitDownload)
+	b.streamSync()
 }
 
 // New implements compute.Backend: a zeroed tensor.

@@ -196,11 +196,15 @@ static inline cublasStatus_t call_cublasLtMatmul(void *f, cublasLtHandle_t h, cu
 	    algo ? (const void *)algo->algo : NULL, (void *)ws, wsSize, s);
 }
 
-// --- The CPU emulator's extra hook (testdata/emu): it checks a launch's
-// parameter sizes against the kernel's C++ signature. Absent from the real
-// driver.
+// --- The CPU emulator's extra hooks (testdata/emu): one checks a launch's
+// parameter sizes against the kernel's C++ signature, the other the
+// host's own accesses to pinned memory against the copies that use it
+// (staging.go). Absent from the real driver.
 static inline const char *call_distill_emu_check_params(void *f, CUfunction fn, const int *sizes, int n) {
 	return ((const char *(*)(CUfunction, const int *, int))f)(fn, sizes, n);
+}
+static inline const char *call_distill_emu_host_access(void *f, const void *p, int write) {
+	return ((const char *(*)(const void *, int))f)(p, write);
 }
 
 #endif

@@ -211,7 +211,7 @@ func (b *Backend) copyThroughHost(f *Backend, dst, src uint64, n int64) {
 			defer b.enter()()
 			b.waitOn(down)
 			b.wroteRange(dst+uint64(off), m)
-			b.upload(dst+uint64(off), b.peer.host, m)
+			b.uploadPinned(dst+uint64(off), b.peer.host, m)
 			if b.peer.bufFree != nil {
 				b.recycle(b.peer.bufFree)
 			}

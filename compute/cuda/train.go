@@ -571,7 +571,10 @@ func (b *Backend) lossPass1(h *compute.LossHead, what string) pass1 {
 // LossHeadForwardKD implements compute.DeviceLossCoef: pass 1, then
 // k_loss_coef turns its statistics into pass 2's coefficients, one thread
 // per counted position, all without a synchronization. The positions'
-// loss values stay on the device until Read.
+// loss values are copied into a pinned block right away, behind an
+// event (staging.go), and Read waits for that event only, or not at all
+// when the host has synchronized since (Options.Pageable: they stay on
+// the device until Read downloads them).
 func (b *Backend) LossHeadForwardKD(h *compute.LossHead, kd *compute.LossKD, c *compute.LossCoef) compute.LossValues {
 	defer b.enter()()
 	b.label = "LossHeadForwardKD"
@@ -611,6 +614,11 @@ func (b *Backend) LossHeadForwardKD(h *compute.LossHead, kd *compute.LossKD, c *
 		dptr(p1.st), dptr(p1.zk), dptr(p1.zlab), ptrOf(lp), ptrOf(col), int32(K), int32(tail), h.InvT, lpScale, scale,
 		dptr(lseT.p), dptr(lse1.p), dptr(a.p), ptrOf(ck), dptr(v.vals), int64(M))
 	p1.free(b)
+	if !b.pageable && !b.besideOn {
+		v.later = b.downloadLater(v.vals, int64(2*v.m)*8)
+		b.free(v.vals)
+		v.vals = 0
+	}
 	return v
 }
 
@@ -621,10 +629,11 @@ const coefThreads = 64
 // lossValues are a LossHeadForwardKD's per-position D and CE on the
 // device (vals (2, M) doubles).
 type lossValues struct {
-	b    *Backend
-	m    int
-	vals uint64
-	read bool
+	b     *Backend
+	m     int
+	vals  uint64 // on the device (Options.Pageable), else 0
+	later *laterCopy
+	read  bool
 }
 
 // Read implements compute.LossValues.
@@ -639,6 +648,14 @@ func (v *lossValues) Read(d, ce []float64) {
 		panic(fmt.Sprintf("cuda: LossValues.Read into %d and %d values, want %d each", len(d), len(ce), v.m))
 	}
 	if v.m == 0 {
+		return
+	}
+	if v.later != nil {
+		host := unsafe.Slice((*float64)(b.arrived(v.later, "a loss's values")), 2*v.m)
+		copy(d, host[:v.m])
+		copy(ce, host[v.m:])
+		b.putBlock(v.later.host, v.later.size)
+		v.later = nil
 		return
 	}
 	host := make([]float64, 2*v.m)

@@ -461,7 +461,11 @@ func growF(b []float64, n int) []float64 {
 // the final hidden states, w (V,C) the LM head (the embedding table when
 // tied), tensors of h.Backend.
 func (h *Head) Forward(x, w compute.Tensor, tg *Targets, opt *Options) (Stats, error) {
-	return h.run(x, w, nil, nil, tg, opt, 0)
+	p, err := h.run(x, w, nil, nil, tg, opt, 0)
+	if err != nil {
+		return Stats{}, err
+	}
+	return p.Stats(), nil
 }
 
 // ForwardBackward computes the loss and ADDS its gradient to dx (N,C) and
@@ -469,29 +473,64 @@ func (h *Head) Forward(x, w compute.Tensor, tg *Targets, opt *Options) (Stats, e
 // normalizer when normalizer > 0 (gradient accumulation over micro-batches
 // divides by the global count instead).
 func (h *Head) ForwardBackward(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, normalizer float64) (Stats, error) {
+	p, err := h.ForwardBackwardPending(x, w, dx, dw, tg, opt, normalizer)
+	if err != nil {
+		return Stats{}, err
+	}
+	return p.Stats(), nil
+}
+
+// Pending is a ForwardBackward whose loss values are still on the
+// device: its gradient is issued, and Stats reads the values (the bits
+// ForwardBackward returns) when the caller needs them, so that the host
+// need not wait for the loss head in the middle of a step (a backend
+// that computes pass 2's coefficients itself, compute.DeviceLossCoef;
+// elsewhere the values are read already).
+type Pending struct {
+	st   Stats
+	read func() Stats // nil: st is final
+}
+
+// Tokens is the counted positions, known before the values are read.
+func (p *Pending) Tokens() int { return p.st.Tokens }
+
+// Stats reads the loss values (once; later calls return the same) and
+// returns the statistics ForwardBackward would have.
+func (p *Pending) Stats() Stats {
+	if p.read != nil {
+		p.st, p.read = p.read(), nil
+	}
+	return p.st
+}
+
+// ForwardBackwardPending is ForwardBackward that leaves the loss values
+// where they are (Pending): the trainer issues the decoder's backward
+// and the step's update before it reads them.
+func (h *Head) ForwardBackwardPending(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, normalizer float64) (*Pending, error) {
 	return h.run(x, w, dx, dw, tg, opt, normalizer)
 }
 
-func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, normalizer float64) (Stats, error) {
+func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, normalizer float64) (*Pending, error) {
 	if err := opt.Validate(); err != nil {
-		return Stats{}, err
+		return nil, err
 	}
 	if h.Backend == nil {
-		return Stats{}, fmt.Errorf("%w: the loss head has no backend", ErrInvalid)
+		return nil, fmt.Errorf("%w: the loss head has no backend", ErrInvalid)
 	}
 	if w.Len() != h.V*h.C {
-		return Stats{}, fmt.Errorf("%w: lm_head has %d values, want vocab %d x hidden %d", ErrInvalid, w.Len(), h.V, h.C)
+		return nil, fmt.Errorf("%w: lm_head has %d values, want vocab %d x hidden %d", ErrInvalid, w.Len(), h.V, h.C)
 	}
 	if len(tg.Teachers) > 0 {
 		if tg.K != 0 || tg.TopIDs != nil || tg.TopLP != nil {
-			return Stats{}, fmt.Errorf("%w: the targets set both one teacher's top-k (K, TopIDs, TopLP) and Teachers: set only Teachers for several teachers", ErrInvalid)
+			return nil, fmt.Errorf("%w: the targets set both one teacher's top-k (K, TopIDs, TopLP) and Teachers: set only Teachers for several teachers", ErrInvalid)
 		}
 		if opt.KDWeight > 0 || dx == nil {
-			return h.runMulti(x, w, dx, dw, tg, opt, normalizer)
+			st, err := h.runMulti(x, w, dx, dw, tg, opt, normalizer)
+			return &Pending{st: st}, err
 		}
 	}
 	if err := h.validate(x, tg, opt); err != nil {
-		return Stats{}, err
+		return nil, err
 	}
 	// Without a gradient (evaluation), the divergence is a metric even at
 	// kd_weight 0: an SFT-only run scored on a teacher's cache reports how
@@ -505,7 +544,7 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 	h.countRows(tg)
 	M := len(h.rows)
 	if M == 0 {
-		return Stats{}, nil
+		return &Pending{}, nil
 	}
 	// A training step on a backend that computes pass 2's coefficients
 	// itself issues both passes back to back (runDevice); evaluation
@@ -515,28 +554,31 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 		dev = nil
 	}
 	if err := h.sortTeacherRows(tg, opt, K, dev != nil); err != nil {
-		return Stats{}, err
+		return nil, err
 	}
 	call := h.newCall(x, w, opt, h.ids, K)
 	defer call.free()
 	wkd, norm := opt.weights(M, normalizer)
-	var kd, ce float64
-	if dev != nil {
-		kd, ce = h.runDevice(dev, call, opt, K, wkd/norm, float32(opt.SFTWeight/norm), dx, dw)
-	} else {
-		ps := call.be.LossHeadForward(call.lh)
-		co := newCoefs(M, K)
-		kd, ce = h.singleCoefs(&ps, tg, opt, K, wkd/norm, co)
-		if dx != nil {
-			call.backward(co, float32(opt.SFTWeight/norm), dx, dw)
+	sft := opt.SFTWeight // (the caller may change opt before it reads a Pending)
+	stats := func(kd, ce float64) Stats {
+		st := Stats{KD: kd / float64(M), CE: ce / float64(M), Tokens: M}
+		if !useKD {
+			st.KD = 0
 		}
+		st.Loss = wkd*st.KD + sft*st.CE
+		return st
 	}
-	st := Stats{KD: kd / float64(M), CE: ce / float64(M), Tokens: M}
-	if !useKD {
-		st.KD = 0
+	if dev != nil {
+		read := h.runDevice(dev, call, opt, K, wkd/norm, float32(opt.SFTWeight/norm), dx, dw)
+		return &Pending{st: Stats{Tokens: M}, read: func() Stats { return stats(read()) }}, nil
 	}
-	st.Loss = wkd*st.KD + opt.SFTWeight*st.CE
-	return st, nil
+	ps := call.be.LossHeadForward(call.lh)
+	co := newCoefs(M, K)
+	kd, ce := h.singleCoefs(&ps, tg, opt, K, wkd/norm, co)
+	if dx != nil {
+		call.backward(co, float32(opt.SFTWeight/norm), dx, dw)
+	}
+	return &Pending{st: stats(kd, ce)}, nil
 }
 
 // deviceCovers reports whether a training step's pass-2 coefficients may
@@ -554,9 +596,11 @@ func deviceCovers(opt *Options, K int) bool {
 
 // runDevice issues pass 1, the coefficients (on the device, bit for bit
 // what singleCoefs computes: compute.LossKD) and pass 2 without waiting
-// in between, then reads the positions' loss values, which only the logs
-// need, and returns their sums as singleCoefs does.
-func (h *Head) runDevice(dev compute.DeviceLossCoef, call *headCall, opt *Options, K int, wn float64, wsft float32, dx, dw compute.Tensor) (kd, ce float64) {
+// in between, and returns the reading of the positions' loss values,
+// which only the logs need: it returns their sums as singleCoefs does,
+// and the caller calls it when it needs them (Pending), after the rest
+// of the step is issued.
+func (h *Head) runDevice(dev compute.DeviceLossCoef, call *headCall, opt *Options, K int, wn float64, wsft float32, dx, dw compute.Tensor) (read func() (kd, ce float64)) {
 	be, M := call.be, len(h.rows)
 	co := &compute.LossCoef{LseT: be.New(compute.F32, M), Lse1: be.New(compute.F32, M), A: be.New(compute.F32, M), WSFT: wsft}
 	call.uploads = append(call.uploads, co.LseT, co.Lse1, co.A)
@@ -570,9 +614,13 @@ func (h *Head) runDevice(dev compute.DeviceLossCoef, call *headCall, opt *Option
 	}
 	vals := dev.LossHeadForwardKD(call.lh, kt, co)
 	be.LossHeadBackward(call.lh, co, dx, dw)
-	h.rowD, h.rowCE = growF(h.rowD, M), growF(h.rowCE, M)
-	vals.Read(h.rowD, h.rowCE)
-	return h.sumRows(K)
+	// The values are read into buffers of their own: the head's are the
+	// next call's before this one is read.
+	return func() (kd, ce float64) {
+		d, c := make([]float64, M), make([]float64, M)
+		vals.Read(d, c)
+		return sumRowValues(d, c, K)
+	}
 }
 
 // deviceTail is compute's name of each tail mode.
@@ -706,13 +754,19 @@ func (h *Head) singleCoefs(ps *compute.LossStats, tg *Targets, opt *Options, K i
 // sumRows returns the sums of h.rowD (with K > 0) and h.rowCE, in
 // position order, as one loop would.
 func (h *Head) sumRows(K int) (kd, ce float64) {
-	for r := range h.rows {
-		ce += h.rowCE[r]
+	return sumRowValues(h.rowD[:len(h.rows)], h.rowCE[:len(h.rows)], K)
+}
+
+// sumRowValues returns the sums of d (with K > 0) and ce, in position
+// order, as one loop would.
+func sumRowValues(d, ce []float64, K int) (kdSum, ceSum float64) {
+	for r := range ce {
+		ceSum += ce[r]
 		if K > 0 {
-			kd += h.rowD[r]
+			kdSum += d[r]
 		}
 	}
-	return kd, ce
+	return kdSum, ceSum
 }
 
 // forRanges calls f on consecutive ranges [lo, hi) covering [0, n), from

@@ -196,6 +196,9 @@ func (r *trainRun) openBackend() error {
 		return err
 	}
 	r.be = be
+	if testHookBackend != nil {
+		testHookBackend(be)
+	}
 	// A device's memory is not the garbage collector's: the run gives
 	// back what it allocated, so that a process can run again.
 	r.onClose(func() { device.Close(be) })

@@ -6,6 +6,7 @@ import (
 	"math"
 
 	"distill/cache"
+	"distill/compute"
 	"distill/train"
 	"distill/train/loss"
 	"distill/train/optim"
@@ -30,6 +31,11 @@ type stepper struct {
 	g        *ranks // data parallel: this rank runs its rows, then the sums are reduced
 	z1       *zero1 // ZeRO-1: after AdamW, the ranks share their slices of the parameters
 	overlap  bool   // train.overlap_comm: ZeRO 0 and 1 all-reduce the blocks' gradients during the last row's backward
+	// open are the step's rows whose loss values forwardBackward left on
+	// the device (train.PendingStats), read by readStats once update has
+	// read the gradient norm; total is the step's loss positions.
+	open  []*train.PendingStats
+	total int
 }
 
 // forwardBackward accumulates the gradients of rows into the zeroed
@@ -43,6 +49,7 @@ func (sp *stepper) forwardBackward(step int, rows []*train.Batch, sm *StepMetric
 		tokens += len(b.Tokens)
 	}
 	sm.Tokens, sm.LossTokens, sm.Rows = tokens, total, len(rows)
+	sp.open = nil // (an abandoned step's rows)
 	sp.s.ZeroGrad()
 	var routed [][]int // MoE: per layer and expert, the step's choices
 	last := -1         // this rank's last row of the step
@@ -66,11 +73,11 @@ func (sp *stepper) forwardBackward(step int, rows []*train.Batch, sm *StepMetric
 			return errStopped
 		}
 		sp.s.SetStepRow(step, i) // keys a LoRA student's dropout masks
-		bs, err := sp.s.ForwardBackward(b, sp.lopt, float64(total))
+		p, err := sp.s.ForwardBackwardPending(b, sp.lopt, float64(total))
 		if err != nil {
 			return err
 		}
-		sp.accumulate(sm, bs)
+		sp.open = append(sp.open, p)
 		routed = addRouting(routed, sp.s.Routing().Counts)
 	}
 	// Sharded, every rank runs as many backwards as rank 0 (which has
@@ -78,12 +85,33 @@ func (sp *stepper) forwardBackward(step int, rows []*train.Batch, sm *StepMetric
 	for k := sp.g.rowsOf(len(rows), sp.g.rank); k < sp.g.rowsOf(len(rows), 0); k++ {
 		sp.s.Phantom(true)
 	}
-	if sp.g.size > 1 {
+	sp.total = total
+	if sp.g.size > 1 { // the ranks' loss sums are reduced with the gradients
+		sp.readStats(sm)
 		routed = sp.reduce(sm, routed)
+		sp.normalize(sm, total)
 	}
-	sp.normalize(sm, total)
 	sm.ExpertShare, sm.ExpertShareByLayer = expertShares(routed)
 	return nil
+}
+
+// readStats reads the losses of the step's rows that forwardBackward
+// left on the device into sm, as token-weighted sums, and (on one rank)
+// turns them into the step's means. On a GPU, one rank reads them after
+// the gradient norm, whose read already waited for the whole step: the
+// host then waits once a step, not once a row in the middle of the
+// loss head (the values are the same bits either way).
+func (sp *stepper) readStats(sm *StepMetrics) {
+	if sp.open == nil {
+		return
+	}
+	for _, p := range sp.open {
+		sp.accumulate(sm, p.Stats())
+	}
+	sp.open = nil
+	if sp.g.size <= 1 {
+		sp.normalize(sm, sp.total)
+	}
 }
 
 // reduce sums the ranks' gradients and their shares of the step's loss
@@ -185,6 +213,7 @@ func (sp *stepper) update(step int, sm *StepMetrics) bool {
 		}
 	}
 	sm.GradNorm = optim.ClipGradNormSum(sp.clip, sp.maxNorm, sum)
+	sp.readStats(sm) // (after the norm's wait: readStats)
 	sm.LR = sp.sched.LR(step)
 	if math.IsNaN(sm.GradNorm) || math.IsInf(sm.GradNorm, 0) {
 		sm.Skipped = true
@@ -265,3 +294,7 @@ func calibrationPass(s *train.Student, n int, src Source, held cache.Range, seqL
 
 // testHookRow, when set (tests), runs before each row of a step.
 var testHookRow func(step, row int)
+
+// testHookBackend, when set (tests), receives the run's backend when it
+// opens.
+var testHookBackend func(compute.Backend)

@@ -661,7 +661,8 @@ static CUresult check_stream(void *s, const char *who, int *dev) {
 // buffers as they are used; copies to and from pinned host memory
 // (cuMemAllocHost) too. Not seen: pointers a kernel reads from device
 // memory (the multi-tensor kernels' tables), the host's own reads and
-// writes of pinned memory. The NULL stream is
+// writes of pinned memory (the backend asks distill_emu_host_access
+// before it touches its staging memory: below). The NULL stream is
 // one more stream per device here (not the legacy stream's implicit
 // synchronization). DISTILL_EMU_RACE=0 turns the checks off.
 enum { E_ILLEGAL_STATE = 401 };
@@ -1263,6 +1264,41 @@ const char *distill_emu_check_params(CUfunction f, const int *sizes, int n) {
 	msg += ") do not match the kernel's signature (";
 	for (size_t i = 0; i < k->sizes.size(); i++) msg += (i ? "," : "") + std::to_string(k->sizes[i]);
 	msg += ")";
+	return msg.c_str();
+}
+
+// distill_emu_host_access checks the host's own read (write 0) or write
+// (write 1) of the pinned allocation (cuMemAllocHost) that holds p, which
+// the stream-order checks above do not see: the host must have waited
+// (cuStreamSynchronize, cuEventSynchronize, cuCtxSynchronize) for the
+// last copy that wrote it, and, to write it, for every copy that read it
+// since (the GPU reads an upload's source when the copy runs, not when it
+// is issued). Nil when it may; else why not. Memory that is not pinned:
+// nil (not seen).
+const char *distill_emu_host_access(const void *p, int write) {
+	EMU_LOCK;
+	static thread_local std::string msg;
+	if (!race_checks()) return nullptr;
+	u64 base;
+	size_t bytes;
+	if (!holder((u64)p, &base, &bytes) || !g_pinned.count(base)) return nullptr;
+	auto it = g_hist.find(base);
+	if (it == g_hist.end()) return nullptr;
+	const History &h = it->second;
+	const Access *other = nullptr;
+	const char *did = "";
+	if (h.written && vc_get(g_host_vc, h.w.sid) < h.w.tick) other = &h.w, did = "wrote";
+	if (!other && write)
+		for (auto &kv : h.r)
+			if (vc_get(g_host_vc, kv.second.sid) < kv.second.tick) {
+				other = &kv.second, did = "read";
+				break;
+			}
+	if (!other) return nullptr;
+	char buf[160];
+	snprintf(buf, sizeof buf, " the %zu-byte pinned host allocation at 0x%llx, which ", bytes, (unsigned long long)base);
+	msg = std::string("stream-order race: the host ") + (write ? "writes" : "reads") + buf + other->what + " on " + sname(other->sid) + " " + did +
+	      " with the host not having waited for it (cuEventSynchronize on an event recorded after it, or cuStreamSynchronize)";
 	return msg.c_str();
 }
 
