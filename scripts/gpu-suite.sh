@@ -125,7 +125,9 @@
 #                   same bits),
 #                   the loss head's pass-2 coefficients computed on the GPU
 #                   against train/loss's host math bit for bit
-#                   (TestLossCoefDevice) and the contract's suite
+#                   (TestLossCoefDevice), uploads through the pinned
+#                   staging ring as it wraps and grows (TestStagingRing)
+#                   and the contract's suite
 #   train-memcheck  compute-sanitizer --tool memcheck on the training kernels
 #   train-curve     tiny qwen3 and qwen2 students, 50 steps on the GPU and on
 #                   the CPU from the same weights and cache: the GPU's loss
@@ -145,13 +147,17 @@
 #                   follows the CPU's loss curve within 1% and resumes bit
 #                   for bit (TestCUDAMoEStudent), and so do LoRA students
 #                   on a Qwen3-MoE base, attention and every expert adapted
-#                   (TestCUDALoRAMoE)
+#                   (TestCUDALoRAMoE); a training step waits for the GPU
+#                   once (the norm: TestCUDAHostWaits, each step's waits
+#                   printed)
 #   train-bench     training steps of Qwen3-0.6B- and 1.7B-shaped students,
 #                   rows of 8192 tokens, vocab 151936, k = 64, with and
 #                   without NVFP4 QAD: tokens/s, MFU, device memory
 #                   ($OUT/train-bench.jsonl) and the top kernels of one step
-#                   ($OUT/profile-train-*.txt; its last line counts the
-#                   BF16 rounding passes, k_f32_to_bf16*)
+#                   ($OUT/profile-train-*.txt: its first line the GPU's
+#                   idle ms and the step's host waits, then each wait's
+#                   kind and call site; its last line counts the BF16
+#                   rounding passes, k_f32_to_bf16*)
 #   loss-coef       the loss head's training call at the 0.6B shape with
 #                   pass 2's coefficients on the host, then on the device
 #                   (issue 23): ms a call and the GPU's idle ms inside it
@@ -337,7 +343,7 @@ s_device() {
 }
 
 # The training kernels' tests (train_test.go) and the contract's suite.
-train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|AttentionBackwardBF16DV|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|MoETrainConformance|MoEFrozenBackward|MoELoRAHostGrouping|DropoutMatchesCPU|KernelsCompile'
+train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|AttentionBackwardBF16DV|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|StagingRing|MoETrainConformance|MoEFrozenBackward|MoELoRAHostGrouping|DropoutMatchesCPU|KernelsCompile'
 
 s_train-test() {
   step train-test 80 "$T" -test.v -test.count=1 -test.timeout=75s -test.run "$train_tests"
@@ -359,7 +365,7 @@ s_train-qad() {
 }
 
 s_train-resume() {
-  STEP_DIR=train/trainer step train-resume 80 "$TT" -test.v -test.count=1 -test.timeout=75s -test.run 'TestCUDAResume|TestCUDAMoEStudent|TestCUDALoRAMoE'
+  STEP_DIR=train/trainer step train-resume 80 "$TT" -test.v -test.count=1 -test.timeout=75s -test.run 'TestCUDAResume|TestCUDAMoEStudent|TestCUDALoRAMoE|TestCUDAHostWaits'
 }
 
 # TRAIN_BENCH_FLAGS: more flags for the benchmark binary (e.g.

@@ -69,8 +69,15 @@
 //
 // Everything is enqueued on one stream. Tensors are device memory from the
 // driver's stream-ordered pool (cuMemAllocAsync), so the decoder's per-batch
-// allocations cost no synchronization. The host waits only in ReadF32 and
-// ReadI32 (once per batch for the top-k): MoE groups and multiplies its
+// allocations cost no synchronization. Host data goes up through a ring
+// of pinned staging buffers (staging.go; up to 16 MiB a copy, larger
+// ones, the weights, from Go's memory), from which a copy never makes the
+// host wait, as a copy from pageable memory may; a quarter of the ring is
+// written again only after the event recorded after its copies, or once
+// the host has synchronized since (the emulator checks it). The host
+// waits only in ReadF32 and ReadI32 (once per batch for the top-k), the
+// reductions that return a value (SumSquares, SumSquaresEach, AbsMax)
+// and LossValues.Read (below): MoE groups and multiplies its
 // experts' rows on the device, forward and backward (below), except for
 // shapes the grouped kernels cannot take, where it reads the per-expert
 // row counts to size a cuBLASLt GEMM per expert.
@@ -270,12 +277,31 @@
 //     one thread per row, in float64 with train/loss's operations in its
 //     order (explicit __dmul_rn/__dadd_rn, compute.Exp and compute.Log
 //     ported as exp64 and log64): the host's coefficients bit for bit,
-//     with no round trip between the passes.
+//     with no round trip between the passes. Its per-position loss
+//     values are copied into a pinned block behind an event as soon as
+//     they are computed; LossValues.Read waits for that event only, or
+//     not at all once the host has synchronized since.
 //   - AdamW (fp32, elementwise; the BF16 shadow of p written in the same
 //     pass), Scale; SumSquares and AbsMax as two-stage reductions of a
 //     fixed shape (a grid that depends on n only, fixed trees);
 //     FakeQuantNVFP4 bit for bit compute/fp4.go's definitions (and the
 //     BF16 rounding of its result, for a parameter's quantization).
+//
+// Host waits in a training step: the trainer's step (train/trainer, and
+// BenchmarkCUDATrainStep's) makes the host wait for the GPU once, to read
+// the gradient's norm (SumSquaresEach): the clip's coefficient and the
+// skip of a non-finite step are the host's decisions (AdamW's step count
+// and bias corrections, the logs). The rows' uploads go through the
+// staging ring, and their loss values are read after the norm
+// (train.Student.ForwardBackwardPending), so the GPU drains once a step,
+// not at each row's loss head and upload. An MoE student also reads each
+// MoE layer's routing statistics once a row (the load-balancing loss's
+// gradient is computed on the host from them). CountHostWaits counts the
+// waits by kind and call site; train/trainer's TestCUDAHostWaits holds a
+// step to them, and the benchmark prints them beside the GPU's idle time
+// (profile-train-*.txt). Options.Pageable ($DISTILL_CUDA_PAGEABLE=1)
+// turns the staging off, for comparisons: the same bits. Not yet timed
+// on a GPU.
 //
 // Determinism: cuDNN's attention backward runs its deterministic graph
 // (dQ written by the dS·K matmul directly, no fp32 accumulator updated with

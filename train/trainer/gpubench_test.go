@@ -166,15 +166,17 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 					b.Fatal(err)
 				}
 				defer ad.Free()
+				// A step as the trainer runs it: the row's loss read after
+				// the norm, the step's one host wait (TestCUDAHostWaits).
 				step := func() float64 {
 					s.ZeroGrad()
-					st, err := s.ForwardBackward(bt, &opt, 0)
+					st, err := s.ForwardBackwardPending(bt, &opt, 0)
 					if err != nil {
 						b.Fatal(err)
 					}
 					optim.ClipGradNorm(ad.Groups, 1) // synchronizes (SumSquares)
 					ad.Step(1e-4)
-					return st.Loss
+					return st.Stats().Loss
 				}
 				step() // warm up: kernels, plans, the memory pool
 				b.ResetTimer()
@@ -193,8 +195,19 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				attn := 3 * 2 * 2 * float64(sh.Layers*sh.Heads*sh.HD) * float64(T) * float64(T+1) / 2 * float64(rows)
 				flops := 6*float64(params)*tokens + attn
 				peak := benchPeak(be.Info().Name)
+				// The host waits of one more step, by kind and call site
+				// (cuda.HostWait): what leaves the GPU idle between kernels.
+				be.CountHostWaits(true)
+				step()
+				waits := be.HostWaits()
+				be.CountHostWaits(false)
+				nWaits := 0
+				for _, w := range waits {
+					nWaits += w.Count
+				}
 				b.ReportMetric(tokens/sec, "tokens/s")
 				b.ReportMetric(flops/sec/1e12, "TFLOP/s")
+				b.ReportMetric(float64(nWaits), "host_waits")
 				if peak > 0 {
 					b.ReportMetric(100*flops/sec/1e12/peak, "MFU%")
 				}
@@ -233,7 +246,8 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				res := map[string]any{"shape": sh.Name, "qad": qad, "rows": rows, "row_tokens": T, "vocab": V, "k": K, "params": params,
 					"tokens_per_s": tokens / sec, "step_s": sec, "tflops": flops / sec / 1e12,
 					"devmem_GiB": devmem, "plan_GiB": float64(plan.Total()) / (1 << 30), "recompute": recompute, "loss": lossV, "gpu": be.Info().Name,
-					"fb_ms": fbMS, "clip_ms": clipMS, "adamw_ms": adamMS, "attention": be.AttentionImpl(), "attn_workspace_bytes": ws}
+					"fb_ms": fbMS, "clip_ms": clipMS, "adamw_ms": adamMS, "attention": be.AttentionImpl(), "attn_workspace_bytes": ws,
+					"host_waits": nWaits}
 				if peak > 0 {
 					res["mfu_pct"] = 100 * flops / sec / 1e12 / peak
 				}
@@ -256,8 +270,11 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 					sum += e.Time.Seconds()
 				}
 				var sb strings.Builder
-				fmt.Fprintf(&sb, "%s training step (%d x %d tokens, k=%d): one profiled step, %.1f ms in kernels over a span of %.1f ms (the GPU idle %.1f ms between them)\n",
-					name, rows, T, K, 1e3*sum, 1e3*span.Seconds(), 1e3*(span.Seconds()-sum))
+				fmt.Fprintf(&sb, "%s training step (%d x %d tokens, k=%d): one profiled step, %.1f ms in kernels over a span of %.1f ms (the GPU idle %.1f ms between them); %d host waits a step\n",
+					name, rows, T, K, 1e3*sum, 1e3*span.Seconds(), 1e3*(span.Seconds()-sum), nWaits)
+				for _, w := range waits {
+					fmt.Fprintf(&sb, "host wait: %v\n", w)
+				}
 				for i, e := range prof {
 					if i == 20 {
 						break
