@@ -31,8 +31,13 @@ const (
 	// from the pinned staging ring (staging.go) are not counted: they
 	// never wait.
 	WaitUpload = "pageable-upload"
-	// WaitEvent is the host waiting for an event (cuEventSynchronize):
-	// the staging ring reusing a slot the GPU may not have read yet.
+	// WaitEvent is the host waiting for an event (cuEventSynchronize)
+	// that it has not synchronized past: the staging ring reusing a
+	// quarter whose copies may still run, a loss's values read before
+	// the step's synchronization. It waits for a point in the middle of
+	// the stream, not for its end: the GPU keeps the work queued after it.
+	// Counted whether or not the event is done when asked (the count is
+	// the same on the emulator and on a GPU).
 	WaitEvent = "event"
 )
 

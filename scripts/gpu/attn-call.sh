@@ -81,7 +81,9 @@ fi
 # TRAIN_VARIANTS="name:VAR=value[,VAR=value] ...": the training benchmark
 # again under each variant's environment (e.g. nondet:DISTILL_CUDNN_NONDETERMINISTIC=1,
 # or f32grads:DISTILL_CUDA_F32_GRADS=1: the backward's F32 gradients and
-# their BF16 rounding passes, as before issue 23's BF16 gradients), on
+# their BF16 rounding passes, as before issue 23's BF16 gradients; or
+# pageable:DISTILL_CUDA_PAGEABLE=1: uploads from Go's pageable memory and
+# the loss values downloaded when read, not staged in pinned memory), on
 # DISTILL_BENCH_SHAPES, each into variant-NAME/ (VARIANT_BUDGET seconds
 # each, default 60).
 for v in ${TRAIN_VARIANTS:-}; do
@@ -138,7 +140,7 @@ done
 echo "== rounding passes"; grep -H '^rounding passes' "$work"/profile-train-*.txt "$work"/variant-*/profile-train-*.txt 2>/dev/null | sed "s|$work/||"
 # The GPU's idle ms and the host waits of one step (each profile's first
 # line, and the waits' call sites).
-echo "== idle and host waits"; grep -HE 'GPU idle|^host wait:' "$work"/profile-train-*.txt 2>/dev/null | sed "s|$work/||"
+echo "== idle and host waits"; grep -HE 'GPU idle|^host wait:' "$work"/profile-train-*.txt "$work"/variant-*/profile-train-*.txt 2>/dev/null | sed "s|$work/||"
 echo "== status"; cat "$work/status.txt"
 for f in attn-memcheck attn-racecheck extra-cuda extra-train extra-trainer extra-decoder; do
   [ -f "$work/$f.log" ] && { echo "== $f"; grep -E '^(--- |ok|FAIL|panic)|ERROR SUMMARY|RACECHECK SUMMARY|========= (Invalid|Race|Error)' "$work/$f.log" | head -20; }
