@@ -71,7 +71,9 @@
 // driver's stream-ordered pool (cuMemAllocAsync), so the decoder's per-batch
 // allocations cost no synchronization. Host data goes up through a ring
 // of pinned staging buffers (staging.go; up to 16 MiB a copy, larger
-// ones, the weights, from Go's memory), from which a copy never makes the
+// ones from Go's memory; the ring grows to at most 64 MiB of pinned host
+// memory a backend: many copies between two synchronizations, as when
+// loading weights, grow it there), from which a copy never makes the
 // host wait, as a copy from pageable memory may; a quarter of the ring is
 // written again only after the event recorded after its copies, or once
 // the host has synchronized since (the emulator checks it). The host
