@@ -857,20 +857,8 @@ CUresult cuCtxSetCurrent(void *c) {
 	t_dev = c ? ctx_dev(c) : 0;
 	return 0;
 }
-// g_host_waits counts the host's waits for the device (cuStreamSynchronize,
-// cuCtxSynchronize, cuEventSynchronize): distill_emu_host_waits.
-static long g_host_waits;
-
-// distill_emu_host_waits returns how many times the host has waited for
-// the device so far (the tests that hold a path to no host wait read it
-// before and after).
-long distill_emu_host_waits() {
-	EMU_LOCK;
-	return g_host_waits;
-}
 CUresult cuCtxSynchronize() {
 	EMU_LOCK;
-	g_host_waits++;
 	for (auto &kv : g_vc)
 		if (g_stream_of[kv.first] == t_dev) vc_join(g_host_vc, kv.second);
 	return 0;
@@ -892,7 +880,6 @@ CUresult cuStreamDestroy_v2(void *s) {
 CUresult cuStreamSynchronize(void *s) {
 	EMU_LOCK;
 	if (stream_dev(s) < 0) return fail(E_INVALID_HANDLE, "cuStreamSynchronize: not a stream");
-	g_host_waits++;
 	vc_join(g_host_vc, g_vc[sid_of(s)]);
 	return 0;
 }
@@ -1238,7 +1225,6 @@ CUresult cuStreamWaitEvent(void *s, void *e, unsigned flags) {
 }
 CUresult cuEventSynchronize(void *e) {
 	EMU_LOCK;
-	g_host_waits++;
 	vc_join(g_host_vc, ((Event *)e)->vc);
 	return 0;
 }
