@@ -439,7 +439,7 @@ s_bench() {
 
 s_moe() {
   step moe-test 60 "$T" -test.v -test.count=1 -test.timeout 55s -test.run 'TestMoEGrouped|TestMoEFP8Grouped|TestMoEFrozenBackward|TestMoEConformance|TestMoELoRA'
-  step moe-bench 120 "$T" -test.run '^$' -test.bench '^BenchmarkMoE$' -test.benchtime 5x -test.timeout 115s
+  step moe-bench 150 "$T" -test.run '^$' -test.bench '^BenchmarkMoE$' -test.benchtime 3x -test.timeout 145s
 }
 
 # fp8: the FP8 teacher weights' tests on the GPU, then FP8 against BF16
