@@ -209,6 +209,39 @@ func TestMatMulFP8Conformance(t *testing.T) {
 	}
 }
 
+// fp8Weights is the weight maker of an FP8 MoE case on be, fresh for each
+// run: the router in BF16 (F32 on the oracle), the experts' matrices
+// quantized per output channel. c.run asks for the router, then each
+// expert's gate, up and down in turn, so every third expert matrix is a
+// down_proj (H rows); E, H and I must tell the router from the experts
+// and gate from down.
+func (c *moeCase) fp8Weights(t *testing.T, be compute.Backend) func([]float32) compute.Tensor {
+	t.Helper()
+	if c.H == c.I || c.E == c.I {
+		t.Fatalf("H %d, I %d, E %d: the weight shapes would be ambiguous", c.H, c.I, c.E)
+	}
+	n := 0
+	return func(s []float32) compute.Tensor {
+		if len(s) == c.E*c.H { // the router: not quantized
+			if be == compute.Backend(oracle) {
+				return oracle.FromF32(s)
+			}
+			_, h := roundBF16(s)
+			w, err := be.Weight(h)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return w
+		}
+		n++
+		rows := c.I
+		if n%3 == 0 {
+			rows = c.H
+		}
+		return fp8Weight(t, be, s, rows, len(s)/rows)
+	}
+}
+
 // TestMoEFP8Conformance: an MoE block with FP8 experts against the CPU's:
 // the same routing (fp32 router, unquantized), x's token rows and the
 // experts' fp32 SwiGLU outputs quantized to the same codes, per-expert
@@ -221,33 +254,8 @@ func TestMoEFP8Conformance(t *testing.T) {
 	for _, cs := range []struct{ tokens, H, I, E, K int }{{50, 16, 32, 6, 2}, {37, 64, 48, 16, 4}} {
 		t.Run(fmt.Sprintf("t%d_H%d_I%d_E%d_K%d", cs.tokens, cs.H, cs.I, cs.E, cs.K), func(t *testing.T) {
 			c := newMoECase(r, cs.tokens, cs.H, cs.I, cs.E, cs.K, true)
-			rows := map[int]int{}
-			weight := func(be compute.Backend) func([]float32) compute.Tensor {
-				return func(s []float32) compute.Tensor {
-					if len(s) == c.E*c.H { // the router: not quantized
-						if be == compute.Backend(oracle) {
-							return oracle.FromF32(s)
-						}
-						_, h := roundBF16(s)
-						w, err := be.Weight(h)
-						if err != nil {
-							t.Fatal(err)
-						}
-						return w
-					}
-					n := c.I
-					if rows[len(s)] = rows[len(s)] + 1; len(s) == c.H*c.I && rows[len(s)]%3 == 0 {
-						n = c.H // every third (H,I) matrix is a down_proj
-					}
-					return fp8Weight(t, be, s, n, len(s)/n)
-				}
-			}
-			if c.H == c.I {
-				t.Fatal("H = I: the weight shapes would be ambiguous")
-			}
-			want := c.run(oracle, weight(oracle))
-			clear(rows)
-			got := c.run(be, weight(be))
+			want := c.run(oracle, c.fp8Weights(t, oracle))
+			got := c.run(be, c.fp8Weights(t, be))
 			closeTo(t, "fp8 moe vs cpu", got, want, 2e-3*math.Sqrt(float64(cs.H*cs.I))/4, 1e-3)
 		})
 	}

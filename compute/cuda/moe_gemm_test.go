@@ -149,38 +149,15 @@ func TestMoEFP8Grouped(t *testing.T) {
 	const tokens, H, I, E, K = 300, 208, 144, 5, 2
 	r := rand.New(rand.NewPCG(97, 98))
 	c := newMoECase(r, tokens, H, I, E, K, true)
-	rows := map[int]int{}
-	weight := func(be compute.Backend) func([]float32) compute.Tensor {
-		return func(s []float32) compute.Tensor {
-			if len(s) == c.E*c.H { // the router: not quantized
-				if be == compute.Backend(oracle) {
-					return oracle.FromF32(s)
-				}
-				_, h := roundBF16(s)
-				w, err := be.Weight(h)
-				if err != nil {
-					t.Fatal(err)
-				}
-				return w
-			}
-			n := c.I
-			if rows[len(s)] = rows[len(s)] + 1; rows[len(s)]%3 == 0 {
-				n = c.H // every third matrix is a down_proj
-			}
-			return fp8Weight(t, be, s, n, len(s)/n)
-		}
-	}
-	want := c.run(oracle, weight(oracle))
-	clear(rows)
+	want := c.run(oracle, c.fp8Weights(t, oracle))
 	be.Profile() // reset
-	got := c.run(be, weight(be))
+	got := c.run(be, c.fp8Weights(t, be))
 	prof := map[string]int{}
 	for _, e := range be.Profile() {
 		prof[e.Name] = e.Calls
 	}
-	clear(rows)
 	testMoEHostGrouping = true
-	host := c.run(be, weight(be))
+	host := c.run(be, c.fp8Weights(t, be))
 	testMoEHostGrouping = false
 	tol := 2e-3 * math.Sqrt(float64(H*I)) / 4
 	closeTo(t, "grouped fp8 moe vs cpu", got, want, tol, 1e-3)
@@ -393,16 +370,7 @@ func BenchmarkMoE(b *testing.B) {
 		xt, outt := be.FromF32(x), be.New(compute.F32, T*H)
 		b.Run(fmt.Sprintf("forward/%s/T%d_H%d_I%d_E%d_K%d", name, T, H, I, E, K), func(b *testing.B) {
 			mw := moeWeights(weight)
-			be.MoE(outt, xt, mw, T) // warm up: the pool, the router's copy
-			be.wait()
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				be.MoE(outt, xt, mw, T)
-			}
-			be.wait()
-			sec := b.Elapsed().Seconds() / float64(b.N)
-			b.ReportMetric(1e3*sec, "ms/call")
-			b.ReportMetric(fwdFlops/sec/1e12, "TFLOP/s")
+			timeMoE(b, be, fwdFlops, func() { be.MoE(outt, xt, mw, T) })
 		})
 		if v == "" {
 			// FP8 experts (an FP8 teacher's): on the device's grouping
@@ -430,16 +398,7 @@ func BenchmarkMoE(b *testing.B) {
 						}
 					}
 				}
-				be.MoE(outt, xt, mw, T)
-				be.wait()
-				b.ResetTimer()
-				for i := 0; i < b.N; i++ {
-					be.MoE(outt, xt, mw, T)
-				}
-				be.wait()
-				sec := b.Elapsed().Seconds() / float64(b.N)
-				b.ReportMetric(1e3*sec, "ms/call")
-				b.ReportMetric(fwdFlops/sec/1e12, "TFLOP/s")
+				timeMoE(b, be, fwdFlops, func() { be.MoE(outt, xt, mw, T) })
 				grouped := 0.0
 				if be.mmaE4M3() {
 					grouped = 1
@@ -456,20 +415,10 @@ func BenchmarkMoE(b *testing.B) {
 			nf, ni := compute.MoESavedSizes(T, E, K, H, I)
 			s := compute.NewMoESaved(be, be.New(compute.F32, nf), be.New(compute.I32, ni), T, E, K, H, I)
 			dt, dx := be.FromF32(dout), be.New(compute.F32, T*H)
-			step := func() {
+			timeMoE(b, be, 3*fwdFlops, func() {
 				be.MoEForward(outt, xt, mw, s, T)
 				be.MoEBackward(dx, dm, dt, xt, mw, s, nil, T)
-			}
-			step() // warm up
-			be.wait()
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				step()
-			}
-			be.wait()
-			sec := b.Elapsed().Seconds() / float64(b.N)
-			b.ReportMetric(1e3*sec, "ms/call")
-			b.ReportMetric(3*fwdFlops/sec/1e12, "TFLOP/s")
+			})
 		})
 		if v == "" {
 			b.Run(fmt.Sprintf("train-lora/r16/T%d_H%d_I%d_E%d_K%d", T, H, I, E, K), func(b *testing.B) {
@@ -506,18 +455,24 @@ func benchMoELoRA(b *testing.B, be *Backend, mw *compute.MoEWeights, xt, outt co
 	nf, ni := compute.MoESavedSizes(T, E, K, H, I)
 	s := compute.NewMoESaved(be, be.New(compute.F32, nf), be.New(compute.I32, ni), T, E, K, H, I)
 	dt, dx := be.FromF32(dout), be.New(compute.F32, T*H)
-	step := func() {
+	timeMoE(b, be, 2*6*float64(T)*float64(K)*float64(H)*float64(I), func() {
 		be.MoEForward(outt, xt, mw, s, T)
 		be.MoEBackward(dx, nil, dt, xt, mw, s, nil, T)
-	}
-	step() // warm up
+	})
+}
+
+// timeMoE times call on be, after one call to warm up (the memory pool,
+// the router's copy, plans), and reports ms a call and TFLOP/s of flops
+// a call.
+func timeMoE(b *testing.B, be *Backend, flops float64, call func()) {
+	call()
 	be.wait()
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		step()
+		call()
 	}
 	be.wait()
 	sec := b.Elapsed().Seconds() / float64(b.N)
 	b.ReportMetric(1e3*sec, "ms/call")
-	b.ReportMetric(2*6*float64(T)*float64(K)*float64(H)*float64(I)/sec/1e12, "TFLOP/s")
+	b.ReportMetric(flops/sec/1e12, "TFLOP/s")
 }

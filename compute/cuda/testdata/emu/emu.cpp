@@ -200,10 +200,14 @@ void *emu_dyn_smem() { return g_dyn.data(); }
 
 static float bf(u32 reg, int hi) { return __uint_as_float((hi ? reg >> 16 : reg & 0xffffu) << 16); }
 
-// mma.sync.m16n8k16 row.col f32.bf16.bf16.f32 with the PTX ISA's fragment
-// layouts (see prelude.cuh): every lane publishes its fragments, then
-// computes its own four outputs from the whole warp's.
-void emu_mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]) {
+// mma_emulate is a warp's mma.sync.m16n8kK row.col with fp32 accumulators
+// from the PTX ISA's fragment layouts (see prelude.cuh): K/2 elements of a
+// row of A (or a column of B) in a lane's register pair, el(reg, i) the
+// register's i-th element (BF16: K 16, two a register; E4M3: K 32, four).
+// Every lane publishes its fragments, then computes its own four outputs
+// from the whole warp's, the products added in k order.
+template <int K, class El> static void mma_emulate(float d[4], const u32 a[4], const u32 b[2], El el) {
+	constexpr int half = K / 2, per = K / 8; // k of a register pair; elements a register
 	unsigned tid = g_fib[g_cur].tid, w = tid / 32, lane = tid % 32;
 	u32 *mine = (u32 *)g_slots[w][lane];
 	for (int i = 0; i < 4; i++) mine[i] = a[i];
@@ -215,19 +219,24 @@ void emu_mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]) {
 	for (int e = 0; e < 4; e++) {
 		int r = e < 2 ? g : g + 8, c = 2 * t + (e & 1);
 		float acc = d[e];
-		for (int kk = 0; kk < 16; kk++) {
-			// A[r][kk]: lane (r%8)*4 + (kk%8)/2, register (r>=8) + 2*(kk>=8).
-			const u32 *la = (const u32 *)g_slots[w][(r % 8) * 4 + (kk % 8) / 2];
-			float av = bf(la[(r >= 8 ? 1 : 0) + (kk >= 8 ? 2 : 0)], kk & 1);
-			// B[kk][c]: lane c*4 + (kk%8)/2, register 4 + (kk>=8).
-			const u32 *lb = (const u32 *)g_slots[w][c * 4 + (kk % 8) / 2];
-			float bv = bf(lb[4 + (kk >= 8 ? 1 : 0)], kk & 1);
+		for (int kk = 0; kk < K; kk++) {
+			// A[r][kk]: lane (r%8)*4 + (kk%half)/per, register (r>=8) + 2*(kk>=half).
+			const u32 *la = (const u32 *)g_slots[w][(r % 8) * 4 + (kk % half) / per];
+			float av = el(la[(r >= 8 ? 1 : 0) + (kk >= half ? 2 : 0)], kk % per);
+			// B[kk][c]: lane c*4 + (kk%half)/per, register 4 + (kk>=half).
+			const u32 *lb = (const u32 *)g_slots[w][c * 4 + (kk % half) / per];
+			float bv = el(lb[4 + (kk >= half ? 1 : 0)], kk % per);
 			acc = fmaf(av, bv, acc);
 		}
 		out[e] = acc;
 	}
 	__syncwarp();
 	for (int e = 0; e < 4; e++) d[e] = out[e];
+}
+
+// mma.sync.m16n8k16 row.col f32.bf16.bf16.f32.
+void emu_mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]) {
+	mma_emulate<16>(d, a, b, [](u32 reg, int i) { return bf(reg, i); });
 }
 
 // e4m3 is the value of an E4M3FN code: sign, 4 exponent bits (bias 7), 3
@@ -238,33 +247,10 @@ static float e4m3(unsigned c) {
 	return c & 0x80 ? -v : v;
 }
 
-// mma.sync.m16n8k32 row.col f32.e4m3.e4m3.f32 (prelude.cuh's fragments), as
-// emu_mma_bf16_16816: the products are exact in fp32, added in k order.
+// mma.sync.m16n8k32 row.col f32.e4m3.e4m3.f32: the products are exact in
+// fp32.
 void emu_mma_e4m3_16832(float d[4], const u32 a[4], const u32 b[2]) {
-	unsigned tid = g_fib[g_cur].tid, w = tid / 32, lane = tid % 32;
-	u32 *mine = (u32 *)g_slots[w][lane];
-	for (int i = 0; i < 4; i++) mine[i] = a[i];
-	mine[4] = b[0];
-	mine[5] = b[1];
-	__syncwarp();
-	int g = lane / 4, t = lane % 4;
-	float out[4];
-	for (int e = 0; e < 4; e++) {
-		int r = e < 2 ? g : g + 8, c = 2 * t + (e & 1);
-		float acc = d[e];
-		for (int kk = 0; kk < 32; kk++) {
-			// A[r][kk]: lane (r%8)*4 + (kk%16)/4, register (r>=8) + 2*(kk>=16), byte kk%4.
-			const u32 *la = (const u32 *)g_slots[w][(r % 8) * 4 + (kk % 16) / 4];
-			float av = e4m3((la[(r >= 8 ? 1 : 0) + (kk >= 16 ? 2 : 0)] >> (8 * (kk % 4))) & 0xff);
-			// B[kk][c]: lane c*4 + (kk%16)/4, register 4 + (kk>=16), byte kk%4.
-			const u32 *lb = (const u32 *)g_slots[w][c * 4 + (kk % 16) / 4];
-			float bv = e4m3((lb[4 + (kk >= 16 ? 1 : 0)] >> (8 * (kk % 4))) & 0xff);
-			acc = fmaf(av, bv, acc);
-		}
-		out[e] = acc;
-	}
-	__syncwarp();
-	for (int e = 0; e < 4; e++) d[e] = out[e];
+	mma_emulate<32>(d, a, b, [](u32 reg, int i) { return e4m3((reg >> (8 * i)) & 0xff); });
 }
 
 // ---------------------------------------------------------------- cp.async, ldmatrix
