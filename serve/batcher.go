@@ -373,17 +373,25 @@ func (b *batcher) begin(samples [][]int32, k int, temp float32, d *infer.Draws) 
 		return func() ([]int32, []float32, infer.DrawResult, error) { return ids, lps, dr, err }
 	}
 	var wait func() ([]int32, []float32, infer.DrawResult)
-	if err := b.guard(func() { wait = b.start(samples, k, temp, d) }); err != nil {
+	if err := b.guard(pipelinedPanic, func() { wait = b.start(samples, k, temp, d) }); err != nil {
 		return func() ([]int32, []float32, infer.DrawResult, error) { return nil, nil, infer.DrawResult{}, err }
 	}
 	return func() (ids []int32, lps []float32, dr infer.DrawResult, err error) {
-		err = b.guard(func() { ids, lps, dr = wait() })
+		err = b.guard(pipelinedPanic, func() { ids, lps, dr = wait() })
 		return ids, lps, dr, err
 	}
 }
 
-// guard runs f, turning its panic into an error, logged.
-func (b *batcher) guard(f func()) (err error) {
+// pipelinedPanic is the log line of a pipelined forward's panic.
+const pipelinedPanic = "pipelined forward pass panicked: its requests fail, the daemon goes on"
+
+// guard runs f, turning its panic (a bug: inputs are validated; or a
+// device out of memory) into an error so one bad batch does not take the
+// daemon down, logged with msg and the stack. A panic in a
+// kernel's worker goroutine arrives here too: the backend carries it to
+// the goroutine that called the kernel (compute.WorkerPanic), with the
+// worker's stack.
+func (b *batcher) guard(msg string, f func()) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			stack := debug.Stack()
@@ -391,7 +399,7 @@ func (b *batcher) guard(f func()) (err error) {
 				stack = wp.Stack
 			}
 			if b.log != nil {
-				b.log.Error("pipelined forward pass panicked: its requests fail, the daemon goes on", zap.Any("panic", r), zap.ByteString("stack", stack))
+				b.log.Error(msg, zap.Any("panic", r), zap.ByteString("stack", stack))
 			}
 			err = fmt.Errorf("serve: forward pass panicked: %v", r)
 		}
@@ -470,25 +478,10 @@ func splitDraws(batch []*job, k int, ids []int32, lps []float32, dr infer.DrawRe
 	}
 }
 
-// forward calls fwd, turning a panic (a bug: inputs are validated) into
-// an error so one bad batch does not take the daemon down. A panic in a
-// kernel's worker goroutine arrives here too: the backend carries it to
-// the goroutine that called the kernel (compute.WorkerPanic).
+// forward calls fwd under guard.
 func (b *batcher) forward(samples [][]int32, k int, temp float32) (ids []int32, lps []float32, err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			stack := debug.Stack()
-			if wp, ok := r.(*compute.WorkerPanic); ok {
-				stack = wp.Stack
-			}
-			if b.log != nil {
-				b.log.Error("forward pass panicked (a bug): its requests fail, the daemon goes on", zap.Any("panic", r), zap.ByteString("stack", stack))
-			}
-			err = fmt.Errorf("serve: forward pass panicked: %v", r)
-		}
-	}()
-	ids, lps = b.fwd(samples, k, temp)
-	return ids, lps, nil
+	err = b.guard("forward pass panicked (a bug): its requests fail, the daemon goes on", func() { ids, lps = b.fwd(samples, k, temp) })
+	return ids, lps, err
 }
 
 // forwardDraws is forward for a job with draws.
@@ -496,16 +489,8 @@ func (b *batcher) forwardDraws(samples [][]int32, k int, temp float32, d infer.D
 	if b.draw == nil {
 		return nil, nil, dr, fmt.Errorf("serve: this teacher cannot draw sampled targets")
 	}
-	defer func() {
-		if r := recover(); r != nil {
-			if b.log != nil {
-				b.log.Error("forward pass with draws panicked (a bug): its fill or Score requests fail, the daemon goes on", zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
-			}
-			err = fmt.Errorf("serve: forward pass panicked: %v", r)
-		}
-	}()
-	ids, lps, dr = b.draw(samples, k, temp, d)
-	return ids, lps, dr, nil
+	err = b.guard("forward pass with draws panicked (a bug): its fill or Score requests fail, the daemon goes on", func() { ids, lps, dr = b.draw(samples, k, temp, d) })
+	return ids, lps, dr, err
 }
 
 // cutK keeps the first k2 of every row of k entries: (n,k) -> (n,k2).
