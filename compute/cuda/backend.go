@@ -220,82 +220,13 @@ func Open(opt Options) (*Backend, error) {
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	if err := drv.check("cuDeviceGet", C.call_cuDeviceGet(drv.cuDeviceGet, &b.dev, C.int(opt.Device))); err != nil {
-		return nil, err
-	}
-	if err := drv.check("cuDevicePrimaryCtxRetain", C.call_cuDevicePrimaryCtxRetain(drv.cuDevicePrimaryCtxRetain, &b.ctx, b.dev)); err != nil {
-		return nil, err
-	}
-	if err := drv.check("cuCtxSetCurrent", C.call_cuCtxSetCurrent(drv.cuCtxSetCurrent, b.ctx)); err != nil {
-		return nil, err
-	}
-	if err := drv.check("cuStreamCreate", C.call_cuStreamCreate(drv.cuStreamCreate, &b.stream, streamNonBlocking)); err != nil {
-		return nil, err
-	}
-	// Keep freed memory in the pool: Forward frees and reallocates the same
-	// activation sizes every batch.
-	if err := drv.check("cuDeviceGetDefaultMemPool", C.call_cuDeviceGetDefaultMemPool(drv.cuDeviceGetDefaultMemPool, &b.pool, b.dev)); err != nil {
-		return nil, err
-	}
-	thr := C.uint64_t(^uint64(0))
-	if err := drv.check("cuMemPoolSetAttribute", C.call_cuMemPoolSetAttribute(drv.cuMemPoolSetAttribute, b.pool, mempoolAttrReleaseThreshold, unsafe.Pointer(&thr))); err != nil {
-		return nil, err
-	}
-	if err := b.lt.check("cublasLtCreate", C.call_cublasLtCreate(b.lt.create, &b.ltH)); err != nil {
-		return nil, err
-	}
-	if err := drv.check("cuMemAlloc(cuBLASLt workspace)", C.call_cuMemAlloc(drv.cuMemAlloc, (*C.CUdeviceptr)(&b.ws), gemmWorkspaceBytes)); err != nil {
+	if err := b.startContext(opt.Device); err != nil {
 		return nil, err
 	}
 	b.args = C.malloc(C.size_t(maxArgs * 16))
-	if opt.Profile {
-		b.prof = map[string]*ProfileEntry{}
+	if err := b.setOptions(opt); err != nil {
+		return nil, err
 	}
-	b.attn = attnMode(opt.Attention)
-	if b.attn == "" {
-		b.attn = attnMode(os.Getenv("DISTILL_CUDA_ATTN"))
-	}
-	switch b.attn {
-	case "", "auto", "cudnn", "simt", "mma":
-	default:
-		return nil, fmt.Errorf("cuda: attention %q: want auto, cudnn, mma or simt", b.attn)
-	}
-	b.attnBwd = attnMode(opt.AttentionBackward)
-	if b.attnBwd == "" {
-		b.attnBwd = attnMode(os.Getenv("DISTILL_CUDA_ATTN_BWD"))
-	}
-	if b.attnBwd != "" && b.attnBwd != "mma" {
-		return nil, fmt.Errorf("cuda: attention backward %q: want mma, or none to follow the attention's", b.attnBwd)
-	}
-	b.attnNondet = opt.AttnNondeterministic || os.Getenv("DISTILL_CUDNN_NONDETERMINISTIC") == "1"
-	b.f32Grads = opt.F32Grads || os.Getenv("DISTILL_CUDA_F32_GRADS") == "1"
-	b.moeKernels = opt.MoEGEMM
-	if b.moeKernels == "" {
-		b.moeKernels = os.Getenv("DISTILL_CUDA_MOE_GEMM")
-	}
-	if b.moeKernels != "" && b.moeKernels != "v1" {
-		return nil, fmt.Errorf("cuda: MoE GEMM %q: want v1, or none for the default kernels", b.moeKernels)
-	}
-	if need := moeGEMMSmem("k_moe_gemm"); b.moeKernels == "" && b.info.SharedOptinBytes < need {
-		// Ada (sm_89: 99 KB a block) cannot hold the default kernels' three
-		// staged steps; the earlier kernels need 40 KB.
-		b.moeKernels = "v1"
-		b.logf("cuda: %s allows a block %d bytes of shared memory; the MoE experts' GEMMs need %d: running the earlier kernels (MoEGEMM v1)", b.info.Name, b.info.SharedOptinBytes, need)
-	}
-	b.pageable = opt.Pageable || os.Getenv("DISTILL_CUDA_PAGEABLE") == "1"
-	act := opt.Activations
-	if act == "" {
-		act = os.Getenv("DISTILL_CUDA_ACT")
-	}
-	switch act {
-	case "", "bf16":
-		b.act = compute.BF16
-	case "f32":
-		b.act = compute.F32
-	default:
-		return nil, fmt.Errorf("cuda: activations %q: want bf16 or f32", act)
-	}
-	b.shadow.off = opt.PerUseCasts || os.Getenv("DISTILL_CUDA_PER_USE_CASTS") == "1"
 	dir := opt.KernelCache
 	if dir == "" {
 		dir = defaultCacheDir()
@@ -318,6 +249,95 @@ func Open(opt Options) (*Backend, error) {
 		b.nv.Version(), b.lt.version, b.arch, b.AttentionImpl(), b.act)
 	ok = true
 	return b, nil
+}
+
+// startContext makes device's primary context current on the calling (locked)
+// thread and creates what every call uses: the stream, the stream-ordered
+// memory pool (which keeps freed memory), the cuBLASLt handle and its
+// workspace.
+func (b *Backend) startContext(device int) error {
+	if err := b.drv.check("cuDeviceGet", C.call_cuDeviceGet(b.drv.cuDeviceGet, &b.dev, C.int(device))); err != nil {
+		return err
+	}
+	if err := b.drv.check("cuDevicePrimaryCtxRetain", C.call_cuDevicePrimaryCtxRetain(b.drv.cuDevicePrimaryCtxRetain, &b.ctx, b.dev)); err != nil {
+		return err
+	}
+	if err := b.drv.check("cuCtxSetCurrent", C.call_cuCtxSetCurrent(b.drv.cuCtxSetCurrent, b.ctx)); err != nil {
+		return err
+	}
+	if err := b.drv.check("cuStreamCreate", C.call_cuStreamCreate(b.drv.cuStreamCreate, &b.stream, streamNonBlocking)); err != nil {
+		return err
+	}
+	// Keep freed memory in the pool: Forward frees and reallocates the same
+	// activation sizes every batch.
+	if err := b.drv.check("cuDeviceGetDefaultMemPool", C.call_cuDeviceGetDefaultMemPool(b.drv.cuDeviceGetDefaultMemPool, &b.pool, b.dev)); err != nil {
+		return err
+	}
+	thr := C.uint64_t(^uint64(0))
+	if err := b.drv.check("cuMemPoolSetAttribute", C.call_cuMemPoolSetAttribute(b.drv.cuMemPoolSetAttribute, b.pool, mempoolAttrReleaseThreshold, unsafe.Pointer(&thr))); err != nil {
+		return err
+	}
+	if err := b.lt.check("cublasLtCreate", C.call_cublasLtCreate(b.lt.create, &b.ltH)); err != nil {
+		return err
+	}
+	if err := b.drv.check("cuMemAlloc(cuBLASLt workspace)", C.call_cuMemAlloc(b.drv.cuMemAlloc, (*C.CUdeviceptr)(&b.ws), gemmWorkspaceBytes)); err != nil {
+		return err
+	}
+	return nil
+}
+
+// setOptions applies opt's choices (and their environment variables) to b,
+// naming a value it does not know.
+func (b *Backend) setOptions(opt Options) error {
+	if opt.Profile {
+		b.prof = map[string]*ProfileEntry{}
+	}
+	b.attn = attnMode(opt.Attention)
+	if b.attn == "" {
+		b.attn = attnMode(os.Getenv("DISTILL_CUDA_ATTN"))
+	}
+	switch b.attn {
+	case "", "auto", "cudnn", "simt", "mma":
+	default:
+		return fmt.Errorf("cuda: attention %q: want auto, cudnn, mma or simt", b.attn)
+	}
+	b.attnBwd = attnMode(opt.AttentionBackward)
+	if b.attnBwd == "" {
+		b.attnBwd = attnMode(os.Getenv("DISTILL_CUDA_ATTN_BWD"))
+	}
+	if b.attnBwd != "" && b.attnBwd != "mma" {
+		return fmt.Errorf("cuda: attention backward %q: want mma, or none to follow the attention's", b.attnBwd)
+	}
+	b.attnNondet = opt.AttnNondeterministic || os.Getenv("DISTILL_CUDNN_NONDETERMINISTIC") == "1"
+	b.f32Grads = opt.F32Grads || os.Getenv("DISTILL_CUDA_F32_GRADS") == "1"
+	b.moeKernels = opt.MoEGEMM
+	if b.moeKernels == "" {
+		b.moeKernels = os.Getenv("DISTILL_CUDA_MOE_GEMM")
+	}
+	if b.moeKernels != "" && b.moeKernels != "v1" {
+		return fmt.Errorf("cuda: MoE GEMM %q: want v1, or none for the default kernels", b.moeKernels)
+	}
+	if need := moeGEMMSmem("k_moe_gemm"); b.moeKernels == "" && b.info.SharedOptinBytes < need {
+		// Ada (sm_89: 99 KB a block) cannot hold the default kernels' three
+		// staged steps; the earlier kernels need 40 KB.
+		b.moeKernels = "v1"
+		b.logf("cuda: %s allows a block %d bytes of shared memory; the MoE experts' GEMMs need %d: running the earlier kernels (MoEGEMM v1)", b.info.Name, b.info.SharedOptinBytes, need)
+	}
+	b.pageable = opt.Pageable || os.Getenv("DISTILL_CUDA_PAGEABLE") == "1"
+	act := opt.Activations
+	if act == "" {
+		act = os.Getenv("DISTILL_CUDA_ACT")
+	}
+	switch act {
+	case "", "bf16":
+		b.act = compute.BF16
+	case "f32":
+		b.act = compute.F32
+	default:
+		return fmt.Errorf("cuda: activations %q: want bf16 or f32", act)
+	}
+	b.shadow.off = opt.PerUseCasts || os.Getenv("DISTILL_CUDA_PER_USE_CASTS") == "1"
+	return nil
 }
 
 // loadKernels compiles (or reads from the cache) every kernel file and
