@@ -283,92 +283,130 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 		}
 		return
 	}
-	router := b.ten(mw.Router, what+" router")
-	need(router, what+" router", E*H, compute.F32, compute.BF16)
-	P := T * K
-	// Where the routing, the grouping and the projections go: the saved
-	// tensors, or scratch freed at the end.
-	var tmp []uint64
-	scratch := func(n int64) uint64 {
-		p := b.alloc(n)
-		tmp = append(tmp, p)
-		return p
-	}
-	var probs, sel, wts, order, offsets, gate, up, y uint64
+	r := &moeRun{b: b, mw: mw, what: what, x: x, sv: sv, T: T, E: E, K: K, H: H, I: I, P: T * K}
+	defer r.release()
 	if sv != nil {
-		probs, sel, wts, order, offsets = sv.probs.p, sv.sel.p, sv.wts.p, sv.order.p, sv.offsets.p
-		gate, up, y = sv.gate.p, sv.up.p, sv.y.p
+		r.probs, r.sel, r.wts, r.order, r.offsets = sv.probs.p, sv.sel.p, sv.wts.p, sv.order.p, sv.offsets.p
+		r.gate, r.up, r.y = sv.gate.p, sv.up.p, sv.y.p
 	} else {
-		sel, wts, order, offsets = scratch(int64(P)*4), scratch(int64(P)*4), scratch(int64(P)*4), scratch(int64(E+1)*4)
-		y = scratch(int64(P) * int64(H) * 4)
+		P := int64(r.P)
+		r.sel, r.wts, r.order, r.offsets = r.scratch(P*4), r.scratch(P*4), r.scratch(P*4), r.scratch(int64(E+1)*4)
+		r.y = r.scratch(P * int64(H) * 4)
 	}
-	// gate and up (rows, I) F32: the saved ones, or scratch made when a
-	// path stores them (the fused GEMM does not).
-	gateUp := func() {
-		if gate == 0 {
-			gate, up = scratch(int64(P)*int64(I)*4), scratch(int64(P)*int64(I)*4)
-		}
-	}
-
-	rp, rs := b.f32Operand(router)
-	logits := b.alloc(int64(T) * int64(E) * 4)
-	b.gemm(logits, x.p, rp, T, E, H, dataF32)
-	b.free(rs)
-	counts := scratch(int64(E) * 4)
-	b.memset0(counts, int64(E)*4)
-	b.launchKernel(launch{kernel: "k_moe_route", grid: [3]int{(T + 7) / 8, 1, 1}, block: 256},
-		dptr(logits), int64(T), int32(E), int32(K), boolArg(mw.NormTopK), dptr(sel), dptr(wts), dptr(counts), dptr(probs))
-	b.free(logits)
-	// The grouping: on the device (k_moe_scan), or, where the grouped GEMM
-	// cannot take the shapes or the experts are FP8 (cuBLASLt's FP8 GEMMs,
-	// one per expert: fp8.go), through the host (planMoE).
 	fp8 := b.moeFP8(mw, what)
 	if fp8 && sv != nil {
 		panic("cuda: MoEForward (training) with FP8 experts: FP8 weights are a teacher's, forward only (MoE)")
 	}
-	// FP8 experts on the device's grouping need 16-code copies (WeightFP8's
-	// shapes) and mma.sync for E4M3 (b.mmaE4M3).
-	onDevice := moeGroupedOK(H, I) && (!fp8 || H%16 == 0 && I%16 == 0 && b.mmaE4M3())
-	var plan moePlan
-	tileStart := uint64(0)
-	if onDevice {
-		tileStart = scratch(int64(E+1) * 4)
-		b.launchKernel(launch{kernel: "k_moe_scan", grid: [3]int{1, 1, 1}, block: 32}, dptr(counts), int32(E), dptr(offsets), dptr(tileStart))
+	// The grouping on the device (k_moe_scan) where the grouped GEMMs take
+	// the shapes (FP8 experts also need 16-code copies, WeightFP8's shapes,
+	// and mma.sync for E4M3: b.mmaE4M3), else through the host (planMoE)
+	// and a GEMM per expert.
+	r.onDevice = moeGroupedOK(H, I) && (!fp8 || H%16 == 0 && I%16 == 0 && b.mmaE4M3())
+	r.route()
+	switch {
+	case fp8 && r.onDevice:
+		b.moeExpertsFP8Grouped(r.y, x, r.order, mw, r.groups(), T, K, H, I, what)
+	case fp8:
+		r.gateUp()
+		b.moeExpertsFP8(r.gate, r.up, r.y, x, r.order, mw, r.plan, T, K, H, I, what)
+	default:
+		r.experts()
+	}
+	b.launchKernel(launch{kernel: "k_moe_combine", grid: [3]int{T, 1, 1}, block: 256},
+		dptr(out.p), dptr(r.y), dptr(r.sel), dptr(r.wts), dptr(r.rowpos), int32(K), int32(H))
+}
+
+// moeRun is one MoE call's state: where its routing, grouping and
+// projections go (MoEForward's saved tensors, or scratch freed at the
+// end), and the grouping's plan.
+type moeRun struct {
+	b                 *Backend
+	mw                *compute.MoEWeights
+	what              string
+	x                 *tensor
+	sv                *moeSaved
+	T, E, K, H, I, P  int
+	tmp               []uint64
+	probs, sel, wts   uint64
+	order, offsets, y uint64
+	gate, up          uint64 // (rows, I) F32: saved, or scratch when a path stores them (gateUp)
+	rowpos, tileStart uint64
+	plan              moePlan // the host's grouping (!onDevice)
+	onDevice          bool
+}
+
+func (r *moeRun) scratch(n int64) uint64 {
+	p := r.b.alloc(n)
+	r.tmp = append(r.tmp, p)
+	return p
+}
+
+func (r *moeRun) release() {
+	for _, p := range r.tmp {
+		r.b.free(p)
+	}
+}
+
+// gateUp makes gate and up scratch where they are not saved (the fused
+// GEMM stores neither).
+func (r *moeRun) gateUp() {
+	if r.gate == 0 {
+		r.gate, r.up = r.scratch(int64(r.P)*int64(r.I)*4), r.scratch(int64(r.P)*int64(r.I)*4)
+	}
+}
+
+func (r *moeRun) groups() moeGroups {
+	return moeGroups{offsets: r.offsets, tileStart: r.tileStart, rows: r.P, E: r.E}
+}
+
+// route runs the router (an fp32 GEMM: routing is a discrete choice, and
+// BF16 logits would flip near-ties against the CPU) and the top-k
+// (k_moe_route), groups the (token, slot) pairs by expert (on the device,
+// or through the host's plan) and lists them in that order (k_moe_order).
+func (r *moeRun) route() {
+	b, T, E, K, H := r.b, r.T, r.E, r.K, r.H
+	router := b.ten(r.mw.Router, r.what+" router")
+	need(router, r.what+" router", E*H, compute.F32, compute.BF16)
+	rp, rs := b.f32Operand(router)
+	logits := b.alloc(int64(T) * int64(E) * 4)
+	b.gemm(logits, r.x.p, rp, T, E, H, dataF32)
+	b.free(rs)
+	counts := r.scratch(int64(E) * 4)
+	b.memset0(counts, int64(E)*4)
+	b.launchKernel(launch{kernel: "k_moe_route", grid: [3]int{(T + 7) / 8, 1, 1}, block: 256},
+		dptr(logits), int64(T), int32(E), int32(K), boolArg(r.mw.NormTopK), dptr(r.sel), dptr(r.wts), dptr(counts), dptr(r.probs))
+	b.free(logits)
+	if r.onDevice {
+		r.tileStart = r.scratch(int64(E+1) * 4)
+		b.launchKernel(launch{kernel: "k_moe_scan", grid: [3]int{1, 1, 1}, block: 32}, dptr(counts), int32(E), dptr(r.offsets), dptr(r.tileStart))
 	} else {
 		hc := make([]int32, E)
 		b.download(unsafePtr(hc), counts, int64(E)*4)
 		var err error
-		plan, err = planMoE(hc, T, K)
+		r.plan, err = planMoE(hc, T, K)
 		b.must(err)
-		b.upload(offsets, unsafePtr(plan.offsets), int64(E+1)*4)
+		b.upload(r.offsets, unsafePtr(r.plan.offsets), int64(E+1)*4)
 	}
-	rowpos := scratch(int64(P) * 4)
+	r.rowpos = r.scratch(int64(r.P) * 4)
 	b.launchKernel(launch{kernel: "k_moe_order", grid: [3]int{E, 1, 1}, block: 256},
-		dptr(sel), dptr(offsets), int64(P), dptr(order), dptr(rowpos))
-	if fp8 && onDevice {
-		b.moeExpertsFP8Grouped(y, x, order, mw, moeGroups{offsets: offsets, tileStart: tileStart, rows: P, E: E}, T, K, H, I, what)
-	} else if fp8 {
-		gateUp()
-		b.moeExpertsFP8(gate, up, y, x, order, mw, plan, T, K, H, I, what)
-	}
-	if fp8 {
-		b.launchKernel(launch{kernel: "k_moe_combine", grid: [3]int{T, 1, 1}, block: 256},
-			dptr(out.p), dptr(y), dptr(sel), dptr(wts), dptr(rowpos), int32(K), int32(H))
-		for _, p := range tmp {
-			b.free(p)
-		}
-		return
-	}
-	ops := &moeOperands{b: b, what: what}
+		dptr(r.sel), dptr(r.offsets), int64(r.P), dptr(r.order), dptr(r.rowpos))
+}
+
+// experts runs the BF16 experts over the grouped rows into y: their input,
+// gate and up (with the adapters of a LoRA student's experts), the SwiGLU
+// and down, on the device's grouping or the host's.
+func (r *moeRun) experts() {
+	b, mw, T, K, H, I, P := r.b, r.mw, r.T, r.K, r.H, r.I, r.P
+	ops := &moeOperands{b: b, what: r.what}
 	defer ops.release()
-	act := scratch(int64(P) * int64(I) * 2)
+	act := r.scratch(int64(P) * int64(I) * 2)
 	// The experts' adapters (a LoRA student's), each over its expert's rows:
-	// gate's and up's before the SwiGLU, down's after the down GEMM.
-	ga, ua, da := moeAdapters(mw, fp8, what)
-	// tok: in is the token rows, read through the order.
+	// gate's and up's before the SwiGLU, down's after the down GEMM. tok:
+	// in is the token rows, read through the order.
+	ga, ua, da := moeAdapters(mw, false, r.what)
 	adapters := func(ls func(int) *compute.LoRA, name string, out, in uint64, tok bool) {}
 	if ga != nil {
-		lr := b.newMoELoRA(mw, offsets, order, P, K, sv != nil) // MoE (inference) never drops
+		lr := b.newMoELoRA(mw, r.offsets, r.order, P, K, r.sv != nil) // MoE (inference) never drops
 		defer lr.release()
 		adapters = func(ls func(int) *compute.LoRA, name string, out, in uint64, tok bool) {
 			lr.forward(ls, name, out, in, tok)
@@ -380,58 +418,53 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 	// BF16: 1/K of the bytes.
 	var xin uint64
 	tok := moeTokens{}
-	if onDevice && b.moeKernels != "v1" {
-		xin = scratch(int64(T) * int64(H) * 2)
-		b.moeTokenInput(xin, x, mw, T, H)
-		tok = moeTokens{order: order, k: K}
+	if r.onDevice && b.moeKernels != "v1" {
+		xin = r.scratch(int64(T) * int64(H) * 2)
+		b.moeTokenInput(xin, r.x, mw, T, H)
+		tok = moeTokens{order: r.order, k: K}
 	} else {
-		xin = scratch(int64(P) * int64(H) * 2)
-		b.moeExpertInput(xin, x, order, mw, T, K, H)
+		xin = r.scratch(int64(P) * int64(H) * 2)
+		b.moeExpertInput(xin, r.x, r.order, mw, T, K, H)
 	}
-	if onDevice {
-		g := moeGroups{offsets: offsets, tileStart: tileStart, rows: P, E: E}
-		// Gate and up fused with the SwiGLU where nothing else reads them:
-		// not saved for a backward, no adapter adding to them, no NVFP4
-		// quantization of the SwiGLU's output (moeAct's).
-		if sv == nil && ga == nil && mw.HAmax <= 0 && b.moeKernels != "v1" {
-			b.moeGEMMGLU(act, xin, tok, ops.ptrs(mw.Gate, "gate", I*H), ops.ptrs(mw.Up, "up", I*H), g, I, H)
-		} else {
-			gateUp()
-			b.moeGEMM(gate, xin, tok, ops.ptrs(mw.Gate, "gate", I*H), g, I, H)
-			b.moeGEMM(up, xin, tok, ops.ptrs(mw.Up, "up", I*H), g, I, H)
-			adapters(ga, "gate_proj", gate, xin, tok.order != 0)
-			adapters(ua, "up_proj", up, xin, tok.order != 0)
-			b.moeAct(act, gate, up, mw, P, I)
-		}
-		b.moeGEMM(y, act, moeTokens{}, ops.ptrs(mw.Down, "down", H*I), g, H, I)
-		adapters(da, "down_proj", y, act, false)
+	if !r.onDevice {
+		r.gateUp()
+		r.hostGEMMs(ops, mw.Gate, "gate", xin, r.gate, I, H)
+		r.hostGEMMs(ops, mw.Up, "up", xin, r.up, I, H)
+		adapters(ga, "gate_proj", r.gate, xin, false)
+		adapters(ua, "up_proj", r.up, xin, false)
+		b.moeAct(act, r.gate, r.up, mw, P, I)
+		r.hostGEMMs(ops, mw.Down, "down", act, r.y, H, I)
+		adapters(da, "down_proj", r.y, act, false)
+		return
+	}
+	g := r.groups()
+	// Gate and up fused with the SwiGLU where nothing else reads them:
+	// not saved for a backward, no adapter adding to them, no NVFP4
+	// quantization of the SwiGLU's output (moeAct's).
+	if r.sv == nil && ga == nil && mw.HAmax <= 0 && b.moeKernels != "v1" {
+		b.moeGEMMGLU(act, xin, tok, ops.ptrs(mw.Gate, "gate", I*H), ops.ptrs(mw.Up, "up", I*H), g, I, H)
 	} else {
-		gateUp()
-		for e := 0; e < E; e++ {
-			off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
-			if cnt == 0 {
-				continue
-			}
-			xe := xin + off*uint64(H)*2
-			b.gemm(gate+off*uint64(I)*4, xe, ops.bf16(mw.Gate[e], "gate", e, I*H), cnt, I, H, dataBF16)
-			b.gemm(up+off*uint64(I)*4, xe, ops.bf16(mw.Up[e], "up", e, I*H), cnt, I, H, dataBF16)
-		}
-		adapters(ga, "gate_proj", gate, xin, tok.order != 0)
-		adapters(ua, "up_proj", up, xin, tok.order != 0)
-		b.moeAct(act, gate, up, mw, P, I)
-		for e := 0; e < E; e++ {
-			off, cnt := uint64(plan.offsets[e]), int(plan.offsets[e+1]-plan.offsets[e])
-			if cnt == 0 {
-				continue
-			}
-			b.gemm(y+off*uint64(H)*4, act+off*uint64(I)*2, ops.bf16(mw.Down[e], "down", e, H*I), cnt, H, I, dataBF16)
-		}
-		adapters(da, "down_proj", y, act, false)
+		r.gateUp()
+		b.moeGEMM(r.gate, xin, tok, ops.ptrs(mw.Gate, "gate", I*H), g, I, H)
+		b.moeGEMM(r.up, xin, tok, ops.ptrs(mw.Up, "up", I*H), g, I, H)
+		adapters(ga, "gate_proj", r.gate, xin, tok.order != 0)
+		adapters(ua, "up_proj", r.up, xin, tok.order != 0)
+		b.moeAct(act, r.gate, r.up, mw, P, I)
 	}
-	b.launchKernel(launch{kernel: "k_moe_combine", grid: [3]int{T, 1, 1}, block: 256},
-		dptr(out.p), dptr(y), dptr(sel), dptr(wts), dptr(rowpos), int32(K), int32(H))
-	for _, p := range tmp {
-		b.free(p)
+	b.moeGEMM(r.y, act, moeTokens{}, ops.ptrs(mw.Down, "down", H*I), g, H, I)
+	adapters(da, "down_proj", r.y, act, false)
+}
+
+// hostGEMMs runs out_e (rows, n) F32 = in_e (rows, k) BF16 · w_eᵀ for each
+// expert e with rows on the host's grouping, a cuBLASLt GEMM each (name:
+// the projection's, for errors).
+func (r *moeRun) hostGEMMs(ops *moeOperands, w []compute.Tensor, name string, in, out uint64, n, k int) {
+	off := r.plan.offsets
+	for e := 0; e+1 < len(off); e++ {
+		o, cnt := uint64(off[e]), int(off[e+1]-off[e])
+		if cnt > 0 {
+			r.b.gemm(out+o*uint64(n)*4, in+o*uint64(k)*2, ops.bf16(w[e], name, e, n*k), cnt, n, k, dataBF16)
+		}
 	}
 }
 
