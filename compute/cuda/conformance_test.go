@@ -382,15 +382,7 @@ func TestMoEConformance(t *testing.T) {
 			t.Run(fmt.Sprintf("t%d_H%d_I%d_E%d_K%d_norm%v", cs.tokens, cs.H, cs.I, cs.E, cs.K, norm), func(t *testing.T) {
 				c := newMoECase(r, cs.tokens, cs.H, cs.I, cs.E, cs.K, norm)
 				want := c.run(oracle, func(s []float32) compute.Tensor { return oracle.FromF32(s) })
-				got := c.run(be, func(s []float32) compute.Tensor {
-					h := make([]uint16, len(s))
-					compute.NarrowBF16(h, s)
-					w, err := be.Weight(h)
-					if err != nil {
-						t.Fatal(err)
-					}
-					return w
-				})
+				got := c.run(be, bf16Weight(t, be))
 				// One expert output is a sum over I of act·down with act carrying
 				// BF16 error from x (H terms) and its own rounding.
 				closeTo(t, "moe vs cpu", got, want, 8e-3*math.Sqrt(float64(cs.H*cs.I))/4, 2e-2)
@@ -513,12 +505,7 @@ func TestMoERoutingTies(t *testing.T) {
 			}
 		}
 		want := c.run(oracle, func(s []float32) compute.Tensor { return oracle.FromF32(s) })
-		got := c.run(be, func(s []float32) compute.Tensor {
-			h := make([]uint16, len(s))
-			compute.NarrowBF16(h, s)
-			w, _ := be.Weight(h)
-			return w
-		})
+		got := c.run(be, bf16Weight(t, be))
 		closeTo(t, fmt.Sprintf("moe ties norm=%v", norm), got, want, 2e-2, 2e-2)
 	}
 }

@@ -37,23 +37,11 @@ func TestMoEGroupedGEMM(t *testing.T) {
 	r := rand.New(rand.NewPCG(91, 92))
 	const tokens, H, I, E, K = 300, 136, 200, 5, 2
 	c := newMoECase(r, tokens, H, I, E, K, true)
-	weight := func(s []float32) compute.Tensor {
-		h := make([]uint16, len(s))
-		compute.NarrowBF16(h, s)
-		w, err := be.Weight(h)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return w
-	}
 	be.Profile() // reset
-	got := c.run(be, weight)
-	prof := map[string]int{}
-	for _, e := range be.Profile() {
-		prof[e.Name] = e.Calls
-	}
+	got := c.run(be, bf16Weight(t, be))
+	prof := profileCalls(be)
 	testMoEHostGrouping = true
-	want := c.run(be, weight)
+	want := c.run(be, bf16Weight(t, be))
 	testMoEHostGrouping = false
 	// Sums of H or I BF16 products of O(1) in fp32, in two orders.
 	closeTo(t, "grouped moe vs per-expert cuBLASLt", got, want, 1e-4*math.Sqrt(float64(H*I)), 1e-4)
@@ -69,21 +57,9 @@ func TestMoEGroupedGEMM(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer v1.Close()
-	weight1 := func(s []float32) compute.Tensor {
-		h := make([]uint16, len(s))
-		compute.NarrowBF16(h, s)
-		w, err := v1.Weight(h)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return w
-	}
 	v1.Profile() // reset
-	same(t, "grouped moe, default vs v1 kernels", got, c.run(v1, weight1))
-	prof = map[string]int{}
-	for _, e := range v1.Profile() {
-		prof[e.Name] = e.Calls
-	}
+	same(t, "grouped moe, default vs v1 kernels", got, c.run(v1, bf16Weight(t, v1)))
+	prof = profileCalls(v1)
 	if prof["k_moe_gemm_v1"] != 3 || prof["k_moe_gather"] != 1 || prof["k_moe_gemm_glu"] != 0 {
 		t.Fatalf("v1 profile %v: want 3 k_moe_gemm_v1 launches, 1 k_moe_gather and no k_moe_gemm_glu", prof)
 	}
@@ -100,21 +76,9 @@ func TestMoEGroupedGEMM(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer ada.Close()
-		weightA := func(s []float32) compute.Tensor {
-			h := make([]uint16, len(s))
-			compute.NarrowBF16(h, s)
-			w, err := ada.Weight(h)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return w
-		}
 		ada.Profile()
-		same(t, "grouped moe, 99 KB of shared memory vs the default", got, c.run(ada, weightA))
-		prof = map[string]int{}
-		for _, e := range ada.Profile() {
-			prof[e.Name] = e.Calls
-		}
+		same(t, "grouped moe, 99 KB of shared memory vs the default", got, c.run(ada, bf16Weight(t, ada)))
+		prof = profileCalls(ada)
 		if prof["k_moe_gemm_v1"] != 3 || !strings.Contains(strings.Join(logged, "\n"), "running the earlier kernels (MoEGEMM v1)") {
 			t.Fatalf("99 KB of shared memory: profile %v, log %q: want the v1 kernels, named in the log", prof, logged)
 		}
@@ -152,10 +116,7 @@ func TestMoEFP8Grouped(t *testing.T) {
 	want := c.run(oracle, c.fp8Weights(t, oracle))
 	be.Profile() // reset
 	got := c.run(be, c.fp8Weights(t, be))
-	prof := map[string]int{}
-	for _, e := range be.Profile() {
-		prof[e.Name] = e.Calls
-	}
+	prof := profileCalls(be)
 	testMoEHostGrouping = true
 	host := c.run(be, c.fp8Weights(t, be))
 	testMoEHostGrouping = false
@@ -264,10 +225,7 @@ func TestMoEFrozenBackward(t *testing.T) {
 		c.frozen = true
 		be.Profile() // reset
 		got := c.run(be, true)
-		prof := map[string]int{}
-		for _, e := range be.Profile() {
-			prof[e.Name] = e.Calls
-		}
+		prof := profileCalls(be)
 		testMoEHostGrouping = false
 		same(t, fmt.Sprintf("frozen dx (host grouping %v)", host), got.dx, want.dx)
 		if n := prof["k_moe_wgrad_gemm"]; n != 0 {
@@ -351,15 +309,7 @@ func BenchmarkMoE(b *testing.B) {
 		if v != "" {
 			name = v
 		}
-		weight := func(s []float32) compute.Tensor {
-			h := make([]uint16, len(s))
-			compute.NarrowBF16(h, s)
-			w, err := be.Weight(h)
-			if err != nil {
-				b.Fatal(err)
-			}
-			return w
-		}
+		weight := bf16Weight(b, be)
 		moeWeights := func(w func([]float32) compute.Tensor) *compute.MoEWeights {
 			mw := &compute.MoEWeights{Router: w(router), NumExperts: E, TopK: K, Hidden: H, Inter: I, NormTopK: true}
 			for e := range experts {

@@ -256,11 +256,7 @@ func TestMoELoRALaunches(t *testing.T) {
 		c.bf16Base = true
 		be.Profile() // reset
 		c.run(be, true)
-		prof := map[string]int{}
-		for _, e := range be.Profile() {
-			prof[e.Name] = e.Calls
-		}
-		return prof
+		return profileCalls(be)
 	}
 	few, many := counts(6), counts(48)
 	adapters := 0

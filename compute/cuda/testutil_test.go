@@ -72,6 +72,30 @@ func roundBF16(s []float32) ([]float32, []uint16) {
 	return out, h
 }
 
+// bf16Weight returns a maker of be's weights from fp32 values rounded to
+// BF16 (as a checkpoint holds them), failing tb on an error.
+func bf16Weight(tb testing.TB, be compute.Backend) func([]float32) compute.Tensor {
+	return func(s []float32) compute.Tensor {
+		h := make([]uint16, len(s))
+		compute.NarrowBF16(h, s)
+		w, err := be.Weight(h)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		return w
+	}
+}
+
+// profileCalls is be's profile since its last reset (Profile): the calls
+// of each kernel and GEMM by name.
+func profileCalls(be *Backend) map[string]int {
+	prof := map[string]int{}
+	for _, e := range be.Profile() {
+		prof[e.Name] = e.Calls
+	}
+	return prof
+}
+
 // readF32 downloads n elements of t from be.
 func readF32(be compute.Backend, t compute.Tensor, n int) []float32 {
 	out := make([]float32, n)
