@@ -65,7 +65,10 @@
 // and dup, RMSNormBackward's dx, AttentionBackward's dv, and the BF16
 // copy of the residual stream's gradient that ActGrads'
 // RMSNormBackwardCopy writes beside it), so a GEMM reads the same BF16
-// bits as from a rounding pass of the F32 gradient, without the pass. A
+// bits as from a rounding pass of the F32 gradient, without the pass. So
+// may attention's dout, which only AttentionBackward reads (a backend
+// that runs it on BF16 operands rounds an F32 one anyway): o_proj's
+// MatMulBackward writes it as its (act) dx. A
 // backward kernel's (act) gradient output accumulates in fp32 and rounds
 // the sum once (+=, as every gradient). A gradient that is also needed
 // unrounded stays F32: the residual stream's (it keeps accumulating), a
@@ -312,7 +315,8 @@ type Backend interface {
 	// --- Backward kernels (+=; dX is the gradient of the loss w.r.t. X).
 
 	// MatMulBackward of out = x·wᵀ + bias: dout (m,n) (act), x (m,k) (act), w (n,k) ->
-	// dx (m,k) += dout·w, dw (n,k) += doutᵀ·x, dbias (n) += Σ_rows dout.
+	// dx (m,k) (act) += dout·w, dw (n,k) += doutᵀ·x, dbias (n) += Σ_rows dout
+	// (a BF16 dx gets each fp32 sum rounded once).
 	// dx, dw and dbias may be nil (not needed: a frozen weight, as a LoRA
 	// student's base, has no dw; x is then not read). x and w must be what the
 	// forward multiplied (under NVFP4 fake quantization, the quantized
@@ -334,7 +338,7 @@ type Backend interface {
 	// the rotation is orthogonal, so its backward is the rotation by
 	// -angle. It overwrites, the one exception to +=.
 	RoPEBackward(dx, cos, sin Tensor, tokens, heads, headDim int)
-	// AttentionBackward: dout (tokens,nHead,hd), q, k, v (act), starts and
+	// AttentionBackward: dout (tokens,nHead,hd) (act), q, k, v (act), starts and
 	// lse as in the forward, out (tokens,nHead,hd) (act) the forward's
 	// output -> dq
 	// (tokens,nHead,hd) +=, dk (tokens,nKV,hd) +=, dv (tokens,nKV,hd)

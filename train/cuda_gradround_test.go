@@ -26,7 +26,11 @@ import (
 // too), a Qwen3-MoE student with a dense layer between MoE ones, each
 // recompute mode, QAD, and LoRA students (with dropout). The profile of
 // the first step counts the rounding passes the producers saved: 7 a
-// dense Qwen3 layer (down, gate, up, o, q, k, v), 4 a Qwen2 layer.
+// dense Qwen3 layer (down, gate, up, o, q, k, v), 4 a Qwen2 layer (the
+// biased q, k, v's douts are rounded by their column sums' pass either
+// way), 3 a Llama layer with attention biases; and attention's dout, which
+// o_proj's backward writes in BF16, once per attention call (2 a layer
+// here: testBatch's samples run in two groups, attnGroups).
 func TestCUDAGradsInBF16(t *testing.T) {
 	cudaemu.Use(t)
 	// One kernel cache for the test's 20 backends (the GPU suite's, where
@@ -46,12 +50,12 @@ func TestCUDAGradsInBF16(t *testing.T) {
 		saved     int     // the rounding passes a step saves (0: only more than none)
 	}
 	cases := []tcase{
-		{"qwen3", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, -1, 2 * 7},
-		{"qwen3 selective", tinyConfig(model.ArchQwen3, true), decoder.RecomputeSelective, false, -1, 2 * 7},
-		{"qwen3 full", tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, -1, 2 * 7},
-		{"qwen3 qad", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, true, -1, 2 * 7},
-		{"qwen2", tinyConfig(model.ArchQwen2, true), decoder.RecomputeNone, false, -1, 2 * 4},
-		{"llama attention bias", llama, decoder.RecomputeSelective, false, -1, 2 * 3},
+		{"qwen3", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, -1, 2 * (7 + 2)},
+		{"qwen3 selective", tinyConfig(model.ArchQwen3, true), decoder.RecomputeSelective, false, -1, 2 * (7 + 2)},
+		{"qwen3 full", tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, -1, 2 * (7 + 2)},
+		{"qwen3 qad", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, true, -1, 2 * (7 + 2)},
+		{"qwen2", tinyConfig(model.ArchQwen2, true), decoder.RecomputeNone, false, -1, 2 * (4 + 2)},
+		{"llama attention bias", llama, decoder.RecomputeSelective, false, -1, 2 * (3 + 2)},
 		{"qwen3_moe", tinyMoEConfig(false, 1), decoder.RecomputeNone, false, -1, 0},
 		{"qwen3_moe full", tinyMoEConfig(false, 1), decoder.RecomputeFull, false, -1, 0},
 		{"qwen3 lora", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, 0, 0},

@@ -472,7 +472,7 @@ func (b *Backend) cudnnAttentionBackward(a attnBwdArgs, nSeq, maxLen, tokens, nH
 	kb, ks := b.bf16In(k, nk)
 	vb, vs := b.bf16In(v, nk)
 	ob, obs := b.bf16In(out, nq)
-	dob := b.bf16Copy(dout.p, nq)
+	dob, dobs := b.bf16In(dout, nq) // a BF16 dout (o_proj's BF16 dx) read in place
 	dqb, dkb, dvb := b.alloc(int64(nq)*2), b.alloc(int64(nk)*2), b.alloc(int64(nk)*2)
 	rows := int64(tokens) * int64(nHead) // the workspace tensors' rows
 	if key.dense {
@@ -505,7 +505,7 @@ func (b *Backend) cudnnAttentionBackward(a attnBwdArgs, nSeq, maxLen, tokens, nH
 	} else {
 		b.convert("k_add_bf16", dv.p, dvb, int64(nk))
 	}
-	for _, x := range []uint64{meta, qs, ks, vs, obs, dob, dqb, dkb, dvb, ssum, acc, statsScratch} {
+	for _, x := range []uint64{meta, qs, ks, vs, obs, dobs, dqb, dkb, dvb, ssum, acc, statsScratch} {
 		if x != 0 {
 			b.free(x)
 		}

@@ -44,11 +44,11 @@
 // Plans are built once per bucket of (samples, longest sample), each
 // rounded up to a power of two (a bucket's unused samples are empty), and
 // kept for the process; each build is logged once with its time. Q, K, V,
-// O are read in place when they are BF16 activations 16-byte aligned (the
-// decoder's are), else rounded or moved once per call, as dO is; the BF16
-// output is written in place or widened, and the gradients are widened
-// into the contract's F32 tensors (+= for the
-// gradients). 9.10 is the minimum: older versions need a second padding
+// O and dO are read in place when they are BF16 16-byte aligned (the
+// decoder's are: dO is o_proj's BF16 dx), else rounded or moved once per
+// call; the BF16 output is written in place or widened, and the gradients
+// are widened into the contract's F32 tensors (+= for the gradients; dV
+// added in BF16 where the decoder's dv is BF16). 9.10 is the minimum: older versions need a second padding
 // mask in the backward graph and another fill value for masked scores.
 // Without cuDNN (absent, older, or Options.Attention "mma"/"simt"), or for
 // a shape it refuses (head_dim not a multiple of 8 or above 256, offsets
@@ -205,9 +205,11 @@
 // q/k norms' dx, AttentionBackward's dv, and the BF16 copy of the
 // residual stream's gradient that RMSNormBackwardCopy writes beside the
 // F32 one in the same kernel, each the rounding of the fp32 value a
-// rounding pass would have read (Options.F32Grads restores F32 gradients
-// and the pass: train's TestCUDAGradsInBF16 holds the two to the same
-// bits); the parameters are rounded once per
+// rounding pass would have read; and attention's dout, o_proj's dx, which
+// cuBLASLt writes in BF16 (C and D BF16: the fp32 sum rounded once by the
+// epilogue) and attention reads in place (Options.F32Grads restores F32
+// gradients and the passes: train's TestCUDAGradsInBF16 holds the two to
+// the same bits); the parameters are rounded once per
 // step (shadow.go): the backend keeps a BF16 shadow of each fp32
 // parameter a GEMM reads, which AdamW's kernel writes with the update
 // (k_adamw), and which any other write to the parameter makes stale (the
@@ -221,10 +223,12 @@
 //
 //   - MatMulBackward: cuBLASLt GEMMs dx += dout·w ("NN") and dw += doutᵀ·x
 //     ("NT") with beta = 1, BF16 operands (a BF16 dout read in place, an
-//     F32 one rounded by a pass); dbias by column sums (float64) of an F32
-//     dout. Two Linears that share an input (gate and up; q, k and v)
-//     accumulate their dx in the GEMM (beta = 1), in call order: no
-//     separate add.
+//     F32 one rounded by a pass); dx F32, or BF16 (attention's dout: C and
+//     D BF16); dbias by column sums (float64) of an F32 dout, whose pass
+//     (k_colsum_part4) also writes dout's BF16 rounding for the GEMMs, so
+//     a biased Linear (Qwen2's q, k, v) makes no rounding pass. Two
+//     Linears that share an input (gate and up; q, k and v) accumulate
+//     their dx in the GEMM (beta = 1), in call order: no separate add.
 //   - RMSNormBackward: dx per row (the forward's geometry, float64 dot);
 //     dw by column sums over fixed row chunks, then the chunks in order.
 //   - EmbedBackward: one thread per column adds the rows of dout in token
@@ -254,19 +258,21 @@
 //     projection for all experts, on the saved grouping.
 //   - AttentionBackward: flash-style, the probabilities recomputed from the
 //     forward's log-sum-exp. The own kernels: head_dim 64 and 128 on tensor
-//     cores (FlashAttention 2's backward with the forward's machinery: BF16
-//     copies of q, k, v and dout made once per call, cp.async double
-//     buffering, ldmatrix, mma.sync with BF16 P and dS, fp32
-//     accumulators): D = dout·out from the forward's output (k_attn_dsum,
-//     fp32; O recomputed by the forward kernel only where a caller passes
-//     none), then k_attn_bwd_dq_mma (a block per 128 queries and head,
+//     cores (FlashAttention 2's backward with the forward's machinery: q,
+//     k, v and dout read in place when BF16, else rounded once per call,
+//     cp.async double buffering, ldmatrix, mma.sync with BF16 P and dS,
+//     fp32 accumulators): D = dout·out from the BF16 dO the other kernels
+//     read (so D = Σ_j P·dP of their dP, as cuDNN computes it) and the
+//     forward's output as stored (k_attn_dsum, fp32 math; O recomputed by
+//     the forward kernel only where a caller passes none), then
+//     k_attn_bwd_dq_mma (a block per 128 queries and head,
 //     64-key steps) and k_attn_bwd_dkv_mma (a block per 128 keys and kv
 //     head, the group's heads in 64-query steps from the diagonal on).
 //     FlashAttention 2 adds dq from the dkv kernel with atomics; here dq
 //     has its own kernel, which recomputes S and dP (7 products the size
 //     of Q·Kᵀ against its 5). Other head dims on fp32 SIMT kernels
-//     (k_attn_bwd_dq, k_attn_bwd_dkv). Each kernel is the sole writer of
-//     its rows: no atomics.
+//     (k_attn_bwd_dq, k_attn_bwd_dkv; a BF16 dout widened once per call).
+//     Each kernel is the sole writer of its rows: no atomics.
 //   - LossHeadForward/Backward: the vocabulary in tiles of the counted rows
 //     (M x cols fp32 logits, at most 256 MiB); cuBLASLt writes a tile's
 //     logits from BF16 operands; k_loss_fwd_tile folds it into each row's
@@ -322,9 +328,8 @@
 //
 // Performance notes, to be measured by the GPU suite: the BF16 copies of
 // F32 activations and gradients are made per GEMM call (those of
-// parameters once per step, above; the gradients that only GEMMs read
-// are BF16 already, but attention's dout, which o_proj's backward writes
-// in F32, is rounded by cuDNN's call); the own tensor-core attention kernels use
+// parameters once per step, above; the gradients that only GEMMs and
+// attention read are BF16 already); the own tensor-core attention kernels use
 // mma.sync, not Hopper's wgmma/TMA, and their backward recomputes S and dP
 // for dq.
 //

@@ -157,8 +157,11 @@ func (b *Backend) FakeQuantNVFP4(dstT, srcT compute.Tensor, rows, cols int, amax
 // MatMulBackward implements compute.Backend: dx (m,k) += dout·w ("NN"),
 // dw (n,k) += doutᵀ·x ("NT"), both cuBLASLt GEMMs with BF16 operands
 // (dout, x and w read in place when BF16, else rounded as read)
-// accumulating in fp32 into the fp32 gradients (beta = 1); dbias (n) +=
-// the column sums of an F32 dout in float64, deterministic.
+// accumulating in fp32 (beta = 1) into the fp32 gradients, or into a BF16
+// dx (attention's dout: C and D BF16, the fp32 sum rounded once by the
+// epilogue); dbias (n) += the column sums of an F32 dout in float64,
+// deterministic, whose pass also writes the GEMMs' BF16 rounding of dout
+// (no rounding pass of its own).
 func (b *Backend) MatMulBackward(dxT, dwT, dbiasT, doutT, xT, wT compute.Tensor, m, n, k int) {
 	defer b.enter()()
 	b.wroteT(dxT, dwT, dbiasT)
@@ -170,22 +173,41 @@ func (b *Backend) MatMulBackward(dxT, dwT, dbiasT, doutT, xT, wT compute.Tensor,
 		panic("cuda: MatMulBackward with a BF16 dout and a dbias: the bias's column sums read the F32 gradient; pass dout in F32 where a bias trains")
 	}
 	// dw nil: a frozen weight (a LoRA student's base); x is not read.
-	var dw, x *tensor
+	var dw, x, dx, db *tensor
 	if dwT != nil {
 		dw, x = b.ten(dwT, "MatMulBackward dw"), b.ten(xT, "MatMulBackward x")
 		need(dw, "MatMulBackward dw", n*k, compute.F32)
 		need(x, "MatMulBackward x", m*k, compute.F32, compute.BF16)
 	}
+	if dxT != nil {
+		dx = b.ten(dxT, "MatMulBackward dx")
+		need(dx, "MatMulBackward dx", m*k, act...)
+	}
+	if dbiasT != nil {
+		db = b.ten(dbiasT, "MatMulBackward dbias")
+		need(db, "MatMulBackward dbias", n, compute.F32)
+	}
 	if m == 0 || n == 0 || k == 0 {
 		return
 	}
-	dp, ds := b.bf16Operand(dout, m*n)
+	var dp, ds uint64
+	if db != nil {
+		// The bias's column sums read dout once and write its rounding for
+		// the GEMMs in the same pass: the bits bf16Operand's pass makes.
+		ds = b.alloc(int64(m) * int64(n) * 2)
+		dp = ds
+		b.colSum(db.p, dout.p, 0, 0, 0, m, n, ds)
+	} else {
+		dp, ds = b.bf16Operand(dout, m*n)
+	}
 	defer b.free(ds)
-	if dxT != nil {
-		dx := b.ten(dxT, "MatMulBackward dx")
-		need(dx, "MatMulBackward dx", m*k, compute.F32)
+	if dx != nil {
 		wp, ws := b.bf16Operand(w, n*k)
-		b.gemmEx(dx.p, dp, wp, m, k, n, false, false, dataBF16, 1)
+		outT := dataF32
+		if dx.dt == compute.BF16 {
+			outT = dataBF16
+		}
+		b.gemmTo(dx.p, outT, dp, wp, m, k, n, false, false, dataBF16, 1)
 		b.free(ws)
 	}
 	if dw != nil {
@@ -193,27 +215,23 @@ func (b *Backend) MatMulBackward(dxT, dwT, dbiasT, doutT, xT, wT compute.Tensor,
 		b.gemmEx(dw.p, dp, xp, n, k, m, true, false, dataBF16, 1)
 		b.free(xs)
 	}
-	if dbiasT != nil {
-		db := b.ten(dbiasT, "MatMulBackward dbias")
-		need(db, "MatMulBackward dbias", n, compute.F32)
-		b.colSum(db.p, dout.p, 0, 0, 0, m, n)
-	}
 }
 
 // colSum adds to dst (cols) the column sums of src (rows, cols), or of
 // src·x·rstd[row] when x is set (RMSNorm's dw; x BF16 when xbf), in
 // float64: chunks of rows in parallel (k_colsum_part), then the chunks in
-// order (k_colsum_finish).
-func (b *Backend) colSum(dst, src, x uint64, xbf int32, rstd uint64, rows, cols int) {
+// order (k_colsum_finish). A nonzero copy (rows, cols) BF16 gets the
+// rounding of src in the same pass (a biased Linear's dout for its GEMMs).
+func (b *Backend) colSum(dst, src, x uint64, xbf int32, rstd uint64, rows, cols int, copy uint64) {
 	chunk := colChunk(rows)
 	np := (rows + chunk - 1) / chunk
 	part := b.alloc(int64(np) * int64(cols) * 8)
 	l := launch{kernel: "k_colsum_part", grid: [3]int{(cols + 255) / 256, np, 1}, block: 256}
-	if cols%4 == 0 && aligned16(src) && aligned16(x) {
+	if cols%4 == 0 && aligned16(src) && aligned16(x) && copy%8 == 0 {
 		// Four columns a thread, 16-byte loads, 8 rows in flight a column.
 		l = launch{kernel: "k_colsum_part4", grid: [3]int{(cols + 127) / 128, np, 1}, block: 256}
 	}
-	b.launchKernel(l, dptr(part), dptr(src), dptr(x), xbf, dptr(rstd), int64(rows), int32(cols), int32(chunk))
+	b.launchKernel(l, dptr(part), dptr(src), dptr(x), xbf, dptr(rstd), int64(rows), int32(cols), int32(chunk), dptr(copy))
 	b.ew("k_colsum_finish", int64(cols), dptr(dst), dptr(part), int32(np), int32(cols))
 	b.free(part)
 }
@@ -299,7 +317,7 @@ func (b *Backend) rmsNormBackward(what string, dxT, dxcT, dwT, doutT, xT, wT, rs
 		l.kernel = map[string]string{"k_rmsnorm_warp": "k_rmsnorm_bwd_warp", "k_rmsnorm_block": "k_rmsnorm_bwd_block"}[l.kernel]
 		b.launchKernel(l, dptr(dx.p), bf16Flag(dx), cp, dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim))
 	}
-	b.colSum(dw.p, dout.p, x.p, bf16Flag(x), rstd.p, rows, dim)
+	b.colSum(dw.p, dout.p, x.p, bf16Flag(x), rstd.p, rows, dim, 0)
 }
 
 // RoPEBackward implements compute.Backend: dx rotated by -angle in place.
@@ -373,7 +391,7 @@ func (b *Backend) attnBwdArgs(dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, star
 		return r
 	}
 	nq, nk, f32 := tokens*nHead*hd, tokens*nKV*hd, compute.F32
-	a := attnBwdArgs{dq: t(dqT, "dq", nq, f32), dk: t(dkT, "dk", nk, f32), dv: t(dvT, "dv", nk, act...), dout: t(doutT, "dout", nq, f32),
+	a := attnBwdArgs{dq: t(dqT, "dq", nq, f32), dk: t(dkT, "dk", nk, f32), dv: t(dvT, "dv", nk, act...), dout: t(doutT, "dout", nq, act...),
 		q: t(qT, "q", nq, act...), k: t(kT, "k", nk, act...), v: t(vT, "v", nk, act...), lse: t(lseT, "lse", tokens*nHead, f32)}
 	if outT != nil {
 		a.out = t(outT, "out", nq, act...)
@@ -415,33 +433,33 @@ func (b *Backend) attentionBackward(mode attnMode, a attnBwdArgs, nSeq, tokens, 
 		}
 	}()
 	if !p.mma {
-		var qp, kp, vp uint64
+		var qp, kp, vp, dop, dos uint64
 		qp, ins[0] = b.f32In(q, nq)
 		kp, ins[1] = b.f32In(k, nk)
 		vp, ins[2] = b.f32In(v, nk)
-		b.launchKernel(p.dq, dptr(dq.p), dptr(dsum), dptr(dout.p), dptr(qp), dptr(kp), dptr(vp), dptr(lse.p), dptr(st.p), dptr(tiles),
+		dop, dos = b.f32In(dout, nq) // the fp32 kernels read an F32 dout
+		defer b.free(dos)
+		b.launchKernel(p.dq, dptr(dq.p), dptr(dsum), dptr(dop), dptr(qp), dptr(kp), dptr(vp), dptr(lse.p), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
-		b.launchKernel(p.dkv, dptr(dk.p), dptr(dvp), dptr(dout.p), dptr(qp), dptr(kp), dptr(vp), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
+		b.launchKernel(p.dkv, dptr(dk.p), dptr(dvp), dptr(dop), dptr(qp), dptr(kp), dptr(vp), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),
 			int32(nSeq), int32(nHead), int32(nKV), int32(hd), scale)
 	} else {
-		// BF16 operands, F32 ones rounded once per call; D from the
-		// forward's output (as F32), or from O recomputed when the caller
-		// passed none.
-		var qb, kb, vb uint64
+		// BF16 operands, F32 ones rounded once per call (a BF16 dout, as
+		// the decoder's with BF16 gradients, read in place); D from that
+		// BF16 dO and the forward's output as stored, or O recomputed
+		// when the caller passed none.
+		var qb, kb, vb, db uint64
 		qb, ins[0] = b.bf16In(q, nq)
 		kb, ins[1] = b.bf16In(k, nk)
 		vb, ins[2] = b.bf16In(v, nk)
-		db := b.bf16Copy(dout.p, nq)
-		defer b.free(db)
+		db, ins[3] = b.bf16In(dout, nq)
 		if out != nil {
-			var op uint64
-			op, ins[3] = b.f32In(out, nq)
-			b.launchKernel(p.dsum, dptr(dsum), dptr(dout.p), dptr(op), int64(tokens)*int64(nHead), int32(hd))
+			b.launchKernel(p.dsum, dptr(dsum), dptr(db), dptr(out.p), bf16Flag(out), int64(tokens)*int64(nHead), int32(hd))
 		} else {
 			o := b.alloc(int64(nq) * 4)
 			b.launchKernel(p.fwd, dptr(o), dptr(0), dptr(qb), dptr(kb), dptr(vb), dptr(st.p), dptr(tiles),
 				int32(nSeq), int32(nHead), int32(nKV), scale)
-			b.launchKernel(p.dsum, dptr(dsum), dptr(dout.p), dptr(o), int64(tokens)*int64(nHead), int32(hd))
+			b.launchKernel(p.dsum, dptr(dsum), dptr(db), dptr(o), int32(0), int64(tokens)*int64(nHead), int32(hd))
 			b.free(o)
 		}
 		b.launchKernel(p.dq, dptr(dq.p), dptr(db), dptr(qb), dptr(kb), dptr(vb), dptr(lse.p), dptr(dsum), dptr(st.p), dptr(tiles),

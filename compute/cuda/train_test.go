@@ -345,6 +345,124 @@ func TestAttentionBackwardBF16DV(t *testing.T) {
 	}
 }
 
+// TestAttentionBackwardBF16Dout: a BF16 dout (o_proj's backward writes
+// attention's in BF16) gives dq, dk and dv bit for bit as an F32 dout of
+// the same values, on cuDNN and on the own fp32 and tensor-core kernels,
+// and so does a BF16 out (the decoder's) against its F32 widening; cuDNN
+// and the tensor-core chain read only dout's rounding (D too: the same
+// bits from an unrounded F32 dout), so the decoder's BF16 gradients train
+// as its F32 ones.
+func TestAttentionBackwardBF16Dout(t *testing.T) {
+	be := testBackend(t)
+	if be.dnn == nil {
+		t.Fatal("cuDNN did not load (the emulator stands in for it)")
+	}
+	r := rand.New(rand.NewPCG(55, 56))
+	for _, c := range []struct {
+		mode           attnMode
+		nHead, nKV, hd int
+	}{{"", 4, 2, 64}, {"simt", 4, 2, 16}, {"mma", 4, 1, 64}} {
+		t.Run(fmt.Sprintf("%q_hd%d", c.mode, c.hd), func(t *testing.T) {
+			be.attn = c.mode
+			defer func() { be.attn = "" }()
+			ac := newAttnCase(r, []int{1, 17, 65, 2}, c.nHead, c.nKV, c.hd)
+			o, lse := ac.run(oracle, ac.q, ac.k, ac.v)
+			o, _ = roundBF16(o) // the decoder's out is BF16
+			dout := randF32(r, len(o))
+			dr, _ := roundBF16(dout)
+			dq0, dk0, dv0 := randF32(r, len(ac.q)), randF32(r, len(ac.k)), randF32(r, len(ac.v))
+			run := func(d []float32, dt, ot compute.DType) [3][]float32 {
+				gq, gk, gv := be.FromF32(dq0), be.FromF32(dk0), be.FromF32(dv0)
+				dt0, ot0 := be.New(dt, len(d)), be.New(ot, len(o))
+				be.WriteF32(dt0, d)
+				be.WriteF32(ot0, o)
+				calls := be.dnn.calls[1]
+				be.AttentionBackward(gq, gk, gv, dt0, be.FromF32(ac.q), be.FromF32(ac.k), be.FromF32(ac.v), ot0,
+					be.FromF32(lse), be.FromI32(ac.starts), len(ac.lens), ac.maxLen, ac.tokens, c.nHead, c.nKV, c.hd, float32(1/math.Sqrt(float64(c.hd))))
+				if on := be.dnn.calls[1] != calls; on != (c.mode == "") {
+					t.Fatalf("mode %q: the backward ran on cuDNN: %v", c.mode, on)
+				}
+				return [3][]float32{readF32(be, gq, len(ac.q)), readF32(be, gk, len(ac.k)), readF32(be, gv, len(ac.v))}
+			}
+			f32 := run(dr, compute.F32, compute.F32)
+			for _, v := range []struct {
+				what   string
+				dt, ot compute.DType
+			}{{"a BF16 dout", compute.BF16, compute.F32}, {"a BF16 out", compute.F32, compute.BF16}, {"BF16 dout and out", compute.BF16, compute.BF16}} {
+				bf := run(dr, v.dt, v.ot)
+				for i, name := range []string{"dq", "dk", "dv"} {
+					if j := firstDiff32(bf[i], f32[i]); j >= 0 {
+						t.Fatalf("%s[%d] = %v from %s, %v from F32 tensors of the same values", name, j, bf[i][j], v.what, f32[i][j])
+					}
+				}
+			}
+			if c.mode == "simt" {
+				return // the fp32 kernels read an F32 dout unrounded
+			}
+			raw := run(dout, compute.F32, compute.F32)
+			for i, name := range []string{"dq", "dk", "dv"} {
+				if j := firstDiff32(raw[i], f32[i]); j >= 0 {
+					t.Fatalf("%s[%d] = %v from an unrounded F32 dout, %v from its rounding: the BF16 chain read more than dout's rounding", name, j, raw[i][j], f32[i][j])
+				}
+			}
+		})
+	}
+}
+
+// TestMatMulBackwardBF16DX: a BF16 dx (attention's dout) gains, bit for
+// bit, the rounding of what an F32 dx that started at the same values
+// gains (cuBLASLt's BF16 C and D: the fp32 sum rounded once); and a
+// biased Linear's GEMMs read the rounding of dout that its column sums'
+// pass writes: dx and dw the bits of the same call without the bias.
+func TestMatMulBackwardBF16DX(t *testing.T) {
+	be := testBackend(t)
+	r := rand.New(rand.NewPCG(57, 58))
+	for _, sh := range [][3]int{{33, 70, 48}, {130, 256, 96}, {3, 5, 7}} {
+		m, n, k := sh[0], sh[1], sh[2]
+		t.Run(fmt.Sprintf("m%d_n%d_k%d", m, n, k), func(t *testing.T) {
+			x, w, dout := randF32(r, m*k), randF32(r, n*k), randF32(r, m*n)
+			dx0, _ := roundBF16(randF32(r, m*k))
+			dw0 := randF32(r, n*k)
+			run := func(dxt compute.DType, bias bool) (dx, dw []float32) {
+				gx, gw := be.New(dxt, m*k), be.FromF32(dw0)
+				be.WriteF32(gx, dx0)
+				var db compute.Tensor
+				if bias {
+					db = be.New(compute.F32, n)
+					be.Zero(db)
+				}
+				be.MatMulBackward(gx, gw, db, be.FromF32(dout), be.FromF32(x), be.FromF32(w), m, n, k)
+				return readF32(be, gx, m*k), readF32(be, gw, n*k)
+			}
+			x32, w32 := run(compute.F32, false)
+			xb, wb := run(compute.BF16, false)
+			xr, _ := roundBF16(x32)
+			if j := firstDiff32(xb, xr); j >= 0 {
+				t.Fatalf("BF16 dx[%d] = %v, want the F32 dx's rounding %v", j, xb[j], xr[j])
+			}
+			if j := firstDiff32(wb, w32); j >= 0 {
+				t.Fatalf("dw[%d] = %v with a BF16 dx, %v with an F32 one", j, wb[j], w32[j])
+			}
+			changed := 0
+			for i := range xb {
+				if xb[i] != dx0[i] {
+					changed++
+				}
+			}
+			if changed < len(xb)/2 {
+				t.Fatalf("only %d of %d dx elements moved", changed, len(xb))
+			}
+			xbias, wbias := run(compute.F32, true)
+			if j := firstDiff32(xbias, x32); j >= 0 {
+				t.Fatalf("dx[%d] = %v with a bias, %v without", j, xbias[j], x32[j])
+			}
+			if j := firstDiff32(wbias, w32); j >= 0 {
+				t.Fatalf("dw[%d] = %v with a bias, %v without", j, wbias[j], w32[j])
+			}
+		})
+	}
+}
+
 // TestLossHeadConformance: the fused loss head's both passes against the
 // CPU's on the same BF16-rounded x and w, with forced vocabulary tiles that
 // do not divide the vocabulary, K = 0 and K = 64, T = 1 and T = 2; the

@@ -367,7 +367,7 @@ func TestVecColSumBitIdentical(t *testing.T) {
 			dst, s := placed(be, compute.F32, dst0, shift), placed(be, compute.F32, src, shift)
 			func() {
 				defer be.enter()()
-				be.colSum(be.ten(dst, "dst").p, be.ten(s, "src").p, 0, 0, 0, rows, cols)
+				be.colSum(be.ten(dst, "dst").p, be.ten(s, "src").p, 0, 0, 0, rows, cols, 0)
 			}()
 			return [][]uint32{rawBits(be, dst, cols)}
 		})

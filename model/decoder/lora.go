@@ -92,6 +92,7 @@ func (m *Model) AttachLoRA(adapter func(l *Linear) *compute.LoRA) error {
 			}
 		}
 	}
+	m.train.arenaN = -1 // an o_proj adapter keeps datt F32 (carveGrads)
 	return nil
 }
 

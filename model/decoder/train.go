@@ -105,7 +105,8 @@ type trainActs struct {
 	// receives the LM head's gradient w.r.t. lnf (HiddenGrad). dgate, dup,
 	// dqpre, dkpre and (without attention biases) dv are in the
 	// backend's gradient dtype (compute.GradDType): only GEMMs' backwards
-	// read them. dresg, when that dtype is not F32, is the BF16 copy of
+	// read them; so is datt (without o_proj adapters), which only
+	// attention's backward reads. dresg, when that dtype is not F32, is the BF16 copy of
 	// dres that the norms' backwards write for o_proj's and down_proj's.
 	dres, dln, dq, dk, dv, datt, dqpre, dkpre, dgate, dup, dh compute.Tensor
 	dresg                                                     compute.Tensor
@@ -306,7 +307,16 @@ func (m *Model) carveGrads(a *trainActs, N int, lowGrads bool, take, gtake func(
 	if cfg.AttentionBias {
 		qkv = take
 	}
-	a.dq, a.dk, a.dv, a.datt = take(N*H*D), take(N*KV*D), qkv(N*KV*D), take(N*H*D)
+	// datt, o_proj's dx, only attention's backward reads (its BF16 dO):
+	// in the gradient dtype unless an o_proj adapter adds its own term to
+	// it (a second rounding).
+	att := gtake
+	for i := range m.Blocks {
+		if m.Blocks[i].Attn.O.LoRA != nil {
+			att = take
+		}
+	}
+	a.dq, a.dk, a.dv, a.datt = take(N*H*D), take(N*KV*D), qkv(N*KV*D), att(N*H*D)
 	if cfg.QKNorm {
 		a.dqpre, a.dkpre = qkv(N*H*D), qkv(N*KV*D)
 	}

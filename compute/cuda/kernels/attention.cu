@@ -544,8 +544,11 @@ DK_REGISTER(k_attn_bwd_dkv)
 // (deterministic). With P = exp(scale·Q·Kᵀ - lse) (the forward's lse),
 // dP = dO·Vᵀ and dS = P∘(dP - D):
 //
-//   k_attn_dsum        D_i = dout_i · out_i from the forward's output (the
-//                      contract passes it; F32), one warp per (token, head);
+//   k_attn_dsum        D_i = dout_i · out_i from the BF16 dO the other two
+//                      kernels read (so D is Σ_j P_ij·dP_ij of their dP,
+//                      as cuDNN computes it) and the forward's output (the
+//                      contract passes it; BF16 or F32), one warp per
+//                      (token, head);
 //   k_attn_bwd_dq_mma  a block per (128-query tile, head), 16 queries a
 //                      warp with Q and dO in registers (A fragments); per
 //                      step of BK keys (double-buffered K and V tiles):
@@ -563,13 +566,14 @@ DK_REGISTER(k_attn_bwd_dkv)
 // computed alike and not stored; keys past the end are zero rows after
 // every valid query, masked on the diagonal.
 
-// k_attn_dsum: dsum (rows) = Σ_d dout·o over rows = tokens·nhead rows of hd.
-DK_KERNEL void k_attn_dsum(float *__restrict__ dsum, const float *__restrict__ dout, const float *__restrict__ o, i64 rows, int hd) {
+// k_attn_dsum: dsum (rows) = Σ_d dout·o over rows = tokens·nhead rows of hd;
+// dout BF16, o BF16 when o_bf.
+DK_KERNEL void k_attn_dsum(float *__restrict__ dsum, const u16 *__restrict__ dout, const void *__restrict__ o, int o_bf, i64 rows, int hd) {
 	i64 r = (i64)blockIdx.x * (blockDim.x / DK_WARP) + threadIdx.x / DK_WARP;
 	if (r >= rows) return; // a whole warp leaves together
 	int lane = threadIdx.x % DK_WARP;
 	float s = 0;
-	for (int d = lane; d < hd; d += DK_WARP) s += dout[r * hd + d] * o[r * hd + d];
+	for (int d = lane; d < hd; d += DK_WARP) s += bf2f(dout[r * hd + d]) * ld_act(o, o_bf, r * hd + d);
 	s = warp_sum(s);
 	if (lane == 0) dsum[r] = s;
 }

@@ -214,15 +214,19 @@ DK_KERNEL void k_rmsnorm_bwd_block8(void *dx, int dx_bf, u16 *dxc, const float *
 // rows [by·chunk, (by+1)·chunk) of src (rows, cols) into part (gridDim.y,
 // cols), float64, in row order. With x and rstd set it sums
 // src·x·rstd[row] (RMSNorm's dw: dout·xh; x BF16 when x_bf), else src (a
-// bias's gradient).
+// bias's gradient); then, with copy set, it also writes copy (rows, cols)
+// BF16 = the rounding of each element of src it reads (the GEMMs of a
+// biased Linear's backward read it: no rounding pass of their own). Every
+// element is read by one thread, so each is rounded once.
 DK_KERNEL void k_colsum_part(double *__restrict__ part, const float *__restrict__ src, const void *__restrict__ x, int x_bf,
-                             const float *__restrict__ rstd, i64 rows, int cols, int chunk) {
+                             const float *__restrict__ rstd, i64 rows, int cols, int chunk, u16 *__restrict__ copy) {
 	int c = blockIdx.x * blockDim.x + threadIdx.x;
 	if (c >= cols) return;
 	i64 r0 = (i64)blockIdx.y * chunk, r1 = lmin(r0 + chunk, rows);
 	double s = 0;
 	for (i64 r = r0; r < r1; r++) {
 		float v = src[r * cols + c];
+		if (copy) copy[r * cols + c] = f2bf(v);
 		if (x) v = v * (ld_act(x, x_bf, r * cols + c) * rstd[r]);
 		s += (double)v;
 	}
@@ -230,15 +234,16 @@ DK_KERNEL void k_colsum_part(double *__restrict__ part, const float *__restrict_
 }
 
 // k_colsum_part4: k_colsum_part for cols a multiple of 4 and 16-byte
-// aligned src and x, 256 threads a block: lane l of warp y sums the four
-// columns 4·(32·bx + l) .. +3 (one 16-byte load of src, an 8-byte one of
-// BF16 x) over the rows r0 + y + 8k of the block's chunk, then the 8
-// warps' float64 sums are added in warp order into part. Each term is
-// k_colsum_part's; the order of the sum is another, fixed by the shapes
-// alone (deterministic), and 8 rows are in flight per column where the
-// scalar kernel walks the chunk one row after another.
+// aligned src and x (and 8-byte aligned copy), 256 threads a block: lane l
+// of warp y sums the four columns 4·(32·bx + l) .. +3 (one 16-byte load
+// of src, an 8-byte one of BF16 x, an 8-byte store of copy) over the rows
+// r0 + y + 8k of the block's chunk, then the 8 warps' float64 sums are
+// added in warp order into part. Each term is k_colsum_part's; the order
+// of the sum is another, fixed by the shapes alone (deterministic), and 8
+// rows are in flight per column where the scalar kernel walks the chunk
+// one row after another.
 DK_KERNEL void k_colsum_part4(double *__restrict__ part, const float *__restrict__ src, const void *__restrict__ x, int x_bf,
-                              const float *__restrict__ rstd, i64 rows, int cols, int chunk) {
+                              const float *__restrict__ rstd, i64 rows, int cols, int chunk, u16 *__restrict__ copy) {
 	__shared__ double red[8][4 * DK_WARP];
 	int lane = threadIdx.x % DK_WARP, wy = threadIdx.x / DK_WARP;
 	int c4 = blockIdx.x * DK_WARP + lane; // this thread's group of 4 columns
@@ -250,6 +255,12 @@ DK_KERNEL void k_colsum_part4(double *__restrict__ part, const float *__restrict
 		for (i64 r = r0 + wy; r < r1; r += 8) {
 			float v[4];
 			ld4(v, src + r * cols, 0, c4);
+			if (copy) {
+				dk_u2 b;
+				b.lo = (u32)f2bf(v[0]) | ((u32)f2bf(v[1]) << 16);
+				b.hi = (u32)f2bf(v[2]) | ((u32)f2bf(v[3]) << 16);
+				((dk_u2 *)(copy + r * cols))[c4] = b;
+			}
 			if (x) {
 				float xv[4], rr = rstd[r];
 				ld4(xv, act_ptr(x, x_bf, r * cols), x_bf, c4);

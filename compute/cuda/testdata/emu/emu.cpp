@@ -1457,8 +1457,8 @@ static void store_el(void *p, int type, i64 i, float v) {
 // D (m,n), element (i,j) of a stored matrix at i + j·ld. Accumulated in
 // fp32 in k order (no more accurate than the GPU's); A and B are F32, BF16
 // or E4M3 (the products of two E4M3 values are exact in fp32); C and D
-// are F32 or BF16 (then beta must be 0: nothing in the backend
-// accumulates into BF16).
+// are both F32 or both BF16 (beta·C added to the fp32 result, then the one
+// rounding of a BF16 D: the backward's BF16 dx accumulates so).
 int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_, const void *B, void *lb_, const void *beta, const void *C,
                    void *lc_, void *D, void *ld_, const void *, void *, size_t, void *stream) {
 	EMU_LOCK;
@@ -1482,8 +1482,8 @@ int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_,
 			if (touch_fail(sid, (u64)C, false, "cublasLtMatmul C")) return 14;
 		if (touch_fail(sid, (u64)D, true, "cublasLtMatmul D")) return 14;
 	}
-	if (ld->type == 14 && be != 0) {
-		fail(E_INVALID_VALUE, "cublasLtMatmul: beta != 0 with a BF16 D is not emulated");
+	if (lc->type != ld->type) {
+		fail(E_INVALID_VALUE, "cublasLtMatmul: C and D of different types are not emulated");
 		return 7;
 	}
 	std::vector<float> col(k);
@@ -1492,7 +1492,7 @@ int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_,
 		for (i64 i = 0; i < m; i++) {
 			float acc = 0;
 			for (i64 p = 0; p < k; p++) acc = fmaf(load_el(A, la->type, ds->transa ? p + i * la->ld : i + p * la->ld), col[p], acc);
-			float cv = be != 0 ? ((const float *)C)[i + j * lc->ld] : 0;
+			float cv = be != 0 ? load_el(C, lc->type, i + j * lc->ld) : 0;
 			store_el(D, ld->type, i + j * ld->ld, al * acc + be * cv);
 		}
 	}
