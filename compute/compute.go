@@ -799,7 +799,8 @@ func Lacks(be Backend, feature string) error {
 // implements it with its vendor's library (the CUDA backend with NCCL);
 // every rank of the group calls the same operations in the same order
 // with the same sizes. Operations are enqueued in issue order with the
-// backend's kernels (no host synchronization) and are F32 only.
+// backend's kernels (no host synchronization) and are F32 only, except
+// AllGather (below).
 type Collective interface {
 	// Rank is this process's index in [0, Size()).
 	Rank() int
@@ -812,12 +813,30 @@ type Collective interface {
 	// src[rank·n : (rank+1)·n); src holds Size()·n elements.
 	ReduceScatterSum(dst, src Tensor, n int)
 	// AllGather: dst[r·n : (r+1)·n) = rank r's src[0:n), for every r; dst
-	// holds Size()·n elements.
+	// holds Size()·n elements. dst and src are F32, or both BF16 on a
+	// backend with BF16 tensors (ZeRO stage 3 gathers the BF16 roundings
+	// of the GEMM weights: half the bytes); every rank passes the same
+	// dtype.
 	AllGather(dst, src Tensor, n int)
 	// Broadcast: t[0:n) = root's t[0:n) on every rank.
 	Broadcast(t Tensor, n int, root int)
 	// Close releases the group (after all issued work).
 	Close() error
+}
+
+// BF16Rounder is implemented by backends whose GEMMs read their F32
+// weights rounded to BF16 (the CUDA backend: every GEMM operand is BF16,
+// a trained parameter's rounding made once per optimizer step, its
+// shadow). RoundBF16 makes that rounding into a tensor of the caller's:
+// a GEMM given dst reads the bits it reads given src, so a ZeRO stage 3
+// rank all-gathers the BF16 roundings of its parts of the GEMM weights
+// (half the bytes of the fp32 parts) and trains bit for bit as with the
+// fp32 gather (package train's Sharding). A backend whose GEMMs read fp32
+// (the CPU) does not implement it.
+type BF16Rounder interface {
+	// RoundBF16: dst[0:n) (BF16) = src[0:n) (F32) rounded to nearest
+	// even, element by element.
+	RoundBF16(dst, src Tensor, n int)
 }
 
 // Overlapper is implemented by backends that can run work beside their

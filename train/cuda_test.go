@@ -2,6 +2,9 @@ package train
 
 import (
 	"fmt"
+	"math"
+	"slices"
+	"strings"
 	"testing"
 
 	"distill/compute"
@@ -128,7 +131,7 @@ func TestCUDAShardedOverlap(t *testing.T) {
 				run := func(overlap bool) map[string][]float32 {
 					c := ncclOfOne(t, be)
 					defer c.Close()
-					s, err := NewShardedStudentOn(cfg, be, Sharding{C: c, Stage: stage, Overlap: overlap})
+					s, err := NewShardedStudentOn(cfg, be, Sharding{C: c, Stage: stage, Overlap: overlap, FP32Gathers: qad})
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -230,4 +233,233 @@ func ncclOfOne(t *testing.T, be *cuda.Backend) compute.Collective {
 		t.Fatal(err)
 	}
 	return c
+}
+
+// gatherLog is a Collective that records the all-gathers issued through
+// it (each one's dtype and elements a rank) before running them.
+type gatherLog struct {
+	compute.Collective
+	calls []gatherCall
+}
+
+type gatherCall struct {
+	dt compute.DType
+	n  int
+}
+
+func (g *gatherLog) AllGather(dst, src compute.Tensor, n int) {
+	g.calls = append(g.calls, gatherCall{dst.DType(), n})
+	g.Collective.AllGather(dst, src, n)
+}
+
+// bytes are the bytes the gathers of dtype dt moved into each rank.
+func (g *gatherLog) bytes(dt compute.DType) int64 {
+	var b int64
+	for _, c := range g.calls {
+		if c.dt == dt {
+			b += int64(c.n) * int64(g.Size()) * int64(dt.Size())
+		}
+	}
+	return b
+}
+
+// TestCUDAZero3BF16Gathers: at ZeRO stage 3 on the CUDA backend (over an
+// NCCL group of one: the emulator's stand-in, its all-gather of
+// ncclBfloat16 included) the blocks' GEMM weights are all-gathered as
+// BF16 into BF16 slots the decoder binds as the Linears' weights, the
+// norms, biases and routers kept whole in fp32, and three steps end with
+// the weights (Weights: the fp32 masters) and gradient norms of the same
+// student gathering fp32 (Sharding.FP32Gathers) bit for bit: a dense Qwen3 with and without
+// overlap, a Qwen2 (biases) and a Qwen3-MoE (the router, the experts'
+// grouped GEMMs). The log of the gathers shows it: with BF16 gathers every
+// gather of a block is BF16 of the block's whole (padded) size and the
+// fp32 ones are the units outside the blocks and one pack of the small
+// tensors a step; with FP32Gathers there is no BF16 gather, and the BF16
+// bytes are half the fp32 bytes of the blocks' gathers they replace.
+func TestCUDAZero3BF16Gathers(t *testing.T) {
+	cudaemu.Use(t)
+	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	rows := []*Batch{testBatch(11, 97, 8), testBatch(12, 97, 8), testBatch(13, 97, 8), testBatch(14, 97, 8)}
+	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+	total := 0.0
+	for _, b := range rows {
+		for _, m := range b.Mask {
+			total += float64(m)
+		}
+	}
+	for _, c := range []struct {
+		name    string
+		cfg     *model.Config
+		overlap bool
+	}{
+		{"qwen3-4layers", deepConfig(4), false},
+		{"qwen3-4layers-overlap", deepConfig(4), true},
+		{"qwen2-overlap", tinyConfig(model.ArchQwen2, false), true},
+		{"moe-overlap", tinyMoEConfig(false, 1), true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			type result struct {
+				w     map[string][]float32
+				norms []float64
+				log   *gatherLog
+				block []int // the blocks' units' parts (elements a rank)
+				out   []int // the outside units' parts
+				sper  int
+			}
+			run := func(fp32 bool) result {
+				g := &gatherLog{Collective: ncclOfOne(t, be)}
+				defer g.Close()
+				s, err := NewShardedStudentOn(c.cfg, be, Sharding{C: g, Stage: 3, Overlap: c.overlap, FP32Gathers: fp32})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer s.Free()
+				if err := s.Load(model.Init(c.cfg, model.InitOptions{Seed: 5})); err != nil {
+					t.Fatal(err)
+				}
+				if s.sh.bf16 == fp32 {
+					t.Fatalf("FP32Gathers %v: the student gathers BF16 %v", fp32, s.sh.bf16)
+				}
+				// What the decoder reads: the Linears' weights from the
+				// slots (BF16 unless fp32), the norms in fp32.
+				wantW := compute.BF16
+				if fp32 {
+					wantW = compute.F32
+				}
+				for i := range s.Model.Blocks {
+					bl := &s.Model.Blocks[i]
+					for _, l := range bl.Linears() {
+						if l.W.DType() != wantW {
+							t.Fatalf("%s: the decoder binds a %v weight, want %v", l.Name, l.W.DType(), wantW)
+						}
+					}
+					if bl.InNorm.W.DType() != compute.F32 || bl.Router != nil && bl.Router.W.DType() != compute.F32 {
+						t.Fatalf("block %d: a norm or router weight is not fp32", i)
+					}
+				}
+				ad, err := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer ad.Free()
+				var norms []float64
+				for step := 0; step < 3; step++ {
+					s.ZeroGrad()
+					for _, b := range rows {
+						if _, err := s.ForwardBackward(b, &opt, total); err != nil {
+							t.Fatal(err)
+						}
+					}
+					s.AllReduceGrads(nil)
+					norms = append(norms, optim.ClipGradNormSum(s.Groups(), 0.5, func(x float64) float64 { return x }))
+					ad.Step(3e-3)
+					s.AfterStep()
+				}
+				// (The gathers of the steps only: Weights gathers fp32
+				// blocks into the slots, BF16 gathers' masters through
+				// broadcasts.)
+				r := result{norms: norms, log: &gatherLog{Collective: g.Collective, calls: g.calls}, sper: s.sh.sper}
+				r.w = s.Weights()
+				for _, u := range s.sh.units {
+					if u.block >= 0 {
+						r.block = append(r.block, u.per)
+					} else {
+						r.out = append(r.out, u.per)
+					}
+				}
+				return r
+			}
+			bf, f32 := run(false), run(true)
+			for name, w := range f32.w {
+				for j := range w {
+					if math.Float32bits(bf.w[name][j]) != math.Float32bits(w[j]) {
+						t.Fatalf("%s[%d] = %g with BF16 gathers, %g with fp32 gathers", name, j, bf.w[name][j], w[j])
+					}
+				}
+			}
+			for i := range f32.norms {
+				if bf.norms[i] != f32.norms[i] {
+					t.Fatalf("step %d: gradient norm %g with BF16 gathers, %g with fp32", i+1, bf.norms[i], f32.norms[i])
+				}
+			}
+			is := func(n int, ps []int) bool { return slices.Contains(ps, n) }
+			var blockCalls, smallCalls int
+			for _, cl := range bf.log.calls {
+				switch {
+				case cl.dt == compute.BF16 && is(cl.n, bf.block):
+					blockCalls++
+				case cl.dt == compute.F32 && is(cl.n, bf.out):
+				case cl.dt == compute.F32 && cl.n == bf.sper:
+					smallCalls++
+				default:
+					t.Fatalf("BF16 gathers: a gather of %d %v elements a rank, neither a block's (BF16, %v), an outside unit's (F32, %v) nor the small tensors' pack (F32, %d)", cl.n, cl.dt, bf.block, bf.out, bf.sper)
+				}
+			}
+			var fpBlock int64
+			for _, cl := range f32.log.calls {
+				switch {
+				case cl.dt == compute.F32 && is(cl.n, f32.block):
+					fpBlock += int64(cl.n) * 4
+				case cl.dt == compute.F32 && is(cl.n, f32.out):
+				default:
+					t.Fatalf("fp32 gathers: a gather of %d %v elements a rank", cl.n, cl.dt)
+				}
+			}
+			if smallCalls != 3 || blockCalls == 0 {
+				t.Fatalf("BF16 gathers: %d of the blocks, %d of the small tensors' pack over 3 steps (want > 0 and 3)", blockCalls, smallCalls)
+			}
+			if got := bf.log.bytes(compute.BF16); 2*got != fpBlock {
+				t.Fatalf("the blocks' gathers moved %d bytes in BF16, %d in fp32: want half", got, fpBlock)
+			}
+			t.Logf("3 steps: the blocks' gathers moved %d bytes (BF16) instead of %d (fp32); the small tensors' pack %d bytes a step; weights and gradient norms bit for bit",
+				bf.log.bytes(compute.BF16), fpBlock, 4*bf.sper)
+		})
+	}
+}
+
+// TestCUDAZero3QADGathersFP32: NVFP4 QAD on a stage 3 student that
+// gathers BF16 is refused, naming Sharding.FP32Gathers; made with it, a
+// QAD student's gathers are all fp32 (its calibration and fake
+// quantization read the fp32 weights) and it trains.
+func TestCUDAZero3QADGathersFP32(t *testing.T) {
+	cudaemu.Use(t)
+	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	cfg := tinyConfig(model.ArchQwen3, false)
+	c := ncclOfOne(t, be)
+	defer c.Close()
+	s, err := NewShardedStudentOn(cfg, be, Sharding{C: c, Stage: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.EnableQAD(); err == nil || !strings.Contains(err.Error(), "FP32Gathers") {
+		t.Fatalf("EnableQAD on a student that gathers BF16: %v, want a refusal naming Sharding.FP32Gathers", err)
+	}
+	if err := s.RestoreQAD(nil); err == nil || !strings.Contains(err.Error(), "FP32Gathers") {
+		t.Fatalf("RestoreQAD on a student that gathers BF16: %v, want a refusal naming Sharding.FP32Gathers", err)
+	}
+	s.Free()
+	g := &gatherLog{Collective: ncclOfOne(t, be)}
+	defer g.Close()
+	s, err = NewShardedStudentOn(cfg, be, Sharding{C: g, Stage: 3, Overlap: true, FP32Gathers: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Free()
+	if err := s.Load(model.Init(cfg, model.InitOptions{Seed: 5})); err != nil {
+		t.Fatal(err)
+	}
+	rows := []*Batch{testBatch(11, 97, 8), testBatch(12, 97, 8)}
+	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+	shardSteps(t, s, shardCase{cfg: cfg, qad: true}, rows, func(int) bool { return true }, &opt, 40, func(x float64) float64 { return x })
+	if n := g.bytes(compute.BF16); n != 0 || len(g.calls) == 0 {
+		t.Fatalf("QAD: %d gathers, %d bytes of them BF16: want every gather fp32", len(g.calls), n)
+	}
 }

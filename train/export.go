@@ -128,6 +128,9 @@ func (s *Student) QuantAmax() []float32 { return s.Model.QuantAmax() }
 // stays the one calibrated at the start, not the max of the moved weights).
 func (s *Student) RestoreQAD(amax []float32) (err error) {
 	defer recoverOOM(&err, "allocating the fake-quantized weights")
+	if err := s.qadGathers(); err != nil {
+		return err
+	}
 	if err := s.Model.RestoreQAD(amax); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalid, err)
 	}

@@ -70,8 +70,11 @@ type PlanShape struct {
 	// the blocks; stage 2 every unit's whole weights, stage 3 those of two
 	// blocks and of the units outside them, the embedding's and the LM
 	// head's sharing one buffer for weights and one for gradients).
-	// Sharded, the GEMMs round
-	// their weights per use (no BF16 copies are kept).
+	// Sharded, the GEMMs round their fp32 weights per use (no BF16 copies
+	// are kept), except at stage 3 without QAD, where the blocks' weight
+	// slots are BF16 (Sharding's BF16 gathers: a rank's BF16 roundings of
+	// its parts of the blocks, the slots, and the blocks' norms, biases
+	// and routers whole in fp32 with the pack that refreshes them).
 	Ranks, ZeRO int
 	// Overlap plans Sharding.Overlap at stages 2 and 3: a second block's
 	// whole gradients, and at stage 3 a third block's weights (and under
@@ -156,8 +159,14 @@ type planCounts struct {
 	// and the runs of tensors outside the layers.
 	layerAll    []int64 // each layer's tensors
 	layerLinear []int64 // each layer's QAD Linears
-	outside     []int64 // the units outside the layers
-	outsideBig  []bool  // outside[i] holds the embedding table or the LM head (stage 3 gathers it when used)
+	// layerSmall are each layer's tensors other than GEMM weights (the
+	// ones BF16 gathers keep whole in fp32: gemmWeight), as ranges of the
+	// layer's unit; misaligned: a GEMM weight does not start a multiple
+	// of 8 elements into its layer (BF16 gathers then stay fp32).
+	layerSmall [][][2]int64
+	misaligned bool
+	outside    []int64 // the units outside the layers
+	outsideBig []bool  // outside[i] holds the embedding table or the LM head (stage 3 gathers it when used)
 }
 
 // parts is a rank's part of every unit over n ranks: sum of ceil(u/n).
@@ -167,6 +176,29 @@ func (c planCounts) parts(n int64) int64 {
 		p += (u + n - 1) / n
 	}
 	return p
+}
+
+// smallPack is what BF16 gathers (Sharding) keep of the layers' small
+// tensors: their elements (whole, on every rank) and the pack a rank
+// gathers them through (the most elements of them any rank's parts
+// hold), over n ranks.
+func (c planCounts) smallPack(n int64) (whole, pack int64) {
+	mine := make([]int64, n)
+	for li, ss := range c.layerSmall {
+		per := (c.layerAll[li] + n - 1) / n
+		for _, x := range ss {
+			whole += x[1]
+			for r := range n {
+				if a, b := max(x[0], r*per), min(x[0]+x[1], (r+1)*per); a < b {
+					mine[r] += b - a
+				}
+			}
+		}
+	}
+	for _, m := range mine {
+		pack = max(pack, m)
+	}
+	return whole, pack
 }
 
 // padded is the largest whole (padded: n·ceil(u/n)) of the layer units
@@ -192,7 +224,12 @@ func countParams(cfg *model.Config) planCounts {
 		li := blockOf(t.Name)
 		if li >= 0 {
 			for len(c.layerAll) <= li {
-				c.layerAll, c.layerLinear = append(c.layerAll, 0), append(c.layerLinear, 0)
+				c.layerAll, c.layerLinear, c.layerSmall = append(c.layerAll, 0), append(c.layerLinear, 0), append(c.layerSmall, nil)
+			}
+			if !gemmWeight(t.Name) {
+				c.layerSmall[li] = append(c.layerSmall[li], [2]int64{c.layerAll[li], n})
+			} else if c.layerAll[li]%8 != 0 {
+				c.misaligned = true
 			}
 			c.layerAll[li] += n
 			if !t.Norm && !t.Bias && len(t.Shape) == 2 && !isRouter(t.Name) {
@@ -296,11 +333,21 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		}
 		outside += big
 		whole := outside
-		if s.ZeRO == 2 {
+		var copies int64 // BF16 gathers: the slots and the rank's roundings
+		switch {
+		case s.ZeRO == 2:
 			for _, u := range c.layerAll {
 				whole += (u + n - 1) / n * n
 			}
-		} else {
+		case !s.QAD && !c.misaligned:
+			small, pack := c.smallPack(n)
+			whole += small + (n+1)*pack
+			var bfParts int64
+			for _, u := range c.layerAll {
+				bfParts += (u + n - 1) / n
+			}
+			copies = 2 * (slots*block + bfParts)
+		default:
 			whole += slots * block
 		}
 		add(TermParams, 4*(whole+parts), false, false)
@@ -315,7 +362,7 @@ func PlanMemory(s PlanShape) MemoryPlan {
 			}
 			add(TermQAD, q, false, false)
 		}
-		add(TermShadows, 0, false, false)
+		add(TermShadows, copies, false, false)
 		perUse = 2 * c.largestGEMM
 	} else {
 		add(TermParams, 4*c.all, false, false)
@@ -398,8 +445,9 @@ func PlanMemory(s PlanShape) MemoryPlan {
 //     layer's whole gradients (two with overlap); EP keeps its own
 //     experts whole in its master and needs neither.
 //   - ZeRO 3: the two weight slots and the gradient buffer hold a whole
-//     layer's experts (12 bytes a parameter of the largest layer's; with
-//     overlap three slots and two buffers, 20); EP gathers no expert
+//     layer's experts (8 bytes a parameter of the largest layer's: BF16
+//     slots, an fp32 buffer; with overlap three slots and two buffers,
+//     14; under QAD the slots are fp32: 12 and 20); EP gathers no expert
 //     (under QAD it keeps its own experts' fake-quantized twins instead
 //     of the slots' layers').
 //
@@ -442,6 +490,9 @@ func ExpertParallelSaving(s PlanShape) int64 {
 	case 2:
 		return 4*all + 4*grads*largest + 4*q*(all-own)
 	default: // (its own experts' fake-quantized twins stay, run-long)
+		if !s.QAD && !countParams(cfg).misaligned { // BF16 slots
+			return (2*slots + 4*grads) * largest
+		}
 		return 4*(slots+grads)*largest + q*(4*slots*largest-4*own)
 	}
 }

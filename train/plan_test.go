@@ -98,7 +98,7 @@ func TestTrainPlanDeviceBytes(t *testing.T) {
 				var s *Student
 				var err error
 				if c.stage > 0 {
-					s, err = NewShardedStudentOn(cfg, be, Sharding{C: computetest.NewHostGroup(1).Rank(0, be), Stage: c.stage, Overlap: c.overlap})
+					s, err = NewShardedStudentOn(cfg, be, Sharding{C: computetest.NewHostGroup(1).Rank(0, be), Stage: c.stage, Overlap: c.overlap, FP32Gathers: qad})
 				} else {
 					s, err = NewStudentOn(cfg, be)
 				}
@@ -339,12 +339,25 @@ func TestExpertParallelSaving(t *testing.T) {
 	}
 	c := moe(8)
 	per := int64(c.NumExperts) * 3 * int64(c.Hidden) * int64(c.MoEIntermediate)
-	if got := ExpertParallelSaving(PlanShape{Model: c, Ranks: n, ZeRO: 3}); got != 12*per {
-		t.Errorf("ZeRO 3: EP saves %d, want 12 bytes x %d expert parameters a layer", got, per)
+	// Two BF16 weight slots (BF16 gathers) and an fp32 gradient buffer.
+	if got := ExpertParallelSaving(PlanShape{Model: c, Ranks: n, ZeRO: 3}); got != 8*per {
+		t.Errorf("ZeRO 3: EP saves %d, want 8 bytes x %d expert parameters a layer", got, per)
 	}
 	// With overlap: three weight slots and two gradient buffers.
-	if got := ExpertParallelSaving(PlanShape{Model: c, Ranks: n, ZeRO: 3, Overlap: true}); got != 20*per {
-		t.Errorf("ZeRO 3 with overlap: EP saves %d, want 20 bytes x %d expert parameters a layer", got, per)
+	if got := ExpertParallelSaving(PlanShape{Model: c, Ranks: n, ZeRO: 3, Overlap: true}); got != 14*per {
+		t.Errorf("ZeRO 3 with overlap: EP saves %d, want 14 bytes x %d expert parameters a layer", got, per)
+	}
+	// Under QAD the slots are fp32 (and EP keeps its own experts'
+	// fake-quantized twins: 4 bytes each, 1/N of the layers' experts).
+	var experts int64
+	for _, t := range c.Tensors() {
+		if isExpert(t.Name) {
+			experts += int64(t.Shape[0]) * int64(t.Shape[1])
+		}
+	}
+	own := (experts + n - 1) / n
+	if got := ExpertParallelSaving(PlanShape{Model: c, Ranks: n, ZeRO: 3, QAD: true}); got != 12*per+4*2*per-4*own {
+		t.Errorf("ZeRO 3 under QAD: EP saves %d, want 12 + 8 bytes x %d expert parameters a layer less 4 x %d", got, per, own)
 	}
 }
 

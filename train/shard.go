@@ -73,10 +73,42 @@ import (
 // same operations in the same order on each buffer); the cost is one
 // block's whole gradients more, and at stage 3 one block's
 // weights (and under QAD its fake-quantized copy) more.
+//
+// BF16 gathers (stage 3, on a backend whose GEMMs read their weights in
+// BF16: compute.BF16Rounder, the CUDA backend): the blocks' GEMM weights
+// (the Linears' q/k/v/o and gate/up/down, the experts' included) are
+// all-gathered as BF16, half the bytes on the wire and in the slots:
+//
+//   - each rank rounds its parts of the blocks to BF16 (RoundBF16, the
+//     rounding every GEMM makes of an fp32 weight) once after the
+//     optimizer step (before the step's first gather) into an arena of
+//     its own, and the blocks' gathers fill BF16 slots, which the decoder
+//     binds as the Linears' weights. A GEMM reads the same BF16 bits as
+//     it reads of the fp32 gather (rounded per use) or of an unsharded
+//     student (its shadow): the run is the fp32 gathers' bit for bit;
+//   - the blocks' other tensors (norms, biases, MoE routers: their
+//     kernels read them in fp32, and rounding them would change the
+//     results) are kept whole in fp32 on every rank for the run (a few
+//     MB: a router is experts × hidden a layer), refreshed after each
+//     step by one all-gather of a pack of every rank's pieces of them
+//     (their parts are wherever the units' cuts put them);
+//   - the units outside the blocks (the embedding, read by a lookup in
+//     fp32; the final norm and the LM head, a unit) stay fp32;
+//   - the master weights, gradients and moments stay fp32 and the layout
+//     (units, parts, pieces: the sharded checkpoint) is unchanged.
+//
+// A backend whose GEMMs read fp32 (the CPU) gathers fp32; so does a
+// student made with FP32Gathers (NVFP4 QAD: its calibration and fake
+// quantization read the fp32 weights).
 type Sharding struct {
 	C       compute.Collective
 	Stage   int  // 2 or 3
 	Overlap bool // run the collectives beside the compute (above)
+	// FP32Gathers keeps stage 3's gathers of the blocks in fp32 where
+	// they could be BF16 (above): for NVFP4 QAD (the trainer sets it
+	// when quant is nvfp4; EnableQAD and RestoreQAD refuse a student
+	// that gathers BF16).
+	FP32Gathers bool
 }
 
 // unit is a contiguous range of the student's tensors sharded as one.
@@ -91,6 +123,7 @@ type unit struct {
 	// live in the buffers such units share (see shards.oslot).
 	outSlot bool
 	roles   int // the decoder.Outside* roles whose tensors it holds (bits)
+	bfOff   int // BF16 gathers: a block's part's offset in shards.mbf
 	// p, g are the unit's whole (padded: size·per) weights and gradients:
 	// its own buffers, or the blocks' shared ones (stage 3's p, and every
 	// block's g).
@@ -125,7 +158,33 @@ type shards struct {
 	oslot, ograd compute.Tensor
 	oheld        int // the unit oslot holds (-1: none)
 	own          []compute.Tensor
+	// BF16 gathers (see Sharding): the slots are BF16; mbf holds the
+	// roundings of this rank's parts of the blocks (stale: the master
+	// was written since they were made); small the blocks' other tensors
+	// whole (smallOff: a tensor's offset in it, -1 for the rest), which
+	// gatherSmall refreshes through spack (this rank's pieces of them,
+	// sper elements) and sstage (every rank's).
+	bf16          bool
+	mbf           compute.Tensor
+	stale         bool
+	small         compute.Tensor
+	smallOff      []int
+	segs          [][]smallSeg // each rank's pieces of the small tensors, in pack order
+	sper          int
+	spack, sstage compute.Tensor
 }
+
+// smallSeg is a rank's piece of a block's small tensor (one kept whole in
+// fp32 under BF16 gathers): elements [at, at+n) of unit u, at pos in the
+// rank's pack and at small in shards.small.
+type smallSeg struct{ u, at, n, pos, small int }
+
+// gemmWeight reports whether a block's tensor is the weight of one of
+// its Linears that the decoder multiplies by (q/k/v/o_proj, the MLP's or
+// an expert's gate/up/down_proj): the tensors a GEMM reads in BF16. The
+// MoE router (mlp.gate.weight) is not one: its GEMM runs in fp32.
+// TestGEMMWeightsAreLinears holds it to decoder.Block.Linears.
+func gemmWeight(name string) bool { return strings.HasSuffix(name, "_proj.weight") }
 
 // blockOf is the decoder block a tensor belongs to, or -1.
 func blockOf(name string) int {
@@ -152,6 +211,9 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 	}
 	h := &shards{be: s.be, c: sh.C, stage: sh.Stage, rank: sh.C.Rank(), size: sh.C.Size(), held: [3]int{-1, -1, -1}, oheld: -1,
 		overlap: sh.Overlap, nslot: 2}
+	if _, ok := s.be.(compute.BF16Rounder); ok && sh.Stage == 3 && !sh.FP32Gathers {
+		h.bf16 = true
+	}
 	if h.overlap {
 		h.nslot = 3
 	}
@@ -168,7 +230,7 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 	for i := range h.blockUnit {
 		h.blockUnit[i] = -1
 	}
-	shardN, maxPer, maxBlock, maxOut := 0, 0, 0, 0
+	shardN, maxPer, maxBlock, maxOut, bfN := 0, 0, 0, 0, 0
 	for k := range h.units {
 		u := &h.units[k]
 		for i := u.lo; i < u.hi; i++ {
@@ -198,10 +260,15 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 		maxPer = max(maxPer, u.per)
 		if u.block >= 0 {
 			maxBlock = max(maxBlock, u.per*h.size)
+			u.bfOff = bfN
+			bfN += u.per
 		}
 		if u.outSlot {
 			maxOut = max(maxOut, u.per*h.size)
 		}
+	}
+	if h.bf16 && !h.alignedGEMMs(s.Tensors) {
+		h.bf16 = false
 	}
 	be := s.be
 	h.master, h.gsh = be.New(compute.F32, max(shardN, 1)), be.New(compute.F32, max(shardN, 1))
@@ -210,8 +277,14 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 		h.blockG[k] = be.New(compute.F32, max(maxBlock, 1))
 	}
 	if h.stage == 3 {
+		slotType := compute.F32
+		if h.bf16 {
+			slotType = compute.BF16
+			h.mbf, h.stale = be.New(compute.BF16, max(bfN, 1)), true
+			h.layoutSmall(s.Tensors)
+		}
 		for k := range h.nslot {
-			h.slots[k] = be.New(compute.F32, max(maxBlock, 1))
+			h.slots[k] = be.New(slotType, max(maxBlock, 1))
 		}
 		if maxOut > 0 {
 			h.oslot, h.ograd = be.New(compute.F32, maxOut), be.New(compute.F32, maxOut)
@@ -234,6 +307,109 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 		}
 	}
 	return h, nil
+}
+
+// alignedGEMMs reports whether every GEMM weight of a block starts a
+// multiple of 8 elements into its unit: in a BF16 slot its view is then
+// 16-byte aligned, as the GEMMs' 16-byte loads (the grouped MoE GEMM's
+// cp.async) need. Any config whose tensors are multiples of 8 elements
+// is (every HF model's; for the seeds' students every offset is a
+// multiple of 128 elements, 256 bytes, the alignment of an allocation of
+// its own, which selects the same cuBLASLt plans). Otherwise the blocks
+// gather fp32 (rounded per use, as before).
+func (h *shards) alignedGEMMs(ts []Tensor) bool {
+	for _, u := range h.units {
+		for i := u.lo; i < u.hi && u.block >= 0; i++ {
+			if gemmWeight(ts[i].Name) && (ts[i].Off-u.off)%8 != 0 {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// layoutSmall lays out the blocks' small tensors (BF16 gathers: the
+// blocks' tensors other than GEMM weights) whole in h.small, and every
+// rank's pieces of them in the pack gatherSmall gathers: rank r's part
+// of a unit is [r·per, (r+1)·per) of it, so a tensor may be cut between
+// ranks (and a rank hold pieces of several).
+func (h *shards) layoutSmall(ts []Tensor) {
+	h.smallOff = make([]int, len(ts))
+	h.segs = make([][]smallSeg, h.size)
+	n := 0
+	for i := range h.smallOff {
+		h.smallOff[i] = -1
+	}
+	for k := range h.units {
+		u := &h.units[k]
+		if u.block < 0 {
+			continue
+		}
+		for i := u.lo; i < u.hi; i++ {
+			t := ts[i]
+			if gemmWeight(t.Name) {
+				continue
+			}
+			h.smallOff[i] = n
+			lo, hi := t.Off-u.off, t.Off-u.off+t.N // of the unit
+			for r := range h.size {
+				a, b := max(lo, r*u.per), min(hi, (r+1)*u.per)
+				if a < b {
+					h.segs[r] = append(h.segs[r], smallSeg{u: k, at: a, n: b - a, small: n + a - lo})
+				}
+			}
+			n += t.N
+		}
+	}
+	for r := range h.segs {
+		pos := 0
+		for j := range h.segs[r] {
+			h.segs[r][j].pos = pos
+			pos += h.segs[r][j].n
+		}
+		h.sper = max(h.sper, pos)
+	}
+	be := h.be
+	h.small = be.New(compute.F32, max(n, 1))
+	if h.sper > 0 {
+		h.spack, h.sstage = be.New(compute.F32, h.sper), be.New(compute.F32, h.size*h.sper)
+	}
+}
+
+// gatherSmall refreshes the blocks' small tensors (BF16 gathers) from
+// the ranks' master parts: each rank packs its pieces of them, one
+// all-gather, each rank unpacks every rank's (a collective; copies only,
+// so bit for bit the masters).
+func (h *shards) gatherSmall() {
+	if h.sper == 0 {
+		return
+	}
+	be := h.be
+	for _, g := range h.segs[h.rank] {
+		u := &h.units[g.u]
+		be.Copy(be.View(h.spack, g.pos, g.n), be.View(h.master, u.shardOff+g.at-h.rank*u.per, g.n))
+	}
+	h.c.AllGather(h.sstage, h.spack, h.sper)
+	for r, gs := range h.segs {
+		for _, g := range gs {
+			be.Copy(be.View(h.small, g.small, g.n), be.View(h.sstage, r*h.sper+g.pos, g.n))
+		}
+	}
+}
+
+// freshen rounds this rank's parts of the blocks to BF16 (BF16 gathers)
+// if the master was written since they were made.
+func (h *shards) freshen() {
+	if !h.bf16 || !h.stale {
+		return
+	}
+	r := h.be.(compute.BF16Rounder)
+	for k := range h.units {
+		if u := &h.units[k]; u.block >= 0 {
+			r.RoundBF16(h.be.View(h.mbf, u.bfOff, u.per), h.part(h.master, u), u.per)
+		}
+	}
+	h.stale = false
 }
 
 // gradBufs is the number of whole gradient buffers the blocks share in
@@ -288,7 +464,11 @@ func (h *shards) unitOf(i int) *unit {
 // whole buffers: what the decoder binds.
 func (h *shards) views(i int, t Tensor) (w, g compute.Tensor) {
 	u := h.unitOf(i)
-	return h.be.View(u.p, t.Off-u.off, t.N), h.be.View(u.g, t.Off-u.off, t.N)
+	w = h.be.View(u.p, t.Off-u.off, t.N)
+	if h.bf16 && h.smallOff[i] >= 0 {
+		w = h.be.View(h.small, h.smallOff[i], t.N)
+	}
+	return w, h.be.View(u.g, t.Off-u.off, t.N)
 }
 
 // write stores the whole values v of tensor i: this rank's part in the
@@ -303,7 +483,10 @@ func (h *shards) write(i int, t Tensor, v []float32) {
 	case u.block < 0 || h.stage == 2:
 		be.WriteF32(be.View(u.p, t.Off-u.off, t.N), v)
 	default:
-		h.held = [3]int{-1, -1, -1}
+		h.held, h.stale = [3]int{-1, -1, -1}, true
+		if h.bf16 && h.smallOff[i] >= 0 {
+			be.WriteF32(be.View(h.small, h.smallOff[i], t.N), v)
+		}
 	}
 	lo, hi := max(h.rank*u.per, t.Off-u.off), min((h.rank+1)*u.per, t.Off-u.off+t.N)
 	if lo < hi {
@@ -317,9 +500,15 @@ func (h *shards) part(arena compute.Tensor, u *unit) compute.Tensor {
 }
 
 // gather fills u's whole weights from the ranks' parts (beside the
-// compute with overlap: the caller waits for the Fence before use).
+// compute with overlap: the caller waits for the Fence before use); a
+// block's from their BF16 roundings under BF16 gathers.
 func (h *shards) gather(u *unit) compute.Fence {
-	return h.collective(func() { h.c.AllGather(u.p, h.part(h.master, u), u.per) })
+	src := h.part(h.master, u)
+	if h.bf16 && u.block >= 0 {
+		h.freshen() // (on the compute's stream, before the gather)
+		src = h.be.View(h.mbf, u.bfOff, u.per)
+	}
+	return h.collective(func() { h.c.AllGather(u.p, src, u.per) })
 }
 
 // reduce sums u's whole gradients over the ranks into this rank's part
@@ -482,6 +671,10 @@ func (h *shards) afterStep() {
 		}
 	}
 	h.held, h.oheld = [3]int{-1, -1, -1}, -1
+	if h.bf16 {
+		h.stale = true // (rounded before the next gather)
+		h.gatherSmall()
+	}
 }
 
 // Piece is the part [Off, Off+N) of the student's tensor Tensor (its
@@ -530,6 +723,16 @@ func (h *shards) weights(ts []Tensor) map[string][]float32 {
 	w := make(map[string][]float32, len(ts))
 	for k := range h.units {
 		u := &h.units[k]
+		if h.bf16 && u.block >= 0 {
+			// The slots hold BF16 roundings: the masters, a rank's part
+			// at a time.
+			v := h.masterWhole(u)
+			for i := u.lo; i < u.hi; i++ {
+				t := ts[i]
+				w[t.Name] = v[t.Off-u.off : t.Off-u.off+t.N : t.Off-u.off+t.N]
+			}
+			continue
+		}
 		switch {
 		case u.outSlot:
 			h.loadOutside(k)
@@ -546,9 +749,28 @@ func (h *shards) weights(ts []Tensor) map[string][]float32 {
 	return w
 }
 
+// masterWhole reads unit u's whole fp32 master weights to the host, each
+// rank's part broadcast in turn through tmp (a collective: every rank
+// calls it).
+func (h *shards) masterWhole(u *unit) []float32 {
+	h.drain() // (tmp is the reductions' landing)
+	be := h.be
+	v := make([]float32, h.size*u.per)
+	tmp := be.View(h.tmp, 0, u.per)
+	for r := range h.size {
+		if r == h.rank {
+			be.Copy(tmp, h.part(h.master, u))
+		}
+		h.c.Broadcast(tmp, u.per, r)
+		be.ReadF32(tmp, v[r*u.per:(r+1)*u.per])
+	}
+	return v
+}
+
 func (h *shards) free() {
 	h.drain()
-	for _, t := range append([]compute.Tensor{h.master, h.gsh, h.tmp, h.blockG[0], h.blockG[1], h.slots[0], h.slots[1], h.slots[2], h.oslot, h.ograd}, h.own...) {
+	for _, t := range append([]compute.Tensor{h.master, h.gsh, h.tmp, h.blockG[0], h.blockG[1], h.slots[0], h.slots[1], h.slots[2], h.oslot, h.ograd,
+		h.mbf, h.small, h.spack, h.sstage}, h.own...) {
 		if t != nil {
 			h.be.Free(t)
 		}

@@ -260,3 +260,68 @@ func deepConfig(n int) *model.Config {
 	c.Layers = n
 	return c
 }
+
+// TestShardedCPUGathersFP32: the CPU backend's GEMMs read fp32, so its
+// stage 3 student gathers fp32 (no BF16 rounding, slots or gathers) and
+// binds fp32 weights, whatever Sharding.FP32Gathers says.
+func TestShardedCPUGathersFP32(t *testing.T) {
+	cfg := tinyConfig(model.ArchQwen3, false)
+	rows := []*Batch{testBatch(11, 97, 8)}
+	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+	be := device.CPU(1)
+	g := &gatherLog{Collective: computetest.NewHostGroup(1).Rank(0, be)}
+	s, err := NewShardedStudentOn(cfg, be, Sharding{C: g, Stage: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Free()
+	if err := s.Load(model.Init(cfg, model.InitOptions{Seed: 5})); err != nil {
+		t.Fatal(err)
+	}
+	shardSteps(t, s, shardCase{cfg: cfg}, rows, func(int) bool { return true }, &opt, 20, func(x float64) float64 { return x })
+	if s.sh.bf16 || s.sh.slots[0].DType() != compute.F32 {
+		t.Fatalf("the CPU's stage 3 student gathers BF16 (%v) or has %v slots", s.sh.bf16, s.sh.slots[0].DType())
+	}
+	for _, l := range s.Model.Blocks[0].Linears() {
+		if l.W.DType() != compute.F32 {
+			t.Fatalf("%s: %v weights on the CPU", l.Name, l.W.DType())
+		}
+	}
+	if n := g.bytes(compute.BF16); n != 0 || len(g.calls) == 0 {
+		t.Fatalf("%d gathers, %d bytes of them BF16: want every gather fp32 on the CPU", len(g.calls), n)
+	}
+}
+
+// TestGEMMWeightsAreLinears: the blocks' tensors that BF16 gathers move
+// in BF16 (gemmWeight) are exactly the weights of the decoder's Linears
+// (Block.Linears: q/k/v/o, the MLP's or every expert's gate/up/down; not
+// the router, the norms or the biases), for every architecture.
+func TestGEMMWeightsAreLinears(t *testing.T) {
+	for _, cfg := range []*model.Config{tinyConfig(model.ArchLlama, false), tinyConfig(model.ArchQwen2, false), tinyConfig(model.ArchQwen3, true), tinyMoEConfig(false, 2)} {
+		s, err := NewStudentOn(cfg, device.CPU(1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := map[string]bool{}
+		for i := range s.Model.Blocks {
+			for _, l := range s.Model.Blocks[i].Linears() {
+				want[l.Name+".weight"] = true
+			}
+		}
+		n := 0
+		for _, ts := range s.Tensors {
+			if blockOf(ts.Name) < 0 {
+				continue
+			}
+			if gemmWeight(ts.Name) != want[ts.Name] {
+				t.Errorf("%s %s: gemmWeight %v, a Linear's weight %v", cfg.Arch, ts.Name, gemmWeight(ts.Name), want[ts.Name])
+			}
+			if want[ts.Name] {
+				n++
+			}
+		}
+		if n != len(want) || n == 0 {
+			t.Errorf("%s: %d of the %d Linears' weights found", cfg.Arch, n, len(want))
+		}
+	}
+}

@@ -187,10 +187,23 @@ func (s *Student) SetStepRow(step, row int) { s.row = &stepRow{uint32(step), uin
 // Forward over the calibration batches, then FinishCalibration. Hidden and
 // intermediate sizes must be multiples of the 16-element block.
 func (s *Student) EnableQAD() error {
+	if err := s.qadGathers(); err != nil {
+		return err
+	}
 	if err := s.Model.EnableQAD(); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	s.QAD = true
+	return nil
+}
+
+// qadGathers refuses NVFP4 QAD on a ZeRO stage 3 student whose blocks
+// gather BF16 weights (Sharding): QAD's calibration and fake quantization
+// read the fp32 weights.
+func (s *Student) qadGathers() error {
+	if s.sh != nil && s.sh.bf16 {
+		return fmt.Errorf("%w: NVFP4 QAD on a ZeRO stage 3 student that gathers its blocks' weights in BF16: QAD reads them in fp32; make the student with Sharding.FP32Gathers (the trainer does when quant is nvfp4)", ErrInvalid)
+	}
 	return nil
 }
 

@@ -81,8 +81,10 @@ func runPlan(args []string) error {
 	return printPlan(stdout, cfg, mc, *k, act, *world, total)
 }
 
-// zeroNote says how the plan shards the optimizer state over world ranks.
-func zeroNote(zero, world int, overlap bool) string {
+// zeroNote says how the plan shards the optimizer state over world ranks
+// (qad: NVFP4 QAD, whose stage 3 gathers the layers' weights in fp32;
+// otherwise their GEMM weights in BF16).
+func zeroNote(zero, world int, overlap, qad bool) string {
 	grads, weights, ov := "one layer's", "two layers'", ""
 	if overlap {
 		grads, weights, ov = "two layers'", "three layers'", "; the collectives overlap the compute (train.overlap_comm)"
@@ -93,7 +95,11 @@ func zeroNote(zero, world int, overlap bool) string {
 	case zero == 2:
 		return fmt.Sprintf(", %d ranks at ZeRO stage 2 (AdamW's moments and the gradients: 1/%d a rank, and %s whole gradients%s)", world, world, grads, ov)
 	case zero == 3:
-		return fmt.Sprintf(", %d ranks at ZeRO stage 3 (the fp32 weights, AdamW's moments and the gradients: 1/%d a rank, and %s whole weights and %s whole gradients%s)", world, world, weights, grads, ov)
+		gathered := "BF16 GEMM weights (the norms, biases and routers: whole, fp32)"
+		if qad {
+			gathered = "fp32 weights (NVFP4 QAD reads them)"
+		}
+		return fmt.Sprintf(", %d ranks at ZeRO stage 3 (the fp32 weights, AdamW's moments and the gradients: 1/%d a rank, and %s whole %s and %s whole gradients%s)", world, world, weights, gathered, grads, ov)
 	case zero >= 1:
 		return fmt.Sprintf(", %d ranks at ZeRO stage %d (AdamW's moments: 1/%d a rank)", world, zero, world)
 	}
@@ -137,7 +143,7 @@ func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act co
 		return sh
 	}
 	fmt.Fprintf(w, "memory plan: %s student, %.1fM parameters (%d layers, hidden %d, vocab %d), rows of %d tokens (data.seq_len), teacher top-k %d, quant %s, %v activations%s\n",
-		mc.Arch, float64(mc.Params())/1e6, mc.Layers, mc.Hidden, mc.VocabSize, T, k, cfg.Quant, act, zeroNote(cfg.Train.ZeRO, world, cfg.Train.Overlap()))
+		mc.Arch, float64(mc.Params())/1e6, mc.Layers, mc.Hidden, mc.VocabSize, T, k, cfg.Quant, act, zeroNote(cfg.Train.ZeRO, world, cfg.Train.Overlap(), qad))
 	if lc := cfg.TrainLoRA(); lc != nil {
 		fmt.Fprintf(w, "LoRA: rank %d on %v, the base frozen (%v on the device%s)\n", lc.Rank, lc.Targets, act, map[bool]string{true: ", NVFP4-fake-quantized values"}[lc.NVFP4])
 	}

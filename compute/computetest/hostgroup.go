@@ -95,8 +95,14 @@ func (r *hostRank) ReduceScatterSum(dst, src compute.Tensor, n int) {
 	})
 	r.be.WriteF32(dst, all[r.rank*n:(r.rank+1)*n])
 }
+
+// AllGather moves F32 or BF16 tensors (read widened and written back
+// rounded: exact for BF16 values), of one dtype on every rank.
 func (r *hostRank) AllGather(dst, src compute.Tensor, n int) {
-	r.be.WriteF32(dst, r.g.exchange(r.rank, fmt.Sprint("AllGather ", n), r.read(src, 0, n), func(b [][]float32) []float32 {
+	if dst.DType() != src.DType() {
+		panic(fmt.Sprintf("computetest: AllGather of a %v source into a %v destination", src.DType(), dst.DType()))
+	}
+	r.be.WriteF32(dst, r.g.exchange(r.rank, fmt.Sprint("AllGather ", n, " ", src.DType()), r.read(src, 0, n), func(b [][]float32) []float32 {
 		var s []float32
 		for _, x := range b {
 			s = append(s, x...)

@@ -22,7 +22,8 @@ import (
 // Collectives through NCCL (issue 25): the backend implements
 // compute.Collectives, and the Collective it returns runs NCCL's
 // all-reduce, reduce-scatter, all-gather and broadcast on the backend's
-// stream, in issue order with the kernels, over its F32 tensors.
+// stream, in issue order with the kernels, over its F32 tensors (the
+// all-gather over BF16 ones too: ncclBfloat16, NCCL 2.10 and later).
 //
 // libnccl.so.2 is opened with dlopen the first time a group is made or
 // joined (DISTILL_LIBNCCL names the file), and reached through the
@@ -380,25 +381,38 @@ func (c *collective) run(call string, f func(comm C.ncclComm_t, s C.distill_nccl
 
 // f32 unwraps and checks an F32 operand of at least n elements.
 func (c *collective) f32(call string, x compute.Tensor, what string, n int) *tensor {
+	return c.operand(call, x, what, n, compute.F32)
+}
+
+// operand unwraps and checks an operand of at least n elements of one of
+// the dtypes dts.
+func (c *collective) operand(call string, x compute.Tensor, what string, n int, dts ...compute.DType) *tensor {
 	if n < 0 {
 		panic(fmt.Sprintf("cuda: %s of %d elements", call, n))
 	}
 	t := c.b.ten(x, call+" "+what)
-	need(t, call+" "+what, n, compute.F32)
+	need(t, call+" "+what, n, dts...)
 	return t
 }
 
 // pair checks a two-buffer operation's operands, dst of dn and src of sn
-// elements: F32, and not overlapping, except in NCCL's in-place layout
-// (the smaller buffer at this rank's part of the larger).
-func (c *collective) pair(call string, dstT, srcT compute.Tensor, dn, sn int) (dst, src *tensor) {
-	dst, src = c.f32(call, dstT, "destination", dn), c.f32(call, srcT, "source", sn)
-	d, s := dst.p, src.p
-	inPlace := d == s+uint64(c.rank*dn*4) // reduce-scatter: dst is src's part
-	if dn > sn {
-		inPlace = s == d+uint64(c.rank*sn*4) // all-gather: src is dst's part
+// elements: F32 (or one of dts when given, the same for both), and not
+// overlapping, except in NCCL's in-place layout (the smaller buffer at
+// this rank's part of the larger).
+func (c *collective) pair(call string, dstT, srcT compute.Tensor, dn, sn int, dts ...compute.DType) (dst, src *tensor) {
+	if len(dts) == 0 {
+		dts = []compute.DType{compute.F32}
 	}
-	if dn > 0 && sn > 0 && d < s+uint64(sn*4) && s < d+uint64(dn*4) && !inPlace {
+	dst, src = c.operand(call, dstT, "destination", dn, dts...), c.operand(call, srcT, "source", sn, dts...)
+	if dst.dt != src.dt {
+		panic(fmt.Sprintf("cuda: %s of a %v source into a %v destination: want one dtype", call, src.dt, dst.dt))
+	}
+	d, s, es := dst.p, src.p, uint64(dst.dt.Size())
+	inPlace := d == s+uint64(c.rank*dn)*es // reduce-scatter: dst is src's part
+	if dn > sn {
+		inPlace = s == d+uint64(c.rank*sn)*es // all-gather: src is dst's part
+	}
+	if dn > 0 && sn > 0 && d < s+uint64(sn)*es && s < d+uint64(dn)*es && !inPlace {
 		panic(fmt.Sprintf("cuda: %s: the destination and the source overlap; only NCCL's in-place layout may (the smaller buffer at rank %d's part of the larger)", call, c.rank))
 	}
 	return dst, src
@@ -407,7 +421,7 @@ func (c *collective) pair(call string, dstT, srcT compute.Tensor, dn, sn int) (d
 // issue records the write to the n elements at dst and, unless there are
 // none, runs call.
 func (c *collective) issue(call string, dst *tensor, n int, f func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t) {
-	c.b.wroteRange(dst.p, int64(n)*4)
+	c.b.wroteRange(dst.p, int64(n)*int64(dst.dt.Size()))
 	if n > 0 {
 		c.run(call, f)
 	}
@@ -431,12 +445,17 @@ func (c *collective) ReduceScatterSum(dstT, srcT compute.Tensor, n int) {
 	})
 }
 
-// AllGather implements compute.Collective: ncclAllGather.
+// AllGather implements compute.Collective: ncclAllGather, of F32 or of
+// BF16 tensors (ncclBfloat16).
 func (c *collective) AllGather(dstT, srcT compute.Tensor, n int) {
 	defer c.b.enter()()
-	dst, src := c.pair("AllGather", dstT, srcT, c.size*n, n)
+	dst, src := c.pair("AllGather", dstT, srcT, c.size*n, n, compute.F32, compute.BF16)
+	dt := C.int(C.DK_ncclFloat32)
+	if dst.dt == compute.BF16 {
+		dt = C.DK_ncclBfloat16
+	}
 	c.issue("ncclAllGather", dst, c.size*n, func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t {
-		return C.call_ncclAllGather(c.l.allGather, C.ulonglong(src.p), C.ulonglong(dst.p), C.size_t(n), C.DK_ncclFloat32, comm, s)
+		return C.call_ncclAllGather(c.l.allGather, C.ulonglong(src.p), C.ulonglong(dst.p), C.size_t(n), dt, comm, s)
 	})
 }
 

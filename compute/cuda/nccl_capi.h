@@ -34,6 +34,7 @@ enum {
 // ncclDataType_t and ncclRedOp_t: the ones this package uses.
 enum {
 	DK_ncclFloat32 = 7,
+	DK_ncclBfloat16 = 9, // NCCL 2.10 and later
 	DK_ncclSum = 0,
 };
 

@@ -216,7 +216,8 @@ func (r *trainRun) loadStudent() error {
 	r.ckpt = ckpt
 	var sh *train.Sharding
 	if r.g.size > 1 && r.cfg.Train.ZeRO >= 2 {
-		sh = &train.Sharding{C: r.g.c, Stage: r.cfg.Train.ZeRO, Overlap: r.cfg.Train.Overlap()}
+		sh = &train.Sharding{C: r.g.c, Stage: r.cfg.Train.ZeRO, Overlap: r.cfg.Train.Overlap(),
+			FP32Gathers: r.cfg.Quant == "nvfp4"} // (QAD reads the blocks' fp32 weights)
 	}
 	if ckpt != "" {
 		if r.s, r.st, err = r.ck.load(r.cfg, ckpt, r.be, sh, r.log); err != nil {

@@ -37,6 +37,10 @@
 // the others fail at once too. Buffers are checked against the emulator's
 // allocations (emu_range_ok). ncclGetLastError gives the details.
 //
+// Data types: ncclFloat32 for every operation, and ncclBfloat16 (2-byte
+// elements, moved as they are) for ncclAllGather, which ZeRO stage 3
+// gathers the GEMM weights' BF16 roundings with.
+//
 // Threads of one process: each rank has its own mapping and communicator,
 // and the futexes are process-shared, so that works; but the rest of the
 // emulator (allocations, kernels) is single-threaded, so ranks that are
@@ -72,7 +76,7 @@ enum {
 	ncclRemoteError = 6,
 	ncclInProgress = 7,
 };
-enum { ncclFloat32 = 7, ncclSum = 0 };
+enum { ncclFloat32 = 7, ncclBfloat16 = 9, ncclSum = 0 };
 enum { OP_ALLREDUCE = 1, OP_REDUCESCATTER, OP_ALLGATHER, OP_BROADCAST };
 
 const int kMaxRanks = 64;
@@ -328,15 +332,18 @@ template <class Put, class Get> ncclResult_t collective(Comm *c, Desc d, size_t 
 	return ncclSuccess;
 }
 
-// begin checks what every operation needs: a live communicator, fp32,
-// sum, buffers inside allocations. A failure fails the group, so that the
-// peers do not wait for this rank.
+// begin checks what every operation needs: a live communicator, fp32
+// (or, where bf16 is set, ncclBfloat16 too), sum, buffers inside
+// allocations. A failure fails the group, so that the peers do not wait
+// for this rank.
 ncclResult_t begin(Comm *c, const char *call, int dtype, int redop, const void *send, size_t sendBytes, const void *recv,
-                   size_t recvBytes, void *stream) {
+                   size_t recvBytes, void *stream, bool bf16 = false) {
 	if (!c) return fail(ncclInvalidArgument, strf("%s: comm is NULL", call));
 	if (c->err != ncclSuccess) return fail(ncclInvalidUsage, strf("%s: the communicator failed earlier: %s", call, c->msg.c_str()));
-	if (dtype != ncclFloat32)
-		return fail_group(c, c->sh, ncclInvalidArgument, strf("rank %d: %s: data type %d is not emulated (only ncclFloat32, 7)", c->rank, call, dtype));
+	if (dtype != ncclFloat32 && !(bf16 && dtype == ncclBfloat16))
+		return fail_group(c, c->sh, ncclInvalidArgument,
+		                  strf("rank %d: %s: data type %d is not emulated (only ncclFloat32, 7%s)", c->rank, call, dtype,
+		                       bf16 ? ", and ncclBfloat16, 9" : ""));
 	if (redop != ncclSum)
 		return fail_group(c, c->sh, ncclInvalidArgument, strf("rank %d: %s: reduction %d is not emulated (only ncclSum, 0)", c->rank, call, redop));
 	char why[300];
@@ -564,14 +571,16 @@ ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, int d
 
 ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, int dtype, void *comm, void *stream) {
 	Comm *c = (Comm *)comm;
-	if (ncclResult_t r = begin(c, "ncclAllGather", dtype, ncclSum, send, count * 4, recv, count * 4 * (c ? c->nranks : 0), stream)) return r;
-	const float *in = (const float *)send;
-	float *out = (float *)recv;
+	size_t es = dtype == ncclBfloat16 ? 2 : 4; // (begin refuses any other)
+	if (ncclResult_t r = begin(c, "ncclAllGather", dtype, ncclSum, send, count * es, recv, count * es * (c ? c->nranks : 0), stream, true))
+		return r;
+	const unsigned char *in = (const unsigned char *)send;
+	unsigned char *out = (unsigned char *)recv;
 	return collective(
-	    c, Desc{c->ops, OP_ALLGATHER, dtype, ncclSum, 0, count}, c->slot / 4,
-	    [&](float *mine, size_t off, size_t n) { memcpy(mine, in + off, n * 4); },
+	    c, Desc{c->ops, OP_ALLGATHER, dtype, ncclSum, 0, count}, c->slot / es,
+	    [&](float *mine, size_t off, size_t n) { memcpy(mine, in + off * es, n * es); },
 	    [&](int half, size_t off, size_t n) {
-		    for (int q = 0; q < c->nranks; q++) memmove(out + q * count + off, slot_of(c, half, q), n * 4);
+		    for (int q = 0; q < c->nranks; q++) memmove(out + (q * count + off) * es, slot_of(c, half, q), n * es);
 	    });
 }
 
