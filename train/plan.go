@@ -72,9 +72,9 @@ type PlanShape struct {
 	// head's sharing one buffer for weights and one for gradients).
 	// Sharded, the GEMMs round their fp32 weights per use (no BF16 copies
 	// are kept), except at stage 3 without QAD, where the blocks' weight
-	// slots are BF16 (Sharding's BF16 gathers: a rank's BF16 roundings of
-	// its parts of the blocks, the slots, and the blocks' norms, biases
-	// and routers whole in fp32 with the pack that refreshes them).
+	// slots are BF16 (Sharding's BF16 gathers; and the blocks' norms,
+	// biases and routers are whole in fp32, with the pack that refreshes
+	// them).
 	Ranks, ZeRO int
 	// Overlap plans Sharding.Overlap at stages 2 and 3: a second block's
 	// whole gradients, and at stage 3 a third block's weights (and under
@@ -333,7 +333,7 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		}
 		outside += big
 		whole := outside
-		var copies int64 // BF16 gathers: the slots and the rank's roundings
+		var copies int64 // BF16 gathers: the slots
 		switch {
 		case s.ZeRO == 2:
 			for _, u := range c.layerAll {
@@ -342,11 +342,7 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		case !s.QAD && !c.misaligned:
 			small, pack := c.smallPack(n)
 			whole += small + (n+1)*pack
-			var bfParts int64
-			for _, u := range c.layerAll {
-				bfParts += (u + n - 1) / n
-			}
-			copies = 2 * (slots*block + bfParts)
+			copies = 2 * slots * block
 		default:
 			whole += slots * block
 		}

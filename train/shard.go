@@ -79,13 +79,15 @@ import (
 // (the Linears' q/k/v/o and gate/up/down, the experts' included) are
 // all-gathered as BF16, half the bytes on the wire and in the slots:
 //
-//   - each rank rounds its parts of the blocks to BF16 (RoundBF16, the
-//     rounding every GEMM makes of an fp32 weight) once after the
-//     optimizer step (before the step's first gather) into an arena of
-//     its own, and the blocks' gathers fill BF16 slots, which the decoder
-//     binds as the Linears' weights. A GEMM reads the same BF16 bits as
-//     it reads of the fp32 gather (rounded per use) or of an unsharded
-//     student (its shadow): the run is the fp32 gathers' bit for bit;
+//   - a block's gather rounds the rank's part to BF16 (RoundBF16, the
+//     rounding every GEMM makes of an fp32 weight) into the rank's place
+//     in the block's BF16 slot and all-gathers in place (NCCL's in-place
+//     layout: no BF16 copy of the parts is kept, and the rounding, of
+//     1/N of a layer, runs with the gather, beside the compute under
+//     overlap), and the decoder binds the slots as the Linears' weights.
+//     A GEMM reads the same BF16 bits as it reads of the fp32 gather
+//     (rounded per use) or of an unsharded student (its shadow): the run
+//     is the fp32 gathers' bit for bit;
 //   - the blocks' other tensors (norms, biases, MoE routers: their
 //     kernels read them in fp32, and rounding them would change the
 //     results) are kept whole in fp32 on every rank for the run (a few
@@ -123,7 +125,6 @@ type unit struct {
 	// live in the buffers such units share (see shards.oslot).
 	outSlot bool
 	roles   int // the decoder.Outside* roles whose tensors it holds (bits)
-	bfOff   int // BF16 gathers: a block's part's offset in shards.mbf
 	// p, g are the unit's whole (padded: size·per) weights and gradients:
 	// its own buffers, or the blocks' shared ones (stage 3's p, and every
 	// block's g).
@@ -158,15 +159,11 @@ type shards struct {
 	oslot, ograd compute.Tensor
 	oheld        int // the unit oslot holds (-1: none)
 	own          []compute.Tensor
-	// BF16 gathers (see Sharding): the slots are BF16; mbf holds the
-	// roundings of this rank's parts of the blocks (stale: the master
-	// was written since they were made); small the blocks' other tensors
-	// whole (smallOff: a tensor's offset in it, -1 for the rest), which
-	// gatherSmall refreshes through spack (this rank's pieces of them,
-	// sper elements) and sstage (every rank's).
+	// BF16 gathers (see Sharding): the slots are BF16; small holds the
+	// blocks' other tensors whole (smallOff: a tensor's offset in it, -1
+	// for the rest), which gatherSmall refreshes through spack (this
+	// rank's pieces of them, sper elements) and sstage (every rank's).
 	bf16          bool
-	mbf           compute.Tensor
-	stale         bool
 	small         compute.Tensor
 	smallOff      []int
 	segs          [][]smallSeg // each rank's pieces of the small tensors, in pack order
@@ -230,7 +227,7 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 	for i := range h.blockUnit {
 		h.blockUnit[i] = -1
 	}
-	shardN, maxPer, maxBlock, maxOut, bfN := 0, 0, 0, 0, 0
+	shardN, maxPer, maxBlock, maxOut := 0, 0, 0, 0
 	for k := range h.units {
 		u := &h.units[k]
 		for i := u.lo; i < u.hi; i++ {
@@ -260,8 +257,6 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 		maxPer = max(maxPer, u.per)
 		if u.block >= 0 {
 			maxBlock = max(maxBlock, u.per*h.size)
-			u.bfOff = bfN
-			bfN += u.per
 		}
 		if u.outSlot {
 			maxOut = max(maxOut, u.per*h.size)
@@ -280,7 +275,6 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 		slotType := compute.F32
 		if h.bf16 {
 			slotType = compute.BF16
-			h.mbf, h.stale = be.New(compute.BF16, max(bfN, 1)), true
 			h.layoutSmall(s.Tensors)
 		}
 		for k := range h.nslot {
@@ -397,21 +391,6 @@ func (h *shards) gatherSmall() {
 	}
 }
 
-// freshen rounds this rank's parts of the blocks to BF16 (BF16 gathers)
-// if the master was written since they were made.
-func (h *shards) freshen() {
-	if !h.bf16 || !h.stale {
-		return
-	}
-	r := h.be.(compute.BF16Rounder)
-	for k := range h.units {
-		if u := &h.units[k]; u.block >= 0 {
-			r.RoundBF16(h.be.View(h.mbf, u.bfOff, u.per), h.part(h.master, u), u.per)
-		}
-	}
-	h.stale = false
-}
-
 // gradBufs is the number of whole gradient buffers the blocks share in
 // turn: two with overlap (one reduced while the other fills), else one.
 func (h *shards) gradBufs() int {
@@ -483,7 +462,7 @@ func (h *shards) write(i int, t Tensor, v []float32) {
 	case u.block < 0 || h.stage == 2:
 		be.WriteF32(be.View(u.p, t.Off-u.off, t.N), v)
 	default:
-		h.held, h.stale = [3]int{-1, -1, -1}, true
+		h.held = [3]int{-1, -1, -1}
 		if h.bf16 && h.smallOff[i] >= 0 {
 			be.WriteF32(be.View(h.small, h.smallOff[i], t.N), v)
 		}
@@ -501,14 +480,17 @@ func (h *shards) part(arena compute.Tensor, u *unit) compute.Tensor {
 
 // gather fills u's whole weights from the ranks' parts (beside the
 // compute with overlap: the caller waits for the Fence before use); a
-// block's from their BF16 roundings under BF16 gathers.
+// block's under BF16 gathers from the parts' BF16 roundings, each rank's
+// made in its place in the slot (an in-place all-gather).
 func (h *shards) gather(u *unit) compute.Fence {
-	src := h.part(h.master, u)
 	if h.bf16 && u.block >= 0 {
-		h.freshen() // (on the compute's stream, before the gather)
-		src = h.be.View(h.mbf, u.bfOff, u.per)
+		return h.collective(func() {
+			mine := h.be.View(u.p, h.rank*u.per, u.per)
+			h.be.(compute.BF16Rounder).RoundBF16(mine, h.part(h.master, u), u.per)
+			h.c.AllGather(u.p, mine, u.per)
+		})
 	}
-	return h.collective(func() { h.c.AllGather(u.p, src, u.per) })
+	return h.collective(func() { h.c.AllGather(u.p, h.part(h.master, u), u.per) })
 }
 
 // reduce sums u's whole gradients over the ranks into this rank's part
@@ -672,7 +654,6 @@ func (h *shards) afterStep() {
 	}
 	h.held, h.oheld = [3]int{-1, -1, -1}, -1
 	if h.bf16 {
-		h.stale = true // (rounded before the next gather)
 		h.gatherSmall()
 	}
 }
@@ -770,7 +751,7 @@ func (h *shards) masterWhole(u *unit) []float32 {
 func (h *shards) free() {
 	h.drain()
 	for _, t := range append([]compute.Tensor{h.master, h.gsh, h.tmp, h.blockG[0], h.blockG[1], h.slots[0], h.slots[1], h.slots[2], h.oslot, h.ograd,
-		h.mbf, h.small, h.spack, h.sstage}, h.own...) {
+		h.small, h.spack, h.sstage}, h.own...) {
 		if t != nil {
 			h.be.Free(t)
 		}
