@@ -304,6 +304,20 @@ func ncclOps(t *testing.T, b *Backend, c compute.Collective) {
 		b.WriteF32(b.View(gdst, r*n, n), g)
 		c.AllGather(gdst, b.View(gdst, r*n, n), n)
 		exact("AllGather in place", n, readF32(b, gdst, size*n), gathered)
+		// BF16 (ncclBfloat16; values BF16 holds exactly), then in place.
+		h := make([]float32, n)
+		for i := range h {
+			h[i] = float32(16*r + i%16)
+		}
+		halves := func(i int) float32 { return float32(16*(i/n) + i%n%16) }
+		hsrc, hdst := b.New(compute.BF16, n), b.New(compute.BF16, size*n)
+		b.WriteF32(hsrc, h)
+		c.AllGather(hdst, hsrc, n)
+		exact("AllGather BF16", n, readF32(b, hdst, size*n), halves)
+		hdst = b.New(compute.BF16, size*n)
+		b.WriteF32(b.View(hdst, r*n, n), h)
+		c.AllGather(hdst, b.View(hdst, r*n, n), n)
+		exact("AllGather BF16 in place", n, readF32(b, hdst, size*n), halves)
 
 		// Broadcast from a root that moves with n.
 		root := n % size
@@ -377,6 +391,9 @@ func TestNCCLMisuse(t *testing.T) {
 	mustPanic(t, "ReduceScatterSum destination is bf16", func() { c.ReduceScatterSum(bf, f4, 4) })
 	mustPanic(t, "AllGather destination has 4 elements, the call needs 5", func() { c.AllGather(f4, b.New(compute.F32, 5), 5) })
 	mustPanic(t, "AllGather source is i32", func() { c.AllGather(f4, b.FromI32(make([]int32, 4)), 4) })
+	mustPanic(t, "AllGather of a bf16 source into a f32 destination", func() { c.AllGather(f4, bf, 4) })
+	bigBF := b.New(compute.BF16, 8)
+	mustPanic(t, "overlap", func() { c.AllGather(b.View(bigBF, 0, 4), b.View(bigBF, 2, 4), 4) })
 	mustPanic(t, "Broadcast from root 1 in a group of 1", func() { c.Broadcast(f4, 4, 1) })
 	mustPanic(t, "Broadcast tensor is bf16", func() { c.Broadcast(bf, 4, 0) })
 	big := b.New(compute.F32, 8)
