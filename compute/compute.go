@@ -669,6 +669,12 @@ type ActGrads interface {
 	// which keeps accumulating in F32, and its BF16 copy for the next
 	// MatMulBackward's dout. dxc must alias neither dx nor dout.
 	RMSNormBackwardCopy(dx, dxc, dw, dout, x, w, rstd Tensor, rows, dim int)
+	// RoPEBackwardCopy is RoPEBackward that also writes dxc
+	// (tokens,heads,headDim) BF16 = the rounding of each element of the
+	// rotated dx, in the same pass: q_proj's and k_proj's dout where no
+	// q/k norm or bias reads dx after the rotation (Llama's). dxc must not
+	// alias dx.
+	RoPEBackwardCopy(dx, dxc, cos, sin Tensor, tokens, heads, headDim int)
 }
 
 // GradDType is be's ActGrads.GradDType, or F32 for a backend that does not

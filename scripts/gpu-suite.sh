@@ -139,7 +139,9 @@
 #                   GPU (TestCUDALoRA*: BF16 base, gradients and dropout
 #                   masks against the CPU's); the backward's BF16
 #                   gradients train bit for bit as F32 ones rounded by a
-#                   pass (TestCUDAGradsInBF16)
+#                   pass (TestCUDAGradsInBF16); a step's conversion and
+#                   copy passes are cuDNN attention's widenings only
+#                   (TestCUDAStepConversions)
 #   train-resume    on the GPU: a run stopped after a checkpoint and resumed,
 #                   and a run SIGKILLed mid-training and resumed, repeat the
 #                   uninterrupted run's losses bit for bit; the GPU's
@@ -362,7 +364,7 @@ s_train-curve() {
 }
 
 s_train-qad() {
-  STEP_DIR=train step train-qad 45 "$BIN/train.test" -test.v -test.count=1 -test.timeout=40s -test.run 'TestCUDAQADExport|TestCUDALoRA|TestCUDAGradsInBF16'
+  STEP_DIR=train step train-qad 45 "$BIN/train.test" -test.v -test.count=1 -test.timeout=40s -test.run 'TestCUDAQADExport|TestCUDALoRA|TestCUDAGradsInBF16|TestCUDAStepConversions'
 }
 
 s_train-resume() {

@@ -16,19 +16,22 @@ import (
 )
 
 // TestCUDAGradsInBF16: the CUDA backend's gradients in BF16 where only a
-// GEMM's backward reads them (SwiGLU's dgate and dup, the q/k norms' input
-// gradients, attention's dv, the residual stream's gradient copied by the
-// norms' backward; compute.ActGrads) train the same student bit for bit
+// GEMM's or attention's backward reads them (SwiGLU's dgate and dup, the
+// q/k norms' input gradients, attention's dout and dv, the residual
+// stream's gradient copied by the norms' backward and q's and k's by
+// RoPE's; compute.ActGrads) train the same student bit for bit
 // as F32 gradients rounded by MatMulBackward's own pass
 // (Options.F32Grads): every gradient of the first step, and the losses
 // and weights of the steps after it, for Qwen3 (q/k norms), Qwen2 (q/k/v
-// biases: their douts stay F32), Llama with attention biases (o_proj's
-// too), a Qwen3-MoE student with a dense layer between MoE ones, each
+// biases: their douts stay F32), Llama (RoPE's backward writes q's and
+// k's BF16 douts), Llama with attention biases (o_proj's too), a
+// Qwen3-MoE student with a dense layer between MoE ones, each
 // recompute mode, QAD, and LoRA students (with dropout). The profile of
 // the first step counts the rounding passes the producers saved: 7 a
 // dense Qwen3 layer (down, gate, up, o, q, k, v), 4 a Qwen2 layer (the
 // biased q, k, v's douts are rounded by their column sums' pass either
-// way), 3 a Llama layer with attention biases; and attention's dout, which
+// way), 7 a Llama layer (q's and k's douts written by RoPEBackwardCopy),
+// 3 a Llama layer with attention biases; and attention's dout, which
 // o_proj's backward writes in BF16, once per attention call (2 a layer
 // here: testBatch's samples run in two groups, attnGroups).
 func TestCUDAGradsInBF16(t *testing.T) {
@@ -55,6 +58,7 @@ func TestCUDAGradsInBF16(t *testing.T) {
 		{"qwen3 full", tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, -1, 2 * (7 + 2)},
 		{"qwen3 qad", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, true, -1, 2 * (7 + 2)},
 		{"qwen2", tinyConfig(model.ArchQwen2, true), decoder.RecomputeNone, false, -1, 2 * (4 + 2)},
+		{"llama", tinyConfig(model.ArchLlama, false), decoder.RecomputeNone, false, -1, 2 * (7 + 2)},
 		{"llama attention bias", llama, decoder.RecomputeSelective, false, -1, 2 * (3 + 2)},
 		{"qwen3_moe", tinyMoEConfig(false, 1), decoder.RecomputeNone, false, -1, 0},
 		{"qwen3_moe full", tinyMoEConfig(false, 1), decoder.RecomputeFull, false, -1, 0},

@@ -30,10 +30,11 @@
 // those operands in its dtype (the inputs rounded to it, the references
 // computed from the rounded values), the outputs widened for the checks
 // with one more rounding's tolerance (2^-8 relative); the gradients that
-// may be in it too (MatMulBackward's dout, SwiGLUBackward's dgate and
-// dup, RMSNormBackward's dx, AttentionBackward's dv) as well, and a
-// backend that implements compute.ActGrads has its RMSNormBackwardCopy
-// held to RMSNormBackward's gradients and its copy to their exact
+// may be in it too (MatMulBackward's dout and dx, SwiGLUBackward's dgate
+// and dup, RMSNormBackward's dx, AttentionBackward's dout and dv) as well,
+// and a backend that implements compute.ActGrads has its
+// RMSNormBackwardCopy held to RMSNormBackward's gradients and
+// RoPEBackwardCopy to RoPEBackward's bits, and their copies to their exact
 // rounding.
 //
 // A backend that implements only the teacher's forward (the CUDA backend,
@@ -474,7 +475,10 @@ func (s *suite) matMul(t *testing.T) {
 		xd, wd, Rd := f64(x), f64(w), f64(R)
 		f := func() float64 { return dot(linear(xd, wd, bd, k, n), Rd) }
 		dx0, dw0, db0 := randn(r, m*k, 1), randn(r, n*k, 1), randn(r, n, 1)
-		dx, dw := be.FromF32(dx0), be.FromF32(dw0)
+		// dx in the activation dtype (attention's dout, o_proj's dx): its
+		// starting values rounded, the sum once more (tolerance below).
+		dx, dx0 := s.actIn(dx0)
+		dw := be.FromF32(dw0)
 		var db compute.Tensor
 		if bias {
 			db = be.FromF32(db0)
@@ -496,10 +500,14 @@ func (s *suite) matMul(t *testing.T) {
 					}
 				}
 			}
-			s.bwd(t, "dx (bf16 operands)", s.read(dx, m*k), plus(wantDX, dx0))
+			bx := *s
+			bx.tol.BwdRtol = s.tol.BwdRtol + map[bool]float64{true: 1.0 / 256}[s.act == compute.BF16]
+			bx.bwd(t, "dx (bf16 operands)", s.read(dx, m*k), plus(wantDX, dx0))
 			s.bwd(t, "dw (bf16 operands)", s.read(dw, n*k), plus(wantDW, dw0))
 		} else {
-			s.bwdStrided(t, "dx", s.read(dx, m*k), dx0, f, xd, 61)
+			bx := *s
+			bx.tol.BwdRtol = s.tol.BwdRtol + map[bool]float64{true: 1.0 / 256}[s.act == compute.BF16]
+			bx.bwdStrided(t, "dx", s.read(dx, m*k), dx0, f, xd, 61)
 			s.bwdStrided(t, "dw", s.read(dw, n*k), dw0, f, wd, 17)
 		}
 		if bias {
@@ -646,7 +654,17 @@ func (s *suite) rope(t *testing.T) {
 	f := func() float64 { return dot(rope(xd, pos, inv, H, D), Rd) }
 	d := be.FromF32(R)
 	be.RoPEBackward(d, ct, st, N, H, D)
-	s.bwdStrided(t, "dx (in place)", s.read(d, N*H*D), make([]float32, N*H*D), f, xd, 13)
+	got := s.read(d, N*H*D)
+	s.bwdStrided(t, "dx (in place)", got, make([]float32, N*H*D), f, xd, 13)
+	if g, ok := be.(compute.ActGrads); ok && s.act != compute.F32 {
+		// Llama's q/k projections' douts: the rotated F32 dx and its
+		// rounding beside it, exactly, the F32 one as RoPEBackward's.
+		d, dc := be.FromF32(R), be.New(s.act, N*H*D)
+		g.RoPEBackwardCopy(d, dc, ct, st, N, H, D)
+		got2 := s.read(d, N*H*D)
+		closeTo(t, "dx (copy) = RoPEBackward's", got2, f64(got), 0, 0)
+		closeTo(t, "dxc = bf16(dx)", s.read(dc, N*H*D), f64(bf16(got2)), 0, 0)
+	}
 }
 
 // rmsNormRoPE: the per-head norm then the rotation, against the float64
@@ -723,7 +741,12 @@ func (s *suite) attention(t *testing.T) {
 	dq0, dk0, dv0 := randn(r, N*H*D, 1), randn(r, N*KV*D, 1), randn(r, N*KV*D, 1)
 	dq, dk := be.FromF32(dq0), be.FromF32(dk0)
 	dv, dv0 := s.actIn(dv0) // dv in the activation dtype (only v_proj's backward reads it)
-	be.AttentionBackward(dq, dk, dv, be.FromF32(R), qt, kt, vt, out, lse, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
+	// dout too (o_proj's dx): the references from the values it holds.
+	Rt, Rin := s.actIn(R)
+	if !s.tol.BF16Attention {
+		Rd = f64(Rin)
+	}
+	be.AttentionBackward(dq, dk, dv, Rt, qt, kt, vt, out, lse, stt, len(lens), maxLen, N, H, KV, D, float32(scale))
 	f := func() float64 { return dot(attention(qd, kd, vd, starts, H, KV, D, scale), Rd) }
 	bs := s
 	if s.tol.BF16Attention {

@@ -47,9 +47,11 @@ type Options struct {
 	// Logf, if set, receives one line per notable event (kernels compiled
 	// or read from the cache, the device found).
 	Logf func(format string, args ...any)
-	// Profile times every kernel and GEMM with events on the stream
-	// (recording two a call costs the host a little); Profile() reports
-	// the totals, ProfileSpan the time they spread over. For benchmarks.
+	// Profile times every kernel, GEMM, device-to-device copy ("memcpy
+	// DtoD") and memset with events on the stream (recording two a call
+	// costs the host a little); Profile() reports the totals, ProfileSpan
+	// the time they spread over. For benchmarks, and the tests' counts of
+	// launches.
 	Profile bool
 	// PerUseCasts turns the weight shadows off (shadow.go): every GEMM
 	// rounds its fp32 weight operand to BF16 as it reads it, and every
@@ -839,6 +841,7 @@ func (b *Backend) newTensor(dt compute.DType, n int) *tensor {
 
 func (b *Backend) memset0(p uint64, n int64) {
 	if n > 0 {
+		defer b.timed("memset")()
 		b.must(b.drv.check("cuMemsetD8Async", C.call_cuMemsetD8Async(b.drv.cuMemsetD8Async, C.CUdeviceptr(p), 0, C.size_t(n), b.stream)))
 	}
 }
@@ -873,6 +876,7 @@ func (b *Backend) uploadPinned(p uint64, src unsafe.Pointer, n int64) {
 
 // copyD copies n bytes on the device, in stream order.
 func (b *Backend) copyD(dst, src uint64, n int64) {
+	defer b.timed("memcpy DtoD")()
 	b.must(b.drv.check("cuMemcpyDtoDAsync", C.call_cuMemcpyDtoDAsync(b.drv.cuMemcpyDtoDAsync, C.CUdeviceptr(dst), C.CUdeviceptr(src), C.size_t(n), b.stream)))
 }
 

@@ -202,10 +202,12 @@
 // operands and accumulates in fp32 into fp32. The saved activations are
 // BF16 already (half the arena); so are the gradients that only a GEMM's
 // backward reads (compute.ActGrads): SwiGLUBackward's dgate and dup, the
-// q/k norms' dx, AttentionBackward's dv, and the BF16 copy of the
-// residual stream's gradient that RMSNormBackwardCopy writes beside the
-// F32 one in the same kernel, each the rounding of the fp32 value a
-// rounding pass would have read; and attention's dout, o_proj's dx, which
+// q/k norms' dx, AttentionBackward's dv, the BF16 copy of the residual
+// stream's gradient that RMSNormBackwardCopy writes beside the F32 one in
+// the same kernel, and those of the rotated dq and dk that
+// RoPEBackwardCopy writes where no q/k norm or bias reads them (Llama's
+// q_proj and k_proj), each the rounding of the fp32 value a rounding
+// pass would have read; and attention's dout, o_proj's dx, which
 // cuBLASLt writes in BF16 (C and D BF16: the fp32 sum rounded once by the
 // epilogue) and attention reads in place (Options.F32Grads restores F32
 // gradients and the passes: train's TestCUDAGradsInBF16 holds the two to
@@ -233,7 +235,8 @@
 //     dw by column sums over fixed row chunks, then the chunks in order.
 //   - EmbedBackward: one thread per column adds the rows of dout in token
 //     order (repeated ids add up in a fixed order; bit-identical to the CPU).
-//   - RoPEBackward, SwiGLUBackward: fp32, elementwise.
+//   - RoPEBackward, SwiGLUBackward: fp32, elementwise (RoPEBackwardCopy:
+//     the rotated value's BF16 rounding stored beside it).
 //   - MoEBackward: the routing weights' gradients dout·Y (float64 sums,
 //     k_moe_wgrad), the renormalization and softmax backward per token
 //     (float64, k_moe_route_bwd, the load-balancing dprob included), then
@@ -329,7 +332,14 @@
 // Performance notes, to be measured by the GPU suite: the BF16 copies of
 // F32 activations and gradients are made per GEMM call (those of
 // parameters once per step, above; the gradients that only GEMMs and
-// attention read are BF16 already); the own tensor-core attention kernels use
+// attention read are BF16 already, so a dense Qwen3, Qwen2 or Llama
+// student's step makes none: train's TestCUDAStepConversions pins the
+// conversion and copy passes a step makes on the emulator, by name, to
+// what cuDNN's attention backward needs per call: its BF16 dq and dk
+// widened into the F32 gradients RoPE's backward rotates, its dv added
+// into the decoder's BF16 one or widened into a biased F32 one; the
+// profile, Options.Profile, times device-to-device copies and memsets
+// beside the kernels); the own tensor-core attention kernels use
 // mma.sync, not Hopper's wgmma/TMA, and their backward recomputes S and dP
 // for dq.
 //

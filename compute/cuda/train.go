@@ -323,15 +323,36 @@ func (b *Backend) rmsNormBackward(what string, dxT, dxcT, dwT, doutT, xT, wT, rs
 // RoPEBackward implements compute.Backend: dx rotated by -angle in place.
 func (b *Backend) RoPEBackward(dxT, cosT, sinT compute.Tensor, tokens, heads, headDim int) {
 	defer b.enter()()
-	b.wroteT(dxT)
-	x, cs, sn := b.ten(dxT, "RoPEBackward dx"), b.ten(cosT, "RoPEBackward cos"), b.ten(sinT, "RoPEBackward sin")
-	need(x, "RoPEBackward dx", tokens*heads*headDim, compute.F32)
-	need(cs, "RoPEBackward cos", tokens*(headDim/2), compute.F32)
-	need(sn, "RoPEBackward sin", tokens*(headDim/2), compute.F32)
+	b.ropeBackward("RoPEBackward", dxT, nil, cosT, sinT, tokens, heads, headDim)
+}
+
+// RoPEBackwardCopy implements compute.ActGrads: RoPEBackward whose kernel
+// also writes the BF16 rounding of each rotated element into dxc.
+func (b *Backend) RoPEBackwardCopy(dxT, dxcT, cosT, sinT compute.Tensor, tokens, heads, headDim int) {
+	defer b.enter()()
+	b.ropeBackward("RoPEBackwardCopy", dxT, dxcT, cosT, sinT, tokens, heads, headDim)
+}
+
+func (b *Backend) ropeBackward(what string, dxT, dxcT, cosT, sinT compute.Tensor, tokens, heads, headDim int) {
+	b.wroteT(dxT, dxcT)
+	x, cs, sn := b.ten(dxT, what+" dx"), b.ten(cosT, what+" cos"), b.ten(sinT, what+" sin")
+	n := tokens * heads * headDim
+	need(x, what+" dx", n, compute.F32)
+	need(cs, what+" cos", tokens*(headDim/2), compute.F32)
+	need(sn, what+" sin", tokens*(headDim/2), compute.F32)
+	var cp uint64
+	if dxcT != nil {
+		c := b.ten(dxcT, what+" dxc")
+		need(c, what+" dxc", n, compute.BF16)
+		if c.p < x.p+uint64(n)*4 && x.p < c.p+uint64(n)*2 {
+			panic(fmt.Sprintf("cuda: %s: dxc overlaps dx; pass a separate BF16 tensor", what))
+		}
+		cp = c.p
+	}
 	l, err := ropeLaunch(tokens, heads, headDim)
 	b.must(err)
 	l.kernel = "k_rope_table_bwd"
-	b.launchKernel(l, dptr(x.p), dptr(cs.p), dptr(sn.p), int64(tokens), int32(heads), int32(headDim))
+	b.launchKernel(l, dptr(x.p), dptr(cs.p), dptr(sn.p), int64(tokens), int32(heads), int32(headDim), dptr(cp))
 }
 
 // SwiGLUBackward implements compute.Backend: fp32 math; a BF16 dgate or

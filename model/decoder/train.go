@@ -106,7 +106,10 @@ type trainActs struct {
 	// dqpre, dkpre and (without attention biases) dv are in the
 	// backend's gradient dtype (compute.GradDType): only GEMMs' backwards
 	// read them; so is datt (without o_proj adapters), which only
-	// attention's backward reads. dresg, when that dtype is not F32, is the BF16 copy of
+	// attention's backward reads. dqpre and dkpre are the q/k
+	// projections' douts where those are not dq and dk: the q/k norms'
+	// input gradients, or without norms (or biases) dq's and dk's BF16
+	// copies (RoPEBackwardCopy's; nil with F32 gradients). dresg, when that dtype is not F32, is the BF16 copy of
 	// dres that the norms' backwards write for o_proj's and down_proj's.
 	dres, dln, dq, dk, dv, datt, dqpre, dkpre, dgate, dup, dh compute.Tensor
 	dresg                                                     compute.Tensor
@@ -166,6 +169,13 @@ func (m *Model) carve(a *trainActs, N int, act, gact compute.DType, arena, aaren
 			return m.be.View(aarena, at, n)
 		}
 	}
+	// take16 is take at a 16-byte boundary: the attention statistics, which
+	// a library reads in place only when aligned (cuDNN's; else it copies
+	// them, both ways).
+	take16 := func(n int) compute.Tensor {
+		z.f32 = (z.f32 + 3) / 4 * 4
+		return take(n)
+	}
 	atake := take
 	if act != compute.F32 {
 		atake = aligned(actAlign)
@@ -192,7 +202,7 @@ func (m *Model) carve(a *trainActs, N int, act, gact compute.DType, arena, aaren
 		if cfg.QKNorm {
 			l.qpre, l.qrstd, l.kpre, l.krstd = atake(N*H*D), take(N*H), atake(N*KV*D), take(N*KV)
 		}
-		l.q, l.k, l.v, l.att, l.lse = atake(N*H*D), atake(N*KV*D), atake(N*KV*D), atake(N*H*D), take(N*H)
+		l.q, l.k, l.v, l.att, l.lse = atake(N*H*D), atake(N*KV*D), atake(N*KV*D), atake(N*H*D), take16(N*H)
 		if !cfg.QKNorm {
 			l.qpre, l.kpre = l.q, l.k
 		}
@@ -302,7 +312,8 @@ func (m *Model) carveGrads(a *trainActs, N int, lowGrads bool, take, gtake func(
 	}
 	// q, k and v's douts: F32 where their biases train (the column sums
 	// read the unrounded gradient); dq and dk always (RoPE's backward
-	// rotates them; the q/k norm's backward then writes dqpre, dkpre).
+	// rotates them; the q/k norm's backward then writes dqpre, dkpre, or
+	// without norms or biases RoPEBackwardCopy their BF16 copies).
 	qkv := gtake
 	if cfg.AttentionBias {
 		qkv = take
@@ -317,7 +328,8 @@ func (m *Model) carveGrads(a *trainActs, N int, lowGrads bool, take, gtake func(
 		}
 	}
 	a.dq, a.dk, a.dv, a.datt = take(N*H*D), take(N*KV*D), qkv(N*KV*D), att(N*H*D)
-	if cfg.QKNorm {
+	a.dqpre, a.dkpre = nil, nil
+	if cfg.QKNorm || lowGrads && !cfg.AttentionBias {
 		a.dqpre, a.dkpre = qkv(N*H*D), qkv(N*KV*D)
 	}
 	a.dgate, a.dup, a.dh = gtake(N*I), gtake(N*I), take(N*I)
@@ -508,9 +520,18 @@ func (m *Model) Backward() {
 		be.Zero(a.dk)
 		be.Zero(a.dv)
 		m.attentionBackward(a, l, b)
-		be.RoPEBackward(a.dq, b.cos, b.sin, N, H, D)
-		be.RoPEBackward(a.dk, b.cos, b.sin, N, KV, D)
 		dq, dk := a.dq, a.dk
+		if at.QNorm == nil && a.dqpre != nil {
+			// No norm or bias reads dq and dk after the rotation: it
+			// writes the q/k projections' BF16 douts beside them.
+			g := be.(compute.ActGrads)
+			g.RoPEBackwardCopy(a.dq, a.dqpre, b.cos, b.sin, N, H, D)
+			g.RoPEBackwardCopy(a.dk, a.dkpre, b.cos, b.sin, N, KV, D)
+			dq, dk = a.dqpre, a.dkpre
+		} else {
+			be.RoPEBackward(a.dq, b.cos, b.sin, N, H, D)
+			be.RoPEBackward(a.dk, b.cos, b.sin, N, KV, D)
+		}
 		if at.QNorm != nil {
 			be.Zero(a.dqpre)
 			be.Zero(a.dkpre)

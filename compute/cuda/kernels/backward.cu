@@ -81,9 +81,12 @@ DK_KERNEL void k_swiglu_bwd_x8(void *__restrict__ dg, int dg_bf, void *__restric
 }
 
 // RoPE's backward: the rotation by -angle, in place on dx (tokens, heads,
-// hd): dx[i], dx[i+hd/2] = dx[i]·c + dx[i+hd/2]·s, dx[i+hd/2]·c - dx[i]·s.
+// hd): dx[i], dx[i+hd/2] = dx[i]·c + dx[i+hd/2]·s, dx[i+hd/2]·c - dx[i]·s;
+// with copy set, also the BF16 rounding of each new value into copy (the
+// same layout: the q/k projections' dout where no norm or bias follows).
 // The geometry of k_rope_table.
-DK_KERNEL void k_rope_table_bwd(float *x, const float *__restrict__ cosv, const float *__restrict__ sinv, i64 tokens, int heads, int hd) {
+DK_KERNEL void k_rope_table_bwd(float *x, const float *__restrict__ cosv, const float *__restrict__ sinv, i64 tokens, int heads, int hd,
+                                u16 *__restrict__ copy) {
 	i64 t = blockIdx.x;
 	int half = hd / 2;
 	const float *ct = cosv + t * half, *st = sinv + t * half;
@@ -92,8 +95,14 @@ DK_KERNEL void k_rope_table_bwd(float *x, const float *__restrict__ cosv, const 
 		int h = j / half, i = j - h * half;
 		float *v = xt + (i64)h * hd;
 		float a = v[i], b = v[i + half], c = ct[i], s = st[i];
-		v[i] = a * c + b * s;
-		v[i + half] = b * c - a * s;
+		float lo = a * c + b * s, hi = b * c - a * s;
+		v[i] = lo;
+		v[i + half] = hi;
+		if (copy) {
+			u16 *cv = copy + t * (i64)heads * hd + (i64)h * hd;
+			cv[i] = f2bf(lo);
+			cv[i + half] = f2bf(hi);
+		}
 	}
 }
 

@@ -1,0 +1,141 @@
+package train
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+	"testing"
+
+	"distill/compute/cuda"
+	"distill/compute/cuda/cudaemu"
+	"distill/model"
+	"distill/model/decoder"
+	"distill/train/loss"
+	"distill/train/optim"
+)
+
+// TestCUDAStepConversions pins the pure conversion and copy passes of a
+// CUDA training step (issue 23: producers write BF16 themselves): in the
+// third step of a dense Qwen3, Qwen2 and Llama student (every weight
+// shadow made by then, as in any step of a run), forward, backward, the
+// gradient norm and AdamW, the emulator's profile counts each launch of a
+// kernel that only converts or moves (k_f32_to_bf16, k_bf16_to_f32,
+// k_add_bf16, k_add_bf16_act, k_add_to_act, device-to-device copies) by
+// name. What remains is cuDNN's attention backward widening its BF16 dq
+// and dk into the F32 gradients RoPE's backward rotates (and Qwen2's dv,
+// which its bias's column sums read in F32), and adding its dv into the
+// BF16 one; no rounding pass, and no copy (the attention statistics are
+// 16-byte aligned views, which cuDNN reads in place). A new stray
+// conversion or copy, or one more a call, fails the test.
+func TestCUDAStepConversions(t *testing.T) {
+	cudaemu.Use(t)
+	llamaBias := tinyConfig(model.ArchLlama, false)
+	llamaBias.AttentionBias = true
+	for _, c := range []struct {
+		name      string
+		cfg       *model.Config
+		recompute decoder.Recompute
+		qad       bool
+		// the passes a cuDNN attention backward call makes (dq and dk
+		// widened; dv widened, or added in BF16)
+		perCall map[string]int
+	}{
+		{"qwen3", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, map[string]int{"k_add_bf16": 2, "k_add_bf16_act": 1}},
+		{"qwen3 full", tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, map[string]int{"k_add_bf16": 2, "k_add_bf16_act": 1}},
+		{"qwen3 qad", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, true, map[string]int{"k_add_bf16": 2, "k_add_bf16_act": 1}},
+		{"qwen2", tinyConfig(model.ArchQwen2, true), decoder.RecomputeNone, false, map[string]int{"k_add_bf16": 3}},
+		{"llama", tinyConfig(model.ArchLlama, false), decoder.RecomputeSelective, false, map[string]int{"k_add_bf16": 2, "k_add_bf16_act": 1}},
+		{"llama attention bias", llamaBias, decoder.RecomputeNone, false, map[string]int{"k_add_bf16": 3}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			be, err := cuda.Open(cuda.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer be.Close()
+			w := model.Init(c.cfg, model.InitOptions{Seed: 3, Std: 0.1, Perturb: true})
+			s, err := NewStudentOn(c.cfg, be)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Free()
+			if err := s.Load(w); err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Model.SetRecompute(c.recompute); err != nil {
+				t.Fatal(err)
+			}
+			b := testBatch(4, c.cfg.VocabSize, 8)
+			opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+			if c.qad {
+				if err := s.EnableQAD(); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := s.Forward(b, &opt); err != nil {
+					t.Fatal(err)
+				}
+				if err := s.FinishCalibration(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			ad, _ := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
+			got := map[string]int{}
+			calls := 0
+			for step := 0; step < 3; step++ {
+				be.SetProfile(step == 2)
+				s.ZeroGrad()
+				if _, err := s.ForwardBackward(b, &opt, 0); err != nil {
+					t.Fatal(err)
+				}
+				optim.ClipGradNorm(s.Groups(), 1)
+				ad.Step(3e-3)
+				if step != 2 {
+					continue
+				}
+				for _, e := range be.Profile() {
+					switch name := strings.TrimSuffix(e.Name, "_x4"); {
+					case e.Name == "cudnn attention backward":
+						calls = e.Calls
+					case conversionPass(name):
+						got[name] += e.Calls
+					}
+				}
+			}
+			if want := 2 * c.cfg.Layers; calls != want {
+				// testBatch's samples run in two groups (attnGroups)
+				t.Fatalf("%d cuDNN attention backward calls, want %d", calls, want)
+			}
+			want := map[string]int{}
+			for k, v := range c.perCall {
+				want[k] = v * calls
+			}
+			if fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Fatalf("conversion and copy passes of a step: %v, want %v", sorted(got), sorted(want))
+			}
+			t.Logf("%d attention backward calls; conversion and copy passes %v", calls, sorted(got))
+		})
+	}
+}
+
+// conversionPass reports whether a profile entry (its _x4 suffix
+// trimmed) is a pass that only converts or moves data.
+func conversionPass(name string) bool {
+	switch name {
+	case "k_f32_to_bf16", "k_bf16_to_f32", "k_add_bf16", "k_add_bf16_act", "k_add_to_act", "memcpy DtoD":
+		return true
+	}
+	return false
+}
+
+func sorted(m map[string]int) string {
+	var ks []string
+	for k := range m {
+		ks = append(ks, k)
+	}
+	sort.Strings(ks)
+	var b strings.Builder
+	for _, k := range ks {
+		fmt.Fprintf(&b, "%s:%d ", k, m[k])
+	}
+	return strings.TrimSpace(b.String())
+}
