@@ -2,6 +2,7 @@ package train
 
 import (
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"strings"
@@ -341,24 +342,7 @@ func TestCUDAZero3BF16Gathers(t *testing.T) {
 						t.Fatalf("block %d: a norm or router weight is not fp32", i)
 					}
 				}
-				ad, err := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer ad.Free()
-				var norms []float64
-				for step := 0; step < 3; step++ {
-					s.ZeroGrad()
-					for _, b := range rows {
-						if _, err := s.ForwardBackward(b, &opt, total); err != nil {
-							t.Fatal(err)
-						}
-					}
-					s.AllReduceGrads(nil)
-					norms = append(norms, optim.ClipGradNormSum(s.Groups(), 0.5, func(x float64) float64 { return x }))
-					ad.Step(3e-3)
-					s.AfterStep()
-				}
+				norms := zero3Steps(t, s, rows, &opt, total)
 				// (The gathers of the steps only: Weights gathers fp32
 				// blocks into the slots, BF16 gathers' masters through
 				// broadcasts.)
@@ -374,6 +358,17 @@ func TestCUDAZero3BF16Gathers(t *testing.T) {
 				return r
 			}
 			bf, f32 := run(false), run(true)
+			// And the unsharded student (its GEMMs read its weights' BF16
+			// shadows; a group of one's pieces are its tensors, in order).
+			us, err := NewStudentOn(c.cfg, be)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := us.Load(model.Init(c.cfg, model.InitOptions{Seed: 5})); err != nil {
+				t.Fatal(err)
+			}
+			one := result{norms: zero3Steps(t, us, rows, &opt, total), w: us.Weights()}
+			us.Free()
 			for name, w := range f32.w {
 				for j := range w {
 					if math.Float32bits(bf.w[name][j]) != math.Float32bits(w[j]) {
@@ -386,6 +381,26 @@ func TestCUDAZero3BF16Gathers(t *testing.T) {
 					t.Fatalf("step %d: gradient norm %g with BF16 gathers, %g with fp32", i+1, bf.norms[i], f32.norms[i])
 				}
 			}
+			// The unsharded student: within fp32 reordering, the GEMMs
+			// reading the same BF16 weights (its shadows). A sharded step
+			// sums a row's gradients from zero and adds the sum to the
+			// rank's part, where the unsharded one accumulates each
+			// contribution in place: a tensor with several contributions
+			// a row differs in the last bits (the MoE's embedding, a
+			// token seen twice; its router), the fp32 gathers' alike.
+			worst, differ, in := 0.0, 0, map[string]bool{}
+			for name, w := range one.w {
+				for j := range w {
+					if bf.w[name][j] != w[j] {
+						differ, in[name] = differ+1, true
+						worst = max(worst, math.Abs(float64(bf.w[name][j]-w[j])))
+					}
+				}
+			}
+			if worst > 1e-6 {
+				t.Fatalf("the unsharded student's weights differ by up to %g (%d values, in %v)", worst, differ, slices.Sorted(maps.Keys(in)))
+			}
+			t.Logf("the unsharded student: %d weights differ, by up to %g, in %v", differ, worst, slices.Sorted(maps.Keys(in)))
 			is := func(n int, ps []int) bool { return slices.Contains(ps, n) }
 			var blockCalls, smallCalls int
 			for _, cl := range bf.log.calls {
@@ -419,6 +434,33 @@ func TestCUDAZero3BF16Gathers(t *testing.T) {
 				bf.log.bytes(compute.BF16), fpBlock, 4*bf.sper)
 		})
 	}
+}
+
+// zero3Steps trains s three steps on every row of rows (one rank's, or an
+// unsharded student), clipping at 0.5; it returns the gradient norms.
+func zero3Steps(t *testing.T, s *Student, rows []*Batch, opt *loss.Options, total float64) []float64 {
+	t.Helper()
+	ad, err := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ad.Free()
+	var norms []float64
+	for step := 0; step < 3; step++ {
+		s.ZeroGrad()
+		for _, b := range rows {
+			if _, err := s.ForwardBackward(b, opt, total); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if s.ShardStage() > 0 {
+			s.AllReduceGrads(nil)
+		}
+		norms = append(norms, optim.ClipGradNormSum(s.Groups(), 0.5, func(x float64) float64 { return x }))
+		ad.Step(3e-3)
+		s.AfterStep()
+	}
+	return norms
 }
 
 // TestCUDAZero3QADGathersFP32: NVFP4 QAD on a stage 3 student that
