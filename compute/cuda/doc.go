@@ -349,7 +349,9 @@
 // libnccl.so.2 opened with dlopen when a group is first made or joined
 // (DISTILL_LIBNCCL names the file; prototypes in nccl_capi.h),
 // ncclCommInitRank on the backend's device and context, and the four
-// operations (F32, sum) enqueued on the backend's stream, in issue order
+// operations (F32, sum; the all-gather also BF16, ncclBfloat16, which
+// ZeRO stage 3 gathers the layers' GEMM weights with, and RoundBF16 makes
+// their roundings) enqueued on the backend's stream, in issue order
 // with the kernels, their writes recorded for the weight shadows.
 // JoinCollective gives up after DISTILL_NCCL_TIMEOUT (default 10 minutes)
 // with an error naming it; a watchdog polls ncclCommGetAsyncError and
