@@ -71,6 +71,12 @@ func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute,
 	if s.Model.QAD() && !s.Model.Calibrating() {
 		resident += p0.Term(train.TermQAD)
 	}
+	if s.ShardStage() > 0 {
+		// A sharded student's BF16 weight copies are its stage 3 BF16
+		// weight slots, allocated with it (an unsharded one's are made
+		// at the first GEMM after a step).
+		resident += p0.Term(train.TermShadows)
+	}
 	budget := free - reserve + resident
 	need := func(r decoder.Recompute) int64 {
 		p := train.PlanMemory(planShape(cfg, s.Cfg, k, r, s.Backend(), ranks))

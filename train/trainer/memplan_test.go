@@ -202,3 +202,52 @@ func TestCUDAMemoryPlanOverlapHint(t *testing.T) {
 		t.Fatalf("room for the overlap: %v %v", r, err)
 	}
 }
+
+// TestCUDAMemoryPlanShardedSlots: a ZeRO 3 student's BF16 weight slots
+// (the plan's BF16 weight copies at stage 3) are allocated with the
+// student, so the check before step 1 counts them among what is already
+// on the device: on a device with room for exactly the plan of full
+// recompute, a sharded student fits.
+func TestCUDAMemoryPlanShardedSlots(t *testing.T) {
+	useCUDA(t)
+	if cudaemu.OnGPU() {
+		t.Skip("shrinks the emulator's device")
+	}
+	be, err := cuda.Open(cuda.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer be.Close()
+	cfg := tinyConfig(t, testCache(t), t.TempDir(), "train.device=cuda", "data.seq_len=256", "train.zero=3", "train.recompute=full")
+	mc, err := cfg.Model.Random.ModelConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, err := be.NewCollectiveID()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := be.JoinCollective(id, 0, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	s, err := train.NewShardedStudentOn(mc, be, train.Sharding{C: c, Stage: 3, Overlap: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Free()
+	const k, ranks = 8, 2
+	p0 := train.PlanMemory(planShape(cfg, mc, k, decoder.RecomputeNone, be, ranks))
+	slots := p0.Term(train.TermShadows)
+	if slots == 0 {
+		t.Fatal("the stage 3 plan has no BF16 weight slots")
+	}
+	resident := p0.Term(train.TermParams) + p0.Term(train.TermGrads) + p0.Term(train.TermMoments) + slots
+	need := train.PlanMemory(planShape(cfg, mc, k, decoder.RecomputeFull, be, ranks)).Total()
+	free, total := be.MemInfo()
+	t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(total-free+256<<20+need-resident)) // budget = need (reserve 256 MiB)
+	if r, err := planRecompute(cfg, s, k, "", ranks, io.Discard); err != nil || r != decoder.RecomputeFull {
+		t.Fatalf("a device with room for the plan of full recompute (its %d bytes of BF16 slots allocated): %v %v", slots, r, err)
+	}
+}
