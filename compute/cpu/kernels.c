@@ -390,16 +390,82 @@ CLONES void k_lse_topk(const float *logits, long rows, long ncols, long ld, long
 	}
 }
 
-// k_draw_walk places the draws of one (token, block) pair of
-// LMHeadSample: z holds the logits of ids v0..v0+nz-1, mx the token's max
-// logit, head its top-k ids ascending (nh of them, left out), thr the nd
-// thresholds ascending, relative to the mass before the block. Draw d is
-// the first id whose running sum of exp(z - mx) (double, ids ascending)
-// exceeds thr[d]; one the block's sum does not reach (rounding: the block
-// sums of the pass over the tiles use the fast exp) is the block's last id
-// with mass, or its last id outside the head when none has any.
-void k_draw_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh,
-                 const double *thr, int nd, int32_t *out) {
+// v8d is 8 doubles as one GCC vector (split into narrower registers where
+// the target has none that wide), v8l its integer twin.
+typedef double v8d __attribute__((vector_size(64)));
+typedef int64_t v8l __attribute__((vector_size(64)));
+
+// VSEL(m, a, b): a where the mask m is set, else b.
+#define VSEL(m, a, b) ((v8d)(((v8l)(a) & (m)) | ((v8l)(b) & ~(m))))
+
+// dexp8 is exp of 8 doubles to about 1 ulp, in plain arithmetic so that it
+// vectorizes on every clone (libm's exp is a call an element): x = k ln2 +
+// r with k = round(x/ln2) (the 1.5·2^52 trick) and |r| <= ln2/2 (two-part
+// ln2), e^r by its Taylor polynomial to r^13 (truncation below 5e-18
+// relative), times 2^k as two powers of two (2^k1·2^k2, each normal, so
+// that results down to the subnormals round once). Below -745.2 (e^x under
+// half the least subnormal) it is 0; the walks' arguments are at most a
+// rounding above 0, far inside the top clamp.
+static inline __attribute__((always_inline)) void dexp8(double *out, const double *in) {
+	v8d x;
+	memcpy(&x, in, sizeof x);
+	const v8d lo = {-745.2, -745.2, -745.2, -745.2, -745.2, -745.2, -745.2, -745.2};
+	const v8d hi = {709.0, 709.0, 709.0, 709.0, 709.0, 709.0, 709.0, 709.0};
+	v8l under = x < lo;
+	x = VSEL(under, lo, x);
+	x = VSEL(x > hi, hi, x);
+	v8d n = (x * 1.4426950408889634 + 6755399441055744.0) - 6755399441055744.0;
+	v8d r = x - n * 0.693147180369123816490; // fdlibm's ln2_hi (21 low bits 0): n·hi exact
+	r = r - n * 1.90821492927058770002e-10;  // ln2 - ln2_hi
+	v8d p = r * (1.0 / 6227020800.0) + 1.0 / 479001600.0;
+	p = p * r + 1.0 / 39916800.0;
+	p = p * r + 1.0 / 3628800.0;
+	p = p * r + 1.0 / 362880.0;
+	p = p * r + 1.0 / 40320.0;
+	p = p * r + 1.0 / 5040.0;
+	p = p * r + 1.0 / 720.0;
+	p = p * r + 1.0 / 120.0;
+	p = p * r + 1.0 / 24.0;
+	p = p * r + 1.0 / 6.0;
+	p = p * r + 0.5;
+	p = p * r + 1.0;
+	p = p * r + 1.0;
+	v8l k = __builtin_convertvector(n, v8l);
+	v8l k1 = k >> 1, k2 = k - k1;
+	v8d s1 = (v8d)((k1 + 1023) << 52), s2 = (v8d)((k2 + 1023) << 52);
+	p = (p * s1) * s2;
+	p = (v8d)((v8l)p & ~under);
+	memcpy(out, &p, sizeof p);
+}
+
+// block_exps writes e[j] = exp((double)z[j] - mx) for j < nz (nz <= 64;
+// e holds 64, written in 8s) by dexp8: the terms of the walks and of a head block's mass.
+static inline __attribute__((always_inline)) void block_exps(double *e, const float *z, int nz, double mx) {
+	for (int j0 = 0; j0 < nz; j0 += 8) {
+		double x[8];
+		for (int l = 0; l < 8; l++) x[l] = j0 + l < nz ? (double)z[j0 + l] - mx : -INFINITY;
+		dexp8(e + j0, x);
+	}
+}
+
+// k_dexp (for tests) is block_exps of n values, 64 at a time.
+CLONES void k_dexp(double *e, const float *z, long n, double mx) {
+	for (long j = 0; j < n; j += 64) block_exps(e + j, z + j, n - j < 64 ? (int)(n - j) : 64, mx);
+}
+
+// draw_walk places the draws of one (token, block) pair of LMHeadSample:
+// z holds the logits of ids v0..v0+nz-1, mx the token's max logit, head
+// its top-k ids ascending (nh of them, left out), thr the nd thresholds
+// ascending, relative to the mass before the block. Draw d is the first id
+// whose running sum of exp(z - mx) (double, ids ascending) exceeds thr[d];
+// one the block's sum does not reach (rounding: the block sums of the pass
+// over the tiles use the fast exp) is the block's last id with mass, or
+// its last id outside the head when none has any.
+static inline __attribute__((always_inline)) void draw_walk(const float *z, int nz, int32_t v0, double mx,
+                                                            const int32_t *head, int nh, const double *thr, int nd,
+                                                            int32_t *out) {
+	double e[64];
+	block_exps(e, z, nz, mx);
 	double c = 0;
 	int d = 0, hp = 0;
 	int32_t last = -1, lastout = -1;
@@ -408,7 +474,7 @@ void k_draw_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *h
 		while (hp < nh && head[hp] < v) hp++;
 		if (hp < nh && head[hp] == v) continue;
 		lastout = v;
-		double x = exp((double)z[j] - mx);
+		double x = e[j];
 		if (x == 0) continue;
 		c += x;
 		last = v;
@@ -416,6 +482,27 @@ void k_draw_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *h
 	}
 	if (last < 0) last = lastout;
 	while (d < nd) out[d++] = last;
+}
+
+// k_draw_walk is draw_walk (for tests).
+CLONES void k_draw_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh,
+                        const double *thr, int nd, int32_t *out) {
+	draw_walk(z, nz, v0, mx, head, nh, thr, nd, out);
+}
+
+// k_draw_walks walks the m pairs of one block (LMHeadSample's blockPair,
+// all of block blk), pair i's logits at z + i·nz: draws [d0, d1) of row
+// r from thr + r·n + d0 into drawn + r·n + d0, with the row's max rmax[r]
+// and, with heads, its top-k ids ascending at heads + r·k. One call a
+// block: a cgo call a pair cost more than a walk.
+CLONES void k_draw_walks(const float *z, long m, int nz, const struct draw_pair *ps, const float *rmax,
+                         const int32_t *heads, int k, const double *thr, int n, int32_t *drawn) {
+	for (long i = 0; i < m; i++) {
+		const struct draw_pair *p = &ps[i];
+		long r = p->row;
+		draw_walk(z + i * nz, nz, p->blk * 64, (double)rmax[r], heads ? heads + r * k : NULL, heads ? k : 0,
+		          thr + r * n + p->d0, p->d1 - p->d0, drawn + r * n + p->d0);
+	}
 }
 
 // k_tile_mass is Σ_t tsum[t]·exp(tmax[t] - mx), summed as k_draw_locate
@@ -545,16 +632,18 @@ double k_fexp_sum(const float *z, int n, float m) {
 	return s;
 }
 
-// k_block_mass is Σ exp(z - mx) in double over the nz logits of ids
-// v0.. outside head (nh ids ascending): a head block's exact mass.
-double k_block_mass(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh) {
-	double c = 0;
+// k_block_mass is Σ exp(z - mx) in double (dexp8's terms) over the nz
+// logits of ids v0.. outside head (nh ids ascending): a head block's exact
+// mass.
+CLONES double k_block_mass(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh) {
+	double e[64], c = 0;
+	block_exps(e, z, nz, mx);
 	int hp = 0;
 	for (int j = 0; j < nz; j++) {
 		int32_t v = v0 + j;
 		while (hp < nh && head[hp] < v) hp++;
 		if (hp < nh && head[hp] == v) continue;
-		c += exp((double)z[j] - mx);
+		c += e[j];
 	}
 	return c;
 }

@@ -16,8 +16,16 @@ void k_lse_topk(const float *logits, long rows, long ncols, long ld, long col0,
                 float *rmax, double *rsum, int k, float *hv, int32_t *hi, int32_t *hn,
                 float *ebuf, float *bsum, long ldb, long nb, float *tmax, double *tsum, long ldt, long tile,
                 int32_t *hsl, float *hz);
+// draw_pair is LMHeadSample's blockPair (lmsample.go): a (row, block)
+// pair and its draws [d0, d1).
+struct draw_pair {
+	int32_t row, blk, d0, d1;
+};
 void k_draw_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh,
                  const double *thr, int nd, int32_t *out);
+void k_draw_walks(const float *z, long m, int nz, const struct draw_pair *ps, const float *rmax,
+                  const int32_t *heads, int k, const double *thr, int n, int32_t *drawn);
+void k_dexp(double *e, const float *z, long n, double mx);
 double k_tile_mass(const float *tmax, const double *tsum, long ntile, double mx);
 void k_draw_locate(const float *bs, long nblk, const float *tmax, const double *tsum, long ntile, long spt, double mx,
                    const int32_t *u, int n, double mass, int32_t *blk, double *thr);

@@ -118,7 +118,7 @@ func BenchmarkBlockLogits(b *testing.B) {
 	b.ResetTimer()
 	c0 := cpuSeconds()
 	for i := 0; i < b.N; i++ {
-		be.blockLogits(slices.Clone(pairs), xs, ws, hidden, vocab, func(p blockPair, z []float32) { sink[p.row&1] += z[0] })
+		be.blockLogits(slices.Clone(pairs), xs, ws, hidden, vocab, func(ps []blockPair, z []float32, _ int) { sink[ps[0].row&1] += z[0] })
 	}
 	s := b.Elapsed().Seconds() / float64(b.N)
 	b.ReportMetric(float64(len(pairs))/s, "pairs/s")

@@ -134,6 +134,18 @@ func blockSumsV4(bs, e []float32) bool {
 	return len(e) == 0 || C.k_block_sums_v4(fp(bs), fp(e), C.long(len(e))) != 0
 }
 
+// dexp writes to e (len(z)) exp(float64(z[i]) - mx) as the draws' walks
+// and the head blocks' masses compute their terms (k_dexp: dexp8, for
+// tests).
+func dexp(e []float64, z []float32, mx float64) {
+	if len(e) < len(z) {
+		panic("cpu: dexp: e is shorter than z")
+	}
+	if len(z) > 0 {
+		C.k_dexp((*C.double)(unsafe.Pointer(&e[0])), fp(z), C.long(len(z)), C.double(mx))
+	}
+}
+
 // lmSampleRows is how many rows LMHeadSample keeps block sums for at once:
 // enough slabs to keep every worker busy in the pass, at least 1024.
 // (A variable: tests force several groups on small shapes.)
@@ -146,6 +158,14 @@ type blockPair struct {
 	row, blk int32
 	d0, d1   int32
 }
+
+// k_draw_walks reads blockPairs as C's struct draw_pair.
+var (
+	_ [unsafe.Sizeof(blockPair{}) - unsafe.Sizeof(C.struct_draw_pair{})]struct{}
+	_ [unsafe.Sizeof(C.struct_draw_pair{}) - unsafe.Sizeof(blockPair{})]struct{}
+	_ [unsafe.Offsetof(blockPair{}.d1) - unsafe.Offsetof(C.struct_draw_pair{}.d1)]struct{}
+	_ [unsafe.Offsetof(C.struct_draw_pair{}.d1) - unsafe.Offsetof(blockPair{}.d1)]struct{}
+)
 
 // sampleGroup runs steps 2-4 of LMHeadSample over the nr rows of one group,
 // whose pass left blk; top is the group's top-k (nr, k), drawn (nr, n),
@@ -168,42 +188,36 @@ func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32
 		return heads[r*k : (r+1)*k]
 	}
 	nt := blk.ntile
-	if head {
-		// 2. The blocks of the top-k: their mass outside it, relative to
-		// their tile's max as the pass left the others, in double from
-		// their logits, which the top-k's entries carried through the
-		// pass (k <= lmPayloadK). For a larger k: where the top-k ids hold
-		// at most half of a block's sum, the block's sum less their exps
-		// (the fold's, of their logits: the same terms) keeps its
-		// relative accuracy; a block they dominate is computed again and
-		// summed outside the top-k exactly. Then their tiles' totals are
-		// summed again.
-		var pairs []blockPair
-		if blk.topb != nil {
-			// The pass left each top-k id's block logits: no weights to
-			// read again. On the workers: each row writes its own sums.
-			be.rows(nr, k*B, func(_, lo, hi int) {
-				for r := lo; r < hi; r++ {
-					h, ids := headOf(r), top[r*k:(r+1)*k]
-					for j, v := range ids {
-						b := v / B
-						first := true
-						for _, w := range ids[:j] {
-							first = first && w/B != b
-						}
-						if !first {
-							continue
-						}
-						t := int(b) / bpt
-						nz := min(B, vocab-int(b)*B)
-						z := blk.topb[(r*k+j)*B : (r*k+j)*B+nz]
-						blk.bsum[r*nblk+int(b)] = float32(C.k_block_mass(fp(z), C.int(nz), C.int32_t(int(b)*B),
-							C.double(blk.tmax[r*nt+t]), ip(h), C.int(len(h))))
-					}
-				}
-			})
+	// headMasses (2, the pass left each top-k id's block logits: no
+	// weights to read again) writes row r's head blocks' masses outside
+	// the top-k, relative to their tile's max as the pass left the
+	// others, in double from those logits.
+	headMasses := func(r int) {
+		h, ids := headOf(r), top[r*k:(r+1)*k]
+		for j, v := range ids {
+			b := v / B
+			first := true
+			for _, w := range ids[:j] {
+				first = first && w/B != b
+			}
+			if !first {
+				continue
+			}
+			t := int(b) / bpt
+			nz := min(B, vocab-int(b)*B)
+			z := blk.topb[(r*k+j)*B : (r*k+j)*B+nz]
+			blk.bsum[r*nblk+int(b)] = float32(C.k_block_mass(fp(z), C.int(nz), C.int32_t(int(b)*B),
+				C.double(blk.tmax[r*nt+t]), ip(h), C.int(len(h))))
 		}
-		for r := 0; r < nr && blk.topb == nil; r++ {
+	}
+	if head && blk.topb == nil {
+		// 2, for a k above lmPayloadK (the pass carried no blocks): where
+		// the top-k ids hold at most half of a block's sum, the block's
+		// sum less their exps (the fold's, of their logits: the same
+		// terms) keeps its relative accuracy; a block they dominate is
+		// computed again and summed outside the top-k exactly.
+		var pairs []blockPair
+		for r := 0; r < nr; r++ {
 			h, ids, zs := headOf(r), top[r*k:(r+1)*k], blk.topz[r*k:(r+1)*k]
 			for i := 0; i < len(h); {
 				b := h[i] / B
@@ -228,37 +242,51 @@ func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32
 				}
 			}
 		}
-		be.blockLogits(pairs, xs, ws, hidden, vocab, func(p blockPair, z []float32) {
-			r, b := int(p.row), int(p.blk)
-			h := headOf(r)
-			t := b / bpt
-			m := float64(C.k_block_mass(fp(z), C.int(len(z)), C.int32_t(b*B), C.double(blk.tmax[r*nt+t]), ip(h), C.int(len(h))))
-			blk.bsum[r*nblk+b] = float32(m)
-		})
-		be.rows(nr, k*bpt, func(_, lo, hi int) {
-			for r := lo; r < hi; r++ {
-				last := -1
-				for _, v := range headOf(r) {
-					t := int(v) / lmTile
-					if t == last {
-						continue
-					}
-					last = t
-					var sum float64
-					for _, x := range blk.bsum[r*nblk+t*bpt : r*nblk+min((t+1)*bpt, nblk)] {
-						sum += float64(x)
-					}
-					blk.tsum[r*nt+t] = sum
-				}
+		be.blockLogits(pairs, xs, ws, hidden, vocab, func(ps []blockPair, z []float32, nz int) {
+			for i, p := range ps {
+				r, b := int(p.row), int(p.blk)
+				h := headOf(r)
+				t := b / bpt
+				m := float64(C.k_block_mass(fp(z[i*nz:]), C.int(nz), C.int32_t(b*B), C.double(blk.tmax[r*nt+t]), ip(h), C.int(len(h))))
+				blk.bsum[r*nblk+b] = float32(m)
 			}
 		})
 	}
+	// tileSums sums again the totals of row r's tiles that hold its head
+	// blocks (head only).
+	tileSums := func(r int) {
+		last := -1
+		for _, v := range headOf(r) {
+			t := int(v) / lmTile
+			if t == last {
+				continue
+			}
+			last = t
+			var sum float64
+			for _, x := range blk.bsum[r*nblk+t*bpt : r*nblk+min((t+1)*bpt, nblk)] {
+				sum += float64(x)
+			}
+			blk.tsum[r*nt+t] = sum
+		}
+	}
 	// 3. Each row's mass to draw from, its thresholds among the blocks'
-	// cumulative sums, and the (row, block) pairs that hold them.
+	// cumulative sums, and the (row, block) pairs that hold them; with a
+	// head, the row's head blocks' masses and tile totals first. One
+	// phase on the workers (each row writes its own sums and pairs).
 	rowPairs := make([][]blockPair, nr)
-	be.rows(nr, nt+n*bpt, func(_, lo, hi int) {
+	cost := nt + n*bpt
+	if head {
+		cost += k * (B + bpt)
+	}
+	be.rows(nr, cost, func(_, lo, hi int) {
 		bl := make([]int32, n)
 		for r := lo; r < hi; r++ {
+			if head {
+				if blk.topb != nil {
+					headMasses(r)
+				}
+				tileSums(r)
+			}
 			mx := C.double(blk.rmax[r])
 			tm, ts := fp(blk.tmax[r*nt:]), (*C.double)(unsafe.Pointer(&blk.tsum[r*nt]))
 			mass := float64(C.k_tile_mass(tm, ts, C.long(nt), mx))
@@ -288,12 +316,13 @@ func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32
 	for _, ps := range rowPairs {
 		pairs = append(pairs, ps...)
 	}
-	be.blockLogits(pairs, xs, ws, hidden, vocab, func(p blockPair, z []float32) {
-		r := int(p.row)
-		h := headOf(r)
-		d0, nd := int(p.d0), int(p.d1-p.d0)
-		C.k_draw_walk(fp(z), C.int(len(z)), C.int32_t(int(p.blk)*B), C.double(blk.rmax[r]), ip(h), C.int(len(h)),
-			(*C.double)(unsafe.Pointer(&thr[r*n+d0])), C.int(nd), ip(drawn[r*n+d0:]))
+	var hp *C.int32_t
+	if head {
+		hp = ip(heads)
+	}
+	be.blockLogits(pairs, xs, ws, hidden, vocab, func(ps []blockPair, z []float32, nz int) {
+		C.k_draw_walks(fp(z), C.long(len(ps)), C.int(nz), (*C.struct_draw_pair)(unsafe.Pointer(&ps[0])), fp(blk.rmax),
+			hp, C.int(k), (*C.double)(unsafe.Pointer(&thr[0])), C.int(n), ip(drawn))
 	})
 }
 
@@ -301,9 +330,10 @@ func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32
 // (stably: rows ascending within a block), computes each block's logits for
 // the rows that need it with the block's weights read once (k_block_logits:
 // every logit summed in the same order, so a draw does not depend on which
-// rows share its block), and calls f with each pair's logits (the block's ids,
-// fewer in the vocabulary's last block), on the workers.
-func (be *Backend) blockLogits(pairs []blockPair, xs, ws []float32, hidden, vocab int, f func(p blockPair, z []float32)) {
+// rows share its block), and calls f with each block's pairs and their
+// logits (pair i's nz logits at z[i·nz:], the block's ids, fewer in the
+// vocabulary's last block), on the workers.
+func (be *Backend) blockLogits(pairs []blockPair, xs, ws []float32, hidden, vocab int, f func(ps []blockPair, z []float32, nz int)) {
 	const B = compute.SampleBlock
 	if len(pairs) == 0 {
 		return
@@ -331,8 +361,6 @@ func (be *Backend) blockLogits(pairs []blockPair, xs, ws []float32, hidden, voca
 			sc.wt = make([]float32, hidden*B)
 		}
 		C.k_block_logits(fp(z), fp(xs), ip(rows), C.long(m), fp(ws[v0*hidden:]), C.long(nz), C.long(hidden), fp(sc.wt))
-		for i, p := range ps {
-			f(p, z[i*nz:(i+1)*nz])
-		}
+		f(ps, z[:m*nz], nz)
 	})
 }

@@ -233,3 +233,65 @@ func TestBlockSumsV4Order(t *testing.T) {
 		}
 	}
 }
+
+// TestDexp checks the walks' exp (dexp8) against math.Exp: within 1 ulp of
+// it where the result is normal, within one subnormal step below, exactly
+// 0 below -745.2 (and for -Inf) and exactly 1 at 0, for arguments over the
+// whole range a walk meets (a logit minus the row's max: at most a
+// rounding above 0) and the lanes of a partial group of 8.
+func TestDexp(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 8))
+	var xs []float64
+	for i := 0; i < 20000; i++ {
+		xs = append(xs, -r.Float64()*760)
+	}
+	for i := 0; i < 2000; i++ {
+		xs = append(xs, -r.Float64()*0.01, r.Float64()*1e-6, -708-r.Float64()*40)
+	}
+	xs = append(xs, 0, -745.1, -745.3, -708.4, -708.39, math.Inf(-1), -1e300, 1e-300, -0.5*math.Ln2, 0.5*math.Ln2)
+	// z = 0 and mx = -x: float64(z) - mx is x exactly.
+	z := make([]float32, 1)
+	e := make([]float64, 1)
+	ulps := func(got, want float64) float64 {
+		return math.Abs(got-want) / (math.Nextafter(want, math.Inf(1)) - want)
+	}
+	var worst float64
+	for _, x := range xs {
+		dexp(e, z, -x)
+		want := math.Exp(x)
+		switch {
+		case x < -745.2 || math.IsInf(x, -1):
+			if e[0] != 0 {
+				t.Fatalf("exp(%g) = %g, want 0", x, e[0])
+			}
+		case want < 0x1p-1022:
+			if math.Abs(e[0]-want) > 0x1p-1074 {
+				t.Fatalf("exp(%g) = %g, want %g (more than a subnormal step)", x, e[0], want)
+			}
+		default:
+			u := ulps(e[0], want)
+			worst = math.Max(worst, u)
+			if u > 1 {
+				t.Fatalf("exp(%g) = %.17g, want %.17g: %.2f ulp", x, e[0], want, u)
+			}
+		}
+	}
+	dexp(e, z, 0)
+	if e[0] != 1 {
+		t.Fatalf("exp(0) = %.17g", e[0])
+	}
+	// Many at once: each lane as alone (groups of 8 and a partial one).
+	zs := make([]float32, 77)
+	for i := range zs {
+		zs[i] = float32(-r.Float64() * 50)
+	}
+	es := make([]float64, len(zs))
+	dexp(es, zs, 0.25)
+	for i, zv := range zs {
+		dexp(e, []float32{zv}, 0.25)
+		if es[i] != e[0] {
+			t.Fatalf("lane %d: %g in a group, %g alone", i, es[i], e[0])
+		}
+	}
+	t.Logf("worst normal result: %.3f ulp from math.Exp over %d arguments", worst, len(xs))
+}
