@@ -46,9 +46,10 @@ func DrawUniform(key uint64, sample int64, t, d int) float64 {
 
 // Tally turns one position's drawn ids into distinct ids and counts in
 // the stored order (descending count, ties ascending id), appended to ids
-// and counts. drawn is sorted in place.
+// and counts. drawn is sorted in place (a fill's draws come ascending:
+// slices.Sort passes over them once).
 func Tally(drawn []int32, ids, counts []int32) ([]int32, []int32) {
-	sort.Slice(drawn, func(a, b int) bool { return drawn[a] < drawn[b] })
+	slices.Sort(drawn)
 	n0 := len(ids)
 	for a := 0; a < len(drawn); {
 		b := a

@@ -357,6 +357,10 @@ CLONES void k_lse_topk(const float *logits, long rows, long ncols, long ld, long
 		int32_t *hs = hz ? hsl + r * (long)k : NULL;
 		float *pz = hz ? hz + r * (long)k * nb : NULL;
 		int n = hn[r];
+		// A full heap takes a logit only above its worst: a tile whose max
+		// is not (most tiles, once the heap holds the row's large logits)
+		// leaves it as it is, unscanned.
+		if (n == k && !(tm > v[0])) continue;
 		for (long b = 0; b < ncols; b += 16) {
 			long e = b + 16 < ncols ? b + 16 : ncols;
 			if (n == k) {
@@ -464,21 +468,28 @@ CLONES void k_dexp(double *e, const float *z, long n, double mx) {
 static inline __attribute__((always_inline)) void draw_walk(const float *z, int nz, int32_t v0, double mx,
                                                             const int32_t *head, int nh, const double *thr, int nd,
                                                             int32_t *out) {
-	double e[64];
-	block_exps(e, z, nz, mx);
+	double e[8];
 	double c = 0;
 	int d = 0, hp = 0;
 	int32_t last = -1, lastout = -1;
-	for (int j = 0; j < nz && d < nd; j++) {
-		int32_t v = v0 + j;
-		while (hp < nh && head[hp] < v) hp++;
-		if (hp < nh && head[hp] == v) continue;
-		lastout = v;
-		double x = e[j];
-		if (x == 0) continue;
-		c += x;
-		last = v;
-		while (d < nd && c > thr[d]) out[d++] = v;
+	// The terms 8 at a time, as far as the walk goes (on average about
+	// half the block: its last threshold).
+	for (int j0 = 0; j0 < nz && d < nd; j0 += 8) {
+		double x[8];
+		for (int l = 0; l < 8; l++) x[l] = j0 + l < nz ? (double)z[j0 + l] - mx : -INFINITY;
+		dexp8(e, x);
+		int je = j0 + 8 < nz ? j0 + 8 : nz;
+		for (int j = j0; j < je && d < nd; j++) {
+			int32_t v = v0 + j;
+			while (hp < nh && head[hp] < v) hp++;
+			if (hp < nh && head[hp] == v) continue;
+			lastout = v;
+			double t = e[j - j0];
+			if (t == 0) continue;
+			c += t;
+			last = v;
+			while (d < nd && c > thr[d]) out[d++] = v;
+		}
 	}
 	if (last < 0) last = lastout;
 	while (d < nd) out[d++] = last;
