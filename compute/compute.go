@@ -15,7 +15,9 @@
 //     draws samples from the softmax); RMSNorm and attention can
 //     save the statistics their backward needs (rstd, log-sum-exp);
 //   - backward: one per layer kernel (MatMul, Embed, RMSNorm, RoPE,
-//     Attention, SwiGLU, MoE: MoEForward saves what MoEBackward needs);
+//     Attention, SwiGLU, MoE: MoEForward saves what MoEBackward needs,
+//     and MoERouting keeps the routing statistics of the load-balancing
+//     loss and computes its gradient);
 //   - the fused LM-head loss, forward and backward (LossHeadForward,
 //     LossHeadBackward: the logits exist one vocabulary tile at a time);
 //   - the optimizer: the AdamW update, the gradient sum of squares (global
@@ -34,9 +36,9 @@
 //     uploaded once as I32 tensors.
 //   - Kernels may run asynchronously in issue order. Only the methods that
 //     return host values synchronize: Read*, SumSquares, AbsMax,
-//     LossHeadForward and LossValues.Read. They return after every kernel
-//     issued before them has finished (LossValues.Read: every kernel its
-//     values depend on).
+//     LossHeadForward, LossValues.Read and MoERoutingValues.Read. They
+//     return after every kernel issued before them has finished (the
+//     last two: every kernel their values depend on).
 //   - Outputs never alias inputs unless a method says so (RoPE,
 //     RoPEBackward and Add work in place by design).
 //   - A Tensor belongs to the backend that made it; passing it to another
@@ -368,6 +370,10 @@ type Backend interface {
 	// dx alone, no weight gradient of the router or any expert (their
 	// GEMMs are skipped), the same dx bit for bit.
 	MoEBackward(dx Tensor, dm *MoEWeights, dout, x Tensor, m *MoEWeights, s *MoESaved, dprob Tensor, tokens int)
+	// NewMoERouting returns the routing statistics of layers MoE layers
+	// of numExperts experts each, zeroed, kept where the kernels run
+	// (device memory on a GPU): see MoERouting.
+	NewMoERouting(layers, numExperts int) MoERouting
 
 	// DropoutBackward of Dropout: dout (rows, cols) F32 -> dx (rows,
 	// cols) F32 += dout·d.Scale where d keeps the element (nothing
@@ -632,6 +638,46 @@ func MoEAuxGrad(coef float64, counts []int, L, T int) []float32 {
 		g[e] = float32(coef * float64(E) * float64(c) / n / n)
 	}
 	return g
+}
+
+// MoERouting are the routing statistics of one batch's MoE layers
+// (Backend.NewMoERouting), per layer l and expert e: count[l][e], the
+// (token, slot) choices of e, and sum[l][e] = Σ_t p[t,e], the column sum
+// of the router probabilities in float64, t ascending (one order, so
+// every backend and the host get the same bits). The load-balancing
+// loss is a function of them: its value (the logs) and its gradient
+// (MoEAuxGrad). A device backend keeps them on the device: recording
+// them and computing the gradient read nothing back to the host, and
+// the host reads them (Later) once the work that needs them is issued.
+// None of the methods synchronizes.
+type MoERouting interface {
+	// Record overwrites layer l's statistics (0 <= l < layers) with
+	// those of the routing that MoEForward saved in s for tokens tokens:
+	// count[l][e] = s.Offsets[e+1] - s.Offsets[e] and sum[l][e] =
+	// Σ_t s.Probs[t,e]. Call it before anything overwrites s.
+	Record(l int, s *MoESaved, tokens int)
+	// AuxGrad writes dprob (numExperts) F32 (=) with MoEAuxGrad(coef,
+	// counts, layers, tokens), counts[e] = Σ_l count[l][e], bit for bit
+	// (its float64 products and quotients in its order, each rounded once
+	// to fp32): the load-balancing loss's gradient that MoEBackward
+	// takes, from the recorded counts where they are.
+	AuxGrad(dprob Tensor, coef float64, tokens int)
+	// Later snapshots the statistics recorded so far for the host, after
+	// the work issued before it, without waiting: Record may overwrite
+	// them (the next batch) before the snapshot is read.
+	Later() MoERoutingValues
+	// Free releases the statistics; a snapshot stays readable.
+	Free()
+}
+
+// MoERoutingValues are a snapshot of MoERouting (Later).
+type MoERoutingValues interface {
+	// Read writes layer l's counts and sums to counts[l] and sums[l]
+	// (numExperts each, for each of the layers), once the work that
+	// computed them has finished: it waits for that work only (the CUDA
+	// backend copies them to pinned host memory behind an event, as
+	// LossValues), and releases the snapshot. Call it exactly once.
+	Read(counts [][]int, sums [][]float64)
 }
 
 // AdamWStep is one AdamW update's scalars, in fp32, as torch.optim.AdamW

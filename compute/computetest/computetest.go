@@ -156,6 +156,7 @@ func (s *suite) run(t *testing.T) {
 		{"LossHeadForward", s.lossHeadForward, true},
 		{"LossHeadBackward", s.lossHeadBackward, true},
 		{"MoEBackward", s.moeBackward, true},
+		{"MoERouting", s.moeRouting, true},
 		{"Dropout", s.dropout, true},
 		{"LoRALinear", s.loraLinear, true},
 		{"MoELoRA", s.moeLoRA, true},

@@ -224,3 +224,123 @@ func (s *suite) moeBackward(t *testing.T) {
 		s.moeBwd(t, "ddown (QAD input)", s.read(dm.Down[e], H*I), zero, f, c.dd[e], 7)
 	}
 }
+
+// moeRouting checks MoERouting: the per-expert counts and probability
+// sums it records, against the float64 routing (ref.MoEProbs, ref.TopK)
+// and bit for bit against the host's sum of the backend's own saved
+// probabilities in token order (so every backend's load-balancing loss
+// is the same bits); AuxGrad bit for bit against compute.MoEAuxGrad and
+// within one fp32 rounding of the float64 formula; and that a snapshot
+// (Later) keeps its values while Record overwrites the statistics and
+// MoEForward the saved routing it recorded from (the decoder's layers
+// share those buffers under full recompute).
+func (s *suite) moeRouting(t *testing.T) {
+	be := s.be
+	r := rand.New(rand.NewPCG(43, 44))
+	T, H, I, E, K, L := 37, 16, 8, 7, 2, 2
+	// Two layers' routings, both run into layer 0's saved buffers. Their
+	// routers are scaled up so that the probabilities span more binades
+	// than a float64 holds (logits tens apart): the sums round, and their
+	// order shows in their bits.
+	cs := []*moeCase{s.newMoECase(r, T, H, I, E, K, true), s.newMoECase(r, T, H, I, E, K, false)}
+	for _, c := range cs {
+		for i := range c.router {
+			c.router[i] *= 8
+		}
+		c.rd, c.mw.Router = f64(c.router), be.FromF32(c.router)
+	}
+	saved := cs[0].saved
+	rt := be.NewMoERouting(L, E)
+	defer rt.Free()
+	wantCnt, wantSum := make([][]int, L), make([][]float64, L)
+	hostSum := make([][]float64, L)
+	for l, c := range cs {
+		out := s.garbage(T * H)
+		be.MoEForward(out, c.xt, c.mw, saved, T)
+		rt.Record(l, saved, T)
+		probs := ref.MoEProbs(c.xd, c.rd, E, H)
+		wantCnt[l], wantSum[l] = make([]int, E), make([]float64, E)
+		for ti := 0; ti < T; ti++ {
+			for _, e := range ref.TopK(probs[ti*E:(ti+1)*E], K) {
+				wantCnt[l][e]++
+			}
+			for e := 0; e < E; e++ {
+				wantSum[l][e] += probs[ti*E+e]
+			}
+		}
+		// The host's sum of what the backend saved, t ascending.
+		p := s.read(saved.Probs, T*E)
+		hostSum[l] = make([]float64, E)
+		for ti := 0; ti < T; ti++ {
+			for e := 0; e < E; e++ {
+				hostSum[l][e] += float64(p[ti*E+e])
+			}
+		}
+		rounded := false // (t descending: other bits, at least once)
+		for e := 0; e < E; e++ {
+			var d float64
+			for ti := T - 1; ti >= 0; ti-- {
+				d += float64(p[ti*E+e])
+			}
+			rounded = rounded || d != hostSum[l][e]
+		}
+		if !rounded {
+			t.Fatalf("layer %d: every probability sum is exact in float64: the order of the sums is not tested", l)
+		}
+	}
+	newStats := func() ([][]int, [][]float64) {
+		c, sm := make([][]int, L), make([][]float64, L)
+		for l := range c {
+			c[l], sm[l] = make([]int, E), make([]float64, E)
+		}
+		return c, sm
+	}
+	check := func(what string, cnt [][]int, sum [][]float64) {
+		t.Helper()
+		for l := 0; l < L; l++ {
+			for e := 0; e < E; e++ {
+				if cnt[l][e] != wantCnt[l][e] {
+					t.Fatalf("%s: layer %d expert %d: count %d, the float64 routing's %d", what, l, e, cnt[l][e], wantCnt[l][e])
+				}
+				if math.Float64bits(sum[l][e]) != math.Float64bits(hostSum[l][e]) {
+					t.Fatalf("%s: layer %d expert %d: probability sum %.17g, the host's sum of the saved probabilities %.17g: want the same bits", what, l, e, sum[l][e], hostSum[l][e])
+				}
+				if d := math.Abs(sum[l][e] - wantSum[l][e]); d > s.tol.FwdAtol*float64(T)+s.tol.FwdRtol*math.Abs(wantSum[l][e]) {
+					t.Fatalf("%s: layer %d expert %d: probability sum %g, float64 %g", what, l, e, sum[l][e], wantSum[l][e])
+				}
+			}
+		}
+	}
+	snap := rt.Later()
+	// The gradient, from the recorded counts (garbage first: it overwrites).
+	const coef = 0.0123
+	dprob := s.garbage(E)
+	rt.AuxGrad(dprob, coef, T)
+	tot := make([]int, E)
+	for l := range wantCnt {
+		for e, c := range wantCnt[l] {
+			tot[e] += c
+		}
+	}
+	got, host := s.read(dprob, E), compute.MoEAuxGrad(coef, tot, L, T)
+	n := float64(L * T)
+	for e := range got {
+		if math.Float32bits(got[e]) != math.Float32bits(host[e]) {
+			t.Fatalf("AuxGrad: expert %d: %g, compute.MoEAuxGrad %g: want the same bits", e, got[e], host[e])
+		}
+		want := coef * float64(E) * float64(tot[e]) / (n * n)
+		if math.Abs(float64(got[e])-want) > 0x1p-24*math.Abs(want) {
+			t.Fatalf("AuxGrad: expert %d: %g, float64 %g", e, got[e], want)
+		}
+	}
+	// Overwrite layer 0 with layer 1's routing: the snapshot keeps the
+	// values it was taken of; a new one has the new ones.
+	rt.Record(0, saved, T)
+	cnt, sum := newStats()
+	snap.Read(cnt, sum)
+	check("snapshot", cnt, sum)
+	wantCnt[0], wantSum[0], hostSum[0] = wantCnt[1], wantSum[1], hostSum[1]
+	cnt, sum = newStats()
+	rt.Later().Read(cnt, sum)
+	check("after Record over layer 0", cnt, sum)
+}

@@ -276,6 +276,41 @@ DK_KERNEL void k_moe_dx(float *__restrict__ dx, const float *__restrict__ dxg, c
 	}
 }
 
+// --- The load-balancing loss's statistics (compute.MoERouting), kept on
+// the device: no host read inside a training step.
+//
+// k_moe_stats: one thread per expert e (blocks of MOE_STATS_THREADS):
+// counts[e] = offsets[e+1] - offsets[e], the (token, slot) choices of e,
+// and sums[e] = Σ_t probs[t,e] (probs (tokens, E) F32) in float64, t
+// ascending, one add at a time: the order the host's sum has, so the
+// same bits (the sum is a chain of dependent adds; the loads ahead of it
+// are independent and coalesced across the experts).
+#define MOE_STATS_THREADS 128
+DK_KERNEL void k_moe_stats(const float *__restrict__ probs, const i32 *__restrict__ offsets, i64 tokens, int E,
+                           double *__restrict__ sums, i32 *__restrict__ counts) {
+	int e = blockIdx.x * blockDim.x + threadIdx.x;
+	if (e >= E) return;
+	const float *p = probs + e;
+	double s = 0;
+#pragma unroll 8
+	for (i64 t = 0; t < tokens; t++) s += (double)p[t * E];
+	sums[e] = s;
+	counts[e] = offsets[e + 1] - offsets[e];
+}
+
+// k_moe_aux_grad: dprob (E) F32 = compute.MoEAuxGrad(coef, Σ_l counts[l],
+// layers, tokens): coef·E·c/n/n, n = layers·tokens, left to right in
+// float64 (no adds: nothing to contract into an FMA), rounded once to
+// fp32, bit for bit the host's. counts (layers, E); one thread per expert.
+DK_KERNEL void k_moe_aux_grad(float *__restrict__ dprob, const i32 *__restrict__ counts, int layers, int E, i64 tokens, double coef) {
+	int e = blockIdx.x * blockDim.x + threadIdx.x;
+	if (e >= E) return;
+	i64 c = 0;
+	for (int l = 0; l < layers; l++) c += counts[(i64)l * E + e];
+	double n = (double)((i64)layers * tokens);
+	dprob[e] = (float)(coef * (double)E * (double)c / n / n);
+}
+
 DK_REGISTER(k_moe_route)
 DK_REGISTER(k_moe_order)
 DK_REGISTER(k_moe_gather)
@@ -286,6 +321,8 @@ DK_REGISTER(k_moe_route_bwd)
 DK_REGISTER(k_moe_swiglu_bwd)
 DK_REGISTER(k_moe_rowpos)
 DK_REGISTER(k_moe_dx)
+DK_REGISTER(k_moe_stats)
+DK_REGISTER(k_moe_aux_grad)
 
 // --- The experts' GEMMs on the device's own grouping, with no host round
 // trip (the routing's counts never leave the GPU).
