@@ -126,8 +126,11 @@
 #                   the loss head's pass-2 coefficients computed on the GPU
 #                   against train/loss's host math bit for bit
 #                   (TestLossCoefDevice), uploads through the pinned
-#                   staging ring as it wraps and grows (TestStagingRing)
-#                   and the contract's suite
+#                   staging ring as it wraps and grows (TestStagingRing),
+#                   the MoE load-balancing loss's routing statistics and
+#                   gradient computed on the GPU with no host wait, the
+#                   host's bits (TestMoERoutingWaits) and the contract's
+#                   suite
 #   train-memcheck  compute-sanitizer --tool memcheck on the training kernels
 #   train-curve     tiny qwen3 and qwen2 students, 50 steps on the GPU and on
 #                   the CPU from the same weights and cache: the GPU's loss
@@ -346,7 +349,7 @@ s_device() {
 }
 
 # The training kernels' tests (train_test.go) and the contract's suite.
-train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|AttentionBackwardBF16DV|AttentionBackwardBF16Dout|MatMulBackwardBF16DX|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|StagingRing|MoETrainConformance|MoEFrozenBackward|MoELoRAHostGrouping|DropoutMatchesCPU|KernelsCompile'
+train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|AttentionBackwardBF16DV|AttentionBackwardBF16Dout|MatMulBackwardBF16DX|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|StagingRing|MoERoutingWaits|MoETrainConformance|MoEFrozenBackward|MoELoRAHostGrouping|DropoutMatchesCPU|KernelsCompile'
 
 s_train-test() {
   step train-test 80 "$T" -test.v -test.count=1 -test.timeout=75s -test.run "$train_tests"

@@ -15,8 +15,7 @@ import (
 type Batch = loss.Targets
 
 // forward checks the batch and runs the decoder, returning the LM head's
-// input (N, hidden). An MoE student's routing statistics are read
-// (s.routing). key, when not nil, keys a LoRA student's dropout (a
+// input (N, hidden). key, when not nil, keys a LoRA student's dropout (a
 // training batch).
 func (s *Student) forward(b *Batch, key *stepRow) (compute.Tensor, error) {
 	if err := b.Check(s.Cfg.VocabSize); err != nil {
@@ -28,10 +27,6 @@ func (s *Student) forward(b *Batch, key *stepRow) (compute.Tensor, error) {
 	lnf, err := s.Model.TrainForward(b.Tokens, b.Starts)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
-	}
-	s.routing = decoder.RouterStats{}
-	if s.Cfg.NumExperts > 0 {
-		s.routing = s.Model.Routing()
 	}
 	return lnf, nil
 }
@@ -82,8 +77,8 @@ func (s *Student) Forward(b *Batch, opt *loss.Options) (st loss.Stats, err error
 		return loss.Stats{}, err
 	}
 	st, err = s.head.Forward(x, s.Model.Head.W, b, opt)
-	if err == nil {
-		s.addAux(&st, s.routing)
+	if err == nil && s.Cfg.NumExperts > 0 {
+		s.addAux(&st, s.Model.Routing())
 	}
 	return st, err
 }
@@ -105,19 +100,38 @@ func (s *Student) ForwardBackward(b *Batch, opt *loss.Options, normalizer float6
 	return p.Stats(), nil
 }
 
-// PendingStats are a ForwardBackward's statistics whose loss values may
-// still be on the device (loss.Pending).
+// PendingStats are a ForwardBackward's statistics whose loss values, and
+// an MoE student's routing statistics, may still be on the device
+// (loss.Pending, decoder.PendingRouting).
 type PendingStats struct {
-	head *loss.Pending
-	aux  func(*loss.Stats) // the MoE load-balancing loss of the row, added last
+	s       *Student
+	head    *loss.Pending
+	routing *decoder.PendingRouting // nil: a dense student
+	rs      *decoder.RouterStats    // routing, once read
 }
 
-// Stats returns the row's statistics, reading its loss values from the
-// device if they are still there: ForwardBackward's, bit for bit.
+// Stats returns the row's statistics, reading its loss values (and the
+// routing statistics that its load-balancing loss is computed from) from
+// the device if they are still there: ForwardBackward's, bit for bit.
 func (p *PendingStats) Stats() loss.Stats {
 	st := p.head.Stats()
-	p.aux(&st)
+	if p.routing != nil {
+		p.s.addAux(&st, p.Routing())
+	}
 	return st
+}
+
+// Routing returns the row's MoE routing statistics (empty for a dense
+// student), reading them from the device if they are still there.
+func (p *PendingStats) Routing() decoder.RouterStats {
+	if p.routing == nil {
+		return decoder.RouterStats{}
+	}
+	if p.rs == nil {
+		rs := p.routing.Read()
+		p.rs = &rs
+	}
+	return *p.rs
 }
 
 // ForwardBackwardPending is ForwardBackward that does not read the row's
@@ -161,10 +175,12 @@ func (s *Student) ForwardBackwardPending(b *Batch, opt *loss.Options, normalizer
 		if normalizer > 0 {
 			w = float64(hp.Tokens()) / normalizer
 		}
-		s.Model.SetRouterAux(coef*w, s.routing)
+		s.Model.SetRouterAux(coef * w)
 	}
-	routing := s.routing // this row's: the next row's forward replaces s.routing
-	p = &PendingStats{head: hp, aux: func(st *loss.Stats) { s.addAux(st, routing) }}
+	p = &PendingStats{s: s, head: hp}
+	if s.Cfg.NumExperts > 0 {
+		p.routing = s.Model.RoutingLater() // this row's: a snapshot the next row's forward leaves
+	}
 	s.Model.Backward()
 	return p, nil
 }

@@ -59,13 +59,8 @@ type Student struct {
 	dp            *dpBuckets     // data parallel at ZeRO 0 and 1: the buckets (ReduceInBackward)
 	lora          *loraState     // a LoRA student (NewLoRAStudentOn): its frozen base
 	head          *loss.Head
-	routing       decoder.RouterStats // of the last forward (MoE students)
-	row           *stepRow            // the next ForwardBackward's place (SetStepRow)
+	row           *stepRow // the next ForwardBackward's place (SetStepRow)
 }
-
-// Routing returns the MoE routing statistics of the last Forward or
-// ForwardBackward (empty for a dense student).
-func (s *Student) Routing() decoder.RouterStats { return s.routing }
 
 // NewStudent allocates a model of cfg with zero parameters (Load or
 // LoadHF fill them) on the CPU backend with one worker per core; see

@@ -305,9 +305,19 @@
 // and bias corrections, the logs). The rows' uploads go through the
 // staging ring, and their loss values are read after the norm
 // (train.Student.ForwardBackwardPending), so the GPU drains once a step,
-// not at each row's loss head and upload. An MoE student also reads each
-// MoE layer's routing statistics once a row (the load-balancing loss's
-// gradient is computed on the host from them). CountHostWaits counts the
+// not at each row's loss head and upload. An MoE student waits once too:
+// each MoE layer records its per-expert counts and probability column
+// sums on the device (compute.MoERouting: k_moe_stats, one thread per
+// expert summing the tokens in order in float64, the host's bits), the
+// load-balancing loss's gradient is computed there from the counts
+// (k_moe_aux_grad, compute.MoEAuxGrad's bits), and each row's statistics
+// are copied into a pinned block behind an event and read with its loss
+// values (the logged aux loss and expert shares); before, each MoE layer
+// read its offsets and its (tokens, experts) probabilities to the host, two
+// waits a layer and row (4 MB a layer at 8192 tokens and 128 experts).
+// k_moe_stats' sums are chains of dependent float64 adds (8192 a layer at
+// 8192 tokens, over 128 threads): to be timed by the GPU suite.
+// CountHostWaits counts the
 // waits by kind and call site; train/trainer's TestCUDAHostWaits holds a
 // step to them, and the benchmark prints them beside the GPU's idle time
 // (profile-train-*.txt). Options.Pageable ($DISTILL_CUDA_PAGEABLE=1)

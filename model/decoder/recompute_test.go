@@ -70,7 +70,7 @@ func TestRecomputeSameGradients(t *testing.T) {
 						dl[i] = float32(r.NormFloat64())
 					}
 					be.WriteF32(be.View(m.HiddenGrad(), 0, len(dl)), dl)
-					m.SetRouterAux(cfg.RouterAuxLossCoef, rs)
+					m.SetRouterAux(cfg.RouterAuxLossCoef)
 					m.Backward()
 					for _, g := range grads {
 						got = append(got, append([]float32(nil), h.HostF32(g)...))

@@ -21,8 +21,8 @@ import (
 //   - RecomputeFull keeps only each layer's input (the residual stream
 //     between layers) and re-runs the whole layer's forward, the
 //     attention included, before its backward, in one set of buffers all
-//     layers share; the MoE routing statistics are read during the
-//     forward.
+//     layers share; the MoE routing statistics are recorded during the
+//     forward (compute.MoERouting).
 //
 // A recompute runs the same kernels on the same inputs as the forward, so
 // the recomputed tensors are the forward's bit for bit on a deterministic
@@ -87,10 +87,13 @@ type trainState struct {
 	// router probabilities (SetRouterAux); nil: no aux loss.
 	dprob compute.Tensor
 	auxOn bool
-	// routing: the MoE statistics read during the forward (full
-	// recompute, where the layers share their routing buffers); nil: read
-	// them from the layers' saved tensors.
-	routing *RouterStats
+	// routing holds the MoE layers' routing statistics of the last
+	// TrainForward, recorded by each MoE layer as its forward ends (under
+	// full recompute the layers share their routing buffers), where the
+	// backend keeps them: the aux loss's gradient is computed there, and
+	// the host reads them later (RoutingLater). nil: a dense model, or no
+	// TrainForward yet.
+	routing compute.MoERouting
 }
 
 // trainActs are the views of one batch's activation arena.
@@ -428,12 +431,10 @@ func (m *Model) TrainForward(tokens, starts []int32) (compute.Tensor, error) {
 	}
 	m.fetchOutside(OutsideEmbed)
 	m.be.Embed(a.x0, m.Embed.W, st.b.tokens, N, c.Hidden)
-	st.routing = nil
-	if m.RecomputeMode() == RecomputeFull && c.NumExperts > 0 {
-		// The MoE layers share their routing buffers: read each layer's
-		// statistics before the next one overwrites them.
-		st.routing = &RouterStats{Tokens: N, TopK: c.ExpertsPerTok}
+	if n := len(m.moeLayers()); n > 0 && st.routing == nil {
+		st.routing = m.be.NewMoERouting(n, c.NumExperts)
 	}
+	moe := 0 // the MoE layers so far
 	// Each block leaves the next one's ln1 (the last, the final norm's
 	// output) with its residual add (blockForward).
 	for i := range m.Blocks {
@@ -450,8 +451,10 @@ func (m *Model) TrainForward(tokens, starts []int32) (compute.Tensor, error) {
 		}
 		m.prefetch(i + 2) // (Prefetcher: beside this block's forward)
 		m.blockForward(&m.Blocks[i], &a.layers[i], st.b, i == 0, next)
-		if st.routing != nil && m.Blocks[i].MoE != nil {
-			st.routing.add(m, i, a.layers[i].moe)
+		if m.Blocks[i].MoE != nil {
+			// Before the next MoE layer overwrites a shared routing.
+			st.routing.Record(moe, a.layers[i].moe, N)
+			moe++
 		}
 	}
 	if len(m.Blocks) == 0 {
@@ -609,38 +612,58 @@ type RouterStats struct {
 }
 
 // Routing reads the routing statistics of the last TrainForward (it
-// synchronizes); empty for a dense model.
-func (m *Model) Routing() RouterStats {
+// waits for them); empty for a dense model.
+func (m *Model) Routing() RouterStats { return m.RoutingLater().Read() }
+
+// RoutingLater snapshots the routing statistics of the last TrainForward
+// without waiting for them: Read them (once) when the host needs them,
+// e.g. after the training step's one wait. A later TrainForward does not
+// change them.
+func (m *Model) RoutingLater() *PendingRouting {
+	p := &PendingRouting{rs: RouterStats{Tokens: m.train.b.n, TopK: m.Cfg.ExpertsPerTok}, e: m.Cfg.NumExperts}
 	if m.train.routing != nil {
-		return *m.train.routing
+		p.rs.Layers, p.v = m.moeLayers(), m.train.routing.Later()
 	}
-	a, c := &m.train.acts, m.Cfg
-	rs := RouterStats{Tokens: m.train.b.n, TopK: c.ExpertsPerTok}
-	for i := range m.Blocks {
-		if m.Blocks[i].MoE != nil {
-			rs.add(m, i, a.layers[i].moe)
-		}
-	}
-	return rs
+	return p
 }
 
-// add appends MoE layer i's statistics, read from its saved routing s.
-func (rs *RouterStats) add(m *Model, i int, s *compute.MoESaved) {
-	be, E, T := m.be, m.Cfg.NumExperts, rs.Tokens
-	off := make([]int32, E+1)
-	be.ReadI32(s.Offsets, off)
-	p := make([]float32, T*E)
-	be.ReadF32(s.Probs, p)
-	cnt, ps := make([]int, E), make([]float64, E)
-	for e := 0; e < E; e++ {
-		cnt[e] = int(off[e+1] - off[e])
-	}
-	for t := 0; t < T; t++ {
-		for e := 0; e < E; e++ {
-			ps[e] += float64(p[t*E+e])
+// moeLayers are the indices of the MoE blocks.
+func (m *Model) moeLayers() []int {
+	var ls []int
+	for i := range m.Blocks {
+		if m.Blocks[i].MoE != nil {
+			ls = append(ls, i)
 		}
 	}
-	rs.Layers, rs.Counts, rs.ProbSums = append(rs.Layers, i), append(rs.Counts, cnt), append(rs.ProbSums, ps)
+	return ls
+}
+
+// PendingRouting are routing statistics that may still be on the device
+// (RoutingLater).
+type PendingRouting struct {
+	rs   RouterStats
+	e    int
+	v    compute.MoERoutingValues // nil: a dense model
+	read bool
+}
+
+// Read returns the statistics, waiting for the work that computed them
+// if it has not finished. Call it once.
+func (p *PendingRouting) Read() RouterStats {
+	if p.read {
+		panic("decoder: PendingRouting read twice")
+	}
+	p.read = true
+	if p.v == nil {
+		return p.rs
+	}
+	L := len(p.rs.Layers)
+	p.rs.Counts, p.rs.ProbSums = make([][]int, L), make([][]float64, L)
+	for l := range L {
+		p.rs.Counts[l], p.rs.ProbSums[l] = make([]int, p.e), make([]float64, p.e)
+	}
+	p.v.Read(p.rs.Counts, p.rs.ProbSums)
+	return p.rs
 }
 
 // Totals are the counts summed over the MoE layers.
@@ -680,31 +703,37 @@ func (rs RouterStats) Aux() float64 {
 	return s * float64(len(tot))
 }
 
-// SetRouterAux adds coef·aux (the load-balancing loss of rs, the
-// statistics of the last TrainForward) to what the next Backward
-// differentiates; coef 0 leaves it out. TrainForward resets it.
-func (m *Model) SetRouterAux(coef float64, rs RouterStats) {
-	m.train.auxOn = coef != 0 && len(rs.Counts) > 0
-	if !m.train.auxOn {
+// SetRouterAux adds coef·aux (the load-balancing loss of the last
+// TrainForward's routing) to what the next Backward differentiates;
+// coef 0 leaves it out. TrainForward resets it. Its gradient
+// (compute.MoEAuxGrad) is computed from the statistics where the backend
+// keeps them (compute.MoERouting.AuxGrad): on a GPU, no host read.
+func (m *Model) SetRouterAux(coef float64) {
+	st := &m.train
+	st.auxOn = coef != 0 && st.routing != nil
+	if !st.auxOn {
 		return
 	}
-	g := compute.MoEAuxGrad(coef, rs.Totals(), len(rs.Counts), rs.Tokens)
-	if m.train.dprob == nil {
-		m.train.dprob = m.be.New(compute.F32, len(g))
+	if st.dprob == nil {
+		st.dprob = m.be.New(compute.F32, m.Cfg.NumExperts)
 	}
-	m.be.WriteF32(m.train.dprob, g)
+	st.routing.AuxGrad(st.dprob, coef, st.b.n)
 }
 
 // Free releases the training memory the model allocated: the activation
-// arenas, the last batch, the aux-loss gradient and the QAD arena of the
-// fake-quantized weights (the parameters are the caller's). A later
-// TrainForward allocates anew; QAD then needs RestoreQAD.
+// arenas, the last batch, the aux-loss gradient, the routing statistics
+// and the QAD arena of the fake-quantized weights (the parameters are
+// the caller's). A later TrainForward allocates anew; QAD then needs
+// RestoreQAD.
 func (m *Model) Free() {
 	st := &m.train
 	for _, t := range []compute.Tensor{st.arena, st.aarena, st.iarena, st.dprob, m.qadArena} {
 		if t != nil {
 			m.be.Free(t)
 		}
+	}
+	if st.routing != nil {
+		st.routing.Free()
 	}
 	if st.b != nil {
 		st.b.free(m.be)

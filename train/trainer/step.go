@@ -31,9 +31,10 @@ type stepper struct {
 	g        *ranks // data parallel: this rank runs its rows, then the sums are reduced
 	z1       *zero1 // ZeRO-1: after AdamW, the ranks share their slices of the parameters
 	overlap  bool   // train.overlap_comm: ZeRO 0 and 1 all-reduce the blocks' gradients during the last row's backward
-	// open are the step's rows whose loss values forwardBackward left on
-	// the device (train.PendingStats), read by readStats once update has
-	// read the gradient norm; total is the step's loss positions.
+	// open are the step's rows whose loss values (and MoE routing
+	// statistics) forwardBackward left on the device (train.PendingStats),
+	// read by readStats once update has read the gradient norm; total is
+	// the step's loss positions.
 	open  []*train.PendingStats
 	total int
 }
@@ -51,8 +52,7 @@ func (sp *stepper) forwardBackward(step int, rows []*train.Batch, sm *StepMetric
 	sm.Tokens, sm.LossTokens, sm.Rows = tokens, total, len(rows)
 	sp.open = nil // (an abandoned step's rows)
 	sp.s.ZeroGrad()
-	var routed [][]int // MoE: per layer and expert, the step's choices
-	last := -1         // this rank's last row of the step
+	last := -1 // this rank's last row of the step
 	for i := range rows {
 		if sp.g.mine(i) {
 			last = i
@@ -78,7 +78,6 @@ func (sp *stepper) forwardBackward(step int, rows []*train.Batch, sm *StepMetric
 			return err
 		}
 		sp.open = append(sp.open, p)
-		routed = addRouting(routed, sp.s.Routing().Counts)
 	}
 	// Sharded, every rank runs as many backwards as rank 0 (which has
 	// the most rows): their collectives pair up.
@@ -87,31 +86,36 @@ func (sp *stepper) forwardBackward(step int, rows []*train.Batch, sm *StepMetric
 	}
 	sp.total = total
 	if sp.g.size > 1 { // the ranks' loss sums are reduced with the gradients
-		sp.readStats(sm)
-		routed = sp.reduce(sm, routed)
+		routed := sp.reduce(sm, sp.readStats(sm))
 		sp.normalize(sm, total)
+		sm.ExpertShare, sm.ExpertShareByLayer = expertShares(routed)
 	}
-	sm.ExpertShare, sm.ExpertShareByLayer = expertShares(routed)
 	return nil
 }
 
 // readStats reads the losses of the step's rows that forwardBackward
 // left on the device into sm, as token-weighted sums, and (on one rank)
-// turns them into the step's means. On a GPU, one rank reads them after
-// the gradient norm, whose read already waited for the whole step: the
-// host then waits once a step, not once a row in the middle of the
-// loss head (the values are the same bits either way).
-func (sp *stepper) readStats(sm *StepMetrics) {
+// turns them into the step's means and expert shares; it returns the
+// rows' MoE routing counts (per layer and expert, the step's choices).
+// On a GPU, one rank reads them after the gradient norm, whose read
+// already waited for the whole step: the host then waits once a step,
+// not once a row in the middle of the loss head or after each MoE
+// layer's routing (the values are the same bits either way).
+func (sp *stepper) readStats(sm *StepMetrics) [][]int {
 	if sp.open == nil {
-		return
+		return nil
 	}
+	var routed [][]int
 	for _, p := range sp.open {
 		sp.accumulate(sm, p.Stats())
+		routed = addRouting(routed, p.Routing().Counts)
 	}
 	sp.open = nil
 	if sp.g.size <= 1 {
 		sp.normalize(sm, sp.total)
+		sm.ExpertShare, sm.ExpertShareByLayer = expertShares(routed)
 	}
+	return routed
 }
 
 // reduce sums the ranks' gradients and their shares of the step's loss
