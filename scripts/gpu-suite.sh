@@ -87,7 +87,10 @@
 #              LoRA student's step on the default kernels (train-lora: the
 #              base frozen, every expert adapted at rank 16, issue 28;
 #              TestMoELoRA* first hold the adapters' grouped kernels to the
-#              CPU and their launches to a count independent of E); with
+#              CPU and their launches to a count independent of E), and
+#              the layer's load-balancing statistics and gradient that a
+#              training step records for each MoE layer and row
+#              (routing-stats: k_moe_stats, k_moe_aux_grad); with
 #              DISTILL_BENCH_SHAPES=qwen3-30b-a3b the bench step times the
 #              whole forward against the peer step's HF
 #   peer       HF transformers on the same workloads (scripts/gpu/hf_bench.py)

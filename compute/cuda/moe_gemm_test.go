@@ -276,7 +276,9 @@ func TestMoELoRAHostGrouping(t *testing.T) {
 // and down adapted at rank 16 with lora_dropout 0.1 (moelora.cu's grouped
 // kernels); its TFLOP/s count the base's GEMMs as train's (the frozen
 // backward skips a third of them: a lower bound of the work) and not the
-// adapters'.
+// adapters'. routing-stats is the layer's load-balancing statistics and
+// gradient (benchRoutingStats), a training step's for each MoE layer and
+// row.
 func BenchmarkMoE(b *testing.B) {
 	T, H, I, E, K := 16384, 2048, 768, 128, 8
 	switch {
@@ -374,6 +376,9 @@ func BenchmarkMoE(b *testing.B) {
 			b.Run(fmt.Sprintf("train-lora/r16/T%d_H%d_I%d_E%d_K%d", T, H, I, E, K), func(b *testing.B) {
 				benchMoELoRA(b, be, moeWeights(weight), xt, outt, dout, T)
 			})
+			b.Run(fmt.Sprintf("routing-stats/T%d_E%d", T, E), func(b *testing.B) {
+				benchRoutingStats(b, be, r, T, E)
+			})
 		}
 		be.Close()
 	}
@@ -409,6 +414,41 @@ func benchMoELoRA(b *testing.B, be *Backend, mw *compute.MoEWeights, xt, outt co
 		be.MoEForward(outt, xt, mw, s, T)
 		be.MoEBackward(dx, nil, dt, xt, mw, s, nil, T)
 	})
+}
+
+// benchRoutingStats times the load-balancing loss's statistics of one
+// MoE layer of T tokens and E experts, as a training step records them
+// for each MoE layer and row (compute.MoERouting: Record, k_moe_stats'
+// float64 column sums of the (T, E) probabilities, one thread per expert
+// adding the tokens in order; and AuxGrad, k_moe_aux_grad): ms a call and
+// the probabilities' GB/s. Record reads only the saved probabilities and
+// offsets, random here.
+func benchRoutingStats(b *testing.B, be *Backend, r *rand.Rand, T, E int) {
+	p := make([]float32, T*E)
+	for i := range p {
+		p[i] = r.Float32() / float32(E)
+	}
+	off := make([]int32, E+1)
+	for e := 1; e <= E; e++ {
+		off[e] = off[e-1] + int32(r.IntN(2*T/E+1))
+	}
+	s := &compute.MoESaved{Probs: be.FromF32(p), Offsets: be.FromI32(off)}
+	rt, dprob := be.NewMoERouting(1, E), be.New(compute.F32, E)
+	defer rt.Free()
+	call := func() {
+		rt.Record(0, s, T)
+		rt.AuxGrad(dprob, 0.001, T)
+	}
+	call()
+	be.wait()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		call()
+	}
+	be.wait()
+	sec := b.Elapsed().Seconds() / float64(b.N)
+	b.ReportMetric(1e3*sec, "ms/call")
+	b.ReportMetric(float64(T*E*4)/sec/1e9, "GB/s")
 }
 
 // timeMoE times call on be, after one call to warm up (the memory pool,
