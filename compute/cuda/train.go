@@ -237,7 +237,8 @@ func (b *Backend) colSum(dst, src, x uint64, xbf int32, rstd uint64, rows, cols 
 }
 
 // EmbedBackward implements compute.Backend: dtable += the rows of dout at
-// ids, in token order (deterministic, no atomics).
+// ids, in token order (deterministic, no atomics): k_embed_links chains
+// each id's tokens, k_embed_bwd walks each chain from its first token.
 func (b *Backend) EmbedBackward(dtableT, doutT, idsT compute.Tensor, n, dim int) {
 	defer b.enter()()
 	b.wroteT(dtableT)
@@ -248,10 +249,14 @@ func (b *Backend) EmbedBackward(dtableT, doutT, idsT compute.Tensor, n, dim int)
 	if n == 0 || dim == 0 {
 		return
 	}
-	// A warp a block: the columns are the only parallelism of the
-	// deterministic walk, so the more SMs they spread over the better.
-	b.launchKernel(launch{kernel: "k_embed_bwd", grid: [3]int{(dim + 31) / 32, 1, 1}, block: 32},
-		dptr(dt.p), dptr(dout.p), dptr(ids.p), int64(n), int32(dim))
+	// Each id's tokens chained (next, first), then a block a token: an
+	// id's first token walks its chain, its threads across the columns.
+	links := b.alloc(int64(n) * 8)
+	next, first := links, links+uint64(n)*4
+	b.ew("k_embed_links", int64(n), dptr(next), dptr(first), dptr(ids.p), int64(n))
+	b.launchKernel(launch{kernel: "k_embed_bwd", grid: [3]int{min(n, 1<<20), 1, 1}, block: min(256, (dim+31)/32*32)},
+		dptr(dt.p), dptr(dout.p), dptr(ids.p), dptr(next), dptr(first), int64(n), int32(dim))
+	b.free(links)
 }
 
 // RMSNormBackward implements compute.Backend: dx += per row (the forward's

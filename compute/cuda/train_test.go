@@ -692,14 +692,14 @@ func TestMultiTensor(t *testing.T) {
 
 // TestEmbedBackwardOrder: the embedding's backward adds each token's
 // gradient row to its id's row in token order, as compute/cpu's serial
-// loop does, so the two agree bit for bit: ids repeated within and
-// across k_embed_bwd's batches of 8 tokens (a vocabulary of 5 over 1003
-// tokens, a run of one id, one id at every batch's edge), a token count
-// and a width that are no multiples of the batch and of the block.
+// loop does, so the two agree bit for bit: ids repeated far apart and
+// next to each other (a vocabulary of 5 over 1003 tokens, a run of one
+// id, one id at every 8-token edge), an id used once (the last token's),
+// and a width that is no multiple of the block's threads.
 func TestEmbedBackwardOrder(t *testing.T) {
 	be := testBackend(t)
 	r := rand.New(rand.NewPCG(53, 54))
-	const V, n, dim = 5, 1003, 70
+	const V, n = 5, 1003
 	ids := make([]int32, n)
 	for i := range ids {
 		switch {
@@ -708,25 +708,29 @@ func TestEmbedBackwardOrder(t *testing.T) {
 		case i%8 == 7 || i%8 == 0:
 			ids[i] = 1 // the batches' edges
 		default:
-			ids[i] = int32(r.IntN(V))
+			ids[i] = int32(r.IntN(V - 1))
 		}
 	}
-	// Gradients of mixed magnitudes, so that the order of the additions
-	// shows in the rounding.
-	dout := randF32(r, n*dim)
-	for i := range dout {
-		dout[i] *= float32(math.Pow(10, float64(r.IntN(7)-3)))
-	}
-	table := randF32(r, V*dim)
-	run := func(be compute.Backend) []float32 {
-		dt := be.FromF32(table)
-		be.EmbedBackward(dt, be.FromF32(dout), be.FromI32(ids), n, dim)
-		return readF32(be, dt, V*dim)
-	}
-	got, want := run(be), run(oracle)
-	for i := range want {
-		if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
-			t.Fatalf("dtable[%d][%d]: %v, the CPU's serial walk %v", i/dim, i%dim, got[i], want[i])
+	ids[n-1] = V - 1 // its only token
+	// Width 300: more columns than a block's threads.
+	for _, dim := range []int{70, 300} {
+		// Gradients of mixed magnitudes, so that the order of the
+		// additions shows in the rounding.
+		dout := randF32(r, n*dim)
+		for i := range dout {
+			dout[i] *= float32(math.Pow(10, float64(r.IntN(7)-3)))
+		}
+		table := randF32(r, V*dim)
+		run := func(be compute.Backend) []float32 {
+			dt := be.FromF32(table)
+			be.EmbedBackward(dt, be.FromF32(dout), be.FromI32(ids), n, dim)
+			return readF32(be, dt, V*dim)
+		}
+		got, want := run(be), run(oracle)
+		for i := range want {
+			if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+				t.Fatalf("dim %d: dtable[%d][%d]: %v, the CPU's serial walk %v", dim, i/dim, i%dim, got[i], want[i])
+			}
 		}
 	}
 }

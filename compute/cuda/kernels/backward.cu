@@ -301,51 +301,51 @@ DK_KERNEL void k_colsum_finish(float *__restrict__ dst, const double *__restrict
 	}
 }
 
-// k_embed_bwd: dtable (vocab, dim) += the rows of dout (n, dim) at ids.
-// One thread per column walks the tokens in order, so repeated ids add up
-// in a fixed order without atomics: dtable[v][c] = (((dtable[v][c] +
-// dout[t1][c]) + dout[t2][c]) + ...) over v's tokens t1 < t2 < ....
-//
-// The walk takes EMB_BATCH tokens at a time: their table entries and
-// gradients are loaded together (independent loads in flight, where a
-// token at a time waited for each read-modify-write before the next:
-// 3.3 ms of a Qwen3-0.6B step on an H200 for 8192 tokens), then added in
-// token order in registers, a token whose id an earlier one of the batch
-// has taking that one's running sum, and stored, the last of equal ids
-// last. The additions per entry, and their order, are the walk's: the
-// same bits.
-#define EMB_BATCH 8
-DK_KERNEL void k_embed_bwd(float *dtable, const float *__restrict__ dout, const i32 *__restrict__ ids, i64 n, int dim) {
-	int c = blockIdx.x * blockDim.x + threadIdx.x;
-	if (c >= dim) return;
-	for (i64 t0 = 0; t0 < n; t0 += EMB_BATCH) {
-		int m = (int)(n - t0 < EMB_BATCH ? n - t0 : EMB_BATCH);
-		i32 id[EMB_BATCH];
-		float acc[EMB_BATCH], d[EMB_BATCH];
-		int first[EMB_BATCH]; // the batch's first token of the same id
-#pragma unroll
-		for (int j = 0; j < EMB_BATCH; j++)
-			if (j < m) id[j] = ids[t0 + j];
-#pragma unroll
-		for (int j = 0; j < EMB_BATCH; j++) {
-			if (j >= m) continue;
-			first[j] = j;
-			for (int i = 0; i < j; i++)
-				if (id[i] == id[j]) {
-					first[j] = i;
-					break;
-				}
-			d[j] = dout[(t0 + j) * dim + c];
-			if (first[j] == j) acc[j] = dtable[(i64)id[j] * dim + c];
+// The embedding's backward: dtable (vocab, dim) += the rows of dout (n,
+// dim) at ids, repeated ids adding up in token order without atomics:
+// dtable[v][c] = (((dtable[v][c] + dout[t1][c]) + dout[t2][c]) + ...) over
+// v's tokens t1 < t2 < ..., compute/cpu's serial walk bit for bit. A token
+// at a time per column (a thread a column walking all n tokens: 3.34 ms of
+// a Qwen3-0.6B step on an H200, 8192 tokens) leaves the GPU idle; instead
+// each id's tokens are chained (k_embed_links), and each id's first token
+// walks its own chain (k_embed_bwd): the same additions in the same
+// order, one block a token, the columns across its threads.
+
+// k_embed_links: per token t, next[t] = its id's next token (-1: none)
+// and first[t] = 1 when no earlier token has its id. A thread a token
+// scanning the ids (n is a batch's tokens: thousands).
+DK_KERNEL void k_embed_links(i32 *__restrict__ next, i32 *__restrict__ first, const i32 *__restrict__ ids, i64 n) {
+	for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < n; t += (i64)gridDim.x * blockDim.x) {
+		i32 id = ids[t];
+		i32 nx = -1;
+		for (i64 u = t + 1; u < n; u++)
+			if (ids[u] == id) {
+				nx = (i32)u;
+				break;
+			}
+		i32 f = 1;
+		for (i64 u = t - 1; u >= 0; u--)
+			if (ids[u] == id) {
+				f = 0;
+				break;
+			}
+		next[t] = nx;
+		first[t] = f;
+	}
+}
+
+// k_embed_bwd: a block a token t (grid-stride); when t is its id's first,
+// thread c adds the rows of the id's chain to dtable[id][c], in order.
+DK_KERNEL void k_embed_bwd(float *dtable, const float *__restrict__ dout, const i32 *__restrict__ ids, const i32 *__restrict__ next,
+                           const i32 *__restrict__ first, i64 n, int dim) {
+	for (i64 t = blockIdx.x; t < n; t += gridDim.x) {
+		if (!first[t]) continue; // the whole block: t is the same for all its threads
+		float *row = dtable + (i64)ids[t] * dim;
+		for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+			float acc = row[c];
+			for (i64 u = t; u >= 0; u = next[u]) acc += dout[u * dim + c];
+			row[c] = acc;
 		}
-#pragma unroll
-		for (int j = 0; j < EMB_BATCH; j++) {
-			if (j >= m) continue;
-			acc[first[j]] += d[j];
-		}
-#pragma unroll
-		for (int j = 0; j < EMB_BATCH; j++)
-			if (j < m && first[j] == j) dtable[(i64)id[j] * dim + c] = acc[j];
 	}
 }
 
@@ -359,4 +359,5 @@ DK_REGISTER(k_rmsnorm_bwd_warp)
 DK_REGISTER(k_rmsnorm_bwd_block)
 DK_REGISTER(k_colsum_part)
 DK_REGISTER(k_colsum_finish)
+DK_REGISTER(k_embed_links)
 DK_REGISTER(k_embed_bwd)
