@@ -352,7 +352,7 @@ s_device() {
 }
 
 # The training kernels' tests (train_test.go) and the contract's suite.
-train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|AttentionBackwardConformance|AttentionBackwardBF16DV|AttentionBackwardBF16Dout|MatMulBackwardBF16DX|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|StagingRing|MoERoutingWaits|MoETrainConformance|MoEFrozenBackward|MoELoRAHostGrouping|DropoutMatchesCPU|KernelsCompile'
+train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|EmbedBackwardOrder|AttentionBackwardConformance|AttentionBackwardBF16DV|AttentionBackwardBF16Dout|MatMulBackwardBF16DX|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|StagingRing|MoERoutingWaits|MoETrainConformance|MoEFrozenBackward|MoELoRAHostGrouping|DropoutMatchesCPU|KernelsCompile'
 
 s_train-test() {
   step train-test 80 "$T" -test.v -test.count=1 -test.timeout=75s -test.run "$train_tests"
