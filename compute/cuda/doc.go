@@ -211,7 +211,10 @@
 // cuBLASLt writes in BF16 (C and D BF16: the fp32 sum rounded once by the
 // epilogue) and attention reads in place (Options.F32Grads restores F32
 // gradients and the passes: train's TestCUDAGradsInBF16 holds the two to
-// the same bits); the parameters are rounded once per
+// the same bits on the emulator; on a GPU that needs cuBLASLt to sum a
+// BF16-D GEMM as it sums the F32-D one, which the GPU suite's
+// TestMatMulBackwardBF16DX checks and no GPU has run yet); the parameters
+// are rounded once per
 // step (shadow.go): the backend keeps a BF16 shadow of each fp32
 // parameter a GEMM reads, which AdamW's kernel writes with the update
 // (k_adamw), and which any other write to the parameter makes stale (the
