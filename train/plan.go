@@ -376,7 +376,7 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		add(TermShadows, sh, false, false)
 	}
 	T := int64(max(s.RowTokens, 1))
-	add(TermActivations, decoder.TrainActivationBytes(cfg, int(T), s.Recompute, s.QAD, s.Activations), true, false)
+	add(TermActivations, decoder.TrainActivationBytesLoRA(cfg, int(T), s.Recompute, s.QAD, s.Activations, loraOnOProj(cfg, s.LoRA)), true, false)
 	add(TermBatch, 4*(2*T+1), true, false)
 
 	C, H, KV, D := int64(cfg.Hidden), int64(cfg.Heads), int64(cfg.KVHeads), int64(cfg.HeadDim)
@@ -531,6 +531,20 @@ func loraOnExperts(cfg *model.Config, lc *LoRAConfig) bool {
 // aligned as its arena aligns it), its adapters (onExperts of them on MoE
 // experts), and the largest rank, adapted output width and, under
 // dropout, adapted input width (the scratch's shape).
+// loraOnOProj is whether lc adapts an attention o_proj of cfg (nil: no
+// LoRA).
+func loraOnOProj(cfg *model.Config, lc *LoRAConfig) bool {
+	if lc == nil {
+		return false
+	}
+	for _, t := range cfg.Tensors() {
+		if m, ok := lc.loraTarget(t.Name); ok && m == "o_proj" {
+			return true
+		}
+	}
+	return false
+}
+
 func loraCounts(cfg *model.Config, lc *LoRAConfig) (base, adapters, onExperts int64, rank, out, dropIn int) {
 	for _, t := range cfg.Tensors() {
 		n := int64(1)

@@ -172,7 +172,10 @@ type Model struct {
 	observing, inputsFrozen bool
 	qadArena                compute.Tensor
 	recompute               Recompute // "" is RecomputeNone
-	train                   trainState
+	// planOAdapters: TrainActivationBytesLoRA's model, whose o_proj
+	// layers carry adapters (it has no blocks to look at).
+	planOAdapters bool
+	train         trainState
 	// res, when set, holds the blocks' weights and takes their gradients
 	// (Residency); qslot[s] is the block whose fake-quantized weights
 	// slot s holds (-1: none) when the blocks share slots.

@@ -325,10 +325,8 @@ func (m *Model) carveGrads(a *trainActs, N int, lowGrads bool, take, gtake func(
 	// in the gradient dtype unless an o_proj adapter adds its own term to
 	// it (a second rounding).
 	att := gtake
-	for i := range m.Blocks {
-		if m.Blocks[i].Attn.O.LoRA != nil {
-			att = take
-		}
+	if m.oProjAdapters() {
+		att = take
 	}
 	a.dq, a.dk, a.dv, a.datt = take(N*H*D), take(N*KV*D), qkv(N*KV*D), att(N*H*D)
 	a.dqpre, a.dkpre = nil, nil
@@ -355,9 +353,29 @@ func (m *Model) arenaBytes() int64 {
 // gradients GEMMs read in it too, its GradDType by default); no backend
 // needed (memory planning).
 func TrainActivationBytes(cfg *model.Config, N int, r Recompute, qad bool, act compute.DType) int64 {
-	m := &Model{Cfg: cfg, qad: qad, recompute: r}
+	return TrainActivationBytesLoRA(cfg, N, r, qad, act, false)
+}
+
+// TrainActivationBytesLoRA is TrainActivationBytes for a model whose
+// o_proj layers carry LoRA adapters when oAdapters (AttachLoRA): their
+// attention output's gradient stays F32 (carveGrads).
+func TrainActivationBytesLoRA(cfg *model.Config, N int, r Recompute, qad bool, act compute.DType, oAdapters bool) int64 {
+	m := &Model{Cfg: cfg, qad: qad, recompute: r, planOAdapters: oAdapters}
 	var a trainActs
 	return m.carve(&a, N, act, act, nil, nil, nil).bytes(act)
+}
+
+// oProjAdapters is whether an o_proj layer carries a LoRA adapter.
+func (m *Model) oProjAdapters() bool {
+	if m.planOAdapters {
+		return true
+	}
+	for i := range m.Blocks {
+		if m.Blocks[i].Attn.O.LoRA != nil {
+			return true
+		}
+	}
+	return false
 }
 
 // gradDType is the dtype of the gradients only GEMMs' backwards read:
