@@ -21,28 +21,34 @@ import (
 //     fold computes anyway; on x86-64-v4, 16 blocks at a time in the
 //     order the loop's v4 clone summed in, k_lse_topk's block_sums_v4)
 //     and their total (double);
-//  2. under head, the blocks holding top-k ids are multiplied again and
-//     their mass outside the top-k summed exactly (double exp), and
-//     their tiles' totals summed again;
+//  2. under head, the blocks holding top-k ids have their mass outside
+//     the top-k summed exactly in double (from their logits, which the
+//     top-k's entries carried through the pass), and their tiles'
+//     totals summed again;
 //  3. each row's mass Σ_t total_t·exp(max_t - row max) is its tail mass
 //     (over the log-sum-exp's sum), and its thresholds u·mass are located
 //     among the tiles' and then the blocks' cumulative sums
-//     (k_draw_locate);
+//     (k_draw_locate); steps 2 and 3 are one phase on the workers, a row
+//     at a time;
 //  4. the (row, block) pairs that hold a threshold are grouped by block,
 //     their logits computed again (k_block_logits, the block's weights
-//     read once for all its rows), and k_draw_walk walks each pair's
-//     logits in double, ids ascending, to its thresholds.
+//     read once for all its rows), and k_draw_walks walks the block's
+//     pairs (one cgo call a block) in double, ids ascending, to their
+//     thresholds, the terms exp(z - row max) 8 at a time by dexp8 (an own
+//     vectorized double exp, within 1 ulp of math.Exp) as far as each
+//     walk goes.
 //
 // Beside LMHeadTopK's pass, this multiplies again at most (k + n) blocks
 // of 64 ids a row: with k 8 and n 50 about 2.4% of a 151936-id head, far
 // fewer where the draws share blocks (a peaked softmax). With the block's
 // weights prefetched, that is the arithmetic (BenchmarkBlockLogits: about
-// 0.8 G multiply-adds a call of 1024 rows, 22 CPU-ms). On a flat softmax
-// at k 8, n 50 (2026-11-27, the README), what LMHeadSample spends beyond
-// LMHeadTopK's k-16 pass is, by profile: that (about 2% of the call), the
-// float64 exps of the walks and of the head blocks' masses (about 1%),
-// the block sums (0.6%), and the k-8 heap with its blocks' logits, which
-// costs less than the k-16 heap. The outputs do not depend on the worker
+// 0.8 G multiply-adds a call of 1024 rows, 22 CPU-ms). What a head+sampled
+// fill spends beyond a topk one is, by profile (the quick start's trained
+// teacher, hidden 128, whose LM head is most of its forward; README): the
+// walks and the blocks multiplied again (about 1.5% each), the block sums
+// (1.2%), the head blocks' masses (0.5%), locating (0.3%). Against the
+// LM head of a Qwen3-0.6B-shaped teacher (hidden 1024) the same costs are
+// within the runs' spread. The outputs do not depend on the worker
 // count or on the grouping (each logit of a block is computed again by
 // the same code, whichever rows share the block). Scratch beside the pass's, per row of
 // a group: the block sums and tile statistics (4·⌈V/64⌉ + 12·⌈V/2048⌉
