@@ -171,8 +171,8 @@
 #                   (issue 23): ms a call and the GPU's idle ms inside it
 #   train-zero      the sharded student's step (ZeRO 2 and 3) on a real NCCL
 #                   group of one rank against the unsharded step in the same
-#                   run (overhead_%), device memory against the plan; stage
-#                   3's BF16 gathers bit for bit the fp32 gathers'
+#                   run (overhead_%), device memory against the plan; the
+#                   BF16 gathers bit for bit the fp32 gathers'
 #   train-peer      PyTorch on the same step (scripts/gpu/hf_train_bench.py:
 #                   HF transformers, sdpa, bf16 autocast, fused AdamW,
 #                   DistillKit's sparse top-k KL on full logits) at the
@@ -398,15 +398,15 @@ s_loss-coef() {
 # run (overhead_%), and its device memory against the plan (issue 25);
 # each stage with and without the overlap (zeroN-overlap),
 # TestCUDAShardedOverlap: the overlap's bits equal the run without it, and
-# TestCUDAZero3BF16Gathers: stage 3's BF16 gathers (real NCCL's in-place
-# ncclBfloat16 all-gather; the GEMMs reading the gathered BF16 slots, at
-# their offsets' alignment) end with the fp32 gathers' bits, at half the
-# bytes; QAD keeps fp32 gathers (TestCUDAZero3QADGathersFP32).
+# TestCUDAShardedBF16Gathers: stage 2's and 3's BF16 gathers (real NCCL's
+# in-place ncclBfloat16 all-gather; the GEMMs reading the gathered BF16
+# weights, at their offsets' alignment) end with the fp32 gathers' bits, at
+# half the bytes; QAD keeps fp32 gathers (TestCUDAShardedQADGathersFP32).
 s_train-zero() {
   STEP_DIR=train/trainer step train-zero 150 "$TT" -test.run '^$' -test.bench 'CUDATrainStepZeRO' \
     -test.benchtime 2x -test.timeout 145s
   STEP_DIR=train step train-zero-overlap 60 "$BIN/train.test" -test.v -test.count=1 -test.timeout 55s -test.run 'TestCUDAShardedOverlap'
-  STEP_DIR=train step train-zero-bf16 60 "$BIN/train.test" -test.v -test.count=1 -test.timeout 55s -test.run 'TestCUDAZero3BF16Gathers|TestCUDAZero3QADGathersFP32'
+  STEP_DIR=train step train-zero-bf16 60 "$BIN/train.test" -test.v -test.count=1 -test.timeout 55s -test.run 'TestCUDAShardedBF16Gathers|TestCUDAShardedQADGathersFP32'
 }
 
 s_train-peer() {

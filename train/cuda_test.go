@@ -264,20 +264,22 @@ func (g *gatherLog) bytes(dt compute.DType) int64 {
 	return b
 }
 
-// TestCUDAZero3BF16Gathers: at ZeRO stage 3 on the CUDA backend (over an
-// NCCL group of one: the emulator's stand-in, its all-gather of
+// TestCUDAShardedBF16Gathers: at ZeRO stages 3 and 2 on the CUDA backend
+// (over an NCCL group of one: the emulator's stand-in, its all-gather of
 // ncclBfloat16 included) the blocks' GEMM weights are all-gathered as
-// BF16 into BF16 slots the decoder binds as the Linears' weights, the
-// norms, biases and routers kept whole in fp32, and three steps end with
-// the weights (Weights: the fp32 masters) and gradient norms of the same
-// student gathering fp32 (Sharding.FP32Gathers) bit for bit: a dense Qwen3 with and without
-// overlap, a Qwen2 (biases) and a Qwen3-MoE (the router, the experts'
-// grouped GEMMs). The log of the gathers shows it: with BF16 gathers every
-// gather of a block is BF16 of the block's whole (padded) size and the
-// fp32 ones are the units outside the blocks and one pack of the small
-// tensors a step; with FP32Gathers there is no BF16 gather, and the BF16
-// bytes are half the fp32 bytes of the blocks' gathers they replace.
-func TestCUDAZero3BF16Gathers(t *testing.T) {
+// BF16 into BF16 whole weights (stage 3's slots, stage 2's own) the
+// decoder binds as the Linears' weights, the norms, biases and routers
+// kept whole in fp32, and three steps end with the weights (Weights: the
+// fp32 masters) and gradient norms of the same student gathering fp32
+// (Sharding.FP32Gathers) bit for bit, and the unsharded student's within
+// 1e-6: a dense Qwen3 with and without overlap, a Qwen2 (biases) and a
+// Qwen3-MoE (the router, the experts' grouped GEMMs). The log of the
+// gathers shows it: with BF16 gathers every gather of a block is BF16 of
+// the block's whole (padded) size and the fp32 ones are the units outside
+// the blocks and one pack of the small tensors a step; with FP32Gathers
+// there is no BF16 gather, and the BF16 bytes are half the fp32 bytes of
+// the blocks' gathers they replace.
+func TestCUDAShardedBF16Gathers(t *testing.T) {
 	cudaemu.Use(t)
 	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
 	if err != nil {
@@ -296,11 +298,14 @@ func TestCUDAZero3BF16Gathers(t *testing.T) {
 		name    string
 		cfg     *model.Config
 		overlap bool
+		stage   int
 	}{
-		{"qwen3-4layers", deepConfig(4), false},
-		{"qwen3-4layers-overlap", deepConfig(4), true},
-		{"qwen2-overlap", tinyConfig(model.ArchQwen2, false), true},
-		{"moe-overlap", tinyMoEConfig(false, 1), true},
+		{"zero3/qwen3-4layers", deepConfig(4), false, 3},
+		{"zero3/qwen3-4layers-overlap", deepConfig(4), true, 3},
+		{"zero3/qwen2-overlap", tinyConfig(model.ArchQwen2, false), true, 3},
+		{"zero3/moe-overlap", tinyMoEConfig(false, 1), true, 3},
+		{"zero2/qwen3-4layers-overlap", deepConfig(4), true, 2},
+		{"zero2/qwen2", tinyConfig(model.ArchQwen2, false), false, 2},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			type result struct {
@@ -314,7 +319,7 @@ func TestCUDAZero3BF16Gathers(t *testing.T) {
 			run := func(fp32 bool) result {
 				g := &gatherLog{Collective: ncclOfOne(t, be)}
 				defer g.Close()
-				s, err := NewShardedStudentOn(c.cfg, be, Sharding{C: g, Stage: 3, Overlap: c.overlap, FP32Gathers: fp32})
+				s, err := NewShardedStudentOn(c.cfg, be, Sharding{C: g, Stage: c.stage, Overlap: c.overlap, FP32Gathers: fp32})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -463,11 +468,11 @@ func zero3Steps(t *testing.T, s *Student, rows []*Batch, opt *loss.Options, tota
 	return norms
 }
 
-// TestCUDAZero3QADGathersFP32: NVFP4 QAD on a stage 3 student that
-// gathers BF16 is refused, naming Sharding.FP32Gathers; made with it, a
-// QAD student's gathers are all fp32 (its calibration and fake
+// TestCUDAShardedQADGathersFP32: NVFP4 QAD on a stage 2 or 3 student
+// that gathers BF16 is refused, naming Sharding.FP32Gathers; made with it,
+// a QAD student's gathers are all fp32 (its calibration and fake
 // quantization read the fp32 weights) and it trains.
-func TestCUDAZero3QADGathersFP32(t *testing.T) {
+func TestCUDAShardedQADGathersFP32(t *testing.T) {
 	cudaemu.Use(t)
 	be, err := cuda.Open(cuda.Options{KernelCache: t.TempDir()})
 	if err != nil {
@@ -475,33 +480,35 @@ func TestCUDAZero3QADGathersFP32(t *testing.T) {
 	}
 	defer be.Close()
 	cfg := tinyConfig(model.ArchQwen3, false)
-	c := ncclOfOne(t, be)
-	defer c.Close()
-	s, err := NewShardedStudentOn(cfg, be, Sharding{C: c, Stage: 3})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.EnableQAD(); err == nil || !strings.Contains(err.Error(), "FP32Gathers") {
-		t.Fatalf("EnableQAD on a student that gathers BF16: %v, want a refusal naming Sharding.FP32Gathers", err)
-	}
-	if err := s.RestoreQAD(nil); err == nil || !strings.Contains(err.Error(), "FP32Gathers") {
-		t.Fatalf("RestoreQAD on a student that gathers BF16: %v, want a refusal naming Sharding.FP32Gathers", err)
-	}
-	s.Free()
-	g := &gatherLog{Collective: ncclOfOne(t, be)}
-	defer g.Close()
-	s, err = NewShardedStudentOn(cfg, be, Sharding{C: g, Stage: 3, Overlap: true, FP32Gathers: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Free()
-	if err := s.Load(model.Init(cfg, model.InitOptions{Seed: 5})); err != nil {
-		t.Fatal(err)
-	}
-	rows := []*Batch{testBatch(11, 97, 8), testBatch(12, 97, 8)}
-	opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
-	shardSteps(t, s, shardCase{cfg: cfg, qad: true}, rows, func(int) bool { return true }, &opt, 40, func(x float64) float64 { return x })
-	if n := g.bytes(compute.BF16); n != 0 || len(g.calls) == 0 {
-		t.Fatalf("QAD: %d gathers, %d bytes of them BF16: want every gather fp32", len(g.calls), n)
+	for _, stage := range []int{2, 3} {
+		c := ncclOfOne(t, be)
+		s, err := NewShardedStudentOn(cfg, be, Sharding{C: c, Stage: stage})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.EnableQAD(); err == nil || !strings.Contains(err.Error(), "FP32Gathers") {
+			t.Fatalf("stage %d: EnableQAD on a student that gathers BF16: %v, want a refusal naming Sharding.FP32Gathers", stage, err)
+		}
+		if err := s.RestoreQAD(nil); err == nil || !strings.Contains(err.Error(), "FP32Gathers") {
+			t.Fatalf("stage %d: RestoreQAD on a student that gathers BF16: %v, want a refusal naming Sharding.FP32Gathers", stage, err)
+		}
+		s.Free()
+		c.Close()
+		g := &gatherLog{Collective: ncclOfOne(t, be)}
+		s, err = NewShardedStudentOn(cfg, be, Sharding{C: g, Stage: stage, Overlap: true, FP32Gathers: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Load(model.Init(cfg, model.InitOptions{Seed: 5})); err != nil {
+			t.Fatal(err)
+		}
+		rows := []*Batch{testBatch(11, 97, 8), testBatch(12, 97, 8)}
+		opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
+		shardSteps(t, s, shardCase{cfg: cfg, qad: true}, rows, func(int) bool { return true }, &opt, 40, func(x float64) float64 { return x })
+		if n := g.bytes(compute.BF16); n != 0 || len(g.calls) == 0 {
+			t.Fatalf("stage %d, QAD: %d gathers, %d bytes of them BF16: want every gather fp32", stage, len(g.calls), n)
+		}
+		s.Free()
+		g.Close()
 	}
 }

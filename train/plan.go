@@ -71,10 +71,10 @@ type PlanShape struct {
 	// blocks and of the units outside them, the embedding's and the LM
 	// head's sharing one buffer for weights and one for gradients).
 	// Sharded, the GEMMs round their fp32 weights per use (no BF16 copies
-	// are kept), except at stage 3 without QAD, where the blocks' weight
-	// slots are BF16 (Sharding's BF16 gathers; and the blocks' norms,
-	// biases and routers are whole in fp32, with the pack that refreshes
-	// them).
+	// are kept), except without QAD, where the blocks' whole weights
+	// (stage 2's, stage 3's slots) are BF16 (Sharding's BF16 gathers; and
+	// the blocks' norms, biases and routers are whole in fp32, with the
+	// pack that refreshes them).
 	Ranks, ZeRO int
 	// Overlap plans Sharding.Overlap at stages 2 and 3: a second block's
 	// whole gradients, and at stage 3 a third block's weights (and under
@@ -333,18 +333,21 @@ func PlanMemory(s PlanShape) MemoryPlan {
 		}
 		outside += big
 		whole := outside
-		var copies int64 // BF16 gathers: the slots
-		switch {
-		case s.ZeRO == 2:
+		var layers int64 // the layers' whole weights: all of them (2), the slots (3)
+		if s.ZeRO == 2 {
 			for _, u := range c.layerAll {
-				whole += (u + n - 1) / n * n
+				layers += (u + n - 1) / n * n
 			}
-		case !s.QAD && !c.misaligned:
+		} else {
+			layers = slots * block
+		}
+		var copies int64 // BF16 gathers: the layers' whole weights
+		if !s.QAD && !c.misaligned {
 			small, pack := c.smallPack(n)
 			whole += small + (n+1)*pack
-			copies = 2 * slots * block
-		default:
-			whole += slots * block
+			copies = 2 * layers
+		} else {
+			whole += layers
 		}
 		add(TermParams, 4*(whole+parts), false, false)
 		// The reduce-scatter's landing: the largest part.
@@ -437,9 +440,9 @@ func PlanMemory(s PlanShape) MemoryPlan {
 //     gradients and BF16 copies (10 bytes a parameter) and, at stage 0,
 //     its moments (8): EP keeps 1/N of them (all 18 bytes of its own).
 //   - ZeRO 2: the parts (master, gradients, moments) are already 1/N, but
-//     every rank holds every expert's whole weights (4 bytes) and one
-//     layer's whole gradients (two with overlap); EP keeps its own
-//     experts whole in its master and needs neither.
+//     every rank holds every expert's whole weights (2 bytes: BF16; 4
+//     under QAD) and one layer's whole gradients (two with overlap); EP
+//     keeps its own experts whole in its master and needs neither.
 //   - ZeRO 3: the two weight slots and the gradient buffer hold a whole
 //     layer's experts (8 bytes a parameter of the largest layer's: BF16
 //     slots, an fp32 buffer; with overlap three slots and two buffers,
@@ -484,6 +487,9 @@ func ExpertParallelSaving(s PlanShape) int64 {
 	case 1:
 		return (10 + 6*q) * (all - own)
 	case 2:
+		if !s.QAD && !countParams(cfg).misaligned { // BF16 whole weights
+			return 2*all + 4*grads*largest
+		}
 		return 4*all + 4*grads*largest + 4*q*(all-own)
 	default: // (its own experts' fake-quantized twins stay, run-long)
 		if !s.QAD && !countParams(cfg).misaligned { // BF16 slots

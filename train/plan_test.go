@@ -356,6 +356,14 @@ func TestExpertParallelSaving(t *testing.T) {
 		}
 	}
 	own := (experts + n - 1) / n
+	// ZeRO 2: every expert's whole weights, BF16 (fp32 under QAD), and a
+	// layer's whole gradients.
+	if got := ExpertParallelSaving(PlanShape{Model: c, Ranks: n, ZeRO: 2}); got != 2*experts+4*per {
+		t.Errorf("ZeRO 2: EP saves %d, want 2 x %d expert parameters + 4 x %d a layer", got, experts, per)
+	}
+	if got := ExpertParallelSaving(PlanShape{Model: c, Ranks: n, ZeRO: 2, QAD: true}); got != 4*experts+4*per+4*(experts-own) {
+		t.Errorf("ZeRO 2 under QAD: EP saves %d, want 4 x %d expert parameters + 4 x %d a layer + 4 x %d", got, experts, per, experts-own)
+	}
 	if got := ExpertParallelSaving(PlanShape{Model: c, Ranks: n, ZeRO: 3, QAD: true}); got != 12*per+4*2*per-4*own {
 		t.Errorf("ZeRO 3 under QAD: EP saves %d, want 12 + 8 bytes x %d expert parameters a layer less 4 x %d", got, per, own)
 	}

@@ -74,17 +74,20 @@ import (
 // block's whole gradients more, and at stage 3 one block's
 // weights (and under QAD its fake-quantized copy) more.
 //
-// BF16 gathers (stage 3, on a backend whose GEMMs read their weights in
-// BF16: compute.BF16Rounder, the CUDA backend): the blocks' GEMM weights
-// (the Linears' q/k/v/o and gate/up/down, the experts' included) are
-// all-gathered as BF16, half the bytes on the wire and in the slots:
+// BF16 gathers (on a backend whose GEMMs read their weights in BF16:
+// compute.BF16Rounder, the CUDA backend): the blocks' GEMM weights (the
+// Linears' q/k/v/o and gate/up/down, the experts' included) are
+// all-gathered as BF16, half the bytes on the wire and in the blocks'
+// whole weights (stage 3's slots; stage 2's, kept whole: DeepSpeed's
+// BF16 model beside its partitioned fp32 master):
 //
 //   - a block's gather rounds the rank's part to BF16 (RoundBF16, the
 //     rounding every GEMM makes of an fp32 weight) into the rank's place
-//     in the block's BF16 slot and all-gathers in place (NCCL's in-place
-//     layout: no BF16 copy of the parts is kept, and the rounding, of
-//     1/N of a layer, runs with the gather, beside the compute under
-//     overlap), and the decoder binds the slots as the Linears' weights.
+//     in the block's BF16 whole weights and all-gathers in place (NCCL's
+//     in-place layout: no BF16 copy of the parts is kept, and the
+//     rounding, of 1/N of a layer, runs with the gather, beside the
+//     compute under overlap), and the decoder binds the whole weights as
+//     the Linears' weights.
 //     A GEMM reads the same BF16 bits as it reads of the fp32 gather
 //     (rounded per use) or of an unsharded student (its shadow): the run
 //     is the fp32 gathers' bit for bit;
@@ -106,10 +109,10 @@ type Sharding struct {
 	C       compute.Collective
 	Stage   int  // 2 or 3
 	Overlap bool // run the collectives beside the compute (above)
-	// FP32Gathers keeps stage 3's gathers of the blocks in fp32 where
-	// they could be BF16 (above): for NVFP4 QAD (the trainer sets it
-	// when quant is nvfp4; EnableQAD and RestoreQAD refuse a student
-	// that gathers BF16).
+	// FP32Gathers keeps the gathers of the blocks (and their whole
+	// weights) in fp32 where they could be BF16 (above): for NVFP4 QAD
+	// (the trainer sets it when quant is nvfp4; EnableQAD and RestoreQAD
+	// refuse a student that gathers BF16).
 	FP32Gathers bool
 }
 
@@ -208,7 +211,7 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 	}
 	h := &shards{be: s.be, c: sh.C, stage: sh.Stage, rank: sh.C.Rank(), size: sh.C.Size(), held: [3]int{-1, -1, -1}, oheld: -1,
 		overlap: sh.Overlap, nslot: 2}
-	if _, ok := s.be.(compute.BF16Rounder); ok && sh.Stage == 3 && !sh.FP32Gathers {
+	if _, ok := s.be.(compute.BF16Rounder); ok && !sh.FP32Gathers {
 		h.bf16 = true
 	}
 	if h.overlap {
@@ -271,12 +274,12 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 	for k := range h.gradBufs() {
 		h.blockG[k] = be.New(compute.F32, max(maxBlock, 1))
 	}
+	slotType := compute.F32 // a block's whole weights: slots (3), its own (2)
+	if h.bf16 {
+		slotType = compute.BF16
+		h.layoutSmall(s.Tensors)
+	}
 	if h.stage == 3 {
-		slotType := compute.F32
-		if h.bf16 {
-			slotType = compute.BF16
-			h.layoutSmall(s.Tensors)
-		}
 		for k := range h.nslot {
 			h.slots[k] = be.New(slotType, max(maxBlock, 1))
 		}
@@ -294,7 +297,7 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 			u.p, u.g = be.New(compute.F32, whole), be.New(compute.F32, whole)
 			h.own = append(h.own, u.p, u.g)
 		case h.stage == 2:
-			u.p, u.g = be.New(compute.F32, whole), be.View(h.blockG[u.block%h.gradBufs()], 0, whole)
+			u.p, u.g = be.New(slotType, whole), be.View(h.blockG[u.block%h.gradBufs()], 0, whole)
 			h.own = append(h.own, u.p)
 		default:
 			u.p, u.g = be.View(h.slots[u.block%h.nslot], 0, whole), be.View(h.blockG[u.block%h.gradBufs()], 0, whole)
@@ -460,12 +463,14 @@ func (h *shards) write(i int, t Tensor, v []float32) {
 	case u.outSlot:
 		h.oheld = -1
 	case u.block < 0 || h.stage == 2:
+		// (A BF16 block's GEMM weights rounded to nearest even here, as
+		// RoundBF16 rounds them.)
 		be.WriteF32(be.View(u.p, t.Off-u.off, t.N), v)
 	default:
 		h.held = [3]int{-1, -1, -1}
-		if h.bf16 && h.smallOff[i] >= 0 {
-			be.WriteF32(be.View(h.small, h.smallOff[i], t.N), v)
-		}
+	}
+	if h.bf16 && h.smallOff[i] >= 0 {
+		be.WriteF32(be.View(h.small, h.smallOff[i], t.N), v)
 	}
 	lo, hi := max(h.rank*u.per, t.Off-u.off), min((h.rank+1)*u.per, t.Off-u.off+t.N)
 	if lo < hi {

@@ -213,12 +213,12 @@ func (s *Student) EnableQAD() error {
 	return nil
 }
 
-// qadGathers refuses NVFP4 QAD on a ZeRO stage 3 student whose blocks
-// gather BF16 weights (Sharding): QAD's calibration and fake quantization
-// read the fp32 weights.
+// qadGathers refuses NVFP4 QAD on a sharded student whose blocks gather
+// BF16 weights (Sharding): QAD's calibration and fake quantization read
+// the fp32 weights.
 func (s *Student) qadGathers() error {
 	if s.sh != nil && s.sh.bf16 {
-		return fmt.Errorf("%w: NVFP4 QAD on a ZeRO stage 3 student that gathers its blocks' weights in BF16: QAD reads them in fp32; make the student with Sharding.FP32Gathers (the trainer does when quant is nvfp4)", ErrInvalid)
+		return fmt.Errorf("%w: NVFP4 QAD on a ZeRO stage %d student that gathers its blocks' weights in BF16: QAD reads them in fp32; make the student with Sharding.FP32Gathers (the trainer does when quant is nvfp4)", ErrInvalid, s.sh.stage)
 	}
 	return nil
 }

@@ -93,7 +93,11 @@ func zeroNote(zero, world int, overlap, qad bool) string {
 	case world <= 1:
 		return ""
 	case zero == 2:
-		return fmt.Sprintf(", %d ranks at ZeRO stage 2 (AdamW's moments and the gradients: 1/%d a rank, and %s whole gradients%s)", world, world, grads, ov)
+		whole := "every layer's whole BF16 GEMM weights (the norms, biases and routers: fp32)"
+		if qad {
+			whole = "every layer's whole fp32 weights (NVFP4 QAD reads them)"
+		}
+		return fmt.Sprintf(", %d ranks at ZeRO stage 2 (AdamW's moments and the gradients: 1/%d a rank, and %s and %s whole gradients%s)", world, world, whole, grads, ov)
 	case zero == 3:
 		gathered := "BF16 GEMM weights (the norms, biases and routers: whole, fp32)"
 		if qad {

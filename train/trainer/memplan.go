@@ -72,9 +72,10 @@ func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute,
 		resident += p0.Term(train.TermQAD)
 	}
 	if s.ShardStage() > 0 {
-		// A sharded student's BF16 weight copies are its stage 3 BF16
-		// weight slots, allocated with it (an unsharded one's are made
-		// at the first GEMM after a step).
+		// A sharded student's BF16 weight copies are its layers' BF16
+		// whole weights (stage 3's slots, stage 2's own), allocated with
+		// it (an unsharded one's are made at the first GEMM after a
+		// step).
 		resident += p0.Term(train.TermShadows)
 	}
 	budget := free - reserve + resident
