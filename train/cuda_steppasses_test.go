@@ -68,15 +68,7 @@ func TestCUDAStepConversions(t *testing.T) {
 			b := testBatch(4, c.cfg.VocabSize, 8)
 			opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
 			if c.qad {
-				if err := s.EnableQAD(); err != nil {
-					t.Fatal(err)
-				}
-				if _, err := s.Forward(b, &opt); err != nil {
-					t.Fatal(err)
-				}
-				if err := s.FinishCalibration(); err != nil {
-					t.Fatal(err)
-				}
+				calibrateQAD(t, s, &opt, b)
 			}
 			ad, _ := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
 			got := map[string]int{}

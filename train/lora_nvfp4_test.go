@@ -61,15 +61,7 @@ func TestLoRAMergedNVFP4(t *testing.T) {
 			if err := full.Load(s.baseWeights()); err != nil {
 				t.Fatal(err)
 			}
-			if err := full.EnableQAD(); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := full.Forward(b, &opt); err != nil {
-				t.Fatal(err)
-			}
-			if err := full.FinishCalibration(); err != nil {
-				t.Fatal(err)
-			}
+			calibrateQAD(t, full, &opt, b)
 			qa := full.QuantAmax()
 			for l := 0; l < cfg.Layers; l++ {
 				if got, want := in[4*l:4*l+4], qa[11*l+7:11*l+11]; !slices.Equal(got, want) {

@@ -31,6 +31,23 @@ func tinyConfig(arch model.Arch, tied bool) *model.Config {
 
 // testBatch packs three samples (lengths 9, 1, 11) with a partial loss mask
 // and a teacher top-k drawn from random full-vocabulary distributions.
+// calibrateQAD turns s's NVFP4 QAD on and calibrates it on rows, as a
+// run's first step does (a forward of each row, then FinishCalibration).
+func calibrateQAD(t testing.TB, s *Student, opt *loss.Options, rows ...*Batch) {
+	t.Helper()
+	if err := s.EnableQAD(); err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range rows {
+		if _, err := s.Forward(b, opt); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.FinishCalibration(); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func testBatch(seed int64, V, K int) *Batch {
 	rng := rand.New(rand.NewSource(seed))
 	starts := []int32{0, 9, 10, 21}
