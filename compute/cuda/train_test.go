@@ -303,46 +303,34 @@ func TestAttentionBackwardBF16DV(t *testing.T) {
 		t.Fatal("cuDNN did not load (the emulator stands in for it)")
 	}
 	r := rand.New(rand.NewPCG(53, 54))
-	for _, c := range []struct {
-		mode           attnMode
-		nHead, nKV, hd int
-	}{{"", 4, 2, 64}, {"simt", 4, 2, 16}, {"mma", 4, 1, 64}} {
-		t.Run(fmt.Sprintf("%q_hd%d", c.mode, c.hd), func(t *testing.T) {
-			be.attn = c.mode
-			defer func() { be.attn = "" }()
-			ac := newAttnCase(r, []int{1, 17, 65, 2}, c.nHead, c.nKV, c.hd)
-			o, lse := ac.run(oracle, ac.q, ac.k, ac.v)
-			dout := randF32(r, len(o))
-			dq0, dk0 := randF32(r, len(ac.q)), randF32(r, len(ac.k))
-			dv0, _ := roundBF16(randF32(r, len(ac.v)))
-			run := func(dvt compute.DType) (dq, dk, dv []float32) {
-				gq, gk, gv := be.FromF32(dq0), be.FromF32(dk0), be.New(dvt, len(dv0))
-				be.WriteF32(gv, dv0)
-				calls := be.dnn.calls[1]
-				be.AttentionBackward(gq, gk, gv, be.FromF32(dout), be.FromF32(ac.q), be.FromF32(ac.k), be.FromF32(ac.v), be.FromF32(o),
-					be.FromF32(lse), be.FromI32(ac.starts), len(ac.lens), ac.maxLen, ac.tokens, c.nHead, c.nKV, c.hd, float32(1/math.Sqrt(float64(c.hd))))
-				if on := be.dnn.calls[1] != calls; on != (c.mode == "") {
-					t.Fatalf("mode %q: the backward ran on cuDNN: %v", c.mode, on)
-				}
-				return readF32(be, gq, len(ac.q)), readF32(be, gk, len(ac.k)), readF32(be, gv, len(dv0))
+	eachAttnBackwardMode(t, be, func(t *testing.T, c attnBackwardMode) {
+		ac := newAttnCase(r, []int{1, 17, 65, 2}, c.nHead, c.nKV, c.hd)
+		o, lse := ac.run(oracle, ac.q, ac.k, ac.v)
+		dout := randF32(r, len(o))
+		dq0, dk0 := randF32(r, len(ac.q)), randF32(r, len(ac.k))
+		dv0, _ := roundBF16(randF32(r, len(ac.v)))
+		run := func(dvt compute.DType) (dq, dk, dv []float32) {
+			gq, gk, gv := be.FromF32(dq0), be.FromF32(dk0), be.New(dvt, len(dv0))
+			be.WriteF32(gv, dv0)
+			ac.backwardOn(t, be, c, gq, gk, gv, be.FromF32(dout), be.FromF32(o), lse)
+			return readF32(be, gq, len(ac.q)), readF32(be, gk, len(ac.k)), readF32(be, gv, len(dv0))
+		}
+		q32, k32, v32 := run(compute.F32)
+		qb, kb, vb := run(compute.BF16)
+		same(t, "dq", qb, q32)
+		same(t, "dk", kb, k32)
+		vr, _ := roundBF16(v32)
+		same(t, "dv (bf16) vs the f32 dv rounded", vb, vr)
+		changed := 0
+		for i := range vb {
+			if vb[i] != dv0[i] {
+				changed++
 			}
-			q32, k32, v32 := run(compute.F32)
-			qb, kb, vb := run(compute.BF16)
-			same(t, "dq", qb, q32)
-			same(t, "dk", kb, k32)
-			vr, _ := roundBF16(v32)
-			same(t, "dv (bf16) vs the f32 dv rounded", vb, vr)
-			changed := 0
-			for i := range vb {
-				if vb[i] != dv0[i] {
-					changed++
-				}
-			}
-			if changed < len(vb)/2 {
-				t.Fatalf("only %d of %d dv elements moved", changed, len(vb))
-			}
-		})
-	}
+		}
+		if changed < len(vb)/2 {
+			t.Fatalf("only %d of %d dv elements moved", changed, len(vb))
+		}
+	})
 }
 
 // TestAttentionBackwardBF16Dout: a BF16 dout (o_proj's backward writes
@@ -358,54 +346,75 @@ func TestAttentionBackwardBF16Dout(t *testing.T) {
 		t.Fatal("cuDNN did not load (the emulator stands in for it)")
 	}
 	r := rand.New(rand.NewPCG(55, 56))
-	for _, c := range []struct {
-		mode           attnMode
-		nHead, nKV, hd int
-	}{{"", 4, 2, 64}, {"simt", 4, 2, 16}, {"mma", 4, 1, 64}} {
+	eachAttnBackwardMode(t, be, func(t *testing.T, c attnBackwardMode) {
+		ac := newAttnCase(r, []int{1, 17, 65, 2}, c.nHead, c.nKV, c.hd)
+		o, lse := ac.run(oracle, ac.q, ac.k, ac.v)
+		o, _ = roundBF16(o) // the decoder's out is BF16
+		dout := randF32(r, len(o))
+		dr, _ := roundBF16(dout)
+		dq0, dk0, dv0 := randF32(r, len(ac.q)), randF32(r, len(ac.k)), randF32(r, len(ac.v))
+		run := func(d []float32, dt, ot compute.DType) [3][]float32 {
+			gq, gk, gv := be.FromF32(dq0), be.FromF32(dk0), be.FromF32(dv0)
+			dt0, ot0 := be.New(dt, len(d)), be.New(ot, len(o))
+			be.WriteF32(dt0, d)
+			be.WriteF32(ot0, o)
+			ac.backwardOn(t, be, c, gq, gk, gv, dt0, ot0, lse)
+			return [3][]float32{readF32(be, gq, len(ac.q)), readF32(be, gk, len(ac.k)), readF32(be, gv, len(ac.v))}
+		}
+		f32 := run(dr, compute.F32, compute.F32)
+		for _, v := range []struct {
+			what   string
+			dt, ot compute.DType
+		}{{"a BF16 dout", compute.BF16, compute.F32}, {"a BF16 out", compute.F32, compute.BF16}, {"BF16 dout and out", compute.BF16, compute.BF16}} {
+			bf := run(dr, v.dt, v.ot)
+			for i, name := range []string{"dq", "dk", "dv"} {
+				if j := firstDiff32(bf[i], f32[i]); j >= 0 {
+					t.Fatalf("%s[%d] = %v from %s, %v from F32 tensors of the same values", name, j, bf[i][j], v.what, f32[i][j])
+				}
+			}
+		}
+		if c.mode == "simt" {
+			return // the fp32 kernels read an F32 dout unrounded
+		}
+		raw := run(dout, compute.F32, compute.F32)
+		for i, name := range []string{"dq", "dk", "dv"} {
+			if j := firstDiff32(raw[i], f32[i]); j >= 0 {
+				t.Fatalf("%s[%d] = %v from an unrounded F32 dout, %v from its rounding: the BF16 chain read more than dout's rounding", name, j, raw[i][j], f32[i][j])
+			}
+		}
+	})
+}
+
+// attnBackwardMode is a path AttentionBackward may take (cuDNN: mode "";
+// the own fp32 kernels, "simt"; the tensor-core chain, "mma") with head
+// shapes it handles.
+type attnBackwardMode struct {
+	mode           attnMode
+	nHead, nKV, hd int
+}
+
+// eachAttnBackwardMode runs f as a subtest for each path, be.attn set to
+// it.
+func eachAttnBackwardMode(t *testing.T, be *Backend, f func(t *testing.T, c attnBackwardMode)) {
+	for _, c := range []attnBackwardMode{{"", 4, 2, 64}, {"simt", 4, 2, 16}, {"mma", 4, 1, 64}} {
 		t.Run(fmt.Sprintf("%q_hd%d", c.mode, c.hd), func(t *testing.T) {
 			be.attn = c.mode
 			defer func() { be.attn = "" }()
-			ac := newAttnCase(r, []int{1, 17, 65, 2}, c.nHead, c.nKV, c.hd)
-			o, lse := ac.run(oracle, ac.q, ac.k, ac.v)
-			o, _ = roundBF16(o) // the decoder's out is BF16
-			dout := randF32(r, len(o))
-			dr, _ := roundBF16(dout)
-			dq0, dk0, dv0 := randF32(r, len(ac.q)), randF32(r, len(ac.k)), randF32(r, len(ac.v))
-			run := func(d []float32, dt, ot compute.DType) [3][]float32 {
-				gq, gk, gv := be.FromF32(dq0), be.FromF32(dk0), be.FromF32(dv0)
-				dt0, ot0 := be.New(dt, len(d)), be.New(ot, len(o))
-				be.WriteF32(dt0, d)
-				be.WriteF32(ot0, o)
-				calls := be.dnn.calls[1]
-				be.AttentionBackward(gq, gk, gv, dt0, be.FromF32(ac.q), be.FromF32(ac.k), be.FromF32(ac.v), ot0,
-					be.FromF32(lse), be.FromI32(ac.starts), len(ac.lens), ac.maxLen, ac.tokens, c.nHead, c.nKV, c.hd, float32(1/math.Sqrt(float64(c.hd))))
-				if on := be.dnn.calls[1] != calls; on != (c.mode == "") {
-					t.Fatalf("mode %q: the backward ran on cuDNN: %v", c.mode, on)
-				}
-				return [3][]float32{readF32(be, gq, len(ac.q)), readF32(be, gk, len(ac.k)), readF32(be, gv, len(ac.v))}
-			}
-			f32 := run(dr, compute.F32, compute.F32)
-			for _, v := range []struct {
-				what   string
-				dt, ot compute.DType
-			}{{"a BF16 dout", compute.BF16, compute.F32}, {"a BF16 out", compute.F32, compute.BF16}, {"BF16 dout and out", compute.BF16, compute.BF16}} {
-				bf := run(dr, v.dt, v.ot)
-				for i, name := range []string{"dq", "dk", "dv"} {
-					if j := firstDiff32(bf[i], f32[i]); j >= 0 {
-						t.Fatalf("%s[%d] = %v from %s, %v from F32 tensors of the same values", name, j, bf[i][j], v.what, f32[i][j])
-					}
-				}
-			}
-			if c.mode == "simt" {
-				return // the fp32 kernels read an F32 dout unrounded
-			}
-			raw := run(dout, compute.F32, compute.F32)
-			for i, name := range []string{"dq", "dk", "dv"} {
-				if j := firstDiff32(raw[i], f32[i]); j >= 0 {
-					t.Fatalf("%s[%d] = %v from an unrounded F32 dout, %v from its rounding: the BF16 chain read more than dout's rounding", name, j, raw[i][j], f32[i][j])
-				}
-			}
+			f(t, c)
 		})
+	}
+}
+
+// backwardOn runs be's AttentionBackward of ac (dout, out and lse as
+// given) into dq, dk, dv, and fails t unless it ran on cuDNN exactly
+// when c.mode is "".
+func (ac *attnCase) backwardOn(t *testing.T, be *Backend, c attnBackwardMode, dq, dk, dv, dout, out compute.Tensor, lse []float32) {
+	t.Helper()
+	calls := be.dnn.calls[1]
+	be.AttentionBackward(dq, dk, dv, dout, be.FromF32(ac.q), be.FromF32(ac.k), be.FromF32(ac.v), out,
+		be.FromF32(lse), be.FromI32(ac.starts), len(ac.lens), ac.maxLen, ac.tokens, c.nHead, c.nKV, c.hd, float32(1/math.Sqrt(float64(c.hd))))
+	if on := be.dnn.calls[1] != calls; on != (c.mode == "") {
+		t.Fatalf("mode %q: the backward ran on cuDNN: %v", c.mode, on)
 	}
 }
 
