@@ -13,6 +13,7 @@ import (
 
 	"distill/compute/cuda"
 	"distill/compute/cuda/cudaemu"
+	"distill/model"
 	"distill/model/decoder"
 	"distill/train"
 )
@@ -157,20 +158,7 @@ func TestCUDAMemoryPlanCheck(t *testing.T) {
 // train.overlap_comm: false and what the plan is then; on a device with
 // room for the overlap, it fits.
 func TestCUDAMemoryPlanOverlapHint(t *testing.T) {
-	useCUDA(t)
-	if cudaemu.OnGPU() {
-		t.Skip("shrinks the emulator's device")
-	}
-	be, err := cuda.Open(cuda.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer be.Close()
-	cfg := tinyConfig(t, testCache(t), t.TempDir(), "train.device=cuda", "data.seq_len=256", "train.zero=3", "train.recompute=full")
-	mc, err := cfg.Model.Random.ModelConfig()
-	if err != nil {
-		t.Fatal(err)
-	}
+	be, cfg, mc := zero3PlanCase(t)
 	s, err := train.NewStudentOn(mc, be)
 	if err != nil {
 		t.Fatal(err)
@@ -203,12 +191,10 @@ func TestCUDAMemoryPlanOverlapHint(t *testing.T) {
 	}
 }
 
-// TestCUDAMemoryPlanShardedSlots: a ZeRO 3 student's BF16 weight slots
-// (the plan's BF16 weight copies at stage 3) are allocated with the
-// student, so the check before step 1 counts them among what is already
-// on the device: on a device with room for exactly the plan of full
-// recompute, a sharded student fits.
-func TestCUDAMemoryPlanShardedSlots(t *testing.T) {
+// zero3PlanCase opens the emulator (its device shrunk by the test later)
+// for a tiny ZeRO 3 run under full recompute, rows of 256 tokens: the
+// backend (closed when t ends), the run's config and the student's.
+func zero3PlanCase(t *testing.T) (*cuda.Backend, *Config, *model.Config) {
 	useCUDA(t)
 	if cudaemu.OnGPU() {
 		t.Skip("shrinks the emulator's device")
@@ -217,12 +203,22 @@ func TestCUDAMemoryPlanShardedSlots(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer be.Close()
+	t.Cleanup(func() { be.Close() })
 	cfg := tinyConfig(t, testCache(t), t.TempDir(), "train.device=cuda", "data.seq_len=256", "train.zero=3", "train.recompute=full")
 	mc, err := cfg.Model.Random.ModelConfig()
 	if err != nil {
 		t.Fatal(err)
 	}
+	return be, cfg, mc
+}
+
+// TestCUDAMemoryPlanShardedSlots: a ZeRO 3 student's BF16 weight slots
+// (the plan's BF16 weight copies at stage 3) are allocated with the
+// student, so the check before step 1 counts them among what is already
+// on the device: on a device with room for exactly the plan of full
+// recompute, a sharded student fits.
+func TestCUDAMemoryPlanShardedSlots(t *testing.T) {
+	be, cfg, mc := zero3PlanCase(t)
 	id, err := be.NewCollectiveID()
 	if err != nil {
 		t.Fatal(err)
