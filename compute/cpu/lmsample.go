@@ -177,110 +177,24 @@ var (
 // whose pass left blk; top is the group's top-k (nr, k), drawn (nr, n),
 // tail (nr) and u (nr, n, 2) its outputs and uniforms, thr scratch (nr·n).
 func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32, u []int32, thr []float64, xs, ws []float32, nr, hidden, vocab, k, n int, head bool) {
-	const B = compute.SampleBlock
-	nblk, bpt := blk.nblk, lmTile/B
-	// The top-k ids of each row, ascending (head only).
-	var heads []int32
+	g := &groupSampler{be: be, blk: blk, top: top, drawn: drawn, tail: tail, u: u, thr: thr, xs: xs, ws: ws,
+		nr: nr, hidden: hidden, vocab: vocab, k: k, n: n, head: head}
 	if head {
-		heads = slices.Clone(top)
+		// The top-k ids of each row, ascending.
+		g.heads = slices.Clone(top)
 		for r := 0; r < nr; r++ {
-			slices.Sort(heads[r*k : (r+1)*k])
+			slices.Sort(g.heads[r*k : (r+1)*k])
+		}
+		if blk.topb == nil {
+			g.dominatedMasses()
 		}
 	}
-	headOf := func(r int) []int32 {
-		if !head {
-			return nil
-		}
-		return heads[r*k : (r+1)*k]
-	}
-	nt := blk.ntile
-	// headMasses (2, the pass left each top-k id's block logits: no
-	// weights to read again) writes row r's head blocks' masses outside
-	// the top-k, relative to their tile's max as the pass left the
-	// others, in double from those logits.
-	headMasses := func(r int) {
-		h, ids := headOf(r), top[r*k:(r+1)*k]
-		for j, v := range ids {
-			b := v / B
-			first := true
-			for _, w := range ids[:j] {
-				first = first && w/B != b
-			}
-			if !first {
-				continue
-			}
-			t := int(b) / bpt
-			nz := min(B, vocab-int(b)*B)
-			z := blk.topb[(r*k+j)*B : (r*k+j)*B+nz]
-			blk.bsum[r*nblk+int(b)] = float32(C.k_block_mass(fp(z), C.int(nz), C.int32_t(int(b)*B),
-				C.double(blk.tmax[r*nt+t]), ip(h), C.int(len(h))))
-		}
-	}
-	if head && blk.topb == nil {
-		// 2, for a k above lmPayloadK (the pass carried no blocks): where
-		// the top-k ids hold at most half of a block's sum, the block's
-		// sum less their exps (the fold's, of their logits: the same
-		// terms) keeps its relative accuracy; a block they dominate is
-		// computed again and summed outside the top-k exactly.
-		var pairs []blockPair
-		for r := 0; r < nr; r++ {
-			h, ids, zs := headOf(r), top[r*k:(r+1)*k], blk.topz[r*k:(r+1)*k]
-			for i := 0; i < len(h); {
-				b := h[i] / B
-				j := i
-				for j < len(h) && h[j]/B == b {
-					j++
-				}
-				i = j
-				t := int(b) / bpt
-				tm := blk.tmax[r*nt+t]
-				var in float64 // the top-k's exps in block b
-				for q, v := range ids {
-					if v/B == b {
-						in += float64(C.k_fexp_sum((*C.float)(&zs[q]), 1, C.float(tm)))
-					}
-				}
-				s := float64(blk.bsum[r*nblk+int(b)])
-				if in <= 0.5*s {
-					blk.bsum[r*nblk+int(b)] = float32(s - in)
-				} else {
-					pairs = append(pairs, blockPair{row: int32(r), blk: b})
-				}
-			}
-		}
-		be.blockLogits(pairs, xs, ws, hidden, vocab, func(ps []blockPair, z []float32, nz int) {
-			for i, p := range ps {
-				r, b := int(p.row), int(p.blk)
-				h := headOf(r)
-				t := b / bpt
-				m := float64(C.k_block_mass(fp(z[i*nz:]), C.int(nz), C.int32_t(b*B), C.double(blk.tmax[r*nt+t]), ip(h), C.int(len(h))))
-				blk.bsum[r*nblk+b] = float32(m)
-			}
-		})
-	}
-	// tileSums sums again the totals of row r's tiles that hold its head
-	// blocks (head only).
-	tileSums := func(r int) {
-		last := -1
-		for _, v := range headOf(r) {
-			t := int(v) / lmTile
-			if t == last {
-				continue
-			}
-			last = t
-			var sum float64
-			for _, x := range blk.bsum[r*nblk+t*bpt : r*nblk+min((t+1)*bpt, nblk)] {
-				sum += float64(x)
-			}
-			blk.tsum[r*nt+t] = sum
-		}
-	}
-	// 3. Each row's mass to draw from, its thresholds among the blocks'
-	// cumulative sums, and the (row, block) pairs that hold them; with a
-	// head, the row's head blocks' masses and tile totals first. One
-	// phase on the workers (each row writes its own sums and pairs).
+	// 2 and 3, one phase on the workers (each row writes its own sums and
+	// pairs): with a head, the row's head blocks' masses and tile totals;
+	// then its mass to draw from, its thresholds and their pairs.
 	rowPairs := make([][]blockPair, nr)
-	cost := nt + n*bpt
+	B, bpt := compute.SampleBlock, lmTile/compute.SampleBlock
+	cost := blk.ntile + n*bpt
 	if head {
 		cost += k * (B + bpt)
 	}
@@ -289,46 +203,168 @@ func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32
 		for r := lo; r < hi; r++ {
 			if head {
 				if blk.topb != nil {
-					headMasses(r)
+					g.headMasses(r)
 				}
-				tileSums(r)
+				g.tileSums(r)
 			}
-			mx := C.double(blk.rmax[r])
-			tm, ts := fp(blk.tmax[r*nt:]), (*C.double)(unsafe.Pointer(&blk.tsum[r*nt]))
-			mass := float64(C.k_tile_mass(tm, ts, C.long(nt), mx))
-			tail[r] = float32(mass / blk.rsum[r])
-			dr, th := drawn[r*n:(r+1)*n], thr[r*n:(r+1)*n]
-			if !(mass > 0) {
-				for d := range dr {
-					dr[d] = -1 // nothing outside the head to draw from
-				}
-				continue
-			}
-			C.k_draw_locate(fp(blk.bsum[r*nblk:]), C.long(nblk), tm, ts, C.long(nt), C.long(bpt), mx,
-				ip(u[2*r*n:]), C.int(n), C.double(mass), ip(bl), (*C.double)(unsafe.Pointer(&th[0])))
-			var ps []blockPair
-			for d, b := range bl {
-				if len(ps) > 0 && ps[len(ps)-1].blk == b {
-					ps[len(ps)-1].d1++
-				} else {
-					ps = append(ps, blockPair{row: int32(r), blk: b, d0: int32(d), d1: int32(d + 1)})
-				}
-			}
-			rowPairs[r] = ps
+			rowPairs[r] = g.locate(r, bl)
 		}
 	})
-	// 4. The draws, block by block.
+	g.walk(slices.Concat(rowPairs...))
+}
+
+// groupSampler is one group's state through steps 2-4 of LMHeadSample
+// (sampleGroup's arguments; heads, under head, each row's top-k ids
+// ascending).
+type groupSampler struct {
+	be                      *Backend
+	blk                     *lmBlocks
+	top, heads, drawn, u    []int32
+	tail                    []float32
+	thr                     []float64
+	xs, ws                  []float32
+	nr, hidden, vocab, k, n int
+	head                    bool
+}
+
+// headOf is row r's top-k ids ascending (nil without a head).
+func (g *groupSampler) headOf(r int) []int32 {
+	if !g.head {
+		return nil
+	}
+	return g.heads[r*g.k : (r+1)*g.k]
+}
+
+// headMasses (2, the pass left each top-k id's block logits: no weights
+// to read again) writes row r's head blocks' masses outside the top-k,
+// relative to their tile's max as the pass left the others, in double
+// from those logits.
+func (g *groupSampler) headMasses(r int) {
+	const B = compute.SampleBlock
+	blk, k, bpt := g.blk, g.k, lmTile/B
+	h, ids := g.headOf(r), g.top[r*k:(r+1)*k]
+	for j, v := range ids {
+		b := v / B
+		first := true
+		for _, w := range ids[:j] {
+			first = first && w/B != b
+		}
+		if !first {
+			continue
+		}
+		t := int(b) / bpt
+		nz := min(B, g.vocab-int(b)*B)
+		z := blk.topb[(r*k+j)*B : (r*k+j)*B+nz]
+		blk.bsum[r*blk.nblk+int(b)] = float32(C.k_block_mass(fp(z), C.int(nz), C.int32_t(int(b)*B),
+			C.double(blk.tmax[r*blk.ntile+t]), ip(h), C.int(len(h))))
+	}
+}
+
+// dominatedMasses is step 2 for a k above lmPayloadK (the pass carried no
+// blocks): where the top-k ids hold at most half of a block's sum, the
+// block's sum less their exps (the fold's, of their logits: the same
+// terms) keeps its relative accuracy; a block they dominate is computed
+// again and summed outside the top-k exactly.
+func (g *groupSampler) dominatedMasses() {
+	const B = compute.SampleBlock
+	blk, k, nblk, nt, bpt := g.blk, g.k, g.blk.nblk, g.blk.ntile, lmTile/B
 	var pairs []blockPair
-	for _, ps := range rowPairs {
-		pairs = append(pairs, ps...)
+	for r := 0; r < g.nr; r++ {
+		h, ids, zs := g.headOf(r), g.top[r*k:(r+1)*k], blk.topz[r*k:(r+1)*k]
+		for i := 0; i < len(h); {
+			b := h[i] / B
+			j := i
+			for j < len(h) && h[j]/B == b {
+				j++
+			}
+			i = j
+			t := int(b) / bpt
+			tm := blk.tmax[r*nt+t]
+			var in float64 // the top-k's exps in block b
+			for q, v := range ids {
+				if v/B == b {
+					in += float64(C.k_fexp_sum((*C.float)(&zs[q]), 1, C.float(tm)))
+				}
+			}
+			s := float64(blk.bsum[r*nblk+int(b)])
+			if in <= 0.5*s {
+				blk.bsum[r*nblk+int(b)] = float32(s - in)
+			} else {
+				pairs = append(pairs, blockPair{row: int32(r), blk: b})
+			}
+		}
 	}
+	g.be.blockLogits(pairs, g.xs, g.ws, g.hidden, g.vocab, func(ps []blockPair, z []float32, nz int) {
+		for i, p := range ps {
+			r, b := int(p.row), int(p.blk)
+			h := g.headOf(r)
+			t := b / bpt
+			m := float64(C.k_block_mass(fp(z[i*nz:]), C.int(nz), C.int32_t(b*B), C.double(blk.tmax[r*nt+t]), ip(h), C.int(len(h))))
+			blk.bsum[r*nblk+b] = float32(m)
+		}
+	})
+}
+
+// tileSums sums again the totals of row r's tiles that hold its head
+// blocks (head only).
+func (g *groupSampler) tileSums(r int) {
+	blk, bpt := g.blk, lmTile/compute.SampleBlock
+	nblk := blk.nblk
+	last := -1
+	for _, v := range g.headOf(r) {
+		t := int(v) / lmTile
+		if t == last {
+			continue
+		}
+		last = t
+		var sum float64
+		for _, x := range blk.bsum[r*nblk+t*bpt : r*nblk+min((t+1)*bpt, nblk)] {
+			sum += float64(x)
+		}
+		blk.tsum[r*blk.ntile+t] = sum
+	}
+}
+
+// locate (3) writes row r's tail mass (over the log-sum-exp's sum),
+// locates its thresholds among the tiles' and blocks' cumulative sums
+// (bl: n scratch) and returns the (row, block) pairs that hold them, or
+// marks its draws -1 where nothing is left to draw from.
+func (g *groupSampler) locate(r int, bl []int32) []blockPair {
+	blk, n, nt := g.blk, g.n, g.blk.ntile
+	mx := C.double(blk.rmax[r])
+	tm, ts := fp(blk.tmax[r*nt:]), (*C.double)(unsafe.Pointer(&blk.tsum[r*nt]))
+	mass := float64(C.k_tile_mass(tm, ts, C.long(nt), mx))
+	g.tail[r] = float32(mass / blk.rsum[r])
+	dr, th := g.drawn[r*n:(r+1)*n], g.thr[r*n:(r+1)*n]
+	if !(mass > 0) {
+		for d := range dr {
+			dr[d] = -1 // nothing outside the head to draw from
+		}
+		return nil
+	}
+	C.k_draw_locate(fp(blk.bsum[r*blk.nblk:]), C.long(blk.nblk), tm, ts, C.long(nt), C.long(lmTile/compute.SampleBlock), mx,
+		ip(g.u[2*r*n:]), C.int(n), C.double(mass), ip(bl), (*C.double)(unsafe.Pointer(&th[0])))
+	var ps []blockPair
+	for d, b := range bl {
+		if len(ps) > 0 && ps[len(ps)-1].blk == b {
+			ps[len(ps)-1].d1++
+		} else {
+			ps = append(ps, blockPair{row: int32(r), blk: b, d0: int32(d), d1: int32(d + 1)})
+		}
+	}
+	return ps
+}
+
+// walk (4) draws, block by block: the blocks of pairs multiplied again
+// and each block's pairs walked to their thresholds (k_draw_walks).
+func (g *groupSampler) walk(pairs []blockPair) {
 	var hp *C.int32_t
-	if head {
-		hp = ip(heads)
+	if g.head {
+		hp = ip(g.heads)
 	}
-	be.blockLogits(pairs, xs, ws, hidden, vocab, func(ps []blockPair, z []float32, nz int) {
-		C.k_draw_walks(fp(z), C.long(len(ps)), C.int(nz), (*C.struct_draw_pair)(unsafe.Pointer(&ps[0])), fp(blk.rmax),
-			hp, C.int(k), (*C.double)(unsafe.Pointer(&thr[0])), C.int(n), ip(drawn))
+	g.be.blockLogits(pairs, g.xs, g.ws, g.hidden, g.vocab, func(ps []blockPair, z []float32, nz int) {
+		C.k_draw_walks(fp(z), C.long(len(ps)), C.int(nz), (*C.struct_draw_pair)(unsafe.Pointer(&ps[0])), fp(g.blk.rmax),
+			hp, C.int(g.k), (*C.double)(unsafe.Pointer(&g.thr[0])), C.int(g.n), ip(g.drawn))
 	})
 }
 
