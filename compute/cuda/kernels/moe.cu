@@ -475,14 +475,8 @@ DK_DEV void moe_gemm(u16 *sm, void *__restrict__ out, const u16 *__restrict__ a,
 	constexpr int tileA = MOE_BM * LD, tileB = NN ? BK * MOE_LDN : MOE_BN * LD, stage = tileA + tileB; // halfs
 	constexpr int RSTEP = MOE_GEMM_THREADS / CH, AR = MOE_BM / RSTEP, BR = MOE_BN / RSTEP;
 	int t = blockIdx.x;
-	if (t >= tile_start[E]) return;
-	int lo = 0, hi = E - 1; // the expert whose tiles hold t: tile_start[e] <= t < tile_start[e+1]
-	while (lo < hi) {
-		int mid = (lo + hi + 1) / 2;
-		if (tile_start[mid] <= t) lo = mid;
-		else hi = mid - 1;
-	}
-	int e = lo;
+	int e = moe_tile_expert(tile_start, E, t); // the expert whose tiles hold t
+	if (e < 0) return;
 	i32 row0 = offsets[e] + (t - tile_start[e]) * MOE_BM;
 	int rows = offsets[e + 1] - row0;
 	if (rows > MOE_BM) rows = MOE_BM;
@@ -626,14 +620,8 @@ DK_DEV void moe_gemm_fp8(unsigned char *sm, float *__restrict__ out, const unsig
 	constexpr int CH = MOE_F8_BK / 16, RSTEP = MOE_GEMM_THREADS / CH, AR = MOE_BM / RSTEP;
 	constexpr int tile = MOE_BM * MOE_F8_LD, stage = 2 * tile; // bytes: an A and a W tile (MOE_BN == MOE_BM rows)
 	int t = blockIdx.x;
-	if (t >= tile_start[E]) return;
-	int lo = 0, hi = E - 1; // the expert whose tiles hold t
-	while (lo < hi) {
-		int mid = (lo + hi + 1) / 2;
-		if (tile_start[mid] <= t) lo = mid;
-		else hi = mid - 1;
-	}
-	int e = lo;
+	int e = moe_tile_expert(tile_start, E, t); // the expert whose tiles hold t
+	if (e < 0) return;
 	i32 row0 = offsets[e] + (t - tile_start[e]) * MOE_BM;
 	int rows = offsets[e + 1] - row0;
 	if (rows > MOE_BM) rows = MOE_BM;

@@ -115,19 +115,6 @@ DK_DEV void mlr_load(float *dst, int sr, int sc, const void *src, int fm, i64 ld
 	}
 }
 
-// mlr_expert finds the expert whose row tiles hold tile t:
-// tile_start[e] <= t < tile_start[e+1] (binary search; -1 past the last).
-DK_DEV int mlr_expert(const i32 *tile_start, int E, int t) {
-	if (t >= tile_start[E]) return -1;
-	int lo = 0, hi = E - 1;
-	while (lo < hi) {
-		int mid = (lo + hi + 1) / 2;
-		if (tile_start[mid] <= t) lo = mid;
-		else hi = mid - 1;
-	}
-	return lo;
-}
-
 // mlr_rows: for every expert e with an adapter and each of its grouped
 // rows r, out[r, n] (row stride ldo; += when acc) = s·Σ_k a'[r, k]·W[n, k]
 // (!NN: W (N, K)) or ·W[k, n] (NN: W (K, N)), W = word wi of e's entry
@@ -145,7 +132,7 @@ DK_DEV void mlr_rows(float *As, float *Ws, float *__restrict__ out, i64 ldo, con
                      const u64 *__restrict__ tab, int wi, int N, int K, int rk, int scaled, int drop_a, int drop_o, int acc,
                      const i32 *__restrict__ offsets, const i32 *__restrict__ tile_start, int E, mlr_drop d) {
 	constexpr int RM = MLR_BM / 16, RN = TN / 16, LA = MLR_BK + 1, LW = TN + 1;
-	int e = mlr_expert(tile_start, E, blockIdx.x);
+	int e = moe_tile_expert(tile_start, E, blockIdx.x);
 	if (e < 0) return;
 	mlr_ad ad = mlr_get(tab, e);
 	if (!ad.w[0]) return; // no adapter: the expert's rows are left alone

@@ -380,3 +380,17 @@ DK_DEV double row_sum_d(double v, int sub, int lanes, double *red) {
 	for (int i = 0; i < nw; i++) v += red[i];
 	return v;
 }
+
+// moe_tile_expert finds the expert whose row tiles hold tile t of the MoE
+// kernels' grid: tile_start[e] <= t < tile_start[e+1] (binary search; -1
+// past the last tile).
+DK_DEV int moe_tile_expert(const i32 *tile_start, int E, int t) {
+	if (t >= tile_start[E]) return -1;
+	int lo = 0, hi = E - 1;
+	while (lo < hi) {
+		int mid = (lo + hi + 1) / 2;
+		if (tile_start[mid] <= t) lo = mid;
+		else hi = mid - 1;
+	}
+	return lo;
+}
