@@ -804,6 +804,31 @@ func (b *Backend) alloc(n int64) uint64 {
 	return uint64(p)
 }
 
+// devScratch is device memory a multi-stage call hands out and frees
+// together (release; MoE's stages, its operands, its adapters).
+type devScratch struct {
+	b   *Backend
+	ptr []uint64
+}
+
+// scratch returns n bytes of device memory freed by release.
+func (s *devScratch) scratch(n int64) uint64 {
+	p := s.b.alloc(n)
+	s.ptr = append(s.ptr, p)
+	return p
+}
+
+// own makes release free p too.
+func (s *devScratch) own(p uint64) { s.ptr = append(s.ptr, p) }
+
+// release frees what scratch returned and own took.
+func (s *devScratch) release() {
+	for _, p := range s.ptr {
+		s.b.free(p)
+	}
+	s.ptr = nil
+}
+
 // keep says that p, just allocated, outlives the call: a tensor's memory,
 // a cached copy. A call's other allocations are scratch, freed if the
 // call panics (enter).

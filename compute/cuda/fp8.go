@@ -167,7 +167,7 @@ func (b *Backend) moeExpertsFP8(gate, up, y uint64, x *tensor, order uint64, mw 
 // steps in ascending k) instead of cuBLASLt's.
 func (b *Backend) moeExpertsFP8Grouped(y uint64, x *tensor, order uint64, mw *compute.MoEWeights, g moeGroups, T, K, H, I int, what string) {
 	P := T * K
-	ops := &moeOperands{b: b, what: what}
+	ops := &moeOperands{devScratch: devScratch{b: b}, what: what}
 	defer ops.release()
 	arrays := func(ws []compute.Tensor, name string, n int) (codes, scales uint64) {
 		c, s := make([]uint64, len(ws)), make([]uint64, len(ws))

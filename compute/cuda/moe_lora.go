@@ -33,11 +33,10 @@ import (
 // moeLoRA is what the adapters' passes share: the grouping on the device
 // (the offsets, the order, the adapters' row tiles) and the dropout's key.
 type moeLoRA struct {
-	b                     *Backend
+	devScratch
 	offsets, order, tiles uint64
 	rows, E, K            int
 	drop                  *compute.MoEDrop
-	tmp                   []uint64
 }
 
 // moeLoRATile is the adapters' row tile (moelora.cu's MLR_BM), their row
@@ -56,26 +55,13 @@ const (
 // the backward) under mw.Drop.
 func (b *Backend) newMoELoRA(mw *compute.MoEWeights, offsets, order uint64, rows, K int, drop bool) *moeLoRA {
 	E := mw.NumExperts
-	r := &moeLoRA{b: b, offsets: offsets, order: order, rows: rows, E: E, K: K}
+	r := &moeLoRA{devScratch: devScratch{b: b}, offsets: offsets, order: order, rows: rows, E: E, K: K}
 	if drop {
 		r.drop = mw.Drop
 	}
 	r.tiles = r.scratch(int64(E+1) * 4)
 	b.launchKernel(launch{kernel: "k_moelora_tiles", grid: [3]int{1, 1, 1}, block: 32}, dptr(offsets), int32(E), dptr(r.tiles))
 	return r
-}
-
-func (r *moeLoRA) scratch(n int64) uint64 {
-	p := r.b.alloc(n)
-	r.tmp = append(r.tmp, p)
-	return p
-}
-
-func (r *moeLoRA) release() {
-	for _, p := range r.tmp {
-		r.b.free(p)
-	}
-	r.tmp = nil
 }
 
 // lora returns l's tensors' addresses, checked.

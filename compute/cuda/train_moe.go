@@ -65,9 +65,8 @@ func (b *Backend) moeSaved(s *compute.MoESaved, what string, T, E, K, H, I int) 
 // copy is kept by the backend; other F32 tensors get scratch copies that
 // release frees).
 type moeOperands struct {
-	b       *Backend
-	what    string
-	scratch []uint64
+	devScratch
+	what string
 }
 
 func (o *moeOperands) bf16(t compute.Tensor, name string, e, n int) uint64 {
@@ -76,7 +75,7 @@ func (o *moeOperands) bf16(t compute.Tensor, name string, e, n int) uint64 {
 	need(w, what, n, compute.F32, compute.BF16)
 	p, s := o.b.bf16Operand(w, n)
 	if s != 0 {
-		o.scratch = append(o.scratch, s)
+		o.own(s)
 	}
 	return p
 }
@@ -93,17 +92,9 @@ func (o *moeOperands) ptrs(ws []compute.Tensor, name string, n int) uint64 {
 
 // array uploads addresses h into a device array freed with the operands.
 func (o *moeOperands) array(h []uint64) uint64 {
-	d := o.b.alloc(int64(len(h)) * 8)
-	o.scratch = append(o.scratch, d)
+	d := o.scratch(int64(len(h)) * 8)
 	o.b.upload(d, unsafePtr(h), int64(len(h))*8)
 	return d
-}
-
-func (o *moeOperands) release() {
-	for _, p := range o.scratch {
-		o.b.free(p)
-	}
-	o.scratch = nil
 }
 
 // moeGroups is the device's grouping of the experts' rows: offsets (E+1)
@@ -283,7 +274,7 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 		}
 		return
 	}
-	r := &moeRun{b: b, mw: mw, what: what, x: x, sv: sv, T: T, E: E, K: K, H: H, I: I, P: T * K}
+	r := &moeRun{devScratch: devScratch{b: b}, mw: mw, what: what, x: x, sv: sv, T: T, E: E, K: K, H: H, I: I, P: T * K}
 	defer r.release()
 	if sv != nil {
 		r.probs, r.sel, r.wts, r.order, r.offsets = sv.probs.p, sv.sel.p, sv.wts.p, sv.order.p, sv.offsets.p
@@ -320,31 +311,18 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 // projections go (MoEForward's saved tensors, or scratch freed at the
 // end), and the grouping's plan.
 type moeRun struct {
-	b                 *Backend
+	devScratch
 	mw                *compute.MoEWeights
 	what              string
 	x                 *tensor
 	sv                *moeSaved
 	T, E, K, H, I, P  int
-	tmp               []uint64
 	probs, sel, wts   uint64
 	order, offsets, y uint64
 	gate, up          uint64 // (rows, I) F32: saved, or scratch when a path stores them (gateUp)
 	rowpos, tileStart uint64
 	plan              moePlan // the host's grouping (!onDevice)
 	onDevice          bool
-}
-
-func (r *moeRun) scratch(n int64) uint64 {
-	p := r.b.alloc(n)
-	r.tmp = append(r.tmp, p)
-	return p
-}
-
-func (r *moeRun) release() {
-	for _, p := range r.tmp {
-		r.b.free(p)
-	}
 }
 
 // gateUp makes gate and up scratch where they are not saved (the fused
@@ -397,7 +375,7 @@ func (r *moeRun) route() {
 // and down, on the device's grouping or the host's.
 func (r *moeRun) experts() {
 	b, mw, T, K, H, I, P := r.b, r.mw, r.T, r.K, r.H, r.I, r.P
-	ops := &moeOperands{b: b, what: r.what}
+	ops := &moeOperands{devScratch: devScratch{b: b}, what: r.what}
 	defer ops.release()
 	act := r.scratch(int64(P) * int64(I) * 2)
 	// The experts' adapters (a LoRA student's), each over its expert's rows:
@@ -562,17 +540,9 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 			panic(fmt.Sprintf("cuda: %s: saved offsets run %d..%d, want 0..%d (tokens·top_k): is s what MoEForward filled for %d tokens?", what, off[0], off[E], P, T))
 		}
 	}
-	var tmp []uint64
-	scratch := func(n int64) uint64 {
-		p := b.alloc(n)
-		tmp = append(tmp, p)
-		return p
-	}
-	defer func() {
-		for _, p := range tmp {
-			b.free(p)
-		}
-	}()
+	tmp := devScratch{b: b}
+	defer tmp.release()
+	scratch := tmp.scratch
 
 	// The router: dl (T,E) from a (T·K), then two fp32 GEMMs.
 	a, dl := scratch(int64(P)*4), scratch(int64(T)*int64(E)*4)
@@ -619,7 +589,7 @@ func (b *Backend) MoEBackward(dxT compute.Tensor, dm *compute.MoEWeights, doutT,
 		tok = moeTokens{order: sv.order.p, k: K}
 	}
 	dh := scratch(int64(P) * int64(I) * 4)
-	ops := &moeOperands{b: b, what: what}
+	ops := &moeOperands{devScratch: devScratch{b: b}, what: what}
 	defer ops.release()
 	dg, du := scratch(int64(P)*int64(I)*2), scratch(int64(P)*int64(I)*2)
 	dxg := scratch(int64(P) * int64(H) * 4)
