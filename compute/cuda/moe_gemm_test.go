@@ -26,14 +26,7 @@ import (
 // and no per-expert GEMM. (TestMoEConformance
 // holds both against compute/cpu.)
 func TestMoEGroupedGEMM(t *testing.T) {
-	if !onGPU() {
-		useEmu(t)
-	}
-	be, err := Open(Options{KernelCache: kernelCacheForTests(t), Profile: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer be.Close()
+	be := testBackendWith(t, Options{Profile: true})
 	r := rand.New(rand.NewPCG(91, 92))
 	const tokens, H, I, E, K = 300, 136, 200, 5, 2
 	c := newMoECase(r, tokens, H, I, E, K, true)
@@ -52,11 +45,7 @@ func TestMoEGroupedGEMM(t *testing.T) {
 	}
 	// The earlier kernels (32-wide K steps in two buffers, the tokens
 	// gathered, the SwiGLU a pass of its own): the same bits.
-	v1, err := Open(Options{KernelCache: kernelCacheForTests(t), Profile: true, MoEGEMM: "v1"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer v1.Close()
+	v1 := testBackendWith(t, Options{Profile: true, MoEGEMM: "v1"})
 	v1.Profile() // reset
 	same(t, "grouped moe, default vs v1 kernels", got, c.run(v1, bf16Weight(t, v1)))
 	prof = profileCalls(v1)
@@ -102,14 +91,7 @@ func TestMoEGroupedGEMM(t *testing.T) {
 // but h's quantization can move a code when a sum lands within rounding
 // of an E4M3 tie: hence TestMoEFP8Conformance's tolerance.
 func TestMoEFP8Grouped(t *testing.T) {
-	if !onGPU() {
-		useEmu(t)
-	}
-	be, err := Open(Options{KernelCache: kernelCacheForTests(t), Profile: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer be.Close()
+	be := testBackendWith(t, Options{Profile: true})
 	const tokens, H, I, E, K = 300, 208, 144, 5, 2
 	r := rand.New(rand.NewPCG(97, 98))
 	c := newMoECase(r, tokens, H, I, E, K, true)
@@ -138,19 +120,8 @@ func TestMoEFP8Grouped(t *testing.T) {
 // and more than one tile of the gradients' both dimensions); with QAD off
 // and on. TestMoETrainConformance holds both against compute/cpu.
 func TestMoEGroupedBackward(t *testing.T) {
-	if !onGPU() {
-		useEmu(t)
-	}
-	be, err := Open(Options{KernelCache: kernelCacheForTests(t), Profile: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer be.Close()
-	v1, err := Open(Options{KernelCache: kernelCacheForTests(t), MoEGEMM: "v1", Profile: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer v1.Close()
+	be := testBackendWith(t, Options{Profile: true})
+	v1 := testBackendWith(t, Options{MoEGEMM: "v1", Profile: true})
 	r := rand.New(rand.NewPCG(93, 94))
 	for _, qad := range []bool{false, true} {
 		c := newMoETrainCase(r, 150, 136, 144, 6, 2, true, true, 3)
@@ -209,14 +180,7 @@ func TestMoEGroupedBackward(t *testing.T) {
 // router's dx GEMM (the host grouping's per-expert dh and dx GEMMs
 // besides).
 func TestMoEFrozenBackward(t *testing.T) {
-	if !onGPU() {
-		useEmu(t)
-	}
-	be, err := Open(Options{KernelCache: kernelCacheForTests(t), Profile: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer be.Close()
+	be := testBackendWith(t, Options{Profile: true})
 	r := rand.New(rand.NewPCG(95, 96))
 	for _, host := range []bool{false, true} {
 		c := newMoETrainCase(r, 150, 136, 144, 6, 2, true, true, 3)
