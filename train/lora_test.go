@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"math/rand"
 	"os"
@@ -107,8 +108,9 @@ func TestLoRAGradients(t *testing.T) {
 			// B is zero at the start: give it values, as training does.
 			rng := rand.New(rand.NewSource(7))
 			ad := map[string][]float32{}
-			for name, v := range s.Weights() {
-				v = slices.Clone(v)
+			ws := s.Weights()
+			for _, name := range slices.Sorted(maps.Keys(ws)) { // the draws in a fixed order: the same values every run
+				v := slices.Clone(ws[name])
 				if strings.HasSuffix(name, "lora_B.weight") {
 					for i := range v {
 						v[i] = float32(rng.NormFloat64() * 0.2)
@@ -262,8 +264,9 @@ func loraMergedExport(t *testing.T, cfg *model.Config, targets []string, probe s
 	}
 	rng := rand.New(rand.NewSource(3))
 	ad := map[string][]float32{}
-	for name, v := range s.Weights() {
-		v = slices.Clone(v)
+	ws := s.Weights()
+	for _, name := range slices.Sorted(maps.Keys(ws)) { // the draws in a fixed order
+		v := slices.Clone(ws[name])
 		for i := range v {
 			v[i] = float32(rng.NormFloat64() * 0.3)
 		}
