@@ -60,9 +60,28 @@ func Tally(drawn []int32, ids, counts []int32) ([]int32, []int32) {
 		a = b
 	}
 	pi, pc := ids[n0:], counts[n0:]
-	sort.Sort(byCount{pi, pc})
+	if len(pi) > tallyInsertion {
+		sort.Sort(byCount{pi, pc})
+		return ids, counts
+	}
+	// The ids come ascending: an insertion sort by count that moves an
+	// entry only past smaller counts keeps ties in id order (a few dozen
+	// distinct ids a position, most counts small; sort.Sort's interface
+	// calls cost more than the moves).
+	for i := 1; i < len(pi); i++ {
+		id, c := pi[i], pc[i]
+		j := i
+		for ; j > 0 && pc[j-1] < c; j-- {
+			pi[j], pc[j] = pi[j-1], pc[j-1]
+		}
+		pi[j], pc[j] = id, c
+	}
 	return ids, counts
 }
+
+// tallyInsertion is the most distinct ids Tally sorts by insertion (its
+// moves grow as the square of the count).
+const tallyInsertion = 64
 
 type byCount struct{ ids, counts []int32 }
 

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
+	"sort"
 	"strings"
 	"testing"
 
@@ -249,5 +251,42 @@ func TestSampledBadSamples(t *testing.T) {
 			t.Errorf("%s: %d chunks committed", tc.name, len(ch))
 		}
 		c.Close()
+	}
+}
+
+// TestTally checks Tally's stored order (descending count, ties ascending
+// id) and counts against a stable sort of the distinct ids, for draws in
+// any order, on both sides of its insertion-sort bound (a flat
+// distribution's many distinct ids, a peaked one's few), appending after
+// what ids and counts already hold.
+func TestTally(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	for it := 0; it < 300; it++ {
+		n := []int{1, 7, 50, 200, 1000}[it%5]
+		span := []int{3, 40, 5000}[it%3]
+		drawn := make([]int32, n)
+		for i := range drawn {
+			drawn[i] = int32(r.IntN(span)) * 3
+		}
+		want := map[int32]int32{}
+		for _, v := range drawn {
+			want[v]++
+		}
+		type entry struct{ id, count int32 }
+		var ref []entry
+		for id, c := range want {
+			ref = append(ref, entry{id, c})
+		}
+		sort.Slice(ref, func(a, b int) bool { return ref[a].id < ref[b].id })
+		sort.SliceStable(ref, func(a, b int) bool { return ref[a].count > ref[b].count })
+		ids, counts := Tally(drawn, []int32{-7}, []int32{9})
+		if len(ids) != len(ref)+1 || ids[0] != -7 || counts[0] != 9 {
+			t.Fatalf("case %d: %d entries after the one held, want %d (and the held one kept)", it, len(ids)-1, len(ref))
+		}
+		for i, e := range ref {
+			if ids[i+1] != e.id || counts[i+1] != e.count {
+				t.Fatalf("case %d (%d draws over %d ids): entry %d is id %d count %d, want id %d count %d", it, n, span, i, ids[i+1], counts[i+1], e.id, e.count)
+			}
+		}
 	}
 }

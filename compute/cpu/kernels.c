@@ -285,6 +285,28 @@ V4 static void block_sums_v4(float *bs, const float *e, long n) {
 	for (; b < n; b += 64) bs[b / 64] = block_sum(e + b, b + 64 < n ? 64 : n - b);
 }
 
+// block_wt_v4 writes to wt (hidden, 64) the transpose of a block's 64
+// weight rows w (64, hidden; row stride hidden), 16 x 16 at a time by
+// transpose16 (on an x86-64-v4 CPU; hidden a multiple of 16): the same
+// values k_block_logits's element loop writes, with a sixth of its
+// instructions (that loop was about a third of the kernel's time at
+// about a dozen rows a block). The lines of the tile PF ahead are asked
+// for as in that loop.
+V4 static void block_wt_v4(float *wt, const float *w, long hidden, long pf) {
+	for (long q0 = 0; q0 < hidden; q0 += 16) {
+		for (long j0 = 0; j0 < 64; j0 += 16) {
+			v16f a[16];
+			for (int r = 0; r < 16; r++) {
+				const float *wr = w + (j0 + r) * hidden;
+				if (q0 + pf < hidden) __builtin_prefetch(wr + q0 + pf, 0, 0);
+				a[r] = *(const v16f *)(wr + q0);
+			}
+			transpose16(a);
+			for (int c = 0; c < 16; c++) *(v16f *)(wt + (q0 + c) * 64 + j0) = a[c];
+		}
+	}
+}
+
 // cpu_v4 is whether the CPU supports x86-64-v4, which block_sums_v4
 // needs (and the v4 clones: where the two choices disagree, the block
 // sums' bits follow cpu_v4's, the outputs are as valid).
@@ -296,6 +318,7 @@ __attribute__((constructor)) static void init_cpu_v4(void) {
 #else
 static const int cpu_v4 = 0;
 static void block_sums_v4(float *bs, const float *e, long n) { (void)bs, (void)e, (void)n; }
+static void block_wt_v4(float *wt, const float *w, long hidden, long pf) { (void)wt, (void)w, (void)hidden, (void)pf; }
 #endif
 
 // k_block_sums_v4 runs block_sums_v4 (for tests) and returns 1, or returns
@@ -442,12 +465,31 @@ static inline __attribute__((always_inline)) void dexp8(double *out, const doubl
 	memcpy(out, &p, sizeof p);
 }
 
+// v8f is 8 floats as one GCC vector, loaded from 4-byte aligned memory.
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+
+// exp_args8 writes to x the arguments of dexp8 for ids j0..j0+7 of a
+// block of nz: (double)z[j] - mx, and -Inf past nz. A whole group is
+// converted as one vector: the element loop's 8 scalar stores, read back
+// as one vector load, stalled each dexp8 (store forwarding fails), about
+// a tenth of the walks' time.
+static inline __attribute__((always_inline)) void exp_args8(double *x, const float *z, int j0, int nz, double mx) {
+	if (j0 + 8 <= nz) {
+		v8f zf;
+		memcpy(&zf, z + j0, sizeof zf);
+		v8d xv = __builtin_convertvector(zf, v8d) - mx;
+		memcpy(x, &xv, sizeof xv);
+		return;
+	}
+	for (int l = 0; l < 8; l++) x[l] = j0 + l < nz ? (double)z[j0 + l] - mx : -INFINITY;
+}
+
 // block_exps writes e[j] = exp((double)z[j] - mx) for j < nz (nz <= 64;
 // e holds 64, written in 8s) by dexp8: the terms of the walks and of a head block's mass.
 static inline __attribute__((always_inline)) void block_exps(double *e, const float *z, int nz, double mx) {
 	for (int j0 = 0; j0 < nz; j0 += 8) {
 		double x[8];
-		for (int l = 0; l < 8; l++) x[l] = j0 + l < nz ? (double)z[j0 + l] - mx : -INFINITY;
+		exp_args8(x, z, j0, nz, mx);
 		dexp8(e + j0, x);
 	}
 }
@@ -465,6 +507,9 @@ CLONES void k_dexp(double *e, const float *z, long n, double mx) {
 // one the block's sum does not reach (rounding: the block sums of the pass
 // over the tiles use the fast exp) is the block's last id with mass, or
 // its last id outside the head when none has any.
+//
+// This is the plain walk, an id at a time (k_draw_walk, the tests'
+// reference); k_draw_walks runs fast_walk, the same draws.
 static inline __attribute__((always_inline)) void draw_walk(const float *z, int nz, int32_t v0, double mx,
                                                             const int32_t *head, int nh, const double *thr, int nd,
                                                             int32_t *out) {
@@ -472,11 +517,9 @@ static inline __attribute__((always_inline)) void draw_walk(const float *z, int 
 	double c = 0;
 	int d = 0, hp = 0;
 	int32_t last = -1, lastout = -1;
-	// The terms 8 at a time, as far as the walk goes (on average about
-	// half the block: its last threshold).
 	for (int j0 = 0; j0 < nz && d < nd; j0 += 8) {
 		double x[8];
-		for (int l = 0; l < 8; l++) x[l] = j0 + l < nz ? (double)z[j0 + l] - mx : -INFINITY;
+		exp_args8(x, z, j0, nz, mx);
 		dexp8(e, x);
 		int je = j0 + 8 < nz ? j0 + 8 : nz;
 		for (int j = j0; j < je && d < nd; j++) {
@@ -495,10 +538,66 @@ static inline __attribute__((always_inline)) void draw_walk(const float *z, int 
 	while (d < nd) out[d++] = last;
 }
 
+// fast_walk is draw_walk's draws with less work an id: the head's ids
+// in the block as a bit mask, their terms set to 0 (adding +0 leaves the
+// running sum as it is, and a sum that does not move cannot pass a
+// threshold it had not passed: the first id whose sum exceeds a
+// threshold is the same, and holds mass outside the head), so the loop
+// an id is an add, a compare and a branch; the last id with mass is
+// looked for only when a threshold is not reached (rare: rounding).
+// draw_walk's loop tested the head, the zero terms and the thresholds
+// at every id, about 60% of the walks' time.
+static inline __attribute__((always_inline)) void fast_walk(const float *z, int nz, int32_t v0, double mx,
+                                                            const int32_t *head, int nh, const double *thr, int nd,
+                                                            int32_t *out) {
+	if (nd <= 0) return;
+	uint64_t hm = 0;
+	for (int i = 0; i < nh; i++)
+		if (head[i] >= v0 && head[i] < v0 + nz) hm |= 1ull << (head[i] - v0);
+	double c = 0, th = thr[0];
+	int d = 0;
+	for (int j0 = 0; j0 < nz; j0 += 8) {
+		double x[8], e[8];
+		exp_args8(x, z, j0, nz, mx);
+		dexp8(e, x);
+		if (hm >> j0 & 0xff)
+			for (int l = 0; l < 8; l++) e[l] = hm >> (j0 + l) & 1 ? 0.0 : e[l];
+		int je = j0 + 8 < nz ? 8 : nz - j0;
+		for (int l = 0; l < je; l++) {
+			c += e[l];
+			if (c > th) {
+				do out[d++] = v0 + j0 + l;
+				while (d < nd && c > thr[d]);
+				if (d == nd) return;
+				th = thr[d];
+			}
+		}
+	}
+	// Not every threshold reached: the block's last id with mass outside
+	// the head, else its last id outside the head (draw_walk's last and
+	// lastout at the block's end).
+	double e[64];
+	block_exps(e, z, nz, mx);
+	int32_t last = -1, lastout = -1;
+	for (int j = nz - 1; j >= 0 && last < 0; j--) {
+		if (hm >> j & 1) continue;
+		if (lastout < 0) lastout = v0 + j;
+		if (e[j] != 0) last = v0 + j;
+	}
+	if (last < 0) last = lastout;
+	while (d < nd) out[d++] = last;
+}
+
 // k_draw_walk is draw_walk (for tests).
 CLONES void k_draw_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh,
                         const double *thr, int nd, int32_t *out) {
 	draw_walk(z, nz, v0, mx, head, nh, thr, nd, out);
+}
+
+// k_fast_walk is fast_walk (for tests).
+CLONES void k_fast_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh,
+                        const double *thr, int nd, int32_t *out) {
+	fast_walk(z, nz, v0, mx, head, nh, thr, nd, out);
 }
 
 // k_draw_walks walks the m pairs of one block (LMHeadSample's blockPair,
@@ -511,50 +610,55 @@ CLONES void k_draw_walks(const float *z, long m, int nz, const struct draw_pair 
 	for (long i = 0; i < m; i++) {
 		const struct draw_pair *p = &ps[i];
 		long r = p->row;
-		draw_walk(z + i * nz, nz, p->blk * 64, (double)rmax[r], heads ? heads + r * k : NULL, heads ? k : 0,
+		fast_walk(z + i * nz, nz, p->blk * 64, (double)rmax[r], heads ? heads + r * k : NULL, heads ? k : 0,
 		          thr + r * n + p->d0, p->d1 - p->d0, drawn + r * n + p->d0);
 	}
 }
 
 // k_tile_mass is Σ_t tsum[t]·exp(tmax[t] - mx), summed as k_draw_locate
-// sums the tiles.
-double k_tile_mass(const float *tmax, const double *tsum, long ntile, double mx) {
+// sums the tiles, and leaves each tile's exp(tmax[t] - mx) in sc for
+// k_draw_locate (libm's exp, once a tile: locating called it again for
+// every tile it passed).
+double k_tile_mass(const float *tmax, const double *tsum, long ntile, double mx, double *sc) {
 	double m = 0;
-	for (long t = 0; t < ntile; t++) m += tsum[t] * exp((double)tmax[t] - mx);
+	for (long t = 0; t < ntile; t++) {
+		sc[t] = exp((double)tmax[t] - mx);
+		m += tsum[t] * sc[t];
+	}
 	return m;
 }
 
 // k_draw_locate places a row's n draws among its blocks. The row's pass
-// left, per tile of spt blocks, the max tmax[t], the block sums bs
-// (relative to tmax[t], nblk in all) and their total tsum[t]; mx is the
-// row's max, mass = Σ_t tsum[t]·exp(tmax[t] - mx) > 0 the mass to draw
-// from. With u the uniforms as compute.PackUniforms writes them
-// (ascending) and x = u·mass, blk[d] is the first block whose cumulative
-// sum (tiles' totals, then the tile's blocks, in double) exceeds x and
-// thr[d] is x less the sum before that block. Where rounding leaves x
-// above the sum of the tiles, or of the blocks of its tile, the draw goes
-// to the last block with mass (of the row, or of the tile) with thr +inf:
-// its last id with mass.
-void k_draw_locate(const float *bs, long nblk, const float *tmax, const double *tsum, long ntile, long spt, double mx,
+// left, per tile of spt blocks, the block sums bs (relative to the tile's
+// max, nblk in all) and their total tsum[t]; k_tile_mass left in sc[t]
+// the tile's scale exp(tile max - row max) and mass = Σ_t tsum[t]·sc[t]
+// > 0, the mass to draw from. With u the uniforms as compute.PackUniforms
+// writes them (ascending) and x = u·mass, blk[d] is the first block whose
+// cumulative sum (tiles' totals, then the tile's blocks, in double)
+// exceeds x and thr[d] is x less the sum before that block. Where rounding
+// leaves x above the sum of the tiles, or of the blocks of its tile, the
+// draw goes to the last block with mass (of the row, or of the tile) with
+// thr +inf: its last id with mass.
+void k_draw_locate(const float *bs, long nblk, const double *sc, const double *tsum, long ntile, long spt,
                    const int32_t *u, int n, double mass, int32_t *blk, double *thr) {
 	long lt = ntile - 1;
 	while (lt > 0 && !(tsum[lt] > 0)) lt--;
 	long t = 0, j = 0;
-	double cum = 0, sc = exp((double)tmax[0] - mx), T = tsum[0] * sc, cj = 0;
+	double cum = 0, T = tsum[0] * sc[0], cj = 0;
 	for (int d = 0; d < n; d++) {
 		double x = (double)((uint64_t)(uint32_t)u[2 * d] | (uint64_t)(uint32_t)u[2 * d + 1] << 32) * 0x1p-53 * mass;
 		while (t < ntile && cum + T <= x) {
 			cum += T;
 			t++;
 			j = t * spt, cj = 0;
-			if (t < ntile) sc = exp((double)tmax[t] - mx), T = tsum[t] * sc;
+			if (t < ntile) T = tsum[t] * sc[t];
 		}
 		long tt = t, end;
 		if (t == ntile) tt = lt; // above the sum of the tiles
 		end = (tt + 1) * spt < nblk ? (tt + 1) * spt : nblk;
 		if (t < ntile) {
 			double xl = x - cum;
-			while (j < end && cj + bs[j] * sc <= xl) cj += bs[j++] * sc;
+			while (j < end && cj + bs[j] * sc[t] <= xl) cj += bs[j++] * sc[t];
 			if (j < end) {
 				blk[d] = (int32_t)j;
 				thr[d] = xl - cj;
@@ -575,24 +679,38 @@ void k_draw_locate(const float *bs, long nblk, const float *tmax, const double *
 // whatever m and whichever rows (the one-row tail loop does the same per
 // logit): LMHeadSample's draws do not depend on which rows share a block.
 CLONES void k_block_logits(float *z, const float *x, const int32_t *rows, long m, const float *w, long nz, long hidden,
-                           float *wt) {
+                           float *wt, const float *next, long nextz, int warm) {
 	// In tiles of 16 q: a cache line of each weight row read, 4 KiB of wt
 	// written (in L1). The block's weights come from memory (the pass over
 	// the tiles read them long ago), a line of each of 64 rows a tile: the
 	// hardware prefetchers do not follow 64 streams, and the loads waited
 	// for memory one tile after another (half of this kernel's time on a
 	// flat softmax). So the lines of the next PF tiles are asked for ahead
-	// (a hint: the arithmetic is unchanged).
+	// (a hint: the arithmetic is unchanged), and those of the caller's next
+	// block (next, nextz rows) as soon as this block's are read, to arrive
+	// while this block's logits are summed: its first PF tiles, or all of
+	// it where it is at most 32 KiB (hidden <= 128); warm: this block's
+	// were asked for so by the call before.
 	enum { PF = 2 };
-	for (long q0 = 0; q0 < PF * 16 && q0 < hidden; q0 += 16)
-		for (long j = 0; j < nz; j++) __builtin_prefetch(w + j * hidden + q0, 0, 0);
+	if (!warm)
+		for (long q0 = 0; q0 < PF * 16 && q0 < hidden; q0 += 16)
+			for (long j = 0; j < nz; j++) __builtin_prefetch(w + j * hidden + q0, 0, 0);
 	for (long q0 = 0; q0 < hidden; q0 += 16) {
+		if (q0 == 0 && cpu_v4 && nz == 64 && hidden % 16 == 0) {
+			block_wt_v4(wt, w, hidden, PF * 16);
+			break;
+		}
 		long qe = q0 + 16 < hidden ? q0 + 16 : hidden;
 		for (long j = 0; j < 64; j++) {
 			const float *wr = w + j * hidden;
 			if (j < nz && q0 + PF * 16 < hidden) __builtin_prefetch(wr + q0 + PF * 16, 0, 0);
 			for (long q = q0; q < qe; q++) wt[q * 64 + j] = j < nz ? wr[q] : 0.0f;
 		}
+	}
+	if (next) {
+		long ahead = hidden <= 128 ? hidden : PF * 16;
+		for (long q0 = 0; q0 < ahead; q0 += 16)
+			for (long j = 0; j < nextz; j++) __builtin_prefetch(next + j * hidden + q0, 0, 0);
 	}
 	long i = 0;
 	for (; i + 4 <= m; i += 4) {

@@ -23,14 +23,16 @@ struct draw_pair {
 };
 void k_draw_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh,
                  const double *thr, int nd, int32_t *out);
+void k_fast_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh,
+                 const double *thr, int nd, int32_t *out);
 void k_draw_walks(const float *z, long m, int nz, const struct draw_pair *ps, const float *rmax,
                   const int32_t *heads, int k, const double *thr, int n, int32_t *drawn);
 void k_dexp(double *e, const float *z, long n, double mx);
-double k_tile_mass(const float *tmax, const double *tsum, long ntile, double mx);
-void k_draw_locate(const float *bs, long nblk, const float *tmax, const double *tsum, long ntile, long spt, double mx,
+double k_tile_mass(const float *tmax, const double *tsum, long ntile, double mx, double *sc);
+void k_draw_locate(const float *bs, long nblk, const double *sc, const double *tsum, long ntile, long spt,
                    const int32_t *u, int n, double mass, int32_t *blk, double *thr);
 void k_block_logits(float *z, const float *x, const int32_t *rows, long m, const float *w, long nz, long hidden,
-                    float *wt);
+                    float *wt, const float *next, long nextz, int warm);
 int k_block_sums_v4(float *bs, const float *e, long n);
 double k_fexp_sum(const float *z, int n, float m);
 double k_block_mass(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh);

@@ -152,6 +152,27 @@ func dexp(e []float64, z []float32, mx float64) {
 	}
 }
 
+// drawWalk places the draws of one (row, block) pair as k_draw_walks does
+// (fast_walk), or, plain, by the walk an id at a time it must agree with
+// (draw_walk; for tests): z the block's logits of ids v0.., mx the row's
+// max, head its top-k ids ascending, thr the thresholds ascending.
+func drawWalk(plain bool, out []int32, z []float32, v0 int32, mx float64, head []int32, thr []float64) {
+	if len(out) < len(thr) || len(z) == 0 || len(z) > compute.SampleBlock || len(thr) == 0 {
+		panic("cpu: drawWalk: bad shapes")
+	}
+	var hp *C.int32_t
+	if len(head) > 0 {
+		hp = ip(head)
+	}
+	zc, nz, nh, nd := fp(z), C.int(len(z)), C.int(len(head)), C.int(len(thr))
+	tc, oc := (*C.double)(unsafe.Pointer(&thr[0])), ip(out)
+	if plain {
+		C.k_draw_walk(zc, nz, C.int32_t(v0), C.double(mx), hp, nh, tc, nd, oc)
+	} else {
+		C.k_fast_walk(zc, nz, C.int32_t(v0), C.double(mx), hp, nh, tc, nd, oc)
+	}
+}
+
 // lmSampleRows is how many rows LMHeadSample keeps block sums for at once:
 // enough slabs to keep every worker busy in the pass, at least 1024.
 // (A variable: tests force several groups on small shapes.)
@@ -199,7 +220,7 @@ func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32
 		cost += k * (B + bpt)
 	}
 	be.rows(nr, cost, func(_, lo, hi int) {
-		bl := make([]int32, n)
+		bl, sc := make([]int32, n), make([]float64, blk.ntile)
 		for r := lo; r < hi; r++ {
 			if head {
 				if blk.topb != nil {
@@ -207,7 +228,7 @@ func (be *Backend) sampleGroup(blk *lmBlocks, top, drawn []int32, tail []float32
 				}
 				g.tileSums(r)
 			}
-			rowPairs[r] = g.locate(r, bl)
+			rowPairs[r] = g.locate(r, bl, sc)
 		}
 	})
 	g.walk(slices.Concat(rowPairs...))
@@ -327,13 +348,15 @@ func (g *groupSampler) tileSums(r int) {
 
 // locate (3) writes row r's tail mass (over the log-sum-exp's sum),
 // locates its thresholds among the tiles' and blocks' cumulative sums
-// (bl: n scratch) and returns the (row, block) pairs that hold them, or
-// marks its draws -1 where nothing is left to draw from.
-func (g *groupSampler) locate(r int, bl []int32) []blockPair {
+// (bl: n scratch, sc: a tile's scratch) and returns the (row, block)
+// pairs that hold them, or marks its draws -1 where nothing is left to
+// draw from.
+func (g *groupSampler) locate(r int, bl []int32, sc []float64) []blockPair {
 	blk, n, nt := g.blk, g.n, g.blk.ntile
 	mx := C.double(blk.rmax[r])
 	tm, ts := fp(blk.tmax[r*nt:]), (*C.double)(unsafe.Pointer(&blk.tsum[r*nt]))
-	mass := float64(C.k_tile_mass(tm, ts, C.long(nt), mx))
+	scp := (*C.double)(unsafe.Pointer(&sc[0]))
+	mass := float64(C.k_tile_mass(tm, ts, C.long(nt), mx, scp))
 	g.tail[r] = float32(mass / blk.rsum[r])
 	dr, th := g.drawn[r*n:(r+1)*n], g.thr[r*n:(r+1)*n]
 	if !(mass > 0) {
@@ -342,7 +365,7 @@ func (g *groupSampler) locate(r int, bl []int32) []blockPair {
 		}
 		return nil
 	}
-	C.k_draw_locate(fp(blk.bsum[r*blk.nblk:]), C.long(blk.nblk), tm, ts, C.long(nt), C.long(lmTile/compute.SampleBlock), mx,
+	C.k_draw_locate(fp(blk.bsum[r*blk.nblk:]), C.long(blk.nblk), scp, ts, C.long(nt), C.long(lmTile/compute.SampleBlock),
 		ip(g.u[2*r*n:]), C.int(n), C.double(mass), ip(bl), (*C.double)(unsafe.Pointer(&th[0])))
 	var ps []blockPair
 	for d, b := range bl {
@@ -386,23 +409,45 @@ func (be *Backend) blockLogits(pairs []blockPair, xs, ws []float32, hidden, voca
 		z, wt []float32
 	}
 	scr := make([]scratch, be.threads)
-	be.workQueue(len(starts)-1, func(wk, gi int) {
-		ps := pairs[starts[gi]:starts[gi+1]]
-		m := len(ps)
+	// The blocks go to the workers in runs of blockRun, so that each
+	// call can ask for the weights of the worker's next block.
+	nb := len(starts) - 1
+	be.workQueue((nb+blockRun-1)/blockRun, func(wk, run int) {
 		sc := &scr[wk]
-		if cap(sc.rows) < m {
-			sc.rows, sc.z = make([]int32, m), make([]float32, m*B)
-		}
-		rows, z := sc.rows[:m], sc.z[:m*B]
-		for i, p := range ps {
-			rows[i] = p.row
-		}
-		v0 := int(ps[0].blk) * B
-		nz := min(B, vocab-v0)
 		if sc.wt == nil {
 			sc.wt = make([]float32, hidden*B)
 		}
-		C.k_block_logits(fp(z), fp(xs), ip(rows), C.long(m), fp(ws[v0*hidden:]), C.long(nz), C.long(hidden), fp(sc.wt))
-		f(ps, z[:m*nz], nz)
+		end := min(nb, (run+1)*blockRun)
+		for gi := run * blockRun; gi < end; gi++ {
+			ps := pairs[starts[gi]:starts[gi+1]]
+			m := len(ps)
+			if cap(sc.rows) < m {
+				sc.rows, sc.z = make([]int32, m), make([]float32, m*B)
+			}
+			rows, z := sc.rows[:m], sc.z[:m*B]
+			for i, p := range ps {
+				rows[i] = p.row
+			}
+			v0 := int(ps[0].blk) * B
+			nz := min(B, vocab-v0)
+			var next *C.float
+			var nextz int
+			if gi+1 < end {
+				n0 := int(pairs[starts[gi+1]].blk) * B
+				next, nextz = fp(ws[n0*hidden:]), min(B, vocab-n0)
+			}
+			warm := C.int(0)
+			if gi > run*blockRun {
+				warm = 1
+			}
+			C.k_block_logits(fp(z), fp(xs), ip(rows), C.long(m), fp(ws[v0*hidden:]), C.long(nz), C.long(hidden), fp(sc.wt),
+				next, C.long(nextz), warm)
+			f(ps, z[:m*nz], nz)
+		}
 	})
 }
+
+// blockRun is how many consecutive blocks a worker of blockLogits takes
+// at once: a few dozen runs a group (about 2400 blocks under a flat
+// softmax), so that the workers finish together.
+const blockRun = 8

@@ -295,3 +295,91 @@ func TestDexp(t *testing.T) {
 	}
 	t.Logf("worst normal result: %.3f ulp from math.Exp over %d arguments", worst, len(xs))
 }
+
+// TestFastWalk checks the walks k_draw_walks runs (fast_walk: the head as
+// a mask, the thresholds tested only where the sum moves) against the
+// plain walk an id at a time, draw for draw, over blocks whole and
+// partial, with head ids in and out of the block (a block all head),
+// terms that underflow to 0 (a block with none left), and thresholds at 0,
+// exactly at running sums (ties: the next id with mass), past the
+// block's sum (rounding: its last id with mass) and +Inf.
+func TestFastWalk(t *testing.T) {
+	r := rand.New(rand.NewPCG(11, 12))
+	const B = compute.SampleBlock
+	var cases, ties, past int
+	for it := 0; it < 4000; it++ {
+		nz := B
+		if it%3 == 1 {
+			nz = 1 + r.IntN(B)
+		}
+		v0 := int32(B * r.IntN(1000))
+		z := make([]float32, nz)
+		spread := []float64{0.5, 5, 60, 900}[it%4] // the last: most terms underflow
+		for j := range z {
+			z[j] = float32(-r.Float64() * spread)
+		}
+		mx := 0.0
+		if it%17 == 0 {
+			mx = 800 // every term 0
+		}
+		var head []int32
+		switch it % 5 {
+		case 1, 2:
+			for range 1 + r.IntN(8) {
+				head = append(head, v0+int32(r.IntN(nz)))
+			}
+			head = append(head, v0-3, v0+B+5) // outside the block
+		case 3:
+			for j := range nz {
+				if nz < 9 {
+					head = append(head, v0+int32(j)) // the whole block
+				}
+			}
+		}
+		slices.Sort(head)
+		head = slices.Compact(head)
+		// The running sums as the walks form them (the head's terms out).
+		e := make([]float64, nz)
+		dexp(e, z, mx)
+		var sums []float64
+		c := 0.0
+		for j := range nz {
+			if !slices.Contains(head, v0+int32(j)) && e[j] != 0 {
+				c += e[j]
+				sums = append(sums, c)
+			}
+		}
+		nd := 1 + r.IntN(12)
+		thr := make([]float64, nd)
+		for d := range thr {
+			switch x := r.IntN(10); {
+			case x == 0:
+				thr[d] = 0
+			case x <= 2 && len(sums) > 0:
+				thr[d] = sums[r.IntN(len(sums))]
+				ties++
+			case x == 3:
+				thr[d] = c * (1 + r.Float64()*0.01)
+				past++
+			case x == 4:
+				thr[d] = math.Inf(1)
+			default:
+				thr[d] = r.Float64() * c
+			}
+		}
+		slices.Sort(thr)
+		want, got := make([]int32, nd), make([]int32, nd)
+		drawWalk(true, want, z, v0, mx, head, thr)
+		drawWalk(false, got, z, v0, mx, head, thr)
+		if !slices.Equal(got, want) {
+			t.Fatalf("case %d (nz %d, v0 %d, head %v, thresholds %v): fast walk %v, plain walk %v", it, nz, v0, head, thr, got, want)
+		}
+		for d, v := range want {
+			if v >= 0 && (v < v0 || v >= v0+int32(nz) || slices.Contains(head, v)) {
+				t.Fatalf("case %d: draw %d is id %d, outside block [%d, %d) or in the head %v", it, d, v, v0, v0+int32(nz), head)
+			}
+		}
+		cases++
+	}
+	t.Logf("%d pairs, %d thresholds at a running sum, %d past the block's sum", cases, ties, past)
+}
