@@ -106,6 +106,7 @@ func (m *Model) sample(last *decoder.Model, x compute.Tensor, samples [][]int32,
 		n += len(smp)
 	}
 	u := make([]float64, n*N)
+	tmp, at := make([]float64, N), make([]int32, 2*N+1)
 	r := 0
 	for s, smp := range samples {
 		for t := range smp {
@@ -113,7 +114,7 @@ func (m *Model) sample(last *decoder.Model, x compute.Tensor, samples [][]int32,
 			for i := range row {
 				row[i] = d.U(s0+s, t, i)
 			}
-			slices.Sort(row)
+			sortUniforms(row, tmp, at)
 			r++
 		}
 	}
@@ -148,4 +149,46 @@ func (m *Model) sample(last *decoder.Model, x compute.Tensor, samples [][]int32,
 		res.N[r] = int32(len(res.IDs) - n0)
 	}
 	return ids, logprobs, res
+}
+
+// sortUniforms sorts u ascending (slices.Sort's result) by buckets: values
+// in [0, 1) go to the first power of two at least len(u) buckets by
+// value, then one insertion pass orders each bucket's few (independent
+// uniforms: about one a bucket). tmp (len(u)) and at (2·len(u)+1) are
+// scratch. About a third of slices.Sort's time for 50 (pdqsort's float
+// comparisons, 8192 rows a forward). Values outside [0, 1) (PackUniforms
+// refuses them) are sorted by slices.Sort.
+func sortUniforms(u, tmp []float64, at []int32) {
+	nb := 1
+	for nb < len(u) {
+		nb <<= 1
+	}
+	if len(tmp) < len(u) || len(at) < nb+1 {
+		panic("infer: sortUniforms: scratch too small")
+	}
+	at = at[:nb+1]
+	clear(at)
+	for _, x := range u {
+		if !(x >= 0 && x < 1) {
+			slices.Sort(u)
+			return
+		}
+		at[int(x*float64(nb))+1]++ // x·nb < nb: exact (nb a power of two)
+	}
+	for b := 0; b < nb; b++ {
+		at[b+1] += at[b]
+	}
+	for _, x := range u {
+		b := int(x * float64(nb))
+		tmp[at[b]] = x
+		at[b]++
+	}
+	copy(u, tmp[:len(u)])
+	for i := 1; i < len(u); i++ {
+		x, j := u[i], i
+		for ; j > 0 && u[j-1] > x; j-- {
+			u[j] = u[j-1]
+		}
+		u[j] = x
+	}
 }

@@ -2,7 +2,9 @@ package infer
 
 import (
 	"math"
+	"math/rand/v2"
 	"path/filepath"
+	"slices"
 	"testing"
 
 	"distill/cache"
@@ -216,4 +218,38 @@ func contains(s, sub string) bool {
 		}
 	}
 	return false
+}
+
+// TestSortUniforms checks sortUniforms against slices.Sort: rows of
+// independent uniforms of several lengths (one bucket holding many where
+// they repeat or crowd), values at 0 and just below 1, and a row with a
+// value outside [0, 1) (slices.Sort's order, for PackUniforms to refuse).
+func TestSortUniforms(t *testing.T) {
+	r := rand.New(rand.NewPCG(9, 10))
+	for it := 0; it < 500; it++ {
+		n := []int{1, 2, 3, 50, 64, 65, 1000}[it%7]
+		u := make([]float64, n)
+		for i := range u {
+			switch it % 4 {
+			case 1:
+				u[i] = float64(r.IntN(3)) / 4 // repeats
+			case 2:
+				u[i] = 0.5 + r.Float64()*1e-3 // crowded in one bucket
+			default:
+				u[i] = float64(r.Uint64()>>11) / (1 << 53)
+			}
+		}
+		if n > 2 {
+			u[0], u[1] = 0, 1-0x1p-53
+		}
+		if it == 13 {
+			u[n-1] = 1.5
+		}
+		want := slices.Clone(u)
+		slices.Sort(want)
+		sortUniforms(u, make([]float64, n), make([]int32, 2*n+1))
+		if !slices.Equal(u, want) {
+			t.Fatalf("case %d (%d uniforms): %v, want %v", it, n, u, want)
+		}
+	}
 }

@@ -777,6 +777,25 @@ CLONES double k_block_mass(const float *z, int nz, int32_t v0, double mx, const 
 	return c;
 }
 
+// k_head_masses writes a row's head blocks' masses outside its top-k
+// (k_block_mass of each block holding a top-k id, once a block) into its
+// block sums bs, relative to the block's tile max tmax[t] (spt blocks a
+// tile): ids are the row's top-k in heap order, z their blocks' logits
+// (64 an id, as the pass carried them), head the same ids ascending. One
+// call a row (it was one a block).
+CLONES void k_head_masses(float *bs, const float *tmax, long spt, const int32_t *ids, int k, const float *z,
+                          const int32_t *head, long vocab) {
+	for (int j = 0; j < k; j++) {
+		int32_t b = ids[j] / 64;
+		int first = 1;
+		for (int i = 0; i < j; i++) first &= ids[i] / 64 != b;
+		if (!first) continue;
+		long v0 = (long)b * 64;
+		int nz = vocab - v0 < 64 ? (int)(vocab - v0) : 64;
+		bs[b] = (float)k_block_mass(z + (long)j * 64, nz, (int32_t)v0, (double)tmax[b / spt], head, k);
+	}
+}
+
 // k_sumexp returns sum_i exp(x[i]*scale - shift), accumulated in double.
 CLONES double k_sumexp(const float *x, long n, float scale, float shift) {
 	double s = 0;

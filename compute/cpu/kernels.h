@@ -25,6 +25,8 @@ void k_draw_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *h
                  const double *thr, int nd, int32_t *out);
 void k_fast_walk(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh,
                  const double *thr, int nd, int32_t *out);
+void k_head_masses(float *bs, const float *tmax, long spt, const int32_t *ids, int k, const float *z,
+                   const int32_t *head, long vocab);
 void k_draw_walks(const float *z, long m, int nz, const struct draw_pair *ps, const float *rmax,
                   const int32_t *heads, int k, const double *thr, int n, int32_t *drawn);
 void k_dexp(double *e, const float *z, long n, double mx);

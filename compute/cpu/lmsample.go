@@ -72,7 +72,7 @@ func (be *Backend) LMHeadSample(ids, logprobs, drawn, tail, x, w, u compute.Tens
 	G := lmSampleRows(be.threads)
 	nblk, ntile := (vocab+B-1)/B, (vocab+lmTile-1)/lmTile
 	g := min(G, tokens)
-	// The block sums (10 MB for 1024 rows of a 151936-id head) and the
+	// The block sums (39 MB for 4096 rows of a 151936-id head) and the
 	// top-k's blocks come from the free list, dirty: the pass writes every
 	// block sum of a group's rows and every top-k entry's block before
 	// they are read. (Allocated per call, their zeroing and first-touch
@@ -174,9 +174,16 @@ func drawWalk(plain bool, out []int32, z []float32, v0 int32, mx float64, head [
 }
 
 // lmSampleRows is how many rows LMHeadSample keeps block sums for at once:
-// enough slabs to keep every worker busy in the pass, at least 1024.
+// enough slabs to keep every worker busy in the pass, at least 4096. A
+// group multiplies again each block its draws land in once, for all its
+// rows: under head+sampled's spread draws nearly every block of the
+// vocabulary a group, its weights read from memory and transposed, so
+// the fewer the groups the less of that (the quick start's teacher,
+// hidden 64: the blocks' logits 819 perf samples a fill at 1024 rows, 655
+// at 2048, 533 at 4096, beside the draws' total of about 3000), for block
+// sums of 4·⌈V/64⌉ bytes a row (39 MB at 4096 rows of a 151936-id head).
 // (A variable: tests force several groups on small shapes.)
-var lmSampleRows = func(threads int) int { return lmRows * max(4, threads) }
+var lmSampleRows = func(threads int) int { return lmRows * max(16, threads) }
 
 // blockPair is a (row, block) pair of LMHeadSample: the block's logits of
 // the row are needed, for the draws [d0, d1) of the row (or for the
@@ -261,24 +268,9 @@ func (g *groupSampler) headOf(r int) []int32 {
 // relative to their tile's max as the pass left the others, in double
 // from those logits.
 func (g *groupSampler) headMasses(r int) {
-	const B = compute.SampleBlock
-	blk, k, bpt := g.blk, g.k, lmTile/B
-	h, ids := g.headOf(r), g.top[r*k:(r+1)*k]
-	for j, v := range ids {
-		b := v / B
-		first := true
-		for _, w := range ids[:j] {
-			first = first && w/B != b
-		}
-		if !first {
-			continue
-		}
-		t := int(b) / bpt
-		nz := min(B, g.vocab-int(b)*B)
-		z := blk.topb[(r*k+j)*B : (r*k+j)*B+nz]
-		blk.bsum[r*blk.nblk+int(b)] = float32(C.k_block_mass(fp(z), C.int(nz), C.int32_t(int(b)*B),
-			C.double(blk.tmax[r*blk.ntile+t]), ip(h), C.int(len(h))))
-	}
+	blk, k := g.blk, g.k
+	C.k_head_masses(fp(blk.bsum[r*blk.nblk:]), fp(blk.tmax[r*blk.ntile:]), C.long(lmTile/compute.SampleBlock),
+		ip(g.top[r*k:]), C.int(k), fp(blk.topb[r*k*compute.SampleBlock:]), ip(g.headOf(r)), C.long(g.vocab))
 }
 
 // dominatedMasses is step 2 for a k above lmPayloadK (the pass carried no
