@@ -173,13 +173,25 @@ func drawWalk(plain bool, out []int32, z []float32, v0 int32, mx float64, head [
 	}
 }
 
+// drawLocate runs k_draw_locate on one row (for tests): bs its block
+// sums, sc and tsum its tiles' scales and totals (spt blocks a tile), u
+// its uniforms as PackUniforms writes them, into blk and thr.
+func drawLocate(bs []float32, sc, tsum []float64, spt int, u []int32, mass float64, blk []int32, thr []float64) {
+	n := len(blk)
+	if len(thr) < n || len(u) < 2*n || len(sc) < len(tsum) || len(tsum) == 0 || n == 0 || len(bs) > len(tsum)*spt {
+		panic("cpu: drawLocate: bad shapes")
+	}
+	C.k_draw_locate(fp(bs), C.long(len(bs)), (*C.double)(unsafe.Pointer(&sc[0])), (*C.double)(unsafe.Pointer(&tsum[0])),
+		C.long(len(tsum)), C.long(spt), ip(u), C.int(n), C.double(mass), ip(blk), (*C.double)(unsafe.Pointer(&thr[0])))
+}
+
 // lmSampleRows is how many rows LMHeadSample keeps block sums for at once:
 // enough slabs to keep every worker busy in the pass, at least 4096. A
 // group multiplies again each block its draws land in once, for all its
 // rows: under head+sampled's spread draws nearly every block of the
 // vocabulary a group, its weights read from memory and transposed, so
 // the fewer the groups the less of that (the quick start's teacher,
-// hidden 64: the blocks' logits 819 perf samples a fill at 1024 rows, 655
+// hidden 128: the blocks' logits 819 perf samples a fill at 1024 rows, 655
 // at 2048, 533 at 4096, beside the draws' total of about 3000), for block
 // sums of 4·⌈V/64⌉ bytes a row (39 MB at 4096 rows of a 151936-id head).
 // (A variable: tests force several groups on small shapes.)

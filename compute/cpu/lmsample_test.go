@@ -383,3 +383,126 @@ func TestFastWalk(t *testing.T) {
 	}
 	t.Logf("%d pairs, %d thresholds at a running sum, %d past the block's sum", cases, ties, past)
 }
+
+// locateRef is k_draw_locate as one pass over the tiles and their blocks
+// (the form it had before it asked for the tiles' block sums ahead): the
+// same sums in the same order (float64 conversions keep Go from fusing a
+// multiply and an add).
+func locateRef(bs []float32, sc, tsum []float64, spt int, u []int32, mass float64, blk []int32, thr []float64) {
+	nblk, ntile := len(bs), len(tsum)
+	lt := ntile - 1
+	for lt > 0 && !(tsum[lt] > 0) {
+		lt--
+	}
+	t, j := 0, 0
+	cum, T, cj := 0.0, float64(tsum[0]*sc[0]), 0.0
+	for d := range blk {
+		x := float64(compute.Uniform(u[2*d], u[2*d+1]) * mass)
+		for t < ntile && cum+T <= x {
+			cum += T
+			t++
+			j, cj = t*spt, 0
+			if t < ntile {
+				T = float64(tsum[t] * sc[t])
+			}
+		}
+		tt := t
+		if t == ntile {
+			tt = lt
+		}
+		end := min((tt+1)*spt, nblk)
+		if t < ntile {
+			xl := x - cum
+			for j < end && cj+float64(float64(bs[j])*sc[t]) <= xl {
+				cj += float64(float64(bs[j]) * sc[t])
+				j++
+			}
+			if j < end {
+				blk[d], thr[d] = int32(j), xl-cj
+				continue
+			}
+		}
+		lb := end - 1
+		for lb > tt*spt && !(bs[lb] > 0) {
+			lb--
+		}
+		blk[d], thr[d] = int32(lb), math.Inf(1)
+	}
+}
+
+// TestDrawLocate checks k_draw_locate (the tiles first, their block sums
+// asked for, then the blocks) against the one-pass locating it replaced,
+// block for block and threshold bit for bit: rows of several tiles with
+// empty tiles and blocks, thresholds many to a tile and a tile each, a
+// tile whose total exceeds its blocks' sum and a mass above the tiles'
+// (the rounding cases: the last block with mass, threshold +Inf), and
+// uniforms at 0 and just below 1.
+func TestDrawLocate(t *testing.T) {
+	r := rand.New(rand.NewPCG(21, 22))
+	const spt = 32
+	var rounding, pastTile int
+	for it := 0; it < 2000; it++ {
+		ntile := 1 + r.IntN(6)
+		nblk := ntile*spt - r.IntN(spt) // the last tile partial
+		bs := make([]float32, nblk)
+		for j := range bs {
+			if r.IntN(4) > 0 {
+				bs[j] = float32(r.ExpFloat64())
+			}
+		}
+		tsum, sc := make([]float64, ntile), make([]float64, ntile)
+		var mass float64
+		for tl := range tsum {
+			if it%3 == 0 && r.IntN(3) == 0 {
+				for j := tl * spt; j < min((tl+1)*spt, nblk); j++ {
+					bs[j] = 0 // an empty tile
+				}
+			}
+			for j := tl * spt; j < min((tl+1)*spt, nblk); j++ {
+				tsum[tl] += float64(bs[j])
+			}
+			if it%5 == 1 && r.IntN(2) == 0 {
+				tsum[tl] *= 1.3 // more than its blocks hold (rounding, writ large)
+			}
+			sc[tl] = math.Exp(-r.Float64() * 5)
+			mass += float64(tsum[tl] * sc[tl])
+		}
+		if !(mass > 0) {
+			continue
+		}
+		if it%7 == 2 {
+			mass *= 1 + 1e-6 // more than the tiles hold
+		}
+		n := []int{1, 3, 50, 200}[it%4]
+		us := make([]float64, n)
+		for d := range us {
+			us[d] = float64(r.Uint64()>>11) / (1 << 53)
+		}
+		us[0] = 0
+		if n > 1 {
+			us[n-1] = 1 - 0x1p-53
+		}
+		slices.Sort(us)
+		u := make([]int32, 2*n)
+		compute.PackUniforms(u, us)
+		gb, wb := make([]int32, n), make([]int32, n)
+		gt, wt := make([]float64, n), make([]float64, n)
+		drawLocate(bs, sc, tsum, spt, u, mass, gb, gt)
+		locateRef(bs, sc, tsum, spt, u, mass, wb, wt)
+		for d := range gb {
+			if gb[d] != wb[d] || math.Float64bits(gt[d]) != math.Float64bits(wt[d]) {
+				t.Fatalf("case %d (%d tiles, %d blocks, %d draws): draw %d at block %d threshold %v, want block %d threshold %v", it, ntile, nblk, n, d, gb[d], gt[d], wb[d], wt[d])
+			}
+			if math.IsInf(wt[d], 1) {
+				rounding++
+				if int(wb[d]) < len(bs)-spt {
+					pastTile++ // not in the last tile: past a tile's blocks
+				}
+			}
+		}
+	}
+	if rounding == 0 || pastTile == 0 {
+		t.Fatalf("%d draws took a rounding path, %d past a tile's blocks: the cases do not cover them", rounding, pastTile)
+	}
+	t.Logf("%d draws past a tile's blocks or the tiles' sum (%d of them before the last tile)", rounding, pastTile)
+}
