@@ -32,11 +32,13 @@ import (
 //     at a time;
 //  4. the (row, block) pairs that hold a threshold are grouped by block,
 //     their logits computed again (k_block_logits, the block's weights
-//     read once for all its rows), and k_draw_walks walks the block's
-//     pairs (one cgo call a block) in double, ids ascending, to their
-//     thresholds, the terms exp(z - row max) 8 at a time by dexp8 (an own
-//     vectorized double exp, within 1 ulp of math.Exp) as far as each
-//     walk goes.
+//     read once for all its rows, the worker's next block asked for
+//     ahead), and k_draw_walks walks the block's pairs (one cgo call a
+//     block) in double, ids ascending, to their thresholds, the terms
+//     exp(z - row max) 8 at a time by dexp8 (an own vectorized double
+//     exp, within 1 ulp of math.Exp) as far as each walk goes, the head's
+//     ids a bit mask whose terms count 0 (fast_walk: an add, a compare and
+//     a branch an id).
 //
 // Beside LMHeadTopK's pass, this multiplies again at most (k + n) blocks
 // of 64 ids a row: with k 8 and n 50 about 2.4% of a 151936-id head, far
@@ -45,10 +47,11 @@ import (
 // 0.8 G multiply-adds a call of 1024 rows, 22 CPU-ms). What a head+sampled
 // fill spends beyond a topk one is, by profile (the quick start's trained
 // teacher, hidden 128, whose LM head is most of its forward; README): the
-// walks and the blocks multiplied again (about 1.5% each), the block sums
-// (1.2%), the head blocks' masses (0.5%), locating (0.3%). Against the
-// LM head of a Qwen3-0.6B-shaped teacher (hidden 1024) the same costs are
-// within the runs' spread. The outputs do not depend on the worker
+// blocks multiplied again with their weights' transposition (about 0.9%
+// of a topk fill's CPU time), the walks and the block sums (0.5% each),
+// locating (0.4%), the head blocks' masses (0.2%); the whole fill about
+// 3-5% (README). Against the LM head of a Qwen3-0.6B-shaped teacher
+// (hidden 1024) the same costs are within the runs' spread. The outputs do not depend on the worker
 // count or on the grouping (each logit of a block is computed again by
 // the same code, whichever rows share the block). Scratch beside the pass's, per row of
 // a group: the block sums and tile statistics (4·⌈V/64⌉ + 12·⌈V/2048⌉
