@@ -49,8 +49,9 @@ phase "go test ./... (train/trainer and serve take minutes; each package prints 
   gotest "$log/test" -count=1 -timeout 40m ./... "$@"
 # The packages that run goroutines (the batcher and fills, the CPU worker
 # pools and every kernel on them, the decoder, the cache's writers and readers,
-# dataset loading) once more under the race detector: about 3 minutes on
-# 2 busy cores. cmd/cachectl repeats serve's fills in-process and is left out
+# dataset loading) once more under the race detector: about 7 minutes on
+# 2 cores (CI, 2026-11-27: 421 s of 1005), train/trainer's emulated CUDA
+# students the longest. cmd/cachectl repeats serve's fills in-process and is left out
 # (a minute more under -race).
 phase "go test -race (the concurrent packages)" \
   gotest "$log/race" -race -count=1 -timeout 30m ./serve/ ./cache/ ./compute/cpu/ ./infer/ ./data/ \
