@@ -659,8 +659,8 @@ void k_draw_locate(const float *bs, long nblk, const double *sc, const double *t
                    const int32_t *u, int n, double mass, int32_t *blk, double *thr) {
 	long lt = ntile - 1;
 	while (lt > 0 && !(tsum[lt] > 0)) lt--;
-	// First each x's tile and the sum of the tiles before it (thr holds
-	// that sum meanwhile, blk the tile), the block sums of the tiles the
+	// First each x's tile and x less the sum of the tiles before it (thr
+	// holds it meanwhile, blk the tile), the block sums of the tiles the
 	// draws land in asked for from memory (a row's block sums were
 	// written by the pass long before: a group's are tens of MB); then
 	// the blocks, with the same sums as one pass over both.
@@ -677,20 +677,18 @@ void k_draw_locate(const float *bs, long nblk, const double *sc, const double *t
 		if ((d == 0 || t != t0) && t < ntile)
 			for (long j = t * spt; j < (t + 1) * spt && j < nblk; j += 16) __builtin_prefetch(bs + j, 0, 3);
 		blk[d] = (int32_t)t;
-		thr[d] = cum;
+		thr[d] = x - cum;
 	}
 	long j = 0, jt = -1; // the block scan's place, in tile jt
 	double cj = 0;
 	for (int d = 0; d < n; d++) {
-		double x = (double)((uint64_t)(uint32_t)u[2 * d] | (uint64_t)(uint32_t)u[2 * d + 1] << 32) * 0x1p-53 * mass;
 		t = blk[d];
-		cum = thr[d];
 		if (t < ntile && t != jt) jt = t, j = t * spt, cj = 0; // a tile's first draw
 		long tt = t, end;
 		if (t == ntile) tt = lt; // above the sum of the tiles
 		end = (tt + 1) * spt < nblk ? (tt + 1) * spt : nblk;
 		if (t < ntile) {
-			double xl = x - cum;
+			double xl = thr[d];
 			while (j < end && cj + bs[j] * sc[t] <= xl) cj += bs[j++] * sc[t];
 			if (j < end) {
 				blk[d] = (int32_t)j;
@@ -728,16 +726,16 @@ CLONES void k_block_logits(float *z, const float *x, const int32_t *rows, long m
 	if (!warm)
 		for (long q0 = 0; q0 < PF * 16 && q0 < hidden; q0 += 16)
 			for (long j = 0; j < nz; j++) __builtin_prefetch(w + j * hidden + q0, 0, 0);
-	for (long q0 = 0; q0 < hidden; q0 += 16) {
-		if (q0 == 0 && cpu_v4 && nz == 64 && hidden % 16 == 0) {
-			block_wt_v4(wt, w, hidden, PF * 16);
-			break;
-		}
-		long qe = q0 + 16 < hidden ? q0 + 16 : hidden;
-		for (long j = 0; j < 64; j++) {
-			const float *wr = w + j * hidden;
-			if (j < nz && q0 + PF * 16 < hidden) __builtin_prefetch(wr + q0 + PF * 16, 0, 0);
-			for (long q = q0; q < qe; q++) wt[q * 64 + j] = j < nz ? wr[q] : 0.0f;
+	if (cpu_v4 && nz == 64 && hidden % 16 == 0) {
+		block_wt_v4(wt, w, hidden, PF * 16);
+	} else {
+		for (long q0 = 0; q0 < hidden; q0 += 16) {
+			long qe = q0 + 16 < hidden ? q0 + 16 : hidden;
+			for (long j = 0; j < 64; j++) {
+				const float *wr = w + j * hidden;
+				if (j < nz && q0 + PF * 16 < hidden) __builtin_prefetch(wr + q0 + PF * 16, 0, 0);
+				for (long q = q0; q < qe; q++) wt[q * 64 + j] = j < nz ? wr[q] : 0.0f;
+			}
 		}
 	}
 	if (next) {

@@ -51,12 +51,13 @@ import (
 // of a topk fill's CPU time), the walks and the block sums (0.5% each),
 // locating (0.4%), the head blocks' masses (0.2%); the whole fill about
 // 3-5% (README). Against the LM head of a Qwen3-0.6B-shaped teacher
-// (hidden 1024) the same costs are within the runs' spread. The outputs do not depend on the worker
-// count or on the grouping (each logit of a block is computed again by
-// the same code, whichever rows share the block). Scratch beside the pass's, per row of
-// a group: the block sums and tile statistics (4·⌈V/64⌉ + 12·⌈V/2048⌉
-// bytes; the block sums, and under head the top-k's blocks (256·k bytes),
-// from the backend's free list) and n thresholds (8·n bytes).
+// (hidden 1024) the same costs are within the runs' spread. The outputs
+// do not depend on the worker count or on the grouping (each logit of a
+// block is computed again by the same code, whichever rows share the
+// block). Scratch beside the pass's, per row of a group: the block sums
+// and tile statistics (4·⌈V/64⌉ + 12·⌈V/2048⌉ bytes; the block sums, and
+// under head the top-k's blocks (256·k bytes), from the backend's free
+// list) and n thresholds (8·n bytes).
 func (be *Backend) LMHeadSample(ids, logprobs, drawn, tail, x, w, u compute.Tensor, tokens, hidden, vocab, k, n int, head bool) {
 	idOut, lpOut, dOut, tOut, us := i32(ids), f32(logprobs), i32(drawn), f32(tail), i32(u)
 	xs, ws := f32(x), f32(w)
