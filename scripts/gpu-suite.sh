@@ -132,7 +132,9 @@
 #                   staging ring as it wraps and grows (TestStagingRing),
 #                   the MoE load-balancing loss's routing statistics and
 #                   gradient computed on the GPU with no host wait, the
-#                   host's bits (TestMoERoutingWaits) and the contract's
+#                   host's bits (TestMoERoutingWaits), the deferred zeros'
+#                   consumers (TestDeferredZero*: a zeroed gradient
+#                   written, not memset and added to) and the contract's
 #                   suite
 #   train-memcheck  compute-sanitizer --tool memcheck on the training kernels
 #   train-curve     tiny qwen3 and qwen2 students, 50 steps on the GPU and on
@@ -147,7 +149,9 @@
 #                   gradients train bit for bit as F32 ones rounded by a
 #                   pass (TestCUDAGradsInBF16); a step's conversion and
 #                   copy passes are cuDNN attention's widenings only
-#                   (TestCUDAStepConversions)
+#                   (TestCUDAStepConversions); the deferred zeros train
+#                   as a memset for every Zero, and save the memsets
+#                   counted (TestCUDADeferredZeros)
 #   train-resume    on the GPU: a run stopped after a checkpoint and resumed,
 #                   and a run SIGKILLed mid-training and resumed, repeat the
 #                   uninterrupted run's losses bit for bit; the GPU's
@@ -352,7 +356,7 @@ s_device() {
 }
 
 # The training kernels' tests (train_test.go) and the contract's suite.
-train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|EmbedBackwardOrder|AttentionBackwardConformance|AttentionBackwardBF16DV|AttentionBackwardBF16Dout|MatMulBackwardBF16DX|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|StagingRing|MoERoutingWaits|MoETrainConformance|MoEFrozenBackward|MoELoRAHostGrouping|DropoutMatchesCPU|KernelsCompile'
+train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|EmbedBackwardOrder|AttentionBackwardConformance|AttentionBackwardBF16DV|AttentionBackwardBF16Dout|MatMulBackwardBF16DX|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|StagingRing|MoERoutingWaits|MoETrainConformance|MoEFrozenBackward|MoELoRAHostGrouping|DropoutMatchesCPU|DeferredZero|KernelsCompile'
 
 s_train-test() {
   step train-test 80 "$T" -test.v -test.count=1 -test.timeout=75s -test.run "$train_tests"
@@ -370,7 +374,7 @@ s_train-curve() {
 }
 
 s_train-qad() {
-  STEP_DIR=train step train-qad 45 "$BIN/train.test" -test.v -test.count=1 -test.timeout=40s -test.run 'TestCUDAQADExport|TestCUDALoRA|TestCUDAGradsInBF16|TestCUDAStepConversions'
+  STEP_DIR=train step train-qad 45 "$BIN/train.test" -test.v -test.count=1 -test.timeout=40s -test.run 'TestCUDAQADExport|TestCUDALoRA|TestCUDAGradsInBF16|TestCUDAStepConversions|TestCUDADeferredZeros'
 }
 
 s_train-resume() {
@@ -446,9 +450,12 @@ s_pipe() {
     -test.bench 'PipelineOneGPU' -test.benchtime 5x -test.timeout 235s
 }
 
+# BENCH_FLAGS: more flags for the benchmark binary (e.g. "-test.cpuprofile
+# $OUT/fwd-cpu.pprof": where the host's time goes around the forwards; the
+# profile files give each forward's time outside the kernels' span).
 s_bench() {
   DISTILL_BENCH_OUT="$OUT" step bench 240 "$T" -test.run '^$' -test.bench 'GEMM|LMHead|Forward$' \
-    -test.benchtime 3x -test.timeout 235s
+    -test.benchtime 3x -test.timeout 235s ${BENCH_FLAGS:-}
 }
 
 s_moe() {

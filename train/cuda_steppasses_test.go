@@ -23,10 +23,11 @@ import (
 // k_add_bf16, k_add_bf16_act, k_add_to_act, device-to-device copies) by
 // name. What remains is cuDNN's attention backward widening its BF16 dq
 // and dk into the F32 gradients RoPE's backward rotates (and Qwen2's dv,
-// which its bias's column sums read in F32), and adding its dv into the
-// BF16 one; no rounding pass, and no copy (the attention statistics are
-// 16-byte aligned views, which cuDNN reads in place). A new stray
-// conversion or copy, or one more a call, fails the test.
+// which its bias's column sums read in F32): widened, not added, as the
+// gradients were zeroed for the call (compute/cuda zeros.go); a BF16 dv
+// cuDNN writes in place. No rounding pass, and no copy (the attention
+// statistics are 16-byte aligned views, which cuDNN reads in place). A
+// new stray conversion or copy, or one more a call, fails the test.
 func TestCUDAStepConversions(t *testing.T) {
 	cudaemu.Use(t)
 	llamaBias := tinyConfig(model.ArchLlama, false)
@@ -37,15 +38,15 @@ func TestCUDAStepConversions(t *testing.T) {
 		recompute decoder.Recompute
 		qad       bool
 		// the passes a cuDNN attention backward call makes (dq and dk
-		// widened; dv widened, or added in BF16)
+		// widened; an F32 dv widened, a BF16 one written by cuDNN)
 		perCall map[string]int
 	}{
-		{"qwen3", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, map[string]int{"k_add_bf16": 2, "k_add_bf16_act": 1}},
-		{"qwen3 full", tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, map[string]int{"k_add_bf16": 2, "k_add_bf16_act": 1}},
-		{"qwen3 qad", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, true, map[string]int{"k_add_bf16": 2, "k_add_bf16_act": 1}},
-		{"qwen2", tinyConfig(model.ArchQwen2, true), decoder.RecomputeNone, false, map[string]int{"k_add_bf16": 3}},
-		{"llama", tinyConfig(model.ArchLlama, false), decoder.RecomputeSelective, false, map[string]int{"k_add_bf16": 2, "k_add_bf16_act": 1}},
-		{"llama attention bias", llamaBias, decoder.RecomputeNone, false, map[string]int{"k_add_bf16": 3}},
+		{"qwen3", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, map[string]int{"k_bf16_to_f32": 2}},
+		{"qwen3 full", tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, map[string]int{"k_bf16_to_f32": 2}},
+		{"qwen3 qad", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, true, map[string]int{"k_bf16_to_f32": 2}},
+		{"qwen2", tinyConfig(model.ArchQwen2, true), decoder.RecomputeNone, false, map[string]int{"k_bf16_to_f32": 3}},
+		{"llama", tinyConfig(model.ArchLlama, false), decoder.RecomputeSelective, false, map[string]int{"k_bf16_to_f32": 2}},
+		{"llama attention bias", llamaBias, decoder.RecomputeNone, false, map[string]int{"k_bf16_to_f32": 3}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			be, err := cuda.Open(cuda.Options{})

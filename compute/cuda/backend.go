@@ -70,6 +70,11 @@ type Options struct {
 	// synchronization, as before the staging. The same bits either way;
 	// for comparisons. $DISTILL_CUDA_PAGEABLE=1 sets it too.
 	Pageable bool
+	// EagerZeros makes each Zero its memset at once, as before the
+	// deferred zeros (zeros.go): the next call then adds to the zeroed
+	// buffer instead of writing it. The same values either way; for
+	// comparisons. $DISTILL_CUDA_EAGER_ZEROS=1 sets it too.
+	EagerZeros bool
 	// F32Grads keeps every gradient in F32 under BF16 activations
 	// (compute.ActGrads' GradDType): the decoder then hands the backward
 	// GEMMs F32 gradients, which MatMulBackward rounds to BF16 in a pass
@@ -124,6 +129,8 @@ type Backend struct {
 	f32Grads   bool          // Options.F32Grads
 	moeKernels string        // Options.MoEGEMM
 	pageable   bool          // Options.Pageable
+	eagerZeros bool          // Options.EagerZeros
+	zeros      []zeroRange   // the deferred zeros (zeros.go)
 
 	prof   map[string]*ProfileEntry // nil unless Options.Profile
 	label  string                   // the running method, for the profile
@@ -326,6 +333,7 @@ func (b *Backend) setOptions(opt Options) error {
 		b.logf("cuda: %s allows a block %d bytes of shared memory; the MoE experts' GEMMs need %d: running the earlier kernels (MoEGEMM v1)", b.info.Name, b.info.SharedOptinBytes, need)
 	}
 	b.pageable = opt.Pageable || os.Getenv("DISTILL_CUDA_PAGEABLE") == "1"
+	b.eagerZeros = opt.EagerZeros || os.Getenv("DISTILL_CUDA_EAGER_ZEROS") == "1"
 	act := opt.Activations
 	if act == "" {
 		act = os.Getenv("DISTILL_CUDA_ACT")
@@ -479,6 +487,24 @@ func (b *Backend) release() {
 // (callScratch), it frees that scratch first, so that a failed call
 // leaves the device's memory as it found it, but for the tensors it made.
 func (b *Backend) enter() func() {
+	done := b.enterKeep()
+	if len(b.zeros) > 0 { // deferred zeros (zeros.go): before this call's work
+		ok := false
+		defer func() {
+			if !ok {
+				done()
+			}
+		}()
+		b.flushZeros()
+		ok = true
+	}
+	return done
+}
+
+// enterKeep is enter for the calls that leave the deferred zeros pending
+// (zeros.go): Zero, View, and the consumers, which take what they write
+// and flush the rest themselves.
+func (b *Backend) enterKeep() func() {
 	b.mu.Lock()
 	if b.closed {
 		b.mu.Unlock()
@@ -1033,7 +1059,7 @@ func (b *Backend) Free(x compute.Tensor) {
 // View returns elements [off, off+n) of t sharing its memory; freeing a
 // view is a no-op, and it is valid while t is.
 func (b *Backend) View(x compute.Tensor, off, n int) compute.Tensor {
-	defer b.enter()()
+	defer b.enterKeep()()
 	t := b.ten(x, "View source")
 	if off < 0 || n < 0 || off+n > t.n {
 		panic(fmt.Sprintf("cuda: View [%d, %d) of a tensor of %d elements", off, off+n, t.n))
@@ -1041,12 +1067,13 @@ func (b *Backend) View(x compute.Tensor, off, n int) compute.Tensor {
 	return &tensor{b: b, dt: t.dt, n: n, p: t.p + uint64(off*elemSize(t.dt)), view: true}
 }
 
-// Zero sets every element of t to 0.
+// Zero sets every element of t to 0: at the next call, which may write t
+// instead of adding to it (zeros.go).
 func (b *Backend) Zero(x compute.Tensor) {
-	defer b.enter()()
+	defer b.enterKeep()()
 	b.wroteT(x)
 	t := b.ten(x, "Zero target")
-	b.memset0(t.p, t.bytes())
+	b.deferZero(t.p, t.bytes())
 }
 
 // Copy: dst[0:src.Len()) = src, same dtype, not overlapping.

@@ -659,6 +659,11 @@ func BenchmarkForward(b *testing.B) {
 					}
 					fmt.Fprintf(&sb, "%s workload %s (%d tokens): one profiled forward, %.1f ms in kernels over a span of %.1f ms (the GPU idle %.1f ms between them)\n",
 						s.Name, name, n, 1e3*sum, 1e3*span.Seconds(), 1e3*(span.Seconds()-sum))
+					// What the span leaves out: the host's work before the
+					// first kernel (the batch's tables and uploads) and after
+					// the last (the top-k's download), from the timed passes.
+					fmt.Fprintf(&sb, "a forward took %.1f ms unprofiled (the timed passes): %.1f ms of it outside the profiled span\n",
+						1e3*sec, 1e3*(sec-span.Seconds()))
 					for i, e := range prof {
 						if i == 15 {
 							break

@@ -451,7 +451,10 @@ func (b *Backend) cudnnAttention(a attnArgs, nSeq, maxLen, tokens, nHead, nKV, h
 }
 
 // cudnnAttentionBackward runs the backward on cuDNN, accumulating its BF16
-// dq, dk, dv into the F32 gradients; false when cuDNN refused the shape.
+// dq, dk, dv into the F32 gradients; false when cuDNN refused the shape
+// (nothing is enqueued then). Gradients zeroed for this call (zeros.go)
+// get cuDNN's values instead: dq and dk widened, a BF16 dv written by
+// cuDNN in place; it flushes the deferred zeros over its other operands.
 // The deterministic graph is asked for unless Options.AttnNondeterministic;
 // the workspace tensors are ragged over the tokens, or dense [B,H,S,·]
 // where this cuDNN refuses ragged ones.
@@ -466,14 +469,24 @@ func (b *Backend) cudnnAttentionBackward(a attnBwdArgs, nSeq, maxLen, tokens, nH
 			return false
 		}
 	}
-	meta, offQ, offK, offS, lens := b.sdpaMeta(st, nSeq, key)
 	nq, nk := tokens*nHead*hd, tokens*nKV*hd
+	zq, zk := b.takeZero(dq.p, int64(nq)*4), b.takeZero(dk.p, int64(nk)*4)
+	zv := dv.dt == compute.BF16 && aligned16(dv.p) && b.takeZero(dv.p, int64(nk)*2)
+	if !zv && dv.dt == compute.F32 {
+		zv = b.takeZero(dv.p, int64(nk)*4)
+	}
+	b.flushZerosOver(a.operands()...)
+	meta, offQ, offK, offS, lens := b.sdpaMeta(st, nSeq, key)
 	qb, qs := b.bf16In(q, nq)
 	kb, ks := b.bf16In(k, nk)
 	vb, vs := b.bf16In(v, nk)
 	ob, obs := b.bf16In(out, nq)
 	dob, dobs := b.bf16In(dout, nq) // a BF16 dout (o_proj's BF16 dx) read in place
-	dqb, dkb, dvb := b.alloc(int64(nq)*2), b.alloc(int64(nk)*2), b.alloc(int64(nk)*2)
+	dqb, dkb := b.alloc(int64(nq)*2), b.alloc(int64(nk)*2)
+	dvb := dv.p // a zeroed BF16 dv: cuDNN's output itself
+	if !zv || dv.dt != compute.BF16 {
+		dvb = b.alloc(int64(nk) * 2)
+	}
 	rows := int64(tokens) * int64(nHead) // the workspace tensors' rows
 	if key.dense {
 		rows = int64(key.b) * int64(nHead) * int64(key.s)
@@ -498,12 +511,24 @@ func (b *Backend) cudnnAttentionBackward(a attnBwdArgs, nSeq, maxLen, tokens, nH
 		vp[C.DISTILL_SDPA_UID_DQ_ACCUM] = acc
 	}
 	b.sdpaExec(p, vp, scale, "cudnn attention backward")
-	b.convert("k_add_bf16", dq.p, dqb, int64(nq))
-	b.convert("k_add_bf16", dk.p, dkb, int64(nk))
-	if dv.dt == compute.BF16 {
+	// Into the contract's gradients: added, or (zeroed) widened.
+	into := func(dst, src uint64, n int, zero bool) {
+		if zero {
+			b.convert("k_bf16_to_f32", dst, src, int64(n))
+		} else {
+			b.convert("k_add_bf16", dst, src, int64(n))
+		}
+	}
+	into(dq.p, dqb, nq, zq)
+	into(dk.p, dkb, nk, zk)
+	switch {
+	case dv.dt == compute.F32:
+		into(dv.p, dvb, nk, zv)
+	case !zv:
 		b.convert("k_add_bf16_act", dv.p, dvb, int64(nk)) // v_proj's backward reads it: no widening
-	} else {
-		b.convert("k_add_bf16", dv.p, dvb, int64(nk))
+	}
+	if dvb == dv.p {
+		dvb = 0 // not a scratch
 	}
 	for _, x := range []uint64{meta, qs, ks, vs, obs, dobs, dqb, dkb, dvb, ssum, acc, statsScratch} {
 		if x != 0 {

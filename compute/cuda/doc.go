@@ -333,6 +333,19 @@
 // turns the staging off, for comparisons: the same bits. Not yet timed
 // on a GPU.
 //
+// Deferred zeros (zeros.go): Zero records the buffer as pending instead of
+// enqueuing a memset; a backward call that writes the whole buffer next
+// (MatMulBackward's dx GEMM with beta 0, SwiGLUBackward and RMSNormBackward
+// through their kernels' acc flag, cuDNN's attention backward widening dq
+// and dk and writing a BF16 dv in place) writes its result instead of
+// adding it to zeros, and every other call enqueues the pending memsets
+// first. A dense Qwen3 layer's backward had 11 memsets (about 470 MB at
+// 0.6B and 8192 tokens) and the first accumulation into each read them
+// back; now none (TestCUDADeferredZeros counts them per architecture and
+// compares the training with Options.EagerZeros,
+// $DISTILL_CUDA_EAGER_ZEROS=1, the memset for every Zero: the same values).
+// Not yet timed on a GPU.
+//
 // Determinism: cuDNN's attention backward runs its deterministic graph
 // (dQ written by the dS·K matmul directly, no fp32 accumulator updated with
 // atomics) and refuses engines that carry cuDNN's NONDETERMINISTIC note, so

@@ -61,9 +61,10 @@ func TestBesideStreamOrder(t *testing.T) {
 	race("read after the side's write", try(func() { b.Copy(z, x) }))
 	f.Wait()
 
-	// The main stream writes what the side reads, with no Wait.
+	// The main stream writes what the side reads, with no Wait (Scale: a
+	// Zero's memset would wait for the next call, zeros.go).
 	f = b.Beside(func() { b.Add(z, y, n) })
-	race("write after the side's read", try(func() { b.Zero(y) }))
+	race("write after the side's read", try(func() { b.Scale(y, n, 2) }))
 	f.Wait()
 	b.Zero(y)
 

@@ -163,7 +163,7 @@ func (b *Backend) FakeQuantNVFP4(dstT, srcT compute.Tensor, rows, cols int, amax
 // deterministic, whose pass also writes the GEMMs' BF16 rounding of dout
 // (no rounding pass of its own).
 func (b *Backend) MatMulBackward(dxT, dwT, dbiasT, doutT, xT, wT compute.Tensor, m, n, k int) {
-	defer b.enter()()
+	defer b.enterKeep()()
 	b.wroteT(dxT, dwT, dbiasT)
 	b.label = "MatMulBackward"
 	dout, w := b.ten(doutT, "MatMulBackward dout"), b.ten(wT, "MatMulBackward w")
@@ -190,6 +190,12 @@ func (b *Backend) MatMulBackward(dxT, dwT, dbiasT, doutT, xT, wT compute.Tensor,
 	if m == 0 || n == 0 || k == 0 {
 		return
 	}
+	// A zeroed dx (zeros.go) is written by the GEMM (beta 0), not read.
+	beta := float32(1)
+	if dx != nil && b.takeZero(dx.p, int64(m)*int64(k)*int64(elemSize(dx.dt))) {
+		beta = 0
+	}
+	b.flushZerosOver(dx, dw, db, dout, x, w)
 	var dp, ds uint64
 	if db != nil {
 		// The bias's column sums read dout once and write its rounding for
@@ -207,7 +213,7 @@ func (b *Backend) MatMulBackward(dxT, dwT, dbiasT, doutT, xT, wT compute.Tensor,
 		if dx.dt == compute.BF16 {
 			outT = dataBF16
 		}
-		b.gemmTo(dx.p, outT, dp, wp, m, k, n, false, false, dataBF16, 1)
+		b.gemmTo(dx.p, outT, dp, wp, m, k, n, false, false, dataBF16, beta)
 		b.free(ws)
 	}
 	if dw != nil {
@@ -263,7 +269,7 @@ func (b *Backend) EmbedBackward(dtableT, doutT, idsT compute.Tensor, n, dim int)
 // geometry; a BF16 dx gets each sum rounded once), dw += Σ_rows
 // dout·x·rstd (deterministic column sums).
 func (b *Backend) RMSNormBackward(dxT, dwT, doutT, xT, wT, rstdT compute.Tensor, rows, dim int) {
-	defer b.enter()()
+	defer b.enterKeep()()
 	b.rmsNormBackward("RMSNormBackward", dxT, nil, dwT, doutT, xT, wT, rstdT, rows, dim)
 }
 
@@ -281,7 +287,7 @@ func (b *Backend) GradDType() compute.DType {
 // same pass (k_rmsnorm_bwd_*'s dxc): the residual stream's gradient and
 // the BF16 operand the next MatMulBackward reads, with no pass between.
 func (b *Backend) RMSNormBackwardCopy(dxT, dxcT, dwT, doutT, xT, wT, rstdT compute.Tensor, rows, dim int) {
-	defer b.enter()()
+	defer b.enterKeep()()
 	b.rmsNormBackward("RMSNormBackwardCopy", dxT, dxcT, dwT, doutT, xT, wT, rstdT, rows, dim)
 }
 
@@ -308,6 +314,9 @@ func (b *Backend) rmsNormBackward(what string, dxT, dxcT, dwT, doutT, xT, wT, rs
 	if rows == 0 || dim == 0 {
 		return
 	}
+	// A zeroed dx (zeros.go) is written, not read (the kernels' acc flag).
+	acc := accArg(b.takeZero(dx.p, int64(rows)*int64(dim)*int64(elemSize(dx.dt))))
+	b.flushZerosOver(dx, dxc, dw, dout, x, w, rstd)
 	wp, wb := weightArg(w)
 	cp := ptrOf(dxc)
 	ptrs := []uint64{dx.p, dout.p, x.p, w.p}
@@ -316,11 +325,11 @@ func (b *Backend) rmsNormBackward(what string, dxT, dxcT, dwT, doutT, xT, wT, rs
 	}
 	if l, lanes, ok := rmsnormVecLaunch(rows, dim, ptrs...); ok {
 		l.kernel = map[string]string{"k_rmsnorm_warp8": "k_rmsnorm_bwd_warp8", "k_rmsnorm_block8": "k_rmsnorm_bwd_block8"}[l.kernel]
-		b.launchKernel(l, dptr(dx.p), bf16Flag(dx), cp, dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim), lanes)
+		b.launchKernel(l, dptr(dx.p), bf16Flag(dx), cp, dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim), lanes, acc)
 	} else {
 		l := rmsnormLaunch(rows, dim)
 		l.kernel = map[string]string{"k_rmsnorm_warp": "k_rmsnorm_bwd_warp", "k_rmsnorm_block": "k_rmsnorm_bwd_block"}[l.kernel]
-		b.launchKernel(l, dptr(dx.p), bf16Flag(dx), cp, dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim))
+		b.launchKernel(l, dptr(dx.p), bf16Flag(dx), cp, dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim), acc)
 	}
 	b.colSum(dw.p, dout.p, x.p, bf16Flag(x), rstd.p, rows, dim, 0)
 }
@@ -363,7 +372,7 @@ func (b *Backend) ropeBackward(what string, dxT, dxcT, cosT, sinT compute.Tensor
 // SwiGLUBackward implements compute.Backend: fp32 math; a BF16 dgate or
 // dup gets each sum rounded once.
 func (b *Backend) SwiGLUBackward(dgT, duT, doutT, gT, uT compute.Tensor, n int) {
-	defer b.enter()()
+	defer b.enterKeep()()
 	b.wroteT(dgT, duT)
 	dg, du, dout := b.ten(dgT, "SwiGLUBackward dgate"), b.ten(duT, "SwiGLUBackward dup"), b.ten(doutT, "SwiGLUBackward dout")
 	g, u := b.ten(gT, "SwiGLUBackward gate"), b.ten(uT, "SwiGLUBackward up")
@@ -372,13 +381,20 @@ func (b *Backend) SwiGLUBackward(dgT, duT, doutT, gT, uT compute.Tensor, n int) 
 	need(dg, "SwiGLUBackward dgate", n, act...)
 	need(du, "SwiGLUBackward dup", n, act...)
 	need(dout, "SwiGLUBackward dout", n, compute.F32)
+	// Zeroed dgate and dup (zeros.go) are written, not read: the kernels'
+	// acc flag, one for both (either one not zeroed: both flushed).
+	acc := int32(1)
+	if b.takeZeros(zeroRange{dg.p, int64(n) * int64(elemSize(dg.dt))}, zeroRange{du.p, int64(n) * int64(elemSize(du.dt))}) {
+		acc = 0
+	}
+	b.flushZerosOver(dg, du, dout, g, u)
 	if n%8 == 0 && aligned16(dg.p) && aligned16(du.p) && aligned16(dout.p) && aligned16(g.p) && aligned16(u.p) {
 		b.ew("k_swiglu_bwd_x8", int64(n/8), dptr(dg.p), bf16Flag(dg), dptr(du.p), bf16Flag(du), dptr(dout.p), dptr(g.p), bf16Flag(g),
-			dptr(u.p), bf16Flag(u), int64(n/8))
+			dptr(u.p), bf16Flag(u), int64(n/8), acc)
 		return
 	}
 	b.ew("k_swiglu_bwd", int64(n), dptr(dg.p), bf16Flag(dg), dptr(du.p), bf16Flag(du), dptr(dout.p), dptr(g.p), bf16Flag(g), dptr(u.p),
-		bf16Flag(u), int64(n))
+		bf16Flag(u), int64(n), acc)
 }
 
 // AttentionBackward implements compute.Backend: cuDNN's fused flash
@@ -391,11 +407,14 @@ func (b *Backend) SwiGLUBackward(dgT, duT, doutT, gT, uT compute.Tensor, n int) 
 // D = Σ p·dp) then k_attn_bwd_dkv. Each kernel is the only writer of its
 // rows: no atomics, deterministic.
 func (b *Backend) AttentionBackward(dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, startsT compute.Tensor, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) {
-	defer b.enter()()
+	// cuDNN's path takes zeroed gradients (zeros.go) and flushes the rest;
+	// the own kernels add to them, flushed first.
+	defer b.enterKeep()()
 	b.wroteT(dqT, dkT, dvT)
 	b.label = "AttentionBackward"
 	a := b.attnBwdArgs(dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, startsT, nSeq, tokens, nHead, nKV, hd)
 	if m := b.ownAttn(); b.attnBwd == "mma" && (m == "" || m == "auto") && (hd == 64 || hd == 128) { // under cuDNN or auto, the tensor-core chain's head dims
+		b.flushZerosOver(a.operands()...)
 		b.attentionBackward("mma", a, nSeq, tokens, nHead, nKV, hd, scale)
 		return
 	}
@@ -403,12 +422,17 @@ func (b *Backend) AttentionBackward(dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT
 		b.cudnnAttentionBackward(a, nSeq, maxLen, tokens, nHead, nKV, hd, scale) {
 		return
 	}
+	b.flushZerosOver(a.operands()...)
 	b.attentionBackward(b.ownAttn(), a, nSeq, tokens, nHead, nKV, hd, scale)
 }
 
 // attnBwdArgs are AttentionBackward's tensors, unwrapped and checked; out
 // may be nil (the own tensor-core chain then recomputes it).
 type attnBwdArgs struct{ dq, dk, dv, dout, q, k, v, out, lse, st *tensor }
+
+func (a attnBwdArgs) operands() []*tensor {
+	return []*tensor{a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, a.st}
+}
 
 func (b *Backend) attnBwdArgs(dqT, dkT, dvT, doutT, qT, kT, vT, outT, lseT, startsT compute.Tensor, nSeq, tokens, nHead, nKV, hd int) attnBwdArgs {
 	t := func(x compute.Tensor, what string, n int, dts ...compute.DType) *tensor {

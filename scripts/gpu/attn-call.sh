@@ -83,7 +83,9 @@ fi
 # or f32grads:DISTILL_CUDA_F32_GRADS=1: the backward's F32 gradients and
 # their BF16 rounding passes, as before issue 23's BF16 gradients; or
 # pageable:DISTILL_CUDA_PAGEABLE=1: uploads from Go's pageable memory and
-# the loss values downloaded when read, not staged in pinned memory), on
+# the loss values downloaded when read, not staged in pinned memory; or
+# eager:DISTILL_CUDA_EAGER_ZEROS=1: a memset for every Zero and the
+# backward adding to the zeroed gradients, as before the deferred zeros), on
 # DISTILL_BENCH_SHAPES, each into variant-NAME/ (VARIANT_BUDGET seconds
 # each, default 60).
 for v in ${TRAIN_VARIANTS:-}; do

@@ -1,6 +1,9 @@
 // The backward kernels of the layers (but attention's, attention_bwd.cu):
 // every one ACCUMULATES (+=) into its gradients, as compute.Backend says,
-// except RoPE's, which rotates in place. Reductions over rows (RMSNorm's
+// except RoPE's, which rotates in place. Those with an acc flag start each
+// sum from 0 instead of the gradient's value when it is 0: the host's
+// deferred zeros (zeros.go), where the gradient was zeroed for this call
+// (the same bits: the sum's first term is added to 0 either way). Reductions over rows (RMSNorm's
 // dw, a bias's gradient) are deterministic: each block sums a fixed chunk
 // of rows per column into a float64 partial, and one more kernel adds the
 // chunks in index order. The embedding's backward adds the rows of dout
@@ -51,11 +54,12 @@ DK_DEV void swiglu_bwd1(float &dg, float &du, float d, float gv, float uv) {
 // g and u are BF16 (their flag set) or F32; so are dg and du (the
 // gradients a GEMM's backward reads next: a BF16 one gets the fp32 sum of
 // its old value and the term, rounded once, so a zeroed BF16 dg holds the
-// rounding of the value an F32 dg would hold).
+// rounding of the value an F32 dg would hold). acc 0: dg and du are not
+// read, each sum starts from 0.
 DK_KERNEL void k_swiglu_bwd(void *__restrict__ dg, int dg_bf, void *__restrict__ du, int du_bf, const float *__restrict__ dout,
-                            const void *__restrict__ g, int g_bf, const void *__restrict__ u, int u_bf, i64 n) {
+                            const void *__restrict__ g, int g_bf, const void *__restrict__ u, int u_bf, i64 n, int acc) {
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-		float a = ld_act(dg, dg_bf, i), b = ld_act(du, du_bf, i);
+		float a = acc ? ld_act(dg, dg_bf, i) : 0.0f, b = acc ? ld_act(du, du_bf, i) : 0.0f;
 		swiglu_bwd1(a, b, dout[i], ld_act(g, g_bf, i), ld_act(u, u_bf, i));
 		st_act(dg, dg_bf, i, a);
 		st_act(du, du_bf, i, b);
@@ -65,14 +69,19 @@ DK_KERNEL void k_swiglu_bwd(void *__restrict__ dg, int dg_bf, void *__restrict__
 // k_swiglu_bwd eight elements at a time (n = 8·n8, every tensor 16-byte
 // aligned): 16-byte accesses instead of an element's 2 or 4 bytes.
 DK_KERNEL void k_swiglu_bwd_x8(void *__restrict__ dg, int dg_bf, void *__restrict__ du, int du_bf, const float *__restrict__ dout,
-                               const void *__restrict__ g, int g_bf, const void *__restrict__ u, int u_bf, i64 n8) {
+                               const void *__restrict__ g, int g_bf, const void *__restrict__ u, int u_bf, i64 n8, int acc) {
 	for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (i64)gridDim.x * blockDim.x) {
 		float a[8], b[8], d[8], gv[8], uv[8];
 		ld8(d, dout, 0, i);
 		ld8(gv, g, g_bf, i);
 		ld8(uv, u, u_bf, i);
-		ld8(a, dg, dg_bf, i);
-		ld8(b, du, du_bf, i);
+		if (acc) {
+			ld8(a, dg, dg_bf, i);
+			ld8(b, du, du_bf, i);
+		} else {
+#pragma unroll
+			for (int j = 0; j < 8; j++) a[j] = b[j] = 0.0f;
+		}
 #pragma unroll
 		for (int j = 0; j < 8; j++) swiglu_bwd1(a[j], b[j], d[j], gv[j], uv[j]);
 		st8(dg, dg_bf, i, a);
@@ -112,7 +121,8 @@ DK_KERNEL void k_rope_table_bwd(float *x, const float *__restrict__ cosv, const 
 // x (the row's start) is BF16 (x_bf) or F32; so is dx (dx_bf: a BF16 dx
 // gets the fp32 sum rounded once). dxc, when not null, receives the BF16
 // rounding of each new dx value beside it (the residual stream's
-// gradient, kept in F32, and its copy for a GEMM's backward).
+// gradient, kept in F32, and its copy for a GEMM's backward). acc 0: dx
+// is not read, each element's sum starts from 0.
 // rms_bwd_dot1 is one element's term of the mean's sum, dout·w·xh;
 // rms_bwd1 one element's dx with the mean m: the scalar and the 8-wide
 // kernels' formulas.
@@ -123,7 +133,7 @@ DK_DEV float rms_bwd_dot1(float d, float wv, float xv, float rs) {
 DK_DEV float rms_bwd1(float dx, float d, float wv, float xv, float rs, float m) { return dx + rs * (d * wv - xv * rs * m); }
 
 DK_DEV void rms_bwd_row(void *dx, int dx_bf, u16 *dxc, const float *d, const void *x, int x_bf, const void *w, int w_bf16, float rs,
-                        int dim, int tid, int nt, double *red) {
+                        int dim, int tid, int nt, double *red, int acc) {
 	double dot = 0;
 	for (int i = tid; i < dim; i += nt) dot += (double)rms_bwd_dot1(d[i], load_w(w, w_bf16, i), ld_act(x, x_bf, i), rs);
 	dot = warp_sum_d(dot);
@@ -136,26 +146,26 @@ DK_DEV void rms_bwd_row(void *dx, int dx_bf, u16 *dxc, const float *d, const voi
 	}
 	float m = (float)(dot / dim);
 	for (int i = tid; i < dim; i += nt) {
-		float v = rms_bwd1(ld_act(dx, dx_bf, i), d[i], load_w(w, w_bf16, i), ld_act(x, x_bf, i), rs, m);
+		float v = rms_bwd1(acc ? ld_act(dx, dx_bf, i) : 0.0f, d[i], load_w(w, w_bf16, i), ld_act(x, x_bf, i), rs, m);
 		st_act(dx, dx_bf, i, v);
 		if (dxc) dxc[i] = f2bf(v);
 	}
 }
 
 DK_KERNEL void k_rmsnorm_bwd_warp(void *dx, int dx_bf, u16 *dxc, const float *dout, const void *x, int x_bf, const void *w, int w_bf16,
-                                  const float *rstd, i64 rows, int dim) {
+                                  const float *rstd, i64 rows, int dim, int acc) {
 	i64 row = (i64)blockIdx.x * (blockDim.x / DK_WARP) + threadIdx.x / DK_WARP;
 	if (row >= rows) return; // a whole warp leaves together
 	rms_bwd_row(act_ptr(dx, dx_bf, row * dim), dx_bf, dxc ? dxc + row * dim : dxc, dout + row * dim, act_ptr(x, x_bf, row * dim), x_bf, w,
-	            w_bf16, rstd[row], dim, threadIdx.x % DK_WARP, DK_WARP, 0);
+	            w_bf16, rstd[row], dim, threadIdx.x % DK_WARP, DK_WARP, 0, acc);
 }
 
 DK_KERNEL void k_rmsnorm_bwd_block(void *dx, int dx_bf, u16 *dxc, const float *dout, const void *x, int x_bf, const void *w, int w_bf16,
-                                   const float *rstd, i64 rows, int dim) {
+                                   const float *rstd, i64 rows, int dim, int acc) {
 	__shared__ double red[32];
 	i64 row = blockIdx.x;
 	rms_bwd_row(act_ptr(dx, dx_bf, row * dim), dx_bf, dxc ? dxc + row * dim : dxc, dout + row * dim, act_ptr(x, x_bf, row * dim), x_bf, w,
-	            w_bf16, rstd[row], dim, threadIdx.x, blockDim.x, red);
+	            w_bf16, rstd[row], dim, threadIdx.x, blockDim.x, red, acc);
 }
 
 // rms_bwd_row8 is rms_bwd_row with 16-byte accesses (dim a multiple of 8,
@@ -166,7 +176,7 @@ DK_KERNEL void k_rmsnorm_bwd_block(void *dx, int dx_bf, u16 *dxc, const float *d
 // in another fixed order, each element's math is rms_bwd_dot1 and
 // rms_bwd1 as in rms_bwd_row.
 DK_DEV void rms_bwd_row8(void *dx, int dx_bf, u16 *dxc, const float *d, const void *x, int x_bf, const void *w, int w_bf16, float rs,
-                         int dim, int sub, int lanes, bool ok, double *red) {
+                         int dim, int sub, int lanes, bool ok, double *red, int acc) {
 	int nc = dim / 8;
 	float dv[RV_K][8], xv[RV_K][8];
 	double dot = 0;
@@ -189,7 +199,12 @@ DK_DEV void rms_bwd_row8(void *dx, int dx_bf, u16 *dxc, const float *d, const vo
 		if (!ok || c >= nc) continue;
 		float wv[8], o[8];
 		ld8(wv, w, w_bf16, c);
-		ld8(o, dx, dx_bf, c);
+		if (acc) {
+			ld8(o, dx, dx_bf, c);
+		} else {
+#pragma unroll
+			for (int j = 0; j < 8; j++) o[j] = 0.0f;
+		}
 #pragma unroll
 		for (int j = 0; j < 8; j++) o[j] = rms_bwd1(o[j], fresh(dv[k][j]), wv[j], fresh(xv[k][j]), rs, m);
 		st8(dx, dx_bf, c, o);
@@ -200,7 +215,7 @@ DK_DEV void rms_bwd_row8(void *dx, int dx_bf, u16 *dxc, const float *d, const vo
 // k_rmsnorm_bwd_warp8 and k_rmsnorm_bwd_block8: the forward's 8-wide
 // geometry (norm_rope.cu: k_rmsnorm_warp8, k_rmsnorm_block8).
 DK_KERNEL void k_rmsnorm_bwd_warp8(void *dx, int dx_bf, u16 *dxc, const float *dout, const void *x, int x_bf, const void *w, int w_bf16,
-                                   const float *rstd, i64 rows, int dim, int lanes) {
+                                   const float *rstd, i64 rows, int dim, int lanes, int acc) {
 	int lane = threadIdx.x % DK_WARP;
 	i64 row0 = ((i64)blockIdx.x * (blockDim.x / DK_WARP) + threadIdx.x / DK_WARP) * (DK_WARP / lanes);
 	if (row0 >= rows) return; // a whole warp leaves together
@@ -208,15 +223,15 @@ DK_KERNEL void k_rmsnorm_bwd_warp8(void *dx, int dx_bf, u16 *dxc, const float *d
 	bool ok = row < rows;
 	if (!ok) row = row0; // an address in range; nothing is read or written
 	rms_bwd_row8(act_ptr(dx, dx_bf, row * dim), dx_bf, dxc ? dxc + row * dim : dxc, dout + row * dim, act_ptr(x, x_bf, row * dim), x_bf, w,
-	             w_bf16, rstd[row], dim, lane % lanes, lanes, ok, 0);
+	             w_bf16, rstd[row], dim, lane % lanes, lanes, ok, 0, acc);
 }
 
 DK_KERNEL void k_rmsnorm_bwd_block8(void *dx, int dx_bf, u16 *dxc, const float *dout, const void *x, int x_bf, const void *w, int w_bf16,
-                                    const float *rstd, i64 rows, int dim, int lanes) {
+                                    const float *rstd, i64 rows, int dim, int lanes, int acc) {
 	__shared__ double red[32];
 	i64 row = blockIdx.x;
 	rms_bwd_row8(act_ptr(dx, dx_bf, row * dim), dx_bf, dxc ? dxc + row * dim : dxc, dout + row * dim, act_ptr(x, x_bf, row * dim), x_bf, w,
-	             w_bf16, rstd[row], dim, threadIdx.x, lanes, true, red);
+	             w_bf16, rstd[row], dim, threadIdx.x, lanes, true, red, acc);
 }
 
 // k_colsum_part: block (bx, by) sums, for the columns bx·blockDim.x + tid,
