@@ -189,11 +189,69 @@ static void block_copy(float *dst, const float *row, long i, long ncols, long nb
 	for (long j = 0; j < nb; j++) dst[j] = b0 + j < ncols ? row[b0 + j] : 0.0f;
 }
 
+// fexp_fold is the fold's term for d = logit - tile max: fexp(d) where d
+// >= -87, bit for bit (fexp's operations, so the same FMA contractions in
+// each clone), and 0 below (-Inf and NaN too), written so that every
+// clone vectorizes it. The fold's loop had `d >= -87 ? fexp(d) : 0`: GCC
+// computes the exp only in the branch taken, which it vectorizes only
+// with AVX-512's masked arithmetic (a lane not taken must not trap), so
+// the v3 and baseline clones ran it an element at a time; and a select
+// of the exp or 0 after it, on the same condition, GCC turns back into
+// that branch. Here nothing is conditional: the argument is clamped on
+// its bits (d <= 0 where it is kept, m being the max: the sign bit set,
+// so +0 gives -0, whose exp is the same 1; then, as an unsigned compare,
+// no more negative than -87, which NaN and -Inf are not), and the zero
+// comes from the scale: 2^n's bits masked to +0 where d < -87, so that
+// p·(+0) = +0 (p is about 1).
+static inline __attribute__((always_inline)) float fexp_fold(float d) {
+	union { float f; uint32_t u; } b = {.f = d};
+	uint32_t xb = b.u | 0x80000000u;
+	xb = xb < 0xC2AE0000u ? xb : 0xC2AE0000u; // -87.0f
+	union { uint32_t u; float f; } c = {.u = xb};
+	float x = c.f;
+	float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+	float r = x - n * 0.693145751953125f;
+	r = r - n * 1.42860682030941723212e-6f;
+	float p = 1.0f / 5040.0f;
+	p = p * r + 1.0f / 720.0f;
+	p = p * r + 1.0f / 120.0f;
+	p = p * r + 1.0f / 24.0f;
+	p = p * r + 1.0f / 6.0f;
+	p = p * r + 0.5f;
+	p = p * r + 1.0f;
+	p = p * r + 1.0f;
+	int32_t keep = -(int32_t)(d >= -87.0f);
+	union { int32_t i; float f; } s = {.i = (((int32_t)n + 127) << 23) & keep};
+	return p * s.f;
+}
+
 // tile_max_sum returns the max of row[0..n) and sum(exp(row - max)),
 // leaving each exp(row[i] - max) in e[i] (0 below -87) (LMHeadSample's block sums read
 // them; LMHeadTopK passes the same scratch, so both compute the sum by the
-// same code, bit for bit).
+// same code, bit for bit). Two passes: the max, then the exps, stored and
+// summed as they are computed. The sum is the same `omp simd reduction`
+// as tile_max_sum_ref's third pass, in each clone's order (lanes of the
+// clone's vector width, the remainder into lane 0, then the lanes in
+// order), so the bits are tile_max_sum_ref's (TestTileMaxSum).
 CLONES static void tile_max_sum(const float *row, long n, float *mx, float *sm, float *e) {
+	float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+	for (long i = 0; i < n; i++) m = row[i] > m ? row[i] : m;
+	float s = 0;
+#pragma omp simd reduction(+ : s)
+	for (long i = 0; i < n; i++) {
+		float v = fexp_fold(row[i] - m);
+		e[i] = v;
+		s += v;
+	}
+	*mx = m;
+	*sm = s;
+}
+
+// tile_max_sum_ref is tile_max_sum as three passes (the max, the exps,
+// their sum): the fold before the exps and the sum were fused, kept as the
+// tests' reference (k_tile_max_sum).
+CLONES static void tile_max_sum_ref(const float *row, long n, float *mx, float *sm, float *e) {
 	float m = -INFINITY;
 #pragma omp simd reduction(max : m)
 	for (long i = 0; i < n; i++) m = row[i] > m ? row[i] : m;
@@ -208,6 +266,14 @@ CLONES static void tile_max_sum(const float *row, long n, float *mx, float *sm, 
 	for (long i = 0; i < n; i++) s += e[i];
 	*mx = m;
 	*sm = s;
+}
+
+// k_tile_max_sum runs tile_max_sum, or with ref tile_max_sum_ref (for tests).
+void k_tile_max_sum(const float *row, long n, float *mx, float *sm, float *e, int ref) {
+	if (ref)
+		tile_max_sum_ref(row, n, mx, sm, e);
+	else
+		tile_max_sum(row, n, mx, sm, e);
 }
 
 // v16f is 16 floats as one GCC vector (split into narrower registers where

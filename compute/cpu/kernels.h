@@ -36,6 +36,7 @@ void k_draw_locate(const float *bs, long nblk, const double *sc, const double *t
 void k_block_logits(float *z, const float *x, const int32_t *rows, long m, const float *w, long nz, long hidden,
                     float *wt, const float *next, long nextz, int warm);
 int k_block_sums_v4(float *bs, const float *e, long n);
+void k_tile_max_sum(const float *row, long n, float *mx, float *sm, float *e, int ref);
 double k_fexp_sum(const float *z, int n, float m);
 double k_block_mass(const float *z, int nz, int32_t v0, double mx, const int32_t *head, int nh);
 double k_sumexp(const float *x, long n, float scale, float shift);

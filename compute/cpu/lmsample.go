@@ -144,6 +144,22 @@ func blockSumsV4(bs, e []float32) bool {
 	return len(e) == 0 || C.k_block_sums_v4(fp(bs), fp(e), C.long(len(e))) != 0
 }
 
+// tileMaxSum runs the fold's tile_max_sum on one row (for tests): its max
+// and Σ exp(row - max), leaving the exps in e (len(row)); with ref, the
+// three-pass form it replaced (tile_max_sum_ref), whose bits it must give.
+func tileMaxSum(ref bool, row, e []float32) (mx, sum float32) {
+	if len(e) < len(row) {
+		panic("cpu: tileMaxSum: e is shorter than row")
+	}
+	var m, s C.float
+	flag := C.int(0)
+	if ref {
+		flag = 1
+	}
+	C.k_tile_max_sum(fp(row), C.long(len(row)), &m, &s, fp(e), flag)
+	return float32(m), float32(s)
+}
+
 // dexp writes to e (len(z)) exp(float64(z[i]) - mx) as the draws' walks
 // and the head blocks' masses compute their terms (k_dexp: dexp8, for
 // tests).

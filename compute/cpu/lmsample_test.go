@@ -234,6 +234,92 @@ func TestBlockSumsV4Order(t *testing.T) {
 	}
 }
 
+// TestTileMaxSum: the fold's tile_max_sum (the exps stored and summed in
+// one pass) gives the bits of the three passes it replaced (the max, the
+// exps, their sum: tile_max_sum_ref), in the clone this CPU runs: the max,
+// every exp and the sum, whose order is the `omp simd reduction`'s (the
+// clone's lanes, the remainder into lane 0, then the lanes in order).
+// Rows of every length class (whole and partial vectors, 1, empty), of
+// spreads up to far more than 87 below the max (terms 0), with -Inf, ties
+// at the max, logits exactly 87 below it and a float either side, ±0 as
+// the max, and rows all -Inf or with a NaN or +Inf. The sums are checked
+// to depend on the order (a plain sequential sum of the same exps differs
+// in most rows), so that a fold summing in another order fails here.
+func TestTileMaxSum(t *testing.T) {
+	r := rand.New(rand.NewPCG(61, 62))
+	lens := []int{2048, 384, 0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 100, 127, 1023, 1030, 2047, 2049}
+	inf := float32(math.Inf(1))
+	var rows, orderSensitive int
+	for it := 0; it < 3000; it++ {
+		n := lens[it%len(lens)]
+		if it >= 2*len(lens) && it%3 == 0 {
+			n = r.IntN(2100)
+		}
+		spread := []float64{0.5, 5, 30, 86, 90, 200, 1e4}[it%7]
+		base := float32(r.Float64()*40 - 20)
+		if it%4 == 0 {
+			base = 0 // exactly 87 below is representable
+		}
+		row := make([]float32, n)
+		for i := range row {
+			row[i] = base - float32(r.Float64()*spread)
+			switch r.IntN(40) {
+			case 0:
+				row[i] = -inf
+			case 1:
+				row[i] = base // ties at the max
+			case 2:
+				row[i] = base - 87
+			case 3:
+				row[i] = math.Nextafter32(base-87, 0)
+			case 4:
+				row[i] = math.Nextafter32(base-87, -inf)
+			}
+		}
+		if n > 0 {
+			row[r.IntN(n)] = base // the max
+			switch it % 29 {
+			case 5:
+				row[r.IntN(n)] = float32(math.NaN())
+			case 6:
+				row[r.IntN(n)] = inf
+			case 7:
+				for i := range row {
+					row[i] = -inf
+				}
+			case 8:
+				for i := range row {
+					row[i] = float32(math.Copysign(0, float64(r.IntN(2)*2-1)))
+				}
+			}
+		}
+		e, eref := make([]float32, n), make([]float32, n)
+		m, s := tileMaxSum(false, row, e)
+		mref, sref := tileMaxSum(true, row, eref)
+		if math.Float32bits(m) != math.Float32bits(mref) || math.Float32bits(s) != math.Float32bits(sref) {
+			t.Fatalf("row %d (%d ids, spread %g): max %g sum %g (bits %#x), the three passes give %g and %g (%#x)",
+				it, n, spread, m, s, math.Float32bits(s), mref, sref, math.Float32bits(sref))
+		}
+		for i := range e {
+			if math.Float32bits(e[i]) != math.Float32bits(eref[i]) {
+				t.Fatalf("row %d (%d ids): exp of id %d (logit %g, max %g) is %g (bits %#x), the three passes give %g (%#x)",
+					it, n, i, row[i], m, e[i], math.Float32bits(e[i]), eref[i], math.Float32bits(eref[i]))
+			}
+		}
+		var seq float32
+		for _, x := range e {
+			seq += x
+		}
+		if math.Float32bits(seq) != math.Float32bits(s) {
+			orderSensitive++
+		}
+		rows++
+	}
+	if orderSensitive < rows/4 {
+		t.Fatalf("only %d of %d rows' sums depend on the order of the terms: the check above would miss a fold summing in another order", orderSensitive, rows)
+	}
+}
+
 // TestDexp checks the walks' exp (dexp8) against math.Exp: within 1 ulp of
 // it where the result is normal, within one subnormal step below, exactly
 // 0 below -745.2 (and for -Inf) and exactly 1 at 0, for arguments over the
