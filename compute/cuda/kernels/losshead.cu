@@ -20,6 +20,20 @@
 // about 1.5 ms at the bandwidth).
 #define LOSS_UNROLL 8
 
+// each_col calls f(z[c], c) for this thread's columns c of a row of n
+// logits, in increasing c, LOSS_UNROLL loads issued at a time.
+template <class F> DK_DEV void each_col(const float *__restrict__ z, int n, F f) {
+	int c = threadIdx.x;
+	for (; c + (LOSS_UNROLL - 1) * LOSS_THREADS < n; c += LOSS_UNROLL * LOSS_THREADS) {
+		float v[LOSS_UNROLL];
+#pragma unroll
+		for (int j = 0; j < LOSS_UNROLL; j++) v[j] = z[c + j * LOSS_THREADS];
+#pragma unroll
+		for (int j = 0; j < LOSS_UNROLL; j++) f(v[j], c + j * LOSS_THREADS);
+	}
+	for (; c < n; c += LOSS_THREADS) f(z[c], c);
+}
+
 // in_topk returns j with ids[j] = v, or -1 (ids ascending, K of them).
 DK_DEV int in_topk(const i32 *ids, int K, i32 v) {
 	int lo = 0, hi = K;
@@ -128,28 +142,13 @@ DK_KERNEL __launch_bounds__(LOSS_THREADS) void k_loss_fwd_tile(const float *__re
 	__syncthreads();
 	tile_mask(mask, sid, K, v0, n);
 	float mx = -DK_INF;
-	int c = threadIdx.x;
-	for (; c + (LOSS_UNROLL - 1) * LOSS_THREADS < n; c += LOSS_UNROLL * LOSS_THREADS) {
-		float v[LOSS_UNROLL];
-#pragma unroll
-		for (int j = 0; j < LOSS_UNROLL; j++) v[j] = z[c + j * LOSS_THREADS];
-#pragma unroll
-		for (int j = 0; j < LOSS_UNROLL; j++) mx = fmaxf(mx, v[j]);
-	}
-	for (; c < n; c += LOSS_THREADS) mx = fmaxf(mx, z[c]);
+	each_col(z, n, [&](float zv, int) { mx = fmaxf(mx, zv); });
 	mx = block_max_f(mx, redf); // also the barrier after mask's writes
 	double mT = st[r], m = mT > (double)(mx * invT) ? mT : (double)(mx * invT);
 	double m1 = st[3 * M + r], mm = m1 > (double)mx ? m1 : (double)mx;
 	float mf = (float)m, mmf = (float)mm;
 	double tail = 0, topk = 0, s1 = 0;
-	for (c = threadIdx.x; c + (LOSS_UNROLL - 1) * LOSS_THREADS < n; c += LOSS_UNROLL * LOSS_THREADS) {
-		float v[LOSS_UNROLL];
-#pragma unroll
-		for (int j = 0; j < LOSS_UNROLL; j++) v[j] = z[c + j * LOSS_THREADS];
-#pragma unroll
-		for (int j = 0; j < LOSS_UNROLL; j++) loss_fwd_term(v[j], in_mask(mask, c + j * LOSS_THREADS), invT, mf, mmf, sepce, tail, topk, s1);
-	}
-	for (; c < n; c += LOSS_THREADS) loss_fwd_term(z[c], in_mask(mask, c), invT, mf, mmf, sepce, tail, topk, s1);
+	each_col(z, n, [&](float zv, int c) { loss_fwd_term(zv, in_mask(mask, c), invT, mf, mmf, sepce, tail, topk, s1); });
 	sum3(&tail, &topk, &s1, red);
 	if (threadIdx.x == 0) {
 		double sT = st[M + r], sTail = st[2 * M + r];
@@ -229,18 +228,7 @@ DK_KERNEL __launch_bounds__(LOSS_THREADS) void k_loss_bwd_tile(u16 *__restrict__
 	float lt = lseT[r], l1 = lse1[r], a = acoef[r];
 	i32 lab = labels[r];
 	const float *ckr = ck + r * K;
-	int c = threadIdx.x;
-	for (; c + (LOSS_UNROLL - 1) * LOSS_THREADS < n; c += LOSS_UNROLL * LOSS_THREADS) {
-		float v[LOSS_UNROLL];
-#pragma unroll
-		for (int j = 0; j < LOSS_UNROLL; j++) v[j] = z[c + j * LOSS_THREADS];
-#pragma unroll
-		for (int j = 0; j < LOSS_UNROLL; j++) {
-			int cj = c + j * LOSS_THREADS;
-			o[cj] = f2bf(loss_bwd_term(v[j], cj, mask, sid, K, v0, ckr, invT, sepce, lt, l1, a, lab, wsft));
-		}
-	}
-	for (; c < n; c += LOSS_THREADS) o[c] = f2bf(loss_bwd_term(z[c], c, mask, sid, K, v0, ckr, invT, sepce, lt, l1, a, lab, wsft));
+	each_col(z, n, [&](float zv, int c) { o[c] = f2bf(loss_bwd_term(zv, c, mask, sid, K, v0, ckr, invT, sepce, lt, l1, a, lab, wsft)); });
 }
 
 // k_gather_rows_bf16: xc (M, C) BF16 = x (N, C) at rows, x BF16 (x_bf:
