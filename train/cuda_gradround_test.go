@@ -11,8 +11,6 @@ import (
 	"distill/compute/cuda/cudaemu"
 	"distill/model"
 	"distill/model/decoder"
-	"distill/train/loss"
-	"distill/train/optim"
 )
 
 // TestCUDAGradsInBF16: the CUDA backend's gradients in BF16 where only a
@@ -45,25 +43,22 @@ func TestCUDAGradsInBF16(t *testing.T) {
 	llama := tinyConfig(model.ArchLlama, false)
 	llama.AttentionBias = true
 	type tcase struct {
-		name      string
-		cfg       *model.Config
-		recompute decoder.Recompute
-		qad       bool
-		lora      float64 // >= 0: a LoRA student with this dropout; < 0: a full one
-		saved     int     // the rounding passes a step saves (0: only more than none)
+		name string
+		stepCase
+		saved int // the rounding passes a step saves (0: only more than none)
 	}
 	cases := []tcase{
-		{"qwen3", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, -1, 2 * (7 + 2)},
-		{"qwen3 selective", tinyConfig(model.ArchQwen3, true), decoder.RecomputeSelective, false, -1, 2 * (7 + 2)},
-		{"qwen3 full", tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, -1, 2 * (7 + 2)},
-		{"qwen3 qad", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, true, -1, 2 * (7 + 2)},
-		{"qwen2", tinyConfig(model.ArchQwen2, true), decoder.RecomputeNone, false, -1, 2 * (4 + 2)},
-		{"llama", tinyConfig(model.ArchLlama, false), decoder.RecomputeNone, false, -1, 2 * (7 + 2)},
-		{"llama attention bias", llama, decoder.RecomputeSelective, false, -1, 2 * (3 + 2)},
-		{"qwen3_moe", tinyMoEConfig(false, 1), decoder.RecomputeNone, false, -1, 0},
-		{"qwen3_moe full", tinyMoEConfig(false, 1), decoder.RecomputeFull, false, -1, 0},
-		{"qwen3 lora", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, 0, 0},
-		{"qwen3 lora dropout full", tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, 0.3, 0},
+		{"qwen3", stepCase{tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, -1}, 2 * (7 + 2)},
+		{"qwen3 selective", stepCase{tinyConfig(model.ArchQwen3, true), decoder.RecomputeSelective, false, -1}, 2 * (7 + 2)},
+		{"qwen3 full", stepCase{tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, -1}, 2 * (7 + 2)},
+		{"qwen3 qad", stepCase{tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, true, -1}, 2 * (7 + 2)},
+		{"qwen2", stepCase{tinyConfig(model.ArchQwen2, true), decoder.RecomputeNone, false, -1}, 2 * (4 + 2)},
+		{"llama", stepCase{tinyConfig(model.ArchLlama, false), decoder.RecomputeNone, false, -1}, 2 * (7 + 2)},
+		{"llama attention bias", stepCase{llama, decoder.RecomputeSelective, false, -1}, 2 * (3 + 2)},
+		{"qwen3_moe", stepCase{tinyMoEConfig(false, 1), decoder.RecomputeNone, false, -1}, 0},
+		{"qwen3_moe full", stepCase{tinyMoEConfig(false, 1), decoder.RecomputeFull, false, -1}, 0},
+		{"qwen3 lora", stepCase{tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, 0}, 0},
+		{"qwen3 lora dropout full", stepCase{tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, 0.3}, 0},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -82,44 +77,14 @@ func TestCUDAGradsInBF16(t *testing.T) {
 				if want := map[bool]compute.DType{false: compute.BF16, true: compute.F32}[f32]; compute.GradDType(be) != want {
 					t.Fatalf("F32Grads %v: GradDType %v, want %v", f32, compute.GradDType(be), want)
 				}
-				w := model.Init(c.cfg, model.InitOptions{Seed: 3, Std: 0.1, Perturb: true})
-				var s *Student
-				if c.lora >= 0 {
-					lc := LoRAConfig{Rank: 4, Alpha: 8, Targets: allTargets, Init: "kaiming", Seed: 1, Dropout: c.lora}
-					if s, err = NewLoRAStudentOn(c.cfg, be, mapSource(w), lc); err != nil {
-						t.Fatal(err)
-					}
-				} else {
-					if s, err = NewStudentOn(c.cfg, be); err != nil {
-						t.Fatal(err)
-					}
-					if err := s.Load(w); err != nil {
-						t.Fatal(err)
-					}
-				}
-				defer s.Free()
-				if err := s.Model.SetRecompute(c.recompute); err != nil {
-					t.Fatal(err)
-				}
-				b := testBatch(4, c.cfg.VocabSize, 8)
-				opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
-				if c.qad {
-					calibrateQAD(t, s, &opt, b)
-				}
-				ad, _ := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
+				rg := c.rig(t, be)
+				defer rg.s.Free()
 				var r result
 				for step := 0; step < 3; step++ {
-					s.ZeroGrad()
-					if c.lora > 0 {
-						s.SetStepRow(step, 0)
-					}
 					if step == 0 {
 						be.SetProfile(true)
 					}
-					st, err := s.ForwardBackward(b, &opt, 0)
-					if err != nil {
-						t.Fatal(err)
-					}
+					st := rg.forwardBackward(t, step)
 					if step == 0 {
 						for _, e := range be.Profile() {
 							if strings.HasPrefix(e.Name, "k_f32_to_bf16") {
@@ -127,14 +92,13 @@ func TestCUDAGradsInBF16(t *testing.T) {
 							}
 						}
 						be.SetProfile(false)
-						r.grads = make([]float32, s.grads.Len())
-						be.ReadF32(s.grads, r.grads)
+						r.grads = make([]float32, rg.s.grads.Len())
+						be.ReadF32(rg.s.grads, r.grads)
 					}
 					r.losses = append(r.losses, st.Loss)
-					optim.ClipGradNorm(s.Groups(), 1)
-					ad.Step(3e-3)
+					rg.update()
 				}
-				r.w = s.Weights()
+				r.w = rg.s.Weights()
 				return r
 			}
 			bf, f32 := train(false), train(true)

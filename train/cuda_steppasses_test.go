@@ -10,8 +10,6 @@ import (
 	"distill/compute/cuda/cudaemu"
 	"distill/model"
 	"distill/model/decoder"
-	"distill/train/loss"
-	"distill/train/optim"
 )
 
 // TestCUDAStepConversions pins the pure conversion and copy passes of a
@@ -33,20 +31,18 @@ func TestCUDAStepConversions(t *testing.T) {
 	llamaBias := tinyConfig(model.ArchLlama, false)
 	llamaBias.AttentionBias = true
 	for _, c := range []struct {
-		name      string
-		cfg       *model.Config
-		recompute decoder.Recompute
-		qad       bool
+		name string
+		stepCase
 		// the passes a cuDNN attention backward call makes (dq and dk
 		// widened; an F32 dv widened, a BF16 one written by cuDNN)
 		perCall map[string]int
 	}{
-		{"qwen3", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, map[string]int{"k_bf16_to_f32": 2}},
-		{"qwen3 full", tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, map[string]int{"k_bf16_to_f32": 2}},
-		{"qwen3 qad", tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, true, map[string]int{"k_bf16_to_f32": 2}},
-		{"qwen2", tinyConfig(model.ArchQwen2, true), decoder.RecomputeNone, false, map[string]int{"k_bf16_to_f32": 3}},
-		{"llama", tinyConfig(model.ArchLlama, false), decoder.RecomputeSelective, false, map[string]int{"k_bf16_to_f32": 2}},
-		{"llama attention bias", llamaBias, decoder.RecomputeNone, false, map[string]int{"k_bf16_to_f32": 3}},
+		{"qwen3", stepCase{tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, false, -1}, map[string]int{"k_bf16_to_f32": 2}},
+		{"qwen3 full", stepCase{tinyConfig(model.ArchQwen3, false), decoder.RecomputeFull, false, -1}, map[string]int{"k_bf16_to_f32": 2}},
+		{"qwen3 qad", stepCase{tinyConfig(model.ArchQwen3, false), decoder.RecomputeNone, true, -1}, map[string]int{"k_bf16_to_f32": 2}},
+		{"qwen2", stepCase{tinyConfig(model.ArchQwen2, true), decoder.RecomputeNone, false, -1}, map[string]int{"k_bf16_to_f32": 3}},
+		{"llama", stepCase{tinyConfig(model.ArchLlama, false), decoder.RecomputeSelective, false, -1}, map[string]int{"k_bf16_to_f32": 2}},
+		{"llama attention bias", stepCase{llamaBias, decoder.RecomputeNone, false, -1}, map[string]int{"k_bf16_to_f32": 3}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			be, err := cuda.Open(cuda.Options{})
@@ -54,34 +50,14 @@ func TestCUDAStepConversions(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer be.Close()
-			w := model.Init(c.cfg, model.InitOptions{Seed: 3, Std: 0.1, Perturb: true})
-			s, err := NewStudentOn(c.cfg, be)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer s.Free()
-			if err := s.Load(w); err != nil {
-				t.Fatal(err)
-			}
-			if err := s.Model.SetRecompute(c.recompute); err != nil {
-				t.Fatal(err)
-			}
-			b := testBatch(4, c.cfg.VocabSize, 8)
-			opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
-			if c.qad {
-				calibrateQAD(t, s, &opt, b)
-			}
-			ad, _ := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
+			rg := c.rig(t, be)
+			defer rg.s.Free()
 			got := map[string]int{}
 			calls := 0
 			for step := 0; step < 3; step++ {
 				be.SetProfile(step == 2)
-				s.ZeroGrad()
-				if _, err := s.ForwardBackward(b, &opt, 0); err != nil {
-					t.Fatal(err)
-				}
-				optim.ClipGradNorm(s.Groups(), 1)
-				ad.Step(3e-3)
+				rg.forwardBackward(t, step)
+				rg.update()
 				if step != 2 {
 					continue
 				}

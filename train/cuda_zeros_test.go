@@ -9,8 +9,6 @@ import (
 	"distill/compute/cuda/cudaemu"
 	"distill/model"
 	"distill/model/decoder"
-	"distill/train/loss"
-	"distill/train/optim"
 )
 
 // TestCUDADeferredZeros: the CUDA backend's deferred zeros (compute/cuda
@@ -37,12 +35,9 @@ func TestCUDADeferredZeros(t *testing.T) {
 		cache = t.TempDir()
 	}
 	type tcase struct {
-		name      string
-		cfg       *model.Config
-		recompute decoder.Recompute
-		qad       bool
-		lora      float64 // >= 0: a LoRA student with this dropout
-		perLayer  []int   // memsets saved per layer, in layer order
+		name string
+		stepCase
+		perLayer []int // memsets saved per layer, in layer order
 	}
 	moe := tinyMoEConfig(false, 1)
 	moeLayers := make([]int, moe.Layers)
@@ -61,13 +56,13 @@ func TestCUDADeferredZeros(t *testing.T) {
 	}
 	q3, q2, ll := tinyConfig(model.ArchQwen3, false), tinyConfig(model.ArchQwen2, true), tinyConfig(model.ArchLlama, false)
 	cases := []tcase{
-		{"qwen3", q3, decoder.RecomputeNone, false, -1, rep(11, q3.Layers)},
-		{"qwen3 full", q3, decoder.RecomputeFull, false, -1, rep(11, q3.Layers)},
-		{"qwen3 selective qad", q3, decoder.RecomputeSelective, true, -1, rep(11, q3.Layers)},
-		{"qwen2", q2, decoder.RecomputeNone, false, -1, rep(9, q2.Layers)},
-		{"llama", ll, decoder.RecomputeNone, false, -1, rep(9, ll.Layers)},
-		{"qwen3_moe", moe, decoder.RecomputeNone, false, -1, moeLayers},
-		{"qwen3 lora dropout", q3, decoder.RecomputeNone, false, 0.3, nil},
+		{"qwen3", stepCase{q3, decoder.RecomputeNone, false, -1}, rep(11, q3.Layers)},
+		{"qwen3 full", stepCase{q3, decoder.RecomputeFull, false, -1}, rep(11, q3.Layers)},
+		{"qwen3 selective qad", stepCase{q3, decoder.RecomputeSelective, true, -1}, rep(11, q3.Layers)},
+		{"qwen2", stepCase{q2, decoder.RecomputeNone, false, -1}, rep(9, q2.Layers)},
+		{"llama", stepCase{ll, decoder.RecomputeNone, false, -1}, rep(9, ll.Layers)},
+		{"qwen3_moe", stepCase{moe, decoder.RecomputeNone, false, -1}, moeLayers},
+		{"qwen3 lora dropout", stepCase{q3, decoder.RecomputeNone, false, 0.3}, nil},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -83,45 +78,15 @@ func TestCUDADeferredZeros(t *testing.T) {
 					t.Fatal(err)
 				}
 				defer be.Close()
-				w := model.Init(c.cfg, model.InitOptions{Seed: 3, Std: 0.1, Perturb: true})
-				var s *Student
-				if c.lora >= 0 {
-					lc := LoRAConfig{Rank: 4, Alpha: 8, Targets: allTargets, Init: "kaiming", Seed: 1, Dropout: c.lora}
-					if s, err = NewLoRAStudentOn(c.cfg, be, mapSource(w), lc); err != nil {
-						t.Fatal(err)
-					}
-				} else {
-					if s, err = NewStudentOn(c.cfg, be); err != nil {
-						t.Fatal(err)
-					}
-					if err := s.Load(w); err != nil {
-						t.Fatal(err)
-					}
-				}
-				defer s.Free()
-				if err := s.Model.SetRecompute(c.recompute); err != nil {
-					t.Fatal(err)
-				}
-				b := testBatch(4, c.cfg.VocabSize, 8)
-				opt := loss.Options{KD: loss.FwdKL, Tail: loss.Bucket, Temperature: 1, KDWeight: 1, SFTWeight: 0.1}
-				if c.qad {
-					calibrateQAD(t, s, &opt, b)
-				}
-				ad, _ := optim.NewAdamW(optim.AdamWConfig{Beta1: 0.9, Beta2: 0.95, Eps: 1e-8, WeightDecay: 0.01}, s.Groups())
+				rg := c.rig(t, be)
+				defer rg.s.Free()
 				var r result
 				for step := 0; step < 3; step++ {
-					if c.lora > 0 {
-						s.SetStepRow(step, 0)
-					}
 					be.SetProfile(step == 2)
-					s.ZeroGrad()
-					st, err := s.ForwardBackward(b, &opt, 0)
-					if err != nil {
-						t.Fatal(err)
-					}
+					st := rg.forwardBackward(t, step)
 					if step == 0 {
-						r.grads = make([]float32, s.grads.Len())
-						be.ReadF32(s.grads, r.grads)
+						r.grads = make([]float32, rg.s.grads.Len())
+						be.ReadF32(rg.s.grads, r.grads)
 					}
 					if step == 2 {
 						for _, e := range be.Profile() {
@@ -132,10 +97,9 @@ func TestCUDADeferredZeros(t *testing.T) {
 						be.SetProfile(false)
 					}
 					r.losses = append(r.losses, st.Loss)
-					optim.ClipGradNorm(s.Groups(), 1)
-					ad.Step(3e-3)
+					rg.update()
 				}
-				r.w = s.Weights()
+				r.w = rg.s.Weights()
 				return r
 			}
 			lazy, eager := train(false), train(true)
