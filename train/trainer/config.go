@@ -3,6 +3,7 @@ package trainer
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"os"
@@ -16,6 +17,7 @@ import (
 	"distill/cache"
 	"distill/compute/device"
 	"distill/data"
+	"distill/internal/suggest"
 	"distill/model"
 	"distill/train"
 	"distill/train/loss"
@@ -548,6 +550,9 @@ func loadConfig(path string, overrides []string, validate func(*Config) error) (
 // for its errors alone: they name src's lines.
 func decodeStrict(root *yaml.Node, src []byte) error {
 	c := Defaults()
+	if err := checkKeys(root.Content[0], reflect.TypeOf(c)); err != nil {
+		return err
+	}
 	if err := checkInts(root.Content[0], reflect.TypeOf(c), ""); err != nil {
 		return err
 	}
@@ -558,6 +563,92 @@ func decodeStrict(root *yaml.Node, src []byte) error {
 
 // lineRE matches the "line N: " of a decoder's error.
 var lineRE = regexp.MustCompile(`line \d+: `)
+
+// checkKeys refuses the keys the config does not have, naming each by
+// its path and line, with the key it most likely meant or else the keys
+// its section has (yaml.v3's own error names a Go type instead: "field
+// lrr not found in type trainer.OptimConfig"; and a list that decodes
+// itself, distill.teachers, dropped unknown keys silently).
+func checkKeys(root *yaml.Node, t reflect.Type) error {
+	var bad []string
+	walkKeys(root, t, "", &bad)
+	switch len(bad) {
+	case 0:
+		return nil
+	case 1:
+		return errors.New(bad[0])
+	}
+	return fmt.Errorf("%d unknown keys:\n  %s\n ", len(bad), strings.Join(bad, "\n  "))
+}
+
+// walkKeys walks the mapping n along the struct type t, adding a line to
+// bad for each unknown key; a type that reads its own YAML form is left
+// to it, unless it is a list (its entries are walked).
+func walkKeys(n *yaml.Node, t reflect.Type, prefix string, bad *[]string) {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	if t.Kind() != reflect.Slice && reflect.PointerTo(t).Implements(reflect.TypeFor[yaml.Unmarshaler]()) {
+		return
+	}
+	switch {
+	case n.Kind == yaml.AliasNode:
+		walkKeys(n.Alias, t, prefix, bad)
+	case t.Kind() == reflect.Struct && n.Kind == yaml.MappingNode:
+		fields := map[string]reflect.Type{}
+		var names []string
+		yamlFields(t, fields, &names)
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			k := n.Content[i]
+			if k.ShortTag() == "!!merge" {
+				walkKeys(n.Content[i+1], t, prefix, bad)
+				continue
+			}
+			ft, ok := fields[k.Value]
+			if !ok {
+				hint := "the top level's keys: " + strings.Join(names, ", ")
+				if prefix != "" {
+					hint = prefix + "'s keys: " + strings.Join(names, ", ")
+				}
+				if s := suggest.Closest(k.Value, names); s != "" {
+					hint = "did you mean " + dotted(prefix, s) + "?"
+				}
+				at := ""
+				if k.Line > 0 {
+					at = fmt.Sprintf("line %d: ", k.Line)
+				}
+				*bad = append(*bad, fmt.Sprintf("%sunknown key %s (%s)", at, dotted(prefix, k.Value), hint))
+				continue
+			}
+			walkKeys(n.Content[i+1], ft, dotted(prefix, k.Value), bad)
+		}
+	case t.Kind() == reflect.Slice && n.Kind == yaml.SequenceNode:
+		for i, e := range n.Content {
+			walkKeys(e, t.Elem(), fmt.Sprintf("%s[%d]", prefix, i), bad)
+		}
+	}
+}
+
+// yamlFields adds the keys of struct type t (an inlined struct's
+// included) to fields, with their types, and to names in field order.
+func yamlFields(t reflect.Type, fields map[string]reflect.Type, names *[]string) {
+	for j := 0; j < t.NumField(); j++ {
+		f := t.Field(j)
+		tag := f.Tag.Get("yaml")
+		name, opts, _ := strings.Cut(tag, ",")
+		switch {
+		case !f.IsExported() || name == "-":
+		case strings.Contains(opts, "inline"):
+			yamlFields(f.Type, fields, names)
+		default:
+			if name == "" {
+				name = strings.ToLower(f.Name)
+			}
+			fields[name] = f.Type
+			*names = append(*names, name)
+		}
+	}
+}
 
 // checkInts refuses a non-integer YAML value for an integer key: yaml.v3
 // would silently truncate max_steps: 40.5 to 40. It walks the mapping n

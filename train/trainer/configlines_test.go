@@ -17,7 +17,7 @@ func TestConfigErrorLines(t *testing.T) {
 	p := filepath.Join(t.TempDir(), "c.yaml")
 	text := "# a config\n\nrun_dir: x   # where it goes\n\n# the model\nmodel:\n  init_from: y\n\n\ndata:\n  # the cache\n  cache: [z]\n\n  seq_lenn: 5\n"
 	os.WriteFile(p, []byte(text), 0o644)
-	if _, err := LoadConfig(p, nil); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "line 14: field seq_lenn") {
+	if _, err := LoadConfig(p, nil); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "line 14: unknown key data.seq_lenn (did you mean data.seq_len?)") {
 		t.Errorf("unknown key on line 14: %v", err)
 	}
 	os.WriteFile(p, []byte(strings.Replace(text, "seq_lenn: 5", "seq_len: 5", 1)+"\n# optimizer\n\noptim:\n  lr: 0.1\n  beta1: 0.9\n"), 0o644)
@@ -25,7 +25,7 @@ func TestConfigErrorLines(t *testing.T) {
 		t.Fatal(err)
 	}
 	for over, want := range map[string]string{
-		"optim.lrr=1e-3":      "--set optim.lrr=1e-3: yaml: unmarshal errors:\n  field lrr not found in type trainer.OptimConfig",
+		"optim.lrr=1e-3":      "--set optim.lrr=1e-3: unknown key optim.lrr (did you mean optim.lr?)",
 		"optim.beta1=abc":     "--set optim.beta1=abc: yaml: unmarshal errors:\n  cannot unmarshal !!str `abc` into float64",
 		"train.max_steps=1.5": `--set train.max_steps=1.5: train.max_steps: "1.5" is not an integer`,
 		"optim.lr=-1":         "c.yaml with --set train.max_steps=3 --set optim.lr=-1: trainer: bad config: optim: invalid configuration: lr -1",
@@ -36,6 +36,52 @@ func TestConfigErrorLines(t *testing.T) {
 		}
 		if err != nil && strings.Contains(err.Error(), "optim: optim") {
 			t.Errorf("--set %s: %v repeats its prefix", over, err)
+		}
+	}
+}
+
+// TestConfigUnknownKeys: a key the config does not have is named by its
+// path (not a Go type) and line, with the key it most likely meant, or
+// else its section's keys; every unknown key of the file is listed, and
+// one in a list that decodes itself (distill.teachers) is refused too
+// (it was dropped silently).
+func TestConfigUnknownKeys(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "c.yaml")
+	for _, tc := range []struct {
+		name, text string
+		over       []string
+		want       []string
+	}{
+		{"typo", "run_dir: x\noptim:\n  lrr: 0.1\n", nil,
+			[]string{"c.yaml: line 3: unknown key optim.lrr (did you mean optim.lr?)"}},
+		{"transposed top-level key", "run_dir: x\ntrian:\n  max_steps: 3\n", nil,
+			[]string{"line 2: unknown key trian (did you mean train?)"}},
+		{"no near key: the section's keys", "optim:\n  learning_rate: 0.1\n", nil,
+			[]string{"line 2: unknown key optim.learning_rate (optim's keys: lr, min_lr, lr_schedule,"}},
+		{"every unknown key", "optim:\n  lrr: 0.1\ntrain:\n  max_step: 3\n", nil,
+			[]string{"2 unknown keys:", "line 2: unknown key optim.lrr", "line 4: unknown key train.max_step (did you mean train.max_steps?)"}},
+		{"nested", "data:\n  dataset:\n    collumns: {text: t}\n", nil,
+			[]string{"line 3: unknown key data.dataset.collumns (did you mean data.dataset.columns?)"}},
+		{"in a list of entries", "data:\n  caches:\n    - {dir: a, nmae: x}\n", nil,
+			[]string{"line 3: unknown key data.caches[0].nmae (did you mean data.caches[0].name?)"}},
+		{"in distill.teachers", "distill:\n  teachers:\n    - {addres: [h:1], name: a}\n", nil,
+			[]string{"line 3: unknown key distill.teachers[0].addres (did you mean distill.teachers[0].addrs?)"}},
+		{"an override", "run_dir: x\n", []string{"optim.warmup_step=3"},
+			[]string{"--set optim.warmup_step=3: unknown key optim.warmup_step (did you mean optim.warmup_steps?)"}},
+	} {
+		os.WriteFile(p, []byte(tc.text), 0o644)
+		_, err := LoadConfig(p, tc.over)
+		if !errors.Is(err, ErrConfig) {
+			t.Errorf("%s: %v, want ErrConfig", tc.name, err)
+			continue
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("%s: %v\nwant %q", tc.name, err, w)
+			}
+		}
+		if strings.Contains(err.Error(), "trainer.") && !strings.Contains(err.Error(), "trainer: bad config") {
+			t.Errorf("%s: %v names a Go type", tc.name, err)
 		}
 	}
 }
