@@ -574,13 +574,22 @@ func writeFileSync(path string, data []byte) error {
 // the NVFP4 QAD state, so the student runs fake-quantized as in training;
 // the returned State is nil for a plain HF directory.
 func LoadStudent(path string) (*train.Student, *State, error) {
-	if _, err := os.Stat(filepath.Join(path, "checkpoints")); err == nil {
+	if _, err := os.Stat(path); err != nil {
+		return nil, nil, fmt.Errorf("%s: no such run or checkpoint directory (%w)", path, err)
+	}
+	_, ckErr := os.Stat(filepath.Join(path, "checkpoints"))
+	_, cfgErr := os.Stat(filepath.Join(path, "config.yaml"))
+	_, hfErr := os.Stat(filepath.Join(path, "config.json"))
+	if ckErr == nil || (cfgErr == nil && hfErr != nil) {
+		// A run directory (config.yaml, no config.json of its own): its
+		// newest checkpoint, which a run that stopped before its first
+		// save does not have.
 		ck, err := LatestCheckpoint(path)
 		if err != nil {
 			return nil, nil, err
 		}
 		if ck == "" {
-			return nil, nil, fmt.Errorf("%w: run directory %s has no checkpoint yet", ErrResume, path)
+			return nil, nil, fmt.Errorf("run directory %s has no checkpoint yet: its run stopped before its first save (checkpoint.every steps; a run saves one too when it finishes or is stopped by Ctrl-C or SIGTERM): run student train on it until it saves one, or give a checkpoint directory", path)
 		}
 		path = ck
 	}

@@ -54,3 +54,33 @@ func TestExportGenerationConfig(t *testing.T) {
 		t.Errorf("--no-tokenizer: generation_config.json written, or not said (%q)", rep.GenerationConfig)
 	}
 }
+
+// TestExportNoCheckpoint: export (and eval, through LoadStudent) of a
+// path that does not exist, or of a run directory whose run stopped
+// before its first save (config.yaml and metrics.jsonl, with or without
+// an empty checkpoints/), says so and what to do, and writes nothing;
+// the run directory was taken for an HF checkpoint without config.json.
+func TestExportNoCheckpoint(t *testing.T) {
+	dir := t.TempDir()
+	killed := filepath.Join(dir, "killed") // SIGKILLed before its first save
+	os.MkdirAll(killed, 0o755)
+	os.WriteFile(filepath.Join(killed, "config.yaml"), []byte("run_dir: x\n"), 0o644)
+	os.WriteFile(filepath.Join(killed, "metrics.jsonl"), nil, 0o644)
+	empty := filepath.Join(dir, "empty")
+	os.MkdirAll(filepath.Join(empty, "checkpoints"), 0o755)
+	os.WriteFile(filepath.Join(empty, "config.yaml"), []byte("run_dir: x\n"), 0o644)
+	for _, tc := range []struct{ src, want string }{
+		{filepath.Join(dir, "nope"), "nope: no such run or checkpoint directory"},
+		{killed, "run directory " + killed + " has no checkpoint yet"},
+		{empty, "run directory " + empty + " has no checkpoint yet"},
+	} {
+		out := filepath.Join(dir, "out")
+		_, err := Export(tc.src, out, ExportOptions{})
+		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "config.json") {
+			t.Errorf("export %s: %v\nwant %q", tc.src, err, tc.want)
+		}
+		if _, err := os.Stat(out); err == nil {
+			t.Errorf("export %s wrote %s", tc.src, out)
+		}
+	}
+}
