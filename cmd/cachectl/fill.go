@@ -12,6 +12,7 @@ import (
 	"syscall"
 	"time"
 
+	"distill/cache"
 	dev "distill/compute/device"
 	"distill/data/tokenizer"
 	"distill/internal/cli"
@@ -106,9 +107,27 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err := serve.CheckTargets(*targets, *samples, *k); err != nil {
 		return err
 	}
+	// What needs no teacher is checked before one loads (a large one
+	// takes minutes): the range, the chunk size, and with --model the
+	// dataset's files, which are this machine's.
+	if *start < 0 || (*end != 0 && *end <= *start) {
+		return fmt.Errorf("--start %d --end %d: want 0 <= --start < --end (--end 0: the dataset's length)", *start, *end)
+	}
+	if *chunk < 0 || *chunk > cache.MaxChunkSamples {
+		return fmt.Errorf("--chunk %d: want 1..%d (0: %d)", *chunk, cache.MaxChunkSamples, serve.DefaultChunkSamples)
+	}
 	srcs, opts, err := df.dataset()
 	if err != nil {
 		return err
+	}
+	if *modelDir != "" {
+		for _, s := range srcs {
+			if _, err := os.Stat(s.Path); os.IsNotExist(err) {
+				return fmt.Errorf("--data: %s does not exist", s.Path)
+			} else if err != nil {
+				return fmt.Errorf("--data: %w", err)
+			}
+		}
 	}
 	ds, err := serve.DatasetSpec(srcs, opts, *pretok)
 	if err != nil {

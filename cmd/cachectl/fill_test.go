@@ -288,3 +288,32 @@ func TestRepairThenFillRecomputesOnlyDropped(t *testing.T) {
 		t.Fatalf("export after repair and refill differs from the original (%v)", err)
 	}
 }
+
+// TestFillChecksFlagsBeforeLoading: a bad range, chunk size or missing
+// dataset file is refused before the teacher loads (a large one takes
+// minutes; it used to load first), naming the flags; the --model here
+// does not exist, so any attempt to load it fails differently.
+func TestFillChecksFlagsBeforeLoading(t *testing.T) {
+	tmp := t.TempDir()
+	dpath := filepath.Join(tmp, "d.jsonl")
+	os.WriteFile(dpath, []byte(`{"input_ids":[1,2,3]}`+"\n"), 0o644)
+	base := []string{"--model", filepath.Join(tmp, "no-model"), "--cache", filepath.Join(tmp, "cache"), "--pretokenized"}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--data", dpath, "--start", "80", "--end", "40"}, "--start 80 --end 40: want 0 <= --start < --end"},
+		{[]string{"--data", dpath, "--start", "-5"}, "--start -5 --end 0: want 0 <= --start < --end"},
+		{[]string{"--data", dpath, "--end", "-1"}, "--start 0 --end -1: want 0 <= --start < --end"},
+		{[]string{"--data", dpath, "--chunk", "-3"}, "--chunk -3: want 1..16384"},
+		{[]string{"--data", filepath.Join(tmp, "nope.jsonl")}, "--data: " + filepath.Join(tmp, "nope.jsonl") + " does not exist"},
+	} {
+		out, err := runFill(t, append(base, tc.args...)...)
+		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(out, "loading teacher") {
+			t.Errorf("%v: %v\n%s\nwant %q before loading the teacher", tc.args, err, out, tc.want)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(tmp, "cache")); err == nil {
+		t.Errorf("a refused fill created the cache directory")
+	}
+}
