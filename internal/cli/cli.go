@@ -13,6 +13,8 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+
+	"distill/internal/suggest"
 )
 
 // Command is one `PROG NAME` subcommand.
@@ -78,7 +80,16 @@ func (r *Registry) Run(args []string, stdout, stderr io.Writer) int {
 	}
 	c, ok := r.commands[args[0]]
 	if !ok {
-		fmt.Fprintf(stderr, "%s: unknown command %q\n", r.prog, args[0])
+		names := make([]string, 0, len(r.commands))
+		for n := range r.commands {
+			names = append(names, n)
+		}
+		sort.Strings(names)
+		if s := suggest.Closest(args[0], names); s != "" {
+			fmt.Fprintf(stderr, "%s: unknown command %q: did you mean %q?\n\n", r.prog, args[0], s)
+		} else {
+			fmt.Fprintf(stderr, "%s: unknown command %q\n", r.prog, args[0])
+		}
 		r.usage(stderr)
 		return 2
 	}

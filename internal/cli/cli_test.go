@@ -46,7 +46,8 @@ func TestHelpExitsZero(t *testing.T) {
 		{[]string{"run", "--help"}, 0, "", ""},
 		{[]string{"run"}, 0, "", ""},
 		{nil, 2, "", "usage: prog COMMAND"},
-		{[]string{"nope"}, 2, "", `unknown command "nope"`},
+		{[]string{"nope"}, 2, "", `unknown command "nope"` + "\n"},
+		{[]string{"rnu"}, 2, "", `unknown command "rnu": did you mean "run"?`},
 		{[]string{"run", "extra"}, 1, "", "prog run: boom"},
 		{[]string{"run", "-bad"}, 1, "", "flag provided but not defined"},
 	} {
