@@ -147,6 +147,10 @@ func runEval(args []string) error {
 	if err != nil {
 		return err
 	}
+	if st != nil && st.CacheTeacher != "" && st.CacheDataset != m.DatasetFingerprint {
+		// The run's held-out indices are of its own dataset, not this one.
+		rs.other = fmt.Sprintf("the cache holds another dataset (%.12s) than the run trained on (%.12s): whether the run trained on these samples is unknown", m.DatasetFingerprint, st.CacheDataset)
+	}
 	if *seqLen > 0 {
 		cfg.Data.SeqLen = *seqLen
 	}
@@ -174,9 +178,10 @@ func runEval(args []string) error {
 // checkpoint's run held out of training (run false: the checkpoint
 // records no training run).
 type rangeSource struct {
-	from string
-	run  bool
-	held []int64
+	from  string
+	run   bool
+	held  []int64
+	other string // why held does not apply: the samples are of another dataset
 }
 
 // evalRange is the sample range eval scores: --range, else the config's
@@ -221,7 +226,7 @@ func evalRange(rng string, cfg *trainer.Config, st *trainer.State, configGiven b
 // yes, no, partly, or unknown (the checkpoint records no training run).
 func (rs rangeSource) heldOut(r cache.Range) string {
 	switch {
-	case !rs.run:
+	case !rs.run || rs.other != "":
 		return "unknown"
 	case rs.held == nil || r.End <= rs.held[0] || r.Start >= rs.held[1]:
 		return "no"
@@ -238,6 +243,9 @@ func (rs rangeSource) print(r cache.Range) {
 	switch rs.heldOut(r) {
 	case "unknown":
 		note = "the checkpoint records no training run: whether these samples were trained on is unknown"
+		if rs.other != "" {
+			note = rs.other
+		}
 	case "yes":
 		note = "held out: the run never trained on them"
 	case "no":

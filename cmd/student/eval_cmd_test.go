@@ -315,6 +315,23 @@ log: {progress: "off", tensorboard: false}
 	if err != nil || !strings.Contains(out.String(), "range [0, 4) (the training run's data.eval_range (held out)): held out: the run never trained on them") {
 		t.Errorf("text output %q, %v", out.String(), err)
 	}
+	// A cache of another dataset: the run's held-out indices are not its
+	// samples, so whether they were trained on is unknown, said why (it
+	// said "held out: the run never trained on them").
+	other, err := testcache.Build(testcache.Options{Dir: filepath.Join(dir, "other"), Vocab: 97, K: 8, Samples: 16, Chunk: 8, MinLen: 6, MaxLen: 30, Seed: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m, _ := evalJSON(t, "--checkpoint", run, "--cache", other.CacheDir); m["held_out"] != "unknown" {
+		t.Errorf("another dataset's cache: held_out %v, want unknown", m["held_out"])
+	}
+	out.Reset()
+	stdout = &out
+	err = runEval([]string{"--checkpoint", run, "--cache", other.CacheDir})
+	stdout = os.Stdout
+	if err != nil || !strings.Contains(out.String(), "the cache holds another dataset") || strings.Contains(out.String(), "never trained on them") {
+		t.Errorf("another dataset's cache: text output %q, %v", out.String(), err)
+	}
 	// An HF directory records no run: every sample, and it says it cannot tell.
 	m, _ := evalJSON(t, "--checkpoint", b.TeacherDir, "--cache", b.CacheDir, "--tokenizer-fingerprint", "testcache-tokenizer")
 	if !reflect.DeepEqual(m["range"], []any{0.0, 16.0}) || m["held_out"] != "unknown" {
