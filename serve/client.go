@@ -104,7 +104,9 @@ func (l *local) Fill(ctx context.Context, q *pb.FillRequest, on func(*pb.FillRes
 func (l *local) Close() error { return l.c.Close() }
 
 // localStatus is err as a status with toStatus's code and err's own text
-// (toStatus keeps internal detail from a daemon's clients).
+// (toStatus keeps internal detail from a daemon's clients), still
+// wrapping err: in-process callers can tell its kind (errors.Is, e.g. a
+// bad record of package data).
 func localStatus(err error) error {
 	if err == nil {
 		return nil
@@ -112,8 +114,19 @@ func localStatus(err error) error {
 	if _, ok := status.FromError(err); ok {
 		return err
 	}
-	return status.Error(status.Code(toStatus(zap.NewNop(), err)), err.Error())
+	return &localError{st: status.New(status.Code(toStatus(zap.NewNop(), err)), err.Error()), err: err}
 }
+
+// localError is an in-process core's error as a gRPC status (GRPCStatus)
+// that unwraps to the error itself.
+type localError struct {
+	st  *status.Status
+	err error
+}
+
+func (e *localError) Error() string              { return e.err.Error() }
+func (e *localError) GRPCStatus() *status.Status { return e.st }
+func (e *localError) Unwrap() error              { return e.err }
 
 // say picks a message's wording: for a daemon's clients, or for the user
 // of an in-process core (CoreOptions.InProcess), who started no daemon.

@@ -569,7 +569,12 @@ func (d *fillDispatch) report(w Worker, m *pb.FillResponse) {
 // failing for longer than RetryFor.
 func (d *fillDispatch) retry(w Worker, r cache.Range, err error, down *atomic.Int64) bool {
 	if permanent(w, err) {
-		d.abort(fillErr("%s", failure(w, fmt.Sprintf("chunk [%d, %d)", r.Start, r.End), err)))
+		what := fmt.Sprintf("chunk [%d, %d)", r.Start, r.End)
+		if isLocal(w) { // the core's own error, wrapped: its kind stays visible (errors.Is)
+			d.abort(fmt.Errorf("%w: %s: %w", ErrFill, what, err))
+			return false
+		}
+		d.abort(fillErr("%s", failure(w, what, err)))
 		return false
 	}
 	// The teacher is unhealthy (dead, restarting, overloaded): the chunk

@@ -14,6 +14,7 @@ import (
 
 	"distill/cache"
 	dev "distill/compute/device"
+	"distill/data"
 	"distill/data/tokenizer"
 	"distill/internal/cli"
 	"distill/serve"
@@ -190,6 +191,10 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 	}
 	_, err = serve.RunFill(ctx, workers, plan)
+	if err != nil && !df.skipBad && errors.Is(err, data.ErrBadRecord) {
+		// The chunks before the bad record are kept: say how to go past it.
+		err = fmt.Errorf("%w\n(fix the record and run the same command to resume, or add --skip-bad to store bad records as empty samples, counted in the fill's log)", err)
+	}
 	return err
 }
 

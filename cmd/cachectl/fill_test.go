@@ -213,8 +213,8 @@ func TestFillAfterFailedFillWithFixedData(t *testing.T) {
 	bad[6] = []int32{7, 4000, 8}
 	writeIDs(t, dpath, bad)
 	args := []string{"--model", mdir, "--cache", cdir, "--data", dpath, "--pretokenized", "--chunk", "5", "--k", "4"}
-	if out, err := runFill(t, args...); err == nil || !strings.Contains(err.Error(), "4000") {
-		t.Fatalf("fill with an id outside the vocab: %v\n%s", err, out)
+	if out, err := runFill(t, args...); err == nil || !strings.Contains(err.Error(), "4000") || !strings.Contains(err.Error(), "--skip-bad") {
+		t.Fatalf("fill with an id outside the vocab: %v\n%s\nwant the bad id and the way past it (--skip-bad)", err, out)
 	}
 	writeIDs(t, dpath, samples) // the user fixes the lines
 	if out, err := runFill(t, args...); err != nil || !strings.Contains(out, "fill: 10 samples") {

@@ -743,3 +743,27 @@ func TestExportCarriesChatTemplate(t *testing.T) {
 		t.Errorf("export of a tokenizer with chat_template.jinja: tokenizer_config.json %v, chat_template.jinja %q; want %q in both", m, jb, own)
 	}
 }
+
+// TestDatasetBadRecordHint: a malformed record in an SFT dataset stops the
+// run at the step that reads it, naming the file and line and the way
+// past it (data.dataset.skip_bad); with skip_bad the same run trains.
+func TestDatasetBadRecordHint(t *testing.T) {
+	tokDir, file := byteDataset(t, 40)
+	b, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.SplitAfter(string(b), "\n")
+	lines[20] = "{\"prompt\": oops\n" // past eval_range [0, 12): a training step reads it
+	if err := os.WriteFile(file, []byte(strings.Join(lines, "")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	over := []string{"train.max_steps=6", "eval.every=0", "checkpoint.every=100"}
+	_, err = Run(sftConfig(t, tokDir, file, filepath.Join(t.TempDir(), "run"), over...), Options{Log: io.Discard})
+	if err == nil || !strings.Contains(err.Error(), "arith.jsonl:21: malformed JSON") || !strings.Contains(err.Error(), "data.dataset.skip_bad: true") {
+		t.Fatalf("a malformed line: %v; want its file and line, and the way past it (data.dataset.skip_bad)", err)
+	}
+	if _, err := Run(sftConfig(t, tokDir, file, filepath.Join(t.TempDir(), "run"), append(over, "data.dataset.skip_bad=true")...), Options{Log: io.Discard}); err != nil {
+		t.Fatalf("with skip_bad: %v", err)
+	}
+}

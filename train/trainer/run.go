@@ -12,6 +12,7 @@ import (
 
 	"distill/cache"
 	"distill/compute/device"
+	"distill/data"
 	"distill/model/decoder"
 	"distill/train"
 	"distill/train/loss"
@@ -535,6 +536,9 @@ func (r *trainRun) loop() (*Result, error) {
 		t0 := time.Now()
 		rows, sm, err := r.nextRows(t0)
 		if err != nil {
+			if d := cfg.Data.Dataset; d != nil && !d.SkipBad && errors.Is(err, data.ErrBadRecord) {
+				err = fmt.Errorf("%w\n(fix the record, or set data.dataset.skip_bad: true to train past bad records, counted in the log)", err)
+			}
 			return r.fail(fmt.Errorf("step %d: %w", step, err))
 		}
 		if err := r.step.forwardBackward(step, rows, &sm); errors.Is(err, errStopped) {
