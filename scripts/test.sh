@@ -49,10 +49,13 @@ phase "go test ./... (train/trainer and serve take minutes; each package prints 
   gotest "$log/test" -count=1 -timeout 40m ./... "$@"
 # The packages that run goroutines (the batcher and fills, the CPU worker
 # pools and every kernel on them, the decoder, the cache's writers and readers,
-# dataset loading) once more under the race detector: about 7 minutes on
-# 2 cores (CI, 2026-11-27: 421 s of 1005), train/trainer's emulated CUDA
-# students the longest. cmd/cachectl repeats serve's fills in-process and is left out
-# (a minute more under -race).
+# dataset loading) once more under the race detector: about 6 minutes on
+# 2 cores (2026-11-27: 421 s of 1005 at d872864; 351 s of 1146 at dd7d37d,
+# on a machine busy with other work, once train/trainer's two longest
+# emulated CUDA curve tests left their checks to the run without -race),
+# train/trainer's emulated CUDA students the longest. cmd/cachectl
+# repeats serve's fills in-process and is left out (a minute more under
+# -race).
 phase "go test -race (the concurrent packages)" \
   gotest "$log/race" -race -count=1 -timeout 30m ./serve/ ./cache/ ./compute/cpu/ ./infer/ ./data/ \
   ./model/decoder/ ./train/ ./train/loss/ ./train/optim/ ./train/trainer/ "$@"
