@@ -457,11 +457,11 @@ func TestConcurrentWritersInProcess(t *testing.T) {
 
 func TestOpenNonCache(t *testing.T) {
 	dir := t.TempDir()
-	if _, err := OpenReader(dir); !errors.Is(err, ErrNotCache) || !strings.Contains(err.Error(), dir) {
-		t.Fatalf("OpenReader of an empty dir: %v, want ErrNotCache naming it", err)
+	if _, err := OpenReader(dir); !errors.Is(err, ErrNotCache) || !strings.Contains(err.Error(), dir) || !strings.Contains(err.Error(), "has no index/") {
+		t.Fatalf("OpenReader of an empty dir: %v, want ErrNotCache naming it and its missing index", err)
 	}
-	if _, err := Open(filepath.Join(dir, "nope"), nil); !errors.Is(err, ErrNotCache) {
-		t.Fatalf("Open of a missing dir: %v, want ErrNotCache", err)
+	if _, err := Open(filepath.Join(dir, "nope"), nil); !errors.Is(err, ErrNotCache) || !strings.Contains(err.Error(), "nope does not exist") {
+		t.Fatalf("Open of a missing dir: %v, want ErrNotCache saying that it does not exist", err)
 	}
 	if _, err := Check(dir, nil); !errors.Is(err, ErrNotCache) {
 		t.Fatalf("Check of an empty dir: %v, want ErrNotCache", err)

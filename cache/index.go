@@ -183,13 +183,22 @@ type indexSession struct {
 	write bool
 }
 
+// missingIndex is the error of opening dir, which has no index: a path
+// that does not exist, or a directory that is not a cache.
+func missingIndex(dir string) error {
+	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("%w: %s does not exist (check the path; a fill creates the cache)", ErrNotCache, dir)
+	}
+	return fmt.Errorf("%w: %s has no %s/ (create the cache with a fill first)", ErrNotCache, dir, indexDir)
+}
+
 // openIndex takes the lock and opens Badger. A read-only open of an index
 // whose last writer crashed fails with badger.ErrTruncateNeeded (its log
 // has a torn tail); then we recover it once with a read-write open.
 func openIndex(dir string, write bool, timeout time.Duration) (*indexSession, error) {
 	if _, err := os.Stat(filepath.Join(dir, indexDir)); err != nil {
 		if errors.Is(err, os.ErrNotExist) && !write {
-			return nil, fmt.Errorf("%w: %s has no %s/ (create the cache with a fill first)", ErrNotCache, dir, indexDir)
+			return nil, missingIndex(dir)
 		}
 		if !errors.Is(err, os.ErrNotExist) {
 			return nil, fmt.Errorf("cache: %s: %w", dir, err)

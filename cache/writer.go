@@ -97,7 +97,9 @@ func Open(dir string, opts *Options) (*Cache, error) { return open(dir, nil, opt
 func open(dir string, want *Manifest, opts *Options) (*Cache, error) {
 	o := opts.withDefaults()
 	if want == nil {
-		if _, err := os.Stat(filepath.Join(dir, indexDir)); err != nil {
+		if _, err := os.Stat(filepath.Join(dir, indexDir)); errors.Is(err, os.ErrNotExist) {
+			return nil, missingIndex(dir)
+		} else if err != nil {
 			return nil, fmt.Errorf("%w: %s: %v", ErrNotCache, dir, err)
 		}
 	}

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"distill/cache"
+	"distill/internal/cli"
 )
 
 // cacheDirs is a repeatable --cache flag; several directories filled by
@@ -60,7 +61,7 @@ func parseOneCache(name string, args []string, stderr io.Writer, extra func(*fla
 	if extra != nil {
 		extra(fs)
 	}
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return "", err
 	}
 	if *dir == "" {

@@ -36,7 +36,7 @@ func exportMain(args []string, stdout, stderr io.Writer) error {
 	fs.Var(&dirs, "cache", "cache directory (repeatable)")
 	format := fs.String("format", "jsonl", "jsonl or parquet")
 	out := fs.String("out", "", "output file (default: stdout)")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if *format != "jsonl" && *format != "parquet" {

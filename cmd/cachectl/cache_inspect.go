@@ -29,7 +29,7 @@ func inspectMain(args []string, stdout, stderr io.Writer) error {
 	from := fs.Int("from", 0, "first position to print")
 	count := fs.Int("positions", 0, "positions to print (0: all)")
 	tokDir := fs.String("tokenizer", "", "tokenizer directory (tokenizer.json); decodes tokens and top-k ids")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if *index < 0 {

@@ -39,7 +39,7 @@ func statusMain(args []string, stdout, stderr io.Writer) error {
 	var dirs cacheDirs
 	fs.Var(&dirs, "cache", "cache directory (repeat or comma-separate to read several as one)")
 	asJSON := fs.Bool("json", false, "print JSON")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	r, err := openCacheReader(dirs)

@@ -21,7 +21,7 @@ func verifyMain(args []string, stdout, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	var dirs cacheDirs
 	fs.Var(&dirs, "cache", "cache directory (repeatable)")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if len(dirs) == 0 {

@@ -96,7 +96,7 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	perTeacher := fs.Int("per-teacher", 2, "chunks in flight per teacher")
 	retryFor := fs.Duration("retry-for", 2*time.Minute, "how long an unreachable teacher is retried before its work goes to the others only")
 	logEvery := fs.Duration("log-every", 10*time.Second, "progress line interval when stderr is not a terminal")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

@@ -29,7 +29,7 @@ func runPlan(args []string) error {
 	draws := fs.Int("draws", 0, "the most draws a position of sampled targets (teacherd --max-draws; cachectl fill --samples)")
 	maxLen := fs.Int("max-len", 0, "the longest sample (default: max_position_embeddings)")
 	budget := fs.Int("token-budget", 0, "check this token budget (teacherd --token-budget): an error names the GPU it does not fit (default: print the largest that fits)")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

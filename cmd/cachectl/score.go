@@ -33,7 +33,7 @@ func runScore(args []string) error {
 	k := fs.Int("k", 5, "top-k tokens to print per position")
 	temp := fs.Float64("temperature", 1, "capture temperature")
 	dev := fs.String("device", "auto", "compute device: auto (a GPU when one opens, else the CPU), cpu or cuda")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if (*modelDir == "") == (*teacherAddr == "") || *ids == "" {

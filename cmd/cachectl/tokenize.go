@@ -35,7 +35,7 @@ func tokenizeMain(args []string, stdout, stderr io.Writer) error {
 	start := fs.Int64("start", 0, "first sample index")
 	end := fs.Int64("end", 0, "one past the last sample (0: the dataset's length)")
 	workers := fs.Int("workers", 0, "tokenization goroutines (0: all cores)")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

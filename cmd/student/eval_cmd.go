@@ -44,7 +44,7 @@ func runEval(args []string) error {
 	fs.Float64("sft-weight", 0, "distill.sft_weight (default: the config's, else the training run's, else 0)")
 	fs.Float64("kd-weight", 0, "distill.kd_weight (default: the config's, else the training run's, else 1)")
 	fs.Bool("scale-t2", false, "distill.scale_t2: multiply KD by T^2 (default: the config's, else the training run's, else false)")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

@@ -20,7 +20,7 @@ func runExport(args []string) error {
 	format := fs.String("format", "bf16", "bf16: HF BF16 checkpoint; f32: exact master weights; nvfp4: Model-Optimizer NVFP4 (needs a quant: nvfp4 run, or a LoRA run); a LoRA run's bf16, f32 and nvfp4 are the merged model, peft its adapters as PEFT saves them")
 	force := fs.Bool("force", false, "replace --out if it is not empty (all its files are removed)")
 	noTok := fs.Bool("no-tokenizer", false, "do not copy the run's tokenizer files and generation_config.json")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

@@ -23,7 +23,7 @@ func runInit(args []string) error {
 	fs := flag.NewFlagSet("student init", flag.ContinueOnError)
 	fs.SetOutput(initUsage)
 	f := newInitFlags(fs)
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if err := f.check(fs); err != nil {

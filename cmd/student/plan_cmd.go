@@ -29,7 +29,7 @@ func runPlan(args []string) error {
 	zero := fs.Int("zero", -1, "the ZeRO stage to plan (default: the config's train.zero): 0, 1, 2 or 3")
 	acts := fs.String("activations", "bf16", "the device's activation dtype: bf16 (the CUDA backend's default) or f32 (DISTILL_CUDA_ACT=f32)")
 	k := fs.Int("k", -1, "the teachers' top-k per position (the cache's k; several teachers: the sum of theirs); default 64, or 0 when distill.kd_weight is 0")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

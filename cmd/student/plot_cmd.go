@@ -32,7 +32,7 @@ func runPlot(args []string) error {
 	cols := fs.Int("cols", 3, "panels per row")
 	panelList := fs.String("panels", "", "panels to draw, in this order, `NAME[,NAME...]` (default: all of "+strings.Join(runplot.PanelNames(), ", ")+")")
 	from := fs.Int("from", 0, "leave out the steps before `STEP` (the first steps' large losses flatten the rest)")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

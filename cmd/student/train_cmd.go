@@ -37,7 +37,7 @@ func runTrain(args []string) error {
 	dev := fs.String("device", "", "override train.device: auto, cpu or cuda (auto trains on the CPU; cuda trains on the GPU, not yet verified on one, issue 16)")
 	resume := fs.String("resume", "auto", "auto: continue from the run directory's newest checkpoint if any; never; must")
 	nproc := fs.Int("nproc-per-node", 1, "start this many ranks on this node (as torchrun --nproc-per-node does), one per GPU, for data-parallel training (train.zero picks the ZeRO stage; train.device cuda, NCCL)")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if *nproc != 1 {

@@ -36,6 +36,7 @@ import (
 	"go.uber.org/zap"
 
 	"distill/compute/device"
+	"distill/internal/cli"
 	"distill/serve"
 )
 
@@ -131,7 +132,7 @@ func parseConfig(args []string) (serve.Config, bool, planFlags, error) {
 	fs.BoolVar(&f.Insecure, "insecure", false, "allow a --listen address other machines can reach without --token-file or TLS (a trusted network only)")
 	fs.DurationVar(&f.DrainTimeout, "drain-timeout", 0, "graceful shutdown: time in-flight requests get to finish (default 30s)")
 	logJSON := fs.Bool("log-json", false, "JSON logs (default: console)")
-	if err := fs.Parse(args); err != nil {
+	if err := cli.ParseFlags(fs, args); err != nil {
 		return f, false, pf, err
 	}
 	if fs.NArg() > 0 {

@@ -108,6 +108,26 @@ func (r *Registry) Run(args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
+// ParseFlags parses args into fs (a flag.ContinueOnError set): fs.Parse,
+// with an undefined flag's error naming the defined flag it most likely
+// meant ("flag provided but not defined: -cahce (did you mean --cache?)").
+func ParseFlags(fs *flag.FlagSet, args []string) error {
+	err := fs.Parse(args)
+	if err == nil {
+		return nil
+	}
+	name, ok := strings.CutPrefix(err.Error(), "flag provided but not defined: -")
+	if !ok {
+		return err
+	}
+	var names []string
+	fs.VisitAll(func(f *flag.Flag) { names = append(names, f.Name) })
+	if s := suggest.Closest(strings.TrimLeft(name, "-"), names); s != "" {
+		return fmt.Errorf("%w (did you mean --%s?)", err, s)
+	}
+	return err
+}
+
 // Interrupted is the error of a resumable job (student train, cachectl
 // fill) that a signal stopped after it saved its progress. The one
 // convention for all of them: Msg says what was saved and how to resume

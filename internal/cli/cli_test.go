@@ -94,3 +94,40 @@ func TestMainExitCodes(t *testing.T) {
 		}
 	}
 }
+
+// TestParseFlags: an undefined flag's error names the defined flag it
+// most likely meant, if one is near; -h is flag.ErrHelp as before; good
+// flags parse.
+func TestParseFlags(t *testing.T) {
+	mk := func() (*flag.FlagSet, *string) {
+		fs := flag.NewFlagSet("x", flag.ContinueOnError)
+		fs.SetOutput(&bytes.Buffer{})
+		c := fs.String("cache", "", "")
+		fs.Int("max-len", 0, "")
+		return fs, c
+	}
+	for _, tc := range []struct {
+		args []string
+		want string // in the error; "" no error
+	}{
+		{[]string{"--cahce", "d"}, "flag provided but not defined: -cahce (did you mean --cache?)"},
+		{[]string{"-max_len=3"}, "(did you mean --max-len?)"},
+		{[]string{"--zzzzzz"}, "flag provided but not defined: -zzzzzz"},
+		{[]string{"--cache", "d"}, ""},
+	} {
+		fs, c := mk()
+		err := ParseFlags(fs, tc.args)
+		switch {
+		case tc.want == "" && (err != nil || *c != "d"):
+			t.Errorf("%v: %v, cache %q", tc.args, err, *c)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("%v: %v, want %q", tc.args, err, tc.want)
+		case strings.Contains(tc.args[0], "zzz") && strings.Contains(err.Error(), "did you mean"):
+			t.Errorf("%v: %v suggests a flag that is not near", tc.args, err)
+		}
+	}
+	fs, _ := mk()
+	if err := ParseFlags(fs, []string{"-h"}); !errors.Is(err, flag.ErrHelp) {
+		t.Errorf("-h: %v, want flag.ErrHelp", err)
+	}
+}
