@@ -165,6 +165,11 @@ func TestExampleCommands(t *testing.T) {
 			cmd := exec.Command("bash", "-c", line)
 			cmd.Dir, cmd.Env = work, env
 			if strings.HasPrefix(line, "teacherd ") {
+				if !strings.Contains(line, "--metrics") {
+					// Not the default 127.0.0.1:9090, which anything else
+					// on the machine may hold (another daemon, a Prometheus).
+					line += " --metrics " + freeAddr(t)
+				}
 				cmd.Args[2] = "exec " + line
 				log, _ := os.Create(filepath.Join(tmp, fmt.Sprintf("teacherd-%d.log", n)))
 				cmd.Stdout, cmd.Stderr = log, log
