@@ -568,10 +568,32 @@ var lineRE = regexp.MustCompile(`line \d+: `)
 // its path and line, with the key it most likely meant or else the keys
 // its section has (yaml.v3's own error names a Go type instead: "field
 // lrr not found in type trainer.OptimConfig"; and a list that decodes
-// itself, distill.teachers, dropped unknown keys silently).
+// itself, distill.teachers, dropped unknown keys silently). A type that
+// reads its own YAML form is left to it, unless it is a list (its
+// entries are walked).
 func checkKeys(root *yaml.Node, t reflect.Type) error {
 	var bad []string
-	walkKeys(root, t, "", &bad)
+	walkYAML(root, t, "", yamlVisitor{
+		descend: func(t reflect.Type) bool {
+			return t.Kind() == reflect.Slice || !reflect.PointerTo(t).Implements(reflect.TypeFor[yaml.Unmarshaler]())
+		},
+		unknown: func(k *yaml.Node, parent reflect.Type, prefix string) {
+			var names []string
+			yamlFields(parent, map[string]reflect.Type{}, &names)
+			hint := "the top level's keys: " + strings.Join(names, ", ")
+			if prefix != "" {
+				hint = prefix + "'s keys: " + strings.Join(names, ", ")
+			}
+			if s := suggest.Closest(k.Value, names); s != "" {
+				hint = "did you mean " + dotted(prefix, s) + "?"
+			}
+			at := ""
+			if k.Line > 0 {
+				at = fmt.Sprintf("line %d: ", k.Line)
+			}
+			bad = append(bad, fmt.Sprintf("%sunknown key %s (%s)", at, dotted(prefix, k.Value), hint))
+		},
+	})
 	switch len(bad) {
 	case 0:
 		return nil
@@ -581,56 +603,65 @@ func checkKeys(root *yaml.Node, t reflect.Type) error {
 	return fmt.Errorf("%d unknown keys:\n  %s\n ", len(bad), strings.Join(bad, "\n  "))
 }
 
-// walkKeys walks the mapping n along the struct type t, adding a line to
-// bad for each unknown key; a type that reads its own YAML form is left
-// to it, unless it is a list (its entries are walked).
-func walkKeys(n *yaml.Node, t reflect.Type, prefix string, bad *[]string) {
+// yamlVisitor is what walkYAML calls: descend (nil: always) says whether
+// to walk into a node of type t; unknown (may be nil) gets each key of a
+// struct's mapping that the struct does not have, with the struct's type
+// and the mapping's path; leaf (may be nil) every other node that is not
+// a struct's mapping or a sequence, with its type and path.
+type yamlVisitor struct {
+	descend func(t reflect.Type) bool
+	unknown func(k *yaml.Node, parent reflect.Type, prefix string)
+	leaf    func(n *yaml.Node, t reflect.Type, prefix string)
+}
+
+// walkYAML walks the YAML node n along the Go type t that decodes it, for
+// the checks before the decoder (checkKeys, checkInts): pointers
+// dereferenced, aliases followed, a struct's mapping key by key (an
+// inlined struct's keys are its parent's; a merge key's mapping is
+// walked as this one), a sequence entry by entry; prefix is n's dotted
+// path.
+func walkYAML(n *yaml.Node, t reflect.Type, prefix string, v yamlVisitor) {
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
 	}
-	if t.Kind() != reflect.Slice && reflect.PointerTo(t).Implements(reflect.TypeFor[yaml.Unmarshaler]()) {
+	if v.descend != nil && !v.descend(t) {
 		return
 	}
 	switch {
 	case n.Kind == yaml.AliasNode:
-		walkKeys(n.Alias, t, prefix, bad)
+		walkYAML(n.Alias, t, prefix, v)
 	case t.Kind() == reflect.Struct && n.Kind == yaml.MappingNode:
 		fields := map[string]reflect.Type{}
-		var names []string
-		yamlFields(t, fields, &names)
+		yamlFields(t, fields, nil)
 		for i := 0; i+1 < len(n.Content); i += 2 {
 			k := n.Content[i]
 			if k.ShortTag() == "!!merge" {
-				walkKeys(n.Content[i+1], t, prefix, bad)
+				walkYAML(n.Content[i+1], t, prefix, v)
 				continue
 			}
 			ft, ok := fields[k.Value]
 			if !ok {
-				hint := "the top level's keys: " + strings.Join(names, ", ")
-				if prefix != "" {
-					hint = prefix + "'s keys: " + strings.Join(names, ", ")
+				if v.unknown != nil {
+					v.unknown(k, t, prefix)
 				}
-				if s := suggest.Closest(k.Value, names); s != "" {
-					hint = "did you mean " + dotted(prefix, s) + "?"
-				}
-				at := ""
-				if k.Line > 0 {
-					at = fmt.Sprintf("line %d: ", k.Line)
-				}
-				*bad = append(*bad, fmt.Sprintf("%sunknown key %s (%s)", at, dotted(prefix, k.Value), hint))
 				continue
 			}
-			walkKeys(n.Content[i+1], ft, dotted(prefix, k.Value), bad)
+			walkYAML(n.Content[i+1], ft, dotted(prefix, k.Value), v)
 		}
 	case t.Kind() == reflect.Slice && n.Kind == yaml.SequenceNode:
 		for i, e := range n.Content {
-			walkKeys(e, t.Elem(), fmt.Sprintf("%s[%d]", prefix, i), bad)
+			walkYAML(e, t.Elem(), fmt.Sprintf("%s[%d]", prefix, i), v)
+		}
+	default:
+		if v.leaf != nil {
+			v.leaf(n, t, prefix)
 		}
 	}
 }
 
 // yamlFields adds the keys of struct type t (an inlined struct's
-// included) to fields, with their types, and to names in field order.
+// included) to fields, with their types, and to names (when not nil) in
+// field order.
 func yamlFields(t reflect.Type, fields map[string]reflect.Type, names *[]string) {
 	for j := 0; j < t.NumField(); j++ {
 		f := t.Field(j)
@@ -645,65 +676,36 @@ func yamlFields(t reflect.Type, fields map[string]reflect.Type, names *[]string)
 				name = strings.ToLower(f.Name)
 			}
 			fields[name] = f.Type
-			*names = append(*names, name)
+			if names != nil {
+				*names = append(*names, name)
+			}
 		}
 	}
 }
 
 // checkInts refuses a non-integer YAML value for an integer key: yaml.v3
 // would silently truncate max_steps: 40.5 to 40. It walks the mapping n
-// along the struct type t; keys unknown to t are left to the decoder's
-// KnownFields check.
+// along the struct type t (walkYAML); keys unknown to t are left to
+// checkKeys. The first such value is the error.
 func checkInts(n *yaml.Node, t reflect.Type, prefix string) error {
-	for t.Kind() == reflect.Pointer {
-		t = t.Elem()
-	}
-	switch {
-	case n.Kind == yaml.AliasNode:
-		return checkInts(n.Alias, t, prefix)
-	case t.Kind() == reflect.Struct && n.Kind == yaml.MappingNode:
-		for i := 0; i+1 < len(n.Content); i += 2 {
-			key := n.Content[i].Value
-			for j := 0; j < t.NumField(); j++ {
-				if f := t.Field(j); strings.HasSuffix(f.Tag.Get("yaml"), ",inline") {
-					// An inlined struct's keys sit in this mapping.
-					if err := checkInts(&yaml.Node{Kind: yaml.MappingNode, Content: n.Content[i : i+2]}, f.Type, prefix); err != nil {
-						return err
-					}
-				} else if strings.Split(f.Tag.Get("yaml"), ",")[0] == key {
-					if err := checkInts(n.Content[i+1], f.Type, dotted(prefix, key)); err != nil {
-						return err
-					}
+	var first error
+	walkYAML(n, t, prefix, yamlVisitor{leaf: func(n *yaml.Node, t reflect.Type, prefix string) {
+		if first != nil || n.Kind != yaml.ScalarNode || t == reflect.TypeOf(time.Duration(0)) {
+			return // a type mismatch the decoder reports; a duration is written "10m"
+		}
+		switch t.Kind() {
+		case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+			reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+			if tag := n.ShortTag(); tag != "!!int" && tag != "!!null" {
+				at := ""
+				if n.Line > 0 {
+					at = fmt.Sprintf(" (line %d)", n.Line)
 				}
+				first = fmt.Errorf("%s: %q is not an integer%s: write a whole number", prefix, n.Value, at)
 			}
 		}
-		return nil
-	case t.Kind() == reflect.Slice && n.Kind == yaml.SequenceNode:
-		for i, e := range n.Content {
-			if err := checkInts(e, t.Elem(), fmt.Sprintf("%s[%d]", prefix, i)); err != nil {
-				return err
-			}
-		}
-		return nil
-	}
-	if n.Kind != yaml.ScalarNode {
-		return nil // a type mismatch the decoder reports
-	}
-	if t == reflect.TypeOf(time.Duration(0)) {
-		return nil // a duration is written "10m"; the decoder parses it
-	}
-	switch t.Kind() {
-	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
-		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
-		if tag := n.ShortTag(); tag != "!!int" && tag != "!!null" {
-			at := ""
-			if n.Line > 0 {
-				at = fmt.Sprintf(" (line %d)", n.Line)
-			}
-			return fmt.Errorf("%s: %q is not an integer%s: write a whole number", prefix, n.Value, at)
-		}
-	}
-	return nil
+	}})
+	return first
 }
 
 // hasKey reports whether the mapping m holds the key path (a null value
