@@ -102,16 +102,8 @@ func runEval(args []string) error {
 	}
 	tcs := cfg.Data.Caches
 	if *cachesFlag != "" {
-		tcs = nil
-		for _, e := range strings.Split(*cachesFlag, ",") {
-			name, dir, ok := strings.Cut(e, "=")
-			if !ok {
-				name, dir = "", e
-			}
-			if dir == "" {
-				return fmt.Errorf("--caches %q: an empty entry: want DIR or NAME=DIR, comma-separated", *cachesFlag)
-			}
-			tcs = append(tcs, trainer.TeacherCache{Dir: trainer.Dirs{dir}, Name: name})
+		if tcs, err = parseCaches(*cachesFlag); err != nil {
+			return err
 		}
 		cfg.Data.Caches = tcs
 		if err := cfg.ValidateEval(); err != nil {
@@ -131,28 +123,46 @@ func runEval(args []string) error {
 	if len(dirs) == 0 {
 		return fmt.Errorf("--cache is required (or a --config with data.cache)")
 	}
+	return evalCache(s, st, &cfg, *config != "", dirs, *tokFP, *tokDir, *rng, *seqLen, *asJSON, lossFrom)
+}
+
+// parseCaches reads --caches: DIR or NAME=DIR entries, comma-separated.
+func parseCaches(v string) ([]trainer.TeacherCache, error) {
+	var tcs []trainer.TeacherCache
+	for _, e := range strings.Split(v, ",") {
+		name, dir, ok := strings.Cut(e, "=")
+		if !ok {
+			name, dir = "", e
+		}
+		if dir == "" {
+			return nil, fmt.Errorf("--caches %q: an empty entry: want DIR or NAME=DIR, comma-separated", v)
+		}
+		tcs = append(tcs, trainer.TeacherCache{Dir: trainer.Dirs{dir}, Name: name})
+	}
+	return tcs, nil
+}
+
+// evalCache scores the student on one teacher's cache (dirs: one cache,
+// or the directories of one read together).
+func evalCache(s *train.Student, st *trainer.State, cfg *trainer.Config, configGiven bool, dirs []string, tokFP, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
 	rd, err := cache.OpenReader(dirs...)
 	if err != nil {
 		return err
 	}
 	m := rd.Manifest()
-	fp, err := studentTokenizer(st, &cfg, *tokFP, *tokDir)
+	fp, err := studentTokenizer(st, cfg, tokFP, tokDir)
 	if err != nil {
 		return err
 	}
 	if err := trainer.CheckCache(s.Cfg, fp, &m, strings.Join(dirs, ",")); err != nil {
 		return err
 	}
-	r, rs, err := evalRange(*rng, &cfg, st, *config != "", m.Samples, "the cache's samples")
+	r, rs, err := evalRange(rng, cfg, st, configGiven, m.Samples, "the cache's samples", m.DatasetFingerprint)
 	if err != nil {
 		return err
 	}
-	if st != nil && st.CacheTeacher != "" && st.CacheDataset != m.DatasetFingerprint {
-		// The run's held-out indices are of its own dataset, not this one.
-		rs.other = fmt.Sprintf("the cache holds another dataset (%.12s) than the run trained on (%.12s): whether the run trained on these samples is unknown", m.DatasetFingerprint, st.CacheDataset)
-	}
-	if *seqLen > 0 {
-		cfg.Data.SeqLen = *seqLen
+	if seqLen > 0 {
+		cfg.Data.SeqLen = seqLen
 	}
 	lo := cfg.LossOptions(float64(m.Temperature))
 	if err := lo.Validate(); err != nil {
@@ -162,7 +172,7 @@ func runEval(args []string) error {
 	if err != nil {
 		return err
 	}
-	if *asJSON {
+	if asJSON {
 		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, RangeFrom: rs.from, HeldOut: rs.heldOut(r),
 			Loss: cfg.Distill, LossFrom: lossFrom, TeacherTemperature: float64(m.Temperature)})
 	}
@@ -187,11 +197,17 @@ type rangeSource struct {
 // evalRange is the sample range eval scores: --range, else the config's
 // data.eval_range, else the one the checkpoint's run held out, else every
 // sample (the zero Range when samples < 0: a dataset's, resolved later).
-// samples bounds --range when >= 0; what names the indices.
-func evalRange(rng string, cfg *trainer.Config, st *trainer.State, configGiven bool, samples int64, what string) (cache.Range, rangeSource, error) {
+// samples bounds --range when >= 0; what names the indices. dataset is
+// the samples' dataset fingerprint (a cache's; "": not known): when the
+// checkpoint's run trained from a cache of another dataset, its held-out
+// indices are not these samples'.
+func evalRange(rng string, cfg *trainer.Config, st *trainer.State, configGiven bool, samples int64, what, dataset string) (cache.Range, rangeSource, error) {
 	rs := rangeSource{run: st != nil}
 	if st != nil && len(st.EvalRange) == 2 {
 		rs.held = st.EvalRange
+	}
+	if st != nil && st.CacheTeacher != "" && dataset != "" && st.CacheDataset != dataset {
+		rs.other = fmt.Sprintf("the cache holds another dataset (%.12s) than the run trained on (%.12s): whether the run trained on these samples is unknown", dataset, st.CacheDataset)
 	}
 	var r cache.Range
 	switch {
@@ -296,7 +312,7 @@ func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, conf
 		return err
 	}
 	m := rd.Manifest()
-	r, rs, err := evalRange(rng, cfg, st, configGiven, m.Samples, "the caches' samples")
+	r, rs, err := evalRange(rng, cfg, st, configGiven, m.Samples, "the caches' samples", m.DatasetFingerprint)
 	if err != nil {
 		return err
 	}
@@ -350,7 +366,7 @@ func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, confi
 	if st != nil && st.TokenizerFingerprint != "" && st.TokenizerFingerprint != tok.Fingerprint() {
 		return fmt.Errorf("the tokenizer in %s (fingerprint %s) is not the one the student was trained with (%s): give --tokenizer with the run's tokenizer", dir, tok.Fingerprint(), st.TokenizerFingerprint)
 	}
-	r, rs, err := evalRange(rng, cfg, st, configGiven, -1, "dataset sample indices")
+	r, rs, err := evalRange(rng, cfg, st, configGiven, -1, "dataset sample indices", "")
 	if err != nil {
 		return err
 	}

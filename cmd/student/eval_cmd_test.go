@@ -322,8 +322,10 @@ log: {progress: "off", tensorboard: false}
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m, _ := evalJSON(t, "--checkpoint", run, "--cache", other.CacheDir); m["held_out"] != "unknown" {
-		t.Errorf("another dataset's cache: held_out %v, want unknown", m["held_out"])
+	for _, flag := range []string{"--cache", "--caches"} { // one teacher's cache, and the several teachers' path
+		if m, _ := evalJSON(t, "--checkpoint", run, flag, other.CacheDir); m["held_out"] != "unknown" {
+			t.Errorf("another dataset's cache (%s): held_out %v, want unknown", flag, m["held_out"])
+		}
 	}
 	out.Reset()
 	stdout = &out
