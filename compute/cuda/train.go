@@ -383,10 +383,7 @@ func (b *Backend) SwiGLUBackward(dgT, duT, doutT, gT, uT compute.Tensor, n int) 
 	need(dout, "SwiGLUBackward dout", n, compute.F32)
 	// Zeroed dgate and dup (zeros.go) are written, not read: the kernels'
 	// acc flag, one for both (either one not zeroed: both flushed).
-	acc := int32(1)
-	if b.takeZeros(zeroRange{dg.p, int64(n) * int64(elemSize(dg.dt))}, zeroRange{du.p, int64(n) * int64(elemSize(du.dt))}) {
-		acc = 0
-	}
+	acc := accArg(b.takeZeros(zeroRange{dg.p, int64(n) * int64(elemSize(dg.dt))}, zeroRange{du.p, int64(n) * int64(elemSize(du.dt))}))
 	b.flushZerosOver(dg, du, dout, g, u)
 	if n%8 == 0 && aligned16(dg.p) && aligned16(du.p) && aligned16(dout.p) && aligned16(g.p) && aligned16(u.p) {
 		b.ew("k_swiglu_bwd_x8", int64(n/8), dptr(dg.p), bf16Flag(dg), dptr(du.p), bf16Flag(du), dptr(dout.p), dptr(g.p), bf16Flag(g),
