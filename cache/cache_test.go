@@ -106,13 +106,18 @@ func TestWriteReadMissingRefill(t *testing.T) {
 	if _, err := c.BeginChunk(45, 51); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("range past samples: err %v", err)
 	}
-	// A second writer that races for the same range: the later commit is a
-	// no-op and the range exists once.
+	// A second writer that races for the same range is refused while the
+	// first claims it (TestClaims). One that claims nothing (a writer of
+	// an older build: here a ChunkWriter made without BeginChunk) finds
+	// its later commit a no-op, and the range exists once.
 	w1, err := c.BeginChunk(25, 30)
 	if err != nil {
 		t.Fatal(err)
 	}
-	w2, _ := c.BeginChunk(25, 30)
+	if _, err := c.BeginChunk(25, 30); !errors.Is(err, ErrRangeBusy) {
+		t.Fatalf("a range claimed by another ChunkWriter: %v, want ErrRangeBusy", err)
+	}
+	w2 := &ChunkWriter{c: c, r: Range{25, 30}, release: func() {}}
 	for i := int64(25); i < 30; i++ {
 		w1.Add(testSample(i))
 		w2.Add(testSample(i))
@@ -385,7 +390,8 @@ func TestCorruptionIsReported(t *testing.T) {
 
 // TestConcurrentWritersInProcess: goroutines fill ranges of one Cache at
 // once (two of them race for every range) while readers open and iterate;
-// every range ends up committed exactly once. Run with -race.
+// every range ends up committed exactly once: the loser of a race sees
+// the range done or claimed (ErrRangeBusy). Run with -race.
 func TestConcurrentWritersInProcess(t *testing.T) {
 	dir := t.TempDir()
 	const n, chunk = 24, 3
@@ -402,8 +408,8 @@ func TestConcurrentWritersInProcess(t *testing.T) {
 			defer wg.Done()
 			for a := int64(g%2) * chunk; a < n; a += 2 * chunk { // goroutines g and g+2 race
 				w, err := c.BeginChunk(a, a+chunk)
-				if errors.Is(err, ErrRangeDone) {
-					continue
+				if errors.Is(err, ErrRangeDone) || errors.Is(err, ErrRangeBusy) {
+					continue // done, or the other goroutine's claim: it commits it
 				}
 				if err != nil {
 					errs <- err

@@ -76,6 +76,9 @@
 //	                             A and B zero-padded to 12 digits
 //	  tmp/<pid>-<hex>/           a live writer's private directory:
 //	    owner.lock               flocked by that writer while it lives
+//	    claim-AAAAAAAAAAAA-BBBBBBBBBBBB
+//	                             its claim on the range it computes (JSON:
+//	                             pid, host, since); see Claim
 //	    <chunk name>.<n>.tmp     a chunk being written
 //	  tmp/reset-<hex>.tmp/       an index being deleted by Reset
 //
@@ -215,7 +218,12 @@
 // # Writing and crash safety
 //
 // A writer (Create/Open, one Cache per process, any number of processes)
-// fills ranges: BeginChunk(A, B), Add each sample in order, Commit. Commit
+// fills ranges: BeginChunk(A, B), Add each sample in order, Commit.
+// BeginChunk first claims the range (a claim file in the writer's tmp
+// directory, made under the exclusive lock after checking every live
+// writer's claims); a range that overlaps a live claim is ErrRangeBusy,
+// so concurrent fills split the work instead of computing it twice, and
+// the claim ends with Commit, Abort or the writer's death (Claim). Commit
 // encodes the chunk, writes it to tmp/<writer>/, fsyncs and closes it;
 // then, holding LOCK exclusively, re-reads the chunk records, renames the
 // file into chunks/, fsyncs chunks/, and writes the "r" record and the "s"

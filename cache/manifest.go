@@ -25,6 +25,11 @@ var (
 	// ErrRangeDone is returned by BeginChunk for a range that is already
 	// committed; a fill treats it as "skip", which makes re-filling a no-op.
 	ErrRangeDone = errors.New("cache: range already done")
+	// ErrRangeBusy is returned by BeginChunk for a range that overlaps one
+	// a live writer is computing now (its claim; the error is a
+	// *BusyError naming the holder). A fill does its other ranges and
+	// tries this one again later: by then it is done, or free.
+	ErrRangeBusy = errors.New("cache: range busy")
 	// ErrNotFound is returned for a sample whose range is not committed (yet).
 	ErrNotFound = errors.New("cache: sample not in cache")
 	// ErrLocked is returned when the index lock cannot be taken within

@@ -367,16 +367,32 @@ type ChunkWriter struct {
 	samples []Sample
 	tokens  int64
 	done    bool
+	release func() // the range's claim
 }
 
-// BeginChunk starts a chunk for [start, end). It returns an error wrapping
-// ErrRangeDone if that exact range is already committed (the caller skips
-// it), and ErrInvalid if it partly overlaps a committed chunk.
-func (c *Cache) BeginChunk(start, end int64) (*ChunkWriter, error) {
+// BeginChunk starts a chunk for [start, end) and claims the range until
+// Commit or Abort (see Claim). It returns an error wrapping ErrRangeDone
+// if that exact range is already committed (the caller skips it),
+// ErrRangeBusy (a *BusyError) if a live writer claims a range
+// overlapping it (the caller does other work and tries again later), and
+// ErrInvalid if it partly overlaps a committed chunk. A ChunkWriter must
+// end in Commit or Abort, or its claim lasts as long as the Cache.
+func (c *Cache) BeginChunk(start, end int64) (_ *ChunkWriter, err error) {
 	r := Range{start, end}
 	if err := c.checkRange(r); err != nil {
 		return nil, err
 	}
+	// The claim first, then the committed ranges: a writer commits only
+	// under its claim, so a range committed before ours was taken is seen.
+	release, err := c.claim(r)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			release()
+		}
+	}()
 	have, rs, err := c.Current()
 	if err != nil {
 		return nil, err
@@ -389,7 +405,7 @@ func (c *Cache) BeginChunk(start, end int64) (*ChunkWriter, error) {
 			return nil, bound(err, c.dir, rs)
 		}
 	}
-	return &ChunkWriter{c: c, r: r, samples: make([]Sample, 0, r.Len())}, nil
+	return &ChunkWriter{c: c, r: r, samples: make([]Sample, 0, r.Len()), release: release}, nil
 }
 
 // Range returns the writer's range.
@@ -427,7 +443,10 @@ func (w *ChunkWriter) Add(s Sample) error {
 }
 
 // Abort drops the chunk; nothing of it reaches the cache.
-func (w *ChunkWriter) Abort() { w.done, w.samples = true, nil }
+func (w *ChunkWriter) Abort() {
+	w.done, w.samples = true, nil
+	w.release()
+}
 
 // Commit makes the range visible: it encodes the chunk, writes it to a
 // temporary file, syncs it, and then, under the exclusive directory lock,
@@ -440,6 +459,7 @@ func (w *ChunkWriter) Commit() error {
 		return fmt.Errorf("%w: chunk %v: Commit after Commit or Abort", ErrInvalid, w.r)
 	}
 	w.done = true
+	defer w.release() // after publish: a commit happens under its claim
 	if int64(len(w.samples)) != w.r.Len() {
 		return fmt.Errorf("%w: chunk %v: %d samples added, want %d", ErrInvalid, w.r, len(w.samples), w.r.Len())
 	}

@@ -649,6 +649,7 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 		wg       sync.WaitGroup
 		errMu    sync.Mutex
 		firstErr error
+		busy     []error // chunks another writer is computing (cache.ErrRangeBusy)
 		next     = make(chan cache.Range)
 	)
 	fail := func(err error) {
@@ -666,6 +667,13 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 			for rg := range next {
 				var st data.Stats
 				_, skipped, err := c.fillChunk(ctx, cw, d, rg, k, temp, kind, draws, &st)
+				if errors.Is(err, cache.ErrRangeBusy) {
+					c.met.chunks.WithLabelValues("busy").Inc()
+					errMu.Lock()
+					busy = append(busy, err)
+					errMu.Unlock()
+					continue
+				}
 				if err != nil {
 					c.met.chunks.WithLabelValues("failed").Inc()
 					fail(err)
@@ -695,8 +703,35 @@ feed:
 	if firstErr != nil {
 		return firstErr
 	}
-	return ctx.Err()
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	return busyError(busy)
 }
+
+// busyError is the error of a fill that did all it could but the chunks
+// that other writers were computing (each a cache.ErrRangeBusy): the
+// caller tries them again later (RunFill does), when they are done or
+// free. nil for none.
+func busyError(busy []error) error {
+	if len(busy) == 0 {
+		return nil
+	}
+	sort.Slice(busy, func(i, j int) bool { return busyStart(busy[i]) < busyStart(busy[j]) })
+	return fmt.Errorf("%d chunks left to another writer, which is computing them now; fill them again later (the first: %w)", len(busy), busy[0])
+}
+
+func busyStart(err error) int64 {
+	var be *cache.BusyError
+	if errors.As(err, &be) {
+		return be.Want.Start
+	}
+	return 0
+}
+
+// testHookChunkBegun, when set (tests), runs when a chunk's range is
+// claimed, before it is computed.
+var testHookChunkBegun func(c *Core, r cache.Range)
 
 // fillChunk computes and commits one chunk, counting its samples into st.
 func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, rg cache.Range, k int, temp float32, kind cache.Targets, draws int, st *data.Stats) (int64, bool, error) {
@@ -715,6 +750,9 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 	}()
 	c.flight(rg, 1)
 	defer c.flight(rg, -1)
+	if testHookChunkBegun != nil {
+		testHookChunkBegun(c, rg)
+	}
 	samples, err := d.Range(ctx, rg.Start, rg.End)
 	if err != nil {
 		return 0, false, err

@@ -67,6 +67,8 @@ func code(err error) codes.Code {
 		return codes.ResourceExhausted
 	case errors.Is(err, ErrShutdown), errors.Is(err, cache.ErrLocked):
 		return codes.Unavailable
+	case errors.Is(err, cache.ErrRangeBusy):
+		return codes.Aborted // another writer's claim: retry later
 	}
 	return codes.Internal
 }

@@ -48,6 +48,11 @@ type FillPlan struct {
 	// MaxChunkFailures aborts the fill when one chunk failed this often
 	// (default 5).
 	MaxChunkFailures int
+	// BusyPoll is how long a chunk that another writer of the cache is
+	// computing (another cachectl fill, another daemon on the directory)
+	// waits before it is asked for again (default 5s). The other chunks go
+	// first: two fills of one range split its chunks.
+	BusyPoll time.Duration
 	// Out receives progress and the summary (nil: none). Terminal draws a
 	// progress bar; otherwise a log line every LogEvery (default 10s).
 	Out      io.Writer
@@ -74,8 +79,10 @@ type FillSummary struct {
 	// examples are every chunk's messages with its start, so that the
 	// printed ones are the first in sample order, not in arrival order.
 	examples []fillExample
-	// Chunks computed and Skipped (already in a cache) in this run.
-	Chunks, Skipped int
+	// Chunks computed and Skipped (already in a cache) in this run, and
+	// ByOthers: chunks another writer of a cache was computing when this
+	// fill came to them, and committed (this fill waited for them).
+	Chunks, Skipped, ByOthers int
 	// Retries counts chunks handed out again after a teacher failed.
 	Retries int
 	// Elapsed is the wall time of the run.
@@ -209,6 +216,9 @@ func (p *FillPlan) setDefaults(workers int) error {
 	}
 	if p.MaxChunkFailures == 0 {
 		p.MaxChunkFailures = 5
+	}
+	if p.BusyPoll == 0 {
+		p.BusyPoll = 5 * time.Second
 	}
 	if p.LogEvery == 0 {
 		p.LogEvery = 10 * time.Second
@@ -444,6 +454,9 @@ func (s *FillSummary) print(w io.Writer) {
 	if len(dirs) > 1 {
 		fmt.Fprintf(w, "fill: read the directories together as one cache (e.g. cachectl verify %s)\n", strings.Join(dirs, " "))
 	}
+	if s.ByOthers > 0 {
+		fmt.Fprintf(w, "fill: %d chunks were computed by another writer of the cache meanwhile (not counted above)\n", s.ByOthers)
+	}
 }
 
 // fillDispatch hands a fill's chunks to the teachers, PerWorker goroutines
@@ -466,11 +479,15 @@ type fillDispatch struct {
 	fatal    error
 	lastErr  map[string]string // a teacher's last error
 	gaveUp   map[string]bool   // teachers given up on (said once)
+	// busyAt: when a chunk was last found busy (another writer computes
+	// it); it is asked for again BusyPoll after that.
+	busyAt map[cache.Range]time.Time
 }
 
 func newFillDispatch(p *FillPlan, dirs *fillDirs, fp string, sum *FillSummary, todo []cache.Range) *fillDispatch {
 	d := &fillDispatch{p: p, fp: fp, dirs: dirs, sum: sum, queue: make(chan cache.Range, len(todo)),
-		failures: map[cache.Range]int{}, counted: map[cache.Range]bool{}, lastErr: map[string]string{}, gaveUp: map[string]bool{}}
+		failures: map[cache.Range]int{}, counted: map[cache.Range]bool{}, lastErr: map[string]string{}, gaveUp: map[string]bool{},
+		busyAt: map[cache.Range]time.Time{}}
 	for _, r := range todo {
 		d.queue <- r
 	}
@@ -512,6 +529,9 @@ func (d *fillDispatch) work(ctx context.Context, w Worker, down *atomic.Int64) {
 		case <-ctx.Done():
 			return
 		}
+		if !d.waitBusy(ctx, r) {
+			return
+		}
 		err := w.Fill(ctx, d.p.request(d.fp, r), func(m *pb.FillResponse) error {
 			d.report(w, m)
 			return nil
@@ -524,6 +544,10 @@ func (d *fillDispatch) work(ctx context.Context, w Worker, down *atomic.Int64) {
 			if d.remaining.Add(-1) == 0 {
 				d.cancel()
 			}
+			continue
+		}
+		if ctx.Err() == nil && isBusy(w, err) {
+			d.busy(r, err)
 			continue
 		}
 		if ctx.Err() != nil || !d.retry(w, r, err, down) {
@@ -542,6 +566,13 @@ func (d *fillDispatch) work(ctx context.Context, w Worker, down *atomic.Int64) {
 // Fill failed after the report, and the chunk went back to the queue) is
 // in the caches twice but counts once.
 func (d *fillDispatch) report(w Worker, m *pb.FillResponse) {
+	if m.GetSkipped() {
+		d.mu.Lock()
+		if _, ok := d.busyAt[cache.Range{Start: m.GetStart(), End: m.GetEnd()}]; ok {
+			d.sum.ByOthers++
+		}
+		d.mu.Unlock()
+	}
 	if !m.GetSkipped() {
 		cr := cache.Range{Start: m.GetStart(), End: m.GetEnd()}
 		d.mu.Lock()
@@ -611,6 +642,66 @@ func (d *fillDispatch) retry(w Worker, r cache.Range, err error, down *atomic.In
 		d.say("fill: teacher %s has failed for longer than %s (--retry-for): giving up on it; the other teachers, if any, take its chunks", w.Name(), d.p.RetryFor)
 	}
 	return false
+}
+
+// isBusy reports whether w's Fill failed only because another writer of
+// the cache is computing (part of) the chunk: cache.ErrRangeBusy
+// in-process, Aborted from a daemon.
+func isBusy(w Worker, err error) bool {
+	if isLocal(w) {
+		return errors.Is(err, cache.ErrRangeBusy)
+	}
+	return status.Code(err) == codes.Aborted
+}
+
+// busy puts chunk r, which another writer is computing, at the back of
+// the queue, to be asked for again BusyPoll from now: the worker goes on
+// with other chunks, and the chunk is neither a failure nor a retry. The
+// first time, it is said.
+func (d *fillDispatch) busy(r cache.Range, err error) {
+	d.mu.Lock()
+	_, again := d.busyAt[r]
+	d.busyAt[r] = time.Now()
+	d.mu.Unlock()
+	if !again {
+		d.say("fill: chunk [%d, %d) is being computed by another writer of the cache (%s); this fill does its other chunks first, then comes back to it every %s until it is committed, or free to compute here",
+			r.Start, r.End, busyHolder(err), d.p.BusyPoll)
+	}
+	d.queue <- r
+}
+
+// busyHolder is what a busy error says of the writer holding the chunk.
+func busyHolder(err error) string {
+	m := msg(err)
+	if i := strings.Index(m, "(pid "); i >= 0 {
+		if j := strings.Index(m[i:], ")"); j > 0 {
+			return m[i+1 : i+j]
+		}
+	}
+	return m
+}
+
+// waitBusy waits until chunk r, if it was found busy, may be asked for
+// again; false if ctx ended first.
+func (d *fillDispatch) waitBusy(ctx context.Context, r cache.Range) bool {
+	d.mu.Lock()
+	at, ok := d.busyAt[r]
+	d.mu.Unlock()
+	if !ok {
+		return true
+	}
+	wait := time.Until(at.Add(d.p.BusyPoll))
+	if wait <= 0 {
+		return true
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
 }
 
 // say writes one line of the fill's events (a teacher failing, coming

@@ -54,7 +54,7 @@ func newMetrics() *metrics {
 	m.latency = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "teacherd_request_seconds", Help: "RPC latency (Score: per sample).",
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}, []string{"method"})
 	m.codes = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "teacherd_requests_total", Help: "Finished RPCs by method and gRPC code."}, []string{"method", "code"})
-	m.chunks = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "teacherd_fill_chunks_total", Help: "Fill chunks by outcome (committed, skipped, failed)."}, []string{"outcome"})
+	m.chunks = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "teacherd_fill_chunks_total", Help: "Fill chunks by outcome (committed, skipped: already done, busy: another writer was computing it, failed)."}, []string{"outcome"})
 	m.reg.MustRegister(m.tokens, m.forwards, m.fillRatio, m.forwardSec, m.queueWait, m.queueJobs, m.queueTok, m.latency, m.codes, m.chunks,
 		prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
 	return m

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
+	"time"
 
 	"distill/cache"
 	"distill/internal/cli"
@@ -31,6 +33,20 @@ type cacheStatus struct {
 	// kind's bytes are mostly its draws, and a sampled cache has k 0 (the
 	// division made +Inf, which encoding/json refuses).
 	BytesPerEntry float64 `json:"bytes_per_entry,omitempty"`
+	// Computing are the ranges live writers (fills, daemons) have
+	// claimed and are computing now: missing, but not for long.
+	Computing []computing `json:"computing"`
+}
+
+// computing is a live writer's claim (cache.Claim) in --json.
+type computing struct {
+	Dir    string    `json:"dir"`
+	Start  int64     `json:"start"`
+	End    int64     `json:"end"`
+	PID    int       `json:"pid"`
+	Host   string    `json:"host"`
+	Since  time.Time `json:"since"`
+	Writer string    `json:"writer"`
 }
 
 func statusMain(args []string, stdout, stderr io.Writer) error {
@@ -60,6 +76,16 @@ func statusMain(args []string, stdout, stderr io.Writer) error {
 	if st.Missing == nil {
 		st.Missing = []cache.Range{}
 	}
+	st.Computing = []computing{}
+	for _, d := range dirs {
+		cl, err := cache.Claims(d)
+		if err != nil {
+			return err
+		}
+		for _, c := range cl {
+			st.Computing = append(st.Computing, computing{Dir: d, Start: c.Range.Start, End: c.Range.End, PID: c.PID, Host: c.Host, Since: c.Since, Writer: c.Writer})
+		}
+	}
 	if *asJSON {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
@@ -75,6 +101,17 @@ func statusMain(args []string, stdout, stderr io.Writer) error {
 	fmt.Fprintf(stdout, "teacher    %s\ntokenizer  %s\ndataset    %s\n", m.TeacherFingerprint, m.TokenizerFingerprint, m.DatasetFingerprint)
 	fmt.Fprintf(stdout, "samples    %d of %d done (%.1f%%) in %d chunks\n", st.SamplesDone, m.Samples, 100*float64(st.SamplesDone)/float64(m.Samples), st.Chunks)
 	fmt.Fprintf(stdout, "missing    %s\n", formatRanges(st.Missing, 20))
+	if len(st.Computing) > 0 {
+		var rs []string
+		for i, c := range st.Computing {
+			if i == 20 {
+				rs = append(rs, fmt.Sprintf("... (%d more)", len(st.Computing)-20))
+				break
+			}
+			rs = append(rs, fmt.Sprintf("[%d, %d) by pid %d on %s since %s", c.Start, c.End, c.PID, c.Host, c.Since.Format(time.TimeOnly)))
+		}
+		fmt.Fprintf(stdout, "computing  %s\n", strings.Join(rs, "; "))
+	}
 	fmt.Fprintf(stdout, "tokens     %d\n", st.Tokens)
 	if st.BytesPerEntry > 0 {
 		fmt.Fprintf(stdout, "bytes      %d (%.1f B/token, %.3f B per top-k entry)\n", st.Bytes, st.BytesPerToken, st.BytesPerEntry)

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"io"
 	"math"
 	"os"
@@ -130,6 +131,31 @@ func TestCacheStatusVerifyGC(t *testing.T) {
 	if st.SamplesDone != 12 || st.Tokens != wantTokens || st.Bytes != bytes || len(st.Missing) != 1 || math.Abs(st.BytesPerToken-float64(bytes)/float64(wantTokens)) > 1e-9 {
 		t.Fatalf("status --json = %+v; want 12 samples, %d tokens, %d bytes on disk", st, wantTokens, bytes)
 	}
+
+	if len(st.Computing) != 0 {
+		t.Fatalf("status --json: computing %+v with no writer", st.Computing)
+	}
+	// A live writer computing [12, 16): status shows its claim.
+	wc, err := cache.Open(b, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := wc.BeginChunk(12, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err = run(t, wrap(statusMain), "--cache", a, "--cache", b)
+	if want := fmt.Sprintf("computing  [12, 16) by pid %d on ", os.Getpid()); err != nil || !strings.Contains(out, want) {
+		t.Fatalf("status beside a writer: %v; output lacks %q:\n%s", err, want, out)
+	}
+	out, _ = run(t, wrap(statusMain), "--cache", a+","+b, "--json")
+	st = cacheStatus{}
+	if err := json.Unmarshal([]byte(out), &st); err != nil || len(st.Computing) != 1 || st.Computing[0].Dir != b ||
+		st.Computing[0].Start != 12 || st.Computing[0].End != 16 || st.Computing[0].PID != os.Getpid() {
+		t.Fatalf("status --json beside a writer: %v %+v", err, st.Computing)
+	}
+	w.Abort()
+	wc.Close()
 
 	if out, err := run(t, wrap(verifyMain), "--cache", a, "--cache", b); err != nil {
 		t.Fatalf("verify of a good cache: %v\n%s", err, out)

@@ -620,8 +620,8 @@ func (wc *writeCache) committer() {
 
 func (wc *writeCache) commit(c int64, b []cache.Sample) error {
 	w, err := wc.c.BeginChunk(c*wc.C, c*wc.C+int64(len(b)))
-	if errors.Is(err, cache.ErrRangeDone) {
-		return nil
+	if errors.Is(err, cache.ErrRangeDone) || errors.Is(err, cache.ErrRangeBusy) {
+		return nil // done, or another writer (a cachectl fill) is committing it
 	}
 	if err != nil {
 		return err

@@ -1,0 +1,125 @@
+package serve
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"distill/cache"
+	pb "distill/proto/distill/v1"
+)
+
+// signalWriter is a fill's output that closes seen when a line holding
+// want is written.
+type signalWriter struct {
+	mu   sync.Mutex
+	b    strings.Builder
+	want string
+	seen chan struct{}
+	once sync.Once
+}
+
+func (w *signalWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.b.Write(p)
+	if strings.Contains(w.b.String(), w.want) {
+		w.once.Do(func() { close(w.seen) })
+	}
+	return len(p), nil
+}
+
+func (w *signalWriter) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
+
+// TestConcurrentFillsSplitChunks: two fills of one range into one cache
+// directory (two in-process teachers, as two cachectl processes; or one
+// and a daemon on the same directory) compute every chunk once between
+// them. Fill A holds chunk 0 until fill B has found it busy; B says so,
+// does its other chunks, comes back to chunk 0 and finds it committed.
+func TestConcurrentFillsSplitChunks(t *testing.T) {
+	mdir := tinyModel(t)
+	tmp := t.TempDir()
+	path, _ := writeIDsDataset(t, tmp, 24, 20, 512, 3)
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	const chunk, chunks = 4, 6
+	for _, bRemote := range []bool{false, true} {
+		name := map[bool]string{false: "in-process", true: "daemon"}[bRemote]
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			coreA, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: dir, TokenBudget: 300, InProcess: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			a := Local(coreA)
+			defer a.Close()
+			var b Worker
+			if bRemote {
+				daemon := startDaemon(t, Config{Model: mdir, Cache: dir, TokenBudget: 300, DataRoots: []string{tmp}})
+				if b, err = Dial(daemon.Addr(), DialOptions{}); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				coreB, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: dir, TokenBudget: 300, InProcess: true})
+				if err != nil {
+					t.Fatal(err)
+				}
+				b = Local(coreB)
+			}
+			defer b.Close()
+
+			aHolds := make(chan struct{})
+			outB := &signalWriter{want: "is being computed by another writer", seen: make(chan struct{})}
+			var once sync.Once
+			testHookChunkBegun = func(c *Core, r cache.Range) {
+				if c == coreA && r.Start == 0 {
+					once.Do(func() { close(aHolds) })
+					<-outB.seen // B found chunk 0 busy
+				}
+			}
+			defer func() { testHookChunkBegun = nil }()
+
+			plan := func(out *signalWriter) FillPlan {
+				return FillPlan{Dataset: ds, ChunkSamples: chunk, K: 4, PerWorker: 1, BusyPoll: time.Millisecond, Out: out}
+			}
+			outA := &signalWriter{want: "\x00", seen: make(chan struct{})}
+			var sumA *FillSummary
+			var errA error
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				sumA, errA = RunFill(context.Background(), []Worker{a}, plan(outA))
+			}()
+			<-aHolds
+			sumB, errB := RunFill(context.Background(), []Worker{b}, plan(outB))
+			<-done
+			if errA != nil || errB != nil {
+				t.Fatalf("fills: %v; %v\nA:\n%s\nB:\n%s", errA, errB, outA, outB)
+			}
+			if sumA.Chunks+sumB.Chunks != chunks || sumB.ByOthers < 1 {
+				t.Fatalf("A computed %d chunks, B %d (%d computed by A meanwhile), want %d in all\nA:\n%s\nB:\n%s",
+					sumA.Chunks, sumB.Chunks, sumB.ByOthers, chunks, outA, outB)
+			}
+			if !strings.Contains(outB.String(), "chunk [0, 4) is being computed by another writer of the cache (pid ") ||
+				!strings.Contains(outB.String(), "computed by another writer of the cache meanwhile") {
+				t.Fatalf("B's output does not say chunk 0 was busy, then done by another writer:\n%s", outB)
+			}
+			t.Logf("B's output:\n%s", outB)
+			rep, err := cache.Check(dir, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if rep.Chunks != chunks || rep.Samples != 24 {
+				t.Fatalf("cache: %d chunks, %d samples", rep.Chunks, rep.Samples)
+			}
+			if cl, err := cache.Claims(dir); err != nil || len(cl) != 0 {
+				t.Fatalf("claims left after the fills: %v %v", cl, err)
+			}
+		})
+	}
+}
