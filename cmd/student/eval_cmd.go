@@ -229,6 +229,9 @@ func evalRange(rng string, cfg *trainer.Config, st *trainer.State, configGiven b
 		}
 	case rs.held != nil:
 		r, rs.from = cache.Range{Start: rs.held[0], End: rs.held[1]}, "the training run's data.eval_range (held out)"
+		if rs.other != "" { // its indices, but of another dataset's samples
+			rs.from = "the training run's data.eval_range, as indices into this cache"
+		}
 	default:
 		rs.from = "every sample: no --range, and no data.eval_range in a config or the checkpoint's run"
 		if samples >= 0 {
