@@ -50,7 +50,7 @@ type Claim struct {
 
 // String says who holds the claim, for messages.
 func (c Claim) String() string {
-	return fmt.Sprintf("%v by pid %d on %s since %s (%s)", c.Range, c.PID, c.Host, c.Since.Format(time.TimeOnly), c.Writer)
+	return fmt.Sprintf("%v by pid %d on %s since %s (%s)", c.Range, c.PID, c.Host, c.Since.Format(time.DateTime), c.Writer)
 }
 
 // BusyError is ErrRangeBusy with the claim that holds the range.
@@ -61,7 +61,7 @@ type BusyError struct {
 
 func (e *BusyError) Error() string {
 	return fmt.Sprintf("%v: %v overlaps %v, which another writer is computing now (pid %d on %s since %s; its files: %s); it will be committed or released",
-		ErrRangeBusy, e.Want, e.Holder.Range, e.Holder.PID, e.Holder.Host, e.Holder.Since.Format(time.TimeOnly), e.Holder.Writer)
+		ErrRangeBusy, e.Want, e.Holder.Range, e.Holder.PID, e.Holder.Host, e.Holder.Since.Format(time.DateTime), e.Holder.Writer)
 }
 
 func (e *BusyError) Unwrap() error { return ErrRangeBusy }

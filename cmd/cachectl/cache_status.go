@@ -108,7 +108,7 @@ func statusMain(args []string, stdout, stderr io.Writer) error {
 				rs = append(rs, fmt.Sprintf("... (%d more)", len(st.Computing)-20))
 				break
 			}
-			rs = append(rs, fmt.Sprintf("[%d, %d) by pid %d on %s since %s", c.Start, c.End, c.PID, c.Host, c.Since.Format(time.TimeOnly)))
+			rs = append(rs, fmt.Sprintf("[%d, %d) by pid %d on %s since %s", c.Start, c.End, c.PID, c.Host, c.Since.Format(time.DateTime)))
 		}
 		fmt.Fprintf(stdout, "computing  %s\n", strings.Join(rs, "; "))
 	}
