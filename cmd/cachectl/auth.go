@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 
+	"distill/internal/cli"
 	"distill/internal/teacherdial"
 	"distill/serve"
 )
@@ -31,7 +32,7 @@ func (a *authFlags) options() (serve.DialOptions, error) {
 	o := serve.DialOptions{Token: a.token, CAFile: a.tlsCA}
 	if a.tokenFile != "" {
 		if tokenSet {
-			return o, fmt.Errorf("give only one of --token and --token-file")
+			return o, cli.Usagef("give only one of --token and --token-file")
 		}
 		t, err := teacherdial.ReadToken(a.tokenFile)
 		if err != nil {

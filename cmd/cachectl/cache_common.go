@@ -27,7 +27,7 @@ func (d *cacheDirs) Set(s string) error {
 
 func openCacheReader(dirs cacheDirs) (*cache.Reader, error) {
 	if len(dirs) == 0 {
-		return nil, fmt.Errorf("--cache DIR is required (repeat it to read several directories as one cache)")
+		return nil, cli.Usagef("--cache DIR is required (repeat it to read several directories as one cache)")
 	}
 	return cache.OpenReader(dirs...)
 }
@@ -65,10 +65,10 @@ func parseOneCache(name string, args []string, stderr io.Writer, extra func(*fla
 		return "", err
 	}
 	if *dir == "" {
-		return "", fmt.Errorf("--cache DIR is required")
+		return "", cli.Usagef("--cache DIR is required")
 	}
 	if fs.NArg() > 0 {
-		return "", fmt.Errorf("unexpected arguments %q", fs.Args())
+		return "", cli.Usagef("unexpected arguments %q", fs.Args())
 	}
 	return *dir, nil
 }

@@ -40,7 +40,7 @@ func exportMain(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	if *format != "jsonl" && *format != "parquet" {
-		return fmt.Errorf("--format %q: want jsonl or parquet", *format)
+		return cli.Usagef("--format %q: want jsonl or parquet", *format)
 	}
 	r, err := openCacheReader(dirs)
 	if err != nil {

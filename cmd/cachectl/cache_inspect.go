@@ -33,7 +33,7 @@ func inspectMain(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	if *index < 0 {
-		return fmt.Errorf("--sample INDEX is required")
+		return cli.Usagef("--sample INDEX is required")
 	}
 	r, err := openCacheReader(dirs)
 	if err != nil {

@@ -25,7 +25,7 @@ func verifyMain(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	if len(dirs) == 0 {
-		return fmt.Errorf("--cache DIR is required")
+		return cli.Usagef("--cache DIR is required")
 	}
 	problems := 0
 	for _, d := range dirs {

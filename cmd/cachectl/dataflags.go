@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"distill/data"
+	"distill/internal/cli"
 )
 
 // datasetFlags are the dataset options of the commands that read a dataset
@@ -155,7 +156,7 @@ func parseColumns(columns, roles string) (data.ColumnMap, error) {
 		c.Roles[k] = v
 	}
 	if err := c.Check(); err != nil {
-		return c, fmt.Errorf("--roles %q: %w", roles, err)
+		return c, cli.Usagef("--roles %q: %w", roles, err)
 	}
 	return c, nil
 }
@@ -167,4 +168,8 @@ type optionError string
 func (e optionError) Error() string { return string(e) }
 func (e optionError) Unwrap() error { return data.ErrOptions }
 
-func optionErrorf(format string, a ...any) error { return optionError(fmt.Sprintf(format, a...)) }
+// optionErrorf is an optionError that is also a usage error (exit 2):
+// every one is what the flags alone get wrong.
+func optionErrorf(format string, a ...any) error {
+	return cli.Usage(optionError(fmt.Sprintf(format, a...)))
+}

@@ -100,22 +100,22 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %q (flags come as --name value)", fs.Args())
+		return cli.Usagef("unexpected arguments %q (flags come as --name value)", fs.Args())
 	}
 	if (*teachers == "") == (*modelDir == "") {
-		return fmt.Errorf("give exactly one of --teacher ADDR[,ADDR...] (daemons) and --model DIR (in-process)")
+		return cli.Usagef("give exactly one of --teacher ADDR[,ADDR...] (daemons) and --model DIR (in-process)")
 	}
 	if err := serve.CheckTargets(*targets, *samples, *k); err != nil {
-		return err
+		return cli.Usage(err) // the flags alone are wrong
 	}
 	// What needs no teacher is checked before one loads (a large one
 	// takes minutes): the range, the chunk size, and with --model the
 	// dataset's files, which are this machine's.
 	if *start < 0 || (*end != 0 && *end <= *start) {
-		return fmt.Errorf("--start %d --end %d: want 0 <= --start < --end (--end 0: the dataset's length)", *start, *end)
+		return cli.Usagef("--start %d --end %d: want 0 <= --start < --end (--end 0: the dataset's length)", *start, *end)
 	}
 	if *chunk < 0 || *chunk > cache.MaxChunkSamples {
-		return fmt.Errorf("--chunk %d: want 1..%d (0: %d)", *chunk, cache.MaxChunkSamples, serve.DefaultChunkSamples)
+		return cli.Usagef("--chunk %d: want 1..%d (0: %d)", *chunk, cache.MaxChunkSamples, serve.DefaultChunkSamples)
 	}
 	srcs, opts, err := df.dataset()
 	if err != nil {
@@ -144,14 +144,14 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}()
 	if *modelDir != "" {
 		if *cacheDir == "" {
-			return fmt.Errorf("--model needs --cache DIR (the cache directory to write)")
+			return cli.Usagef("--model needs --cache DIR (the cache directory to write)")
 		}
 		ords, err := dev.ParseDevices(*devices)
 		if err != nil {
-			return err
+			return cli.Usage(err) // --devices' syntax
 		}
 		if *micro < 0 {
-			return fmt.Errorf("--micro-batches %d: want 0 (four a GPU) or more", *micro)
+			return cli.Usagef("--micro-batches %d: want 0 (four a GPU) or more", *micro)
 		}
 		fmt.Fprintf(stderr, "fill: loading teacher %s in-process\n", *modelDir)
 		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, Weights: *tweights, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, Devices: ords, MicroBatches: *micro,
@@ -163,13 +163,13 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		workers = append(workers, serve.Local(core))
 	} else {
 		if *cacheDir != "" {
-			return fmt.Errorf("--cache is for --model; each daemon writes the cache directory it was started with (teacherd --cache)")
+			return cli.Usagef("--cache is for --model; each daemon writes the cache directory it was started with (teacherd --cache)")
 		}
 		if *tweights != "" {
-			return fmt.Errorf("--teacher-weights is for --model; each daemon holds the weights it was started with (teacherd --weights)")
+			return cli.Usagef("--teacher-weights is for --model; each daemon holds the weights it was started with (teacherd --weights)")
 		}
 		if *devices != "" {
-			return fmt.Errorf("--devices is for --model; a daemon spreads its teacher over the GPUs it was started with (teacherd --devices)")
+			return cli.Usagef("--devices is for --model; a daemon spreads its teacher over the GPUs it was started with (teacherd --devices)")
 		}
 		if *tokDir != "" {
 			tok, err := tokenizer.Load(*tokDir)

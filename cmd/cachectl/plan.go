@@ -33,10 +33,10 @@ func runPlan(args []string) error {
 		return err
 	}
 	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
+		return cli.Usagef("unexpected arguments %v (flags go before them?)", fs.Args())
 	}
 	if *devices != "" && *gpus != 0 {
-		return fmt.Errorf("give --devices or --gpus, not both")
+		return cli.Usagef("give --devices or --gpus, not both")
 	}
 	spec := *devices
 	if *gpus != 0 {
@@ -44,7 +44,7 @@ func runPlan(args []string) error {
 	}
 	ords, err := device.PlanDevices(spec)
 	if err != nil {
-		return err
+		return cli.Usage(err) // --devices' or --gpus' syntax
 	}
 	plan, err := teacherPlan(*cfgPath, ords, *devMem, *weights, *k, *draws, *maxLen, *budget)
 	if err != nil {
@@ -58,21 +58,21 @@ func runPlan(args []string) error {
 // devMem bytes each: cachectl plan's, and teacherd --plan's arithmetic.
 func teacherPlan(cfgPath string, ords []int, devMem, weights string, k, draws, maxLen, budget int) (infer.TeacherPlan, error) {
 	if cfgPath == "" {
-		return infer.TeacherPlan{}, fmt.Errorf("--config is required: the teacher's config.json (or its checkpoint directory)")
+		return infer.TeacherPlan{}, cli.Usagef("--config is required: the teacher's config.json (or its checkpoint directory)")
 	}
 	mem, err := cli.ParseBytes(devMem)
 	if err != nil {
-		return infer.TeacherPlan{}, fmt.Errorf("--device-memory: %w", err)
+		return infer.TeacherPlan{}, cli.Usagef("--device-memory: %w", err)
 	}
 	switch {
 	case k < 1:
-		return infer.TeacherPlan{}, fmt.Errorf("--k %d: want >= 1", k)
+		return infer.TeacherPlan{}, cli.Usagef("--k %d: want >= 1", k)
 	case maxLen < 0:
-		return infer.TeacherPlan{}, fmt.Errorf("--max-len %d: want >= 0 (0: max_position_embeddings)", maxLen)
+		return infer.TeacherPlan{}, cli.Usagef("--max-len %d: want >= 0 (0: max_position_embeddings)", maxLen)
 	case draws < 0:
-		return infer.TeacherPlan{}, fmt.Errorf("--draws %d: want >= 0", draws)
+		return infer.TeacherPlan{}, cli.Usagef("--draws %d: want >= 0", draws)
 	case budget < 0:
-		return infer.TeacherPlan{}, fmt.Errorf("--token-budget %d: want >= 0 (0: the largest that fits)", budget)
+		return infer.TeacherPlan{}, cli.Usagef("--token-budget %d: want >= 0 (0: the largest that fits)", budget)
 	}
 	cfg, err := infer.LoadConfigAt(cfgPath)
 	if err != nil {

@@ -38,7 +38,7 @@ func runScore(args []string) error {
 	}
 	if (*modelDir == "") == (*teacherAddr == "") || *ids == "" {
 		fs.Usage()
-		return fmt.Errorf("--ids and one of --model DIR (in-process) and --teacher ADDR (a daemon) are required")
+		return cli.Usagef("--ids and one of --model DIR (in-process) and --teacher ADDR (a daemon) are required")
 	}
 	var samples [][]int32
 	for i, part := range strings.Split(*ids, ";") {
@@ -50,7 +50,7 @@ func runScore(args []string) error {
 			}
 			v, err := strconv.ParseInt(f, 10, 32)
 			if err != nil {
-				return fmt.Errorf("--ids: sample %d: %q is not a token id", i, f)
+				return cli.Usagef("--ids: sample %d: %q is not a token id", i, f)
 			}
 			s = append(s, int32(v))
 		}

@@ -39,17 +39,17 @@ func tokenizeMain(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %q (flags come as --name value)", fs.Args())
+		return cli.Usagef("unexpected arguments %q (flags come as --name value)", fs.Args())
 	}
 	if *tokDir == "" {
-		return fmt.Errorf("--tokenizer is required: the directory with tokenizer.json")
+		return cli.Usagef("--tokenizer is required: the directory with tokenizer.json")
 	}
 	srcs, opts, err := df.dataset()
 	if err != nil {
 		return err
 	}
 	if *workers < 0 {
-		return fmt.Errorf("--workers %d: want 0 (all cores) or a positive count", *workers)
+		return cli.Usagef("--workers %d: want 0 (all cores) or a positive count", *workers)
 	}
 	opts.Workers = *workers
 	// Flags are checked before the tokenizer loads, which takes a second.

@@ -48,10 +48,10 @@ func runEval(args []string) error {
 		return err
 	}
 	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
+		return cli.Usagef("unexpected arguments %v (flags go before them?)", fs.Args())
 	}
 	if *ckpt == "" {
-		return fmt.Errorf("--checkpoint is required")
+		return cli.Usagef("--checkpoint is required")
 	}
 	trainer.EvalProgress = evalProgress(evalLog, evalTerminal(evalLog))
 	defer func() { trainer.EvalProgress = nil }()
@@ -98,7 +98,7 @@ func runEval(args []string) error {
 		return err
 	}
 	if *cacheDirs != "" && *cachesFlag != "" {
-		return fmt.Errorf("give only one of --cache (one teacher's cache) and --caches (several teachers' caches)")
+		return cli.Usagef("give only one of --cache (one teacher's cache) and --caches (several teachers' caches)")
 	}
 	tcs := cfg.Data.Caches
 	if *cachesFlag != "" {
@@ -121,7 +121,7 @@ func runEval(args []string) error {
 		dirs = strings.Split(*cacheDirs, ",")
 	}
 	if len(dirs) == 0 {
-		return fmt.Errorf("--cache is required (or a --config with data.cache)")
+		return cli.Usagef("--cache is required (or a --config with data.cache)")
 	}
 	return evalCache(s, st, &cfg, *config != "", dirs, *tokFP, *tokDir, *rng, *seqLen, *asJSON, lossFrom)
 }
@@ -135,7 +135,7 @@ func parseCaches(v string) ([]trainer.TeacherCache, error) {
 			name, dir = "", e
 		}
 		if dir == "" {
-			return nil, fmt.Errorf("--caches %q: an empty entry: want DIR or NAME=DIR, comma-separated", v)
+			return nil, cli.Usagef("--caches %q: an empty entry: want DIR or NAME=DIR, comma-separated", v)
 		}
 		tcs = append(tcs, trainer.TeacherCache{Dir: trainer.Dirs{dir}, Name: name})
 	}
@@ -215,11 +215,18 @@ func evalRange(rng string, cfg *trainer.Config, st *trainer.State, configGiven b
 		a, b, ok := strings.Cut(rng, ":")
 		x, err1 := strconv.ParseInt(a, 10, 64)
 		y, err2 := strconv.ParseInt(b, 10, 64)
-		if !ok || err1 != nil || err2 != nil || x < 0 || y <= x || (samples >= 0 && y > samples) {
-			if samples < 0 {
-				return r, rs, fmt.Errorf("--range %q: want START:END with 0 <= START < END (%s)", rng, what)
+		malformed := !ok || err1 != nil || err2 != nil || x < 0 || y <= x
+		if malformed || (samples >= 0 && y > samples) {
+			err := fmt.Errorf("--range %q: want START:END with 0 <= START < END (%s)", rng, what)
+			if samples >= 0 {
+				err = fmt.Errorf("--range %q: want START:END with 0 <= START < END <= %d (%s)", rng, samples, what)
 			}
-			return r, rs, fmt.Errorf("--range %q: want START:END with 0 <= START < END <= %d (%s)", rng, samples, what)
+			if malformed {
+				// Wrong whatever the data: a usage error (exit 2). A
+				// range past the samples is wrong for these caches only (1).
+				err = cli.Usage(err)
+			}
+			return r, rs, err
 		}
 		r, rs.from = cache.Range{Start: x, End: y}, "--range"
 	case len(cfg.Data.EvalRange) == 2:

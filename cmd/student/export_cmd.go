@@ -24,10 +24,13 @@ func runExport(args []string) error {
 		return err
 	}
 	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
+		return cli.Usagef("unexpected arguments %v (flags go before them?)", fs.Args())
 	}
 	if *ckpt == "" || *out == "" {
-		return fmt.Errorf("--checkpoint and --out are required")
+		return cli.Usagef("--checkpoint and --out are required")
+	}
+	if err := trainer.CheckExportFormat(*format); err != nil {
+		return cli.Usage(err)
 	}
 	rep, err := trainer.Export(*ckpt, *out, trainer.ExportOptions{Format: *format, Force: *force, NoTokenizer: *noTok})
 	if err != nil {

@@ -29,12 +29,14 @@ func runInit(args []string) error {
 	if err := f.check(fs); err != nil {
 		return err
 	}
+	// The config is the flags' alone (over the preset): what is wrong
+	// with it is a usage error (exit 2).
 	cfg, err := f.config()
 	if err != nil {
-		return err
+		return cli.Usage(err)
 	}
 	if err := checkInitConfig(cfg, *f.headDim); err != nil {
-		return err
+		return cli.Usage(err)
 	}
 	t := model.Init(cfg, model.InitOptions{Seed: *f.seed, Std: *f.std, Perturb: *f.perturb})
 	err = model.WriteDir(*f.out, *f.force, func(tmp string) error {
@@ -91,10 +93,10 @@ func newInitFlags(fs *flag.FlagSet) *initFlags {
 // sizes that are not positive, MoE flags on a dense architecture, the dtype.
 func (f *initFlags) check(fs *flag.FlagSet) error {
 	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
+		return cli.Usagef("unexpected arguments %v (flags go before them?)", fs.Args())
 	}
 	if *f.out == "" {
-		return fmt.Errorf("--out is required")
+		return cli.Usagef("--out is required")
 	}
 	// A size flag given must be a size: 0 or a negative number is an
 	// error, not "the preset's value" (leave the flag out for that).
@@ -112,7 +114,7 @@ func (f *initFlags) check(fs *flag.FlagSet) error {
 		}
 	})
 	if len(bad) > 0 {
-		return fmt.Errorf("%s: want positive numbers (leave a size flag out for the preset's value)", strings.Join(bad, ", "))
+		return cli.Usagef("%s: want positive numbers (leave a size flag out for the preset's value)", strings.Join(bad, ", "))
 	}
 	if *f.arch != string(model.ArchQwen3MoE) {
 		var moeFlags []string
@@ -123,11 +125,11 @@ func (f *initFlags) check(fs *flag.FlagSet) error {
 			}
 		})
 		if len(moeFlags) > 0 {
-			return fmt.Errorf("%s: MoE flags need --arch qwen3_moe (got --arch %s)", strings.Join(moeFlags, ", "), *f.arch)
+			return cli.Usagef("%s: MoE flags need --arch qwen3_moe (got --arch %s)", strings.Join(moeFlags, ", "), *f.arch)
 		}
 	}
 	if dt := strings.ToUpper(*f.dtype); dt != "BF16" && dt != "F32" {
-		return fmt.Errorf("--dtype %q: want BF16 or F32", *f.dtype)
+		return cli.Usagef("--dtype %q: want BF16 or F32", *f.dtype)
 	}
 	return nil
 }

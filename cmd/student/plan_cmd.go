@@ -33,16 +33,16 @@ func runPlan(args []string) error {
 		return err
 	}
 	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
+		return cli.Usagef("unexpected arguments %v (flags go before them?)", fs.Args())
 	}
 	if *config == "" {
-		return fmt.Errorf("--config is required: the training config to plan")
+		return cli.Usagef("--config is required: the training config to plan")
 	}
 	if *world < 1 {
-		return fmt.Errorf("--world-size %d: want >= 1", *world)
+		return cli.Usagef("--world-size %d: want >= 1", *world)
 	}
 	if *zero > 3 || *zero < -1 {
-		return fmt.Errorf("--zero %d: want 0, 1, 2 or 3", *zero)
+		return cli.Usagef("--zero %d: want 0, 1, 2 or 3", *zero)
 	}
 	var act compute.DType
 	switch *acts {
@@ -51,11 +51,11 @@ func runPlan(args []string) error {
 	case "f32":
 		act = compute.F32
 	default:
-		return fmt.Errorf("--activations %q: want bf16 or f32", *acts)
+		return cli.Usagef("--activations %q: want bf16 or f32", *acts)
 	}
 	total, err := cli.ParseBytes(*devMem)
 	if err != nil {
-		return fmt.Errorf("--device-memory: %w", err)
+		return cli.Usagef("--device-memory: %w", err)
 	}
 	cfg, err := trainer.LoadConfig(*config, sets)
 	if err != nil {

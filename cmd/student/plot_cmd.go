@@ -36,16 +36,16 @@ func runPlot(args []string) error {
 		return err
 	}
 	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
+		return cli.Usagef("unexpected arguments %v (flags go before them?)", fs.Args())
 	}
 	if len(runs) == 0 {
-		return fmt.Errorf("--run DIR is required (a `student train` run directory; repeat it to overlay runs)")
+		return cli.Usagef("--run DIR is required (a `student train` run directory; repeat it to overlay runs)")
 	}
 	if *out == "" {
-		return fmt.Errorf("--out FILE.png is required")
+		return cli.Usagef("--out FILE.png is required")
 	}
 	if *cols < 1 {
-		return fmt.Errorf("--cols %d: want at least 1", *cols)
+		return cli.Usagef("--cols %d: want at least 1", *cols)
 	}
 	var rs []*runplot.Run
 	for _, a := range runs {

@@ -40,18 +40,24 @@ func runTrain(args []string) error {
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
+	// The command line is checked before ranks start: each would refuse
+	// it alike, and the launcher would report their failure as its own
+	// (exit 1) rather than a usage error (2).
+	if fs.NArg() > 0 {
+		return cli.Usagef("unexpected arguments %v (flags go before them?)", fs.Args())
+	}
+	if *resume != "auto" && *resume != "never" && *resume != "must" {
+		return cli.Usagef("--resume %q: want auto, never or must", *resume)
+	}
+	if *nproc < 1 {
+		return cli.Usagef("--nproc-per-node %d: want at least 1", *nproc)
+	}
 	if *nproc != 1 {
 		return launchLocalRanks(*nproc, args)
 	}
 	env, err := dist.Discover()
 	if err != nil {
 		return err
-	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %v (flags go before them?)", fs.Args())
-	}
-	if *resume != "auto" && *resume != "never" && *resume != "must" {
-		return fmt.Errorf("--resume %q: want auto, never or must", *resume)
 	}
 	given := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })

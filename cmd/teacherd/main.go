@@ -43,11 +43,12 @@ import (
 func main() {
 	device.EnsureCPUCore(os.Stderr)
 	if err := run(os.Args[1:]); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			os.Exit(2)
+		if !errors.Is(err, flag.ErrHelp) { // for help, the flag set printed the usage
+			fmt.Fprintln(os.Stderr, "teacherd:", err)
 		}
-		fmt.Fprintln(os.Stderr, "teacherd:", err)
-		os.Exit(1)
+		// cachectl's and student's statuses: 0 for --help, 2 for a
+		// usage error, 1 for any other failure.
+		os.Exit(cli.ExitStatus(err))
 	}
 }
 
@@ -136,11 +137,11 @@ func parseConfig(args []string) (serve.Config, bool, planFlags, error) {
 		return f, false, pf, err
 	}
 	if fs.NArg() > 0 {
-		return f, false, pf, fmt.Errorf("unexpected arguments %q", fs.Args())
+		return f, false, pf, cli.Usagef("unexpected arguments %q", fs.Args())
 	}
 	pf.memoryFromGPU = pf.deviceMemory == ""
 	if !pf.on && pf.deviceMemory != "" {
-		return f, false, pf, fmt.Errorf("--device-memory is for --plan: a running teacherd measures its GPUs' memory")
+		return f, false, pf, cli.Usagef("--device-memory is for --plan: a running teacherd measures its GPUs' memory")
 	}
 	cfg := f
 	if *config != "" {
@@ -212,6 +213,11 @@ Security: clients name dataset files on this machine, and only files under
 a --data-root are readable (no --data-root: none). The daemon listens on
 127.0.0.1 by default; an address other machines can reach needs
 --token-file (and TLS: --tls-cert, --tls-key), or --insecure.
+
+Exit status: 0 once a SIGTERM or Ctrl-C has drained the daemon (and for
+-h); 1 when it fails (a bad config file or value, a model that does not
+load, an address in use; --plan: a teacher that does not fit); 2 for a
+usage error (an unknown flag, a bad flag value, unexpected arguments).
 
 Flags (they override the config file):
 `

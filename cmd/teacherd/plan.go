@@ -17,7 +17,16 @@ import (
 // GPU the teacher does not fit.
 func printPlan(w io.Writer, cfg serve.Config, pf planFlags) error {
 	if cfg.Model == "" {
-		return fmt.Errorf("--plan needs --model DIR (its config.json; no weights are read)")
+		return cli.Usagef("--plan needs --model DIR (its config.json; no weights are read)")
+	}
+	// The flags first: a bad --device-memory is a usage error whatever
+	// the model.
+	mem := int64(80 << 30)
+	if !pf.memoryFromGPU {
+		var err error
+		if mem, err = cli.ParseBytes(pf.deviceMemory); err != nil {
+			return cli.Usagef("--device-memory: %w", err)
+		}
 	}
 	mc, err := infer.LoadConfigAt(cfg.Model)
 	if err != nil {
@@ -30,7 +39,6 @@ func printPlan(w io.Writer, cfg serve.Config, pf planFlags) error {
 	if len(ords) == 0 {
 		ords = []int{0}
 	}
-	mem := int64(80 << 30)
 	if pf.memoryFromGPU {
 		if name, total, err := device.GPUMemory(); err == nil {
 			mem = total
@@ -38,8 +46,6 @@ func printPlan(w io.Writer, cfg serve.Config, pf planFlags) error {
 		} else {
 			fmt.Fprintf(w, "device memory: 80 GiB, an H100's (no GPU visible: %v; --device-memory to plan for another)\n", err)
 		}
-	} else if mem, err = cli.ParseBytes(pf.deviceMemory); err != nil {
-		return fmt.Errorf("--device-memory: %w", err)
 	}
 	budget := cfg.TokenBudget
 	if budget == 0 {

@@ -52,18 +52,31 @@ func (r *Registry) usage(w io.Writer) {
 		fmt.Fprintf(w, "  %-10s %s\n", n, r.commands[n].Summary)
 	}
 	fmt.Fprintf(w, "\nRun '%s COMMAND -h' for a command's flags.\n", r.prog)
+	fmt.Fprint(w, exitStatuses)
 }
+
+// exitStatuses documents ExitStatus in the programs' usage.
+const exitStatuses = `
+Exit status: 0 on success (and for -h); 1 when the command fails (a file
+that does not exist, a bad config, a failed fill); 2 for a usage error (an
+unknown command or flag, a bad flag value, a missing required flag,
+unexpected arguments); 128+N when signal N stopped a resumable job after
+it saved its progress (130 for Ctrl-C, 143 for SIGTERM).
+`
 
 // Main dispatches args (os.Args[1:]) and exits with Run's status.
 func (r *Registry) Main(args []string) { os.Exit(r.Run(args, os.Stdout, os.Stderr)) }
 
 // Run dispatches args and returns the exit status: 0 on success and when
-// help was asked for (-h, --help, help: the usage goes to stdout), 1 when
-// the command fails (its error printed to stderr with the program and
-// command name), 2 on usage errors (no or an unknown command; the usage
-// goes to stderr), 128+N when a resumable command was stopped by signal N
-// after saving its progress (an *Interrupted error: 130 for Ctrl-C, 143
-// for SIGTERM).
+// help was asked for (-h, --help, help: the usage goes to stdout), 2 on
+// usage errors (no or an unknown command, the usage going to stderr; or a
+// command's *UsageError: an unknown or misspelled flag, a bad flag value,
+// a missing required flag, wrong positional arguments), 1 when the
+// command fails otherwise (a runtime failure: a missing file, a bad
+// config, a failed fill), 128+N when a resumable command was stopped by
+// signal N after saving its progress (an *Interrupted error: 130 for
+// Ctrl-C, 143 for SIGTERM). A command's error is printed to stderr with
+// the program and command name. ExitStatus maps an error to its status.
 func (r *Registry) Run(args []string, stdout, stderr io.Writer) int {
 	if len(args) < 1 {
 		r.usage(stderr)
@@ -93,39 +106,78 @@ func (r *Registry) Run(args []string, stdout, stderr io.Writer) int {
 		r.usage(stderr)
 		return 2
 	}
-	if err := c.Run(args[1:]); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0 // the flag set printed the command's flags
-		}
-		var in *Interrupted
-		if errors.As(err, &in) {
-			fmt.Fprintf(stderr, "%s %s: %v\n", r.prog, c.Name, err)
-			return 128 + int(in.Signal)
-		}
+	err := c.Run(args[1:])
+	if err != nil && !errors.Is(err, flag.ErrHelp) { // for help, the flag set printed the command's flags
 		fmt.Fprintf(stderr, "%s %s: %v\n", r.prog, c.Name, err)
-		return 1
 	}
-	return 0
+	return ExitStatus(err)
 }
+
+// ExitStatus is the exit status of a command that returned err, the
+// convention of every command (Registry.Run's, and teacherd's, which has
+// no subcommands): 0 for nil and flag.ErrHelp (help asked for is a
+// success), 128+N for an *Interrupted stopped by signal N, 2 for a
+// *UsageError (as Go's flag.ExitOnError, GNU tools and git exit: the
+// command line is wrong, and running it again unchanged fails again), 1
+// for any other error.
+func ExitStatus(err error) int {
+	var in *Interrupted
+	var ue *UsageError
+	switch {
+	case err == nil || errors.Is(err, flag.ErrHelp):
+		return 0
+	case errors.As(err, &in):
+		return 128 + int(in.Signal)
+	case errors.As(err, &ue):
+		return 2
+	}
+	return 1
+}
+
+// UsageError is a command-line usage error: an unknown or misspelled
+// flag, a bad flag value, a missing required flag, flags that exclude or
+// need each other, wrong positional arguments; what the command line
+// alone gets wrong. A command exits 2 for it (ExitStatus), so that a
+// script tells a mistyped invocation from a failure of the work itself
+// (a file that does not exist, a bad config, a failed fill: 1). Its
+// message is Err's: the command name is added once, by Run.
+type UsageError struct{ Err error }
+
+func (e *UsageError) Error() string { return e.Err.Error() }
+func (e *UsageError) Unwrap() error { return e.Err }
+
+// Usage marks err as a usage error (nil stays nil); errors.Is and
+// errors.As still see what err wraps.
+func Usage(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &UsageError{Err: err}
+}
+
+// Usagef is Usage(fmt.Errorf(format, a...)).
+func Usagef(format string, a ...any) error { return Usage(fmt.Errorf(format, a...)) }
 
 // ParseFlags parses args into fs (a flag.ContinueOnError set): fs.Parse,
 // with an undefined flag's error naming the defined flag it most likely
 // meant ("flag provided but not defined: -cahce (did you mean --cache?)").
+// Its errors are *UsageErrors (exit 2), but for -h and --help, which are
+// flag.ErrHelp itself, unwrapped (exit 0).
 func ParseFlags(fs *flag.FlagSet, args []string) error {
 	err := fs.Parse(args)
-	if err == nil {
-		return nil
+	if err == nil || err == flag.ErrHelp {
+		return err
 	}
 	name, ok := strings.CutPrefix(err.Error(), "flag provided but not defined: -")
 	if !ok {
-		return err
+		return Usage(err)
 	}
 	var names []string
 	fs.VisitAll(func(f *flag.Flag) { names = append(names, f.Name) })
 	if s := suggest.Closest(strings.TrimLeft(name, "-"), names); s != "" {
-		return fmt.Errorf("%w (did you mean --%s?)", err, s)
+		return Usagef("%w (did you mean --%s?)", err, s)
 	}
-	return err
+	return Usage(err)
 }
 
 // Interrupted is the error of a resumable job (student train, cachectl

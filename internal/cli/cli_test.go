@@ -4,23 +4,35 @@ import (
 	"bytes"
 	"errors"
 	"flag"
+	"fmt"
 	"os"
 	"os/exec"
 	"strings"
+	"syscall"
 	"testing"
 )
 
+// testRegistry's "run" fails as a command does: a usage error for a bad
+// flag or an argument, a runtime error for --fail, an interrupted job
+// for --interrupt.
 func testRegistry() *Registry {
 	r := New("prog")
 	r.Register(&Command{Name: "run", Summary: "run something", Run: func(args []string) error {
 		fs := flag.NewFlagSet("prog run", flag.ContinueOnError)
 		fs.SetOutput(&bytes.Buffer{})
 		fs.Int("n", 0, "a number")
-		if err := fs.Parse(args); err != nil {
+		fail := fs.Bool("fail", false, "fail at run time")
+		interrupt := fs.Bool("interrupt", false, "be stopped by SIGINT")
+		if err := ParseFlags(fs, args); err != nil {
 			return err
 		}
-		if fs.NArg() > 0 {
+		switch {
+		case fs.NArg() > 0:
+			return Usagef("unexpected arguments %q", fs.Args())
+		case *fail:
 			return errors.New("boom")
+		case *interrupt:
+			return &Interrupted{Signal: syscall.SIGINT, Msg: "stopped by SIGINT"}
 		}
 		return nil
 	}})
@@ -29,7 +41,8 @@ func testRegistry() *Registry {
 
 // TestHelpExitsZero: asking for help is a success (exit 0, usage on
 // stdout); no command or an unknown one is a usage error (2, usage on
-// stderr); a failing command is 1.
+// stderr), and so is a command's bad flag or argument (2, the error
+// naming the command once); a command failing at run time is 1.
 func TestHelpExitsZero(t *testing.T) {
 	for _, tc := range []struct {
 		args      []string
@@ -48,14 +61,51 @@ func TestHelpExitsZero(t *testing.T) {
 		{nil, 2, "", "usage: prog COMMAND"},
 		{[]string{"nope"}, 2, "", `unknown command "nope"` + "\n"},
 		{[]string{"rnu"}, 2, "", `unknown command "rnu": did you mean "run"?`},
-		{[]string{"run", "extra"}, 1, "", "prog run: boom"},
-		{[]string{"run", "-bad"}, 1, "", "flag provided but not defined"},
+		{[]string{"run", "extra"}, 2, "", `prog run: unexpected arguments ["extra"]` + "\n"},
+		{[]string{"run", "-bad"}, 2, "", "prog run: flag provided but not defined: -bad\n"},
+		{[]string{"run", "-fial"}, 2, "", "prog run: flag provided but not defined: -fial (did you mean --fail?)\n"},
+		{[]string{"run", "-n", "x"}, 2, "", `prog run: invalid value "x" for flag -n`},
+		{[]string{"run", "-fail"}, 1, "", "prog run: boom\n"},
+		{[]string{"run", "-interrupt"}, 130, "", "prog run: stopped by SIGINT\n"},
 	} {
 		var out, errb bytes.Buffer
 		code := testRegistry().Run(tc.args, &out, &errb)
 		if code != tc.code || !strings.Contains(out.String(), tc.stdoutHas) || !strings.Contains(errb.String(), tc.stderrHas) {
 			t.Errorf("%q: exit %d, want %d\nstdout: %s\nstderr: %s", tc.args, code, tc.code, out.String(), errb.String())
 		}
+		if strings.Count(errb.String(), "prog run:") > 1 {
+			t.Errorf("%q: stderr names the command twice: %s", tc.args, errb.String())
+		}
+	}
+}
+
+// TestExitStatus: the exit status of each kind of error, wrapped or not.
+func TestExitStatus(t *testing.T) {
+	usage := Usagef("--cache is required")
+	for _, tc := range []struct {
+		err  error
+		want int
+	}{
+		{nil, 0},
+		{flag.ErrHelp, 0},
+		{errors.New("open x: no such file or directory"), 1},
+		{usage, 2},
+		{fmt.Errorf("context: %w", usage), 2},
+		{Usage(fmt.Errorf("--data: %w", os.ErrNotExist)), 2},
+		{&Interrupted{Signal: syscall.SIGTERM, Msg: "stopped"}, 143},
+		{&Interrupted{Signal: syscall.SIGINT, Msg: "stopped"}, 130},
+	} {
+		if got := ExitStatus(tc.err); got != tc.want {
+			t.Errorf("ExitStatus(%v) = %d, want %d", tc.err, got, tc.want)
+		}
+	}
+	// A usage error says what it wraps, and no more.
+	inner := fmt.Errorf("--weights %q: %w", "x", os.ErrInvalid)
+	if err := Usage(inner); err.Error() != inner.Error() || !errors.Is(err, os.ErrInvalid) {
+		t.Errorf("Usage(%v) = %v, unwrapping to %v", inner, err, errors.Unwrap(err))
+	}
+	if Usage(nil) != nil {
+		t.Error("Usage(nil) is not nil")
 	}
 }
 
@@ -68,12 +118,15 @@ func TestMain(m *testing.M) {
 }
 
 // TestMainExitCodes runs Main in a child process, as a user runs
-// `student --help`: help exits 0 with the usage on stdout.
+// `student --help`: help exits 0 with the usage on stdout; usage errors
+// (no or an unknown command, an unknown flag, a bad flag value, an extra
+// argument) exit 2; a runtime failure 1; an interrupted job 128+signal.
 func TestMainExitCodes(t *testing.T) {
 	for _, tc := range []struct {
 		args string
 		code int
-	}{{"--help", 0}, {"-h", 0}, {"run -h", 0}, {"", 2}, {"nope", 2}, {"run extra", 1}} {
+	}{{"--help", 0}, {"-h", 0}, {"run -h", 0}, {"run", 0}, {"", 2}, {"nope", 2}, {"run extra", 2}, {"run -bad", 2},
+		{"run -n x", 2}, {"run -fail", 1}, {"run -interrupt", 130}} {
 		cmd := exec.Command(os.Args[0], "-test.run=^$")
 		cmd.Env = append(os.Environ(), "CLI_TEST_MAIN_ARGS="+tc.args)
 		var out bytes.Buffer
@@ -117,6 +170,10 @@ func TestParseFlags(t *testing.T) {
 	} {
 		fs, c := mk()
 		err := ParseFlags(fs, tc.args)
+		var ue *UsageError
+		if err != nil && !errors.As(err, &ue) {
+			t.Errorf("%v: %v is not a *UsageError (exit 2)", tc.args, err)
+		}
 		switch {
 		case tc.want == "" && (err != nil || *c != "d"):
 			t.Errorf("%v: %v, cache %q", tc.args, err, *c)
@@ -127,7 +184,11 @@ func TestParseFlags(t *testing.T) {
 		}
 	}
 	fs, _ := mk()
-	if err := ParseFlags(fs, []string{"-h"}); !errors.Is(err, flag.ErrHelp) {
-		t.Errorf("-h: %v, want flag.ErrHelp", err)
+	if err := ParseFlags(fs, []string{"-h"}); err != flag.ErrHelp {
+		t.Errorf("-h: %v, want flag.ErrHelp itself", err)
+	}
+	fs, _ = mk()
+	if err := ParseFlags(fs, []string{"--max-len", "x"}); ExitStatus(err) != 2 || !strings.Contains(err.Error(), `invalid value "x" for flag -max-len`) {
+		t.Errorf("--max-len x: %v, exit %d, want a usage error (2)", err, ExitStatus(err))
 	}
 }

@@ -55,6 +55,17 @@ type ExportReport struct {
 	GenerationConfig string
 }
 
+// CheckExportFormat refuses a format Export does not write ("" is bf16),
+// before any checkpoint is read (`student export` reports it as a usage
+// error).
+func CheckExportFormat(format string) error {
+	switch format {
+	case "", "bf16", "f32", "nvfp4", "peft":
+		return nil
+	}
+	return fmt.Errorf("--format %q: want bf16, f32, nvfp4 or peft (a LoRA run's adapters)", format)
+}
+
 // Export writes the student at src (a run directory, a checkpoint or an
 // HF checkpoint directory) to out as a complete HF model directory: the
 // weights and config.json, the tokenizer files of the run (its
@@ -69,10 +80,10 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 	if o.Format == "" {
 		o.Format = "bf16"
 	}
-	dt := map[string]string{"bf16": "BF16", "f32": "F32", "nvfp4": "", "peft": ""}
-	if _, ok := dt[o.Format]; !ok {
-		return nil, fmt.Errorf("--format %q: want bf16, f32, nvfp4 or peft (a LoRA run's adapters)", o.Format)
+	if err := CheckExportFormat(o.Format); err != nil {
+		return nil, err
 	}
+	dt := map[string]string{"bf16": "BF16", "f32": "F32"}
 	if ck, ok := shardedSource(src); ok && o.Format != "peft" {
 		return exportSharded(src, ck, out, o)
 	}

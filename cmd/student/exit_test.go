@@ -1,0 +1,46 @@
+package main
+
+import (
+	"bytes"
+	"io"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// TestExitStatus: what the command line alone gets wrong (a missing
+// required flag, an unexpected argument, a bad flag value) exits 2,
+// before anything is read; a failure of the work (a checkpoint or config
+// that does not exist, a bad config) exits 1.
+func TestExitStatus(t *testing.T) {
+	dir := t.TempDir()
+	missing := filepath.Join(dir, "missing")
+	out := filepath.Join(dir, "out")
+	for _, tc := range []struct {
+		args []string
+		code int
+		want string
+	}{
+		{[]string{"tarin"}, 2, `unknown command "tarin": did you mean "train"?`},
+		{[]string{"eval"}, 2, "student eval: --checkpoint is required"},
+		{[]string{"eval", "--checkpoint", missing, "extra"}, 2, "unexpected arguments [extra]"},
+		{[]string{"eval", "--checkpoint", missing}, 1, "no such run or checkpoint directory"},
+		{[]string{"export", "--checkpoint", missing}, 2, "--checkpoint and --out are required"},
+		{[]string{"export", "--checkpoint", missing, "--out", out, "--format", "fp8"}, 2, `--format "fp8": want bf16, f32, nvfp4 or peft`},
+		{[]string{"export", "--checkpoint", missing, "--out", out}, 1, "no such run or checkpoint directory"},
+		{[]string{"train", "--resume", "sometimes"}, 2, `--resume "sometimes": want auto, never or must`},
+		{[]string{"train", "--nproc-per-node", "2", "extra"}, 2, "unexpected arguments [extra]"},
+		{[]string{"train", "--nproc-per-node", "0"}, 2, "--nproc-per-node 0: want at least 1"},
+		{[]string{"train", "--config", missing}, 1, "no such file or directory"},
+		{[]string{"init", "--out", out, "--arch", "gpt2"}, 2, `unknown architecture "gpt2"`},
+		{[]string{"init", "--out", out, "--layers", "0"}, 2, "--layers 0: want positive numbers"},
+		{[]string{"plan"}, 2, "--config is required"},
+		{[]string{"plot", "--out", out}, 2, "--run DIR is required"},
+	} {
+		var stderr bytes.Buffer
+		code := commands.Run(tc.args, io.Discard, &stderr)
+		if code != tc.code || !strings.Contains(stderr.String(), tc.want) {
+			t.Errorf("student %s: exit %d, want %d; stderr %q lacks %q", strings.Join(tc.args, " "), code, tc.code, stderr.String(), tc.want)
+		}
+	}
+}
