@@ -26,6 +26,7 @@ import (
 	reflectpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 	"google.golang.org/grpc/status"
 
+	"distill/data"
 	"distill/internal/teacherdial"
 	pb "distill/proto/distill/v1"
 	"google.golang.org/protobuf/proto"
@@ -492,6 +493,38 @@ func TestFillInterruptedSaysSo(t *testing.T) {
 		onChunk: func(Worker, *pb.FillResponse) { cancel() }})
 	if err == nil || strings.Contains(err.Error(), "no teacher could take them") || !strings.Contains(err.Error(), "interrupted") {
 		t.Fatalf("interrupted fill: %v", err)
+	}
+	if !errors.Is(err, ErrFill) || !errors.Is(err, context.Canceled) || strings.HasPrefix(err.Error(), "fill") {
+		t.Errorf("interrupted fill: %v: want an ErrFill wrapping the context's cause, not prefixed with fill", err)
+	}
+}
+
+// TestFillErrorsSayFillOnce: RunFill's errors are ErrFill (errors.Is)
+// without "fill: " in their text: the command that runs the fill names it
+// (it said "cachectl fill: fill: ..."); what they wrap stays visible.
+func TestFillErrorsSayFillOnce(t *testing.T) {
+	mdir := tinyModel(t)
+	dir := t.TempDir()
+	path, _ := writeIDsDataset(t, dir, 6, 10, 512, 5)
+	c, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := Local(c)
+	defer w.Close()
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	_, err = RunFill(context.Background(), []Worker{w}, FillPlan{Dataset: ds, End: 100})
+	if want := "range [0, 100) goes beyond the dataset's 6 samples: lower --end"; !errors.Is(err, ErrFill) || err.Error() != want {
+		t.Errorf("--end past the dataset: %v, want ErrFill %q", err, want)
+	}
+	// A bad record, in process: the data package's error stays wrapped
+	// (cachectl fill adds its --skip-bad hint by it).
+	bad := filepath.Join(dir, "bad.jsonl")
+	os.WriteFile(bad, []byte("{\"input_ids\": [1, 2, 3]}\n{nope\n"), 0o644)
+	ds = &pb.Dataset{Sources: []*pb.DataSource{{Path: bad}}, Pretokenized: true}
+	_, err = RunFill(context.Background(), []Worker{w}, FillPlan{Dataset: ds, ChunkSamples: 1})
+	if !errors.Is(err, ErrFill) || !errors.Is(err, data.ErrBadRecord) || strings.Contains(err.Error(), "fill: ") {
+		t.Errorf("a bad record: %v, want ErrFill wrapping data.ErrBadRecord, without fill in its text", err)
 	}
 }
 

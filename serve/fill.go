@@ -18,9 +18,19 @@ import (
 	pb "distill/proto/distill/v1"
 )
 
-// ErrFill marks a fill the driver could not complete; the message says
-// which teacher, chunk or check failed and what to do.
+// ErrFill marks (errors.Is) a fill the driver could not complete; the
+// message says which teacher, chunk or check failed and what to do. Its
+// own text is not in the message: the command that runs the fill names it
+// ("cachectl fill: teacher a:7070: ..."), and a "fill: " of the driver's
+// after that said it twice ("cachectl fill: fill: teacher a:7070: ...").
 var ErrFill = errors.New("fill")
+
+// fillError is an ErrFill whose message is err's alone.
+type fillError struct{ err error }
+
+func (e *fillError) Error() string        { return e.err.Error() }
+func (e *fillError) Unwrap() error        { return e.err }
+func (e *fillError) Is(target error) bool { return target == ErrFill }
 
 // FillPlan is what `cachectl fill` asks for.
 type FillPlan struct {
@@ -95,9 +105,8 @@ type FillSummary struct {
 	DatasetSamples     int64
 }
 
-func fillErr(format string, a ...any) error {
-	return fmt.Errorf("%w: "+format, append([]any{ErrFill}, a...)...)
-}
+// fillErr is an ErrFill of fmt.Errorf(format, a...) (%w wraps as there).
+func fillErr(format string, a ...any) error { return &fillError{fmt.Errorf(format, a...)} }
 
 func msg(err error) string { return status.Convert(err).Message() }
 
@@ -602,7 +611,7 @@ func (d *fillDispatch) retry(w Worker, r cache.Range, err error, down *atomic.In
 	if permanent(w, err) {
 		what := fmt.Sprintf("chunk [%d, %d)", r.Start, r.End)
 		if isLocal(w) { // the core's own error, wrapped: its kind stays visible (errors.Is)
-			d.abort(fmt.Errorf("%w: %s: %w", ErrFill, what, err))
+			d.abort(fillErr("%s: %w", what, err))
 			return false
 		}
 		d.abort(fillErr("%s", failure(w, what, err)))
@@ -740,7 +749,7 @@ func (d *fillDispatch) result(ctx context.Context) error {
 	if ctx.Err() != nil {
 		// Not our cancel (that comes only with nothing left or with
 		// fatal set): the caller's context ended (Ctrl-C, deadline).
-		return fmt.Errorf("%w: interrupted (%w) with %d chunks left undone; re-run the same command to resume", ErrFill, context.Cause(ctx), left)
+		return fillErr("interrupted (%w) with %d chunks left undone; re-run the same command to resume", context.Cause(ctx), left)
 	}
 	var why []string
 	for k, v := range d.lastErr {

@@ -1,11 +1,15 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"io"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	"distill/internal/cli"
 	"distill/serve"
 )
 
@@ -42,6 +46,39 @@ func TestFillErrorsNameTheFix(t *testing.T) {
 		_, err := runFill(t, append(local, "--k", k)...)
 		if want := "--k " + k + ": want 1 <= k <= 64 (the teacher's vocab size), or 0 for the default 64"; err == nil || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "k max") {
 			t.Errorf("fill --k %s on a vocab-64 model: %v\nwant %q", k, err, want)
+		}
+	}
+}
+
+// TestFillErrorsSayFillOnce: a failed fill's message names the command
+// once ("cachectl fill: range ...", not "cachectl fill: fill: range
+// ..."), and a bad record still gets the --skip-bad hint (its
+// data.ErrBadRecord is seen through the fill's error).
+func TestFillErrorsSayFillOnce(t *testing.T) {
+	dir := t.TempDir()
+	mdir := fillModel(t, 64)
+	dpath := filepath.Join(dir, "ids.jsonl")
+	writeIDs(t, dpath, idSamples(6, 64))
+	bad := filepath.Join(dir, "bad.jsonl")
+	os.WriteFile(bad, []byte("{\"input_ids\": [1, 2, 3]}\n{nope\n"), 0o644)
+	r := cli.New("cachectl")
+	r.Register(&cli.Command{Name: "fill", Run: func(args []string) error {
+		return fillMain(context.Background(), args, io.Discard, io.Discard)
+	}})
+	local := []string{"fill", "--model", mdir, "--pretokenized", "--chunk", "3", "--device", "cpu"}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{append(local, "--cache", filepath.Join(dir, "c1"), "--data", dpath, "--end", "100"),
+			"cachectl fill: range [0, 100) goes beyond the dataset's 6 samples: lower --end\n"},
+		{append(local, "--cache", filepath.Join(dir, "c2"), "--data", bad),
+			"add --skip-bad to store bad records as empty samples"},
+	} {
+		var stderr bytes.Buffer
+		code := r.Run(tc.args, io.Discard, &stderr)
+		if got := stderr.String(); code != 1 || !strings.Contains(got, tc.want) || strings.Count(got, "fill: ") != 1 {
+			t.Errorf("cachectl %s: exit %d, stderr %q: want 1, %q and fill named once", strings.Join(tc.args, " "), code, got, tc.want)
 		}
 	}
 }
