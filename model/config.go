@@ -16,10 +16,24 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"strings"
 )
 
 // ErrConfig marks an unsupported or inconsistent config.json.
 var ErrConfig = errors.New("model: config")
+
+// ConfigProblem is what an ErrConfig error of ParseConfig or Preset says
+// is wrong, without the "model: config: " it starts with ("hidden_size 30
+// is not divisible by num_attention_heads 4"), for a caller that names
+// the config itself: the trainer's model.random said "trainer: bad
+// config: model.random: model: config: ...". ok is false for an error
+// that is not one (LoadConfig's name the file first: keep those whole).
+func ConfigProblem(err error) (problem string, ok bool) {
+	if !errors.Is(err, ErrConfig) {
+		return "", false
+	}
+	return strings.CutPrefix(err.Error(), ErrConfig.Error()+": ")
+}
 
 // Arch names an architecture family.
 type Arch string

@@ -1079,6 +1079,16 @@ func (c *Config) ValidateEval() error {
 	return c.validateDistill()
 }
 
+// modelConfigErr is an ErrConfig naming key for err, an error of package
+// model's config checks: what model says is wrong, without its "model:
+// config: " (ErrConfig has said config already).
+func modelConfigErr(key string, err error) error {
+	if p, ok := model.ConfigProblem(err); ok {
+		return fmt.Errorf("%w: %s: %s", ErrConfig, key, p)
+	}
+	return fmt.Errorf("%w: %s: %w", ErrConfig, key, err)
+}
+
 // ModelConfig resolves the random architecture over model.Preset(arch).
 func (r *RandomModel) ModelConfig() (*model.Config, error) {
 	if r.Arch == "" {
@@ -1086,7 +1096,7 @@ func (r *RandomModel) ModelConfig() (*model.Config, error) {
 	}
 	cfg, err := model.Preset(model.Arch(r.Arch))
 	if err != nil {
-		return nil, fmt.Errorf("%w: model.random.arch: %w", ErrConfig, err)
+		return nil, modelConfigErr("model.random.arch", err)
 	}
 	for _, f := range []struct {
 		key string
@@ -1151,11 +1161,11 @@ func (r *RandomModel) ModelConfig() (*model.Config, error) {
 	cfg.RopeScaling = nil
 	js, err := cfg.JSON()
 	if err != nil {
-		return nil, fmt.Errorf("%w: model.random: %w", ErrConfig, err)
+		return nil, modelConfigErr("model.random", err)
 	}
 	out, err := model.ParseConfig(js)
 	if err != nil {
-		return nil, fmt.Errorf("%w: model.random: %w", ErrConfig, err)
+		return nil, modelConfigErr("model.random", err)
 	}
 	return out, nil
 }

@@ -85,3 +85,32 @@ func TestConfigUnknownKeys(t *testing.T) {
 		}
 	}
 }
+
+// TestConfigErrorsSayConfigOnce: a bad value of the config says "bad
+// config" once, the key once, and what is wrong; a model.random value
+// that package model refuses no longer says config twice ("trainer: bad
+// config: model.random: model: config: ...").
+func TestConfigErrorsSayConfigOnce(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(p, []byte("run_dir: x\ndata: {cache: [z]}\nmodel:\n  random: {arch: qwen3, num_attention_heads: 4, num_key_value_heads: 2}\n"), 0o644)
+	if _, err := LoadConfig(p, nil); err != nil {
+		t.Fatal(err)
+	}
+	for over, want := range map[string]string{
+		"model.random.num_attention_heads=3": "trainer: bad config: model.random: num_attention_heads 3 is not a multiple of num_key_value_heads 2",
+		"model.random.arch=gpt2":             `trainer: bad config: model.random.arch: unknown architecture "gpt2": want llama, qwen2, qwen3 or qwen3_moe`,
+		"model.random.head_dim=7":            "trainer: bad config: model.random: head_dim 7 must be positive and even (RoPE rotates pairs)",
+		"model.random.hidden_size=-3":        "trainer: bad config: model.random.hidden_size: -3: want > 0",
+		"optim.lr=-1":                        "trainer: bad config: optim: invalid configuration: lr -1",
+		"distill.kd_loss=kl":                 `trainer: bad config: distill: loss: invalid input: kd_loss "kl": want fwd_kl, rev_kl or jsd`,
+	} {
+		_, err := LoadConfig(p, []string{over})
+		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), want) {
+			t.Errorf("--set %s: %v\nwant ErrConfig and %q", over, err, want)
+			continue
+		}
+		if msg := err.Error(); strings.Count(msg, "bad config") != 1 || strings.Count(msg, "config: ") != 1 {
+			t.Errorf("--set %s: %q says config more than once", over, msg)
+		}
+	}
+}

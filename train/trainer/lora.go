@@ -122,7 +122,10 @@ func loraRandom(mc *model.Config, seed uint64, std float64, be compute.Backend, 
 	s, err := train.NewLoRAStudentOn(mc, be, func(name string) ([]float32, error) {
 		v, ok := w[name]
 		if !ok {
-			return nil, fmt.Errorf("%w: random init has no tensor %s", ErrConfig, name)
+			// No ErrConfig here: the wrap below adds it, and this error
+			// comes back through it ("trainer: bad config: trainer: bad
+			// config: random init has no tensor ...").
+			return nil, fmt.Errorf("random init has no tensor %s", name)
 		}
 		return v, nil
 	}, lc)
