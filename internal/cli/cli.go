@@ -4,6 +4,7 @@
 package cli
 
 import (
+	"bytes"
 	"errors"
 	"flag"
 	"fmt"
@@ -163,8 +164,23 @@ func Usagef(format string, a ...any) error { return Usage(fmt.Errorf(format, a..
 // meant ("flag provided but not defined: -cahce (did you mean --cache?)").
 // Its errors are *UsageErrors (exit 2), but for -h and --help, which are
 // flag.ErrHelp itself, unwrapped (exit 0).
+//
+// The flag set still prints its usage on an error, but not the error: the
+// command prints that, named ("cachectl fill: flag provided but not
+// defined: -cahce (did you mean --cache?)"), and the flag package's own
+// line said it a first time, unnamed and without the suggestion.
 func ParseFlags(fs *flag.FlagSet, args []string) error {
+	out := fs.Output()
+	var buf bytes.Buffer
+	fs.SetOutput(&buf)
 	err := fs.Parse(args)
+	fs.SetOutput(out)
+	printed := buf.Bytes()
+	if err != nil && err != flag.ErrHelp {
+		// The flag package prints err's text and a newline, then the usage.
+		printed = bytes.TrimPrefix(printed, []byte(err.Error()+"\n"))
+	}
+	out.Write(printed)
 	if err == nil || err == flag.ErrHelp {
 		return err
 	}

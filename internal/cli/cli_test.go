@@ -183,7 +183,26 @@ func TestParseFlags(t *testing.T) {
 			t.Errorf("%v: %v suggests a flag that is not near", tc.args, err)
 		}
 	}
+	// The flag set prints its usage, but not the error (the command prints
+	// it, named): it was said twice.
 	fs, _ := mk()
+	var out bytes.Buffer
+	fs.SetOutput(&out)
+	if err := ParseFlags(fs, []string{"--cahce", "d"}); err == nil || strings.Contains(out.String(), "not defined") || !strings.Contains(out.String(), "-max-len int") {
+		t.Errorf("--cahce: %v, the flag set printed %q: want its usage alone", err, out.String())
+	}
+	out.Reset()
+	if err := ParseFlags(fs, []string{"--max-len", "x"}); err == nil || strings.Contains(out.String(), "invalid value") || !strings.Contains(out.String(), "-max-len int") {
+		t.Errorf("--max-len x: %v, the flag set printed %q: want its usage alone", err, out.String())
+	}
+	out.Reset()
+	if err := ParseFlags(fs, []string{"-h"}); err != flag.ErrHelp || !strings.Contains(out.String(), "-max-len int") {
+		t.Errorf("-h: %v, printed %q: want flag.ErrHelp and the usage", err, out.String())
+	}
+	if fs.Output() != &out {
+		t.Errorf("ParseFlags changed the flag set's output")
+	}
+	fs, _ = mk()
 	if err := ParseFlags(fs, []string{"-h"}); err != flag.ErrHelp {
 		t.Errorf("-h: %v, want flag.ErrHelp itself", err)
 	}
