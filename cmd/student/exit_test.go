@@ -32,6 +32,7 @@ func TestExitStatus(t *testing.T) {
 		{[]string{"train", "--nproc-per-node", "2", "extra"}, 2, "unexpected arguments [extra]"},
 		{[]string{"train", "--nproc-per-node", "0"}, 2, "--nproc-per-node 0: want at least 1"},
 		{[]string{"train", "--config", missing}, 1, "no such file or directory"},
+		{[]string{"train"}, 2, "student train: --config FILE is required"},
 		{[]string{"init", "--out", out, "--arch", "gpt2"}, 2, `unknown architecture "gpt2"`},
 		{[]string{"init", "--out", out, "--layers", "0"}, 2, "--layers 0: want positive numbers"},
 		{[]string{"plan"}, 2, "--config is required"},

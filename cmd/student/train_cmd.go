@@ -92,6 +92,9 @@ func runTrain(args []string) error {
 	if given["device"] {
 		sets = append(sets, "train.device="+*dev)
 	}
+	if *config == "" && len(sets) == 0 {
+		return cli.Usagef("--config FILE is required (examples/train.yaml documents every key; --set key=value overrides one)")
+	}
 	// SIGTERM (preemption) or Ctrl-C: finish or abandon the step, write a
 	// checkpoint, exit 128+signal saying how to resume. A second signal
 	// exits at once. The handler is in place before anything slow happens.
