@@ -57,7 +57,7 @@ func runEval(args []string) error {
 	defer func() { trainer.EvalProgress = nil }()
 	// Loss flags are sugar for config overrides, so they are validated with
 	// the config and their errors name the key.
-	var sets, flagged []string
+	var sets, flagged, given []string
 	fs.Visit(func(f *flag.Flag) {
 		key := lossFlags[f.Name]
 		if key == "" {
@@ -69,6 +69,7 @@ func runEval(args []string) error {
 		}
 		sets = append(sets, "distill."+key+"="+v)
 		flagged = append(flagged, "--"+f.Name)
+		given = append(given, "--"+f.Name+" "+f.Value.String())
 	})
 	// Without --config, the loss is the one the run was trained under
 	// (its checkpoint's state.json and config.yaml), the flags over it.
@@ -88,7 +89,11 @@ func runEval(args []string) error {
 	if len(flagged) > 0 {
 		lossFrom = strings.Join(flagged, " ") + " over " + lossFrom
 	}
-	c, err := trainer.LoadEvalConfig(*config, sets)
+	what := "" // the flags as the user gave them, in errors
+	if len(given) > 0 {
+		what = strings.Join(given, " ") + strings.TrimPrefix(lossFrom, strings.Join(flagged, " "))
+	}
+	c, err := trainer.LoadEvalConfigAs(*config, sets, what)
 	if err != nil {
 		return err
 	}

@@ -252,6 +252,15 @@ log: {progress: "off", tensorboard: false}
 	if from, _ := m["distill_from"].(string); !strings.HasPrefix(from, "--tail --temperature over the training run") {
 		t.Errorf("distill_from %q", from)
 	}
+	// A bad flag over the run's loss: the error names the flags as given
+	// and where the rest came from, not the run's keys as --set flags the
+	// user never typed (it said "--set distill.kd_loss=... --set
+	// distill.tail=... --set distill.kd_loss=\"bogus\"").
+	err = runEval(append([]string{"--checkpoint", run, "--kd-loss", "bogus"}, base...))
+	if err == nil || !strings.Contains(err.Error(), "--kd-loss bogus over the training run (") || strings.Contains(err.Error(), "--set") ||
+		strings.Count(err.Error(), "kd_loss") != 1 {
+		t.Errorf("--kd-loss bogus over the run's loss: %v", err)
+	}
 	// The text output names the loss and its source.
 	var out bytes.Buffer
 	stdout = &out

@@ -456,7 +456,7 @@ func Defaults() Config {
 // ("key.path=value", the value parsed as YAML), and validates it. An
 // unknown key is an error naming the file and line.
 func LoadConfig(path string, overrides []string) (*Config, error) {
-	return loadConfig(path, overrides, (*Config).Validate)
+	return loadConfig(path, overrides, "", (*Config).Validate)
 }
 
 // LoadEvalConfig reads a config for evaluating a checkpoint (`student
@@ -466,10 +466,20 @@ func LoadConfig(path string, overrides []string) (*Config, error) {
 // a whole training config works too, and with no file (path "") the
 // overrides alone are applied over the defaults.
 func LoadEvalConfig(path string, overrides []string) (*Config, error) {
-	return loadConfig(path, overrides, (*Config).ValidateEval)
+	return loadConfig(path, overrides, "", (*Config).ValidateEval)
 }
 
-func loadConfig(path string, overrides []string, validate func(*Config) error) (*Config, error) {
+// LoadEvalConfigAs is LoadEvalConfig whose validation error names the
+// overrides as what (e.g. "--kd-loss rev_kl over the training run's loss")
+// instead of listing them as --set flags: `student eval` puts the run's
+// own loss keys before the user's flags, keys the user never typed.
+func LoadEvalConfigAs(path string, overrides []string, what string) (*Config, error) {
+	return loadConfig(path, overrides, what, (*Config).ValidateEval)
+}
+
+// loadConfig is LoadConfig with the validation validate; what, when not
+// "", names the overrides in its error.
+func loadConfig(path string, overrides []string, what string, validate func(*Config) error) (*Config, error) {
 	var root yaml.Node
 	var src []byte // the file's text
 	if path != "" {
@@ -536,6 +546,9 @@ func loadConfig(path string, overrides []string, validate func(*Config) error) (
 		if len(overrides) > 0 {
 			// The flags may be what made it invalid: name them too.
 			where = "--set " + strings.Join(overrides, " --set ")
+			if what != "" {
+				where = what
+			}
 			if path != "(flags)" {
 				where = path + " with " + where
 			}
