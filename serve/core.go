@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"sort"
 	"sync"
+	"syscall"
 	"time"
 
 	"go.uber.org/zap"
@@ -124,22 +125,50 @@ type openDataset struct {
 	evicted bool
 }
 
-// checkCacheDir refuses a cache path that cannot be a directory, so that
-// the daemon fails at startup rather than at its first Fill. A missing
-// directory is fine: the first fill creates it.
+// checkCacheDir refuses a cache path that cannot be a directory, or that
+// this process cannot write, so that the daemon fails at startup rather
+// than at its first Fill (a read-only cache answered every Fill with an
+// internal error, after the teacher had loaded). A missing directory is
+// fine when the nearest directory above it that exists is writable: the
+// first fill creates it there.
 func checkCacheDir(dir string) error {
 	if dir == "" {
 		return nil
 	}
 	st, err := os.Stat(dir)
+	probe := dir
 	switch {
-	case errors.Is(err, os.ErrNotExist):
-		return nil
+	case errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ENOTDIR):
+		// The first fill's MkdirAll creates dir below its nearest existing
+		// ancestor: that is the directory that must be writable.
+		for probe = filepath.Dir(dir); ; probe = filepath.Dir(probe) {
+			st, err := os.Stat(probe)
+			if err == nil && !st.IsDir() {
+				return fmt.Errorf("%w: --cache %s: %s is a file, not a directory: give a cache path under a directory", ErrConfig, dir, probe)
+			}
+			if err == nil || probe == filepath.Dir(probe) {
+				break
+			}
+		}
 	case err != nil:
 		return fmt.Errorf("%w: --cache %s: %v", ErrConfig, dir, err)
 	case !st.IsDir():
 		return fmt.Errorf("%w: --cache %s is a file, not a directory: give a directory (a missing one is created at the first fill)", ErrConfig, dir)
 	}
+	// Writing a file is the only sure test: permissions, a read-only
+	// mount, an immutable directory and root's exemptions all decide it.
+	f, err := os.CreateTemp(probe, ".write-probe-*")
+	if err != nil {
+		err = unwrapPath(err) // the probe's own name means nothing to the user
+		where := "it"
+		if probe != dir {
+			where = "the directory it would be created in, " + probe + ","
+		}
+		return fmt.Errorf("%w: --cache %s: %s is not writable (%v): fills write the cache, so give a directory this process can write, or start without --cache to serve Score only",
+			ErrConfig, dir, where, err)
+	}
+	f.Close()
+	os.Remove(f.Name())
 	return nil
 }
 

@@ -8,6 +8,8 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -16,6 +18,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"gopkg.in/yaml.v3"
 
+	"distill/cache"
 	"distill/compute/device"
 	"distill/infer"
 	"distill/model"
@@ -170,8 +173,12 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	}
 	// The model's config.json too, so that a mistyped --model fails
 	// before the port is bound (the weights load after, NOT_SERVING).
-	if _, err := model.LoadConfig(cfg.Model); err != nil {
+	mc, err := model.LoadConfig(cfg.Model)
+	if err != nil {
 		return nil, fmt.Errorf("%w: --model %s: %w", ErrConfig, cfg.Model, err)
+	}
+	if err := cfg.checkValues(mc.VocabSize); err != nil {
+		return nil, err
 	}
 	roots, err := NewDataRoots(cfg.DataRoots)
 	if err != nil {
@@ -184,7 +191,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if cfg.TokenFile != "" {
 		b, err := os.ReadFile(cfg.TokenFile)
 		if err != nil {
-			return nil, fmt.Errorf("%w: token file: %v", ErrConfig, err)
+			return nil, fmt.Errorf("%w: --token-file %s: %v: give the file that holds the bearer token clients send (one line), or no --token-file for no authentication", ErrConfig, cfg.TokenFile, unwrapPath(err))
 		}
 		so.Token = string(trimSpace(b))
 		if so.Token == "" {
@@ -200,7 +207,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	}
 	d := &Daemon{cfg: cfg, log: log}
 	if d.lis, err = net.Listen("tcp", cfg.Listen); err != nil {
-		return nil, fmt.Errorf("listen %s: %w", cfg.Listen, err)
+		return nil, listenError("--listen", cfg.Listen, err)
 	}
 	// Checked on the bound address: a host name or an empty host ("":7070,
 	// every interface) is judged by what the socket really listens on.
@@ -214,6 +221,27 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 			log.Warn("listening beyond loopback without a bearer token", zap.String("addr", d.lis.Addr().String()), zap.Bool("tls", cfg.TLSCert != ""), zap.Bool("insecure", cfg.Insecure))
 		}
 	}
+	// The metrics port is bound before the model loads too: a port in
+	// use must not cost a teacher's load (minutes for a large one). It
+	// answers 503 until the model is loaded.
+	var metricsReady atomic.Pointer[http.Handler]
+	if cfg.Metrics != "off" {
+		if d.mlis, err = net.Listen("tcp", cfg.Metrics); err != nil {
+			d.lis.Close()
+			return nil, listenError("--metrics", cfg.Metrics, err)
+		}
+		mux := http.NewServeMux()
+		mux.HandleFunc("/metrics", func(w http.ResponseWriter, r *http.Request) {
+			h := metricsReady.Load()
+			if h == nil {
+				http.Error(w, "teacherd is loading the model", http.StatusServiceUnavailable)
+				return
+			}
+			(*h).ServeHTTP(w, r)
+		})
+		d.metrics = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		go d.metrics.Serve(d.mlis)
+	}
 	d.gs, d.srv = NewGRPCServer(so)
 	go d.gs.Serve(d.lis)
 	log.Info("listening (loading the model: health NOT_SERVING)", zap.String("addr", d.Addr()), zap.Bool("tls", cfg.TLSCert != ""), zap.Bool("auth", so.Token != ""),
@@ -223,19 +251,15 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 		Logger: log})
 	if err != nil {
 		d.gs.Stop()
+		if d.metrics != nil {
+			d.metrics.Close()
+		}
 		return nil, err
 	}
 	d.core = core
-	if cfg.Metrics != "off" {
-		if d.mlis, err = net.Listen("tcp", cfg.Metrics); err != nil {
-			d.gs.Stop()
-			core.Close()
-			return nil, fmt.Errorf("metrics listen %s: %w", cfg.Metrics, err)
-		}
-		mux := http.NewServeMux()
-		mux.Handle("/metrics", promhttp.HandlerFor(core.met.reg, promhttp.HandlerOpts{}))
-		d.metrics = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-		go d.metrics.Serve(d.mlis)
+	if d.metrics != nil {
+		h := promhttp.HandlerFor(core.met.reg, promhttp.HandlerOpts{})
+		metricsReady.Store(&h)
 		log.Info("metrics", zap.String("addr", "http://"+d.MetricsAddr()+"/metrics"))
 	}
 	d.srv.SetCore(core)
@@ -267,6 +291,75 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 	}
 	errs = append(errs, d.core.Close())
 	return errors.Join(errs...)
+}
+
+// checkValues refuses the settings no daemon can run with, before
+// anything is bound or loaded (a bad value used to be found after the
+// weights had loaded, or never: a negative max_concurrent lifted the
+// bound, a negative queue size took the default). vocab is the model's,
+// from its config.json.
+func (c *Config) checkValues(vocab int) error {
+	for _, v := range []struct {
+		flag, dflt string
+		n          int
+	}{
+		{"--token-budget", "8192", c.TokenBudget},
+		{"--max-concurrent", "64", c.MaxConcurrent},
+		{"--queue-samples", "1024", c.QueueSamples},
+		{"--queue-tokens", "8 token budgets", c.QueueTokens},
+	} {
+		if v.n < 0 {
+			return fmt.Errorf("%w: %s %d: want a positive number (0 or none: the default, %s)", ErrConfig, v.flag, v.n, v.dflt)
+		}
+	}
+	if c.MaxDraws < 0 || c.MaxDraws > cache.MaxDraws {
+		return fmt.Errorf("%w: --max-draws %d: want 1 to %d draws a position (0 or none: the default, %d)", ErrConfig, c.MaxDraws, cache.MaxDraws, DefaultMaxDraws)
+	}
+	if c.DrainTimeout < 0 {
+		return fmt.Errorf("%w: --drain-timeout %v: want a positive duration, e.g. 30s", ErrConfig, c.DrainTimeout)
+	}
+	// The k bounds as NewCore sets and checks them, from the vocabulary
+	// config.json gives, so that they fail before the weights load.
+	o := CoreOptions{KMax: c.KMax, KDefault: c.KDefault}
+	if o.KMax == 0 {
+		o.KMax = min(vocab, 4096)
+	}
+	if o.KDefault == 0 {
+		o.KDefault = min(DefaultKDefault, o.KMax)
+	}
+	return checkK(o, vocab)
+}
+
+// listenError says which flag's address could not be bound, and what to
+// do about it.
+func listenError(flag, addr string, err error) error {
+	var oe *net.OpError
+	if errors.As(err, &oe) {
+		err = oe.Err // "bind: address already in use", without the address again
+	}
+	var ae *net.AddrError
+	var de *net.DNSError
+	switch {
+	case errors.Is(err, syscall.EADDRINUSE):
+		return fmt.Errorf("%w: %s %s: %v: another process (another teacherd?) listens there: stop it, or give another %s address", ErrConfig, flag, addr, err, flag)
+	case errors.Is(err, syscall.EACCES):
+		return fmt.Errorf("%w: %s %s: %v: ports below 1024 need root (or CAP_NET_BIND_SERVICE): give a port above 1023", ErrConfig, flag, addr, err)
+	case errors.As(err, &de):
+		return fmt.Errorf("%w: %s %s: %v: give a host name this machine resolves, or an IP address", ErrConfig, flag, addr, err)
+	case errors.As(err, &ae):
+		return fmt.Errorf("%w: %s %s: %v: want HOST:PORT, e.g. 127.0.0.1:7070", ErrConfig, flag, addr, err)
+	}
+	return fmt.Errorf("%w: %s %s: %v", ErrConfig, flag, addr, err)
+}
+
+// unwrapPath drops an *os.PathError's operation and path, which the
+// message around it names already.
+func unwrapPath(err error) error {
+	var pe *os.PathError
+	if errors.As(err, &pe) {
+		return pe.Err
+	}
+	return err
 }
 
 func trimSpace(b []byte) []byte {

@@ -36,22 +36,22 @@ func NewDataRoots(dirs []string) (*DataRoots, error) {
 	r := &DataRoots{}
 	for _, d := range dirs {
 		if d == "" {
-			return nil, fmt.Errorf("%w: --data-root: empty path", ErrInvalid)
+			return nil, fmt.Errorf("%w: --data-root: empty path", ErrConfig)
 		}
 		abs, err := filepath.Abs(d)
 		if err != nil {
-			return nil, fmt.Errorf("%w: --data-root %s: %v", ErrInvalid, d, err)
+			return nil, fmt.Errorf("%w: --data-root %s: %v", ErrConfig, d, err)
 		}
 		real, err := filepath.EvalSymlinks(abs)
 		if err != nil {
-			return nil, fmt.Errorf("%w: --data-root %s: %v (give an existing directory)", ErrInvalid, d, err)
+			return nil, fmt.Errorf("%w: --data-root %s: %v (give an existing directory)", ErrConfig, d, unwrapPath(err))
 		}
 		st, err := os.Stat(real)
 		if err != nil {
-			return nil, fmt.Errorf("%w: --data-root %s: %v", ErrInvalid, d, err)
+			return nil, fmt.Errorf("%w: --data-root %s: %v", ErrConfig, d, err)
 		}
 		if !st.IsDir() {
-			return nil, fmt.Errorf("%w: --data-root %s is not a directory: give the directory that holds the datasets", ErrInvalid, d)
+			return nil, fmt.Errorf("%w: --data-root %s is not a directory: give the directory that holds the datasets", ErrConfig, d)
 		}
 		r.dirs = append(r.dirs, real)
 	}

@@ -1,0 +1,173 @@
+package serve
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// unwritableDir is a directory this process cannot create files in: a
+// 0555 directory, or, for root (whom permissions do not bind), /sys.
+func unwritableDir(t *testing.T) string {
+	t.Helper()
+	writable := func(d string) bool {
+		f, err := os.CreateTemp(d, "probe-")
+		if err != nil {
+			return false
+		}
+		f.Close()
+		os.Remove(f.Name())
+		return true
+	}
+	d := t.TempDir()
+	if err := os.Chmod(d, 0o555); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.Chmod(d, 0o755) })
+	if writable(d) {
+		d = "/sys"
+		if writable(d) {
+			t.Skip("no directory this process cannot write")
+		}
+	}
+	return d
+}
+
+// weightlessModel is a checkpoint directory with the tiny model's
+// config.json and no weights: a daemon started on it fails when it loads
+// the weights, so an error about anything else came before the load.
+func weightlessModel(t *testing.T) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(tinyModel(t), "config.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "config.json"), b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// startErr starts a daemon that must fail, and returns its error.
+func startErr(t *testing.T, cfg Config) error {
+	t.Helper()
+	if cfg.Listen == "" {
+		cfg.Listen = "127.0.0.1:0"
+	}
+	if cfg.Metrics == "" {
+		cfg.Metrics = "off"
+	}
+	d, err := Start(cfg, nil)
+	if err == nil {
+		d.Shutdown(context.Background())
+		t.Fatalf("%+v: the daemon started", cfg)
+	}
+	return err
+}
+
+// TestCacheDirNotWritable: a --cache this process cannot write (or whose
+// nearest existing parent it cannot write, for a cache the first fill
+// creates) fails at startup, naming the flag; it used to start, load the
+// teacher and answer every Fill with an internal error.
+func TestCacheDirNotWritable(t *testing.T) {
+	ro := unwritableDir(t)
+	for _, c := range []struct{ dir, want string }{
+		{ro, "--cache " + ro + ": it is not writable"},
+		{filepath.Join(ro, "a", "cache"), "the directory it would be created in, " + ro + ", is not writable"},
+	} {
+		err := startErr(t, Config{Model: weightlessModel(t), Cache: c.dir})
+		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "give a directory this process can write") {
+			t.Errorf("--cache %s: %v", c.dir, err)
+		}
+		if _, err := NewCore(CoreOptions{ModelDir: tinyModel(t), CacheDir: c.dir, InProcess: true}); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("cachectl fill --model --cache %s: %v", c.dir, err)
+		}
+	}
+	// A writable cache, missing or there, starts; the probe leaves nothing.
+	parent := t.TempDir()
+	for _, dir := range []string{filepath.Join(parent, "new", "cache"), parent} {
+		d, err := Start(Config{Model: tinyModel(t), Cache: dir, Listen: "127.0.0.1:0", Metrics: "off"}, nil)
+		if err != nil {
+			t.Fatalf("--cache %s: %v", dir, err)
+		}
+		d.Shutdown(context.Background())
+	}
+	if ents, _ := os.ReadDir(parent); len(ents) != 0 {
+		t.Errorf("the startup check left %v in the cache's parent", ents)
+	}
+	file := filepath.Join(parent, "file")
+	os.WriteFile(file, []byte("x"), 0o644)
+	if err := startErr(t, Config{Model: tinyModel(t), Cache: filepath.Join(file, "cache")}); !strings.Contains(err.Error(), file+" is a file, not a directory") {
+		t.Errorf("--cache FILE/cache: %v", err)
+	}
+}
+
+// TestBadValuesBeforeLoading: settings no daemon can run with fail
+// before the port is bound and the weights load (the model has none
+// here, so a later check would report those instead), naming the flag.
+// A negative max_concurrent used to lift the RPC bound, a negative queue
+// size to take the default, and a k or draws out of range to fail only
+// once the weights had loaded.
+func TestBadValuesBeforeLoading(t *testing.T) {
+	m := weightlessModel(t) // vocab 512
+	for _, c := range []struct {
+		cfg  Config
+		want string
+	}{
+		{Config{MaxConcurrent: -1}, "--max-concurrent -1: want a positive number"},
+		{Config{QueueSamples: -1}, "--queue-samples -1"},
+		{Config{QueueTokens: -5}, "--queue-tokens -5"},
+		{Config{TokenBudget: -5}, "--token-budget -5"},
+		{Config{MaxDraws: 99999}, "--max-draws 99999: want 1 to 4096"},
+		{Config{MaxDraws: -1}, "--max-draws -1"},
+		{Config{KMax: 1000}, "--k-max 1000: want 1 <= k-max <= 512"},
+		{Config{KDefault: 600}, "--k-default 600: want 1 <= k-default <= 512"},
+		{Config{DrainTimeout: -time.Second}, "--drain-timeout -1s"},
+	} {
+		c.cfg.Model = m
+		err := startErr(t, c.cfg)
+		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%+v: %v, want %q", c.cfg, err, c.want)
+		}
+	}
+	// A token file that is not there names its flag.
+	missing := filepath.Join(t.TempDir(), "token")
+	if err := startErr(t, Config{Model: m, TokenFile: missing}); !strings.Contains(err.Error(), "--token-file "+missing+": no such file or directory: give the file that holds the bearer token") {
+		t.Errorf("--token-file missing: %v", err)
+	}
+}
+
+// TestPortsInUseBeforeLoading: a --listen or --metrics address another
+// process holds fails before the weights load (the metrics port used to
+// be bound after, so a busy one cost a whole load), naming the flag and
+// the fix.
+func TestPortsInUseBeforeLoading(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	taken := l.Addr().String()
+	m := weightlessModel(t)
+	for _, c := range []struct {
+		cfg  Config
+		flag string
+	}{
+		{Config{Model: m, Listen: taken}, "--listen"},
+		{Config{Model: m, Metrics: taken}, "--metrics"},
+	} {
+		err := startErr(t, c.cfg)
+		if want := c.flag + " " + taken + ": bind: address already in use: another process (another teacherd?) listens there: stop it, or give another " + c.flag + " address"; !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s taken: %v\nwant %q", c.flag, err, want)
+		}
+	}
+	if err := startErr(t, Config{Model: m, Metrics: "9090"}); !strings.Contains(err.Error(), "--metrics 9090: address 9090: missing port in address: want HOST:PORT") {
+		t.Errorf("--metrics 9090: %v", err)
+	}
+}
