@@ -8,6 +8,8 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"reflect"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -21,6 +23,7 @@ import (
 	"distill/cache"
 	"distill/compute/device"
 	"distill/infer"
+	"distill/internal/suggest"
 	"distill/model"
 )
 
@@ -82,20 +85,82 @@ type Config struct {
 	DrainTimeout time.Duration `yaml:"drain_timeout"`
 }
 
-// LoadConfig reads a YAML config file; unknown keys are an error naming them.
+// LoadConfig reads a YAML config file; unknown keys are an error naming
+// them, with the key most likely meant, and a value of the wrong kind is
+// an error naming its key and the kind wanted (yaml.v3's own errors named
+// a Go type instead: "field modle not found in type serve.Config",
+// "cannot unmarshal !!str `lots` into int").
 func LoadConfig(path string) (Config, error) {
 	var c Config
-	f, err := os.Open(path)
+	src, err := os.ReadFile(path)
 	if err != nil {
-		return c, fmt.Errorf("%w: config: %v", ErrConfig, err)
+		return c, fmt.Errorf("%w: --config %s: %v", ErrConfig, path, unwrapPath(err))
 	}
-	defer f.Close()
-	dec := yaml.NewDecoder(f)
-	dec.KnownFields(true)
-	if err := dec.Decode(&c); err != nil {
+	var root yaml.Node
+	if err := yaml.Unmarshal(src, &root); err != nil {
 		return c, fmt.Errorf("%w: config %s: %v", ErrConfig, path, err)
 	}
+	if len(root.Content) == 0 {
+		return c, fmt.Errorf("%w: config %s is empty: give at least model: DIR (examples/teacherd.yaml documents every key)", ErrConfig, path)
+	}
+	m := root.Content[0]
+	if m.Kind != yaml.MappingNode {
+		return c, fmt.Errorf("%w: config %s: line %d: want a mapping of keys to values, e.g. model: /models/Qwen3-8B (examples/teacherd.yaml documents every key)", ErrConfig, path, m.Line)
+	}
+	fields := map[string]reflect.Value{}
+	var names []string
+	cv := reflect.ValueOf(&c).Elem()
+	for i := 0; i < cv.NumField(); i++ {
+		name, _, _ := strings.Cut(cv.Type().Field(i).Tag.Get("yaml"), ",")
+		fields[name] = cv.Field(i)
+		names = append(names, name)
+	}
+	seen := map[string]int{}
+	for i := 0; i+1 < len(m.Content); i += 2 {
+		k, v := m.Content[i], m.Content[i+1]
+		if l, ok := seen[k.Value]; ok {
+			return c, fmt.Errorf("%w: config %s: line %d: key %s given again (first on line %d): keep one", ErrConfig, path, k.Line, k.Value, l)
+		}
+		seen[k.Value] = k.Line
+		f, ok := fields[k.Value]
+		if !ok {
+			hint := "the keys: " + strings.Join(names, ", ") + "; examples/teacherd.yaml documents each"
+			if s := suggest.Closest(k.Value, names); s != "" {
+				hint = "did you mean " + s + "?"
+			}
+			return c, fmt.Errorf("%w: config %s: line %d: unknown key %s (%s)", ErrConfig, path, k.Line, k.Value, hint)
+		}
+		err := v.Decode(f.Addr().Interface())
+		if f.Kind() == reflect.Int && v.Kind == yaml.ScalarNode && v.ShortTag() != "!!int" && v.ShortTag() != "!!null" {
+			err = errors.New("not an integer") // yaml.v3 truncates 40.5 to 40
+		}
+		if err != nil {
+			got := fmt.Sprintf("%q", v.Value)
+			switch v.Kind {
+			case yaml.SequenceNode:
+				got = "a list"
+			case yaml.MappingNode:
+				got = "a mapping"
+			}
+			return c, fmt.Errorf("%w: config %s: line %d: %s: %s is not %s", ErrConfig, path, v.Line, k.Value, got, wantKind(f.Type()))
+		}
+	}
 	return c, nil
+}
+
+// wantKind says what a config value of type t is written as.
+func wantKind(t reflect.Type) string {
+	switch {
+	case t == reflect.TypeOf(time.Duration(0)):
+		return "a duration: a number with its unit, e.g. 30s or 2m"
+	case t.Kind() == reflect.Int:
+		return "a whole number"
+	case t.Kind() == reflect.Bool:
+		return "true or false"
+	case t.Kind() == reflect.Slice:
+		return "a list, e.g. [/data/chat, /data/code]"
+	}
+	return "a string"
 }
 
 func (c *Config) defaults() {

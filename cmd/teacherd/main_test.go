@@ -28,7 +28,7 @@ func TestParseConfigFlagsOverrideYAML(t *testing.T) {
 		t.Errorf("flags did not override the file: %+v", cfg)
 	}
 	os.WriteFile(p, []byte("model: /m\ntokenbudget: 3\n"), 0o644)
-	if _, _, _, err := parseConfig([]string{"--config", p}); err == nil || !strings.Contains(err.Error(), "field tokenbudget not found") {
+	if _, _, _, err := parseConfig([]string{"--config", p}); err == nil || !strings.Contains(err.Error(), "unknown key tokenbudget (did you mean token_budget?)") {
 		t.Errorf("unknown key: %v", err)
 	}
 	// --device cuda without a driver (forced, on any machine): an error
