@@ -147,6 +147,11 @@ func PlanTeacher(cfg *model.Config, o PlanOptions) (TeacherPlan, error) {
 	if o.Weights != WeightsBF16 && o.Weights != WeightsFP8 {
 		return TeacherPlan{}, fmt.Errorf("%w: weights %q: want bf16 or fp8", ErrPlan, o.Weights)
 	}
+	// A memory no larger than the reserve plans nothing: it printed a
+	// negative memory on offer ("exceed the -0.25 GiB a GPU offers").
+	if r := deviceReserve(o.DeviceBytes); o.DeviceBytes <= r {
+		return TeacherPlan{}, fmt.Errorf("%w: device memory %d bytes: not more than the %d MiB each GPU keeps in reserve: give a GPU's whole memory, e.g. 80GiB", ErrPlan, o.DeviceBytes, r>>20)
+	}
 	if o.MaxLen <= 0 {
 		o.MaxLen = cfg.MaxPositions
 	}

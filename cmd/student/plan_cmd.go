@@ -57,6 +57,10 @@ func runPlan(args []string) error {
 	if err != nil {
 		return cli.Usagef("--device-memory: %w", err)
 	}
+	if r := train.DeviceReserve(total); total <= r {
+		// It planned a negative budget ("-256.0 MiB for the run").
+		return fmt.Errorf("--device-memory %s: not more than the %s a device keeps in reserve: give the device's whole memory, e.g. 80GiB", *devMem, train.HumanBytes(r))
+	}
 	cfg, err := trainer.LoadConfig(*config, sets)
 	if err != nil {
 		return err

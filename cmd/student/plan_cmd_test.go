@@ -105,6 +105,10 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 		want string
 	}{
 		{[]string{"--device-memory", "lots"}, "--device-memory"},
+		// A number without a unit is bytes: 80 is a forgotten GiB, and a
+		// device no larger than the reserve planned a negative budget.
+		{[]string{"--device-memory", "80"}, `--device-memory: "80": a size without a unit is bytes, and 80 bytes is no device's memory: did you mean 80GiB?`},
+		{[]string{"--device-memory", "200MiB"}, "--device-memory 200MiB: not more than the 256.0 MiB a device keeps in reserve: give the device's whole memory, e.g. 80GiB"},
 		{[]string{"--set", "train.recompute=most"}, "train.recompute"},
 		{[]string{"extra"}, "unexpected arguments"},
 		{[]string{"--activations", "fp16"}, "--activations"},

@@ -223,7 +223,10 @@ func SignalName(sig os.Signal) string {
 
 // ParseBytes reads a byte count with an optional unit: B, KiB, MiB, GiB,
 // TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000); a number
-// without a unit is bytes.
+// without a unit is bytes. It reads device memory (--device-memory), so a
+// number without a unit under 1 MiB is refused as the unit forgotten:
+// "--device-memory 80" planned for an 80-byte device, with a negative
+// budget, and exited 0.
 func ParseBytes(s string) (int64, error) {
 	t := strings.TrimSpace(s)
 	units := []struct {
@@ -231,16 +234,19 @@ func ParseBytes(s string) (int64, error) {
 		mult   float64
 	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40},
 		{"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}, {"B", 1}}
-	mult := 1.0
+	mult, unit := 1.0, false
 	for _, u := range units {
 		if strings.HasSuffix(t, u.suffix) {
-			t, mult = strings.TrimSpace(strings.TrimSuffix(t, u.suffix)), u.mult
+			t, mult, unit = strings.TrimSpace(strings.TrimSuffix(t, u.suffix)), u.mult, true
 			break
 		}
 	}
 	v, err := strconv.ParseFloat(t, 64)
 	if err != nil || !(v > 0) || v*mult > 1<<60 {
-		return 0, fmt.Errorf("%q: want a positive size such as 80GiB, 141GiB or 85899345920", s)
+		return 0, fmt.Errorf("%q: want a positive size such as 80GiB, 141GiB or 85899345920 (units: B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)", s)
+	}
+	if !unit && v < 1<<20 {
+		return 0, fmt.Errorf("%q: a size without a unit is bytes, and %s bytes is no device's memory: did you mean %sGiB?", s, t, t)
 	}
 	return int64(v * mult), nil
 }

@@ -211,3 +211,29 @@ func TestParseFlags(t *testing.T) {
 		t.Errorf("--max-len x: %v, exit %d, want a usage error (2)", err, ExitStatus(err))
 	}
 }
+
+// TestParseBytes: the units, and a number without one under 1 MiB is
+// refused as a forgotten unit (--device-memory 80 planned for an 80-byte
+// device and exited 0).
+func TestParseBytes(t *testing.T) {
+	for _, c := range []struct {
+		s    string
+		want int64
+	}{{"80GiB", 80 << 30}, {"80GB", 80e9}, {"80 GiB", 80 << 30}, {"0.5GiB", 1 << 29}, {"85899345920", 80 << 30}, {"1MiB", 1 << 20}, {"1048576", 1 << 20}} {
+		if got, err := ParseBytes(c.s); err != nil || got != c.want {
+			t.Errorf("%q: %d, %v; want %d", c.s, got, err, c.want)
+		}
+	}
+	for _, c := range []struct{ s, want string }{
+		{"80", `"80": a size without a unit is bytes, and 80 bytes is no device's memory: did you mean 80GiB?`},
+		{"141", "did you mean 141GiB?"},
+		{"0", "want a positive size"},
+		{"-1", "want a positive size"},
+		{"garbage", "want a positive size such as 80GiB, 141GiB or 85899345920 (units: B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)"},
+		{"80gb", "(units: B, KiB"},
+	} {
+		if _, err := ParseBytes(c.s); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%q: %v, want %q", c.s, err, c.want)
+		}
+	}
+}
