@@ -68,7 +68,9 @@ func runPlan(args []string) error {
 	var mc *model.Config
 	if cfg.Model.InitFrom != "" {
 		if mc, err = model.LoadConfig(cfg.Model.InitFrom); err != nil {
-			return fmt.Errorf("model.init_from: %w", err)
+			// The examples' init_from is a placeholder; the plan needs
+			// only a config.json, which examples/model-configs holds.
+			return fmt.Errorf("model.init_from: %w: the plan reads only the student's config.json: point model.init_from at a directory that holds it, e.g. --set model.init_from=examples/model-configs/qwen3-8b", err)
 		}
 	} else if mc, err = cfg.Model.Random.ModelConfig(); err != nil {
 		return err
