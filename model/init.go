@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"syscall"
 
 	"distill/internal/atomicfile"
 )
@@ -30,7 +31,7 @@ func WriteDir(dir string, force bool, write func(tmp string) error) error {
 	exists := false
 	switch fi, err := os.Stat(dir); {
 	case err == nil && !fi.IsDir():
-		return fmt.Errorf("model: %s exists and is not a directory", dir)
+		return fmt.Errorf("model: %s exists and is not a directory: choose a directory path", dir)
 	case err == nil:
 		ents, err := os.ReadDir(dir)
 		if err != nil {
@@ -51,19 +52,19 @@ func WriteDir(dir string, force bool, write func(tmp string) error) error {
 				ErrNotEmpty, dir, strings.Join(names, ", "), more)
 		}
 	case !errors.Is(err, fs.ErrNotExist):
-		return err
+		return cannotWrite(dir, err)
 	}
 	parent, base := filepath.Split(dir)
 	if parent == "" {
 		parent = "."
 	}
 	if err := os.MkdirAll(parent, 0o755); err != nil {
-		return err
+		return cannotWrite(dir, err)
 	}
 	tmp := filepath.Join(parent, fmt.Sprintf(".tmp-%s-%d", base, os.Getpid()))
 	os.RemoveAll(tmp)
 	if err := os.Mkdir(tmp, 0o755); err != nil {
-		return err
+		return cannotWrite(dir, err)
 	}
 	err := func() error {
 		if err := write(tmp); err != nil {
@@ -86,7 +87,7 @@ func WriteDir(dir string, force bool, write func(tmp string) error) error {
 		} else {
 			// os.Rename never replaces a directory, even an empty one.
 			if err := os.Remove(dir); err != nil && !errors.Is(err, fs.ErrNotExist) {
-				return err
+				return fmt.Errorf("%w: the empty directory cannot be replaced (a mount point cannot): choose a directory inside it, e.g. %s", err, filepath.Join(dir, "model"))
 			}
 			if err := os.Rename(tmp, dir); err != nil {
 				return err
@@ -99,6 +100,26 @@ func WriteDir(dir string, force bool, write func(tmp string) error) error {
 		return fmt.Errorf("model: writing %s: %w", dir, err)
 	}
 	return nil
+}
+
+// cannotWrite is the error of a WriteDir that cannot even begin in dir:
+// it names dir, and the path at fault in the user's terms (the error
+// named the temporary directory beside dir, or only "stat ...: not a
+// directory").
+func cannotWrite(dir string, err error) error {
+	if errors.Is(err, syscall.ENOTDIR) {
+		for p := filepath.Dir(dir); p != filepath.Dir(p); p = filepath.Dir(p) {
+			if fi, e := os.Stat(p); e == nil && !fi.IsDir() {
+				return fmt.Errorf("model: cannot write %s: %s is a file, not a directory: choose another directory", dir, p)
+			}
+		}
+	}
+	var pe *fs.PathError
+	if errors.As(err, &pe) {
+		// The directory a file or directory could not be created in.
+		return fmt.Errorf("model: cannot write %s: cannot create files in %s (%v): choose a directory you can write", dir, filepath.Dir(pe.Path), pe.Err)
+	}
+	return fmt.Errorf("model: cannot write %s: %w", dir, err)
 }
 
 // syncTree syncs every file and directory under root.

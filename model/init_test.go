@@ -79,3 +79,40 @@ func TestWriteDir(t *testing.T) {
 		t.Fatalf("a file as the output: %v", err)
 	}
 }
+
+// TestWriteDirUnwritable: an output WriteDir cannot write is refused
+// before write runs, naming the output and the directory or file at
+// fault, not the temporary directory beside it ("mkdir
+// /ro/.tmp-out-123: read-only file system") or only "stat
+// file/out: not a directory".
+func TestWriteDirUnwritable(t *testing.T) {
+	// A directory this process cannot create files in: 0555, or for
+	// root (whom permissions do not bind) /sys.
+	ro := t.TempDir()
+	os.Chmod(ro, 0o555)
+	t.Cleanup(func() { os.Chmod(ro, 0o755) })
+	if f, err := os.CreateTemp(ro, "probe-"); err == nil {
+		f.Close()
+		os.Remove(f.Name())
+		ro = "/sys"
+		if f, err := os.CreateTemp(ro, "probe-"); err == nil {
+			f.Close()
+			os.Remove(f.Name())
+			t.Skip("no directory this process cannot write")
+		}
+	}
+	file := filepath.Join(t.TempDir(), "file")
+	os.WriteFile(file, nil, 0o644)
+	for _, c := range []struct{ dir, want string }{
+		{filepath.Join(ro, "out"), "model: cannot write " + filepath.Join(ro, "out") + ": cannot create files in " + ro + " ("},
+		{filepath.Join(ro, "a", "b", "out"), "cannot create files in " + ro + " ("},
+		{filepath.Join(file, "out"), "model: cannot write " + filepath.Join(file, "out") + ": " + file + " is a file, not a directory"},
+		{filepath.Join(file, "a", "out"), ": " + file + " is a file, not a directory"},
+	} {
+		ran := false
+		err := WriteDir(c.dir, false, func(string) error { ran = true; return nil })
+		if err == nil || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), ".tmp-") || ran {
+			t.Errorf("%s: %v (write ran: %v), want %q", c.dir, err, ran, c.want)
+		}
+	}
+}
