@@ -596,6 +596,11 @@ func LoadStudent(path string) (*train.Student, *State, error) {
 	if _, err := os.Stat(filepath.Join(path, "state.json")); err == nil {
 		return loadCheckpoint(path, device.CPU(0))
 	}
+	if ckErr != nil && cfgErr != nil && hfErr != nil {
+		// Not a run, a checkpoint or an HF directory (a run's parent,
+		// say): "open DIR/config.json: no such file" said only half.
+		return nil, nil, fmt.Errorf("%s is neither a student train run directory (no checkpoints/ or config.yaml) nor a checkpoint (no config.json): give a run directory (its run_dir or --run-dir), one of its checkpoints/step-N, or an HF checkpoint directory", path)
+	}
 	s, err := train.LoadHF(path)
 	return s, nil, err
 }

@@ -58,8 +58,9 @@ func TestExportGenerationConfig(t *testing.T) {
 // TestExportNoCheckpoint: export (and eval, through LoadStudent) of a
 // path that does not exist, or of a run directory whose run stopped
 // before its first save (config.yaml and metrics.jsonl, with or without
-// an empty checkpoints/), says so and what to do, and writes nothing;
-// the run directory was taken for an HF checkpoint without config.json.
+// an empty checkpoints/), or of a directory that is no run or checkpoint,
+// says so and what to do, and writes nothing; the run directory was
+// taken for an HF checkpoint without config.json.
 func TestExportNoCheckpoint(t *testing.T) {
 	dir := t.TempDir()
 	killed := filepath.Join(dir, "killed") // SIGKILLed before its first save
@@ -69,14 +70,20 @@ func TestExportNoCheckpoint(t *testing.T) {
 	empty := filepath.Join(dir, "empty")
 	os.MkdirAll(filepath.Join(empty, "checkpoints"), 0o755)
 	os.WriteFile(filepath.Join(empty, "config.yaml"), []byte("run_dir: x\n"), 0o644)
+	// A directory that is none of a run, a checkpoint and an HF model
+	// (a run's parent: its runs are below it) says what it is not; it
+	// said only "open DIR/config.json: no such file or directory".
+	parent := filepath.Join(dir, "runs")
+	os.MkdirAll(filepath.Join(parent, "student-kd"), 0o755)
 	for _, tc := range []struct{ src, want string }{
 		{filepath.Join(dir, "nope"), "nope: no such run or checkpoint directory"},
 		{killed, "run directory " + killed + " has no checkpoint yet"},
 		{empty, "run directory " + empty + " has no checkpoint yet"},
+		{parent, parent + " is neither a student train run directory (no checkpoints/ or config.yaml) nor a checkpoint (no config.json): give a run directory"},
 	} {
 		out := filepath.Join(dir, "out")
 		_, err := Export(tc.src, out, ExportOptions{})
-		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "config.json") {
+		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "config.json: no such file") {
 			t.Errorf("export %s: %v\nwant %q", tc.src, err, tc.want)
 		}
 		if _, err := os.Stat(out); err == nil {
