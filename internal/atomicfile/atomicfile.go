@@ -62,6 +62,12 @@ func Write(path string, perm fs.FileMode, write func(w io.Writer) error) error {
 	}
 	f, tmp, err := createTemp(dir, base, perm)
 	if err != nil {
+		// The temporary file's name means nothing to the user; the
+		// directory it could not be made in does.
+		var pe *fs.PathError
+		if errors.As(err, &pe) {
+			return fmt.Errorf("writing %s: cannot create a file in %s: %w", path, filepath.Clean(dir), pe.Err)
+		}
 		return fmt.Errorf("writing %s: %w", path, err)
 	}
 	err = write(f)

@@ -101,3 +101,14 @@ func TestWriteFileModeRespectsUmask(t *testing.T) {
 		t.Fatalf("mode %v, want -rw-r--r--", fi.Mode().Perm())
 	}
 }
+
+// TestCreateErrorNamesDirectory: a file that cannot be created names the
+// directory it was to be made in, not the temporary file ("open
+// DIR/c.png.1a2b3c.tmp: no such file or directory").
+func TestCreateErrorNamesDirectory(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "missing")
+	err := Write(filepath.Join(dir, "f"), 0o644, func(io.Writer) error { return nil })
+	if want := "writing " + filepath.Join(dir, "f") + ": cannot create a file in " + dir + ": no such file or directory"; err == nil || err.Error() != want {
+		t.Errorf("%v, want %q", err, want)
+	}
+}

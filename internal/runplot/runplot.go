@@ -19,6 +19,7 @@ import (
 	xdraw "image/draw"
 	"image/png"
 	"io"
+	"io/fs"
 	"math"
 	"os"
 	"path/filepath"
@@ -37,6 +38,7 @@ import (
 	"gonum.org/v1/plot/vg/vgsvg"
 
 	"distill/internal/atomicfile"
+	"distill/internal/suggest"
 )
 
 // ErrInput is wrapped by every error about a bad run directory, metrics
@@ -162,13 +164,35 @@ func ParseHLine(s string) (HLine, error) {
 		return bad(fmt.Sprintf("value %q is not a finite number", val))
 	}
 	h := HLine{Panel: "ce", Label: label, Value: v}
-	if p, rest, ok := strings.Cut(label, ":"); ok && panelIndex(strings.TrimSpace(p)) >= 0 {
-		h.Panel, h.Label = strings.TrimSpace(p), strings.TrimSpace(rest)
+	if p, rest, ok := strings.Cut(label, ":"); ok {
+		p = strings.TrimSpace(p)
+		switch {
+		case panelIndex(p) >= 0:
+			h.Panel, h.Label = p, strings.TrimSpace(rest)
+		default:
+			// Any other word is the label's ("speed:x" on the CE panel),
+			// but a panel name mistyped is not: "kl:teacher=0.3" drew a
+			// line labelled "kl:teacher" on the CE panel.
+			if s := closestPanel(p); s != "" {
+				return bad(fmt.Sprintf("unknown panel %q (did you mean %s? a label with a colon in it goes after a panel name: ce:%s)", p, s, label))
+			}
+		}
 	}
 	if h.Label == "" {
 		return bad("empty label")
 	}
 	return h, nil
+}
+
+// closestPanel is the panel name p is likely a typo of ("CE", "kl",
+// "grad-norm"), or "".
+func closestPanel(p string) string {
+	for _, n := range PanelNames() {
+		if strings.EqualFold(p, n) {
+			return n
+		}
+	}
+	return suggest.Closest(p, PanelNames())
 }
 
 // panel describes one panel: its name (for --hline), title, and how to
@@ -247,15 +271,27 @@ func Panels(runs []*Run, hlines []HLine, sel Select) ([]Panel, error) {
 	chosen := panels
 	if sel.Panels != nil {
 		chosen = nil
+		seen := map[string]bool{}
 		for _, name := range sel.Panels {
 			i := panelIndex(name)
 			if i < 0 {
 				return nil, fmt.Errorf("%w: unknown panel %q (panels: %s)", ErrInput, name, strings.Join(PanelNames(), ", "))
 			}
+			if seen[name] {
+				return nil, fmt.Errorf("%w: panel %s named twice in --panels: name each once", ErrInput, name)
+			}
+			seen[name] = true
 			chosen = append(chosen, panels[i])
 		}
 		if len(chosen) == 0 {
 			return nil, fmt.Errorf("%w: no panels chosen (panels: %s)", ErrInput, strings.Join(PanelNames(), ", "))
+		}
+		// A reference line on a panel not drawn was dropped without a word.
+		for _, h := range hlines {
+			if !seen[h.Panel] {
+				return nil, fmt.Errorf("%w: reference line %q is on panel %s, which --panels %s leaves out: add it to --panels, or name a drawn panel in --hline (PANEL:LABEL=VALUE)",
+					ErrInput, h.Label, h.Panel, strings.Join(sel.Panels, ","))
+			}
 		}
 	}
 	from := func(pts []Step) []Step {
@@ -464,6 +500,20 @@ func Write(path string, runs []*Run, hlines []HLine, o Options) ([]Panel, error)
 	default:
 		return nil, fmt.Errorf("%w: --out %q: the file name must end in .png, .svg or .pdf", ErrInput, path)
 	}
+	// A directory that is not there fails before the drawing, and says
+	// so: it was "open DIR/FILE.png.1a2b3c.tmp: no such file or directory".
+	if dir := filepath.Dir(path); dir != "." {
+		if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
+			why := "is a file, not a directory: choose another --out"
+			switch {
+			case errors.Is(err, fs.ErrNotExist):
+				why = fmt.Sprintf("does not exist: create it (mkdir -p %s) or choose another --out", dir)
+			case err != nil:
+				why = fmt.Sprintf("cannot be read (%v): choose another --out", err)
+			}
+			return nil, fmt.Errorf("%w: --out %s: its directory %s %s", ErrInput, path, dir, why)
+		}
+	}
 	ps, err := Panels(runs, hlines, o.Select)
 	if err != nil {
 		return nil, err
@@ -525,7 +575,8 @@ func Write(path string, runs []*Run, hlines []HLine, o Options) ([]Panel, error)
 		return bw.Flush()
 	})
 	if err != nil {
-		return nil, fmt.Errorf("runplot: writing %s: %w", path, err)
+		// atomicfile's error names path already ("writing PATH: ...").
+		return nil, fmt.Errorf("runplot: --out: %w: choose another --out", err)
 	}
 	return ps, nil
 }

@@ -126,6 +126,7 @@ func TestParseHLine(t *testing.T) {
 		" loss : target = 0.5 ":  {"loss", "target", 0.5},
 		"grad_norm:clip=1":       {"grad_norm", "clip", 1},
 		"ratio a:b=2":            {"ce", "ratio a:b", 2},
+		"speed:x=1":              {"ce", "speed:x", 1}, // no panel's name mistyped: a label
 		"teacher (x=1) CE=-1e-3": {"ce", "teacher (x=1) CE", -1e-3},
 	} {
 		got, err := ParseHLine(in)
@@ -140,6 +141,11 @@ func TestParseHLine(t *testing.T) {
 		"t=Inf":     "not a finite number",
 		"=1":        "empty label",
 		"loss:=1":   "empty label",
+		// A mistyped panel before the colon is not a label: it drew a
+		// line labelled "kl:teacher" on the CE panel.
+		"kl:teacher=0.3":   `unknown panel "kl" (did you mean kd? a label with a colon in it goes after a panel name: ce:kl:teacher)`,
+		"CE:teacher=1":     `unknown panel "CE" (did you mean ce?`,
+		"grad-norm:clip=1": `unknown panel "grad-norm" (did you mean grad_norm?`,
 	} {
 		_, err := ParseHLine(in)
 		if err == nil || !errors.Is(err, ErrInput) || !strings.Contains(err.Error(), why) || !strings.Contains(err.Error(), "[PANEL:]LABEL=VALUE") {
@@ -280,6 +286,9 @@ func TestWriteErrors(t *testing.T) {
 	}
 	dir := t.TempDir()
 	out := filepath.Join(dir, "c.png")
+	file := filepath.Join(t.TempDir(), "file")
+	os.WriteFile(file, nil, 0o644)
+	ro := unwritableDir(t)
 	for _, c := range []struct {
 		name   string
 		runs   []*Run
@@ -294,10 +303,14 @@ func TestWriteErrors(t *testing.T) {
 		{"unknown chosen panel", []*Run{r}, nil, Options{Select: Select{Panels: []string{"ce", "speed"}}}, out, `unknown panel "speed"`},
 		{"no chosen panel", []*Run{r}, nil, Options{Select: Select{Panels: []string{}}}, out, "no panels chosen"},
 		{"from past the end", []*Run{r}, nil, Options{Select: Select{From: 11}}, out, "nothing to draw"},
-		{"no dir", []*Run{r}, nil, Options{}, filepath.Join(dir, "missing", "c.png"), "missing"},
+		{"no dir", []*Run{r}, nil, Options{}, filepath.Join(dir, "missing", "c.png"), "--out " + filepath.Join(dir, "missing", "c.png") + ": its directory " + filepath.Join(dir, "missing") + " does not exist: create it (mkdir -p"},
+		{"dir a file", []*Run{r}, nil, Options{}, filepath.Join(file, "c.png"), "its directory " + file + " is a file, not a directory: choose another --out"},
+		{"unwritable dir", []*Run{r}, nil, Options{}, filepath.Join(ro, "c.png"), "runplot: --out: writing " + filepath.Join(ro, "c.png") + ": cannot create a file in " + ro + ": "},
+		{"panel twice", []*Run{r}, nil, Options{Select: Select{Panels: []string{"ce", "kd", "ce"}}}, out, "panel ce named twice in --panels"},
+		{"line on a panel not drawn", []*Run{r}, []HLine{{Panel: "kd", Label: "x", Value: 1}}, Options{Select: Select{Panels: []string{"ce"}}}, out, `reference line "x" is on panel kd, which --panels ce leaves out`},
 	} {
 		_, err := Write(c.path, c.runs, c.hlines, c.o)
-		if err == nil || !strings.Contains(err.Error(), c.want) {
+		if err == nil || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), ".tmp") {
 			t.Errorf("%s: %v, want it to say %q", c.name, err, c.want)
 		}
 	}
@@ -373,4 +386,29 @@ func TestPanelAxes(t *testing.T) {
 			t.Errorf("loss panel title %q", p.Plot.Title.Text)
 		}
 	}
+}
+
+// unwritableDir is a directory this process cannot create files in: a
+// 0555 directory, or, for root (whom permissions do not bind), /sys.
+func unwritableDir(t *testing.T) string {
+	t.Helper()
+	writable := func(d string) bool {
+		f, err := os.CreateTemp(d, "probe-")
+		if err != nil {
+			return false
+		}
+		f.Close()
+		os.Remove(f.Name())
+		return true
+	}
+	d := t.TempDir()
+	os.Chmod(d, 0o555)
+	t.Cleanup(func() { os.Chmod(d, 0o755) })
+	if writable(d) {
+		d = "/sys"
+		if writable(d) {
+			t.Skip("no directory this process cannot write")
+		}
+	}
+	return d
 }
