@@ -10,7 +10,7 @@ import (
 )
 
 func init() {
-	commands.Register(&cli.Command{Name: "export", Summary: "export a trained student as an HF checkpoint (bf16) or NVFP4 (Model-Optimizer layout)", Run: runExport})
+	commands.Register(&cli.Command{Name: "export", Summary: "export a trained student as an HF checkpoint (bf16, f32), NVFP4 (Model-Optimizer layout) or, for a LoRA run, its PEFT adapters", Run: runExport})
 }
 
 func runExport(args []string) error {

@@ -11,7 +11,7 @@ import (
 )
 
 func init() {
-	commands.Register(&cli.Command{Name: "plot", Summary: "draw the train and eval curves of runs (metrics.jsonl) into a PNG: loss, KD, CE, LR, grad norm", Run: runPlot})
+	commands.Register(&cli.Command{Name: "plot", Summary: "draw the train and eval curves of runs (metrics.jsonl) into a PNG, SVG or PDF: loss, KD, CE, LR, grad norm, accuracy", Run: runPlot})
 }
 
 // listFlag is a repeatable string flag.
