@@ -410,8 +410,13 @@ func firstID(raw json.RawMessage) int {
 	return -1
 }
 
-// JSON renders the config as an HF config.json that transformers loads.
-func (c *Config) JSON() ([]byte, error) {
+// JSON renders the config as an HF config.json that transformers loads,
+// for BF16 weights.
+func (c *Config) JSON() ([]byte, error) { return c.jsonDType("bfloat16") }
+
+// jsonDType is JSON with torch_dtype, the weights' dtype as transformers
+// names it: torch_dtype="auto" loads them in it.
+func (c *Config) jsonDType(torchDType string) ([]byte, error) {
 	m := map[string]any{
 		"architectures":           []string{hfClass[c.Arch]},
 		"model_type":              string(c.Arch),
@@ -427,7 +432,7 @@ func (c *Config) JSON() ([]byte, error) {
 		"rope_theta":              c.RopeTheta,
 		"tie_word_embeddings":     c.TieEmbeddings,
 		"hidden_act":              "silu",
-		"torch_dtype":             "bfloat16",
+		"torch_dtype":             torchDType,
 		"attention_dropout":       0.0,
 		"initializer_range":       0.02,
 		"use_cache":               true,

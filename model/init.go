@@ -238,7 +238,9 @@ func WriteCheckpointFrom(dir string, cfg *Config, dtype string, read func(name s
 	if err := WriteSafetensorsStream(filepath.Join(dir, "model.safetensors"), ts, map[string]string{"format": "pt"}); err != nil {
 		return err
 	}
-	cj, err := cfg.JSON()
+	// An F32 checkpoint said torch_dtype bfloat16, so that
+	// transformers' torch_dtype="auto" rounded its exact weights.
+	cj, err := cfg.jsonDType(map[string]string{"BF16": "bfloat16", "F32": "float32"}[dtype])
 	if err != nil {
 		return err
 	}

@@ -1,6 +1,7 @@
 package model
 
 import (
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
@@ -113,6 +114,37 @@ func TestWriteDirUnwritable(t *testing.T) {
 		err := WriteDir(c.dir, false, func(string) error { ran = true; return nil })
 		if err == nil || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), ".tmp-") || ran {
 			t.Errorf("%s: %v (write ran: %v), want %q", c.dir, err, ran, c.want)
+		}
+	}
+}
+
+// TestCheckpointTorchDType: config.json's torch_dtype is the weights'
+// dtype; an F32 checkpoint (student export --format f32) said bfloat16,
+// so that transformers' torch_dtype="auto" rounded the exact weights.
+func TestCheckpointTorchDType(t *testing.T) {
+	cfg, err := Preset(ArchQwen3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := Init(cfg, InitOptions{Seed: 1})
+	for dtype, want := range map[string]string{"BF16": "bfloat16", "F32": "float32"} {
+		dir := filepath.Join(t.TempDir(), dtype)
+		if err := WriteCheckpoint(dir, cfg, w, dtype); err != nil {
+			t.Fatal(err)
+		}
+		b, err := os.ReadFile(filepath.Join(dir, "config.json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var m map[string]any
+		if err := json.Unmarshal(b, &m); err != nil {
+			t.Fatal(err)
+		}
+		if m["torch_dtype"] != want {
+			t.Errorf("%s checkpoint: torch_dtype %v, want %s", dtype, m["torch_dtype"], want)
+		}
+		if _, err := LoadConfig(dir); err != nil {
+			t.Errorf("%s checkpoint's config.json does not load: %v", dtype, err)
 		}
 	}
 }
