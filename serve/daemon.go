@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"sync/atomic"
@@ -245,6 +246,13 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if err := cfg.checkValues(mc.VocabSize); err != nil {
 		return nil, err
 	}
+	// A --tokenizer without tokenizer.json failed only after the weights
+	// had loaded (as "failed precondition").
+	if cfg.Tokenizer != "" {
+		if _, err := os.Stat(filepath.Join(cfg.Tokenizer, "tokenizer.json")); err != nil {
+			return nil, fmt.Errorf("%w: --tokenizer %s: no tokenizer.json there (%v): give the directory that holds the teacher's tokenizer.json, or no --tokenizer for the model directory's", ErrConfig, cfg.Tokenizer, unwrapPath(err))
+		}
+	}
 	roots, err := NewDataRoots(cfg.DataRoots)
 	if err != nil {
 		return nil, err
@@ -266,7 +274,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if cfg.TLSCert != "" {
 		cert, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey)
 		if err != nil {
-			return nil, fmt.Errorf("%w: TLS key pair: %v", ErrConfig, err)
+			return nil, fmt.Errorf("%w: --tls-cert %s, --tls-key %s: %v: give a PEM certificate and its private key", ErrConfig, cfg.TLSCert, cfg.TLSKey, err)
 		}
 		so.Extra = append(so.Extra, grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12})))
 	}

@@ -136,6 +136,15 @@ func TestBadValuesBeforeLoading(t *testing.T) {
 			t.Errorf("%+v: %v, want %q", c.cfg, err, c.want)
 		}
 	}
+	// A --tokenizer without tokenizer.json (it failed after the load, as
+	// "failed precondition"), and TLS files that are not there.
+	noTok := t.TempDir()
+	if err := startErr(t, Config{Model: m, Tokenizer: noTok}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "--tokenizer "+noTok+": no tokenizer.json there (no such file or directory)") {
+		t.Errorf("--tokenizer without tokenizer.json: %v", err)
+	}
+	if err := startErr(t, Config{Model: m, TLSCert: filepath.Join(noTok, "c.pem"), TLSKey: filepath.Join(noTok, "k.pem")}); !strings.Contains(err.Error(), "--tls-cert "+filepath.Join(noTok, "c.pem")+", --tls-key ") {
+		t.Errorf("TLS files missing: %v", err)
+	}
 	// A token file that is not there names its flag.
 	missing := filepath.Join(t.TempDir(), "token")
 	if err := startErr(t, Config{Model: m, TokenFile: missing}); !strings.Contains(err.Error(), "--token-file "+missing+": no such file or directory: give the file that holds the bearer token") {
