@@ -59,7 +59,7 @@ func runPlan(args []string) error {
 	}
 	if r := train.DeviceReserve(total); total <= r {
 		// It planned a negative budget ("-256.0 MiB for the run").
-		return fmt.Errorf("--device-memory %s: not more than the %s a device keeps in reserve: give the device's whole memory, e.g. 80GiB", *devMem, train.HumanBytes(r))
+		return cli.Usagef("--device-memory %s: not more than the %s a device keeps in reserve: give the device's whole memory, e.g. 80GiB", *devMem, train.HumanBytes(r))
 	}
 	cfg, err := trainer.LoadConfig(*config, sets)
 	if err != nil {
