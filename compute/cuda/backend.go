@@ -137,6 +137,7 @@ type Backend struct {
 	marks  []profMark               // timed calls not read yet
 	evFree []C.CUevent              // events for reuse
 	span   time.Duration            // ProfileSpan
+	tl     HostTimeline             // the host's side while profiling (hostwait.go)
 
 	args        unsafe.Pointer // C memory: argument slots and the pointers to them
 	checkParams unsafe.Pointer // the emulator's launch check; nil on a real driver
@@ -511,6 +512,7 @@ func (b *Backend) enterKeep() func() {
 		panic("cuda: backend used after Close")
 	}
 	runtime.LockOSThread()
+	b.noteCall()
 	b.callScratch = b.callScratch[:0]
 	b.must(b.drv.check("cuCtxSetCurrent", C.call_cuCtxSetCurrent(b.drv.cuCtxSetCurrent, b.ctx)))
 	return func() {
@@ -543,7 +545,9 @@ func (b *Backend) must(err error) {
 // surface here.
 func (b *Backend) sync() {
 	b.waited(WaitSync)
+	t0 := time.Now()
 	b.streamSync()
+	b.noteWait(t0)
 }
 
 // streamSync is sync, not counted as a host wait of its own (download's).
@@ -642,6 +646,9 @@ func nop() {}
 func (b *Backend) timed(name string) func() {
 	if b.prof == nil {
 		return nop
+	}
+	if b.tl.FirstLaunch.IsZero() {
+		b.tl.FirstLaunch = time.Now()
 	}
 	pre := b.event()
 	return func() {
@@ -913,7 +920,9 @@ func (b *Backend) upload(p uint64, src unsafe.Pointer, n int64) {
 		}
 	}
 	b.waited(WaitUpload)
+	t0 := time.Now()
 	b.uploadPinned(p, src, n)
+	b.noteWait(t0)
 }
 
 // uploadPinned is upload from pinned host memory (cuMemAllocHost): it
@@ -937,7 +946,9 @@ func (b *Backend) download(dst unsafe.Pointer, p uint64, n int64) {
 		b.must(b.drv.check("cuMemcpyDtoHAsync", C.call_cuMemcpyDtoHAsync(b.drv.cuMemcpyDtoHAsync, dst, C.CUdeviceptr(p), C.size_t(n), b.stream)))
 	}
 	b.waited(WaitDownload)
+	t0 := time.Now()
 	b.streamSync()
+	b.noteWait(t0)
 }
 
 // New implements compute.Backend: a zeroed tensor.
@@ -1160,6 +1171,7 @@ func (b *Backend) SetProfile(on bool) {
 	defer b.enter()()
 	b.readMarks() // recycles the events of calls no Profile read
 	b.prof = nil
+	b.tl = HostTimeline{}
 	if on {
 		b.prof = map[string]*ProfileEntry{}
 	}

@@ -648,7 +648,10 @@ func BenchmarkForward(b *testing.B) {
 				b.ReportMetric(float64(be.PeakMemory())/(1<<30), "devmem_GiB") // the pool's high-water mark since Open
 				if outDir != "" {
 					be.SetProfile(true)
+					p0 := time.Now()
 					m.forward(be, samples, 64)
+					p1 := time.Now()
+					tl := be.HostTimeline()
 					var sb strings.Builder
 					var sum float64
 					prof := be.Profile()
@@ -664,6 +667,7 @@ func BenchmarkForward(b *testing.B) {
 					// the last (the top-k's download), from the timed passes.
 					fmt.Fprintf(&sb, "a forward took %.1f ms unprofiled (the timed passes): %.1f ms of it outside the profiled span\n",
 						1e3*sec, 1e3*(sec-span.Seconds()))
+					fmt.Fprintln(&sb, tl.Describe("forward", p0, p1))
 					for i, e := range prof {
 						if i == 15 {
 							break

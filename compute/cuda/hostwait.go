@@ -2,10 +2,12 @@ package cuda
 
 import (
 	"fmt"
+	"math"
 	"path/filepath"
 	"runtime"
 	"sort"
 	"strings"
+	"time"
 )
 
 // Host waits. Everything is issued on one stream, so the GPU runs as far
@@ -136,4 +138,65 @@ func short(f runtime.Frame) string {
 		fn = fn[i+1:]
 	}
 	return fmt.Sprintf("%s (%s:%d)", fn, filepath.Base(f.File), f.Line)
+}
+
+// HostTimeline is the host's side of a profiled stretch of work (from
+// SetProfile(true)), on the host's clock: when the backend was first and
+// last called, when it first issued timed work (a kernel, GEMM, cuDNN call
+// or device copy: where ProfileSpan begins on the GPU), and how long the
+// host waited for the device. A benchmark that also notes when its pass
+// began and returned can tell what the GPU's span leaves out: the host's
+// work before the first launch (the GPU has nothing to do) and after the
+// last wait (the GPU has finished).
+type HostTimeline struct {
+	First, Last, FirstLaunch time.Time
+	Waits                    int           // the host waits (HostWait's kinds)
+	Waited                   time.Duration // their time
+	LastWaitEnd              time.Time
+}
+
+// HostTimeline returns the host timeline since SetProfile(true) (the zero
+// value when profiling is off). It does not count as a call.
+func (b *Backend) HostTimeline() HostTimeline {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.tl
+}
+
+// noteCall records a backend call in the timeline (caller holds b.mu).
+func (b *Backend) noteCall() {
+	if b.prof == nil {
+		return
+	}
+	now := time.Now()
+	if b.tl.First.IsZero() {
+		b.tl.First = now
+	}
+	b.tl.Last = now
+}
+
+// noteWait records a host wait that began at t0 in the timeline.
+func (b *Backend) noteWait(t0 time.Time) {
+	if b.prof == nil {
+		return
+	}
+	now := time.Now()
+	b.tl.Waits++
+	b.tl.Waited += now.Sub(t0)
+	b.tl.LastWaitEnd = now
+}
+
+// Describe says where a profiled pass's host time went, what being the
+// pass's name, p0 and p1 when it began and returned: before the first
+// launch the GPU had nothing to do, and after the last host wait it had
+// finished (a benchmark's pass minus its GPU span is mostly those two).
+func (tl HostTimeline) Describe(what string, p0, p1 time.Time) string {
+	ms := func(t time.Time) float64 {
+		if t.IsZero() {
+			return math.NaN()
+		}
+		return 1e3 * t.Sub(p0).Seconds()
+	}
+	return fmt.Sprintf("host timeline of the profiled %s (ms from its start): first backend call %.1f, first launch %.1f, last call %.1f, %d host waits for %.1f ms (the last ending at %.1f), returned at %.1f: %.1f ms before the first launch, %.1f ms after the last wait",
+		what, ms(tl.First), ms(tl.FirstLaunch), ms(tl.Last), tl.Waits, 1e3*tl.Waited.Seconds(), ms(tl.LastWaitEnd), ms(p1), ms(tl.FirstLaunch), ms(p1)-ms(tl.LastWaitEnd))
 }

@@ -8,6 +8,7 @@ import "C"
 
 import (
 	"fmt"
+	"time"
 	"unsafe"
 )
 
@@ -135,7 +136,9 @@ func (b *Backend) nextQuarter(need int64) *stageQuarter {
 			return &st.q[st.cur]
 		}
 		b.waited(WaitEvent)
+		t0 := time.Now()
 		b.must(b.drv.check("cuEventSynchronize", C.call_cuEventSynchronize(b.drv.cuEventSynchronize, n.ev)))
+		b.noteWait(t0)
 	}
 	n.used = 0
 	return n
@@ -221,7 +224,9 @@ func (b *Backend) downloadLater(p uint64, n int64) *laterCopy {
 func (b *Backend) arrived(c *laterCopy, what string) unsafe.Pointer {
 	if c.at == b.stage.epoch {
 		b.waited(WaitEvent)
+		t0 := time.Now()
 		b.must(b.drv.check("cuEventSynchronize", C.call_cuEventSynchronize(b.drv.cuEventSynchronize, c.ev)))
+		b.noteWait(t0)
 	}
 	b.evPlain = append(b.evPlain, c.ev)
 	c.ev = nil

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"distill/compute"
 )
@@ -148,4 +149,43 @@ func TestStagingHostChecks(t *testing.T) {
 		}
 		b.waits = nil
 	}()
+}
+
+// TestHostTimeline: while profiling, the backend notes its first and last
+// call, its first timed launch and its host waits, in the order they
+// happen on the host; off, and after SetProfile, nothing.
+func TestHostTimeline(t *testing.T) {
+	b := testBackend(t)
+	x := b.FromF32(make([]float32, 1024))
+	defer b.Free(x)
+	b.SetProfile(true)
+	if tl := b.HostTimeline(); tl != (HostTimeline{}) {
+		t.Fatalf("a fresh profile's timeline: %+v", tl)
+	}
+	p0 := time.Now()
+	y := b.New(compute.F32, 1024) // a call (and its memset, a launch)
+	afterNew := b.HostTimeline()
+	b.Scale(x, 1024, 2) // a launch
+	out := make([]float32, 1024)
+	b.ReadF32(x, out) // a host wait
+	b.Free(y)
+	p1 := time.Now()
+	tl := b.HostTimeline()
+	if afterNew.First.IsZero() || afterNew.Waits != 0 {
+		t.Fatalf("after New alone: %+v, want a first call and no wait", afterNew)
+	}
+	if tl.First != afterNew.First || tl.FirstLaunch.Before(tl.First) || tl.Last.Before(tl.FirstLaunch) || tl.First.Before(p0) || p1.Before(tl.Last) {
+		t.Fatalf("timeline %+v out of order (pass %v to %v)", tl, p0, p1)
+	}
+	if tl.Waits != 1 || tl.LastWaitEnd.Before(tl.FirstLaunch) || tl.Last.Before(tl.LastWaitEnd) || tl.Waited <= 0 {
+		t.Fatalf("timeline %+v: want the read's one wait, between the launch and the last call", tl)
+	}
+	if line := tl.Describe("pass", p0, p1); !strings.Contains(line, "1 host waits") || strings.Contains(line, "NaN") {
+		t.Fatalf("Describe: %s", line)
+	}
+	b.SetProfile(false)
+	b.Scale(x, 1024, 2)
+	if tl := b.HostTimeline(); tl != (HostTimeline{}) {
+		t.Fatalf("profiling off: %+v", tl)
+	}
 }

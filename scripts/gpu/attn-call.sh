@@ -142,7 +142,9 @@ done
 echo "== rounding passes"; grep -H '^rounding passes' "$work"/profile-train-*.txt "$work"/variant-*/profile-train-*.txt 2>/dev/null | sed "s|$work/||"
 # The GPU's idle ms and the host waits of one step (each profile's first
 # line, and the waits' call sites).
-echo "== idle and host waits"; grep -HE 'GPU idle|^host wait:' "$work"/profile-train-*.txt "$work"/variant-*/profile-train-*.txt 2>/dev/null | sed "s|$work/||"
+echo "== idle and host waits"; grep -HE 'GPU idle|^host wait:|^host timeline' "$work"/profile-train-*.txt "$work"/variant-*/profile-train-*.txt 2>/dev/null | sed "s|$work/||"
+# Where a forward's time outside the GPU's span went (host timeline).
+echo "== forward host timeline"; grep -HE 'outside the profiled span|^host timeline' "$work"/fwd/profile-*.txt "$work"/profile-qwen3-*.txt 2>/dev/null | sed "s|$work/||"
 echo "== status"; cat "$work/status.txt"
 for f in attn-memcheck attn-racecheck extra-cuda extra-train extra-trainer extra-decoder; do
   [ -f "$work/$f.log" ] && { echo "== $f"; grep -E '^(--- |ok|FAIL|panic)|ERROR SUMMARY|RACECHECK SUMMARY|========= (Invalid|Race|Error)' "$work/$f.log" | head -20; }

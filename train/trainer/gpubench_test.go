@@ -261,7 +261,10 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 					f.Close()
 				}
 				be.SetProfile(true)
+				q0 := time.Now()
 				step()
+				q1 := time.Now()
+				tl := be.HostTimeline()
 				prof := be.Profile()
 				span := be.ProfileSpan()
 				be.SetProfile(false)
@@ -272,6 +275,7 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				var sb strings.Builder
 				fmt.Fprintf(&sb, "%s training step (%d x %d tokens, k=%d): one profiled step, %.1f ms in kernels over a span of %.1f ms (the GPU idle %.1f ms between them); %d host waits a step\n",
 					name, rows, T, K, 1e3*sum, 1e3*span.Seconds(), 1e3*(span.Seconds()-sum), nWaits)
+				fmt.Fprintln(&sb, tl.Describe("step", q0, q1))
 				for _, w := range waits {
 					fmt.Fprintf(&sb, "host wait: %v\n", w)
 				}
