@@ -82,6 +82,10 @@ func runPlot(args []string) error {
 	for i, p := range ps {
 		names[i] = p.Name
 	}
-	fmt.Fprintf(stdout, "wrote %s: %d runs, panels %s\n", *out, len(rs), strings.Join(names, ", "))
+	noun := "runs"
+	if len(rs) == 1 {
+		noun = "run"
+	}
+	fmt.Fprintf(stdout, "wrote %s: %d %s, panels %s\n", *out, len(rs), noun, strings.Join(names, ", "))
 	return nil
 }

@@ -63,6 +63,13 @@ log: {progress: "off", tensorboard: false}
 		t.Errorf("printed %q, want %q", out.String(), want)
 	}
 	out.Reset()
+	if err := runPlot([]string{"--run", kd, "--panels", "kd", "--out", png1}); err != nil {
+		t.Fatal(err)
+	}
+	if want := "wrote " + png1 + ": 1 run, panels kd\n"; out.String() != want {
+		t.Errorf("printed %q, want %q", out.String(), want)
+	}
+	out.Reset()
 	if err := runPlot([]string{"--run", "KD run=" + kd, "--run", sft, "--hline", "teacher CE=2.5", "--hline", "loss:floor=1",
 		"--out", png1, "--width", "900", "--height", "600", "--title", "two runs"}); err != nil {
 		t.Fatal(err)
