@@ -331,8 +331,9 @@ func (c *Cache) checkRange(r Range) error {
 	return nil
 }
 
-// conflict returns ErrRangeDone if r is committed exactly, an ErrInvalid
-// error if r partly overlaps a committed chunk, nil otherwise.
+// conflict returns ErrRangeDone if r is committed exactly, an
+// *OverlapError (ErrInvalid) if r partly overlaps a committed chunk, nil
+// otherwise.
 func conflict(rs []ChunkInfo, r Range) error {
 	i := findOverlap(rs, r)
 	if i < 0 {
@@ -341,8 +342,23 @@ func conflict(rs []ChunkInfo, r Range) error {
 	if rs[i].Range == r {
 		return fmt.Errorf("%w: %v", ErrRangeDone, r)
 	}
-	return fmt.Errorf("%w: range %v overlaps committed chunk %v (%s); fill ranges must follow the committed chunk boundaries", ErrInvalid, r, rs[i].Range, rs[i].File)
+	return &OverlapError{Want: r, Chunk: rs[i]}
 }
+
+// OverlapError is BeginChunk's ErrInvalid for a range that partly
+// overlaps a committed chunk. A fill that planned its ranges from
+// Missing meets it only when another writer committed a chunk of other
+// bounds since: it plans the range again (Missing) and fills the parts.
+type OverlapError struct {
+	Want  Range
+	Chunk ChunkInfo
+}
+
+func (e *OverlapError) Error() string {
+	return fmt.Sprintf("%v: range %v overlaps committed chunk %v (%s); fill ranges must follow the committed chunk boundaries", ErrInvalid, e.Want, e.Chunk.Range, e.Chunk.File)
+}
+
+func (e *OverlapError) Unwrap() error { return ErrInvalid }
 
 // MaxChunkEntries bounds the (position, k) entries of one chunk: its
 // per-entry list columns (id_code*, lp_*) have int32 Arrow offsets, so a

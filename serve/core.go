@@ -694,27 +694,46 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 		go func() {
 			defer wg.Done()
 			for rg := range next {
-				var st data.Stats
-				_, skipped, err := c.fillChunk(ctx, cw, d, rg, k, temp, kind, draws, &st)
-				if errors.Is(err, cache.ErrRangeBusy) {
-					c.met.chunks.WithLabelValues("busy").Inc()
-					errMu.Lock()
-					busy = append(busy, err)
-					errMu.Unlock()
-					continue
-				}
-				if err != nil {
-					c.met.chunks.WithLabelValues("failed").Inc()
-					fail(err)
-					continue
-				}
-				outcome := "committed"
-				if skipped {
-					outcome = "skipped"
-				}
-				c.met.chunks.WithLabelValues(outcome).Inc()
-				if err := send(chunkResponse(rg, st, skipped)); err != nil {
-					fail(err)
+				pieces := []cache.Range{rg}
+				for len(pieces) > 0 {
+					rg := pieces[0]
+					pieces = pieces[1:]
+					var st data.Stats
+					_, skipped, err := c.fillChunk(ctx, cw, d, rg, k, temp, kind, draws, &st)
+					var oe *cache.OverlapError
+					if errors.As(err, &oe) {
+						// Another writer committed a chunk of other bounds
+						// inside rg since this fill planned it: fill what
+						// is still missing of rg.
+						miss, merr := cw.Missing(rg.Start, rg.End)
+						if merr != nil {
+							fail(merr)
+							break
+						}
+						pieces = append(miss, pieces...)
+						continue
+					}
+					if errors.Is(err, cache.ErrRangeBusy) {
+						c.met.chunks.WithLabelValues("busy").Inc()
+						errMu.Lock()
+						busy = append(busy, err)
+						errMu.Unlock()
+						continue
+					}
+					if err != nil {
+						c.met.chunks.WithLabelValues("failed").Inc()
+						fail(err)
+						break
+					}
+					outcome := "committed"
+					if skipped {
+						outcome = "skipped"
+					}
+					c.met.chunks.WithLabelValues(outcome).Inc()
+					if err := send(chunkResponse(rg, st, skipped)); err != nil {
+						fail(err)
+						break
+					}
 				}
 			}
 		}()
@@ -759,11 +778,15 @@ func busyStart(err error) int64 {
 }
 
 // testHookChunkBegun, when set (tests), runs when a chunk's range is
-// claimed, before it is computed.
-var testHookChunkBegun func(c *Core, r cache.Range)
+// claimed, before it is computed; testHookBeforeChunk before it is
+// claimed.
+var testHookChunkBegun, testHookBeforeChunk func(c *Core, r cache.Range)
 
 // fillChunk computes and commits one chunk, counting its samples into st.
 func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, rg cache.Range, k int, temp float32, kind cache.Targets, draws int, st *data.Stats) (int64, bool, error) {
+	if testHookBeforeChunk != nil {
+		testHookBeforeChunk(c, rg)
+	}
 	w, err := cw.BeginChunk(rg.Start, rg.End)
 	if errors.Is(err, cache.ErrRangeDone) {
 		return 0, true, nil

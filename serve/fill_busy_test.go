@@ -123,3 +123,78 @@ func TestConcurrentFillsSplitChunks(t *testing.T) {
 		})
 	}
 }
+
+// TestFillReplansAroundAnotherWritersChunk: another writer commits a
+// chunk of other bounds inside a range this fill planned, between the
+// plan and the range's claim (two fills with different --chunk). The
+// fill plans that range again and fills the parts still missing; it
+// stopped with "fill ranges must follow the committed chunk boundaries".
+func TestFillReplansAroundAnotherWritersChunk(t *testing.T) {
+	mdir := tinyModel(t)
+	tmp := t.TempDir()
+	path, _ := writeIDsDataset(t, tmp, 12, 20, 512, 4)
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	dir := t.TempDir()
+	core, err := NewCore(CoreOptions{ModelDir: mdir, CacheDir: dir, TokenBudget: 300, InProcess: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := Local(core)
+	defer w.Close()
+	const k = 4
+	var once sync.Once
+	var otherErr error
+	testHookBeforeChunk = func(c *Core, r cache.Range) {
+		if r != (cache.Range{Start: 0, End: 6}) {
+			return
+		}
+		once.Do(func() { otherErr = commitOther(dir, 4, 8, k) })
+	}
+	defer func() { testHookBeforeChunk = nil }()
+	var out strings.Builder
+	sum, err := RunFill(context.Background(), []Worker{w}, FillPlan{Dataset: ds, ChunkSamples: 6, K: k, PerWorker: 1, Out: &out})
+	if otherErr != nil {
+		t.Fatalf("the other writer: %v", otherErr)
+	}
+	if err != nil {
+		t.Fatalf("fill: %v\n%s", err, out.String())
+	}
+	if sum.Samples != 8 || sum.Chunks != 2 {
+		t.Fatalf("filled %d samples in %d chunks, want 8 in 2 ([0, 4) and [8, 12))\n%s", sum.Samples, sum.Chunks, out.String())
+	}
+	rep, err := cache.Check(dir, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Chunks != 3 || rep.Samples != 12 {
+		t.Fatalf("cache: %d chunks, %d samples; want 3, 12", rep.Chunks, rep.Samples)
+	}
+}
+
+// commitOther commits samples [a, b) into the cache in dir as another
+// writer would, with made-up (valid) top-k of k entries.
+func commitOther(dir string, a, b int64, k int) error {
+	c, err := cache.Open(dir, nil)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	w, err := c.BeginChunk(a, b)
+	if err != nil {
+		return err
+	}
+	for i := a; i < b; i++ {
+		s := cache.Sample{Index: i, Tokens: []int32{1, 2, 3}, Mask: []uint8{0, 1, 1}}
+		for t := 0; t < 3; t++ {
+			for j := 0; j < k; j++ {
+				s.TopKIDs = append(s.TopKIDs, int32(j))
+				s.TopKLogProbs = append(s.TopKLogProbs, -float32(j+1))
+			}
+		}
+		if err := w.Add(s); err != nil {
+			w.Abort()
+			return err
+		}
+	}
+	return w.Commit()
+}
