@@ -34,7 +34,7 @@ func runTrain(args []string) error {
 	datasetFiles := fs.String("dataset", "", "override data.dataset.files and drop their data.dataset.weights (comma-separated .jsonl, .csv or .parquet files): SFT on a dataset, no teacher")
 	maxSteps := fs.Int("max-steps", 0, "override train.max_steps")
 	threads := fs.Int("threads", 0, "override train.threads")
-	dev := fs.String("device", "", "override train.device: auto, cpu or cuda (auto trains on the CPU; cuda trains on the GPU, not yet verified on one, issue 16)")
+	dev := fs.String("device", "", "override train.device: auto (the GPU when one's CUDA backend opens, else the CPU), cpu or cuda (the GPU, or an error naming what is missing)")
 	resume := fs.String("resume", "auto", "auto: continue from the run directory's newest checkpoint if any; never; must")
 	nproc := fs.Int("nproc-per-node", 1, "start this many ranks on this node (as torchrun --nproc-per-node does), one per GPU, for data-parallel training (train.zero picks the ZeRO stage; train.device cuda, NCCL)")
 	if err := cli.ParseFlags(fs, args); err != nil {

@@ -357,9 +357,9 @@ type OptimConfig struct {
 type TrainConfig struct {
 	MaxSteps int `yaml:"max_steps"`
 	// Device is the compute backend, as the binaries' --device: auto
-	// (default) and cpu train on the CPU; cuda trains on the GPU, an
-	// explicit opt-in while that path has not been verified on a GPU
-	// (issue 16; the run's log says so).
+	// (default) trains on the GPU when its CUDA backend opens, else on
+	// the CPU (the run's log says which and why); cpu; cuda, the GPU or
+	// an error (package device).
 	Device string `yaml:"device"`
 	// Threads fixes the CPU worker count (0: all cores). Results are
 	// bit-identical only between runs with the same count.
