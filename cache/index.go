@@ -166,6 +166,12 @@ func isReadOnlyErr(err error) bool {
 	return errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EACCES) || errors.Is(err, syscall.EPERM)
 }
 
+// isFile reports whether path exists and is not a directory.
+func isFile(path string) bool {
+	fi, err := os.Stat(path)
+	return err == nil && !fi.IsDir()
+}
+
 func (l *dirLock) unlock() {
 	if l.f != nil {
 		l.f.Close() // closing the fd drops the flock
@@ -184,24 +190,42 @@ type indexSession struct {
 }
 
 // missingIndex is the error of opening dir, which has no index: a path
-// that does not exist, or a directory that is not a cache.
+// that does not exist, a file, or a directory that is not a cache.
 func missingIndex(dir string) error {
-	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
+	fi, err := os.Stat(dir)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
 		return fmt.Errorf("%w: %s does not exist (check the path; a fill creates the cache)", ErrNotCache, dir)
+	case err == nil && !fi.IsDir():
+		return fmt.Errorf("%w: %s is a file, not a cache directory (give the directory a fill wrote)", ErrNotCache, dir)
 	}
 	return fmt.Errorf("%w: %s has no %s/ (create the cache with a fill first)", ErrNotCache, dir, indexDir)
+}
+
+// statIndex checks that dir holds an index directory: nil, missingIndex's
+// error, or the stat error (a permission refusal) naming dir. Every entry
+// point that needs an existing cache (readers, Open, Repair, Reset) says
+// so alike: they printed "stat DIR/index: not a directory" for a file.
+func statIndex(dir string) error {
+	_, err := os.Stat(filepath.Join(dir, indexDir))
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ENOTDIR) {
+		return missingIndex(dir)
+	}
+	if err != nil {
+		return fmt.Errorf("cache: %s: %w", dir, err)
+	}
+	return nil
 }
 
 // openIndex takes the lock and opens Badger. A read-only open of an index
 // whose last writer crashed fails with badger.ErrTruncateNeeded (its log
 // has a torn tail); then we recover it once with a read-write open.
 func openIndex(dir string, write bool, timeout time.Duration) (*indexSession, error) {
-	if _, err := os.Stat(filepath.Join(dir, indexDir)); err != nil {
-		if errors.Is(err, os.ErrNotExist) && !write {
-			return nil, missingIndex(dir)
-		}
-		if !errors.Is(err, os.ErrNotExist) {
-			return nil, fmt.Errorf("cache: %s: %w", dir, err)
+	if err := statIndex(dir); err != nil {
+		// A writer creates the index of a new cache (Create); a reader,
+		// or a path that is a file, has nothing to open.
+		if !write || !errors.Is(err, ErrNotCache) || isFile(dir) {
+			return nil, err
 		}
 	}
 	if write {

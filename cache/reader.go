@@ -71,7 +71,9 @@ func OpenReaderOptions(opts *Options, dirs ...string) (*Reader, error) {
 		if di == 0 {
 			r.m = m
 		} else if err := r.m.Agree(&m, dirs[0], dir); err != nil {
-			return nil, err
+			// The field says what differs; say also what to do, since
+			// the usual cause is a directory from another fill.
+			return nil, fmt.Errorf("%w: directories read as one cache must hold fills of one teacher, dataset and settings; read them one at a time (several teachers over the same samples: a training config's data.caches)", err)
 		}
 		for _, ci := range rs {
 			r.chunks = append(r.chunks, ReaderChunk{ChunkInfo: ci, Dir: dir})
@@ -157,7 +159,11 @@ func (r *Reader) Get(i int64) (Sample, error) {
 	var s Sample
 	k := r.find(i)
 	if k < 0 {
-		return s, fmt.Errorf("%w: sample %d (committed: %d of %d samples; run cachectl status)", ErrNotFound, i, r.Samples(), r.m.Samples)
+		if i < 0 || i >= r.m.Samples {
+			// Not a gap to fill: no fill of this dataset has it.
+			return s, fmt.Errorf("%w: sample %d is outside [0, %d): the cache's dataset has %d samples", ErrNotFound, i, r.m.Samples, r.m.Samples)
+		}
+		return s, fmt.Errorf("%w: sample %d is not filled yet (committed: %d of %d samples; cachectl status lists the missing ranges)", ErrNotFound, i, r.Samples(), r.m.Samples)
 	}
 	c, err := r.getChunk(k)
 	if err != nil {

@@ -4,8 +4,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 
 	badger "github.com/dgraph-io/badger/v4"
 )
@@ -47,8 +45,8 @@ type RepairReport struct {
 // consistent index and Repair can simply be run again.
 func Repair(dir string, opts *Options) (*RepairReport, error) {
 	o := opts.withDefaults()
-	if _, err := os.Stat(filepath.Join(dir, indexDir)); err != nil {
-		return nil, fmt.Errorf("%w: %s: %v", ErrNotCache, dir, err)
+	if err := statIndex(dir); err != nil {
+		return nil, err
 	}
 	m, rs, err := loadIndex(dir, o)
 	if err != nil {

@@ -4,7 +4,6 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
-	"os"
 	"path/filepath"
 )
 
@@ -36,8 +35,8 @@ func Reset(dir string, force bool, opts *Options) (ResetReport, error) {
 	var rep ResetReport
 	o := opts.withDefaults()
 	fs := o.FS
-	if _, err := os.Stat(filepath.Join(dir, indexDir)); err != nil {
-		return rep, fmt.Errorf("%w: %s: %v (nothing to reset)", ErrNotCache, dir, err)
+	if err := statIndex(dir); err != nil {
+		return rep, fmt.Errorf("%w; nothing to reset", err)
 	}
 	s, err := openIndex(dir, true, o.LockTimeout)
 	if err != nil {

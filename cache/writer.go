@@ -97,10 +97,8 @@ func Open(dir string, opts *Options) (*Cache, error) { return open(dir, nil, opt
 func open(dir string, want *Manifest, opts *Options) (*Cache, error) {
 	o := opts.withDefaults()
 	if want == nil {
-		if _, err := os.Stat(filepath.Join(dir, indexDir)); errors.Is(err, os.ErrNotExist) {
-			return nil, missingIndex(dir)
-		} else if err != nil {
-			return nil, fmt.Errorf("%w: %s: %v", ErrNotCache, dir, err)
+		if err := statIndex(dir); err != nil {
+			return nil, err
 		}
 	}
 	for _, d := range []string{dir, filepath.Join(dir, chunksDir), filepath.Join(dir, tmpDir)} {
