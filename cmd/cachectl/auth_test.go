@@ -44,7 +44,10 @@ func TestClientsTokenFile(t *testing.T) {
 	}
 
 	score := []string{"--ids", "1,2,3;4,5", "--k", "3"}
-	if err := runScore(append(score, "--teacher", d.Addr())); err == nil || !strings.Contains(err.Error(), "Unauthenticated") {
+	// The daemon's message and what to give, not the bare gRPC status
+	// nor "is it running?".
+	if err := runScore(append(score, "--teacher", d.Addr())); err == nil || !strings.Contains(err.Error(), "missing or wrong bearer token") ||
+		!strings.Contains(err.Error(), "give the daemon's bearer token with --token-file") || strings.Contains(err.Error(), "is it running") {
 		t.Errorf("score without the token: %v", err)
 	}
 	if err := runScore(append(score, "--teacher", d.Addr(), "--model", mdir)); err == nil || !strings.Contains(err.Error(), "one of --model") {

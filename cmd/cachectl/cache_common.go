@@ -25,6 +25,16 @@ func (d *cacheDirs) Set(s string) error {
 	return nil
 }
 
+// noArgs refuses positional arguments: the commands take flags only, and
+// a stray word (a second directory without its --cache, a misspelled
+// flag value) was silently ignored.
+func noArgs(fs *flag.FlagSet) error {
+	if fs.NArg() > 0 {
+		return cli.Usagef("unexpected arguments %q (flags come as --name value)", fs.Args())
+	}
+	return nil
+}
+
 func openCacheReader(dirs cacheDirs) (*cache.Reader, error) {
 	if len(dirs) == 0 {
 		return nil, cli.Usagef("--cache DIR is required (repeat it to read several directories as one cache)")
@@ -67,8 +77,8 @@ func parseOneCache(name string, args []string, stderr io.Writer, extra func(*fla
 	if *dir == "" {
 		return "", cli.Usagef("--cache DIR is required")
 	}
-	if fs.NArg() > 0 {
-		return "", cli.Usagef("unexpected arguments %q", fs.Args())
+	if err := noArgs(fs); err != nil {
+		return "", err
 	}
 	return *dir, nil
 }

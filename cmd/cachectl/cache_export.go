@@ -39,6 +39,9 @@ func exportMain(args []string, stdout, stderr io.Writer) error {
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
+	if err := noArgs(fs); err != nil {
+		return err
+	}
 	if *format != "jsonl" && *format != "parquet" {
 		return cli.Usagef("--format %q: want jsonl or parquet", *format)
 	}

@@ -32,8 +32,22 @@ func inspectMain(args []string, stdout, stderr io.Writer) error {
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
+	if err := noArgs(fs); err != nil {
+		return err
+	}
 	if *index < 0 {
 		return cli.Usagef("--sample INDEX is required")
+	}
+	// A negative --from printed no position at all (its window ended
+	// before 0), and negative counts read as "all" unsaid.
+	for _, f := range []struct {
+		name string
+		v    int
+		zero string
+	}{{"from", *from, "the first position"}, {"positions", *count, "all"}, {"top", *top, "all"}} {
+		if f.v < 0 {
+			return cli.Usagef("--%s %d: want 0 (%s) or more", f.name, f.v, f.zero)
+		}
 	}
 	r, err := openCacheReader(dirs)
 	if err != nil {
@@ -54,6 +68,13 @@ func inspectMain(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	T, K := len(s.Tokens), m.K
+	if *from > 0 && *from >= T {
+		// Only the header printed, as if the sample had no positions.
+		if T == 0 {
+			return fmt.Errorf("--from %d: sample %d has no positions (an empty sample)", *from, s.Index)
+		}
+		return fmt.Errorf("--from %d: sample %d has %d positions (0 to %d)", *from, s.Index, T, T-1)
+	}
 	str := func(id int32) string {
 		if tok == nil {
 			return ""
@@ -81,7 +102,7 @@ func inspectMain(args []string, stdout, stderr io.Writer) error {
 	for t := range s.DrawN {
 		off[t+1] = off[t] + int(s.DrawN[t])
 	}
-	for t := max(*from, 0); t < end; t++ {
+	for t := *from; t < end; t++ {
 		next := "(end)"
 		if t+1 < T {
 			next = fmt.Sprintf("%d%s", s.Tokens[t+1], str(s.Tokens[t+1]))

@@ -58,6 +58,9 @@ func statusMain(args []string, stdout, stderr io.Writer) error {
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
+	if err := noArgs(fs); err != nil {
+		return err
+	}
 	r, err := openCacheReader(dirs)
 	if err != nil {
 		return err

@@ -24,6 +24,9 @@ func verifyMain(args []string, stdout, stderr io.Writer) error {
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
+	if err := noArgs(fs); err != nil {
+		return err
+	}
 	if len(dirs) == 0 {
 		return cli.Usagef("--cache DIR is required")
 	}

@@ -65,6 +65,9 @@ func teacherPlan(cfgPath string, ords []int, devMem, weights string, k, draws, m
 		return infer.TeacherPlan{}, cli.Usagef("--device-memory: %w", err)
 	}
 	switch {
+	case weights != string(infer.WeightsBF16) && weights != string(infer.WeightsFP8):
+		// The plan refused it as a runtime error (exit 1), naming no flag.
+		return infer.TeacherPlan{}, cli.Usagef("--weights %q: want bf16 or fp8", weights)
 	case k < 1:
 		return infer.TeacherPlan{}, cli.Usagef("--k %d: want >= 1", k)
 	case maxLen < 0:

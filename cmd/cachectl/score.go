@@ -11,6 +11,9 @@ import (
 	"strings"
 	"syscall"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	"distill/compute/device"
 	"distill/infer"
 	"distill/internal/cli"
@@ -36,9 +39,30 @@ func runScore(args []string) error {
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
+	if err := noArgs(fs); err != nil {
+		return err
+	}
 	if (*modelDir == "") == (*teacherAddr == "") || *ids == "" {
 		fs.Usage()
 		return cli.Usagef("--ids and one of --model DIR (in-process) and --teacher ADDR (a daemon) are required")
+	}
+	// Flags of the other mode were silently ignored, and bad values were
+	// found only by the teacher (exit 1, naming no flag; --temperature 0
+	// scored at 1).
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	switch {
+	case *teacherAddr != "" && set["device"]:
+		return cli.Usagef("--device is for --model; a daemon runs on the device it was started with (teacherd --device)")
+	case *modelDir != "" && (set["token"] || set["token-file"] || set["tls-ca"]):
+		return cli.Usagef("--token, --token-file and --tls-ca are for --teacher (a daemon); --model scores in this process")
+	case *k < 1:
+		return cli.Usagef("--k %d: want 1 or more (at most the teacher's vocabulary)", *k)
+	case !(*temp > 0) || math.IsInf(*temp, 0):
+		return cli.Usagef("--temperature %g: want a positive temperature (1: the teacher's own distribution)", *temp)
+	}
+	if err := device.Check(*dev, device.Inference); err != nil {
+		return cli.Usage(err)
 	}
 	var samples [][]int32
 	for i, part := range strings.Split(*ids, ";") {
@@ -110,7 +134,12 @@ func scoreRemote(addr string, o serve.DialOptions, samples [][]int32, k int, tem
 	c := pb.NewTeacherClient(conn)
 	info, err := c.Info(ctx, &pb.InfoRequest{})
 	if err != nil {
-		return fmt.Errorf("teacher %s: %w", addr, err)
+		// As fill says it: the gRPC status's message, and what to check.
+		hint := "is it running? check the address, --token-file and --tls-ca"
+		if c := status.Code(err); c == codes.Unauthenticated || c == codes.PermissionDenied {
+			hint = "give the daemon's bearer token with --token-file, --token or $DISTILL_TOKEN"
+		}
+		return fmt.Errorf("teacher %s: Info: %s (%s)", addr, status.Convert(err).Message(), hint)
 	}
 	stream, err := c.Score(ctx)
 	if err != nil {

@@ -51,6 +51,11 @@ func tokenizeMain(args []string, stdout, stderr io.Writer) error {
 	if *workers < 0 {
 		return cli.Usagef("--workers %d: want 0 (all cores) or a positive count", *workers)
 	}
+	// What the command line alone gets wrong is a usage error, as fill's
+	// (it exited 1, after the tokenizer and the dataset had loaded).
+	if *start < 0 || (*end != 0 && *end <= *start) {
+		return cli.Usagef("--start %d --end %d: want 0 <= --start < --end (--end 0: the dataset's length)", *start, *end)
+	}
 	opts.Workers = *workers
 	// Flags are checked before the tokenizer loads, which takes a second.
 	tok, err := tokenizer.Load(*tokDir)
@@ -62,11 +67,14 @@ func tokenizeMain(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer d.Close()
-	if *end == 0 {
+	switch {
+	case *end > d.Len():
+		return fmt.Errorf("--end %d: the dataset has samples [0, %d)", *end, d.Len())
+	case *end == 0 && *start > 0 && *start >= d.Len():
+		// Not "--start 200 --end 120": the user gave no --end.
+		return fmt.Errorf("--start %d: the dataset has samples [0, %d)", *start, d.Len())
+	case *end == 0:
 		*end = d.Len()
-	}
-	if *start < 0 || *start > *end || *end > d.Len() {
-		return fmt.Errorf("--start %d --end %d: the dataset has samples [0, %d)", *start, *end, d.Len())
 	}
 	w := bufio.NewWriterSize(stdout, 1<<20)
 	type line struct {
