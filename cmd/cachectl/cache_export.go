@@ -2,11 +2,14 @@ package main
 
 import (
 	"bufio"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
+	iofs "io/fs"
 	"math"
 	"os"
+	"path/filepath"
 	"strconv"
 
 	"github.com/apache/arrow/go/v17/arrow"
@@ -17,6 +20,7 @@ import (
 	"github.com/apache/arrow/go/v17/parquet/pqarrow"
 
 	"distill/cache"
+	"distill/internal/atomicfile"
 	"distill/internal/cli"
 )
 
@@ -49,33 +53,78 @@ func exportMain(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	w := stdout
-	var f *os.File
-	if *out != "" {
-		if f, err = os.Create(*out); err != nil {
+	m := r.Manifest()
+	// export writes the whole cache to w. Its error is the cache's (a
+	// damaged chunk: cacheErr) or w's (a full disk: outErr).
+	var cacheErr, outErr error
+	export := func(w io.Writer) error {
+		ow := &outWriter{w: w}
+		it, err := r.Iter(cache.IterOptions{Sequential: true, ReadAhead: 2})
+		if err == nil {
+			if *format == "jsonl" {
+				err = exportJSONL(it, m, ow)
+			} else {
+				err = exportParquet(it, m, ow)
+			}
+			it.Close()
+		}
+		if ow.err != nil {
+			outErr = ow.err
+		} else {
+			cacheErr = err
+		}
+		return err
+	}
+	if *out == "" {
+		return export(stdout)
+	}
+	fi, err := os.Stat(*out)
+	switch {
+	case err == nil && fi.IsDir():
+		return fmt.Errorf("--out %s is a directory: give a file name, e.g. %s", *out, filepath.Join(*out, "cache."+*format))
+	case err == nil && !fi.Mode().IsRegular():
+		// A device or a pipe (/dev/null, a FIFO) is written as it is:
+		// a rename would replace it.
+		f, err := os.OpenFile(*out, os.O_WRONLY, 0)
+		if err != nil {
+			return fmt.Errorf("--out: %w", err)
+		}
+		if err := export(f); err != nil {
+			f.Close()
 			return err
 		}
-		defer f.Close()
-		w = f
-	}
-	it, err := r.Iter(cache.IterOptions{Sequential: true, ReadAhead: 2})
-	if err != nil {
-		return err
-	}
-	defer it.Close()
-	m := r.Manifest()
-	if *format == "jsonl" {
-		err = exportJSONL(it, m, w)
-	} else {
-		err = exportParquet(it, m, w)
-	}
-	if err != nil {
-		return err
-	}
-	if f != nil {
 		return f.Close()
 	}
+	// A regular file is written whole or not at all: an export that
+	// failed halfway (a damaged chunk, a full disk) left an empty JSONL
+	// file or a 4-byte Parquet file that no reader opens.
+	if err := atomicfile.Write(*out, 0o644, export); err != nil {
+		var pe *iofs.PathError
+		switch {
+		case cacheErr != nil:
+			return cacheErr
+		case errors.As(outErr, &pe):
+			// pe names the temporary file, which is gone.
+			return fmt.Errorf("--out: writing %s: %w", *out, pe.Err)
+		}
+		return fmt.Errorf("--out: %w", err)
+	}
 	return nil
+}
+
+// outWriter keeps the first error of writing the export's output, so
+// that it is told from the cache's errors.
+type outWriter struct {
+	w   io.Writer
+	err error
+}
+
+func (o *outWriter) Write(p []byte) (int, error) {
+	n, err := o.w.Write(p)
+	if err != nil && o.err == nil {
+		o.err = err
+	}
+	return n, err
 }
 
 // exportJSONL writes {"index", "input_ids", "loss_mask", "topk_ids",

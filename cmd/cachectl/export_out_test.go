@@ -1,0 +1,89 @@
+package main
+
+import (
+	"bytes"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+
+	"distill/cache"
+)
+
+// TestExportOutWholeOrNothing: an export to --out that fails halfway (a
+// damaged chunk) leaves no file: it left an empty JSONL file, or a
+// 4-byte Parquet file no reader opens, and an existing --out truncated.
+// An --out that cannot be written is named as --out, before the cache is
+// read; a directory is refused; a device (/dev/null) is written as it is.
+func TestExportOutWholeOrNothing(t *testing.T) {
+	a, _ := makeCtlCaches(t, cache.EncodingCompact, nil)
+	chunk := filepath.Join(a, "chunks", "000000000004-000000000008.arrow")
+	good, _ := os.ReadFile(chunk)
+	bad := append([]byte(nil), good...)
+	bad[len(bad)/2] ^= 1
+	os.WriteFile(chunk, bad, 0o644)
+	outDir := t.TempDir()
+	for _, format := range []string{"jsonl", "parquet"} {
+		out := filepath.Join(outDir, "new."+format)
+		_, err := run(t, wrap(exportMain), "--cache", a, "--format", format, "--out", out)
+		if err == nil || !strings.Contains(err.Error(), "000000000004-000000000008.arrow") || strings.Contains(err.Error(), "--out") {
+			t.Fatalf("export --format %s of a damaged cache: %v; want the chunk's error", format, err)
+		}
+		if _, err := os.Stat(out); !os.IsNotExist(err) {
+			t.Errorf("export --format %s that failed left %s (%v)", format, out, err)
+		}
+		old := filepath.Join(outDir, "old."+format)
+		os.WriteFile(old, []byte("previous export"), 0o644)
+		run(t, wrap(exportMain), "--cache", a, "--format", format, "--out", old)
+		if b, _ := os.ReadFile(old); string(b) != "previous export" {
+			t.Errorf("export --format %s that failed changed the existing --out to %q", format, b)
+		}
+	}
+	if ents, _ := os.ReadDir(outDir); len(ents) != 2 {
+		t.Errorf("failed exports left files in --out's directory: %v", ents)
+	}
+	os.WriteFile(chunk, good, 0o644)
+
+	_, err := run(t, wrap(exportMain), "--cache", a, "--out", filepath.Join(outDir, "missing", "x.jsonl"))
+	if err == nil || !strings.HasPrefix(err.Error(), "--out: writing ") || !strings.Contains(err.Error(), "cannot create a file in "+filepath.Join(outDir, "missing")) {
+		t.Errorf("export --out in a missing directory: %v", err)
+	}
+	if _, err := run(t, wrap(exportMain), "--cache", a, "--out", outDir); err == nil || !strings.Contains(err.Error(), "--out "+outDir+" is a directory") {
+		t.Errorf("export --out DIR: %v", err)
+	}
+	// A FIFO stands for /dev/null: a rename would replace it with a
+	// regular file.
+	fifo := filepath.Join(t.TempDir(), "fifo")
+	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	read := make(chan int)
+	go func() {
+		f, err := os.Open(fifo)
+		if err != nil {
+			read <- -1
+			return
+		}
+		b, _ := io.ReadAll(f)
+		f.Close()
+		read <- bytes.Count(b, []byte("\n"))
+	}()
+	if _, err := run(t, wrap(exportMain), "--cache", a, "--out", fifo); err != nil {
+		t.Errorf("export --out FIFO: %v", err)
+	}
+	if n := <-read; n != 8 {
+		t.Errorf("export --out FIFO: the reader got %d lines, want 8", n)
+	}
+	if fi, err := os.Stat(fifo); err != nil || fi.Mode()&os.ModeNamedPipe == 0 {
+		t.Fatalf("export --out FIFO replaced it: %v %v", fi.Mode(), err)
+	}
+	out := filepath.Join(outDir, "ok.jsonl")
+	if _, err := run(t, wrap(exportMain), "--cache", a, "--out", out); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(out); bytes.Count(b, []byte("\n")) != 8 {
+		t.Errorf("export --out of [0, 8): %d lines", bytes.Count(b, []byte("\n")))
+	}
+}
