@@ -4,9 +4,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"distill/internal/cli"
 	"distill/model"
@@ -38,6 +41,9 @@ func runInit(args []string) error {
 	if err := checkInitConfig(cfg, *f.headDim); err != nil {
 		return cli.Usage(err)
 	}
+	if err := checkInitFits(cfg, strings.ToUpper(*f.dtype), *f.out); err != nil {
+		return err
+	}
 	t := model.Init(cfg, model.InitOptions{Seed: *f.seed, Std: *f.std, Perturb: *f.perturb})
 	err = model.WriteDir(*f.out, *f.force, func(tmp string) error {
 		return model.WriteCheckpoint(tmp, cfg, t, strings.ToUpper(*f.dtype))
@@ -63,7 +69,7 @@ func newInitFlags(fs *flag.FlagSet) *initFlags {
 	return &initFlags{
 		arch:         fs.String("arch", "qwen3", "architecture: llama, qwen2, qwen3, qwen3_moe"),
 		out:          fs.String("out", "", "output checkpoint directory (required)"),
-		layers:       fs.Int("layers", 0, "num_hidden_layers (0: the preset's)"),
+		layers:       fs.Int("layers", 0, "num_hidden_layers (default: the preset's, as for every size flag)"),
 		hidden:       fs.Int("hidden", 0, "hidden_size"),
 		heads:        fs.Int("heads", 0, "num_attention_heads"),
 		kvHeads:      fs.Int("kv-heads", 0, "num_key_value_heads"),
@@ -80,7 +86,7 @@ func newInitFlags(fs *flag.FlagSet) *initFlags {
 		routerLogits: fs.String("output-router-logits", "", "output_router_logits: true adds the load-balancing loss in training (qwen3_moe; default false)"),
 		auxCoef:      fs.String("router-aux-loss-coef", "", "router_aux_loss_coef, a number >= 0 (qwen3_moe; default 0.001)"),
 		tie:          fs.String("tie", "", "tie_word_embeddings: true or false (default: the preset's)"),
-		bias:         fs.String("attention-bias", "", "attention_bias: true or false (llama, qwen3)"),
+		bias:         fs.String("attention-bias", "", "attention_bias: true or false (llama, qwen3, qwen3_moe; qwen2 always has q/k/v biases)"),
 		seed:         fs.Uint64("seed", 1, "random seed"),
 		std:          fs.Float64("std", 0.02, "normal init std of matrices"),
 		perturb:      fs.Bool("perturb", false, "random norm weights and biases too (for tests)"),
@@ -107,14 +113,22 @@ func (f *initFlags) check(fs *flag.FlagSet) error {
 			if v, _ := strconv.Atoi(fl.Value.String()); v <= 0 {
 				bad = append(bad, fmt.Sprintf("--%s %s", fl.Name, fl.Value))
 			}
-		case "std":
-			if v, _ := strconv.ParseFloat(fl.Value.String(), 64); !(v > 0) {
-				bad = append(bad, fmt.Sprintf("--std %s", fl.Value))
-			}
 		}
 	})
 	if len(bad) > 0 {
 		return cli.Usagef("%s: want positive numbers (leave a size flag out for the preset's value)", strings.Join(bad, ", "))
+	}
+	// Not a size: the hint above would be wrong for it.
+	if v := *f.std; !(v > 0) || math.IsInf(v, 0) {
+		return cli.Usagef("--std %g: want a positive standard deviation (default 0.02)", v)
+	}
+	// Qwen2 always has q/k/v biases (its config.json has no
+	// attention_bias key): --attention-bias false wrote a checkpoint
+	// without them, which every loader, ours included, refuses.
+	if *f.arch == string(model.ArchQwen2) && *f.bias != "" {
+		if v, err := strconv.ParseBool(*f.bias); err == nil && !v {
+			return cli.Usagef("--attention-bias false: qwen2 always has q/k/v biases (its config.json has no attention_bias key); leave the flag out, or use --arch llama or qwen3")
+		}
 	}
 	if *f.arch != string(model.ArchQwen3MoE) {
 		var moeFlags []string
@@ -230,4 +244,89 @@ func printInitSummary(out string, cfg *model.Config) {
 		fmt.Printf("  %d experts, top-%d, moe_intermediate_size %d; sparse layers [%s]; load-balancing loss %s\n", cfg.NumExperts, cfg.ExpertsPerTok,
 			cfg.MoEIntermediate, strings.Join(sparse, ","), map[bool]string{true: fmt.Sprintf("on (coef %g)", cfg.RouterAuxLossCoef), false: "off (--output-router-logits true turns it on)"}[cfg.OutputRouterLogits])
 	}
+}
+
+// hostMemAvailable is the memory a new allocation can take (MemAvailable
+// of /proc/meminfo; ok false where it cannot be read), diskFree the bytes
+// an unprivileged writer has free on the file system holding path.
+// Variables, so that a test stands for a small machine.
+var (
+	hostMemAvailable = func() (int64, bool) {
+		b, err := os.ReadFile("/proc/meminfo")
+		if err != nil {
+			return 0, false
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if f := strings.Fields(line); len(f) >= 2 && f[0] == "MemAvailable:" {
+				kb, err := strconv.ParseInt(f[1], 10, 64)
+				return kb << 10, err == nil
+			}
+		}
+		return 0, false
+	}
+	diskFree = func(path string) (int64, bool) {
+		var st syscall.Statfs_t
+		if syscall.Statfs(path, &st) != nil {
+			return 0, false
+		}
+		return int64(st.Bavail) * st.Bsize, true
+	}
+)
+
+// checkInitFits refuses, before anything is allocated or written, a
+// checkpoint this machine cannot make: model.Init holds every tensor in
+// fp32, the writer one tensor more in fp32 and in the stored dtype, and
+// the file takes each parameter's stored bytes. A mistyped size (--vocab
+// 1519360000) ended in Go's "fatal error: out of memory" and its stack
+// trace. The sizes are summed in float64: their product may overflow an
+// int.
+func checkInitFits(cfg *model.Config, dtype, out string) error {
+	var params, largest float64
+	for _, t := range cfg.Tensors() {
+		n := 1.0
+		for _, d := range t.Shape {
+			n *= float64(d)
+		}
+		params += n
+		largest = max(largest, n)
+	}
+	stored := 2.0
+	if dtype == "F32" {
+		stored = 4
+	}
+	count := fmt.Sprintf("%.2fM", params/1e6)
+	if params >= 1e9 {
+		count = fmt.Sprintf("%.2fB", params/1e9)
+	}
+	what := fmt.Sprintf("%s of %s parameters (%d layers, hidden %d, intermediate %d, vocab %d)", cfg.Arch, count, cfg.Layers, cfg.Hidden, cfg.Intermediate, cfg.VocabSize)
+	const check = "check the size flags (--vocab, --hidden, --intermediate, --layers; --experts, --moe-intermediate)"
+	gib := func(b float64) string {
+		if b < 1<<30 {
+			return fmt.Sprintf("%.1f MiB", b/(1<<20))
+		}
+		return fmt.Sprintf("%.1f GiB", b/(1<<30))
+	}
+	if avail, ok := hostMemAvailable(); ok {
+		if need := 4*params + (4+stored)*largest; need > float64(avail) {
+			return fmt.Errorf("a %s: initializing it takes %s of memory, and this machine has %s available: %s", what, gib(need), gib(float64(avail)), check)
+		}
+	}
+	// The nearest directory that exists: WriteDir makes the others.
+	dir := filepath.Dir(filepath.Clean(out))
+	for {
+		if fi, err := os.Stat(dir); err == nil && fi.IsDir() {
+			break
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return nil
+		}
+		dir = parent
+	}
+	if free, ok := diskFree(dir); ok {
+		if need := stored * params; need > float64(free) {
+			return fmt.Errorf("a %s: its %s checkpoint takes %s, and the file system of %s has %s free: %s, or choose another --out", what, dtype, gib(need), dir, gib(float64(free)), check)
+		}
+	}
+	return nil
 }

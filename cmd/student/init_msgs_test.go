@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"distill/internal/cli"
 )
 
 // TestInitMessages: an unknown --arch lists the valid ones, and -h shows
@@ -34,5 +36,50 @@ func TestInitMessages(t *testing.T) {
 	}
 	if err := runInit([]string{"--arch", "qwen3_moe", "--router-aux-loss-coef", "x", "--out", filepath.Join(t.TempDir(), "m")}); err == nil || !strings.Contains(err.Error(), "--router-aux-loss-coef x: want a number >= 0") {
 		t.Errorf("--router-aux-loss-coef x: %v", err)
+	}
+}
+
+// TestInitRefusesWhatCannotBeMade: sizes this machine cannot hold or
+// store are refused before anything is allocated or written, naming the
+// model and the flags to check (a mistyped --vocab ended in Go's "fatal
+// error: out of memory" and a stack trace); qwen2 with --attention-bias
+// false, which wrote a checkpoint without the q/k/v biases every loader
+// wants, is a usage error; --std says what it wants.
+func TestInitRefusesWhatCannotBeMade(t *testing.T) {
+	mem, disk := hostMemAvailable, diskFree
+	t.Cleanup(func() { hostMemAvailable, diskFree = mem, disk })
+	hostMemAvailable = func() (int64, bool) { return 1 << 30, true }
+	diskFree = func(string) (int64, bool) { return 0, false }
+	out := filepath.Join(t.TempDir(), "sub", "m")
+	err := runInit([]string{"--out", out, "--vocab", "100000000", "--hidden", "64"})
+	if err == nil || cli.ExitStatus(err) != 1 || !strings.Contains(err.Error(), "a qwen3 of 12.80B parameters") ||
+		!strings.Contains(err.Error(), "of memory, and this machine has 1.0 GiB available: check the size flags (--vocab") {
+		t.Errorf("init of 12.8B parameters on 1 GiB: %v", err)
+	}
+	hostMemAvailable = func() (int64, bool) { return 0, false }
+	diskFree = func(string) (int64, bool) { return 1 << 20, true }
+	err = runInit([]string{"--out", out, "--vocab", "100000", "--hidden", "64"})
+	if err == nil || !strings.Contains(err.Error(), "its BF16 checkpoint takes 24.6 MiB, and the file system of "+filepath.Dir(filepath.Dir(out))+" has 1.0 MiB free") {
+		t.Errorf("init of 24.6 MiB on a disk with 1 MiB free: %v", err)
+	}
+	if _, err := os.Stat(filepath.Dir(out)); !os.IsNotExist(err) {
+		t.Errorf("a refused init made %s", filepath.Dir(out))
+	}
+	diskFree = func(string) (int64, bool) { return 0, false }
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--arch", "qwen2", "--attention-bias", "false"}, "--attention-bias false: qwen2 always has q/k/v biases"},
+		{[]string{"--std", "-1"}, "--std -1: want a positive standard deviation"},
+		{[]string{"--std", "NaN"}, "--std NaN: want a positive standard deviation"},
+	} {
+		err := runInit(append(c.args, "--out", out))
+		if cli.ExitStatus(err) != 2 || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("init %v: %v; want a usage error saying %q", c.args, err, c.want)
+		}
+	}
+	if err := runInit([]string{"--arch", "qwen2", "--attention-bias", "true", "--out", out}); err != nil {
+		t.Errorf("qwen2 --attention-bias true (what qwen2 is): %v", err)
 	}
 }
