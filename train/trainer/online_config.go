@@ -110,6 +110,13 @@ func (l *TeacherList) UnmarshalYAML(n *yaml.Node) error {
 		if err := e.Decode(&t); err != nil {
 			return fmt.Errorf("distill.teachers[%d]: %w", i, err)
 		}
+		// An explicit 0 is no default: it became weight 1 unsaid
+		// (withDefaults cannot tell it from a weight left out).
+		for k := 0; k+1 < len(e.Content); k += 2 {
+			if e.Content[k].Value == "weight" && t.Weight == 0 {
+				return fmt.Errorf("distill.teachers[%d].weight (line %d): 0: want a positive weight (default 1); every teacher of distill.teachers is trained on: to leave one out, remove its entry", i, e.Content[k].Line)
+			}
+		}
 		out = append(out, t)
 	}
 	*l = out

@@ -70,6 +70,7 @@ type replica struct {
 	up      bool  // a Score stream is open
 	checked bool  // Info matched at least once
 	lastErr error // why it is down
+	told    bool  // that it does not answer its first Info was said
 	answers atomic.Int64
 }
 
@@ -161,7 +162,7 @@ func newTeacherPool(t TeacherConfig, o *OnlineConfig, want infoWant, tg scoreTar
 			if !r.checked {
 				w := "no answer yet"
 				if r.lastErr != nil {
-					w = r.lastErr.Error()
+					w = statusMessage(r.lastErr)
 				}
 				why = append(why, fmt.Sprintf("%s: %s", r.addr, w))
 			}
@@ -324,6 +325,13 @@ func (p *teacherPool) setUp(r *replica) {
 func (p *teacherPool) setDown(r *replica, err error, retry time.Duration) {
 	r.lastErr = err
 	if !r.up {
+		if !r.checked && !r.told {
+			// Said once: the run waits for it up to teacher_timeout
+			// (10m by default) and said nothing until then.
+			r.told = true
+			fmt.Fprintf(p.log, "teachers: teacher %s at %s does not answer (%s): retrying for up to distill.teacher_timeout %v (is teacherd running there? check distill.teachers, token_file and tls_ca)\n",
+				p.name, r.addr, statusMessage(err), p.timeout)
+		}
 		return
 	}
 	r.up = false
@@ -360,7 +368,7 @@ func (p *teacherPool) loop(r *replica) {
 			return
 		}
 		if !retryable(err) {
-			p.fail(err)
+			p.fail(p.refused(r, err))
 			return
 		}
 		if progress {
@@ -378,6 +386,32 @@ func (p *teacherPool) loop(r *replica) {
 		}
 		wait = min(2*wait, retryMax)
 	}
+}
+
+// statusMessage is err's gRPC message, without "rpc error: code = ...".
+func statusMessage(err error) string {
+	if st, ok := status.FromError(err); ok {
+		return st.Message()
+	}
+	return err.Error()
+}
+
+// refused names the teacher and the replica of an error of a session
+// that no retry mends: a daemon's refusal of Info (a missing or wrong
+// token) came out bare, "rpc error: code = Unauthenticated desc = ...",
+// naming neither, with the daemon's hint for cachectl fill (endSession
+// names a Score stream's). Our own errors (checkInfo's) name them
+// already.
+func (p *teacherPool) refused(r *replica, err error) error {
+	st, ok := status.FromError(err)
+	if !ok {
+		return err
+	}
+	hint := ""
+	if c := st.Code(); c == codes.Unauthenticated || c == codes.PermissionDenied {
+		hint = ": give the daemon's bearer token in distill.token_file (or $DISTILL_TOKEN)" // as endSession says it
+	}
+	return fmt.Errorf("%w: teacher %s at %s refused the run: %s%s", ErrTeachers, p.name, r.addr, st.Message(), hint)
 }
 
 // checkInfo compares a replica's Info with the run's needs and the other

@@ -522,6 +522,11 @@ func TestOnlineInfoChecks(t *testing.T) {
 				t.Errorf("%v %v: error %q lacks %q", c.addrs, c.over, err, w)
 			}
 		}
+		// There is no cache here: ErrMismatch said "cache does not
+		// match the student".
+		if strings.Contains(err.Error(), "cache") {
+			t.Errorf("%v %v: error %q speaks of a cache", c.addrs, c.over, err)
+		}
 		if res != nil && len(res.Steps) > 0 {
 			t.Errorf("%v: trained %d steps before the check failed", c.addrs, len(res.Steps))
 		}

@@ -141,8 +141,12 @@ var (
 	ErrConfig = errors.New("trainer: bad config")
 	// ErrData marks samples the run cannot use as configured.
 	ErrData = errors.New("trainer: bad data")
-	// ErrMismatch marks a cache made for another tokenizer or vocabulary.
-	ErrMismatch = errors.New("trainer: cache does not match the student")
+	// ErrMismatch marks teacher data that does not fit the student or
+	// the other teachers: a cache or a live teacher of another tokenizer
+	// or vocabulary, caches of other samples. Its text says no more than
+	// "mismatch": the message names what differs, and "cache does not
+	// match the student" was wrong for a live teacher and for two caches.
+	ErrMismatch = errors.New("trainer: mismatch")
 	// ErrResume marks a checkpoint that cannot be resumed by this config.
 	ErrResume = errors.New("trainer: cannot resume")
 	// ErrDiverged marks a run stopped after train.max_skipped_steps
