@@ -19,8 +19,20 @@ func init() {
 	commands.Register(&cli.Command{Name: "init", Summary: "write a random-initialized HF checkpoint directory", Run: runInit})
 }
 
-// initUsage is where init's -h and flag errors go (tests capture it).
-var initUsage io.Writer = os.Stderr
+// initUsage is where init's -h and flag errors go, initOut its summary
+// (tests capture them).
+var (
+	initUsage io.Writer = os.Stderr
+	initOut   io.Writer = os.Stdout
+)
+
+// layers is "1 layer" or "N layers" (it said "1 layers").
+func layers(n int) string {
+	if n == 1 {
+		return "1 layer"
+	}
+	return fmt.Sprintf("%d layers", n)
+}
 
 func runInit(args []string) error {
 	fs := flag.NewFlagSet("student init", flag.ContinueOnError)
@@ -233,7 +245,7 @@ func checkInitConfig(cfg *model.Config, headDim int) error {
 
 // printInitSummary says what init wrote.
 func printInitSummary(out string, cfg *model.Config) {
-	fmt.Printf("wrote %s: %s, %d layers, hidden %d, vocab %d, %.2fM parameters\n", out, cfg.Arch, cfg.Layers, cfg.Hidden, cfg.VocabSize, float64(cfg.Params())/1e6)
+	fmt.Fprintf(initOut, "wrote %s: %s, %s, hidden %d, vocab %d, %.2fM parameters\n", out, cfg.Arch, layers(cfg.Layers), cfg.Hidden, cfg.VocabSize, float64(cfg.Params())/1e6)
 	if cfg.NumExperts > 0 {
 		var sparse []string
 		for i := 0; i < cfg.Layers; i++ {
@@ -241,7 +253,7 @@ func printInitSummary(out string, cfg *model.Config) {
 				sparse = append(sparse, strconv.Itoa(i))
 			}
 		}
-		fmt.Printf("  %d experts, top-%d, moe_intermediate_size %d; sparse layers [%s]; load-balancing loss %s\n", cfg.NumExperts, cfg.ExpertsPerTok,
+		fmt.Fprintf(initOut, "  %d experts, top-%d, moe_intermediate_size %d; sparse layers [%s]; load-balancing loss %s\n", cfg.NumExperts, cfg.ExpertsPerTok,
 			cfg.MoEIntermediate, strings.Join(sparse, ","), map[bool]string{true: fmt.Sprintf("on (coef %g)", cfg.RouterAuxLossCoef), false: "off (--output-router-logits true turns it on)"}[cfg.OutputRouterLogits])
 	}
 }
@@ -298,7 +310,7 @@ func checkInitFits(cfg *model.Config, dtype, out string) error {
 	if params >= 1e9 {
 		count = fmt.Sprintf("%.2fB", params/1e9)
 	}
-	what := fmt.Sprintf("%s of %s parameters (%d layers, hidden %d, intermediate %d, vocab %d)", cfg.Arch, count, cfg.Layers, cfg.Hidden, cfg.Intermediate, cfg.VocabSize)
+	what := fmt.Sprintf("%s of %s parameters (%s, hidden %d, intermediate %d, vocab %d)", cfg.Arch, count, layers(cfg.Layers), cfg.Hidden, cfg.Intermediate, cfg.VocabSize)
 	const check = "check the size flags (--vocab, --hidden, --intermediate, --layers; --experts, --moe-intermediate)"
 	gib := func(b float64) string {
 		if b < 1<<30 {

@@ -79,7 +79,13 @@ func TestInitRefusesWhatCannotBeMade(t *testing.T) {
 			t.Errorf("init %v: %v; want a usage error saying %q", c.args, err, c.want)
 		}
 	}
-	if err := runInit([]string{"--arch", "qwen2", "--attention-bias", "true", "--out", out}); err != nil {
+	var summary bytes.Buffer
+	initOut = &summary
+	t.Cleanup(func() { initOut = os.Stdout })
+	if err := runInit([]string{"--arch", "qwen2", "--attention-bias", "true", "--layers", "1", "--out", out}); err != nil {
 		t.Errorf("qwen2 --attention-bias true (what qwen2 is): %v", err)
+	}
+	if want := "wrote " + out + ": qwen2, 1 layer, hidden 64"; !strings.HasPrefix(summary.String(), want) {
+		t.Errorf("init printed %q, want %q...", summary.String(), want)
 	}
 }
