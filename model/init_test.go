@@ -8,6 +8,8 @@ import (
 	"sort"
 	"strings"
 	"testing"
+
+	"distill/internal/testdirs"
 )
 
 func names(t *testing.T, dir string) string {
@@ -87,21 +89,7 @@ func TestWriteDir(t *testing.T) {
 // /ro/.tmp-out-123: read-only file system") or only "stat
 // file/out: not a directory".
 func TestWriteDirUnwritable(t *testing.T) {
-	// A directory this process cannot create files in: 0555, or for
-	// root (whom permissions do not bind) /sys.
-	ro := t.TempDir()
-	os.Chmod(ro, 0o555)
-	t.Cleanup(func() { os.Chmod(ro, 0o755) })
-	if f, err := os.CreateTemp(ro, "probe-"); err == nil {
-		f.Close()
-		os.Remove(f.Name())
-		ro = "/sys"
-		if f, err := os.CreateTemp(ro, "probe-"); err == nil {
-			f.Close()
-			os.Remove(f.Name())
-			t.Skip("no directory this process cannot write")
-		}
-	}
+	ro := testdirs.Unwritable(t)
 	file := filepath.Join(t.TempDir(), "file")
 	os.WriteFile(file, nil, 0o644)
 	for _, c := range []struct{ dir, want string }{

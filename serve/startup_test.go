@@ -9,34 +9,9 @@ import (
 	"strings"
 	"testing"
 	"time"
-)
 
-// unwritableDir is a directory this process cannot create files in: a
-// 0555 directory, or, for root (whom permissions do not bind), /sys.
-func unwritableDir(t *testing.T) string {
-	t.Helper()
-	writable := func(d string) bool {
-		f, err := os.CreateTemp(d, "probe-")
-		if err != nil {
-			return false
-		}
-		f.Close()
-		os.Remove(f.Name())
-		return true
-	}
-	d := t.TempDir()
-	if err := os.Chmod(d, 0o555); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.Chmod(d, 0o755) })
-	if writable(d) {
-		d = "/sys"
-		if writable(d) {
-			t.Skip("no directory this process cannot write")
-		}
-	}
-	return d
-}
+	"distill/internal/testdirs"
+)
 
 // weightlessModel is a checkpoint directory with the tiny model's
 // config.json and no weights: a daemon started on it fails when it loads
@@ -76,7 +51,7 @@ func startErr(t *testing.T, cfg Config) error {
 // creates) fails at startup, naming the flag; it used to start, load the
 // teacher and answer every Fill with an internal error.
 func TestCacheDirNotWritable(t *testing.T) {
-	ro := unwritableDir(t)
+	ro := testdirs.Unwritable(t)
 	for _, c := range []struct{ dir, want string }{
 		{ro, "--cache " + ro + ": it is not writable"},
 		{filepath.Join(ro, "a", "cache"), "the directory it would be created in, " + ro + ", is not writable"},

@@ -15,6 +15,8 @@ import (
 	"testing"
 
 	"gonum.org/v1/plot/plotutil"
+
+	"distill/internal/testdirs"
 )
 
 // writeRun writes a metrics.jsonl into a new directory named name and
@@ -288,7 +290,7 @@ func TestWriteErrors(t *testing.T) {
 	out := filepath.Join(dir, "c.png")
 	file := filepath.Join(t.TempDir(), "file")
 	os.WriteFile(file, nil, 0o644)
-	ro := unwritableDir(t)
+	ro := testdirs.Unwritable(t)
 	for _, c := range []struct {
 		name   string
 		runs   []*Run
@@ -386,29 +388,4 @@ func TestPanelAxes(t *testing.T) {
 			t.Errorf("loss panel title %q", p.Plot.Title.Text)
 		}
 	}
-}
-
-// unwritableDir is a directory this process cannot create files in: a
-// 0555 directory, or, for root (whom permissions do not bind), /sys.
-func unwritableDir(t *testing.T) string {
-	t.Helper()
-	writable := func(d string) bool {
-		f, err := os.CreateTemp(d, "probe-")
-		if err != nil {
-			return false
-		}
-		f.Close()
-		os.Remove(f.Name())
-		return true
-	}
-	d := t.TempDir()
-	os.Chmod(d, 0o555)
-	t.Cleanup(func() { os.Chmod(d, 0o755) })
-	if writable(d) {
-		d = "/sys"
-		if writable(d) {
-			t.Skip("no directory this process cannot write")
-		}
-	}
-	return d
 }
