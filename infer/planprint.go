@@ -20,8 +20,12 @@ func (p TeacherPlan) Print(w io.Writer, budget int) {
 		}
 		return fmt.Sprintf("%.2f GiB", float64(b)/(1<<30))
 	}
-	fmt.Fprintf(w, "teacher plan: %s, %.2fB parameters (%d layers, hidden %d, vocab %d), %s weights, top-k up to %d, samples up to %d tokens",
-		cfg.Arch, float64(cfg.Params())/1e9, cfg.Layers, cfg.Hidden, cfg.VocabSize, o.Weights, o.K, o.MaxLen)
+	layers := fmt.Sprintf("%d layers", cfg.Layers)
+	if cfg.Layers == 1 {
+		layers = "1 layer"
+	}
+	fmt.Fprintf(w, "teacher plan: %s, %.2fB parameters (%s, hidden %d, vocab %d), %s weights, top-k up to %d, samples up to %d tokens",
+		cfg.Arch, float64(cfg.Params())/1e9, layers, cfg.Hidden, cfg.VocabSize, o.Weights, o.K, o.MaxLen)
 	if o.Draws > 0 {
 		fmt.Fprintf(w, ", up to %d draws a position", o.Draws)
 	}

@@ -152,8 +152,8 @@ func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act co
 		}
 		return sh
 	}
-	fmt.Fprintf(w, "memory plan: %s student, %.1fM parameters (%d layers, hidden %d, vocab %d), rows of %d tokens (data.seq_len), teacher top-k %d, quant %s, %v activations%s\n",
-		mc.Arch, float64(mc.Params())/1e6, mc.Layers, mc.Hidden, mc.VocabSize, T, k, cfg.Quant, act, zeroNote(cfg.Train.ZeRO, world, cfg.Train.Overlap(), qad))
+	fmt.Fprintf(w, "memory plan: %s student, %.1fM parameters (%s, hidden %d, vocab %d), rows of %d tokens (data.seq_len), teacher top-k %d, quant %s, %v activations%s\n",
+		mc.Arch, float64(mc.Params())/1e6, layers(mc.Layers), mc.Hidden, mc.VocabSize, T, k, cfg.Quant, act, zeroNote(cfg.Train.ZeRO, world, cfg.Train.Overlap(), qad))
 	if lc := cfg.TrainLoRA(); lc != nil {
 		fmt.Fprintf(w, "LoRA: rank %d on %v, the base frozen (%v on the device%s)\n", lc.Rank, lc.Targets, act, map[bool]string{true: ", NVFP4-fake-quantized values"}[lc.NVFP4])
 	}
