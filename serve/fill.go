@@ -63,6 +63,9 @@ type FillPlan struct {
 	// waits before it is asked for again (default 5s). The other chunks go
 	// first: two fills of one range split its chunks.
 	BusyPoll time.Duration
+	// BusyRepeat is how often a chunk still busy is said again (default
+	// 1m): a fill left waiting for another writer says what it waits for.
+	BusyRepeat time.Duration
 	// Out receives progress and the summary (nil: none). Terminal draws a
 	// progress bar; otherwise a log line every LogEvery (default 10s).
 	Out      io.Writer
@@ -228,6 +231,9 @@ func (p *FillPlan) setDefaults(workers int) error {
 	}
 	if p.BusyPoll == 0 {
 		p.BusyPoll = 5 * time.Second
+	}
+	if p.BusyRepeat == 0 {
+		p.BusyRepeat = time.Minute
 	}
 	if p.LogEvery == 0 {
 		p.LogEvery = 10 * time.Second
@@ -489,14 +495,16 @@ type fillDispatch struct {
 	lastErr  map[string]string // a teacher's last error
 	gaveUp   map[string]bool   // teachers given up on (said once)
 	// busyAt: when a chunk was last found busy (another writer computes
-	// it); it is asked for again BusyPoll after that.
-	busyAt map[cache.Range]time.Time
+	// it); it is asked for again BusyPoll after that. busySaid: when that
+	// was last said.
+	busyAt, busySaid map[cache.Range]time.Time
+	now              func() time.Time // time.Now; tests set a clock of their own
 }
 
 func newFillDispatch(p *FillPlan, dirs *fillDirs, fp string, sum *FillSummary, todo []cache.Range) *fillDispatch {
 	d := &fillDispatch{p: p, fp: fp, dirs: dirs, sum: sum, queue: make(chan cache.Range, len(todo)),
 		failures: map[cache.Range]int{}, counted: map[cache.Range]bool{}, lastErr: map[string]string{}, gaveUp: map[string]bool{},
-		busyAt: map[cache.Range]time.Time{}}
+		busyAt: map[cache.Range]time.Time{}, busySaid: map[cache.Range]time.Time{}, now: time.Now}
 	for _, r := range todo {
 		d.queue <- r
 	}
@@ -666,15 +674,23 @@ func isBusy(w Worker, err error) bool {
 // busy puts chunk r, which another writer is computing, at the back of
 // the queue, to be asked for again BusyPoll from now: the worker goes on
 // with other chunks, and the chunk is neither a failure nor a retry. The
-// first time, it is said.
+// first time, it is said, and again every BusyRepeat while it stays busy.
 func (d *fillDispatch) busy(r cache.Range, err error) {
+	now := d.now()
 	d.mu.Lock()
-	_, again := d.busyAt[r]
-	d.busyAt[r] = time.Now()
+	d.busyAt[r] = now
+	last, said := d.busySaid[r]
+	repeat := said && now.Sub(last) >= d.p.BusyRepeat
+	if !said || repeat {
+		d.busySaid[r] = now
+	}
 	d.mu.Unlock()
-	if !again {
+	switch {
+	case !said:
 		d.say("fill: chunk [%d, %d) is being computed by another writer of the cache (%s); this fill does its other chunks first, then comes back to it every %s until it is committed, or free to compute here",
 			r.Start, r.End, busyHolder(err), d.p.BusyPoll)
+	case repeat:
+		d.say("fill: still waiting for chunk [%d, %d), which another writer of the cache is computing (%s)", r.Start, r.End, busyHolder(err))
 	}
 	d.queue <- r
 }

@@ -198,3 +198,32 @@ func commitOther(dir string, a, b int64, k int) error {
 	}
 	return w.Commit()
 }
+
+// TestBusyChunkSaidAgain: a chunk found busy is said once with what the
+// fill does about it, then "still waiting" once BusyRepeat has passed
+// since it was last said (a clock of the test's own), and it goes back to
+// the queue each time.
+func TestBusyChunkSaidAgain(t *testing.T) {
+	var out strings.Builder
+	p := FillPlan{Out: &out, BusyPoll: time.Second, BusyRepeat: time.Minute}
+	r := cache.Range{Start: 0, End: 4}
+	d := newFillDispatch(&p, &fillDirs{}, "", &FillSummary{}, []cache.Range{r, {Start: 4, End: 8}, {Start: 8, End: 12}})
+	for range 3 {
+		<-d.queue
+	}
+	t0 := time.Date(2026, 11, 27, 12, 0, 0, 0, time.UTC)
+	clock := []time.Time{t0, t0.Add(30 * time.Second), t0.Add(61 * time.Second)}
+	d.now = func() time.Time { c := clock[0]; clock = clock[1:]; return c }
+	err := &cache.BusyError{Want: r, Holder: cache.Claim{Range: r, PID: 42, Host: "h", Since: t0, Writer: "tmp/42-x"}}
+	d.busy(r, err) // said
+	d.busy(r, err) // 30 s later: not again
+	d.busy(r, err) // 61 s after it was said: again
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	if len(lines) != 2 || !strings.Contains(lines[0], "chunk [0, 4) is being computed by another writer of the cache (pid 42 on h since ") ||
+		!strings.Contains(lines[0], "comes back to it every 1s") || !strings.HasPrefix(lines[1], "fill: still waiting for chunk [0, 4), which another writer of the cache is computing (pid 42 on h") {
+		t.Fatalf("output:\n%s", out.String())
+	}
+	if len(d.queue) != 3 {
+		t.Fatalf("%d chunks queued, want the busy one each time", len(d.queue))
+	}
+}
