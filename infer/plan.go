@@ -141,6 +141,16 @@ func PlanTeacher(cfg *model.Config, o PlanOptions) (TeacherPlan, error) {
 			o.Devices = append(o.Devices, i)
 		}
 	}
+	// Stages sharing a GPU (--devices 0,0: a pipeline tried on one GPU)
+	// share its memory, which a plan of a GPU a stage does not model: it
+	// planned each of them as if it had the whole GPU.
+	seen := map[int]bool{}
+	for _, d := range o.Devices {
+		if seen[d] {
+			return TeacherPlan{}, fmt.Errorf("%w: devices %v name GPU %d twice: the plan gives every stage a GPU of its own; name distinct GPUs (or a count)", ErrPlan, o.Devices, d)
+		}
+		seen[d] = true
+	}
 	if o.Weights == "" {
 		o.Weights = WeightsBF16
 	}

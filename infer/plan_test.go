@@ -161,7 +161,8 @@ func TestPlanTeacher(t *testing.T) {
 	if w := fp8.Stages[0].WeightBytes; w >= one.Stages[0].WeightBytes*6/10 || w <= embed+head {
 		t.Errorf("FP8 weights %d bytes (BF16 %d): want about half, the embedding and head kept in BF16", w, one.Stages[0].WeightBytes)
 	}
-	for _, o := range []PlanOptions{{GPUs: 0, DeviceBytes: 1 << 30}, {GPUs: 81, DeviceBytes: 1 << 30}, {GPUs: 1, DeviceBytes: 1 << 30, Weights: "int4"}, {GPUs: 1, DeviceBytes: 1 << 10}, {GPUs: 1, DeviceBytes: 256 << 20}} {
+	for _, o := range []PlanOptions{{GPUs: 0, DeviceBytes: 1 << 30}, {GPUs: 81, DeviceBytes: 1 << 30}, {GPUs: 1, DeviceBytes: 1 << 30, Weights: "int4"}, {GPUs: 1, DeviceBytes: 1 << 10}, {GPUs: 1, DeviceBytes: 256 << 20},
+		{Devices: []int{0, 0}, DeviceBytes: 80 << 30}} { // two stages planned on one GPU's whole memory each
 		if _, err := PlanTeacher(c, o); err == nil || !strings.Contains(err.Error(), "infer: invalid teacher plan") {
 			t.Errorf("%+v: %v, want a plan error", o, err)
 		}

@@ -68,6 +68,7 @@ func TestPlan(t *testing.T) {
 		{[]string{"--config", dir, "--device-memory", "lots"}, "--device-memory"},
 		{[]string{"--config", dir, "--devices", "0"}, "--devices 0: want a count of at least 1"},
 		{[]string{"--config", dir, "--devices", "a,b"}, `--devices "a,b"`},
+		{[]string{"--config", dir, "--devices", "1,0,1"}, `--devices "1,0,1" names GPU 1 twice`}, // it planned GPU 1 twice, each with the whole memory
 		{[]string{"--config", dir, "--devices", "2", "--gpus", "2"}, "not both"},
 		{[]string{"--config", dir, "--devices", "37"}, "37 GPUs for 36 layers"},
 		{[]string{"--config", dir, "--weights", "int4"}, `weights "int4"`},

@@ -219,7 +219,20 @@ func PlanDevices(spec string) ([]int, error) {
 	if spec == "all" {
 		return nil, fmt.Errorf("%w: --devices all: a plan on paper needs ordinals or a count", ErrDevice)
 	}
-	return ParseDevices(spec)
+	ords, err := ParseDevices(spec)
+	if err != nil {
+		return nil, err
+	}
+	// A running teacher may put two stages on one GPU (a pipeline tried
+	// on one device); a plan gives each stage a GPU's whole memory.
+	seen := map[int]bool{}
+	for _, o := range ords {
+		if seen[o] {
+			return nil, fmt.Errorf("%w: --devices %q names GPU %d twice: a plan on paper gives every stage a GPU of its own; name distinct GPUs (or a count)", ErrDevice, spec, o)
+		}
+		seen[o] = true
+	}
+	return ords, nil
 }
 
 // Check reports whether Open accepts name for p, before anything is
