@@ -653,6 +653,9 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 	if err != nil {
 		return err
 	}
+	if testHookFillRead != nil {
+		testHookFillRead(c)
+	}
 	want := cache.Range{Start: r.GetStart(), End: r.GetEnd()}
 	for _, ch := range done {
 		if ch.Start < want.End && ch.End > want.Start {
@@ -662,10 +665,16 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 			}
 		}
 	}
-	miss, err := cw.Missing(want.Start, want.End)
-	if err != nil {
-		return err
+	// What is done and what is left come from the one read of the index
+	// above: a chunk another writer committed between two reads was in
+	// neither, and the fill then said nothing of it (a client waiting for
+	// it as busy never heard that it was done). Left, it is begun, found
+	// done and reported skipped.
+	doneRanges := make([]cache.Range, len(done))
+	for i, ch := range done {
+		doneRanges[i] = ch.Range
 	}
+	miss := missingOf(doneRanges, want)
 	var todo []cache.Range
 	for _, g := range miss {
 		for a := g.Start; a < g.End; a += size {
@@ -781,6 +790,10 @@ func busyStart(err error) int64 {
 // claimed, before it is computed; testHookBeforeChunk before it is
 // claimed.
 var testHookChunkBegun, testHookBeforeChunk func(c *Core, r cache.Range)
+
+// testHookFillRead, when set (tests), runs when a Fill has read which
+// chunks are done.
+var testHookFillRead func(c *Core)
 
 // fillChunk computes and commits one chunk, counting its samples into st.
 func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, rg cache.Range, k int, temp float32, kind cache.Targets, draws int, st *data.Stats) (int64, bool, error) {
