@@ -12,6 +12,8 @@ import (
 
 // allocated is what f allocates: runtime.MemStats.TotalAlloc counts every
 // allocation, even what the GC frees during f, so it is at least f's peak.
+// It counts the whole process's, so a few bytes that the runtime or
+// another goroutine allocates meanwhile are counted too (allocSlack).
 func allocated(f func()) int64 {
 	var a, b runtime.MemStats
 	runtime.GC()
@@ -20,6 +22,11 @@ func allocated(f func()) int64 {
 	runtime.ReadMemStats(&b)
 	return int64(b.TotalAlloc - a.TotalAlloc)
 }
+
+// allocSlack is what allocated may count beyond the forward's own:
+// allocations of the runtime or of other goroutines meanwhile. A buffer
+// the bound leaves out is kilobytes at least (a row of activations).
+const allocSlack = 4 << 10
 
 // TestActivationBound holds Forward to ActivationBytes at several worker
 // counts: backends of 1, 2, 6, 16 workers and the machine's own, so a 2-core CI
@@ -73,6 +80,10 @@ func TestActivationBound(t *testing.T) {
 				warm := allocated(func() { m.Forward(samples, k, 0.5) })
 				bound := m.ActivationBytes(n, maxLen, k)
 				t.Logf("%d tokens: cold forward allocated %d bytes, warm %d, bound %d", n, cold, warm, bound)
+				// The bound is exact to the byte with one worker; the
+				// process-wide count once read 160 bytes over it in CI
+				// (13284232 against 13284072), nothing of the forward's.
+				bound += allocSlack
 				if cold > bound {
 					t.Errorf("a forward on a fresh backend allocated %d bytes > documented bound %d", cold, bound)
 				}
