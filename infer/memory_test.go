@@ -24,9 +24,11 @@ func allocated(f func()) int64 {
 }
 
 // allocSlack is what allocated may count beyond the forward's own:
-// allocations of the runtime or of other goroutines meanwhile. A buffer
-// the bound leaves out is kilobytes at least (a row of activations).
-const allocSlack = 4 << 10
+// allocations of the runtime or of other goroutines meanwhile (two CI runs
+// on a loaded machine read 160 and 5144 bytes over a bound that other runs
+// meet to the byte). A buffer the bound leaves out is larger: one of the
+// golden model's activations for these 2590 tokens is over 600 KiB.
+const allocSlack = 64 << 10
 
 // TestActivationBound holds Forward to ActivationBytes at several worker
 // counts: backends of 1, 2, 6, 16 workers and the machine's own, so a 2-core CI
@@ -81,8 +83,8 @@ func TestActivationBound(t *testing.T) {
 				bound := m.ActivationBytes(n, maxLen, k)
 				t.Logf("%d tokens: cold forward allocated %d bytes, warm %d, bound %d", n, cold, warm, bound)
 				// The bound is exact to the byte with one worker; the
-				// process-wide count once read 160 bytes over it in CI
-				// (13284232 against 13284072), nothing of the forward's.
+				// process-wide count read 160 and 5144 bytes over it in
+				// two CI runs (allocSlack).
 				bound += allocSlack
 				if cold > bound {
 					t.Errorf("a forward on a fresh backend allocated %d bytes > documented bound %d", cold, bound)
