@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync/atomic"
 
 	"distill/compute"
 	"distill/train/dist"
@@ -30,9 +31,10 @@ func launchLocalRanks(n int, args []string) error {
 // (rank 0 makes the NCCL id on its GPU and hands it out), then the NCCL
 // group. A signal (stop closed) ends a rendezvous still waiting. Once
 // joined, a rank that dies or hangs ends this one: the rendezvous's
-// control plane sees it, and NCCL would wait for it forever. leave closes
-// the control plane.
-func rankOf(env dist.Env, cfg *trainer.Config, stop <-chan struct{}) (p *trainer.Parallel, leave func(), err error) {
+// control plane sees it, and NCCL would wait for it forever. leave ends
+// the rank's part in the control plane with the outcome of its run (see
+// there).
+func rankOf(env dist.Env, cfg *trainer.Config, stop <-chan struct{}) (p *trainer.Parallel, leave func(runErr error) error, err error) {
 	flat, err := dist.FlattenConfig(cfg)
 	if err != nil {
 		return nil, nil, err
@@ -42,7 +44,10 @@ func rankOf(env dist.Env, cfg *trainer.Config, stop <-chan struct{}) (p *trainer
 		return nil, nil, err
 	}
 	fmt.Fprintf(os.Stderr, "student train: %s\n", env)
-	var g *dist.Group
+	var (
+		g       *dist.Group
+		leaving atomic.Bool // the group's end is this rank's own doing
+	)
 	join := func(be compute.Backend) (compute.Collective, error) {
 		cb, ok := be.(compute.Collectives)
 		if !ok {
@@ -72,7 +77,7 @@ func rankOf(env dist.Env, cfg *trainer.Config, stop <-chan struct{}) (p *trainer
 		}
 		go func() {
 			<-g.Done()
-			if err := g.Err(); err != nil {
+			if err := g.Err(); err != nil && !leaving.Load() {
 				fmt.Fprintf(os.Stderr, "student train: rank %d: %v: ending this rank (its peers' collectives would wait forever)\n", env.Rank, err)
 				os.Exit(1)
 			}
@@ -81,10 +86,27 @@ func rankOf(env dist.Env, cfg *trainer.Config, stop <-chan struct{}) (p *trainer
 		copy(id[:], g.UniqueID())
 		return cb.JoinCollective(id, g.Rank(), g.WorldSize())
 	}
-	leave = func() {
-		if g != nil {
-			g.Close()
+	// leave: a rank whose run failed aborts the group, naming itself, so
+	// that the others stop at once; a rank whose run ended (done, or
+	// stopped with the others at one step) waits for every rank to end
+	// theirs before it closes the group. Closing at once raced the
+	// others' end: rank 0's goodbye reached a rank still writing its last
+	// log line, whose watcher took the closed group for a dead peer and
+	// exited 1 (TestSIGTERMOneRankStopsTheJob caught it). After the
+	// barrier a goodbye is the job's end.
+	leave = func(runErr error) error {
+		if g == nil {
+			return nil
 		}
+		leaving.Store(true)
+		if runErr != nil {
+			g.Abort(runErr)
+			return nil
+		}
+		if err := g.Barrier(context.Background()); err != nil {
+			return fmt.Errorf("rank %d ended its run, but the job did not: %w", env.Rank, err)
+		}
+		return g.Close()
 	}
 	return &trainer.Parallel{Rank: env.Rank, WorldSize: env.WorldSize, LocalRank: env.LocalRank, Join: join}, leave, nil
 }

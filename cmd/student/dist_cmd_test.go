@@ -1,11 +1,18 @@
 package main
 
 import (
+	"bytes"
+	"distill/compute/cuda/cudaemu"
 	"distill/train/testcache"
+	"distill/train/trainer"
+	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
+	"regexp"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 )
 
@@ -63,4 +70,86 @@ log: {progress: "off"}
 			t.Errorf("stderr lacks %q:\n%s", want, out)
 		}
 	}
+}
+
+// TestSIGTERMOneRankStopsTheJob: SIGTERM to one rank of a data-parallel
+// job (a scheduler preempting one node) stops every rank after the same
+// step; rank 0 writes the job's checkpoint, every rank exits 0
+// (train.sigterm_exit_status's default), and so does the launcher. The
+// ranks run on the CUDA emulator, two emulated GPUs and its NCCL
+// stand-in; the signal goes to rank 1 alone, found among the launcher's
+// children by its RANK. First, the same job run to its end exits 0 on
+// every rank, five times (a rank closing the control plane as soon as
+// its run returned made the others' watchers exit 1 at times).
+func TestSIGTERMOneRankStopsTheJob(t *testing.T) {
+	cudaemu.Use(t)
+	t.Setenv("DISTILL_EMU_DEVICES", "2")
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: filepath.Join(dir, "cache"), Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(dir, "run.yaml")
+	os.WriteFile(cfg, []byte(strings.Replace(sigConfig, "threads: 2}", "threads: 1, device: cuda}", 1)), 0o644)
+	for i := range 5 {
+		p := startStudent(t, "train", "--config", cfg, "--run-dir", filepath.Join(dir, fmt.Sprint("done", i)), "--cache", b.CacheDir, "--nproc-per-node", "2", "--max-steps", "2")
+		if rc := p.wait(t); rc != 0 {
+			t.Fatalf("run %d to its end: exit status %d, want 0:\n%s", i, rc, p.stderr.String())
+		}
+	}
+	run := filepath.Join(dir, "run")
+	p := startStudent(t, "train", "--config", cfg, "--run-dir", run, "--cache", b.CacheDir, "--nproc-per-node", "2")
+	p.waitLine(t, "[rank 0] step 2/1000000000 ")
+	rank1 := 0
+	for _, pid := range childPIDs(t, p.cmd.Process.Pid) {
+		env, _ := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid))
+		for _, kv := range bytes.Split(env, []byte{0}) {
+			if string(kv) == "RANK=1" {
+				rank1 = pid
+			}
+		}
+	}
+	if rank1 == 0 {
+		t.Fatalf("no child of the launcher (pid %d) has RANK=1", p.cmd.Process.Pid)
+	}
+	if err := syscall.Kill(rank1, syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if rc := p.wait(t); rc != 0 {
+		t.Fatalf("exit status %d after SIGTERM to rank 1, want 0:\n%s", rc, p.stderr.String())
+	}
+	out := p.stderr.String()
+	m0 := regexp.MustCompile(`\[rank 0\] student train: stopped by a stop on another rank after step (\d+) `).FindStringSubmatch(out)
+	m1 := regexp.MustCompile(`\[rank 1\] student train: stopped by SIGTERM after step (\d+) `).FindStringSubmatch(out)
+	if m0 == nil || m1 == nil || m0[1] != m1[1] {
+		t.Fatalf("want both ranks stopped after the same step, rank 0 by the other's stop and rank 1 by SIGTERM:\n%s", out)
+	}
+	k, _ := strconv.Atoi(m0[1])
+	if ck, _ := trainer.LatestCheckpoint(run); ck != filepath.Join(run, "checkpoints", fmt.Sprintf("step-%08d", k)) {
+		t.Fatalf("stopped after step %d, newest checkpoint %q:\n%s", k, ck, out)
+	}
+	if strings.Contains(out, "exited with status") {
+		t.Fatalf("the launcher reports a rank's failure:\n%s", out)
+	}
+}
+
+// childPIDs lists pid's children (/proc/PID/task/TID/children).
+func childPIDs(t *testing.T, pid int) []int {
+	t.Helper()
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []int
+	for _, task := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/children", pid, task.Name()))
+		if err != nil {
+			t.Fatalf("the launcher's children: %v", err)
+		}
+		for _, f := range strings.Fields(string(b)) {
+			n, _ := strconv.Atoi(f)
+			out = append(out, n)
+		}
+	}
+	return out
 }

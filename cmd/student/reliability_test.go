@@ -107,8 +107,9 @@ log: {every: 1, progress: "off"}
 
 // TestSIGTERMCheckpointsAndResumes: `student train` sent SIGTERM (as a
 // preempted cluster job is) writes a checkpoint of its last finished step
-// and exits 143 (128+SIGTERM: interrupted, not done), printing the command
-// that resumes it; that command, run
+// and exits 0 (train.sigterm_exit_status's default: the scheduler
+// requeues a preempted job), printing the command that resumes it; that
+// command, run
 // as printed (plus a --max-steps, since this run was set to never end),
 // reproduces the uninterrupted run bit for bit. The run is endless until
 // the signal, so the test does not depend on when the signal lands.
@@ -129,8 +130,8 @@ func TestSIGTERMCheckpointsAndResumes(t *testing.T) {
 	stoppedLine := p.waitLine(t, "stopped by SIGTERM after step ")
 	defer func() { t.Logf("stderr of the stopped run:\n%s", p.stderr.String()) }()
 	resumeLine := p.waitLine(t, "resume with: ")
-	if rc := p.wait(t); rc != 128+int(syscall.SIGTERM) {
-		t.Fatalf("exit code %d after SIGTERM, want 128+SIGTERM (interrupted, resumable):\n%s", rc, p.stderr.String())
+	if rc := p.wait(t); rc != 0 {
+		t.Fatalf("exit code %d after SIGTERM, want 0 (train.sigterm_exit_status's default):\n%s", rc, p.stderr.String())
 	}
 	k, err := strconv.Atoi(regexp.MustCompile(`after step (\d+) `).FindStringSubmatch(stoppedLine)[1])
 	if err != nil || k < 2 {
@@ -172,6 +173,50 @@ func TestSIGTERMCheckpointsAndResumes(t *testing.T) {
 		if a[i] != b2[i] {
 			t.Fatalf("step %d loss %v, uninterrupted %v", i+1, b2[i], a[i])
 		}
+	}
+}
+
+// TestStopExitStatus: the exit status of a run a signal stopped after
+// its checkpoint: Ctrl-C (SIGINT) exits 130 whatever the config says;
+// SIGTERM exits train.sigterm_exit_status, 143 (128+SIGTERM) when set so
+// for a scheduler that restarts only failed jobs. (Its default, 0, is
+// TestSIGTERMCheckpointsAndResumes's.)
+func TestStopExitStatus(t *testing.T) {
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(dir, "run.yaml")
+	os.WriteFile(cfg, []byte(sigConfig), 0o644)
+	for i, c := range []struct {
+		sig  syscall.Signal
+		sets []string
+		want int
+	}{
+		{syscall.SIGINT, nil, 130},
+		{syscall.SIGINT, []string{"--set", "train.sigterm_exit_status=0"}, 130},
+		{syscall.SIGTERM, []string{"--set", "train.sigterm_exit_status=143"}, 143},
+	} {
+		run := filepath.Join(dir, fmt.Sprintf("run%d", i))
+		p := startStudent(t, append([]string{"train", "--config", cfg, "--run-dir", run, "--cache", b.CacheDir}, c.sets...)...)
+		p.waitLine(t, "step 1/1000000000 ")
+		if err := p.cmd.Process.Signal(c.sig); err != nil {
+			t.Fatal(err)
+		}
+		p.waitLine(t, "stopped by "+sigName(c.sig)+" after step ")
+		if rc := p.wait(t); rc != c.want {
+			t.Errorf("%s with %q: exit code %d, want %d:\n%s", sigName(c.sig), c.sets, rc, c.want, p.stderr.String())
+		}
+		if ck, _ := trainer.LatestCheckpoint(run); ck == "" {
+			t.Errorf("%s with %q: no checkpoint in %s", sigName(c.sig), c.sets, run)
+		}
+	}
+	// Any other status is refused before the run starts.
+	p := startStudent(t, "train", "--config", cfg, "--run-dir", filepath.Join(dir, "bad"), "--cache", b.CacheDir, "--set", "train.sigterm_exit_status=1")
+	l := p.waitLine(t, "train.sigterm_exit_status")
+	if rc := p.wait(t); rc != 1 || !strings.Contains(l, "want 0") || !strings.Contains(l, "or 143") {
+		t.Errorf("train.sigterm_exit_status=1: exit code %d, %q", rc, l)
 	}
 }
 

@@ -96,8 +96,10 @@ func runTrain(args []string) error {
 		return cli.Usagef("--config FILE is required (examples/train.yaml documents every key; --set key=value overrides one)")
 	}
 	// SIGTERM (preemption) or Ctrl-C: finish or abandon the step, write a
-	// checkpoint, exit 128+signal saying how to resume. A second signal
-	// exits at once. The handler is in place before anything slow happens.
+	// checkpoint, say how to resume and exit: 130 after Ctrl-C, and after
+	// SIGTERM train.sigterm_exit_status (0 by default: the scheduler that
+	// preempted the job requeues it). A second signal exits at once,
+	// 128+signal. The handler is in place before anything slow happens.
 	stop := make(chan struct{})
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
@@ -133,31 +135,42 @@ func runTrain(args []string) error {
 		return err
 	}
 	o := trainer.Options{Resume: *resume, Stop: stop}
+	leave := func(error) error { return nil }
 	if env.WorldSize > 1 {
-		p, leave, err := rankOf(env, cfg, stop)
+		p, l, err := rankOf(env, cfg, stop)
 		if err != nil {
 			return err
 		}
-		defer leave()
-		o.Parallel = p
+		leave, o.Parallel = l, p
 	}
 	res, err := trainer.Run(cfg, o)
+	if lerr := leave(err); err == nil {
+		err = lerr
+	}
 	mu.Lock()
 	sig := caught
 	mu.Unlock()
-	if ss, ok := sig.(syscall.Signal); ok && err != nil && o.Parallel != nil && res == nil {
-		return &cli.Interrupted{Signal: ss, Msg: fmt.Sprintf("stopped by %s before the first step (%v): nothing saved", sigName(sig), err)}
+	// Exit 128+signal, or 0 after SIGTERM when train.sigterm_exit_status
+	// says so (cli.Interrupted). A rank that another rank's stop ended
+	// caught no signal itself: it exits as the SIGTERM a scheduler sends
+	// one rank would have it exit.
+	ss, by := syscall.SIGTERM, "a stop on another rank"
+	if s, ok := sig.(syscall.Signal); ok {
+		ss, by = s, sigName(s)
+	}
+	exit0 := ss == syscall.SIGTERM && cfg.Train.SigtermExitStatus == 0
+	if sig != nil && err != nil && o.Parallel != nil && res == nil {
+		return &cli.Interrupted{Signal: ss, Exit0: exit0, Msg: fmt.Sprintf("stopped by %s before the first step (%v): nothing saved", by, err)}
 	}
 	if err != nil || !res.Interrupted {
 		return err
 	}
-	// Interrupted, resumable: exit 128+signal (cli.Interrupted).
-	ss, _ := sig.(syscall.Signal)
+	// Interrupted, resumable.
 	if res.Checkpoint == "" {
-		return &cli.Interrupted{Signal: ss, Msg: fmt.Sprintf("stopped by %s before the first step: nothing saved\nstart again with: %s", sigName(sig), resumeCommand(os.Args, ""))}
+		return &cli.Interrupted{Signal: ss, Exit0: exit0, Msg: fmt.Sprintf("stopped by %s before the first step: nothing saved\nstart again with: %s", by, resumeCommand(os.Args, ""))}
 	}
-	return &cli.Interrupted{Signal: ss, Msg: fmt.Sprintf("stopped by %s after step %d of %d; checkpoint %s\nresume with: %s",
-		sigName(sig), res.Step, cfg.Train.MaxSteps, res.Checkpoint, resumeCommand(os.Args, "must"))}
+	return &cli.Interrupted{Signal: ss, Exit0: exit0, Msg: fmt.Sprintf("stopped by %s after step %d of %d; checkpoint %s\nresume with: %s",
+		by, res.Step, cfg.Train.MaxSteps, res.Checkpoint, resumeCommand(os.Args, "must"))}
 }
 
 func sigName(sig os.Signal) string {

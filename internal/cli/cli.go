@@ -117,7 +117,8 @@ func (r *Registry) Run(args []string, stdout, stderr io.Writer) int {
 // ExitStatus is the exit status of a command that returned err, the
 // convention of every command (Registry.Run's, and teacherd's, which has
 // no subcommands): 0 for nil and flag.ErrHelp (help asked for is a
-// success), 128+N for an *Interrupted stopped by signal N, 2 for a
+// success), 128+N for an *Interrupted stopped by signal N (0 when it
+// says Exit0), 2 for a
 // *UsageError (as Go's flag.ExitOnError, GNU tools and git exit: the
 // command line is wrong, and running it again unchanged fails again), 1
 // for any other error.
@@ -126,6 +127,8 @@ func ExitStatus(err error) int {
 	var ue *UsageError
 	switch {
 	case err == nil || errors.Is(err, flag.ErrHelp):
+		return 0
+	case errors.As(err, &in) && in.Exit0:
 		return 0
 	case errors.As(err, &in):
 		return 128 + int(in.Signal)
@@ -202,10 +205,13 @@ func ParseFlags(fs *flag.FlagSet, args []string) error {
 // (re-running the same command does), and the exit status is the
 // shell's for a job a signal ended, 128+Signal (130 for Ctrl-C, 143 for
 // SIGTERM), so that a script or a scheduler (Slurm treats 0 as success)
-// knows that the job did not finish.
+// knows that the job did not finish. Exit0 makes the status 0 instead:
+// student train's train.sigterm_exit_status for a preempted job, which
+// the scheduler requeues itself (Slurm), asks for it.
 type Interrupted struct {
 	Signal syscall.Signal
 	Msg    string
+	Exit0  bool
 }
 
 func (e *Interrupted) Error() string { return e.Msg }

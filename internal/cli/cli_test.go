@@ -94,6 +94,8 @@ func TestExitStatus(t *testing.T) {
 		{Usage(fmt.Errorf("--data: %w", os.ErrNotExist)), 2},
 		{&Interrupted{Signal: syscall.SIGTERM, Msg: "stopped"}, 143},
 		{&Interrupted{Signal: syscall.SIGINT, Msg: "stopped"}, 130},
+		{&Interrupted{Signal: syscall.SIGTERM, Msg: "stopped", Exit0: true}, 0},
+		{fmt.Errorf("run: %w", &Interrupted{Signal: syscall.SIGTERM, Msg: "stopped", Exit0: true}), 0},
 	} {
 		if got := ExitStatus(tc.err); got != tc.want {
 			t.Errorf("ExitStatus(%v) = %d, want %d", tc.err, got, tc.want)

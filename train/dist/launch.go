@@ -214,7 +214,7 @@ func superviseRanks(ranks []*exec.Cmd, exits <-chan rankExit, blames chan int, r
 			left--
 			running[e.rank] = false
 			order = append(order, e)
-			if !e.state.Success() && !failed && forwarded == nil {
+			if _, stopped := stoppedBy(e.state); !e.state.Success() && !stopped && !failed && forwarded == nil {
 				failed = true
 				fmt.Fprintf(o.Log, "launch: rank %d %s: stopping the other ranks (SIGTERM in %s, SIGKILL %s later)\n", e.rank, describeExit(e.state), o.Grace, o.Grace)
 				timer = time.NewTimer(o.Grace)
@@ -287,7 +287,37 @@ func superviseRanks(ranks []*exec.Cmd, exits <-chan rankExit, blames chan int, r
 		ss, _ := forwarded.(syscall.Signal)
 		return &cli.Interrupted{Signal: ss, Msg: fmt.Sprintf("stopped by %s: %s", cli.SignalName(forwarded), b.String())}
 	}
+	if sig, ok := allStopped(bad); ok && !failed {
+		return &cli.Interrupted{Signal: sig, Msg: fmt.Sprintf("stopped by %s sent to a rank: %s", cli.SignalName(sig), b.String())}
+	}
 	return &RankError{Rank: bad[0].rank, Msg: b.String()}
+}
+
+// stoppedBy reports whether a rank exited as a job a signal stopped after
+// saving its progress does (cli.Interrupted: 128+SIGINT, 128+SIGTERM):
+// SIGTERM sent to one rank stops every rank at one step, and with
+// train.sigterm_exit_status 143 each exits so. That is no failure: the
+// others are not to be stopped for it.
+func stoppedBy(s *os.ProcessState) (syscall.Signal, bool) {
+	for _, sig := range []syscall.Signal{syscall.SIGINT, syscall.SIGTERM} {
+		if s.ExitCode() == 128+int(sig) {
+			return sig, true
+		}
+	}
+	return 0, false
+}
+
+// allStopped reports whether every exit in bad is stoppedBy one signal.
+func allStopped(bad []rankExit) (syscall.Signal, bool) {
+	var first syscall.Signal
+	for i, e := range bad {
+		sig, ok := stoppedBy(e.state)
+		if !ok || i > 0 && sig != first {
+			return 0, false
+		}
+		first = sig
+	}
+	return first, len(bad) > 0
 }
 
 // describeExit is "exited with status 3" or "was killed by SIGKILL".

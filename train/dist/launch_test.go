@@ -83,6 +83,14 @@ func rankMain(mode string) int {
 		err := g.Barrier(ctx)
 		fmt.Fprintf(os.Stderr, "rank %d's barrier: %v\n", g.Rank(), err)
 		return 1
+	case "stopped":
+		// every rank exits as one a signal stopped (train.sigterm_exit_status 143)
+		if err := g.Barrier(ctx); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		g.Close()
+		return 128 + int(syscall.SIGTERM)
 	case "signal":
 		fmt.Println("ready")
 		sig := <-sigs
@@ -201,6 +209,22 @@ func TestLaunchForwardsSignals(t *testing.T) {
 		if !strings.Contains(err.Error(), fmt.Sprintf("rank %d exited with status 143", r)) {
 			t.Errorf("%q lacks rank %d", err, r)
 		}
+	}
+}
+
+// TestLaunchRanksStopped: ranks that all exit 143 (128+SIGTERM: stopped
+// after saving their progress, as every rank of a job whose one rank got
+// SIGTERM does under train.sigterm_exit_status 143) end the job as
+// interrupted by SIGTERM, with no signal of Launch's own and no rank
+// stopped as after a failure.
+func TestLaunchRanksStopped(t *testing.T) {
+	err, out, errOut, log := launch(t, 3, "stopped", &syncBuffer{}, make(chan os.Signal))
+	var in *cli.Interrupted
+	if !errors.As(err, &in) || in.Signal != syscall.SIGTERM || cli.ExitStatus(err) != 143 {
+		t.Fatalf("%v, want cli.Interrupted by SIGTERM\nstdout:\n%s\nstderr:\n%s\nlog:\n%s", err, out, errOut, log)
+	}
+	if strings.Contains(log, "stopping the other ranks") {
+		t.Fatalf("a stopped rank was taken for a failed one:\n%s", log)
 	}
 }
 

@@ -395,6 +395,15 @@ type TrainConfig struct {
 	// next during a layer's forward (one layer's weights more). The
 	// results are the same bits either way. Default true.
 	OverlapComm *bool `yaml:"overlap_comm,omitempty"`
+	// SigtermExitStatus is the exit status of `student train` when SIGTERM
+	// stopped it and its checkpoint was written: 0 (default), for a
+	// preempted cluster job (Slurm sends SIGTERM before it preempts or
+	// requeues a job, and requeues it whatever its status; Megatron-LM's
+	// exit signal handler exits 0 after its checkpoint too), or 143 (128+SIGTERM,
+	// the shell's status for a job a signal ended) for a scheduler that
+	// restarts only a failed job, such as a Kubernetes Job (backoffLimit)
+	// or a retry loop in a script. Ctrl-C (SIGINT) always exits 130.
+	SigtermExitStatus int `yaml:"sigterm_exit_status,omitempty"`
 }
 
 // Overlap reports train.overlap_comm (default true).
@@ -862,6 +871,8 @@ func (c *Config) Validate() error {
 		return bad("train.max_skipped_steps", "%d: want >= 0 (0 = never stop for skipped steps)", c.Train.MaxSkippedSteps)
 	case c.Train.ZeRO < 0 || c.Train.ZeRO > 3:
 		return bad("train.zero", "%d: want 0 (no sharding), 1 (AdamW's moments sharded over the ranks), 2 (the gradients too) or 3 (the weights too)", c.Train.ZeRO)
+	case c.Train.SigtermExitStatus != 0 && c.Train.SigtermExitStatus != 143:
+		return bad("train.sigterm_exit_status", "%d: want 0 (a run SIGTERM stopped after its checkpoint exits as done: Slurm preemption) or 143 (128+SIGTERM: it exits as interrupted, for a scheduler that restarts only a failed job)", c.Train.SigtermExitStatus)
 	case c.Train.Recompute != "auto" && c.Train.Recompute != "none" && c.Train.Recompute != "selective" && c.Train.Recompute != "full":
 		return bad("train.recompute", "%q: want auto (the least recomputation that fits the device), none, selective or full", c.Train.Recompute)
 	case c.Eval.Every < 0 || c.Eval.MaxSamples < 0:
