@@ -609,141 +609,25 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 		return err
 	}
 	defer release()
-	if exp := r.GetExpectDatasetFingerprint(); exp != "" && exp != d.Fingerprint() {
-		return fmt.Errorf("%w: the dataset as %s reads it has fingerprint %.16s, the client expects %.16s: its files, tokenizer or options differ", ErrPrecondition, c.say("this daemon", "the teacher"), d.Fingerprint(), exp)
-	}
-	if r.GetEnd() > d.Len() {
-		return fmt.Errorf("%w: range [%d, %d) goes beyond the dataset's %d samples (valid: [0, %d))", ErrOutOfRange, r.GetStart(), r.GetEnd(), d.Len(), d.Len())
-	}
-	k, temp := c.defaults(r.K, r.GetTemperature())
-	enc := cache.Encoding(r.GetEncoding())
-	if enc == "" {
-		enc = cache.EncodingCompact
-	}
-	tfp := idsOnly{c.model.Cfg.VocabSize}.Fingerprint()
-	if !r.GetDataset().GetPretokenized() {
-		tfp = c.tok.Fingerprint()
-	}
-	kind, _ := cache.ParseTargets(r.GetTargets()) // validated
-	draws := int(r.GetSamples())
-	if draws > c.opt.MaxDraws {
-		return fmt.Errorf("%w: samples %d: %s plans its device memory for at most %d draws per position (teacherd --max-draws or config max_draws sets it)", ErrInvalid, draws, c.say("this daemon", "the teacher"), c.opt.MaxDraws)
-	}
-	if kind == cache.TargetsSampled {
-		k = 0 // no head
-	}
-	cw, err := c.openCache(cache.Manifest{TeacherFingerprint: c.model.Fingerprint(), TokenizerFingerprint: tfp,
-		DatasetFingerprint: d.Fingerprint(), VocabSize: c.model.Cfg.VocabSize, K: k, Temperature: temp, Samples: d.Len(), Encoding: enc,
-		Targets: kind, Draws: draws})
+	f, err := c.newFill(r, d, emit)
 	if err != nil {
 		return err
 	}
-	size := r.GetChunkSamples()
-	if size == 0 {
-		size = DefaultChunkSamples
-	}
-	var mu sync.Mutex // serializes emit
-	send := func(x *pb.FillResponse) error {
-		mu.Lock()
-		defer mu.Unlock()
-		x.CacheDir = c.opt.CacheDir
-		return emit(x)
-	}
-	done, err := cw.Chunks()
+	todo, err := f.plan(cache.Range{Start: r.GetStart(), End: r.GetEnd()})
 	if err != nil {
 		return err
-	}
-	if testHookFillRead != nil {
-		testHookFillRead(c)
-	}
-	want := cache.Range{Start: r.GetStart(), End: r.GetEnd()}
-	for _, ch := range done {
-		if ch.Start < want.End && ch.End > want.Start {
-			c.met.chunks.WithLabelValues("skipped").Inc()
-			if err := send(&pb.FillResponse{Start: ch.Start, End: ch.End, Skipped: true, Tokens: 0}); err != nil {
-				return err
-			}
-		}
-	}
-	// What is done and what is left come from the one read of the index
-	// above: a chunk another writer committed between two reads was in
-	// neither, and the fill then said nothing of it (a client waiting for
-	// it as busy never heard that it was done). Left, it is begun, found
-	// done and reported skipped.
-	doneRanges := make([]cache.Range, len(done))
-	for i, ch := range done {
-		doneRanges[i] = ch.Range
-	}
-	miss := missingOf(doneRanges, want)
-	var todo []cache.Range
-	for _, g := range miss {
-		for a := g.Start; a < g.End; a += size {
-			todo = append(todo, cache.Range{Start: a, End: min(a+size, g.End)})
-		}
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var (
-		wg       sync.WaitGroup
-		errMu    sync.Mutex
-		firstErr error
-		busy     []error // chunks another writer is computing (cache.ErrRangeBusy)
-		next     = make(chan cache.Range)
-	)
-	fail := func(err error) {
-		errMu.Lock()
-		if firstErr == nil {
-			firstErr = err
-			cancel()
-		}
-		errMu.Unlock()
-	}
+	f.cancel = cancel
+	var wg sync.WaitGroup
+	next := make(chan cache.Range)
 	for w := 0; w < min(c.opt.FillChunksInFlight, len(todo)); w++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for rg := range next {
-				pieces := []cache.Range{rg}
-				for len(pieces) > 0 {
-					rg := pieces[0]
-					pieces = pieces[1:]
-					var st data.Stats
-					_, skipped, err := c.fillChunk(ctx, cw, d, rg, k, temp, kind, draws, &st)
-					var oe *cache.OverlapError
-					if errors.As(err, &oe) {
-						// Another writer committed a chunk of other bounds
-						// inside rg since this fill planned it: fill what
-						// is still missing of rg.
-						miss, merr := cw.Missing(rg.Start, rg.End)
-						if merr != nil {
-							fail(merr)
-							break
-						}
-						pieces = append(miss, pieces...)
-						continue
-					}
-					if errors.Is(err, cache.ErrRangeBusy) {
-						c.met.chunks.WithLabelValues("busy").Inc()
-						errMu.Lock()
-						busy = append(busy, err)
-						errMu.Unlock()
-						continue
-					}
-					if err != nil {
-						c.met.chunks.WithLabelValues("failed").Inc()
-						fail(err)
-						break
-					}
-					outcome := "committed"
-					if skipped {
-						outcome = "skipped"
-					}
-					c.met.chunks.WithLabelValues(outcome).Inc()
-					if err := send(chunkResponse(rg, st, skipped)); err != nil {
-						fail(err)
-						break
-					}
-				}
+				f.fillPlanned(ctx, rg)
 			}
 		}()
 	}
@@ -757,13 +641,188 @@ feed:
 	}
 	close(next)
 	wg.Wait()
-	if firstErr != nil {
-		return firstErr
+	return f.result(ctx)
+}
+
+// fillRun is one Fill as its workers share it: the dataset and cache it
+// fills, the targets it computes, and what its chunks came to.
+type fillRun struct {
+	c     *Core
+	d     *data.Dataset
+	cw    *cache.Cache
+	k     int
+	temp  float32
+	kind  cache.Targets
+	draws int
+	size  int64 // samples of a planned chunk
+	emit  func(*pb.FillResponse) error
+
+	emitMu sync.Mutex // serializes emit
+	cancel func()     // stops the fill at its first error
+
+	mu   sync.Mutex
+	err  error   // the first error: the fill's
+	busy []error // chunks another writer is computing (cache.ErrRangeBusy)
+}
+
+// newFill checks r against the dataset d as this core reads it and opens
+// the cache whose manifest the request implies: a fill that cannot be
+// done fails before it plans anything.
+func (c *Core) newFill(r *pb.FillRequest, d *data.Dataset, emit func(*pb.FillResponse) error) (*fillRun, error) {
+	if exp := r.GetExpectDatasetFingerprint(); exp != "" && exp != d.Fingerprint() {
+		return nil, fmt.Errorf("%w: the dataset as %s reads it has fingerprint %.16s, the client expects %.16s: its files, tokenizer or options differ", ErrPrecondition, c.say("this daemon", "the teacher"), d.Fingerprint(), exp)
+	}
+	if r.GetEnd() > d.Len() {
+		return nil, fmt.Errorf("%w: range [%d, %d) goes beyond the dataset's %d samples (valid: [0, %d))", ErrOutOfRange, r.GetStart(), r.GetEnd(), d.Len(), d.Len())
+	}
+	k, temp := c.defaults(r.K, r.GetTemperature())
+	enc := cache.Encoding(r.GetEncoding())
+	if enc == "" {
+		enc = cache.EncodingCompact
+	}
+	tfp := idsOnly{c.model.Cfg.VocabSize}.Fingerprint()
+	if !r.GetDataset().GetPretokenized() {
+		tfp = c.tok.Fingerprint()
+	}
+	kind, _ := cache.ParseTargets(r.GetTargets()) // validated
+	draws := int(r.GetSamples())
+	if draws > c.opt.MaxDraws {
+		return nil, fmt.Errorf("%w: samples %d: %s plans its device memory for at most %d draws per position (teacherd --max-draws or config max_draws sets it)", ErrInvalid, draws, c.say("this daemon", "the teacher"), c.opt.MaxDraws)
+	}
+	if kind == cache.TargetsSampled {
+		k = 0 // no head
+	}
+	cw, err := c.openCache(cache.Manifest{TeacherFingerprint: c.model.Fingerprint(), TokenizerFingerprint: tfp,
+		DatasetFingerprint: d.Fingerprint(), VocabSize: c.model.Cfg.VocabSize, K: k, Temperature: temp, Samples: d.Len(), Encoding: enc,
+		Targets: kind, Draws: draws})
+	if err != nil {
+		return nil, err
+	}
+	size := r.GetChunkSamples()
+	if size == 0 {
+		size = DefaultChunkSamples
+	}
+	return &fillRun{c: c, d: d, cw: cw, k: k, temp: temp, kind: kind, draws: draws, size: size, emit: emit}, nil
+}
+
+// plan reads the cache's index once, reports the chunks of want that are
+// done as skipped, and splits what is left of want into chunks of f.size.
+func (f *fillRun) plan(want cache.Range) ([]cache.Range, error) {
+	done, err := f.cw.Chunks()
+	if err != nil {
+		return nil, err
+	}
+	if testHookFillRead != nil {
+		testHookFillRead(f.c)
+	}
+	for _, ch := range done {
+		if ch.Start < want.End && ch.End > want.Start {
+			f.c.met.chunks.WithLabelValues("skipped").Inc()
+			if err := f.send(&pb.FillResponse{Start: ch.Start, End: ch.End, Skipped: true, Tokens: 0}); err != nil {
+				return nil, err
+			}
+		}
+	}
+	// What is done and what is left come from the one read of the index
+	// above: a chunk another writer committed between two reads was in
+	// neither, and the fill then said nothing of it (a client waiting for
+	// it as busy never heard that it was done). Left, it is begun, found
+	// done and reported skipped.
+	doneRanges := make([]cache.Range, len(done))
+	for i, ch := range done {
+		doneRanges[i] = ch.Range
+	}
+	var todo []cache.Range
+	for _, g := range missingOf(doneRanges, want) {
+		for a := g.Start; a < g.End; a += f.size {
+			todo = append(todo, cache.Range{Start: a, End: min(a+f.size, g.End)})
+		}
+	}
+	return todo, nil
+}
+
+// fillPlanned computes and commits rg, one chunk of the plan, and deals
+// with how that ended. The plan is as old as its read of the index, and
+// other writers fill the same cache meanwhile, so two outcomes are no
+// failure: another writer committed a chunk of other bounds inside rg
+// (cache.OverlapError), and then the parts of rg still missing are filled
+// instead, on that chunk's boundaries; or another writer is computing an
+// overlapping range now (cache.ErrRangeBusy, a *cache.BusyError), and
+// then rg is left to it and kept for the fill's error, on which the
+// caller tries it again later. A chunk committed or found done is counted
+// and sent to the client; any other error fails the whole fill.
+func (f *fillRun) fillPlanned(ctx context.Context, rg cache.Range) {
+	pieces := []cache.Range{rg}
+	for len(pieces) > 0 {
+		rg := pieces[0]
+		pieces = pieces[1:]
+		var st data.Stats
+		_, skipped, err := f.c.fillChunk(ctx, f.cw, f.d, rg, f.k, f.temp, f.kind, f.draws, &st)
+		var oe *cache.OverlapError
+		if errors.As(err, &oe) {
+			miss, merr := f.cw.Missing(rg.Start, rg.End)
+			if merr != nil {
+				f.fail(merr)
+				return
+			}
+			pieces = append(miss, pieces...)
+			continue
+		}
+		if errors.Is(err, cache.ErrRangeBusy) {
+			f.c.met.chunks.WithLabelValues("busy").Inc()
+			f.mu.Lock()
+			f.busy = append(f.busy, err)
+			f.mu.Unlock()
+			continue
+		}
+		if err != nil {
+			f.c.met.chunks.WithLabelValues("failed").Inc()
+			f.fail(err)
+			return
+		}
+		outcome := "committed"
+		if skipped {
+			outcome = "skipped"
+		}
+		f.c.met.chunks.WithLabelValues(outcome).Inc()
+		if err := f.send(chunkResponse(rg, st, skipped)); err != nil {
+			f.fail(err)
+			return
+		}
+	}
+}
+
+// send emits x, one call at a time: the workers report their chunks
+// concurrently, and emit need not be safe for that.
+func (f *fillRun) send(x *pb.FillResponse) error {
+	f.emitMu.Lock()
+	defer f.emitMu.Unlock()
+	x.CacheDir = f.c.opt.CacheDir
+	return f.emit(x)
+}
+
+// fail records err as the fill's error if it is the first, and cancels
+// the fill: the chunks in flight abort, and no more are begun.
+func (f *fillRun) fail(err error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.err == nil {
+		f.err = err
+		f.cancel()
+	}
+}
+
+// result is the fill's error once its workers are done: the first
+// failure, else the cancellation of ctx, else the chunks left busy (nil
+// when there were none).
+func (f *fillRun) result(ctx context.Context) error {
+	if f.err != nil {
+		return f.err
 	}
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	return busyError(busy)
+	return busyError(f.busy)
 }
 
 // busyError is the error of a fill that did all it could but the chunks
