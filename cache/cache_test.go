@@ -6,6 +6,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -145,6 +146,37 @@ func TestWriteReadMissingRefill(t *testing.T) {
 			sameSample(t, s, testSample(i))
 		} else if !errors.Is(err, ErrNotFound) {
 			t.Fatalf("Get(%d) of a missing sample: %v, want ErrNotFound", i, err)
+		}
+	}
+}
+
+// TestMissingOf: the gaps of want between sorted chunks, with chunks that
+// overlap one another or reach beyond want, and the same gaps whether
+// the chunks are Ranges, ChunkInfos or ReaderChunks.
+func TestMissingOf(t *testing.T) {
+	for _, tc := range []struct {
+		chunks []Range
+		want   Range
+		miss   []Range
+	}{
+		{nil, Range{0, 10}, []Range{{0, 10}}},
+		{[]Range{{0, 10}}, Range{0, 10}, nil},
+		{[]Range{{2, 4}, {6, 8}}, Range{0, 10}, []Range{{0, 2}, {4, 6}, {8, 10}}},
+		{[]Range{{0, 5}, {8, 20}}, Range{3, 12}, []Range{{5, 8}}},         // chunks beyond want
+		{[]Range{{0, 6}, {2, 4}, {5, 9}}, Range{0, 12}, []Range{{9, 12}}}, // overlapping chunks
+		{[]Range{{0, 3}, {20, 30}}, Range{5, 10}, []Range{{5, 10}}},       // none inside want
+		{[]Range{{0, 3}}, Range{5, 5}, nil},                               // empty want
+	} {
+		infos := make([]ChunkInfo, len(tc.chunks))
+		rcs := make([]ReaderChunk, len(tc.chunks))
+		for i, r := range tc.chunks {
+			infos[i] = ChunkInfo{Range: r, File: fmt.Sprint(i)}
+			rcs[i] = ReaderChunk{ChunkInfo: infos[i], Dir: "d"}
+		}
+		for what, got := range map[string][]Range{"Range": MissingOf(tc.chunks, tc.want), "ChunkInfo": MissingOf(infos, tc.want), "ReaderChunk": MissingOf(rcs, tc.want)} {
+			if !slices.Equal(got, tc.miss) || (got == nil) != (tc.miss == nil) {
+				t.Errorf("MissingOf(%s %v, %v) = %v, want %v", what, tc.chunks, tc.want, got, tc.miss)
+			}
 		}
 	}
 }

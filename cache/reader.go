@@ -136,11 +136,7 @@ func (r *Reader) Samples() int64 {
 
 // Missing returns the sample ranges of [0, Manifest.Samples) not committed.
 func (r *Reader) Missing() []Range {
-	infos := make([]ChunkInfo, len(r.chunks))
-	for i, c := range r.chunks {
-		infos[i] = c.ChunkInfo
-	}
-	return missing(infos, Range{0, r.m.Samples})
+	return MissingOf(r.chunks, Range{0, r.m.Samples})
 }
 
 func (r *Reader) find(i int64) int {

@@ -298,13 +298,22 @@ func (c *Cache) Missing(start, end int64) ([]Range, error) {
 	if err != nil {
 		return nil, err
 	}
-	return missing(rs, Range{start, end}), nil
+	return MissingOf(rs, Range{start, end}), nil
 }
 
-func missing(rs []ChunkInfo, want Range) []Range {
+// MissingOf returns the parts of want that none of chunks covers: sorted,
+// disjoint, non-empty ranges inside want, nil when chunks cover it all.
+// chunks must be sorted by Start, as Cache.Chunks and Reader.Chunks return
+// them; they may overlap one another and reach beyond want. MissingOf
+// reads no index: the gaps are those of the chunks the caller read, so a
+// caller that reports what is done and plans what is left from one read
+// sees every chunk in exactly one of the two (Cache.Missing reads the
+// index itself).
+func MissingOf[C ranged](chunks []C, want Range) []Range {
 	var out []Range
 	at := want.Start
-	for _, r := range rs {
+	for _, ch := range chunks {
+		r := ch.span()
 		if r.End <= at || r.Start >= want.End {
 			continue
 		}
@@ -318,6 +327,15 @@ func missing(rs []ChunkInfo, want Range) []Range {
 	}
 	return out
 }
+
+// ranged is what MissingOf takes chunks as: Ranges, or the records that
+// embed one (ChunkInfo, ReaderChunk), so that no caller copies the ranges
+// out of its records first.
+type ranged interface{ span() Range }
+
+// span returns r itself; ChunkInfo and ReaderChunk have it through their
+// embedded Range.
+func (r Range) span() Range { return r }
 
 func (c *Cache) checkRange(r Range) error {
 	if r.Start < 0 || r.End > c.m.Samples || r.Start >= r.End {

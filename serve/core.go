@@ -728,12 +728,8 @@ func (f *fillRun) plan(want cache.Range) ([]cache.Range, error) {
 	// neither, and the fill then said nothing of it (a client waiting for
 	// it as busy never heard that it was done). Left, it is begun, found
 	// done and reported skipped.
-	doneRanges := make([]cache.Range, len(done))
-	for i, ch := range done {
-		doneRanges[i] = ch.Range
-	}
 	var todo []cache.Range
-	for _, g := range missingOf(doneRanges, want) {
+	for _, g := range cache.MissingOf(done, want) {
 		for a := g.Start; a < g.End; a += f.size {
 			todo = append(todo, cache.Range{Start: a, End: min(a+f.size, g.End)})
 		}

@@ -252,7 +252,7 @@ func TestCombineDuplicates(t *testing.T) {
 	if len(dups) != 1 || !strings.Contains(dups[0], "[16, 32) in /a and /b") {
 		t.Fatalf("dups = %v", dups)
 	}
-	if miss := missingOf(done, cache.Range{Start: 0, End: 40}); len(miss) != 0 {
+	if miss := cache.MissingOf(done, cache.Range{Start: 0, End: 40}); len(miss) != 0 {
 		t.Fatalf("missing %v", miss)
 	}
 	_, _, err = combine(map[string][]cache.Range{"/a": {{Start: 0, End: 16}}, "/b": {{Start: 8, End: 24}}}, nil)

@@ -379,7 +379,7 @@ func (p *FillPlan) chunksToDo(ctx context.Context, workers []Worker, dirs *fillD
 	if err := p.probe(ctx, workers, dirs, fp); err != nil {
 		return nil, 0, err
 	}
-	for _, g := range missingOf(done, cache.Range{Start: p.Start, End: p.End}) {
+	for _, g := range cache.MissingOf(done, cache.Range{Start: p.Start, End: p.End}) {
 		for a := g.Start; a < g.End; a += p.ChunkSamples {
 			todo = append(todo, cache.Range{Start: a, End: min(a+p.ChunkSamples, g.End)})
 		}
@@ -446,7 +446,7 @@ func (p *FillPlan) checkCovered(workers []Worker, dirs *fillDirs, fp string) err
 			fmt.Fprintf(p.Out, "fill: chunk %s: a teacher committed it and died before reporting (or its Fill failed after reporting), and it was redone; the summary counts it once, readers use one copy, and the other can be deleted with its chunk file\n", d)
 		}
 	}
-	if gaps := missingOf(done, cache.Range{Start: p.Start, End: p.End}); len(gaps) > 0 {
+	if gaps := cache.MissingOf(done, cache.Range{Start: p.Start, End: p.End}); len(gaps) > 0 {
 		return fillErr("after the fill, %v are still missing from the caches; re-run to fill them", gaps)
 	}
 	return nil
@@ -912,25 +912,6 @@ func combine(byDir map[string][]cache.Range, pathOf map[string]string) (done []c
 		prev = r
 	}
 	return done, dups, nil
-}
-
-// missingOf returns the parts of want not covered by the sorted ranges.
-func missingOf(done []cache.Range, want cache.Range) []cache.Range {
-	var out []cache.Range
-	at := want.Start
-	for _, r := range done {
-		if r.End <= at || r.Start >= want.End {
-			continue
-		}
-		if r.Start > at {
-			out = append(out, cache.Range{Start: at, End: r.Start})
-		}
-		at = max(at, r.End)
-	}
-	if at < want.End {
-		out = append(out, cache.Range{Start: at, End: want.End})
-	}
-	return out
 }
 
 // startProgress draws a bar on a terminal or logs a line every LogEvery;
