@@ -205,162 +205,235 @@ func ParseConfig(b []byte) (*Config, error) {
 	if err := json.Unmarshal(b, &r); err != nil {
 		return nil, fmt.Errorf("%w: not valid JSON: %v", ErrConfig, err)
 	}
-	arch := Arch(r.ModelType)
-	cls, ok := hfClass[arch]
-	if !ok {
-		return nil, fmt.Errorf("%w: unsupported model_type %q (supported: llama, qwen2, qwen3, qwen3_moe)", ErrConfig, r.ModelType)
-	}
-	if len(r.Architectures) > 0 && r.Architectures[0] != cls {
-		return nil, fmt.Errorf("%w: architectures %q does not match model_type %q (want %s)", ErrConfig, r.Architectures, r.ModelType, cls)
+	arch, err := parseArch(&r)
+	if err != nil {
+		return nil, err
 	}
 	c := &Config{Arch: arch, BOSTokenID: firstID(r.BOSTokenID), EOSTokenID: firstID(r.EOSTokenID)}
-
-	req := func(name string, p *int, dst *int) error {
-		if p == nil {
-			return fmt.Errorf("%w: missing %s", ErrConfig, name)
-		}
-		if *p <= 0 {
-			return fmt.Errorf("%w: %s = %d, must be positive", ErrConfig, name, *p)
-		}
-		*dst = *p
-		return nil
-	}
-	for _, f := range []struct {
-		name string
-		p    *int
-		dst  *int
-	}{
-		{"vocab_size", r.VocabSize, &c.VocabSize},
-		{"hidden_size", r.HiddenSize, &c.Hidden},
-		{"num_hidden_layers", r.NumHiddenLayers, &c.Layers},
-		{"num_attention_heads", r.NumAttentionHeads, &c.Heads},
-		{"intermediate_size", r.IntermediateSize, &c.Intermediate},
-		{"max_position_embeddings", r.MaxPositionEmbeddings, &c.MaxPositions},
+	// In this order: each step reads what the steps before it set (the
+	// attention shape the sizes, the MoE checks the layer count), and a
+	// config with several problems is reported by its first.
+	for _, step := range []func(*rawConfig) error{
+		c.parseSizes,
+		c.parseAttentionShape,
+		c.parseRope,
+		c.parseLayerOptions,
+		c.refuseUnsupported,
+		c.parseMoE,
 	} {
-		if err := req(f.name, f.p, f.dst); err != nil {
+		if err := step(&r); err != nil {
 			return nil, err
 		}
 	}
+	return c, nil
+}
+
+// parseArch reads model_type, which picks the architecture, and checks
+// that architectures, when given, names the HF class of that model_type:
+// a config whose two disagree is edited by hand or broken.
+func parseArch(r *rawConfig) (Arch, error) {
+	arch := Arch(r.ModelType)
+	cls, ok := hfClass[arch]
+	if !ok {
+		return "", fmt.Errorf("%w: unsupported model_type %q (supported: llama, qwen2, qwen3, qwen3_moe)", ErrConfig, r.ModelType)
+	}
+	if len(r.Architectures) > 0 && r.Architectures[0] != cls {
+		return "", fmt.Errorf("%w: architectures %q does not match model_type %q (want %s)", ErrConfig, r.Architectures, r.ModelType, cls)
+	}
+	return arch, nil
+}
+
+// sizeKey is a config.json size with no default: the key, its value
+// (nil when absent) and the Config field it sets.
+type sizeKey struct {
+	name string
+	p    *int
+	dst  *int
+}
+
+// requireSizes sets each key's field, failing at the first key that is
+// absent or not positive: no HF class default would fit the checkpoint's
+// weights, so the error names the key to add or fix.
+func requireSizes(keys ...sizeKey) error {
+	for _, k := range keys {
+		if k.p == nil {
+			return fmt.Errorf("%w: missing %s", ErrConfig, k.name)
+		}
+		if *k.p <= 0 {
+			return fmt.Errorf("%w: %s = %d, must be positive", ErrConfig, k.name, *k.p)
+		}
+		*k.dst = *k.p
+	}
+	return nil
+}
+
+// parseSizes reads the sizes every architecture needs.
+func (c *Config) parseSizes(r *rawConfig) error {
+	return requireSizes(
+		sizeKey{"vocab_size", r.VocabSize, &c.VocabSize},
+		sizeKey{"hidden_size", r.HiddenSize, &c.Hidden},
+		sizeKey{"num_hidden_layers", r.NumHiddenLayers, &c.Layers},
+		sizeKey{"num_attention_heads", r.NumAttentionHeads, &c.Heads},
+		sizeKey{"intermediate_size", r.IntermediateSize, &c.Intermediate},
+		sizeKey{"max_position_embeddings", r.MaxPositionEmbeddings, &c.MaxPositions},
+	)
+}
+
+// parseAttentionShape reads the key/value heads and the head dimension,
+// with each class's default, and checks that they fit the query heads
+// (grouped-query attention shares each KV head among a whole number of
+// query heads) and RoPE (which rotates pairs of a head's dimensions).
+func (c *Config) parseAttentionShape(r *rawConfig) error {
 	c.KVHeads = c.Heads
 	if r.NumKeyValueHeads != nil {
 		c.KVHeads = *r.NumKeyValueHeads
 	}
 	if c.KVHeads <= 0 || c.Heads%c.KVHeads != 0 {
-		return nil, fmt.Errorf("%w: num_attention_heads %d is not a multiple of num_key_value_heads %d", ErrConfig, c.Heads, c.KVHeads)
+		return fmt.Errorf("%w: num_attention_heads %d is not a multiple of num_key_value_heads %d", ErrConfig, c.Heads, c.KVHeads)
 	}
 	// head_dim: explicit in Qwen3 (class default 128); Llama reads it when
 	// present; Qwen2 always derives it.
 	switch {
-	case r.HeadDim != nil && arch != ArchQwen2:
+	case r.HeadDim != nil && c.Arch != ArchQwen2:
 		c.HeadDim = *r.HeadDim
-	case arch == ArchQwen3 || arch == ArchQwen3MoE:
+	case c.Arch == ArchQwen3 || c.Arch == ArchQwen3MoE:
 		c.HeadDim = 128
 	default:
 		if c.Hidden%c.Heads != 0 {
-			return nil, fmt.Errorf("%w: hidden_size %d is not divisible by num_attention_heads %d", ErrConfig, c.Hidden, c.Heads)
+			return fmt.Errorf("%w: hidden_size %d is not divisible by num_attention_heads %d", ErrConfig, c.Hidden, c.Heads)
 		}
 		c.HeadDim = c.Hidden / c.Heads
 	}
 	if c.HeadDim <= 0 || c.HeadDim%2 != 0 {
-		return nil, fmt.Errorf("%w: head_dim %d must be positive and even (RoPE rotates pairs)", ErrConfig, c.HeadDim)
+		return fmt.Errorf("%w: head_dim %d must be positive and even (RoPE rotates pairs)", ErrConfig, c.HeadDim)
 	}
+	return nil
+}
 
-	c.RMSNormEps = 1e-6
-	if arch == ArchLlama {
-		c.RMSNormEps = 1e-6 // LlamaConfig default
-	}
-	if r.RMSNormEps != nil {
-		c.RMSNormEps = float32(*r.RMSNormEps)
-	}
+// parseRope reads rope_theta (default 10000) and rope_scaling.
+func (c *Config) parseRope(r *rawConfig) error {
 	c.RopeTheta = 10000
 	if r.RopeTheta != nil {
 		c.RopeTheta = *r.RopeTheta
 	}
 	if c.RopeTheta <= 0 {
-		return nil, fmt.Errorf("%w: rope_theta %v must be positive", ErrConfig, c.RopeTheta)
+		return fmt.Errorf("%w: rope_theta %v must be positive", ErrConfig, c.RopeTheta)
 	}
-	if err := c.parseRopeScaling(r.RopeScaling); err != nil {
-		return nil, err
+	return c.parseRopeScaling(r.RopeScaling)
+}
+
+// parseLayerOptions reads what varies between the decoder layers of the
+// architectures (the RMSNorm epsilon, tied embeddings, attention biases,
+// q/k norms), with the HF class defaults where a key is absent. It fails
+// for nothing: what the decoder cannot do is refuseUnsupported's.
+func (c *Config) parseLayerOptions(r *rawConfig) error {
+	c.RMSNormEps = 1e-6
+	if c.Arch == ArchLlama {
+		c.RMSNormEps = 1e-6 // LlamaConfig default
+	}
+	if r.RMSNormEps != nil {
+		c.RMSNormEps = float32(*r.RMSNormEps)
 	}
 	// tie_word_embeddings: PretrainedConfig default is true, but the Llama,
 	// Qwen2, Qwen3 and Qwen3-MoE configs default it to false.
 	if r.TieWordEmbeddings != nil {
 		c.TieEmbeddings = *r.TieWordEmbeddings
 	}
-	switch arch {
+	switch c.Arch {
 	case ArchQwen2:
 		c.AttentionBias = true
-		if r.UseSlidingWindow != nil && *r.UseSlidingWindow {
-			return nil, fmt.Errorf("%w: use_sliding_window=true is not supported", ErrConfig)
-		}
 	case ArchLlama, ArchQwen3, ArchQwen3MoE:
 		if r.AttentionBias != nil {
 			c.AttentionBias = *r.AttentionBias
 		}
 	}
-	if arch == ArchQwen3 || arch == ArchQwen3MoE {
+	if c.Arch == ArchQwen3 || c.Arch == ArchQwen3MoE {
 		c.QKNorm = true
 	}
-	if r.MLPBias != nil && *r.MLPBias {
-		return nil, fmt.Errorf("%w: mlp_bias=true is not supported", ErrConfig)
-	}
-	if r.HiddenAct != nil && *r.HiddenAct != "silu" {
-		return nil, fmt.Errorf("%w: hidden_act %q is not supported (only silu)", ErrConfig, *r.HiddenAct)
-	}
-	if r.PretrainingTP != nil && *r.PretrainingTP > 1 {
-		return nil, fmt.Errorf("%w: pretraining_tp=%d is not supported (only 1)", ErrConfig, *r.PretrainingTP)
-	}
-
-	if arch == ArchQwen3MoE {
-		for _, f := range []struct {
-			name string
-			p    *int
-			dst  *int
-		}{
-			{"num_experts", r.NumExperts, &c.NumExperts},
-			{"num_experts_per_tok", r.NumExpertsPerTok, &c.ExpertsPerTok},
-			{"moe_intermediate_size", r.MoEIntermediateSize, &c.MoEIntermediate},
-		} {
-			if err := req(f.name, f.p, f.dst); err != nil {
-				return nil, err
-			}
-		}
-		c.DecoderSparseStep = 1
-		if r.DecoderSparseStep != nil {
-			c.DecoderSparseStep = *r.DecoderSparseStep
-		}
-		if c.DecoderSparseStep <= 0 {
-			return nil, fmt.Errorf("%w: decoder_sparse_step %d must be positive", ErrConfig, c.DecoderSparseStep)
-		}
-		if c.ExpertsPerTok > c.NumExperts {
-			return nil, fmt.Errorf("%w: num_experts_per_tok %d exceeds num_experts %d", ErrConfig, c.ExpertsPerTok, c.NumExperts)
-		}
-		c.NormTopKProb = false // Qwen3MoeConfig default
-		if r.NormTopKProb != nil {
-			c.NormTopKProb = *r.NormTopKProb
-		}
-		for _, l := range r.MLPOnlyLayers {
-			if l < 0 || l >= c.Layers {
-				return nil, fmt.Errorf("%w: mlp_only_layers entry %d outside [0,%d)", ErrConfig, l, c.Layers)
-			}
-		}
-		c.MLPOnlyLayers = r.MLPOnlyLayers
-		c.RouterAuxLossCoef = 0.001 // Qwen3MoeConfig defaults
-		if r.RouterAuxLossCoef != nil {
-			c.RouterAuxLossCoef = *r.RouterAuxLossCoef
-		}
-		if c.RouterAuxLossCoef < 0 || math.IsNaN(c.RouterAuxLossCoef) || math.IsInf(c.RouterAuxLossCoef, 0) {
-			return nil, fmt.Errorf("%w: router_aux_loss_coef %g must be a finite number >= 0", ErrConfig, c.RouterAuxLossCoef)
-		}
-		if r.OutputRouterLogits != nil {
-			c.OutputRouterLogits = *r.OutputRouterLogits
-		}
-	} else if r.NumExperts != nil && *r.NumExperts > 0 {
-		return nil, fmt.Errorf("%w: num_experts set for model_type %q, which has no MoE", ErrConfig, arch)
-	}
-	return c, nil
+	return nil
 }
 
+// refuseUnsupported fails for the options the decoder does not implement
+// (a sliding window, MLP biases, an activation other than SiLU, a
+// pretraining_tp that splits the projections): loaded anyway, such a
+// checkpoint would compute something other than what it was trained as.
+func (c *Config) refuseUnsupported(r *rawConfig) error {
+	if c.Arch == ArchQwen2 && r.UseSlidingWindow != nil && *r.UseSlidingWindow {
+		return fmt.Errorf("%w: use_sliding_window=true is not supported", ErrConfig)
+	}
+	if r.MLPBias != nil && *r.MLPBias {
+		return fmt.Errorf("%w: mlp_bias=true is not supported", ErrConfig)
+	}
+	if r.HiddenAct != nil && *r.HiddenAct != "silu" {
+		return fmt.Errorf("%w: hidden_act %q is not supported (only silu)", ErrConfig, *r.HiddenAct)
+	}
+	if r.PretrainingTP != nil && *r.PretrainingTP > 1 {
+		return fmt.Errorf("%w: pretraining_tp=%d is not supported (only 1)", ErrConfig, *r.PretrainingTP)
+	}
+	return nil
+}
+
+// parseMoE reads Qwen3-MoE's experts: how many, how many a token takes,
+// their size, which layers have them, and the router. Experts in the
+// config of another architecture are an error: it would load as a dense
+// model that lacks them.
+func (c *Config) parseMoE(r *rawConfig) error {
+	if c.Arch != ArchQwen3MoE {
+		if r.NumExperts != nil && *r.NumExperts > 0 {
+			return fmt.Errorf("%w: num_experts set for model_type %q, which has no MoE", ErrConfig, c.Arch)
+		}
+		return nil
+	}
+	err := requireSizes(
+		sizeKey{"num_experts", r.NumExperts, &c.NumExperts},
+		sizeKey{"num_experts_per_tok", r.NumExpertsPerTok, &c.ExpertsPerTok},
+		sizeKey{"moe_intermediate_size", r.MoEIntermediateSize, &c.MoEIntermediate},
+	)
+	if err != nil {
+		return err
+	}
+	c.DecoderSparseStep = 1
+	if r.DecoderSparseStep != nil {
+		c.DecoderSparseStep = *r.DecoderSparseStep
+	}
+	if c.DecoderSparseStep <= 0 {
+		return fmt.Errorf("%w: decoder_sparse_step %d must be positive", ErrConfig, c.DecoderSparseStep)
+	}
+	if c.ExpertsPerTok > c.NumExperts {
+		return fmt.Errorf("%w: num_experts_per_tok %d exceeds num_experts %d", ErrConfig, c.ExpertsPerTok, c.NumExperts)
+	}
+	for _, l := range r.MLPOnlyLayers {
+		if l < 0 || l >= c.Layers {
+			return fmt.Errorf("%w: mlp_only_layers entry %d outside [0,%d)", ErrConfig, l, c.Layers)
+		}
+	}
+	c.MLPOnlyLayers = r.MLPOnlyLayers
+	return c.parseRouter(r)
+}
+
+// parseRouter reads the options of Qwen3-MoE's router and of its
+// load-balancing loss, with the Qwen3MoeConfig defaults.
+func (c *Config) parseRouter(r *rawConfig) error {
+	c.NormTopKProb = false // Qwen3MoeConfig default
+	if r.NormTopKProb != nil {
+		c.NormTopKProb = *r.NormTopKProb
+	}
+	c.RouterAuxLossCoef = 0.001 // Qwen3MoeConfig defaults
+	if r.RouterAuxLossCoef != nil {
+		c.RouterAuxLossCoef = *r.RouterAuxLossCoef
+	}
+	if c.RouterAuxLossCoef < 0 || math.IsNaN(c.RouterAuxLossCoef) || math.IsInf(c.RouterAuxLossCoef, 0) {
+		return fmt.Errorf("%w: router_aux_loss_coef %g must be a finite number >= 0", ErrConfig, c.RouterAuxLossCoef)
+	}
+	if r.OutputRouterLogits != nil {
+		c.OutputRouterLogits = *r.OutputRouterLogits
+	}
+	return nil
+}
+
+// parseRopeScaling reads rope_scaling: absent, null or the default rope
+// is none; llama3 needs all four of its parameters, in range; any other
+// rope_type is refused, since the decoder implements no other.
 func (c *Config) parseRopeScaling(raw json.RawMessage) error {
 	if len(raw) == 0 || string(raw) == "null" {
 		return nil
