@@ -153,3 +153,57 @@ func childPIDs(t *testing.T, pid int) []int {
 	}
 	return out
 }
+
+// TestDataParallelCLI: the commands of a sharded data-parallel job, as a
+// user runs them, on the CUDA emulator (three emulated GPUs and its NCCL
+// stand-in): `student train --nproc-per-node 2` at ZeRO 3 writes sharded
+// checkpoints; the same command with --nproc-per-node 3 resumes them at
+// another world size; `student export` builds the HF checkpoint from the
+// last sharded one; `student eval` scores it. Each exits 0. (The numerics
+// of resharding are package trainer's tests; this is the glue of the
+// commands around them.)
+func TestDataParallelCLI(t *testing.T) {
+	cudaemu.Use(t)
+	t.Setenv("DISTILL_EMU_DEVICES", "3")
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: filepath.Join(dir, "cache"), Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(dir, "run.yaml")
+	conf := strings.Replace(sigConfig, "threads: 2}", "threads: 1, device: cuda, zero: 3}", 1)
+	conf = strings.Replace(conf, "checkpoint: {every: 0}", "checkpoint: {every: 2, layout: sharded}", 1)
+	os.WriteFile(cfg, []byte(conf), 0o644)
+	run := filepath.Join(dir, "run")
+	step := func(nproc, steps int) string {
+		t.Helper()
+		p := startStudent(t, "train", "--config", cfg, "--run-dir", run, "--cache", b.CacheDir, "--nproc-per-node", fmt.Sprint(nproc), "--max-steps", fmt.Sprint(steps))
+		if rc := p.wait(t); rc != 0 {
+			t.Fatalf("%d ranks to step %d: exit status %d:\n%s", nproc, steps, rc, p.stderr.String())
+		}
+		return p.stderr.String()
+	}
+	step(2, 2)
+	ck2 := filepath.Join(run, "checkpoints", "step-00000002")
+	if _, err := os.Stat(filepath.Join(ck2, "model.safetensors")); err == nil {
+		t.Fatalf("%s holds a gathered model.safetensors: want a sharded checkpoint", ck2)
+	}
+	out := step(3, 4)
+	if !strings.Contains(out, "resumed from "+ck2) {
+		t.Fatalf("3 ranks did not resume from %s:\n%s", ck2, out)
+	}
+	hf := filepath.Join(dir, "hf")
+	p := startStudent(t, "export", "--checkpoint", run, "--out", hf, "--format", "bf16", "--no-tokenizer")
+	if rc := p.wait(t); rc != 0 {
+		t.Fatalf("export: exit status %d:\n%s", rc, p.stderr.String())
+	}
+	for _, f := range []string{"config.json", "model.safetensors"} {
+		if _, err := os.Stat(filepath.Join(hf, f)); err != nil {
+			t.Fatalf("export: %v\n%s", err, p.stderr.String())
+		}
+	}
+	p = startStudent(t, "eval", "--checkpoint", run, "--cache", b.CacheDir, "--range", "0:8")
+	if rc := p.wait(t); rc != 0 {
+		t.Fatalf("eval: exit status %d:\n%s", rc, p.stderr.String())
+	}
+}
