@@ -487,6 +487,11 @@ func firstID(raw json.RawMessage) int {
 // for BF16 weights.
 func (c *Config) JSON() ([]byte, error) { return c.jsonDType("bfloat16") }
 
+// JSONF32 is JSON for F32 weights (a training checkpoint's masters):
+// torch_dtype float32, so that transformers' torch_dtype="auto" keeps
+// their digits instead of rounding them to BF16.
+func (c *Config) JSONF32() ([]byte, error) { return c.jsonDType("float32") }
+
 // jsonDType is JSON with torch_dtype, the weights' dtype as transformers
 // names it: torch_dtype="auto" loads them in it.
 func (c *Config) jsonDType(torchDType string) ([]byte, error) {

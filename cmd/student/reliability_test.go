@@ -137,8 +137,20 @@ func TestSIGTERMCheckpointsAndResumes(t *testing.T) {
 	if err != nil || k < 2 {
 		t.Fatalf("stopped line %q", stoppedLine)
 	}
-	if ck, _ := trainer.LatestCheckpoint(run); ck != filepath.Join(run, "checkpoints", fmt.Sprintf("step-%08d", k)) {
-		t.Fatalf("stopped after step %d, newest checkpoint %q", k, ck)
+	ck := filepath.Join(run, "checkpoints", fmt.Sprintf("step-%08d", k))
+	if got, _ := trainer.LatestCheckpoint(run); got != ck {
+		t.Fatalf("stopped after step %d, newest checkpoint %q", k, got)
+	}
+	// Its weights are the F32 masters, and its config.json says so:
+	// transformers' torch_dtype="auto" would round them to BF16 otherwise.
+	var cj struct {
+		DType string `json:"torch_dtype"`
+	}
+	if b, err := os.ReadFile(filepath.Join(ck, "config.json")); err != nil || json.Unmarshal(b, &cj) != nil || cj.DType != "float32" {
+		t.Fatalf("%s/config.json: torch_dtype %q (%v), want float32", ck, cj.DType, err)
+	}
+	if h, err := os.ReadFile(filepath.Join(ck, "model.safetensors")); err != nil || !bytes.Contains(h[:min(len(h), 4096)], []byte(`"dtype":"F32"`)) || bytes.Contains(h[:min(len(h), 4096)], []byte(`"dtype":"BF16"`)) {
+		t.Fatalf("%s/model.safetensors: want F32 tensors only (%v)", ck, err)
 	}
 	cmdline := strings.TrimPrefix(resumeLine, "resume with: ")
 	if !strings.HasPrefix(cmdline, os.Args[0]+" train ") || !strings.Contains(cmdline, "'"+run+"'") {

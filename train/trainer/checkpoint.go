@@ -333,7 +333,7 @@ func pruneCheckpoints(runDir string, keep, protect int) error {
 // and the directory, renames tmp to final and syncs the parent: a crash
 // at any point leaves no partial checkpoint under a final name.
 func publishCheckpoint(tmp, final string, s *train.Student, st *State, man *shardManifest) error {
-	cj, err := s.Cfg.JSON()
+	cj, err := s.Cfg.JSONF32() // the weights are the F32 masters
 	if err != nil {
 		return err
 	}
