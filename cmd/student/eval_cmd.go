@@ -110,6 +110,11 @@ func runEval(args []string) error {
 		if tcs, err = parseCaches(*cachesFlag); err != nil {
 			return err
 		}
+		// Names and directories in the flag's terms (entry 1, 2, ...);
+		// one cache given twice is refused, as in a config.
+		if err := trainer.CheckCachesFlag(tcs, "--caches"); err != nil {
+			return cli.Usage(err)
+		}
 		cfg.Data.Caches = tcs
 		if err := cfg.ValidateEval(); err != nil {
 			return fmt.Errorf("--caches: %w", err)

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"distill/internal/cli"
 	"distill/train/testcache"
 	"distill/train/trainer"
 )
@@ -188,6 +189,21 @@ func TestEvalCaches(t *testing.T) {
 	err = runEval(append(base, "--caches", a.CacheDir+",odd="+c.CacheDir))
 	if err == nil || !strings.Contains(err.Error(), "teacher odd") || !strings.Contains(err.Error(), "vocab_size 101") {
 		t.Errorf("a teacher with another vocabulary: %v", err)
+	}
+	// One cache twice (here through a symlink) is one teacher at double
+	// weight: refused, in --caches' terms; so is a name given twice.
+	link := filepath.Join(dir, "link")
+	if err := os.Symlink(a.CacheDir, link); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct{ caches, want string }{
+		{a.CacheDir + ",b=" + link, "--caches entry 2 (" + link + ") is the same cache as --caches entry 1 (" + a.CacheDir + "): a cache given twice trains as one teacher at the sum of its weights; give it once, or correct"},
+		{"x=" + a.CacheDir + ",x=" + b.CacheDir, `--caches entry 2: "x" is also the name of --caches entry 1`},
+	} {
+		err = runEval(append(base, "--caches", c.caches))
+		if cli.ExitStatus(err) != 2 || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), "data.caches") || strings.Contains(err.Error(), "bad config") {
+			t.Errorf("--caches %s: %v, want a usage error saying %q", c.caches, err, c.want)
+		}
 	}
 }
 

@@ -7,8 +7,10 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"path/filepath"
 	"reflect"
 	"regexp"
+	"slices"
 	"strings"
 	"time"
 
@@ -220,48 +222,151 @@ func (t *TeacherCache) weight() float64 {
 }
 
 // validateCaches checks data.caches on its own: each entry's directory,
-// name (unique, usable as a metric key) and weight; the caches themselves
-// are checked against each other and the student when the run opens them.
+// name (unique, usable as a metric key) and weight, and that no cache is
+// given twice; the caches themselves are checked against each other and
+// the student when the run opens them.
 func (c *Config) validateCaches() error {
-	bad := func(key string, format string, a ...any) error {
-		return fmt.Errorf("%w: %s: %s", ErrConfig, key, fmt.Sprintf(format, a...))
+	if err := checkCaches(c.Data.Caches, configCachesKey, true); err != nil {
+		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}
-	seen := map[string]int{}
 	var wsum float64
 	for i := range c.Data.Caches {
-		t := &c.Data.Caches[i]
-		key := fmt.Sprintf("data.caches[%d]", i)
+		wsum += c.Data.Caches[i].weight()
+	}
+	if len(c.Data.Caches) > 0 && wsum == 0 && c.Distill.KDWeight > 0 {
+		return fmt.Errorf("%w: data.caches: every teacher's weight is 0 with distill.kd_weight %g: there is nothing to distill from; give a teacher a weight > 0 (or set distill.kd_weight: 0)", ErrConfig, c.Distill.KDWeight)
+	}
+	return nil
+}
+
+// configCachesKey names entry i of data.caches, or its field, in errors.
+func configCachesKey(i int, field string) string {
+	if field == "" {
+		return fmt.Sprintf("data.caches[%d]", i)
+	}
+	return fmt.Sprintf("data.caches[%d].%s", i, field)
+}
+
+// CheckCachesFlag checks the teachers' caches of a flag (`student eval
+// --caches`), as a config's data.caches is checked, its errors naming
+// the flag's entries (entry 1, 2, ...) instead of config keys.
+func CheckCachesFlag(tcs []TeacherCache, flag string) error {
+	return checkCaches(tcs, func(i int, _ string) string { return fmt.Sprintf("%s entry %d", flag, i+1) }, false)
+}
+
+// checkCaches checks teachers' caches on their own, naming entry i (or
+// its field) by key; weighted is whether the entries carry weights (a
+// config's do, a flag's do not), for the advice on a cache given twice.
+func checkCaches(tcs []TeacherCache, key func(i int, field string) string, weighted bool) error {
+	bad := func(k string, format string, a ...any) error {
+		return fmt.Errorf("%s: %s", k, fmt.Sprintf(format, a...))
+	}
+	seen := map[string]int{}
+	for i := range tcs {
+		t := &tcs[i]
 		if len(t.Dir) == 0 {
-			return bad(key+".dir", "required: the teacher's cache directory")
+			return bad(key(i, "dir"), "required: the teacher's cache directory")
 		}
 		for _, d := range t.Dir {
 			if strings.TrimSpace(d) == "" {
-				return bad(key+".dir", "empty path")
+				return bad(key(i, "dir"), "empty path")
 			}
 		}
 		name := t.teacherName(i)
 		for _, r := range name {
 			if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '-' || r == '.') {
-				return bad(key+".name", "%q: use letters, digits, '_', '-' and '.' only (it becomes a metrics key)", name)
+				return bad(key(i, "name"), "%q: use letters, digits, '_', '-' and '.' only (it becomes a metrics key)", name)
 			}
 		}
 		if j, ok := seen[name]; ok {
-			return bad(key+".name", "%q is also the name of data.caches[%d] (a default name is t<index>): give every teacher its own name", name, j)
+			return bad(key(i, "name"), "%q is also the name of %s (a default name is t<index>): give every teacher its own name", name, key(j, ""))
 		}
 		seen[name] = i
 		w := t.weight()
 		if !(w >= 0) || math.IsInf(w, 0) {
-			return bad(key+".weight", "%g: want a finite number >= 0 (default 1)", w)
+			return bad(key(i, "weight"), "%g: want a finite number >= 0 (default 1)", w)
 		}
-		wsum += w
 		if _, err := cache.ParseTargets(t.Targets); err != nil {
-			return bad(key+".targets", "%q: want topk, sampled or head+sampled (the kind of its cache; default distill.targets)", t.Targets)
+			return bad(key(i, "targets"), "%q: want topk, sampled or head+sampled (the kind of its cache; default distill.targets)", t.Targets)
 		}
 	}
-	if len(c.Data.Caches) > 0 && wsum == 0 && c.Distill.KDWeight > 0 {
-		return bad("data.caches", "every teacher's weight is 0 with distill.kd_weight %g: there is nothing to distill from; give a teacher a weight > 0 (or set distill.kd_weight: 0)", c.Distill.KDWeight)
+	return checkCachesOnce(tcs, key, weighted)
+}
+
+// checkCachesOnce refuses a cache directory given to two teachers: the
+// same cache twice trained silently as one teacher at the sum of its
+// weights, its KD and top-1 agreement reported twice. Directories are
+// compared as they resolve (absolute, symlinks followed where they
+// exist, and one directory under two names where both exist), so two
+// paths to one directory are the same cache.
+func checkCachesOnce(tcs []TeacherCache, key func(i int, field string) string, weighted bool) error {
+	dirs := make([][]resolvedDir, len(tcs))
+	for i := range tcs {
+		for _, d := range tcs[i].Dir {
+			dirs[i] = append(dirs[i], resolveDir(d))
+		}
+	}
+	// in reports whether every directory of a is one of b's.
+	in := func(a, b []resolvedDir) bool {
+		for _, x := range a {
+			if !slices.ContainsFunc(b, x.same) {
+				return false
+			}
+		}
+		return true
+	}
+	for j := range tcs {
+		for i := 0; i < j; i++ {
+			for _, d := range dirs[j] {
+				k := slices.IndexFunc(dirs[i], d.same)
+				if k < 0 {
+					continue
+				}
+				other := ""
+				if e := dirs[i][k]; e.path != d.path {
+					other = fmt.Sprintf(" (%s)", e.path)
+				}
+				if !in(dirs[j], dirs[i]) || !in(dirs[i], dirs[j]) {
+					return fmt.Errorf("%s: %s is also a directory of %s%s: a directory holds one teacher's fills, so both entries would read that teacher; give each directory to one teacher", key(j, "dir"), d.path, key(i, ""), other)
+				}
+				fix := "give it once"
+				if weighted {
+					fix = fmt.Sprintf("give it once (with weight: %g, the sum of both entries' weights, it trains as now)", tcs[i].weight()+tcs[j].weight())
+				}
+				return fmt.Errorf("%s (%s) is the same cache as %s%s: a cache given twice trains as one teacher at the sum of its weights; %s, or correct the path of the teacher you meant", key(j, ""), d.path, key(i, ""), other, fix)
+			}
+		}
 	}
 	return nil
+}
+
+// resolvedDir is a cache directory as given and as it resolves.
+type resolvedDir struct {
+	path string      // as given
+	abs  string      // absolute, symlinks followed where it exists
+	fi   os.FileInfo // nil where it does not exist (yet)
+}
+
+// resolveDir resolves d: filepath.Abs, then filepath.EvalSymlinks where
+// d exists.
+func resolveDir(d string) resolvedDir {
+	r := resolvedDir{path: d, abs: filepath.Clean(d)}
+	if a, err := filepath.Abs(d); err == nil {
+		r.abs = a
+	}
+	if e, err := filepath.EvalSymlinks(r.abs); err == nil {
+		r.abs = e
+	}
+	if fi, err := os.Stat(r.abs); err == nil {
+		r.fi = fi
+	}
+	return r
+}
+
+// same reports whether r and o are one directory: the same resolved
+// path, or the same file where both exist (a bind mount).
+func (r resolvedDir) same(o resolvedDir) bool {
+	return r.abs == o.abs || r.fi != nil && o.fi != nil && os.SameFile(r.fi, o.fi)
 }
 
 // DatasetConfig is a dataset that package data reads and tokenizes as

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"math"
 	"os"
 	"path/filepath"
@@ -79,6 +80,35 @@ func mtCache(t *testing.T, sp teacherSpec) string {
 	return dir
 }
 
+// copyCache copies the cache directory dir into a new one: the same
+// teacher's cache, as a second teacher of data.caches (one directory
+// given twice is refused).
+func copyCache(t *testing.T, dir string) string {
+	t.Helper()
+	dst := filepath.Join(t.TempDir(), "copy")
+	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, err := filepath.Rel(dir, p)
+		if err != nil {
+			return err
+		}
+		if d.IsDir() {
+			return os.MkdirAll(filepath.Join(dst, rel), 0o755)
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(filepath.Join(dst, rel), b, 0o644)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dst
+}
+
 // mtConfig is the tiny training config of the trainer tests over the
 // caches of data.caches (a YAML flow list), or over one cache when caches
 // is a plain directory.
@@ -102,13 +132,14 @@ func mtConfig(t *testing.T, runDir, caches string, over ...string) *Config {
 // lines carry the per-teacher numbers.
 func TestMultiTeacherHalvesEqualSingle(t *testing.T) {
 	a := mtCache(t, teacherSpec{teacher: 1, k: 8, chunk: 16})
+	a2 := copyCache(t, a) // the same teacher's cache in another directory: one directory twice is refused
 	single, err := Run(mtConfig(t, filepath.Join(t.TempDir(), "single"), a), Options{Log: io.Discard})
 	if err != nil {
 		t.Fatal(err)
 	}
 	runDir := filepath.Join(t.TempDir(), "multi")
 	var log strings.Builder
-	multi, err := Run(mtConfig(t, runDir, fmt.Sprintf("[{dir: %s, weight: 0.5, name: a}, {dir: %s, weight: 0.5}]", a, a)), Options{Log: &log})
+	multi, err := Run(mtConfig(t, runDir, fmt.Sprintf("[{dir: %s, weight: 0.5, name: a}, {dir: %s, weight: 0.5}]", a, a2)), Options{Log: &log})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -178,7 +209,7 @@ func TestMultiTeacherHalvesEqualSingle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cs := rc.Data.Caches; len(cs) != 2 || cs[0].Name != "a" || cs[1].weight() != 0.5 || len(cs[1].Dir) != 1 || cs[1].Dir[0] != a {
+	if cs := rc.Data.Caches; len(cs) != 2 || cs[0].Name != "a" || cs[1].weight() != 0.5 || len(cs[1].Dir) != 1 || cs[1].Dir[0] != a2 {
 		t.Fatalf("resolved config.yaml: data.caches %+v", cs)
 	}
 	if l := log.String(); !strings.Contains(l, "step 4/12 loss") || !strings.Contains(l, "[a kd ") || !strings.Contains(l, ", t1 kd ") ||
@@ -246,8 +277,9 @@ func TestMultiTeacherResume(t *testing.T) {
 	if _, err := Run(mtConfig(t, runDir, caches), Options{Log: io.Discard, StopAfter: 6}); err != nil {
 		t.Fatal(err)
 	}
-	// Another teacher in place of b: refused before any step.
-	_, err = Run(mtConfig(t, runDir, fmt.Sprintf("[{dir: %s, weight: 0.7}, {dir: %s, weight: 0.3}]", a, a)), Options{Log: io.Discard})
+	// Another teacher in place of b (a's, in a directory of its own):
+	// refused before any step.
+	_, err = Run(mtConfig(t, runDir, fmt.Sprintf("[{dir: %s, weight: 0.7}, {dir: %s, weight: 0.3}]", a, copyCache(t, a))), Options{Log: io.Discard})
 	if !errors.Is(err, ErrResume) || !strings.Contains(err.Error(), "data.caches[1]") || !strings.Contains(err.Error(), "teacher-2") {
 		t.Fatalf("resume with another teacher: %v", err)
 	}
@@ -382,6 +414,47 @@ func TestMultiTeacherConfig(t *testing.T) {
 	}
 }
 
+// TestMultiTeacherSameCacheTwice: one cache given to two teachers of
+// data.caches trained silently as one teacher at the sum of the weights;
+// it is refused at load, naming both entries and the fix, whether the
+// two paths are the same text, a relative and an absolute path, or a
+// symlink to the directory. A directory shared by two teachers'
+// directory lists is refused too; two copies of a cache are two caches.
+func TestMultiTeacherSameCacheTwice(t *testing.T) {
+	root := t.TempDir()
+	a, b := filepath.Join(root, "a"), filepath.Join(root, "b")
+	os.Mkdir(a, 0o755)
+	os.Mkdir(b, 0o755)
+	link := filepath.Join(root, "link")
+	if err := os.Symlink(a, link); err != nil {
+		t.Fatal(err)
+	}
+	t.Chdir(root)
+	p := filepath.Join(root, "cfg.yaml")
+	os.WriteFile(p, []byte("run_dir: r\nmodel: {random: {arch: qwen3}}\n"), 0o644)
+	missing := filepath.Join(root, "not-yet")
+	for _, c := range []struct {
+		caches string
+		want   []string
+	}{
+		{fmt.Sprintf("[{dir: %s}, {dir: %s}]", a, a), []string{"data.caches[1] (" + a + ") is the same cache as data.caches[0]: ", "give it once (with weight: 2, the sum of both entries' weights, it trains as now), or correct the path"}},
+		{fmt.Sprintf("[{dir: %s, weight: 0.5}, {dir: b}, {dir: %s, weight: 0.25}]", link, a), []string{"data.caches[2] (" + a + ") is the same cache as data.caches[0] (" + link + ")", "with weight: 0.75,"}},
+		{fmt.Sprintf("[{dir: a}, {dir: %s}]", a), []string{"data.caches[1] (" + a + ") is the same cache as data.caches[0] (a)"}},
+		{fmt.Sprintf("[{dir: %s}, {dir: %s/}]", missing, missing), []string{"data.caches[1] (" + missing + "/) is the same cache as data.caches[0] (" + missing + ")"}},
+		{fmt.Sprintf("[{dir: [%s, %s]}, {dir: %s}]", a, b, link), []string{"data.caches[1].dir: " + link + " is also a directory of data.caches[0] (" + a + ")", "give each directory to one teacher"}},
+	} {
+		_, err := LoadConfig(p, []string{"data.caches=" + c.caches})
+		for _, w := range c.want {
+			if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), w) {
+				t.Errorf("%s: err = %v, want %q", c.caches, err, w)
+			}
+		}
+	}
+	if _, err := LoadConfig(p, []string{fmt.Sprintf("data.caches=[{dir: %s}, {dir: %s}]", a, b)}); err != nil {
+		t.Errorf("two caches: %v", err)
+	}
+}
+
 // TestMultiTeacherDocs: examples/multiteacher.yaml loads with its two
 // teachers, and examples/train.yaml's commented data.caches block,
 // uncommented in place of data.cache, loads too (its keys are spelled as
@@ -437,7 +510,7 @@ func TestMultiTeacherTruncate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	halves, err := Run(mtConfig(t, filepath.Join(t.TempDir(), "halves"), fmt.Sprintf("[{dir: %s, weight: 0.5}, {dir: %s, weight: 0.5}]", a, a), over...), Options{Log: io.Discard})
+	halves, err := Run(mtConfig(t, filepath.Join(t.TempDir(), "halves"), fmt.Sprintf("[{dir: %s, weight: 0.5}, {dir: %s, weight: 0.5}]", a, copyCache(t, a)), over...), Options{Log: io.Discard})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -233,6 +233,25 @@ func (c *Config) validateOnline() error {
 			return bad(fmt.Sprintf("distill.teachers[%d].weight", i), "%g: want a positive finite weight (default 1)", t.Weight)
 		}
 	}
+	// One daemon in two entries is one teacher twice: it trained silently
+	// at the sum of its weights, its numbers reported twice.
+	at := map[string][2]int{} // an address (as compared) -> its teacher and index in addrs
+	for i, t := range o.Teachers {
+		for j, a := range t.Addrs {
+			k := strings.ToLower(strings.TrimSpace(a))
+			p, ok := at[k]
+			if !ok {
+				at[k] = [2]int{i, j}
+				continue
+			}
+			if p[0] == i {
+				continue // a replica listed twice: still one teacher at its weight
+			}
+			q := o.Teachers[p[0]]
+			return bad(fmt.Sprintf("distill.teachers[%d].addrs[%d]", i, j), "%s is also distill.teachers[%d].addrs[%d] (%s): the same daemon in two entries trains as one teacher at the sum of its weights; give it once (with weight: %g, the sum of both entries' weights, it trains as now), or correct the address of the teacher you meant (the replicas of one teacher go in one entry's addrs)",
+				a, p[0], p[1], q.Name, q.Weight+t.Weight)
+		}
+	}
 	return nil
 }
 

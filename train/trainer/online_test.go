@@ -549,7 +549,8 @@ func TestOnlineDocs(t *testing.T) {
 // TestOnlineMultiConfig: several distill.teachers entries are several
 // teachers, each with its name (default t<index>) and weight (default
 // 1); names must be unique and usable as metric keys and directory names
-// (their write caches), weights positive. Errors name the entry.
+// (their write caches), weights positive, and no address in two entries.
+// Errors name the entry.
 func TestOnlineMultiConfig(t *testing.T) {
 	p := filepath.Join(t.TempDir(), "c.yaml")
 	os.WriteFile(p, []byte("run_dir: x\nmodel:\n  init_from: y\ndata:\n  seq_len: 64\n  dataset:\n    files: [a.jsonl]\ndistill:\n  teachers:\n    - {addrs: [h1:7070, h2:7070], name: big, weight: 0.75}\n    - {addrs: [h3:7070]}\n"), 0o644)
@@ -568,6 +569,10 @@ func TestOnlineMultiConfig(t *testing.T) {
 		"distill.teachers=[{addrs: [a:1], name: ..}, {addrs: [b:1]}]":         {"distill.teachers[0].name", `".."`},
 		"distill.teachers=[{addrs: [a:1]}, {addrs: [b:1], weight: -1}]":       {"distill.teachers[1].weight", "-1", "positive"},
 		"distill.teachers=[{addrs: [a:1]}, {addrs: [], name: b}]":             {"distill.teachers[1].addrs", "empty"},
+		// One daemon in two entries trained as one teacher at the sum of
+		// its weights.
+		"distill.teachers=[{addrs: [a:1, h:7070], name: x}, {addrs: [b:1]}, {addrs: [H:7070], weight: 0.5}]": {
+			"distill.teachers[2].addrs[0]: H:7070 is also distill.teachers[0].addrs[1] (x): the same daemon in two entries", "give it once (with weight: 1.5, the sum of both entries' weights, it trains as now)"},
 	} {
 		_, err := LoadConfig(p, []string{over})
 		if !errors.Is(err, ErrConfig) {
