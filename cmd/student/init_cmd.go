@@ -258,25 +258,14 @@ func printInitSummary(out string, cfg *model.Config) {
 	}
 }
 
-// hostMemAvailable is the memory a new allocation can take (MemAvailable
-// of /proc/meminfo; ok false where it cannot be read), diskFree the bytes
-// an unprivileged writer has free on the file system holding path.
-// Variables, so that a test stands for a small machine.
+// hostMemAvailable is the memory a new allocation can take and what
+// bounds it (availableMemory of the machine's /proc and /sys; ok false
+// where neither can be read), diskFree the bytes an unprivileged writer
+// has free on the file system holding path. Variables, so that a test
+// stands for a small machine.
 var (
-	hostMemAvailable = func() (int64, bool) {
-		b, err := os.ReadFile("/proc/meminfo")
-		if err != nil {
-			return 0, false
-		}
-		for _, line := range strings.Split(string(b), "\n") {
-			if f := strings.Fields(line); len(f) >= 2 && f[0] == "MemAvailable:" {
-				kb, err := strconv.ParseInt(f[1], 10, 64)
-				return kb << 10, err == nil
-			}
-		}
-		return 0, false
-	}
-	diskFree = func(path string) (int64, bool) {
+	hostMemAvailable = func() (memAvail, bool) { return availableMemory("/") }
+	diskFree         = func(path string) (int64, bool) {
 		var st syscall.Statfs_t
 		if syscall.Statfs(path, &st) != nil {
 			return 0, false
@@ -312,15 +301,10 @@ func checkInitFits(cfg *model.Config, dtype, out string) error {
 	}
 	what := fmt.Sprintf("%s of %s parameters (%s, hidden %d, intermediate %d, vocab %d)", cfg.Arch, count, layers(cfg.Layers), cfg.Hidden, cfg.Intermediate, cfg.VocabSize)
 	const check = "check the size flags (--vocab, --hidden, --intermediate, --layers; --experts, --moe-intermediate)"
-	gib := func(b float64) string {
-		if b < 1<<30 {
-			return fmt.Sprintf("%.1f MiB", b/(1<<20))
-		}
-		return fmt.Sprintf("%.1f GiB", b/(1<<30))
-	}
+	gib := gibString
 	if avail, ok := hostMemAvailable(); ok {
-		if need := 4*params + (4+stored)*largest; need > float64(avail) {
-			return fmt.Errorf("a %s: initializing it takes %s of memory, and this machine has %s available: %s", what, gib(need), gib(float64(avail)), check)
+		if need := 4*params + (4+stored)*largest; need > float64(avail.bytes) {
+			return fmt.Errorf("a %s: initializing it takes %s of memory, and %s: %s", what, gib(need), avail, check)
 		}
 	}
 	// The nearest directory that exists: WriteDir makes the others.

@@ -48,7 +48,7 @@ func TestInitMessages(t *testing.T) {
 func TestInitRefusesWhatCannotBeMade(t *testing.T) {
 	mem, disk := hostMemAvailable, diskFree
 	t.Cleanup(func() { hostMemAvailable, diskFree = mem, disk })
-	hostMemAvailable = func() (int64, bool) { return 1 << 30, true }
+	hostMemAvailable = func() (memAvail, bool) { return memAvail{bytes: 1 << 30}, true }
 	diskFree = func(string) (int64, bool) { return 0, false }
 	out := filepath.Join(t.TempDir(), "sub", "m")
 	err := runInit([]string{"--out", out, "--vocab", "100000000", "--hidden", "64"})
@@ -56,7 +56,7 @@ func TestInitRefusesWhatCannotBeMade(t *testing.T) {
 		!strings.Contains(err.Error(), "of memory, and this machine has 1.0 GiB available: check the size flags (--vocab") {
 		t.Errorf("init of 12.8B parameters on 1 GiB: %v", err)
 	}
-	hostMemAvailable = func() (int64, bool) { return 0, false }
+	hostMemAvailable = func() (memAvail, bool) { return memAvail{}, false }
 	diskFree = func(string) (int64, bool) { return 1 << 20, true }
 	err = runInit([]string{"--out", out, "--vocab", "100000", "--hidden", "64"})
 	if err == nil || !strings.Contains(err.Error(), "its BF16 checkpoint takes 24.6 MiB, and the file system of "+filepath.Dir(filepath.Dir(out))+" has 1.0 MiB free") {
