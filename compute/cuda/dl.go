@@ -38,7 +38,7 @@ type libSpec struct {
 var (
 	specDriver = libSpec{
 		what: "the CUDA driver", env: "DISTILL_LIBCUDA", names: []string{"libcuda.so.1"},
-		hint: "install the NVIDIA driver (it ships libcuda.so.1), or point DISTILL_LIBCUDA at it; without a GPU use --device cpu",
+		hint: "install the NVIDIA driver (it ships libcuda.so.1), or point DISTILL_LIBCUDA at it",
 	}
 	specNVRTC = libSpec{
 		what: "NVRTC", env: "DISTILL_LIBNVRTC",

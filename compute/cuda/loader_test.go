@@ -28,7 +28,7 @@ func TestOpenWithoutDriver(t *testing.T) {
 	if err == nil {
 		t.Fatal("Open succeeded without a driver")
 	}
-	for _, want := range []string{"libcuda.so.1", "the CUDA driver", "--device cpu"} {
+	for _, want := range []string{"libcuda.so.1", "the CUDA driver", "DISTILL_LIBCUDA"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error %q does not mention %q", err, want)
 		}

@@ -68,6 +68,27 @@ type Options struct {
 	// chose and why (the GPU found, or why none is used), the GPU opened
 	// and its kernels compiled or read from the cache.
 	Logf func(format string, args ...any)
+	// Setting is what the user set the name with, named in errors: a
+	// flag ("": --device) or a config key (the trainer's train.device).
+	Setting string
+}
+
+// said is the name as the user set it: "--device cuda", or
+// "train.device cuda" for a config key.
+func (o Options) said(name string) string {
+	if o.Setting == "" {
+		return "--device " + name
+	}
+	return o.Setting + " " + name
+}
+
+// use says how to set the name instead: "use --device cpu", or "set
+// train.device: cpu".
+func (o Options) use(name string) string {
+	if o.Setting == "" || strings.HasPrefix(o.Setting, "-") {
+		return "use " + o.said(name)
+	}
+	return "set " + o.Setting + ": " + name
 }
 
 // Open returns the backend a --device flag names, for o.Purpose (see the
@@ -77,7 +98,7 @@ func Open(name string, o Options) (compute.Backend, error) {
 	if o.Threads < 0 {
 		return nil, fmt.Errorf("%w: %d threads: want 0 (all cores) or more", ErrDevice, o.Threads)
 	}
-	if err := Check(name, o.Purpose); err != nil {
+	if err := check(name, o); err != nil {
 		return nil, err
 	}
 	logf := o.Logf
@@ -89,7 +110,7 @@ func Open(name string, o Options) (compute.Backend, error) {
 	case "cuda":
 		be, err := openCUDA()
 		if err != nil {
-			return nil, fmt.Errorf("%w: --device cuda: %w", ErrDevice, err)
+			return nil, fmt.Errorf("%w: %s: %w; without a GPU, %s", ErrDevice, o.said("cuda"), err, o.use("cpu"))
 		}
 		return be, nil
 	case "", "auto":
@@ -237,12 +258,15 @@ func PlanDevices(spec string) ([]int, error) {
 
 // Check reports whether Open accepts name for p, before anything is
 // opened (a config's validation).
-func Check(name string, p Purpose) error {
+func Check(name string, p Purpose) error { return check(name, Options{Purpose: p}) }
+
+// check is Check naming o.Setting.
+func check(name string, o Options) error {
 	switch name {
 	case "", "auto", "cpu", "cuda":
 		return nil
 	}
-	return fmt.Errorf("%w: --device %q: want %s", ErrDevice, name, Names)
+	return fmt.Errorf("%w: %s: want %s", ErrDevice, o.said(strconv.Quote(name)), Names)
 }
 
 // Close releases what a backend holds beyond its tensors (a CUDA backend's

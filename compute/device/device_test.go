@@ -68,10 +68,21 @@ func TestOpenWithoutGPU(t *testing.T) {
 		}
 	}
 	_, err := Open("cuda", Options{})
-	for _, want := range []string{missing, "DISTILL_LIBCUDA", "--device cuda"} {
+	for _, want := range []string{missing, "DISTILL_LIBCUDA", "--device cuda: ", "; without a GPU, use --device cpu"} {
 		if !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), want) {
 			t.Errorf("Open(cuda) without a driver = %v, want ErrDevice mentioning %q", err, want)
 		}
+	}
+	// Set by a config key, the error names the key and how to set the
+	// CPU there, not the --device flag.
+	_, err = Open("cuda", Options{Purpose: Training, Setting: "train.device"})
+	for _, want := range []string{"device: unavailable: train.device cuda: ", missing, "; without a GPU, set train.device: cpu"} {
+		if !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "--device") {
+			t.Errorf("Open(cuda) set by train.device without a driver = %v, want ErrDevice mentioning %q and no --device", err, want)
+		}
+	}
+	if _, err := Open("tpu", Options{Setting: "train.device"}); !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), `train.device "tpu": want auto, cpu or cuda`) {
+		t.Errorf("Open(tpu) set by train.device: %v", err)
 	}
 	var log logLines
 	be, err := Open("auto", Options{Purpose: Training, Logf: log.logf})

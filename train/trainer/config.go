@@ -971,7 +971,7 @@ func (c *Config) Validate() error {
 	case c.Train.Threads < 0:
 		return bad("train.threads", "%d: want >= 0", c.Train.Threads)
 	case device.Check(c.Train.Device, device.Training) != nil:
-		return bad("train.device", "%v", device.Check(c.Train.Device, device.Training))
+		return bad("train.device", "%q: want %s", c.Train.Device, device.Names)
 	case c.Train.MaxSkippedSteps < 0:
 		return bad("train.max_skipped_steps", "%d: want >= 0 (0 = never stop for skipped steps)", c.Train.MaxSkippedSteps)
 	case c.Train.ZeRO < 0 || c.Train.ZeRO > 3:

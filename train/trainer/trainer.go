@@ -330,9 +330,9 @@ func CheckCache(cfg *model.Config, tokFP string, m *cache.Manifest, where string
 // (what auto took, and why) goes to log.
 func backend(cfg *Config, log io.Writer, ordinal int) (compute.Backend, error) {
 	be, err := device.Open(cfg.Train.Device, device.Options{Purpose: device.Training, Threads: cfg.Train.Threads, Ordinal: ordinal,
-		Logf: func(format string, args ...any) { fmt.Fprintf(log, format+"\n", args...) }})
+		Logf: func(format string, args ...any) { fmt.Fprintf(log, format+"\n", args...) }, Setting: "train.device"})
 	if err != nil {
-		return nil, fmt.Errorf("%w: train.device: %w", ErrConfig, err)
+		return nil, fmt.Errorf("%w: %w", ErrConfig, err) // it names train.device
 	}
 	return be, nil
 }

@@ -488,7 +488,7 @@ func TestConfigErrors(t *testing.T) {
 		"data.eval_range=[5,2]":     "data.eval_range",
 		"optim.beta1=1":             "betas",
 		"lr":                        "key.path=value",
-		"train.device=tpu":          `train.device: device: unavailable: --device "tpu": want auto, cpu or cuda`,
+		"train.device=tpu":          `trainer: bad config: train.device: "tpu": want auto, cpu or cuda`,
 	} {
 		if _, err := LoadConfig(p, []string{over}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), want) {
 			t.Errorf("%s: %v", over, err)
@@ -497,6 +497,21 @@ func TestConfigErrors(t *testing.T) {
 	c, err := LoadConfig(p, []string{"optim.lr=0.5", "train.max_steps=7", "data.eval_range=[0, 3]", "train.device=cpu"})
 	if err != nil || c.Optim.LR != 0.5 || c.Train.MaxSteps != 7 || c.Data.EvalRange[1] != 3 || c.Optim.Beta2 != 0.95 || c.Train.Device != "cpu" {
 		t.Fatalf("overrides: %v %+v", err, c)
+	}
+}
+
+// TestDeviceErrorNamesTheKey: train.device cuda on a machine without the
+// CUDA driver names train.device, what it was set to and how to set the
+// CPU there; it said "train.device: device: unavailable: --device cuda:
+// ... without a GPU use --device cpu", a flag the user never gave.
+func TestDeviceErrorNamesTheKey(t *testing.T) {
+	t.Setenv("DISTILL_LIBCUDA", filepath.Join(t.TempDir(), "libcuda.so.1"))
+	cfg := Defaults()
+	cfg.Train.Device = "cuda"
+	_, err := backend(&cfg, io.Discard, 0)
+	if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "device: unavailable: train.device cuda: cuda: cannot load the CUDA driver") ||
+		!strings.HasSuffix(err.Error(), "; without a GPU, set train.device: cpu") || strings.Contains(err.Error(), "--device") || strings.Count(err.Error(), "train.device") != 2 {
+		t.Errorf("train.device cuda without a driver: %v", err)
 	}
 }
 
