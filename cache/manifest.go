@@ -30,8 +30,9 @@ var (
 	// *BusyError naming the holder). A fill does its other ranges and
 	// tries this one again later: by then it is done, or free.
 	ErrRangeBusy = errors.New("cache: range busy")
-	// ErrNotFound is returned for a sample whose range is not committed (yet).
-	ErrNotFound = errors.New("cache: sample not in cache")
+	// ErrNotFound is returned for a sample whose range is not committed
+	// (yet), or outside the cache's samples; the message names the sample.
+	ErrNotFound = errors.New("cache: not found")
 	// ErrLocked is returned when the index lock cannot be taken within
 	// Options.LockTimeout (another process holds it for too long).
 	ErrLocked = errors.New("cache: index locked")

@@ -48,7 +48,8 @@ func TestNotCacheMessages(t *testing.T) {
 // TestGetOutsideOrMissing: Get of an index no fill can ever commit says
 // the cache's range; of one not filled yet, that it is not filled yet.
 // Both said "sample not in cache: sample 120 (committed: 120 of 120
-// samples; run cachectl status)".
+// samples; run cachectl status)", and then "cache: sample not in cache:
+// sample 20 is outside ...", sample and cache twice each.
 func TestGetOutsideOrMissing(t *testing.T) {
 	dir := t.TempDir()
 	c, err := Create(dir, testManifest(20, EncodingCompact), nil)
@@ -62,11 +63,11 @@ func TestGetOutsideOrMissing(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i, want := range map[int64]string{
-		20: "sample 20 is outside [0, 20): the cache's dataset has 20 samples",
-		-1: "sample -1 is outside [0, 20)",
-		15: "sample 15 is not filled yet (committed: 10 of 20 samples; cachectl status lists the missing ranges)",
+		20: "cache: not found: sample 20 is outside [0, 20): the cache's dataset has 20 samples",
+		-1: "cache: not found: sample -1 is outside [0, 20)",
+		15: "cache: not found: sample 15 is not filled yet (committed: 10 of 20 samples; cachectl status lists the missing ranges)",
 	} {
-		if _, err := r.Get(i); !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), want) {
+		if _, err := r.Get(i); !errors.Is(err, ErrNotFound) || !strings.HasPrefix(err.Error(), want) || strings.Count(err.Error(), "sample ") != 1 {
 			t.Errorf("Get(%d): %v; want ErrNotFound saying %q", i, err, want)
 		}
 	}
