@@ -2,7 +2,6 @@ package serve
 
 import (
 	"context"
-	"fmt"
 
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
@@ -36,11 +35,12 @@ type remote struct {
 }
 
 // Dial returns a Worker for the daemon at addr. The connection is lazy:
-// errors show up on the first call.
+// errors show up on the first call. An error is package teacherdial's,
+// naming the option as o.Names does.
 func Dial(addr string, o DialOptions) (Worker, error) {
 	conn, err := teacherdial.Dial(addr, o)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
+		return nil, err
 	}
 	return &remote{addr: addr, conn: conn, c: pb.NewTeacherClient(conn)}, nil
 }

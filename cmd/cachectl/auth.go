@@ -2,7 +2,6 @@ package main
 
 import (
 	"flag"
-	"fmt"
 	"os"
 
 	"distill/internal/cli"
@@ -29,14 +28,14 @@ func (a *authFlags) register(fs *flag.FlagSet) {
 func (a *authFlags) options() (serve.DialOptions, error) {
 	tokenSet := false
 	a.fs.Visit(func(f *flag.Flag) { tokenSet = tokenSet || f.Name == "token" })
-	o := serve.DialOptions{Token: a.token, CAFile: a.tlsCA}
+	o := serve.DialOptions{Token: a.token, CAFile: a.tlsCA, Names: map[teacherdial.Option]string{teacherdial.Address: "--teacher", teacherdial.CAFile: "--tls-ca"}}
 	if a.tokenFile != "" {
 		if tokenSet {
 			return o, cli.Usagef("give only one of --token and --token-file")
 		}
-		t, err := teacherdial.ReadToken(a.tokenFile)
+		t, err := teacherdial.ReadToken(a.tokenFile, "--token-file")
 		if err != nil {
-			return o, fmt.Errorf("--token-file: %w", err)
+			return o, err
 		}
 		o.Token = t
 	}

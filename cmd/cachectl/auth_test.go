@@ -36,8 +36,22 @@ func TestClientsTokenFile(t *testing.T) {
 	if _, err := runFill(t, append(fill, "--token-file", tf, "--token", "s3cret")...); err == nil || !strings.Contains(err.Error(), "only one of --token and --token-file") {
 		t.Errorf("fill --token and --token-file: %v", err)
 	}
-	if _, err := runFill(t, append(fill, "--token-file", filepath.Join(dir, "none"))...); err == nil || !strings.Contains(err.Error(), "--token-file") {
-		t.Errorf("fill --token-file missing: %v", err)
+	// A missing token or CA file names the flag, the file, and what it
+	// wants (it said "teacherdial: invalid option: token file: open
+	// ...", and for --tls-ca "serve: invalid request: teacherdial:
+	// invalid option: TLS CA file: ...").
+	none := filepath.Join(dir, "none")
+	for _, c := range []struct{ flag, want string }{
+		{"--token-file", "--token-file " + none + ": no such file or directory: give the file that holds the bearer token"},
+		{"--tls-ca", "--tls-ca " + none + ": no such file or directory: give the PEM file of the CA that signed the daemon's TLS certificate"},
+	} {
+		_, err := runFill(t, append(fill, c.flag, none)...)
+		if err == nil || !strings.HasPrefix(err.Error(), c.want) {
+			t.Errorf("fill %s missing: %v, want %q", c.flag, err, c.want)
+		}
+		if err := runScore([]string{"--ids", "1", "--teacher", d.Addr(), c.flag, none}); err == nil || !strings.HasPrefix(err.Error(), c.want) {
+			t.Errorf("score %s missing: %v, want %q", c.flag, err, c.want)
+		}
 	}
 	if out, err := runFill(t, append(fill, "--token-file", tf)...); err != nil {
 		t.Fatalf("fill --token-file: %v\n%s", err, out)

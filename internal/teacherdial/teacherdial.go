@@ -11,6 +11,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"strings"
 
@@ -19,8 +20,52 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 )
 
-// ErrInvalid marks a bad address, token file or CA file.
+// ErrInvalid marks a bad address, token file or CA file: every such
+// error is an *OptionError, which names the option and what it wants.
 var ErrInvalid = errors.New("teacherdial: invalid option")
+
+// Option is one input of Dial or ReadToken.
+type Option string
+
+// The options, under their default names in errors.
+const (
+	Address   Option = "teacher address"
+	CAFile    Option = "TLS CA file"
+	TokenFile Option = "token file"
+)
+
+// OptionError is a bad option: it names the option as the user set it
+// (Options.Names, ReadToken's name: a flag such as --tls-ca, a config
+// key such as distill.tls_ca; else the Option itself), its value, what
+// is wrong and what it wants: "--tls-ca ca.pem: no such file or
+// directory: give the PEM file of the CA ...". It is ErrInvalid, whose
+// text it does not repeat.
+type OptionError struct {
+	Option Option
+	msg    string
+}
+
+func (e *OptionError) Error() string        { return e.msg }
+func (e *OptionError) Is(target error) bool { return target == ErrInvalid }
+
+// optionErr is the *OptionError of option o, named name ("": o).
+func optionErr(o Option, name, format string, a ...any) error {
+	if name == "" {
+		name = string(o)
+	}
+	return &OptionError{Option: o, msg: name + " " + fmt.Sprintf(format, a...)}
+}
+
+// fileProblem is what went wrong reading a file, without the path the
+// message names already ("no such file or directory", not "open f: no
+// such file or directory").
+func fileProblem(err error) error {
+	var pe *fs.PathError
+	if errors.As(err, &pe) {
+		return pe.Err
+	}
+	return err
+}
 
 // MaxRecvBytes bounds a response (a long sample's top-k is large).
 const MaxRecvBytes = 256 << 20
@@ -33,6 +78,10 @@ type Options struct {
 	CAFile string
 	// ServerName overrides the TLS server name (default: the address host).
 	ServerName string
+	// Names name the options in errors as the user set them (Address:
+	// "--teacher", CAFile: "--tls-ca"); an option not here goes by its
+	// Option name.
+	Names map[Option]string
 }
 
 // tokenCreds sends the bearer token. It does not insist on TLS so that a
@@ -49,13 +98,14 @@ func (tokenCreds) RequireTransportSecurity() bool { return false }
 func Dial(addr string, o Options) (*grpc.ClientConn, error) {
 	creds := insecure.NewCredentials()
 	if o.CAFile != "" {
+		const want = "give the PEM file of the CA that signed the daemon's TLS certificate (teacherd --tls-cert), or no CA file to connect without TLS"
 		pem, err := os.ReadFile(o.CAFile)
 		if err != nil {
-			return nil, fmt.Errorf("%w: TLS CA file: %v", ErrInvalid, err)
+			return nil, optionErr(CAFile, o.Names[CAFile], "%s: %v: %s", o.CAFile, fileProblem(err), want)
 		}
 		pool := x509.NewCertPool()
 		if !pool.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("%w: TLS CA file %s holds no PEM certificate", ErrInvalid, o.CAFile)
+			return nil, optionErr(CAFile, o.Names[CAFile], "%s holds no PEM certificate: %s", o.CAFile, want)
 		}
 		creds = credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: o.ServerName, MinVersion: tls.VersionTLS12})
 	}
@@ -65,21 +115,24 @@ func Dial(addr string, o Options) (*grpc.ClientConn, error) {
 	}
 	conn, err := grpc.NewClient(addr, opts...)
 	if err != nil {
-		return nil, fmt.Errorf("%w: teacher address %q: %v", ErrInvalid, addr, err)
+		return nil, optionErr(Address, o.Names[Address], "%q: %v: want a daemon's host:port (teacherd --listen)", addr, err)
 	}
 	return conn, nil
 }
 
-// ReadToken reads a bearer token from a file (teacherd's --token-file),
-// trimmed of surrounding white space; an empty file is an error.
-func ReadToken(path string) (string, error) {
+// ReadToken reads a bearer token from a file (teacherd's --token-file, a
+// rendezvous token), trimmed of surrounding white space; an empty file
+// is an error. name is
+// how the user gave the path, for errors (a flag such as --token-file, a
+// config key, an environment variable; "": "token file").
+func ReadToken(path, name string) (string, error) {
 	b, err := os.ReadFile(path)
 	if err != nil {
-		return "", fmt.Errorf("%w: token file: %v", ErrInvalid, err)
+		return "", optionErr(TokenFile, name, "%s: %v: give the file that holds the bearer token", path, fileProblem(err))
 	}
 	t := strings.TrimSpace(string(b))
 	if t == "" {
-		return "", fmt.Errorf("%w: token file %s is empty: write the daemon's bearer token into it", ErrInvalid, path)
+		return "", optionErr(TokenFile, name, "%s is empty: write the bearer token into it", path)
 	}
 	return t, nil
 }

@@ -272,9 +272,9 @@ func TokenFromEnv(getenv func(string) string) (string, error) {
 	case file != "" && tok != "":
 		return "", fmt.Errorf("%w: both %s and %s are set: give only one", ErrEnv, EnvTokenFile, EnvToken)
 	case file != "":
-		t, err := teacherdial.ReadToken(file)
+		t, err := teacherdial.ReadToken(file, "$"+EnvTokenFile)
 		if err != nil {
-			return "", fmt.Errorf("%w: %s: %v", ErrEnv, EnvTokenFile, err)
+			return "", fmt.Errorf("%w: %v", ErrEnv, err) // it names the variable
 		}
 		return t, nil
 	}

@@ -131,8 +131,8 @@ func newTeacherPool(t TeacherConfig, o *OnlineConfig, want infoWant, tg scoreTar
 	token := os.Getenv("DISTILL_TOKEN")
 	if o.TokenFile != "" {
 		var err error
-		if token, err = teacherdial.ReadToken(o.TokenFile); err != nil {
-			return nil, fmt.Errorf("%w: distill.token_file: %w", ErrConfig, err)
+		if token, err = teacherdial.ReadToken(o.TokenFile, "distill.token_file"); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrConfig, err) // it names distill.token_file
 		}
 	}
 	p := &teacherPool{name: t.Name, k: int32(o.K), temp: float32(o.CaptureTemperature), tg: tg, timeout: o.TeacherTimeout, log: log, want: want}
@@ -141,11 +141,12 @@ func newTeacherPool(t TeacherConfig, o *OnlineConfig, want infoWant, tg scoreTar
 	// A replica takes at most its share of the prefetch: the replicas
 	// share the work even when the step outruns them all.
 	p.window = max(1, min(replicaWindow, o.Prefetch/len(t.Addrs)))
+	names := map[teacherdial.Option]string{teacherdial.Address: "distill.teachers address of teacher " + t.Name, teacherdial.CAFile: "distill.tls_ca"}
 	for _, a := range t.Addrs {
-		conn, err := teacherdial.Dial(a, teacherdial.Options{Token: token, CAFile: o.TLSCA, ServerName: o.TLSServerName})
+		conn, err := teacherdial.Dial(a, teacherdial.Options{Token: token, CAFile: o.TLSCA, ServerName: o.TLSServerName, Names: names})
 		if err != nil {
 			p.close()
-			return nil, fmt.Errorf("%w: distill.teachers %s: %w", ErrConfig, a, err)
+			return nil, fmt.Errorf("%w: %w", ErrConfig, err) // it names the key
 		}
 		p.reps = append(p.reps, &replica{addr: a, conn: conn, cl: pb.NewTeacherClient(conn)})
 	}

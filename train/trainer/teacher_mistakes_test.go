@@ -100,3 +100,29 @@ func TestTeacherRefusedTokenIsNamed(t *testing.T) {
 		t.Fatalf("a daemon refusing the token: %v", err)
 	}
 }
+
+// TestTeacherFilesNameTheKey: a distill.token_file or distill.tls_ca that
+// cannot be read names the key, the file and what it wants (they said
+// "teacherdial: invalid option: token file: open ..." and, for the CA,
+// "distill.teachers ADDR: teacherdial: invalid option: TLS CA file: ...",
+// naming the address and not the key).
+func TestTeacherFilesNameTheKey(t *testing.T) {
+	none := filepath.Join(t.TempDir(), "none")
+	for _, c := range []struct {
+		o    OnlineConfig
+		want string
+	}{
+		{OnlineConfig{TokenFile: none}, "trainer: bad config: distill.token_file " + none + ": no such file or directory: give the file that holds the bearer token"},
+		{OnlineConfig{TLSCA: none}, "trainer: bad config: distill.tls_ca " + none + ": no such file or directory: give the PEM file of the CA that signed the daemon's TLS certificate"},
+	} {
+		o := c.o
+		o.Prefetch, o.TeacherTimeout, o.CaptureTemperature = 8, time.Hour, 1
+		p, err := newTeacherPool(TeacherConfig{Name: "big", Addrs: []string{"127.0.0.1:1"}, Weight: 1}, &o, infoWant{}, scoreTargets{}, &bytes.Buffer{})
+		if err == nil {
+			p.close()
+		}
+		if !errors.Is(err, ErrConfig) || !strings.HasPrefix(err.Error(), c.want) || strings.Contains(err.Error(), "teacherdial") {
+			t.Errorf("%+v: %v, want %q", c.o, err, c.want)
+		}
+	}
+}
