@@ -164,19 +164,20 @@ func adopt(s *indexSession, dir string, want *Manifest) error {
 		if err := have.Validate(); err != nil {
 			return fmt.Errorf("%s: %w", dir, err)
 		}
-		return bound(want.Agree(&have, "the requested manifest", dir), dir, rs)
+		return bound(want.Agree(&have, "the requested manifest", dir), rs)
 	}
 	return s.db.Update(func(txn *badger.Txn) error { return txn.Set([]byte{keyManifest}, want.marshal()) })
 }
 
 // bound adds to a manifest mismatch what binds the directory to its
-// manifest: its committed chunks.
-func bound(err error, dir string, rs []ChunkInfo) error {
+// manifest: its committed chunks. The mismatch named the directory last
+// ("4 in DIR"), so this does not again.
+func bound(err error, rs []ChunkInfo) error {
 	var n int64
 	for _, r := range rs {
 		n += r.Len()
 	}
-	return fmt.Errorf("%w (%s holds %d committed chunks, %d samples, made under its manifest)", err, dir, len(rs), n)
+	return fmt.Errorf("%w, whose %d committed chunks (%d samples) were made under it", err, len(rs), n)
 }
 
 // Use returns a handle that fills c's directory under manifest m: m must
@@ -434,7 +435,7 @@ func (c *Cache) BeginChunk(start, end int64) (_ *ChunkWriter, err error) {
 	}
 	if len(rs) > 0 {
 		if err := c.m.Agree(&have, "this writer's manifest", c.dir); err != nil {
-			return nil, bound(err, c.dir, rs)
+			return nil, bound(err, rs)
 		}
 	}
 	return &ChunkWriter{c: c, r: r, samples: make([]Sample, 0, r.Len()), release: release}, nil
@@ -551,7 +552,7 @@ func (w *ChunkWriter) publish(s *indexSession, tmp string, info ChunkInfo) error
 		return fmt.Errorf("%w: %s: the index holds %d chunk records but no manifest", ErrCorrupt, c.dir, len(rs))
 	}
 	if setManifest && len(rs) > 0 {
-		return bound(c.m.Agree(&have, "this writer's manifest", c.dir), c.dir, rs)
+		return bound(c.m.Agree(&have, "this writer's manifest", c.dir), rs)
 	}
 	final := filepath.Join(c.dir, chunksDir, info.File)
 	if err := fs.Rename(tmp, final); err != nil {

@@ -139,9 +139,15 @@ func isLocal(w Worker) bool {
 // failure says what went wrong with w in an error message: the teacher
 // and the gRPC code for a daemon, only the message in-process (where
 // there is one teacher, and the user is its operator).
+// what "" names nothing beside the teacher (the message names it).
 func failure(w Worker, what string, err error) string {
-	if isLocal(w) {
+	switch {
+	case isLocal(w) && what == "":
+		return msg(err)
+	case isLocal(w):
 		return fmt.Sprintf("%s: %s", what, msg(err))
+	case what == "":
+		return fmt.Sprintf("teacher %s: %s: %s", w.Name(), status.Code(err), msg(err))
 	}
 	return fmt.Sprintf("teacher %s, %s: %s: %s", w.Name(), what, status.Code(err), msg(err))
 }
@@ -405,7 +411,14 @@ func (p *FillPlan) probe(ctx context.Context, workers []Worker, dirs *fillDirs, 
 			probed[d] = true
 			err := w.Fill(ctx, p.request(fp, rs[0]), func(*pb.FillResponse) error { return nil })
 			if err != nil {
-				return fillErr("%s", failure(w, "cache "+d, err))
+				// A manifest mismatch names the directory itself: "cache
+				// DIR: cache: manifest mismatch: ... 4 in DIR" said it
+				// twice, and cache twice.
+				what := "cache " + d
+				if strings.Contains(msg(err), dirs.pathOf[d]) {
+					what = ""
+				}
+				return fillErr("%s", failure(w, what, err))
 			}
 		}
 	}

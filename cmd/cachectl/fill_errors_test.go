@@ -15,7 +15,8 @@ import (
 
 // TestFillErrorsNameTheFix: a fill through a daemon whose cache holds
 // another fill says to start a daemon with another --cache (fill's own
-// --cache is refused with --teacher); in-process, to give another --cache.
+// --cache is refused with --teacher); in-process, to give another --cache;
+// both name the directory and the field that differs once.
 // A --k the teacher cannot give names --k and its valid range, not the
 // daemon's k settings.
 func TestFillErrorsNameTheFix(t *testing.T) {
@@ -33,13 +34,19 @@ func TestFillErrorsNameTheFix(t *testing.T) {
 	if out, err := runFill(t, append(fill, "--k", "4")...); err != nil {
 		t.Fatalf("fill: %v\n%s", err, out)
 	}
+	// The mismatch names the directory once, and cache once: it said
+	// "cache DIR: cache: manifest mismatch: ... 4 in DIR (DIR holds 2
+	// committed chunks, ...)".
+	mismatch := "cache: manifest mismatch: field k differs: 3 in the requested manifest, 4 in " + cdir + ", whose 2 committed chunks (6 samples) were made under it; the cache directory holds another fill: "
 	out, err := runFill(t, append(fill, "--k", "3")...)
-	if err == nil || !strings.Contains(out+err.Error(), "start a teacherd with another --cache directory") || strings.Contains(out+err.Error(), "use another --cache") {
+	if err == nil || !strings.Contains(out+err.Error(), "start a teacherd with another --cache directory") || strings.Contains(out+err.Error(), "use another --cache") ||
+		!strings.HasPrefix(err.Error(), "teacher "+d.Addr()+": FailedPrecondition: "+mismatch) || strings.Count(err.Error(), cdir) != 1 {
 		t.Errorf("fill --k 3 into the daemon's k-4 cache: %v\n%s", err, out)
 	}
 	local := []string{"--model", mdir, "--cache", cdir, "--data", dpath, "--pretokenized", "--chunk", "3"}
 	out, err = runFill(t, append(local, "--k", "3")...)
-	if err == nil || !strings.Contains(err.Error(), "give another --cache directory") || strings.Contains(err.Error(), "teacherd") {
+	if err == nil || !strings.Contains(err.Error(), "give another --cache directory") || strings.Contains(err.Error(), "teacherd") ||
+		!strings.HasPrefix(err.Error(), mismatch) || strings.Count(err.Error(), cdir) != 1 {
 		t.Errorf("fill --model --k 3 into a k-4 cache: %v\n%s", err, out)
 	}
 	for _, k := range []string{"100", "-3"} {
