@@ -117,7 +117,7 @@ func runEval(args []string) error {
 		}
 		cfg.Data.Caches = tcs
 		if err := cfg.ValidateEval(); err != nil {
-			return fmt.Errorf("--caches: %w", err)
+			return fmt.Errorf("--caches: %w", trainer.EvalTerms(err))
 		}
 	}
 	if cfg.Data.Dataset != nil && *cacheDirs == "" && len(tcs) == 0 {
@@ -176,7 +176,7 @@ func evalCache(s *train.Student, st *trainer.State, cfg *trainer.Config, configG
 	}
 	lo := cfg.LossOptions(float64(m.Temperature))
 	if err := lo.Validate(); err != nil {
-		return fmt.Errorf("distill (cache captured at temperature %g): %w", m.Temperature, err)
+		return fmt.Errorf("distill (cache captured at temperature %g): %w", m.Temperature, trainer.EvalTerms(err))
 	}
 	es, err := trainer.Evaluate(s, rd, r, cfg.Data.SeqLen, cfg.Data.Truncate, &lo)
 	if err != nil {
@@ -341,7 +341,7 @@ func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, conf
 	}
 	lo := cfg.LossOptions(float64(m.Temperature))
 	if err := lo.Validate(); err != nil {
-		return fmt.Errorf("distill (caches captured at temperature %g): %w", m.Temperature, err)
+		return fmt.Errorf("distill (caches captured at temperature %g): %w", m.Temperature, trainer.EvalTerms(err))
 	}
 	es, err := trainer.EvaluateTeachers(s, fp, tcs, r, cfg.Data.SeqLen, cfg.Data.Truncate, &lo)
 	if err != nil {
@@ -401,7 +401,7 @@ func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, confi
 	}
 	lo := cfg.LossOptions(cfg.Distill.Temperature)
 	if err := lo.Validate(); err != nil {
-		return fmt.Errorf("distill: %w", err)
+		return fmt.Errorf("distill: %w", trainer.EvalTerms(err))
 	}
 	es, r, err := trainer.EvaluateDataset(s, &dc, tok, cfg.Data.SeqLen, r, &lo)
 	if err != nil {

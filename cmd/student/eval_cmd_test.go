@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"io"
 	"math"
 	"os"
@@ -119,8 +120,48 @@ func TestEvalLossFlags(t *testing.T) {
 		{[]string{"--jsd-beta", "2", "--kd-loss", "jsd"}, "beta"},
 	} {
 		err := runEval(append(base, c.args...))
-		if err == nil || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("eval %v: %v, want an error mentioning %q", c.args, err, c.want)
+		if err == nil || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), "bad config") || strings.Contains(err.Error(), "invalid input") {
+			t.Errorf("eval %v: %v, want an error mentioning %q, in eval's terms", c.args, err, c.want)
+		}
+	}
+}
+
+// TestEvalConfigErrors: eval's errors about its config say what is wrong
+// in eval's terms: the file as --config FILE, the key and what it wants,
+// and not "trainer: bad config" (eval is no training run) nor the loss
+// package's "loss: invalid input".
+func TestEvalConfigErrors(t *testing.T) {
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 16, Chunk: 8, MinLen: 6, MaxLen: 30, Seed: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"--checkpoint", b.TeacherDir, "--cache", b.CacheDir, "--tokenizer-fingerprint", "testcache-tokenizer", "--range", "0:8"}
+	write := func(name, text string) string {
+		p := filepath.Join(dir, name)
+		os.WriteFile(p, []byte(text), 0o644)
+		return p
+	}
+	seq := write("seq.yaml", "data:\n  seq_len: -1\n")
+	typo := write("typo.yaml", "data:\n  seq_lenn: 5\n")
+	loss := write("loss.yaml", "distill: {kd_loss: foo}\n")
+	caches := write("caches.yaml", "data:\n  caches: [{dir: a, weight: -1}]\n")
+	none := filepath.Join(dir, "none.yaml")
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--config", seq}, "--config " + seq + ": data.seq_len: -1: want > 0"},
+		{[]string{"--config", seq, "--kd-loss", "jsd"}, "--kd-loss jsd over --config " + seq + ": data.seq_len: -1: want > 0"},
+		{[]string{"--config", typo}, "--config " + typo + ": line 2: unknown key data.seq_lenn (did you mean data.seq_len?)"},
+		{[]string{"--config", loss}, "--config " + loss + `: distill: kd_loss "foo": want fwd_kl, rev_kl or jsd`},
+		{[]string{"--config", caches}, "--config " + caches + ": data.caches[0].weight: -1: want a finite number >= 0"},
+		{[]string{"--config", none}, "--config " + none + ": no such file or directory"},
+		{[]string{"--kd-loss", "kl"}, `--kd-loss kl over the defaults: distill: kd_loss "kl": want fwd_kl, rev_kl or jsd`},
+	} {
+		err := runEval(append(base, c.args...))
+		if !errors.Is(err, trainer.ErrConfig) || err.Error() != c.want && !strings.HasPrefix(err.Error(), c.want+" ") {
+			t.Errorf("eval %v: %v, want ErrConfig saying %q", c.args, err, c.want)
 		}
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"math"
 	"os"
 	"path/filepath"
@@ -570,7 +571,7 @@ func Defaults() Config {
 // ("key.path=value", the value parsed as YAML), and validates it. An
 // unknown key is an error naming the file and line.
 func LoadConfig(path string, overrides []string) (*Config, error) {
-	return loadConfig(path, overrides, "", (*Config).Validate)
+	return loadConfig(path, overrides, "", false)
 }
 
 // LoadEvalConfig reads a config for evaluating a checkpoint (`student
@@ -578,9 +579,10 @@ func LoadConfig(path string, overrides []string) (*Config, error) {
 // and validated, the distill section and data's cache, seq_len, truncate
 // and eval_range. A file holding only `distill:` (and `data:`) is enough,
 // a whole training config works too, and with no file (path "") the
-// overrides alone are applied over the defaults.
+// overrides alone are applied over the defaults. Its errors are in
+// eval's terms (EvalTerms), the file named as --config FILE.
 func LoadEvalConfig(path string, overrides []string) (*Config, error) {
-	return loadConfig(path, overrides, "", (*Config).ValidateEval)
+	return loadConfig(path, overrides, "", true)
 }
 
 // LoadEvalConfigAs is LoadEvalConfig whose validation error names the
@@ -588,38 +590,85 @@ func LoadEvalConfig(path string, overrides []string) (*Config, error) {
 // instead of listing them as --set flags: `student eval` puts the run's
 // own loss keys before the user's flags, keys the user never typed.
 func LoadEvalConfigAs(path string, overrides []string, what string) (*Config, error) {
-	return loadConfig(path, overrides, what, (*Config).ValidateEval)
+	return loadConfig(path, overrides, what, true)
 }
 
-// loadConfig is LoadConfig with the validation validate; what, when not
-// "", names the overrides in its error.
-func loadConfig(path string, overrides []string, what string, validate func(*Config) error) (*Config, error) {
+// EvalTerms is err, an error of a config for `student eval`, in eval's
+// terms: without "trainer: bad config: " (evaluation is no training
+// run) and the loss package's "loss: invalid input: " (the key it names
+// says what is wrong). It is still ErrConfig when err was.
+func EvalTerms(err error) error {
+	if err == nil {
+		return nil
+	}
+	text := strings.ReplaceAll(err.Error(), ErrConfig.Error()+": ", "")
+	text = strings.ReplaceAll(text, loss.ErrInvalid.Error()+": ", "")
+	return &evalError{err: err, text: text}
+}
+
+// evalError is an error in eval's terms (EvalTerms).
+type evalError struct {
+	err  error
+	text string
+}
+
+func (e *evalError) Error() string { return e.text }
+func (e *evalError) Unwrap() error { return e.err }
+
+// loadConfig is LoadConfig (eval: LoadEvalConfig, its validation and its
+// errors in eval's terms); what, when not "", names the overrides in its
+// error.
+func loadConfig(path string, overrides []string, what string, eval bool) (*Config, error) {
+	c, err := loadConfigFile(path, overrides, what, eval)
+	if eval {
+		return c, EvalTerms(err)
+	}
+	return c, err
+}
+
+// loadConfigFile is loadConfig before its errors are put in eval's terms.
+func loadConfigFile(path string, overrides []string, what string, eval bool) (*Config, error) {
+	validate := (*Config).Validate
+	if eval {
+		validate = (*Config).ValidateEval
+	}
 	var root yaml.Node
 	var src []byte // the file's text
+	label := path  // the file in errors: eval names its flag
+	if eval && path != "" {
+		label = "--config " + path
+	}
 	if path != "" {
 		b, err := os.ReadFile(path)
 		if err != nil {
+			if eval {
+				var pe *fs.PathError
+				if errors.As(err, &pe) {
+					err = pe.Err // the label names the file
+				}
+				return nil, fmt.Errorf("%w: %s: %v", ErrConfig, label, err)
+			}
 			return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 		}
 		src = b
 		if err := yaml.Unmarshal(b, &root); err != nil {
-			return nil, fmt.Errorf("%w: %s: %v", ErrConfig, path, err)
+			return nil, fmt.Errorf("%w: %s: %v", ErrConfig, label, err)
 		}
 	} else {
-		path = "(flags)"
+		path, label = "(flags)", "(flags)"
 	}
 	if root.Kind == 0 {
 		root = yaml.Node{Kind: yaml.DocumentNode, Content: []*yaml.Node{{Kind: yaml.MappingNode, Tag: "!!map"}}}
 	}
 	if root.Kind != yaml.DocumentNode || root.Content[0].Kind != yaml.MappingNode {
-		return nil, fmt.Errorf("%w: %s: the top level must be a mapping of keys", ErrConfig, path)
+		return nil, fmt.Errorf("%w: %s: the top level must be a mapping of keys", ErrConfig, label)
 	}
 	// The file is checked alone first, so its errors name its own lines,
 	// then each override on top of it, so their errors name the flag (the
 	// tree re-encoded with the overrides has lines of its own).
 	if src != nil && len(root.Content[0].Content) > 0 {
 		if err := decodeStrict(&root, src); err != nil {
-			return nil, fmt.Errorf("%w: %s: %v (keys are listed in examples/train.yaml)", ErrConfig, path, err)
+			return nil, fmt.Errorf("%w: %s: %v (keys are listed in examples/train.yaml)", ErrConfig, label, err)
 		}
 	}
 	for _, o := range overrides {
@@ -642,7 +691,7 @@ func loadConfig(path string, overrides []string, what string, validate func(*Con
 	dec := yaml.NewDecoder(bytes.NewReader(b))
 	dec.KnownFields(true)
 	if err := dec.Decode(&c); err != nil {
-		return nil, fmt.Errorf("%w: %s: %v (keys are listed in examples/train.yaml)", ErrConfig, path, err)
+		return nil, fmt.Errorf("%w: %s: %v (keys are listed in examples/train.yaml)", ErrConfig, label, err)
 	}
 	if c.Data.Dataset != nil && len(c.Distill.Teachers) == 0 {
 		// SFT on a dataset: the loss weights default to CE alone (a
@@ -656,15 +705,17 @@ func loadConfig(path string, overrides []string, what string, validate func(*Con
 		}
 	}
 	if err := validate(&c); err != nil {
-		where := path
+		where := label
 		if len(overrides) > 0 {
 			// The flags may be what made it invalid: name them too.
 			where = "--set " + strings.Join(overrides, " --set ")
 			if what != "" {
 				where = what
 			}
-			if path != "(flags)" {
-				where = path + " with " + where
+			// eval's what names its --config already ("--kd-loss kl
+			// over --config FILE").
+			if path != "(flags)" && !(eval && what != "") {
+				where = label + " with " + where
 			}
 		}
 		return nil, fmt.Errorf("%s: %w", where, err)
