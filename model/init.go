@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 
@@ -26,33 +27,13 @@ var ErrNotEmpty = errors.New("model: output directory is not empty")
 // removed. A crash leaves dir whole (old or new) or, in the instant
 // between the two renames of a forced replace, absent with both versions
 // beside it as .old-* and .tmp-*. A failed write leaves dir untouched.
+// A dir that cannot be replaced (a mount point) is refused before write
+// runs (ErrNotReplaceable), as is one beside which nothing can be written.
 func WriteDir(dir string, force bool, write func(tmp string) error) error {
 	dir = filepath.Clean(dir)
-	exists := false
-	switch fi, err := os.Stat(dir); {
-	case err == nil && !fi.IsDir():
-		return fmt.Errorf("model: %s exists and is not a directory: choose a directory path", dir)
-	case err == nil:
-		ents, err := os.ReadDir(dir)
-		if err != nil {
-			return err
-		}
-		exists = len(ents) > 0
-		if exists && !force {
-			var names []string
-			for _, e := range ents {
-				names = append(names, e.Name())
-			}
-			sort.Strings(names)
-			more := ""
-			if len(names) > 5 {
-				names, more = names[:5], ", ..."
-			}
-			return fmt.Errorf("%w: %s holds %s%s: give --force to replace it (its files are all removed), or choose another directory",
-				ErrNotEmpty, dir, strings.Join(names, ", "), more)
-		}
-	case !errors.Is(err, fs.ErrNotExist):
-		return cannotWrite(dir, err)
+	exists, err := checkOut(dir, force)
+	if err != nil {
+		return err
 	}
 	parent, base := filepath.Split(dir)
 	if parent == "" {
@@ -66,7 +47,7 @@ func WriteDir(dir string, force bool, write func(tmp string) error) error {
 	if err := os.Mkdir(tmp, 0o755); err != nil {
 		return cannotWrite(dir, err)
 	}
-	err := func() error {
+	err = func() error {
 		if err := write(tmp); err != nil {
 			return err
 		}
@@ -100,6 +81,137 @@ func WriteDir(dir string, force bool, write func(tmp string) error) error {
 		return fmt.Errorf("model: writing %s: %w", dir, err)
 	}
 	return nil
+}
+
+// ErrNotReplaceable marks an output directory that exists and cannot be
+// replaced: WriteDir writes the new directory beside it and renames it
+// into its place, which a mount point refuses (EBUSY).
+var ErrNotReplaceable = errors.New("model: output directory cannot be replaced")
+
+// CheckOut says, before anything is made or written, whether WriteDir(dir,
+// force) can begin and put its directory in dir's place: dir is no file,
+// not a non-empty directory without force (ErrNotEmpty), not a mount
+// point (ErrNotReplaceable), and a directory can be made beside it. A
+// caller with work to do before WriteDir (loading a model to export)
+// checks this first.
+func CheckOut(dir string, force bool) error {
+	dir = filepath.Clean(dir)
+	if _, err := checkOut(dir, force); err != nil {
+		return err
+	}
+	// The nearest directory that exists must take the temporary
+	// directory (WriteDir makes the missing ones in it): try one.
+	p := filepath.Dir(dir)
+	for {
+		fi, err := os.Stat(p)
+		switch {
+		case err == nil && !fi.IsDir():
+			return cannotWrite(dir, syscall.ENOTDIR) // it names the file
+		case err != nil && !errors.Is(err, fs.ErrNotExist):
+			return cannotWrite(dir, err)
+		}
+		if err == nil || filepath.Dir(p) == p {
+			break
+		}
+		p = filepath.Dir(p)
+	}
+	probe, err := os.MkdirTemp(p, ".probe-")
+	if err != nil {
+		return cannotWrite(dir, err)
+	}
+	return os.Remove(probe)
+}
+
+// checkOut is what WriteDir checks of dir before it writes anything:
+// whether dir exists and holds files (exists), is a file, is not empty
+// without force, or is a mount point.
+func checkOut(dir string, force bool) (exists bool, err error) {
+	switch fi, err := os.Stat(dir); {
+	case err == nil && !fi.IsDir():
+		return false, fmt.Errorf("model: %s exists and is not a directory: choose a directory path", dir)
+	case err == nil:
+		ents, err := os.ReadDir(dir)
+		if err != nil {
+			return false, err
+		}
+		exists = len(ents) > 0
+		if exists && !force {
+			var names []string
+			for _, e := range ents {
+				names = append(names, e.Name())
+			}
+			sort.Strings(names)
+			more := ""
+			if len(names) > 5 {
+				names, more = names[:5], ", ..."
+			}
+			return false, fmt.Errorf("%w: %s holds %s%s: give --force to replace it (its files are all removed), or choose another directory",
+				ErrNotEmpty, dir, strings.Join(names, ", "), more)
+		}
+		if isMountPoint(dir, fi) {
+			// It would fail only after the whole write, beside it (on
+			// the file system the mount hides).
+			return false, fmt.Errorf("%w: %s is a mount point, and the new directory is written beside it and renamed into its place, which a mount point refuses: choose a directory inside it, e.g. %s",
+				ErrNotReplaceable, dir, filepath.Join(dir, "model"))
+		}
+	case !errors.Is(err, fs.ErrNotExist):
+		return false, cannotWrite(dir, err)
+	}
+	return exists, nil
+}
+
+// mountInfo lists the process's mount points (a test's fake file).
+var mountInfo = "/proc/self/mountinfo"
+
+// isMountPoint reports whether the directory dir (fi: its stat) is a
+// mount point: on another device than its parent, or listed in
+// mountInfo (a bind mount of the same file system).
+func isMountPoint(dir string, fi fs.FileInfo) bool {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return false
+	}
+	if r, err := filepath.EvalSymlinks(abs); err == nil {
+		abs = r
+	}
+	if pfi, err := os.Stat(filepath.Dir(abs)); err == nil {
+		a, ok1 := fi.Sys().(*syscall.Stat_t)
+		b, ok2 := pfi.Sys().(*syscall.Stat_t)
+		if ok1 && ok2 && a.Dev != b.Dev {
+			return true
+		}
+	}
+	b, err := os.ReadFile(mountInfo)
+	if err != nil {
+		return false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		// ID PARENT MAJOR:MINOR ROOT MOUNTPOINT ..., with spaces, tabs,
+		// newlines and backslashes in MOUNTPOINT as octal escapes.
+		if f := strings.Fields(line); len(f) >= 5 && unescapeMount(f[4]) == abs {
+			return true
+		}
+	}
+	return false
+}
+
+// unescapeMount decodes mountinfo's octal escapes (\040 is a space).
+func unescapeMount(s string) string {
+	if !strings.Contains(s, "\\") {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(n))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
 }
 
 // cannotWrite is the error of a WriteDir that cannot even begin in dir:

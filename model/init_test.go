@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"syscall"
 	"testing"
 
 	"distill/internal/testdirs"
@@ -133,6 +134,86 @@ func TestCheckpointTorchDType(t *testing.T) {
 		}
 		if _, err := LoadConfig(dir); err != nil {
 			t.Errorf("%s checkpoint's config.json does not load: %v", dtype, err)
+		}
+	}
+}
+
+// TestWriteDirMountPoint: an existing directory that is a mount point
+// cannot be replaced (rename and rmdir of a mount point fail, EBUSY), so
+// WriteDir and CheckOut refuse it before anything is written, saying to
+// write inside it: WriteDir wrote the whole model beside it, on the file
+// system the mount hides, and failed only then. A mount point is one
+// mountinfo lists (a bind mount on the same file system; here a fake
+// file) or a directory on another device than its parent (/proc).
+func TestWriteDirMountPoint(t *testing.T) {
+	parent := t.TempDir()
+	empty := filepath.Join(parent, "mnt disk") // mountinfo escapes the space
+	full := filepath.Join(parent, "full")
+	os.Mkdir(empty, 0o755)
+	os.Mkdir(full, 0o755)
+	os.WriteFile(filepath.Join(full, "a"), nil, 0o644)
+	info := filepath.Join(t.TempDir(), "mountinfo")
+	esc := func(p string) string { return strings.ReplaceAll(p, " ", `\040`) }
+	os.WriteFile(info, []byte("22 1 0:21 / /proc rw - proc proc rw\n"+
+		"40 22 8:1 /data "+esc(empty)+" rw,relatime - ext4 /dev/sda1 rw\n"+
+		"41 22 8:1 /data2 "+esc(full)+" rw,relatime - ext4 /dev/sda1 rw\n"), 0o644)
+	old := mountInfo
+	mountInfo = info
+	t.Cleanup(func() { mountInfo = old })
+	for _, c := range []struct {
+		dir   string
+		force bool
+	}{{empty, false}, {full, true}, {empty + "/", false}} {
+		want := filepath.Clean(c.dir) + " is a mount point, and the new directory is written beside it and renamed into its place, which a mount point refuses: choose a directory inside it, e.g. " + filepath.Join(c.dir, "model")
+		ran := false
+		err := WriteDir(c.dir, c.force, func(string) error { ran = true; return nil })
+		if !errors.Is(err, ErrNotReplaceable) || !strings.Contains(err.Error(), want) || ran {
+			t.Errorf("WriteDir(%s, force %v): %v (write ran: %v), want ErrNotReplaceable saying %q", c.dir, c.force, err, ran, want)
+		}
+		if err := CheckOut(c.dir, c.force); !errors.Is(err, ErrNotReplaceable) || !strings.Contains(err.Error(), want) {
+			t.Errorf("CheckOut(%s, force %v): %v", c.dir, c.force, err)
+		}
+	}
+	if got := names(t, parent); got != "full mnt disk" {
+		t.Errorf("a refused write left %q beside the mount points", got)
+	}
+	if got := names(t, full); got != "a" {
+		t.Errorf("a refused forced write changed the mount point: %q", got)
+	}
+	// Within it, or a directory beside it, is written.
+	if err := WriteDir(filepath.Join(empty, "model"), false, func(string) error { return nil }); err != nil {
+		t.Errorf("a directory inside the mount point: %v", err)
+	}
+	if err := CheckOut(filepath.Join(parent, "other"), false); err != nil {
+		t.Errorf("a directory beside the mount point: %v", err)
+	}
+	// A real mount point, found by its device.
+	mountInfo = filepath.Join(t.TempDir(), "none")
+	if a, err := os.Stat("/proc"); err == nil {
+		if b, err := os.Stat("/"); err == nil && a.Sys().(*syscall.Stat_t).Dev != b.Sys().(*syscall.Stat_t).Dev {
+			if err := CheckOut("/proc", true); !errors.Is(err, ErrNotReplaceable) {
+				t.Errorf("CheckOut(/proc, force): %v, want ErrNotReplaceable", err)
+			}
+		}
+	}
+}
+
+// TestCheckOutUnwritable: CheckOut refuses, as WriteDir does, an output
+// nothing can be written beside, naming it and the directory at fault;
+// it makes nothing.
+func TestCheckOutUnwritable(t *testing.T) {
+	ro := testdirs.Unwritable(t)
+	file := filepath.Join(t.TempDir(), "file")
+	os.WriteFile(file, nil, 0o644)
+	for _, c := range []struct{ dir, want string }{
+		{filepath.Join(ro, "out"), "model: cannot write " + filepath.Join(ro, "out") + ": cannot create files in " + ro + " ("},
+		{filepath.Join(ro, "a", "b", "out"), "cannot create files in " + ro + " ("},
+		{filepath.Join(file, "out"), "model: cannot write " + filepath.Join(file, "out") + ": " + file + " is a file, not a directory"},
+		{filepath.Join(file, "a", "out"), ": " + file + " is a file, not a directory"},
+		{file, "model: " + file + " exists and is not a directory"},
+	} {
+		if err := CheckOut(c.dir, false); err == nil || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), ".probe-") {
+			t.Errorf("%s: %v, want %q", c.dir, err, c.want)
 		}
 	}
 }

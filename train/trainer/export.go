@@ -83,6 +83,12 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 	if err := CheckExportFormat(o.Format); err != nil {
 		return nil, err
 	}
+	// --out is checked before the model is loaded and written: a mount
+	// point (which cannot be replaced) failed only after the whole model
+	// was written beside it.
+	if err := model.CheckOut(out, o.Force); err != nil {
+		return nil, fmt.Errorf("--out: %w", err)
+	}
 	dt := map[string]string{"bf16": "BF16", "f32": "F32"}
 	if ck, ok := shardedSource(src); ok && o.Format != "peft" {
 		return exportSharded(src, ck, out, o)

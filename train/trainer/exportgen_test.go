@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"distill/data/tokenizer"
+	"distill/internal/testdirs"
 )
 
 // TestExportGenerationConfig: the export of a random-init student (no
@@ -89,5 +90,19 @@ func TestExportNoCheckpoint(t *testing.T) {
 		if _, err := os.Stat(out); err == nil {
 			t.Errorf("export %s wrote %s", tc.src, out)
 		}
+	}
+}
+
+// TestExportChecksOutFirst: an --out that cannot be written is refused
+// naming --out before the checkpoint is even read (here it does not
+// exist): a mount point, or a directory nothing can be written beside,
+// failed only after the model was loaded, and a mount point only after
+// it was written beside it (model.CheckOut: TestWriteDirMountPoint).
+func TestExportChecksOutFirst(t *testing.T) {
+	ro := testdirs.Unwritable(t)
+	out := filepath.Join(ro, "out")
+	_, err := Export(filepath.Join(t.TempDir(), "nope"), out, ExportOptions{})
+	if want := "--out: model: cannot write " + out + ": cannot create files in " + ro + " ("; err == nil || !strings.HasPrefix(err.Error(), want) {
+		t.Errorf("export to %s: %v, want %q", out, err, want)
 	}
 }
