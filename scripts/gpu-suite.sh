@@ -11,8 +11,10 @@
 # --device chooser, compute/device (device.test), and of the student's
 # trainer, train/trainer (trainer.test: training on the GPU end to end),
 # of train (train.test) and of the decoder, model/decoder (decoder.test),
-# stripped, with the shared libraries they need beyond glibc (OpenBLAS and
-# its Fortran runtime, for the CPU oracle), and packs them into
+# and the student command (student, for the cli step, with a tiny teacher
+# cache for it, cli-cache, written by scripts/gpu/clifixture), stripped,
+# with the shared libraries they need beyond glibc (OpenBLAS and its
+# Fortran runtime, for the CPU oracle), and packs them into
 # .gpu/bundle.tar.gz (git-ignored; the device tool carries at most 64 MiB,
 # which the unpacked files exceed). `run` unpacks it on the GPU machine.
 # Then, through the device tool:
@@ -181,6 +183,20 @@
 #                   HF transformers, sdpa, bf16 autocast, fused AdamW,
 #                   DistillKit's sparse top-k KL on full logits) at the
 #                   largest batch that fits, with its peak memory
+#   cli             the student command itself on the GPU, where the steps
+#                   above run test binaries (scripts/gpu/student_cli.sh): a
+#                   tiny random-init student with NVFP4 QAD, train.device
+#                   cuda, on the bundle's cli-cache: student train
+#                   --nproc-per-node 1 --max-steps 3; an endless run sent
+#                   SIGTERM after step 2 (stopped by SIGTERM, a checkpoint,
+#                   exit 0); the printed resume command plus --max-steps;
+#                   student export --format bf16 and nvfp4; student eval:
+#                   each checked for its exit status and its files ("ok:"
+#                   or "FAIL:" lines in cli.log); about 20 s expected,
+#                   most of it the kernels' first compile. (One GPU:
+#                   --nproc-per-node 1 runs no launcher and no rank setup;
+#                   a data-parallel job needs a GPU a rank, see the nccl
+#                   step.)
 #
 # A device command may run 10 minutes: the suite keeps to SUITE_BUDGET
 # seconds (default 560) in all, giving each step what is left up to its own
@@ -205,8 +221,11 @@ build() {
   go test -c -ldflags='-s -w' -o "$stage/trainer.test" ./train/trainer
   go test -c -ldflags='-s -w' -o "$stage/train.test" ./train
   go test -c -ldflags='-s -w' -o "$stage/decoder.test" ./model/decoder
+  # The cli step's student command and the tiny cache it trains on.
+  go build -ldflags='-s -w' -o "$stage/student" ./cmd/student
+  go run ./scripts/gpu/clifixture cache "$stage/cli-cache"
   # Libraries beyond glibc and libgcc that the binaries link (OpenBLAS ...).
-  ldd "$stage"/*.test | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
+  ldd "$stage"/*.test "$stage/student" | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
     case "$(basename "$lib")" in
       libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|libgcc_s.so*|ld-linux*) ;;
       *) cp -L "$lib" "$stage/lib/" ;;
@@ -419,6 +438,34 @@ s_train-peer() {
   step train-peer 100 $PY "$root/scripts/gpu/hf_train_bench.py" "${shapes[@]}"
 }
 
+# cli: the student command itself on the GPU (scripts/gpu/student_cli.sh),
+# in a fresh directory with its own copy of the bundle's cli-cache. With
+# DISTILL_GPU_SUITE_EMU=1 the command's CUDA libraries are the emulator's
+# (as cudaemu.Use points a test's at it; clifixture builds it from this
+# source tree, which needs go and g++).
+s_cli() {
+  if [ ! -x "$BIN/student" ] || [ ! -d "$BIN/cli-cache" ]; then
+    echo "no $BIN/student or $BIN/cli-cache: $BIN was unpacked from a bundle without them; remove $BIN (or set DISTILL_GPU_BIN to a new directory) and run again" >"$OUT/cli.log"
+    status cli 1
+    last_rc=1
+    return 0
+  fi
+  if [ "${DISTILL_GPU_SUITE_EMU:-}" = 1 ]; then
+    local lib
+    if ! lib=$(cd "$root" && go run ./scripts/gpu/clifixture emu-lib 2>"$OUT/cli.log"); then
+      status cli 1
+      last_rc=1
+      return 0
+    fi
+    local -x DISTILL_LIBCUDA=$lib DISTILL_LIBNVRTC=$lib DISTILL_LIBCUBLASLT=$lib DISTILL_LIBCUDNN=$lib DISTILL_LIBNCCL=$lib
+  fi
+  local work
+  work=$(mktemp -d "${TMPDIR:-/tmp}/distill-cli.XXXXXX") || { status cli 1; last_rc=1; return 0; }
+  cp -r "$BIN/cli-cache" "$work/cache"
+  STEP_DIR=cmd/student step cli 90 bash "$root/scripts/gpu/student_cli.sh" "$BIN/student" "$work/cache" "$work"
+  rm -rf "$work"
+}
+
 s_memcheck() {
   if ! command -v compute-sanitizer >/dev/null; then echo "no compute-sanitizer" >"$OUT/memcheck.log"; status memcheck skipped; return; fi
   hf_env step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 50 \
@@ -549,6 +596,8 @@ summary() {
     grep -hE '^BenchmarkLossHeadCoef' "$OUT/loss-coef.log" 2>/dev/null
     cat "$OUT/train-bench.jsonl" 2>/dev/null
     grep '^{' "$OUT/train-peer.log" 2>/dev/null
+    echo "-- the student command on the GPU (train, SIGTERM and resume, export, eval)"
+    grep -hE '^(ok|FAIL): |^no ' "$OUT/cli.log" 2>/dev/null
     echo "-- top kernels"
     cat "$OUT"/profile-*.txt 2>/dev/null | head -120
   } >"$OUT/summary.txt" 2>&1
@@ -569,8 +618,8 @@ case "${1:-}" in
     steps=()
     for s in "$@"; do
       case "$s" in
-        all) steps+=(env test device goldens attn memcheck bench peer racecheck nccl fp8 moe pipe train-test train-memcheck train-curve train-qad train-resume train-bench loss-coef train-zero train-peer) ;;
-        train) steps+=(env train-test train-curve train-qad train-resume train-memcheck train-bench loss-coef train-peer) ;;
+        all) steps+=(env test device goldens attn memcheck bench peer racecheck nccl fp8 moe pipe train-test train-memcheck train-curve train-qad train-resume train-bench loss-coef train-zero train-peer cli) ;;
+        train) steps+=(env train-test train-curve train-qad train-resume cli train-memcheck train-bench loss-coef train-peer) ;;
         attn-issue)
           steps+=(env test attn goldens train-test train-resume train-bench train-peer)
           [ -z "${SUITE_BUDGET:-}" ] && deadline=$((start + 360))
@@ -582,7 +631,7 @@ case "${1:-}" in
     [ ${#steps[@]} -eq 0 ] && steps=(env test device goldens attn memcheck bench peer racecheck)
     for s in "${steps[@]}"; do
       case "$s" in
-        env|test|device|memcheck|racecheck|nccl|pipe|goldens|attn|bench|fp8|moe|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|loss-coef|train-zero|train-peer) "s_$s" ;;
+        env|test|device|memcheck|racecheck|nccl|pipe|goldens|attn|bench|fp8|moe|peer|train-test|train-memcheck|train-curve|train-qad|train-resume|train-bench|loss-coef|train-zero|train-peer|cli) "s_$s" ;;
         *) echo "unknown step $s"; exit 2 ;;
       esac
     done

@@ -10,7 +10,9 @@
 #   run(command="bash scripts/gpu/attn-call.sh [STEP...]", carry=[".gpu"], timeout_s=480)
 #
 # STEP... defaults to: env test attn goldens train-test train-resume train-bench
-# (training shapes: DISTILL_BENCH_SHAPES, default qwen3-0.6b). Then, when
+# (training shapes: DISTILL_BENCH_SHAPES, default qwen3-0.6b); any of the
+# suite's steps may be named, e.g. cli (the student command itself on the
+# GPU: train, SIGTERM and resume, export, eval). Then, when
 # set: FORWARD_BENCH=1 runs the suite's bench and peer steps (the teacher's
 # forward against HF transformers; FORWARD_SHAPES picks the shapes,
 # FORWARD_STEPS=bench leaves out the peer),
