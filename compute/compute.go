@@ -245,7 +245,8 @@ type Backend interface {
 	RMSNormRoPE(out, rstd, x, w, cos, sin Tensor, tokens, heads, headDim int, eps float32)
 	// Attention: packed variable-length causal attention with GQA.
 	// q (tokens, nHead, hd), k and v (tokens, nKV, hd), all (act); the samples are the
-	// token ranges [starts[i], starts[i+1]) of starts (nSeq+1) I32; a token
+	// token ranges [starts[i], starts[i+1]) of starts (nSeq+1) I32, which
+	// cover the tokens (starts[0] = 0, starts[nSeq] = tokens); a token
 	// attends to itself and earlier tokens of its own sample only; query
 	// head h reads kv head h/(nHead/nKV). out (tokens, nHead, hd) (act). maxLen
 	// is the longest sample. lse (tokens, nHead) receives the log-sum-exp

@@ -44,6 +44,13 @@ type Options struct {
 	// no longer repeats the uninterrupted one bit for bit.
 	// $DISTILL_CUDNN_NONDETERMINISTIC=1 sets it too.
 	AttnNondeterministic bool
+	// AttnRaggedOnly sends every cuDNN attention call through the ragged
+	// graph (per-sample offsets, lengths and the padding mask), also a
+	// call whose samples all have the same length, which otherwise gets
+	// the plain strided graph (cudnn_sdpa.c: fixed): an experiment's
+	// switch, for the GPU suite's side-by-side timing of the two.
+	// $DISTILL_CUDNN_RAGGED=1 sets it too.
+	AttnRaggedOnly bool
 	// Logf, if set, receives one line per notable event (kernels compiled
 	// or read from the cache, the device found).
 	Logf func(format string, args ...any)
@@ -124,6 +131,7 @@ type Backend struct {
 	logf       func(string, ...any)
 
 	attnNondet bool          // Options.AttnNondeterministic
+	attnRagged bool          // Options.AttnRaggedOnly
 	attnBwd    attnMode      // Options.AttentionBackward
 	act        compute.DType // Options.Activations
 	f32Grads   bool          // Options.F32Grads
@@ -319,6 +327,7 @@ func (b *Backend) setOptions(opt Options) error {
 		return fmt.Errorf("cuda: attention backward %q: want mma, or none to follow the attention's", b.attnBwd)
 	}
 	b.attnNondet = opt.AttnNondeterministic || os.Getenv("DISTILL_CUDNN_NONDETERMINISTIC") == "1"
+	b.attnRagged = opt.AttnRaggedOnly || os.Getenv("DISTILL_CUDNN_RAGGED") == "1"
 	b.f32Grads = opt.F32Grads || os.Getenv("DISTILL_CUDA_F32_GRADS") == "1"
 	b.moeKernels = opt.MoEGEMM
 	if b.moeKernels == "" {

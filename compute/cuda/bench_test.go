@@ -115,7 +115,8 @@ var (
 	attnBenchImpls  = []struct {
 		name, attention string // sub-benchmark name, Options.Attention
 		nondet          bool   // cuDNN's non-deterministic backward
-	}{{"cudnn", "cudnn", false}, {"cudnn-nondet", "cudnn", true}, {"mma", "mma", false}}
+		ragged          bool   // Options.AttnRaggedOnly: the ragged graph for these fixed-length batches too
+	}{{"cudnn", "cudnn", false, false}, {"cudnn-ragged", "cudnn", false, true}, {"cudnn-nondet", "cudnn", true, false}, {"mma", "mma", false, false}}
 )
 
 const attnBenchHeads, attnBenchKV, attnBenchHD = 32, 8, 128
@@ -193,11 +194,14 @@ func cudnnCalls(be *Backend) [2]int {
 // "mma"), with cuDNN's non-deterministic backward if nondet, or says why
 // it cannot: cuDNN not loadable (Open's error), or a backend that runs
 // something else than asked.
-func openAttnBench(b *testing.B, attention string, nondet bool, log *benchLog) (*Backend, string, error) {
+func openAttnBench(b *testing.B, attention string, nondet, ragged bool, log *benchLog) (*Backend, string, error) {
 	// $DISTILL_CUDNN_NONDETERMINISTIC would turn the deterministic case's
-	// backward non-deterministic too: unset around Open, which reads it.
+	// backward non-deterministic too, and $DISTILL_CUDNN_RAGGED every case
+	// ragged: unset around Open, which reads them.
 	restore := withEnv("DISTILL_CUDNN_NONDETERMINISTIC", "")
-	be, err := Open(Options{KernelCache: kernelCacheForTests(b), Attention: attention, AttnNondeterministic: nondet, Logf: log.logf})
+	restoreRagged := withEnv("DISTILL_CUDNN_RAGGED", "")
+	be, err := Open(Options{KernelCache: kernelCacheForTests(b), Attention: attention, AttnNondeterministic: nondet, AttnRaggedOnly: ragged, Logf: log.logf})
+	restoreRagged()
 	restore()
 	if err != nil {
 		return nil, "", err
@@ -273,9 +277,9 @@ func BenchmarkAttention(b *testing.B) {
 	}
 	for _, im := range attnBenchImpls {
 		log := &benchLog{}
-		be, implName, openErr := openAttnBench(b, im.attention, im.nondet, log)
+		be, implName, openErr := openAttnBench(b, im.attention, im.nondet, im.ragged, log)
 		if openErr == nil {
-			b.Logf("%s: Options{Attention: %q, AttnNondeterministic: %v}: attention runs %q", im.name, im.attention, im.nondet, implName)
+			b.Logf("%s: Options{Attention: %q, AttnNondeterministic: %v, AttnRaggedOnly: %v}: attention runs %q", im.name, im.attention, im.nondet, im.ragged, implName)
 		}
 		for _, sh := range shapes {
 			for _, dir := range []string{"fwd", "fwd+bwd"} {

@@ -62,7 +62,10 @@ type cudnnLib struct {
 // sdpaKey is what a plan is built for (distill_sdpa_key).
 type sdpaKey struct {
 	bwd, det, dense bool // backward; its deterministic graph; dense workspace tensors
-	b, h, hkv, s, d int  // samples (bucket), query heads, kv heads, longest sample (bucket), head_dim
+	// fixed: every sample has s tokens, b and s exact (not buckets); the
+	// graph without ragged offsets, lengths or padding mask.
+	fixed           bool
+	b, h, hkv, s, d int // samples (bucket), query heads, kv heads, longest sample (bucket), head_dim
 }
 
 func (k sdpaKey) c() C.distill_sdpa_key {
@@ -75,6 +78,9 @@ func (k sdpaKey) c() C.distill_sdpa_key {
 	}
 	if k.dense {
 		c.dense_ws = 1
+	}
+	if k.fixed {
+		c.fixed = 1
 	}
 	c.b, c.h, c.hkv, c.s, c.d = C.int64_t(k.b), C.int64_t(k.h), C.int64_t(k.hkv), C.int64_t(k.s), C.int64_t(k.d)
 	return c
@@ -181,7 +187,8 @@ func (d *cudnnLib) close() {
 }
 
 // AttentionImpl names what runs attention: "cudnn 9.19.0 (deterministic
-// backward)", or the own kernels ("mma", "simt", "auto").
+// backward)" (", ragged graph only" under Options.AttnRaggedOnly), or the
+// own kernels ("mma", "simt", "auto").
 func (b *Backend) AttentionImpl() string {
 	if b.dnn == nil {
 		return "own kernels (" + string(b.ownAttn()) + ")"
@@ -189,6 +196,9 @@ func (b *Backend) AttentionImpl() string {
 	det := "deterministic backward"
 	if b.attnNondet {
 		det = "non-deterministic backward"
+	}
+	if b.attnRagged {
+		det += ", ragged graph only"
 	}
 	return fmt.Sprintf("cudnn %s (%s)", cudnnVersionString(b.dnn.version), det)
 }
@@ -222,9 +232,47 @@ func (b *Backend) useCudnn(tokens, nSeq, maxLen, nHead, nKV, hd int) bool {
 		int64(tokens)*int64(nHead)*int64(hd) < math.MaxInt32
 }
 
-// sdpaKeyOf builds the plan key of a call.
+// sdpaKeyOf builds the plan key of a call through the ragged graph.
 func sdpaKeyOf(bwd, det, dense bool, nSeq, maxLen, nHead, nKV, hd int) sdpaKey {
 	return sdpaKey{bwd: bwd, det: det && bwd, dense: dense && bwd, b: pow2(nSeq), h: nHead, hkv: nKV, s: pow2(maxLen), d: hd}
+}
+
+// fixedKeyOf builds the plan key of a call whose nSeq samples all have
+// maxLen tokens (fixedLengths), through the graph without ragged offsets,
+// lengths or padding mask: the bucket's shape, which is the call's.
+func fixedKeyOf(bwd, det bool, nSeq, maxLen, nHead, nKV, hd int) sdpaKey {
+	return sdpaKey{bwd: bwd, det: det && bwd, fixed: true, b: nSeq, h: nHead, hkv: nKV, s: maxLen, d: hd}
+}
+
+// fixedLengths reports whether a call goes through the fixed graph first
+// (unless Options.AttnRaggedOnly): its samples all have maxLen tokens
+// (tokens = nSeq·maxLen, the samples covering the tokens from the first,
+// the contract's starts[0] = 0 and starts[nSeq] = tokens, none longer
+// than maxLen), and nSeq and maxLen are powers of two, so that the call
+// fills its bucket exactly. Buckets keep the plans few: a plan of each
+// exact shape would be one per length of a sample alone in its attention
+// group (a long chat sample), each built on the GPU in the step that meets
+// it. Training rows of 8192- or 4096-token windows, and the benchmarks'
+// batches, fill their buckets.
+func (b *Backend) fixedLengths(tokens, nSeq, maxLen int) bool {
+	return !b.attnRagged && nSeq > 0 && tokens == nSeq*maxLen && nSeq == pow2(nSeq) && maxLen == pow2(maxLen)
+}
+
+// callPlan is the plan of a call: the fixed graph's where the samples
+// all have one length (fixed, fixedLengths) and cuDNN takes it, else the
+// ragged graph's (with dense workspace tensors where this cuDNN refuses
+// ragged ones, for the backward); nil when cuDNN refuses the shape.
+func (b *Backend) callPlan(bwd, fixed bool, nSeq, maxLen, nHead, nKV, hd int) *sdpaPlan {
+	det := bwd && !b.attnNondet
+	if fixed {
+		if p := b.sdpaPlan(fixedKeyOf(bwd, det, nSeq, maxLen, nHead, nKV, hd)); p != nil {
+			return p
+		}
+	}
+	if p := b.sdpaPlan(sdpaKeyOf(bwd, det, false, nSeq, maxLen, nHead, nKV, hd)); p != nil || !bwd {
+		return p
+	}
+	return b.sdpaPlan(sdpaKeyOf(bwd, det, true, nSeq, maxLen, nHead, nKV, hd))
 }
 
 func (k sdpaKey) String() string {
@@ -237,6 +285,9 @@ func (k sdpaKey) String() string {
 		if k.dense {
 			dir += " (dense workspace)"
 		}
+	}
+	if k.fixed {
+		return fmt.Sprintf("%s, %d samples of %d tokens each (fixed lengths), %d/%d heads, head_dim %d", dir, k.b, k.s, k.h, k.hkv, k.d)
 	}
 	return fmt.Sprintf("%s, %d samples of up to %d tokens, %d/%d heads, head_dim %d", dir, k.b, k.s, k.h, k.hkv, k.d)
 }
@@ -263,8 +314,13 @@ func (b *Backend) sdpaPlan(key sdpaKey) *sdpaPlan {
 		C.distill_sdpa_destroy(d.api, p.p)
 		C.free(unsafe.Pointer(p.p))
 		d.refused[key] = why
-		b.logf("cuda: cuDNN %s refused the attention %s: %s; this shape runs on the own kernels, %s on Hopper",
-			cudnnVersionString(d.version), key, why, cudnnSlowdown)
+		if key.fixed {
+			b.logf("cuda: cuDNN %s refused the attention %s: %s; this shape runs through the ragged graph",
+				cudnnVersionString(d.version), key, why)
+		} else {
+			b.logf("cuda: cuDNN %s refused the attention %s: %s; this shape runs on the own kernels, %s on Hopper",
+				cudnnVersionString(d.version), key, why, cudnnSlowdown)
+		}
 		return nil
 	}
 	d.plans[key] = p
@@ -292,27 +348,28 @@ func (b *Backend) AttentionWorkspaceBytes(nSeq, maxLen, heads, kvHeads, headDim 
 	if !b.useCudnn(nSeq*maxLen, nSeq, maxLen, heads, kvHeads, headDim) {
 		return 0
 	}
+	// The calls of nSeq samples of maxLen tokens each take the fixed
+	// graph, those of shorter samples the ragged one: the larger of the two.
+	graphs := []bool{false}
+	if b.fixedLengths(nSeq*maxLen, nSeq, maxLen) {
+		graphs = append(graphs, true)
+	}
 	var ws int64
-	if p := b.sdpaPlan(sdpaKeyOf(false, false, false, nSeq, maxLen, heads, kvHeads, headDim)); p != nil {
-		ws = int64(p.p.workspace)
-	}
-	det := !b.attnNondet
-	key := sdpaKeyOf(true, det, false, nSeq, maxLen, heads, kvHeads, headDim)
-	p := b.sdpaPlan(key)
-	if p == nil {
-		key = sdpaKeyOf(true, det, true, nSeq, maxLen, heads, kvHeads, headDim)
-		p = b.sdpaPlan(key)
-	}
-	if p != nil {
-		bw := int64(p.p.workspace)
-		if !key.det { // the dq accumulator, rows x head_dim fp32
-			rows := int64(nSeq) * int64(maxLen) * int64(heads)
-			if key.dense {
-				rows = int64(key.b) * int64(heads) * int64(key.s)
-			}
-			bw += rows * int64(headDim) * 4
+	for _, fixed := range graphs {
+		if p := b.callPlan(false, fixed, nSeq, maxLen, heads, kvHeads, headDim); p != nil {
+			ws = max(ws, int64(p.p.workspace))
 		}
-		ws = max(ws, bw)
+		if p := b.callPlan(true, fixed, nSeq, maxLen, heads, kvHeads, headDim); p != nil {
+			bw := int64(p.p.workspace)
+			if !p.key.det { // the dq accumulator, rows x head_dim fp32
+				rows := int64(nSeq) * int64(maxLen) * int64(heads)
+				if p.key.dense {
+					rows = int64(p.key.b) * int64(heads) * int64(p.key.s)
+				}
+				bw += rows * int64(headDim) * 4
+			}
+			ws = max(ws, bw)
+		}
 	}
 	return ws
 }
@@ -345,6 +402,18 @@ func (b *Backend) sdpaMeta(st *tensor, nSeq int, key sdpaKey) (buf uint64, offQ,
 	return buf, buf, buf + stride, buf + 2*stride, buf + 3*stride
 }
 
+// sdpaRagged adds to vp the ragged graph's per-sample tensors
+// (sdpaMeta), and returns their allocation; a fixed graph has none (0).
+func (b *Backend) sdpaRagged(vp map[int]uint64, st *tensor, nSeq int, key sdpaKey) (meta uint64) {
+	if key.fixed {
+		return 0
+	}
+	meta, offQ, offK, offS, lens := b.sdpaMeta(st, nSeq, key)
+	vp[C.DISTILL_SDPA_UID_SEQ_Q], vp[C.DISTILL_SDPA_UID_SEQ_KV] = lens, lens
+	vp[C.DISTILL_SDPA_UID_OFF_Q], vp[C.DISTILL_SDPA_UID_OFF_KV], vp[C.DISTILL_SDPA_UID_OFF_STATS] = offQ, offK, offS
+	return meta
+}
+
 // sdpaExec runs plan p with the (uid, pointer) pairs of vp; scale is the
 // by-value scale. Failures at execution are not a refusal: the graph
 // planned, so a failure is a fault, and panics like a failed kernel.
@@ -353,7 +422,9 @@ func (b *Backend) sdpaExec(p *sdpaPlan, vp map[int]uint64, scale float32, what s
 	sc := unsafe.Slice((*float32)(d.scalars), 4)
 	sc[0] = scale
 	vp[C.DISTILL_SDPA_UID_SCALE] = uint64(uintptr(d.scalars))
-	vp[C.DISTILL_SDPA_UID_NEG_INF_PAD] = uint64(uintptr(d.scalars) + 4)
+	if !p.key.fixed {
+		vp[C.DISTILL_SDPA_UID_NEG_INF_PAD] = uint64(uintptr(d.scalars) + 4)
+	}
 	vp[C.DISTILL_SDPA_UID_NEG_INF_CAUSAL] = uint64(uintptr(d.scalars) + 8)
 	if p.key.bwd {
 		vp[C.DISTILL_SDPA_UID_ONE] = uint64(uintptr(d.scalars) + 12)
@@ -405,12 +476,10 @@ func (b *Backend) bf16Copy(p uint64, n int) uint64 {
 // shape (the caller runs the own kernels).
 func (b *Backend) cudnnAttention(a attnArgs, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) bool {
 	out, lse, q, k, v, st := a.out, a.lse, a.q, a.k, a.v, a.st
-	key := sdpaKeyOf(false, false, false, nSeq, maxLen, nHead, nKV, hd)
-	p := b.sdpaPlan(key)
+	p := b.callPlan(false, b.fixedLengths(tokens, nSeq, maxLen), nSeq, maxLen, nHead, nKV, hd)
 	if p == nil {
 		return false
 	}
-	meta, offQ, offK, offS, lens := b.sdpaMeta(st, nSeq, key)
 	nq, nk := tokens*nHead*hd, tokens*nKV*hd
 	qb, qs := b.bf16In(q, nq)
 	kb, ks := b.bf16In(k, nk)
@@ -428,11 +497,12 @@ func (b *Backend) cudnnAttention(a attnArgs, nSeq, maxLen, tokens, nHead, nKV, h
 		statsScratch = b.alloc(statsBytes)
 		stats = statsScratch
 	}
-	b.sdpaExec(p, map[int]uint64{
+	vp := map[int]uint64{
 		C.DISTILL_SDPA_UID_Q: qb, C.DISTILL_SDPA_UID_K: kb, C.DISTILL_SDPA_UID_V: vb, C.DISTILL_SDPA_UID_O: ob,
-		C.DISTILL_SDPA_UID_STATS: stats, C.DISTILL_SDPA_UID_SEQ_Q: lens, C.DISTILL_SDPA_UID_SEQ_KV: lens,
-		C.DISTILL_SDPA_UID_OFF_Q: offQ, C.DISTILL_SDPA_UID_OFF_KV: offK, C.DISTILL_SDPA_UID_OFF_STATS: offS,
-	}, scale, "cudnn attention forward")
+		C.DISTILL_SDPA_UID_STATS: stats,
+	}
+	meta := b.sdpaRagged(vp, st, nSeq, p.key)
+	b.sdpaExec(p, vp, scale, "cudnn attention forward")
 	switch {
 	case obs != 0 && out.dt == compute.F32:
 		b.convert("k_bf16_to_f32", out.p, ob, int64(nq))
@@ -460,15 +530,11 @@ func (b *Backend) cudnnAttention(a attnArgs, nSeq, maxLen, tokens, nHead, nKV, h
 // where this cuDNN refuses ragged ones.
 func (b *Backend) cudnnAttentionBackward(a attnBwdArgs, nSeq, maxLen, tokens, nHead, nKV, hd int, scale float32) bool {
 	dq, dk, dv, dout, q, k, v, out, lse, st := a.dq, a.dk, a.dv, a.dout, a.q, a.k, a.v, a.out, a.lse, a.st
-	det := !b.attnNondet
-	key := sdpaKeyOf(true, det, false, nSeq, maxLen, nHead, nKV, hd)
-	p := b.sdpaPlan(key)
+	p := b.callPlan(true, b.fixedLengths(tokens, nSeq, maxLen), nSeq, maxLen, nHead, nKV, hd)
 	if p == nil {
-		key = sdpaKeyOf(true, det, true, nSeq, maxLen, nHead, nKV, hd)
-		if p = b.sdpaPlan(key); p == nil {
-			return false
-		}
+		return false
 	}
+	key := p.key
 	nq, nk := tokens*nHead*hd, tokens*nKV*hd
 	zq, zk := b.takeZero(dq.p, int64(nq)*4), b.takeZero(dk.p, int64(nk)*4)
 	zv := dv.dt == compute.BF16 && aligned16(dv.p) && b.takeZero(dv.p, int64(nk)*2)
@@ -476,7 +542,6 @@ func (b *Backend) cudnnAttentionBackward(a attnBwdArgs, nSeq, maxLen, tokens, nH
 		zv = b.takeZero(dv.p, int64(nk)*4)
 	}
 	b.flushZerosOver(a.operands()...)
-	meta, offQ, offK, offS, lens := b.sdpaMeta(st, nSeq, key)
 	qb, qs := b.bf16In(q, nq)
 	kb, ks := b.bf16In(k, nk)
 	vb, vs := b.bf16In(v, nk)
@@ -502,9 +567,8 @@ func (b *Backend) cudnnAttentionBackward(a attnBwdArgs, nSeq, maxLen, tokens, nH
 		C.DISTILL_SDPA_UID_Q: qb, C.DISTILL_SDPA_UID_K: kb, C.DISTILL_SDPA_UID_V: vb, C.DISTILL_SDPA_UID_O: ob,
 		C.DISTILL_SDPA_UID_DO: dob, C.DISTILL_SDPA_UID_DQ: dqb, C.DISTILL_SDPA_UID_DK: dkb, C.DISTILL_SDPA_UID_DV: dvb,
 		C.DISTILL_SDPA_UID_STATS: stats, C.DISTILL_SDPA_UID_SOFTMAX_SUM: ssum,
-		C.DISTILL_SDPA_UID_SEQ_Q: lens, C.DISTILL_SDPA_UID_SEQ_KV: lens,
-		C.DISTILL_SDPA_UID_OFF_Q: offQ, C.DISTILL_SDPA_UID_OFF_KV: offK, C.DISTILL_SDPA_UID_OFF_STATS: offS,
 	}
+	meta := b.sdpaRagged(vp, st, nSeq, key)
 	var acc uint64
 	if !key.det {
 		acc = b.alloc(rows * int64(hd) * 4)

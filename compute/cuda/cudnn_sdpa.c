@@ -13,6 +13,12 @@
 // memory. Shapes in the comments: B samples (a bucket: the unused ones have
 // length 0), H query heads, HK kv heads, S the longest sample (a bucket), D
 // head_dim, T the packed tokens.
+//
+// A call whose B samples all have S tokens (k->fixed: B and S exact, T =
+// B·S) gets the graph PyTorch's SDPA builds for a batch without padding:
+// the same tensors as plain strided BSHD ones (sample b at row b·S), with
+// no ragged offsets, no per-sample lengths and no padding mask, which
+// leaves cuDNN free to pick its engines for regular tensors.
 #include <stdio.h>
 #include <string.h>
 
@@ -210,12 +216,10 @@ static void reshape(builder *b, const char *what, cudnnBackendDescriptor_t x, cu
 	op(b, o, ops, nops);
 }
 
-// masked applies the padding mask (row < seq_q[b] and col < seq_kv[b]) to
-// s, then, after the optional subtraction of stats (the backward's), the
-// causal mask (row >= col); masked scores become -inf.
-static cudnnBackendDescriptor_t masked(builder *b, cudnnBackendDescriptor_t s, cudnnBackendDescriptor_t seqQ, cudnnBackendDescriptor_t seqKV,
-                                       cudnnBackendDescriptor_t stats, int64_t B, int64_t H, int64_t S, cudnnBackendDescriptor_t *ops,
-                                       int *nops) {
+// padded applies the padding mask (row < seq_q[b] and col < seq_kv[b]) to
+// s: masked scores become -inf.
+static cudnnBackendDescriptor_t padded(builder *b, cudnnBackendDescriptor_t s, cudnnBackendDescriptor_t seqQ, cudnnBackendDescriptor_t seqKV,
+                                       int64_t B, int64_t H, int64_t S, cudnnBackendDescriptor_t *ops, int *nops) {
 	const int F = DK_CUDNN_DATA_FLOAT, I = DK_CUDNN_DATA_INT32, L = DK_CUDNN_DATA_BOOLEAN;
 	cudnnBackendDescriptor_t col = virt4(b, "padding col", I, B, H, S, S), colOK = virt4(b, "padding col ok", L, B, H, S, S);
 	cudnnBackendDescriptor_t row = virt4(b, "padding row", I, B, H, S, S), rowOK = virt4(b, "padding row ok", L, B, H, S, S);
@@ -227,6 +231,18 @@ static cudnnBackendDescriptor_t masked(builder *b, cudnnBackendDescriptor_t s, c
 	pw(b, "padding ok", DK_CUDNN_POINTWISE_LOGICAL_AND, L, rowOK, colOK, NULL, ok, -1, ops, nops);
 	pw(b, "padding select", DK_CUDNN_POINTWISE_BINARY_SELECT, F, s, scalar(b, "-inf (padding)", DISTILL_SDPA_UID_NEG_INF_PAD), ok, s1,
 	   -1, ops, nops);
+	return s1;
+}
+
+// masked applies the padding mask (the ragged graph's, seqQ set) to s,
+// then, after the optional subtraction of stats (the backward's), the
+// causal mask (row >= col); masked scores become -inf.
+static cudnnBackendDescriptor_t masked(builder *b, cudnnBackendDescriptor_t s, cudnnBackendDescriptor_t seqQ, cudnnBackendDescriptor_t seqKV,
+                                       cudnnBackendDescriptor_t stats, int64_t B, int64_t H, int64_t S, cudnnBackendDescriptor_t *ops,
+                                       int *nops) {
+	const int F = DK_CUDNN_DATA_FLOAT, I = DK_CUDNN_DATA_INT32, L = DK_CUDNN_DATA_BOOLEAN;
+	cudnnBackendDescriptor_t s1 = s;
+	if (seqQ) s1 = padded(b, s, seqQ, seqKV, B, H, S, ops, nops);
 	if (stats) {
 		cudnnBackendDescriptor_t s2 = virt4(b, "scores - stats", F, B, H, S, S);
 		pw(b, "scores - stats", DK_CUDNN_POINTWISE_SUB, F, s1, stats, NULL, s2, -1, ops, nops);
@@ -349,15 +365,22 @@ int distill_sdpa_build(const distill_cudnn_api *api, cudnnHandle_t handle, const
 	cudnnBackendDescriptor_t ops[DISTILL_SDPA_MAX_OPS];
 	int nops = 0;
 
-	// Per-sample lengths [B,1,1,1] and element offsets [B+1,1,1,1].
-	cudnnBackendDescriptor_t seqQ = tensor(b, "seq_len_q", I, B, 1, 1, 1, 1, 1, 1, 1, DISTILL_SDPA_UID_SEQ_Q, 0, 0, NULL);
-	cudnnBackendDescriptor_t seqKV = tensor(b, "seq_len_kv", I, B, 1, 1, 1, 1, 1, 1, 1, DISTILL_SDPA_UID_SEQ_KV, 0, 0, NULL);
-	cudnnBackendDescriptor_t offQ = tensor(b, "offsets q", I, B + 1, 1, 1, 1, 1, 1, 1, 1, DISTILL_SDPA_UID_OFF_Q, 0, 0, NULL);
-	cudnnBackendDescriptor_t offK = tensor(b, "offsets kv", I, B + 1, 1, 1, 1, 1, 1, 1, 1, DISTILL_SDPA_UID_OFF_KV, 0, 0, NULL);
-	cudnnBackendDescriptor_t offS = tensor(b, "offsets stats", I, B + 1, 1, 1, 1, 1, 1, 1, 1, DISTILL_SDPA_UID_OFF_STATS, 0, 0, NULL);
+	// Per-sample lengths [B,1,1,1] and element offsets [B+1,1,1,1]; none
+	// when every sample has S tokens (fixed): then the batch strides are
+	// the samples' (XQ, XK, XS: S rows of q, of k and v, of the stats).
+	cudnnBackendDescriptor_t seqQ = NULL, seqKV = NULL, offQ = NULL, offK = NULL, offS = NULL;
+	int64_t XQ = S * H * D, XK = S * HK * D;
+	if (!k->fixed) {
+		seqQ = tensor(b, "seq_len_q", I, B, 1, 1, 1, 1, 1, 1, 1, DISTILL_SDPA_UID_SEQ_Q, 0, 0, NULL);
+		seqKV = tensor(b, "seq_len_kv", I, B, 1, 1, 1, 1, 1, 1, 1, DISTILL_SDPA_UID_SEQ_KV, 0, 0, NULL);
+		offQ = tensor(b, "offsets q", I, B + 1, 1, 1, 1, 1, 1, 1, 1, DISTILL_SDPA_UID_OFF_Q, 0, 0, NULL);
+		offK = tensor(b, "offsets kv", I, B + 1, 1, 1, 1, 1, 1, 1, 1, DISTILL_SDPA_UID_OFF_KV, 0, 0, NULL);
+		offS = tensor(b, "offsets stats", I, B + 1, 1, 1, 1, 1, 1, 1, 1, DISTILL_SDPA_UID_OFF_STATS, 0, 0, NULL);
+		XQ = XK = X; // the offsets place each sample
+	}
 	// q (T,H,D) as [B,H,S,D]; k (T,HK,D) as kᵀ [B,HK,D,S]; v (T,HK,D) as [B,HK,S,D].
-	cudnnBackendDescriptor_t Q = tensor(b, "q", BF, B, H, S, D, X, D, H * D, 1, DISTILL_SDPA_UID_Q, 0, 0, offQ);
-	cudnnBackendDescriptor_t Kt = tensor(b, "kᵀ", BF, B, HK, D, S, X, D, 1, HK * D, DISTILL_SDPA_UID_K, 0, 0, offK);
+	cudnnBackendDescriptor_t Q = tensor(b, "q", BF, B, H, S, D, XQ, D, H * D, 1, DISTILL_SDPA_UID_Q, 0, 0, offQ);
+	cudnnBackendDescriptor_t Kt = tensor(b, "kᵀ", BF, B, HK, D, S, XK, D, 1, HK * D, DISTILL_SDPA_UID_K, 0, 0, offK);
 	// stats (T,H) as [B,H,S,1].
 	cudnnBackendDescriptor_t stats = tensor(b, "stats", F, B, H, S, 1, S * H, 1, H, 1, DISTILL_SDPA_UID_STATS, 0, 0, offS);
 	cudnnBackendDescriptor_t scale = scalar(b, "scale", DISTILL_SDPA_UID_SCALE);
@@ -368,8 +391,8 @@ int distill_sdpa_build(const distill_cudnn_api *api, cudnnHandle_t handle, const
 	pw(b, "scale", DK_CUDNN_POINTWISE_MUL, F, s0, scale, NULL, s, -1, ops, &nops);
 
 	if (!k->bwd) {
-		cudnnBackendDescriptor_t V = tensor(b, "v", BF, B, HK, S, D, X, D, HK * D, 1, DISTILL_SDPA_UID_V, 0, 0, offK);
-		cudnnBackendDescriptor_t O = tensor(b, "out", BF, B, H, S, D, X, D, H * D, 1, DISTILL_SDPA_UID_O, 0, 0, offQ);
+		cudnnBackendDescriptor_t V = tensor(b, "v", BF, B, HK, S, D, XK, D, HK * D, 1, DISTILL_SDPA_UID_V, 0, 0, offK);
+		cudnnBackendDescriptor_t O = tensor(b, "out", BF, B, H, S, D, XQ, D, H * D, 1, DISTILL_SDPA_UID_O, 0, 0, offQ);
 		cudnnBackendDescriptor_t m = masked(b, s, seqQ, seqKV, NULL, B, H, S, ops, &nops);
 		// Softmax with its statistics: stats = max + log Σ exp(s - max).
 		cudnnBackendDescriptor_t mx = virt4(b, "row max", F, B, H, S, 1), sh = virt4(b, "s - max", F, B, H, S, S);
@@ -389,12 +412,12 @@ int distill_sdpa_build(const distill_cudnn_api *api, cudnnHandle_t handle, const
 	}
 
 	// The backward. vᵀ [B,HK,D,S]; out, dout, dq [B,H,S,D]; dk, dv [B,HK,S,D].
-	cudnnBackendDescriptor_t Vt = tensor(b, "vᵀ", BF, B, HK, D, S, X, D, 1, HK * D, DISTILL_SDPA_UID_V, 0, 0, offK);
-	cudnnBackendDescriptor_t O = tensor(b, "out", BF, B, H, S, D, X, D, H * D, 1, DISTILL_SDPA_UID_O, 0, 0, offQ);
-	cudnnBackendDescriptor_t dO = tensor(b, "dout", BF, B, H, S, D, X, D, H * D, 1, DISTILL_SDPA_UID_DO, 0, 0, offQ);
-	cudnnBackendDescriptor_t dQ = tensor(b, "dq", BF, B, H, S, D, X, D, H * D, 1, DISTILL_SDPA_UID_DQ, 0, 0, offQ);
-	cudnnBackendDescriptor_t dK = tensor(b, "dk", BF, B, HK, S, D, X, D, HK * D, 1, DISTILL_SDPA_UID_DK, 0, 0, offK);
-	cudnnBackendDescriptor_t dV = tensor(b, "dv", BF, B, HK, S, D, X, D, HK * D, 1, DISTILL_SDPA_UID_DV, 0, 0, offK);
+	cudnnBackendDescriptor_t Vt = tensor(b, "vᵀ", BF, B, HK, D, S, XK, D, 1, HK * D, DISTILL_SDPA_UID_V, 0, 0, offK);
+	cudnnBackendDescriptor_t O = tensor(b, "out", BF, B, H, S, D, XQ, D, H * D, 1, DISTILL_SDPA_UID_O, 0, 0, offQ);
+	cudnnBackendDescriptor_t dO = tensor(b, "dout", BF, B, H, S, D, XQ, D, H * D, 1, DISTILL_SDPA_UID_DO, 0, 0, offQ);
+	cudnnBackendDescriptor_t dQ = tensor(b, "dq", BF, B, H, S, D, XQ, D, H * D, 1, DISTILL_SDPA_UID_DQ, 0, 0, offQ);
+	cudnnBackendDescriptor_t dK = tensor(b, "dk", BF, B, HK, S, D, XK, D, HK * D, 1, DISTILL_SDPA_UID_DK, 0, 0, offK);
+	cudnnBackendDescriptor_t dV = tensor(b, "dv", BF, B, HK, S, D, XK, D, HK * D, 1, DISTILL_SDPA_UID_DV, 0, 0, offK);
 
 	// Σ_d dout·out per row (the softmax backward's row term), kept in the
 	// workspace: ragged like the stats (T·H floats), so its size follows
@@ -433,14 +456,14 @@ int distill_sdpa_build(const distill_cudnn_api *api, cudnnHandle_t handle, const
 	// workspace (ragged like dq) with atomics, then convert; the
 	// deterministic graph writes dq directly.
 	// k [B,HK,S,D], viewed in fp32 as cuDNN's frontend does for ds·k.
-	cudnnBackendDescriptor_t Kn = tensor(b, "k", F, B, HK, S, D, X, D, HK * D, 1, 0, 1, 0, offK);
+	cudnnBackendDescriptor_t Kn = tensor(b, "k", F, B, HK, S, D, XK, D, HK * D, 1, 0, 1, 0, offK);
 	reshape(b, "k", Kt, Kn, ops, &nops);
 	if (k->det) {
 		mm(b, "ds·k", dS, Kn, dQ, seqQ, NULL, seqKV, ops, &nops);
 	} else {
 		cudnnBackendDescriptor_t acc =
 		    k->dense_ws ? tensor(b, "dq accumulator", F, B, H, S, D, H * S * D, S * D, D, 1, DISTILL_SDPA_UID_DQ_ACCUM, 0, 0, NULL)
-		                : tensor(b, "dq accumulator", F, B, H, S, D, X, D, H * D, 1, DISTILL_SDPA_UID_DQ_ACCUM, 0, 0, offQ);
+		                : tensor(b, "dq accumulator", F, B, H, S, D, XQ, D, H * D, 1, DISTILL_SDPA_UID_DQ_ACCUM, 0, 0, offQ);
 		mm(b, "ds·k", dS, Kn, acc, seqQ, NULL, seqKV, ops, &nops);
 		pw(b, "dq", DK_CUDNN_POINTWISE_IDENTITY, F, acc, NULL, NULL, dQ, -1, ops, &nops);
 	}

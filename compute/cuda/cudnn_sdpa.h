@@ -37,6 +37,7 @@ typedef struct {
 	int bwd;                    // 0: forward; 1: backward
 	int det;                    // backward: the deterministic graph (dq written directly)
 	int dense_ws;               // backward: the workspace tensors [B,H,S,·] instead of ragged over the tokens
+	int fixed;                  // every sample has S tokens: BSHD tensors, no ragged offsets, lengths or padding mask
 	int64_t b, h, hkv, s, d;    // samples (bucket), query heads, kv heads, longest sample (bucket), head_dim
 } distill_sdpa_key;
 

@@ -43,7 +43,20 @@
 // the softmax statistics are the contract's lse, (tokens, heads) fp32.
 // Plans are built once per bucket of (samples, longest sample), each
 // rounded up to a power of two (a bucket's unused samples are empty), and
-// kept for the process; each build is logged once with its time. Q, K, V,
+// kept for the process; each build is logged once with its time. A call
+// whose samples all have one length (tokens = samples · longest: one
+// sample, or equal windows, as the training benchmarks' rows and a
+// teacher's equal-length batches are) gets a plan of its exact shape
+// through the graph PyTorch's SDPA builds for an unpadded batch: the same
+// tensors as plain strided BSHD ones, with no ragged offsets, lengths or
+// padding mask ("fixed lengths" in the plan's log line), so that cuDNN
+// picks its engines for regular tensors; where cuDNN refuses that graph,
+// the call goes through the ragged one. Options.AttnRaggedOnly
+// ($DISTILL_CUDNN_RAGGED=1) sends every call through the ragged graph, for
+// the GPU suite's side-by-side timing (BenchmarkAttention's cudnn-ragged).
+// The H200 run of 2026-11-26 had cuDNN's forward at 0.83x PyTorch's cuDNN
+// SDPA on one row of 8192 tokens through the ragged graph; the fixed
+// graph is untimed. Q, K, V,
 // O and dO are read in place when they are BF16 16-byte aligned (the
 // decoder's are: dO is o_proj's BF16 dx), else rounded or moved once per
 // call; the BF16 output is written in place or widened, and the gradients

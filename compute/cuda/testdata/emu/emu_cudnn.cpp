@@ -39,7 +39,8 @@
 // poisoned after each execution), with the numerical note NONDETERMINISTIC
 // where an IDENTITY reads a device fp32 tensor that a MATMUL writes (dQ
 // accumulated outside the fused kernel, with atomics on a GPU).
-// DISTILL_EMU_CUDNN_REFUSE=1 makes them offer none;
+// DISTILL_EMU_CUDNN_REFUSE=1 makes them offer none, and
+// DISTILL_EMU_CUDNN_REFUSE_FIXED=1 none for a graph with no ragged tensor;
 // DISTILL_EMU_CUDNN_VERSION=N overrides cudnnGetVersion (91900). What the
 // stand-in cannot tell: which graphs cuDNN's engines accept (it runs any
 // graph it can interpret: mixed operand types, any node order), and
@@ -929,6 +930,15 @@ bool env_on(const char *name) {
 	return v && *v && strcmp(v, "0") != 0;
 }
 
+// refused reports whether the heuristics offer no engine for g:
+// DISTILL_EMU_CUDNN_REFUSE for any graph, DISTILL_EMU_CUDNN_REFUSE_FIXED for
+// one with no ragged tensor (a batch of samples of one length, as the
+// backend builds it; the tests of its fallback to the ragged graph).
+bool refused(const Graph &g) {
+	if (env_on("DISTILL_EMU_CUDNN_REFUSE")) return true;
+	return env_on("DISTILL_EMU_CUDNN_REFUSE_FIXED") && std::all_of(g.ragged.begin(), g.ragged.end(), [](int r) { return r < 0; });
+}
+
 std::shared_ptr<const Engine> make_engine(const std::shared_ptr<const Graph> &g, i64 index) {
 	auto e = std::make_shared<Engine>();
 	e->graph = g;
@@ -954,8 +964,8 @@ int fin_engine(Desc *d) {
 	if (int s = ref(d, CUDNN_ATTR_ENGINE_OPERATION_GRAPH, CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, true, &g)) return s;
 	i64 idx;
 	if (!attr_i64(d, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, &idx)) return missing(d, CUDNN_ATTR_ENGINE_GLOBAL_INDEX);
-	if (env_on("DISTILL_EMU_CUDNN_REFUSE"))
-		return fail(CUDNN_STATUS_NOT_SUPPORTED, where(d) + ": no engine supports the graph (DISTILL_EMU_CUDNN_REFUSE is set)");
+	if (refused(*g->graph))
+		return fail(CUDNN_STATUS_NOT_SUPPORTED, where(d) + ": no engine supports the graph (DISTILL_EMU_CUDNN_REFUSE or _REFUSE_FIXED is set)");
 	if (idx < 0 || idx >= kEngines)
 		return fail(CUDNN_STATUS_NOT_SUPPORTED, strf("%s: engine %lld does not exist (the emulator has engines 0 and 1)", where(d).c_str(), (long long)idx));
 	d->engine = make_engine(g->graph, idx);
@@ -1661,7 +1671,7 @@ int cudnnBackendGetAttribute(void *desc, int name, int type, int64_t requested, 
 	switch (name) {
 	case CUDNN_ATTR_ENGINEHEUR_RESULTS: {
 		if (int r = need_final()) return r;
-		i64 n = env_on("DISTILL_EMU_CUDNN_REFUSE") ? 0 : kEngines;
+		i64 n = refused(*d->graph) ? 0 : kEngines;
 		if (requested == 0) return put_count(count, n);
 		i64 m = std::min(requested, n);
 		for (i64 i = 0; i < m; i++) {
