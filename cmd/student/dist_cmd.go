@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"strings"
@@ -22,7 +23,31 @@ func launchLocalRanks(n int, args []string) error {
 	if env.WorldSize > 1 {
 		return fmt.Errorf("--nproc-per-node %d inside a job that already has %d processes (%s): leave --nproc-per-node out under torchrun or srun", n, env.WorldSize, env.Launcher)
 	}
-	return dist.Launch(dist.LaunchOptions{NProc: n, Args: append([]string{"train"}, withoutFlag(args, "nproc-per-node")...)})
+	argv, err := json.Marshal(os.Args)
+	if err != nil {
+		return err
+	}
+	environ := append(os.Environ(), envLauncherArgv+"="+string(argv))
+	return dist.Launch(dist.LaunchOptions{NProc: n, Args: append([]string{"train"}, withoutFlag(args, "nproc-per-node")...), Env: environ})
+}
+
+// envLauncherArgv holds, in each rank --nproc-per-node starts, the
+// launcher's command line (a JSON array): the job's command, which a
+// rank's "resume with" prints instead of its own (the rank's has no
+// --nproc-per-node, and run as printed it resumed the job as one
+// process).
+const envLauncherArgv = "DISTILL_STUDENT_LAUNCHER_ARGV"
+
+// jobArgv is the command line that runs this job: the launcher's in a
+// rank --nproc-per-node started, else this process's.
+func jobArgv() []string {
+	if v := os.Getenv(envLauncherArgv); v != "" && os.Getenv("RANK") != "" {
+		var argv []string
+		if json.Unmarshal([]byte(v), &argv) == nil && len(argv) > 0 {
+			return argv
+		}
+	}
+	return os.Args
 }
 
 // rankOf makes this process rank env.Rank of a data-parallel run

@@ -167,10 +167,10 @@ func runTrain(args []string) error {
 	}
 	// Interrupted, resumable.
 	if res.Checkpoint == "" {
-		return &cli.Interrupted{Signal: ss, Exit0: exit0, Msg: fmt.Sprintf("stopped by %s before the first step: nothing saved\nstart again with: %s", by, resumeCommand(os.Args, ""))}
+		return &cli.Interrupted{Signal: ss, Exit0: exit0, Msg: fmt.Sprintf("stopped by %s before the first step: nothing saved\nstart again with: %s", by, resumeCommand(jobArgv(), ""))}
 	}
 	return &cli.Interrupted{Signal: ss, Exit0: exit0, Msg: fmt.Sprintf("stopped by %s after step %d of %d; checkpoint %s\nresume with: %s",
-		by, res.Step, cfg.Train.MaxSteps, res.Checkpoint, resumeCommand(os.Args, "must"))}
+		by, res.Step, cfg.Train.MaxSteps, res.Checkpoint, resumeCommand(jobArgv(), "must"))}
 }
 
 func sigName(sig os.Signal) string {

@@ -1,0 +1,104 @@
+package main
+
+import (
+	"encoding/json"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+
+	"distill/compute/cuda/cudaemu"
+	"distill/train/testcache"
+)
+
+// TestLoRACLI is a LoRA student's user flow through the command, on two
+// emulated GPUs: `student train --nproc-per-node 2` (train.device cuda,
+// every module adapted, lora_dropout) stopped by SIGTERM exits 0 and
+// prints a resume command that is the job's, --nproc-per-node included
+// (each rank printed its own command line, which a user running it got
+// one process from); that command resumes both ranks; `student export`
+// writes the adapters as PEFT does (--format peft) and the merged model
+// (--format bf16); `student eval` scores the run and the merged export
+// alike.
+func TestLoRACLI(t *testing.T) {
+	cudaemu.Use(t)
+	if cudaemu.OnGPU() {
+		t.Skip("two GPUs: emulated only")
+	}
+	t.Setenv("DISTILL_EMU_DEVICES", "2")
+	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: filepath.Join(dir, "cache"), Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	conf := strings.Replace(sigConfig, "threads: 2}", "threads: 1, device: cuda}", 1)
+	conf = strings.Replace(conf, "  tokenizer_fingerprint: testcache-tokenizer\n", "  tokenizer_fingerprint: testcache-tokenizer\n"+
+		"  lora: {rank: 4, alpha: 8, dropout: 0.1, targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}\n", 1)
+	cfg := filepath.Join(dir, "run.yaml")
+	if err := os.WriteFile(cfg, []byte(conf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	run := filepath.Join(dir, "run")
+	p := startStudent(t, "train", "--config", cfg, "--run-dir", run, "--cache", b.CacheDir, "--nproc-per-node", "2")
+	p.waitLine(t, "[rank 0] step 2/1000000000 ")
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if rc := p.wait(t); rc != 0 {
+		t.Fatalf("exit status %d after SIGTERM, want 0:\n%s", rc, p.stderr.String())
+	}
+	m := regexp.MustCompile(`\[rank 0\] resume with: (.*)`).FindStringSubmatch(p.stderr.String())
+	if m == nil {
+		t.Fatalf("no resume command:\n%s", p.stderr.String())
+	}
+	if !strings.Contains(m[1], "--nproc-per-node 2") {
+		t.Fatalf("the resume command %q is not the job's: it has no --nproc-per-node 2", m[1])
+	}
+	sh := exec.Command("sh", "-c", m[1]+" --max-steps 5")
+	sh.Env = append(os.Environ(), "STUDENT_TEST_MAIN=1")
+	out, err := sh.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "[rank 1] resumed from ") || !strings.Contains(string(out), "[rank 0] done: step 5") {
+		t.Fatalf("the printed resume command: %v, want both ranks resumed and done at step 5:\n%s", err, out)
+	}
+	ck := filepath.Join(run, "checkpoints", "step-00000005")
+	for _, f := range []string{"adapter_config.json", "adapter_model.safetensors"} {
+		if _, err := os.Stat(filepath.Join(ck, f)); err != nil {
+			t.Fatalf("the LoRA checkpoint: %v", err)
+		}
+	}
+
+	for format, files := range map[string][]string{"peft": {"adapter_config.json", "adapter_model.safetensors"}, "bf16": {"config.json", "model.safetensors"}} {
+		outDir := filepath.Join(dir, format)
+		p := startStudent(t, "export", "--checkpoint", run, "--out", outDir, "--format", format)
+		if rc := p.wait(t); rc != 0 {
+			t.Fatalf("export --format %s: exit status %d:\n%s", format, rc, p.stderr.String())
+		}
+		for _, f := range files {
+			if _, err := os.Stat(filepath.Join(outDir, f)); err != nil {
+				t.Fatalf("export --format %s: %v\n%s", format, err, p.stderr.String())
+			}
+		}
+	}
+	eval := func(args ...string) float64 {
+		t.Helper()
+		c := exec.Command(os.Args[0], append([]string{"eval", "--cache", b.CacheDir, "--range", "0:8", "--json"}, args...)...)
+		c.Env = append(os.Environ(), "STUDENT_TEST_MAIN=1")
+		var stderr strings.Builder
+		c.Stderr = &stderr
+		out, err := c.Output()
+		var m struct{ CE float64 }
+		if err != nil || json.Unmarshal(out, &m) != nil {
+			t.Fatalf("eval %v: %v\n%s%s", args, err, out, stderr.String())
+		}
+		return m.CE
+	}
+	ce, mce := eval("--checkpoint", run), eval("--checkpoint", filepath.Join(dir, "bf16"), "--tokenizer-fingerprint", "testcache-tokenizer")
+	if !(ce > 0) || math.Abs(ce-mce) > 1e-2*ce {
+		t.Errorf("eval: the run's CE %v, its merged BF16 export's %v: want them within 1%%", ce, mce)
+	}
+}
