@@ -411,7 +411,8 @@ type Backend interface {
 	// positions, one vocabulary tile at a time, reduced to each position's
 	// statistics. It synchronizes.
 	LossHeadForward(h *LossHead) LossStats
-	// LossHeadBackward is pass 2: it recomputes the logits tile by tile,
+	// LossHeadBackward is pass 2: it recomputes the logits tile by tile
+	// (or reads the ones pass 1 kept: LossHead.Keep),
 	// turns them into dL/dz with c, and accumulates dx (N,C) += dz·w at the
 	// counted rows and dw (V,C) += dzᵀ·x. A nil dw is a frozen LM head
 	// (a LoRA student's): no weight gradient is made, and dx is the same.
@@ -432,6 +433,12 @@ type LossHead struct {
 	InvT float32
 	// TileCols is the vocabulary tile width; 0 lets the backend choose.
 	TileCols int
+	// Keep says that the caller's next loss-head call is LossHeadBackward
+	// with this same h, X and W unchanged (a training step's): a backend
+	// may keep pass 1's logits, all M x V of them, for pass 2 instead of
+	// computing them again (compute/cuda, in fp32: the same bits). The
+	// caller has the memory for them planned (train.PlanShape.KeepLogits).
+	Keep bool
 }
 
 // LossStats are pass 1's statistics of each counted position, with

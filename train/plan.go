@@ -88,6 +88,10 @@ type PlanShape struct {
 	// gradient, and the adapters' scratch per row. QAD is then
 	// off (an NVFP4 base is quantized in place). ZeRO 0 or 1 only.
 	LoRA *LoRAConfig
+	// KeepLogits plans the loss head keeping a row's logits between its
+	// passes (Student.SetKeepLogits): fp32, 4·RowTokens·V bytes in place
+	// of the logit tile.
+	KeepLogits bool
 }
 
 // PlanTerm is one line of a memory plan.
@@ -404,9 +408,14 @@ func PlanMemory(s PlanShape) MemoryPlan {
 	// fp32 dx of the rows, the host's uploads (rows, labels, teacher ids,
 	// coefficients) and, where the device computes the coefficients
 	// (compute.DeviceLossCoef), the teacher's log-probs and rank columns
-	// and the positions' loss values (two float64).
+	// and the positions' loss values (two float64). Kept logits
+	// (KeepLogits) are every tile's fp32 logits at once.
 	vt := min(V, max(lossTileBudget/(4*T)/64*64, 64))
-	add(TermLossHead, 2*T*C+6*T*vt+4*T*C+4*T*(9+4*K)+64<<10, true, true)
+	logits := 4 * T * vt
+	if s.KeepLogits {
+		logits = 4 * T * V
+	}
+	add(TermLossHead, 2*T*C+logits+2*T*vt+4*T*C+4*T*(9+4*K)+64<<10, true, true)
 	// A GEMM's backward: BF16 copies of dout and x (the MLP's down: dout
 	// (T, C), x (T, I)).
 	add(TermGEMM, 2*T*(C+max(I, H*D, C))+perUse, true, true)

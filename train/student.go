@@ -143,6 +143,13 @@ func newStudent(cfg *model.Config, be compute.Backend, sh *Sharding) (_ *Student
 	return s, nil
 }
 
+// SetKeepLogits lets the loss head keep each row's logits between its two
+// passes (loss.Head.KeepLogits): 4·M·V bytes more while it runs, for one
+// GEMM of its three a vocabulary tile fewer; the same results. The
+// trainer sets it when the memory plan has room for them
+// (PlanShape.KeepLogits).
+func (s *Student) SetKeepLogits(on bool) { s.head.KeepLogits = on }
+
 // Free releases the student's device memory (parameters, gradients, the
 // decoder's activations and QAD weights): on a device backend, whose
 // memory the garbage collector does not see, a student no longer used

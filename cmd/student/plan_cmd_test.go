@@ -2,12 +2,29 @@ package main
 
 import (
 	"bytes"
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 )
+
+// humanBytes reads train.HumanBytes' "1.5 GiB".
+func humanBytes(t *testing.T, s string) int64 {
+	t.Helper()
+	f := strings.Fields(s)
+	if len(f) != 2 {
+		t.Fatalf("bytes %q", s)
+	}
+	v, err := strconv.ParseFloat(f[0], 64)
+	shift, ok := map[string]int{"KiB": 10, "MiB": 20, "GiB": 30}[f[1]]
+	if err != nil || !ok {
+		t.Fatalf("bytes %q", s)
+	}
+	return int64(v * float64(int64(1)<<shift))
+}
 
 // TestPlan: `student plan` prints a tiny config's memory plan from the
 // config alone (its cache does not exist, no device is opened): every
@@ -39,7 +56,8 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 	for _, want := range []string{"rows of 2048 tokens (data.seq_len), teacher top-k 64, quant none", "device: 80.00 GiB",
 		"parameters (fp32)", "gradients (fp32)", "AdamW moments (fp32 m, v)", "BF16 weight copies",
 		"activations, recompute none", "activations, recompute selective", "activations, recompute full",
-		"attention scratch", "loss head tiles", "GEMM operand scratch", "train.recompute auto picks: none"} {
+		"attention scratch", "loss head tiles", "GEMM operand scratch", "train.recompute auto picks: none",
+		"the loss head keeps its logits between its passes on such a device"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("the plan lacks %q", want)
 		}
@@ -56,6 +74,21 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 	if !strings.Contains(out, "quant nvfp4") || !strings.Contains(out, "NVFP4 fake-quantized weights (fp32)") ||
 		!regexp.MustCompile(`(?m)^none +[0-9.]+ MiB +no `).MatchString(out) || !strings.Contains(out, "train.recompute auto picks: full") {
 		t.Errorf("a 320 MiB device under QAD: want none not fitting and auto picking full:\n%s", out)
+	}
+	// A real vocabulary: kept logits (4·2048·151936 bytes) outgrow the
+	// logit tile. A device with room for recompute none but not for the
+	// kept logits beside it: the loss head recomputes them.
+	big := []string{"--set", "model.random.vocab_size=151936"}
+	out = plan(big...)
+	none := regexp.MustCompile(`(?m)^none +([0-9.]+ [KMG]iB) +yes`).FindStringSubmatch(out)
+	keep := regexp.MustCompile(`keeps its logits between its passes on such a device \(([0-9.]+ [KMG]iB) with recompute none\)`).FindStringSubmatch(out)
+	if none == nil || keep == nil {
+		t.Fatalf("vocab 151936 on 80 GiB: want none fitting and the logits kept:\n%s", out)
+	}
+	mid := (humanBytes(t, none[1]) + humanBytes(t, keep[1])) / 2
+	out = plan(append(big, "--device-memory", fmt.Sprintf("%dMiB", (256<<20+mid)>>20))...)
+	if !strings.Contains(out, "train.recompute auto picks: none") || !strings.Contains(out, "the loss head recomputes its logits in its second pass on such a device (keeping them needs "+keep[1]) {
+		t.Errorf("a device with room for recompute none (%s) but not the kept logits (%s): want none picked and the logits recomputed:\n%s", none[1], keep[1], out)
 	}
 	// A device the run-long terms alone overflow: no row length helps.
 	if out := plan("--device-memory", "260MiB"); !strings.Contains(out, "not even a row of one token") || !strings.Contains(out, "ZeRO stage") {

@@ -77,6 +77,11 @@ type Options struct {
 	// synchronization, as before the staging. The same bits either way;
 	// for comparisons. $DISTILL_CUDA_PAGEABLE=1 sets it too.
 	Pageable bool
+	// RecomputeLogits makes the loss head's pass 2 compute its logits
+	// again where the caller lets it keep pass 1's (compute.LossHead.Keep):
+	// the same bits either way; for the GPU suite's comparison.
+	// $DISTILL_CUDA_RECOMPUTE_LOGITS=1 sets it too.
+	RecomputeLogits bool
 	// EagerZeros makes each Zero its memset at once, as before the
 	// deferred zeros (zeros.go): the next call then adds to the zeroed
 	// buffer instead of writing it. The same values either way; for
@@ -137,6 +142,8 @@ type Backend struct {
 	f32Grads   bool          // Options.F32Grads
 	moeKernels string        // Options.MoEGEMM
 	pageable   bool          // Options.Pageable
+	noKeep     bool          // Options.RecomputeLogits
+	kept       *keptLogits   // pass 1's logits, kept for pass 2 (train.go)
 	eagerZeros bool          // Options.EagerZeros
 	zeros      []zeroRange   // the deferred zeros (zeros.go)
 
@@ -343,6 +350,7 @@ func (b *Backend) setOptions(opt Options) error {
 		b.logf("cuda: %s allows a block %d bytes of shared memory; the MoE experts' GEMMs need %d: running the earlier kernels (MoEGEMM v1)", b.info.Name, b.info.SharedOptinBytes, need)
 	}
 	b.pageable = opt.Pageable || os.Getenv("DISTILL_CUDA_PAGEABLE") == "1"
+	b.noKeep = opt.RecomputeLogits || os.Getenv("DISTILL_CUDA_RECOMPUTE_LOGITS") == "1"
 	b.eagerZeros = opt.EagerZeros || os.Getenv("DISTILL_CUDA_EAGER_ZEROS") == "1"
 	act := opt.Activations
 	if act == "" {

@@ -345,3 +345,120 @@ func TestLossCoefDeviceExpLog(t *testing.T) {
 	}
 	t.Logf("%d arguments: exp64 and log64 equal compute.Exp and compute.Log bit for bit", n)
 }
+
+// TestLossHeadKeepLogits: with compute.LossHead.Keep (loss.Head's
+// KeepLogits), pass 2 reads the logits pass 1 kept instead of computing
+// them again: the same loss values, coefficients, dx and dw bit for bit,
+// on the device path (LossHeadForwardKD) and the host path
+// (LossHeadForward), with one logit GEMM of three a tile fewer in pass
+// 2, the kept logits (4·N·V bytes) in the peak, and nothing left
+// allocated after. Options.RecomputeLogits keeps nothing. Kept logits no
+// pass 2 read are freed by the next loss-head call.
+func TestLossHeadKeepLogits(t *testing.T) {
+	const N, C, V, tile = 40, 32, 96, 40 // three tiles: 40, 40, 16
+	r := rand.New(rand.NewPCG(5, 6))
+	tg := coefBatch(r, N, V, 16, 2)
+	x, w := randF32(r, N*C), randF32(r, V*C)
+	o := loss.Options{KD: loss.FwdKL, Tail: loss.Renormalize, Temperature: 1.5, TeacherTemperature: 1, KDWeight: 1, SFTWeight: 0.2}
+	type result struct {
+		st      loss.Stats
+		dx, dw  []float32
+		gemms   int   // pass 2's logit and gradient GEMMs
+		peak    int64 // the pool's high-water mark over the call
+		freeGap int64 // MemInfo's free before the call less after it
+	}
+	run := func(be *Backend, device, keep bool) result {
+		var tap compute.Backend = &coefTap{Backend: be}
+		if device {
+			tap = &coefTapDevice{coefTap: &coefTap{Backend: be}, dev: be}
+		}
+		xt, wt := be.FromF32(x), be.FromF32(w)
+		dx, dw := be.New(compute.F32, N*C), be.New(compute.F32, V*C)
+		defer func() {
+			for _, t := range []compute.Tensor{xt, wt, dx, dw} {
+				be.Free(t)
+			}
+		}()
+		h := &loss.Head{Backend: tap, V: V, C: C, TileCols: tile, KeepLogits: keep}
+		oo := o
+		free0, _ := be.MemInfo()
+		be.ResetPeakMemory()
+		base := be.PeakMemory()
+		be.SetProfile(true)
+		st, err := h.ForwardBackward(xt, wt, dx, dw, tg, &oo, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res := result{st: st, dx: readF32(be, dx, N*C), dw: readF32(be, dw, V*C), peak: be.PeakMemory() - base}
+		for _, e := range be.Profile() {
+			if e.Name == "cublasLt GEMM (LossHeadBackward)" {
+				res.gemms = e.Calls
+			}
+		}
+		be.SetProfile(false)
+		free1, _ := be.MemInfo()
+		res.freeGap = free0 - free1
+		return res
+	}
+	be := testBackend(t)
+	recompute, err := Open(Options{KernelCache: kernelCacheForTests(t), RecomputeLogits: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer recompute.Close()
+	for _, device := range []bool{true, false} {
+		t.Run(fmt.Sprintf("device=%v", device), func(t *testing.T) {
+			off, on, forced := run(be, device, false), run(be, device, true), run(recompute, device, true)
+			for _, c := range []struct {
+				name string
+				got  result
+			}{{"kept", on}, {"RecomputeLogits", forced}} {
+				if !sameBits64(c.got.st.Loss, off.st.Loss) || !sameBits64(c.got.st.KD, off.st.KD) || !sameBits64(c.got.st.CE, off.st.CE) {
+					t.Errorf("%s: stats %+v, recomputed %+v", c.name, c.got.st, off.st)
+				}
+				if j := firstDiff32(c.got.dx, off.dx); j >= 0 {
+					t.Errorf("%s: dx[%d] %v, recomputed %v", c.name, j, c.got.dx[j], off.dx[j])
+				}
+				if j := firstDiff32(c.got.dw, off.dw); j >= 0 {
+					t.Errorf("%s: dw[%d] %v, recomputed %v", c.name, j, c.got.dw[j], off.dw[j])
+				}
+				if c.got.freeGap != 0 {
+					t.Errorf("%s: %d bytes of device memory still held after the call", c.name, c.got.freeGap)
+				}
+			}
+			if off.gemms != 9 || forced.gemms != 9 || on.gemms != 6 {
+				t.Errorf("pass 2's GEMMs over 3 tiles: %d recomputing, %d under RecomputeLogits, %d keeping; want 9, 9, 6", off.gemms, forced.gemms, on.gemms)
+			}
+			// The kept logits hold the other tiles' 4·N·(V-tile) bytes
+			// more (less what the pool's rounding of the sizes hides).
+			if on.peak < off.peak+2*N*(V-tile) {
+				t.Errorf("peak %d bytes keeping the logits, %d recomputing them: want about the %d bytes of the other tiles more", on.peak, off.peak, 4*N*(V-tile))
+			}
+			t.Logf("peak %d bytes recomputing, %d keeping; pass 2's GEMMs %d and %d", off.peak, on.peak, off.gemms, on.gemms)
+		})
+	}
+	t.Run("unread", func(t *testing.T) {
+		xt, wt := be.FromF32(x), be.FromF32(w)
+		defer be.Free(xt)
+		defer be.Free(wt)
+		rows := make([]int32, N)
+		for i := range rows {
+			rows[i] = int32(i)
+		}
+		rt, lt := be.FromI32(rows), be.FromI32(make([]int32, N))
+		defer be.Free(rt)
+		defer be.Free(lt)
+		free0, _ := be.MemInfo()
+		h := &compute.LossHead{X: xt, W: wt, Rows: rt, Labels: lt, M: N, C: C, V: V, InvT: 1, TileCols: tile, Keep: true}
+		be.LossHeadForward(h)
+		if free1, _ := be.MemInfo(); free0-free1 < 4*N*V {
+			t.Fatalf("no logits kept after a pass 1 with Keep: %d bytes held", free0-free1)
+		}
+		h2 := *h
+		h2.Keep = false
+		be.LossHeadForward(&h2) // a pass 1 of another call frees them
+		if free2, _ := be.MemInfo(); free2 != free0 {
+			t.Fatalf("%d bytes held after the next loss-head call", free0-free2)
+		}
+	})
+}

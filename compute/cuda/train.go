@@ -607,7 +607,8 @@ func (p pass1) free(b *Backend) {
 // and label. M = 0 allocates nothing.
 func (b *Backend) lossPass1(h *compute.LossHead, what string) pass1 {
 	M, C, V, K := h.M, h.C, h.V, h.K
-	_, w, rows, labels, ids := b.lossCheck(h, what)
+	x, w, rows, labels, ids := b.lossCheck(h, what)
+	b.dropKept()
 	if M == 0 {
 		return pass1{}
 	}
@@ -615,22 +616,68 @@ func (b *Backend) lossPass1(h *compute.LossHead, what string) pass1 {
 	xc := b.gatherRowsBF16(h, rows)
 	wp, ws := b.bf16Operand(w, V*C)
 	vt := lossTileCols(h)
-	tile := b.alloc(int64(M) * int64(vt) * 4)
+	// The tile, or with h.Keep every tile at once: tile v0 at element
+	// M·v0, each M x n as the GEMM writes it (keptLogits).
+	var tiles uint64
+	if h.Keep && !b.noKeep {
+		tiles = b.alloc(int64(M) * int64(V) * 4)
+		b.kept = &keptLogits{h: h, x: x.p, w: w.p, m: M, v: V, c: C, vt: vt, buf: tiles}
+	} else {
+		tiles = b.alloc(int64(M) * int64(vt) * 4)
+	}
 	state := b.alloc(int64(M) * 5 * 8)
 	zk, zlab := b.alloc(int64(M*K)*4), b.alloc(int64(M)*4)
 	b.ew("k_loss_init", int64(M), dptr(state), int64(M))
 	for v0 := 0; v0 < V; v0 += vt {
 		n := min(vt, V-v0)
+		tile := tiles
+		if b.kept != nil {
+			tile = b.kept.tile(v0)
+		}
 		b.gemm(tile, xc, wp+uint64(v0)*uint64(C)*2, M, n, C, dataBF16)
 		b.launchKernel(launch{kernel: "k_loss_fwd_tile", grid: [3]int{M, 1, 1}, block: 256, smem: lossTileSmem(K, n)},
 			dptr(tile), int32(n), int32(v0), h.InvT, sepCE, ptrOf(ids), int32(K), dptr(labels.p), dptr(state), int64(M), dptr(zk), dptr(zlab))
 	}
 	out := b.alloc(int64(M) * 3 * 8)
 	b.ew("k_loss_fwd_finish", int64(M), dptr(out), dptr(state), int64(M), sepCE)
-	for _, p := range []uint64{xc, ws, tile, state} {
-		b.free(p)
+	if b.kept != nil {
+		tiles = 0 // kept for pass 2
+	}
+	for _, p := range []uint64{xc, ws, tiles, state} {
+		if p != 0 {
+			b.free(p)
+		}
 	}
 	return pass1{st: out, zk: zk, zlab: zlab}
+}
+
+// keptLogits are pass 1's logits of a LossHead whose caller let them be
+// kept (compute.LossHead.Keep): every vocabulary tile at once, tile v0's
+// M x n logits at element M·v0, written by the GEMM that pass 2 would
+// run again. Pass 2 of the same call reads them instead (the same bits:
+// the same GEMM into the same shape, 16-byte aligned, so the same
+// cuBLASLt plan) and frees them; any other loss-head call frees them
+// first (dropKept), so they never outlive the call that made them.
+type keptLogits struct {
+	h           *compute.LossHead
+	x, w        uint64
+	m, v, c, vt int
+	buf         uint64
+}
+
+func (k *keptLogits) tile(v0 int) uint64 { return k.buf + uint64(k.m)*uint64(v0)*4 }
+
+// matches reports whether pass 2 of h reads from the same pass 1.
+func (k *keptLogits) matches(h *compute.LossHead, x, w uint64, vt int) bool {
+	return k.h == h && k.x == x && k.w == w && k.m == h.M && k.v == h.V && k.c == h.C && k.vt == vt
+}
+
+// dropKept frees kept logits no pass 2 read.
+func (b *Backend) dropKept() {
+	if b.kept != nil {
+		b.free(b.kept.buf)
+		b.kept = nil
+	}
 }
 
 // LossHeadForwardKD implements compute.DeviceLossCoef: pass 1, then
@@ -747,7 +794,17 @@ func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dxT
 	defer b.enter()()
 	b.label = "LossHeadBackward"
 	M, C, V, K := h.M, h.C, h.V, h.K
-	_, w, rows, labels, ids := b.lossCheck(h, "LossHeadBackward")
+	x, w, rows, labels, ids := b.lossCheck(h, "LossHeadBackward")
+	kept := b.kept
+	b.kept = nil
+	if kept != nil {
+		if !kept.matches(h, x.p, w.p, lossTileCols(h)) {
+			b.free(kept.buf)
+			kept = nil
+		} else {
+			defer b.free(kept.buf)
+		}
+	}
 	dx := b.ten(dxT, "LossHeadBackward dx")
 	need(dx, "LossHeadBackward dx", C, compute.F32)
 	var dw *tensor // nil: a frozen LM head, no weight gradient (and no GEMM for it)
@@ -773,14 +830,21 @@ func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dxT
 	xc := b.gatherRowsBF16(h, rows)
 	wp, ws := b.bf16Operand(w, V*C)
 	vt := lossTileCols(h)
-	tile := b.alloc(int64(M) * int64(vt) * 4)
+	var tile uint64 // the recomputed tile; none with kept logits
+	if kept == nil {
+		tile = b.alloc(int64(M) * int64(vt) * 4)
+	}
 	dz := b.alloc(int64(M) * int64(vt) * 2)
 	dxc := b.alloc(int64(M) * int64(C) * 4)
 	b.memset0(dxc, int64(M)*int64(C)*4)
 	for v0 := 0; v0 < V; v0 += vt {
 		n := min(vt, V-v0)
 		wt := wp + uint64(v0)*uint64(C)*2
-		b.gemm(tile, xc, wt, M, n, C, dataBF16)
+		if kept != nil {
+			tile = kept.tile(v0)
+		} else {
+			b.gemm(tile, xc, wt, M, n, C, dataBF16)
+		}
 		b.launchKernel(launch{kernel: "k_loss_bwd_tile", grid: [3]int{M, 1, 1}, block: 256, smem: lossTileSmem(K, n)},
 			dptr(dz), dptr(tile), int32(n), int32(v0), h.InvT, sepCE, dptr(lseT.p), dptr(lse1.p), dptr(a.p), ptrOf(ck), ptrOf(ids), int32(K),
 			dptr(labels.p), c.WSFT)
@@ -790,7 +854,12 @@ func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dxT
 		}
 	}
 	b.ew("k_scatter_add_rows", int64(M)*int64(C), dptr(dx.p), dptr(dxc), dptr(rows.p), int64(M), int32(C))
+	if kept != nil {
+		tile = 0 // kept.buf, freed on return
+	}
 	for _, p := range []uint64{xc, ws, tile, dz, dxc} {
-		b.free(p)
+		if p != 0 {
+			b.free(p)
+		}
 	}
 }

@@ -21,11 +21,13 @@ type headCall struct {
 }
 
 // newCall uploads the counted positions (h.rows, h.labs) and, with K > 0,
-// their K ascending ids per position.
-func (h *Head) newCall(x, w compute.Tensor, opt *Options, ids []int32, K int) *headCall {
+// their K ascending ids per position. A training call's (dx set: pass 2
+// follows pass 1) lets the backend keep the logits between the passes
+// when h.KeepLogits.
+func (h *Head) newCall(x, w, dx compute.Tensor, opt *Options, ids []int32, K int) *headCall {
 	be, M := h.Backend, len(h.rows)
 	lh := &compute.LossHead{X: x, W: w, Rows: be.FromI32(h.rows), Labels: be.FromI32(h.labs),
-		M: M, C: h.C, V: h.V, K: K, InvT: float32(1 / opt.Temperature), TileCols: h.TileCols}
+		M: M, C: h.C, V: h.V, K: K, InvT: float32(1 / opt.Temperature), TileCols: h.TileCols, Keep: h.KeepLogits && dx != nil}
 	c := &headCall{be: be, lh: lh, uploads: []compute.Tensor{lh.Rows, lh.Labels}}
 	if K > 0 {
 		lh.TopIDs = be.FromI32(ids)

@@ -361,6 +361,11 @@ type Head struct {
 	// TileCols is the vocabulary tile width; 0 lets the backend choose
 	// (the CPU backend: one (tokens x tile) fp32 block of 64 MiB).
 	TileCols int
+	// KeepLogits lets the backend keep pass 1's logits for pass 2
+	// (compute.LossHead.Keep): 4·M·V bytes more while a row's loss head
+	// runs, one GEMM of the three a tile fewer. The trainer sets it when
+	// its memory plan has room (train.PlanShape.KeepLogits).
+	KeepLogits bool
 
 	// Per counted position (M of them), reused across calls.
 	rows, labs []int32   // (M) index into the batch, label id
@@ -556,7 +561,7 @@ func (h *Head) run(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, norma
 	if err := h.sortTeacherRows(tg, opt, K, dev != nil); err != nil {
 		return nil, err
 	}
-	call := h.newCall(x, w, opt, h.ids, K)
+	call := h.newCall(x, w, dx, opt, h.ids, K)
 	defer call.free()
 	wkd, norm := opt.weights(M, normalizer)
 	sft := opt.SFTWeight // (the caller may change opt before it reads a Pending)

@@ -37,7 +37,7 @@ func (h *Head) runMulti(x, w, dx, dw compute.Tensor, tg *Targets, opt *Options, 
 		return Stats{}, err
 	}
 	ids, pos := h.unionColumns(tg, offs, uni, ulen, Ku, gen)
-	call := h.newCall(x, w, opt, ids, Ku)
+	call := h.newCall(x, w, dx, opt, ids, Ku)
 	defer call.free()
 	ps := call.be.LossHeadForward(call.lh)
 

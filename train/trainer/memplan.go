@@ -113,8 +113,19 @@ func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute,
 				how = "the checkpoint's, kept by train.recompute auto"
 			}
 		}
-		fmt.Fprintf(log, "memory plan: recompute %s (%s): %s of the %s the device has for the run (%s, %s kept in reserve); `student plan` prints the plan\n",
-			pick, how, train.HumanBytes(need(pick)), train.HumanBytes(budget), train.HumanBytes(total), train.HumanBytes(reserve))
+		// The loss head keeps a row's logits between its passes where the
+		// plan has room for them beside the mode's: the same results, one
+		// GEMM of three a vocabulary tile fewer.
+		sh := planShape(cfg, s.Cfg, k, pick, s.Backend(), ranks)
+		sh.KeepLogits = true
+		planned, withKeep := need(pick), train.PlanMemory(sh).Total()
+		logits := "the loss head recomputes its logits in its second pass (keeping them needs " + train.HumanBytes(withKeep) + ")"
+		if withKeep <= budget {
+			planned, logits = withKeep, "the loss head keeps its logits between its passes"
+		}
+		s.SetKeepLogits(withKeep <= budget)
+		fmt.Fprintf(log, "memory plan: recompute %s (%s): %s of the %s the device has for the run (%s, %s kept in reserve); %s; `student plan` prints the plan\n",
+			pick, how, train.HumanBytes(planned), train.HumanBytes(budget), train.HumanBytes(total), train.HumanBytes(reserve), logits)
 		return pick, nil
 	}
 	var largest []string
