@@ -17,6 +17,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+
+	"distill/internal/errkind"
 )
 
 // ErrConfig marks an unsupported or inconsistent config.json.
@@ -152,15 +154,19 @@ func (c *Config) Params() int64 {
 	return n
 }
 
-// LoadConfig reads dir/config.json.
+// LoadConfig reads dir/config.json. Its errors are ErrConfig's, their
+// messages naming the file without "model: config".
 func LoadConfig(dir string) (*Config, error) {
 	path := filepath.Join(dir, "config.json")
 	b, err := os.ReadFile(path)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v (a checkpoint directory needs config.json)", ErrConfig, err)
+		return nil, errkind.Errorf(ErrConfig, "%v (a checkpoint directory needs config.json)", err)
 	}
 	c, err := ParseConfig(b)
 	if err != nil {
+		if p, ok := ConfigProblem(err); ok { // the file named instead of "model: config"
+			return nil, errkind.Reword(ErrConfig, err, "%s: %s", path, p)
+		}
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return c, nil

@@ -22,6 +22,7 @@ import (
 	"distill/data"
 	"distill/data/tokenizer"
 	"distill/infer"
+	"distill/internal/errkind"
 	pb "distill/proto/distill/v1"
 )
 
@@ -144,16 +145,16 @@ func checkCacheDir(dir string) error {
 		for probe = filepath.Dir(dir); ; probe = filepath.Dir(probe) {
 			st, err := os.Stat(probe)
 			if err == nil && !st.IsDir() {
-				return fmt.Errorf("%w: --cache %s: %s is a file, not a directory: give a cache path under a directory", ErrConfig, dir, probe)
+				return configErrorf("--cache %s: %s is a file, not a directory: give a cache path under a directory", dir, probe)
 			}
 			if err == nil || probe == filepath.Dir(probe) {
 				break
 			}
 		}
 	case err != nil:
-		return fmt.Errorf("%w: --cache %s: %v", ErrConfig, dir, err)
+		return configErrorf("--cache %s: %v", dir, err)
 	case !st.IsDir():
-		return fmt.Errorf("%w: --cache %s is a file, not a directory: give a directory (a missing one is created at the first fill)", ErrConfig, dir)
+		return configErrorf("--cache %s is a file, not a directory: give a directory (a missing one is created at the first fill)", dir)
 	}
 	// Writing a file is the only sure test: permissions, a read-only
 	// mount, an immutable directory and root's exemptions all decide it.
@@ -164,8 +165,8 @@ func checkCacheDir(dir string) error {
 		if probe != dir {
 			where = "the directory it would be created in, " + probe + ","
 		}
-		return fmt.Errorf("%w: --cache %s: %s is not writable (%v): fills write the cache, so give a directory this process can write, or start without --cache to serve Score only",
-			ErrConfig, dir, where, err)
+		return configErrorf("--cache %s: %s is not writable (%v): fills write the cache, so give a directory this process can write, or start without --cache to serve Score only",
+			dir, where, err)
 	}
 	f.Close()
 	os.Remove(f.Name())
@@ -182,11 +183,11 @@ func NewCore(o CoreOptions) (*Core, error) {
 	}
 	bes, err := openBackends(o)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+		return nil, errkind.Wrap(ErrConfig, err)
 	}
 	o.Device = bes[0].Name()
 	if o.ModelDir == "" {
-		return nil, fmt.Errorf("%w: no model directory: give --model DIR (an HF checkpoint)", ErrConfig)
+		return nil, configErrorf("no model directory: give --model DIR (an HF checkpoint)")
 	}
 	if err := checkCacheDir(o.CacheDir); err != nil {
 		return nil, err
@@ -195,7 +196,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		o.TokenBudget = infer.DefaultTokenBudget
 	}
 	if o.TokenBudget < 1 {
-		return nil, fmt.Errorf("%w: token budget %d must be positive", ErrConfig, o.TokenBudget)
+		return nil, configErrorf("token budget %d must be positive", o.TokenBudget)
 	}
 	if o.FillChunksInFlight <= 0 {
 		o.FillChunksInFlight = 2
@@ -493,15 +494,15 @@ func (c *Core) DescribeDataset(spec *pb.Dataset) (*pb.DescribeDatasetResponse, e
 func checkK(o CoreOptions, V int) error {
 	if o.InProcess {
 		if o.KMax < 1 || o.KMax > V || o.KDefault > o.KMax {
-			return fmt.Errorf("%w: --k %d: want 1 <= k <= %d (the teacher's vocab size), or 0 for the default %d", ErrConfig, o.KMax, V, min(V, DefaultKDefault))
+			return configErrorf("--k %d: want 1 <= k <= %d (the teacher's vocab size), or 0 for the default %d", o.KMax, V, min(V, DefaultKDefault))
 		}
 		return nil
 	}
 	switch {
 	case o.KMax < 1 || o.KMax > V:
-		return fmt.Errorf("%w: --k-max %d: want 1 <= k-max <= %d (the teacher's vocab size)", ErrConfig, o.KMax, V)
+		return configErrorf("--k-max %d: want 1 <= k-max <= %d (the teacher's vocab size)", o.KMax, V)
 	case o.KDefault < 1 || o.KDefault > o.KMax:
-		return fmt.Errorf("%w: --k-default %d: want 1 <= k-default <= %d (k-max)", ErrConfig, o.KDefault, o.KMax)
+		return configErrorf("--k-default %d: want 1 <= k-default <= %d (k-max)", o.KDefault, o.KMax)
 	}
 	return nil
 }

@@ -24,6 +24,7 @@ import (
 	"distill/cache"
 	"distill/compute/device"
 	"distill/infer"
+	"distill/internal/errkind"
 	"distill/internal/suggest"
 	"distill/model"
 )
@@ -95,18 +96,18 @@ func LoadConfig(path string) (Config, error) {
 	var c Config
 	src, err := os.ReadFile(path)
 	if err != nil {
-		return c, fmt.Errorf("%w: --config %s: %v", ErrConfig, path, unwrapPath(err))
+		return c, configErrorf("--config %s: %v", path, unwrapPath(err))
 	}
 	var root yaml.Node
 	if err := yaml.Unmarshal(src, &root); err != nil {
-		return c, fmt.Errorf("%w: config %s: %v", ErrConfig, path, err)
+		return c, configErrorf("config %s: %v", path, err)
 	}
 	if len(root.Content) == 0 {
-		return c, fmt.Errorf("%w: config %s is empty: give at least model: DIR (examples/teacherd.yaml documents every key)", ErrConfig, path)
+		return c, configErrorf("config %s is empty: give at least model: DIR (examples/teacherd.yaml documents every key)", path)
 	}
 	m := root.Content[0]
 	if m.Kind != yaml.MappingNode {
-		return c, fmt.Errorf("%w: config %s: line %d: want a mapping of keys to values, e.g. model: /models/Qwen3-8B (examples/teacherd.yaml documents every key)", ErrConfig, path, m.Line)
+		return c, configErrorf("config %s: line %d: want a mapping of keys to values, e.g. model: /models/Qwen3-8B (examples/teacherd.yaml documents every key)", path, m.Line)
 	}
 	fields := map[string]reflect.Value{}
 	var names []string
@@ -120,7 +121,7 @@ func LoadConfig(path string) (Config, error) {
 	for i := 0; i+1 < len(m.Content); i += 2 {
 		k, v := m.Content[i], m.Content[i+1]
 		if l, ok := seen[k.Value]; ok {
-			return c, fmt.Errorf("%w: config %s: line %d: key %s given again (first on line %d): keep one", ErrConfig, path, k.Line, k.Value, l)
+			return c, configErrorf("config %s: line %d: key %s given again (first on line %d): keep one", path, k.Line, k.Value, l)
 		}
 		seen[k.Value] = k.Line
 		f, ok := fields[k.Value]
@@ -129,7 +130,7 @@ func LoadConfig(path string) (Config, error) {
 			if s := suggest.Closest(k.Value, names); s != "" {
 				hint = "did you mean " + s + "?"
 			}
-			return c, fmt.Errorf("%w: config %s: line %d: unknown key %s (%s)", ErrConfig, path, k.Line, k.Value, hint)
+			return c, configErrorf("config %s: line %d: unknown key %s (%s)", path, k.Line, k.Value, hint)
 		}
 		err := v.Decode(f.Addr().Interface())
 		if f.Kind() == reflect.Int && v.Kind == yaml.ScalarNode && v.ShortTag() != "!!int" && v.ShortTag() != "!!null" {
@@ -143,7 +144,7 @@ func LoadConfig(path string) (Config, error) {
 			case yaml.MappingNode:
 				got = "a mapping"
 			}
-			return c, fmt.Errorf("%w: config %s: line %d: %s: %s is not %s", ErrConfig, path, v.Line, k.Value, got, wantKind(f.Type()))
+			return c, configErrorf("config %s: line %d: %s: %s is not %s", path, v.Line, k.Value, got, wantKind(f.Type()))
 		}
 	}
 	return c, nil
@@ -213,26 +214,26 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 		log = zap.NewNop()
 	}
 	if cfg.Model == "" {
-		return nil, fmt.Errorf("%w: no model: give --model DIR or model: in the config", ErrConfig)
+		return nil, configErrorf("no model: give --model DIR or model: in the config")
 	}
 	// A bad name is refused before listening: a probe must not see a
 	// half-started daemon. A device that does not open (no driver) fails
 	// in NewCore, before the daemon serves.
 	if err := device.Check(cfg.Device, device.Inference); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+		return nil, errkind.Wrap(ErrConfig, err)
 	}
 	if w := cfg.Weights; w != "" && w != string(infer.WeightsBF16) && w != string(infer.WeightsFP8) {
-		return nil, fmt.Errorf("%w: --weights %q: want bf16 or fp8", ErrConfig, w)
+		return nil, configErrorf("--weights %q: want bf16 or fp8", w)
 	}
 	devices, err := device.ParseDevices(cfg.Devices)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+		return nil, errkind.Wrap(ErrConfig, err)
 	}
 	if cfg.MicroBatches < 0 {
-		return nil, fmt.Errorf("%w: --micro-batches %d: want 0 (four a GPU) or more", ErrConfig, cfg.MicroBatches)
+		return nil, configErrorf("--micro-batches %d: want 0 (four a GPU) or more", cfg.MicroBatches)
 	}
 	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
-		return nil, fmt.Errorf("%w: TLS needs both --tls-cert and --tls-key", ErrConfig)
+		return nil, configErrorf("TLS needs both --tls-cert and --tls-key")
 	}
 	if err := checkCacheDir(cfg.Cache); err != nil {
 		return nil, err
@@ -241,7 +242,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	// before the port is bound (the weights load after, NOT_SERVING).
 	mc, err := model.LoadConfig(cfg.Model)
 	if err != nil {
-		return nil, fmt.Errorf("%w: --model %s: %w", ErrConfig, cfg.Model, err)
+		return nil, configErrorf("--model %s: %w", cfg.Model, err)
 	}
 	if err := cfg.checkValues(mc.VocabSize); err != nil {
 		return nil, err
@@ -250,7 +251,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	// had loaded (as "failed precondition").
 	if cfg.Tokenizer != "" {
 		if _, err := os.Stat(filepath.Join(cfg.Tokenizer, "tokenizer.json")); err != nil {
-			return nil, fmt.Errorf("%w: --tokenizer %s: no tokenizer.json there (%v): give the directory that holds the teacher's tokenizer.json, or no --tokenizer for the model directory's", ErrConfig, cfg.Tokenizer, unwrapPath(err))
+			return nil, configErrorf("--tokenizer %s: no tokenizer.json there (%v): give the directory that holds the teacher's tokenizer.json, or no --tokenizer for the model directory's", cfg.Tokenizer, unwrapPath(err))
 		}
 	}
 	roots, err := NewDataRoots(cfg.DataRoots)
@@ -264,17 +265,17 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if cfg.TokenFile != "" {
 		b, err := os.ReadFile(cfg.TokenFile)
 		if err != nil {
-			return nil, fmt.Errorf("%w: --token-file %s: %v: give the file that holds the bearer token clients send (one line), or no --token-file for no authentication", ErrConfig, cfg.TokenFile, unwrapPath(err))
+			return nil, configErrorf("--token-file %s: %v: give the file that holds the bearer token clients send (one line), or no --token-file for no authentication", cfg.TokenFile, unwrapPath(err))
 		}
 		so.Token = string(trimSpace(b))
 		if so.Token == "" {
-			return nil, fmt.Errorf("%w: token file %s is empty", ErrConfig, cfg.TokenFile)
+			return nil, configErrorf("token file %s is empty", cfg.TokenFile)
 		}
 	}
 	if cfg.TLSCert != "" {
 		cert, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey)
 		if err != nil {
-			return nil, fmt.Errorf("%w: --tls-cert %s, --tls-key %s: %v: give a PEM certificate and its private key", ErrConfig, cfg.TLSCert, cfg.TLSKey, err)
+			return nil, configErrorf("--tls-cert %s, --tls-key %s: %v: give a PEM certificate and its private key", cfg.TLSCert, cfg.TLSKey, err)
 		}
 		so.Extra = append(so.Extra, grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12})))
 	}
@@ -287,8 +288,8 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if ta, ok := d.lis.Addr().(*net.TCPAddr); !ok || !ta.IP.IsLoopback() {
 		if so.Token == "" && cfg.TLSCert == "" && !cfg.Insecure {
 			d.lis.Close()
-			return nil, fmt.Errorf("%w: --listen %s is reachable from other machines (%s), and the daemon has no --token-file and no TLS: anyone who reaches it could use the teacher; "+
-				"give --token-file FILE (and TLS: --tls-cert, --tls-key), listen on loopback (127.0.0.1), or pass --insecure on a trusted network", ErrConfig, cfg.Listen, d.lis.Addr())
+			return nil, configErrorf("--listen %s is reachable from other machines (%s), and the daemon has no --token-file and no TLS: anyone who reaches it could use the teacher; "+
+				"give --token-file FILE (and TLS: --tls-cert, --tls-key), listen on loopback (127.0.0.1), or pass --insecure on a trusted network", cfg.Listen, d.lis.Addr())
 		}
 		if so.Token == "" {
 			log.Warn("listening beyond loopback without a bearer token", zap.String("addr", d.lis.Addr().String()), zap.Bool("tls", cfg.TLSCert != ""), zap.Bool("insecure", cfg.Insecure))
@@ -382,14 +383,14 @@ func (c *Config) checkValues(vocab int) error {
 		{"--queue-tokens", "8 token budgets", c.QueueTokens},
 	} {
 		if v.n < 0 {
-			return fmt.Errorf("%w: %s %d: want a positive number (0 or none: the default, %s)", ErrConfig, v.flag, v.n, v.dflt)
+			return configErrorf("%s %d: want a positive number (0 or none: the default, %s)", v.flag, v.n, v.dflt)
 		}
 	}
 	if c.MaxDraws < 0 || c.MaxDraws > cache.MaxDraws {
-		return fmt.Errorf("%w: --max-draws %d: want 1 to %d draws a position (0 or none: the default, %d)", ErrConfig, c.MaxDraws, cache.MaxDraws, DefaultMaxDraws)
+		return configErrorf("--max-draws %d: want 1 to %d draws a position (0 or none: the default, %d)", c.MaxDraws, cache.MaxDraws, DefaultMaxDraws)
 	}
 	if c.DrainTimeout < 0 {
-		return fmt.Errorf("%w: --drain-timeout %v: want a positive duration, e.g. 30s", ErrConfig, c.DrainTimeout)
+		return configErrorf("--drain-timeout %v: want a positive duration, e.g. 30s", c.DrainTimeout)
 	}
 	// The k bounds as NewCore sets and checks them, from the vocabulary
 	// config.json gives, so that they fail before the weights load.
@@ -414,15 +415,15 @@ func listenError(flag, addr string, err error) error {
 	var de *net.DNSError
 	switch {
 	case errors.Is(err, syscall.EADDRINUSE):
-		return fmt.Errorf("%w: %s %s: %v: another process (another teacherd?) listens there: stop it, or give another %s address", ErrConfig, flag, addr, err, flag)
+		return configErrorf("%s %s: %v: another process (another teacherd?) listens there: stop it, or give another %s address", flag, addr, err, flag)
 	case errors.Is(err, syscall.EACCES):
-		return fmt.Errorf("%w: %s %s: %v: ports below 1024 need root (or CAP_NET_BIND_SERVICE): give a port above 1023", ErrConfig, flag, addr, err)
+		return configErrorf("%s %s: %v: ports below 1024 need root (or CAP_NET_BIND_SERVICE): give a port above 1023", flag, addr, err)
 	case errors.As(err, &de):
-		return fmt.Errorf("%w: %s %s: %v: give a host name this machine resolves, or an IP address", ErrConfig, flag, addr, err)
+		return configErrorf("%s %s: %v: give a host name this machine resolves, or an IP address", flag, addr, err)
 	case errors.As(err, &ae):
-		return fmt.Errorf("%w: %s %s: %v: want HOST:PORT, e.g. 127.0.0.1:7070", ErrConfig, flag, addr, err)
+		return configErrorf("%s %s: %v: want HOST:PORT, e.g. 127.0.0.1:7070", flag, addr, err)
 	}
-	return fmt.Errorf("%w: %s %s: %v", ErrConfig, flag, addr, err)
+	return configErrorf("%s %s: %v", flag, addr, err)
 }
 
 // unwrapPath drops an *os.PathError's operation and path, which the

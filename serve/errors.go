@@ -12,6 +12,7 @@ import (
 	"distill/cache"
 	"distill/data"
 	"distill/infer"
+	"distill/internal/errkind"
 )
 
 // Sentinel errors of the daemon core. Every error the core returns wraps
@@ -24,7 +25,9 @@ var (
 	ErrInvalid = errors.New("serve: invalid request")
 	// ErrConfig marks the daemon's (or an in-process teacher's) own
 	// configuration as unusable: flags, config file, model, token or TLS
-	// files. It is an ErrInvalid too (errors.Is).
+	// files. It is an ErrInvalid too (errors.Is). Its text is not in the
+	// messages of the errors it marks (configErrorf): they are read at
+	// startup, each one sentence naming the flag and the fix.
 	ErrConfig error = configError{}
 	// ErrOutOfRange marks a sample range outside the dataset.
 	ErrOutOfRange = errors.New("serve: range out of dataset")
@@ -140,6 +143,10 @@ func clientStatus(log *zap.Logger, id string, err error) error {
 	}
 	return status.Error(c, err.Error())
 }
+
+// configErrorf is an ErrConfig error whose message is the format's alone,
+// without ErrConfig's "serve: bad configuration" in front of it.
+func configErrorf(format string, a ...any) error { return errkind.Errorf(ErrConfig, format, a...) }
 
 type configError struct{}
 

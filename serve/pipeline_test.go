@@ -13,7 +13,9 @@ import (
 	"time"
 
 	"distill/compute"
+	"distill/compute/cuda"
 	"distill/compute/cuda/cudaemu"
+	"distill/compute/device"
 	"distill/infer"
 	"distill/model"
 	pb "distill/proto/distill/v1"
@@ -91,10 +93,15 @@ func TestCorePipelined(t *testing.T) {
 		t.Errorf("a budget GPU 1 cannot hold: %v", err)
 	}
 	t.Setenv("DISTILL_EMU_DEVICE_MEM_1", "")
-	if _, err := NewCore(CoreOptions{ModelDir: mdir, Device: "cpu", Devices: []int{0, 1}}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "needs --device cuda") {
+	if _, err := NewCore(CoreOptions{ModelDir: mdir, Device: "cpu", Devices: []int{0, 1}}); !errors.Is(err, ErrConfig) || !errors.Is(err, device.ErrDevice) ||
+		!strings.HasPrefix(err.Error(), "--device cpu --devices 0,1: --devices places the teacher's layers on GPUs: use --device cuda (or auto) with it") {
 		t.Errorf("--device cpu --devices 0,1: %v", err)
 	}
-	if _, err := NewCore(CoreOptions{ModelDir: mdir, Device: "cuda", Devices: []int{0, 5}}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "GPU 5") {
+	// The error is a sentence (no "serve: bad configuration: device:
+	// unavailable: --devices: GPU 5: cuda: "), its kinds in its chain.
+	var nd *cuda.NoDeviceError
+	if _, err := NewCore(CoreOptions{ModelDir: mdir, Device: "cuda", Devices: []int{0, 5}}); !errors.Is(err, ErrConfig) || !errors.Is(err, ErrInvalid) || !errors.Is(err, device.ErrDevice) ||
+		!errors.As(err, &nd) || nd.Device != 5 || nd.Count != 2 || !strings.HasPrefix(err.Error(), "--devices 0,5: GPU 5 does not exist (") {
 		t.Errorf("--devices 0,5 on two GPUs: %v", err)
 	}
 }

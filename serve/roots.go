@@ -2,7 +2,6 @@ package serve
 
 import (
 	"errors"
-	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -36,22 +35,22 @@ func NewDataRoots(dirs []string) (*DataRoots, error) {
 	r := &DataRoots{}
 	for _, d := range dirs {
 		if d == "" {
-			return nil, fmt.Errorf("%w: --data-root: empty path", ErrConfig)
+			return nil, configErrorf("--data-root: empty path")
 		}
 		abs, err := filepath.Abs(d)
 		if err != nil {
-			return nil, fmt.Errorf("%w: --data-root %s: %v", ErrConfig, d, err)
+			return nil, configErrorf("--data-root %s: %v", d, err)
 		}
 		real, err := filepath.EvalSymlinks(abs)
 		if err != nil {
-			return nil, fmt.Errorf("%w: --data-root %s: %v (give an existing directory)", ErrConfig, d, unwrapPath(err))
+			return nil, configErrorf("--data-root %s: %v (give an existing directory)", d, unwrapPath(err))
 		}
 		st, err := os.Stat(real)
 		if err != nil {
-			return nil, fmt.Errorf("%w: --data-root %s: %v", ErrConfig, d, err)
+			return nil, configErrorf("--data-root %s: %v", d, err)
 		}
 		if !st.IsDir() {
-			return nil, fmt.Errorf("%w: --data-root %s is not a directory: give the directory that holds the datasets", ErrConfig, d)
+			return nil, configErrorf("--data-root %s is not a directory: give the directory that holds the datasets", d)
 		}
 		r.dirs = append(r.dirs, real)
 	}

@@ -74,7 +74,7 @@ func TestFillDevices(t *testing.T) {
 		args []string
 		want string
 	}{
-		{args("x", "--devices", "0,1", "--device", "cpu"), "needs --device cuda"},
+		{args("x", "--devices", "0,1", "--device", "cpu"), "use --device cuda (or auto) with it"},
 		{args("x", "--devices", "0,7"), "GPU 7"},
 		{args("x", "--devices", "zero"), `--devices "zero"`},
 		{args("x", "--devices", "0,1", "--micro-batches", "-1"), "--micro-batches -1"},

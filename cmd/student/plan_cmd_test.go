@@ -142,7 +142,7 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 		// device no larger than the reserve planned a negative budget.
 		{[]string{"--device-memory", "80"}, `--device-memory: "80": a size without a unit is bytes, and 80 bytes is no device's memory: did you mean 80GiB?`},
 		{[]string{"--device-memory", "200MiB"}, "--device-memory 200MiB: not more than the 256.0 MiB a device keeps in reserve: give the device's whole memory, e.g. 80GiB"},
-		{[]string{"--set", "model.random=null", "--set", "model.init_from=" + filepath.Join(dir, "nomodel")}, "model.init_from: model: config: open " + filepath.Join(dir, "nomodel", "config.json") + ": no such file or directory (a checkpoint directory needs config.json): the plan reads only the student's config.json: point model.init_from at a directory that holds it, e.g. --set model.init_from=examples/model-configs/qwen3-8b"},
+		{[]string{"--set", "model.random=null", "--set", "model.init_from=" + filepath.Join(dir, "nomodel")}, "model.init_from: open " + filepath.Join(dir, "nomodel", "config.json") + ": no such file or directory (a checkpoint directory needs config.json): the plan reads only the student's config.json: point model.init_from at a directory that holds it, e.g. --set model.init_from=examples/model-configs/qwen3-8b"},
 		{[]string{"--set", "train.recompute=most"}, "train.recompute"},
 		{[]string{"extra"}, "unexpected arguments"},
 		{[]string{"--activations", "fp16"}, "--activations"},

@@ -218,7 +218,7 @@ func Open(opt Options) (*Backend, error) {
 		return nil, fmt.Errorf("cuda: the driver (%s) sees no GPU", drv.lib.path)
 	}
 	if opt.Device < 0 || opt.Device >= int(count) {
-		return nil, fmt.Errorf("cuda: device %d does not exist: the driver sees %d GPU(s), ordinals 0..%d", opt.Device, int(count), int(count)-1)
+		return nil, &NoDeviceError{Device: opt.Device, Count: int(count)}
 	}
 	if b.info, err = drv.deviceInfo(opt.Device); err != nil {
 		return nil, err
@@ -274,6 +274,14 @@ func Open(opt Options) (*Backend, error) {
 		b.nv.Version(), b.lt.version, b.arch, b.AttentionImpl(), b.act)
 	ok = true
 	return b, nil
+}
+
+// NoDeviceError is Open's error for a GPU ordinal the driver does not
+// see: Count GPUs, ordinals 0 to Count-1.
+type NoDeviceError struct{ Device, Count int }
+
+func (e *NoDeviceError) Error() string {
+	return fmt.Sprintf("cuda: device %d does not exist: the driver sees %d GPU(s), ordinals 0..%d", e.Device, e.Count, e.Count-1)
 }
 
 // startContext makes device's primary context current on the calling (locked)

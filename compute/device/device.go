@@ -22,15 +22,19 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"strconv"
 	"strings"
 
 	"distill/compute"
 	"distill/compute/cpu"
 	"distill/compute/cuda"
+	"distill/internal/errkind"
 )
 
-// ErrDevice is wrapped by every error of Open and Check.
+// ErrDevice is in the chain of every error of Open, OpenStages, Check,
+// CheckStages and ParseDevices (errors.Is); its text is not in their
+// messages, which name the flag (or config key) and what to do.
 var ErrDevice = errors.New("device: unavailable")
 
 // Names lists the values Open accepts.
@@ -96,7 +100,7 @@ func (o Options) use(name string) string {
 // with Close).
 func Open(name string, o Options) (compute.Backend, error) {
 	if o.Threads < 0 {
-		return nil, fmt.Errorf("%w: %d threads: want 0 (all cores) or more", ErrDevice, o.Threads)
+		return nil, errkind.Errorf(ErrDevice, "%d threads: want 0 (all cores) or more", o.Threads)
 	}
 	if err := check(name, o); err != nil {
 		return nil, err
@@ -110,7 +114,7 @@ func Open(name string, o Options) (compute.Backend, error) {
 	case "cuda":
 		be, err := openCUDA()
 		if err != nil {
-			return nil, fmt.Errorf("%w: %s: %w; without a GPU, %s", ErrDevice, o.said("cuda"), err, o.use("cpu"))
+			return nil, errkind.Reword(ErrDevice, err, "%s: %s; without a GPU, %s", o.said("cuda"), cudaText(err), o.use("cpu"))
 		}
 		return be, nil
 	case "", "auto":
@@ -138,14 +142,8 @@ func Open(name string, o Options) (compute.Backend, error) {
 // error. An error names the GPU that does not open, and what was opened
 // is closed.
 func OpenStages(name string, ords []int, o Options) ([]compute.Backend, error) {
-	if err := Check(name, o.Purpose); err != nil {
+	if err := CheckStages(name, ords); err != nil {
 		return nil, err
-	}
-	if name == "cpu" {
-		return nil, fmt.Errorf("%w: --devices places the layers on GPUs: it needs --device cuda (or auto), not cpu", ErrDevice)
-	}
-	if len(ords) == 0 {
-		return nil, fmt.Errorf("%w: --devices names no GPU", ErrDevice)
 	}
 	logf := o.Logf
 	if logf == nil {
@@ -158,12 +156,62 @@ func OpenStages(name string, ords []int, o Options) ([]compute.Backend, error) {
 			for _, b := range bes {
 				Close(b)
 			}
-			return nil, fmt.Errorf("%w: --devices: GPU %d: %w", ErrDevice, ord, err)
+			return nil, stageError(ords, ord, err)
 		}
 		bes = append(bes, be)
 	}
 	return bes, nil
 }
+
+// CheckStages reports whether OpenStages can place stages on ords with
+// the --device flag name, before anything is opened (a daemon checks it
+// before it listens): --devices needs cuda or auto.
+func CheckStages(name string, ords []int) error {
+	if err := Check(name, Inference); err != nil {
+		return err
+	}
+	if len(ords) == 0 {
+		return errkind.Errorf(ErrDevice, "--devices names no GPU")
+	}
+	if name == "cpu" {
+		return errkind.Errorf(ErrDevice, "--device cpu --devices %s: --devices places the teacher's layers on GPUs: use --device cuda (or auto) with it, or leave --devices out to run on the CPU", ordList(ords))
+	}
+	return nil
+}
+
+// stageError is OpenStages' error for GPU ord of ords, whose CUDA backend
+// did not open with err.
+func stageError(ords []int, ord int, err error) error {
+	var nd *cuda.NoDeviceError
+	if errors.As(err, &nd) {
+		gpus := "1 GPU: 0"
+		switch {
+		case nd.Count == 2:
+			gpus = "2 GPUs: 0,1"
+		case nd.Count > 2:
+			gpus = fmt.Sprintf("%d GPUs: 0-%d", nd.Count, nd.Count-1)
+		}
+		has := "this machine has " + gpus
+		if v, ok := os.LookupEnv("CUDA_VISIBLE_DEVICES"); ok {
+			has = fmt.Sprintf("this process sees %s, of CUDA_VISIBLE_DEVICES=%s", gpus, v)
+		}
+		return errkind.Reword(ErrDevice, err, "--devices %s: GPU %d does not exist (%s): name only those, or --devices all", ordList(ords), ord, has)
+	}
+	return errkind.Reword(ErrDevice, err, "--devices %s: GPU %d does not open: %s; without GPUs, leave --devices out and use --device cpu", ordList(ords), ord, cudaText(err))
+}
+
+// ordList writes GPU ordinals as --devices takes them: 0,1,2.
+func ordList(ords []int) string {
+	s := make([]string, len(ords))
+	for i, o := range ords {
+		s[i] = strconv.Itoa(o)
+	}
+	return strings.Join(s, ",")
+}
+
+// cudaText is a CUDA backend's error without the "cuda: " its package
+// writes in front of it: the flag named before it says cuda already.
+func cudaText(err error) string { return strings.TrimPrefix(err.Error(), "cuda: ") }
 
 // GPUMemory names GPU 0 and gives its memory, or the error that says why
 // no GPU is usable (a plan's default device memory).
@@ -197,10 +245,10 @@ func ParseDevices(spec string) ([]int, error) {
 	if spec == "all" {
 		n, err := cuda.DeviceCount()
 		if err != nil {
-			return nil, fmt.Errorf("%w: --devices all: %w", ErrDevice, err)
+			return nil, errkind.Reword(ErrDevice, err, "--devices all: %s", cudaText(err))
 		}
 		if n == 0 {
-			return nil, fmt.Errorf("%w: --devices all: the driver sees no GPU", ErrDevice)
+			return nil, errkind.Errorf(ErrDevice, "--devices all: the driver sees no GPU: leave --devices out to run on one device (--device cpu without a GPU)")
 		}
 		ords := make([]int, n)
 		for i := range ords {
@@ -212,7 +260,7 @@ func ParseDevices(spec string) ([]int, error) {
 	for _, f := range strings.Split(spec, ",") {
 		o, err := strconv.Atoi(strings.TrimSpace(f))
 		if err != nil || o < 0 {
-			return nil, fmt.Errorf("%w: --devices %q: want GPU ordinals separated by commas (0,1,2,3) or all", ErrDevice, spec)
+			return nil, errkind.Errorf(ErrDevice, "--devices %q: want GPU ordinals separated by commas (0,1,2,3) or all", spec)
 		}
 		ords = append(ords, o)
 	}
@@ -229,7 +277,7 @@ func PlanDevices(spec string) ([]int, error) {
 	}
 	if n, err := strconv.Atoi(spec); err == nil {
 		if n < 1 {
-			return nil, fmt.Errorf("%w: --devices %d: want a count of at least 1, or ordinals (0,1)", ErrDevice, n)
+			return nil, errkind.Errorf(ErrDevice, "--devices %d: want a count of at least 1, or ordinals (0,1)", n)
 		}
 		ords := make([]int, n)
 		for i := range ords {
@@ -238,7 +286,7 @@ func PlanDevices(spec string) ([]int, error) {
 		return ords, nil
 	}
 	if spec == "all" {
-		return nil, fmt.Errorf("%w: --devices all: a plan on paper needs ordinals or a count", ErrDevice)
+		return nil, errkind.Errorf(ErrDevice, "--devices all: a plan on paper needs ordinals or a count")
 	}
 	ords, err := ParseDevices(spec)
 	if err != nil {
@@ -249,7 +297,7 @@ func PlanDevices(spec string) ([]int, error) {
 	seen := map[int]bool{}
 	for _, o := range ords {
 		if seen[o] {
-			return nil, fmt.Errorf("%w: --devices %q names GPU %d twice: a plan on paper gives every stage a GPU of its own; name distinct GPUs (or a count)", ErrDevice, spec, o)
+			return nil, errkind.Errorf(ErrDevice, "--devices %q names GPU %d twice: a plan on paper gives every stage a GPU of its own; name distinct GPUs (or a count)", spec, o)
 		}
 		seen[o] = true
 	}
@@ -266,7 +314,7 @@ func check(name string, o Options) error {
 	case "", "auto", "cpu", "cuda":
 		return nil
 	}
-	return fmt.Errorf("%w: %s: want %s", ErrDevice, o.said(strconv.Quote(name)), Names)
+	return errkind.Errorf(ErrDevice, "%s: want %s", o.said(strconv.Quote(name)), Names)
 }
 
 // Close releases what a backend holds beyond its tensors (a CUDA backend's

@@ -509,7 +509,7 @@ func TestDeviceErrorNamesTheKey(t *testing.T) {
 	cfg := Defaults()
 	cfg.Train.Device = "cuda"
 	_, err := backend(&cfg, io.Discard, 0)
-	if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "device: unavailable: train.device cuda: cuda: cannot load the CUDA driver") ||
+	if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "train.device cuda: cannot load the CUDA driver") ||
 		!strings.HasSuffix(err.Error(), "; without a GPU, set train.device: cpu") || strings.Contains(err.Error(), "--device") || strings.Count(err.Error(), "train.device") != 2 {
 		t.Errorf("train.device cuda without a driver: %v", err)
 	}
