@@ -138,17 +138,53 @@ func (m *Model) CheckDeviceFit(budget, maxLen, kMax, maxDraws int) error {
 		}
 		who = fmt.Sprintf("%s (pipeline stage of %s)", who, strings.Join(parts, "; "))
 	}
-	msg := fmt.Sprintf("%s: a forward of %d tokens with k up to %d%s needs %s of device memory beyond the weights (activations and kernel scratch), but %s of the device's %s is free after loading them (%s kept in reserve)",
-		who, budget, kMax, draws, gib(need), gib(max(0, free)), gib(total), gib(deviceReserve(total)))
+	what := fmt.Sprintf("a forward of %d tokens with k up to %d%s needs %s of device memory beyond the weights (activations and kernel scratch), but %s of the device's %s is free after loading them (%s kept in reserve)",
+		budget, kMax, draws, gib(need), gib(max(0, free)), gib(total), gib(deviceReserve(total)))
 	if fits == 0 {
-		more := "use a GPU with more memory, or --device cpu"
-		if len(m.stages) > 1 {
-			more = "spread the layers over more GPUs (--devices), or use GPUs with more memory"
-		}
-		return fmt.Errorf("%w: %s: not even one token fits; %s", ErrDeviceMemory, msg, more)
+		what += ": not even one token fits"
 	}
-	return fmt.Errorf("%w: %s: lower --token-budget to %d or less (or lower the largest k, --k-max, or the draws, --max-draws)", ErrDeviceMemory, msg, fits)
+	return &FitError{Device: who, Piped: len(m.stages) > 1, Budget: fits, Weights: fits == 0, What: what}
 }
+
+// FitError is the error of a teacher that does not fit a GPU's memory
+// (errors.Is: ErrDeviceMemory): its weights, which ran out of memory as
+// they loaded (Load, LoadStages) or leave no room for a forward of one
+// token beside them, or a forward of the token budget (CheckDeviceFit).
+// Its message says what does not fit and what to change in general terms;
+// a caller that knows its own flags (serve: teacherd's, cachectl fill's)
+// words the fix from the fields.
+type FitError struct {
+	// Device names the GPU, and the stage's layers when the teacher is
+	// pipelined: "GPU 1 (NVIDIA H100 80GB HBM3) (pipeline stage of
+	// layers 40-79, norm, LM head)".
+	Device string
+	// What says what does not fit, in bytes.
+	What string
+	// Weights: the weights themselves do not fit (not even a forward of
+	// one token fits beside them). Otherwise Budget is the largest token
+	// budget that fits.
+	Weights bool
+	Budget  int
+	// Piped: the teacher's layers are split over several stages.
+	Piped bool
+	// Err is the backend's error (the allocation that failed in a load),
+	// or nil.
+	Err error
+}
+
+func (e *FitError) Error() string {
+	if !e.Weights {
+		return fmt.Sprintf("%s: %s: lower --token-budget to %d or less (or lower the largest k, --k-max, or the draws, --max-draws)", e.Device, e.What, e.Budget)
+	}
+	fix := "spread the layers over more GPUs (--devices), or use GPUs with more memory"
+	if !e.Piped && e.Err == nil {
+		fix = "use a GPU with more memory, or --device cpu"
+	}
+	return fmt.Sprintf("%s: %s; %s", e.Device, e.What, fix)
+}
+
+func (e *FitError) Is(target error) bool { return target == ErrDeviceMemory }
+func (e *FitError) Unwrap() error        { return e.Err }
 
 // deviceGroup is the stages one device holds (several when stages share
 // a GPU: their needs add up).
@@ -190,7 +226,20 @@ var ErrDeviceMemory = errors.New("infer: does not fit the device memory")
 func (m *Model) firstForward() (err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			err = fmt.Errorf("%w: the first forward, of one token, failed: %v", ErrDeviceMemory, r)
+			e, ok := r.(error)
+			if !ok {
+				e = fmt.Errorf("%v", r)
+			}
+			if !errors.Is(e, compute.ErrOutOfMemory) {
+				err = fmt.Errorf("the first forward, of one token, failed: %w", e)
+				return
+			}
+			var names []string
+			for _, g := range m.deviceGroups() {
+				names = append(names, g.name)
+			}
+			err = &FitError{Device: strings.Join(names, ", "), Weights: true, Piped: len(m.stages) > 1, Err: e,
+				What: fmt.Sprintf("the first forward, of one token, ran out of memory after the weights loaded (%s)", strings.TrimPrefix(e.Error(), "cuda: "))}
 		}
 	}()
 	m.Forward([][]int32{{0}}, 1, 1)

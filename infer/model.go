@@ -43,6 +43,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 
 	"distill/compute"
 	"distill/model"
@@ -214,13 +215,15 @@ func newStages(cfg *model.Config, w *model.Weights, bes []compute.Backend, o Loa
 	if err := check(cfg); err != nil {
 		return nil, err
 	}
+	f := o.Weights
+	if f == "" {
+		f = WeightsBF16
+	}
 	plans := []StagePlan{{Embed: true, Head: true, EndLayer: cfg.Layers}}
 	if len(bes) > 1 {
-		f := o.Weights
-		if f == "" {
-			f = WeightsBF16
-		}
 		plans = SplitLayers(cfg, len(bes), f)
+	} else if cfg.Layers > 0 {
+		plans[0].WeightBytes = SplitLayers(cfg, 1, f)[0].WeightBytes // named if the load runs out of memory
 	}
 	m := &Model{Cfg: cfg}
 	var loaded []loadedTensor
@@ -254,18 +257,27 @@ type loadedTensor struct {
 }
 
 // loadStage binds stage p's tensors of w on be as o says; an
-// out-of-memory failure of the backend is an error naming the tensor, the
-// device and the stage (piped: the stage's layers too), and what the
-// device had free.
+// out-of-memory failure of the backend is a *FitError naming the tensor,
+// the device and the stage (piped: the stage's layers too), and what the
+// device had free, and no tensor is loaded after it (each would fail the
+// same way, and the error would say so once for each).
 func loadStage(cfg *model.Config, w *model.Weights, be compute.Backend, o LoadOptions, p StagePlan, piped bool, loaded *[]loadedTensor) (*decoder.Model, error) {
 	free := int64(-1)
 	if dm, ok := be.(compute.DeviceMemory); ok {
 		free, _ = dm.MemInfo()
 	}
+	format := o.Weights
+	if format == "" {
+		format = WeightsBF16
+	}
+	failed := false
 	return decoder.NewStage(cfg, be, func(name string) (t compute.Tensor, _ compute.Tensor, err error) {
+		if failed {
+			return nil, nil, nil // the stage fails with the first error
+		}
 		defer func() {
 			if r := recover(); r != nil {
-				t, err = nil, loadFailure(be, name, p, piped, free, r)
+				t, err, failed = nil, loadFailure(be, name, p, piped, free, format, r), true
 			}
 		}()
 		if t, err = bindWeight(be, w, name, o); err != nil {
@@ -276,26 +288,32 @@ func loadStage(cfg *model.Config, w *model.Weights, be compute.Backend, o LoadOp
 	}, p.FirstLayer, p.EndLayer)
 }
 
-// loadFailure turns a backend's panic while loading tensor name (an
-// out-of-memory error) into an error naming the device and the stage.
-func loadFailure(be compute.Backend, name string, p StagePlan, piped bool, free int64, r any) error {
+// loadFailure turns a backend's panic while loading tensor name into an
+// error naming the device and the stage: a *FitError for an out-of-memory
+// error (free: what the device had before the stage's weights, -1 if not
+// known; format: the weights' format on the device).
+func loadFailure(be compute.Backend, name string, p StagePlan, piped bool, free int64, format WeightFormat, r any) error {
 	err, ok := r.(error)
 	if !ok {
 		err = fmt.Errorf("%v", r)
 	}
 	where := compute.DeviceName(be)
 	if piped {
-		where = fmt.Sprintf("%s, pipeline stage of %s", where, p.What())
+		where = fmt.Sprintf("%s (pipeline stage of %s)", where, p.What())
 	}
 	if !errors.Is(err, compute.ErrOutOfMemory) {
 		return fmt.Errorf("loading %s onto %s: %w", name, where, err)
 	}
 	had := ""
 	if free >= 0 {
-		had = fmt.Sprintf(" (it had %s free before this stage's weights, about %s in BF16)", humanBytes(free), humanBytes(p.WeightBytes))
+		stage := "its weights"
+		if piped {
+			stage = "this stage's weights"
+		}
+		had = fmt.Sprintf("; it had %s free before %s, which take about %s in %s", humanBytes(free), stage, humanBytes(p.WeightBytes), format)
 	}
-	return fmt.Errorf("%w: loading %s onto %s: the device ran out of memory%s: spread the layers over more GPUs (--devices), or use GPUs with more memory: %w",
-		ErrDeviceMemory, name, where, had, err)
+	return &FitError{Device: where, Weights: true, Piped: piped, Err: err,
+		What: fmt.Sprintf("loading %s ran out of memory (%s)%s", name, strings.TrimPrefix(err.Error(), "cuda: "), had)}
 }
 
 // Forward runs the decoder over one packed batch and returns each position's

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -214,6 +215,9 @@ func NewCore(o CoreOptions) (*Core, error) {
 	}
 	m, err := infer.LoadStages(o.ModelDir, bes, so)
 	if err != nil {
+		if fe := (*infer.FitError)(nil); errors.As(err, &fe) {
+			return nil, doesNotFit(o, fe, err)
+		}
 		return nil, fmt.Errorf("loading teacher %s: %w", o.ModelDir, err)
 	}
 	V := m.Cfg.VocabSize
@@ -242,7 +246,10 @@ func NewCore(o CoreOptions) (*Core, error) {
 		datasets: map[string]*openDataset{}, inflight: map[cache.Range]int{}}
 	c.lim = Limits{VocabSize: V, MaxLen: min(m.Cfg.MaxPositions, o.TokenBudget), KDefault: o.KDefault, KMax: o.KMax, MaxDraws: o.MaxDraws}
 	if err := m.CheckDeviceFit(o.TokenBudget, c.lim.MaxLen, o.KMax, o.MaxDraws); err != nil {
-		return nil, fmt.Errorf("%w: teacher %s on %s: %w", ErrInvalid, o.ModelDir, o.Device, err)
+		if fe := (*infer.FitError)(nil); errors.As(err, &fe) {
+			return nil, doesNotFit(o, fe, err)
+		}
+		return nil, configErrorf("the teacher %s on %s: %w", o.ModelDir, o.Device, err)
 	}
 	tdir := o.TokenizerDir
 	if tdir == "" {
@@ -281,6 +288,53 @@ func NewCore(o CoreOptions) (*Core, error) {
 		}
 	}
 	return c, nil
+}
+
+// doesNotFit is the error of a teacher that does not fit its GPUs (err,
+// whose *infer.FitError is fe): what does not fit, on which GPU, and what
+// to do in the flags of the command that started it (teacherd's, or
+// cachectl fill --model's when o.InProcess). It is a configuration error,
+// not a request's: no request was made.
+func doesNotFit(o CoreOptions, fe *infer.FitError, err error) error {
+	say := func(daemon, inProcess string) string {
+		if o.InProcess {
+			return inProcess
+		}
+		return daemon
+	}
+	var fix string
+	if fe.Weights {
+		gpus := max(2, len(o.Devices)+1) // one GPU more than it has now
+		ords := make([]string, gpus)
+		for i := range ords {
+			ords[i] = fmt.Sprint(i)
+		}
+		ways := []string{"spread its layers over several GPUs (--devices " + strings.Join(ords, ",") + ")"}
+		if fe.Piped {
+			ways[0] = "spread its layers over more GPUs (--devices " + strings.Join(ords, ",") + ")"
+		}
+		fp8 := o.Weights == string(infer.WeightsFP8)
+		if !fp8 {
+			ways = append(ways, "load its layers' Linear weights in FP8 ("+say("--weights fp8", "--teacher-weights fp8")+": a byte a weight instead of two, a teacher of another fingerprint)")
+		}
+		if fe.Piped {
+			ways = append(ways, "use GPUs with more memory")
+		} else {
+			ways = append(ways, "use a GPU with more memory (or --device cpu)")
+		}
+		plan := say(fmt.Sprintf("teacherd --plan --model %s --devices %s", o.ModelDir, strings.Join(ords, ",")),
+			fmt.Sprintf("cachectl plan --config %s --devices %d", filepath.Join(o.ModelDir, "config.json"), gpus))
+		note := " (add --weights fp8 for FP8)"
+		if fp8 {
+			plan, note = plan+" --weights fp8", ""
+		}
+		fix = fmt.Sprintf("%s, or %s; `%s`%s prints how its layers split over the GPUs and each GPU's bytes, from config.json alone",
+			strings.Join(ways[:len(ways)-1], ", "), ways[len(ways)-1], plan, note)
+	} else {
+		fix = fmt.Sprintf("lower --token-budget to %d or less%s", fe.Budget,
+			say(" (or lower --k-max or --max-draws, which the check plans for)", " (or a smaller --k or --samples, which the check plans for)"))
+	}
+	return errkind.Reword(ErrConfig, err, "the teacher %s does not fit %s: %s: %s", o.ModelDir, fe.Device, fe.What, fix)
 }
 
 // openBackends opens the teacher's backend (o.Device), or one per GPU of

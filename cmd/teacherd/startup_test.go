@@ -1,13 +1,19 @@
 package main
 
 import (
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 
+	"distill/compute"
 	"distill/compute/cuda/cudaemu"
+	"distill/compute/device"
+	"distill/model"
 )
 
 // runTeacherd runs `teacherd ARGS --listen 127.0.0.1:0 --metrics off`
@@ -90,5 +96,76 @@ func TestStartupErrorsOneSentence(t *testing.T) {
 				t.Errorf("teacherd %s: a package prefix %q in %s", strings.Join(tc.args, " "), prefix, got)
 			}
 		}
+	}
+}
+
+// TestGPUTooSmall: a GPU too small for the teacher is a startup error
+// that says what does not fit, on which GPU, and what to do: for the
+// weights, --devices, --weights fp8, a larger GPU and the plan that shows
+// the split (`teacherd --plan`); for a token budget, the budget that
+// fits. It said "teacherd: serve: invalid request: teacher DIR on cuda:
+// infer: does not fit the device memory: ..." (no request was made), and
+// a load that ran out of memory named every tensor that failed after the
+// first, one line each, each "about 0.0 KiB in BF16".
+func TestGPUTooSmall(t *testing.T) {
+	cudaemu.Use(t)
+	if cudaemu.OnGPU() {
+		t.Skip("shrinks the emulated GPU")
+	}
+	t.Setenv("DISTILL_EMU_DEVICES", "1")
+	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
+	// What the CUDA backend takes of the device before any weight (its
+	// workspace and pool), as the daemon will open it: the use a second
+	// backend adds (this process's emulated device holds what other
+	// tests left on it too).
+	used := func() int64 {
+		be, err := device.Open("cuda", device.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { device.Close(be) })
+		free, total := be.(compute.DeviceMemory).MemInfo()
+		return total - free
+	}
+	before := used()
+	backend := used() - before
+	// A teacher of 4 MiB of embedding and as much LM head on a GPU with
+	// 1 MiB left after the backend: the embedding does not load.
+	dir := t.TempDir()
+	cfg, err := model.Preset(model.ArchQwen3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.VocabSize, cfg.Hidden, cfg.Layers, cfg.Intermediate, cfg.MaxPositions, cfg.TieEmbeddings = 8192, 256, 1, 256, 256, false
+	if err := model.WriteCheckpoint(dir, cfg, model.Init(cfg, model.InitOptions{Seed: 1}), "BF16"); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(backend+1<<20))
+	stderr, code := runTeacherd(t, "--model", dir, "--device", "cuda")
+	got := lastLine(stderr)
+	for _, want := range []string{
+		"teacherd: the teacher " + dir + " does not fit GPU 0 (distill CPU emulator): loading model.embed_tokens.weight ran out of memory (",
+		"; it had 1.0 MiB free before its weights, which take about ",
+		": spread its layers over several GPUs (--devices 0,1), load its layers' Linear weights in FP8 (--weights fp8: ",
+		"or use a GPU with more memory (or --device cpu); `teacherd --plan --model " + dir + " --devices 0,1` (add --weights fp8 for FP8) prints how its layers split over the GPUs and each GPU's bytes",
+	} {
+		if code != 1 || !strings.Contains(got, want) {
+			t.Errorf("weights that do not fit: exit %d, last line\n%s\nwant exit 1 and %q", code, got, want)
+		}
+	}
+	if n := strings.Count(stderr, "ran out of memory"); n != 1 || strings.Contains(got, "invalid request") || strings.Contains(got, "about 0.0 KiB") {
+		t.Errorf("weights that do not fit: %d failures said:\n%s", n, stderr)
+	}
+	// Room for the weights, the reserve and a small forward: a budget of
+	// a million tokens does not fit, a smaller one does.
+	t.Setenv("DISTILL_EMU_DEVICE_MEM", fmt.Sprint(backend+64<<20+256<<20+16<<20))
+	stderr, code = runTeacherd(t, "--model", dir, "--device", "cuda", "--token-budget", "1000000")
+	got = lastLine(stderr)
+	m := regexp.MustCompile(`^teacherd: the teacher .* does not fit GPU 0 \(distill CPU emulator\): a forward of 1000000 tokens with k up to 4096 and up to 64 draws a position needs .*: lower --token-budget to (\d+) or less \(or lower --k-max or --max-draws, which the check plans for\)$`).FindStringSubmatch(got)
+	if code != 1 || m == nil || strings.Contains(got, "invalid request") {
+		t.Fatalf("a token budget that does not fit: exit %d, last line\n%s", code, got)
+	}
+	if n, _ := strconv.Atoi(m[1]); n < 1 || n >= 1000000 {
+		t.Errorf("the budget said to fit: %d", n)
 	}
 }

@@ -252,7 +252,8 @@ func TestPipelineOutOfMemoryOnLoad(t *testing.T) {
 	_, err = infer.LoadStages(dir, bes, infer.LoadOptions{})
 	t.Logf("%v", err)
 	if !errors.Is(err, infer.ErrDeviceMemory) || !errors.Is(err, compute.ErrOutOfMemory) ||
-		!strings.Contains(err.Error(), "onto GPU 1 (distill CPU emulator), pipeline stage of layer 1, norm, LM head: the device ran out of memory (it had ") ||
+		!strings.HasPrefix(err.Error(), dir+": GPU 1 (distill CPU emulator) (pipeline stage of layer 1, norm, LM head): loading ") ||
+		!strings.Contains(err.Error(), " ran out of memory (") || !strings.Contains(err.Error(), "; it had ") || strings.Count(err.Error(), "ran out of memory") != 1 ||
 		!strings.Contains(err.Error(), "--devices") {
 		t.Fatalf("GPU 1 out of memory mid-load: %v", err)
 	}
