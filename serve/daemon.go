@@ -229,6 +229,13 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if err != nil {
 		return nil, errkind.Wrap(ErrConfig, err)
 	}
+	if len(devices) > 0 {
+		// --device cpu --devices 0,1 was refused by NewCore, after the
+		// daemon had said it listens.
+		if err := device.CheckStages(cfg.Device, devices); err != nil {
+			return nil, errkind.Wrap(ErrConfig, err)
+		}
+	}
 	if cfg.MicroBatches < 0 {
 		return nil, configErrorf("--micro-batches %d: want 0 (four a GPU) or more", cfg.MicroBatches)
 	}

@@ -150,6 +150,11 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if err != nil {
 			return cli.Usage(err) // --devices' syntax
 		}
+		if len(ords) > 0 {
+			if err := dev.CheckStages(*device, ords); err != nil {
+				return cli.Usage(err) // --device cpu --devices 0,1, before the teacher loads
+			}
+		}
 		if *micro < 0 {
 			return cli.Usagef("--micro-batches %d: want 0 (four a GPU) or more", *micro)
 		}

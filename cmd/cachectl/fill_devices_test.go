@@ -84,6 +84,12 @@ func TestFillDevices(t *testing.T) {
 			t.Errorf("%v: %v, want an error naming %q", c.args, err, c.want)
 		}
 	}
+	// Flags that exclude each other: a usage error, before the teacher
+	// loads (it was refused once loading had begun, exit 1).
+	out, err := runFill(t, args("x", "--devices", "0,1", "--device", "cpu")...)
+	if cli.ExitStatus(err) != 2 || strings.Contains(out, "loading teacher") {
+		t.Errorf("--device cpu --devices 0,1: exit %d, %v\n%s", cli.ExitStatus(err), err, out)
+	}
 }
 
 // cacheRows reads every sample of a cache: its top-k ids and log-probs.

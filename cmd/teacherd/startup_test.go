@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -167,5 +168,25 @@ func TestGPUTooSmall(t *testing.T) {
 	}
 	if n, _ := strconv.Atoi(m[1]); n < 1 || n >= 1000000 {
 		t.Errorf("the budget said to fit: %d", n)
+	}
+}
+
+// TestDeviceFlagsBeforeListening: --device cpu --devices 0,1 is refused
+// before the daemon listens (the port below is taken: listening would
+// fail otherwise), with no "listening" line before the error; it was
+// refused after the daemon had logged that it listened, once the model
+// began to load.
+func TestDeviceFlagsBeforeListening(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	cmd := exec.Command(os.Args[0], "--model", tinyModelDir(t), "--device", "cpu", "--devices", "0,1", "--listen", l.Addr().String(), "--metrics", "off")
+	cmd.Env = append(os.Environ(), "TEACHERD_TEST_MAIN=1")
+	out, _ := cmd.CombinedOutput()
+	want := "teacherd: --device cpu --devices 0,1: --devices places the teacher's layers on GPUs: use --device cuda (or auto) with it, or leave --devices out to run on the CPU"
+	if code := cmd.ProcessState.ExitCode(); code != 1 || strings.TrimSpace(string(out)) != want {
+		t.Errorf("--device cpu --devices 0,1: exit %d, output\n%s\nwant exit 1 and only\n%s", code, out, want)
 	}
 }
