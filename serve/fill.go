@@ -562,13 +562,18 @@ func (d *fillDispatch) work(ctx context.Context, w Worker, down *atomic.Int64) {
 		if !d.waitBusy(ctx, r) {
 			return
 		}
+		called := time.Now().UnixNano()
 		err := w.Fill(ctx, d.p.request(d.fp, r), func(m *pb.FillResponse) error {
 			d.report(w, m)
 			return nil
 		})
 		if err == nil {
-			if since := down.Swap(0); since != 0 {
-				d.say("fill: teacher %s answers again (it failed for %s)", w.Name(), time.Since(time.Unix(0, since)).Round(time.Second))
+			// Only a call made after w failed shows that it answers
+			// again: one already in flight then (the chunk a draining
+			// daemon finishes while it refuses new calls) does not, and w
+			// stays failing.
+			if since := down.Load(); since != 0 && since < called && down.CompareAndSwap(since, 0) {
+				d.say("fill: teacher %s answers again (it failed for %s)", w.Name(), roundDuration(time.Since(time.Unix(0, since))))
 			}
 			backoff = 200 * time.Millisecond
 			if d.remaining.Add(-1) == 0 {
@@ -590,6 +595,15 @@ func (d *fillDispatch) work(ctx context.Context, w Worker, down *atomic.Int64) {
 		}
 		backoff = min(2*backoff, 5*time.Second)
 	}
+}
+
+// roundDuration rounds d to the second, or under a second to the
+// millisecond (not "0s").
+func roundDuration(d time.Duration) time.Duration {
+	if d < time.Second {
+		return d.Round(time.Millisecond)
+	}
+	return d.Round(time.Second)
 }
 
 // report counts a chunk w reported. A chunk reported and then redone (its

@@ -3,6 +3,7 @@ package serve
 import (
 	"context"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -37,6 +38,67 @@ func TestFillSaysRetriesAsTheyHappen(t *testing.T) {
 	summary := strings.Index(got, "2 retries")
 	if failed < 0 || back < failed || summary < back || strings.Count(got, "failed (Unavailable") != 1 {
 		t.Errorf("output:\n%s", got)
+	}
+}
+
+// syncWriter is a strings.Builder that several goroutines write.
+type syncWriter struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (w *syncWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+func (w *syncWriter) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
+
+// TestFillSaysAnswersAgainOnlyAfterAnAnswer: a teacher that stops in the
+// middle of a fill with two chunks in flight (a daemon draining: the
+// chunk it computes finishes, the next calls are refused) is said to
+// answer again only when a call made after it failed succeeds, not when
+// the call it was finishing returns. The fill said "answers again (it
+// failed for 0s)" as that call returned, and "failed" again at the next
+// refusal. Two workers: call 1 is held until the other worker has failed
+// (call 2) and is in its retry (call 3, held until the first worker's
+// next call, 4, which it makes once call 1's success is handled); calls
+// 3 and 4 fail too, and the rest succeed.
+func TestFillSaysAnswersAgainOnlyAfterAnAnswer(t *testing.T) {
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: "data.jsonl"}}, Pretokenized: true}
+	down := status.Error(codes.Unavailable, "connection refused")
+	release1, release3 := make(chan struct{}), make(chan struct{})
+	a := newFake("a:7070", "/a", nil)
+	a.fill = func(f *fakeTeacher, call int, r *pb.FillRequest) error {
+		switch call {
+		case 1:
+			<-release1
+		case 2:
+			return down
+		case 3:
+			close(release1)
+			<-release3
+			return down
+		case 4:
+			close(release3)
+			return down
+		}
+		return nil
+	}
+	var out syncWriter
+	p := FillPlan{Dataset: ds, ChunkSamples: 8, PerWorker: 2, LogEvery: time.Hour, Out: &out}
+	if _, err := RunFill(context.Background(), []Worker{a}, p); err != nil {
+		t.Fatalf("fill: %v\n%s", err, out.String())
+	}
+	got := out.String()
+	if strings.Count(got, "fill: teacher a:7070 failed (Unavailable: connection refused)") != 1 || strings.Count(got, "fill: teacher a:7070 answers again (it failed for ") != 1 ||
+		strings.Index(got, "answers again") < strings.Index(got, "failed (") || strings.Contains(got, "failed for 0s") {
+		t.Errorf("want the failure said once, then that it answers again once:\n%s", got)
 	}
 }
 
