@@ -75,7 +75,8 @@ log: {progress: "off"}
 // TestSIGTERMOneRankStopsTheJob: SIGTERM to one rank of a data-parallel
 // job (a scheduler preempting one node) stops every rank after the same
 // step; rank 0 writes the job's checkpoint, every rank exits 0
-// (train.sigterm_exit_status's default), and so does the launcher. The
+// (train.sigterm_exit_status's default), and so does the launcher; rank
+// 0 alone prints the resume command. The
 // ranks run on the CUDA emulator, two emulated GPUs and its NCCL
 // stand-in; the signal goes to rank 1 alone, found among the launcher's
 // children by its RANK. First, the same job run to its end exits 0 on
@@ -130,6 +131,12 @@ func TestSIGTERMOneRankStopsTheJob(t *testing.T) {
 	}
 	if strings.Contains(out, "exited with status") {
 		t.Fatalf("the launcher reports a rank's failure:\n%s", out)
+	}
+	// The job's resume command once, from rank 0; rank 1 says it stopped
+	// with the others. Every rank printed "resume with: ...".
+	if strings.Count(out, "resume with: ") != 1 || !strings.Contains(out, "[rank 0] resume with: ") ||
+		!strings.Contains(out, fmt.Sprintf("[rank 1] student train: stopped by SIGTERM after step %d of 1000000000 with the other ranks; rank 0 says how to resume\n", k)) {
+		t.Errorf("want the resume command from rank 0 alone:\n%s", out)
 	}
 }
 

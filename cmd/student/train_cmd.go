@@ -165,7 +165,14 @@ func runTrain(args []string) error {
 	if err != nil || !res.Interrupted {
 		return err
 	}
-	// Interrupted, resumable.
+	// Interrupted, resumable. Rank 0 of a data-parallel job prints how to
+	// go on, the job's command; the other ranks say they stopped with it.
+	if env.WorldSize > 1 && env.Rank != 0 {
+		if res.Checkpoint == "" {
+			return &cli.Interrupted{Signal: ss, Exit0: exit0, Msg: fmt.Sprintf("stopped by %s before the first step with the other ranks: nothing saved; rank 0 says how to start again", by)}
+		}
+		return &cli.Interrupted{Signal: ss, Exit0: exit0, Msg: fmt.Sprintf("stopped by %s after step %d of %d with the other ranks; rank 0 says how to resume", by, res.Step, cfg.Train.MaxSteps)}
+	}
 	if res.Checkpoint == "" {
 		return &cli.Interrupted{Signal: ss, Exit0: exit0, Msg: fmt.Sprintf("stopped by %s before the first step: nothing saved\nstart again with: %s", by, resumeCommand(jobArgv(), ""))}
 	}
