@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"distill/cache"
+	"distill/compute/device"
 	"distill/data/tokenizer"
 	"distill/internal/cli"
 	"distill/train"
@@ -32,6 +33,7 @@ func runEval(args []string) error {
 	tokFP := fs.String("tokenizer-fingerprint", "", "the student's tokenizer fingerprint (default: the checkpoint's, the config's)")
 	tokDir := fs.String("tokenizer", "", "directory with the student's tokenizer.json (alternative to --tokenizer-fingerprint)")
 	asJSON := fs.Bool("json", false, "print every metric and the loss settings as one JSON object")
+	dev := fs.String("device", "auto", "where the student's forward runs: auto (the GPU when one's CUDA backend opens, else the CPU), cpu or cuda (the GPU, or an error naming what is missing)")
 	// The loss, over the config's distill section (without --config: the
 	// loss the checkpoint's run was trained with, else the defaults).
 	// Each sets distill.<key>; read back through fs.Visit below.
@@ -52,6 +54,9 @@ func runEval(args []string) error {
 	}
 	if *ckpt == "" {
 		return cli.Usagef("--checkpoint is required")
+	}
+	if err := device.Check(*dev, device.Inference); err != nil {
+		return cli.Usage(err)
 	}
 	trainer.EvalProgress = evalProgress(evalLog, evalTerminal(evalLog))
 	defer func() { trainer.EvalProgress = nil }()
@@ -98,7 +103,13 @@ func runEval(args []string) error {
 		return err
 	}
 	cfg := *c
-	s, st, err := trainer.LoadStudent(*ckpt)
+	be, err := device.Open(*dev, device.Options{Purpose: device.Inference,
+		Logf: func(format string, args ...any) { fmt.Fprintf(evalLog, "eval: "+format+"\n", args...) }})
+	if err != nil {
+		return err
+	}
+	defer device.Close(be)
+	s, st, err := trainer.LoadStudentOn(*ckpt, be)
 	if err != nil {
 		return err
 	}

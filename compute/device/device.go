@@ -45,7 +45,7 @@ type Purpose uint8
 
 const (
 	// Inference is the teacher's forward (teacherd, cachectl fill and
-	// score): the forward kernels only.
+	// score) and the student's in student eval: no training step.
 	Inference Purpose = iota
 	// Training is the student's forward, backward and optimizer: the
 	// whole contract.

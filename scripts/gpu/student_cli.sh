@@ -21,7 +21,8 @@
 #   4. student export --format bf16, then --format nvfp4, of that run:
 #      each exits 0, with config.json and model.safetensors written (and
 #      nvfp4's hf_quant_config.json)
-#   5. student eval of that run on the cache: exits 0
+#   5. student eval of that run on the cache, on the GPU (--device cuda):
+#      exits 0
 #
 # Each check prints "ok: ..." or "FAIL: ..." and the command's output; the
 # exit status is 1 when any failed. On a GPU the whole should take about
@@ -148,7 +149,7 @@ for format in bf16 nvfp4; do
 done
 
 # 5. Eval of the run on the cache.
-run eval "$student" eval --checkpoint "$rundir" --cache "$cache" --range 0:8
+run eval "$student" eval --checkpoint "$rundir" --cache "$cache" --range 0:8 --device cuda
 rc=$?
 if [ "$rc" != 0 ]; then
   fail "eval: exit status $rc, want 0"

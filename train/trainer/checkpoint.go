@@ -572,8 +572,15 @@ func writeFileSync(path string, data []byte) error {
 // directory (its newest checkpoint), a checkpoint directory, or any HF
 // checkpoint directory. A checkpoint's state.json, when present, restores
 // the NVFP4 QAD state, so the student runs fake-quantized as in training;
-// the returned State is nil for a plain HF directory.
+// the returned State is nil for a plain HF directory. The student is on
+// the CPU; LoadStudentOn puts it on another backend.
 func LoadStudent(path string) (*train.Student, *State, error) {
+	return LoadStudentOn(path, device.CPU(0))
+}
+
+// LoadStudentOn is LoadStudent onto the backend be (student eval
+// --device: a GPU's).
+func LoadStudentOn(path string, be compute.Backend) (*train.Student, *State, error) {
 	if _, err := os.Stat(path); err != nil {
 		return nil, nil, fmt.Errorf("%s: no such run or checkpoint directory (%w)", path, err)
 	}
@@ -594,14 +601,14 @@ func LoadStudent(path string) (*train.Student, *State, error) {
 		path = ck
 	}
 	if _, err := os.Stat(filepath.Join(path, "state.json")); err == nil {
-		return loadCheckpoint(path, device.CPU(0))
+		return loadCheckpoint(path, be)
 	}
 	if ckErr != nil && cfgErr != nil && hfErr != nil {
 		// Not a run, a checkpoint or an HF directory (a run's parent,
 		// say): "open DIR/config.json: no such file" said only half.
 		return nil, nil, fmt.Errorf("%s is neither a student train run directory (no checkpoints/ or config.yaml) nor a checkpoint (no config.json): give a run directory (its run_dir or --run-dir), one of its checkpoints/step-N, or an HF checkpoint directory", path)
 	}
-	s, err := train.LoadHF(path)
+	s, err := train.LoadHFOn(path, be)
 	return s, nil, err
 }
 
