@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -44,5 +45,20 @@ func TestLoadConfigErrors(t *testing.T) {
 	}
 	if _, err := LoadConfig(filepath.Join(dir, "none.yaml")); err == nil || !strings.Contains(err.Error(), "--config "+filepath.Join(dir, "none.yaml")+": no such file or directory") {
 		t.Errorf("missing config: %v", err)
+	}
+}
+
+// TestSettingKeys: each value CheckSetting checks names a key of the
+// config file that sets it (a bad value from the file is named by it).
+func TestSettingKeys(t *testing.T) {
+	keys := map[string]bool{}
+	typ := reflect.TypeOf(Config{})
+	for i := 0; i < typ.NumField(); i++ {
+		keys[typ.Field(i).Tag.Get("yaml")] = true
+	}
+	for _, s := range settings {
+		if !keys[s.key] || s.key != strings.ReplaceAll(s.flag, "-", "_") {
+			t.Errorf("setting --%s: key %q is not its config key", s.flag, s.key)
+		}
 	}
 }

@@ -216,14 +216,13 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if cfg.Model == "" {
 		return nil, configErrorf("no model: give --model DIR or model: in the config")
 	}
-	// A bad name is refused before listening: a probe must not see a
+	// A bad value is refused before listening: a probe must not see a
 	// half-started daemon. A device that does not open (no driver) fails
 	// in NewCore, before the daemon serves.
-	if err := device.Check(cfg.Device, device.Inference); err != nil {
-		return nil, errkind.Wrap(ErrConfig, err)
-	}
-	if w := cfg.Weights; w != "" && w != string(infer.WeightsBF16) && w != string(infer.WeightsFP8) {
-		return nil, configErrorf("--weights %q: want bf16 or fp8", w)
+	for _, s := range settings {
+		if err := cfg.CheckSetting(s.flag, ""); err != nil {
+			return nil, err
+		}
 	}
 	devices, err := device.ParseDevices(cfg.Devices)
 	if err != nil {
@@ -235,9 +234,6 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 		if err := device.CheckStages(cfg.Device, devices); err != nil {
 			return nil, errkind.Wrap(ErrConfig, err)
 		}
-	}
-	if cfg.MicroBatches < 0 {
-		return nil, configErrorf("--micro-batches %d: want 0 (four a GPU) or more", cfg.MicroBatches)
 	}
 	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
 		return nil, configErrorf("TLS needs both --tls-cert and --tls-key")
@@ -251,7 +247,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if err != nil {
 		return nil, configErrorf("--model %s: %w", cfg.Model, err)
 	}
-	if err := cfg.checkValues(mc.VocabSize); err != nil {
+	if err := cfg.checkK(mc.VocabSize); err != nil {
 		return nil, err
 	}
 	// A --tokenizer without tokenizer.json failed only after the weights
@@ -374,33 +370,112 @@ func (d *Daemon) Shutdown(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
-// checkValues refuses the settings no daemon can run with, before
-// anything is bound or loaded (a bad value used to be found after the
-// weights had loaded, or never: a negative max_concurrent lifted the
-// bound, a negative queue size took the default). vocab is the model's,
-// from its config.json.
-func (c *Config) checkValues(vocab int) error {
-	for _, v := range []struct {
-		flag, dflt string
-		n          int
-	}{
-		{"--token-budget", "8192", c.TokenBudget},
-		{"--max-concurrent", "64", c.MaxConcurrent},
-		{"--queue-samples", "1024", c.QueueSamples},
-		{"--queue-tokens", "8 token budgets", c.QueueTokens},
-	} {
-		if v.n < 0 {
-			return configErrorf("%s %d: want a positive number (0 or none: the default, %s)", v.flag, v.n, v.dflt)
+// A setting is a value of Config checked alone, before anything is
+// read, opened or bound (a bad value used to be found after the weights
+// had loaded, or never: a negative max_concurrent lifted the bound, a
+// negative queue size took the default): its teacherd flag, its config
+// file key, and its check, whose error names the value as said does (the
+// flag, or the file's key).
+type setting struct {
+	flag, key string
+	check     func(c *Config, said string) error
+}
+
+// settings are the values CheckSetting checks.
+var settings = []setting{
+	{"device", "device", func(c *Config, said string) error {
+		return device.CheckSetting(c.Device, device.Options{Purpose: device.Inference, Setting: said})
+	}},
+	{"weights", "weights", func(c *Config, said string) error {
+		if w := c.Weights; w != "" && w != string(infer.WeightsBF16) && w != string(infer.WeightsFP8) {
+			return fmt.Errorf("%s %q: want bf16 or fp8", said, w)
+		}
+		return nil
+	}},
+	{"devices", "devices", func(c *Config, said string) error { return device.CheckDevices(c.Devices, said) }},
+	{"micro-batches", "micro_batches", func(c *Config, said string) error {
+		if c.MicroBatches < 0 {
+			return fmt.Errorf("%s %d: want 0 (four a GPU) or more", said, c.MicroBatches)
+		}
+		return nil
+	}},
+	{"token-budget", "token_budget", notNegative(func(c *Config) int { return c.TokenBudget }, "8192")},
+	{"max-concurrent", "max_concurrent", notNegative(func(c *Config) int { return c.MaxConcurrent }, "64")},
+	{"queue-samples", "queue_samples", notNegative(func(c *Config) int { return c.QueueSamples }, "1024")},
+	{"queue-tokens", "queue_tokens", notNegative(func(c *Config) int { return c.QueueTokens }, "8 token budgets")},
+	{"max-draws", "max_draws", func(c *Config, said string) error {
+		if c.MaxDraws < 0 || c.MaxDraws > cache.MaxDraws {
+			return fmt.Errorf("%s %d: want 1 to %d draws a position (0 or none: the default, %d)", said, c.MaxDraws, cache.MaxDraws, DefaultMaxDraws)
+		}
+		return nil
+	}},
+	{"drain-timeout", "drain_timeout", func(c *Config, said string) error {
+		if c.DrainTimeout < 0 {
+			return fmt.Errorf("%s %v: want a positive duration, e.g. 30s", said, c.DrainTimeout)
+		}
+		return nil
+	}},
+	{"listen", "listen", func(c *Config, said string) error { return checkAddress(said, c.Listen) }},
+	{"metrics", "metrics", func(c *Config, said string) error {
+		if c.Metrics == "off" {
+			return nil
+		}
+		return checkAddress(said, c.Metrics)
+	}},
+}
+
+// notNegative is the check of a count whose 0 is the default dflt.
+func notNegative(v func(*Config) int, dflt string) func(*Config, string) error {
+	return func(c *Config, said string) error {
+		if n := v(c); n < 0 {
+			return fmt.Errorf("%s %d: want a positive number (0 or none: the default, %s)", said, n, dflt)
+		}
+		return nil
+	}
+}
+
+// checkAddress refuses an address net.Listen would refuse for its form
+// (not HOST:PORT), with listenError's message, without binding it; ""
+// is the default.
+func checkAddress(said, addr string) error {
+	if addr == "" {
+		return nil
+	}
+	if _, _, err := net.SplitHostPort(addr); err != nil {
+		return listenError(said, addr, err)
+	}
+	return nil
+}
+
+// CheckSetting checks the value c holds for the setting teacherd's flag
+// named flag sets ("weights" for --weights) as far as the value alone
+// tells, before anything is read, opened or bound, as Start does: the
+// device name and the weight format, the form of --devices and of the
+// listen addresses, the counts and bounds. It is nil for a good value,
+// and for a setting whose check needs more (a file, the model's
+// config.json, the GPUs: Start checks those). Its error (ErrConfig)
+// names the setting as the flag (`--weights "fp4": want bf16 or fp8`)
+// when file is "", else as the key of the config file file (`config
+// FILE: weights: "fp4": want bf16 or fp8`): teacherd checks the flags
+// given before it reads the file, as a usage error, and the file's values
+// that no flag overrides after.
+func (c *Config) CheckSetting(flag, file string) error {
+	for _, s := range settings {
+		if s.flag == flag {
+			said := "--" + s.flag
+			if file != "" {
+				said = "config " + file + ": " + s.key + ":"
+			}
+			return errkind.Wrap(ErrConfig, s.check(c, said))
 		}
 	}
-	if c.MaxDraws < 0 || c.MaxDraws > cache.MaxDraws {
-		return configErrorf("--max-draws %d: want 1 to %d draws a position (0 or none: the default, %d)", c.MaxDraws, cache.MaxDraws, DefaultMaxDraws)
-	}
-	if c.DrainTimeout < 0 {
-		return configErrorf("--drain-timeout %v: want a positive duration, e.g. 30s", c.DrainTimeout)
-	}
-	// The k bounds as NewCore sets and checks them, from the vocabulary
-	// config.json gives, so that they fail before the weights load.
+	return nil
+}
+
+// checkK refuses k bounds the model cannot give, before anything is
+// bound or loaded, as NewCore sets and checks them, from the vocabulary
+// vocab its config.json gives (they failed once the weights had loaded).
+func (c *Config) checkK(vocab int) error {
 	o := CoreOptions{KMax: c.KMax, KDefault: c.KDefault}
 	if o.KMax == 0 {
 		o.KMax = min(vocab, 4096)

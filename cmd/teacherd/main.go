@@ -143,11 +143,36 @@ func parseConfig(args []string) (serve.Config, bool, planFlags, error) {
 	if !pf.on && pf.deviceMemory != "" {
 		return f, false, pf, cli.Usagef("--device-memory is for --plan: a running teacherd measures its GPUs' memory")
 	}
+	// The values of the flags given, before the config file is read: a
+	// bad one is what the command line alone gets wrong, a usage error
+	// (exit 2); serve.Start, which sees the flags and the file merged,
+	// would refuse it as a bad configuration (exit 1).
+	given := map[string]bool{}
+	var bad error
+	fs.Visit(func(fl *flag.Flag) {
+		given[fl.Name] = true
+		if bad == nil {
+			bad = f.CheckSetting(fl.Name, "")
+		}
+	})
+	if bad != nil {
+		return f, false, pf, cli.Usage(bad)
+	}
 	cfg := f
 	if *config != "" {
 		var err error
 		if cfg, err = serve.LoadConfig(*config); err != nil {
 			return cfg, false, pf, err
+		}
+		// The file's values that no flag overrides: a bad one is the
+		// file's (exit 1), named by its key.
+		fs.VisitAll(func(fl *flag.Flag) {
+			if bad == nil && !given[fl.Name] {
+				bad = cfg.CheckSetting(fl.Name, *config)
+			}
+		})
+		if bad != nil {
+			return cfg, false, pf, bad
 		}
 		fs.Visit(func(fl *flag.Flag) { overrideFlag(&cfg, &f, fl.Name) })
 	}

@@ -49,7 +49,8 @@ func lastLine(s string) string {
 // each layer wrapped them in: a --devices GPU that does not exist said
 // "teacherd: serve: bad configuration: device: unavailable: --devices:
 // GPU 1: cuda: device 1 does not exist: the driver sees 1 GPU(s),
-// ordinals 0..0".
+// ordinals 0..0". A bad flag value exits 2 (a usage error: it exited 1),
+// a GPU or model that fails 1.
 func TestStartupErrorsOneSentence(t *testing.T) {
 	cudaemu.Use(t)
 	if cudaemu.OnGPU() {
@@ -61,20 +62,21 @@ func TestStartupErrorsOneSentence(t *testing.T) {
 	missing := filepath.Join(t.TempDir(), "nosuchmodel")
 	for _, tc := range []struct {
 		args []string
+		code int    // 2: a bad flag value, what the command line alone gets wrong
 		want string // the whole line
 	}{
-		{[]string{"--model", m, "--device", "cuda", "--devices", "0,1"},
+		{[]string{"--model", m, "--device", "cuda", "--devices", "0,1"}, 1,
 			"teacherd: --devices 0,1: GPU 1 does not exist (this machine has 1 GPU: 0): name only those, or --devices all"},
-		{[]string{"--model", m, "--devices", "0,x"},
+		{[]string{"--model", m, "--devices", "0,x"}, 2,
 			`teacherd: --devices "0,x": want GPU ordinals separated by commas (0,1,2,3) or all`},
-		{[]string{"--model", m, "--device", "gpu"}, `teacherd: --device "gpu": want auto, cpu or cuda`},
-		{[]string{"--model", m, "--weights", "fp4"}, `teacherd: --weights "fp4": want bf16 or fp8`},
-		{[]string{"--model", missing}, "teacherd: --model " + missing + ": open " + filepath.Join(missing, "config.json") +
+		{[]string{"--model", m, "--device", "gpu"}, 2, `teacherd: --device "gpu": want auto, cpu or cuda`},
+		{[]string{"--model", m, "--weights", "fp4"}, 2, `teacherd: --weights "fp4": want bf16 or fp8`},
+		{[]string{"--model", missing}, 1, "teacherd: --model " + missing + ": open " + filepath.Join(missing, "config.json") +
 			": no such file or directory (a checkpoint directory needs config.json)"},
 	} {
 		stderr, code := runTeacherd(t, tc.args...)
-		if got := lastLine(stderr); code != 1 || got != tc.want {
-			t.Errorf("teacherd %s: exit %d, last line\n%s\nwant exit 1 and\n%s", strings.Join(tc.args, " "), code, got, tc.want)
+		if got := lastLine(stderr); code != tc.code || got != tc.want {
+			t.Errorf("teacherd %s: exit %d, last line\n%s\nwant exit %d and\n%s", strings.Join(tc.args, " "), code, got, tc.code, tc.want)
 		}
 	}
 	// Without a driver: the driver's own fix, then the CPU's.

@@ -33,8 +33,9 @@ import (
 )
 
 // ErrDevice is in the chain of every error of Open, OpenStages, Check,
-// CheckStages and ParseDevices (errors.Is); its text is not in their
-// messages, which name the flag (or config key) and what to do.
+// CheckSetting, CheckStages, ParseDevices and CheckDevices (errors.Is);
+// its text is not in their messages, which name the flag (or config key)
+// and what to do.
 var ErrDevice = errors.New("device: unavailable")
 
 // Names lists the values Open accepts.
@@ -73,7 +74,8 @@ type Options struct {
 	// and its kernels compiled or read from the cache.
 	Logf func(format string, args ...any)
 	// Setting is what the user set the name with, named in errors: a
-	// flag ("": --device) or a config key (the trainer's train.device).
+	// flag ("": --device) or a config key (the trainer's train.device,
+	// or teacherd's "config FILE: device:").
 	Setting string
 }
 
@@ -256,11 +258,30 @@ func ParseDevices(spec string) ([]int, error) {
 		}
 		return ords, nil
 	}
+	return parseOrdinals(spec, "--devices")
+}
+
+// CheckDevices checks the form of a --devices value as ParseDevices
+// reads it, GPU ordinals separated by commas or all, without the driver
+// (all's GPUs are not counted: ParseDevices does that). Its error names
+// the value as setting sets it: "--devices", or a config key.
+func CheckDevices(spec, setting string) error {
+	spec = strings.TrimSpace(spec)
+	if spec == "" || spec == "all" {
+		return nil
+	}
+	_, err := parseOrdinals(spec, setting)
+	return err
+}
+
+// parseOrdinals reads GPU ordinals separated by commas; an error names
+// spec as setting sets it.
+func parseOrdinals(spec, setting string) ([]int, error) {
 	var ords []int
 	for _, f := range strings.Split(spec, ",") {
 		o, err := strconv.Atoi(strings.TrimSpace(f))
 		if err != nil || o < 0 {
-			return nil, errkind.Errorf(ErrDevice, "--devices %q: want GPU ordinals separated by commas (0,1,2,3) or all", spec)
+			return nil, errkind.Errorf(ErrDevice, "%s %q: want GPU ordinals separated by commas (0,1,2,3) or all", setting, spec)
 		}
 		ords = append(ords, o)
 	}
@@ -307,6 +328,11 @@ func PlanDevices(spec string) ([]int, error) {
 // Check reports whether Open accepts name for p, before anything is
 // opened (a config's validation).
 func Check(name string, p Purpose) error { return check(name, Options{Purpose: p}) }
+
+// CheckSetting is Check for o.Purpose, its error naming the name as
+// o.Setting sets it, as Open's do: `train.device "tpu": want auto, cpu
+// or cuda`.
+func CheckSetting(name string, o Options) error { return check(name, o) }
 
 // check is Check naming o.Setting.
 func check(name string, o Options) error {
