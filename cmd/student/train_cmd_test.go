@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"os"
 	"path/filepath"
@@ -155,5 +156,37 @@ log: {progress: "off"}
 	}
 	if _, err := tm.TopK([][]int32{{87, 104, 97}}, infer.Options{K: 4}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestTrainDeviceError: a train.device that does not open is one
+// sentence naming train.device, what is missing and the fix, exit 1 (a
+// bad config); it read "student train: trainer: bad config: train.device
+// cuda: ...", the trainer's sentinel in front of a whole sentence.
+func TestTrainDeviceError(t *testing.T) {
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 16, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(dir, "run.yaml")
+	os.WriteFile(cfg, []byte(`model:
+  random: {arch: qwen3, vocab_size: 97, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,
+           num_key_value_heads: 1, head_dim: 16, intermediate_size: 64, max_position_embeddings: 128}
+  tokenizer_fingerprint: testcache-tokenizer
+data: {seq_len: 64, global_batch_tokens: 128}
+train: {max_steps: 1, device: cuda}
+log: {progress: "off"}
+`), 0o644)
+	t.Setenv("DISTILL_LIBCUDA", filepath.Join(dir, "libcuda.so.1"))
+	var stderr strings.Builder
+	code := commands.Run([]string{"train", "--config", cfg, "--run-dir", filepath.Join(dir, "run"), "--cache", b.CacheDir}, io.Discard, &stderr)
+	line := strings.TrimSpace(stderr.String())
+	if i := strings.LastIndex(line, "\n"); i >= 0 {
+		line = line[i+1:]
+	}
+	if code != 1 || !strings.HasPrefix(line, "student train: train.device cuda: cannot load the CUDA driver: ") ||
+		!strings.HasSuffix(line, "; without a GPU, set train.device: cpu") || strings.Contains(line, "bad config") {
+		t.Errorf("train.device cuda without a driver: exit %d, last line\n%s", code, line)
 	}
 }

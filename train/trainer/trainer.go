@@ -130,6 +130,7 @@ import (
 	"distill/compute"
 	"distill/compute/device"
 	"distill/data/tokenizer"
+	"distill/internal/errkind"
 	"distill/model"
 	"distill/train"
 )
@@ -332,7 +333,9 @@ func backend(cfg *Config, log io.Writer, ordinal int) (compute.Backend, error) {
 	be, err := device.Open(cfg.Train.Device, device.Options{Purpose: device.Training, Threads: cfg.Train.Threads, Ordinal: ordinal,
 		Logf: func(format string, args ...any) { fmt.Fprintf(log, format+"\n", args...) }, Setting: "train.device"})
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrConfig, err) // it names train.device
+		// Its message is a whole sentence naming train.device and the
+		// fix: ErrConfig is in its chain, not its text.
+		return nil, errkind.Wrap(ErrConfig, err)
 	}
 	return be, nil
 }

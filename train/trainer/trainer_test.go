@@ -503,13 +503,15 @@ func TestConfigErrors(t *testing.T) {
 // TestDeviceErrorNamesTheKey: train.device cuda on a machine without the
 // CUDA driver names train.device, what it was set to and how to set the
 // CPU there; it said "train.device: device: unavailable: --device cuda:
-// ... without a GPU use --device cpu", a flag the user never gave.
+// ... without a GPU use --device cpu", a flag the user never gave. The
+// sentence is the whole message, ErrConfig in its chain only: it began
+// "trainer: bad config: ".
 func TestDeviceErrorNamesTheKey(t *testing.T) {
 	t.Setenv("DISTILL_LIBCUDA", filepath.Join(t.TempDir(), "libcuda.so.1"))
 	cfg := Defaults()
 	cfg.Train.Device = "cuda"
 	_, err := backend(&cfg, io.Discard, 0)
-	if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "train.device cuda: cannot load the CUDA driver") ||
+	if !errors.Is(err, ErrConfig) || !strings.HasPrefix(err.Error(), "train.device cuda: cannot load the CUDA driver") ||
 		!strings.HasSuffix(err.Error(), "; without a GPU, set train.device: cpu") || strings.Contains(err.Error(), "--device") || strings.Count(err.Error(), "train.device") != 2 {
 		t.Errorf("train.device cuda without a driver: %v", err)
 	}
