@@ -218,7 +218,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		if fe := (*infer.FitError)(nil); errors.As(err, &fe) {
 			return nil, doesNotFit(o, fe, err)
 		}
-		return nil, fmt.Errorf("loading teacher %s: %w", o.ModelDir, err)
+		return nil, loadError(o.ModelDir, err)
 	}
 	V := m.Cfg.VocabSize
 	if o.KMax == 0 {
@@ -559,6 +559,42 @@ func checkK(o CoreOptions, V int) error {
 		return configErrorf("--k-default %d: want 1 <= k-default <= %d (k-max)", o.KDefault, o.KMax)
 	}
 	return nil
+}
+
+// loadError is the error of the teacher in dir whose weights did not
+// load (for a reason other than memory: doesNotFit), naming dir once.
+// err often names it already: first ("DIR: checkpoint does not match
+// config.json: ...": "loading teacher " goes in front of it), or inside
+// ("no model.safetensors ... in DIR", "DIR/model.safetensors: truncated":
+// "loading teacher: "); "loading teacher DIR: " in front of those said
+// the path twice.
+func loadError(dir string, err error) error {
+	msg := err.Error()
+	switch {
+	case strings.HasPrefix(msg, dir+": "):
+		return fmt.Errorf("loading teacher %w", err)
+	case namesPath(msg, dir) || namesPath(msg, filepath.Clean(dir)):
+		return fmt.Errorf("loading teacher: %w", err)
+	}
+	return fmt.Errorf("loading teacher %s: %w", dir, err)
+}
+
+// namesPath reports whether msg names the path p: p as a word of its
+// own, or a path's first part (p followed by '/').
+func namesPath(msg, p string) bool {
+	for i := 0; p != ""; {
+		j := strings.Index(msg[i:], p)
+		if j < 0 {
+			return false
+		}
+		j += i
+		end := j + len(p)
+		if (j == 0 || strings.ContainsRune(" (\"'", rune(msg[j-1]))) && (end == len(msg) || strings.ContainsRune(" :/,;)\"'", rune(msg[end]))) {
+			return true
+		}
+		i = j + 1
+	}
+	return false
 }
 
 // anotherCache is the fix for a fill that does not match the cache

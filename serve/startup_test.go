@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"distill/internal/testdirs"
+	"distill/model"
 )
 
 // weightlessModel is a checkpoint directory with the tiny model's
@@ -153,5 +154,48 @@ func TestPortsInUseBeforeLoading(t *testing.T) {
 	}
 	if err := startErr(t, Config{Model: m, Metrics: "9090"}); !strings.Contains(err.Error(), "--metrics 9090: address 9090: missing port in address: want HOST:PORT") {
 		t.Errorf("--metrics 9090: %v", err)
+	}
+}
+
+// TestLoadErrorNamesTheDirOnce: a teacher whose weights do not load says
+// its directory once: it said "loading teacher DIR: DIR: model:
+// safetensors: checkpoint does not match config.json: ...", and "loading
+// teacher DIR: ... in DIR" for a directory without weights. The cause
+// stays in the chain.
+func TestLoadErrorNamesTheDirOnce(t *testing.T) {
+	src := tinyModel(t)
+	copyModel := func(edit func(config string) string) string {
+		dir := t.TempDir()
+		for _, f := range []string{"config.json", "model.safetensors"} {
+			b, err := os.ReadFile(filepath.Join(src, f))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if f == "config.json" {
+				b = []byte(edit(string(b)))
+			}
+			os.WriteFile(filepath.Join(dir, f), b, 0o644)
+		}
+		return dir
+	}
+	twoLayers := copyModel(func(c string) string {
+		return strings.Replace(c, `"num_hidden_layers": 1`, `"num_hidden_layers": 2`, 1)
+	})
+	truncated := copyModel(func(c string) string { return c })
+	b, _ := os.ReadFile(filepath.Join(truncated, "model.safetensors"))
+	os.WriteFile(filepath.Join(truncated, "model.safetensors"), b[:len(b)/2], 0o644)
+	weightless := weightlessModel(t)
+	for _, c := range []struct {
+		dir, want string
+	}{
+		{twoLayers, "loading teacher " + twoLayers + ": model: safetensors: checkpoint does not match config.json: missing tensor model.layers.1."},
+		{twoLayers + "/", "loading teacher " + twoLayers + "/: model: safetensors: checkpoint does not match config.json: missing tensor model.layers.1."},
+		{weightless, "loading teacher: model: safetensors: no model.safetensors, model.safetensors.index.json or *.safetensors in " + weightless},
+		{truncated + "/", "loading teacher: model: safetensors: " + filepath.Join(truncated, "model.safetensors") + ": tensor "},
+	} {
+		_, err := NewCore(CoreOptions{ModelDir: c.dir, Device: "cpu"})
+		if err == nil || !strings.HasPrefix(err.Error(), c.want) || strings.Count(err.Error(), filepath.Clean(c.dir)) != 1 || !errors.Is(err, model.ErrSafetensors) {
+			t.Errorf("--model %s: %v\nwant %q..., the directory once", c.dir, err, c.want)
+		}
 	}
 }

@@ -60,6 +60,14 @@ func TestStartupErrorsOneSentence(t *testing.T) {
 	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
 	m := tinyModelDir(t)
 	missing := filepath.Join(t.TempDir(), "nosuchmodel")
+	weightless := t.TempDir() // config.json alone
+	b, err := os.ReadFile(filepath.Join(m, "config.json"))
+	if err == nil {
+		err = os.WriteFile(filepath.Join(weightless, "config.json"), b, 0o644)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, tc := range []struct {
 		args []string
 		code int    // 2: a bad flag value, what the command line alone gets wrong
@@ -73,6 +81,7 @@ func TestStartupErrorsOneSentence(t *testing.T) {
 		{[]string{"--model", m, "--weights", "fp4"}, 2, `teacherd: --weights "fp4": want bf16 or fp8`},
 		{[]string{"--model", missing}, 1, "teacherd: --model " + missing + ": open " + filepath.Join(missing, "config.json") +
 			": no such file or directory (a checkpoint directory needs config.json)"},
+		{[]string{"--model", weightless}, 1, "teacherd: loading teacher: model: safetensors: no model.safetensors, model.safetensors.index.json or *.safetensors in " + weightless},
 	} {
 		stderr, code := runTeacherd(t, tc.args...)
 		if got := lastLine(stderr); code != tc.code || got != tc.want {
