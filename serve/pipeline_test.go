@@ -40,12 +40,7 @@ func tinyModel2(t testing.TB) string {
 // emulator with two GPUs.
 func usePipeEmu(t *testing.T) {
 	t.Helper()
-	cudaemu.Use(t)
-	if cudaemu.OnGPU() {
-		t.Skip("two GPUs: emulated only")
-	}
-	t.Setenv("DISTILL_EMU_DEVICES", "2")
-	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
+	cudaemu.UseDevices(t, 2, "two GPUs: emulated only")
 }
 
 // TestCorePipelined: a core on two emulated GPUs (teacherd --devices 0,1,

@@ -24,12 +24,7 @@ import (
 // --devices with the CPU, with daemons, or naming a GPU that is not
 // there is an error saying so.
 func TestFillDevices(t *testing.T) {
-	cudaemu.Use(t)
-	if cudaemu.OnGPU() {
-		t.Skip("two GPUs: emulated only")
-	}
-	t.Setenv("DISTILL_EMU_DEVICES", "2")
-	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
+	cudaemu.UseDevices(t, 2, "two GPUs: emulated only")
 	mdir := t.TempDir()
 	cfg, err := model.Preset(model.ArchQwen3)
 	if err != nil {

@@ -83,8 +83,7 @@ log: {progress: "off"}
 // every rank, five times (a rank closing the control plane as soon as
 // its run returned made the others' watchers exit 1 at times).
 func TestSIGTERMOneRankStopsTheJob(t *testing.T) {
-	cudaemu.Use(t)
-	t.Setenv("DISTILL_EMU_DEVICES", "2")
+	cudaemu.UseDevices(t, 2, "two GPUs: emulated only")
 	dir := t.TempDir()
 	b, err := testcache.Build(testcache.Options{Dir: filepath.Join(dir, "cache"), Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
 	if err != nil {
@@ -170,8 +169,7 @@ func childPIDs(t *testing.T, pid int) []int {
 // of resharding are package trainer's tests; this is the glue of the
 // commands around them.)
 func TestDataParallelCLI(t *testing.T) {
-	cudaemu.Use(t)
-	t.Setenv("DISTILL_EMU_DEVICES", "3")
+	cudaemu.UseDevices(t, 3, "three GPUs: emulated only")
 	dir := t.TempDir()
 	b, err := testcache.Build(testcache.Options{Dir: filepath.Join(dir, "cache"), Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
 	if err != nil {

@@ -25,12 +25,7 @@ import (
 // (--format bf16); `student eval` scores the run and the merged export
 // alike.
 func TestLoRACLI(t *testing.T) {
-	cudaemu.Use(t)
-	if cudaemu.OnGPU() {
-		t.Skip("two GPUs: emulated only")
-	}
-	t.Setenv("DISTILL_EMU_DEVICES", "2")
-	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
+	cudaemu.UseDevices(t, 2, "two GPUs: emulated only")
 	dir := t.TempDir()
 	b, err := testcache.Build(testcache.Options{Dir: filepath.Join(dir, "cache"), Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
 	if err != nil {

@@ -23,12 +23,7 @@ import (
 // cache verifies, and a run from that cache trains bit for bit as the
 // online one did (the promise of examples/train.yaml).
 func TestOnlineCUDACLI(t *testing.T) {
-	cudaemu.Use(t)
-	if cudaemu.OnGPU() {
-		t.Skip("two GPUs: emulated only")
-	}
-	t.Setenv("DISTILL_EMU_DEVICES", "2")
-	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
+	cudaemu.UseDevices(t, 2, "two GPUs: emulated only")
 	dir := t.TempDir()
 	tok := filepath.Join(dir, "tok")
 	os.MkdirAll(tok, 0o755)

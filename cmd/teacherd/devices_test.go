@@ -101,12 +101,7 @@ func (d *daemonProc) stop(t *testing.T) int {
 // holds the fill at a chunk with a hook: a signal sent to the command
 // while its fill runs would depend on timing.)
 func TestDevicesDaemon(t *testing.T) {
-	cudaemu.Use(t)
-	if cudaemu.OnGPU() {
-		t.Skip("two GPUs: emulated only")
-	}
-	t.Setenv("DISTILL_EMU_DEVICES", "2")
-	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
+	cudaemu.UseDevices(t, 2, "two GPUs: emulated only")
 	mdir := t.TempDir()
 	cfg, err := model.Preset(model.ArchQwen3)
 	if err != nil {

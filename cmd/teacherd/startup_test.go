@@ -52,12 +52,7 @@ func lastLine(s string) string {
 // ordinals 0..0". A bad flag value exits 2 (a usage error: it exited 1),
 // a GPU or model that fails 1.
 func TestStartupErrorsOneSentence(t *testing.T) {
-	cudaemu.Use(t)
-	if cudaemu.OnGPU() {
-		t.Skip("the GPUs a machine has are its own")
-	}
-	t.Setenv("DISTILL_EMU_DEVICES", "1")
-	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
+	cudaemu.UseDevices(t, 1, "the GPUs a machine has are its own")
 	m := tinyModelDir(t)
 	missing := filepath.Join(t.TempDir(), "nosuchmodel")
 	weightless := t.TempDir() // config.json alone
@@ -120,12 +115,7 @@ func TestStartupErrorsOneSentence(t *testing.T) {
 // a load that ran out of memory named every tensor that failed after the
 // first, one line each, each "about 0.0 KiB in BF16".
 func TestGPUTooSmall(t *testing.T) {
-	cudaemu.Use(t)
-	if cudaemu.OnGPU() {
-		t.Skip("shrinks the emulated GPU")
-	}
-	t.Setenv("DISTILL_EMU_DEVICES", "1")
-	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
+	cudaemu.UseDevices(t, 1, "shrinks the emulated GPU")
 	// What the CUDA backend takes of the device before any weight (its
 	// workspace and pool), as the daemon will open it: the use a second
 	// backend adds (this process's emulated device holds what other

@@ -37,6 +37,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -81,6 +82,20 @@ func Use(t testing.TB) {
 	for _, v := range []string{"DISTILL_LIBCUDA", "DISTILL_LIBNVRTC", "DISTILL_LIBCUBLASLT", "DISTILL_LIBCUDNN", "DISTILL_LIBNCCL"} {
 		t.Setenv(v, lib)
 	}
+}
+
+// UseDevices is Use for a test of n emulated GPUs (DISTILL_EMU_DEVICES),
+// with a kernel cache of its own: a test of several GPUs, or of a GPU the
+// emulator shrinks, runs on the emulator only, and is skipped on a real
+// GPU (OnGPU), whose machine has the GPUs it has, saying why.
+func UseDevices(t testing.TB, n int, why string) {
+	t.Helper()
+	Use(t)
+	if OnGPU() {
+		t.Skip(why)
+	}
+	t.Setenv("DISTILL_EMU_DEVICES", strconv.Itoa(n))
+	t.Setenv("DISTILL_KERNEL_CACHE", t.TempDir())
 }
 
 // cudaDir is compute/cuda in the source tree: where this file was
