@@ -87,7 +87,11 @@ fi
 # pageable:DISTILL_CUDA_PAGEABLE=1: uploads from Go's pageable memory and
 # the loss values downloaded when read, not staged in pinned memory; or
 # eager:DISTILL_CUDA_EAGER_ZEROS=1: a memset for every Zero and the
-# backward adding to the zeroed gradients, as before the deferred zeros), on
+# backward adding to the zeroed gradients, as before the deferred zeros; or
+# ragged:DISTILL_CUDNN_RAGGED=1: cuDNN's attention through the ragged graph
+# for the benchmark's one-sample rows too, as before the fixed-length graph;
+# or logits:DISTILL_CUDA_RECOMPUTE_LOGITS=1: the loss head's pass 2
+# computing its logits again, as before they were kept), on
 # DISTILL_BENCH_SHAPES, each into variant-NAME/ (VARIANT_BUDGET seconds
 # each, default 60).
 for v in ${TRAIN_VARIANTS:-}; do
