@@ -16,6 +16,7 @@ import (
 	"distill/compute"
 	"distill/compute/cuda"
 	"distill/compute/cuda/cudaemu"
+	"distill/train/testcache"
 )
 
 // The student on the CUDA backend. Without a GPU the backend is the CPU
@@ -150,6 +151,54 @@ func TestCUDALossCurve(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestCUDALossCurveFixedLengths: rows of samples of one length (two of 32
+// tokens a row of 64) take cuDNN's fixed-length attention graph (the plans
+// say "fixed lengths"), forward and backward, and the CUDA run follows
+// the CPU's loss curve within curveTol, as TestCUDALossCurve's ragged rows
+// do.
+func TestCUDALossCurveFixedLengths(t *testing.T) {
+	useCUDA(t)
+	b, err := testcache.Build(testcache.Options{Dir: t.TempDir(), Vocab: 97, K: 8, Samples: 64, Chunk: 16, MinLen: 32, MaxLen: 32, Seed: 6})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := curveSteps()
+	over := []string{fmt.Sprintf("train.max_steps=%d", n), "eval.every=0", "checkpoint.every=0", "data.global_batch_tokens=128", "data.eval_range=[0, 8]"}
+	cpuRun, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "cpu"), append(over, "train.device=cpu")...), Options{Log: io.Discard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var log bytes.Buffer
+	gpuRun, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "cuda"), append(over, "train.device=cuda")...), Options{Log: &log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, dir := range []string{"forward", "deterministic backward"} {
+		want := "attention plan for the " + dir + ", 2 samples of 32 tokens each (fixed lengths)"
+		switch {
+		case strings.Contains(log.String(), want):
+		case cudaemu.OnGPU(): // a cuDNN that refuses the graph runs the ragged one: say so
+			for _, l := range strings.Split(log.String(), "\n") {
+				if strings.Contains(l, "cuDNN") {
+					t.Logf("no fixed-length %s plan on this GPU: %s", dir, l)
+				}
+			}
+		default:
+			t.Fatalf("no %q in the log:\n%s", want, log.String())
+		}
+	}
+	if len(cpuRun.Steps) != n || len(gpuRun.Steps) != n {
+		t.Fatalf("%d cpu steps, %d cuda steps, want %d", len(cpuRun.Steps), len(gpuRun.Steps), n)
+	}
+	for i := range cpuRun.Steps {
+		c, g := cpuRun.Steps[i], gpuRun.Steps[i]
+		if rel := math.Abs(g.Loss-c.Loss) / math.Abs(c.Loss); !(rel <= curveTol) {
+			t.Fatalf("step %d: cuda loss %.6g, cpu %.6g: relative difference %.3g > %g", c.Step, g.Loss, c.Loss, rel, curveTol)
+		}
+	}
+	t.Logf("%d steps: loss %.4f -> %.4f on the CPU, %.4f -> %.4f on CUDA", n, cpuRun.Steps[0].Loss, cpuRun.Steps[n-1].Loss, gpuRun.Steps[0].Loss, gpuRun.Steps[n-1].Loss)
 }
 
 // TestCUDAResume: on CUDA, 12 steps straight versus 6 steps abandoned after
