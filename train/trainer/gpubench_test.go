@@ -88,7 +88,7 @@ func benchTrainShapes(b *testing.B) (shapes []trainShape, T, V, K int) {
 	}
 	cudaemu.Use(b)
 	shapes = append(shapes, trainShape{"tiny", 64, 2, 4, 2, 16, 128})
-	return shapes, 96, 1000, 64
+	return shapes, 128, 1000, 64 // rows of one sample of 128 tokens: a power of two, so cuDNN's fixed-length graph, as 8192 on a GPU
 }
 
 // BenchmarkCUDATrainStep times whole training steps of Qwen3-0.6B- and
@@ -166,6 +166,16 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 					b.Fatal(err)
 				}
 				defer ad.Free()
+				// The loss head keeps its logits between its passes where the
+				// plan has room for them on this device, as the trainer's
+				// check before step 1 decides (DISTILL_CUDA_RECOMPUTE_LOGITS=1:
+				// never, the comparison's variant).
+				shape := train.PlanShape{Model: cfg, RowTokens: rows * T, K: K, QAD: qad, Recompute: recompute, Activations: be.ActDType(),
+					AttnWorkspace: be.AttentionWorkspaceBytes(rows, T, cfg.Heads, cfg.KVHeads, cfg.HeadDim)}
+				shape.KeepLogits = true
+				_, total := be.MemInfo()
+				shape.KeepLogits = os.Getenv("DISTILL_CUDA_RECOMPUTE_LOGITS") != "1" && train.PlanMemory(shape).Total() <= total-train.DeviceReserve(total)
+				s.SetKeepLogits(shape.KeepLogits)
 				// A step as the trainer runs it: the row's loss read after
 				// the norm, the step's one host wait (TestCUDAHostWaits).
 				step := func() float64 {
@@ -238,7 +248,8 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				b.ReportMetric(devmem, "devmem_GiB")
 				ws := be.AttentionWorkspaceBytes(rows, T, cfg.Heads, cfg.KVHeads, cfg.HeadDim) // the plans the steps built
 				b.ReportMetric(float64(ws)/(1<<20), "attn_ws_MiB")
-				plan := train.PlanMemory(train.PlanShape{Model: cfg, RowTokens: rows * T, K: K, QAD: qad, Recompute: recompute, Activations: be.ActDType(), AttnWorkspace: ws})
+				shape.AttnWorkspace = ws
+				plan := train.PlanMemory(shape)
 				b.ReportMetric(float64(plan.Total())/(1<<30), "plan_GiB")
 				if outDir == "" {
 					return
@@ -247,7 +258,7 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 					"tokens_per_s": tokens / sec, "step_s": sec, "tflops": flops / sec / 1e12,
 					"devmem_GiB": devmem, "plan_GiB": float64(plan.Total()) / (1 << 30), "recompute": recompute, "loss": lossV, "gpu": be.Info().Name,
 					"fb_ms": fbMS, "clip_ms": clipMS, "adamw_ms": adamMS, "attention": be.AttentionImpl(), "attn_workspace_bytes": ws,
-					"host_waits": nWaits}
+					"host_waits": nWaits, "keep_logits": shape.KeepLogits}
 				if peak > 0 {
 					res["mfu_pct"] = 100 * flops / sec / 1e12 / peak
 				}
