@@ -427,17 +427,7 @@ func (c *Core) defaults(kp *int32, temp float32) (int, float32) {
 // idsOnly is the data.Tokenizer of pre-tokenized datasets: no text can be
 // encoded (a text record yields no tokens, which fill reports), ids are
 // checked against the model's vocabulary by package data.
-type idsOnly struct{ vocab int }
-
-func (t idsOnly) Encode(string) []int32                    { return nil }
-func (t idsOnly) EncodeOffsets(string) ([]int32, [][2]int) { return nil, nil }
-func (t idsOnly) VocabSize() int                           { return t.vocab }
-func (t idsOnly) TokenID(string) (int32, bool)             { return 0, false }
-func (t idsOnly) Fingerprint() string                      { return fmt.Sprintf("pretokenized:vocab=%d", t.vocab) }
-func (t idsOnly) ChatTemplate() string                     { return "" }
-func (t idsOnly) BOS() string                              { return "" }
-func (t idsOnly) EOS() string                              { return "" }
-func (t idsOnly) AddBOS() bool                             { return false }
+func idsOnly(vocab int) data.IDsOnly { return data.IDsOnly{Vocab: vocab} }
 
 // dataset opens (or returns the already opened) dataset of spec, and a
 // func the caller calls once done with it. The core keeps at most
@@ -473,7 +463,7 @@ func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, func(), error) {
 			return nil, nil, fmt.Errorf("%w: template_vars_json: %v", ErrInvalid, err)
 		}
 	}
-	var tok data.Tokenizer = idsOnly{c.model.Cfg.VocabSize}
+	var tok data.Tokenizer = idsOnly(c.model.Cfg.VocabSize)
 	if !spec.GetPretokenized() {
 		if c.tok == nil {
 			return nil, nil, fmt.Errorf("%w: the dataset is not marked pre-tokenized but %s", ErrPrecondition, c.say(
@@ -535,7 +525,7 @@ func (c *Core) DescribeDataset(spec *pb.Dataset) (*pb.DescribeDatasetResponse, e
 		return nil, err
 	}
 	defer release()
-	tfp := idsOnly{c.model.Cfg.VocabSize}.Fingerprint()
+	tfp := idsOnly(c.model.Cfg.VocabSize).Fingerprint()
 	if !spec.GetPretokenized() {
 		tfp = c.tok.Fingerprint()
 	}
@@ -771,7 +761,7 @@ func (c *Core) newFill(r *pb.FillRequest, d *data.Dataset, emit func(*pb.FillRes
 	if enc == "" {
 		enc = cache.EncodingCompact
 	}
-	tfp := idsOnly{c.model.Cfg.VocabSize}.Fingerprint()
+	tfp := idsOnly(c.model.Cfg.VocabSize).Fingerprint()
 	if !r.GetDataset().GetPretokenized() {
 		tfp = c.tok.Fingerprint()
 	}

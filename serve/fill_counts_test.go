@@ -46,7 +46,7 @@ func TestDatasetSpecRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, err := data.Open(srcs, idsOnly{core.Model().Cfg.VocabSize}, opts)
+	d, err := data.Open(srcs, idsOnly(core.Model().Cfg.VocabSize), opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,7 +99,7 @@ func TestFillCountsReachTheClient(t *testing.T) {
 	path := countsDataset(t, tmp)
 	for _, policy := range []string{"truncate", "drop"} {
 		ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true, MaxLen: 6, Policy: policy, SkipBad: true}
-		d, err := data.Open([]data.Source{{Path: path}}, idsOnly{512}, data.Options{MaxLen: 6, Policy: data.Policy(policy), SkipBad: true})
+		d, err := data.Open([]data.Source{{Path: path}}, idsOnly(512), data.Options{MaxLen: 6, Policy: data.Policy(policy), SkipBad: true})
 		if err != nil {
 			t.Fatal(err)
 		}
