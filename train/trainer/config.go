@@ -413,6 +413,13 @@ type DatasetConfig struct {
 	// Workers is the number of tokenization goroutines reading ahead of
 	// the step (0: 2); the samples do not depend on it.
 	Workers int `yaml:"workers"`
+	// Pretokenized marks records that hold input_ids (and loss_mask), as
+	// `cachectl fill --pretokenized`: no tokenizer reads them, so the run
+	// needs neither model.tokenizer nor model.tokenizer_fingerprint (with
+	// neither, the student's tokenizer is "pretokenized:vocab=V", as such
+	// a cache records), and the ids are checked against the student's
+	// vocab_size (a live teacher's vocab_size must equal it).
+	Pretokenized bool `yaml:"pretokenized"`
 }
 
 // ColumnsConfig renames the fields records are read from (fill's
@@ -1143,6 +1150,9 @@ func (c *Config) validateDataset() error {
 	}
 	if _, err := d.templateVars(); err != nil {
 		return err
+	}
+	if d.Pretokenized && (d.ChatTemplate != "" || len(d.TemplateVars) > 0) {
+		return bad("data.dataset.pretokenized", "true with a chat_template or template_vars: pre-tokenized records (input_ids) are not rendered by a template; remove chat_template and template_vars, or pretokenized")
 	}
 	return nil
 }

@@ -44,7 +44,8 @@ func startOnline(cfg *Config, sc *model.Config, tokFP string, maxLen int, m *cac
 	oc := &cfg.Distill.OnlineConfig
 	on := &online{cfg: oc, log: log}
 	on.ctx, on.cancel = context.WithCancel(context.Background())
-	want := infoWant{tokenizer: tokFP, vocab: sc.VocabSize, k: int32(oc.K), maxLen: maxLen, draws: int32(oc.Samples)}
+	want := infoWant{tokenizer: tokFP, vocab: sc.VocabSize, k: int32(oc.K), maxLen: maxLen, draws: int32(oc.Samples),
+		pretokenized: cfg.Data.Dataset != nil && cfg.Data.Dataset.Pretokenized}
 	kind, _ := cache.ParseTargets(cfg.Distill.Targets) // validated
 	tg := scoreTargets{kind: kind, draws: int32(oc.Samples), dataset: m.DatasetFingerprint}
 	// Dial every teacher first, so that their Info checks run together.

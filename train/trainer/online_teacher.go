@@ -114,6 +114,10 @@ type infoWant struct {
 	k         int32 // asked (0: the teacher's default)
 	maxLen    int   // the longest sample the run sends
 	draws     int32 // asked per position (sampled kinds; 0: none)
+	// pretokenized: the run sends a pre-tokenized dataset's ids, which no
+	// tokenizer made on either side: the vocabularies are compared, and
+	// the tokenizers only where both the student and the daemon have one.
+	pretokenized bool
 }
 
 // scoreTargets is the target kind a run asks its teachers for
@@ -423,10 +427,14 @@ func (p *teacherPool) checkInfo(r *replica, in *pb.InfoResponse) error {
 	}
 	w := p.want
 	sampled := p.tg.kind == cache.TargetsSampled // no head: k is not asked
+	// Pre-tokenized ids need no tokenizer on either side: the tokenizers
+	// are compared only where both have one (as cachectl fill
+	// --pretokenized, whose cache records none).
+	checkTok := !w.pretokenized || (in.GetTokenizerFingerprint() != "" && !strings.HasPrefix(w.tokenizer, "pretokenized:"))
 	switch {
-	case in.GetTokenizerFingerprint() == "":
+	case checkTok && in.GetTokenizerFingerprint() == "":
 		return bad("the daemon has no tokenizer, so the student's tokenizer (%.12s) cannot be checked against it: start teacherd with --tokenizer (the student's tokenizer directory)", w.tokenizer)
-	case in.GetTokenizerFingerprint() != w.tokenizer:
+	case checkTok && in.GetTokenizerFingerprint() != w.tokenizer:
 		return bad("tokenizer %s, but the student's tokenizer is %s: teacher and student must share a tokenizer; start teacherd with the student's --tokenizer, or train a student with the teacher's tokenizer", in.GetTokenizerFingerprint(), w.tokenizer)
 	case int(in.GetVocabSize()) != w.vocab:
 		return bad("vocab_size %d, but the student has %d: the teacher and student must share a vocabulary", in.GetVocabSize(), w.vocab)

@@ -276,6 +276,12 @@ func (r *trainRun) openSource() error {
 	if err != nil {
 		return err
 	}
+	if fp == "" {
+		// A pre-tokenized dataset and no tokenizer: the student's is
+		// that of the ids, as `cachectl fill --pretokenized` records it.
+		fp = data.PretokenizedFingerprint(r.s.Cfg.VocabSize)
+		fmt.Fprintf(r.log, "model.tokenizer_fingerprint: %s (data.dataset.pretokenized, and the config names no tokenizer)\n", fp)
+	}
 	r.params = SourceParams{Student: r.s.Cfg, TokenizerFingerprint: fp, Tokenizer: tok, TokenizerDir: tokDir, Log: r.log}
 	r.onClose(r.src.Close)
 	if r.info, err = r.src.Open(r.params); err != nil {

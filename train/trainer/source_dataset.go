@@ -39,15 +39,21 @@ func newDatasetSource(cfg *Config) (*datasetSource, error) {
 }
 
 // Open opens the dataset with the student's tokenizer, which must have
-// no token id past the student's vocabulary.
+// no token id past the student's vocabulary; a pre-tokenized dataset
+// (data.dataset.pretokenized) needs none: its ids are checked against
+// the student's vocabulary.
 func (d *datasetSource) Open(p SourceParams) (SourceInfo, error) {
-	tok := p.Tokenizer
-	if tok == nil {
-		return SourceInfo{}, fmt.Errorf("%w: data.dataset: tokenizing the dataset needs the student's tokenizer: set model.tokenizer (a directory with tokenizer.json and tokenizer_config.json), or model.init_from a directory that has them", ErrConfig)
-	}
-	if tok.VocabSize() > p.Student.VocabSize {
+	var tok data.Tokenizer
+	switch {
+	case d.dc.Pretokenized:
+		tok = data.IDsOnly{Vocab: p.Student.VocabSize}
+	case p.Tokenizer == nil:
+		return SourceInfo{}, fmt.Errorf("%w: data.dataset: tokenizing the dataset needs the student's tokenizer: set model.tokenizer (a directory with tokenizer.json and tokenizer_config.json), or model.init_from a directory that has them; if its records are pre-tokenized (input_ids), set data.dataset.pretokenized: true", ErrConfig)
+	case p.Tokenizer.VocabSize() > p.Student.VocabSize:
 		return SourceInfo{}, fmt.Errorf("%w: the tokenizer %s has %d tokens but the student's vocab_size is %d: token ids past it have no embedding; use a student with vocab_size >= %d",
-			ErrMismatch, p.TokenizerDir, tok.VocabSize(), p.Student.VocabSize, tok.VocabSize())
+			ErrMismatch, p.TokenizerDir, p.Tokenizer.VocabSize(), p.Student.VocabSize, p.Tokenizer.VocabSize())
+	default:
+		tok = p.Tokenizer
 	}
 	opts, err := d.dc.options(d.seqLen)
 	if err != nil {

@@ -375,7 +375,9 @@ func initStudent(cfg *Config, be compute.Backend, sh *train.Sharding) (*train.St
 // tokenizerFingerprint resolves the student's tokenizer fingerprint (see
 // the package doc) and the directory of its tokenizer.json, absolute ("" if
 // only the fingerprint is known). model.tokenizer and
-// model.tokenizer_fingerprint, when both are set, must agree.
+// model.tokenizer_fingerprint, when both are set, must agree. With
+// neither and a pre-tokenized data.dataset, fp is "": the run's is
+// data.PretokenizedFingerprint of the student's vocabulary.
 func tokenizerFingerprint(cfg *Config) (fp, dir string, tok *tokenizer.Tokenizer, err error) {
 	dir = cfg.Model.Tokenizer
 	if dir == "" && cfg.Model.InitFrom != "" {
@@ -385,8 +387,15 @@ func tokenizerFingerprint(cfg *Config) (fp, dir string, tok *tokenizer.Tokenizer
 	}
 	fp = cfg.Model.TokenizerFingerprint
 	if dir == "" {
+		if fp == "" && cfg.Data.Dataset != nil && cfg.Data.Dataset.Pretokenized {
+			return "", "", nil, nil // the ids' own: the caller knows the vocabulary
+		}
 		if fp == "" {
-			return "", "", nil, fmt.Errorf("%w: model: the student's tokenizer is unknown; set model.tokenizer (a directory with tokenizer.json) or model.tokenizer_fingerprint (the cache's is printed by `cachectl status`)", ErrConfig)
+			hint := ""
+			if cfg.Data.Dataset != nil {
+				hint = "; or, if data.dataset's records are pre-tokenized (input_ids), set data.dataset.pretokenized: true"
+			}
+			return "", "", nil, fmt.Errorf("%w: model: the student's tokenizer is unknown; set model.tokenizer (a directory with tokenizer.json) or model.tokenizer_fingerprint (the cache's is printed by `cachectl status`)%s", ErrConfig, hint)
 		}
 		return fp, "", nil, nil
 	}
