@@ -61,83 +61,20 @@ func runTrain(args []string) error {
 	}
 	given := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
-	// Dedicated flags are sugar for --set and apply after it; a value
-	// given is passed on whatever it is, so that the config's validation
-	// refuses --max-steps -5 instead of ignoring it.
-	if given["run-dir"] {
-		sets = append(sets, "run_dir="+*runDir)
-	}
-	if given["cache"] {
-		sets = append(sets, "data.cache=["+*cacheDirs+"]")
-	}
-	if given["dataset"] {
-		// The files replace the config's, and with them their blend
-		// weights (which counted the config's files), unless --set gives
-		// weights for them.
-		weighted := false
-		for _, s := range sets {
-			weighted = weighted || strings.HasPrefix(s, "data.dataset.weights=")
-		}
-		sets = append(sets, "data.dataset.files=["+*datasetFiles+"]")
-		if !weighted {
-			sets = append(sets, "data.dataset.weights=null")
-		}
-	}
-	if given["max-steps"] {
-		sets = append(sets, fmt.Sprintf("train.max_steps=%d", *maxSteps))
-	}
-	if given["threads"] {
-		sets = append(sets, fmt.Sprintf("train.threads=%d", *threads))
-	}
-	if given["device"] {
-		sets = append(sets, "train.device="+*dev)
-	}
+	sets = flagSets(sets, given, *runDir, *cacheDirs, *datasetFiles, *maxSteps, *threads, *dev)
 	if *config == "" && len(sets) == 0 {
 		return cli.Usagef("--config FILE is required (examples/train.yaml documents every key; --set key=value overrides one)")
 	}
-	// SIGTERM (preemption) or Ctrl-C: finish or abandon the step, write a
-	// checkpoint, say how to resume and exit: 130 after Ctrl-C, and after
-	// SIGTERM train.sigterm_exit_status (0 by default: the scheduler that
-	// preempted the job requeues it). A second signal exits at once,
-	// 128+signal. The handler is in place before anything slow happens.
-	stop := make(chan struct{})
-	sigs := make(chan os.Signal, 2)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
-	done := make(chan struct{})
-	var (
-		mu     sync.Mutex
-		caught os.Signal
-	)
-	go func() {
-		select {
-		case sig := <-sigs:
-			mu.Lock()
-			caught = sig
-			mu.Unlock()
-			fmt.Fprintf(os.Stderr, "student train: %s: stopping at the end of this step and writing a checkpoint (send it again to exit at once, without one)\n", sigName(sig))
-			close(stop)
-		case <-done:
-			return
-		}
-		select {
-		case sig := <-sigs:
-			fmt.Fprintf(os.Stderr, "student train: second %s: exiting now, without a checkpoint\n", sigName(sig))
-			os.Exit(128 + int(sig.(syscall.Signal)))
-		case <-done:
-		}
-	}()
-	defer func() {
-		signal.Stop(sigs)
-		close(done)
-	}()
+	st := catchStops()
+	defer st.release()
 	cfg, err := trainer.LoadConfig(*config, sets)
 	if err != nil {
 		return err
 	}
-	o := trainer.Options{Resume: *resume, Stop: stop}
+	o := trainer.Options{Resume: *resume, Stop: st.stop}
 	leave := func(error) error { return nil }
 	if env.WorldSize > 1 {
-		p, l, err := rankOf(env, cfg, stop)
+		p, l, err := rankOf(env, cfg, st.stop)
 		if err != nil {
 			return err
 		}
@@ -147,26 +84,112 @@ func runTrain(args []string) error {
 	if lerr := leave(err); err == nil {
 		err = lerr
 	}
-	mu.Lock()
-	sig := caught
-	mu.Unlock()
-	// Exit 128+signal, or 0 after SIGTERM when train.sigterm_exit_status
-	// says so (cli.Interrupted). A rank that another rank's stop ended
-	// caught no signal itself: it exits as the SIGTERM a scheduler sends
-	// one rank would have it exit.
+	return stopped(cfg, env, o.Parallel != nil, res, err, st.signal())
+}
+
+// flagSets appends to sets the config overrides of the dedicated flags
+// given: they are sugar for --set and apply after it; a value given is
+// passed on whatever it is, so that the config's validation refuses
+// --max-steps -5 instead of ignoring it.
+func flagSets(sets []string, given map[string]bool, runDir, cacheDirs, datasetFiles string, maxSteps, threads int, dev string) []string {
+	if given["run-dir"] {
+		sets = append(sets, "run_dir="+runDir)
+	}
+	if given["cache"] {
+		sets = append(sets, "data.cache=["+cacheDirs+"]")
+	}
+	if given["dataset"] {
+		// The files replace the config's, and with them their blend
+		// weights (which counted the config's files), unless --set gives
+		// weights for them.
+		weighted := false
+		for _, s := range sets {
+			weighted = weighted || strings.HasPrefix(s, "data.dataset.weights=")
+		}
+		sets = append(sets, "data.dataset.files=["+datasetFiles+"]")
+		if !weighted {
+			sets = append(sets, "data.dataset.weights=null")
+		}
+	}
+	if given["max-steps"] {
+		sets = append(sets, fmt.Sprintf("train.max_steps=%d", maxSteps))
+	}
+	if given["threads"] {
+		sets = append(sets, fmt.Sprintf("train.threads=%d", threads))
+	}
+	if given["device"] {
+		sets = append(sets, "train.device="+dev)
+	}
+	return sets
+}
+
+// stops is student train's handling of SIGTERM (preemption) and Ctrl-C:
+// the first closes stop, and the run finishes or abandons its step,
+// writes a checkpoint and says how to resume (stopped); a second exits
+// at once, 128+signal, without one. It is in place before anything slow
+// happens.
+type stops struct {
+	stop, done chan struct{}
+	sigs       chan os.Signal
+	mu         sync.Mutex
+	caught     os.Signal
+}
+
+func catchStops() *stops {
+	st := &stops{stop: make(chan struct{}), done: make(chan struct{}), sigs: make(chan os.Signal, 2)}
+	signal.Notify(st.sigs, syscall.SIGINT, syscall.SIGTERM)
+	go func() {
+		select {
+		case sig := <-st.sigs:
+			st.mu.Lock()
+			st.caught = sig
+			st.mu.Unlock()
+			fmt.Fprintf(os.Stderr, "student train: %s: stopping at the end of this step and writing a checkpoint (send it again to exit at once, without one)\n", sigName(sig))
+			close(st.stop)
+		case <-st.done:
+			return
+		}
+		select {
+		case sig := <-st.sigs:
+			fmt.Fprintf(os.Stderr, "student train: second %s: exiting now, without a checkpoint\n", sigName(sig))
+			os.Exit(128 + int(sig.(syscall.Signal)))
+		case <-st.done:
+		}
+	}()
+	return st
+}
+
+// signal is the signal caught, or nil.
+func (st *stops) signal() os.Signal {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.caught
+}
+
+func (st *stops) release() {
+	signal.Stop(st.sigs)
+	close(st.done)
+}
+
+// stopped is the run's error, and for a run a stop ended its
+// cli.Interrupted: exit 130 after Ctrl-C, and after SIGTERM
+// train.sigterm_exit_status (0 by default: the scheduler that preempted
+// the job requeues it). A rank that another rank's stop ended caught no
+// signal itself (sig nil): it exits as the SIGTERM a scheduler sends one
+// rank would have it exit. Rank 0 of a data-parallel job prints how to go
+// on, the job's command; the other ranks say they stopped with it.
+func stopped(cfg *trainer.Config, env dist.Env, parallel bool, res *trainer.Result, err error, sig os.Signal) error {
 	ss, by := syscall.SIGTERM, "a stop on another rank"
 	if s, ok := sig.(syscall.Signal); ok {
 		ss, by = s, sigName(s)
 	}
 	exit0 := ss == syscall.SIGTERM && cfg.Train.SigtermExitStatus == 0
-	if sig != nil && err != nil && o.Parallel != nil && res == nil {
+	if sig != nil && err != nil && parallel && res == nil {
 		return &cli.Interrupted{Signal: ss, Exit0: exit0, Msg: fmt.Sprintf("stopped by %s before the first step (%v): nothing saved", by, err)}
 	}
 	if err != nil || !res.Interrupted {
 		return err
 	}
-	// Interrupted, resumable. Rank 0 of a data-parallel job prints how to
-	// go on, the job's command; the other ranks say they stopped with it.
 	if env.WorldSize > 1 && env.Rank != 0 {
 		if res.Checkpoint == "" {
 			return &cli.Interrupted{Signal: ss, Exit0: exit0, Msg: fmt.Sprintf("stopped by %s before the first step with the other ranks: nothing saved; rank 0 says how to start again", by)}
