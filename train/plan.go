@@ -94,6 +94,16 @@ type PlanShape struct {
 	KeepLogits bool
 }
 
+// KeepLogitsFit is the plan of sh with the loss head keeping its logits
+// (KeepLogits) and whether it fits budget bytes: the trainer's check
+// before step 1, `student plan` and the training benchmark keep them
+// where it does, beside the recompute mode already chosen.
+func KeepLogitsFit(sh PlanShape, budget int64) (total int64, fits bool) {
+	sh.KeepLogits = true
+	total = PlanMemory(sh).Total()
+	return total, total <= budget
+}
+
 // PlanTerm is one line of a memory plan.
 type PlanTerm struct {
 	Name  string

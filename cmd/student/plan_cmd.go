@@ -221,9 +221,7 @@ func printPlan(w io.Writer, cfg *trainer.Config, mc *model.Config, k int, act co
 	if auto != "" {
 		// The trainer's check before step 1 lets the loss head keep a row's
 		// logits between its passes where they fit beside the mode's.
-		sh := shape(auto)
-		sh.KeepLogits = true
-		if keep := train.PlanMemory(sh).Total(); keep <= budget {
+		if keep, fits := train.KeepLogitsFit(shape(auto), budget); fits {
 			fmt.Fprintf(w, "the loss head keeps its logits between its passes on such a device (%s with recompute %s): one GEMM of three a vocabulary tile fewer\n", train.HumanBytes(keep), auto)
 		} else {
 			fmt.Fprintf(w, "the loss head recomputes its logits in its second pass on such a device (keeping them needs %s with recompute %s)\n", train.HumanBytes(keep), auto)

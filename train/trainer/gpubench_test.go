@@ -172,9 +172,9 @@ func BenchmarkCUDATrainStep(b *testing.B) {
 				// never, the comparison's variant).
 				shape := train.PlanShape{Model: cfg, RowTokens: rows * T, K: K, QAD: qad, Recompute: recompute, Activations: be.ActDType(),
 					AttnWorkspace: be.AttentionWorkspaceBytes(rows, T, cfg.Heads, cfg.KVHeads, cfg.HeadDim)}
-				shape.KeepLogits = true
 				_, total := be.MemInfo()
-				shape.KeepLogits = os.Getenv("DISTILL_CUDA_RECOMPUTE_LOGITS") != "1" && train.PlanMemory(shape).Total() <= total-train.DeviceReserve(total)
+				_, fits := train.KeepLogitsFit(shape, total-train.DeviceReserve(total))
+				shape.KeepLogits = fits && os.Getenv("DISTILL_CUDA_RECOMPUTE_LOGITS") != "1"
 				s.SetKeepLogits(shape.KeepLogits)
 				// A step as the trainer runs it: the row's loss read after
 				// the norm, the step's one host wait (TestCUDAHostWaits).

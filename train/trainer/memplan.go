@@ -51,7 +51,8 @@ func planShape(cfg *Config, mc *model.Config, k int, r decoder.Recompute, be com
 // least recomputation that fits (prev, the checkpoint's mode, first when
 // it fits: the resumed steps then run on the same buffers). A mode that
 // does not fit is an ErrDeviceMemory naming the modes that fit, and the
-// longest data.seq_len that fits under each mode.
+// longest data.seq_len that fits under each mode. Where the chosen mode
+// leaves room, the loss head keeps its logits (train.KeepLogitsFit).
 func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute, ranks int, log io.Writer) (decoder.Recompute, error) {
 	want := cfg.Train.Recompute
 	dm, ok := s.Backend().(compute.DeviceMemory)
@@ -116,14 +117,12 @@ func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute,
 		// The loss head keeps a row's logits between its passes where the
 		// plan has room for them beside the mode's: the same results, one
 		// GEMM of three a vocabulary tile fewer.
-		sh := planShape(cfg, s.Cfg, k, pick, s.Backend(), ranks)
-		sh.KeepLogits = true
-		planned, withKeep := need(pick), train.PlanMemory(sh).Total()
-		logits := "the loss head recomputes its logits in its second pass (keeping them needs " + train.HumanBytes(withKeep) + ")"
-		if withKeep <= budget {
+		withKeep, keep := train.KeepLogitsFit(planShape(cfg, s.Cfg, k, pick, s.Backend(), ranks), budget)
+		planned, logits := need(pick), "the loss head recomputes its logits in its second pass (keeping them needs "+train.HumanBytes(withKeep)+")"
+		if keep {
 			planned, logits = withKeep, "the loss head keeps its logits between its passes"
 		}
-		s.SetKeepLogits(withKeep <= budget)
+		s.SetKeepLogits(keep)
 		fmt.Fprintf(log, "memory plan: recompute %s (%s): %s of the %s the device has for the run (%s, %s kept in reserve); %s; `student plan` prints the plan\n",
 			pick, how, train.HumanBytes(planned), train.HumanBytes(budget), train.HumanBytes(total), train.HumanBytes(reserve), logits)
 		return pick, nil
