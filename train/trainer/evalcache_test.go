@@ -51,7 +51,7 @@ func TestEvalCache(t *testing.T) {
 	f := newOnlineFixture(t, 40)
 	td := startTeacherd(t, f.teacher, f.tokDir, filepath.Join(t.TempDir(), "cache"), filepath.Dir(f.file))
 	on := onlineConfig(t, f.tokDir, f.file, filepath.Join(t.TempDir(), "on"), "", []string{td.addr()})
-	cdir := f.fillCache(t, td, on)
+	cdir := fillCache(t, td, on)
 
 	plain, err := evalCacheConfig(t, f, filepath.Join(t.TempDir(), "plain"), "eval: {every: 3}\n")
 	if err != nil {

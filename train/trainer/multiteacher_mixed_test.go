@@ -26,7 +26,7 @@ func TestMultiTeacherMixedKinds(t *testing.T) {
 			ta := startTeacherd(t, f.teacher, f.tokDir, filepath.Join(t.TempDir(), "ca"), filepath.Dir(f.file))
 			tb := startTeacherd(t, teacherModel(t, 64, 1), f.tokDir, filepath.Join(t.TempDir(), "cb"), filepath.Dir(f.file))
 			on := onlineConfig(t, f.tokDir, f.file, filepath.Join(t.TempDir(), "online"), "", []string{ta.addr()})
-			ca := f.fillCache(t, ta, on)
+			ca := fillCache(t, ta, on)
 			son := onlineConfig(t, f.tokDir, f.file, filepath.Join(t.TempDir(), "online2"), "", []string{tb.addr()},
 				"distill.targets="+string(kind), "distill.samples=10", fmt.Sprintf("distill.k=%d", map[cache.Targets]int{cache.TargetsSampled: 0, cache.TargetsHeadSampled: 2}[kind]))
 			cb := f.fillSampled(t, tb, son, kind)

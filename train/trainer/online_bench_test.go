@@ -97,9 +97,8 @@ log: {every: 1000, progress: "off", tensorboard: false}
 		return cfg
 	}
 	on := mk("online", true)
-	f := onlineFixture{tokDir: tokDir, file: file, teacher: tdir}
 	for _, td := range tds {
-		f.fillCache(b, td, on)
+		fillCache(b, td, on)
 	}
 	sc, _ := on.Model.Random.ModelConfig()
 	b.ResetTimer()

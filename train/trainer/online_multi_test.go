@@ -49,7 +49,7 @@ func TestOnlineMultiMatchesOffline(t *testing.T) {
 	ta := startTeacherd(t, f.teacher, f.tokDir, filepath.Join(t.TempDir(), "ca"), filepath.Dir(f.file))
 	tb := startTeacherd(t, teacherModel(t, 64, 1), f.tokDir, filepath.Join(t.TempDir(), "cb"), filepath.Dir(f.file))
 	on := onlineConfig(t, f.tokDir, f.file, filepath.Join(t.TempDir(), "online"), "", []string{ta.addr()}, teachersOver(ta.addr(), tb.addr(), 0.7, 0.3))
-	ca, cb := f.fillCache(t, ta, on), f.fillCache(t, tb, on)
+	ca, cb := fillCache(t, ta, on), fillCache(t, tb, on)
 	off := onlineConfig(t, f.tokDir, f.file, filepath.Join(t.TempDir(), "offline"), ca, nil,
 		"data.cache=[]", fmt.Sprintf("data.caches=[{dir: %s, name: a, weight: 0.7}, {dir: %s, name: b, weight: 0.3}]", ca, cb))
 	ro, _ := run(t, off, Options{})

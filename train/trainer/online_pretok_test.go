@@ -2,13 +2,10 @@ package trainer
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"path/filepath"
 	"strings"
 	"testing"
-
-	"distill/serve"
 )
 
 // writePretokenized writes n pre-tokenized records ({"input_ids": ...})
@@ -54,23 +51,7 @@ func TestOnlinePretokenizedNeedsNoTokenizer(t *testing.T) {
 	}
 
 	// The same teacher's cache of the same records, filled pre-tokenized.
-	opts, err := on.Data.Dataset.options(on.Data.SeqLen)
-	if err != nil {
-		t.Fatal(err)
-	}
-	spec, err := serve.DatasetSpec(on.Data.Dataset.sources(), opts, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := serve.Dial(td.addr(), serve.DialOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Close()
-	if _, err := serve.RunFill(context.Background(), []serve.Worker{w}, serve.FillPlan{Dataset: spec, ChunkSamples: on.Distill.ChunkSamples, K: int32(on.Distill.K), Encoding: "lossless"}); err != nil {
-		t.Fatal(err)
-	}
-	off := onlineConfig(t, "", file, filepath.Join(t.TempDir(), "offline"), td.cfg.Cache, nil)
+	off := onlineConfig(t, "", file, filepath.Join(t.TempDir(), "offline"), fillCache(t, td, on), nil)
 	ro, _ := run(t, off, Options{})
 	sameLosses(t, "online pretokenized vs offline from a --pretokenized fill", rn, ro)
 

@@ -169,15 +169,16 @@ func newOnlineFixture(t *testing.T, n int) onlineFixture {
 	return onlineFixture{tokDir: tokDir, file: file, teacher: teacherModel(t, 32, 1)}
 }
 
-// fillCache fills a lossless cache of the whole dataset through the
-// daemon's Fill, chunked as the online configs are (8 samples).
-func (f onlineFixture) fillCache(t testing.TB, td *teacherd, cfg *Config) string {
+// fillCache fills a lossless cache of the whole dataset of cfg through
+// the daemon's Fill, chunked as the online configs are (8 samples), its
+// records pre-tokenized where cfg's are (cachectl fill --pretokenized).
+func fillCache(t testing.TB, td *teacherd, cfg *Config) string {
 	t.Helper()
 	opts, err := cfg.Data.Dataset.options(cfg.Data.SeqLen)
 	if err != nil {
 		t.Fatal(err)
 	}
-	spec, err := serve.DatasetSpec(cfg.Data.Dataset.sources(), opts, false)
+	spec, err := serve.DatasetSpec(cfg.Data.Dataset.sources(), opts, cfg.Data.Dataset.Pretokenized)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -231,7 +232,7 @@ func TestOnlineMatchesOffline(t *testing.T) {
 	f := newOnlineFixture(t, 60)
 	td := startTeacherd(t, f.teacher, f.tokDir, filepath.Join(t.TempDir(), "cache"), filepath.Dir(f.file))
 	on := onlineConfig(t, f.tokDir, f.file, filepath.Join(t.TempDir(), "online"), "", []string{td.addr()})
-	cdir := f.fillCache(t, td, on)
+	cdir := fillCache(t, td, on)
 	off := onlineConfig(t, f.tokDir, f.file, filepath.Join(t.TempDir(), "offline"), cdir, nil)
 	ro, _ := run(t, off, Options{})
 	rn, log := run(t, on, Options{})
