@@ -85,10 +85,7 @@ log: {progress: "off"}
 func TestSIGTERMOneRankStopsTheJob(t *testing.T) {
 	cudaemu.UseDevices(t, 2, "two GPUs: emulated only")
 	dir := t.TempDir()
-	b, err := testcache.Build(testcache.Options{Dir: filepath.Join(dir, "cache"), Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
+	b := sigCache(t, filepath.Join(dir, "cache"))
 	cfg := filepath.Join(dir, "run.yaml")
 	os.WriteFile(cfg, []byte(strings.Replace(sigConfig, "threads: 2}", "threads: 1, device: cuda}", 1)), 0o644)
 	for i := range 5 {
@@ -171,10 +168,7 @@ func childPIDs(t *testing.T, pid int) []int {
 func TestDataParallelCLI(t *testing.T) {
 	cudaemu.UseDevices(t, 3, "three GPUs: emulated only")
 	dir := t.TempDir()
-	b, err := testcache.Build(testcache.Options{Dir: filepath.Join(dir, "cache"), Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
+	b := sigCache(t, filepath.Join(dir, "cache"))
 	cfg := filepath.Join(dir, "run.yaml")
 	conf := strings.Replace(sigConfig, "threads: 2}", "threads: 1, device: cuda, zero: 3}", 1)
 	conf = strings.Replace(conf, "checkpoint: {every: 0}", "checkpoint: {every: 2, layout: sharded}", 1)

@@ -12,7 +12,6 @@ import (
 	"testing"
 
 	"distill/compute/cuda/cudaemu"
-	"distill/train/testcache"
 )
 
 // TestLoRACLI is a LoRA student's user flow through the command, on two
@@ -27,10 +26,7 @@ import (
 func TestLoRACLI(t *testing.T) {
 	cudaemu.UseDevices(t, 2, "two GPUs: emulated only")
 	dir := t.TempDir()
-	b, err := testcache.Build(testcache.Options{Dir: filepath.Join(dir, "cache"), Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
+	b := sigCache(t, filepath.Join(dir, "cache"))
 	conf := strings.Replace(sigConfig, "threads: 2}", "threads: 1, device: cuda}", 1)
 	conf = strings.Replace(conf, "  tokenizer_fingerprint: testcache-tokenizer\n", "  tokenizer_fingerprint: testcache-tokenizer\n"+
 		"  lora: {rank: 4, alpha: 8, dropout: 0.1, targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}\n", 1)

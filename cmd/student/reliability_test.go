@@ -91,6 +91,16 @@ func (p *studentProc) wait(t *testing.T) int {
 	return p.cmd.ProcessState.ExitCode()
 }
 
+// sigCache builds in dir the tiny cache sigConfig's runs train on.
+func sigCache(t *testing.T, dir string) *testcache.Built {
+	t.Helper()
+	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
 const sigConfig = `run_dir: unused
 seed: 4
 model:
@@ -115,10 +125,7 @@ log: {every: 1, progress: "off"}
 // the signal, so the test does not depend on when the signal lands.
 func TestSIGTERMCheckpointsAndResumes(t *testing.T) {
 	dir := t.TempDir()
-	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
+	b := sigCache(t, dir)
 	cfg := filepath.Join(dir, "run.yaml")
 	os.WriteFile(cfg, []byte(sigConfig), 0o644)
 	run := filepath.Join(dir, "run dir") // a space: the printed command must quote it
@@ -195,10 +202,7 @@ func TestSIGTERMCheckpointsAndResumes(t *testing.T) {
 // TestSIGTERMCheckpointsAndResumes's.)
 func TestStopExitStatus(t *testing.T) {
 	dir := t.TempDir()
-	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
+	b := sigCache(t, dir)
 	cfg := filepath.Join(dir, "run.yaml")
 	os.WriteFile(cfg, []byte(sigConfig), 0o644)
 	for i, c := range []struct {

@@ -24,10 +24,7 @@ import (
 // BF16 export loads into the teacher forward and scores a cached sample.
 func TestTrainEvalExport(t *testing.T) {
 	dir := t.TempDir()
-	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 48, Chunk: 16, MinLen: 6, MaxLen: 30, Seed: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
+	b := sigCache(t, dir)
 	cfg := filepath.Join(dir, "run.yaml")
 	os.WriteFile(cfg, []byte(`run_dir: unused
 model:
