@@ -432,7 +432,7 @@ func (d *Dataset) tokenize(s int, r int64) ([]int32, []uint8, string, error) {
 	if err != nil {
 		return nil, nil, loc, err
 	}
-	rec, err := parseRecord(obj, d.srcs[s].Columns.withDefaults())
+	rec, err := parseRecord(obj, d.srcs[s].Columns.withDefaults(), d.enc.pretok)
 	if err != nil {
 		return nil, nil, loc, withLoc(err, loc)
 	}

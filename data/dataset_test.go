@@ -415,3 +415,86 @@ func TestUTF8BOM(t *testing.T) {
 		}
 	}
 }
+
+// TestPretokenizedTakesOnlyInputIDs: a dataset opened with IDsOnly (no
+// tokenizer: pre-tokenized) takes input_ids records only. A record with
+// text instead became an empty sample (training went on without it, a
+// fill failed on "no tokens", --skip-bad or not), one with text beside its
+// ids trained on the ids and dropped the text, both without a word; each
+// is now a bad record naming the file, the line and the fix, skipped and
+// counted with SkipBad as other bad records are.
+func TestPretokenizedTakesOnlyInputIDs(t *testing.T) {
+	good := `{"input_ids":[1,2,3]}`
+	ids := IDsOnly{Vocab: 64}
+	for _, tc := range []struct {
+		name, line, reason string
+		want               []string
+	}{
+		{"text", `{"text":"hello"}`, "no input_ids", []string{`only text ("text")`, "needs input_ids in every record", "pretokenized: false"}},
+		{"chat", `{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"}]}`, "no input_ids", []string{`only text ("messages")`}},
+		{"prompt/response", `{"prompt":"q","response":"a"}`, "no input_ids", []string{`only text ("prompt", "response")`}},
+		{"nothing known", `{"body":"x","ids":[1]}`, "no input_ids", []string{"its non-null keys: body, ids", "columns.input_ids"}},
+		{"text beside ids", `{"input_ids":[1,2],"text":"hello"}`, "text beside input_ids", []string{`text: text beside input_ids`, `input_ids and text ("text")`, "the text would be ignored"}},
+		{"chat beside ids", `{"input_ids":[1,2],"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"}]}`, "text beside input_ids", []string{`messages: text beside input_ids`}},
+		{"id past the vocab", `{"input_ids":[1,64]}`, "id out of vocab", []string{"input_ids[1]: id out of vocab: token id 64 is outside [0, 64): the model the ids are read for has vocab_size 64"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := writeFile(t, t.TempDir(), "p.jsonl", good+"\n\n"+tc.line+"\n"+good+"\n")
+			d, err := Open([]Source{{Path: p}}, ids, Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Close()
+			_, err = d.Range(context.Background(), 0, d.Len())
+			if !errors.Is(err, ErrBadRecord) || errReason(err) != tc.reason || !strings.Contains(err.Error(), "p.jsonl:3: ") {
+				t.Fatalf("got %v, want an ErrBadRecord %q naming p.jsonl:3", err, tc.reason)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q does not say %q", err, w)
+				}
+			}
+			sd, err := Open([]Source{{Path: p}}, ids, Options{SkipBad: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer sd.Close()
+			s := all(t, sd)
+			if s[0].Status != OK || s[2].Status != OK || s[1].Status != Skipped || len(s[1].IDs) != 0 || !strings.Contains(s[1].Reason, "p.jsonl:3: ") {
+				t.Fatalf("SkipBad samples %+v", s)
+			}
+			if st := sd.Stats(); st.Skipped != 1 || st.Reasons[tc.reason] != 1 || len(st.Examples) != 1 {
+				t.Fatalf("SkipBad stats %+v, want one %q skipped", st, tc.reason)
+			}
+		})
+	}
+
+	// Null text columns are no text (Parquet rows of a mixed schema have
+	// them), and only IDsOnly makes the rule: with a tokenizer, a record's
+	// input_ids are still read beside a text field.
+	p := writeFile(t, t.TempDir(), "n.jsonl", `{"input_ids":[1,2],"text":null,"messages":null}`+"\n"+`{"input_ids":[4,5],"text":"hi"}`+"\n")
+	d, err := Open([]Source{{Path: p}}, ids, Options{SkipBad: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if s := all(t, d); s[0].Status != OK || !slices.Equal(s[0].IDs, []int32{1, 2}) || s[1].Status != Skipped {
+		t.Errorf("null text beside input_ids: %+v", s)
+	}
+	fd := openFake(t, newFakeTok(), nil, Options{}, Source{Path: p})
+	if s := all(t, fd); !slices.Equal(s[1].IDs, []int32{4, 5}) {
+		t.Errorf("with a tokenizer, input_ids beside text: %+v", s[1])
+	}
+
+	// Parquet names the row.
+	pq := filepath.Join(t.TempDir(), "p.parquet")
+	writeParquet(t, pq, [][][2]string{nil, nil, nil}, []*string{nil, sp("plain"), nil}, [][]int64{{1, 2}, nil, {3}}, 2)
+	d, err = Open([]Source{{Path: pq}}, ids, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if _, err := d.Range(context.Background(), 0, d.Len()); !errors.Is(err, ErrBadRecord) || !strings.Contains(err.Error(), "p.parquet:row 1: no input_ids") {
+		t.Errorf("Parquet text row: %v", err)
+	}
+}

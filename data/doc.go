@@ -46,6 +46,8 @@
 //     template puts inside the turn is a target: Qwen3's think block, tool
 //     calls. Templates that break the prefix property fail with ErrTemplate.
 //   - pre-tokenized: as given; ids are checked against the vocabulary.
+//     A dataset opened with IDsOnly (no tokenizer) takes input_ids records
+//     only: one with text instead, or beside its ids, is a bad record.
 //
 // BOS is prepended when the tokenizer's AddBOS says so and the rendering does
 // not already start with it (Llama 3 templates write it themselves).

@@ -46,10 +46,18 @@ type encoder struct {
 	// found. It is part of the assistant span: the model must learn to stop.
 	marker    string
 	markerErr error
+	// pretok: the tokenizer is IDsOnly, so the dataset is pre-tokenized:
+	// every record must be input_ids (parsePretokenized), checked against
+	// the vocabulary of the model the ids are for, not a tokenizer's.
+	pretok bool
 }
 
 func newEncoder(tok Tokenizer, tmpl Renderer, vars map[string]any, noEOS bool) (*encoder, error) {
 	e := &encoder{tok: tok, tmpl: tmpl, vars: vars, vocab: tok.VocabSize(), bos: tok.BOS(), eos: tok.EOS()}
+	switch tok.(type) {
+	case IDsOnly, *IDsOnly:
+		e.pretok = true
+	}
 	if e.bos != "" {
 		id, ok := tok.TokenID(e.bos)
 		if !ok {
@@ -121,6 +129,10 @@ func (e *encoder) encode(r *record) ([]int32, []uint8, error) {
 	case kindTokens:
 		for i, id := range r.ids {
 			if id < 0 || int(id) >= e.vocab {
+				if e.pretok {
+					return nil, nil, badf(fmt.Sprintf("input_ids[%d]", i), "id out of vocab",
+						"token id %d is outside [0, %d): the model the ids are read for has vocab_size %d; were they made by a tokenizer of a larger vocabulary?", id, e.vocab, e.vocab)
+				}
 				return nil, nil, badf(fmt.Sprintf("input_ids[%d]", i), "id out of vocab",
 					"token id %d is outside [0, %d) of this tokenizer; was the data tokenized with another tokenizer?", id, e.vocab)
 			}

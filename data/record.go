@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"sort"
+	"strconv"
 	"strings"
 	"unicode/utf8"
 
@@ -99,8 +100,14 @@ type record struct {
 // parseRecord turns a decoded row (JSON object, CSV row or Parquet row, all
 // as map[string]any with json.Number/int64/float64 numbers) into a record.
 // The shape is chosen by which fields are present, in this order: messages,
-// input_ids, prompt/response, text.
-func parseRecord(obj map[string]any, c ColumnMap) (*record, error) {
+// input_ids, prompt/response, text. pretok (a pre-tokenized dataset: no
+// tokenizer reads it) takes only input_ids records: one without them, or
+// with text beside them, would otherwise become an empty sample or the ids
+// alone, and the text would be dropped without a word.
+func parseRecord(obj map[string]any, c ColumnMap, pretok bool) (*record, error) {
+	if pretok {
+		return parsePretokenized(obj, c)
+	}
 	switch {
 	case obj[c.Messages] != nil:
 		return parseChat(obj, c)
@@ -273,6 +280,51 @@ func prefixField(err error, field string) error {
 		}
 	}
 	return err
+}
+
+// pretokHint opens the errors about a pre-tokenized dataset's records. It
+// names both the config key (trainer) and the flag (cachectl fill) that
+// mark a dataset pre-tokenized: this package does not know which one the
+// user set.
+const pretokHint = "a pre-tokenized dataset (data.dataset.pretokenized: true, cachectl fill --pretokenized) needs input_ids in every record"
+
+// parsePretokenized is parseRecord for a pre-tokenized dataset: the record
+// must have input_ids and none of the text fields (messages, prompt,
+// response, text).
+func parsePretokenized(obj map[string]any, c ColumnMap) (*record, error) {
+	var text []string
+	for _, k := range []string{c.Messages, c.Prompt, c.Response, c.Text} {
+		if obj[k] != nil {
+			text = append(text, strconv.Quote(k))
+		}
+	}
+	fields := strings.Join(text, ", ")
+	switch {
+	case obj[c.InputIDs] == nil && len(text) > 0:
+		return nil, badf("", "no input_ids",
+			"%s, and this one has none, only text (%s): set pretokenized: false (or leave out --pretokenized) and give a tokenizer to tokenize text records, or give the record its input_ids",
+			pretokHint, fields)
+	case obj[c.InputIDs] == nil:
+		return nil, badf("", "no input_ids", "%s (its non-null keys: %s); rename the ids field or set the source's column mapping (columns.input_ids)",
+			pretokHint, nonNullKeys(obj))
+	case len(text) > 0:
+		return nil, badf(strings.Trim(text[0], `"`), "text beside input_ids",
+			"the record has input_ids and text (%s), and a pre-tokenized dataset reads only the ids: the text would be ignored; remove the text from the pre-tokenized records (to train on the text instead, make a dataset of it without input_ids, pretokenized: false)",
+			fields)
+	}
+	return parseTokens(obj, c)
+}
+
+// nonNullKeys lists obj's keys with a value, sorted, for messages.
+func nonNullKeys(obj map[string]any) string {
+	keys := make([]string, 0, len(obj))
+	for k, v := range obj {
+		if v != nil {
+			keys = append(keys, k)
+		}
+	}
+	sort.Strings(keys)
+	return strings.Join(keys, ", ")
 }
 
 func parseTokens(obj map[string]any, c ColumnMap) (*record, error) {
