@@ -374,28 +374,14 @@ func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, conf
 }
 
 // evalDataset is `student eval` on the config's data.dataset (no
-// --cache): the samples are tokenized with the student's tokenizer as
-// the training run read them, and scored on CE and token accuracy (no
-// teacher, so no KD).
+// --cache): the samples are read as the training run read them (tokenized
+// with the student's tokenizer, or, pre-tokenized, with none: their ids
+// are checked against the student's vocab_size), and scored on CE and
+// token accuracy (no teacher, so no KD).
 func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, configGiven bool, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
-	dir := tokDir
-	switch {
-	case dir != "":
-	case st != nil && st.TokenizerDir != "":
-		dir = st.TokenizerDir
-	case cfg.Model.Tokenizer != "":
-		dir = cfg.Model.Tokenizer
-	case cfg.Model.InitFrom != "":
-		dir = cfg.Model.InitFrom
-	default:
-		return fmt.Errorf("data.dataset: tokenizing the dataset needs the student's tokenizer: give --tokenizer DIR (a directory with tokenizer.json)")
-	}
-	tok, err := tokenizer.Load(dir)
+	tok, err := datasetTokenizer(st, cfg, tokDir)
 	if err != nil {
-		return fmt.Errorf("tokenizer %s: %w", dir, err)
-	}
-	if st != nil && st.TokenizerFingerprint != "" && st.TokenizerFingerprint != tok.Fingerprint() {
-		return fmt.Errorf("the tokenizer in %s (fingerprint %s) is not the one the student was trained with (%s): give --tokenizer with the run's tokenizer", dir, tok.Fingerprint(), st.TokenizerFingerprint)
+		return err
 	}
 	r, rs, err := evalRange(rng, cfg, st, configGiven, -1, "dataset sample indices", "")
 	if err != nil {
@@ -425,6 +411,39 @@ func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, confi
 	rs.print(r)
 	fmt.Fprintf(stdout, "dataset samples %v (%d), %d loss positions\nce %.5f  token_accuracy %.4f  (no teacher: no KD)\n", r, es.Samples, es.Tokens, es.CE, es.TokenAccuracy)
 	return nil
+}
+
+// datasetTokenizer is the student's tokenizer that reads the config's
+// data.dataset: --tokenizer, the run's, model.tokenizer or
+// model.init_from's; none (nil) for a pre-tokenized dataset, which
+// training reads without one too.
+func datasetTokenizer(st *trainer.State, cfg *trainer.Config, tokDir string) (*tokenizer.Tokenizer, error) {
+	if cfg.Data.Dataset.Pretokenized {
+		if tokDir != "" {
+			return nil, cli.Usagef("--tokenizer %s: data.dataset is pre-tokenized (data.dataset.pretokenized: true): its input_ids are read as they are, checked against the student's vocab_size, and no tokenizer is used; leave out --tokenizer", tokDir)
+		}
+		return nil, nil
+	}
+	dir := tokDir
+	switch {
+	case dir != "":
+	case st != nil && st.TokenizerDir != "":
+		dir = st.TokenizerDir
+	case cfg.Model.Tokenizer != "":
+		dir = cfg.Model.Tokenizer
+	case cfg.Model.InitFrom != "":
+		dir = cfg.Model.InitFrom
+	default:
+		return nil, fmt.Errorf("data.dataset: tokenizing the dataset needs the student's tokenizer: give --tokenizer DIR (a directory with tokenizer.json); if its records are pre-tokenized (input_ids), set data.dataset.pretokenized: true")
+	}
+	tok, err := tokenizer.Load(dir)
+	if err != nil {
+		return nil, fmt.Errorf("tokenizer %s: %w", dir, err)
+	}
+	if st != nil && st.TokenizerFingerprint != "" && st.TokenizerFingerprint != tok.Fingerprint() {
+		return nil, fmt.Errorf("the tokenizer in %s (fingerprint %s) is not the one the student was trained with (%s): give --tokenizer with the run's tokenizer", dir, tok.Fingerprint(), st.TokenizerFingerprint)
+	}
+	return tok, nil
 }
 
 // printLoss names the loss eval measures under and where its settings

@@ -187,3 +187,68 @@ log: {progress: "off"}
 		t.Errorf("train.device cuda without a driver: exit %d, last line\n%s", code, line)
 	}
 }
+
+// TestEvalPretokenizedDataset: `student eval --config` on a run's config
+// whose data.dataset is pre-tokenized needs no tokenizer, as the run
+// did not (it demanded --tokenizer DIR): it scores the held-out samples
+// exactly as the run's final eval did. An id past the student's
+// vocab_size is an error naming the file, the line and the id; a
+// --tokenizer, which such a dataset does not use, is refused.
+func TestEvalPretokenizedDataset(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "ids.jsonl")
+	var recs strings.Builder
+	for i := 0; i < 24; i++ {
+		ids := make([]string, 8+(i*5)%17)
+		for j := range ids {
+			ids[j] = fmt.Sprint((i*31 + j*7 + j*j) % 64)
+		}
+		fmt.Fprintf(&recs, "{\"input_ids\": [%s]}\n", strings.Join(ids, ", "))
+	}
+	os.WriteFile(file, []byte(recs.String()), 0o644)
+	cfg := filepath.Join(dir, "sft.yaml")
+	os.WriteFile(cfg, []byte(`run_dir: unused
+model:
+  random: {arch: qwen3, vocab_size: 64, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,
+           num_key_value_heads: 1, head_dim: 16, intermediate_size: 64, max_position_embeddings: 128}
+data: {dataset: {files: [`+file+`], pretokenized: true}, seq_len: 64, global_batch_tokens: 128, eval_range: [0, 8]}
+optim: {lr: 3e-3, min_lr: 3e-4, warmup_steps: 1}
+train: {max_steps: 2, threads: 2}
+log: {progress: "off"}
+`), 0o644)
+	run := filepath.Join(dir, "run")
+	if err := runTrain([]string{"--config", cfg, "--run-dir", run}); err != nil {
+		t.Fatal(err)
+	}
+	var evalLine struct {
+		CE     float64 `json:"ce"`
+		Tokens int     `json:"tokens"`
+	}
+	mj, _ := os.ReadFile(filepath.Join(run, "metrics.jsonl"))
+	for _, l := range strings.Split(string(mj), "\n") {
+		if strings.Contains(l, `"type":"eval"`) {
+			json.Unmarshal([]byte(l), &evalLine)
+		}
+	}
+	m, _ := evalJSON(t, "--checkpoint", run, "--config", filepath.Join(run, "config.yaml"))
+	if m["ce"] != evalLine.CE || int(m["tokens"].(float64)) != evalLine.Tokens || evalLine.Tokens == 0 || m["samples"] != 8.0 {
+		t.Fatalf("student eval on the pre-tokenized dataset: %v; the run's final eval: %+v", m, evalLine)
+	}
+	err := runEval([]string{"--checkpoint", run, "--config", cfg, "--tokenizer", dir})
+	if err == nil || !strings.Contains(err.Error(), "--tokenizer "+dir+": data.dataset is pre-tokenized") {
+		t.Errorf("--tokenizer over a pre-tokenized dataset: %v", err)
+	}
+
+	// Line 3, held out, has id 64 under vocab_size 64.
+	lines := strings.SplitAfter(recs.String(), "\n")
+	lines[2] = "{\"input_ids\": [1, 2, 64]}\n"
+	oov := filepath.Join(dir, "oov.jsonl")
+	os.WriteFile(oov, []byte(strings.Join(lines, "")), 0o644)
+	b, _ := os.ReadFile(cfg)
+	oovCfg := filepath.Join(dir, "oov.yaml")
+	os.WriteFile(oovCfg, []byte(strings.Replace(string(b), file, oov, 1)), 0o644)
+	err = runEval([]string{"--checkpoint", run, "--config", oovCfg})
+	if err == nil || !strings.Contains(err.Error(), "oov.jsonl:3: input_ids[2]: id out of vocab: token id 64 is outside [0, 64)") {
+		t.Errorf("eval over an id past the student's vocab: %v; want the file, the line and the id", err)
+	}
+}

@@ -278,19 +278,22 @@ func (es *evalSums) stats(n int) EvalStats {
 }
 
 // EvaluateDataset runs the student over samples [r.Start, r.End) of the
-// dataset dc (r.End 0: to the dataset's end), tokenized with tok and
-// packed into rows of seqLen tokens exactly as a training run on dc reads
-// its eval_range. It returns the range evaluated. There is no teacher:
-// KD and top-1 agreement are 0.
+// dataset dc (r.End 0: to the dataset's end), read as a training run on dc
+// reads it (recordTokenizer: tokenized with tok, or, pre-tokenized, with
+// no tokenizer, tok nil, its ids checked against the student's vocab_size)
+// and packed into rows of seqLen tokens exactly as such a run reads its
+// eval_range. It returns the range evaluated. There is no teacher: KD and
+// top-1 agreement are 0.
 func EvaluateDataset(s *train.Student, dc *DatasetConfig, tok *tokenizer.Tokenizer, seqLen int, r cache.Range, opt *loss.Options) (EvalStats, cache.Range, error) {
-	if tok.VocabSize() > s.Cfg.VocabSize {
-		return EvalStats{}, r, fmt.Errorf("%w: the tokenizer has %d tokens but the student's vocab_size is %d", ErrMismatch, tok.VocabSize(), s.Cfg.VocabSize)
+	dtok, err := recordTokenizer(dc, tok, "", s.Cfg.VocabSize, "give --tokenizer DIR (a directory with tokenizer.json)")
+	if err != nil {
+		return EvalStats{}, r, err
 	}
 	opts, err := dc.options(seqLen)
 	if err != nil {
 		return EvalStats{}, r, err
 	}
-	ds, err := data.Open(dc.sources(), tok, opts)
+	ds, err := data.Open(dc.sources(), dtok, opts)
 	if err != nil {
 		return EvalStats{}, r, fmt.Errorf("data.dataset: %w", err)
 	}

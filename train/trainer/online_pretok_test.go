@@ -3,9 +3,13 @@ package trainer
 import (
 	"bytes"
 	"errors"
+	"io"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
+
+	"distill/cache"
 )
 
 // writePretokenized writes n pre-tokenized records ({"input_ids": ...})
@@ -67,5 +71,80 @@ func TestOnlinePretokenizedNeedsNoTokenizer(t *testing.T) {
 	buf.Reset()
 	if _, err := Run(wide, Options{Log: &buf}); !errors.Is(err, ErrMismatch) || !strings.Contains(err.Error(), "vocab_size 260, but the student has 300") {
 		t.Fatalf("student vocab 300 vs teacher 260: got %v, want the vocab mismatch", err)
+	}
+}
+
+// TestPretokenizedSFTAndEvalNeedNoTokenizer: SFT over pre-tokenized
+// records runs with no tokenizer, and EvaluateDataset (`student eval` on
+// the config's data.dataset) reads them as the run did, also with none:
+// its CE on the held-out samples is the run's final eval. A record with
+// text instead of input_ids, or an id past the student's vocab_size, is a
+// bad record naming the file and line, in training and in eval alike; with
+// skip_bad both skip and count it.
+func TestPretokenizedSFTAndEvalNeedNoTokenizer(t *testing.T) {
+	dir := t.TempDir()
+	recs := make([]map[string]any, 24)
+	for i := range recs {
+		ids := make([]int, 10+(i*7)%21)
+		for j := range ids {
+			ids[j] = (i*31 + j*7 + j*j) % 260
+		}
+		recs[i] = map[string]any{"input_ids": ids}
+	}
+	file := filepath.Join(dir, "ids.jsonl")
+	writeJSONL(t, file, recs)
+	over := []string{"model.tokenizer=", "data.dataset.pretokenized=true", "train.max_steps=4", "eval.every=0", "checkpoint.every=100"}
+	cfg := sftConfig(t, "", file, filepath.Join(dir, "run"), over...)
+	res, log := run(t, cfg, Options{})
+	if !strings.Contains(log, "model.tokenizer_fingerprint: pretokenized:vocab=260") {
+		t.Errorf("log lacks the student's tokenizer line:\n%s", log)
+	}
+	s, _, err := LoadStudent(res.Checkpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lo := cfg.LossOptions(cfg.Distill.Temperature)
+	held := cache.Range{Start: 0, End: 12}
+	es, _, err := EvaluateDataset(s, cfg.Data.Dataset, nil, cfg.Data.SeqLen, held, &lo)
+	if err != nil {
+		t.Fatalf("EvaluateDataset over pre-tokenized records with no tokenizer: %v", err)
+	}
+	if want := res.Evals[len(res.Evals)-1]; es.CE != want.CE || es.Tokens != want.Tokens || es.Samples != 12 {
+		t.Fatalf("EvaluateDataset %+v, the run's final eval %+v", es, want)
+	}
+
+	// Record 3 (line 3) is text; record 21 (line 21) has an id past the
+	// student's vocab. The first is held out (eval reads it), the second
+	// a training step reads.
+	bad := func(i int, rec map[string]any) string {
+		rs := append([]map[string]any(nil), recs...)
+		rs[i] = rec
+		f := filepath.Join(t.TempDir(), "mixed.jsonl")
+		writeJSONL(t, f, rs)
+		return f
+	}
+	text := bad(2, map[string]any{"text": "hello"})
+	dc := *cfg.Data.Dataset
+	dc.Files = []string{text}
+	if _, _, err := EvaluateDataset(s, &dc, nil, cfg.Data.SeqLen, held, &lo); err == nil ||
+		!strings.Contains(err.Error(), "mixed.jsonl:3: no input_ids: a pre-tokenized dataset") || !strings.Contains(err.Error(), "pretokenized: false") {
+		t.Errorf("eval over a text record: %v; want the file, the line, no input_ids and the fix", err)
+	}
+	dc.SkipBad = true
+	if es, _, err := EvaluateDataset(s, &dc, nil, cfg.Data.SeqLen, held, &lo); err != nil || es.Samples != 11 {
+		t.Errorf("eval with skip_bad over a text record: %+v %v; want 11 samples scored", es, err)
+	}
+	oov := bad(20, map[string]any{"input_ids": []int{1, 2, 260}})
+	_, err = Run(sftConfig(t, "", oov, filepath.Join(t.TempDir(), "run"), over...), Options{Log: io.Discard})
+	if err == nil || !strings.Contains(err.Error(), "mixed.jsonl:21: input_ids[2]: id out of vocab: token id 260 is outside [0, 260)") ||
+		!strings.Contains(err.Error(), "data.dataset.skip_bad: true") {
+		t.Fatalf("training over an id past the vocab: %v; want the file, the line, the id and skip_bad", err)
+	}
+	textTrain := bad(20, map[string]any{"messages": []map[string]string{{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}}, "input_ids": []int{1, 2}})
+	_, log = run(t, sftConfig(t, "", textTrain, filepath.Join(t.TempDir(), "run"), append(over, "data.dataset.skip_bad=true")...), Options{})
+	// How often the read-ahead met the record depends on how far it read
+	// (epochs, evals): only that it was skipped and counted is certain.
+	if !regexp.MustCompile(`[1-9]\d* skipped \(text beside input_ids: [1-9]\d*\)`).MatchString(log) {
+		t.Errorf("skip_bad over a record with messages beside its input_ids: want it skipped and counted:\n%s", log)
 	}
 }

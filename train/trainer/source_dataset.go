@@ -7,6 +7,7 @@ import (
 
 	"distill/cache"
 	"distill/data"
+	"distill/data/tokenizer"
 	"distill/train"
 )
 
@@ -38,22 +39,13 @@ func newDatasetSource(cfg *Config) (*datasetSource, error) {
 		pk: &packer{seqLen: cfg.Data.SeqLen, truncate: cfg.Data.Truncate}}, nil
 }
 
-// Open opens the dataset with the student's tokenizer, which must have
-// no token id past the student's vocabulary; a pre-tokenized dataset
-// (data.dataset.pretokenized) needs none: its ids are checked against
-// the student's vocabulary.
+// Open opens the dataset with the student's tokenizer, or with none if it
+// is pre-tokenized (recordTokenizer).
 func (d *datasetSource) Open(p SourceParams) (SourceInfo, error) {
-	var tok data.Tokenizer
-	switch {
-	case d.dc.Pretokenized:
-		tok = data.IDsOnly{Vocab: p.Student.VocabSize}
-	case p.Tokenizer == nil:
-		return SourceInfo{}, fmt.Errorf("%w: data.dataset: tokenizing the dataset needs the student's tokenizer: set model.tokenizer (a directory with tokenizer.json and tokenizer_config.json), or model.init_from a directory that has them; if its records are pre-tokenized (input_ids), set data.dataset.pretokenized: true", ErrConfig)
-	case p.Tokenizer.VocabSize() > p.Student.VocabSize:
-		return SourceInfo{}, fmt.Errorf("%w: the tokenizer %s has %d tokens but the student's vocab_size is %d: token ids past it have no embedding; use a student with vocab_size >= %d",
-			ErrMismatch, p.TokenizerDir, p.Tokenizer.VocabSize(), p.Student.VocabSize, p.Tokenizer.VocabSize())
-	default:
-		tok = p.Tokenizer
+	tok, err := recordTokenizer(d.dc, p.Tokenizer, p.TokenizerDir, p.Student.VocabSize,
+		"set model.tokenizer (a directory with tokenizer.json and tokenizer_config.json), or model.init_from a directory that has them")
+	if err != nil {
+		return SourceInfo{}, err
 	}
 	opts, err := d.dc.options(d.seqLen)
 	if err != nil {
@@ -66,6 +58,29 @@ func (d *datasetSource) Open(p SourceParams) (SourceInfo, error) {
 	m := cache.Manifest{DatasetFingerprint: d.ds.Fingerprint(), Samples: d.ds.Len(), VocabSize: p.Student.VocabSize, TokenizerFingerprint: p.TokenizerFingerprint}
 	fmt.Fprintf(p.Log, "dataset: %d samples from %s (fingerprint %.12s)\n", d.ds.Len(), strings.Join(d.dc.Files, ", "), d.ds.Fingerprint())
 	return SourceInfo{Manifest: m, Kind: "dataset", NoTeacher: true, ChatTemplate: opts.ChatTemplate}, nil
+}
+
+// recordTokenizer is what package data reads dc's records with for a
+// student of vocab ids: for a pre-tokenized dataset none (data.IDsOnly:
+// the records must be input_ids, checked against vocab), else tok, the
+// student's (tokName, if not "", names it), which must have no id past vocab; tok nil
+// (only its fingerprint is known) is an ErrConfig whose fix is needTok.
+// Training and `student eval` both read a dataset through it, so eval
+// needs a tokenizer exactly when training does.
+func recordTokenizer(dc *DatasetConfig, tok *tokenizer.Tokenizer, tokName string, vocab int, needTok string) (data.Tokenizer, error) {
+	switch {
+	case dc.Pretokenized:
+		return data.IDsOnly{Vocab: vocab}, nil
+	case tok == nil:
+		return nil, fmt.Errorf("%w: data.dataset: tokenizing the dataset needs the student's tokenizer: %s; if its records are pre-tokenized (input_ids), set data.dataset.pretokenized: true", ErrConfig, needTok)
+	case tok.VocabSize() > vocab:
+		if tokName != "" {
+			tokName = " " + tokName
+		}
+		return nil, fmt.Errorf("%w: the tokenizer%s has %d tokens but the student's vocab_size is %d: token ids past it have no embedding; use a student with vocab_size >= %d",
+			ErrMismatch, tokName, tok.VocabSize(), vocab, tok.VocabSize())
+	}
+	return tok, nil
 }
 
 // Check has nothing to check: Open tokenized the dataset with the
