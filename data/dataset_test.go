@@ -419,10 +419,10 @@ func TestUTF8BOM(t *testing.T) {
 // TestPretokenizedTakesOnlyInputIDs: a dataset opened with IDsOnly (no
 // tokenizer: pre-tokenized) takes input_ids records only. A record with
 // text instead became an empty sample (training went on without it, a
-// fill failed on "no tokens", --skip-bad or not), one with text beside its
-// ids trained on the ids and dropped the text, both without a word; each
-// is now a bad record naming the file, the line and the fix, skipped and
-// counted with SkipBad as other bad records are.
+// fill failed on "no tokens", --skip-bad or not) without a word; it is now
+// a bad record naming the file, the line and the fix, skipped and counted
+// with SkipBad as other bad records are. Text beside the ids (a column
+// HF's datasets.map kept) is not read: the record is its ids.
 func TestPretokenizedTakesOnlyInputIDs(t *testing.T) {
 	good := `{"input_ids":[1,2,3]}`
 	ids := IDsOnly{Vocab: 64}
@@ -434,8 +434,6 @@ func TestPretokenizedTakesOnlyInputIDs(t *testing.T) {
 		{"chat", `{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"}]}`, "no input_ids", []string{`only text ("messages")`}},
 		{"prompt/response", `{"prompt":"q","response":"a"}`, "no input_ids", []string{`only text ("prompt", "response")`}},
 		{"nothing known", `{"body":"x","ids":[1]}`, "no input_ids", []string{"its non-null keys: body, ids", "columns.input_ids"}},
-		{"text beside ids", `{"input_ids":[1,2],"text":"hello"}`, "text beside input_ids", []string{`text: text beside input_ids`, `input_ids and text ("text")`, "the text would be ignored"}},
-		{"chat beside ids", `{"input_ids":[1,2],"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"}]}`, "text beside input_ids", []string{`messages: text beside input_ids`}},
 		{"id past the vocab", `{"input_ids":[1,64]}`, "id out of vocab", []string{"input_ids[1]: id out of vocab: token id 64 is outside [0, 64): the model the ids are read for has vocab_size 64"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -470,18 +468,20 @@ func TestPretokenizedTakesOnlyInputIDs(t *testing.T) {
 	}
 
 	// Null text columns are no text (Parquet rows of a mixed schema have
-	// them), and only IDsOnly makes the rule: with a tokenizer, a record's
-	// input_ids are still read beside a text field.
-	p := writeFile(t, t.TempDir(), "n.jsonl", `{"input_ids":[1,2],"text":null,"messages":null}`+"\n"+`{"input_ids":[4,5],"text":"hi"}`+"\n")
-	d, err := Open([]Source{{Path: p}}, ids, Options{SkipBad: true})
+	// them); text beside the ids is not read, a chat's included; and with
+	// a tokenizer, a record's input_ids are read beside a text field too.
+	p := writeFile(t, t.TempDir(), "n.jsonl", `{"input_ids":[1,2],"text":null,"messages":null}`+"\n"+`{"input_ids":[4,5],"text":"hi"}`+"\n"+
+		`{"input_ids":[6],"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"}]}`+"\n")
+	d, err := Open([]Source{{Path: p}}, ids, Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer d.Close()
-	if s := all(t, d); s[0].Status != OK || !slices.Equal(s[0].IDs, []int32{1, 2}) || s[1].Status != Skipped {
-		t.Errorf("null text beside input_ids: %+v", s)
+	if s := all(t, d); s[0].Status != OK || !slices.Equal(s[0].IDs, []int32{1, 2}) || s[1].Status != OK || !slices.Equal(s[1].IDs, []int32{4, 5}) ||
+		s[2].Status != OK || !slices.Equal(s[2].IDs, []int32{6}) {
+		t.Errorf("pre-tokenized records with null text, text or a chat beside their input_ids: %+v", s)
 	}
-	fd := openFake(t, newFakeTok(), nil, Options{}, Source{Path: p})
+	fd := openFake(t, newFakeTok(), nil, Options{}, Source{Path: writeFile(t, t.TempDir(), "t.jsonl", `{"input_ids":[1,2]}`+"\n"+`{"input_ids":[4,5],"text":"hi"}`+"\n")})
 	if s := all(t, fd); !slices.Equal(s[1].IDs, []int32{4, 5}) {
 		t.Errorf("with a tokenizer, input_ids beside text: %+v", s[1])
 	}

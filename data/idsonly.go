@@ -5,8 +5,8 @@ import "fmt"
 // IDsOnly is the Tokenizer of a pre-tokenized dataset (input_ids
 // records), for a vocabulary of Vocab ids and no tokenizer files. A
 // dataset opened with it is pre-tokenized: every record must hold
-// input_ids and no text (messages, prompt, response, text), or it is a
-// bad record (ErrBadRecord, skipped with Options.SkipBad), since IDsOnly
+// input_ids (text fields beside them are not read), or it is a bad
+// record (ErrBadRecord, skipped with Options.SkipBad), since IDsOnly
 // encodes no text; the ids are checked against Vocab. Its fingerprint,
 // "pretokenized:vocab=V", is what `cachectl fill --pretokenized` records
 // as a cache's tokenizer and what a dataset's fingerprint is keyed by, so

@@ -101,9 +101,10 @@ type record struct {
 // as map[string]any with json.Number/int64/float64 numbers) into a record.
 // The shape is chosen by which fields are present, in this order: messages,
 // input_ids, prompt/response, text. pretok (a pre-tokenized dataset: no
-// tokenizer reads it) takes only input_ids records: one without them, or
-// with text beside them, would otherwise become an empty sample or the ids
-// alone, and the text would be dropped without a word.
+// tokenizer reads it) takes only input_ids records: one with text and no
+// ids would otherwise become an empty sample without a word. Text beside
+// the ids is left unread: datasets tokenized by HF's datasets.map keep
+// their text columns, and the ids are what a pre-tokenized dataset means.
 func parseRecord(obj map[string]any, c ColumnMap, pretok bool) (*record, error) {
 	if pretok {
 		return parsePretokenized(obj, c)
@@ -289,8 +290,8 @@ func prefixField(err error, field string) error {
 const pretokHint = "a pre-tokenized dataset (data.dataset.pretokenized: true, cachectl fill --pretokenized) needs input_ids in every record"
 
 // parsePretokenized is parseRecord for a pre-tokenized dataset: the record
-// must have input_ids and none of the text fields (messages, prompt,
-// response, text).
+// must have input_ids; its text fields (messages, prompt, response, text),
+// if any, are not read.
 func parsePretokenized(obj map[string]any, c ColumnMap) (*record, error) {
 	var text []string
 	for _, k := range []string{c.Messages, c.Prompt, c.Response, c.Text} {
@@ -307,10 +308,6 @@ func parsePretokenized(obj map[string]any, c ColumnMap) (*record, error) {
 	case obj[c.InputIDs] == nil:
 		return nil, badf("", "no input_ids", "%s (its non-null keys: %s); rename the ids field or set the source's column mapping (columns.input_ids)",
 			pretokHint, nonNullKeys(obj))
-	case len(text) > 0:
-		return nil, badf(strings.Trim(text[0], `"`), "text beside input_ids",
-			"the record has input_ids and text (%s), and a pre-tokenized dataset reads only the ids: the text would be ignored; remove the text from the pre-tokenized records (to train on the text instead, make a dataset of it without input_ids, pretokenized: false)",
-			fields)
 	}
 	return parseTokens(obj, c)
 }

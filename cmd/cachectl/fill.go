@@ -80,7 +80,7 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	devices := fs.String("devices", "", "with --model: split the teacher's layers over these GPUs, a pipeline stage each: ordinals 0,1,2,3 (one may repeat) or all (teacherd --devices)")
 	micro := fs.Int("micro-batches", 0, "with --model --devices: micro-batches a forward is cut into (default: four a GPU, none under 1024 tokens)")
 	budget := fs.Int("token-budget", 0, "with --model: tokens per forward pass (default 8192); on a GPU, checked at start against its free memory")
-	pretok := fs.Bool("pretokenized", false, "records hold input_ids (and loss_mask), no text (a record with text is a bad record): no tokenizer, ids checked against the vocab")
+	pretok := fs.Bool("pretokenized", false, "records hold input_ids (and loss_mask), no text (a record with text and no input_ids is a bad record; text beside the ids is not read): no tokenizer, ids checked against the vocab")
 	var df datasetFlags
 	df.register(fs, "as the teachers see them (with --model: as this machine does)")
 	start := fs.Int64("start", 0, "first sample")
