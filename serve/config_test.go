@@ -43,6 +43,10 @@ func TestLoadConfigErrors(t *testing.T) {
 	if err != nil || c.Model != "/m" || len(c.DataRoots) != 1 || c.TokenBudget != 512 || c.DrainTimeout != 5*time.Second || !c.Insecure || c.Listen != "127.0.0.1:1" {
 		t.Errorf("%+v, %v", c, err)
 	}
+	// The keys the file gives, by flag, for errors that name them.
+	if src := c.Sources; src.File != p || !src.FromFile["token-budget"] || !src.FromFile["listen"] || src.FromFile["k-max"] || src.Said("listen") != "config "+p+": listen:" || src.Said("k-max") != "--k-max" {
+		t.Errorf("sources: %+v", src)
+	}
 	if _, err := LoadConfig(filepath.Join(dir, "none.yaml")); err == nil || !strings.Contains(err.Error(), "--config "+filepath.Join(dir, "none.yaml")+": no such file or directory") {
 		t.Errorf("missing config: %v", err)
 	}

@@ -39,6 +39,9 @@ const (
 	DefaultQueueSamples = 1024
 	// maxCachedDatasets bounds the opened datasets a core keeps.
 	maxCachedDatasets = 8
+	// maxDefaultKMax is a daemon's KMax unless set, for a vocabulary
+	// larger: min(vocab, maxDefaultKMax).
+	maxDefaultKMax = 4096
 )
 
 // CoreOptions configure a Core. ModelDir is required.
@@ -132,8 +135,10 @@ type openDataset struct {
 // than at its first Fill (a read-only cache answered every Fill with an
 // internal error, after the teacher had loaded). A missing directory is
 // fine when the nearest directory above it that exists is writable: the
-// first fill creates it there.
-func checkCacheDir(dir string) error {
+// first fill creates it there. Its errors name the path as src says it
+// came (the zero Sources: --cache).
+func checkCacheDir(dir string, src Sources) error {
+	said, hint := src.Said("cache"), src.hint("cache")
 	if dir == "" {
 		return nil
 	}
@@ -146,16 +151,16 @@ func checkCacheDir(dir string) error {
 		for probe = filepath.Dir(dir); ; probe = filepath.Dir(probe) {
 			st, err := os.Stat(probe)
 			if err == nil && !st.IsDir() {
-				return configErrorf("--cache %s: %s is a file, not a directory: give a cache path under a directory", dir, probe)
+				return configErrorf("%s %s: %s is a file, not a directory: give a cache path under a directory", said, dir, probe)
 			}
 			if err == nil || probe == filepath.Dir(probe) {
 				break
 			}
 		}
 	case err != nil:
-		return configErrorf("--cache %s: %v", dir, err)
+		return configErrorf("%s %s: %v", said, dir, err)
 	case !st.IsDir():
-		return configErrorf("--cache %s is a file, not a directory: give a directory (a missing one is created at the first fill)", dir)
+		return configErrorf("%s %s is a file, not a directory: give a directory (a missing one is created at the first fill)", said, dir)
 	}
 	// Writing a file is the only sure test: permissions, a read-only
 	// mount, an immutable directory and root's exemptions all decide it.
@@ -166,8 +171,8 @@ func checkCacheDir(dir string) error {
 		if probe != dir {
 			where = "the directory it would be created in, " + probe + ","
 		}
-		return configErrorf("--cache %s: %s is not writable (%v): fills write the cache, so give a directory this process can write, or start without --cache to serve Score only",
-			dir, where, err)
+		return configErrorf("%s %s: %s is not writable (%v): fills write the cache, so give a directory this process can write, or start without %s to serve Score only",
+			said, dir, where, err, hint)
 	}
 	f.Close()
 	os.Remove(f.Name())
@@ -190,7 +195,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if o.ModelDir == "" {
 		return nil, configErrorf("no model directory: give --model DIR (an HF checkpoint)")
 	}
-	if err := checkCacheDir(o.CacheDir); err != nil {
+	if err := checkCacheDir(o.CacheDir, Sources{}); err != nil {
 		return nil, err
 	}
 	if o.TokenBudget == 0 {
@@ -222,7 +227,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 	}
 	V := m.Cfg.VocabSize
 	if o.KMax == 0 {
-		o.KMax = min(V, 4096)
+		o.KMax = min(V, maxDefaultKMax)
 		if o.InProcess {
 			// cachectl fill's own teacher serves that fill's k only
 			// (CoreOptions.KMax, when it gives one); a daemon's serves

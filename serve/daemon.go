@@ -85,6 +85,81 @@ type Config struct {
 	// DrainTimeout bounds the graceful shutdown: in-flight RPCs get this
 	// long to finish, then fills are cancelled and their chunks aborted.
 	DrainTimeout time.Duration `yaml:"drain_timeout"`
+
+	// Sources says which of the values above came from a config file,
+	// for the errors that name them (not a key of the file).
+	Sources Sources `yaml:"-"`
+}
+
+// Sources says where a Config's values came from, so that an error names
+// a value as the user gave it: by teacherd's flag (`--k-max 100: ...`),
+// or by the config file's key (`config t.yaml: k_max: 100: ...`), not by
+// a flag the user never typed. The zero Sources names every value by its
+// flag.
+type Sources struct {
+	// File is the config file the values FromFile names came from.
+	File string
+	// FromFile holds the settings, by teacherd flag name ("k-max"),
+	// whose value is File's: LoadConfig sets those File gives, and
+	// teacherd clears those a flag given overrides.
+	FromFile map[string]bool
+}
+
+// fromFile reports whether the value of the setting flag is File's.
+func (s Sources) fromFile(flag string) bool { return s.File != "" && s.FromFile[flag] }
+
+// configKey is the config file's key of teacherd's flag named flag
+// (TestSettingKeys holds the settings to it).
+func configKey(flag string) string { return strings.ReplaceAll(flag, "-", "_") }
+
+// Said is how an error begins that names the value of the setting
+// teacherd's flag flag sets: "--k-max", or "config FILE: k_max:" for the
+// file's value.
+func (s Sources) Said(flag string) string {
+	if s.fromFile(flag) {
+		return "config " + s.File + ": " + configKey(flag) + ":"
+	}
+	return "--" + flag
+}
+
+// word is the setting's bare name, as its source spells it: "k-max" or
+// "k_max".
+func (s Sources) word(flag string) string { return s.wordLike(flag, flag) }
+
+// wordLike is the bare name of the setting flag, which has no value, as
+// the source of the setting as spells it.
+func (s Sources) wordLike(flag, as string) string {
+	if s.fromFile(as) {
+		return configKey(flag)
+	}
+	return flag
+}
+
+// ref names the setting flag inside a message about the setting about:
+// "--k-max", or "k_max in config FILE" ("k_max" when the message names
+// the file already).
+func (s Sources) ref(flag, about string) string {
+	switch {
+	case !s.fromFile(flag):
+		return "--" + flag
+	case s.fromFile(about):
+		return configKey(flag)
+	}
+	return configKey(flag) + " in config " + s.File
+}
+
+// hint names the setting flag in a message's advice, as its value came:
+// "no --tokenizer", or "no tokenizer" for the file's.
+func (s Sources) hint(flag string) string { return s.like(flag, flag) }
+
+// like names the setting flag, which has no value, the way the value of
+// the setting as is named: "--tls-key" beside a flag, "tls_key" beside
+// the file's key (its value is missing from both alike).
+func (s Sources) like(flag, as string) string {
+	if s.fromFile(as) {
+		return configKey(flag)
+	}
+	return "--" + flag
 }
 
 // LoadConfig reads a YAML config file; unknown keys are an error naming
@@ -114,6 +189,9 @@ func LoadConfig(path string) (Config, error) {
 	cv := reflect.ValueOf(&c).Elem()
 	for i := 0; i < cv.NumField(); i++ {
 		name, _, _ := strings.Cut(cv.Type().Field(i).Tag.Get("yaml"), ",")
+		if name == "-" {
+			continue // Sources
+		}
 		fields[name] = cv.Field(i)
 		names = append(names, name)
 	}
@@ -146,6 +224,13 @@ func LoadConfig(path string) (Config, error) {
 			}
 			return c, configErrorf("config %s: line %d: %s: %s is not %s", path, v.Line, k.Value, got, wantKind(f.Type()))
 		}
+	}
+	// By flag name, which is the key's with - for _ (data_roots, whose
+	// flag is --data-root, becomes no flag's name: its errors say
+	// --data-root whichever gave it).
+	c.Sources = Sources{File: path, FromFile: map[string]bool{}}
+	for k := range seen {
+		c.Sources.FromFile[strings.ReplaceAll(k, "_", "-")] = true
 	}
 	return c, nil
 }
@@ -220,9 +305,12 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	// half-started daemon. A device that does not open (no driver) fails
 	// in NewCore, before the daemon serves.
 	for _, s := range settings {
-		if err := cfg.CheckSetting(s.flag, ""); err != nil {
+		if err := cfg.CheckSetting(s.flag); err != nil {
 			return nil, err
 		}
+	}
+	if _, err := cfg.CheckPairs(); err != nil {
+		return nil, err
 	}
 	devices, err := device.ParseDevices(cfg.Devices)
 	if err != nil {
@@ -235,17 +323,14 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 			return nil, errkind.Wrap(ErrConfig, err)
 		}
 	}
-	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
-		return nil, configErrorf("TLS needs both --tls-cert and --tls-key")
-	}
-	if err := checkCacheDir(cfg.Cache); err != nil {
+	if err := checkCacheDir(cfg.Cache, cfg.Sources); err != nil {
 		return nil, err
 	}
 	// The model's config.json too, so that a mistyped --model fails
 	// before the port is bound (the weights load after, NOT_SERVING).
 	mc, err := model.LoadConfig(cfg.Model)
 	if err != nil {
-		return nil, configErrorf("--model %s: %w", cfg.Model, err)
+		return nil, configErrorf("%s %s: %w", cfg.Sources.Said("model"), cfg.Model, err)
 	}
 	if err := cfg.checkK(mc.VocabSize); err != nil {
 		return nil, err
@@ -254,7 +339,8 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	// had loaded (as "failed precondition").
 	if cfg.Tokenizer != "" {
 		if _, err := os.Stat(filepath.Join(cfg.Tokenizer, "tokenizer.json")); err != nil {
-			return nil, configErrorf("--tokenizer %s: no tokenizer.json there (%v): give the directory that holds the teacher's tokenizer.json, or no --tokenizer for the model directory's", cfg.Tokenizer, unwrapPath(err))
+			return nil, configErrorf("%s %s: no tokenizer.json there (%v): give the directory that holds the teacher's tokenizer.json, or no %s for the model directory's",
+				cfg.Sources.Said("tokenizer"), cfg.Tokenizer, unwrapPath(err), cfg.Sources.hint("tokenizer"))
 		}
 	}
 	roots, err := NewDataRoots(cfg.DataRoots)
@@ -268,31 +354,32 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if cfg.TokenFile != "" {
 		b, err := os.ReadFile(cfg.TokenFile)
 		if err != nil {
-			return nil, configErrorf("--token-file %s: %v: give the file that holds the bearer token clients send (one line), or no --token-file for no authentication", cfg.TokenFile, unwrapPath(err))
+			return nil, configErrorf("%s %s: %v: give the file that holds the bearer token clients send (one line), or no %s for no authentication",
+				cfg.Sources.Said("token-file"), cfg.TokenFile, unwrapPath(err), cfg.Sources.hint("token-file"))
 		}
 		so.Token = string(trimSpace(b))
 		if so.Token == "" {
-			return nil, configErrorf("token file %s is empty", cfg.TokenFile)
+			return nil, configErrorf("%s %s is empty: write the bearer token clients send into it (one line)", cfg.Sources.Said("token-file"), cfg.TokenFile)
 		}
 	}
 	if cfg.TLSCert != "" {
 		cert, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey)
 		if err != nil {
-			return nil, configErrorf("--tls-cert %s, --tls-key %s: %v: give a PEM certificate and its private key", cfg.TLSCert, cfg.TLSKey, err)
+			return nil, configErrorf("%s %s, %s %s: %v: give a PEM certificate and its private key", cfg.Sources.Said("tls-cert"), cfg.TLSCert, cfg.Sources.Said("tls-key"), cfg.TLSKey, err)
 		}
 		so.Extra = append(so.Extra, grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12})))
 	}
 	d := &Daemon{cfg: cfg, log: log}
 	if d.lis, err = net.Listen("tcp", cfg.Listen); err != nil {
-		return nil, listenError("--listen", cfg.Listen, err)
+		return nil, listenError(cfg.Sources.Said("listen"), cfg.Sources.hint("listen"), cfg.Listen, err)
 	}
 	// Checked on the bound address: a host name or an empty host ("":7070,
 	// every interface) is judged by what the socket really listens on.
 	if ta, ok := d.lis.Addr().(*net.TCPAddr); !ok || !ta.IP.IsLoopback() {
 		if so.Token == "" && cfg.TLSCert == "" && !cfg.Insecure {
 			d.lis.Close()
-			return nil, configErrorf("--listen %s is reachable from other machines (%s), and the daemon has no --token-file and no TLS: anyone who reaches it could use the teacher; "+
-				"give --token-file FILE (and TLS: --tls-cert, --tls-key), listen on loopback (127.0.0.1), or pass --insecure on a trusted network", cfg.Listen, d.lis.Addr())
+			return nil, configErrorf("%s %s is reachable from other machines (%s), and the daemon has no --token-file and no TLS: anyone who reaches it could use the teacher; "+
+				"give --token-file FILE (and TLS: --tls-cert, --tls-key), listen on loopback (127.0.0.1), or pass --insecure on a trusted network", cfg.Sources.Said("listen"), cfg.Listen, d.lis.Addr())
 		}
 		if so.Token == "" {
 			log.Warn("listening beyond loopback without a bearer token", zap.String("addr", d.lis.Addr().String()), zap.Bool("tls", cfg.TLSCert != ""), zap.Bool("insecure", cfg.Insecure))
@@ -305,7 +392,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if cfg.Metrics != "off" {
 		if d.mlis, err = net.Listen("tcp", cfg.Metrics); err != nil {
 			d.lis.Close()
-			return nil, listenError("--metrics", cfg.Metrics, err)
+			return nil, listenError(cfg.Sources.Said("metrics"), cfg.Sources.hint("metrics"), cfg.Metrics, err)
 		}
 		mux := http.NewServeMux()
 		mux.HandleFunc("/metrics", func(w http.ResponseWriter, r *http.Request) {
@@ -403,6 +490,18 @@ var settings = []setting{
 	{"max-concurrent", "max_concurrent", notNegative(func(c *Config) int { return c.MaxConcurrent }, "64")},
 	{"queue-samples", "queue_samples", notNegative(func(c *Config) int { return c.QueueSamples }, "1024")},
 	{"queue-tokens", "queue_tokens", notNegative(func(c *Config) int { return c.QueueTokens }, "8 token budgets")},
+	{"k-default", "k_default", func(c *Config, said string) error {
+		if c.KDefault < 0 {
+			return fmt.Errorf("%s %d: want 1 or more, at most k-max (0 or none: the default, min(%d, k-max))", said, c.KDefault, DefaultKDefault)
+		}
+		return nil
+	}},
+	{"k-max", "k_max", func(c *Config, said string) error {
+		if c.KMax < 0 {
+			return fmt.Errorf("%s %d: want 1 or more, at most the teacher's vocab size (0 or none: the default, min(vocab size, %d))", said, c.KMax, maxDefaultKMax)
+		}
+		return nil
+	}},
 	{"max-draws", "max_draws", func(c *Config, said string) error {
 		if c.MaxDraws < 0 || c.MaxDraws > cache.MaxDraws {
 			return fmt.Errorf("%s %d: want 1 to %d draws a position (0 or none: the default, %d)", said, c.MaxDraws, cache.MaxDraws, DefaultMaxDraws)
@@ -442,7 +541,7 @@ func checkAddress(said, addr string) error {
 		return nil
 	}
 	if _, _, err := net.SplitHostPort(addr); err != nil {
-		return listenError(said, addr, err)
+		return listenError(said, "", addr, err) // an *AddrError: its message needs no hint
 	}
 	return nil
 }
@@ -454,41 +553,102 @@ func checkAddress(said, addr string) error {
 // listen addresses, the counts and bounds. It is nil for a good value,
 // and for a setting whose check needs more (a file, the model's
 // config.json, the GPUs: Start checks those). Its error (ErrConfig)
-// names the setting as the flag (`--weights "fp4": want bf16 or fp8`)
-// when file is "", else as the key of the config file file (`config
+// names the setting as c.Sources says it came: as the flag (`--weights
+// "fp4": want bf16 or fp8`), or as the key of the config file (`config
 // FILE: weights: "fp4": want bf16 or fp8`): teacherd checks the flags
 // given before it reads the file, as a usage error, and the file's values
-// that no flag overrides after.
-func (c *Config) CheckSetting(flag, file string) error {
+// that no flag overrides after. Settings that must agree with each other
+// are CheckPairs'.
+func (c *Config) CheckSetting(flag string) error {
 	for _, s := range settings {
 		if s.flag == flag {
-			said := "--" + s.flag
-			if file != "" {
-				said = "config " + file + ": " + s.key + ":"
-			}
-			return errkind.Wrap(ErrConfig, s.check(c, said))
+			return errkind.Wrap(ErrConfig, s.check(c, c.Sources.Said(s.flag)))
 		}
 	}
 	return nil
 }
 
-// checkK refuses k bounds the model cannot give, before anything is
-// bound or loaded, as NewCore sets and checks them, from the vocabulary
-// vocab its config.json gives (they failed once the weights had loaded).
-func (c *Config) checkK(vocab int) error {
-	o := CoreOptions{KMax: c.KMax, KDefault: c.KDefault}
-	if o.KMax == 0 {
-		o.KMax = min(vocab, 4096)
-	}
-	if o.KDefault == 0 {
-		o.KDefault = min(DefaultKDefault, o.KMax)
-	}
-	return checkK(o, vocab)
+// A pair is two settings whose values are each right alone but may
+// contradict each other; checked once the flags and the file are merged,
+// since either alone may lack the half that makes the other right (a
+// --tls-cert flag, the file's tls_key).
+type pair struct {
+	flags [2]string
+	check func(c *Config) error
 }
 
-// listenError says which flag's address could not be bound, and what to
-// do about it.
-func listenError(flag, addr string, err error) error {
+// pairs are the settings CheckPairs checks together.
+var pairs = []pair{
+	{[2]string{"k-default", "k-max"}, func(c *Config) error {
+		s := c.Sources
+		switch {
+		case c.KDefault <= 0: // 0: the default, at most k-max; below: CheckSetting's
+		case c.KMax > 0 && c.KDefault > c.KMax:
+			return fmt.Errorf("%s %d: want 1 <= %s <= %d (%s)", s.Said("k-default"), c.KDefault, s.word("k-default"), c.KMax, s.ref("k-max", "k-default"))
+		case c.KMax == 0 && c.KDefault > maxDefaultKMax:
+			return fmt.Errorf("%s %d: want 1 <= %s <= %d (the default %s, min(vocab size, %d)); give %s too for more",
+				s.Said("k-default"), c.KDefault, s.word("k-default"), maxDefaultKMax, s.wordLike("k-max", "k-default"), maxDefaultKMax, s.like("k-max", "k-default"))
+		}
+		return nil
+	}},
+	{[2]string{"tls-cert", "tls-key"}, func(c *Config) error {
+		s := c.Sources
+		switch {
+		case c.TLSCert != "" && c.TLSKey == "":
+			return fmt.Errorf("%s %s: TLS needs %s too (the certificate's private key, PEM), or neither for no TLS", s.Said("tls-cert"), c.TLSCert, s.like("tls-key", "tls-cert"))
+		case c.TLSKey != "" && c.TLSCert == "":
+			return fmt.Errorf("%s %s: TLS needs %s too (the key's certificate, PEM), or neither for no TLS", s.Said("tls-key"), c.TLSKey, s.like("tls-cert", "tls-key"))
+		}
+		return nil
+	}},
+}
+
+// CheckPairs checks the settings whose values must agree with each other
+// as far as the values alone tell (--k-default at most --k-max; both
+// --tls-cert and --tls-key, or neither), as Start does before anything
+// is read or bound; that k-max is at most the teacher's vocabulary Start
+// checks once it has read config.json. Its error (ErrConfig) names the
+// values as c.Sources says they came, and flags are the teacherd flags of
+// the pair it is about, for a caller that tells a command line's mistake
+// (a usage error) from the config file's.
+func (c *Config) CheckPairs() (flags []string, err error) {
+	for _, p := range pairs {
+		if err := p.check(c); err != nil {
+			return p.flags[:], errkind.Wrap(ErrConfig, err)
+		}
+	}
+	return nil, nil
+}
+
+// checkK refuses k bounds the model cannot give, before anything is
+// bound or loaded, as NewCore sets and checks them, from the vocabulary
+// vocab its config.json gives (they failed once the weights had loaded),
+// naming each value as c.Sources says it came.
+func (c *Config) checkK(vocab int) error {
+	s := c.Sources
+	kmax, kdef := c.KMax, c.KDefault
+	if kmax == 0 {
+		kmax = min(vocab, maxDefaultKMax)
+	}
+	if kdef == 0 {
+		kdef = min(DefaultKDefault, kmax)
+	}
+	switch {
+	case kmax < 1 || kmax > vocab:
+		return configErrorf("%s %d: want 1 <= %s <= %d (the teacher's vocab size)", s.Said("k-max"), c.KMax, s.word("k-max"), vocab)
+	case kdef < 1 || kdef > kmax:
+		bound := s.ref("k-max", "k-default")
+		if c.KMax == 0 {
+			bound = fmt.Sprintf("the default %s, min(vocab size %d, %d)", s.wordLike("k-max", "k-default"), vocab, maxDefaultKMax)
+		}
+		return configErrorf("%s %d: want 1 <= %s <= %d (%s)", s.Said("k-default"), c.KDefault, s.word("k-default"), kmax, bound)
+	}
+	return nil
+}
+
+// listenError says which setting's address could not be bound (said:
+// Sources.Said), and what to do about it (hint: Sources.hint).
+func listenError(said, hint, addr string, err error) error {
 	var oe *net.OpError
 	if errors.As(err, &oe) {
 		err = oe.Err // "bind: address already in use", without the address again
@@ -497,15 +657,15 @@ func listenError(flag, addr string, err error) error {
 	var de *net.DNSError
 	switch {
 	case errors.Is(err, syscall.EADDRINUSE):
-		return configErrorf("%s %s: %v: another process (another teacherd?) listens there: stop it, or give another %s address", flag, addr, err, flag)
+		return configErrorf("%s %s: %v: another process (another teacherd?) listens there: stop it, or give another %s address", said, addr, err, hint)
 	case errors.Is(err, syscall.EACCES):
-		return configErrorf("%s %s: %v: ports below 1024 need root (or CAP_NET_BIND_SERVICE): give a port above 1023", flag, addr, err)
+		return configErrorf("%s %s: %v: ports below 1024 need root (or CAP_NET_BIND_SERVICE): give a port above 1023", said, addr, err)
 	case errors.As(err, &de):
-		return configErrorf("%s %s: %v: give a host name this machine resolves, or an IP address", flag, addr, err)
+		return configErrorf("%s %s: %v: give a host name this machine resolves, or an IP address", said, addr, err)
 	case errors.As(err, &ae):
-		return configErrorf("%s %s: %v: want HOST:PORT, e.g. 127.0.0.1:7070", flag, addr, err)
+		return configErrorf("%s %s: %v: want HOST:PORT, e.g. 127.0.0.1:7070", said, addr, err)
 	}
-	return configErrorf("%s %s: %v", flag, addr, err)
+	return configErrorf("%s %s: %v", said, addr, err)
 }
 
 // unwrapPath drops an *os.PathError's operation and path, which the

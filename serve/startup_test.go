@@ -86,7 +86,8 @@ func TestCacheDirNotWritable(t *testing.T) {
 
 // TestBadValuesBeforeLoading: settings no daemon can run with fail
 // before the port is bound and the weights load (the model has none
-// here, so a later check would report those instead), naming the flag.
+// here, so a later check would report those instead), naming the flag,
+// or the config file's key where Sources says the value is the file's.
 // A negative max_concurrent used to lift the RPC bound, a negative queue
 // size to take the default, and a k or draws out of range to fail only
 // once the weights had loaded.
@@ -105,6 +106,16 @@ func TestBadValuesBeforeLoading(t *testing.T) {
 		{Config{KMax: 1000}, "--k-max 1000: want 1 <= k-max <= 512"},
 		{Config{KDefault: 600}, "--k-default 600: want 1 <= k-default <= 512"},
 		{Config{DrainTimeout: -time.Second}, "--drain-timeout -1s"},
+		{Config{KMax: -3}, "--k-max -3: want 1 or more"},
+		{Config{KDefault: -1}, "--k-default -1: want 1 or more"},
+		{Config{KDefault: 100, KMax: 10}, "--k-default 100: want 1 <= k-default <= 10 (--k-max)"},
+		{Config{TLSCert: "/x"}, "--tls-cert /x: TLS needs --tls-key too"},
+		{Config{TLSKey: "/k"}, "--tls-key /k: TLS needs --tls-cert too"},
+		// Named as Sources says they came: the file's key, not a flag.
+		{Config{KMax: 1000, Sources: Sources{File: "t.yaml", FromFile: map[string]bool{"k-max": true}}}, "config t.yaml: k_max: 1000: want 1 <= k_max <= 512"},
+		{Config{KMax: -3, Sources: Sources{File: "t.yaml", FromFile: map[string]bool{"k-max": true}}}, "config t.yaml: k_max: -3: want 1 or more"},
+		{Config{KDefault: 100, KMax: 10, Sources: Sources{File: "t.yaml", FromFile: map[string]bool{"k-max": true}}}, "--k-default 100: want 1 <= k-default <= 10 (k_max in config t.yaml)"},
+		{Config{TLSKey: "/k", Sources: Sources{File: "t.yaml", FromFile: map[string]bool{"tls-key": true}}}, "config t.yaml: tls_key: /k: TLS needs tls_cert too"},
 	} {
 		c.cfg.Model = m
 		err := startErr(t, c.cfg)

@@ -30,6 +30,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 
@@ -152,7 +153,7 @@ func parseConfig(args []string) (serve.Config, bool, planFlags, error) {
 	fs.Visit(func(fl *flag.Flag) {
 		given[fl.Name] = true
 		if bad == nil {
-			bad = f.CheckSetting(fl.Name, "")
+			bad = f.CheckSetting(fl.Name)
 		}
 	})
 	if bad != nil {
@@ -165,16 +166,28 @@ func parseConfig(args []string) (serve.Config, bool, planFlags, error) {
 			return cfg, false, pf, err
 		}
 		// The file's values that no flag overrides: a bad one is the
-		// file's (exit 1), named by its key.
+		// file's (exit 1), named by its key (cfg.Sources).
 		fs.VisitAll(func(fl *flag.Flag) {
 			if bad == nil && !given[fl.Name] {
-				bad = cfg.CheckSetting(fl.Name, *config)
+				bad = cfg.CheckSetting(fl.Name)
 			}
 		})
 		if bad != nil {
 			return cfg, false, pf, bad
 		}
-		fs.Visit(func(fl *flag.Flag) { overrideFlag(&cfg, &f, fl.Name) })
+		fs.Visit(func(fl *flag.Flag) {
+			overrideFlag(&cfg, &f, fl.Name)
+			delete(cfg.Sources.FromFile, fl.Name) // named by its flag from here on
+		})
+	}
+	// Values that must agree, merged: --k-default above --k-max, or
+	// --tls-cert without --tls-key, are the command line's mistake
+	// (exit 2) when a flag given is one of them, else the file's (1).
+	if pair, err := cfg.CheckPairs(); err != nil {
+		if slices.ContainsFunc(pair, func(name string) bool { return given[name] }) {
+			err = cli.Usage(err)
+		}
+		return cfg, false, pf, err
 	}
 	return cfg, *logJSON, pf, nil
 }

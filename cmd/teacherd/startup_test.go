@@ -63,6 +63,14 @@ func TestStartupErrorsOneSentence(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Config files whose values are wrong, on their face and for this
+	// model (vocab 64).
+	kFile, tlsFile := filepath.Join(weightless, "k.yaml"), filepath.Join(weightless, "tls.yaml")
+	for p, yaml := range map[string]string{kFile: "model: " + m + "\nk_max: 100\n", tlsFile: "model: " + m + "\ntls_cert: /x\n"} {
+		if err := os.WriteFile(p, []byte(yaml), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
 	for _, tc := range []struct {
 		args []string
 		code int    // 2: a bad flag value, what the command line alone gets wrong
@@ -74,6 +82,15 @@ func TestStartupErrorsOneSentence(t *testing.T) {
 			`teacherd: --devices "0,x": want GPU ordinals separated by commas (0,1,2,3) or all`},
 		{[]string{"--model", m, "--device", "gpu"}, 2, `teacherd: --device "gpu": want auto, cpu or cuda`},
 		{[]string{"--model", m, "--weights", "fp4"}, 2, `teacherd: --weights "fp4": want bf16 or fp8`},
+		{[]string{"--model", m, "--k-max", "-3"}, 2,
+			"teacherd: --k-max -3: want 1 or more, at most the teacher's vocab size (0 or none: the default, min(vocab size, 4096))"},
+		{[]string{"--model", m, "--k-default", "100", "--k-max", "10"}, 2, "teacherd: --k-default 100: want 1 <= k-default <= 10 (--k-max)"},
+		{[]string{"--model", m, "--tls-cert", "/x"}, 2, "teacherd: --tls-cert /x: TLS needs --tls-key too (the certificate's private key, PEM), or neither for no TLS"},
+		{[]string{"--config", tlsFile}, 1, "teacherd: config " + tlsFile + ": tls_cert: /x: TLS needs tls_key too (the certificate's private key, PEM), or neither for no TLS"},
+		// Right on its face, wrong for this model: a failure, as a GPU
+		// the machine lacks is, named where it came from.
+		{[]string{"--model", m, "--k-max", "100"}, 1, "teacherd: --k-max 100: want 1 <= k-max <= 64 (the teacher's vocab size)"},
+		{[]string{"--config", kFile}, 1, "teacherd: config " + kFile + ": k_max: 100: want 1 <= k_max <= 64 (the teacher's vocab size)"},
 		{[]string{"--model", missing}, 1, "teacherd: --model " + missing + ": open " + filepath.Join(missing, "config.json") +
 			": no such file or directory (a checkpoint directory needs config.json)"},
 		{[]string{"--model", weightless}, 1, "teacherd: loading teacher: model: safetensors: no model.safetensors, model.safetensors.index.json or *.safetensors in " + weightless},
