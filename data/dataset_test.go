@@ -187,6 +187,7 @@ func TestBadRecords(t *testing.T) {
 		{"trailing data", `{"text":"a"} {"text":"b"}`, "malformed JSON"},
 		{"not an object", `["text"]`, "want a JSON object"},
 		{"missing fields", `{"body":"x"}`, "missing fields"},
+		{"missing fields, null text", `{"body":"x","text":null}`, "missing fields: record has none of \"messages\", \"input_ids\", \"prompt\"/\"response\", \"text\" (its non-null keys: body)"},
 		{"missing response", `{"prompt":"x"}`, "response: missing field"},
 		{"empty response", `{"prompt":"x","response":"  "}`, "empty response"},
 		{"empty text", `{"text":""}`, "empty text"},

@@ -140,14 +140,9 @@ func parseRecord(obj map[string]any, c ColumnMap, pretok bool) (*record, error) 
 		}
 		return &record{kind: kindText, text: t}, nil
 	}
-	keys := make([]string, 0, len(obj))
-	for k := range obj {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
 	return nil, badf("", "missing fields",
 		"record has none of %q, %q, %q/%q, %q (its non-null keys: %s); rename your fields or set the source's column mapping",
-		c.Messages, c.InputIDs, c.Prompt, c.Response, c.Text, strings.Join(keys, ", "))
+		c.Messages, c.InputIDs, c.Prompt, c.Response, c.Text, nonNullKeys(obj))
 }
 
 func stringField(obj map[string]any, key string, required bool) (string, error) {
