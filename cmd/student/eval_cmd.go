@@ -5,7 +5,9 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -409,8 +411,23 @@ func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, confi
 			Loss: cfg.Distill, LossFrom: lossFrom})
 	}
 	rs.print(r)
-	fmt.Fprintf(stdout, "dataset samples %v (%d), %d loss positions\nce %.5f  token_accuracy %.4f  (no teacher: no KD)\n", r, es.Samples, es.Tokens, es.CE, es.TokenAccuracy)
+	fmt.Fprintf(stdout, "dataset samples %v (%d%s), %d loss positions\nce %.5f  token_accuracy %.4f  (no teacher: no KD)\n", r, es.Samples, unscored(es.Unscored), es.Tokens, es.CE, es.TokenAccuracy)
 	return nil
+}
+
+// unscored says which of the range's samples were not scored, and why:
+// ", 2 not scored (longer than max-len: 1, no input_ids: 1)", or "".
+func unscored(reasons map[string]int64) string {
+	if len(reasons) == 0 {
+		return ""
+	}
+	var n int64
+	var parts []string
+	for _, k := range slices.Sorted(maps.Keys(reasons)) {
+		n += reasons[k]
+		parts = append(parts, fmt.Sprintf("%s: %d", k, reasons[k]))
+	}
+	return fmt.Sprintf(" scored, %d not scored (%s)", n, strings.Join(parts, ", "))
 }
 
 // datasetTokenizer is the student's tokenizer that reads the config's

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -250,5 +251,19 @@ log: {progress: "off"}
 	err = runEval([]string{"--checkpoint", run, "--config", oovCfg})
 	if err == nil || !strings.Contains(err.Error(), "oov.jsonl:3: input_ids[2]: id out of vocab: token id 64 is outside [0, 64)") {
 		t.Errorf("eval over an id past the student's vocab: %v; want the file, the line and the id", err)
+	}
+	// With skip_bad the record is not scored, and eval says so.
+	skipCfg := filepath.Join(dir, "skip.yaml")
+	os.WriteFile(skipCfg, []byte(strings.Replace(string(b), file+"], pretokenized: true", oov+"], pretokenized: true, skip_bad: true", 1)), 0o644)
+	m, _ = evalJSON(t, "--checkpoint", run, "--config", skipCfg)
+	if u, _ := m["unscored"].(map[string]any); m["samples"] != 7.0 || len(u) != 1 || u["id out of vocab"] != 1.0 {
+		t.Errorf("eval with skip_bad over an id past the vocab: %v; want 7 samples scored, 1 unscored (id out of vocab)", m)
+	}
+	var out bytes.Buffer
+	stdout = &out
+	err = runEval([]string{"--checkpoint", run, "--config", skipCfg})
+	stdout = os.Stdout
+	if err != nil || !strings.Contains(out.String(), "dataset samples [0, 8) (7 scored, 1 not scored (id out of vocab: 1)), ") {
+		t.Errorf("eval with skip_bad, text: %v\n%s", err, out.String())
 	}
 }

@@ -29,6 +29,10 @@ type EvalStats struct {
 	ECE     float64 `json:"ece"`
 	Tokens  int     `json:"tokens"`
 	Samples int     `json:"samples"`
+	// Unscored counts a dataset's samples in the range that were not
+	// scored, by reason (longer than max_len under drop; a bad record
+	// under skip_bad): EvaluateDataset's only.
+	Unscored map[string]int64 `json:"unscored,omitempty"`
 	// Teachers are the per-teacher numbers of multi-teacher KD
 	// (data.caches), in its order; Top1Agreement is then their
 	// weight-averaged agreement and KD the weighted sum of theirs.
@@ -310,5 +314,8 @@ func EvaluateDataset(s *train.Student, dc *DatasetConfig, tok *tokenizer.Tokeniz
 		return EvalStats{}, r, err
 	}
 	es, err := evaluateRows(s, rows, n, opt, nil)
+	if st := ds.Stats(); st.Dropped+st.Skipped > 0 {
+		es.Unscored = st.Reasons
+	}
 	return es, r, err
 }
