@@ -108,9 +108,23 @@ type Sources struct {
 // fromFile reports whether the value of the setting flag is File's.
 func (s Sources) fromFile(flag string) bool { return s.File != "" && s.FromFile[flag] }
 
-// configKey is the config file's key of teacherd's flag named flag
-// (TestSettingKeys holds the settings to it).
-func configKey(flag string) string { return strings.ReplaceAll(flag, "-", "_") }
+// configKey is the config file's key of teacherd's flag named flag: the
+// flag's name with _ for -, but for the repeatable --data-root, whose key
+// is the list data_roots (TestSettingKeys holds the settings to it).
+func configKey(flag string) string {
+	if flag == "data-root" {
+		return "data_roots"
+	}
+	return strings.ReplaceAll(flag, "-", "_")
+}
+
+// flagOfKey is configKey's inverse.
+func flagOfKey(key string) string {
+	if key == "data_roots" {
+		return "data-root"
+	}
+	return strings.ReplaceAll(key, "_", "-")
+}
 
 // Said is how an error begins that names the value of the setting
 // teacherd's flag flag sets: "--k-max", or "config FILE: k_max:" for the
@@ -225,12 +239,10 @@ func LoadConfig(path string) (Config, error) {
 			return c, configErrorf("config %s: line %d: %s: %s is not %s", path, v.Line, k.Value, got, wantKind(f.Type()))
 		}
 	}
-	// By flag name, which is the key's with - for _ (data_roots, whose
-	// flag is --data-root, becomes no flag's name: its errors say
-	// --data-root whichever gave it).
+	// By flag name (configKey's inverse).
 	c.Sources = Sources{File: path, FromFile: map[string]bool{}}
 	for k := range seen {
-		c.Sources.FromFile[strings.ReplaceAll(k, "_", "-")] = true
+		c.Sources.FromFile[flagOfKey(k)] = true
 	}
 	return c, nil
 }
@@ -343,7 +355,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 				cfg.Sources.Said("tokenizer"), cfg.Tokenizer, unwrapPath(err), cfg.Sources.hint("tokenizer"))
 		}
 	}
-	roots, err := NewDataRoots(cfg.DataRoots)
+	roots, err := NewDataRoots(cfg.DataRoots, cfg.Sources.Said("data-root"))
 	if err != nil {
 		return nil, err
 	}

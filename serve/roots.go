@@ -30,27 +30,29 @@ type DataRoots struct {
 	dirs []string // absolute, symlinks resolved
 }
 
-// NewDataRoots resolves dirs (each must be an existing directory).
-func NewDataRoots(dirs []string) (*DataRoots, error) {
+// NewDataRoots resolves dirs (each must be an existing directory); its
+// errors begin with said, how the user gave them ("--data-root", or
+// "config FILE: data_roots:": Sources.Said).
+func NewDataRoots(dirs []string, said string) (*DataRoots, error) {
 	r := &DataRoots{}
 	for _, d := range dirs {
 		if d == "" {
-			return nil, configErrorf("--data-root: empty path")
+			return nil, configErrorf("%s: empty path", said)
 		}
 		abs, err := filepath.Abs(d)
 		if err != nil {
-			return nil, configErrorf("--data-root %s: %v", d, err)
+			return nil, configErrorf("%s %s: %v", said, d, err)
 		}
 		real, err := filepath.EvalSymlinks(abs)
 		if err != nil {
-			return nil, configErrorf("--data-root %s: %v (give an existing directory)", d, unwrapPath(err))
+			return nil, configErrorf("%s %s: %v (give an existing directory)", said, d, unwrapPath(err))
 		}
 		st, err := os.Stat(real)
 		if err != nil {
-			return nil, configErrorf("--data-root %s: %v", d, err)
+			return nil, configErrorf("%s %s: %v", said, d, err)
 		}
 		if !st.IsDir() {
-			return nil, configErrorf("--data-root %s is not a directory: give the directory that holds the datasets", d)
+			return nil, configErrorf("%s %s is not a directory: give the directory that holds the datasets", said, d)
 		}
 		r.dirs = append(r.dirs, real)
 	}

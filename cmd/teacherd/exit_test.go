@@ -175,6 +175,8 @@ func TestFileValuesNamedAtStart(t *testing.T) {
 		{"model: " + m + "\ntokenizer: " + dir + "\n", nil, "config " + p + ": tokenizer: " + dir + ": no tokenizer.json there (no such file or directory): give the directory that holds the teacher's tokenizer.json, or no tokenizer for the model directory's"},
 		{"model: " + m + "\ntoken_file: " + missing + "\n", nil, "config " + p + ": token_file: " + missing + ": no such file or directory: give the file that holds the bearer token clients send (one line), or no token_file for no authentication"},
 		{"model: " + m + "\ntls_cert: " + missing + "\n", []string{"--tls-key", missing}, "config " + p + ": tls_cert: " + missing + ", --tls-key " + missing + ": open "},
+		{"model: " + m + "\ndata_roots: [" + dir + ", " + missing + "]\n", nil, "config " + p + ": data_roots: " + missing + ": no such file or directory (give an existing directory)"},
+		{"model: " + m + "\ndata_roots: [" + missing + "]\n", []string{"--data-root", p}, "--data-root " + p + " is not a directory"},
 	} {
 		if err := os.WriteFile(p, []byte(tc.yaml), 0o644); err != nil {
 			t.Fatal(err)
