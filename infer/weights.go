@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"distill/compute"
+	"distill/internal/errkind"
 	"distill/model"
 )
 
@@ -44,11 +45,11 @@ func (o LoadOptions) check(be compute.Backend) error {
 		return nil
 	case WeightsFP8:
 		if _, ok := be.(compute.FP8Weights); !ok {
-			return fmt.Errorf("%w: weights fp8: the %s backend cannot hold FP8 weights", ErrInput, be.Name())
+			return errkind.Errorf(ErrInput, "weights fp8: the %s backend cannot hold FP8 weights", be.Name())
 		}
 		return nil
 	}
-	return fmt.Errorf("%w: weights %q: want bf16 or fp8", ErrInput, o.Weights)
+	return errkind.Errorf(ErrInput, "weights %q: want bf16 or fp8", o.Weights)
 }
 
 // quantized reports whether the tensor name is one that o stores in FP8:
@@ -160,13 +161,13 @@ func fp8BlockSize(dir string) ([2]int, error) {
 		return [2]int{}, err
 	}
 	if err := json.Unmarshal(raw, &c); err != nil {
-		return [2]int{}, fmt.Errorf("%w: %s: config.json: %v", model.ErrSafetensors, dir, err)
+		return [2]int{}, errkind.Errorf(model.ErrSafetensors, "%s: config.json: %v", dir, err)
 	}
 	if c.QC == nil || c.QC.Block == nil {
 		return [2]int{128, 128}, nil
 	}
 	if b := c.QC.Block; len(b) != 2 || b[0] < 1 || b[1] < 1 {
-		return [2]int{}, fmt.Errorf("%w: %s: config.json's quantization_config.weight_block_size is %v: want two positive sizes, as [128, 128]", model.ErrSafetensors, dir, b)
+		return [2]int{}, errkind.Errorf(model.ErrSafetensors, "%s: config.json's quantization_config.weight_block_size is %v: want two positive sizes, as [128, 128]", dir, b)
 	}
 	return [2]int{c.QC.Block[0], c.QC.Block[1]}, nil
 }
@@ -179,8 +180,8 @@ func fp8Checkpoint(dir string, w *model.Weights) (fp8Layout, error) {
 	for _, n := range w.Names() {
 		info, _ := w.Info(n)
 		refuse := func(what string) error {
-			return fmt.Errorf("%w: %s: tensor %s (%s %v): %s, which the teacher cannot load: load the BF16 checkpoint with --weights fp8 (quantized at load, per output channel)",
-				model.ErrSafetensors, dir, n, info.DType, info.Shape, what)
+			return errkind.Errorf(model.ErrSafetensors, "%s: tensor %s (%s %v): %s, which the teacher cannot load: load the BF16 checkpoint with --weights fp8 (quantized at load, per output channel)",
+				dir, n, info.DType, info.Shape, what)
 		}
 		switch {
 		case info.DType == "F8_E5M2":
@@ -259,7 +260,7 @@ func checkFP8Checkpoint(cfg *model.Config, w *model.Weights) error {
 		if len(errs) > 8 {
 			errs = append(errs[:8], fmt.Errorf("... and %d more", len(errs)-8))
 		}
-		return fmt.Errorf("%w: FP8 checkpoint does not match config.json: %w", model.ErrSafetensors, errors.Join(errs...))
+		return errkind.Errorf(model.ErrSafetensors, "FP8 checkpoint does not match config.json: %w", errors.Join(errs...))
 	}
 	return nil
 }
@@ -281,7 +282,7 @@ func loadFP8(w *model.Weights, name string, info model.TensorInfo, block [2]int)
 		}
 		f, err := dequantBlockFP8(codes, sc, rows, cols, block)
 		if err != nil {
-			return nil, fmt.Errorf("%w: tensor %s: %w", model.ErrSafetensors, name, err)
+			return nil, errkind.Errorf(model.ErrSafetensors, "tensor %s: %w", name, err)
 		}
 		q, err := compute.QuantizeFP8(f, rows, cols)
 		if err != nil {
@@ -302,7 +303,7 @@ func loadFP8(w *model.Weights, name string, info model.TensorInfo, block [2]int)
 	}
 	for i, v := range scales {
 		if !(v > 0) || math.IsInf(float64(v), 0) {
-			return nil, fmt.Errorf("%w: tensor %s: weight_scale[%d] = %v: want a positive finite scale", model.ErrSafetensors, name, i, v)
+			return nil, errkind.Errorf(model.ErrSafetensors, "tensor %s: weight_scale[%d] = %v: want a positive finite scale", name, i, v)
 		}
 	}
 	return &compute.FP8Matrix{Codes: codes, Scales: scales, Rows: rows, Cols: cols}, nil

@@ -16,26 +16,14 @@ import (
 	"math"
 	"os"
 	"path/filepath"
-	"strings"
 
 	"distill/internal/errkind"
 )
 
-// ErrConfig marks an unsupported or inconsistent config.json.
+// ErrConfig marks an unsupported or inconsistent config.json. Its text
+// is in no error's message (errkind): each names what is wrong, and the
+// caller names the file or key.
 var ErrConfig = errors.New("model: config")
-
-// ConfigProblem is what an ErrConfig error of ParseConfig or Preset says
-// is wrong, without the "model: config: " it starts with ("hidden_size 30
-// is not divisible by num_attention_heads 4"), for a caller that names
-// the config itself: the trainer's model.random said "trainer: bad
-// config: model.random: model: config: ...". ok is false for an error
-// that is not one (LoadConfig's name the file first: keep those whole).
-func ConfigProblem(err error) (problem string, ok bool) {
-	if !errors.Is(err, ErrConfig) {
-		return "", false
-	}
-	return strings.CutPrefix(err.Error(), ErrConfig.Error()+": ")
-}
 
 // Arch names an architecture family.
 type Arch string
@@ -155,7 +143,7 @@ func (c *Config) Params() int64 {
 }
 
 // LoadConfig reads dir/config.json. Its errors are ErrConfig's, their
-// messages naming the file without "model: config".
+// messages naming the file.
 func LoadConfig(dir string) (*Config, error) {
 	path := filepath.Join(dir, "config.json")
 	b, err := os.ReadFile(path)
@@ -164,9 +152,6 @@ func LoadConfig(dir string) (*Config, error) {
 	}
 	c, err := ParseConfig(b)
 	if err != nil {
-		if p, ok := ConfigProblem(err); ok { // the file named instead of "model: config"
-			return nil, errkind.Reword(ErrConfig, err, "%s: %s", path, p)
-		}
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return c, nil
@@ -209,7 +194,7 @@ type rawConfig struct {
 func ParseConfig(b []byte) (*Config, error) {
 	var r rawConfig
 	if err := json.Unmarshal(b, &r); err != nil {
-		return nil, fmt.Errorf("%w: not valid JSON: %v", ErrConfig, err)
+		return nil, errkind.Errorf(ErrConfig, "not valid JSON: %v", err)
 	}
 	arch, err := parseArch(&r)
 	if err != nil {
@@ -241,10 +226,10 @@ func parseArch(r *rawConfig) (Arch, error) {
 	arch := Arch(r.ModelType)
 	cls, ok := hfClass[arch]
 	if !ok {
-		return "", fmt.Errorf("%w: unsupported model_type %q (supported: llama, qwen2, qwen3, qwen3_moe)", ErrConfig, r.ModelType)
+		return "", errkind.Errorf(ErrConfig, "unsupported model_type %q (supported: llama, qwen2, qwen3, qwen3_moe)", r.ModelType)
 	}
 	if len(r.Architectures) > 0 && r.Architectures[0] != cls {
-		return "", fmt.Errorf("%w: architectures %q does not match model_type %q (want %s)", ErrConfig, r.Architectures, r.ModelType, cls)
+		return "", errkind.Errorf(ErrConfig, "architectures %q does not match model_type %q (want %s)", r.Architectures, r.ModelType, cls)
 	}
 	return arch, nil
 }
@@ -263,10 +248,10 @@ type sizeKey struct {
 func requireSizes(keys ...sizeKey) error {
 	for _, k := range keys {
 		if k.p == nil {
-			return fmt.Errorf("%w: missing %s", ErrConfig, k.name)
+			return errkind.Errorf(ErrConfig, "missing %s", k.name)
 		}
 		if *k.p <= 0 {
-			return fmt.Errorf("%w: %s = %d, must be positive", ErrConfig, k.name, *k.p)
+			return errkind.Errorf(ErrConfig, "%s = %d, must be positive", k.name, *k.p)
 		}
 		*k.dst = *k.p
 	}
@@ -295,7 +280,7 @@ func (c *Config) parseAttentionShape(r *rawConfig) error {
 		c.KVHeads = *r.NumKeyValueHeads
 	}
 	if c.KVHeads <= 0 || c.Heads%c.KVHeads != 0 {
-		return fmt.Errorf("%w: num_attention_heads %d is not a multiple of num_key_value_heads %d", ErrConfig, c.Heads, c.KVHeads)
+		return errkind.Errorf(ErrConfig, "num_attention_heads %d is not a multiple of num_key_value_heads %d", c.Heads, c.KVHeads)
 	}
 	// head_dim: explicit in Qwen3 (class default 128); Llama reads it when
 	// present; Qwen2 always derives it.
@@ -306,12 +291,12 @@ func (c *Config) parseAttentionShape(r *rawConfig) error {
 		c.HeadDim = 128
 	default:
 		if c.Hidden%c.Heads != 0 {
-			return fmt.Errorf("%w: hidden_size %d is not divisible by num_attention_heads %d", ErrConfig, c.Hidden, c.Heads)
+			return errkind.Errorf(ErrConfig, "hidden_size %d is not divisible by num_attention_heads %d", c.Hidden, c.Heads)
 		}
 		c.HeadDim = c.Hidden / c.Heads
 	}
 	if c.HeadDim <= 0 || c.HeadDim%2 != 0 {
-		return fmt.Errorf("%w: head_dim %d must be positive and even (RoPE rotates pairs)", ErrConfig, c.HeadDim)
+		return errkind.Errorf(ErrConfig, "head_dim %d must be positive and even (RoPE rotates pairs)", c.HeadDim)
 	}
 	return nil
 }
@@ -323,7 +308,7 @@ func (c *Config) parseRope(r *rawConfig) error {
 		c.RopeTheta = *r.RopeTheta
 	}
 	if c.RopeTheta <= 0 {
-		return fmt.Errorf("%w: rope_theta %v must be positive", ErrConfig, c.RopeTheta)
+		return errkind.Errorf(ErrConfig, "rope_theta %v must be positive", c.RopeTheta)
 	}
 	return c.parseRopeScaling(r.RopeScaling)
 }
@@ -365,16 +350,16 @@ func (c *Config) parseLayerOptions(r *rawConfig) error {
 // checkpoint would compute something other than what it was trained as.
 func (c *Config) refuseUnsupported(r *rawConfig) error {
 	if c.Arch == ArchQwen2 && r.UseSlidingWindow != nil && *r.UseSlidingWindow {
-		return fmt.Errorf("%w: use_sliding_window=true is not supported", ErrConfig)
+		return errkind.Errorf(ErrConfig, "use_sliding_window=true is not supported")
 	}
 	if r.MLPBias != nil && *r.MLPBias {
-		return fmt.Errorf("%w: mlp_bias=true is not supported", ErrConfig)
+		return errkind.Errorf(ErrConfig, "mlp_bias=true is not supported")
 	}
 	if r.HiddenAct != nil && *r.HiddenAct != "silu" {
-		return fmt.Errorf("%w: hidden_act %q is not supported (only silu)", ErrConfig, *r.HiddenAct)
+		return errkind.Errorf(ErrConfig, "hidden_act %q is not supported (only silu)", *r.HiddenAct)
 	}
 	if r.PretrainingTP != nil && *r.PretrainingTP > 1 {
-		return fmt.Errorf("%w: pretraining_tp=%d is not supported (only 1)", ErrConfig, *r.PretrainingTP)
+		return errkind.Errorf(ErrConfig, "pretraining_tp=%d is not supported (only 1)", *r.PretrainingTP)
 	}
 	return nil
 }
@@ -386,7 +371,7 @@ func (c *Config) refuseUnsupported(r *rawConfig) error {
 func (c *Config) parseMoE(r *rawConfig) error {
 	if c.Arch != ArchQwen3MoE {
 		if r.NumExperts != nil && *r.NumExperts > 0 {
-			return fmt.Errorf("%w: num_experts set for model_type %q, which has no MoE", ErrConfig, c.Arch)
+			return errkind.Errorf(ErrConfig, "num_experts set for model_type %q, which has no MoE", c.Arch)
 		}
 		return nil
 	}
@@ -403,14 +388,14 @@ func (c *Config) parseMoE(r *rawConfig) error {
 		c.DecoderSparseStep = *r.DecoderSparseStep
 	}
 	if c.DecoderSparseStep <= 0 {
-		return fmt.Errorf("%w: decoder_sparse_step %d must be positive", ErrConfig, c.DecoderSparseStep)
+		return errkind.Errorf(ErrConfig, "decoder_sparse_step %d must be positive", c.DecoderSparseStep)
 	}
 	if c.ExpertsPerTok > c.NumExperts {
-		return fmt.Errorf("%w: num_experts_per_tok %d exceeds num_experts %d", ErrConfig, c.ExpertsPerTok, c.NumExperts)
+		return errkind.Errorf(ErrConfig, "num_experts_per_tok %d exceeds num_experts %d", c.ExpertsPerTok, c.NumExperts)
 	}
 	for _, l := range r.MLPOnlyLayers {
 		if l < 0 || l >= c.Layers {
-			return fmt.Errorf("%w: mlp_only_layers entry %d outside [0,%d)", ErrConfig, l, c.Layers)
+			return errkind.Errorf(ErrConfig, "mlp_only_layers entry %d outside [0,%d)", l, c.Layers)
 		}
 	}
 	c.MLPOnlyLayers = r.MLPOnlyLayers
@@ -429,7 +414,7 @@ func (c *Config) parseRouter(r *rawConfig) error {
 		c.RouterAuxLossCoef = *r.RouterAuxLossCoef
 	}
 	if c.RouterAuxLossCoef < 0 || math.IsNaN(c.RouterAuxLossCoef) || math.IsInf(c.RouterAuxLossCoef, 0) {
-		return fmt.Errorf("%w: router_aux_loss_coef %g must be a finite number >= 0", ErrConfig, c.RouterAuxLossCoef)
+		return errkind.Errorf(ErrConfig, "router_aux_loss_coef %g must be a finite number >= 0", c.RouterAuxLossCoef)
 	}
 	if r.OutputRouterLogits != nil {
 		c.OutputRouterLogits = *r.OutputRouterLogits
@@ -453,7 +438,7 @@ func (c *Config) parseRopeScaling(raw json.RawMessage) error {
 		Orig     *int     `json:"original_max_position_embeddings"`
 	}
 	if err := json.Unmarshal(raw, &rs); err != nil {
-		return fmt.Errorf("%w: rope_scaling: %v", ErrConfig, err)
+		return errkind.Errorf(ErrConfig, "rope_scaling: %v", err)
 	}
 	t := rs.RopeType
 	if t == "" {
@@ -464,13 +449,13 @@ func (c *Config) parseRopeScaling(raw json.RawMessage) error {
 		return nil
 	case "llama3":
 	default:
-		return fmt.Errorf("%w: rope_scaling rope_type %q is not supported (only llama3)", ErrConfig, t)
+		return errkind.Errorf(ErrConfig, "rope_scaling rope_type %q is not supported (only llama3)", t)
 	}
 	if rs.Factor == nil || rs.Low == nil || rs.High == nil || rs.Orig == nil {
-		return fmt.Errorf("%w: rope_scaling llama3 needs factor, low_freq_factor, high_freq_factor and original_max_position_embeddings", ErrConfig)
+		return errkind.Errorf(ErrConfig, "rope_scaling llama3 needs factor, low_freq_factor, high_freq_factor and original_max_position_embeddings")
 	}
 	if *rs.Factor <= 0 || *rs.Low <= 0 || *rs.High <= *rs.Low || *rs.Orig <= 0 {
-		return fmt.Errorf("%w: rope_scaling llama3 needs factor>0, 0<low_freq_factor<high_freq_factor, original_max_position_embeddings>0", ErrConfig)
+		return errkind.Errorf(ErrConfig, "rope_scaling llama3 needs factor>0, 0<low_freq_factor<high_freq_factor, original_max_position_embeddings>0")
 	}
 	c.RopeScaling = &RopeScaling{Factor: *rs.Factor, LowFreqFactor: *rs.Low, HighFreqFactor: *rs.High, OriginalMaxPos: *rs.Orig}
 	return nil

@@ -13,6 +13,7 @@ import (
 	"syscall"
 
 	"distill/internal/atomicfile"
+	"distill/internal/errkind"
 )
 
 // ErrNotEmpty marks an output directory that already holds files.
@@ -78,7 +79,7 @@ func WriteDir(dir string, force bool, write func(tmp string) error) error {
 	}()
 	if err != nil {
 		os.RemoveAll(tmp)
-		return fmt.Errorf("model: writing %s: %w", dir, err)
+		return fmt.Errorf("writing %s: %w", dir, err)
 	}
 	return nil
 }
@@ -128,7 +129,7 @@ func CheckOut(dir string, force bool) error {
 func checkOut(dir string, force bool) (exists bool, err error) {
 	switch fi, err := os.Stat(dir); {
 	case err == nil && !fi.IsDir():
-		return false, fmt.Errorf("model: %s exists and is not a directory: choose a directory path", dir)
+		return false, fmt.Errorf("%s exists and is not a directory: choose a directory path", dir)
 	case err == nil:
 		ents, err := os.ReadDir(dir)
 		if err != nil {
@@ -145,14 +146,14 @@ func checkOut(dir string, force bool) (exists bool, err error) {
 			if len(names) > 5 {
 				names, more = names[:5], ", ..."
 			}
-			return false, fmt.Errorf("%w: %s holds %s%s: give --force to replace it (its files are all removed), or choose another directory",
-				ErrNotEmpty, dir, strings.Join(names, ", "), more)
+			return false, errkind.Errorf(ErrNotEmpty, "%s is not empty (it holds %s%s): give --force to replace it (its files are all removed), or choose another directory",
+				dir, strings.Join(names, ", "), more)
 		}
 		if isMountPoint(dir, fi) {
 			// It would fail only after the whole write, beside it (on
 			// the file system the mount hides).
-			return false, fmt.Errorf("%w: %s is a mount point, and the new directory is written beside it and renamed into its place, which a mount point refuses: choose a directory inside it, e.g. %s",
-				ErrNotReplaceable, dir, filepath.Join(dir, "model"))
+			return false, errkind.Errorf(ErrNotReplaceable, "%s is a mount point, and the new directory is written beside it and renamed into its place, which a mount point refuses: choose a directory inside it, e.g. %s",
+				dir, filepath.Join(dir, "model"))
 		}
 	case !errors.Is(err, fs.ErrNotExist):
 		return false, cannotWrite(dir, err)
@@ -222,16 +223,16 @@ func cannotWrite(dir string, err error) error {
 	if errors.Is(err, syscall.ENOTDIR) {
 		for p := filepath.Dir(dir); p != filepath.Dir(p); p = filepath.Dir(p) {
 			if fi, e := os.Stat(p); e == nil && !fi.IsDir() {
-				return fmt.Errorf("model: cannot write %s: %s is a file, not a directory: choose another directory", dir, p)
+				return fmt.Errorf("cannot write %s: %s is a file, not a directory: choose another directory", dir, p)
 			}
 		}
 	}
 	var pe *fs.PathError
 	if errors.As(err, &pe) {
 		// The directory a file or directory could not be created in.
-		return fmt.Errorf("model: cannot write %s: cannot create files in %s (%v): choose a directory you can write", dir, filepath.Dir(pe.Path), pe.Err)
+		return fmt.Errorf("cannot write %s: cannot create files in %s (%v): choose a directory you can write", dir, filepath.Dir(pe.Path), pe.Err)
 	}
-	return fmt.Errorf("model: cannot write %s: %w", dir, err)
+	return fmt.Errorf("cannot write %s: %w", dir, err)
 }
 
 // syncTree syncs every file and directory under root.
@@ -386,7 +387,7 @@ func Preset(arch Arch) (*Config, error) {
 		c.MLPOnlyLayers = []int{1}
 		c.RouterAuxLossCoef = 0.001
 	default:
-		return nil, fmt.Errorf("%w: unknown architecture %q: want llama, qwen2, qwen3 or qwen3_moe", ErrConfig, arch)
+		return nil, errkind.Errorf(ErrConfig, "unknown architecture %q: want llama, qwen2, qwen3 or qwen3_moe", arch)
 	}
 	return c, nil
 }

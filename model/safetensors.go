@@ -15,6 +15,7 @@ import (
 
 	"distill/compute"
 	"distill/internal/atomicfile"
+	"distill/internal/errkind"
 )
 
 // Safetensors layout (huggingface/safetensors):
@@ -117,10 +118,10 @@ func OpenWeights(dir string) (*Weights, error) {
 			WeightMap map[string]string `json:"weight_map"`
 		}
 		if err := json.Unmarshal(b, &idx); err != nil {
-			return nil, fmt.Errorf("%w: %s: %v", ErrSafetensors, idxPath, err)
+			return nil, errkind.Errorf(ErrSafetensors, "%s: %v", idxPath, err)
 		}
 		if len(idx.WeightMap) == 0 {
-			return nil, fmt.Errorf("%w: %s: empty weight_map", ErrSafetensors, idxPath)
+			return nil, errkind.Errorf(ErrSafetensors, "%s: empty weight_map", idxPath)
 		}
 		weightMap = idx.WeightMap
 		seen := map[string]bool{}
@@ -135,14 +136,14 @@ func OpenWeights(dir string) (*Weights, error) {
 		files = []string{"model.safetensors"}
 	} else {
 		if isShardedTraining(dir) {
-			return nil, fmt.Errorf("%w: %s is a sharded training checkpoint (each rank's part of a data-parallel run's weights and optimizer state, with a manifest.json), not an HF checkpoint: make one with `student export --checkpoint %s --out DIR`", ErrSafetensors, dir, dir)
+			return nil, errkind.Errorf(ErrSafetensors, "%s is a sharded training checkpoint (each rank's part of a data-parallel run's weights and optimizer state, with a manifest.json), not an HF checkpoint: make one with `student export --checkpoint %s --out DIR`", dir, dir)
 		}
 		m, _ := filepath.Glob(filepath.Join(dir, "*.safetensors"))
 		for _, p := range m {
 			files = append(files, filepath.Base(p))
 		}
 		if len(files) == 0 {
-			return nil, fmt.Errorf("%w: no model.safetensors, model.safetensors.index.json or *.safetensors in %s", ErrSafetensors, dir)
+			return nil, errkind.Errorf(ErrSafetensors, "no model.safetensors, model.safetensors.index.json or *.safetensors in %s", dir)
 		}
 	}
 	for _, name := range files {
@@ -155,11 +156,11 @@ func OpenWeights(dir string) (*Weights, error) {
 		for _, t := range infos {
 			if _, dup := w.tensors[t.info.Name]; dup {
 				w.Close()
-				return nil, fmt.Errorf("%w: tensor %s appears in two files (second: %s)", ErrSafetensors, t.info.Name, f.path)
+				return nil, errkind.Errorf(ErrSafetensors, "tensor %s appears in two files (second: %s)", t.info.Name, f.path)
 			}
 			if weightMap != nil && weightMap[t.info.Name] != name {
 				w.Close()
-				return nil, fmt.Errorf("%w: tensor %s is in %s but the index maps it to %q", ErrSafetensors, t.info.Name, name, weightMap[t.info.Name])
+				return nil, errkind.Errorf(ErrSafetensors, "tensor %s is in %s but the index maps it to %q", t.info.Name, name, weightMap[t.info.Name])
 			}
 			w.tensors[t.info.Name] = t
 		}
@@ -167,7 +168,7 @@ func OpenWeights(dir string) (*Weights, error) {
 	for name, file := range weightMap {
 		if _, ok := w.tensors[name]; !ok {
 			w.Close()
-			return nil, fmt.Errorf("%w: index maps tensor %s to %s, which does not hold it", ErrSafetensors, name, file)
+			return nil, errkind.Errorf(ErrSafetensors, "index maps tensor %s to %s, which does not hold it", name, file)
 		}
 	}
 	return w, nil
@@ -175,16 +176,16 @@ func OpenWeights(dir string) (*Weights, error) {
 
 func openSafetensors(path string) (*stFile, []*stTensor, error) {
 	fail := func(format string, a ...any) error {
-		return fmt.Errorf("%w: %s: %s", ErrSafetensors, path, fmt.Sprintf(format, a...))
+		return errkind.Errorf(ErrSafetensors, "%s: %s", path, fmt.Sprintf(format, a...))
 	}
 	fd, err := os.Open(path)
 	if err != nil {
-		return nil, nil, fmt.Errorf("%w: %v", ErrSafetensors, err)
+		return nil, nil, errkind.Errorf(ErrSafetensors, "%v", err)
 	}
 	defer fd.Close()
 	st, err := fd.Stat()
 	if err != nil {
-		return nil, nil, fmt.Errorf("%w: %v", ErrSafetensors, err)
+		return nil, nil, errkind.Errorf(ErrSafetensors, "%v", err)
 	}
 	size := st.Size()
 	if size < 8 {
@@ -292,7 +293,7 @@ func (w *Weights) Info(name string) (TensorInfo, bool) {
 func (w *Weights) Raw(name string) ([]byte, TensorInfo, error) {
 	t, ok := w.tensors[name]
 	if !ok {
-		return nil, TensorInfo{}, fmt.Errorf("%w: missing tensor %s", ErrSafetensors, name)
+		return nil, TensorInfo{}, errkind.Errorf(ErrSafetensors, "missing tensor %s", name)
 	}
 	return t.f.data[t.b:t.e], t.info, nil
 }
@@ -333,7 +334,7 @@ func (w *Weights) F32(name string) ([]float32, error) {
 			out[i] = compute.F16ToF32(u)
 		}
 	default:
-		return nil, fmt.Errorf("%w: tensor %s has dtype %s; want BF16, F16 or F32", ErrSafetensors, name, info.DType)
+		return nil, errkind.Errorf(ErrSafetensors, "tensor %s has dtype %s; want BF16, F16 or F32", name, info.DType)
 	}
 	if bad > 0 {
 		return nil, nonFinite(info, out, bad)
@@ -384,8 +385,8 @@ func nonFinite(info TensorInfo, v []float32, bad int) error {
 	for first < len(v) && !math.IsNaN(float64(v[first])) && !math.IsInf(float64(v[first]), 0) {
 		first++
 	}
-	return fmt.Errorf("%w: tensor %s (%s) holds %d non-finite values of %d (the first, element %d, is %v): the checkpoint is corrupt or its training diverged; use an earlier checkpoint",
-		ErrNonFinite, info.Name, info.File, bad, len(v), first, v[first])
+	return errkind.Errorf(ErrNonFinite, "tensor %s (%s) holds %d non-finite values of %d (the first, element %d, is %v): the checkpoint is corrupt or its training diverged; use an earlier checkpoint",
+		info.Name, info.File, bad, len(v), first, v[first])
 }
 
 // Check verifies that the stored tensors are exactly those of cfg, with the
@@ -423,7 +424,7 @@ func (w *Weights) Check(cfg *Config) error {
 		if len(errs) > 8 {
 			errs = append(errs[:8], fmt.Errorf("... and %d more", len(errs)-8))
 		}
-		return fmt.Errorf("%w: checkpoint does not match config.json: %w", ErrSafetensors, errors.Join(errs...))
+		return errkind.Errorf(ErrSafetensors, "checkpoint does not match config.json: %w", errors.Join(errs...))
 	}
 	return nil
 }
@@ -470,7 +471,7 @@ func WriteSafetensors(path string, ts []Tensor, meta map[string]string) error {
 	for i, t := range ts {
 		st[i] = StreamTensor{Name: t.Name, DType: t.DType, Shape: t.Shape, Bytes: func() ([]byte, error) { return t.Data, nil }}
 		if es, ok := dtypeSize[t.DType]; ok && numel(t.Shape)*es != len(t.Data) {
-			return fmt.Errorf("%w: tensor %s: %s%v needs %d bytes, got %d", ErrSafetensors, t.Name, t.DType, t.Shape, numel(t.Shape)*es, len(t.Data))
+			return errkind.Errorf(ErrSafetensors, "tensor %s: %s%v needs %d bytes, got %d", t.Name, t.DType, t.Shape, numel(t.Shape)*es, len(t.Data))
 		}
 	}
 	return WriteSafetensorsStream(path, st, meta)
@@ -502,10 +503,10 @@ func WriteSafetensorsStream(path string, ts []StreamTensor, meta map[string]stri
 	for i, t := range ts {
 		es, ok := dtypeSize[t.DType]
 		if !ok {
-			return fmt.Errorf("%w: tensor %s: unknown dtype %q", ErrSafetensors, t.Name, t.DType)
+			return errkind.Errorf(ErrSafetensors, "tensor %s: unknown dtype %q", t.Name, t.DType)
 		}
 		if _, dup := hdr[t.Name]; dup {
-			return fmt.Errorf("%w: tensor %s given twice", ErrSafetensors, t.Name)
+			return errkind.Errorf(ErrSafetensors, "tensor %s given twice", t.Name)
 		}
 		shape := t.Shape
 		if shape == nil {
@@ -537,7 +538,7 @@ func WriteSafetensorsStream(path string, ts []StreamTensor, meta map[string]stri
 				return fmt.Errorf("tensor %s: %w", t.Name, err)
 			}
 			if len(b) != sizes[i] {
-				return fmt.Errorf("%w: tensor %s: %s%v needs %d bytes, got %d", ErrSafetensors, t.Name, t.DType, t.Shape, sizes[i], len(b))
+				return errkind.Errorf(ErrSafetensors, "tensor %s: %s%v needs %d bytes, got %d", t.Name, t.DType, t.Shape, sizes[i], len(b))
 			}
 			if _, err := w.Write(b); err != nil {
 				return err
@@ -545,10 +546,7 @@ func WriteSafetensorsStream(path string, ts []StreamTensor, meta map[string]stri
 		}
 		return nil
 	})
-	if err != nil {
-		return fmt.Errorf("model: %w", err)
-	}
-	return nil
+	return err // it names path
 }
 
 func numel(shape []int) int {

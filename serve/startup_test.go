@@ -199,10 +199,10 @@ func TestLoadErrorNamesTheDirOnce(t *testing.T) {
 	for _, c := range []struct {
 		dir, want string
 	}{
-		{twoLayers, "loading teacher " + twoLayers + ": model: safetensors: checkpoint does not match config.json: missing tensor model.layers.1."},
-		{twoLayers + "/", "loading teacher " + twoLayers + "/: model: safetensors: checkpoint does not match config.json: missing tensor model.layers.1."},
-		{weightless, "loading teacher: model: safetensors: no model.safetensors, model.safetensors.index.json or *.safetensors in " + weightless},
-		{truncated + "/", "loading teacher: model: safetensors: " + filepath.Join(truncated, "model.safetensors") + ": tensor "},
+		{twoLayers, "loading teacher " + twoLayers + ": checkpoint does not match config.json: missing tensor model.layers.1."},
+		{twoLayers + "/", "loading teacher " + twoLayers + "/: checkpoint does not match config.json: missing tensor model.layers.1."},
+		{weightless, "loading teacher: no model.safetensors, model.safetensors.index.json or *.safetensors in " + weightless},
+		{truncated + "/", "loading teacher: " + filepath.Join(truncated, "model.safetensors") + ": tensor "},
 	} {
 		_, err := NewCore(CoreOptions{ModelDir: c.dir, Device: "cpu"})
 		if err == nil || !strings.HasPrefix(err.Error(), c.want) || strings.Count(err.Error(), filepath.Clean(c.dir)) != 1 || !errors.Is(err, model.ErrSafetensors) {

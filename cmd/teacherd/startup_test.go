@@ -93,7 +93,7 @@ func TestStartupErrorsOneSentence(t *testing.T) {
 		{[]string{"--config", kFile}, 1, "teacherd: config " + kFile + ": k_max: 100: want 1 <= k_max <= 64 (the teacher's vocab size)"},
 		{[]string{"--model", missing}, 1, "teacherd: --model " + missing + ": open " + filepath.Join(missing, "config.json") +
 			": no such file or directory (a checkpoint directory needs config.json)"},
-		{[]string{"--model", weightless}, 1, "teacherd: loading teacher: model: safetensors: no model.safetensors, model.safetensors.index.json or *.safetensors in " + weightless},
+		{[]string{"--model", weightless}, 1, "teacherd: loading teacher: no model.safetensors, model.safetensors.index.json or *.safetensors in " + weightless},
 	} {
 		stderr, code := runTeacherd(t, tc.args...)
 		if got := lastLine(stderr); code != tc.code || got != tc.want {

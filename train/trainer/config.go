@@ -1270,12 +1270,8 @@ func (c *Config) ValidateEval() error {
 }
 
 // modelConfigErr is an ErrConfig naming key for err, an error of package
-// model's config checks: what model says is wrong, without its "model:
-// config: " (ErrConfig has said config already).
+// model's config checks (what model says is wrong).
 func modelConfigErr(key string, err error) error {
-	if p, ok := model.ConfigProblem(err); ok {
-		return fmt.Errorf("%w: %s: %s", ErrConfig, key, p)
-	}
 	return fmt.Errorf("%w: %s: %w", ErrConfig, key, err)
 }
 

@@ -102,7 +102,7 @@ func TestExportChecksOutFirst(t *testing.T) {
 	ro := testdirs.Unwritable(t)
 	out := filepath.Join(ro, "out")
 	_, err := Export(filepath.Join(t.TempDir(), "nope"), out, ExportOptions{})
-	if want := "--out: model: cannot write " + out + ": cannot create files in " + ro + " ("; err == nil || !strings.HasPrefix(err.Error(), want) {
+	if want := "--out: cannot write " + out + ": cannot create files in " + ro + " ("; err == nil || !strings.HasPrefix(err.Error(), want) {
 		t.Errorf("export to %s: %v, want %q", out, err, want)
 	}
 }
