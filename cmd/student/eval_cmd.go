@@ -130,7 +130,7 @@ func runEval(args []string) error {
 		}
 		cfg.Data.Caches = tcs
 		if err := cfg.ValidateEval(); err != nil {
-			return fmt.Errorf("--caches: %w", trainer.EvalTerms(err))
+			return fmt.Errorf("--caches: %w", err)
 		}
 	}
 	if cfg.Data.Dataset != nil && *cacheDirs == "" && len(tcs) == 0 {
@@ -189,7 +189,7 @@ func evalCache(s *train.Student, st *trainer.State, cfg *trainer.Config, configG
 	}
 	lo := cfg.LossOptions(float64(m.Temperature))
 	if err := lo.Validate(); err != nil {
-		return fmt.Errorf("distill (cache captured at temperature %g): %w", m.Temperature, trainer.EvalTerms(err))
+		return fmt.Errorf("distill (cache captured at temperature %g): %w", m.Temperature, err)
 	}
 	es, err := trainer.Evaluate(s, rd, r, cfg.Data.SeqLen, cfg.Data.Truncate, &lo)
 	if err != nil {
@@ -354,7 +354,7 @@ func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, conf
 	}
 	lo := cfg.LossOptions(float64(m.Temperature))
 	if err := lo.Validate(); err != nil {
-		return fmt.Errorf("distill (caches captured at temperature %g): %w", m.Temperature, trainer.EvalTerms(err))
+		return fmt.Errorf("distill (caches captured at temperature %g): %w", m.Temperature, err)
 	}
 	es, err := trainer.EvaluateTeachers(s, fp, tcs, r, cfg.Data.SeqLen, cfg.Data.Truncate, &lo)
 	if err != nil {
@@ -400,7 +400,7 @@ func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, confi
 	}
 	lo := cfg.LossOptions(cfg.Distill.Temperature)
 	if err := lo.Validate(); err != nil {
-		return fmt.Errorf("distill: %w", trainer.EvalTerms(err))
+		return fmt.Errorf("distill: %w", err)
 	}
 	es, r, err := trainer.EvaluateDataset(s, &dc, tok, cfg.Data.SeqLen, r, &lo)
 	if err != nil {

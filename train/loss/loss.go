@@ -153,6 +153,7 @@ import (
 	"sync"
 
 	"distill/compute"
+	"distill/internal/errkind"
 )
 
 // ErrInvalid is wrapped by every error about bad options or bad targets.
@@ -223,12 +224,12 @@ func (o *Options) Validate() error {
 	switch o.KD {
 	case FwdKL, RevKL, JSD:
 	default:
-		return fmt.Errorf("%w: kd_loss %q: want fwd_kl, rev_kl or jsd", ErrInvalid, o.KD)
+		return errkind.Errorf(ErrInvalid, "kd_loss %q: want fwd_kl, rev_kl or jsd", o.KD)
 	}
 	switch o.Tail {
 	case Bucket, Renormalize, Zero:
 	default:
-		return fmt.Errorf("%w: tail %q: want bucket, renormalize or zero", ErrInvalid, o.Tail)
+		return errkind.Errorf(ErrInvalid, "tail %q: want bucket, renormalize or zero", o.Tail)
 	}
 	switch o.Targets {
 	case "", TopK:
@@ -237,34 +238,34 @@ func (o *Options) Validate() error {
 			return err
 		}
 	default:
-		return fmt.Errorf("%w: targets %q: want topk, sampled or head+sampled", ErrInvalid, o.Targets)
+		return errkind.Errorf(ErrInvalid, "targets %q: want topk, sampled or head+sampled", o.Targets)
 	}
 	if o.Tail == Zero && o.KD != FwdKL {
 		why := "rev_kl against it is infinite whenever the student has mass outside the top-k"
 		if o.KD == JSD {
 			why = "jsd runs up to rev_kl (jsd_beta 1), which against it is infinite whenever the student has mass outside the top-k"
 		}
-		return fmt.Errorf("%w: kd_loss %s with tail zero: tail zero (the teacher is 0 outside its top-k) is defined for kd_loss fwd_kl only; %s; use tail renormalize or bucket, or kd_loss fwd_kl",
-			ErrInvalid, o.KD, why)
+		return errkind.Errorf(ErrInvalid, "kd_loss %s with tail zero: tail zero (the teacher is 0 outside its top-k) is defined for kd_loss fwd_kl only; %s; use tail renormalize or bucket, or kd_loss fwd_kl",
+			o.KD, why)
 	}
 	if o.KD == JSD && !(o.Beta >= 0 && o.Beta <= 1) {
-		return fmt.Errorf("%w: jsd beta %g: want 0 <= beta <= 1", ErrInvalid, o.Beta)
+		return errkind.Errorf(ErrInvalid, "jsd beta %g: want 0 <= beta <= 1", o.Beta)
 	}
 	if !(o.Temperature > 0) || math.IsInf(o.Temperature, 0) {
-		return fmt.Errorf("%w: temperature %g: want a finite value > 0", ErrInvalid, o.Temperature)
+		return errkind.Errorf(ErrInvalid, "temperature %g: want a finite value > 0", o.Temperature)
 	}
 	if !(o.TeacherTemperature >= 0) || math.IsInf(o.TeacherTemperature, 0) {
-		return fmt.Errorf("%w: teacher temperature %g: want a finite value > 0 (0 means 1)", ErrInvalid, o.TeacherTemperature)
+		return errkind.Errorf(ErrInvalid, "teacher temperature %g: want a finite value > 0 (0 means 1)", o.TeacherTemperature)
 	}
 	if o.Tail == Bucket && o.teacherT() != o.Temperature {
-		return fmt.Errorf("%w: tail=bucket with temperature %g but the teacher was captured at %g: the teacher's tail mass at another temperature is unknown from a top-k; use tail=renormalize (or zero) or capture the teacher at temperature %g",
-			ErrInvalid, o.Temperature, o.teacherT(), o.Temperature)
+		return errkind.Errorf(ErrInvalid, "tail=bucket with temperature %g but the teacher was captured at %g: the teacher's tail mass at another temperature is unknown from a top-k; use tail=renormalize (or zero) or capture the teacher at temperature %g",
+			o.Temperature, o.teacherT(), o.Temperature)
 	}
 	if !(o.KDWeight >= 0) || !(o.SFTWeight >= 0) || math.IsInf(o.KDWeight, 0) || math.IsInf(o.SFTWeight, 0) {
-		return fmt.Errorf("%w: kd_weight %g, sft_weight %g: want finite values >= 0", ErrInvalid, o.KDWeight, o.SFTWeight)
+		return errkind.Errorf(ErrInvalid, "kd_weight %g, sft_weight %g: want finite values >= 0", o.KDWeight, o.SFTWeight)
 	}
 	if o.KDWeight == 0 && o.SFTWeight == 0 {
-		return fmt.Errorf("%w: kd_weight and sft_weight are both 0: nothing to train on", ErrInvalid)
+		return errkind.Errorf(ErrInvalid, "kd_weight and sft_weight are both 0: nothing to train on")
 	}
 	return nil
 }
@@ -273,15 +274,15 @@ func (o *Options) Validate() error {
 // targets in the package doc.
 func (o *Options) validateSampled() error {
 	if o.KD != FwdKL {
-		return fmt.Errorf("%w: kd_loss %s with targets %s: only fwd_kl (equivalently cross-entropy) is unbiased on sampled targets: %s is nonlinear in the teacher's probabilities, which the draws estimate, and is infinite where the student has mass on an id nothing was drawn at; use kd_loss fwd_kl, or a targets topk cache",
-			ErrInvalid, o.KD, o.Targets, o.KD)
+		return errkind.Errorf(ErrInvalid, "kd_loss %s with targets %s: only fwd_kl (equivalently cross-entropy) is unbiased on sampled targets: %s is nonlinear in the teacher's probabilities, which the draws estimate, and is infinite where the student has mass on an id nothing was drawn at; use kd_loss fwd_kl, or a targets topk cache",
+			o.KD, o.Targets, o.KD)
 	}
 	if o.teacherT() != o.Temperature {
-		return fmt.Errorf("%w: temperature %g with targets %s captured at %g: tempering sampled targets is biased; set the temperature to %g, or fill a cache at temperature %g",
-			ErrInvalid, o.Temperature, o.Targets, o.teacherT(), o.teacherT(), o.Temperature)
+		return errkind.Errorf(ErrInvalid, "temperature %g with targets %s captured at %g: tempering sampled targets is biased; set the temperature to %g, or fill a cache at temperature %g",
+			o.Temperature, o.Targets, o.teacherT(), o.teacherT(), o.Temperature)
 	}
 	if o.Tail != Bucket {
-		return fmt.Errorf("%w: tail %s with targets %s: the tail modes are for top-k targets; sampled targets carry the tail's mass themselves: leave tail at its default (bucket)", ErrInvalid, o.Tail, o.Targets)
+		return errkind.Errorf(ErrInvalid, "tail %s with targets %s: the tail modes are for top-k targets; sampled targets carry the tail's mass themselves: leave tail at its default (bucket)", o.Tail, o.Targets)
 	}
 	return nil
 }

@@ -307,7 +307,7 @@ func saveCheckpoint(runDir string, s *train.Student, moments momentsOf, st *Stat
 	}()
 	if err != nil {
 		os.RemoveAll(tmp)
-		return "", fmt.Errorf("trainer: saving checkpoint of step %d: %w", st.Step, err)
+		return "", fmt.Errorf("saving checkpoint of step %d: %w", st.Step, err)
 	}
 	return final, pruneCheckpoints(runDir, keep, protect)
 }
@@ -517,7 +517,7 @@ func lockRunDir(dir string) (*runLock, error) {
 	path := filepath.Join(dir, "train.lock")
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
 	if err != nil {
-		return nil, fmt.Errorf("trainer: locking run_dir: %w", err)
+		return nil, fmt.Errorf("locking run_dir: %w", err)
 	}
 	for {
 		err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
@@ -536,7 +536,7 @@ func lockRunDir(dir string) (*runLock, error) {
 			return nil, fmt.Errorf("%w: %s is locked by %s (%s): two trainers must not share a run_dir; wait for it to end, stop it, or use another run_dir",
 				ErrLocked, dir, who, path)
 		}
-		return nil, fmt.Errorf("trainer: locking %s: %w", path, err)
+		return nil, fmt.Errorf("locking %s: %w", path, err)
 	}
 	host, _ := os.Hostname()
 	who := fmt.Sprintf("pid %d on %s since %s: %s", os.Getpid(), host, time.Now().Format(time.RFC3339), strings.Join(os.Args, " "))

@@ -145,7 +145,7 @@ func (c *checkpointer) saveSharded(l *shardLayout, s *train.Student, ad *optim.A
 	parent := filepath.Join(c.runDir, "checkpoints")
 	final := checkpointDir(c.runDir, st.Step)
 	tmp := filepath.Join(parent, fmt.Sprintf(".tmp-%s%08d-sharded", ckptPrefix, st.Step))
-	what := fmt.Sprintf("trainer: saving the sharded checkpoint of step %d", st.Step)
+	what := fmt.Sprintf("saving the sharded checkpoint of step %d", st.Step)
 	g := l.g
 	abort := func(err error, bad []int, stage string) (string, error) {
 		if g.leader() {

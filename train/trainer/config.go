@@ -20,6 +20,7 @@ import (
 	"distill/cache"
 	"distill/compute/device"
 	"distill/data"
+	"distill/internal/errkind"
 	"distill/internal/suggest"
 	"distill/model"
 	"distill/train"
@@ -228,14 +229,14 @@ func (t *TeacherCache) weight() float64 {
 // the student when the run opens them.
 func (c *Config) validateCaches() error {
 	if err := checkCaches(c.Data.Caches, configCachesKey, true); err != nil {
-		return fmt.Errorf("%w: %w", ErrConfig, err)
+		return errkind.Wrap(ErrConfig, err)
 	}
 	var wsum float64
 	for i := range c.Data.Caches {
 		wsum += c.Data.Caches[i].weight()
 	}
 	if len(c.Data.Caches) > 0 && wsum == 0 && c.Distill.KDWeight > 0 {
-		return fmt.Errorf("%w: data.caches: every teacher's weight is 0 with distill.kd_weight %g: there is nothing to distill from; give a teacher a weight > 0 (or set distill.kd_weight: 0)", ErrConfig, c.Distill.KDWeight)
+		return errkind.Errorf(ErrConfig, "data.caches: every teacher's weight is 0 with distill.kd_weight %g: there is nothing to distill from; give a teacher a weight > 0 (or set distill.kd_weight: 0)", c.Distill.KDWeight)
 	}
 	return nil
 }
@@ -586,8 +587,8 @@ func LoadConfig(path string, overrides []string) (*Config, error) {
 // and validated, the distill section and data's cache, seq_len, truncate
 // and eval_range. A file holding only `distill:` (and `data:`) is enough,
 // a whole training config works too, and with no file (path "") the
-// overrides alone are applied over the defaults. Its errors are in
-// eval's terms (EvalTerms), the file named as --config FILE.
+// overrides alone are applied over the defaults. Its errors name the
+// file as --config FILE.
 func LoadEvalConfig(path string, overrides []string) (*Config, error) {
 	return loadConfig(path, overrides, "", true)
 }
@@ -600,41 +601,9 @@ func LoadEvalConfigAs(path string, overrides []string, what string) (*Config, er
 	return loadConfig(path, overrides, what, true)
 }
 
-// EvalTerms is err, an error of a config for `student eval`, in eval's
-// terms: without "trainer: bad config: " (evaluation is no training
-// run) and the loss package's "loss: invalid input: " (the key it names
-// says what is wrong). It is still ErrConfig when err was.
-func EvalTerms(err error) error {
-	if err == nil {
-		return nil
-	}
-	text := strings.ReplaceAll(err.Error(), ErrConfig.Error()+": ", "")
-	text = strings.ReplaceAll(text, loss.ErrInvalid.Error()+": ", "")
-	return &evalError{err: err, text: text}
-}
-
-// evalError is an error in eval's terms (EvalTerms).
-type evalError struct {
-	err  error
-	text string
-}
-
-func (e *evalError) Error() string { return e.text }
-func (e *evalError) Unwrap() error { return e.err }
-
-// loadConfig is LoadConfig (eval: LoadEvalConfig, its validation and its
-// errors in eval's terms); what, when not "", names the overrides in its
-// error.
+// loadConfig is LoadConfig (eval: LoadEvalConfig and its validation);
+// what, when not "", names the overrides in its error.
 func loadConfig(path string, overrides []string, what string, eval bool) (*Config, error) {
-	c, err := loadConfigFile(path, overrides, what, eval)
-	if eval {
-		return c, EvalTerms(err)
-	}
-	return c, err
-}
-
-// loadConfigFile is loadConfig before its errors are put in eval's terms.
-func loadConfigFile(path string, overrides []string, what string, eval bool) (*Config, error) {
 	validate := (*Config).Validate
 	if eval {
 		validate = (*Config).ValidateEval
@@ -653,13 +622,13 @@ func loadConfigFile(path string, overrides []string, what string, eval bool) (*C
 				if errors.As(err, &pe) {
 					err = pe.Err // the label names the file
 				}
-				return nil, fmt.Errorf("%w: %s: %v", ErrConfig, label, err)
+				return nil, errkind.Errorf(ErrConfig, "%s: %v", label, err)
 			}
-			return nil, fmt.Errorf("%w: %v", ErrConfig, err)
+			return nil, errkind.Errorf(ErrConfig, "%v", err)
 		}
 		src = b
 		if err := yaml.Unmarshal(b, &root); err != nil {
-			return nil, fmt.Errorf("%w: %s: %v", ErrConfig, label, err)
+			return nil, errkind.Errorf(ErrConfig, "%s: %v", label, err)
 		}
 	} else {
 		path, label = "(flags)", "(flags)"
@@ -668,14 +637,14 @@ func loadConfigFile(path string, overrides []string, what string, eval bool) (*C
 		root = yaml.Node{Kind: yaml.DocumentNode, Content: []*yaml.Node{{Kind: yaml.MappingNode, Tag: "!!map"}}}
 	}
 	if root.Kind != yaml.DocumentNode || root.Content[0].Kind != yaml.MappingNode {
-		return nil, fmt.Errorf("%w: %s: the top level must be a mapping of keys", ErrConfig, label)
+		return nil, errkind.Errorf(ErrConfig, "%s: the top level must be a mapping of keys", label)
 	}
 	// The file is checked alone first, so its errors name its own lines,
 	// then each override on top of it, so their errors name the flag (the
 	// tree re-encoded with the overrides has lines of its own).
 	if src != nil && len(root.Content[0].Content) > 0 {
 		if err := decodeStrict(&root, src); err != nil {
-			return nil, fmt.Errorf("%w: %s: %v (keys are listed in examples/train.yaml)", ErrConfig, label, err)
+			return nil, errkind.Errorf(ErrConfig, "%s: %v (keys are listed in examples/train.yaml)", label, err)
 		}
 	}
 	for _, o := range overrides {
@@ -687,7 +656,7 @@ func loadConfigFile(path string, overrides []string, what string, eval bool) (*C
 			return nil, err
 		}
 		if err := decodeStrict(&root, b); err != nil {
-			return nil, fmt.Errorf("%w: --set %s: %v (keys are listed in examples/train.yaml)", ErrConfig, o, lineRE.ReplaceAllString(err.Error(), ""))
+			return nil, errkind.Errorf(ErrConfig, "--set %s: %v (keys are listed in examples/train.yaml)", o, lineRE.ReplaceAllString(err.Error(), ""))
 		}
 	}
 	b, err := yaml.Marshal(&root)
@@ -698,7 +667,7 @@ func loadConfigFile(path string, overrides []string, what string, eval bool) (*C
 	dec := yaml.NewDecoder(bytes.NewReader(b))
 	dec.KnownFields(true)
 	if err := dec.Decode(&c); err != nil {
-		return nil, fmt.Errorf("%w: %s: %v (keys are listed in examples/train.yaml)", ErrConfig, label, err)
+		return nil, errkind.Errorf(ErrConfig, "%s: %v (keys are listed in examples/train.yaml)", label, err)
 	}
 	if c.Data.Dataset != nil && len(c.Distill.Teachers) == 0 {
 		// SFT on a dataset: the loss weights default to CE alone (a
@@ -929,11 +898,11 @@ func dotted(prefix, key string) string {
 func setKey(m *yaml.Node, kv string) error {
 	key, val, ok := strings.Cut(kv, "=")
 	if !ok || key == "" {
-		return fmt.Errorf("%w: override %q: want key.path=value, e.g. optim.lr=3e-4", ErrConfig, kv)
+		return errkind.Errorf(ErrConfig, "override %q: want key.path=value, e.g. optim.lr=3e-4", kv)
 	}
 	var v yaml.Node
 	if err := yaml.Unmarshal([]byte(val), &v); err != nil {
-		return fmt.Errorf("%w: override %s: value %q is not YAML: %v", ErrConfig, key, val, err)
+		return errkind.Errorf(ErrConfig, "override %s: value %q is not YAML: %v", key, val, err)
 	}
 	vn := &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!null", Value: ""}
 	if v.Kind == yaml.DocumentNode && len(v.Content) == 1 {
@@ -971,7 +940,7 @@ func setKey(m *yaml.Node, kv string) error {
 			m.Content = append(m.Content, &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!str", Value: p}, found)
 		}
 		if found.Kind != yaml.MappingNode {
-			return fmt.Errorf("%w: override %s: %s is not a mapping", ErrConfig, key, strings.Join(parts[:i+1], "."))
+			return errkind.Errorf(ErrConfig, "override %s: %s is not a mapping", key, strings.Join(parts[:i+1], "."))
 		}
 		m = found
 	}
@@ -1001,7 +970,7 @@ func (c *Config) AdamW() optim.AdamWConfig {
 // model (vocab, tokenizer, temperatures) happen when the run opens them.
 func (c *Config) Validate() error {
 	bad := func(key string, format string, a ...any) error {
-		return fmt.Errorf("%w: %s: %s", ErrConfig, key, fmt.Sprintf(format, a...))
+		return errkind.Errorf(ErrConfig, "%s: %s", key, fmt.Sprintf(format, a...))
 	}
 	switch {
 	case c.RunDir == "":
@@ -1061,17 +1030,17 @@ func (c *Config) Validate() error {
 	}
 	if lc := c.TrainLoRA(); lc != nil {
 		if err := lc.Check(nil); err != nil {
-			return fmt.Errorf("%w: %w", ErrConfig, err)
+			return errkind.Wrap(ErrConfig, err)
 		}
 		if c.Train.ZeRO >= 2 {
 			return bad("train.zero", "%d with model.lora: ZeRO stages 2 and 3 do not shard a LoRA student (its adapters and their moments are small, and its frozen base is held once per rank); use train.zero 0 or 1", c.Train.ZeRO)
 		}
 	}
 	if err := c.AdamW().Validate(); err != nil {
-		return fmt.Errorf("%w: %w", ErrConfig, err) // "optim: invalid configuration: ..."
+		return errkind.Wrap(ErrConfig, err) // "optim: invalid configuration: ..."
 	}
 	if err := c.Schedule().Validate(); err != nil {
-		return fmt.Errorf("%w: %w", ErrConfig, err)
+		return errkind.Wrap(ErrConfig, err)
 	}
 	if c.Data.Dataset != nil {
 		if err := c.validateDataset(); err != nil {
@@ -1099,7 +1068,7 @@ func (c *Config) Validate() error {
 // term (there is no teacher) and data.truncate (max_len cuts samples).
 func (c *Config) validateDataset() error {
 	bad := func(key string, format string, a ...any) error {
-		return fmt.Errorf("%w: %s: %s", ErrConfig, key, fmt.Sprintf(format, a...))
+		return errkind.Errorf(ErrConfig, "%s: %s", key, fmt.Sprintf(format, a...))
 	}
 	d := c.Data.Dataset
 	online := len(c.Distill.Teachers) > 0
@@ -1146,7 +1115,7 @@ func (c *Config) validateDataset() error {
 		}
 	}
 	if err := cm.Check(); err != nil {
-		return fmt.Errorf("%w: data.dataset.roles: %w", ErrConfig, err)
+		return errkind.Errorf(ErrConfig, "data.dataset.roles: %w", err)
 	}
 	if _, err := d.templateVars(); err != nil {
 		return err
@@ -1181,7 +1150,7 @@ func (d *DatasetConfig) templateVars() (map[string]any, error) {
 		err = json.Unmarshal(b, &vars)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("%w: data.dataset.template_vars: %v: want values JSON can hold (strings, numbers, booleans, lists, mappings with string keys)", ErrConfig, err)
+		return nil, errkind.Errorf(ErrConfig, "data.dataset.template_vars: %v: want values JSON can hold (strings, numbers, booleans, lists, mappings with string keys)", err)
 	}
 	return vars, nil
 }
@@ -1207,7 +1176,7 @@ func (d *DatasetConfig) options(seqLen int) (data.Options, error) {
 	if d.ChatTemplate != "" {
 		b, err := os.ReadFile(d.ChatTemplate)
 		if err != nil {
-			return data.Options{}, fmt.Errorf("%w: data.dataset.chat_template: %v", ErrConfig, err)
+			return data.Options{}, errkind.Errorf(ErrConfig, "data.dataset.chat_template: %v", err)
 		}
 		o.ChatTemplate = string(b)
 	}
@@ -1233,7 +1202,7 @@ func (d *DatasetConfig) sources() []data.Source {
 func (c *Config) validateDistill() error {
 	lo := c.LossOptions(c.Distill.Temperature)
 	if err := lo.Validate(); err != nil {
-		return fmt.Errorf("%w: distill: %w", ErrConfig, err)
+		return errkind.Errorf(ErrConfig, "distill: %w", err)
 	}
 	// A teacher of data.caches of another kind than distill.targets
 	// takes that kind's rules (a sampled one: fwd_kl, no tempering).
@@ -1242,7 +1211,7 @@ func (c *Config) validateDistill() error {
 			o := lo
 			o.Targets = loss.TargetKind(k)
 			if err := o.Validate(); err != nil {
-				return fmt.Errorf("%w: data.caches[%d].targets %s: distill: %w", ErrConfig, i, k, err)
+				return errkind.Errorf(ErrConfig, "data.caches[%d].targets %s: distill: %w", i, k, err)
 			}
 		}
 	}
@@ -1254,9 +1223,9 @@ func (c *Config) validateDistill() error {
 func (c *Config) ValidateEval() error {
 	switch d := c.Data; {
 	case d.SeqLen <= 0:
-		return fmt.Errorf("%w: data.seq_len: %d: want > 0", ErrConfig, d.SeqLen)
+		return errkind.Errorf(ErrConfig, "data.seq_len: %d: want > 0", d.SeqLen)
 	case len(d.EvalRange) != 0 && (len(d.EvalRange) != 2 || d.EvalRange[0] < 0 || d.EvalRange[1] <= d.EvalRange[0]):
-		return fmt.Errorf("%w: data.eval_range: %v: want [start, end) with 0 <= start < end", ErrConfig, d.EvalRange)
+		return errkind.Errorf(ErrConfig, "data.eval_range: %v: want [start, end) with 0 <= start < end", d.EvalRange)
 	}
 	if c.Data.Dataset != nil {
 		if err := c.validateDataset(); err != nil {
@@ -1272,7 +1241,7 @@ func (c *Config) ValidateEval() error {
 // modelConfigErr is an ErrConfig naming key for err, an error of package
 // model's config checks (what model says is wrong).
 func modelConfigErr(key string, err error) error {
-	return fmt.Errorf("%w: %s: %w", ErrConfig, key, err)
+	return errkind.Errorf(ErrConfig, "%s: %w", key, err)
 }
 
 // ModelConfig resolves the random architecture over model.Preset(arch).
@@ -1296,7 +1265,7 @@ func (r *RandomModel) ModelConfig() (*model.Config, error) {
 		{"moe_intermediate_size", float64(r.MoEIntermediate)}, {"decoder_sparse_step", float64(r.DecoderSparseStep)},
 	} {
 		if f.v < 0 || math.IsNaN(f.v) {
-			return nil, fmt.Errorf("%w: model.random.%s: %g: want > 0 (or leave it out for the preset's value)", ErrConfig, f.key, f.v)
+			return nil, errkind.Errorf(ErrConfig, "model.random.%s: %g: want > 0 (or leave it out for the preset's value)", f.key, f.v)
 		}
 	}
 	set := func(dst *int, v int) {
@@ -1313,7 +1282,7 @@ func (r *RandomModel) ModelConfig() (*model.Config, error) {
 	set(&cfg.MaxPositions, r.MaxPositions)
 	if cfg.Arch != model.ArchQwen3MoE && (r.NumExperts != 0 || r.ExpertsPerTok != 0 || r.MoEIntermediate != 0 || r.DecoderSparseStep != 0 ||
 		r.NormTopKProb != nil || r.MLPOnlyLayers != nil || r.OutputRouterLogits || r.RouterAuxLossCoef != nil) {
-		return nil, fmt.Errorf("%w: model.random: MoE keys (num_experts, ..., router_aux_loss_coef) need arch: qwen3_moe, not %s", ErrConfig, cfg.Arch)
+		return nil, errkind.Errorf(ErrConfig, "model.random: MoE keys (num_experts, ..., router_aux_loss_coef) need arch: qwen3_moe, not %s", cfg.Arch)
 	}
 	set(&cfg.NumExperts, r.NumExperts)
 	set(&cfg.ExpertsPerTok, r.ExpertsPerTok)

@@ -28,7 +28,7 @@ func TestConfigErrorLines(t *testing.T) {
 		"optim.lrr=1e-3":      "--set optim.lrr=1e-3: unknown key optim.lrr (did you mean optim.lr?)",
 		"optim.beta1=abc":     "--set optim.beta1=abc: yaml: unmarshal errors:\n  cannot unmarshal !!str `abc` into float64",
 		"train.max_steps=1.5": `--set train.max_steps=1.5: train.max_steps: "1.5" is not an integer`,
-		"optim.lr=-1":         "c.yaml with --set train.max_steps=3 --set optim.lr=-1: trainer: bad config: optim: invalid configuration: lr -1",
+		"optim.lr=-1":         "c.yaml with --set train.max_steps=3 --set optim.lr=-1: optim: invalid configuration: lr -1",
 	} {
 		_, err := LoadConfig(p, []string{"train.max_steps=3", over})
 		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "line ") {
@@ -80,16 +80,18 @@ func TestConfigUnknownKeys(t *testing.T) {
 				t.Errorf("%s: %v\nwant %q", tc.name, err, w)
 			}
 		}
-		if strings.Contains(err.Error(), "trainer.") && !strings.Contains(err.Error(), "trainer: bad config") {
+		if strings.Contains(err.Error(), "trainer.") || strings.Contains(err.Error(), "trainer:") {
 			t.Errorf("%s: %v names a Go type", tc.name, err)
 		}
 	}
 }
 
-// TestConfigErrorsSayConfigOnce: a bad value of the config says "bad
-// config" once, the key once, and what is wrong; a model.random value
-// that package model refuses no longer says config twice ("trainer: bad
-// config: model.random: model: config: ...").
+// TestConfigErrorsSayConfigOnce: a bad value of the config says the key
+// once and what is wrong, ErrConfig in its chain and not in its text; a
+// model.random value that package model refuses no longer says config
+// twice ("trainer: bad config: model.random: model: config: ..."), and
+// no package's sentinel ("trainer: bad config", "loss: invalid input")
+// is in front of the key.
 func TestConfigErrorsSayConfigOnce(t *testing.T) {
 	p := filepath.Join(t.TempDir(), "c.yaml")
 	os.WriteFile(p, []byte("run_dir: x\ndata: {cache: [z]}\nmodel:\n  random: {arch: qwen3, num_attention_heads: 4, num_key_value_heads: 2}\n"), 0o644)
@@ -97,20 +99,20 @@ func TestConfigErrorsSayConfigOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	for over, want := range map[string]string{
-		"model.random.num_attention_heads=3": "trainer: bad config: model.random: num_attention_heads 3 is not a multiple of num_key_value_heads 2",
-		"model.random.arch=gpt2":             `trainer: bad config: model.random.arch: unknown architecture "gpt2": want llama, qwen2, qwen3 or qwen3_moe`,
-		"model.random.head_dim=7":            "trainer: bad config: model.random: head_dim 7 must be positive and even (RoPE rotates pairs)",
-		"model.random.hidden_size=-3":        "trainer: bad config: model.random.hidden_size: -3: want > 0",
-		"optim.lr=-1":                        "trainer: bad config: optim: invalid configuration: lr -1",
-		"distill.kd_loss=kl":                 `trainer: bad config: distill: loss: invalid input: kd_loss "kl": want fwd_kl, rev_kl or jsd`,
+		"model.random.num_attention_heads=3": "c.yaml with --set model.random.num_attention_heads=3: model.random: num_attention_heads 3 is not a multiple of num_key_value_heads 2",
+		"model.random.arch=gpt2":             `c.yaml with --set model.random.arch=gpt2: model.random.arch: unknown architecture "gpt2": want llama, qwen2, qwen3 or qwen3_moe`,
+		"model.random.head_dim=7":            "c.yaml with --set model.random.head_dim=7: model.random: head_dim 7 must be positive and even (RoPE rotates pairs)",
+		"model.random.hidden_size=-3":        "c.yaml with --set model.random.hidden_size=-3: model.random.hidden_size: -3: want > 0",
+		"optim.lr=-1":                        "c.yaml with --set optim.lr=-1: optim: invalid configuration: lr -1",
+		"distill.kd_loss=kl":                 `c.yaml with --set distill.kd_loss=kl: distill: kd_loss "kl": want fwd_kl, rev_kl or jsd`,
 	} {
 		_, err := LoadConfig(p, []string{over})
 		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), want) {
 			t.Errorf("--set %s: %v\nwant ErrConfig and %q", over, err, want)
 			continue
 		}
-		if msg := err.Error(); strings.Count(msg, "bad config") != 1 || strings.Count(msg, "config: ") != 1 {
-			t.Errorf("--set %s: %q says config more than once", over, msg)
+		if msg := err.Error(); strings.Contains(msg, "bad config") || strings.Contains(msg, "config: ") || strings.Contains(msg, "invalid input") {
+			t.Errorf("--set %s: %q says config more than once, or a package sentinel's text", over, msg)
 		}
 	}
 }

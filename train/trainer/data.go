@@ -5,6 +5,7 @@ import (
 	"slices"
 
 	"distill/cache"
+	"distill/internal/errkind"
 	"distill/train"
 	"distill/train/loss"
 )
@@ -84,7 +85,7 @@ func (st *stream) next() (cache.Sample, error) {
 				return cache.Sample{}, err
 			}
 			if !st.seen {
-				return cache.Sample{}, fmt.Errorf("%w: the cache has no non-empty training samples outside data.eval_range %v", ErrData, st.held)
+				return cache.Sample{}, errkind.Errorf(ErrData, "the cache has no non-empty training samples outside data.eval_range %v", st.held)
 			}
 			st.it.Close()
 			st.epoch++
@@ -141,7 +142,7 @@ func (p *packer) fit(s cache.Sample) (cache.Sample, error) {
 		return s, nil
 	}
 	if !p.truncate {
-		return s, fmt.Errorf("%w: sample %d has %d tokens, more than data.seq_len %d: raise seq_len or set data.truncate: true", ErrData, s.Index, T, p.seqLen)
+		return s, errkind.Errorf(ErrData, "sample %d has %d tokens, more than data.seq_len %d: raise seq_len or set data.truncate: true", s.Index, T, p.seqLen)
 	}
 	n := p.seqLen
 	return cache.Sample{Index: s.Index, Tokens: s.Tokens[:n], Mask: s.Mask[:n], TopKIDs: s.TopKIDs[:n*p.k], TopKLogProbs: s.TopKLogProbs[:n*p.k]}, nil

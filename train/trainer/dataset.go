@@ -10,6 +10,7 @@ import (
 
 	"distill/cache"
 	"distill/data"
+	"distill/internal/errkind"
 )
 
 // dsBlock is how many positions of the order the read-ahead tokenizes at
@@ -64,7 +65,7 @@ func newDSStream(ds *data.Dataset, seed uint64, held cache.Range, workers, limit
 	}
 	heldN := max(min(held.End, n)-max(held.Start, 0), 0)
 	if n-heldN <= 0 {
-		return nil, fmt.Errorf("%w: the dataset's %d samples are all in data.eval_range %v: nothing is left to train on; shrink eval_range", ErrData, n, held)
+		return nil, errkind.Errorf(ErrData, "the dataset's %d samples are all in data.eval_range %v: nothing is left to train on; shrink eval_range", n, held)
 	}
 	st := &dsStream{ds: ds, seed: seed, held: held, workers: max(workers, 1), limit: max(limit, 1), epoch: epoch, pos: pos}
 	st.cond = sync.NewCond(&st.mu)
@@ -172,7 +173,7 @@ func (st *dsStream) produce(epoch int, pos int64) {
 			}
 		}
 		if !seen {
-			st.fail(fmt.Errorf("%w: the dataset has no non-empty training samples outside data.eval_range %v (every one was dropped or skipped: %s)", ErrData, st.held, statsLine(st.ds.Stats())))
+			st.fail(errkind.Errorf(ErrData, "the dataset has no non-empty training samples outside data.eval_range %v (every one was dropped or skipped: %s)", st.held, statsLine(st.ds.Stats())))
 			return
 		}
 		epoch, pos, seen = epoch+1, 0, false

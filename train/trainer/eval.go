@@ -7,6 +7,7 @@ import (
 	"distill/cache"
 	"distill/data"
 	"distill/data/tokenizer"
+	"distill/internal/errkind"
 	"distill/train"
 	"distill/train/loss"
 )
@@ -123,7 +124,7 @@ func EvaluateTeachers(s *train.Student, tokFP string, tcs []TeacherCache, r cach
 		r.End = ts.ms[0].Samples
 	}
 	if r.Start < 0 || r.End <= r.Start || r.End > ts.ms[0].Samples {
-		return EvalStats{}, fmt.Errorf("%w: sample range %v: want 0 <= start < end <= %d (the caches' samples)", ErrConfig, r, ts.ms[0].Samples)
+		return EvalStats{}, errkind.Errorf(ErrConfig, "sample range %v: want 0 <= start < end <= %d (the caches' samples)", r, ts.ms[0].Samples)
 	}
 	src := &cacheSource{rd: ts.rds[0], ts: ts, pk: newCachePacker(ts.rds[0], ts, seqLen, truncate)}
 	return evaluateSource(s, src, r, opt)
@@ -306,7 +307,7 @@ func EvaluateDataset(s *train.Student, dc *DatasetConfig, tok *tokenizer.Tokeniz
 		r.End = ds.Len()
 	}
 	if r.Start < 0 || r.End <= r.Start || r.End > ds.Len() {
-		return EvalStats{}, r, fmt.Errorf("%w: sample range %v: want 0 <= start < end <= %d (the dataset's samples)", ErrConfig, r, ds.Len())
+		return EvalStats{}, r, errkind.Errorf(ErrConfig, "sample range %v: want 0 <= start < end <= %d (the dataset's samples)", r, ds.Len())
 	}
 	src := &datasetSource{ds: ds, pk: &packer{seqLen: seqLen}}
 	rows, n, err := src.EvalRows(r)

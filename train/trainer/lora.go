@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 
 	"distill/compute"
+	"distill/internal/errkind"
 	"distill/model"
 	"distill/train"
 )
@@ -111,7 +112,7 @@ func loraFromDir(dir string, be compute.Backend, lc train.LoRAConfig) (*train.St
 	}
 	s, err := train.NewLoRAStudentOn(mc, be, w.F32, lc)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %s: %w", ErrConfig, dir, err)
+		return nil, errkind.Errorf(ErrConfig, "%s: %w", dir, err)
 	}
 	return s, nil
 }
@@ -122,15 +123,14 @@ func loraRandom(mc *model.Config, seed uint64, std float64, be compute.Backend, 
 	s, err := train.NewLoRAStudentOn(mc, be, func(name string) ([]float32, error) {
 		v, ok := w[name]
 		if !ok {
-			// No ErrConfig here: the wrap below adds it, and this error
-			// comes back through it ("trainer: bad config: trainer: bad
-			// config: random init has no tensor ...").
+			// No ErrConfig here: the wrap below adds it to the chain
+			// of the error this one comes back in.
 			return nil, fmt.Errorf("random init has no tensor %s", name)
 		}
 		return v, nil
 	}, lc)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+		return nil, errkind.Wrap(ErrConfig, err)
 	}
 	return s, nil
 }

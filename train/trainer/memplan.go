@@ -7,6 +7,7 @@ import (
 
 	"distill/cache"
 	"distill/compute"
+	"distill/internal/errkind"
 	"distill/model"
 	"distill/model/decoder"
 	"distill/train"
@@ -100,7 +101,7 @@ func planRecompute(cfg *Config, s *train.Student, k int, prev decoder.Recompute,
 	} else {
 		r, err := decoder.ParseRecompute(want)
 		if err != nil {
-			return "", fmt.Errorf("%w: train.recompute: %w", ErrConfig, err)
+			return "", errkind.Errorf(ErrConfig, "train.recompute: %w", err)
 		}
 		if fits(r) {
 			pick = r

@@ -9,6 +9,7 @@ import (
 
 	"distill/cache"
 	"distill/data"
+	"distill/internal/errkind"
 	"distill/model"
 	"distill/train/loss"
 )
@@ -92,8 +93,8 @@ func startOnline(cfg *Config, sc *model.Config, tokFP string, maxLen int, m *cac
 		// the root of several teachers' caches would nest caches.
 		if rd, err := cache.OpenReader(oc.WriteCache); err == nil {
 			on.close()
-			return nil, fmt.Errorf("%w: distill.write_cache %s is the cache of one teacher (fingerprint %.12s); with several teachers each writes its own cache under it, %s/<name>: use another directory, or move that cache to %s/<its teacher's name>",
-				ErrConfig, oc.WriteCache, rd.Manifest().TeacherFingerprint, oc.WriteCache, oc.WriteCache)
+			return nil, errkind.Errorf(ErrConfig, "distill.write_cache %s is the cache of one teacher (fingerprint %.12s); with several teachers each writes its own cache under it, %s/<name>: use another directory, or move that cache to %s/<its teacher's name>",
+				oc.WriteCache, rd.Manifest().TeacherFingerprint, oc.WriteCache, oc.WriteCache)
 		}
 	}
 	if oc.WriteCache != "" {
@@ -213,8 +214,8 @@ func (on *online) evalSamples(ss []cache.Sample) ([]cache.Sample, map[int64][]te
 					return nil, nil, err
 				} else if ok {
 					if err := sameSample(&ss[i], &s); err != nil {
-						return nil, nil, fmt.Errorf("%w: eval sample %d in write cache %s differs from the dataset's: %s: the cache was written from other data; use another distill.write_cache",
-							ErrMismatch, ss[i].Index, wc.dir, err)
+						return nil, nil, errkind.Errorf(ErrMismatch, "eval sample %d in write cache %s differs from the dataset's: %s: the cache was written from other data; use another distill.write_cache",
+							ss[i].Index, wc.dir, err)
 					}
 					ans[j][i] = s
 					continue

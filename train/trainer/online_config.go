@@ -9,6 +9,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"distill/cache"
+	"distill/internal/errkind"
 )
 
 // OnlineConfig is the part of the distill section that trains against
@@ -166,7 +167,7 @@ func (c *Config) online() bool { return len(c.Distill.Teachers) > 0 }
 // names are unique and usable as metric keys and directory names.
 func (c *Config) validateOnline() error {
 	bad := func(key string, format string, a ...any) error {
-		return fmt.Errorf("%w: %s: %s", ErrConfig, key, fmt.Sprintf(format, a...))
+		return errkind.Errorf(ErrConfig, "%s: %s", key, fmt.Sprintf(format, a...))
 	}
 	o := &c.Distill.OnlineConfig
 	if !c.online() {
@@ -266,11 +267,11 @@ func (c *Config) validateOnlineTargets() error {
 	}
 	switch {
 	case kind == cache.TargetsTopK && o.Samples != 0:
-		return fmt.Errorf("%w: distill.samples %d with distill.targets topk: draws belong to targets sampled or head+sampled; set distill.targets, or remove distill.samples", ErrConfig, o.Samples)
+		return errkind.Errorf(ErrConfig, "distill.samples %d with distill.targets topk: draws belong to targets sampled or head+sampled; set distill.targets, or remove distill.samples", o.Samples)
 	case kind != cache.TargetsTopK && (o.Samples < 1 || o.Samples > cache.MaxDraws):
-		return fmt.Errorf("%w: distill.samples %d with distill.targets %s: want 1 to %d draws per position asked of the teachers (as cachectl fill --samples; at most the daemons' --max-draws)", ErrConfig, o.Samples, kind, cache.MaxDraws)
+		return errkind.Errorf(ErrConfig, "distill.samples %d with distill.targets %s: want 1 to %d draws per position asked of the teachers (as cachectl fill --samples; at most the daemons' --max-draws)", o.Samples, kind, cache.MaxDraws)
 	case kind == cache.TargetsSampled && o.K != 0:
-		return fmt.Errorf("%w: distill.k %d with distill.targets sampled: sampled targets have no top-k head; use distill.targets head+sampled for an exact head of k plus draws, or remove distill.k", ErrConfig, o.K)
+		return errkind.Errorf(ErrConfig, "distill.k %d with distill.targets sampled: sampled targets have no top-k head; use distill.targets head+sampled for an exact head of k plus draws, or remove distill.k", o.K)
 	}
 	return nil
 }

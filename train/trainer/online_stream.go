@@ -11,6 +11,7 @@ import (
 
 	"distill/cache"
 	"distill/data"
+	"distill/internal/errkind"
 )
 
 // chunkOrder is the training order of one epoch over samples [0, n) cut
@@ -205,7 +206,7 @@ func (st *onlineStream) next() (cache.Sample, error) {
 		}
 		if it.epoch != st.epoch {
 			if !st.seen {
-				return cache.Sample{}, fmt.Errorf("%w: the dataset has no non-empty training samples outside data.eval_range %v (every one was dropped or skipped: %s)", ErrData, st.held, statsLine(st.ds.Stats()))
+				return cache.Sample{}, errkind.Errorf(ErrData, "the dataset has no non-empty training samples outside data.eval_range %v (every one was dropped or skipped: %s)", st.held, statsLine(st.ds.Stats()))
 			}
 			st.epoch, st.seen = it.epoch, false
 		}
@@ -374,8 +375,8 @@ func (st *onlineStream) fill(it *onItem) error {
 		if !it.skip {
 			for j := 1; j < n; j++ {
 				if err := sameSample(&ans[0], &ans[j]); err != nil {
-					return fmt.Errorf("%w: sample %d differs between the write caches %s and %s: %s: they were written from other data; use another distill.write_cache",
-						ErrMismatch, i, st.wcs[0].dir, st.wcs[j].dir, err)
+					return errkind.Errorf(ErrMismatch, "sample %d differs between the write caches %s and %s: %s: they were written from other data; use another distill.write_cache",
+						i, st.wcs[0].dir, st.wcs[j].dir, err)
 				}
 			}
 			it.s, it.more = ans[0], st.on.moreOf(ans)
@@ -394,8 +395,8 @@ func (st *onlineStream) fill(it *onItem) error {
 	for j := 0; j < n; j++ {
 		if ans[j].Tokens != nil {
 			if err := sameSample(&base, &ans[j]); err != nil {
-				return fmt.Errorf("%w: sample %d in write cache %s differs from the dataset's: %s: the cache was written from other data; use another distill.write_cache",
-					ErrMismatch, i, st.wcs[j].dir, err)
+				return errkind.Errorf(ErrMismatch, "sample %d in write cache %s differs from the dataset's: %s: the cache was written from other data; use another distill.write_cache",
+					i, st.wcs[j].dir, err)
 			}
 		}
 	}
@@ -488,8 +489,8 @@ func openWriteCache(dir string, m cache.Manifest, C int64) (*writeCache, error) 
 	for _, ch := range chunks {
 		if ch.Start%C != 0 || ch.End != min(ch.Start+C, m.Samples) {
 			c.Close()
-			return nil, fmt.Errorf("%w: distill.write_cache %s holds chunk [%d, %d), which is not a chunk of distill.chunk_samples %d: set chunk_samples to the chunking the cache was filled with, or use another directory",
-				ErrConfig, dir, ch.Start, ch.End, C)
+			return nil, errkind.Errorf(ErrConfig, "distill.write_cache %s holds chunk [%d, %d), which is not a chunk of distill.chunk_samples %d: set chunk_samples to the chunking the cache was filled with, or use another directory",
+				dir, ch.Start, ch.End, C)
 		}
 	}
 	wc := &writeCache{c: c, dir: dir, C: C, n: m.Samples, bufs: map[int64][]cache.Sample{}, have: map[int64]int64{}, sent: map[int64]bool{},

@@ -16,13 +16,15 @@ import (
 	"google.golang.org/grpc/status"
 
 	"distill/cache"
+	"distill/internal/errkind"
 	"distill/internal/teacherdial"
 	pb "distill/proto/distill/v1"
 )
 
 // ErrTeachers marks a run that lost its teachers: none was reachable for
 // distill.teacher_timeout, or one refused the run's samples or
-// credentials.
+// credentials. Its text is in the chain only (errkind): the message
+// names the teacher and what it did.
 var ErrTeachers = errors.New("trainer: teachers")
 
 // Retry pacing of a replica that failed: the first retry after
@@ -136,7 +138,7 @@ func newTeacherPool(t TeacherConfig, o *OnlineConfig, want infoWant, tg scoreTar
 	if o.TokenFile != "" {
 		var err error
 		if token, err = teacherdial.ReadToken(o.TokenFile, "distill.token_file"); err != nil {
-			return nil, fmt.Errorf("%w: %w", ErrConfig, err) // it names distill.token_file
+			return nil, errkind.Wrap(ErrConfig, err) // it names distill.token_file
 		}
 	}
 	p := &teacherPool{name: t.Name, k: int32(o.K), temp: float32(o.CaptureTemperature), tg: tg, timeout: o.TeacherTimeout, log: log, want: want}
@@ -150,7 +152,7 @@ func newTeacherPool(t TeacherConfig, o *OnlineConfig, want infoWant, tg scoreTar
 		conn, err := teacherdial.Dial(a, teacherdial.Options{Token: token, CAFile: o.TLSCA, ServerName: o.TLSServerName, Names: names})
 		if err != nil {
 			p.close()
-			return nil, fmt.Errorf("%w: %w", ErrConfig, err) // it names the key
+			return nil, errkind.Wrap(ErrConfig, err) // it names the key
 		}
 		p.reps = append(p.reps, &replica{addr: a, conn: conn, cl: pb.NewTeacherClient(conn)})
 	}
@@ -175,8 +177,8 @@ func newTeacherPool(t TeacherConfig, o *OnlineConfig, want infoWant, tg scoreTar
 		late := !p.started && len(why) > 0
 		p.mu.Unlock()
 		if late {
-			p.fail(fmt.Errorf("%w: teacher %s: replicas did not answer Info within distill.teacher_timeout %v (%s): start them, fix distill.teachers, or raise teacher_timeout",
-				ErrTeachers, p.name, p.timeout, strings.Join(why, "; ")))
+			p.fail(errkind.Errorf(ErrTeachers, "teacher %s: replicas did not answer Info within distill.teacher_timeout %v (%s): start them, fix distill.teachers, or raise teacher_timeout",
+				p.name, p.timeout, strings.Join(why, "; ")))
 		}
 	})
 	for _, r := range p.reps {
@@ -296,8 +298,8 @@ func (p *teacherPool) startPause() {
 		}
 		p.mu.Unlock()
 		if still {
-			p.fail(fmt.Errorf("%w: no replica of teacher %s was reachable for distill.teacher_timeout %v (%s): start or fix the teachers, then rerun the same command to resume",
-				ErrTeachers, p.name, p.timeout, strings.Join(why, "; ")))
+			p.fail(errkind.Errorf(ErrTeachers, "no replica of teacher %s was reachable for distill.teacher_timeout %v (%s): start or fix the teachers, then rerun the same command to resume",
+				p.name, p.timeout, strings.Join(why, "; ")))
 		}
 	})
 	{
@@ -416,14 +418,14 @@ func (p *teacherPool) refused(r *replica, err error) error {
 	if c := st.Code(); c == codes.Unauthenticated || c == codes.PermissionDenied {
 		hint = ": give the daemon's bearer token in distill.token_file (or $DISTILL_TOKEN)" // as endSession says it
 	}
-	return fmt.Errorf("%w: teacher %s at %s refused the run: %s%s", ErrTeachers, p.name, r.addr, st.Message(), hint)
+	return errkind.Errorf(ErrTeachers, "teacher %s at %s refused the run: %s%s", p.name, r.addr, st.Message(), hint)
 }
 
 // checkInfo compares a replica's Info with the run's needs and the other
 // replicas' (p.mu held), naming the mismatch.
 func (p *teacherPool) checkInfo(r *replica, in *pb.InfoResponse) error {
 	bad := func(format string, a ...any) error {
-		return fmt.Errorf("%w: teacher %s at %s: %s", ErrMismatch, p.name, r.addr, fmt.Sprintf(format, a...))
+		return errkind.Errorf(ErrMismatch, "teacher %s at %s: %s", p.name, r.addr, fmt.Sprintf(format, a...))
 	}
 	w := p.want
 	sampled := p.tg.kind == cache.TargetsSampled // no head: k is not asked
@@ -664,10 +666,10 @@ func (p *teacherPool) endSession(r *replica, fl *flight, rerr error) error {
 	}
 	if status.Code(rerr) == codes.InvalidArgument && len(back) > 0 {
 		s := back[0].s
-		return fmt.Errorf("%w: teacher %s at %s refused sample %d (%d tokens): %v", ErrTeachers, p.name, r.addr, s.Index, len(s.Tokens), status.Convert(rerr).Message())
+		return errkind.Errorf(ErrTeachers, "teacher %s at %s refused sample %d (%d tokens): %v", p.name, r.addr, s.Index, len(s.Tokens), status.Convert(rerr).Message())
 	}
 	if c := status.Code(rerr); c == codes.Unauthenticated || c == codes.PermissionDenied {
-		return fmt.Errorf("%w: teacher %s at %s: %v: give the daemon's bearer token in distill.token_file (or $DISTILL_TOKEN)", ErrTeachers, p.name, r.addr, status.Convert(rerr).Message())
+		return errkind.Errorf(ErrTeachers, "teacher %s at %s: %v: give the daemon's bearer token in distill.token_file (or $DISTILL_TOKEN)", p.name, r.addr, status.Convert(rerr).Message())
 	}
 	return rerr
 }

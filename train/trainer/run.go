@@ -2,6 +2,7 @@ package trainer
 
 import (
 	"distill/compute"
+	"distill/internal/errkind"
 	"errors"
 	"fmt"
 	"io"
@@ -300,7 +301,7 @@ func (r *trainRun) checkData() error {
 		return err
 	}
 	if cfg.Data.SeqLen > r.s.Cfg.MaxPositions {
-		return fmt.Errorf("%w: data.seq_len %d exceeds the student's max_position_embeddings %d", ErrConfig, cfg.Data.SeqLen, r.s.Cfg.MaxPositions)
+		return errkind.Errorf(ErrConfig, "data.seq_len %d exceeds the student's max_position_embeddings %d", cfg.Data.SeqLen, r.s.Cfg.MaxPositions)
 	}
 	teacherT := float64(m.Temperature)
 	if r.info.NoTeacher {
@@ -308,7 +309,7 @@ func (r *trainRun) checkData() error {
 	}
 	r.lopt = cfg.LossOptions(teacherT)
 	if err := r.lopt.Validate(); err != nil {
-		return fmt.Errorf("%w: distill (cache captured at temperature %g): %w", ErrConfig, m.Temperature, err)
+		return errkind.Errorf(ErrConfig, "distill (cache captured at temperature %g): %w", m.Temperature, err)
 	}
 	r.held = cache.Range{Start: -1, End: -1}
 	r.evalR = r.held
@@ -321,7 +322,7 @@ func (r *trainRun) checkData() error {
 		if kind == "" {
 			kind = "source"
 		}
-		return fmt.Errorf("%w: data.eval_range %v is past the %s's %d samples", ErrConfig, cfg.Data.EvalRange, kind, m.Samples)
+		return errkind.Errorf(ErrConfig, "data.eval_range %v is past the %s's %d samples", cfg.Data.EvalRange, kind, m.Samples)
 	}
 	r.evalR = r.held
 	if cfg.Eval.MaxSamples > 0 {
@@ -361,11 +362,11 @@ func (r *trainRun) openEvalCache() error {
 		return fmt.Errorf("eval.cache: %w", err)
 	}
 	if err := sameSamples(src, r.src, r.evalR); err != nil {
-		return fmt.Errorf("%w: eval.cache %s: %w: fill it from the same dataset files with the same template and template variables", ErrConfig, cfg.Eval.Cache, err)
+		return errkind.Errorf(ErrConfig, "eval.cache %s: %w: fill it from the same dataset files with the same template and template variables", cfg.Eval.Cache, err)
 	}
 	lo := cfg.LossOptions(float64(info.Manifest.Temperature))
 	if err := lo.Validate(); err != nil {
-		return fmt.Errorf("%w: eval.cache (captured at temperature %g): %w", ErrConfig, info.Manifest.Temperature, err)
+		return errkind.Errorf(ErrConfig, "eval.cache (captured at temperature %g): %w", info.Manifest.Temperature, err)
 	}
 	r.evalSrc, r.evalLopt = src, &lo
 	fmt.Fprintf(r.log, "evals: samples %v of %s, scored against its teacher\n", r.evalR, cfg.Eval.Cache)

@@ -117,10 +117,10 @@ func (m *metrics) train(sm StepMetrics) error {
 	}
 	b, err := marshalFinite(sm)
 	if err != nil {
-		return fmt.Errorf("trainer: metrics of step %d: %w", sm.Step, err)
+		return fmt.Errorf("metrics of step %d: %w", sm.Step, err)
 	}
 	if _, err := m.w.Write(append(b, '\n')); err != nil {
-		return fmt.Errorf("trainer: writing metrics.jsonl: %w", err)
+		return fmt.Errorf("writing metrics.jsonl: %w", err)
 	}
 	if m.tb != nil {
 		sc := map[string]float64{
@@ -149,10 +149,10 @@ func (m *metrics) eval(step int, es EvalStats) error {
 		EvalStats
 	}{"eval", step, es})
 	if err != nil {
-		return fmt.Errorf("trainer: eval metrics of step %d: %w", step, err)
+		return fmt.Errorf("eval metrics of step %d: %w", step, err)
 	}
 	if _, err := m.w.Write(append(b, '\n')); err != nil {
-		return fmt.Errorf("trainer: writing metrics.jsonl: %w", err)
+		return fmt.Errorf("writing metrics.jsonl: %w", err)
 	}
 	if m.tb != nil {
 		sc := map[string]float64{

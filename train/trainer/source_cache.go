@@ -1,11 +1,11 @@
 package trainer
 
 import (
-	"fmt"
 	"io"
 	"strings"
 
 	"distill/cache"
+	"distill/internal/errkind"
 	"distill/train"
 )
 
@@ -123,16 +123,16 @@ func checkTargets(cfg *Config, c *cacheSource) error {
 			m := rd.Manifest()
 			w := string(cfg.Data.Caches[i].targets(cfg))
 			if got := string(m.Kind()); got != w {
-				return fmt.Errorf("%w: %s holds targets %s (cachectl fill --targets %s) but the run expects %s of it (data.caches[%d].targets, default distill.targets %s): set data.caches[%d].targets: %s to train on it beside the others (sampled kinds take kd_loss fwd_kl), or use a cache filled with --targets %s",
-					ErrConfig, c.ts.where(i), got, got, w, i, want, i, got, w)
+				return errkind.Errorf(ErrConfig, "%s holds targets %s (cachectl fill --targets %s) but the run expects %s of it (data.caches[%d].targets, default distill.targets %s): set data.caches[%d].targets: %s to train on it beside the others (sampled kinds take kd_loss fwd_kl), or use a cache filled with --targets %s",
+					c.ts.where(i), got, got, w, i, want, i, got, w)
 			}
 		}
 		return nil
 	}
 	m := c.rd.Manifest()
 	if got := string(m.Kind()); got != want {
-		return fmt.Errorf("%w: cache %s holds targets %s (cachectl fill --targets %s) but distill.targets is %s: set distill.targets: %s to train on it (sampled kinds take kd_loss fwd_kl), or use a cache filled with --targets %s",
-			ErrConfig, c.where, got, got, want, got, want)
+		return errkind.Errorf(ErrConfig, "cache %s holds targets %s (cachectl fill --targets %s) but distill.targets is %s: set distill.targets: %s to train on it (sampled kinds take kd_loss fwd_kl), or use a cache filled with --targets %s",
+			c.where, got, got, want, got, want)
 	}
 	return nil
 }
@@ -147,8 +147,8 @@ func checkFilled(rd *cache.Reader, r cache.Range, where string) error {
 	for _, g := range rd.Missing() {
 		lo, hi := max(g.Start, r.Start), min(g.End, r.End)
 		if lo < hi {
-			return fmt.Errorf("%w: data.eval_range: the eval reads samples %v, but samples %v are not in cache %s (not filled yet: `cachectl status` lists the missing ranges): fill them, or move data.eval_range (or lower eval.max_samples) into the filled samples",
-				ErrConfig, r, cache.Range{Start: lo, End: hi}, where)
+			return errkind.Errorf(ErrConfig, "data.eval_range: the eval reads samples %v, but samples %v are not in cache %s (not filled yet: `cachectl status` lists the missing ranges): fill them, or move data.eval_range (or lower eval.max_samples) into the filled samples",
+				r, cache.Range{Start: lo, End: hi}, where)
 		}
 	}
 	return nil

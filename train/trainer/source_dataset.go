@@ -8,6 +8,7 @@ import (
 	"distill/cache"
 	"distill/data"
 	"distill/data/tokenizer"
+	"distill/internal/errkind"
 	"distill/train"
 )
 
@@ -32,7 +33,7 @@ type datasetSource struct {
 func newDatasetSource(cfg *Config) (*datasetSource, error) {
 	for i, f := range cfg.Data.Dataset.Files {
 		if _, err := os.Stat(f); err != nil {
-			return nil, fmt.Errorf("%w: data.dataset.files[%d]: %v", ErrConfig, i, err)
+			return nil, errkind.Errorf(ErrConfig, "data.dataset.files[%d]: %v", i, err)
 		}
 	}
 	return &datasetSource{dc: cfg.Data.Dataset, seqLen: cfg.Data.SeqLen, globalTokens: cfg.Data.GlobalBatchTokens, seed: cfg.Seed,
@@ -72,13 +73,13 @@ func recordTokenizer(dc *DatasetConfig, tok *tokenizer.Tokenizer, tokName string
 	case dc.Pretokenized:
 		return data.IDsOnly{Vocab: vocab}, nil
 	case tok == nil:
-		return nil, fmt.Errorf("%w: data.dataset: tokenizing the dataset needs the student's tokenizer: %s; if its records are pre-tokenized (input_ids), set data.dataset.pretokenized: true", ErrConfig, needTok)
+		return nil, errkind.Errorf(ErrConfig, "data.dataset: tokenizing the dataset needs the student's tokenizer: %s; if its records are pre-tokenized (input_ids), set data.dataset.pretokenized: true", needTok)
 	case tok.VocabSize() > vocab:
 		if tokName != "" {
 			tokName = " " + tokName
 		}
-		return nil, fmt.Errorf("%w: the tokenizer%s has %d tokens but the student's vocab_size is %d: token ids past it have no embedding; use a student with vocab_size >= %d",
-			ErrMismatch, tokName, tok.VocabSize(), vocab, tok.VocabSize())
+		return nil, errkind.Errorf(ErrMismatch, "the tokenizer%s has %d tokens but the student's vocab_size is %d: token ids past it have no embedding; use a student with vocab_size >= %d",
+			tokName, tok.VocabSize(), vocab, tok.VocabSize())
 	}
 	return tok, nil
 }

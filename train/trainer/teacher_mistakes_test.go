@@ -112,8 +112,8 @@ func TestTeacherFilesNameTheKey(t *testing.T) {
 		o    OnlineConfig
 		want string
 	}{
-		{OnlineConfig{TokenFile: none}, "trainer: bad config: distill.token_file " + none + ": no such file or directory: give the file that holds the bearer token"},
-		{OnlineConfig{TLSCA: none}, "trainer: bad config: distill.tls_ca " + none + ": no such file or directory: give the PEM file of the CA that signed the daemon's TLS certificate"},
+		{OnlineConfig{TokenFile: none}, "distill.token_file " + none + ": no such file or directory: give the file that holds the bearer token"},
+		{OnlineConfig{TLSCA: none}, "distill.tls_ca " + none + ": no such file or directory: give the PEM file of the CA that signed the daemon's TLS certificate"},
 	} {
 		o := c.o
 		o.Prefetch, o.TeacherTimeout, o.CaptureTemperature = 8, time.Hour, 1

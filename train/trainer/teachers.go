@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"distill/cache"
+	"distill/internal/errkind"
 	"distill/model"
 	"distill/train/loss"
 )
@@ -54,7 +55,7 @@ func openTeachers(tcs []TeacherCache, window int) (*teacherSet, error) {
 	for i := 1; i < len(ts.rds); i++ {
 		m := &ts.ms[i]
 		differ := func(what string, a, b any, fix string) error {
-			return fmt.Errorf("%w: %s has %s %v but %s has %v: %s", ErrMismatch, ts.where(i), what, b, ts.where(0), a, fix)
+			return errkind.Errorf(ErrMismatch, "%s has %s %v but %s has %v: %s", ts.where(i), what, b, ts.where(0), a, fix)
 		}
 		same := "the caches of data.caches must cover the same samples: fill every teacher's cache from the same dataset with the same tokenizer and options"
 		switch {
@@ -74,8 +75,8 @@ func openTeachers(tcs []TeacherCache, window int) (*teacherSet, error) {
 		for _, g := range ts.rds[i].Missing() {
 			for _, c := range ts.rds[0].Chunks() {
 				if lo, hi := max(g.Start, c.Start), min(g.End, c.End); lo < hi {
-					return nil, fmt.Errorf("%w: samples %v are in %s but not in %s (not filled yet: `cachectl status` lists the missing ranges): fill them, so that every teacher covers the same samples",
-						ErrMismatch, cache.Range{Start: lo, End: hi}, ts.where(0), ts.where(i))
+					return nil, errkind.Errorf(ErrMismatch, "samples %v are in %s but not in %s (not filled yet: `cachectl status` lists the missing ranges): fill them, so that every teacher covers the same samples",
+						cache.Range{Start: lo, End: hi}, ts.where(0), ts.where(i))
 				}
 			}
 		}
@@ -134,8 +135,8 @@ func (ts *teacherSet) more(s cache.Sample) ([]teacherTopK, error) {
 			return nil, fmt.Errorf("sample %d of %s: %w", s.Index, ts.where(i), err)
 		}
 		if err := sameSample(&s, &o); err != nil {
-			return nil, fmt.Errorf("%w: sample %d differs between %s and %s: %s; the caches of data.caches must hold the same tokens and masks: fill them from the same dataset with the same tokenizer and options",
-				ErrMismatch, s.Index, ts.where(0), ts.where(i), err)
+			return nil, errkind.Errorf(ErrMismatch, "sample %d differs between %s and %s: %s; the caches of data.caches must hold the same tokens and masks: fill them from the same dataset with the same tokenizer and options",
+				s.Index, ts.where(0), ts.where(i), err)
 		}
 		m := ts.rds[i].Manifest()
 		o = cache.Dense(&m, o) // sampled kinds: fixed-width rows

@@ -137,6 +137,11 @@ import (
 
 // Sentinel errors; every error of this package wraps one of them or an
 // error of the package that failed (cache, model, train, loss, optim).
+// ErrConfig's, ErrData's and ErrMismatch's text is in the chain only
+// (errkind), not in the message: that names the key, the sample or what
+// differs, and "trainer: bad config: " in front of it meant nothing to a
+// user of `student`. The others' text goes in front of their messages
+// and says what happened ("cannot resume: ..."), without the package.
 var (
 	// ErrConfig marks a bad config key (the message names it).
 	ErrConfig = errors.New("trainer: bad config")
@@ -144,21 +149,21 @@ var (
 	ErrData = errors.New("trainer: bad data")
 	// ErrMismatch marks teacher data that does not fit the student or
 	// the other teachers: a cache or a live teacher of another tokenizer
-	// or vocabulary, caches of other samples. Its text says no more than
-	// "mismatch": the message names what differs, and "cache does not
-	// match the student" was wrong for a live teacher and for two caches.
+	// or vocabulary, caches of other samples. The message names what
+	// differs ("cache does not match the student" was wrong for a live
+	// teacher and for two caches).
 	ErrMismatch = errors.New("trainer: mismatch")
 	// ErrResume marks a checkpoint that cannot be resumed by this config.
-	ErrResume = errors.New("trainer: cannot resume")
+	ErrResume = errors.New("cannot resume")
 	// ErrDiverged marks a run stopped after train.max_skipped_steps
 	// consecutive non-finite steps.
-	ErrDiverged = errors.New("trainer: training diverged")
+	ErrDiverged = errors.New("training diverged")
 	// ErrLocked marks a run directory another trainer is using.
-	ErrLocked = errors.New("trainer: run directory in use")
+	ErrLocked = errors.New("run directory in use")
 	// ErrDeviceMemory marks a run the device's memory cannot hold: its
 	// memory plan does not fit (checked before step 1), or the device ran
 	// out (then it wraps compute.ErrOutOfMemory too).
-	ErrDeviceMemory = errors.New("trainer: out of device memory")
+	ErrDeviceMemory = errors.New("out of device memory")
 )
 
 // Options control a run beyond its config.
@@ -318,10 +323,10 @@ func runOnce(cfg *Config, o Options) (*Result, error) {
 // than the student's, naming both values.
 func CheckCache(cfg *model.Config, tokFP string, m *cache.Manifest, where string) error {
 	if m.VocabSize != cfg.VocabSize {
-		return fmt.Errorf("%w: cache %s has vocab_size %d but the student has %d: the teacher and student must share a vocabulary", ErrMismatch, where, m.VocabSize, cfg.VocabSize)
+		return errkind.Errorf(ErrMismatch, "cache %s has vocab_size %d but the student has %d: the teacher and student must share a vocabulary", where, m.VocabSize, cfg.VocabSize)
 	}
 	if m.TokenizerFingerprint != tokFP {
-		return fmt.Errorf("%w: cache %s was tokenized with tokenizer %s but the student's tokenizer is %s: use the teacher's tokenizer for the student, or rebuild the cache", ErrMismatch, where, m.TokenizerFingerprint, tokFP)
+		return errkind.Errorf(ErrMismatch, "cache %s was tokenized with tokenizer %s but the student's tokenizer is %s: use the teacher's tokenizer for the student, or rebuild the cache", where, m.TokenizerFingerprint, tokFP)
 	}
 	return nil
 }
@@ -395,7 +400,7 @@ func tokenizerFingerprint(cfg *Config) (fp, dir string, tok *tokenizer.Tokenizer
 			if cfg.Data.Dataset != nil {
 				hint = "; or, if data.dataset's records are pre-tokenized (input_ids), set data.dataset.pretokenized: true"
 			}
-			return "", "", nil, fmt.Errorf("%w: model: the student's tokenizer is unknown; set model.tokenizer (a directory with tokenizer.json) or model.tokenizer_fingerprint (the cache's is printed by `cachectl status`)%s", ErrConfig, hint)
+			return "", "", nil, errkind.Errorf(ErrConfig, "model: the student's tokenizer is unknown; set model.tokenizer (a directory with tokenizer.json) or model.tokenizer_fingerprint (the cache's is printed by `cachectl status`)%s", hint)
 		}
 		return fp, "", nil, nil
 	}
@@ -405,11 +410,11 @@ func tokenizerFingerprint(cfg *Config) (fp, dir string, tok *tokenizer.Tokenizer
 	}
 	tk, err := tokenizer.Load(dir)
 	if err != nil {
-		return "", "", nil, fmt.Errorf("%w: %s %s: %w", ErrConfig, key, dir, err)
+		return "", "", nil, errkind.Errorf(ErrConfig, "%s %s: %w", key, dir, err)
 	}
 	if fp != "" && fp != tk.Fingerprint() {
-		return "", "", nil, fmt.Errorf("%w: %s %s has tokenizer fingerprint %s but model.tokenizer_fingerprint (given, or recorded by the resumed checkpoint) is %s: they must name the same tokenizer; drop one of them or fix it",
-			ErrConfig, key, dir, tk.Fingerprint(), fp)
+		return "", "", nil, errkind.Errorf(ErrConfig, "%s %s has tokenizer fingerprint %s but model.tokenizer_fingerprint (given, or recorded by the resumed checkpoint) is %s: they must name the same tokenizer; drop one of them or fix it",
+			key, dir, tk.Fingerprint(), fp)
 	}
 	if abs, err := filepath.Abs(dir); err == nil {
 		dir = abs

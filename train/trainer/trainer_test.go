@@ -488,7 +488,7 @@ func TestConfigErrors(t *testing.T) {
 		"data.eval_range=[5,2]":     "data.eval_range",
 		"optim.beta1=1":             "betas",
 		"lr":                        "key.path=value",
-		"train.device=tpu":          `trainer: bad config: train.device: "tpu": want auto, cpu or cuda`,
+		"train.device=tpu":          `--set train.device=tpu: train.device: "tpu": want auto, cpu or cuda`,
 	} {
 		if _, err := LoadConfig(p, []string{over}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), want) {
 			t.Errorf("%s: %v", over, err)
