@@ -242,7 +242,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		o.MaxDraws = DefaultMaxDraws
 	}
 	if o.MaxDraws < 0 || o.MaxDraws > cache.MaxDraws {
-		return nil, fmt.Errorf("%w: max draws %d: want 0 to %d (cache.MaxDraws)", ErrInvalid, o.MaxDraws, cache.MaxDraws)
+		return nil, errkind.Errorf(ErrInvalid, "max draws %d: want 0 to %d (cache.MaxDraws)", o.MaxDraws, cache.MaxDraws)
 	}
 	if err := checkK(o, V); err != nil {
 		return nil, err
@@ -262,11 +262,11 @@ func NewCore(o CoreOptions) (*Core, error) {
 	}
 	if _, err := os.Stat(filepath.Join(tdir, "tokenizer.json")); err == nil || o.TokenizerDir != "" {
 		if c.tok, err = tokenizer.Load(tdir); err != nil {
-			return nil, fmt.Errorf("%w: tokenizer %s: %v", ErrPrecondition, tdir, err)
+			return nil, errkind.Errorf(ErrPrecondition, "tokenizer %s: %v", tdir, err)
 		}
 		if c.tok.VocabSize() > V {
-			return nil, fmt.Errorf("%w: the tokenizer in %s has %d tokens but the model in %s has vocab_size %d: its ids would be out of range; use the model's own tokenizer (--tokenizer)",
-				ErrPrecondition, tdir, c.tok.VocabSize(), o.ModelDir, V)
+			return nil, errkind.Errorf(ErrPrecondition, "the tokenizer in %s has %d tokens but the model in %s has vocab_size %d: its ids would be out of range; use the model's own tokenizer (--tokenizer)",
+				tdir, c.tok.VocabSize(), o.ModelDir, V)
 		}
 	}
 	var start startFunc
@@ -446,7 +446,7 @@ func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, func(), error) {
 	}
 	key, err := proto.MarshalOptions{Deterministic: true}.Marshal(spec)
 	if err != nil {
-		return nil, nil, fmt.Errorf("%w: dataset spec: %v", ErrInvalid, err)
+		return nil, nil, errkind.Errorf(ErrInvalid, "dataset spec: %v", err)
 	}
 	c.dsMu.Lock()
 	defer c.dsMu.Unlock()
@@ -457,9 +457,9 @@ func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, func(), error) {
 	for i, s := range spec.GetSources() {
 		if _, err := os.Stat(s.GetPath()); err != nil {
 			if errors.Is(err, os.ErrNotExist) {
-				return nil, nil, fmt.Errorf("%w: dataset source %d: %s does not exist%s", ErrNotFound, i, s.GetPath(), c.say(" on the daemon's machine (paths are the daemon's, not the client's)", ""))
+				return nil, nil, errkind.Errorf(ErrNotFound, "dataset source %d: %s does not exist%s", i, s.GetPath(), c.say(" on the daemon's machine (paths are the daemon's, not the client's)", ""))
 			}
-			return nil, nil, fmt.Errorf("%w: dataset source %d: %v", ErrPrecondition, i, err)
+			return nil, nil, errkind.Errorf(ErrPrecondition, "dataset source %d: %v", i, err)
 		}
 		srcs = append(srcs, data.Source{Path: s.GetPath(), Weight: s.GetWeight(), Format: s.GetFormat(), Columns: columnMap(s.GetColumns())})
 	}
@@ -467,13 +467,13 @@ func (c *Core) dataset(spec *pb.Dataset) (*data.Dataset, func(), error) {
 		Shuffle: spec.GetShuffle(), Seed: spec.GetSeed(), NoEOS: spec.GetNoEos(), ChatTemplate: spec.GetChatTemplate()}
 	if v := spec.GetTemplateVarsJson(); v != "" {
 		if err := json.Unmarshal([]byte(v), &opts.TemplateVars); err != nil {
-			return nil, nil, fmt.Errorf("%w: template_vars_json: %v", ErrInvalid, err)
+			return nil, nil, errkind.Errorf(ErrInvalid, "template_vars_json: %v", err)
 		}
 	}
 	var tok data.Tokenizer = idsOnly(c.model.Cfg.VocabSize)
 	if !spec.GetPretokenized() {
 		if c.tok == nil {
-			return nil, nil, fmt.Errorf("%w: the dataset is not marked pre-tokenized but %s", ErrPrecondition, c.say(
+			return nil, nil, errkind.Errorf(ErrPrecondition, "the dataset is not marked pre-tokenized but %s", c.say(
 				"the daemon has no tokenizer: start it with --tokenizer DIR, or mark the dataset pre-tokenized (input_ids records)",
 				"the model directory has no tokenizer.json: give --tokenizer DIR, or --pretokenized for input_ids records"))
 		}
@@ -610,7 +610,7 @@ func (c *Core) openCache(m cache.Manifest) (*cache.Cache, error) {
 	c.cacheMu.Lock()
 	defer c.cacheMu.Unlock()
 	if c.opt.CacheDir == "" {
-		return nil, fmt.Errorf("%w: %s --cache DIR to fill", ErrPrecondition, c.say("this daemon has no cache directory: start it with", "no cache directory: give"))
+		return nil, errkind.Errorf(ErrPrecondition, "%s --cache DIR to fill", c.say("this daemon has no cache directory: start it with", "no cache directory: give"))
 	}
 	if c.cw == nil {
 		cw, err := cache.Create(c.opt.CacheDir, m, nil)
@@ -758,10 +758,10 @@ type fillRun struct {
 // done fails before it plans anything.
 func (c *Core) newFill(r *pb.FillRequest, d *data.Dataset, emit func(*pb.FillResponse) error) (*fillRun, error) {
 	if exp := r.GetExpectDatasetFingerprint(); exp != "" && exp != d.Fingerprint() {
-		return nil, fmt.Errorf("%w: the dataset as %s reads it has fingerprint %.16s, the client expects %.16s: its files, tokenizer or options differ", ErrPrecondition, c.say("this daemon", "the teacher"), d.Fingerprint(), exp)
+		return nil, errkind.Errorf(ErrPrecondition, "the dataset as %s reads it has fingerprint %.16s, the client expects %.16s: its files, tokenizer or options differ", c.say("this daemon", "the teacher"), d.Fingerprint(), exp)
 	}
 	if r.GetEnd() > d.Len() {
-		return nil, fmt.Errorf("%w: range [%d, %d) goes beyond the dataset's %d samples (valid: [0, %d))", ErrOutOfRange, r.GetStart(), r.GetEnd(), d.Len(), d.Len())
+		return nil, errkind.Errorf(ErrOutOfRange, "range [%d, %d) goes beyond the dataset's %d samples (valid: [0, %d))", r.GetStart(), r.GetEnd(), d.Len(), d.Len())
 	}
 	k, temp := c.defaults(r.K, r.GetTemperature())
 	enc := cache.Encoding(r.GetEncoding())
@@ -775,7 +775,7 @@ func (c *Core) newFill(r *pb.FillRequest, d *data.Dataset, emit func(*pb.FillRes
 	kind, _ := cache.ParseTargets(r.GetTargets()) // validated
 	draws := int(r.GetSamples())
 	if draws > c.opt.MaxDraws {
-		return nil, fmt.Errorf("%w: samples %d: %s plans its device memory for at most %d draws per position (teacherd --max-draws or config max_draws sets it)", ErrInvalid, draws, c.say("this daemon", "the teacher"), c.opt.MaxDraws)
+		return nil, errkind.Errorf(ErrInvalid, "samples %d: %s plans its device memory for at most %d draws per position (teacherd --max-draws or config max_draws sets it)", draws, c.say("this daemon", "the teacher"), c.opt.MaxDraws)
 	}
 	if kind == cache.TargetsSampled {
 		k = 0 // no head
@@ -976,11 +976,11 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 			s.IDs, s.Mask = nil, nil
 			continue
 		case len(s.IDs) == 0:
-			return 0, false, fmt.Errorf("%w: sample %d (%s) has no tokens: a pre-tokenized dataset needs input_ids in every record (text records need a tokenizer: do not mark the dataset pre-tokenized)",
-				ErrInvalid, s.Index, s.Loc)
+			return 0, false, errkind.Errorf(ErrInvalid, "sample %d (%s) has no tokens: a pre-tokenized dataset needs input_ids in every record (text records need a tokenizer: do not mark the dataset pre-tokenized)",
+				s.Index, s.Loc)
 		case len(s.IDs) > c.lim.MaxLen:
-			return 0, false, fmt.Errorf("%w: sample %d (%s) has %d tokens, more than the %s limit %d (min of max_position_embeddings and the token budget): set %s",
-				ErrInvalid, s.Index, s.Loc, len(s.IDs), c.say("daemon's", "teacher's"), c.lim.MaxLen, c.say("the dataset's max_len", "--max-len, or raise --token-budget"))
+			return 0, false, errkind.Errorf(ErrInvalid, "sample %d (%s) has %d tokens, more than the %s limit %d (min of max_position_embeddings and the token budget): set %s",
+				s.Index, s.Loc, len(s.IDs), c.say("daemon's", "teacher's"), c.lim.MaxLen, c.say("the dataset's max_len", "--max-len, or raise --token-budget"))
 		}
 		tokens += int64(len(s.IDs))
 	}

@@ -2,10 +2,10 @@ package serve
 
 import (
 	"encoding/json"
-	"fmt"
 
 	"distill/cache"
 	"distill/data"
+	"distill/internal/errkind"
 	pb "distill/proto/distill/v1"
 )
 
@@ -18,12 +18,12 @@ func DatasetSpec(srcs []data.Source, opts data.Options, pretokenized bool) (*pb.
 	d := &pb.Dataset{Pretokenized: pretokenized, MaxLen: int32(opts.MaxLen), Policy: string(opts.Policy), SkipBad: opts.SkipBad,
 		NumSamples: opts.NumSamples, Shuffle: opts.Shuffle, Seed: opts.Seed, NoEos: opts.NoEOS, ChatTemplate: opts.ChatTemplate}
 	if int(d.MaxLen) != opts.MaxLen {
-		return nil, fmt.Errorf("%w: max-len %d is too large", ErrInvalid, opts.MaxLen)
+		return nil, errkind.Errorf(ErrInvalid, "max-len %d is too large", opts.MaxLen)
 	}
 	if len(opts.TemplateVars) > 0 {
 		b, err := json.Marshal(opts.TemplateVars)
 		if err != nil {
-			return nil, fmt.Errorf("%w: template variables: %v", ErrInvalid, err)
+			return nil, errkind.Errorf(ErrInvalid, "template variables: %v", err)
 		}
 		d.TemplateVarsJson = string(b)
 	}

@@ -16,9 +16,12 @@ import (
 )
 
 // Sentinel errors of the daemon core. Every error the core returns wraps
-// one of them (or one of packages infer, cache, data) with %w and a message
-// that names the sample, range, field or file involved; toStatus maps them
-// to gRPC codes.
+// one of them (or one of packages infer, cache, data) with a message that
+// names the sample, range, field or file involved; toStatus maps them to
+// gRPC codes. The gRPC code says what ErrInvalid, ErrPrecondition,
+// ErrNotFound and ErrOutOfRange would, so their text is in the chain only
+// (errkind), not in front of the message a user reads; ErrOverloaded's
+// and ErrShutdown's say why the work was refused, and are kept.
 var (
 	// ErrInvalid marks a request that can never succeed as given: a bad
 	// token id, an empty or over-long sample, k out of range, bad options.
