@@ -1,10 +1,11 @@
 package data
 
 import (
-	"fmt"
 	"math"
 	"math/bits"
 	"sort"
+
+	"distill/internal/errkind"
 )
 
 // permutation is a seeded pseudo-random bijection of [0, n), evaluated in
@@ -83,7 +84,7 @@ func quantizeWeights(w []float64) ([]int64, error) {
 	var sum float64
 	for i, x := range w {
 		if !(x > 0) || math.IsInf(x, 0) {
-			return nil, fmt.Errorf("%w: source %d: weight %v must be a positive finite number", ErrOptions, i, x)
+			return nil, errkind.Errorf(ErrOptions, "source %d: weight %v must be a positive finite number", i, x)
 		}
 		sum += x
 	}
@@ -125,7 +126,7 @@ func quantizeWeights(w []float64) ([]int64, error) {
 
 func newBlend(weights []float64) (*blend, error) {
 	if len(weights) > maxBlendSources {
-		return nil, fmt.Errorf("%w: %d sources, at most %d", ErrOptions, len(weights), maxBlendSources)
+		return nil, errkind.Errorf(ErrOptions, "%d sources, at most %d", len(weights), maxBlendSources)
 	}
 	shares, err := quantizeWeights(weights)
 	if err != nil {

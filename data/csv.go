@@ -11,6 +11,8 @@ import (
 	"io"
 	"os"
 	"unicode/utf8"
+
+	"distill/internal/errkind"
 )
 
 // csvReader reads a CSV file with a header row naming the columns. Cells are
@@ -44,7 +46,7 @@ func (h *hashingReader) Read(p []byte) (int, error) {
 func openCSV(path string, cols ColumnMap) (*csvReader, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrSource, err)
+		return nil, errkind.Errorf(ErrSource, "%v", err)
 	}
 	r := &csvReader{path: path, f: f, jsonCol: map[string]bool{cols.Messages: true, cols.InputIDs: true, cols.LossMask: true}}
 	if err := r.index(); err != nil {
@@ -69,16 +71,16 @@ func (r *csvReader) index() error {
 	cr.FieldsPerRecord = -1 // a short row is one bad record, not a bad file
 	head, err := cr.Read()
 	if err == io.EOF {
-		return fmt.Errorf("%w: %s: empty CSV file (want a header row naming the columns)", ErrSource, r.path)
+		return errkind.Errorf(ErrSource, "%s: empty CSV file (want a header row naming the columns)", r.path)
 	}
 	if err != nil {
-		return fmt.Errorf("%w: %s: header: %v", ErrSource, r.path, err)
+		return errkind.Errorf(ErrSource, "%s: header: %v", r.path, err)
 	}
 	r.header = append([]string(nil), head...)
 	seen := map[string]bool{}
 	for _, h := range r.header {
 		if seen[h] {
-			return fmt.Errorf("%w: %s:1: duplicate column %q in the header", ErrSource, r.path, h)
+			return errkind.Errorf(ErrSource, "%s:1: duplicate column %q in the header", r.path, h)
 		}
 		seen[h] = true
 	}
@@ -96,9 +98,9 @@ func (r *csvReader) index() error {
 			// this cannot be skipped record by record.
 			var pe *csv.ParseError
 			if errors.As(err, &pe) {
-				return fmt.Errorf("%w: %s:%d: malformed CSV: %v (row boundaries after it are unknown; fix the file)", ErrSource, r.path, pe.StartLine, pe.Err)
+				return errkind.Errorf(ErrSource, "%s:%d: malformed CSV: %v (row boundaries after it are unknown; fix the file)", r.path, pe.StartLine, pe.Err)
 			}
-			return fmt.Errorf("%w: %s: %v", ErrSource, r.path, err)
+			return errkind.Errorf(ErrSource, "%s: %v", r.path, err)
 		}
 		l, _ := cr.FieldPos(0)
 		r.lines.add(rec, int64(l)-(rec+r.lines.base))
@@ -106,7 +108,7 @@ func (r *csvReader) index() error {
 		off = skip + cr.InputOffset()
 	}
 	if len(r.offsets) == 0 {
-		return fmt.Errorf("%w: %s: no data rows after the header", ErrSource, r.path)
+		return errkind.Errorf(ErrSource, "%s: no data rows after the header", r.path)
 	}
 	r.offsets = append(r.offsets, off)
 	copy(r.hash[:], hr.h.Sum(nil))
@@ -125,7 +127,7 @@ func (r *csvReader) read(rec int64) (map[string]any, string, error) {
 	}
 	buf := make([]byte, end-start)
 	if _, err := r.f.ReadAt(buf, start); err != nil && !errors.Is(err, io.EOF) {
-		return nil, loc, fmt.Errorf("%w: %s: read: %v", ErrSource, loc, err)
+		return nil, loc, errkind.Errorf(ErrSource, "%s: read: %v", loc, err)
 	}
 	if !utf8.Valid(buf) {
 		return nil, loc, withLoc(badf("", "invalid UTF-8", "the row is not valid UTF-8; re-encode the file as UTF-8"), loc)

@@ -13,6 +13,8 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+
+	"distill/internal/errkind"
 )
 
 // Source is one dataset file of a blend.
@@ -140,19 +142,19 @@ func Open(sources []Source, tok Tokenizer, opts Options) (*Dataset, error) {
 
 func open(sources []Source, tok Tokenizer, tmpl Renderer, opts Options) (*Dataset, error) {
 	if len(sources) == 0 {
-		return nil, fmt.Errorf("%w: no sources", ErrOptions)
+		return nil, errkind.Errorf(ErrOptions, "no sources")
 	}
 	if tok == nil {
-		return nil, fmt.Errorf("%w: no tokenizer", ErrOptions)
+		return nil, errkind.Errorf(ErrOptions, "no tokenizer")
 	}
 	if opts.Policy == "" {
 		opts.Policy = Truncate
 	}
 	if opts.Policy != Truncate && opts.Policy != Drop {
-		return nil, fmt.Errorf("%w: policy %q: want %q or %q", ErrOptions, opts.Policy, Truncate, Drop)
+		return nil, errkind.Errorf(ErrOptions, "policy %q: want %q or %q", opts.Policy, Truncate, Drop)
 	}
 	if opts.MaxLen < 0 || opts.NumSamples < 0 || opts.Workers < 0 {
-		return nil, fmt.Errorf("%w: max-len %d, num-samples %d and workers %d must not be negative", ErrOptions, opts.MaxLen, opts.NumSamples, opts.Workers)
+		return nil, errkind.Errorf(ErrOptions, "max-len %d, num-samples %d and workers %d must not be negative", opts.MaxLen, opts.NumSamples, opts.Workers)
 	}
 	if opts.Workers == 0 {
 		opts.Workers = runtime.GOMAXPROCS(0)
@@ -221,7 +223,7 @@ func open(sources []Source, tok Tokenizer, tmpl Renderer, opts Options) (*Datase
 		d.locate = b.locate
 	default:
 		d.Close()
-		return nil, fmt.Errorf("%w: %d of %d sources have a weight: give every source a weight (a blend) or none (concatenation)", ErrOptions, weighted, len(sources))
+		return nil, errkind.Errorf(ErrOptions, "%d of %d sources have a weight: give every source a weight (a blend) or none (concatenation)", weighted, len(sources))
 	}
 	d.fp = d.fingerprint(src)
 	return d, nil
@@ -238,9 +240,9 @@ func openSource(s Source) (reader, error) {
 		case ".parquet", ".pq":
 			f = "parquet"
 		case ".gz", ".zst", ".bz2", ".xz":
-			return nil, fmt.Errorf("%w: %s: compressed files cannot be read at random offsets; decompress it first", ErrSource, s.Path)
+			return nil, errkind.Errorf(ErrSource, "%s: compressed files cannot be read at random offsets; decompress it first", s.Path)
 		default:
-			return nil, fmt.Errorf("%w: %s: unknown extension %q; set the format to jsonl, csv or parquet", ErrSource, s.Path, filepath.Ext(s.Path))
+			return nil, errkind.Errorf(ErrSource, "%s: unknown extension %q; set the format to jsonl, csv or parquet", s.Path, filepath.Ext(s.Path))
 		}
 	}
 	cols := s.Columns.withDefaults()
@@ -252,7 +254,7 @@ func openSource(s Source) (reader, error) {
 	case "parquet":
 		return openParquet(s.Path, cols)
 	}
-	return nil, fmt.Errorf("%w: %s: unknown format %q (want jsonl, csv or parquet)", ErrSource, s.Path, s.Format)
+	return nil, errkind.Errorf(ErrSource, "%s: unknown format %q (want jsonl, csv or parquet)", s.Path, s.Format)
 }
 
 // fingerprintVersion changes whenever this package's tokenization rules
@@ -349,7 +351,7 @@ func (d *Dataset) record(i int64) (int, int64) {
 // ErrTemplate.
 func (d *Dataset) Range(ctx context.Context, start, end int64) ([]Sample, error) {
 	if start < 0 || end < start || end > d.n {
-		return nil, fmt.Errorf("%w: range [%d, %d) is outside the dataset [0, %d)", ErrOptions, start, end, d.n)
+		return nil, errkind.Errorf(ErrOptions, "range [%d, %d) is outside the dataset [0, %d)", start, end, d.n)
 	}
 	out := make([]Sample, end-start)
 	errs := make([]error, end-start)

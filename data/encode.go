@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"strings"
 	"unicode"
+
+	"distill/internal/errkind"
 )
 
 // Tokenizer is what this package needs from a tokenizer;
@@ -61,7 +63,7 @@ func newEncoder(tok Tokenizer, tmpl Renderer, vars map[string]any, noEOS bool) (
 	if e.bos != "" {
 		id, ok := tok.TokenID(e.bos)
 		if !ok {
-			return nil, fmt.Errorf("%w: tokenizer's BOS token %q is not in its vocabulary", ErrOptions, e.bos)
+			return nil, errkind.Errorf(ErrOptions, "tokenizer's BOS token %q is not in its vocabulary", e.bos)
 		}
 		e.bosID = id
 		e.addBOS = tok.AddBOS()
@@ -69,7 +71,7 @@ func newEncoder(tok Tokenizer, tmpl Renderer, vars map[string]any, noEOS bool) (
 	if e.eos != "" {
 		id, ok := tok.TokenID(e.eos)
 		if !ok {
-			return nil, fmt.Errorf("%w: tokenizer's EOS token %q is not in its vocabulary", ErrOptions, e.eos)
+			return nil, errkind.Errorf(ErrOptions, "tokenizer's EOS token %q is not in its vocabulary", e.eos)
 		}
 		e.eosID = id
 		e.appendEOS = !noEOS

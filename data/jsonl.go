@@ -12,6 +12,7 @@ import (
 	"unicode/utf8"
 
 	"distill/data/chattmpl"
+	"distill/internal/errkind"
 )
 
 // reader gives random access to the raw records of one source file. All
@@ -75,7 +76,7 @@ const indexChunk = 1 << 20
 func openJSONL(path string) (*jsonlReader, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrSource, err)
+		return nil, errkind.Errorf(ErrSource, "%v", err)
 	}
 	r := &jsonlReader{path: path, f: f, lines: lineTable{base: 1}}
 	if err := r.index(); err != nil {
@@ -141,11 +142,11 @@ func (r *jsonlReader) index() error {
 			break
 		}
 		if err != nil {
-			return fmt.Errorf("%w: %s: read: %v", ErrSource, r.path, err)
+			return errkind.Errorf(ErrSource, "%s: read: %v", r.path, err)
 		}
 	}
 	if len(r.offsets) == 0 {
-		return fmt.Errorf("%w: %s: no records (the file is empty or blank)", ErrSource, r.path)
+		return errkind.Errorf(ErrSource, "%s: no records (the file is empty or blank)", r.path)
 	}
 	r.offsets = append(r.offsets, pos)
 	r.offsets = r.offsets[:len(r.offsets):len(r.offsets)]
@@ -169,7 +170,7 @@ func (r *jsonlReader) read(rec int64) (map[string]any, string, error) {
 	}
 	buf := make([]byte, end-start)
 	if _, err := r.f.ReadAt(buf, start); err != nil && !(errors.Is(err, io.EOF)) {
-		return nil, loc, fmt.Errorf("%w: %s: read: %v", ErrSource, loc, err)
+		return nil, loc, errkind.Errorf(ErrSource, "%s: read: %v", loc, err)
 	}
 	if nl := bytes.IndexByte(buf, '\n'); nl >= 0 {
 		buf = buf[:nl]

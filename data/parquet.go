@@ -19,6 +19,7 @@ import (
 	"github.com/apache/arrow/go/v17/parquet/pqarrow"
 
 	"distill/data/chattmpl"
+	"distill/internal/errkind"
 )
 
 // parquetReader reads rows of a Parquet file (the format of HF datasets).
@@ -51,7 +52,7 @@ type rowGroup struct {
 func openParquet(path string, cols ColumnMap) (*parquetReader, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrSource, err)
+		return nil, errkind.Errorf(ErrSource, "%v", err)
 	}
 	r := &parquetReader{path: path, f: f}
 	if err := r.open(cols); err != nil {
@@ -64,16 +65,16 @@ func openParquet(path string, cols ColumnMap) (*parquetReader, error) {
 func (r *parquetReader) open(cols ColumnMap) error {
 	h := sha256.New()
 	if _, err := io.Copy(h, r.f); err != nil {
-		return fmt.Errorf("%w: %s: read: %v", ErrSource, r.path, err)
+		return errkind.Errorf(ErrSource, "%s: read: %v", r.path, err)
 	}
 	copy(r.hash[:], h.Sum(nil))
 	pf, err := file.NewParquetReader(r.f)
 	if err != nil {
-		return fmt.Errorf("%w: %s: not a readable Parquet file: %v", ErrSource, r.path, err)
+		return errkind.Errorf(ErrSource, "%s: not a readable Parquet file: %v", r.path, err)
 	}
 	r.fr, err = pqarrow.NewFileReader(pf, pqarrow.ArrowReadProperties{BatchSize: 1 << 14}, memory.DefaultAllocator)
 	if err != nil {
-		return fmt.Errorf("%w: %s: Parquet schema: %v", ErrSource, r.path, err)
+		return errkind.Errorf(ErrSource, "%s: Parquet schema: %v", r.path, err)
 	}
 	want := map[string]bool{"tools": true}
 	for _, n := range []string{cols.Messages, cols.Prompt, cols.Response, cols.System, cols.Text, cols.InputIDs, cols.LossMask} {
@@ -90,8 +91,8 @@ func (r *parquetReader) open(cols ColumnMap) error {
 		collectLeaves(sf, &r.leaves)
 	}
 	if len(r.names) == 0 {
-		return fmt.Errorf("%w: %s: no usable column (have %s; want messages, prompt/response, text or input_ids, or set the column mapping)",
-			ErrSource, r.path, strings.Join(all, ", "))
+		return errkind.Errorf(ErrSource, "%s: no usable column (have %s; want messages, prompt/response, text or input_ids, or set the column mapping)",
+			r.path, strings.Join(all, ", "))
 	}
 	sort.Ints(r.leaves)
 	// ReadRowGroups returns top-level fields in schema order, which is the
@@ -101,7 +102,7 @@ func (r *parquetReader) open(cols ColumnMap) error {
 		r.rgStart[g+1] = r.rgStart[g] + pf.RowGroup(g).NumRows()
 	}
 	if r.rgStart[len(r.rgStart)-1] == 0 {
-		return fmt.Errorf("%w: %s: no rows", ErrSource, r.path)
+		return errkind.Errorf(ErrSource, "%s: no rows", r.path)
 	}
 	return nil
 }
@@ -133,15 +134,15 @@ func (r *parquetReader) rowGroup(g int) (*rowGroup, error) {
 	}
 	tbl, err := r.fr.ReadRowGroups(context.Background(), r.leaves, []int{g})
 	if err != nil {
-		return nil, fmt.Errorf("%w: %s: row group %d: %v", ErrSource, r.path, g, err)
+		return nil, errkind.Errorf(ErrSource, "%s: row group %d: %v", r.path, g, err)
 	}
 	rg := &rowGroup{idx: g}
 	if int(tbl.NumCols()) != len(r.names) {
-		return nil, fmt.Errorf("%w: %s: row group %d: read %d columns, want %d", ErrSource, r.path, g, tbl.NumCols(), len(r.names))
+		return nil, errkind.Errorf(ErrSource, "%s: row group %d: read %d columns, want %d", r.path, g, tbl.NumCols(), len(r.names))
 	}
 	for c := 0; c < int(tbl.NumCols()); c++ {
 		if got := tbl.Schema().Field(c).Name; got != r.names[c] {
-			return nil, fmt.Errorf("%w: %s: row group %d: column %d is %q, want %q", ErrSource, r.path, g, c, got, r.names[c])
+			return nil, errkind.Errorf(ErrSource, "%s: row group %d: column %d is %q, want %q", r.path, g, c, got, r.names[c])
 		}
 		ch := tbl.Column(c).Data().Chunks()
 		ends := make([]int64, len(ch))

@@ -10,6 +10,7 @@ import (
 	"unicode/utf8"
 
 	"distill/data/chattmpl"
+	"distill/internal/errkind"
 )
 
 // Message is one chat turn as read from a dataset. It mirrors
@@ -66,7 +67,7 @@ func (c ColumnMap) withDefaults() ColumnMap {
 func (c ColumnMap) Check() error {
 	for from, to := range c.Roles {
 		if from == "" || !knownRoles[to] {
-			return fmt.Errorf("%w: role mapping %q -> %q: want DATASET_ROLE -> one of system, user, assistant, tool (e.g. human -> user)", ErrOptions, from, to)
+			return errkind.Errorf(ErrOptions, "role mapping %q -> %q: want DATASET_ROLE -> one of system, user, assistant, tool (e.g. human -> user)", from, to)
 		}
 	}
 	return nil
