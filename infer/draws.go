@@ -6,6 +6,7 @@ import (
 
 	"distill/cache"
 	"distill/compute"
+	"distill/internal/errkind"
 	"distill/model/decoder"
 )
 
@@ -37,10 +38,10 @@ type DrawResult struct {
 // ValidateDraws checks d against the model's limits.
 func ValidateDraws(d Draws, k int) error {
 	if d.N < 1 || d.N > cache.MaxDraws {
-		return fmt.Errorf("%w: %d draws per position: want 1 to %d (cache.MaxDraws: a forward holds tokens x draws uniforms)", ErrInput, d.N, cache.MaxDraws)
+		return errkind.Errorf(ErrInput, "%d draws per position: want 1 to %d (cache.MaxDraws: a forward holds tokens x draws uniforms)", d.N, cache.MaxDraws)
 	}
 	if d.Head && k < 1 {
-		return fmt.Errorf("%w: head+sampled with k %d: the head needs k >= 1", ErrInput, k)
+		return errkind.Errorf(ErrInput, "head+sampled with k %d: the head needs k >= 1", k)
 	}
 	if d.U == nil {
 		return fmt.Errorf("%w: draws without a uniform generator", ErrInput)

@@ -46,6 +46,7 @@ import (
 	"strings"
 
 	"distill/compute"
+	"distill/internal/errkind"
 	"distill/model"
 	"distill/model/decoder"
 )
@@ -147,7 +148,7 @@ func LoadStages(dir string, bes []compute.Backend, o LoadOptions) (*Model, error
 		return nil, err
 	}
 	if len(bes) == 0 || len(bes) > max(1, cfg.Layers) {
-		return nil, fmt.Errorf("%w: %s: %d stages for %d layers: want 1 to %d", ErrInput, dir, len(bes), cfg.Layers, max(1, cfg.Layers))
+		return nil, errkind.Errorf(ErrInput, "%s: %d stages for %d layers: want 1 to %d", dir, len(bes), cfg.Layers, max(1, cfg.Layers))
 	}
 	w, err := model.OpenWeights(dir)
 	if err != nil {
@@ -159,7 +160,7 @@ func LoadStages(dir string, bes []compute.Backend, o LoadOptions) (*Model, error
 		return nil, err
 	}
 	if fp8.fp8 && o.Weights != WeightsFP8 {
-		return nil, fmt.Errorf("%w: %s holds FP8 weights (F8_E4M3 with weight_scale: compressed-tensors or ModelOpt FP8, or weight_scale_inv: block-wise, Qwen's and DeepSeek's FP8 releases): load it with --weights fp8", ErrInput, dir)
+		return nil, errkind.Errorf(ErrInput, "%s holds FP8 weights (F8_E4M3 with weight_scale: compressed-tensors or ModelOpt FP8, or weight_scale_inv: block-wise, Qwen's and DeepSeek's FP8 releases): load it with --weights fp8", dir)
 	}
 	o.fp8Block = fp8.block
 	m, err := newStages(cfg, w, bes, o, fp8.fp8)

@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"distill/compute"
+	"distill/internal/errkind"
 	"distill/model"
 	"distill/model/decoder"
 )
@@ -134,7 +135,7 @@ func PlanTeacher(cfg *model.Config, o PlanOptions) (TeacherPlan, error) {
 		o.GPUs = len(o.Devices)
 	}
 	if o.GPUs < 1 {
-		return TeacherPlan{}, fmt.Errorf("%w: %d GPUs: want at least 1", ErrPlan, o.GPUs)
+		return TeacherPlan{}, errkind.Errorf(ErrPlan, "%d GPUs: want at least 1", o.GPUs)
 	}
 	if len(o.Devices) == 0 {
 		for i := 0; i < o.GPUs; i++ {
@@ -147,7 +148,7 @@ func PlanTeacher(cfg *model.Config, o PlanOptions) (TeacherPlan, error) {
 	seen := map[int]bool{}
 	for _, d := range o.Devices {
 		if seen[d] {
-			return TeacherPlan{}, fmt.Errorf("%w: devices %v name GPU %d twice: the plan gives every stage a GPU of its own; name distinct GPUs (or a count)", ErrPlan, o.Devices, d)
+			return TeacherPlan{}, errkind.Errorf(ErrPlan, "devices %v name GPU %d twice: the plan gives every stage a GPU of its own; name distinct GPUs (or a count)", o.Devices, d)
 		}
 		seen[d] = true
 	}
@@ -155,19 +156,19 @@ func PlanTeacher(cfg *model.Config, o PlanOptions) (TeacherPlan, error) {
 		o.Weights = WeightsBF16
 	}
 	if o.Weights != WeightsBF16 && o.Weights != WeightsFP8 {
-		return TeacherPlan{}, fmt.Errorf("%w: weights %q: want bf16 or fp8", ErrPlan, o.Weights)
+		return TeacherPlan{}, errkind.Errorf(ErrPlan, "weights %q: want bf16 or fp8", o.Weights)
 	}
 	// A memory no larger than the reserve plans nothing: it printed a
 	// negative memory on offer ("exceed the -0.25 GiB a GPU offers").
 	if r := deviceReserve(o.DeviceBytes); o.DeviceBytes <= r {
-		return TeacherPlan{}, fmt.Errorf("%w: device memory %d bytes: not more than the %d MiB each GPU keeps in reserve: give a GPU's whole memory, e.g. 80GiB", ErrPlan, o.DeviceBytes, r>>20)
+		return TeacherPlan{}, errkind.Errorf(ErrPlan, "device memory %d bytes: not more than the %d MiB each GPU keeps in reserve: give a GPU's whole memory, e.g. 80GiB", o.DeviceBytes, r>>20)
 	}
 	if o.MaxLen <= 0 {
 		o.MaxLen = cfg.MaxPositions
 	}
 	o.K = max(o.K, 1)
 	if o.GPUs > cfg.Layers {
-		return TeacherPlan{}, fmt.Errorf("%w: %d GPUs for %d layers: at most %d stages (one layer each)", ErrPlan, o.GPUs, cfg.Layers, cfg.Layers)
+		return TeacherPlan{}, errkind.Errorf(ErrPlan, "%d GPUs for %d layers: at most %d stages (one layer each)", o.GPUs, cfg.Layers, cfg.Layers)
 	}
 	p := TeacherPlan{Opts: o, Reserve: deviceReserve(o.DeviceBytes), cfg: cfg, Stages: SplitLayers(cfg, o.GPUs, o.Weights)}
 	p.Budget = -1
@@ -388,7 +389,7 @@ func LoadConfigAt(path string) (*model.Config, error) {
 	dir := path
 	if st, err := os.Stat(path); err != nil || !st.IsDir() {
 		if filepath.Base(path) != "config.json" {
-			return nil, fmt.Errorf("%w: %s: want a config.json or the directory holding one", ErrPlan, path)
+			return nil, errkind.Errorf(ErrPlan, "%s: want a config.json or the directory holding one", path)
 		}
 		dir = filepath.Dir(path) // model.LoadConfig reads DIR/config.json
 	}

@@ -163,7 +163,7 @@ func TestPlanTeacher(t *testing.T) {
 	}
 	for _, o := range []PlanOptions{{GPUs: 0, DeviceBytes: 1 << 30}, {GPUs: 81, DeviceBytes: 1 << 30}, {GPUs: 1, DeviceBytes: 1 << 30, Weights: "int4"}, {GPUs: 1, DeviceBytes: 1 << 10}, {GPUs: 1, DeviceBytes: 256 << 20},
 		{Devices: []int{0, 0}, DeviceBytes: 80 << 30}} { // two stages planned on one GPU's whole memory each
-		if _, err := PlanTeacher(c, o); err == nil || !strings.Contains(err.Error(), "infer: invalid teacher plan") {
+		if _, err := PlanTeacher(c, o); !errors.Is(err, ErrPlan) || strings.HasPrefix(err.Error(), "infer:") {
 			t.Errorf("%+v: %v, want a plan error", o, err)
 		}
 	}

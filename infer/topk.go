@@ -1,6 +1,10 @@
 package infer
 
-import "fmt"
+import (
+	"fmt"
+
+	"distill/internal/errkind"
+)
 
 // Options control TopK.
 type Options struct {
@@ -39,13 +43,13 @@ func (m *Model) Validate(samples [][]int32, opt Options) error {
 	opt.defaults()
 	V := m.Cfg.VocabSize
 	if opt.K <= 0 || opt.K > V {
-		return fmt.Errorf("%w: k=%d out of range: want 1..%d (the vocab size)", ErrInput, opt.K, V)
+		return errkind.Errorf(ErrInput, "k=%d out of range: want 1..%d (the vocab size)", opt.K, V)
 	}
 	if opt.TokenBudget < 1 {
-		return fmt.Errorf("%w: token budget %d must be positive", ErrInput, opt.TokenBudget)
+		return errkind.Errorf(ErrInput, "token budget %d must be positive", opt.TokenBudget)
 	}
 	if !(opt.Temperature > 0) {
-		return fmt.Errorf("%w: temperature %v must be > 0", ErrInput, opt.Temperature)
+		return errkind.Errorf(ErrInput, "temperature %v must be > 0", opt.Temperature)
 	}
 	if len(samples) == 0 {
 		return fmt.Errorf("%w: no samples", ErrInput)
@@ -53,15 +57,15 @@ func (m *Model) Validate(samples [][]int32, opt Options) error {
 	for i, s := range samples {
 		switch {
 		case len(s) == 0:
-			return fmt.Errorf("%w: sample %d is empty", ErrInput, i)
+			return errkind.Errorf(ErrInput, "sample %d is empty", i)
 		case len(s) > m.Cfg.MaxPositions:
-			return fmt.Errorf("%w: sample %d has %d tokens, more than max_position_embeddings %d: truncate it", ErrInput, i, len(s), m.Cfg.MaxPositions)
+			return errkind.Errorf(ErrInput, "sample %d has %d tokens, more than max_position_embeddings %d: truncate it", i, len(s), m.Cfg.MaxPositions)
 		case len(s) > opt.TokenBudget:
-			return fmt.Errorf("%w: sample %d has %d tokens, more than the token budget %d: raise the budget", ErrInput, i, len(s), opt.TokenBudget)
+			return errkind.Errorf(ErrInput, "sample %d has %d tokens, more than the token budget %d: raise the budget", i, len(s), opt.TokenBudget)
 		}
 		for p, id := range s {
 			if id < 0 || int(id) >= V {
-				return fmt.Errorf("%w: sample %d position %d: token id %d out of range [0,%d)", ErrInput, i, p, id, V)
+				return errkind.Errorf(ErrInput, "sample %d position %d: token id %d out of range [0,%d)", i, p, id, V)
 			}
 		}
 	}
