@@ -1028,6 +1028,9 @@ func (c *Config) Validate() error {
 	case c.Optim.MaxGradNorm < 0:
 		return bad("optim.max_grad_norm", "%g: want >= 0 (0 = no clipping)", c.Optim.MaxGradNorm)
 	}
+	if err := c.validateOptim(); err != nil {
+		return err
+	}
 	if lc := c.TrainLoRA(); lc != nil {
 		if err := lc.Check(nil); err != nil {
 			return errkind.Wrap(ErrConfig, err)
@@ -1036,8 +1039,9 @@ func (c *Config) Validate() error {
 			return bad("train.zero", "%d with model.lora: ZeRO stages 2 and 3 do not shard a LoRA student (its adapters and their moments are small, and its frozen base is held once per rank); use train.zero 0 or 1", c.Train.ZeRO)
 		}
 	}
+	// validateOptim named each key; these stay as the optimizer's own word.
 	if err := c.AdamW().Validate(); err != nil {
-		return errkind.Wrap(ErrConfig, err) // "optim: invalid configuration: ..."
+		return errkind.Wrap(ErrConfig, err)
 	}
 	if err := c.Schedule().Validate(); err != nil {
 		return errkind.Wrap(ErrConfig, err)
@@ -1198,6 +1202,38 @@ func (d *DatasetConfig) sources() []data.Source {
 
 // validateDistill checks the distill section on its own. The teacher's
 // capture temperature (bucket needs it equal to distill.temperature) is
+
+// validateOptim checks the optim section key by key, naming the key as
+// the config spells it (the optimizer's own checks, AdamWConfig.Validate
+// and Schedule.Validate, know only their fields' names).
+func (c *Config) validateOptim() error {
+	o := c.Optim
+	bad := func(key, format string, a ...any) error {
+		return errkind.Errorf(ErrConfig, "%s: "+format, append([]any{key}, a...)...)
+	}
+	switch {
+	case o.Schedule != string(optim.Constant) && o.Schedule != string(optim.Cosine) && o.Schedule != string(optim.Linear):
+		return bad("optim.lr_schedule", "%q: want constant, cosine or linear", o.Schedule)
+	case !(o.LR > 0):
+		return bad("optim.lr", "%g: want > 0 (e.g. 3e-4)", o.LR)
+	case !(o.MinLR >= 0) || o.MinLR > o.LR:
+		return bad("optim.min_lr", "%g: want 0 <= min_lr <= optim.lr (%g)", o.MinLR, o.LR)
+	case o.WarmupSteps < 0:
+		return bad("optim.warmup_steps", "%d: want >= 0", o.WarmupSteps)
+	case o.Schedule != string(optim.Constant) && o.WarmupSteps >= c.Train.MaxSteps:
+		return bad("optim.warmup_steps", "%d: a %s schedule needs train.max_steps (%d) > warmup_steps: lower it, or use lr_schedule: constant", o.WarmupSteps, o.Schedule, c.Train.MaxSteps)
+	case !(o.Beta1 >= 0 && o.Beta1 < 1):
+		return bad("optim.beta1", "%g: want 0 <= beta1 < 1 (e.g. 0.9)", o.Beta1)
+	case !(o.Beta2 >= 0 && o.Beta2 < 1):
+		return bad("optim.beta2", "%g: want 0 <= beta2 < 1 (e.g. 0.95)", o.Beta2)
+	case !(o.Eps > 0):
+		return bad("optim.eps", "%g: want > 0 (e.g. 1e-8)", o.Eps)
+	case !(o.WeightDecay >= 0):
+		return bad("optim.weight_decay", "%g: want >= 0", o.WeightDecay)
+	}
+	return nil
+}
+
 // checked when the cache is opened.
 func (c *Config) validateDistill() error {
 	lo := c.LossOptions(c.Distill.Temperature)

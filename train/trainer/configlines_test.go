@@ -28,7 +28,7 @@ func TestConfigErrorLines(t *testing.T) {
 		"optim.lrr=1e-3":      "--set optim.lrr=1e-3: unknown key optim.lrr (did you mean optim.lr?)",
 		"optim.beta1=abc":     "--set optim.beta1=abc: yaml: unmarshal errors:\n  cannot unmarshal !!str `abc` into float64",
 		"train.max_steps=1.5": `--set train.max_steps=1.5: train.max_steps: "1.5" is not an integer`,
-		"optim.lr=-1":         "c.yaml with --set train.max_steps=3 --set optim.lr=-1: optim: invalid configuration: lr -1",
+		"optim.lr=-1":         "c.yaml with --set train.max_steps=3 --set optim.lr=-1: optim.lr: -1: want > 0",
 	} {
 		_, err := LoadConfig(p, []string{"train.max_steps=3", over})
 		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "line ") {
@@ -103,7 +103,14 @@ func TestConfigErrorsSayConfigOnce(t *testing.T) {
 		"model.random.arch=gpt2":             `c.yaml with --set model.random.arch=gpt2: model.random.arch: unknown architecture "gpt2": want llama, qwen2, qwen3 or qwen3_moe`,
 		"model.random.head_dim=7":            "c.yaml with --set model.random.head_dim=7: model.random: head_dim 7 must be positive and even (RoPE rotates pairs)",
 		"model.random.hidden_size=-3":        "c.yaml with --set model.random.hidden_size=-3: model.random.hidden_size: -3: want > 0",
-		"optim.lr=-1":                        "c.yaml with --set optim.lr=-1: optim: invalid configuration: lr -1",
+		"optim.lr=-1":                        "c.yaml with --set optim.lr=-1: optim.lr: -1: want > 0 (e.g. 3e-4)",
+		"optim.min_lr=1":                     "c.yaml with --set optim.min_lr=1: optim.min_lr: 1: want 0 <= min_lr <= optim.lr (0.0001)",
+		"optim.lr_schedule=cos":              `c.yaml with --set optim.lr_schedule=cos: optim.lr_schedule: "cos": want constant, cosine or linear`,
+		"optim.warmup_steps=1000":            "c.yaml with --set optim.warmup_steps=1000: optim.warmup_steps: 1000: a cosine schedule needs train.max_steps (1000) > warmup_steps: lower it, or use lr_schedule: constant",
+		"optim.beta1=1":                      "c.yaml with --set optim.beta1=1: optim.beta1: 1: want 0 <= beta1 < 1 (e.g. 0.9)",
+		"optim.beta2=-0.5":                   "c.yaml with --set optim.beta2=-0.5: optim.beta2: -0.5: want 0 <= beta2 < 1 (e.g. 0.95)",
+		"optim.eps=0":                        "c.yaml with --set optim.eps=0: optim.eps: 0: want > 0 (e.g. 1e-8)",
+		"optim.weight_decay=-1":              "c.yaml with --set optim.weight_decay=-1: optim.weight_decay: -1: want >= 0",
 		"distill.kd_loss=kl":                 `c.yaml with --set distill.kd_loss=kl: distill: kd_loss "kl": want fwd_kl, rev_kl or jsd`,
 	} {
 		_, err := LoadConfig(p, []string{over})
@@ -111,7 +118,7 @@ func TestConfigErrorsSayConfigOnce(t *testing.T) {
 			t.Errorf("--set %s: %v\nwant ErrConfig and %q", over, err, want)
 			continue
 		}
-		if msg := err.Error(); strings.Contains(msg, "bad config") || strings.Contains(msg, "config: ") || strings.Contains(msg, "invalid input") {
+		if msg := err.Error(); strings.Contains(msg, "bad config") || strings.Contains(msg, "config: ") || strings.Contains(msg, "invalid input") || strings.Contains(msg, "invalid configuration") {
 			t.Errorf("--set %s: %q says config more than once, or a package sentinel's text", over, msg)
 		}
 	}

@@ -486,7 +486,7 @@ func TestConfigErrors(t *testing.T) {
 		"distill.kd_loss=kl":        "kd_loss",
 		"quant=int4":                "quant",
 		"data.eval_range=[5,2]":     "data.eval_range",
-		"optim.beta1=1":             "betas",
+		"optim.beta1=1":             "optim.beta1: 1: want",
 		"lr":                        "key.path=value",
 		"train.device=tpu":          `--set train.device=tpu: train.device: "tpu": want auto, cpu or cuda`,
 	} {
