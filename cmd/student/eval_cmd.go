@@ -105,6 +105,9 @@ func runEval(args []string) error {
 		return err
 	}
 	cfg := *c
+	if *cacheDirs != "" && *cachesFlag != "" {
+		return cli.Usagef("give only one of --cache (one teacher's cache) and --caches (several teachers' caches)")
+	}
 	be, err := device.Open(*dev, device.Options{Purpose: device.Inference,
 		Logf: func(format string, args ...any) { fmt.Fprintf(evalLog, "eval: "+format+"\n", args...) }})
 	if err != nil {
@@ -114,9 +117,6 @@ func runEval(args []string) error {
 	s, st, err := trainer.LoadStudentOn(*ckpt, be)
 	if err != nil {
 		return err
-	}
-	if *cacheDirs != "" && *cachesFlag != "" {
-		return cli.Usagef("give only one of --cache (one teacher's cache) and --caches (several teachers' caches)")
 	}
 	tcs := cfg.Data.Caches
 	if *cachesFlag != "" {

@@ -7,6 +7,7 @@ package cuda
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -65,6 +66,16 @@ func cudaDirs() []string {
 		"/usr/local/nvidia/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib/wsl/lib")
 }
 
+// ErrNotInstalled is what a library error is (errors.Is) when no file of
+// the library was found where the loader looks and no environment
+// variable names one: a machine without it, as a machine without a GPU
+// has no CUDA driver.
+var ErrNotInstalled = errors.New("cuda: library not installed")
+
+type notInstalledError struct{ error }
+
+func (e *notInstalledError) Unwrap() []error { return []error{e.error, ErrNotInstalled} }
+
 // candidates lists the paths openLibrary tries, in order.
 func (s libSpec) candidates() []string {
 	if p := os.Getenv(s.env); p != "" {
@@ -102,10 +113,17 @@ func openLibrary(s libSpec) (*library, error) {
 		}
 	}
 	tried := strings.Join(s.names, ", ")
-	if p := os.Getenv(s.env); p != "" {
+	p := os.Getenv(s.env)
+	if p != "" {
 		tried = p + " (from " + s.env + ")"
 	}
-	return nil, fmt.Errorf("cuda: cannot load %s: tried %s (%s); %s", s.what, tried, why, s.hint)
+	err := fmt.Errorf("cuda: cannot load %s: tried %s (%s); %s", s.what, tried, why, s.hint)
+	if p == "" && (why == "" || strings.Contains(why, "No such file")) {
+		// Not installed at all: a machine without the library, not a
+		// broken install.
+		err = &notInstalledError{err}
+	}
+	return nil, err
 }
 
 // sym returns the address of one exported function, or an error naming it.

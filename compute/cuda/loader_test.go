@@ -134,3 +134,28 @@ func TestMain(m *testing.M) {
 	}
 	os.Exit(m.Run())
 }
+
+// TestNotInstalled: a library none of whose files exists, with no
+// DISTILL_LIB* naming one, is ErrNotInstalled (a machine without it);
+// a file named by the variable that is missing, or a file that is there
+// but does not load, is not: those are broken setups, said in full.
+func TestNotInstalled(t *testing.T) {
+	spec := libSpec{what: "a test library", env: "DISTILL_LIBTEST_NOPE", names: []string{"libdistill-no-such-library.so.7"}, hint: "none"}
+	t.Setenv(spec.env, "")
+	if _, err := openLibrary(spec); !errors.Is(err, ErrNotInstalled) || !strings.Contains(err.Error(), "libdistill-no-such-library.so.7") {
+		t.Errorf("no file anywhere: %v, want ErrNotInstalled naming the library", err)
+	}
+	dir := t.TempDir()
+	t.Setenv(spec.env, filepath.Join(dir, "missing.so"))
+	if _, err := openLibrary(spec); err == nil || errors.Is(err, ErrNotInstalled) {
+		t.Errorf("%s names a missing file: %v, want an error that is not ErrNotInstalled", spec.env, err)
+	}
+	junk := filepath.Join(dir, "junk.so")
+	if err := os.WriteFile(junk, []byte("not an ELF file"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv(spec.env, junk)
+	if _, err := openLibrary(spec); err == nil || errors.Is(err, ErrNotInstalled) {
+		t.Errorf("%s names a file that does not load: %v, want an error that is not ErrNotInstalled", spec.env, err)
+	}
+}

@@ -121,7 +121,13 @@ func Open(name string, o Options) (compute.Backend, error) {
 		return be, nil
 	case "", "auto":
 		gpu, err := cuda.Probe()
-		if err != nil {
+		switch {
+		case errors.Is(err, cuda.ErrNotInstalled):
+			// The usual machine without a GPU: one short line, not the
+			// loader's search (--device cuda gives it in full).
+			logf("device auto: no GPU driver on this machine (no libcuda.so.1): using the CPU")
+			return cpu.New(o.Threads), nil
+		case err != nil:
 			logf("device auto: no usable GPU (%v): using the CPU", err)
 			return cpu.New(o.Threads), nil
 		}

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"distill/compute/cuda"
 	"distill/compute/cuda/cudaemu"
 )
 
@@ -154,5 +155,24 @@ func TestOpenWithGPU(t *testing.T) {
 	log.has(t, missing)
 	if _, err := Open("cuda", Options{}); !errors.Is(err, ErrDevice) || !strings.Contains(err.Error(), missing) {
 		t.Errorf("Open(cuda) without NVRTC: %v", err)
+	}
+}
+
+// TestOpenAutoNoDriverOneLine: on a machine with no CUDA driver at all
+// (the usual CPU machine), --device auto says so in one short line, not
+// the loader's whole search; a driver named but missing (TestOpenWithoutGPU)
+// or present and failing is said in full.
+func TestOpenAutoNoDriverOneLine(t *testing.T) {
+	t.Setenv("DISTILL_LIBCUDA", "")
+	if _, err := cuda.Probe(); !errors.Is(err, cuda.ErrNotInstalled) {
+		t.Skipf("this machine has a CUDA driver (probe: %v); TestOpenWithoutGPU covers the fallback", err)
+	}
+	var log logLines
+	be, err := Open("auto", Options{Threads: 1, Logf: log.logf})
+	if err != nil || be.Name() != "cpu" {
+		t.Fatalf("Open(auto): %v %v", be, err)
+	}
+	if want := "device auto: no GPU driver on this machine (no libcuda.so.1): using the CPU"; len(log) != 1 || log[0] != want {
+		t.Errorf("log %q, want the one line %q", log, want)
 	}
 }
