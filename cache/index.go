@@ -240,6 +240,10 @@ func openIndex(dir string, write bool, timeout time.Duration) (*indexSession, er
 		if err != nil {
 			return nil, err
 		}
+		if err := checkIndexTables(dir); err != nil {
+			l.unlock()
+			return nil, err
+		}
 		db, err := badger.Open(badgerOptions(dir, !write))
 		if err == nil {
 			return &indexSession{lock: l, db: db, dir: dir, write: write}, nil

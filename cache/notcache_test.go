@@ -95,3 +95,50 @@ func TestOpenReaderMismatchSaysWhatToDo(t *testing.T) {
 		t.Fatalf("OpenReader of two fills that disagree on k: %v", err)
 	}
 }
+
+// TestDamagedIndexTable: a truncated or overwritten index table (a copy
+// cut short, a full disk) is ErrCorrupt naming the file and what to do,
+// from every entry point. Badger read its footer in a goroutine of its
+// own and panicked ("slice bounds out of range"), so every cachectl
+// command died with a stack trace and exit status 2.
+func TestDamagedIndexTable(t *testing.T) {
+	for _, damage := range []string{"truncated", "zeroed footer"} {
+		dir := t.TempDir()
+		c, err := Create(dir, testManifest(20, EncodingCompact), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fillRange(t, c, 0, 10)
+		c.Close()
+		ssts, _ := filepath.Glob(filepath.Join(dir, "index", "*.sst"))
+		if len(ssts) == 0 {
+			t.Fatal("the index has no table to damage")
+		}
+		victim := ssts[len(ssts)-1]
+		b, _ := os.ReadFile(victim)
+		if damage == "truncated" {
+			b = b[:len(b)/2]
+		} else {
+			clear(b[len(b)-8:])
+		}
+		os.WriteFile(victim, b, 0o644)
+		open := map[string]func(string) error{
+			"OpenReader": func(d string) error { _, err := OpenReader(d); return err },
+			"Check":      func(d string) error { _, err := Check(d, nil); return err },
+			"Open": func(d string) error {
+				c, err := Open(d, nil)
+				if err == nil {
+					c.Close()
+				}
+				return err
+			},
+			"Repair": func(d string) error { _, err := Repair(d, nil); return err },
+		}
+		for name, f := range open {
+			err := f(dir)
+			if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), victim) || !strings.Contains(err.Error(), "run the fill again") {
+				t.Errorf("%s: %s: %v; want ErrCorrupt naming %s", damage, name, err, victim)
+			}
+		}
+	}
+}
