@@ -69,7 +69,9 @@ func exportMain(args []string, stdout, stderr io.Writer) error {
 			it.Close()
 		}
 		if ow.err != nil {
-			outErr = ow.err
+			// The output's error, not what it made the writer say
+			// ("parquet writer: failed to write magic number").
+			outErr, err = ow.err, ow.err
 		} else {
 			cacheErr = err
 		}
@@ -269,15 +271,32 @@ func exportSchema(m cache.Manifest) *arrow.Schema {
 	return arrow.NewSchema(fields, &md)
 }
 
+// newParquetWriter is pqarrow.NewFileWriter, which panics ("failed to
+// write magic number") when its first write fails (a full disk): the
+// export died with a stack trace and exit status 2. The write's own error
+// is kept by the outWriter under w and reported from there.
+func newParquetWriter(schema *arrow.Schema, w io.Writer, props *parquet.WriterProperties) (pw *pqarrow.FileWriter, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			pw, err = nil, fmt.Errorf("parquet writer: %v", r)
+		}
+	}()
+	pw, err = pqarrow.NewFileWriter(schema, w, props, pqarrow.DefaultWriterProps())
+	if err != nil {
+		return nil, fmt.Errorf("parquet writer: %w", err)
+	}
+	return pw, nil
+}
+
 func exportParquet(it *cache.Iterator, m cache.Manifest, w io.Writer) error {
 	K, kind := m.K, m.Kind()
 	schema := exportSchema(m)
 	props := parquet.NewWriterProperties(parquet.WithCompression(compress.Codecs.Zstd))
 	// The struct hides w's Close: pqarrow closes a writer that has one, and
 	// w may be stdout or a file the caller closes and checks.
-	pw, err := pqarrow.NewFileWriter(schema, struct{ io.Writer }{w}, props, pqarrow.DefaultWriterProps())
+	pw, err := newParquetWriter(schema, struct{ io.Writer }{w}, props)
 	if err != nil {
-		return fmt.Errorf("parquet writer: %w", err)
+		return err
 	}
 	b := array.NewRecordBuilder(memory.DefaultAllocator, schema)
 	defer b.Release()

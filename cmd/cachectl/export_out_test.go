@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"errors"
 	"io"
 	"os"
 	"path/filepath"
@@ -85,5 +86,25 @@ func TestExportOutWholeOrNothing(t *testing.T) {
 	}
 	if b, _ := os.ReadFile(out); bytes.Count(b, []byte("\n")) != 8 {
 		t.Errorf("export --out of [0, 8): %d lines", bytes.Count(b, []byte("\n")))
+	}
+}
+
+// failWriter fails every write, as a full disk does.
+type failWriter struct{}
+
+func (failWriter) Write([]byte) (int, error) { return 0, syscall.ENOSPC }
+
+// TestExportOutputFails: an export whose output cannot be written (a full
+// disk) fails with the write's error, in either format. The Parquet
+// writer panicked on its first failed write ("failed to write magic
+// number"), with a stack trace and exit status 2.
+func TestExportOutputFails(t *testing.T) {
+	a, _ := makeCtlCaches(t, cache.EncodingCompact, nil)
+	for _, format := range []string{"jsonl", "parquet"} {
+		var stderr bytes.Buffer
+		err := exportMain([]string{"--cache", a, "--format", format}, failWriter{}, &stderr)
+		if !errors.Is(err, syscall.ENOSPC) {
+			t.Errorf("export --format %s to a full disk: %v; want the write's error", format, err)
+		}
 	}
 }
