@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -11,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"syscall"
 
 	"github.com/apache/arrow/go/v17/arrow"
 	"github.com/apache/arrow/go/v17/arrow/array"
@@ -26,7 +28,9 @@ import (
 
 func init() {
 	commands.Register(&cli.Command{Name: "export", Summary: "export a cache as JSONL or Parquet, one decoded record per sample", Run: func(args []string) error {
-		return exportMain(args, os.Stdout, os.Stderr)
+		ctx, stop := signalContext()
+		defer stop()
+		return exportCtx(ctx, args, os.Stdout, os.Stderr)
 	}})
 }
 
@@ -34,6 +38,14 @@ func init() {
 const exportBatch = 64
 
 func exportMain(args []string, stdout, stderr io.Writer) error {
+	return exportCtx(context.Background(), args, stdout, stderr)
+}
+
+// exportCtx is export stopped by ctx: a signal (Ctrl-C) that cancels ctx
+// stops the writing, and an --out file is then not written at all. Ctrl-C
+// killed the process and left the half-written temporary file
+// (--out.<random>.tmp, hundreds of MB) next to --out.
+func exportCtx(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("cachectl export", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var dirs cacheDirs
@@ -58,7 +70,7 @@ func exportMain(args []string, stdout, stderr io.Writer) error {
 	// damaged chunk: cacheErr) or w's (a full disk: outErr).
 	var cacheErr, outErr error
 	export := func(w io.Writer) error {
-		ow := &outWriter{w: w}
+		ow := &outWriter{w: w, ctx: ctx}
 		it, err := r.Iter(cache.IterOptions{Sequential: true, ReadAhead: 2})
 		if err == nil {
 			if *format == "jsonl" {
@@ -77,8 +89,23 @@ func exportMain(args []string, stdout, stderr io.Writer) error {
 		}
 		return err
 	}
+	// stopped is the error of an export a signal stopped.
+	stopped := func(what string) error {
+		var se signalError
+		if !errors.As(context.Cause(ctx), &se) {
+			return nil
+		}
+		ss, _ := se.sig.(syscall.Signal)
+		return &cli.Interrupted{Signal: ss, Msg: fmt.Sprintf("stopped by %s: %s", cli.SignalName(se.sig), what)}
+	}
 	if *out == "" {
-		return export(stdout)
+		err := export(stdout)
+		if err != nil {
+			if in := stopped("the output is incomplete; run the export again"); in != nil {
+				return in
+			}
+		}
+		return err
 	}
 	fi, err := os.Stat(*out)
 	switch {
@@ -93,6 +120,9 @@ func exportMain(args []string, stdout, stderr io.Writer) error {
 		}
 		if err := export(f); err != nil {
 			f.Close()
+			if in := stopped("the output is incomplete; run the export again"); in != nil {
+				return in
+			}
 			return err
 		}
 		return f.Close()
@@ -101,6 +131,9 @@ func exportMain(args []string, stdout, stderr io.Writer) error {
 	// failed halfway (a damaged chunk, a full disk) left an empty JSONL
 	// file or a 4-byte Parquet file that no reader opens.
 	if err := atomicfile.Write(*out, 0o644, export); err != nil {
+		if in := stopped(fmt.Sprintf("nothing written to %s (an export to --out is written whole or not at all); run the export again", *out)); in != nil {
+			return in
+		}
 		var pe *iofs.PathError
 		switch {
 		case cacheErr != nil:
@@ -118,10 +151,17 @@ func exportMain(args []string, stdout, stderr io.Writer) error {
 // that it is told from the cache's errors.
 type outWriter struct {
 	w   io.Writer
+	ctx context.Context // its cancellation (a signal) fails the next write
 	err error
 }
 
 func (o *outWriter) Write(p []byte) (int, error) {
+	if err := context.Cause(o.ctx); err != nil {
+		if o.err == nil {
+			o.err = err
+		}
+		return 0, err
+	}
 	n, err := o.w.Write(p)
 	if err != nil && o.err == nil {
 		o.err = err

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"io"
 	"os"
@@ -11,6 +12,7 @@ import (
 	"testing"
 
 	"distill/cache"
+	"distill/internal/cli"
 )
 
 // TestExportOutWholeOrNothing: an export to --out that fails halfway (a
@@ -105,6 +107,33 @@ func TestExportOutputFails(t *testing.T) {
 		err := exportMain([]string{"--cache", a, "--format", format}, failWriter{}, &stderr)
 		if !errors.Is(err, syscall.ENOSPC) {
 			t.Errorf("export --format %s to a full disk: %v; want the write's error", format, err)
+		}
+	}
+}
+
+// TestExportInterrupted: Ctrl-C during an export to --out leaves nothing
+// next to --out and exits 130 saying so. The signal killed the process,
+// which left its half-written temporary file (--out.<random>.tmp,
+// hundreds of MB for a real cache). The signal is stood for by a context
+// cancelled as the first SIGINT cancels signalContext's.
+func TestExportInterrupted(t *testing.T) {
+	a, _ := makeCtlCaches(t, cache.EncodingCompact, nil)
+	for _, format := range []string{"jsonl", "parquet"} {
+		outDir := t.TempDir()
+		out := filepath.Join(outDir, "x."+format)
+		ctx, cancel := context.WithCancelCause(context.Background())
+		cancel(signalError{syscall.SIGINT})
+		err := exportCtx(ctx, []string{"--cache", a, "--format", format, "--out", out}, io.Discard, io.Discard)
+		var in *cli.Interrupted
+		if !errors.As(err, &in) || cli.ExitStatus(err) != 130 || !strings.Contains(err.Error(), "nothing written to "+out) {
+			t.Errorf("export --format %s stopped by SIGINT: %v (exit %d); want exit 130 saying nothing was written", format, err, cli.ExitStatus(err))
+		}
+		if ents, _ := os.ReadDir(outDir); len(ents) != 0 {
+			t.Errorf("export --format %s stopped by SIGINT left %v", format, ents)
+		}
+		err = exportCtx(ctx, []string{"--cache", a, "--format", format}, io.Discard, io.Discard)
+		if cli.ExitStatus(err) != 130 || !strings.Contains(err.Error(), "the output is incomplete") {
+			t.Errorf("export --format %s to stdout stopped by SIGINT: %v", format, err)
 		}
 	}
 }
