@@ -332,6 +332,15 @@ func (p *FillPlan) agree(workers []Worker, infos []*pb.InfoResponse, descs []*pb
 
 // setRange resolves End 0 to the dataset's n samples and checks the range.
 func (p *FillPlan) setRange(n int64) error {
+	if p.Start >= n {
+		// With --end 0 this said "range [20, 20): want 0 <= start <
+		// end", and with an --end past it "lower --end": the start is
+		// what is out of range.
+		if n == 0 {
+			return fillErr("--start %d: the dataset has no samples", p.Start)
+		}
+		return fillErr("--start %d: the dataset has %d samples (0 to %d); give a --start below %d", p.Start, n, n-1, n)
+	}
 	if p.End == 0 {
 		p.End = n
 	}

@@ -79,6 +79,12 @@ func TestFillErrorsSayFillOnce(t *testing.T) {
 	}{
 		{append(local, "--cache", filepath.Join(dir, "c1"), "--data", dpath, "--end", "100"),
 			"cachectl fill: range [0, 100) goes beyond the dataset's 6 samples: lower --end\n"},
+		// A --start at or past the end named the range and end instead:
+		// "range [6, 6): want 0 <= start < end", "... lower --end".
+		{append(local, "--cache", filepath.Join(dir, "c3"), "--data", dpath, "--start", "6"),
+			"cachectl fill: --start 6: the dataset has 6 samples (0 to 5); give a --start below 6\n"},
+		{append(local, "--cache", filepath.Join(dir, "c4"), "--data", dpath, "--start", "8", "--end", "10"),
+			"cachectl fill: --start 8: the dataset has 6 samples (0 to 5); give a --start below 6\n"},
 		{append(local, "--cache", filepath.Join(dir, "c2"), "--data", bad),
 			"add --skip-bad to store bad records as empty samples"},
 	} {
