@@ -24,7 +24,7 @@ func inspectMain(args []string, stdout, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	var dirs cacheDirs
 	fs.Var(&dirs, "cache", "cache directory (repeatable)")
-	index := fs.Int64("sample", -1, "sample index (required)")
+	index := fs.Int64("sample", 0, "sample index (required)")
 	top := fs.Int("top", 5, "top-k entries (and drawn ids, most drawn first) to print per position (0: all)")
 	from := fs.Int("from", 0, "first position to print")
 	count := fs.Int("positions", 0, "positions to print (0: all)")
@@ -35,8 +35,14 @@ func inspectMain(args []string, stdout, stderr io.Writer) error {
 	if err := noArgs(fs); err != nil {
 		return err
 	}
-	if *index < 0 {
+	sampleSet := false
+	fs.Visit(func(f *flag.Flag) { sampleSet = sampleSet || f.Name == "sample" })
+	if !sampleSet {
 		return cli.Usagef("--sample INDEX is required")
+	}
+	if *index < 0 {
+		// It said "--sample INDEX is required" of a --sample given.
+		return cli.Usagef("--sample %d: want a sample index, 0 or more", *index)
 	}
 	// A negative --from printed no position at all (its window ended
 	// before 0), and negative counts read as "all" unsaid.

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"distill/cache"
+	"distill/internal/cli"
 )
 
 // TestReadersUsage: what the command line alone gets wrong in the cache
@@ -96,5 +97,23 @@ func TestTokenizeRangePastTheDataset(t *testing.T) {
 		if want == "" && err != nil || want != "" && (err == nil || !strings.Contains(err.Error(), want)) {
 			t.Errorf("tokenize %s: %v; want %q", args, err, want)
 		}
+	}
+}
+
+// TestInspectNegativeSample: a negative --sample is named as given; it
+// was told "--sample INDEX is required". -h no longer shows the
+// sentinel "(default -1)" of a required flag.
+func TestInspectNegativeSample(t *testing.T) {
+	a, _ := makeCtlCaches(t, cache.EncodingCompact, nil)
+	out, err := run(t, wrap(inspectMain), "--cache", a, "--sample", "-5")
+	if cli.ExitStatus(err) != 2 || err.Error() != "--sample -5: want a sample index, 0 or more" {
+		t.Errorf("inspect --sample -5: %v", err)
+	}
+	if _, err := run(t, wrap(inspectMain), "--cache", a); cli.ExitStatus(err) != 2 || err.Error() != "--sample INDEX is required" {
+		t.Errorf("inspect without --sample: %v", err)
+	}
+	out, _ = run(t, wrap(inspectMain), "-h")
+	if strings.Contains(out, "default -1") {
+		t.Errorf("inspect -h shows a default for the required --sample:\n%s", out)
 	}
 }
