@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 
 	"github.com/apache/arrow/go/v17/arrow"
@@ -50,7 +51,7 @@ func exportCtx(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	fs.SetOutput(stderr)
 	var dirs cacheDirs
 	fs.Var(&dirs, "cache", "cache directory (repeatable)")
-	format := fs.String("format", "jsonl", "jsonl or parquet")
+	format := fs.String("format", "", "jsonl or parquet (default: parquet for an --out ending in .parquet, else jsonl)")
 	out := fs.String("out", "", "output file (default: stdout)")
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
@@ -58,8 +59,18 @@ func exportCtx(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err := noArgs(fs); err != nil {
 		return err
 	}
-	if *format != "jsonl" && *format != "parquet" {
+	// The format follows --out's extension unless given; given, it must
+	// not contradict it (an x.parquet that holds JSONL opens nowhere).
+	ext := strings.ToLower(filepath.Ext(*out))
+	switch {
+	case *format == "" && ext == ".parquet":
+		*format = "parquet"
+	case *format == "":
+		*format = "jsonl"
+	case *format != "jsonl" && *format != "parquet":
 		return cli.Usagef("--format %q: want jsonl or parquet", *format)
+	case *format == "jsonl" && ext == ".parquet", *format == "parquet" && (ext == ".jsonl" || ext == ".json"):
+		return cli.Usagef("--format %s with --out %s: the file's extension says the other format; give --out a name that ends in .%s, or leave out --format", *format, *out, *format)
 	}
 	r, err := openCacheReader(dirs)
 	if err != nil {

@@ -137,3 +137,27 @@ func TestExportInterrupted(t *testing.T) {
 		}
 	}
 }
+
+// TestExportFormatFromOut: an --out ending in .parquet is written as
+// Parquet when --format is left out (it was written as JSONL, which no
+// Parquet reader opens); a --format that contradicts --out's extension
+// is a usage error naming both.
+func TestExportFormatFromOut(t *testing.T) {
+	a, _ := makeCtlCaches(t, cache.EncodingCompact, nil)
+	dir := t.TempDir()
+	for name, magic := range map[string]string{"x.parquet": "PAR1", "x.PARQUET": "PAR1", "x.jsonl": `{"`, "x.out": `{"`} {
+		out := filepath.Join(dir, name)
+		if _, err := run(t, wrap(exportMain), "--cache", a, "--out", out); err != nil {
+			t.Fatalf("export --out %s: %v", name, err)
+		}
+		if b, _ := os.ReadFile(out); !bytes.HasPrefix(b, []byte(magic)) {
+			t.Errorf("export --out %s without --format wrote %.20q, want a file that starts %q", name, b, magic)
+		}
+	}
+	for _, c := range [][2]string{{"jsonl", "y.parquet"}, {"parquet", "y.jsonl"}} {
+		_, err := run(t, wrap(exportMain), "--cache", a, "--format", c[0], "--out", filepath.Join(dir, c[1]))
+		if cli.ExitStatus(err) != 2 || !strings.Contains(err.Error(), "--format "+c[0]+" with --out ") || !strings.Contains(err.Error(), "leave out --format") {
+			t.Errorf("--format %s --out %s: %v (exit %d), want a usage error naming both", c[0], c[1], err, cli.ExitStatus(err))
+		}
+	}
+}
