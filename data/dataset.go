@@ -7,6 +7,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
+	"os"
 	"path/filepath"
 	"runtime"
 	"sort"
@@ -230,6 +232,15 @@ func open(sources []Source, tok Tokenizer, tmpl Renderer, opts Options) (*Datase
 }
 
 func openSource(s Source) (reader, error) {
+	// What is not a file is said as such before its extension or format
+	// is looked at ("unknown extension" for a directory, "read: is a
+	// directory" with a format given).
+	switch st, err := os.Stat(s.Path); {
+	case errors.Is(err, fs.ErrNotExist):
+		return nil, errkind.Errorf(ErrSource, "%s does not exist: check the path", s.Path)
+	case err == nil && st.IsDir():
+		return nil, errkind.Errorf(ErrSource, "%s is a directory: give the dataset's files (JSONL, CSV or Parquet), e.g. %s", s.Path, filepath.Join(s.Path, "train.jsonl"))
+	}
 	f := strings.ToLower(s.Format)
 	if f == "" {
 		switch strings.ToLower(filepath.Ext(s.Path)) {

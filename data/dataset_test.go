@@ -262,8 +262,16 @@ func TestSourceErrors(t *testing.T) {
 			}
 		})
 	}
-	if _, err := open([]Source{{Path: filepath.Join(dir, "missing.jsonl")}}, tok, nil, Options{}); !errors.Is(err, ErrSource) {
+	missing := filepath.Join(dir, "missing.jsonl")
+	if _, err := open([]Source{{Path: missing}}, tok, nil, Options{}); !errors.Is(err, ErrSource) || err.Error() != missing+" does not exist: check the path" {
 		t.Errorf("missing file: %v", err)
+	}
+	// A directory is said to be one, with or without a format (it was
+	// "unknown extension", or "read DIR: is a directory" with one).
+	for _, format := range []string{"", "jsonl"} {
+		if _, err := open([]Source{{Path: dir, Format: format}}, tok, nil, Options{}); !errors.Is(err, ErrSource) || !strings.HasPrefix(err.Error(), dir+" is a directory: give the dataset's files") {
+			t.Errorf("a directory as a source (format %q): %v", format, err)
+		}
 	}
 	p := writeFile(t, dir, "ok.jsonl", `{"text":"a"}`)
 	if _, err := open([]Source{{Path: p, Weight: 1}, {Path: p}}, tok, nil, Options{}); !errors.Is(err, ErrOptions) {

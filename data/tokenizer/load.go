@@ -11,6 +11,8 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+
+	"distill/internal/errkind"
 )
 
 // Sentinel errors; every error returned by Load wraps one of them.
@@ -81,7 +83,13 @@ type configJSON struct {
 func Load(dir string) (*Tokenizer, error) {
 	path := filepath.Join(dir, "tokenizer.json")
 	raw, err := os.ReadFile(path)
-	if err != nil {
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		if st, serr := os.Stat(dir); serr != nil || !st.IsDir() {
+			return nil, errkind.Errorf(ErrInvalid, "%s is not a directory: give the directory that holds the tokenizer's tokenizer.json (an HF model or tokenizer directory)", dir)
+		}
+		return nil, errkind.Errorf(ErrInvalid, "%s has no tokenizer.json: give the directory that holds the tokenizer's tokenizer.json (an HF model or tokenizer directory)", dir)
+	case err != nil:
 		return nil, fmt.Errorf("%w: %v (expected an HF tokenizer directory)", ErrInvalid, err)
 	}
 	var cfgRaw []byte

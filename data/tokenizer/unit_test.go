@@ -171,8 +171,16 @@ func TestLoadErrors(t *testing.T) {
 			}
 		})
 	}
-	if _, err := Load(t.TempDir()); !errors.Is(err, ErrInvalid) {
+	// A directory without tokenizer.json, or no directory at all, is said
+	// as such (it was "tokenizer: invalid tokenizer file: open
+	// DIR/tokenizer.json: no such file or directory").
+	empty := t.TempDir()
+	if _, err := Load(empty); !errors.Is(err, ErrInvalid) || err.Error() != empty+" has no tokenizer.json: give the directory that holds the tokenizer's tokenizer.json (an HF model or tokenizer directory)" {
 		t.Errorf("missing file: %v", err)
+	}
+	nope := filepath.Join(empty, "nope")
+	if _, err := Load(nope); !errors.Is(err, ErrInvalid) || !strings.HasPrefix(err.Error(), nope+" is not a directory: give the directory") {
+		t.Errorf("missing directory: %v", err)
 	}
 }
 
