@@ -212,7 +212,30 @@ func waitListening(t *testing.T, addr, log string) {
 	t.Fatalf("teacherd did not listen on %s:\n%s", addr, b)
 }
 
-// TestREADMECommands: each of the README's commands names what exists:
+// readDocs returns README.md and docs/*.md (the reference moved out of the
+// README: sampled targets, LoRA students, GPU status), by path relative
+// to the repository's root, in that order.
+func readDocs(t *testing.T) (names []string, texts map[string]string) {
+	t.Helper()
+	docs, err := filepath.Glob("../docs/*.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	texts = map[string]string{}
+	for _, p := range append([]string{"../README.md"}, docs...) {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		name := strings.TrimPrefix(p, "../")
+		names = append(names, name)
+		texts[name] = string(b)
+	}
+	return names, texts
+}
+
+// TestREADMECommands: each of the README's commands (README.md and
+// docs/*.md) names what exists:
 // each script is there, executable and parses (bash -n; TestQuickstart,
 // TestGPUSuiteDryRun and TestREADMEBenchScripts run them), each `go test`
 // command's -run pattern matches a test of its package (go test -list:
@@ -221,14 +244,24 @@ func waitListening(t *testing.T, addr, log string) {
 // command once, under -short: a benchmark may run smaller there, as
 // SFTDatasetVsCache does) and prints benchmark lines.
 func TestREADMECommands(t *testing.T) {
-	b, err := os.ReadFile("../README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
+	names, texts := readDocs(t)
 	cmdRE := regexp.MustCompile("`((?:[A-Z_]+=\\S+ )*(?:bash )?(?:\\./)?scripts/[^`]*|go test [^`]*)`")
 	seen := 0
 	ranBench := map[string]bool{}
-	for _, m := range cmdRE.FindAllStringSubmatch(string(b), -1) {
+	type found struct {
+		file string
+		m    []string
+	}
+	var cmds []found
+	for _, name := range names {
+		ms := cmdRE.FindAllStringSubmatch(texts[name], -1)
+		t.Logf("%s: %d commands", name, len(ms))
+		for _, m := range ms {
+			cmds = append(cmds, found{name, m})
+		}
+	}
+	for _, c := range cmds {
+		file, m := c.file, c.m
 		seen++
 		words := strings.Fields(m[1])
 		for i, w := range words {
@@ -265,7 +298,7 @@ func TestREADMECommands(t *testing.T) {
 				cmd.Dir = ".."
 				out, err := cmd.CombinedOutput()
 				if err != nil || !regexp.MustCompile(`(?m)^Benchmark\w+`).Match(out) {
-					t.Errorf("README: `%s`: %v, want benchmark lines\n%s", m[1], err, out)
+					t.Errorf("%s: `%s`: %v, want benchmark lines\n%s", file, m[1], err, out)
 				}
 				continue
 			}
@@ -273,7 +306,7 @@ func TestREADMECommands(t *testing.T) {
 			// 'LMHeadSample|BlockLogits') matches, and only those.
 			out, err := exec.Command("go", "test", "distill/"+strings.TrimPrefix(pkg, "./"), "-list", pattern).CombinedOutput()
 			if err != nil || !regexp.MustCompile(`(?m)^(Test|Benchmark)\w+$`).Match(out) {
-				t.Errorf("README: `%s`: no test or benchmark %q in %s (%v)\n%s", m[1], pattern, pkg, err, out)
+				t.Errorf("%s: `%s`: no test or benchmark %q in %s (%v)\n%s", file, m[1], pattern, pkg, err, out)
 			}
 			continue
 		}
@@ -281,14 +314,14 @@ func TestREADMECommands(t *testing.T) {
 		if script == "bash" {
 			script = words[1]
 		} else if st, err := os.Stat(filepath.Join("..", script)); err == nil && st.Mode()&0o111 == 0 {
-			t.Errorf("README: `%s`: %s is not executable", m[1], script)
+			t.Errorf("%s: `%s`: %s is not executable", file, m[1], script)
 		}
 		if out, err := exec.Command("bash", "-n", filepath.Join("..", script)).CombinedOutput(); err != nil {
-			t.Errorf("README: `%s`: %v\n%s", m[1], err, out)
+			t.Errorf("%s: `%s`: %v\n%s", file, m[1], err, out)
 		}
 	}
 	if seen < 15 {
-		t.Errorf("found %d commands in the README", seen)
+		t.Errorf("found %d commands in README.md and docs/*.md", seen)
 	}
 }
 
@@ -324,15 +357,21 @@ func TestREADMEBenchScripts(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: the benchmarks take a minute")
 	}
-	b, err := os.ReadFile("../README.md")
-	if err != nil {
-		t.Fatal(err)
+	names, texts := readDocs(t)
+	benchRE := regexp.MustCompile("`((?:[A-Z_]+=\\S+ )*(?:bash )?(?:\\./)?scripts/bench-[^`]*)`")
+	var cmds [][]string
+	var files []string
+	for _, name := range names {
+		for _, m := range benchRE.FindAllStringSubmatch(texts[name], -1) {
+			cmds = append(cmds, m)
+			files = append(files, name)
+		}
 	}
-	cmds := regexp.MustCompile("`((?:[A-Z_]+=\\S+ )*(?:bash )?(?:\\./)?scripts/bench-[^`]*)`").FindAllStringSubmatch(string(b), -1)
 	if len(cmds) < 3 {
-		t.Fatalf("found %d benchmark scripts in the README, want the train (dense, MoE) and teacher ones", len(cmds))
+		t.Fatalf("found %d benchmark scripts in README.md and docs/*.md, want the train (dense, MoE) and teacher ones", len(cmds))
 	}
-	for _, m := range cmds {
+	for i, m := range cmds {
+		file := files[i]
 		if strings.Contains(m[1], "bench-fill-targets.sh") {
 			continue // ours against ours (fill kinds), no peer: TestREADMECommands checks its syntax
 		}
@@ -343,7 +382,7 @@ func TestREADMEBenchScripts(t *testing.T) {
 		}
 		out, err := repoScript(env, words...)
 		if err != nil || !strings.Contains(string(out), "ratio go/torch:") {
-			t.Errorf("README: `%s`: %v, want a go/torch ratio\n%s", m[1], err, out)
+			t.Errorf("%s: `%s`: %v, want a go/torch ratio\n%s", file, m[1], err, out)
 			continue
 		}
 		t.Logf("`%s`: %s", m[1], strings.TrimSpace(string(out[strings.LastIndex(string(out), "ratio go/torch:"):])))

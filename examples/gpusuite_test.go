@@ -7,7 +7,7 @@ import (
 	"testing"
 )
 
-// TestGPUSuiteDryRun runs the README's GPU commands as a session with a
+// TestGPUSuiteDryRun runs the GPU commands of docs/gpu.md as a session with a
 // device would, on the CPU emulator of CUDA (DISTILL_GPU_SUITE_EMU=1):
 // `scripts/gpu-suite.sh build`, then the one-call script
 // scripts/gpu/attn-call.sh with its BF16/fp32 comparison (ACT_COMPARE=1)

@@ -66,7 +66,8 @@ func TestQuickstart(t *testing.T) {
 	if evals == 0 {
 		t.Errorf("the SFT-only run wrote no eval line:\n%s", m)
 	}
-	// The README's measurement of the targets' bias runs on its outputs.
+	// The measurement of the targets' bias (docs/sampled-targets.md) runs
+	// on its outputs.
 	log, err = repoScript([]string{"QS_OUT=" + out, "TB_RANGE=0:3"}, "scripts/measure-targets.sh")
 	if err != nil {
 		t.Fatalf("scripts/measure-targets.sh: %v\n%s", err, log)
@@ -82,8 +83,8 @@ func TestQuickstart(t *testing.T) {
 		}
 	}
 
-	// The README's table of students trained on each kind: the script
-	// finds seed s's quick start at MS_QS + s.
+	// The table of students trained on each kind (docs/sampled-targets.md):
+	// the script finds seed s's quick start at MS_QS + s.
 	tmp := t.TempDir()
 	if err := os.Symlink(out, filepath.Join(tmp, "qs-1")); err != nil {
 		t.Fatal(err)

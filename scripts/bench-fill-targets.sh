@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fill cost of each kind of target (issue 27's "fill throughput cost of
-# sampling against top-k", README "Sampled targets"): whole `cachectl fill`
+# sampling against top-k", docs/sampled-targets.md): whole `cachectl fill`
 # runs of the quick start's trained teacher on the CPU, over the transfer
 # set's first FT_END samples (default 2000), one fresh cache per run, the
 # kinds one after another in each of FT_ROUNDS rounds (default 3) so that

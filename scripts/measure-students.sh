@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Students trained on each kind of sparse teacher target (issue 27's
-# measurement table, README "Students trained on each kind"): for each
-# teacher seed, the quick start's data and teacher (scripts/quickstart.sh
+# measurement table, docs/sampled-targets.md, "Students trained on each
+# kind"): for each teacher seed, the quick start's data and teacher (scripts/quickstart.sh
 # with QS_SEED=s, QS_OUT=out/qs-s, stopped after the teacher), caches of
 # every kind filled from that teacher over the whole transfer set, the
 # quick start's KD + SFT student (examples/quickstart/student-kd.yaml, 200
@@ -25,8 +25,8 @@
 # token, held-out CE, ECE, top-1 agreement, KD to the teacher, token
 # accuracy, eval tokens; and teachers.tsv, each teacher's held-out CE and
 # ECE and the language's entropy there. go run
-# ./examples/quickstart/studentsplot turns results.tsv into the README's
-# table and plot.
+# ./examples/quickstart/studentsplot turns results.tsv into the table and
+# plot of docs/sampled-targets.md.
 #
 # MS_SEEDS (default "1 2 3") picks the teacher seeds; MS_QS (default
 # out/qs-) the quick starts' output directories, the seed appended;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The bias of each kind of sparse teacher target (issue 27's measurement,
-# README "Sampled targets"): fills caches of every kind from the quick
-# start's trained teacher over its held-out samples, then measures, at each
+# docs/sampled-targets.md, "The bias"): fills caches of every kind from
+# the quick start's trained teacher over its held-out samples, then measures, at each
 # counted position, the angle between the gradient the loss takes on the
 # student's logits from each cache and the exact full-vocabulary KD
 # gradient (examples/quickstart/targetbias), for the quick start's KD +

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a teacher's probability mass lies beyond its top-64, at the target
-positions of a cache filled with a larger k (issue 27; README, "Sampled
-targets"). Standard library only.
+positions of a cache filled with a larger k (issue 27;
+docs/sampled-targets.md). Standard library only.
 
     cachectl fill --model TEACHER --tokenizer TOK --data DATA.jsonl \
         --cache /tmp/c512 --k 512 --start 0 --end 200 ...

@@ -46,12 +46,13 @@ import (
 // weights prefetched, that is the arithmetic (BenchmarkBlockLogits: about
 // 0.8 G multiply-adds a call of 1024 rows, 22 CPU-ms). What a head+sampled
 // fill spends beyond a topk one is, by profile (the quick start's trained
-// teacher, hidden 128, whose LM head is most of its forward; README): the
-// blocks multiplied again with their weights' transposition (about 0.9%
-// of a topk fill's CPU time), the walks and the block sums (0.5% each),
-// locating (0.4%), the head blocks' masses (0.2%); the whole fill about
-// 3-5% (README). Against the LM head of a Qwen3-0.6B-shaped teacher
-// (hidden 1024) the same costs are within the runs' spread. The outputs
+// teacher, hidden 128, whose LM head is most of its forward;
+// docs/sampled-targets.md): the blocks multiplied again with their
+// weights' transposition (about 0.9% of a topk fill's CPU time), the
+// walks and the block sums (0.5% each), locating (0.4%), the head blocks'
+// masses (0.2%); the whole fill about 3-5% (docs/sampled-targets.md).
+// Against the LM head of a Qwen3-0.6B-shaped teacher (hidden 1024) the
+// same costs are within the runs' spread. The outputs
 // do not depend on the worker count or on the grouping (each logit of a
 // block is computed again by the same code, whichever rows share the
 // block). Scratch beside the pass's, per row of a group: the block sums
