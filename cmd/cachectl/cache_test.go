@@ -315,3 +315,18 @@ func TestCacheInspect(t *testing.T) {
 		t.Fatalf("inspect of a missing sample: %v", err)
 	}
 }
+
+// TestVerifyMismatchHint: verify of directories that are not one cache
+// says how to fix that (repair cannot: it mends one directory's chunks),
+// and counts its problems in English ("1 problem").
+func TestVerifyMismatchHint(t *testing.T) {
+	a, _ := makeCtlCaches(t, cache.EncodingCompact, nil)
+	_, b := makeCtlCaches(t, cache.EncodingLossless, nil)
+	out, err := run(t, wrap(verifyMain), "--cache", a, "--cache", b)
+	if err == nil || !strings.HasPrefix(err.Error(), "1 problem found; give --cache only directories of one teacher's fills") || strings.Contains(err.Error(), "repair") {
+		t.Errorf("verify of two caches that disagree: %v, want 1 problem and the --cache hint, not repair's\n%s", err, out)
+	}
+	if !strings.Contains(out, "directories do not form one cache") || !strings.Contains(out, "checked: 0 problems") {
+		t.Errorf("verify output:\n%s", out)
+	}
+}
