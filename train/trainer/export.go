@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 
 	"distill/data/tokenizer"
 	"distill/model"
@@ -83,6 +84,11 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 	if err := CheckExportFormat(o.Format); err != nil {
 		return nil, err
 	}
+	// Before CheckOut, whose "give --force to replace it" is the wrong
+	// advice here: --force removed the run being exported.
+	if err := checkOutNotSource(src, out, o.Format); err != nil {
+		return nil, err
+	}
 	// --out is checked before the model is loaded and written: a mount
 	// point (which cannot be replaced) failed only after the whole model
 	// was written beside it.
@@ -115,6 +121,46 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 		}
 		return s.WriteHF(tmp, dt[o.Format])
 	})
+}
+
+// checkOutNotSource refuses an out that is src or a directory holding it
+// (`--checkpoint run --out run --force`, or `--checkpoint
+// run/checkpoints/step-N --out run --force`): the export replaces out
+// whole, so the run's checkpoints, metrics and config were removed and
+// the export put in their place, and the command reported success.
+func checkOutNotSource(src, out, format string) error {
+	s, err := realPath(src)
+	if err != nil {
+		return nil // src is refused, naming it, when it is loaded
+	}
+	o, err := realPath(out)
+	if err != nil {
+		return nil // out does not exist yet: it holds nothing
+	}
+	rel, err := filepath.Rel(o, s)
+	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
+		return nil
+	}
+	what := "is the directory being exported"
+	if rel != "." {
+		what = "holds the checkpoint being exported (" + src + ")"
+	}
+	alt := filepath.Clean(out)
+	if alt == "." || alt == ".." || alt == string(filepath.Separator) {
+		alt = o
+	}
+	return fmt.Errorf("--out %s %s, and the export replaces --out whole (--force would remove what it exports): choose a new directory, e.g. --out %s-%s",
+		out, what, alt, format)
+}
+
+// realPath is path absolute, its symbolic links resolved (an error when
+// it does not exist).
+func realPath(path string) (string, error) {
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return "", err
+	}
+	return filepath.EvalSymlinks(abs)
 }
 
 // shardedSource is the sharded checkpoint src names (a run directory

@@ -10,6 +10,7 @@ import (
 
 	"distill/data/tokenizer"
 	"distill/internal/testdirs"
+	"distill/model"
 )
 
 // TestExportGenerationConfig: the export of a random-init student (no
@@ -104,5 +105,48 @@ func TestExportChecksOutFirst(t *testing.T) {
 	_, err := Export(filepath.Join(t.TempDir(), "nope"), out, ExportOptions{})
 	if want := "--out: cannot write " + out + ": cannot create files in " + ro + " ("; err == nil || !strings.HasPrefix(err.Error(), want) {
 		t.Errorf("export to %s: %v, want %q", out, err, want)
+	}
+}
+
+// TestExportOutIsSource: an --out that is the directory being exported,
+// or holds it, is refused before anything is removed. With --force the
+// export replaced it whole: `student export --checkpoint run --out run
+// --force` removed the run's checkpoints, metrics and config and exited
+// 0; without --force the refusal said "give --force to replace it".
+func TestExportOutIsSource(t *testing.T) {
+	parent := t.TempDir()
+	src := filepath.Join(parent, "model")
+	mc, err := model.ParseConfig([]byte(`{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 97, "hidden_size": 32,
+		"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64,
+		"max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000, "tie_word_embeddings": false}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := model.WriteCheckpoint(src, mc, model.Init(mc, model.InitOptions{Seed: 1}), "F32"); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		out   string
+		force bool
+		want  string
+	}{
+		{src, true, "--out " + src + " is the directory being exported"},
+		{src, false, "--out " + src + " is the directory being exported"},
+		{parent, true, "--out " + parent + " holds the checkpoint being exported"},
+		{src + "/", true, "is the directory being exported"},
+	} {
+		_, err := Export(src, tc.out, ExportOptions{Force: tc.force})
+		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "give --force") {
+			t.Errorf("export %s to %s (force %v): %v, want %q", src, tc.out, tc.force, err, tc.want)
+		}
+		if _, err := os.Stat(filepath.Join(src, "model.safetensors")); err != nil {
+			t.Fatalf("export %s to %s (force %v) removed the source: %v", src, tc.out, tc.force, err)
+		}
+	}
+	// A directory inside the source's, or beside it, is a new directory.
+	for _, out := range []string{filepath.Join(src, "hf"), filepath.Join(parent, "model-bf16")} {
+		if _, err := Export(src, out, ExportOptions{}); err != nil {
+			t.Errorf("export %s to %s: %v", src, out, err)
+		}
 	}
 }
