@@ -38,6 +38,7 @@ import (
 	"gonum.org/v1/plot/vg/vgsvg"
 
 	"distill/internal/atomicfile"
+	"distill/internal/errkind"
 	"distill/internal/suggest"
 )
 
@@ -70,13 +71,18 @@ func Load(dir, label string) (*Run, error) {
 	path := filepath.Join(dir, "metrics.jsonl")
 	b, err := os.ReadFile(path)
 	if err != nil {
-		if errors.Is(err, os.ErrNotExist) {
-			if _, serr := os.Stat(dir); serr != nil {
-				return nil, fmt.Errorf("%w: run directory %s: %v", ErrInput, dir, serr)
-			}
-			return nil, fmt.Errorf("%w: %s has no metrics.jsonl: give the run directory of a `student train` run (its run_dir, or --run-dir)", ErrInput, dir)
+		const give = "give the run directory of a `student train` run (its run_dir, or --run-dir)"
+		switch fi, serr := os.Stat(dir); {
+		case errors.Is(serr, fs.ErrNotExist):
+			// It said "run directory DIR: stat DIR: no such file or directory".
+			return nil, errkind.Errorf(ErrInput, "run directory %s does not exist: %s", dir, give)
+		case serr == nil && !fi.IsDir():
+			// It said "open FILE/metrics.jsonl: not a directory".
+			return nil, errkind.Errorf(ErrInput, "%s is a file, not a run directory: %s, the directory that holds metrics.jsonl", dir, give)
+		case serr == nil && errors.Is(err, fs.ErrNotExist):
+			return nil, errkind.Errorf(ErrInput, "%s has no metrics.jsonl: %s", dir, give)
 		}
-		return nil, fmt.Errorf("%w: %v", ErrInput, err)
+		return nil, errkind.Wrap(ErrInput, err)
 	}
 	if label == "" {
 		label = filepath.Base(filepath.Clean(dir))
@@ -104,10 +110,10 @@ func Load(dir, label string) (*Run, error) {
 			Top1Agreement *float64 `json:"top1_agreement"`
 		}
 		if err := json.Unmarshal(line, &l); err != nil {
-			return nil, fmt.Errorf("%w: %s line %d: %v (is it a `student train` metrics file?)", ErrInput, path, i+1, err)
+			return nil, errkind.Errorf(ErrInput, "%s line %d: %v (is it a `student train` metrics file?)", path, i+1, err)
 		}
 		if l.Step == nil || (l.Type != "train" && l.Type != "eval") {
-			return nil, fmt.Errorf("%w: %s line %d: want a metrics object with \"type\" train or eval and a \"step\", found %.80q", ErrInput, path, i+1, bytes.TrimSpace(line))
+			return nil, errkind.Errorf(ErrInput, "%s line %d: want a metrics object with \"type\" train or eval and a \"step\", found %.80q", path, i+1, bytes.TrimSpace(line))
 		}
 		s := Step{Step: *l.Step, Loss: num(l.Loss), KD: num(l.KD), CE: num(l.CE), LR: num(l.LR), GradNorm: num(l.GradNorm),
 			Skipped: l.Skipped, TokenAccuracy: num(l.TokenAccuracy), Top1Agreement: num(l.Top1Agreement)}
@@ -119,7 +125,7 @@ func Load(dir, label string) (*Run, error) {
 	}
 	r.Train, r.Eval = sorted(train), sorted(eval)
 	if len(r.Train) == 0 && len(r.Eval) == 0 {
-		return nil, fmt.Errorf("%w: %s has no train or eval lines yet: plot the run once it has logged a step", ErrInput, path)
+		return nil, errkind.Errorf(ErrInput, "%s has no train or eval lines yet: plot the run once it has logged a step", path)
 	}
 	return r, nil
 }
@@ -151,8 +157,8 @@ type HLine struct {
 // ce panel) or "loss:target=0.5".
 func ParseHLine(s string) (HLine, error) {
 	bad := func(why string) (HLine, error) {
-		return HLine{}, fmt.Errorf("%w: --hline %q: %s; want [PANEL:]LABEL=VALUE, e.g. 'teacher CE=1.23' or 'loss:target=0.5' (panels: %s)",
-			ErrInput, s, why, strings.Join(PanelNames(), ", "))
+		return HLine{}, errkind.Errorf(ErrInput, "--hline %q: %s; want [PANEL:]LABEL=VALUE, e.g. 'teacher CE=1.23' or 'loss:target=0.5' (panels: %s)",
+			s, why, strings.Join(PanelNames(), ", "))
 	}
 	i := strings.LastIndex(s, "=")
 	if i < 0 {
@@ -261,11 +267,11 @@ type Select struct {
 // left with no series and no reference line is left out.
 func Panels(runs []*Run, hlines []HLine, sel Select) ([]Panel, error) {
 	if len(runs) == 0 {
-		return nil, fmt.Errorf("%w: no runs to plot: give --run DIR at least once", ErrInput)
+		return nil, errkind.Errorf(ErrInput, "no runs to plot: give --run DIR at least once")
 	}
 	for _, h := range hlines {
 		if panelIndex(h.Panel) < 0 {
-			return nil, fmt.Errorf("%w: reference line %q: unknown panel %q (panels: %s)", ErrInput, h.Label, h.Panel, strings.Join(PanelNames(), ", "))
+			return nil, errkind.Errorf(ErrInput, "reference line %q: unknown panel %q (panels: %s)", h.Label, h.Panel, strings.Join(PanelNames(), ", "))
 		}
 	}
 	chosen := panels
@@ -275,22 +281,22 @@ func Panels(runs []*Run, hlines []HLine, sel Select) ([]Panel, error) {
 		for _, name := range sel.Panels {
 			i := panelIndex(name)
 			if i < 0 {
-				return nil, fmt.Errorf("%w: unknown panel %q (panels: %s)", ErrInput, name, strings.Join(PanelNames(), ", "))
+				return nil, errkind.Errorf(ErrInput, "unknown panel %q (panels: %s)", name, strings.Join(PanelNames(), ", "))
 			}
 			if seen[name] {
-				return nil, fmt.Errorf("%w: panel %s named twice in --panels: name each once", ErrInput, name)
+				return nil, errkind.Errorf(ErrInput, "panel %s named twice in --panels: name each once", name)
 			}
 			seen[name] = true
 			chosen = append(chosen, panels[i])
 		}
 		if len(chosen) == 0 {
-			return nil, fmt.Errorf("%w: no panels chosen (panels: %s)", ErrInput, strings.Join(PanelNames(), ", "))
+			return nil, errkind.Errorf(ErrInput, "no panels chosen (panels: %s)", strings.Join(PanelNames(), ", "))
 		}
 		// A reference line on a panel not drawn was dropped without a word.
 		for _, h := range hlines {
 			if !seen[h.Panel] {
-				return nil, fmt.Errorf("%w: reference line %q is on panel %s, which --panels %s leaves out: add it to --panels, or name a drawn panel in --hline (PANEL:LABEL=VALUE)",
-					ErrInput, h.Label, h.Panel, strings.Join(sel.Panels, ","))
+				return nil, errkind.Errorf(ErrInput, "reference line %q is on panel %s, which --panels %s leaves out: add it to --panels, or name a drawn panel in --hline (PANEL:LABEL=VALUE)",
+					h.Label, h.Panel, strings.Join(sel.Panels, ","))
 			}
 		}
 	}
@@ -378,7 +384,7 @@ func Panels(runs []*Run, hlines []HLine, sel Select) ([]Panel, error) {
 		out = append(out, dp)
 	}
 	if len(out) == 0 {
-		return nil, fmt.Errorf("%w: nothing to draw: no run has a point in these panels from step %d on", ErrInput, sel.From)
+		return nil, errkind.Errorf(ErrInput, "nothing to draw: no run has a point in these panels from step %d on", sel.From)
 	}
 	return out, nil
 }
@@ -498,7 +504,7 @@ func Write(path string, runs []*Run, hlines []HLine, o Options) ([]Panel, error)
 	switch format {
 	case "png", "svg", "pdf":
 	default:
-		return nil, fmt.Errorf("%w: --out %q: the file name must end in .png, .svg or .pdf", ErrInput, path)
+		return nil, errkind.Errorf(ErrInput, "--out %q: the file name must end in .png, .svg or .pdf", path)
 	}
 	// A directory that is not there fails before the drawing, and says
 	// so: it was "open DIR/FILE.png.1a2b3c.tmp: no such file or directory".
@@ -511,7 +517,7 @@ func Write(path string, runs []*Run, hlines []HLine, o Options) ([]Panel, error)
 			case err != nil:
 				why = fmt.Sprintf("cannot be read (%v): choose another --out", err)
 			}
-			return nil, fmt.Errorf("%w: --out %s: its directory %s %s", ErrInput, path, dir, why)
+			return nil, errkind.Errorf(ErrInput, "--out %s: its directory %s %s", path, dir, why)
 		}
 	}
 	ps, err := Panels(runs, hlines, o.Select)
@@ -528,7 +534,7 @@ func Write(path string, runs []*Run, hlines []HLine, o Options) ([]Panel, error)
 		o.Cols = 3
 	}
 	if o.Width < 200 || o.Height < 150 || o.Width > 20000 || o.Height > 20000 {
-		return nil, fmt.Errorf("%w: size %dx%d pixels: want 200..20000 x 150..20000", ErrInput, o.Width, o.Height)
+		return nil, errkind.Errorf(ErrInput, "size %dx%d pixels: want 200..20000 x 150..20000", o.Width, o.Height)
 	}
 	const dpi = 100
 	w, h := vg.Length(o.Width)*vg.Inch/dpi, vg.Length(o.Height)*vg.Inch/dpi
@@ -576,7 +582,7 @@ func Write(path string, runs []*Run, hlines []HLine, o Options) ([]Panel, error)
 	})
 	if err != nil {
 		// atomicfile's error names path already ("writing PATH: ...").
-		return nil, fmt.Errorf("runplot: --out: %w: choose another --out", err)
+		return nil, fmt.Errorf("--out: %w: choose another --out", err)
 	}
 	return ps, nil
 }

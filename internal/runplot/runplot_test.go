@@ -102,7 +102,8 @@ func TestLoadErrors(t *testing.T) {
 		name, dir string
 		want      []string
 	}{
-		{"missing dir", filepath.Join(empty, "nope"), []string{"run directory", "nope"}},
+		{"missing dir", filepath.Join(empty, "nope"), []string{"run directory " + filepath.Join(empty, "nope") + " does not exist: give the run directory of a `student train` run"}},
+		{"a file", writeRun(t, "r0", "{\"type\":\"train\",\"step\":1,\"loss\":1}\n") + "/metrics.jsonl", []string{"metrics.jsonl is a file, not a run directory: give the run directory"}},
 		{"no metrics", empty, []string{"has no metrics.jsonl", "student train"}},
 		{"not json", writeRun(t, "r1", "{\"type\":\"train\",\"step\":1,\"loss\":1}\nhello\n"), []string{"metrics.jsonl line 2", "student train"}},
 		{"no type", writeRun(t, "r2", "{\"step\":1,\"loss\":1}\n"), []string{"line 1", `"type" train or eval`}},
@@ -113,6 +114,12 @@ func TestLoadErrors(t *testing.T) {
 		if err == nil || !errors.Is(err, ErrInput) {
 			t.Errorf("%s: err %v, want ErrInput", c.name, err)
 			continue
+		}
+		// The kind is for the code: its text ("runplot: bad input") led
+		// every message the user read, and a Go call ("stat DIR: no
+		// such file or directory") followed.
+		if m := err.Error(); strings.Contains(m, "runplot") || strings.Contains(m, "stat ") || strings.Contains(m, "open ") {
+			t.Errorf("%s: %q names the package or a system call", c.name, m)
 		}
 		for _, w := range c.want {
 			if !strings.Contains(err.Error(), w) {
@@ -307,12 +314,12 @@ func TestWriteErrors(t *testing.T) {
 		{"from past the end", []*Run{r}, nil, Options{Select: Select{From: 11}}, out, "nothing to draw"},
 		{"no dir", []*Run{r}, nil, Options{}, filepath.Join(dir, "missing", "c.png"), "--out " + filepath.Join(dir, "missing", "c.png") + ": its directory " + filepath.Join(dir, "missing") + " does not exist: create it (mkdir -p"},
 		{"dir a file", []*Run{r}, nil, Options{}, filepath.Join(file, "c.png"), "its directory " + file + " is a file, not a directory: choose another --out"},
-		{"unwritable dir", []*Run{r}, nil, Options{}, filepath.Join(ro, "c.png"), "runplot: --out: writing " + filepath.Join(ro, "c.png") + ": cannot create a file in " + ro + ": "},
+		{"unwritable dir", []*Run{r}, nil, Options{}, filepath.Join(ro, "c.png"), "--out: writing " + filepath.Join(ro, "c.png") + ": cannot create a file in " + ro + ": "},
 		{"panel twice", []*Run{r}, nil, Options{Select: Select{Panels: []string{"ce", "kd", "ce"}}}, out, "panel ce named twice in --panels"},
 		{"line on a panel not drawn", []*Run{r}, []HLine{{Panel: "kd", Label: "x", Value: 1}}, Options{Select: Select{Panels: []string{"ce"}}}, out, `reference line "x" is on panel kd, which --panels ce leaves out`},
 	} {
 		_, err := Write(c.path, c.runs, c.hlines, c.o)
-		if err == nil || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), ".tmp") {
+		if err == nil || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), ".tmp") || strings.HasPrefix(err.Error(), "runplot") {
 			t.Errorf("%s: %v, want it to say %q", c.name, err, c.want)
 		}
 	}
