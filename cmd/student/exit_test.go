@@ -37,6 +37,18 @@ func TestExitStatus(t *testing.T) {
 		{[]string{"init", "--out", out, "--layers", "0"}, 2, "--layers 0: want positive numbers"},
 		{[]string{"plan"}, 2, "--config is required"},
 		{[]string{"plot", "--out", out}, 2, "--run DIR is required"},
+		// plot's flag values are checked before any run is read (these
+		// exited 1, after "runplot: bad input: ..."); a run that is not
+		// there is a failure of the work.
+		{[]string{"plot", "--run", missing, "--out", out + ".jpg"}, 2, `--out "` + out + `.jpg": the file name must end in .png, .svg or .pdf`},
+		{[]string{"plot", "--run", missing, "--out", out + ".png", "--panels", "loss,foo"}, 2, `unknown panel "foo"`},
+		{[]string{"plot", "--run", missing, "--out", out + ".png", "--hline", "1.23"}, 2, `--hline "1.23": no '='`},
+		{[]string{"plot", "--run", missing, "--out", out + ".png", "--hline", "kd:x=1", "--panels", "ce"}, 2, "which --panels ce leaves out"},
+		{[]string{"plot", "--run", missing, "--out", out + ".png", "--width", "-3"}, 2, "--width -3 --height 900: want 200..20000 x 150..20000 pixels"},
+		{[]string{"plot", "--run", missing, "--out", out + ".png", "--width", "0"}, 2, "--width 0 --height 900: want"},
+		{[]string{"plot", "--run", missing, "--out", out + ".png", "--height", "100"}, 2, "size 1500x100 pixels: want"},
+		{[]string{"plot", "--run", missing, "--out", out + ".png", "--from", "-1"}, 2, "--from -1: want a step >= 0"},
+		{[]string{"plot", "--run", missing, "--out", out + ".png"}, 1, "run directory " + missing + " does not exist"},
 	} {
 		var stderr bytes.Buffer
 		code := commands.Run(tc.args, io.Discard, &stderr)

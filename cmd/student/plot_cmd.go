@@ -47,6 +47,32 @@ func runPlot(args []string) error {
 	if *cols < 1 {
 		return cli.Usagef("--cols %d: want at least 1", *cols)
 	}
+	if *width < 1 || *height < 1 {
+		// 0 drew the default size without a word.
+		return cli.Usagef("--width %d --height %d: want 200..20000 x 150..20000 pixels", *width, *height)
+	}
+	if *from < 0 {
+		return cli.Usagef("--from %d: want a step >= 0", *from)
+	}
+	// What the command line alone gets wrong is a usage error (exit 2),
+	// found before any run is read: a bad --hline, --panels, --out name
+	// or size exited 1, as a run that could not be read does.
+	var hs []runplot.HLine
+	for _, s := range hlines {
+		h, err := runplot.ParseHLine(s)
+		if err != nil {
+			return cli.Usage(err)
+		}
+		hs = append(hs, h)
+	}
+	sel := runplot.Select{From: *from}
+	if *panelList != "" {
+		sel.Panels = strings.Split(*panelList, ",")
+	}
+	opts := runplot.Options{Width: *width, Height: *height, Title: *title, Cols: *cols, Select: sel}
+	if err := runplot.Check(*out, hs, opts); err != nil {
+		return cli.Usage(err)
+	}
 	var rs []*runplot.Run
 	for _, a := range runs {
 		label, dir := "", a
@@ -62,19 +88,7 @@ func runPlot(args []string) error {
 		}
 		rs = append(rs, r)
 	}
-	var hs []runplot.HLine
-	for _, s := range hlines {
-		h, err := runplot.ParseHLine(s)
-		if err != nil {
-			return err
-		}
-		hs = append(hs, h)
-	}
-	sel := runplot.Select{From: *from}
-	if *panelList != "" {
-		sel.Panels = strings.Split(*panelList, ",")
-	}
-	ps, err := runplot.Write(*out, rs, hs, runplot.Options{Width: *width, Height: *height, Title: *title, Cols: *cols, Select: sel})
+	ps, err := runplot.Write(*out, rs, hs, opts)
 	if err != nil {
 		return err
 	}

@@ -269,36 +269,9 @@ func Panels(runs []*Run, hlines []HLine, sel Select) ([]Panel, error) {
 	if len(runs) == 0 {
 		return nil, errkind.Errorf(ErrInput, "no runs to plot: give --run DIR at least once")
 	}
-	for _, h := range hlines {
-		if panelIndex(h.Panel) < 0 {
-			return nil, errkind.Errorf(ErrInput, "reference line %q: unknown panel %q (panels: %s)", h.Label, h.Panel, strings.Join(PanelNames(), ", "))
-		}
-	}
-	chosen := panels
-	if sel.Panels != nil {
-		chosen = nil
-		seen := map[string]bool{}
-		for _, name := range sel.Panels {
-			i := panelIndex(name)
-			if i < 0 {
-				return nil, errkind.Errorf(ErrInput, "unknown panel %q (panels: %s)", name, strings.Join(PanelNames(), ", "))
-			}
-			if seen[name] {
-				return nil, errkind.Errorf(ErrInput, "panel %s named twice in --panels: name each once", name)
-			}
-			seen[name] = true
-			chosen = append(chosen, panels[i])
-		}
-		if len(chosen) == 0 {
-			return nil, errkind.Errorf(ErrInput, "no panels chosen (panels: %s)", strings.Join(PanelNames(), ", "))
-		}
-		// A reference line on a panel not drawn was dropped without a word.
-		for _, h := range hlines {
-			if !seen[h.Panel] {
-				return nil, errkind.Errorf(ErrInput, "reference line %q is on panel %s, which --panels %s leaves out: add it to --panels, or name a drawn panel in --hline (PANEL:LABEL=VALUE)",
-					h.Label, h.Panel, strings.Join(sel.Panels, ","))
-			}
-		}
+	chosen, err := choose(hlines, sel)
+	if err != nil {
+		return nil, err
 	}
 	from := func(pts []Step) []Step {
 		i := sort.Search(len(pts), func(i int) bool { return pts[i].Step >= sel.From })
@@ -387,6 +360,87 @@ func Panels(runs []*Run, hlines []HLine, sel Select) ([]Panel, error) {
 		return nil, errkind.Errorf(ErrInput, "nothing to draw: no run has a point in these panels from step %d on", sel.From)
 	}
 	return out, nil
+}
+
+// choose is the panels sel names (all of them when it names none),
+// refusing an unknown or repeated name and a reference line on a panel
+// that is not drawn.
+func choose(hlines []HLine, sel Select) ([]panel, error) {
+	for _, h := range hlines {
+		if panelIndex(h.Panel) < 0 {
+			return nil, errkind.Errorf(ErrInput, "reference line %q: unknown panel %q (panels: %s)", h.Label, h.Panel, strings.Join(PanelNames(), ", "))
+		}
+	}
+	chosen := panels
+	if sel.Panels != nil {
+		chosen = nil
+		seen := map[string]bool{}
+		for _, name := range sel.Panels {
+			i := panelIndex(name)
+			if i < 0 {
+				return nil, errkind.Errorf(ErrInput, "unknown panel %q (panels: %s)", name, strings.Join(PanelNames(), ", "))
+			}
+			if seen[name] {
+				return nil, errkind.Errorf(ErrInput, "panel %s named twice in --panels: name each once", name)
+			}
+			seen[name] = true
+			chosen = append(chosen, panels[i])
+		}
+		if len(chosen) == 0 {
+			return nil, errkind.Errorf(ErrInput, "no panels chosen (panels: %s)", strings.Join(PanelNames(), ", "))
+		}
+		// A reference line on a panel not drawn was dropped without a word.
+		for _, h := range hlines {
+			if !seen[h.Panel] {
+				return nil, errkind.Errorf(ErrInput, "reference line %q is on panel %s, which --panels %s leaves out: add it to --panels, or name a drawn panel in --hline (PANEL:LABEL=VALUE)",
+					h.Label, h.Panel, strings.Join(sel.Panels, ","))
+			}
+		}
+	}
+	return chosen, nil
+}
+
+// Check refuses, before any run is read, the options and reference
+// lines that Write would refuse whatever the runs hold: the file name's
+// extension, the size, unknown or repeated panels and reference lines on
+// panels not drawn (`student plot` reports them as usage errors).
+func Check(path string, hlines []HLine, o Options) error {
+	if _, err := imageFormat(path); err != nil {
+		return err
+	}
+	if _, err := choose(hlines, o.Select); err != nil {
+		return err
+	}
+	_, err := o.size()
+	return err
+}
+
+// imageFormat is path's image format from its extension.
+func imageFormat(path string) (string, error) {
+	format := strings.TrimPrefix(strings.ToLower(filepath.Ext(path)), ".")
+	switch format {
+	case "png", "svg", "pdf":
+		return format, nil
+	}
+	return "", errkind.Errorf(ErrInput, "--out %q: the file name must end in .png, .svg or .pdf", path)
+}
+
+// size is o with its zero Width, Height and Cols replaced by the
+// defaults, or an error for a size out of range.
+func (o Options) size() (Options, error) {
+	if o.Width == 0 {
+		o.Width = 1500
+	}
+	if o.Height == 0 {
+		o.Height = 900
+	}
+	if o.Cols == 0 {
+		o.Cols = 3
+	}
+	if o.Width < 200 || o.Height < 150 || o.Width > 20000 || o.Height > 20000 {
+		return o, errkind.Errorf(ErrInput, "size %dx%d pixels: want 200..20000 x 150..20000", o.Width, o.Height)
+	}
+	return o, nil
 }
 
 // series returns the finite points of f over pts, or nil when there are
@@ -500,11 +554,9 @@ type Options struct {
 // Write draws the panels of runs into path (.png, .svg or .pdf), replacing
 // it atomically, and returns the panels drawn.
 func Write(path string, runs []*Run, hlines []HLine, o Options) ([]Panel, error) {
-	format := strings.TrimPrefix(strings.ToLower(filepath.Ext(path)), ".")
-	switch format {
-	case "png", "svg", "pdf":
-	default:
-		return nil, errkind.Errorf(ErrInput, "--out %q: the file name must end in .png, .svg or .pdf", path)
+	format, err := imageFormat(path)
+	if err != nil {
+		return nil, err
 	}
 	// A directory that is not there fails before the drawing, and says
 	// so: it was "open DIR/FILE.png.1a2b3c.tmp: no such file or directory".
@@ -524,17 +576,8 @@ func Write(path string, runs []*Run, hlines []HLine, o Options) ([]Panel, error)
 	if err != nil {
 		return nil, err
 	}
-	if o.Width == 0 {
-		o.Width = 1500
-	}
-	if o.Height == 0 {
-		o.Height = 900
-	}
-	if o.Cols == 0 {
-		o.Cols = 3
-	}
-	if o.Width < 200 || o.Height < 150 || o.Width > 20000 || o.Height > 20000 {
-		return nil, errkind.Errorf(ErrInput, "size %dx%d pixels: want 200..20000 x 150..20000", o.Width, o.Height)
+	if o, err = o.size(); err != nil {
+		return nil, err
 	}
 	const dpi = 100
 	w, h := vg.Length(o.Width)*vg.Inch/dpi, vg.Length(o.Height)*vg.Inch/dpi
