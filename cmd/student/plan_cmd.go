@@ -21,14 +21,14 @@ func init() {
 
 func runPlan(args []string) error {
 	fs := flag.NewFlagSet("student plan", flag.ContinueOnError)
-	config := fs.String("config", "", "YAML training config (as `student train` takes)")
+	config := fs.String("config", "", "YAML training config, `FILE`, as student train takes (required)")
 	var sets multiFlag
 	fs.Var(&sets, "set", "override a config key, key.path=value (repeatable), e.g. --set data.seq_len=8192")
 	devMem := fs.String("device-memory", "80GiB", "the device's memory: a byte count with an optional unit (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB), e.g. 80GiB, 141GiB")
 	world := fs.Int("world-size", 1, "data-parallel ranks: each holds 1/N of AdamW's moments (train.zero 1), of the gradients too (2), of the fp32 weights too (3)")
-	zero := fs.Int("zero", -1, "the ZeRO stage to plan (default: the config's train.zero): 0, 1, 2 or 3")
+	zero := fs.Int("zero", 0, "the ZeRO stage to plan over --world-size ranks: 0, 1, 2 or 3 (default: the config's train.zero)")
 	acts := fs.String("activations", "bf16", "the device's activation dtype: bf16 (the CUDA backend's default) or f32 (DISTILL_CUDA_ACT=f32)")
-	k := fs.Int("k", -1, "the teachers' top-k per position (the cache's k; several teachers: the sum of theirs); default 64, or 0 when distill.kd_weight is 0")
+	k := fs.Int("k", 0, "the teachers' top-k per position (the cache's k; several teachers: the sum of theirs) (default: 64, or 0 when distill.kd_weight is 0)")
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
@@ -41,8 +41,20 @@ func runPlan(args []string) error {
 	if *world < 1 {
 		return cli.Usagef("--world-size %d: want >= 1", *world)
 	}
-	if *zero > 3 || *zero < -1 {
+	// --k and --zero default to the config's, which no number stands
+	// for: their help said "(default -1)", the sentinel they had.
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	if *zero > 3 || *zero < 0 {
 		return cli.Usagef("--zero %d: want 0, 1, 2 or 3", *zero)
+	}
+	if given["zero"] && *zero > 0 && *world == 1 {
+		// One process holds the whole state: the plan ignored --zero
+		// without a word, as the trainer ignores train.zero.
+		return cli.Usagef("--zero %d shards the optimizer state over data-parallel ranks: give their number too, --world-size N (N > 1)", *zero)
+	}
+	if *k < 0 {
+		return cli.Usagef("--k %d: want >= 0", *k)
 	}
 	var act compute.DType
 	switch *acts {
@@ -75,13 +87,13 @@ func runPlan(args []string) error {
 	} else if mc, err = cfg.Model.Random.ModelConfig(); err != nil {
 		return err
 	}
-	if *k < 0 {
+	if !given["k"] {
 		*k = 64
 		if cfg.Distill.KDWeight == 0 {
 			*k = 0
 		}
 	}
-	if *zero >= 0 {
+	if given["zero"] {
 		cfg.Train.ZeRO = *zero
 	}
 	return printPlan(stdout, cfg, mc, *k, act, *world, total)
@@ -96,6 +108,9 @@ func zeroNote(zero, world int, overlap, qad bool) string {
 		grads, weights, ov = "two layers'", "three layers'", "; the collectives overlap the compute (train.overlap_comm)"
 	}
 	switch {
+	case world <= 1 && zero > 0:
+		// The config's train.zero, which one process ignores.
+		return fmt.Sprintf(", one process (train.zero %d shards over data-parallel ranks: plan them with --world-size N)", zero)
 	case world <= 1:
 		return ""
 	case zero == 2:

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -148,6 +149,11 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 		{[]string{"--activations", "fp16"}, "--activations"},
 		{[]string{"--world-size", "0"}, "--world-size"},
 		{[]string{"--zero", "4"}, "--zero"},
+		{[]string{"--zero", "-1"}, "--zero -1: want 0, 1, 2 or 3"},
+		{[]string{"--k", "-1"}, "--k -1: want >= 0"},
+		// One process holds the whole state: --zero was ignored without
+		// a word.
+		{[]string{"--zero", "3"}, "--zero 3 shards the optimizer state over data-parallel ranks: give their number too, --world-size N (N > 1)"},
 	} {
 		stdout = &bytes.Buffer{}
 		err := runPlan(append([]string{"--config", cfg}, c.args...))
@@ -158,5 +164,34 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 	}
 	if err := runPlan(nil); err == nil || !strings.Contains(err.Error(), "--config") {
 		t.Errorf("no --config: %v", err)
+	}
+	// The config's train.zero on one process: the plan says it is not
+	// sharded, and how to plan the ranks.
+	if out := plan("--set", "train.zero=2"); !strings.Contains(out, "bf16 activations, one process (train.zero 2 shards over data-parallel ranks: plan them with --world-size N)") {
+		t.Errorf("train.zero 2 on one process: %s", out)
+	}
+	// --k 0 and --zero 0 given are numbers, not "the default".
+	if out := plan("--k", "0", "--world-size", "2", "--zero", "0", "--set", "train.zero=1"); !strings.Contains(out, "teacher top-k 0,") || !strings.Contains(out, "2 ranks at ZeRO stage 0") {
+		t.Errorf("--k 0 --zero 0: %s", out)
+	}
+}
+
+// TestHelpNoSentinels: a flag whose default is another source's (the
+// config's) says so in its help, not "(default -1)", and a flag's
+// placeholder is a placeholder: `student train` in --config's help was
+// taken for its name ("-config student train").
+func TestHelpNoSentinels(t *testing.T) {
+	for _, cmd := range []string{"init", "plan", "export", "plot", "train", "eval"} {
+		c := exec.Command(os.Args[0], cmd, "-h")
+		c.Env = append(os.Environ(), "STUDENT_TEST_MAIN=1")
+		out, err := c.CombinedOutput()
+		if err != nil {
+			t.Fatalf("student %s -h: %v\n%s", cmd, err, out)
+		}
+		for _, bad := range []string{"(default -1)", "-config student train"} {
+			if strings.Contains(string(out), bad) {
+				t.Errorf("student %s -h says %q:\n%s", cmd, bad, out)
+			}
+		}
 	}
 }
