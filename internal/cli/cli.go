@@ -227,6 +227,30 @@ func SignalName(sig os.Signal) string {
 	return fmt.Sprint(sig)
 }
 
+// unitHint is ParseBytes's suggestion for a positive number with a unit
+// it does not take (the units are case-sensitive): "80gib" is 80GiB, and
+// "80G", as Slurm and Docker write sizes, 80GiB or 80GB; "" otherwise.
+func unitHint(t string) string {
+	i := strings.IndexFunc(t, func(r rune) bool { return r != '.' && (r < '0' || r > '9') })
+	if i <= 0 {
+		return ""
+	}
+	num, unit := t[:i], strings.TrimSpace(t[i:])
+	if v, err := strconv.ParseFloat(num, 64); err != nil || !(v > 0) {
+		return ""
+	}
+	for _, u := range []string{"KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "TB"} {
+		if strings.EqualFold(unit, u) {
+			return fmt.Sprintf(": did you mean %s%s? (units are case-sensitive)", num, u)
+		}
+	}
+	switch p := strings.ToUpper(unit); p {
+	case "K", "M", "G", "T":
+		return fmt.Sprintf(": did you mean %s%siB (or %s%sB)?", num, p, num, p)
+	}
+	return ""
+}
+
 // ParseBytes reads a byte count with an optional unit: B, KiB, MiB, GiB,
 // TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000); a number
 // without a unit is bytes. It reads device memory (--device-memory), so a
@@ -249,7 +273,7 @@ func ParseBytes(s string) (int64, error) {
 	}
 	v, err := strconv.ParseFloat(t, 64)
 	if err != nil || !(v > 0) || v*mult > 1<<60 {
-		return 0, fmt.Errorf("%q: want a positive size such as 80GiB, 141GiB or 85899345920 (units: B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)", s)
+		return 0, fmt.Errorf("%q: want a positive size such as 80GiB, 141GiB or 85899345920 (units: B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)%s", s, unitHint(strings.TrimSpace(s)))
 	}
 	if !unit && v < 1<<20 {
 		return 0, fmt.Errorf("%q: a size without a unit is bytes, and %s bytes is no device's memory: did you mean %sGiB?", s, t, t)

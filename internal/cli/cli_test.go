@@ -233,6 +233,15 @@ func TestParseBytes(t *testing.T) {
 		{"-1", "want a positive size"},
 		{"garbage", "want a positive size such as 80GiB, 141GiB or 85899345920 (units: B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)"},
 		{"80gb", "(units: B, KiB"},
+		// A unit in the wrong case, or a single letter as Slurm and
+		// Docker write sizes: the refusal says which unit was meant.
+		{"80gb", "TB): did you mean 80GB? (units are case-sensitive)"},
+		{"80gib", "did you mean 80GiB? (units are case-sensitive)"},
+		{"80G", "TB): did you mean 80GiB (or 80GB)?"},
+		{"1.5t", "did you mean 1.5TiB (or 1.5TB)?"},
+		{"80 m", "did you mean 80MiB (or 80MB)?"},
+		{"80GiBs", "TB)"},
+		{"80gB", "did you mean 80GB? (units are case-sensitive)"},
 	} {
 		if _, err := ParseBytes(c.s); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%q: %v, want %q", c.s, err, c.want)
