@@ -50,7 +50,9 @@ func runInit(args []string) error {
 	if err != nil {
 		return cli.Usage(err)
 	}
-	if err := checkInitConfig(cfg, *f.headDim); err != nil {
+	given := map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { given[fl.Name] = true })
+	if err := checkInitConfig(cfg, *f.headDim, given); err != nil {
 		return cli.Usage(err)
 	}
 	if err := checkInitFits(cfg, strings.ToUpper(*f.dtype), *f.out); err != nil {
@@ -225,8 +227,26 @@ func (f *initFlags) config() (*model.Config, error) {
 // checkInitConfig validates cfg by round-tripping it through the
 // config.json parser, so init never writes a checkpoint that Load would
 // refuse, and checks what the architectures derive from hidden and heads
-// (headDim: the --head-dim flag, 0 when left out).
-func checkInitConfig(cfg *model.Config, headDim int) error {
+// (headDim: the --head-dim flag, 0 when left out; given: the flags
+// given). The head counts are checked first, naming the flags: the
+// parser names config.json's keys, and a value the preset set, which
+// the user never typed ("num_attention_heads 3 is not a multiple of
+// num_key_value_heads 2" for --heads 3; "head_dim 7 must be positive and
+// even" for --arch llama --hidden 30).
+func checkInitConfig(cfg *model.Config, headDim int, given map[string]bool) error {
+	flagVal := func(name string, v int) string {
+		if given[name] {
+			return fmt.Sprintf("--%s %d", name, v)
+		}
+		return fmt.Sprintf("--%s %d (the preset's)", name, v)
+	}
+	if cfg.Heads > 0 && cfg.KVHeads > 0 && cfg.Heads%cfg.KVHeads != 0 {
+		return fmt.Errorf("%s is not a multiple of %s: each key/value head serves the same number of query heads; give --kv-heads a divisor of %d (e.g. --kv-heads 1), or --heads a multiple of %d",
+			flagVal("heads", cfg.Heads), flagVal("kv-heads", cfg.KVHeads), cfg.Heads, cfg.KVHeads)
+	}
+	if cfg.Heads > 0 && cfg.Hidden%cfg.Heads != 0 && cfg.Arch != model.ArchQwen3 && cfg.Arch != model.ArchQwen3MoE && headDim == 0 {
+		return fmt.Errorf("%s is not divisible by %s: %s derives head_dim = hidden/heads; give sizes that divide", flagVal("hidden", cfg.Hidden), flagVal("heads", cfg.Heads), cfg.Arch)
+	}
 	js, err := cfg.JSON()
 	if err != nil {
 		return err
@@ -236,9 +256,6 @@ func checkInitConfig(cfg *model.Config, headDim int) error {
 	}
 	if cfg.Arch == model.ArchQwen2 && cfg.HeadDim*cfg.Heads != cfg.Hidden {
 		return fmt.Errorf("qwen2 derives head_dim = hidden/heads; --head-dim %d does not match %d/%d", cfg.HeadDim, cfg.Hidden, cfg.Heads)
-	}
-	if cfg.Hidden%cfg.Heads != 0 && cfg.Arch != model.ArchQwen3 && cfg.Arch != model.ArchQwen3MoE && headDim == 0 {
-		return fmt.Errorf("--hidden %d is not divisible by --heads %d", cfg.Hidden, cfg.Heads)
 	}
 	return nil
 }

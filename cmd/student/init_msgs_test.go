@@ -73,6 +73,13 @@ func TestInitRefusesWhatCannotBeMade(t *testing.T) {
 		{[]string{"--arch", "qwen2", "--attention-bias", "false"}, "--attention-bias false: qwen2 always has q/k/v biases"},
 		{[]string{"--std", "-1"}, "--std -1: want a positive standard deviation"},
 		{[]string{"--std", "NaN"}, "--std NaN: want a positive standard deviation"},
+		// Head counts name the flags, and a value the preset set says so:
+		// the parser's "num_attention_heads 3 is not a multiple of
+		// num_key_value_heads 2" named a value never typed.
+		{[]string{"--heads", "3"}, "--heads 3 is not a multiple of --kv-heads 2 (the preset's): each key/value head serves the same number of query heads; give --kv-heads a divisor of 3 (e.g. --kv-heads 1), or --heads a multiple of 2"},
+		{[]string{"--kv-heads", "3"}, "--heads 4 (the preset's) is not a multiple of --kv-heads 3"},
+		// It said "head_dim 7 must be positive and even (RoPE rotates pairs)".
+		{[]string{"--arch", "llama", "--hidden", "30"}, "--hidden 30 is not divisible by --heads 4 (the preset's): llama derives head_dim = hidden/heads"},
 	} {
 		err := runInit(append(c.args, "--out", out))
 		if cli.ExitStatus(err) != 2 || !strings.Contains(err.Error(), c.want) {
