@@ -134,6 +134,11 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 	if !strings.Contains(out, "f32 activations") || regexp.MustCompile(`(?m)^full +[0-9.]+ MiB +yes `).MatchString(out) {
 		t.Errorf("a 320 MiB device under QAD with fp32 activations: want full not fitting:\n%s", out)
 	}
+	run := filepath.Join(dir, "run") // a run's layout: no config.json at its top
+	for _, step := range []string{"step-00000003", "step-00000007"} {
+		os.MkdirAll(filepath.Join(run, "checkpoints", step), 0o755)
+	}
+	os.WriteFile(filepath.Join(run, "config.yaml"), []byte("run_dir: x\n"), 0o644)
 	for _, c := range []struct {
 		args []string
 		want string
@@ -144,6 +149,9 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 		{[]string{"--device-memory", "80"}, `--device-memory: "80": a size without a unit is bytes, and 80 bytes is no device's memory: did you mean 80GiB?`},
 		{[]string{"--device-memory", "200MiB"}, "--device-memory 200MiB: not more than the 256.0 MiB a device keeps in reserve: give the device's whole memory, e.g. 80GiB"},
 		{[]string{"--set", "model.random=null", "--set", "model.init_from=" + filepath.Join(dir, "nomodel")}, "model.init_from: open " + filepath.Join(dir, "nomodel", "config.json") + ": no such file or directory (a checkpoint directory needs config.json): the plan reads only the student's config.json: point model.init_from at a directory that holds it, e.g. --set model.init_from=examples/model-configs/qwen3-8b"},
+		// A run directory is not a checkpoint: its newest checkpoint is
+		// (the advice was the example configs).
+		{[]string{"--set", "model.random=null", "--set", "model.init_from=" + run}, "model.init_from: " + run + " is a student train run directory, not a checkpoint: point model.init_from at one of its checkpoints, e.g. --set model.init_from=" + filepath.Join(run, "checkpoints", "step-00000007")},
 		{[]string{"--set", "train.recompute=most"}, "train.recompute"},
 		{[]string{"extra"}, "unexpected arguments"},
 		{[]string{"--activations", "fp16"}, "--activations"},
