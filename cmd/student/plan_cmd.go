@@ -79,13 +79,13 @@ func runPlan(args []string) error {
 	}
 	var mc *model.Config
 	if cfg.Model.InitFrom != "" {
+		// A student run's directory: its checkpoints hold the
+		// config.json (the advice below, the example configs, was the
+		// wrong way out).
+		if err := trainer.CheckInitFrom(cfg.Model.InitFrom); err != nil {
+			return err
+		}
 		if mc, err = model.LoadConfig(cfg.Model.InitFrom); err != nil {
-			// A student run's directory: its checkpoints hold the
-			// config.json (the advice below, the example configs, was
-			// the wrong way out).
-			if ck, cerr := trainer.LatestCheckpoint(cfg.Model.InitFrom); cerr == nil && ck != "" {
-				return fmt.Errorf("model.init_from: %s is a student train run directory, not a checkpoint: point model.init_from at one of its checkpoints, e.g. --set model.init_from=%s, or at an export of it (student export)", cfg.Model.InitFrom, ck)
-			}
 			// The examples' init_from is a placeholder; the plan needs
 			// only a config.json, which examples/model-configs holds.
 			return fmt.Errorf("model.init_from: %w: the plan reads only the student's config.json: point model.init_from at a directory that holds it, e.g. --set model.init_from=examples/model-configs/qwen3-8b", err)

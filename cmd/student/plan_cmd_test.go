@@ -151,7 +151,7 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 		{[]string{"--set", "model.random=null", "--set", "model.init_from=" + filepath.Join(dir, "nomodel")}, "model.init_from: open " + filepath.Join(dir, "nomodel", "config.json") + ": no such file or directory (a checkpoint directory needs config.json): the plan reads only the student's config.json: point model.init_from at a directory that holds it, e.g. --set model.init_from=examples/model-configs/qwen3-8b"},
 		// A run directory is not a checkpoint: its newest checkpoint is
 		// (the advice was the example configs).
-		{[]string{"--set", "model.random=null", "--set", "model.init_from=" + run}, "model.init_from: " + run + " is a student train run directory, not a checkpoint: point model.init_from at one of its checkpoints, e.g. --set model.init_from=" + filepath.Join(run, "checkpoints", "step-00000007")},
+		{[]string{"--set", "model.random=null", "--set", "model.init_from=" + run}, "model.init_from: " + run + " is a student train run directory, not a checkpoint: point model.init_from at one of its checkpoints, e.g. " + filepath.Join(run, "checkpoints", "step-00000007")},
 		{[]string{"--set", "train.recompute=most"}, "train.recompute"},
 		{[]string{"extra"}, "unexpected arguments"},
 		{[]string{"--activations", "fp16"}, "--activations"},

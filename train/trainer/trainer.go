@@ -348,6 +348,9 @@ func backend(cfg *Config, log io.Writer, ordinal int) (compute.Backend, error) {
 // initStudent builds a fresh student as the config says, on be (sh:
 // this rank's part of it under ZeRO stages 2 and 3).
 func initStudent(cfg *Config, be compute.Backend, sh *train.Sharding) (*train.Student, error) {
+	if err := CheckInitFrom(cfg.Model.InitFrom); err != nil {
+		return nil, err
+	}
 	if lc := cfg.TrainLoRA(); lc != nil {
 		return newLoRAStudent(cfg, be, *lc)
 	}
@@ -375,6 +378,48 @@ func initStudent(cfg *Config, be compute.Backend, sh *train.Sharding) (*train.St
 		return nil, err
 	}
 	return s, nil
+}
+
+// CheckInitFrom refuses a model.init_from that is one of this tool's own
+// directories but not an HF checkpoint, saying which one to give instead:
+// a student train run directory (its checkpoints are), or a LoRA run's
+// checkpoint (adapters only: its merged export is a model). Anything else
+// ("" included) is left to the checkpoint's loader.
+func CheckInitFrom(dir string) error {
+	if dir == "" {
+		return nil
+	}
+	if _, err := os.Stat(filepath.Join(dir, "config.json")); err == nil {
+		if _, err := os.Stat(filepath.Join(dir, "adapter_config.json")); err == nil && !hasWeights(dir) {
+			out := filepath.Clean(dir) // the export beside the run, not among its checkpoints
+			if parent := filepath.Dir(out); filepath.Base(parent) == "checkpoints" {
+				out = filepath.Dir(parent)
+			}
+			return errkind.Errorf(ErrConfig, "model.init_from: %s is a LoRA run's checkpoint: it holds the adapters only (adapter_model.safetensors), not a model: export the merged model first (student export --checkpoint %s --format bf16 --out %s-merged) and point model.init_from at that", dir, dir, out)
+		}
+		return nil
+	}
+	if _, err := os.Stat(filepath.Join(dir, "config.yaml")); err != nil {
+		return nil
+	}
+	switch ck, err := LatestCheckpoint(dir); {
+	case err == nil && ck != "":
+		return errkind.Errorf(ErrConfig, "model.init_from: %s is a student train run directory, not a checkpoint: point model.init_from at one of its checkpoints, e.g. %s, or at an export of it (student export)", dir, ck)
+	case err == nil:
+		return errkind.Errorf(ErrConfig, "model.init_from: %s is a student train run directory with no checkpoint yet: run it until it saves one, then point model.init_from at that checkpoint", dir)
+	}
+	return nil
+}
+
+// hasWeights reports whether dir holds an HF checkpoint's weights
+// (model.safetensors, or a sharded one's index).
+func hasWeights(dir string) bool {
+	for _, f := range []string{"model.safetensors", "model.safetensors.index.json"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); err == nil {
+			return true
+		}
+	}
+	return false
 }
 
 // tokenizerFingerprint resolves the student's tokenizer fingerprint (see
