@@ -254,10 +254,36 @@ func checkInitConfig(cfg *model.Config, headDim int, given map[string]bool) erro
 	if _, err := model.ParseConfig(js); err != nil {
 		return err
 	}
+	if cfg.NumExperts > 0 && !anySparse(cfg) {
+		return fmt.Errorf("qwen3_moe with no sparse layer: with --decoder-sparse-step %d and --mlp-only-layers %s, none of the %s has experts (a dense model with unused expert weights); give a --decoder-sparse-step of at most %d, or fewer --mlp-only-layers",
+			cfg.DecoderSparseStep, mlpOnlyText(cfg.MLPOnlyLayers), layers(cfg.Layers), cfg.Layers)
+	}
 	if cfg.Arch == model.ArchQwen2 && cfg.HeadDim*cfg.Heads != cfg.Hidden {
 		return fmt.Errorf("qwen2 derives head_dim = hidden/heads; --head-dim %d does not match %d/%d", cfg.HeadDim, cfg.Hidden, cfg.Heads)
 	}
 	return nil
+}
+
+// anySparse reports whether some layer of cfg has the MoE block.
+func anySparse(cfg *model.Config) bool {
+	for i := 0; i < cfg.Layers; i++ {
+		if cfg.IsMoE(i) {
+			return true
+		}
+	}
+	return false
+}
+
+// mlpOnlyText is --mlp-only-layers as the flag takes it ("none" for none).
+func mlpOnlyText(ls []int) string {
+	if len(ls) == 0 {
+		return "none"
+	}
+	s := make([]string, len(ls))
+	for i, l := range ls {
+		s[i] = strconv.Itoa(l)
+	}
+	return strings.Join(s, ",")
 }
 
 // printInitSummary says what init wrote.

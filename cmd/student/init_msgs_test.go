@@ -80,6 +80,9 @@ func TestInitRefusesWhatCannotBeMade(t *testing.T) {
 		{[]string{"--kv-heads", "3"}, "--heads 4 (the preset's) is not a multiple of --kv-heads 3"},
 		// It said "head_dim 7 must be positive and even (RoPE rotates pairs)".
 		{[]string{"--arch", "llama", "--hidden", "30"}, "--hidden 30 is not divisible by --heads 4 (the preset's): llama derives head_dim = hidden/heads"},
+		// A qwen3_moe checkpoint with no sparse layer was written, exit 0.
+		{[]string{"--arch", "qwen3_moe", "--layers", "3", "--decoder-sparse-step", "9"}, "qwen3_moe with no sparse layer: with --decoder-sparse-step 9 and --mlp-only-layers 1, none of the 3 layers has experts"},
+		{[]string{"--arch", "qwen3_moe", "--layers", "2", "--mlp-only-layers", "0,1"}, "give a --decoder-sparse-step of at most 2, or fewer --mlp-only-layers"},
 	} {
 		err := runInit(append(c.args, "--out", out))
 		if cli.ExitStatus(err) != 2 || !strings.Contains(err.Error(), c.want) {
