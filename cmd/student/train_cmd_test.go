@@ -127,16 +127,7 @@ log: {progress: "off"}
 	}
 	// `student eval` on the config's dataset scores the held-out samples
 	// exactly as the run's final eval did.
-	var evalLine struct {
-		CE     float64 `json:"ce"`
-		Tokens int     `json:"tokens"`
-	}
-	mj, _ := os.ReadFile(filepath.Join(run, "metrics.jsonl"))
-	for _, l := range strings.Split(string(mj), "\n") {
-		if strings.Contains(l, `"type":"eval"`) {
-			json.Unmarshal([]byte(l), &evalLine)
-		}
-	}
+	evalLine := lastEval(t, run)
 	m, _ := evalJSON(t, "--checkpoint", run, "--config", filepath.Join(run, "config.yaml"))
 	if m["ce"] != evalLine.CE || int(m["tokens"].(float64)) != evalLine.Tokens || evalLine.Tokens == 0 || m["samples"] != 8.0 || m["kd"] != 0.0 {
 		t.Fatalf("student eval on the dataset: %v; the run's final eval: %+v", m, evalLine)
@@ -221,16 +212,7 @@ log: {progress: "off"}
 	if err := runTrain([]string{"--config", cfg, "--run-dir", run}); err != nil {
 		t.Fatal(err)
 	}
-	var evalLine struct {
-		CE     float64 `json:"ce"`
-		Tokens int     `json:"tokens"`
-	}
-	mj, _ := os.ReadFile(filepath.Join(run, "metrics.jsonl"))
-	for _, l := range strings.Split(string(mj), "\n") {
-		if strings.Contains(l, `"type":"eval"`) {
-			json.Unmarshal([]byte(l), &evalLine)
-		}
-	}
+	evalLine := lastEval(t, run)
 	m, _ := evalJSON(t, "--checkpoint", run, "--config", filepath.Join(run, "config.yaml"))
 	if m["ce"] != evalLine.CE || int(m["tokens"].(float64)) != evalLine.Tokens || evalLine.Tokens == 0 || m["samples"] != 8.0 {
 		t.Fatalf("student eval on the pre-tokenized dataset: %v; the run's final eval: %+v", m, evalLine)
@@ -266,4 +248,26 @@ log: {progress: "off"}
 	if err != nil || !strings.Contains(out.String(), "dataset samples [0, 8) (7 scored, 1 not scored (id out of vocab: 1)), ") {
 		t.Errorf("eval with skip_bad, text: %v\n%s", err, out.String())
 	}
+}
+
+// evalRecord is what lastEval reads of an eval line of metrics.jsonl.
+type evalRecord struct {
+	CE     float64 `json:"ce"`
+	Tokens int     `json:"tokens"`
+}
+
+// lastEval reads the last eval line of run's metrics.jsonl.
+func lastEval(t *testing.T, run string) evalRecord {
+	t.Helper()
+	var e evalRecord
+	mj, err := os.ReadFile(filepath.Join(run, "metrics.jsonl"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(mj), "\n") {
+		if strings.Contains(l, `"type":"eval"`) {
+			json.Unmarshal([]byte(l), &e)
+		}
+	}
+	return e
 }
