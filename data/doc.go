@@ -47,7 +47,8 @@
 //     calls. Templates that break the prefix property fail with ErrTemplate.
 //   - pre-tokenized: as given; ids are checked against the vocabulary.
 //     A dataset opened with IDsOnly (no tokenizer) takes input_ids records
-//     only: one with text instead, or beside its ids, is a bad record.
+//     only: one with text instead is a bad record; text beside the ids (a
+//     column HF's datasets.map kept) is not read.
 //
 // BOS is prepended when the tokenizer's AddBOS says so and the rendering does
 // not already start with it (Llama 3 templates write it themselves).
