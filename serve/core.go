@@ -431,9 +431,9 @@ func (c *Core) defaults(kp *int32, temp float32) (int, float32) {
 
 // idsOnly is the data.Tokenizer of pre-tokenized datasets: no text can be
 // encoded, so package data takes only input_ids records (one with text
-// instead, or beside its ids, is a bad record: an error, or skipped with
-// skip_bad, as in training) and checks the ids against the model's
-// vocabulary.
+// instead is a bad record: an error, or skipped with skip_bad, as in
+// training; text beside the ids is not read) and checks the ids against
+// the model's vocabulary.
 func idsOnly(vocab int) data.IDsOnly { return data.IDsOnly{Vocab: vocab} }
 
 // dataset opens (or returns the already opened) dataset of spec, and a
