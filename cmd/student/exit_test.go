@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"distill/train/trainer"
 )
 
 // TestExitStatus: what the command line alone gets wrong (a missing
@@ -55,5 +57,24 @@ func TestExitStatus(t *testing.T) {
 		if code != tc.code || !strings.Contains(stderr.String(), tc.want) {
 			t.Errorf("student %s: exit %d, want %d; stderr %q lacks %q", strings.Join(tc.args, " "), code, tc.code, stderr.String(), tc.want)
 		}
+	}
+}
+
+// TestUsageSignalStatuses: `student -h` says what student train exits
+// after SIGTERM, train.sigterm_exit_status (0 by default, as the README
+// says), not the 143 of the other commands' jobs: its usage said "143 for
+// SIGTERM" while the run exited 0.
+func TestUsageSignalStatuses(t *testing.T) {
+	var stdout bytes.Buffer
+	if code := commands.Run([]string{"-h"}, &stdout, io.Discard); code != 0 {
+		t.Fatalf("student -h: exit %d", code)
+	}
+	usage := strings.Join(strings.Fields(stdout.String()), " ")
+	want := "after SIGTERM, student train exits its train.sigterm_exit_status: 0 by default, or 143"
+	if !strings.Contains(usage, want) || strings.Contains(usage, "143 for SIGTERM") {
+		t.Errorf("student -h:\n%s\nwant %q and not \"143 for SIGTERM\"", stdout.String(), want)
+	}
+	if d := trainer.Defaults().Train.SigtermExitStatus; d != 0 {
+		t.Errorf("train.sigterm_exit_status defaults to %d; the usage says 0", d)
 	}
 }

@@ -29,6 +29,10 @@ type Command struct {
 type Registry struct {
 	prog     string
 	commands map[string]*Command
+	// SignalStatuses, when set, replaces "130 for Ctrl-C, 143 for
+	// SIGTERM" in the usage's exit statuses: student train exits
+	// train.sigterm_exit_status after SIGTERM, 0 by default.
+	SignalStatuses string
 }
 
 // New returns an empty registry for program prog.
@@ -53,16 +57,21 @@ func (r *Registry) usage(w io.Writer) {
 		fmt.Fprintf(w, "  %-10s %s\n", n, r.commands[n].Summary)
 	}
 	fmt.Fprintf(w, "\nRun '%s COMMAND -h' for a command's flags.\n", r.prog)
-	fmt.Fprint(w, exitStatuses)
+	signals := r.SignalStatuses
+	if signals == "" {
+		signals = "130 for Ctrl-C, 143 for SIGTERM"
+	}
+	fmt.Fprintf(w, exitStatuses, signals)
 }
 
-// exitStatuses documents ExitStatus in the programs' usage.
+// exitStatuses documents ExitStatus in the programs' usage; %s is the
+// registry's SignalStatuses.
 const exitStatuses = `
 Exit status: 0 on success (and for -h); 1 when the command fails (a file
 that does not exist, a bad config, a failed fill); 2 for a usage error (an
 unknown command or flag, a bad flag value, a missing required flag,
 unexpected arguments); 128+N when signal N stopped a resumable job after
-it saved its progress (130 for Ctrl-C, 143 for SIGTERM).
+it saved its progress (%s).
 `
 
 // Main dispatches args (os.Args[1:]) and exits with Run's status.
