@@ -116,7 +116,7 @@ func parseConfig(args []string) (serve.Config, bool, planFlags, error) {
 	fs.StringVar(&f.Cache, "cache", "", "cache directory fills write, created if missing (empty: Fill disabled)")
 	fs.Var((*stringList)(&f.DataRoots), "data-root", "directory `DIR` whose files clients may name as datasets (repeatable; none: Fill and DescribeDataset are refused)")
 	fs.StringVar(&f.Device, "device", "", "compute device: auto (a GPU when one opens, else the CPU), cpu or cuda")
-	fs.StringVar(&f.Weights, "weights", "", "the layers' Linear weights: bf16 (default: as the checkpoint gives them) or fp8 (E4M3 with a scale per output channel, quantized at load; W8A8 FP8 GEMMs on Hopper; a different fingerprint: see the README's FP8 fidelity table)")
+	fs.StringVar(&f.Weights, "weights", "", "the layers' Linear weights: bf16 (default: as the checkpoint gives them) or fp8 (E4M3 with a scale per output channel, quantized at load; W8A8 FP8 GEMMs on a GPU of compute capability 8.9 or later, Ada or Hopper; a different fingerprint: see the README's FP8 fidelity table)")
 	fs.StringVar(&f.Devices, "devices", "", "split the teacher's layers over these GPUs, a pipeline stage each: ordinals 0,1,2,3 (one may repeat: two stages on one GPU) or all")
 	fs.IntVar(&f.MicroBatches, "micro-batches", 0, "micro-batches a pipelined forward is cut into (default: four a GPU, none under 1024 tokens)")
 	fs.BoolVar(&pf.on, "plan", false, "print the teacher's memory plan for --devices (its layers over the GPUs, each GPU's bytes by term, the largest token budget) from config.json alone, and exit")
