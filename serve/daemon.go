@@ -444,6 +444,8 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 }
 
 // Shutdown drains: health goes NOT_SERVING, no new RPCs are accepted,
+// open Score streams end with Unavailable once they have answered the
+// samples they hold (their clients ask again elsewhere or later), and
 // in-flight RPCs get DrainTimeout (or until ctx ends) to finish; then the
 // rest are cancelled, which aborts their chunks (nothing partial becomes
 // visible), and the batcher and cache are closed.

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"io"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -44,7 +45,16 @@ type Server struct {
 	// authFailures counts calls refused for a missing or wrong token; it
 	// joins the core's registry in SetCore.
 	authFailures prometheus.Counter
+	// draining is closed by Draining: open Score streams end once they
+	// have answered what they hold (a client's stream is open as long as
+	// its run, so a drain waited for it until --drain-timeout).
+	draining  chan struct{}
+	drainOnce sync.Once
 }
+
+// errDraining ends a Score stream when the daemon drains: the client's
+// unanswered samples go to another replica, or wait for this one.
+var errDraining = status.Error(codes.Unavailable, "teacherd is shutting down (SIGTERM or Ctrl-C): the samples not answered on this stream are to be asked again, of another replica or of this daemon once it is back")
 
 // requestIDKey is the context key of the id the interceptors give every
 // call: the client's error messages carry it, the log lines too.
@@ -186,7 +196,22 @@ func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.Score
 			}
 		}
 	}()
-	for p := range q {
+	for {
+		var p pending
+		var ok bool
+		select {
+		case p, ok = <-q:
+		case <-s.draining:
+			// Answer what is queued already, then end the stream.
+			select {
+			case p, ok = <-q:
+			default:
+				return errDraining
+			}
+		}
+		if !ok {
+			break
+		}
 		if p.err != nil {
 			return s.toClient(ctx, p.err)
 		}
@@ -312,7 +337,7 @@ func NewGRPCServer(o ServerOptions) (*grpc.Server, *Server) {
 	if o.MaxRecvBytes == 0 {
 		o.MaxRecvBytes = 16 << 20
 	}
-	s := &Server{log: o.Logger, health: health.NewServer(), roots: o.DataRoots,
+	s := &Server{log: o.Logger, health: health.NewServer(), roots: o.DataRoots, draining: make(chan struct{}),
 		authFailures: prometheus.NewCounter(prometheus.CounterOpts{Name: "teacherd_auth_failures_total",
 			Help: "Calls refused for a missing or wrong bearer token."})}
 	lim := &limiter{max: int64(o.MaxConcurrent)}
@@ -371,4 +396,5 @@ func (s *Server) SetCore(c *Core) {
 // Draining reports NOT_SERVING so load balancers stop sending work.
 func (s *Server) Draining() {
 	s.health.Shutdown()
+	s.drainOnce.Do(func() { close(s.draining) })
 }
