@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"distill/cache"
+	"distill/internal/teacherdial"
 	pb "distill/proto/distill/v1"
 )
 
@@ -111,7 +112,9 @@ type FillSummary struct {
 // fillErr is an ErrFill of fmt.Errorf(format, a...) (%w wraps as there).
 func fillErr(format string, a ...any) error { return &fillError{fmt.Errorf(format, a...)} }
 
-func msg(err error) string { return status.Convert(err).Message() }
+// msg is err's message as a user reads it (teacherdial.Message): the
+// daemon's, or what happened to a connection that failed.
+func msg(err error) string { return teacherdial.Message(err) }
 
 // permanent reports whether a failed Fill would fail again anywhere: the
 // request or the data is wrong, not the teacher's health. Every error of

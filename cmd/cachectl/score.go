@@ -139,7 +139,7 @@ func scoreRemote(addr string, o serve.DialOptions, samples [][]int32, k int, tem
 		if c := status.Code(err); c == codes.Unauthenticated || c == codes.PermissionDenied {
 			hint = "give the daemon's bearer token with --token-file, --token or $DISTILL_TOKEN"
 		}
-		return fmt.Errorf("teacher %s: Info: %s (%s)", addr, status.Convert(err).Message(), hint)
+		return fmt.Errorf("teacher %s: Info: %s (%s)", addr, teacherdial.Message(err), hint)
 	}
 	stream, err := c.Score(ctx)
 	if err != nil {

@@ -71,12 +71,20 @@ func TestInspectFromPastTheEnd(t *testing.T) {
 func itoa(i int) string { return strconv.Itoa(i) }
 
 // TestScoreUnreachableTeacher: a daemon that does not answer is named
-// with what to check, as fill says it.
+// with what to check, as fill says it, and what failed without gRPC's
+// transport wording (it read `Info: connection error: desc = "transport:
+// Error while dialing: dial tcp 127.0.0.1:1: connect: connection
+// refused"`).
 func TestScoreUnreachableTeacher(t *testing.T) {
 	err := runScore([]string{"--teacher", "127.0.0.1:1", "--ids", "1,2"})
-	if err == nil || !strings.Contains(err.Error(), "teacher 127.0.0.1:1: Info: ") || !strings.Contains(err.Error(), "is it running? check the address") ||
-		strings.Contains(err.Error(), "rpc error") {
+	if err == nil || !strings.Contains(err.Error(), "teacher 127.0.0.1:1: Info: cannot connect: dial tcp 127.0.0.1:1: ") || !strings.Contains(err.Error(), "is it running? check the address") ||
+		strings.Contains(err.Error(), "rpc error") || strings.Contains(err.Error(), "desc =") || strings.Contains(err.Error(), "transport") {
 		t.Fatalf("score --teacher at a closed port: %v", err)
+	}
+	_, err = runFill(t, "--teacher", "127.0.0.1:1", "--data", "/data/d.jsonl")
+	if err == nil || !strings.Contains(err.Error(), "teacher 127.0.0.1:1: Info: cannot connect: dial tcp 127.0.0.1:1: ") || !strings.Contains(err.Error(), "is it running? check the address") ||
+		strings.Contains(err.Error(), "desc =") || strings.Contains(err.Error(), "transport") {
+		t.Fatalf("fill --teacher at a closed port: %v", err)
 	}
 }
 

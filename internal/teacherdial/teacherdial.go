@@ -16,8 +16,10 @@ import (
 	"strings"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 )
 
 // ErrInvalid marks a bad address, token file or CA file: every such
@@ -135,4 +137,37 @@ func ReadToken(path, name string) (string, error) {
 		return "", optionErr(TokenFile, name, "%s is empty: write the bearer token into it", path)
 	}
 	return t, nil
+}
+
+// Message is a failed call's error as a user reads it: the daemon's own
+// message without gRPC's "rpc error: code = ... desc = ..." wrapper, and
+// for a connection that failed, what happened to it instead of gRPC's
+// transport wording ("connection error: desc = \"transport: Error while
+// dialing: ...\"", "closing transport due to: ... received prior goaway:
+// ... graceful_stop"). The code, where a caller shows it, is
+// status.Code(err).
+func Message(err error) string {
+	st, ok := status.FromError(err)
+	if !ok {
+		return err.Error()
+	}
+	m := st.Message()
+	if st.Code() != codes.Unavailable {
+		return m
+	}
+	switch {
+	case strings.Contains(m, `debug data: "graceful_stop"`):
+		return "the daemon is shutting down (SIGTERM or Ctrl-C) and closed the connection"
+	case strings.Contains(m, "error reading from server: EOF"):
+		return "the connection was lost: the daemon stopped or crashed, or the network dropped"
+	}
+	if rest, ok := strings.CutPrefix(m, `connection error: desc = "`); ok {
+		rest = strings.TrimSuffix(rest, `"`)
+		rest = strings.TrimPrefix(rest, "transport: ")
+		if d, ok := strings.CutPrefix(rest, "Error while dialing: "); ok {
+			return "cannot connect: " + d
+		}
+		return rest
+	}
+	return m
 }

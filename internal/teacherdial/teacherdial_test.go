@@ -1,11 +1,17 @@
 package teacherdial
 
 import (
+	"context"
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/emptypb"
 )
 
 // TestOptionErrors: a bad CA file, token file or address names the
@@ -51,5 +57,48 @@ func TestOptionErrors(t *testing.T) {
 	}
 	if !strings.HasSuffix(dial("%zz", Options{}).Error(), "want a daemon's host:port (teacherd --listen)") {
 		t.Errorf("a bad address does not say what it wants: %v", dial("%zz", Options{}))
+	}
+}
+
+// TestMessage: a failed call reads without gRPC's wrapper and transport
+// wording. A daemon that is not running read "connection error: desc =
+// \"transport: Error while dialing: dial tcp ...: connect: connection
+// refused\"", one that went away "rpc error: code = Unavailable desc =
+// error reading from server: EOF".
+func TestMessage(t *testing.T) {
+	// A real refused connection: a port that was listened on and closed.
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	conn, err := Dial(addr, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	refused := conn.Invoke(context.Background(), "/distill.v1.Teacher/Info", &emptypb.Empty{}, &emptypb.Empty{})
+	if got := Message(refused); !strings.HasPrefix(got, "cannot connect: dial tcp "+addr+": ") || strings.Contains(got, "desc =") || strings.Contains(got, "transport") {
+		t.Errorf("refused: %q (from %v)", got, refused)
+	}
+	for _, c := range []struct {
+		err  error
+		want string
+	}{
+		// grpc-go's texts (internal/transport/http2_client.go).
+		{status.Error(codes.Unavailable, "error reading from server: EOF"), "the connection was lost: the daemon stopped or crashed, or the network dropped"},
+		{status.Error(codes.Unavailable, `closing transport due to: connection error: desc = "error reading from server: EOF", received prior goaway: code: NO_ERROR, debug data: "graceful_stop"`),
+			"the daemon is shutting down (SIGTERM or Ctrl-C) and closed the connection"},
+		{status.Error(codes.Unavailable, `connection error: desc = "transport: authentication handshake failed: tls: first record does not look like a TLS handshake"`),
+			"authentication handshake failed: tls: first record does not look like a TLS handshake"},
+		// The daemon's own messages pass as they are.
+		{status.Error(codes.InvalidArgument, "sample id 0 is empty: send at least one token id"), "sample id 0 is empty: send at least one token id"},
+		{status.Error(codes.Unavailable, "teacher model still loading: retry when the health check reports SERVING"), "teacher model still loading: retry when the health check reports SERVING"},
+		{errors.New("not a status"), "not a status"},
+	} {
+		if got := Message(c.err); got != c.want {
+			t.Errorf("Message(%v) = %q, want %q", c.err, got, c.want)
+		}
 	}
 }

@@ -291,7 +291,7 @@ func (p *teacherPool) startPause() {
 		var why []string
 		for _, r := range p.reps {
 			if r.lastErr != nil {
-				why = append(why, fmt.Sprintf("%s: %v", r.addr, r.lastErr))
+				why = append(why, fmt.Sprintf("%s: %s", r.addr, statusMessage(r.lastErr)))
 			} else if !r.checked {
 				why = append(why, fmt.Sprintf("%s: no answer", r.addr))
 			}
@@ -305,7 +305,7 @@ func (p *teacherPool) startPause() {
 	{
 		var why []string
 		for _, r := range p.reps {
-			why = append(why, fmt.Sprintf("%s: %v", r.addr, r.lastErr))
+			why = append(why, fmt.Sprintf("%s: %s", r.addr, statusMessage(r.lastErr)))
 		}
 		fmt.Fprintf(p.log, "teachers: no replica of teacher %s is reachable (%s): training paused; retrying, and giving up after distill.teacher_timeout %v\n",
 			p.name, strings.Join(why, "; "), p.timeout)
@@ -344,7 +344,7 @@ func (p *teacherPool) setDown(r *replica, err error, retry time.Duration) {
 	r.up = false
 	p.up--
 	if p.up > 0 {
-		fmt.Fprintf(p.log, "teachers: teacher %s replica %s failed (%v): its samples go to the other replicas; retrying it in %v\n", p.name, r.addr, err, retry)
+		fmt.Fprintf(p.log, "teachers: teacher %s replica %s failed (%s): its samples go to the other replicas; retrying it in %v\n", p.name, r.addr, statusMessage(err), retry)
 		return
 	}
 	p.startPause()
@@ -395,13 +395,10 @@ func (p *teacherPool) loop(r *replica) {
 	}
 }
 
-// statusMessage is err's gRPC message, without "rpc error: code = ...".
-func statusMessage(err error) string {
-	if st, ok := status.FromError(err); ok {
-		return st.Message()
-	}
-	return err.Error()
-}
+// statusMessage is err's gRPC message, without "rpc error: code = ...",
+// and a failed connection said as what happened to it
+// (teacherdial.Message).
+func statusMessage(err error) string { return teacherdial.Message(err) }
 
 // refused names the teacher and the replica of an error of a session
 // that no retry mends: a daemon's refusal of Info (a missing or wrong
