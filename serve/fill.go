@@ -277,7 +277,13 @@ func (p *FillPlan) askTeachers(ctx context.Context, workers []Worker) ([]*pb.Inf
 			infos[i], err = w.Info(ctx)
 		}
 		if err != nil {
-			return nil, nil, fillErr("teacher %s: Info: %s (is it running? check the address, --token and TLS)", w.Name(), msg(err))
+			// A daemon that refuses the token is running: "is it
+			// running?" sent the user to check the wrong thing.
+			hint := "is it running? check the address, --token and TLS"
+			if c := status.Code(err); c == codes.Unauthenticated || c == codes.PermissionDenied {
+				hint = "give the daemon's bearer token with --token-file, --token or $DISTILL_TOKEN"
+			}
+			return nil, nil, fillErr("teacher %s: Info: %s (%s)", w.Name(), msg(err), hint)
 		}
 		if infos[i].GetCacheDir() == "" {
 			return nil, nil, fillErr("teacher %s has no cache directory: start it with --cache DIR", w.Name())

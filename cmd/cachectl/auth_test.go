@@ -30,8 +30,18 @@ func TestClientsTokenFile(t *testing.T) {
 	writeIDs(t, dpath, idSamples(6, 64))
 
 	fill := []string{"--teacher", d.Addr(), "--data", dpath, "--pretokenized", "--chunk", "3", "--k", "4", "--retry-for", "0s"}
-	if out, err := runFill(t, fill...); err == nil {
-		t.Errorf("fill without the token succeeded:\n%s", out)
+	// A wrong token says what to give, as score does, not "is it
+	// running?" (the daemon answered).
+	bad := filepath.Join(dir, "bad-token")
+	os.WriteFile(bad, []byte("wrong\n"), 0o600)
+	for _, extra := range [][]string{nil, {"--token-file", bad}} {
+		out, err := runFill(t, append(fill, extra...)...)
+		if err == nil {
+			t.Errorf("fill %v without the token succeeded:\n%s", extra, out)
+		} else if !strings.Contains(err.Error(), "missing or wrong bearer token") || !strings.Contains(err.Error(), "give the daemon's bearer token with --token-file") ||
+			strings.Contains(err.Error(), "is it running") {
+			t.Errorf("fill %v without the token: %v", extra, err)
+		}
 	}
 	if _, err := runFill(t, append(fill, "--token-file", tf, "--token", "s3cret")...); err == nil || !strings.Contains(err.Error(), "only one of --token and --token-file") {
 		t.Errorf("fill --token and --token-file: %v", err)
