@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"math"
 	"os"
 	"os/signal"
@@ -78,6 +80,11 @@ func runScore(args []string) error {
 			}
 			s = append(s, int32(v))
 		}
+		// Found here, not by the teacher: a daemon printed the samples
+		// before it and then failed with its gRPC status (exit 1).
+		if len(s) == 0 {
+			return cli.Usagef("--ids: sample %d is empty (a trailing or doubled \";\"?): give at least one token id per sample", i)
+		}
 		samples = append(samples, s)
 	}
 	if *teacherAddr != "" {
@@ -141,24 +148,30 @@ func scoreRemote(addr string, o serve.DialOptions, samples [][]int32, k int, tem
 		}
 		return fmt.Errorf("teacher %s: Info: %s (%s)", addr, teacherdial.Message(err), hint)
 	}
+	// The daemon's messages, not gRPC's "rpc error: code = ... desc =
+	// ...". A Send fails with io.EOF once the daemon has ended the
+	// stream; Recv then says why.
 	stream, err := c.Score(ctx)
 	if err != nil {
-		return fmt.Errorf("teacher %s: %w", addr, err)
+		return fmt.Errorf("teacher %s: %s", addr, teacherdial.Message(err))
 	}
 	kk := int32(k)
 	for i, s := range samples {
 		if err := stream.Send(&pb.ScoreRequest{Id: int64(i), Tokens: s, K: &kk, Temperature: temp}); err != nil {
-			return fmt.Errorf("teacher %s: %w", addr, err)
+			if errors.Is(err, io.EOF) {
+				break
+			}
+			return fmt.Errorf("teacher %s: %s", addr, teacherdial.Message(err))
 		}
 	}
 	if err := stream.CloseSend(); err != nil {
-		return fmt.Errorf("teacher %s: %w", addr, err)
+		return fmt.Errorf("teacher %s: %s", addr, teacherdial.Message(err))
 	}
 	fmt.Printf("teacher %s (%s, %.2fM params, vocab %d), fingerprint %.12s, on %s\n", addr, info.Architecture, float64(info.Params)/1e6, info.VocabSize, info.TeacherFingerprint, info.Device)
 	for i, s := range samples {
 		r, err := stream.Recv()
 		if err != nil {
-			return fmt.Errorf("teacher %s: sample %d: %w", addr, i, err)
+			return fmt.Errorf("teacher %s: sample %d: %s", addr, i, teacherdial.Message(err))
 		}
 		printTopK(i, s, int(r.K), r.Ids, r.Logprobs)
 	}
