@@ -251,7 +251,10 @@ func checkToken(ctx context.Context, token, method string) error {
 			return nil
 		}
 	}
-	return status.Error(codes.Unauthenticated, "missing or wrong bearer token: send metadata \"authorization: Bearer <token>\" (cachectl fill --token)")
+	// No client's flag: cachectl's and student train's errors add their
+	// own (this said "(cachectl fill --token)" to student train and
+	// cachectl score too).
+	return status.Error(codes.Unauthenticated, "missing or wrong bearer token: send the token of teacherd's --token-file as metadata \"authorization: Bearer <token>\"")
 }
 
 // authFailed counts and logs a refused call (who tried what).

@@ -71,7 +71,8 @@ func TestClientsTokenFile(t *testing.T) {
 	// The daemon's message and what to give, not the bare gRPC status
 	// nor "is it running?".
 	if err := runScore(append(score, "--teacher", d.Addr())); err == nil || !strings.Contains(err.Error(), "missing or wrong bearer token") ||
-		!strings.Contains(err.Error(), "give the daemon's bearer token with --token-file") || strings.Contains(err.Error(), "is it running") {
+		!strings.Contains(err.Error(), "give the daemon's bearer token with --token-file") || strings.Contains(err.Error(), "is it running") ||
+		strings.Contains(err.Error(), "cachectl fill --token") {
 		t.Errorf("score without the token: %v", err)
 	}
 	if err := runScore(append(score, "--teacher", d.Addr(), "--model", mdir)); err == nil || !strings.Contains(err.Error(), "one of --model") {

@@ -96,7 +96,8 @@ func TestTeacherRefusedTokenIsNamed(t *testing.T) {
 	defer p.close()
 	_, err = p.ready()
 	if !errors.Is(err, ErrTeachers) || !strings.Contains(err.Error(), "teacher big at "+td.d.Addr()+" refused the run: ") ||
-		!strings.Contains(err.Error(), "give the daemon's bearer token in distill.token_file") || strings.Contains(err.Error(), "rpc error") {
+		!strings.Contains(err.Error(), "give the daemon's bearer token in distill.token_file") || strings.Contains(err.Error(), "rpc error") ||
+		strings.Contains(err.Error(), "cachectl fill --token") {
 		t.Fatalf("a daemon refusing the token: %v", err)
 	}
 }
