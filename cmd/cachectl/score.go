@@ -69,8 +69,14 @@ func runScore(args []string) error {
 	var samples [][]int32
 	for i, part := range strings.Split(*ids, ";") {
 		var s []int32
-		for _, f := range strings.Split(part, ",") {
+		fields := strings.Split(part, ",")
+		for j, f := range fields {
 			f = strings.TrimSpace(f)
+			if f == "" && j > 0 && j < len(fields)-1 {
+				// "1,,2" is a token id left out, not a separator typed
+				// twice: the sample would be scored without it.
+				return cli.Usagef("--ids: sample %d: an empty id between two commas (%q): give every token id", i, strings.TrimSpace(part))
+			}
 			if f == "" {
 				continue
 			}

@@ -30,6 +30,14 @@ func TestScoreBadIDs(t *testing.T) {
 			}
 		}
 	}
+	// An id left out between two commas is an error too (it was dropped
+	// and the sample scored without it); a trailing comma is not.
+	if err := runScore([]string{"--ids", "1,,2", "--model", mdir, "--device", "cpu"}); cli.ExitStatus(err) != 2 || !strings.Contains(err.Error(), `--ids: sample 0: an empty id between two commas ("1,,2")`) {
+		t.Errorf("score --ids 1,,2: %v (exit %d), want a usage error", err, cli.ExitStatus(err))
+	}
+	if err := runScore([]string{"--ids", "1,2,", "--model", mdir, "--device", "cpu"}); err != nil {
+		t.Errorf("score --ids 1,2, (a trailing comma): %v", err)
+	}
 	err = runScore([]string{"--ids", "1,2,64", "--teacher", d.Addr()})
 	if err == nil || !strings.Contains(err.Error(), "teacher "+d.Addr()+": sample 0: sample id 0 position 2: token id 64 out of range [0, 64)") || strings.Contains(err.Error(), "rpc error") {
 		t.Errorf("score --teacher of an id past the vocab: %v", err)
