@@ -292,7 +292,28 @@ func NewCore(o CoreOptions) (*Core, error) {
 			c.log.Info("pipeline stage", zap.Int("stage", i), zap.String("device", compute.DeviceName(bes[i])), zap.String("holds", st.What()))
 		}
 	}
+	c.warnForeignCache()
 	return c, nil
+}
+
+// warnForeignCache says at start, once the teacher's fingerprint is
+// known, when the cache directory holds another teacher's committed
+// chunks: every Fill will be refused (Score works). It showed only at the first Fill,
+// after the client had planned its run.
+func (c *Core) warnForeignCache() {
+	if c.opt.CacheDir == "" {
+		return
+	}
+	r, err := cache.OpenReader(c.opt.CacheDir)
+	if err != nil {
+		return // no cache there yet, or not one: a Fill says so
+	}
+	m := r.Manifest()
+	// A cache with no committed chunk takes the next Fill's manifest.
+	if fp := c.model.Fingerprint(); m.TeacherFingerprint != fp && len(r.Chunks()) > 0 {
+		c.log.Warn("the cache directory holds another teacher's fill: Fill will refuse it (Score works); "+c.anotherCache(),
+			zap.String("cache", c.opt.CacheDir), zap.String("cache_teacher", m.TeacherFingerprint), zap.String("teacher", fp))
+	}
 }
 
 // doesNotFit is the error of a teacher that does not fit its GPUs (err,

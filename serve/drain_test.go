@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 
+	"distill/cache"
 	pb "distill/proto/distill/v1"
 )
 
@@ -54,5 +55,54 @@ func TestDrainEndsScoreStreams(t *testing.T) {
 	}
 	if logs.FilterMessage("drained: all in-flight requests finished").Len() != 1 {
 		t.Errorf("no \"drained\" log line")
+	}
+}
+
+// TestForeignCacheWarnedAtStart: a --cache that holds another teacher's
+// committed chunks is said at start, once the teacher is loaded (every
+// Fill will be refused; it showed only at the first Fill); the daemon's
+// own teacher's cache, and one with no committed chunk (it takes the
+// next Fill's manifest), are not.
+func TestForeignCacheWarnedAtStart(t *testing.T) {
+	own := func(d *Daemon) string { return d.Core().Info().GetTeacherFingerprint() }
+	probe, err := Start(Config{Model: tinyModel(t), Listen: "127.0.0.1:0", Metrics: "off"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fp := own(probe)
+	probe.Shutdown(context.Background())
+	for _, c := range []struct {
+		teacher string
+		commit  bool
+		warn    bool
+	}{{"another-teacher", true, true}, {fp, true, false}, {"another-teacher", false, false}} {
+		dir := t.TempDir()
+		cw, err := cache.Create(dir, cache.Manifest{TeacherFingerprint: c.teacher, TokenizerFingerprint: "tok", DatasetFingerprint: "data",
+			VocabSize: 512, K: 2, Temperature: 1, Samples: 4, Encoding: cache.EncodingCompact}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.commit {
+			w, err := cw.BeginChunk(0, 1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := w.Add(cache.Sample{Index: 0, Tokens: []int32{1, 2}, Mask: []uint8{1, 1}, TopKIDs: []int32{3, 4, 5, 6}, TopKLogProbs: []float32{-0.5, -1.5, -0.7, -1.2}}); err != nil {
+				t.Fatal(err)
+			}
+			if err := w.Commit(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		cw.Close()
+		core, logs := observer.New(zapcore.WarnLevel)
+		d, err := Start(Config{Model: tinyModel(t), Cache: dir, Listen: "127.0.0.1:0", Metrics: "off"}, zap.New(core))
+		if err != nil {
+			t.Fatal(err)
+		}
+		d.Shutdown(context.Background())
+		if got := logs.FilterMessageSnippet("the cache directory holds another teacher's fill").Len(); got != map[bool]int{true: 1, false: 0}[c.warn] {
+			t.Errorf("cache of teacher %q (committed %v): %d warnings, want warn=%v", c.teacher, c.commit, got, c.warn)
+		}
 	}
 }
