@@ -14,8 +14,10 @@ import (
 	"io/fs"
 	"os"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
@@ -69,6 +71,10 @@ func fileProblem(err error) error {
 	return err
 }
 
+// MaxReconnectDelay bounds the wait between two attempts to connect to
+// a daemon that did not answer.
+const MaxReconnectDelay = 5 * time.Second
+
 // MaxRecvBytes bounds a response (a long sample's top-k is large).
 const MaxRecvBytes = 256 << 20
 
@@ -111,7 +117,14 @@ func Dial(addr string, o Options) (*grpc.ClientConn, error) {
 		}
 		creds = credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: o.ServerName, MinVersion: tls.VersionTLS12})
 	}
-	opts := []grpc.DialOption{grpc.WithTransportCredentials(creds), grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(MaxRecvBytes))}
+	// A daemon that is not up yet (a fill or a student started beside
+	// it) is dialed again within MaxReconnectDelay of when it listens:
+	// gRPC's default backoff grows to 2 minutes between attempts, and a
+	// caller waiting for the daemon would wait that long after it is up.
+	bo := backoff.DefaultConfig
+	bo.MaxDelay = MaxReconnectDelay
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(creds), grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(MaxRecvBytes)),
+		grpc.WithConnectParams(grpc.ConnectParams{Backoff: bo, MinConnectTimeout: 20 * time.Second})}
 	if o.Token != "" {
 		opts = append(opts, grpc.WithPerRPCCredentials(tokenCreds(o.Token)))
 	}
