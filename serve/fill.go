@@ -53,8 +53,12 @@ type FillPlan struct {
 	TokenizerFingerprint string
 	// PerWorker is the chunks in flight per teacher (default 2).
 	PerWorker int
-	// RetryFor is how long an unreachable teacher is retried before the
-	// driver gives up on it (default 2m). Its chunks go to the others.
+	// RetryFor is how long an unreachable teacher, or one not serving
+	// yet (loading its model), is retried before the driver gives up on
+	// it (default 2m; negative: not at all). Its chunks go to the others.
+	// At the start, the fill waits this long for a first teacher to
+	// answer; the others join when they answer, until RetryFor after the
+	// start.
 	RetryFor time.Duration
 	// MaxChunkFailures aborts the fill when one chunk failed this often
 	// (default 5).
@@ -75,6 +79,10 @@ type FillPlan struct {
 	// onChunk is called after each chunk a worker reports, from the
 	// workers' goroutines concurrently (tests).
 	onChunk func(w Worker, r *pb.FillResponse)
+	// now and after replace time.Now and time.After where the fill
+	// waits for its teachers (tests; nil: the real clock).
+	now   func() time.Time
+	after func(time.Duration) <-chan time.Time
 }
 
 // FillSummary is what a fill did.
@@ -99,7 +107,8 @@ type FillSummary struct {
 	Chunks, Skipped, ByOthers int
 	// Retries counts chunks handed out again after a teacher failed.
 	Retries int
-	// Elapsed is the wall time of the run.
+	// Elapsed is the wall time of the run, from when a first teacher
+	// answered.
 	Elapsed time.Duration
 	// Dirs maps each cache directory to the teachers writing it; read
 	// them together (cache.OpenReader(dirs...)).
@@ -168,34 +177,50 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 	if err := p.setDefaults(len(workers)); err != nil {
 		return nil, err
 	}
-	t0 := time.Now()
 	sum := &FillSummary{Dirs: map[string][]string{}, Reasons: map[string]int64{}}
 
-	// 1. The teachers agree with each other and with the dataset.
-	infos, descs, err := p.askTeachers(ctx, workers)
+	// 1. The teachers agree with each other and with the dataset. Those
+	// that do not answer yet join later (fillDispatch.join).
+	answers, waits, err := p.startTeachers(ctx, workers)
 	if err != nil {
 		return nil, err
 	}
-	if err := p.agree(workers, infos, descs); err != nil {
+	// The run's time, and its rate, start when a teacher answers: a
+	// wait for a daemon loading its model is no work.
+	t0 := p.timeNow()
+	ref, err := p.agree(workers, answers)
+	if err != nil {
 		return nil, err
 	}
-	n, fp := descs[0].GetSamples(), descs[0].GetFingerprint()
+	var live []Worker
+	for i, w := range workers {
+		if answers[i] != nil {
+			live = append(live, w)
+		}
+	}
+	n, fp := answers[ref].desc.GetSamples(), answers[ref].desc.GetFingerprint()
 	sum.DatasetFingerprint, sum.DatasetSamples = fp, n
 	if err := p.setRange(n); err != nil {
 		return nil, err
 	}
-	dirs := newFillDirs(workers, infos, sum)
+	dirs := newFillDirs(workers, answers, sum)
 
 	// 2. What is done already, in any of the directories.
-	todo, already, err := p.chunksToDo(ctx, workers, dirs, fp, sum)
+	todo, already, err := p.chunksToDo(ctx, live, dirs, fp, sum)
 	if err != nil {
 		return nil, err
 	}
 
 	// 3. Hand out the chunks.
 	d := newFillDispatch(&p, dirs, fp, sum, todo)
-	stopProgress := startProgress(&p, p.End-p.Start, already, &d.samples, &d.tokens, t0)
-	err = d.run(ctx, workers)
+	d.ref, d.refAnswer, d.up, d.start = workers[ref], answers[ref], len(live), t0
+	for i, w := range workers {
+		if answers[i] == nil {
+			d.lastErr[w.Name()] = fmt.Sprintf("%s: %s", status.Code(waits[i].(*askError).err), waits[i])
+		}
+	}
+	stopProgress := startProgress(&p, p.End-p.Start, already, &d.samples, &d.tokens, t0, d.waiting)
+	err = d.run(ctx, workers, answers)
 	stopProgress()
 	sum.Elapsed = time.Since(t0)
 	if err != nil {
@@ -253,88 +278,241 @@ func (p *FillPlan) setDefaults(workers int) error {
 	return nil
 }
 
-// askTeachers asks every teacher what it runs (Info) and how it reads the
-// dataset (Describe). A daemon still loading its model is waited for, up
-// to RetryFor, and said to be.
-func (p *FillPlan) askTeachers(ctx context.Context, workers []Worker) ([]*pb.InfoResponse, []*pb.DescribeDatasetResponse, error) {
-	ds := p.Dataset
-	infos := make([]*pb.InfoResponse, len(workers))
-	descs := make([]*pb.DescribeDatasetResponse, len(workers))
-	for i, w := range workers {
-		var err error
-		infos[i], err = w.Info(ctx)
-		said := false
-		for t0 := time.Now(); err != nil && status.Code(err) == codes.Unavailable && strings.Contains(msg(err), "still loading") && time.Since(t0) < p.RetryFor; {
-			if !said && p.Out != nil {
-				fmt.Fprintf(p.Out, "fill: waiting for teacher %s to load its model (for up to %s, --retry-for)\n", w.Name(), p.RetryFor)
-				said = true
-			}
-			select {
-			case <-time.After(loadingPoll):
-			case <-ctx.Done():
-				return nil, nil, fillErr("teacher %s: interrupted while it loaded its model (%v)", w.Name(), context.Cause(ctx))
-			}
-			infos[i], err = w.Info(ctx)
-		}
-		if err != nil {
-			// A daemon that refuses the token is running: "is it
-			// running?" sent the user to check the wrong thing.
-			hint := "is it running? check the address, --token and TLS"
-			if c := status.Code(err); c == codes.Unauthenticated || c == codes.PermissionDenied {
-				hint = "give the daemon's bearer token with --token-file, --token or $DISTILL_TOKEN"
-			}
-			return nil, nil, fillErr("teacher %s: Info: %s (%s)", w.Name(), msg(err), hint)
-		}
-		if infos[i].GetCacheDir() == "" {
-			return nil, nil, fillErr("teacher %s has no cache directory: start it with --cache DIR", w.Name())
-		}
-		if descs[i], err = w.Describe(ctx, ds); err != nil {
-			return nil, nil, fillErr("%s", failure(w, "dataset", err))
-		}
-	}
-	return infos, descs, nil
+// teacherAnswer is what a teacher said before it takes chunks: what it
+// runs (Info) and how it reads the dataset (Describe).
+type teacherAnswer struct {
+	info *pb.InfoResponse
+	desc *pb.DescribeDatasetResponse
 }
 
-// loadingPoll is how often a teacher loading its model is asked again.
-var loadingPoll = 500 * time.Millisecond
+// askTimeout bounds one Info or Describe of a teacher being waited for:
+// an address that drops packets would hold the wait on one call.
+const askTimeout = 10 * time.Second
 
-// agree checks that the teachers agree with each other (checkpoint,
-// vocabulary, tokenizer, dataset) and with the plan's tokenizer, and pins
-// the plan's k.
-func (p *FillPlan) agree(workers []Worker, infos []*pb.InfoResponse, descs []*pb.DescribeDatasetResponse) error {
-	a := infos[0]
-	for i := 1; i < len(workers); i++ {
-		b := infos[i]
-		for _, f := range []struct {
-			name string
-			x, y any
-		}{
-			{"teacher fingerprint (checkpoint)", a.GetTeacherFingerprint(), b.GetTeacherFingerprint()},
-			{"vocab size", a.GetVocabSize(), b.GetVocabSize()},
-			{"tokenizer fingerprint", descs[0].GetTokenizerFingerprint(), descs[i].GetTokenizerFingerprint()},
-			{"dataset samples", descs[0].GetSamples(), descs[i].GetSamples()},
-			{"dataset fingerprint (files, tokenizer, options)", descs[0].GetFingerprint(), descs[i].GetFingerprint()},
-		} {
-			if f.x != f.y {
-				return fillErr("teachers disagree on the %s: %v on %s, %v on %s; every teacher must run the same checkpoint, tokenizer and dataset files",
-					f.name, f.x, workers[0].Name(), f.y, workers[i].Name())
+// ask asks w what it runs and how it reads the dataset. With wait set,
+// w did not answer and waiting may cure it (wait is its error, for the
+// user); err is a refusal or an answer no wait can change (a wrong token,
+// no cache directory, a dataset it cannot read), an ErrFill that says
+// what to fix.
+func (p *FillPlan) ask(ctx context.Context, w Worker) (a teacherAnswer, wait, err error) {
+	cctx, cancel := context.WithTimeout(ctx, askTimeout)
+	defer cancel()
+	if a.info, err = w.Info(cctx); err != nil {
+		if ctx.Err() == nil && waitable(w, err) {
+			return a, &askError{"Info", err}, nil
+		}
+		// A daemon that refuses the token is running: "is it
+		// running?" sent the user to check the wrong thing.
+		hint := "is it running? check the address, --token and TLS"
+		if c := status.Code(err); c == codes.Unauthenticated || c == codes.PermissionDenied {
+			hint = "give the daemon's bearer token with --token-file, --token or $DISTILL_TOKEN"
+		}
+		return a, nil, fillErr("teacher %s: Info: %s (%s)", w.Name(), msg(err), hint)
+	}
+	if a.info.GetCacheDir() == "" {
+		return a, nil, fillErr("teacher %s has no cache directory: start it with --cache DIR", w.Name())
+	}
+	if a.desc, err = w.Describe(cctx, p.Dataset); err != nil {
+		if ctx.Err() == nil && waitable(w, err) {
+			return a, &askError{"dataset", err}, nil
+		}
+		return a, nil, fillErr("%s", failure(w, "dataset", err))
+	}
+	return a, nil, nil
+}
+
+// askError is a call to a teacher that waiting may cure.
+type askError struct {
+	call string // "Info", "dataset"
+	err  error
+}
+
+func (e *askError) Error() string { return e.call + ": " + msg(e.err) }
+
+// waitable reports whether a daemon's failed call may succeed later: it
+// could not be reached (not started yet, restarting, the network), or
+// it is not serving yet (loading its model: Unavailable while its health
+// says NOT_SERVING) or any more (draining). A daemon that answered and
+// refused (a wrong token, TLS it cannot speak, a request it rejects) is
+// not waited for: waiting cannot fix it.
+func waitable(w Worker, err error) bool {
+	if isLocal(w) {
+		return false
+	}
+	switch status.Code(err) {
+	case codes.Unavailable:
+		// A TLS handshake that fails is the client's or the daemon's
+		// certificates, not the daemon's health.
+		return !strings.Contains(status.Convert(err).Message(), "authentication handshake failed")
+	case codes.DeadlineExceeded: // askTimeout, the caller's context alive
+		return true
+	}
+	return false
+}
+
+// waitHint says what to check of a teacher that did not answer in time.
+func waitHint(wait error) string {
+	if strings.Contains(wait.Error(), "still loading") {
+		return "still loading its model: give a longer --retry-for"
+	}
+	return "is it running? check the address, --token and TLS"
+}
+
+// startTeachers asks every teacher what it runs and how it reads the
+// dataset, and returns the answers of those that answered (nil for the
+// others) and why the others did not. Teachers that cannot be reached or
+// are not serving yet (loading the model) are waited for, up to
+// RetryFor, until one answers: a fill started beside its daemons (one
+// Slurm job) starts when the first has loaded. The wait is said at once
+// and again every LogEvery, with what each teacher last answered. The
+// teachers that have not answered when one does join the fill when they
+// answer (fillDispatch.join). A teacher that refuses fails the fill at
+// once; with no answer in RetryFor, the fill fails naming every teacher
+// and why.
+func (p *FillPlan) startTeachers(ctx context.Context, workers []Worker) ([]*teacherAnswer, []error, error) {
+	answers := make([]*teacherAnswer, len(workers))
+	waits := make([]error, len(workers))
+	t0 := p.timeNow()
+	var said time.Time // when the wait was last said
+	for {
+		for i, w := range workers {
+			if answers[i] != nil {
+				continue
+			}
+			a, wait, err := p.ask(ctx, w)
+			if err != nil {
+				return nil, nil, err
+			}
+			if waits[i] = wait; wait == nil {
+				answers[i] = &a
 			}
 		}
+		var none []string // the teachers that did not answer, and why
+		for i, w := range workers {
+			if waits[i] != nil {
+				none = append(none, w.Name()+": "+waits[i].Error())
+			}
+		}
+		now := p.timeNow()
+		waited := now.Sub(t0)
+		if len(none) < len(workers) {
+			if !said.IsZero() && p.Out != nil {
+				for i, w := range workers {
+					if answers[i] != nil {
+						fmt.Fprintf(p.Out, "fill: teacher %s answers (after %s of waiting)\n", w.Name(), roundDuration(waited))
+					}
+				}
+			}
+			if len(none) > 0 && p.Out != nil {
+				fmt.Fprintf(p.Out, "fill: starting without %s; each joins the fill when it answers (until %s since the start, --retry-for)\n",
+					strings.Join(none, "; "), p.RetryFor)
+			}
+			return answers, waits, nil
+		}
+		if waited >= p.RetryFor {
+			why := make([]string, len(workers))
+			for i, w := range workers {
+				why[i] = fmt.Sprintf("teacher %s: %s (%s)", w.Name(), waits[i], waitHint(waits[i]))
+			}
+			if p.RetryFor <= 0 {
+				return nil, nil, fillErr("%s", strings.Join(why, "; "))
+			}
+			return nil, nil, fillErr("no teacher answered in %s (--retry-for): %s", p.RetryFor, strings.Join(why, "; "))
+		}
+		if p.Out != nil {
+			switch {
+			case said.IsZero():
+				fmt.Fprintf(p.Out, "fill: waiting for the teachers to answer (for up to %s, --retry-for): %s\n", p.RetryFor, strings.Join(none, "; "))
+				said = now
+			case now.Sub(said) >= p.LogEvery:
+				fmt.Fprintf(p.Out, "fill: still waiting for the teachers (%s of %s, --retry-for): %s\n", roundDuration(waited), p.RetryFor, strings.Join(none, "; "))
+				said = now
+			}
+		}
+		select {
+		case <-p.timeAfter(loadingPoll):
+		case <-ctx.Done():
+			return nil, nil, fillErr("interrupted (%v) while waiting for the teachers to answer", context.Cause(ctx))
+		}
 	}
+}
+
+// loadingPoll is how often a teacher that does not answer is asked again.
+const loadingPoll = 500 * time.Millisecond
+
+// timeNow and timeAfter are time.Now and time.After, or the test's clock.
+func (p *FillPlan) timeNow() time.Time {
+	if p.now != nil {
+		return p.now()
+	}
+	return time.Now()
+}
+
+func (p *FillPlan) timeAfter(d time.Duration) <-chan time.Time {
+	if p.after != nil {
+		return p.after(d)
+	}
+	return time.After(d)
+}
+
+// agree checks that the teachers that answered agree with each other
+// (checkpoint, vocabulary, tokenizer, dataset) and with the plan's
+// tokenizer, and pins the plan's k. The first that answered is ref, the
+// one late teachers are checked against (disagree).
+func (p *FillPlan) agree(workers []Worker, answers []*teacherAnswer) (ref int, err error) {
+	ref = -1
+	for i := range workers {
+		if answers[i] == nil {
+			continue
+		}
+		if ref < 0 {
+			ref = i
+			continue
+		}
+		if err := disagree(workers[ref], answers[ref], workers[i], answers[i]); err != nil {
+			return ref, err
+		}
+	}
+	a := answers[ref].info
 	if p.K == 0 {
 		// Each teacher would use its own --k-default: they must agree, and
 		// the k is pinned so that every chunk of this run gets the same.
-		for i := 1; i < len(workers); i++ {
-			if x, y := a.GetKDefault(), infos[i].GetKDefault(); x != y {
-				return fillErr("teachers disagree on the default k (teacherd --k-default): %d on %s, %d on %s; give --k or start them alike",
-					x, workers[0].Name(), y, workers[i].Name())
+		for i := range workers {
+			if answers[i] == nil {
+				continue
+			}
+			if x, y := a.GetKDefault(), answers[i].info.GetKDefault(); x != y {
+				return ref, fillErr("teachers disagree on the default k (teacherd --k-default): %d on %s, %d on %s; give --k or start them alike",
+					x, workers[ref].Name(), y, workers[i].Name())
 			}
 		}
 		p.K = a.GetKDefault()
 	}
-	if p.TokenizerFingerprint != "" && !p.Dataset.GetPretokenized() && p.TokenizerFingerprint != descs[0].GetTokenizerFingerprint() {
-		return fillErr("tokenizer mismatch: --tokenizer has fingerprint %.16s, teacher %s tokenizes with %.16s; give the daemon the same tokenizer (teacherd --tokenizer)",
-			p.TokenizerFingerprint, workers[0].Name(), descs[0].GetTokenizerFingerprint())
+	if fp := answers[ref].desc.GetTokenizerFingerprint(); p.TokenizerFingerprint != "" && !p.Dataset.GetPretokenized() && p.TokenizerFingerprint != fp {
+		return ref, fillErr("tokenizer mismatch: --tokenizer has fingerprint %.16s, teacher %s tokenizes with %.16s; give the daemon the same tokenizer (teacherd --tokenizer)",
+			p.TokenizerFingerprint, workers[ref].Name(), fp)
+	}
+	return ref, nil
+}
+
+// disagree is the error of teacher y whose answer differs from x's in
+// what the teachers of one fill must share (checkpoint, vocabulary,
+// tokenizer, dataset), nil if none does.
+func disagree(wx Worker, x *teacherAnswer, wy Worker, y *teacherAnswer) error {
+	for _, f := range []struct {
+		name string
+		x, y any
+	}{
+		{"teacher fingerprint (checkpoint)", x.info.GetTeacherFingerprint(), y.info.GetTeacherFingerprint()},
+		{"vocab size", x.info.GetVocabSize(), y.info.GetVocabSize()},
+		{"tokenizer fingerprint", x.desc.GetTokenizerFingerprint(), y.desc.GetTokenizerFingerprint()},
+		{"dataset samples", x.desc.GetSamples(), y.desc.GetSamples()},
+		{"dataset fingerprint (files, tokenizer, options)", x.desc.GetFingerprint(), y.desc.GetFingerprint()},
+	} {
+		if f.x != f.y {
+			return fillErr("teachers disagree on the %s: %v on %s, %v on %s; every teacher must run the same checkpoint, tokenizer and dataset files",
+				f.name, f.x, wx.Name(), f.y, wy.Name())
+		}
 	}
 	return nil
 }
@@ -373,19 +551,27 @@ type fillDirs struct {
 	byDir  map[string][]cache.Range // a key's committed ranges, and those reported during the fill
 }
 
-// newFillDirs keys the teachers' directories and lists them in sum.Dirs.
-func newFillDirs(workers []Worker, infos []*pb.InfoResponse, sum *FillSummary) *fillDirs {
+// newFillDirs keys the directories of the teachers that answered (nil
+// for the others, added when they join) and lists them in sum.Dirs.
+func newFillDirs(workers []Worker, answers []*teacherAnswer, sum *FillSummary) *fillDirs {
 	dirs := &fillDirs{of: map[Worker]string{}, pathOf: map[string]string{}}
 	for i, w := range workers {
-		d := infos[i].GetCacheDir()
-		key := d + " on " + w.Name()
-		if isLocal(w) {
-			key = d
+		if answers[i] != nil {
+			dirs.add(w, answers[i].info.GetCacheDir(), sum)
 		}
-		dirs.of[w], dirs.pathOf[key] = key, d
-		sum.Dirs[d] = append(sum.Dirs[d], w.Name())
 	}
 	return dirs
+}
+
+// add keys w's directory d and lists it in sum.Dirs.
+func (dirs *fillDirs) add(w Worker, d string, sum *FillSummary) string {
+	key := d + " on " + w.Name()
+	if isLocal(w) {
+		key = d
+	}
+	dirs.of[w], dirs.pathOf[key] = key, d
+	sum.Dirs[d] = append(sum.Dirs[d], w.Name())
+	return key
 }
 
 // chunksToDo asks the teachers what their directories hold of dataset fp,
@@ -530,12 +716,23 @@ type fillDispatch struct {
 	// was last said.
 	busyAt, busySaid map[cache.Range]time.Time
 	now              func() time.Time // time.Now; tests set a clock of their own
+	// up counts the teachers answering (not failing, joined); waitSince
+	// is when the last of them failed, while up is 0.
+	up        int
+	waitSince time.Time
+
+	// ref and refAnswer are the teacher a late one is checked against
+	// (the first that answered), start when the fill started: a teacher
+	// that has not answered RetryFor after it is given up on.
+	ref       Worker
+	refAnswer *teacherAnswer
+	start     time.Time
 }
 
 func newFillDispatch(p *FillPlan, dirs *fillDirs, fp string, sum *FillSummary, todo []cache.Range) *fillDispatch {
 	d := &fillDispatch{p: p, fp: fp, dirs: dirs, sum: sum, queue: make(chan cache.Range, len(todo)),
 		failures: map[cache.Range]int{}, counted: map[cache.Range]bool{}, lastErr: map[string]string{}, gaveUp: map[string]bool{},
-		busyAt: map[cache.Range]time.Time{}, busySaid: map[cache.Range]time.Time{}, now: time.Now}
+		busyAt: map[cache.Range]time.Time{}, busySaid: map[cache.Range]time.Time{}, now: p.timeNow}
 	for _, r := range todo {
 		d.queue <- r
 	}
@@ -543,21 +740,30 @@ func newFillDispatch(p *FillPlan, dirs *fillDirs, fp string, sum *FillSummary, t
 	return d
 }
 
-// run fills the queued chunks and sets the summary's totals. Its error
-// says why chunks are left: a chunk that cannot be done, the caller's
-// context, or no teacher left to take them.
-func (d *fillDispatch) run(ctx context.Context, workers []Worker) error {
+// run fills the queued chunks and sets the summary's totals; a teacher
+// with no answer (nil: it did not answer at the start) works once it has
+// joined. Its error says why chunks are left: a chunk that cannot be
+// done, the caller's context, or no teacher left to take them.
+func (d *fillDispatch) run(ctx context.Context, workers []Worker, answers []*teacherAnswer) error {
 	ctx, d.cancel = context.WithCancel(ctx)
 	defer d.cancel()
 	var wg sync.WaitGroup
-	anyChunk := d.remaining.Load() > 0
-	for _, w := range workers {
-		down := new(atomic.Int64) // unix nanos since the worker is failing, 0: up
-		for g := 0; g < d.p.PerWorker && anyChunk; g++ {
+	if d.remaining.Load() > 0 {
+		for i, w := range workers {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				d.work(ctx, w, down)
+				if answers[i] == nil && !d.join(ctx, w) {
+					return
+				}
+				down := new(atomic.Int64) // unix nanos since the worker is failing, 0: up
+				for range d.p.PerWorker {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						d.work(ctx, w, down)
+					}()
+				}
 			}()
 		}
 	}
@@ -591,6 +797,7 @@ func (d *fillDispatch) work(ctx context.Context, w Worker, down *atomic.Int64) {
 			// daemon finishes while it refuses new calls) does not, and w
 			// stays failing.
 			if since := down.Load(); since != 0 && since < called && down.CompareAndSwap(since, 0) {
+				d.setUp(w, +1)
 				d.say("fill: teacher %s answers again (it failed for %s)", w.Name(), roundDuration(time.Since(time.Unix(0, since))))
 			}
 			backoff = 200 * time.Millisecond
@@ -613,6 +820,84 @@ func (d *fillDispatch) work(ctx context.Context, w Worker, down *atomic.Int64) {
 		}
 		backoff = min(2*backoff, 5*time.Second)
 	}
+}
+
+// join waits for w, which did not answer when the fill started, to
+// answer as the first teacher did (ask), checks it against that one, and
+// adds its cache directory; false if it did not answer by RetryFor after
+// the start (said), the fill ended first, or it refused (the fill is
+// aborted, as a refusal at the start fails it).
+func (d *fillDispatch) join(ctx context.Context, w Worker) bool {
+	for {
+		a, wait, err := d.p.ask(ctx, w)
+		if ctx.Err() != nil {
+			return false
+		}
+		if err != nil {
+			d.abort(err)
+			return false
+		}
+		var st *pb.StatusResponse
+		if wait == nil {
+			if err := disagree(d.ref, d.refAnswer, w, &a); err != nil {
+				d.abort(err)
+				return false
+			}
+			cctx, cancel := context.WithTimeout(ctx, askTimeout)
+			st, err = w.Status(cctx, &pb.StatusRequest{DatasetFingerprint: d.fp})
+			cancel()
+			switch {
+			case ctx.Err() != nil:
+				return false
+			case err != nil && waitable(w, err):
+				wait = &askError{"cache status", err}
+			case err != nil:
+				d.abort(fillErr("%s", failure(w, "cache status", err)))
+				return false
+			}
+		}
+		if wait == nil {
+			d.mu.Lock()
+			key := d.dirs.add(w, a.info.GetCacheDir(), d.sum)
+			for _, r := range st.GetDone() {
+				d.dirs.byDir[key] = append(d.dirs.byDir[key], cache.Range{Start: r.GetStart(), End: r.GetEnd()})
+			}
+			d.mu.Unlock()
+			d.setUp(w, +1)
+			d.say("fill: teacher %s answers (after %s): it joins the fill", w.Name(), roundDuration(d.now().Sub(d.start)))
+			return true
+		}
+		d.mu.Lock()
+		d.lastErr[w.Name()] = fmt.Sprintf("%s: %s", status.Code(wait.(*askError).err), wait)
+		d.mu.Unlock()
+		if d.now().Sub(d.start) >= d.p.RetryFor {
+			d.say("fill: teacher %s has not answered in %s (--retry-for): the fill goes on without it (%s)", w.Name(), d.p.RetryFor, wait)
+			return false
+		}
+		select {
+		case <-d.p.timeAfter(loadingPoll):
+		case <-ctx.Done():
+			return false
+		}
+	}
+}
+
+// setUp counts w as answering again (+1) or failing (-1); when none
+// answers, the progress says since when it waits (waiting).
+func (d *fillDispatch) setUp(w Worker, delta int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.up += delta
+	if d.up == 0 {
+		d.waitSince = d.now()
+	}
+}
+
+// waiting reports whether no teacher answers, and since when.
+func (d *fillDispatch) waiting() (time.Time, bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.waitSince, d.up <= 0
 }
 
 // roundDuration rounds d to the second, or under a second to the
@@ -687,8 +972,14 @@ func (d *fillDispatch) retry(w Worker, r cache.Range, err error, down *atomic.In
 		d.abort(fillErr("chunk [%d, %d) failed %d times, last on teacher %s: %s", r.Start, r.End, nf, w.Name(), msg(err)))
 		return false
 	}
+	if d.p.RetryFor < 0 {
+		d.setUp(w, -1)
+		d.say("fill: teacher %s failed (%s: %s): its chunks go back to the queue, for the other teachers if any (--retry-for 0: it is not retried)", w.Name(), status.Code(err), msg(err))
+		return false
+	}
 	now := time.Now().UnixNano()
 	if down.CompareAndSwap(0, now) {
+		d.setUp(w, -1)
 		// Said as it happens: the progress may stall while it is retried.
 		d.say("fill: teacher %s failed (%s: %s): its chunks go back to the queue; retrying it for up to %s (--retry-for)", w.Name(), status.Code(err), msg(err), d.p.RetryFor)
 	}
@@ -891,7 +1182,10 @@ func (s *FillSummary) printCounts(w io.Writer) {
 func dirRanges(ctx context.Context, workers []Worker, dirOf map[Worker]string, fp string, lenient bool) (map[string][]cache.Range, error) {
 	out := map[string][]cache.Range{}
 	for _, w := range workers {
-		d := dirOf[w]
+		d, ok := dirOf[w]
+		if !ok { // a teacher that never joined the fill
+			continue
+		}
 		if _, ok := out[d]; ok {
 			continue
 		}
@@ -960,8 +1254,10 @@ func combine(byDir map[string][]cache.Range, pathOf map[string]string) (done []c
 }
 
 // startProgress draws a bar on a terminal or logs a line every LogEvery;
-// the returned func stops it and finishes the line.
-func startProgress(p *FillPlan, total, already int64, samples, tokens *atomic.Int64, t0 time.Time) func() {
+// the returned func stops it and finishes the line. While waiting (nil:
+// never) reports that no teacher answers, the line says since when the
+// fill waits for them instead of a rate that only decays.
+func startProgress(p *FillPlan, total, already int64, samples, tokens *atomic.Int64, t0 time.Time, waiting func() (time.Time, bool)) func() {
 	if p.Out == nil {
 		return func() {}
 	}
@@ -971,7 +1267,12 @@ func startProgress(p *FillPlan, total, already int64, samples, tokens *atomic.In
 	}
 	stop, done := make(chan struct{}), make(chan struct{})
 	line := func() string {
-		return progressLine(p.Terminal, total, already, samples.Load(), tokens.Load(), time.Since(t0).Seconds())
+		if waiting != nil {
+			if since, ok := waiting(); ok {
+				return waitingLine(p.Terminal, total, already, samples.Load(), since, p.timeNow())
+			}
+		}
+		return progressLine(p.Terminal, total, already, samples.Load(), tokens.Load(), p.timeNow().Sub(t0).Seconds())
 	}
 	go func() {
 		defer close(done)
@@ -1016,6 +1317,24 @@ func progressLine(terminal bool, total, already, s, tok int64, el float64) strin
 		return fmt.Sprintf("\r[%s] %d/%d samples %5.1f%%  %.0f tokens/s  ETA %s   ", bar, doneN, total, 100*frac, rate, eta)
 	}
 	return fmt.Sprintf("fill: %d/%d samples (%.1f%%), %.0f tokens/s, ETA %s\n", doneN, total, 100*frac, rate, eta)
+}
+
+// waitingLine is the progress while no teacher answers: done of total
+// samples (as progressLine counts them), and since when the fill waits.
+func waitingLine(terminal bool, total, already, s int64, since, now time.Time) string {
+	doneN := min(max(already+s, 0), total)
+	frac := 1.0
+	if total > 0 {
+		frac = float64(doneN) / float64(total)
+	}
+	wait := fmt.Sprintf("waiting for the teachers since %s (%s): none answers", since.Format("15:04:05"), roundDuration(now.Sub(since)))
+	if terminal {
+		const w = 30
+		n := min(max(int(frac*w), 0), w)
+		bar := strings.Repeat("=", n) + strings.Repeat(" ", w-n)
+		return fmt.Sprintf("\r[%s] %d/%d samples %5.1f%%  %s   ", bar, doneN, total, 100*frac, wait)
+	}
+	return fmt.Sprintf("fill: %d/%d samples (%.1f%%), %s\n", doneN, total, 100*frac, wait)
 }
 
 // optK is FillPlan.K as the request field: 0 (the teacher's default) is

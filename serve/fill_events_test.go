@@ -118,18 +118,18 @@ func (l *loadingTeacher) Info(ctx context.Context) (*pb.InfoResponse, error) {
 }
 
 // TestFillWaitsForALoadingTeacher: a fill started while the daemon
-// loads its model waits for it, saying so once, instead of failing.
+// loads its model waits for it, saying so once with what the daemon
+// answered, instead of failing (a clock of the test's own).
 func TestFillWaitsForALoadingTeacher(t *testing.T) {
-	defer func(d time.Duration) { loadingPoll = d }(loadingPoll)
-	loadingPoll = 10 * time.Millisecond
 	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: "data.jsonl"}}, Pretokenized: true}
 	a := &loadingTeacher{fakeTeacher: newFake("a:7070", "/a", nil), loading: 3}
 	var out strings.Builder
 	p := FillPlan{Dataset: ds, ChunkSamples: 8, PerWorker: 1, LogEvery: time.Hour, Out: &out}
+	newFakeClock().use(&p)
 	if _, err := RunFill(context.Background(), []Worker{a}, p); err != nil {
 		t.Fatalf("fill: %v\n%s", err, out.String())
 	}
-	if strings.Count(out.String(), "fill: waiting for teacher a:7070 to load its model (for up to 2m0s, --retry-for)\n") != 1 {
+	if strings.Count(out.String(), "fill: waiting for the teachers to answer (for up to 2m0s, --retry-for): a:7070: Info: teacher model still loading: retry when the health check reports SERVING\n") != 1 {
 		t.Errorf("output:\n%s", out.String())
 	}
 }

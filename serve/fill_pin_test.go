@@ -211,7 +211,9 @@ func pinnedFills() []pinnedFill {
 		{"teacher down", func(log *fillLog) ([]Worker, FillPlan) {
 			a := newFake("a:7070", "/a", log)
 			a.info = nil
-			return []Worker{a}, plan()
+			p := plan()
+			newFakeClock().use(&p) // waited for RetryFor, without sleeping
+			return []Worker{a}, p
 		}},
 		{"no cache directory", func(log *fillLog) ([]Worker, FillPlan) {
 			return []Worker{newFake("a:7070", "", log)}, plan()

@@ -17,7 +17,7 @@ func TestProgressBarDoubleCountedChunk(t *testing.T) {
 	tokens.Store(300)
 	var out strings.Builder
 	p := &FillPlan{Out: &out, Terminal: true}
-	stop := startProgress(p, 10, 0, &samples, &tokens, time.Now())
+	stop := startProgress(p, 10, 0, &samples, &tokens, time.Now(), nil)
 	stop() // draws the last line at once, whatever the ticker did
 	last := out.String()[strings.LastIndex(out.String(), "\r"):]
 	if !strings.Contains(last, "["+strings.Repeat("=", 30)+"] 10/10 samples 100.0%") {

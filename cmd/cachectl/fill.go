@@ -94,7 +94,7 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	var auth authFlags
 	auth.register(fs)
 	perTeacher := fs.Int("per-teacher", 2, "chunks in flight per teacher")
-	retryFor := fs.Duration("retry-for", 2*time.Minute, "how long an unreachable teacher is retried before its work goes to the others only")
+	retryFor := fs.Duration("retry-for", 2*time.Minute, "how long a teacher that does not answer (unreachable, or still loading its model) is waited for: at the start, until one answers; during the fill, before its work goes to the others only (0: not at all)")
 	logEvery := fs.Duration("log-every", 10*time.Second, "progress line interval when stderr is not a terminal")
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
@@ -111,6 +111,9 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	// What needs no teacher is checked before one loads (a large one
 	// takes minutes): the range, the chunk size, and with --model the
 	// dataset's files, which are this machine's.
+	if *retryFor < 0 {
+		return cli.Usagef("--retry-for %s: want a duration >= 0 (0: fail at once when no teacher answers)", *retryFor)
+	}
 	if *start < 0 || (*end != 0 && *end <= *start) {
 		return cli.Usagef("--start %d --end %d: want 0 <= --start < --end (--end 0: the dataset's length)", *start, *end)
 	}
@@ -133,6 +136,9 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	ds, err := serve.DatasetSpec(srcs, opts, *pretok)
 	if err != nil {
 		return err
+	}
+	if *retryFor == 0 {
+		*retryFor = -1 // FillPlan's "not at all"; its 0 is the default
 	}
 	plan := serve.FillPlan{Dataset: ds, Start: *start, End: *end, ChunkSamples: *chunk, K: int32(*k), Temperature: float32(*temp),
 		Encoding: *encoding, Targets: *targets, Samples: int32(*samples), PerWorker: *perTeacher, RetryFor: *retryFor, Out: stderr, Terminal: isTerminal(stderr), LogEvery: *logEvery}

@@ -81,7 +81,8 @@ func TestScoreUnreachableTeacher(t *testing.T) {
 		strings.Contains(err.Error(), "rpc error") || strings.Contains(err.Error(), "desc =") || strings.Contains(err.Error(), "transport") {
 		t.Fatalf("score --teacher at a closed port: %v", err)
 	}
-	_, err = runFill(t, "--teacher", "127.0.0.1:1", "--data", "/data/d.jsonl")
+	// --retry-for 0s: at once (a fill waits --retry-for for a teacher).
+	_, err = runFill(t, "--teacher", "127.0.0.1:1", "--data", "/data/d.jsonl", "--retry-for", "0s")
 	if err == nil || !strings.Contains(err.Error(), "teacher 127.0.0.1:1: Info: cannot connect: dial tcp 127.0.0.1:1: ") || !strings.Contains(err.Error(), "is it running? check the address") ||
 		strings.Contains(err.Error(), "desc =") || strings.Contains(err.Error(), "transport") {
 		t.Fatalf("fill --teacher at a closed port: %v", err)
