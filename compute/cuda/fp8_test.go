@@ -118,10 +118,11 @@ func fp8Weight(t *testing.T, be compute.Backend, w []float32, n, k int) compute.
 
 // TestMatMulFP8Conformance: the FP8 MatMul (cuBLASLt's E4M3 GEMM and the
 // scaling epilogue) against the CPU's FP8 MatMul on the same inputs, which
-// quantize to the same codes: they differ by the fp32 accumulation's
-// order and where the scales multiply, bounded by 4e-6·Σ|terms| (k ≤ 512
-// fp32 sums of exact products) beside the F32 out; a BF16 out adds its
-// rounding. Several slabs (m > fp8SlabRows), biases, F32 and BF16 x and
+// quantize to the same codes: on the emulator they differ by the fp32
+// accumulation's order and where the scales multiply, bounded by
+// 4e-6·Σ|terms| (k ≤ 512 fp32 sums of exact products) beside the F32 out;
+// on a GPU by the FP8 tensor cores' narrower accumulation (see the bound);
+// a BF16 out adds its rounding. Several slabs (m > fp8SlabRows), biases, F32 and BF16 x and
 // out. It also checks that FP8 ran: the result is farther from the BF16
 // weights' MatMul than the tolerance.
 func TestMatMulFP8Conformance(t *testing.T) {
@@ -135,6 +136,8 @@ func TestMatMulFP8Conformance(t *testing.T) {
 		{37, 48, 64, true, true, true},
 		{5, 16, 512, true, false, true},
 		{fp8SlabRows + 45, 32, 32, true, true, false},
+		{37, 144, 208, false, false, false}, // k and n not powers of two (an MoE expert's)
+		{113, 208, 144, false, false, false},
 	}
 	for _, c := range cases {
 		t.Run(fmt.Sprintf("m%d_n%d_k%d_bias%v_xbf%v_obf%v", c.m, c.n, c.k, c.bias, c.xbf, c.obf), func(t *testing.T) {
@@ -193,6 +196,17 @@ func TestMatMulFP8Conformance(t *testing.T) {
 				}
 			}
 			atol, rtol := 4e-6*sumAbs, 1e-6
+			if onGPU() {
+				// Hopper's FP8 tensor cores add a step's products at a
+				// narrower precision than fp32 (aligned to the largest,
+				// about 13 bits kept below it), even with cuBLASLt's
+				// FAST_ACCUM off: the H200 (2026-11-27) differed from the
+				// CPU's exact sums by up to 1.1e-4·Σ|terms| (m37 n48 k64)
+				// and 4.7e-5·Σ|terms| (k32). 2^-11·Σ|terms| bounds that
+				// with a margin and stays far below what FP8's rounding of
+				// x moves (the check against the BF16 weights below).
+				atol = sumAbs / 2048
+			}
 			if c.obf {
 				rtol = 1.0 / 256 // one BF16 rounding of the result
 			}
@@ -283,7 +297,8 @@ func TestFP8WeightRefusals(t *testing.T) {
 // TestForwardGoldensFP8 runs the FP8 teacher (infer.LoadWith, weights
 // fp8) of every golden checkpoint on this backend and on the CPU, with
 // BF16 and fp32 activations. The FP8 GEMMs themselves agree with the
-// CPU's to fp32 rounding (TestMatMulFP8Conformance, TestMoEFP8Conformance),
+// CPU's closely (TestMatMulFP8Conformance, TestMoEFP8Conformance: fp32
+// rounding on the emulator, the FP8 tensor cores' accumulation on a GPU),
 // but the rest of the device's forward is not the CPU's fp32: attention
 // and the LM head multiply BF16 operands in both activation modes, and
 // BF16 activations round every GEMM input. An FP8 quantization turns such
@@ -294,11 +309,13 @@ func TestFP8WeightRefusals(t *testing.T) {
 // times as much as a BF16 forward differs from fp32 (TestForwardGoldens:
 // max |Δ| 0.02-0.03, top-1 97-100%), on the order of what FP8 itself
 // costs (the README's table: max |Δ| 0.18-0.30 against BF16). Measured
-// here: top-1 84-92%, max |Δ| 0.16-0.24 in both modes; the bounds keep a
-// margin, and catch an FP8 path that computes something else (a wrong
-// scale or code is off by far more).
+// on the H200 (2026-11-27): top-1 84-91%, mean |Δ| 0.024-0.032, max |Δ|
+// 0.14-0.29, and 0.43 at one position of qwen3_moe with fp32
+// activations: the max of 171 positions is one flip's cascade, so the
+// bounds hold the mean tightly and the max loosely. A wrong scale or code
+// is off by far more than either.
 func TestForwardGoldensFP8(t *testing.T) {
-	const minTop1, maxAbs = 0.78, 0.35
+	const minTop1, maxMean, maxAbs = 0.78, 0.06, 0.6
 	for _, act := range []string{"bf16", "f32"} {
 		t.Run("act="+act, func(t *testing.T) {
 			be := testBackendWith(t, Options{Activations: act})
@@ -306,8 +323,8 @@ func TestForwardGoldensFP8(t *testing.T) {
 				t.Run(filepath.Base(ck), func(t *testing.T) {
 					a := fp8Agreement(t, be, ck)
 					t.Logf("%s act=%s: FP8 %s vs FP8 cpu: %s", filepath.Base(ck), act, be.Name(), &a)
-					if float64(a.top1) < minTop1*float64(a.positions) || a.maxDelta > maxAbs {
-						t.Errorf("FP8 %s (act %s) vs FP8 cpu: %s; want top-1 >= %g%%, max |Δ| <= %g", be.Name(), act, &a, 100*minTop1, maxAbs)
+					if float64(a.top1) < minTop1*float64(a.positions) || a.sumDelta > maxMean*float64(a.entries) || a.maxDelta > maxAbs {
+						t.Errorf("FP8 %s (act %s) vs FP8 cpu: %s; want top-1 >= %g%%, mean |Δ| <= %g, max |Δ| <= %g", be.Name(), act, &a, 100*minTop1, maxMean, maxAbs)
 					}
 				})
 			}
