@@ -24,7 +24,10 @@ const (
 	descTransB = 4 // CUBLASLT_MATMUL_DESC_TRANSB
 
 	prefMaxWorkspace = 1 // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
-	prefMinAlignA    = 5 // CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES (B, C, D follow)
+	prefReduction    = 3 // CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK
+
+	reductionComputeType = 2 // CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE (NONE is 0: always allowed)
+	prefMinAlignA        = 5 // CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES (B, C, D follow)
 
 	gemmWorkspaceBytes = 32 << 20 // cuBLASLt's advice for Hopper
 )
@@ -96,6 +99,10 @@ type gemmShape struct {
 	ta, tb  bool
 	align   [4]int // A (b), B (a), C, D (out)
 }
+
+// testGemmNoSplitK makes every cuBLASLt plan made after it is set one
+// without split-K (tests: does a difference come from split-K?).
+var testGemmNoSplitK bool
 
 // gemmPlan is a cuBLASLt descriptor set with its chosen algorithm.
 type gemmPlan struct {
@@ -171,6 +178,20 @@ func (l *cublasLt) plan(h C.cublasLtHandle_t, s gemmShape) (*gemmPlan, error) {
 	for i, a := range s.align {
 		v := C.uint32_t(a)
 		C.call_cublasLtSetAttribute(l.prefSet, unsafe.Pointer(pref), C.int(prefMinAlignA+i), unsafe.Pointer(&v), 4)
+	}
+	// A BF16 D is the fp32 sum rounded once: no split-K algorithm whose
+	// partial sums meet in D's type (in place or in an output-typed
+	// workspace), which would round each partial (the H200, 2026-11-27:
+	// a BF16 dx 2 BF16 steps from the F32 dx's rounding). Split-K summing
+	// in fp32 stays allowed. testGemmNoSplitK forbids split-K altogether.
+	if s.out == dataBF16 || testGemmNoSplitK {
+		v := C.uint32_t(reductionComputeType)
+		if testGemmNoSplitK {
+			v = 0
+		}
+		if err := l.check("cublasLtMatmulPreferenceSetAttribute(REDUCTION_SCHEME_MASK)", C.call_cublasLtSetAttribute(l.prefSet, unsafe.Pointer(pref), prefReduction, unsafe.Pointer(&v), 4)); err != nil {
+			return nil, err
+		}
 	}
 	var got C.int
 	if err := l.check("cublasLtMatmulAlgoGetHeuristic", C.call_cublasLtMatmulAlgoGetHeuristic(l.heuristic, h, p.desc, p.la, p.lb, p.lc, p.lc, pref, 1, &p.algo, &got)); err != nil {

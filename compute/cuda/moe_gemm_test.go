@@ -104,10 +104,63 @@ func TestMoEFP8Grouped(t *testing.T) {
 	testMoEHostGrouping = false
 	tol := 2e-3 * math.Sqrt(float64(H*I)) / 4
 	closeTo(t, "grouped fp8 moe vs cpu", got, want, tol, 1e-3)
+	if rows := badRows(host, want, H, tol, 1e-3); rows != "" {
+		t.Errorf("per-expert cuBLASLt fp8 moe vs cpu: rows (token: bad columns of %d, worst |Δ|): %s", H, rows)
+		// Diagnosis: the same without split-K, and with one expert.
+		dropPlans := func() {
+			for _, q := range be.plans {
+				be.lt.destroyPlan(q)
+			}
+			clear(be.plans)
+		}
+		testMoEHostGrouping, testGemmNoSplitK = true, true
+		dropPlans()
+		nosplit := c.run(be, c.fp8Weights(t, be))
+		testMoEHostGrouping, testGemmNoSplitK = false, false
+		dropPlans()
+		t.Logf("without split-K: %q", badRows(nosplit, want, H, tol, 1e-3))
+		for _, sh := range [][5]int{{300, 208, 144, 1, 1}, {300, 128, 96, 5, 2}, {64, 208, 144, 5, 2}, {300, 256, 512, 5, 2}} {
+			c := newMoECase(r, sh[0], sh[1], sh[2], sh[3], sh[4], true)
+			tol := 2e-3 * math.Sqrt(float64(sh[1]*sh[2])) / 4
+			want := c.run(oracle, c.fp8Weights(t, oracle))
+			testMoEHostGrouping = true
+			host := c.run(be, c.fp8Weights(t, be))
+			testMoEHostGrouping = false
+			t.Logf("per-expert %v: %q", sh, badRows(host, want, sh[1], tol, 1e-3))
+		}
+	}
 	closeTo(t, "grouped fp8 moe vs per-expert cuBLASLt", got, host, tol, 1e-3)
 	if prof["k_moe_gemm_fp8_glu"] != 1 || prof["k_moe_gemm_fp8"] != 1 || prof["k_moe_scan"] != 1 || prof["cublasLt GEMM (MoE)"] != 1 {
 		t.Fatalf("profile %v: want 1 k_moe_gemm_fp8_glu, 1 k_moe_gemm_fp8, 1 k_moe_scan and the router's cuBLASLt GEMM alone", prof)
 	}
+}
+
+// badRows lists the rows of got (rows of cols) with elements outside
+// atol + rtol·|want|: each row's count of them and its worst difference,
+// the first 12 rows; "" when there are none.
+func badRows(got, want []float32, cols int, atol, rtol float64) string {
+	var b strings.Builder
+	n := 0
+	for r := 0; r*cols < len(want); r++ {
+		bad, worst := 0, 0.0
+		for j := r * cols; j < (r+1)*cols; j++ {
+			d := math.Abs(float64(got[j] - want[j]))
+			if !(d <= atol+rtol*math.Abs(float64(want[j]))) {
+				bad++
+				worst = max(worst, d)
+			}
+		}
+		if bad > 0 {
+			if n < 12 {
+				fmt.Fprintf(&b, "%d: %d, %.3g; ", r, bad, worst)
+			}
+			n++
+		}
+	}
+	if n > 12 {
+		fmt.Fprintf(&b, "and %d rows more", n-12)
+	}
+	return b.String()
 }
 
 // TestMoEGroupedBackward: MoEBackward on the device's grouping (k_moe_tiles,

@@ -418,6 +418,12 @@ func (ac *attnCase) backwardOn(t *testing.T, be *Backend, c attnBackwardMode, dq
 	}
 }
 
+// bf16Ulp is the spacing of BF16 values at v's magnitude.
+func bf16Ulp(v float32) float64 {
+	e := math.Float32bits(v) >> 23 & 0xff
+	return math.Ldexp(1, int(e)-127-7)
+}
+
 // TestMatMulBackwardBF16DX: a BF16 dx (attention's dout) gains, bit for
 // bit, the rounding of what an F32 dx that started at the same values
 // gains (cuBLASLt's BF16 C and D: the fp32 sum rounded once); and a
@@ -446,8 +452,26 @@ func TestMatMulBackwardBF16DX(t *testing.T) {
 			x32, w32 := run(compute.F32, false)
 			xb, wb := run(compute.BF16, false)
 			xr, _ := roundBF16(x32)
-			if j := firstDiff32(xb, xr); j >= 0 {
-				t.Fatalf("BF16 dx[%d] = %v, want the F32 dx's rounding %v", j, xb[j], xr[j])
+			// On a GPU cuBLASLt may pick another kernel for the BF16 D than
+			// for the F32 one, and so another order of the fp32 sums: where
+			// the F32 dx lies that close to a midpoint of two BF16 values,
+			// the BF16 dx may be the other one (the H200, 2026-11-27:
+			// 6.5 for 6.46875). Anywhere else, the bits.
+			for j := range xb {
+				if math.Float32bits(xb[j]) == math.Float32bits(xr[j]) {
+					continue
+				}
+				i, q := j/k, j%k
+				sumAbs := math.Abs(float64(dx0[j]))
+				for c := 0; c < n; c++ {
+					sumAbs += math.Abs(float64(dout[i*n+c]) * float64(w[c*k+q]))
+				}
+				mid := (float64(xb[j]) + float64(xr[j])) / 2
+				adjacent := math.Abs(float64(xb[j]-xr[j])) <= bf16Ulp(xr[j])
+				if !onGPU() || !adjacent || math.Abs(float64(x32[j])-mid) > 1e-6*float64(n+1)*sumAbs {
+					t.Fatalf("BF16 dx[%d] = %v, want the F32 dx's rounding %v (F32 dx %v)", j, xb[j], xr[j], x32[j])
+				}
+				t.Logf("BF16 dx[%d] = %v, the F32 dx %v rounds to %v: %.3g from their midpoint, within the sums' order", j, xb[j], x32[j], xr[j], math.Abs(float64(x32[j])-mid))
 			}
 			if j := firstDiff32(wb, w32); j >= 0 {
 				t.Fatalf("dw[%d] = %v with a BF16 dx, %v with an F32 one", j, wb[j], w32[j])

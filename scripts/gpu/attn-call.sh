@@ -21,7 +21,8 @@
 # the Qwen3-8B shape unless FP8_SHAPES says otherwise; FP8_BUDGET seconds,
 # default 200),
 # EXTRA_TESTS=PATTERN runs the matching tests of the cuda, train and
-# trainer test binaries on the GPU, SANITIZE=1 runs the
+# trainer test binaries on the GPU, MEMCHECK_TESTS=PATTERN the matching
+# tests of the cuda test binary under compute-sanitizer memcheck, SANITIZE=1 runs the
 # attention tests (own kernels and cuDNN) under compute-sanitizer memcheck
 # and the own kernels' under racecheck, ACT_COMPARE=1 runs the training
 # benchmark again (and with FORWARD_BENCH=1 the forward one) with fp32
@@ -108,6 +109,12 @@ if [ -n "${EXTRA_TESTS:-}" ]; then # a -test.run pattern for cuda.test, then the
     echo "extra-${b%%:*} rc=$?" >>"$work/status.txt"
   done
 fi
+if [ -n "${MEMCHECK_TESTS:-}" ] && command -v compute-sanitizer >/dev/null; then # a -test.run pattern for cuda.test under memcheck
+  ( cd compute/cuda && DISTILL_CUDA_TEST=gpu DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 90 \
+      compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 /tmp/distill-gpu-bin/cuda.test -test.v -test.count=1 \
+      -test.run "$MEMCHECK_TESTS" -test.timeout 85s ) >"$work/extra-memcheck.log" 2>&1
+  echo "extra-memcheck rc=$?" >>"$work/status.txt"
+fi
 attn_tests='TestAttentionConformance|TestAttentionBackwardConformance|TestAttentionMMASteps|TestCudnnAttentionConformance'
 if [ "${SANITIZE:-}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   ( cd compute/cuda && DISTILL_CUDA_TEST=gpu DISTILL_RACECHECK=1 DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 75 \
@@ -152,7 +159,7 @@ echo "== idle and host waits"; grep -HE 'GPU idle|^host wait:|^host timeline' "$
 # Where a forward's time outside the GPU's span went (host timeline).
 echo "== forward host timeline"; grep -HE 'outside the profiled span|^host timeline' "$work"/fwd/profile-*.txt "$work"/profile-qwen3-*.txt 2>/dev/null | sed "s|$work/||"
 echo "== status"; cat "$work/status.txt"
-for f in attn-memcheck attn-racecheck extra-cuda extra-train extra-trainer extra-decoder; do
+for f in attn-memcheck attn-racecheck extra-memcheck extra-cuda extra-train extra-trainer extra-decoder; do
   [ -f "$work/$f.log" ] && { echo "== $f"; grep -E '^(--- |ok|FAIL|panic)|ERROR SUMMARY|RACECHECK SUMMARY|========= (Invalid|Race|Error)' "$work/$f.log" | head -20; }
 done
 echo "== cuDNN lines"; grep -hE 'cuDNN|cudnn' "$work"/test.log "$work"/cudnn-system.log 2>/dev/null | grep -vE '^\s*cudnn_test.go:[0-9]+: cudnn attention' | head -30

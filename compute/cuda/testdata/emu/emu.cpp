@@ -1390,7 +1390,9 @@ int cublasLtMatmulPreferenceDestroy(void *p) {
 }
 int cublasLtMatmulPreferenceSetAttribute(void *p, int attr, const void *buf, size_t n) {
 	if (attr == 1 && n == 8) ((Pref *)p)->ws = *(const u64 *)buf;
-	else if (attr >= 5 && attr <= 8 && n == 4) {
+	else if (attr == 3 && n == 4) { // REDUCTION_SCHEME_MASK: the emulator never splits k
+		if (*(const u32 *)buf > 7) return 7;
+	} else if (attr >= 5 && attr <= 8 && n == 4) {
 		u32 a = *(const u32 *)buf;
 		if (a == 0 || (a & (a - 1)) != 0) return 7;
 	} else return 7;
