@@ -122,6 +122,7 @@ type unit struct {
 	off, n   int // their range of the logical arena (Tensor.Off)
 	per      int // ceil(n/size): each rank's part
 	shardOff int // the part's offset in the rank's shard arenas
+	index    int // its place in shards.units
 	block    int // the decoder block, or -1
 	// outSlot: at stage 3, a unit outside the blocks that holds the
 	// embedding table or the LM head, whose whole weights and gradients
@@ -143,6 +144,10 @@ type shards struct {
 	units       []unit
 	blockUnit   []int          // decoder block -> unit index
 	master, gsh compute.Tensor // this rank's parts: fp32 weights, gradients
+	// fresh: the unit's gradient part has had no reduction since zeroGrad
+	// (it holds nothing yet): its first reduce-scatter lands in it
+	// directly, with no landing buffer, addition or zeroing.
+	fresh []bool
 	overlap     bool
 	nslot       int               // stage 3: weight slots (2; 3 with overlap)
 	slots       [3]compute.Tensor // stage 3: block i's whole weights are slot i mod nslot
@@ -231,8 +236,10 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 		h.blockUnit[i] = -1
 	}
 	shardN, maxPer, maxBlock, maxOut := 0, 0, 0, 0
+	h.fresh = make([]bool, len(h.units))
 	for k := range h.units {
 		u := &h.units[k]
+		u.index, h.fresh[k] = k, true
 		for i := u.lo; i < u.hi; i++ {
 			switch s.Tensors[i].Name {
 			case "model.embed_tokens.weight":
@@ -499,13 +506,23 @@ func (h *shards) gather(u *unit) compute.Fence {
 }
 
 // reduce sums u's whole gradients over the ranks into this rank's part
-// (+=) and clears them (beside the compute with overlap).
+// (+=) and clears them (beside the compute with overlap). The step's first
+// reduction of u writes its part (fresh: zeroGrad left it unwritten), the
+// next ones land in tmp and add: a step of one row per rank reads and
+// writes each part once, not three times plus a clearing.
 func (h *shards) reduce(u *unit) compute.Fence {
 	be := h.be
+	k := u.index
+	fresh := h.fresh[k]
+	h.fresh[k] = false
 	return h.collective(func() {
-		tmp := be.View(h.tmp, 0, u.per)
-		h.c.ReduceScatterSum(tmp, u.g, u.per)
-		be.Add(h.part(h.gsh, u), tmp, u.per)
+		if fresh {
+			h.c.ReduceScatterSum(h.part(h.gsh, u), u.g, u.per)
+		} else {
+			tmp := be.View(h.tmp, 0, u.per)
+			h.c.ReduceScatterSum(tmp, u.g, u.per)
+			be.Add(h.part(h.gsh, u), tmp, u.per)
+		}
 		be.Zero(u.g)
 	})
 }
@@ -615,11 +632,14 @@ func (h *shards) Slots() int {
 	return 0
 }
 
-// zeroGrad clears this rank's gradient parts and every whole gradient
-// buffer.
+// zeroGrad clears this rank's gradient parts (each unit's is written by
+// its first reduction, or zeroed by reduceRest if it has none) and every
+// whole gradient buffer.
 func (h *shards) zeroGrad() {
 	h.drain()
-	h.be.Zero(h.gsh)
+	for k := range h.fresh {
+		h.fresh[k] = true
+	}
 	for k := range h.gradBufs() {
 		h.be.Zero(h.blockG[k])
 	}
@@ -645,6 +665,12 @@ func (h *shards) reduceRest() {
 		}
 	}
 	h.drain() // the rank's part is complete
+	for k, f := range h.fresh {
+		if f { // no gradient reached the unit this step
+			h.be.Zero(h.part(h.gsh, &h.units[k]))
+			h.fresh[k] = false
+		}
+	}
 }
 
 // afterStep makes the whole weights follow the updated parts: the units
