@@ -144,10 +144,6 @@ type shards struct {
 	units       []unit
 	blockUnit   []int          // decoder block -> unit index
 	master, gsh compute.Tensor // this rank's parts: fp32 weights, gradients
-	// fresh: the unit's gradient part has had no reduction since zeroGrad
-	// (it holds nothing yet): its first reduce-scatter lands in it
-	// directly, with no landing buffer, addition or zeroing.
-	fresh []bool
 	overlap     bool
 	nslot       int               // stage 3: weight slots (2; 3 with overlap)
 	slots       [3]compute.Tensor // stage 3: block i's whole weights are slot i mod nslot
@@ -177,6 +173,10 @@ type shards struct {
 	segs          [][]smallSeg // each rank's pieces of the small tensors, in pack order
 	sper          int
 	spack, sstage compute.Tensor
+	// fresh: the unit's gradient part has had no reduction since zeroGrad
+	// (it holds nothing yet): its first reduce-scatter lands in it
+	// directly, with no landing buffer, addition or zeroing.
+	fresh         []bool
 }
 
 // smallSeg is a rank's piece of a block's small tensor (one kept whole in
