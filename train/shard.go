@@ -176,7 +176,7 @@ type shards struct {
 	// fresh: the unit's gradient part has had no reduction since zeroGrad
 	// (it holds nothing yet): its first reduce-scatter lands in it
 	// directly, with no landing buffer, addition or zeroing.
-	fresh         []bool
+	fresh []bool
 }
 
 // smallSeg is a rank's piece of a block's small tensor (one kept whole in
