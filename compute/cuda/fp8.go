@@ -200,10 +200,18 @@ func (b *Backend) moeExpertsFP8Grouped(y uint64, x *tensor, order uint64, mw *co
 // mmaE4M3 reports whether the kernels can multiply E4M3 codes on the tensor
 // cores (mma.sync m16n8k32 .e4m3): an sm_89 or newer GPU, kernels compiled
 // by NVRTC 12.4 or newer (PTX ISA 8.4). Otherwise an FP8 MoE runs its
-// experts through cuBLASLt, one expert at a time (moeExpertsFP8).
+// experts through cuBLASLt, one expert at a time (moeExpertsFP8), on the
+// emulator only: on a GPU that path disagreed with the CPU (the H200,
+// 2026-11-27, TestMoEFP8Grouped) and moeForward refuses it.
 func (b *Backend) mmaE4M3() bool {
+	if testOldNVRTC {
+		return false
+	}
 	return b.info.Major*10+b.info.Minor >= 89 && (b.nv.major > 12 || b.nv.major == 12 && b.nv.minor >= 4)
 }
+
+// testOldNVRTC makes mmaE4M3 false, as an NVRTC older than 12.4 does.
+var testOldNVRTC bool
 
 // moeFP8Smem is k_moe_gemm_fp8's shared memory (moe.cu: MOE_STAGES stages
 // of an A and a W tile of 128 rows of MOE_F8_BK+16 bytes).

@@ -483,3 +483,26 @@ func timeMoE(b *testing.B, be *Backend, flops float64, call func()) {
 	b.ReportMetric(1e3*sec, "ms/call")
 	b.ReportMetric(flops/sec/1e12, "TFLOP/s")
 }
+
+// TestMoEFP8NeedsGroupedKernels: on a real driver, an MoE with FP8
+// experts that cannot take the grouped FP8 kernels (an NVRTC older than
+// 12.4) is refused naming what it needs, instead of running the
+// per-expert cuBLASLt path that failed its test on an H200. The emulator
+// stands in for such a driver (testAsRealDriver, testOldNVRTC).
+func TestMoEFP8NeedsGroupedKernels(t *testing.T) {
+	if onGPU() {
+		t.Skip("checked on the emulator: a GPU run would refuse only under an old NVRTC")
+	}
+	be := testBackend(t)
+	r := rand.New(rand.NewPCG(5, 6))
+	c := newMoECase(r, 20, 32, 48, 3, 2, true)
+	testAsRealDriver, testOldNVRTC = true, true
+	defer func() { testAsRealDriver, testOldNVRTC = false, false }()
+	defer func() {
+		msg := fmt.Sprint(recover())
+		if !strings.Contains(msg, "NVRTC 12.4 or newer") || !strings.Contains(msg, "BF16") {
+			t.Fatalf("panic %q: want the refusal naming NVRTC 12.4 and BF16 weights", msg)
+		}
+	}()
+	c.run(be, c.fp8Weights(t, be))
+}

@@ -109,6 +109,14 @@ type moeGroups struct {
 // multiples of 8.
 func moeGroupedOK(H, I int) bool { return !testMoEHostGrouping && H%8 == 0 && I%8 == 0 }
 
+// realDriver reports whether the backend runs on a real CUDA driver, not
+// the emulator (testAsRealDriver: a test's stand-in for one).
+func (b *Backend) realDriver() bool { return b.checkParams == nil || testAsRealDriver }
+
+// testAsRealDriver makes the emulator's backend refuse what a real
+// driver's refuses (realDriver).
+var testAsRealDriver bool
+
 // testMoEHostGrouping makes every MoE take the host's grouping and
 // per-expert cuBLASLt GEMMs (a test compares the two).
 var testMoEHostGrouping bool
@@ -298,6 +306,11 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 	case fp8 && r.onDevice:
 		b.moeExpertsFP8Grouped(r.y, x, r.order, mw, r.groups(), T, K, H, I, what)
 	case fp8:
+		if b.realDriver() && !testMoEHostGrouping {
+			panic(fmt.Sprintf("cuda: %s with FP8 experts on %s needs the grouped FP8 kernels: an sm_89 or newer GPU and NVRTC 12.4 or newer (this one is %d.%d). "+
+				"The per-expert cuBLASLt path that would run instead disagreed with the CPU on an H200 (TestMoEFP8Grouped, 2026-11-27), so it is off on GPUs: "+
+				"use NVRTC 12.4 or newer (DISTILL_LIBNVRTC), or load the teacher's weights in BF16", what, b.info.Name, b.nv.major, b.nv.minor))
+		}
 		r.gateUp()
 		b.moeExpertsFP8(r.gate, r.up, r.y, x, r.order, mw, r.plan, T, K, H, I, what)
 	default:
