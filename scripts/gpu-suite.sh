@@ -512,10 +512,11 @@ s_moe() {
 
 # fp8: the FP8 teacher weights' tests on the GPU, then FP8 against BF16
 # in the teacher's forward (BenchmarkForwardFP8; the Qwen3-8B shape unless
-# DISTILL_BENCH_SHAPES names others).
+# DISTILL_BENCH_SHAPES names others), with one profiled forward of each
+# (profile-<shape>-bf16.txt, profile-<shape>-fp8.txt).
 s_fp8() {
   step fp8-test 100 "$T" -test.v -test.count=1 -test.timeout=95s -test.run 'FP8'
-  step fp8-bench 150 "$T" -test.run '^$' -test.bench '^BenchmarkForwardFP8$' -test.benchtime 3x -test.timeout 145s
+  DISTILL_BENCH_OUT="$OUT" step fp8-bench 150 "$T" -test.run '^$' -test.bench '^BenchmarkForwardFP8$' -test.benchtime 3x -test.timeout 145s
 }
 
 # attn: BenchmarkAttention (attn-bench.log, attn-bench.jsonl), PyTorch's

@@ -651,39 +651,47 @@ func BenchmarkForward(b *testing.B) {
 				}
 				b.ReportMetric(float64(be.PeakMemory())/(1<<30), "devmem_GiB") // the pool's high-water mark since Open
 				if outDir != "" {
-					be.SetProfile(true)
-					p0 := time.Now()
-					m.forward(be, samples, 64)
-					p1 := time.Now()
-					tl := be.HostTimeline()
-					var sb strings.Builder
-					var sum float64
-					prof := be.Profile()
-					span := be.ProfileSpan()
-					be.SetProfile(false)
-					for _, e := range prof {
-						sum += e.Time.Seconds()
-					}
-					fmt.Fprintf(&sb, "%s workload %s (%d tokens): one profiled forward, %.1f ms in kernels over a span of %.1f ms (the GPU idle %.1f ms between them)\n",
-						s.Name, name, n, 1e3*sum, 1e3*span.Seconds(), 1e3*(span.Seconds()-sum))
-					// What the span leaves out: the host's work before the
-					// first kernel (the batch's tables and uploads) and after
-					// the last (the top-k's download), from the timed passes.
-					fmt.Fprintf(&sb, "a forward took %.1f ms unprofiled (the timed passes): %.1f ms of it outside the profiled span\n",
-						1e3*sec, 1e3*(sec-span.Seconds()))
-					fmt.Fprintln(&sb, tl.Describe("forward", p0, p1))
-					for i, e := range prof {
-						if i == 15 {
-							break
-						}
-						fmt.Fprintf(&sb, "%6.1f%% %9.2f ms %6d calls  %s\n", 100*e.Time.Seconds()/sum, 1e3*e.Time.Seconds(), e.Calls, e.Name)
-					}
-					os.WriteFile(filepath.Join(outDir, fmt.Sprintf("profile-%s-%s.txt", s.Name, name)), []byte(sb.String()), 0o644)
+					writeForwardProfile(be, filepath.Join(outDir, fmt.Sprintf("profile-%s-%s.txt", s.Name, name)),
+						fmt.Sprintf("%s workload %s (%d tokens)", s.Name, name, n), sec, 15, func() { m.forward(be, samples, 64) })
 				}
 			})
 		}
 		freeBenchModel(be, m)
 	}
+}
+
+// writeForwardProfile runs forward once with the profile on and writes
+// to file its kernels' time and span (what, a forward's name; sec, its
+// unprofiled seconds), the host's timeline and the top kernels.
+func writeForwardProfile(be *Backend, file, what string, sec float64, top int, forward func()) {
+	be.SetProfile(true)
+	p0 := time.Now()
+	forward()
+	p1 := time.Now()
+	tl := be.HostTimeline()
+	var sb strings.Builder
+	var sum float64
+	prof := be.Profile()
+	span := be.ProfileSpan()
+	be.SetProfile(false)
+	for _, e := range prof {
+		sum += e.Time.Seconds()
+	}
+	fmt.Fprintf(&sb, "%s: one profiled forward, %.1f ms in kernels over a span of %.1f ms (the GPU idle %.1f ms between them)\n",
+		what, 1e3*sum, 1e3*span.Seconds(), 1e3*(span.Seconds()-sum))
+	// What the span leaves out: the host's work before the first kernel
+	// (the batch's tables and uploads) and after the last (the top-k's
+	// download), from the timed passes.
+	fmt.Fprintf(&sb, "a forward took %.1f ms unprofiled (the timed passes): %.1f ms of it outside the profiled span\n",
+		1e3*sec, 1e3*(sec-span.Seconds()))
+	fmt.Fprintln(&sb, tl.Describe("forward", p0, p1))
+	for i, e := range prof {
+		if i == top {
+			break
+		}
+		fmt.Fprintf(&sb, "%6.1f%% %9.2f ms %6d calls  %s\n", 100*e.Time.Seconds()/sum, 1e3*e.Time.Seconds(), e.Calls, e.Name)
+	}
+	os.WriteFile(file, []byte(sb.String()), 0o644)
 }
 
 // BenchmarkForwardFP8: the teacher's forward with FP8 weights (W8A8,
@@ -745,6 +753,16 @@ func BenchmarkForwardFP8(b *testing.B) {
 			b.ReportMetric(rf/rb, "fp8_speedup")
 			b.ReportMetric(gb, "bf16_weights_GiB")
 			b.ReportMetric(gf, "fp8_weights_GiB")
+			if outDir := os.Getenv("DISTILL_BENCH_OUT"); outDir != "" { // where the time goes, each side
+				for _, c := range []struct {
+					name string
+					m    *benchModel
+					sec  float64
+				}{{"bf16", mb, tb.Seconds() / float64(b.N)}, {"fp8", mf, tf.Seconds() / float64(b.N)}} {
+					writeForwardProfile(be, filepath.Join(outDir, fmt.Sprintf("profile-%s-%s.txt", s.Name, c.name)),
+						fmt.Sprintf("%s %s weights, workload b (%d tokens)", s.Name, c.name, n), c.sec, 20, func() { c.m.forward(be, samples, 64) })
+				}
+			}
 		})
 		freeBenchModel(be, mb)
 		freeBenchModel(be, mf)
