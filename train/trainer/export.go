@@ -89,6 +89,9 @@ func Export(src, out string, o ExportOptions) (*ExportReport, error) {
 	if err := checkOutNotSource(src, out, o.Format); err != nil {
 		return nil, err
 	}
+	if err := checkOutNotInput(src, out, o.Format); err != nil {
+		return nil, err
+	}
 	// --out is checked before the model is loaded and written: a mount
 	// point (which cannot be replaced) failed only after the whole model
 	// was written beside it.
@@ -151,6 +154,55 @@ func checkOutNotSource(src, out, format string) error {
 	}
 	return fmt.Errorf("--out %s %s, and the export replaces --out whole (--force would remove what it exports): choose a new directory, e.g. --out %s-%s",
 		out, what, alt, format)
+}
+
+// checkOutNotInput refuses an out that is, or holds, a directory the run
+// at src was made from: its base model (model.init_from: the weights a
+// LoRA run's adapters apply to, the tokenizer and generation config an
+// export copies) or its model.tokenizer directory. The export replaces
+// out whole, so `--out <the base model> --force` replaced the user's HF
+// checkpoint with the export, and the run could no longer resume or
+// export again. A src whose state cannot be read is left to the load,
+// which names what is wrong with it.
+func checkOutNotInput(src, out, format string) error {
+	o, err := realPath(out)
+	if err != nil {
+		return nil // out does not exist yet: it holds nothing
+	}
+	run, ck, err := runDirOf(src)
+	if err != nil || ck == "" {
+		return nil
+	}
+	if run == "" {
+		run = ck
+	}
+	st, err := loadState(ck)
+	if err != nil {
+		return nil
+	}
+	for _, in := range []struct{ dir, what string }{
+		{st.InitFrom, "the run's base model (model.init_from), which its checkpoints need"},
+		{st.TokenizerDir, "the run's tokenizer directory (model.tokenizer)"},
+	} {
+		if in.dir == "" {
+			continue
+		}
+		d, err := realPath(in.dir)
+		if err != nil {
+			continue
+		}
+		rel, err := filepath.Rel(o, d)
+		if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
+			continue
+		}
+		holds := "is"
+		if rel != "." {
+			holds = "holds " + in.dir + ","
+		}
+		return fmt.Errorf("--out %s %s %s, and the export replaces --out whole (--force would remove it): choose a new directory, e.g. --out %s-%s",
+			out, holds, in.what, filepath.Clean(run), format)
+	}
+	return nil
 }
 
 // realPath is path absolute, its symbolic links resolved (an error when

@@ -171,6 +171,20 @@ func TestLoRAInitFrom(t *testing.T) {
 	if err := json.Unmarshal(pb, &pc); err != nil || pc["base_model_name_or_path"] != base {
 		t.Fatalf("adapter_config.json base_model_name_or_path %v (%v), want %s", pc["base_model_name_or_path"], err, base)
 	}
+	// An export onto the base (or a directory holding it) is refused,
+	// --force or not: it replaced the base the adapters apply to.
+	for _, c := range []struct {
+		out, format string
+		force       bool
+	}{{base, "bf16", true}, {base, "peft", true}, {filepath.Dir(base), "f32", true}, {base, "bf16", false}} {
+		_, err := Export(runDir, c.out, ExportOptions{Format: c.format, Force: c.force, NoTokenizer: true})
+		if err == nil || !strings.Contains(err.Error(), "base model (model.init_from)") || strings.Contains(err.Error(), "give --force") {
+			t.Errorf("export %s to %s (%s, force %v): %v, want the base model named", runDir, c.out, c.format, c.force, err)
+		}
+		if _, err := os.Stat(filepath.Join(base, "model.safetensors")); err != nil {
+			t.Fatalf("export to %s removed the base: %v", c.out, err)
+		}
+	}
 	// Another base under the same path.
 	w, err := model.OpenWeights(base)
 	if err != nil {
