@@ -265,7 +265,7 @@ func (o *Options) Validate() error {
 		return errkind.Errorf(ErrInvalid, "kd_weight %g, sft_weight %g: want finite values >= 0", o.KDWeight, o.SFTWeight)
 	}
 	if o.KDWeight == 0 && o.SFTWeight == 0 {
-		return errkind.Errorf(ErrInvalid, "kd_weight and sft_weight are both 0: nothing to train on")
+		return errkind.Errorf(ErrInvalid, "kd_weight and sft_weight are both 0: nothing to train on (SFT on the labels alone: kd_weight 0 with sft_weight 1; KD: kd_weight > 0)")
 	}
 	return nil
 }
