@@ -717,9 +717,11 @@ type fillDispatch struct {
 	busyAt, busySaid map[cache.Range]time.Time
 	now              func() time.Time // time.Now; tests set a clock of their own
 	// up counts the teachers answering (not failing, joined); waitSince
-	// is when the last of them failed, while up is 0.
+	// is when the last of them failed, while up is 0. waited sums the
+	// waits that have ended: the progress leaves them out of the rate.
 	up        int
 	waitSince time.Time
+	waited    time.Duration
 
 	// ref and refAnswer are the teacher a late one is checked against
 	// (the first that answered), start when the fill started: a teacher
@@ -883,21 +885,29 @@ func (d *fillDispatch) join(ctx context.Context, w Worker) bool {
 }
 
 // setUp counts w as answering again (+1) or failing (-1); when none
-// answers, the progress says since when it waits (waiting).
+// answers, the progress says since when it waits (waiting). The wait
+// ends when a teacher counts as answering again, which is when its first
+// chunk since it failed is done: the time the progress showed as waiting
+// is the time left out of the rate.
 func (d *fillDispatch) setUp(w Worker, delta int) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	was := d.up
 	d.up += delta
-	if d.up == 0 {
+	switch {
+	case d.up == 0:
 		d.waitSince = d.now()
+	case was <= 0 && d.up > 0 && !d.waitSince.IsZero():
+		d.waited += d.now().Sub(d.waitSince)
 	}
 }
 
-// waiting reports whether no teacher answers, and since when.
-func (d *fillDispatch) waiting() (time.Time, bool) {
+// waiting reports whether no teacher answers, since when, and how long
+// the waits that have ended took in all.
+func (d *fillDispatch) waiting() (since time.Time, now bool, waited time.Duration) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return d.waitSince, d.up <= 0
+	return d.waitSince, d.up <= 0, d.waited
 }
 
 // roundDuration rounds d to the second, or under a second to the
@@ -1256,8 +1266,12 @@ func combine(byDir map[string][]cache.Range, pathOf map[string]string) (done []c
 // startProgress draws a bar on a terminal or logs a line every LogEvery;
 // the returned func stops it and finishes the line. While waiting (nil:
 // never) reports that no teacher answers, the line says since when the
-// fill waits for them instead of a rate that only decays.
-func startProgress(p *FillPlan, total, already int64, samples, tokens *atomic.Int64, t0 time.Time, waiting func() (time.Time, bool)) func() {
+// fill waits for them instead of a rate that only decays. The rate and
+// the ETA count the time since t0 less the waits that have ended: a
+// fill that waited an hour for its teachers would otherwise report a
+// rate far below the one they compute at, and an ETA far too long,
+// until the end of the run.
+func startProgress(p *FillPlan, total, already int64, samples, tokens *atomic.Int64, t0 time.Time, waiting func() (since time.Time, now bool, waited time.Duration)) func() {
 	if p.Out == nil {
 		return func() {}
 	}
@@ -1267,12 +1281,16 @@ func startProgress(p *FillPlan, total, already int64, samples, tokens *atomic.In
 	}
 	stop, done := make(chan struct{}), make(chan struct{})
 	line := func() string {
+		now := p.timeNow()
+		work := now.Sub(t0)
 		if waiting != nil {
-			if since, ok := waiting(); ok {
-				return waitingLine(p.Terminal, total, already, samples.Load(), since, p.timeNow())
+			since, ok, waited := waiting()
+			if ok {
+				return waitingLine(p.Terminal, total, already, samples.Load(), since, now)
 			}
+			work -= waited
 		}
-		return progressLine(p.Terminal, total, already, samples.Load(), tokens.Load(), p.timeNow().Sub(t0).Seconds())
+		return progressLine(p.Terminal, total, already, samples.Load(), tokens.Load(), work.Seconds())
 	}
 	go func() {
 		defer close(done)
@@ -1294,7 +1312,8 @@ func startProgress(p *FillPlan, total, already int64, samples, tokens *atomic.In
 }
 
 // progressLine is one progress report: done of total samples (already
-// done before this run, plus s computed in it), tok tokens in el seconds.
+// done before this run, plus s computed in it), tok tokens in el seconds
+// of work (no waits for the teachers in it).
 // The counts are clamped to [0, total]: a chunk counted twice (a teacher
 // that reported it and failed, then another redid it) or a range already
 // done that reaches past the fill's would otherwise draw more than a full

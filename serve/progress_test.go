@@ -39,3 +39,34 @@ func TestProgressBarDoubleCountedChunk(t *testing.T) {
 		}
 	}
 }
+
+// TestProgressRateLeavesOutWaits: the fill works 10s, waits 60s for its
+// only teacher, which answers again and works 10s more. The rate and the
+// ETA count the 20s of work, not the 80s since the start: they used to
+// read 4x low and 4x long after any such wait, until the end of the run.
+func TestProgressRateLeavesOutWaits(t *testing.T) {
+	t0 := time.Date(2024, 1, 1, 12, 0, 0, 0, time.UTC)
+	now := t0
+	p := &FillPlan{Terminal: true, now: func() time.Time { return now }}
+	var out strings.Builder
+	p.Out = &out
+	d := newFillDispatch(p, nil, "", &FillSummary{}, nil)
+	d.up = 1
+	w := &fakeTeacher{name: "a:7070"}
+
+	now = t0.Add(10 * time.Second)
+	d.setUp(w, -1) // the teacher fails
+	now = now.Add(60 * time.Second)
+	d.setUp(w, +1) // and answers again
+	now = now.Add(10 * time.Second)
+	d.samples.Store(20)
+	d.tokens.Store(2000)
+
+	stop := startProgress(p, 100, 0, &d.samples, &d.tokens, t0, d.waiting)
+	stop() // draws the last line at once, whatever the ticker did
+	last := out.String()[strings.LastIndex(out.String(), "\r"):]
+	// 2000 tokens in 20s of work; 80 samples left at 20 per 20s.
+	if !strings.Contains(last, " 100 tokens/s  ETA 1m20s ") {
+		t.Errorf("progress after a 60s wait: %q, want 100 tokens/s and ETA 1m20s (the 60s wait left out)", last)
+	}
+}
