@@ -3,7 +3,9 @@ package main
 import (
 	"flag"
 	"fmt"
+	"io"
 	"os"
+	"strconv"
 	"strings"
 
 	"distill/internal/cli"
@@ -13,6 +15,9 @@ import (
 func init() {
 	commands.Register(&cli.Command{Name: "plot", Summary: "draw the train and eval curves of runs (metrics.jsonl) into a PNG, SVG or PDF: loss, KD, CE, LR, grad norm, accuracy", Run: runPlot})
 }
+
+// plotLog is where student plot warns (a test's buffer in tests).
+var plotLog io.Writer = os.Stderr
 
 // listFlag is a repeatable string flag.
 type listFlag []string
@@ -86,6 +91,7 @@ func runPlot(args []string) error {
 		if err != nil {
 			return err
 		}
+		warnSkipped(plotLog, r)
 		rs = append(rs, r)
 	}
 	ps, err := runplot.Write(*out, rs, hs, opts)
@@ -102,4 +108,27 @@ func runPlot(args []string) error {
 	}
 	fmt.Fprintf(stdout, "wrote %s: %d %s, panels %s\n", *out, len(rs), noun, strings.Join(names, ", "))
 	return nil
+}
+
+// warnSkipped says, in one line, which lines of r's metrics.jsonl were
+// not JSON and were left out of the plot (runplot.Load), so that a
+// curve with a gap in it has its reason next to it.
+func warnSkipped(w io.Writer, r *runplot.Run) {
+	n := len(r.Skipped)
+	if n == 0 {
+		return
+	}
+	const why = "(a write cut short by a crash?): skipped; the rest of the run is plotted"
+	if n == 1 {
+		fmt.Fprintf(w, "student plot: warning: %s:%d: not JSON %s\n", r.Path, r.Skipped[0], why)
+		return
+	}
+	more := make([]string, 0, 10)
+	for _, l := range r.Skipped[1:min(n, 11)] {
+		more = append(more, strconv.Itoa(l))
+	}
+	if n > 11 {
+		more = append(more, "...")
+	}
+	fmt.Fprintf(w, "student plot: warning: %s:%d: this line and %d more (lines %s) are not JSON %s\n", r.Path, r.Skipped[0], n-1, strings.Join(more, ", "), why)
 }

@@ -2,7 +2,9 @@ package main
 
 import (
 	"bytes"
+	"fmt"
 	"image/png"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -113,5 +115,49 @@ log: {progress: "off", tensorboard: false}
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%v: %v, want it to say %q", c.args, err, c.want)
 		}
+	}
+}
+
+// TestPlotTornLines: a metrics.jsonl with a torn line in the middle (a
+// run killed mid-write, then resumed after it) is plotted, with one
+// warning naming the file and line; it was an error ("line 2: invalid
+// character"), and nothing was drawn. Two torn lines are still one
+// warning. A file where no line is JSON stays an error.
+func TestPlotTornLines(t *testing.T) {
+	dir := t.TempDir()
+	good := `{"type":"train","step":%d,"loss":1,"kd":1,"ce":3,"lr":0.1,"grad_norm":4}` + "\n"
+	torn := `{"type":"train","step":9,"lo`
+	run := func(name string, lines ...string) string {
+		d := filepath.Join(dir, name)
+		os.MkdirAll(d, 0o755)
+		os.WriteFile(filepath.Join(d, "metrics.jsonl"), []byte(strings.Join(lines, "")), 0o644)
+		return d
+	}
+	one := run("one", fmt.Sprintf(good, 1), torn+fmt.Sprintf(good, 2), fmt.Sprintf(good, 3))
+	two := run("two", fmt.Sprintf(good, 1), torn+"\n", fmt.Sprintf(good, 2), "\x00\x00\x00\n", fmt.Sprintf(good, 3), torn)
+	none := run("none", torn+"\n", "hello\n")
+	png1 := filepath.Join(dir, "c.png")
+	var log bytes.Buffer
+	plotLog = &log
+	defer func() { plotLog = os.Stderr }()
+	for _, c := range []struct {
+		dir, warn string
+	}{
+		{one, filepath.Join(one, "metrics.jsonl") + ":2: not JSON (a write cut short by a crash?): skipped; the rest of the run is plotted\n"},
+		{two, filepath.Join(two, "metrics.jsonl") + ":2: this line and 1 more (lines 4) are not JSON (a write cut short by a crash?): skipped; the rest of the run is plotted\n"},
+	} {
+		log.Reset()
+		var stderr bytes.Buffer
+		if code := commands.Run([]string{"plot", "--run", c.dir, "--out", png1}, io.Discard, &stderr); code != 0 {
+			t.Errorf("plot %s: exit %d: %s", c.dir, code, stderr.String())
+		}
+		if want := "student plot: warning: " + c.warn; log.String() != want {
+			t.Errorf("plot %s warned %q, want %q", c.dir, log.String(), want)
+		}
+	}
+	var stderr bytes.Buffer
+	if code := commands.Run([]string{"plot", "--run", none, "--out", png1}, io.Discard, &stderr); code != 1 ||
+		!strings.Contains(stderr.String(), filepath.Join(none, "metrics.jsonl")+" line 1: ") {
+		t.Errorf("plot of a file with no JSON line: exit %d, stderr %q; want 1 and an error naming line 1", code, stderr.String())
 	}
 }

@@ -59,14 +59,24 @@ type Step struct {
 type Run struct {
 	Label string // legend name (default: the directory's base name)
 	Dir   string
+	Path  string // its metrics.jsonl
 	Train []Step // in step order, one per step
 	Eval  []Step // in step order, one per step
+	// Skipped are the numbers (from 1) of the complete lines that are
+	// not JSON and were left out: see Load. The caller warns of them.
+	Skipped []int
 }
 
 // Load reads dir/metrics.jsonl. A torn last line (a run still writing
 // it, or one killed mid-write) is ignored, as the trainer ignores it on
-// resume; any other line that is not a metrics object is an error naming
-// the line. A step logged twice keeps its last line.
+// resume. A line before it that is not JSON at all is torn too (a run
+// killed mid-write, then resumed by a writer that appended after the
+// torn bytes instead of dropping them, or a crash that left garbage in
+// the file): it is left out and listed in Run.Skipped, so that one bad
+// line does not keep the rest of a long run from being plotted. A file
+// where no line is JSON is not a metrics file, and an error; so is a
+// line that is JSON but not a metrics object. A step logged twice keeps
+// its last line.
 func Load(dir, label string) (*Run, error) {
 	path := filepath.Join(dir, "metrics.jsonl")
 	b, err := os.ReadFile(path)
@@ -87,8 +97,10 @@ func Load(dir, label string) (*Run, error) {
 	if label == "" {
 		label = filepath.Base(filepath.Clean(dir))
 	}
-	r := &Run{Label: label, Dir: dir}
+	r := &Run{Label: label, Dir: dir, Path: path}
 	train, eval := map[int]Step{}, map[int]Step{}
+	var parsed int     // lines that are JSON
+	var firstBad error // the first line that is not, if none is
 	lines := bytes.SplitAfter(b, []byte("\n"))
 	for i, line := range lines {
 		if len(bytes.TrimSpace(line)) == 0 {
@@ -110,8 +122,13 @@ func Load(dir, label string) (*Run, error) {
 			Top1Agreement *float64 `json:"top1_agreement"`
 		}
 		if err := json.Unmarshal(line, &l); err != nil {
-			return nil, errkind.Errorf(ErrInput, "%s line %d: %v (is it a `student train` metrics file?)", path, i+1, err)
+			if firstBad == nil {
+				firstBad = errkind.Errorf(ErrInput, "%s line %d: %v (is it a `student train` metrics file?)", path, i+1, err)
+			}
+			r.Skipped = append(r.Skipped, i+1)
+			continue
 		}
+		parsed++
 		if l.Step == nil || (l.Type != "train" && l.Type != "eval") {
 			return nil, errkind.Errorf(ErrInput, "%s line %d: want a metrics object with \"type\" train or eval and a \"step\", found %.80q", path, i+1, bytes.TrimSpace(line))
 		}
@@ -122,6 +139,9 @@ func Load(dir, label string) (*Run, error) {
 		} else {
 			eval[s.Step] = s
 		}
+	}
+	if parsed == 0 && firstBad != nil {
+		return nil, firstBad
 	}
 	r.Train, r.Eval = sorted(train), sorted(eval)
 	if len(r.Train) == 0 && len(r.Eval) == 0 {

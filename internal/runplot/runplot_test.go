@@ -95,6 +95,33 @@ func TestLoad(t *testing.T) {
 	}
 }
 
+// TestLoadTornMiddleLine: a run killed mid-write and resumed after the
+// torn bytes has a line that is not JSON in the middle of its metrics; it
+// is left out and listed (line 2), the lines after it are read, as a torn
+// last line is ignored. It was an error, and the run could not be
+// plotted at all.
+func TestLoadTornMiddleLine(t *testing.T) {
+	dir := writeRun(t, "run-a", `{"type":"train","step":1,"loss":1,"kd":1,"ce":3,"lr":0.1,"grad_norm":4}
+{"type":"train","step":2,"loss":{"type":"train","step":2,"loss":2,"kd":1,"ce":3,"lr":0.1,"grad_norm":4}
+{"type":"eval","step":2,"loss":5,"kd":1,"ce":2,"token_accuracy":0.5,"top1_agreement":0.25}
+{"type":"train","step":3,"loss":3,"kd":1,"ce":3,"lr":0.1,"grad_norm":4}
+{"type":"train","step":4,"lo`)
+	r, err := Load(dir, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var steps []int
+	for _, s := range r.Train {
+		steps = append(steps, s.Step)
+	}
+	if !reflect.DeepEqual(steps, []int{1, 3}) || len(r.Eval) != 1 {
+		t.Errorf("train steps %v, %d evals; want [1 3] and 1 (the torn line 2 and the torn last line left out)", steps, len(r.Eval))
+	}
+	if !reflect.DeepEqual(r.Skipped, []int{2}) || r.Path != filepath.Join(dir, "metrics.jsonl") {
+		t.Errorf("skipped %v in %s, want line 2 of %s (a torn last line is not listed)", r.Skipped, r.Path, filepath.Join(dir, "metrics.jsonl"))
+	}
+}
+
 // TestLoadErrors: each bad run names what is wrong and where.
 func TestLoadErrors(t *testing.T) {
 	empty := t.TempDir()
@@ -105,7 +132,9 @@ func TestLoadErrors(t *testing.T) {
 		{"missing dir", filepath.Join(empty, "nope"), []string{"run directory " + filepath.Join(empty, "nope") + " does not exist: give the run directory of a `student train` run"}},
 		{"a file", writeRun(t, "r0", "{\"type\":\"train\",\"step\":1,\"loss\":1}\n") + "/metrics.jsonl", []string{"metrics.jsonl is a file, not a run directory: give the run directory"}},
 		{"no metrics", empty, []string{"has no metrics.jsonl", "student train"}},
-		{"not json", writeRun(t, "r1", "{\"type\":\"train\",\"step\":1,\"loss\":1}\nhello\n"), []string{"metrics.jsonl line 2", "student train"}},
+		// No line is JSON: not a metrics file (one bad line among good
+		// ones is skipped: TestLoadTornMiddleLine).
+		{"not json", writeRun(t, "r1", "hello\nworld\n{\"type\":\"train\",\"st"), []string{"metrics.jsonl line 1", "student train"}},
 		{"no type", writeRun(t, "r2", "{\"step\":1,\"loss\":1}\n"), []string{"line 1", `"type" train or eval`}},
 		{"no step", writeRun(t, "r3", "{\"type\":\"train\",\"loss\":1}\n"), []string{"line 1", `"step"`}},
 		{"nothing yet", writeRun(t, "r4", ""), []string{"no train or eval lines yet"}},
