@@ -28,7 +28,7 @@ func runPlan(args []string) error {
 	world := fs.Int("world-size", 1, "data-parallel ranks: each holds 1/N of AdamW's moments (train.zero 1), of the gradients too (2), of the fp32 weights too (3)")
 	zero := fs.Int("zero", 0, "the ZeRO stage to plan over --world-size ranks: 0, 1, 2 or 3 (default: the config's train.zero)")
 	acts := fs.String("activations", "bf16", "the device's activation dtype: bf16 (the CUDA backend's default) or f32 (DISTILL_CUDA_ACT=f32)")
-	k := fs.Int("k", 0, "the teachers' top-k per position (the cache's k; several teachers: the sum of theirs) (default: 64, or 0 when distill.kd_weight is 0)")
+	k := fs.Int("k", 0, "the teachers' top-k per position (the cache's k; several teachers: the sum of theirs; at most the vocabulary) (default: 64, or 0 when distill.kd_weight is 0)")
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
@@ -92,6 +92,19 @@ func runPlan(args []string) error {
 		}
 	} else if mc, err = cfg.Model.Random.ModelConfig(); err != nil {
 		return err
+	}
+	if *k > mc.VocabSize {
+		// A position's top-k are distinct token ids, of one teacher or
+		// the union of several: more than the vocabulary planned a loss
+		// head for targets no cache can hold, without a word. The
+		// student's vocabulary is the teachers' (the trainer checks the
+		// caches against it), so it is the one to check against.
+		from := "model.random.vocab_size"
+		if cfg.Model.InitFrom != "" {
+			from = "the vocab_size of model.init_from's config.json"
+		}
+		return cli.Usagef("--k %d is more than the vocabulary (%d, %s): a position's top-k ids are distinct ids of it, from one teacher or the union of several: give at most --k %d",
+			*k, mc.VocabSize, from, mc.VocabSize)
 	}
 	if !given["k"] {
 		*k = 64

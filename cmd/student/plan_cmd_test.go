@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"distill/internal/cli"
 )
 
 // humanBytes reads train.HumanBytes' "1.5 GiB".
@@ -159,6 +161,10 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 		{[]string{"--zero", "4"}, "--zero"},
 		{[]string{"--zero", "-1"}, "--zero -1: want 0, 1, 2 or 3"},
 		{[]string{"--k", "-1"}, "--k -1: want >= 0"},
+		// More top-k ids than the vocabulary holds was planned as given.
+		{[]string{"--k", "1001"}, "--k 1001 is more than the vocabulary (1000, model.random.vocab_size): "},
+		{[]string{"--k", "200000", "--set", "model.random=null", "--set", "model.init_from=" + filepath.Join("..", "..", "examples", "model-configs", "qwen3-8b")},
+			"--k 200000 is more than the vocabulary (151936, the vocab_size of model.init_from's config.json): "},
 		// One process holds the whole state: --zero was ignored without
 		// a word.
 		{[]string{"--zero", "3"}, "--zero 3 shards the optimizer state over data-parallel ranks: give their number too, --world-size N (N > 1)"},
@@ -169,6 +175,13 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%v: %v, want an error naming %s", c.args, err, c.want)
 		}
+		if c.args[0] == "--k" && cli.ExitStatus(err) != 2 {
+			t.Errorf("%v: exit status %d, want 2 (a usage error, as --k -1)", c.args, cli.ExitStatus(err))
+		}
+	}
+	// The whole vocabulary is a top-k the plan takes.
+	if out := plan("--k", "1000"); !strings.Contains(out, "teacher top-k 1000,") {
+		t.Errorf("--k 1000, the vocabulary: %s", out)
 	}
 	if err := runPlan(nil); err == nil || !strings.Contains(err.Error(), "--config") {
 		t.Errorf("no --config: %v", err)
