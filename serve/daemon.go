@@ -344,7 +344,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 	if err != nil {
 		return nil, configErrorf("%s %s: %w", cfg.Sources.Said("model"), cfg.Model, err)
 	}
-	if err := cfg.checkK(mc.VocabSize); err != nil {
+	if err := cfg.CheckK(mc.VocabSize); err != nil {
 		return nil, err
 	}
 	// A --tokenizer without tokenizer.json failed only after the weights
@@ -634,11 +634,12 @@ func (c *Config) CheckPairs() (flags []string, err error) {
 	return nil, nil
 }
 
-// checkK refuses k bounds the model cannot give, before anything is
+// CheckK refuses k bounds the model cannot give, before anything is
 // bound or loaded, as NewCore sets and checks them, from the vocabulary
 // vocab its config.json gives (they failed once the weights had loaded),
-// naming each value as c.Sources says it came.
-func (c *Config) checkK(vocab int) error {
+// naming each value as c.Sources says it came. teacherd --plan checks
+// them too, so that it never plans a daemon that would refuse to start.
+func (c *Config) CheckK(vocab int) error {
 	s := c.Sources
 	kmax, kdef := c.KMax, c.KDefault
 	if kmax == 0 {

@@ -81,6 +81,13 @@ func teacherPlan(cfgPath string, ords []int, devMem, weights string, k, draws, m
 	if err != nil {
 		return infer.TeacherPlan{}, err
 	}
+	if k > cfg.VocabSize {
+		// A position's top-k are distinct token ids: more than the
+		// vocabulary was planned as given and exited 0, for a teacherd
+		// --k-max (or a fill --k) that the teacher refuses at start.
+		return infer.TeacherPlan{}, cli.Usagef("--k %d is more than the teacher's vocabulary (%d, the vocab_size of %s): a position's top-k ids are distinct ids of it, and teacherd refuses a --k-max above it: give at most --k %d",
+			k, cfg.VocabSize, cfgPath, cfg.VocabSize)
+	}
 	return infer.PlanTeacher(cfg, infer.PlanOptions{Devices: ords, DeviceBytes: mem, Weights: infer.WeightFormat(weights),
 		K: k, Draws: draws, MaxLen: maxLen, Scratch: device.ForwardScratchTerms})
 }

@@ -7,6 +7,8 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+
+	"distill/internal/cli"
 )
 
 // TestPlan: cachectl plan reads a config.json (or its directory) and no
@@ -73,9 +75,19 @@ func TestPlan(t *testing.T) {
 		{[]string{"--config", dir, "--devices", "37"}, "37 GPUs for 36 layers"},
 		{[]string{"--config", dir, "--weights", "int4"}, `weights "int4"`},
 		{[]string{"--config", dir, "--k", "0"}, "--k 0"},
+		// More top-k ids than the vocabulary holds was planned as given
+		// (exit 0); teacherd refuses such a --k-max at start.
+		{[]string{"--config", dir, "--k", "151937"}, "--k 151937 is more than the teacher's vocabulary (151936, the vocab_size of " + dir + "): "},
 	} {
-		if _, err := run(c.args...); err == nil || !strings.Contains(err.Error(), c.want) {
+		out, err := run(c.args...)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%v: %v, want an error naming %q", c.args, err, c.want)
 		}
+		if c.args != nil && c.args[len(c.args)-2] == "--k" && (cli.ExitStatus(err) != 2 || out != "") {
+			t.Errorf("%v: exit status %d, want 2 (a usage error, as --k 0), and no plan:\n%s", c.args, cli.ExitStatus(err), out)
+		}
+	}
+	if _, err := run("--config", dir, "--k", "151936"); err != nil {
+		t.Errorf("--k equal to the vocabulary: %v", err)
 	}
 }

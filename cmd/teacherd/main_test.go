@@ -189,6 +189,13 @@ func TestPlanFlag(t *testing.T) {
 	if err := printPlan(&out, cfg, pf); err != nil || !strings.Contains(out.String(), "fp8 weights") || !strings.Contains(out.String(), "67.69 GiB") {
 		t.Errorf("--plan --weights fp8: %v\n%s", err, out.String())
 	}
+	// A k-max above the vocabulary: the daemon refuses to start with it,
+	// and the plan printed one for it and exited 0.
+	cfg, _, pf, _ = parseConfig([]string{"--plan", "--model", dir, "--device-memory", "80GiB", "--k-max", "200000"})
+	out.Reset()
+	if err := printPlan(&out, cfg, pf); err == nil || !strings.Contains(err.Error(), "--k-max 200000: want 1 <= k-max <= 128256 (the teacher's vocab size)") || out.Len() != 0 {
+		t.Errorf("--plan --k-max 200000 (vocab 128256): %v\n%s", err, out.String())
+	}
 	p := filepath.Join(t.TempDir(), "t.yaml")
 	os.WriteFile(p, []byte("model: /m\ndevices: \"0,1\"\nmicro_batches: 4\n"), 0o644)
 	cfg, _, _, err = parseConfig([]string{"--config", p, "--devices", "2,3"})

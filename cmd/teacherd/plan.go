@@ -32,6 +32,12 @@ func printPlan(w io.Writer, cfg serve.Config, pf planFlags) error {
 	if err != nil {
 		return err
 	}
+	// The daemon refuses a --k-max (or --k-default) above the vocabulary
+	// at start; the plan printed one for it and exited 0, a plan of a
+	// daemon that cannot run.
+	if err := cfg.CheckK(mc.VocabSize); err != nil {
+		return err
+	}
 	ords, err := device.ParseDevices(cfg.Devices)
 	if err != nil {
 		return err
