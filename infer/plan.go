@@ -3,6 +3,7 @@ package infer
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -389,6 +390,12 @@ func LoadConfigAt(path string) (*model.Config, error) {
 	dir := path
 	if st, err := os.Stat(path); err != nil || !st.IsDir() {
 		if filepath.Base(path) != "config.json" {
+			if errors.Is(err, fs.ErrNotExist) {
+				// A mistyped path was answered as if it were a file of the
+				// wrong kind ("want a config.json"), never saying that
+				// nothing is there.
+				return nil, errkind.Errorf(ErrPlan, "%s does not exist: check the path (want a config.json or the checkpoint directory holding one)", path)
+			}
 			return nil, errkind.Errorf(ErrPlan, "%s: want a config.json or the directory holding one", path)
 		}
 		dir = filepath.Dir(path) // model.LoadConfig reads DIR/config.json

@@ -53,6 +53,8 @@ func TestExitStatus(t *testing.T) {
 		{[]string{"--model", missing, "--tls-cert", "/x"}, 2, "--tls-cert /x: TLS needs --tls-key too (the certificate's private key, PEM), or neither for no TLS"},
 		{[]string{"--model", missing, "--tls-key", "/k"}, 2, "--tls-key /k: TLS needs --tls-cert too (the key's certificate, PEM), or neither for no TLS"},
 		{[]string{"--plan", "--model", missing, "--k-max", "-3"}, 2, "--k-max -3: want 1 or more"},
+		// A --model that does not exist said only "want a config.json".
+		{[]string{"--plan", "--model", missing, "--device-memory", "80GiB"}, 1, missing + " does not exist: check the path"},
 		{[]string{"--model", missing, "--metrics", "off", "--listen", "127.0.0.1:0"}, 1, "--model " + missing},
 	} {
 		err := run(tc.args)
