@@ -7,6 +7,7 @@ import (
 	"io"
 	"maps"
 	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -137,7 +138,7 @@ func runEval(args []string) error {
 		return evalDataset(s, st, &cfg, *config != "", *tokDir, *rng, *seqLen, *asJSON, lossFrom)
 	}
 	if len(tcs) > 0 && *cacheDirs == "" {
-		return evalTeachers(s, st, &cfg, *config != "", tcs, *tokFP, *tokDir, *rng, *seqLen, *asJSON, lossFrom)
+		return evalTeachers(s, st, &cfg, *config != "", tcs, *ckpt, *tokFP, *tokDir, *rng, *seqLen, *asJSON, lossFrom)
 	}
 	dirs := cfg.Data.Cache
 	if *cacheDirs != "" {
@@ -146,7 +147,7 @@ func runEval(args []string) error {
 	if len(dirs) == 0 {
 		return cli.Usagef("--cache is required (or a --config with data.cache)")
 	}
-	return evalCache(s, st, &cfg, *config != "", dirs, *tokFP, *tokDir, *rng, *seqLen, *asJSON, lossFrom)
+	return evalCache(s, st, &cfg, *config != "", dirs, *ckpt, *tokFP, *tokDir, *rng, *seqLen, *asJSON, lossFrom)
 }
 
 // parseCaches reads --caches: DIR or NAME=DIR entries, comma-separated.
@@ -167,13 +168,13 @@ func parseCaches(v string) ([]trainer.TeacherCache, error) {
 
 // evalCache scores the student on one teacher's cache (dirs: one cache,
 // or the directories of one read together).
-func evalCache(s *train.Student, st *trainer.State, cfg *trainer.Config, configGiven bool, dirs []string, tokFP, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
+func evalCache(s *train.Student, st *trainer.State, cfg *trainer.Config, configGiven bool, dirs []string, ckpt, tokFP, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
 	rd, err := cache.OpenReader(dirs...)
 	if err != nil {
 		return err
 	}
 	m := rd.Manifest()
-	fp, err := studentTokenizer(st, cfg, tokFP, tokDir)
+	fp, err := studentTokenizer(st, cfg, tokFP, tokDir, ckpt, strings.Join(dirs, ","), m.TokenizerFingerprint)
 	if err != nil {
 		return err
 	}
@@ -310,8 +311,10 @@ func (rs rangeSource) print(r cache.Range) {
 }
 
 // studentTokenizer is the student's tokenizer fingerprint: --tokenizer-fingerprint,
-// --tokenizer's, the checkpoint's, or the config's.
-func studentTokenizer(st *trainer.State, cfg *trainer.Config, tokFP, tokDir string) (string, error) {
+// --tokenizer's, the checkpoint's, or the config's. ckpt is --checkpoint,
+// and cacheDir and cacheFP the cache scored and its tokenizer, for the
+// error when none of these is given.
+func studentTokenizer(st *trainer.State, cfg *trainer.Config, tokFP, tokDir, ckpt, cacheDir, cacheFP string) (string, error) {
 	switch {
 	case tokFP != "":
 		return tokFP, nil
@@ -326,18 +329,29 @@ func studentTokenizer(st *trainer.State, cfg *trainer.Config, tokFP, tokDir stri
 	case cfg.Model.TokenizerFingerprint != "":
 		return cfg.Model.TokenizerFingerprint, nil
 	}
-	return "", fmt.Errorf("the student's tokenizer is unknown: give --tokenizer DIR or --tokenizer-fingerprint (a trainer checkpoint records it)")
+	// An HF checkpoint records no tokenizer, so this is what a first
+	// eval of one (an exported student, a teacher) meets: say what to
+	// type, the checkpoint's own tokenizer.json and the cache's
+	// fingerprint (cachectl status prints it), not only the flags' names.
+	var ways []string
+	if _, err := os.Stat(filepath.Join(ckpt, "tokenizer.json")); err == nil {
+		ways = append(ways, fmt.Sprintf("--tokenizer %s (the checkpoint's tokenizer.json)", ckpt))
+	}
+	if cacheFP != "" {
+		ways = append(ways, fmt.Sprintf("--tokenizer-fingerprint %s (cache %s was filled with that tokenizer: the student must tokenize as it did)", cacheFP, cacheDir))
+	}
+	hint := ""
+	if len(ways) > 0 {
+		hint = "; e.g. " + strings.Join(ways, ", or ")
+	}
+	return "", fmt.Errorf("the student's tokenizer is unknown (--checkpoint %s records none): give --tokenizer DIR (the student's tokenizer.json) or --tokenizer-fingerprint FP (a trainer checkpoint records it)%s", ckpt, hint)
 }
 
 // evalTeachers is `student eval` on several teachers' caches (--caches or
 // the config's data.caches): the objective's KD is the weighted sum of the
 // teachers' divergences, and each teacher's KD and top-1 agreement are
 // printed beside it.
-func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, configGiven bool, tcs []trainer.TeacherCache, tokFP, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
-	fp, err := studentTokenizer(st, cfg, tokFP, tokDir)
-	if err != nil {
-		return err
-	}
+func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, configGiven bool, tcs []trainer.TeacherCache, ckpt, tokFP, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
 	// Teacher 0's manifest: the capture temperature the loss needs (the
 	// others must agree, which EvaluateTeachers checks) and the samples.
 	rd, err := cache.OpenReader(tcs[0].Dir...)
@@ -345,6 +359,10 @@ func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, conf
 		return err
 	}
 	m := rd.Manifest()
+	fp, err := studentTokenizer(st, cfg, tokFP, tokDir, ckpt, strings.Join([]string(tcs[0].Dir), ","), m.TokenizerFingerprint)
+	if err != nil {
+		return err
+	}
 	r, rs, err := evalRange(rng, cfg, st, configGiven, m.Samples, "the caches' samples", m.DatasetFingerprint)
 	if err != nil {
 		return err

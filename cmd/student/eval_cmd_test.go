@@ -432,3 +432,33 @@ func TestEvalProgress(t *testing.T) {
 		}
 	}
 }
+
+// TestEvalUnknownTokenizerSaysWhatToGive: an HF checkpoint records no
+// tokenizer, so a first `student eval` of one without --tokenizer failed
+// with only the flags' names ("give --tokenizer DIR or
+// --tokenizer-fingerprint"). The error now names the cache's tokenizer
+// fingerprint (one --cache, or the first of --caches), and the
+// checkpoint's own tokenizer.json when it holds one (an exported student).
+func TestEvalUnknownTokenizerSaysWhatToGive(t *testing.T) {
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 16, Chunk: 8, MinLen: 6, MaxLen: 30, Seed: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fromCache := "--tokenizer-fingerprint testcache-tokenizer (cache " + b.CacheDir + " was filled with that tokenizer"
+	for _, args := range [][]string{{"--cache", b.CacheDir}, {"--caches", "a=" + b.CacheDir}} {
+		err := runEval(append([]string{"--checkpoint", b.TeacherDir, "--range", "0:8"}, args...))
+		if err == nil || !strings.Contains(err.Error(), "the student's tokenizer is unknown (--checkpoint "+b.TeacherDir+" records none)") ||
+			!strings.Contains(err.Error(), fromCache) || strings.Contains(err.Error(), "the checkpoint's tokenizer.json") {
+			t.Errorf("%v: %v, want the cache's fingerprint as a way out", args, err)
+		}
+	}
+	// An HF directory with its tokenizer.json beside config.json.
+	if err := os.WriteFile(filepath.Join(b.TeacherDir, "tokenizer.json"), []byte("{}"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	err = runEval([]string{"--checkpoint", b.TeacherDir, "--cache", b.CacheDir, "--range", "0:8"})
+	if want := "--tokenizer " + b.TeacherDir + " (the checkpoint's tokenizer.json)"; err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), fromCache) {
+		t.Errorf("a checkpoint with tokenizer.json: %v, want %q", err, want)
+	}
+}
