@@ -58,6 +58,11 @@ func runEval(args []string) error {
 	if *ckpt == "" {
 		return cli.Usagef("--checkpoint is required")
 	}
+	if *seqLen < 0 {
+		// A negative row length was ignored without a word: the eval ran
+		// at the config's seq_len (else 2048) as if no --seq-len were given.
+		return cli.Usagef("--seq-len %d: want a positive packed row length in tokens (0 or none: the config's data.seq_len, else 2048)", *seqLen)
+	}
 	if err := device.Check(*dev, device.Inference); err != nil {
 		return cli.Usage(err)
 	}

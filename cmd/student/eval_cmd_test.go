@@ -462,3 +462,20 @@ func TestEvalUnknownTokenizerSaysWhatToGive(t *testing.T) {
 		t.Errorf("a checkpoint with tokenizer.json: %v, want %q", err, want)
 	}
 }
+
+// TestEvalNegativeSeqLen: --seq-len -5 was ignored (the eval ran at the
+// default 2048 and exited 0); it is a usage error naming the flag.
+func TestEvalNegativeSeqLen(t *testing.T) {
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 16, Chunk: 8, MinLen: 6, MaxLen: 30, Seed: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	stdout = &out
+	defer func() { stdout = os.Stdout }()
+	err = runEval([]string{"--checkpoint", b.TeacherDir, "--cache", b.CacheDir, "--tokenizer-fingerprint", "testcache-tokenizer", "--seq-len", "-5"})
+	if err == nil || !strings.Contains(err.Error(), "--seq-len -5: want a positive packed row length") || cli.ExitStatus(err) != 2 || out.Len() != 0 {
+		t.Errorf("--seq-len -5: %v (exit %d), want a usage error and no metrics:\n%s", err, cli.ExitStatus(err), out.String())
+	}
+}
