@@ -858,7 +858,7 @@ func TestReset(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Reset(dir, true, nil); !errors.Is(err, ErrLocked) || !strings.Contains(err.Error(), "open by a writer") {
+	if _, err := Reset(dir, true, nil); !errors.Is(err, ErrLocked) || !strings.Contains(err.Error(), "in use by another process") {
 		t.Fatalf("Reset while a writer has the cache open: %v, want ErrLocked", err)
 	}
 	c.Close()
@@ -894,6 +894,30 @@ func TestReset(t *testing.T) {
 		if len(ents) != 0 {
 			t.Fatalf("%s/ after a forced Reset: %d entries", sub, len(ents))
 		}
+	}
+}
+
+// TestResetInUseWithChunks: a cache with committed chunks that a writer
+// has open is refused, without --force as with it, because it is in use,
+// not because of its chunks: before, the first refusal said to pass
+// --force, and --force was then refused for the writer.
+func TestResetInUseWithChunks(t *testing.T) {
+	dir := t.TempDir()
+	c, err := Create(dir, testManifest(12, EncodingLossless), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fillRange(t, c, 0, 4)
+	for _, force := range []bool{false, true} {
+		_, err := Reset(dir, force, nil)
+		if !errors.Is(err, ErrLocked) || errors.Is(err, ErrCommitted) || !strings.Contains(err.Error(), "in use by another process") ||
+			!strings.Contains(err.Error(), "stop that fill") || strings.Contains(err.Error(), "--force") {
+			t.Fatalf("Reset(force=%v) of a cache with chunks open by a writer: %v, want ErrLocked saying it is in use and to stop the fill, not --force", force, err)
+		}
+	}
+	if rep := mustCheck(t, dir); rep.Samples != 4 {
+		t.Fatalf("after the refused resets: %d samples, want 4", rep.Samples)
 	}
 }
 

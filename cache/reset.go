@@ -62,17 +62,20 @@ func Reset(dir string, force bool, opts *Options) (ResetReport, error) {
 		samples += r.Len()
 		bytes += r.Bytes
 	}
-	if len(rs) > 0 && !force {
-		return rep, fmt.Errorf("%w: %s holds %d committed chunks (%d samples, %d bytes) of dataset %s; reset refuses to discard them: fill another directory, or pass --force to delete them", ErrCommitted, dir, len(rs), samples, bytes, m.DatasetFingerprint)
-	}
+	// A live writer is checked first: refusing a cache in use because it
+	// has committed chunks would send the user to --force, which then
+	// refuses because of the writer.
 	tmps, err := fs.ReadDir(filepath.Join(dir, tmpDir))
 	if err != nil {
 		return rep, fmt.Errorf("cache: reset: %w", err)
 	}
 	for _, n := range tmps {
 		if !ownerDead(filepath.Join(dir, tmpDir, n)) {
-			return rep, fmt.Errorf("%w: %s is open by a writer (%s/%s, named after its pid): stop that fill or teacherd before reset", ErrLocked, dir, tmpDir, n)
+			return rep, fmt.Errorf("%w: %s is in use by another process (a fill or teacherd writing to it holds %s/%s, named after its pid): stop that fill or teacherd first, then run reset again", ErrLocked, dir, tmpDir, n)
 		}
+	}
+	if len(rs) > 0 && !force {
+		return rep, fmt.Errorf("%w: %s holds %d committed chunks (%d samples, %d bytes) of dataset %s; reset refuses to discard them: fill another directory, or pass --force to delete them", ErrCommitted, dir, len(rs), samples, bytes, m.DatasetFingerprint)
 	}
 	// Close Badger but keep the directory lock until everything is gone.
 	if err := s.db.Close(); err != nil {
