@@ -28,6 +28,11 @@ type ResetReport struct {
 // latter case the chunk files left are unreferenced and the next Create
 // removes them.
 //
+// Reset leaves LOCK and the empty chunks/ and tmp/: a process that opened
+// LOCK before Reset removed it would lock the removed file while the next
+// one locks a new one, and a fill starting meanwhile has already made the
+// two directories and publishes into them.
+//
 // A failed first fill does not need Reset (the next fill replaces the
 // manifest of a cache with no committed chunk); Reset is for a directory
 // that should stop being a cache, or be refilled from scratch.

@@ -240,6 +240,41 @@ func TestFillAfterFailedFillWithFixedData(t *testing.T) {
 	}
 }
 
+// TestResetSaysWhatIsLeft: reset's help and summary no longer call the
+// directory empty (before: "make a cache ... an empty directory again",
+// while LOCK, chunks/ and tmp/ stayed); the summary names what is left,
+// the cache's entries apart from a file the user put there, which is kept.
+func TestResetSaysWhatIsLeft(t *testing.T) {
+	mdir := fillModel(t, 300)
+	tmp := t.TempDir()
+	dpath, cdir := filepath.Join(tmp, "d.jsonl"), filepath.Join(tmp, "cache")
+	writeIDs(t, dpath, idSamples(6, 300))
+	if out, err := runFill(t, "--model", mdir, "--cache", cdir, "--data", dpath, "--pretokenized", "--chunk", "7", "--k", "4"); err != nil {
+		t.Fatalf("fill: %v\n%s", err, out)
+	}
+	notes := filepath.Join(cdir, "NOTES.txt")
+	if err := os.WriteFile(notes, []byte("mine\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out, err := run(t, wrap(resetMain), "--cache", cdir, "--force")
+	if err != nil {
+		t.Fatalf("reset --force: %v\n%s", err, out)
+	}
+	for _, want := range []string{"left: LOCK, chunks/ (empty), tmp/ (empty)", "also left, not written by cachectl: NOTES.txt"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("reset summary lacks %q:\n%s", want, out)
+		}
+	}
+	if _, err := os.Stat(notes); err != nil {
+		t.Errorf("reset removed a file it did not write: %v", err)
+	}
+	var help bytes.Buffer
+	commands.Run([]string{"help"}, &help, &help)
+	if strings.Contains(help.String(), "empty directory") {
+		t.Errorf("help still says reset leaves an empty directory:\n%s", help.String())
+	}
+}
+
 // TestRepairThenFillRecomputesOnlyDropped is issue 11 item 5 end to end:
 // a chunk damaged and one deleted; verify fails and a fill skips both as
 // done; repair drops exactly them; the fill recomputes exactly those two
