@@ -27,7 +27,7 @@ func runPlan(args []string) error {
 	weights := fs.String("weights", "bf16", "bf16, or fp8 (the layers' Linear weights in E4M3 with a fp32 scale per output channel, the embedding, norms, routers and LM head in BF16: teacherd --weights fp8, cachectl fill --teacher-weights fp8)")
 	k := fs.Int("k", 64, "the largest top-k asked for (teacherd --k-max)")
 	draws := fs.Int("draws", 0, "the most draws a position of sampled targets (teacherd --max-draws; cachectl fill --samples)")
-	maxLen := fs.Int("max-len", 0, "the longest sample (default: max_position_embeddings)")
+	maxLen := fs.Int("max-len", 0, "the longest sample (default, and at most: max_position_embeddings, the longest teacherd serves)")
 	budget := fs.Int("token-budget", 0, "check this token budget (teacherd --token-budget): an error names the GPU it does not fit (default: print the largest that fits)")
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
@@ -46,7 +46,7 @@ func runPlan(args []string) error {
 	if err != nil {
 		return cli.Usage(err) // --devices' or --gpus' syntax
 	}
-	plan, err := teacherPlan(*cfgPath, ords, *devMem, *weights, *k, *draws, *maxLen, *budget)
+	plan, err := teacherPlan(planOut, *cfgPath, ords, *devMem, *weights, *k, *draws, *maxLen, *budget)
 	if err != nil {
 		return err
 	}
@@ -56,7 +56,8 @@ func runPlan(args []string) error {
 
 // teacherPlan is the plan of a config.json (or its directory) on GPUs of
 // devMem bytes each: cachectl plan's, and teacherd --plan's arithmetic.
-func teacherPlan(cfgPath string, ords []int, devMem, weights string, k, draws, maxLen, budget int) (infer.TeacherPlan, error) {
+// A note about the flags (a capped --max-len) goes to w.
+func teacherPlan(w io.Writer, cfgPath string, ords []int, devMem, weights string, k, draws, maxLen, budget int) (infer.TeacherPlan, error) {
 	if cfgPath == "" {
 		return infer.TeacherPlan{}, cli.Usagef("--config is required: the teacher's config.json (or its checkpoint directory)")
 	}
@@ -87,6 +88,14 @@ func teacherPlan(cfgPath string, ords []int, devMem, weights string, k, draws, m
 		// --k-max (or a fill --k) that the teacher refuses at start.
 		return infer.TeacherPlan{}, cli.Usagef("--k %d is more than the teacher's vocabulary (%d, the vocab_size of %s): a position's top-k ids are distinct ids of it, and teacherd refuses a --k-max above it: give at most --k %d",
 			k, cfg.VocabSize, cfgPath, cfg.VocabSize)
+	}
+	if maxLen > cfg.MaxPositions {
+		// teacherd caps a sample at max_position_embeddings (its --plan and
+		// the daemon's limit alike): planning longer samples planned memory
+		// for a forward the teacher never runs, and the two plans disagreed.
+		fmt.Fprintf(w, "note: --max-len %d is more than max_position_embeddings %d of %s: planning samples of at most %d tokens, as teacherd does\n",
+			maxLen, cfg.MaxPositions, cfgPath, cfg.MaxPositions)
+		maxLen = cfg.MaxPositions
 	}
 	return infer.PlanTeacher(cfg, infer.PlanOptions{Devices: ords, DeviceBytes: mem, Weights: infer.WeightFormat(weights),
 		K: k, Draws: draws, MaxLen: maxLen, Scratch: device.ForwardScratchTerms})

@@ -94,3 +94,35 @@ func TestPlan(t *testing.T) {
 		t.Errorf("--k equal to the vocabulary: %v", err)
 	}
 }
+
+// TestPlanCapsMaxLen: a --max-len above max_position_embeddings is capped
+// at it with a one-line note, as teacherd caps a sample (before, the plan
+// silently planned memory for samples the teacher never serves).
+func TestPlanCapsMaxLen(t *testing.T) {
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "config.json"), []byte(`{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+		"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+		"num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+		"tie_word_embeddings": false}`), 0o644)
+	run := func(args ...string) string {
+		t.Helper()
+		var out bytes.Buffer
+		planOut = &out
+		defer func() { planOut = os.Stdout }()
+		if err := runPlan(append([]string{"--config", dir}, args...)); err != nil {
+			t.Fatalf("plan %v: %v\n%s", args, err, out.String())
+		}
+		return out.String()
+	}
+	capped, plain := run("--max-len", "100000"), run()
+	note, rest, _ := strings.Cut(capped, "\n")
+	if note != "note: --max-len 100000 is more than max_position_embeddings 40960 of "+dir+": planning samples of at most 40960 tokens, as teacherd does" {
+		t.Errorf("first line of a plan with --max-len above max_position_embeddings: %q", note)
+	}
+	if rest != plain {
+		t.Errorf("plan with --max-len 100000:\n%s\nwant the plan at max_position_embeddings:\n%s", rest, plain)
+	}
+	if out := run("--max-len", "40960"); strings.Contains(out, "note:") {
+		t.Errorf("--max-len at max_position_embeddings printed a note:\n%s", out)
+	}
+}
