@@ -99,6 +99,7 @@ func runEval(args []string) error {
 			lossFrom = "the training run (" + strings.Join(from, ", ") + ")"
 		}
 	}
+	baseFrom := lossFrom // where the settings under the flags came from
 	if len(flagged) > 0 {
 		lossFrom = strings.Join(flagged, " ") + " over " + lossFrom
 	}
@@ -111,6 +112,16 @@ func runEval(args []string) error {
 		return err
 	}
 	cfg := *c
+	if f := fs.Lookup("jsd-beta"); slices.Contains(flagged, "--jsd-beta") && cfg.Distill.KDLoss != "jsd" {
+		// A config may carry distill.jsd_beta beside another kd_loss (the
+		// example config does; it is read for jsd only), but --jsd-beta on
+		// the command line asks for a jsd weight: with another loss it
+		// changed nothing, and the eval ran as if it were not given.
+		if slices.Contains(flagged, "--kd-loss") {
+			return cli.Usagef("--jsd-beta %s with --kd-loss %s: --jsd-beta weighs jsd only (0 = fwd_kl, 1 = rev_kl); give --kd-loss jsd, or leave out --jsd-beta", f.Value, cfg.Distill.KDLoss)
+		}
+		return cli.Usagef("--jsd-beta %s with kd_loss %s (from %s): --jsd-beta weighs jsd only (0 = fwd_kl, 1 = rev_kl); add --kd-loss jsd, or leave out --jsd-beta", f.Value, cfg.Distill.KDLoss, baseFrom)
+	}
 	if *cacheDirs != "" && *cachesFlag != "" {
 		return cli.Usagef("give only one of --cache (one teacher's cache) and --caches (several teachers' caches)")
 	}

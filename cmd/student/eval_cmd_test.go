@@ -479,3 +479,44 @@ func TestEvalNegativeSeqLen(t *testing.T) {
 		t.Errorf("--seq-len -5: %v (exit %d), want a usage error and no metrics:\n%s", err, cli.ExitStatus(err), out.String())
 	}
 }
+
+// TestEvalJSDBetaWithoutJSD: --jsd-beta with a kd_loss other than jsd was
+// accepted and changed nothing (even --jsd-beta 2, out of range for jsd);
+// it is a usage error naming --jsd-beta and --kd-loss. A config's
+// jsd_beta beside another loss stays accepted (the example config has
+// one), and --jsd-beta with a config's kd_loss jsd is the jsd weight.
+func TestEvalJSDBetaWithoutJSD(t *testing.T) {
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 16, Chunk: 8, MinLen: 6, MaxLen: 30, Seed: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"--checkpoint", b.TeacherDir, "--cache", b.CacheDir, "--tokenizer-fingerprint", "testcache-tokenizer", "--range", "0:8"}
+	fwd := filepath.Join(dir, "fwd.yaml")
+	os.WriteFile(fwd, []byte("distill: {kd_loss: fwd_kl, jsd_beta: 0.3}\n"), 0o644)
+	jsd := filepath.Join(dir, "jsd.yaml")
+	os.WriteFile(jsd, []byte("distill: {kd_loss: jsd}\n"), 0o644)
+	var out bytes.Buffer
+	stdout = &out
+	defer func() { stdout = os.Stdout }()
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--jsd-beta", "2"}, "--jsd-beta 2 with kd_loss fwd_kl (from the defaults): --jsd-beta weighs jsd only"},
+		{[]string{"--jsd-beta", "0.3", "--kd-loss", "rev_kl"}, "--jsd-beta 0.3 with --kd-loss rev_kl: --jsd-beta weighs jsd only"},
+		{[]string{"--config", fwd, "--jsd-beta", "0.3"}, "--jsd-beta 0.3 with kd_loss fwd_kl (from --config " + fwd + ")"},
+	} {
+		out.Reset()
+		err := runEval(append(base, c.args...))
+		if err == nil || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "--kd-loss jsd") || cli.ExitStatus(err) != 2 || out.Len() != 0 {
+			t.Errorf("eval %v: %v (exit %d), want a usage error %q naming --kd-loss jsd, and no metrics:\n%s", c.args, err, cli.ExitStatus(err), c.want, out.String())
+		}
+	}
+	if m, _ := evalJSON(t, append(base, "--config", fwd)...); m["distill"].(map[string]any)["kd_loss"] != "fwd_kl" {
+		t.Errorf("a config with jsd_beta beside kd_loss fwd_kl: %v", m["distill"])
+	}
+	if m, _ := evalJSON(t, append(base, "--config", jsd, "--jsd-beta", "0.3")...); m["distill"].(map[string]any)["jsd_beta"] != 0.3 {
+		t.Errorf("--jsd-beta over a config's kd_loss jsd: %v", m["distill"])
+	}
+}
