@@ -33,8 +33,8 @@ func runEval(args []string) error {
 	cachesFlag := fs.String("caches", "", "several teachers' caches over the same samples, comma-separated, each DIR or NAME=DIR (names t0, t1, ... by default; weights 1): KD and top-1 agreement per teacher (default: the config's data.caches, with its names and weights)")
 	rng := fs.String("range", "", "sample range START:END (default: the config's data.eval_range, else the one the checkpoint's run held out, else every sample)")
 	seqLen := fs.Int("seq-len", 0, "packed row length (default: the config's data.seq_len, else 2048)")
-	tokFP := fs.String("tokenizer-fingerprint", "", "the student's tokenizer fingerprint (default: the checkpoint's, the config's)")
-	tokDir := fs.String("tokenizer", "", "directory with the student's tokenizer.json (alternative to --tokenizer-fingerprint)")
+	tokFP := fs.String("tokenizer-fingerprint", "", "the student's tokenizer fingerprint (default: the checkpoint's, the config's, else the tokenizer.json in --checkpoint's directory)")
+	tokDir := fs.String("tokenizer", "", "directory with the student's tokenizer.json (alternative to --tokenizer-fingerprint; default: as for --tokenizer-fingerprint)")
 	asJSON := fs.Bool("json", false, "print every metric and the loss settings as one JSON object")
 	dev := fs.String("device", "auto", "where the student's forward runs: auto (the GPU when one's CUDA backend opens, else the CPU), cpu or cuda (the GPU, or an error naming what is missing)")
 	// The loss, over the config's distill section (without --config: the
@@ -151,7 +151,7 @@ func runEval(args []string) error {
 		}
 	}
 	if cfg.Data.Dataset != nil && *cacheDirs == "" && len(tcs) == 0 {
-		return evalDataset(s, st, &cfg, *config != "", *tokDir, *rng, *seqLen, *asJSON, lossFrom)
+		return evalDataset(s, st, &cfg, *config != "", *ckpt, *tokDir, *rng, *seqLen, *asJSON, lossFrom)
 	}
 	if len(tcs) > 0 && *cacheDirs == "" {
 		return evalTeachers(s, st, &cfg, *config != "", tcs, *ckpt, *tokFP, *tokDir, *rng, *seqLen, *asJSON, lossFrom)
@@ -327,7 +327,8 @@ func (rs rangeSource) print(r cache.Range) {
 }
 
 // studentTokenizer is the student's tokenizer fingerprint: --tokenizer-fingerprint,
-// --tokenizer's, the checkpoint's, or the config's. ckpt is --checkpoint,
+// --tokenizer's, the checkpoint's, the config's, or that of the
+// tokenizer.json in the checkpoint directory. ckpt is --checkpoint,
 // and cacheDir and cacheFP the cache scored and its tokenizer, for the
 // error when none of these is given.
 func studentTokenizer(st *trainer.State, cfg *trainer.Config, tokFP, tokDir, ckpt, cacheDir, cacheFP string) (string, error) {
@@ -345,14 +346,20 @@ func studentTokenizer(st *trainer.State, cfg *trainer.Config, tokFP, tokDir, ckp
 	case cfg.Model.TokenizerFingerprint != "":
 		return cfg.Model.TokenizerFingerprint, nil
 	}
+	// An HF checkpoint records no tokenizer; one that ships its
+	// tokenizer.json (an exported student) names it by that file.
+	if dir := ckptTokenizerDir(ckpt); dir != "" {
+		tk, err := loadCkptTokenizer(dir)
+		if err != nil {
+			return "", err
+		}
+		return tk.Fingerprint(), nil
+	}
 	// An HF checkpoint records no tokenizer, so this is what a first
 	// eval of one (an exported student, a teacher) meets: say what to
 	// type, the checkpoint's own tokenizer.json and the cache's
 	// fingerprint (cachectl status prints it), not only the flags' names.
 	var ways []string
-	if _, err := os.Stat(filepath.Join(ckpt, "tokenizer.json")); err == nil {
-		ways = append(ways, fmt.Sprintf("--tokenizer %s (the checkpoint's tokenizer.json)", ckpt))
-	}
 	if cacheFP != "" {
 		ways = append(ways, fmt.Sprintf("--tokenizer-fingerprint %s (cache %s was filled with that tokenizer: the student must tokenize as it did)", cacheFP, cacheDir))
 	}
@@ -414,8 +421,8 @@ func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, conf
 // with the student's tokenizer, or, pre-tokenized, with none: their ids
 // are checked against the student's vocab_size), and scored on CE and
 // token accuracy (no teacher, so no KD).
-func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, configGiven bool, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
-	tok, err := datasetTokenizer(st, cfg, tokDir)
+func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, configGiven bool, ckpt, tokDir, rng string, seqLen int, asJSON bool, lossFrom string) error {
+	tok, err := datasetTokenizer(st, cfg, ckpt, tokDir)
 	if err != nil {
 		return err
 	}
@@ -465,10 +472,10 @@ func unscored(reasons map[string]int64) string {
 }
 
 // datasetTokenizer is the student's tokenizer that reads the config's
-// data.dataset: --tokenizer, the run's, model.tokenizer or
-// model.init_from's; none (nil) for a pre-tokenized dataset, which
-// training reads without one too.
-func datasetTokenizer(st *trainer.State, cfg *trainer.Config, tokDir string) (*tokenizer.Tokenizer, error) {
+// data.dataset: --tokenizer, the run's, model.tokenizer, model.init_from's
+// or the tokenizer.json in ckpt (--checkpoint); none (nil) for a
+// pre-tokenized dataset, which training reads without one too.
+func datasetTokenizer(st *trainer.State, cfg *trainer.Config, ckpt, tokDir string) (*tokenizer.Tokenizer, error) {
 	if cfg.Data.Dataset.Pretokenized {
 		if tokDir != "" {
 			return nil, cli.Usagef("--tokenizer %s: data.dataset is pre-tokenized (data.dataset.pretokenized: true): its input_ids are read as they are, checked against the student's vocab_size, and no tokenizer is used; leave out --tokenizer", tokDir)
@@ -484,6 +491,8 @@ func datasetTokenizer(st *trainer.State, cfg *trainer.Config, tokDir string) (*t
 		dir = cfg.Model.Tokenizer
 	case cfg.Model.InitFrom != "":
 		dir = cfg.Model.InitFrom
+	case ckptTokenizerDir(ckpt) != "":
+		return loadCkptTokenizer(ckpt)
 	default:
 		return nil, fmt.Errorf("data.dataset: tokenizing the dataset needs the student's tokenizer: give --tokenizer DIR (a directory with tokenizer.json); if its records are pre-tokenized (input_ids), set data.dataset.pretokenized: true")
 	}
@@ -495,6 +504,28 @@ func datasetTokenizer(st *trainer.State, cfg *trainer.Config, tokDir string) (*t
 		return nil, fmt.Errorf("the tokenizer in %s (fingerprint %s) is not the one the student was trained with (%s): give --tokenizer with the run's tokenizer", dir, tok.Fingerprint(), st.TokenizerFingerprint)
 	}
 	return tok, nil
+}
+
+// ckptTokenizerDir is ckpt when it holds a tokenizer.json (an HF
+// checkpoint with its tokenizer beside config.json), else "".
+func ckptTokenizerDir(ckpt string) string {
+	if fi, err := os.Stat(filepath.Join(ckpt, "tokenizer.json")); err == nil && !fi.IsDir() {
+		return ckpt
+	}
+	return ""
+}
+
+// loadCkptTokenizer loads the checkpoint's own tokenizer.json, the default
+// when nothing else names the student's tokenizer, and says so: a default
+// the user did not type is one they should see.
+func loadCkptTokenizer(dir string) (*tokenizer.Tokenizer, error) {
+	p := filepath.Join(dir, "tokenizer.json")
+	tk, err := tokenizer.Load(dir)
+	if err != nil {
+		return nil, fmt.Errorf("the checkpoint's tokenizer %s (the default when the checkpoint records none): %w; fix it, or give --tokenizer DIR (the student's tokenizer.json) or --tokenizer-fingerprint FP", p, err)
+	}
+	fmt.Fprintf(evalLog, "eval: tokenizer: %s, the checkpoint's (fingerprint %s; --tokenizer or --tokenizer-fingerprint to use another)\n", p, tk.Fingerprint())
+	return tk, nil
 }
 
 // printLoss names the loss eval measures under and where its settings

