@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -17,6 +18,7 @@ import (
 	"distill/compute/device"
 	"distill/data/tokenizer"
 	"distill/internal/cli"
+	"distill/internal/errkind"
 	"distill/train"
 	"distill/train/trainer"
 )
@@ -210,7 +212,7 @@ func evalCache(s *train.Student, st *trainer.State, cfg *trainer.Config, configG
 	}
 	es, err := trainer.Evaluate(s, rd, r, cfg.Data.SeqLen, cfg.Data.Truncate, &lo)
 	if err != nil {
-		return err
+		return rowLenError(err, seqLen, configGiven, false)
 	}
 	if asJSON {
 		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, RangeFrom: rs.from, HeldOut: rs.heldOut(r),
@@ -399,7 +401,7 @@ func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, conf
 	}
 	es, err := trainer.EvaluateTeachers(s, fp, tcs, r, cfg.Data.SeqLen, cfg.Data.Truncate, &lo)
 	if err != nil {
-		return err
+		return rowLenError(err, seqLen, configGiven, false)
 	}
 	if asJSON {
 		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, RangeFrom: rs.from, HeldOut: rs.heldOut(r),
@@ -445,7 +447,7 @@ func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, confi
 	}
 	es, r, err := trainer.EvaluateDataset(s, &dc, tok, cfg.Data.SeqLen, r, &lo)
 	if err != nil {
-		return err
+		return rowLenError(err, seqLen, configGiven, true)
 	}
 	if asJSON {
 		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, RangeFrom: rs.from, HeldOut: rs.heldOut(r),
@@ -504,6 +506,35 @@ func datasetTokenizer(st *trainer.State, cfg *trainer.Config, ckpt, tokDir strin
 		return nil, fmt.Errorf("the tokenizer in %s (fingerprint %s) is not the one the student was trained with (%s): give --tokenizer with the run's tokenizer", dir, tok.Fingerprint(), st.TokenizerFingerprint)
 	}
 	return tok, nil
+}
+
+// rowLenError says a sample longer than the row length in the terms the
+// length was given in: the trainer's message names data.seq_len and
+// data.truncate, but eval takes --seq-len (seqLen > 0), and without
+// --config it has no config keys at all. dataset: the samples are the
+// config's data.dataset, which data.truncate does not cut (max_len does).
+func rowLenError(err error, seqLen int, configGiven, dataset bool) error {
+	var tl *trainer.SampleTooLongError
+	if !errors.As(err, &tl) {
+		return err
+	}
+	cut := "or give a --config with data: {truncate: true} to cut such samples"
+	switch {
+	case dataset:
+		cut = "or lower data.dataset.max_len in the --config to cut the samples shorter"
+	case configGiven:
+		cut = "or set data.truncate: true in the --config to cut such samples"
+	}
+	var msg string
+	switch {
+	case seqLen > 0:
+		msg = fmt.Sprintf("sample %d has %d tokens, more than --seq-len %d: raise --seq-len (to %d or more: a row never splits a sample), %s", tl.Index, tl.Tokens, tl.SeqLen, tl.Tokens, cut)
+	case configGiven:
+		msg = fmt.Sprintf("sample %d has %d tokens, more than data.seq_len %d of the --config: raise data.seq_len (or give --seq-len %d or more), %s", tl.Index, tl.Tokens, tl.SeqLen, tl.Tokens, cut)
+	default:
+		msg = fmt.Sprintf("sample %d has %d tokens, more than the default row length %d (no --seq-len, no --config): give --seq-len %d or more, %s", tl.Index, tl.Tokens, tl.SeqLen, tl.Tokens, cut)
+	}
+	return errkind.Reword(trainer.ErrData, err, "%s", msg)
 }
 
 // ckptTokenizerDir is ckpt when it holds a tokenizer.json (an HF

@@ -570,3 +570,31 @@ func TestEvalJSDBetaWithoutJSD(t *testing.T) {
 		t.Errorf("--jsd-beta over a config's kd_loss jsd: %v", m["distill"])
 	}
 }
+
+// TestEvalSeqLenErrorNamesItsSource: a sample longer than the row length
+// was reported in config keys ("raise seq_len or set data.truncate:
+// true") though eval took the length from --seq-len; the error now names
+// the flag when the flag gave it and data.seq_len when --config did.
+func TestEvalSeqLenErrorNamesItsSource(t *testing.T) {
+	dir := t.TempDir()
+	b, err := testcache.Build(testcache.Options{Dir: dir, Vocab: 97, K: 8, Samples: 16, Chunk: 8, MinLen: 12, MaxLen: 30, Seed: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(dir, "eval.yaml")
+	os.WriteFile(cfg, []byte("data: {seq_len: 8}\n"), 0o644)
+	base := []string{"--checkpoint", b.TeacherDir, "--tokenizer-fingerprint", "testcache-tokenizer", "--range", "0:8"}
+	for _, c := range []struct {
+		args      []string
+		want, not string
+	}{
+		{[]string{"--cache", b.CacheDir, "--seq-len", "8"}, "more than --seq-len 8: raise --seq-len (to ", "data.seq_len"},
+		{[]string{"--caches", "a=" + b.CacheDir, "--seq-len", "8"}, "more than --seq-len 8: raise --seq-len (to ", "data.seq_len"},
+		{[]string{"--cache", b.CacheDir, "--config", cfg}, "more than data.seq_len 8 of the --config: raise data.seq_len", "raise seq_len"},
+	} {
+		err := runEval(append(base, c.args...))
+		if err == nil || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), c.not) || !errors.Is(err, trainer.ErrData) || cli.ExitStatus(err) != 1 {
+			t.Errorf("eval %v: %v (exit %d), want a failure saying %q and not %q", c.args, err, cli.ExitStatus(err), c.want, c.not)
+		}
+	}
+}

@@ -142,11 +142,26 @@ func (p *packer) fit(s cache.Sample) (cache.Sample, error) {
 		return s, nil
 	}
 	if !p.truncate {
-		return s, errkind.Errorf(ErrData, "sample %d has %d tokens, more than data.seq_len %d: raise seq_len or set data.truncate: true", s.Index, T, p.seqLen)
+		return s, &SampleTooLongError{Index: s.Index, Tokens: T, SeqLen: p.seqLen}
 	}
 	n := p.seqLen
 	return cache.Sample{Index: s.Index, Tokens: s.Tokens[:n], Mask: s.Mask[:n], TopKIDs: s.TopKIDs[:n*p.k], TopKLogProbs: s.TopKLogProbs[:n*p.k]}, nil
 }
+
+// SampleTooLongError is a sample longer than the packed row length with
+// truncation off. Its message names the config keys; a command that took
+// the row length from a flag (student eval --seq-len) names the flag
+// instead from its fields. It wraps ErrData.
+type SampleTooLongError struct {
+	Index          int64
+	Tokens, SeqLen int
+}
+
+func (e *SampleTooLongError) Error() string {
+	return fmt.Sprintf("sample %d has %d tokens, more than data.seq_len %d: raise seq_len or set data.truncate: true", e.Index, e.Tokens, e.SeqLen)
+}
+
+func (e *SampleTooLongError) Unwrap() error { return ErrData }
 
 // appendSample adds s to row b (which has room), with the other teachers'
 // top-k of s under multi-teacher KD (more is nil otherwise).
