@@ -248,7 +248,10 @@ func (o *Options) Validate() error {
 		return errkind.Errorf(ErrInvalid, "kd_loss %s with tail zero: tail zero (the teacher is 0 outside its top-k) is defined for kd_loss fwd_kl only; %s; use tail renormalize or bucket, or kd_loss fwd_kl",
 			o.KD, why)
 	}
-	if o.KD == JSD && !(o.Beta >= 0 && o.Beta <= 1) {
+	// (Checked whatever kd_loss: a jsd_beta out of range beside fwd_kl
+	// is unused, but it is a mistake the user would meet only on
+	// switching to jsd.)
+	if !(o.Beta >= 0 && o.Beta <= 1) {
 		return errkind.Errorf(ErrInvalid, "jsd beta %g: want 0 <= beta <= 1", o.Beta)
 	}
 	if !(o.Temperature > 0) || math.IsInf(o.Temperature, 0) {

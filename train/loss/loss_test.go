@@ -437,3 +437,23 @@ func TestEvalKDAtZeroWeight(t *testing.T) {
 		t.Fatalf("kd_weight 0, sft_weight 1: loss %v, want ce %v", s0.Loss, s0.CE)
 	}
 }
+
+// TestJSDBetaRange: a jsd_beta outside [0, 1] is refused whatever the
+// kd_loss: beside fwd_kl it is unused, but the user would meet the
+// mistake only on switching to jsd. 0 and 1 (the ends) are valid.
+func TestJSDBetaRange(t *testing.T) {
+	for _, kd := range []Divergence{FwdKL, RevKL, JSD} {
+		for _, beta := range []float64{-0.1, 2, math.NaN()} {
+			o := Options{KD: kd, Tail: Bucket, Temperature: 1, KDWeight: 1, Beta: beta}
+			if err := o.Validate(); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "want 0 <= beta <= 1") {
+				t.Errorf("kd_loss %s, beta %g: %v, want the range named", kd, beta, err)
+			}
+		}
+		for _, beta := range []float64{0, 1} {
+			o := Options{KD: kd, Tail: Bucket, Temperature: 1, KDWeight: 1, Beta: beta}
+			if err := o.Validate(); err != nil {
+				t.Errorf("kd_loss %s, beta %g: %v", kd, beta, err)
+			}
+		}
+	}
+}
