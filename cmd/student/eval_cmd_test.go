@@ -553,7 +553,7 @@ func TestEvalJSDBetaWithoutJSD(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"--jsd-beta", "2"}, "--jsd-beta 2 with kd_loss fwd_kl (from the defaults): --jsd-beta weighs jsd only"},
+		{[]string{"--jsd-beta", "0.7"}, "--jsd-beta 0.7 with kd_loss fwd_kl (from the defaults): --jsd-beta weighs jsd only"},
 		{[]string{"--jsd-beta", "0.3", "--kd-loss", "rev_kl"}, "--jsd-beta 0.3 with --kd-loss rev_kl: --jsd-beta weighs jsd only"},
 		{[]string{"--config", fwd, "--jsd-beta", "0.3"}, "--jsd-beta 0.3 with kd_loss fwd_kl (from --config " + fwd + ")"},
 	} {
@@ -561,6 +561,12 @@ func TestEvalJSDBetaWithoutJSD(t *testing.T) {
 		err := runEval(append(base, c.args...))
 		if err == nil || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "--kd-loss jsd") || cli.ExitStatus(err) != 2 || out.Len() != 0 {
 			t.Errorf("eval %v: %v (exit %d), want a usage error %q naming --kd-loss jsd, and no metrics:\n%s", c.args, err, cli.ExitStatus(err), c.want, out.String())
+		}
+	}
+	// Out of its range, --jsd-beta is refused with any loss (loss.Validate).
+	for _, args := range [][]string{{"--jsd-beta", "2"}, {"--jsd-beta", "2", "--kd-loss", "jsd"}} {
+		if err := runEval(append(base, args...)); err == nil || !strings.Contains(err.Error(), "jsd beta 2: want 0 <= beta <= 1") {
+			t.Errorf("eval %v: %v, want the range named", args, err)
 		}
 	}
 	if m, _ := evalJSON(t, append(base, "--config", fwd)...); m["distill"].(map[string]any)["kd_loss"] != "fwd_kl" {
