@@ -128,7 +128,9 @@
 //     An FP8 weight (WeightFP8, a teacher's --weights fp8: fp8.go) runs
 //     W8A8: x's rows quantized to E4M3 with a scale each
 //     (k_fp8_quant_rows, bit for bit compute.FP8QuantizeRow), cuBLASLt's
-//     FP8 GEMM ("TN", CUDA_R_8F_E4M3 operands, fp32 accumulation and D),
+//     FP8 GEMM ("TN", CUDA_R_8F_E4M3 operands, fp32 accumulation and D;
+//     Hopper's FP8 MMA adds a step's products at less than fp32's
+//     precision, TestMatMulFP8Conformance's GPU bound),
 //     and k_fp8_scale multiplying each sum by its row's and channel's
 //     scales; in slabs of 2048 rows. FP8 MoE experts run on the device's
 //     grouping like the BF16 ones (k_moe_gemm_fp8_glu: gate and up with
@@ -137,7 +139,8 @@
 //     (sm_89 and NVRTC 12.4 or newer: Backend.mmaE4M3), each sum scaled by
 //     its row's and channel's scales as k_fp8_scale does; without them,
 //     the host's grouping and one cuBLASLt FP8 GEMM per expert (a sync per
-//     MoE layer).
+//     MoE layer), on the emulator only: on a GPU that path disagreed with
+//     the CPU (the H200, 2026-11-27) and is refused (moeForward).
 //   - RMSNorm (and the q/k norm, as RMSNorm over heads): sum of squares in
 //     float64, the rest in fp32; rstd saved on request.
 //   - RoPE: fp32 math, from the cos/sin table the decoder builds on the host
