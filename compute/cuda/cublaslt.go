@@ -181,9 +181,10 @@ func (l *cublasLt) plan(h C.cublasLtHandle_t, s gemmShape) (*gemmPlan, error) {
 	}
 	// A BF16 D is the fp32 sum rounded once: no split-K algorithm whose
 	// partial sums meet in D's type (in place or in an output-typed
-	// workspace), which would round each partial (the H200, 2026-11-27:
-	// a BF16 dx 2 BF16 steps from the F32 dx's rounding). Split-K summing
-	// in fp32 stays allowed. testGemmNoSplitK forbids split-K altogether.
+	// workspace), which would round each partial. The likely cause of
+	// the H200's BF16 dx 2 BF16 steps from the F32 dx's rounding
+	// (2026-11-27, TestMatMulBackwardBF16DX). Split-K summing in fp32
+	// stays allowed. testGemmNoSplitK forbids split-K altogether.
 	if s.out == dataBF16 || testGemmNoSplitK {
 		v := C.uint32_t(reductionComputeType)
 		if testGemmNoSplitK {
