@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
@@ -90,13 +91,16 @@ func runTrain(args []string) error {
 // flagSets appends to sets the config overrides of the dedicated flags
 // given: they are sugar for --set and apply after it; a value given is
 // passed on whatever it is, so that the config's validation refuses
-// --max-steps -5 instead of ignoring it.
+// --max-steps -5 instead of ignoring it. Paths and the device go in as
+// quoted strings: --set parses its value as YAML, and a path is not
+// YAML ("--run-dir 'out/run #2'" trained into out/run, the rest read as
+// a comment; "a: b" was a mapping; "null" no run_dir at all).
 func flagSets(sets []string, given map[string]bool, runDir, cacheDirs, datasetFiles string, maxSteps, threads int, dev string) []string {
 	if given["run-dir"] {
-		sets = append(sets, "run_dir="+runDir)
+		sets = append(sets, "run_dir="+yamlString(runDir))
 	}
 	if given["cache"] {
-		sets = append(sets, "data.cache=["+cacheDirs+"]")
+		sets = append(sets, "data.cache="+yamlList(cacheDirs))
 	}
 	if given["dataset"] {
 		// The files replace the config's, and with them their blend
@@ -106,7 +110,7 @@ func flagSets(sets []string, given map[string]bool, runDir, cacheDirs, datasetFi
 		for _, s := range sets {
 			weighted = weighted || strings.HasPrefix(s, "data.dataset.weights=")
 		}
-		sets = append(sets, "data.dataset.files=["+datasetFiles+"]")
+		sets = append(sets, "data.dataset.files="+yamlList(datasetFiles))
 		if !weighted {
 			sets = append(sets, "data.dataset.weights=null")
 		}
@@ -118,9 +122,30 @@ func flagSets(sets []string, given map[string]bool, runDir, cacheDirs, datasetFi
 		sets = append(sets, fmt.Sprintf("train.threads=%d", threads))
 	}
 	if given["device"] {
-		sets = append(sets, "train.device="+dev)
+		sets = append(sets, "train.device="+yamlString(dev))
 	}
 	return sets
+}
+
+// yamlString is s as a YAML string scalar, whatever it holds (JSON's
+// quoting is YAML's double-quoted style).
+func yamlString(s string) string {
+	b, _ := json.Marshal(s)
+	return string(b)
+}
+
+// yamlList is a comma-separated flag value as a YAML list of strings,
+// each trimmed of spaces (as the list's flow form trimmed them); "" is
+// the empty list.
+func yamlList(s string) string {
+	if strings.TrimSpace(s) == "" {
+		return "[]"
+	}
+	items := strings.Split(s, ",")
+	for i, e := range items {
+		items[i] = yamlString(strings.TrimSpace(e))
+	}
+	return "[" + strings.Join(items, ", ") + "]"
 }
 
 // stops is student train's handling of SIGTERM (preemption) and Ctrl-C:

@@ -271,3 +271,42 @@ func lastEval(t *testing.T, run string) evalRecord {
 	}
 	return e
 }
+
+// The flags that stand for config keys pass their values as strings: a
+// path is not YAML. "--run-dir 'out/run #2'" trained into out/run (the
+// rest a YAML comment), "--run-dir 'a: b'" was a mapping, and a --cache
+// or --dataset file with " #" or ": " in its name was not YAML at all.
+func TestTrainFlagsAreStrings(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "c.yaml")
+	os.WriteFile(cfg, []byte("model: {random: {arch: qwen3}}\ndata: {cache: [x]}\n"), 0o644)
+	for _, tc := range []struct {
+		flag, val string
+		got       func(c *trainer.Config) any
+		want      any
+	}{
+		{"run-dir", "out/run #2", func(c *trainer.Config) any { return c.RunDir }, "out/run #2"},
+		{"run-dir", "a: b", func(c *trainer.Config) any { return c.RunDir }, "a: b"},
+		{"run-dir", "null", func(c *trainer.Config) any { return c.RunDir }, "null"},
+		{"cache", "c #1, d: 2,[e]", func(c *trainer.Config) any { return fmt.Sprint(c.Data.Cache) }, "[c #1 d: 2 [e]]"},
+		{"dataset", "f #1.jsonl,g.jsonl", func(c *trainer.Config) any { return fmt.Sprint(c.Data.Dataset.Files) }, "[f #1.jsonl g.jsonl]"},
+	} {
+		var sets []string
+		switch tc.flag {
+		case "run-dir":
+			sets = flagSets(nil, map[string]bool{"run-dir": true}, tc.val, "", "", 0, 0, "")
+		case "cache":
+			sets = flagSets(nil, map[string]bool{"run-dir": true, "cache": true}, "r", tc.val, "", 0, 0, "")
+		case "dataset":
+			sets = flagSets([]string{"data.cache=null"}, map[string]bool{"run-dir": true, "dataset": true}, "r", "", tc.val, 0, 0, "")
+		}
+		c, err := trainer.LoadConfig(cfg, sets)
+		if err != nil {
+			t.Errorf("--%s %q: %v", tc.flag, tc.val, err)
+			continue
+		}
+		if got := tc.got(c); got != tc.want {
+			t.Errorf("--%s %q: config has %v, want %v", tc.flag, tc.val, got, tc.want)
+		}
+	}
+}
