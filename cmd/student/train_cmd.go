@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -62,13 +63,14 @@ func runTrain(args []string) error {
 	}
 	given := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	typed := typedOverrides(sets, fs, given)
 	sets = flagSets(sets, given, *runDir, *cacheDirs, *datasetFiles, *maxSteps, *threads, *dev)
 	if *config == "" && len(sets) == 0 {
 		return cli.Usagef("--config FILE is required (examples/train.yaml documents every key; --set key=value overrides one)")
 	}
 	st := catchStops()
 	defer st.release()
-	cfg, err := trainer.LoadConfig(*config, sets)
+	cfg, err := trainer.LoadConfigAs(*config, sets, typed)
 	if err != nil {
 		return err
 	}
@@ -125,6 +127,26 @@ func flagSets(sets []string, given map[string]bool, runDir, cacheDirs, datasetFi
 		sets = append(sets, "train.device="+yamlString(dev))
 	}
 	return sets
+}
+
+// typedOverrides is the config overrides as the command line gave them,
+// for the config's errors: the --set flags, then the flags that stand
+// for config keys (flagSets' order), a value with spaces quoted.
+func typedOverrides(sets []string, fs *flag.FlagSet, given map[string]bool) string {
+	var typed []string
+	for _, s := range sets {
+		typed = append(typed, "--set "+s)
+	}
+	for _, name := range []string{"run-dir", "cache", "dataset", "max-steps", "threads", "device"} {
+		if given[name] {
+			v := fs.Lookup(name).Value.String()
+			if v == "" || strings.ContainsAny(v, " \t\"'") {
+				v = strconv.Quote(v)
+			}
+			typed = append(typed, "--"+name+" "+v)
+		}
+	}
+	return strings.Join(typed, " ")
 }
 
 // yamlString is s as a YAML string scalar, whatever it holds (JSON's

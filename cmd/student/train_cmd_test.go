@@ -310,3 +310,23 @@ func TestTrainFlagsAreStrings(t *testing.T) {
 		}
 	}
 }
+
+// A config error that the dedicated flags may have caused names them as
+// typed: "--max-steps 0" said "with --set train.max_steps=0", a flag the
+// user never gave.
+func TestTrainConfigErrorNamesFlags(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "c.yaml")
+	os.WriteFile(cfg, []byte("model: {random: {arch: qwen3}}\ndata: {cache: [x]}\n"), 0o644)
+	run := filepath.Join(dir, "my run")
+	err := runTrain([]string{"--config", cfg, "--set", "optim.lr=1e-3", "--run-dir", run, "--max-steps", "0"})
+	want := cfg + ` with --set optim.lr=1e-3 --run-dir "` + run + `" --max-steps 0: train.max_steps: 0: want > 0`
+	if err == nil || err.Error() != want {
+		t.Errorf("--max-steps 0: %v\nwant %s", err, want)
+	}
+	err = runTrain([]string{"--set", "model.random.arch=qwen3", "--set", "data.cache=[x]", "--run-dir", run, "--threads", "-2"})
+	want = `--set model.random.arch=qwen3 --set data.cache=[x] --run-dir "` + run + `" --threads -2: train.threads: -2: want >= 0`
+	if err == nil || err.Error() != want {
+		t.Errorf("no --config, --threads -2: %v\nwant %s", err, want)
+	}
+}

@@ -582,6 +582,13 @@ func LoadConfig(path string, overrides []string) (*Config, error) {
 	return loadConfig(path, overrides, "", false)
 }
 
+// LoadConfigAs is LoadConfig whose validation error names the overrides
+// as what (the command line as typed: `student train --max-steps 0` is
+// the override train.max_steps=0, a --set the user never gave).
+func LoadConfigAs(path string, overrides []string, what string) (*Config, error) {
+	return loadConfig(path, overrides, what, false)
+}
+
 // LoadEvalConfig reads a config for evaluating a checkpoint (`student
 // eval`): as LoadConfig, but only the parts evaluation uses are required
 // and validated, the distill section and data's cache, seq_len, truncate
