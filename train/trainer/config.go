@@ -845,24 +845,42 @@ func yamlFields(t reflect.Type, fields map[string]reflect.Type, names *[]string)
 }
 
 // checkInts refuses a non-integer YAML value for an integer key: yaml.v3
-// would silently truncate max_steps: 40.5 to 40. It walks the mapping n
-// along the struct type t (walkYAML); keys unknown to t are left to
-// checkKeys. The first such value is the error.
+// would silently truncate max_steps: 40.5 to 40. It also refuses what
+// the decoder would, naming the key and what to write where the
+// decoder named neither, or a Go type ("line 6: cannot unmarshal !!str
+// `fast` into float64"; "optim: 1": "into trainer.OptimConfig"): a
+// float key's value that is not a number, a section's that is a value.
+// It walks the mapping n along the struct type t (walkYAML); keys
+// unknown to t are left to checkKeys. The first such value is the error.
 func checkInts(n *yaml.Node, t reflect.Type, prefix string) error {
 	var first error
 	walkYAML(n, t, prefix, yamlVisitor{leaf: func(n *yaml.Node, t reflect.Type, prefix string) {
 		if first != nil || n.Kind != yaml.ScalarNode || t == reflect.TypeOf(time.Duration(0)) {
 			return // a type mismatch the decoder reports; a duration is written "10m"
 		}
+		at := ""
+		if n.Line > 0 {
+			at = fmt.Sprintf(" (line %d)", n.Line)
+		}
+		tag := n.ShortTag()
 		switch t.Kind() {
 		case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
 			reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
-			if tag := n.ShortTag(); tag != "!!int" && tag != "!!null" {
-				at := ""
-				if n.Line > 0 {
-					at = fmt.Sprintf(" (line %d)", n.Line)
-				}
+			if tag != "!!int" && tag != "!!null" {
 				first = fmt.Errorf("%s: %q is not an integer%s: write a whole number", prefix, n.Value, at)
+			}
+		case reflect.Float32, reflect.Float64:
+			if tag != "!!int" && tag != "!!float" && tag != "!!null" {
+				first = fmt.Errorf("%s: %q is not a number%s: write one, e.g. 0.9 or 3e-4", prefix, n.Value, at)
+			}
+		case reflect.Struct:
+			// A type that reads its own YAML may take a value, and so may
+			// a list's entry: the list may read a shorthand
+			// (distill.teachers: [host:7070]).
+			if tag != "!!null" && !strings.HasSuffix(prefix, "]") && !reflect.PointerTo(t).Implements(reflect.TypeFor[yaml.Unmarshaler]()) {
+				var names []string
+				yamlFields(t, map[string]reflect.Type{}, &names)
+				first = fmt.Errorf("%s: %q is a value%s, and %s is a section: give its keys (%s's keys: %s)", prefix, n.Value, at, prefix, prefix, strings.Join(names, ", "))
 			}
 		}
 	}})

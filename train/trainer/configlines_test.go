@@ -26,7 +26,8 @@ func TestConfigErrorLines(t *testing.T) {
 	}
 	for over, want := range map[string]string{
 		"optim.lrr=1e-3":      "--set optim.lrr=1e-3: unknown key optim.lrr (did you mean optim.lr?)",
-		"optim.beta1=abc":     "--set optim.beta1=abc: yaml: unmarshal errors:\n  cannot unmarshal !!str `abc` into float64",
+		"optim.beta1=abc":     `--set optim.beta1=abc: optim.beta1: "abc" is not a number: write one, e.g. 0.9 or 3e-4`,
+		"optim=1":             `--set optim=1: optim: "1" is a value, and optim is a section: give its keys (optim's keys: lr, min_lr,`,
 		"train.max_steps=1.5": `--set train.max_steps=1.5: train.max_steps: "1.5" is not an integer`,
 		"optim.lr=-1":         "c.yaml with --set train.max_steps=3 --set optim.lr=-1: optim.lr: -1: want > 0",
 	} {
@@ -121,5 +122,29 @@ func TestConfigErrorsSayConfigOnce(t *testing.T) {
 		if msg := err.Error(); strings.Contains(msg, "bad config") || strings.Contains(msg, "config: ") || strings.Contains(msg, "invalid input") || strings.Contains(msg, "invalid configuration") {
 			t.Errorf("--set %s: %q says config more than once, or a package sentinel's text", over, msg)
 		}
+	}
+}
+
+// TestConfigTypeErrors: a value of the wrong kind is named by its key and
+// line, as a non-integer for an integer key is ("line 6: cannot
+// unmarshal !!str `fast` into float64" named neither the key nor what to
+// write; "optim: 1" named a Go type, trainer.OptimConfig).
+func TestConfigTypeErrors(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "c.yaml")
+	for _, tc := range []struct{ text, want string }{
+		{"run_dir: x\noptim:\n  lr: fast\n", `c.yaml: optim.lr: "fast" is not a number (line 3): write one, e.g. 0.9 or 3e-4`},
+		{"run_dir: x\noptim:\n  lr: \"3e-4\"\n", `c.yaml: optim.lr: "3e-4" is not a number (line 3): write one, e.g. 0.9 or 3e-4`},
+		{"run_dir: x\noptim: fast\n", `c.yaml: optim: "fast" is a value (line 2), and optim is a section: give its keys (optim's keys: lr, min_lr,`},
+	} {
+		os.WriteFile(p, []byte(tc.text), 0o644)
+		_, err := LoadConfig(p, nil)
+		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: %v\nwant %q", tc.text, err, tc.want)
+		}
+	}
+	// Numbers a float key takes: integers, .inf, and null (the default).
+	os.WriteFile(p, []byte("run_dir: x\ndata: {cache: [z]}\nmodel: {random: {arch: qwen3}}\noptim: {lr: 1, min_lr: ~, weight_decay: 0.0}\n"), 0o644)
+	if _, err := LoadConfig(p, nil); err != nil {
+		t.Errorf("numbers a float key takes: %v", err)
 	}
 }
