@@ -13,6 +13,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"math"
 	"os"
 	"path/filepath"
@@ -148,6 +149,12 @@ func LoadConfig(dir string) (*Config, error) {
 	path := filepath.Join(dir, "config.json")
 	b, err := os.ReadFile(path)
 	if err != nil {
+		// A student train run directory is what a newcomer has at hand
+		// after training: its checkpoints hold optimizer state, may be
+		// sharded or LoRA adapters alone, so export is what makes a model.
+		if errors.Is(err, fs.ErrNotExist) && isRunDir(dir) {
+			return nil, errkind.Errorf(ErrConfig, "%v (%s is a student train run directory, not an HF checkpoint: export it with student export --checkpoint %s --out DIR --format bf16, and give DIR)", err, dir, dir)
+		}
 		return nil, errkind.Errorf(ErrConfig, "%v (a checkpoint directory needs config.json)", err)
 	}
 	c, err := ParseConfig(b)
@@ -155,6 +162,17 @@ func LoadConfig(dir string) (*Config, error) {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return c, nil
+}
+
+// isRunDir reports whether dir looks like a student train run directory
+// (its resolved config.yaml and a checkpoints directory).
+func isRunDir(dir string) bool {
+	fi, err := os.Stat(filepath.Join(dir, "checkpoints"))
+	if err != nil || !fi.IsDir() {
+		return false
+	}
+	_, err = os.Stat(filepath.Join(dir, "config.yaml"))
+	return err == nil
 }
 
 // rawConfig holds the config.json fields read; pointers tell absent from zero.
