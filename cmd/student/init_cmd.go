@@ -7,11 +7,13 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"syscall"
 
 	"distill/internal/cli"
+	"distill/internal/errkind"
 	"distill/model"
 )
 
@@ -247,12 +249,17 @@ func checkInitConfig(cfg *model.Config, headDim int, given map[string]bool) erro
 	if cfg.Heads > 0 && cfg.Hidden%cfg.Heads != 0 && cfg.Arch != model.ArchQwen3 && cfg.Arch != model.ArchQwen3MoE && headDim == 0 {
 		return fmt.Errorf("%s is not divisible by %s: %s derives head_dim = hidden/heads; give sizes that divide", flagVal("hidden", cfg.Hidden), flagVal("heads", cfg.Heads), cfg.Arch)
 	}
+	// A head_dim the user did not type is hidden/heads (llama, qwen2):
+	// name the flags it came from, not a --head-dim never given.
+	if (cfg.HeadDim <= 0 || cfg.HeadDim%2 != 0) && headDim == 0 && cfg.Arch != model.ArchQwen3 && cfg.Arch != model.ArchQwen3MoE {
+		return fmt.Errorf("%s / %s gives head_dim %d, which must be positive and even (RoPE rotates pairs): %s derives head_dim = hidden/heads; give --hidden and --heads whose quotient is even, or --head-dim", flagVal("hidden", cfg.Hidden), flagVal("heads", cfg.Heads), cfg.HeadDim, cfg.Arch)
+	}
 	js, err := cfg.JSON()
 	if err != nil {
 		return err
 	}
 	if _, err := model.ParseConfig(js); err != nil {
-		return err
+		return initFlagError(err)
 	}
 	if cfg.NumExperts > 0 && !anySparse(cfg) {
 		return fmt.Errorf("qwen3_moe with no sparse layer: with --decoder-sparse-step %d and --mlp-only-layers %s, none of the %s has experts (a dense model with unused expert weights); give a --decoder-sparse-step of at most %d, or fewer --mlp-only-layers",
@@ -262,6 +269,33 @@ func checkInitConfig(cfg *model.Config, headDim int, given map[string]bool) erro
 		return fmt.Errorf("qwen2 derives head_dim = hidden/heads; --head-dim %d does not match %d/%d", cfg.HeadDim, cfg.Hidden, cfg.Heads)
 	}
 	return nil
+}
+
+// initFlagNames maps the config.json keys the parser's errors name to the
+// init flags that set them.
+var initFlagNames = map[string]string{
+	"vocab_size": "--vocab", "hidden_size": "--hidden", "num_hidden_layers": "--layers",
+	"num_attention_heads": "--heads", "num_key_value_heads": "--kv-heads", "head_dim": "--head-dim",
+	"intermediate_size": "--intermediate", "max_position_embeddings": "--max-pos",
+	"num_experts": "--experts", "num_experts_per_tok": "--experts-per-tok", "moe_intermediate_size": "--moe-intermediate",
+	"decoder_sparse_step": "--decoder-sparse-step", "mlp_only_layers": "--mlp-only-layers",
+	"router_aux_loss_coef": "--router-aux-loss-coef",
+}
+
+var configKeyRE = regexp.MustCompile(`\b[a-z][a-z_]*[a-z]\b`)
+
+// initFlagError is a config.json parser error in init's terms: the user
+// typed flags, not config.json keys ("head_dim 7 must be positive and
+// even" for --head-dim 7), so each key with a flag is named by its flag;
+// the rest of the message is kept. The error chain is kept too.
+func initFlagError(err error) error {
+	msg := configKeyRE.ReplaceAllStringFunc(err.Error(), func(w string) string {
+		if f, ok := initFlagNames[w]; ok {
+			return f
+		}
+		return w
+	})
+	return errkind.Reword(model.ErrConfig, err, "%s", msg)
 }
 
 // anySparse reports whether some layer of cfg has the MoE block.

@@ -80,6 +80,13 @@ func TestInitRefusesWhatCannotBeMade(t *testing.T) {
 		{[]string{"--kv-heads", "3"}, "--heads 4 (the preset's) is not a multiple of --kv-heads 3"},
 		// It said "head_dim 7 must be positive and even (RoPE rotates pairs)".
 		{[]string{"--arch", "llama", "--hidden", "30"}, "--hidden 30 is not divisible by --heads 4 (the preset's): llama derives head_dim = hidden/heads"},
+		// The parser's errors named config.json keys ("head_dim 7 must be
+		// positive and even", "mlp_only_layers entry 5 outside [0,2)"),
+		// not the flags typed.
+		{[]string{"--head-dim", "7"}, "--head-dim 7 must be positive and even (RoPE rotates pairs)"},
+		{[]string{"--arch", "llama", "--hidden", "28"}, "--hidden 28 / --heads 4 (the preset's) gives head_dim 7, which must be positive and even (RoPE rotates pairs)"},
+		{[]string{"--arch", "qwen3_moe", "--layers", "2", "--mlp-only-layers", "5"}, "--mlp-only-layers entry 5 outside [0,2)"},
+		{[]string{"--arch", "qwen3_moe", "--experts", "2", "--experts-per-tok", "4"}, "--experts-per-tok 4 exceeds --experts 2"},
 		// A qwen3_moe checkpoint with no sparse layer was written, exit 0.
 		{[]string{"--arch", "qwen3_moe", "--layers", "3", "--decoder-sparse-step", "9"}, "qwen3_moe with no sparse layer: with --decoder-sparse-step 9 and --mlp-only-layers 1, none of the 3 layers has experts"},
 		{[]string{"--arch", "qwen3_moe", "--layers", "2", "--mlp-only-layers", "0,1"}, "give a --decoder-sparse-step of at most 2, or fewer --mlp-only-layers"},
