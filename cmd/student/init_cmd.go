@@ -57,6 +57,9 @@ func runInit(args []string) error {
 	if err := checkInitConfig(cfg, *f.headDim, given); err != nil {
 		return cli.Usage(err)
 	}
+	if err := checkOutNotInModel(*f.out); err != nil {
+		return err
+	}
 	if err := checkInitFits(cfg, strings.ToUpper(*f.dtype), *f.out); err != nil {
 		return err
 	}
@@ -350,6 +353,30 @@ var (
 		return int64(st.Bavail) * st.Bsize, true
 	}
 )
+
+// checkOutNotInModel refuses an --out inside a model directory (one that
+// holds config.json or model.safetensors): --out m1/sub wrote a model
+// nested in m1, whose files every tool that reads m1 then walks past or
+// mixes up, and which --force on m1 later removes with it.
+func checkOutNotInModel(out string) error {
+	for d := filepath.Clean(out); ; {
+		parent := filepath.Dir(d)
+		if parent == d {
+			return nil
+		}
+		d = parent
+		for _, name := range []string{"config.json", "model.safetensors"} {
+			if _, err := os.Stat(filepath.Join(d, name)); err == nil {
+				named := d
+				if abs, err := filepath.Abs(d); err == nil && d == "." {
+					named = abs
+				}
+				sibling := filepath.Join(filepath.Dir(named), filepath.Base(named)+"-"+filepath.Base(filepath.Clean(out)))
+				return cli.Usagef("--out %s is inside %s, a model directory (it holds %s): a model nested in another's directory gets mixed up with it; choose a directory beside it, e.g. --out %s", out, named, name, sibling)
+			}
+		}
+	}
+}
 
 // checkInitFits refuses, before anything is allocated or written, a
 // checkpoint this machine cannot make: model.Init holds every tensor in

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"flag"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -104,5 +105,28 @@ func TestInitRefusesWhatCannotBeMade(t *testing.T) {
 	}
 	if want := "wrote " + out + ": qwen2, 1 layer, hidden 64"; !strings.HasPrefix(summary.String(), want) {
 		t.Errorf("init printed %q, want %q...", summary.String(), want)
+	}
+}
+
+// TestInitRefusesOutInsideModel: --out m1/sub, m1 a model directory, wrote
+// a model nested inside m1 (exit 0).
+func TestInitRefusesOutInsideModel(t *testing.T) {
+	initOut = io.Discard
+	t.Cleanup(func() { initOut = os.Stdout })
+	dir := t.TempDir()
+	m1 := filepath.Join(dir, "m1")
+	if err := runInit([]string{"--layers", "1", "--hidden", "32", "--vocab", "50", "--out", m1}); err != nil {
+		t.Fatal(err)
+	}
+	before, _ := os.ReadDir(m1)
+	for _, out := range []string{filepath.Join(m1, "sub"), filepath.Join(m1, "a", "b")} {
+		err := runInit([]string{"--layers", "1", "--hidden", "32", "--vocab", "50", "--out", out})
+		want := "is inside " + m1 + ", a model directory (it holds config.json): a model nested in another's directory gets mixed up with it; choose a directory beside it, e.g. --out " + m1 + "-" + filepath.Base(out)
+		if cli.ExitStatus(err) != 2 || !strings.Contains(err.Error(), want) {
+			t.Errorf("init --out %s: %v; want a usage error saying %q", out, err, want)
+		}
+	}
+	if after, _ := os.ReadDir(m1); len(after) != len(before) {
+		t.Errorf("m1 holds %d entries after the refused inits, want its %d", len(after), len(before))
 	}
 }
