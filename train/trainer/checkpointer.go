@@ -90,7 +90,9 @@ func (st *State) checkResume(cfg *Config, s *train.Student, ckpt string, log io.
 	if cfg.Model.TokenizerFingerprint == "" {
 		cfg.Model.TokenizerFingerprint = st.TokenizerFingerprint
 	}
-	if st.LRSchedule != cfg.Optim.Schedule || st.LR != cfg.Optim.LR || st.MaxSteps != cfg.Train.MaxSteps {
+	// A run already at (or past) max_steps trains nothing (setup says
+	// "nothing to do"): no loss curve leaves anything, so no notice.
+	if st.Step < cfg.Train.MaxSteps && (st.LRSchedule != cfg.Optim.Schedule || st.LR != cfg.Optim.LR || st.MaxSteps != cfg.Train.MaxSteps) {
 		fmt.Fprintf(log, "resume: the schedule changed (%s lr %g over %d steps -> %s lr %g over %d steps): the loss curve leaves the uninterrupted run's from here\n",
 			st.LRSchedule, st.LR, st.MaxSteps, cfg.Optim.Schedule, cfg.Optim.LR, cfg.Train.MaxSteps)
 	}

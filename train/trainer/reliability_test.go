@@ -421,6 +421,14 @@ func TestNoOpRunKeepsRunDir(t *testing.T) {
 	if err != nil || len(res.Steps) != 0 || !strings.Contains(log.String(), "nothing to do") {
 		t.Fatalf("no-op run: %v, %d steps\n%s", err, len(res.Steps), log.String())
 	}
+	// A lower max_steps trains nothing either: it said "resume: the
+	// schedule changed ... the loss curve leaves the uninterrupted run's
+	// from here" before "nothing to do".
+	log.Reset()
+	res, err = Run(tinyConfig(t, b, runDir, "train.max_steps=2", "optim.warmup_steps=1"), Options{Log: &log})
+	if err != nil || len(res.Steps) != 0 || !strings.Contains(log.String(), "nothing to do") || strings.Contains(log.String(), "schedule changed") {
+		t.Fatalf("no-op run with a lower train.max_steps: %v, %d steps; want only \"nothing to do\":\n%s", err, len(res.Steps), log.String())
+	}
 	after := snap()
 	if len(after) != len(before) {
 		t.Fatalf("no-op run changed the files of the run dir: %d -> %d", len(before), len(after))
