@@ -243,6 +243,17 @@ func ParseConfig(b []byte) (*Config, error) {
 func parseArch(r *rawConfig) (Arch, error) {
 	arch := Arch(r.ModelType)
 	cls, ok := hfClass[arch]
+	if r.ModelType == "" {
+		// Not an unsupported model_type "": the key is absent (or empty),
+		// and where architectures names a class we know, its model_type
+		// is the value to add.
+		for a, c := range hfClass {
+			if len(r.Architectures) > 0 && r.Architectures[0] == c {
+				return "", errkind.Errorf(ErrConfig, "model_type is missing (architectures %q is model_type %s): add \"model_type\": %q", r.Architectures, a, a)
+			}
+		}
+		return "", errkind.Errorf(ErrConfig, "model_type is missing: add the \"model_type\" key of the model's architecture (supported: llama, qwen2, qwen3, qwen3_moe)")
+	}
 	if !ok {
 		return "", errkind.Errorf(ErrConfig, "unsupported model_type %q (supported: llama, qwen2, qwen3, qwen3_moe)", r.ModelType)
 	}

@@ -226,3 +226,25 @@ func TestNonFiniteWeightsRefused(t *testing.T) {
 		}
 	}
 }
+
+// TestConfigMissingModelType: a config.json without model_type said
+// `unsupported model_type ""`, as if "" were a value someone chose.
+func TestConfigMissingModelType(t *testing.T) {
+	const sizes = `"vocab_size":10,"hidden_size":8,"num_hidden_layers":1,"num_attention_heads":2,"intermediate_size":4,"max_position_embeddings":16`
+	for _, c := range []struct{ json, want string }{
+		{`{` + sizes + `}`, `model_type is missing: add the "model_type" key of the model's architecture (supported: llama, qwen2, qwen3, qwen3_moe)`},
+		{`{"model_type":"",` + sizes + `}`, `model_type is missing: add the "model_type" key`},
+		{`{"architectures":["Qwen2ForCausalLM"],` + sizes + `}`, `model_type is missing (architectures ["Qwen2ForCausalLM"] is model_type qwen2): add "model_type": "qwen2"`},
+		{`{"architectures":["GPT2LMHeadModel"],` + sizes + `}`, `model_type is missing: add the "model_type" key of the model's architecture (supported: llama, qwen2, qwen3, qwen3_moe)`},
+	} {
+		_, err := ParseConfig([]byte(c.json))
+		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v; want %q", c.json, err, c.want)
+		}
+	}
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "config.json"), []byte(`{`+sizes+`}`), 0o644)
+	if _, err := LoadConfig(dir); err == nil || !strings.Contains(err.Error(), filepath.Join(dir, "config.json")+": model_type is missing") {
+		t.Errorf("LoadConfig: %v; want the config.json's path, then model_type is missing", err)
+	}
+}
