@@ -140,8 +140,8 @@ func checkOutNotSource(src, out, format string) error {
 	if err != nil {
 		return nil // out does not exist yet: it holds nothing
 	}
-	rel, err := filepath.Rel(o, s)
-	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
+	rel, ok := within(o, s)
+	if !ok {
 		return nil
 	}
 	what := "is the directory being exported"
@@ -191,8 +191,8 @@ func checkOutNotInput(src, out, format string) error {
 		if err != nil {
 			continue
 		}
-		rel, err := filepath.Rel(o, d)
-		if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
+		rel, ok := within(o, d)
+		if !ok {
 			continue
 		}
 		holds := "is"
@@ -203,6 +203,16 @@ func checkOutNotInput(src, out, format string) error {
 			out, holds, in.what, filepath.Clean(run), format)
 	}
 	return nil
+}
+
+// within reports whether p is dir or below it (both real paths), and p
+// relative to dir ("." for dir itself).
+func within(dir, p string) (rel string, ok bool) {
+	rel, err := filepath.Rel(dir, p)
+	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
+		return "", false
+	}
+	return rel, true
 }
 
 // realPath is path absolute, its symbolic links resolved (an error when
