@@ -17,10 +17,7 @@ import (
 // errors naming them.
 func TestPlan(t *testing.T) {
 	dir := t.TempDir()
-	os.WriteFile(filepath.Join(dir, "config.json"), []byte(`{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-		"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-		"num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-		"tie_word_embeddings": false}`), 0o644)
+	writeQwen3_8B(t, dir)
 	run := func(args ...string) (string, error) {
 		var out bytes.Buffer
 		planOut = &out
@@ -95,15 +92,23 @@ func TestPlan(t *testing.T) {
 	}
 }
 
+// writeQwen3_8B writes Qwen3-8B's config.json into dir.
+func writeQwen3_8B(t *testing.T, dir string) {
+	t.Helper()
+	if err := os.WriteFile(filepath.Join(dir, "config.json"), []byte(`{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+		"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+		"num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+		"tie_word_embeddings": false}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestPlanCapsMaxLen: a --max-len above max_position_embeddings is capped
 // at it with a one-line note, as teacherd caps a sample (before, the plan
 // silently planned memory for samples the teacher never serves).
 func TestPlanCapsMaxLen(t *testing.T) {
 	dir := t.TempDir()
-	os.WriteFile(filepath.Join(dir, "config.json"), []byte(`{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-		"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-		"num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-		"tie_word_embeddings": false}`), 0o644)
+	writeQwen3_8B(t, dir)
 	run := func(args ...string) string {
 		t.Helper()
 		var out bytes.Buffer
