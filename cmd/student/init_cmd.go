@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -355,9 +356,11 @@ var (
 )
 
 // checkOutNotInModel refuses an --out inside a model directory (one that
-// holds config.json or model.safetensors): --out m1/sub wrote a model
-// nested in m1, whose files every tool that reads m1 then walks past or
-// mixes up, and which --force on m1 later removes with it.
+// holds an HF config.json or model.safetensors): --out m1/sub wrote a
+// model nested in m1, whose files every tool that reads m1 then walks
+// past or mixes up, and which --force on m1 later removes with it. A
+// config.json that is not a model's (a project's, above --out) does not
+// make its directory a model's.
 func checkOutNotInModel(out string) error {
 	for d := filepath.Clean(out); ; {
 		parent := filepath.Dir(d)
@@ -366,7 +369,7 @@ func checkOutNotInModel(out string) error {
 		}
 		d = parent
 		for _, name := range []string{"config.json", "model.safetensors"} {
-			if _, err := os.Stat(filepath.Join(d, name)); err == nil {
+			if isModelFile(filepath.Join(d, name)) {
 				named := d
 				if abs, err := filepath.Abs(d); err == nil && d == "." {
 					named = abs
@@ -376,6 +379,27 @@ func checkOutNotInModel(out string) error {
 			}
 		}
 	}
+}
+
+// isModelFile reports whether path is a model's file: model.safetensors,
+// or a config.json that names a model_type or architectures, as an HF
+// model's does.
+func isModelFile(path string) bool {
+	if filepath.Base(path) != "config.json" {
+		_, err := os.Stat(path)
+		return err == nil
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return false
+	}
+	var keys map[string]json.RawMessage
+	if json.Unmarshal(b, &keys) != nil {
+		return false
+	}
+	_, mt := keys["model_type"]
+	_, arch := keys["architectures"]
+	return mt || arch
 }
 
 // checkInitFits refuses, before anything is allocated or written, a

@@ -129,4 +129,12 @@ func TestInitRefusesOutInsideModel(t *testing.T) {
 	if after, _ := os.ReadDir(m1); len(after) != len(before) {
 		t.Errorf("m1 holds %d entries after the refused inits, want its %d", len(after), len(before))
 	}
+	// A config.json that is not a model's (a project's) does not make its
+	// directory a model's.
+	proj := filepath.Join(dir, "proj")
+	os.MkdirAll(proj, 0o755)
+	os.WriteFile(filepath.Join(proj, "config.json"), []byte(`{"name": "a web app", "port": 8080}`), 0o644)
+	if err := runInit([]string{"--layers", "1", "--hidden", "32", "--vocab", "50", "--out", filepath.Join(proj, "models", "m")}); err != nil {
+		t.Errorf("init under a directory with a non-model config.json: %v", err)
+	}
 }
