@@ -104,6 +104,13 @@ type Options struct {
 	// GPU whose blocks cannot opt in to the default kernels' 108 KB of
 	// shared memory (Ada's 99 KB) runs v1.
 	MoEGEMM string
+	// FP8Scale picks where an FP8 MatMul multiplies its sums by the rows'
+	// and channels' scales (fp8.go): "" (the default: in cuBLASLt's
+	// epilogue, through outer-vector scales, where cuBLASLt is 12.9 or
+	// later; else as "epilogue") or "epilogue" (the GEMM writes fp32 sums
+	// and k_fp8_scale scales them, a pass of its own). For an A/B on a
+	// device. $DISTILL_CUDA_FP8_SCALE sets it too.
+	FP8Scale string
 }
 
 // Backend is the CUDA backend. It is safe for concurrent use, one call at
@@ -135,17 +142,18 @@ type Backend struct {
 	dnn        *cudnnLib // nil: attention on the own kernels
 	logf       func(string, ...any)
 
-	attnNondet bool          // Options.AttnNondeterministic
-	attnRagged bool          // Options.AttnRaggedOnly
-	attnBwd    attnMode      // Options.AttentionBackward
-	act        compute.DType // Options.Activations
-	f32Grads   bool          // Options.F32Grads
-	moeKernels string        // Options.MoEGEMM
-	pageable   bool          // Options.Pageable
-	noKeep     bool          // Options.RecomputeLogits
-	kept       *keptLogits   // pass 1's logits, kept for pass 2 (train.go)
-	eagerZeros bool          // Options.EagerZeros
-	zeros      []zeroRange   // the deferred zeros (zeros.go)
+	attnNondet  bool          // Options.AttnNondeterministic
+	attnRagged  bool          // Options.AttnRaggedOnly
+	attnBwd     attnMode      // Options.AttentionBackward
+	act         compute.DType // Options.Activations
+	f32Grads    bool          // Options.F32Grads
+	moeKernels  string        // Options.MoEGEMM
+	fp8OuterVec bool          // FP8 GEMMs scale in cuBLASLt's epilogue (Options.FP8Scale; fp8.go)
+	pageable    bool          // Options.Pageable
+	noKeep      bool          // Options.RecomputeLogits
+	kept        *keptLogits   // pass 1's logits, kept for pass 2 (train.go)
+	eagerZeros  bool          // Options.EagerZeros
+	zeros       []zeroRange   // the deferred zeros (zeros.go)
 
 	prof   map[string]*ProfileEntry // nil unless Options.Profile
 	label  string                   // the running method, for the profile
@@ -357,6 +365,14 @@ func (b *Backend) setOptions(opt Options) error {
 		b.moeKernels = "v1"
 		b.logf("cuda: %s allows a block %d bytes of shared memory; the MoE experts' GEMMs need %d: running the earlier kernels (MoEGEMM v1)", b.info.Name, b.info.SharedOptinBytes, need)
 	}
+	fp8Scale := opt.FP8Scale
+	if fp8Scale == "" {
+		fp8Scale = os.Getenv("DISTILL_CUDA_FP8_SCALE")
+	}
+	if fp8Scale != "" && fp8Scale != "epilogue" {
+		return fmt.Errorf("cuda: FP8 scale %q: want epilogue, or none for cuBLASLt's outer-vector scales where it has them", fp8Scale)
+	}
+	b.fp8OuterVec = fp8Scale == "" && b.lt.version >= ltOuterVecVersion
 	b.pageable = opt.Pageable || os.Getenv("DISTILL_CUDA_PAGEABLE") == "1"
 	b.noKeep = opt.RecomputeLogits || os.Getenv("DISTILL_CUDA_RECOMPUTE_LOGITS") == "1"
 	b.eagerZeros = opt.EagerZeros || os.Getenv("DISTILL_CUDA_EAGER_ZEROS") == "1"

@@ -700,7 +700,11 @@ func writeForwardProfile(be *Backend, file, what string, sec float64, top int, f
 // (log-normal sample lengths, 16k tokens, DISTILL_BENCH_TOKENS), k = 64,
 // the Qwen3-8B shape (DISTILL_BENCH_SHAPES picks others). It reports
 // each one's tokens/s, FP8's speed-up, and the device memory each
-// model's weights took (the pool's growth while it loaded).
+// model's weights took (the pool's growth while it loaded). Where the
+// backend scales FP8 sums in cuBLASLt's epilogue (outer-vector scales,
+// fp8.go), a third forward per iteration scales them in k_fp8_scale
+// instead (Options.FP8Scale "epilogue"): fp8_epilogue_tokens/s and
+// outer_vs_epilogue, the A/B of the two in the same run.
 func BenchmarkForwardFP8(b *testing.B) {
 	tokens := 16384
 	if v, err := strconv.Atoi(os.Getenv("DISTILL_BENCH_TOKENS")); err == nil {
@@ -737,15 +741,30 @@ func BenchmarkForwardFP8(b *testing.B) {
 			n += l
 		}
 		b.Run(fmt.Sprintf("%s/workload_b/%d_samples_%d_tokens", s.Name, len(lens), n), func(b *testing.B) {
+			outer := be.fp8OuterVec
+			defer func() { be.fp8OuterVec = outer }()
+			epilogue := func(on bool) { be.fp8OuterVec = outer && !on }
 			mb.forward(be, samples, 64) // warm up: plans, pool, weight copies
 			mf.forward(be, samples, 64)
-			var tb, tf time.Duration
+			if outer {
+				epilogue(true)
+				mf.forward(be, samples, 64)
+				epilogue(false)
+			}
+			var tb, tf, te time.Duration
 			for i := 0; i < b.N; i++ {
 				t0 := time.Now()
 				mb.forward(be, samples, 64) // returns with the top-k on the host: synchronized
 				t1 := time.Now()
 				mf.forward(be, samples, 64)
-				tb, tf = tb+t1.Sub(t0), tf+time.Since(t1)
+				t2 := time.Now()
+				tb, tf = tb+t1.Sub(t0), tf+t2.Sub(t1)
+				if outer {
+					epilogue(true)
+					mf.forward(be, samples, 64)
+					epilogue(false)
+					te += time.Since(t2)
+				}
 			}
 			rb, rf := float64(n*b.N)/tb.Seconds(), float64(n*b.N)/tf.Seconds()
 			b.ReportMetric(rb, "bf16_tokens/s")
@@ -753,14 +772,29 @@ func BenchmarkForwardFP8(b *testing.B) {
 			b.ReportMetric(rf/rb, "fp8_speedup")
 			b.ReportMetric(gb, "bf16_weights_GiB")
 			b.ReportMetric(gf, "fp8_weights_GiB")
+			if outer {
+				re := float64(n*b.N) / te.Seconds()
+				b.ReportMetric(re, "fp8_epilogue_tokens/s")
+				b.ReportMetric(rf/re, "outer_vs_epilogue")
+			} else {
+				b.Logf("cuBLASLt %d: no outer-vector scales (12.9 and later); fp8 is the epilogue path", be.lt.version)
+			}
 			if outDir := os.Getenv("DISTILL_BENCH_OUT"); outDir != "" { // where the time goes, each side
-				for _, c := range []struct {
-					name string
-					m    *benchModel
-					sec  float64
-				}{{"bf16", mb, tb.Seconds() / float64(b.N)}, {"fp8", mf, tf.Seconds() / float64(b.N)}} {
+				type side struct {
+					name     string
+					m        *benchModel
+					sec      float64
+					epilogue bool
+				}
+				sides := []side{{"bf16", mb, tb.Seconds() / float64(b.N), false}, {"fp8", mf, tf.Seconds() / float64(b.N), false}}
+				if outer {
+					sides = append(sides, side{"fp8-epilogue", mf, te.Seconds() / float64(b.N), true})
+				}
+				for _, c := range sides {
+					epilogue(c.epilogue)
 					writeForwardProfile(be, filepath.Join(outDir, fmt.Sprintf("profile-%s-%s.txt", s.Name, c.name)),
 						fmt.Sprintf("%s %s weights, workload b (%d tokens)", s.Name, c.name, n), c.sec, 20, func() { c.m.forward(be, samples, 64) })
+					epilogue(false)
 				}
 			}
 		})

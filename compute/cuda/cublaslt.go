@@ -23,6 +23,16 @@ const (
 	descTransA = 3 // CUBLASLT_MATMUL_DESC_TRANSA
 	descTransB = 4 // CUBLASLT_MATMUL_DESC_TRANSB
 
+	descAScalePointer = 17 // CUBLASLT_MATMUL_DESC_A_SCALE_POINTER
+	descBScalePointer = 18 // CUBLASLT_MATMUL_DESC_B_SCALE_POINTER
+	descAScaleMode    = 31 // CUBLASLT_MATMUL_DESC_A_SCALE_MODE (cuBLAS 12.8 and later)
+	descBScaleMode    = 32 // CUBLASLT_MATMUL_DESC_B_SCALE_MODE
+	scaleOuterVec32F  = 3  // CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
+
+	// ltOuterVecVersion is the first cuBLASLt (cublasLtGetVersion: major·10000
+	// + minor·100 + patch) with FP8 outer-vector scales on Hopper: 12.9.
+	ltOuterVecVersion = 120900
+
 	prefMaxWorkspace = 1 // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
 	prefReduction    = 3 // CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK
 
@@ -98,6 +108,11 @@ type gemmShape struct {
 	out     int // the type of out: dataF32 (0), or dataBF16
 	ta, tb  bool
 	align   [4]int // A (b), B (a), C, D (out)
+	// outerVec: an FP8 GEMM whose D is scaled by a vector per operand
+	// (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F): D[r][c] = Σ · as[r]
+	// · ws[c] for out's row r and column c, the vectors set at each run
+	// (runScaled). fp8.go.
+	outerVec bool
 }
 
 // testGemmNoSplitK makes every cuBLASLt plan made after it is set one
@@ -142,6 +157,17 @@ func (l *cublasLt) plan(h C.cublasLtHandle_t, s gemmShape) (*gemmPlan, error) {
 	}
 	if err := l.check("cublasLtMatmulDescSetAttribute(TRANSB)", C.call_cublasLtSetAttribute(l.descSetAttr, unsafe.Pointer(p.desc), descTransB, unsafe.Pointer(&tb), 4)); err != nil {
 		return nil, err
+	}
+	if s.outerVec {
+		// Both operands' modes (cuBLASLt: both or neither): its A is the
+		// weight (a scale per output channel, its M = our n), its B the
+		// activations (a scale per row, its N = our m).
+		mode := C.int32_t(scaleOuterVec32F)
+		for _, attr := range []C.int{descAScaleMode, descBScaleMode} {
+			if err := l.check("cublasLtMatmulDescSetAttribute(SCALE_MODE OUTER_VEC_32F)", C.call_cublasLtSetAttribute(l.descSetAttr, unsafe.Pointer(p.desc), attr, unsafe.Pointer(&mode), 4)); err != nil {
+				return nil, err
+			}
+		}
 	}
 	mk := func(dst *C.cublasLtMatrixLayout_t, typ, rows, cols, ld int) error {
 		return l.check("cublasLtMatrixLayoutCreate", C.call_cublasLtMatrixLayoutCreate(l.layoutCreate, dst, C.int(typ), C.uint64_t(rows), C.uint64_t(cols), C.int64_t(ld)))
@@ -223,6 +249,21 @@ func (l *cublasLt) run(h C.cublasLtHandle_t, p *gemmPlan, out, x, w, ws uint64, 
 	return l.check("cublasLtMatmul", C.call_cublasLtMatmul(l.matmul, h, p.desc, unsafe.Pointer(&alpha), C.CUdeviceptr(w), p.la,
 		C.CUdeviceptr(x), p.lb, unsafe.Pointer(&cbeta), C.CUdeviceptr(out), p.lc, C.CUdeviceptr(out), p.lc, &p.algo,
 		C.CUdeviceptr(ws), gemmWorkspaceBytes, stream))
+}
+
+// runScaled is run for an outerVec plan: out = (op(a)·op(b))[r][c] ·
+// as[r] · ws[c], as (m) and ws (n) fp32 on the device. The scale pointers
+// are the descriptor's attributes, set before each run (the plan is the
+// backend's, used one call at a time).
+func (l *cublasLt) runScaled(h C.cublasLtHandle_t, p *gemmPlan, out, x, w, as, ws, work uint64, stream C.CUstream) error {
+	wp, xp := C.uint64_t(ws), C.uint64_t(as)
+	if err := l.check("cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)", C.call_cublasLtSetAttribute(l.descSetAttr, unsafe.Pointer(p.desc), descAScalePointer, unsafe.Pointer(&wp), 8)); err != nil {
+		return err
+	}
+	if err := l.check("cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)", C.call_cublasLtSetAttribute(l.descSetAttr, unsafe.Pointer(p.desc), descBScalePointer, unsafe.Pointer(&xp), 8)); err != nil {
+		return err
+	}
+	return l.run(h, p, out, x, w, work, 0, stream)
 }
 
 // typeBytes is the element size of a cuBLASLt type.

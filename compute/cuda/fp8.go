@@ -10,18 +10,31 @@ import (
 // FP8 weights (compute's package doc, "FP8 weights"): W8A8 on the FP8
 // tensor cores. A weight is its E4M3 codes (n, k) and, after them, its n
 // per-channel scales, in one allocation. MatMul quantizes x's rows
-// (k_fp8_quant_rows: codes and a scale per row), multiplies the codes in
-// a cuBLASLt GEMM with CUDA_R_8F_E4M3 operands, fp32 accumulation
-// (CUBLAS_COMPUTE_32F) and an fp32 D, and k_fp8_scale multiplies each sum
-// by its row's and its channel's scales (and adds the bias), rounding a
-// BF16 out once.
+// (k_fp8_quant_rows: codes and a scale per row) and multiplies the codes
+// in a cuBLASLt GEMM with CUDA_R_8F_E4M3 operands and fp32 accumulation
+// (CUBLAS_COMPUTE_32F); each sum is then multiplied by its row's and its
+// channel's scales (and the bias added), and a BF16 out rounded once.
 //
-// Why an epilogue kernel and not cuBLASLt's scale pointers: before
-// cuBLAS 12.9 an FP8 GEMM takes one scalar scale per operand
-// (CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER), and the per-row × per-channel
-// product here is an outer product of two vectors; the "outer vector"
-// scale modes that would fit arrived in 12.9 only. The epilogue costs one
-// pass over the fp32 sums, bounded by slabs of fp8SlabRows rows.
+// Where the scales multiply:
+//   - cuBLASLt 12.9 and later (the default there): in the GEMM's
+//     epilogue, through "outer vector" scale modes
+//     (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F on both operands: a
+//     vector of fp32 scales per operand, D[r][c] = Σ · xs[r] · ws[c]),
+//     D written in out's type. No fp32 copy of the sums exists and no
+//     pass follows; the scratch is the rows' codes and scales.
+//   - before 12.9 an FP8 GEMM takes one scalar scale per operand
+//     (CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER), and the per-row ×
+//     per-channel product is an outer product of two vectors: the GEMM
+//     writes fp32 sums to a scratch and k_fp8_scale scales them into out,
+//     one pass over the sums, in slabs of fp8SlabRows rows. A biased
+//     Linear (Qwen2's q/k/v) takes this path on any version: the bias is
+//     added before out's one rounding. Options.FP8Scale "epilogue" forces
+//     it, for an A/B on a device; a cuBLASLt that refuses the outer
+//     vectors at a shape's plan falls back to it, logged once.
+//
+// The two paths multiply the same fp32 sums by the same two scales; where
+// cuBLASLt rounds the two products is its own, so they may differ in an
+// fp32 ulp before out's rounding.
 //
 // cuBLASLt's documented requirements for FP8 (cublasLtMatmul, "FP8"): A
 // transposed and B not ("TN": cuBLASLt's A is the weight (k, n)
@@ -39,7 +52,8 @@ import (
 const dataE4M3 = 28
 
 // fp8SlabRows bounds the rows of one FP8 GEMM: its scratch is at most
-// fp8SlabRows·(k + 4 + 4n) bytes (the rows' codes, scales and fp32 sums).
+// fp8SlabRows·(k + 4 + 4n) bytes (the rows' codes, scales and fp32 sums),
+// fp8SlabRows·(k + 4) with the outer-vector scales.
 const fp8SlabRows = 2048
 
 var _ compute.FP8Weights = (*Backend)(nil)
@@ -82,24 +96,64 @@ func (b *Backend) matMulFP8(out, x, w, bias *tensor, m, n, k int) {
 		panic(fmt.Sprintf("cuda: MatMul FP8 w has %d elements, the call multiplies (%d, %d): an FP8 weight's scales are per row of exactly its shape", w.n, n, k))
 	}
 	R := min(m, fp8SlabRows)
-	codes, xs, acc := b.alloc(int64(R)*int64(k)), b.alloc(int64(R)*4), b.alloc(int64(R)*int64(n)*4)
+	outer := b.fp8OuterVec && bias == nil
+	codes, xs := b.alloc(int64(R)*int64(k)), b.alloc(int64(R)*4)
+	var acc uint64
+	if !outer {
+		acc = b.alloc(int64(R) * int64(n) * 4)
+	}
 	var bp dptr
 	var bbf int32
 	if bias != nil {
 		bp, bbf = weightArg(bias)
+	}
+	outT := dataF32
+	if out.dt == compute.BF16 {
+		outT = dataBF16
 	}
 	xsz, osz := uint64(elemSize(x.dt)), uint64(elemSize(out.dt))
 	for r0 := 0; r0 < m; r0 += R {
 		nr := min(R, m-r0)
 		b.launchKernel(launch{kernel: "k_fp8_quant_rows", grid: [3]int{nr, 1, 1}, block: 256},
 			dptr(codes), dptr(xs), dptr(x.p+uint64(r0)*uint64(k)*xsz), bf16Flag(x), int32(k))
+		o := out.p + uint64(r0)*uint64(n)*osz
+		if outer && b.gemmOuterVec(o, outT, codes, w.p, xs, fp8Scales(w), nr, n, k) {
+			continue
+		}
+		if acc == 0 { // the outer vectors refused at this shape: the epilogue from here on
+			outer = false
+			acc = b.alloc(int64(R) * int64(n) * 4)
+		}
 		b.gemmTo(acc, dataF32, codes, w.p, nr, n, k, false, true, dataE4M3, 0)
-		b.ew("k_fp8_scale", int64(nr)*int64(n), dptr(out.p+uint64(r0)*uint64(n)*osz), bf16Flag(out), dptr(acc), dptr(xs), dptr(fp8Scales(w)),
+		b.ew("k_fp8_scale", int64(nr)*int64(n), dptr(o), bf16Flag(out), dptr(acc), dptr(xs), dptr(fp8Scales(w)),
 			bp, bbf, int64(nr), int32(n))
 	}
 	b.free(codes)
 	b.free(xs)
-	b.free(acc)
+	if acc != 0 {
+		b.free(acc)
+	}
+}
+
+// gemmOuterVec enqueues out (m,n) of type outT = (codes (m,k) · w (n,k)ᵀ)
+// scaled by xs (m) per row and ws (n) per column in cuBLASLt's epilogue,
+// and reports whether it did: a cuBLASLt that refuses the outer vectors
+// at this shape (no algorithm, or the matmul's status) turns them off for the backend (logged),
+// and the caller scales in k_fp8_scale.
+func (b *Backend) gemmOuterVec(out uint64, outT int, codes, w, xs, ws uint64, m, n, k int) bool {
+	p, err := b.gemmPlan(gemmShape{m: m, n: n, k: k, in: dataE4M3, out: outT, tb: true, outerVec: true,
+		align: [4]int{alignOf(w), alignOf(codes), alignOf(out), alignOf(out)}})
+	if err == nil {
+		done := b.timed("cublasLt GEMM (" + b.label + ")")
+		err = b.lt.runScaled(b.ltH, p, out, codes, w, xs, ws, b.ws, b.stream) // a refusal here enqueues nothing
+		done()
+	}
+	if err != nil {
+		b.fp8OuterVec = false
+		b.logf("cuda: cuBLASLt %d refused FP8 outer-vector scales (m=%d n=%d k=%d): %v; FP8 GEMMs scale their fp32 sums in a pass of their own from here on", b.lt.version, m, n, k, err)
+		return false
+	}
+	return true
 }
 
 // moeFP8 reports whether mw's experts are FP8 weights: all or none (a mix

@@ -125,8 +125,21 @@ func fp8Weight(t *testing.T, be compute.Backend, w []float32, n, k int) compute.
 // a BF16 out adds its rounding. Several slabs (m > fp8SlabRows), biases, F32 and BF16 x and
 // out. It also checks that FP8 ran: the result is farther from the BF16
 // weights' MatMul than the tolerance.
+//
+// Both places the scales multiply run each case (fp8.go): cuBLASLt's
+// outer-vector epilogue (the default where cuBLASLt is 12.9 or later; the
+// emulator's is) and k_fp8_scale over fp32 sums (Options.FP8Scale
+// "epilogue"), each held to the CPU; on the emulator they are the same
+// bits, and the default's profile has no k_fp8_scale for a Linear
+// without a bias.
 func TestMatMulFP8Conformance(t *testing.T) {
-	be := testBackend(t)
+	outer, ep := testBackendWith(t, Options{Profile: true}), testBackendWith(t, Options{FP8Scale: "epilogue", Profile: true})
+	if !onGPU() && !outer.fp8OuterVec {
+		t.Fatal("the emulator's cuBLASLt (99.0) should take the outer-vector scales")
+	}
+	if !outer.fp8OuterVec {
+		t.Logf("cuBLASLt %d: no outer-vector scales (12.9 and later have them); both sides run the epilogue", outer.lt.version)
+	}
 	r := rand.New(rand.NewPCG(8, 29))
 	cases := []struct {
 		m, n, k        int
@@ -180,7 +193,24 @@ func TestMatMulFP8Conformance(t *testing.T) {
 				be.MatMul(out, xt, wt, bt, c.m, c.n, c.k)
 				return readF32(be, out, c.m*c.n)
 			}
-			want, got := run(oracle, true), run(be, true)
+			want := run(oracle, true)
+			outer.Profile() // reset
+			got := run(outer, true)
+			scales := profileCalls(outer)["k_fp8_scale"]
+			switch byEpilogue := c.bias || !outer.fp8OuterVec; {
+			case !byEpilogue && scales != 0:
+				t.Fatalf("outer-vector scales: %d k_fp8_scale launches, want none", scales)
+			case byEpilogue && scales == 0:
+				t.Fatal("the epilogue path (a bias, or no outer vectors) launched no k_fp8_scale")
+			}
+			gotEp := run(ep, true)
+			if profileCalls(ep)["k_fp8_scale"] == 0 {
+				t.Fatal(`FP8Scale "epilogue" launched no k_fp8_scale`)
+			}
+			if !onGPU() {
+				same(t, "fp8 matmul, outer-vector scales vs the epilogue", got, gotEp)
+			}
+			be := outer
 			var sumAbs float64 // Σ|x||w| over a row's terms, the largest
 			for i := 0; i < c.m; i++ {
 				var rowMax float32
@@ -211,6 +241,7 @@ func TestMatMulFP8Conformance(t *testing.T) {
 				rtol = 1.0 / 256 // one BF16 rounding of the result
 			}
 			closeTo(t, "fp8 matmul vs cpu", got, want, atol, rtol)
+			closeTo(t, "fp8 matmul (epilogue) vs cpu", gotEp, want, atol, rtol)
 			bf := run(be, false)
 			var moved float64
 			for i := range bf {
@@ -367,6 +398,66 @@ func fp8Agreement(t *testing.T, be compute.Backend, ck string) agreement {
 	return a
 }
 
+// TestFP8OuterVecFallback (emulator): a cuBLASLt older than 12.9 scales in
+// k_fp8_scale from the start; one whose heuristic refuses the outer
+// vectors falls back at the first FP8 MatMul, says so once, and gives the
+// same bits; an unknown Options.FP8Scale is refused, naming it.
+func TestFP8OuterVecFallback(t *testing.T) {
+	if onGPU() {
+		t.Skip("the emulator's cuBLASLt versions and refusals")
+	}
+	r := rand.New(rand.NewPCG(8, 30))
+	const m, n, k = 40, 48, 64
+	x, w := randF32(r, m*k), randF32(r, n*k)
+	mul := func(be *Backend) []float32 {
+		out := be.New(compute.BF16, m*n)
+		be.MatMul(out, be.FromF32(x), fp8Weight(t, be, w, n, k), nil, m, n, k)
+		return readF32(be, out, m*n)
+	}
+	ref := testBackendWith(t, Options{FP8Scale: "epilogue"})
+	want := mul(ref)
+	open := func(opt Options) (*Backend, *[]string) {
+		var logged []string
+		opt.KernelCache, opt.Profile = kernelCacheForTests(t), true
+		opt.Logf = func(f string, a ...any) { logged = append(logged, fmt.Sprintf(f, a...)) }
+		be, err := Open(opt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { be.Close() })
+		return be, &logged
+	}
+
+	t.Setenv("DISTILL_EMU_LT_VERSION", "120803")
+	old, _ := open(Options{})
+	if old.fp8OuterVec {
+		t.Fatal("cuBLASLt 12.8.3: want the epilogue, not outer-vector scales")
+	}
+	same(t, "cuBLASLt 12.8.3 vs the epilogue", mul(old), want)
+	if profileCalls(old)["k_fp8_scale"] == 0 {
+		t.Fatal("cuBLASLt 12.8.3: no k_fp8_scale launch")
+	}
+
+	t.Setenv("DISTILL_EMU_LT_VERSION", "")
+	t.Setenv("DISTILL_EMU_LT_NO_OUTER_VEC", "1")
+	refusing, logged := open(Options{})
+	if !refusing.fp8OuterVec {
+		t.Fatal("before its first FP8 MatMul a cuBLASLt 99.0 should be taking the outer vectors")
+	}
+	same(t, "a cuBLASLt refusing outer vectors vs the epilogue", mul(refusing), want)
+	same(t, "the second MatMul after the refusal", mul(refusing), want)
+	if refusing.fp8OuterVec || profileCalls(refusing)["k_fp8_scale"] != 2 {
+		t.Fatalf("after a refusal: fp8OuterVec %v, want false and 2 k_fp8_scale launches", refusing.fp8OuterVec)
+	}
+	if got := strings.Join(*logged, "\n"); strings.Count(got, "refused FP8 outer-vector scales") != 1 {
+		t.Fatalf("log %q: want one line saying cuBLASLt refused the outer-vector scales", got)
+	}
+
+	if _, err := Open(Options{KernelCache: kernelCacheForTests(t), FP8Scale: "gemm"}); err == nil || !strings.Contains(err.Error(), `"gemm"`) {
+		t.Fatalf("Open with FP8Scale gemm: %v, want an error naming it", err)
+	}
+}
+
 // TestFP8ScratchBytes: an FP8 MatMul's and an FP8 MoE's scratch, measured
 // by the pool's high-water mark, within forwardScratchBytes of the shape
 // with FP8 set, and not loose (at most twice), as TestForwardScratchBytes
@@ -381,20 +472,34 @@ func TestFP8ScratchBytes(t *testing.T) {
 		call()
 		return be.PeakMemory() - base
 	}
-	check := func(name string, got int64, s compute.ForwardShape) {
+	checkOn := func(be *Backend, name string, got int64, s compute.ForwardShape) {
 		t.Helper()
-		bound := forwardScratchBytes(s)
+		layers, head := forwardScratchTermsFor(s, true, !be.fp8OuterVec)
+		bound := max(layers, head)
 		t.Logf("%s: scratch %d bytes, bound %d", name, got, bound)
 		if got > bound || 2*got < bound {
 			t.Errorf("%s: the call took %d bytes of scratch; forwardScratchBytes says %d: want scratch <= bound <= 2·scratch", name, got, bound)
 		}
 	}
+	check := func(name string, got int64, s compute.ForwardShape) { t.Helper(); checkOn(be, name, got, s) }
 	// The up projection's shape (n = intermediate, k = hidden), the
-	// largest of this model's Linears, over more rows than a slab.
+	// largest of this model's Linears, over more rows than a slab, with
+	// the sums in fp32 (FP8Scale "epilogue": the slab's fp32 sums are the
+	// largest scratch of the shape). The outer-vector scales keep only
+	// the codes, less than the BF16 MatMuls' operand copies the bound
+	// also holds: at most the bound.
 	m, n, k := fp8SlabRows+100, 4000, 16
-	x, out, w := be.FromF32(randF32(r, m*k)), be.New(compute.BF16, m*n), fp8Weight(t, be, randF32(r, n*k), n, k)
-	check("MatMul FP8", scratch(func() { be.MatMul(out, x, w, nil, m, n, k) }),
-		compute.ForwardShape{Tokens: m, MaxLen: 1, K: 1, Hidden: k, Heads: 1, KVHeads: 1, HeadDim: 16, Intermediate: n, Vocab: 16, FP8: true})
+	ms := compute.ForwardShape{Tokens: m, MaxLen: 1, K: 1, Hidden: k, Heads: 1, KVHeads: 1, HeadDim: 16, Intermediate: n, Vocab: 16, FP8: true}
+	ep := testBackendWith(t, Options{FP8Scale: "epilogue"})
+	x, out, w := ep.FromF32(randF32(r, m*k)), ep.New(compute.BF16, m*n), fp8Weight(t, ep, randF32(r, n*k), n, k)
+	ep.ResetPeakMemory()
+	base := ep.PeakMemory()
+	ep.MatMul(out, x, w, nil, m, n, k)
+	checkOn(ep, "MatMul FP8 (epilogue)", ep.PeakMemory()-base, ms)
+	x, out, w = be.FromF32(randF32(r, m*k)), be.New(compute.BF16, m*n), fp8Weight(t, be, randF32(r, n*k), n, k)
+	if got, bound := scratch(func() { be.MatMul(out, x, w, nil, m, n, k) }), be.ForwardScratchBytes(ms); got > bound {
+		t.Errorf("MatMul FP8: the call took %d bytes of scratch; ForwardScratchBytes says %d", got, bound)
+	}
 
 	// Experts of width 1024: their activations (h in F32, 5.2 MB) outgrow
 	// the LM head's tile of this shape.

@@ -97,22 +97,29 @@ func (b *Backend) gemmTo(out uint64, outT int, a, bm uint64, m, n, k int, ta, tb
 		return
 	}
 	x, w := a, bm
-	s := gemmShape{m: m, n: n, k: k, in: in, out: outT, ta: ta, tb: tb, align: [4]int{alignOf(w), alignOf(x), alignOf(out), alignOf(out)}}
-	p, ok := b.plans[s]
-	if !ok {
-		if len(b.plans) >= 1024 { // shapes vary with the batch: bound the cache
-			for _, q := range b.plans {
-				b.lt.destroyPlan(q)
-			}
-			clear(b.plans)
-		}
-		var err error
-		p, err = b.lt.plan(b.ltH, s)
-		b.must(err)
-		b.plans[s] = p
-	}
+	p, err := b.gemmPlan(gemmShape{m: m, n: n, k: k, in: in, out: outT, ta: ta, tb: tb, align: [4]int{alignOf(w), alignOf(x), alignOf(out), alignOf(out)}})
+	b.must(err)
 	defer b.timed("cublasLt GEMM (" + b.label + ")")()
 	b.must(b.lt.run(b.ltH, p, out, x, w, b.ws, beta, b.stream))
+}
+
+// gemmPlan is the backend's cuBLASLt plan of shape s, made on first use.
+func (b *Backend) gemmPlan(s gemmShape) (*gemmPlan, error) {
+	if p, ok := b.plans[s]; ok {
+		return p, nil
+	}
+	if len(b.plans) >= 1024 { // shapes vary with the batch: bound the cache
+		for _, q := range b.plans {
+			b.lt.destroyPlan(q)
+		}
+		clear(b.plans)
+	}
+	p, err := b.lt.plan(b.ltH, s)
+	if err != nil {
+		return nil, err
+	}
+	b.plans[s] = p
+	return p, nil
 }
 
 // MatMul implements compute.Backend: out (m,n) = x (m,k)·w (n,k)ᵀ + bias,

@@ -296,12 +296,12 @@ func attentionBackwardLaunch(mode attnMode, tokens, nSeq, nHead, nKV, hd int) (a
 // the engine's workspace is not known before its plan is built (each
 // build logs it), and is not counted.
 func (b *Backend) ForwardScratchBytes(s compute.ForwardShape) int64 {
-	grouped := b.mmaE4M3()
+	grouped, sums := b.mmaE4M3(), !b.fp8OuterVec
 	if b.dnn != nil {
-		layers, head := scratchTermsCuDNN(s, grouped)
+		layers, head := scratchTermsCuDNN(s, grouped, sums)
 		return max(layers, head)
 	}
-	layers, head := forwardScratchTermsFor(s, grouped)
+	layers, head := forwardScratchTermsFor(s, grouped, sums)
 	return max(layers, head)
 }
 
@@ -321,32 +321,35 @@ func ForwardScratchBound(s compute.ForwardShape) int64 {
 //
 // On paper an FP8 MoE's experts run on the device's grouping (an sm_89 or
 // newer GPU, NVRTC 12.4 or newer: Backend.mmaE4M3); a backend without it
-// counts the per-expert path's larger scratch (ForwardScratchBytes).
+// counts the per-expert path's larger scratch (ForwardScratchBytes). An
+// FP8 MatMul counts its fp32 sums (fp8.go: the path of a cuBLASLt before
+// 12.9), which the outer-vector scales do without.
 func ForwardScratchTerms(s compute.ForwardShape) (layers, head int64) {
-	return scratchTermsCuDNN(s, true)
+	return scratchTermsCuDNN(s, true, true)
 }
 
 // scratchTermsCuDNN is ForwardScratchTerms with cuDNN's attention, grouped
-// as moeScratchBytes' fp8Grouped.
-func scratchTermsCuDNN(s compute.ForwardShape, grouped bool) (layers, head int64) {
+// as moeScratchBytes' fp8Grouped, sums as forwardScratchTermsFor's.
+func scratchTermsCuDNN(s compute.ForwardShape, grouped, sums bool) (layers, head int64) {
 	n, kv := int64(s.Tokens), int64(s.KVHeads)
 	if kv <= 0 {
 		kv = int64(s.Heads)
 	}
 	attn := 2*n*(2*int64(s.Heads)+2*kv)*int64(s.HeadDim) + 4*n*int64(s.Heads) + 16*(n+4)
-	layers, head = forwardScratchTermsFor(s, grouped)
+	layers, head = forwardScratchTermsFor(s, grouped, sums)
 	return max(layers, attn+16<<10), head
 }
 
 func forwardScratchBytes(s compute.ForwardShape) int64 {
-	layers, head := forwardScratchTermsFor(s, true)
+	layers, head := forwardScratchTermsFor(s, true, true)
 	return max(layers, head)
 }
 
 // forwardScratchTermsFor is forwardScratchBytes by term (ForwardScratchTerms)
 // for this package's own attention kernels; grouped: an FP8 MoE's experts
-// on the device's grouping (moeScratchBytes).
-func forwardScratchTermsFor(s compute.ForwardShape, grouped bool) (layers, head int64) {
+// on the device's grouping (moeScratchBytes); sums: an FP8 MatMul's slab
+// holds its fp32 sums (k_fp8_scale's path, fp8.go), not only its codes.
+func forwardScratchTermsFor(s compute.ForwardShape, grouped, sums bool) (layers, head int64) {
 	n := int64(s.Tokens)
 	widest := int64(max(s.Hidden, s.Heads*s.HeadDim, s.Intermediate))
 	kv := int64(s.KVHeads)
@@ -356,7 +359,11 @@ func forwardScratchTermsFor(s compute.ForwardShape, grouped bool) (layers, head 
 	layers = max(2*n*widest, 2*n*(int64(s.Heads)+2*kv)*int64(s.HeadDim)+4*(n+1))
 	if s.FP8 { // matMulFP8's slab: its rows' codes (k), scale and fp32 sums (4n), the largest (n, k) of the Linears
 		H, Q, I := int64(s.Hidden), int64(s.Heads*s.HeadDim), int64(s.Intermediate)
-		layers = max(layers, int64(min(s.Tokens, fp8SlabRows))*(4+max(H+4*Q, Q+4*H, H+4*I, I+4*H)))
+		f := int64(4)
+		if !sums {
+			f = 0
+		}
+		layers = max(layers, int64(min(s.Tokens, fp8SlabRows))*(4+max(H+f*Q, Q+f*H, H+f*I, I+f*H)))
 	}
 	if s.Experts > 0 {
 		layers = max(layers, moeScratchBytes(s.Tokens, s.Hidden, s.MoEIntermediate, s.Experts, s.TopK, s.FP8, grouped))

@@ -1326,6 +1326,11 @@ int nvrtcGetPTX(void *p, char *buf) { return nvrtcGetCUBIN(p, buf); }
 
 struct Desc {
 	int compute, scale, transa = 0, transb = 0;
+	// The operands' scale modes (0: scalar, the default; 3:
+	// CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F) and scale pointers
+	// (device addresses; 0: unset).
+	int amode = 0, bmode = 0;
+	u64 ascale = 0, bscale = 0;
 };
 struct Layout {
 	int type;
@@ -1342,7 +1347,12 @@ int cublasLtCreate(void **h) {
 	return 0;
 }
 int cublasLtDestroy(void *) { return 0; }
-size_t cublasLtGetVersion() { return 990000; }
+// cublasLtGetVersion: $DISTILL_EMU_LT_VERSION, for the tests of an older
+// cuBLASLt's paths (fp8.go: outer-vector scales from 12.9, 120900).
+size_t cublasLtGetVersion() {
+	const char *v = getenv("DISTILL_EMU_LT_VERSION");
+	return v && *v ? (size_t)strtoull(v, nullptr, 10) : 990000;
+}
 const char *cublasLtGetStatusString(int s) { return s ? g_err.c_str() : "CUBLAS_STATUS_SUCCESS"; }
 int cublasLtMatmulDescCreate(void **d, int compute, int scale) {
 	if (compute != 68 || scale != 0) {
@@ -1362,6 +1372,19 @@ int cublasLtMatmulDescSetAttribute(void *d, int attr, const void *buf, size_t n)
 		int v = *(const int *)buf;
 		if (v != 0 && v != 1) return 7;
 		(attr == 3 ? ds->transa : ds->transb) = v;
+		return 0;
+	}
+	if ((attr == 31 || attr == 32) && n == 4) { // A_SCALE_MODE, B_SCALE_MODE: scalar or outer vector
+		int v = *(const int *)buf;
+		if (v != 0 && v != 3) {
+			fail(E_INVALID_VALUE, "cublasLtMatmulDescSetAttribute: scale mode " + std::to_string(v) + " is not emulated");
+			return 7;
+		}
+		(attr == 31 ? ds->amode : ds->bmode) = v;
+		return 0;
+	}
+	if ((attr == 17 || attr == 18) && n == 8) { // A_SCALE_POINTER, B_SCALE_POINTER
+		(attr == 17 ? ds->ascale : ds->bscale) = *(const u64 *)buf;
 		return 0;
 	}
 	fail(E_INVALID_VALUE, "cublasLtMatmulDescSetAttribute: attribute " + std::to_string(attr) + " is not emulated");
@@ -1422,6 +1445,20 @@ int cublasLtMatmulAlgoGetHeuristic(void *, void *d, void *a, void *b, void *c, v
 			return 15;
 		}
 	}
+	// Outer-vector scales (cuBLASLt 12.9, "Outer Vector Scaling for FP8
+	// Data Types"): both operands' modes or neither, FP8 operands, a
+	// 16-bit or fp32 D.
+	// $DISTILL_EMU_LT_NO_OUTER_VEC=1: a cuBLASLt with no algorithm for them
+	// (the backend's fallback, tested).
+	const char *nov = getenv("DISTILL_EMU_LT_NO_OUTER_VEC");
+	if (ds->amode == 3 && nov && !strcmp(nov, "1")) {
+		fail(E_INVALID_VALUE, "cublasLtMatmulAlgoGetHeuristic: no algorithm with outer-vector scales (DISTILL_EMU_LT_NO_OUTER_VEC=1)");
+		return 15;
+	}
+	if (ds->amode != ds->bmode || (ds->amode == 3 && (la->type != 28 || (ld->type != 14 && ld->type != 0)))) {
+		fail(E_INVALID_VALUE, "cublasLtMatmulAlgoGetHeuristic: outer-vector scales need both operands' modes, FP8 operands and a BF16 or F32 D");
+		return 15;
+	}
 	memset(res, 0, 96);
 	*got = 1;
 	return 0;
@@ -1475,11 +1512,19 @@ int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_,
 	    check_range((u64)D, (size_t)((ld->cols - 1) * ld->ld + ld->rows) * (ld->type == 14 ? 2 : 4), "cublasLtMatmul D", dev))
 		return 14; // CUBLAS_STATUS_INTERNAL_ERROR
 	float al = *(const float *)alpha, be = *(const float *)beta;
+	bool outer = ds->amode == 3;
+	if (outer && (!ds->ascale || !ds->bscale || be != 0)) {
+		fail(E_INVALID_VALUE, "cublasLtMatmul: outer-vector scales without both scale pointers, or with beta != 0, are not emulated");
+		return 7;
+	}
+	if (outer && (check_range(ds->ascale, (size_t)m * 4, "cublasLtMatmul A scales", dev) || check_range(ds->bscale, (size_t)n * 4, "cublasLtMatmul B scales", dev)))
+		return 14;
 	{
 		int sid = sid_of(stream);
 		op_begin(sid);
 		if (touch_fail(sid, (u64)A, false, "cublasLtMatmul A")) return 14;
 		if (touch_fail(sid, (u64)B, false, "cublasLtMatmul B")) return 14;
+		if (outer && (touch_fail(sid, ds->ascale, false, "cublasLtMatmul A scales") || touch_fail(sid, ds->bscale, false, "cublasLtMatmul B scales"))) return 14;
 		if (be != 0)
 			if (touch_fail(sid, (u64)C, false, "cublasLtMatmul C")) return 14;
 		if (touch_fail(sid, (u64)D, true, "cublasLtMatmul D")) return 14;
@@ -1494,6 +1539,10 @@ int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_,
 		for (i64 i = 0; i < m; i++) {
 			float acc = 0;
 			for (i64 p = 0; p < k; p++) acc = fmaf(load_el(A, la->type, ds->transa ? p + i * la->ld : i + p * la->ld), col[p], acc);
+			if (outer) { // D[i][j] = Σ · scaleB[j] · scaleA[i]: the activations' row scale first, as k_fp8_scale
+				acc = acc * ((const float *)ds->bscale)[j];
+				acc = acc * ((const float *)ds->ascale)[i];
+			}
 			float cv = be != 0 ? load_el(C, lc->type, i + j * lc->ld) : 0;
 			store_el(D, ld->type, i + j * ld->ld, al * acc + be * cv);
 		}
