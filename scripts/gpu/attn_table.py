@@ -56,8 +56,10 @@ def main():
             print(why)
     gpu = next((r.get("gpu") for r in ours.values() if r.get("gpu")), None)
     if gpu:
-        print(f"ours: {gpu}; fp32 tensors in and out (the contract's), BF16 inside; wall time over the benchmark's iterations")
-    hdr = f"{'case':<28} {'runs':<40} {'ours':>8} {'torch-cudnn':>12} {'torch-flash':>12} {'ours/cudnn-torch':>17} {'ours/flash-torch':>17} {'ours GiB':>9}"
+        print(f"ours: {gpu}; tensors in and out as the io column says (bf16: q, k, v, out, dout, dv in BF16, dq and dk fp32, "
+              f"the training step's and teacher's; f32: all fp32, the contract's, with the conversions timed), BF16 inside; "
+              f"wall time over the benchmark's iterations")
+    hdr = f"{'case':<28} {'runs':<40} {'io':>4} {'ours':>8} {'torch-cudnn':>12} {'torch-flash':>12} {'ours/cudnn-torch':>17} {'ours/flash-torch':>17} {'ours GiB':>9}"
     print(hdr)
     print("-" * len(hdr))
 
@@ -81,7 +83,7 @@ def main():
         if "skipped" in o or "error" in o:
             print(f"{case:<28} {'skipped' if 'skipped' in o else 'FAILED'}: {o.get('skipped') or o.get('error')}")
             continue
-        print(f"{case:<28} {o.get('impl_name') or impl:<40} {o['tflops']:>8.1f} {cell(tc):>12} {cell(tf):>12} "
+        print(f"{case:<28} {o.get('impl_name') or impl:<40} {o.get('io', 'f32'):>4} {o['tflops']:>8.1f} {cell(tc):>12} {cell(tf):>12} "
               f"{ratio(o, tc):>17} {ratio(o, tf):>17} {o.get('devmem_GiB', 0):>9.2f}")
     notes = [f"torch {k[0]} {k[1]} {k[2]}: {r['error']}" for k, r in torch.items() if "error" in r]
     notes += [f"torch {k[0]} {k[1]} {k[2]}: GQA by {r['gqa']}" for k, r in torch.items() if r.get("gqa", "enable_gqa") != "enable_gqa"]
