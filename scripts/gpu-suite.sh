@@ -346,6 +346,18 @@ s_env() {
     nvcc --version 2>/dev/null | tail -2
     echo "--- python"
     $PY -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "transformers", transformers.__version__, torch.cuda.get_device_name())' 2>&1
+    echo "--- cuBLASLt: version and grouped GEMM (CUBLASLT_BATCH_MODE_GROUPED, for MoE experts sized on the device)"
+    # The system's and PyTorch's wheel's, which may be newer: the version
+    # (cublasLtGetVersion) and whether the grouped layouts exist.
+    for lt in "${DISTILL_LIBCUBLASLT:-}" $($PY -c 'import nvidia.cublas, os; d = os.path.join(list(nvidia.cublas.__path__)[0], "lib"); print(" ".join(os.path.join(d, f) for f in os.listdir(d) if f.startswith("libcublasLt.so")))' 2>/dev/null); do
+      [ -n "$lt" ] && [ -e "$lt" ] || continue
+      $PY - "$lt" <<'PYEOF' 2>&1
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+lib.cublasLtGetVersion.restype = ctypes.c_size_t
+print(sys.argv[1], "version", lib.cublasLtGetVersion(), "grouped layouts:", hasattr(lib, "cublasLtGroupedMatrixLayoutCreate"))
+PYEOF
+    done
     echo "--- binary"
     ls -la "$root/.gpu" "$BIN" "$BIN/lib" 2>&1
     ldd "$T" 2>&1
