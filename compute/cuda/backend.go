@@ -111,6 +111,15 @@ type Options struct {
 	// and k_fp8_scale scales them, a pass of its own). For an A/B on a
 	// device. $DISTILL_CUDA_FP8_SCALE sets it too.
 	FP8Scale string
+	// RMSNormDW picks how RMSNorm's backward sums dw: "" (the default: the
+	// 8-wide row kernels add dw's terms as they go, from the dout and x
+	// they hold, into float64 partials per fixed group of rows, which a
+	// second kernel adds in order) or "colsum" (the row kernels write dx
+	// only, and k_colsum_part4 reads dout and x again for dw, as before).
+	// The same terms, added in another fixed order; for an A/B on a
+	// device. $DISTILL_CUDA_RMSNORM_DW sets it too. Shapes the 8-wide
+	// kernels do not take run the column sums either way.
+	RMSNormDW string
 }
 
 // Backend is the CUDA backend. It is safe for concurrent use, one call at
@@ -149,6 +158,7 @@ type Backend struct {
 	f32Grads    bool          // Options.F32Grads
 	moeKernels  string        // Options.MoEGEMM
 	fp8OuterVec bool          // FP8 GEMMs scale in cuBLASLt's epilogue (Options.FP8Scale; fp8.go)
+	rmsColsum   bool          // Options.RMSNormDW "colsum"
 	pageable    bool          // Options.Pageable
 	noKeep      bool          // Options.RecomputeLogits
 	kept        *keptLogits   // pass 1's logits, kept for pass 2 (train.go)
@@ -373,6 +383,14 @@ func (b *Backend) setOptions(opt Options) error {
 		return fmt.Errorf("cuda: FP8 scale %q: want epilogue, or none for cuBLASLt's outer-vector scales where it has them", fp8Scale)
 	}
 	b.fp8OuterVec = fp8Scale == "" && b.lt.version >= ltOuterVecVersion
+	dw := opt.RMSNormDW
+	if dw == "" {
+		dw = os.Getenv("DISTILL_CUDA_RMSNORM_DW")
+	}
+	if dw != "" && dw != "colsum" {
+		return fmt.Errorf("cuda: RMSNorm dw %q: want colsum, or none for the fused kernels", dw)
+	}
+	b.rmsColsum = dw == "colsum"
 	b.pageable = opt.Pageable || os.Getenv("DISTILL_CUDA_PAGEABLE") == "1"
 	b.noKeep = opt.RecomputeLogits || os.Getenv("DISTILL_CUDA_RECOMPUTE_LOGITS") == "1"
 	b.eagerZeros = opt.EagerZeros || os.Getenv("DISTILL_CUDA_EAGER_ZEROS") == "1"

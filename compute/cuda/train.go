@@ -39,6 +39,20 @@ func reduceGrid(n int) int { return max(1, min((n+255)/256, 1024)) }
 // colChunk is the row chunk of k_colsum_part: a function of rows only.
 func colChunk(rows int) int { return max(64, (rows+255)/256) }
 
+// rmsDWGroup is the rows a block of the fused RMSNorm backward
+// (k_rmsnorm_bwd_*8_dw, perBlock rows at a time) takes: at least 16, so
+// that its partials (8 bytes a column, written, then read by the finish)
+// are small beside what its rows move (10 to 14 bytes a column a row:
+// dout, x, dx), and at least rows/256, so that there are at most 256
+// blocks (and partial rows, as colSum has at most 256 chunks), rounded up
+// to a whole number of perBlock. At 8192 rows: 32 rows, 256 blocks. A
+// function of rows and dim alone (perBlock is dim's), as is every sum's
+// order.
+func rmsDWGroup(rows, perBlock int) int {
+	g := max(16, (rows+255)/256)
+	return (g + perBlock - 1) / perBlock * perBlock
+}
+
 // AdamW implements compute.Backend: one fp32 torch.optim.AdamW update of
 // p with gradient g and moments m, v, in place.
 func (b *Backend) AdamW(pT, gT, mT, vT compute.Tensor, n int, s compute.AdamWStep) {
@@ -323,7 +337,23 @@ func (b *Backend) rmsNormBackward(what string, dxT, dxcT, dwT, doutT, xT, wT, rs
 	if dxc != nil {
 		ptrs = append(ptrs, dxc.p)
 	}
-	if l, lanes, ok := rmsnormVecLaunch(rows, dim, ptrs...); ok {
+	if l, lanes, ok := rmsnormVecLaunch(rows, dim, ptrs...); ok && !b.rmsColsum {
+		// dw's terms summed in the row kernel, from the dout and x it
+		// holds: float64 partials per group of rows, then the groups in
+		// order (backward.cu: rms_bwd_group8).
+		perBlock := ewThreads / int(lanes)
+		group := rmsDWGroup(rows, perBlock)
+		np := (rows + group - 1) / group
+		ku := (dim/8 + int(lanes) - 1) / int(lanes)
+		part := b.alloc(int64(np) * int64(dim) * 8)
+		l.kernel = map[string]string{"k_rmsnorm_warp8": "k_rmsnorm_bwd_warp8_dw", "k_rmsnorm_block8": "k_rmsnorm_bwd_block8_dw"}[l.kernel]
+		l.grid, l.smem = [3]int{np, 1, 1}, 8*ku*ewThreads*8
+		b.launchKernel(l, dptr(dx.p), bf16Flag(dx), cp, dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim), lanes, acc,
+			dptr(part), int32(group))
+		b.launchKernel(launch{kernel: "k_rmsnorm_dw_finish", grid: [3]int{(dim + 31) / 32, 1, 1}, block: 256}, dptr(dw.p), dptr(part), int32(np), int32(dim))
+		b.free(part)
+		return
+	} else if ok {
 		l.kernel = map[string]string{"k_rmsnorm_warp8": "k_rmsnorm_bwd_warp8", "k_rmsnorm_block8": "k_rmsnorm_bwd_block8"}[l.kernel]
 		b.launchKernel(l, dptr(dx.p), bf16Flag(dx), cp, dptr(dout.p), dptr(x.p), bf16Flag(x), wp, wb, dptr(rstd.p), int64(rows), int32(dim), lanes, acc)
 	} else {

@@ -12,9 +12,9 @@ import (
 
 // The vector kernels (k_swiglu_x8, k_rmsnorm_warp8/_block8 with and
 // without the residual add, k_rmsnorm_rope8, k_swiglu_bwd_x8,
-// k_rmsnorm_bwd_warp8/_block8, k_colsum_part4) must give the bits of the
-// scalar kernels they stand in for where the launch site finds the sizes
-// and addresses that allow them. Each case below runs an op twice on the
+// k_rmsnorm_bwd_warp8/_block8 and their _dw twins, k_colsum_part4) must
+// give the bits of the scalar kernels they stand in for where the launch
+// site finds the sizes and addresses that allow them. Each case below runs an op twice on the
 // same values: on tensors that start 16-byte aligned (the launch site
 // picks the vector kernel) and on views one element further (the scalar
 // kernel); the profile says which kernels ran, and every output is
@@ -287,14 +287,27 @@ func TestVecSwiGLUBackwardBitIdentical(t *testing.T) {
 	}
 }
 
+// TestVecRMSNormBackwardBitIdentical runs the 8-wide kernels both ways:
+// with dw summed in them (the default) and with the column sums after
+// them (Options.RMSNormDW "colsum").
 func TestVecRMSNormBackwardBitIdentical(t *testing.T) {
+	for _, colsum := range []bool{false, true} {
+		t.Run(fmt.Sprintf("colsum=%v", colsum), func(t *testing.T) { testVecRMSNormBackward(t, colsum) })
+	}
+}
+
+func testVecRMSNormBackward(t *testing.T, colsum bool) {
 	be := testBackendWith(t, Options{Profile: true})
+	be.rmsColsum = colsum
 	r := rand.New(rand.NewPCG(49, 50))
 	// The q/k norms' shape too: many rows of a head's 128.
 	for _, sh := range append(slices.Clone(vecNormShapes), [2]int{1000, 128}) {
 		rows, dim := sh[0], sh[1]
 		l, _, _ := rmsnormVecLaunch(rows, dim)
-		vec := map[string]string{"k_rmsnorm_warp8": "k_rmsnorm_bwd_warp8", "k_rmsnorm_block8": "k_rmsnorm_bwd_block8"}[l.kernel]
+		vec := []string{map[string]string{"k_rmsnorm_warp8": "k_rmsnorm_bwd_warp8_dw", "k_rmsnorm_block8": "k_rmsnorm_bwd_block8_dw"}[l.kernel], "k_rmsnorm_dw_finish"}
+		if colsum {
+			vec = []string{map[string]string{"k_rmsnorm_warp8": "k_rmsnorm_bwd_warp8", "k_rmsnorm_block8": "k_rmsnorm_bwd_block8"}[l.kernel], "k_colsum_part4"}
+		}
 		scalar := map[string]string{"k_rmsnorm_warp": "k_rmsnorm_bwd_warp", "k_rmsnorm_block": "k_rmsnorm_bwd_block"}[rmsnormLaunch(rows, dim).kernel]
 		x, d, dx0 := vecValues(r, rows*dim, 3), vecValues(r, rows*dim, 1), vecValues(r, rows*dim, 1)
 		dw0, wv := vecValues(r, dim, 1), vecValues(r, dim, 1.5)
@@ -310,7 +323,7 @@ func TestVecRMSNormBackwardBitIdentical(t *testing.T) {
 		for _, w := range []compute.Tensor{wb, be.FromF32(wv)} {
 			for _, xbf := range []bool{true, false} {
 				what := fmt.Sprintf("rmsnorm_bwd %dx%d x %s w %v", rows, dim, dtName(xbf), w.DType())
-				checkVecPath(t, be, what, []string{vec, "k_colsum_part4"}, []string{scalar, "k_colsum_part"}, func(shift int) [][]uint32 {
+				checkVecPath(t, be, what, vec, []string{scalar, "k_colsum_part"}, func(shift int) [][]uint32 {
 					dx, dw := placed(be, compute.F32, dx0, shift), placed(be, compute.F32, dw0, shift)
 					be.RMSNormBackward(dx, dw, placed(be, compute.F32, d, shift), placed(be, dtOf(xbf), x, shift), w, be.FromF32(rs), rows, dim)
 					return [][]uint32{rawBits(be, dx, rows*dim), rawBits(be, dw, dim)}
@@ -322,7 +335,7 @@ func TestVecRMSNormBackwardBitIdentical(t *testing.T) {
 		// rounding, element for element.
 		for _, kind := range []string{"bf16 dx", "f32 dx + copy"} {
 			what := fmt.Sprintf("rmsnorm_bwd %dx%d %s", rows, dim, kind)
-			checkVecPath(t, be, what, []string{vec, "k_colsum_part4"}, []string{scalar, "k_colsum_part"}, func(shift int) [][]uint32 {
+			checkVecPath(t, be, what, vec, []string{scalar, "k_colsum_part"}, func(shift int) [][]uint32 {
 				dw := placed(be, compute.F32, dw0, shift)
 				d, xt, rt := placed(be, compute.F32, d, shift), placed(be, compute.BF16, x, shift), be.FromF32(rs)
 				if kind == "bf16 dx" {

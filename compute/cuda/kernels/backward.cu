@@ -174,9 +174,12 @@ DK_KERNEL void k_rmsnorm_bwd_block(void *dx, int dx_bf, u16 *dxc, const float *d
 // the shuffles only) or the block (red, lanes = blockDim.x). dout and x
 // stay in registers between the two passes; the dot's float64 sum is added
 // in another fixed order, each element's math is rms_bwd_dot1 and
-// rms_bwd1 as in rms_bwd_row.
+// rms_bwd1 as in rms_bwd_row. With dw set (the fused kernels below), the
+// first pass also adds each element's term of RMSNorm's dw, k_colsum_part's
+// dout·(x·rstd) in fp32, into the thread's float64 sums: element j of
+// chunk k at dw[(8k + j)·dws].
 DK_DEV void rms_bwd_row8(void *dx, int dx_bf, u16 *dxc, const float *d, const void *x, int x_bf, const void *w, int w_bf16, float rs,
-                         int dim, int sub, int lanes, bool ok, double *red, int acc) {
+                         int dim, int sub, int lanes, bool ok, double *red, int acc, double *dw = 0, int dws = 0) {
 	int nc = dim / 8;
 	float dv[RV_K][8], xv[RV_K][8];
 	double dot = 0;
@@ -190,6 +193,10 @@ DK_DEV void rms_bwd_row8(void *dx, int dx_bf, u16 *dxc, const float *d, const vo
 		ld8(wv, w, w_bf16, c);
 #pragma unroll
 		for (int j = 0; j < 8; j++) dot += (double)rms_bwd_dot1(dv[k][j], wv[j], xv[k][j], rs);
+		if (dw) {
+#pragma unroll
+			for (int j = 0; j < 8; j++) dw[(8 * k + j) * dws] += (double)(dv[k][j] * (xv[k][j] * rs));
+		}
 	}
 	dot = row_sum_d(dot, sub, lanes, red);
 	float m = (float)(dot / dim);
@@ -232,6 +239,92 @@ DK_KERNEL void k_rmsnorm_bwd_block8(void *dx, int dx_bf, u16 *dxc, const float *
 	i64 row = blockIdx.x;
 	rms_bwd_row8(act_ptr(dx, dx_bf, row * dim), dx_bf, dxc ? dxc + row * dim : dxc, dout + row * dim, act_ptr(x, x_bf, row * dim), x_bf, w,
 	             w_bf16, rstd[row], dim, threadIdx.x, lanes, true, red, acc);
+}
+
+// RMSNorm's backward with dw's column sums fused in (the default; the
+// host's Options.RMSNormDW "colsum" runs the kernels above and then
+// k_colsum_part4 instead, which reads dout and x a second time). Block b
+// takes the rows [b·group, (b+1)·group) (group a function of rows and
+// dim: rmsDWGroup in train.go), R = blockDim.x/lanes of them at a time,
+// with k_rmsnorm_bwd_warp8's or _block8's row geometry: the thread at
+// slot s = tid/lanes, sub = tid%lanes takes the rows r0 + s + R·i, i =
+// 0, 1, ... in order, and adds each one's dw terms to float64 sums of its
+// own in the dynamic shared memory (acc[(8k + j)·blockDim.x + tid] for
+// element j of its chunk k, k < ku = ceil(dim/8 / lanes): a column's sums
+// are its R slots', no two threads share one, and a warp's accesses are
+// consecutive doubles). Then the block adds, per column, its R slots' sums
+// in slot order into part[b] (dim doubles), and k_rmsnorm_dw_finish adds
+// the blocks' partials in block order into dw. Every sum's order is fixed
+// by rows and dim alone; the terms are k_colsum_part's. The block's red
+// alternates between two halves from row to row, so that a row's
+// row_sum_d does not overwrite what another thread may still read of the
+// previous row's.
+DK_DEV void rms_bwd_group8(void *dx, int dx_bf, u16 *dxc, const float *dout, const void *x, int x_bf, const void *w, int w_bf16,
+                           const float *rstd, i64 rows, int dim, int lanes, int acc, double *__restrict__ part, int group, double *red) {
+	DK_DYN_SMEM(double, sacc);
+	int nt = blockDim.x, tid = threadIdx.x, sub = tid % lanes, slot = tid / lanes, R = nt / lanes;
+	int nc = dim / 8, ku = (nc + lanes - 1) / lanes;
+	for (int k = 0; k < ku; k++)
+		for (int j = 0; j < 8; j++) sacc[(8 * k + j) * nt + tid] = 0;
+	i64 r0 = (i64)blockIdx.x * group, r1 = lmin(r0 + group, rows);
+	int it = 0;
+	for (i64 base = r0; base < r1; base += R, it++) {
+		i64 row = base + slot;
+		bool ok = row < r1;
+		if (!ok) row = r0; // an address in range; nothing is read or written
+		rms_bwd_row8(act_ptr(dx, dx_bf, row * dim), dx_bf, dxc ? dxc + row * dim : dxc, dout + row * dim, act_ptr(x, x_bf, row * dim), x_bf,
+		             w, w_bf16, rstd[row], dim, sub, lanes, ok, red ? red + DK_WARP * (it & 1) : red, acc, sacc + tid, nt);
+	}
+	__syncthreads();
+	for (int col = tid; col < dim; col += nt) {
+		int c = col / 8, j = col % 8;
+		const double *p = sacc + (8 * (c / lanes) + j) * nt + c % lanes;
+		double s = 0;
+		for (int q = 0; q < R; q++) s += p[q * lanes];
+		part[(i64)blockIdx.x * dim + col] = s;
+	}
+}
+
+// k_rmsnorm_bwd_warp8_dw (lanes <= 32: R = 256/lanes rows at a time, a
+// warp's aligned groups of lanes) and k_rmsnorm_bwd_block8_dw (lanes =
+// blockDim.x: a row at a time): rms_bwd_group8 in
+// k_rmsnorm_bwd_warp8's and _block8's geometry, 256 threads a block. The
+// row loop keeps more in registers than the one-row kernels (about 160 a
+// thread, NVRTC 11.8, sm_80 and sm_90, against their 90-96): bounded to
+// 128 so that two blocks fit on an SM (the warp kernel then spills
+// nothing, the block kernel a few dozen bytes).
+DK_KERNEL __launch_bounds__(256, 2) void k_rmsnorm_bwd_warp8_dw(void *dx, int dx_bf, u16 *dxc, const float *dout, const void *x, int x_bf, const void *w, int w_bf16,
+                                      const float *rstd, i64 rows, int dim, int lanes, int acc, double *__restrict__ part, int group) {
+	rms_bwd_group8(dx, dx_bf, dxc, dout, x, x_bf, w, w_bf16, rstd, rows, dim, lanes, acc, part, group, 0);
+}
+
+DK_KERNEL __launch_bounds__(256, 2) void k_rmsnorm_bwd_block8_dw(void *dx, int dx_bf, u16 *dxc, const float *dout, const void *x, int x_bf, const void *w, int w_bf16,
+                                       const float *rstd, i64 rows, int dim, int lanes, int acc, double *__restrict__ part, int group) {
+	__shared__ double red[2 * DK_WARP];
+	rms_bwd_group8(dx, dx_bf, dxc, dout, x, x_bf, w, w_bf16, rstd, rows, dim, lanes, acc, part, group, red);
+}
+
+// k_rmsnorm_dw_finish: dw (cols) += Σ over the np blocks' partials of
+// k_rmsnorm_bwd_*8_dw, 256 threads a block of 32 columns: warp y sums the
+// partials y, y + 8, y + 16, ... in order (a warp's loads are 32
+// consecutive doubles), then the 8 warps' sums are added in warp order.
+// k_colsum_finish's thread a column walks all np partials one after
+// another; here 8 are in flight per column. The order is fixed by np.
+DK_KERNEL void k_rmsnorm_dw_finish(float *__restrict__ dw, const double *__restrict__ part, int np, int cols) {
+	__shared__ double red[8][DK_WARP];
+	int lane = threadIdx.x % DK_WARP, wy = threadIdx.x / DK_WARP;
+	int c = blockIdx.x * DK_WARP + lane;
+	double s = 0;
+	if (c < cols) {
+#pragma unroll 4
+		for (int p = wy; p < np; p += 8) s += part[(i64)p * cols + c];
+	}
+	red[wy][lane] = s;
+	__syncthreads();
+	if (wy != 0 || c >= cols) return;
+	double t = 0;
+	for (int y = 0; y < 8; y++) t += red[y][lane];
+	dw[c] += (float)t;
 }
 
 // k_colsum_part: block (bx, by) sums, for the columns bx·blockDim.x + tid,
@@ -368,6 +461,9 @@ DK_REGISTER(k_swiglu_bwd)
 DK_REGISTER(k_swiglu_bwd_x8)
 DK_REGISTER(k_rmsnorm_bwd_warp8)
 DK_REGISTER(k_rmsnorm_bwd_block8)
+DK_REGISTER(k_rmsnorm_bwd_warp8_dw)
+DK_REGISTER(k_rmsnorm_bwd_block8_dw)
+DK_REGISTER(k_rmsnorm_dw_finish)
 DK_REGISTER(k_colsum_part4)
 DK_REGISTER(k_rope_table_bwd)
 DK_REGISTER(k_rmsnorm_bwd_warp)
