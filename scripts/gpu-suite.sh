@@ -65,7 +65,9 @@
 #   memcheck   compute-sanitizer --tool memcheck on the conformance tests
 #   bench      GEMM, LM-head and Qwen3-0.6B/1.7B/8B forward benchmarks
 #              (tokens/s, TFLOP/s, MFU, device memory) and a kernel profile
-#              per forward (attention's benchmark is the attn step's)
+#              per forward (attention's benchmark is the attn step's), and
+#              RMSNorm's backward with dw fused into the row kernels against
+#              the column sums (DISTILL_CUDA_RMSNORM_DW=colsum): us/call
 #   fp8        FP8 teacher weights (issue 29; needs FP8 tensor cores, sm_89
 #              or sm_90): the FP8 tests on the GPU (fp8-test: cuBLASLt's E4M3
 #              GEMM and the scaling epilogue against the CPU's FP8 MatMul,
@@ -513,7 +515,7 @@ s_pipe() {
 # $OUT/fwd-cpu.pprof": where the host's time goes around the forwards; the
 # profile files give each forward's time outside the kernels' span).
 s_bench() {
-  DISTILL_BENCH_OUT="$OUT" step bench 240 "$T" -test.run '^$' -test.bench 'GEMM|LMHead|Forward$' \
+  DISTILL_BENCH_OUT="$OUT" step bench 240 "$T" -test.run '^$' -test.bench 'GEMM|LMHead|Forward$|RMSNormBackward' \
     -test.benchtime 3x -test.timeout 235s ${BENCH_FLAGS:-}
 }
 

@@ -267,7 +267,8 @@
 //     8192 tokens on the H200, beside 5.00 ms of the row kernels, 113
 //     calls each; the fused kernels are not timed yet. Options.RMSNormDW
 //     "colsum" ($DISTILL_CUDA_RMSNORM_DW=colsum) runs the column sums
-//     again, for an A/B on a device: the same terms, in another fixed
+//     again, for an A/B on a device (BenchmarkRMSNormBackward times both,
+//     the GPU suite's bench step): the same terms, in another fixed
 //     order. The scalar kernels' shapes always take them: dw by column
 //     sums over fixed row chunks, then the chunks in order.
 //   - EmbedBackward: each id's tokens chained (k_embed_links: a thread a

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"os"
 	"slices"
 	"testing"
 
@@ -161,6 +162,88 @@ func TestRMSNormDWFused(t *testing.T) {
 		be.Free(w)
 		be.Free(dt)
 		be.Free(rt)
+	}
+}
+
+// BenchmarkRMSNormBackward times RMSNormBackwardCopy (the residual
+// stream's norms: BF16 x, an F32 dx added to, its BF16 copy) and
+// RMSNormBackward (the q/k norms': BF16 x and dx) of a Qwen3-0.6B step of
+// 8192 tokens, and the hidden norms of 4096 and 8192, with dw summed in
+// the row kernels (fused) and by the column sums after them (colsum), on
+// the same GPU in the same run: us/call, and GB/s over the bytes the
+// fused path must move (dout, x, dx read and written, the copy). It needs
+// a GPU; DISTILL_TRAIN_BENCH_DRYRUN=1 runs its code on the emulator at
+// tiny shapes.
+func BenchmarkRMSNormBackward(b *testing.B) {
+	type shape struct {
+		name      string
+		rows, dim int
+		copy      bool
+	}
+	shapes := []shape{{"hidden", 8192, 1024, true}, {"q-norm", 8192 * 16, 128, false}, {"k-norm", 8192 * 8, 128, false},
+		{"hidden", 8192, 4096, true}, {"hidden", 8192, 8192, true}}
+	switch {
+	case onGPU():
+	case os.Getenv("DISTILL_TRAIN_BENCH_DRYRUN") == "1":
+		useEmu(b)
+		shapes = []shape{{"hidden", 40, 1024, true}, {"q-norm", 300, 128, false}, {"hidden", 20, 4096, true}}
+	default:
+		b.Skip("benchmarks need a GPU: set DISTILL_CUDA_TEST=gpu (scripts/gpu-suite.sh); DISTILL_TRAIN_BENCH_DRYRUN=1 runs this one's code on the emulator")
+	}
+	be, err := Open(Options{KernelCache: kernelCacheForTests(b)})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer be.Close()
+	r := rand.New(rand.NewPCG(55, 56))
+	for _, sh := range shapes {
+		n := sh.rows * sh.dim
+		rs := make([]float32, sh.rows)
+		for i := range rs {
+			rs[i] = 0.5 + r.Float32()
+		}
+		x := be.New(compute.BF16, n)
+		be.WriteF32(x, randF32(r, n))
+		dout, rstd, w := be.FromF32(randF32(r, n)), be.FromF32(rs), be.FromF32(randF32(r, sh.dim))
+		dw := be.New(compute.F32, sh.dim)
+		dx, dxc := be.New(compute.BF16, n), compute.Tensor(nil)
+		bytes := float64(n) * (4 + 2 + 2*2) // dout, x; dx read and written
+		if sh.copy {
+			dx, dxc = be.New(compute.F32, n), be.New(compute.BF16, n)
+			bytes = float64(n) * (4 + 2 + 2*4 + 2)
+		}
+		call := func() {
+			if dxc != nil {
+				be.RMSNormBackwardCopy(dx, dxc, dw, dout, x, w, rstd, sh.rows, sh.dim)
+			} else {
+				be.RMSNormBackward(dx, dw, dout, x, w, rstd, sh.rows, sh.dim)
+			}
+		}
+		for _, colsum := range []bool{false, true} {
+			name := "fused"
+			if colsum {
+				name = "colsum"
+			}
+			b.Run(fmt.Sprintf("%s/%dx%d/%s", sh.name, sh.rows, sh.dim, name), func(b *testing.B) {
+				be.rmsColsum = colsum
+				defer func() { be.rmsColsum = false }()
+				call()
+				be.wait()
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					call()
+				}
+				be.wait()
+				sec := b.Elapsed().Seconds() / float64(b.N)
+				b.ReportMetric(1e6*sec, "us/call")
+				b.ReportMetric(bytes/sec/1e9, "GB/s")
+			})
+		}
+		for _, t := range []compute.Tensor{x, dout, rstd, w, dw, dx, dxc} {
+			if t != nil {
+				be.Free(t)
+			}
+		}
 	}
 }
 
