@@ -427,7 +427,11 @@ func PlanMemory(s PlanShape) MemoryPlan {
 	}
 	add(TermLossHead, 2*T*C+logits+2*T*vt+4*T*C+4*T*(9+4*K)+64<<10, true, true)
 	// A GEMM's backward: BF16 copies of dout and x (the MLP's down: dout
-	// (T, C), x (T, I)).
+	// (T, C), x (T, I)). It bounds RMSNorm's backward's scratch too, dw's
+	// float64 partials (compute/cuda's rmsDWGroup and colChunk): at most
+	// ceil(rows/16) rows of dim, so T·C/2 + 8·C bytes for the hidden
+	// norms and T·H·D/2 + 8·D for the q/k norms, both below this term,
+	// at least 2·T·(C + max(H·D, C)), from 3 tokens on.
 	add(TermGEMM, 2*T*(C+max(I, H*D, C))+perUse, true, true)
 	if cfg.NumExperts > 0 {
 		E, KE, IM := int64(cfg.NumExperts), int64(cfg.ExpertsPerTok), int64(cfg.MoEIntermediate)
