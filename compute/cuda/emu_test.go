@@ -31,6 +31,7 @@ func TestEmuReverseOrder(t *testing.T) {
 	t.Run("attn_plan", TestAttnPlanKernel)
 	t.Run("reductions", TestReductionsConformance)
 	t.Run("layer_backward", TestLayerBackwardConformance)
+	t.Run("rmsnorm_dw", TestRMSNormDWFused)
 	t.Run("attention_backward", TestAttentionBackwardConformance)
 	t.Run("loss_head", TestLossHeadConformance)
 }
