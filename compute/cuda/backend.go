@@ -686,23 +686,51 @@ type ProfileEntry struct {
 	Name  string
 	Calls int
 	Time  time.Duration
+	// Bytes is what the calls wrote, where the call says: a memset's and
+	// a device-to-device copy's bytes, an NCCL collective's destination
+	// on this rank; 0 for kernels. (The accounting of a step's passes
+	// over its buffers: TestCUDAShardedStepPasses.)
+	Bytes int64
 }
 
 // profMark is one timed call under Options.Profile: the events recorded
-// on the stream before and after its work.
+// on the stream before and after its work, and the bytes it wrote (0:
+// not said).
 type profMark struct {
 	name     string
 	pre, end C.CUevent
+	bytes    int64
 }
 
 func nop() {}
+
+// profStreamWait is the profile's entry for a stream's wait for an event
+// of the other (the second stream's fences): counted, not timed.
+const profStreamWait = "stream wait (event)"
+
+// counted, under Options.Profile, counts one call of name that has no
+// work of its own to time (Time stays 0).
+func (b *Backend) counted(name string) {
+	if b.prof == nil {
+		return
+	}
+	e := b.prof[name]
+	if e == nil {
+		e = &ProfileEntry{Name: name}
+		b.prof[name] = e
+	}
+	e.Calls++
+}
 
 // timed, under Options.Profile, records an event on the stream before
 // what name issues and returns a function that records one after it: the
 // GPU's own clock times the call, and nothing waits (a host timer around
 // a synchronization per call added each launch's latency to every small
 // kernel and kept the GPU idle between them). Profile reads the events.
-func (b *Backend) timed(name string) func() {
+func (b *Backend) timed(name string) func() { return b.timedBytes(name, 0) }
+
+// timedBytes is timed for a call that writes n bytes (ProfileEntry.Bytes).
+func (b *Backend) timedBytes(name string, n int64) func() {
 	if b.prof == nil {
 		return nop
 	}
@@ -711,7 +739,7 @@ func (b *Backend) timed(name string) func() {
 	}
 	pre := b.event()
 	return func() {
-		b.marks = append(b.marks, profMark{name: name, pre: pre, end: b.event()})
+		b.marks = append(b.marks, profMark{name: name, pre: pre, end: b.event(), bytes: n})
 	}
 }
 
@@ -751,6 +779,7 @@ func (b *Backend) readMarks() {
 			}
 			e.Calls++
 			e.Time += elapsed(m.pre, m.end)
+			e.Bytes += m.bytes
 		}
 		b.evFree = append(b.evFree, m.pre, m.end)
 	}
@@ -958,7 +987,7 @@ func (b *Backend) newTensor(dt compute.DType, n int) *tensor {
 
 func (b *Backend) memset0(p uint64, n int64) {
 	if n > 0 {
-		defer b.timed("memset")()
+		defer b.timedBytes("memset", n)()
 		b.must(b.drv.check("cuMemsetD8Async", C.call_cuMemsetD8Async(b.drv.cuMemsetD8Async, C.CUdeviceptr(p), 0, C.size_t(n), b.stream)))
 	}
 }
@@ -995,7 +1024,7 @@ func (b *Backend) uploadPinned(p uint64, src unsafe.Pointer, n int64) {
 
 // copyD copies n bytes on the device, in stream order.
 func (b *Backend) copyD(dst, src uint64, n int64) {
-	defer b.timed("memcpy DtoD")()
+	defer b.timedBytes("memcpy DtoD", n)()
 	b.must(b.drv.check("cuMemcpyDtoDAsync", C.call_cuMemcpyDtoDAsync(b.drv.cuMemcpyDtoDAsync, C.CUdeviceptr(dst), C.CUdeviceptr(src), C.size_t(n), b.stream)))
 }
 

@@ -365,8 +365,9 @@ func (c *collective) poll() bool {
 }
 
 // run issues one NCCL operation with the communicator (the backend's
-// mutex held); a failure panics, as a failed launch does.
-func (c *collective) run(call string, f func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t) {
+// mutex held), which writes n bytes on this rank; a failure panics, as a
+// failed launch does.
+func (c *collective) run(call string, n int64, f func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	switch {
@@ -375,7 +376,7 @@ func (c *collective) run(call string, f func(comm C.ncclComm_t, s C.distill_nccl
 	case c.failed != nil:
 		panic(c.failed)
 	}
-	defer c.b.timed(call)()
+	defer c.b.timedBytes(call, n)()
 	c.b.must(c.l.check(fmt.Sprintf("%s (rank %d of %d)", call, c.rank, c.size), f(c.comm, C.distill_nccl_stream(unsafe.Pointer(c.b.stream)))))
 }
 
@@ -421,9 +422,10 @@ func (c *collective) pair(call string, dstT, srcT compute.Tensor, dn, sn int, dt
 // issue records the write to the n elements at dst and, unless there are
 // none, runs call.
 func (c *collective) issue(call string, dst *tensor, n int, f func(comm C.ncclComm_t, s C.distill_nccl_stream) C.ncclResult_t) {
-	c.b.wroteRange(dst.p, int64(n)*int64(dst.dt.Size()))
+	bytes := int64(n) * int64(dst.dt.Size())
+	c.b.wroteRange(dst.p, bytes)
 	if n > 0 {
-		c.run(call, f)
+		c.run(call, bytes, f)
 	}
 }
 

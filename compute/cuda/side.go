@@ -67,6 +67,7 @@ func (f *fence) Wait() {
 		return
 	}
 	b.must(b.drv.check("cuStreamWaitEvent", C.call_cuStreamWaitEvent(b.drv.cuStreamWaitEvent, b.stream, f.ev, 0)))
+	b.counted(profStreamWait)
 	b.evPlain = append(b.evPlain, f.ev) // a wait already made may outlive a re-record
 	f.ev = nil
 }
@@ -75,6 +76,7 @@ func (f *fence) Wait() {
 func (b *Backend) streamWait(to, from C.CUstream) {
 	ev := b.plainEvent(from)
 	b.must(b.drv.check("cuStreamWaitEvent", C.call_cuStreamWaitEvent(b.drv.cuStreamWaitEvent, to, ev, 0)))
+	b.counted(profStreamWait)
 	b.evPlain = append(b.evPlain, ev)
 }
 
