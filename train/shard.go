@@ -177,6 +177,15 @@ type shards struct {
 	// (it holds nothing yet): its first reduce-scatter lands in it
 	// directly, with no landing buffer, addition or zeroing.
 	fresh []bool
+	// dirty: a backward may have written the whole gradient buffers since
+	// they were last all zero. Each reduction zeroes the whole gradients
+	// it reduced, so a new student's (New zeroes) and, once a step's
+	// backwards have all ended, the step's reductions (reduceRest) leave
+	// every one zero: zeroGrad then has nothing to clear. open counts the
+	// backwards begun and not ended (one that failed midway stays open,
+	// and the next zeroGrad clears them all).
+	dirty bool
+	open  int
 }
 
 // smallSeg is a rank's piece of a block's small tensor (one kept whole in
@@ -633,12 +642,17 @@ func (h *shards) Slots() int {
 }
 
 // zeroGrad clears this rank's gradient parts (each unit's is written by
-// its first reduction, or zeroed by reduceRest if it has none) and every
-// whole gradient buffer.
+// its first reduction, or zeroed by reduceRest if it has none) and, unless
+// the reductions left them zero (dirty), every whole gradient buffer.
 func (h *shards) zeroGrad() {
 	h.drain()
 	for k := range h.fresh {
 		h.fresh[k] = true
+	}
+	dirty := h.dirty
+	h.dirty, h.open = false, 0
+	if !dirty {
+		return
 	}
 	for k := range h.gradBufs() {
 		h.be.Zero(h.blockG[k])
@@ -671,7 +685,18 @@ func (h *shards) reduceRest() {
 			h.fresh[k] = false
 		}
 	}
+	if h.open == 0 { // every unit reduced, its whole gradients zeroed
+		h.dirty = false
+	}
 }
+
+// backward says that a backward begins (the loss head's, then the
+// decoder's): it writes the whole gradient buffers (see dirty).
+func (h *shards) backward() { h.dirty, h.open = true, h.open+1 }
+
+// backwardDone says that the backward begun last has ended: every block's
+// gradients, and at stage 3 every unit's, were handed to reduce.
+func (h *shards) backwardDone() { h.open-- }
 
 // afterStep makes the whole weights follow the updated parts: the units
 // that keep theirs are gathered, stage 3's slots are stale.

@@ -166,6 +166,9 @@ func (s *Student) ForwardBackwardPending(b *Batch, opt *loss.Options, normalizer
 	if s.lora != nil {
 		dhead = nil // a frozen head: the loss head makes no weight gradient for it
 	}
+	if s.sh != nil {
+		s.sh.backward()
+	}
 	hp, err := s.head.ForwardBackwardPending(x, s.Model.Head.W, dlnf, dhead, b, opt, normalizer)
 	if err != nil {
 		return nil, err
@@ -182,6 +185,9 @@ func (s *Student) ForwardBackwardPending(b *Batch, opt *loss.Options, normalizer
 		p.routing = s.Model.RoutingLater() // this row's: a snapshot the next row's forward leaves
 	}
 	s.Model.Backward()
+	if s.sh != nil {
+		s.sh.backwardDone()
+	}
 	return p, nil
 }
 
