@@ -774,6 +774,10 @@ type MultiTensor interface {
 	AdamWEach(ps, gs, ms, vs []Tensor, ns []int, decays []bool, s AdamWStep)
 	// ScaleEach applies Scale(xs[i], ns[i], c) to every i.
 	ScaleEach(xs []Tensor, ns []int, c float32)
+	// CopyEach applies Copy(dsts[i], srcs[i]) to every i, F32 tensors
+	// (a sharded student's pack of its norms' pieces: hundreds of copies
+	// of a few KB, each a launch otherwise).
+	CopyEach(dsts, srcs []Tensor)
 }
 
 // AttentionWorkspaceReporter is implemented by backends whose attention

@@ -56,6 +56,29 @@ func (b *Backend) SumSquaresEach(out []float64, xs []compute.Tensor, ns []int) {
 	b.free(sums)
 }
 
+// CopyEach implements compute.MultiTensor: Copy of every pair in one
+// launch (k_copy_multi).
+func (b *Backend) CopyEach(dsts, srcs []compute.Tensor) {
+	defer b.enter()()
+	if len(srcs) != len(dsts) {
+		panic(fmt.Sprintf("cuda: CopyEach: %d destinations, %d sources", len(dsts), len(srcs)))
+	}
+	var tab []int64
+	blocks := 0
+	for i := range dsts {
+		b.wroteT(dsts[i])
+		dst, src := b.ten(dsts[i], "CopyEach destination"), b.ten(srcs[i], "CopyEach source")
+		need(src, "CopyEach source", 0, compute.F32)
+		need(dst, "CopyEach destination", src.n, compute.F32)
+		if src.n == 0 {
+			continue
+		}
+		tab = append(tab, int64(dst.p), int64(src.p), int64(src.n), int64(blocks), 0, 0, 0, 0)
+		blocks += (src.n + mtChunk - 1) / mtChunk
+	}
+	b.mtLaunch("k_copy_multi", tab, blocks, 256, nil)
+}
+
 // mtWords is a multi-tensor table's i64 words a tensor (optim.cu: MT_W),
 // mtChunk the elements a block of its elementwise kernels (MT_CHUNK).
 const (

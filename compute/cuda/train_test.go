@@ -632,10 +632,11 @@ func TestSumSquaresEach(t *testing.T) {
 	var _ compute.BatchSumSquares = be
 }
 
-// TestMultiTensor: AdamWEach and ScaleEach (one launch for every tensor)
-// give, bit for bit, what AdamW and Scale give tensor by tensor: the
-// parameters, both moments and the parameters' BF16 shadows, on tensors
-// around the launch's chunk of 2048 (and empty ones), decay on and off.
+// TestMultiTensor: AdamWEach, ScaleEach and CopyEach (one launch for
+// every tensor) give, bit for bit, what AdamW, Scale and Copy give tensor
+// by tensor: the parameters, both moments and the parameters' BF16
+// shadows, on tensors around the launch's chunk of 2048 (and empty ones),
+// decay on and off.
 func TestMultiTensor(t *testing.T) {
 	be := testBackend(t)
 	sizes := []int{2048, 1, 0, 2047, 2049, 70001, 4096, 3}
@@ -687,14 +688,22 @@ func TestMultiTensor(t *testing.T) {
 		be.Scale(one.g[i], sizes[i], 0.37)
 	}
 	be.ScaleEach(each.g, sizes, 0.37)
+	// Copies of the second moments, into tensors one longer (whose last
+	// element stays).
+	var cOne, cEach []compute.Tensor
 	for i, n := range sizes {
-		for j, pair := range [][2]compute.Tensor{{one.p[i], each.p[i]}, {one.m[i], each.m[i]}, {one.v[i], each.v[i]}, {one.g[i], each.g[i]}} {
-			a, b := make([]float32, n), make([]float32, n)
+		cOne, cEach = append(cOne, be.FromF32(randF32(rand.New(rand.NewPCG(53, 54)), n+1))), append(cEach, be.FromF32(randF32(rand.New(rand.NewPCG(53, 54)), n+1)))
+		be.Copy(cOne[i], one.v[i])
+	}
+	be.CopyEach(cEach, each.v)
+	for i, n := range sizes {
+		for j, pair := range [][2]compute.Tensor{{one.p[i], each.p[i]}, {one.m[i], each.m[i]}, {one.v[i], each.v[i]}, {one.g[i], each.g[i]}, {cOne[i], cEach[i]}} {
+			a, b := make([]float32, pair[0].Len()), make([]float32, pair[1].Len())
 			be.ReadF32(pair[0], a)
 			be.ReadF32(pair[1], b)
 			for k := range a {
 				if math.Float32bits(a[k]) != math.Float32bits(b[k]) {
-					t.Fatalf("tensor %d (n=%d), %s[%d]: one at a time %v, multi-tensor %v", i, n, []string{"p", "m", "v", "g"}[j], k, a[k], b[k])
+					t.Fatalf("tensor %d (n=%d), %s[%d]: one at a time %v, multi-tensor %v", i, n, []string{"p", "m", "v", "g", "copy of v"}[j], k, a[k], b[k])
 				}
 			}
 		}

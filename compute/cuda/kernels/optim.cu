@@ -244,6 +244,18 @@ DK_KERNEL void k_scale_multi(const i64 *__restrict__ tab, int nt, float c) {
 	for (i64 i = ((i64)blockIdx.x - r[2]) * MT_CHUNK + threadIdx.x; i < end; i += blockDim.x) x[i] *= c;
 }
 
+// k_copy_multi: dst = src over nt F32 tensors; a row is dst, src, n,
+// first block.
+DK_KERNEL void k_copy_multi(const i64 *__restrict__ tab, int nt) {
+	int t = mt_find(tab, nt, 3, blockIdx.x);
+	const i64 *r = tab + (i64)t * MT_W;
+	float *d = (float *)r[0];
+	const float *x = (const float *)r[1];
+	i64 end = ((i64)blockIdx.x - r[3] + 1) * MT_CHUNK;
+	if (end > r[2]) end = r[2];
+	for (i64 i = ((i64)blockIdx.x - r[3]) * MT_CHUNK + threadIdx.x; i < end; i += blockDim.x) d[i] = x[i];
+}
+
 // k_sumsq_multi: k_sumsq_part over nt tensors, each on its own grid of
 // nb blocks (reduceGrid(n)) as k_sumsq_part runs it alone; a row is x, n,
 // nb, first block (= its partials' offset in part).
@@ -277,6 +289,7 @@ DK_KERNEL __launch_bounds__(RED_THREADS) void k_sum_finish_multi(double *__restr
 
 DK_REGISTER(k_adamw_multi)
 DK_REGISTER(k_scale_multi)
+DK_REGISTER(k_copy_multi)
 DK_REGISTER(k_sumsq_multi)
 DK_REGISTER(k_sum_finish_multi)
 DK_REGISTER(k_adamw)
