@@ -173,6 +173,9 @@ type shards struct {
 	segs          [][]smallSeg // each rank's pieces of the small tensors, in pack order
 	sper          int
 	spack, sstage compute.Tensor
+	// pack and unpack are gatherSmall's copies: destinations [0] and
+	// sources [1] (views made at its first call).
+	pack, unpack [2][]compute.Tensor
 	// fresh: the unit's gradient part has had no reduction since zeroGrad
 	// (it holds nothing yet): its first reduce-scatter lands in it
 	// directly, with no landing buffer, addition or zeroing.
@@ -392,21 +395,40 @@ func (h *shards) layoutSmall(ts []Tensor) {
 // gatherSmall refreshes the blocks' small tensors (BF16 gathers) from
 // the ranks' master parts: each rank packs its pieces of them, one
 // all-gather, each rank unpacks every rank's (a collective; copies only,
-// so bit for bit the masters).
+// so bit for bit the masters). The pieces are a few hundred (four norms a
+// layer), of a few KB: on a backend that copies many tensors in one
+// launch (compute.MultiTensor) the pack and the unpack are a launch each.
 func (h *shards) gatherSmall() {
 	if h.sper == 0 {
 		return
 	}
 	be := h.be
-	for _, g := range h.segs[h.rank] {
-		u := &h.units[g.u]
-		be.Copy(be.View(h.spack, g.pos, g.n), be.View(h.master, u.shardOff+g.at-h.rank*u.per, g.n))
-	}
-	h.c.AllGather(h.sstage, h.spack, h.sper)
-	for r, gs := range h.segs {
-		for _, g := range gs {
-			be.Copy(be.View(h.small, g.small, g.n), be.View(h.sstage, r*h.sper+g.pos, g.n))
+	if h.unpack[0] == nil { // (sper > 0: some rank has a piece)
+		for _, g := range h.segs[h.rank] {
+			u := &h.units[g.u]
+			h.pack[0] = append(h.pack[0], be.View(h.spack, g.pos, g.n))
+			h.pack[1] = append(h.pack[1], be.View(h.master, u.shardOff+g.at-h.rank*u.per, g.n))
 		}
+		for r, gs := range h.segs {
+			for _, g := range gs {
+				h.unpack[0] = append(h.unpack[0], be.View(h.small, g.small, g.n))
+				h.unpack[1] = append(h.unpack[1], be.View(h.sstage, r*h.sper+g.pos, g.n))
+			}
+		}
+	}
+	copyEach(be, h.pack[0], h.pack[1])
+	h.c.AllGather(h.sstage, h.spack, h.sper)
+	copyEach(be, h.unpack[0], h.unpack[1])
+}
+
+// copyEach copies srcs[i] into dsts[i], in one launch where be can.
+func copyEach(be compute.Backend, dsts, srcs []compute.Tensor) {
+	if mt, ok := be.(compute.MultiTensor); ok {
+		mt.CopyEach(dsts, srcs)
+		return
+	}
+	for i := range dsts {
+		be.Copy(dsts[i], srcs[i])
 	}
 }
 
