@@ -162,6 +162,7 @@ type Backend struct {
 	pageable    bool          // Options.Pageable
 	noKeep      bool          // Options.RecomputeLogits
 	kept        *keptLogits   // pass 1's logits, kept for pass 2 (train.go)
+	keptW       *keptWeight   // pass 1's BF16 copy of W, kept for pass 2 (train.go)
 	eagerZeros  bool          // Options.EagerZeros
 	zeros       []zeroRange   // the deferred zeros (zeros.go)
 

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -461,4 +462,80 @@ func TestLossHeadKeepLogits(t *testing.T) {
 			t.Fatalf("%d bytes held after the next loss-head call", free0-free2)
 		}
 	})
+}
+
+// TestLossHeadKeepsWeightCopy: a LossHead's W that is no parameter (no
+// BF16 shadow: a sharded student's gathered LM head) is rounded to BF16
+// once for LossHeadForwardKD's pass 1 and its LossHeadBackward (a
+// keptWeight), not once a pass: one k_f32_to_bf16 pass for the two, and
+// nothing held after. A write to W between them (the backend sees it)
+// makes pass 2 round W again: its dx and dw are those of a pass 2 over
+// another tensor holding the new values, bit for bit.
+func TestLossHeadKeepsWeightCopy(t *testing.T) {
+	const N, C, V, tile = 40, 32, 96, 40
+	be := testBackend(t)
+	r := rand.New(rand.NewPCG(7, 8))
+	x, w, w2 := randF32(r, N*C), randF32(r, V*C), randF32(r, V*C)
+	rows, labels := make([]int32, N), make([]int32, N)
+	for i := range rows {
+		rows[i], labels[i] = int32(i), int32(r.IntN(V))
+	}
+	xt, rt, lt := be.FromF32(x), be.FromI32(rows), be.FromI32(labels)
+	defer be.Free(xt)
+	defer be.Free(rt)
+	defer be.Free(lt)
+	coef := &compute.LossCoef{LseT: be.New(compute.F32, N), Lse1: be.New(compute.F32, N), A: be.New(compute.F32, N), WSFT: 0.5}
+	defer be.Free(coef.LseT)
+	defer be.Free(coef.Lse1)
+	defer be.Free(coef.A)
+	// pass runs pass 1 over W = wt and pass 2 over W = wt2 (the same
+	// tensor, or wt rewritten with w2 in between when write), counting
+	// the rounding passes; it returns pass 2's dx and dw.
+	pass := func(wt, wt2 compute.Tensor, write bool) (dx, dw []float32, rounds int) {
+		dxt, dwt := be.New(compute.F32, N*C), be.New(compute.F32, V*C)
+		defer be.Free(dxt)
+		defer be.Free(dwt)
+		h := &compute.LossHead{X: xt, W: wt, Rows: rt, Labels: lt, M: N, C: C, V: V, InvT: 1, TileCols: tile}
+		free0, _ := be.MemInfo()
+		be.SetProfile(true)
+		v := be.LossHeadForwardKD(h, nil, coef)
+		if write {
+			be.WriteF32(wt, w2)
+		}
+		h2 := h
+		if wt2 != wt {
+			c := *h
+			c.W, h2 = wt2, &c
+		}
+		be.LossHeadBackward(h2, coef, dxt, dwt)
+		v.Read(make([]float64, N), make([]float64, N))
+		for _, e := range be.Profile() {
+			if strings.HasPrefix(e.Name, "k_f32_to_bf16") {
+				rounds += e.Calls
+			}
+		}
+		be.SetProfile(false)
+		if free1, _ := be.MemInfo(); free1 != free0 {
+			t.Fatalf("%d bytes held after pass 2", free0-free1)
+		}
+		return readF32(be, dxt, N*C), readF32(be, dwt, V*C), rounds
+	}
+	wt, wt2 := be.FromF32(w), be.FromF32(w2)
+	defer be.Free(wt)
+	defer be.Free(wt2)
+	if _, _, n := pass(wt, wt, false); n != 1 {
+		t.Errorf("pass 1 and pass 2 over one W rounded it %d times, want once", n)
+	}
+	wantDx, wantDw, _ := pass(wt, wt2, false)
+	be.WriteF32(wt, w)
+	dx, dw, n := pass(wt, wt, true)
+	if n != 2 {
+		t.Errorf("W written between pass 1 and pass 2: %d roundings, want 2", n)
+	}
+	if j := firstDiff32(dx, wantDx); j >= 0 {
+		t.Errorf("W written between the passes: dx[%d] %v, want %v (pass 2 over the new W)", j, dx[j], wantDx[j])
+	}
+	if j := firstDiff32(dw, wantDw); j >= 0 {
+		t.Errorf("W written between the passes: dw[%d] %v, want %v", j, dw[j], wantDw[j])
+	}
 }

@@ -105,6 +105,9 @@ func (s *shadows) span() {
 // new version, so its shadow (and, for a fake quantization's source or
 // destination, the record of what it holds) is stale.
 func (b *Backend) wroteRange(p uint64, n int64) {
+	if k := b.keptW; k != nil && n > 0 && p < k.p+uint64(k.n)*4 && k.p < p+uint64(n) {
+		k.stale = true
+	}
 	s := &b.shadow
 	if n <= 0 || len(s.regs) == 0 || p >= s.hi || p+uint64(n) <= s.lo {
 		return

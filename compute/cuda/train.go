@@ -600,7 +600,7 @@ func (b *Backend) LossHeadForward(h *compute.LossHead) compute.LossStats {
 	M, K := h.M, h.K
 	st := compute.LossStats{LseT: make([]float64, M), Lse1: make([]float64, M), Tail: make([]float64, M),
 		ZK: make([]float32, M*K), ZLab: make([]float32, M)}
-	p1 := b.lossPass1(h, "LossHeadForward")
+	p1 := b.lossPass1(h, "LossHeadForward", h.Keep)
 	if M == 0 {
 		b.sync()
 		return st
@@ -634,8 +634,9 @@ func (p pass1) free(b *Backend) {
 // (BF16 operands, fp32 logits of the counted rows), folded by
 // k_loss_fwd_tile into each row's online log-sum-exps (at 1/T and, when
 // T != 1, at 1), its tail over v ∉ K, and the logits at its teacher ids
-// and label. M = 0 allocates nothing.
-func (b *Backend) lossPass1(h *compute.LossHead, what string) pass1 {
+// and label. M = 0 allocates nothing. With keepW, a BF16 copy of W made
+// for this call (keptWeight) is kept for pass 2.
+func (b *Backend) lossPass1(h *compute.LossHead, what string, keepW bool) pass1 {
 	M, C, V, K := h.M, h.C, h.V, h.K
 	x, w, rows, labels, ids := b.lossCheck(h, what)
 	b.dropKept()
@@ -645,6 +646,11 @@ func (b *Backend) lossPass1(h *compute.LossHead, what string) pass1 {
 	sepCE := boolArg(h.InvT != 1)
 	xc := b.gatherRowsBF16(h, rows)
 	wp, ws := b.bf16Operand(w, V*C)
+	if ws != 0 && keepW {
+		b.keep(ws)
+		b.keptW = &keptWeight{h: h, p: w.p, n: V * C, bf: ws}
+		ws = 0 // (not freed below)
+	}
 	vt := lossTileCols(h)
 	// The tile, or with h.Keep every tile at once: tile v0 at element
 	// M·v0, each M x n as the GEMM writes it (keptLogits).
@@ -702,11 +708,32 @@ func (k *keptLogits) matches(h *compute.LossHead, x, w uint64, vt int) bool {
 	return k.h == h && k.x == x && k.w == w && k.m == h.M && k.v == h.V && k.c == h.C && k.vt == vt
 }
 
-// dropKept frees kept logits no pass 2 read.
+// keptWeight is pass 1's BF16 copy of a LossHead's W where W has no
+// shadow (bf16Operand's per-use copy: a sharded student's LM head, its
+// whole weights gathered from the ranks' parts, is no parameter AdamW
+// updates), kept for pass 2 of the same h instead of rounding W again:
+// LossHeadForwardKD's pass 1 (a training step's: LossHeadBackward
+// follows) or, with Keep, LossHeadForward's. Pass 2 reads it only while
+// nothing wrote W since (wroteRange marks it stale): the same rounding of
+// the same values, the same bits. Pass 2 frees it, and so does any other
+// loss-head call first (dropKept).
+type keptWeight struct {
+	h     *compute.LossHead
+	p     uint64 // W's address
+	n     int    // its elements
+	bf    uint64 // the copy
+	stale bool
+}
+
+// dropKept frees kept logits and a kept copy of W no pass 2 read.
 func (b *Backend) dropKept() {
 	if b.kept != nil {
 		b.free(b.kept.buf)
 		b.kept = nil
+	}
+	if b.keptW != nil {
+		b.free(b.keptW.bf)
+		b.keptW = nil
 	}
 }
 
@@ -745,7 +772,7 @@ func (b *Backend) LossHeadForwardKD(h *compute.LossHead, kd *compute.LossKD, c *
 		tail, lpScale, scale = kd.Tail, kd.LPScale, kd.Scale
 	}
 	b.wroteT(c.LseT, c.Lse1, c.A, c.CK)
-	p1 := b.lossPass1(h, "LossHeadForwardKD")
+	p1 := b.lossPass1(h, "LossHeadForwardKD", true)
 	v := &lossValues{b: b, m: M}
 	if M == 0 {
 		return v
@@ -835,6 +862,14 @@ func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dxT
 			defer b.free(kept.buf)
 		}
 	}
+	var wKept uint64 // pass 1's copy of W (keptWeight), freed on return
+	if k := b.keptW; k != nil {
+		b.keptW = nil
+		if k.h == h && k.p == w.p && k.n == V*C && !k.stale {
+			wKept = k.bf
+		}
+		defer b.free(k.bf)
+	}
 	dx := b.ten(dxT, "LossHeadBackward dx")
 	need(dx, "LossHeadBackward dx", C, compute.F32)
 	var dw *tensor // nil: a frozen LM head, no weight gradient (and no GEMM for it)
@@ -858,7 +893,10 @@ func (b *Backend) LossHeadBackward(h *compute.LossHead, c *compute.LossCoef, dxT
 	}
 	sepCE := boolArg(h.InvT != 1 && c.WSFT != 0)
 	xc := b.gatherRowsBF16(h, rows)
-	wp, ws := b.bf16Operand(w, V*C)
+	wp, ws := wKept, uint64(0)
+	if wp == 0 {
+		wp, ws = b.bf16Operand(w, V*C)
+	}
 	vt := lossTileCols(h)
 	var tile uint64 // the recomputed tile; none with kept logits
 	if kept == nil {
