@@ -526,14 +526,18 @@ func (h *shards) part(arena compute.Tensor, u *unit) compute.Tensor {
 // block's under BF16 gathers from the parts' BF16 roundings, each rank's
 // made in its place in the slot (an in-place all-gather).
 func (h *shards) gather(u *unit) compute.Fence {
+	return h.collective(func() { h.gatherNow(u) })
+}
+
+// gatherNow issues gather's work on the backend's current stream.
+func (h *shards) gatherNow(u *unit) {
 	if h.bf16 && u.block >= 0 {
-		return h.collective(func() {
-			mine := h.be.View(u.p, h.rank*u.per, u.per)
-			h.be.(compute.BF16Rounder).RoundBF16(mine, h.part(h.master, u), u.per)
-			h.c.AllGather(u.p, mine, u.per)
-		})
+		mine := h.be.View(u.p, h.rank*u.per, u.per)
+		h.be.(compute.BF16Rounder).RoundBF16(mine, h.part(h.master, u), u.per)
+		h.c.AllGather(u.p, mine, u.per)
+		return
 	}
-	return h.collective(func() { h.c.AllGather(u.p, h.part(h.master, u), u.per) })
+	h.c.AllGather(u.p, h.part(h.master, u), u.per)
 }
 
 // reduce sums u's whole gradients over the ranks into this rank's part
@@ -541,12 +545,16 @@ func (h *shards) gather(u *unit) compute.Fence {
 // reduction of u writes its part (fresh: zeroGrad left it unwritten), the
 // next ones land in tmp and add: a step of one row per rank reads and
 // writes each part once, not three times plus a clearing.
-func (h *shards) reduce(u *unit) compute.Fence {
+func (h *shards) reduce(u *unit) compute.Fence { return h.collective(h.reducer(u)) }
+
+// reducer returns the work of reduce (to issue on the backend's current
+// stream, in the order of the reducers' calls).
+func (h *shards) reducer(u *unit) func() {
 	be := h.be
 	k := u.index
 	fresh := h.fresh[k]
 	h.fresh[k] = false
-	return h.collective(func() {
+	return func() {
 		if fresh {
 			h.c.ReduceScatterSum(h.part(h.gsh, u), u.g, u.per)
 		} else {
@@ -555,7 +563,7 @@ func (h *shards) reduce(u *unit) compute.Fence {
 			be.Add(h.part(h.gsh, u), tmp, u.per)
 		}
 		be.Zero(u.g)
-	})
+	}
 }
 
 // Fetch implements decoder.Residency: block i's gradients may be written
@@ -690,15 +698,22 @@ func (h *shards) zeroGrad() {
 }
 
 // reduceRest reduce-scatters the gradients of the units outside the
-// blocks (after a step's last backward).
+// blocks (after a step's last backward), one after another (with overlap
+// beside the compute, and waited for once).
 func (h *shards) reduceRest() {
 	if h.stage < 3 { // (stage 3: reduced a row at a time, OutsideGradsDone)
+		var work []func()
 		for k := range h.units {
 			if h.units[k].block < 0 {
-				f := h.reduce(&h.units[k])
-				wait(&f)
+				work = append(work, h.reducer(&h.units[k]))
 			}
 		}
+		f := h.collective(func() {
+			for _, w := range work {
+				w()
+			}
+		})
+		wait(&f)
 	}
 	h.drain() // the rank's part is complete
 	for k, f := range h.fresh {
@@ -721,15 +736,18 @@ func (h *shards) backward() { h.dirty, h.open = true, h.open+1 }
 func (h *shards) backwardDone() { h.open-- }
 
 // afterStep makes the whole weights follow the updated parts: the units
-// that keep theirs are gathered, stage 3's slots are stale.
+// that keep theirs are gathered, one after another (with overlap beside
+// the compute, and waited for once), stage 3's slots are stale.
 func (h *shards) afterStep() {
 	h.drain()
-	for k := range h.units {
-		if u := &h.units[k]; !u.outSlot && (u.block < 0 || h.stage == 2) {
-			f := h.gather(u)
-			wait(&f)
+	f := h.collective(func() {
+		for k := range h.units {
+			if u := &h.units[k]; !u.outSlot && (u.block < 0 || h.stage == 2) {
+				h.gatherNow(u)
+			}
 		}
-	}
+	})
+	wait(&f)
 	h.held, h.oheld = [3]int{-1, -1, -1}, -1
 	if h.bf16 {
 		h.gatherSmall()
