@@ -770,8 +770,12 @@ type BatchSumSquares interface {
 // every tensor.
 type MultiTensor interface {
 	// AdamWEach applies AdamW(ps[i], gs[i], ms[i], vs[i], ns[i], s) to
-	// every i, with s.Decay replaced by 1 where decays[i] is false.
-	AdamWEach(ps, gs, ms, vs []Tensor, ns []int, decays []bool, s AdamWStep)
+	// every i, with s.Decay replaced by 1 where decays[i] is false. Where
+	// bs (nil, or with nil entries) has a BF16 tensor, the update also
+	// writes it, in the same pass, with the rounding to nearest even of
+	// each updated element of ps[i] (BF16Rounder's RoundBF16 of it: a
+	// sharded student's BF16 whole weights at its rank's part).
+	AdamWEach(ps, gs, ms, vs, bs []Tensor, ns []int, decays []bool, s AdamWStep)
 	// ScaleEach applies Scale(xs[i], ns[i], c) to every i.
 	ScaleEach(xs []Tensor, ns []int, c float32)
 	// CopyEach applies Copy(dsts[i], srcs[i]) to every i, F32 tensors

@@ -102,11 +102,13 @@ func (b *Backend) mtLaunch(kernel string, tab []int64, blocks, threads int, pre 
 
 // AdamWEach implements compute.MultiTensor: k_adamw's update of every
 // tensor in one launch (k_adamw_multi), the shadows' bookkeeping as AdamW
-// does it for each.
-func (b *Backend) AdamWEach(ps, gs, ms, vs []compute.Tensor, ns []int, decays []bool, s compute.AdamWStep) {
+// does it for each. A tensor given a BF16 copy in bs has it written where
+// its shadow would be (k_adamw's pb: f2bf of the new value, the rounding
+// k_f32_to_bf16 makes), and is not made a shadowed parameter.
+func (b *Backend) AdamWEach(ps, gs, ms, vs, bs []compute.Tensor, ns []int, decays []bool, s compute.AdamWStep) {
 	defer b.enter()()
-	if len(gs) != len(ps) || len(ms) != len(ps) || len(vs) != len(ps) || len(ns) != len(ps) || len(decays) != len(ps) {
-		panic(fmt.Sprintf("cuda: AdamWEach: %d parameters, %d gradients, %d and %d moments, %d lengths, %d decay flags", len(ps), len(gs), len(ms), len(vs), len(ns), len(decays)))
+	if len(gs) != len(ps) || len(ms) != len(ps) || len(vs) != len(ps) || len(ns) != len(ps) || len(decays) != len(ps) || bs != nil && len(bs) != len(ps) {
+		panic(fmt.Sprintf("cuda: AdamWEach: %d parameters, %d gradients, %d and %d moments, %d BF16 copies, %d lengths, %d decay flags", len(ps), len(gs), len(ms), len(vs), len(bs), len(ns), len(decays)))
 	}
 	tab := make([]int64, 0, mtWords*len(ps))
 	blocks := 0
@@ -123,7 +125,15 @@ func (b *Backend) AdamWEach(ps, gs, ms, vs []compute.Tensor, ns []int, decays []
 			continue
 		}
 		b.wrote(m, v)
-		pb := b.adamwShadow(p, n)
+		var pb uint64
+		if bs != nil && bs[i] != nil {
+			bt := b.ten(bs[i], "AdamWEach BF16 copy")
+			need(bt, "AdamWEach BF16 copy", n, compute.BF16)
+			b.wrote(p, bt)
+			pb = bt.p
+		} else {
+			pb = b.adamwShadow(p, n)
+		}
 		dec := int64(0)
 		if decays[i] {
 			dec = 1

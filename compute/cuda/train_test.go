@@ -636,7 +636,8 @@ func TestSumSquaresEach(t *testing.T) {
 // every tensor) give, bit for bit, what AdamW, Scale and Copy give tensor
 // by tensor: the parameters, both moments and the parameters' BF16
 // shadows, on tensors around the launch's chunk of 2048 (and empty ones),
-// decay on and off.
+// decay on and off; AdamWEach's BF16 copies (bs) hold RoundBF16 of the
+// updated parameters.
 func TestMultiTensor(t *testing.T) {
 	be := testBackend(t)
 	sizes := []int{2048, 1, 0, 2047, 2049, 70001, 4096, 3}
@@ -655,7 +656,14 @@ func TestMultiTensor(t *testing.T) {
 		}
 		return s
 	}
-	one, each := mk(), mk()
+	one, each, copied := mk(), mk(), mk()
+	// copied's updates also write BF16 copies of every other tensor (bs).
+	bs := make([]compute.Tensor, len(sizes))
+	for i, n := range sizes {
+		if i%2 == 0 {
+			bs[i] = be.New(compute.BF16, n)
+		}
+	}
 	// gemm reads parameter i as a GEMM's weight: after an update has
 	// registered it, the first makes its BF16 shadow, which the next
 	// updates must write too (the GEMMs after them read it).
@@ -676,12 +684,34 @@ func TestMultiTensor(t *testing.T) {
 			}
 			be.AdamW(one.p[i], one.g[i], one.m[i], one.v[i], n, s)
 		}
-		be.AdamWEach(each.p, each.g, each.m, each.v, sizes, decays, st)
+		be.AdamWEach(each.p, each.g, each.m, each.v, nil, sizes, decays, st)
+		be.AdamWEach(copied.p, copied.g, copied.m, copied.v, bs, sizes, decays, st)
 		for i, n := range sizes {
 			if step == 0 && (n == 4096 || n == 70001) {
 				gemm(one, i, n)
 				gemm(each, i, n)
+				gemm(copied, i, n)
 			}
+		}
+	}
+	// The BF16 copies hold RoundBF16 of the parameters, the rest
+	// copied's updates as each's.
+	for i, n := range sizes {
+		for j, pair := range [][2]compute.Tensor{{each.p[i], copied.p[i]}, {each.m[i], copied.m[i]}, {each.v[i], copied.v[i]}} {
+			a, b := readF32(be, pair[0], n), readF32(be, pair[1], n)
+			if k := firstDiff32(a, b); k >= 0 {
+				t.Fatalf("tensor %d (n=%d), %s[%d]: %v without a BF16 copy, %v with", i, n, []string{"p", "m", "v"}[j], k, a[k], b[k])
+			}
+		}
+		if bs[i] == nil {
+			continue
+		}
+		r := be.New(compute.BF16, n)
+		be.RoundBF16(r, one.p[i], n)
+		a, b := readF32(be, r, n), readF32(be, bs[i], n)
+		be.Free(r)
+		if k := firstDiff32(a, b); k >= 0 {
+			t.Fatalf("tensor %d (n=%d): BF16 copy [%d] = %v, RoundBF16 of the parameter %v", i, n, k, b[k], a[k])
 		}
 	}
 	for i := range sizes {

@@ -27,6 +27,13 @@ type Group struct {
 	Params, Grads []float32
 	Backend       compute.Backend
 	P, G          compute.Tensor
+	// BF16, when set, is a BF16 copy of P (P.Len() elements) that each
+	// update keeps: it writes there the rounding to nearest even of every
+	// updated element (compute.BF16Rounder's), in the same pass where the
+	// backend can (compute.MultiTensor's AdamWEach). A sharded student's
+	// groups at ZeRO 2 with BF16 gathers have one: their part of the
+	// blocks' BF16 whole weights.
+	BF16 compute.Tensor
 }
 
 // AdamWConfig are the hyper-parameters (torch names: betas, eps,
@@ -91,6 +98,12 @@ func NewAdamW(cfg AdamWConfig, groups []Group) (_ *AdamW, err error) {
 		}
 		if g.P.Len() != g.G.Len() {
 			return nil, fmt.Errorf("%w: group %s has %d params but %d grads", ErrInvalid, g.Name, g.P.Len(), g.G.Len())
+		}
+		if g.BF16 != nil {
+			if _, ok := g.Backend.(compute.BF16Rounder); !ok || g.BF16.DType() != compute.BF16 || g.BF16.Len() < g.P.Len() {
+				return nil, fmt.Errorf("%w: group %s has a BF16 copy of %d %v elements for %d params on the %s backend: want BF16, as many, on a backend that rounds to BF16",
+					ErrInvalid, g.Name, g.BF16.Len(), g.BF16.DType(), g.P.Len(), g.Backend.Name())
+			}
 		}
 		m, v := g.Backend.New(compute.F32, g.P.Len()), g.Backend.New(compute.F32, g.P.Len())
 		a.m, a.v = append(a.m, m), append(a.v, v)
@@ -159,11 +172,18 @@ func (a *AdamW) Step(lr float64) {
 		// One launch for every group (the groups share the backend).
 		n := len(a.Groups)
 		ps, gs, ns, decays := make([]compute.Tensor, n), make([]compute.Tensor, n), make([]int, n), make([]bool, n)
+		var bs []compute.Tensor
 		for gi, g := range a.Groups {
 			ps[gi], gs[gi], ns[gi], decays[gi] = g.P, g.G, g.P.Len(), g.Decay
+			if g.BF16 != nil {
+				if bs == nil {
+					bs = make([]compute.Tensor, n)
+				}
+				bs[gi] = g.BF16
+			}
 		}
 		st.Decay = decay
-		mt.AdamWEach(ps, gs, a.m, a.v, ns, decays, st)
+		mt.AdamWEach(ps, gs, a.m, a.v, bs, ns, decays, st)
 		return
 	}
 	for gi, g := range a.Groups {
@@ -172,6 +192,9 @@ func (a *AdamW) Step(lr float64) {
 			st.Decay = decay
 		}
 		g.Backend.AdamW(g.P, g.G, a.m[gi], a.v[gi], g.P.Len(), st)
+		if g.BF16 != nil {
+			g.Backend.(compute.BF16Rounder).RoundBF16(g.BF16, g.P, g.P.Len())
+		}
 	}
 }
 
