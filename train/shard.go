@@ -87,7 +87,11 @@ import (
 //     in-place layout: no BF16 copy of the parts is kept, and the
 //     rounding, of 1/N of a layer, runs with the gather, beside the
 //     compute under overlap), and the decoder binds the whole weights as
-//     the Linears' weights.
+//     the Linears' weights. At stage 2, where a block's whole weights
+//     are its own, the optimizer's step writes that rounding into them
+//     as it updates the part (optim.Group.BF16: in AdamW's pass, as an
+//     unsharded student's BF16 shadows), and the gather after the step
+//     only all-gathers (stepRounds).
 //     A GEMM reads the same BF16 bits as it reads of the fp32 gather
 //     (rounded per use) or of an unsharded student (its shadow): the run
 //     is the fp32 gathers' bit for bit;
@@ -533,12 +537,25 @@ func (h *shards) gather(u *unit) compute.Fence {
 func (h *shards) gatherNow(u *unit) {
 	if h.bf16 && u.block >= 0 {
 		mine := h.be.View(u.p, h.rank*u.per, u.per)
-		h.be.(compute.BF16Rounder).RoundBF16(mine, h.part(h.master, u), u.per)
+		if !h.stepRounds(u) {
+			h.be.(compute.BF16Rounder).RoundBF16(mine, h.part(h.master, u), u.per)
+		}
 		h.c.AllGather(u.p, mine, u.per)
 		return
 	}
 	h.c.AllGather(u.p, h.part(h.master, u), u.per)
 }
+
+// stepRounds reports whether the optimizer step rounds u's part into
+// its place in u's BF16 whole weights (the groups' optim.Group.BF16, in
+// AdamW's pass): at ZeRO 2 under BF16 gathers, a block's whole weights
+// are its own, so the step's rounding stays there until the gather after
+// it (AfterStep), which then only all-gathers. The part's padding (the
+// last rank's) is 0 in the master and in the whole weights from the
+// start. The master parts change only by the optimizer and by write,
+// which writes the whole weights too. At stage 3 the slots are shared:
+// each gather rounds.
+func (h *shards) stepRounds(u *unit) bool { return h.bf16 && h.stage == 2 && u.block >= 0 }
 
 // reduce sums u's whole gradients over the ranks into this rank's part
 // (+=) and clears them (beside the compute with overlap). The step's first
@@ -786,6 +803,9 @@ func (h *shards) groups(ts []Tensor) []optim.Group {
 		t := ts[p.Tensor]
 		g := optim.Group{Name: t.Name, Decay: t.Decay, Backend: h.be,
 			P: h.be.View(h.master, offs[j], p.N), G: h.be.View(h.gsh, offs[j], p.N)}
+		if u := h.unitOf(p.Tensor); h.stepRounds(u) {
+			g.BF16 = h.be.View(u.p, t.Off-u.off+p.Off, p.N)
+		}
 		if host != nil {
 			g.Params, g.Grads = host.HostF32(g.P), host.HostF32(g.G)
 		}
