@@ -432,7 +432,9 @@ s_loss-coef() {
 
 # train-zero: the sharded student's step (ZeRO 2 and 3, DISTILL_BENCH_ZERO)
 # on a real NCCL group of one rank against the unsharded step in the same
-# run (overhead_%), and its device memory against the plan (issue 25);
+# run (the median of 5 steps each; the "ZeRO overhead" lines: against the
+# mean of the unsharded step timed first and last, base_drift_% its
+# noise), and its device memory against the plan (issue 25);
 # each stage with and without the overlap (zeroN-overlap),
 # TestCUDAShardedOverlap: the overlap's bits equal the run without it, and
 # TestCUDAShardedBF16Gathers: stage 2's and 3's BF16 gathers (real NCCL's
@@ -440,8 +442,8 @@ s_loss-coef() {
 # weights, at their offsets' alignment) end with the fp32 gathers' bits, at
 # half the bytes; QAD keeps fp32 gathers (TestCUDAShardedQADGathersFP32).
 s_train-zero() {
-  STEP_DIR=train/trainer step train-zero 150 "$TT" -test.run '^$' -test.bench 'CUDATrainStepZeRO' \
-    -test.benchtime 2x -test.timeout 145s
+  STEP_DIR=train/trainer step train-zero 200 "$TT" -test.run '^$' -test.bench 'CUDATrainStepZeRO' \
+    -test.benchtime 5x -test.timeout 195s
   STEP_DIR=train step train-zero-overlap 60 "$BIN/train.test" -test.v -test.count=1 -test.timeout 55s -test.run 'TestCUDAShardedOverlap'
   STEP_DIR=train step train-zero-bf16 60 "$BIN/train.test" -test.v -test.count=1 -test.timeout 55s -test.run 'TestCUDAShardedBF16Gathers|TestCUDAShardedQADGathersFP32'
 }
@@ -607,7 +609,7 @@ summary() {
     echo "-- training: resume exactness"
     grep -hE -- '--- (PASS|FAIL): (TestCUDAResume|TestCUDAMoEStudent|TestCUDALoRAMoE)' "$OUT/train-resume.log" 2>/dev/null
     echo "-- training benchmark (ours, then the PyTorch peer)"
-    grep -hE '^BenchmarkCUDATrainStep' "$OUT/train-bench.log" "$OUT/train-zero.log" 2>/dev/null
+    grep -hE '^BenchmarkCUDATrainStep|^ZeRO overhead' "$OUT/train-bench.log" "$OUT/train-zero.log" 2>/dev/null
     grep -hE '^BenchmarkLossHeadCoef' "$OUT/loss-coef.log" 2>/dev/null
     cat "$OUT/train-bench.jsonl" 2>/dev/null
     grep '^{' "$OUT/train-peer.log" 2>/dev/null

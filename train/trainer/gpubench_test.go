@@ -3,9 +3,11 @@ package trainer
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -354,6 +356,12 @@ func loadBenchWeights(b *testing.B, s *train.Student, r *rand.Rand) (params int)
 // 8192 tokens, no QAD. It needs a GPU (DISTILL_CUDA_TEST=gpu) and NCCL;
 // on the emulator (DISTILL_TRAIN_BENCH_DRYRUN=1) a tiny shape runs on its
 // NCCL stand-in.
+//
+// Each case times b.N steps one by one (each ends at a synchronization:
+// the gradient norm's) and reports the median step; the unsharded step
+// runs first and again last, and overhead_% is against the mean of the
+// two medians (base_drift_% on the last: how far the GPU moved between
+// them, the figure's own noise floor). -test.benchtime 5x or more.
 func BenchmarkCUDATrainStepZeRO(b *testing.B) {
 	shapes, T, V, K := benchTrainShapes(b)
 	stages := []int{2, 3}
@@ -368,25 +376,34 @@ func BenchmarkCUDATrainStepZeRO(b *testing.B) {
 		}
 	}
 	only := os.Getenv("DISTILL_BENCH_SHAPES")
+	sharded, order := map[string]float64{}, []string(nil)
 	for _, sh := range shapes {
 		if only != "" && !strings.Contains(only, sh.Name) {
 			continue
 		}
 		cfg := sh.config(V)
-		var base float64 // the unsharded step's seconds, this run
+		// The unsharded step's median seconds (first, again) and the
+		// sharded cases', this run. The testing package runs a case with
+		// b.N = 1 before its timed run: the last run of a case wins.
+		bases := map[bool]float64{}
 		type run struct {
 			stage   int // -1: unsharded
 			overlap bool
+			again   bool // the unsharded step after the sharded ones
 		}
-		runs := []run{{-1, false}}
+		runs := []run{{-1, false, false}}
 		for _, z := range stages {
-			runs = append(runs, run{z, false}, run{z, true})
+			runs = append(runs, run{z, false, false}, run{z, true, false})
 		}
+		runs = append(runs, run{-1, false, true})
 		for _, rn := range runs {
 			stage := rn.stage
 			name := fmt.Sprintf("%s/zero%d", sh.Name, stage)
 			if stage < 0 {
 				name = sh.Name + "/unsharded"
+				if rn.again {
+					name += "-again"
+				}
 			} else if rn.overlap {
 				name += "-overlap"
 			}
@@ -435,17 +452,21 @@ func BenchmarkCUDATrainStepZeRO(b *testing.B) {
 				}
 				step() // warm up
 				b.ResetTimer()
-				t0 := time.Now()
-				for i := 0; i < b.N; i++ {
+				steps := make([]float64, b.N)
+				for i := range steps {
+					t0 := time.Now()
 					step()
+					steps[i] = time.Since(t0).Seconds()
 				}
-				sec := time.Since(t0).Seconds() / float64(b.N)
 				b.StopTimer()
+				sec := medianOf(steps)
 				b.ReportMetric(float64(T)/sec, "tokens/s")
+				b.ReportMetric(1e3*sec, "median_step_ms")
 				if stage < 0 {
-					base = sec
-				} else if base > 0 {
-					b.ReportMetric(100*(sec/base-1), "overhead_%")
+					if first, ok := bases[false]; rn.again && ok {
+						b.ReportMetric(100*(sec/first-1), "base_drift_%")
+					}
+					bases[rn.again] = sec
 				}
 				b.ReportMetric(float64(be.PeakMemory())/(1<<30), "devmem_GiB")
 				ps := train.PlanShape{Model: cfg, RowTokens: T, K: K, Recompute: decoder.RecomputeNone, Activations: be.ActDType(),
@@ -454,9 +475,48 @@ func BenchmarkCUDATrainStepZeRO(b *testing.B) {
 					ps.Ranks, ps.ZeRO, ps.Overlap = 1, stage, rn.overlap
 				}
 				b.ReportMetric(float64(train.PlanMemory(ps).Total())/(1<<30), "plan_GiB")
+				if stage >= 0 {
+					if _, ok := sharded[name]; !ok {
+						order = append(order, name)
+					}
+					sharded[name] = sec
+				}
 			})
 		}
+		// The overheads, once both unsharded medians are in: against
+		// their mean, one line per sharded case.
+		if len(bases) > 0 {
+			var base float64
+			var ms []float64
+			for _, again := range []bool{false, true} {
+				if v, ok := bases[again]; ok {
+					base += v / float64(len(bases))
+					ms = append(ms, math.Round(1e5*v)/100)
+				}
+			}
+			for _, name := range order {
+				sec := sharded[name]
+				fmt.Printf("ZeRO overhead %s: %.2f%% (median step %.2f ms against the unsharded %.2f ms, the mean of %v ms)\n",
+					name, 100*(sec/base-1), 1e3*sec, 1e3*base, ms)
+			}
+		}
+		clear(sharded)
+		order = order[:0]
 	}
+}
+
+// medianOf is the median of xs (the mean of the middle two for an even
+// count); xs is sorted in place.
+func medianOf(xs []float64) float64 {
+	slices.Sort(xs)
+	n := len(xs)
+	if n == 0 {
+		return 0
+	}
+	if n%2 == 1 {
+		return xs[n/2]
+	}
+	return (xs[n/2-1] + xs[n/2]) / 2
 }
 
 // benchBatch is rows packed rows of T tokens (one sample each, every
