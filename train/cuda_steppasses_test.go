@@ -211,14 +211,7 @@ func TestCUDAShardedStepPasses(t *testing.T) {
 		return r
 	}
 	base := run(0, false)
-	var P int64
-	for _, ts := range cfg.Tensors() {
-		n := int64(1)
-		for _, d := range ts.Shape {
-			n *= int64(d)
-		}
-		P += n
-	}
+	P := cfg.Params()
 	for _, c := range []struct {
 		stage   int
 		overlap bool
