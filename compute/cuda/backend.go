@@ -111,6 +111,11 @@ type Options struct {
 	// and k_fp8_scale scales them, a pass of its own). For an A/B on a
 	// device. $DISTILL_CUDA_FP8_SCALE sets it too.
 	FP8Scale string
+	// FP8FastAccum turns cuBLASLt's FAST_ACCUM on for the FP8 GEMMs
+	// (fp8.go): faster on Hopper, with the tensor cores' narrower
+	// accumulator over the whole k. Off by default; for measuring speed
+	// and fidelity on a device. $DISTILL_CUDA_FP8_FAST_ACCUM=1 sets it too.
+	FP8FastAccum bool
 	// RMSNormDW picks how RMSNorm's backward sums dw: "" (the default: the
 	// 8-wide row kernels add dw's terms as they go, from the dout and x
 	// they hold, into float64 partials per fixed group of rows, which a
@@ -151,20 +156,21 @@ type Backend struct {
 	dnn        *cudnnLib // nil: attention on the own kernels
 	logf       func(string, ...any)
 
-	attnNondet  bool          // Options.AttnNondeterministic
-	attnRagged  bool          // Options.AttnRaggedOnly
-	attnBwd     attnMode      // Options.AttentionBackward
-	act         compute.DType // Options.Activations
-	f32Grads    bool          // Options.F32Grads
-	moeKernels  string        // Options.MoEGEMM
-	fp8OuterVec bool          // FP8 GEMMs scale in cuBLASLt's epilogue (Options.FP8Scale; fp8.go)
-	rmsColsum   bool          // Options.RMSNormDW "colsum"
-	pageable    bool          // Options.Pageable
-	noKeep      bool          // Options.RecomputeLogits
-	kept        *keptLogits   // pass 1's logits, kept for pass 2 (train.go)
-	keptW       *keptWeight   // pass 1's BF16 copy of W, kept for pass 2 (train.go)
-	eagerZeros  bool          // Options.EagerZeros
-	zeros       []zeroRange   // the deferred zeros (zeros.go)
+	attnNondet   bool          // Options.AttnNondeterministic
+	attnRagged   bool          // Options.AttnRaggedOnly
+	attnBwd      attnMode      // Options.AttentionBackward
+	act          compute.DType // Options.Activations
+	f32Grads     bool          // Options.F32Grads
+	moeKernels   string        // Options.MoEGEMM
+	fp8OuterVec  bool          // FP8 GEMMs scale in cuBLASLt's epilogue (Options.FP8Scale; fp8.go)
+	fp8FastAccum bool          // Options.FP8FastAccum
+	rmsColsum    bool          // Options.RMSNormDW "colsum"
+	pageable     bool          // Options.Pageable
+	noKeep       bool          // Options.RecomputeLogits
+	kept         *keptLogits   // pass 1's logits, kept for pass 2 (train.go)
+	keptW        *keptWeight   // pass 1's BF16 copy of W, kept for pass 2 (train.go)
+	eagerZeros   bool          // Options.EagerZeros
+	zeros        []zeroRange   // the deferred zeros (zeros.go)
 
 	prof   map[string]*ProfileEntry // nil unless Options.Profile
 	label  string                   // the running method, for the profile
@@ -384,6 +390,7 @@ func (b *Backend) setOptions(opt Options) error {
 		return fmt.Errorf("cuda: FP8 scale %q: want epilogue, or none for cuBLASLt's outer-vector scales where it has them", fp8Scale)
 	}
 	b.fp8OuterVec = fp8Scale == "" && b.lt.version >= ltOuterVecVersion
+	b.fp8FastAccum = opt.FP8FastAccum || os.Getenv("DISTILL_CUDA_FP8_FAST_ACCUM") == "1"
 	dw := opt.RMSNormDW
 	if dw == "" {
 		dw = os.Getenv("DISTILL_CUDA_RMSNORM_DW")

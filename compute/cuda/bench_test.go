@@ -720,7 +720,10 @@ func writeForwardProfile(be *Backend, file, what string, sec float64, top int, f
 // backend scales FP8 sums in cuBLASLt's epilogue (outer-vector scales,
 // fp8.go), a third forward per iteration scales them in k_fp8_scale
 // instead (Options.FP8Scale "epilogue"): fp8_epilogue_tokens/s and
-// outer_vs_epilogue, the A/B of the two in the same run.
+// outer_vs_epilogue, the A/B of the two in the same run. A fourth forward
+// runs the FP8 GEMMs with cuBLASLt's FAST_ACCUM on (Options.FP8FastAccum):
+// fp8_fastaccum_tokens/s (TestForwardGoldensFP8's act=bf16/fastaccum
+// case says what it costs in fidelity).
 func BenchmarkForwardFP8(b *testing.B) {
 	tokens := 16384
 	if v, err := strconv.Atoi(os.Getenv("DISTILL_BENCH_TOKENS")); err == nil {
@@ -757,9 +760,11 @@ func BenchmarkForwardFP8(b *testing.B) {
 			n += l
 		}
 		b.Run(fmt.Sprintf("%s/workload_b/%d_samples_%d_tokens", s.Name, len(lens), n), func(b *testing.B) {
-			outer := be.fp8OuterVec
-			defer func() { be.fp8OuterVec = outer }()
+			outer, fast0 := be.fp8OuterVec, be.fp8FastAccum
+			defer func() { be.fp8OuterVec, be.fp8FastAccum = outer, fast0 }()
 			epilogue := func(on bool) { be.fp8OuterVec = outer && !on }
+			fast := func(on bool) { be.fp8FastAccum = on }
+			fast(false)
 			mb.forward(be, samples, 64) // warm up: plans, pool, weight copies
 			mf.forward(be, samples, 64)
 			if outer {
@@ -767,7 +772,10 @@ func BenchmarkForwardFP8(b *testing.B) {
 				mf.forward(be, samples, 64)
 				epilogue(false)
 			}
-			var tb, tf, te time.Duration
+			fast(true)
+			mf.forward(be, samples, 64)
+			fast(false)
+			var tb, tf, te, ta time.Duration
 			for i := 0; i < b.N; i++ {
 				t0 := time.Now()
 				mb.forward(be, samples, 64) // returns with the top-k on the host: synchronized
@@ -781,6 +789,11 @@ func BenchmarkForwardFP8(b *testing.B) {
 					epilogue(false)
 					te += time.Since(t2)
 				}
+				t3 := time.Now()
+				fast(true)
+				mf.forward(be, samples, 64)
+				fast(false)
+				ta += time.Since(t3)
 			}
 			rb, rf := float64(n*b.N)/tb.Seconds(), float64(n*b.N)/tf.Seconds()
 			b.ReportMetric(rb, "bf16_tokens/s")
@@ -788,6 +801,7 @@ func BenchmarkForwardFP8(b *testing.B) {
 			b.ReportMetric(rf/rb, "fp8_speedup")
 			b.ReportMetric(gb, "bf16_weights_GiB")
 			b.ReportMetric(gf, "fp8_weights_GiB")
+			b.ReportMetric(float64(n*b.N)/ta.Seconds(), "fp8_fastaccum_tokens/s")
 			if outer {
 				re := float64(n*b.N) / te.Seconds()
 				b.ReportMetric(re, "fp8_epilogue_tokens/s")

@@ -25,6 +25,7 @@ const (
 
 	descAScalePointer = 17 // CUBLASLT_MATMUL_DESC_A_SCALE_POINTER
 	descBScalePointer = 18 // CUBLASLT_MATMUL_DESC_B_SCALE_POINTER
+	descFastAccum     = 25 // CUBLASLT_MATMUL_DESC_FAST_ACCUM (int8_t)
 	descAScaleMode    = 31 // CUBLASLT_MATMUL_DESC_A_SCALE_MODE (cuBLAS 12.8 and later)
 	descBScaleMode    = 32 // CUBLASLT_MATMUL_DESC_B_SCALE_MODE
 	scaleOuterVec32F  = 3  // CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
@@ -113,6 +114,9 @@ type gemmShape struct {
 	// · ws[c] for out's row r and column c, the vectors set at each run
 	// (runScaled). fp8.go.
 	outerVec bool
+	// fastAccum: an FP8 GEMM with CUBLASLT_MATMUL_DESC_FAST_ACCUM on
+	// (Options.FP8FastAccum; fp8.go).
+	fastAccum bool
 }
 
 // testGemmNoSplitK makes every cuBLASLt plan made after it is set one
@@ -157,6 +161,12 @@ func (l *cublasLt) plan(h C.cublasLtHandle_t, s gemmShape) (*gemmPlan, error) {
 	}
 	if err := l.check("cublasLtMatmulDescSetAttribute(TRANSB)", C.call_cublasLtSetAttribute(l.descSetAttr, unsafe.Pointer(p.desc), descTransB, unsafe.Pointer(&tb), 4)); err != nil {
 		return nil, err
+	}
+	if s.fastAccum {
+		v := C.int8_t(1)
+		if err := l.check("cublasLtMatmulDescSetAttribute(FAST_ACCUM)", C.call_cublasLtSetAttribute(l.descSetAttr, unsafe.Pointer(p.desc), descFastAccum, unsafe.Pointer(&v), 1)); err != nil {
+			return nil, err
+		}
 	}
 	if s.outerVec {
 		// Both operands' modes (cuBLASLt: both or neither): its A is the

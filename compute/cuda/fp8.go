@@ -46,6 +46,8 @@ import (
 // FAST_ACCUM attribute stays at its default, off: cuBLASLt then promotes
 // the tensor cores' partial sums to fp32 registers as it goes, where the
 // fast mode would keep Hopper's narrower accumulator for the whole k.
+// Options.FP8FastAccum turns it on (TransformerEngine's forward GEMMs run
+// so), for measuring what it gains and costs in fidelity on a device.
 // FP8 tensor cores need compute capability 8.9 (Ada) or 9.0 (Hopper).
 
 // dataE4M3 is CUDA_R_8F_E4M3 (library_types.h).
@@ -124,7 +126,7 @@ func (b *Backend) matMulFP8(out, x, w, bias *tensor, m, n, k int) {
 			outer = false
 			acc = b.alloc(int64(R) * int64(n) * 4)
 		}
-		b.gemmTo(acc, dataF32, codes, w.p, nr, n, k, false, true, dataE4M3, 0)
+		b.gemmFP8Sums(acc, codes, w.p, nr, n, k)
 		b.ew("k_fp8_scale", int64(nr)*int64(n), dptr(o), bf16Flag(out), dptr(acc), dptr(xs), dptr(fp8Scales(w)),
 			bp, bbf, int64(nr), int32(n))
 	}
@@ -135,13 +137,24 @@ func (b *Backend) matMulFP8(out, x, w, bias *tensor, m, n, k int) {
 	}
 }
 
+// gemmFP8Sums enqueues acc (m,n) F32 = codes (m,k) · w (n,k)ᵀ, the FP8
+// GEMM's unscaled sums (k_fp8_scale's input), with FAST_ACCUM as
+// Options.FP8FastAccum says.
+func (b *Backend) gemmFP8Sums(acc, codes, w uint64, m, n, k int) {
+	p, err := b.gemmPlan(gemmShape{m: m, n: n, k: k, in: dataE4M3, out: dataF32, tb: true, fastAccum: b.fp8FastAccum,
+		align: [4]int{alignOf(w), alignOf(codes), alignOf(acc), alignOf(acc)}})
+	b.must(err)
+	defer b.timed("cublasLt GEMM (" + b.label + ")")()
+	b.must(b.lt.run(b.ltH, p, acc, codes, w, b.ws, 0, b.stream))
+}
+
 // gemmOuterVec enqueues out (m,n) of type outT = (codes (m,k) · w (n,k)ᵀ)
 // scaled by xs (m) per row and ws (n) per column in cuBLASLt's epilogue,
 // and reports whether it did: a cuBLASLt that refuses the outer vectors
 // at this shape (no algorithm, or the matmul's status) turns them off for the backend (logged),
 // and the caller scales in k_fp8_scale.
 func (b *Backend) gemmOuterVec(out uint64, outT int, codes, w, xs, ws uint64, m, n, k int) bool {
-	p, err := b.gemmPlan(gemmShape{m: m, n: n, k: k, in: dataE4M3, out: outT, tb: true, outerVec: true,
+	p, err := b.gemmPlan(gemmShape{m: m, n: n, k: k, in: dataE4M3, out: outT, tb: true, outerVec: true, fastAccum: b.fp8FastAccum,
 		align: [4]int{alignOf(w), alignOf(codes), alignOf(out), alignOf(out)}})
 	if err == nil {
 		done := b.timed("cublasLt GEMM (" + b.label + ")")

@@ -347,15 +347,21 @@ func TestFP8WeightRefusals(t *testing.T) {
 // is off by far more than either.
 func TestForwardGoldensFP8(t *testing.T) {
 	const minTop1, maxMean, maxAbs = 0.78, 0.06, 0.6
-	for _, act := range []string{"bf16", "f32"} {
-		t.Run("act="+act, func(t *testing.T) {
-			be := testBackendWith(t, Options{Activations: act})
+	// fastaccum: cuBLASLt's FAST_ACCUM on (Options.FP8FastAccum), held to
+	// the same bounds: on a GPU, what the faster accumulation costs (the
+	// emulator's sums are the same either way).
+	for _, v := range []struct {
+		name string
+		opt  Options
+	}{{"act=bf16", Options{Activations: "bf16"}}, {"act=f32", Options{Activations: "f32"}}, {"act=bf16/fastaccum", Options{Activations: "bf16", FP8FastAccum: true}}} {
+		t.Run(v.name, func(t *testing.T) {
+			be := testBackendWith(t, v.opt)
 			for _, ck := range goldenDirs(t) {
 				t.Run(filepath.Base(ck), func(t *testing.T) {
 					a := fp8Agreement(t, be, ck)
-					t.Logf("%s act=%s: FP8 %s vs FP8 cpu: %s", filepath.Base(ck), act, be.Name(), &a)
+					t.Logf("%s %s: FP8 %s vs FP8 cpu: %s", filepath.Base(ck), v.name, be.Name(), &a)
 					if float64(a.top1) < minTop1*float64(a.positions) || a.sumDelta > maxMean*float64(a.entries) || a.maxDelta > maxAbs {
-						t.Errorf("FP8 %s (act %s) vs FP8 cpu: %s; want top-1 >= %g%%, mean |Δ| <= %g, max |Δ| <= %g", be.Name(), act, &a, 100*minTop1, maxMean, maxAbs)
+						t.Errorf("FP8 %s (%s) vs FP8 cpu: %s; want top-1 >= %g%%, mean |Δ| <= %g, max |Δ| <= %g", be.Name(), v.name, &a, 100*minTop1, maxMean, maxAbs)
 					}
 				})
 			}

@@ -1383,6 +1383,11 @@ int cublasLtMatmulDescSetAttribute(void *d, int attr, const void *buf, size_t n)
 		(attr == 31 ? ds->amode : ds->bmode) = v;
 		return 0;
 	}
+	if (attr == 25 && n == 1) { // FAST_ACCUM: the emulator's sums are fp32 either way
+		signed char v = *(const signed char *)buf;
+		if (v != 0 && v != 1) return 7;
+		return 0;
+	}
 	if ((attr == 17 || attr == 18) && n == 8) { // A_SCALE_POINTER, B_SCALE_POINTER
 		(attr == 17 ? ds->ascale : ds->bscale) = *(const u64 *)buf;
 		return 0;
