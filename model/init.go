@@ -23,7 +23,9 @@ var ErrNotEmpty = errors.New("model: output directory is not empty")
 // directory it is given, never a mix of old and new files: write fills a
 // temporary directory next to dir, every file in it is synced, and it is
 // renamed to dir. A dir that exists and is not empty is refused
-// (ErrNotEmpty, naming some of its files) unless force; with force, the
+// (ErrNotEmpty, naming some of its files) unless force; one that is not a
+// model's (a cache, a run directory, any directory holding directories or
+// dataset files) is refused either way (ErrNotReplaceable); with force, the
 // old dir is renamed aside, the new one into place, and the old one
 // removed. A crash leaves dir whole (old or new) or, in the instant
 // between the two renames of a forced replace, absent with both versions
@@ -136,6 +138,12 @@ func checkOut(dir string, force bool) (exists bool, err error) {
 			return false, err
 		}
 		exists = len(ents) > 0
+		if exists {
+			// Before the advice to give --force, which would be wrong.
+			if err := checkReplaceable(dir, ents); err != nil {
+				return false, err
+			}
+		}
 		if exists && !force {
 			var names []string
 			for _, e := range ents {
@@ -159,6 +167,57 @@ func checkOut(dir string, force bool) (exists bool, err error) {
 		return false, cannotWrite(dir, err)
 	}
 	return exists, nil
+}
+
+// checkReplaceable refuses, with ErrNotReplaceable, an output directory
+// that force must not remove, because it is not a model's: one holding a directory (a teacher
+// cache's index/ and chunks/, a training run's checkpoints/; what init
+// and export write is files only) or dataset files. --force is for
+// replacing an earlier model; `student export --out CACHE --force`
+// removed a cache, the hours of teacher compute in it, and exited 0.
+func checkReplaceable(dir string, ents []os.DirEntry) error {
+	has := map[string]bool{}
+	var sub, data []string
+	for _, e := range ents {
+		has[e.Name()] = e.IsDir()
+		switch {
+		case e.IsDir():
+			sub = append(sub, e.Name()+"/")
+		case dataFile(e.Name()):
+			data = append(data, e.Name())
+		}
+	}
+	var what string
+	switch {
+	case has["index"] && has["chunks"]:
+		what = "is a teacher cache (index/ and chunks/, as cachectl fill writes them)"
+	case has["checkpoints"]:
+		what = "is a student train run directory (checkpoints/)"
+	case len(sub) > 0:
+		sort.Strings(sub)
+		what = "holds directories (" + strings.Join(sub, ", ") + "), which no model written by student init or export holds"
+	case len(data) > 0:
+		sort.Strings(data)
+		what = "holds dataset files (" + strings.Join(data, ", ") + ")"
+	default:
+		return nil
+	}
+	alt := filepath.Clean(dir)
+	if abs, err := filepath.Abs(alt); err == nil && (alt == "." || alt == "..") {
+		alt = abs
+	}
+	return errkind.Errorf(ErrNotReplaceable, "%s %s: only a model directory is replaced (--force), and this one's data would be lost; nothing was removed: choose a new directory, e.g. %s-model",
+		dir, what, alt)
+}
+
+// dataFile reports whether name is a dataset's or a cache chunk's file,
+// which no model directory holds.
+func dataFile(name string) bool {
+	switch strings.ToLower(filepath.Ext(name)) {
+	case ".jsonl", ".csv", ".parquet", ".arrow":
+		return true
+	}
+	return false
 }
 
 // mountInfo lists the process's mount points (a test's fake file).

@@ -217,3 +217,58 @@ func TestCheckOutUnwritable(t *testing.T) {
 		}
 	}
 }
+
+// TestWriteDirForceKeepsData: force replaces a model directory, not a
+// teacher cache, a training run or a dataset directory given as the
+// output by mistake: `student export --out CACHE --force` removed the
+// cache and exited 0. Each is refused before write runs, with nothing
+// removed, naming what the directory is.
+func TestWriteDirForceKeepsData(t *testing.T) {
+	parent := t.TempDir()
+	mk := func(name string, paths ...string) string {
+		dir := filepath.Join(parent, name)
+		for _, p := range paths {
+			full := filepath.Join(dir, p)
+			if strings.HasSuffix(p, "/") {
+				os.MkdirAll(full, 0o755)
+				continue
+			}
+			os.MkdirAll(filepath.Dir(full), 0o755)
+			os.WriteFile(full, []byte("x"), 0o644)
+		}
+		return dir
+	}
+	for _, c := range []struct {
+		dir, want string
+	}{
+		{mk("cache", "LOCK", "index/MANIFEST", "chunks/000000000000-000000000040.arrow", "tmp/"), "is a teacher cache (index/ and chunks/, as cachectl fill writes them)"},
+		{mk("run", "config.yaml", "metrics.jsonl", "checkpoints/step-00000006/model.safetensors"), "is a student train run directory (checkpoints/)"},
+		{mk("hub", "config.json", "model.safetensors", "original/consolidated.pth"), "holds directories (original/), which no model written by student init or export holds"},
+		{mk("data", "train.jsonl", "stats.json", "held.parquet"), "holds dataset files (held.parquet, train.jsonl)"},
+	} {
+		before := names(t, c.dir)
+		ran := false
+		err := WriteDir(c.dir, true, func(string) error { ran = true; return nil })
+		want := c.dir + " " + c.want + ": only a model directory is replaced (--force), and this one's data would be lost; nothing was removed: choose a new directory, e.g. " + c.dir + "-model"
+		if !errors.Is(err, ErrNotReplaceable) || err.Error() != want || ran {
+			t.Errorf("WriteDir(%s, force): %v (write ran: %v)\nwant %s", c.dir, err, ran, want)
+		}
+		for _, force := range []bool{true, false} {
+			// Without force too: its advice was "give --force".
+			if err := CheckOut(c.dir, force); !errors.Is(err, ErrNotReplaceable) || strings.Contains(err.Error(), "give --force") {
+				t.Errorf("CheckOut(%s, force %v): %v, want ErrNotReplaceable", c.dir, force, err)
+			}
+		}
+		if got := names(t, c.dir); got != before {
+			t.Errorf("a refused forced write changed %s: %q, was %q", c.dir, got, before)
+		}
+	}
+	// An earlier model, a stray file beside it, is still replaced.
+	model := mk("model", "config.json", "model.safetensors", "generation_config.json", "notes.txt")
+	if err := WriteDir(model, true, func(tmp string) error { return os.WriteFile(filepath.Join(tmp, "config.json"), nil, 0o644) }); err != nil {
+		t.Fatalf("forced replace of a model directory: %v", err)
+	}
+	if got := names(t, model); got != "config.json" {
+		t.Errorf("forced replace holds %q, want config.json", got)
+	}
+}

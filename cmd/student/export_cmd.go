@@ -18,7 +18,7 @@ func runExport(args []string) error {
 	ckpt := fs.String("checkpoint", "", "run directory (newest checkpoint) or checkpoint directory (required)")
 	out := fs.String("out", "", "output directory (required; written whole through a temporary directory beside it and renamed into place, so not a mount point: give a directory inside one)")
 	format := fs.String("format", "bf16", "bf16: HF BF16 checkpoint; f32: exact master weights; nvfp4: Model-Optimizer NVFP4 (needs a quant: nvfp4 run, or a LoRA run); a LoRA run's bf16, f32 and nvfp4 are the merged model, peft its adapters as PEFT saves them")
-	force := fs.Bool("force", false, "replace --out if it is not empty (all its files are removed)")
+	force := fs.Bool("force", false, "replace --out if it is not empty: an earlier model directory, all its files removed (a cache, a run directory or dataset files are refused)")
 	noTok := fs.Bool("no-tokenizer", false, "do not copy the run's tokenizer files and generation_config.json")
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err

@@ -111,7 +111,7 @@ func newInitFlags(fs *flag.FlagSet) *initFlags {
 		std:          fs.Float64("std", 0.02, "normal init std of matrices"),
 		perturb:      fs.Bool("perturb", false, "random norm weights and biases too (for tests)"),
 		dtype:        fs.String("dtype", "BF16", "stored dtype: BF16 or F32"),
-		force:        fs.Bool("force", false, "replace --out if it is not empty (all its files are removed)"),
+		force:        fs.Bool("force", false, "replace --out if it is not empty: an earlier model directory, all its files removed (a cache, a run directory or dataset files are refused)"),
 	}
 }
 

@@ -17,6 +17,7 @@ import (
 	"syscall"
 	"testing"
 
+	"distill/cache"
 	"distill/data/tokenizer"
 	"distill/model"
 	"distill/train"
@@ -442,6 +443,36 @@ log: {progress: "off"}
 	}
 	if names := dirNames(t, filepath.Join(dir, "e2")); strings.Join(names, " ") != "config.json model.safetensors" {
 		t.Fatalf("--no-tokenizer export holds %v", names)
+	}
+	// --force onto the cache or another run (a mistyped --out) removed
+	// it and exited 0: refused, naming what it is, nothing removed.
+	other := filepath.Join(dir, "run2") // another run's layout
+	os.MkdirAll(filepath.Join(other, "checkpoints", "step-00000002"), 0o755)
+	os.WriteFile(filepath.Join(other, "metrics.jsonl"), []byte("{}\n"), 0o644)
+	for _, c := range []struct{ out, what string }{
+		{b.CacheDir, "is a teacher cache"},
+		{other, "is a student train run directory"},
+	} {
+		before := strings.Join(dirNames(t, c.out), " ")
+		for _, args := range [][]string{
+			{"export", "--checkpoint", run, "--out", c.out, "--force", "--no-tokenizer"},
+			{"init", "--out", c.out, "--force", "--vocab", "97", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--intermediate", "64", "--max-pos", "128"},
+		} {
+			cmd := runExport
+			if args[0] == "init" {
+				cmd = runInit
+			}
+			err := cmd(args[1:])
+			if !errors.Is(err, model.ErrNotReplaceable) || !strings.Contains(err.Error(), c.out+" "+c.what) || !strings.Contains(err.Error(), "nothing was removed") {
+				t.Errorf("student %s: %v, want a refusal saying %s %s", strings.Join(args, " "), err, c.out, c.what)
+			}
+		}
+		if after := strings.Join(dirNames(t, c.out), " "); after != before {
+			t.Errorf("%s holds %q after the refused --force, was %q", c.out, after, before)
+		}
+	}
+	if _, err := cache.OpenReader(b.CacheDir); err != nil {
+		t.Errorf("the cache after the refused exports: %v", err)
 	}
 }
 
