@@ -921,6 +921,62 @@ func TestResetInUseWithChunks(t *testing.T) {
 	}
 }
 
+// TestResetStoppedLeavesIndexLost: a reset that stops after moving the
+// index away (a crash, here an injected error) leaves chunk files and no
+// index. The next Create took the directory for a new cache and its GC
+// removed the files; it now refuses it (ErrIndexLost), as it does a
+// directory whose index/ was deleted, and only a forced Reset finishes
+// removing them.
+func TestResetStoppedLeavesIndexLost(t *testing.T) {
+	dir := t.TempDir()
+	m := testManifest(12, EncodingLossless)
+	c, err := Create(dir, m, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fillRange(t, c, 0, 4)
+	fillRange(t, c, 4, 8)
+	c.Close()
+	ffs := &faultFS{}
+	ffs.arm(1, errInjected) // the sync after the index's rename
+	if _, err := Reset(dir, true, &Options{FS: ffs}); !errors.Is(err, errInjected) {
+		t.Fatalf("Reset with a failing sync: %v", err)
+	}
+	files := func() int { ents, _ := os.ReadDir(filepath.Join(dir, chunksDir)); return len(ents) }
+	if n := files(); n != 2 {
+		t.Fatalf("the stopped reset left %d chunk files, want 2", n)
+	}
+	for name, f := range map[string]func() error{
+		"Create": func() error {
+			c, err := Create(dir, m, nil)
+			if err == nil {
+				c.Close()
+			}
+			return err
+		},
+		"Open":       func() error { _, err := Open(dir, nil); return err },
+		"OpenReader": func() error { _, err := OpenReader(dir); return err },
+		"Repair":     func() error { _, err := Repair(dir, nil); return err },
+		"Reset":      func() error { _, err := Reset(dir, false, nil); return err },
+	} {
+		if err := f(); !errors.Is(err, ErrIndexLost) || !strings.Contains(err.Error(), "chunks/ holds 2 files") {
+			t.Errorf("%s after the stopped reset: %v, want ErrIndexLost naming the 2 files", name, err)
+		}
+		if n := files(); n != 2 {
+			t.Fatalf("%s after the stopped reset left %d chunk files, want 2", name, n)
+		}
+	}
+	rep, err := Reset(dir, true, nil)
+	if err != nil || !rep.IndexLost || len(rep.Files) < 2 || files() != 0 {
+		t.Fatalf("forced Reset of the lost index: %+v, %v; %d chunk files left", rep, err, files())
+	}
+	c, err = Create(dir, m, nil)
+	if err != nil {
+		t.Fatalf("Create after the forced Reset: %v", err)
+	}
+	c.Close()
+}
+
 // TestRepair: Check finds a damaged chunk, a missing one, missing sample
 // keys and a stray one; a fill cannot redo the bad ranges (they are
 // "done"); Repair drops exactly the bad chunks and fixes the keys; Check

@@ -257,8 +257,12 @@
 // temporary directories of dead writers, under the exclusive lock. It
 // refuses a cache with committed chunks unless forced (ErrCommitted:
 // committed data is never discarded by accident) and a cache that a live
-// writer has open (ErrLocked). A crash in the middle leaves unreferenced
-// chunk files, which the next Create's GC removes.
+// writer has open (ErrLocked). A crash in the middle leaves chunk files
+// and no index: a directory whose index is lost (ErrIndexLost), as one
+// whose index/ was deleted or not copied with its chunks/. Create, Open
+// and the readers refuse it, naming the files, instead of taking it for a
+// new cache (the GC of a new index would remove every chunk file); Reset
+// with force removes them.
 //
 // # Permissions and read-only caches
 //

@@ -199,7 +199,39 @@ func missingIndex(dir string) error {
 	case err == nil && !fi.IsDir():
 		return fmt.Errorf("%w: %s is a file, not a cache directory (give the directory a fill wrote)", ErrNotCache, dir)
 	}
+	if err := lostIndex(dir); err != nil {
+		return err
+	}
 	return fmt.Errorf("%w: %s has no %s/ (create the cache with a fill first)", ErrNotCache, dir, indexDir)
+}
+
+// lostIndex is ErrIndexLost's error for dir, which had no index/, when
+// its chunks/ holds files; nil when it holds none. Chunk files are only
+// ever published into chunks/ after index/ exists, so files there and no
+// index/ after them (index/ is looked for again once chunks/ is listed)
+// mean an index that was deleted or not copied with them, or a reset
+// that stopped between removing the index and the chunk files: a fill
+// into dir would create a new index, and its GC would remove every chunk
+// file as unreferenced.
+func lostIndex(dir string) error {
+	ents, err := os.ReadDir(filepath.Join(dir, chunksDir))
+	if err != nil || len(ents) == 0 {
+		return nil
+	}
+	if _, err := os.Stat(filepath.Join(dir, indexDir)); err == nil {
+		return nil // made meanwhile by a writer
+	}
+	var names []string
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	sort.Strings(names)
+	more := ""
+	if len(names) > 3 {
+		names, more = names[:3], ", ..."
+	}
+	return fmt.Errorf("%w: %s has no %s/, but %s/ holds %d files (%s%s): the index that recorded them is gone (deleted, or not copied with %s/), and a fill would discard them and compute them again; copy their %s/ back into %s, or run cachectl reset --cache %s --force to discard them",
+		ErrIndexLost, dir, indexDir, chunksDir, len(ents), strings.Join(names, ", "), more, chunksDir, indexDir, dir, dir)
 }
 
 // statIndex checks that dir holds an index directory: nil, missingIndex's

@@ -38,6 +38,11 @@ var (
 	ErrLocked = errors.New("cache: index locked")
 	// ErrNotCache is returned when a directory holds no cache index.
 	ErrNotCache = errors.New("cache: not a cache directory")
+	// ErrIndexLost is returned for a directory whose chunks/ holds files
+	// but which has no index/: its index was deleted or not copied with
+	// the chunks. A writer refuses it (its GC would remove every chunk
+	// file), and so does a reset without force.
+	ErrIndexLost = errors.New("cache: index lost")
 	// ErrCommitted is returned by Reset for a cache that holds committed
 	// chunks when it was not told to discard them.
 	ErrCommitted = errors.New("cache: committed chunks present")

@@ -3,7 +3,9 @@ package cache
 import (
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 )
 
@@ -16,6 +18,9 @@ type ResetReport struct {
 	Chunks, Samples int64
 	// Files are the removed paths, relative to the cache directory.
 	Files []string
+	// IndexLost says the directory had chunk files but no index
+	// (ErrIndexLost): Manifest is empty, and Files are what was removed.
+	IndexLost bool
 }
 
 // Reset turns dir back into a directory that holds no cache: it removes
@@ -25,8 +30,8 @@ type ResetReport struct {
 // set, so committed data is never lost by accident; and it refuses, with
 // ErrLocked, while a writer has the cache open (a fill or a teacherd). A
 // crash during Reset leaves either the cache as it was or no index; in the
-// latter case the chunk files left are unreferenced and the next Create
-// removes them.
+// latter case the chunk files left make the directory one whose index is
+// lost (ErrIndexLost), which Create refuses and Reset with force empties.
 //
 // Reset leaves LOCK and the empty chunks/ and tmp/: a process that opened
 // LOCK before Reset removed it would lock the removed file while the next
@@ -41,6 +46,9 @@ func Reset(dir string, force bool, opts *Options) (ResetReport, error) {
 	o := opts.withDefaults()
 	fs := o.FS
 	if err := statIndex(dir); err != nil {
+		if errors.Is(err, ErrIndexLost) {
+			return resetLost(dir, force, o, err)
+		}
 		return rep, fmt.Errorf("%w; nothing to reset", err)
 	}
 	s, err := openIndex(dir, true, o.LockTimeout)
@@ -104,6 +112,55 @@ func Reset(dir string, force bool, opts *Options) (ResetReport, error) {
 		return rep, fmt.Errorf("cache: reset: %w", err)
 	}
 	rep.Chunks, rep.Samples = int64(len(rs)), samples
+	names, err := fs.ReadDir(filepath.Join(dir, chunksDir))
+	if err != nil {
+		return rep, fmt.Errorf("cache: reset: %w", err)
+	}
+	for _, n := range names {
+		if err := fs.Remove(filepath.Join(dir, chunksDir, n)); err != nil {
+			return rep, fmt.Errorf("cache: reset: %w", err)
+		}
+		rep.Files = append(rep.Files, filepath.Join(chunksDir, n))
+	}
+	for _, n := range tmps {
+		if err := fs.RemoveAll(filepath.Join(dir, tmpDir, n)); err != nil {
+			return rep, fmt.Errorf("cache: reset: %w", err)
+		}
+		rep.Files = append(rep.Files, filepath.Join(tmpDir, n))
+	}
+	return rep, nil
+}
+
+// resetLost is Reset of dir, whose chunks/ holds files but whose index is
+// lost (lost is that error): refused without force, since nothing says
+// what the files hold; with force, the second half of Reset, under the
+// exclusive lock: the chunk files and the dead writers' temporary
+// directories are removed, after a check that no writer has dir open and
+// that none created an index meanwhile. A crash in the middle leaves
+// fewer files and no index, and Reset with force again removes the rest.
+func resetLost(dir string, force bool, o Options, lost error) (ResetReport, error) {
+	rep := ResetReport{IndexLost: true}
+	if !force {
+		return rep, fmt.Errorf("%w; nothing was reset", lost)
+	}
+	fs := o.FS
+	l, err := lockDir(dir, true, o.LockTimeout)
+	if err != nil {
+		return rep, err
+	}
+	defer l.unlock()
+	if _, err := os.Stat(filepath.Join(dir, indexDir)); err == nil {
+		return rep, fmt.Errorf("%w: %s has an %s/ again: a fill created the cache meanwhile; nothing was reset (run reset again to reset that cache)", ErrLocked, dir, indexDir)
+	}
+	tmps, err := fs.ReadDir(filepath.Join(dir, tmpDir))
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return rep, fmt.Errorf("cache: reset: %w", err)
+	}
+	for _, n := range tmps {
+		if !ownerDead(filepath.Join(dir, tmpDir, n)) {
+			return rep, fmt.Errorf("%w: %s is in use by another process (a fill or teacherd writing to it holds %s/%s, named after its pid): stop that fill or teacherd first, then run reset again", ErrLocked, dir, tmpDir, n)
+		}
+	}
 	names, err := fs.ReadDir(filepath.Join(dir, chunksDir))
 	if err != nil {
 		return rep, fmt.Errorf("cache: reset: %w", err)

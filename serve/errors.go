@@ -67,7 +67,7 @@ func code(err error) codes.Code {
 	case errors.Is(err, ErrNotFound):
 		return codes.NotFound
 	case errors.Is(err, ErrPrecondition), errors.Is(err, cache.ErrManifestMismatch),
-		errors.Is(err, cache.ErrCorrupt), errors.Is(err, cache.ErrNotCache):
+		errors.Is(err, cache.ErrCorrupt), errors.Is(err, cache.ErrNotCache), errors.Is(err, cache.ErrIndexLost):
 		return codes.FailedPrecondition
 	case errors.Is(err, ErrOverloaded):
 		return codes.ResourceExhausted

@@ -21,7 +21,7 @@ func init() {
 func resetMain(args []string, stdout, stderr io.Writer) error {
 	var force bool
 	dir, err := parseOneCache("reset", args, stderr, func(fs *flag.FlagSet) {
-		fs.BoolVar(&force, "force", false, "also delete the committed chunks (their data is lost)")
+		fs.BoolVar(&force, "force", false, "also delete the committed chunks (their data is lost), or the chunk files of a directory whose index/ is lost")
 	})
 	if err != nil {
 		return err
@@ -33,8 +33,12 @@ func resetMain(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout, "%s: reset (manifest of dataset %s removed; %d committed chunks, %d samples discarded); the next fill creates the cache anew\n",
-		dir, rep.Manifest.DatasetFingerprint, rep.Chunks, rep.Samples)
+	if rep.IndexLost {
+		fmt.Fprintf(stdout, "%s: reset (it had no index; %d files removed); the next fill creates the cache anew\n", dir, len(rep.Files))
+	} else {
+		fmt.Fprintf(stdout, "%s: reset (manifest of dataset %s removed; %d committed chunks, %d samples discarded); the next fill creates the cache anew\n",
+			dir, rep.Manifest.DatasetFingerprint, rep.Chunks, rep.Samples)
+	}
 	printLeft(stdout, dir)
 	return nil
 }

@@ -352,3 +352,69 @@ func TestFillChecksFlagsBeforeLoading(t *testing.T) {
 		t.Errorf("a refused fill created the cache directory")
 	}
 }
+
+// TestFillRefusesLostIndex: a cache whose index/ is gone (deleted, or not
+// copied with chunks/) was taken for a new cache: status said "has no
+// index/ (create the cache with a fill first)", and the fill's GC removed
+// every chunk file and computed them all again, saying nothing. Now every
+// command names the chunk files and the two ways out; the fill and a
+// reset without --force leave them; reset --force removes them, and the
+// same fill then makes the cache anew.
+func TestFillRefusesLostIndex(t *testing.T) {
+	mdir := fillModel(t, 300)
+	tmp := t.TempDir()
+	dpath, cdir := filepath.Join(tmp, "d.jsonl"), filepath.Join(tmp, "cache")
+	writeIDs(t, dpath, idSamples(10, 300))
+	args := []string{"--model", mdir, "--cache", cdir, "--data", dpath, "--pretokenized", "--chunk", "5", "--k", "4"}
+	if out, err := runFill(t, args...); err != nil {
+		t.Fatalf("fill: %v\n%s", err, out)
+	}
+	if err := os.RemoveAll(filepath.Join(cdir, "index")); err != nil {
+		t.Fatal(err)
+	}
+	chunks := dirList(t, filepath.Join(cdir, "chunks"))
+	want := cdir + " has no index/, but chunks/ holds 2 files (000000000000-000000000005.arrow, 000000000005-000000000010.arrow): the index that recorded them is gone"
+	for _, c := range []struct {
+		name string
+		run  func() (string, error)
+	}{
+		{"fill", func() (string, error) { return runFill(t, args...) }},
+		{"status", func() (string, error) { return run(t, wrap(statusMain), "--cache", cdir) }},
+		{"verify", func() (string, error) { return run(t, wrap(verifyMain), "--cache", cdir) }},
+		{"gc", func() (string, error) { return run(t, wrap(gcMain), "--cache", cdir) }},
+		{"repair", func() (string, error) { return run(t, wrap(repairMain), "--cache", cdir) }},
+		{"reset", func() (string, error) { return run(t, wrap(resetMain), "--cache", cdir) }},
+	} {
+		out, err := c.run()
+		if !errors.Is(err, cache.ErrIndexLost) || !strings.Contains(err.Error(), want) ||
+			!strings.Contains(err.Error(), "cachectl reset --cache "+cdir+" --force to discard them") {
+			t.Errorf("%s of a cache whose index is lost: %v\n%s\nwant ErrIndexLost saying %s", c.name, err, out, want)
+		}
+		if got := dirList(t, filepath.Join(cdir, "chunks")); got != chunks {
+			t.Fatalf("after %s: chunks/ holds %q, was %q", c.name, got, chunks)
+		}
+	}
+	out, err := run(t, wrap(resetMain), "--cache", cdir, "--force")
+	if err != nil || !strings.Contains(out, "reset (it had no index; 2 files removed)") {
+		t.Fatalf("reset --force: %v\n%s", err, out)
+	}
+	if out, err := runFill(t, args...); err != nil || !strings.Contains(out, "fill: 10 samples") {
+		t.Fatalf("fill after reset --force: %v\n%s", err, out)
+	}
+	if out, err := run(t, wrap(verifyMain), "--cache", cdir); err != nil {
+		t.Fatalf("verify: %v\n%s", err, out)
+	}
+}
+
+func dirList(t *testing.T, dir string) string {
+	t.Helper()
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	return strings.Join(names, " ")
+}
