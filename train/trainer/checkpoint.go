@@ -2,6 +2,7 @@ package trainer
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -17,6 +18,7 @@ import (
 	"distill/compute"
 	"distill/compute/device"
 	"distill/internal/atomicfile"
+	"distill/internal/errkind"
 	"distill/model"
 	"distill/train"
 	"distill/train/loss"
@@ -399,7 +401,10 @@ func loadCheckpointSharded(dir string, be compute.Backend, sh *train.Sharding) (
 		s, err = train.LoadHFOn(dir, be)
 	}
 	if err != nil {
-		return nil, nil, fmt.Errorf("%w: %w", ErrResume, err)
+		if errors.Is(err, compute.ErrOutOfMemory) {
+			return nil, nil, fmt.Errorf("%w: %w", ErrResume, err)
+		}
+		return nil, nil, damaged(err)
 	}
 	if st.QuantAmax != nil {
 		if err := s.RestoreQAD(st.QuantAmax); err != nil {
@@ -409,15 +414,71 @@ func loadCheckpointSharded(dir string, be compute.Backend, sh *train.Sharding) (
 	return s, &st, nil
 }
 
+// errDamaged marks a checkpoint whose files do not read back as they
+// were saved: state.json, the weights, a LoRA run's adapters or the
+// optimizer's moments missing, truncated or unparsable (not a checkpoint
+// this config cannot continue: ErrResume, nor a base model that moved).
+// Its message is the file's error alone: a resume adds ErrResume and the
+// way on (resumeError), an export or eval the run's earlier checkpoint
+// (LoadStudentOn); they said "cannot resume: ..." for an export too, and
+// a resume named no checkpoint to go on from.
+var errDamaged = errors.New("checkpoint damaged")
+
+// damaged marks err, an error reading a checkpoint's files, errDamaged.
+func damaged(err error) error { return errkind.Wrap(errDamaged, err) }
+
+// previousCheckpoint is the newest checkpoint of ckpt's run before ckpt
+// ("" when there is none, or ckpt is not RUN/checkpoints/step-N).
+func previousCheckpoint(ckpt string) string {
+	ckpt = filepath.Clean(ckpt)
+	n, ok := strings.CutPrefix(filepath.Base(ckpt), ckptPrefix)
+	step, err := strconv.Atoi(n)
+	if !ok || err != nil || filepath.Base(filepath.Dir(ckpt)) != "checkpoints" {
+		return ""
+	}
+	run := filepath.Dir(filepath.Dir(ckpt))
+	steps, _ := listCheckpoints(run)
+	for i := len(steps) - 1; i >= 0; i-- {
+		if steps[i] < step {
+			return checkpointDir(run, steps[i])
+		}
+	}
+	return ""
+}
+
+// resumeError is err, the error of resuming from checkpoint ckpt, as
+// ErrResume; one of a damaged checkpoint says how to go on: from the
+// checkpoint before it, once this one is moved out of checkpoints/
+// (the newest one is what a resume takes), or, when it is the run's
+// only one, from a copy or in a new run_dir.
+func resumeError(ckpt string, err error) error {
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, ErrResume) {
+		err = fmt.Errorf("%w: %w", ErrResume, err)
+	}
+	if !errors.Is(err, errDamaged) {
+		return err
+	}
+	ckpt = filepath.Clean(ckpt)
+	if prev := previousCheckpoint(ckpt); prev != "" {
+		aside := filepath.Join(filepath.Dir(filepath.Dir(ckpt)), filepath.Base(ckpt)+".damaged")
+		return fmt.Errorf("%w: checkpoint %s is damaged (a file missing, truncated or changed since it was saved); to resume from the one before it, %s, move it out of checkpoints/ (mv %s %s) and run the same command again",
+			err, ckpt, prev, ckpt, aside)
+	}
+	return fmt.Errorf("%w: checkpoint %s is damaged (a file missing, truncated or changed since it was saved), and it is the run's only one: restore it from a copy, or start over in a new run_dir (--run-dir)", err, ckpt)
+}
+
 // loadState reads a checkpoint's state.json.
 func loadState(dir string) (*State, error) {
 	var st State
 	b, err := os.ReadFile(filepath.Join(dir, "state.json"))
 	if err != nil {
-		return nil, fmt.Errorf("%w: %s: %v", ErrResume, dir, err)
+		return nil, damaged(fmt.Errorf("%s: %w", dir, err))
 	}
 	if err := json.Unmarshal(b, &st); err != nil {
-		return nil, fmt.Errorf("%w: %s/state.json: %v", ErrResume, dir, err)
+		return nil, damaged(fmt.Errorf("%s/state.json: %w", dir, err))
 	}
 	return &st, nil
 }
@@ -464,7 +525,7 @@ func momentSource(dir string) (read func(name string, full, off int, dst []float
 	if isSharded(dir) {
 		c, err := openSharded(dir)
 		if err != nil {
-			return nil, nil, fmt.Errorf("%w: %w", ErrResume, err)
+			return nil, nil, damaged(err)
 		}
 		return c.read, c.close, nil
 	}
@@ -477,10 +538,10 @@ func momentSource(dir string) (read func(name string, full, off int, dst []float
 	read = func(name string, full, off int, dst []float32) error {
 		v, err := ow.F32(name)
 		if err != nil {
-			return fmt.Errorf("%w: %s/optimizer.safetensors: %w", ErrResume, dir, err)
+			return damaged(fmt.Errorf("%s/optimizer.safetensors: %w", dir, err))
 		}
 		if len(v) != full {
-			return fmt.Errorf("%w: %s/optimizer.safetensors: %s has %d values, want %d", ErrResume, dir, name, len(v), full)
+			return damaged(fmt.Errorf("%s/optimizer.safetensors: %s has %d values, want %d", dir, name, len(v), full))
 		}
 		copy(dst, v[off:])
 		return nil
@@ -496,13 +557,17 @@ func openFile(path string) (*model.Weights, error) {
 		return nil, err
 	}
 	defer os.RemoveAll(d)
+	if _, err := os.Stat(path); err != nil {
+		return nil, damaged(err) // it named the link: /tmp/distill-opt-N/model.safetensors
+	}
 	abs, _ := filepath.Abs(path)
-	if err := os.Symlink(abs, filepath.Join(d, "model.safetensors")); err != nil {
+	link := filepath.Join(d, "model.safetensors")
+	if err := os.Symlink(abs, link); err != nil {
 		return nil, err
 	}
 	w, err := model.OpenWeights(d)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrResume, err)
+		return nil, damaged(fmt.Errorf("%s", strings.ReplaceAll(err.Error(), link, path)))
 	}
 	return w, nil
 }
@@ -601,7 +666,14 @@ func LoadStudentOn(path string, be compute.Backend) (*train.Student, *State, err
 		path = ck
 	}
 	if _, err := os.Stat(filepath.Join(path, "state.json")); err == nil {
-		return loadCheckpoint(path, be)
+		s, st, err := loadCheckpoint(path, be)
+		if errors.Is(err, errDamaged) {
+			if prev := previousCheckpoint(path); prev != "" {
+				return nil, nil, fmt.Errorf("%w: checkpoint %s is damaged (a file missing, truncated or changed since it was saved); the run's checkpoint before it: --checkpoint %s", err, path, prev)
+			}
+			return nil, nil, fmt.Errorf("%w: checkpoint %s is damaged (a file missing, truncated or changed since it was saved), and its run has no earlier one", err, path)
+		}
+		return s, st, err
 	}
 	if ckErr != nil && cfgErr != nil && hfErr != nil {
 		// Not a run, a checkpoint or an HF directory (a run's parent,

@@ -47,7 +47,7 @@ func (c *checkpointer) latest(resume string) (string, error) {
 func (c *checkpointer) load(cfg *Config, ckpt string, be compute.Backend, sh *train.Sharding, log io.Writer) (*train.Student, *State, error) {
 	s, st, err := loadCheckpointSharded(ckpt, be, sh)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, resumeError(ckpt, err)
 	}
 	if err := st.checkResume(cfg, s, ckpt, log); err != nil {
 		return nil, nil, err

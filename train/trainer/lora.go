@@ -146,7 +146,7 @@ func loadLoRACheckpoint(dir string, st *State, be compute.Backend) (*train.Stude
 	if l.Random {
 		mc, err2 := model.LoadConfig(dir)
 		if err2 != nil {
-			return nil, fmt.Errorf("%w: %w", ErrResume, err2)
+			return nil, damaged(err2)
 		}
 		from = fmt.Sprintf("the random init of %s (seed %d, std %g)", filepath.Join(dir, "config.json"), l.RandomSeed, l.RandomStd)
 		s, err = loraRandom(mc, l.RandomSeed, l.RandomStd, be, l.Config)
@@ -165,7 +165,7 @@ func loadLoRACheckpoint(dir string, st *State, be compute.Backend) (*train.Stude
 	}
 	if err := s.LoadAdapters(dir); err != nil {
 		s.Free()
-		return nil, fmt.Errorf("%w: %w", ErrResume, err)
+		return nil, damaged(err)
 	}
 	if l.InputAmax != nil {
 		if err := s.RestoreInputAmax(l.InputAmax); err != nil {

@@ -477,3 +477,64 @@ func writeByteTokenizer(t testing.TB, dir string) {
 		t.Fatal(err)
 	}
 }
+
+// TestResumeDamagedCheckpoint: a newest checkpoint whose files are damaged
+// (truncated weights, a missing optimizer file, a torn state.json)
+// stopped the resume with the file's error alone, and an export or eval
+// of the run said "cannot resume" too. The resume now names the
+// checkpoint before it and the command that moves the damaged one aside,
+// after which the same run resumes from it; with no earlier checkpoint it
+// says so. An export names the earlier checkpoint, not a resume. The
+// missing optimizer file is named, not the temporary link to it.
+func TestResumeDamagedCheckpoint(t *testing.T) {
+	b := testCache(t)
+	runDir := t.TempDir()
+	over := []string{"checkpoint.every=2", "checkpoint.keep=3", "eval.every=0", "optim.warmup_steps=1"}
+	cfg := func(steps int) *Config {
+		return tinyConfig(t, b, runDir, append([]string{fmt.Sprintf("train.max_steps=%d", steps)}, over...)...)
+	}
+	if _, err := Run(cfg(4), Options{Log: io.Discard}); err != nil {
+		t.Fatal(err)
+	}
+	ck2, ck4 := checkpointDir(runDir, 2), checkpointDir(runDir, 4)
+	w := filepath.Join(ck4, "model.safetensors")
+	fi, _ := os.Stat(w)
+	if err := os.Truncate(w, fi.Size()/2); err != nil {
+		t.Fatal(err)
+	}
+	aside := filepath.Join(runDir, "step-00000004.damaged")
+	_, err := Run(cfg(6), Options{Log: io.Discard})
+	want := "checkpoint " + ck4 + " is damaged (a file missing, truncated or changed since it was saved); to resume from the one before it, " + ck2 + ", move it out of checkpoints/ (mv " + ck4 + " " + aside + ") and run the same command again"
+	if !errors.Is(err, ErrResume) || !strings.Contains(err.Error(), "truncated file?") || !strings.HasSuffix(err.Error(), want) {
+		t.Fatalf("resume from a truncated checkpoint: %v\nwant ErrResume ending %q", err, want)
+	}
+	_, _, err = LoadStudent(runDir)
+	if err == nil || strings.Contains(err.Error(), "cannot resume") || !strings.Contains(err.Error(), "the run's checkpoint before it: --checkpoint "+ck2) {
+		t.Fatalf("LoadStudent (export, eval) of the damaged checkpoint: %v", err)
+	}
+	if err := os.Rename(ck4, aside); err != nil {
+		t.Fatal(err)
+	}
+	res, err := Run(cfg(6), Options{Log: io.Discard})
+	if err != nil || res.Resumed != ck2 {
+		t.Fatalf("the run after moving the damaged checkpoint aside: %v, resumed from %q, want %s", err, res.Resumed, ck2)
+	}
+
+	ck6 := checkpointDir(runDir, 6)
+	os.Remove(filepath.Join(ck6, "optimizer.safetensors"))
+	_, err = Run(cfg(8), Options{Log: io.Discard})
+	if !errors.Is(err, ErrResume) || !strings.Contains(err.Error(), filepath.Join(ck6, "optimizer.safetensors")) || strings.Contains(err.Error(), "distill-opt-") ||
+		!strings.Contains(err.Error(), "to resume from the one before it, "+checkpointDir(runDir, 4)) {
+		t.Fatalf("resume without optimizer.safetensors: %v", err)
+	}
+
+	only := t.TempDir()
+	if _, err := Run(tinyConfig(t, b, only, "train.max_steps=2", "checkpoint.every=2", "eval.every=0", "optim.warmup_steps=1"), Options{Log: io.Discard}); err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(checkpointDir(only, 2), "state.json"), []byte("{"), 0o644)
+	_, err = Run(tinyConfig(t, b, only, "train.max_steps=4", "checkpoint.every=2", "eval.every=0", "optim.warmup_steps=1"), Options{Log: io.Discard})
+	if !errors.Is(err, ErrResume) || !strings.HasSuffix(err.Error(), "and it is the run's only one: restore it from a copy, or start over in a new run_dir (--run-dir)") {
+		t.Fatalf("resume from the only checkpoint, damaged: %v", err)
+	}
+}

@@ -421,7 +421,7 @@ func (r *trainRun) buildOptimizer() error {
 	r.onClose(ad.Free)
 	if r.ckpt != "" {
 		if err := loadMoments(r.ckpt, ad, r.st.OptSteps, at); err != nil {
-			return err
+			return resumeError(r.ckpt, err)
 		}
 	}
 	rc, err := planRecompute(r.cfg, r.s, r.info.K, decoder.Recompute(r.st.Recompute), r.g.size, r.log)
