@@ -136,8 +136,10 @@ type openDataset struct {
 // internal error, after the teacher had loaded). A missing directory is
 // fine when the nearest directory above it that exists is writable: the
 // first fill creates it there. Its errors name the path as src says it
-// came (the zero Sources: --cache).
-func checkCacheDir(dir string, src Sources) error {
+// came (the zero Sources: --cache). inProcess is a cachectl fill's own
+// teacher, which needs its cache: the daemon's way out, to start without
+// one and serve Score only, is not a fill's.
+func checkCacheDir(dir string, src Sources, inProcess bool) error {
 	said, hint := src.Said("cache"), src.hint("cache")
 	if dir == "" {
 		return nil
@@ -171,6 +173,10 @@ func checkCacheDir(dir string, src Sources) error {
 		if probe != dir {
 			where = "the directory it would be created in, " + probe + ","
 		}
+		if inProcess {
+			return configErrorf("%s %s: %s is not writable (%v): the fill writes the cache, so give a directory this process can write",
+				said, dir, where, err)
+		}
 		return configErrorf("%s %s: %s is not writable (%v): fills write the cache, so give a directory this process can write, or start without %s to serve Score only",
 			said, dir, where, err, hint)
 	}
@@ -195,7 +201,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if o.ModelDir == "" {
 		return nil, configErrorf("no model directory: give --model DIR (an HF checkpoint)")
 	}
-	if err := checkCacheDir(o.CacheDir, Sources{}); err != nil {
+	if err := checkCacheDir(o.CacheDir, Sources{}, o.InProcess); err != nil {
 		return nil, err
 	}
 	if o.TokenBudget == 0 {

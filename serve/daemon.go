@@ -335,7 +335,7 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 			return nil, errkind.Wrap(ErrConfig, err)
 		}
 	}
-	if err := checkCacheDir(cfg.Cache, cfg.Sources); err != nil {
+	if err := checkCacheDir(cfg.Cache, cfg.Sources, false); err != nil {
 		return nil, err
 	}
 	// The model's config.json too, so that a mistyped --model fails

@@ -61,8 +61,14 @@ func TestCacheDirNotWritable(t *testing.T) {
 		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "give a directory this process can write") {
 			t.Errorf("--cache %s: %v", c.dir, err)
 		}
-		if _, err := NewCore(CoreOptions{ModelDir: tinyModel(t), CacheDir: c.dir, InProcess: true}); err == nil || !strings.Contains(err.Error(), c.want) {
+		// A fill needs its cache: the daemon's way out ("start without
+		// --cache to serve Score only") sent it to "--model needs --cache".
+		if _, err := NewCore(CoreOptions{ModelDir: tinyModel(t), CacheDir: c.dir, InProcess: true}); err == nil || !strings.Contains(err.Error(), c.want) ||
+			!strings.HasSuffix(err.Error(), "the fill writes the cache, so give a directory this process can write") || strings.Contains(err.Error(), "Score only") {
 			t.Errorf("cachectl fill --model --cache %s: %v", c.dir, err)
+		}
+		if err := startErr(t, Config{Model: weightlessModel(t), Cache: c.dir}); !strings.Contains(err.Error(), "or start without --cache to serve Score only") {
+			t.Errorf("teacherd --cache %s: %v, want the way to serve Score only", c.dir, err)
 		}
 	}
 	// A writable cache, missing or there, starts; the probe leaves nothing.
