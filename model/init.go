@@ -6,10 +6,13 @@ import (
 	"io/fs"
 	"math/rand/v2"
 	"os"
+	"os/signal"
 	"path/filepath"
+	"runtime"
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 
 	"distill/internal/atomicfile"
@@ -32,6 +35,9 @@ var ErrNotEmpty = errors.New("model: output directory is not empty")
 // beside it as .old-* and .tmp-*. A failed write leaves dir untouched.
 // A dir that cannot be replaced (a mount point) is refused before write
 // runs (ErrNotReplaceable), as is one beside which nothing can be written.
+// SIGINT or SIGTERM during the write removes the temporary directory and
+// ends the process by that signal, as it would have ended (guardTmp); a
+// crash or SIGKILL during the write leaves it beside dir as .tmp-*.
 func WriteDir(dir string, force bool, write func(tmp string) error) error {
 	dir = filepath.Clean(dir)
 	exists, err := checkOut(dir, force)
@@ -50,6 +56,8 @@ func WriteDir(dir string, force bool, write func(tmp string) error) error {
 	if err := os.Mkdir(tmp, 0o755); err != nil {
 		return cannotWrite(dir, err)
 	}
+	g := guardTmp(tmp)
+	defer g.stop()
 	err = func() error {
 		if err := write(tmp); err != nil {
 			return err
@@ -57,6 +65,8 @@ func WriteDir(dir string, force bool, write func(tmp string) error) error {
 		if err := syncTree(tmp); err != nil {
 			return err
 		}
+		g.mu.Lock() // no signal lands between the renames
+		defer g.mu.Unlock()
 		if exists {
 			old := filepath.Join(parent, fmt.Sprintf(".old-%s-%d", base, os.Getpid()))
 			os.RemoveAll(old)
@@ -84,6 +94,76 @@ func WriteDir(dir string, force bool, write func(tmp string) error) error {
 		return fmt.Errorf("writing %s: %w", dir, err)
 	}
 	return nil
+}
+
+// tmpGuard is WriteDir's handling of SIGINT and SIGTERM: an export or
+// init interrupted while it wrote (Ctrl-C, a scheduler's SIGTERM) left
+// its hidden .tmp-OUT-PID beside --out, as large as the model, which no
+// later run removes (another pid names its own). The first such signal
+// removes the temporary directory, if the renames into place have not
+// moved it (they run under mu, so a signal never lands between them),
+// then stops the handling and sends the signal again, to its own thread:
+// the process ends by it as it would have without the handler (the
+// shell's 128+N), or a handler of the caller's own gets it. Signals the
+// process ignores (a background job's SIGINT) stay ignored.
+type tmpGuard struct {
+	mu   sync.Mutex
+	ch   chan os.Signal
+	done chan struct{}
+	// ended is closed when the handling goroutine returns: WriteDir,
+	// which the write's failure (its directory removed) may end first,
+	// waits for the removal and the signal.
+	ended chan struct{}
+}
+
+func guardTmp(tmp string) *tmpGuard {
+	g := &tmpGuard{ch: make(chan os.Signal, 1), done: make(chan struct{}), ended: make(chan struct{})}
+	var sigs []os.Signal
+	for _, s := range []os.Signal{os.Interrupt, syscall.SIGTERM} {
+		if !signal.Ignored(s) {
+			sigs = append(sigs, s)
+		}
+	}
+	if len(sigs) == 0 {
+		close(g.ended)
+		return g
+	}
+	signal.Notify(g.ch, sigs...)
+	go func() {
+		defer close(g.ended)
+		select {
+		case sig := <-g.ch:
+			g.mu.Lock()
+			// Renamed first: the write may still be creating files in
+			// tmp, which RemoveAll would then fail to remove. Once the
+			// renames are done, tmp is no more.
+			trash := tmp + ".interrupted"
+			if os.Rename(tmp, trash) == nil {
+				os.RemoveAll(trash)
+			} else {
+				os.RemoveAll(tmp)
+			}
+			signal.Stop(g.ch)
+			g.mu.Unlock()
+			if s, ok := sig.(syscall.Signal); ok {
+				// To this thread: it takes the signal before Tgkill
+				// returns, so the process ends here, and WriteDir does not
+				// return (its write failed with its directory gone) and
+				// exit 1 first; with a handler of the caller's, it goes on.
+				runtime.LockOSThread()
+				syscall.Tgkill(os.Getpid(), syscall.Gettid(), s)
+				runtime.UnlockOSThread()
+			}
+		case <-g.done:
+		}
+	}()
+	return g
+}
+
+func (g *tmpGuard) stop() {
+	signal.Stop(g.ch)
+	close(g.done)
+	<-g.ended
 }
 
 // ErrNotReplaceable marks an output directory that exists and cannot be

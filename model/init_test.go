@@ -1,9 +1,13 @@
 package model
 
 import (
+	"bufio"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"strings"
@@ -271,4 +275,88 @@ func TestWriteDirForceKeepsData(t *testing.T) {
 	if got := names(t, model); got != "config.json" {
 		t.Errorf("forced replace holds %q, want config.json", got)
 	}
+}
+
+// TestWriteDirInterrupted: SIGINT or SIGTERM while WriteDir writes (an
+// export or init stopped with Ctrl-C, or by a scheduler) left the hidden
+// .tmp-OUT-PID beside the output, as large as the model, and no later
+// run removed it. Now the process still ends by the signal, and leaves
+// nothing beside the output; a forced replace leaves the old directory
+// as it was. The writer is a child process (this test binary) that
+// says when it is writing, then waits, or writes on until its directory
+// is gone and returns that error: the process must still end by the
+// signal, not exit 1. No timing is involved.
+func TestWriteDirInterrupted(t *testing.T) {
+	for _, c := range []struct {
+		sig         syscall.Signal
+		force, wait bool
+	}{{syscall.SIGINT, false, true}, {syscall.SIGTERM, false, true}, {syscall.SIGINT, true, true}, {syscall.SIGTERM, false, false}, {syscall.SIGINT, true, false}} {
+		parent := t.TempDir()
+		out := filepath.Join(parent, "out")
+		if c.force {
+			os.Mkdir(out, 0o755)
+			os.WriteFile(filepath.Join(out, "config.json"), []byte("old"), 0o644)
+		}
+		cmd := exec.Command(os.Args[0], "-test.run=^TestWriteDirInterruptedHelper$")
+		cmd.Env = append(os.Environ(), "WRITEDIR_HELPER_OUT="+out, fmt.Sprintf("WRITEDIR_HELPER_FORCE=%v", c.force), fmt.Sprintf("WRITEDIR_HELPER_WAIT=%v", c.wait))
+		stdout, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		stdin, err := cmd.StdinPipe() // never written: the helper waits on it
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() && sc.Text() != "writing" {
+		}
+		cmd.Process.Signal(c.sig)
+		for sc.Scan() {
+		}
+		cmd.Wait()
+		stdin.Close()
+		ws, _ := cmd.ProcessState.Sys().(syscall.WaitStatus)
+		if !ws.Signaled() || ws.Signal() != c.sig {
+			t.Errorf("%v (wait %v): the writer ended with %v, want killed by the signal", c.sig, c.wait, cmd.ProcessState)
+		}
+		want := ""
+		if c.force {
+			want = "out"
+			if b, _ := os.ReadFile(filepath.Join(out, "config.json")); string(b) != "old" {
+				t.Errorf("%v during a forced replace: the old directory holds %q", c.sig, b)
+			}
+		}
+		if got := names(t, parent); got != want {
+			t.Errorf("%v (force %v): %q beside the output, want %q", c.sig, c.force, got, want)
+		}
+	}
+}
+
+// TestWriteDirInterruptedHelper is TestWriteDirInterrupted's child.
+func TestWriteDirInterruptedHelper(t *testing.T) {
+	out := os.Getenv("WRITEDIR_HELPER_OUT")
+	if out == "" {
+		t.Skip("the child of TestWriteDirInterrupted")
+	}
+	err := WriteDir(out, os.Getenv("WRITEDIR_HELPER_FORCE") == "true", func(tmp string) error {
+		if err := os.WriteFile(filepath.Join(tmp, "model.safetensors"), make([]byte, 1<<20), 0o644); err != nil {
+			return err
+		}
+		fmt.Println("writing")
+		if os.Getenv("WRITEDIR_HELPER_WAIT") == "true" {
+			io.ReadAll(os.Stdin) // until the signal ends the process
+			return errors.New("not interrupted")
+		}
+		// As an export does: write on until the directory is gone, and
+		// return that error (WriteDir must not return it and exit 1).
+		for i := 0; ; i++ {
+			if err := os.WriteFile(filepath.Join(tmp, fmt.Sprintf("f%d", i%64)), make([]byte, 1<<16), 0o644); err != nil {
+				return err
+			}
+		}
+	})
+	t.Fatalf("WriteDir returned: %v", err)
 }
