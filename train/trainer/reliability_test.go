@@ -15,6 +15,7 @@ import (
 
 	"distill/cache"
 	"distill/cache/cachetest"
+	"distill/internal/testdirs"
 	"distill/model"
 	"distill/train/testcache"
 )
@@ -536,5 +537,26 @@ func TestResumeDamagedCheckpoint(t *testing.T) {
 	_, err = Run(tinyConfig(t, b, only, "train.max_steps=4", "checkpoint.every=2", "eval.every=0", "optim.warmup_steps=1"), Options{Log: io.Discard})
 	if !errors.Is(err, ErrResume) || !strings.HasSuffix(err.Error(), "and it is the run's only one: restore it from a copy, or start over in a new run_dir (--run-dir)") {
 		t.Fatalf("resume from the only checkpoint, damaged: %v", err)
+	}
+}
+
+// TestRunDirCannotBeMade: a run_dir that cannot be made said only "mkdir
+// DIR: not a directory" or "mkdir DIR: permission denied", naming neither
+// the setting nor the path at fault.
+func TestRunDirCannotBeMade(t *testing.T) {
+	b := testCache(t)
+	file := filepath.Join(t.TempDir(), "notes.txt")
+	os.WriteFile(file, []byte("x"), 0o644)
+	ro := testdirs.Unwritable(t)
+	give := ": give a directory this process can create and write (run_dir, or student train --run-dir)"
+	for _, c := range []struct{ dir, want string }{
+		{file, "run_dir " + file + ": " + file + " is a file, not a directory" + give},
+		{filepath.Join(file, "run"), "run_dir " + filepath.Join(file, "run") + ": " + file + " is a file, not a directory" + give},
+		{filepath.Join(ro, "run"), "run_dir " + filepath.Join(ro, "run") + ": cannot create " + filepath.Join(ro, "run") + " ("},
+	} {
+		_, err := Run(tinyConfig(t, b, c.dir, "train.max_steps=1", "optim.warmup_steps=0"), Options{Log: io.Discard})
+		if err == nil || !strings.HasPrefix(err.Error(), c.want) || !strings.HasSuffix(err.Error(), give) {
+			t.Errorf("run_dir %s: %v\nwant %s...%s", c.dir, err, c.want, give)
+		}
 	}
 }

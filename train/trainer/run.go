@@ -6,9 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
+	"syscall"
 	"time"
 
 	"distill/cache"
@@ -177,7 +179,7 @@ func (r *trainRun) lockRunDir() error {
 		return nil // rank 0 holds the run directory; the others only read its checkpoints
 	}
 	if err := os.MkdirAll(r.cfg.RunDir, 0o755); err != nil {
-		return err
+		return runDirError(r.cfg.RunDir, err)
 	}
 	lock, err := lockRunDir(r.cfg.RunDir)
 	if err != nil {
@@ -189,6 +191,25 @@ func (r *trainRun) lockRunDir() error {
 		os.RemoveAll(d)
 	}
 	return nil
+}
+
+// runDirError is the error of making run_dir dir, which said only
+// "mkdir DIR: not a directory" (or "permission denied"), naming neither
+// the setting nor the path at fault.
+func runDirError(dir string, err error) error {
+	const give = "give a directory this process can create and write (run_dir, or student train --run-dir)"
+	if errors.Is(err, syscall.ENOTDIR) || errors.Is(err, syscall.EEXIST) {
+		for p := filepath.Clean(dir); p != filepath.Dir(p); p = filepath.Dir(p) {
+			if fi, e := os.Stat(p); e == nil && !fi.IsDir() {
+				return fmt.Errorf("run_dir %s: %s is a file, not a directory: %s", dir, p, give)
+			}
+		}
+	}
+	var pe *fs.PathError
+	if errors.As(err, &pe) {
+		return fmt.Errorf("run_dir %s: cannot create %s (%v): %s", dir, pe.Path, pe.Err, give)
+	}
+	return fmt.Errorf("run_dir %s: %w", dir, err)
 }
 
 // openBackend opens the device the run trains on (train.device).
