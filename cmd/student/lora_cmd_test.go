@@ -2,11 +2,13 @@ package main
 
 import (
 	"encoding/json"
+	"fmt"
 	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"sort"
 	"strings"
 	"syscall"
 	"testing"
@@ -50,13 +52,25 @@ func TestLoRACLI(t *testing.T) {
 	if !strings.Contains(m[1], "--nproc-per-node 2") {
 		t.Fatalf("the resume command %q is not the job's: it has no --nproc-per-node 2", m[1])
 	}
-	sh := exec.Command("sh", "-c", m[1]+" --max-steps 5")
+	// The stop lands at a step boundary after the signal: step 2 or a
+	// later one on a loaded machine. The resume runs 3 steps past it.
+	cks, err := filepath.Glob(filepath.Join(run, "checkpoints", "step-*"))
+	if err != nil || len(cks) == 0 {
+		t.Fatalf("no checkpoint after SIGTERM (%v):\n%s", err, p.stderr.String())
+	}
+	sort.Strings(cks)
+	var stopped int
+	if _, err := fmt.Sscanf(filepath.Base(cks[len(cks)-1]), "step-%d", &stopped); err != nil {
+		t.Fatal(err)
+	}
+	target := stopped + 3
+	sh := exec.Command("sh", "-c", fmt.Sprintf("%s --max-steps %d", m[1], target))
 	sh.Env = append(os.Environ(), "STUDENT_TEST_MAIN=1")
 	out, err := sh.CombinedOutput()
-	if err != nil || !strings.Contains(string(out), "[rank 1] resumed from ") || !strings.Contains(string(out), "[rank 0] done: step 5") {
-		t.Fatalf("the printed resume command: %v, want both ranks resumed and done at step 5:\n%s", err, out)
+	if done := fmt.Sprintf("[rank 0] done: step %d", target); err != nil || !strings.Contains(string(out), "[rank 1] resumed from ") || !strings.Contains(string(out), done) {
+		t.Fatalf("the printed resume command: %v, want both ranks resumed from step %d and %q:\n%s", err, stopped, done, out)
 	}
-	ck := filepath.Join(run, "checkpoints", "step-00000005")
+	ck := filepath.Join(run, "checkpoints", fmt.Sprintf("step-%08d", target))
 	for _, f := range []string{"adapter_config.json", "adapter_model.safetensors"} {
 		if _, err := os.Stat(filepath.Join(ck, f)); err != nil {
 			t.Fatalf("the LoRA checkpoint: %v", err)
