@@ -112,23 +112,8 @@ func Reset(dir string, force bool, opts *Options) (ResetReport, error) {
 		return rep, fmt.Errorf("cache: reset: %w", err)
 	}
 	rep.Chunks, rep.Samples = int64(len(rs)), samples
-	names, err := fs.ReadDir(filepath.Join(dir, chunksDir))
-	if err != nil {
-		return rep, fmt.Errorf("cache: reset: %w", err)
-	}
-	for _, n := range names {
-		if err := fs.Remove(filepath.Join(dir, chunksDir, n)); err != nil {
-			return rep, fmt.Errorf("cache: reset: %w", err)
-		}
-		rep.Files = append(rep.Files, filepath.Join(chunksDir, n))
-	}
-	for _, n := range tmps {
-		if err := fs.RemoveAll(filepath.Join(dir, tmpDir, n)); err != nil {
-			return rep, fmt.Errorf("cache: reset: %w", err)
-		}
-		rep.Files = append(rep.Files, filepath.Join(tmpDir, n))
-	}
-	return rep, nil
+	err = removeChunksAndTmps(fs, dir, tmps, &rep)
+	return rep, err
 }
 
 // resetLost is Reset of dir, whose chunks/ holds files but whose index is
@@ -161,21 +146,29 @@ func resetLost(dir string, force bool, o Options, lost error) (ResetReport, erro
 			return rep, fmt.Errorf("%w: %s is in use by another process (a fill or teacherd writing to it holds %s/%s, named after its pid): stop that fill or teacherd first, then run reset again", ErrLocked, dir, tmpDir, n)
 		}
 	}
+	err = removeChunksAndTmps(fs, dir, tmps, &rep)
+	return rep, err
+}
+
+// removeChunksAndTmps is the end of a reset: every file of chunks/ and
+// the temporary directories tmps (of dead writers) removed, each named in
+// rep.Files as it goes.
+func removeChunksAndTmps(fs FS, dir string, tmps []string, rep *ResetReport) error {
 	names, err := fs.ReadDir(filepath.Join(dir, chunksDir))
 	if err != nil {
-		return rep, fmt.Errorf("cache: reset: %w", err)
+		return fmt.Errorf("cache: reset: %w", err)
 	}
 	for _, n := range names {
 		if err := fs.Remove(filepath.Join(dir, chunksDir, n)); err != nil {
-			return rep, fmt.Errorf("cache: reset: %w", err)
+			return fmt.Errorf("cache: reset: %w", err)
 		}
 		rep.Files = append(rep.Files, filepath.Join(chunksDir, n))
 	}
 	for _, n := range tmps {
 		if err := fs.RemoveAll(filepath.Join(dir, tmpDir, n)); err != nil {
-			return rep, fmt.Errorf("cache: reset: %w", err)
+			return fmt.Errorf("cache: reset: %w", err)
 		}
 		rep.Files = append(rep.Files, filepath.Join(tmpDir, n))
 	}
-	return rep, nil
+	return nil
 }
