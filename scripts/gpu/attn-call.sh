@@ -57,6 +57,13 @@ if [ -n "$wheel" ]; then
   export LD_LIBRARY_PATH
 fi
 export CUDNN_LOGLEVEL_DBG=1 CUDNN_LOGDEST_DBG="$work/cudnn-errors.log"
+# The suite's test binaries and kernel cache (gpu-suite.sh's defaults), and
+# the tests' target: the GPU, or the emulator in a dry run
+# (DISTILL_GPU_SUITE_EMU=1, examples/gpusuite_test.go).
+gpubin=${DISTILL_GPU_BIN:-/tmp/distill-gpu-bin}
+kcache=${DISTILL_KERNEL_CACHE:-/tmp/distill-kernel-cache}
+target=gpu
+[ "${DISTILL_GPU_SUITE_EMU:-}" = 1 ] && target=""
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env test attn goldens train-test train-resume train-bench)
 OUT="$work" DISTILL_BENCH_SHAPES=${DISTILL_BENCH_SHAPES:-qwen3-0.6b} SUITE_BUDGET=${SUITE_BUDGET:-300} \
@@ -104,32 +111,32 @@ for v in ${TRAIN_VARIANTS:-}; do
 done
 if [ -n "${EXTRA_TESTS:-}" ]; then # a -test.run pattern for cuda.test, then the same for train.test, trainer.test and decoder.test
   for b in cuda:compute/cuda train:train trainer:train/trainer decoder:model/decoder; do
-    ( cd "${b#*:}" && DISTILL_CUDA_TEST=gpu DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 60 /tmp/distill-gpu-bin/${b%%:*}.test \
+    ( cd "${b#*:}" && DISTILL_CUDA_TEST=$target DISTILL_KERNEL_CACHE=$kcache timeout 60 $gpubin/${b%%:*}.test \
         -test.v -test.count=1 -test.run "$EXTRA_TESTS" -test.timeout 55s ) >"$work/extra-${b%%:*}.log" 2>&1
     echo "extra-${b%%:*} rc=$?" >>"$work/status.txt"
   done
 fi
 if [ -n "${MEMCHECK_TESTS:-}" ] && command -v compute-sanitizer >/dev/null; then # a -test.run pattern for cuda.test under memcheck
-  ( cd compute/cuda && DISTILL_CUDA_TEST=gpu DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 90 \
-      compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 /tmp/distill-gpu-bin/cuda.test -test.v -test.count=1 \
+  ( cd compute/cuda && DISTILL_CUDA_TEST=$target DISTILL_KERNEL_CACHE=$kcache timeout 90 \
+      compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 $gpubin/cuda.test -test.v -test.count=1 \
       -test.run "$MEMCHECK_TESTS" -test.timeout 85s ) >"$work/extra-memcheck.log" 2>&1
   echo "extra-memcheck rc=$?" >>"$work/status.txt"
 fi
 attn_tests='TestAttentionConformance|TestAttentionBackwardConformance|TestAttentionMMASteps|TestCudnnAttentionConformance'
 if [ "${SANITIZE:-}" = 1 ] && command -v compute-sanitizer >/dev/null; then
-  ( cd compute/cuda && DISTILL_CUDA_TEST=gpu DISTILL_RACECHECK=1 DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 75 \
-      compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 /tmp/distill-gpu-bin/cuda.test -test.v -test.count=1 \
+  ( cd compute/cuda && DISTILL_CUDA_TEST=$target DISTILL_RACECHECK=1 DISTILL_KERNEL_CACHE=$kcache timeout 75 \
+      compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 $gpubin/cuda.test -test.v -test.count=1 \
       -test.run "$attn_tests" -test.timeout 70s ) >"$work/attn-memcheck.log" 2>&1
   echo "attn-memcheck rc=$?" >>"$work/status.txt"
-  ( cd compute/cuda && DISTILL_CUDA_TEST=gpu DISTILL_RACECHECK=1 DISTILL_CUDA_ATTN=mma DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 90 \
-      compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 3 --print-limit 20 /tmp/distill-gpu-bin/cuda.test -test.v \
+  ( cd compute/cuda && DISTILL_CUDA_TEST=$target DISTILL_RACECHECK=1 DISTILL_CUDA_ATTN=mma DISTILL_KERNEL_CACHE=$kcache timeout 90 \
+      compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 3 --print-limit 20 $gpubin/cuda.test -test.v \
       -test.count=1 -test.run 'TestAttentionConformance|TestAttentionBackwardConformance|TestAttentionMMASteps' -test.skip '/cudnn' \
       -test.timeout 85s ) >"$work/attn-racecheck.log" 2>&1
   echo "attn-racecheck rc=$?" >>"$work/status.txt"
 fi
 if [ -n "$system" ] && [ "$system" != "$wheel" ] && [ "${SKIP_SYSTEM_CUDNN:-}" != 1 ]; then
-  ( cd compute/cuda && DISTILL_LIBCUDNN=$system CUDNN_LOGDEST_DBG="$work/cudnn-errors-system.log" DISTILL_CUDA_TEST=gpu \
-      DISTILL_KERNEL_CACHE=/tmp/distill-kernel-cache timeout 40 /tmp/distill-gpu-bin/cuda.test -test.v -test.count=1 \
+  ( cd compute/cuda && DISTILL_LIBCUDNN=$system CUDNN_LOGDEST_DBG="$work/cudnn-errors-system.log" DISTILL_CUDA_TEST=$target \
+      DISTILL_KERNEL_CACHE=$kcache timeout 40 $gpubin/cuda.test -test.v -test.count=1 \
       -test.run 'TestCudnn' -test.timeout 35s ) >"$work/cudnn-system.log" 2>&1
   echo "cudnn-system rc=$?" >>"$work/status.txt"
 fi
