@@ -52,7 +52,7 @@ func exportCtx(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	var dirs cacheDirs
 	fs.Var(&dirs, "cache", "cache directory (repeatable)")
 	format := fs.String("format", "", "jsonl or parquet (default: parquet for an --out ending in .parquet, else jsonl)")
-	out := fs.String("out", "", "output file (default: stdout)")
+	out := fs.String("out", "", "output file, outside the cache directories (default: stdout)")
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
 	}
@@ -71,6 +71,11 @@ func exportCtx(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return cli.Usagef("--format %q: want jsonl or parquet", *format)
 	case *format == "jsonl" && ext == ".parquet", *format == "parquet" && (ext == ".jsonl" || ext == ".json"):
 		return cli.Usagef("--format %s with --out %s: the file's extension says the other format; give --out a name that ends in .%s, or leave out --format", *format, *out, *format)
+	}
+	if *out != "" {
+		if err := checkOutOutsideCaches(*out, dirs, *format); err != nil {
+			return err
+		}
 	}
 	r, err := openCacheReader(dirs)
 	if err != nil {
@@ -156,6 +161,58 @@ func exportCtx(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return fmt.Errorf("--out: %w", err)
 	}
 	return nil
+}
+
+// checkOutOutsideCaches refuses, before any cache is opened, an --out
+// that is one of the cache directories read or lies inside one (its
+// index/ or chunks/): the export's file was renamed into the cache's own
+// files, and an --out of index/MANIFEST broke the index. Symbolic links
+// are followed as the write would follow them.
+func checkOutOutsideCaches(out string, dirs []string, format string) error {
+	o, err := resolvedPath(out)
+	if err != nil {
+		return nil // the write names what is wrong with --out
+	}
+	for _, d := range dirs {
+		abs, err := filepath.Abs(d)
+		if err != nil {
+			continue
+		}
+		real, err := filepath.EvalSymlinks(abs)
+		if err != nil {
+			continue // opening the cache names it
+		}
+		rel, err := filepath.Rel(real, o)
+		if err != nil || !filepath.IsLocal(rel) {
+			continue
+		}
+		alt := filepath.Clean(d)
+		if alt == "." || alt == ".." || alt == string(filepath.Separator) {
+			alt = abs
+		}
+		return cli.Usagef("--out %s is inside --cache %s, the cache directory being exported: the export would be written among the cache's own files and damage it; nothing was written: give a path outside it, e.g. --out %s.%s",
+			out, d, alt, format)
+	}
+	return nil
+}
+
+// resolvedPath is path made absolute with the symbolic links of its
+// longest existing part resolved (the file need not exist yet).
+func resolvedPath(path string) (string, error) {
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return "", err
+	}
+	rest := ""
+	for p := abs; ; p = filepath.Dir(p) {
+		if real, err := filepath.EvalSymlinks(p); err == nil {
+			return filepath.Join(real, rest), nil
+		}
+		if filepath.Dir(p) == p {
+			return abs, nil
+		}
+		rest = filepath.Join(filepath.Base(p), rest)
+	}
 }
 
 // outWriter keeps the first error of writing the export's output, so

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
 	"strings"
@@ -160,4 +161,67 @@ func TestExportFormatFromOut(t *testing.T) {
 			t.Errorf("--format %s --out %s: %v (exit %d), want a usage error naming both", c[0], c[1], err, cli.ExitStatus(err))
 		}
 	}
+}
+
+// TestExportOutInsideCache: an --out that is a cache directory being
+// read, or lies inside one (its index/ or chunks/, through a symbolic
+// link too), is refused before anything is read or written, naming both
+// and a path outside: `--out CACHE/index/MANIFEST` replaced the index's
+// manifest with the export, and the cache no longer opened.
+func TestExportOutInsideCache(t *testing.T) {
+	a, b := makeCtlCaches(t, cache.EncodingCompact, nil)
+	before := treeFiles(t, a, b)
+	link := filepath.Join(t.TempDir(), "link")
+	if err := os.Symlink(filepath.Join(b, "chunks"), link); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ out, cache string }{
+		{filepath.Join(a, "index", "MANIFEST"), a},
+		{filepath.Join(a, "index", "new.jsonl"), a},
+		{filepath.Join(a, "chunks", "x.parquet"), a},
+		{filepath.Join(a, "x.jsonl"), a},
+		{a, a},
+		{filepath.Join(b, "index", "MANIFEST"), b},
+		{filepath.Join(link, "x.jsonl"), b},
+	} {
+		_, err := run(t, wrap(exportMain), "--cache", a, "--cache", b, "--out", tc.out)
+		format := "jsonl"
+		if strings.HasSuffix(tc.out, ".parquet") {
+			format = "parquet"
+		}
+		want := "--out " + tc.out + " is inside --cache " + tc.cache + ", the cache directory being exported"
+		if cli.ExitStatus(err) != 2 || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "e.g. --out "+tc.cache+"."+format) {
+			t.Errorf("export --out %s: %v (exit %d); want exit 2 with %q and a path outside", tc.out, err, cli.ExitStatus(err), want)
+		}
+	}
+	if after := treeFiles(t, a, b); !maps.Equal(before, after) {
+		t.Errorf("refused exports changed the caches: %d files before, %d after", len(before), len(after))
+	}
+	out := a + ".jsonl" // beside the cache, as the error suggests
+	if _, err := run(t, wrap(exportMain), "--cache", a, "--out", out); err != nil {
+		t.Fatalf("export --out beside the cache: %v", err)
+	}
+	if _, err := run(t, wrap(verifyMain), "--cache", a); err != nil {
+		t.Errorf("verify after the exports: %v", err)
+	}
+}
+
+// treeFiles is the content of every file under dirs, by path.
+func treeFiles(t *testing.T, dirs ...string) map[string]string {
+	t.Helper()
+	files := map[string]string{}
+	for _, d := range dirs {
+		err := filepath.WalkDir(d, func(p string, e os.DirEntry, err error) error {
+			if err != nil || e.IsDir() {
+				return err
+			}
+			b, err := os.ReadFile(p)
+			files[p] = string(b)
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	return files
 }
