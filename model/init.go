@@ -1,6 +1,7 @@
 package model
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -256,6 +257,55 @@ func checkOut(dir string, force bool) (exists bool, err error) {
 // replacing an earlier model; `student export --out CACHE --force`
 // removed a cache, the hours of teacher compute in it, and exited 0.
 func checkReplaceable(dir string, ents []os.DirEntry) error {
+	_, what := classifyEntries(ents)
+	if what == "" {
+		return nil
+	}
+	alt := filepath.Clean(dir)
+	if abs, err := filepath.Abs(alt); err == nil && (alt == "." || alt == "..") {
+		alt = abs
+	}
+	return errkind.Errorf(ErrNotReplaceable, "%s %s: only a model directory is replaced (--force), and this one's data would be lost; nothing was removed: choose a new directory, e.g. %s-model",
+		dir, what, alt)
+}
+
+// A DirKind is what ClassifyDir finds a directory to be.
+type DirKind int
+
+const (
+	DirOther DirKind = iota // none of the below: missing, empty, or anything else
+	DirCache                // a teacher cache: index/ and chunks/
+	DirRun                  // a student train run directory: checkpoints/
+	DirModel                // an HF model: model.safetensors, or a config.json naming model_type or architectures
+)
+
+// ClassifyDir says what dir is, and says it in words that follow dir's
+// name in an error ("is a teacher cache (index/ and chunks/, as cachectl
+// fill writes them)"), as WriteDir's refusals do: a teacher cache, then a
+// student train run directory, then an HF model directory, else
+// DirOther and "". A directory that is more than one (a run trained into
+// a model's directory) is the first of these.
+func ClassifyDir(dir string) (DirKind, string) {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return DirOther, ""
+	}
+	if k, what := classifyEntries(ents); k != DirOther {
+		return k, what
+	}
+	for _, name := range []string{"config.json", "model.safetensors"} {
+		if IsModelFile(filepath.Join(dir, name)) {
+			return DirModel, "is an HF model directory (it holds " + name + ")"
+		}
+	}
+	return DirOther, ""
+}
+
+// classifyEntries is what a directory holding ents is, of those that are
+// not a model's (WriteDir never replaces them): a teacher cache, a run
+// directory (DirCache, DirRun), one holding directories or dataset files
+// (DirOther with its words), or none of these (DirOther, "").
+func classifyEntries(ents []os.DirEntry) (DirKind, string) {
 	has := map[string]bool{}
 	var sub, data []string
 	for _, e := range ents {
@@ -267,27 +317,41 @@ func checkReplaceable(dir string, ents []os.DirEntry) error {
 			data = append(data, e.Name())
 		}
 	}
-	var what string
 	switch {
 	case has["index"] && has["chunks"]:
-		what = "is a teacher cache (index/ and chunks/, as cachectl fill writes them)"
+		return DirCache, "is a teacher cache (index/ and chunks/, as cachectl fill writes them)"
 	case has["checkpoints"]:
-		what = "is a student train run directory (checkpoints/)"
+		return DirRun, "is a student train run directory (checkpoints/)"
 	case len(sub) > 0:
 		sort.Strings(sub)
-		what = "holds directories (" + strings.Join(sub, ", ") + "), which no model written by student init or export holds"
+		return DirOther, "holds directories (" + strings.Join(sub, ", ") + "), which no model written by student init or export holds"
 	case len(data) > 0:
 		sort.Strings(data)
-		what = "holds dataset files (" + strings.Join(data, ", ") + ")"
-	default:
-		return nil
+		return DirOther, "holds dataset files (" + strings.Join(data, ", ") + ")"
 	}
-	alt := filepath.Clean(dir)
-	if abs, err := filepath.Abs(alt); err == nil && (alt == "." || alt == "..") {
-		alt = abs
+	return DirOther, ""
+}
+
+// IsModelFile reports whether path is a model's file: model.safetensors,
+// or a config.json that names a model_type or architectures, as an HF
+// model's does (a project's config.json does not make its directory a
+// model's).
+func IsModelFile(path string) bool {
+	if filepath.Base(path) != "config.json" {
+		_, err := os.Stat(path)
+		return err == nil
 	}
-	return errkind.Errorf(ErrNotReplaceable, "%s %s: only a model directory is replaced (--force), and this one's data would be lost; nothing was removed: choose a new directory, e.g. %s-model",
-		dir, what, alt)
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return false
+	}
+	var keys map[string]json.RawMessage
+	if json.Unmarshal(b, &keys) != nil {
+		return false
+	}
+	_, mt := keys["model_type"]
+	_, arch := keys["architectures"]
+	return mt || arch
 }
 
 // dataFile reports whether name is a dataset's or a cache chunk's file,

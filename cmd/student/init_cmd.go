@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -369,7 +368,7 @@ func checkOutNotInModel(out string) error {
 		}
 		d = parent
 		for _, name := range []string{"config.json", "model.safetensors"} {
-			if isModelFile(filepath.Join(d, name)) {
+			if model.IsModelFile(filepath.Join(d, name)) {
 				named := d
 				if abs, err := filepath.Abs(d); err == nil && d == "." {
 					named = abs
@@ -379,27 +378,6 @@ func checkOutNotInModel(out string) error {
 			}
 		}
 	}
-}
-
-// isModelFile reports whether path is a model's file: model.safetensors,
-// or a config.json that names a model_type or architectures, as an HF
-// model's does.
-func isModelFile(path string) bool {
-	if filepath.Base(path) != "config.json" {
-		_, err := os.Stat(path)
-		return err == nil
-	}
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return false
-	}
-	var keys map[string]json.RawMessage
-	if json.Unmarshal(b, &keys) != nil {
-		return false
-	}
-	_, mt := keys["model_type"]
-	_, arch := keys["architectures"]
-	return mt || arch
 }
 
 // checkInitFits refuses, before anything is allocated or written, a

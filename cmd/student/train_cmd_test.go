@@ -9,6 +9,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -328,5 +329,44 @@ func TestTrainConfigErrorNamesFlags(t *testing.T) {
 	want = `--set model.random.arch=qwen3 --set data.cache=[x] --run-dir "` + run + `" --threads -2: train.threads: -2: want >= 0`
 	if err == nil || err.Error() != want {
 		t.Errorf("no --config, --threads -2: %v\nwant %s", err, want)
+	}
+}
+
+// TestTrainRefusesCacheOrModelRunDir: a run_dir that is a teacher cache
+// (index/ and chunks/) or an HF model directory (config.json naming a
+// model_type, model.safetensors) is refused before anything is written
+// in it, naming what it is and a new directory: the run wrote its
+// checkpoints/, config.yaml, metrics.jsonl and tb/ among their files.
+// A directory that holds a run (checkpoints/) is still accepted: that is
+// how a run resumes.
+func TestTrainRefusesCacheOrModelRunDir(t *testing.T) {
+	dir := t.TempDir()
+	b := sigCache(t, dir)
+	cfg := filepath.Join(dir, "run.yaml")
+	os.WriteFile(cfg, []byte(strings.Replace(sigConfig, "max_steps: 1000000000", "max_steps: 2", 1)), 0o644)
+	mdir := filepath.Join(dir, "model")
+	if err := runInit([]string{"--out", mdir, "--vocab", "97", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--intermediate", "64", "--max-pos", "128"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ runDir, what string }{
+		{b.CacheDir, "is a teacher cache (index/ and chunks/"},
+		{mdir, "is an HF model directory (it holds config.json)"},
+	} {
+		before := dirNames(t, tc.runDir)
+		err := runTrain([]string{"--config", cfg, "--run-dir", tc.runDir, "--cache", b.CacheDir})
+		want := "run_dir " + tc.runDir + " " + tc.what
+		if !errors.Is(err, trainer.ErrConfig) || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "nothing was written") || !strings.Contains(err.Error(), "e.g. "+tc.runDir+"-run") {
+			t.Errorf("train --run-dir %s: %v; want a config error with %q, saying nothing was written and naming a new directory", tc.runDir, err, want)
+		}
+		if after := dirNames(t, tc.runDir); !slices.Equal(before, after) {
+			t.Errorf("train --run-dir %s refused, but it now holds %v (before: %v)", tc.runDir, after, before)
+		}
+	}
+	run := filepath.Join(dir, "run")
+	if err := runTrain([]string{"--config", cfg, "--run-dir", run, "--cache", b.CacheDir}); err != nil {
+		t.Fatal(err)
+	}
+	if err := runTrain([]string{"--config", cfg, "--run-dir", run, "--cache", b.CacheDir, "--max-steps", "3", "--resume", "must"}); err != nil {
+		t.Fatalf("resuming a run in its run directory: %v", err)
 	}
 }

@@ -16,6 +16,7 @@ import (
 	"distill/cache"
 	"distill/compute/device"
 	"distill/data"
+	"distill/model"
 	"distill/model/decoder"
 	"distill/train"
 	"distill/train/loss"
@@ -138,7 +139,7 @@ func (r *trainRun) close() {
 // setup runs every stage before step 1, in the order their checks must
 // come: done is true for a run with nothing left to do.
 func (r *trainRun) setup() (done bool, err error) {
-	for _, stage := range []func() error{r.openData, r.lockRunDir, r.openBackend, r.joinRanks, r.loadStudent, r.openSource, r.checkData, r.openEvalCache} {
+	for _, stage := range []func() error{r.checkRunDir, r.openData, r.lockRunDir, r.openBackend, r.joinRanks, r.loadStudent, r.openSource, r.checkData, r.openEvalCache} {
 		if err := stage(); err != nil {
 			return false, err
 		}
@@ -168,6 +169,24 @@ func (r *trainRun) openData() error {
 	src, err := newSource(r.cfg, r.log)
 	r.src = src
 	return err
+}
+
+// checkRunDir refuses, before anything is written, a run_dir that is a
+// teacher cache or an HF model directory (model.ClassifyDir): the run's
+// config.yaml, metrics.jsonl, tb/ and checkpoints/ went in among their
+// files. A run directory (checkpoints/) is accepted: a run resumes in it.
+func (r *trainRun) checkRunDir() error {
+	dir := r.cfg.RunDir
+	kind, what := model.ClassifyDir(dir)
+	if kind != model.DirCache && kind != model.DirModel {
+		return nil
+	}
+	alt := filepath.Clean(dir)
+	if abs, err := filepath.Abs(alt); err == nil && (alt == "." || alt == ".." || alt == string(filepath.Separator)) {
+		alt = abs
+	}
+	return errkind.Errorf(ErrConfig, "run_dir %s %s: a run writes its checkpoints/, config.yaml and metrics.jsonl into run_dir, which would mix them with that directory's files; nothing was written: give a new directory (run_dir, or student train --run-dir), e.g. %s-run",
+		dir, what, alt)
 }
 
 // lockRunDir makes the run directory and takes its lock, then removes
