@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
@@ -124,6 +125,11 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
+	if *teachers != "" {
+		if err := checkDaemonPaths(srcs); err != nil {
+			return err
+		}
+	}
 	if *modelDir != "" {
 		for _, s := range srcs {
 			if _, err := os.Stat(s.Path); os.IsNotExist(err) {
@@ -207,6 +213,27 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		err = fmt.Errorf("%w\n(fix the record and run the same command to resume, or add --skip-bad to store bad records as empty samples, counted in the fill's log)", err)
 	}
 	return err
+}
+
+// checkDaemonPaths refuses a relative --data path of a fill through
+// daemons, before any is dialed: a daemon opens the path on its own
+// machine, from its own working directory, and takes only an absolute
+// path under its --data-root. The path is not resolved here: the daemon
+// may be another machine (a loopback address too, through an SSH
+// tunnel), where this machine's absolute path names another file or
+// none; the error gives it for the user to check and copy.
+func checkDaemonPaths(srcs []data.Source) error {
+	for _, s := range srcs {
+		if filepath.IsAbs(s.Path) {
+			continue
+		}
+		abs, err := filepath.Abs(s.Path)
+		if err != nil {
+			return cli.Usagef("--data %s is a relative path: a daemon (--teacher) opens --data on its own machine, and takes only an absolute path under its --data-root: give the absolute path as the daemon sees it", s.Path)
+		}
+		return cli.Usagef("--data %s is a relative path: a daemon (--teacher) opens --data on its own machine, and takes only an absolute path under its --data-root: give the absolute path as the daemon sees it, e.g. --data %s (this machine's path; a daemon on another machine may see the file elsewhere)", s.Path, abs)
+	}
+	return nil
 }
 
 // isTerminal reports whether w is a character device (a progress bar is

@@ -95,3 +95,38 @@ func TestFillErrorsSayFillOnce(t *testing.T) {
 		}
 	}
 }
+
+// TestFillTeacherRelativeData: a fill through a daemon with a relative
+// --data is a usage error that gives the absolute path the relative one
+// is on this machine, before any daemon is asked: the daemon refused it
+// ("is relative: give the absolute path as the daemon sees it") and the
+// user had to work the path out. The path it gives is the one a daemon
+// on this machine reads.
+func TestFillTeacherRelativeData(t *testing.T) {
+	dir := t.TempDir()
+	mdir := fillModel(t, 64)
+	dpath := filepath.Join(dir, "ids.jsonl")
+	writeIDs(t, dpath, idSamples(6, 64))
+	wd, err := os.Getwd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rel, err := filepath.Rel(wd, dpath)
+	if err != nil || filepath.IsAbs(rel) {
+		t.Fatalf("no relative path to %s from %s: %q %v", dpath, wd, rel, err)
+	}
+	d, err := serve.Start(serve.Config{Model: mdir, Cache: filepath.Join(dir, "cache"), DataRoots: []string{dir}, Listen: "127.0.0.1:0", Metrics: "off", Device: "cpu"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Shutdown(context.Background())
+	fill := []string{"--teacher", d.Addr(), "--pretokenized", "--chunk", "3", "--retry-for", "0s"}
+	out, err := runFill(t, append(fill, "--data", rel)...)
+	want := "--data " + rel + " is a relative path: a daemon (--teacher) opens --data on its own machine"
+	if cli.ExitStatus(err) != 2 || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "e.g. --data "+dpath+" (this machine's path") {
+		t.Fatalf("fill --teacher --data %s: %v (exit %d)\n%s\nwant exit 2 with %q and --data %s", rel, err, cli.ExitStatus(err), out, want, dpath)
+	}
+	if out, err := runFill(t, append(fill, "--data", dpath)...); err != nil {
+		t.Fatalf("fill --teacher --data %s, the path the error gave: %v\n%s", dpath, err, out)
+	}
+}
