@@ -76,7 +76,12 @@ func rankOf(env dist.Env, cfg *trainer.Config, stop <-chan struct{}) (p *trainer
 	join := func(be compute.Backend) (compute.Collective, error) {
 		cb, ok := be.(compute.Collectives)
 		if !ok {
-			return nil, fmt.Errorf("data-parallel training runs on GPUs through NCCL, and train.device %q opened the %s backend, which has no collectives: set train.device: cuda", cfg.Train.Device, be.Name())
+			// An unset train.device is auto: it printed as train.device "".
+			dev := cfg.Train.Device
+			if dev == "" {
+				dev = "auto (the default)"
+			}
+			return nil, fmt.Errorf("data-parallel training runs on GPUs through NCCL, and train.device %s opened the %s backend, which has no collectives: set train.device: cuda", dev, be.Name())
 		}
 		o := dist.Options{Config: flat, Token: token, Log: os.Stderr}
 		if env.Rank == 0 {

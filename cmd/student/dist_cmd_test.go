@@ -34,40 +34,48 @@ func TestWithoutFlag(t *testing.T) {
 // TestTrainNProcPerNode: `student train --nproc-per-node 2` starts two
 // ranks of this binary, prefixed in its output; on the CPU, which has no
 // collectives, each rank stops saying that data-parallel training needs
-// train.device cuda (NCCL), and the job fails naming a rank. (On the CUDA
-// emulator, with its NCCL stand-in, the ranks train: package trainer's
-// TestCUDADataParallel.)
+// train.device cuda (NCCL), and the job fails naming a rank. The error
+// names the device setting in effect: an unset train.device is auto, the
+// default (it said train.device ""), here with no CUDA driver to open.
+// (On the CUDA emulator, with its NCCL stand-in, the ranks train: package
+// trainer's TestCUDADataParallel.)
 func TestTrainNProcPerNode(t *testing.T) {
 	dir := t.TempDir()
 	b, err := testcache.Build(testcache.Options{Dir: filepath.Join(dir, "cache"), Vocab: 97, K: 8, Samples: 16, Chunk: 8, MinLen: 6, MaxLen: 30, Seed: 3})
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := filepath.Join(dir, "run.yaml")
-	os.WriteFile(cfg, []byte(`run_dir: `+filepath.Join(dir, "run")+`
+	t.Setenv("DISTILL_LIBCUDA", filepath.Join(dir, "libcuda.so.1")) // auto: the CPU, on a GPU's machine too
+	for _, tc := range []struct{ device, said string }{
+		{", device: cpu", "train.device cpu opened the cpu backend"},
+		{"", "train.device auto (the default) opened the cpu backend"},
+	} {
+		cfg := filepath.Join(dir, "run.yaml")
+		os.WriteFile(cfg, []byte(`run_dir: `+filepath.Join(dir, "run")+`
 model:
   random: {arch: qwen3, vocab_size: 97, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,
            num_key_value_heads: 1, head_dim: 16, intermediate_size: 64, max_position_embeddings: 128}
   tokenizer_fingerprint: testcache-tokenizer
 data: {cache: [`+b.CacheDir+`], seq_len: 64, global_batch_tokens: 128}
-train: {max_steps: 2, threads: 1, device: cpu}
+train: {max_steps: 2, threads: 1`+tc.device+`}
 log: {progress: "off"}
 `), 0o644)
-	// On the CPU there are no collectives: each rank says what to set.
-	p := startStudent(t, "train", "--config", cfg, "--nproc-per-node", "2")
-	if code := p.wait(t); code != 1 {
-		t.Fatalf("exit status %d, want 1; stderr:\n%s", code, p.stderr.String())
-	}
-	out := p.stderr.String()
-	for _, want := range []string{
-		"[rank 0] student train: rank 0 of 2",
-		"[rank 1] student train: rank 1 of 2",
-		"data-parallel training runs on GPUs through NCCL",
-		"set train.device: cuda",
-		"exited with status 1",
-	} {
-		if !strings.Contains(out, want) {
-			t.Errorf("stderr lacks %q:\n%s", want, out)
+		// On the CPU there are no collectives: each rank says what to set.
+		p := startStudent(t, "train", "--config", cfg, "--nproc-per-node", "2")
+		if code := p.wait(t); code != 1 {
+			t.Fatalf("exit status %d, want 1; stderr:\n%s", code, p.stderr.String())
+		}
+		out := p.stderr.String()
+		for _, want := range []string{
+			"[rank 0] student train: rank 0 of 2",
+			"[rank 1] student train: rank 1 of 2",
+			"data-parallel training runs on GPUs through NCCL, and " + tc.said + ", which has no collectives",
+			"set train.device: cuda",
+			"exited with status 1",
+		} {
+			if !strings.Contains(out, want) {
+				t.Errorf("stderr lacks %q:\n%s", want, out)
+			}
 		}
 	}
 }
