@@ -370,3 +370,31 @@ func TestTrainRefusesCacheOrModelRunDir(t *testing.T) {
 		t.Fatalf("resuming a run in its run directory: %v", err)
 	}
 }
+
+// TestTrainEvalRangeAsWritten: the errors that name data.eval_range
+// print it as a config writes it, [100, 200], not as Go prints a slice
+// ([100 200]): a range past the cache, a range backwards, and a resume
+// whose range is not the run's.
+func TestTrainEvalRangeAsWritten(t *testing.T) {
+	dir := t.TempDir()
+	b := sigCache(t, dir) // 48 samples
+	cfg := filepath.Join(dir, "run.yaml")
+	os.WriteFile(cfg, []byte(strings.Replace(sigConfig, "max_steps: 1000000000", "max_steps: 1", 1)), 0o644)
+	run := filepath.Join(dir, "run")
+	for _, tc := range []struct{ set, want string }{
+		{"data.eval_range=[100, 200]", "data.eval_range [100, 200] is past the cache's 48 samples"},
+		{"data.eval_range=[20, 10]", "data.eval_range: [20, 10]: want [start, end) with 0 <= start < end"},
+	} {
+		err := runTrain([]string{"--config", cfg, "--run-dir", run, "--cache", b.CacheDir, "--set", tc.set})
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("train --set %s: %v; want %q", tc.set, err, tc.want)
+		}
+	}
+	if err := runTrain([]string{"--config", cfg, "--run-dir", run, "--cache", b.CacheDir}); err != nil {
+		t.Fatal(err)
+	}
+	err := runTrain([]string{"--config", cfg, "--run-dir", run, "--cache", b.CacheDir, "--max-steps", "2", "--set", "data.eval_range=[0, 16]"})
+	if want := "was trained with data.eval_range = [0, 8], the config says [0, 16]"; err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("resume with another data.eval_range: %v; want %q", err, want)
+	}
+}

@@ -210,7 +210,7 @@ func (st *State) checkBatching(cfg *Config, ckpt string) error {
 		{"data.global_batch_tokens", st.GlobalBatchTokens, d.GlobalBatchTokens},
 		{"data.shuffle_window", st.ShuffleWindow, d.ShuffleWindow},
 		{"data.truncate", st.Truncate, d.Truncate},
-		{"data.eval_range", fmt.Sprint(st.EvalRange), fmt.Sprint(d.EvalRange)},
+		{"data.eval_range", yamlInts(st.EvalRange), yamlInts(d.EvalRange)},
 		{"distill.chunk_samples", st.ChunkSamples, onlineChunks(cfg)},
 	} {
 		if fmt.Sprint(f.old) != fmt.Sprint(f.new) {

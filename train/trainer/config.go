@@ -12,6 +12,7 @@ import (
 	"reflect"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -1017,7 +1018,7 @@ func (c *Config) Validate() error {
 	case c.Data.GlobalBatchTokens <= 0:
 		return bad("data.global_batch_tokens", "%d: want > 0", c.Data.GlobalBatchTokens)
 	case len(c.Data.EvalRange) != 0 && (len(c.Data.EvalRange) != 2 || c.Data.EvalRange[0] < 0 || c.Data.EvalRange[1] <= c.Data.EvalRange[0]):
-		return bad("data.eval_range", "%v: want [start, end) with 0 <= start < end", c.Data.EvalRange)
+		return bad("data.eval_range", "%s: want [start, end) with 0 <= start < end", yamlInts(c.Data.EvalRange))
 	case c.Train.MaxSteps <= 0:
 		return bad("train.max_steps", "%d: want > 0", c.Train.MaxSteps)
 	case c.Train.Threads < 0:
@@ -1279,6 +1280,19 @@ func (c *Config) validateDistill() error {
 	return nil
 }
 
+// yamlInts is v as a config writes it, a YAML flow sequence ("[100,
+// 200]"), not as Go prints a slice ("[100 200]"); "none" when empty.
+func yamlInts(v []int64) string {
+	if len(v) == 0 {
+		return "none"
+	}
+	s := make([]string, len(v))
+	for i, x := range v {
+		s[i] = strconv.FormatInt(x, 10)
+	}
+	return "[" + strings.Join(s, ", ") + "]"
+}
+
 // ValidateEval names the first bad key among those evaluation uses: the
 // distill section, data.seq_len, data.eval_range and data.dataset.
 func (c *Config) ValidateEval() error {
@@ -1286,7 +1300,7 @@ func (c *Config) ValidateEval() error {
 	case d.SeqLen <= 0:
 		return errkind.Errorf(ErrConfig, "data.seq_len: %d: want > 0", d.SeqLen)
 	case len(d.EvalRange) != 0 && (len(d.EvalRange) != 2 || d.EvalRange[0] < 0 || d.EvalRange[1] <= d.EvalRange[0]):
-		return errkind.Errorf(ErrConfig, "data.eval_range: %v: want [start, end) with 0 <= start < end", d.EvalRange)
+		return errkind.Errorf(ErrConfig, "data.eval_range: %s: want [start, end) with 0 <= start < end", yamlInts(d.EvalRange))
 	}
 	if c.Data.Dataset != nil {
 		if err := c.validateDataset(); err != nil {

@@ -362,7 +362,7 @@ func (r *trainRun) checkData() error {
 		if kind == "" {
 			kind = "source"
 		}
-		return errkind.Errorf(ErrConfig, "data.eval_range %v is past the %s's %d samples", cfg.Data.EvalRange, kind, m.Samples)
+		return errkind.Errorf(ErrConfig, "data.eval_range %s is past the %s's %d samples", yamlInts(cfg.Data.EvalRange), kind, m.Samples)
 	}
 	r.evalR = r.held
 	if cfg.Eval.MaxSamples > 0 {
