@@ -290,6 +290,23 @@ func evalRange(rng string, cfg *trainer.Config, st *trainer.State, configGiven b
 	return r, rs, nil
 }
 
+// rangeError is err, a range past the samples (trainer.RangeError: a
+// dataset's are counted only once it is read), said in the terms of
+// where the range came from: `--range "0:500"`, as the flag's own check
+// says it, or the data.eval_range it was ([0, 500], as written), not
+// "sample range [0, 500)".
+func (rs rangeSource) rangeError(err error, rng string) error {
+	var re *trainer.RangeError
+	if !errors.As(err, &re) {
+		return err
+	}
+	if rs.from == "--range" {
+		return errkind.Reword(trainer.ErrConfig, err, "--range %q: want START:END with 0 <= START < END <= %d (%s)", rng, re.Samples, re.Of)
+	}
+	// As the config writes the key: [start, end].
+	return errkind.Reword(trainer.ErrConfig, err, "%s [%d, %d]: want 0 <= start < end <= %d (%s): give --range START:END within them", rs.from, re.Range.Start, re.Range.End, re.Samples, re.Of)
+}
+
 // heldOut says whether the checkpoint's run held r out of training:
 // yes, no, partly, or unknown (the checkpoint records no training run).
 func (rs rangeSource) heldOut(r cache.Range) string {
@@ -401,7 +418,7 @@ func evalTeachers(s *train.Student, st *trainer.State, cfg *trainer.Config, conf
 	}
 	es, err := trainer.EvaluateTeachers(s, fp, tcs, r, cfg.Data.SeqLen, cfg.Data.Truncate, &lo)
 	if err != nil {
-		return rowLenError(err, seqLen, configGiven, false)
+		return rowLenError(rs.rangeError(err, rng), seqLen, configGiven, false)
 	}
 	if asJSON {
 		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, RangeFrom: rs.from, HeldOut: rs.heldOut(r),
@@ -447,7 +464,7 @@ func evalDataset(s *train.Student, st *trainer.State, cfg *trainer.Config, confi
 	}
 	es, r, err := trainer.EvaluateDataset(s, &dc, tok, cfg.Data.SeqLen, r, &lo)
 	if err != nil {
-		return rowLenError(err, seqLen, configGiven, true)
+		return rowLenError(rs.rangeError(err, rng), seqLen, configGiven, true)
 	}
 	if asJSON {
 		return json.NewEncoder(stdout).Encode(evalReport{EvalStats: es, Range: [2]int64{r.Start, r.End}, RangeFrom: rs.from, HeldOut: rs.heldOut(r),

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"math"
 	"os"
@@ -601,6 +602,42 @@ func TestEvalSeqLenErrorNamesItsSource(t *testing.T) {
 		err := runEval(append(base, c.args...))
 		if err == nil || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), c.not) || !errors.Is(err, trainer.ErrData) || cli.ExitStatus(err) != 1 {
 			t.Errorf("eval %v: %v (exit %d), want a failure saying %q and not %q", c.args, err, cli.ExitStatus(err), c.want, c.not)
+		}
+	}
+}
+
+// TestEvalDatasetRangePastTheEnd: `student eval` on a dataset, whose
+// samples are counted only once it is read, names a range past them by
+// where it came from, --range "0:500" as on a cache, or the config's
+// data.eval_range: it said "sample range [0, 500)", which no flag is.
+func TestEvalDatasetRangePastTheEnd(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "ids.jsonl")
+	var recs strings.Builder
+	for i := 0; i < 12; i++ {
+		recs.WriteString(`{"input_ids": [1, 2, 3, 4, 5, 6]}` + "\n")
+	}
+	os.WriteFile(file, []byte(recs.String()), 0o644)
+	mdir := filepath.Join(dir, "model")
+	if err := runInit([]string{"--out", mdir, "--vocab", "64", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--intermediate", "64", "--max-pos", "128"}); err != nil {
+		t.Fatal(err)
+	}
+	data := `data: {dataset: {files: [` + file + `], pretokenized: true}, seq_len: 64`
+	for i, tc := range []struct {
+		config, flag, want string
+	}{
+		{data + "}", "0:500", `--range "0:500": want START:END with 0 <= START < END <= 12 (the dataset's samples)`},
+		{data + ", eval_range: [0, 500]}", "", "the config's data.eval_range [0, 500]: want 0 <= start < end <= 12 (the dataset's samples): give --range START:END within them"},
+	} {
+		cfg := filepath.Join(dir, fmt.Sprintf("eval%d.yaml", i))
+		os.WriteFile(cfg, []byte(tc.config+"\n"), 0o644)
+		args := []string{"--checkpoint", mdir, "--config", cfg, "--device", "cpu"}
+		if tc.flag != "" {
+			args = append(args, "--range", tc.flag)
+		}
+		err := runEval(args)
+		if !errors.Is(err, trainer.ErrConfig) || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "sample range") {
+			t.Errorf("eval --config %s on a 12-sample dataset: %v; want %q", tc.config, err, tc.want)
 		}
 	}
 }

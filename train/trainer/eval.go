@@ -7,7 +7,6 @@ import (
 	"distill/cache"
 	"distill/data"
 	"distill/data/tokenizer"
-	"distill/internal/errkind"
 	"distill/train"
 	"distill/train/loss"
 )
@@ -124,11 +123,28 @@ func EvaluateTeachers(s *train.Student, tokFP string, tcs []TeacherCache, r cach
 		r.End = ts.ms[0].Samples
 	}
 	if r.Start < 0 || r.End <= r.Start || r.End > ts.ms[0].Samples {
-		return EvalStats{}, errkind.Errorf(ErrConfig, "sample range %v: want 0 <= start < end <= %d (the caches' samples)", r, ts.ms[0].Samples)
+		return EvalStats{}, &RangeError{Range: r, Samples: ts.ms[0].Samples, Of: "the caches' samples"}
 	}
 	src := &cacheSource{rd: ts.rds[0], ts: ts, pk: newCachePacker(ts.rds[0], ts, seqLen, truncate)}
 	return evaluateSource(s, src, r, opt)
 }
+
+// RangeError is an eval's sample range that is not within the Samples
+// samples Of names (the dataset's, the caches'), which are counted only
+// when they are opened. Its message says "sample range"; a command names
+// where the range came from instead (student eval --range) from its
+// fields. It wraps ErrConfig.
+type RangeError struct {
+	Range   cache.Range
+	Samples int64
+	Of      string
+}
+
+func (e *RangeError) Error() string {
+	return fmt.Sprintf("sample range %v: want 0 <= start < end <= %d (%s)", e.Range, e.Samples, e.Of)
+}
+
+func (e *RangeError) Unwrap() error { return ErrConfig }
 
 // EvalProgress, when not nil, is told how far Evaluate, EvaluateTeachers
 // and EvaluateDataset are (not a training run's periodic evals, which
@@ -307,7 +323,7 @@ func EvaluateDataset(s *train.Student, dc *DatasetConfig, tok *tokenizer.Tokeniz
 		r.End = ds.Len()
 	}
 	if r.Start < 0 || r.End <= r.Start || r.End > ds.Len() {
-		return EvalStats{}, r, errkind.Errorf(ErrConfig, "sample range %v: want 0 <= start < end <= %d (the dataset's samples)", r, ds.Len())
+		return EvalStats{}, r, &RangeError{Range: r, Samples: ds.Len(), Of: "the dataset's samples"}
 	}
 	src := &datasetSource{ds: ds, pk: &packer{seqLen: seqLen}}
 	rows, n, err := src.EvalRows(r)
