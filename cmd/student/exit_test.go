@@ -35,6 +35,12 @@ func TestExitStatus(t *testing.T) {
 		{[]string{"train", "--nproc-per-node", "0"}, 2, "--nproc-per-node 0: want at least 1"},
 		{[]string{"train", "--config", missing}, 1, "no such file or directory"},
 		{[]string{"train"}, 2, "student train: --config FILE is required"},
+		// A --set that is not key=value is a malformed flag value (it
+		// exited 1, as a bad config); one the config refuses is 1.
+		{[]string{"train", "--set", "optim.lr"}, 2, `--set "optim.lr": want key.path=value, e.g. --set optim.lr=3e-4`},
+		{[]string{"train", "--config", missing, "--set", "=3e-4"}, 2, `--set "=3e-4": want key.path=value`},
+		{[]string{"plan", "--config", missing, "--set", "data.seq_len"}, 2, `--set "data.seq_len": want key.path=value`},
+		{[]string{"train", "--set", "optim.lr=fast"}, 1, "optim.lr"},
 		{[]string{"init", "--out", out, "--arch", "gpt2"}, 2, `unknown architecture "gpt2"`},
 		{[]string{"init", "--out", out, "--layers", "0"}, 2, "--layers 0: want positive numbers"},
 		{[]string{"plan"}, 2, "--config is required"},

@@ -38,6 +38,9 @@ func runPlan(args []string) error {
 	if *config == "" {
 		return cli.Usagef("--config is required: the training config to plan")
 	}
+	if err := checkSets(sets); err != nil {
+		return err
+	}
 	if *world < 1 {
 		return cli.Usagef("--world-size %d: want >= 1", *world)
 	}

@@ -54,6 +54,9 @@ func runTrain(args []string) error {
 	if *nproc < 1 {
 		return cli.Usagef("--nproc-per-node %d: want at least 1", *nproc)
 	}
+	if err := checkSets(sets); err != nil {
+		return err
+	}
 	if *nproc != 1 {
 		return launchLocalRanks(*nproc, args)
 	}
@@ -88,6 +91,19 @@ func runTrain(args []string) error {
 		err = lerr
 	}
 	return stopped(cfg, env, o.Parallel != nil, res, err, st.signal())
+}
+
+// checkSets refuses a --set that is not key.path=value: a malformed
+// flag value, a usage error (exit 2) found before ranks start or the
+// config is read; it exited 1 as a bad config. A value the config then
+// refuses (--set optim.lr=fast) is a bad config value (1).
+func checkSets(sets []string) error {
+	for _, s := range sets {
+		if key, _, ok := strings.Cut(s, "="); !ok || key == "" {
+			return cli.Usagef("--set %q: want key.path=value, e.g. --set optim.lr=3e-4", s)
+		}
+	}
+	return nil
 }
 
 // flagSets appends to sets the config overrides of the dedicated flags
