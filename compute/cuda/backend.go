@@ -105,11 +105,13 @@ type Options struct {
 	// shared memory (Ada's 99 KB) runs v1.
 	MoEGEMM string
 	// FP8Scale picks where an FP8 MatMul multiplies its sums by the rows'
-	// and channels' scales (fp8.go): "" (the default: in cuBLASLt's
-	// epilogue, through outer-vector scales, where cuBLASLt is 12.9 or
-	// later; else as "epilogue") or "epilogue" (the GEMM writes fp32 sums
-	// and k_fp8_scale scales them, a pass of its own). For an A/B on a
-	// device. $DISTILL_CUDA_FP8_SCALE sets it too.
+	// and channels' scales (fp8.go): "" or "epilogue" (the default: the
+	// GEMM writes fp32 sums and k_fp8_scale scales them, a pass of its
+	// own; verified on a GPU) or "outer" (in cuBLASLt's epilogue, through
+	// outer-vector scales, where cuBLASLt is 12.9 or later; else as
+	// "epilogue", logged). "outer" becomes the default once a GPU run has
+	// held it to the CPU (TestMatMulFP8Conformance) and timed it
+	// (BenchmarkForwardFP8). $DISTILL_CUDA_FP8_SCALE sets it too.
 	FP8Scale string
 	// FP8FastAccum turns cuBLASLt's FAST_ACCUM on for the FP8 GEMMs
 	// (fp8.go): faster on Hopper, with the tensor cores' narrower
@@ -386,10 +388,16 @@ func (b *Backend) setOptions(opt Options) error {
 	if fp8Scale == "" {
 		fp8Scale = os.Getenv("DISTILL_CUDA_FP8_SCALE")
 	}
-	if fp8Scale != "" && fp8Scale != "epilogue" {
-		return fmt.Errorf("cuda: FP8 scale %q: want epilogue, or none for cuBLASLt's outer-vector scales where it has them", fp8Scale)
+	switch fp8Scale {
+	case "", "epilogue":
+	case "outer":
+		b.fp8OuterVec = b.lt.version >= ltOuterVecVersion
+		if !b.fp8OuterVec {
+			b.logf("cuda: FP8 scale outer: cuBLASLt %d has no outer-vector scales (12.9 and later have them); FP8 GEMMs scale their fp32 sums in a pass of their own", b.lt.version)
+		}
+	default:
+		return fmt.Errorf("cuda: FP8 scale %q: want epilogue (the default) or outer (cuBLASLt's outer-vector scales, 12.9 and later)", fp8Scale)
 	}
-	b.fp8OuterVec = fp8Scale == "" && b.lt.version >= ltOuterVecVersion
 	b.fp8FastAccum = opt.FP8FastAccum || os.Getenv("DISTILL_CUDA_FP8_FAST_ACCUM") == "1"
 	dw := opt.RMSNormDW
 	if dw == "" {

@@ -716,11 +716,12 @@ func writeForwardProfile(be *Backend, file, what string, sec float64, top int, f
 // (log-normal sample lengths, 16k tokens, DISTILL_BENCH_TOKENS), k = 64,
 // the Qwen3-8B shape (DISTILL_BENCH_SHAPES picks others). It reports
 // each one's tokens/s, FP8's speed-up, and the device memory each
-// model's weights took (the pool's growth while it loaded). Where the
-// backend scales FP8 sums in cuBLASLt's epilogue (outer-vector scales,
-// fp8.go), a third forward per iteration scales them in k_fp8_scale
-// instead (Options.FP8Scale "epilogue"): fp8_epilogue_tokens/s and
-// outer_vs_epilogue, the A/B of the two in the same run. A fourth forward
+// model's weights took (the pool's growth while it loaded). Where
+// cuBLASLt has outer-vector scales (12.9 or later, fp8.go), a third
+// forward per iteration scales the FP8 sums in cuBLASLt's epilogue
+// (Options.FP8Scale "outer") instead of k_fp8_scale (the default):
+// fp8_outer_tokens/s and outer_vs_epilogue, the A/B of the two in the
+// same run. A fourth forward
 // runs the FP8 GEMMs with cuBLASLt's FAST_ACCUM on (Options.FP8FastAccum):
 // fp8_fastaccum_tokens/s (TestForwardGoldensFP8's act=bf16/fastaccum
 // case says what it costs in fidelity).
@@ -760,17 +761,19 @@ func BenchmarkForwardFP8(b *testing.B) {
 			n += l
 		}
 		b.Run(fmt.Sprintf("%s/workload_b/%d_samples_%d_tokens", s.Name, len(lens), n), func(b *testing.B) {
-			outer, fast0 := be.fp8OuterVec, be.fp8FastAccum
-			defer func() { be.fp8OuterVec, be.fp8FastAccum = outer, fast0 }()
-			epilogue := func(on bool) { be.fp8OuterVec = outer && !on }
+			outer := be.lt.version >= ltOuterVecVersion
+			ov0, fast0 := be.fp8OuterVec, be.fp8FastAccum
+			defer func() { be.fp8OuterVec, be.fp8FastAccum = ov0, fast0 }()
+			vectors := func(on bool) { be.fp8OuterVec = on }
 			fast := func(on bool) { be.fp8FastAccum = on }
+			vectors(false)
 			fast(false)
 			mb.forward(be, samples, 64) // warm up: plans, pool, weight copies
 			mf.forward(be, samples, 64)
 			if outer {
-				epilogue(true)
+				vectors(true)
 				mf.forward(be, samples, 64)
-				epilogue(false)
+				vectors(false)
 			}
 			fast(true)
 			mf.forward(be, samples, 64)
@@ -784,9 +787,9 @@ func BenchmarkForwardFP8(b *testing.B) {
 				t2 := time.Now()
 				tb, tf = tb+t1.Sub(t0), tf+t2.Sub(t1)
 				if outer {
-					epilogue(true)
+					vectors(true)
 					mf.forward(be, samples, 64)
-					epilogue(false)
+					vectors(false)
 					te += time.Since(t2)
 				}
 				t3 := time.Now()
@@ -803,28 +806,28 @@ func BenchmarkForwardFP8(b *testing.B) {
 			b.ReportMetric(gf, "fp8_weights_GiB")
 			b.ReportMetric(float64(n*b.N)/ta.Seconds(), "fp8_fastaccum_tokens/s")
 			if outer {
-				re := float64(n*b.N) / te.Seconds()
-				b.ReportMetric(re, "fp8_epilogue_tokens/s")
-				b.ReportMetric(rf/re, "outer_vs_epilogue")
+				ro := float64(n*b.N) / te.Seconds()
+				b.ReportMetric(ro, "fp8_outer_tokens/s")
+				b.ReportMetric(ro/rf, "outer_vs_epilogue")
 			} else {
-				b.Logf("cuBLASLt %d: no outer-vector scales (12.9 and later); fp8 is the epilogue path", be.lt.version)
+				b.Logf("cuBLASLt %d: no outer-vector scales (12.9 and later) to time", be.lt.version)
 			}
 			if outDir := os.Getenv("DISTILL_BENCH_OUT"); outDir != "" { // where the time goes, each side
 				type side struct {
-					name     string
-					m        *benchModel
-					sec      float64
-					epilogue bool
+					name  string
+					m     *benchModel
+					sec   float64
+					outer bool
 				}
 				sides := []side{{"bf16", mb, tb.Seconds() / float64(b.N), false}, {"fp8", mf, tf.Seconds() / float64(b.N), false}}
 				if outer {
-					sides = append(sides, side{"fp8-epilogue", mf, te.Seconds() / float64(b.N), true})
+					sides = append(sides, side{"fp8-outer", mf, te.Seconds() / float64(b.N), true})
 				}
 				for _, c := range sides {
-					epilogue(c.epilogue)
+					vectors(c.outer)
 					writeForwardProfile(be, filepath.Join(outDir, fmt.Sprintf("profile-%s-%s.txt", s.Name, c.name)),
 						fmt.Sprintf("%s %s weights, workload b (%d tokens)", s.Name, c.name, n), c.sec, 20, func() { c.m.forward(be, samples, 64) })
-					epilogue(false)
+					vectors(false)
 				}
 			}
 		})

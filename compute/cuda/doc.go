@@ -131,11 +131,11 @@
 //     FP8 GEMM ("TN", CUDA_R_8F_E4M3 operands, fp32 accumulation and D;
 //     Hopper's FP8 MMA adds a step's products at less than fp32's
 //     precision, TestMatMulFP8Conformance's GPU bound),
-//     each sum multiplied by its row's and channel's scales: in
-//     cuBLASLt's epilogue through outer-vector scales (cuBLASLt 12.9 or
-//     later; D written in out's type, no fp32 copy), else (and for a
-//     biased Linear, or Options.FP8Scale "epilogue") by k_fp8_scale over
-//     fp32 sums; in slabs of 2048 rows. FP8 MoE experts run on the device's
+//     each sum multiplied by its row's and channel's scales by
+//     k_fp8_scale over fp32 sums, or (Options.FP8Scale "outer", cuBLASLt
+//     12.9 or later, no bias; not yet verified on a GPU) in cuBLASLt's
+//     epilogue through outer-vector scales, D written in out's type; in
+//     slabs of 2048 rows. FP8 MoE experts run on the device's
 //     grouping like the BF16 ones (k_moe_gemm_fp8_glu: gate and up with
 //     the SwiGLU, h in fp32; h quantized per row; k_moe_gemm_fp8: down),
 //     the tokens' codes read in place, E4M3 products by mma.sync m16n8k32

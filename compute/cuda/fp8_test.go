@@ -126,14 +126,14 @@ func fp8Weight(t *testing.T, be compute.Backend, w []float32, n, k int) compute.
 // out. It also checks that FP8 ran: the result is farther from the BF16
 // weights' MatMul than the tolerance.
 //
-// Both places the scales multiply run each case (fp8.go): cuBLASLt's
-// outer-vector epilogue (the default where cuBLASLt is 12.9 or later; the
-// emulator's is) and k_fp8_scale over fp32 sums (Options.FP8Scale
-// "epilogue"), each held to the CPU; on the emulator they are the same
-// bits, and the default's profile has no k_fp8_scale for a Linear
-// without a bias.
+// Both places the scales multiply run each case (fp8.go): k_fp8_scale
+// over fp32 sums (the default) and cuBLASLt's outer-vector epilogue
+// (Options.FP8Scale "outer", where cuBLASLt is 12.9 or later; the
+// emulator's is), each held to the CPU; on the emulator they are the
+// same bits, and the outer vectors' profile has no k_fp8_scale for a
+// Linear without a bias.
 func TestMatMulFP8Conformance(t *testing.T) {
-	outer, ep := testBackendWith(t, Options{Profile: true}), testBackendWith(t, Options{FP8Scale: "epilogue", Profile: true})
+	outer, ep := testBackendWith(t, Options{Profile: true, FP8Scale: "outer"}), testBackendWith(t, Options{Profile: true})
 	if !onGPU() && !outer.fp8OuterVec {
 		t.Fatal("the emulator's cuBLASLt (99.0) should take the outer-vector scales")
 	}
@@ -205,7 +205,7 @@ func TestMatMulFP8Conformance(t *testing.T) {
 			}
 			gotEp := run(ep, true)
 			if profileCalls(ep)["k_fp8_scale"] == 0 {
-				t.Fatal(`FP8Scale "epilogue" launched no k_fp8_scale`)
+				t.Fatal(`the default FP8 scaling launched no k_fp8_scale`)
 			}
 			if !onGPU() {
 				same(t, "fp8 matmul, outer-vector scales vs the epilogue", got, gotEp)
@@ -353,7 +353,8 @@ func TestForwardGoldensFP8(t *testing.T) {
 	for _, v := range []struct {
 		name string
 		opt  Options
-	}{{"act=bf16", Options{Activations: "bf16"}}, {"act=f32", Options{Activations: "f32"}}, {"act=bf16/fastaccum", Options{Activations: "bf16", FP8FastAccum: true}}} {
+	}{{"act=bf16", Options{Activations: "bf16"}}, {"act=f32", Options{Activations: "f32"}}, {"act=bf16/fastaccum", Options{Activations: "bf16", FP8FastAccum: true}},
+		{"act=bf16/outer", Options{Activations: "bf16", FP8Scale: "outer"}}} {
 		t.Run(v.name, func(t *testing.T) {
 			be := testBackendWith(t, v.opt)
 			for _, ck := range goldenDirs(t) {
@@ -404,10 +405,11 @@ func fp8Agreement(t *testing.T, be compute.Backend, ck string) agreement {
 	return a
 }
 
-// TestFP8OuterVecFallback (emulator): a cuBLASLt older than 12.9 scales in
-// k_fp8_scale from the start; one whose heuristic refuses the outer
-// vectors falls back at the first FP8 MatMul, says so once, and gives the
-// same bits; an unknown Options.FP8Scale is refused, naming it.
+// TestFP8OuterVecFallback (emulator): the outer vectors only when asked
+// for; asked for, a cuBLASLt older than 12.9 scales in k_fp8_scale from
+// the start, saying so, and one whose heuristic refuses the outer vectors
+// falls back at the first FP8 MatMul, says so once, and gives the same
+// bits; an unknown Options.FP8Scale is refused, naming it.
 func TestFP8OuterVecFallback(t *testing.T) {
 	if onGPU() {
 		t.Skip("the emulator's cuBLASLt versions and refusals")
@@ -420,7 +422,10 @@ func TestFP8OuterVecFallback(t *testing.T) {
 		be.MatMul(out, be.FromF32(x), fp8Weight(t, be, w, n, k), nil, m, n, k)
 		return readF32(be, out, m*n)
 	}
-	ref := testBackendWith(t, Options{FP8Scale: "epilogue"})
+	ref := testBackendWith(t, Options{})
+	if ref.fp8OuterVec {
+		t.Fatal("the default takes the outer vectors: want k_fp8_scale until a GPU has verified them")
+	}
 	want := mul(ref)
 	open := func(opt Options) (*Backend, *[]string) {
 		var logged []string
@@ -435,9 +440,9 @@ func TestFP8OuterVecFallback(t *testing.T) {
 	}
 
 	t.Setenv("DISTILL_EMU_LT_VERSION", "120803")
-	old, _ := open(Options{})
-	if old.fp8OuterVec {
-		t.Fatal("cuBLASLt 12.8.3: want the epilogue, not outer-vector scales")
+	old, oldLog := open(Options{FP8Scale: "outer"})
+	if old.fp8OuterVec || !strings.Contains(strings.Join(*oldLog, "\n"), "has no outer-vector scales") {
+		t.Fatalf("cuBLASLt 12.8.3 asked for outer vectors: fp8OuterVec %v, log %q; want the epilogue, saying so", old.fp8OuterVec, *oldLog)
 	}
 	same(t, "cuBLASLt 12.8.3 vs the epilogue", mul(old), want)
 	if profileCalls(old)["k_fp8_scale"] == 0 {
@@ -446,7 +451,7 @@ func TestFP8OuterVecFallback(t *testing.T) {
 
 	t.Setenv("DISTILL_EMU_LT_VERSION", "")
 	t.Setenv("DISTILL_EMU_LT_NO_OUTER_VEC", "1")
-	refusing, logged := open(Options{})
+	refusing, logged := open(Options{FP8Scale: "outer"})
 	if !refusing.fp8OuterVec {
 		t.Fatal("before its first FP8 MatMul a cuBLASLt 99.0 should be taking the outer vectors")
 	}
@@ -478,33 +483,31 @@ func TestFP8ScratchBytes(t *testing.T) {
 		call()
 		return be.PeakMemory() - base
 	}
-	checkOn := func(be *Backend, name string, got int64, s compute.ForwardShape) {
+	check := func(name string, got int64, s compute.ForwardShape) {
 		t.Helper()
-		layers, head := forwardScratchTermsFor(s, true, !be.fp8OuterVec)
-		bound := max(layers, head)
+		bound := forwardScratchBytes(s)
 		t.Logf("%s: scratch %d bytes, bound %d", name, got, bound)
 		if got > bound || 2*got < bound {
 			t.Errorf("%s: the call took %d bytes of scratch; forwardScratchBytes says %d: want scratch <= bound <= 2·scratch", name, got, bound)
 		}
 	}
-	check := func(name string, got int64, s compute.ForwardShape) { t.Helper(); checkOn(be, name, got, s) }
 	// The up projection's shape (n = intermediate, k = hidden), the
 	// largest of this model's Linears, over more rows than a slab, with
-	// the sums in fp32 (FP8Scale "epilogue": the slab's fp32 sums are the
-	// largest scratch of the shape). The outer-vector scales keep only
-	// the codes, less than the BF16 MatMuls' operand copies the bound
-	// also holds: at most the bound.
+	// the sums in fp32 (the default: the slab's fp32 sums are the largest
+	// scratch of the shape). The outer-vector scales (FP8Scale "outer")
+	// keep only the codes, less than the BF16 MatMuls' operand copies the
+	// bound also holds: at most the bound.
 	m, n, k := fp8SlabRows+100, 4000, 16
 	ms := compute.ForwardShape{Tokens: m, MaxLen: 1, K: 1, Hidden: k, Heads: 1, KVHeads: 1, HeadDim: 16, Intermediate: n, Vocab: 16, FP8: true}
-	ep := testBackendWith(t, Options{FP8Scale: "epilogue"})
-	x, out, w := ep.FromF32(randF32(r, m*k)), ep.New(compute.BF16, m*n), fp8Weight(t, ep, randF32(r, n*k), n, k)
-	ep.ResetPeakMemory()
-	base := ep.PeakMemory()
-	ep.MatMul(out, x, w, nil, m, n, k)
-	checkOn(ep, "MatMul FP8 (epilogue)", ep.PeakMemory()-base, ms)
-	x, out, w = be.FromF32(randF32(r, m*k)), be.New(compute.BF16, m*n), fp8Weight(t, be, randF32(r, n*k), n, k)
-	if got, bound := scratch(func() { be.MatMul(out, x, w, nil, m, n, k) }), be.ForwardScratchBytes(ms); got > bound {
-		t.Errorf("MatMul FP8: the call took %d bytes of scratch; ForwardScratchBytes says %d", got, bound)
+	x, out, w := be.FromF32(randF32(r, m*k)), be.New(compute.BF16, m*n), fp8Weight(t, be, randF32(r, n*k), n, k)
+	check("MatMul FP8", scratch(func() { be.MatMul(out, x, w, nil, m, n, k) }), ms)
+	ov := testBackendWith(t, Options{FP8Scale: "outer"})
+	x, out, w = ov.FromF32(randF32(r, m*k)), ov.New(compute.BF16, m*n), fp8Weight(t, ov, randF32(r, n*k), n, k)
+	ov.ResetPeakMemory()
+	base := ov.PeakMemory()
+	ov.MatMul(out, x, w, nil, m, n, k)
+	if got, bound := ov.PeakMemory()-base, ov.ForwardScratchBytes(ms); got > bound {
+		t.Errorf("MatMul FP8 (outer vectors): the call took %d bytes of scratch; ForwardScratchBytes says %d", got, bound)
 	}
 
 	// Experts of width 1024: their activations (h in F32, 5.2 MB) outgrow
