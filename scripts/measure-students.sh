@@ -136,11 +136,13 @@ for s in $SEEDS; do
     stage "seed $s: student $name from $cache"
     bin/student train --config $E/student-kd.yaml --resume auto --set model.tokenizer="$Q/tokenizer" \
       --set seed="$s" --set model.random.init_seed="$s" "${sets[@]}" \
-      --run-dir "$D/$name" --cache "$D/$cache" > "$D/$name.train.log" 2>&1 ||
+      --run-dir "$D/run-$name" --cache "$D/$cache" > "$D/$name.train.log" 2>&1 ||
       { echo "measure-students: training $name failed (seed $s); see $D/$name.train.log" >&2; exit 1; }
+    # (A student's run directory is run-NAME: a student may share its
+    # name with the cache it reads, and a run directory is not a cache's.)
     # The same KD for every student: fwd_kl against the top-16 cache, tail
     # bucket, T 1 (not each run's own loss).
-    bin/student eval --checkpoint "$D/$name" --tokenizer "$Q/tokenizer" --cache "$D/topk16" --range "$held" \
+    bin/student eval --checkpoint "$D/run-$name" --tokenizer "$Q/tokenizer" --cache "$D/topk16" --range "$held" \
       --seq-len 256 --kd-loss fwd_kl --tail bucket --temperature 1 --json > "$D/$name.json.tmp" &&
       mv "$D/$name.json.tmp" "$D/$name.json"
   done
