@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"distill/internal/teacherdial"
 	pb "distill/proto/distill/v1"
 )
 
@@ -273,4 +274,84 @@ func TestSIGTERMDrains(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkAgainstForward(t, core.Model(), samples, 4, 200, dA)
+}
+
+// TestHungDaemonMidFill stops one of two daemons (SIGSTOP) while it
+// computes a chunk: a hung process, or a machine or network gone without
+// closing the connection, sends nothing more, not even a TCP reset. The
+// fill must not wait for it for ever: the keepalive pings go unanswered,
+// its call fails, its chunk goes to the other daemon, and the fill
+// finishes, saying which teacher stopped answering. (It waited for ever,
+// at the same progress line.)
+func TestHungDaemonMidFill(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: waits for a keepalive ping to go unanswered (at least 10s, gRPC's least interval)")
+	}
+	kt, kto := teacherdial.KeepaliveTime, teacherdial.KeepaliveTimeout
+	teacherdial.KeepaliveTime, teacherdial.KeepaliveTimeout = 10*time.Second, time.Second
+	defer func() { teacherdial.KeepaliveTime, teacherdial.KeepaliveTimeout = kt, kto }()
+	mdir := tinyModel(t)
+	tmp := t.TempDir()
+	path, samples := writeIDsDataset(t, tmp, 48, 24, 512, 8)
+	dA, dB := t.TempDir(), t.TempDir()
+	// As in TestKillDaemonMidFill: B holds in its first forward, A in its
+	// second, after it has reported a chunk; A is stopped there.
+	a := spawnDaemon(t, mdir, dA, "127.0.0.1:0", 2)
+	b := spawnDaemon(t, mdir, dB, "127.0.0.1:0", 1)
+	wa, _ := Dial(a.addr, DialOptions{})
+	wb, _ := Dial(b.addr, DialOptions{})
+	defer wa.Close()
+	defer wb.Close()
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	out := &sayWatch{want: "teacher " + a.addr + " failed", seen: make(chan struct{})}
+	plan := FillPlan{Dataset: ds, ChunkSamples: 8, K: 4, Encoding: "lossless", PerWorker: 1, RetryFor: time.Minute, LogEvery: time.Hour, Out: out}
+	done := startFill([]Worker{wa, wb}, plan)
+	select {
+	case <-a.held:
+	case r := <-done:
+		t.Fatalf("the fill ended (%v) before daemon A held in its second forward\nA's log:\n%s", r.err, a.log)
+	}
+	a.cmd.Process.Signal(syscall.SIGSTOP)
+	b.release(t)
+	// The fill gives A's chunk to B once A's call has failed. A stays
+	// hung; killed once the fill has said so, the fill's last status call
+	// to it fails at once instead of running into its own timeout.
+	select {
+	case <-out.seen:
+	case r := <-done:
+		t.Fatalf("the fill ended (%v) without saying that A failed:\n%s", r.err, out)
+	case <-time.After(2 * time.Minute): // a failure's bound, not a wait: the keepalive fails A's call within 11s
+		t.Fatalf("the fill still waits for the stopped daemon A after 2 minutes:\n%s", out)
+	}
+	a.cmd.Process.Signal(syscall.SIGKILL)
+	a.wait()
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("fill with a hung daemon: %v\n%s", r.err, out)
+	}
+	if !strings.Contains(out.String(), "stopped answering") {
+		t.Errorf("the fill's output does not say that A stopped answering:\n%s", out)
+	}
+	core, err := NewCore(CoreOptions{ModelDir: mdir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer core.Close()
+	checkAgainstForward(t, core.Model(), samples, 4, 200, dA, dB)
+}
+
+// sayWatch is a fill's output that closes seen at the first write
+// holding want.
+type sayWatch struct {
+	syncBuf
+	want string
+	once sync.Once
+	seen chan struct{}
+}
+
+func (w *sayWatch) Write(p []byte) (int, error) {
+	if strings.Contains(string(p), w.want) {
+		w.once.Do(func() { close(w.seen) })
+	}
+	return w.syncBuf.Write(p)
 }

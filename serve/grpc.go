@@ -18,12 +18,14 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"distill/internal/teacherdial"
 	pb "distill/proto/distill/v1"
 )
 
@@ -376,7 +378,10 @@ func NewGRPCServer(o ServerOptions) (*grpc.Server, *Server) {
 		s.observe(info.FullMethod, id, t0, err)
 		return err
 	}
-	opts := append([]grpc.ServerOption{grpc.MaxRecvMsgSize(o.MaxRecvBytes), grpc.ChainUnaryInterceptor(unary), grpc.ChainStreamInterceptor(streamI)}, o.Extra...)
+	// Clients ping a connection with calls open (teacherdial's keepalive)
+	// to find a daemon that hangs; the policy lets them.
+	kep := grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: teacherdial.MinPingInterval, PermitWithoutStream: true})
+	opts := append([]grpc.ServerOption{grpc.MaxRecvMsgSize(o.MaxRecvBytes), grpc.ChainUnaryInterceptor(unary), grpc.ChainStreamInterceptor(streamI), kep}, o.Extra...)
 	gs := grpc.NewServer(opts...)
 	pb.RegisterTeacherServer(gs, s)
 	healthpb.RegisterHealthServer(gs, s.health)

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
 )
 
@@ -75,6 +76,28 @@ func fileProblem(err error) error {
 // a daemon that did not answer.
 const MaxReconnectDelay = 5 * time.Second
 
+// KeepaliveTime and KeepaliveTimeout are the pings of a connection with
+// calls open: after KeepaliveTime with nothing from the daemon, a ping;
+// with no answer within KeepaliveTimeout, the connection is closed and
+// its calls fail (Unavailable; Message says the daemon stopped
+// answering). A daemon that is hung, or whose machine or network is gone
+// without closing the connection, sends nothing, not even a TCP reset:
+// without the pings a call to it (a fill's chunk, an online student's
+// Score stream) waited for ever. A daemon at work answers them however
+// long its forward takes. gRPC pings no more often than every 10s; a
+// daemon accepts pings every MinPingInterval. Variables for tests.
+var (
+	KeepaliveTime    = 30 * time.Second
+	KeepaliveTimeout = 20 * time.Second
+)
+
+// MinPingInterval is how often a daemon lets a client ping (its
+// keepalive enforcement policy): below gRPC's least client interval, so
+// that no client's pings are refused. gRPC's default, 5 minutes, closed
+// the connection of a client pinging more often ("too_many_pings") in
+// the middle of a long chunk.
+const MinPingInterval = 5 * time.Second
+
 // MaxRecvBytes bounds a response (a long sample's top-k is large).
 const MaxRecvBytes = 256 << 20
 
@@ -124,7 +147,8 @@ func Dial(addr string, o Options) (*grpc.ClientConn, error) {
 	bo := backoff.DefaultConfig
 	bo.MaxDelay = MaxReconnectDelay
 	opts := []grpc.DialOption{grpc.WithTransportCredentials(creds), grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(MaxRecvBytes)),
-		grpc.WithConnectParams(grpc.ConnectParams{Backoff: bo, MinConnectTimeout: 20 * time.Second})}
+		grpc.WithConnectParams(grpc.ConnectParams{Backoff: bo, MinConnectTimeout: 20 * time.Second}),
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: KeepaliveTime, Timeout: KeepaliveTimeout})}
 	if o.Token != "" {
 		opts = append(opts, grpc.WithPerRPCCredentials(tokenCreds(o.Token)))
 	}
@@ -173,6 +197,8 @@ func Message(err error) string {
 		return "the daemon is shutting down (SIGTERM or Ctrl-C) and closed the connection"
 	case strings.Contains(m, "error reading from server: EOF"):
 		return "the connection was lost: the daemon stopped or crashed, or the network dropped"
+	case strings.Contains(m, "keepalive ping failed to receive ACK"):
+		return fmt.Sprintf("the daemon stopped answering (no reply to a keepalive ping within %s): it hangs, or its machine or the network is down", KeepaliveTimeout)
 	}
 	if rest, ok := strings.CutPrefix(m, `connection error: desc = "`); ok {
 		rest = strings.TrimSuffix(rest, `"`)
