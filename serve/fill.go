@@ -684,7 +684,10 @@ func (s *FillSummary) print(w io.Writer) {
 		fmt.Fprintf(w, "fill: cache directory %s (written by %s)\n", d, strings.Join(s.Dirs[d], ", "))
 	}
 	if len(dirs) > 1 {
-		fmt.Fprintf(w, "fill: read the directories together as one cache (e.g. cachectl verify %s)\n", strings.Join(dirs, " "))
+		// Each directory is a --cache: `cachectl verify DIR DIR`, printed
+		// here once, exits 2 (unexpected arguments).
+		fmt.Fprintf(w, "fill: read the directories together as one cache (cachectl verify --cache %s; student train --cache %s)\n",
+			strings.Join(dirs, " --cache "), strings.Join(dirs, ","))
 	}
 	if s.ByOthers > 0 {
 		fmt.Fprintf(w, "fill: %d chunks were computed by another writer of the cache meanwhile (not counted above)\n", s.ByOthers)
