@@ -605,6 +605,22 @@ var pairs = []pair{
 		}
 		return nil
 	}},
+	// --devices places stages on GPUs: not with the CPU. Checked on the
+	// values, before ParseDevices counts all's GPUs: --device cpu
+	// --devices all said the CUDA driver would not load.
+	{[2]string{"device", "devices"}, func(c *Config) error {
+		s := c.Sources
+		spec := strings.TrimSpace(c.Devices)
+		if c.Device != "cpu" || spec == "" {
+			return nil
+		}
+		sep := " "
+		if s.fromFile("device") || s.fromFile("devices") {
+			sep = ", "
+		}
+		return fmt.Errorf("%s cpu%s%s %s: %s places the teacher's layers on GPUs: use %s cuda (or auto) with it, or leave %s out to run on the CPU",
+			s.Said("device"), sep, s.Said("devices"), spec, s.hint("devices"), s.hint("device"), s.hint("devices"))
+	}},
 	{[2]string{"tls-cert", "tls-key"}, func(c *Config) error {
 		s := c.Sources
 		switch {
@@ -618,8 +634,9 @@ var pairs = []pair{
 }
 
 // CheckPairs checks the settings whose values must agree with each other
-// as far as the values alone tell (--k-default at most --k-max; both
-// --tls-cert and --tls-key, or neither), as Start does before anything
+// as far as the values alone tell (--k-default at most --k-max; no
+// --devices with --device cpu; both --tls-cert and --tls-key, or
+// neither), as Start does before anything
 // is read or bound; that k-max is at most the teacher's vocabulary Start
 // checks once it has read config.json. Its error (ErrConfig) names the
 // values as c.Sources says they came, and flags are the teacherd flags of

@@ -158,6 +158,9 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if *cacheDir == "" {
 			return cli.Usagef("--model needs --cache DIR (the cache directory to write)")
 		}
+		if err := dev.CheckStagesOf(*device, *devices); err != nil {
+			return cli.Usage(err) // --device cpu --devices all, before all's GPUs are counted
+		}
 		ords, err := dev.ParseDevices(*devices)
 		if err != nil {
 			return cli.Usage(err) // --devices' syntax

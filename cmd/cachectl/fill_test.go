@@ -16,6 +16,7 @@ import (
 	"distill/compute/device"
 	"distill/data/tokenizer"
 	"distill/infer"
+	"distill/internal/cli"
 	"distill/model"
 )
 
@@ -342,11 +343,17 @@ func TestFillChecksFlagsBeforeLoading(t *testing.T) {
 		{[]string{"--data", dpath, "--end", "-1"}, "--start 0 --end -1: want 0 <= --start < --end"},
 		{[]string{"--data", dpath, "--chunk", "-3"}, "--chunk -3: want 1..16384"},
 		{[]string{"--data", filepath.Join(tmp, "nope.jsonl")}, "--data: " + filepath.Join(tmp, "nope.jsonl") + " does not exist"},
+		// all's GPUs are counted only once the driver loads: this said
+		// the CUDA driver would not load, on a machine with none.
+		{[]string{"--data", dpath, "--device", "cpu", "--devices", "all"}, "--device cpu --devices all: --devices places the teacher's layers on GPUs: use --device cuda (or auto) with it"},
 	} {
 		out, err := runFill(t, append(base, tc.args...)...)
 		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(out, "loading teacher") {
 			t.Errorf("%v: %v\n%s\nwant %q before loading the teacher", tc.args, err, out, tc.want)
 		}
+	}
+	if _, err := runFill(t, append(base, "--data", dpath, "--device", "cpu", "--devices", "all")...); cli.ExitStatus(err) != 2 {
+		t.Errorf("--device cpu --devices all: exit %d, want 2 (flags that exclude each other)", cli.ExitStatus(err))
 	}
 	if _, err := os.Stat(filepath.Join(tmp, "cache")); err == nil {
 		t.Errorf("a refused fill created the cache directory")

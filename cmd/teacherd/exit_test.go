@@ -32,6 +32,12 @@ func TestExitStatus(t *testing.T) {
 		{[]string{"--plan", "--model", missing, "--device-memory", "lots"}, 2, "--device-memory"},
 		{[]string{"--model", missing, "--devices", "0,x"}, 2, `--devices "0,x": want GPU ordinals separated by commas (0,1,2,3) or all`},
 		{[]string{"--model", missing, "--device", "gpu"}, 2, `--device "gpu": want auto, cpu or cuda`},
+		// Flags that exclude each other, as cachectl fill refuses them
+		// (exit 2); all too, whose GPUs are counted only once the driver
+		// loads: it said the CUDA driver would not load instead.
+		{[]string{"--model", missing, "--device", "cpu", "--devices", "0,1"}, 2,
+			"--device cpu --devices 0,1: --devices places the teacher's layers on GPUs: use --device cuda (or auto) with it, or leave --devices out to run on the CPU"},
+		{[]string{"--model", missing, "--device", "cpu", "--devices", "all"}, 2, "--device cpu --devices all: --devices places the teacher's layers on GPUs"},
 		{[]string{"--model", missing, "--weights", "fp4"}, 2, `--weights "fp4": want bf16 or fp8`},
 		{[]string{"--plan", "--model", missing, "--weights", "fp4"}, 2, `--weights "fp4": want bf16 or fp8`},
 		{[]string{"--model", missing, "--micro-batches", "-1"}, 2, "--micro-batches -1: want 0 (four a GPU) or more"},
@@ -89,6 +95,7 @@ func TestConfigFileValues(t *testing.T) {
 		{"k_default: 5000\n", "config " + p + ": k_default: 5000: want 1 <= k_default <= 4096 (the default k_max, min(vocab size, 4096)); give k_max too for more"},
 		{"tls_cert: /x\n", "config " + p + ": tls_cert: /x: TLS needs tls_key too (the certificate's private key, PEM), or neither for no TLS"},
 		{"tls_key: /k\n", "config " + p + ": tls_key: /k: TLS needs tls_cert too (the key's certificate, PEM), or neither for no TLS"},
+		{"device: cpu\ndevices: all\n", "config " + p + ": device: cpu, config " + p + ": devices: all: devices places the teacher's layers on GPUs: use device cuda (or auto) with it, or leave devices out to run on the CPU"},
 	} {
 		if err := os.WriteFile(p, []byte("model: "+missing+"\n"+tc.yaml), 0o644); err != nil {
 			t.Fatal(err)
@@ -132,6 +139,9 @@ func TestPairsFromBothSources(t *testing.T) {
 		{"tls_key: /k\n", []string{"--tls-cert", "/x"}, -1, ""},
 		// An empty flag drops the file's half: the command line's doing.
 		{"tls_cert: /x\ntls_key: /k\n", []string{"--tls-key", ""}, 2, "config " + p + ": tls_cert: /x: TLS needs tls_key too (the certificate's private key, PEM), or neither for no TLS"},
+		{"device: cpu\n", []string{"--devices", "0,1"}, 2, "config " + p + ": device: cpu, --devices 0,1: --devices places the teacher's layers on GPUs: use device cuda (or auto) with it, or leave --devices out to run on the CPU"},
+		{"devices: all\n", []string{"--device", "cpu"}, 2, "--device cpu, config " + p + ": devices: all: devices places the teacher's layers on GPUs: use --device cuda (or auto) with it, or leave devices out to run on the CPU"},
+		{"device: cpu\ndevices: all\n", []string{"--device", "cuda"}, -1, ""},
 	} {
 		if err := os.WriteFile(p, []byte("model: "+missing+"\n"+tc.yaml), 0o644); err != nil {
 			t.Fatal(err)

@@ -193,7 +193,9 @@ func TestGPUTooSmall(t *testing.T) {
 // before the daemon listens (the port below is taken: listening would
 // fail otherwise), with no "listening" line before the error; it was
 // refused after the daemon had logged that it listened, once the model
-// began to load.
+// began to load. Flags that exclude each other are a usage error (exit
+// 2), as the README's exit statuses and cachectl fill have them; it
+// exited 1.
 func TestDeviceFlagsBeforeListening(t *testing.T) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -204,7 +206,7 @@ func TestDeviceFlagsBeforeListening(t *testing.T) {
 	cmd.Env = append(os.Environ(), "TEACHERD_TEST_MAIN=1")
 	out, _ := cmd.CombinedOutput()
 	want := "teacherd: --device cpu --devices 0,1: --devices places the teacher's layers on GPUs: use --device cuda (or auto) with it, or leave --devices out to run on the CPU"
-	if code := cmd.ProcessState.ExitCode(); code != 1 || strings.TrimSpace(string(out)) != want {
-		t.Errorf("--device cpu --devices 0,1: exit %d, output\n%s\nwant exit 1 and only\n%s", code, out, want)
+	if code := cmd.ProcessState.ExitCode(); code != 2 || strings.TrimSpace(string(out)) != want {
+		t.Errorf("--device cpu --devices 0,1: exit %d, output\n%s\nwant exit 2 and only\n%s", code, out, want)
 	}
 }

@@ -182,9 +182,29 @@ func CheckStages(name string, ords []int) error {
 		return errkind.Errorf(ErrDevice, "--devices names no GPU")
 	}
 	if name == "cpu" {
-		return errkind.Errorf(ErrDevice, "--device cpu --devices %s: --devices places the teacher's layers on GPUs: use --device cuda (or auto) with it, or leave --devices out to run on the CPU", ordList(ords))
+		return cpuStages(ordList(ords))
 	}
 	return nil
+}
+
+// CheckStagesOf is CheckStages for the --devices value spec as given
+// (ordinals or all), before ParseDevices reads it: all's GPUs are
+// counted only once the driver loads, and --device cpu --devices all
+// said the CUDA driver would not load, not that the flags exclude each
+// other. An empty spec is no stage: nothing to check beyond the name.
+func CheckStagesOf(name, spec string) error {
+	if err := Check(name, Inference); err != nil {
+		return err
+	}
+	if spec = strings.TrimSpace(spec); spec != "" && name == "cpu" {
+		return cpuStages(spec)
+	}
+	return nil
+}
+
+// cpuStages is the error of --device cpu with --devices spec.
+func cpuStages(spec string) error {
+	return errkind.Errorf(ErrDevice, "--device cpu --devices %s: --devices places the teacher's layers on GPUs: use --device cuda (or auto) with it, or leave --devices out to run on the CPU", spec)
 }
 
 // stageError is OpenStages' error for GPU ord of ords, whose CUDA backend
