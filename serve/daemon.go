@@ -369,7 +369,9 @@ func Start(cfg Config, log *zap.Logger) (*Daemon, error) {
 			return nil, configErrorf("%s %s: %v: give the file that holds the bearer token clients send (one line), or no %s for no authentication",
 				cfg.Sources.Said("token-file"), cfg.TokenFile, unwrapPath(err), cfg.Sources.hint("token-file"))
 		}
-		so.Token = string(trimSpace(b))
+		// Trimmed as the clients trim it (teacherdial.ReadToken): the
+		// same file on both sides is the same token.
+		so.Token = strings.TrimSpace(string(b))
 		if so.Token == "" {
 			return nil, configErrorf("%s %s is empty: write the bearer token clients send into it (one line)", cfg.Sources.Said("token-file"), cfg.TokenFile)
 		}
@@ -708,11 +710,4 @@ func unwrapPath(err error) error {
 		return pe.Err
 	}
 	return err
-}
-
-func trimSpace(b []byte) []byte {
-	for len(b) > 0 && (b[len(b)-1] == '\n' || b[len(b)-1] == '\r' || b[len(b)-1] == ' ') {
-		b = b[:len(b)-1]
-	}
-	return b
 }

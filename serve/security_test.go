@@ -18,6 +18,7 @@ import (
 
 	"distill/compute"
 	"distill/compute/device"
+	"distill/internal/teacherdial"
 	pb "distill/proto/distill/v1"
 )
 
@@ -318,6 +319,34 @@ func TestAuthFailuresCounted(t *testing.T) {
 	resp.Body.Close()
 	if !strings.Contains(string(body), "teacherd_auth_failures_total 4") {
 		t.Errorf("/metrics does not count 4 refused calls:\n%s", grepLines(string(body), "auth"))
+	}
+}
+
+// TestTokenFileReadAlikeOnBothSides: one token file given to the daemon
+// and to its clients (cachectl's --token-file, a training config's
+// distill.token_file) is one token, whatever white space surrounds it:
+// the daemon trimmed only a line's end (newline, CR, space) and the
+// clients all white space, so a token file with a tab at the end or a
+// space in front was refused for ever as a wrong token.
+func TestTokenFileReadAlikeOnBothSides(t *testing.T) {
+	mdir := tinyModel(t)
+	for _, content := range []string{"s3cret\n", "s3cret\r\n", "s3cret\t\n", "  s3cret\n", "\ns3cret\n\n"} {
+		tf := filepath.Join(t.TempDir(), "token")
+		os.WriteFile(tf, []byte(content), 0o600)
+		d := startDaemon(t, Config{Model: mdir, TokenFile: tf, Metrics: "off"})
+		tok, err := teacherdial.ReadToken(tf, "--token-file")
+		if err != nil {
+			t.Fatal(err)
+		}
+		w, err := Dial(d.Addr(), DialOptions{Token: tok})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := w.Info(context.Background()); err != nil {
+			t.Errorf("token file %q, read by the client as teacherd reads it: %v", content, err)
+		}
+		w.Close()
+		d.Shutdown(context.Background())
 	}
 }
 
