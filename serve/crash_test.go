@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,6 +16,7 @@ import (
 	"time"
 
 	"distill/internal/teacherdial"
+	"distill/model"
 	pb "distill/proto/distill/v1"
 )
 
@@ -354,4 +356,76 @@ func (w *sayWatch) Write(p []byte) (int, error) {
 		w.once.Do(func() { close(w.seen) })
 	}
 	return w.syncBuf.Write(p)
+}
+
+// TestRestartedDaemonChecked: a daemon killed in the middle of a fill
+// and started again on its address is asked again, before it gets a
+// chunk, what it runs and where it writes. Restarted on another cache
+// directory, it fills the rest there and the fill ends naming both
+// directories, to be read together (the fill failed, "[0, 8) are still
+// missing from the caches", with the chunks it had reported in the
+// first). Restarted with another checkpoint, it is refused before it
+// computes a chunk, naming what changed (it filled the rest with the
+// other teacher, and the fill failed the same way).
+func TestRestartedDaemonChecked(t *testing.T) {
+	mdir := tinyModel(t)
+	other := t.TempDir()
+	cfg, err := model.Preset(model.ArchQwen3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.VocabSize, cfg.Hidden, cfg.Layers, cfg.Intermediate, cfg.MaxPositions = 512, 32, 1, 64, 256
+	if err := model.WriteCheckpoint(other, cfg, model.Init(cfg, model.InitOptions{Seed: 8, Std: 0.5, Perturb: true}), "BF16"); err != nil {
+		t.Fatal(err)
+	}
+	tmp := t.TempDir()
+	path, samples := writeIDsDataset(t, tmp, 32, 24, 512, 9)
+	ds := &pb.Dataset{Sources: []*pb.DataSource{{Path: path}}, Pretokenized: true}
+	// fill runs a fill through a daemon on dir that holds in its second
+	// forward, after it has reported a chunk; killed there, it is
+	// started again on its address with model m2 and directory dir2.
+	fill := func(dir, m2, dir2 string) (fillResult, *syncBuf) {
+		a := spawnDaemon(t, mdir, dir, "127.0.0.1:0", 2)
+		wa, _ := Dial(a.addr, DialOptions{})
+		defer wa.Close()
+		out := &syncBuf{}
+		plan := FillPlan{Dataset: ds, ChunkSamples: 8, K: 4, Encoding: "lossless", PerWorker: 1, RetryFor: time.Minute, LogEvery: time.Hour, Out: out}
+		done := startFill([]Worker{wa}, plan)
+		select {
+		case <-a.held:
+		case r := <-done:
+			t.Fatalf("the fill ended (%v) before the daemon held in its second forward\n%s", r.err, a.log)
+		}
+		a.cmd.Process.Signal(syscall.SIGKILL)
+		a.wait()
+		spawnDaemon(t, m2, dir2, a.addr, 0)
+		return <-done, out
+	}
+
+	dA, dA2 := t.TempDir(), t.TempDir()
+	r, out := fill(dA, mdir, dA2)
+	if r.err != nil {
+		t.Fatalf("fill with a daemon restarted on another directory: %v\n%s", r.err, out)
+	}
+	if len(r.sum.Dirs) != 2 || len(r.sum.Dirs[dA]) != 1 || len(r.sum.Dirs[dA2]) != 1 {
+		t.Errorf("the summary's directories: %v, want %s and %s", r.sum.Dirs, dA, dA2)
+	}
+	if !strings.Contains(out.String(), "writes "+dA2+" now (it wrote "+dA+")") || !strings.Contains(out.String(), "read the directories together") {
+		t.Errorf("the fill does not say where the restarted daemon writes:\n%s", out)
+	}
+	core, err := NewCore(CoreOptions{ModelDir: mdir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer core.Close()
+	checkAgainstForward(t, core.Model(), samples, 4, 200, dA, dA2)
+
+	dB, dB2 := t.TempDir(), t.TempDir()
+	r, out = fill(dB, other, dB2)
+	if r.err == nil || !strings.Contains(r.err.Error(), "came back with another teacher fingerprint (checkpoint)") {
+		t.Fatalf("fill with a daemon restarted with another checkpoint: %v, want a refusal naming the checkpoint\n%s", r.err, out)
+	}
+	if ents, _ := os.ReadDir(filepath.Join(dB2, "chunks")); len(ents) > 0 {
+		t.Errorf("the restarted daemon computed %d chunks with another checkpoint", len(ents))
+	}
 }

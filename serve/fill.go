@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -499,6 +500,17 @@ func (p *FillPlan) agree(workers []Worker, answers []*teacherAnswer) (ref int, e
 // what the teachers of one fill must share (checkpoint, vocabulary,
 // tokenizer, dataset), nil if none does.
 func disagree(wx Worker, x *teacherAnswer, wy Worker, y *teacherAnswer) error {
+	if name, xv, yv := differ(x, y); name != "" {
+		return fillErr("teachers disagree on the %s: %v on %s, %v on %s; every teacher must run the same checkpoint, tokenizer and dataset files",
+			name, xv, wx.Name(), yv, wy.Name())
+	}
+	return nil
+}
+
+// differ is the first of what the teachers of one fill must share
+// (checkpoint, vocabulary, tokenizer, dataset) in which answers x and y
+// differ, and its two values; "" if none.
+func differ(x, y *teacherAnswer) (name string, xv, yv any) {
 	for _, f := range []struct {
 		name string
 		x, y any
@@ -510,11 +522,10 @@ func disagree(wx Worker, x *teacherAnswer, wy Worker, y *teacherAnswer) error {
 		{"dataset fingerprint (files, tokenizer, options)", x.desc.GetFingerprint(), y.desc.GetFingerprint()},
 	} {
 		if f.x != f.y {
-			return fillErr("teachers disagree on the %s: %v on %s, %v on %s; every teacher must run the same checkpoint, tokenizer and dataset files",
-				f.name, f.x, wx.Name(), f.y, wy.Name())
+			return f.name, f.x, f.y
 		}
 	}
-	return nil
+	return "", nil, nil
 }
 
 // setRange resolves End 0 to the dataset's n samples and checks the range.
@@ -549,12 +560,13 @@ type fillDirs struct {
 	of     map[Worker]string        // a teacher's directory key
 	pathOf map[string]string        // a key's path, as its teacher reported it
 	byDir  map[string][]cache.Range // a key's committed ranges, and those reported during the fill
+	moved  map[string]string        // a key whose teacher writes another directory now: that directory
 }
 
 // newFillDirs keys the directories of the teachers that answered (nil
 // for the others, added when they join) and lists them in sum.Dirs.
 func newFillDirs(workers []Worker, answers []*teacherAnswer, sum *FillSummary) *fillDirs {
-	dirs := &fillDirs{of: map[Worker]string{}, pathOf: map[string]string{}}
+	dirs := &fillDirs{of: map[Worker]string{}, pathOf: map[string]string{}, moved: map[string]string{}}
 	for i, w := range workers {
 		if answers[i] != nil {
 			dirs.add(w, answers[i].info.GetCacheDir(), sum)
@@ -570,7 +582,9 @@ func (dirs *fillDirs) add(w Worker, d string, sum *FillSummary) string {
 		key = d
 	}
 	dirs.of[w], dirs.pathOf[key] = key, d
-	sum.Dirs[d] = append(sum.Dirs[d], w.Name())
+	if !slices.Contains(sum.Dirs[d], w.Name()) { // a teacher back in a directory it wrote before (recheck)
+		sum.Dirs[d] = append(sum.Dirs[d], w.Name())
+	}
 	return key
 }
 
@@ -649,9 +663,14 @@ func (p *FillPlan) checkCovered(workers []Worker, dirs *fillDirs, fp string) err
 		dirs.byDir[d] = rs
 	}
 	for d := range dirs.byDir {
-		if _, ok := fresh[d]; !ok && p.Out != nil {
-			fmt.Fprintf(p.Out, "fill: the teacher of %s is unreachable now; checked with the chunks it reported\n", d)
+		if _, ok := fresh[d]; ok || p.Out == nil {
+			continue
 		}
+		if to, ok := dirs.moved[d]; ok {
+			fmt.Fprintf(p.Out, "fill: %s: checked with the chunks its teacher reported before it moved to %s\n", d, to)
+			continue
+		}
+		fmt.Fprintf(p.Out, "fill: the teacher of %s is unreachable now; checked with the chunks it reported\n", d)
 	}
 	done, dups, err := combine(dirs.byDir, dirs.pathOf)
 	if err != nil {
@@ -792,10 +811,22 @@ func (d *fillDispatch) work(ctx context.Context, w Worker, down *atomic.Int64) {
 			return
 		}
 		called := time.Now().UnixNano()
-		err := w.Fill(ctx, d.p.request(d.fp, r), func(m *pb.FillResponse) error {
-			d.report(w, m)
-			return nil
-		})
+		var err error
+		if down.Load() != 0 {
+			// w failed: it may have been restarted since, with another
+			// checkpoint or cache directory. Asked again before it gets
+			// a chunk.
+			err = d.recheck(ctx, w)
+			if ctx.Err() != nil {
+				return
+			}
+		}
+		if err == nil {
+			err = w.Fill(ctx, d.p.request(d.fp, r), func(m *pb.FillResponse) error {
+				d.report(w, m)
+				return nil
+			})
+		}
 		if err == nil {
 			// Only a call made after w failed shows that it answers
 			// again: one already in flight then (the chunk a draining
@@ -885,6 +916,59 @@ func (d *fillDispatch) join(ctx context.Context, w Worker) bool {
 			return false
 		}
 	}
+}
+
+// recheck asks w, which failed and may have been restarted since, what
+// it runs and where it writes, before it gets a chunk again. Its error is
+// a call that failed (w stays failing, and the caller retries it, as a
+// failed Fill); a teacher that answers another checkpoint, vocabulary,
+// tokenizer or dataset than the fill's aborts the fill (the error is then
+// the cancelled context's). A teacher restarted on another cache directory
+// writes there from now on: its directory is added, to be read with the
+// others (the chunks it reported stay in the one it wrote before).
+func (d *fillDispatch) recheck(ctx context.Context, w Worker) error {
+	a, wait, err := d.p.ask(ctx, w)
+	switch {
+	case ctx.Err() != nil:
+		return ctx.Err()
+	case err != nil:
+		d.abort(err)
+		return ctx.Err()
+	case wait != nil:
+		return wait.(*askError).err
+	}
+	if name, was, now := differ(d.refAnswer, &a); name != "" {
+		d.abort(fillErr("teacher %s came back with another %s (%v, where the fill's teachers have %v): restart it as it was (the same checkpoint, tokenizer and dataset files), or fill another cache with it",
+			w.Name(), name, now, was))
+		return ctx.Err()
+	}
+	dir := a.info.GetCacheDir()
+	d.mu.Lock()
+	before := d.dirs.pathOf[d.dirs.of[w]]
+	moved := dir != before
+	if moved {
+		d.dirs.moved[d.dirs.of[w]] = dir
+		d.dirs.add(w, dir, d.sum)
+	}
+	d.mu.Unlock()
+	if !moved {
+		return nil
+	}
+	cctx, cancel := context.WithTimeout(ctx, askTimeout)
+	st, err := w.Status(cctx, &pb.StatusRequest{DatasetFingerprint: d.fp})
+	cancel()
+	if err != nil {
+		return err
+	}
+	d.mu.Lock()
+	key := d.dirs.of[w]
+	d.dirs.byDir[key] = d.dirs.byDir[key][:0]
+	for _, r := range st.GetDone() {
+		d.dirs.byDir[key] = append(d.dirs.byDir[key], cache.Range{Start: r.GetStart(), End: r.GetEnd()})
+	}
+	d.mu.Unlock()
+	d.say("fill: teacher %s writes %s now (it wrote %s): it was restarted with another --cache; the fill goes on there, and the directories are read together", w.Name(), dir, before)
+	return nil
 }
 
 // setUp counts w as answering again (+1) or failing (-1); when none
