@@ -155,6 +155,13 @@ func LoadConfig(dir string) (*Config, error) {
 		if errors.Is(err, fs.ErrNotExist) && isRunDir(dir) {
 			return nil, errkind.Errorf(ErrConfig, "%v (%s is a student train run directory, not an HF checkpoint: export it with student export --checkpoint %s --out DIR --format bf16, and give DIR)", err, dir, dir)
 		}
+		// The directory itself missing, or a file (a model.safetensors
+		// given for its directory): say that, not config.json's error.
+		if fi, serr := os.Stat(dir); serr != nil && errors.Is(serr, fs.ErrNotExist) {
+			return nil, errkind.Errorf(ErrConfig, "checkpoint directory %s does not exist (give the HF checkpoint's directory: the one holding config.json and model.safetensors)", dir)
+		} else if serr == nil && !fi.IsDir() {
+			return nil, errkind.Errorf(ErrConfig, "%s is a file, not a checkpoint directory (give the directory that holds config.json and model.safetensors: %s)", dir, filepath.Dir(dir))
+		}
 		return nil, errkind.Errorf(ErrConfig, "%v (a checkpoint directory needs config.json)", err)
 	}
 	c, err := ParseConfig(b)

@@ -25,4 +25,15 @@ func TestLoadConfigRunDir(t *testing.T) {
 	if err == nil || !strings.HasSuffix(err.Error(), "(a checkpoint directory needs config.json)") {
 		t.Errorf("a directory without config.json: %v", err)
 	}
+	// A directory that does not exist, and a file given for its
+	// directory: said so, not config.json's open error.
+	missing := filepath.Join(t.TempDir(), "nomodel")
+	if _, err := LoadConfig(missing); err == nil || err.Error() != "checkpoint directory "+missing+" does not exist (give the HF checkpoint's directory: the one holding config.json and model.safetensors)" {
+		t.Errorf("a missing directory: %v", err)
+	}
+	file := filepath.Join(t.TempDir(), "model.safetensors")
+	os.WriteFile(file, nil, 0o644)
+	if _, err := LoadConfig(file); err == nil || !strings.Contains(err.Error(), file+" is a file, not a checkpoint directory (give the directory that holds config.json and model.safetensors: "+filepath.Dir(file)+")") {
+		t.Errorf("a file: %v", err)
+	}
 }

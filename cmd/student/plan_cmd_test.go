@@ -150,7 +150,7 @@ data: {cache: [/no/such/cache], seq_len: 2048, global_batch_tokens: 8192}
 		// device no larger than the reserve planned a negative budget.
 		{[]string{"--device-memory", "80"}, `--device-memory: "80": a size without a unit is bytes, and 80 bytes is no device's memory: did you mean 80GiB?`},
 		{[]string{"--device-memory", "200MiB"}, "--device-memory 200MiB: not more than the 256.0 MiB a device keeps in reserve: give the device's whole memory, e.g. 80GiB"},
-		{[]string{"--set", "model.random=null", "--set", "model.init_from=" + filepath.Join(dir, "nomodel")}, "model.init_from: open " + filepath.Join(dir, "nomodel", "config.json") + ": no such file or directory (a checkpoint directory needs config.json): the plan reads only the student's config.json: point model.init_from at a directory that holds it, e.g. --set model.init_from=examples/model-configs/qwen3-8b"},
+		{[]string{"--set", "model.random=null", "--set", "model.init_from=" + filepath.Join(dir, "nomodel")}, "model.init_from: checkpoint directory " + filepath.Join(dir, "nomodel") + " does not exist (give the HF checkpoint's directory: the one holding config.json and model.safetensors): the plan reads only the student's config.json: point model.init_from at a directory that holds it, e.g. --set model.init_from=examples/model-configs/qwen3-8b"},
 		// A run directory is not a checkpoint: its newest checkpoint is
 		// (the advice was the example configs).
 		{[]string{"--set", "model.random=null", "--set", "model.init_from=" + run}, "model.init_from: " + run + " is a student train run directory, not a checkpoint: point model.init_from at one of its checkpoints, e.g. " + filepath.Join(run, "checkpoints", "step-00000007")},

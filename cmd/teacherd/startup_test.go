@@ -91,8 +91,8 @@ func TestStartupErrorsOneSentence(t *testing.T) {
 		// the machine lacks is, named where it came from.
 		{[]string{"--model", m, "--k-max", "100"}, 1, "teacherd: --k-max 100: want 1 <= k-max <= 64 (the teacher's vocab size)"},
 		{[]string{"--config", kFile}, 1, "teacherd: config " + kFile + ": k_max: 100: want 1 <= k_max <= 64 (the teacher's vocab size)"},
-		{[]string{"--model", missing}, 1, "teacherd: --model " + missing + ": open " + filepath.Join(missing, "config.json") +
-			": no such file or directory (a checkpoint directory needs config.json)"},
+		{[]string{"--model", missing}, 1, "teacherd: --model " + missing + ": checkpoint directory " + missing +
+			" does not exist (give the HF checkpoint's directory: the one holding config.json and model.safetensors)"},
 		{[]string{"--model", weightless}, 1, "teacherd: loading teacher: no model.safetensors, model.safetensors.index.json or *.safetensors in " + weightless},
 	} {
 		stderr, code := runTeacherd(t, tc.args...)
