@@ -1073,3 +1073,21 @@ func TestRepair(t *testing.T) {
 		sameSample(t, got, testSample(i))
 	}
 }
+
+// TestLockHeldSaysWhat: a lock held past the timeout (a fill, teacherd or
+// reset stopped mid-commit) names the lock file, what holds it and how to
+// find it, not only the API's Options.LockTimeout.
+func TestLockHeldSaysWhat(t *testing.T) {
+	dir := t.TempDir()
+	held, err := lockDir(dir, true, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.unlock()
+	_, err = lockDir(dir, false, time.Millisecond)
+	lock := filepath.Join(dir, lockName)
+	if !errors.Is(err, ErrLocked) || !strings.Contains(err.Error(), lock+" held by another process") ||
+		!strings.Contains(err.Error(), "a fill, teacherd or reset of this cache") || !strings.Contains(err.Error(), "lsof "+lock) {
+		t.Fatalf("a held lock: %v", err)
+	}
+}

@@ -148,7 +148,12 @@ func lockDir(dir string, exclusive bool, timeout time.Duration) (*dirLock, error
 		if !errors.Is(err, syscall.EWOULDBLOCK) || time.Now().After(deadline) {
 			f.Close()
 			if errors.Is(err, syscall.EWOULDBLOCK) {
-				return nil, fmt.Errorf("%w: %s/%s held by another process for more than %v (raise Options.LockTimeout)", ErrLocked, dir, lockName, timeout)
+				// The holder is a fill, teacherd or reset of this cache:
+				// stopped (SIGSTOP, a suspended job) or in a long commit. A
+				// CLI user can find it; a caller of the API can also wait
+				// longer (Options.LockTimeout).
+				return nil, fmt.Errorf("%w: %s/%s held by another process for more than %v: a fill, teacherd or reset of this cache, stopped or in a long commit; let it finish, or stop it (lsof %s/%s names it), then run again (the API: Options.LockTimeout waits longer)",
+					ErrLocked, dir, lockName, timeout, dir, lockName)
 			}
 			return nil, fmt.Errorf("cache: %s: flock: %w", dir, err)
 		}
