@@ -683,7 +683,11 @@ func (p *FillPlan) checkCovered(workers []Worker, dirs *fillDirs, fp string) err
 		}
 	}
 	if gaps := cache.MissingOf(done, cache.Range{Start: p.Start, End: p.End}); len(gaps) > 0 {
-		return fillErr("after the fill, %v are still missing from the caches; re-run to fill them", gaps)
+		parts := make([]string, len(gaps))
+		for i, g := range gaps {
+			parts[i] = g.String()
+		}
+		return fillErr("after the fill, samples %s are still missing from the caches; re-run to fill them", strings.Join(parts, ", "))
 	}
 	return nil
 }
