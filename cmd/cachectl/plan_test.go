@@ -66,7 +66,7 @@ func TestPlan(t *testing.T) {
 		// A path that does not exist said only "want a config.json".
 		{[]string{"--config", filepath.Join(dir, "nope.json")}, filepath.Join(dir, "nope.json") + " does not exist: check the path (want a config.json"},
 		{[]string{"--config", filepath.Join(dir, "nodir")}, filepath.Join(dir, "nodir") + " does not exist: check the path"},
-		{[]string{"--config", filepath.Join(dir, "nodir", "config.json")}, "no such file or directory"},
+		{[]string{"--config", filepath.Join(dir, "nodir", "config.json")}, "checkpoint directory " + filepath.Join(dir, "nodir") + " does not exist"},
 		{[]string{"--config", dir, "--device-memory", "lots"}, "--device-memory"},
 		{[]string{"--config", dir, "--devices", "0"}, "--devices 0: want a count of at least 1"},
 		{[]string{"--config", dir, "--devices", "a,b"}, `--devices "a,b"`},
