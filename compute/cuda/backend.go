@@ -127,6 +127,14 @@ type Options struct {
 	// device. $DISTILL_CUDA_RMSNORM_DW sets it too. Shapes the 8-wide
 	// kernels do not take run the column sums either way.
 	RMSNormDW string
+	// LMFold picks the LM head's fold kernel (lmhead.cu): "" (the
+	// default: k_lm_fold_gemm, one launch per GEMM tile that keeps the
+	// row's state on chip across its LM_TILE-column pieces and selects a
+	// piece's best k by radix) or "tiles" (k_lm_fold, a launch per piece,
+	// as before). The same bits either way; for an A/B on a device.
+	// $DISTILL_CUDA_LM_FOLD sets it too. A top-k larger than LM_TILE/2
+	// (2048) folds by tiles either way.
+	LMFold string
 }
 
 // Backend is the CUDA backend. It is safe for concurrent use, one call at
@@ -167,6 +175,7 @@ type Backend struct {
 	fp8OuterVec  bool          // FP8 GEMMs scale in cuBLASLt's epilogue (Options.FP8Scale; fp8.go)
 	fp8FastAccum bool          // Options.FP8FastAccum
 	rmsColsum    bool          // Options.RMSNormDW "colsum"
+	lmFoldTiles  bool          // Options.LMFold "tiles"
 	pageable     bool          // Options.Pageable
 	noKeep       bool          // Options.RecomputeLogits
 	kept         *keptLogits   // pass 1's logits, kept for pass 2 (train.go)
@@ -407,6 +416,14 @@ func (b *Backend) setOptions(opt Options) error {
 		return fmt.Errorf("cuda: RMSNorm dw %q: want colsum, or none for the fused kernels", dw)
 	}
 	b.rmsColsum = dw == "colsum"
+	fold := opt.LMFold
+	if fold == "" {
+		fold = os.Getenv("DISTILL_CUDA_LM_FOLD")
+	}
+	if fold != "" && fold != "tiles" {
+		return fmt.Errorf("cuda: LM-head fold %q: want tiles, or none for the default (k_lm_fold_gemm)", fold)
+	}
+	b.lmFoldTiles = fold == "tiles"
 	b.pageable = opt.Pageable || os.Getenv("DISTILL_CUDA_PAGEABLE") == "1"
 	b.noKeep = opt.RecomputeLogits || os.Getenv("DISTILL_CUDA_RECOMPUTE_LOGITS") == "1"
 	b.eagerZeros = opt.EagerZeros || os.Getenv("DISTILL_CUDA_EAGER_ZEROS") == "1"

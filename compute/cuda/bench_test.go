@@ -407,6 +407,22 @@ func BenchmarkLMHead(b *testing.B) {
 			s := b.Elapsed().Seconds()
 			b.ReportMetric(2*float64(tokens)*float64(hidden)*float64(vocab)*float64(b.N)/s/1e12, "TFLOP/s")
 			b.ReportMetric(float64(tokens*b.N)/s, "tokens/s")
+			// The same calls folding a launch per piece (k_lm_fold,
+			// Options.LMFold "tiles"), untimed by the benchmark's clock:
+			// the A/B of k_lm_fold_gemm in one run.
+			b.StopTimer()
+			be.lmFoldTiles = true
+			be.LMHeadTopK(ids, lps, x, w, tokens, hidden, vocab, k)
+			be.wait()
+			t0 := time.Now()
+			for i := 0; i < b.N; i++ {
+				be.LMHeadTopK(ids, lps, x, w, tokens, hidden, vocab, k)
+			}
+			be.wait()
+			st := time.Since(t0).Seconds()
+			be.lmFoldTiles = false
+			b.ReportMetric(float64(tokens*b.N)/st, "tiles_tokens/s")
+			b.ReportMetric(st/s, "gemm_fold_speedup")
 		})
 		// The sampled targets' pass (issue 27): n = 16 draws a token
 		// beside the top-k (head+sampled) and alone (sampled, k 0), on

@@ -195,8 +195,20 @@
 //     rows read in place through the order, as the base's GEMMs read
 //     them): t = Scale·drop(x)·Aᵀ, then out += t·Bᵀ, with no host wait.
 //   - LMHeadTopK: the vocabulary in tiles; cuBLASLt writes a tile's
-//     logits, k_lm_fold folds them into each row's running log-sum-exp
-//     (float64) and running top-k (exact, ties by lower id).
+//     logits, k_lm_fold_gemm folds them into each row's running
+//     log-sum-exp (float64) and running top-k (exact, ties by lower id),
+//     LM_TILE columns at a time, in one launch a GEMM tile: the row's
+//     state stays on chip across its pieces, the next piece is loaded
+//     while one is reduced, a piece with more than k candidates (a row's
+//     first: all of them) has its best k found by a radix select over the
+//     64-bit keys, and up to 256 candidates enter the list by rank.
+//     k_lm_fold, a launch a piece (Options.LMFold "tiles",
+//     $DISTILL_CUDA_LM_FOLD=tiles, and any k above 2048), gives the same
+//     bits (TestLMFoldGEMM) and sorted every piece's candidates, the
+//     first piece's 4096 by a bitonic sort: on the H200 (2026-11-27) it
+//     took 15.6 ms (3.5%) of a Qwen3-8B forward of 16384 tokens, 640 GB/s
+//     of logits read. BenchmarkLMHead times both in one run
+//     (gemm_fold_speedup); not yet on a GPU.
 //   - LMHeadSample: the same pass, each fold also
 //     keeping per row the fold tile's max, its 64-id blocks' sums of
 //     exp(logit - max) (fp32 terms, float64 sums) and their total; after a

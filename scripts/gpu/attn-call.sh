@@ -21,7 +21,9 @@
 # the Qwen3-8B shape unless FP8_SHAPES says otherwise; FP8_BUDGET seconds,
 # default 200),
 # EXTRA_TESTS=PATTERN runs the matching tests of the cuda, train and
-# trainer test binaries on the GPU, MEMCHECK_TESTS=PATTERN the matching
+# trainer test binaries on the GPU, EXTRA_BENCH=PATTERN the matching
+# benchmarks of the cuda test binary (3 iterations, EXTRA_BENCH_BUDGET
+# seconds, default 90), MEMCHECK_TESTS=PATTERN the matching
 # tests of the cuda test binary under compute-sanitizer memcheck, SANITIZE=1 runs the
 # attention tests (own kernels and cuDNN) under compute-sanitizer memcheck
 # and the own kernels' under racecheck, ACT_COMPARE=1 runs the training
@@ -116,6 +118,11 @@ if [ -n "${EXTRA_TESTS:-}" ]; then # a -test.run pattern for cuda.test, then the
     echo "extra-${b%%:*} rc=$?" >>"$work/status.txt"
   done
 fi
+if [ -n "${EXTRA_BENCH:-}" ]; then # a -test.bench pattern for cuda.test (3 iterations; EXTRA_BENCH_BUDGET seconds, default 90)
+  ( cd compute/cuda && DISTILL_CUDA_TEST=$target DISTILL_KERNEL_CACHE=$kcache DISTILL_BENCH_OUT="$work" timeout ${EXTRA_BENCH_BUDGET:-90} \
+      $gpubin/cuda.test -test.run '^$' -test.bench "$EXTRA_BENCH" -test.benchtime 3x -test.timeout $(( ${EXTRA_BENCH_BUDGET:-90} - 5 ))s ) >"$work/extra-bench.log" 2>&1
+  echo "extra-bench rc=$?" >>"$work/status.txt"
+fi
 if [ -n "${MEMCHECK_TESTS:-}" ] && command -v compute-sanitizer >/dev/null; then # a -test.run pattern for cuda.test under memcheck
   ( cd compute/cuda && DISTILL_CUDA_TEST=$target DISTILL_KERNEL_CACHE=$kcache timeout 90 \
       compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 $gpubin/cuda.test -test.v -test.count=1 \
@@ -166,6 +173,7 @@ echo "== idle and host waits"; grep -HE 'GPU idle|^host wait:|^host timeline' "$
 # Where a forward's time outside the GPU's span went (host timeline).
 echo "== forward host timeline"; grep -HE 'outside the profiled span|^host timeline' "$work"/fwd/profile-*.txt "$work"/profile-qwen3-*.txt 2>/dev/null | sed "s|$work/||"
 echo "== status"; cat "$work/status.txt"
+[ -f "$work/extra-bench.log" ] && { echo "== extra benchmarks"; grep -E '^(Benchmark|--- FAIL|FAIL|panic)' "$work/extra-bench.log"; }
 for f in attn-memcheck attn-racecheck extra-memcheck extra-cuda extra-train extra-trainer extra-decoder; do
   [ -f "$work/$f.log" ] && { echo "== $f"; grep -E '^(--- |ok|FAIL|panic)|ERROR SUMMARY|RACECHECK SUMMARY|========= (Invalid|Race|Error)' "$work/$f.log" | head -20; }
 done

@@ -179,6 +179,276 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_fold(const float *__restrict__
 	if (threadIdx.x == 0) cnt[row] = nn;
 }
 
+// --- k_lm_fold_gemm: k_lm_fold over a whole GEMM tile in one launch.
+//
+// The same sums and the same top-k as k_lm_fold called once per LM_TILE
+// columns, bit for bit: each LM_TILE-column piece has the same tile max,
+// the same fp32 sum in the same order and the same float64 merge into the
+// row's log-sum-exp, and the top-k is the exact top-k of the keys. What
+// changes is the cost of a piece:
+//   - the row's state (rmax, rsum, cnt and the top-k list) is read once
+//     a launch and written once (the list in shared memory, rmax and rsum
+//     in thread 0's registers), not once a piece;
+//   - the next piece's logits are loaded while this one is reduced;
+//   - the reductions take one barrier each (their buffers alternate) and
+//     the candidates are counted inside the sum's;
+//   - where more than k logits beat the k-th best (a row's first piece:
+//     all of them), a radix select over the 64-bit keys finds the piece's
+//     best k instead of k_lm_fold's bitonic sort of all of them (78
+//     barriers for 4096 keys);
+//   - up to LM_RANKMAX candidates enter the list by rank (each key's place
+//     is its rank in the list plus its rank among the candidates), with no
+//     sort and no search in global memory.
+// Shared memory: LM_TILE + k keys, as k_lm_fold; k <= LM_TILE/2 (the
+// merge writes into the candidates' last k slots).
+
+#define LM_PER (LM_TILE / LM_THREADS) // logits a thread holds of a piece
+#define LM_RANKMAX 256                // candidates merged by rank; more are sorted first
+
+DK_DEV int warp_sum_i(int v) {
+	for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(DK_FULL, v, m);
+	return v;
+}
+
+// lm_load reads a row's logits [base, base+LM_TILE) of its nc into v
+// (-inf past nc), thread t's LM_PER at t, t+LM_THREADS, ...
+DK_DEV void lm_load(float *v, const float *__restrict__ lg, int base, int nc) {
+	for (int i = 0; i < LM_PER; i++) {
+		int c = base + (int)threadIdx.x + i * LM_THREADS;
+		v[i] = c < nc ? lg[c] : -DK_INF;
+	}
+}
+
+DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_fold_gemm(const float *__restrict__ tile, i64 ld, int nc, int col0, i64 row0,
+                                                            float *__restrict__ rmax, double *__restrict__ rsum, i32 *__restrict__ cnt,
+                                                            float *__restrict__ topv, i32 *__restrict__ topi, int k,
+                                                            double *__restrict__ bsum, float *__restrict__ btmax,
+                                                            double *__restrict__ btsum, int nblk, int ntile) {
+	DK_DYN_SMEM(u64, cand);     // a piece's candidates; the merge's output in the last k
+	u64 *list = cand + LM_TILE; // the row's best n keys, descending
+	u64 *out = cand + (LM_TILE - k);
+	__shared__ float redm[LM_THREADS / DK_WARP], reds[LM_THREADS / DK_WARP];
+	__shared__ int redc[LM_THREADS / DK_WARP];
+	__shared__ double half[LM_TILE / DK_WARP];
+	__shared__ int hist[256]; // the radix select's bins (LM_THREADS = 256: one a thread)
+	__shared__ int ncand, selb, sela, sfull;
+	i64 row = row0 + blockIdx.x;
+	const float *lg = tile + (i64)blockIdx.x * ld;
+	int lane = threadIdx.x % DK_WARP, w = threadIdx.x / DK_WARP;
+	float rm = 0; // thread 0's: the row's running max and sum
+	double rs = 0;
+	if (threadIdx.x == 0) {
+		rm = rmax[row];
+		rs = rsum[row];
+		ncand = 0;
+	}
+	int n = 0; // the list's length (uniform)
+	u64 thr = 0; // a key must beat it to enter: the k-th best (0 while the list is not full)
+	bool changed = false;
+	float *tv = topv + row * k;
+	i32 *ti = topi + row * k;
+	if (k > 0) {
+		n = cnt[row];
+		for (int i = threadIdx.x; i < n; i += LM_THREADS) list[i] = lm_key(tv[i], ti[i]);
+		__syncthreads();
+		if (n == k) thr = list[k - 1];
+	}
+	float vals[LM_PER], nxt[LM_PER];
+	lm_load(vals, lg, 0, nc);
+	for (int t0 = 0; t0 < nc; t0 += LM_TILE) {
+		int ns = imin(LM_TILE, nc - t0);
+		if (t0 + LM_TILE < nc) lm_load(nxt, lg, t0 + LM_TILE, nc);
+		float tmax = -DK_INF;
+		for (int i = 0; i < LM_PER; i++) tmax = fmaxf(tmax, vals[i]);
+		tmax = warp_max(tmax);
+		if (lane == 0) redm[w] = tmax;
+		__syncthreads();
+		tmax = redm[0];
+		for (int i = 1; i < LM_THREADS / DK_WARP; i++) tmax = fmaxf(tmax, redm[i]);
+		float ts = 0;
+		int mine = 0; // this thread's keys that beat thr
+		for (int i = 0; i < LM_PER; i++) {
+			int c = threadIdx.x + i * LM_THREADS;
+			float d = vals[i] - tmax, e = expf(d); // -inf -> 0
+			ts += e;
+			if (bsum) {
+				double s = warp_sum_d(d >= -87.0f ? e : 0.0f); // lm_term(d), as k_lm_fold
+				if (lane == 0) half[i * (LM_THREADS / DK_WARP) + w] = s;
+			}
+			if (k > 0 && c < ns && lm_key(vals[i], col0 + t0 + c) > thr) mine++;
+		}
+		if (bsum) { // as k_lm_fold, for the piece at col0 + t0
+			__syncthreads();
+			int nb = (ns + LM_BLOCK - 1) / LM_BLOCK;
+			double *bs = bsum + (i64)blockIdx.x * nblk + (col0 + t0) / LM_BLOCK;
+			for (int j = threadIdx.x; j < nb; j += LM_THREADS) bs[j] = half[2 * j] + half[2 * j + 1];
+			__syncthreads();
+			if (threadIdx.x == 0) {
+				double t = 0;
+				for (int j = 0; j < nb; j++) t += bs[j];
+				btmax[(i64)blockIdx.x * ntile + (col0 + t0) / LM_TILE] = tmax;
+				btsum[(i64)blockIdx.x * ntile + (col0 + t0) / LM_TILE] = t;
+			}
+		}
+		ts = warp_sum(ts);
+		int cw = warp_sum_i(mine);
+		if (lane == 0) {
+			reds[w] = ts;
+			redc[w] = cw;
+		}
+		__syncthreads();
+		ts = reds[0];
+		int nct = redc[0];
+		for (int i = 1; i < LM_THREADS / DK_WARP; i++) {
+			ts = ts + reds[i];
+			nct += redc[i];
+		}
+		if (threadIdx.x == 0) { // k_lm_fold's merge, on the registers
+			double drm = rm;
+			if (tmax > drm) {
+				rs = rs * exp(drm - (double)tmax) + ts;
+				rm = tmax;
+			} else {
+				rs = rs + (double)ts * exp((double)tmax - drm);
+			}
+		}
+		if (nct > 0) { // (uniform)
+			// More than k candidates: only the piece's best k of them can
+			// enter. Select them by the keys' bytes from the top: sel, on
+			// the bytes smask covers, is the least prefix that still
+			// qualifies (a key qualifies when (key & smask) >= sel).
+			u64 sel = 0, smask = 0;
+			if (nct > k) {
+				int need = k;
+				for (int shift = 56; shift >= 0; shift -= 8) {
+					hist[threadIdx.x] = 0;
+					__syncthreads();
+					for (int i = 0; i < LM_PER; i++) {
+						int c = threadIdx.x + i * LM_THREADS;
+						u64 key = lm_key(vals[i], col0 + t0 + c);
+						if (c < ns && key > thr && (key & smask) == sel) atomicAdd(&hist[(int)((key >> shift) & 255u)], 1);
+					}
+					__syncthreads();
+					if (w == 0) { // lane l holds bins 255-8l .. 248-8l, descending
+						int s = 0;
+						for (int j = 0; j < 8; j++) s += hist[255 - 8 * lane - j];
+						int inc = s;
+						for (int o = 1; o < DK_WARP; o <<= 1) {
+							int v = __shfl_sync(DK_FULL, inc, lane >= o ? lane - o : lane);
+							if (lane >= o) inc += v;
+						}
+						int a = inc - s;
+						if (a < need && need <= inc) { // the bin holding the need-th key
+							for (int j = 0; j < 8; j++) {
+								int b = 255 - 8 * lane - j, h = hist[b];
+								if (a + h >= need) {
+									selb = b;
+									sela = a;
+									sfull = a + h == need;
+									break;
+								}
+								a += h;
+							}
+						}
+					}
+					__syncthreads();
+					need -= sela;
+					sel |= (u64)selb << shift;
+					smask |= (u64)255u << shift;
+					if (sfull) break; // every key of that bin is in
+				}
+			}
+			for (int i = 0; i < LM_PER; i++) {
+				int c = threadIdx.x + i * LM_THREADS;
+				u64 key = lm_key(vals[i], col0 + t0 + c);
+				if (c < ns && key > thr && (key & smask) >= sel) cand[atomicAdd(&ncand, 1)] = key;
+			}
+			__syncthreads();
+			int m = ncand;
+			DK_CHECK(m == imin(nct, k), "k_lm_fold_gemm: the candidates are not the best min(count, k)");
+			if (m <= LM_RANKMAX) {
+				// A key's place: the keys above it in the list and among
+				// the candidates (keys are distinct).
+				for (int o = threadIdx.x; o < n + m; o += LM_THREADS) {
+					u64 key;
+					int pos;
+					if (o < n) {
+						key = list[o];
+						pos = o;
+					} else {
+						key = cand[o - n];
+						int lo = 0, hi = n;
+						while (lo < hi) {
+							int mid = (lo + hi) / 2;
+							if (list[mid] > key) lo = mid + 1;
+							else hi = mid;
+						}
+						pos = lo;
+					}
+					for (int j = 0; j < m; j++) pos += cand[j] > key;
+					if (pos < k) out[pos] = key;
+				}
+			} else {
+				// Sort the candidates (bitonic, descending, padded with 0,
+				// p <= LM_TILE - k) and merge by co-rank, as k_lm_fold.
+				int p = 1;
+				while (p < m) p <<= 1;
+				for (int i = m + threadIdx.x; i < p; i += LM_THREADS) cand[i] = 0;
+				__syncthreads();
+				for (int size = 2; size <= p; size <<= 1) {
+					for (int stride = size / 2; stride > 0; stride >>= 1) {
+						for (int i = threadIdx.x; i < p; i += LM_THREADS) {
+							int j = i ^ stride;
+							if (j > i) {
+								bool desc = (i & size) == 0;
+								u64 x = cand[i], y = cand[j];
+								if (desc ? x < y : x > y) {
+									cand[i] = y;
+									cand[j] = x;
+								}
+							}
+						}
+						__syncthreads();
+					}
+				}
+				int nn = imin(n + m, k);
+				for (int o = threadIdx.x; o < nn; o += LM_THREADS) {
+					int lo = imax(0, o - m), hi = imin(o, n);
+					while (lo < hi) {
+						int i = (lo + hi) / 2;
+						if (list[i] > cand[o - 1 - i]) lo = i + 1;
+						else hi = i;
+					}
+					int i = lo, j = o - lo;
+					u64 kl = i < n ? list[i] : 0;
+					u64 kc = j < m ? cand[j] : 0;
+					out[o] = kl > kc ? kl : kc;
+				}
+			}
+			__syncthreads();
+			n = imin(n + m, k);
+			for (int o = threadIdx.x; o < n; o += LM_THREADS) list[o] = out[o];
+			if (threadIdx.x == 0) ncand = 0;
+			__syncthreads();
+			if (n == k) thr = list[k - 1];
+			changed = true;
+		}
+		if (t0 + LM_TILE < nc)
+			for (int i = 0; i < LM_PER; i++) vals[i] = nxt[i];
+	}
+	if (threadIdx.x == 0) {
+		rmax[row] = rm;
+		rsum[row] = rs;
+	}
+	if (changed) {
+		for (int o = threadIdx.x; o < n; o += LM_THREADS) {
+			tv[o] = lm_val(list[o]);
+			ti[o] = lm_id(list[o]);
+		}
+		if (threadIdx.x == 0) cnt[row] = n;
+	}
+}
+
 // k_lm_finish: topv (rows, k) logits -> log-probs, v - (rmax + log(rsum)),
 // in float64 and then rounded, as compute/cpu.
 DK_KERNEL void k_lm_finish(float *topv, const float *__restrict__ rmax, const double *__restrict__ rsum, i64 rows, int k) {
@@ -410,5 +680,6 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_sample(const u16 *__restrict__
 
 DK_REGISTER(k_lm_init)
 DK_REGISTER(k_lm_fold)
+DK_REGISTER(k_lm_fold_gemm)
 DK_REGISTER(k_lm_finish)
 DK_REGISTER(k_lm_sample)

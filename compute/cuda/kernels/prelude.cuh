@@ -26,6 +26,16 @@ typedef long long i64;
 #define DK_INF __int_as_float(0x7f800000)
 #endif
 
+// DK_CHECK(ok, what) states an invariant of a kernel's own logic, one
+// that its results do not show when it breaks (a bound that only keeps it
+// fast, or shared memory in range): the emulator fails the launch, naming
+// what; on a GPU it compiles to nothing.
+#ifdef DISTILL_EMU
+#define DK_CHECK(ok, what) emu_kernel_check((ok), (what))
+#else
+#define DK_CHECK(ok, what)
+#endif
+
 #define DK_WARP 32
 #define DK_FULL 0xffffffffu
 

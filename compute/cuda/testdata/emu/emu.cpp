@@ -263,6 +263,10 @@ static void kernel_fault(const std::string &msg) {
 	if (g_fault.empty()) g_fault = msg;
 }
 
+void emu_kernel_check(bool ok, const char *what) {
+	if (!ok) kernel_fault(std::string("kernel invariant broken: ") + what);
+}
+
 static bool in_dyn_smem(const void *p, size_t n) {
 	const unsigned char *b = g_dyn.data(), *q = (const unsigned char *)p;
 	return g_dyn.size() >= 16 && q >= b && q + n <= b + (g_dyn.size() - 16);

@@ -48,6 +48,9 @@ struct EmuGuard {
 	EmuGuard(const EmuGuard &) = delete;
 	EmuGuard &operator=(const EmuGuard &) = delete;
 };
+// emu_kernel_check fails the launch, naming what, when ok is false: the
+// kernels' DK_CHECK (prelude.cuh).
+void emu_kernel_check(bool ok, const char *what);
 void emu_mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]);
 void emu_mma_e4m3_16832(float d[4], const u32 a[4], const u32 b[2]);
 // cp.async (prelude.cuh: cp_async16, cp_async4): n bytes from global src
