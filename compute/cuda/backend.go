@@ -16,6 +16,7 @@ import (
 	"unsafe"
 
 	"distill/compute"
+	"distill/internal/cli"
 )
 
 // Options configure Open.
@@ -135,6 +136,15 @@ type Options struct {
 	// $DISTILL_CUDA_LM_FOLD sets it too. A top-k larger than LM_TILE/2
 	// (2048) folds by tiles either way.
 	LMFold string
+	// MemoryCap, when positive, makes the device look this many bytes
+	// large: Open allocates the rest of it (the device's total less
+	// MemoryCap) outside the pool and holds it until Close, so that this
+	// process's context, workspace, pool and tensors fit in MemoryCap, as
+	// on a device of that size, and MemInfo and Info report MemoryCap as
+	// the total. It checks on a large GPU that a job fits a smaller one
+	// (an 80 GB H100's memory on an H200). $DISTILL_CUDA_MEMORY_CAP (a
+	// size such as 78GiB) sets it too.
+	MemoryCap int64
 }
 
 // Backend is the CUDA backend. It is safe for concurrent use, one call at
@@ -176,6 +186,8 @@ type Backend struct {
 	fp8FastAccum bool          // Options.FP8FastAccum
 	rmsColsum    bool          // Options.RMSNormDW "colsum"
 	lmFoldTiles  bool          // Options.LMFold "tiles"
+	ballast      uint64        // Options.MemoryCap's hold on the rest of the device (0: none)
+	memCap       int64         // Options.MemoryCap (0: none)
 	pageable     bool          // Options.Pageable
 	noKeep       bool          // Options.RecomputeLogits
 	kept         *keptLogits   // pass 1's logits, kept for pass 2 (train.go)
@@ -288,6 +300,9 @@ func Open(opt Options) (*Backend, error) {
 	if err := b.setOptions(opt); err != nil {
 		return nil, err
 	}
+	if err := b.capMemory(opt.MemoryCap); err != nil {
+		return nil, err
+	}
 	dir := opt.KernelCache
 	if dir == "" {
 		dir = defaultCacheDir()
@@ -310,6 +325,50 @@ func Open(opt Options) (*Backend, error) {
 		b.nv.Version(), b.lt.version, b.arch, b.AttentionImpl(), b.act)
 	ok = true
 	return b, nil
+}
+
+// capMemory holds all but capBytes of the device (Options.MemoryCap;
+// $DISTILL_CUDA_MEMORY_CAP when capBytes is 0) in one allocation outside
+// the stream-ordered pool, which PeakMemory does not count.
+func (b *Backend) capMemory(capBytes int64) error {
+	what := "Options.MemoryCap"
+	if capBytes == 0 {
+		env := os.Getenv("DISTILL_CUDA_MEMORY_CAP")
+		if env == "" {
+			return nil
+		}
+		v, err := cli.ParseBytes(env)
+		if err != nil {
+			return fmt.Errorf("cuda: DISTILL_CUDA_MEMORY_CAP %v", err)
+		}
+		capBytes, what = v, "DISTILL_CUDA_MEMORY_CAP "+env
+	}
+	if capBytes < 0 {
+		return fmt.Errorf("cuda: %s: want a positive size", what)
+	}
+	var f, t C.size_t
+	if err := b.drv.check("cuMemGetInfo", C.call_cuMemGetInfo(b.drv.cuMemGetInfo, &f, &t)); err != nil {
+		return err
+	}
+	gib := func(n int64) float64 { return float64(n) / (1 << 30) }
+	hold := int64(t) - capBytes
+	switch {
+	case hold <= 0:
+		return fmt.Errorf("cuda: %s is %.2f GiB, not less than %s's %.2f GiB: nothing to cap (unset it, or give a smaller size)",
+			what, gib(capBytes), b.info.Name, gib(int64(t)))
+	case hold > int64(f):
+		return fmt.Errorf("cuda: %s: %s has %.2f GiB free of %.2f GiB, so this process cannot leave itself only %.2f GiB (something else holds %.2f GiB of it): give a smaller size, or free the device",
+			what, b.info.Name, gib(int64(f)), gib(int64(t)), gib(capBytes), gib(int64(t)-int64(f)))
+	}
+	var p C.CUdeviceptr
+	if err := b.drv.check(fmt.Sprintf("cuMemAlloc(%d bytes, the memory cap's hold)", hold), C.call_cuMemAlloc(b.drv.cuMemAlloc, &p, C.size_t(hold))); err != nil {
+		return err
+	}
+	b.ballast, b.memCap = uint64(p), capBytes
+	b.logf("cuda: %s: this process holds %.2f GiB of %s's %.2f GiB, leaving itself %.2f GiB as a smaller device would",
+		what, gib(hold), b.info.Name, gib(int64(t)), gib(capBytes))
+	b.info.TotalMem = capBytes
+	return nil
 }
 
 // NoDeviceError is Open's error for a GPU ordinal the driver does not
@@ -550,6 +609,10 @@ func (b *Backend) release() {
 	if b.ws != 0 {
 		C.call_cuMemFree(d.cuMemFree, C.CUdeviceptr(b.ws))
 		b.ws = 0
+	}
+	if b.ballast != 0 {
+		C.call_cuMemFree(d.cuMemFree, C.CUdeviceptr(b.ballast))
+		b.ballast = 0
 	}
 	if b.ltH != nil {
 		C.call_cublasLtDestroy(b.lt.destroy, b.ltH)
@@ -854,6 +917,9 @@ func (b *Backend) MemInfo() (free, total int64) {
 	var f, t C.size_t
 	b.must(b.drv.check("cuMemGetInfo", C.call_cuMemGetInfo(b.drv.cuMemGetInfo, &f, &t)))
 	reserved, used := b.poolAttr(mempoolAttrReservedMemCur), b.poolAttr(mempoolAttrUsedMemCur)
+	if b.memCap > 0 { // the hold is out of f already
+		return int64(f) + max(0, reserved-used), b.memCap
+	}
 	return int64(f) + max(0, reserved-used), int64(t)
 }
 

@@ -86,3 +86,59 @@ func TestProbe(t *testing.T) {
 		t.Fatalf("Probe: %+v %v", info, err)
 	}
 }
+
+// TestMemoryCap: Options.MemoryCap (and $DISTILL_CUDA_MEMORY_CAP) leaves
+// the process that much of the device: MemInfo and Info report it, an
+// allocation past it fails as out of memory, and Close gives the hold
+// back. A cap at or above the device's memory, or an unreadable one, is
+// refused by name.
+func TestMemoryCap(t *testing.T) {
+	if !onGPU() {
+		useEmu(t)
+	}
+	const capBytes = 2 << 30
+	open := func(opt Options) (*Backend, error) {
+		opt.KernelCache = kernelCacheForTests(t)
+		return Open(opt)
+	}
+	be, err := open(Options{MemoryCap: capBytes})
+	if err != nil {
+		t.Fatal(err)
+	}
+	free, total := be.MemInfo()
+	if total != capBytes || free > capBytes || free < capBytes/2 {
+		t.Fatalf("capped at 2 GiB: MemInfo free %d, total %d; want total %d and most of it free", free, total, int64(capBytes))
+	}
+	if got := be.Info().TotalMem; got != capBytes {
+		t.Fatalf("capped at 2 GiB: Info().TotalMem %d", got)
+	}
+	small := be.New(compute.F32, (1<<30)/4) // 1 GiB fits
+	mustPanic(t, "out of memory", func() { be.New(compute.F32, (capBytes+(512<<20))/4) })
+	be.Free(small)
+	be.Close()
+	whole, err := open(Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	free, total = whole.MemInfo()
+	whole.Close()
+	if total <= capBytes || free <= capBytes {
+		t.Fatalf("after Close, a backend without a cap sees free %d of %d: the hold was not given back", free, total)
+	}
+	if _, err := open(Options{MemoryCap: total}); err == nil || !strings.Contains(err.Error(), "nothing to cap") {
+		t.Fatalf("a cap of the whole device: %v", err)
+	}
+	t.Setenv("DISTILL_CUDA_MEMORY_CAP", "3GiB")
+	env, err := open(Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, total := env.MemInfo(); total != 3<<30 {
+		t.Fatalf("DISTILL_CUDA_MEMORY_CAP=3GiB: total %d", total)
+	}
+	env.Close()
+	t.Setenv("DISTILL_CUDA_MEMORY_CAP", "80")
+	if _, err := open(Options{}); err == nil || !strings.Contains(err.Error(), "DISTILL_CUDA_MEMORY_CAP") || !strings.Contains(err.Error(), "80GiB") {
+		t.Fatalf("DISTILL_CUDA_MEMORY_CAP=80: %v", err)
+	}
+}
