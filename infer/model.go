@@ -75,6 +75,9 @@ func (m *Model) Free() {
 		t.be.Free(t.t)
 	}
 	m.loaded = nil
+	for _, s := range m.stages {
+		s.d.Free() // (the RoPE table each stage keeps on its backend)
+	}
 }
 
 // stage is one backend's part of the teacher.

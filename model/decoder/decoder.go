@@ -201,22 +201,65 @@ type Model struct {
 // tokens of head_dim 128) kept a GPU waiting on the host at the start of
 // every forward. Safe for concurrent use; a returned slice is never
 // written again (growing allocates new ones).
+//
+// For forwards (TopK, the pipeline's stages), the rows also live on the
+// model's backend (dcos, dsin: dn rows), where a batch's table is
+// gathered by position (gather): building the batch's
+// table on the host and uploading it (8 MB for 16384 tokens of head_dim
+// 128) took most of the 3.7 ms before a Qwen3-8B forward's first launch
+// on the H200 (2026-11-27).
 type ropeRows struct {
-	mu       sync.Mutex
-	cos, sin []float32
-	n        int
+	mu         sync.Mutex
+	cos, sin   []float32
+	n          int
+	dcos, dsin compute.Tensor
+	dn         int
 }
 
 // upTo returns the cached rows of at least positions 0..n-1.
 func (r *ropeRows) upTo(n int, invFreq []float32) (cos, sin []float32) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	return r.upToLocked(n, invFreq)
+}
+
+func (r *ropeRows) upToLocked(n int, invFreq []float32) (cos, sin []float32) {
 	if r.n < n {
 		m, half := max(n, 2*r.n), len(invFreq)
 		r.cos, r.sin, r.n = make([]float32, m*half), make([]float32, m*half), m
 		ropeTable(r.cos, r.sin, []int32{0, int32(m)}, invFreq)
 	}
 	return r.cos, r.sin
+}
+
+// gather writes cos and sin (n, half) of the positions pos (n) I32 on be,
+// samples of at most maxLen tokens: rows of the table on be (the host
+// rows of at least maxLen positions, uploaded when they grow), read by
+// Embed, a copy: ropeTable's values bit for bit. The lock is held until
+// the reads are issued, so that a table is freed (on the backend's
+// stream, after them) only once no batch can still issue one.
+func (r *ropeRows) gather(be compute.Backend, cos, sin, pos compute.Tensor, n, maxLen int, invFreq []float32) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	half := len(invFreq)
+	if r.dn < maxLen {
+		hc, hs := r.upToLocked(maxLen, invFreq)
+		freeAll(be, r.dcos, r.dsin)
+		r.dcos, r.dsin, r.dn = nil, nil, 0
+		r.dcos = be.FromF32(hc)
+		r.dsin = be.FromF32(hs)
+		r.dn = len(hc) / half
+	}
+	be.Embed(cos, r.dcos, pos, n, half)
+	be.Embed(sin, r.dsin, pos, n, half)
+}
+
+// free releases the rows on be.
+func (r *ropeRows) free(be compute.Backend) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	freeAll(be, r.dcos, r.dsin)
+	r.dcos, r.dsin, r.dn = nil, nil, 0
 }
 
 // Backend returns the backend the model runs on.

@@ -130,27 +130,40 @@ func (m *Model) upload(tokens, starts []int32, cos, sin compute.Tensor, train bo
 		b.maxLen = max(b.maxLen, int(starts[s+1]-starts[s]))
 	}
 	half := c.HeadDim / 2
-	hc, hs := make([]float32, b.n*half), make([]float32, b.n*half)
-	rc, rs := m.rope.upTo(b.maxLen, c.InvFreq())
-	for s := 0; s+1 < len(starts); s++ { // each sample's positions from 0: ropeTable's rows
-		lo, hi := int(starts[s])*half, int(starts[s+1])*half
-		copy(hc[lo:hi], rc[:hi-lo])
-		copy(hs[lo:hi], rs[:hi-lo])
-	}
 	made := cos == nil
+	var posT compute.Tensor
 	defer func() { // a backend's panic (out of memory): free what is made here
 		if r := recover(); r != nil {
 			if made {
 				freeAll(be, b.cos, b.sin)
 			}
+			freeAll(be, posT)
 			b.free(be)
 			panic(r)
 		}
 	}()
-	if made {
-		b.cos = be.FromF32(hc)
-		b.sin = be.FromF32(hs)
-	} else {
+	if made { // a forward's: gathered on the backend from the table kept there
+		pos := make([]int32, b.n)
+		for s := 0; s+1 < len(starts); s++ { // each sample's positions from 0: rows of the table
+			for t := starts[s]; t < starts[s+1]; t++ {
+				pos[t] = t - starts[s]
+			}
+		}
+		b.cos = be.New(compute.F32, b.n*half)
+		b.sin = be.New(compute.F32, b.n*half)
+		posT = be.FromI32(pos)
+		m.rope.gather(be, b.cos, b.sin, posT, b.n, b.maxLen, c.InvFreq())
+		be.Free(posT) // (after the gathers, on a backend with a stream)
+		posT = nil
+	} else { // a training step's: written into its arena from the host rows
+		// (train.PlanMemory counts no table on the backend.)
+		hc, hs := make([]float32, b.n*half), make([]float32, b.n*half)
+		rc, rs := m.rope.upTo(b.maxLen, c.InvFreq())
+		for s := 0; s+1 < len(starts); s++ { // each sample's positions from 0: ropeTable's rows
+			lo, hi := int(starts[s])*half, int(starts[s+1])*half
+			copy(hc[lo:hi], rc[:hi-lo])
+			copy(hs[lo:hi], rs[:hi-lo])
+		}
 		be.WriteF32(cos, hc)
 		be.WriteF32(sin, hs)
 		b.cos, b.sin = cos, sin
@@ -380,8 +393,9 @@ func (m *Model) finalNorm(temperature float32) (w compute.Tensor, made bool) {
 // beside the weights and the kernels' scratch, with activations of the
 // backend's dtype: x, y (F32), ln, q, k, v, attention output, gate and up
 // (activation dtype; an MoE model's F32 ln2 besides), the top-k ids and
-// log-probs, the RoPE table, the token ids and sample starts (at most n+1
-// samples), and the temperature-scaled norm weight.
+// log-probs, the batch's RoPE table and the rows it is gathered from
+// (kept between forwards), the token ids, positions and sample starts
+// (at most n+1 samples), and the temperature-scaled norm weight.
 func (m *Model) ActivationBytes(n, k int) int64 {
 	return ActivationBytesOf(m.Cfg, n, k, m.be.ActDType())
 }
@@ -398,6 +412,7 @@ func ActivationBytesOf(c *model.Config, n, k int, act compute.DType) int64 {
 	}
 	f += 4 * 2 * N * int64(k)
 	f += 4 * N * int64(c.HeadDim) // cos, sin
-	f += 4 * (N + N + 1)          // tokens, starts
+	f += 8 * N * int64(c.HeadDim) // the RoPE table on the backend: rows of up to twice the longest sample (ropeRows)
+	f += 4 * (N + N + 1 + N)      // tokens, starts, positions
 	return f + 4*C
 }

@@ -4,6 +4,7 @@ import (
 	"math"
 	"testing"
 
+	"distill/compute/device"
 	"distill/model"
 )
 
@@ -38,5 +39,39 @@ func TestRopeRowsSameAsTable(t *testing.T) {
 		if r.n < 5999 {
 			t.Fatalf("the cache holds %d rows after a sample of 5999", r.n)
 		}
+	}
+}
+
+// TestUploadRoPEGathered: a batch's cos and sin, gathered on the backend
+// from the table kept there (ropeRows.gather), are ropeTable's for its
+// packed samples bit for bit, batch after batch as the table grows; Free
+// releases the table.
+func TestUploadRoPEGathered(t *testing.T) {
+	cfg := tinyConfig(model.ArchQwen3)
+	be := device.CPU(1)
+	m := &Model{Cfg: cfg, be: be}
+	inv, half := cfg.InvFreq(), cfg.HeadDim/2
+	for _, starts := range [][]int32{{0, 5, 17}, {0, 1, 300, 301, 900}, {0, 40, 41}} {
+		n := int(starts[len(starts)-1])
+		b := m.upload(make([]int32, n), starts, nil, nil, false)
+		want, wantS := make([]float32, n*half), make([]float32, n*half)
+		ropeTable(want, wantS, starts, inv)
+		got, gotS := make([]float32, n*half), make([]float32, n*half)
+		be.ReadF32(b.cos, got)
+		be.ReadF32(b.sin, gotS)
+		for i := range want {
+			if math.Float32bits(got[i]) != math.Float32bits(want[i]) || math.Float32bits(gotS[i]) != math.Float32bits(wantS[i]) {
+				t.Fatalf("starts %v: element %d: gathered (%v, %v), ropeTable (%v, %v)", starts, i, got[i], gotS[i], want[i], wantS[i])
+			}
+		}
+		freeAll(be, b.cos, b.sin)
+		b.free(be)
+	}
+	if m.rope.dn < 599 {
+		t.Fatalf("the table on the backend holds %d rows after a sample of 599", m.rope.dn)
+	}
+	m.Free()
+	if m.rope.dcos != nil || m.rope.dsin != nil {
+		t.Fatal("Free kept the RoPE table")
 	}
 }

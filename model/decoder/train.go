@@ -738,10 +738,10 @@ func (m *Model) SetRouterAux(coef float64) {
 	st.routing.AuxGrad(st.dprob, coef, st.b.n)
 }
 
-// Free releases the training memory the model allocated: the activation
-// arenas, the last batch, the aux-loss gradient, the routing statistics
-// and the QAD arena of the fake-quantized weights (the parameters are
-// the caller's). A later TrainForward allocates anew; QAD then needs
+// Free releases the memory the model allocated: the activation arenas,
+// the last batch, the aux-loss gradient, the routing statistics, the QAD
+// arena of the fake-quantized weights and the RoPE table on the backend
+// (the parameters are the caller's). A later TrainForward allocates anew; QAD then needs
 // RestoreQAD.
 func (m *Model) Free() {
 	st := &m.train
@@ -757,6 +757,7 @@ func (m *Model) Free() {
 		st.b.free(m.be)
 	}
 	m.qadArena = nil
+	m.rope.free(m.be)
 	m.freeLoRA()
 	for i := range m.Blocks {
 		for _, l := range m.Blocks[i].Linears() {
