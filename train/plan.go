@@ -296,114 +296,205 @@ func isRouter(name string) bool {
 	return len(name) > len(s) && name[len(name)-len(s):] == s
 }
 
-// PlanMemory is the training memory plan of s.
+// PlanMemory is the training memory plan of s: the run-long state of the
+// student's layout (LoRA, sharded at ZeRO 2 and 3, or whole on every
+// rank), then a row's activations, then each kernel's scratch. The terms'
+// order is the printed plan's (`student plan`).
 func PlanMemory(s PlanShape) MemoryPlan {
-	cfg := s.Model
-	c := countParams(cfg)
-	p := MemoryPlan{Shape: s}
-	add := func(name string, b int64, perRow, scratch bool) {
-		p.Terms = append(p.Terms, PlanTerm{Name: name, Bytes: b, PerRow: perRow, Scratch: scratch})
-	}
-	n := int64(max(s.Ranks, 1))
-	shard := func(stage int, b int64) int64 { // b, or its share at this stage
-		if s.ZeRO >= stage {
-			return (b + n - 1) / n
-		}
-		return b
-	}
-	var perUse int64 // a GEMM weight rounded to BF16 per use (sharded)
 	if s.LoRA != nil {
-		s.QAD = false
-		p.Shape.QAD = false
-		base, adapters, onExperts, rank, out, dropIn := loraCounts(cfg, s.LoRA)
-		add(TermLoRABase, int64(s.Activations.Size())*base, false, false)
-		add(TermParams, 4*adapters, false, false)
-		// The adapters' gradients and the norms' discard (the frozen LM
-		// head gets none: LossHeadBackward's nil dw).
-		add(TermGrads, 4*adapters+4*int64(max(cfg.Hidden, cfg.HeadDim)), false, false)
-		add(TermMoments, shard(1, 8*adapters), false, false)
-		// The experts' adapters run in fp32 kernels inside the MoE block
-		// (compute/cuda's moe_lora.go): nothing reads them in BF16.
-		add(TermShadows, 2*(adapters-onExperts), false, false)
-		add(TermLoRAScratch, decoder.LoRAScratchBytes(max(s.RowTokens, 1), rank, out, dropIn, s.Activations), true, false)
-	} else if s.ZeRO >= 2 {
-		// Sharding's layout: a rank's parts of every unit (master,
-		// gradients, moments), one block's whole gradients and those of
-		// the units outside the blocks, and the whole weights of every
-		// unit (stage 2) or of two blocks and the units outside (3).
-		parts, outside, block := c.parts(n), int64(0), padded(c.layerAll, n)
-		slots, gradBufs := int64(2), int64(1) // stage 3's weight slots, the blocks' gradient buffers
-		if s.Overlap {
-			slots, gradBufs = 3, 2
-		}
-		var big int64 // stage 3: the embedding's and LM head's units share one buffer
-		for i, u := range c.outside {
-			w := (u + n - 1) / n * n
-			if s.ZeRO == 3 && c.outsideBig[i] {
-				big = max(big, w)
-				continue
-			}
-			outside += w
-		}
-		outside += big
-		whole := outside
-		var layers int64 // the layers' whole weights: all of them (2), the slots (3)
-		if s.ZeRO == 2 {
-			for _, u := range c.layerAll {
-				layers += (u + n - 1) / n * n
-			}
-		} else {
-			layers = slots * block
-		}
-		var copies int64 // BF16 gathers: the layers' whole weights
-		if !s.QAD && !c.misaligned {
-			small, pack := c.smallPack(n)
-			whole += small + (n+1)*pack
-			copies = 2 * layers
-		} else {
-			whole += layers
-		}
-		add(TermParams, 4*(whole+parts), false, false)
-		// The reduce-scatter's landing: the largest part.
-		landing := (padded(append(append([]int64{}, c.layerAll...), c.outside...), 1) + n - 1) / n
-		add(TermGrads, 4*(parts+outside+gradBufs*block+landing), false, false)
-		add(TermMoments, 8*parts, false, false)
-		if s.QAD {
-			q := 4 * c.linear
-			if s.ZeRO == 3 {
-				q = slots * 4 * padded(c.layerLinear, 1)
-			}
-			add(TermQAD, q, false, false)
-		}
-		add(TermShadows, copies, false, false)
-		perUse = 2 * c.largestGEMM
-	} else {
-		add(TermParams, 4*c.all, false, false)
-		buckets := int64(0) // data parallel with overlap: two layers' gradients on their way (train.dpBuckets)
-		if s.Overlap && s.Ranks > 1 {
-			buckets = 2 * padded(c.layerAll, 1)
-		}
-		add(TermGrads, 4*(c.all+buckets), false, false)
-		add(TermMoments, shard(1, 8*c.all), false, false)
-		sh := 2 * c.gemm
-		if s.QAD {
-			sh += 2 * c.linear
-			add(TermQAD, 4*c.linear, false, false)
-		}
-		add(TermShadows, sh, false, false)
+		s.QAD = false // an NVFP4 base is quantized in place, not fake-quantized per step
 	}
-	T := int64(max(s.RowTokens, 1))
-	add(TermActivations, decoder.TrainActivationBytesLoRA(cfg, int(T), s.Recompute, s.QAD, s.Activations, loraOnOProj(cfg, s.LoRA)), true, false)
-	add(TermBatch, 4*(2*T+1), true, false)
+	p := &MemoryPlan{Shape: s}
+	c := countParams(s.Model)
+	var perUse int64 // a GEMM weight rounded to BF16 per use (sharded)
+	switch {
+	case s.LoRA != nil:
+		p.addLoRAState(s)
+	case s.ZeRO >= 2:
+		perUse = p.addShardedState(s, c)
+	default:
+		p.addReplicatedState(s, c)
+	}
+	p.addActivations(s)
+	p.addAttentionScratch(s)
+	p.addLossHeadScratch(s)
+	p.addGEMMScratch(s, perUse)
+	p.addMoEScratch(s)
+	return *p
+}
 
-	C, H, KV, D := int64(cfg.Hidden), int64(cfg.Heads), int64(cfg.KVHeads), int64(cfg.HeadDim)
-	I, V, K := int64(cfg.Intermediate), int64(cfg.VocabSize), int64(s.K)
+// addRunLong appends a term allocated once for the run.
+func (p *MemoryPlan) addRunLong(name string, b int64) {
+	p.Terms = append(p.Terms, PlanTerm{Name: name, Bytes: b})
+}
+
+// addPerRow appends a term that grows with the row and stays allocated
+// across the row's kernels (it adds to the others).
+func (p *MemoryPlan) addPerRow(name string, b int64) {
+	p.Terms = append(p.Terms, PlanTerm{Name: name, Bytes: b, PerRow: true})
+}
+
+// addScratch appends a kernel's per-row scratch: the kernels run one at
+// a time and free theirs, so only the largest counts (Total).
+func (p *MemoryPlan) addScratch(name string, b int64) {
+	p.Terms = append(p.Terms, PlanTerm{Name: name, Bytes: b, PerRow: true, Scratch: true})
+}
+
+// planRanks is the number of data-parallel ranks s shards over: at least
+// one (Ranks 0 is one process).
+func planRanks(s PlanShape) int64 { return int64(max(s.Ranks, 1)) }
+
+// planRowTokens is the row's length, at least one token: a plan of an
+// empty row is a plan of one token's.
+func planRowTokens(s PlanShape) int64 { return int64(max(s.RowTokens, 1)) }
+
+// momentsShare is what a rank holds of AdamW's moments of b bytes: its
+// share from ZeRO stage 1 on (the moments are the first state sharded),
+// else all of them.
+func momentsShare(s PlanShape, b int64) int64 {
+	if n := planRanks(s); s.ZeRO >= 1 {
+		return (b + n - 1) / n
+	}
+	return b
+}
+
+// addLoRAState appends a LoRA student's state (train.NewLoRAStudentOn):
+// the frozen base once in the activation dtype, and only the adapters
+// trained, so the fp32 parameters, gradients, moments and BF16 copies are
+// the adapters'. The adapters' per-row scratch is planned here too, as
+// the LoRA layout's own term.
+func (p *MemoryPlan) addLoRAState(s PlanShape) {
+	cfg := s.Model
+	base, adapters, onExperts, rank, out, dropIn := loraCounts(cfg, s.LoRA)
+	p.addRunLong(TermLoRABase, int64(s.Activations.Size())*base)
+	p.addRunLong(TermParams, 4*adapters)
+	// The adapters' gradients and the norms' discard (the frozen LM
+	// head gets none: LossHeadBackward's nil dw).
+	p.addRunLong(TermGrads, 4*adapters+4*int64(max(cfg.Hidden, cfg.HeadDim)))
+	p.addRunLong(TermMoments, momentsShare(s, 8*adapters))
+	// The experts' adapters run in fp32 kernels inside the MoE block
+	// (compute/cuda's moe_lora.go): nothing reads them in BF16.
+	p.addRunLong(TermShadows, 2*(adapters-onExperts))
+	p.addPerRow(TermLoRAScratch, decoder.LoRAScratchBytes(int(planRowTokens(s)), rank, out, dropIn, s.Activations))
+}
+
+// addShardedState appends ZeRO stage 2's or 3's state, Sharding's
+// layout: a rank's parts of every unit (master weights, gradients,
+// moments), one block's whole gradients (two with overlap) and those of
+// the units outside the blocks, and the whole weights of every unit
+// (stage 2) or of two blocks (three with overlap) and the units outside
+// (stage 3). It returns the bytes of the largest GEMM weight rounded to
+// BF16 for one use, which the GEMM scratch holds: sharded, the GEMMs
+// round their fp32 weights per use rather than keep BF16 copies (but for
+// the BF16 gathers' layers, counted here).
+func (p *MemoryPlan) addShardedState(s PlanShape, c planCounts) (perUse int64) {
+	n := planRanks(s)
+	parts, block := c.parts(n), padded(c.layerAll, n)
+	slots, gradBufs := int64(2), int64(1) // stage 3's weight slots, the blocks' gradient buffers
+	if s.Overlap {
+		slots, gradBufs = 3, 2
+	}
+	outside := shardedOutside(c, n, s.ZeRO)
+	layers := shardedLayers(c, n, s.ZeRO, slots)
+	whole := outside
+	var copies int64 // BF16 gathers: the layers' whole weights
+	if !s.QAD && !c.misaligned {
+		small, pack := c.smallPack(n)
+		whole += small + (n+1)*pack
+		copies = 2 * layers
+	} else {
+		whole += layers
+	}
+	p.addRunLong(TermParams, 4*(whole+parts))
+	// The reduce-scatter's landing: the largest part.
+	landing := (padded(append(append([]int64{}, c.layerAll...), c.outside...), 1) + n - 1) / n
+	p.addRunLong(TermGrads, 4*(parts+outside+gradBufs*block+landing))
+	p.addRunLong(TermMoments, 8*parts)
+	if s.QAD {
+		// Stage 2 fake-quantizes every Linear; stage 3 only the slots'
+		// layers' (the largest layer's, a slot each).
+		q := 4 * c.linear
+		if s.ZeRO == 3 {
+			q = slots * 4 * padded(c.layerLinear, 1)
+		}
+		p.addRunLong(TermQAD, q)
+	}
+	p.addRunLong(TermShadows, copies)
+	return 2 * c.largestGEMM
+}
+
+// shardedOutside is the elements of the whole (padded over n ranks) units
+// outside the blocks, which every rank holds at ZeRO 2 and 3; at stage 3
+// the embedding's and the LM head's units share one buffer, the larger's.
+func shardedOutside(c planCounts, n int64, zero int) int64 {
+	var outside, big int64
+	for i, u := range c.outside {
+		w := (u + n - 1) / n * n
+		if zero == 3 && c.outsideBig[i] {
+			big = max(big, w)
+			continue
+		}
+		outside += w
+	}
+	return outside + big
+}
+
+// shardedLayers is the elements of the blocks' whole (padded) weights a
+// rank holds: every block's at stage 2, slots blocks' (the largest's) at
+// stage 3.
+func shardedLayers(c planCounts, n int64, zero int, slots int64) int64 {
+	if zero != 2 {
+		return slots * padded(c.layerAll, n)
+	}
+	var layers int64
+	for _, u := range c.layerAll {
+		layers += (u + n - 1) / n * n
+	}
+	return layers
+}
+
+// addReplicatedState appends ZeRO stage 0's or 1's state, whole on every
+// rank: the fp32 parameters and gradients (and, data parallel with
+// overlap, two layers' gradients on their way in the all-reduce buckets,
+// train.dpBuckets), AdamW's moments (a rank's share at stage 1), under
+// QAD the fp32 fake-quantized Linears, and the CUDA backend's BF16 copies
+// of every GEMM weight (under QAD of the fake-quantized ones too).
+func (p *MemoryPlan) addReplicatedState(s PlanShape, c planCounts) {
+	p.addRunLong(TermParams, 4*c.all)
+	var buckets int64
+	if s.Overlap && s.Ranks > 1 {
+		buckets = 2 * padded(c.layerAll, 1)
+	}
+	p.addRunLong(TermGrads, 4*(c.all+buckets))
+	p.addRunLong(TermMoments, momentsShare(s, 8*c.all))
+	copies := 2 * c.gemm
+	if s.QAD {
+		copies += 2 * c.linear
+		p.addRunLong(TermQAD, 4*c.linear)
+	}
+	p.addRunLong(TermShadows, copies)
+}
+
+// addActivations appends what one row holds across its forward and
+// backward: the decoder's activation arena under the recompute mode
+// (decoder.TrainActivationBytesLoRA, exact: the arena's own layout
+// function) and the batch's token ids and sample starts.
+func (p *MemoryPlan) addActivations(s PlanShape) {
+	T := planRowTokens(s)
+	p.addPerRow(TermActivations, decoder.TrainActivationBytesLoRA(s.Model, int(T), s.Recompute, s.QAD, s.Activations, loraOnOProj(s.Model, s.LoRA)))
+	p.addPerRow(TermBatch, 4*(2*T+1))
+}
+
+// addAttentionScratch appends attention's backward scratch (the larger
+// half): BF16 copies of dout and, under fp32 activations, of q, k, v and
+// o; the BF16 gradients dq, dk, dv; the softmax sums, an aligned copy of
+// the statistics, cuDNN's per-sample metadata and its workspace: the
+// backend's figure (AttnWorkspace), else planned as an fp32 dq.
+func (p *MemoryPlan) addAttentionScratch(s PlanShape) {
+	cfg := s.Model
+	T := planRowTokens(s)
+	H, KV, D := int64(cfg.Heads), int64(cfg.KVHeads), int64(cfg.HeadDim)
 	nq, nk := T*H*D, T*KV*D
-	// Attention's backward (the larger half): BF16 copies of dout and,
-	// under fp32 activations, of q, k, v and o; the BF16 gradients dq,
-	// dk, dv; the softmax sums, an aligned copy of the statistics, cuDNN's
-	// per-sample metadata and its workspace: the backend's figure
-	// (AttnWorkspace), else planned as an fp32 dq.
 	copies := 2 * (nq + nq + 2*nk) // dout; dq, dk, dv
 	if s.Activations != compute.BF16 {
 		copies += 2 * (2*nq + 2*nk) // q, o; k, v
@@ -412,44 +503,67 @@ func PlanMemory(s PlanShape) MemoryPlan {
 	if s.AttnWorkspace > 0 {
 		ws = s.AttnWorkspace
 	}
-	add(TermAttention, copies+2*4*T*H+ws+64<<10, true, true)
-	// The loss head's backward over the M <= T counted positions: the
-	// rows' BF16 copy, the logit tile (fp32) and its BF16 gradient, the
-	// fp32 dx of the rows, the host's uploads (rows, labels, teacher ids,
-	// coefficients) and, where the device computes the coefficients
-	// (compute.DeviceLossCoef), the teacher's log-probs and rank columns
-	// and the positions' loss values (two float64). Kept logits
-	// (KeepLogits) are every tile's fp32 logits at once.
+	p.addScratch(TermAttention, copies+2*4*T*H+ws+64<<10)
+}
+
+// addLossHeadScratch appends the loss head's backward scratch over the
+// M <= T counted positions: the rows' BF16 copy, the logit tile (fp32)
+// and its BF16 gradient, the fp32 dx of the rows, the host's uploads
+// (rows, labels, teacher ids, coefficients) and, where the device
+// computes the coefficients (compute.DeviceLossCoef), the teacher's
+// log-probs and rank columns and the positions' loss values (two
+// float64). Kept logits (KeepLogits) are every tile's fp32 logits at
+// once.
+func (p *MemoryPlan) addLossHeadScratch(s PlanShape) {
+	T := planRowTokens(s)
+	C, V, K := int64(s.Model.Hidden), int64(s.Model.VocabSize), int64(s.K)
 	vt := min(V, max(lossTileBudget/(4*T)/64*64, 64))
 	logits := 4 * T * vt
 	if s.KeepLogits {
 		logits = 4 * T * V
 	}
-	add(TermLossHead, 2*T*C+logits+2*T*vt+4*T*C+4*T*(9+4*K)+64<<10, true, true)
-	// A GEMM's backward: BF16 copies of dout and x (the MLP's down: dout
-	// (T, C), x (T, I)). It bounds RMSNorm's backward's scratch too, dw's
-	// float64 partials (compute/cuda's rmsDWGroup and colChunk): at most
-	// ceil(rows/16) rows of dim, so T·C/2 + 8·C bytes for the hidden
-	// norms and T·H·D/2 + 8·D for the q/k norms, both below this term,
-	// at least 2·T·(C + max(H·D, C)), from 3 tokens on.
-	add(TermGEMM, 2*T*(C+max(I, H*D, C))+perUse, true, true)
-	if cfg.NumExperts > 0 {
-		E, KE, IM := int64(cfg.NumExperts), int64(cfg.ExpertsPerTok), int64(cfg.MoEIntermediate)
-		P := T * KE
-		b := P*(8*C+10*IM+8) + 4*T*E
-		if s.QAD {
-			b += 4*T*C + 4*P*IM
-		}
-		if s.LoRA != nil && loraOnExperts(cfg, s.LoRA) {
-			// The experts' adapters' scratch (compute/cuda's moe_lora.go:
-			// grouped kernels over every expert's rows at once): t and dt
-			// (fp32, rank wide) of the grouped rows, and the experts'
-			// table (8 words an expert).
-			b += 8*P*int64(s.LoRA.Rank) + 64*E
-		}
-		add(TermMoE, b+64<<10, true, true)
+	p.addScratch(TermLossHead, 2*T*C+logits+2*T*vt+4*T*C+4*T*(9+4*K)+64<<10)
+}
+
+// addGEMMScratch appends a GEMM's backward scratch: BF16 copies of dout
+// and x (the MLP's down: dout (T, C), x (T, I)) and, sharded, the weight
+// rounded to BF16 for this use (perUse). It bounds RMSNorm's backward's
+// scratch too, dw's float64 partials (compute/cuda's rmsDWGroup and
+// colChunk): at most ceil(rows/16) rows of dim, so T·C/2 + 8·C bytes for
+// the hidden norms and T·H·D/2 + 8·D for the q/k norms, both below this
+// term, at least 2·T·(C + max(H·D, C)), from 3 tokens on.
+func (p *MemoryPlan) addGEMMScratch(s PlanShape, perUse int64) {
+	cfg := s.Model
+	T := planRowTokens(s)
+	C, H, D, I := int64(cfg.Hidden), int64(cfg.Heads), int64(cfg.HeadDim), int64(cfg.Intermediate)
+	p.addScratch(TermGEMM, 2*T*(C+max(I, H*D, C))+perUse)
+}
+
+// addMoEScratch appends an MoE layer's scratch, for an MoE student only:
+// its grouped activations over the T·k routed rows (and under QAD their
+// fake-quantized inputs; with LoRA on the experts, the adapters' grouped
+// scratch).
+func (p *MemoryPlan) addMoEScratch(s PlanShape) {
+	cfg := s.Model
+	if cfg.NumExperts == 0 {
+		return
 	}
-	return p
+	T := planRowTokens(s)
+	C := int64(cfg.Hidden)
+	E, KE, IM := int64(cfg.NumExperts), int64(cfg.ExpertsPerTok), int64(cfg.MoEIntermediate)
+	P := T * KE
+	b := P*(8*C+10*IM+8) + 4*T*E
+	if s.QAD {
+		b += 4*T*C + 4*P*IM
+	}
+	if s.LoRA != nil && loraOnExperts(cfg, s.LoRA) {
+		// The experts' adapters' scratch (compute/cuda's moe_lora.go:
+		// grouped kernels over every expert's rows at once): t and dt
+		// (fp32, rank wide) of the grouped rows, and the experts'
+		// table (8 words an expert).
+		b += 8*P*int64(s.LoRA.Rank) + 64*E
+	}
+	p.addScratch(TermMoE, b+64<<10)
 }
 
 // ExpertParallelSaving is what expert parallelism over s.Ranks ranks
@@ -556,10 +670,6 @@ func loraOnExperts(cfg *model.Config, lc *LoRAConfig) bool {
 	return false
 }
 
-// loraCounts are a LoRA student's element counts: its base (each tensor
-// aligned as its arena aligns it), its adapters (onExperts of them on MoE
-// experts), and the largest rank, adapted output width and, under
-// dropout, adapted input width (the scratch's shape).
 // loraOnOProj is whether lc adapts an attention o_proj of cfg (nil: no
 // LoRA).
 func loraOnOProj(cfg *model.Config, lc *LoRAConfig) bool {
@@ -574,6 +684,10 @@ func loraOnOProj(cfg *model.Config, lc *LoRAConfig) bool {
 	return false
 }
 
+// loraCounts are a LoRA student's element counts: its base (each tensor
+// aligned as its arena aligns it), its adapters (onExperts of them on MoE
+// experts), and the largest rank, adapted output width and, under
+// dropout, adapted input width (the scratch's shape).
 func loraCounts(cfg *model.Config, lc *LoRAConfig) (base, adapters, onExperts int64, rank, out, dropIn int) {
 	for _, t := range cfg.Tensors() {
 		n := int64(1)
