@@ -15,6 +15,8 @@ import (
 	"time"
 
 	badger "github.com/dgraph-io/badger/v4"
+
+	"distill/internal/namelist"
 )
 
 // Index key layout (format).
@@ -226,17 +228,12 @@ func lostIndex(dir string) error {
 	if _, err := os.Stat(filepath.Join(dir, indexDir)); err == nil {
 		return nil // made meanwhile by a writer
 	}
-	var names []string
-	for _, e := range ents {
-		names = append(names, e.Name())
+	files := make([]string, len(ents))
+	for i, e := range ents {
+		files[i] = e.Name()
 	}
-	sort.Strings(names)
-	more := ""
-	if len(names) > 3 {
-		names, more = names[:3], ", ..."
-	}
-	return fmt.Errorf("%w: %s has no %s/, but %s/ holds %d files (%s%s): the index that recorded them is gone (deleted, or not copied with %s/), and a fill would discard them and compute them again; copy their %s/ back into %s, or run cachectl reset --cache %s --force to discard them",
-		ErrIndexLost, dir, indexDir, chunksDir, len(ents), strings.Join(names, ", "), more, chunksDir, indexDir, dir, dir)
+	return fmt.Errorf("%w: %s has no %s/, but %s/ holds %d files (%s): the index that recorded them is gone (deleted, or not copied with %s/), and a fill would discard them and compute them again; copy their %s/ back into %s, or run cachectl reset --cache %s --force to discard them",
+		ErrIndexLost, dir, indexDir, chunksDir, len(ents), namelist.Head(files, 3), chunksDir, indexDir, dir, dir)
 }
 
 // statIndex checks that dir holds an index directory: nil, missingIndex's

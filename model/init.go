@@ -18,6 +18,7 @@ import (
 
 	"distill/internal/atomicfile"
 	"distill/internal/errkind"
+	"distill/internal/namelist"
 )
 
 // ErrNotEmpty marks an output directory that already holds files.
@@ -226,17 +227,12 @@ func checkOut(dir string, force bool) (exists bool, err error) {
 			}
 		}
 		if exists && !force {
-			var names []string
-			for _, e := range ents {
-				names = append(names, e.Name())
+			files := make([]string, len(ents))
+			for i, e := range ents {
+				files[i] = e.Name()
 			}
-			sort.Strings(names)
-			more := ""
-			if len(names) > 5 {
-				names, more = names[:5], ", ..."
-			}
-			return false, errkind.Errorf(ErrNotEmpty, "%s is not empty (it holds %s%s): give --force to replace it (its files are all removed), or choose another directory",
-				dir, strings.Join(names, ", "), more)
+			return false, errkind.Errorf(ErrNotEmpty, "%s is not empty (it holds %s): give --force to replace it (its files are all removed), or choose another directory",
+				dir, namelist.Head(files, 5))
 		}
 		if isMountPoint(dir, fi) {
 			// It would fail only after the whole write, beside it (on
