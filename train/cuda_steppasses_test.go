@@ -126,8 +126,10 @@ func sorted(m map[string]int) string {
 //     tensors is two k_copy_multi;
 //   - the rounding passes (k_f32_to_bf16): the LM head's once a row (its
 //     gathered weights have no shadow; pass 1 and pass 2 share it), and
-//     at stage 3 each block gather's (2L - slots a row); at stage 2 none
-//     (AdamW writes the blocks' BF16 whole weights);
+//     no other: AdamW writes the blocks' BF16 whole weights at stage 2
+//     and the rank's BF16 parts at stage 3 (with
+//     $DISTILL_ZERO3_ROUND_PER_GATHER=1, each stage-3 block gather rounds:
+//     2L - slots a row);
 //   - NCCL: every unit reduce-scattered once (4 bytes a parameter
 //     written), and the all-gathers of the layout: at stage 2 every unit
 //     once after the step (blocks in BF16), at stage 3 each block gather
@@ -213,9 +215,10 @@ func TestCUDAShardedStepPasses(t *testing.T) {
 	base := run(0, false)
 	P := cfg.Params()
 	for _, c := range []struct {
-		stage   int
-		overlap bool
-		waits   int // the second stream's event waits
+		stage     int
+		overlap   bool
+		waits     int  // the second stream's event waits
+		perGather bool // $DISTILL_ZERO3_ROUND_PER_GATHER=1
 	}{
 		// Stage 3 with overlap, 4 layers: the forward's gathers of the
 		// embedding, blocks 0 and 1 (each beside, then waited for) and
@@ -225,10 +228,16 @@ func TestCUDAShardedStepPasses(t *testing.T) {
 		// waits of blocks 1 and 0's Fetch for the reductions of 3 and 2,
 		// and the drain's for 1 and 0's), block 0's prefetch and its
 		// wait (2), the final norm's gather after the step (2), 16.
-		{2, false, 0}, {2, true, 2*L + 4}, {3, false, 0}, {3, true, 26},
+		{2, false, 0, false}, {2, true, 2*L + 4, false}, {3, false, 0, false}, {3, true, 26, false}, {3, false, 0, true},
 	} {
-		t.Run(fmt.Sprintf("zero%d/overlap=%v", c.stage, c.overlap), func(t *testing.T) {
+		t.Run(fmt.Sprintf("zero%d/overlap=%v/round_per_gather=%v", c.stage, c.overlap, c.perGather), func(t *testing.T) {
+			if c.perGather {
+				t.Setenv("DISTILL_ZERO3_ROUND_PER_GATHER", "1")
+			}
 			got := run(c.stage, c.overlap)
+			if (got.sh.bfPart == nil) != (c.stage == 2 || c.perGather) {
+				t.Fatalf("stage %d, round per gather %v: bfPart %v", c.stage, c.perGather, got.sh.bfPart)
+			}
 			h := got.sh
 			var rs, ag, blockPer, outSlot, whole int64
 			for _, u := range h.units {
@@ -247,7 +256,9 @@ func TestCUDAShardedStepPasses(t *testing.T) {
 			rounds := 1         // the LM head's, once a row
 			if c.stage == 3 {
 				gathers = 2*int64(L) - slots // forward, and backward past the slots
-				rounds += int(gathers)
+				if c.perGather {
+					rounds += int(gathers)
+				}
 			}
 			ag = 2*gathers*blockPer + 4*(outSlot+whole) + 4*int64(h.sper)
 			want := map[string][2]int64{ // calls, bytes

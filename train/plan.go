@@ -383,7 +383,8 @@ func (p *MemoryPlan) addLoRAState(s PlanShape) {
 // moments), one block's whole gradients (two with overlap) and those of
 // the units outside the blocks, and the whole weights of every unit
 // (stage 2) or of two blocks (three with overlap) and the units outside
-// (stage 3). It returns the bytes of the largest GEMM weight rounded to
+// (stage 3), in BF16 under BF16 gathers, which at stage 3 also keep the
+// rank's parts of the blocks in BF16. It returns the bytes of the largest GEMM weight rounded to
 // BF16 for one use, which the GEMM scratch holds: sharded, the GEMMs
 // round their fp32 weights per use rather than keep BF16 copies (but for
 // the BF16 gathers' layers, counted here).
@@ -402,6 +403,11 @@ func (p *MemoryPlan) addShardedState(s PlanShape, c planCounts) (perUse int64) {
 		small, pack := c.smallPack(n)
 		whole += small + (n+1)*pack
 		copies = 2 * layers
+		if s.ZeRO == 3 { // and the rank's parts of the blocks, kept rounded (shards.bfPart)
+			for _, u := range c.layerAll {
+				copies += 2 * ((u + n - 1) / n)
+			}
+		}
 	} else {
 		whole += layers
 	}

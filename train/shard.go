@@ -2,6 +2,7 @@ package train
 
 import (
 	"fmt"
+	"os"
 	"strconv"
 	"strings"
 
@@ -126,6 +127,7 @@ type unit struct {
 	off, n   int // their range of the logical arena (Tensor.Off)
 	per      int // ceil(n/size): each rank's part
 	shardOff int // the part's offset in the rank's shard arenas
+	bfOff    int // stage 3 under BF16 gathers, a block's: its part's offset in shards.bfPart
 	index    int // its place in shards.units
 	block    int // the decoder block, or -1
 	// outSlot: at stage 3, a unit outside the blocks that holds the
@@ -180,6 +182,12 @@ type shards struct {
 	// pack and unpack are gatherSmall's copies: destinations [0] and
 	// sources [1] (views made at its first call).
 	pack, unpack [2][]compute.Tensor
+	// bfPart: at stage 3 under BF16 gathers, this rank's parts of the
+	// blocks rounded to BF16 (unit.bfOff), written by the optimizer's step
+	// (optim.Group.BF16) and by write: a block's gather all-gathers from
+	// it. Nil when $DISTILL_ZERO3_ROUND_PER_GATHER=1: each gather then
+	// rounds the master part again.
+	bfPart compute.Tensor
 	// fresh: the unit's gradient part has had no reduction since zeroGrad
 	// (it holds nothing yet): its first reduce-scatter lands in it
 	// directly, with no landing buffer, addition or zeroing.
@@ -305,6 +313,15 @@ func newShards(s *Student, sh Sharding) (*shards, error) {
 	if h.stage == 3 {
 		for k := range h.nslot {
 			h.slots[k] = be.New(slotType, max(maxBlock, 1))
+		}
+		if h.bf16 && os.Getenv("DISTILL_ZERO3_ROUND_PER_GATHER") != "1" {
+			n := 0
+			for k := range h.units {
+				if u := &h.units[k]; u.block >= 0 {
+					u.bfOff, n = n, n+u.per
+				}
+			}
+			h.bfPart = be.New(compute.BF16, max(n, 1))
 		}
 		if maxOut > 0 {
 			h.oslot, h.ograd = be.New(compute.F32, maxOut), be.New(compute.F32, maxOut)
@@ -516,7 +533,11 @@ func (h *shards) write(i int, t Tensor, v []float32) {
 	}
 	lo, hi := max(h.rank*u.per, t.Off-u.off), min((h.rank+1)*u.per, t.Off-u.off+t.N)
 	if lo < hi {
-		be.WriteF32(be.View(h.master, u.shardOff+lo-h.rank*u.per, hi-lo), v[lo-(t.Off-u.off):hi-(t.Off-u.off)])
+		mine := v[lo-(t.Off-u.off) : hi-(t.Off-u.off)]
+		be.WriteF32(be.View(h.master, u.shardOff+lo-h.rank*u.per, hi-lo), mine)
+		if h.bfPart != nil && u.block >= 0 { // (rounded to nearest even, as RoundBF16)
+			be.WriteF32(be.View(h.bfPart, u.bfOff+lo-h.rank*u.per, hi-lo), mine)
+		}
 	}
 }
 
@@ -527,14 +548,19 @@ func (h *shards) part(arena compute.Tensor, u *unit) compute.Tensor {
 
 // gather fills u's whole weights from the ranks' parts (beside the
 // compute with overlap: the caller waits for the Fence before use); a
-// block's under BF16 gathers from the parts' BF16 roundings, each rank's
-// made in its place in the slot (an in-place all-gather).
+// block's under BF16 gathers from the parts' BF16 roundings: at stage 3
+// the ranks' kept roundings (bfPart), else each rank's made in its place
+// in the whole weights (an in-place all-gather).
 func (h *shards) gather(u *unit) compute.Fence {
 	return h.collective(func() { h.gatherNow(u) })
 }
 
 // gatherNow issues gather's work on the backend's current stream.
 func (h *shards) gatherNow(u *unit) {
+	if h.bf16 && u.block >= 0 && h.bfPart != nil {
+		h.c.AllGather(u.p, h.be.View(h.bfPart, u.bfOff, u.per), u.per)
+		return
+	}
 	if h.bf16 && u.block >= 0 {
 		mine := h.be.View(u.p, h.rank*u.per, u.per)
 		if !h.stepRounds(u) {
@@ -554,8 +580,28 @@ func (h *shards) gatherNow(u *unit) {
 // last rank's) is 0 in the master and in the whole weights from the
 // start. The master parts change only by the optimizer and by write,
 // which writes the whole weights too. At stage 3 the slots are shared:
-// each gather rounds.
+// the step rounds into bfPart instead (stepBF16), or without it each
+// gather rounds.
 func (h *shards) stepRounds(u *unit) bool { return h.bf16 && h.stage == 2 && u.block >= 0 }
+
+// stepBF16 is where the optimizer's step writes the BF16 rounding of the
+// n elements of unit u's part at offset off into the part (optim.Group.BF16),
+// or nil: u's place in its whole weights at stage 2 (stepRounds), its
+// place in bfPart at stage 3. At stage 3 this keeps 2/N bytes a parameter
+// more (DeepSpeed's ZeRO-3 keeps its parameters' partitions in BF16 so)
+// and spares each gather a pass over the master part: reading 4 bytes and
+// writing 2 for every element, where the gather now reads 2 (2 bytes a
+// parameter less per gather at world size 1, where the all-gather is a
+// copy; a block is gathered for its forward and again for its backward).
+func (h *shards) stepBF16(u *unit, off, n int) compute.Tensor {
+	switch {
+	case h.stepRounds(u):
+		return h.be.View(u.p, h.rank*u.per+off, n)
+	case h.bfPart != nil && u.block >= 0:
+		return h.be.View(h.bfPart, u.bfOff+off, n)
+	}
+	return nil
+}
 
 // reduce sums u's whole gradients over the ranks into this rank's part
 // (+=) and clears them (beside the compute with overlap). The step's first
@@ -803,8 +849,8 @@ func (h *shards) groups(ts []Tensor) []optim.Group {
 		t := ts[p.Tensor]
 		g := optim.Group{Name: t.Name, Decay: t.Decay, Backend: h.be,
 			P: h.be.View(h.master, offs[j], p.N), G: h.be.View(h.gsh, offs[j], p.N)}
-		if u := h.unitOf(p.Tensor); h.stepRounds(u) {
-			g.BF16 = h.be.View(u.p, t.Off-u.off+p.Off, p.N)
+		if u := h.unitOf(p.Tensor); u != nil {
+			g.BF16 = h.stepBF16(u, offs[j]-u.shardOff, p.N)
 		}
 		if host != nil {
 			g.Params, g.Grads = host.HostF32(g.P), host.HostF32(g.G)
@@ -867,7 +913,7 @@ func (h *shards) masterWhole(u *unit) []float32 {
 func (h *shards) free() {
 	h.drain()
 	for _, t := range append([]compute.Tensor{h.master, h.gsh, h.tmp, h.blockG[0], h.blockG[1], h.slots[0], h.slots[1], h.slots[2], h.oslot, h.ograd,
-		h.small, h.spack, h.sstage}, h.own...) {
+		h.small, h.spack, h.sstage, h.bfPart}, h.own...) {
 		if t != nil {
 			h.be.Free(t)
 		}
