@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 
@@ -89,56 +90,59 @@ func TestProbe(t *testing.T) {
 
 // TestMemoryCap: Options.MemoryCap (and $DISTILL_CUDA_MEMORY_CAP) leaves
 // the process that much of the device: MemInfo and Info report it, an
-// allocation past it fails as out of memory, and Close gives the hold
-// back. A cap at or above the device's memory, or an unreadable one, is
-// refused by name.
+// allocation past what is left fails as out of memory, and Close gives
+// the hold back. A cap at or above the device's memory, or an unreadable
+// one, is refused by name. (The emulated device is the whole test
+// process's: the cap is set above what the other tests hold.)
 func TestMemoryCap(t *testing.T) {
 	if !onGPU() {
 		useEmu(t)
 	}
-	const capBytes = 2 << 30
-	open := func(opt Options) (*Backend, error) {
+	open := func(opt Options) *Backend {
+		t.Helper()
 		opt.KernelCache = kernelCacheForTests(t)
-		return Open(opt)
+		b, err := Open(opt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { b.Close() })
+		return b
 	}
-	be, err := open(Options{MemoryCap: capBytes})
-	if err != nil {
-		t.Fatal(err)
+	whole := open(Options{})
+	free0, total0 := whole.MemInfo()
+	capBytes := total0 - free0 + 2<<30 // 2 GiB more than in use
+	if capBytes >= total0 {
+		t.Skipf("the device has %d bytes free; the test caps it 2 GiB above what is in use", free0)
 	}
+	be := open(Options{MemoryCap: capBytes})
 	free, total := be.MemInfo()
-	if total != capBytes || free > capBytes || free < capBytes/2 {
-		t.Fatalf("capped at 2 GiB: MemInfo free %d, total %d; want total %d and most of it free", free, total, int64(capBytes))
+	if total != capBytes || free > 2<<30 || free < 1<<30 {
+		t.Fatalf("capped at %d bytes (2 GiB above the %d in use): MemInfo free %d, total %d; want total %d and free about 2 GiB", capBytes, total0-free0, free, total, capBytes)
 	}
 	if got := be.Info().TotalMem; got != capBytes {
-		t.Fatalf("capped at 2 GiB: Info().TotalMem %d", got)
+		t.Fatalf("capped at %d: Info().TotalMem %d", capBytes, got)
 	}
-	small := be.New(compute.F32, (1<<30)/4) // 1 GiB fits
-	mustPanic(t, "out of memory", func() { be.New(compute.F32, (capBytes+(512<<20))/4) })
+	if f, _ := whole.MemInfo(); f > free0-(total0-capBytes) {
+		t.Fatalf("an uncapped backend of the same process sees %d bytes free: the hold of %d bytes is not taken", f, total0-capBytes)
+	}
+	small := be.New(compute.F32, int(free-(256<<20))/4) // all but 256 MiB of what is left fits
+	mustPanic(t, "out of memory", func() { be.New(compute.F32, (512<<20)/4) })
 	be.Free(small)
 	be.Close()
-	whole, err := open(Options{})
-	if err != nil {
-		t.Fatal(err)
+	if f, _ := whole.MemInfo(); f < free0-(64<<20) {
+		t.Fatalf("after Close, %d bytes free of %d before the cap: the hold was not given back", f, free0)
 	}
-	free, total = whole.MemInfo()
-	whole.Close()
-	if total <= capBytes || free <= capBytes {
-		t.Fatalf("after Close, a backend without a cap sees free %d of %d: the hold was not given back", free, total)
-	}
-	if _, err := open(Options{MemoryCap: total}); err == nil || !strings.Contains(err.Error(), "nothing to cap") {
+	if _, err := Open(Options{MemoryCap: total0, KernelCache: kernelCacheForTests(t)}); err == nil || !strings.Contains(err.Error(), "nothing to cap") {
 		t.Fatalf("a cap of the whole device: %v", err)
 	}
-	t.Setenv("DISTILL_CUDA_MEMORY_CAP", "3GiB")
-	env, err := open(Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, total := env.MemInfo(); total != 3<<30 {
-		t.Fatalf("DISTILL_CUDA_MEMORY_CAP=3GiB: total %d", total)
+	t.Setenv("DISTILL_CUDA_MEMORY_CAP", fmt.Sprint(capBytes+1<<30))
+	env := open(Options{})
+	if _, total := env.MemInfo(); total != capBytes+1<<30 {
+		t.Fatalf("DISTILL_CUDA_MEMORY_CAP=%d: total %d", capBytes+1<<30, total)
 	}
 	env.Close()
 	t.Setenv("DISTILL_CUDA_MEMORY_CAP", "80")
-	if _, err := open(Options{}); err == nil || !strings.Contains(err.Error(), "DISTILL_CUDA_MEMORY_CAP") || !strings.Contains(err.Error(), "80GiB") {
+	if _, err := Open(Options{KernelCache: kernelCacheForTests(t)}); err == nil || !strings.Contains(err.Error(), "DISTILL_CUDA_MEMORY_CAP") || !strings.Contains(err.Error(), "80GiB") {
 		t.Fatalf("DISTILL_CUDA_MEMORY_CAP=80: %v", err)
 	}
 }

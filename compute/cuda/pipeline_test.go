@@ -385,6 +385,10 @@ func TestPipelineStageOutOfMemory(t *testing.T) {
 			samples[i][j] = int32(r.IntN(m.Cfg.VocabSize))
 		}
 	}
+	// Each stage keeps its RoPE table between forwards, grown to the
+	// longest sample yet: a forward of these samples first, so that the
+	// memory in use before a failing forward is what it leaves.
+	m.Forward(samples, 8, 0.7)
 	// At most half the plan's bound: with 6/8 of it, stage 0 fitted the
 	// forward in about 1 run of 6 (how many hand-offs it holds at once
 	// depends on how soon stage 1 takes them: the schedule), and the

@@ -104,11 +104,15 @@ fi
 # computing its logits again, as before they were kept), on
 # DISTILL_BENCH_SHAPES, each into variant-NAME/ (VARIANT_BUDGET seconds
 # each, default 60).
+# A variant named NAME/STEP runs that suite step instead of train-bench
+# (e.g. z3round/train-zero:DISTILL_ZERO3_ROUND_PER_GATHER=1).
 for v in ${TRAIN_VARIANTS:-}; do
   name=${v%%:*}
+  vstep=train-bench
+  case $name in */*) vstep=${name#*/}; name=${name%%/*} ;; esac
   mkdir -p "$work/variant-$name"
   ( IFS=,; for kv in ${v#*:}; do export "$kv"; done
-    OUT="$work/variant-$name" SUITE_BUDGET=${VARIANT_BUDGET:-60} bash scripts/gpu-suite.sh run train-bench ) >"$work/variant-$name/suite.txt" 2>&1
+    OUT="$work/variant-$name" SUITE_BUDGET=${VARIANT_BUDGET:-60} bash scripts/gpu-suite.sh run "$vstep" ) >"$work/variant-$name/suite.txt" 2>&1
   echo "variant-$name $(tail -1 "$work/variant-$name/status.txt" 2>/dev/null | awk '{print $NF}')" >>"$work/status.txt"
 done
 if [ -n "${EXTRA_TESTS:-}" ]; then # a -test.run pattern for cuda.test, then the same for train.test, trainer.test and decoder.test
@@ -162,7 +166,7 @@ if [ -d "$work/act-f32" ]; then
   grep -hE '^Benchmark' "$work/act-f32/train-bench.log" "$work/act-f32/fwd/bench.log" 2>/dev/null
 fi
 for d in "$work"/variant-*; do
-  [ -d "$d" ] && { echo "== ${d##*/}"; grep -hE '^Benchmark' "$d/train-bench.log" 2>/dev/null; }
+  [ -d "$d" ] && { echo "== ${d##*/}"; grep -hE '^Benchmark|ZeRO overhead' "$d"/train-bench.log "$d"/train-zero.log 2>/dev/null; }
 done
 # The training step's BF16 rounding passes (each profile's last line), and
 # a variant's beside them.
