@@ -327,6 +327,23 @@ func Open(opt Options) (*Backend, error) {
 	return b, nil
 }
 
+// altOption reads a switch with one alternative to the default (for an
+// A/B on a device): the option's value v, else $env; "" is the default
+// (false), alt the alternative (true), anything else an error naming
+// what and the two choices (def says what the default is).
+func altOption(what, v, env, alt, def string) (bool, error) {
+	if v == "" {
+		v = os.Getenv(env)
+	}
+	switch v {
+	case "":
+		return false, nil
+	case alt:
+		return true, nil
+	}
+	return false, fmt.Errorf("cuda: %s %q: want %s, or none for %s", what, v, alt, def)
+}
+
 // capMemory holds all but capBytes of the device (Options.MemoryCap;
 // $DISTILL_CUDA_MEMORY_CAP when capBytes is 0) in one allocation outside
 // the stream-ordered pool, which PeakMemory does not count.
@@ -439,12 +456,12 @@ func (b *Backend) setOptions(opt Options) error {
 	b.attnNondet = opt.AttnNondeterministic || os.Getenv("DISTILL_CUDNN_NONDETERMINISTIC") == "1"
 	b.attnRagged = opt.AttnRaggedOnly || os.Getenv("DISTILL_CUDNN_RAGGED") == "1"
 	b.f32Grads = opt.F32Grads || os.Getenv("DISTILL_CUDA_F32_GRADS") == "1"
-	b.moeKernels = opt.MoEGEMM
-	if b.moeKernels == "" {
-		b.moeKernels = os.Getenv("DISTILL_CUDA_MOE_GEMM")
+	v1, err := altOption("MoE GEMM", opt.MoEGEMM, "DISTILL_CUDA_MOE_GEMM", "v1", "the default kernels")
+	if err != nil {
+		return err
 	}
-	if b.moeKernels != "" && b.moeKernels != "v1" {
-		return fmt.Errorf("cuda: MoE GEMM %q: want v1, or none for the default kernels", b.moeKernels)
+	if v1 {
+		b.moeKernels = "v1"
 	}
 	if need := moeGEMMSmem("k_moe_gemm"); b.moeKernels == "" && b.info.SharedOptinBytes < need {
 		// Ada (sm_89: 99 KB a block) cannot hold the default kernels' three
@@ -467,22 +484,12 @@ func (b *Backend) setOptions(opt Options) error {
 		return fmt.Errorf("cuda: FP8 scale %q: want epilogue (the default) or outer (cuBLASLt's outer-vector scales, 12.9 and later)", fp8Scale)
 	}
 	b.fp8FastAccum = opt.FP8FastAccum || os.Getenv("DISTILL_CUDA_FP8_FAST_ACCUM") == "1"
-	dw := opt.RMSNormDW
-	if dw == "" {
-		dw = os.Getenv("DISTILL_CUDA_RMSNORM_DW")
+	if b.rmsColsum, err = altOption("RMSNorm dw", opt.RMSNormDW, "DISTILL_CUDA_RMSNORM_DW", "colsum", "the fused kernels"); err != nil {
+		return err
 	}
-	if dw != "" && dw != "colsum" {
-		return fmt.Errorf("cuda: RMSNorm dw %q: want colsum, or none for the fused kernels", dw)
+	if b.lmFoldTiles, err = altOption("LM-head fold", opt.LMFold, "DISTILL_CUDA_LM_FOLD", "tiles", "the default (k_lm_fold_gemm)"); err != nil {
+		return err
 	}
-	b.rmsColsum = dw == "colsum"
-	fold := opt.LMFold
-	if fold == "" {
-		fold = os.Getenv("DISTILL_CUDA_LM_FOLD")
-	}
-	if fold != "" && fold != "tiles" {
-		return fmt.Errorf("cuda: LM-head fold %q: want tiles, or none for the default (k_lm_fold_gemm)", fold)
-	}
-	b.lmFoldTiles = fold == "tiles"
 	b.pageable = opt.Pageable || os.Getenv("DISTILL_CUDA_PAGEABLE") == "1"
 	b.noKeep = opt.RecomputeLogits || os.Getenv("DISTILL_CUDA_RECOMPUTE_LOGITS") == "1"
 	b.eagerZeros = opt.EagerZeros || os.Getenv("DISTILL_CUDA_EAGER_ZEROS") == "1"

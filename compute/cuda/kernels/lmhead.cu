@@ -52,6 +52,32 @@ DK_DEV float block_reduce(float v, bool domax, float *red) {
 	return r;
 }
 
+// lm_sort_desc sorts keys[0, n) descending (a bitonic sort over the
+// block's threads), padding keys[n, p) with 0, the smallest key, p the
+// power of two at or above n. Every thread of the block must call it.
+DK_DEV void lm_sort_desc(u64 *keys, int n) {
+	int p = 1;
+	while (p < n) p <<= 1;
+	for (int i = n + threadIdx.x; i < p; i += LM_THREADS) keys[i] = 0;
+	__syncthreads();
+	for (int size = 2; size <= p; size <<= 1) {
+		for (int stride = size / 2; stride > 0; stride >>= 1) {
+			for (int i = threadIdx.x; i < p; i += LM_THREADS) {
+				int j = i ^ stride;
+				if (j > i) {
+					bool desc = (i & size) == 0;
+					u64 x = keys[i], y = keys[j];
+					if (desc ? x < y : x > y) {
+						keys[i] = y;
+						keys[j] = x;
+					}
+				}
+			}
+			__syncthreads();
+		}
+	}
+}
+
 // k_lm_fold: block b folds row row0+b, whose logits for vocab ids
 // [col0, col0+nc) are tile[b*ld .. b*ld+nc), nc <= LM_TILE. Dynamic shared
 // memory: LM_TILE + k keys (8 bytes each). With bsum set (LMHeadSample), it
@@ -133,27 +159,7 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_fold(const float *__restrict__
 	__syncthreads();
 	int nct = ncand;
 	if (nct == 0) return; // the common case once the list has filled
-	// Bitonic sort of cand[0, p) descending, padded with the smallest key.
-	int p = 1;
-	while (p < nct) p <<= 1;
-	for (int i = nct + threadIdx.x; i < p; i += LM_THREADS) cand[i] = 0;
-	__syncthreads();
-	for (int size = 2; size <= p; size <<= 1) {
-		for (int stride = size / 2; stride > 0; stride >>= 1) {
-			for (int i = threadIdx.x; i < p; i += LM_THREADS) {
-				int j = i ^ stride;
-				if (j > i) {
-					bool desc = (i & size) == 0;
-					u64 x = cand[i], y = cand[j];
-					if (desc ? x < y : x > y) {
-						cand[i] = y;
-						cand[j] = x;
-					}
-				}
-			}
-			__syncthreads();
-		}
-	}
+	lm_sort_desc(cand, nct); // (bitonic, padded with the smallest key)
 	// Merge the list (n, descending) with the best m candidates (descending)
 	// into the best nn: output o takes the co-rank split (i from the list,
 	// o-i from the candidates) found by binary search; keys are distinct.
@@ -389,28 +395,9 @@ DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_fold_gemm(const float *__restr
 					if (pos < k) out[pos] = key;
 				}
 			} else {
-				// Sort the candidates (bitonic, descending, padded with 0,
+				// Sort the candidates (padded with 0 up to a power of two,
 				// p <= LM_TILE - k) and merge by co-rank, as k_lm_fold.
-				int p = 1;
-				while (p < m) p <<= 1;
-				for (int i = m + threadIdx.x; i < p; i += LM_THREADS) cand[i] = 0;
-				__syncthreads();
-				for (int size = 2; size <= p; size <<= 1) {
-					for (int stride = size / 2; stride > 0; stride >>= 1) {
-						for (int i = threadIdx.x; i < p; i += LM_THREADS) {
-							int j = i ^ stride;
-							if (j > i) {
-								bool desc = (i & size) == 0;
-								u64 x = cand[i], y = cand[j];
-								if (desc ? x < y : x > y) {
-									cand[i] = y;
-									cand[j] = x;
-								}
-							}
-						}
-						__syncthreads();
-					}
-				}
+				lm_sort_desc(cand, m);
 				int nn = imin(n + m, k);
 				for (int o = threadIdx.x; o < nn; o += LM_THREADS) {
 					int lo = imax(0, o - m), hi = imin(o, n);
