@@ -252,7 +252,13 @@ type ScoreRequest struct {
 	// teacher's probabilities agree. Both are required by the sampled kinds.
 	DatasetFingerprint string `protobuf:"bytes,7,opt,name=dataset_fingerprint,json=datasetFingerprint,proto3" json:"dataset_fingerprint,omitempty"`
 	// The sample's index in that dataset (>= 0).
-	SampleIndex   int64 `protobuf:"varint,8,opt,name=sample_index,json=sampleIndex,proto3" json:"sample_index,omitempty"`
+	SampleIndex int64 `protobuf:"varint,8,opt,name=sample_index,json=sampleIndex,proto3" json:"sample_index,omitempty"`
+	// The client reads progress messages (ScoreResponse.progress): the
+	// daemon may then send them on this stream between results. A client
+	// that does not set it (one older than progress messages) never gets
+	// one: it would read it as a result. Set on any request, it holds for
+	// the rest of the stream.
+	Progress      bool `protobuf:"varint,9,opt,name=progress,proto3" json:"progress,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -343,6 +349,13 @@ func (x *ScoreRequest) GetSampleIndex() int64 {
 	return 0
 }
 
+func (x *ScoreRequest) GetProgress() bool {
+	if x != nil {
+		return x.Progress
+	}
+	return false
+}
+
 // ScoreResponse is the top-k (or the targets of a sampled kind) of one
 // sample: row t is the distribution of the token after position t.
 type ScoreResponse struct {
@@ -364,7 +377,11 @@ type ScoreResponse struct {
 	DrawIds    []int32 `protobuf:"varint,6,rep,packed,name=draw_ids,json=drawIds,proto3" json:"draw_ids,omitempty"`
 	DrawCounts []int32 `protobuf:"varint,7,rep,packed,name=draw_counts,json=drawCounts,proto3" json:"draw_counts,omitempty"`
 	// head+sampled: the mass outside the top-k at each position (len(tokens)).
-	TailMass      []float32 `protobuf:"fixed32,8,rep,packed,name=tail_mass,json=tailMass,proto3" json:"tail_mass,omitempty"`
+	TailMass []float32 `protobuf:"fixed32,8,rep,packed,name=tail_mass,json=tailMass,proto3" json:"tail_mass,omitempty"`
+	// When set, this message is no result: the daemon reports that the
+	// stream's work moves (Progress), and every other field is empty. Sent
+	// only on streams whose requests set progress.
+	Progress      *Progress `protobuf:"bytes,9,opt,name=progress,proto3" json:"progress,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -455,6 +472,94 @@ func (x *ScoreResponse) GetTailMass() []float32 {
 	return nil
 }
 
+func (x *ScoreResponse) GetProgress() *Progress {
+	if x != nil {
+		return x.Progress
+	}
+	return nil
+}
+
+// Progress tells a client that the work of its stream moves although no
+// result is ready yet, so that it can tell a slow daemon from a hung one
+// (a forward pass that never returns while gRPC still answers pings). It
+// is sent only when the work really moved: after a forward pass of the
+// request's own work completed, or, while the request waits in the
+// queue, after a forward pass of other work ahead of it completed; never
+// from a timer. A daemon whose forward hangs sends none.
+type Progress struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "computing": a forward pass of this request's work completed and
+	// more are to come; "queued": the work waits for a forward pass while
+	// the daemon completes others ahead of it.
+	State string `protobuf:"bytes,1,opt,name=state,proto3" json:"state,omitempty"`
+	// Forward passes of the call's work completed so far, and how many it
+	// takes (0: not known yet); for Fill, over the chunks in flight.
+	ForwardsDone  int32 `protobuf:"varint,2,opt,name=forwards_done,json=forwardsDone,proto3" json:"forwards_done,omitempty"`
+	ForwardsTotal int32 `protobuf:"varint,3,opt,name=forwards_total,json=forwardsTotal,proto3" json:"forwards_total,omitempty"`
+	// Samples and fill groups waiting in the daemon's queue.
+	QueueDepth    int32 `protobuf:"varint,4,opt,name=queue_depth,json=queueDepth,proto3" json:"queue_depth,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Progress) Reset() {
+	*x = Progress{}
+	mi := &file_distill_v1_teacher_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Progress) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Progress) ProtoMessage() {}
+
+func (x *Progress) ProtoReflect() protoreflect.Message {
+	mi := &file_distill_v1_teacher_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Progress.ProtoReflect.Descriptor instead.
+func (*Progress) Descriptor() ([]byte, []int) {
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *Progress) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *Progress) GetForwardsDone() int32 {
+	if x != nil {
+		return x.ForwardsDone
+	}
+	return 0
+}
+
+func (x *Progress) GetForwardsTotal() int32 {
+	if x != nil {
+		return x.ForwardsTotal
+	}
+	return 0
+}
+
+func (x *Progress) GetQueueDepth() int32 {
+	if x != nil {
+		return x.QueueDepth
+	}
+	return 0
+}
+
 // DataSource is one dataset file.
 type DataSource struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -472,7 +577,7 @@ type DataSource struct {
 
 func (x *DataSource) Reset() {
 	*x = DataSource{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[4]
+	mi := &file_distill_v1_teacher_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -484,7 +589,7 @@ func (x *DataSource) String() string {
 func (*DataSource) ProtoMessage() {}
 
 func (x *DataSource) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[4]
+	mi := &file_distill_v1_teacher_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -497,7 +602,7 @@ func (x *DataSource) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DataSource.ProtoReflect.Descriptor instead.
 func (*DataSource) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{4}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *DataSource) GetPath() string {
@@ -559,7 +664,7 @@ type Columns struct {
 
 func (x *Columns) Reset() {
 	*x = Columns{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[5]
+	mi := &file_distill_v1_teacher_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -571,7 +676,7 @@ func (x *Columns) String() string {
 func (*Columns) ProtoMessage() {}
 
 func (x *Columns) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[5]
+	mi := &file_distill_v1_teacher_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -584,7 +689,7 @@ func (x *Columns) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Columns.ProtoReflect.Descriptor instead.
 func (*Columns) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{5}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Columns) GetMessages() string {
@@ -690,7 +795,7 @@ type Dataset struct {
 
 func (x *Dataset) Reset() {
 	*x = Dataset{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[6]
+	mi := &file_distill_v1_teacher_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -702,7 +807,7 @@ func (x *Dataset) String() string {
 func (*Dataset) ProtoMessage() {}
 
 func (x *Dataset) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[6]
+	mi := &file_distill_v1_teacher_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -715,7 +820,7 @@ func (x *Dataset) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Dataset.ProtoReflect.Descriptor instead.
 func (*Dataset) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{6}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Dataset) GetSources() []*DataSource {
@@ -806,7 +911,7 @@ type DescribeDatasetRequest struct {
 
 func (x *DescribeDatasetRequest) Reset() {
 	*x = DescribeDatasetRequest{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[7]
+	mi := &file_distill_v1_teacher_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -818,7 +923,7 @@ func (x *DescribeDatasetRequest) String() string {
 func (*DescribeDatasetRequest) ProtoMessage() {}
 
 func (x *DescribeDatasetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[7]
+	mi := &file_distill_v1_teacher_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -831,7 +936,7 @@ func (x *DescribeDatasetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DescribeDatasetRequest.ProtoReflect.Descriptor instead.
 func (*DescribeDatasetRequest) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{7}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *DescribeDatasetRequest) GetDataset() *Dataset {
@@ -856,7 +961,7 @@ type DescribeDatasetResponse struct {
 
 func (x *DescribeDatasetResponse) Reset() {
 	*x = DescribeDatasetResponse{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[8]
+	mi := &file_distill_v1_teacher_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -868,7 +973,7 @@ func (x *DescribeDatasetResponse) String() string {
 func (*DescribeDatasetResponse) ProtoMessage() {}
 
 func (x *DescribeDatasetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[8]
+	mi := &file_distill_v1_teacher_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -881,7 +986,7 @@ func (x *DescribeDatasetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DescribeDatasetResponse.ProtoReflect.Descriptor instead.
 func (*DescribeDatasetResponse) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{8}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *DescribeDatasetResponse) GetSamples() int64 {
@@ -933,14 +1038,18 @@ type FillRequest struct {
 	// cache package doc.
 	Targets string `protobuf:"bytes,9,opt,name=targets,proto3" json:"targets,omitempty"`
 	// N, the draws per position of the sampled kinds: 1 to 4096.
-	Samples       int32 `protobuf:"varint,10,opt,name=samples,proto3" json:"samples,omitempty"`
+	Samples int32 `protobuf:"varint,10,opt,name=samples,proto3" json:"samples,omitempty"`
+	// The client reads progress messages (FillResponse.progress) between
+	// the chunk reports. A client that does not set it (one older than
+	// progress messages) never gets one: it would count it as a chunk.
+	Progress      bool `protobuf:"varint,11,opt,name=progress,proto3" json:"progress,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *FillRequest) Reset() {
 	*x = FillRequest{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[9]
+	mi := &file_distill_v1_teacher_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -952,7 +1061,7 @@ func (x *FillRequest) String() string {
 func (*FillRequest) ProtoMessage() {}
 
 func (x *FillRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[9]
+	mi := &file_distill_v1_teacher_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -965,7 +1074,7 @@ func (x *FillRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FillRequest.ProtoReflect.Descriptor instead.
 func (*FillRequest) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{9}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *FillRequest) GetDataset() *Dataset {
@@ -1038,6 +1147,13 @@ func (x *FillRequest) GetSamples() int32 {
 	return 0
 }
 
+func (x *FillRequest) GetProgress() bool {
+	if x != nil {
+		return x.Progress
+	}
+	return false
+}
+
 // FillResponse reports one chunk of a fill.
 type FillResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1063,14 +1179,18 @@ type FillResponse struct {
 	// Dropped and bad_skipped samples per reason (e.g. "longer than max-len").
 	Reasons map[string]int64 `protobuf:"bytes,10,rep,name=reasons,proto3" json:"reasons,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
 	// The first few drop or skip messages, with file:line.
-	Examples      []string `protobuf:"bytes,11,rep,name=examples,proto3" json:"examples,omitempty"`
+	Examples []string `protobuf:"bytes,11,rep,name=examples,proto3" json:"examples,omitempty"`
+	// When set, this message reports no chunk: the daemon says that the
+	// fill's work moves (Progress), and every other field is empty. Sent
+	// only when the request set progress.
+	Progress      *Progress `protobuf:"bytes,12,opt,name=progress,proto3" json:"progress,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *FillResponse) Reset() {
 	*x = FillResponse{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[10]
+	mi := &file_distill_v1_teacher_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1082,7 +1202,7 @@ func (x *FillResponse) String() string {
 func (*FillResponse) ProtoMessage() {}
 
 func (x *FillResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[10]
+	mi := &file_distill_v1_teacher_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1095,7 +1215,7 @@ func (x *FillResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FillResponse.ProtoReflect.Descriptor instead.
 func (*FillResponse) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{10}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *FillResponse) GetStart() int64 {
@@ -1175,6 +1295,13 @@ func (x *FillResponse) GetExamples() []string {
 	return nil
 }
 
+func (x *FillResponse) GetProgress() *Progress {
+	if x != nil {
+		return x.Progress
+	}
+	return nil
+}
+
 // StatusRequest may name a dataset to list its done ranges.
 type StatusRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1186,7 +1313,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[11]
+	mi := &file_distill_v1_teacher_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1198,7 +1325,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[11]
+	mi := &file_distill_v1_teacher_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1211,7 +1338,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{11}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *StatusRequest) GetDatasetFingerprint() string {
@@ -1234,7 +1361,7 @@ type Range struct {
 
 func (x *Range) Reset() {
 	*x = Range{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[12]
+	mi := &file_distill_v1_teacher_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1246,7 +1373,7 @@ func (x *Range) String() string {
 func (*Range) ProtoMessage() {}
 
 func (x *Range) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[12]
+	mi := &file_distill_v1_teacher_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1259,7 +1386,7 @@ func (x *Range) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Range.ProtoReflect.Descriptor instead.
 func (*Range) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{12}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Range) GetStart() int64 {
@@ -1304,7 +1431,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_distill_v1_teacher_proto_msgTypes[13]
+	mi := &file_distill_v1_teacher_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1316,7 +1443,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_distill_v1_teacher_proto_msgTypes[13]
+	mi := &file_distill_v1_teacher_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1329,7 +1456,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{13}
+	return file_distill_v1_teacher_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *StatusResponse) GetInFlight() []*Range {
@@ -1418,7 +1545,7 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	"\tcache_dir\x18\v \x01(\tR\bcacheDir\x12\x16\n" +
 	"\x06params\x18\f \x01(\x03R\x06params\x12\x1b\n" +
 	"\tmodel_dir\x18\r \x01(\tR\bmodelDir\x12\x1b\n" +
-	"\tmax_draws\x18\x0e \x01(\x05R\bmaxDraws\"\xf9\x01\n" +
+	"\tmax_draws\x18\x0e \x01(\x05R\bmaxDraws\"\x95\x02\n" +
 	"\fScoreRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x03R\x02id\x12\x16\n" +
 	"\x06tokens\x18\x02 \x03(\x05R\x06tokens\x12\x11\n" +
@@ -1427,8 +1554,9 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	"\atargets\x18\x05 \x01(\tR\atargets\x12\x18\n" +
 	"\asamples\x18\x06 \x01(\x05R\asamples\x12/\n" +
 	"\x13dataset_fingerprint\x18\a \x01(\tR\x12datasetFingerprint\x12!\n" +
-	"\fsample_index\x18\b \x01(\x03R\vsampleIndexB\x04\n" +
-	"\x02_k\"\xcb\x01\n" +
+	"\fsample_index\x18\b \x01(\x03R\vsampleIndex\x12\x1a\n" +
+	"\bprogress\x18\t \x01(\bR\bprogressB\x04\n" +
+	"\x02_k\"\xfd\x01\n" +
 	"\rScoreResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x03R\x02id\x12\f\n" +
 	"\x01k\x18\x02 \x01(\x05R\x01k\x12\x10\n" +
@@ -1438,7 +1566,14 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	"\bdraw_ids\x18\x06 \x03(\x05R\adrawIds\x12\x1f\n" +
 	"\vdraw_counts\x18\a \x03(\x05R\n" +
 	"drawCounts\x12\x1b\n" +
-	"\ttail_mass\x18\b \x03(\x02R\btailMass\"\x7f\n" +
+	"\ttail_mass\x18\b \x03(\x02R\btailMass\x120\n" +
+	"\bprogress\x18\t \x01(\v2\x14.distill.v1.ProgressR\bprogress\"\x8d\x01\n" +
+	"\bProgress\x12\x14\n" +
+	"\x05state\x18\x01 \x01(\tR\x05state\x12#\n" +
+	"\rforwards_done\x18\x02 \x01(\x05R\fforwardsDone\x12%\n" +
+	"\x0eforwards_total\x18\x03 \x01(\x05R\rforwardsTotal\x12\x1f\n" +
+	"\vqueue_depth\x18\x04 \x01(\x05R\n" +
+	"queueDepth\"\x7f\n" +
 	"\n" +
 	"DataSource\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x16\n" +
@@ -1480,7 +1615,7 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	"\x17DescribeDatasetResponse\x12\x18\n" +
 	"\asamples\x18\x01 \x01(\x03R\asamples\x12 \n" +
 	"\vfingerprint\x18\x02 \x01(\tR\vfingerprint\x123\n" +
-	"\x15tokenizer_fingerprint\x18\x03 \x01(\tR\x14tokenizerFingerprint\"\xd2\x02\n" +
+	"\x15tokenizer_fingerprint\x18\x03 \x01(\tR\x14tokenizerFingerprint\"\xee\x02\n" +
 	"\vFillRequest\x12-\n" +
 	"\adataset\x18\x01 \x01(\v2\x13.distill.v1.DatasetR\adataset\x12\x14\n" +
 	"\x05start\x18\x02 \x01(\x03R\x05start\x12\x10\n" +
@@ -1492,8 +1627,9 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	"\x1aexpect_dataset_fingerprint\x18\b \x01(\tR\x18expectDatasetFingerprint\x12\x18\n" +
 	"\atargets\x18\t \x01(\tR\atargets\x12\x18\n" +
 	"\asamples\x18\n" +
-	" \x01(\x05R\asamplesB\x04\n" +
-	"\x02_k\"\x91\x03\n" +
+	" \x01(\x05R\asamples\x12\x1a\n" +
+	"\bprogress\x18\v \x01(\bR\bprogressB\x04\n" +
+	"\x02_k\"\xc3\x03\n" +
 	"\fFillResponse\x12\x14\n" +
 	"\x05start\x18\x01 \x01(\x03R\x05start\x12\x10\n" +
 	"\x03end\x18\x02 \x01(\x03R\x03end\x12\x16\n" +
@@ -1507,7 +1643,8 @@ const file_distill_v1_teacher_proto_rawDesc = "" +
 	"\atargets\x18\t \x01(\x03R\atargets\x12?\n" +
 	"\areasons\x18\n" +
 	" \x03(\v2%.distill.v1.FillResponse.ReasonsEntryR\areasons\x12\x1a\n" +
-	"\bexamples\x18\v \x03(\tR\bexamples\x1a:\n" +
+	"\bexamples\x18\v \x03(\tR\bexamples\x120\n" +
+	"\bprogress\x18\f \x01(\v2\x14.distill.v1.ProgressR\bprogress\x1a:\n" +
 	"\fReasonsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"@\n" +
@@ -1546,49 +1683,52 @@ func file_distill_v1_teacher_proto_rawDescGZIP() []byte {
 	return file_distill_v1_teacher_proto_rawDescData
 }
 
-var file_distill_v1_teacher_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_distill_v1_teacher_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_distill_v1_teacher_proto_goTypes = []any{
 	(*InfoRequest)(nil),             // 0: distill.v1.InfoRequest
 	(*InfoResponse)(nil),            // 1: distill.v1.InfoResponse
 	(*ScoreRequest)(nil),            // 2: distill.v1.ScoreRequest
 	(*ScoreResponse)(nil),           // 3: distill.v1.ScoreResponse
-	(*DataSource)(nil),              // 4: distill.v1.DataSource
-	(*Columns)(nil),                 // 5: distill.v1.Columns
-	(*Dataset)(nil),                 // 6: distill.v1.Dataset
-	(*DescribeDatasetRequest)(nil),  // 7: distill.v1.DescribeDatasetRequest
-	(*DescribeDatasetResponse)(nil), // 8: distill.v1.DescribeDatasetResponse
-	(*FillRequest)(nil),             // 9: distill.v1.FillRequest
-	(*FillResponse)(nil),            // 10: distill.v1.FillResponse
-	(*StatusRequest)(nil),           // 11: distill.v1.StatusRequest
-	(*Range)(nil),                   // 12: distill.v1.Range
-	(*StatusResponse)(nil),          // 13: distill.v1.StatusResponse
-	nil,                             // 14: distill.v1.Columns.RolesEntry
-	nil,                             // 15: distill.v1.FillResponse.ReasonsEntry
+	(*Progress)(nil),                // 4: distill.v1.Progress
+	(*DataSource)(nil),              // 5: distill.v1.DataSource
+	(*Columns)(nil),                 // 6: distill.v1.Columns
+	(*Dataset)(nil),                 // 7: distill.v1.Dataset
+	(*DescribeDatasetRequest)(nil),  // 8: distill.v1.DescribeDatasetRequest
+	(*DescribeDatasetResponse)(nil), // 9: distill.v1.DescribeDatasetResponse
+	(*FillRequest)(nil),             // 10: distill.v1.FillRequest
+	(*FillResponse)(nil),            // 11: distill.v1.FillResponse
+	(*StatusRequest)(nil),           // 12: distill.v1.StatusRequest
+	(*Range)(nil),                   // 13: distill.v1.Range
+	(*StatusResponse)(nil),          // 14: distill.v1.StatusResponse
+	nil,                             // 15: distill.v1.Columns.RolesEntry
+	nil,                             // 16: distill.v1.FillResponse.ReasonsEntry
 }
 var file_distill_v1_teacher_proto_depIdxs = []int32{
-	5,  // 0: distill.v1.DataSource.columns:type_name -> distill.v1.Columns
-	14, // 1: distill.v1.Columns.roles:type_name -> distill.v1.Columns.RolesEntry
-	4,  // 2: distill.v1.Dataset.sources:type_name -> distill.v1.DataSource
-	6,  // 3: distill.v1.DescribeDatasetRequest.dataset:type_name -> distill.v1.Dataset
-	6,  // 4: distill.v1.FillRequest.dataset:type_name -> distill.v1.Dataset
-	15, // 5: distill.v1.FillResponse.reasons:type_name -> distill.v1.FillResponse.ReasonsEntry
-	12, // 6: distill.v1.StatusResponse.in_flight:type_name -> distill.v1.Range
-	12, // 7: distill.v1.StatusResponse.done:type_name -> distill.v1.Range
-	0,  // 8: distill.v1.Teacher.Info:input_type -> distill.v1.InfoRequest
-	2,  // 9: distill.v1.Teacher.Score:input_type -> distill.v1.ScoreRequest
-	7,  // 10: distill.v1.Teacher.DescribeDataset:input_type -> distill.v1.DescribeDatasetRequest
-	9,  // 11: distill.v1.Teacher.Fill:input_type -> distill.v1.FillRequest
-	11, // 12: distill.v1.Teacher.Status:input_type -> distill.v1.StatusRequest
-	1,  // 13: distill.v1.Teacher.Info:output_type -> distill.v1.InfoResponse
-	3,  // 14: distill.v1.Teacher.Score:output_type -> distill.v1.ScoreResponse
-	8,  // 15: distill.v1.Teacher.DescribeDataset:output_type -> distill.v1.DescribeDatasetResponse
-	10, // 16: distill.v1.Teacher.Fill:output_type -> distill.v1.FillResponse
-	13, // 17: distill.v1.Teacher.Status:output_type -> distill.v1.StatusResponse
-	13, // [13:18] is the sub-list for method output_type
-	8,  // [8:13] is the sub-list for method input_type
-	8,  // [8:8] is the sub-list for extension type_name
-	8,  // [8:8] is the sub-list for extension extendee
-	0,  // [0:8] is the sub-list for field type_name
+	4,  // 0: distill.v1.ScoreResponse.progress:type_name -> distill.v1.Progress
+	6,  // 1: distill.v1.DataSource.columns:type_name -> distill.v1.Columns
+	15, // 2: distill.v1.Columns.roles:type_name -> distill.v1.Columns.RolesEntry
+	5,  // 3: distill.v1.Dataset.sources:type_name -> distill.v1.DataSource
+	7,  // 4: distill.v1.DescribeDatasetRequest.dataset:type_name -> distill.v1.Dataset
+	7,  // 5: distill.v1.FillRequest.dataset:type_name -> distill.v1.Dataset
+	16, // 6: distill.v1.FillResponse.reasons:type_name -> distill.v1.FillResponse.ReasonsEntry
+	4,  // 7: distill.v1.FillResponse.progress:type_name -> distill.v1.Progress
+	13, // 8: distill.v1.StatusResponse.in_flight:type_name -> distill.v1.Range
+	13, // 9: distill.v1.StatusResponse.done:type_name -> distill.v1.Range
+	0,  // 10: distill.v1.Teacher.Info:input_type -> distill.v1.InfoRequest
+	2,  // 11: distill.v1.Teacher.Score:input_type -> distill.v1.ScoreRequest
+	8,  // 12: distill.v1.Teacher.DescribeDataset:input_type -> distill.v1.DescribeDatasetRequest
+	10, // 13: distill.v1.Teacher.Fill:input_type -> distill.v1.FillRequest
+	12, // 14: distill.v1.Teacher.Status:input_type -> distill.v1.StatusRequest
+	1,  // 15: distill.v1.Teacher.Info:output_type -> distill.v1.InfoResponse
+	3,  // 16: distill.v1.Teacher.Score:output_type -> distill.v1.ScoreResponse
+	9,  // 17: distill.v1.Teacher.DescribeDataset:output_type -> distill.v1.DescribeDatasetResponse
+	11, // 18: distill.v1.Teacher.Fill:output_type -> distill.v1.FillResponse
+	14, // 19: distill.v1.Teacher.Status:output_type -> distill.v1.StatusResponse
+	15, // [15:20] is the sub-list for method output_type
+	10, // [10:15] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_distill_v1_teacher_proto_init() }
@@ -1597,14 +1737,14 @@ func file_distill_v1_teacher_proto_init() {
 		return
 	}
 	file_distill_v1_teacher_proto_msgTypes[2].OneofWrappers = []any{}
-	file_distill_v1_teacher_proto_msgTypes[9].OneofWrappers = []any{}
+	file_distill_v1_teacher_proto_msgTypes[10].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_distill_v1_teacher_proto_rawDesc), len(file_distill_v1_teacher_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   16,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

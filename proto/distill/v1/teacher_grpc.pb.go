@@ -41,7 +41,8 @@ type TeacherClient interface {
 	// Info describes the loaded model, tokenizer, limits and cache.
 	Info(ctx context.Context, in *InfoRequest, opts ...grpc.CallOption) (*InfoResponse, error)
 	// Score scores tokenized samples: each request carries one sample and
-	// gets one response, in order. Requests from all streams and fill work
+	// gets one response, in order (and, when the requests ask, progress
+	// messages in between). Requests from all streams and fill work
 	// are packed together into forward passes. When the daemon's queue is
 	// full the stream ends with RESOURCE_EXHAUSTED (retry later).
 	Score(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[ScoreRequest, ScoreResponse], error)
@@ -51,7 +52,8 @@ type TeacherClient interface {
 	DescribeDataset(ctx context.Context, in *DescribeDatasetRequest, opts ...grpc.CallOption) (*DescribeDatasetResponse, error)
 	// Fill computes the top-k of samples [start, end) of a dataset into the
 	// cache directory the daemon manages, chunk by chunk, and streams one
-	// message per chunk. Chunks already in the cache are skipped. A chunk is
+	// message per chunk (and, when the request asks, progress messages in
+	// between). Chunks already in the cache are skipped. A chunk is
 	// visible in the cache only once complete; a fill that is cancelled or
 	// dies leaves the chunks in flight missing, never partial.
 	Fill(ctx context.Context, in *FillRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[FillResponse], error)
@@ -140,7 +142,8 @@ type TeacherServer interface {
 	// Info describes the loaded model, tokenizer, limits and cache.
 	Info(context.Context, *InfoRequest) (*InfoResponse, error)
 	// Score scores tokenized samples: each request carries one sample and
-	// gets one response, in order. Requests from all streams and fill work
+	// gets one response, in order (and, when the requests ask, progress
+	// messages in between). Requests from all streams and fill work
 	// are packed together into forward passes. When the daemon's queue is
 	// full the stream ends with RESOURCE_EXHAUSTED (retry later).
 	Score(grpc.BidiStreamingServer[ScoreRequest, ScoreResponse]) error
@@ -150,7 +153,8 @@ type TeacherServer interface {
 	DescribeDataset(context.Context, *DescribeDatasetRequest) (*DescribeDatasetResponse, error)
 	// Fill computes the top-k of samples [start, end) of a dataset into the
 	// cache directory the daemon manages, chunk by chunk, and streams one
-	// message per chunk. Chunks already in the cache are skipped. A chunk is
+	// message per chunk (and, when the request asks, progress messages in
+	// between). Chunks already in the cache are skipped. A chunk is
 	// visible in the cache only once complete; a fill that is cancelled or
 	// dies leaves the chunks in flight missing, never partial.
 	Fill(*FillRequest, grpc.ServerStreamingServer[FillResponse]) error
