@@ -49,6 +49,9 @@ type job struct {
 	// Score samples asking for the same draws (sameTargets). U's sample
 	// index s counts the job's own samples.
 	draws *infer.Draws
+	// prog, when set, hears that the queue moved while j waits in it
+	// (its call asked for progress messages).
+	prog *progress
 }
 
 // sameTargets reports whether shared jobs a and b can share a forward:
@@ -207,6 +210,9 @@ func (b *batcher) submit(j *job) error {
 		}
 		select {
 		case <-room:
+			// The loop took a batch: the daemon works, and j waits its
+			// turn to be queued.
+			j.prog.poke()
 		case <-j.ctx.Done():
 			return j.ctx.Err()
 		}
@@ -300,6 +306,16 @@ func (b *batcher) loop() {
 	}
 }
 
+// movedOn tells the jobs still queued that a forward pass completed:
+// they are waiting, not hung (progress "queued"); b.mu held. Only a
+// forward that returns says it, so a forward that hangs silences every
+// job behind it too, as it holds them all.
+func (b *batcher) movedOn() {
+	for _, j := range b.queue {
+		j.prog.poke()
+	}
+}
+
 // signal tells the loop to look at the queue again.
 func (b *batcher) signal() {
 	select {
@@ -346,6 +362,7 @@ func (b *batcher) run(batch []*job) {
 		close(mine)
 		b.mu.Lock()
 		b.inflight--
+		b.movedOn()
 		b.mu.Unlock()
 		b.signal()
 	}

@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -88,6 +89,10 @@ type CoreOptions struct {
 	// FillChunksInFlight is the chunks one Fill works on at once (default
 	// 2: one tokenizes or commits while the other computes).
 	FillChunksInFlight int
+	// ProgressEvery is the least time between two progress messages of
+	// one Score stream or Fill (0: DefaultProgressEvery). Clients' stall
+	// timeouts must be well above it.
+	ProgressEvery time.Duration
 	// Logger receives structured logs; nil means zap.NewNop.
 	Logger *zap.Logger
 	// InProcess says the core is the teacher of `cachectl fill --model`
@@ -109,6 +114,8 @@ type Core struct {
 	met     *metrics
 	log     *zap.Logger
 	started time.Time
+	// progEvery is opt.ProgressEvery (tests of daemons change it).
+	progEvery atomic.Int64
 
 	dsMu     sync.Mutex
 	datasets map[string]*openDataset
@@ -255,6 +262,10 @@ func NewCore(o CoreOptions) (*Core, error) {
 	}
 	c := &Core{opt: o, model: m, budget: o.TokenBudget, met: newMetrics(), log: o.Logger, started: time.Now(),
 		datasets: map[string]*openDataset{}, inflight: map[cache.Range]int{}}
+	if o.ProgressEvery <= 0 {
+		o.ProgressEvery = DefaultProgressEvery
+	}
+	c.progEvery.Store(int64(o.ProgressEvery))
 	c.lim = Limits{VocabSize: V, MaxLen: min(m.Cfg.MaxPositions, o.TokenBudget), KDefault: o.KDefault, KMax: o.KMax, MaxDraws: o.MaxDraws}
 	if err := m.CheckDeviceFit(o.TokenBudget, c.lim.MaxLen, o.KMax, o.MaxDraws); err != nil {
 		if fe := (*infer.FitError)(nil); errors.As(err, &fe) {
@@ -422,7 +433,8 @@ func (c *Core) Info() *pb.InfoResponse {
 
 // submitScore validates r and queues it, failing with ErrOverloaded when
 // the queue is full.
-func (c *Core) submitScore(ctx context.Context, r *pb.ScoreRequest) (*job, error) {
+// prog, when not nil, hears when the queue moves while r waits.
+func (c *Core) submitScore(ctx context.Context, r *pb.ScoreRequest, prog *progress) (*job, error) {
 	if err := ValidateScore(r, c.lim); err != nil {
 		return nil, err
 	}
@@ -432,6 +444,7 @@ func (c *Core) submitScore(ctx context.Context, r *pb.ScoreRequest) (*job, error
 		k = 0 // no head
 	}
 	j := newJob(ctx, [][]int32{r.GetTokens()}, k, temp, false)
+	j.prog = prog
 	if kind != cache.TargetsTopK {
 		// Keyed as a fill's draws (fillChunk), so that the Score of
 		// sample i draws what a Fill stores for it.
@@ -735,6 +748,11 @@ func (c *Core) Fill(ctx context.Context, r *pb.FillRequest, emit func(*pb.FillRe
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	f.cancel = cancel
+	if r.GetProgress() {
+		f.prog = newProgress()
+		stop := f.relay(ctx)
+		defer stop()
+	}
 	var wg sync.WaitGroup
 	next := make(chan cache.Range)
 	for w := 0; w < min(c.opt.FillChunksInFlight, len(todo)); w++ {
@@ -774,6 +792,10 @@ type fillRun struct {
 
 	emitMu sync.Mutex // serializes emit
 	cancel func()     // stops the fill at its first error
+	// prog, when the client asked for progress messages, hears that the
+	// fill's forward groups complete, or that the queue they wait in
+	// moves (relay sends it on).
+	prog *progress
 
 	mu   sync.Mutex
 	err  error   // the first error: the fill's
@@ -868,7 +890,7 @@ func (f *fillRun) fillPlanned(ctx context.Context, rg cache.Range) {
 		rg := pieces[0]
 		pieces = pieces[1:]
 		var st data.Stats
-		_, skipped, err := f.c.fillChunk(ctx, f.cw, f.d, rg, f.k, f.temp, f.kind, f.draws, &st)
+		_, skipped, err := f.c.fillChunk(ctx, f.cw, f.d, rg, f.k, f.temp, f.kind, f.draws, &st, f.prog)
 		var oe *cache.OverlapError
 		if errors.As(err, &oe) {
 			miss, merr := f.cw.Missing(rg.Start, rg.End)
@@ -908,8 +930,43 @@ func (f *fillRun) fillPlanned(ctx context.Context, rg cache.Range) {
 func (f *fillRun) send(x *pb.FillResponse) error {
 	f.emitMu.Lock()
 	defer f.emitMu.Unlock()
-	x.CacheDir = f.c.opt.CacheDir
+	if x.Progress == nil { // a progress message has no other field
+		x.CacheDir = f.c.opt.CacheDir
+	}
 	return f.emit(x)
+}
+
+// relay sends f.prog's news as progress messages, paced, until the
+// returned stop is called (the fill is done) or ctx ends. It sends only
+// what the fill's work said: it has no timer of its own.
+func (f *fillRun) relay(ctx context.Context) (stop func()) {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		pace := &pacer{every: f.c.progressEvery()}
+		var lastDone int32
+		for {
+			select {
+			case <-f.prog.c:
+			case <-done:
+				return
+			case <-ctx.Done():
+				return
+			}
+			if !pace.due() {
+				continue
+			}
+			queued, _ := f.c.b.depth()
+			// A failed send fails the chunk's own report too: nothing to do here.
+			_ = f.send(&pb.FillResponse{Progress: f.prog.msg(&lastDone, queued)})
+		}
+	}()
+	return func() {
+		close(done)
+		wg.Wait()
+	}
 }
 
 // fail records err as the fill's error if it is the first, and cancels
@@ -965,8 +1022,9 @@ var testHookChunkBegun, testHookBeforeChunk func(c *Core, r cache.Range)
 // chunks are done.
 var testHookFillRead func(c *Core)
 
-// fillChunk computes and commits one chunk, counting its samples into st.
-func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, rg cache.Range, k int, temp float32, kind cache.Targets, draws int, st *data.Stats) (int64, bool, error) {
+// fillChunk computes and commits one chunk, counting its samples into st;
+// prog (nil: none asked) hears of each of its forward groups.
+func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, rg cache.Range, k int, temp float32, kind cache.Targets, draws int, st *data.Stats, prog *progress) (int64, bool, error) {
 	if testHookBeforeChunk != nil {
 		testHookBeforeChunk(c, rg)
 	}
@@ -1031,6 +1089,10 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 			b++
 		}
 		j := newJob(ctx, group, k, temp, true)
+		j.prog = prog
+		if prog != nil {
+			prog.total.Add(1)
+		}
 		if kind != cache.TargetsTopK {
 			// Keyed by the dataset and each sample's index, so the draws
 			// do not depend on the chunking, packing or node.
@@ -1060,6 +1122,12 @@ func (c *Core) fillChunk(ctx context.Context, cw *cache.Cache, d *data.Dataset, 
 		res := j.wait()
 		if res.err != nil {
 			return 0, false, res.err
+		}
+		if prog != nil {
+			// A forward pass of this chunk returned: the honest sign
+			// that the teacher computes (a hung forward never gets here).
+			prog.done.Add(1)
+			prog.poke()
 		}
 		off, pos, doff := 0, 0, 0
 		for range j.samples {

@@ -161,6 +161,7 @@ func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.Score
 	}
 	ctx, cancel := context.WithCancel(stream.Context())
 	defer cancel()
+	pace := &pacer{every: c.progressEvery()}
 	type pending struct {
 		id  int64
 		j   *job
@@ -169,6 +170,11 @@ func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.Score
 		err error
 	}
 	q := make(chan pending, scoreWindow)
+	// prog hears when the queue moves while this stream's samples wait
+	// in it; attached to them once a request asks for progress (an
+	// older client reads every message as a result).
+	prog := newProgress()
+	var asked atomic.Bool
 	// The reader is not waited for: on an early return it may sit in
 	// Recv, which returns once the handler has returned and the stream's
 	// context ends.
@@ -183,7 +189,14 @@ func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.Score
 				return
 			}
 			t0 := time.Now()
-			j, err := c.submitScore(ctx, r)
+			if r.GetProgress() {
+				asked.Store(true)
+			}
+			var jp *progress
+			if asked.Load() {
+				jp = prog
+			}
+			j, err := c.submitScore(ctx, r, jp)
 			k, _ := c.defaults(r.K, r.GetTemperature())
 			if j != nil && j.draws != nil {
 				k = j.k // 0 under sampled: no head
@@ -217,7 +230,10 @@ func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.Score
 		if p.err != nil {
 			return s.toClient(ctx, p.err)
 		}
-		res := p.j.wait()
+		res, err := awaitScore(ctx, c, stream, p.j, prog, pace)
+		if err != nil {
+			return err
+		}
 		if res.err != nil {
 			return s.toClient(ctx, res.err)
 		}
@@ -229,8 +245,32 @@ func (s *Server) Score(stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.Score
 		if err := stream.Send(out); err != nil {
 			return err
 		}
+		pace.sent()
 	}
 	return nil
+}
+
+// awaitScore waits for j's result, sending a Progress message ("queued")
+// on the stream when prog hears that the queue moved, at most as often
+// as pace allows. Its error is the stream's (a failed Send).
+func awaitScore(ctx context.Context, c *Core, stream grpc.BidiStreamingServer[pb.ScoreRequest, pb.ScoreResponse], j *job, prog *progress, pace *pacer) (jobResult, error) {
+	for {
+		select {
+		case r := <-j.done:
+			return r, nil
+		case <-ctx.Done():
+			return jobResult{err: ctx.Err()}, nil
+		case <-prog.c:
+			if !pace.due() {
+				continue
+			}
+			var none int32
+			queued, _ := c.b.depth()
+			if err := stream.Send(&pb.ScoreResponse{Progress: prog.msg(&none, queued)}); err != nil {
+				return jobResult{}, err
+			}
+		}
+	}
 }
 
 func isEOF(err error) bool { return errors.Is(err, io.EOF) }
