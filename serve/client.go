@@ -20,6 +20,9 @@ type Worker interface {
 	Info(ctx context.Context) (*pb.InfoResponse, error)
 	Describe(ctx context.Context, d *pb.Dataset) (*pb.DescribeDatasetResponse, error)
 	Status(ctx context.Context, r *pb.StatusRequest) (*pb.StatusResponse, error)
+	// Fill calls onChunk with every message of the fill: the chunks'
+	// reports and, when r asks for them, progress messages (progress
+	// set, no other field).
 	Fill(ctx context.Context, r *pb.FillRequest, onChunk func(*pb.FillResponse) error) error
 	Close() error
 }

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"distill/cache"
+	"distill/internal/stall"
 	"distill/internal/teacherdial"
 	pb "distill/proto/distill/v1"
 )
@@ -72,6 +73,15 @@ type FillPlan struct {
 	// BusyRepeat is how often a chunk still busy is said again (default
 	// 1m): a fill left waiting for another writer says what it waits for.
 	BusyRepeat time.Duration
+	// StallTimeout bounds how long a teacher's call for a chunk may send
+	// nothing, neither the chunk's report nor a progress message, before
+	// it is cancelled and the teacher treated as failed, as one that died
+	// (its chunk goes to the others): a daemon whose forward pass hangs
+	// while it answers keepalive pings held its chunks for ever. A daemon
+	// sends progress after every forward pass, so the timeout is no
+	// bound on a chunk; an older daemon sends none, and it then bounds
+	// each chunk. 0: stall.DefaultTimeout (10m); negative: no watchdog.
+	StallTimeout time.Duration
 	// Out receives progress and the summary (nil: none). Terminal draws a
 	// progress bar; otherwise a log line every LogEvery (default 10s).
 	Out      io.Writer
@@ -80,6 +90,11 @@ type FillPlan struct {
 	// onChunk is called after each chunk a worker reports, from the
 	// workers' goroutines concurrently (tests).
 	onChunk func(w Worker, r *pb.FillResponse)
+	// onProgress is called after each progress message a worker sends,
+	// once the stall watchdog has heard it (tests); stallClock is the
+	// clock of a worker's watchdogs (tests; nil: the real one).
+	onProgress func(w Worker, p *pb.Progress)
+	stallClock func(w Worker) stall.Clock
 	// now and after replace time.Now and time.After where the fill
 	// waits for its teachers (tests; nil: the real clock).
 	now   func() time.Time
@@ -272,6 +287,9 @@ func (p *FillPlan) setDefaults(workers int) error {
 	}
 	if p.LogEvery == 0 {
 		p.LogEvery = 10 * time.Second
+	}
+	if p.StallTimeout == 0 {
+		p.StallTimeout = stall.DefaultTimeout
 	}
 	if err := ValidateDataset(p.Dataset); err != nil {
 		return fillErr("%s", msg(err))
@@ -647,7 +665,7 @@ func (p *FillPlan) probe(ctx context.Context, workers []Worker, dirs *fillDirs, 
 func (p *FillPlan) request(fp string, r cache.Range) *pb.FillRequest {
 	return &pb.FillRequest{Dataset: p.Dataset, Start: r.Start, End: r.End, ChunkSamples: r.Len(),
 		K: optK(p.K), Temperature: p.Temperature, Encoding: p.Encoding, ExpectDatasetFingerprint: fp,
-		Targets: p.Targets, Samples: p.Samples}
+		Targets: p.Targets, Samples: p.Samples, Progress: true}
 }
 
 // checkCovered checks that every sample of the range is in exactly one
@@ -734,9 +752,14 @@ type fillDispatch struct {
 	mu       sync.Mutex // guards what follows, dirs.byDir and sum's counts
 	failures map[cache.Range]int
 	counted  map[cache.Range]bool // chunks in the summary: a redone one counts once
-	fatal    error
-	lastErr  map[string]string // a teacher's last error
-	gaveUp   map[string]bool   // teachers given up on (said once)
+	// stallAt is the Status of a teacher when it stalled (by name): it
+	// gets a chunk again once a forward pass has completed on it since
+	// (stall.Mended), as its Info, which a hung daemon answers, says
+	// nothing.
+	stallAt map[string]*pb.StatusResponse
+	fatal   error
+	lastErr map[string]string // a teacher's last error
+	gaveUp  map[string]bool   // teachers given up on (said once)
 	// busyAt: when a chunk was last found busy (another writer computes
 	// it); it is asked for again BusyPoll after that. busySaid: when that
 	// was last said.
@@ -759,7 +782,7 @@ type fillDispatch struct {
 
 func newFillDispatch(p *FillPlan, dirs *fillDirs, fp string, sum *FillSummary, todo []cache.Range) *fillDispatch {
 	d := &fillDispatch{p: p, fp: fp, dirs: dirs, sum: sum, queue: make(chan cache.Range, len(todo)),
-		failures: map[cache.Range]int{}, counted: map[cache.Range]bool{}, lastErr: map[string]string{}, gaveUp: map[string]bool{},
+		failures: map[cache.Range]int{}, counted: map[cache.Range]bool{}, stallAt: map[string]*pb.StatusResponse{}, lastErr: map[string]string{}, gaveUp: map[string]bool{},
 		busyAt: map[cache.Range]time.Time{}, busySaid: map[cache.Range]time.Time{}, now: p.timeNow}
 	for _, r := range todo {
 		d.queue <- r
@@ -826,10 +849,7 @@ func (d *fillDispatch) work(ctx context.Context, w Worker, down *atomic.Int64) {
 			}
 		}
 		if err == nil {
-			err = w.Fill(ctx, d.p.request(d.fp, r), func(m *pb.FillResponse) error {
-				d.report(w, m)
-				return nil
-			})
+			err = d.fill(ctx, w, r)
 		}
 		if err == nil {
 			// Only a call made after w failed shows that it answers
@@ -860,6 +880,59 @@ func (d *fillDispatch) work(ctx context.Context, w Worker, down *atomic.Int64) {
 		}
 		backoff = min(2*backoff, 5*time.Second)
 	}
+}
+
+// fill asks w for chunk r under a stall watchdog (StallTimeout): every
+// message, the chunk's report or progress, feeds it; when it fires, the
+// call is cancelled and its error is a *stall.Error (Unavailable), which
+// work treats as a teacher that failed, after stalled has said so.
+func (d *fillDispatch) fill(ctx context.Context, w Worker, r cache.Range) error {
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var clk stall.Clock
+	if d.p.stallClock != nil {
+		clk = d.p.stallClock(w)
+	}
+	wd := stall.Start(d.p.StallTimeout, clk, nil, func(time.Duration) { cancel() })
+	err := w.Fill(cctx, d.p.request(d.fp, r), func(m *pb.FillResponse) error {
+		wd.Alive()
+		if p := m.GetProgress(); p != nil {
+			if d.p.onProgress != nil {
+				d.p.onProgress(w, p)
+			}
+			return nil
+		}
+		d.report(w, m)
+		return nil
+	})
+	if waited, stalled := wd.Stop(); stalled && err != nil && ctx.Err() == nil {
+		se := &stall.Error{Addr: w.Name(), What: fmt.Sprintf("chunk [%d, %d)", r.Start, r.End), Waited: waited, Flag: "--stall-timeout"}
+		d.stalled(ctx, w, se)
+		return se
+	}
+	return err
+}
+
+// stalled says that w stalled on a chunk (one line: the teacher, the
+// chunk, the wait, the flag) and keeps w's Status now, for recheck to
+// tell when it works again.
+func (d *fillDispatch) stalled(ctx context.Context, w Worker, se *stall.Error) {
+	d.say("fill: %s; its chunk goes back to the queue for the other teachers, and it gets chunks again only once a forward pass completes on it (or it is restarted) within --retry-for", se)
+	cctx, cancel := context.WithTimeout(ctx, askTimeout)
+	st, err := w.Status(cctx, &pb.StatusRequest{})
+	cancel()
+	if err != nil {
+		return // not answering at all now: a failing teacher as any other
+	}
+	d.mu.Lock()
+	d.stallAt[w.Name()] = st
+	d.mu.Unlock()
+}
+
+// isStall reports whether err is a call a stall watchdog cancelled.
+func isStall(err error) bool {
+	var se *stall.Error
+	return errors.As(err, &se)
 }
 
 // join waits for w, which did not answer when the fill started, to
@@ -931,6 +1004,9 @@ func (d *fillDispatch) join(ctx context.Context, w Worker) bool {
 // writes there from now on: its directory is added, to be read with the
 // others (the chunks it reported stay in the one it wrote before).
 func (d *fillDispatch) recheck(ctx context.Context, w Worker) error {
+	if err := d.unstalled(ctx, w); err != nil {
+		return err
+	}
 	a, wait, err := d.p.ask(ctx, w)
 	switch {
 	case ctx.Err() != nil:
@@ -972,6 +1048,30 @@ func (d *fillDispatch) recheck(ctx context.Context, w Worker) error {
 	}
 	d.mu.Unlock()
 	d.say("fill: teacher %s writes %s now (it wrote %s): it was restarted with another --cache; the fill goes on there, and the directories are read together", w.Name(), dir, before)
+	return nil
+}
+
+// unstalled checks that w, if it stalled, has completed a forward pass
+// since or was restarted (stall.Mended); its error keeps w failing.
+func (d *fillDispatch) unstalled(ctx context.Context, w Worker) error {
+	d.mu.Lock()
+	at := d.stallAt[w.Name()]
+	d.mu.Unlock()
+	if at == nil {
+		return nil
+	}
+	cctx, cancel := context.WithTimeout(ctx, askTimeout)
+	st, err := w.Status(cctx, &pb.StatusRequest{})
+	cancel()
+	if err != nil {
+		return err
+	}
+	if !stall.Mended(at, st) {
+		return status.Errorf(codes.Unavailable, "stalled (nothing for a chunk in --stall-timeout %s), and still: no forward pass has completed on it since (%d in all): restart it, or raise --stall-timeout if its forward passes are that slow", d.p.StallTimeout, st.GetForwardsTotal())
+	}
+	d.mu.Lock()
+	delete(d.stallAt, w.Name())
+	d.mu.Unlock()
 	return nil
 }
 
@@ -1075,6 +1175,9 @@ func (d *fillDispatch) retry(w Worker, r cache.Range, err error, down *atomic.In
 	}
 	if d.p.RetryFor < 0 {
 		d.setUp(w, -1)
+		if isStall(err) {
+			return false // said by stalled
+		}
 		d.say("fill: teacher %s failed (%s: %s): its chunks go back to the queue, for the other teachers if any (--retry-for 0: it is not retried)", w.Name(), status.Code(err), msg(err))
 		return false
 	}
@@ -1082,7 +1185,10 @@ func (d *fillDispatch) retry(w Worker, r cache.Range, err error, down *atomic.In
 	if down.CompareAndSwap(0, now) {
 		d.setUp(w, -1)
 		// Said as it happens: the progress may stall while it is retried.
-		d.say("fill: teacher %s failed (%s: %s): its chunks go back to the queue; retrying it for up to %s (--retry-for)", w.Name(), status.Code(err), msg(err), d.p.RetryFor)
+		// A stall was said by stalled, with its chunk.
+		if !isStall(err) {
+			d.say("fill: teacher %s failed (%s: %s): its chunks go back to the queue; retrying it for up to %s (--retry-for)", w.Name(), status.Code(err), msg(err), d.p.RetryFor)
+		}
 	}
 	// Past RetryFor, give up on this teacher; the others carry on.
 	if time.Duration(now-down.Load()) <= d.p.RetryFor {

@@ -18,6 +18,7 @@ import (
 	"distill/data"
 	"distill/data/tokenizer"
 	"distill/internal/cli"
+	"distill/internal/stall"
 	"distill/serve"
 )
 
@@ -96,6 +97,7 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	auth.register(fs)
 	perTeacher := fs.Int("per-teacher", 2, "chunks in flight per teacher")
 	retryFor := fs.Duration("retry-for", 2*time.Minute, "how long a teacher that does not answer (unreachable, or still loading its model) is waited for: at the start, until one answers; during the fill, before its work goes to the others only (0: not at all)")
+	stallTimeout := fs.Duration("stall-timeout", stall.DefaultTimeout, "a teacher that sends nothing for a chunk this long, neither the chunk nor progress (a daemon sends progress after every forward pass), is taken as hung, though it answers pings: its chunk goes to the other teachers, or the fill fails when there is none; against an older teacherd, which sends no progress, it bounds each chunk (0: no limit)")
 	logEvery := fs.Duration("log-every", 10*time.Second, "progress line interval when stderr is not a terminal")
 	if err := cli.ParseFlags(fs, args); err != nil {
 		return err
@@ -114,6 +116,9 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	// dataset's files, which are this machine's.
 	if *retryFor < 0 {
 		return cli.Usagef("--retry-for %s: want a duration >= 0 (0: fail at once when no teacher answers)", *retryFor)
+	}
+	if *stallTimeout < 0 {
+		return cli.Usagef("--stall-timeout %s: want a duration >= 0 (0: no limit)", *stallTimeout)
 	}
 	if *start < 0 || (*end != 0 && *end <= *start) {
 		return cli.Usagef("--start %d --end %d: want 0 <= --start < --end (--end 0: the dataset's length)", *start, *end)
@@ -146,8 +151,11 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *retryFor == 0 {
 		*retryFor = -1 // FillPlan's "not at all"; its 0 is the default
 	}
+	if *stallTimeout == 0 {
+		*stallTimeout = -1 // FillPlan's "no watchdog"
+	}
 	plan := serve.FillPlan{Dataset: ds, Start: *start, End: *end, ChunkSamples: *chunk, K: int32(*k), Temperature: float32(*temp),
-		Encoding: *encoding, Targets: *targets, Samples: int32(*samples), PerWorker: *perTeacher, RetryFor: *retryFor, Out: stderr, Terminal: isTerminal(stderr), LogEvery: *logEvery}
+		Encoding: *encoding, Targets: *targets, Samples: int32(*samples), PerWorker: *perTeacher, RetryFor: *retryFor, StallTimeout: *stallTimeout, Out: stderr, Terminal: isTerminal(stderr), LogEvery: *logEvery}
 	var workers []serve.Worker
 	defer func() {
 		for _, w := range workers {
