@@ -856,7 +856,7 @@ func yamlFields(t reflect.Type, fields map[string]reflect.Type, names *[]string)
 func checkInts(n *yaml.Node, t reflect.Type, prefix string) error {
 	var first error
 	walkYAML(n, t, prefix, yamlVisitor{leaf: func(n *yaml.Node, t reflect.Type, prefix string) {
-		if first != nil || n.Kind != yaml.ScalarNode || t == reflect.TypeOf(time.Duration(0)) {
+		if first != nil || n.Kind != yaml.ScalarNode || t == reflect.TypeOf(time.Duration(0)) || t == reflect.TypeOf(Timeout(0)) {
 			return // a type mismatch the decoder reports; a duration is written "10m"
 		}
 		at := ""

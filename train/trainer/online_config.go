@@ -10,6 +10,7 @@ import (
 
 	"distill/cache"
 	"distill/internal/errkind"
+	"distill/internal/stall"
 )
 
 // OnlineConfig is the part of the distill section that trains against
@@ -56,6 +57,16 @@ type OnlineConfig struct {
 	// TeacherTimeout: when no teacher has been reachable this long, the
 	// run checkpoints and exits with an error (0: 10m).
 	TeacherTimeout time.Duration `yaml:"teacher_timeout,omitempty"`
+	// StallTimeout bounds how long a teacher's Score stream may send
+	// nothing, no answer and no progress, while it owes answers: a daemon
+	// whose forward pass hangs while it still answers pings (a GPU hang,
+	// a deadlock) is then treated as a replica that failed (its samples go
+	// to the other replicas; with none, training pauses and, past
+	// teacher_timeout, checkpoints and exits). The daemon sends progress
+	// while a sample waits or computes, so a slow teacher is no stall;
+	// an older teacherd sends none, and the timeout then bounds each
+	// answer. Absent: 10m; 0: no limit.
+	StallTimeout *Timeout `yaml:"stall_timeout,omitempty"`
 	// TokenFile holds the daemons' bearer token (teacherd --token-file);
 	// empty: $DISTILL_TOKEN if set, else none.
 	TokenFile string `yaml:"token_file,omitempty"`
@@ -159,6 +170,37 @@ func (o *OnlineConfig) withDefaults() {
 	}
 }
 
+// stallTimeout is distill.stall_timeout: absent, stall.DefaultTimeout;
+// 0, none.
+func (o *OnlineConfig) stallTimeout() time.Duration {
+	if o.StallTimeout == nil {
+		return stall.DefaultTimeout
+	}
+	return time.Duration(*o.StallTimeout)
+}
+
+// Timeout is a duration key that may be a bare 0 (no limit): YAML reads
+// `0` as an integer, which a time.Duration refuses ("cannot unmarshal
+// !!int"); other values are durations, 10m or 90s.
+type Timeout time.Duration
+
+// UnmarshalYAML reads a duration, or 0.
+func (d *Timeout) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind == yaml.ScalarNode && n.Tag == "!!int" && n.Value == "0" {
+		*d = 0
+		return nil
+	}
+	var v time.Duration
+	if err := n.Decode(&v); err != nil {
+		return err
+	}
+	*d = Timeout(v)
+	return nil
+}
+
+// MarshalYAML writes it as a duration (the run's saved config).
+func (d Timeout) MarshalYAML() (any, error) { return time.Duration(d).String(), nil }
+
 // online reports whether the run asks live teachers.
 func (c *Config) online() bool { return len(c.Distill.Teachers) > 0 }
 
@@ -176,7 +218,7 @@ func (c *Config) validateOnline() error {
 			set bool
 		}{
 			{"prefetch", o.Prefetch != 0}, {"write_cache", o.WriteCache != ""}, {"write_encoding", o.WriteEncoding != ""}, {"chunk_samples", o.ChunkSamples != 0},
-			{"k", o.K != 0}, {"samples", o.Samples != 0}, {"capture_temperature", o.CaptureTemperature != 0}, {"teacher_timeout", o.TeacherTimeout != 0},
+			{"k", o.K != 0}, {"samples", o.Samples != 0}, {"capture_temperature", o.CaptureTemperature != 0}, {"teacher_timeout", o.TeacherTimeout != 0}, {"stall_timeout", o.StallTimeout != nil},
 			{"token_file", o.TokenFile != ""}, {"tls_ca", o.TLSCA != ""}, {"tls_server_name", o.TLSServerName != ""},
 		} {
 			if k.set {
@@ -201,6 +243,8 @@ func (c *Config) validateOnline() error {
 		return bad("distill.capture_temperature", "%g: want a positive finite temperature (0: 1)", o.CaptureTemperature)
 	case o.TeacherTimeout < 0:
 		return bad("distill.teacher_timeout", "%v: want a positive duration such as 10m", o.TeacherTimeout)
+	case o.StallTimeout != nil && *o.StallTimeout < 0:
+		return bad("distill.stall_timeout", "%v: want a duration >= 0 such as 10m (0: no limit)", time.Duration(*o.StallTimeout))
 	case o.WriteEncoding != string(cache.EncodingCompact) && o.WriteEncoding != string(cache.EncodingLossless):
 		return bad("distill.write_encoding", "%q: want compact or lossless", o.WriteEncoding)
 	}

@@ -17,6 +17,7 @@ import (
 
 	"distill/cache"
 	"distill/internal/errkind"
+	"distill/internal/stall"
 	"distill/internal/teacherdial"
 	pb "distill/proto/distill/v1"
 )
@@ -53,6 +54,8 @@ var (
 	// Info check only: a test of a short outage timeout must not also
 	// race the start of the run against it.
 	testInfoTimeout time.Duration
+	// testStallClock, when set, is the stall watchdogs' clock.
+	testStallClock stall.Clock
 )
 
 // scoreJob is one sample to score; done is closed once s holds the
@@ -74,6 +77,11 @@ type replica struct {
 	lastErr error // why it is down
 	told    bool  // that it does not answer its first Info was said
 	answers atomic.Int64
+	// stallAt is its Status when its stream stalled (nil: it did not):
+	// it gets a stream again once a forward pass has completed on it
+	// since, or it was restarted (stall.Mended). Its Info, which a hung
+	// daemon answers, says nothing. Only its loop uses it.
+	stallAt *pb.StatusResponse
 }
 
 // teacherPool asks the replicas of one teacher for top-k through Score.
@@ -89,6 +97,7 @@ type teacherPool struct {
 	temp    float32
 	tg      scoreTargets
 	timeout time.Duration
+	stall   time.Duration // distill.stall_timeout (<= 0: none)
 	log     io.Writer
 
 	ctx    context.Context
@@ -141,7 +150,7 @@ func newTeacherPool(t TeacherConfig, o *OnlineConfig, want infoWant, tg scoreTar
 			return nil, errkind.Wrap(ErrConfig, err) // it names distill.token_file
 		}
 	}
-	p := &teacherPool{name: t.Name, k: int32(o.K), temp: float32(o.CaptureTemperature), tg: tg, timeout: o.TeacherTimeout, log: log, want: want}
+	p := &teacherPool{name: t.Name, k: int32(o.K), temp: float32(o.CaptureTemperature), tg: tg, timeout: o.TeacherTimeout, stall: o.stallTimeout(), log: log, want: want}
 	p.cond = sync.NewCond(&p.mu)
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	// A replica takes at most its share of the prefetch: the replicas
@@ -473,6 +482,9 @@ func (p *teacherPool) session(r *replica) (progress bool, err error) {
 	if err := p.checkReplica(ctx, r); err != nil {
 		return false, err
 	}
+	if err := p.unstalled(ctx, r); err != nil {
+		return false, err
+	}
 	stream, err := r.cl.Score(ctx)
 	if err != nil {
 		return false, err
@@ -484,6 +496,10 @@ func (p *teacherPool) session(r *replica) (progress bool, err error) {
 	// The sender takes jobs while fewer than the window are in flight;
 	// this goroutine receives the answers in order.
 	fl := &flight{slots: make(chan struct{}, p.window)}
+	// The stall watchdog: nothing (an answer, a progress message) for
+	// distill.stall_timeout while samples are in flight cancels the
+	// stream, and the replica counts as failed.
+	fl.wd = stall.Start(p.stall, testStallClock, fl.busy, func(time.Duration) { cancel() })
 	wake := context.AfterFunc(ctx, func() { p.mu.Lock(); p.cond.Broadcast(); p.mu.Unlock() })
 	defer wake()
 	var swg sync.WaitGroup
@@ -495,7 +511,52 @@ func (p *teacherPool) session(r *replica) (progress bool, err error) {
 	progress, rerr := p.receive(r, stream, fl)
 	cancel()
 	swg.Wait()
+	if waited, stalled := fl.wd.Stop(); stalled && p.ctx.Err() == nil {
+		rerr = p.stalled(r, fl, waited)
+	}
 	return progress, p.endSession(r, fl, rerr)
+}
+
+// stalled is the error of r's stream that its watchdog cancelled (it
+// names the samples in flight, the wait and the key), and keeps r's
+// Status now, for unstalled.
+func (p *teacherPool) stalled(r *replica, fl *flight, waited time.Duration) error {
+	fl.mu.Lock()
+	what := "the samples in flight"
+	if n := len(fl.jobs); n > 0 {
+		what = fmt.Sprintf("sample %d", fl.jobs[0].s.Index)
+		if n > 1 {
+			what += fmt.Sprintf(" and %d more in flight", n-1)
+		}
+	}
+	fl.mu.Unlock()
+	ctx, cancel := context.WithTimeout(p.ctx, 30*time.Second)
+	st, err := r.cl.Status(ctx, &pb.StatusRequest{})
+	cancel()
+	if err == nil {
+		r.stallAt = st
+	}
+	return &stall.Error{Addr: r.addr, What: what, Waited: waited, Flag: "distill.stall_timeout"}
+}
+
+// unstalled checks that r, if its stream stalled, has completed a
+// forward pass since or was restarted (stall.Mended); its error (a
+// retryable one) keeps r down.
+func (p *teacherPool) unstalled(ctx context.Context, r *replica) error {
+	if r.stallAt == nil {
+		return nil
+	}
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	st, err := r.cl.Status(sctx, &pb.StatusRequest{})
+	cancel()
+	if err != nil {
+		return err
+	}
+	if !stall.Mended(r.stallAt, st) {
+		return status.Errorf(codes.Unavailable, "stalled (nothing for distill.stall_timeout %v), and still: no forward pass has completed on it since (%d in all): restart it, or raise distill.stall_timeout if its forward passes are that slow", p.stall, st.GetForwardsTotal())
+	}
+	r.stallAt = nil
+	return nil
 }
 
 // flight is a Score stream's jobs sent and not answered yet, in the
@@ -505,6 +566,15 @@ type flight struct {
 	jobs    []*scoreJob
 	sendErr error // why the sender stopped, if it failed
 	slots   chan struct{}
+	wd      *stall.Watchdog // nil: none (distill.stall_timeout 0)
+}
+
+// busy reports whether answers are owed: the watchdog counts only then
+// (an idle stream, the step having all it asked for, is no stall).
+func (fl *flight) busy() bool {
+	fl.mu.Lock()
+	defer fl.mu.Unlock()
+	return len(fl.jobs) > 0
 }
 
 // checkReplica asks r's Info and checks it (checkInfo); the first
@@ -559,7 +629,7 @@ func (p *teacherPool) send(ctx context.Context, cancel context.CancelFunc, strea
 
 // request is the Score request of sample s, under id.
 func (p *teacherPool) request(id int64, s *cache.Sample) *pb.ScoreRequest {
-	r := &pb.ScoreRequest{Id: id, Tokens: s.Tokens, Temperature: p.temp}
+	r := &pb.ScoreRequest{Id: id, Tokens: s.Tokens, Temperature: p.temp, Progress: true}
 	if k := p.k; p.tg.kind != cache.TargetsSampled {
 		r.K = &k
 	}
@@ -584,6 +654,9 @@ func (p *teacherPool) nextJob(ctx context.Context, fl *flight) *scoreJob {
 	p.queue[0] = nil
 	p.queue = p.queue[1:]
 	fl.mu.Lock()
+	if len(fl.jobs) == 0 {
+		fl.wd.Alive() // answers are owed from now
+	}
 	fl.jobs = append(fl.jobs, j)
 	fl.mu.Unlock()
 	return j
@@ -597,6 +670,10 @@ func (p *teacherPool) receive(r *replica, stream pb.Teacher_ScoreClient, fl *fli
 		res, err := stream.Recv()
 		if err != nil {
 			return progress, err
+		}
+		fl.wd.Alive()
+		if res.GetProgress() != nil {
+			continue // the daemon works on what is in flight: no answer yet
 		}
 		var j *scoreJob
 		fl.mu.Lock()
