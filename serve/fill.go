@@ -124,8 +124,9 @@ type FillSummary struct {
 	// Retries counts chunks handed out again after a teacher failed.
 	Retries int
 	// Elapsed is the wall time of the run, from when a first teacher
-	// answered.
-	Elapsed time.Duration
+	// answered; Waited the part of it when none answered (all failing,
+	// retried), which the rate leaves out.
+	Elapsed, Waited time.Duration
 	// Dirs maps each cache directory to the teachers writing it; read
 	// them together (cache.OpenReader(dirs...)).
 	Dirs map[string][]string
@@ -239,6 +240,7 @@ func RunFill(ctx context.Context, workers []Worker, p FillPlan) (*FillSummary, e
 	err = d.run(ctx, workers, answers)
 	stopProgress()
 	sum.Elapsed = time.Since(t0)
+	_, _, sum.Waited = d.waiting()
 	if err != nil {
 		return sum, err
 	}
@@ -713,8 +715,14 @@ func (p *FillPlan) checkCovered(workers []Worker, dirs *fillDirs, fp string) err
 // print writes the summary: what was computed, the counts, and where the
 // cache directories are.
 func (s *FillSummary) print(w io.Writer) {
-	fmt.Fprintf(w, "fill: %d samples, %d tokens, %d targets in %d chunks in %s (%.0f tokens/s); %d chunks were already done; %d retries\n",
-		s.Samples, s.Tokens, s.Targets, s.Chunks, s.Elapsed.Round(time.Millisecond), float64(s.Tokens)/s.Elapsed.Seconds(), s.Skipped, s.Retries)
+	// The rate is over the time some teacher answered, as the progress
+	// line's: a wait for a teacher to come back computes nothing.
+	rate := fmt.Sprintf("%.0f tokens/s", float64(s.Tokens)/(s.Elapsed-s.Waited).Seconds())
+	if s.Waited > 0 {
+		rate += fmt.Sprintf(" over the %s a teacher answered; %s waiting for one", roundDuration(s.Elapsed-s.Waited), roundDuration(s.Waited))
+	}
+	fmt.Fprintf(w, "fill: %d samples, %d tokens, %d targets in %d chunks in %s (%s); %d chunks were already done; %d retries\n",
+		s.Samples, s.Tokens, s.Targets, s.Chunks, s.Elapsed.Round(time.Millisecond), rate, s.Skipped, s.Retries)
 	s.printCounts(w)
 	dirs := make([]string, 0, len(s.Dirs))
 	for d := range s.Dirs {

@@ -70,3 +70,20 @@ func TestProgressRateLeavesOutWaits(t *testing.T) {
 		t.Errorf("progress after a 60s wait: %q, want 100 tokens/s and ETA 1m20s (the 60s wait left out)", last)
 	}
 }
+
+// TestFillSummaryRateLeavesOutWaits: the summary's tokens/s is over the
+// time a teacher answered, as the progress line's: a fill of 6000
+// tokens in 90s, 30s of which no teacher answered, ran at 100 tokens/s,
+// not 67, and says how long it waited.
+func TestFillSummaryRateLeavesOutWaits(t *testing.T) {
+	var out strings.Builder
+	(&FillSummary{Tokens: 6000, Elapsed: 90 * time.Second, Waited: 30 * time.Second}).print(&out)
+	if !strings.Contains(out.String(), "(100 tokens/s over the 1m0s a teacher answered; 30s waiting for one)") {
+		t.Errorf("summary with a 30s wait: %q", out.String())
+	}
+	out.Reset()
+	(&FillSummary{Tokens: 6000, Elapsed: 60 * time.Second}).print(&out)
+	if !strings.Contains(out.String(), "in 1m0s (100 tokens/s);") {
+		t.Errorf("summary without a wait: %q", out.String())
+	}
+}
