@@ -492,8 +492,8 @@ type Progress struct {
 	// more are to come; "queued": the work waits for a forward pass while
 	// the daemon completes others ahead of it.
 	State string `protobuf:"bytes,1,opt,name=state,proto3" json:"state,omitempty"`
-	// Forward passes of the call's work completed so far, and how many it
-	// takes (0: not known yet); for Fill, over the chunks in flight.
+	// Fill: the forward groups of the call's chunks completed so far, and
+	// submitted so far (more come as further chunks begin); 0 for Score.
 	ForwardsDone  int32 `protobuf:"varint,2,opt,name=forwards_done,json=forwardsDone,proto3" json:"forwards_done,omitempty"`
 	ForwardsTotal int32 `protobuf:"varint,3,opt,name=forwards_total,json=forwardsTotal,proto3" json:"forwards_total,omitempty"`
 	// Samples and fill groups waiting in the daemon's queue.
