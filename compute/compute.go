@@ -907,6 +907,20 @@ type BF16Rounder interface {
 	RoundBF16(dst, src Tensor, n int)
 }
 
+// ResidualMatMul is implemented by backends whose GEMMs can add a
+// residual in their epilogue (the CUDA backend: cuBLASLt's C with beta
+// 1), so that a decoder's residual connection after o_proj and down_proj
+// costs no pass of its own.
+type ResidualMatMul interface {
+	// MatMulResidual: out (m,n) F32 = x (m,k) (act) · wᵀ (w (n,k)) + res
+	// (m,n) F32: MatMul's fp32 product plus res, rounded once, as MatMul
+	// into an F32 out followed by Add (up to the GEMM's order of
+	// summation, which may differ from MatMul's). It returns false, and
+	// does nothing, for a weight it cannot take so (FP8): the caller then
+	// runs MatMul and Add.
+	MatMulResidual(out, x, w, res Tensor, m, n, k int) bool
+}
+
 // Overlapper is implemented by backends that can run work beside their
 // stream of kernels: the CUDA backend on a second stream of the same GPU.
 // ZeRO's collectives overlap the compute with it (package train: a

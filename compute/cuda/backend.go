@@ -145,6 +145,13 @@ type Options struct {
 	// (an 80 GB H100's memory on an H200). $DISTILL_CUDA_MEMORY_CAP (a
 	// size such as 78GiB) sets it too.
 	MemoryCap int64
+	// ResidualAdd picks where a decoder's residual connection adds o_proj's
+	// and down_proj's outputs to the residual stream: "" (the default:
+	// in the GEMM's epilogue, MatMulResidual) or "separate" (the GEMM
+	// writes its product, and AddRMSNorm or Add adds it, as before). The
+	// same sums; for an A/B on a device. $DISTILL_CUDA_RESIDUAL_ADD sets it
+	// too.
+	ResidualAdd string
 }
 
 // Backend is the CUDA backend. It is safe for concurrent use, one call at
@@ -186,6 +193,7 @@ type Backend struct {
 	fp8FastAccum bool          // Options.FP8FastAccum
 	rmsColsum    bool          // Options.RMSNormDW "colsum"
 	lmFoldTiles  bool          // Options.LMFold "tiles"
+	sepResidual  bool          // Options.ResidualAdd "separate"
 	ballast      uint64        // Options.MemoryCap's hold on the rest of the device (0: none)
 	memCap       int64         // Options.MemoryCap (0: none)
 	pageable     bool          // Options.Pageable
@@ -488,6 +496,9 @@ func (b *Backend) setOptions(opt Options) error {
 		return err
 	}
 	if b.lmFoldTiles, err = altOption("LM-head fold", opt.LMFold, "DISTILL_CUDA_LM_FOLD", "tiles", "the default (k_lm_fold_gemm)"); err != nil {
+		return err
+	}
+	if b.sepResidual, err = altOption("residual add", opt.ResidualAdd, "DISTILL_CUDA_RESIDUAL_ADD", "separate", "the GEMM's epilogue"); err != nil {
 		return err
 	}
 	b.pageable = opt.Pageable || os.Getenv("DISTILL_CUDA_PAGEABLE") == "1"

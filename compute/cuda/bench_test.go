@@ -631,7 +631,10 @@ func benchWorkloads(tokens int) map[string][]int {
 // tokens/s / dense BF16 peak. With DISTILL_BENCH_OUT set, the workloads'
 // sample lengths are written to workloads.json there (the HF peer,
 // scripts/gpu/hf_bench.py, runs the same ones), and the top kernels of
-// one profiled pass to profile-<shape>-<workload>.txt.
+// one profiled pass to profile-<shape>-<workload>.txt. It also times the
+// same forwards with the residual add as a pass of its own and with the
+// LM head folding a launch a piece (residual_gemm_speedup,
+// lm_fold_gemm_speedup: the old path's time over the default's).
 func BenchmarkForward(b *testing.B) {
 	tokens := 16384
 	if v, err := strconv.Atoi(os.Getenv("DISTILL_BENCH_TOKENS")); err == nil {
@@ -682,6 +685,26 @@ func BenchmarkForward(b *testing.B) {
 					b.ReportMetric(100*flops/sec/1e12/peak, "MFU%")
 				}
 				b.ReportMetric(float64(be.PeakMemory())/(1<<30), "devmem_GiB") // the pool's high-water mark since Open
+				// The same forwards with one switch back each, untimed by
+				// the benchmark's clock: the residual add a pass of its own
+				// (Options.ResidualAdd "separate") and the LM head's fold a
+				// launch a piece (Options.LMFold "tiles"); a ratio > 1: the
+				// default is faster.
+				for _, ab := range []struct {
+					name string
+					flag *bool
+				}{{"residual_gemm", &be.sepResidual}, {"lm_fold_gemm", &be.lmFoldTiles}} {
+					*ab.flag = true
+					m.forward(be, samples, 64)
+					be.wait()
+					t0 := time.Now()
+					for i := 0; i < b.N; i++ {
+						m.forward(be, samples, 64)
+					}
+					be.wait()
+					*ab.flag = false
+					b.ReportMetric(time.Since(t0).Seconds()/float64(b.N)/sec, ab.name+"_speedup")
+				}
 				if outDir != "" {
 					writeForwardProfile(be, filepath.Join(outDir, fmt.Sprintf("profile-%s-%s.txt", s.Name, name)),
 						fmt.Sprintf("%s workload %s (%d tokens)", s.Name, name, n), sec, 15, func() { m.forward(be, samples, 64) })

@@ -255,9 +255,15 @@ func (l *cublasLt) destroyPlan(p *gemmPlan) {
 
 // run enqueues out = op(a)·op(b) + beta·out on stream with plan p.
 func (l *cublasLt) run(h C.cublasLtHandle_t, p *gemmPlan, out, x, w, ws uint64, beta float32, stream C.CUstream) error {
+	return l.runC(h, p, out, out, x, w, ws, beta, stream)
+}
+
+// runC is run with C apart from D: out = op(a)·op(b) + beta·c (c of
+// out's layout; c = out is run).
+func (l *cublasLt) runC(h C.cublasLtHandle_t, p *gemmPlan, out, c, x, w, ws uint64, beta float32, stream C.CUstream) error {
 	alpha, cbeta := C.float(1), C.float(beta)
 	return l.check("cublasLtMatmul", C.call_cublasLtMatmul(l.matmul, h, p.desc, unsafe.Pointer(&alpha), C.CUdeviceptr(w), p.la,
-		C.CUdeviceptr(x), p.lb, unsafe.Pointer(&cbeta), C.CUdeviceptr(out), p.lc, C.CUdeviceptr(out), p.lc, &p.algo,
+		C.CUdeviceptr(x), p.lb, unsafe.Pointer(&cbeta), C.CUdeviceptr(c), p.lc, C.CUdeviceptr(out), p.lc, &p.algo,
 		C.CUdeviceptr(ws), gemmWorkspaceBytes, stream))
 }
 

@@ -71,8 +71,24 @@ func (m *Model) attnForward(L *Block, a *blockActs, b *batch, normIn bool) {
 	}
 	be.Attention(a.att, a.lse, a.q, a.k, a.v, b.starts, b.nSeq, b.maxLen, N, H, KV, D, attnScale(D))
 	m.quantInput(&L.InO, a.attq, a.att, N, H*D)
+	if m.linearResidual(&at.O, a.xmid, a.attq, a.xin, N) {
+		be.RMSNorm(a.ln2, a.rstd2, a.xmid, L.PostNorm.W, N, C, eps)
+		return
+	}
 	m.linear(&at.O, a.xmid, a.attq, N)
 	be.AddRMSNorm(a.ln2, a.rstd2, a.xmid, a.xin, L.PostNorm.W, N, C, eps)
+}
+
+// linearResidual is linear(l, out, x, N) followed by out += res (the
+// residual connection, res F32 (N, l.Out)) in one GEMM, where the backend
+// adds in the GEMM's epilogue (compute.ResidualMatMul) and l has neither
+// bias nor adapter; false, with nothing done, where it does not.
+func (m *Model) linearResidual(l *Linear, out, x, res compute.Tensor, N int) bool {
+	rm, ok := m.be.(compute.ResidualMatMul)
+	if !ok || l.B != nil || l.LoRA != nil || out.DType() != compute.F32 {
+		return false
+	}
+	return rm.MatMulResidual(out, x, l.weight(), res, N, l.Out, l.In)
 }
 
 // mlpForward is blockForward's second half: out = xmid + mlp(ln2) (or
@@ -95,6 +111,12 @@ func (m *Model) mlpForward(L *Block, a *blockActs, N int, down bool, next *nextN
 		m.quantInput(&L.InGateUp, a.ln2q, a.ln2, N, C)
 		m.gateUp(L, a, N)
 		if !down {
+			return
+		}
+		if m.linearResidual(&f.Down, a.out, a.hq, a.xmid, N) {
+			if next != nil {
+				be.RMSNorm(next.out, next.rstd, a.out, next.w, N, C, c.RMSNormEps)
+			}
 			return
 		}
 		m.linear(&f.Down, a.out, a.hq, N)
