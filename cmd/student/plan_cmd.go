@@ -142,11 +142,11 @@ func zeroNote(zero, world int, overlap, qad bool) string {
 		}
 		return fmt.Sprintf(", %d ranks at ZeRO stage 2 (AdamW's moments and the gradients: 1/%d a rank, and %s and %s whole gradients%s)", world, world, whole, grads, ov)
 	case zero == 3:
-		gathered := "BF16 GEMM weights (the norms, biases and routers: whole, fp32)"
+		gathered, parts := "BF16 GEMM weights (the norms, biases and routers: whole, fp32)", "the fp32 weights and the layers' GEMM weights in BF16"
 		if qad {
-			gathered = "fp32 weights (NVFP4 QAD reads them)"
+			gathered, parts = "fp32 weights (NVFP4 QAD reads them)", "the fp32 weights"
 		}
-		return fmt.Sprintf(", %d ranks at ZeRO stage 3 (the fp32 weights, AdamW's moments and the gradients: 1/%d a rank, and %s whole %s and %s whole gradients%s)", world, world, weights, gathered, grads, ov)
+		return fmt.Sprintf(", %d ranks at ZeRO stage 3 (%s, AdamW's moments and the gradients: 1/%d a rank, and %s whole %s and %s whole gradients%s)", world, parts, world, weights, gathered, grads, ov)
 	case zero >= 1:
 		return fmt.Sprintf(", %d ranks at ZeRO stage %d (AdamW's moments: 1/%d a rank)", world, zero, world)
 	}
