@@ -163,32 +163,12 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 	}()
 	if *modelDir != "" {
-		if *cacheDir == "" {
-			return cli.Usagef("--model needs --cache DIR (the cache directory to write)")
-		}
-		if err := dev.CheckStagesOf(*device, *devices); err != nil {
-			return cli.Usage(err) // --device cpu --devices all, before all's GPUs are counted
-		}
-		ords, err := dev.ParseDevices(*devices)
-		if err != nil {
-			return cli.Usage(err) // --devices' syntax
-		}
-		if len(ords) > 0 {
-			if err := dev.CheckStages(*device, ords); err != nil {
-				return cli.Usage(err) // --device cpu --devices 0,1, before the teacher loads
-			}
-		}
-		if *micro < 0 {
-			return cli.Usagef("--micro-batches %d: want 0 (four a GPU) or more", *micro)
-		}
-		fmt.Fprintf(stderr, "fill: loading teacher %s in-process\n", *modelDir)
-		core, err := serve.NewCore(serve.CoreOptions{ModelDir: *modelDir, Weights: *tweights, TokenizerDir: *tokDir, CacheDir: *cacheDir, Device: *device, Devices: ords, MicroBatches: *micro,
-			TokenBudget: *budget, InProcess: true, KMax: *k, MaxDraws: *samples,
-			DeviceLogf: func(format string, args ...any) { fmt.Fprintf(stderr, "fill: "+format+"\n", args...) }})
+		w, err := inProcessWorker(stderr, serve.CoreOptions{ModelDir: *modelDir, Weights: *tweights, TokenizerDir: *tokDir, CacheDir: *cacheDir,
+			Device: *device, MicroBatches: *micro, TokenBudget: *budget, InProcess: true, KMax: *k, MaxDraws: *samples}, *devices)
 		if err != nil {
 			return err
 		}
-		workers = append(workers, serve.Local(core))
+		workers = append(workers, w)
 	} else {
 		if *cacheDir != "" {
 			return cli.Usagef("--cache is for --model; each daemon writes the cache directory it was started with (teacherd --cache)")
@@ -199,23 +179,8 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if *devices != "" {
 			return cli.Usagef("--devices is for --model; a daemon spreads its teacher over the GPUs it was started with (teacherd --devices)")
 		}
-		if *tokDir != "" {
-			tok, err := tokenizer.Load(*tokDir)
-			if err != nil {
-				return fmt.Errorf("--tokenizer: %w", err)
-			}
-			plan.TokenizerFingerprint = tok.Fingerprint()
-		}
-		dialOpts, err := auth.options()
-		if err != nil {
+		if workers, err = dialTeachers(&plan, *teachers, *tokDir, auth); err != nil {
 			return err
-		}
-		for _, addr := range strings.Split(*teachers, ",") {
-			w, err := serve.Dial(strings.TrimSpace(addr), dialOpts)
-			if err != nil {
-				return err
-			}
-			workers = append(workers, w)
 		}
 	}
 	_, err = serve.RunFill(ctx, workers, plan)
@@ -224,6 +189,64 @@ func fillMain(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		err = fmt.Errorf("%w\n(fix the record and run the same command to resume, or add --skip-bad to store bad records as empty samples, counted in the fill's log)", err)
 	}
 	return err
+}
+
+// inProcessWorker is the teacher of `cachectl fill --model`: o's flags
+// checked (--cache, --device against --devices, --micro-batches) before
+// it loads in this process, on the GPUs devices names (o.Devices).
+func inProcessWorker(stderr io.Writer, o serve.CoreOptions, devices string) (serve.Worker, error) {
+	if o.CacheDir == "" {
+		return nil, cli.Usagef("--model needs --cache DIR (the cache directory to write)")
+	}
+	if err := dev.CheckStagesOf(o.Device, devices); err != nil {
+		return nil, cli.Usage(err) // --device cpu --devices all, before all's GPUs are counted
+	}
+	ords, err := dev.ParseDevices(devices)
+	if err != nil {
+		return nil, cli.Usage(err) // --devices' syntax
+	}
+	if len(ords) > 0 {
+		if err := dev.CheckStages(o.Device, ords); err != nil {
+			return nil, cli.Usage(err) // --device cpu --devices 0,1, before the teacher loads
+		}
+	}
+	if o.MicroBatches < 0 {
+		return nil, cli.Usagef("--micro-batches %d: want 0 (four a GPU) or more", o.MicroBatches)
+	}
+	o.Devices = ords
+	o.DeviceLogf = func(format string, args ...any) { fmt.Fprintf(stderr, "fill: "+format+"\n", args...) }
+	fmt.Fprintf(stderr, "fill: loading teacher %s in-process\n", o.ModelDir)
+	core, err := serve.NewCore(o)
+	if err != nil {
+		return nil, err
+	}
+	return serve.Local(core), nil
+}
+
+// dialTeachers dials each daemon of --teacher (the ones dialed so far
+// returned with an error, for the caller to close), with --tokenizer's
+// fingerprint set in plan to check theirs against.
+func dialTeachers(plan *serve.FillPlan, teachers, tokDir string, auth authFlags) ([]serve.Worker, error) {
+	if tokDir != "" {
+		tok, err := tokenizer.Load(tokDir)
+		if err != nil {
+			return nil, fmt.Errorf("--tokenizer: %w", err)
+		}
+		plan.TokenizerFingerprint = tok.Fingerprint()
+	}
+	dialOpts, err := auth.options()
+	if err != nil {
+		return nil, err
+	}
+	var workers []serve.Worker
+	for _, addr := range strings.Split(teachers, ",") {
+		w, err := serve.Dial(strings.TrimSpace(addr), dialOpts)
+		if err != nil {
+			return workers, err
+		}
+		workers = append(workers, w)
+	}
+	return workers, nil
 }
 
 // checkDaemonPaths refuses a relative --data path of a fill through
