@@ -253,13 +253,8 @@ func (l *cublasLt) destroyPlan(p *gemmPlan) {
 	*p = gemmPlan{}
 }
 
-// run enqueues out = op(a)·op(b) + beta·out on stream with plan p.
-func (l *cublasLt) run(h C.cublasLtHandle_t, p *gemmPlan, out, x, w, ws uint64, beta float32, stream C.CUstream) error {
-	return l.runC(h, p, out, out, x, w, ws, beta, stream)
-}
-
-// runC is run with C apart from D: out = op(a)·op(b) + beta·c (c of
-// out's layout; c = out is run).
+// runC enqueues out = op(a)·op(b) + beta·c on stream with plan p (c of
+// out's layout; c = out accumulates in place).
 func (l *cublasLt) runC(h C.cublasLtHandle_t, p *gemmPlan, out, c, x, w, ws uint64, beta float32, stream C.CUstream) error {
 	alpha, cbeta := C.float(1), C.float(beta)
 	return l.check("cublasLtMatmul", C.call_cublasLtMatmul(l.matmul, h, p.desc, unsafe.Pointer(&alpha), C.CUdeviceptr(w), p.la,
@@ -267,7 +262,7 @@ func (l *cublasLt) runC(h C.cublasLtHandle_t, p *gemmPlan, out, c, x, w, ws uint
 		C.CUdeviceptr(ws), gemmWorkspaceBytes, stream))
 }
 
-// runScaled is run for an outerVec plan: out = (op(a)·op(b))[r][c] ·
+// runScaled is runC (beta 0) for an outerVec plan: out = (op(a)·op(b))[r][c] ·
 // as[r] · ws[c], as (m) and ws (n) fp32 on the device. The scale pointers
 // are the descriptor's attributes, set before each run (the plan is the
 // backend's, used one call at a time).
@@ -279,7 +274,7 @@ func (l *cublasLt) runScaled(h C.cublasLtHandle_t, p *gemmPlan, out, x, w, as, w
 	if err := l.check("cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)", C.call_cublasLtSetAttribute(l.descSetAttr, unsafe.Pointer(p.desc), descBScalePointer, unsafe.Pointer(&xp), 8)); err != nil {
 		return err
 	}
-	return l.run(h, p, out, x, w, work, 0, stream)
+	return l.runC(h, p, out, out, x, w, work, 0, stream)
 }
 
 // typeBytes is the element size of a cuBLASLt type.

@@ -141,11 +141,8 @@ func (b *Backend) matMulFP8(out, x, w, bias *tensor, m, n, k int) {
 // GEMM's unscaled sums (k_fp8_scale's input), with FAST_ACCUM as
 // Options.FP8FastAccum says.
 func (b *Backend) gemmFP8Sums(acc, codes, w uint64, m, n, k int) {
-	p, err := b.gemmPlan(gemmShape{m: m, n: n, k: k, in: dataE4M3, out: dataF32, tb: true, fastAccum: b.fp8FastAccum,
-		align: [4]int{alignOf(w), alignOf(codes), alignOf(acc), alignOf(acc)}})
-	b.must(err)
-	defer b.timed("cublasLt GEMM (" + b.label + ")")()
-	b.must(b.lt.run(b.ltH, p, acc, codes, w, b.ws, 0, b.stream))
+	b.gemmRun(gemmShape{m: m, n: n, k: k, in: dataE4M3, out: dataF32, tb: true, fastAccum: b.fp8FastAccum,
+		align: [4]int{alignOf(w), alignOf(codes), alignOf(acc), alignOf(acc)}}, acc, acc, codes, w, 0)
 }
 
 // gemmOuterVec enqueues out (m,n) of type outT = (codes (m,k) · w (n,k)ᵀ)

@@ -102,8 +102,14 @@ func (b *Backend) gemmTo(out uint64, outT int, a, bm uint64, m, n, k int, ta, tb
 // gemmC is gemmTo's GEMM (k > 0) with C apart from D: out = op(a)·op(b)
 // + beta·c, c of out's type and shape.
 func (b *Backend) gemmC(out, c uint64, outT int, a, bm uint64, m, n, k int, ta, tb bool, in int, beta float32) {
-	x, w := a, bm
-	p, err := b.gemmPlan(gemmShape{m: m, n: n, k: k, in: in, out: outT, ta: ta, tb: tb, align: [4]int{alignOf(w), alignOf(x), alignOf(c), alignOf(out)}})
+	b.gemmRun(gemmShape{m: m, n: n, k: k, in: in, out: outT, ta: ta, tb: tb, align: [4]int{alignOf(bm), alignOf(a), alignOf(c), alignOf(out)}},
+		out, c, a, bm, beta)
+}
+
+// gemmRun enqueues the GEMM of shape s (its plan made on first use): out
+// = x·w (as s says) + beta·c, timed under the calling method's label.
+func (b *Backend) gemmRun(s gemmShape, out, c, x, w uint64, beta float32) {
+	p, err := b.gemmPlan(s)
 	b.must(err)
 	defer b.timed("cublasLt GEMM (" + b.label + ")")()
 	b.must(b.lt.runC(b.ltH, p, out, c, x, w, b.ws, beta, b.stream))
