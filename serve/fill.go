@@ -1060,7 +1060,7 @@ func (d *fillDispatch) recheck(ctx context.Context, w Worker) error {
 }
 
 // unstalled checks that w, if it stalled, has completed a forward pass
-// since or was restarted (stall.Mended); its error keeps w failing.
+// since or was restarted (stall.Recheck); its error keeps w failing.
 func (d *fillDispatch) unstalled(ctx context.Context, w Worker) error {
 	d.mu.Lock()
 	at := d.stallAt[w.Name()]
@@ -1069,13 +1069,10 @@ func (d *fillDispatch) unstalled(ctx context.Context, w Worker) error {
 		return nil
 	}
 	cctx, cancel := context.WithTimeout(ctx, askTimeout)
-	st, err := w.Status(cctx, &pb.StatusRequest{})
-	cancel()
-	if err != nil {
+	defer cancel()
+	ask := func(ctx context.Context) (*pb.StatusResponse, error) { return w.Status(ctx, &pb.StatusRequest{}) }
+	if err := stall.Recheck(cctx, ask, at, "--stall-timeout", d.p.StallTimeout); err != nil {
 		return err
-	}
-	if !stall.Mended(at, st) {
-		return status.Errorf(codes.Unavailable, "stalled (nothing for a chunk in --stall-timeout %s), and still: no forward pass has completed on it since (%d in all): restart it, or raise --stall-timeout if its forward passes are that slow", d.p.StallTimeout, st.GetForwardsTotal())
 	}
 	d.mu.Lock()
 	delete(d.stallAt, w.Name())

@@ -66,7 +66,7 @@ func (p *pacer) due() bool {
 // sent records a message of the call (a result) sent now.
 func (p *pacer) sent() { p.last = time.Now() }
 
-// progressMsg is the Progress message of p: "computing" when a forward
+// msg is the Progress message of p: "computing" when a forward
 // group completed since the last message (lastDone), else "queued".
 func (p *progress) msg(lastDone *int32, queued int) *pb.Progress {
 	done := p.done.Load()

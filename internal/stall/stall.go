@@ -9,6 +9,7 @@
 package stall
 
 import (
+	"context"
 	"fmt"
 	"sync"
 	"time"
@@ -168,6 +169,23 @@ func round(d time.Duration) time.Duration {
 // sign: a daemon whose forward hangs still answers Info and Status.
 func Mended(before, now *pb.StatusResponse) bool {
 	return now.GetForwardsTotal() != before.GetForwardsTotal() || now.GetUptimeSeconds() < before.GetUptimeSeconds()
+}
+
+// Recheck tells whether a daemon that stalled works again before it is
+// given work: ask reads its Status now, and Recheck returns nil once it
+// is Mended since before (its Status when it stalled), else ask's error,
+// or an Unavailable (retryable) one saying that it is still stalled,
+// with the option that set the timeout (flag, e.g. --stall-timeout) and
+// its value.
+func Recheck(ctx context.Context, ask func(context.Context) (*pb.StatusResponse, error), before *pb.StatusResponse, flag string, timeout time.Duration) error {
+	now, err := ask(ctx)
+	if err != nil {
+		return err
+	}
+	if Mended(before, now) {
+		return nil
+	}
+	return status.Errorf(codes.Unavailable, "stalled (nothing in %s %v), and still: no forward pass has completed on it since (%d in all): restart it, or raise %s if its forward passes are that slow", flag, timeout, now.GetForwardsTotal(), flag)
 }
 
 // ManualClock is a Clock that moves only when told (Advance): tests of

@@ -1,6 +1,7 @@
 package stall
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"testing"
@@ -101,5 +102,25 @@ func TestMended(t *testing.T) {
 		if got := Mended(at, c.now); got != c.want {
 			t.Errorf("Mended(%v, %v) = %v", at, c.now, got)
 		}
+	}
+}
+
+// TestRecheck: nil once the daemon mended since it stalled; else ask's
+// error, or an Unavailable one naming the option and its timeout.
+func TestRecheck(t *testing.T) {
+	at := &pb.StatusResponse{ForwardsTotal: 7, UptimeSeconds: 100}
+	ask := func(st *pb.StatusResponse, err error) func(context.Context) (*pb.StatusResponse, error) {
+		return func(context.Context) (*pb.StatusResponse, error) { return st, err }
+	}
+	if err := Recheck(context.Background(), ask(&pb.StatusResponse{ForwardsTotal: 8, UptimeSeconds: 130}, nil), at, "--stall-timeout", time.Minute); err != nil {
+		t.Fatalf("a forward since: %v", err)
+	}
+	gone := errors.New("connection refused")
+	if err := Recheck(context.Background(), ask(nil, gone), at, "--stall-timeout", time.Minute); err != gone {
+		t.Fatalf("Status failing: %v", err)
+	}
+	err := Recheck(context.Background(), ask(&pb.StatusResponse{ForwardsTotal: 7, UptimeSeconds: 130}, nil), at, "distill.stall_timeout", 10*time.Minute)
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "distill.stall_timeout 10m0s") || !strings.Contains(err.Error(), "(7 in all)") {
+		t.Fatalf("still stalled: %v", err)
 	}
 }

@@ -540,20 +540,17 @@ func (p *teacherPool) stalled(r *replica, fl *flight, waited time.Duration) erro
 }
 
 // unstalled checks that r, if its stream stalled, has completed a
-// forward pass since or was restarted (stall.Mended); its error (a
+// forward pass since or was restarted (stall.Recheck); its error (a
 // retryable one) keeps r down.
 func (p *teacherPool) unstalled(ctx context.Context, r *replica) error {
 	if r.stallAt == nil {
 		return nil
 	}
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	st, err := r.cl.Status(sctx, &pb.StatusRequest{})
-	cancel()
-	if err != nil {
+	defer cancel()
+	ask := func(ctx context.Context) (*pb.StatusResponse, error) { return r.cl.Status(ctx, &pb.StatusRequest{}) }
+	if err := stall.Recheck(sctx, ask, r.stallAt, "distill.stall_timeout", p.stall); err != nil {
 		return err
-	}
-	if !stall.Mended(r.stallAt, st) {
-		return status.Errorf(codes.Unavailable, "stalled (nothing for distill.stall_timeout %v), and still: no forward pass has completed on it since (%d in all): restart it, or raise distill.stall_timeout if its forward passes are that slow", p.stall, st.GetForwardsTotal())
 	}
 	r.stallAt = nil
 	return nil
