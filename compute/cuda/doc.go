@@ -195,20 +195,18 @@
 //     rows read in place through the order, as the base's GEMMs read
 //     them): t = Scale·drop(x)·Aᵀ, then out += t·Bᵀ, with no host wait.
 //   - LMHeadTopK: the vocabulary in tiles; cuBLASLt writes a tile's
-//     logits, k_lm_fold_gemm folds them into each row's running
-//     log-sum-exp (float64) and running top-k (exact, ties by lower id),
-//     LM_TILE columns at a time, in one launch a GEMM tile: the row's
-//     state stays on chip across its pieces, the next piece is loaded
-//     while one is reduced, a piece with more than k candidates (a row's
-//     first: all of them) has its best k found by a radix select over the
-//     64-bit keys, and up to 256 candidates enter the list by rank.
-//     k_lm_fold, a launch a piece (Options.LMFold "tiles",
-//     $DISTILL_CUDA_LM_FOLD=tiles, and any k above 2048), gives the same
-//     bits (TestLMFoldGEMM) and sorted every piece's candidates, the
-//     first piece's 4096 by a bitonic sort: on the H200 (2026-11-27) it
-//     took 15.6 ms (3.5%) of a Qwen3-8B forward of 16384 tokens, 640 GB/s
-//     of logits read. BenchmarkLMHead times both in one run
-//     (gemm_fold_speedup); not yet on a GPU.
+//     logits, k_lm_fold folds them into each row's running log-sum-exp
+//     (float64) and running top-k (exact, ties by lower id), a launch an
+//     LM_TILE-column piece, sorting each piece's candidates (the first
+//     piece's 4096 by a bitonic sort). k_lm_fold_gemm (Options.LMFold
+//     "gemm", $DISTILL_CUDA_LM_FOLD=gemm, k up to 2048) folds a whole GEMM
+//     tile in one launch, the row's state on chip across its pieces, the
+//     next piece loaded while one is reduced, a piece's best k found by a
+//     radix select over the 64-bit keys, up to 256 candidates entering
+//     the list by rank: the same bits (TestLMFoldGEMM, on the H200 too),
+//     but slower there (2026-11-28: BenchmarkLMHead's gemm_fold_speedup
+//     0.82 and 0.89 at hidden 1024 and 4096, 0.99 on the Qwen3-8B
+//     forward), so it is opt-in.
 //   - LMHeadSample: the same pass, each fold also
 //     keeping per row the fold tile's max, its 64-id blocks' sums of
 //     exp(logit - max) (fp32 terms, float64 sums) and their total; after a
@@ -239,12 +237,14 @@
 // RoPEBackwardCopy writes where no q/k norm or bias reads them (Llama's
 // q_proj and k_proj), each the rounding of the fp32 value a rounding
 // pass would have read; and attention's dout, o_proj's dx, which
-// cuBLASLt writes in BF16 (C and D BF16: the fp32 sum rounded once by the
-// epilogue) and attention reads in place (Options.F32Grads restores F32
-// gradients and the passes: train's TestCUDAGradsInBF16 holds the two to
-// the same bits on the emulator; on a GPU that needs cuBLASLt to sum a
-// BF16-D GEMM as it sums the F32-D one, which the GPU suite's
-// TestMatMulBackwardBF16DX checks and no GPU has run yet); the parameters
+// cuBLASLt writes in BF16 from a zeroed dx (beta 0: the fp32 sum rounded
+// once by the epilogue) and attention reads in place (Options.F32Grads
+// restores F32 gradients and the passes: train's TestCUDAGradsInBF16
+// holds the two to the same bits on the emulator). A BF16 dx that
+// accumulates (beta 1) goes through fp32, since cuBLASLt rounds the
+// product to BF16 before it adds a BF16 C (the H200, 2026-11-28; the
+// emulator's cuBLASLt does the same; TestMatMulBackwardBF16DX passed on
+// the H200 with both); the parameters
 // are rounded once per
 // step (shadow.go): the backend keeps a BF16 shadow of each fp32
 // parameter a GEMM reads, which AdamW's kernel writes with the update

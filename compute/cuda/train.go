@@ -223,11 +223,26 @@ func (b *Backend) MatMulBackward(dxT, dwT, dbiasT, doutT, xT, wT compute.Tensor,
 	defer b.free(ds)
 	if dx != nil {
 		wp, ws := b.bf16Operand(w, n*k)
-		outT := dataF32
-		if dx.dt == compute.BF16 {
-			outT = dataBF16
+		switch {
+		case dx.dt != compute.BF16:
+			b.gemmTo(dx.p, dataF32, dp, wp, m, k, n, false, false, dataBF16, beta)
+		case beta == 0:
+			b.gemmTo(dx.p, dataBF16, dp, wp, m, k, n, false, false, dataBF16, 0)
+		default:
+			// cuBLASLt's BF16 C and D round the product to BF16 before
+			// adding beta·C (the H200, 2026-11-27 and -28: dx[23] =
+			// -0.35546875 = round(round(-1.3474) + 0.98828), not the
+			// fp32 sum's rounding -0.359375), so a BF16 dx that
+			// accumulates goes through fp32: widen, add, round once.
+			// The trainer's BF16 dx (attention's dout) starts zeroed and
+			// takes the branch above.
+			cnt := int64(m) * int64(k)
+			acc := b.alloc(cnt * 4)
+			b.convert("k_bf16_to_f32", acc, dx.p, cnt)
+			b.gemmTo(acc, dataF32, dp, wp, m, k, n, false, false, dataBF16, 1)
+			b.convert("k_f32_to_bf16", dx.p, acc, cnt)
+			b.free(acc)
 		}
-		b.gemmTo(dx.p, outT, dp, wp, m, k, n, false, false, dataBF16, beta)
 		b.free(ws)
 	}
 	if dw != nil {

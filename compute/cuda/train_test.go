@@ -426,9 +426,12 @@ func bf16Ulp(v float32) float64 {
 
 // TestMatMulBackwardBF16DX: a BF16 dx (attention's dout) gains, bit for
 // bit, the rounding of what an F32 dx that started at the same values
-// gains (cuBLASLt's BF16 C and D: the fp32 sum rounded once); and a
-// biased Linear's GEMMs read the rounding of dout that its column sums'
-// pass writes: dx and dw the bits of the same call without the bias.
+// gains (the fp32 sum rounded once: an accumulating BF16 dx goes through
+// fp32, since cuBLASLt's BF16 C and D round the product before adding C);
+// a zeroed BF16 dx (the trainer's: the GEMM's BF16 D, beta 0) is the F32
+// dx's rounding; and a biased Linear's GEMMs read the rounding of dout
+// that its column sums' pass writes: dx and dw the bits of the same call
+// without the bias.
 func TestMatMulBackwardBF16DX(t *testing.T) {
 	be := testBackend(t)
 	r := rand.New(rand.NewPCG(57, 58))
@@ -438,9 +441,13 @@ func TestMatMulBackwardBF16DX(t *testing.T) {
 			x, w, dout := randF32(r, m*k), randF32(r, n*k), randF32(r, m*n)
 			dx0, _ := roundBF16(randF32(r, m*k))
 			dw0 := randF32(r, n*k)
-			run := func(dxt compute.DType, bias bool) (dx, dw []float32) {
+			run := func(dxt compute.DType, bias, zeroed bool) (dx, dw []float32) {
 				gx, gw := be.New(dxt, m*k), be.FromF32(dw0)
-				be.WriteF32(gx, dx0)
+				if zeroed {
+					be.Zero(gx)
+				} else {
+					be.WriteF32(gx, dx0)
+				}
 				var db compute.Tensor
 				if bias {
 					db = be.New(compute.F32, n)
@@ -449,29 +456,35 @@ func TestMatMulBackwardBF16DX(t *testing.T) {
 				be.MatMulBackward(gx, gw, db, be.FromF32(dout), be.FromF32(x), be.FromF32(w), m, n, k)
 				return readF32(be, gx, m*k), readF32(be, gw, n*k)
 			}
-			x32, w32 := run(compute.F32, false)
-			xb, wb := run(compute.BF16, false)
+			x32, w32 := run(compute.F32, false, false)
+			xb, wb := run(compute.BF16, false, false)
 			xr, _ := roundBF16(x32)
-			// On a GPU cuBLASLt may pick another kernel for the BF16 D than
+			// Accumulating: the F32 dx's own GEMM, then one rounding.
+			if j := firstDiff32(xb, xr); j >= 0 {
+				t.Fatalf("BF16 dx[%d] = %v, want the F32 dx's rounding %v (F32 dx %v)", j, xb[j], xr[j], x32[j])
+			}
+			// Zeroed: cuBLASLt may pick another kernel for the BF16 D than
 			// for the F32 one, and so another order of the fp32 sums: where
 			// the F32 dx lies that close to a midpoint of two BF16 values,
-			// the BF16 dx may be the other one (the H200, 2026-11-27:
-			// 6.5 for 6.46875). Anywhere else, the bits.
-			for j := range xb {
-				if math.Float32bits(xb[j]) == math.Float32bits(xr[j]) {
+			// the BF16 dx may be the other one. Anywhere else, the bits.
+			z32, _ := run(compute.F32, false, true)
+			zb, _ := run(compute.BF16, false, true)
+			zr, _ := roundBF16(z32)
+			for j := range zb {
+				if math.Float32bits(zb[j]) == math.Float32bits(zr[j]) {
 					continue
 				}
 				i, q := j/k, j%k
-				sumAbs := math.Abs(float64(dx0[j]))
+				var sumAbs float64
 				for c := 0; c < n; c++ {
 					sumAbs += math.Abs(float64(dout[i*n+c]) * float64(w[c*k+q]))
 				}
-				mid := (float64(xb[j]) + float64(xr[j])) / 2
-				adjacent := math.Abs(float64(xb[j]-xr[j])) <= bf16Ulp(xr[j])
-				if !onGPU() || !adjacent || math.Abs(float64(x32[j])-mid) > 1e-6*float64(n+1)*sumAbs {
-					t.Fatalf("BF16 dx[%d] = %v, want the F32 dx's rounding %v (F32 dx %v)", j, xb[j], xr[j], x32[j])
+				mid := (float64(zb[j]) + float64(zr[j])) / 2
+				adjacent := math.Abs(float64(zb[j]-zr[j])) <= bf16Ulp(zr[j])
+				if !onGPU() || !adjacent || math.Abs(float64(z32[j])-mid) > 1e-6*float64(n)*sumAbs {
+					t.Fatalf("zeroed BF16 dx[%d] = %v, want the F32 dx's rounding %v (F32 dx %v)", j, zb[j], zr[j], z32[j])
 				}
-				t.Logf("BF16 dx[%d] = %v, the F32 dx %v rounds to %v: %.3g from their midpoint, within the sums' order", j, xb[j], x32[j], xr[j], math.Abs(float64(x32[j])-mid))
+				t.Logf("zeroed BF16 dx[%d] = %v, the F32 dx %v rounds to %v: %.3g from their midpoint, within the sums' order", j, zb[j], z32[j], zr[j], math.Abs(float64(z32[j])-mid))
 			}
 			if j := firstDiff32(wb, w32); j >= 0 {
 				t.Fatalf("dw[%d] = %v with a BF16 dx, %v with an F32 one", j, wb[j], w32[j])
@@ -485,7 +498,7 @@ func TestMatMulBackwardBF16DX(t *testing.T) {
 			if changed < len(xb)/2 {
 				t.Fatalf("only %d of %d dx elements moved", changed, len(xb))
 			}
-			xbias, wbias := run(compute.F32, true)
+			xbias, wbias := run(compute.F32, true, false)
 			if j := firstDiff32(xbias, x32); j >= 0 {
 				t.Fatalf("dx[%d] = %v with a bias, %v without", j, xbias[j], x32[j])
 			}

@@ -1505,8 +1505,9 @@ static void store_el(void *p, int type, i64 i, float v) {
 // D (m,n), element (i,j) of a stored matrix at i + j·ld. Accumulated in
 // fp32 in k order (no more accurate than the GPU's); A and B are F32, BF16
 // or E4M3 (the products of two E4M3 values are exact in fp32); C and D
-// are both F32 or both BF16 (beta·C added to the fp32 result, then the one
-// rounding of a BF16 D: the backward's BF16 dx accumulates so).
+// are both F32 or both BF16. A BF16 D with beta != 0 is rounded twice, as
+// cuBLASLt 13.1 does on an H200 (2026-11-27 and -28, TestMatMulBackwardBF16DX):
+// alpha·Σ rounded to BF16, then beta·C added in fp32 and rounded again.
 int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_, const void *B, void *lb_, const void *beta, const void *C,
                    void *lc_, void *D, void *ld_, const void *, void *, size_t, void *stream) {
 	EMU_LOCK;
@@ -1552,8 +1553,9 @@ int cublasLtMatmul(void *, void *d, const void *alpha, const void *A, void *la_,
 				acc = acc * ((const float *)ds->bscale)[j];
 				acc = acc * ((const float *)ds->ascale)[i];
 			}
-			float cv = be != 0 ? load_el(C, lc->type, i + j * lc->ld) : 0;
-			store_el(D, ld->type, i + j * ld->ld, al * acc + be * cv);
+			float prod = al * acc, cv = be != 0 ? load_el(C, lc->type, i + j * lc->ld) : 0;
+			if (be != 0 && ld->type == 14) prod = __uint_as_float((u32)emu_f2bf(prod) << 16);
+			store_el(D, ld->type, i + j * ld->ld, prod + be * cv);
 		}
 	}
 	return 0;
