@@ -129,12 +129,14 @@ type Options struct {
 	// kernels do not take run the column sums either way.
 	RMSNormDW string
 	// LMFold picks the LM head's fold kernel (lmhead.cu): "" (the
-	// default: k_lm_fold_gemm, one launch per GEMM tile that keeps the
-	// row's state on chip across its LM_TILE-column pieces and selects a
-	// piece's best k by radix) or "tiles" (k_lm_fold, a launch per piece,
-	// as before). The same bits either way; for an A/B on a device.
+	// default: k_lm_fold, a launch per LM_TILE-column piece) or "gemm"
+	// (k_lm_fold_gemm, one launch per GEMM tile that keeps the row's
+	// state on chip across its pieces and selects a piece's best k by
+	// radix). The same bits either way. k_lm_fold_gemm was the slower on
+	// the H200 (2026-11-28: 0.82x and 0.89x on BenchmarkLMHead, 0.99x on
+	// Qwen3-8B's forward), so it is opt-in, for an A/B on a device.
 	// $DISTILL_CUDA_LM_FOLD sets it too. A top-k larger than LM_TILE/2
-	// (2048) folds by tiles either way.
+	// (2048) folds by pieces either way.
 	LMFold string
 	// MemoryCap, when positive, makes the device look this many bytes
 	// large: Open allocates the rest of it (the device's total less
@@ -192,7 +194,7 @@ type Backend struct {
 	fp8OuterVec  bool          // FP8 GEMMs scale in cuBLASLt's epilogue (Options.FP8Scale; fp8.go)
 	fp8FastAccum bool          // Options.FP8FastAccum
 	rmsColsum    bool          // Options.RMSNormDW "colsum"
-	lmFoldTiles  bool          // Options.LMFold "tiles"
+	lmFoldGEMM   bool          // Options.LMFold "gemm"
 	sepResidual  bool          // Options.ResidualAdd "separate"
 	ballast      uint64        // Options.MemoryCap's hold on the rest of the device (0: none)
 	memCap       int64         // Options.MemoryCap (0: none)
@@ -495,7 +497,7 @@ func (b *Backend) setOptions(opt Options) error {
 	if b.rmsColsum, err = altOption("RMSNorm dw", opt.RMSNormDW, "DISTILL_CUDA_RMSNORM_DW", "colsum", "the fused kernels"); err != nil {
 		return err
 	}
-	if b.lmFoldTiles, err = altOption("LM-head fold", opt.LMFold, "DISTILL_CUDA_LM_FOLD", "tiles", "the default (k_lm_fold_gemm)"); err != nil {
+	if b.lmFoldGEMM, err = altOption("LM-head fold", opt.LMFold, "DISTILL_CUDA_LM_FOLD", "gemm", "the default (k_lm_fold, a launch a piece)"); err != nil {
 		return err
 	}
 	if b.sepResidual, err = altOption("residual add", opt.ResidualAdd, "DISTILL_CUDA_RESIDUAL_ADD", "separate", "the GEMM's epilogue"); err != nil {

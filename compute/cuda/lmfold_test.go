@@ -29,8 +29,8 @@ import (
 // The profile says which kernel ran.
 func TestLMFoldGEMM(t *testing.T) {
 	be := testBackendWith(t, Options{Profile: true})
-	if be.lmFoldTiles {
-		t.Fatal("the backend folds by pieces by default; want k_lm_fold_gemm")
+	if be.lmFoldGEMM {
+		t.Fatal("the backend folds a GEMM tile a launch by default; want k_lm_fold (DISTILL_CUDA_LM_FOLD set?)")
 	}
 	saveR, saveC := lmMaxRows, lmMaxCols
 	defer func() { lmMaxRows, lmMaxCols = saveR, saveC }()
@@ -76,8 +76,8 @@ func TestLMFoldGEMM(t *testing.T) {
 		ran []string
 	}
 	topk := func(xt, w compute.Tensor, k int, tiles bool) result {
-		be.lmFoldTiles = tiles
-		defer func() { be.lmFoldTiles = false }()
+		be.lmFoldGEMM = !tiles
+		defer func() { be.lmFoldGEMM = false }()
 		be.Profile() // reset
 		ids, lps := be.New(compute.I32, tokens*k), be.New(compute.F32, tokens*k)
 		defer be.Free(ids)
@@ -142,8 +142,8 @@ func TestLMFoldGEMM(t *testing.T) {
 	compute.PackUniforms(pu, u)
 	ut := be.FromI32(pu)
 	sample := func(k int, tiles bool) (ids, drawn []int32, lps, tail []uint32) {
-		be.lmFoldTiles = tiles
-		defer func() { be.lmFoldTiles = false }()
+		be.lmFoldGEMM = !tiles
+		defer func() { be.lmFoldGEMM = false }()
 		idT, lpT := be.New(compute.I32, tokens*k), be.New(compute.F32, tokens*k)
 		drT, tlT := be.New(compute.I32, tokens*n), be.New(compute.F32, tokens)
 		be.LMHeadSample(idT, lpT, drT, tlT, xt, gw, ut, tokens, hidden, vocab, k, n, k > 0)

@@ -621,8 +621,8 @@ type lmBlocks struct {
 // LMHeadSample's with its block sums and hook): x's rows in slabs of
 // p.rows, rounded to BF16 unless they are, the vocabulary in GEMMs of
 // p.cols columns, each folded tile by tile into the running max, sum and
-// top-k (k_lm_fold_gemm, a launch a GEMM, or with Options.LMFold "tiles"
-// or k > lmTile/2 k_lm_fold, a launch an lmTile piece; either also keeps
+// top-k (k_lm_fold, a launch an lmTile piece, or with Options.LMFold
+// "gemm" and k <= lmTile/2 k_lm_fold_gemm, a launch a GEMM; either keeps
 // blk's sums when blk is set),
 // slabDone after each slab's last GEMM, and the top-k's log-probs
 // normalized at the end (k >= 1).
@@ -650,7 +650,7 @@ func (b *Backend) lmHeadPass(ids, lp, x, w *tensor, tokens, hidden, vocab, k int
 		for c0 := 0; c0 < vocab; c0 += p.cols {
 			nc := min(p.cols, vocab-c0)
 			b.gemm(tile, xb, wp+uint64(c0)*uint64(hidden)*2, nr, nc, hidden, dataBF16)
-			if !b.lmFoldTiles && k <= lmTile/2 {
+			if b.lmFoldGEMM && k <= lmTile/2 {
 				b.launchKernel(launch{kernel: "k_lm_fold_gemm", grid: [3]int{nr, 1, 1}, block: lmFoldThreads, smem: p.foldSmem},
 					dptr(tile), int64(nc), int32(nc), int32(c0), int64(r0),
 					dptr(rmax), dptr(rsum), dptr(cnt), dptr(lp.p), dptr(ids.p), int32(k),
