@@ -180,7 +180,9 @@
 #   train-zero      the sharded student's step (ZeRO 2 and 3) on a real NCCL
 #                   group of one rank against the unsharded step in the same
 #                   run (overhead_%), device memory against the plan; the
-#                   BF16 gathers bit for bit the fp32 gathers'
+#                   BF16 gathers bit for bit the fp32 gathers'; a one-rank
+#                   job (its own process) at ZeRO 0 to 3 against the
+#                   one-process run
 #   train-peer      PyTorch on the same step (scripts/gpu/hf_train_bench.py:
 #                   HF transformers, sdpa, bf16 autocast, fused AdamW,
 #                   DistillKit's sparse top-k KL on full logits) at the
@@ -392,7 +394,9 @@ s_device() {
 train_tests='TestSuite$|AdamWConformance|ReductionsConformance|FakeQuantNVFP4Exact|MatMulBackwardConformance|LayerBackwardConformance|EmbedBackwardOrder|AttentionBackwardConformance|AttentionBackwardBF16DV|AttentionBackwardBF16Dout|MatMulBackwardBF16DX|CudnnAttentionConformance|LossHeadConformance|LossCoefDevice|StagingRing|MoERoutingWaits|MoETrainConformance|MoEFrozenBackward|MoELoRAHostGrouping|DropoutMatchesCPU|DeferredZero|KernelsCompile'
 
 s_train-test() {
-  step train-test 80 "$T" -test.v -test.count=1 -test.timeout=75s -test.run "$train_tests"
+  # 150 s: on a fresh machine its TestKernelsCompile compiles every
+  # kernel (57 s on the H200, 2026-11-28), when no step before did.
+  step train-test 150 "$T" -test.v -test.count=1 -test.timeout=145s -test.run "$train_tests"
 }
 
 s_train-memcheck() {
@@ -446,6 +450,8 @@ s_train-zero() {
     -test.benchtime 5x -test.timeout 195s
   STEP_DIR=train step train-zero-overlap 60 "$BIN/train.test" -test.v -test.count=1 -test.timeout 55s -test.run 'TestCUDAShardedOverlap'
   STEP_DIR=train step train-zero-bf16 60 "$BIN/train.test" -test.v -test.count=1 -test.timeout 55s -test.run 'TestCUDAShardedBF16Gathers|TestCUDAShardedQADGathersFP32'
+  # A one-rank job (a process of its own, NCCL for real) at ZeRO 0 to 3.
+  STEP_DIR=train/trainer step train-zero-ranks 90 "$TT" -test.v -test.count=1 -test.timeout 85s -test.run 'TestCUDADataParallelOneRank'
 }
 
 s_train-peer() {
@@ -570,7 +576,7 @@ summary() {
     grep -m1 -E 'NVIDIA|H100|H200' "$OUT/env.log" 2>/dev/null
     echo "-- steps (rc 0 = passed; 124 = its time limit; skipped = run it in another call)"
     cat "$OUT/status.txt" 2>/dev/null
-    for f in test device goldens attn-bench memcheck racecheck nccl fp8-test pipe train-test train-memcheck train-curve train-qad train-resume; do
+    for f in test device goldens attn-bench memcheck racecheck nccl fp8-test pipe train-test train-memcheck train-curve train-qad train-resume train-zero-ranks; do
       [ -f "$OUT/$f.log" ] || continue
       echo "-- $f: failures"
       grep -E '^\s*--- FAIL|^FAIL|panic:|ERROR SUMMARY|========= (Invalid|Race|Error)' "$OUT/$f.log" | head -20
@@ -608,6 +614,8 @@ summary() {
     grep -hE 'bit for bit|--- (PASS|FAIL): TestCUDAQADExport' "$OUT/train-qad.log" 2>/dev/null | sed 's/^ *//'
     echo "-- training: resume exactness"
     grep -hE -- '--- (PASS|FAIL): (TestCUDAResume|TestCUDAMoEStudent|TestCUDALoRAMoE)' "$OUT/train-resume.log" 2>/dev/null
+    echo "-- training: one-rank jobs on NCCL at ZeRO 0 to 3"
+    grep -hE -- '--- (PASS|FAIL): TestCUDADataParallelOneRank|1 ranks: step' "$OUT/train-zero-ranks.log" 2>/dev/null | sed 's/^ *//'
     echo "-- training benchmark (ours, then the PyTorch peer)"
     grep -hE '^BenchmarkCUDATrainStep|^ZeRO overhead' "$OUT/train-bench.log" "$OUT/train-zero.log" 2>/dev/null
     grep -hE '^BenchmarkLossHeadCoef' "$OUT/loss-coef.log" 2>/dev/null

@@ -104,8 +104,18 @@ func TestMoEFP8Grouped(t *testing.T) {
 	testMoEHostGrouping = false
 	tol := 2e-3 * math.Sqrt(float64(H*I)) / 4
 	closeTo(t, "grouped fp8 moe vs cpu", got, want, tol, 1e-3)
+	// The per-expert path disagrees with the CPU on an H200 (2026-11-27
+	// and -28, every shape below, with or without split-K; memcheck
+	// clean; cause unknown), so a real GPU refuses it (MoEForward's
+	// panic names the fix): there its disagreement is logged for
+	// diagnosis, not held; the emulator holds it.
+	perExpertOff := onGPU()
 	if rows := badRows(host, want, H, tol, 1e-3); rows != "" {
-		t.Errorf("per-expert cuBLASLt fp8 moe vs cpu: rows (token: bad columns of %d, worst |Δ|): %s", H, rows)
+		if perExpertOff {
+			t.Logf("per-expert cuBLASLt fp8 moe vs cpu (off on GPUs; logged, not held): rows (token: bad columns of %d, worst |Δ|): %s", H, rows)
+		} else {
+			t.Errorf("per-expert cuBLASLt fp8 moe vs cpu: rows (token: bad columns of %d, worst |Δ|): %s", H, rows)
+		}
 		// Diagnosis: the same without split-K, and with one expert.
 		dropPlans := func() {
 			for _, q := range be.plans {
@@ -136,7 +146,9 @@ func TestMoEFP8Grouped(t *testing.T) {
 			t.Logf("per-expert %v: %q", sh, badRows(host, want, sh[1], tol, 1e-3))
 		}
 	}
-	closeTo(t, "grouped fp8 moe vs per-expert cuBLASLt", got, host, tol, 1e-3)
+	if !perExpertOff {
+		closeTo(t, "grouped fp8 moe vs per-expert cuBLASLt", got, host, tol, 1e-3)
+	}
 	if prof["k_moe_gemm_fp8_glu"] != 1 || prof["k_moe_gemm_fp8"] != 1 || prof["k_moe_scan"] != 1 || prof["cublasLt GEMM (MoE)"] != 1 {
 		t.Fatalf("profile %v: want 1 k_moe_gemm_fp8_glu, 1 k_moe_gemm_fp8, 1 k_moe_scan and the router's cuBLASLt GEMM alone", prof)
 	}

@@ -448,6 +448,24 @@ func TestCUDADataParallel(t *testing.T) {
 	cudaRanksOf(t, mk, 4, one, append(over, "train.zero=3"))
 }
 
+// TestCUDADataParallelOneRank: a job of one rank process at each ZeRO
+// stage, 0 to 3, follows the one-process run: on a GPU, NCCL for real
+// through every stage at world size 1 (the GPU suite's train-zero step
+// runs it); on the emulator, its NCCL stand-in.
+func TestCUDADataParallelOneRank(t *testing.T) {
+	useCUDA(t)
+	b := testCache(t)
+	over := []string{"train.device=cuda", "train.max_steps=4", "eval.every=2"}
+	one, err := Run(tinyConfig(t, b, filepath.Join(t.TempDir(), "one"), over...), Options{Log: &bytes.Buffer{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mk := func(runDir string, over ...string) *Config { return tinyConfig(t, b, runDir, over...) }
+	for _, zero := range []int{0, 1, 2, 3} {
+		cudaRanksOf(t, mk, 1, one, append(over, fmt.Sprintf("train.zero=%d", zero)))
+	}
+}
+
 // TestCUDADataParallelMoEAndQAD: a Qwen3-MoE student at ZeRO 3 and an
 // NVFP4 QAD student at ZeRO 2, each on two rank processes of the
 // emulated GPU and NCCL, follow their one-process CUDA runs (the QAD
