@@ -522,24 +522,40 @@ func (b *Backend) setOptions(opt Options) error {
 	return nil
 }
 
-// loadKernels compiles (or reads from the cache) every kernel file and
-// looks up its kernels.
+// loadKernels compiles (or reads from the cache) every kernel file, the
+// files in parallel with NVRTC 12 or newer (one at a time before: NVRTC
+// 11's early releases were not documented thread-safe), and loads them
+// and looks up their kernels in order on the calling thread (the
+// context's).
 func (b *Backend) loadKernels(kc *kernelCache) error {
-	for _, f := range kernelFiles() {
-		t0 := time.Now()
-		cubin, cached, cacheErr, err := kc.cubin(b.nv, string(f), f.source(), b.arch)
-		if err != nil {
-			return err
+	files := kernelFiles()
+	par := 1
+	if b.nv.major >= 12 {
+		par = runtime.GOMAXPROCS(0)
+	}
+	t0 := time.Now()
+	built := kc.cubins(b.nv, files, b.arch, par)
+	compiled := 0
+	for i, f := range files {
+		r := built[i]
+		if r.err != nil {
+			return r.err
 		}
-		if cacheErr != nil {
-			b.logf("cuda: %v (kernels will be recompiled next time)", cacheErr)
+		if r.cacheErr != nil {
+			b.logf("cuda: %v (kernels will be recompiled next time)", r.cacheErr)
 		}
-		if !cached {
-			b.logf("cuda: compiled %s for %s in %v", f, b.arch, time.Since(t0).Round(time.Millisecond))
+		if !r.fromCache {
+			compiled++
+			b.logf("cuda: compiled %s for %s in %v", f, b.arch, r.took.Round(time.Millisecond))
 		}
-		cb := C.CBytes(cubin)
+	}
+	if compiled > 1 {
+		b.logf("cuda: compiled %d kernel files for %s in %v, %d at a time (cached for the next start)", compiled, b.arch, time.Since(t0).Round(time.Millisecond), par)
+	}
+	for i, f := range files {
+		cb := C.CBytes(built[i].cubin)
 		var mod C.CUmodule
-		err = b.drv.check("cuModuleLoadData("+string(f)+")", C.call_cuModuleLoadData(b.drv.cuModuleLoadData, &mod, cb))
+		err := b.drv.check("cuModuleLoadData("+string(f)+")", C.call_cuModuleLoadData(b.drv.cuModuleLoadData, &mod, cb))
 		C.free(cb)
 		if err != nil {
 			return err

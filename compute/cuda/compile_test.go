@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"bytes"
 	"os"
 	"strings"
 	"testing"
@@ -25,7 +26,8 @@ func requireNVRTC(t testing.TB) *nvrtc {
 // TestKernelsCompile compiles every embedded kernel file to a cubin for
 // sm_80 (Ampere) and sm_90 (Hopper) with the installed NVRTC, and fails on
 // any error or warning. It needs no GPU. With NVRTC 12 or newer it also
-// compiles for sm_90a, the arch the backend picks on Hopper.
+// compiles for sm_90a, the arch the backend picks on Hopper. The files
+// compiled in parallel, as Open compiles them, give the same cubins.
 func TestKernelsCompile(t *testing.T) {
 	n := requireNVRTC(t)
 	t.Logf("NVRTC %s (%s)", n.Version(), n.lib.path)
@@ -37,9 +39,13 @@ func TestKernelsCompile(t *testing.T) {
 	if len(files) < 5 {
 		t.Fatalf("found %d embedded kernel files, want at least 5", len(files))
 	}
+	seq := map[kernelFile][]byte{} // sm_80's cubins, one at a time
 	for _, f := range files {
 		for _, arch := range archs {
 			cubin, log, err := n.compile(string(f), f.source(), arch)
+			if arch == "sm_80" {
+				seq[f] = cubin
+			}
 			if err != nil {
 				t.Errorf("%s for %s: %v", f, arch, err)
 				continue
@@ -55,6 +61,17 @@ func TestKernelsCompile(t *testing.T) {
 					t.Errorf("%s for %s: kernel %s is missing from the cubin (not extern \"C\"?)", f, arch, k)
 				}
 			}
+		}
+	}
+	// Open compiles the files in parallel (kernelCache.cubins): the same
+	// cubins as one at a time, with no cache to hand them back.
+	par := (&kernelCache{}).cubins(n, files, "sm_80", len(files))
+	for i, f := range files {
+		if par[i].err != nil || par[i].fromCache {
+			t.Fatalf("%s compiled in parallel: err %v, from the cache %v", f, par[i].err, par[i].fromCache)
+		}
+		if !bytes.Equal(par[i].cubin, seq[f]) {
+			t.Errorf("%s for sm_80: compiled in parallel, a cubin of %d bytes; one at a time, %d bytes that differ", f, len(par[i].cubin), len(seq[f]))
 		}
 	}
 }
