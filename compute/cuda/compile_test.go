@@ -1,8 +1,9 @@
 package cuda
 
 import (
-	"bytes"
+	"fmt"
 	"os"
+	"sort"
 	"strings"
 	"testing"
 )
@@ -27,7 +28,7 @@ func requireNVRTC(t testing.TB) *nvrtc {
 // sm_80 (Ampere) and sm_90 (Hopper) with the installed NVRTC, and fails on
 // any error or warning. It needs no GPU. With NVRTC 12 or newer it also
 // compiles for sm_90a, the arch the backend picks on Hopper. The files
-// compiled in parallel, as Open compiles them, give the same cubins.
+// compiled in parallel, as Open compiles them, give whole cubins too.
 func TestKernelsCompile(t *testing.T) {
 	n := requireNVRTC(t)
 	t.Logf("NVRTC %s (%s)", n.Version(), n.lib.path)
@@ -39,13 +40,9 @@ func TestKernelsCompile(t *testing.T) {
 	if len(files) < 5 {
 		t.Fatalf("found %d embedded kernel files, want at least 5", len(files))
 	}
-	seq := map[kernelFile][]byte{} // sm_80's cubins, one at a time
 	for _, f := range files {
 		for _, arch := range archs {
 			cubin, log, err := n.compile(string(f), f.source(), arch)
-			if arch == "sm_80" {
-				seq[f] = cubin
-			}
 			if err != nil {
 				t.Errorf("%s for %s: %v", f, arch, err)
 				continue
@@ -63,15 +60,106 @@ func TestKernelsCompile(t *testing.T) {
 			}
 		}
 	}
-	// Open compiles the files in parallel (kernelCache.cubins): the same
-	// cubins as one at a time, with no cache to hand them back.
+	// Open compiles the files in parallel (kernelCache.cubins): each a
+	// cubin with all its kernels. Not the same bits as one at a time:
+	// NVRTC 11.8 is not deterministic even then (losshead.cu for sm_80
+	// gave three different cubins in four compiles in one process,
+	// 2026-11-28), so a GPU run of the suite, whose every test loads
+	// kernels compiled this way, is the check of what they compute.
 	par := (&kernelCache{}).cubins(n, files, "sm_80", len(files))
 	for i, f := range files {
-		if par[i].err != nil || par[i].fromCache {
-			t.Fatalf("%s compiled in parallel: err %v, from the cache %v", f, par[i].err, par[i].fromCache)
+		r := par[i]
+		if r.err != nil || r.fromCache || !strings.HasPrefix(string(r.cubin), "\x7fELF") {
+			t.Fatalf("%s compiled in parallel: err %v, from the cache %v, %d bytes", f, r.err, r.fromCache, len(r.cubin))
 		}
-		if !bytes.Equal(par[i].cubin, seq[f]) {
-			t.Errorf("%s for sm_80: compiled in parallel, a cubin of %d bytes; one at a time, %d bytes that differ", f, len(par[i].cubin), len(seq[f]))
+		for _, k := range f.kernels() {
+			if !strings.Contains(string(r.cubin), k) {
+				t.Errorf("%s compiled in parallel: kernel %s is missing from the cubin", f, k)
+			}
+		}
+	}
+}
+
+// kernelResources is what ptxas reports of one kernel (--ptxas-options=-v).
+type kernelResources struct {
+	regs, stack, spillSt, spillLd int
+}
+
+// ptxasResources parses ptxas's -v report in an NVRTC log: per kernel,
+// its registers, stack frame and spill bytes.
+func ptxasResources(log string) map[string]kernelResources {
+	out := map[string]kernelResources{}
+	var cur string
+	for _, line := range strings.Split(log, "\n") {
+		var r kernelResources
+		switch {
+		case strings.Contains(line, "Compiling entry function '"):
+			f := strings.Split(line, "'")
+			if len(f) >= 2 {
+				cur = f[1]
+				out[cur] = kernelResources{}
+			}
+		case cur == "":
+		case strings.Contains(line, "bytes stack frame"):
+			r = out[cur]
+			s := line[strings.Index(line, ".")+1:]
+			fmt.Sscanf(strings.TrimSpace(s), "%d bytes stack frame, %d bytes spill stores, %d bytes spill loads", &r.stack, &r.spillSt, &r.spillLd)
+			out[cur] = r
+		case strings.Contains(line, "Used "):
+			r = out[cur]
+			fmt.Sscanf(line[strings.Index(line, "Used "):], "Used %d registers", &r.regs)
+			out[cur] = r
+		}
+	}
+	return out
+}
+
+// TestKernelResources compiles moe.cu with ptxas's report for Hopper
+// (sm_90, and sm_90a with NVRTC 12 or newer) and holds the grouped MoE
+// GEMMs to 128 registers without spills: two blocks of 256 threads an SM
+// (their 110 KB of shared memory fits twice in Hopper's 228 KB). At 130
+// and 134 registers (NVRTC 11.8, sm_90) k_moe_gemm and k_moe_gemm_glu ran
+// one block an SM, 8 warps to hide the tensor cores' latency: 165 and
+// 213 TFLOP/s in the Qwen3-30B-A3B forward on the H200 (2026-11-28). The
+// other kernels' figures are logged, for a GPU run's record.
+func TestKernelResources(t *testing.T) {
+	n := requireNVRTC(t)
+	archs := []string{"sm_90"}
+	if n.supportsArch("sm_90a") {
+		archs = append(archs, "sm_90a")
+	}
+	capped := []string{"k_moe_gemm", "k_moe_gemm_glu", "k_moe_gemm_nn", "k_moe_gemm_nn_acc", "k_moe_wgrad_gemm"}
+	for _, arch := range archs {
+		for _, f := range kernelFiles() {
+			_, log, err := n.compileWith(string(f), f.source(), arch, "--ptxas-options=-v")
+			if err != nil {
+				t.Fatalf("%s for %s: %v", f, arch, err)
+			}
+			res := ptxasResources(log)
+			if len(res) < len(f.kernels()) {
+				t.Fatalf("%s for %s: ptxas reported %d kernels, the file has %d:\n%s", f, arch, len(res), len(f.kernels()), log)
+			}
+			names := make([]string, 0, len(res))
+			for k := range res {
+				names = append(names, k)
+			}
+			sort.Strings(names)
+			for _, k := range names {
+				r := res[k]
+				t.Logf("%s %s: %d registers, %d bytes stack, %d/%d bytes spilled/reloaded", arch, k, r.regs, r.stack, r.spillSt, r.spillLd)
+			}
+			if f != "moe.cu" {
+				continue
+			}
+			for _, k := range capped {
+				r, ok := res[k]
+				if !ok {
+					t.Fatalf("%s for %s: no report of %s", f, arch, k)
+				}
+				if r.regs == 0 || r.regs > 128 || r.spillSt > 0 || r.spillLd > 0 {
+					t.Errorf("%s for %s: %d registers, %d/%d bytes spilled: want at most 128 and no spills (two blocks an SM)", k, arch, r.regs, r.spillSt, r.spillLd)
+				}
+			}
 		}
 	}
 }

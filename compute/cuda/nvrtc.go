@@ -89,6 +89,12 @@ func compileOptions(arch string) []string {
 // compile builds src (named name in diagnostics) to a cubin for arch. It
 // returns NVRTC's log too, which holds warnings when it succeeds.
 func (n *nvrtc) compile(name, src, arch string) (cubin []byte, log string, err error) {
+	return n.compileWith(name, src, arch)
+}
+
+// compileWith is compile with extra options after compileOptions' (a
+// test's --ptxas-options=-v, whose report lands in the log).
+func (n *nvrtc) compileWith(name, src, arch string, extra ...string) (cubin []byte, log string, err error) {
 	csrc, cname := C.CString(src), C.CString(name)
 	defer C.free(unsafe.Pointer(csrc))
 	defer C.free(unsafe.Pointer(cname))
@@ -97,7 +103,7 @@ func (n *nvrtc) compile(name, src, arch string) (cubin []byte, log string, err e
 		return nil, "", fmt.Errorf("cuda: nvrtcCreateProgram(%s): %s", name, n.errString(r))
 	}
 	defer C.call_nvrtcDestroyProgram(n.destroyProgram, &prog)
-	opts := compileOptions(arch)
+	opts := append(compileOptions(arch), extra...)
 	copts := make([]*C.char, len(opts))
 	for i, o := range opts {
 		copts[i] = C.CString(o)

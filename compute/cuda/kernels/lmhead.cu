@@ -225,7 +225,9 @@ DK_DEV void lm_load(float *v, const float *__restrict__ lg, int base, int nc) {
 	}
 }
 
-DK_KERNEL __launch_bounds__(LM_THREADS) void k_lm_fold_gemm(const float *__restrict__ tile, i64 ld, int nc, int col0, i64 row0,
+// Two blocks an SM: at 172 registers (NVRTC 11.8, sm_90) it ran one, 8
+// warps for a latency-bound fold; at 128 ptxas spills about 20 bytes.
+DK_KERNEL __launch_bounds__(LM_THREADS, 2) void k_lm_fold_gemm(const float *__restrict__ tile, i64 ld, int nc, int col0, i64 row0,
                                                             float *__restrict__ rmax, double *__restrict__ rsum, i32 *__restrict__ cnt,
                                                             float *__restrict__ topv, i32 *__restrict__ topi, int k,
                                                             double *__restrict__ bsum, float *__restrict__ btmax,

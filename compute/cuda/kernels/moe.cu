@@ -559,23 +559,25 @@ DK_DEV void moe_gemm(u16 *sm, void *__restrict__ out, const u16 *__restrict__ a,
 // token rows), gate and up with the SwiGLU (_glu, BF16 act), the
 // backward's NN products (_nn; _nn_acc adds); _v1: the earlier 32-wide
 // steps in two buffers, for an A/B on a device. The host's moeGEMMSmem
-// gives each one's shared memory.
-DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
+// gives each one's shared memory. The default kernels ask for two blocks
+// an SM (at most 128 registers: TestKernelResources): at 130 and 134
+// registers k_moe_gemm and k_moe_gemm_glu ran one block, 8 warps, an SM.
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS, 2) void k_moe_gemm(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
                                                           const i32 *offsets, const i32 *tile_start, int E, int N, int K) {
 	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
 	moe_gemm<MOE_BK, MOE_STAGES, false, false, false>(sm, out, a, order, topk, w, w2, offsets, tile_start, E, N, K);
 }
-DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_glu(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS, 2) void k_moe_gemm_glu(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
                                                           const i32 *offsets, const i32 *tile_start, int E, int N, int K) {
 	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
 	moe_gemm<MOE_BK, MOE_STAGES, false, false, true>(sm, out, a, order, topk, w, w2, offsets, tile_start, E, N, K);
 }
-DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_nn(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS, 2) void k_moe_gemm_nn(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
                                                           const i32 *offsets, const i32 *tile_start, int E, int N, int K) {
 	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
 	moe_gemm<MOE_BK, MOE_STAGES, true, false, false>(sm, out, a, order, topk, w, w2, offsets, tile_start, E, N, K);
 }
-DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_gemm_nn_acc(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS, 2) void k_moe_gemm_nn_acc(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
                                                           const i32 *offsets, const i32 *tile_start, int E, int N, int K) {
 	DK_DYN_SMEM(u16, sm); // here, not in the template: one declaration per kernel
 	moe_gemm<MOE_BK, MOE_STAGES, true, true, false>(sm, out, a, order, topk, w, w2, offsets, tile_start, E, N, K);
@@ -769,7 +771,7 @@ DK_DEV void moe_wgrad(u16 *sm, const u64 *__restrict__ dw, const u16 *__restrict
 
 // k_moe_wgrad_gemm: moe_wgrad in MOE_BK-row steps, MOE_STAGES of them
 // staged; _v1 the earlier 32-row steps in two buffers.
-DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS) void k_moe_wgrad_gemm(const u64 *dw, const u16 *a, const u16 *x, const i32 *order, int topk,
+DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS, 2) void k_moe_wgrad_gemm(const u64 *dw, const u16 *a, const u16 *x, const i32 *order, int topk,
                                                                      const i32 *offsets, int N, int K) {
 	DK_DYN_SMEM(u16, sm);
 	moe_wgrad<MOE_BK, MOE_STAGES>(sm, dw, a, x, order, topk, offsets, N, K);
