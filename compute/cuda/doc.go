@@ -132,9 +132,9 @@
 //     Hopper's FP8 MMA adds a step's products at less than fp32's
 //     precision, TestMatMulFP8Conformance's GPU bound),
 //     each sum multiplied by its row's and channel's scales by
-//     k_fp8_scale over fp32 sums, or (Options.FP8Scale "outer", cuBLASLt
-//     12.9 or later, no bias; not yet verified on a GPU) in cuBLASLt's
-//     epilogue through outer-vector scales, D written in out's type; in
+//     cuBLASLt's epilogue through outer-vector scales, D written in out's
+//     type (cuBLASLt 12.9 or later, no bias; the default), or by
+//     k_fp8_scale over fp32 sums (Options.FP8Scale "epilogue"); in
 //     slabs of 2048 rows. FP8 MoE experts run on the device's
 //     grouping like the BF16 ones (k_moe_gemm_fp8_glu: gate and up with
 //     the SwiGLU, h in fp32; h quantized per row; k_moe_gemm_fp8: down),

@@ -16,14 +16,14 @@ import (
 // channel's scales (and the bias added), and a BF16 out rounded once.
 //
 // Where the scales multiply:
-//   - with Options.FP8Scale "outer" on cuBLASLt 12.9 and later: in the
-//     GEMM's epilogue, through "outer vector" scale modes
+//   - by default (Options.FP8Scale "" or "outer"), on cuBLASLt 12.9 and
+//     later: in the GEMM's epilogue, through "outer vector" scale modes
 //     (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F on both operands: a
 //     vector of fp32 scales per operand, D[r][c] = Σ · xs[r] · ws[c]),
 //     D written in out's type. No fp32 copy of the sums exists and no
 //     pass follows; the scratch is the rows' codes and scales.
-//   - by default (verified on a GPU; "outer" is not yet), and before
-//     12.9, where an FP8 GEMM takes one scalar scale per operand
+//   - with Options.FP8Scale "epilogue", and before 12.9, where an FP8
+//     GEMM takes one scalar scale per operand
 //     (CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER), and the per-row ×
 //     per-channel product is an outer product of two vectors: the GEMM
 //     writes fp32 sums to a scratch and k_fp8_scale scales them into out,

@@ -126,14 +126,14 @@ func fp8Weight(t *testing.T, be compute.Backend, w []float32, n, k int) compute.
 // out. It also checks that FP8 ran: the result is farther from the BF16
 // weights' MatMul than the tolerance.
 //
-// Both places the scales multiply run each case (fp8.go): k_fp8_scale
-// over fp32 sums (the default) and cuBLASLt's outer-vector epilogue
-// (Options.FP8Scale "outer", where cuBLASLt is 12.9 or later; the
-// emulator's is), each held to the CPU; on the emulator they are the
+// Both places the scales multiply run each case (fp8.go): cuBLASLt's
+// outer-vector epilogue (the default, where cuBLASLt is 12.9 or later;
+// the emulator's is) and k_fp8_scale over fp32 sums (Options.FP8Scale
+// "epilogue"), each held to the CPU; on the emulator they are the
 // same bits, and the outer vectors' profile has no k_fp8_scale for a
 // Linear without a bias.
 func TestMatMulFP8Conformance(t *testing.T) {
-	outer, ep := testBackendWith(t, Options{Profile: true, FP8Scale: "outer"}), testBackendWith(t, Options{Profile: true})
+	outer, ep := testBackendWith(t, Options{Profile: true}), testBackendWith(t, Options{Profile: true, FP8Scale: "epilogue"})
 	if !onGPU() && !outer.fp8OuterVec {
 		t.Fatal("the emulator's cuBLASLt (99.0) should take the outer-vector scales")
 	}
@@ -354,7 +354,7 @@ func TestForwardGoldensFP8(t *testing.T) {
 		name string
 		opt  Options
 	}{{"act=bf16", Options{Activations: "bf16"}}, {"act=f32", Options{Activations: "f32"}}, {"act=bf16/fastaccum", Options{Activations: "bf16", FP8FastAccum: true}},
-		{"act=bf16/outer", Options{Activations: "bf16", FP8Scale: "outer"}}} {
+		{"act=bf16/epilogue", Options{Activations: "bf16", FP8Scale: "epilogue"}}} {
 		t.Run(v.name, func(t *testing.T) {
 			be := testBackendWith(t, v.opt)
 			for _, ck := range goldenDirs(t) {
@@ -422,9 +422,12 @@ func TestFP8OuterVecFallback(t *testing.T) {
 		be.MatMul(out, be.FromF32(x), fp8Weight(t, be, w, n, k), nil, m, n, k)
 		return readF32(be, out, m*n)
 	}
-	ref := testBackendWith(t, Options{})
+	if def := testBackendWith(t, Options{}); !def.fp8OuterVec {
+		t.Fatal("the default does not take the emulator's cuBLASLt 99.0 outer vectors")
+	}
+	ref := testBackendWith(t, Options{FP8Scale: "epilogue"})
 	if ref.fp8OuterVec {
-		t.Fatal("the default takes the outer vectors: want k_fp8_scale until a GPU has verified them")
+		t.Fatal("FP8Scale epilogue takes the outer vectors: want k_fp8_scale")
 	}
 	want := mul(ref)
 	open := func(opt Options) (*Backend, *[]string) {
@@ -475,7 +478,9 @@ func TestFP8OuterVecFallback(t *testing.T) {
 // holds the BF16 kernels; and the FP8 teacher's whole forward within
 // infer's DeviceBytes.
 func TestFP8ScratchBytes(t *testing.T) {
-	be := testBackend(t)
+	// The sums in fp32 (FP8Scale "epilogue"): what a plan on paper
+	// counts, not knowing the device's cuBLASLt.
+	be := testBackendWith(t, Options{FP8Scale: "epilogue"})
 	r := rand.New(rand.NewPCG(21, 29))
 	scratch := func(call func()) int64 {
 		be.ResetPeakMemory()
@@ -493,15 +498,15 @@ func TestFP8ScratchBytes(t *testing.T) {
 	}
 	// The up projection's shape (n = intermediate, k = hidden), the
 	// largest of this model's Linears, over more rows than a slab, with
-	// the sums in fp32 (the default: the slab's fp32 sums are the largest
-	// scratch of the shape). The outer-vector scales (FP8Scale "outer")
+	// the sums in fp32 (the slab's fp32 sums are the largest scratch of
+	// the shape). The outer-vector scales (the default)
 	// keep only the codes, less than the BF16 MatMuls' operand copies the
 	// bound also holds: at most the bound.
 	m, n, k := fp8SlabRows+100, 4000, 16
 	ms := compute.ForwardShape{Tokens: m, MaxLen: 1, K: 1, Hidden: k, Heads: 1, KVHeads: 1, HeadDim: 16, Intermediate: n, Vocab: 16, FP8: true}
 	x, out, w := be.FromF32(randF32(r, m*k)), be.New(compute.BF16, m*n), fp8Weight(t, be, randF32(r, n*k), n, k)
 	check("MatMul FP8", scratch(func() { be.MatMul(out, x, w, nil, m, n, k) }), ms)
-	ov := testBackendWith(t, Options{FP8Scale: "outer"})
+	ov := testBackendWith(t, Options{})
 	x, out, w = ov.FromF32(randF32(r, m*k)), ov.New(compute.BF16, m*n), fp8Weight(t, ov, randF32(r, n*k), n, k)
 	ov.ResetPeakMemory()
 	base := ov.PeakMemory()
