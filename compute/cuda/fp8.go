@@ -248,14 +248,14 @@ func (b *Backend) moeExpertsFP8Grouped(y uint64, x *tensor, order uint64, mw *co
 	tc, ts := b.alloc(int64(T)*int64(H)), b.alloc(int64(T)*4)
 	b.launchKernel(launch{kernel: "k_fp8_quant_rows", grid: [3]int{T, 1, 1}, block: 256}, dptr(tc), dptr(ts), dptr(x.p), bf16Flag(x), int32(H))
 	h := b.alloc(int64(P) * int64(I) * 4)
-	b.launchKernel(launch{kernel: "k_moe_gemm_fp8_glu", grid: [3]int{g.rowTiles(), (I + moeBN/2 - 1) / (moeBN / 2), 1}, block: 256, smem: moeFP8Smem},
+	b.launchKernel(launch{kernel: "k_moe_gemm_fp8_glu", grid: moeFlatGrid(g, I, moeBN/2), block: 256, smem: moeFP8Smem},
 		dptr(h), dptr(tc), dptr(ts), dptr(order), int32(K), dptr(gc), dptr(gs), dptr(uc), dptr(us), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(I), int32(H))
 	b.free(tc)
 	b.free(ts)
 	codes, xs := b.alloc(int64(P)*int64(I)), b.alloc(int64(P)*4)
 	b.launchKernel(launch{kernel: "k_fp8_quant_rows", grid: [3]int{P, 1, 1}, block: 256}, dptr(codes), dptr(xs), dptr(h), int32(0), int32(I))
 	b.free(h)
-	b.launchKernel(launch{kernel: "k_moe_gemm_fp8", grid: [3]int{g.rowTiles(), (H + moeBN - 1) / moeBN, 1}, block: 256, smem: moeFP8Smem},
+	b.launchKernel(launch{kernel: "k_moe_gemm_fp8", grid: moeFlatGrid(g, H, moeBN), block: 256, smem: moeFP8Smem},
 		dptr(y), dptr(codes), dptr(xs), dptr(0), int32(1), dptr(dc), dptr(ds), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(H), int32(I))
 	b.free(codes)
 	b.free(xs)

@@ -129,7 +129,7 @@ var testMoEHostGrouping bool
 // reads through tok (row tok.order[r] / tok.k: no gathered copy).
 func (b *Backend) moeGEMM(out, a uint64, tok moeTokens, w uint64, g moeGroups, n, k int) {
 	kernel := "k_moe_gemm" + b.moeGEMMVariant()
-	b.launchKernel(launch{kernel: kernel, grid: [3]int{g.rowTiles(), (n + moeBN - 1) / moeBN, 1}, block: 256, smem: moeGEMMSmem(kernel)},
+	b.launchKernel(launch{kernel: kernel, grid: b.moeGrid(g, n, moeBN), block: 256, smem: moeGEMMSmem(kernel)},
 		dptr(out), dptr(a), dptr(tok.order), int32(max(tok.k, 1)), dptr(w), dptr(0), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
 }
 
@@ -139,7 +139,7 @@ func (b *Backend) moeGEMM(out, a uint64, tok moeTokens, w uint64, g moeGroups, n
 // moeGEMM's two products and moeAct without quantization). a and tok as
 // moeGEMM's.
 func (b *Backend) moeGEMMGLU(act, a uint64, tok moeTokens, gate, up uint64, g moeGroups, n, k int) {
-	b.launchKernel(launch{kernel: "k_moe_gemm_glu", grid: [3]int{g.rowTiles(), (n + moeBN/2 - 1) / (moeBN / 2), 1}, block: 256, smem: moeGEMMSmem("k_moe_gemm_glu")},
+	b.launchKernel(launch{kernel: "k_moe_gemm_glu", grid: moeFlatGrid(g, n, moeBN/2), block: 256, smem: moeGEMMSmem("k_moe_gemm_glu")},
 		dptr(act), dptr(a), dptr(tok.order), int32(max(tok.k, 1)), dptr(gate), dptr(up), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
 }
 
@@ -152,7 +152,7 @@ func (b *Backend) moeGEMMNN(out, a, w uint64, g moeGroups, n, k int, acc bool) {
 		kernel += "_acc"
 	}
 	kernel += b.moeGEMMVariant()
-	b.launchKernel(launch{kernel: kernel, grid: [3]int{g.rowTiles(), (n + moeBN - 1) / moeBN, 1}, block: 256, smem: moeGEMMSmem(kernel)},
+	b.launchKernel(launch{kernel: kernel, grid: b.moeGrid(g, n, moeBN), block: 256, smem: moeGEMMSmem(kernel)},
 		dptr(out), dptr(a), dptr(0), int32(1), dptr(w), dptr(0), dptr(g.offsets), dptr(g.tileStart), int32(g.E), int32(n), int32(k))
 }
 
@@ -166,6 +166,23 @@ type moeTokens struct {
 // rowTiles is the grouped GEMMs' grid over rows: an upper bound of the
 // experts' row tiles (a tile past tile_start[E] leaves at once).
 func (g moeGroups) rowTiles() int { return (g.rows+moeBM-1)/moeBM + g.E }
+
+// moeFlatGrid is a grouped GEMM's grid over g's row tiles and the column
+// tiles of n columns bn wide, flat with a row tile's column tiles next to
+// each other (moe.cu's moe_block: each tile of A rows read from memory
+// once, not once per column tile).
+func moeFlatGrid(g moeGroups, n, bn int) [3]int {
+	return [3]int{g.rowTiles() * ((n + bn - 1) / bn), 1, 1}
+}
+
+// moeGrid is moeFlatGrid for the default kernels; the _v1 kernels keep
+// the 2-D grid (row tiles in x, column tiles in y), as they ran before.
+func (b *Backend) moeGrid(g moeGroups, n, bn int) [3]int {
+	if b.moeGEMMVariant() == "_v1" {
+		return [3]int{g.rowTiles(), (n + bn - 1) / bn, 1}
+	}
+	return moeFlatGrid(g, n, bn)
+}
 
 // moeGEMMVariant is the kernel suffix of the grouped GEMMs the backend
 // runs: "" (64-wide K steps in three buffers), or "_v1" (32-wide in two,
