@@ -1,9 +1,11 @@
 package cuda
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"testing"
+	"unsafe"
 
 	"distill/compute"
 )
@@ -86,6 +88,60 @@ func TestMoERoutingWaits(t *testing.T) {
 			for e := range g {
 				if math.Float32bits(g[e]) != math.Float32bits(wantGrad[e]) {
 					t.Fatalf("AuxGrad: expert %d: %g, compute.MoEAuxGrad %g", e, g[e], wantGrad[e])
+				}
+			}
+		})
+	}
+}
+
+// TestMoEOrder holds k_moe_order to the host's stable counting sort: each
+// expert's pairs in ascending order at its offsets, and rowpos the
+// inverse, over pair counts below, at and across the kernel's chunks of
+// shared memory (4096 pairs), an expert with no pairs, and one with all
+// of a chunk.
+func TestMoEOrder(t *testing.T) {
+	be := testBackend(t)
+	r := rand.New(rand.NewPCG(61, 62))
+	for _, c := range []struct{ pairs, E int }{{1, 3}, {600, 5}, {4096, 7}, {3*4096 + 77, 9}, {2*4096 + 4096, 2}} {
+		t.Run(fmt.Sprintf("pairs%d_E%d", c.pairs, c.E), func(t *testing.T) {
+			sel := make([]int32, c.pairs)
+			for i := range sel {
+				sel[i] = int32(r.IntN(c.E - 1)) // the last expert gets nothing
+			}
+			if c.pairs > 4096 {
+				for i := 4096; i < 2*4096; i++ {
+					sel[i] = 0 // a whole chunk of one expert
+				}
+			}
+			offsets := make([]int32, c.E+1)
+			for _, e := range sel {
+				offsets[e+1]++
+			}
+			for e := 0; e < c.E; e++ {
+				offsets[e+1] += offsets[e]
+			}
+			want, wantPos := make([]int32, c.pairs), make([]int32, c.pairs)
+			next := append([]int32(nil), offsets[:c.E]...)
+			for p, e := range sel {
+				want[next[e]], wantPos[p] = int32(p), next[e]
+				next[e]++
+			}
+			order, rowpos := make([]int32, c.pairs), make([]int32, c.pairs)
+			func() {
+				defer be.enter()()
+				ds, do, dord, dpos := be.alloc(int64(c.pairs)*4), be.alloc(int64(c.E+1)*4), be.alloc(int64(c.pairs)*4), be.alloc(int64(c.pairs)*4)
+				be.upload(ds, unsafe.Pointer(&sel[0]), int64(c.pairs)*4)
+				be.upload(do, unsafe.Pointer(&offsets[0]), int64(c.E+1)*4)
+				be.launchKernel(launch{kernel: "k_moe_order", grid: [3]int{c.E, 1, 1}, block: 256}, dptr(ds), dptr(do), int64(c.pairs), dptr(dord), dptr(dpos))
+				be.download(unsafe.Pointer(&order[0]), dord, int64(c.pairs)*4)
+				be.download(unsafe.Pointer(&rowpos[0]), dpos, int64(c.pairs)*4)
+				for _, p := range []uint64{ds, do, dord, dpos} {
+					be.free(p)
+				}
+			}()
+			for i := range want {
+				if order[i] != want[i] || rowpos[i] != wantPos[i] {
+					t.Fatalf("at %d: order %d rowpos %d, want %d and %d", i, order[i], rowpos[i], want[i], wantPos[i])
 				}
 			}
 		})

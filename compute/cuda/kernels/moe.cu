@@ -94,37 +94,53 @@ DK_KERNEL void k_moe_route(const float *__restrict__ logits, i64 tokens, int E, 
 // k_moe_order: block e (of E) lists expert e's grouped rows, stable: the
 // pairs p = t*K+j with sel[p] = e in ascending p (so ascending token),
 // as compute/cpu's counting sort. order (pairs) receives, at grouped row
-// offsets[e] + rank, the pair p, and rowpos (pairs) its inverse. Each
-// thread owns a contiguous segment of the pairs: it counts its matches, a
-// serial exclusive scan of the counts gives each thread's first rank, and a
-// second pass writes. No atomics: the layout is a function of sel alone.
+// offsets[e] + rank, the pair p, and rowpos (pairs) its inverse. The
+// pairs go through shared memory a chunk at a time, read coalesced; in a
+// chunk each thread owns MOE_ORDER_PER consecutive pairs: it counts its
+// matches, a block scan of the counts (warp shuffles, then the warps'
+// totals) gives each thread's first rank, and it writes its matches. No
+// atomics: the layout is a function of sel alone. (Before, each thread
+// read a contiguous 1/256 of all the pairs straight from memory, a warp's
+// loads 32 lines apart: 0.18 ms a call for 131072 pairs on the H200.)
 #define MOE_ORDER_THREADS 256
+#define MOE_ORDER_PER 16
+#define MOE_ORDER_CHUNK (MOE_ORDER_THREADS * MOE_ORDER_PER)
+DK_DEV int moe_order_slot(int i) { return i + i / DK_WARP; } // padded: a thread's run of 16 hits 16 banks, its warp all 32
 DK_KERNEL __launch_bounds__(MOE_ORDER_THREADS) void k_moe_order(const i32 *__restrict__ sel, const i32 *__restrict__ offsets, i64 pairs,
                                                                  i32 *__restrict__ order, i32 *__restrict__ rowpos) {
-	__shared__ i32 base[MOE_ORDER_THREADS];
-	int e = blockIdx.x;
-	i64 seg = (pairs + MOE_ORDER_THREADS - 1) / MOE_ORDER_THREADS;
-	i64 p0 = lmin((i64)threadIdx.x * seg, pairs), p1 = lmin(p0 + seg, pairs);
-	i32 n = 0;
-	for (i64 p = p0; p < p1; p++) n += sel[p] == e;
-	base[threadIdx.x] = n;
-	__syncthreads();
-	if (threadIdx.x == 0) {
-		i32 run = offsets[e];
-		for (int i = 0; i < MOE_ORDER_THREADS; i++) {
-			i32 c = base[i];
-			base[i] = run;
-			run += c;
+	__shared__ i32 cs[MOE_ORDER_CHUNK + MOE_ORDER_CHUNK / DK_WARP];
+	__shared__ i32 wsum[MOE_ORDER_THREADS / DK_WARP];
+	int e = blockIdx.x, tid = threadIdx.x, lane = tid % DK_WARP, warp = tid / DK_WARP;
+	i32 run = offsets[e]; // the grouped row of the chunk's first match
+	for (i64 c0 = 0; c0 < pairs; c0 += MOE_ORDER_CHUNK) {
+		i64 n = lmin(MOE_ORDER_CHUNK, pairs - c0);
+		for (int i = tid; i < MOE_ORDER_CHUNK; i += MOE_ORDER_THREADS) cs[moe_order_slot(i)] = i < n ? sel[c0 + i] : -1;
+		__syncthreads();
+		int first = tid * MOE_ORDER_PER, cnt = 0;
+		for (int j = 0; j < MOE_ORDER_PER; j++) cnt += cs[moe_order_slot(first + j)] == e;
+		int incl = cnt; // the warp's inclusive scan
+		for (int d = 1; d < DK_WARP; d <<= 1) {
+			int v = __shfl_sync(DK_FULL, incl, lane >= d ? lane - d : lane);
+			if (lane >= d) incl += v;
 		}
+		if (lane == DK_WARP - 1) wsum[warp] = incl;
+		__syncthreads();
+		int before = incl - cnt, total = 0;
+		for (int w = 0; w < MOE_ORDER_THREADS / DK_WARP; w++) {
+			if (w < warp) before += wsum[w];
+			total += wsum[w];
+		}
+		i32 pos = run + before;
+		for (int j = 0; j < MOE_ORDER_PER; j++)
+			if (cs[moe_order_slot(first + j)] == e) {
+				i64 p = c0 + first + j;
+				order[pos] = (i32)p;
+				rowpos[p] = pos;
+				pos++;
+			}
+		run += total;
+		__syncthreads(); // every thread done with cs and wsum before the next chunk
 	}
-	__syncthreads();
-	i32 pos = base[threadIdx.x];
-	for (i64 p = p0; p < p1; p++)
-		if (sel[p] == e) {
-			order[pos] = (i32)p;
-			rowpos[p] = pos;
-			pos++;
-		}
 }
 
 // k_moe_gather: xg (rows, H) BF16 = the row of x (tokens, H) F32 of each
