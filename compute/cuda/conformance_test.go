@@ -376,7 +376,7 @@ func (c *moeCase) run(be compute.Backend, weight func([]float32) compute.Tensor)
 func TestMoEConformance(t *testing.T) {
 	be := testBackend(t)
 	r := rand.New(rand.NewPCG(13, 14))
-	cases := []struct{ tokens, H, I, E, K int }{{50, 16, 24, 6, 2}, {37, 64, 40, 128, 8}, {9, 32, 16, 257, 4}, {1, 8, 8, 3, 3}}
+	cases := []struct{ tokens, H, I, E, K int }{{50, 16, 24, 6, 2}, {37, 64, 40, 128, 8}, {9, 32, 16, 257, 4}, {1, 8, 8, 3, 3}, {11, 10, 6, 4, 2}}
 	for _, cs := range cases {
 		for _, norm := range []bool{false, true} {
 			t.Run(fmt.Sprintf("t%d_H%d_I%d_E%d_K%d_norm%v", cs.tokens, cs.H, cs.I, cs.E, cs.K, norm), func(t *testing.T) {

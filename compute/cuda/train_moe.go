@@ -333,8 +333,9 @@ func (b *Backend) moeForward(outT, xT compute.Tensor, mw *compute.MoEWeights, s 
 	default:
 		r.experts()
 	}
+	vec4 := H%4 == 0 && aligned16(out.p) && aligned16(r.y)
 	b.launchKernel(launch{kernel: "k_moe_combine", grid: [3]int{T, 1, 1}, block: 256},
-		dptr(out.p), dptr(r.y), dptr(r.sel), dptr(r.wts), dptr(r.rowpos), int32(K), int32(H))
+		dptr(out.p), dptr(r.y), dptr(r.sel), dptr(r.wts), dptr(r.rowpos), int32(K), int32(H), boolArg(vec4))
 }
 
 // moeRun is one MoE call's state: where its routing, grouping and

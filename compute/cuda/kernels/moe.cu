@@ -169,19 +169,42 @@ DK_DEV void moe_slots_by_expert(i32 *order, const i32 *sel, int K) {
 
 // k_moe_combine: out (tokens, H) = sum over the token's K experts, in
 // ascending expert order (the CPU's summation order), of wts · y[rowpos]
-// with y (rows, H) the experts' down projections. One block per token.
+// with y (rows, H) the experts' down projections. One block per token;
+// its slots' rows and weights read once into shared memory. With H a
+// multiple of 4 (and y and out 16-byte aligned: the host says, vec4) a
+// thread sums 4 columns with 16-byte loads: the same sum per element.
 DK_KERNEL void k_moe_combine(float *__restrict__ out, const float *__restrict__ y, const i32 *__restrict__ sel,
-                             const float *__restrict__ wts, const i32 *__restrict__ rowpos, int K, int H) {
+                             const float *__restrict__ wts, const i32 *__restrict__ rowpos, int K, int H, int vec4) {
 	__shared__ i32 order[64];
+	__shared__ i64 row[64];
+	__shared__ float wt[64];
 	i64 t = blockIdx.x;
 	if (threadIdx.x == 0) moe_slots_by_expert(order, sel + t * K, K);
 	__syncthreads();
+	if ((int)threadIdx.x < K) {
+		i64 pair = t * K + order[threadIdx.x];
+		row[threadIdx.x] = (i64)rowpos[pair] * H;
+		wt[threadIdx.x] = wts[pair];
+	}
+	__syncthreads();
+	if (vec4) {
+		for (int c = 4 * threadIdx.x; c < H; c += 4 * blockDim.x) {
+			dk_f4 acc = {0, 0, 0, 0};
+			for (int j = 0; j < K; j++) {
+				dk_f4 v = *(const dk_f4 *)(y + row[j] + c);
+				float w = wt[j];
+				acc.x += v.x * w;
+				acc.y += v.y * w;
+				acc.z += v.z * w;
+				acc.w += v.w * w;
+			}
+			*(dk_f4 *)(out + t * (i64)H + c) = acc;
+		}
+		return;
+	}
 	for (int c = threadIdx.x; c < H; c += blockDim.x) {
 		float acc = 0;
-		for (int j = 0; j < K; j++) {
-			i64 pair = t * K + order[j];
-			acc += y[(i64)rowpos[pair] * H + c] * wts[pair];
-		}
+		for (int j = 0; j < K; j++) acc += y[row[j] + c] * wt[j];
 		out[t * (i64)H + c] = acc;
 	}
 }
