@@ -22,8 +22,7 @@
 # default 200),
 # EXTRA_TESTS=PATTERN runs the matching tests of the cuda, train and
 # trainer test binaries on the GPU (EXTRA_BUDGET seconds each, default 60:
-# TestKernelsCompile alone took 57 s on the H200's host, TestKernelResources
-# compiles every file twice more), EXTRA_BENCH=PATTERN the matching
+# TestKernelsCompile alone took 57 s on the H200's host), EXTRA_BENCH=PATTERN the matching
 # benchmarks of the cuda test binary (3 iterations, EXTRA_BENCH_BUDGET
 # seconds, default 90), MEMCHECK_TESTS=PATTERN the matching
 # tests of the cuda test binary under compute-sanitizer memcheck, SANITIZE=1 runs the

@@ -622,7 +622,7 @@ DK_DEV void moe_gemm(u16 *sm, void *__restrict__ out, const u16 *__restrict__ a,
 // backward's NN products (_nn; _nn_acc adds); _v1: the earlier 32-wide
 // steps in two buffers, for an A/B on a device. The host's moeGEMMSmem
 // gives each one's shared memory. The default kernels ask for two blocks
-// an SM (at most 128 registers: TestKernelResources): at 130 and 134
+// an SM (at most 128 registers: TestKernelsCompile): at 130 and 134
 // registers k_moe_gemm and k_moe_gemm_glu ran one block, 8 warps, an SM.
 DK_KERNEL __launch_bounds__(MOE_GEMM_THREADS, 2) void k_moe_gemm(void *out, const u16 *a, const i32 *order, int topk, const u64 *w, const u64 *w2,
                                                           const i32 *offsets, const i32 *tile_start, int E, int N, int K) {
